@@ -1,0 +1,352 @@
+# -*- test-case-name: tests.test_interfaces -*-
+"""
+Every seam of relay, as zope interfaces (DEVELOPERS.md "Seams are zope
+interfaces"; style.md section 4).
+
+Operators replace a component by naming a class in the config's
+C{components:} section; the class is built with the built-in one's
+arguments and checked with C{verifyObject} at start-up.
+"""
+
+from __future__ import annotations
+
+from zope.interface import Attribute, Interface
+
+
+class IFailureClassifier(Interface):
+    """
+    Turns a failed upstream attempt into a L{relay.failures.Verdict}.
+
+    Pure and synchronous: no I/O, no clock. The rules are behaviour.md
+    R1-R24 (groups A-C).
+    """
+
+    def classifyTransport(account, reason, endpoint):
+        """
+        Classify a failure that ended without any HTTP status (R1, R3, R5).
+
+        @param account: the L{relay.model.Account} that was dialled.
+        @param reason: the exception or L{twisted.python.failure.Failure}.
+        @param endpoint: C{responses} or C{chat}.
+        @return: a L{relay.failures.Verdict} with C{kind="transport"},
+            C{failover=True}, C{status=502}.
+        """
+
+    def classifyStatus(account, endpoint, status, headers, body, now):
+        """
+        Classify an upstream HTTP error status (R7-R16).
+
+        @param account: the L{relay.model.Account}.
+        @param endpoint: C{responses} or C{chat}.
+        @param status: the upstream status (>= 400).
+        @param headers: lower-cased header name -> value (first value).
+        @param body: at most 512 KiB of the error body, as bytes.
+        @param now: the current time, Unix seconds (for R12 reset times).
+        @return: a L{relay.failures.Verdict}.
+        """
+
+    def classifyStreamFailure(account, endpoint, kind, event, detail):
+        """
+        Classify a stream failure before the first semantic output (R23).
+
+        @param kind: C{event} (an upstream C{response.failed} or C{error}
+            event), C{read_error}, C{no_terminal} or C{empty_completed}.
+        @param event: the parsed event dict for C{kind="event"}, else L{None}.
+        @param detail: human text for logs.
+        @return: a failover L{relay.failures.Verdict}, or L{None} when the
+            event should be forwarded to the client unchanged.
+        """
+
+    def firstOutputTimeout(account, seconds):
+        """
+        The verdict for a first-output timeout (R20): status 504, marked
+        safe-after-write.
+
+        @param seconds: the timeout that expired.
+        """
+
+    def stagingOverflow(account, size):
+        """
+        The verdict for held-back events above the cap (R22).
+
+        @param size: bytes held when the cap was hit.
+        """
+
+    def exhausted(verdict, endpoint):
+        """
+        What the client sees when failover is exhausted (R15).
+
+        @param verdict: the last failover L{relay.failures.Verdict}, or
+            L{None} when there was none.
+        @param endpoint: C{responses} or C{chat}.
+        @return: a L{relay.model.ClientError}, including C{wsClose} for the
+            WebSocket (R65).
+        """
+
+
+class IStateStore(Interface):
+    """
+    Shared runtime state: account cooldowns, counters and TTL'd key/values
+    (sticky bindings, response owners). Memory and Redis providers.
+
+    Every method returns a L{twisted.internet.defer.Deferred}. Times are
+    Unix seconds from the store's injected clock.
+    """
+
+    def getAccountStates(accountIds):
+        """
+        @param accountIds: an iterable of account ids.
+        @return: Deferred firing with C{{id: AccountRuntime}} for every id
+            (a default L{relay.failures.AccountRuntime} when none is stored).
+        """
+
+    def markAccount(accountId, kind, until, reason, model=None):
+        """
+        Set one runtime state (R4, R11, R12).
+
+        @param kind: C{temp_unschedulable}, C{rate_limited}, C{overloaded},
+            C{disabled} or C{model_block}.
+        @param until: Unix seconds (ignored for C{disabled}).
+        @param reason: sanitised text.
+        @param model: the upstream model for C{model_block}.
+        @return: Deferred firing with L{None}.
+        """
+
+    def clearAccount(accountId):
+        """
+        Lift every runtime state of the account (admin "clear").
+
+        @return: Deferred firing with L{None}.
+        """
+
+    def incrementCounter(name, ttl, refresh=True):
+        """
+        Increment a named counter.
+
+        @param ttl: seconds the counter lives.
+        @param refresh: L{True} resets the TTL on every increment ("from the
+            last failure"); L{False} sets it only when the counter is created
+            (a fixed window).
+        @return: Deferred firing with the new value (int).
+        """
+
+    def resetCounter(name):
+        """
+        Delete a counter. @return: Deferred firing with L{None}.
+        """
+
+    def getValue(key):
+        """
+        @return: Deferred firing with the stored string, or L{None}.
+        """
+
+    def setValue(key, value, ttl):
+        """
+        Store a string with a TTL in seconds.
+
+        @return: Deferred firing with L{None}.
+        """
+
+    def touchValue(key, ttl):
+        """
+        Refresh a key's TTL (a sticky hit, R38). @return: Deferred.
+        """
+
+    def deleteValue(key):
+        """
+        @return: Deferred firing with L{None}.
+        """
+
+
+class ISlotLease(Interface):
+    """
+    One held concurrency slot.
+    """
+
+    kind = Attribute("C{account} or C{user}.")
+    id = Attribute("The account id or the client key name.")
+    waitedSeconds = Attribute("Seconds spent waiting before acquisition (0 on a fast try).")
+    queuePosition = Attribute("Position in the FIFO queue when the wait began, or 0.")
+
+    def release():
+        """
+        Give the slot back. Idempotent; never raises; local accounting is
+        updated before it returns (architecture.md invariant 4).
+        """
+
+    def renew():
+        """
+        Refresh the lease TTL of a long turn (R34). @return: Deferred.
+        """
+
+
+class ISlotAdmission(Interface):
+    """
+    Per-account and per-key concurrency slots with FIFO wait queues
+    (behaviour.md group D, R-B2).
+    """
+
+    def tryAcquire(kind, id, limit):
+        """
+        One immediate attempt.
+
+        @param kind: C{account} or C{user}.
+        @param limit: the slot limit; <= 0 means unlimited.
+        @return: Deferred firing with an L{ISlotLease} or L{None}.
+        """
+
+    def acquire(plan, cancel, deadline=None):
+        """
+        Fast try, then join the FIFO queue and wait (R27, R30, R33).
+
+        @param plan: the L{relay.model.WaitPlan}.
+        @param cancel: the turn's L{relay.model.CancelSignal}.
+        @param deadline: an absolute Unix time that bounds only this wait
+            (R33), or L{None}.
+        @return: Deferred firing with an L{ISlotLease}, or failing with
+            L{relay.model.AdmissionError} (C{queue_full}, C{timeout},
+            C{client_gone}, C{error}). A slot obtained after the deadline
+            or cancellation is released, never returned.
+        """
+
+    def load(kind, ids):
+        """
+        @return: Deferred firing with C{{id: (inUse, waiting)}}.
+        """
+
+
+class IUpstreamResponse(Interface):
+    """
+    An upstream HTTP response whose body has not been read yet.
+    """
+
+    code = Attribute("The HTTP status, an int.")
+    headers = Attribute("Lower-cased header name -> first value, a dict of str.")
+
+    def deliverBody(protocol):
+        """
+        Stream the body into an L{twisted.internet.interfaces.IProtocol}
+        (its transport is an L{IPushProducer} for backpressure).
+        """
+
+    def readBody(limit):
+        """
+        Read at most C{limit} bytes of the body.
+
+        @return: Deferred firing with bytes.
+        """
+
+    def abort():
+        """
+        Drop the connection (client gone, timeout). Idempotent.
+        """
+
+
+class IUpstreamDialer(Interface):
+    """
+    Dials upstream accounts: HTTP through treq (issue 2), WebSocket through
+    autobahn (issue 6), each through the account's proxy (issue 8).
+
+    Never retries by itself (architecture.md invariant 3).
+    """
+
+    def request(account, method, path, body, headers, timeouts):
+        """
+        Send one HTTP request upstream and wait for the response headers.
+
+        @param account: the L{relay.model.Account}; its base URL, auth
+            headers and proxy apply.
+        @param method: C{b"POST"} or C{b"GET"}.
+        @param path: path under the account's base URL, e.g. C{/responses}.
+        @param body: the request body, bytes, or L{None}.
+        @param headers: extra headers (str -> str) copied from the client;
+            the dialer adds authentication and never lets the client's
+            credentials through.
+        @param timeouts: L{relay.model.UpstreamSettings}.
+        @return: Deferred firing with an L{IUpstreamResponse}; fails with
+            the transport exception (refused, DNS, TLS, reset) or
+            L{relay.upstream.http.HeaderTimeout}.
+        """
+
+
+class IAccountScheduler(Interface):
+    """
+    Chooses an account for a turn (behaviour.md group E): the
+    C{previous_response_id} layer, then the sticky session, then load
+    balance, with compatibility checks and a truthful decision record.
+    """
+
+    def select(turn, excluded):
+        """
+        Pick an account and try its slot.
+
+        @param turn: the L{relay.model.Turn}.
+        @param excluded: account ids excluded in this turn (a frozenset).
+        @return: Deferred firing with a L{relay.selection.Selection}
+            (C{lease} set when the slot is held, else C{waitPlan} set), or
+            failing with L{relay.selection.NoAccountAvailable} carrying the
+            L{relay.model.ClientError} (R44).
+        """
+
+    def bind(turn, account):
+        """
+        Write the sticky session binding after admission (R38).
+        @return: Deferred.
+        """
+
+    def unbind(turn):
+        """
+        Drop the sticky binding (rotate transport policy, R72).
+        @return: Deferred.
+        """
+
+    def recordResponse(turn, responseId, account):
+        """
+        Remember which account owns a response (R39).
+        @return: Deferred.
+        """
+
+
+class ITurnSink(Interface):
+    """
+    Where the turn engine writes: SSE, JSON or WebSocket frames
+    (architecture.md "The turn and the sink").
+    """
+
+    committed = Attribute("True once anything that fixes the response was sent to the client.")
+
+    def keepalive():
+        """
+        Tell a waiting client we are alive (R31). SSE: commits 200 + the
+        SSE headers and writes C{:} and a blank line; others: nothing.
+        """
+
+    def commit(headers):
+        """
+        First output: fix the response. SSE writes 200 and the SSE headers
+        (plus C{headers}, e.g. C{x-codex-turn-state}); others may no-op.
+
+        @param headers: upstream headers to pass on (str -> str).
+        """
+
+    def writeEvent(event):
+        """
+        Write one upstream event (L{relay.sse.Event}) to the client.
+        """
+
+    def writeBody(status, headers, body):
+        """
+        Answer a non-streaming turn with one complete body (bytes).
+        """
+
+    def fail(error):
+        """
+        End the turn with a L{relay.model.ClientError}: before commit an
+        HTTP error (JSON envelope) or WebSocket error/close; after commit a
+        terminal C{response.failed} (R17) or C{error} event.
+        """
+
+    def finish():
+        """
+        End a successful turn.
+        """

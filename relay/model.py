@@ -1,0 +1,443 @@
+# -*- test-case-name: tests.test_config -*-
+"""
+Value objects shared by every part of relay: accounts, client keys, the
+gateway settings, wait plans, turns and the errors the turn engine raises.
+
+Durations are seconds unless a name ends in C{_ms} (config.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from attrs import define, field, frozen
+from twisted.internet.defer import Deferred
+
+
+# ---------------------------------------------------------------------------
+# Configuration values
+# ---------------------------------------------------------------------------
+
+
+@frozen
+class ClientKey:
+    """
+    A client API key issued by relay (config.md C{keys:}).
+
+    @ivar name: the key's display name, used in logs (never the secret).
+    @ivar key: the secret value the client sends as C{Authorization: Bearer}.
+    @ivar concurrency: per-key slots (behaviour.md R26); 0 means unlimited.
+    """
+
+    name: str
+    key: str = field(repr=False)
+    concurrency: int = 5
+
+
+@frozen
+class ProxySpec:
+    """
+    An egress proxy an account dials through (issue 8).
+
+    @ivar id: a stable identifier used in logs and health state.
+    @ivar scheme: C{socks5}, C{socks5h} or C{http}.
+    @ivar host: proxy host name or address.
+    @ivar port: proxy TCP port.
+    @ivar username: optional user name (never logged).
+    @ivar password: optional password (never logged).
+    """
+
+    id: str
+    scheme: str
+    host: str
+    port: int
+    username: Optional[str] = field(default=None, repr=False)
+    password: Optional[str] = field(default=None, repr=False)
+
+
+@frozen
+class Account:
+    """
+    One upstream credential (behaviour.md §0).
+
+    @ivar id: unique account id.
+    @ivar type: C{apikey} or C{oauth}.
+    @ivar base_url: upstream base URL without trailing slash, e.g.
+        C{https://api.openai.com/v1} or C{https://chatgpt.com/backend-api/codex}.
+    @ivar credential: the API key or OAuth access token (never logged).
+    @ivar chatgpt_account_id: OAuth only: sent as C{chatgpt-account-id}.
+    @ivar concurrency: account slots (R27); 0 means unlimited.
+    @ivar priority: lower number is preferred (R43).
+    @ivar models: optional allow-list of upstream model names (after mapping).
+    @ivar model_mapping: requested model name -> upstream model name.
+    @ivar ws_mode: C{ctx_pool}, C{passthrough}, C{http_bridge}, C{off} or
+        L{None} for the gateway default (R48).
+    @ivar proxy: optional egress proxy.
+    @ivar pool_mode: API-key pool mode (R14).
+    @ivar pool_mode_retry_count: same-account retry limit (R14), default 3.
+    @ivar pool_mode_retry_status_codes: statuses that allow a same-account
+        retry in pool mode (R14).
+    """
+
+    id: str
+    type: str
+    base_url: str
+    credential: str = field(repr=False)
+    chatgpt_account_id: Optional[str] = None
+    concurrency: int = 3
+    priority: int = 50
+    models: Optional[tuple] = None
+    model_mapping: dict = field(factory=dict, hash=False)
+    ws_mode: Optional[str] = None
+    proxy: Optional[ProxySpec] = None
+    pool_mode: bool = False
+    pool_mode_retry_count: int = 3
+    pool_mode_retry_status_codes: tuple = (401, 403, 429)
+
+    def upstreamModel(self, requested: str) -> str:
+        """
+        Map a requested model name to the upstream one.
+
+        @param requested: the model the client asked for.
+        @return: the mapped name, or C{requested} when no mapping applies.
+        """
+        return self.model_mapping.get(requested, requested)
+
+    def servesModel(self, requested: Optional[str]) -> bool:
+        """
+        Whether this account serves C{requested} after mapping.
+
+        @param requested: the client's model name, or L{None} (any).
+        """
+        if requested is None or self.models is None:
+            return True
+        return self.upstreamModel(requested) in self.models
+
+
+@frozen
+class BreakerSettings:
+    """
+    The consecutive-transport-failure breaker (behaviour.md R-B1).
+
+    @ivar failures: transient failures that open the breaker.
+    @ivar window_seconds: they must fall within this many seconds.
+    @ivar open_seconds: first open period, doubled on each repeat.
+    @ivar max_open_seconds: cap of the open period.
+    @ivar enabled: switch the breaker off entirely.
+    """
+
+    failures: int = 3
+    window_seconds: float = 60
+    open_seconds: float = 120
+    max_open_seconds: float = 600
+    enabled: bool = True
+
+
+@frozen
+class SchedulingSettings:
+    """
+    Wait plans and sticky TTLs (behaviour.md R26, R28, R31, R38, R39).
+    All values are seconds or counts.
+    """
+
+    sticky_session_wait_timeout: float = 120
+    sticky_session_max_waiting: int = 3
+    fallback_wait_timeout: float = 30
+    fallback_max_waiting: int = 100
+    user_wait_timeout: float = 30
+    user_max_waiting: int = 20
+    sticky_session_ttl_seconds: float = 3600
+    previous_response_ttl_seconds: float = 3600
+    ping_interval: float = 10
+
+
+@frozen
+class WebSocketSettings:
+    """
+    Responses WebSocket settings (behaviour.md R47-R50, R69).
+    """
+
+    mode_default: str = "ctx_pool"
+    pool_capacity_factor: float = 5.0
+    client_first_message_timeout_seconds: float = 30
+    inter_turn_idle_timeout_seconds: float = 300
+    max_frame_bytes: int = 64 * 2**20
+
+
+@frozen
+class UpstreamSettings:
+    """
+    Upstream timeouts (behaviour.md R24, R69). Seconds.
+
+    @ivar connect_timeout_seconds: TCP (and proxy) connect timeout.
+    @ivar header_timeout_seconds: wait for response headers after connect.
+    @ivar stream_idle_timeout_seconds: max silence inside a stream (R24).
+    """
+
+    connect_timeout_seconds: float = 10
+    header_timeout_seconds: float = 120
+    stream_idle_timeout_seconds: float = 180
+
+
+@frozen
+class GatewaySettings:
+    """
+    The runtime failover and admission settings (config.md C{gateway:}).
+
+    Read on every attempt through L{relay.settings.RuntimeSettings}, so a live
+    change applies to the next attempt (behaviour.md R74).
+    """
+
+    max_account_switches: int = 10
+    first_output_timeout_seconds: float = 0
+    retry_interval_ms: int = 0
+    transport_retry_policy: str = "rotate"
+    transport_error_cooldown_seconds: float = 600
+    retry_budget_percent: float = 20
+    breaker: BreakerSettings = BreakerSettings()
+    scheduling: SchedulingSettings = SchedulingSettings()
+    websocket: WebSocketSettings = WebSocketSettings()
+    upstream: UpstreamSettings = UpstreamSettings()
+
+
+@frozen
+class StateSettings:
+    """
+    Where shared state lives (config.md C{state:}).
+
+    @ivar backend: C{memory} or C{redis}.
+    @ivar redis_url: C{redis://host:port/db}.
+    @ivar on_redis_error: C{fail_open} or C{fail_closed} (R35).
+    @ivar concurrency_slot_ttl_minutes: slot lease TTL (R34).
+    """
+
+    backend: str = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    on_redis_error: str = "fail_open"
+    concurrency_slot_ttl_minutes: float = 30
+
+
+@frozen
+class ComponentSettings:
+    """
+    Dotted names of replacement components (config.md C{components:}).
+    L{None} means the built-in one.
+    """
+
+    classifier: Optional[str] = None
+    dialer: Optional[str] = None
+    admission: Optional[str] = None
+
+
+@frozen
+class RelayConfig:
+    """
+    The whole parsed configuration file.
+    """
+
+    listen: str = "tcp:8080:interface=127.0.0.1"
+    admin_key: Optional[str] = field(default=None, repr=False)
+    log_format: str = "text"
+    keys: tuple = ()
+    accounts: tuple = ()
+    gateway: GatewaySettings = GatewaySettings()
+    components: ComponentSettings = ComponentSettings()
+    state: StateSettings = StateSettings()
+    database: str = "relay.sqlite"
+    proxies: tuple = ()
+
+
+# ---------------------------------------------------------------------------
+# Admission
+# ---------------------------------------------------------------------------
+
+
+@frozen
+class WaitPlan:
+    """
+    How to wait for a busy slot (behaviour.md R27, R28).
+
+    @ivar kind: C{account} or C{user}.
+    @ivar id: the account id or the client key name.
+    @ivar max_concurrency: the slot limit (the account's real concurrency).
+    @ivar timeout: seconds to wait at most.
+    @ivar max_waiting: queue places; a full queue is refused at once.
+    @ivar plan: C{sticky}, C{fallback} or C{user} (for logs).
+    """
+
+    kind: str
+    id: str
+    max_concurrency: int
+    timeout: float
+    max_waiting: int
+    plan: str = "fallback"
+
+
+# ---------------------------------------------------------------------------
+# Turns
+# ---------------------------------------------------------------------------
+
+
+@define(eq=False)
+class CancelSignal:
+    """
+    A client's cancellation (disconnect, deadline), observed by the engine.
+
+    Entrypoints call L{cancel} when the client goes; the engine checks
+    L{cancelled} before every decision and races its waits against
+    L{whenCancelled} (behaviour.md R2).
+    """
+
+    cancelled: bool = False
+    reason: str = ""
+    _waiters: list = field(factory=list)
+
+    def cancel(self, reason: str = "client_gone") -> None:
+        """
+        Mark the turn cancelled and fire every waiter. Idempotent.
+
+        @param reason: why, for logs.
+        """
+        if self.cancelled:
+            return
+        self.cancelled = True
+        self.reason = reason
+        waiters, self._waiters = self._waiters, []
+        for d in waiters:
+            d.callback(reason)
+
+    def whenCancelled(self) -> Deferred:
+        """
+        @return: a L{Deferred} that fires with the reason once cancelled.
+            Cancelling the returned Deferred detaches it.
+        """
+        if self.cancelled:
+            d = Deferred()
+            d.callback(self.reason)
+            return d
+
+        def _detach(d: Deferred) -> None:
+            if d in self._waiters:
+                self._waiters.remove(d)
+
+        d = Deferred(_detach)
+        self._waiters.append(d)
+        return d
+
+
+@define(eq=False)
+class Turn:
+    """
+    One HTTP request or one WebSocket C{response.create} (DEVELOPERS.md).
+
+    @ivar entrypoint: C{http} or C{ws}.
+    @ivar endpoint: C{responses} or C{chat}.
+    @ivar client: the authenticated L{ClientKey}.
+    @ivar model: the model the client asked for (before mapping).
+    @ivar body: the JSON request body as a dict (relay-only fields removed).
+    @ivar stream: whether the client wants SSE (from the body, protocol.md 2.1).
+    @ivar headers: lower-cased client headers that may be copied upstream
+        (never C{authorization}, cookies or hop-by-hop headers).
+    @ivar sessionHash: the sticky session hash (R37), or L{None}.
+    @ivar previousResponseId: the chain id (R41), or L{None}.
+    @ivar historyComplete: whether relay may move the turn to another
+        account (R62, R80).
+    @ivar wsMode: the WebSocket mode for C{ws} turns.
+    @ivar requestId: relay's id for this turn, for logs.
+    @ivar cancel: the client's L{CancelSignal}.
+    @ivar phase: C{first_turn}, C{later_turn} (WebSocket), or C{request}.
+    @ivar preferredAccountId: an account to try first (WebSocket later
+        turns stay on their account while it serves them).
+    @ivar onResponseId: called with (response id, account) when a response
+        completes, so the connection can track its chain.
+    """
+
+    entrypoint: str
+    endpoint: str
+    client: ClientKey
+    model: Optional[str]
+    body: dict
+    stream: bool
+    headers: dict = field(factory=dict)
+    sessionHash: Optional[str] = None
+    previousResponseId: Optional[str] = None
+    historyComplete: bool = True
+    wsMode: Optional[str] = None
+    requestId: str = ""
+    cancel: CancelSignal = field(factory=CancelSignal)
+    phase: str = "request"
+    preferredAccountId: Optional[str] = None
+    onResponseId: Optional[Callable[[str, Account], Any]] = None
+
+
+# ---------------------------------------------------------------------------
+# Errors the client sees
+# ---------------------------------------------------------------------------
+
+
+@frozen
+class ClientError:
+    """
+    An error to give the client, in OpenAI's error envelope (protocol.md 2.6).
+
+    @ivar status: HTTP status before commit.
+    @ivar type: the error C{type} (e.g. C{rate_limit_error}).
+    @ivar message: human text.
+    @ivar code: optional machine code (e.g. C{relay_queue_full}).
+    @ivar param: optional offending parameter.
+    @ivar headers: extra response headers, e.g. C{Retry-After} (R16).
+    @ivar rawBody: when set, the exact upstream body to pass through
+        (C{cyber_policy}, R9) together with C{contentType}.
+    @ivar contentType: content type for C{rawBody}.
+    @ivar wsClose: (code, reason) to close a WebSocket with (R65, R70), or
+        L{None} to send an C{error} event and keep the connection.
+    """
+
+    status: int
+    type: str
+    message: str
+    code: Optional[str] = None
+    param: Optional[str] = None
+    headers: tuple = ()
+    rawBody: Optional[bytes] = field(default=None, repr=False)
+    contentType: Optional[str] = None
+    wsClose: Optional[tuple] = None
+
+    def envelope(self) -> dict:
+        """
+        @return: C{{"error": {message, type, param, code}}}.
+        """
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class RelayError(Exception):
+    """
+    Base of relay's own exceptions.
+    """
+
+
+class ConfigError(RelayError):
+    """
+    A configuration file problem; the message is one line naming the key.
+    """
+
+
+class AdmissionError(RelayError):
+    """
+    A slot could not be admitted.
+
+    @ivar reason: C{queue_full}, C{timeout}, C{client_gone} or C{error}.
+    @ivar plan: the L{WaitPlan} that was in force, or L{None}.
+    """
+
+    def __init__(self, reason: str, plan: Optional[WaitPlan] = None, detail: str = ""):
+        super().__init__(reason if not detail else f"{reason}: {detail}")
+        self.reason = reason
+        self.plan = plan
