@@ -80,6 +80,10 @@ class Verdict:
     @ivar retryAfter: a safe C{Retry-After} value to copy (R16), or L{None}.
     @ivar message: the sanitised upstream or transport message, for logs.
     @ivar oauth429: an OAuth 429 that may retry within its window (R13).
+    @ivar rateLimitUntil: for a 429, the reset chosen by R12 (Unix
+        seconds), or L{None}. An OAuth 429 carries no marking; the engine
+        marks the account rate-limited until this time once the R13 window
+        has ended.
     """
 
     kind: str
@@ -97,6 +101,7 @@ class Verdict:
     retryAfter: Optional[str] = None
     message: str = ""
     oauth429: bool = False
+    rateLimitUntil: Optional[float] = None
 
 
 @frozen
