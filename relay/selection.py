@@ -29,6 +29,12 @@ class DecisionRecord:
     @ivar latency_ms: time the decision took, milliseconds.
     @ivar load_skew: standard deviation of load rate across candidates.
     @ivar top_k: how many candidates were tried.
+    @ivar sticky_busy_bypass: the session's bound account was busy and this
+        movable turn went to an idle account instead, leaving the binding
+        unchanged (R-B6); C{layer} is then C{load_balance} and
+        C{sticky_session_hit} is L{False}.
+    @ivar preferred_account_hit: the turn's C{preferredAccountId} (a
+        WebSocket connection's account) was chosen.
     """
 
     layer: str
@@ -42,6 +48,8 @@ class DecisionRecord:
     latency_ms: float = 0.0
     load_skew: float = 0.0
     top_k: int = 0
+    sticky_busy_bypass: bool = False
+    preferred_account_hit: bool = False
 
 
 @frozen
