@@ -1,0 +1,185 @@
+# -*- test-case-name: tests.test_state -*-
+"""
+The in-memory L{IStateStore} provider: one relay process, no Redis.
+
+It keeps the same semantics as L{relay.state.redis.RedisStateStore}
+(behaviour.md §0 "State backends"); both run one contract test suite.
+Expiry is evaluated lazily against the injected clock, and expired entries
+are dropped when touched or on L{MemoryStateStore.prune}.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from attrs import define, evolve, field
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from relay.failures import AccountRuntime
+from relay.interfaces import IStateStore
+from relay.state import MARK_KINDS
+
+
+def applyMark(
+    runtime: AccountRuntime, kind: str, until: float, reason: str, model: Optional[str]
+) -> AccountRuntime:
+    """
+    Apply one marking to an account runtime, replacing the earlier value of
+    that state (R4, R11, R12).
+
+    @param runtime: the current L{AccountRuntime}.
+    @param kind: one of L{relay.state.MARK_KINDS}.
+    @param until: Unix seconds (ignored for C{disabled}).
+    @param reason: sanitised text.
+    @param model: the upstream model for C{model_block}.
+    @return: the new L{AccountRuntime}.
+    @raise ValueError: for an unknown kind or a C{model_block} without model.
+    """
+    if kind == "temp_unschedulable":
+        return evolve(runtime, blockedUntil=float(until), blockReason=reason)
+    if kind == "rate_limited":
+        return evolve(runtime, rateLimitedUntil=float(until))
+    if kind == "overloaded":
+        return evolve(runtime, overloadedUntil=float(until))
+    if kind == "disabled":
+        return evolve(runtime, disabled=True, disabledReason=reason)
+    if kind == "model_block":
+        if not model:
+            raise ValueError("model_block needs a model")
+        blocks = dict(runtime.modelBlocks)
+        blocks[model] = float(until)
+        return evolve(runtime, modelBlocks=blocks)
+    raise ValueError(f"unknown account state kind {kind!r}; expected one of {sorted(MARK_KINDS)}")
+
+
+@implementer(IStateStore)
+@define(eq=False)
+class MemoryStateStore:
+    """
+    Account runtime states, counters and TTL'd values in dicts.
+
+    Every method returns an already-fired L{Deferred}.
+
+    @ivar _clock: the time source; C{seconds()} are Unix seconds.
+    @ivar _accounts: account id -> L{AccountRuntime}.
+    @ivar _counters: name -> C{[value, expiresAt]} (Unix seconds).
+    @ivar _values: key -> C{(value, expiresAt)} (Unix seconds).
+    """
+
+    _clock: IReactorTime
+    _accounts: dict = field(factory=dict, init=False)
+    _counters: dict = field(factory=dict, init=False)
+    _values: dict = field(factory=dict, init=False)
+
+    _log = Logger()
+
+    def getAccountStates(self, accountIds) -> Deferred:
+        """
+        See L{IStateStore.getAccountStates}.
+        """
+        default = AccountRuntime()
+        return succeed({aid: self._accounts.get(aid, default) for aid in accountIds})
+
+    def markAccount(self, accountId, kind, until, reason, model=None) -> Deferred:
+        """
+        See L{IStateStore.markAccount}. Fails with L{ValueError} for an
+        unknown C{kind}.
+        """
+        try:
+            runtime = applyMark(
+                self._accounts.get(accountId, AccountRuntime()), kind, until, reason, model
+            )
+        except ValueError as e:
+            return fail(e)
+        self._accounts[accountId] = runtime
+        return succeed(None)
+
+    def clearAccount(self, accountId) -> Deferred:
+        """
+        See L{IStateStore.clearAccount}.
+        """
+        self._accounts.pop(accountId, None)
+        return succeed(None)
+
+    def incrementCounter(self, name, ttl, refresh=True) -> Deferred:
+        """
+        See L{IStateStore.incrementCounter}.
+
+        @param ttl: seconds.
+        """
+        now = self._clock.seconds()
+        entry = self._counters.get(name)
+        if entry is None or entry[1] <= now:
+            entry = self._counters[name] = [0, now + ttl]
+        elif refresh:
+            entry[1] = now + ttl
+        entry[0] += 1
+        return succeed(entry[0])
+
+    def resetCounter(self, name) -> Deferred:
+        """
+        See L{IStateStore.resetCounter}.
+        """
+        self._counters.pop(name, None)
+        return succeed(None)
+
+    def getValue(self, key) -> Deferred:
+        """
+        See L{IStateStore.getValue}.
+        """
+        entry = self._values.get(key)
+        if entry is None:
+            return succeed(None)
+        if entry[1] <= self._clock.seconds():
+            del self._values[key]
+            return succeed(None)
+        return succeed(entry[0])
+
+    def setValue(self, key, value, ttl) -> Deferred:
+        """
+        See L{IStateStore.setValue}.
+
+        @param ttl: seconds.
+        """
+        self._values[key] = (value, self._clock.seconds() + ttl)
+        return succeed(None)
+
+    def touchValue(self, key, ttl) -> Deferred:
+        """
+        See L{IStateStore.touchValue}. A missing or expired key stays absent.
+
+        @param ttl: seconds.
+        """
+        now = self._clock.seconds()
+        entry = self._values.get(key)
+        if entry is not None:
+            if entry[1] <= now:
+                del self._values[key]
+            else:
+                self._values[key] = (entry[0], now + ttl)
+        return succeed(None)
+
+    def deleteValue(self, key) -> Deferred:
+        """
+        See L{IStateStore.deleteValue}.
+        """
+        self._values.pop(key, None)
+        return succeed(None)
+
+    def prune(self) -> int:
+        """
+        Drop expired counters and values (a periodic job may call this; the
+        store also drops them lazily).
+
+        @return: the number of entries dropped.
+        """
+        now = self._clock.seconds()
+        dropped = 0
+        for table in (self._counters, self._values):
+            for key in [k for k, e in table.items() if e[1] <= now]:
+                del table[key]
+                dropped += 1
+        return dropped
