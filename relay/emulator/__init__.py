@@ -1,0 +1,67 @@
+# -*- test-case-name: tests.test_emulator -*-
+"""
+The bundled OpenAI upstream emulator: a product feature for trying relay offline and
+rehearsing faults, and the upstream every relay test runs against.
+
+It serves, on one port (plain TCP or TLS):
+
+  - C{POST /v1/responses} and C{/responses} (API-key style: C{previous_response_id} works
+    against responses stored by the same credential) and
+    C{POST /backend-api/codex/responses} (OAuth style: non-stream requests get 400
+    C{{"detail":"Stream must be set to true"}}, nothing is stored);
+  - the Responses WebSocket on C{GET} of the same paths with C{Upgrade: websocket};
+  - C{POST /v1/chat/completions} (and C{/chat/completions});
+  - C{GET /v1/models} (and C{/models}, C{/backend-api/codex/models});
+  - the control API under C{/_emulator/} (no authentication; listen on loopback):
+
+    - C{GET /_emulator/requests}: the recorded requests as JSON (names instead of credentials,
+      C{authorization} shown as C{Bearer ***});
+    - C{DELETE /_emulator/requests}: forget them;
+    - C{PUT /_emulator/faults/<credential-or-name>} with a fault object, a list, or C{null}
+      (clears); C{DELETE} on the same path clears; C{*} addresses every account that has no
+      faults of its own;
+    - C{GET /_emulator/faults}, C{DELETE /_emulator/faults}: list / clear every fault;
+    - C{PUT /_emulator/scripts/<credential-or-name>} with a script object (C{null} resets;
+      C{*} is the default script);
+    - C{GET /_emulator/stats}: C{{name: {"inflight": n, "peak": n}}};
+      C{DELETE /_emulator/peaks} resets peaks.
+
+An account is identified by its credential, the C{Authorization: Bearer} token.  Unknown
+credentials are served as anonymous accounts named C{key-<sha256 prefix>} when C{accept_any}
+is true (the default, for demo convenience); otherwise they get OpenAI's 401
+C{invalid_api_key} body.  The secret is never echoed in replies or in the control API.
+
+The script and fault formats are documented in L{relay.emulator.state}.  The configuration
+(the YAML file of the C{relay-emulator} twistd plugin, or the C{config} dict of L{Emulator})::
+
+    listen: "tcp:9090:interface=127.0.0.1"
+    accept_any: true
+    ws_max_age: 3600            # seconds; older WebSockets get websocket_connection_limit_reached
+    models: [gpt-5.5]
+    default_script: {text: "...", tool_call: {...}}
+    default_fault: null
+    accounts:
+      - {name: a1, credential: sk-emu-a1, script: {...}, fault: {...}}
+
+Python use (e.g. in a pytest-twisted test)::
+
+    emulator = Emulator(reactor=reactor, config={...})
+    await emulator.listen(reactor)              # tcp:0 on 127.0.0.1
+    url = emulator.baseURL("apikey")            # http://127.0.0.1:<port>/v1
+    emulator.setFault("sk-emu-a2", {"kind": "status", "preset": "unavailable", "times": 1})
+    ...
+    await emulator.stop()
+"""
+
+from relay.emulator.core import Emulator, EmulatorConfigError, validateConfig
+from relay.emulator.state import EmulatorState, Fault, RecordedRequest, ReplyScript
+
+__all__ = [
+    "Emulator",
+    "EmulatorConfigError",
+    "EmulatorState",
+    "Fault",
+    "RecordedRequest",
+    "ReplyScript",
+    "validateConfig",
+]

@@ -1,0 +1,335 @@
+# -*- test-case-name: tests.test_emulator -*-
+"""
+L{Emulator}: the in-process handle on the upstream emulator (site, listening port, control
+methods) used by the twistd plugin and by relay's tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attrs import define, field
+from autobahn.twisted.resource import WebSocketResource
+from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import serverFromString
+from twisted.internet.interfaces import IListeningPort, IReactorTime
+from twisted.internet.task import deferLater
+from twisted.logger import Logger
+from twisted.web.server import Site
+
+from relay.emulator.http import EmulatorResource
+from relay.emulator.state import DEFAULT_MODELS, EmulatorState, RecordedRequest, parseFaults, \
+    parseScript
+from relay.emulator.ws import buildFactory
+
+CONFIG_KEYS = frozenset(
+    {"listen", "accept_any", "ws_max_age", "models", "default_script", "default_fault",
+     "accounts"}
+)
+"""The keys an emulator configuration may have."""
+
+ACCOUNT_KEYS = frozenset({"name", "credential", "script", "fault"})
+"""The keys an account entry may have."""
+
+
+class EmulatorConfigError(ValueError):
+    """
+    The emulator configuration is malformed; the message names the offending key.
+    """
+
+
+def validateConfig(config: dict) -> dict:
+    """
+    Check an emulator configuration against the key whitelist and parse its scripts and
+    faults once, so errors surface at start-up.
+
+    @param config: the configuration (the YAML document as a dict).
+    @type config: L{dict}
+    @return: C{config}, unchanged.
+    @rtype: L{dict}
+    @raise EmulatorConfigError: naming the bad key or value.
+    """
+    if not isinstance(config, dict):
+        raise EmulatorConfigError("the emulator configuration must be a mapping")
+    unknown = set(config) - CONFIG_KEYS
+    if unknown:
+        raise EmulatorConfigError(f"unknown emulator configuration keys: {sorted(unknown)}")
+    accounts = config.get("accounts") or []
+    if not isinstance(accounts, list):
+        raise EmulatorConfigError("accounts must be a list")
+    try:
+        parseScript(config.get("default_script"))
+        parseFaults(config.get("default_fault"))
+        for index, account in enumerate(accounts):
+            if not isinstance(account, dict):
+                raise EmulatorConfigError(f"accounts[{index}] must be a mapping")
+            bad = set(account) - ACCOUNT_KEYS
+            if bad:
+                raise EmulatorConfigError(f"accounts[{index}]: unknown keys {sorted(bad)}")
+            for key in ("name", "credential"):
+                if not isinstance(account.get(key), str) or not account[key]:
+                    raise EmulatorConfigError(f"accounts[{index}]: missing entry {key!r}")
+            parseScript(account.get("script"))
+            parseFaults(account.get("fault"))
+    except EmulatorConfigError:
+        raise
+    except ValueError as e:
+        raise EmulatorConfigError(str(e)) from e
+    age = config.get("ws_max_age", 3600)
+    if not isinstance(age, (int, float)) or age <= 0:
+        raise EmulatorConfigError("ws_max_age must be a positive number of seconds")
+    return config
+
+
+@define(eq=False)
+class Emulator:
+    """
+    The OpenAI upstream emulator: a twisted.web L{Site} serving the Responses API (HTTP and
+    WebSocket), Chat Completions, the model list and the C{/_emulator/} control API.
+
+    @ivar reactor: the reactor (or, for unit tests that never listen, a
+        L{twisted.internet.task.Clock}); used for time, delays and listening.
+    @ivar config: the configuration dict (the YAML format of C{etc/emulator.yaml}).
+    @ivar state: the scripts, faults, recordings and counters.
+    @ivar site: the site to listen with; C{site.wsFactory} is the WebSocket factory.
+    @ivar wsResource: the autobahn resource upgrades are handed to.
+    @ivar listeningPort: the port after L{listen}, else L{None}.
+    @ivar wsMaxAge: the WebSocket connection age limit in seconds.
+    @ivar models: the model ids C{GET /v1/models} lists.
+    """
+
+    _log = Logger()
+
+    reactor: IReactorTime
+    config: dict = field(factory=dict)
+    state: EmulatorState = field(init=False)
+    site: Site = field(init=False)
+    wsResource: WebSocketResource = field(init=False)
+    listeningPort: IListeningPort | None = field(init=False, default=None)
+    wsMaxAge: float = field(init=False, default=3600.0)
+    models: tuple = field(init=False, default=DEFAULT_MODELS)
+    _secure: bool = field(init=False, default=False)
+    _held: set = field(init=False, factory=set)
+    _connections: set = field(init=False, factory=set)
+
+    def __attrs_post_init__(self) -> None:
+        """
+        Apply the configuration and build the site.
+
+        @raise EmulatorConfigError: for a malformed configuration.
+        """
+        config = validateConfig(self.config or {})
+        self.state = EmulatorState(clock=self.reactor,
+                                   acceptAny=bool(config.get("accept_any", True)))
+        self.wsMaxAge = float(config.get("ws_max_age", 3600))
+        self.models = tuple(config.get("models") or DEFAULT_MODELS)
+        for account in config.get("accounts") or []:
+            self.state.addAccount(account["name"], account["credential"])
+            if account.get("script") is not None:
+                self.state.setScript(account["credential"], account["script"])
+            if account.get("fault") is not None:
+                self.state.setFault(account["credential"], account["fault"])
+        if config.get("default_script") is not None:
+            self.state.setScript("*", config["default_script"])
+        if config.get("default_fault") is not None:
+            self.state.setFault("*", config["default_fault"])
+        factory = buildFactory(self)
+        self.wsResource = WebSocketResource(factory)
+        self.site = Site(EmulatorResource(self), reactor=self.reactor)
+        self.site.wsFactory = factory
+        self.site.displayTracebacks = False
+
+    @property
+    def clock(self) -> IReactorTime:
+        """
+        The time source (the reactor).
+
+        @rtype: L{IReactorTime}
+        """
+        return self.reactor
+
+    @property
+    def port(self) -> int | None:
+        """
+        The listening port number, or L{None} before L{listen}.
+
+        @rtype: L{int} or L{None}
+        """
+        if self.listeningPort is None:
+            return None
+        return getattr(self.listeningPort.getHost(), "port", None)
+
+    async def listen(self, reactor: Any = None,
+                     endpoint_string: str = "tcp:0:interface=127.0.0.1") -> IListeningPort:  # noqa: N803
+        """
+        Listen on a server endpoint string (C{tcp:…}, C{ssl:…}, C{unix:…}).
+
+        @param reactor: the reactor to listen with; defaults to C{self.reactor}.
+        @param endpoint_string: the endpoint description.
+        @type endpoint_string: L{str}
+        @return: the listening port.
+        @rtype: L{IListeningPort}
+        """
+        reactor = reactor if reactor is not None else self.reactor
+        self._secure = endpoint_string.split(":", 1)[0] in ("ssl", "tls")
+        self.listeningPort = await serverFromString(reactor, endpoint_string).listen(self.site)
+        self._log.info("emulator listening on {port}", event="emulator.listening",
+                       port=self.port)
+        return self.listeningPort
+
+    def baseURL(self, kind: str = "apikey", host: str | None = None) -> str:
+        """
+        The base URL a client (or relay account) should use.
+
+        @param kind: C{"apikey"} (C{http://h:p/v1}), C{"oauth"}
+            (C{http://h:p/backend-api/codex}), C{"ws"} / C{"ws-apikey"} (C{ws://h:p/v1}),
+            C{"ws-oauth"} (C{ws://h:p/backend-api/codex}) or C{"root"} (C{http://h:p}).
+            The schemes become C{https}/C{wss} when listening with TLS.
+        @type kind: L{str}
+        @param host: the host to put in the URL; defaults to the listening address
+            (C{127.0.0.1} for a wildcard address).
+        @type host: L{str} or L{None}
+        @rtype: L{str}
+        @raise ValueError: for an unknown kind.
+        """
+        address = self.listeningPort.getHost() if self.listeningPort is not None else None
+        if host is None:
+            host = getattr(address, "host", None) or "127.0.0.1"
+            if host in ("0.0.0.0", "::", ""):
+                host = "127.0.0.1"
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        authority = f"{host}:{self.port}"
+        paths = {"apikey": "/v1", "http": "/v1", "oauth": "/backend-api/codex", "ws": "/v1",
+                 "ws-apikey": "/v1", "ws-oauth": "/backend-api/codex", "root": ""}
+        if kind not in paths:
+            raise ValueError(f"unknown base URL kind {kind!r}")
+        scheme = ("wss" if self._secure else "ws") if kind.startswith("ws") else (
+            "https" if self._secure else "http")
+        return f"{scheme}://{authority}{paths[kind]}"
+
+    # -- control ----------------------------------------------------------------------------
+
+    def setFault(self, credential: str, fault: Any) -> None:
+        """
+        Replace the faults of an account (by credential or name; C{"*"} for every account
+        without its own); L{None} clears them.
+
+        @param credential: a credential, an account name, or C{"*"}.
+        @type credential: L{str}
+        @param fault: a fault object, a list of them, or L{None}.
+        @raise ValueError: for a malformed fault.
+        """
+        self.state.setFault(credential, fault)
+
+    def clearFaults(self) -> None:
+        """
+        Remove every fault, including the C{"*"} default.
+        """
+        self.state.clearFaults()
+
+    def setScript(self, credential: str, script: dict | None) -> None:
+        """
+        Set the script of an account (by credential or name; C{"*"} sets the default);
+        L{None} resets it.
+
+        @param credential: a credential, an account name, or C{"*"}.
+        @type credential: L{str}
+        @param script: the script object.
+        @raise ValueError: for a malformed script.
+        """
+        self.state.setScript(credential, script)
+
+    @property
+    def requests(self) -> list[RecordedRequest]:
+        """
+        Every recorded request, oldest first.
+
+        @rtype: L{list} of L{RecordedRequest}
+        """
+        return self.state.requests
+
+    def requestsFor(self, credential: str, kind: str | None = None) -> list[RecordedRequest]:
+        """
+        The recorded requests of one account.
+
+        @param credential: a credential or an account name.
+        @type credential: L{str}
+        @param kind: only records of this kind (C{"request"}, C{"handshake"}, C{"frame"}).
+        @type kind: L{str} or L{None}
+        @rtype: L{list} of L{RecordedRequest}
+        """
+        key = self.state.resolve(credential)
+        return [r for r in self.state.requests
+                if r.credential == key and (kind is None or r.kind == kind)]
+
+    def clearRequests(self) -> None:
+        """
+        Forget every recorded request.
+        """
+        del self.state.requests[:]
+
+    def peak(self, credential: str) -> int:
+        """
+        The peak number of concurrent in-flight turns of an account.
+
+        @param credential: a credential or an account name.
+        @type credential: L{str}
+        @rtype: L{int}
+        """
+        return self.state.peak(credential)
+
+    def inflight(self, credential: str) -> int:
+        """
+        The number of in-flight turns of an account now.
+
+        @param credential: a credential or an account name.
+        @type credential: L{str}
+        @rtype: L{int}
+        """
+        return self.state.inflight(credential)
+
+    def resetPeaks(self) -> None:
+        """
+        Reset every peak to the current in-flight count.
+        """
+        self.state.resetPeaks()
+
+    def connectionCount(self) -> int:
+        """
+        The number of open WebSocket connections.
+
+        @rtype: L{int}
+        """
+        return self.site.wsFactory.getConnectionCount()
+
+    def dropConnections(self) -> None:
+        """
+        Abort every open WebSocket connection and every hanging HTTP request.
+        """
+        for proto in list(self._connections):
+            proto.dropConnection(abort=True)
+        for request in list(self._held):
+            transport = request.channel.transport if request.channel is not None else None
+            if transport is not None:
+                transport.abortConnection()
+        self._held.clear()
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """
+        Drop every connection, wait (up to C{timeout}) for WebSocket connections to drain,
+        then stop listening.
+
+        @param timeout: seconds to wait for the drain.
+        @type timeout: L{float}
+        """
+        self.dropConnections()
+        waited = 0.0
+        while self.connectionCount() > 0 and waited < timeout:
+            await deferLater(self.reactor, 0.01, lambda: None)
+            waited += 0.01
+        if self.listeningPort is not None:
+            port, self.listeningPort = self.listeningPort, None
+            result = port.stopListening()
+            if isinstance(result, Deferred):
+                await result

@@ -1,0 +1,648 @@
+# -*- test-case-name: tests.test_emulator -*-
+"""
+The emulator's twisted.web resources: the Responses and Chat Completions endpoints, the model
+list, the WebSocket upgrade dispatch and the C{/_emulator/} control API.
+
+One leaf resource (L{EmulatorResource}) serves every path, so that C{/v1/responses} can carry
+both the POST and the WebSocket upgrade GET (style.md §9(a)).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import TYPE_CHECKING, Any
+
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET
+
+from relay.emulator.state import (
+    DEFAULT_MODELS,
+    HTTP,
+    WS,
+    Fault,
+    buildTurn,
+    chatChunks,
+    chooseReply,
+    invalidKeyBody,
+    normaliseInput,
+    previousNotFoundError,
+    sseFrame,
+)
+from relay.emulator.stream import EventPump, TurnTracker
+
+if TYPE_CHECKING:  # pragma: no cover
+    from relay.emulator.core import Emulator
+
+APIKEY_RESPONSES = ("/v1/responses", "/responses")
+"""Paths of the API-key style Responses endpoint."""
+
+OAUTH_RESPONSES = ("/backend-api/codex/responses",)
+"""Paths of the ChatGPT (OAuth) style Responses endpoint."""
+
+CHAT = ("/v1/chat/completions", "/chat/completions")
+"""Paths of the Chat Completions endpoint."""
+
+MODELS = ("/v1/models", "/models", "/backend-api/codex/models")
+"""Paths of the model list."""
+
+
+def bearer(value: str | None) -> str | None:
+    """
+    Extract the token from an C{Authorization} header value.
+
+    @param value: the header value, or L{None}.
+    @type value: L{str} or L{None}
+    @return: the token, or L{None}.
+    @rtype: L{str} or L{None}
+    """
+    if not value:
+        return None
+    scheme, _, token = value.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def lowerHeaders(request: Any) -> dict:
+    """
+    The request headers as a dict with lower-cased names (repeated headers joined by C{, }).
+
+    @param request: a twisted.web request.
+    @return: name to value.
+    @rtype: L{dict}
+    """
+    out = {}
+    for name, values in request.requestHeaders.getAllRawHeaders():
+        out[name.decode("latin-1").lower()] = ", ".join(v.decode("latin-1") for v in values)
+    return out
+
+
+def peerHost(address: Any) -> str | None:
+    """
+    The host part of a peer address.
+
+    @param address: an C{IAddress}.
+    @return: the host, or a string form for addresses without one.
+    @rtype: L{str} or L{None}
+    """
+    if address is None:
+        return None
+    host = getattr(address, "host", None)
+    return host if host is not None else str(address)
+
+
+def isUpgrade(request: Any) -> bool:
+    """
+    Whether a request asks for a WebSocket upgrade.
+
+    @param request: a twisted.web request.
+    @rtype: L{bool}
+    """
+    upgrade = (request.getHeader(b"upgrade") or b"").lower()
+    connection = (request.getHeader(b"connection") or b"").lower()
+    return upgrade == b"websocket" and b"upgrade" in connection
+
+
+def abortConnection(request: Any) -> None:
+    """
+    Abort the TCP (or TLS) connection under a request at once.
+
+    @param request: a twisted.web request.
+    """
+    transport = request.channel.transport if request.channel is not None else None
+    if transport is None:
+        return
+    abort = getattr(transport, "abortConnection", None)
+    if abort is not None:
+        abort()
+    else:  # pragma: no cover - every stream transport we listen on has it
+        transport.loseConnection()
+
+
+def dropConnection(request: Any) -> None:
+    """
+    Close the connection under a request after flushing what was written (no terminal
+    chunk), so the client sees a truncated body.
+
+    @param request: a twisted.web request.
+    """
+    transport = request.channel.transport if request.channel is not None else None
+    if transport is not None:
+        transport.loseConnection()
+
+
+class EmulatorResource(Resource):
+    """
+    The single leaf resource of the emulator site.
+
+    @ivar emulator: the owning emulator.
+    """
+
+    isLeaf = True
+    _log = Logger()
+
+    def __init__(self, emulator: Emulator) -> None:
+        """
+        @param emulator: the owning emulator (state, clock, WebSocket resource).
+        @type emulator: L{relay.emulator.core.Emulator}
+        """
+        super().__init__()
+        self.emulator = emulator
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    @property
+    def _state(self):
+        """
+        The emulator state.
+
+        @rtype: L{relay.emulator.state.EmulatorState}
+        """
+        return self.emulator.state
+
+    def _json(self, request: Any, code: int, body: Any, headers: dict | None = None) -> bytes:
+        """
+        Answer with a JSON body.
+
+        @param request: the request.
+        @param code: the status code.
+        @type code: L{int}
+        @param body: the JSON value.
+        @param headers: extra headers.
+        @type headers: L{dict} or L{None}
+        @return: the encoded body.
+        @rtype: L{bytes}
+        """
+        request.setResponseCode(code)
+        request.setHeader(b"content-type", b"application/json")
+        request.setHeader(b"x-request-id", ("req_" + secrets.token_hex(12)).encode())
+        for name, value in (headers or {}).items():
+            request.setHeader(name.encode(), str(value).encode())
+        return json.dumps(body).encode()
+
+    def _faultStatus(self, request: Any, fault: Fault) -> bytes:
+        """
+        Answer a C{status} or C{ws_handshake_status} fault.
+
+        @param request: the request.
+        @param fault: the fault.
+        @type fault: L{Fault}
+        @return: the body.
+        @rtype: L{bytes}
+        """
+        request.setResponseCode(fault.get("code"))
+        body = fault.get("body")
+        headers = {k.lower(): str(v) for k, v in (fault.get("headers") or {}).items()}
+        if body is None:
+            body = {"error": {"message": f"Emulated status {fault.get('code')}",
+                              "type": "server_error", "code": None, "param": None}}
+        if isinstance(body, str):
+            data = body.encode()
+            headers.setdefault("content-type", "text/plain; charset=utf-8")
+        else:
+            data = json.dumps(body).encode()
+            headers.setdefault("content-type", "application/json")
+        if headers.get("server") != "cloudflare":
+            headers.setdefault("x-request-id", "req_" + secrets.token_hex(12))
+        for name, value in headers.items():
+            request.setHeader(name.encode(), value.encode())
+        return data
+
+    def _parseBody(self, request: Any) -> tuple[bool, Any]:
+        """
+        Parse the request body as JSON.
+
+        @param request: the request.
+        @return: C{(ok, value)}; an empty body parses as L{None}.
+        @rtype: L{tuple}
+        """
+        raw = request.content.read() if request.content is not None else b""
+        if not raw.strip():
+            return True, None
+        try:
+            return True, json.loads(raw)
+        except ValueError:
+            return False, None
+
+    def _record(self, request: Any, transport: str, kind: str, credential: str | None,
+                body: Any) -> None:
+        """
+        Record a request.
+
+        @param request: the request.
+        @param transport: C{"http"} or C{"ws"}.
+        @type transport: L{str}
+        @param kind: C{"request"} or C{"handshake"}.
+        @type kind: L{str}
+        @param credential: the bearer token.
+        @param body: the parsed body.
+        """
+        self._state.record(
+            credential, transport, kind, request.path.decode("latin-1"),
+            request.method.decode("latin-1"), lowerHeaders(request), body,
+            peerHost(request.getClientAddress()),
+        )
+
+    def _hold(self, request: Any) -> None:
+        """
+        Keep a request open (a hang) until the client goes or the emulator stops.
+
+        @param request: the request.
+        """
+        self.emulator._held.add(request)
+        request.notifyFinish().addBoth(lambda _: self.emulator._held.discard(request))
+
+    # -- dispatch ---------------------------------------------------------------------------
+
+    def render(self, request: Any) -> Any:
+        """
+        Dispatch on path and method.
+
+        @param request: the request.
+        @return: the body or C{NOT_DONE_YET}.
+        """
+        path = request.path.decode("latin-1").rstrip("/") or "/"
+        method = request.method
+        if path.startswith("/_emulator"):
+            return self._control(request, path)
+        if path in APIKEY_RESPONSES or path in OAUTH_RESPONSES:
+            route = "oauth" if path in OAUTH_RESPONSES else "apikey"
+            if method == b"POST":
+                return self._responses(request, route)
+            if method == b"GET":
+                if isUpgrade(request):
+                    return self._upgrade(request)
+                return self._json(request, 426, {"error": {
+                    "type": "invalid_request_error",
+                    "message": "WebSocket upgrade required (Upgrade: websocket)"}})
+            return self._json(request, 405, {"error": {"type": "invalid_request_error",
+                                                       "message": "Method not allowed"}})
+        if path in CHAT and method == b"POST":
+            return self._chat(request)
+        if path in MODELS and method == b"GET":
+            return self._models(request)
+        return self._json(request, 404, {"error": {
+            "message": f"Invalid URL ({method.decode()} {path})",
+            "type": "invalid_request_error", "code": None, "param": None}})
+
+    # -- the model list ---------------------------------------------------------------------
+
+    def _models(self, request: Any) -> bytes:
+        """
+        Answer C{GET /v1/models}.
+
+        @param request: the request.
+        @rtype: L{bytes}
+        """
+        credential = bearer(request.getHeader("authorization"))
+        self._record(request, HTTP, "request", credential, None)
+        if not self._state.known(credential):
+            return self._json(request, 401, invalidKeyBody())
+        created = int(self.emulator.clock.seconds())
+        if request.path.startswith(b"/backend-api"):
+            return self._json(request, 200, {"models": [
+                {"slug": m, "display_name": m} for m in self.emulator.models]})
+        return self._json(request, 200, {"object": "list", "data": [
+            {"id": m, "object": "model", "created": created, "owned_by": "openai"}
+            for m in self.emulator.models]})
+
+    # -- shared fault handling --------------------------------------------------------------
+
+    def _admit(self, request: Any, credential: str | None) -> tuple[Any, Fault | None]:
+        """
+        Authenticate and apply the faults that act before the response starts.
+
+        @param request: the request.
+        @param credential: the bearer token.
+        @return: C{(answer, fault)}: when C{answer} is not L{None} the request is already
+            answered with it; otherwise C{fault} is the fault (if any) that shapes the stream.
+        @rtype: L{tuple}
+        """
+        if not self._state.known(credential):
+            return self._json(request, 401, invalidKeyBody()), None
+        fault = self._state.takeFault(credential, HTTP)
+        if fault is None:
+            return None, None
+        self._log.info("applying fault {kind} for {name}", event="emulator.fault",
+                       kind=fault.kind, name=self._state.nameOf(credential))
+        if fault.kind == "reset_before_headers":
+            abortConnection(request)
+            return NOT_DONE_YET, None
+        if fault.kind == "hang_before_headers":
+            tracker = TurnTracker(self._state, credential)
+            request.notifyFinish().addBoth(tracker.end)
+            self._hold(request)
+            return NOT_DONE_YET, None
+        if fault.kind == "status":
+            return self._faultStatus(request, fault), None
+        return None, fault
+
+    def _hangAfterHeaders(self, request: Any, credential: str | None, stream: bool) -> Any:
+        """
+        Send 200 and the headers, then nothing.
+
+        @param request: the request.
+        @param credential: the bearer token.
+        @param stream: whether SSE headers are sent.
+        @type stream: L{bool}
+        @return: C{NOT_DONE_YET}.
+        """
+        tracker = TurnTracker(self._state, credential)
+        request.notifyFinish().addBoth(tracker.end)
+        request.setResponseCode(200)
+        if stream:
+            request.setHeader(b"content-type", b"text/event-stream")
+            request.setHeader(b"cache-control", b"no-cache")
+        else:
+            request.setHeader(b"content-type", b"application/json")
+        request.write(b"")
+        self._hold(request)
+        return NOT_DONE_YET
+
+    def _finisher(self, request: Any, tracker: TurnTracker):
+        """
+        Build a callback that ends the turn and finishes the request (if the client is still
+        there).
+
+        @param request: the request.
+        @param tracker: the turn's tracker.
+        @type tracker: L{TurnTracker}
+        @return: a no-argument callable.
+        """
+
+        def finish() -> None:
+            tracker.end()
+            if not request.finished and not getattr(request, "_emulatorGone", False):
+                request.finish()
+
+        return finish
+
+    def _watch(self, request: Any, tracker: TurnTracker, pump: EventPump | None = None) -> None:
+        """
+        Stop the pump and end the turn when the client goes away.
+
+        @param request: the request.
+        @param tracker: the turn's tracker.
+        @type tracker: L{TurnTracker}
+        @param pump: the event pump, if any.
+        @type pump: L{EventPump} or L{None}
+        """
+
+        def gone(reason: Failure | None) -> None:
+            if isinstance(reason, Failure):
+                request._emulatorGone = True
+                if pump is not None:
+                    pump.stop()
+            tracker.end()
+
+        request.notifyFinish().addBoth(gone)
+
+    # -- POST /v1/responses -----------------------------------------------------------------
+
+    def _responses(self, request: Any, route: str) -> Any:
+        """
+        Answer a Responses POST.
+
+        @param request: the request.
+        @param route: C{"apikey"} or C{"oauth"}.
+        @type route: L{str}
+        @return: the body or C{NOT_DONE_YET}.
+        """
+        ok, body = self._parseBody(request)
+        credential = bearer(request.getHeader("authorization"))
+        self._record(request, HTTP, "request", credential, body)
+        if not ok or not isinstance(body, dict):
+            return self._json(request, 400, {"error": {
+                "message": "We could not parse the JSON body of your request.",
+                "type": "invalid_request_error", "code": None, "param": None}})
+        stream = body.get("stream") is True
+        if route == "oauth" and self._state.known(credential) and not stream:
+            return self._json(request, 400, {"detail": "Stream must be set to true"})
+        answer, fault = self._admit(request, credential)
+        if answer is not None:
+            return answer
+        if fault is not None and fault.kind == "hang_after_headers":
+            return self._hangAfterHeaders(request, credential, stream)
+        previous = body.get("previous_response_id")
+        if previous and not (route == "apikey"
+                             and self._state.hasResponse(credential, previous)):
+            return self._json(request, 400, {"error": previousNotFoundError(previous)})
+        script = self._state.scriptFor(credential)
+        reply = None
+        if body.get("generate") is not False:
+            reply = chooseReply(script, normaliseInput(body.get("input")),
+                                self._state.nameOf(credential), body.get("model") or "")
+        shaping = fault if fault is not None and fault.kind in (
+            "stream_error", "empty_completed") else None
+        turn = buildTurn(body, reply, self.emulator.clock.seconds(), shaping, script.deltas)
+        if route == "apikey" and body.get("store") is not False:
+            self._state.storeResponse(credential, turn.responseId)
+        tracker = TurnTracker(self._state, credential)
+        firstDelay = float(fault.get("seconds", 0)) if fault is not None and \
+            fault.kind == "delay_first_output" else 0.0
+        cutAfter = fault.get("events") if fault is not None and \
+            fault.kind == "cut_after_events" else None
+        if not stream:
+            return self._nonStream(request, tracker, turn.final, firstDelay, cutAfter)
+        request.setResponseCode(200)
+        request.setHeader(b"content-type", b"text/event-stream")
+        request.setHeader(b"cache-control", b"no-cache")
+        request.setHeader(b"x-request-id", ("req_" + secrets.token_hex(12)).encode())
+        request.write(b"")
+
+        def cut() -> None:
+            tracker.end()
+            dropConnection(request)
+
+        pump = EventPump(
+            clock=self.emulator.clock, events=turn.events,
+            send=lambda event: request.write(sseFrame(event)),
+            finish=self._finisher(request, tracker), cut=cut, beforeTerminal=tracker.end,
+            delay=script.delay, firstOutput=turn.firstOutput, firstDelay=firstDelay,
+            cutAfter=cutAfter,
+        )
+        self._watch(request, tracker, pump)
+        pump.start()
+        return NOT_DONE_YET
+
+    def _nonStream(self, request: Any, tracker: TurnTracker, final: dict, firstDelay: float,
+                   cutAfter: int | None) -> Any:
+        """
+        Answer a non-stream Responses request with the final response object.
+
+        @param request: the request.
+        @param tracker: the turn's tracker.
+        @type tracker: L{TurnTracker}
+        @param final: the response object.
+        @type final: L{dict}
+        @param firstDelay: seconds to wait before answering.
+        @type firstDelay: L{float}
+        @param cutAfter: when not L{None}, drop the connection instead of answering.
+        @return: C{NOT_DONE_YET}.
+        """
+        pump = EventPump(
+            clock=self.emulator.clock, events=[final],
+            send=lambda obj: request.write(self._json(request, 200, obj)),
+            finish=self._finisher(request, tracker),
+            cut=lambda: (tracker.end(), abortConnection(request)),
+            beforeTerminal=tracker.end, firstOutput=0, firstDelay=firstDelay,
+            cutAfter=0 if cutAfter is not None else None,
+        )
+        self._watch(request, tracker, pump)
+        pump.start()
+        return NOT_DONE_YET
+
+    # -- POST /v1/chat/completions ----------------------------------------------------------
+
+    def _chat(self, request: Any) -> Any:
+        """
+        Answer a Chat Completions POST.
+
+        @param request: the request.
+        @return: the body or C{NOT_DONE_YET}.
+        """
+        ok, body = self._parseBody(request)
+        credential = bearer(request.getHeader("authorization"))
+        self._record(request, HTTP, "request", credential, body)
+        if not ok or not isinstance(body, dict):
+            return self._json(request, 400, {"error": {
+                "message": "We could not parse the JSON body of your request.",
+                "type": "invalid_request_error", "code": None, "param": None}})
+        stream = body.get("stream") is True
+        answer, fault = self._admit(request, credential)
+        if answer is not None:
+            return answer
+        if fault is not None and fault.kind == "hang_after_headers":
+            return self._hangAfterHeaders(request, credential, stream)
+        script = self._state.scriptFor(credential)
+        messages = body.get("messages") if isinstance(body.get("messages"), list) else []
+        reply = chooseReply(script, messages, self._state.nameOf(credential),
+                            body.get("model") or "")
+        options = body.get("stream_options") or {}
+        includeUsage = bool(options.get("include_usage")) if isinstance(options, dict) else False
+        chunks, completion = chatChunks(body, reply, self.emulator.clock.seconds(),
+                                        includeUsage)
+        kind = fault.kind if fault is not None else None
+        tracker = TurnTracker(self._state, credential)
+        firstDelay = float(fault.get("seconds", 0)) if kind == "delay_first_output" else 0.0
+        if not stream:
+            if kind == "empty_completed":
+                completion["choices"][0]["message"]["content"] = ""
+                completion.pop("usage")
+            if kind == "stream_error":
+                tracker.end()
+                return self._json(request, 500, {"error": {
+                    "message": fault.get("message", "The emulator injected a stream error."),
+                    "type": "server_error", "code": fault.get("code", "server_error"),
+                    "param": None}})
+            return self._nonStream(request, tracker, completion, firstDelay,
+                                   fault.get("events") if kind == "cut_after_events" else None)
+        frames = [b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n"
+                  for c in chunks]
+        if kind == "stream_error":
+            frames = frames[:1] + [b"data: " + json.dumps({"error": {
+                "message": fault.get("message", "The emulator injected a stream error."),
+                "type": "server_error", "code": fault.get("code", "server_error"),
+                "param": None}}).encode() + b"\n\n"]
+        elif kind == "empty_completed":
+            frames = frames[:1] + frames[-1:] if not includeUsage else frames[:1] + frames[-2:-1]
+            frames.append(b"data: [DONE]\n\n")
+        else:
+            frames.append(b"data: [DONE]\n\n")
+        request.setResponseCode(200)
+        request.setHeader(b"content-type", b"text/event-stream")
+        request.setHeader(b"cache-control", b"no-cache")
+        request.write(b"")
+
+        def cut() -> None:
+            tracker.end()
+            dropConnection(request)
+
+        pump = EventPump(
+            clock=self.emulator.clock, events=frames, send=request.write,
+            finish=self._finisher(request, tracker), cut=cut, beforeTerminal=tracker.end,
+            delay=script.delay, firstOutput=1, firstDelay=firstDelay,
+            cutAfter=fault.get("events") if kind == "cut_after_events" else None,
+        )
+        self._watch(request, tracker, pump)
+        pump.start()
+        return NOT_DONE_YET
+
+    # -- WebSocket upgrade ------------------------------------------------------------------
+
+    def _upgrade(self, request: Any) -> Any:
+        """
+        Check and hand a WebSocket upgrade to autobahn, or reject it.
+
+        @param request: the request.
+        @return: whatever the C{WebSocketResource} returns, or a rejection body.
+        """
+        credential = bearer(request.getHeader("authorization"))
+        self._record(request, WS, "handshake", credential, None)
+        if not self._state.known(credential):
+            return self._json(request, 401, invalidKeyBody())
+        fault = self._state.takeFault(credential, WS, handshake=True)
+        if fault is not None:
+            self._log.info("applying handshake fault {kind} for {name}",
+                           event="emulator.fault", kind=fault.kind,
+                           name=self._state.nameOf(credential))
+            if fault.kind == "ws_handshake_reset":
+                abortConnection(request)
+                return NOT_DONE_YET
+            if fault.kind == "ws_handshake_hang":
+                self._hold(request)
+                return NOT_DONE_YET
+            return self._faultStatus(request, fault)
+        return self.emulator.wsResource.render(request)
+
+    # -- control API ------------------------------------------------------------------------
+
+    def _control(self, request: Any, path: str) -> bytes:
+        """
+        Serve the C{/_emulator/} control API (see L{relay.emulator}).
+
+        @param request: the request.
+        @param path: the normalised path.
+        @type path: L{str}
+        @rtype: L{bytes}
+        """
+        parts = path.split("/")[2:]
+        method = request.method
+        emulator = self.emulator
+        try:
+            if parts == ["requests"] and method == b"GET":
+                return self._json(request, 200, [r.toJSON() for r in emulator.requests])
+            if parts == ["requests"] and method == b"DELETE":
+                emulator.clearRequests()
+                return self._json(request, 200, {"ok": True})
+            if parts == ["stats"] and method == b"GET":
+                return self._json(request, 200, emulator.state.stats())
+            if parts == ["faults"] and method == b"GET":
+                return self._json(request, 200, emulator.state.faults())
+            if parts == ["faults"] and method == b"DELETE":
+                emulator.clearFaults()
+                return self._json(request, 200, {"ok": True})
+            if len(parts) == 2 and parts[0] in ("faults", "scripts") and method in (
+                    b"PUT", b"DELETE"):
+                ok, body = self._parseBody(request)
+                if not ok:
+                    return self._json(request, 400, {"error": "invalid JSON"})
+                if method == b"DELETE":
+                    body = None
+                if parts[0] == "faults":
+                    emulator.setFault(parts[1], body)
+                else:
+                    emulator.setScript(parts[1], body)
+                return self._json(request, 200, {"ok": True})
+            if parts == ["peaks"] and method == b"DELETE":
+                emulator.state.resetPeaks()
+                return self._json(request, 200, {"ok": True})
+        except ValueError as e:
+            return self._json(request, 400, {"error": str(e)})
+        return self._json(request, 404, {"error": "unknown control endpoint"})
+
+
+__all__ = ["EmulatorResource", "bearer", "isUpgrade", "WS"]

@@ -1,0 +1,1163 @@
+# -*- test-case-name: tests.test_emulator -*-
+"""
+The emulator's model: accounts, reply scripts, faults, request recordings, in-flight
+accounting, and the builders for the Responses and Chat Completions wire objects.
+
+Nothing here touches the network; everything takes the time from an injected clock, so the
+whole module is exercised by unit tests with L{twisted.internet.task.Clock}.
+
+Script format (a JSON object; every key optional)::
+
+    {"text": "Tool said: {output}",          # reply text template
+     "tool_call": {"name": "exec_command",    # answer a fresh turn with this call
+                   "arguments": {"cmd": "echo hi"}},
+     "delay": 0.0,                            # seconds between streamed events
+     "deltas": 3}                             # how many deltas the text is split into
+
+Template fields: C{{name}} / C{{credential_name}} (the account name, never the secret),
+C{{output}} (the last C{function_call_output}), C{{model}} and C{{input}} (the last user text).
+
+Fault format (a JSON object, or a list of them; the first applicable one is used)::
+
+    {"kind": "status", "code": 503, "body": {...} | "text", "headers": {...},
+     "preset": "cloudflare" | "usage_limit" | "overloaded" | "server_error" | "unavailable"
+               | "rate_limit" | "unauthorized",
+     "times": 2,                 # apply to the next 2 matching requests, then heal
+     "transport": "http" | "ws" | "any"}
+
+Kinds: C{reset_before_headers}, C{hang_before_headers}, C{hang_after_headers}, C{status},
+C{delay_first_output} (C{seconds}), C{cut_after_events} (C{events}), C{stream_error}
+(C{code}, C{message}), C{empty_completed}, C{ws_handshake_status} (C{code}, C{body},
+C{headers}), C{ws_handshake_reset} and C{ws_handshake_hang}.  The three C{ws_handshake_*}
+kinds apply to WebSocket upgrades only; every other kind applies to HTTP requests and WebSocket
+turns (filtered by C{transport}).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import string
+from typing import Any
+
+from attrs import define, field, frozen
+from twisted.internet.interfaces import IReactorTime
+
+HTTP = "http"
+WS = "ws"
+ANY = "any"
+
+HANDSHAKE_KINDS = frozenset({"ws_handshake_status", "ws_handshake_reset", "ws_handshake_hang"})
+"""Fault kinds that apply to a WebSocket upgrade rather than to a request or turn."""
+
+TURN_KINDS = frozenset(
+    {
+        "reset_before_headers",
+        "hang_before_headers",
+        "hang_after_headers",
+        "status",
+        "delay_first_output",
+        "cut_after_events",
+        "stream_error",
+        "empty_completed",
+    }
+)
+"""Fault kinds that apply to an HTTP request or a WebSocket turn."""
+
+DEFAULT_TEXT = "Hello from the relay emulator (account {credential_name})"
+"""The reply text when no script says otherwise."""
+
+DEFAULT_MODELS = ("gpt-5.5", "gpt-5.4", "gpt-5.4-mini", "gpt-4.1")
+"""Model ids listed by C{GET /v1/models}."""
+
+_CLOUDFLARE_HTML = (
+    "<!DOCTYPE html>\n<html><head><title>Attention Required! | Cloudflare</title></head>"
+    "<body><h1>Sorry, you have been blocked</h1>"
+    "<p>You are unable to access chatgpt.com</p>"
+    "<p>Cloudflare Ray ID: 8f1e2d3c4b5a6978</p></body></html>\n"
+)
+
+
+def _preset(name: str, now: float) -> dict[str, Any]:
+    """
+    Build the status-fault fields of a named preset.
+
+    @param name: the preset name.
+    @type name: L{str}
+    @param now: the current time in Unix seconds, for reset timestamps.
+    @type now: L{float}
+    @return: C{code}, C{body} and C{headers} for the preset.
+    @rtype: L{dict}
+    @raise ValueError: for an unknown preset.
+    """
+    if name == "cloudflare":
+        return {
+            "code": 403,
+            "body": _CLOUDFLARE_HTML,
+            "headers": {
+                "content-type": "text/html; charset=UTF-8",
+                "server": "cloudflare",
+                "cf-ray": "8f1e2d3c4b5a6978-FRA",
+            },
+        }
+    if name == "usage_limit":
+        return {
+            "code": 429,
+            "body": {
+                "error": {
+                    "type": "usage_limit_reached",
+                    "message": "The usage limit has been reached",
+                    "plan_type": "plus",
+                    "resets_at": int(now) + 7200,
+                    "resets_in_seconds": 7200,
+                }
+            },
+            "headers": {
+                "x-codex-primary-used-percent": "100",
+                "x-codex-primary-window-minutes": "300",
+                "x-codex-primary-reset-at": str(int(now) + 7200),
+                "x-codex-secondary-used-percent": "42",
+                "x-codex-secondary-window-minutes": "10080",
+                "x-codex-secondary-reset-at": str(int(now) + 86400),
+                "x-codex-plan-type": "plus",
+            },
+        }
+    if name == "rate_limit":
+        return {
+            "code": 429,
+            "body": _errorBody(
+                "Rate limit reached for requests. Please try again in 2s.",
+                "requests",
+                "rate_limit_exceeded",
+            ),
+            "headers": {"retry-after": "2"},
+        }
+    if name == "overloaded":
+        return {
+            "code": 529,
+            "body": _errorBody(
+                "Our servers are currently overloaded. Please try again later.",
+                "server_error",
+                "server_is_overloaded",
+            ),
+            "headers": {},
+        }
+    if name == "server_error":
+        return {
+            "code": 500,
+            "body": _errorBody(
+                "The server had an error while processing your request. Sorry about that!",
+                "server_error",
+                None,
+            ),
+            "headers": {},
+        }
+    if name == "unavailable":
+        return {
+            "code": 503,
+            "body": _errorBody(
+                "The engine is currently overloaded, please try again later",
+                "server_error",
+                None,
+            ),
+            "headers": {},
+        }
+    if name == "unauthorized":
+        return {"code": 401, "body": invalidKeyBody(), "headers": {}}
+    raise ValueError(f"unknown fault preset {name!r}")
+
+
+def _errorBody(message: str, kind: str, code: str | None, param: str | None = None) -> dict:
+    """
+    Build an OpenAI error envelope.
+
+    @param message: the human-readable message.
+    @type message: L{str}
+    @param kind: the error C{type}.
+    @type kind: L{str}
+    @param code: the error C{code}, or L{None}.
+    @type code: L{str} or L{None}
+    @param param: the offending parameter, or L{None}.
+    @type param: L{str} or L{None}
+    @return: C{{"error": {...}}}.
+    @rtype: L{dict}
+    """
+    return {"error": {"message": message, "type": kind, "code": code, "param": param}}
+
+
+def invalidKeyBody() -> dict:
+    """
+    The body OpenAI answers for an unknown API key.
+
+    @return: the 401 error envelope.
+    @rtype: L{dict}
+    """
+    return _errorBody("Incorrect API key provided", "invalid_request_error", "invalid_api_key")
+
+
+def previousNotFoundError(previousId: str) -> dict:
+    """
+    The inner error object for an unknown C{previous_response_id}.
+
+    @param previousId: the id the client asked for.
+    @type previousId: L{str}
+    @return: the C{error} object (without the envelope).
+    @rtype: L{dict}
+    """
+    return {
+        "type": "invalid_request_error",
+        "code": "previous_response_not_found",
+        "message": f"Previous response with id '{previousId}' not found.",
+        "param": "previous_response_id",
+    }
+
+
+@frozen
+class Fault:
+    """
+    One injected fault.
+
+    @ivar kind: one of L{TURN_KINDS} or L{HANDSHAKE_KINDS}.
+    @ivar transport: C{"http"}, C{"ws"} or C{"any"}.
+    @ivar times: how many matching requests it still applies to; L{None} means forever.
+    @ivar params: the remaining kind-specific fields (C{code}, C{body}, C{headers},
+        C{seconds}, C{events}, C{message}).
+    """
+
+    kind: str
+    transport: str = ANY
+    times: int | None = None
+    params: dict = field(factory=dict)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """
+        Look up a kind-specific parameter.
+
+        @param key: the parameter name.
+        @type key: L{str}
+        @param default: returned when absent.
+        @return: the value.
+        """
+        return self.params.get(key, default)
+
+    def appliesTo(self, transport: str, handshake: bool) -> bool:
+        """
+        Whether this fault applies to a request of the given transport and stage.
+
+        @param transport: C{"http"} or C{"ws"}.
+        @type transport: L{str}
+        @param handshake: C{True} for a WebSocket upgrade, C{False} for an HTTP request or a
+            WebSocket turn.
+        @type handshake: L{bool}
+        @rtype: L{bool}
+        """
+        if (self.kind in HANDSHAKE_KINDS) != handshake:
+            return False
+        return self.transport in (ANY, transport) or handshake
+
+    def toJSON(self) -> dict:
+        """
+        The fault as the JSON object it was parsed from (normalised).
+
+        @rtype: L{dict}
+        """
+        out = {"kind": self.kind, "transport": self.transport, "times": self.times}
+        out.update(self.params)
+        return out
+
+
+def parseFault(spec: dict, now: float = 0.0) -> Fault:
+    """
+    Parse and validate one fault object (see the module docstring).
+
+    @param spec: the JSON object.
+    @type spec: L{dict}
+    @param now: the current time in Unix seconds, used by presets.
+    @type now: L{float}
+    @return: the fault.
+    @rtype: L{Fault}
+    @raise ValueError: for a malformed fault.
+    """
+    if not isinstance(spec, dict):
+        raise ValueError("a fault must be a JSON object")
+    params = dict(spec)
+    kind = params.pop("kind", None)
+    preset = params.pop("preset", None)
+    if kind is None and preset is not None:
+        kind = "status"
+    if kind not in TURN_KINDS and kind not in HANDSHAKE_KINDS:
+        raise ValueError(f"unknown fault kind {kind!r}")
+    transport = params.pop("transport", ANY)
+    if transport not in (HTTP, WS, ANY):
+        raise ValueError(f"fault transport must be http, ws or any, not {transport!r}")
+    times = params.pop("times", None)
+    if times is not None and (not isinstance(times, int) or times < 1):
+        raise ValueError("fault times must be a positive integer")
+    if preset is not None:
+        base = _preset(preset, now)
+        base.update(params)
+        params = base
+    if kind in ("status", "ws_handshake_status"):
+        code = params.get("code")
+        if not isinstance(code, int) or not 100 <= code <= 599:
+            raise ValueError(f"{kind} fault needs an integer code, not {code!r}")
+    if kind == "delay_first_output" and not isinstance(params.get("seconds"), (int, float)):
+        raise ValueError("delay_first_output needs seconds")
+    if kind == "cut_after_events" and not isinstance(params.get("events"), int):
+        raise ValueError("cut_after_events needs events (an integer)")
+    return Fault(kind=kind, transport=transport, times=times, params=params)
+
+
+def parseFaults(spec: Any, now: float = 0.0) -> list[Fault]:
+    """
+    Parse a fault object, a list of them, or L{None} (no fault).
+
+    @param spec: the JSON value.
+    @param now: the current time in Unix seconds.
+    @type now: L{float}
+    @return: the faults, in order.
+    @rtype: L{list} of L{Fault}
+    @raise ValueError: for a malformed fault.
+    """
+    if spec is None:
+        return []
+    if isinstance(spec, list):
+        return [parseFault(each, now) for each in spec]
+    return [parseFault(spec, now)]
+
+
+@frozen
+class ToolCall:
+    """
+    The function call a script answers with.
+
+    @ivar name: the tool name, e.g. C{exec_command}.
+    @ivar arguments: the JSON argument string.
+    """
+
+    name: str
+    arguments: str
+
+
+@frozen
+class ReplyScript:
+    """
+    How an account answers.
+
+    @ivar text: the reply text template.
+    @ivar toolCall: the call to answer a fresh turn with, or L{None}.
+    @ivar delay: seconds between streamed events.
+    @ivar deltas: how many deltas the text is split into.
+    """
+
+    text: str = DEFAULT_TEXT
+    toolCall: ToolCall | None = None
+    delay: float = 0.0
+    deltas: int = 3
+
+
+def parseScript(spec: dict | None) -> ReplyScript:
+    """
+    Parse a script object (see the module docstring).
+
+    @param spec: the JSON object, or L{None} for the default script.
+    @type spec: L{dict} or L{None}
+    @rtype: L{ReplyScript}
+    @raise ValueError: for a malformed script.
+    """
+    if spec is None:
+        return ReplyScript()
+    if not isinstance(spec, dict):
+        raise ValueError("a script must be a JSON object")
+    unknown = set(spec) - {"text", "tool_call", "delay", "deltas"}
+    if unknown:
+        raise ValueError(f"unknown script keys: {sorted(unknown)}")
+    tool = spec.get("tool_call")
+    toolCall = None
+    if tool is not None:
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+            raise ValueError("tool_call needs a name")
+        args = tool.get("arguments", {})
+        if not isinstance(args, str):
+            args = json.dumps(args, separators=(",", ":"))
+        toolCall = ToolCall(name=tool["name"], arguments=args)
+    delay = spec.get("delay", 0.0)
+    deltas = spec.get("deltas", 3)
+    if not isinstance(delay, (int, float)) or delay < 0:
+        raise ValueError("delay must be a non-negative number")
+    if not isinstance(deltas, int) or deltas < 1:
+        raise ValueError("deltas must be a positive integer")
+    return ReplyScript(
+        text=str(spec.get("text", DEFAULT_TEXT)), toolCall=toolCall, delay=float(delay),
+        deltas=deltas,
+    )
+
+
+class _Template(string.Formatter):
+    """
+    A formatter that leaves unknown fields as they are instead of raising.
+    """
+
+    def get_value(self, key, args, kwargs):  # noqa: N802 - Formatter API
+        """
+        Look up a field, keeping unknown ones literally.
+
+        @param key: the field name or index.
+        @param args: positional arguments.
+        @param kwargs: keyword arguments.
+        @return: the value, or the literal placeholder.
+        """
+        if isinstance(key, str):
+            return kwargs.get(key, "{" + key + "}")
+        return super().get_value(key, args, kwargs)
+
+
+def renderText(template: str, **fields: str) -> str:
+    """
+    Fill a text template, leaving unknown placeholders as they are.
+
+    @param template: the template.
+    @type template: L{str}
+    @param fields: the values.
+    @return: the text.
+    @rtype: L{str}
+    """
+    try:
+        return _Template().format(template, **fields)
+    except (ValueError, IndexError):
+        return template
+
+
+@frozen
+class Reply:
+    """
+    What one turn answers.
+
+    @ivar text: the text, when the answer is a message.
+    @ivar toolCall: the call, when the answer is a function call.
+    """
+
+    text: str | None = None
+    toolCall: ToolCall | None = None
+
+
+def _lastUserText(items: list) -> str:
+    """
+    Find the text of the last user message among Responses input items or chat messages.
+
+    @param items: the items.
+    @type items: L{list}
+    @rtype: L{str}
+    """
+    for item in reversed(items):
+        if not isinstance(item, dict) or item.get("role") != "user":
+            continue
+        content = item.get("content")
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list):
+            texts = [
+                part.get("text", "")
+                for part in content
+                if isinstance(part, dict) and isinstance(part.get("text"), str)
+            ]
+            return " ".join(texts)
+    return ""
+
+
+def normaliseInput(raw: Any) -> list:
+    """
+    Turn a Responses C{input} (a string or a list of items) into a list of items.
+
+    @param raw: the C{input} value.
+    @rtype: L{list}
+    """
+    if isinstance(raw, str):
+        return [{"type": "message", "role": "user", "content": raw}]
+    if isinstance(raw, list):
+        return raw
+    return []
+
+
+def chooseReply(script: ReplyScript, items: list, accountName: str, model: str) -> Reply:
+    """
+    Pick the answer for a turn: text after a tool output, otherwise the scripted tool call,
+    otherwise text.
+
+    Works for Responses input items (C{function_call_output}) and chat messages
+    (C{role: tool}).
+
+    @param script: the account's script.
+    @type script: L{ReplyScript}
+    @param items: the request's input items or chat messages.
+    @type items: L{list}
+    @param accountName: the account name, for the template (never the credential).
+    @type accountName: L{str}
+    @param model: the requested model.
+    @type model: L{str}
+    @rtype: L{Reply}
+    """
+    last = items[-1] if items and isinstance(items[-1], dict) else {}
+    toolOutput = None
+    if last.get("type") == "function_call_output":
+        toolOutput = last.get("output", "")
+    elif last.get("role") == "tool":
+        toolOutput = last.get("content", "")
+    if not isinstance(toolOutput, (str, type(None))):
+        toolOutput = json.dumps(toolOutput)
+    if toolOutput is None and script.toolCall is not None:
+        return Reply(toolCall=script.toolCall)
+    text = renderText(
+        script.text, name=accountName, credential_name=accountName,
+        output=(toolOutput or "").strip(), model=model, input=_lastUserText(items),
+    )
+    return Reply(text=text)
+
+
+def splitText(text: str, pieces: int) -> list[str]:
+    """
+    Split text into at most C{pieces} non-empty consecutive fragments.
+
+    @param text: the text.
+    @type text: L{str}
+    @param pieces: the maximum number of fragments.
+    @type pieces: L{int}
+    @rtype: L{list} of L{str}
+    """
+    if not text:
+        return [""]
+    pieces = max(1, min(pieces, len(text)))
+    size = -(-len(text) // pieces)
+    return [text[i : i + size] for i in range(0, len(text), size)]
+
+
+def estimateTokens(value: Any) -> int:
+    """
+    A rough token count: a quarter of the JSON size, at least one.
+
+    @param value: any JSON value.
+    @rtype: L{int}
+    """
+    if value is None:
+        return 0
+    raw = value if isinstance(value, str) else json.dumps(value)
+    return max(1, len(raw) // 4)
+
+
+def newId(prefix: str) -> str:
+    """
+    A fresh random id such as C{resp_0f3a…}.
+
+    @param prefix: C{resp}, C{msg}, C{fc}, C{call} or C{chatcmpl}.
+    @type prefix: L{str}
+    @rtype: L{str}
+    """
+    sep = "-" if prefix == "chatcmpl" else "_"
+    return prefix + sep + secrets.token_hex(12)
+
+
+def usageFor(inputTokens: int, outputTokens: int) -> dict:
+    """
+    A Responses C{usage} object.
+
+    @param inputTokens: input tokens.
+    @type inputTokens: L{int}
+    @param outputTokens: output tokens.
+    @type outputTokens: L{int}
+    @rtype: L{dict}
+    """
+    return {
+        "input_tokens": inputTokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": outputTokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": inputTokens + outputTokens,
+    }
+
+
+def responseObject(
+    responseId: str, body: dict, createdAt: float, status: str, output: list,
+    usage: dict | None,
+) -> dict:
+    """
+    A Responses C{response} object (protocol.md §2.7), echoing request fields.
+
+    @param responseId: the C{resp_…} id.
+    @type responseId: L{str}
+    @param body: the request body.
+    @type body: L{dict}
+    @param createdAt: Unix seconds.
+    @type createdAt: L{float}
+    @param status: C{in_progress}, C{completed}, C{failed}, …
+    @type status: L{str}
+    @param output: the output items.
+    @type output: L{list}
+    @param usage: the usage, or L{None}.
+    @type usage: L{dict} or L{None}
+    @rtype: L{dict}
+    """
+    return {
+        "id": responseId,
+        "object": "response",
+        "created_at": int(createdAt),
+        "status": status,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": body.get("instructions"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "model": body.get("model") or "gpt-5.5",
+        "output": output,
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "previous_response_id": body.get("previous_response_id"),
+        "reasoning": body.get("reasoning") or {"effort": None, "summary": None},
+        "store": body.get("store", True),
+        "temperature": body.get("temperature", 1.0),
+        "text": body.get("text") or {"format": {"type": "text"}},
+        "tool_choice": body.get("tool_choice", "auto"),
+        "tools": body.get("tools") or [],
+        "top_p": body.get("top_p", 1.0),
+        "truncation": "disabled",
+        "usage": usage,
+        "metadata": body.get("metadata") or {},
+    }
+
+
+@frozen
+class Turn:
+    """
+    The planned events of one Responses turn.
+
+    @ivar responseId: the C{resp_…} id.
+    @ivar events: the events, with C{sequence_number}s, ending with the terminal event.
+    @ivar final: the final C{response} object (what a non-stream request returns).
+    @ivar firstOutput: the index of the first event after C{response.in_progress} (where
+        C{delay_first_output} waits).
+    """
+
+    responseId: str
+    events: list
+    final: dict
+    firstOutput: int
+
+
+def buildTurn(
+    body: dict, reply: Reply | None, now: float, fault: Fault | None = None, deltas: int = 3
+) -> Turn:
+    """
+    Plan the events of one Responses turn (protocol.md §2.3, §2.4).
+
+    @param body: the request body (or WebSocket frame).
+    @type body: L{dict}
+    @param reply: the answer, or L{None} for a prewarm (C{generate:false}), which produces
+        C{response.created} and an empty C{response.completed}.
+    @type reply: L{Reply} or L{None}
+    @param now: Unix seconds.
+    @type now: L{float}
+    @param fault: a C{stream_error} or C{empty_completed} fault shaping the turn, or L{None}.
+    @type fault: L{Fault} or L{None}
+    @param deltas: how many C{response.output_text.delta} events the text is split into.
+    @type deltas: L{int}
+    @rtype: L{Turn}
+    """
+    rid = newId("resp")
+    items = normaliseInput(body.get("input"))
+    inputTokens = estimateTokens(items) + estimateTokens(body.get("instructions"))
+    events: list[dict] = []
+
+    def emit(kind: str, **fields: Any) -> None:
+        event = {"type": kind, "sequence_number": len(events)}
+        event.update(fields)
+        events.append(event)
+
+    emit("response.created", response=responseObject(rid, body, now, "in_progress", [], None))
+    kind = fault.kind if fault is not None else None
+    if kind == "stream_error":
+        failed = responseObject(rid, body, now, "failed", [], None)
+        failed["error"] = {
+            "code": fault.get("code", "server_error"),
+            "message": fault.get("message", "The emulator injected a stream error."),
+        }
+        emit("response.failed", response=failed)
+        return Turn(rid, events, failed, 1)
+    if kind == "empty_completed":
+        final = responseObject(rid, body, now, "completed", [], None)
+        emit("response.completed", response=final)
+        return Turn(rid, events, final, 1)
+    if reply is None:
+        final = responseObject(rid, body, now, "completed", [], usageFor(inputTokens, 0))
+        emit("response.completed", response=final)
+        return Turn(rid, events, final, 1)
+    emit("response.in_progress", response=responseObject(rid, body, now, "in_progress", [], None))
+    firstOutput = len(events)
+    if reply.toolCall is not None:
+        call = reply.toolCall
+        fid = newId("fc")
+        item = {
+            "type": "function_call", "id": fid, "call_id": newId("call"), "name": call.name,
+            "arguments": "", "status": "in_progress",
+        }
+        emit("response.output_item.added", output_index=0, item=dict(item))
+        for piece in splitText(call.arguments, 2):
+            emit("response.function_call_arguments.delta", item_id=fid, output_index=0,
+                 delta=piece)
+        emit("response.function_call_arguments.done", item_id=fid, output_index=0,
+             arguments=call.arguments)
+        item.update(arguments=call.arguments, status="completed")
+        emit("response.output_item.done", output_index=0, item=item)
+        outputTokens = estimateTokens(call.arguments) + 5
+    else:
+        text = reply.text or ""
+        mid = newId("msg")
+        item = {"type": "message", "id": mid, "role": "assistant", "content": [],
+                "status": "in_progress"}
+        emit("response.output_item.added", output_index=0, item=dict(item))
+        emit("response.content_part.added", item_id=mid, output_index=0, content_index=0,
+             part={"type": "output_text", "text": "", "annotations": []})
+        for piece in splitText(text, deltas):
+            emit("response.output_text.delta", item_id=mid, output_index=0, content_index=0,
+                 delta=piece, logprobs=[])
+        emit("response.output_text.done", item_id=mid, output_index=0, content_index=0,
+             text=text, logprobs=[])
+        part = {"type": "output_text", "text": text, "annotations": []}
+        emit("response.content_part.done", item_id=mid, output_index=0, content_index=0,
+             part=part)
+        item.update(content=[part], status="completed")
+        emit("response.output_item.done", output_index=0, item=item)
+        outputTokens = estimateTokens(text)
+    final = responseObject(rid, body, now, "completed", [item],
+                           usageFor(inputTokens, outputTokens))
+    emit("response.completed", response=final)
+    return Turn(rid, events, final, firstOutput)
+
+
+def sseFrame(event: dict) -> bytes:
+    """
+    Encode one Responses event as an SSE C{event:}/C{data:} pair.
+
+    @param event: the event.
+    @type event: L{dict}
+    @rtype: L{bytes}
+    """
+    data = json.dumps(event, separators=(",", ":"))
+    return f"event: {event['type']}\ndata: {data}\n\n".encode()
+
+
+def chatChunks(
+    body: dict, reply: Reply, now: float, includeUsage: bool
+) -> tuple[list[dict], dict]:
+    """
+    Plan a Chat Completions answer (protocol.md §3).
+
+    @param body: the request body.
+    @type body: L{dict}
+    @param reply: the answer.
+    @type reply: L{Reply}
+    @param now: Unix seconds.
+    @type now: L{float}
+    @param includeUsage: C{stream_options.include_usage}.
+    @type includeUsage: L{bool}
+    @return: the stream chunks (without C{[DONE]}) and the non-stream completion object.
+    @rtype: L{tuple}
+    """
+    cid = newId("chatcmpl")
+    model = body.get("model") or "gpt-5.5"
+    created = int(now)
+    promptTokens = estimateTokens(body.get("messages"))
+    extra = {"usage": None} if includeUsage else {}
+
+    def chunk(delta: dict, finish: str | None) -> dict:
+        out = {
+            "id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
+        out.update(extra)
+        return out
+
+    chunks = [chunk({"role": "assistant", "content": ""}, None)]
+    if reply.toolCall is not None:
+        callId = newId("call")
+        pieces = splitText(reply.toolCall.arguments, 2)
+        chunks.append(chunk({"tool_calls": [{
+            "index": 0, "id": callId, "type": "function",
+            "function": {"name": reply.toolCall.name, "arguments": pieces[0]}}]}, None))
+        for piece in pieces[1:]:
+            chunks.append(chunk({"tool_calls": [{
+                "index": 0, "function": {"arguments": piece}}]}, None))
+        message = {
+            "role": "assistant", "content": None, "refusal": None,
+            "tool_calls": [{"id": callId, "type": "function", "function": {
+                "name": reply.toolCall.name, "arguments": reply.toolCall.arguments}}],
+        }
+        finish = "tool_calls"
+        completionTokens = estimateTokens(reply.toolCall.arguments) + 5
+    else:
+        text = reply.text or ""
+        for piece in splitText(text, 3):
+            chunks.append(chunk({"content": piece}, None))
+        message = {"role": "assistant", "content": text, "refusal": None}
+        finish = "stop"
+        completionTokens = estimateTokens(text)
+    chunks.append(chunk({}, finish))
+    usage = {
+        "prompt_tokens": promptTokens, "completion_tokens": completionTokens,
+        "total_tokens": promptTokens + completionTokens,
+    }
+    if includeUsage:
+        last = chunk({}, None)
+        last["choices"] = []
+        last["usage"] = usage
+        chunks.append(last)
+    completion = {
+        "id": cid, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+        "usage": usage,
+    }
+    return chunks, completion
+
+
+def anonymousName(credential: str) -> str:
+    """
+    A stable, non-secret name for a credential that has no configured account.
+
+    @param credential: the bearer token.
+    @type credential: L{str}
+    @rtype: L{str}
+    """
+    return "key-" + hashlib.sha256(credential.encode()).hexdigest()[:8]
+
+
+@frozen
+class RecordedRequest:
+    """
+    One request the emulator received.
+
+    @ivar credential: the bearer token (L{None} when absent).
+    @ivar name: the account name (never secret).
+    @ivar transport: C{"http"} or C{"ws"}.
+    @ivar kind: C{"request"} (an HTTP request), C{"handshake"} (a WebSocket upgrade) or
+        C{"frame"} (one WebSocket C{response.create}).
+    @ivar path: the request path.
+    @ivar method: the HTTP method (C{GET} for handshakes and frames).
+    @ivar headers: lower-cased header names to values (the upgrade headers for frames).
+    @ivar body: the parsed JSON body or frame, or L{None}.
+    @ivar peer: the peer's host.
+    @ivar time: when it arrived, in the clock's seconds.
+    """
+
+    credential: str | None
+    name: str
+    transport: str
+    kind: str
+    path: str
+    method: str
+    headers: dict
+    body: Any
+    peer: str | None
+    time: float
+
+    def __getitem__(self, key: str) -> Any:
+        """
+        Dict-style access to a field, e.g. C{record["credential"]}.
+
+        @param key: the field name.
+        @type key: L{str}
+        @return: the value.
+        @raise KeyError: for an unknown field.
+        """
+        try:
+            return getattr(self, key)
+        except AttributeError:
+            raise KeyError(key) from None
+
+    def toJSON(self) -> dict:
+        """
+        The record with secrets redacted, for the control API.
+
+        @rtype: L{dict}
+        """
+        headers = {
+            k: ("Bearer ***" if k == "authorization" else v) for k, v in self.headers.items()
+        }
+        return {
+            "name": self.name, "transport": self.transport, "kind": self.kind,
+            "path": self.path, "method": self.method, "headers": headers, "body": self.body,
+            "peer": self.peer, "time": self.time,
+        }
+
+
+@frozen
+class AccountSpec:
+    """
+    A configured account.
+
+    @ivar name: its public name.
+    @ivar credential: its bearer token.
+    """
+
+    name: str
+    credential: str
+
+
+@define(eq=False)
+class EmulatorState:
+    """
+    Everything the emulator remembers: accounts, scripts, faults, recordings, in-flight turns
+    and stored responses.
+
+    @ivar clock: the time source.
+    @ivar acceptAny: whether unknown credentials are served (as anonymous accounts).
+    @ivar requests: the recorded requests, oldest first.
+    """
+
+    clock: IReactorTime
+    acceptAny: bool = True
+    requests: list = field(factory=list)
+    _accounts: dict = field(factory=dict)
+    _byName: dict = field(factory=dict)
+    _scripts: dict = field(factory=dict)
+    _faults: dict = field(factory=dict)
+    _inflight: dict = field(factory=dict)
+    _peak: dict = field(factory=dict)
+    _stored: dict = field(factory=dict)
+
+    def addAccount(self, name: str, credential: str) -> None:
+        """
+        Configure an account.
+
+        @param name: its public name.
+        @type name: L{str}
+        @param credential: its bearer token.
+        @type credential: L{str}
+        """
+        self._accounts[credential] = AccountSpec(name, credential)
+        self._byName[name] = credential
+
+    def resolve(self, credentialOrName: str) -> str:
+        """
+        Map an account name (or C{"*"}, or a credential) to the key faults and scripts use.
+
+        @param credentialOrName: a credential, an account name, or C{"*"} for every account.
+        @type credentialOrName: L{str}
+        @rtype: L{str}
+        """
+        return self._byName.get(credentialOrName, credentialOrName)
+
+    def known(self, credential: str | None) -> bool:
+        """
+        Whether a credential may be served.
+
+        @param credential: the bearer token, or L{None}.
+        @rtype: L{bool}
+        """
+        if not credential:
+            return False
+        return self.acceptAny or credential in self._accounts
+
+    def nameOf(self, credential: str | None) -> str:
+        """
+        The public name of a credential.
+
+        @param credential: the bearer token, or L{None}.
+        @rtype: L{str}
+        """
+        if not credential:
+            return "anonymous"
+        spec = self._accounts.get(credential)
+        return spec.name if spec is not None else anonymousName(credential)
+
+    def names(self) -> dict:
+        """
+        Every credential seen or configured, mapped to its name.
+
+        @rtype: L{dict}
+        """
+        out = {c: s.name for c, s in self._accounts.items()}
+        for cred in list(self._inflight) + list(self._peak):
+            out.setdefault(cred, self.nameOf(cred))
+        return out
+
+    def setScript(self, credentialOrName: str, spec: dict | None) -> None:
+        """
+        Set (or with L{None} reset) an account's script; C{"*"} sets the default.
+
+        @param credentialOrName: a credential, an account name, or C{"*"}.
+        @type credentialOrName: L{str}
+        @param spec: the script object.
+        @raise ValueError: for a malformed script.
+        """
+        key = self.resolve(credentialOrName)
+        if spec is None:
+            self._scripts.pop(key, None)
+        else:
+            self._scripts[key] = parseScript(spec)
+
+    def scriptFor(self, credential: str | None) -> ReplyScript:
+        """
+        The script that applies to a credential.
+
+        @param credential: the bearer token.
+        @rtype: L{ReplyScript}
+        """
+        if credential in self._scripts:
+            return self._scripts[credential]
+        return self._scripts.get("*", ReplyScript())
+
+    def setFault(self, credentialOrName: str, spec: Any) -> None:
+        """
+        Replace an account's faults; L{None} clears them and C{"*"} addresses every account
+        without faults of its own.
+
+        @param credentialOrName: a credential, an account name, or C{"*"}.
+        @type credentialOrName: L{str}
+        @param spec: a fault object, a list of them, or L{None}.
+        @raise ValueError: for a malformed fault.
+        """
+        key = self.resolve(credentialOrName)
+        faults = parseFaults(spec, self.clock.seconds())
+        if faults:
+            self._faults[key] = faults
+        else:
+            self._faults.pop(key, None)
+
+    def clearFaults(self) -> None:
+        """
+        Remove every fault.
+        """
+        self._faults.clear()
+
+    def faults(self) -> dict:
+        """
+        The current faults per account name, as JSON.
+
+        @rtype: L{dict}
+        """
+        return {
+            ("*" if key == "*" else self.nameOf(key)): [f.toJSON() for f in faults]
+            for key, faults in self._faults.items()
+        }
+
+    def takeFault(self, credential: str | None, transport: str,
+                  handshake: bool = False) -> Fault | None:
+        """
+        Consume the fault that applies to the next request, counting down C{times}.
+
+        @param credential: the bearer token.
+        @param transport: C{"http"} or C{"ws"}.
+        @type transport: L{str}
+        @param handshake: whether this is a WebSocket upgrade.
+        @type handshake: L{bool}
+        @return: the fault, or L{None}.
+        @rtype: L{Fault} or L{None}
+        """
+        key = credential if credential in self._faults else "*"
+        faults = self._faults.get(key, [])
+        for index, fault in enumerate(faults):
+            if not fault.appliesTo(transport, handshake):
+                continue
+            if fault.times is not None:
+                if fault.times <= 1:
+                    del faults[index]
+                    if not faults:
+                        del self._faults[key]
+                else:
+                    faults[index] = Fault(fault.kind, fault.transport, fault.times - 1,
+                                          fault.params)
+            return fault
+        return None
+
+    def record(self, credential: str | None, transport: str, kind: str, path: str,
+               method: str, headers: dict, body: Any, peer: str | None) -> RecordedRequest:
+        """
+        Record a request.
+
+        @param credential: the bearer token.
+        @param transport: C{"http"} or C{"ws"}.
+        @param kind: C{"request"}, C{"handshake"} or C{"frame"}.
+        @param path: the path.
+        @param method: the method.
+        @param headers: lower-cased headers.
+        @param body: the parsed body.
+        @param peer: the peer host.
+        @rtype: L{RecordedRequest}
+        """
+        rec = RecordedRequest(credential, self.nameOf(credential), transport, kind, path,
+                              method, headers, body, peer, self.clock.seconds())
+        self.requests.append(rec)
+        return rec
+
+    def turnStarted(self, credential: str | None) -> None:
+        """
+        Count a turn as in flight for a credential and update its peak.
+
+        @param credential: the bearer token.
+        """
+        now = self._inflight.get(credential, 0) + 1
+        self._inflight[credential] = now
+        self._peak[credential] = max(self._peak.get(credential, 0), now)
+
+    def turnEnded(self, credential: str | None) -> None:
+        """
+        Count a turn as finished.
+
+        @param credential: the bearer token.
+        """
+        self._inflight[credential] = max(0, self._inflight.get(credential, 0) - 1)
+
+    def inflight(self, credentialOrName: str) -> int:
+        """
+        Turns in flight now.
+
+        @param credentialOrName: a credential or account name.
+        @type credentialOrName: L{str}
+        @rtype: L{int}
+        """
+        return self._inflight.get(self.resolve(credentialOrName), 0)
+
+    def peak(self, credentialOrName: str) -> int:
+        """
+        The highest number of turns in flight at once since the last reset.
+
+        @param credentialOrName: a credential or account name.
+        @type credentialOrName: L{str}
+        @rtype: L{int}
+        """
+        return self._peak.get(self.resolve(credentialOrName), 0)
+
+    def resetPeaks(self) -> None:
+        """
+        Reset every peak to the current in-flight count.
+        """
+        self._peak = dict(self._inflight)
+
+    def stats(self) -> dict:
+        """
+        In-flight and peak counts per account name.
+
+        @rtype: L{dict}
+        """
+        return {
+            name: {"inflight": self._inflight.get(cred, 0), "peak": self._peak.get(cred, 0)}
+            for cred, name in self.names().items()
+        }
+
+    def storeResponse(self, credential: str | None, responseId: str) -> None:
+        """
+        Remember a stored HTTP response for chaining.
+
+        @param credential: the owning bearer token.
+        @param responseId: the C{resp_…} id.
+        @type responseId: L{str}
+        """
+        self._stored.setdefault(credential, set()).add(responseId)
+
+    def hasResponse(self, credential: str | None, responseId: str) -> bool:
+        """
+        Whether a credential owns a stored response.
+
+        @param credential: the bearer token.
+        @param responseId: the C{resp_…} id.
+        @type responseId: L{str}
+        @rtype: L{bool}
+        """
+        return responseId in self._stored.get(credential, ())
