@@ -1,0 +1,247 @@
+# -*- test-case-name: tests.integration.test_redis_state -*-
+"""
+The Redis L{IStateStore} provider, for several relay processes sharing
+state. Same contract as L{relay.state.memory.MemoryStateStore}.
+
+Keys (behaviour.md R34 where it names them):
+
+  - C{relay:account:{id}}: a hash with the fields C{blockedUntil},
+    C{blockReason}, C{rateLimitedUntil}, C{overloadedUntil}, C{disabled}
+    (C{1}), C{disabledReason} and C{model:{upstream model}} (until). Times
+    are absolute Unix seconds from the injected clock. The hash has no TTL
+    (accounts are configured, so the key set is bounded); C{clearAccount}
+    deletes it.
+  - counters: the caller's name (e.g. C{openai_403_count:account:{id}}), a
+    string counter with a millisecond TTL (C{PEXPIRE}).
+  - values: the caller's key (e.g. C{sticky_session:...}), a string set
+    with C{SET ... PX}.
+
+Every command carries the constructor's C{timeout} (R4: 5 s; trap T16).
+
+C{on_redis_error} (R35):
+
+  - C{fail_open} (default): reads degrade (C{getAccountStates} returns the
+    default L{AccountRuntime} for every id, C{getValue} returns L{None} -
+    "no binding"), writes are dropped, C{incrementCounter} fires 0; each
+    logs C{relay.redis_state_error} at warn level.
+  - C{fail_closed}: the Deferred fails with
+    L{relay.redisclient.RedisUnavailable}.
+"""
+
+from __future__ import annotations
+
+from attrs import define
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from relay.failures import AccountRuntime
+from relay.interfaces import IStateStore
+from relay.redisclient import RedisService, RedisUnavailable, describe
+from relay.state import MARK_KINDS, accountKey
+
+# KEYS = account hashes; returns one flat HGETALL array per key.
+_GET_ACCOUNTS = """
+local out = {}
+for i, k in ipairs(KEYS) do out[i] = redis.call('HGETALL', k) end
+return out
+"""
+
+# KEYS = counter; ARGV = ttl ms, refresh flag. Returns the new value.
+_INCREMENT = """
+local v = redis.call('INCR', KEYS[1])
+if v == 1 or ARGV[2] == '1' then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+return v
+"""
+
+
+def _ms(seconds: float) -> int:
+    """
+    @return: C{seconds} as a positive whole number of milliseconds.
+    """
+    return max(1, int(round(seconds * 1000)))
+
+
+def runtimeFromHash(fields: dict) -> AccountRuntime:
+    """
+    Build an L{AccountRuntime} from a C{relay:account:{id}} hash.
+
+    @param fields: field name -> str value.
+    """
+    blocks = {k[6:]: float(v) for k, v in fields.items() if k.startswith("model:")}
+    return AccountRuntime(
+        blockedUntil=float(fields.get("blockedUntil", 0)),
+        blockReason=fields.get("blockReason", ""),
+        rateLimitedUntil=float(fields.get("rateLimitedUntil", 0)),
+        overloadedUntil=float(fields.get("overloadedUntil", 0)),
+        disabled=fields.get("disabled") == "1",
+        disabledReason=fields.get("disabledReason", ""),
+        modelBlocks=blocks,
+    )
+
+
+def markFields(kind: str, until: float, reason: str, model) -> list:
+    """
+    The hash fields one marking writes.
+
+    @return: a flat C{[field, value, ...]} list.
+    @raise ValueError: for an unknown kind or a C{model_block} without model.
+    """
+    if kind == "temp_unschedulable":
+        return ["blockedUntil", repr(float(until)), "blockReason", reason]
+    if kind == "rate_limited":
+        return ["rateLimitedUntil", repr(float(until))]
+    if kind == "overloaded":
+        return ["overloadedUntil", repr(float(until))]
+    if kind == "disabled":
+        return ["disabled", "1", "disabledReason", reason]
+    if kind == "model_block":
+        if not model:
+            raise ValueError("model_block needs a model")
+        return ["model:" + model, repr(float(until))]
+    raise ValueError(f"unknown account state kind {kind!r}; expected one of {sorted(MARK_KINDS)}")
+
+
+@implementer(IStateStore)
+@define(eq=False)
+class RedisStateStore:
+    """
+    L{IStateStore} on Redis.
+
+    @ivar _redis: the running L{RedisService}.
+    @ivar _clock: the clock for per-call timeouts.
+    @ivar timeout: per-command timeout, seconds (R4: 5).
+    @ivar onRedisError: C{fail_open} or C{fail_closed} (R35).
+    """
+
+    _redis: RedisService
+    _clock: IReactorTime
+    timeout: float = 5.0
+    onRedisError: str = "fail_open"
+
+    _log = Logger()
+
+    def _run(self, operation: str, fallback, method: str, *args) -> Deferred:
+        """
+        Run one command and apply C{on_redis_error} to its failure.
+
+        @param operation: the operation name for logs and errors.
+        @param fallback: the fail-open result.
+        """
+        d = self._redis.execute(self.timeout, method, *args)
+
+        def _ebRedis(f: Failure):
+            f.trap(RedisUnavailable)
+            self._log.warn(
+                "redis state {operation} failed ({error}); {mode}",
+                event="relay.redis_state_error",
+                operation=operation,
+                error=describe(f),
+                mode=self.onRedisError,
+            )
+            if self.onRedisError == "fail_closed":
+                return f
+            return fallback
+
+        return d.addErrback(_ebRedis)
+
+    def getAccountStates(self, accountIds) -> Deferred:
+        """
+        See L{IStateStore.getAccountStates}. One round trip.
+        """
+        ids = list(accountIds)
+        if not ids:
+            return Deferred.fromCoroutine(_const({}))
+        keys = [accountKey(i) for i in ids]
+        d = self._run("get_account_states", None, "eval", _GET_ACCOUNTS, keys)
+
+        def _cbBuild(rows):
+            if rows is None:
+                return {i: AccountRuntime() for i in ids}
+            out = {}
+            for aid, flat in zip(ids, rows):
+                flat = flat or []
+                out[aid] = runtimeFromHash(dict(zip(flat[::2], flat[1::2])))
+            return out
+
+        return d.addCallback(_cbBuild)
+
+    def markAccount(self, accountId, kind, until, reason, model=None) -> Deferred:
+        """
+        See L{IStateStore.markAccount}. Fails with L{ValueError} for an
+        unknown C{kind} without touching Redis.
+        """
+        try:
+            fields = markFields(kind, until, reason, model)
+        except ValueError as e:
+            d = Deferred()
+            d.errback(e)
+            return d
+        return self._run(
+            "mark_account", None, "execute_command", "HSET", accountKey(accountId), *fields
+        ).addCallback(lambda _: None)
+
+    def clearAccount(self, accountId) -> Deferred:
+        """
+        See L{IStateStore.clearAccount}.
+        """
+        return self._run(
+            "clear_account", None, "execute_command", "DEL", accountKey(accountId)
+        ).addCallback(lambda _: None)
+
+    def incrementCounter(self, name, ttl, refresh=True) -> Deferred:
+        """
+        See L{IStateStore.incrementCounter}. One round trip (a script).
+        Fail-open result: 0.
+        """
+        return self._run(
+            "increment_counter", 0, "eval", _INCREMENT, [name], [_ms(ttl), "1" if refresh else "0"]
+        ).addCallback(int)
+
+    def resetCounter(self, name) -> Deferred:
+        """
+        See L{IStateStore.resetCounter}.
+        """
+        return self._run("reset_counter", None, "execute_command", "DEL", name).addCallback(
+            lambda _: None
+        )
+
+    def getValue(self, key) -> Deferred:
+        """
+        See L{IStateStore.getValue}. Fail-open result: L{None} (R35: a
+        sticky read error is no binding).
+        """
+        return self._run("get_value", None, "execute_command", "GET", key)
+
+    def setValue(self, key, value, ttl) -> Deferred:
+        """
+        See L{IStateStore.setValue}.
+        """
+        return self._run(
+            "set_value", None, "execute_command", "SET", key, value, "PX", _ms(ttl)
+        ).addCallback(lambda _: None)
+
+    def touchValue(self, key, ttl) -> Deferred:
+        """
+        See L{IStateStore.touchValue}.
+        """
+        return self._run(
+            "touch_value", None, "execute_command", "PEXPIRE", key, _ms(ttl)
+        ).addCallback(lambda _: None)
+
+    def deleteValue(self, key) -> Deferred:
+        """
+        See L{IStateStore.deleteValue}.
+        """
+        return self._run("delete_value", None, "execute_command", "DEL", key).addCallback(
+            lambda _: None
+        )
+
+
+async def _const(value):
+    """
+    @return: C{value} (an already-fired coroutine result).
+    """
+    return value

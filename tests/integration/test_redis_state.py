@@ -1,0 +1,138 @@
+"""
+The L{IStateStore} contract of L{tests.test_state} run against
+L{relay.state.redis.RedisStateStore} on a real redis-server, plus its
+R35 failure modes with Redis killed and restarted.
+"""
+
+from __future__ import annotations
+
+import pytest
+import pytest_twisted
+from twisted.internet import reactor
+from twisted.internet.task import deferLater
+
+from relay.failures import AccountRuntime
+from relay.redisclient import RedisService, RedisUnavailable
+from relay.state.redis import RedisStateStore
+from tests.integration.redis_server import redisServer  # noqa: F401 (fixture)
+from tests.test_state import StateStoreContractMixin, contractNames
+
+
+@pytest_twisted.async_yield_fixture
+async def redisService(redisServer):  # noqa: F811
+    """
+    A started L{RedisService} on a flushed server; stopped afterwards.
+    """
+    if redisServer.process is None:
+        redisServer.start()
+    redisServer.command("FLUSHALL")
+    service = RedisService(url=redisServer.url, clock=reactor)
+    service.startService()
+    yield service
+    await service.stopService()
+
+
+class _RedisContract(StateStoreContractMixin):
+    """
+    The contract scenarios on Redis; time passes for real.
+    """
+
+    def __init__(self, service):
+        self._service = service
+
+    def makeStore(self):
+        """
+        @return: a L{RedisStateStore} that fails closed, so errors surface.
+        """
+        return RedisStateStore(redis=self._service, clock=reactor, onRedisError="fail_closed")
+
+    async def advance(self, seconds):
+        """
+        Sleep on the real reactor.
+        """
+        await deferLater(reactor, seconds)
+
+    def now(self):
+        """
+        @return: the reactor's time.
+        """
+        return reactor.seconds()
+
+
+@pytest.mark.parametrize("name", contractNames())
+@pytest_twisted.ensureDeferred
+async def test_contract(name, redisService):
+    """
+    Every L{IStateStore} contract scenario holds on Redis.
+    """
+    await getattr(_RedisContract(redisService), name)()
+
+
+@pytest_twisted.ensureDeferred
+async def test_keyNames(redisService, redisServer):  # noqa: F811
+    """
+    Account state lives in the C{relay:account:{id}} hash; counters and
+    values under the caller's names with a TTL.
+    """
+    store = RedisStateStore(redis=redisService, clock=reactor)
+    await store.markAccount("a1", "rate_limited", 1e10, "429")
+    await store.incrementCounter("openai_403_count:account:a1", 60)
+    await store.setValue("sticky_session:0:openai:h", "a1", 60)
+    assert b"rateLimitedUntil" in redisServer.command("HGETALL", "relay:account:a1")
+    assert redisServer.command("PTTL", "openai_403_count:account:a1").startswith(b":")
+    assert int(redisServer.command("PTTL", "sticky_session:0:openai:h")[1:].strip()) > 50000
+    assert redisServer.command("GET", "sticky_session:0:openai:h") == b"$2\r\na1\r\n"
+
+
+@pytest_twisted.ensureDeferred
+async def test_numericValueStaysString(redisService):
+    """
+    T20: a value that looks like a number comes back as the same string.
+    """
+    store = RedisStateStore(redis=redisService, clock=reactor)
+    await store.setValue("k", "00123", 60)
+    assert await store.getValue("k") == "00123"
+
+
+@pytest_twisted.ensureDeferred
+async def test_redisDownFailOpenThenRecovers(redisService, redisServer):  # noqa: F811
+    """
+    R35: with Redis killed, each call ends within its own timeout; fail
+    open reads give defaults / no binding and writes are dropped. After a
+    restart on the same port the store works again.
+    """
+    store = RedisStateStore(redis=redisService, clock=reactor, timeout=0.3)
+    closed = RedisStateStore(
+        redis=redisService, clock=reactor, timeout=0.3, onRedisError="fail_closed"
+    )
+    await store.setValue("k", "v", 60)
+    redisServer.stop()
+    started = reactor.seconds()
+    assert await store.getValue("k") is None
+    assert await store.getAccountStates(["a"]) == {"a": AccountRuntime()}
+    assert await store.incrementCounter("c", 60) == 0
+    assert await store.markAccount("a", "overloaded", 1e10, "x") is None
+    with pytest.raises(RedisUnavailable):
+        await closed.getValue("k")
+    assert reactor.seconds() - started < 2.5
+    redisServer.start()
+    await waitForRecovery(closed)
+    await closed.setValue("k", "back", 60)
+    assert await closed.getValue("k") == "back"
+
+
+async def waitForRecovery(store, tries=60):
+    """
+    Poll until the pool has reconnected: ten calls in a row succeed.
+    """
+    ok = 0
+    for _ in range(tries):
+        try:
+            await store.getValue("probe")
+            ok += 1
+            if ok >= 10:
+                return
+        except RedisUnavailable:
+            ok = 0
+            await deferLater(reactor, 0.1)
+    raise AssertionError("redis did not come back")
