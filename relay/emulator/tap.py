@@ -1,0 +1,111 @@
+# -*- test-case-name: tests.test_emulator -*-
+"""
+The C{relay-emulator} twistd plugin: C{twistd -n relay-emulator --config etc/emulator.yaml}.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from twisted.application.internet import StreamServerEndpointService
+from twisted.application.service import MultiService
+from twisted.internet.endpoints import serverFromString
+from twisted.python import usage
+
+from relay.emulator.core import Emulator, EmulatorConfigError, validateConfig
+
+DEFAULT_LISTEN = "tcp:9090:interface=127.0.0.1"
+"""Where the emulator listens when neither the file nor the options say."""
+
+
+def configFromString(text: str) -> dict:
+    """
+    Parse and validate an emulator configuration from YAML text.
+
+    @param text: the YAML document.
+    @type text: L{str}
+    @rtype: L{dict}
+    @raise EmulatorConfigError: for invalid YAML or configuration.
+    """
+    try:
+        config = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise EmulatorConfigError(f"invalid YAML: {e}") from e
+    return validateConfig(config if config is not None else {})
+
+
+class Options(usage.Options):
+    """
+    Command-line options of the C{relay-emulator} plugin.
+
+    @ivar config: the parsed configuration, set by L{postOptions}.
+    """
+
+    optParameters = [
+        ["config", "c", None, "YAML configuration file (see etc/emulator.yaml)."],
+        ["listen", "l", None, "Endpoint string to listen on (overrides the file)."],
+        ["port", "p", None, "TCP port on 127.0.0.1 (shortcut for --listen)."],
+    ]
+
+    def opt_port(self, value: str) -> None:
+        """
+        Listen on a TCP port on loopback.
+
+        @param value: the port number.
+        @type value: L{str}
+        @raise usage.UsageError: if it is not a port number.
+        """
+        try:
+            port = int(value)
+        except ValueError:
+            raise usage.UsageError(f"--port must be a number, not {value!r}") from None
+        if not 0 <= port <= 65535:
+            raise usage.UsageError(f"--port out of range: {port}")
+        self["port"] = port
+
+    opt_p = opt_port
+
+    def postOptions(self) -> None:
+        """
+        Read the configuration file once and work out the listen endpoint.
+
+        @raise usage.UsageError: for an unreadable or invalid file.
+        """
+        config: dict = {}
+        if self["config"]:
+            try:
+                with open(self["config"], encoding="utf-8") as f:
+                    config = configFromString(f.read())
+            except OSError as e:
+                raise usage.UsageError(f"cannot read {self['config']}: {e.strerror}") from e
+            except EmulatorConfigError as e:
+                raise usage.UsageError(f"{self['config']}: {e}") from e
+        self.config = config
+        if self["listen"]:
+            self.listen = self["listen"]
+        elif self["port"] is not None:
+            self.listen = f"tcp:{self['port']}:interface=127.0.0.1"
+        else:
+            self.listen = config.get("listen") or DEFAULT_LISTEN
+
+
+def makeService(options: Options, reactor: Any = None) -> MultiService:
+    """
+    Build the emulator service.
+
+    @param options: parsed L{Options}.
+    @type options: L{Options}
+    @param reactor: the reactor; the global one when L{None}.
+    @return: a L{MultiService} whose child listens with the emulator's site; the
+        L{Emulator} is available as its C{emulator} attribute.
+    @rtype: L{MultiService}
+    """
+    if reactor is None:
+        from twisted.internet import reactor
+    emulator = Emulator(reactor=reactor, config=options.config)
+    service = MultiService()
+    service.emulator = emulator
+    endpoint = serverFromString(reactor, options.listen)
+    StreamServerEndpointService(endpoint, emulator.site).setServiceParent(service)
+    return service
