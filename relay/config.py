@@ -1,0 +1,866 @@
+# -*- test-case-name: tests.test_config -*-
+"""
+Load the YAML configuration file (config.md) into a L{RelayConfig}.
+
+Every section is validated against a whitelist, the way tahoe-lafs
+C{read_config} does: an unknown key, a value of the wrong type, a value out
+of range or a missing credential raises L{ConfigError} with a one-line
+message that names the key path, for example::
+
+    unknown key accounts[1].foo
+    gateway.max_account_switches: expected an integer, got 'ten'
+    accounts[0] (a1): api_key or api_key_env is required
+    keys[0].key_env: environment variable RELAY_KEY_ALICE is not set
+
+Messages never contain a secret value (keys, credentials, proxy passwords).
+
+The tables below (C{_GATEWAY}, C{_BREAKER}, ...) map each key to a
+validator; the defaults live in L{relay.model}, so adding a key is one
+line here plus one field there.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from urllib.parse import unquote, urlsplit
+
+import yaml
+
+from relay.model import (
+    Account,
+    BreakerSettings,
+    ClientKey,
+    ComponentSettings,
+    ConfigError,
+    GatewaySettings,
+    ProxySpec,
+    RelayConfig,
+    SchedulingSettings,
+    StateSettings,
+    UpstreamSettings,
+    WebSocketSettings,
+)
+
+__all__ = [
+    "loadConfig",
+    "settingsFromString",
+    "secretsOf",
+    "parseProxyURL",
+    "OAUTH_BASE_URL",
+    "APIKEY_BASE_URL",
+    "WS_MODES",
+]
+
+OAUTH_BASE_URL = "https://chatgpt.com/backend-api/codex"
+APIKEY_BASE_URL = "https://api.openai.com/v1"
+
+ACCOUNT_TYPES = ("apikey", "oauth")
+WS_MODES = ("ctx_pool", "passthrough", "http_bridge", "off")
+TRANSPORT_RETRY_POLICIES = ("rotate", "sticky")
+STATE_BACKENDS = ("memory", "redis")
+REDIS_ERROR_POLICIES = ("fail_open", "fail_closed")
+LOG_FORMATS = ("text", "json")
+PROXY_SCHEMES = ("socks5", "socks5h", "http")
+
+Validator = Callable[[Any, str], Any]
+
+
+# ---------------------------------------------------------------------------
+# Small helpers
+# ---------------------------------------------------------------------------
+
+
+def _fail(path: str, problem: str) -> ConfigError:
+    """
+    Build a one-line L{ConfigError} C{"<path>: <problem>"}.
+
+    @param path: the key path, e.g. C{gateway.breaker.failures}.
+    @param problem: what is wrong with it.
+    @rtype: L{ConfigError}
+    """
+    return ConfigError(_oneLine(f"{path}: {problem}"))
+
+
+def _oneLine(text: str) -> str:
+    """
+    Collapse all whitespace (including newlines) into single spaces.
+
+    @param text: any text.
+    @rtype: L{str}
+    """
+    return " ".join(str(text).split())
+
+
+def _describe(value: Any, secret: bool = False) -> str:
+    """
+    Describe a value for an error message without leaking secrets.
+
+    @param value: the offending value.
+    @param secret: when true, only the value's kind is shown.
+    @return: e.g. C{'ten'}, C{3.5}, C{a list}, C{null}.
+    """
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean" if secret else ("true" if value else "false")
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    if secret:
+        kind = {str: "a string", int: "an integer", float: "a number"}.get(type(value))
+        return kind or "a " + type(value).__name__
+    text = repr(value)
+    if len(text) > 40:
+        text = text[:37] + "..."
+    return text
+
+
+def _join(path: str, key: Any) -> str:
+    """
+    Append a mapping key to a key path.
+
+    @param path: the parent path, or C{""} at the top level.
+    @param key: the child key.
+    @rtype: L{str}
+    """
+    return f"{path}.{key}" if path else str(key)
+
+
+# ---------------------------------------------------------------------------
+# Validators: (value, path) -> converted value, or raise ConfigError
+# ---------------------------------------------------------------------------
+
+
+def _integer(minimum: Optional[int] = None, maximum: Optional[int] = None) -> Validator:
+    """
+    An integer, optionally within C{[minimum, maximum]}.
+
+    @rtype: validator
+    """
+
+    def check(value: Any, path: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _fail(path, f"expected an integer, got {_describe(value)}")
+        _checkRange(value, path, minimum, maximum)
+        return value
+
+    return check
+
+
+def _number(
+    minimum: Optional[float] = None,
+    maximum: Optional[float] = None,
+    positive: bool = False,
+) -> Validator:
+    """
+    An integer or a float, optionally within C{[minimum, maximum]}.
+
+    @param positive: require a value strictly above zero.
+    @rtype: validator
+    """
+
+    def check(value: Any, path: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _fail(path, f"expected a number, got {_describe(value)}")
+        if value != value or value in (float("inf"), float("-inf")):
+            raise _fail(path, f"expected a finite number, got {_describe(value)}")
+        if positive and value <= 0:
+            raise _fail(path, f"must be greater than 0, got {_describe(value)}")
+        _checkRange(value, path, minimum, maximum)
+        return value
+
+    return check
+
+
+def _checkRange(
+    value: float, path: str, minimum: Optional[float], maximum: Optional[float]
+) -> None:
+    """
+    Raise unless C{minimum <= value <= maximum} (either bound may be absent).
+    """
+    if minimum is not None and maximum is not None:
+        if not minimum <= value <= maximum:
+            raise _fail(path, f"must be between {minimum} and {maximum}, got {_describe(value)}")
+    elif minimum is not None and value < minimum:
+        raise _fail(path, f"must be at least {minimum}, got {_describe(value)}")
+    elif maximum is not None and value > maximum:
+        raise _fail(path, f"must be at most {maximum}, got {_describe(value)}")
+
+
+def _firstOutputTimeout(value: Any, path: str) -> float:
+    """
+    C{0} (off) or a number of seconds in C{30..600} (R20).
+    """
+    value = _number()(value, path)
+    if value != 0 and not 30 <= value <= 600:
+        raise _fail(path, f"must be 0 (off) or between 30 and 600, got {_describe(value)}")
+    return value
+
+
+def _boolean(value: Any, path: str) -> bool:
+    """
+    A YAML boolean (C{true}/C{false}).
+    """
+    if not isinstance(value, bool):
+        raise _fail(path, f"expected true or false, got {_describe(value)}")
+    return value
+
+
+def _string(value: Any, path: str) -> str:
+    """
+    A non-empty string.
+    """
+    if not isinstance(value, str):
+        raise _fail(path, f"expected a string, got {_describe(value)}")
+    if not value.strip():
+        raise _fail(path, "must not be empty")
+    return value
+
+
+def _secretString(value: Any, path: str) -> str:
+    """
+    A non-empty string whose value is never echoed in an error.
+    """
+    if not isinstance(value, str):
+        raise _fail(path, f"expected a string, got {_describe(value, secret=True)}")
+    if not value.strip():
+        raise _fail(path, "must not be empty")
+    return value
+
+
+def _optional(inner: Validator) -> Validator:
+    """
+    L{None} (YAML C{null}) or whatever C{inner} accepts.
+    """
+
+    def check(value: Any, path: str) -> Any:
+        return None if value is None else inner(value, path)
+
+    return check
+
+
+def _choice(*choices: str, aliases: Optional[Dict[Any, str]] = None) -> Validator:
+    """
+    One of C{choices}.
+
+    @param aliases: extra accepted values and what they mean, e.g.
+        C{{False: "off"}} because YAML 1.1 reads a bare C{off} as false.
+    """
+
+    def check(value: Any, path: str) -> str:
+        if aliases:
+            for alias, meaning in aliases.items():
+                if type(value) is type(alias) and value == alias:
+                    return meaning
+        if not isinstance(value, str) or value not in choices:
+            expected = ", ".join(choices[:-1]) + " or " + choices[-1]
+            raise _fail(path, f"expected {expected}, got {_describe(value)}")
+        return value
+
+    return check
+
+
+def _stringTuple(value: Any, path: str) -> tuple:
+    """
+    A non-empty list of non-empty strings, as a tuple.
+    """
+    if not isinstance(value, list):
+        raise _fail(path, f"expected a list of strings, got {_describe(value)}")
+    if not value:
+        raise _fail(path, "must not be empty (omit the key to allow everything)")
+    return tuple(_string(item, f"{path}[{i}]") for i, item in enumerate(value))
+
+
+def _stringMap(value: Any, path: str) -> dict:
+    """
+    A mapping of string to string.
+    """
+    if not isinstance(value, dict):
+        raise _fail(path, f"expected a mapping of strings, got {_describe(value)}")
+    result = {}
+    for k, v in value.items():
+        if not isinstance(k, str) or not k:
+            raise _fail(path, f"keys must be non-empty strings, got {_describe(k)}")
+        result[k] = _string(v, _join(path, k))
+    return result
+
+
+def _statusTuple(value: Any, path: str) -> tuple:
+    """
+    A list of HTTP status codes (may be empty), as a tuple.
+    """
+    if not isinstance(value, list):
+        raise _fail(path, f"expected a list of status codes, got {_describe(value)}")
+    check = _integer(100, 599)
+    return tuple(check(item, f"{path}[{i}]") for i, item in enumerate(value))
+
+
+def _dottedName(value: Any, path: str) -> str:
+    """
+    A dotted Python name such as C{mypackage.module.Class}.
+    """
+    value = _string(value, path)
+    if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", value):
+        raise _fail(
+            path, f"expected a dotted name like package.module.Class, got {_describe(value)}"
+        )
+    return value
+
+
+def _endpoint(value: Any, path: str) -> str:
+    """
+    A Twisted server endpoint string such as C{tcp:8080:interface=127.0.0.1}.
+    """
+    from twisted.internet.endpoints import serverFromString
+
+    value = _string(value, path)
+    try:
+        # Parsing does not touch the reactor for the built-in endpoint types.
+        serverFromString(None, value)
+    except Exception as e:
+        raise _fail(path, f"invalid Twisted server endpoint string {value!r}: {e}")
+    return value
+
+
+def _httpURL(value: Any, path: str) -> str:
+    """
+    An C{http://} or C{https://} URL, returned without a trailing slash.
+    """
+    value = _string(value, path).strip()
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise _fail(path, f"expected an http:// or https:// URL, got {_describe(value)}")
+    return value.rstrip("/")
+
+
+def _redisURL(value: Any, path: str) -> str:
+    """
+    A C{redis://} (or C{rediss://}, C{unix://}) URL.
+    """
+    value = _string(value, path)
+    if urlsplit(value).scheme not in ("redis", "rediss", "unix"):
+        # The URL may carry a password: name the problem, not the value.
+        raise _fail(path, "expected a redis://host:port/db URL")
+    return value
+
+
+# ---------------------------------------------------------------------------
+# The whitelists. Key -> validator. Defaults live in relay.model.
+# ---------------------------------------------------------------------------
+
+_BREAKER: Dict[str, Validator] = {
+    "failures": _integer(1),
+    "window_seconds": _number(positive=True),
+    "open_seconds": _number(positive=True),
+    "max_open_seconds": _number(positive=True),
+    "enabled": _boolean,
+}
+
+_SCHEDULING: Dict[str, Validator] = {
+    "sticky_session_wait_timeout": _number(0),
+    "sticky_session_max_waiting": _integer(0),
+    "fallback_wait_timeout": _number(0),
+    "fallback_max_waiting": _integer(0),
+    "user_wait_timeout": _number(0),
+    "user_max_waiting": _integer(0),
+    "sticky_session_ttl_seconds": _number(positive=True),
+    "previous_response_ttl_seconds": _number(positive=True),
+    "ping_interval": _number(5, 30),
+}
+
+_WEBSOCKET: Dict[str, Validator] = {
+    "mode_default": _choice(*WS_MODES, aliases={False: "off"}),
+    "pool_capacity_factor": _number(positive=True),
+    "client_first_message_timeout_seconds": _number(positive=True),
+    "inter_turn_idle_timeout_seconds": _number(positive=True),
+    "max_frame_bytes": _integer(1024),
+}
+
+_UPSTREAM: Dict[str, Validator] = {
+    "connect_timeout_seconds": _number(positive=True),
+    "header_timeout_seconds": _number(positive=True),
+    "stream_idle_timeout_seconds": _number(positive=True),
+}
+
+
+def _nested(table: Dict[str, Validator], cls: type) -> Validator:
+    """
+    A nested mapping validated by C{table} and built into C{cls}.
+    """
+
+    def check(value: Any, path: str) -> Any:
+        return cls(**_section(value, path, table))
+
+    return check
+
+
+_GATEWAY: Dict[str, Validator] = {
+    "max_account_switches": _integer(0),
+    "first_output_timeout_seconds": _firstOutputTimeout,
+    "retry_interval_ms": _integer(0, 30000),
+    "transport_retry_policy": _choice(*TRANSPORT_RETRY_POLICIES),
+    "transport_error_cooldown_seconds": _number(0),
+    "retry_budget_percent": _number(0, 100),
+    "breaker": _nested(_BREAKER, BreakerSettings),
+    "scheduling": _nested(_SCHEDULING, SchedulingSettings),
+    "websocket": _nested(_WEBSOCKET, WebSocketSettings),
+    "upstream": _nested(_UPSTREAM, UpstreamSettings),
+}
+
+_STATE: Dict[str, Validator] = {
+    "backend": _choice(*STATE_BACKENDS),
+    "redis_url": _redisURL,
+    "on_redis_error": _choice(*REDIS_ERROR_POLICIES),
+    "concurrency_slot_ttl_minutes": _number(positive=True),
+}
+
+_COMPONENTS: Dict[str, Validator] = {
+    "classifier": _optional(_dottedName),
+    "dialer": _optional(_dottedName),
+    "admission": _optional(_dottedName),
+}
+
+_LOG: Dict[str, Validator] = {
+    "format": _choice(*LOG_FORMATS),
+}
+
+# Entries of lists. Keys that are resolved by hand (secrets, env vars,
+# proxies) map to a validator of the raw value; they are popped before the
+# remaining keys are handed to the model class.
+_KEY: Dict[str, Validator] = {
+    "name": _string,
+    "key": _secretString,
+    "key_env": _string,
+    "concurrency": _integer(0),
+}
+
+_PROXY: Dict[str, Validator] = {
+    "id": _string,
+    "url": _secretString,
+    "url_env": _string,
+}
+
+_ACCOUNT: Dict[str, Validator] = {
+    "id": _string,
+    "type": _choice(*ACCOUNT_TYPES),
+    "base_url": _httpURL,
+    "api_key": _secretString,
+    "api_key_env": _string,
+    "access_token": _secretString,
+    "access_token_env": _string,
+    "chatgpt_account_id": _string,
+    "concurrency": _integer(0),
+    "priority": _integer(),
+    "models": _optional(_stringTuple),
+    "model_mapping": _optional(_stringMap),
+    "ws_mode": _optional(_choice(*WS_MODES, aliases={False: "off"})),
+    "proxy": _optional(_secretString),
+    "proxy_env": _string,
+    "proxy_id": _string,
+    "pool_mode": _boolean,
+    "pool_mode_retry_count": _integer(0, 10),
+    "pool_mode_retry_status_codes": _statusTuple,
+}
+
+_TOP: Dict[str, Validator] = {
+    "listen": _endpoint,
+    "admin_key": _optional(_secretString),
+    "admin_key_env": _string,
+    "log": lambda value, path: _section(value, path, _LOG),
+    "keys": lambda value, path: _list(value, path),
+    "accounts": lambda value, path: _list(value, path),
+    "proxies": lambda value, path: _list(value, path),
+    "gateway": _nested(_GATEWAY, GatewaySettings),
+    "components": _nested(_COMPONENTS, ComponentSettings),
+    "state": _nested(_STATE, StateSettings),
+    "database": _string,
+}
+
+
+def _section(value: Any, path: str, table: Mapping[str, Validator]) -> Dict[str, Any]:
+    """
+    Validate a mapping against a whitelist.
+
+    @param value: the parsed YAML value; L{None} counts as an empty mapping.
+    @param path: its key path, for messages.
+    @param table: key -> validator.
+    @return: key -> converted value, for the keys present only.
+    @raise ConfigError: on a non-mapping or an unknown key.
+    """
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _fail(path or "top level", f"expected a mapping, got {_describe(value)}")
+    result = {}
+    for key, item in value.items():
+        if key not in table:
+            hint = ""
+            if isinstance(key, str):
+                close = difflib.get_close_matches(key, list(table), n=1)
+                if close:
+                    hint = f" (did you mean {close[0]}?)"
+            raise ConfigError(_oneLine(f"unknown key {_join(path, key)}{hint}"))
+        result[key] = table[key](item, _join(path, key))
+    return result
+
+
+def _list(value: Any, path: str) -> list:
+    """
+    A YAML list (L{None} counts as empty).
+    """
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise _fail(path, f"expected a list, got {_describe(value)}")
+    return value
+
+
+# ---------------------------------------------------------------------------
+# Secrets and environment variables
+# ---------------------------------------------------------------------------
+
+
+def _secret(
+    values: Dict[str, Any],
+    name: str,
+    path: str,
+    label: str,
+    environ: Mapping[str, str],
+    required: bool,
+) -> Optional[str]:
+    """
+    Resolve C{name} or C{name_env} from an already validated entry.
+
+    @param values: the entry's validated keys (C{name} and C{name_env} are
+        removed from it).
+    @param name: e.g. C{api_key}.
+    @param path: the entry's key path, e.g. C{accounts[0]} (C{""} at the
+        top level).
+    @param label: the entry's name for messages, e.g. C{accounts[0] (a1)}.
+    @param environ: the environment to read C{*_env} variables from.
+    @param required: raise when neither is given.
+    @return: the secret, or L{None}.
+    @raise ConfigError: both given, neither given (when required), or the
+        variable is unset or empty. The value is never part of a message.
+    """
+    envKey = name + "_env"
+    direct = values.pop(name, None)
+    variable = values.pop(envKey, None)
+    if direct is not None and variable is not None:
+        raise ConfigError(f"{label}: give {name} or {envKey}, not both")
+    if variable is not None:
+        where = _join(path, envKey)
+        resolved = environ.get(variable)
+        if resolved is None:
+            raise ConfigError(f"{where}: environment variable {variable} is not set")
+        if not resolved.strip():
+            raise ConfigError(f"{where}: environment variable {variable} is empty")
+        return resolved
+    if direct is None and required:
+        raise ConfigError(f"{label}: {name} or {envKey} is required")
+    return direct
+
+
+def parseProxyURL(url: str, proxyId: str, path: str) -> ProxySpec:
+    """
+    Parse C{socks5://user:pass@host:port}, C{socks5h://...} or
+    C{http://user:pass@host:port} into a L{ProxySpec}.
+
+    @param url: the proxy URL (a secret: never echoed in errors).
+    @param proxyId: the L{ProxySpec.id} to give it.
+    @param path: the key path for messages.
+    @raise ConfigError: on a malformed URL.
+    """
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError:
+        raise _fail(path, "invalid proxy URL (bad port?)")
+    if parts.scheme not in PROXY_SCHEMES:
+        raise _fail(path, "invalid proxy URL: scheme must be socks5, socks5h or http")
+    if not parts.hostname:
+        raise _fail(path, "invalid proxy URL: host is missing")
+    if port is None:
+        raise _fail(path, "invalid proxy URL: port is missing")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise _fail(path, "invalid proxy URL: expected scheme://[user:pass@]host:port")
+    username = unquote(parts.username) if parts.username is not None else None
+    password = unquote(parts.password) if parts.password is not None else None
+    return ProxySpec(
+        id=proxyId,
+        scheme=parts.scheme,
+        host=parts.hostname,
+        port=port,
+        username=username or None,
+        password=password or None,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Lists: proxies, keys, accounts
+# ---------------------------------------------------------------------------
+
+
+def _parseProxies(raw: list, environ: Mapping[str, str]) -> Tuple[ProxySpec, ...]:
+    """
+    Parse the top-level C{proxies:} list.
+
+    @rtype: L{tuple} of L{ProxySpec}
+    """
+    proxies = []
+    seen = set()
+    for i, entry in enumerate(raw):
+        path = f"proxies[{i}]"
+        values = _section(entry, path, _PROXY)
+        if "id" not in values:
+            raise ConfigError(f"{path}: id is required")
+        proxyId = values["id"]
+        if proxyId in seen:
+            raise ConfigError(f"{path}.id: duplicate proxy id {proxyId!r}")
+        seen.add(proxyId)
+        label = f"{path} ({proxyId})"
+        url = _secret(values, "url", path, label, environ, required=True)
+        proxies.append(parseProxyURL(url, proxyId, f"{path}.url"))
+    return tuple(proxies)
+
+
+def _parseKeys(raw: list, environ: Mapping[str, str]) -> Tuple[ClientKey, ...]:
+    """
+    Parse the C{keys:} list.
+
+    @rtype: L{tuple} of L{ClientKey}
+    """
+    keys = []
+    names: Dict[str, int] = {}
+    secretsSeen: Dict[str, int] = {}
+    for i, entry in enumerate(raw):
+        path = f"keys[{i}]"
+        values = _section(entry, path, _KEY)
+        if "name" not in values:
+            raise ConfigError(f"{path}: name is required")
+        name = values["name"]
+        label = f"{path} ({name})"
+        if name in names:
+            raise ConfigError(
+                f"{path}.name: duplicate key name {name!r} (also keys[{names[name]}])"
+            )
+        names[name] = i
+        secret = _secret(values, "key", path, label, environ, required=True)
+        if secret in secretsSeen:
+            other = secretsSeen[secret]
+            raise ConfigError(f"{label}: duplicate key value (same as keys[{other}])")
+        secretsSeen[secret] = i
+        keys.append(ClientKey(key=secret, **values))
+    return tuple(keys)
+
+
+def _parseAccounts(
+    raw: list, proxies: Tuple[ProxySpec, ...], environ: Mapping[str, str]
+) -> Tuple[Account, ...]:
+    """
+    Parse the C{accounts:} list.
+
+    @param proxies: the top-level proxies, for C{proxy_id}.
+    @rtype: L{tuple} of L{Account}
+    """
+    byId = {p.id: p for p in proxies}
+    accounts = []
+    seen: Dict[str, int] = {}
+    for i, entry in enumerate(raw):
+        path = f"accounts[{i}]"
+        values = _section(entry, path, _ACCOUNT)
+        if "id" not in values:
+            raise ConfigError(f"{path}: id is required")
+        accountId = values["id"]
+        label = f"{path} ({accountId})"
+        if accountId in seen:
+            raise ConfigError(
+                f"{path}.id: duplicate account id {accountId!r} (also accounts[{seen[accountId]}])"
+            )
+        seen[accountId] = i
+        if "type" not in values:
+            raise ConfigError(f"{label}: type is required (apikey or oauth)")
+        kind = values["type"]
+
+        if kind == "apikey":
+            for other in ("access_token", "access_token_env", "chatgpt_account_id"):
+                if other in values:
+                    raise ConfigError(f"{path}.{other}: only allowed on an oauth account")
+            credential = _secret(values, "api_key", path, label, environ, required=True)
+            values.setdefault("base_url", APIKEY_BASE_URL)
+        else:
+            for other in ("api_key", "api_key_env", "pool_mode"):
+                if other in values:
+                    raise ConfigError(f"{path}.{other}: only allowed on an apikey account")
+            credential = _secret(values, "access_token", path, label, environ, required=True)
+            if "chatgpt_account_id" not in values:
+                raise ConfigError(f"{label}: chatgpt_account_id is required for an oauth account")
+            values.setdefault("base_url", OAUTH_BASE_URL)
+
+        values["proxy"] = _accountProxy(values, path, label, accountId, byId, environ)
+        if values.get("model_mapping") is None:
+            values.pop("model_mapping", None)
+        accounts.append(Account(credential=credential, **values))
+    return tuple(accounts)
+
+
+def _accountProxy(
+    values: Dict[str, Any],
+    path: str,
+    label: str,
+    accountId: str,
+    byId: Mapping[str, ProxySpec],
+    environ: Mapping[str, str],
+) -> Optional[ProxySpec]:
+    """
+    Resolve an account's C{proxy}, C{proxy_env} or C{proxy_id}.
+
+    @return: the L{ProxySpec}, or L{None} for a direct connection.
+    """
+    given = [k for k in ("proxy", "proxy_env", "proxy_id") if values.get(k) is not None]
+    if len(given) > 1:
+        raise ConfigError(f"{label}: give only one of {', '.join(given)}")
+    proxyId = values.pop("proxy_id", None)
+    if proxyId is not None:
+        if proxyId not in byId:
+            raise ConfigError(f"{path}.proxy_id: unknown proxy id {proxyId!r} (not in proxies)")
+        return byId[proxyId]
+    url = _secret(values, "proxy", path, label, environ, required=False)
+    if url is None:
+        return None
+    where = f"{path}.{given[0]}"
+    return parseProxyURL(url, f"acct-{accountId}", where)
+
+
+# ---------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """
+    A C{SafeLoader} that rejects duplicate keys in a mapping (PyYAML keeps
+    the last one silently).
+    """
+
+    def construct_mapping(self, node, deep=False):
+        """
+        Build the mapping, refusing a key given twice.
+        """
+        seen = set()
+        for keyNode, _ in node.value:
+            try:
+                key = self.construct_object(keyNode, deep=deep)
+                hash(key)
+            except Exception:
+                continue
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", keyNode.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _parseYAML(text: str, source: str) -> Any:
+    """
+    Parse YAML text, turning syntax errors into one line with the position.
+
+    @param source: the file name for messages.
+    """
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
+        problem = e.problem or e.context or "invalid YAML"
+        raise ConfigError(_oneLine(f"{where}: YAML syntax error: {problem}"))
+    except yaml.YAMLError as e:
+        raise ConfigError(_oneLine(f"{source}: YAML error: {e}"))
+
+
+def settingsFromString(
+    text: str, environ: Mapping[str, str] = os.environ, source: str = "<string>"
+) -> RelayConfig:
+    """
+    Parse and validate configuration text.
+
+    @param text: the YAML document.
+    @param environ: where C{*_env} keys are looked up.
+    @param source: the file name used in syntax error messages.
+    @return: the validated L{RelayConfig}.
+    @raise ConfigError: with a one-line message naming the key path.
+    """
+    document = _parseYAML(text, source)
+    if document is None:
+        raise ConfigError(f"{source}: the configuration is empty")
+    values = _section(document, "", _TOP)
+
+    logSection = values.pop("log", None)
+    if logSection and "format" in logSection:
+        values["log_format"] = logSection["format"]
+
+    admin = _secret(values, "admin_key", "", "admin_key", environ, required=False)
+    if admin is not None:
+        values["admin_key"] = admin
+
+    proxies = _parseProxies(values.pop("proxies", []), environ)
+    values["proxies"] = proxies
+    values["keys"] = _parseKeys(values.pop("keys", []), environ)
+    values["accounts"] = _parseAccounts(values.pop("accounts", []), proxies, environ)
+
+    gateway = values.get("gateway")
+    if gateway is not None and gateway.breaker.max_open_seconds < gateway.breaker.open_seconds:
+        raise ConfigError(
+            "gateway.breaker.max_open_seconds: must be at least gateway.breaker.open_seconds"
+        )
+    return RelayConfig(**values)
+
+
+def loadConfig(path: str, environ: Mapping[str, str] = os.environ) -> RelayConfig:
+    """
+    Read, parse and validate a configuration file.
+
+    @param path: the YAML file.
+    @param environ: where C{*_env} keys are looked up.
+    @return: the validated L{RelayConfig}.
+    @raise ConfigError: when the file cannot be read or is invalid; the
+        message is one line naming the file (read and syntax errors) or the
+        key path (validation errors).
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(_oneLine(f"{path}: cannot read configuration file: {e.strerror or e}"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: the configuration file is not valid UTF-8")
+    return settingsFromString(text, environ=environ, source=str(path))
+
+
+def secretsOf(config: RelayConfig) -> frozenset:
+    """
+    Every secret value in a configuration, for L{relay.logs.SecretRedactor}.
+
+    @return: client key values, account credentials, the admin key and
+        proxy passwords.
+    @rtype: L{frozenset} of L{str}
+    """
+    secrets = set()
+    if config.admin_key:
+        secrets.add(config.admin_key)
+    for key in config.keys:
+        secrets.add(key.key)
+    proxies = list(config.proxies)
+    for account in config.accounts:
+        secrets.add(account.credential)
+        if account.proxy is not None:
+            proxies.append(account.proxy)
+    for proxy in proxies:
+        if proxy.password:
+            secrets.add(proxy.password)
+    return frozenset(s for s in secrets if s)
