@@ -1,0 +1,872 @@
+# -*- test-case-name: tests.test_scheduler -*-
+"""
+Account selection (behaviour.md group E, R37-R46, R-B6, R76-R79).
+
+L{AccountScheduler} walks the layers of R43 in order: the
+C{previous_response_id} owner (R41), the turn's preferred account (a
+WebSocket connection's account), the sticky session binding (R38, revised by
+R-B6), load balance, and the fallback wait plan. Every selection produces
+one truthful L{DecisionRecord} (R45) and logs it as
+C{openai.account_schedule_decision}.
+
+Store keys (R38, R39, R40):
+
+  - C{sticky_session:0:openai:{hash}} -> account id (the session binding);
+  - C{sticky_session:0:openai:response:{sha256(id)}} -> account id (the
+    response owner);
+  - C{openai:http-response-owner:key:{sha256(id)}} -> client key name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import statistics
+from collections import OrderedDict
+from typing import Callable, Iterable, Optional, Sequence
+from weakref import WeakKeyDictionary
+
+from attrs import asdict, define, field
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from relay.interfaces import IAccountScheduler, ISlotAdmission, IStateStore
+from relay.model import Account, ClientError, SchedulingSettings, Turn, WaitPlan
+from relay.selection import DecisionRecord, NoAccountAvailable, Selection
+from relay.settings import RuntimeSettings
+
+LAYER_PREVIOUS = "previous_response_id"
+LAYER_SESSION = "session_hash"
+LAYER_LOAD = "load_balance"
+
+#: At most this many response owners are kept in the local map (R39).
+LOCAL_OWNER_CAPACITY = 65536
+
+MSG_ID_MESSAGE = "previous_response_id must be a response.id (resp_*), not a message id"
+FOREIGN_OWNER_MESSAGE = "previous_response_id is not available for this user"
+OAUTH_CONTINUATION_MESSAGE = (
+    "previous_response_id requires an OpenAI API-key account for HTTP requests"
+)
+NO_ACCOUNT_MESSAGE = "Service temporarily unavailable"
+RATE_LIMITED_MESSAGE = "All available accounts are currently rate-limited. Please retry later."
+SLOT_ERROR_MESSAGE = "Service temporarily unavailable, please retry later"
+
+
+def sessionKey(sessionHash: str) -> str:
+    """
+    The store key of a sticky session binding (R38).
+
+    @param sessionHash: the 16-hex-digit hash from L{relay.session.sessionHash}.
+    @return: C{sticky_session:0:openai:{hash}}.
+    """
+    return f"sticky_session:0:openai:{sessionHash}"
+
+
+def _digest(responseId: str) -> str:
+    """
+    @param responseId: a response id.
+    @return: its sha256 as hex.
+    """
+    return hashlib.sha256(responseId.encode("utf-8")).hexdigest()
+
+
+def responseKey(responseId: str) -> str:
+    """
+    The store key of a response's owner account (R39).
+
+    @param responseId: the upstream response id (C{resp_...}).
+    @return: C{sticky_session:0:openai:response:{sha256(responseId)}}.
+    """
+    return f"sticky_session:0:openai:response:{_digest(responseId)}"
+
+
+def responseOwnerKey(responseId: str) -> str:
+    """
+    The store key of the client key that owns a response (R40).
+
+    @param responseId: the upstream response id.
+    @return: C{openai:http-response-owner:key:{sha256(responseId)}}.
+    """
+    return f"openai:http-response-owner:key:{_digest(responseId)}"
+
+
+def _never(account: Account) -> bool:
+    """
+    The default quarantine check: no proxy is ever quarantined.
+
+    @param account: an L{Account}.
+    @return: L{False}.
+    """
+    return False
+
+
+def loadRate(inUse: int, waiting: int, concurrency: int) -> float:
+    """
+    The load rate of an account (R28): C{(inUse + waiting) * 100 /
+    concurrency}; 0 for unlimited accounts (concurrency <= 0).
+
+    @param inUse: slots held.
+    @param waiting: queued waiters.
+    @param concurrency: the account's slot limit.
+    @return: a percentage (may exceed 100).
+    """
+    if concurrency <= 0:
+        return 0.0
+    return (inUse + waiting) * 100.0 / concurrency
+
+
+@define(eq=False)
+class _Pass:
+    """
+    What one L{AccountScheduler.select} call knows: the turn, the time, the
+    account states and the derived eligibility.
+
+    @ivar turn: the L{Turn}.
+    @ivar excluded: account ids excluded in this turn.
+    @ivar now: Unix seconds when the states were read.
+    @ivar scheduling: the L{SchedulingSettings} in force.
+    @ivar byId: account id -> L{Account}.
+    @ivar states: account id -> L{relay.failures.AccountRuntime}.
+    @ivar oauthBarred: R42 applies (HTTP turn with C{previous_response_id}).
+    @ivar quarantineFailOpen: every open candidate's proxy is quarantined,
+        so quarantine is ignored (R41).
+    @ivar eligible: accounts that serve the model, are not excluded, not
+        blocked, not quarantined and allowed by R42, in configured order.
+    @ivar binding: the session's bound account id, or L{None}.
+    @ivar skew: the load skew of the last load read.
+    @ivar tried: slots tried by the load-balance layer.
+    @ivar loads: account id -> (inUse, waiting) of the last load read.
+    """
+
+    turn: Turn
+    excluded: frozenset
+    now: float
+    scheduling: SchedulingSettings
+    byId: dict
+    states: dict
+    oauthBarred: bool = False
+    quarantineFailOpen: bool = False
+    eligible: list = field(factory=list)
+    binding: Optional[str] = None
+    skew: float = 0.0
+    tried: int = 0
+    loads: dict = field(factory=dict)
+
+
+@define
+class _Choice:
+    """
+    What a layer decided.
+
+    @ivar account: the chosen L{Account}.
+    @ivar lease: the held slot, or L{None}.
+    @ivar plan: the L{WaitPlan} when the slot is busy, or L{None}.
+    @ivar layer: the R45 layer name.
+    @ivar previousHit: the C{previous_response_id} layer decided.
+    @ivar sessionHit: the session binding decided.
+    @ivar bypass: R-B6 moved the turn off its busy bound account.
+    @ivar preferred: the turn's preferred account was chosen.
+    @ivar keepBinding: the session binding must not be rewritten.
+    @ivar bindingOp: what to do with the session binding now that the slot
+        is held: C{write}, C{touch} or C{none}.
+    """
+
+    account: Account
+    lease: object
+    plan: Optional[WaitPlan]
+    layer: str
+    previousHit: bool = False
+    sessionHit: bool = False
+    bypass: bool = False
+    preferred: bool = False
+    keepBinding: bool = False
+    bindingOp: str = "none"
+
+
+@implementer(IAccountScheduler)
+@define(eq=False)
+class AccountScheduler:
+    """
+    The built-in L{IAccountScheduler} (behaviour.md R37-R46, R-B6).
+
+    @ivar _accounts: the configured accounts, read on every call (a list
+        may be changed in place by the admin API).
+    @ivar _admission: the L{ISlotAdmission} for account slots.
+    @ivar _store: the L{IStateStore} holding account states, sticky
+        bindings and response owners.
+    @ivar _clock: the L{IReactorTime} for Unix seconds and latency.
+    @ivar _settings: the L{RuntimeSettings}; C{.current.scheduling} is read
+        on every call (R74).
+    @ivar _random: shuffles ties in load-balance order (R43 step 3.5).
+    @ivar _isQuarantined: C{(account) -> bool}: the account's proxy is
+        quarantined (issue 8).
+    @ivar _extraBlock: optional C{(account, now, upstreamModel) -> reason}
+        returning L{None} when schedulable, or a reason (a string or a
+        C{(reason, until)} tuple) for in-memory blocks the state store does
+        not hold (e.g. the breaker, R-B1).
+    @ivar _lastUsed: account id -> Unix seconds of its last selection.
+    @ivar _keptBindings: turns whose selection must not rewrite the session
+        binding (R-B6), consulted by L{bind}.
+    @ivar _localOwners: a bounded local map response id -> (account id,
+        client key name, expiry), used when the store misses or fails (R39).
+    """
+
+    _accounts: Sequence[Account]
+    _admission: ISlotAdmission
+    _store: IStateStore
+    _clock: IReactorTime
+    _settings: RuntimeSettings
+    _random: random.Random = field(factory=random.Random)
+    _isQuarantined: Callable[[Account], bool] = _never
+    _extraBlock: Optional[Callable] = None
+    _lastUsed: dict = field(factory=dict, init=False)
+    _keptBindings: WeakKeyDictionary = field(factory=WeakKeyDictionary, init=False)
+    _localOwners: OrderedDict = field(factory=OrderedDict, init=False)
+
+    _log = Logger()
+
+    # ------------------------------------------------------------------
+    # IAccountScheduler
+    # ------------------------------------------------------------------
+
+    def select(self, turn: Turn, excluded=frozenset()) -> Deferred:
+        """
+        See L{IAccountScheduler.select}.
+
+        Order: R40 id checks, the model check (R44 404 before routing,
+        seed 003), then the C{previous_response_id} owner (R41), the
+        preferred account, the session binding (R43 step 2 with R-B6),
+        load balance (step 3) and the fallback wait plan (step 4).
+
+        @param turn: the L{Turn}.
+        @param excluded: account ids excluded in this turn.
+        @return: Deferred firing with a L{Selection}, or failing with
+            L{NoAccountAvailable}.
+        """
+        return Deferred.fromCoroutine(self._select(turn, frozenset(excluded or ())))
+
+    def bind(self, turn: Turn, account: Account) -> Deferred:
+        """
+        Write the session binding after admission (R38), with TTL
+        C{sticky_session_ttl_seconds}; a no-op for turns without a session
+        hash and for turns whose selection kept the existing binding
+        (R-B6).
+
+        @return: Deferred firing with L{None}; store errors are logged.
+        """
+        return Deferred.fromCoroutine(self._bind(turn, account))
+
+    def unbind(self, turn: Turn) -> Deferred:
+        """
+        Delete the session binding (rotate transport policy, R72).
+
+        @return: Deferred firing with L{None}; store errors are logged.
+        """
+        return Deferred.fromCoroutine(self._unbind(turn))
+
+    def recordResponse(self, turn: Turn, responseId: str, account: Account) -> Deferred:
+        """
+        Remember that C{account} owns C{responseId} (R39) and that the
+        turn's client key owns it (R40), both with TTL
+        C{previous_response_ttl_seconds}, in the store and the local map.
+
+        @return: Deferred firing with L{None}; store errors are logged.
+        """
+        return Deferred.fromCoroutine(self._recordResponse(turn, responseId, account))
+
+    # ------------------------------------------------------------------
+    # Store helpers (R35: fail open)
+    # ------------------------------------------------------------------
+
+    async def _get(self, key: str) -> Optional[str]:
+        """
+        Read a key; a store error counts as "no value" (R35).
+        """
+        try:
+            return await self._store.getValue(key)
+        except Exception as e:
+            self._log.error(
+                "state store read failed for {key}: {error}",
+                event="openai.sticky_read_failed", key=key, error=repr(e),
+            )
+            return None
+
+    async def _write(self, op: str, *args) -> None:
+        """
+        Call a store write method; errors are logged, never raised.
+
+        @param op: C{setValue}, C{touchValue} or C{deleteValue}.
+        """
+        try:
+            await getattr(self._store, op)(*args)
+        except Exception as e:
+            self._log.error(
+                "state store {op} failed for {key}: {error}",
+                event="openai.sticky_write_failed", op=op, key=args[0], error=repr(e),
+            )
+
+    async def _bind(self, turn: Turn, account: Account) -> None:
+        """
+        See L{bind}.
+        """
+        if not turn.sessionHash or self._keptBindings.get(turn):
+            return
+        ttl = self._settings.current.scheduling.sticky_session_ttl_seconds
+        await self._write("setValue", sessionKey(turn.sessionHash), account.id, ttl)
+
+    async def _unbind(self, turn: Turn) -> None:
+        """
+        See L{unbind}.
+        """
+        if turn.sessionHash:
+            await self._write("deleteValue", sessionKey(turn.sessionHash))
+
+    async def _recordResponse(self, turn: Turn, responseId: str, account: Account) -> None:
+        """
+        See L{recordResponse}.
+        """
+        if not responseId:
+            return
+        ttl = self._settings.current.scheduling.previous_response_ttl_seconds
+        self._remember(responseId, account.id, turn.client.name, ttl)
+        await self._write("setValue", responseKey(responseId), account.id, ttl)
+        await self._write("setValue", responseOwnerKey(responseId), turn.client.name, ttl)
+
+    def _remember(self, responseId: str, accountId: str, keyName: str, ttl: float) -> None:
+        """
+        Put a response owner into the bounded local map (R39).
+        """
+        owners = self._localOwners
+        owners.pop(responseId, None)
+        owners[responseId] = (accountId, keyName, self._clock.seconds() + ttl)
+        while len(owners) > LOCAL_OWNER_CAPACITY:
+            owners.popitem(last=False)
+
+    def _local(self, responseId: str) -> Optional[tuple]:
+        """
+        @return: the live local C{(accountId, keyName)} of a response, or
+            L{None}.
+        """
+        entry = self._localOwners.get(responseId)
+        if entry is None:
+            return None
+        if entry[2] <= self._clock.seconds():
+            del self._localOwners[responseId]
+            return None
+        return entry[:2]
+
+    async def _responseOwner(self, responseId: str) -> Optional[str]:
+        """
+        The account id that owns a response (R39): the store, then the
+        local map.
+        """
+        owner = await self._get(responseKey(responseId))
+        if owner:
+            return owner
+        local = self._local(responseId)
+        return local[0] if local else None
+
+    async def _responseKeyName(self, responseId: str) -> Optional[str]:
+        """
+        The client key name that owns a response (R40), or L{None}.
+        """
+        name = await self._get(responseOwnerKey(responseId))
+        if name:
+            return name
+        local = self._local(responseId)
+        return local[1] if local else None
+
+    async def _states(self, accounts: Iterable[Account]) -> dict:
+        """
+        Account runtime states; a store error counts as "all healthy" (R35).
+        """
+        try:
+            return await self._store.getAccountStates([a.id for a in accounts])
+        except Exception as e:
+            self._log.error(
+                "account state read failed: {error}",
+                event="openai.account_state_read_failed", error=repr(e),
+            )
+            return {}
+
+    async def _loads(self, accounts: Sequence[Account]) -> dict:
+        """
+        Read account loads in one batch (R28); an error counts as idle.
+
+        @return: account id -> C{(inUse, waiting)}.
+        """
+        if not accounts:
+            return {}
+        try:
+            loads = await self._admission.load("account", [a.id for a in accounts])
+        except Exception as e:
+            self._log.error(
+                "account load read failed: {error}",
+                event="openai.account_load_read_failed", error=repr(e),
+            )
+            loads = {}
+        return {a.id: tuple(loads.get(a.id, (0, 0))) for a in accounts}
+
+    # ------------------------------------------------------------------
+    # Errors
+    # ------------------------------------------------------------------
+
+    @staticmethod
+    def _error(turn: Turn, status: int, type: str, message: str, code=None,
+               param=None, wsClose=None) -> NoAccountAvailable:
+        """
+        Build L{NoAccountAvailable}; C{wsClose} applies only to WebSocket
+        turns.
+        """
+        return NoAccountAvailable(ClientError(
+            status=status, type=type, message=message, code=code, param=param,
+            wsClose=wsClose if turn.entrypoint == "ws" else None,
+        ))
+
+    def _nothingQualifies(self, ctx: _Pass, openAccounts: list) -> NoAccountAvailable:
+        """
+        The R44 error when no account qualifies: R42's 400 when only OAuth
+        accounts remain for an HTTP continuation, 429 when every candidate
+        is rate-limited, else 503. WebSocket turns close 1013.
+
+        @param openAccounts: accounts that serve the model and are not
+            excluded.
+        """
+        turn = ctx.turn
+        if ctx.oauthBarred and openAccounts and all(a.type == "oauth" for a in openAccounts):
+            return self._error(
+                turn, 400, "invalid_request_error", OAUTH_CONTINUATION_MESSAGE,
+                param="previous_response_id",
+            )
+        allowed = [a for a in openAccounts if not (ctx.oauthBarred and a.type == "oauth")]
+        reasons = [self._blockReason(ctx, a) for a in allowed]
+        if allowed and all(r == "rate_limited" for r in reasons):
+            return self._error(
+                turn, 429, "rate_limit_error", RATE_LIMITED_MESSAGE,
+                wsClose=(1013, "no available account"),
+            )
+        return self._error(
+            turn, 503, "api_error", NO_ACCOUNT_MESSAGE,
+            wsClose=(1013, "no available account"),
+        )
+
+    # ------------------------------------------------------------------
+    # Eligibility
+    # ------------------------------------------------------------------
+
+    def _blockReason(self, ctx: _Pass, account: Account) -> Optional[str]:
+        """
+        Why the account is runtime-blocked for this turn's model: the state
+        store's L{relay.failures.AccountRuntime.unschedulable}, then the
+        C{extraBlock} hook.
+
+        @return: a reason string, or L{None} when schedulable.
+        """
+        upstream = account.upstreamModel(ctx.turn.model) if ctx.turn.model else None
+        state = ctx.states.get(account.id)
+        verdict = state.unschedulable(ctx.now, upstream) if state is not None else None
+        if verdict is None and self._extraBlock is not None:
+            verdict = self._extraBlock(account, ctx.now, upstream)
+        if not verdict:
+            return None
+        if isinstance(verdict, tuple):
+            return str(verdict[0])
+        return str(verdict)
+
+    def _quarantined(self, ctx: _Pass, account: Account) -> bool:
+        """
+        Whether the account's proxy quarantine applies (not when every
+        candidate is quarantined: fail open, R41).
+        """
+        return not ctx.quarantineFailOpen and bool(self._isQuarantined(account))
+
+    def _incompatible(self, ctx: _Pass, account: Account) -> Optional[str]:
+        """
+        The compatibility check shared by every layer (R41): excluded,
+        model served after mapping, runtime block, proxy quarantine, R42.
+
+        @return: the reason the account cannot take the turn, or L{None}.
+        """
+        if account.id in ctx.excluded:
+            return "excluded"
+        if not account.servesModel(ctx.turn.model):
+            return "model_not_served"
+        if ctx.oauthBarred and account.type == "oauth":
+            return "oauth_http_continuation"
+        blocked = self._blockReason(ctx, account)
+        if blocked:
+            return "unschedulable: " + blocked
+        if self._quarantined(ctx, account):
+            return "proxy_quarantined"
+        return None
+
+    # ------------------------------------------------------------------
+    # Selection
+    # ------------------------------------------------------------------
+
+    def _stickyPlan(self, ctx: _Pass, account: Account) -> WaitPlan:
+        """
+        The sticky wait plan (R28): C{sticky_session_wait_timeout} /
+        C{sticky_session_max_waiting}, the account's real concurrency.
+        """
+        return WaitPlan(
+            kind="account", id=account.id, max_concurrency=account.concurrency,
+            timeout=ctx.scheduling.sticky_session_wait_timeout,
+            max_waiting=ctx.scheduling.sticky_session_max_waiting, plan="sticky",
+        )
+
+    def _fallbackPlan(self, ctx: _Pass, account: Account) -> WaitPlan:
+        """
+        The fallback wait plan (R28): C{fallback_wait_timeout} /
+        C{fallback_max_waiting}.
+        """
+        return WaitPlan(
+            kind="account", id=account.id, max_concurrency=account.concurrency,
+            timeout=ctx.scheduling.fallback_wait_timeout,
+            max_waiting=ctx.scheduling.fallback_max_waiting, plan="fallback",
+        )
+
+    async def _try(self, ctx: _Pass, account: Account):
+        """
+        One immediate slot attempt. An admission error ends the selection
+        with 503 / WebSocket 1011 (R32, R35).
+
+        @return: an L{relay.interfaces.ISlotLease} or L{None}.
+        """
+        try:
+            return await self._admission.tryAcquire("account", account.id, account.concurrency)
+        except Exception as e:
+            self._log.error(
+                "account slot acquire failed for {account_id}: {error}",
+                event="openai.account_slot_acquire_error", account_id=account.id,
+                error=repr(e), request_id=ctx.turn.requestId,
+            )
+            raise self._error(
+                ctx.turn, 503, "api_error", SLOT_ERROR_MESSAGE,
+                wsClose=(1011, "failed to acquire account concurrency slot"),
+            )
+
+    def _ordered(self, accounts: list, key: Callable) -> list:
+        """
+        Sort by C{key}, shuffling accounts that tie (R43 step 3.5): shuffle
+        with the injected random, then sort stably.
+        """
+        accounts = list(accounts)
+        self._random.shuffle(accounts)
+        accounts.sort(key=key)
+        return accounts
+
+    def _lastUsedSecond(self, account: Account) -> int:
+        """
+        The last-used sort key: -1 for never used, else whole seconds.
+        """
+        last = self._lastUsed.get(account.id)
+        return -1 if last is None else int(last)
+
+    async def _loadBalance(self, ctx: _Pass, skip: frozenset = frozenset()):
+        """
+        The load-balance layer (R43 step 3): read loads in one batch, keep
+        C{loadRate < 100}, order by priority, load rate, last used (ties
+        shuffled), try each slot after re-checking its state; on a full miss
+        re-read the load and repeat once.
+
+        @param skip: account ids not to try (the busy bound account, R-B6).
+        @return: C{(account, lease)} or L{None}.
+        """
+        candidates = [a for a in ctx.eligible if a.id not in skip]
+        if not candidates:
+            return None
+        for _ in range(2):
+            ctx.loads.update(await self._loads(candidates))
+            rates = {a.id: loadRate(*ctx.loads[a.id], a.concurrency) for a in candidates}
+            ctx.skew = statistics.pstdev(rates.values()) if len(rates) > 1 else 0.0
+            available = [a for a in candidates if rates[a.id] < 100]
+            order = self._ordered(
+                available,
+                key=lambda a: (a.priority, rates[a.id], self._lastUsedSecond(a)),
+            )
+            for account in order:
+                if self._incompatible(ctx, account):
+                    continue
+                ctx.tried += 1
+                lease = await self._try(ctx, account)
+                if lease is not None:
+                    return account, lease
+        return None
+
+    async def _fallback(self, ctx: _Pass):
+        """
+        The fallback layer (R43 step 4): by priority then least recently
+        used (ties shuffled), the first account whose queue has room gets
+        the fallback wait plan (the first one overall when every queue is
+        full, so admission reports C{queue_full}).
+
+        @return: the chosen L{Account}, or L{None}.
+        """
+        if not ctx.eligible:
+            return None
+        missing = [a for a in ctx.eligible if a.id not in ctx.loads]
+        ctx.loads.update(await self._loads(missing))
+        order = self._ordered(
+            ctx.eligible, key=lambda a: (a.priority, self._lastUsedSecond(a)),
+        )
+        limit = ctx.scheduling.fallback_max_waiting
+        for account in order:
+            if ctx.loads.get(account.id, (0, 0))[1] < limit:
+                return account
+        return order[0]
+
+    def _movable(self, turn: Turn) -> bool:
+        """
+        Whether a busy sticky slot may send the turn elsewhere (R-B6): not
+        a WebSocket later turn, not a continuation (its chain lives on the
+        bound account), and the turn's history is complete (R46, R80).
+        """
+        if turn.entrypoint == "ws" and turn.phase == "later_turn":
+            return False
+        if turn.previousResponseId:
+            return False
+        return bool(turn.historyComplete)
+
+    async def _select(self, turn: Turn, excluded: frozenset) -> Selection:
+        """
+        See L{select}.
+        """
+        started = self._clock.seconds()
+        accounts = list(self._accounts)
+        previous = turn.previousResponseId or None
+
+        # R40: a message id is never a chain id.
+        if previous and previous.startswith("msg_"):
+            raise self._error(
+                turn, 400, "invalid_request_error", MSG_ID_MESSAGE,
+                param="previous_response_id", wsClose=(1008, MSG_ID_MESSAGE),
+            )
+
+        # Seed 003 / R44: the requested model must be served, before routing.
+        serving = [a for a in accounts if a.servesModel(turn.model)]
+        if not serving:
+            message = f"The model `{turn.model}` does not exist or you do not have access to it."
+            # R79: on the WebSocket an unknown model is an error event with
+            # status 400 and the connection stays open (no wsClose).
+            raise NoAccountAvailable(ClientError(
+                status=400 if turn.entrypoint == "ws" else 404,
+                type="invalid_request_error", message=message, code="model_not_found",
+                param="model",
+            ))
+
+        # R40: an HTTP continuation must belong to the caller's key.
+        if previous and turn.entrypoint == "http":
+            ownerKey = await self._responseKeyName(previous)
+            if ownerKey is not None and ownerKey != turn.client.name:
+                raise self._error(
+                    turn, 400, "invalid_request_error", FOREIGN_OWNER_MESSAGE,
+                    param="previous_response_id",
+                )
+
+        states = await self._states(accounts)
+        ctx = _Pass(
+            turn=turn, excluded=excluded, now=self._clock.seconds(),
+            scheduling=self._settings.current.scheduling,
+            byId={a.id: a for a in accounts}, states=states,
+            oauthBarred=bool(previous) and turn.entrypoint == "http",
+        )
+        openAccounts = [a for a in serving if a.id not in excluded]
+        if openAccounts and all(self._isQuarantined(a) for a in openAccounts):
+            ctx.quarantineFailOpen = True
+            self._log.warn(
+                "every candidate proxy is quarantined; allowing them anyway",
+                event="openai.proxy_quarantine_fail_open", request_id=turn.requestId,
+                candidate_count=len(openAccounts),
+            )
+        ctx.eligible = [a for a in openAccounts if self._incompatible(ctx, a) is None]
+        if turn.sessionHash:
+            ctx.binding = await self._get(sessionKey(turn.sessionHash))
+
+        choice = None
+        if previous:
+            choice = await self._previousLayer(ctx, previous)
+        if choice is None and turn.preferredAccountId:
+            choice = await self._preferredLayer(ctx)
+        keepBinding = False
+        if choice is None and ctx.binding:
+            outcome = await self._sessionLayer(ctx)
+            if isinstance(outcome, _Choice):
+                choice = outcome
+            else:
+                keepBinding = outcome
+        if choice is None:
+            picked = await self._loadBalance(ctx)
+            if picked is not None:
+                account, lease = picked
+                choice = _Choice(
+                    account, lease, None, LAYER_LOAD, keepBinding=keepBinding,
+                    bindingOp="none" if keepBinding else "write",
+                )
+        if choice is None:
+            account = await self._fallback(ctx)
+            if account is not None:
+                choice = _Choice(
+                    account, None, self._fallbackPlan(ctx, account), LAYER_LOAD,
+                    keepBinding=keepBinding,
+                )
+        if choice is None:
+            self._log.info(
+                "no account available for model {model}",
+                event="openai.account_select_no_available", request_id=turn.requestId,
+                entrypoint=turn.entrypoint, model=turn.model, excluded_count=len(excluded),
+            )
+            raise self._nothingQualifies(ctx, openAccounts)
+        return await self._finish(ctx, started, choice)
+
+    async def _previousLayer(self, ctx: _Pass, previous: str) -> Optional[_Choice]:
+        """
+        The C{previous_response_id} layer (R41, R42, R76): route to the
+        account that owns the response when it is usable. An incompatible
+        owner releases any slot taken and falls through.
+
+        @return: a L{_Choice}, or L{None} to fall through.
+        """
+        ownerId = await self._responseOwner(previous)
+        owner = ctx.byId.get(ownerId) if ownerId else None
+        if owner is None:
+            return None
+        reason = self._incompatible(ctx, owner)
+        if reason is not None and reason.startswith("unschedulable"):
+            # R41 step 2: the owner is no longer schedulable.
+            await self._write("deleteValue", responseKey(previous))
+        lease = None
+        if reason is None:
+            lease = await self._try(ctx, owner)
+            # Re-check just before use: a block may have appeared meanwhile.
+            reason = self._incompatible(ctx, owner)
+            if reason is not None and lease is not None:
+                lease.release()
+                lease = None
+        if reason is not None:
+            self._log.info(
+                "previous_response_id owner {account_id} not usable ({reason}); falling back",
+                event="openai.previous_response_owner_skipped", account_id=owner.id,
+                reason=reason, request_id=ctx.turn.requestId,
+            )
+            return None
+        if ctx.quarantineFailOpen and self._isQuarantined(owner):
+            self._log.warn(
+                "routing to previous_response_id owner {account_id} despite proxy quarantine",
+                event="openai.previous_response_owner_fail_open", account_id=owner.id,
+                request_id=ctx.turn.requestId,
+            )
+        plan = None if lease is not None else self._stickyPlan(ctx, owner)
+        return _Choice(
+            owner, lease, plan, LAYER_PREVIOUS, previousHit=True, bindingOp="write",
+        )
+
+    async def _preferredLayer(self, ctx: _Pass) -> Optional[_Choice]:
+        """
+        The turn's preferred account (a WebSocket later turn stays on its
+        account while it serves the model, R59, R79). A hit is labelled
+        C{session_hash} only when it is also the session's bound account;
+        otherwise C{load_balance} with C{preferred_account_hit} (R45).
+
+        @return: a L{_Choice}, or L{None} to fall through.
+        """
+        account = ctx.byId.get(ctx.turn.preferredAccountId)
+        if account is None or self._incompatible(ctx, account) is not None:
+            return None
+        lease = await self._try(ctx, account)
+        plan = None if lease is not None else self._stickyPlan(ctx, account)
+        bound = ctx.binding == account.id
+        return _Choice(
+            account, lease, plan, LAYER_SESSION if bound else LAYER_LOAD,
+            sessionHit=bound, preferred=True, bindingOp="touch" if bound else "write",
+        )
+
+    async def _sessionLayer(self, ctx: _Pass):
+        """
+        The session-hash layer (R43 step 2, R38) with R-B6.
+
+        A busy bound account keeps a turn that cannot move (WebSocket later
+        turns, continuations, incomplete history) with the sticky wait plan.
+        A movable turn tries idle accounts by load-balance order without
+        rewriting the binding; with none idle it waits on the bound account
+        while its queue has fewer than C{sticky_session_max_waiting}
+        waiters, else falls through to load balance keeping the binding.
+
+        @return: a L{_Choice} on a decision; L{True} to fall through keeping
+            the binding; L{False} to fall through normally (no usable
+            binding, or the bound account is excluded in this turn).
+        """
+        turn = ctx.turn
+        account = ctx.byId.get(ctx.binding)
+        reason = "unknown_account" if account is None else self._incompatible(ctx, account)
+        if reason is not None:
+            if reason in ("unknown_account", "model_not_served") or reason.startswith(
+                "unschedulable"
+            ):
+                # R38: delete a binding whose account can no longer serve.
+                await self._write("deleteValue", sessionKey(turn.sessionHash))
+                ctx.binding = None
+                return False
+            # Excluded in this turn (failover): the new account takes the
+            # binding. A quarantined proxy or R42 only bars this request:
+            # keep the lasting binding.
+            return reason != "excluded"
+        lease = await self._try(ctx, account)
+        if lease is not None:
+            return _Choice(account, lease, None, LAYER_SESSION, sessionHit=True, bindingOp="touch")
+        if not self._movable(turn):
+            return _Choice(account, None, self._stickyPlan(ctx, account), LAYER_SESSION,
+                           sessionHit=True)
+        # R-B6: re-select among idle accounts, keeping the lasting binding.
+        picked = await self._loadBalance(ctx, skip=frozenset([account.id]))
+        if picked is not None:
+            other, lease = picked
+            return _Choice(other, lease, None, LAYER_LOAD, bypass=True, keepBinding=True)
+        loads = await self._loads([account])
+        if loads[account.id][1] < ctx.scheduling.sticky_session_max_waiting:
+            return _Choice(account, None, self._stickyPlan(ctx, account), LAYER_SESSION,
+                           sessionHit=True)
+        return True
+
+    async def _finish(self, ctx: _Pass, started: float, choice: _Choice) -> Selection:
+        """
+        Note the last use, apply the session binding for a held slot (a
+        plan's binding is written by L{bind} after admission, R27 step 5),
+        build the truthful L{DecisionRecord} and log it once (R45).
+        """
+        turn = ctx.turn
+        account = choice.account
+        if choice.keepBinding:
+            self._keptBindings[turn] = True
+        else:
+            self._keptBindings.pop(turn, None)
+        self._lastUsed[account.id] = self._clock.seconds()
+        ttl = ctx.scheduling.sticky_session_ttl_seconds
+        if choice.lease is not None and turn.sessionHash and not choice.keepBinding:
+            if choice.bindingOp == "touch":
+                await self._write("touchValue", sessionKey(turn.sessionHash), ttl)
+            elif choice.bindingOp == "write":
+                await self._write("setValue", sessionKey(turn.sessionHash), account.id, ttl)
+        record = DecisionRecord(
+            layer=choice.layer,
+            sticky_previous_hit=choice.previousHit,
+            sticky_session_hit=choice.sessionHit,
+            selected_account_id=account.id,
+            selected_account_type=account.type,
+            candidate_count=len(ctx.eligible),
+            excluded_count=len(ctx.excluded),
+            wait_plan=choice.plan.plan if choice.plan is not None else None,
+            latency_ms=(self._clock.seconds() - started) * 1000.0,
+            load_skew=ctx.skew,
+            top_k=max(ctx.tried, 1),
+            sticky_busy_bypass=choice.bypass,
+            preferred_account_hit=choice.preferred,
+        )
+        self._log.debug(
+            "account schedule decision: {layer} -> {selected_account_id}",
+            event="openai.account_schedule_decision", request_id=turn.requestId,
+            entrypoint=turn.entrypoint, **asdict(record),
+        )
+        return Selection(account=account, lease=choice.lease, waitPlan=choice.plan, record=record)
