@@ -1,0 +1,243 @@
+# -*- test-case-name: tests.test_settings -*-
+"""
+Where runtime settings changes are persisted (behaviour.md R74).
+
+Two providers of L{ISettingsStore}:
+
+  - L{SQLiteSettingsStore}: the embedded default, one SQLite file
+    (config.md C{database:}), through L{twisted.enterprise.adbapi} with one
+    connection (C{cp_max=1}), so writes are serialised;
+  - L{RedisSettingsStore}: one JSON object under the Redis key
+    C{relay:settings}, for several relay processes sharing settings; each
+    process calls L{relay.settings.RuntimeSettings.refresh} periodically.
+
+Both store flat dotted names (C{breaker.failures}) with JSON values, and
+C{save} merges: keys not given keep their stored values.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from attrs import define, field
+from twisted.enterprise import adbapi
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IReactorTime
+from zope.interface import Interface, implementer
+
+__all__ = ["ISettingsStore", "SQLiteSettingsStore", "RedisSettingsStore", "SCHEMA_VERSION"]
+
+#: The schema version L{SQLiteSettingsStore} migrates to.
+SCHEMA_VERSION = 1
+
+_MIGRATIONS = {
+    1: (
+        "CREATE TABLE IF NOT EXISTS settings ("
+        " key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    ),
+}
+
+
+class ISettingsStore(Interface):
+    """
+    Persists runtime settings changes (R74). Values are flat dotted names
+    (as in L{relay.settings.RUNTIME_KEYS}) mapped to JSON-able values; the
+    store does not validate them (the reader normalises).
+    """
+
+    def load():
+        """
+        Read every stored setting.
+
+        @return: a L{Deferred} firing with a C{dict} of dotted name -> value
+            (empty when nothing was stored).
+        """
+
+    def save(values):
+        """
+        Store some settings, keeping the others as they are (a merge).
+
+        @param values: dotted name -> JSON-able value.
+        @return: a L{Deferred} firing with L{None} once durable.
+        """
+
+
+@implementer(ISettingsStore)
+@define(eq=False)
+class SQLiteSettingsStore:
+    """
+    Settings in a SQLite file: table C{settings(key TEXT PRIMARY KEY, value
+    TEXT NOT NULL)} with JSON values, and C{schema_version(version)}.
+    Migrations are idempotent (C{CREATE TABLE IF NOT EXISTS}) and run before
+    the first query.
+
+    @ivar path: the database file (C{:memory:} is not useful: every
+        connection would get its own database).
+    @ivar reactor: the reactor the connection pool runs on; L{None} for the
+        global one (only C{makeService} should rely on that).
+    """
+
+    path: str
+    _reactor: Any = None
+    _pool: Optional[adbapi.ConnectionPool] = field(default=None, init=False)
+    _migrated: bool = field(default=False, init=False)
+
+    def _getPool(self) -> adbapi.ConnectionPool:
+        if self._pool is None:
+            kwargs = {}
+            if self._reactor is not None:
+                kwargs["cp_reactor"] = self._reactor
+            self._pool = adbapi.ConnectionPool(
+                "sqlite3",
+                self.path,
+                cp_min=1,
+                cp_max=1,
+                check_same_thread=False,
+                cp_noisy=False,
+                **kwargs,
+            )
+        return self._pool
+
+    def _migrate(self) -> Deferred:
+        """
+        Create or upgrade the schema before the first query. Concurrent
+        first calls may both run it; it is idempotent, and the single
+        connection serialises them.
+
+        @return: a L{Deferred} firing when the schema is current.
+        """
+        if self._migrated:
+            return succeed(None)
+
+        def _cbMigrated(_):
+            self._migrated = True
+
+        return self._getPool().runInteraction(_migrateSchema).addCallback(_cbMigrated)
+
+    def load(self) -> Deferred:
+        """
+        See L{ISettingsStore.load}. Rows whose value is not JSON are skipped.
+        """
+        d = self._migrate()
+        d.addCallback(lambda _: self._getPool().runQuery("SELECT key, value FROM settings"))
+
+        def _cbRows(rows):
+            result = {}
+            for key, value in rows:
+                try:
+                    result[key] = json.loads(value)
+                except ValueError:
+                    continue
+            return result
+
+        return d.addCallback(_cbRows)
+
+    def save(self, values: dict) -> Deferred:
+        """
+        See L{ISettingsStore.save}: one transaction of upserts.
+        """
+        rows = [(str(k), json.dumps(v)) for k, v in values.items()]
+
+        def _write(txn):
+            txn.executemany("INSERT OR REPLACE INTO settings (key, value) VALUES (?, ?)", rows)
+
+        d = self._migrate()
+        d.addCallback(lambda _: self._getPool().runInteraction(_write))
+        return d.addCallback(lambda _: None)
+
+    def schemaVersion(self) -> Deferred:
+        """
+        @return: a L{Deferred} firing with the stored schema version (int).
+        """
+        d = self._migrate()
+        d.addCallback(
+            lambda _: self._getPool().runQuery("SELECT MAX(version) FROM schema_version")
+        )
+        return d.addCallback(lambda rows: rows[0][0])
+
+    def close(self) -> None:
+        """
+        Close the connection pool (from C{stopService}). Idempotent.
+        """
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            self._migrated = False
+            pool.close()
+
+
+def _migrateSchema(txn) -> None:
+    """
+    Run the missing migrations in one transaction.
+    """
+    txn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+    txn.execute("SELECT MAX(version) FROM schema_version")
+    row = txn.fetchone()
+    current = (row[0] if row else None) or 0
+    for version in sorted(_MIGRATIONS):
+        if version <= current:
+            continue
+        for statement in _MIGRATIONS[version]:
+            txn.execute(statement)
+        txn.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
+
+
+#: The Redis key holding the settings JSON.
+REDIS_KEY = "relay:settings"
+
+
+@implementer(ISettingsStore)
+@define(eq=False)
+class RedisSettingsStore:
+    """
+    Settings as one JSON object under C{relay:settings}.
+
+    @ivar redis: any object with C{get(key)} and C{set(key, value)} returning
+        Deferreds, such as a txredisapi connection or pool.
+    @ivar clock: bounds every call with C{timeout}.
+    @ivar timeout: seconds per Redis call.
+    @ivar key: the Redis key.
+    """
+
+    _redis: Any
+    _clock: IReactorTime
+    timeout: float = 2.0
+    key: str = REDIS_KEY
+
+    def load(self) -> Deferred:
+        """
+        See L{ISettingsStore.load}. A missing key or a value that is not a
+        JSON object reads as C{{}}.
+        """
+        d = self._redis.get(self.key)
+        d.addTimeout(self.timeout, self._clock)
+
+        def _cbParse(raw):
+            if raw is None:
+                return {}
+            if isinstance(raw, bytes):
+                raw = raw.decode("utf-8")
+            try:
+                value = json.loads(raw)
+            except ValueError:
+                return {}
+            return value if isinstance(value, dict) else {}
+
+        return d.addCallback(_cbParse)
+
+    def save(self, values: dict) -> Deferred:
+        """
+        See L{ISettingsStore.save}: read, merge, write. (Two processes saving
+        at the same instant may lose one of the merges; admin changes are
+        rare and the last one wins.)
+        """
+        d = self.load()
+
+        def _cbMerge(stored):
+            stored.update(values)
+            w = self._redis.set(self.key, json.dumps(stored, sort_keys=True))
+            w.addTimeout(self.timeout, self._clock)
+            return w
+
+        d.addCallback(_cbMerge)
+        return d.addCallback(lambda _: None)
