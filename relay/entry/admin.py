@@ -1,0 +1,498 @@
+# -*- test-case-name: tests.test_admin -*-
+"""
+The operator's HTTP surface: the admin API under C{/admin} and the
+Prometheus scrape at C{/metrics}.
+
+Routes under the resource returned by L{buildAdminResource} (mounted at
+C{/admin}):
+
+  - C{GET /admin/} - the status page (L{STATUS_PAGE}); served without the
+    key, its data fetches need it;
+  - C{GET /admin/settings} - the runtime settings, nested (behaviour.md R74);
+  - C{PUT /admin/settings} - a partial change, nested or flat dotted JSON;
+  - C{GET /admin/accounts} - every account's live state for the page;
+  - C{POST /admin/accounts/{id}/clear} - lift an account's runtime states;
+  - C{GET /admin/metrics} - the same metrics as C{/metrics}, behind the key.
+
+Authentication is C{Authorization: Bearer <admin key>}. Without a
+configured admin key every C{/admin} route answers 404: the admin API is
+then disabled, never open (config.md C{admin_key}). Errors use OpenAI's
+envelope (protocol.md 2.6).
+
+This module decides nothing about failover or admission (architecture.md
+invariant 1); it only shows state and hands changes to
+L{relay.settings.RuntimeSettings} and the C{clearAccount} callable.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from importlib import resources
+from typing import Any, Callable, Optional
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+from twisted.internet.defer import maybeDeferred
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET
+
+from relay.settings import RuntimeSettings, SettingsError
+
+__all__ = ["STATUS_PAGE", "buildAdminResource", "metricsResource"]
+
+#: The status page file, next to this module (packaged as C{entry/*.html}).
+STATUS_PAGE = "status.html"
+
+#: The largest settings body accepted.
+_MAX_BODY = 64 * 1024
+
+_log = Logger()
+
+
+def _errorBody(message: str, type: str, code: Optional[str], param: Optional[str] = None):
+    """
+    @return: OpenAI's error envelope as a dict.
+    """
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _respond(request, status: int, obj: Any) -> bytes:
+    """
+    Set the status and JSON headers, and return the encoded body.
+    """
+    request.setResponseCode(status)
+    request.setHeader(b"content-type", b"application/json; charset=utf-8")
+    request.setHeader(b"cache-control", b"no-store")
+    request.setHeader(b"x-content-type-options", b"nosniff")
+    return json.dumps(obj, default=str).encode("utf-8")
+
+
+def _notFound(request) -> bytes:
+    return _respond(
+        request, 404, _errorBody("Not found", "invalid_request_error", "not_found")
+    )
+
+
+def _deliverLater(request, d, onResult: Callable[[Any], tuple], what: str):
+    """
+    Answer C{request} when C{d} fires, unless the client has gone.
+
+    @param d: the L{Deferred} of the work.
+    @param onResult: turns the result into C{(status, obj)}; its exceptions
+        (and C{d}'s failures) become a 500 that is logged.
+    @param what: what the work was, for the log.
+    @return: L{NOT_DONE_YET}.
+    """
+    gone = []
+    request.notifyFinish().addErrback(lambda _: gone.append(True))
+
+    def _ebAnswer(f: Failure):
+        _log.failure(
+            "admin request failed while {what}", f, what=what, event="relay.admin_failed"
+        )
+        return 500, _errorBody(
+            "Internal error while " + what, "api_error", "internal_error"
+        )
+
+    def _write(answer):
+        if gone:
+            return
+        status, obj = answer
+        request.write(_respond(request, status, obj))
+        request.finish()
+
+    d.addCallback(onResult)
+    d.addErrback(_ebAnswer)
+    d.addCallback(_write)
+    d.addErrback(lambda f: _log.failure("writing admin answer", f, event="relay.admin_failed"))
+    return NOT_DONE_YET
+
+
+class _Guarded(Resource):
+    """
+    A leaf admin resource: checks the admin key, then dispatches to
+    C{render_METHOD}, answering unknown methods with a JSON 405.
+
+    @ivar adminKey: the configured key, or L{None} (every route 404).
+    """
+
+    isLeaf = True
+    requireKey = True
+
+    def __init__(self, adminKey: Optional[str]):
+        super().__init__()
+        self.adminKey = adminKey
+
+    def _authorised(self, request) -> bool:
+        """
+        @return: whether C{request} carries C{Authorization: Bearer <key>}.
+        """
+        header = request.getHeader(b"authorization") or ""
+        if isinstance(header, bytes):
+            header = header.decode("latin-1")
+        scheme, _, token = header.strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return False
+        return hmac.compare_digest(
+            token.strip().encode("utf-8"), self.adminKey.encode("utf-8")
+        )
+
+    def render(self, request):
+        """
+        404 when disabled, 401 without the key, 405 for other methods.
+        """
+        if self.adminKey is None:
+            return _notFound(request)
+        if self.requireKey and not self._authorised(request):
+            request.setHeader(b"www-authenticate", b'Bearer realm="relay-admin"')
+            return _respond(
+                request,
+                401,
+                _errorBody(
+                    "Missing or invalid admin key",
+                    "authentication_error",
+                    "invalid_admin_key",
+                ),
+            )
+        method = request.method.decode("ascii", "replace").upper()
+        if method == "HEAD":
+            method = "GET"
+        handler = getattr(self, "render_" + method, None)
+        if handler is None:
+            allowed = sorted(n[len("render_"):] for n in dir(self) if n.startswith("render_"))
+            request.setHeader(b"allow", ", ".join(allowed).encode("ascii"))
+            return _respond(
+                request,
+                405,
+                _errorBody(
+                    f"Method {method} is not allowed here",
+                    "invalid_request_error",
+                    "method_not_allowed",
+                ),
+            )
+        return handler(request)
+
+
+class _SettingsResource(_Guarded):
+    """
+    C{GET}/C{PUT /admin/settings} (behaviour.md R74).
+    """
+
+    def __init__(self, adminKey, settings: RuntimeSettings):
+        super().__init__(adminKey)
+        self.settings = settings
+
+    def render_GET(self, request):
+        """
+        The runtime settings in force, nested as under C{gateway:}.
+        """
+        if request.postpath not in ([], [b""]):
+            return _notFound(request)
+        return _respond(request, 200, self.settings.snapshot())
+
+    def render_PUT(self, request):
+        """
+        Apply a partial change; answer C{{"settings": ..., "changed": ...}}
+        once persisted. Unknown keys or wrong types: 400 naming them.
+        """
+        if request.postpath not in ([], [b""]):
+            return _notFound(request)
+        raw = request.content.read(_MAX_BODY + 1) if request.content is not None else b""
+        if len(raw) > _MAX_BODY:
+            return _respond(
+                request,
+                413,
+                _errorBody("Settings body too large", "invalid_request_error", "body_too_large"),
+            )
+        try:
+            body = json.loads(raw.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            return _respond(
+                request,
+                400,
+                _errorBody(
+                    "Request body is not valid JSON", "invalid_request_error", "invalid_json"
+                ),
+            )
+        if not isinstance(body, dict):
+            return _respond(
+                request,
+                400,
+                _errorBody(
+                    "Request body must be a JSON object", "invalid_request_error", "invalid_json"
+                ),
+            )
+        try:
+            d = self.settings.update(body)
+        except SettingsError as e:
+            code = "unknown_setting" if e.unknownKeys else "invalid_setting_value"
+            _log.info(
+                "refused settings change: {message}",
+                message=str(e),
+                event="relay.settings_refused",
+                keys=e.keys,
+            )
+            return _respond(
+                request,
+                400,
+                _errorBody(str(e), "invalid_request_error", code, e.keys[0] if e.keys else None),
+            )
+        return _deliverLater(
+            request,
+            d,
+            lambda changed: (200, {"settings": self.settings.snapshot(), "changed": changed}),
+            "persisting settings",
+        )
+
+
+class _AccountsResource(_Guarded):
+    """
+    C{GET /admin/accounts} and C{POST /admin/accounts/{id}/clear}.
+    """
+
+    def __init__(self, adminKey, accountsView, clearAccount, recentFailovers, clock):
+        super().__init__(adminKey)
+        self.accountsView = accountsView
+        self.clearAccount = clearAccount
+        self.recentFailovers = recentFailovers
+        self.clock = clock
+
+    def render_GET(self, request):
+        """
+        C{{"accounts": [...], "failovers": [...], "now": seconds}}.
+        """
+        if request.postpath not in ([], [b""]):
+            return _notFound(request)
+
+        def _cbView(accounts):
+            failovers = self.recentFailovers() if self.recentFailovers is not None else []
+            now = self.clock.seconds() if self.clock is not None else None
+            return 200, {"accounts": list(accounts), "failovers": list(failovers), "now": now}
+
+        return _deliverLater(
+            request, maybeDeferred(self.accountsView), _cbView, "reading account state"
+        )
+
+    def render_POST(self, request):
+        """
+        C{/admin/accounts/{id}/clear}: 200 C{{"cleared": id}}, 404 for an
+        unknown id.
+        """
+        path = request.postpath
+        if len(path) != 2 or path[1] != b"clear" or not path[0]:
+            return _notFound(request)
+        try:
+            accountId = path[0].decode("utf-8")
+        except UnicodeDecodeError:
+            return _notFound(request)
+        d = maybeDeferred(self.clearAccount, accountId)
+
+        unknown = object()
+
+        def _ebUnknown(f):
+            f.trap(KeyError)
+            return unknown
+
+        d.addCallbacks(lambda _: accountId, _ebUnknown)
+
+        def _cbCleared(result):
+            if result is unknown:
+                return 404, _errorBody(
+                    f"No account {accountId!r}",
+                    "invalid_request_error",
+                    "account_not_found",
+                    "id",
+                )
+            _log.info(
+                "account {account_id} cleared by admin",
+                account_id=accountId,
+                event="relay.account_cleared",
+            )
+            return 200, {"cleared": accountId}
+
+        return _deliverLater(request, d, _cbCleared, "clearing account")
+
+
+class _MetricsResource(Resource):
+    """
+    The Prometheus text exposition of one registry, rendered synchronously
+    (no threads, no global reactor, unlike C{prometheus_client.twisted}).
+    """
+
+    isLeaf = True
+
+    def __init__(self, registry: CollectorRegistry):
+        super().__init__()
+        self.registry = registry
+
+    def render_GET(self, request):
+        """
+        The metrics, in the format the C{Accept} header asks for.
+        """
+        accept = request.getHeader(b"accept") or ""
+        if isinstance(accept, bytes):
+            accept = accept.decode("latin-1")
+        encoder, contentType = choose_encoder(accept)
+        request.setResponseCode(200)
+        request.setHeader(b"content-type", contentType.encode("ascii"))
+        request.setHeader(b"cache-control", b"no-store")
+        return encoder(self.registry)
+
+    render_HEAD = render_GET
+
+
+class _GuardedMetrics(_Guarded):
+    """
+    C{/admin/metrics}: the metrics behind the admin key.
+    """
+
+    def __init__(self, adminKey, registry):
+        super().__init__(adminKey)
+        self._metrics = _MetricsResource(registry)
+
+    def render_GET(self, request):
+        """
+        Delegate to the plain metrics resource.
+        """
+        return self._metrics.render_GET(request)
+
+
+_PAGE_CSP = (
+    b"default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+    b"connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; "
+    b"frame-ancestors 'none'"
+)
+
+
+class _StatusPage(_Guarded):
+    """
+    C{GET /admin/}: the status page. Served without the key (its data
+    fetches carry it); 404 when the admin API is disabled.
+    """
+
+    requireKey = False
+
+    def __init__(self, adminKey, page: bytes):
+        super().__init__(adminKey)
+        self.page = page
+
+    def render_GET(self, request):
+        """
+        The page, uncached, with a strict content security policy.
+        """
+        if request.postpath not in ([], [b""]):
+            return _notFound(request)
+        request.setResponseCode(200)
+        request.setHeader(b"content-type", b"text/html; charset=utf-8")
+        request.setHeader(b"cache-control", b"no-store")
+        request.setHeader(b"x-content-type-options", b"nosniff")
+        request.setHeader(b"x-frame-options", b"DENY")
+        request.setHeader(b"referrer-policy", b"no-referrer")
+        request.setHeader(b"content-security-policy", _PAGE_CSP)
+        return self.page
+
+
+class _AdminRoot(Resource):
+    """
+    C{/admin}: routes to the leaves; C{/admin} itself redirects to
+    C{/admin/} so the page's relative fetches resolve.
+    """
+
+    def __init__(self, adminKey, children: dict):
+        super().__init__()
+        self.adminKey = adminKey
+        self._routes = children
+
+    def getChild(self, path, request):
+        """
+        Route one segment; unknown ones (and all when disabled) are 404.
+        """
+        if self.adminKey is not None and path in self._routes:
+            return self._routes[path]
+        return _NotFoundLeaf()
+
+    def render(self, request):
+        """
+        Redirect C{/admin} to C{/admin/}; 404 when disabled.
+        """
+        if self.adminKey is None:
+            return _notFound(request)
+        request.setResponseCode(301)
+        request.setHeader(b"location", request.uri.split(b"?", 1)[0] + b"/")
+        request.setHeader(b"content-type", b"text/plain; charset=utf-8")
+        return b"moved to /admin/\n"
+
+
+class _NotFoundLeaf(Resource):
+    """
+    A JSON 404 for every method.
+    """
+
+    isLeaf = True
+
+    def render(self, request):
+        return _notFound(request)
+
+
+def _loadPage() -> bytes:
+    """
+    @return: the bytes of L{STATUS_PAGE}.
+    """
+    return resources.files("relay.entry").joinpath(STATUS_PAGE).read_bytes()
+
+
+def buildAdminResource(
+    adminKey: Optional[str],
+    settings: RuntimeSettings,
+    accountsView: Callable[[], Any],
+    clearAccount: Callable[[str], Any],
+    registry: Optional[CollectorRegistry] = None,
+    *,
+    recentFailovers: Optional[Callable[[], list]] = None,
+    clock=None,
+) -> Resource:
+    """
+    Build the resource tree to mount at C{/admin}.
+
+    @param adminKey: the admin key, or L{None} to disable every route (404).
+    @param settings: the process's L{RuntimeSettings}.
+    @param accountsView: returns (a L{Deferred} of) a list of dicts, one per
+        account, with keys C{id}, C{type}, C{priority}, C{concurrency},
+        C{in_use}, C{waiting}, C{schedulable}, C{reason}, C{until},
+        C{rate_limited_until}, C{breaker}, C{disabled}, C{last_error},
+        C{turns}, C{failovers}, C{proxy_id}, C{proxy_state} (times in Unix
+        seconds; missing keys are shown as empty).
+    @param clearAccount: called with an account id; returns (a L{Deferred}
+        of) anything, or raises/fails with L{KeyError} for an unknown id.
+    @param registry: the metrics registry for C{/admin/metrics}, or L{None}
+        for no such route.
+    @param recentFailovers: optional; returns recent failovers (e.g.
+        L{relay.metrics.RelayMetrics.recentFailovers}) for the page.
+    @param clock: optional L{IReactorTime}; its time is sent as C{now} so
+        the page counts down cooldowns on the server's clock.
+    @rtype: L{Resource}
+    """
+    routes = {
+        b"": _StatusPage(adminKey, _loadPage()),
+        b"settings": _SettingsResource(adminKey, settings),
+        b"accounts": _AccountsResource(
+            adminKey, accountsView, clearAccount, recentFailovers, clock
+        ),
+    }
+    if registry is not None:
+        routes[b"metrics"] = _GuardedMetrics(adminKey, registry)
+    return _AdminRoot(adminKey, routes)
+
+
+def metricsResource(registry: CollectorRegistry) -> Resource:
+    """
+    The resource to mount at C{/metrics} (no key; bind relay to loopback or
+    put the scrape behind a firewall).
+
+    @param registry: e.g. L{relay.metrics.RelayMetrics.registry}.
+    @rtype: L{Resource}
+    """
+    return _MetricsResource(registry)

@@ -1,0 +1,267 @@
+# -*- test-case-name: tests.test_metrics -*-
+"""
+Prometheus metrics for relay, served at C{/metrics}
+(L{relay.entry.admin.metricsResource}).
+
+Every metric lives in the registry given to L{RelayMetrics}, never in
+prometheus_client's global registry, so tests and several relays in one
+process do not collide. The engine and entrypoints call the small record
+methods of L{RelayMetrics}; they never touch the metric objects.
+
+Names (all prefixed C{relay_}):
+
+  - C{relay_turns_total{entrypoint,outcome}}
+  - C{relay_failovers_total{reason}}
+  - C{relay_same_account_retries_total{reason}}
+  - C{relay_cooldowns_total{reason}}
+  - C{relay_waits_total{entrypoint,outcome}}, C{relay_wait_seconds{entrypoint}}
+  - C{relay_slots_in_use{account}}, C{relay_slots_waiting{account}}
+  - C{relay_first_output_seconds}
+  - C{relay_upstream_status_total{status}}
+  - C{relay_added_latency_seconds}
+  - C{relay_ws_closes_total{code}}
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Optional
+
+from attrs import define, field
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+
+__all__ = ["RelayMetrics", "SlotsCollector", "newRegistry"]
+
+_WAIT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
+_FIRST_OUTPUT_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+_ADDED_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+def newRegistry() -> CollectorRegistry:
+    """
+    @return: a fresh registry, without the process/platform collectors.
+    @rtype: L{CollectorRegistry}
+    """
+    return CollectorRegistry(auto_describe=True)
+
+
+class SlotsCollector(Collector):
+    """
+    Reports C{relay_slots_in_use} and C{relay_slots_waiting} per account from
+    a callable, read at scrape time.
+
+    The callable must be synchronous and cheap: it returns
+    C{{account_id: (in_use, waiting)}}, typically a snapshot the admission
+    layer keeps up to date. An exception in it is logged and the scrape
+    reports no samples for these two gauges.
+    """
+
+    _log = Logger()
+
+    def __init__(self) -> None:
+        self.source: Optional[Callable[[], dict]] = None
+
+    def describe(self):
+        """
+        Describe both gauges (so the registry knows their names up front).
+        """
+        return [
+            GaugeMetricFamily("relay_slots_in_use", "Account slots held", labels=["account"]),
+            GaugeMetricFamily(
+                "relay_slots_waiting", "Requests waiting for an account slot", labels=["account"]
+            ),
+        ]
+
+    def collect(self):
+        """
+        Read the source and yield both gauges.
+        """
+        inUse = GaugeMetricFamily("relay_slots_in_use", "Account slots held", labels=["account"])
+        waiting = GaugeMetricFamily(
+            "relay_slots_waiting", "Requests waiting for an account slot", labels=["account"]
+        )
+        if self.source is not None:
+            try:
+                loads = self.source() or {}
+                for account, (used, queued) in sorted(loads.items()):
+                    inUse.add_metric([str(account)], float(used))
+                    waiting.add_metric([str(account)], float(queued))
+            except Exception:
+                self._log.failure("slot source failed", event="relay.metrics_slots_failed")
+        yield inUse
+        yield waiting
+
+
+@define(eq=False, slots=False)
+class RelayMetrics:
+    """
+    relay's metrics in one registry, with the record methods the engine and
+    entrypoints call. Also keeps the most recent failovers for the status
+    page (L{recentFailovers}).
+
+    @ivar registry: the L{CollectorRegistry} holding every metric.
+    @ivar clock: timestamps for L{recentFailovers}; L{None} leaves them out.
+    @ivar recentLimit: how many failovers L{recentFailovers} keeps.
+    """
+
+    registry: CollectorRegistry = field(factory=newRegistry)
+    _clock: Optional[IReactorTime] = None
+    recentLimit: int = 50
+    _recent: deque = field(init=False)
+    _slots: SlotsCollector = field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        r = self.registry
+        self._recent = deque(maxlen=self.recentLimit)
+        self.turns = Counter(
+            "relay_turns", "Finished turns", ["entrypoint", "outcome"], registry=r
+        )
+        self.failovers = Counter(
+            "relay_failovers", "Switches to another account", ["reason"], registry=r
+        )
+        self.sameAccountRetries = Counter(
+            "relay_same_account_retries", "Retries on the same account", ["reason"], registry=r
+        )
+        self.cooldowns = Counter(
+            "relay_cooldowns", "Account cooldowns written, by kind", ["reason"], registry=r
+        )
+        self.waits = Counter(
+            "relay_waits", "Slot waits by outcome", ["entrypoint", "outcome"], registry=r
+        )
+        self.waitSeconds = Histogram(
+            "relay_wait_seconds",
+            "Time spent waiting for a slot",
+            ["entrypoint"],
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.firstOutputSeconds = Histogram(
+            "relay_first_output_seconds",
+            "Time from the turn's start to the first semantic output",
+            buckets=_FIRST_OUTPUT_BUCKETS,
+            registry=r,
+        )
+        self.upstreamStatuses = Counter(
+            "relay_upstream_status", "Upstream HTTP statuses", ["status"], registry=r
+        )
+        self.addedLatencyHistogram = Histogram(
+            "relay_added_latency_seconds",
+            "Latency relay adds on top of upstream (selection, admission, dial setup)",
+            buckets=_ADDED_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.wsCloses = Counter(
+            "relay_ws_closes", "WebSocket close codes sent to clients", ["code"], registry=r
+        )
+        self._slots = SlotsCollector()
+        r.register(self._slots)
+
+    def turnFinished(self, entrypoint: str, outcome: str) -> None:
+        """
+        Count a finished turn.
+
+        @param entrypoint: C{http} or C{ws}.
+        @param outcome: e.g. C{ok}, C{error}, C{client_gone}, C{exhausted}.
+        """
+        self.turns.labels(entrypoint=entrypoint, outcome=outcome).inc()
+
+    def failover(
+        self,
+        reason: str,
+        accountId: Optional[str] = None,
+        nextAccountId: Optional[str] = None,
+        entrypoint: Optional[str] = None,
+        status: Optional[int] = None,
+    ) -> None:
+        """
+        Count a switch to another account, and remember it for the status
+        page.
+
+        @param reason: the verdict's machine reason (e.g. C{status_503}).
+        @param accountId: the account switched away from.
+        @param nextAccountId: the account switched to, when known.
+        @param entrypoint: C{http} or C{ws}.
+        @param status: the upstream (or synthetic) status.
+        """
+        self.failovers.labels(reason=reason).inc()
+        self._recent.appendleft(
+            {
+                "at": self._clock.seconds() if self._clock is not None else None,
+                "reason": reason,
+                "account_id": accountId,
+                "next_account_id": nextAccountId,
+                "entrypoint": entrypoint,
+                "upstream_status": status,
+            }
+        )
+
+    def recentFailovers(self) -> list:
+        """
+        @return: the most recent failovers, newest first, as dicts with
+            C{at}, C{reason}, C{account_id}, C{next_account_id},
+            C{entrypoint}, C{upstream_status}.
+        @rtype: L{list}
+        """
+        return [dict(entry) for entry in self._recent]
+
+    def sameAccountRetry(self, reason: str) -> None:
+        """
+        Count a same-account retry (R13, R14, R72).
+        """
+        self.sameAccountRetries.labels(reason=reason).inc()
+
+    def cooldown(self, reason: str) -> None:
+        """
+        Count an account state written (the marking kind, e.g.
+        C{temp_unschedulable}, C{rate_limited}, C{breaker_open}).
+        """
+        self.cooldowns.labels(reason=reason).inc()
+
+    def waitFinished(self, entrypoint: str, outcome: str, seconds: float) -> None:
+        """
+        Count a finished slot wait and observe its duration.
+
+        @param outcome: C{acquired}, C{queue_full}, C{timeout},
+            C{client_gone} or C{error}.
+        @param seconds: time spent waiting.
+        """
+        self.waits.labels(entrypoint=entrypoint, outcome=outcome).inc()
+        self.waitSeconds.labels(entrypoint=entrypoint).observe(max(0.0, seconds))
+
+    def firstOutput(self, seconds: float) -> None:
+        """
+        Observe the time to first semantic output.
+        """
+        self.firstOutputSeconds.observe(max(0.0, seconds))
+
+    def upstreamStatus(self, status) -> None:
+        """
+        Count an upstream HTTP status (or a synthetic one, e.g. 502 for a
+        transport failure).
+        """
+        self.upstreamStatuses.labels(status=str(status)).inc()
+
+    def addedLatency(self, seconds: float) -> None:
+        """
+        Observe the latency relay added before the upstream request.
+        """
+        self.addedLatencyHistogram.observe(max(0.0, seconds))
+
+    def wsClose(self, code: int) -> None:
+        """
+        Count a WebSocket close code sent to a client.
+        """
+        self.wsCloses.labels(code=str(code)).inc()
+
+    def setSlotsSource(self, source: Optional[Callable[[], dict]]) -> None:
+        """
+        Set where C{relay_slots_in_use}/C{relay_slots_waiting} come from.
+
+        @param source: a synchronous callable returning
+            C{{account_id: (in_use, waiting)}}, or L{None} to report none.
+        """
+        self._slots.source = source

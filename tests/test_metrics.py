@@ -1,0 +1,111 @@
+"""
+Tests for L{relay.metrics}.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+
+from relay.metrics import RelayMetrics
+
+
+class RelayMetricsTests(SynchronousTestCase):
+    """
+    Every record method shows up under its C{relay_} name and labels.
+    """
+
+    def setUp(self):
+        self.clock = Clock()
+        self.metrics = RelayMetrics(CollectorRegistry(), clock=self.clock)
+
+    def scrape(self) -> str:
+        return generate_latest(self.metrics.registry).decode("utf-8")
+
+    def test_namesAndLabels(self):
+        """
+        After one call of each method the exposition holds each metric
+        with its labels and values.
+        """
+        m = self.metrics
+        m.turnFinished("ws", "ok")
+        m.turnFinished("ws", "ok")
+        m.failover("transport_transient")
+        m.sameAccountRetry("status_429")
+        m.cooldown("temp_unschedulable")
+        m.waitFinished("http", "queue_full", 0.0)
+        m.waitFinished("ws", "acquired", 2.5)
+        m.firstOutput(1.5)
+        m.upstreamStatus(503)
+        m.addedLatency(0.004)
+        m.wsClose(1013)
+        m.setSlotsSource(lambda: {"a1": (2, 1), "a2": (0, 0)})
+        text = self.scrape()
+        for line in [
+            'relay_turns_total{entrypoint="ws",outcome="ok"} 2.0',
+            'relay_failovers_total{reason="transport_transient"} 1.0',
+            'relay_same_account_retries_total{reason="status_429"} 1.0',
+            'relay_cooldowns_total{reason="temp_unschedulable"} 1.0',
+            'relay_waits_total{entrypoint="http",outcome="queue_full"} 1.0',
+            'relay_waits_total{entrypoint="ws",outcome="acquired"} 1.0',
+            'relay_wait_seconds_count{entrypoint="ws"} 1.0',
+            'relay_wait_seconds_sum{entrypoint="ws"} 2.5',
+            'relay_wait_seconds_bucket{entrypoint="ws",le="5.0"} 1.0',
+            "relay_first_output_seconds_count 1.0",
+            'relay_upstream_status_total{status="503"} 1.0',
+            "relay_added_latency_seconds_count 1.0",
+            'relay_ws_closes_total{code="1013"} 1.0',
+            'relay_slots_in_use{account="a1"} 2.0',
+            'relay_slots_waiting{account="a1"} 1.0',
+            'relay_slots_in_use{account="a2"} 0.0',
+        ]:
+            self.assertIn(line + "\n", text)
+
+    def test_slotsSourceReadAtScrape(self):
+        """
+        The slot gauges follow their source on every scrape.
+        """
+        loads = {"a1": (1, 0)}
+        self.metrics.setSlotsSource(lambda: loads)
+        self.assertIn('relay_slots_in_use{account="a1"} 1.0', self.scrape())
+        loads["a1"] = (3, 2)
+        text = self.scrape()
+        self.assertIn('relay_slots_in_use{account="a1"} 3.0', text)
+        self.assertIn('relay_slots_waiting{account="a1"} 2.0', text)
+
+    def test_slotsSourceError(self):
+        """
+        A failing slot source is logged; the scrape still works.
+        """
+        self.metrics.turnFinished("http", "ok")
+
+        def broken():
+            raise RuntimeError("boom")
+
+        self.metrics.setSlotsSource(broken)
+        text = self.scrape()
+        self.assertIn("relay_turns_total", text)
+        self.assertNotIn("relay_slots_in_use{", text)
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+
+    def test_recentFailovers(self):
+        """
+        Failovers are remembered newest first, with the clock's time, up to
+        the limit.
+        """
+        metrics = RelayMetrics(CollectorRegistry(), clock=self.clock, recentLimit=2)
+        for i in range(3):
+            self.clock.advance(1)
+            metrics.failover("status_503", f"a{i}", f"b{i}", "http", 503)
+        recent = metrics.recentFailovers()
+        self.assertEqual([f["account_id"] for f in recent], ["a2", "a1"])
+        self.assertEqual(recent[0]["at"], 3)
+        self.assertEqual(recent[0]["upstream_status"], 503)
+
+    def test_separateRegistries(self):
+        """
+        Two instances with their own registries do not collide.
+        """
+        RelayMetrics(CollectorRegistry())
+        RelayMetrics()
