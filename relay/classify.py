@@ -26,7 +26,7 @@ import errno
 import json
 import re
 from email.utils import parsedate_to_datetime
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 from attrs import evolve, frozen
 from twisted.internet import error as terror
@@ -259,7 +259,10 @@ _SECRET_PATTERNS = (
     (re.compile(r"\bsk-[A-Za-z0-9_\-]{4,}"), "sk-[redacted]"),
     (re.compile(r"\b(eyJ[A-Za-z0-9_\-]{8,}\.)[A-Za-z0-9_\-.]+"), "[redacted-jwt]"),
     (re.compile(r"(?i)([a-z][a-z0-9+.\-]*://)[^/\s@:]+:[^/\s@]*@"), r"\1[redacted]@"),
-    (re.compile(r"(?i)\b(api[_-]?key|access_token|refresh_token|password)=[^&\s]+"), r"\1=[redacted]"),
+    (
+        re.compile(r"(?i)\b(api[_-]?key|access_token|refresh_token|password)=[^&\s]+"),
+        r"\1=[redacted]",
+    ),
 )
 
 
@@ -432,7 +435,9 @@ def parseError(status: int, body: Any, contentType: str = "") -> ErrorFacts:
         messages=messages,
         message=sanitise(original) if original else "",
         type=err.get("type") if isinstance(err.get("type"), str) else None,
-        code=(err.get("code") or respErr.get("code")) if isinstance(err.get("code") or respErr.get("code"), str) else None,
+        code=(err.get("code") or respErr.get("code"))
+        if isinstance(err.get("code") or respErr.get("code"), str)
+        else None,
         param=err.get("param") if isinstance(err.get("param"), str) else None,
         detailUnauthorized=detail == "Unauthorized",
         html=html,
@@ -467,16 +472,27 @@ R8_ACCESS_STATE = re.compile(
 
 #: R8 row 5: model-not-found code and messages (API-key accounts).
 R8_MODEL_NOT_FOUND_CODE = "model_not_found"
-R8_MODEL_NOT_FOUND_MESSAGES = ("unknown provider for model", "model not found", "model is not supported")
+R8_MODEL_NOT_FOUND_MESSAGES = (
+    "unknown provider for model",
+    "model not found",
+    "model is not supported",
+)
 
 #: R8 row 6: statuses that fail over (plus any >= 500).
 R8_FAILOVER_STATUSES = frozenset({401, 402, 403, 405, 429, 529})
 
 #: R8 row 7, any status >= 400: overload codes and messages (capacity shed).
 R8_OVERLOAD_CODES = ("server_is_overloaded", "slow_down")
-R8_OVERLOAD_MESSAGES = ("server is overloaded", "servers are overloaded", "servers are currently overloaded")
+R8_OVERLOAD_MESSAGES = (
+    "server is overloaded",
+    "servers are overloaded",
+    "servers are currently overloaded",
+)
 #: R8 row 7, status 400 only: processing messages ...
-R8_PROCESSING_MESSAGES = ("an error occurred while processing your request", "selected model is at capacity")
+R8_PROCESSING_MESSAGES = (
+    "an error occurred while processing your request",
+    "selected model is at capacity",
+)
 #: ... or all of these words.
 R8_PROCESSING_ALL = ("you can retry your request", "help.openai.com", "request id")
 
@@ -647,7 +663,11 @@ def _mark401(f: ErrorFacts, a: Account, now: float, c: "DefaultClassifier") -> t
     as having one; relay's token refresher owns the cache).
     """
     reason = "401: " + (f.message or "Unauthorized")
-    if any(code in f.codes for code in R11_401_PERMANENT_CODES) or f.detailUnauthorized or a.type != "oauth":
+    if (
+        any(code in f.codes for code in R11_401_PERMANENT_CODES)
+        or f.detailUnauthorized
+        or a.type != "oauth"
+    ):
         return (Marking(MARK_DISABLED, reason=reason),)
     return (Marking(MARK_TEMP_UNSCHEDULABLE, seconds=OAUTH_401_COOLDOWN_SECONDS, reason=reason),)
 
@@ -681,7 +701,13 @@ def _mark529(f: ErrorFacts, a: Account, now: float, c: "DefaultClassifier") -> t
     """
     R11 529 row: overloaded for 10 minutes.
     """
-    return (Marking(MARK_OVERLOADED, seconds=OVERLOAD_COOLDOWN_SECONDS, reason="529: " + (f.message or "overloaded")),)
+    return (
+        Marking(
+            MARK_OVERLOADED,
+            seconds=OVERLOAD_COOLDOWN_SECONDS,
+            reason="529: " + (f.message or "overloaded"),
+        ),
+    )
 
 
 def _mark400(f: ErrorFacts, a: Account, now: float, c: "DefaultClassifier") -> tuple:
@@ -753,14 +779,19 @@ def r12Reset(headers: dict, error: dict, now: float, fallbackSeconds: float) -> 
     if windows:
         spent = [reset for used, reset in windows if used is not None and used >= 100]
         return (max(spent) if spent else max(reset for _, reset in windows), "headers")
-    if _str(error.get("type")) == "usage_limit_reached" or _str(error.get("code")) == "usage_limit_reached":
+    if (
+        _str(error.get("type")) == "usage_limit_reached"
+        or _str(error.get("code")) == "usage_limit_reached"
+    ):
         at = _float(error.get("resets_at"))
         if at is not None and at > now:
             return (at, "body")
         after = _float(error.get("resets_in_seconds"))
         if after is not None and after > 0:
             return (now + after, "body")
-    seconds = min(max(fallbackSeconds, RATE_LIMIT_FALLBACK_MIN_SECONDS), RATE_LIMIT_FALLBACK_MAX_SECONDS)
+    seconds = min(
+        max(fallbackSeconds, RATE_LIMIT_FALLBACK_MIN_SECONDS), RATE_LIMIT_FALLBACK_MAX_SECONDS
+    )
     return (now + seconds, "fallback")
 
 
@@ -887,9 +918,15 @@ def _eventError(event: dict) -> tuple:
     if etype == "response.failed":
         err = _dict(_dict(event.get("response")).get("error"))
     else:
-        err = _dict(event.get("error")) or {k: event.get(k) for k in ("code", "message", "type", "param") if k in event}
+        err = _dict(event.get("error")) or {
+            k: event.get(k) for k in ("code", "message", "type", "param") if k in event
+        }
     status = event.get("status", event.get("status_code"))
-    status = int(status) if isinstance(status, int) or (isinstance(status, str) and status.isdigit()) else 0
+    status = (
+        int(status)
+        if isinstance(status, int) or (isinstance(status, str) and status.isdigit())
+        else 0
+    )
     headers = {str(k).lower(): v for k, v in _dict(event.get("headers")).items()}
     return (err, status, headers)
 
@@ -976,7 +1013,10 @@ class DefaultClassifier:
         R8 (decision), R9/R10 (pass-through), R11 (markings), R12 (reset),
         R13/R14 (same-account), R15 (exhaustion), R16 (Retry-After).
         """
-        headers = {str(k).lower(): (v.decode("latin-1") if isinstance(v, bytes) else v) for k, v in (headers or {}).items()}
+        headers = {
+            str(k).lower(): (v.decode("latin-1") if isinstance(v, bytes) else v)
+            for k, v in (headers or {}).items()
+        }
         contentType = headers.get("content-type") or ""
         f = parseError(status, body, contentType)
         row, reason, failover = r8Decide(f, account)
@@ -1012,7 +1052,11 @@ class DefaultClassifier:
             reason = f"status_{status}"
         if overload:
             reason = REASON_OVERLOAD
-        poolRetry = account.type != "oauth" and account.pool_mode and status in tuple(account.pool_mode_retry_status_codes)
+        poolRetry = (
+            account.type != "oauth"
+            and account.pool_mode
+            and status in tuple(account.pool_mode_retry_status_codes)
+        )
 
         sameAccount = False
         retryDelay = None
@@ -1024,7 +1068,11 @@ class DefaultClassifier:
         elif oauth429:
             sameAccount = True  # R13
             seconds = retryAfterSeconds(headers.get("retry-after"), now)
-            retryDelay = min(seconds, OAUTH_429_MAX_DELAY_SECONDS) if seconds is not None else OAUTH_429_DEFAULT_DELAY_SECONDS
+            retryDelay = (
+                min(seconds, OAUTH_429_MAX_DELAY_SECONDS)
+                if seconds is not None
+                else OAUTH_429_DEFAULT_DELAY_SECONDS
+            )
         elif poolRetry:
             sameAccount = True  # R14
 
@@ -1048,7 +1096,15 @@ class DefaultClassifier:
         )
         return evolve(verdict, clientError=self.exhausted(verdict, endpoint))
 
-    def _markings(self, f: ErrorFacts, account: Account, row: int, headers: dict, now: float, oauthWindow: bool) -> tuple:
+    def _markings(
+        self,
+        f: ErrorFacts,
+        account: Account,
+        row: int,
+        headers: dict,
+        now: float,
+        oauthWindow: bool,
+    ) -> tuple:
         """
         R11: the checks before the status rules, then the status rules.
 
@@ -1061,7 +1117,12 @@ class DefaultClassifier:
         if isOverload(f):
             return ()  # R11 check 1: capacity shed
         if row == 3:
-            return (Marking(MARK_DISABLED, reason="access state: " + (f.message or next(c for c in f.codesAccess if c))),)
+            return (
+                Marking(
+                    MARK_DISABLED,
+                    reason="access state: " + (f.message or next(c for c in f.codesAccess if c)),
+                ),
+            )
         if row == 5:
             return (
                 Marking(
@@ -1077,16 +1138,26 @@ class DefaultClassifier:
         if status == 429:
             if not oauthWindow:
                 until, _ = r12Reset(headers, f.error, now, self.rate_limit_fallback_seconds)
-                markings = (Marking(MARK_RATE_LIMITED, until=until, reason="429: " + (f.message or "rate limited")),)
+                markings = (
+                    Marking(
+                        MARK_RATE_LIMITED,
+                        until=until,
+                        reason="429: " + (f.message or "rate limited"),
+                    ),
+                )
         elif status in R11_STATUS_RULES:
             markings = R11_STATUS_RULES[status](f, account, now, self)
         if account.type != "oauth" and (
             status in R11_STREAK_STATUSES or (status == 400 and isProcessingMessage(f))
         ):
-            markings += (Marking(MARK_TRANSIENT_STREAK, reason=f"{status}: " + (f.message or "transient")),)
+            markings += (
+                Marking(MARK_TRANSIENT_STREAK, reason=f"{status}: " + (f.message or "transient")),
+            )
         return markings
 
-    def _passThrough(self, f: ErrorFacts, row: int, endpoint: str, body: Any, contentType: str) -> ClientError:
+    def _passThrough(
+        self, f: ErrorFacts, row: int, endpoint: str, body: Any, contentType: str
+    ) -> ClientError:
         """
         R9 (responses) and R10 (chat): the error for a status that does not
         fail over.
@@ -1094,7 +1165,12 @@ class DefaultClassifier:
         status = f.status
         if row == 1:
             if endpoint == "chat":
-                return _clientError(status, "invalid_request_error", f.message or "Request blocked by upstream policy", code=CYBER_POLICY_CODE)
+                return _clientError(
+                    status,
+                    "invalid_request_error",
+                    f.message or "Request blocked by upstream policy",
+                    code=CYBER_POLICY_CODE,
+                )
             raw = body if isinstance(body, bytes) else str(body or "").encode("utf-8")
             return ClientError(
                 status=status,
@@ -1105,9 +1181,17 @@ class DefaultClassifier:
                 contentType=contentType or "application/json",
             )
         if endpoint == "chat":
-            return _clientError(status, r10Type(status), f.message or MSG_REQUEST_FAILED, code=f.code, param=f.param)
+            return _clientError(
+                status, r10Type(status), f.message or MSG_REQUEST_FAILED, code=f.code, param=f.param
+            )
         if status == 400:
-            return _clientError(400, f.type or "invalid_request_error", f.message or MSG_REJECTED, code=f.code, param=f.param)
+            return _clientError(
+                400,
+                f.type or "invalid_request_error",
+                f.message or MSG_REJECTED,
+                code=f.code,
+                param=f.param,
+            )
         mapped = R9_STATUS_MAP.get(status, R9_DEFAULT)
         if row == 2:
             return _clientError(mapped[0], mapped[1], f.message or mapped[2], code=f.code)
@@ -1128,17 +1212,45 @@ class DefaultClassifier:
             headers = (("Retry-After", verdict.retryAfter),)  # step 3
         status = verdict.status
         if verdict.kind == STATUS and verdict.reason == REASON_BODY_TOO_LARGE:
-            return _clientError(413, "invalid_request_error", MSG_PAYLOAD_TOO_LARGE, wsClose=WS_PROXY_FAILED, headers=headers)
+            return _clientError(
+                413,
+                "invalid_request_error",
+                MSG_PAYLOAD_TOO_LARGE,
+                wsClose=WS_PROXY_FAILED,
+                headers=headers,
+            )
         if verdict.reason == REASON_ACCESS_STATE:
-            return _clientError(502, "upstream_error", MSG_ACCESS_UNAVAILABLE, wsClose=WS_CREDENTIAL_UNAVAILABLE, headers=headers)
+            return _clientError(
+                502,
+                "upstream_error",
+                MSG_ACCESS_UNAVAILABLE,
+                wsClose=WS_CREDENTIAL_UNAVAILABLE,
+                headers=headers,
+            )
         if verdict.reason == REASON_OVERLOAD:
-            return _clientError(503, "server_error", verdict.message or MSG_OVERLOADED_DEFAULT, wsClose=WS_UNAVAILABLE, headers=headers)
+            return _clientError(
+                503,
+                "server_error",
+                verdict.message or MSG_OVERLOADED_DEFAULT,
+                wsClose=WS_UNAVAILABLE,
+                headers=headers,
+            )
         if verdict.reason == REASON_EMPTY_COMPLETED:
-            return _clientError(502, "upstream_error", MSG_REQUEST_FAILED, wsClose=WS_PROXY_FAILED, headers=headers)
+            return _clientError(
+                502, "upstream_error", MSG_REQUEST_FAILED, wsClose=WS_PROXY_FAILED, headers=headers
+            )
         if verdict.kind == FIRST_OUTPUT_TIMEOUT:
-            return _clientError(502, "first_output_timeout", MSG_TEMPORARILY_UNAVAILABLE, wsClose=WS_UNAVAILABLE, headers=headers)
+            return _clientError(
+                502,
+                "first_output_timeout",
+                MSG_TEMPORARILY_UNAVAILABLE,
+                wsClose=WS_UNAVAILABLE,
+                headers=headers,
+            )
         mapped = R15_STATUS_MAP.get(status, R15_DEFAULT)
-        return _clientError(*mapped, wsClose=R65_WS_CLOSE.get(status, WS_PROXY_FAILED), headers=headers)
+        return _clientError(
+            *mapped, wsClose=R65_WS_CLOSE.get(status, WS_PROXY_FAILED), headers=headers
+        )
 
     # -- R20-R23 --------------------------------------------------------------
 
@@ -1182,20 +1294,31 @@ class DefaultClassifier:
         C{previous_response_not_found}, which R66/R76 handle).
         """
         if kind == "read_error":
-            return self._streamVerdict(endpoint, 502, REASON_STREAM_READ_ERROR, MSG_STREAM_DISCONNECTED + sanitise(detail or "read error"))
+            return self._streamVerdict(
+                endpoint,
+                502,
+                REASON_STREAM_READ_ERROR,
+                MSG_STREAM_DISCONNECTED + sanitise(detail or "read error"),
+            )
         if kind == "no_terminal":
-            return self._streamVerdict(endpoint, 502, REASON_STREAM_NO_TERMINAL, MSG_STREAM_NO_TERMINAL)
+            return self._streamVerdict(
+                endpoint, 502, REASON_STREAM_NO_TERMINAL, MSG_STREAM_NO_TERMINAL
+            )
         if kind == "empty_completed":
             return self._streamVerdict(endpoint, 502, REASON_EMPTY_COMPLETED, MSG_EMPTY_COMPLETED)
         if kind != "event" or not isinstance(event, dict):
             return None
         return self._classifyEvent(account, endpoint, event)
 
-    def _streamVerdict(self, endpoint: str, status: int, reason: str, message: str, **kw: Any) -> Verdict:
+    def _streamVerdict(
+        self, endpoint: str, status: int, reason: str, message: str, **kw: Any
+    ) -> Verdict:
         """
         Build a stream failover verdict with its exhaustion mapping.
         """
-        verdict = Verdict(kind=STREAM, failover=True, status=status, reason=reason, message=message, **kw)
+        verdict = Verdict(
+            kind=STREAM, failover=True, status=status, reason=reason, message=message, **kw
+        )
         return evolve(verdict, clientError=self.exhausted(verdict, endpoint))
 
     def _classifyEvent(self, account: Account, endpoint: str, event: dict) -> Optional[Verdict]:
@@ -1238,21 +1361,35 @@ class DefaultClassifier:
             )
         policy = any(m in t for t in f.codes + f.messages for m in R23_POLICY_MARKERS)
         if status in R23_STATUSES or (status == 403 and not policy):
-            markings = self._markings(f, account, 6, headers, 0.0, oauthWindow=False) if status != 429 else ()
-            return self._streamVerdict(endpoint, status, f"status_{status}", message, markings=markings)
+            markings = (
+                self._markings(f, account, 6, headers, 0.0, oauthWindow=False)
+                if status != 429
+                else ()
+            )
+            return self._streamVerdict(
+                endpoint, status, f"status_{status}", message, markings=markings
+            )
         if isOverload(f):
-            return self._streamVerdict(endpoint, status or 503, REASON_OVERLOAD, message, sameAccount=True, backoff=True)
+            return self._streamVerdict(
+                endpoint, status or 503, REASON_OVERLOAD, message, sameAccount=True, backoff=True
+            )
         if isProcessingMessage(f):
-            return self._streamVerdict(endpoint, status or 502, REASON_TRANSIENT_PROCESSING, message)
+            return self._streamVerdict(
+                endpoint, status or 502, REASON_TRANSIENT_PROCESSING, message
+            )
         if event.get("type") == "response.failed":
             if not policy:
                 return self._streamVerdict(endpoint, status or 502, REASON_STREAM_FAILED, message)
             return None
         if any(w in text for w in R23_ERROR_RETRY_WORDS):
-            return self._streamVerdict(endpoint, status or 502, REASON_STREAM_RETRYABLE_ERROR, message)
+            return self._streamVerdict(
+                endpoint, status or 502, REASON_STREAM_RETRYABLE_ERROR, message
+            )
         return None
 
-    def _relativeRateLimit(self, until: float, rule: str, headers: dict, err: dict, message: str) -> Marking:
+    def _relativeRateLimit(
+        self, until: float, rule: str, headers: dict, err: dict, message: str
+    ) -> Marking:
         """
         The R12 marking for a stream event, which arrives without C{now}:
         absolute resets stay absolute (C{until}); relative ones become

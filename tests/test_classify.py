@@ -43,9 +43,15 @@ from relay.model import Account
 #: a fixed "now", Unix seconds
 NOW = 1_700_000_000.0
 
-APIKEY = Account(id="k1", type="apikey", base_url="https://api.openai.com/v1", credential="sk-secret")
-OAUTH = Account(id="o1", type="oauth", base_url="https://chatgpt.com/backend-api/codex", credential="tok")
-POOL = Account(id="p1", type="apikey", base_url="https://api.openai.com/v1", credential="sk-x", pool_mode=True)
+APIKEY = Account(
+    id="k1", type="apikey", base_url="https://api.openai.com/v1", credential="sk-secret"
+)
+OAUTH = Account(
+    id="o1", type="oauth", base_url="https://chatgpt.com/backend-api/codex", credential="tok"
+)
+POOL = Account(
+    id="p1", type="apikey", base_url="https://api.openai.com/v1", credential="sk-x", pool_mode=True
+)
 
 
 def err(code=None, message=None, type=None, **extra):
@@ -67,7 +73,9 @@ def classify(account, status, body=b"", headers=None, endpoint="responses", clas
     """
     Run L{DefaultClassifier.classifyStatus} at L{NOW}.
     """
-    return (classifier or DefaultClassifier()).classifyStatus(account, endpoint, status, headers or {}, body, NOW)
+    return (classifier or DefaultClassifier()).classifyStatus(
+        account, endpoint, status, headers or {}, body, NOW
+    )
 
 
 def kinds(verdict):
@@ -89,7 +97,9 @@ class InterfaceTests(SynchronousTestCase):
         """
         self.assertTrue(verifyObject(IFailureClassifier, DefaultClassifier()))
         self.assertRaises(TypeError, DefaultClassifier, 30)
-        self.assertEqual(DefaultClassifier(transport_cooldown_seconds=30).transport_cooldown_seconds, 30)
+        self.assertEqual(
+            DefaultClassifier(transport_cooldown_seconds=30).transport_cooldown_seconds, 30
+        )
 
 
 class TransportTests(SynchronousTestCase):
@@ -112,7 +122,9 @@ class TransportTests(SynchronousTestCase):
         ),
         (
             "ResponseNeverReceived wrapping EHOSTUNREACH",
-            ResponseNeverReceived([Failure(terror.ConnectionLost()), Failure(OSError(errno.EHOSTUNREACH, "x"))]),
+            ResponseNeverReceived(
+                [Failure(terror.ConnectionLost()), Failure(OSError(errno.EHOSTUNREACH, "x"))]
+            ),
         ),
         ("marker: SOCKS5 authentication failed", Exception("SOCKS5 Authentication failed")),
         ("marker: proxy 407", Exception("Proxy Authentication Required")),
@@ -130,7 +142,10 @@ class TransportTests(SynchronousTestCase):
         ("ConnectionDone (EOF)", terror.ConnectionDone()),
         ("reset", OSError(errno.ECONNRESET, "Connection reset by peer")),
         ("TLS error", SSL.Error([("SSL routines", "", "certificate verify failed")])),
-        ("ResponseNeverReceived wrapping lost", ResponseNeverReceived([Failure(terror.ConnectionLost())])),
+        (
+            "ResponseNeverReceived wrapping lost",
+            ResponseNeverReceived([Failure(terror.ConnectionLost())]),
+        ),
         ("proxy CONNECT timeout", Exception("proxyconnect tcp: i/o timeout")),
         ("HeaderTimeout", type("HeaderTimeout", (Exception,), {})("no headers in 120 s")),
     ]
@@ -145,7 +160,11 @@ class TransportTests(SynchronousTestCase):
         for name, reason in self.PERSISTENT:
             v = c.classifyTransport(APIKEY, reason, "responses")
             self.assertTrue(v.persistent, name)
-            self.assertEqual((v.kind, v.failover, v.status, v.reason), (F.TRANSPORT, True, 502, "transport_persistent"), name)
+            self.assertEqual(
+                (v.kind, v.failover, v.status, v.reason),
+                (F.TRANSPORT, True, 502, "transport_persistent"),
+                name,
+            )
             self.assertEqual(len(v.markings), 1, name)
             m = v.markings[0]
             self.assertEqual((m.kind, m.seconds), (F.MARK_TEMP_UNSCHEDULABLE, 600), name)
@@ -160,7 +179,11 @@ class TransportTests(SynchronousTestCase):
         for name, reason in self.TRANSIENT:
             v = c.classifyTransport(APIKEY, reason, "responses")
             self.assertFalse(v.persistent, name)
-            self.assertEqual((v.failover, v.status, v.reason, v.markings), (True, 502, "transport_transient", ()), name)
+            self.assertEqual(
+                (v.failover, v.status, v.reason, v.markings),
+                (True, 502, "transport_transient", ()),
+                name,
+            )
 
     def test_chainedCause(self):
         """
@@ -200,7 +223,12 @@ class TransportTests(SynchronousTestCase):
         """
         v = DefaultClassifier().classifyTransport(APIKEY, terror.ConnectionLost(), "responses")
         self.assertEqual(
-            (v.clientError.status, v.clientError.type, v.clientError.message, v.clientError.wsClose),
+            (
+                v.clientError.status,
+                v.clientError.type,
+                v.clientError.message,
+                v.clientError.wsClose,
+            ),
             (502, "upstream_error", MSG_TEMPORARILY_UNAVAILABLE, WS_UNAVAILABLE),
         )
 
@@ -209,8 +237,8 @@ class TransportTests(SynchronousTestCase):
         R4: the reason text carries no secrets and is capped.
         """
         reason = Exception(
-            "connection refused via socks5://alice:hunter2@proxy:1080 with Bearer abc.def sk-proj-ABCDEF123456 "
-            + "x" * 2000
+            "connection refused via socks5://alice:hunter2@proxy:1080"
+            " with Bearer abc.def sk-proj-ABCDEF123456 " + "x" * 2000
         )
         v = DefaultClassifier().classifyTransport(APIKEY, reason, "responses")
         for text in (v.message, v.markings[0].reason):
@@ -225,7 +253,9 @@ class TransportTests(SynchronousTestCase):
         The sanitiser removes keys, bearer tokens and URL credentials.
         """
         self.assertEqual(sanitise("key sk-abcdef12345 here"), "key sk-[redacted] here")
-        self.assertEqual(sanitise("Authorization: Bearer tok123"), "Authorization: Bearer [redacted]")
+        self.assertEqual(
+            sanitise("Authorization: Bearer tok123"), "Authorization: Bearer [redacted]"
+        )
         self.assertEqual(sanitise("http://u:p@h:1/x"), "http://[redacted]@h:1/x")
         self.assertEqual(len(sanitise("y" * 5000)), 500)
 
@@ -234,35 +264,175 @@ class TransportTests(SynchronousTestCase):
 #: (name, account, status, body, failover, reason)
 R8_ROWS = [
     # row 1
-    ("1 cyber_policy error.code", APIKEY, 400, err("cyber_policy", "blocked"), False, "cyber_policy"),
-    ("1 cyber_policy response.error.code", APIKEY, 403, b'{"response":{"error":{"code":"cyber_policy"}}}', False, "cyber_policy"),
-    ("1 cyber_policy beats context", APIKEY, 400, err("cyber_policy", "context length exceeded"), False, "cyber_policy"),
+    (
+        "1 cyber_policy error.code",
+        APIKEY,
+        400,
+        err("cyber_policy", "blocked"),
+        False,
+        "cyber_policy",
+    ),
+    (
+        "1 cyber_policy response.error.code",
+        APIKEY,
+        403,
+        b'{"response":{"error":{"code":"cyber_policy"}}}',
+        False,
+        "cyber_policy",
+    ),
+    (
+        "1 cyber_policy beats context",
+        APIKEY,
+        400,
+        err("cyber_policy", "context length exceeded"),
+        False,
+        "cyber_policy",
+    ),
     # row 2
-    ("2 context_length_exceeded code", APIKEY, 400, err("context_length_exceeded", "x"), False, "context_window"),
+    (
+        "2 context_length_exceeded code",
+        APIKEY,
+        400,
+        err("context_length_exceeded", "x"),
+        False,
+        "context_window",
+    ),
     ("2 context_too_large", APIKEY, 400, err(None, "context_too_large"), False, "context_window"),
-    ("2 maximum context length", APIKEY, 400, err(None, "This model's maximum context length is 8192"), False, "context_window"),
-    ("2 max context length", APIKEY, 400, err(None, "max context length hit"), False, "context_window"),
-    ("2 context window + exceed", APIKEY, 400, err(None, "Your input exceeds the context window"), False, "context_window"),
-    ("2 context length + too long", APIKEY, 400, err(None, "context length too long"), False, "context_window"),
-    ("2 context window + too large", APIKEY, 400, err(None, "context window too large"), False, "context_window"),
-    ("2 token limit context exceed", APIKEY, 400, err(None, "token limit of the context was exceeded"), False, "context_window"),
-    ("2 top-level message", APIKEY, 400, b'{"message":"maximum context length"}', False, "context_window"),
-    ("2 top-level code", APIKEY, 400, b'{"code":"context_length_exceeded"}', False, "context_window"),
+    (
+        "2 maximum context length",
+        APIKEY,
+        400,
+        err(None, "This model's maximum context length is 8192"),
+        False,
+        "context_window",
+    ),
+    (
+        "2 max context length",
+        APIKEY,
+        400,
+        err(None, "max context length hit"),
+        False,
+        "context_window",
+    ),
+    (
+        "2 context window + exceed",
+        APIKEY,
+        400,
+        err(None, "Your input exceeds the context window"),
+        False,
+        "context_window",
+    ),
+    (
+        "2 context length + too long",
+        APIKEY,
+        400,
+        err(None, "context length too long"),
+        False,
+        "context_window",
+    ),
+    (
+        "2 context window + too large",
+        APIKEY,
+        400,
+        err(None, "context window too large"),
+        False,
+        "context_window",
+    ),
+    (
+        "2 token limit context exceed",
+        APIKEY,
+        400,
+        err(None, "token limit of the context was exceeded"),
+        False,
+        "context_window",
+    ),
+    (
+        "2 top-level message",
+        APIKEY,
+        400,
+        b'{"message":"maximum context length"}',
+        False,
+        "context_window",
+    ),
+    (
+        "2 top-level code",
+        APIKEY,
+        400,
+        b'{"code":"context_length_exceeded"}',
+        False,
+        "context_window",
+    ),
     ("2 raw non-JSON body", APIKEY, 400, b"context_length_exceeded!", False, "context_window"),
-    ("2 on 429 still no failover", APIKEY, 429, err("context_length_exceeded"), False, "context_window"),
-    ("2 on 413 still no failover", APIKEY, 413, err(None, "maximum context length"), False, "context_window"),
+    (
+        "2 on 429 still no failover",
+        APIKEY,
+        429,
+        err("context_length_exceeded"),
+        False,
+        "context_window",
+    ),
+    (
+        "2 on 413 still no failover",
+        APIKEY,
+        413,
+        err(None, "maximum context length"),
+        False,
+        "context_window",
+    ),
     # row 3
-    ("3 deactivated_workspace detail.code", APIKEY, 402, b'{"detail":{"code":"deactivated_workspace"}}', True, "access_state"),
+    (
+        "3 deactivated_workspace detail.code",
+        APIKEY,
+        402,
+        b'{"detail":{"code":"deactivated_workspace"}}',
+        True,
+        "access_state",
+    ),
     ("3 account_deactivated", OAUTH, 403, err("account_deactivated"), True, "access_state"),
-    ("3 disabled_organization reversed", APIKEY, 400, b'{"code":"disabled_organization"}', True, "access_state"),
-    ("3 org_suspended response.error", APIKEY, 400, b'{"response":{"error":{"code":"org_suspended"}}}', True, "access_state"),
+    (
+        "3 disabled_organization reversed",
+        APIKEY,
+        400,
+        b'{"code":"disabled_organization"}',
+        True,
+        "access_state",
+    ),
+    (
+        "3 org_suspended response.error",
+        APIKEY,
+        400,
+        b'{"response":{"error":{"code":"org_suspended"}}}',
+        True,
+        "access_state",
+    ),
     ("3 workspace_disabled", APIKEY, 404, err("workspace_disabled"), True, "access_state"),
     # row 4
     ("4 413", APIKEY, 413, err(None, "too big"), True, "openai_request_body_too_large"),
     # row 5
-    ("5 model_not_found apikey", APIKEY, 400, err("model_not_found", "no"), True, "model_not_found"),
-    ("5 unknown provider", APIKEY, 400, err(None, "Unknown provider for model x"), True, "model_not_found"),
-    ("5 model is not supported", APIKEY, 400, err(None, "The model is not supported"), True, "model_not_found"),
+    (
+        "5 model_not_found apikey",
+        APIKEY,
+        400,
+        err("model_not_found", "no"),
+        True,
+        "model_not_found",
+    ),
+    (
+        "5 unknown provider",
+        APIKEY,
+        400,
+        err(None, "Unknown provider for model x"),
+        True,
+        "model_not_found",
+    ),
+    (
+        "5 model is not supported",
+        APIKEY,
+        400,
+        err(None, "The model is not supported"),
+        True,
+        "model_not_found",
+    ),
     ("5 model not found", APIKEY, 400, err(None, "model not found"), True, "model_not_found"),
     ("5 oauth does not fail over", OAUTH, 400, err("model_not_found", "no"), False, "client_error"),
     # row 6
@@ -278,24 +448,63 @@ R8_ROWS = [
     # row 7
     ("7 server_is_overloaded on 400", APIKEY, 400, err("server_is_overloaded"), True, "overload"),
     ("7 slow_down on 404", APIKEY, 404, err("slow_down"), True, "overload"),
-    ("7 servers are currently overloaded on 409", APIKEY, 409, err(None, "Our servers are currently overloaded"), True, "overload"),
+    (
+        "7 servers are currently overloaded on 409",
+        APIKEY,
+        409,
+        err(None, "Our servers are currently overloaded"),
+        True,
+        "overload",
+    ),
     ("7 overload on 503", APIKEY, 503, err(None, "The server is overloaded"), True, "overload"),
-    ("7 processing message 400", APIKEY, 400, err(None, "An error occurred while processing your request."), True, "transient_processing"),
-    ("7 model at capacity 400", APIKEY, 400, err(None, "Selected model is at capacity"), True, "transient_processing"),
+    (
+        "7 processing message 400",
+        APIKEY,
+        400,
+        err(None, "An error occurred while processing your request."),
+        True,
+        "transient_processing",
+    ),
+    (
+        "7 model at capacity 400",
+        APIKEY,
+        400,
+        err(None, "Selected model is at capacity"),
+        True,
+        "transient_processing",
+    ),
     (
         "7 retry/help/request id 400",
         APIKEY,
         400,
-        err(None, "You can retry your request, or contact us through help.openai.com if the error persists. (Request ID abc)"),
+        err(
+            None,
+            "You can retry your request, or contact us through help.openai.com"
+            " if the error persists. (Request ID abc)",
+        ),
         True,
         "transient_processing",
     ),
-    ("7 processing message only for 400", APIKEY, 404, err(None, "An error occurred while processing your request."), False, "client_error"),
+    (
+        "7 processing message only for 400",
+        APIKEY,
+        404,
+        err(None, "An error occurred while processing your request."),
+        False,
+        "client_error",
+    ),
     # row 8
     ("8 404", APIKEY, 404, err(None, "not found"), False, "client_error"),
     ("8 409", APIKEY, 409, b"", False, "client_error"),
     ("8 422", APIKEY, 422, err(None, "bad"), False, "client_error"),
-    ("8 plain 400", APIKEY, 400, err("invalid_value", "bad param", "invalid_request_error"), False, "client_error"),
+    (
+        "8 plain 400",
+        APIKEY,
+        400,
+        err("invalid_value", "bad param", "invalid_request_error"),
+        False,
+        "client_error",
+    ),
 ]
 
 
@@ -319,26 +528,224 @@ class R8Tests(SynchronousTestCase):
 #: R8 summary table: (name, account, status, body, headers, sameAccount,
 #: exhausted status, exhausted type, exhausted message, wsClose)
 SUMMARY_ROWS = [
-    ("access state", APIKEY, 403, err("account_suspended"), {}, False, 502, "upstream_error", MSG_ACCESS_UNAVAILABLE, WS_CREDENTIAL_UNAVAILABLE),
-    ("400 processing, not pool", APIKEY, 400, err(None, "An error occurred while processing your request"), {}, False, 502, "upstream_error", MSG_REQUEST_FAILED, WS_PROXY_FAILED),
-    ("400 model not found", APIKEY, 400, err("model_not_found"), {}, False, 502, "upstream_error", MSG_REQUEST_FAILED, WS_PROXY_FAILED),
-    ("401 apikey", APIKEY, 401, b"", {}, False, 502, "upstream_error", MSG_AUTH_FAILED, WS_AUTH_FAILED),
+    (
+        "access state",
+        APIKEY,
+        403,
+        err("account_suspended"),
+        {},
+        False,
+        502,
+        "upstream_error",
+        MSG_ACCESS_UNAVAILABLE,
+        WS_CREDENTIAL_UNAVAILABLE,
+    ),
+    (
+        "400 processing, not pool",
+        APIKEY,
+        400,
+        err(None, "An error occurred while processing your request"),
+        {},
+        False,
+        502,
+        "upstream_error",
+        MSG_REQUEST_FAILED,
+        WS_PROXY_FAILED,
+    ),
+    (
+        "400 model not found",
+        APIKEY,
+        400,
+        err("model_not_found"),
+        {},
+        False,
+        502,
+        "upstream_error",
+        MSG_REQUEST_FAILED,
+        WS_PROXY_FAILED,
+    ),
+    (
+        "401 apikey",
+        APIKEY,
+        401,
+        b"",
+        {},
+        False,
+        502,
+        "upstream_error",
+        MSG_AUTH_FAILED,
+        WS_AUTH_FAILED,
+    ),
     ("401 pool", POOL, 401, b"", {}, True, 502, "upstream_error", MSG_AUTH_FAILED, WS_AUTH_FAILED),
-    ("402 pool not listed", POOL, 402, b"", {}, False, 502, "upstream_error", MSG_REQUEST_FAILED, WS_PROXY_FAILED),
+    (
+        "402 pool not listed",
+        POOL,
+        402,
+        b"",
+        {},
+        False,
+        502,
+        "upstream_error",
+        MSG_REQUEST_FAILED,
+        WS_PROXY_FAILED,
+    ),
     ("403 pool", POOL, 403, b"", {}, True, 502, "upstream_error", MSG_FORBIDDEN, WS_AUTH_FAILED),
-    ("405", APIKEY, 405, b"", {}, False, 502, "upstream_error", MSG_REQUEST_FAILED, WS_PROXY_FAILED),
-    ("413", POOL, 413, b"", {}, False, 413, "invalid_request_error", MSG_PAYLOAD_TOO_LARGE, WS_PROXY_FAILED),
-    ("429 apikey", APIKEY, 429, b"", {}, False, 429, "rate_limit_error", MSG_RATE_LIMITED, WS_RATE_LIMITED),
-    ("429 pool", POOL, 429, b"", {}, True, 429, "rate_limit_error", MSG_RATE_LIMITED, WS_RATE_LIMITED),
-    ("429 oauth", OAUTH, 429, b"", {}, True, 429, "rate_limit_error", MSG_RATE_LIMITED, WS_RATE_LIMITED),
-    ("529", POOL, 529, b"", {}, False, 503, "upstream_error", MSG_SERVICE_OVERLOADED, WS_UNAVAILABLE),
-    ("500", APIKEY, 500, b"", {}, False, 502, "upstream_error", MSG_TEMPORARILY_UNAVAILABLE, WS_UNAVAILABLE),
-    ("502", APIKEY, 502, b"", {}, False, 502, "upstream_error", MSG_TEMPORARILY_UNAVAILABLE, WS_UNAVAILABLE),
-    ("503", APIKEY, 503, b"", {}, False, 502, "upstream_error", MSG_TEMPORARILY_UNAVAILABLE, WS_UNAVAILABLE),
-    ("504", APIKEY, 504, b"", {}, False, 502, "upstream_error", MSG_TEMPORARILY_UNAVAILABLE, WS_UNAVAILABLE),
-    ("other >= 500", APIKEY, 507, b"", {}, False, 502, "upstream_error", MSG_REQUEST_FAILED, WS_PROXY_FAILED),
-    ("overload with text", APIKEY, 503, err("server_is_overloaded", "Servers are overloaded now"), {}, True, 503, "server_error", "Servers are overloaded now", WS_UNAVAILABLE),
-    ("overload default text", OAUTH, 400, err("slow_down"), {}, True, 503, "server_error", MSG_OVERLOADED_DEFAULT, WS_UNAVAILABLE),
+    (
+        "405",
+        APIKEY,
+        405,
+        b"",
+        {},
+        False,
+        502,
+        "upstream_error",
+        MSG_REQUEST_FAILED,
+        WS_PROXY_FAILED,
+    ),
+    (
+        "413",
+        POOL,
+        413,
+        b"",
+        {},
+        False,
+        413,
+        "invalid_request_error",
+        MSG_PAYLOAD_TOO_LARGE,
+        WS_PROXY_FAILED,
+    ),
+    (
+        "429 apikey",
+        APIKEY,
+        429,
+        b"",
+        {},
+        False,
+        429,
+        "rate_limit_error",
+        MSG_RATE_LIMITED,
+        WS_RATE_LIMITED,
+    ),
+    (
+        "429 pool",
+        POOL,
+        429,
+        b"",
+        {},
+        True,
+        429,
+        "rate_limit_error",
+        MSG_RATE_LIMITED,
+        WS_RATE_LIMITED,
+    ),
+    (
+        "429 oauth",
+        OAUTH,
+        429,
+        b"",
+        {},
+        True,
+        429,
+        "rate_limit_error",
+        MSG_RATE_LIMITED,
+        WS_RATE_LIMITED,
+    ),
+    (
+        "529",
+        POOL,
+        529,
+        b"",
+        {},
+        False,
+        503,
+        "upstream_error",
+        MSG_SERVICE_OVERLOADED,
+        WS_UNAVAILABLE,
+    ),
+    (
+        "500",
+        APIKEY,
+        500,
+        b"",
+        {},
+        False,
+        502,
+        "upstream_error",
+        MSG_TEMPORARILY_UNAVAILABLE,
+        WS_UNAVAILABLE,
+    ),
+    (
+        "502",
+        APIKEY,
+        502,
+        b"",
+        {},
+        False,
+        502,
+        "upstream_error",
+        MSG_TEMPORARILY_UNAVAILABLE,
+        WS_UNAVAILABLE,
+    ),
+    (
+        "503",
+        APIKEY,
+        503,
+        b"",
+        {},
+        False,
+        502,
+        "upstream_error",
+        MSG_TEMPORARILY_UNAVAILABLE,
+        WS_UNAVAILABLE,
+    ),
+    (
+        "504",
+        APIKEY,
+        504,
+        b"",
+        {},
+        False,
+        502,
+        "upstream_error",
+        MSG_TEMPORARILY_UNAVAILABLE,
+        WS_UNAVAILABLE,
+    ),
+    (
+        "other >= 500",
+        APIKEY,
+        507,
+        b"",
+        {},
+        False,
+        502,
+        "upstream_error",
+        MSG_REQUEST_FAILED,
+        WS_PROXY_FAILED,
+    ),
+    (
+        "overload with text",
+        APIKEY,
+        503,
+        err("server_is_overloaded", "Servers are overloaded now"),
+        {},
+        True,
+        503,
+        "server_error",
+        "Servers are overloaded now",
+        WS_UNAVAILABLE,
+    ),
+    (
+        "overload default text",
+        OAUTH,
+        400,
+        err("slow_down"),
+        {},
+        True,
+        503,
+        "server_error",
+        MSG_OVERLOADED_DEFAULT,
+        WS_UNAVAILABLE,
+    ),
 ]
 
 
@@ -370,7 +777,14 @@ class SummaryTests(SynchronousTestCase):
         """
         R14: an explicitly empty retry list turns off retry by status.
         """
-        pool = Account(id="p2", type="apikey", base_url="u", credential="c", pool_mode=True, pool_mode_retry_status_codes=())
+        pool = Account(
+            id="p2",
+            type="apikey",
+            base_url="u",
+            credential="c",
+            pool_mode=True,
+            pool_mode_retry_status_codes=(),
+        )
         self.assertFalse(classify(pool, 401).sameAccount)
 
     def test_oauth429Delay(self):
@@ -378,9 +792,18 @@ class SummaryTests(SynchronousTestCase):
         R13: an OAuth 429 retries the same account after Retry-After capped
         at 8 s, else 0.5 s; it carries no marking but the R12 reset.
         """
-        for headers, delay in (({}, 0.5), ({"retry-after": "3"}, 3.0), ({"retry-after": "30"}, 8.0), ({"retry-after": "junk"}, 0.5)):
+        for headers, delay in (
+            ({}, 0.5),
+            ({"retry-after": "3"}, 3.0),
+            ({"retry-after": "30"}, 8.0),
+            ({"retry-after": "junk"}, 0.5),
+        ):
             v = classify(OAUTH, 429, b"", headers)
-            self.assertEqual((v.oauth429, v.sameAccount, v.retryDelay, v.markings), (True, True, delay, ()), headers)
+            self.assertEqual(
+                (v.oauth429, v.sameAccount, v.retryDelay, v.markings),
+                (True, True, delay, ()),
+                headers,
+            )
             self.assertEqual(v.rateLimitUntil, NOW + 5)
         self.assertFalse(classify(APIKEY, 429).oauth429)
 
@@ -399,7 +822,9 @@ class PassThroughTests(SynchronousTestCase):
         v = classify(APIKEY, 403, body, {"content-type": "application/json; charset=utf-8"})
         e = v.clientError
         self.assertEqual((v.failover, v.markings), (False, ()))
-        self.assertEqual((e.status, e.rawBody, e.contentType), (403, body, "application/json; charset=utf-8"))
+        self.assertEqual(
+            (e.status, e.rawBody, e.contentType), (403, body, "application/json; charset=utf-8")
+        )
 
     def test_cyberPolicyChat(self):
         """
@@ -407,7 +832,10 @@ class PassThroughTests(SynchronousTestCase):
         invalid_request_error.
         """
         e = classify(APIKEY, 400, err("cyber_policy", "blocked"), endpoint="chat").clientError
-        self.assertEqual((e.status, e.type, e.code, e.rawBody), (400, "invalid_request_error", "cyber_policy", None))
+        self.assertEqual(
+            (e.status, e.type, e.code, e.rawBody),
+            (400, "invalid_request_error", "cyber_policy", None),
+        )
 
     def test_responsesMapping(self):
         """
@@ -415,19 +843,69 @@ class PassThroughTests(SynchronousTestCase):
         are mapped; context-window errors keep the upstream message.
         """
         rows = [
-            ("400 passthrough", 400, err("invalid_value", "bad temperature", "invalid_request_error", param="temperature"),
-             (400, "invalid_request_error", "bad temperature", "invalid_value", "temperature")),
-            ("400 upstream type kept", 400, err("x", "m", "weird_error"), (400, "weird_error", "m", "x", None)),
-            ("400 no message", 400, b"{}", (400, "invalid_request_error", "Upstream rejected the request", None, None)),
-            ("404", 404, err(None, "nope"), (502, "upstream_error", MSG_REQUEST_FAILED, None, None)),
+            (
+                "400 passthrough",
+                400,
+                err(
+                    "invalid_value", "bad temperature", "invalid_request_error", param="temperature"
+                ),
+                (400, "invalid_request_error", "bad temperature", "invalid_value", "temperature"),
+            ),
+            (
+                "400 upstream type kept",
+                400,
+                err("x", "m", "weird_error"),
+                (400, "weird_error", "m", "x", None),
+            ),
+            (
+                "400 no message",
+                400,
+                b"{}",
+                (400, "invalid_request_error", "Upstream rejected the request", None, None),
+            ),
+            (
+                "404",
+                404,
+                err(None, "nope"),
+                (502, "upstream_error", MSG_REQUEST_FAILED, None, None),
+            ),
             ("422", 422, b"", (502, "upstream_error", MSG_REQUEST_FAILED, None, None)),
-            ("context 400", 400, err("context_length_exceeded", "too many tokens"),
-             (400, "invalid_request_error", "too many tokens", "context_length_exceeded", None)),
-            ("context 429", 429, err(None, "maximum context length is 10"), (429, "rate_limit_error", "maximum context length is 10", None, None)),
-            ("context 403", 403, err(None, "maximum context length is 10"), (502, "upstream_error", "maximum context length is 10", None, None)),
-            ("context 401", 401, err(None, "maximum context length"), (502, "upstream_error", "maximum context length", None, None)),
-            ("context 402", 402, err(None, "maximum context length"), (502, "upstream_error", "maximum context length", None, None)),
-            ("context 413", 413, err(None, "maximum context length"), (502, "upstream_error", "maximum context length", None, None)),
+            (
+                "context 400",
+                400,
+                err("context_length_exceeded", "too many tokens"),
+                (400, "invalid_request_error", "too many tokens", "context_length_exceeded", None),
+            ),
+            (
+                "context 429",
+                429,
+                err(None, "maximum context length is 10"),
+                (429, "rate_limit_error", "maximum context length is 10", None, None),
+            ),
+            (
+                "context 403",
+                403,
+                err(None, "maximum context length is 10"),
+                (502, "upstream_error", "maximum context length is 10", None, None),
+            ),
+            (
+                "context 401",
+                401,
+                err(None, "maximum context length"),
+                (502, "upstream_error", "maximum context length", None, None),
+            ),
+            (
+                "context 402",
+                402,
+                err(None, "maximum context length"),
+                (502, "upstream_error", "maximum context length", None, None),
+            ),
+            (
+                "context 413",
+                413,
+                err(None, "maximum context length"),
+                (502, "upstream_error", "maximum context length", None, None),
+            ),
         ]
         for name, status, body, expected in rows:
             e = classify(APIKEY, status, body).clientError
@@ -437,7 +915,9 @@ class PassThroughTests(SynchronousTestCase):
         """
         R9: the context-window message shown to the client is sanitised.
         """
-        e = classify(APIKEY, 400, err(None, "maximum context length for key sk-abcdef123456")).clientError
+        e = classify(
+            APIKEY, 400, err(None, "maximum context length for key sk-abcdef123456")
+        ).clientError
         self.assertNotIn("abcdef123456", e.message)
 
     def test_chatMapping(self):
@@ -463,9 +943,15 @@ class PassThroughTests(SynchronousTestCase):
         without same-account retry.
         """
         for account in (APIKEY, OAUTH):
-            for message in ("Your organization has been disabled.", "Identity verification is required"):
+            for message in (
+                "Your organization has been disabled.",
+                "Identity verification is required",
+            ):
                 v = classify(account, 400, err(None, message))
-                self.assertEqual((v.failover, v.sameAccount, v.reason, kinds(v)), (True, False, "account_policy", [F.MARK_DISABLED]))
+                self.assertEqual(
+                    (v.failover, v.sameAccount, v.reason, kinds(v)),
+                    (True, False, "account_policy", [F.MARK_DISABLED]),
+                )
         # R11 check 6: a pool-mode account marks nothing, so the 400 passes.
         v = classify(POOL, 400, err(None, "Your organization has been disabled."))
         self.assertEqual((v.failover, v.reason, v.clientError.status), (False, "client_error", 400))
@@ -473,15 +959,71 @@ class PassThroughTests(SynchronousTestCase):
 
 #: R11: (name, account, status, body, headers, [(kind, seconds, until)])
 R11_ROWS = [
-    ("401 apikey permanent", APIKEY, 401, err(None, "bad key"), {}, [(F.MARK_DISABLED, None, None)]),
-    ("401 oauth token_revoked", OAUTH, 401, err("token_revoked"), {}, [(F.MARK_DISABLED, None, None)]),
-    ("401 oauth token_invalidated", OAUTH, 401, err("token_invalidated"), {}, [(F.MARK_DISABLED, None, None)]),
-    ("401 oauth detail Unauthorized", OAUTH, 401, b'{"detail":"Unauthorized"}', {}, [(F.MARK_DISABLED, None, None)]),
-    ("401 oauth other -> 10 min", OAUTH, 401, err(None, "expired"), {}, [(F.MARK_TEMP_UNSCHEDULABLE, 600, None)]),
+    (
+        "401 apikey permanent",
+        APIKEY,
+        401,
+        err(None, "bad key"),
+        {},
+        [(F.MARK_DISABLED, None, None)],
+    ),
+    (
+        "401 oauth token_revoked",
+        OAUTH,
+        401,
+        err("token_revoked"),
+        {},
+        [(F.MARK_DISABLED, None, None)],
+    ),
+    (
+        "401 oauth token_invalidated",
+        OAUTH,
+        401,
+        err("token_invalidated"),
+        {},
+        [(F.MARK_DISABLED, None, None)],
+    ),
+    (
+        "401 oauth detail Unauthorized",
+        OAUTH,
+        401,
+        b'{"detail":"Unauthorized"}',
+        {},
+        [(F.MARK_DISABLED, None, None)],
+    ),
+    (
+        "401 oauth other -> 10 min",
+        OAUTH,
+        401,
+        err(None, "expired"),
+        {},
+        [(F.MARK_TEMP_UNSCHEDULABLE, 600, None)],
+    ),
     ("402 permanent", OAUTH, 402, err(None, "billing"), {}, [(F.MARK_DISABLED, None, None)]),
-    ("403 HTML none", APIKEY, 403, b"<!DOCTYPE html><html>blocked</html>", {"content-type": "text/html"}, []),
-    ("403 HTML by content type", APIKEY, 403, b"blocked", {"content-type": "text/html; charset=utf-8"}, []),
-    ("403 other -> counter", APIKEY, 403, err(None, "forbidden"), {}, [(F.MARK_COUNT_403, None, None)]),
+    (
+        "403 HTML none",
+        APIKEY,
+        403,
+        b"<!DOCTYPE html><html>blocked</html>",
+        {"content-type": "text/html"},
+        [],
+    ),
+    (
+        "403 HTML by content type",
+        APIKEY,
+        403,
+        b"blocked",
+        {"content-type": "text/html; charset=utf-8"},
+        [],
+    ),
+    (
+        "403 other -> counter",
+        APIKEY,
+        403,
+        err(None, "forbidden"),
+        {},
+        [(F.MARK_COUNT_403, None, None)],
+    ),
     ("429 apikey rate limited", APIKEY, 429, b"", {}, [(F.MARK_RATE_LIMITED, None, NOW + 5)]),
     ("429 oauth none (R13)", OAUTH, 429, b"", {}, []),
     ("529 overloaded 10 min", APIKEY, 529, b"", {}, [(F.MARK_OVERLOADED, 600, None)]),
@@ -491,14 +1033,49 @@ R11_ROWS = [
     ("500 oauth logs only", OAUTH, 500, b"", {}, []),
     ("500 pool nothing (check 6)", POOL, 500, b"", {}, []),
     ("401 pool nothing (check 6)", POOL, 401, b"", {}, []),
-    ("400 processing apikey streak", APIKEY, 400, err(None, "An error occurred while processing your request"), {}, [(F.MARK_TRANSIENT_STREAK, None, None)]),
-    ("400 org disabled", APIKEY, 400, err(None, "Your organization has been disabled"), {}, [(F.MARK_DISABLED, None, None)]),
-    ("400 identity verification", OAUTH, 400, err(None, "Identity verification is required"), {}, [(F.MARK_DISABLED, None, None)]),
+    (
+        "400 processing apikey streak",
+        APIKEY,
+        400,
+        err(None, "An error occurred while processing your request"),
+        {},
+        [(F.MARK_TRANSIENT_STREAK, None, None)],
+    ),
+    (
+        "400 org disabled",
+        APIKEY,
+        400,
+        err(None, "Your organization has been disabled"),
+        {},
+        [(F.MARK_DISABLED, None, None)],
+    ),
+    (
+        "400 identity verification",
+        OAUTH,
+        400,
+        err(None, "Identity verification is required"),
+        {},
+        [(F.MARK_DISABLED, None, None)],
+    ),
     ("400 other none", APIKEY, 400, err(None, "bad"), {}, []),
     ("check 1 capacity shed none", APIKEY, 529, err("server_is_overloaded"), {}, []),
-    ("check 2 access state", POOL, 403, err("organization_deactivated"), {}, [(F.MARK_DISABLED, None, None)]),
+    (
+        "check 2 access state",
+        POOL,
+        403,
+        err("organization_deactivated"),
+        {},
+        [(F.MARK_DISABLED, None, None)],
+    ),
     ("check 3 context none", APIKEY, 500, err("context_length_exceeded"), {}, []),
-    ("check 4 model not found", APIKEY, 400, err("model_not_found"), {}, [(F.MARK_MODEL_BLOCK, 600, None)]),
+    (
+        "check 4 model not found",
+        APIKEY,
+        400,
+        err("model_not_found"),
+        {},
+        [(F.MARK_MODEL_BLOCK, 600, None)],
+    ),
     ("cyber none", APIKEY, 403, err("cyber_policy"), {}, []),
 ]
 
@@ -553,7 +1130,9 @@ class R12Tests(SynchronousTestCase):
             "x-codex-secondary-reset-at": str(int(NOW + 86400)),
         }
         self.assertEqual(self.until(h), NOW + 600)
-        h2 = dict(h, **{"x-codex-primary-used-percent": "20", "x-codex-secondary-used-percent": "100.0"})
+        h2 = dict(
+            h, **{"x-codex-primary-used-percent": "20", "x-codex-secondary-used-percent": "100.0"}
+        )
         self.assertEqual(self.until(h2), NOW + 86400)
 
     def test_headerLaterReset(self):
@@ -575,10 +1154,17 @@ class R12Tests(SynchronousTestCase):
         R12 rule 2: usage_limit_reached uses resets_at, else now +
         resets_in_seconds; headers win over the body.
         """
-        self.assertEqual(self.until(body=err(None, "x", "usage_limit_reached", resets_at=NOW + 1234)), NOW + 1234)
-        self.assertEqual(self.until(body=err(None, "x", "usage_limit_reached", resets_in_seconds=77)), NOW + 77)
         self.assertEqual(
-            self.until({"x-codex-primary-reset-at": str(NOW + 50)}, err(None, "x", "usage_limit_reached", resets_in_seconds=77)),
+            self.until(body=err(None, "x", "usage_limit_reached", resets_at=NOW + 1234)), NOW + 1234
+        )
+        self.assertEqual(
+            self.until(body=err(None, "x", "usage_limit_reached", resets_in_seconds=77)), NOW + 77
+        )
+        self.assertEqual(
+            self.until(
+                {"x-codex-primary-reset-at": str(NOW + 50)},
+                err(None, "x", "usage_limit_reached", resets_in_seconds=77),
+            ),
             NOW + 50,
         )
 
@@ -587,8 +1173,12 @@ class R12Tests(SynchronousTestCase):
         R12 rule 3: the fallback, default 5 s, clamped to 1-7200 s.
         """
         self.assertEqual(self.until(), NOW + 5)
-        self.assertEqual(self.until(classifier=DefaultClassifier(rate_limit_fallback_seconds=0)), NOW + 1)
-        self.assertEqual(self.until(classifier=DefaultClassifier(rate_limit_fallback_seconds=10**6)), NOW + 7200)
+        self.assertEqual(
+            self.until(classifier=DefaultClassifier(rate_limit_fallback_seconds=0)), NOW + 1
+        )
+        self.assertEqual(
+            self.until(classifier=DefaultClassifier(rate_limit_fallback_seconds=10**6)), NOW + 7200
+        )
         # a reset in the past is ignored
         self.assertEqual(self.until({"x-codex-primary-reset-at": str(NOW - 10)}), NOW + 5)
 
@@ -618,9 +1208,15 @@ class R15Tests(SynchronousTestCase):
             (599, 502, MSG_REQUEST_FAILED, WS_PROXY_FAILED),
         ]
         for last, status, message, ws in rows:
-            e = c.exhausted(F.Verdict(kind=F.STATUS, failover=True, status=last, reason=f"status_{last}"), "responses")
+            e = c.exhausted(
+                F.Verdict(kind=F.STATUS, failover=True, status=last, reason=f"status_{last}"),
+                "responses",
+            )
             self.assertEqual((e.status, e.message, e.wsClose), (status, message, ws), last)
-        self.assertEqual(c.exhausted(F.Verdict(kind=F.STATUS, failover=True, status=429), "chat").type, "rate_limit_error")
+        self.assertEqual(
+            c.exhausted(F.Verdict(kind=F.STATUS, failover=True, status=429), "chat").type,
+            "rate_limit_error",
+        )
 
     def test_orderedSteps(self):
         """
@@ -628,14 +1224,31 @@ class R15Tests(SynchronousTestCase):
         """
         c = DefaultClassifier()
         e = c.exhausted(None, "responses")
-        self.assertEqual((e.status, e.message, e.wsClose), (502, MSG_REQUEST_FAILED, WS_PROXY_FAILED))
-        e = c.exhausted(F.Verdict(kind=F.STATUS, failover=True, status=413, reason="openai_request_body_too_large"), "responses")
-        self.assertEqual((e.status, e.type, e.message), (413, "invalid_request_error", MSG_PAYLOAD_TOO_LARGE))
-        e = c.exhausted(F.Verdict(kind=F.STATUS, failover=True, status=403, reason="access_state"), "responses")
-        self.assertEqual((e.status, e.message, e.wsClose), (502, MSG_ACCESS_UNAVAILABLE, WS_CREDENTIAL_UNAVAILABLE))
+        self.assertEqual(
+            (e.status, e.message, e.wsClose), (502, MSG_REQUEST_FAILED, WS_PROXY_FAILED)
+        )
+        e = c.exhausted(
+            F.Verdict(
+                kind=F.STATUS, failover=True, status=413, reason="openai_request_body_too_large"
+            ),
+            "responses",
+        )
+        self.assertEqual(
+            (e.status, e.type, e.message), (413, "invalid_request_error", MSG_PAYLOAD_TOO_LARGE)
+        )
+        e = c.exhausted(
+            F.Verdict(kind=F.STATUS, failover=True, status=403, reason="access_state"), "responses"
+        )
+        self.assertEqual(
+            (e.status, e.message, e.wsClose),
+            (502, MSG_ACCESS_UNAVAILABLE, WS_CREDENTIAL_UNAVAILABLE),
+        )
         self.assertEqual(e.wsClose[0], 1013)
         self.assertIn("credential unavailable", e.wsClose[1])
-        e = c.exhausted(F.Verdict(kind=F.STATUS, failover=True, status=500, reason="overload", message="busy!"), "responses")
+        e = c.exhausted(
+            F.Verdict(kind=F.STATUS, failover=True, status=500, reason="overload", message="busy!"),
+            "responses",
+        )
         self.assertEqual((e.status, e.type, e.message), (503, "server_error", "busy!"))
         v = c.classifyStreamFailure(APIKEY, "responses", "empty_completed", None, "")
         self.assertEqual((v.clientError.status, v.failover), (502, True))
@@ -644,7 +1257,13 @@ class R15Tests(SynchronousTestCase):
         """
         R65: every close reason fits 120 bytes and uses a code from R70.
         """
-        for code, reason in (WS_PROXY_FAILED, WS_RATE_LIMITED, WS_UNAVAILABLE, WS_AUTH_FAILED, WS_CREDENTIAL_UNAVAILABLE):
+        for code, reason in (
+            WS_PROXY_FAILED,
+            WS_RATE_LIMITED,
+            WS_UNAVAILABLE,
+            WS_AUTH_FAILED,
+            WS_CREDENTIAL_UNAVAILABLE,
+        ):
             self.assertLessEqual(len(reason.encode()), 120)
             self.assertIn(code, (1008, 1011, 1013))
 
@@ -690,7 +1309,11 @@ def failed(code=None, message=None, **kw):
     """
     @return: a C{response.failed} event.
     """
-    return {"type": "response.failed", "response": {"status": "failed", "error": {"code": code, "message": message}}, **kw}
+    return {
+        "type": "response.failed",
+        "response": {"status": "failed", "error": {"code": code, "message": message}},
+        **kw,
+    }
 
 
 def errorEvent(code=None, message=None, **kw):
@@ -717,21 +1340,31 @@ class R23Tests(SynchronousTestCase):
         messages; exhausted as 502 "Upstream service temporarily unavailable".
         """
         c = DefaultClassifier()
-        v = c.classifyStreamFailure(APIKEY, "responses", "read_error", None, "INTERNAL_ERROR sk-abcdef123456")
+        v = c.classifyStreamFailure(
+            APIKEY, "responses", "read_error", None, "INTERNAL_ERROR sk-abcdef123456"
+        )
         self.assertEqual((v.kind, v.failover, v.status), (F.STREAM, True, 502))
-        self.assertTrue(v.message.startswith("OpenAI stream disconnected before completion: INTERNAL_ERROR"))
+        self.assertTrue(
+            v.message.startswith("OpenAI stream disconnected before completion: INTERNAL_ERROR")
+        )
         self.assertNotIn("abcdef123456", v.message)
         self.assertEqual(v.clientError.message, MSG_TEMPORARILY_UNAVAILABLE)
         v = c.classifyStreamFailure(APIKEY, "responses", "no_terminal", None, "")
-        self.assertEqual((v.failover, v.message), (True, "OpenAI stream ended before a terminal event"))
+        self.assertEqual(
+            (v.failover, v.message), (True, "OpenAI stream ended before a terminal event")
+        )
 
     def test_emptyCompleted(self):
         """
         R23 / R15 step 6: an empty response.completed fails over; exhausted
         as 502.
         """
-        v = DefaultClassifier().classifyStreamFailure(OAUTH, "responses", "empty_completed", None, "")
-        self.assertEqual((v.failover, v.reason, v.clientError.status), (True, "empty_completed", 502))
+        v = DefaultClassifier().classifyStreamFailure(
+            OAUTH, "responses", "empty_completed", None, ""
+        )
+        self.assertEqual(
+            (v.failover, v.reason, v.clientError.status), (True, "empty_completed", 502)
+        )
 
     def test_forwarded(self):
         """
@@ -749,7 +1382,11 @@ class R23Tests(SynchronousTestCase):
             failed(None, "that is not allowed"),
             failed("content_policy_violation", "x"),
             errorEvent("bad_thing", "something broke"),
-            errorEvent("previous_response_not_found", "Previous response with id 'resp_B' not found.", status=400),
+            errorEvent(
+                "previous_response_not_found",
+                "Previous response with id 'resp_B' not found.",
+                status=400,
+            ),
             failed("previous_response_not_found", "gone"),
             {"type": "error", "code": "x", "message": "plain"},
         ):
@@ -771,12 +1408,18 @@ class R23Tests(SynchronousTestCase):
             (errorEvent("x", "overloaded", status=529), "status_529", 529),
             (errorEvent("x", "forbidden account", status=403), "status_403", 403),
             (errorEvent("server_is_overloaded", "busy"), "overload", 503),
-            (errorEvent(None, "An error occurred while processing your request"), "transient_processing", 502),
+            (
+                errorEvent(None, "An error occurred while processing your request"),
+                "transient_processing",
+                502,
+            ),
         ]
         for event, reason, status in rows:
             v = self.stream(event)
             self.assertIsNotNone(v, event)
-            self.assertEqual((v.failover, v.reason, v.status, v.kind), (True, reason, status, F.STREAM), event)
+            self.assertEqual(
+                (v.failover, v.reason, v.status, v.kind), (True, reason, status, F.STREAM), event
+            )
 
     def test_policy403NotAccountLike(self):
         """
@@ -789,9 +1432,13 @@ class R23Tests(SynchronousTestCase):
         R23 with R11: access state disables, a semantic 401 on OAuth cools
         for 10 min, overload retries the same account with backoff.
         """
-        self.assertEqual(kinds(self.stream(errorEvent("account_deactivated", "x"))), [F.MARK_DISABLED])
+        self.assertEqual(
+            kinds(self.stream(errorEvent("account_deactivated", "x"))), [F.MARK_DISABLED]
+        )
         v = self.stream(errorEvent("x", "expired", status=401), account=OAUTH)
-        self.assertEqual([(m.kind, m.seconds) for m in v.markings], [(F.MARK_TEMP_UNSCHEDULABLE, 600)])
+        self.assertEqual(
+            [(m.kind, m.seconds) for m in v.markings], [(F.MARK_TEMP_UNSCHEDULABLE, 600)]
+        )
         v = self.stream(errorEvent("server_is_overloaded", "busy"))
         self.assertEqual((v.sameAccount, v.backoff, v.markings), (True, True, ()))
 
@@ -806,10 +1453,42 @@ class R23Tests(SynchronousTestCase):
             (errorEvent("insufficient_quota", "no money"), 5.0, None),
             (errorEvent(None, "Rate limit reached for requests"), 5.0, None),
             (errorEvent(None, "The usage limit has been reached"), 5.0, None),
-            ({"type": "error", "status": 429, "error": {"type": "usage_limit_reached", "message": "x", "resets_in_seconds": 7200}}, 7200.0, None),
-            ({"type": "error", "status": 429, "error": {"type": "usage_limit_reached", "message": "x", "resets_at": 1790300000}}, None, 1790300000.0),
             (
-                {"type": "error", "status": 429, "error": {"type": "usage_limit_reached"}, "headers": {"x-codex-primary-used-percent": "100", "x-codex-primary-reset-after-seconds": "60"}},
+                {
+                    "type": "error",
+                    "status": 429,
+                    "error": {
+                        "type": "usage_limit_reached",
+                        "message": "x",
+                        "resets_in_seconds": 7200,
+                    },
+                },
+                7200.0,
+                None,
+            ),
+            (
+                {
+                    "type": "error",
+                    "status": 429,
+                    "error": {
+                        "type": "usage_limit_reached",
+                        "message": "x",
+                        "resets_at": 1790300000,
+                    },
+                },
+                None,
+                1790300000.0,
+            ),
+            (
+                {
+                    "type": "error",
+                    "status": 429,
+                    "error": {"type": "usage_limit_reached"},
+                    "headers": {
+                        "x-codex-primary-used-percent": "100",
+                        "x-codex-primary-reset-after-seconds": "60",
+                    },
+                },
                 60.0,
                 None,
             ),
@@ -817,8 +1496,16 @@ class R23Tests(SynchronousTestCase):
         ]
         for event, seconds, until in rows:
             v = self.stream(event, account=OAUTH)
-            self.assertEqual((v.failover, v.status, v.reason, v.oauth429), (True, 429, "stream_rate_limit", False), event)
-            self.assertEqual([(m.kind, m.seconds, m.until) for m in v.markings], [(F.MARK_RATE_LIMITED, seconds, until)], event)
+            self.assertEqual(
+                (v.failover, v.status, v.reason, v.oauth429),
+                (True, 429, "stream_rate_limit", False),
+                event,
+            )
+            self.assertEqual(
+                [(m.kind, m.seconds, m.until) for m in v.markings],
+                [(F.MARK_RATE_LIMITED, seconds, until)],
+                event,
+            )
             self.assertEqual(v.clientError.status, 429)
 
 
@@ -838,12 +1525,18 @@ class FirstOutputTests(SynchronousTestCase):
             (F.FIRST_OUTPUT_TIMEOUT, True, 504, True, "first_output_timeout"),
         )
         e = v.clientError
-        self.assertEqual((e.status, e.type, e.message, e.wsClose), (502, "first_output_timeout", MSG_TEMPORARILY_UNAVAILABLE, WS_UNAVAILABLE))
+        self.assertEqual(
+            (e.status, e.type, e.message, e.wsClose),
+            (502, "first_output_timeout", MSG_TEMPORARILY_UNAVAILABLE, WS_UNAVAILABLE),
+        )
 
     def test_stagingOverflow(self):
         """
         R22: a staging overflow is a failover marked safe after write.
         """
         v = DefaultClassifier().stagingOverflow(APIKEY, 8 * 2**20)
-        self.assertEqual((v.kind, v.failover, v.safeAfterWrite, v.reason), (F.STAGING_OVERFLOW, True, True, "staging_overflow"))
+        self.assertEqual(
+            (v.kind, v.failover, v.safeAfterWrite, v.reason),
+            (F.STAGING_OVERFLOW, True, True, "staging_overflow"),
+        )
         self.assertEqual(v.clientError.status, 502)
