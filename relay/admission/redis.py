@@ -1,0 +1,551 @@
+# -*- test-case-name: tests.integration.test_redis_admission -*-
+"""
+The Redis L{ISlotAdmission} provider: slots shared by several relay
+processes, with a FIFO ticket queue per slot key (behaviour.md R27-R35,
+R-B2).
+
+Keys (R34 names; C{kind} is C{account} or C{user}):
+
+  - C{concurrency:{kind}:{id}}: ZSET of held slots; member = request id
+    (C{<process prefix>-<seq base36>}), score = Redis C{TIME} seconds.
+    Members older than C{concurrency_slot_ttl_minutes} (30) are pruned by
+    every script, so a crashed process never leaks capacity; a long turn
+    renews its lease (L{RedisSlotLease.renew} or
+    L{RedisSlotLease.startRenewing}).
+  - C{wait:account:{id}} (accounts) and C{concurrency:wait:{id}} (users):
+    the FIFO ticket queue, a ZSET (member = request id, score = arrival
+    order). Its size is the one wait counter per account of R29 that
+    C{load()} reports and C{max_waiting} bounds. (R34 keeps these as string
+    counters; here the queue is the counter, R-B2.)
+  - C{<queue key>:alive}: ZSET ticket -> heartbeat expiry. Each poll
+    refreshes its ticket; a ticket not refreshed for C{ticketTtl} seconds
+    (a crashed waiter) is dropped by the next script run.
+
+Scripts (C{relay/admission/*.lua}, one round trip each, sent with
+C{eval}, which falls back from C{EVALSHA} on C{NOSCRIPT} by itself, T17):
+C{acquire.lua} (modes C{try}, C{enqueue}, C{poll}), C{leave.lua},
+C{renew.lua}, C{load.lua}. Release is a plain C{ZREM}.
+
+Fast path: one C{acquire.lua} call and one C{ZREM}.
+
+Waiting polls with R30's backoff (100 ms x1.5 up to 2 s, jitter 0.8-1.2
+from the injected random); only the queue's head may take a slot.
+
+C{on_redis_error} (R35), as implemented:
+
+  - a slot acquire error (C{tryAcquire}, the fast try of C{acquire}) fails
+    with C{AdmissionError("error")} in both modes (R35: 503 / 1011);
+  - a queue join error (the wait-count increment): C{fail_open} waits
+    without a ticket (uncounted; it still never jumps a live queue),
+    logging C{relay.redis_admission_error}; C{fail_closed} fails with
+    C{AdmissionError("error")};
+  - a poll error while waiting: C{fail_open} keeps polling until the wait
+    ends, then fails with C{error} when the last poll failed, else
+    C{timeout}; C{fail_closed} fails with C{error} at once;
+  - release and leave errors are logged; the slot TTL reclaims the member;
+  - C{load()} errors: C{fail_open} reports C{(0, 0)} for every id,
+    C{fail_closed} fails with L{relay.redisclient.RedisUnavailable}.
+
+After Redis comes back, the pool reconnects by itself and the next call
+works; tickets lost in a restart are re-added at the tail by the next
+poll.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+from typing import Optional
+
+from attrs import define, field
+from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall, deferLater
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from relay.admission import admissionError
+from relay.interfaces import ISlotAdmission, ISlotLease
+from relay.model import AdmissionError, WaitPlan
+from relay.redisclient import RedisService, RedisUnavailable, describe
+
+
+def _script(name: str) -> str:
+    """
+    @return: the text of C{relay/admission/<name>.lua}.
+    """
+    with open(os.path.join(os.path.dirname(__file__), name + ".lua"), encoding="utf-8") as f:
+        return f.read()
+
+
+ACQUIRE_LUA = _script("acquire")
+LEAVE_LUA = _script("leave")
+RENEW_LUA = _script("renew")
+LOAD_LUA = _script("load")
+
+#: R30 poll loop figures, seconds
+BACKOFF_START = 0.1
+BACKOFF_FACTOR = 1.5
+BACKOFF_MAX = 2.0
+
+
+def slotKey(kind: str, id: str) -> str:
+    """
+    @return: the slot ZSET key, C{concurrency:{kind}:{id}} (R34).
+    """
+    return f"concurrency:{kind}:{id}"
+
+
+def queueKey(kind: str, id: str) -> str:
+    """
+    @return: the FIFO queue key: C{wait:account:{id}} or
+        C{concurrency:wait:{id}} (R34 names).
+    """
+    return f"wait:account:{id}" if kind == "account" else f"concurrency:wait:{id}"
+
+
+def keysFor(kind: str, id: str) -> list:
+    """
+    @return: C{[slot, queue, alive]} keys of one slot key.
+    """
+    q = queueKey(kind, id)
+    return [slotKey(kind, id), q, q + ":alive"]
+
+
+def nextBackoff(previous: float, rng: random.Random) -> float:
+    """
+    R30: the next poll delay.
+
+    @param previous: the previous delay, seconds.
+    @param rng: the jitter source.
+    @return: C{min(previous * 1.5, 2) * U(0.8, 1.2)}, clamped to 0.1-2 s.
+    """
+    delay = min(previous * BACKOFF_FACTOR, BACKOFF_MAX) * rng.uniform(0.8, 1.2)
+    return min(max(delay, BACKOFF_START), BACKOFF_MAX)
+
+
+def _base36(n: int) -> str:
+    """
+    @return: C{n} in base 36, lower case.
+    """
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while True:
+        n, r = divmod(n, 36)
+        out = digits[r] + out
+        if n == 0:
+            return out
+
+
+@implementer(ISlotLease)
+@define(eq=False)
+class RedisSlotLease:
+    """
+    A slot held in Redis.
+
+    @ivar kind: C{account} or C{user}.
+    @ivar id: the account id or client key name.
+    @ivar requestId: the ZSET member, C{<prefix>-<seq base36>}.
+    @ivar waitedSeconds: seconds waited before acquisition.
+    @ivar queuePosition: 1-based queue position when the wait began, or 0.
+    @ivar counted: L{False} for an unlimited slot, which holds nothing in
+        Redis.
+    @ivar released: whether L{release} was called.
+    """
+
+    _admission: "RedisSlotAdmission"
+    kind: str
+    id: str
+    requestId: str
+    waitedSeconds: float = 0.0
+    queuePosition: int = 0
+    counted: bool = True
+    released: bool = False
+    _renewer: Optional[LoopingCall] = None
+
+    def release(self) -> None:
+        """
+        See L{ISlotLease.release}. Local accounting first, then a
+        fire-and-forget C{ZREM} with a timeout; an error is logged.
+        """
+        if self.released:
+            return
+        self.released = True
+        self.stopRenewing()
+        self._admission._release(self)
+
+    def renew(self) -> Deferred:
+        """
+        See L{ISlotLease.renew}.
+
+        @return: a Deferred firing with L{True} when renewed, L{False} when
+            the lease is gone (released, or pruned after its TTL); Redis
+            errors are logged and give L{False}.
+        """
+        if self.released or not self.counted:
+            return succeed(not self.released)
+        return self._admission._renew(self)
+
+    def startRenewing(self, interval: Optional[float] = None) -> None:
+        """
+        Renew the lease every C{interval} seconds until L{release} (a helper
+        for long turns). Errors are caught and logged (trap T26).
+
+        @param interval: seconds; default a third of the slot TTL.
+        """
+        if self._renewer is not None or self.released or not self.counted:
+            return
+        interval = interval or self._admission.slotTtl / 3
+        self._renewer = LoopingCall(self._renewOnce)
+        self._renewer.clock = self._admission._clock
+        self._renewer.start(interval, now=False)
+
+    def stopRenewing(self) -> None:
+        """
+        Stop L{startRenewing}'s loop, if running.
+        """
+        if self._renewer is not None and self._renewer.running:
+            self._renewer.stop()
+        self._renewer = None
+
+    def _renewOnce(self) -> Deferred:
+        """
+        One periodic renewal that never fails.
+        """
+
+        def _eb(f: Failure) -> None:
+            self._admission._log.failure("while renewing a slot lease", f)
+
+        return self.renew().addErrback(_eb)
+
+
+@implementer(ISlotAdmission)
+@define(eq=False)
+class RedisSlotAdmission:
+    """
+    L{ISlotAdmission} on Redis.
+
+    @ivar _redis: the running L{RedisService}.
+    @ivar _clock: the clock for timeouts, waits and renewals.
+    @ivar _random: the jitter source for the poll backoff (R30).
+    @ivar slotTtl: slot lease TTL, seconds (C{concurrency_slot_ttl_minutes}
+        x 60; R34: 30 min).
+    @ivar timeout: per-command timeout, seconds.
+    @ivar onRedisError: C{fail_open} or C{fail_closed} (R35).
+    @ivar ticketTtl: seconds a waiter's ticket lives without a poll.
+    @ivar prefix: this process's request id prefix.
+    @ivar held: leases held by this process (local accounting).
+    """
+
+    _redis: RedisService
+    _clock: IReactorTime
+    _random: random.Random = field(factory=random.Random)
+    slotTtl: float = 30 * 60.0
+    timeout: float = 2.0
+    onRedisError: str = "fail_open"
+    ticketTtl: float = 6.0
+    prefix: str = ""
+    held: set = field(factory=set, init=False)
+    _seq: object = field(factory=lambda: itertools.count(1), init=False)
+
+    _log = Logger()
+
+    def __attrs_post_init__(self) -> None:
+        """
+        Pick a process prefix when none was given.
+        """
+        if not self.prefix:
+            self.prefix = "%08x" % self._random.getrandbits(32)
+
+    # -- ISlotAdmission ------------------------------------------------------
+
+    def tryAcquire(self, kind, id, limit) -> Deferred:
+        """
+        See L{ISlotAdmission.tryAcquire}: one C{acquire.lua} call. Fails with
+        C{AdmissionError("error")} on a Redis error (R35).
+        """
+        rid = self._newRequestId()
+        if limit <= 0:
+            return succeed(self._lease(kind, id, rid, counted=False))
+        d = self._acquireCall(kind, id, limit, rid, "try", 0)
+
+        def _cb(reply):
+            if int(reply[0]) == 1:
+                return self._lease(kind, id, rid)
+            return None
+
+        def _eb(f: Failure):
+            f.trap(RedisUnavailable)
+            self._logError("slot_acquire", f)
+            # The try may have landed after our timeout: drop its member.
+            self._leave(WaitPlan(kind, id, limit, 0, 0), rid, True)
+            raise admissionError("error", None, detail=describe(f))
+
+        return d.addCallbacks(_cb, _eb)
+
+    def acquire(self, plan, cancel, deadline=None) -> Deferred:
+        """
+        See L{ISlotAdmission.acquire}.
+        """
+        return Deferred.fromCoroutine(self._acquire(plan, cancel, deadline))
+
+    def load(self, kind, ids) -> Deferred:
+        """
+        See L{ISlotAdmission.load}: one C{load.lua} call for all ids.
+        """
+        ids = list(ids)
+        if not ids:
+            return succeed({})
+        keys = []
+        for i in ids:
+            keys.extend(keysFor(kind, i))
+        d = self._redis.execute(self.timeout, "eval", LOAD_LUA, keys, [repr(self.slotTtl)])
+
+        def _cb(flat):
+            return {i: (int(flat[2 * n]), int(flat[2 * n + 1])) for n, i in enumerate(ids)}
+
+        def _eb(f: Failure):
+            f.trap(RedisUnavailable)
+            self._logError("load", f)
+            if self.onRedisError == "fail_closed":
+                return f
+            return {i: (0, 0) for i in ids}
+
+        return d.addCallbacks(_cb, _eb)
+
+    # -- the wait ------------------------------------------------------------
+
+    async def _acquire(self, plan: WaitPlan, cancel, deadline):
+        """
+        Fast try, join the queue, poll until acquired or the wait ends
+        (R27, R30, R33, R-B2). Every exit other than success sends
+        C{leave.lua}, which drops the ticket and any slot member an
+        abandoned (cancelled, timed-out) call may have added.
+        """
+        started = self._clock.seconds()
+        if cancel.cancelled:
+            raise admissionError("client_gone", plan)
+        if deadline is not None and deadline <= started:
+            raise admissionError("timeout", plan)
+        rid = self._newRequestId()
+        if plan.max_concurrency <= 0:
+            return self._lease(plan.kind, plan.id, rid, counted=False)
+        end = started + max(plan.timeout, 0)
+        if deadline is not None:
+            end = min(end, deadline)
+        state = {"position": 0, "sent": False, "granted": False}
+
+        def fail(reason: str, detail: str = "") -> AdmissionError:
+            return admissionError(
+                reason, plan, self._clock.seconds() - started, state["position"], detail
+            )
+
+        try:
+            return await self._wait(plan, cancel, rid, started, end, state, fail)
+        except _Cancelled:
+            raise fail("client_gone")
+        except CancelledError:
+            # The caller cancelled the Deferred acquire() returned.
+            raise fail("client_gone")
+        finally:
+            if state["sent"] and not state["granted"]:
+                self._leave(plan, rid, True)
+
+    async def _wait(self, plan, cancel, rid, started, end, state, fail):
+        """
+        The body of L{_acquire}.
+        """
+        state["sent"] = True
+        try:
+            reply = await self._raceCancel(
+                self._acquireCall(plan.kind, plan.id, plan.max_concurrency, rid, "try", 0),
+                cancel,
+            )
+        except RedisUnavailable as e:
+            # R35: a slot acquire error is an admission error in both modes.
+            self._logError("slot_acquire", e)
+            raise fail("error", describe(e))
+        if int(reply[0]) == 1:
+            state["granted"] = True
+            return self._lease(plan.kind, plan.id, rid)
+        if plan.max_waiting < 1 or int(reply[3]) >= plan.max_waiting:
+            raise fail("queue_full")
+        mode = "enqueue"
+        lastError = None
+        delay = BACKOFF_START
+        while True:
+            if self._clock.seconds() >= end:
+                raise fail("error" if lastError is not None else "timeout")
+            try:
+                reply = await self._raceCancel(
+                    self._acquireCall(
+                        plan.kind, plan.id, plan.max_concurrency, rid, mode, plan.max_waiting
+                    ),
+                    cancel,
+                )
+                lastError = None
+            except RedisUnavailable as e:
+                lastError = e
+                self._logError("slot_enqueue" if mode == "enqueue" else "slot_poll", e)
+                if self.onRedisError == "fail_closed":
+                    raise fail("error", describe(e))
+                reply = None
+                if mode == "enqueue":
+                    # R35 fail open: wait without counting; never jump a queue.
+                    mode = "try"
+            now = self._clock.seconds()
+            if reply is not None:
+                status = int(reply[0])
+                if status == 1:
+                    state["granted"] = True
+                    lease = self._lease(plan.kind, plan.id, rid, now - started, state["position"])
+                    if cancel.cancelled or now >= end:
+                        # R33: a slot that arrives too late is released.
+                        lease.release()
+                        raise fail("client_gone" if cancel.cancelled else "timeout")
+                    return lease
+                if status == -1:
+                    raise fail("queue_full")
+                if mode == "enqueue":
+                    state["position"] = int(reply[2])
+                    mode = "poll"
+                    self._log.debug(
+                        "{kind} {id} queued at position {position}",
+                        event="relay.admission_queued",
+                        kind=plan.kind, id=plan.id, position=state["position"],
+                    )
+            if now >= end:
+                raise fail("error" if lastError is not None else "timeout")
+            await self._raceCancel(deferLater(self._clock, min(delay, end - now)), cancel)
+            delay = nextBackoff(delay, self._random)
+
+    async def _raceCancel(self, d: Deferred, cancel):
+        """
+        Wait for C{d} unless the turn is cancelled first. A failure of C{d}
+        is raised at once.
+
+        @raise _Cancelled: when C{cancel} fires first (C{d} is cancelled).
+        """
+        if cancel.cancelled:
+            d.cancel()
+            d.addErrback(lambda f: None)
+            raise _Cancelled()
+        watch = cancel.whenCancelled()
+
+        def _cancelBoth(_: Deferred) -> None:
+            d.cancel()
+            watch.cancel()
+
+        first = Deferred(_cancelBoth)
+        d.addBoth(lambda r: first.called or first.callback(("done", r)))
+        watch.addBoth(lambda r: first.called or first.callback(("cancelled", r)))
+        which, value = await first
+        if which == "cancelled":
+            d.cancel()
+            raise _Cancelled()
+        watch.cancel()
+        if isinstance(value, Failure):
+            value.raiseException()
+        return value
+
+    # -- Redis calls -----------------------------------------------------------
+
+    def _acquireCall(self, kind, id, limit, rid, mode, maxWaiting) -> Deferred:
+        """
+        One C{acquire.lua} round trip.
+
+        @return: Deferred firing with C{[status, now, position, waiting]}.
+        """
+        return self._redis.execute(
+            self.timeout, "eval", ACQUIRE_LUA, keysFor(kind, id),
+            [int(limit), repr(self.slotTtl), rid, mode, int(maxWaiting), repr(self.ticketTtl)],
+        )
+
+    def _leave(self, plan: WaitPlan, rid: str, dropSlot: bool) -> None:
+        """
+        Fire-and-forget C{leave.lua}: drop the ticket (and a slot member an
+        abandoned attempt may have added).
+        """
+        d = self._redis.execute(
+            self.timeout, "eval", LEAVE_LUA, keysFor(plan.kind, plan.id),
+            [rid, "1" if dropSlot else "0"],
+        )
+        d.addErrback(lambda f: self._logError("slot_leave", f))
+
+    def _release(self, lease: RedisSlotLease) -> None:
+        """
+        Forget C{lease} locally, then C{ZREM} it (fire and forget).
+        """
+        self.held.discard(lease)
+        if not lease.counted:
+            return
+        d = self._redis.execute(
+            self.timeout, "execute_command", "ZREM", slotKey(lease.kind, lease.id),
+            lease.requestId,
+        )
+        d.addErrback(lambda f: self._logError("slot_release", f))
+
+    def _renew(self, lease: RedisSlotLease) -> Deferred:
+        """
+        One C{renew.lua} round trip.
+        """
+        d = self._redis.execute(
+            self.timeout, "eval", RENEW_LUA, [slotKey(lease.kind, lease.id)],
+            [lease.requestId, repr(self.slotTtl)],
+        )
+
+        def _cb(reply):
+            if int(reply) != 1:
+                self._log.warn(
+                    "{kind} {id} slot lease {request_id} was lost",
+                    event="relay.slot_lease_lost",
+                    kind=lease.kind, id=lease.id, request_id=lease.requestId,
+                )
+                return False
+            return True
+
+        def _eb(f: Failure):
+            f.trap(RedisUnavailable)
+            self._logError("slot_renew", f)
+            return False
+
+        return d.addCallbacks(_cb, _eb)
+
+    # -- helpers ---------------------------------------------------------------
+
+    def _newRequestId(self) -> str:
+        """
+        @return: C{<prefix>-<seq base36>}.
+        """
+        return f"{self.prefix}-{_base36(next(self._seq))}"
+
+    def _lease(self, kind, id, rid, waited=0.0, position=0, counted=True) -> RedisSlotLease:
+        """
+        Record and return a lease.
+        """
+        lease = RedisSlotLease(self, kind, id, rid, waited, position, counted)
+        self.held.add(lease)
+        return lease
+
+    def _logError(self, operation: str, reason) -> None:
+        """
+        Log a Redis error under C{relay.redis_admission_error}.
+        """
+        self._log.warn(
+            "redis admission {operation} failed ({error}); {mode}",
+            event="relay.redis_admission_error",
+            operation=operation,
+            error=describe(reason),
+            mode=self.onRedisError,
+        )
+
+
+class _Cancelled(Exception):
+    """
+    The turn's L{relay.model.CancelSignal} fired during a wait.
+    """
+
+
+__all__ = ["RedisSlotAdmission", "RedisSlotLease", "AdmissionError", "nextBackoff"]
