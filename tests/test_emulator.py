@@ -27,8 +27,8 @@ from relay.emulator.state import (
     chooseReply,
     parseFault,
     parseScript,
-    sseFrame,
     splitText,
+    sseFrame,
 )
 from relay.emulator.stream import EventPump
 from relay.emulator.tap import Options, configFromString, makeService

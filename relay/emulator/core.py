@@ -18,8 +18,13 @@ from twisted.logger import Logger
 from twisted.web.server import Site
 
 from relay.emulator.http import EmulatorResource
-from relay.emulator.state import DEFAULT_MODELS, EmulatorState, RecordedRequest, parseFaults, \
-    parseScript
+from relay.emulator.state import (
+    DEFAULT_MODELS,
+    EmulatorState,
+    RecordedRequest,
+    parseFaults,
+    parseScript,
+)
 from relay.emulator.ws import buildFactory
 
 CONFIG_KEYS = frozenset(

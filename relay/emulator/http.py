@@ -19,7 +19,6 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
 from relay.emulator.state import (
-    DEFAULT_MODELS,
     HTTP,
     WS,
     Fault,

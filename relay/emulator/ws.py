@@ -18,8 +18,14 @@ from autobahn.websocket.compress import PerMessageDeflateOffer, PerMessageDeflat
 from twisted.logger import Logger
 
 from relay.emulator.http import bearer
-from relay.emulator.state import WS, Fault, buildTurn, chooseReply, normaliseInput, \
-    previousNotFoundError
+from relay.emulator.state import (
+    WS,
+    Fault,
+    buildTurn,
+    chooseReply,
+    normaliseInput,
+    previousNotFoundError,
+)
 from relay.emulator.stream import EventPump, TurnTracker
 
 if TYPE_CHECKING:  # pragma: no cover
