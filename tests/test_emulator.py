@@ -64,6 +64,15 @@ class ScriptTests(SynchronousTestCase):
         reply = chooseReply(script, items, "a1", "gpt-5.5")
         self.assertEqual(reply.text, "Tool said: hi")
 
+    def test_resultField(self) -> None:
+        """
+        C{{result}} is the part of a Codex tool output after its C{Output:} line.
+        """
+        script = parseScript({"text": "[{result}]", "tool_call": TOOL["tool_call"]})
+        output = "Chunk ID: 1\nProcess exited with code 0\nOutput:\nhi\n"
+        items = [{"type": "function_call_output", "call_id": "c", "output": output}]
+        self.assertEqual(chooseReply(script, items, "a1", "m").text, "[hi]")
+
     def test_chatToolMessage(self) -> None:
         """
         A chat request whose last message has role C{tool} also gets the text answer.
@@ -464,6 +473,19 @@ class ResourceTests(SynchronousTestCase):
         self.treq.flush()
         self.assertEqual(self.successResultOf(d).code, 200)
         self.assertEqual(self.emulator.inflight("a1"), 0)
+
+    def test_hangBeforeHeaders(self) -> None:
+        """
+        C{hang_before_headers} never answers and counts the request as in flight.
+        """
+        self.emulator.setFault("a1", {"kind": "hang_before_headers", "times": 1})
+        d = self.treq.post("http://emulator/v1/responses", b'{"input":"hi"}',
+                           headers={"Authorization": "Bearer sk-a1"})
+        self.treq.flush()
+        self.clock.advance(3600)
+        self.treq.flush()
+        self.assertNoResult(d)
+        self.assertEqual(self.emulator.inflight("a1"), 1)
 
     def test_recording(self) -> None:
         """

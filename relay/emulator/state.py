@@ -15,7 +15,9 @@ Script format (a JSON object; every key optional)::
      "deltas": 3}                             # how many deltas the text is split into
 
 Template fields: C{{name}} / C{{credential_name}} (the account name, never the secret),
-C{{output}} (the last C{function_call_output}), C{{model}} and C{{input}} (the last user text).
+C{{output}} (the last C{function_call_output}), C{{result}} (that output after Codex's
+C{Output:} line, i.e. just what the command printed), C{{model}} and C{{input}} (the last
+user text).
 
 Fault format (a JSON object, or a list of them; the first applicable one is used)::
 
@@ -508,9 +510,12 @@ def chooseReply(script: ReplyScript, items: list, accountName: str, model: str) 
         toolOutput = json.dumps(toolOutput)
     if toolOutput is None and script.toolCall is not None:
         return Reply(toolCall=script.toolCall)
+    output = (toolOutput or "").strip()
+    marker = output.rfind("Output:\n")
+    result = output[marker + len("Output:\n"):].strip() if marker >= 0 else output
     text = renderText(
-        script.text, name=accountName, credential_name=accountName,
-        output=(toolOutput or "").strip(), model=model, input=_lastUserText(items),
+        script.text, name=accountName, credential_name=accountName, output=output,
+        result=result, model=model, input=_lastUserText(items),
     )
     return Reply(text=text)
 
