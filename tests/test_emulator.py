@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 
 from treq.testing import StubTreq
 from twisted.application.internet import StreamServerEndpointService
@@ -572,12 +574,14 @@ class ConfigTests(SynchronousTestCase):
                           "accounts:\n  - {name: a1}\n")
         self.assertRaises(EmulatorConfigError, configFromString,
                           "accounts:\n  - {name: a1, credential: x, fault: {kind: nope}}\n")
-        path = self.mktemp()
+        directory = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, directory)
+        path = os.path.join(directory, "bad.yaml")
         with open(path, "w") as f:
             f.write("listen: [unclosed\n")
         self.assertRaises(usage.UsageError, Options().parseOptions, ["--config", path])
         self.assertRaises(usage.UsageError, Options().parseOptions,
-                          ["--config", self.mktemp()])
+                          ["--config", os.path.join(directory, "missing.yaml")])
 
     def test_makeService(self) -> None:
         """
