@@ -61,7 +61,7 @@ from typing import Optional
 from attrs import define, field
 from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.task import LoopingCall, deferLater
+from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
@@ -237,6 +237,9 @@ class RedisSlotAdmission:
     @ivar ticketTtl: seconds a waiter's ticket lives without a poll.
     @ivar prefix: this process's request id prefix.
     @ivar held: leases held by this process (local accounting).
+    @ivar _sleepers: C{(kind, id)} -> this process's waiters between polls;
+        a local release wakes them at once (after its C{ZREM} lands), so
+        in-process hand-over does not wait for the backoff.
     """
 
     _redis: RedisService
@@ -249,6 +252,7 @@ class RedisSlotAdmission:
     prefix: str = ""
     held: set = field(factory=set, init=False)
     _seq: object = field(factory=lambda: itertools.count(1), init=False)
+    _sleepers: dict = field(factory=dict, init=False)
 
     _log = Logger()
 
@@ -418,7 +422,8 @@ class RedisSlotAdmission:
                     )
             if now >= end:
                 raise fail("error" if lastError is not None else "timeout")
-            await self._raceCancel(deferLater(self._clock, min(delay, end - now)), cancel)
+            await self._raceCancel(self._sleep((plan.kind, plan.id), min(delay, end - now)),
+                                   cancel)
             delay = nextBackoff(delay, self._random)
 
     async def _raceCancel(self, d: Deferred, cancel):
@@ -476,7 +481,8 @@ class RedisSlotAdmission:
 
     def _release(self, lease: RedisSlotLease) -> None:
         """
-        Forget C{lease} locally, then C{ZREM} it (fire and forget).
+        Forget C{lease} locally, then C{ZREM} it (fire and forget) and wake
+        this process's waiters on that slot.
         """
         self.held.discard(lease)
         if not lease.counted:
@@ -485,7 +491,47 @@ class RedisSlotAdmission:
             self.timeout, "execute_command", "ZREM", slotKey(lease.kind, lease.id),
             lease.requestId,
         )
-        d.addErrback(lambda f: self._logError("slot_release", f))
+        d.addCallbacks(
+            lambda _: self._wake((lease.kind, lease.id)),
+            lambda f: self._logError("slot_release", f),
+        )
+
+    def _sleep(self, key: tuple, seconds: float) -> Deferred:
+        """
+        Sleep between polls; L{_wake} ends it early.
+
+        @return: a cancellable L{Deferred} firing after C{seconds}.
+        """
+        sleepers = self._sleepers.setdefault(key, set())
+
+        def _cancel(d: Deferred) -> None:
+            if call.active():
+                call.cancel()
+
+        d = Deferred(_cancel)
+
+        def _fire() -> None:
+            if not d.called:
+                d.callback(None)
+
+        def _forget(result):
+            sleepers.discard(d)
+            if not sleepers and self._sleepers.get(key) is sleepers:
+                del self._sleepers[key]
+            return result
+
+        call = self._clock.callLater(seconds, _fire)
+        d.addBoth(_forget)
+        d.wake = lambda: (call.cancel() if call.active() else None, _fire())
+        sleepers.add(d)
+        return d
+
+    def _wake(self, key: tuple) -> None:
+        """
+        Wake every local waiter on C{key} so it polls now.
+        """
+        for d in list(self._sleepers.get(key, ())):
+            d.wake()
 
     def _renew(self, lease: RedisSlotLease) -> Deferred:
         """
