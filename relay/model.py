@@ -350,6 +350,8 @@ class Turn:
         turns stay on their account while it serves them).
     @ivar onResponseId: called with (response id, account) when a response
         completes, so the connection can track its chain.
+    @ivar firstOutputAt: when the first output reached the client (clock
+        seconds), set by the engine.
     """
 
     entrypoint: str
@@ -368,6 +370,7 @@ class Turn:
     phase: str = "request"
     preferredAccountId: Optional[str] = None
     onResponseId: Optional[Callable[[str, Account], Any]] = None
+    firstOutputAt: Optional[float] = None
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,173 @@
+# -*- test-case-name: tests.test_tap -*-
+"""
+Builds a running relay from a L{RelayConfig}: state store, admission,
+classifier, dialer, health, scheduler, the turn runner, and the twisted.web
+L{Site} serving HTTP and the Responses WebSocket on one port.
+
+The reactor is always passed in (only L{relay.tap.makeService} imports the
+global one).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from attrs import define, field
+from twisted.application.service import MultiService
+from twisted.web.server import Site
+
+from relay.classify import DefaultClassifier
+from relay.components import loadComponent
+from relay.engine.runner import TurnRunner
+from relay.entry.http import KeyRing, buildRoot
+from relay.health import AccountHealth
+from relay.interfaces import IFailureClassifier, ISlotAdmission, IUpstreamDialer
+from relay.model import RelayConfig
+from relay.scheduler import AccountScheduler
+from relay.settings import RuntimeSettings
+from relay.upstream.http import HTTPDialer
+
+
+@define(eq=False)
+class RelayApplication:
+    """
+    Everything a running relay holds, for the service and for tests.
+
+    @ivar site: the L{Site} to listen with.
+    @ivar services: child services to start (Redis, timers).
+    """
+
+    config: RelayConfig
+    reactor: object
+    settings: RuntimeSettings
+    store: object
+    admission: object
+    classifier: object
+    dialer: object
+    health: object
+    scheduler: object
+    runner: TurnRunner
+    keys: KeyRing
+    site: Optional[Site] = None
+    services: list = field(factory=list)
+    extras: dict = field(factory=dict)
+
+
+def _memoryProviders(config: RelayConfig, reactor):
+    from relay.admission.memory import MemorySlotAdmission
+    from relay.state.memory import MemoryStateStore
+
+    return MemoryStateStore(clock=reactor), (lambda **kw: MemorySlotAdmission(**kw)), {"clock": reactor}, []
+
+
+def _redisProviders(config: RelayConfig, reactor):
+    from relay.admission.redis import RedisSlotAdmission
+    from relay.redisclient import RedisService
+    from relay.state.redis import RedisStateStore
+
+    service = RedisService(url=config.state.redis_url, clock=reactor)
+    store = RedisStateStore(redis=service, clock=reactor)
+    kwargs = {
+        "redis": service,
+        "clock": reactor,
+        "slotTTL": config.state.concurrency_slot_ttl_minutes * 60,
+        "onRedisError": config.state.on_redis_error,
+    }
+    return store, (lambda **kw: RedisSlotAdmission(**kw)), kwargs, [service]
+
+
+def buildApplication(
+    config: RelayConfig, reactor, dialer=None, trustRoot=None
+) -> RelayApplication:
+    """
+    Wire a relay.
+
+    @param config: the parsed L{RelayConfig}.
+    @param reactor: the reactor (also the clock).
+    @param dialer: an L{IUpstreamDialer} to use instead of the configured
+        one (tests).
+    @param trustRoot: TLS trust root for upstreams (tests with a local CA).
+    @return: a L{RelayApplication} whose C{site} is ready to listen.
+    @raise relay.model.ConfigError: a component named in C{components:}
+        cannot be built or does not provide its interface.
+    """
+    settings = RuntimeSettings(current=config.gateway)
+    if config.state.backend == "redis":
+        store, admissionFactory, admissionKwargs, services = _redisProviders(config, reactor)
+    else:
+        store, admissionFactory, admissionKwargs, services = _memoryProviders(config, reactor)
+    admission = loadComponent(
+        config.components.admission, ISlotAdmission, admissionFactory, "admission",
+        **admissionKwargs,
+    )
+    classifier = loadComponent(
+        config.components.classifier,
+        IFailureClassifier,
+        DefaultClassifier,
+        "classifier",
+        transport_cooldown_seconds=config.gateway.transport_error_cooldown_seconds,
+    )
+    if dialer is None:
+        dialer = loadComponent(
+            config.components.dialer, IUpstreamDialer, HTTPDialer, "dialer",
+            reactor=reactor, trustRoot=trustRoot,
+        )
+    health = AccountHealth(store=store, clock=reactor, settings=settings)
+    accounts = list(config.accounts)
+    scheduler = AccountScheduler(
+        accounts=accounts,
+        admission=admission,
+        store=store,
+        clock=reactor,
+        settings=settings,
+        extraBlock=lambda account, now, model: health.localBlock(account.id, model),
+    )
+    runner = TurnRunner(
+        clock=reactor,
+        scheduler=scheduler,
+        admission=admission,
+        dialer=dialer,
+        classifier=classifier,
+        health=health,
+        settings=settings,
+    )
+    keys = KeyRing(config.keys)
+    app = RelayApplication(
+        config=config,
+        reactor=reactor,
+        settings=settings,
+        store=store,
+        admission=admission,
+        classifier=classifier,
+        dialer=dialer,
+        health=health,
+        scheduler=scheduler,
+        runner=runner,
+        keys=keys,
+        services=services,
+    )
+    root = buildRoot(runner, keys, accounts)
+    site = Site(root)
+    site.displayTracebacks = False
+    app.site = site
+    return app
+
+
+def buildService(config: RelayConfig, reactor) -> MultiService:
+    """
+    The twistd service: the Redis client (when configured), then the
+    listening endpoint.
+    """
+    from twisted.application.internet import StreamServerEndpointService
+    from twisted.internet.endpoints import serverFromString
+
+    app = buildApplication(config, reactor)
+    top = MultiService()
+    for service in app.services:
+        service.setServiceParent(top)
+    endpoint = serverFromString(reactor, config.listen)
+    listener = StreamServerEndpointService(endpoint, app.site)
+    listener._raiseSynchronously = True
+    listener.setServiceParent(top)
+    top.relayApplication = app
+    return top

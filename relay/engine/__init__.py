@@ -1,0 +1,4 @@
+"""
+The turn engine: select -> admit -> dial -> stream -> classify -> decide,
+for every entrypoint (architecture.md "The one idea").
+"""

@@ -1,0 +1,1092 @@
+# -*- test-case-name: tests.test_runner -*-
+"""
+The turn runner: the one attempt loop every entrypoint uses.
+
+select -> admit (maybe wait) -> dial -> stream to a sink -> on failure
+classify and decide: retry the same account, switch, pass the error
+through, or give up (behaviour.md groups A-D and G; DEVELOPERS.md "One turn
+engine"). Entrypoints build a L{Turn} and a sink and call L{TurnRunner.run};
+they hold no policy.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Callable, Optional
+
+from attrs import define, field
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.protocol import Protocol
+from twisted.internet.task import LoopingCall, deferLater
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.client import PotentialDataLoss, ResponseDone
+from zope.interface import implementer
+from twisted.internet.interfaces import IPushProducer
+
+from relay import failures as F
+from relay.engine import errors as E
+from relay.engine.payload import isEmptyCompleted, isSemanticOutput, upstreamBody, upstreamStreams
+from relay.model import AdmissionError, ClientError, Turn, WaitPlan
+from relay.selection import NoAccountAvailable
+from relay.sse import LineTooLong, SSEParser
+
+STAGING_CAP = 8 * 2**20
+"""Held-back bytes before the first output, at most (behaviour.md R22)."""
+
+ERROR_BODY_LIMIT = 512 * 2**10
+"""Upstream error bodies are read up to 512 KiB (behaviour.md R7)."""
+
+JSON_BODY_LIMIT = 40 * 2**20
+"""A non-streaming upstream body, at most (behaviour.md R22 line cap)."""
+
+MAX_FIRST_OUTPUT_SWITCHES = 1
+"""behaviour.md R21: the first safe-after-write failure switches, the second ends."""
+
+OAUTH_429_SWITCH_STOP = 3
+"""behaviour.md R13 stop rule."""
+
+FIXED_RETRY_DELAY = 0.5
+"""Same-account retry delay without a better one (R14), seconds."""
+
+
+class ClientGone(Exception):
+    """
+    The client went away (behaviour.md R2); the turn stops silently.
+    """
+
+
+def raceCancel(d: Deferred, cancel) -> Deferred:
+    """
+    Tie C{d} to the turn's cancellation: when the client goes, C{d} is
+    cancelled and the result fails with L{ClientGone}.
+
+    @param d: any cancellable Deferred.
+    @param cancel: the turn's L{relay.model.CancelSignal}.
+    """
+    if cancel.cancelled:
+        d.cancel()
+        d.addErrback(lambda f: None)
+        result = Deferred()
+        result.errback(ClientGone(cancel.reason))
+        return result
+    w = cancel.whenCancelled()
+    w.addCallback(lambda _: d.cancel())
+    w.addErrback(lambda f: f.trap(CancelledError))
+
+    def _done(result):
+        if not w.called:
+            w.cancel()
+        if cancel.cancelled and isinstance(result, Failure):
+            return Failure(ClientGone(cancel.reason))
+        return result
+
+    return d.addBoth(_done)
+
+
+@define(eq=False)
+class RetryBudget:
+    """
+    Envoy-style global retry budget (issue 3 item 7): turns that retry or
+    switch at the same time may not exceed C{percent} of active turns, with
+    a floor of C{minimum}.
+
+    @ivar active: turns running now.
+    @ivar retrying: turns holding a retry token now.
+    """
+
+    active: int = 0
+    retrying: int = 0
+    minimum: int = 3
+
+    def allowed(self, percent: float) -> int:
+        """
+        @param percent: C{retry_budget_percent}; <= 0 disables the budget.
+        @return: how many turns may retry at once.
+        """
+        if percent <= 0:
+            return 2**31
+        return max(self.minimum, int(self.active * percent / 100.0))
+
+    def take(self, percent: float) -> bool:
+        """
+        Take a retry token if the budget allows.
+        """
+        if self.retrying >= self.allowed(percent):
+            return False
+        self.retrying += 1
+        return True
+
+    def give(self) -> None:
+        """
+        Return a token.
+        """
+        self.retrying = max(0, self.retrying - 1)
+
+
+@define(eq=False)
+class AttemptResult:
+    """
+    What one attempt on one account ended with.
+
+    @ivar ok: the turn completed (a terminal event or body reached the client).
+    @ivar verdict: the failure verdict when the attempt failed before output.
+    @ivar committed: output reached the client (no failover any more).
+    @ivar failedAfterOutput: upstream broke after output; the sink already
+        got the terminal error.
+    @ivar responseId: the completed response's id, if any.
+    @ivar status: HTTP-like status of the outcome for logs.
+    """
+
+    ok: bool = False
+    verdict: Optional[F.Verdict] = None
+    committed: bool = False
+    failedAfterOutput: bool = False
+    responseId: Optional[str] = None
+    status: int = 200
+    firstOutputAt: Optional[float] = None
+
+
+@define(eq=False)
+class TurnState:
+    """
+    Per-turn failover state (behaviour.md R18): switch count, first-output
+    switch count, exclusion set, same-account retries, the last verdict and
+    the OAuth-429 state.
+    """
+
+    switches: int = 0
+    firstOutputSwitches: int = 0
+    excluded: set = field(factory=set)
+    sameAccountRetries: dict = field(factory=dict)
+    lastVerdict: Optional[F.Verdict] = None
+    oauth429: bool = False
+    attempts: int = 0
+    retryToken: bool = False
+    lastAccountId: Optional[str] = None
+
+
+@implementer(IPushProducer)
+class StreamPump(Protocol):
+    """
+    Reads one upstream SSE body: holds events back until the first semantic
+    output (R22), classifies pre-output failures (R23), then passes bytes
+    through, watching only for the terminal event. Registered as a
+    streaming producer on the sink, so a slow client pauses upstream.
+
+    @ivar done: fires with an L{AttemptResult}.
+    """
+
+    def __init__(self, runner, turn, sink, account, release, modelRewrite, idleTimeout):
+        self._runner = runner
+        self._turn = turn
+        self._sink = sink
+        self._account = account
+        self._release = release
+        self._rewrite = modelRewrite
+        self._idleTimeout = idleTimeout
+        self._parser = SSEParser()
+        self._staged = []
+        self._stagedBytes = 0
+        self._headers = {}
+        self._idle = None
+        self.committed = False
+        self.finished = False
+        self.done = Deferred()
+
+    # -- wiring ------------------------------------------------------------
+
+    def start(self, response) -> None:
+        """
+        Begin reading C{response} (an L{relay.interfaces.IUpstreamResponse}).
+        """
+        self._headers = response.headers
+        response.deliverBody(self)
+
+    def connectionMade(self) -> None:
+        self._resetIdle()
+
+    def pauseProducing(self) -> None:
+        if self.transport is not None and not self.finished:
+            self.transport.pauseProducing()
+
+    def resumeProducing(self) -> None:
+        if self.transport is not None and not self.finished:
+            self.transport.resumeProducing()
+
+    def stopProducing(self) -> None:
+        self.abort()
+
+    def abort(self) -> None:
+        """
+        Drop the upstream connection.
+        """
+        if self.transport is not None:
+            self.transport.stopProducing()
+
+    def _resetIdle(self) -> None:
+        clock = self._runner.clock
+        if self._idle is not None and self._idle.active():
+            self._idle.reset(self._idleTimeout)
+        elif self._idleTimeout > 0:
+            self._idle = clock.callLater(self._idleTimeout, self._idleExpired)
+
+    def _cancelIdle(self) -> None:
+        if self._idle is not None and self._idle.active():
+            self._idle.cancel()
+        self._idle = None
+
+    # -- data ---------------------------------------------------------------
+
+    def dataReceived(self, data: bytes) -> None:
+        if self.finished:
+            return  # style.md trap T15: bytes after pause/abort
+        self._resetIdle()
+        try:
+            events = self._parser.feed(data)
+        except LineTooLong as e:
+            self._failPreOrPost(
+                self._runner.classifier.stagingOverflow(self._account, e.args[0]),
+                "OpenAI stream line too long",
+            )
+            return
+        for event in events:
+            if self.finished:
+                return
+            if self.committed:
+                self._afterOutput(event)
+            else:
+                self._beforeOutput(event)
+
+    def _beforeOutput(self, event) -> None:
+        t = event.type
+        classifier = self._runner.classifier
+        if t == b"response.failed" or t == b"error":
+            verdict = classifier.classifyStreamFailure(
+                self._account, self._turn.endpoint, "event", event.json(), ""
+            )
+            if verdict is not None and verdict.failover:
+                self._endWith(AttemptResult(verdict=verdict, status=verdict.status))
+                return
+            self._commit()
+            self._afterOutput(event)
+            return
+        if t == b"response.completed":
+            response = event.json().get("response") or {}
+            if isEmptyCompleted(response):
+                verdict = classifier.classifyStreamFailure(
+                    self._account, self._turn.endpoint, "empty_completed", event.json(), ""
+                )
+                if verdict is not None:
+                    self._endWith(AttemptResult(verdict=verdict, status=verdict.status))
+                    return
+        if event.terminal or isSemanticOutput(event):
+            self._commit()
+            self._afterOutput(event)
+            return
+        self._staged.append(event)
+        self._stagedBytes += len(event.data)
+        if self._stagedBytes > STAGING_CAP:
+            self._endWith(
+                AttemptResult(
+                    verdict=classifier.stagingOverflow(self._account, self._stagedBytes),
+                    status=502,
+                )
+            )
+
+    def _commit(self) -> None:
+        """
+        First output: fix the response and flush what was held back (R22).
+        """
+        self.committed = True
+        self._runner._firstOutput(self._turn)
+        self._sink.commit(_passHeaders(self._headers))
+        attach = getattr(self._sink, "attachProducer", None)
+        if attach is not None:
+            attach(self)
+        staged, self._staged = self._staged, []
+        for event in staged:
+            self._write(event)
+
+    def _write(self, event) -> None:
+        if self._rewrite is not None:
+            event = self._rewrite(event)
+        self._sink.writeEvent(event)
+
+    def _afterOutput(self, event) -> None:
+        if not event.terminal:
+            self._write(event)
+            return
+        # Release the slot before the terminal event reaches the client:
+        # Codex sends its next request the instant it reads it
+        # (architecture.md invariant 4, protocol.md 8).
+        responseId = None
+        ok = event.type != b"response.failed"
+        if event.type != b"[DONE]":
+            response = event.json().get("response") or {}
+            responseId = response.get("id")
+        self._release()
+        self._write(event)
+        self._endWith(
+            AttemptResult(ok=ok, committed=True, responseId=responseId, status=200),
+            dropUpstream=False,
+        )
+
+    # -- endings -------------------------------------------------------------
+
+    def _endWith(self, result: AttemptResult, dropUpstream: bool = True) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self._cancelIdle()
+        result.committed = self.committed
+        if dropUpstream:
+            self.abort()
+        detach = getattr(self._sink, "detachProducer", None)
+        if detach is not None and self.committed:
+            detach()
+        self.done.callback(result)
+
+    def _failPreOrPost(self, verdict, message: str) -> None:
+        if not self.committed:
+            self._endWith(AttemptResult(verdict=verdict, status=verdict.status))
+            return
+        self._release()
+        self._sink.fail(E.streamBrokenError(message))
+        self._endWith(AttemptResult(committed=True, failedAfterOutput=True, status=502))
+
+    def _idleExpired(self) -> None:
+        """
+        R24: the upstream stream went silent. After output: an in-stream
+        C{stream_timeout} error without failover. Before output relay fails
+        over as for a read error (nothing reached the client yet).
+        """
+        self._idle = None
+        if self.finished:
+            return
+        if self.committed:
+            self._release()
+            self._sink.fail(E.streamTimeoutError())
+            self._endWith(AttemptResult(committed=True, failedAfterOutput=True, status=504))
+        else:
+            verdict = self._runner.classifier.classifyStreamFailure(
+                self._account, self._turn.endpoint, "read_error", None, "stream idle timeout"
+            )
+            self._endWith(AttemptResult(verdict=verdict, status=502))
+
+    def firstOutputTimeout(self, verdict) -> None:
+        """
+        Called by the runner when the first-output timer fires (R20).
+        """
+        if not self.finished and not self.committed:
+            self._endWith(AttemptResult(verdict=verdict, status=504))
+
+    def connectionLost(self, reason) -> None:
+        self._cancelIdle()
+        if self.finished:
+            return
+        clean = reason.check(ResponseDone, PotentialDataLoss) is not None
+        tail = self._parser.feed(b"\n\n") if clean and self._parser.pending else []
+        for event in tail:
+            if self.finished:
+                return
+            (self._afterOutput if self.committed else self._beforeOutput)(event)
+        if self.finished:
+            return
+        classifier = self._runner.classifier
+        if clean:
+            kind, message = "no_terminal", "OpenAI stream ended before a terminal event"
+        else:
+            kind = "read_error"
+            message = "OpenAI stream disconnected before completion: " + _shortReason(reason)
+        if self.committed:
+            self._runner._streamBrokeAfterOutput(self._account, kind)
+            self._failPreOrPost(None, message)
+        else:
+            verdict = classifier.classifyStreamFailure(
+                self._account, self._turn.endpoint, kind, None, message
+            )
+            self._endWith(AttemptResult(verdict=verdict, status=502))
+
+
+def _shortReason(reason: Failure) -> str:
+    """
+    A short text of a stream failure, for logs and messages.
+    """
+    value = reason.value
+    inner = getattr(value, "reasons", None)
+    if inner:
+        value = inner[0].value
+    return type(value).__name__
+
+
+_PASSED_RESPONSE_HEADERS = ("x-codex-turn-state", "x-request-id", "openai-model")
+
+
+def _passHeaders(headers: dict) -> dict:
+    """
+    Upstream response headers that reach the client on commit (R22: headers
+    are staged with the events).
+    """
+    return {k: headers[k] for k in _PASSED_RESPONSE_HEADERS if k in headers}
+
+
+def modelRewriter(requested: Optional[str], upstream: Optional[str]) -> Optional[Callable]:
+    """
+    When relay mapped the model name, rewrite C{"model":"<upstream>"} back
+    to the requested name in forwarded events (protocol.md 4.3). A bytes
+    replace: no JSON re-serialisation on the hot path.
+
+    @return: a function L{Event} -> L{Event}, or L{None} when no mapping.
+    """
+    if not requested or not upstream or requested == upstream:
+        return None
+    from relay.sse import Event
+
+    old = b'"model":"' + upstream.encode() + b'"'
+    new = b'"model":"' + requested.encode() + b'"'
+
+    def rewrite(event):
+        if old not in event.data:
+            return event
+        return Event(event.type, event.data.replace(old, new))
+
+    return rewrite
+
+
+@define(eq=False)
+class TurnRunner:
+    """
+    Runs every turn. See the module docstring.
+
+    @ivar clock: the injected L{IReactorTime}.
+    @ivar scheduler: the L{relay.interfaces.IAccountScheduler}.
+    @ivar admission: the L{relay.interfaces.ISlotAdmission}.
+    @ivar dialer: the L{relay.interfaces.IUpstreamDialer}.
+    @ivar classifier: the L{relay.interfaces.IFailureClassifier}.
+    @ivar health: the L{relay.health.AccountHealth}.
+    @ivar settings: the L{relay.settings.RuntimeSettings}, read per attempt.
+    @ivar metrics: optional L{relay.metrics.RelayMetrics}.
+    @ivar wsAttempt: optional attempt function for WebSocket upstream modes
+        (issue 6), called like L{_attemptHTTP}.
+    """
+
+    clock: object
+    scheduler: object
+    admission: object
+    dialer: object
+    classifier: object
+    health: object
+    settings: object
+    metrics: object = None
+    wsAttempt: object = None
+    budget: RetryBudget = field(factory=RetryBudget)
+    _log = Logger()
+
+    # -- public --------------------------------------------------------------
+
+    def run(self, turn: Turn, sink) -> Deferred:
+        """
+        Run C{turn}, writing to C{sink} (an L{relay.interfaces.ITurnSink}).
+
+        @return: a Deferred firing with the turn's outcome string:
+            C{completed}, C{failed}, C{client_gone} or C{error}. It never
+            fails; bugs are logged and answered with a 502.
+        """
+        return Deferred.fromCoroutine(self._run(turn, sink))
+
+    # -- the loop --------------------------------------------------------------
+
+    async def _run(self, turn: Turn, sink) -> str:
+        start = self.clock.seconds()
+        state = TurnState()
+        userLease = None
+        outcome, status, accountId = "error", 500, None
+        self.budget.active += 1
+        try:
+            userLease = await self._admitUser(turn, sink)
+            outcome, status, accountId = await self._loop(turn, sink, state)
+        except ClientGone:
+            outcome, status = "client_gone", 499
+        except Exception:
+            self._log.failure("turn {request_id} failed unexpectedly", request_id=turn.requestId)
+            outcome, status = "error", 502
+            if not turn.cancel.cancelled:
+                try:
+                    sink.fail(E.internalError())
+                except Exception:
+                    self._log.failure("writing the fallback error failed")
+        finally:
+            if userLease is not None:
+                userLease.release()
+            self.budget.active -= 1
+            if state.retryToken:
+                self.budget.give()
+        self._finished(turn, state, outcome, status, accountId or state.lastAccountId, start)
+        return outcome
+
+    async def _admitUser(self, turn: Turn, sink):
+        """
+        The per-key slot (R26; on the WebSocket too, R-B10).
+        """
+        key = turn.client
+        if key.concurrency <= 0:
+            return None
+        lease = await self.admission.tryAcquire("user", key.name, key.concurrency)
+        if lease is not None:
+            return lease
+        s = self.settings.current.scheduling
+        plan = WaitPlan(
+            kind="user",
+            id=key.name,
+            max_concurrency=key.concurrency,
+            timeout=s.user_wait_timeout,
+            max_waiting=s.user_max_waiting,
+            plan="user",
+        )
+        return await self._wait(turn, sink, plan, "user_slot_busy")
+
+    async def _loop(self, turn: Turn, sink, state: TurnState):
+        """
+        Select, attempt, decide; until the turn completes or is exhausted.
+
+        @return: (outcome, status, account id).
+        """
+        sameAccount = None  # (account, delay) for a same-account retry
+        while True:
+            if turn.cancel.cancelled:
+                raise ClientGone(turn.cancel.reason)
+            if sameAccount is not None:
+                account, sameAccount = sameAccount, None
+                try:
+                    lease = await self._retakeSameAccount(turn, sink, account)
+                except _AdmissionFailed as e:
+                    sink.fail(e.error)
+                    return "failed", e.error.status, account.id
+            else:
+                try:
+                    selection = await self.scheduler.select(turn, frozenset(state.excluded))
+                except NoAccountAvailable as e:
+                    error = e.error
+                    if state.lastVerdict is not None:
+                        error = self.classifier.exhausted(state.lastVerdict, turn.endpoint)
+                    sink.fail(error)
+                    return "failed", error.status, state.lastAccountId
+                account = selection.account
+                lease = selection.lease
+                if lease is None:
+                    try:
+                        lease = await self._wait(turn, sink, selection.waitPlan, "account_busy")
+                    except _AdmissionFailed as e:
+                        sink.fail(e.error)
+                        return "failed", e.error.status, account.id
+                await self.scheduler.bind(turn, account)
+            state.attempts += 1
+            state.lastAccountId = account.id
+            result = await self._attempt(turn, sink, account, lease)
+            if result.ok:
+                sink.finish()
+                await self._succeeded(turn, account, result)
+                return "completed", result.status, account.id
+            if turn.cancel.cancelled:
+                raise ClientGone(turn.cancel.reason)
+            if result.committed or result.failedAfterOutput:
+                # R19 step 2 / R23: after output nothing fails over; the
+                # terminal event (upstream's or relay's) is already written.
+                sink.finish()
+                return "failed", result.status, account.id
+            verdict = result.verdict
+            decision = await self._decide(turn, sink, state, account, verdict)
+            if decision[0] == "pass":
+                sink.fail(decision[1])
+                return "failed", decision[1].status, account.id
+            if decision[0] == "exhausted":
+                sink.fail(decision[1])
+                return "failed", decision[1].status, account.id
+            if decision[0] == "same":
+                await self._sleep(turn, sink, decision[1])
+                sameAccount = account
+                continue
+            # switch
+            await self._sleep(turn, sink, decision[1])
+
+    async def _decide(self, turn, sink, state: TurnState, account, verdict: F.Verdict):
+        """
+        R19: what to do with one failure.
+
+        @return: C{("pass", ClientError)}, C{("exhausted", ClientError)},
+            C{("same", delay)} or C{("switch", delay)}.
+        """
+        s = self.settings.current
+        model = account.upstreamModel(turn.model) if turn.model else None
+        self._upstreamFailed(turn, account, verdict)
+        if not verdict.failover:
+            await self._mark(account, verdict, model)
+            return ("pass", verdict.clientError)
+        state.lastVerdict = verdict
+        interval = max(0, s.retry_interval_ms) / 1000.0
+
+        # Transport failures: R4 cooldown, R-B1 breaker, R72 sticky policy.
+        if verdict.kind == F.TRANSPORT:
+            if verdict.persistent:
+                await self._mark(account, verdict, model)
+            else:
+                await self.health.transientTransportFailure(account, _proxyId(account))
+                if s.transport_retry_policy == "sticky" and self._canRetrySame(
+                    state, account, verdict
+                ):
+                    if not self._takeRetryToken(state, s):
+                        return ("exhausted", self.classifier.exhausted(verdict, turn.endpoint))
+                    state.sameAccountRetries[account.id] = (
+                        state.sameAccountRetries.get(account.id, 0) + 1
+                    )
+                    self._log.info(
+                        "sticky transport retry on account {account_id}",
+                        event="openai.transport_sticky_retry",
+                        account_id=account.id,
+                        attempt=state.attempts,
+                        cause=verdict.message,
+                        request_id=turn.requestId,
+                    )
+                    return ("same", interval)
+        elif verdict.oauth429:
+            action, delay = await self.health.oauth429Decision(account, verdict)
+            if action == "retry_same":
+                if not self._takeRetryToken(state, s):
+                    return ("exhausted", self.classifier.exhausted(verdict, turn.endpoint))
+                self._logSameRetry(turn, account, state, delay, "oauth_429_window", None)
+                return ("same", max(interval, delay))
+            state.oauth429 = True
+        else:
+            await self._mark(account, verdict, model)
+
+        if verdict.stop:
+            return ("exhausted", self.classifier.exhausted(verdict, turn.endpoint))
+
+        # R21: at most one switch for slow first output / staging overflow.
+        if verdict.safeAfterWrite:
+            state.firstOutputSwitches += 1
+            if state.firstOutputSwitches > MAX_FIRST_OUTPUT_SWITCHES:
+                return ("exhausted", self.classifier.exhausted(verdict, turn.endpoint))
+
+        # R14: same-account retry.
+        if verdict.sameAccount and not verdict.safeAfterWrite and self._canRetrySame(
+            state, account, verdict
+        ):
+            count = state.sameAccountRetries.get(account.id, 0) + 1
+            state.sameAccountRetries[account.id] = count
+            if verdict.retryDelay is not None:
+                delay = verdict.retryDelay
+            elif verdict.backoff:
+                delay = min(8.0, 0.5 * 2 ** (count - 1))
+            else:
+                delay = FIXED_RETRY_DELAY
+            if not self._takeRetryToken(state, s):
+                return ("exhausted", self.classifier.exhausted(verdict, turn.endpoint))
+            self._logSameRetry(turn, account, state, delay, verdict.reason, count)
+            return ("same", max(interval, delay))
+
+        # R19 step 7: switch.
+        state.excluded.add(account.id)
+        if state.switches >= s.max_account_switches:
+            return ("exhausted", self.classifier.exhausted(verdict, turn.endpoint))
+        if state.oauth429 and state.switches >= OAUTH_429_SWITCH_STOP:
+            return ("exhausted", self.classifier.exhausted(verdict, turn.endpoint))
+        if not self._takeRetryToken(state, s):
+            self._log.warn(
+                "retry budget exhausted; not switching from {account_id}",
+                event="relay.retry_budget_exhausted",
+                account_id=account.id,
+                request_id=turn.requestId,
+            )
+            return ("exhausted", self.classifier.exhausted(verdict, turn.endpoint))
+        state.switches += 1
+        if verdict.kind == F.TRANSPORT:
+            # R72 rotate (and any persistent failure): release the binding.
+            await self.scheduler.unbind(turn)
+        name = (
+            "openai.websocket_upstream_failover_switching"
+            if turn.entrypoint == "ws"
+            else "openai.upstream_failover_switching"
+        )
+        self._log.warn(
+            "switching from account {account_id} after {reason} (status {upstream_status}),"
+            " switch {switch_count}/{max_switches}",
+            event=name,
+            account_id=account.id,
+            upstream_status=verdict.status,
+            reason=verdict.reason,
+            switch_count=state.switches,
+            max_switches=s.max_account_switches,
+            proxy_id=_proxyId(account),
+            request_id=turn.requestId,
+            entrypoint=turn.entrypoint,
+        )
+        if self.metrics is not None:
+            self.metrics.failover(verdict.reason)
+        # R71: no extra interval after a first-output timeout.
+        return ("switch", 0 if verdict.kind == F.FIRST_OUTPUT_TIMEOUT else interval)
+
+    def _canRetrySame(self, state: TurnState, account, verdict) -> bool:
+        """
+        R14's count limit: C{pool_mode_retry_count} (default 3) per account
+        in this turn; an OAuth-429 window retry is not counted here.
+        """
+        limit = max(0, min(10, account.pool_mode_retry_count))
+        return state.sameAccountRetries.get(account.id, 0) < limit
+
+    def _takeRetryToken(self, state: TurnState, s) -> bool:
+        """
+        The global retry budget: one token per retrying turn.
+        """
+        if state.retryToken:
+            return True
+        if self.budget.take(s.retry_budget_percent):
+            state.retryToken = True
+            return True
+        return False
+
+    def _logSameRetry(self, turn, account, state, delay, reason, count) -> None:
+        self._log.info(
+            "retrying account {account_id} after {retry_delay}s ({reason})",
+            event="openai.pool_mode_same_account_retry",
+            account_id=account.id,
+            retry_limit=account.pool_mode_retry_count,
+            retry_count=count,
+            retry_delay=delay,
+            reason=reason,
+            request_id=turn.requestId,
+        )
+        if self.metrics is not None:
+            self.metrics.sameAccountRetry(reason)
+
+    async def _mark(self, account, verdict, model) -> None:
+        """
+        Apply the verdict's markings (R4, R11) through the health object.
+        """
+        if verdict.markings:
+            await self.health.applyVerdict(account, verdict, model)
+            if self.metrics is not None:
+                for marking in verdict.markings:
+                    self.metrics.cooldown(marking.kind)
+
+    async def _succeeded(self, turn, account, result: AttemptResult) -> None:
+        model = account.upstreamModel(turn.model) if turn.model else None
+        await self.health.success(account, model)
+        if result.responseId:
+            await self.scheduler.recordResponse(turn, result.responseId, account)
+            if turn.onResponseId is not None:
+                turn.onResponseId(result.responseId, account)
+
+    async def _retakeSameAccount(self, turn, sink, account):
+        """
+        Retake the slot for a same-account retry, waiting per the sticky
+        plan (R60, R64 step 2).
+        """
+        lease = await self.admission.tryAcquire("account", account.id, account.concurrency)
+        if lease is not None:
+            return lease
+        s = self.settings.current.scheduling
+        plan = WaitPlan(
+            kind="account",
+            id=account.id,
+            max_concurrency=account.concurrency,
+            timeout=s.sticky_session_wait_timeout,
+            max_waiting=s.sticky_session_max_waiting,
+            plan="sticky",
+        )
+        return await self._wait(turn, sink, plan, "same_account_retry")
+
+    # -- waiting -------------------------------------------------------------
+
+    async def _wait(self, turn: Turn, sink, plan: WaitPlan, reason: str):
+        """
+        Wait for a slot on C{plan} (R27, R30-R33), with SSE keepalives
+        (R31) and the wait events of R32.
+
+        @raise _AdmissionFailed: queue full, timeout or error (R32).
+        @raise ClientGone: the client left while waiting.
+        """
+        ws = turn.entrypoint == "ws"
+        prefix = "openai.websocket_account_wait" if ws else "openai.account_wait"
+        phase = turn.phase if turn.phase != "request" else "request"
+        if reason == "same_account_retry":
+            phase = "same_account_retry"
+        fields = dict(
+            entrypoint=turn.entrypoint,
+            mode=turn.wsMode,
+            phase=phase,
+            reason=reason,
+            account_id=plan.id if plan.kind == "account" else None,
+            key_name=plan.id if plan.kind == "user" else None,
+            plan=plan.plan,
+            request_id=turn.requestId,
+        )
+        self._log.info("waiting for a {plan} slot on {account_id}", event=prefix + "_started", **fields)
+        start = self.clock.seconds()
+        keepalive = self._keepalive(sink)
+        try:
+            lease = await self.admission.acquire(plan, turn.cancel)
+        except AdmissionError as e:
+            outcome = "client_gone" if turn.cancel.cancelled else e.reason
+            self._waitFinished(prefix, fields, outcome, start, 0)
+            if outcome == "client_gone":
+                raise ClientGone(turn.cancel.reason)
+            raise _AdmissionFailed(E.admissionError(e, plan.kind))
+        except ClientGone:
+            self._waitFinished(prefix, fields, "client_gone", start, 0)
+            raise
+        finally:
+            if keepalive is not None and keepalive.running:
+                keepalive.stop()
+        self._waitFinished(prefix, fields, "acquired", start, getattr(lease, "queuePosition", 0))
+        if turn.cancel.cancelled:
+            lease.release()
+            raise ClientGone(turn.cancel.reason)
+        return lease
+
+    def _waitFinished(self, prefix, fields, outcome, start, position) -> None:
+        waitMs = int((self.clock.seconds() - start) * 1000)
+        self._log.info(
+            "wait for {account_id} finished: {outcome} after {wait_ms} ms",
+            event=prefix + "_finished",
+            outcome=outcome,
+            wait_ms=waitMs,
+            queue_position=position,
+            **fields,
+        )
+        if self.metrics is not None:
+            self.metrics.waitFinished(fields["entrypoint"], outcome, waitMs / 1000.0)
+
+    def _keepalive(self, sink) -> Optional[LoopingCall]:
+        """
+        SSE keepalive comments every C{ping_interval} seconds while waiting
+        (R31). Non-streaming sinks ignore them.
+        """
+        interval = self.settings.current.scheduling.ping_interval
+        if interval <= 0:
+            return None
+        call = LoopingCall(sink.keepalive)
+        call.clock = self.clock
+        call.start(interval, now=False).addErrback(
+            lambda f: self._log.failure("keepalive failed", f)
+        )
+        return call
+
+    async def _sleep(self, turn: Turn, sink, seconds: float) -> None:
+        """
+        The retry interval / same-account delay (R71, R73): cancellable by
+        the client, keepalives continue, no slot is held.
+        """
+        if seconds <= 0:
+            return
+        self._log.info(
+            "waiting {interval_ms} ms before the next attempt",
+            event="openai.retry_interval_wait",
+            interval_ms=int(seconds * 1000),
+            request_id=turn.requestId,
+        )
+        keepalive = self._keepalive(sink)
+        try:
+            await raceCancel(deferLater(self.clock, seconds), turn.cancel)
+        finally:
+            if keepalive is not None and keepalive.running:
+                keepalive.stop()
+
+    # -- one attempt -----------------------------------------------------------
+
+    async def _attempt(self, turn: Turn, sink, account, lease) -> AttemptResult:
+        """
+        One attempt on C{account} holding C{lease}. The lease is released on
+        every path, before a terminal event is written.
+        """
+        released = []
+
+        def release():
+            if not released:
+                released.append(True)
+                lease.release()
+
+        try:
+            if self.wsAttempt is not None and turn.entrypoint == "ws" and turn.wsMode in (
+                "ctx_pool",
+                "passthrough",
+            ):
+                return await self.wsAttempt(self, turn, sink, account, release)
+            return await self._attemptHTTP(turn, sink, account, release)
+        finally:
+            release()
+
+    async def _attemptHTTP(self, turn: Turn, sink, account, release) -> AttemptResult:
+        """
+        One HTTP attempt: dial, then stream (SSE) or read (JSON).
+        """
+        s = self.settings.current
+        stream = upstreamStreams(turn, account)
+        path = "/responses" if turn.endpoint == "responses" else "/chat/completions"
+        headers = dict(turn.headers)
+        headers["accept"] = "text/event-stream" if stream else "application/json"
+        body = upstreamBody(turn, account)
+        fot = s.first_output_timeout_seconds if stream else 0
+        pump = None
+        timedOut = []
+        requestD = self.dialer.request(account, b"POST", path, body, headers, s.upstream)
+
+        def _onFirstOutputTimeout():
+            timedOut.append(True)
+            verdict = self.classifier.firstOutputTimeout(account, fot)
+            self._log.warn(
+                "no first output from {account_id} within {seconds}s",
+                event="openai.first_output_timeout",
+                account_id=account.id,
+                seconds=fot,
+                request_id=turn.requestId,
+            )
+            if pump is not None:
+                pump.firstOutputTimeout(verdict)
+            else:
+                requestD.cancel()
+
+        timer = self.clock.callLater(fot, _onFirstOutputTimeout) if fot > 0 else None
+        try:
+            try:
+                response = await raceCancel(requestD, turn.cancel)
+            except ClientGone:
+                raise
+            except Exception as e:
+                if timedOut:
+                    return AttemptResult(
+                        verdict=self.classifier.firstOutputTimeout(account, fot), status=504
+                    )
+                verdict = self.classifier.classifyTransport(account, e, turn.endpoint)
+                return AttemptResult(verdict=verdict, status=verdict.status)
+            if self.metrics is not None:
+                self.metrics.upstreamStatus(response.code)
+            if response.code >= 300:
+                errorBody = await raceCancel(response.readBody(ERROR_BODY_LIMIT), turn.cancel)
+                release()
+                verdict = self.classifier.classifyStatus(
+                    account, turn.endpoint, response.code, response.headers, errorBody,
+                    self.clock.seconds(),
+                )
+                return AttemptResult(verdict=verdict, status=response.code)
+            rewrite = modelRewriter(turn.model, account.upstreamModel(turn.model) if turn.model else None)
+            if not stream:
+                return await self._readJSON(turn, sink, account, response, release, rewrite)
+            pump = StreamPump(
+                self, turn, sink, account, release, rewrite, s.upstream.stream_idle_timeout_seconds
+            )
+            pump.start(response)
+            try:
+                return await raceCancel(_uncancellable(pump.done), turn.cancel)
+            except ClientGone:
+                pump.abort()
+                raise
+        finally:
+            if timer is not None and timer.active():
+                timer.cancel()
+
+    async def _readJSON(self, turn, sink, account, response, release, rewrite) -> AttemptResult:
+        """
+        A non-streaming upstream body: check for a silent refusal, then
+        answer the client with it.
+        """
+        body = await raceCancel(response.readBody(JSON_BODY_LIMIT), turn.cancel)
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None
+        if turn.endpoint == "responses" and isinstance(parsed, dict) and isEmptyCompleted(parsed):
+            verdict = self.classifier.classifyStreamFailure(
+                account, turn.endpoint, "empty_completed", parsed, ""
+            )
+            if verdict is not None:
+                return AttemptResult(verdict=verdict, status=verdict.status)
+        if rewrite is not None:
+            from relay.sse import Event
+
+            body = rewrite(Event(b"", body)).data
+        release()
+        self._firstOutput(turn)
+        sink.writeBody(200, _passHeaders(response.headers), body)
+        responseId = parsed.get("id") if isinstance(parsed, dict) else None
+        return AttemptResult(ok=True, committed=True, responseId=responseId, status=200)
+
+    # -- bookkeeping -----------------------------------------------------------
+
+    def _firstOutput(self, turn: Turn) -> None:
+        if turn.firstOutputAt is None:
+            turn.firstOutputAt = self.clock.seconds()
+
+    def _upstreamFailed(self, turn, account, verdict) -> None:
+        kind = {F.TRANSPORT: "request_error", F.FIRST_OUTPUT_TIMEOUT: "first_output_timeout"}.get(
+            verdict.kind, "failover" if verdict.failover else "upstream_error"
+        )
+        self._log.info(
+            "attempt on {account_id} failed: {reason} {upstream_status}",
+            event="openai.ops_event",
+            kind=kind,
+            account_id=account.id,
+            upstream_status=0 if verdict.kind == F.TRANSPORT else verdict.status,
+            reason=verdict.reason,
+            message=verdict.message,
+            proxy_id=_proxyId(account),
+            request_id=turn.requestId,
+        )
+
+    def _streamBrokeAfterOutput(self, account, kind) -> None:
+        """
+        R19 step 2: an account-health failure after output (no failover).
+        """
+        if kind == "read_error":
+            d = self.health.transientTransportFailure(account, _proxyId(account))
+            d.addErrback(lambda f: self._log.failure("recording a stream failure failed", f))
+
+    def _finished(self, turn, state, outcome, status, accountId, start) -> None:
+        now = self.clock.seconds()
+        first = turn.firstOutputAt
+        self._log.info(
+            "turn {request_id} {outcome} with status {status} on {account_id}"
+            " after {attempts} attempt(s)",
+            event="relay.turn_finished",
+            request_id=turn.requestId,
+            entrypoint=turn.entrypoint,
+            endpoint=turn.endpoint,
+            client=turn.client.name,
+            model=turn.model,
+            outcome=outcome,
+            status=status,
+            account_id=accountId,
+            attempts=state.attempts,
+            switches=state.switches,
+            duration_ms=int((now - start) * 1000),
+            first_output_ms=None if first is None else int((first - start) * 1000),
+        )
+        if self.metrics is not None:
+            self.metrics.turnFinished(turn.entrypoint, outcome)
+            if first is not None:
+                self.metrics.firstOutput(first - start)
+
+
+class _AdmissionFailed(Exception):
+    """
+    Admission refused; carries the L{ClientError} (R32).
+    """
+
+    def __init__(self, error: ClientError):
+        super().__init__(error.message)
+        self.error = error
+
+
+def _uncancellable(d: Deferred) -> Deferred:
+    """
+    A view of C{d} whose cancellation does not errback C{d} itself (the
+    pump owns its Deferred and ends it on abort).
+    """
+    view = Deferred(lambda _: None)
+    d.addBoth(lambda r: (view.callback(r) if not view.called else None, r)[1])
+    return view
+
+
+def _proxyId(account) -> Optional[str]:
+    return account.proxy.id if account.proxy is not None else None

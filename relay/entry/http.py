@@ -1,0 +1,297 @@
+# -*- test-case-name: tests.test_entry_http -*-
+"""
+The HTTP entrypoint: C{POST /v1/responses}, C{POST /v1/chat/completions},
+C{GET /v1/models}, C{GET /healthz}, and the dispatch of C{GET /v1/responses}
+upgrades to the WebSocket resource (style.md 9(a), protocol.md 1).
+
+It authenticates, parses, builds a L{Turn} and a sink, and hands both to the
+turn runner. It holds no failover, cooldown or admission policy
+(architecture.md invariant 1).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+from itertools import count
+from typing import Optional
+
+from twisted.logger import Logger
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET
+
+from relay.entry.sinks import JSONSink, SSESink, writeError
+from relay.model import ClientError, ClientKey, Turn
+from relay.session import sessionHash, sessionSeed
+
+MAX_BODY_BYTES = 64 * 2**20
+"""The largest request body accepted (behaviour.md R47 read limit)."""
+
+_HOP_BY_HOP = frozenset(
+    {
+        "authorization",
+        "x-api-key",
+        "cookie",
+        "proxy-authorization",
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-connection",
+        "host",
+        "content-length",
+        "content-type",
+        "accept",
+        "accept-encoding",
+    }
+)
+
+
+def clientHeaders(request) -> dict:
+    """
+    The client's headers, lower-cased, minus credentials, cookies and
+    hop-by-hop headers (architecture.md invariant 7). The upstream dialer
+    applies its own allow-list on top.
+
+    @return: str -> str (first value).
+    """
+    headers = {}
+    for name, values in request.requestHeaders.getAllRawHeaders():
+        lname = name.decode("latin-1").lower()
+        if lname not in _HOP_BY_HOP:
+            headers[lname] = values[0].decode("latin-1")
+    return headers
+
+
+class KeyRing:
+    """
+    Client API keys issued by relay (config.md C{keys:}).
+    """
+
+    def __init__(self, keys):
+        """
+        @param keys: an iterable of L{ClientKey}.
+        """
+        self._keys = list(keys)
+
+    def authenticate(self, request) -> Optional[ClientKey]:
+        """
+        Find the key in C{Authorization: Bearer} or C{x-api-key}
+        (protocol.md 1). Compared in constant time.
+
+        @return: the L{ClientKey}, or L{None}.
+        """
+        auth = request.getHeader(b"authorization")
+        secret = None
+        if auth and auth[:7].lower() == b"bearer ":
+            secret = auth[7:].strip()
+        if not secret:
+            secret = request.getHeader(b"x-api-key")
+        if not secret:
+            return None
+        found = None
+        for key in self._keys:
+            if hmac.compare_digest(key.key.encode(), secret):
+                found = key
+        return found
+
+    def authenticateHeader(self, value: Optional[str]) -> Optional[ClientKey]:
+        """
+        Authenticate a raw bearer secret (WebSocket handshake headers).
+        """
+        if not value:
+            return None
+        secret = value[7:].strip() if value[:7].lower() == "bearer " else value.strip()
+        found = None
+        for key in self._keys:
+            if hmac.compare_digest(key.key.encode(), secret.encode()):
+                found = key
+        return found
+
+
+UNAUTHORIZED = ClientError(
+    401,
+    "invalid_request_error",
+    "Incorrect API key provided. Use Authorization: Bearer <relay key> or x-api-key.",
+    code="invalid_api_key",
+)
+
+
+def badRequest(message: str, param=None, code=None) -> ClientError:
+    """
+    A 400 in OpenAI's format.
+    """
+    return ClientError(400, "invalid_request_error", message, param=param, code=code)
+
+
+_ids = count(1)
+_prefix = os.urandom(3).hex()
+
+
+def newRequestId() -> str:
+    """
+    A relay request id for logs: C{req_<process prefix><seq>}.
+    """
+    return f"req_{_prefix}{next(_ids):x}"
+
+
+class TurnResource(Resource):
+    """
+    C{POST} a turn: C{/v1/responses} (C{endpoint="responses"}) or
+    C{/v1/chat/completions} (C{endpoint="chat"}).
+
+    For C{responses}, a C{GET} with C{Upgrade: websocket} goes to the
+    WebSocket resource; a plain C{GET} gets 426 (protocol.md 1).
+    """
+
+    isLeaf = True
+    _log = Logger()
+
+    def __init__(self, runner, keys: KeyRing, endpoint: str, websocket=None):
+        """
+        @param runner: the L{relay.engine.runner.TurnRunner}.
+        @param keys: the L{KeyRing}.
+        @param endpoint: C{responses} or C{chat}.
+        @param websocket: the WebSocket resource for upgrades, or L{None}.
+        """
+        super().__init__()
+        self._runner = runner
+        self._keys = keys
+        self._endpoint = endpoint
+        self._ws = websocket
+
+    def render_GET(self, request):
+        if self._endpoint == "responses":
+            upgrade = (request.getHeader(b"upgrade") or b"").lower()
+            connection = (request.getHeader(b"connection") or b"").lower()
+            if upgrade == b"websocket" and b"upgrade" in connection:
+                if self._ws is not None:
+                    return self._ws.render(request)
+        writeError(
+            request,
+            ClientError(
+                426, "invalid_request_error", "WebSocket upgrade required (Upgrade: websocket)"
+            ),
+        )
+        return NOT_DONE_YET
+
+    def render_POST(self, request):
+        key = self._keys.authenticate(request)
+        if key is None:
+            writeError(request, UNAUTHORIZED)
+            return NOT_DONE_YET
+        raw = request.content.read(MAX_BODY_BYTES + 1)
+        if len(raw) > MAX_BODY_BYTES:
+            writeError(
+                request,
+                ClientError(413, "invalid_request_error", "Request payload is too large"),
+            )
+            return NOT_DONE_YET
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            writeError(request, badRequest("We could not parse the JSON body of your request."))
+            return NOT_DONE_YET
+        if not isinstance(body, dict):
+            writeError(request, badRequest("The request body must be a JSON object."))
+            return NOT_DONE_YET
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            writeError(request, badRequest("you must provide a model parameter", param="model"))
+            return NOT_DONE_YET
+        stream = body.get("stream") is True
+        headers = clientHeaders(request)
+        previous = body.get("previous_response_id") if self._endpoint == "responses" else None
+        if previous is not None and not isinstance(previous, str):
+            writeError(request, badRequest("previous_response_id must be a string", param="previous_response_id"))
+            return NOT_DONE_YET
+        turn = Turn(
+            entrypoint="http",
+            endpoint=self._endpoint,
+            client=key,
+            model=model,
+            body=body,
+            stream=stream,
+            headers=headers,
+            sessionHash=sessionHash(sessionSeed(headers, body, model), key.name),
+            previousResponseId=previous,
+            requestId=newRequestId(),
+        )
+        sinkType = SSESink if stream else JSONSink
+        sink = sinkType(request, self._endpoint, model)
+        request.notifyFinish().addErrback(lambda f: turn.cancel.cancel("client_gone"))
+        self._runner.run(turn, sink)
+        return NOT_DONE_YET
+
+
+class ModelsResource(Resource):
+    """
+    C{GET /v1/models}: the models the accounts serve, by the names clients
+    use (allow-lists and mapping keys).
+    """
+
+    isLeaf = True
+
+    def __init__(self, keys: KeyRing, accounts):
+        super().__init__()
+        self._keys = keys
+        self._accounts = accounts
+
+    def render_GET(self, request):
+        if self._keys.authenticate(request) is None:
+            writeError(request, UNAUTHORIZED)
+            return NOT_DONE_YET
+        names = set()
+        for account in self._accounts:
+            names.update(account.models or ())
+            names.update(account.model_mapping)
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "relay"}
+            for name in sorted(names)
+        ]
+        request.setHeader(b"content-type", b"application/json")
+        return json.dumps({"object": "list", "data": data}).encode()
+
+
+class HealthResource(Resource):
+    """
+    C{GET /healthz}: 200 once the site is listening.
+    """
+
+    isLeaf = True
+
+    def render_GET(self, request):
+        request.setHeader(b"content-type", b"application/json")
+        return b'{"status":"ok"}'
+
+
+def buildRoot(runner, keys: KeyRing, accounts, websocket=None) -> Resource:
+    """
+    The relay's resource tree (protocol.md 1): C{/v1/...}, the prefixless
+    aliases, C{/backend-api/codex/responses} and C{/healthz}.
+
+    @return: the root L{Resource}; the application adds C{admin} and
+        C{metrics} children.
+    """
+    responses = TurnResource(runner, keys, "responses", websocket)
+    chat = TurnResource(runner, keys, "chat")
+    models = ModelsResource(keys, accounts)
+    root = Resource()
+    v1 = Resource()
+    for parent in (root, v1):
+        parent.putChild(b"responses", responses)
+        chatParent = Resource()
+        chatParent.putChild(b"completions", chat)
+        parent.putChild(b"chat", chatParent)
+        parent.putChild(b"models", models)
+    root.putChild(b"v1", v1)
+    backend = Resource()
+    codex = Resource()
+    codex.putChild(b"responses", responses)
+    backend.putChild(b"codex", codex)
+    root.putChild(b"backend-api", backend)
+    root.putChild(b"healthz", HealthResource())
+    return root

@@ -1,0 +1,250 @@
+# -*- test-case-name: tests.test_sinks -*-
+"""
+The HTTP sinks the turn engine writes to: SSE (streaming) and JSON
+(non-streaming). Transport adapters only; no policy (architecture.md
+invariant 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from relay.interfaces import ITurnSink
+from relay.model import ClientError
+
+# protocol.md 2.6: error type -> in-stream code.
+STREAM_ERROR_CODES = {
+    "rate_limit_error": "rate_limit_exceeded",
+    "invalid_request_error": "invalid_request",
+    "permission_error": "permission_denied",
+    "authentication_error": "authentication_failed",
+    "upstream_error": "upstream_error",
+    "api_error": "server_error",
+    "server_error": "server_error",
+    "": "server_error",
+}
+
+
+def errorBody(error: ClientError) -> bytes:
+    """
+    @return: the OpenAI error envelope as JSON bytes.
+    """
+    return json.dumps(error.envelope()).encode("utf-8")
+
+
+def writeError(request, error: ClientError) -> None:
+    """
+    Answer C{request} with C{error} before anything was written: the status,
+    C{Retry-After} when safe (R16), and the JSON envelope, or the upstream
+    body unchanged for C{cyber_policy} (R9).
+    """
+    request.setResponseCode(error.status)
+    for name, value in error.headers:
+        request.setHeader(name, value)
+    if error.rawBody is not None:
+        request.setHeader(b"content-type", (error.contentType or "application/json").encode())
+        request.write(error.rawBody)
+    else:
+        request.setHeader(b"content-type", b"application/json")
+        request.write(errorBody(error))
+    request.finish()
+
+
+def failedEvent(error: ClientError, model) -> bytes:
+    """
+    A terminal C{response.failed} SSE event for an error after the stream
+    started (protocol.md 2.6, behaviour.md R17).
+    """
+    code = error.code if error.code and error.type != "rate_limit_error" else None
+    code = code or STREAM_ERROR_CODES.get(error.type or "", "server_error")
+    payload = {
+        "type": "response.failed",
+        "response": {
+            "id": "resp_relay_" + os.urandom(8).hex(),
+            "object": "response",
+            "model": model,
+            "status": "failed",
+            "output": [],
+            "error": {"code": code, "message": error.message},
+        },
+    }
+    return b"event: response.failed\ndata: " + json.dumps(payload).encode() + b"\n\n"
+
+
+class _RequestSink:
+    """
+    Common parts: the request, client-gone tracking, producer wiring.
+    """
+
+    _log = Logger()
+
+    def __init__(self, request, endpoint: str, model=None):
+        self._request = request
+        self._endpoint = endpoint
+        self._model = model
+        self._gone = False
+        self._finished = False
+        self._producer = None
+        self.committed = False
+        self.status = None
+        request.notifyFinish().addErrback(self._clientGone)
+
+    def _clientGone(self, reason) -> None:
+        self._gone = True
+
+    def attachProducer(self, producer) -> None:
+        """
+        Let the client socket pause upstream reads (style.md 9(c)).
+        """
+        if not self._gone and self._producer is None:
+            self._producer = producer
+            self._request.registerProducer(producer, True)
+
+    def detachProducer(self) -> None:
+        if self._producer is not None:
+            self._producer = None
+            if not self._gone:
+                self._request.unregisterProducer()
+
+    def _finish(self) -> None:
+        self.detachProducer()
+        if not self._gone and not self._finished:
+            self._finished = True
+            self._request.finish()
+
+
+@implementer(ITurnSink)
+class SSESink(_RequestSink):
+    """
+    Server-Sent Events to the client (protocol.md 2.2).
+
+    C{headersSent} turns true at the first keepalive or commit; after it
+    every error is written in-stream (R17). C{committed} turns true at the
+    first output.
+    """
+
+    headersSent = False
+
+    def _sendHeaders(self, headers=None) -> None:
+        if self.headersSent:
+            return
+        self.headersSent = True
+        self.status = 200
+        r = self._request
+        r.setResponseCode(200)
+        r.setHeader(b"content-type", b"text/event-stream")
+        r.setHeader(b"cache-control", b"no-cache")
+        r.setHeader(b"x-accel-buffering", b"no")
+        for name, value in (headers or {}).items():
+            r.setHeader(name.encode("latin-1"), value.encode("latin-1"))
+
+    def keepalive(self) -> None:
+        if self._gone or self._finished or self.committed:
+            return
+        self._sendHeaders()
+        self._request.write(b":\n\n")
+
+    def commit(self, headers) -> None:
+        self._sendHeaders(headers)
+        self.committed = True
+
+    def writeEvent(self, event) -> None:
+        if not self._gone and not self._finished:
+            self._request.write(event.raw)
+
+    def writeBody(self, status, headers, body) -> None:
+        # A streaming client got a JSON body from upstream: forward it as is.
+        if self._gone or self._finished:
+            return
+        if not self.headersSent:
+            self.status = status
+            self._request.setResponseCode(status)
+            self._request.setHeader(b"content-type", b"application/json")
+        self._request.write(body)
+        self._finish()
+
+    def fail(self, error: ClientError) -> None:
+        if self._gone or self._finished:
+            return
+        if not self.headersSent:
+            self.status = error.status
+            self._finished = True
+            writeError(self._request, error)
+            return
+        if self._endpoint == "responses":
+            self._request.write(failedEvent(error, self._model))
+        else:
+            self._request.write(b"event: error\ndata: " + errorBody(error) + b"\n\n")
+        self._finish()
+
+    def finish(self) -> None:
+        self._finish()
+
+
+@implementer(ITurnSink)
+class JSONSink(_RequestSink):
+    """
+    One JSON answer for a non-streaming client. A streamed upstream (OAuth
+    accounts) is collected: the terminal event's C{response} object is the
+    body (protocol.md 2.7).
+    """
+
+    def __init__(self, request, endpoint: str, model=None):
+        super().__init__(request, endpoint, model)
+        self._final = None
+        self._headers = {}
+
+    def keepalive(self) -> None:
+        """
+        Non-streaming requests get no pings (R31).
+        """
+
+    def commit(self, headers) -> None:
+        self.committed = True
+        self._headers = dict(headers or {})
+
+    def writeEvent(self, event) -> None:
+        if event.terminal and event.type != b"[DONE]":
+            self._final = event.json().get("response")
+            self._reply()
+
+    def _reply(self) -> None:
+        if self._gone or self._finished:
+            return
+        self.status = 200
+        r = self._request
+        r.setResponseCode(200)
+        r.setHeader(b"content-type", b"application/json")
+        for name, value in self._headers.items():
+            r.setHeader(name.encode("latin-1"), value.encode("latin-1"))
+        r.write(json.dumps(self._final).encode("utf-8"))
+        self._finish()
+
+    def writeBody(self, status, headers, body) -> None:
+        if self._gone or self._finished:
+            return
+        self.committed = True
+        self.status = status
+        r = self._request
+        r.setResponseCode(status)
+        r.setHeader(b"content-type", b"application/json")
+        for name, value in (headers or {}).items():
+            r.setHeader(name.encode("latin-1"), value.encode("latin-1"))
+        r.write(body)
+        self._finish()
+
+    def fail(self, error: ClientError) -> None:
+        if self._gone or self._finished:
+            return
+        self.status = error.status
+        self._finished = True
+        self.detachProducer()
+        writeError(self._request, error)
+
+    def finish(self) -> None:
+        if self._final is None:
+            self._finish()

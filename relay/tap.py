@@ -1,0 +1,74 @@
+# -*- test-case-name: tests.test_tap -*-
+"""
+The twistd plugin's C{Options} and C{makeService}: C{twistd -n relay
+--config FILE}. The only module in relay that imports the global reactor
+(lazily, in L{makeService}).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from twisted.python import usage
+
+from relay.model import ConfigError
+
+
+class Options(usage.Options):
+    """
+    C{twistd relay} options.
+    """
+
+    optParameters = [
+        ["config", "c", "/etc/relay/relay.yaml", "The relay configuration file (YAML)."],
+        ["listen", "l", None, "A Twisted endpoint string overriding the config's listen."],
+        ["log-format", None, None, "text or json (one JSON object per line); overrides log.format."],
+    ]
+
+    def postOptions(self) -> None:
+        """
+        Parse the configuration once, into C{self.config}. Any problem
+        becomes a one-line L{usage.UsageError} naming the key.
+        """
+        from attrs import evolve
+
+        from relay.config import loadConfig, secretsOf
+        from relay.logs import observerFor, registerSecrets
+
+        try:
+            config = loadConfig(self["config"])
+        except ConfigError as e:
+            raise usage.UsageError(str(e))
+        except OSError as e:
+            raise usage.UsageError(f"cannot read config {self['config']}: {e.strerror or e}")
+        if self["listen"]:
+            config = evolve(config, listen=self["listen"])
+        fmt = self["log-format"] or config.log_format
+        if fmt not in ("text", "json"):
+            raise usage.UsageError(f"--log-format: expected text or json, got {fmt!r}")
+        self.config = config
+        registerSecrets(secretsOf(config))
+        parent = getattr(self, "parent", None)
+        if parent is not None and not parent.get("logger"):
+            # twistd builds its logger after parsing options; hand it ours so
+            # every line is redacted, and JSON when asked.
+            parent["logger"] = lambda: observerFor(fmt, sys.stdout)
+
+
+def makeService(options: Options, reactor=None):
+    """
+    Build the relay service.
+
+    @param options: parsed L{Options}.
+    @param reactor: the reactor; the global one when L{None}
+        (coding-standard idiom).
+    @return: a L{twisted.application.service.MultiService}.
+    """
+    if reactor is None:
+        from twisted.internet import reactor
+    from relay.app import buildService
+
+    try:
+        return buildService(options.config, reactor)
+    except ConfigError as e:
+        raise usage.UsageError(str(e))

@@ -1,0 +1,3 @@
+"""
+Upstream dialers: HTTP (treq), WebSocket (autobahn), and egress proxies.
+"""

@@ -1,0 +1,291 @@
+# -*- test-case-name: tests.test_upstream_http -*-
+"""
+The built-in upstream HTTP dialer: treq over a persistent
+L{HTTPConnectionPool}, real TLS (C{optionsForClientTLS} through Agent's
+default policy), per-account auth headers, connect and response-header
+timeouts, and per-account egress proxies (issue 8).
+
+It never retries by itself: C{retryAutomatically} is off
+(architecture.md invariant 3).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from attrs import define, field
+from treq.client import HTTPClient
+from twisted.internet.defer import Deferred
+from twisted.internet.protocol import Protocol
+from twisted.web.client import Agent, HTTPConnectionPool
+from twisted.web.http_headers import Headers
+from zope.interface import implementer
+
+from relay.interfaces import IUpstreamDialer, IUpstreamResponse
+from relay.model import Account, UpstreamSettings
+
+# Client headers that may travel upstream (protocol.md 7.2). Everything else
+# -- Authorization, x-api-key, cookies, hop-by-hop headers -- stays behind
+# (architecture.md invariant 7).
+FORWARDED_HEADERS = (
+    "accept-language",
+    "user-agent",
+    "originator",
+    "session-id",
+    "session_id",
+    "thread-id",
+    "conversation_id",
+    "conversation-id",
+    "x-client-request-id",
+    "x-codex-beta-features",
+    "x-codex-window-id",
+    "x-codex-installation-id",
+    "x-codex-turn-metadata",
+    "x-codex-turn-state",
+    "x-codex-routing-hint",
+    "openai-beta",
+)
+
+DEFAULT_ORIGINATOR = "codex_cli_rs"
+"""The C{originator} sent for OAuth accounts when the client is not Codex."""
+
+
+class HeaderTimeout(Exception):
+    """
+    Upstream accepted the connection but sent no response headers in time
+    (behaviour.md R1: a response-header timeout is a transport failure).
+    """
+
+
+class UpstreamBodyTooLarge(Exception):
+    """
+    A body read hit its limit.
+    """
+
+
+def upstreamHeaders(account: Account, clientHeaders: dict) -> dict:
+    """
+    Build the upstream request headers for C{account}.
+
+    @param account: the L{Account}; its credential goes into
+        C{Authorization}, OAuth accounts add C{chatgpt-account-id}.
+    @param clientHeaders: lower-cased headers from the engine: only
+        L{FORWARDED_HEADERS} are copied, plus C{accept}, which the engine
+        sets from the body's C{stream} flag (protocol.md 2.1).
+    @return: a dict of str -> str.
+    """
+    headers = {}
+    for name in FORWARDED_HEADERS:
+        value = clientHeaders.get(name)
+        if value is not None:
+            headers[name] = value
+    headers["authorization"] = "Bearer " + account.credential
+    headers["content-type"] = "application/json"
+    headers["accept"] = clientHeaders.get("accept", "text/event-stream")
+    if account.type == "oauth":
+        if account.chatgpt_account_id:
+            headers["chatgpt-account-id"] = account.chatgpt_account_id
+        if not headers.get("originator", "").startswith("codex"):
+            headers["originator"] = DEFAULT_ORIGINATOR
+    return headers
+
+
+@implementer(IUpstreamResponse)
+@define(eq=False)
+class UpstreamResponse:
+    """
+    A treq response whose body is still unread.
+
+    @ivar code: the HTTP status.
+    @ivar headers: lower-cased name -> first value.
+    """
+
+    _response: object
+    _clock: object
+    code: int = 0
+    headers: dict = field(factory=dict)
+    _delivered: bool = False
+    _transport: object = None
+
+    @classmethod
+    def wrap(cls, response, clock) -> "UpstreamResponse":
+        """
+        @param response: a treq or twisted.web response.
+        @param clock: an L{IReactorTime} for body-read timeouts.
+        """
+        headers = {}
+        for name, values in response.headers.getAllRawHeaders():
+            headers[name.decode("latin-1").lower()] = values[0].decode("latin-1")
+        return cls(response=response, clock=clock, code=response.code, headers=headers)
+
+    def deliverBody(self, protocol) -> None:
+        """
+        See L{IUpstreamResponse.deliverBody}.
+        """
+        self._delivered = True
+        original = protocol.makeConnection
+
+        def makeConnection(transport):
+            self._transport = transport
+            original(transport)
+
+        protocol.makeConnection = makeConnection
+        self._response.deliverBody(protocol)
+
+    def readBody(self, limit: int) -> Deferred:
+        """
+        See L{IUpstreamResponse.readBody}. Stops reading (and drops the
+        connection) once C{limit} bytes are in.
+        """
+        collector = _Collector(limit)
+        self.deliverBody(collector)
+        return collector.done
+
+    def abort(self) -> None:
+        """
+        See L{IUpstreamResponse.abort}.
+        """
+        if self._transport is not None:
+            self._transport.stopProducing()
+        elif not self._delivered:
+            self.deliverBody(_Abort())
+
+
+class _Collector(Protocol):
+    """
+    Collects a bounded body.
+    """
+
+    def __init__(self, limit: int):
+        self._limit = limit
+        self._parts = []
+        self._size = 0
+        self.done = Deferred()
+
+    def dataReceived(self, data: bytes) -> None:
+        if self.done.called:
+            return
+        room = self._limit - self._size
+        self._parts.append(data[:room])
+        self._size += min(len(data), room)
+        if self._size >= self._limit:
+            self.done.callback(b"".join(self._parts))
+            self.transport.stopProducing()
+
+    def connectionLost(self, reason) -> None:
+        if not self.done.called:
+            self.done.callback(b"".join(self._parts))
+
+
+class _Abort(Protocol):
+    """
+    Drops the body at once.
+    """
+
+    def connectionMade(self) -> None:
+        self.transport.stopProducing()
+
+    def connectionLost(self, reason) -> None:
+        reason.trap(Exception)
+
+
+@implementer(IUpstreamDialer)
+@define(eq=False)
+class HTTPDialer:
+    """
+    The built-in L{IUpstreamDialer} for HTTP upstreams.
+
+    @ivar _reactor: the reactor (connects, timers).
+    @ivar _trustRoot: optional TLS trust root (tests with a local CA);
+        L{None} uses the platform trust store.
+    @ivar _maxPersistentPerHost: idle connections kept per upstream host.
+    """
+
+    _reactor: object
+    _trustRoot: Optional[object] = None
+    _maxPersistentPerHost: int = 64
+    _clients: dict = field(factory=dict)
+    _pools: list = field(factory=list)
+
+    def _clientFor(self, account: Account, timeouts: UpstreamSettings) -> HTTPClient:
+        """
+        One treq client (and connection pool) per (proxy, connect timeout):
+        connections through different proxies must never be shared.
+        """
+        proxy = account.proxy
+        key = (proxy.id if proxy else None, timeouts.connect_timeout_seconds)
+        client = self._clients.get(key)
+        if client is None:
+            pool = HTTPConnectionPool(self._reactor, persistent=True)
+            pool.retryAutomatically = False
+            pool.maxPersistentPerHost = self._maxPersistentPerHost
+            self._pools.append(pool)
+            policy = self._tlsPolicy()
+            if proxy is not None:
+                from relay.upstream.proxy import ProxyAgentEndpointFactory
+
+                factory = ProxyAgentEndpointFactory(
+                    self._reactor, proxy, timeouts.connect_timeout_seconds, policy
+                )
+                agent = Agent.usingEndpointFactory(self._reactor, factory, pool=pool)
+            else:
+                kwargs = {"pool": pool, "connectTimeout": timeouts.connect_timeout_seconds}
+                if policy is not None:
+                    kwargs["contextFactory"] = policy
+                agent = Agent(self._reactor, **kwargs)
+            client = HTTPClient(agent)
+            self._clients[key] = client
+        return client
+
+    def _tlsPolicy(self):
+        """
+        @return: a TLS policy verifying upstream hostnames against
+            C{_trustRoot}, or L{None} for Agent's default (also verifying).
+        """
+        if self._trustRoot is None:
+            return None
+        from twisted.web.client import BrowserLikePolicyForHTTPS
+
+        return BrowserLikePolicyForHTTPS(trustRoot=self._trustRoot)
+
+    def request(self, account, method, path, body, headers, timeouts) -> Deferred:
+        """
+        See L{IUpstreamDialer.request}. The returned Deferred is cancellable
+        (client gone, first-output timeout).
+        """
+        client = self._clientFor(account, timeouts)
+        url = account.base_url + path
+        hdrs = Headers()
+        for name, value in upstreamHeaders(account, headers).items():
+            hdrs.setRawHeaders(name, [value])
+        d = client.request(
+            method.decode("ascii") if isinstance(method, bytes) else method,
+            url,
+            headers=hdrs,
+            data=body,
+            unbuffered=True,
+            allow_redirects=False,
+        )
+        timeout = timeouts.connect_timeout_seconds + timeouts.header_timeout_seconds
+        d.addTimeout(timeout, self._reactor, onTimeoutCancel=lambda r, t: _timeoutFail(t))
+        d.addCallback(UpstreamResponse.wrap, self._reactor)
+        return d
+
+    def close(self) -> Deferred:
+        """
+        Close every cached connection (service stop).
+        """
+        from twisted.internet.defer import gatherResults
+
+        return gatherResults([p.closeCachedConnections() for p in self._pools])
+
+
+def _timeoutFail(t):
+    """
+    Turn C{addTimeout}'s cancellation into L{HeaderTimeout}.
+    """
+    from twisted.python.failure import Failure
+
+    return Failure(HeaderTimeout(f"upstream sent no response headers within {t:.0f}s"))
+
+

@@ -1,0 +1,112 @@
+"""
+HTTP turns through a real relay to the real emulator on loopback: streaming
+and non-streaming Responses, chat completions, auth, and basic failover
+(issue 2).
+"""
+
+import json
+
+import pytest_twisted
+
+from tests.integration.harness import closedPort, sseEvents, startStack
+
+
+@pytest_twisted.ensureDeferred
+async def test_streaming_responses_turn():
+    """
+    A streaming C{/v1/responses} request is relayed event by event and ends
+    with C{response.completed}.
+    """
+    stack = await startStack([{"id": "a1", "credential": "sk-emu-a1"}])
+    try:
+        response, data = await stack.postJSON(
+            "/v1/responses", {"model": "gpt-5.5", "input": "hi", "stream": True}
+        )
+        assert response.code == 200
+        assert response.headers.getRawHeaders(b"content-type") == [b"text/event-stream"]
+        events = sseEvents(data)
+        assert events[0][0] == "response.created"
+        assert events[-1][0] == "response.completed"
+        assert [e for e in events if e[0] == "response.output_text.delta"]
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_non_streaming_oauth_collects_json():
+    """
+    protocol.md 2.7: a non-streaming request on an OAuth account streams
+    upstream and answers one JSON response object.
+    """
+    stack = await startStack([{"id": "o1", "type": "oauth", "credential": "oauth-1"}])
+    try:
+        response, data = await stack.postJSON("/v1/responses", {"model": "gpt-5.5", "input": "hi"})
+        assert response.code == 200, data
+        body = json.loads(data)
+        assert body["object"] == "response"
+        assert body["status"] == "completed"
+        seen = stack.emulator.requestsFor("oauth-1")
+        assert seen[-1].body["stream"] is True
+        assert seen[-1].body["store"] is False
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_no_key_is_401():
+    """
+    A request without a relay key gets 401 in OpenAI's error format and
+    never reaches upstream.
+    """
+    stack = await startStack([{"id": "a1", "credential": "sk-emu-a1"}])
+    try:
+        response, data = await stack.postJSON("/v1/responses", {"model": "gpt-5.5"}, key="nope")
+        assert response.code == 401
+        assert json.loads(data)["error"]["type"] == "invalid_request_error"
+        assert stack.emulator.requests == []
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_refused_account_fails_over():
+    """
+    R1/R3/R4/R5: a refused account is switched away from, cooled down, and
+    the turn completes on the healthy account.
+    """
+    port = closedPort()
+    stack = await startStack(
+        [
+            {"id": "dead", "credential": "sk-dead", "base_url": f"http://127.0.0.1:{port}/v1", "priority": 1},
+            {"id": "good", "credential": "sk-good", "priority": 50},
+        ]
+    )
+    try:
+        response, data = await stack.postJSON(
+            "/v1/responses", {"model": "gpt-5.5", "input": "hi", "stream": True}
+        )
+        assert response.code == 200
+        assert sseEvents(data)[-1][0] == "response.completed"
+        assert len(stack.emulator.requestsFor("sk-good")) == 1
+        states = await stack.app.store.getAccountStates(["dead"])
+        assert states["dead"].blockedUntil > stack.app.reactor.seconds() + 500
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_chat_completions_stream():
+    """
+    Chat completions stream through relay as data-only chunks ending in
+    C{[DONE]}.
+    """
+    stack = await startStack([{"id": "a1", "credential": "sk-emu-a1"}])
+    try:
+        response, data = await stack.postJSON(
+            "/v1/chat/completions",
+            {"model": "gpt-5.5", "messages": [{"role": "user", "content": "hi"}], "stream": True},
+        )
+        assert response.code == 200
+        assert data.rstrip().endswith(b"data: [DONE]")
+    finally:
+        await stack.stop()
