@@ -219,7 +219,8 @@ class StreamPump(Protocol):
 
     def abort(self) -> None:
         """
-        Drop the upstream connection.
+        Drop the upstream connection. A WebSocket attempt overrides this to
+        close or retire its upstream socket.
         """
         if self.transport is not None:
             self.transport.stopProducing()
@@ -253,10 +254,20 @@ class StreamPump(Protocol):
         for event in events:
             if self.finished:
                 return
-            if self.committed:
-                self._afterOutput(event)
-            else:
-                self._beforeOutput(event)
+            self.feedEvent(event)
+
+    def feedEvent(self, event) -> None:
+        """
+        Handle one upstream event (from SSE or a WebSocket frame): held back
+        and classified before the first output, passed through after it.
+        Transport-agnostic; a WebSocket attempt feeds frames here.
+        """
+        if self.finished:
+            return
+        if self.committed:
+            self._afterOutput(event)
+        else:
+            self._beforeOutput(event)
 
     def _beforeOutput(self, event) -> None:
         t = event.type
@@ -688,6 +699,17 @@ class TurnRunner:
 
         # R19 step 7: switch.
         state.excluded.add(account.id)
+        if not turn.historyComplete:
+            # R62, R-B7, R76: relay does not hold the whole conversation, so
+            # the turn cannot move; the client must resend full input.
+            self._log.info(
+                "not moving turn {request_id} off {account_id}: incomplete history",
+                event="ingress_ws_account_failover_replay_skip",
+                reason="incomplete_history",
+                account_id=account.id,
+                request_id=turn.requestId,
+            )
+            return ("exhausted", previousResponseNotFound(turn.previousResponseId))
         if state.switches >= s.max_account_switches:
             return ("exhausted", self.classifier.exhausted(verdict, turn.endpoint))
         if state.oauth429 and state.switches >= OAUTH_429_SWITCH_STOP:
@@ -1066,6 +1088,22 @@ class TurnRunner:
             self.metrics.turnFinished(turn.entrypoint, outcome)
             if first is not None:
                 self.metrics.firstOutput(first - start)
+
+
+def previousResponseNotFound(responseId: Optional[str]) -> ClientError:
+    """
+    The error that makes a client resend its full input (protocol.md 4.5,
+    behaviour.md R66, R-B7): status 400 C{previous_response_not_found}, then
+    the WebSocket closes so Codex reconnects.
+    """
+    return ClientError(
+        400,
+        "invalid_request_error",
+        f"Previous response with id '{responseId}' not found.",
+        code="previous_response_not_found",
+        param="previous_response_id",
+        wsClose=(1011, "upstream websocket proxy failed"),
+    )
 
 
 class _AdmissionFailed(Exception):
