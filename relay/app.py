@@ -10,6 +10,7 @@ global one).
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from attrs import define, field
@@ -66,12 +67,15 @@ def _redisProviders(config: RelayConfig, reactor):
     from relay.state.redis import RedisStateStore
 
     service = RedisService(url=config.state.redis_url, clock=reactor)
-    store = RedisStateStore(redis=service, clock=reactor)
+    store = RedisStateStore(
+        redis=service, clock=reactor, onRedisError=config.state.on_redis_error
+    )
     kwargs = {
         "redis": service,
         "clock": reactor,
-        "slotTTL": config.state.concurrency_slot_ttl_minutes * 60,
+        "slotTtl": config.state.concurrency_slot_ttl_minutes * 60,
         "onRedisError": config.state.on_redis_error,
+        "prefix": os.urandom(4).hex(),
     }
     return store, (lambda **kw: RedisSlotAdmission(**kw)), kwargs, [service]
 

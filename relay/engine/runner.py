@@ -923,6 +923,10 @@ class TurnRunner:
         every path, before a terminal event is written.
         """
         released = []
+        renew = getattr(lease, "startRenewing", None)
+        if renew is not None:
+            # R34: a long stream keeps its Redis slot lease alive.
+            renew()
 
         def release():
             if not released:
