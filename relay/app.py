@@ -24,6 +24,7 @@ from relay.entry.http import KeyRing, buildRoot
 from relay.health import AccountHealth
 from relay.interfaces import IFailureClassifier, ISlotAdmission, IUpstreamDialer
 from relay.model import RelayConfig
+from relay.proxyhealth import ProxyHealth
 from relay.scheduler import AccountScheduler
 from relay.settings import RuntimeSettings
 from relay.upstream.http import HTTPDialer
@@ -117,6 +118,7 @@ def buildApplication(
             reactor=reactor, trustRoot=trustRoot,
         )
     health = AccountHealth(store=store, clock=reactor, settings=settings)
+    proxyHealth = ProxyHealth(clock=reactor)
     accounts = list(config.accounts)
     scheduler = AccountScheduler(
         accounts=accounts,
@@ -125,6 +127,7 @@ def buildApplication(
         clock=reactor,
         settings=settings,
         extraBlock=lambda account, now, model: health.localBlock(account.id, model),
+        isQuarantined=proxyHealth.isQuarantined,
     )
     runner = TurnRunner(
         clock=reactor,
@@ -134,6 +137,7 @@ def buildApplication(
         classifier=classifier,
         health=health,
         settings=settings,
+        proxyHealth=proxyHealth,
     )
     keys = KeyRing(config.keys)
     app = RelayApplication(
@@ -150,6 +154,7 @@ def buildApplication(
         keys=keys,
         services=services,
     )
+    app.extras["proxyHealth"] = proxyHealth
     root = buildRoot(runner, keys, accounts)
     site = Site(root)
     site.displayTracebacks = False

@@ -414,6 +414,7 @@ class StreamPump(Protocol):
             self._runner._streamBrokeAfterOutput(self._account, kind)
             self._failPreOrPost(None, message)
         else:
+            self._runner._proxyStreamCut(self._account, kind)
             verdict = classifier.classifyStreamFailure(
                 self._account, self._turn.endpoint, kind, None, message
             )
@@ -491,6 +492,7 @@ class TurnRunner:
     settings: object
     metrics: object = None
     wsAttempt: object = None
+    proxyHealth: object = None
     budget: RetryBudget = field(factory=RetryBudget)
     _log = Logger()
 
@@ -741,6 +743,9 @@ class TurnRunner:
             switch_count=state.switches,
             max_switches=s.max_account_switches,
             proxy_id=_proxyId(account),
+            proxy_name=_proxyId(account),
+            proxy_host=account.proxy.host if account.proxy is not None else None,
+            proxy_port=account.proxy.port if account.proxy is not None else None,
             request_id=turn.requestId,
             entrypoint=turn.entrypoint,
         )
@@ -1060,10 +1065,22 @@ class TurnRunner:
             request_id=turn.requestId,
         )
 
+    def _proxyStreamCut(self, account, kind) -> None:
+        """
+        Issue 8: a stream through a proxy was cut mid-stream (before or
+        after output); count it towards the proxy's quarantine.
+        """
+        if self.proxyHealth is not None and kind == "read_error" and account.proxy is not None:
+            try:
+                self.proxyHealth.streamCut(account, kind)
+            except Exception:
+                self._log.failure("recording a proxy stream cut failed")
+
     def _streamBrokeAfterOutput(self, account, kind) -> None:
         """
         R19 step 2: an account-health failure after output (no failover).
         """
+        self._proxyStreamCut(account, kind)
         if kind == "read_error":
             d = self.health.transientTransportFailure(account, _proxyId(account))
             d.addErrback(lambda f: self._log.failure("recording a stream failure failed", f))
