@@ -12,6 +12,7 @@ they hold no policy.
 from __future__ import annotations
 
 import json
+import re
 from typing import Callable, Optional
 
 from attrs import define, field
@@ -186,6 +187,10 @@ class StreamPump(Protocol):
         self._rewrite = modelRewrite
         self._idleTimeout = idleTimeout
         self._parser = SSEParser()
+        # Raw pass-through needs a sink that takes bytes and no model-name
+        # rewrite; Responses streams must already be in event:+data: form.
+        self._rawWrite = getattr(sink, "writeRaw", None) if modelRewrite is None else None
+        self._rawPrefix = b"event: " if turn.endpoint == "responses" else b"data: "
         self._staged = []
         self._stagedBytes = 0
         self._headers = {}
@@ -243,6 +248,8 @@ class StreamPump(Protocol):
         if self.finished:
             return  # style.md trap T15: bytes after pause/abort
         self._resetIdle()
+        if self._rawWrite is not None and self.committed and self._passThrough(data):
+            return
         try:
             events = self._parser.feed(data)
         except LineTooLong as e:
@@ -255,6 +262,32 @@ class StreamPump(Protocol):
             if self.finished:
                 return
             self.feedEvent(event)
+
+    def _passThrough(self, data: bytes) -> bool:
+        """
+        The hot path after first output: write whole upstream events as
+        they came, in one write per chunk, scanning only for a terminal
+        event (DEVELOPERS.md "pass upstream bytes through"). A chunk that
+        may hold a terminal event, or a CR, takes the event-by-event path.
+
+        @return: L{True} when C{data} was handled.
+        """
+        if b"\r" in data:
+            return False
+        parser = self._parser
+        buf = parser._buf + data if parser._buf else data
+        end = buf.rfind(b"\n\n")
+        if end < 0:
+            if len(buf) > parser.maxLine:
+                return False
+            parser._buf = buf
+            return True
+        complete = buf[: end + 2]
+        if _TERMINAL_MARK.search(complete) is not None or not complete.startswith(self._rawPrefix):
+            return False
+        parser._buf = buf[end + 2 :]
+        self._rawWrite(complete)
+        return True
 
     def feedEvent(self, event) -> None:
         """
@@ -431,6 +464,12 @@ def _shortReason(reason: Failure) -> str:
         value = inner[0].value
     return type(value).__name__
 
+
+_TERMINAL_MARK = re.compile(
+    rb"response\.(?:completed|failed|incomplete|done|cancell?ed)|\[DONE\]"
+)
+"""Anything that may be a terminal event (protocol.md 2.5); a false hit
+only sends the chunk down the event-by-event path."""
 
 _PASSED_RESPONSE_HEADERS = ("x-codex-turn-state", "x-request-id", "openai-model")
 

@@ -156,6 +156,14 @@ class SSESink(_RequestSink):
         if not self._gone and not self._finished:
             self._request.write(event.raw)
 
+    def writeRaw(self, data: bytes) -> None:
+        """
+        Write complete upstream SSE events as they came (the pass-through
+        hot path after first output).
+        """
+        if not self._gone and not self._finished:
+            self._request.write(data)
+
     def writeBody(self, status, headers, body) -> None:
         # A streaming client got a JSON body from upstream: forward it as is.
         if self._gone or self._finished:

@@ -1,0 +1,224 @@
+"""
+Hot-path benchmarks for relay (DEVELOPERS.md "Speed and memory targets live
+in benchmarks"). Not a test: it prints figures.
+
+  python bench/bench_relay.py pump       # in-process: SSE events/s through
+                                         # the parser + StreamPump + SSE sink
+  python bench/bench_relay.py http       # relay and emulator as processes,
+                                         # wrk load: relayed requests/s, plus
+                                         # the emulator alone for comparison
+  python bench/bench_relay.py stream     # one long SSE stream through relay:
+                                         # events/s end to end
+
+Targets (DEVELOPERS.md): >= 5,000 relayed requests/s and >= 150k SSE
+events/s per process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def benchPump(events: int = 200_000) -> None:
+    """
+    Feed a synthetic upstream SSE body through the real L{StreamPump} into
+    an SSE sink over a StringTransport-like request; count events/s.
+    """
+    from twisted.internet.task import Clock
+
+    from relay.classify import DefaultClassifier
+    from relay.engine.runner import StreamPump, TurnRunner
+    from relay.model import Account, ClientKey, Turn
+    from relay.settings import RuntimeSettings
+    from relay.sse import Event
+
+    delta = (
+        b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+        b'"sequence_number":%d,"item_id":"msg_1","output_index":0,"content_index":0,'
+        b'"delta":"hello "}\n\n'
+    )
+    head = (
+        b'event: response.created\ndata: {"type":"response.created","response":{"id":"resp_1",'
+        b'"status":"in_progress","output":[]}}\n\n'
+    )
+    tail = (
+        b'event: response.completed\ndata: {"type":"response.completed","response":{"id":"resp_1",'
+        b'"status":"completed","output":[{"type":"message"}],"usage":{"total_tokens":1}}}\n\n'
+    )
+    chunk = b"".join(delta % i for i in range(64))
+    body = [head] + [chunk] * (events // 64) + [tail]
+    written = [0]
+
+    class Sink:
+        committed = False
+
+        def commit(self, headers):
+            self.committed = True
+
+        def writeEvent(self, event: Event):
+            written[0] += len(event.raw)
+
+        def fail(self, error):
+            raise AssertionError(error)
+
+    clock = Clock()
+    runner = TurnRunner(
+        clock=clock, scheduler=None, admission=None, dialer=None,
+        classifier=DefaultClassifier(), health=None, settings=RuntimeSettings(),
+    )
+    account = Account(id="a", type="apikey", base_url="http://x", credential="k")
+    turn = Turn(entrypoint="http", endpoint="responses", client=ClientKey("c", "k"),
+                model="m", body={}, stream=True)
+
+    class Transport:
+        def stopProducing(self):
+            pass
+
+    pump = StreamPump(runner, turn, Sink(), account, lambda: None, None, 0)
+    pump.makeConnection(Transport())
+    start = time.perf_counter()
+    for part in body:
+        pump.dataReceived(part)
+    elapsed = time.perf_counter() - start
+    n = (events // 64) * 64 + 2
+    print(f"pump: {n} events in {elapsed:.3f}s = {n / elapsed:,.0f} events/s "
+          f"({written[0] / elapsed / 2**20:,.1f} MiB/s written)")
+
+
+def _free() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def _wait(port: int, timeout: float = 15) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"nothing listening on {port}")
+
+
+def _start(deltas: int):
+    tmp = tempfile.mkdtemp(prefix="relay-bench-")
+    eport, rport = _free(), _free()
+    with open(os.path.join(tmp, "emu.yaml"), "w") as f:
+        f.write(f'listen: "tcp:{eport}:interface=127.0.0.1"\n'
+                f"default_script: {{text: '{'w ' * deltas}', deltas: {deltas}}}\n")
+    accounts = [{"id": "a1", "type": "apikey", "base_url": f"http://127.0.0.1:{eport}/v1",
+                 "api_key": "sk-bench", "concurrency": 0}]
+    with open(os.path.join(tmp, "relay.yaml"), "w") as f:
+        f.write(f'listen: "tcp:{rport}:interface=127.0.0.1"\n'
+                'keys: [{name: bench, key: sk-relay-bench, concurrency: 0}]\n'
+                f"accounts: {json.dumps(accounts)}\n")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    log = open(os.path.join(tmp, "log"), "wb")
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "twisted", "relay-emulator", "--config",
+                          os.path.join(tmp, "emu.yaml")], env=env, cwd=ROOT, stdout=log, stderr=log),
+        subprocess.Popen([sys.executable, "-m", "twisted", "relay", "--config",
+                          os.path.join(tmp, "relay.yaml")], env=env, cwd=ROOT,
+                         stdout=subprocess.DEVNULL, stderr=log),
+    ]
+    _wait(eport)
+    _wait(rport)
+    return procs, eport, rport, tmp
+
+
+def _stop(procs, tmp) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait(10)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def benchHTTP(seconds: int = 10, connections: int = 32) -> None:  # noqa: C901
+    """
+    wrk against relay (non-streaming POST /v1/responses) and against the
+    emulator alone. Both processes share this 2-core machine with wrk.
+    """
+    if not shutil.which("wrk"):
+        raise SystemExit("wrk is not installed (apt-get install wrk)")
+    procs, eport, rport, tmp = _start(deltas=1)
+    try:
+        lua = os.path.join(tmp, "post.lua")
+        with open(lua, "w") as f:
+            f.write('wrk.method = "POST"\n'
+                    'wrk.body = \'{"model":"gpt-5.5","input":"hi"}\'\n'
+                    'wrk.headers["Content-Type"] = "application/json"\n'
+                    'wrk.headers["Authorization"] = "Bearer sk-relay-bench"\n')
+        for name, port, path in (("emulator alone", eport, "/v1/responses"),
+                                 ("through relay", rport, "/v1/responses")):
+            out = subprocess.run(
+                ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "-s", lua,
+                 f"http://127.0.0.1:{port}{path}"], capture_output=True, text=True
+            ).stdout
+            rps = [line for line in out.splitlines() if "Requests/sec" in line]
+            errors = [line for line in out.splitlines() if "Non-2xx" in line or "errors" in line]
+            print(f"http {name}: {rps[0].split()[-1] if rps else '?'} requests/s {errors}")
+    finally:
+        _stop(procs, tmp)
+
+
+def _cpu(pid: int) -> float:
+    """
+    CPU seconds (user + system) a process has used so far.
+    """
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def benchStream(deltas: int = 50_000) -> None:
+    """
+    One streaming turn with C{deltas} text deltas, read raw through relay.
+    """
+    procs, eport, rport, tmp = _start(deltas=deltas)
+    try:
+        body = json.dumps({"model": "gpt-5.5", "input": "hi", "stream": True}).encode()
+        for name, port in (("emulator alone", eport), ("through relay", rport)):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Authorization: Bearer sk-relay-bench\r\nConnection: close\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            start = time.perf_counter()
+            cpu0 = _cpu(procs[1].pid)
+            total = 0
+            events = 0
+            tail = b""
+            while True:
+                data = s.recv(1 << 20)
+                if not data:
+                    break
+                total += len(data)
+                events += (tail + data).count(b"\n\n")
+                tail = data[-1:]
+            elapsed = time.perf_counter() - start
+            cpu = _cpu(procs[1].pid) - cpu0
+            extra = f"; relay CPU {cpu:.2f}s = {events / cpu:,.0f} events per relay CPU-second" if port == rport and cpu else ""
+            print(f"stream {name}: ~{events} events, {total / 2**20:.1f} MiB in {elapsed:.2f}s "
+                  f"= {events / elapsed:,.0f} events/s{extra}")
+    finally:
+        _stop(procs, tmp)
+
+
+if __name__ == "__main__":
+    which = sys.argv[1:] or ["pump"]
+    for w in which:
+        {"pump": benchPump, "http": benchHTTP, "stream": benchStream}[w]()
