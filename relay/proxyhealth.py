@@ -20,8 +20,6 @@ Logs name a proxy by id, host and port; never by its credentials.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from attrs import define, field
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
@@ -53,7 +51,7 @@ class _ProxyState:
 
     spec: ProxySpec
     cuts: list = field(factory=list)
-    until: Optional[float] = None
+    until: float | None = None
     quarantines: int = 0
     totalCuts: int = 0
 
@@ -79,7 +77,7 @@ class ProxyHealth:
 
     # -- recording -------------------------------------------------------------
 
-    def streamCut(self, account: Account, kind: str = "read_error") -> Optional[float]:
+    def streamCut(self, account: Account, kind: str = "read_error") -> float | None:
         """
         Record that a stream through C{account}'s proxy was cut mid-stream.
         A direct account (no proxy) is ignored.
@@ -95,8 +93,8 @@ class ProxyHealth:
         return self.proxyCut(proxy, account.id, kind)
 
     def proxyCut(
-        self, proxy: ProxySpec, accountId: Optional[str] = None, kind: str = "read_error"
-    ) -> Optional[float]:
+        self, proxy: ProxySpec, accountId: str | None = None, kind: str = "read_error"
+    ) -> float | None:
         """
         Record a mid-stream cut through C{proxy}.
 
@@ -157,7 +155,7 @@ class ProxyHealth:
             return False
         return self.quarantinedUntil(proxy.id) is not None
 
-    def quarantinedUntil(self, proxyId: str) -> Optional[float]:
+    def quarantinedUntil(self, proxyId: str) -> float | None:
         """
         @param proxyId: a L{ProxySpec.id}.
         @return: the quarantine end (clock seconds), or L{None} when the
