@@ -15,6 +15,7 @@ from typing import Optional
 
 from attrs import define, field
 from twisted.application.service import MultiService
+from twisted.logger import Logger
 from twisted.web.server import Site
 
 from relay.classify import DefaultClassifier
@@ -155,11 +156,101 @@ def buildApplication(
         services=services,
     )
     app.extras["proxyHealth"] = proxyHealth
-    root = buildRoot(runner, keys, accounts)
+    wsResource = _webSocket(app, trustRoot)
+    root = buildRoot(runner, keys, accounts, wsResource)
+    _operatorSurface(app, root, accounts, proxyHealth)
     site = Site(root)
     site.displayTracebacks = False
+    site.wsFactory = wsResource.factory
+    app.services.append(app.extras["wsPoolService"])
     app.site = site
     return app
+
+
+def _webSocket(app: RelayApplication, trustRoot):
+    """
+    The Responses WebSocket (issue 6): the upstream pool, the engine's
+    WebSocket attempt hook, and the upgrade resource; the pool closes on
+    shutdown.
+    """
+    from twisted.web.client import BrowserLikePolicyForHTTPS
+
+    from relay.engine.wsattempt import WebSocketAttempt
+    from relay.entry.ws import buildWebSocketResource
+    from relay.upstream.ws import PoolService, UpstreamPool
+
+    reactor = app.reactor
+    policy = BrowserLikePolicyForHTTPS(trustRoot) if trustRoot is not None else None
+    pool = UpstreamPool(reactor=reactor, settings=app.settings, tlsPolicy=policy)
+    app.runner.wsAttempt = WebSocketAttempt(pool=pool, reactor=reactor, tlsPolicy=policy)
+    app.extras["wsPool"] = pool
+    app.extras["wsPoolService"] = PoolService(pool).asService()
+    resource = buildWebSocketResource(
+        app.runner, app.keys, list(app.config.accounts), app.settings, reactor
+    )
+    app.extras["wsFactory"] = resource.factory
+    return resource
+
+
+def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None:
+    """
+    Mount C{/admin} and C{/metrics} (issue 7, behind C{admin_key}), wire
+    metrics into the engine and the settings store into the settings.
+    """
+    from relay.entry.admin import _GuardedMetrics, buildAdminResource
+    from relay.metrics import RelayMetrics
+    from relay.operator import OperatorView, periodic, settingsStore
+
+    reactor, config = app.reactor, app.config
+    metrics = RelayMetrics(clock=reactor)
+    app.runner.metrics = metrics
+    view = OperatorView(
+        accounts=accounts,
+        store=app.store,
+        admission=app.admission,
+        health=app.health,
+        runner=app.runner,
+        clock=reactor,
+        proxyHealth=proxyHealth,
+    )
+    metrics.setSlotsSource(lambda: view.slots)
+    redis = app.services[0] if app.services else None
+    app.settings.store = settingsStore(config, reactor, redis)
+    admin = buildAdminResource(
+        config.admin_key,
+        app.settings,
+        view.accountsView,
+        view.clearAccount,
+        metrics.registry,
+        recentFailovers=metrics.recentFailovers,
+        clock=reactor,
+    )
+    root.putChild(b"admin", admin)
+    root.putChild(b"metrics", _GuardedMetrics(config.admin_key, metrics.registry))
+    app.extras.update(metrics=metrics, operator=view)
+    app.services.append(periodic(5, view.refreshSlots, reactor))
+    if config.state.backend == "redis":
+        app.services.append(periodic(5, app.settings.refresh, reactor))
+
+
+class _Startup(MultiService):
+    """
+    Loads persisted runtime settings once the Redis client (if any) runs
+    (R74 "at startup"); a failure is logged and the file's values stay.
+    """
+
+    _log = Logger()
+
+    def __init__(self, app: RelayApplication):
+        super().__init__()
+        self._app = app
+
+    def startService(self) -> None:
+        super().startService()
+        d = self._app.settings.start()
+        d.addErrback(
+            lambda f: self._log.failure("loading persisted settings failed; using the file's", f)
+        )
 
 
 def buildService(config: RelayConfig, reactor) -> MultiService:
@@ -171,7 +262,7 @@ def buildService(config: RelayConfig, reactor) -> MultiService:
     from twisted.internet.endpoints import serverFromString
 
     app = buildApplication(config, reactor)
-    top = MultiService()
+    top = _Startup(app)
     for service in app.services:
         service.setServiceParent(top)
     endpoint = serverFromString(reactor, config.listen)

@@ -135,6 +135,39 @@ class AccountHealth:
         if current is None or current[0] < until:
             self._blocks[key] = (until, reason)
 
+    def clear(self, accountId: str) -> Deferred:
+        """
+        Lift every block of an account: the store's states, the in-memory
+        blocks, the breaker and the OAuth-429 window (admin "clear", issue 7).
+
+        @return: Deferred firing once the store is cleared.
+        """
+        for key in [k for k in self._blocks if k[0] == accountId]:
+            del self._blocks[key]
+        for key in [k for k in self._breakers if k[0] == accountId]:
+            del self._breakers[key]
+        self._oauth429.pop(accountId, None)
+        self._log.info(
+            "account {account_id} cleared by an operator",
+            event="relay.account_cleared",
+            account_id=accountId,
+        )
+        return self._store.clearAccount(accountId)
+
+    def breakerState(self, accountId: str) -> Optional[dict]:
+        """
+        The R-B1 breaker of an account for the admin view.
+
+        @return: C{{"failures", "opens"}} summed over its proxies, or L{None}.
+        """
+        found = [b for k, b in self._breakers.items() if k[0] == accountId]
+        if not found:
+            return None
+        return {
+            "failures": sum(b.failures for b in found),
+            "opens": sum(getattr(b, "opens", 0) for b in found),
+        }
+
     def localBlock(self, accountId: str, model: Optional[str] = None) -> Optional[tuple]:
         """
         The in-memory block of an account, if one is in force.

@@ -533,6 +533,8 @@ class TurnRunner:
     wsAttempt: object = None
     proxyHealth: object = None
     budget: RetryBudget = field(factory=RetryBudget)
+    accountStats: dict = field(factory=dict)
+    """account id -> {"turns", "failovers", "last_error"} for the admin view."""
     _log = Logger()
 
     # -- public --------------------------------------------------------------
@@ -1088,7 +1090,17 @@ class TurnRunner:
         if turn.firstOutputAt is None:
             turn.firstOutputAt = self.clock.seconds()
 
+    def _stats(self, accountId: str) -> dict:
+        stats = self.accountStats.get(accountId)
+        if stats is None:
+            stats = self.accountStats[accountId] = {"turns": 0, "failovers": 0, "last_error": None}
+        return stats
+
     def _upstreamFailed(self, turn, account, verdict) -> None:
+        stats = self._stats(account.id)
+        stats["last_error"] = f"{verdict.reason} {verdict.status}: {verdict.message}"[:200]
+        if verdict.failover:
+            stats["failovers"] += 1
         kind = {F.TRANSPORT: "request_error", F.FIRST_OUTPUT_TIMEOUT: "first_output_timeout"}.get(
             verdict.kind, "failover" if verdict.failover else "upstream_error"
         )
@@ -1144,6 +1156,9 @@ class TurnRunner:
             duration_ms=int((now - start) * 1000),
             first_output_ms=None if first is None else int((first - start) * 1000),
         )
+        if accountId is not None:
+            stats = self._stats(accountId)
+            stats["turns"] += 1
         if self.metrics is not None:
             self.metrics.turnFinished(turn.entrypoint, outcome)
             if first is not None:

@@ -1,0 +1,162 @@
+# -*- test-case-name: tests.integration.test_operator -*-
+"""
+Glue between the running relay and its operator surface (issue 7): the
+accounts view for C{/admin/accounts}, the admin "clear", the settings
+store, the Prometheus slot gauges, and the periodic jobs that keep them
+fresh.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from attrs import define, field
+from twisted.application.internet import TimerService
+from twisted.internet.defer import Deferred
+from twisted.logger import Logger
+
+
+@define(eq=False)
+class OperatorView:
+    """
+    Reads account state for operators.
+
+    @ivar accounts: the configured accounts (the scheduler's list).
+    @ivar store: the L{relay.interfaces.IStateStore}.
+    @ivar admission: the L{relay.interfaces.ISlotAdmission}.
+    @ivar health: the L{relay.health.AccountHealth}.
+    @ivar runner: the L{relay.engine.runner.TurnRunner} (per-account stats).
+    @ivar proxyHealth: the L{relay.proxyhealth.ProxyHealth}, or L{None}.
+    @ivar clock: the L{IReactorTime}.
+    @ivar slots: the last C{{account id: (in use, waiting)}} read, served
+        synchronously to the Prometheus collector.
+    """
+
+    accounts: list
+    store: object
+    admission: object
+    health: object
+    runner: object
+    clock: object
+    proxyHealth: object = None
+    slots: dict = field(factory=dict)
+    _log = Logger()
+
+    def accountsView(self) -> Deferred:
+        """
+        @return: Deferred firing with one dict per account (keys as
+            L{relay.entry.admin.buildAdminResource} documents; times in Unix
+            seconds).
+        """
+        return Deferred.fromCoroutine(self._view())
+
+    async def _view(self) -> list:
+        ids = [a.id for a in self.accounts]
+        states = await self.store.getAccountStates(ids)
+        loads = await self.admission.load("account", ids)
+        self.slots = dict(loads)
+        now = self.clock.seconds()
+        proxies = self.proxyHealth.snapshot() if self.proxyHealth is not None else {}
+        rows = []
+        for account in self.accounts:
+            runtime = states[account.id]
+            why = self.health.unschedulable(runtime, account, None, now)
+            inUse, waiting = loads.get(account.id, (0, 0))
+            stats = self.runner.accountStats.get(account.id, {})
+            proxyId = account.proxy.id if account.proxy is not None else None
+            proxy = proxies.get(proxyId) if proxyId else None
+            rows.append(
+                {
+                    "id": account.id,
+                    "type": account.type,
+                    "priority": account.priority,
+                    "concurrency": account.concurrency,
+                    "in_use": inUse,
+                    "waiting": waiting,
+                    "schedulable": why is None,
+                    "reason": why[0] if why else None,
+                    "until": why[1] if why else None,
+                    "rate_limited_until": runtime.rateLimitedUntil or None,
+                    "breaker": self.health.breakerState(account.id),
+                    "disabled": runtime.disabled,
+                    "last_error": stats.get("last_error"),
+                    "turns": stats.get("turns", 0),
+                    "failovers": stats.get("failovers", 0),
+                    "proxy_id": proxyId,
+                    "proxy_state": proxy,
+                }
+            )
+        return rows
+
+    def clearAccount(self, accountId: str) -> Deferred:
+        """
+        Lift an account's cooldowns (C{POST /admin/accounts/{id}/clear}).
+
+        @raise KeyError: for an unknown account id.
+        """
+        if accountId not in {a.id for a in self.accounts}:
+            raise KeyError(accountId)
+        return self.health.clear(accountId)
+
+    def refreshSlots(self) -> Deferred:
+        """
+        Re-read slot usage for the Prometheus gauges (a periodic job; errors
+        are logged, never raised: style.md trap T26).
+        """
+        d = self.admission.load("account", [a.id for a in self.accounts])
+        d.addCallback(lambda loads: self.slots.update(loads))
+        d.addErrback(lambda f: self._log.failure("refreshing slot gauges failed", f))
+        return d
+
+
+class RedisGetSet:
+    """
+    C{get}/C{set} over a L{relay.redisclient.RedisService}, for
+    L{relay.settingsdb.RedisSettingsStore}.
+    """
+
+    def __init__(self, service, timeout: float = 2.0):
+        self._service = service
+        self._timeout = timeout
+
+    def get(self, key: str) -> Deferred:
+        return self._service.execute(self._timeout, "get", key)
+
+    def set(self, key: str, value: str) -> Deferred:
+        return self._service.execute(self._timeout, "set", key, value)
+
+
+def periodic(interval: float, job, clock) -> TimerService:
+    """
+    A L{TimerService} on C{clock} whose job never stops it on an error
+    (style.md trap T26).
+    """
+    log = Logger()
+
+    def _safe():
+        try:
+            d = job()
+        except Exception:
+            log.failure("periodic job {job} failed", job=getattr(job, "__name__", job))
+            return None
+        if isinstance(d, Deferred):
+            d.addErrback(lambda f: log.failure("periodic job failed", f))
+        return None
+
+    service = TimerService(interval, _safe)
+    service.clock = clock
+    return service
+
+
+def settingsStore(config, reactor, redisService=None) -> Optional[object]:
+    """
+    The settings store (R74): SQLite at C{database} with the memory
+    backend, Redis with the Redis backend (so every process agrees).
+    """
+    from relay.settingsdb import RedisSettingsStore, SQLiteSettingsStore
+
+    if config.state.backend == "redis" and redisService is not None:
+        return RedisSettingsStore(redis=RedisGetSet(redisService), clock=reactor)
+    if config.database:
+        return SQLiteSettingsStore(path=config.database, reactor=reactor)
+    return None
