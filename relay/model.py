@@ -352,6 +352,8 @@ class Turn:
         completes, so the connection can track its chain.
     @ivar firstOutputAt: when the first output reached the client (clock
         seconds), set by the engine.
+    @ivar wsContext: for C{ws} turns, the client connection's state (its
+        history and dedicated upstream), read by the WebSocket attempt.
     """
 
     entrypoint: str
@@ -371,6 +373,7 @@ class Turn:
     preferredAccountId: Optional[str] = None
     onResponseId: Optional[Callable[[str, Account], Any]] = None
     firstOutputAt: Optional[float] = None
+    wsContext: Any = None
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,495 @@
+# -*- test-case-name: tests.test_ws -*-
+"""
+One attempt of a WebSocket turn on one account: the C{TurnRunner.wsAttempt}
+hook (behaviour.md R49-R53, R55, R56, R66, R-B3, R76-R78).
+
+The engine selects, admits, waits, classifies and decides; this function
+only turns "send this turn to this account over its upstream transport"
+into an L{AttemptResult}:
+
+- C{http_bridge} accounts go through the engine's own HTTP attempt with the
+  turn expanded from the connection's history (R52, R77);
+- C{ctx_pool} accounts borrow a pooled upstream connection (R49, R50),
+  C{passthrough} accounts use the client connection's dedicated one (R51);
+- a pool that cannot lend a connection in time is a failover verdict
+  without cooldown (R-B3); a dial without a status is R6; a handshake
+  rejected with a status is R56;
+- frames are fed as events into a L{StreamPump}, which stages and
+  classifies pre-output failures exactly as for HTTP.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from attrs import define, evolve
+from twisted.internet.defer import Deferred
+from twisted.logger import Logger
+
+from relay import failures as F
+from relay.engine.runner import (
+    AttemptResult,
+    ClientGone,
+    StreamPump,
+    _uncancellable,
+    modelRewriter,
+    previousResponseNotFound,
+    raceCancel,
+)
+from relay.model import ClientError
+from relay.sse import eventFromJSON
+from relay.upstream.ws import HandshakeRejected, PooledConnection, PoolBusy, dialUpstream
+
+WS_BUSY_CLOSE = (1013, "upstream websocket is busy, please retry later")
+WS_MODE_OFF = "websocket mode is disabled for this account"
+WS_AUTH_FAILED = (1008, "upstream websocket authentication failed")
+WS_HANDSHAKE_REJECTED = (1008, "upstream websocket handshake rejected")
+RELAY_ONLY_FIELDS = ("stream_id",)
+
+
+def accountMode(account, settings) -> str:
+    """
+    The WebSocket mode of C{account} (R48): its own C{ws_mode}, else the
+    gateway default.
+    """
+    return account.ws_mode or settings.websocket.mode_default
+
+
+def _passVerdict(error: ClientError, reason: str) -> F.Verdict:
+    return F.Verdict(
+        kind=F.STATUS, failover=False, status=error.status, reason=reason,
+        clientError=error, message=error.message,
+    )
+
+
+def busyVerdict(reason: str) -> F.Verdict:
+    """
+    R-B3: a pool acquire timeout or full queue switches accounts, uses the
+    switch budget and writes no cooldown.
+    """
+    return F.Verdict(
+        kind=F.STATUS,
+        failover=True,
+        status=503,
+        reason="upstream_ws_busy",
+        message=f"upstream websocket pool busy ({reason})",
+        clientError=ClientError(
+            503, "server_error", "Upstream websocket is busy, please retry later",
+            wsClose=WS_BUSY_CLOSE,
+        ),
+    )
+
+
+def errorFromEvent(event: dict) -> ClientError:
+    """
+    The client error for an upstream WebSocket C{error} event that is
+    passed through (R81: a status-bearing event the client should see).
+    """
+    inner = event.get("error") if isinstance(event.get("error"), dict) else {}
+    status = event.get("status") or event.get("status_code") or 400
+    try:
+        status = int(status)
+    except (TypeError, ValueError):
+        status = 400
+    return ClientError(
+        status,
+        str(inner.get("type") or "invalid_request_error"),
+        str(inner.get("message") or "Upstream request failed"),
+        code=inner.get("code"),
+        param=inner.get("param"),
+    )
+
+
+def _eventCode(event: dict) -> str:
+    inner = event.get("error")
+    if isinstance(inner, dict):
+        return str(inner.get("code") or "")
+    response = event.get("response")
+    if isinstance(response, dict) and isinstance(response.get("error"), dict):
+        return str(response["error"].get("code") or "")
+    return ""
+
+
+def isPreviousNotFound(event: dict) -> bool:
+    """
+    protocol.md 4.5: C{previous_response_not_found}, by code or by the
+    message text codex2api also matches.
+    """
+    if _eventCode(event) == "previous_response_not_found":
+        return True
+    inner = event.get("error")
+    message = inner.get("message", "") if isinstance(inner, dict) else ""
+    return "previous response with id" in str(message).lower()
+
+
+class WebSocketPump(StreamPump):
+    """
+    A L{StreamPump} fed with upstream WebSocket frames. An C{error} event
+    ends the turn (there is no other terminal on the WebSocket); before
+    output it is classified like any pre-output failure, and
+    C{previous_response_not_found} is reported to the attempt for R66.
+    """
+
+    def __init__(self, runner, turn, sink, account, release, rewrite, idleTimeout, conn):
+        super().__init__(runner, turn, sink, account, release, rewrite, idleTimeout)
+        self.conn = conn
+        self.previousNotFound = None
+        self.lostBeforeOutput = False
+
+    def start(self) -> None:
+        self.conn.proto.listener = self
+        self._resetIdle()
+
+    def abort(self) -> None:
+        """
+        Mark the upstream connection broken; the attempt closes it.
+        """
+        self.conn.broken = True
+
+    def frameReceived(self, payload: bytes) -> None:
+        if self.finished:
+            return
+        self._resetIdle()
+        self.feedEvent(eventFromJSON(payload))
+
+    def _beforeOutput(self, event) -> None:
+        if event.type != b"error":
+            super()._beforeOutput(event)
+            return
+        data = event.json()
+        if isPreviousNotFound(data):
+            self.previousNotFound = data
+            self._endWith(
+                AttemptResult(
+                    verdict=_passVerdict(
+                        previousResponseNotFound(self._turn.previousResponseId),
+                        "previous_response_not_found",
+                    ),
+                    status=400,
+                ),
+                dropUpstream=False,
+            )
+            return
+        verdict = self._runner.classifier.classifyStreamFailure(
+            self._account, self._turn.endpoint, "event", data, ""
+        )
+        if verdict is None or not verdict.failover:
+            error = verdict.clientError if verdict is not None and verdict.clientError else None
+            error = error or errorFromEvent(data)
+            verdict = _passVerdict(error, "upstream_error_event")
+        self._endWith(AttemptResult(verdict=verdict, status=verdict.status))
+
+    def _afterOutput(self, event) -> None:
+        if event.type == b"error":
+            self._release()
+            self._write(event)
+            self._endWith(AttemptResult(committed=True, failedAfterOutput=True, status=502))
+            return
+        if event.terminal:
+            response = event.json().get("response") or {}
+            if response.get("id"):
+                self.conn.lastResponseId = response.get("id")
+        super()._afterOutput(event)
+
+    def upstreamLost(self, detail: str) -> None:
+        """
+        The upstream connection closed mid-turn (R67 before output; 1011
+        after it).
+        """
+        self.conn.broken = True
+        if self.finished:
+            return
+        self._cancelIdle()
+        message = "OpenAI stream disconnected before completion: " + detail
+        if self.committed:
+            self._runner._streamBrokeAfterOutput(self._account, "read_error")
+            self._failPreOrPost(None, message)
+        else:
+            self.lostBeforeOutput = True
+            verdict = self._runner.classifier.classifyStreamFailure(
+                self._account, self._turn.endpoint, "read_error", None, message
+            )
+            self._endWith(AttemptResult(verdict=verdict, status=502))
+
+
+@define(eq=False)
+class WebSocketAttempt:
+    """
+    The C{wsAttempt} hook; see the module docstring.
+
+    @ivar pool: the L{relay.upstream.ws.UpstreamPool} for C{ctx_pool}.
+    @ivar reactor: for dials and timers.
+    @ivar tlsPolicy: TLS trust for C{wss} upstreams (L{None}: the
+        platform store).
+    """
+
+    pool: object
+    reactor: object
+    tlsPolicy: object = None
+    _log = Logger()
+
+    async def __call__(self, runner, turn, sink, account, release) -> AttemptResult:
+        s = runner.settings.current
+        mode = accountMode(account, s)
+        ctx = turn.wsContext
+        if mode == "off":
+            error = ClientError(
+                400, "invalid_request_error", WS_MODE_OFF, wsClose=(1008, WS_MODE_OFF)
+            )
+            return AttemptResult(verdict=_passVerdict(error, "ws_mode_off"), status=400)
+        if mode == "http_bridge":
+            return await self._bridge(runner, turn, sink, account, release, ctx)
+        expanded = ctx.expandedBody(turn) if ctx is not None else None
+        useExpanded = False
+        for attempt in range(2):
+            result, retry = await self._oneSocket(
+                runner, turn, sink, account, release, ctx, mode, expanded, useExpanded
+            )
+            if not retry:
+                return result
+            useExpanded = True
+            self._log.info(
+                "previous_response_id {previous} not found upstream; resending full input",
+                event="ingress_ws_prev_response_recovery",
+                action="drop_previous_response_id",
+                retry=1,
+                account_id=account.id,
+                request_id=turn.requestId,
+            )
+        return result
+
+    # -- http_bridge ---------------------------------------------------------
+
+    async def _bridge(self, runner, turn, sink, account, release, ctx) -> AttemptResult:
+        """
+        R52: one upstream HTTP request; the body is the turn with its chain
+        expanded from this connection's own turns (R77).
+        """
+        if turn.previousResponseId:
+            body = ctx.expandedBody(turn) if ctx is not None else None
+            if body is None:
+                return AttemptResult(
+                    verdict=_passVerdict(
+                        previousResponseNotFound(turn.previousResponseId),
+                        "previous_response_not_found",
+                    ),
+                    status=400,
+                )
+            self._log.info(
+                "bridging turn {request_id} with replayed input",
+                event="ingress_ws_http_bridge_replay_input",
+                items=len(body.get("input") or []),
+                request_id=turn.requestId,
+            )
+        else:
+            body = dict(turn.body)
+        body.pop("previous_response_id", None)
+        for name in RELAY_ONLY_FIELDS:
+            body.pop(name, None)
+        bridged = evolve(turn, body=body, stream=True, previousResponseId=None)
+        try:
+            return await runner._attemptHTTP(bridged, sink, account, release)
+        finally:
+            if turn.firstOutputAt is None:
+                turn.firstOutputAt = bridged.firstOutputAt
+
+    # -- ctx_pool / passthrough ------------------------------------------------
+
+    async def _acquire(self, turn, account, ctx, mode, s) -> PooledConnection:
+        prev = turn.previousResponseId
+        if mode == "passthrough":
+            current = ctx.dedicated if ctx is not None else None
+            if (
+                current is not None
+                and current.accountId == account.id
+                and current.alive
+                and not current.busy
+            ):
+                current.busy = True
+                return current
+            if current is not None:
+                current.broken = True
+                current.proto.close()
+                ctx.dedicated = None
+            proto = await dialUpstream(
+                self.reactor, account, turn.headers,
+                s.upstream.connect_timeout_seconds, self.tlsPolicy,
+            )
+            conn = PooledConnection(
+                proto=proto, accountId=account.id, openedAt=self.reactor.seconds(), busy=True
+            )
+            if ctx is not None:
+                ctx.dedicated = conn
+            return conn
+        preferred = self.pool.findByResponse(account.id, prev) if prev else None
+        return await self.pool.acquire(account, turn.headers, preferred)
+
+    def _giveBack(self, conn: PooledConnection, mode: str, broken: bool) -> None:
+        if mode == "passthrough":
+            conn.busy = False
+            if broken or conn.broken:
+                conn.broken = True
+                conn.proto.close()
+            return
+        self.pool.release(conn, broken=broken or conn.broken)
+
+    def _handshakeVerdict(self, runner, turn, account, e: HandshakeRejected) -> F.Verdict:
+        """
+        R56: under the guard (first turn, no previous_response_id) the HTTP
+        status rules apply unchanged; outside it the older mapping.
+        """
+        guard = turn.phase == "first_turn" and not turn.previousResponseId
+        if guard or e.status == 429 or e.status >= 500:
+            verdict = runner.classifier.classifyStatus(
+                account, turn.endpoint, e.status, e.headers, e.body, self.reactor.seconds()
+            )
+        elif e.status in (401, 403):
+            verdict = _passVerdict(
+                ClientError(e.status, "upstream_error", WS_AUTH_FAILED[1], wsClose=WS_AUTH_FAILED),
+                "ws_handshake_auth",
+            )
+        else:
+            verdict = _passVerdict(
+                ClientError(
+                    e.status, "upstream_error", WS_HANDSHAKE_REJECTED[1],
+                    wsClose=WS_HANDSHAKE_REJECTED,
+                ),
+                "ws_handshake_rejected",
+            )
+        action = "pass_through"
+        if verdict.failover:
+            action = "retry_same" if verdict.sameAccount or verdict.oauth429 else "switch"
+        self._log.info(
+            "upstream websocket handshake on {account_id} rejected with {status}",
+            event="ingress_ws_handshake_failover",
+            account_id=account.id,
+            status=e.status,
+            action=action,
+            turn=turn.phase,
+            request_id=turn.requestId,
+        )
+        return verdict
+
+    async def _oneSocket(
+        self, runner, turn, sink, account, release, ctx, mode, expanded, useExpanded
+    ):
+        """
+        One send on one upstream connection.
+
+        @return: (L{AttemptResult}, retry) where C{retry} asks for the R66
+            full-input resend.
+        """
+        s = runner.settings.current
+        try:
+            conn = await self._acquire(turn, account, ctx, mode, s)
+        except PoolBusy as e:
+            self._log.info(
+                "upstream websocket pool of {account_id} busy ({reason})",
+                event="openai.websocket_pool_busy",
+                account_id=account.id,
+                reason=e.reason,
+                request_id=turn.requestId,
+            )
+            return AttemptResult(verdict=busyVerdict(e.reason), status=503), False
+        except HandshakeRejected as e:
+            verdict = self._handshakeVerdict(runner, turn, account, e)
+            return AttemptResult(verdict=verdict, status=e.status), False
+        except Exception as e:
+            verdict = runner.classifier.classifyTransport(account, e, turn.endpoint)
+            return AttemptResult(verdict=verdict, status=verdict.status), False
+        if turn.cancel.cancelled:
+            self._giveBack(conn, mode, broken=False)
+            raise ClientGone(turn.cancel.reason)
+
+        prev = turn.previousResponseId
+        body = dict(turn.body)
+        sentPrev = None
+        if prev:
+            if not useExpanded and conn.lastResponseId == prev:
+                sentPrev = prev
+            elif expanded is not None:
+                body = dict(expanded)
+                self._log.info(
+                    "expanding {previous} into full input on {account_id}",
+                    event="ingress_ws_prev_response_strict_eval",
+                    action="drop_previous_response_id_full_create",
+                    previous=prev,
+                    account_id=account.id,
+                    request_id=turn.requestId,
+                )
+            else:
+                sentPrev = prev  # R76: keep the id; upstream decides.
+        for name in RELAY_ONLY_FIELDS:
+            body.pop(name, None)
+        body["type"] = "response.create"
+        if turn.model:
+            body["model"] = account.upstreamModel(turn.model)
+        payload = _dumps(body)
+
+        given = []
+
+        def giveBack(broken=False):
+            if not given:
+                given.append(True)
+                self._giveBack(conn, mode, broken)
+
+        def releaseBoth():
+            # Connection idle and slot free before the terminal event is
+            # written (protocol.md 8 timing rules).
+            giveBack()
+            release()
+
+        rewrite = modelRewriter(turn.model, account.upstreamModel(turn.model) if turn.model else None)
+        pump = WebSocketPump(
+            runner, turn, sink, account, releaseBoth, rewrite,
+            s.upstream.stream_idle_timeout_seconds, conn,
+        )
+        fot = s.first_output_timeout_seconds
+
+        def onFirstOutputTimeout():
+            runner._log.warn(
+                "no first output from {account_id} within {seconds}s",
+                event="openai.first_output_timeout",
+                account_id=account.id,
+                seconds=fot,
+                request_id=turn.requestId,
+                phase="websocket_first_semantic_output",
+            )
+            pump.firstOutputTimeout(runner.classifier.firstOutputTimeout(account, fot))
+
+        timer = self.reactor.callLater(fot, onFirstOutputTimeout) if fot > 0 else None
+        try:
+            pump.start()
+            try:
+                conn.proto.send(payload)
+            except Exception as e:
+                pump.abort()
+                giveBack(broken=True)
+                verdict = runner.classifier.classifyTransport(account, e, turn.endpoint)
+                return AttemptResult(verdict=verdict, status=verdict.status), False
+            try:
+                result = await raceCancel(_uncancellable(pump.done), turn.cancel)
+            except ClientGone:
+                pump.finished = True
+                pump.abort()
+                giveBack(broken=True)
+                raise
+        finally:
+            if timer is not None and timer.active():
+                timer.cancel()
+            pump._cancelIdle()
+        conn.proto.listener = None
+        retry = (
+            pump.previousNotFound is not None
+            and sentPrev is not None
+            and expanded is not None
+            and not useExpanded
+        )
+        giveBack(broken=bool(conn.broken or retry))
+        return result, retry
+
+
+def _dumps(body: dict) -> bytes:
+    import json
+
+    return json.dumps(body, separators=(",", ":")).encode("utf-8")

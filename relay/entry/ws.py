@@ -1,0 +1,494 @@
+# -*- test-case-name: tests.test_ws -*-
+"""
+The Responses WebSocket entrypoint (C{GET /v1/responses} with an upgrade;
+protocol.md 4, behaviour.md group F, style.md 9(a)).
+
+A transport adapter: it authenticates before the upgrade, parses client
+frames, keeps the connection's own record of its turns (inputs, output
+items, last response id) and its dedicated upstream for C{passthrough},
+turns each C{response.create} into a L{Turn} with a L{WebSocketSink}, and
+hands it to the turn runner. Selection, admission, waiting, failover and
+cooldowns all happen in the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+from attrs import define, field
+from autobahn.twisted.resource import WebSocketResource
+from autobahn.twisted.websocket import WebSocketServerFactory, WebSocketServerProtocol
+from autobahn.util import encode_truncate
+from autobahn.websocket.compress import PerMessageDeflateOffer, PerMessageDeflateOfferAccept
+from twisted.logger import Logger
+from twisted.web.server import NOT_DONE_YET
+
+from relay.entry.http import UNAUTHORIZED, newRequestId
+from relay.entry.sinks import writeError
+from relay.entry.wssink import WebSocketSink, wsErrorEvent
+from relay.engine.runner import previousResponseNotFound
+from relay.model import ClientError, Turn
+from relay.session import sessionHash, sessionSeed
+
+MSG_ID_MESSAGE = "previous_response_id must be a response.id (resp_*), not a message id"
+APPEND_MESSAGE = (
+    "response.append is not supported in ws v2; use response.create with previous_response_id"
+)
+TOO_MANY_MESSAGE = "too many requests while retrying, please retry later"
+
+_NOT_FORWARDED = frozenset(
+    {
+        "authorization",
+        "x-api-key",
+        "cookie",
+        "proxy-authorization",
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-connection",
+        "host",
+        "content-length",
+        "content-type",
+        "accept",
+        "accept-encoding",
+        "origin",
+    }
+)
+
+
+def closeWith(proto, code: int, reason: str) -> None:
+    """
+    Close with any code (style.md 9(a), trap T21): C{sendClose} accepts only
+    1000 and 3000-4999. The reason is cut to 120 bytes on a character
+    boundary (R65). Does nothing unless the connection is open.
+    """
+    if proto.state == proto.STATE_OPEN:
+        proto.sendCloseFrame(code=code, reasonUtf8=encode_truncate(reason, 120), isReply=False)
+
+
+def acceptDeflate(offers):
+    """
+    Accept the client's first permessage-deflate offer (R47; Codex offers it).
+    """
+    for offer in offers:
+        if isinstance(offer, PerMessageDeflateOffer):
+            return PerMessageDeflateOfferAccept(offer)
+    return None
+
+
+def normaliseInput(value) -> list:
+    """
+    A frame's C{input} as a list of items (a string is one user message).
+    """
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": value}]}
+        ]
+    if isinstance(value, list):
+        return list(value)
+    return [value]
+
+
+@define(eq=False)
+class ConnectionState:
+    """
+    What one client connection knows about its own conversation
+    (R61, R62, R76, R77, R80).
+
+    @ivar items: the complete transcript of this connection's turns (inputs
+        and output items, in order), or L{None} when relay does not hold
+        the whole conversation (a chain begun before this connection).
+    @ivar lastResponseId: the id of the last completed response.
+    @ivar accountId: the account of the last completed turn.
+    @ivar dedicated: the C{passthrough} upstream connection.
+    """
+
+    items: Optional[list] = field(factory=list)
+    lastResponseId: Optional[str] = None
+    accountId: Optional[str] = None
+    dedicated: object = None
+
+    def expandable(self, previous: Optional[str]) -> bool:
+        """
+        R62: a chain to this connection's previous response whose history
+        is complete.
+        """
+        return bool(previous) and previous == self.lastResponseId and self.items is not None
+
+    def historyComplete(self, previous: Optional[str]) -> bool:
+        """
+        R62, R80: a turn without C{previous_response_id} is complete; a
+        chained one only when relay can expand it.
+        """
+        return not previous or self.expandable(previous)
+
+    def expandedBody(self, turn) -> Optional[dict]:
+        """
+        R61/R66: earlier inputs + earlier outputs + the current input, the
+        chain id removed; L{None} when the history is not complete.
+        """
+        previous = turn.previousResponseId
+        if not self.expandable(previous):
+            return None
+        body = dict(turn.body)
+        body.pop("previous_response_id", None)
+        body["input"] = list(self.items) + normaliseInput(turn.body.get("input"))
+        return body
+
+    def record(self, previous, inputItems: list, response: dict, accountId=None) -> None:
+        """
+        A turn completed: extend (or restart, or lose) the transcript.
+        """
+        outputs = [o for o in (response.get("output") or []) if isinstance(o, dict)]
+        if not previous:
+            self.items = list(inputItems) + outputs
+        elif self.expandable(previous):
+            self.items = list(self.items) + list(inputItems) + outputs
+        else:
+            self.items = None
+        self.lastResponseId = response.get("id") or self.lastResponseId
+        if accountId is not None:
+            self.accountId = accountId
+
+
+class RelayWebSocketProtocol(WebSocketServerProtocol):
+    """
+    One client WebSocket. Strictly one turn at a time (protocol.md 4.6);
+    while a turn runs the socket is still read, holding at most one early
+    frame (R63).
+    """
+
+    _log = Logger()
+
+    def onConnect(self, request):
+        try:
+            f = self.factory
+            headers = {k.lower(): v for k, v in request.headers.items()}
+            secret = headers.get("authorization") or headers.get("x-api-key")
+            self._key = f.keys.authenticateHeader(secret)
+            self._headers = {k: v for k, v in headers.items() if k not in _NOT_FORWARDED and not k.startswith("sec-websocket")}
+            self._state = ConnectionState()
+            self._model = None
+            self._session = None
+            self._turns = 0
+            self._running = None
+            self._buffered = None
+            self._timer = None
+            self._closing = None
+            self._gone = False
+            self._connId = "ws_" + os.urandom(6).hex()
+        except Exception:
+            self._log.failure("accepting a client websocket failed")
+            raise
+        return None
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def onOpen(self) -> None:
+        try:
+            s = self.factory.settings.current.websocket
+            self._arm(s.client_first_message_timeout_seconds, 1008, "missing first response.create message")
+        except Exception:
+            self._log.failure("opening a client websocket failed")
+            self.closeWith(1011, "upstream websocket proxy failed")
+
+    def onClose(self, wasClean, code, reason) -> None:
+        if getattr(self, "_state", None) is None:
+            return
+        self._gone = True
+        self._disarm()
+        turn = self._running
+        if turn is not None:
+            turn.cancel.cancel("client_gone")
+        dedicated = self._state.dedicated
+        if dedicated is not None:
+            dedicated.broken = True
+            dedicated.proto.close()
+            self._state.dedicated = None
+        sent = self._closing
+        self._log.info(
+            "client websocket {conn_id} closed {code} {reason} after {turns} turn(s)",
+            event="relay.ws_closed",
+            conn_id=self._connId,
+            code=sent[0] if sent else (code or 1006),
+            reason=sent[1] if sent else (reason or ""),
+            turns=self._turns,
+            account_id=self._state.accountId,
+            mode=self._modeName(),
+            while_running=turn is not None,
+        )
+
+    def _modeName(self):
+        try:
+            return self._modeFor(self._model)
+        except Exception:
+            return None
+
+    def isOpen(self) -> bool:
+        return not self._gone and self.state == self.STATE_OPEN and self._closing is None
+
+    def sendText(self, data: bytes) -> None:
+        if self.isOpen():
+            self.sendMessage(data, False)
+
+    def closeWith(self, code: int, reason: str) -> None:
+        """
+        Close once, remembering what was sent for the C{relay.ws_closed} log.
+        """
+        if self._closing is not None or self._gone:
+            return
+        self._closing = (code, reason)
+        self._disarm()
+        closeWith(self, code, reason)
+
+    def _arm(self, seconds: float, code: int, reason: str) -> None:
+        self._disarm()
+        if seconds and seconds > 0:
+            self._timer = self.factory.reactor.callLater(seconds, self.closeWith, code, reason)
+
+    def _disarm(self) -> None:
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+
+    # -- frames ----------------------------------------------------------------
+
+    def onMessage(self, payload: bytes, isBinary: bool) -> None:
+        try:
+            if self._closing is not None or self._gone:
+                return
+            if self._running is not None:
+                # R63: one early frame is held; a second one is too many.
+                if self._buffered is None:
+                    self._buffered = payload
+                    return
+                self.closeWith(1013, TOO_MANY_MESSAGE)
+                self._running.cancel.cancel("too_many_frames")
+                return
+            self._handle(payload)
+        except Exception:
+            self._log.failure("handling a client websocket frame failed")
+            self.closeWith(1011, "upstream websocket proxy failed")
+
+    def _handle(self, payload: bytes) -> None:
+        self._disarm()
+        try:
+            frame = json.loads(payload)
+        except ValueError:
+            self.closeWith(1008, "invalid JSON payload")
+            return
+        if not isinstance(frame, dict):
+            self.closeWith(1008, "invalid JSON payload")
+            return
+        kind = frame.get("type") or "response.create"
+        if kind == "response.processed":
+            self._idle()
+            return
+        if kind == "response.append":
+            self.closeWith(1008, APPEND_MESSAGE)
+            return
+        if kind != "response.create":
+            self.closeWith(1008, f"unsupported websocket request type: {kind}")
+            return
+        model = frame.get("model")
+        if not isinstance(model, str) or not model:
+            if self._model is None:
+                self.closeWith(1008, "model is required in first response.create payload")
+                return
+            model = self._model
+        previous = frame.get("previous_response_id")
+        if previous is not None and not isinstance(previous, str):
+            self.closeWith(1008, "invalid JSON payload")
+            return
+        if previous and previous.startswith("msg_"):
+            self.closeWith(1008, MSG_ID_MESSAGE)
+            return
+        self._model = model
+        self._runTurn(frame, model, previous or None)
+
+    def _modeFor(self, model) -> str:
+        """
+        The connection's mode for this turn (R48): the current account's
+        when it serves the model, else the one mode every serving account
+        shares, else the gateway default. The engine's attempt still uses
+        each account's own mode.
+        """
+        f = self.factory
+        default = f.settings.current.websocket.mode_default
+        byId = {a.id: a for a in f.accounts}
+        current = byId.get(self._state.accountId)
+        if current is not None and current.servesModel(model):
+            return current.ws_mode or default
+        modes = {a.ws_mode or default for a in f.accounts if a.servesModel(model)}
+        modes.discard("off")
+        if len(modes) == 1:
+            return modes.pop()
+        return default if default != "off" else "ctx_pool"
+
+    def _runTurn(self, frame: dict, model: str, previous: Optional[str]) -> None:
+        f = self.factory
+        state = self._state
+        mode = self._modeFor(model)
+        inputItems = normaliseInput(frame.get("input"))
+        body = dict(frame)
+        body.pop("type", None)
+        body["model"] = model
+        if self._session is None:
+            self._session = sessionHash(sessionSeed(self._headers, body, model), self._key.name)
+        phase = "first_turn" if self._turns == 0 else "later_turn"
+        turn = Turn(
+            entrypoint="ws",
+            endpoint="responses",
+            client=self._key,
+            model=model,
+            body=body,
+            stream=True,
+            headers=dict(self._headers),
+            sessionHash=self._session,
+            previousResponseId=previous,
+            historyComplete=state.historyComplete(previous),
+            wsMode=mode,
+            requestId=newRequestId(),
+            phase=phase,
+            preferredAccountId=state.accountId,
+            wsContext=state,
+        )
+        if mode == "http_bridge":
+            if frame.get("generate") is False:
+                self._prewarm(turn, previous, inputItems)
+                return
+            if previous:
+                expanded = state.expandedBody(turn)
+                if expanded is None:
+                    # R77: never send a fragment as the whole conversation.
+                    error = previousResponseNotFound(previous)
+                    self.sendText(json.dumps(wsErrorEvent(error)).encode())
+                    self.closeWith(*error.wsClose)
+                    return
+                body = expanded
+            body.pop("generate", None)
+            body.pop("previous_response_id", None)
+            body["stream"] = True
+            turn.body = body
+            turn.previousResponseId = None
+            turn.historyComplete = True
+        sink = WebSocketSink(self)
+        self._running = turn
+
+        def onResponse(responseId, account):
+            state.accountId = account.id
+
+        turn.onResponseId = onResponse
+        d = f.runner.run(turn, sink)
+        d.addCallback(self._turnDone, turn, sink, previous, inputItems)
+        d.addErrback(lambda fail: self._log.failure("websocket turn failed", fail))
+
+    def _prewarm(self, turn, previous, inputItems) -> None:
+        """
+        R53 in C{http_bridge}: answer C{generate:false} locally, record its
+        input, take no slot.
+        """
+        rid = "resp_" + os.urandom(12).hex()
+        response = {
+            "id": rid,
+            "object": "response",
+            "created_at": int(self.factory.reactor.seconds()),
+            "status": "in_progress",
+            "model": turn.model,
+            "output": [],
+        }
+        self.sendText(json.dumps({"type": "response.created", "sequence_number": 0, "response": response}).encode())
+        done = dict(response, status="completed", usage={"input_tokens": 0, "output_tokens": 0, "total_tokens": 0})
+        self.sendText(json.dumps({"type": "response.completed", "sequence_number": 1, "response": done}).encode())
+        self._state.record(previous, inputItems, done)
+        self._turns += 1
+        self._log.info(
+            "answered a prewarm locally with {response_id}",
+            event="ingress_ws_http_bridge_prewarm",
+            response_id=rid,
+            conn_id=self._connId,
+        )
+        self._next()
+
+    def _turnDone(self, outcome, turn, sink, previous, inputItems) -> None:
+        self._running = None
+        self._turns += 1
+        if sink.terminalType == b"response.completed" and sink.terminal is not None:
+            self._state.record(previous, inputItems, sink.terminal)
+        if self._gone or self._closing is not None:
+            return
+        if sink.closed:
+            return
+        self._next()
+
+    def _next(self) -> None:
+        if self._buffered is not None:
+            payload, self._buffered = self._buffered, None
+            self._handle(payload)
+            return
+        self._idle()
+
+    def _idle(self) -> None:
+        s = self.factory.settings.current.websocket
+        self._arm(s.inter_turn_idle_timeout_seconds, 1000, "websocket idle timeout")
+
+
+class RelayWebSocketResource:
+    """
+    The upgrade handler: authenticate (401 JSON, not upgraded), refuse when
+    every account has WebSockets off (426, so clients use HTTP), then let
+    autobahn take the transport.
+    """
+
+    def __init__(self, factory, keys, accounts, settings):
+        self.factory = factory
+        self._keys = keys
+        self._accounts = accounts
+        self._settings = settings
+        self._ws = WebSocketResource(factory)
+
+    def render(self, request):
+        if self._keys.authenticate(request) is None:
+            writeError(request, UNAUTHORIZED)
+            return NOT_DONE_YET
+        default = self._settings.current.websocket.mode_default
+        if all((a.ws_mode or default) == "off" for a in self._accounts):
+            writeError(
+                request,
+                ClientError(
+                    426, "invalid_request_error",
+                    "WebSocket mode is disabled; use HTTP POST /v1/responses",
+                ),
+            )
+            return NOT_DONE_YET
+        return self._ws.render(request)
+
+
+def buildWebSocketResource(runner, keys, accounts, settings, reactor) -> RelayWebSocketResource:
+    """
+    The autobahn factory with explicit options (style.md 9(a)) wrapped in
+    the upgrade handler. Keep C{resource.factory} as C{site.wsFactory}.
+    """
+    factory = WebSocketServerFactory(None, reactor=reactor)
+    factory.protocol = RelayWebSocketProtocol
+    factory.runner = runner
+    factory.keys = keys
+    factory.accounts = list(accounts)
+    factory.settings = settings
+    factory.setProtocolOptions(
+        openHandshakeTimeout=10,
+        closeHandshakeTimeout=5,
+        autoPingInterval=30,
+        autoPingTimeout=60,
+        maxMessagePayloadSize=settings.current.websocket.max_frame_bytes,
+        failByDrop=False,
+        perMessageCompressionAccept=acceptDeflate,
+    )
+    return RelayWebSocketResource(factory, keys, accounts, settings)

@@ -1,0 +1,142 @@
+# -*- test-case-name: tests.test_ws -*-
+"""
+The WebSocket sink: what the turn engine writes for a C{response.create}
+turn becomes JSON text frames on the client socket (protocol.md 4.3, 4.5).
+Transport adapter only; no policy (architecture.md invariant 1).
+
+Error rule (behaviour.md R81, protocol.md 4.5): a status-bearing C{error}
+event only for C{previous_response_not_found},
+C{websocket_connection_limit_reached} and genuine client mistakes;
+conditions the client should retry end with the error's close code and
+reason (1013 busy, 1011 upstream failure).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from relay.interfaces import ITurnSink
+from relay.model import ClientError
+
+STATUS_EVENT_CODES = frozenset({"previous_response_not_found", "websocket_connection_limit_reached"})
+"""Codes that reach the client as a status-bearing error event (R81)."""
+
+RETRY_STATUSES = frozenset({401, 403, 408, 429})
+"""4xx statuses that are not client mistakes: they end with a close."""
+
+DEFAULT_CLOSE = (1011, "upstream websocket proxy failed")
+
+
+def wsErrorEvent(error: ClientError, withStatus: bool = True) -> dict:
+    """
+    The WebSocket error wrapper (protocol.md 4.5).
+    """
+    event = {
+        "type": "error",
+        "error": {
+            "type": error.type,
+            "code": error.code,
+            "message": error.message,
+            "param": error.param,
+        },
+    }
+    if withStatus:
+        event["status"] = error.status
+    return event
+
+
+def isStatusEvent(error: ClientError) -> bool:
+    """
+    R81: whether C{error} is told to the client as a status-bearing event.
+    """
+    if error.code in STATUS_EVENT_CODES:
+        return True
+    return 400 <= error.status < 500 and error.status not in RETRY_STATUSES and (
+        error.wsClose is None or error.wsClose[0] == 1008 and error.status == 400
+    )
+
+
+@implementer(ITurnSink)
+class WebSocketSink:
+    """
+    Writes one turn to a client connection.
+
+    @ivar terminal: the terminal event's parsed C{response}, once written.
+    @ivar committed: output reached the client.
+    """
+
+    _log = Logger()
+
+    def __init__(self, connection):
+        """
+        @param connection: the client protocol; needs C{sendJSON(bytes)},
+            C{closeWith(code, reason)} and C{isOpen()}.
+        """
+        self._conn = connection
+        self.committed = False
+        self.terminal: Optional[dict] = None
+        self.terminalType: Optional[bytes] = None
+        self.closed = False
+        self.failed: Optional[ClientError] = None
+
+    def keepalive(self) -> None:
+        """
+        The WebSocket keeps itself alive with pings (R31); nothing to write.
+        """
+
+    def commit(self, headers) -> None:
+        self.committed = True
+
+    def writeEvent(self, event) -> None:
+        if event.type == b"[DONE]":
+            return
+        if event.terminal:
+            self.terminalType = event.type
+            response = event.json().get("response")
+            self.terminal = response if isinstance(response, dict) else {}
+        if self._conn.isOpen():
+            self._conn.sendText(event.data)
+
+    def writeBody(self, status, headers, body) -> None:
+        """
+        A non-streaming upstream answer on the WebSocket (rare): wrap it as
+        C{response.completed}.
+        """
+        try:
+            response = json.loads(body)
+        except ValueError:
+            response = {}
+        self.committed = True
+        self.terminal = response if isinstance(response, dict) else {}
+        self.terminalType = b"response.completed"
+        if self._conn.isOpen():
+            self._conn.sendText(
+                json.dumps({"type": "response.completed", "response": self.terminal}).encode()
+            )
+
+    def fail(self, error: ClientError) -> None:
+        """
+        Before output: a status event (R81 cases) and/or the error's close.
+        After output: the close tells Codex to retry (protocol.md 4.6).
+        """
+        self.failed = error
+        if not self._conn.isOpen():
+            return
+        if not self.committed and isStatusEvent(error):
+            self._conn.sendText(json.dumps(wsErrorEvent(error)).encode())
+            if error.wsClose is not None:
+                self.closed = True
+                self._conn.closeWith(*error.wsClose)
+            return
+        code, reason = error.wsClose or DEFAULT_CLOSE
+        self.closed = True
+        self._conn.closeWith(code, reason)
+
+    def finish(self) -> None:
+        """
+        A turn ended; the connection reads its next frame.
+        """
