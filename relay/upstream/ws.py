@@ -340,12 +340,15 @@ class UpstreamPool:
             if conn.alive and not conn.busy and conn.lastResponseId is None:
                 conn.busy = True
                 return conn
-        for conn in pool.conns:
-            if conn.alive and not conn.busy:
-                conn.busy = True
-                return conn
+        # R-B11: a connection holding a live chain head is lent to another
+        # turn only when no new connection can be dialled.
         if len([c for c in pool.conns if c.alive]) + pool.dialing < self.capacity(account):
             return await self._dialInto(pool, account, clientHeaders)
+        idle = [c for c in pool.conns if c.alive and not c.busy]
+        if idle:
+            conn = min(idle, key=lambda c: c.openedAt)
+            conn.busy = True
+            return conn
         if len(pool.waiters) >= QUEUE_LIMIT:
             raise PoolBusy("conn_queue_full")
         d = Deferred()

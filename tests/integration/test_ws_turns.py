@@ -231,3 +231,491 @@ async def test_openai_sdk_connect_chains_two_turns():
         assert sent[1]["previous_response_id"] == ids[0]
     finally:
         await drain(stack)
+
+
+# -- failures on the first turn ----------------------------------------------
+
+
+def twoAccounts(port=None, deadFirst=True, **extra):
+    dead = {"id": "a", "credential": "sk-a", "priority": 1}
+    if port is not None:
+        dead["base_url"] = f"http://127.0.0.1:{port}/v1"
+    dead.update(extra)
+    return [dead, {"id": "b", "credential": "sk-b", "priority": 50}]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest_twisted.ensureDeferred
+async def test_dial_failure_without_status_switches_and_cools(mode):
+    """
+    R55, R6, R78: a refused dial on the first turn switches accounts,
+    records the persistent cooldown (R4), and the turn completes; the client
+    never sees a 1013/1011 while a healthy account can serve.
+    """
+    stack = await startStack(twoAccounts(closedPort()), gateway=gateway(mode))
+    client = await connect(stack)
+    try:
+        events = await client.turn(userTurn("hi"))
+        assert events[-1]["type"] == "response.completed", events
+        assert client.closeInfo is None
+        states = await stack.app.store.getAccountStates(["a"])
+        assert states["a"].blockedUntil > stack.app.reactor.seconds() + 500
+        assert (frames(stack, "sk-b") or http(stack, "sk-b"))
+    finally:
+        await drain(stack, [client])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest_twisted.ensureDeferred
+async def test_handshake_rejected_503_switches(mode):
+    """
+    R56: a first-turn handshake rejected with 503 runs the HTTP status rules
+    (failover); the turn completes on the other account. (For http_bridge
+    the same 503 arrives on the bridged HTTP request, R52.)
+    """
+    stack = await startStack(twoAccounts(), gateway=gateway(mode))
+    kind = "status" if mode == "http_bridge" else "ws_handshake_status"
+    stack.emulator.setFault("sk-a", {"kind": kind, "code": 503, "times": 10})
+    client = await connect(stack)
+    try:
+        events = await client.turn(userTurn("hi"))
+        assert events[-1]["type"] == "response.completed", events
+        assert client.closeInfo is None
+        assert (frames(stack, "sk-b") or http(stack, "sk-b"))
+        assert not frames(stack, "sk-a")
+    finally:
+        await drain(stack, [client])
+
+
+# -- slots ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest_twisted.ensureDeferred
+async def test_full_slot_waits_then_completes(mode):
+    """
+    R60: a busy account slot makes the turn wait (same wait plan as HTTP)
+    and then complete, with no close.
+    """
+    from twisted.logger import globalLogPublisher
+
+    stack = await startStack([{"id": "a1", "credential": "sk-a1", "concurrency": 1}], gateway=gateway(mode))
+    seen = []
+    observer = lambda e: seen.append(e) if str(e.get("event", "")).startswith("openai.websocket_account_wait") else None
+    globalLogPublisher.addObserver(observer)
+    lease = await stack.app.admission.tryAcquire("account", "a1", 1)
+    client = await connect(stack)
+    try:
+        client.sendJSON(userTurn("hi"))
+        await deferLater(reactor, 0.3, lambda: None)
+        assert client.events.pending == []
+        lease.release()
+        events = await client.collect()
+        assert events[-1]["type"] == "response.completed", events
+        assert client.closeInfo is None
+        finished = [e for e in seen if e["event"] == "openai.websocket_account_wait_finished"]
+        assert finished and finished[0]["outcome"] == "acquired"
+        assert finished[0]["mode"] == mode and finished[0]["phase"] == "first_turn"
+    finally:
+        globalLogPublisher.removeObserver(observer)
+        await drain(stack, [client])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest_twisted.ensureDeferred
+async def test_client_gone_mid_wait_releases_everything(mode):
+    """
+    R2, R60, R63 tests: the client closing while its turn waits leaves no
+    waiter, no held slot and no cooldown.
+    """
+    stack = await startStack([{"id": "a1", "credential": "sk-a1", "concurrency": 1}], gateway=gateway(mode))
+    lease = await stack.app.admission.tryAcquire("account", "a1", 1)
+    client = await connect(stack)
+    try:
+        client.sendJSON(userTurn("hi"))
+        await deferLater(reactor, 0.2, lambda: None)
+        assert (await stack.app.admission.load("account", ["a1"]))["a1"] == (1, 1)
+        client.dropConnection(abort=True)
+        await deferLater(reactor, 0.2, lambda: None)
+        assert (await stack.app.admission.load("account", ["a1"]))["a1"] == (1, 0)
+        lease.release()
+        assert (await stack.app.admission.load("account", ["a1"]))["a1"] == (0, 0)
+        states = await stack.app.store.getAccountStates(["a1"])
+        assert states["a1"].blockedUntil == 0
+        assert frames(stack, "sk-a1") == [] and http(stack, "sk-a1") == []
+    finally:
+        await drain(stack)
+
+
+@pytest_twisted.ensureDeferred
+async def test_second_early_frame_while_waiting_closes_1013():
+    """
+    R63: while a turn waits, one further frame is held; a second one closes
+    1013 "too many requests while retrying, please retry later", and the
+    waiting turn's slot wait is withdrawn.
+    """
+    stack = await startStack([{"id": "a1", "credential": "sk-a1", "concurrency": 1}])
+    lease = await stack.app.admission.tryAcquire("account", "a1", 1)
+    client = await connect(stack)
+    try:
+        client.sendJSON(userTurn("one"))
+        client.sendJSON(userTurn("two"))
+        client.sendJSON(userTurn("three"))
+        code, reason = await client.closed.addTimeout(5, reactor)
+        assert (code, reason) == (1013, "too many requests while retrying, please retry later")
+        await deferLater(reactor, 0.1, lambda: None)
+        assert (await stack.app.admission.load("account", ["a1"]))["a1"] == (1, 0)
+    finally:
+        lease.release()
+        await drain(stack)
+
+
+@pytest_twisted.ensureDeferred
+async def test_early_frame_is_processed_after_the_turn():
+    """
+    R63: the one held frame is processed as the next turn.
+    """
+    stack = await startStack([{"id": "a1", "credential": "sk-a1", "concurrency": 1}])
+    lease = await stack.app.admission.tryAcquire("account", "a1", 1)
+    client = await connect(stack)
+    try:
+        client.sendJSON(userTurn("one"))
+        client.sendJSON(userTurn("two"))
+        await deferLater(reactor, 0.2, lambda: None)
+        lease.release()
+        first = await client.collect()
+        second = await client.collect()
+        assert first[-1]["type"] == second[-1]["type"] == "response.completed"
+        assert first[-1]["response"]["id"] != second[-1]["response"]["id"]
+    finally:
+        await drain(stack, [client])
+
+
+# -- later turns ---------------------------------------------------------------
+
+
+def failTurns(stack, credential, mode, times=10):
+    transport = "http" if mode == "http_bridge" else "ws"
+    # A 503 error event pre-output is forwarded on ctx_pool (R49 step 5);
+    # a rate-limit one fails over on every mode (R49, R8).
+    stack.emulator.setFault(
+        credential,
+        {"kind": "status", "preset": "rate_limit", "times": times, "transport": transport},
+    )
+
+
+def inputTexts(body):
+    return json.dumps(body.get("input"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest_twisted.ensureDeferred
+async def test_later_turn_failover_carries_the_current_turn(mode):
+    """
+    R61, R80: a later complete turn (no previous_response_id) that fails on
+    its account is resent to the other account exactly as sent: the second
+    account sees the current turn's input, never turn 1's.
+    """
+    stack = await startStack(twoAccounts(), gateway=gateway(mode))
+    client = await connect(stack)
+    try:
+        t1 = await client.turn(userTurn("turn-one"))
+        assert t1[-1]["type"] == "response.completed"
+        failTurns(stack, "sk-a", mode)
+        t2 = await client.turn(userTurn("turn-two"))
+        assert t2[-1]["type"] == "response.completed", t2
+        onB = frames(stack, "sk-b") or http(stack, "sk-b")
+        assert len(onB) == 1
+        assert "turn-two" in inputTexts(onB[0]) and "turn-one" not in inputTexts(onB[0])
+        assert "previous_response_id" not in onB[0]
+    finally:
+        await drain(stack, [client])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest_twisted.ensureDeferred
+async def test_later_chained_turn_failover_expands_history(mode):
+    """
+    R61, R62, R76: a chained later turn whose history relay holds moves to
+    another account as earlier inputs + outputs + current input, with the
+    chain id removed (relay itself expanded it).
+    """
+    stack = await startStack(twoAccounts(), gateway=gateway(mode))
+    client = await connect(stack)
+    try:
+        t1 = await client.turn(userTurn("turn-one"))
+        rid = t1[-1]["response"]["id"]
+        failTurns(stack, "sk-a", mode)
+        t2 = await client.turn(userTurn("turn-two", previous=rid))
+        assert t2[-1]["type"] == "response.completed", t2
+        onB = frames(stack, "sk-b") or http(stack, "sk-b")
+        assert len(onB) == 1
+        text = inputTexts(onB[0])
+        assert "turn-one" in text and "turn-two" in text
+        assert "Hello from the relay emulator" in text  # turn 1's output item
+        assert "previous_response_id" not in onB[0]
+    finally:
+        await drain(stack, [client])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest_twisted.ensureDeferred
+async def test_incomplete_history_gets_previous_response_not_found(mode):
+    """
+    R62, R66, R76, R77, R-B7: a chain relay never saw is not sent as if
+    complete; the client gets the status-400 previous_response_not_found
+    error event and then the close, so it resends full input.
+    """
+    stack = await startStack(twoAccounts(), gateway=gateway(mode))
+    client = await connect(stack)
+    try:
+        events = await client.turn(userTurn("more", previous="resp_from_elsewhere"))
+        error = events[0]
+        assert error["type"] == "error"
+        assert error["status"] == 400
+        assert error["error"]["code"] == "previous_response_not_found"
+        code, _ = await client.closed.addTimeout(5, reactor)
+        assert code == 1011
+        assert http(stack, "sk-a") == [] and http(stack, "sk-b") == []
+        if mode != "http_bridge":
+            # R76: the id was kept, never stripped into a fragment.
+            sent = frames(stack, "sk-a")
+            assert all(f.get("previous_response_id") == "resp_from_elsewhere" for f in sent)
+    finally:
+        await drain(stack, [client])
+
+
+@pytest.mark.parametrize("mode", ["ctx_pool", "passthrough"])
+@pytest_twisted.ensureDeferred
+async def test_incomplete_history_never_moves_accounts(mode):
+    """
+    R62, R-B7: a later turn chained to a response relay cannot rebuild is
+    not moved when its account fails; previous_response_not_found, then
+    close.
+    """
+    stack = await startStack(twoAccounts(), gateway=gateway(mode))
+    client = await connect(stack)
+    failTurns(stack, "sk-a", mode)
+    try:
+        events = await client.turn(userTurn("one", previous="resp_from_elsewhere"))
+        assert events[0]["type"] == "error" and events[0]["status"] == 400
+        assert events[0]["error"]["code"] == "previous_response_not_found"
+        assert (await client.closed.addTimeout(5, reactor))[0] == 1011
+        assert len(frames(stack, "sk-a")) == 1
+        assert frames(stack, "sk-b") == []
+    finally:
+        await drain(stack, [client])
+
+
+@pytest_twisted.ensureDeferred
+async def test_ctx_pool_chain_stays_on_its_upstream_connection():
+    """
+    R49 step 2, R-B11: a store=false chained turn goes to the same upstream
+    connection that produced the previous response.
+    """
+    stack = await startStack([{"id": "a1", "credential": "sk-a1"}], gateway=gateway("ctx_pool"))
+    c1 = await connect(stack)
+    c2 = await connect(stack)
+    try:
+        r1 = (await c1.turn(userTurn("c1-one")))[-1]["response"]["id"]
+        r2 = (await c2.turn(userTurn("c2-one")))[-1]["response"]["id"]
+        e1 = await c1.turn(userTurn("c1-two", previous=r1))
+        e2 = await c2.turn(userTurn("c2-two", previous=r2))
+        assert e1[-1]["type"] == e2[-1]["type"] == "response.completed"
+        chained = [f for f in frames(stack, "sk-a1") if f.get("previous_response_id")]
+        assert {f["previous_response_id"] for f in chained} == {r1, r2}
+    finally:
+        await drain(stack, [c1, c2])
+
+
+@pytest_twisted.ensureDeferred
+async def test_ctx_pool_lost_connection_expands_full_input():
+    """
+    R49, R66: when the upstream connection holding the chain is gone and
+    relay holds the complete history, the turn is sent as full input on a
+    new connection instead of failing upstream.
+    """
+    stack = await startStack([{"id": "a1", "credential": "sk-a1"}], gateway=gateway("ctx_pool"))
+    client = await connect(stack)
+    try:
+        rid = (await client.turn(userTurn("one")))[-1]["response"]["id"]
+        stack.emulator.dropConnections()
+        await deferLater(reactor, 0.1, lambda: None)
+        events = await client.turn(userTurn("two", previous=rid))
+        assert events[-1]["type"] == "response.completed", events
+        last = frames(stack, "sk-a1")[-1]
+        assert "previous_response_id" not in last
+        assert "one" in inputTexts(last) and "two" in inputTexts(last)
+    finally:
+        await drain(stack, [client])
+
+
+@pytest_twisted.ensureDeferred
+async def test_pool_busy_fails_over_without_cooldown():
+    """
+    R-B3: a ctx_pool acquire that hits its deadline switches accounts (no
+    cooldown) instead of closing 1013.
+    """
+    stack = await startStack(
+        [
+            {"id": "a", "credential": "sk-a", "priority": 1, "concurrency": 2},
+            {"id": "b", "credential": "sk-b", "priority": 50},
+        ],
+        gateway="{websocket: {mode_default: ctx_pool, pool_capacity_factor: 0.5},"
+        " upstream: {connect_timeout_seconds: 1.0}}",
+    )
+    pool = stack.app.extras["wsPool"]
+    account = [a for a in stack.app.config.accounts if a.id == "a"][0]
+    held = await pool.acquire(account, {})
+    client = await connect(stack)
+    try:
+        events = await client.turn(userTurn("hi"))
+        assert events[-1]["type"] == "response.completed", events
+        assert len(frames(stack, "sk-b")) == 1
+        states = await stack.app.store.getAccountStates(["a"])
+        assert states["a"].blockedUntil == 0
+    finally:
+        pool.release(held)
+        await drain(stack, [client])
+
+
+@pytest_twisted.ensureDeferred
+async def test_model_change_reselects_and_unknown_model_is_an_error_event():
+    """
+    R59, R79: a later turn naming a model only another account serves is
+    reselected (no cooldown, no close); an unknown model gets an error
+    event (400 model_not_found) and the connection stays open.
+    """
+    stack = await startStack(
+        [
+            {"id": "a", "credential": "sk-a", "priority": 1, "models": ["gpt-5.5"]},
+            {"id": "b", "credential": "sk-b", "priority": 50, "models": ["gpt-5.4"]},
+        ]
+    )
+    client = await connect(stack)
+    try:
+        assert (await client.turn(userTurn("one")))[-1]["type"] == "response.completed"
+        t2 = await client.turn(userTurn("two", model="gpt-5.4"))
+        assert t2[-1]["type"] == "response.completed"
+        assert len(frames(stack, "sk-b")) == 1
+        t3 = await client.turn(userTurn("three", model="nope-1"))
+        assert t3[-1]["type"] == "error"
+        assert t3[-1]["status"] == 400 and t3[-1]["error"]["code"] == "model_not_found"
+        t4 = await client.turn(userTurn("four"))
+        assert t4[-1]["type"] == "response.completed"
+        assert client.closeInfo is None
+    finally:
+        await drain(stack, [client])
+
+
+# -- protocol errors ----------------------------------------------------------
+
+
+PROTOCOL_CASES = [
+    (b"{not json", 1008, "invalid JSON payload"),
+    (json.dumps({"type": "response.create", "input": "x"}).encode(), 1008,
+     "model is required in first response.create payload"),
+    (json.dumps({"type": "response.create", "model": "gpt-5.5", "previous_response_id": "msg_1"}).encode(),
+     1008, "previous_response_id must be a response.id (resp_*), not a message id"),
+    (json.dumps({"type": "response.append", "model": "gpt-5.5"}).encode(), 1008,
+     "response.append is not supported in ws v2; use response.create with previous_response_id"),
+    (json.dumps({"type": "session.update", "model": "gpt-5.5"}).encode(), 1008,
+     "unsupported websocket request type: session.update"),
+]
+
+
+@pytest.mark.parametrize("payload,code,reason", PROTOCOL_CASES)
+@pytest_twisted.ensureDeferred
+async def test_protocol_errors_close_with_r70_codes(payload, code, reason):
+    """
+    R47 step 5, R40, R70: bad first frames close with the exact code and
+    reason.
+    """
+    stack = await startStack([{"id": "a1", "credential": "sk-a1"}])
+    client = await connect(stack)
+    try:
+        client.sendMessage(payload, False)
+        assert await client.closed.addTimeout(5, reactor) == (code, reason)
+        assert frames(stack, "sk-a1") == []
+    finally:
+        await drain(stack)
+
+
+@pytest_twisted.ensureDeferred
+async def test_processed_dropped_and_binary_json_accepted():
+    """
+    protocol.md 4.2: C{response.processed} is dropped silently, and a binary
+    frame holding JSON is a normal turn (protocol.md 4.6: 1003 not used).
+    """
+    stack = await startStack([{"id": "a1", "credential": "sk-a1"}])
+    client = await connect(stack)
+    try:
+        client.sendJSON({"type": "response.processed", "response_id": "resp_x"})
+        client.sendMessage(json.dumps(userTurn("bin")).encode(), True)
+        events = await client.collect()
+        assert events[-1]["type"] == "response.completed"
+        assert client.closeInfo is None
+    finally:
+        await drain(stack, [client])
+
+
+@pytest_twisted.ensureDeferred
+async def test_oversized_frame_closes_1009():
+    """
+    R47 step 4, R70: a frame above the read limit closes 1009.
+    """
+    stack = await startStack(
+        [{"id": "a1", "credential": "sk-a1"}], gateway="{websocket: {max_frame_bytes: 2048}}"
+    )
+    client = await connect(stack)
+    try:
+        client.sendJSON(userTurn("x" * 5000))
+        code, _ = await client.closed.addTimeout(5, reactor)
+        assert code == 1009
+    finally:
+        await drain(stack)
+
+
+@pytest_twisted.ensureDeferred
+async def test_first_frame_timeout_and_idle_timeout():
+    """
+    R47 step 5, R69: no first frame in time closes 1008 "missing first
+    response.create message"; idle between turns closes 1000 "websocket
+    idle timeout".
+    """
+    stack = await startStack(
+        [{"id": "a1", "credential": "sk-a1"}],
+        gateway="{websocket: {client_first_message_timeout_seconds: 0.2,"
+        " inter_turn_idle_timeout_seconds: 0.3}}",
+    )
+    c1 = await connect(stack)
+    c2 = await connect(stack)
+    try:
+        assert (await c2.turn(userTurn("hi")))[-1]["type"] == "response.completed"
+        assert await c1.closed.addTimeout(5, reactor) == (1008, "missing first response.create message")
+        assert await c2.closed.addTimeout(5, reactor) == (1000, "websocket idle timeout")
+    finally:
+        await drain(stack)
+
+
+@pytest_twisted.ensureDeferred
+async def test_ws_closed_is_logged():
+    """
+    The report tool reads C{relay.ws_closed} with code, reason and turns.
+    """
+    from twisted.logger import globalLogPublisher
+
+    seen = []
+    observer = lambda e: seen.append(e) if e.get("event") == "relay.ws_closed" else None
+    globalLogPublisher.addObserver(observer)
+    stack = await startStack([{"id": "a1", "credential": "sk-a1"}])
+    client = await connect(stack)
+    try:
+        await client.turn(userTurn("hi"))
+        client.bye()
+        await client.closed.addTimeout(5, reactor)
+        await deferLater(reactor, 0.05, lambda: None)
+        assert seen and seen[0]["turns"] == 1 and seen[0]["code"] == 1000
+    finally:
+        globalLogPublisher.removeObserver(observer)
+        await drain(stack)
