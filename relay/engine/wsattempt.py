@@ -20,10 +20,7 @@ into an L{AttemptResult}:
 
 from __future__ import annotations
 
-from typing import Optional
-
 from attrs import define, evolve
-from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
 from relay import failures as F
@@ -38,7 +35,12 @@ from relay.engine.runner import (
 )
 from relay.model import ClientError
 from relay.sse import eventFromJSON
-from relay.upstream.ws import HandshakeRejected, PooledConnection, PoolBusy, dialUpstream
+from relay.upstream.ws import (
+    HandshakeRejected,
+    PoolBusy,
+    PooledConnection,
+    dialUpstream,
+)
 
 WS_BUSY_CLOSE = (1013, "upstream websocket is busy, please retry later")
 WS_MODE_OFF = "websocket mode is disabled for this account"
@@ -394,7 +396,7 @@ class WebSocketAttempt:
         except HandshakeRejected as e:
             verdict = self._handshakeVerdict(runner, turn, account, e)
             return AttemptResult(verdict=verdict, status=e.status), False
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001
             verdict = runner.classifier.classifyTransport(account, e, turn.endpoint)
             return AttemptResult(verdict=verdict, status=verdict.status), False
         if turn.cancel.cancelled:
@@ -462,7 +464,7 @@ class WebSocketAttempt:
             pump.start()
             try:
                 conn.proto.send(payload)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001
                 pump.abort()
                 giveBack(broken=True)
                 verdict = runner.classifier.classifyTransport(account, e, turn.endpoint)

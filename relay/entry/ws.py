@@ -15,20 +15,22 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
 
 from attrs import define, field
 from autobahn.twisted.resource import WebSocketResource
 from autobahn.twisted.websocket import WebSocketServerFactory, WebSocketServerProtocol
 from autobahn.util import encode_truncate
-from autobahn.websocket.compress import PerMessageDeflateOffer, PerMessageDeflateOfferAccept
+from autobahn.websocket.compress import (
+    PerMessageDeflateOffer,
+    PerMessageDeflateOfferAccept,
+)
 from twisted.logger import Logger
 from twisted.web.server import NOT_DONE_YET
 
+from relay.engine.runner import previousResponseNotFound
 from relay.entry.http import UNAUTHORIZED, newRequestId
 from relay.entry.sinks import writeError
 from relay.entry.wssink import WebSocketSink, wsErrorEvent
-from relay.engine.runner import previousResponseNotFound
 from relay.model import ClientError, Turn
 from relay.session import sessionHash, sessionSeed
 
@@ -110,26 +112,26 @@ class ConnectionState:
     @ivar dedicated: the C{passthrough} upstream connection.
     """
 
-    items: Optional[list] = field(factory=list)
-    lastResponseId: Optional[str] = None
-    accountId: Optional[str] = None
+    items: list | None = field(factory=list)
+    lastResponseId: str | None = None
+    accountId: str | None = None
     dedicated: object = None
 
-    def expandable(self, previous: Optional[str]) -> bool:
+    def expandable(self, previous: str | None) -> bool:
         """
         R62: a chain to this connection's previous response whose history
         is complete.
         """
         return bool(previous) and previous == self.lastResponseId and self.items is not None
 
-    def historyComplete(self, previous: Optional[str]) -> bool:
+    def historyComplete(self, previous: str | None) -> bool:
         """
         R62, R80: a turn without C{previous_response_id} is complete; a
         chained one only when relay can expand it.
         """
         return not previous or self.expandable(previous)
 
-    def expandedBody(self, turn) -> Optional[dict]:
+    def expandedBody(self, turn) -> dict | None:
         """
         R61/R66: earlier inputs + earlier outputs + the current input, the
         chain id removed; L{None} when the history is not complete.
@@ -187,7 +189,6 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         except Exception:
             self._log.failure("accepting a client websocket failed")
             raise
-        return None
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -195,7 +196,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         try:
             s = self.factory.settings.current.websocket
             self._arm(s.client_first_message_timeout_seconds, 1008, "missing first response.create message")
-        except Exception:
+        except Exception:  # noqa: BLE001
             self._log.failure("opening a client websocket failed")
             self.closeWith(1011, "upstream websocket proxy failed")
 
@@ -228,7 +229,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
     def _modeName(self):
         try:
             return self._modeFor(self._model)
-        except Exception:
+        except Exception:  # noqa: BLE001
             return None
 
     def isOpen(self) -> bool:
@@ -273,7 +274,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
                 self._running.cancel.cancel("too_many_frames")
                 return
             self._handle(payload)
-        except Exception:
+        except Exception:  # noqa: BLE001
             self._log.failure("handling a client websocket frame failed")
             self.closeWith(1011, "upstream websocket proxy failed")
 
@@ -332,7 +333,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             return modes.pop()
         return default if default != "off" else "ctx_pool"
 
-    def _runTurn(self, frame: dict, model: str, previous: Optional[str]) -> None:
+    def _runTurn(self, frame: dict, model: str, previous: str | None) -> None:
         f = self.factory
         state = self._state
         mode = self._modeFor(model)

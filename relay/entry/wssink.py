@@ -14,7 +14,6 @@ reason (1013 busy, 1011 upstream failure).
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 from twisted.logger import Logger
 from zope.interface import implementer
@@ -78,10 +77,10 @@ class WebSocketSink:
         """
         self._conn = connection
         self.committed = False
-        self.terminal: Optional[dict] = None
-        self.terminalType: Optional[bytes] = None
+        self.terminal: dict | None = None
+        self.terminalType: bytes | None = None
         self.closed = False
-        self.failed: Optional[ClientError] = None
+        self.failed: ClientError | None = None
 
     def keepalive(self) -> None:
         """

@@ -23,7 +23,7 @@ L{relay.engine.wsattempt} maps these outcomes to verdicts.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from attrs import define, field
 from autobahn.twisted.websocket import WebSocketClientFactory, WebSocketClientProtocol
@@ -32,7 +32,8 @@ from autobahn.websocket.compress import (
     PerMessageDeflateResponse,
     PerMessageDeflateResponseAccept,
 )
-from twisted.internet.defer import CancelledError, Deferred, TimeoutError as DeferredTimeout
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import TimeoutError as DeferredTimeout
 from twisted.logger import Logger
 
 from relay.upstream.http import upstreamHeaders
@@ -138,7 +139,7 @@ class UpstreamProtocol(WebSocketClientProtocol):
     def onConnect(self, response) -> None:
         try:
             self.responseHeaders = {k.lower(): v for k, v in (response.headers or {}).items()}
-        except Exception:
+        except Exception:  # noqa: BLE001
             self._log.failure("reading upstream handshake headers failed")
 
     def onOpen(self) -> None:
@@ -254,7 +255,7 @@ class PooledConnection:
     openedAt: float
     busy: bool = False
     broken: bool = False
-    lastResponseId: Optional[str] = None
+    lastResponseId: str | None = None
 
     @property
     def alive(self) -> bool:
@@ -280,7 +281,7 @@ class UpstreamPool:
     reactor: object
     settings: object
     tlsPolicy: object = None
-    dial: Optional[Callable] = None
+    dial: Callable | None = None
     _pools: dict = field(factory=dict)
     _log = Logger()
 
@@ -303,7 +304,7 @@ class UpstreamPool:
             pool = self._pools[accountId] = _AccountPool()
         return pool
 
-    def findByResponse(self, accountId: str, responseId: str) -> Optional[PooledConnection]:
+    def findByResponse(self, accountId: str, responseId: str) -> PooledConnection | None:
         """
         The live connection of C{accountId} whose chain head is
         C{responseId}, if any.

@@ -144,7 +144,7 @@ async def test_codex_tool_call_over_websocket(mode):
     """
     stack = await startStack(
         [{"id": "a1", "credential": "sk-a1"}],
-        gateway="{websocket: {mode_default: %s}}" % mode,
+        gateway="{websocket: {mode_default: " + mode + "}}",
         emulatorConfig={"default_script": SCRIPT},
     )
     try:

@@ -98,7 +98,7 @@ async def drain(stack, clients=()) -> None:
 
 
 def gateway(mode="ctx_pool", extra=""):
-    return "{websocket: {mode_default: %s}%s}" % (mode, extra)
+    return "{websocket: {mode_default: " + mode + "}" + extra + "}"
 
 
 def frames(stack, credential):
@@ -565,7 +565,7 @@ async def test_pool_busy_fails_over_without_cooldown():
         " upstream: {connect_timeout_seconds: 1.0}}",
     )
     pool = stack.app.extras["wsPool"]
-    account = [a for a in stack.app.config.accounts if a.id == "a"][0]
+    account = next(a for a in stack.app.config.accounts if a.id == "a")
     held = await pool.acquire(account, {})
     client = await connect(stack)
     try:
