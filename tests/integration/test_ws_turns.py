@@ -719,3 +719,49 @@ async def test_ws_closed_is_logged():
     finally:
         globalLogPublisher.removeObserver(observer)
         await drain(stack)
+
+
+@pytest_twisted.ensureDeferred
+async def test_websocket_off_everywhere_refuses_the_upgrade():
+    """
+    R48: with every account's mode off the upgrade is refused (426) so the
+    client uses HTTP.
+    """
+    stack = await startStack([{"id": "a1", "credential": "sk-a1"}], gateway=gateway("off"))
+    try:
+        response = await treq.get(
+            stack.url + "/v1/responses",
+            headers={
+                "Authorization": [f"Bearer {RELAY_KEY}"],
+                "Upgrade": ["websocket"],
+                "Connection": ["Upgrade"],
+                "Sec-WebSocket-Version": ["13"],
+                "Sec-WebSocket-Key": ["dGhlIHNhbXBsZSBub25jZQ=="],
+            },
+        )
+        await response.content()
+        assert response.code == 426
+    finally:
+        await drain(stack)
+
+
+@pytest_twisted.ensureDeferred
+async def test_account_mode_off_closes_1008():
+    """
+    R48, R70: a selected account whose mode is off closes 1008 "websocket
+    mode is disabled for this account".
+    """
+    stack = await startStack(
+        [
+            {"id": "a", "credential": "sk-a", "priority": 1, "ws_mode": "off"},
+            {"id": "b", "credential": "sk-b", "priority": 50, "models": ["gpt-5.4"]},
+        ]
+    )
+    client = await connect(stack)
+    try:
+        client.sendJSON(userTurn("hi"))
+        code, reason = await client.closed.addTimeout(5, reactor)
+        assert (code, reason) == (1008, "websocket mode is disabled for this account")
+        assert frames(stack, "sk-a") == []
+    finally:
+        await drain(stack)
