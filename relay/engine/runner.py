@@ -378,12 +378,21 @@ class StreamPump(Protocol):
 
     # -- endings -------------------------------------------------------------
 
+    def _outputReachedClient(self) -> bool:
+        """
+        R19 step 2 counts bytes written to the client: a sink that holds
+        everything back until the terminal event (C{holdsOutput}, the JSON
+        sink of a non-streaming client) has written nothing yet, so a
+        failure before the terminal event may still fail over.
+        """
+        return self.committed and not getattr(self._sink, "holdsOutput", False)
+
     def _endWith(self, result: AttemptResult, dropUpstream: bool = True) -> None:
         if self.finished:
             return
         self.finished = True
         self._cancelIdle()
-        result.committed = self.committed
+        result.committed = result.committed or self._outputReachedClient()
         if dropUpstream:
             self.abort()
         detach = getattr(self._sink, "detachProducer", None)
@@ -392,7 +401,7 @@ class StreamPump(Protocol):
         self.done.callback(result)
 
     def _failPreOrPost(self, verdict, message: str) -> None:
-        if not self.committed:
+        if not self._outputReachedClient():
             self._endWith(AttemptResult(verdict=verdict, status=verdict.status))
             return
         self._release()
@@ -408,7 +417,7 @@ class StreamPump(Protocol):
         self._idle = None
         if self.finished:
             return
-        if self.committed:
+        if self._outputReachedClient():
             self._release()
             self._sink.fail(E.streamTimeoutError())
             self._endWith(AttemptResult(committed=True, failedAfterOutput=True, status=504))
@@ -443,7 +452,7 @@ class StreamPump(Protocol):
         else:
             kind = "read_error"
             message = "OpenAI stream disconnected before completion: " + _shortReason(reason)
-        if self.committed:
+        if self._outputReachedClient():
             self._runner._streamBrokeAfterOutput(self._account, kind)
             self._failPreOrPost(None, message)
         else:
@@ -723,9 +732,14 @@ class TurnRunner:
             if state.firstOutputSwitches > MAX_FIRST_OUTPUT_SWITCHES:
                 return ("exhausted", self.classifier.exhausted(verdict, turn.endpoint))
 
-        # R14: same-account retry.
-        if verdict.sameAccount and not verdict.safeAfterWrite and self._canRetrySame(
-            state, account, verdict
+        # R14: same-account retry. An OAuth 429 after its R13 window has
+        # just marked the account rate-limited: it switches (retrying would
+        # open a fresh window on a rate-limited account).
+        if (
+            verdict.sameAccount
+            and not verdict.safeAfterWrite
+            and not verdict.oauth429
+            and self._canRetrySame(state, account, verdict)
         ):
             count = state.sameAccountRetries.get(account.id, 0) + 1
             state.sameAccountRetries[account.id] = count
@@ -1035,7 +1049,13 @@ class TurnRunner:
             if self.metrics is not None:
                 self.metrics.upstreamStatus(response.code)
             if response.code >= 300:
-                errorBody = await raceCancel(response.readBody(ERROR_BODY_LIMIT), turn.cancel)
+                idle = s.upstream.stream_idle_timeout_seconds
+                try:
+                    errorBody = await raceCancel(
+                        readBody(response, ERROR_BODY_LIMIT, idle, self.clock), turn.cancel
+                    )
+                except BodyBroken as e:
+                    errorBody = e.partial  # the status decides; the body is a hint
                 release()
                 verdict = self.classifier.classifyStatus(
                     account, turn.endpoint, response.code, response.headers, errorBody,
@@ -1063,7 +1083,18 @@ class TurnRunner:
         A non-streaming upstream body: check for a silent refusal, then
         answer the client with it.
         """
-        body = await raceCancel(response.readBody(JSON_BODY_LIMIT), turn.cancel)
+        idle = self.settings.current.upstream.stream_idle_timeout_seconds
+        try:
+            body = await raceCancel(
+                readBody(response, JSON_BODY_LIMIT, idle, self.clock), turn.cancel
+            )
+        except BodyBroken as e:
+            # R1/R23/R24: a body that broke or went idle before its end is a
+            # read error before output (nothing reached the client).
+            verdict = self.classifier.classifyStreamFailure(
+                account, turn.endpoint, "read_error", None, e.detail
+            )
+            return AttemptResult(verdict=verdict, status=502)
         try:
             parsed = json.loads(body)
         except ValueError:
@@ -1179,6 +1210,98 @@ def previousResponseNotFound(responseId: Optional[str]) -> ClientError:
         param="previous_response_id",
         wsClose=(1011, "upstream websocket proxy failed"),
     )
+
+
+class BodyBroken(Exception):
+    """
+    An upstream body ended uncleanly or went idle before its end.
+
+    @ivar partial: the bytes read so far.
+    @ivar detail: a short reason.
+    """
+
+    def __init__(self, partial: bytes, detail: str):
+        super().__init__(detail)
+        self.partial = partial
+        self.detail = detail
+
+
+class _BodyReader(Protocol):
+    """
+    Reads a bounded upstream body for L{readBody}.
+    """
+
+    def __init__(self, limit: int, idle: float, clock):
+        self._limit = limit
+        self._idle = idle
+        self._clock = clock
+        self._parts = []
+        self._size = 0
+        self._timer = None
+        self.done = Deferred(self._cancel)
+
+    def _cancel(self, d) -> None:
+        self._disarm()
+        if self.transport is not None:
+            self.transport.stopProducing()
+
+    def connectionMade(self) -> None:
+        self._arm()
+
+    def _arm(self) -> None:
+        if self._idle <= 0:
+            return
+        if self._timer is not None and self._timer.active():
+            self._timer.reset(self._idle)
+        else:
+            self._timer = self._clock.callLater(self._idle, self._expired)
+
+    def _disarm(self) -> None:
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+
+    def _expired(self) -> None:
+        self._timer = None
+        if not self.done.called:
+            self.done.errback(BodyBroken(b"".join(self._parts), "body idle timeout"))
+            if self.transport is not None:
+                self.transport.stopProducing()
+
+    def dataReceived(self, data: bytes) -> None:
+        if self.done.called:
+            return
+        self._arm()
+        room = self._limit - self._size
+        self._parts.append(data[:room])
+        self._size += min(len(data), room)
+        if self._size >= self._limit:
+            self._disarm()
+            self.done.callback(b"".join(self._parts))
+            self.transport.stopProducing()
+
+    def connectionLost(self, reason) -> None:
+        self._disarm()
+        if self.done.called:
+            return
+        if reason.check(ResponseDone, PotentialDataLoss) is not None:
+            self.done.callback(b"".join(self._parts))
+        else:
+            self.done.errback(BodyBroken(b"".join(self._parts), _shortReason(reason)))
+
+
+def readBody(response, limit: int, idle: float, clock) -> Deferred:
+    """
+    Read at most C{limit} bytes of an upstream body. Unlike
+    L{IUpstreamResponse.readBody} it tells a clean end from a broken one,
+    and gives up after C{idle} seconds without bytes (R24's idle timeout
+    also covers non-streaming bodies).
+
+    @return: Deferred firing with bytes, or failing with L{BodyBroken}.
+    """
+    reader = _BodyReader(limit, idle, clock)
+    response.deliverBody(reader)
+    return reader.done
 
 
 class _AdmissionFailed(Exception):

@@ -199,7 +199,12 @@ class JSONSink(_RequestSink):
     One JSON answer for a non-streaming client. A streamed upstream (OAuth
     accounts) is collected: the terminal event's C{response} object is the
     body (protocol.md 2.7).
+
+    C{holdsOutput}: nothing reaches the client before the terminal event,
+    so a failure before it may still fail over (behaviour.md R19 step 2).
     """
+
+    holdsOutput = True
 
     def __init__(self, request, endpoint: str, model=None):
         super().__init__(request, endpoint, model)
