@@ -186,18 +186,20 @@ class RelayMetrics:
         @param nextAccountId: the account switched to, when known.
         @param entrypoint: C{http} or C{ws}.
         @param status: the upstream (or synthetic) status.
+        @return: the remembered entry (a dict); the caller may fill in
+            C{next_account_id} once the next account is chosen.
         """
         self.failovers.labels(reason=reason).inc()
-        self._recent.appendleft(
-            {
-                "at": self._clock.seconds() if self._clock is not None else None,
-                "reason": reason,
-                "account_id": accountId,
-                "next_account_id": nextAccountId,
-                "entrypoint": entrypoint,
-                "upstream_status": status,
-            }
-        )
+        entry = {
+            "at": self._clock.seconds() if self._clock is not None else None,
+            "reason": reason,
+            "account_id": accountId,
+            "next_account_id": nextAccountId,
+            "entrypoint": entrypoint,
+            "upstream_status": status,
+        }
+        self._recent.appendleft(entry)
+        return entry
 
     def recentFailovers(self) -> list:
         """

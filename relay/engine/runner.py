@@ -163,6 +163,7 @@ class TurnState:
     lastVerdict: Optional[F.Verdict] = None
     oauth429: bool = False
     attempts: int = 0
+    pendingFailover: Optional[dict] = None
     retryToken: bool = False
     lastAccountId: Optional[str] = None
 
@@ -637,6 +638,9 @@ class TurnRunner:
                     return "failed", error.status, state.lastAccountId
                 account = selection.account
                 lease = selection.lease
+                if state.pendingFailover is not None:
+                    state.pendingFailover["next_account_id"] = account.id
+                    state.pendingFailover = None
                 if lease is None:
                     try:
                         lease = await self._wait(turn, sink, selection.waitPlan, "account_busy")
@@ -805,7 +809,9 @@ class TurnRunner:
             entrypoint=turn.entrypoint,
         )
         if self.metrics is not None:
-            self.metrics.failover(verdict.reason)
+            state.pendingFailover = self.metrics.failover(
+                verdict.reason, account.id, None, turn.entrypoint, verdict.status
+            )
         # R71: no extra interval after a first-output timeout.
         return ("switch", 0 if verdict.kind == F.FIRST_OUTPUT_TIMEOUT else interval)
 
