@@ -10,8 +10,51 @@ from __future__ import annotations
 import sys
 
 from twisted.python import usage
+from twisted.python.reflect import namedAny
 
 from relay.model import ConfigError
+
+_COMPONENT_INTERFACES = (
+    ("classifier", "IFailureClassifier"),
+    ("dialer", "IUpstreamDialer"),
+    ("admission", "ISlotAdmission"),
+)
+"""The C{components:} keys and the interface (in L{relay.interfaces}) each must provide."""
+
+
+def checkComponents(config) -> None:
+    """
+    Import every class named in C{components:} and check that it implements
+    its interface, so that a bad dotted name is a one-line L{usage.UsageError}
+    at option-parsing time: twistd prints a traceback for anything
+    L{makeService} raises.
+
+    A factory that is not a class cannot be checked before it is called;
+    L{relay.components.loadComponent} verifies what it builds.
+
+    @param config: the parsed L{relay.model.RelayConfig}.
+    @raise usage.UsageError: naming the key, e.g. C{components.classifier:
+        cannot import mypkg.Classifier: No module named 'mypkg'}.
+    """
+    from relay import interfaces
+
+    for key, ifaceName in _COMPONENT_INTERFACES:
+        dotted = getattr(config.components, key)
+        if dotted is None:
+            continue
+        path = f"components.{key}"
+        try:
+            factory = namedAny(dotted)
+        except Exception as e:  # noqa: BLE001 - any import-time error is the config's
+            reason = " ".join(str(e).split())[:200] or type(e).__name__
+            raise usage.UsageError(f"{path}: cannot import {dotted}: {reason}")
+        if not callable(factory):
+            raise usage.UsageError(
+                f"{path}: {dotted} is not callable (expected a class or factory)"
+            )
+        interface = getattr(interfaces, ifaceName)
+        if isinstance(factory, type) and not interface.implementedBy(factory):
+            raise usage.UsageError(f"{path}: {dotted} does not implement {ifaceName}")
 
 
 class Options(usage.Options):
@@ -46,10 +89,15 @@ class Options(usage.Options):
         fmt = self["log-format"] or config.log_format
         if fmt not in ("text", "json"):
             raise usage.UsageError(f"--log-format: expected text or json, got {fmt!r}")
+        checkComponents(config)
         self.config = config
         registerSecrets(secretsOf(config))
         parent = getattr(self, "parent", None)
-        if parent is not None and not parent.get("logger"):
+        if parent is not None and "fileLogObserverFactory" in parent:
+            # twist (python -m twisted relay ...) builds its observer with
+            # this factory on its --log-file (stdout by default).
+            parent["fileLogObserverFactory"] = lambda stream: observerFor(fmt, stream)
+        elif parent is not None and not parent.get("logger"):
             # twistd builds its logger after parsing options; hand it ours so
             # every line is redacted, and JSON when asked.
             parent["logger"] = lambda: observerFor(fmt, sys.stdout)

@@ -187,7 +187,9 @@ class OptionsTests(SynchronousTestCase):
         A class that does not implement its interface is a one-line
         L{UsageError} naming the key and the interface.
         """
-        path = self.writeConfig(MINIMAL + "components: {dialer: relay.classify.DefaultClassifier}\n")
+        path = self.writeConfig(
+            MINIMAL + "components: {dialer: relay.classify.DefaultClassifier}\n"
+        )
         self.assertOneLineUsageError(
             ["--config", path], "components.dialer", "IUpstreamDialer"
         )
@@ -219,41 +221,57 @@ class MakeServiceTests(SynchronousTestCase):
     global reactor when one is passed.
     """
 
+    def options(self, *extra: str) -> Options:
+        """
+        Options for etc/demo.yaml with its settings database moved to a
+        fresh temporary path (nothing is written next to the tests).
+        """
+        with open(DEMO, encoding="utf-8") as f:
+            text = f.read()
+        self.database = os.path.abspath(self.mktemp())
+        text = text.replace("database: relay-demo.sqlite", f"database: {self.database}")
+        path = self.mktemp()
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        options = Options()
+        options.parseOptions(["--config", path, *extra])
+        self.assertEqual(options.config.database, self.database)
+        return options
+
     def test_children(self) -> None:
         """
-        With the memory backend the service is a L{MultiService} whose
-        children are the slot-gauge L{TimerService} (issue 7) and the
-        listening L{StreamServerEndpointService}, serving the relay's site;
-        nothing listens until it starts.
+        With the memory backend the service is a L{MultiService}; its last
+        child is the one listening L{StreamServerEndpointService}, serving
+        the relay's site; there is no Redis client; nothing listens until it
+        starts.
         """
-        from twisted.application.internet import TimerService
-
-        options = Options()
-        options.parseOptions(["--config", DEMO])
         reactor = MemoryReactorClock()
-        service = makeService(options, reactor=reactor)
+        service = makeService(self.options(), reactor=reactor)
         self.assertIsInstance(service, MultiService)
         children = list(service)
-        self.assertEqual(len(children), 2)
-        timer, listener = children
-        self.assertIsInstance(timer, TimerService)
-        self.assertIs(timer.clock, reactor)
-        self.assertIsInstance(listener, StreamServerEndpointService)
-        self.assertIs(listener.factory, service.relayApplication.site)
+        listeners = [c for c in children if isinstance(c, StreamServerEndpointService)]
+        self.assertEqual(len(listeners), 1)
+        self.assertIs(children[-1], listeners[0])
+        self.assertIs(listeners[0].factory, service.relayApplication.site)
+        self.assertFalse(
+            [c for c in children if type(c).__name__ == "RedisService"],
+            "no Redis client with state.backend memory",
+        )
         self.assertEqual(reactor.tcpServers, [])
 
     def test_startListens(self) -> None:
         """
-        Starting the service listens on the configured port and interface.
+        Starting the service listens on the configured port and interface;
+        C{--listen} overrides it.
         """
-        options = Options()
-        options.parseOptions(["--config", DEMO])
         reactor = MemoryReactorClock()
-        service = makeService(options, reactor=reactor)
+        service = makeService(
+            self.options("--listen", "tcp:18080:interface=127.0.0.1"), reactor=reactor
+        )
         service.startService()
         self.addCleanup(service.stopService)
         [(port, factory, _backlog, interface)] = reactor.tcpServers
-        self.assertEqual((port, interface), (8080, "127.0.0.1"))
+        self.assertEqual((port, interface), (18080, "127.0.0.1"))
         self.assertIs(factory, service.relayApplication.site)
 
 

@@ -1,0 +1,197 @@
+#!/usr/bin/env bash
+# The offline relay demo: the bundled upstream emulator (etc/emulator.yaml) and a relay
+# (etc/demo.yaml) on loopback, no network and no real secrets.
+#
+#   scripts/demo.sh            start both, print how to use them, stop both on Ctrl-C
+#   scripts/demo.sh --check    start both, run one streaming and one non-streaming request
+#                              with curl, stop both; exit non-zero if anything failed
+#
+# Environment:
+#   RELAY_PORT      the relay's port          (default 8080)
+#   EMULATOR_PORT   the emulator's port       (default 9090; the demo accounts follow it)
+#   RELAY_KEY       the client key for curl   (default sk-relay-demo, the demo's key)
+#   PYTHON          the interpreter           (default: python3, else python)
+#
+# Both servers run with `python -m twisted <plugin>` and PYTHONPATH set to the repository
+# root, so the demo works from a fresh clone with or without `pip install` (an editable
+# install hides the twistd plugins: style.md trap T2).
+
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+RELAY_PORT="${RELAY_PORT:-8080}"
+EMULATOR_PORT="${EMULATOR_PORT:-9090}"
+RELAY_KEY="${RELAY_KEY:-sk-relay-demo}"
+if [[ -z "${PYTHON:-}" ]]; then
+    if command -v python3 >/dev/null 2>&1; then PYTHON=python3; else PYTHON=python; fi
+fi
+
+CHECK=0
+case "${1:-}" in
+    "") ;;
+    --check) CHECK=1 ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "demo.sh: unknown argument $1 (expected --check or nothing)" >&2; exit 2 ;;
+esac
+
+for port in "$RELAY_PORT" "$EMULATOR_PORT"; do
+    if ! [[ "$port" =~ ^[0-9]+$ ]] || (( port < 1 || port > 65535 )); then
+        echo "demo.sh: bad port '$port' (RELAY_PORT / EMULATOR_PORT)" >&2
+        exit 2
+    fi
+done
+command -v curl >/dev/null 2>&1 || { echo "demo.sh: curl is required" >&2; exit 2; }
+
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/relay-demo.XXXXXX")"
+RELAY_URL="http://127.0.0.1:${RELAY_PORT}"
+EMULATOR_URL="http://127.0.0.1:${EMULATOR_PORT}"
+
+stopAll() {
+    local pidfile pid
+    for pidfile in "$WORK/relay.pid" "$WORK/emulator.pid"; do
+        [[ -f "$pidfile" ]] || continue
+        pid="$(cat "$pidfile")"
+        if kill -0 "$pid" 2>/dev/null; then
+            kill -TERM "$pid" 2>/dev/null || true
+        fi
+    done
+    for pidfile in "$WORK/relay.pid" "$WORK/emulator.pid"; do
+        [[ -f "$pidfile" ]] || continue
+        pid="$(cat "$pidfile")"
+        for _ in $(seq 50); do
+            kill -0 "$pid" 2>/dev/null || break
+            sleep 0.1
+        done
+        kill -KILL "$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+    done
+    rm -rf "$WORK"
+}
+trap stopAll EXIT
+trap 'echo; echo "stopping..."; exit 130' INT
+trap 'exit 143' TERM
+
+# The demo accounts point at the emulator's port.
+sed "s/127\.0\.0\.1:9090/127.0.0.1:${EMULATOR_PORT}/g" "$ROOT/etc/demo.yaml" > "$WORK/demo.yaml"
+
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+cd "$WORK"  # anything the servers write (sqlite, dropin caches aside) stays in the temp dir
+
+"$PYTHON" -m twisted --log-format=text relay-emulator \
+    --config "$ROOT/etc/emulator.yaml" --port "$EMULATOR_PORT" \
+    > "$WORK/emulator.log" 2>&1 &
+echo $! > "$WORK/emulator.pid"
+
+"$PYTHON" -m twisted relay \
+    --config "$WORK/demo.yaml" --listen "tcp:${RELAY_PORT}:interface=127.0.0.1" --log-format text \
+    > "$WORK/relay.log" 2>&1 &
+echo $! > "$WORK/relay.pid"
+
+# waitFor NAME URL PIDFILE LOG: poll URL until it answers 200 (20 s at most).
+waitFor() {
+    local name="$1" url="$2" pid log="$4"
+    pid="$(cat "$3")"
+    for _ in $(seq 200); do
+        if ! kill -0 "$pid" 2>/dev/null; then
+            echo "demo.sh: the $name exited during start-up; its log:" >&2
+            cat "$log" >&2
+            return 1
+        fi
+        if curl -fsS -o /dev/null --max-time 1 "$url" 2>/dev/null; then
+            return 0
+        fi
+        sleep 0.1
+    done
+    echo "demo.sh: the $name did not answer $url within 20 s; its log:" >&2
+    cat "$log" >&2
+    return 1
+}
+
+waitFor emulator "$EMULATOR_URL/_emulator/stats" "$WORK/emulator.pid" "$WORK/emulator.log"
+waitFor relay "$RELAY_URL/healthz" "$WORK/relay.pid" "$WORK/relay.log"
+echo "emulator: $EMULATOR_URL  (pid $(cat "$WORK/emulator.pid"), log $WORK/emulator.log)"
+echo "relay:    $RELAY_URL  (pid $(cat "$WORK/relay.pid"), log $WORK/relay.log)"
+
+if (( CHECK )); then
+    failed=0
+
+    echo "--- check 1: streaming POST /v1/responses"
+    if curl -sS -N --max-time 20 --fail-with-body "$RELAY_URL/v1/responses" \
+            -H "Authorization: Bearer $RELAY_KEY" -H "Content-Type: application/json" \
+            -d '{"model":"gpt-5.5","input":"Say hi","stream":true}' > "$WORK/stream.out"; then
+        if grep -q '^event: response.completed' "$WORK/stream.out"; then
+            echo "ok: $(grep -c '^event: ' "$WORK/stream.out") SSE events, ending with response.completed"
+        else
+            echo "FAILED: no response.completed event in:" >&2; cat "$WORK/stream.out" >&2; failed=1
+        fi
+    else
+        echo "FAILED: streaming request:" >&2; cat "$WORK/stream.out" >&2; echo >&2; failed=1
+    fi
+
+    echo "--- check 2: non-streaming POST /v1/responses"
+    if curl -sS --max-time 20 --fail-with-body "$RELAY_URL/v1/responses" \
+            -H "Authorization: Bearer $RELAY_KEY" -H "Content-Type: application/json" \
+            -d '{"model":"gpt-5.5","input":"Say hi"}' > "$WORK/json.out"; then
+        if "$PYTHON" -c '
+import json, sys
+body = json.load(open(sys.argv[1]))
+assert body.get("object") == "response" and body.get("status") == "completed", body
+print("ok: response", body["id"], "status", body["status"],
+      "output types", [item.get("type") for item in body.get("output", [])])
+' "$WORK/json.out"; then :; else
+            echo "FAILED: unexpected body:" >&2; cat "$WORK/json.out" >&2; echo >&2; failed=1
+        fi
+    else
+        echo "FAILED: non-streaming request:" >&2; cat "$WORK/json.out" >&2; echo >&2; failed=1
+    fi
+
+    if (( failed )); then
+        echo "--- relay log" >&2; cat "$WORK/relay.log" >&2
+        echo "demo check FAILED" >&2
+        exit 1
+    fi
+    echo "demo check passed"
+    exit 0
+fi
+
+cat <<EOF
+
+Try it (a2 is preferred but the emulator answers it 503, so you will see a failover):
+
+  curl -N $RELAY_URL/v1/responses \\
+    -H "Authorization: Bearer $RELAY_KEY" -H "Content-Type: application/json" \\
+    -d '{"model":"gpt-5.5","input":"Say hi","stream":true}'
+
+  curl $EMULATOR_URL/_emulator/requests     # what the upstream saw, per account
+
+Point Codex CLI at it (protocol.md section 8): put this in \$CODEX_HOME/config.toml
+
+  model          = "gpt-5.5"
+  model_provider = "relay"
+  check_for_update_on_startup = false
+  [analytics]
+  enabled = false
+  [features]
+  plugins = false
+  [model_providers.relay]
+  name                = "local relay"
+  base_url            = "$RELAY_URL/v1"
+  env_key             = "RELAY_API_KEY"
+  wire_api            = "responses"
+  supports_websockets = false
+
+and run
+
+  RELAY_API_KEY=$RELAY_KEY codex exec --skip-git-repo-check --ephemeral \\
+    --dangerously-bypass-approvals-and-sandbox --json "Run echo hi" </dev/null
+
+Logs: tail -f $WORK/relay.log $WORK/emulator.log
+Press Ctrl-C to stop both.
+EOF
+
+# Run until Ctrl-C, or until either server exits.
+set +e
+wait -n "$(cat "$WORK/emulator.pid")" "$(cat "$WORK/relay.pid")"
+echo "demo.sh: a server exited; see the logs above" >&2
+tail -n 20 "$WORK/relay.log" "$WORK/emulator.log" >&2
+exit 1

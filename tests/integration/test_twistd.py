@@ -1,0 +1,277 @@
+"""
+The real twistd plugin in a subprocess (C{python -m twisted relay ...}, with
+C{PYTHONPATH} at the repository root, style.md 9(f) and trap T2): a bad
+configuration is one error line and no traceback; a good one serves
+C{/healthz}; C{--log-format json} logs JSON lines with no secret in them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import pytest_twisted
+import treq
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ProcessDone, ProcessTerminated
+from twisted.internet.protocol import ProcessProtocol
+from twisted.internet.task import deferLater
+from twisted.internet.utils import getProcessOutputAndValue
+
+from relay.emulator import Emulator
+from tests.integration.harness import closedPort
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
+
+CLIENT_KEY = "sk-relay-twistd-client-secret-0123456789"
+ACCOUNT_KEY = "sk-emu-twistd-account-secret-0123456789"
+
+
+def environment() -> dict:
+    """
+    The subprocess environment: ours, with the repository root first on
+    C{PYTHONPATH} so the plugin is found with or without an install.
+    """
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def writeConfig(text: str) -> str:
+    """
+    Write a configuration into a fresh temporary directory, with the
+    settings database in the same directory; remove it with L{removeConfig}.
+
+    @return: the configuration file's path.
+    """
+    directory = tempfile.mkdtemp(prefix="relay-twistd-")
+    path = os.path.join(directory, "relay.yaml")
+    database = os.path.join(directory, "settings.sqlite")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text + f"database: {json.dumps(database)}\n")
+    return path
+
+
+def removeConfig(path: str) -> None:
+    """
+    Remove a directory made by L{writeConfig}.
+    """
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+def goodConfig(emulatorPort: int = 9) -> str:
+    """
+    A valid configuration with one client key and one API-key account
+    pointing at C{emulatorPort}.
+    """
+    return (
+        'listen: "tcp:0:interface=127.0.0.1"\n'
+        f"keys: [{{name: t, key: {CLIENT_KEY}}}]\n"
+        "accounts:\n"
+        f"  - {{id: a1, type: apikey, api_key: {ACCOUNT_KEY},"
+        f' base_url: "http://127.0.0.1:{emulatorPort}/v1"}}\n'
+    )
+
+
+async def runToCompletion(*args: str, cwd: str):
+    """
+    Run C{python -m twisted relay ARGS} in C{cwd} to completion.
+
+    @return: C{(output, exit code)} with stdout and stderr together.
+    """
+    d = getProcessOutputAndValue(
+        sys.executable, ["-m", "twisted", "relay", *args],
+        env=environment(), path=cwd, reactor=reactor, stdinBytes=b"",
+    )
+    d.addTimeout(30, reactor)
+    out, err, code = await d
+    return (out + err).decode("utf-8", "replace"), code
+
+
+class Collector(ProcessProtocol):
+    """
+    Collects a long-running child's output; C{ended} fires at exit.
+    """
+
+    def __init__(self):
+        self.output = b""
+        self.ended = Deferred()
+
+    def outReceived(self, data):
+        self.output += data
+
+    errReceived = outReceived
+
+    def processEnded(self, reason):
+        self.ended.callback(reason.value)
+
+    @property
+    def text(self) -> str:
+        return self.output.decode("utf-8", "replace")
+
+
+async def startRelay(config: str, *args: str):
+    """
+    Start C{python -m twisted relay --config CONFIG ARGS} (in the config's
+    directory) on a free port and wait until C{GET /healthz} answers.
+
+    @return: C{(collector, process transport, base URL)}.
+    """
+    port = closedPort()
+    collector = Collector()
+    process = reactor.spawnProcess(
+        collector, sys.executable,
+        [sys.executable, "-m", "twisted", "relay", "--config", config, *args,
+         "--listen", f"tcp:{port}:interface=127.0.0.1"],
+        env=environment(), path=os.path.dirname(config),
+    )
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(150):
+        if collector.ended.called:
+            break
+        try:
+            response = await treq.get(url + "/healthz", timeout=1, persistent=False)
+            await response.content()
+            if response.code == 200:
+                return collector, process, url
+        except Exception:  # noqa: BLE001, S110 - not listening yet
+            pass
+        await deferLater(reactor, 0.1, lambda: None)
+    await stopRelay(collector, process)
+    raise AssertionError("relay did not answer /healthz:\n" + collector.text)
+
+
+async def stopRelay(collector: Collector, process) -> None:
+    """
+    SIGTERM the relay and wait for it to exit.
+    """
+    if not collector.ended.called:
+        process.signalProcess("TERM")
+    reason = await collector.ended.addTimeout(10, reactor)
+    assert isinstance(reason, (ProcessDone, ProcessTerminated))
+
+
+@pytest_twisted.ensureDeferred
+async def test_bad_config_is_one_line():
+    """
+    An unknown key exits non-zero with exactly one line naming the key
+    (after it, twist prints its usage) and no traceback.
+    """
+    path = writeConfig(goodConfig() + "gateway: {no_such_key: 1}\n")
+    try:
+        output, code = await runToCompletion("--config", path, cwd=os.path.dirname(path))
+    finally:
+        removeConfig(path)
+    assert code != 0
+    assert "Traceback" not in output
+    errors = [line for line in output.splitlines() if "gateway.no_such_key" in line]
+    assert len(errors) == 1, output
+    assert errors[0].startswith("Error:")
+
+
+@pytest_twisted.ensureDeferred
+async def test_bad_component_is_one_line():
+    """
+    A C{components:} dotted name that cannot be imported is reported by
+    option parsing as one line, not as a traceback from C{makeService}.
+    """
+    path = writeConfig(goodConfig() + "components: {classifier: nosuchpkg.Classifier}\n")
+    try:
+        output, code = await runToCompletion("--config", path, cwd=os.path.dirname(path))
+    finally:
+        removeConfig(path)
+    assert code != 0
+    assert "Traceback" not in output
+    errors = [line for line in output.splitlines() if "components.classifier" in line]
+    assert len(errors) == 1, output
+    assert "nosuchpkg.Classifier" in errors[0]
+
+
+@pytest_twisted.ensureDeferred
+async def test_missing_config_file():
+    """
+    A configuration file that does not exist is one line naming it.
+    """
+    directory = tempfile.mkdtemp(prefix="relay-twistd-")
+    path = os.path.join(directory, "no-such-config.yaml")
+    try:
+        output, code = await runToCompletion("--config", path, cwd=directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert code != 0
+    assert "Traceback" not in output
+    assert len([line for line in output.splitlines() if path in line]) == 1, output
+
+
+@pytest_twisted.ensureDeferred
+async def test_good_config_serves_healthz():
+    """
+    A good configuration starts, answers C{GET /healthz} with 200 and stops
+    on SIGTERM.
+    """
+    path = writeConfig(goodConfig())
+    try:
+        collector, process, url = await startRelay(path)
+        try:
+            response = await treq.get(url + "/healthz", persistent=False)
+            assert response.code == 200
+            assert json.loads(await response.content()) == {"status": "ok"}
+        finally:
+            await stopRelay(collector, process)
+    finally:
+        removeConfig(path)
+    assert "Traceback" not in collector.text
+
+
+@pytest_twisted.ensureDeferred
+async def test_json_logs_have_no_secrets():
+    """
+    With C{--log-format json} every log line is a JSON object, and neither
+    the client key nor the account key appears in the log after a turn
+    went through, even when a client put them in a logged URL and Referer.
+    """
+    emulator = Emulator(reactor=reactor, config={})
+    await emulator.listen(reactor)
+    path = writeConfig(goodConfig(emulator.port))
+    try:
+        collector, process, url = await startRelay(path, "--log-format", "json")
+        try:
+            response = await treq.post(
+                url + "/v1/responses",
+                json.dumps({"model": "gpt-5.5", "input": "hi"}).encode(),
+                headers={"Authorization": [f"Bearer {CLIENT_KEY}"],
+                         "Content-Type": ["application/json"]},
+                persistent=False,
+            )
+            body = json.loads(await response.content())
+            assert response.code == 200, body
+            assert body["status"] == "completed"
+            assert emulator.requestsFor(ACCOUNT_KEY)[-1].headers["authorization"] == (
+                f"Bearer {ACCOUNT_KEY}")
+            # The access log echoes the path and the Referer: a client that
+            # puts a key there must not leak it into the relay's log.
+            leak = await treq.get(
+                url + f"/healthz?api_key={CLIENT_KEY}",
+                headers={"Referer": [f"http://example.invalid/?k={ACCOUNT_KEY}"]},
+                persistent=False,
+            )
+            await leak.content()
+            await deferLater(reactor, 0.2, lambda: None)  # let the log lines out
+        finally:
+            await stopRelay(collector, process)
+    finally:
+        removeConfig(path)
+        await emulator.stop()
+    lines = [line for line in collector.text.splitlines() if line.strip()]
+    assert lines
+    for line in lines:
+        assert isinstance(json.loads(line), dict), line
+    assert any("/v1/responses" in line for line in lines), collector.text
+    assert CLIENT_KEY not in collector.text
+    assert ACCOUNT_KEY not in collector.text
+    redacted = [line for line in lines if "/healthz?api_key=" in line]
+    assert redacted and "***" in redacted[0], collector.text
