@@ -7,8 +7,6 @@ The twistd plugin's C{Options} and C{makeService}: C{twistd -n relay
 
 from __future__ import annotations
 
-import sys
-
 from twisted.python import usage
 from twisted.python.reflect import namedAny
 
@@ -99,8 +97,10 @@ class Options(usage.Options):
             parent["fileLogObserverFactory"] = lambda stream: observerFor(fmt, stream)
         elif parent is not None and not parent.get("logger"):
             # twistd builds its logger after parsing options; hand it ours so
-            # every line is redacted, and JSON when asked.
-            parent["logger"] = lambda: observerFor(fmt, sys.stdout)
+            # every line is redacted, and JSON when asked. twistd's own
+            # postOptions runs after ours and resolves --logger with namedAny,
+            # so this must be a dotted name, not a callable.
+            parent["logger"] = f"relay.logs.{fmt}Stdout"
 
 
 def makeService(options: Options, reactor=None):

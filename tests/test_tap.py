@@ -14,10 +14,12 @@ from twisted.application.internet import StreamServerEndpointService
 from twisted.application.service import IServiceMaker, MultiService
 from twisted.internet.testing import MemoryReactorClock
 from twisted.plugin import getPlugins
+from twisted.python.reflect import namedAny
 from twisted.python.usage import UsageError
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
+from relay.logs import jsonStdout, textStdout
 from relay.tap import Options, makeService
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -147,13 +149,30 @@ class OptionsTests(SynchronousTestCase):
 
     def test_twistdLogger(self) -> None:
         """
-        Under twistd (a parent with a C{logger} option), the options install
-        a redacting observer factory in the requested format.
+        Under twistd (a parent with a C{logger} option), the options name a
+        redacting observer factory in the requested format. It must be a
+        dotted name: twistd's C{postOptions} runs after ours and resolves
+        C{--logger} with C{namedAny}.
         """
         options = Options()
         options.parent = {"logger": None}
         options.parseOptions(["--config", DEMO, "--log-format", "json"])
-        self.assertTrue(callable(options.parent["logger"]))
+        self.assertEqual(options.parent["logger"], "relay.logs.jsonStdout")
+        self.assertIs(namedAny(options.parent["logger"]), jsonStdout)
+
+        options = Options()
+        options.parent = {"logger": None}
+        options.parseOptions(["--config", DEMO])
+        self.assertIs(namedAny(options.parent["logger"]), textStdout)
+
+    def test_twistdLoggerGiven(self) -> None:
+        """
+        A C{--logger} the operator gave twistd is left alone.
+        """
+        options = Options()
+        options.parent = {"logger": "my.own.observer"}
+        options.parseOptions(["--config", DEMO])
+        self.assertEqual(options.parent["logger"], "my.own.observer")
 
     def test_twistLogger(self) -> None:
         """
