@@ -76,11 +76,13 @@ class SQLiteSettingsStore:
         connection would get its own database).
     @ivar reactor: the reactor the connection pool runs on; L{None} for the
         global one (only C{makeService} should rely on that).
+    @ivar pool: an L{adbapi.ConnectionPool} to use instead of creating one
+        (tests pass one running on a synchronous thread pool).
     """
 
     path: str
     _reactor: Any = None
-    _pool: Optional[adbapi.ConnectionPool] = field(default=None, init=False)
+    _pool: Optional[adbapi.ConnectionPool] = None
     _migrated: bool = field(default=False, init=False)
 
     def _getPool(self) -> adbapi.ConnectionPool:
@@ -137,9 +139,12 @@ class SQLiteSettingsStore:
         """
         See L{ISettingsStore.save}: one transaction of upserts.
         """
-        rows = [(str(k), json.dumps(v)) for k, v in values.items()]
+        values = dict(values)
 
         def _write(txn):
+            # Encoded lazily inside the transaction: a value that cannot be
+            # encoded rolls back the rows written before it.
+            rows = ((str(k), json.dumps(v)) for k, v in values.items())
             txn.executemany("INSERT OR REPLACE INTO settings (key, value) VALUES (?, ?)", rows)
 
         d = self._migrate()

@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 import sqlite3
 
-from twisted.internet import reactor
+from twisted.enterprise import adbapi
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import Clock
 from twisted.internet.testing import EventLoggingObserver
 from twisted.logger import globalLogPublisher
-from twisted.trial.unittest import SynchronousTestCase, TestCase
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
@@ -428,13 +429,76 @@ class RedisSettingsStoreTests(SynchronousTestCase):
         self.assertEqual(second.current.transport_retry_policy, "sticky")
 
 
-class SQLiteSettingsStoreTests(TestCase):
+class _SynchronousReactor:
     """
-    L{SQLiteSettingsStore} on a real file, through adbapi's thread pool.
+    Just enough reactor for L{adbapi.ConnectionPool}: it is running, and
+    "threads" call back at once.
+    """
+
+    def callWhenRunning(self, f, *args, **kwargs):
+        f(*args, **kwargs)
+
+    def addSystemEventTrigger(self, *args, **kwargs):
+        return object()
+
+    def removeSystemEventTrigger(self, triggerID):
+        pass
+
+    def callFromThread(self, f, *args, **kwargs):
+        f(*args, **kwargs)
+
+
+class _NotRunningReactor(_SynchronousReactor):
+    """
+    A reactor that never starts, so a pool built on it starts no threads.
+    """
+
+    def callWhenRunning(self, f, *args, **kwargs):
+        return object()
+
+
+class _SynchronousThreadPool:
+    """
+    A thread pool that runs each job at once in the calling thread.
+    """
+
+    def start(self):
+        pass
+
+    def stop(self):
+        pass
+
+    def callInThreadWithCallback(self, onResult, f, *args, **kwargs):
+        try:
+            result = f(*args, **kwargs)
+        except BaseException:
+            onResult(False, Failure())
+        else:
+            onResult(True, result)
+
+
+def synchronousPool(path: str) -> adbapi.ConnectionPool:
+    """
+    A real L{adbapi.ConnectionPool} for C{sqlite3} with the store's
+    arguments, whose jobs run synchronously (so the tests need no running
+    reactor and pass under trial and pytest alike).
+    """
+    pool = adbapi.ConnectionPool(
+        "sqlite3", path, cp_min=1, cp_max=1, check_same_thread=False,
+        cp_reactor=_NotRunningReactor(),
+    )
+    pool.threadpool = _SynchronousThreadPool()
+    pool.start()
+    return pool
+
+
+class SQLiteSettingsStoreTests(SynchronousTestCase):
+    """
+    L{SQLiteSettingsStore} on a real SQLite file through adbapi.
     """
 
     def makeStore(self, path):
-        store = SQLiteSettingsStore(path=path, reactor=reactor)
+        store = SQLiteSettingsStore(path=path, pool=synchronousPool(path))
         self.addCleanup(store.close)
         return store
 
@@ -444,39 +508,55 @@ class SQLiteSettingsStoreTests(TestCase):
         """
         self.assertTrue(verifyObject(ISettingsStore, self.makeStore(self.mktemp())))
 
-    async def test_schema(self):
+    def test_defaultPool(self):
+        """
+        Without a pool the store builds an adbapi pool for C{sqlite3} with
+        one connection usable from the pool's thread, on the given reactor.
+        """
+        reactor = _NotRunningReactor()
+        store = SQLiteSettingsStore(path="x.sqlite", reactor=reactor)
+        pool = store._getPool()
+        self.addCleanup(store.close)
+        self.assertEqual((pool.dbapiName, pool.min, pool.max), ("sqlite3", 1, 1))
+        self.assertEqual(pool.connkw, {"check_same_thread": False})
+        self.assertIs(pool._reactor, reactor)
+
+    def test_schema(self):
         """
         The schema is created idempotently with its version recorded once;
         a second store on the same file migrates again without error.
         """
         path = self.mktemp()
         first = self.makeStore(path)
-        self.assertEqual(await first.schemaVersion(), SCHEMA_VERSION)
+        self.assertEqual(self.successResultOf(first.schemaVersion()), SCHEMA_VERSION)
         first.close()
         second = self.makeStore(path)
-        self.assertEqual(await second.load(), {})
+        self.assertEqual(self.successResultOf(second.load()), {})
         second.close()
         with sqlite3.connect(path) as db:
             columns = db.execute("PRAGMA table_info(settings)").fetchall()
             versions = db.execute("SELECT version FROM schema_version").fetchall()
+        db.close()
         self.assertEqual([(c[1], c[2], c[3], c[5]) for c in columns],
                          [("key", "TEXT", 0, 1), ("value", "TEXT", 1, 0)])
         self.assertEqual(versions, [(SCHEMA_VERSION,)])
 
-    async def test_saveLoad(self):
+    def test_saveLoad(self):
         """
         Saved values load back with their JSON types; saves merge.
         """
         store = self.makeStore(self.mktemp())
-        await store.save({"retry_interval_ms": 5, "breaker.enabled": False})
-        await store.save({"retry_interval_ms": 6, "transport_retry_policy": "sticky"})
+        self.successResultOf(store.save({"retry_interval_ms": 5, "breaker.enabled": False}))
+        self.successResultOf(
+            store.save({"retry_interval_ms": 6, "transport_retry_policy": "sticky"})
+        )
         self.assertEqual(
-            await store.load(),
+            self.successResultOf(store.load()),
             {"retry_interval_ms": 6, "breaker.enabled": False,
              "transport_retry_policy": "sticky"},
         )
 
-    async def test_persistenceAcrossRestart(self):
+    def test_persistenceAcrossRestart(self):
         """
         R74: a change made through one L{RuntimeSettings} is in force after
         a "restart": a new L{RuntimeSettings} and store on the same file,
@@ -486,34 +566,45 @@ class SQLiteSettingsStoreTests(TestCase):
         path = self.mktemp()
         fileValues = GatewaySettings(max_account_switches=4)
         first = RuntimeSettings(current=fileValues, store=self.makeStore(path))
-        await first.start()
-        changed = await first.update(
+        self.successResultOf(first.start())
+        changed = self.successResultOf(first.update(
             {"retry_interval_ms": 40000, "breaker": {"failures": 6},
              "transport_retry_policy": "sticky"}
-        )
+        ))
         self.assertEqual(changed["retry_interval_ms"], 30000)
         first.store.close()
 
         second = RuntimeSettings(current=fileValues, store=self.makeStore(path))
         self.assertEqual(second.current.retry_interval_ms, 0)
-        await second.start()
+        self.successResultOf(second.start())
         self.assertEqual(second.current.retry_interval_ms, 30000)
         self.assertEqual(second.current.breaker.failures, 6)
         self.assertEqual(second.current.transport_retry_policy, "sticky")
         self.assertEqual(second.current.max_account_switches, 4)
 
-    async def test_storedValuesNormalisedOnRead(self):
+    def test_storedValuesNormalisedOnRead(self):
         """
         R74: values written to the file by other means are normalised when
         read at start-up.
         """
         path = self.mktemp()
         store = self.makeStore(path)
-        await store.save({"retry_interval_ms": -50, "transport_retry_policy": "bogus"})
+        self.successResultOf(
+            store.save({"retry_interval_ms": -50, "transport_retry_policy": "bogus"})
+        )
         settings = RuntimeSettings(
             current=GatewaySettings(retry_interval_ms=10, transport_retry_policy="sticky"),
             store=store,
         )
-        await settings.start()
+        self.successResultOf(settings.start())
         self.assertEqual(settings.current.retry_interval_ms, 0)
         self.assertEqual(settings.current.transport_retry_policy, "rotate")
+
+    def test_failedTransactionRollsBack(self):
+        """
+        A failing save leaves the stored values as they were.
+        """
+        store = self.makeStore(self.mktemp())
+        self.successResultOf(store.save({"retry_interval_ms": 5}))
+        self.failureResultOf(store.save({"retry_interval_ms": 6, "bad": object()}), TypeError)
+        self.assertEqual(self.successResultOf(store.load()), {"retry_interval_ms": 5})
