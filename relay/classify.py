@@ -98,6 +98,7 @@ REASON_EMPTY_COMPLETED = "empty_completed"
 REASON_STREAM_RATE_LIMIT = "stream_rate_limit"
 REASON_STREAM_FAILED = "stream_failed"
 REASON_STREAM_RETRYABLE_ERROR = "stream_retryable_error"
+REASON_UPSTREAM_WS_BUSY = "upstream_ws_busy"
 
 # ---------------------------------------------------------------------------
 # Constants with units
@@ -1219,6 +1220,10 @@ class DefaultClassifier:
                 wsClose=WS_PROXY_FAILED,
                 headers=headers,
             )
+        if verdict.reason == REASON_UPSTREAM_WS_BUSY and verdict.clientError is not None:
+            # R-B3: a busy upstream pool keeps its own close, 1013 "upstream
+            # websocket is busy, please retry later", not the 503 mapping.
+            return verdict.clientError
         if verdict.reason == REASON_ACCESS_STATE:
             return _clientError(
                 502,

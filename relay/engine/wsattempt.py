@@ -24,6 +24,7 @@ from attrs import define, evolve
 from twisted.logger import Logger
 
 from relay import failures as F
+from relay.classify import REASON_UPSTREAM_WS_BUSY
 from relay.engine.runner import (
     AttemptResult,
     ClientGone,
@@ -73,7 +74,7 @@ def busyVerdict(reason: str) -> F.Verdict:
         kind=F.STATUS,
         failover=True,
         status=503,
-        reason="upstream_ws_busy",
+        reason=REASON_UPSTREAM_WS_BUSY,
         message=f"upstream websocket pool busy ({reason})",
         clientError=ClientError(
             503, "server_error", "Upstream websocket is busy, please retry later",
@@ -208,6 +209,7 @@ class WebSocketPump(StreamPump):
             self._failPreOrPost(None, message)
         else:
             self.lostBeforeOutput = True
+            self._runner._proxyStreamCut(self._account, "read_error")
             verdict = self._runner.classifier.classifyStreamFailure(
                 self._account, self._turn.endpoint, "read_error", None, message
             )
