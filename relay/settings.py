@@ -26,7 +26,7 @@ import math
 from typing import Any, Callable, Optional
 
 import attrs
-from attrs import define, field
+from attrs import define
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
