@@ -18,14 +18,14 @@ import os
 import pytest
 import pytest_twisted
 from twisted.internet import reactor
+from twisted.logger import globalLogPublisher
 
 from tests.integration.harness import closedPort
 from tests.integration.proxy_servers import startMicrosocks
-from tests.integration.test_proxy_relay import (  # noqa: F401 (logs is a fixture)
+from tests.integration.test_proxy_relay import (
     PROXIES,
     assertNoSecrets,
     blockedUntil,
-    logs,
     named,
     proxyURL,
     recordPeers,
@@ -39,6 +39,17 @@ pytestmark = pytest.mark.skipif(
 )
 
 CTX_POOL = "{websocket: {mode_default: ctx_pool}}"
+
+
+@pytest.fixture
+def logs():
+    """
+    Every log event emitted during the test.
+    """
+    events = []
+    globalLogPublisher.addObserver(events.append)
+    yield events
+    globalLogPublisher.removeObserver(events.append)
 
 
 @pytest.mark.parametrize("kind", sorted(PROXIES))

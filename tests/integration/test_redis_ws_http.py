@@ -104,15 +104,16 @@ async def test_ws_and_http_relays_share_one_slot(redisServer):  # noqa: F811
         for i, port in enumerate(ports):
             path = os.path.join(tmp, f"relay{i}.yaml")
             _config(path, port, emulator, redisServer.url)
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "twisted", "relay", "--config", path],
-                    cwd=ROOT,
-                    env=dict(os.environ, PYTHONPATH=ROOT),
-                    stdout=open(os.path.join(tmp, f"relay{i}.log"), "wb"),
-                    stderr=subprocess.STDOUT,
+            with open(os.path.join(tmp, f"relay{i}.log"), "wb") as log:  # noqa: ASYNC230
+                procs.append(
+                    subprocess.Popen(  # noqa: ASYNC220 (started, never waited on here)
+                        [sys.executable, "-m", "twisted", "relay", "--config", path],
+                        cwd=ROOT,
+                        env=dict(os.environ, PYTHONPATH=ROOT),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
                 )
-            )
         for port in ports:
             await _waitHealthy(port)
 
