@@ -596,9 +596,6 @@ class TurnRunner:
         key = turn.client
         if key.concurrency <= 0:
             return None
-        lease = await self.admission.tryAcquire("user", key.name, key.concurrency)
-        if lease is not None:
-            return lease
         s = self.settings.current.scheduling
         plan = WaitPlan(
             kind="user",
@@ -608,7 +605,7 @@ class TurnRunner:
             max_waiting=s.user_max_waiting,
             plan="user",
         )
-        return await self._wait(turn, sink, plan, "user_slot_busy")
+        return await self._tryThenWait(turn, sink, plan, "user_slot_busy")
 
     async def _loop(self, turn: Turn, sink, state: TurnState):
         """
@@ -871,9 +868,6 @@ class TurnRunner:
         Retake the slot for a same-account retry, waiting per the sticky
         plan (R60, R64 step 2).
         """
-        lease = await self.admission.tryAcquire("account", account.id, account.concurrency)
-        if lease is not None:
-            return lease
         s = self.settings.current.scheduling
         plan = WaitPlan(
             kind="account",
@@ -883,7 +877,16 @@ class TurnRunner:
             max_waiting=s.sticky_session_max_waiting,
             plan="sticky",
         )
-        return await self._wait(turn, sink, plan, "same_account_retry")
+        return await self._tryThenWait(turn, sink, plan, "same_account_retry")
+
+    async def _tryThenWait(self, turn: Turn, sink, plan: WaitPlan, reason: str):
+        """
+        One immediate try on C{plan}'s slot, else wait on it (R27 steps 1-3).
+        """
+        lease = await self.admission.tryAcquire(plan.kind, plan.id, plan.max_concurrency)
+        if lease is not None:
+            return lease
+        return await self._wait(turn, sink, plan, reason)
 
     # -- waiting -------------------------------------------------------------
 

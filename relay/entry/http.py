@@ -28,7 +28,7 @@ from relay.session import sessionHash, sessionSeed
 MAX_BODY_BYTES = 64 * 2**20
 """The largest request body accepted (behaviour.md R47 read limit)."""
 
-_HOP_BY_HOP = frozenset(
+NOT_FORWARDED = frozenset(
     {
         "authorization",
         "x-api-key",
@@ -46,24 +46,39 @@ _HOP_BY_HOP = frozenset(
         "content-type",
         "accept",
         "accept-encoding",
+        "origin",
     }
 )
+"""Client headers that never go upstream: credentials, cookies, hop-by-hop
+and framing headers (architecture.md invariant 7)."""
+
+
+def filterClientHeaders(headers: dict) -> dict:
+    """
+    Drop L{NOT_FORWARDED} and WebSocket handshake headers from lower-cased
+    client headers. The upstream dialers apply their own allow-list on top.
+
+    @param headers: lower-cased name -> value.
+    @return: a new dict.
+    """
+    return {
+        k: v for k, v in headers.items() if k not in NOT_FORWARDED and not k.startswith("sec-websocket")
+    }
 
 
 def clientHeaders(request) -> dict:
     """
-    The client's headers, lower-cased, minus credentials, cookies and
-    hop-by-hop headers (architecture.md invariant 7). The upstream dialer
-    applies its own allow-list on top.
+    The client's headers of a twisted.web request, lower-cased (first
+    value), through L{filterClientHeaders}.
 
-    @return: str -> str (first value).
+    @return: str -> str.
     """
-    headers = {}
-    for name, values in request.requestHeaders.getAllRawHeaders():
-        lname = name.decode("latin-1").lower()
-        if lname not in _HOP_BY_HOP:
-            headers[lname] = values[0].decode("latin-1")
-    return headers
+    return filterClientHeaders(
+        {
+            name.decode("latin-1").lower(): values[0].decode("latin-1")
+            for name, values in request.requestHeaders.getAllRawHeaders()
+        }
+    )
 
 
 class KeyRing:

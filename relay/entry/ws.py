@@ -28,7 +28,7 @@ from twisted.logger import Logger
 from twisted.web.server import NOT_DONE_YET
 
 from relay.engine.runner import previousResponseNotFound
-from relay.entry.http import UNAUTHORIZED, newRequestId
+from relay.entry.http import UNAUTHORIZED, filterClientHeaders, newRequestId
 from relay.entry.sinks import writeError
 from relay.entry.wssink import WebSocketSink, wsErrorEvent
 from relay.model import ClientError, Turn
@@ -39,29 +39,6 @@ APPEND_MESSAGE = (
     "response.append is not supported in ws v2; use response.create with previous_response_id"
 )
 TOO_MANY_MESSAGE = "too many requests while retrying, please retry later"
-
-_NOT_FORWARDED = frozenset(
-    {
-        "authorization",
-        "x-api-key",
-        "cookie",
-        "proxy-authorization",
-        "connection",
-        "keep-alive",
-        "transfer-encoding",
-        "te",
-        "trailer",
-        "upgrade",
-        "proxy-connection",
-        "host",
-        "content-length",
-        "content-type",
-        "accept",
-        "accept-encoding",
-        "origin",
-    }
-)
-
 
 def closeWith(proto, code: int, reason: str) -> None:
     """
@@ -175,7 +152,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             headers = {k.lower(): v for k, v in request.headers.items()}
             secret = headers.get("authorization") or headers.get("x-api-key")
             self._key = f.keys.authenticateHeader(secret)
-            self._headers = {k: v for k, v in headers.items() if k not in _NOT_FORWARDED and not k.startswith("sec-websocket")}
+            self._headers = filterClientHeaders(headers)
             self._state = ConnectionState()
             self._model = None
             self._session = None
