@@ -11,6 +11,7 @@ It never retries by itself: C{retryAutomatically} is off
 
 from __future__ import annotations
 
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Optional
 
 from attrs import define, field
@@ -233,7 +234,9 @@ class HTTPDialer:
                 if policy is not None:
                     kwargs["contextFactory"] = policy
                 agent = Agent(self._reactor, **kwargs)
-            client = HTTPClient(agent)
+            # Upstream cookies (e.g. Cloudflare's) must never be stored and
+            # replayed: the pool is shared by every account and client.
+            client = HTTPClient(agent, cookiejar=CookieJar(DefaultCookiePolicy(allowed_domains=[])))
             self._clients[key] = client
         return client
 

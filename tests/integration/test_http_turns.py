@@ -110,3 +110,37 @@ async def test_chat_completions_stream():
         assert data.rstrip().endswith(b"data: [DONE]")
     finally:
         await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_upstream_cookies_are_never_replayed():
+    """
+    architecture.md invariant 7: a cookie one upstream account sets (e.g.
+    Cloudflare's C{__cf_bm}) is never stored and sent with another account's
+    (or another client's) request.
+    """
+    stack = await startStack(
+        [
+            {"id": "a1", "credential": "sk-cookie-a1", "priority": 1},
+            {"id": "a2", "credential": "sk-cookie-a2", "priority": 50},
+        ]
+    )
+    try:
+        stack.emulator.setFault(
+            "sk-cookie-a1",
+            {"kind": "status", "code": 503, "times": 1,
+             "headers": {"set-cookie": "__cf_bm=tracking; Path=/"}},
+        )
+        response, data = await stack.postJSON(
+            "/v1/responses", {"model": "gpt-5.5", "input": "one", "stream": True}
+        )
+        assert response.code == 200
+        response, data = await stack.postJSON(
+            "/v1/responses", {"model": "gpt-5.5", "input": "two", "stream": True}
+        )
+        assert response.code == 200
+        seen = stack.emulator.requestsFor("sk-cookie-a2") + stack.emulator.requestsFor("sk-cookie-a1")
+        assert len(seen) >= 3
+        assert all("cookie" not in r.headers for r in seen), [r.headers for r in seen]
+    finally:
+        await stack.stop()
