@@ -378,6 +378,7 @@ _WEBSOCKET: Dict[str, Validator] = {
     "client_first_message_timeout_seconds": _number(positive=True),
     "inter_turn_idle_timeout_seconds": _number(positive=True),
     "max_frame_bytes": _integer(1024),
+    "client_max_age_seconds": _number(60),
 }
 
 _UPSTREAM: Dict[str, Validator] = {

@@ -162,6 +162,9 @@ class WebSocketSettings:
     client_first_message_timeout_seconds: float = 30
     inter_turn_idle_timeout_seconds: float = 300
     max_frame_bytes: int = 64 * 2**20
+    client_max_age_seconds: float = 3600
+    """protocol.md 4.5/4.6: a client connection older than this answers the
+    next C{response.create} with C{websocket_connection_limit_reached}."""
 
 
 @frozen

@@ -39,6 +39,17 @@ APPEND_MESSAGE = (
     "response.append is not supported in ws v2; use response.create with previous_response_id"
 )
 TOO_MANY_MESSAGE = "too many requests while retrying, please retry later"
+CONNECTION_LIMIT_MESSAGE = (
+    "Responses websocket connection limit reached (60 minutes)."
+    " Create a new websocket connection to continue."
+)
+CONNECTION_LIMIT_CLOSE = (1001, "websocket connection limit reached; please reconnect")
+"""protocol.md 4.5/4.6: after the status-bearing error event the socket
+closes 1001 (going away), not 1000: R81 keeps a plain 1000 for the idle
+timeout and a normal end, and 1001 is the R70 family of "please reconnect"
+closes that both Codex and the SDK answer with a fresh connection."""
+CLIENT_IDLE_CLOSE = (1008, "client websocket idle timeout")
+"""R69: the passthrough client idle close (other modes close 1000)."""
 
 def closeWith(proto, code: int, reason: str) -> None:
     """
@@ -163,6 +174,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             self._closing = None
             self._gone = False
             self._connId = "ws_" + os.urandom(6).hex()
+            self._openedAt = f.reactor.seconds()
         except Exception:
             self._log.failure("accepting a client websocket failed")
             raise
@@ -172,6 +184,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
     def onOpen(self) -> None:
         try:
             s = self.factory.settings.current.websocket
+            self._openedAt = self.factory.reactor.seconds()
             self._arm(s.client_first_message_timeout_seconds, 1008, "missing first response.create message")
         except Exception:  # noqa: BLE001
             self._log.failure("opening a client websocket failed")
@@ -274,6 +287,8 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             return
         if kind != "response.create":
             self.closeWith(1008, f"unsupported websocket request type: {kind}")
+            return
+        if self._overAge():
             return
         model = frame.get("model")
         if not isinstance(model, str) or not model:
@@ -415,7 +430,42 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
 
     def _idle(self) -> None:
         s = self.factory.settings.current.websocket
+        if self._modeName() == "passthrough":
+            self._arm(s.inter_turn_idle_timeout_seconds, *CLIENT_IDLE_CLOSE)
+            return
         self._arm(s.inter_turn_idle_timeout_seconds, 1000, "websocket idle timeout")
+
+    def _overAge(self) -> bool:
+        """
+        protocol.md 4.5/4.6: a connection older than
+        C{client_max_age_seconds} (by the injected clock) answers
+        C{response.create} with C{websocket_connection_limit_reached}
+        (status 400) and closes, so the client reconnects with full input.
+        """
+        limit = self.factory.settings.current.websocket.client_max_age_seconds
+        age = self.factory.reactor.seconds() - self._openedAt
+        if not limit or age < limit:
+            return False
+        event = {
+            "type": "error",
+            "status": 400,
+            "error": {
+                "type": "invalid_request_error",
+                "code": "websocket_connection_limit_reached",
+                "message": CONNECTION_LIMIT_MESSAGE,
+            },
+        }
+        self._log.info(
+            "client websocket {conn_id} reached its age limit ({age:.0f}s)",
+            event="ingress_ws_connection_limit_reached",
+            conn_id=self._connId,
+            age=age,
+            limit=limit,
+            turns=self._turns,
+        )
+        self.sendText(json.dumps(event).encode())
+        self.closeWith(*CONNECTION_LIMIT_CLOSE)
+        return True
 
 
 class RelayWebSocketResource:
