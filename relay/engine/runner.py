@@ -572,6 +572,10 @@ class TurnRunner:
             outcome, status, accountId = await self._loop(turn, sink, state)
         except ClientGone:
             outcome, status = "client_gone", 499
+        except _AdmissionFailed as e:
+            # R26/R32: the per-key slot could not be had.
+            sink.fail(e.error)
+            outcome, status = "failed", e.error.status
         except Exception:
             self._log.failure("turn {request_id} failed unexpectedly", request_id=turn.requestId)
             outcome, status = "error", 502
