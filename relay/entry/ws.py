@@ -32,7 +32,7 @@ from relay.entry.http import UNAUTHORIZED, filterClientHeaders, newRequestId
 from relay.entry.sinks import writeError
 from relay.entry.wssink import WebSocketSink, wsErrorEvent
 from relay.model import ClientError, Turn
-from relay.session import sessionHash, sessionSeed
+from relay.session import SESSION_HEADERS, sessionHash, sessionSeed
 
 MSG_ID_MESSAGE = "previous_response_id must be a response.id (resp_*), not a message id"
 APPEND_MESSAGE = (
@@ -49,6 +49,10 @@ closes 1001 (going away), not 1000: R81 keeps a plain 1000 for the idle
 timeout and a normal end, and 1001 is the R70 family of "please reconnect"
 closes that both Codex and the SDK answer with a fresh connection."""
 CLIENT_IDLE_CLOSE = (1008, "client websocket idle timeout")
+PREEMPTED_CLOSE = (1001, "session preempted by a newer connection")
+"""R68 (adopted): the pre-empted connection is told before it is dropped."""
+THREAD_HEADERS = ("thread-id", "x-codex-window-id")
+"""R-B13: parallel Codex threads sharing a session id do not pre-empt each other."""
 """R69: the passthrough client idle close (other modes close 1000)."""
 
 def closeWith(proto, code: int, reason: str) -> None:
@@ -175,6 +179,8 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             self._gone = False
             self._connId = "ws_" + os.urandom(6).hex()
             self._openedAt = f.reactor.seconds()
+            self._threadId = next((headers[h] for h in THREAD_HEADERS if headers.get(h)), None)
+            self._ownerKey = None
         except Exception:
             self._log.failure("accepting a client websocket failed")
             raise
@@ -195,6 +201,9 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             return
         self._gone = True
         self._disarm()
+        owners = getattr(self.factory, "sessionOwners", None)
+        if owners is not None and self._ownerKey is not None and owners.get(self._ownerKey) is self:
+            del owners[self._ownerKey]
         turn = self._running
         if turn is not None:
             turn.cancel.cancel("client_gone")
@@ -335,6 +344,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         body["model"] = model
         if self._session is None:
             self._session = sessionHash(sessionSeed(self._headers, body, model), self._key.name)
+            self._claimSession(body)
         phase = "first_turn" if self._turns == 0 else "later_turn"
         turn = Turn(
             entrypoint="ws",
@@ -435,6 +445,49 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             return
         self._arm(s.inter_turn_idle_timeout_seconds, 1000, "websocket idle timeout")
 
+    def _claimSession(self, body: dict) -> None:
+        """
+        R68, R-B13: become the owner of (API key, session hash, thread id)
+        and pre-empt an older connection holding the same key on an OAuth
+        account. Only an explicit session (a session header or
+        C{prompt_cache_key}) counts: a content-derived seed would let two
+        unrelated clients that open with the same text cancel each other.
+        In-process only (one relay); the owner is dropped when it closes.
+        """
+        explicit = any(self._headers.get(h) for h in SESSION_HEADERS) or body.get("prompt_cache_key")
+        if not self._session or not explicit:
+            return
+        owners = self.factory.__dict__.setdefault("sessionOwners", {})  # unit-test factories
+        key = (self._key.name, self._session, self._threadId)
+        older = owners.get(key)
+        owners[key] = self
+        self._ownerKey = key
+        if older is None or older is self or not older.isOpen():
+            return
+        byId = {a.id: a for a in self.factory.accounts}
+        account = byId.get(older._state.accountId)
+        if account is None or account.type != "oauth":
+            return
+        older.preempt(self._connId)
+
+    def preempt(self, by: str) -> None:
+        """
+        R68: a newer connection owns this session. Cancel the running turn
+        (a cancelled turn writes nothing to account state, R2), say so
+        with close 1001, and drop.
+        """
+        self._log.info(
+            "client websocket {conn_id} pre-empted by {new_conn_id}",
+            event="ingress_ws_session_preempted",
+            conn_id=self._connId,
+            new_conn_id=by,
+            account_id=self._state.accountId,
+            while_running=self._running is not None,
+        )
+        if self._running is not None:
+            self._running.cancel.cancel("session_preempted")
+        self.closeWith(*PREEMPTED_CLOSE)
+
     def _overAge(self) -> bool:
         """
         protocol.md 4.5/4.6: a connection older than
@@ -510,6 +563,7 @@ def buildWebSocketResource(runner, keys, accounts, settings, reactor) -> RelayWe
     factory.keys = keys
     factory.accounts = list(accounts)
     factory.settings = settings
+    factory.sessionOwners = {}  # R68: (key, session hash, thread id) -> connection
     factory.setProtocolOptions(
         openHandshakeTimeout=10,
         closeHandshakeTimeout=5,

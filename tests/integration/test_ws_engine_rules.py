@@ -307,3 +307,72 @@ async def test_idle_between_turns_close_per_mode(mode, expected):
         assert await client.closed.addTimeout(4, reactor) == expected
     finally:
         await drain(stack, [client])
+
+
+# -- R68 / R-B13 -----------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_newer_connection_preempts_older_oauth_session():
+    """
+    R68, R-B13: a newer connection with the same (API key, session) on an
+    OAuth account pre-empts the older one, which is closed 1001 "session
+    preempted by a newer connection" even mid-turn and writes nothing to
+    account state; a connection with another thread-id does not pre-empt;
+    API-key accounts are never pre-empted.
+    """
+    from tests.integration.harness import startStack
+
+    stack = await startStack(
+        [{"id": "o1", "type": "oauth", "credential": "tok-o1"}],
+        gateway="{websocket: {mode_default: ctx_pool}}",
+    )
+    session = {"session_id": "sess-r68"}
+    old = await connect(stack, headers=session)
+    new = other = None
+    try:
+        t1 = await old.turn(userTurn("old-one"))
+        assert t1[-1]["type"] == "response.completed", t1
+        stack.emulator.setFault(
+            "tok-o1", {"kind": "delay_first_output", "seconds": 1.5, "times": 1, "transport": "ws"}
+        )
+        old.sendJSON(userTurn("old-two"))
+        await sleep(0.2)
+        new = await connect(stack, headers=session)
+        t2 = await new.turn(userTurn("new-one"))
+        assert t2[-1]["type"] == "response.completed", t2
+        code, reason = await old.closed.addTimeout(4, reactor)
+        assert (code, reason) == (1001, "session preempted by a newer connection")
+        oldEvents = await old.collect()
+        assert oldEvents[-1]["type"] == "__closed__"
+        assert not any(e["type"] == "response.completed" for e in oldEvents), oldEvents
+        states = await stack.app.store.getAccountStates(["o1"])
+        assert states["o1"].unschedulable(stack.app.reactor.seconds()) is None
+        other = await connect(stack, headers=dict(session, **{"thread-id": "thread-2"}))
+        t3 = await other.turn(userTurn("other-thread"))
+        assert t3[-1]["type"] == "response.completed", t3
+        assert new.closeInfo is None and other.closeInfo is None
+    finally:
+        await drain(stack, [c for c in (old, new, other) if c is not None])
+
+
+@pytest_twisted.ensureDeferred
+async def test_apikey_sessions_are_not_preempted():
+    """
+    R68: pre-emption is for OAuth accounts only; two connections with the
+    same session on an API-key account both keep working.
+    """
+    from tests.integration.harness import startStack
+
+    stack = await startStack([{"id": "k1", "credential": "sk-k1"}])
+    session = {"session_id": "sess-key"}
+    first = await connect(stack, headers=session)
+    second = None
+    try:
+        assert (await first.turn(userTurn("one")))[-1]["type"] == "response.completed"
+        second = await connect(stack, headers=session)
+        assert (await second.turn(userTurn("two")))[-1]["type"] == "response.completed"
+        assert (await first.turn(userTurn("three")))[-1]["type"] == "response.completed"
+        assert first.closeInfo is None and second.closeInfo is None
+    finally:
+        await drain(stack, [c for c in (first, second) if c is not None])
