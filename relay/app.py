@@ -252,6 +252,23 @@ class _Startup(MultiService):
             lambda f: self._log.failure("loading persisted settings failed; using the file's", f)
         )
 
+    def stopService(self):
+        """
+        Stop the children, then close the settings store (the SQLite
+        connection pool's thread), if it has a C{close}.
+        """
+        d = super().stopService()
+        return d.addBoth(self._closeStore)
+
+    def _closeStore(self, result):
+        """
+        Close the settings store; pass C{result} through.
+        """
+        close = getattr(self._app.settings.store, "close", None)
+        if close is not None:
+            close()
+        return result
+
 
 def buildService(config: RelayConfig, reactor) -> MultiService:
     """
