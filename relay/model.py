@@ -103,6 +103,16 @@ class Account:
         """
         return self.model_mapping.get(requested, requested)
 
+    def servesEndpoint(self, endpoint: str) -> bool:
+        """
+        Whether this account has the upstream route for C{endpoint}: the
+        ChatGPT (OAuth) backend serves only C{/responses} (protocol.md 3,
+        7.2); relay does not convert chat completions for it.
+
+        @param endpoint: C{responses} or C{chat}.
+        """
+        return endpoint != "chat" or self.type != "oauth"
+
     def servesModel(self, requested: Optional[str]) -> bool:
         """
         Whether this account serves C{requested} after mapping.

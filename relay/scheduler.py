@@ -493,6 +493,8 @@ class AccountScheduler:
             return "excluded"
         if not account.servesModel(ctx.turn.model):
             return "model_not_served"
+        if not account.servesEndpoint(ctx.turn.endpoint):
+            return "endpoint_not_served"
         if ctx.oauthBarred and account.type == "oauth":
             return "oauth_http_continuation"
         blocked = self._blockReason(ctx, account)
@@ -655,6 +657,13 @@ class AccountScheduler:
                 status=400 if turn.entrypoint == "ws" else 404,
                 type="invalid_request_error", message=message, code="model_not_found",
                 param="model",
+            ))
+
+        if not any(a.servesEndpoint(turn.endpoint) for a in serving):
+            raise NoAccountAvailable(ClientError(
+                status=503, type="api_error",
+                message="No available accounts: only API-key accounts serve chat completions",
+                code="no_available_accounts",
             ))
 
         # R40: an HTTP continuation must belong to the caller's key.

@@ -144,3 +144,39 @@ async def test_upstream_cookies_are_never_replayed():
         assert all("cookie" not in r.headers for r in seen), [r.headers for r in seen]
     finally:
         await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_chat_never_goes_to_oauth_accounts():
+    """
+    protocol.md 3/7.2: the ChatGPT backend has no chat completions route, so
+    a chat request skips OAuth accounts even when the API-key account fails
+    (it is exhausted instead of landing on a 404 upstream); with only OAuth
+    accounts it is refused before routing.
+    """
+    stack = await startStack(
+        [
+            {"id": "k1", "credential": "sk-chat-k1", "priority": 1},
+            {"id": "o1", "type": "oauth", "credential": "oauth-chat-o1", "priority": 50},
+        ]
+    )
+    try:
+        stack.emulator.setFault("sk-chat-k1", {"kind": "status", "code": 500, "times": 1})
+        body = {"model": "gpt-5.5", "messages": [{"role": "user", "content": "hi"}]}
+        response, data = await stack.postJSON("/v1/chat/completions", body)
+        assert response.code == 502, data
+        assert stack.emulator.requestsFor("oauth-chat-o1") == []
+        response, data = await stack.postJSON("/v1/chat/completions", body)
+        assert response.code == 200, data
+    finally:
+        await stack.stop()
+    stack = await startStack([{"id": "o1", "type": "oauth", "credential": "oauth-chat-o1"}])
+    try:
+        response, data = await stack.postJSON(
+            "/v1/chat/completions", {"model": "gpt-5.5", "messages": [{"role": "user", "content": "hi"}]}
+        )
+        assert response.code == 503
+        assert json.loads(data)["error"]["code"] == "no_available_accounts"
+        assert stack.emulator.requests == []
+    finally:
+        await stack.stop()
