@@ -178,13 +178,32 @@ class TurnResource(Resource):
         self._endpoint = endpoint
         self._ws = websocket
 
+    def render(self, request):
+        """
+        Dispatch C{GET} (WebSocket upgrade) and C{POST}; any other method
+        gets a JSON 405.
+        """
+        if request.method == b"POST":
+            return self.render_POST(request)
+        if request.method == b"GET" and self._endpoint == "responses":
+            return self.render_GET(request)
+        request.setHeader(b"allow", b"GET, POST" if self._endpoint == "responses" else b"POST")
+        writeError(
+            request,
+            ClientError(
+                405, "invalid_request_error",
+                f"Method {request.method.decode('latin-1')} is not allowed on {request.path.decode('latin-1')}",
+                code="method_not_allowed",
+            ),
+        )
+        return NOT_DONE_YET
+
     def render_GET(self, request):
-        if self._endpoint == "responses":
-            upgrade = (request.getHeader(b"upgrade") or b"").lower()
-            connection = (request.getHeader(b"connection") or b"").lower()
-            if upgrade == b"websocket" and b"upgrade" in connection:
-                if self._ws is not None:
-                    return self._ws.render(request)
+        upgrade = (request.getHeader(b"upgrade") or b"").lower()
+        connection = (request.getHeader(b"connection") or b"").lower()
+        if upgrade == b"websocket" and b"upgrade" in connection and self._ws is not None:
+            return self._ws.render(request)
+        request.setResponseCode(426, b"Upgrade Required")
         writeError(
             request,
             ClientError(
@@ -217,7 +236,19 @@ class TurnResource(Resource):
         if not isinstance(model, str) or not model:
             writeError(request, badRequest("you must provide a model parameter", param="model"))
             return NOT_DONE_YET
-        stream = body.get("stream") is True
+        streamFlag = body.get("stream", False)
+        if streamFlag is not None and not isinstance(streamFlag, bool):
+            writeError(request, badRequest("stream must be a boolean", param="stream"))
+            return NOT_DONE_YET
+        stream = streamFlag is True
+        if self._endpoint == "chat":
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                writeError(
+                    request,
+                    badRequest("messages must be a non-empty array", param="messages"),
+                )
+                return NOT_DONE_YET
         headers = clientHeaders(request)
         previous = body.get("previous_response_id") if self._endpoint == "responses" else None
         if previous is not None and not isinstance(previous, str):
@@ -283,6 +314,38 @@ class HealthResource(Resource):
         return b'{"status":"ok"}'
 
 
+class NotFoundResource(Resource):
+    """
+    A JSON 404 in OpenAI's format for any unknown path.
+    """
+
+    isLeaf = True
+
+    def render(self, request):
+        writeError(
+            request,
+            ClientError(
+                404, "invalid_request_error",
+                f"Invalid URL ({request.method.decode('latin-1')} {request.path.decode('latin-1')})",
+                code="unknown_url",
+            ),
+        )
+        return NOT_DONE_YET
+
+
+class JSONRoot(Resource):
+    """
+    A resource tree node whose unknown children answer a JSON 404 instead of
+    twisted.web's HTML page.
+    """
+
+    def getChild(self, path, request):
+        return NotFoundResource()
+
+    def render(self, request):
+        return NotFoundResource().render(request)
+
+
 def buildRoot(runner, keys: KeyRing, accounts, websocket=None) -> Resource:
     """
     The relay's resource tree (protocol.md 1): C{/v1/...}, the prefixless
@@ -294,17 +357,17 @@ def buildRoot(runner, keys: KeyRing, accounts, websocket=None) -> Resource:
     responses = TurnResource(runner, keys, "responses", websocket)
     chat = TurnResource(runner, keys, "chat")
     models = ModelsResource(keys, accounts)
-    root = Resource()
-    v1 = Resource()
+    root = JSONRoot()
+    v1 = JSONRoot()
     for parent in (root, v1):
         parent.putChild(b"responses", responses)
-        chatParent = Resource()
+        chatParent = JSONRoot()
         chatParent.putChild(b"completions", chat)
         parent.putChild(b"chat", chatParent)
         parent.putChild(b"models", models)
     root.putChild(b"v1", v1)
-    backend = Resource()
-    codex = Resource()
+    backend = JSONRoot()
+    codex = JSONRoot()
     codex.putChild(b"responses", responses)
     backend.putChild(b"codex", codex)
     root.putChild(b"backend-api", backend)

@@ -8,7 +8,9 @@ import json
 
 import pytest_twisted
 
-from tests.integration.harness import closedPort, sseEvents, startStack
+import treq
+
+from tests.integration.harness import RELAY_KEY, closedPort, sseEvents, startStack
 
 
 @pytest_twisted.ensureDeferred
@@ -177,6 +179,40 @@ async def test_chat_never_goes_to_oauth_accounts():
         )
         assert response.code == 503
         assert json.loads(data)["error"]["code"] == "no_available_accounts"
+        assert stack.emulator.requests == []
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_bad_methods_paths_and_fields_get_openai_errors():
+    """
+    Bad input gets a clear error in OpenAI's format, never twisted.web's
+    HTML: unknown paths 404, wrong methods 405, a plain GET on
+    /v1/responses 426, a non-boolean C{stream} or a chat request without
+    C{messages} 400; nothing reaches upstream.
+    """
+    stack = await startStack([{"id": "a1", "credential": "sk-emu-a1"}])
+    try:
+        auth = {"Authorization": [f"Bearer {RELAY_KEY}"]}
+        cases = [
+            ("GET", "/v1/nope", 404, "unknown_url"),
+            ("GET", "/", 404, "unknown_url"),
+            ("DELETE", "/v1/responses", 405, "method_not_allowed"),
+            ("PUT", "/v1/chat/completions", 405, "method_not_allowed"),
+            ("GET", "/v1/chat/completions", 405, "method_not_allowed"),
+            ("GET", "/v1/responses", 426, None),
+        ]
+        for method, path, status, code in cases:
+            r = await treq.request(method, stack.url + path, headers=auth)
+            body = json.loads(await r.content())
+            assert (r.code, body["error"]["code"]) == (status, code), (method, path, body)
+        response, data = await stack.postJSON(
+            "/v1/responses", {"model": "gpt-5.5", "input": "x", "stream": "yes"}
+        )
+        assert response.code == 400 and json.loads(data)["error"]["param"] == "stream"
+        response, data = await stack.postJSON("/v1/chat/completions", {"model": "gpt-5.5"})
+        assert response.code == 400 and json.loads(data)["error"]["param"] == "messages"
         assert stack.emulator.requests == []
     finally:
         await stack.stop()
