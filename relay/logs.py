@@ -247,7 +247,10 @@ def observerFor(format: str, stream: IO[str], secrets: Any = None) -> ILogObserv
     @rtype: L{ILogObserver}
     """
     if format == "json":
-        inner = jsonFileLogObserver(stream)
+        # One plain JSON object per line: no RFC 7464 record separator, so
+        # line-oriented tools (jq, json.loads per line) read it directly;
+        # twisted.logger.eventsFromJSONLogFile still reads it back.
+        inner = jsonFileLogObserver(stream, recordSeparator="")
     elif format == "text":
         inner = textFileLogObserver(stream)
     else:

@@ -873,7 +873,9 @@ class AccountScheduler:
             sticky_busy_bypass=choice.bypass,
             preferred_account_hit=choice.preferred,
         )
-        self._log.debug(
+        # Info, not R45's debug: seed 003's tables (and relay.report) are
+        # computed from these lines, and the default runners drop debug.
+        self._log.info(
             "account schedule decision: {layer} -> {selected_account_id}",
             event="openai.account_schedule_decision", request_id=turn.requestId,
             entrypoint=turn.entrypoint, **asdict(record),

@@ -156,11 +156,15 @@ class ObserverTests(SynchronousTestCase):
 
     def test_json(self):
         """
-        The JSON observer writes one JSON object per event.
+        The JSON observer writes one plain JSON object per line (no record
+        separator), so C{json.loads} reads each line.
         """
         stream = io.StringIO()
         _emit(observerFor("json", stream, ()), "hello {who}", who="op", event="relay.hello")
-        record = json.loads(stream.getvalue().strip("\x1e\n"))
+        _emit(observerFor("json", stream, ()), "bye", event="relay.bye")
+        lines = stream.getvalue().splitlines()
+        self.assertEqual(len(lines), 2)
+        record = json.loads(lines[0])
         self.assertEqual((record["who"], record["event"]), ("op", "relay.hello"))
 
     def test_unknownFormat(self):

@@ -826,9 +826,10 @@ class DecisionLogTests(SchedulerMixin, SynchronousTestCase):
 
     def test_oneEventWithAllFields(self):
         """
-        R45: every selection logs exactly one debug
-        C{openai.account_schedule_decision} event with every record field,
-        the request id and the entrypoint.
+        R45: every selection logs exactly one
+        C{openai.account_schedule_decision} event (at info, so the report and
+        the seed-003 tables can read it) with every record field, the request
+        id and the entrypoint.
         """
         self.build([account("a"), account("b")])
         self.bindSession("a")
@@ -837,7 +838,7 @@ class DecisionLogTests(SchedulerMixin, SynchronousTestCase):
         events = [e for e in logged if e.get("event") == "openai.account_schedule_decision"]
         self.assertEqual(len(events), 1)
         event = events[0]
-        self.assertEqual(event["log_level"].name, "debug")
+        self.assertEqual(event["log_level"].name, "info")
         for name in ("layer", "sticky_session_hit", "sticky_previous_hit",
                      "selected_account_id", "selected_account_type", "candidate_count",
                      "excluded_count", "wait_plan", "latency_ms", "load_skew", "top_k"):
