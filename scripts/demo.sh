@@ -164,7 +164,9 @@ Try it (a2 is preferred but the emulator answers it 503, so you will see a failo
 
   curl $EMULATOR_URL/_emulator/requests     # what the upstream saw, per account
 
-Point Codex CLI at it (protocol.md section 8): put this in \$CODEX_HOME/config.toml
+Point Codex CLI at it (docs/reference/protocol.md section 8): put this in
+\$CODEX_HOME/config.toml (the pinned CLI installs with
+npm install -g --prefix "\$HOME/.local/codex" @openai/codex@0.171.0)
 
   model          = "gpt-5.5"
   model_provider = "relay"
@@ -178,11 +180,11 @@ Point Codex CLI at it (protocol.md section 8): put this in \$CODEX_HOME/config.t
   base_url            = "$RELAY_URL/v1"
   env_key             = "RELAY_API_KEY"
   wire_api            = "responses"
-  supports_websockets = false
+  supports_websockets = true     # the Responses WebSocket; false = HTTP only
 
 and run
 
-  RELAY_API_KEY=$RELAY_KEY codex exec --skip-git-repo-check --ephemeral \\
+  RELAY_API_KEY=$RELAY_KEY \$HOME/.local/codex/bin/codex exec --skip-git-repo-check --ephemeral \\
     --dangerously-bypass-approvals-and-sandbox --json "Run echo hi" </dev/null
 
 Logs: tail -f $WORK/relay.log $WORK/emulator.log
