@@ -166,6 +166,10 @@ class TurnState:
     pendingFailover: Optional[dict] = None
     retryToken: bool = False
     lastAccountId: Optional[str] = None
+    startedAt: float = 0.0
+    waited: float = 0.0
+    """Seconds spent in slot waits and retry sleeps (not relay's own latency)."""
+    dispatched: bool = False
 
 
 @implementer(IPushProducer)
@@ -563,12 +567,12 @@ class TurnRunner:
 
     async def _run(self, turn: Turn, sink) -> str:
         start = self.clock.seconds()
-        state = TurnState()
+        state = TurnState(startedAt=start)
         userLease = None
         outcome, status, accountId = "error", 500, None
         self.budget.active += 1
         try:
-            userLease = await self._admitUser(turn, sink)
+            userLease = await self._admitUser(turn, sink, state)
             outcome, status, accountId = await self._loop(turn, sink, state)
         except ClientGone:
             outcome, status = "client_gone", 499
@@ -593,7 +597,7 @@ class TurnRunner:
         self._finished(turn, state, outcome, status, accountId or state.lastAccountId, start)
         return outcome
 
-    async def _admitUser(self, turn: Turn, sink):
+    async def _admitUser(self, turn: Turn, sink, state: Optional[TurnState] = None):
         """
         The per-key slot (R26; on the WebSocket too, R-B10).
         """
@@ -609,7 +613,7 @@ class TurnRunner:
             max_waiting=s.user_max_waiting,
             plan="user",
         )
-        return await self._tryThenWait(turn, sink, plan, "user_slot_busy")
+        return await self._tryThenWait(turn, sink, plan, "user_slot_busy", state)
 
     async def _loop(self, turn: Turn, sink, state: TurnState):
         """
@@ -624,7 +628,7 @@ class TurnRunner:
             if sameAccount is not None:
                 account, sameAccount = sameAccount, None
                 try:
-                    lease = await self._retakeSameAccount(turn, sink, account)
+                    lease = await self._retakeSameAccount(turn, sink, account, state)
                 except _AdmissionFailed as e:
                     sink.fail(e.error)
                     return "failed", e.error.status, account.id
@@ -644,13 +648,22 @@ class TurnRunner:
                     state.pendingFailover = None
                 if lease is None:
                     try:
-                        lease = await self._wait(turn, sink, selection.waitPlan, "account_busy")
+                        lease = await self._wait(
+                            turn, sink, selection.waitPlan, "account_busy", state
+                        )
                     except _AdmissionFailed as e:
                         sink.fail(e.error)
                         return "failed", e.error.status, account.id
                 await self.scheduler.bind(turn, account)
             state.attempts += 1
             state.lastAccountId = account.id
+            if not state.dispatched:
+                # Relay-added latency: start to first dispatch, less waits.
+                state.dispatched = True
+                if self.metrics is not None:
+                    self.metrics.addedLatency(
+                        self.clock.seconds() - state.startedAt - state.waited
+                    )
             result = await self._attempt(turn, sink, account, lease)
             if result.ok:
                 sink.finish()
@@ -672,11 +685,11 @@ class TurnRunner:
                 sink.fail(decision[1])
                 return "failed", decision[1].status, account.id
             if decision[0] == "same":
-                await self._sleep(turn, sink, decision[1])
+                await self._sleep(turn, sink, decision[1], state)
                 sameAccount = account
                 continue
             # switch
-            await self._sleep(turn, sink, decision[1])
+            await self._sleep(turn, sink, decision[1], state)
 
     async def _decide(self, turn, sink, state: TurnState, account, verdict: F.Verdict):
         """
@@ -867,7 +880,7 @@ class TurnRunner:
             if turn.onResponseId is not None:
                 turn.onResponseId(result.responseId, account)
 
-    async def _retakeSameAccount(self, turn, sink, account):
+    async def _retakeSameAccount(self, turn, sink, account, state=None):
         """
         Retake the slot for a same-account retry, waiting per the sticky
         plan (R60, R64 step 2).
@@ -881,20 +894,20 @@ class TurnRunner:
             max_waiting=s.sticky_session_max_waiting,
             plan="sticky",
         )
-        return await self._tryThenWait(turn, sink, plan, "same_account_retry")
+        return await self._tryThenWait(turn, sink, plan, "same_account_retry", state)
 
-    async def _tryThenWait(self, turn: Turn, sink, plan: WaitPlan, reason: str):
+    async def _tryThenWait(self, turn: Turn, sink, plan: WaitPlan, reason: str, state=None):
         """
         One immediate try on C{plan}'s slot, else wait on it (R27 steps 1-3).
         """
         lease = await self.admission.tryAcquire(plan.kind, plan.id, plan.max_concurrency)
         if lease is not None:
             return lease
-        return await self._wait(turn, sink, plan, reason)
+        return await self._wait(turn, sink, plan, reason, state)
 
     # -- waiting -------------------------------------------------------------
 
-    async def _wait(self, turn: Turn, sink, plan: WaitPlan, reason: str):
+    async def _wait(self, turn: Turn, sink, plan: WaitPlan, reason: str, state=None):
         """
         Wait for a slot on C{plan} (R27, R30-R33), with SSE keepalives
         (R31) and the wait events of R32.
@@ -934,6 +947,8 @@ class TurnRunner:
         finally:
             if keepalive is not None and keepalive.running:
                 keepalive.stop()
+            if state is not None:
+                state.waited += self.clock.seconds() - start
         self._waitFinished(prefix, fields, "acquired", start, getattr(lease, "queuePosition", 0))
         if turn.cancel.cancelled:
             lease.release()
@@ -968,7 +983,7 @@ class TurnRunner:
         )
         return call
 
-    async def _sleep(self, turn: Turn, sink, seconds: float) -> None:
+    async def _sleep(self, turn: Turn, sink, seconds: float, state=None) -> None:
         """
         The retry interval / same-account delay (R71, R73): cancellable by
         the client, keepalives continue, no slot is held.
@@ -982,11 +997,14 @@ class TurnRunner:
             request_id=turn.requestId,
         )
         keepalive = self._keepalive(sink)
+        began = self.clock.seconds()
         try:
             await raceCancel(deferLater(self.clock, seconds), turn.cancel)
         finally:
             if keepalive is not None and keepalive.running:
                 keepalive.stop()
+            if state is not None:
+                state.waited += self.clock.seconds() - began
 
     # -- one attempt -----------------------------------------------------------
 

@@ -213,17 +213,24 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             dedicated.proto.close()
             self._state.dedicated = None
         sent = self._closing
+        closeCode = sent[0] if sent else (code or 1006)
         self._log.info(
             "client websocket {conn_id} closed {code} {reason} after {turns} turn(s)",
             event="relay.ws_closed",
             conn_id=self._connId,
-            code=sent[0] if sent else (code or 1006),
+            code=closeCode,
             reason=sent[1] if sent else (reason or ""),
             turns=self._turns,
             account_id=self._state.accountId,
             mode=self._modeName(),
             while_running=turn is not None,
         )
+        metrics = getattr(getattr(self.factory, "runner", None), "metrics", None)
+        if metrics is not None:
+            try:
+                metrics.wsClose(closeCode)
+            except Exception:  # noqa: BLE001
+                self._log.failure("counting a websocket close failed")
 
     def _modeName(self):
         try:
@@ -247,6 +254,32 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         self._closing = (code, reason)
         self._disarm()
         closeWith(self, code, reason)
+
+    def reject(self, reason: str, code=None, param=None, close: int = 1008) -> None:
+        """
+        A genuine client mistake (R81): a status-bearing C{error} event
+        (400, C{invalid_request_error}, the close reason as its message),
+        then the R70 close with the same reason.
+        """
+        if self._closing is not None or self._gone:
+            return
+        reason = encode_truncate(reason, 120).decode("utf-8", "ignore")  # R65
+        error = ClientError(400, "invalid_request_error", reason, code=code, param=param)
+        self.sendText(json.dumps(wsErrorEvent(error)).encode())
+        self.closeWith(close, reason)
+
+    def _max_message_size_exceeded(self, msg_size, max_msg_size, reason) -> None:
+        """
+        R47 step 4, R70, R81: a frame above the read limit. autobahn's hook
+        closes 1009 itself; tell the client first while it can still read.
+        """
+        if self._closing is None and not self._gone and self.state == self.STATE_OPEN:
+            reason = encode_truncate(reason, 120).decode("utf-8", "ignore")
+            error = ClientError(400, "invalid_request_error", reason, code="frame_too_large")
+            self.sendText(json.dumps(wsErrorEvent(error)).encode())
+            self._closing = (1009, reason)
+            self._disarm()
+        super()._max_message_size_exceeded(msg_size, max_msg_size, reason)
 
     def _arm(self, seconds: float, code: int, reason: str) -> None:
         self._disarm()
@@ -282,35 +315,39 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         try:
             frame = json.loads(payload)
         except ValueError:
-            self.closeWith(1008, "invalid JSON payload")
+            self.reject("invalid JSON payload", "invalid_json")
             return
         if not isinstance(frame, dict):
-            self.closeWith(1008, "invalid JSON payload")
+            self.reject("invalid JSON payload", "invalid_json")
             return
         kind = frame.get("type") or "response.create"
         if kind == "response.processed":
             self._idle()
             return
         if kind == "response.append":
-            self.closeWith(1008, APPEND_MESSAGE)
+            self.reject(APPEND_MESSAGE, "unsupported_request_type", "type")
             return
         if kind != "response.create":
-            self.closeWith(1008, f"unsupported websocket request type: {kind}")
+            self.reject(f"unsupported websocket request type: {kind}", "unsupported_request_type", "type")
             return
         if self._overAge():
             return
         model = frame.get("model")
         if not isinstance(model, str) or not model:
             if self._model is None:
-                self.closeWith(1008, "model is required in first response.create payload")
+                self.reject(
+                    "model is required in first response.create payload",
+                    "missing_required_parameter",
+                    "model",
+                )
                 return
             model = self._model
         previous = frame.get("previous_response_id")
         if previous is not None and not isinstance(previous, str):
-            self.closeWith(1008, "invalid JSON payload")
+            self.reject("invalid JSON payload", "invalid_type", "previous_response_id")
             return
         if previous and previous.startswith("msg_"):
-            self.closeWith(1008, MSG_ID_MESSAGE)
+            self.reject(MSG_ID_MESSAGE, "invalid_value", "previous_response_id")
             return
         self._model = model
         self._runTurn(frame, model, previous or None)

@@ -612,31 +612,83 @@ async def test_model_change_reselects_and_unknown_model_is_an_error_event():
 
 
 PROTOCOL_CASES = [
-    (b"{not json", 1008, "invalid JSON payload"),
+    (b"{not json", 1008, "invalid JSON payload", "invalid_json", None),
+    (b"[1, 2]", 1008, "invalid JSON payload", "invalid_json", None),
     (json.dumps({"type": "response.create", "input": "x"}).encode(), 1008,
-     "model is required in first response.create payload"),
+     "model is required in first response.create payload", "missing_required_parameter", "model"),
     (json.dumps({"type": "response.create", "model": "gpt-5.5", "previous_response_id": "msg_1"}).encode(),
-     1008, "previous_response_id must be a response.id (resp_*), not a message id"),
+     1008, "previous_response_id must be a response.id (resp_*), not a message id",
+     "invalid_value", "previous_response_id"),
+    (json.dumps({"type": "response.create", "model": "gpt-5.5", "previous_response_id": 7}).encode(),
+     1008, "invalid JSON payload", "invalid_type", "previous_response_id"),
     (json.dumps({"type": "response.append", "model": "gpt-5.5"}).encode(), 1008,
-     "response.append is not supported in ws v2; use response.create with previous_response_id"),
+     "response.append is not supported in ws v2; use response.create with previous_response_id",
+     "unsupported_request_type", "type"),
     (json.dumps({"type": "session.update", "model": "gpt-5.5"}).encode(), 1008,
-     "unsupported websocket request type: session.update"),
+     "unsupported websocket request type: session.update", "unsupported_request_type", "type"),
 ]
 
 
-@pytest.mark.parametrize("payload,code,reason", PROTOCOL_CASES)
-@pytest_twisted.ensureDeferred
-async def test_protocol_errors_close_with_r70_codes(payload, code, reason):
+async def untilClosed(client, timeout=5.0) -> list:
     """
-    R47 step 5, R40, R70: bad first frames close with the exact code and
-    reason.
+    Every event up to and including the close.
+    """
+    events = []
+    while not events or events[-1]["type"] != "__closed__":
+        events.append(await client.next(timeout))
+    return events
+
+
+def assertClientMistake(events, code, reason, errorCode=None, param=None):
+    """
+    R81: a genuine client mistake is told with a status-bearing C{error}
+    event (400, C{invalid_request_error}, the close reason as its message)
+    that arrives before the R70 close.
+    """
+    assert [e["type"] for e in events] == ["error", "__closed__"], events
+    error, closed = events
+    assert error["status"] == 400
+    assert error["error"]["type"] == "invalid_request_error"
+    assert error["error"]["message"] == reason
+    assert error["error"]["code"] == errorCode
+    assert error["error"]["param"] == param
+    assert (closed["code"], closed["reason"]) == (code, reason)
+
+
+@pytest.mark.parametrize("payload,code,reason,errorCode,param", PROTOCOL_CASES)
+@pytest_twisted.ensureDeferred
+async def test_protocol_errors_close_with_r70_codes(payload, code, reason, errorCode, param):
+    """
+    R47 step 5, R40, R70, R81: bad first frames get a status-bearing error
+    event, then close with the exact code and reason.
     """
     stack = await startStack([{"id": "a1", "credential": "sk-a1"}])
     client = await connect(stack)
     try:
         client.sendMessage(payload, False)
         assert await client.closed.addTimeout(5, reactor) == (code, reason)
+        assertClientMistake(await untilClosed(client), code, reason, errorCode, param)
         assert frames(stack, "sk-a1") == []
+    finally:
+        await drain(stack)
+
+
+@pytest_twisted.ensureDeferred
+async def test_protocol_error_after_a_turn_also_gets_an_error_event():
+    """
+    R81, R70: a bad frame on a connection that already ran a turn is the
+    same client mistake: error event, then close 1008.
+    """
+    stack = await startStack([{"id": "a1", "credential": "sk-a1"}])
+    client = await connect(stack)
+    try:
+        assert (await client.turn(userTurn("hi")))[-1]["type"] == "response.completed"
+        client.sendMessage(json.dumps({"type": "response.append", "input": "x"}).encode(), False)
+        assertClientMistake(
+            await untilClosed(client), 1008,
+            "response.append is not supported in ws v2; use response.create with previous_response_id",
+            "unsupported_request_type", "type",
+        )
     finally:
         await drain(stack)
 
@@ -670,8 +722,11 @@ async def test_oversized_frame_closes_1009():
     client = await connect(stack)
     try:
         client.sendJSON(userTurn("x" * 5000))
-        code, _ = await client.closed.addTimeout(5, reactor)
+        code, reason = await client.closed.addTimeout(5, reactor)
         assert code == 1009
+        # R81: an oversized frame is a client mistake; the event comes first.
+        assertClientMistake(await untilClosed(client), 1009, reason, "frame_too_large")
+        assert frames(stack, "sk-a1") == []
     finally:
         await drain(stack)
 
