@@ -116,3 +116,27 @@ def isEmptyCompleted(response: dict) -> bool:
     @param response: the terminal event's C{response} object.
     """
     return not response.get("output") and not response.get("usage") and not response.get("error")
+
+
+def withoutEncryptedReasoning(body: dict):
+    """
+    behaviour.md R7: after a 400 C{invalid_encrypted_content}, drop the
+    encrypted reasoning items from C{input} so the same account can be
+    retried once. Reasoning encrypted by one account is rejected by
+    another, so this is what a failover of a Codex conversation needs.
+
+    @param body: the turn's request body.
+    @return: a new body without those items, or L{None} when there were
+        none to drop.
+    """
+    items = body.get("input")
+    if not isinstance(items, list):
+        return None
+    kept = [
+        item for item in items
+        if not (isinstance(item, dict) and item.get("type") == "reasoning"
+                and item.get("encrypted_content"))
+    ]
+    if len(kept) == len(items):
+        return None
+    return {**body, "input": kept}

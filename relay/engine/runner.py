@@ -27,7 +27,13 @@ from twisted.internet.interfaces import IPushProducer
 
 from relay import failures as F
 from relay.engine import errors as E
-from relay.engine.payload import isEmptyCompleted, isSemanticOutput, upstreamBody, upstreamStreams
+from relay.engine.payload import (
+    isEmptyCompleted,
+    isSemanticOutput,
+    upstreamBody,
+    upstreamStreams,
+    withoutEncryptedReasoning,
+)
 from relay.model import AdmissionError, ClientError, Turn, WaitPlan
 from relay.selection import NoAccountAvailable
 from relay.sse import LineTooLong, SSEParser
@@ -164,6 +170,7 @@ class TurnState:
     oauth429: bool = False
     attempts: int = 0
     pendingFailover: Optional[dict] = None
+    rewrites: set = field(factory=set)
     retryToken: bool = False
     lastAccountId: Optional[str] = None
     startedAt: float = 0.0
@@ -677,6 +684,9 @@ class TurnRunner:
                 sink.finish()
                 return "failed", result.status, account.id
             verdict = result.verdict
+            if self._rewriteOnce(turn, state, account, verdict):
+                sameAccount = account
+                continue
             decision = await self._decide(turn, sink, state, account, verdict)
             if decision[0] == "pass":
                 sink.fail(decision[1])
@@ -690,6 +700,35 @@ class TurnRunner:
                 continue
             # switch
             await self._sleep(turn, sink, decision[1], state)
+
+    def _rewriteOnce(self, turn: Turn, state: TurnState, account, verdict) -> bool:
+        """
+        behaviour.md R7: a one-shot same-account retry with a corrected body
+        before any failover decision; it counts as neither a switch nor a
+        same-account retry. Implemented: 400 C{invalid_encrypted_content}
+        -> drop the encrypted reasoning items.
+
+        @return: L{True} when C{turn.body} was rewritten for a retry.
+        """
+        if "encrypted_content" in state.rewrites or verdict is None:
+            return False
+        error = verdict.clientError
+        if verdict.kind != F.STATUS or verdict.status != 400 or error is None:
+            return False
+        if error.code != "invalid_encrypted_content":
+            return False
+        body = withoutEncryptedReasoning(turn.body)
+        if body is None:
+            return False
+        turn.body = body
+        state.rewrites.add("encrypted_content")
+        self._log.info(
+            "retrying {account_id} without encrypted reasoning items",
+            event="openai.invalid_encrypted_content_retry",
+            account_id=account.id,
+            request_id=turn.requestId,
+        )
+        return True
 
     async def _decide(self, turn, sink, state: TurnState, account, verdict: F.Verdict):
         """

@@ -216,3 +216,40 @@ async def test_bad_methods_paths_and_fields_get_openai_errors():
         assert stack.emulator.requests == []
     finally:
         await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_invalid_encrypted_content_retries_once_without_reasoning():
+    """
+    R7: a 400 C{invalid_encrypted_content} (reasoning encrypted by another
+    account, e.g. after a failover) is retried once on the same account
+    with the encrypted reasoning items dropped; it is neither a switch nor
+    a cooldown. Without such items the 400 passes through.
+    """
+    stack = await startStack([{"id": "a1", "credential": "sk-enc-a1"}])
+    rejected = {"error": {"type": "invalid_request_error", "code": "invalid_encrypted_content",
+                          "message": "The encrypted content could not be verified.", "param": None}}
+    try:
+        stack.emulator.setFault("sk-enc-a1", {"kind": "status", "code": 400, "body": rejected, "times": 1})
+        body = {
+            "model": "gpt-5.5", "stream": True,
+            "input": [
+                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAA-from-other"},
+                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "again"}]},
+            ],
+        }
+        response, data = await stack.postJSON("/v1/responses", body)
+        assert response.code == 200
+        assert sseEvents(data)[-1][0] == "response.completed"
+        first, second = stack.emulator.requestsFor("sk-enc-a1")
+        assert [i["type"] for i in first.body["input"]] == ["message", "reasoning", "message"]
+        assert [i["type"] for i in second.body["input"]] == ["message", "message"]
+        stack.emulator.setFault("sk-enc-a1", {"kind": "status", "code": 400, "body": rejected, "times": 1})
+        response, data = await stack.postJSON(
+            "/v1/responses", {"model": "gpt-5.5", "input": "plain", "stream": True}
+        )
+        assert response.code == 400
+        assert json.loads(data)["error"]["code"] == "invalid_encrypted_content"
+    finally:
+        await stack.stop()
