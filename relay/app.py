@@ -14,7 +14,9 @@ import os
 from typing import Optional
 
 from attrs import define, field
+from twisted.application.internet import StreamServerEndpointService
 from twisted.application.service import MultiService
+from twisted.internet.error import CannotListenError
 from twisted.logger import Logger
 from twisted.web.server import Site
 
@@ -270,12 +272,52 @@ class _Startup(MultiService):
         return result
 
 
+class _Listener(StreamServerEndpointService):
+    """
+    The listening endpoint service. A port that cannot be listened on (in
+    use, no permission) is one line naming C{listen} on standard error and
+    exit status 2 (L{relay.tap.exitWithConfigError}), not twistd's
+    CannotListenError traceback. twistd calls C{privilegedStartService}
+    before dropping privileges; twist and tests reach it through
+    C{startService}.
+
+    @ivar listen: the endpoint string, for the message.
+    @ivar exitOnError: when false (a daemonising twistd, see
+        L{relay.tap.makeService}) the L{CannotListenError} propagates: the
+        daemon's parent waits on a status pipe that only an exception
+        writes, and the daemon has no stderr.
+    """
+
+    _log = Logger()
+
+    def __init__(self, endpoint, factory, listen: str):
+        super().__init__(endpoint, factory)
+        self._raiseSynchronously = True
+        self.listen = listen
+        self.exitOnError = True
+
+    def privilegedStartService(self) -> None:
+        try:
+            super().privilegedStartService()
+        except CannotListenError as e:
+            reason = getattr(e.socketError, "strerror", None) or str(e.socketError)
+            message = f"listen: cannot listen on {self.listen}: {reason}"
+            # Leave the line in the log too (error, not critical: critical
+            # is echoed to stderr before logging begins, which is when twist
+            # starts the service).
+            self._log.error("{message}", message=message)
+            if not self.exitOnError:
+                raise
+            from relay.tap import exitWithConfigError
+
+            exitWithConfigError(message)
+
+
 def buildService(config: RelayConfig, reactor) -> MultiService:
     """
     The twistd service: the Redis client (when configured), then the
     listening endpoint.
     """
-    from twisted.application.internet import StreamServerEndpointService
     from twisted.internet.endpoints import serverFromString
 
     app = buildApplication(config, reactor)
@@ -283,8 +325,8 @@ def buildService(config: RelayConfig, reactor) -> MultiService:
     for service in app.services:
         service.setServiceParent(top)
     endpoint = serverFromString(reactor, config.listen)
-    listener = StreamServerEndpointService(endpoint, app.site)
-    listener._raiseSynchronously = True
+    listener = _Listener(endpoint, app.site, config.listen)
     listener.setServiceParent(top)
     top.relayApplication = app
+    top.relayListener = listener
     return top

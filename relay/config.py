@@ -48,6 +48,7 @@ __all__ = [
     "loadConfig",
     "settingsFromString",
     "secretsOf",
+    "checkDatabase",
     "parseProxyURL",
     "OAUTH_BASE_URL",
     "APIKEY_BASE_URL",
@@ -841,6 +842,39 @@ def loadConfig(path: str, environ: Mapping[str, str] = os.environ) -> RelayConfi
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: the configuration file is not valid UTF-8")
     return settingsFromString(text, environ=environ, source=str(path))
+
+
+def checkDatabase(config: RelayConfig) -> None:
+    """
+    With C{state.backend: memory} the runtime settings live in SQLite at
+    C{database}: check that its directory exists and is writable (SQLite
+    writes its journal next to the file) and that an existing file is
+    writable, so a bad path is a one-line error before start-up rather than
+    a CRITICAL sqlite traceback once the reactor runs.
+
+    Relative paths are resolved against the current directory, as SQLite
+    will. Called by L{relay.tap.Options}, not by L{loadConfig}: it looks at
+    the file system.
+
+    @param config: the parsed L{RelayConfig}.
+    @raise ConfigError: e.g. C{database: directory /nope does not exist}.
+    """
+    if config.state.backend != "memory" or not config.database:
+        return
+    path = config.database
+    if path == ":memory:":
+        return
+    directory = os.path.dirname(path) or "."
+    if not os.path.isdir(directory):
+        if os.path.exists(directory):
+            raise _fail("database", f"{directory} is not a directory")
+        raise _fail("database", f"directory {directory} does not exist")
+    if os.path.isdir(path):
+        raise _fail("database", f"{path} is a directory")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise _fail("database", f"directory {directory} is not writable")
+    if os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK):
+        raise _fail("database", f"{path} is not writable")
 
 
 def secretsOf(config: RelayConfig) -> frozenset:

@@ -3,14 +3,33 @@
 The twistd plugin's C{Options} and C{makeService}: C{twistd -n relay
 --config FILE}. The only module in relay that imports the global reactor
 (lazily, in L{makeService}).
+
+House rule: a bad configuration is one line on standard error, naming the
+key, and exit status 2 -- no usage text, no traceback, under both
+C{twistd -n relay} and C{python -m twisted relay}. Both runners print
+their whole usage text for a L{usage.UsageError} (and twistd a traceback for
+anything L{makeService} raises), so configuration problems never travel as
+L{usage.UsageError}: L{Options.configure} raises L{ConfigError} (the
+programmatic layer), and L{Options.postOptions} turns it into
+L{exitWithConfigError}. A bad command-line flag (an unknown option, a bad
+C{--log-format}) stays a L{usage.UsageError} with the usage text.
 """
 
 from __future__ import annotations
+
+import sys
+from typing import NoReturn
 
 from twisted.python import usage
 from twisted.python.reflect import namedAny
 
 from relay.model import ConfigError
+
+CONFIG_ERROR_PREFIX = "relay: config error: "
+"""What every configuration error line on standard error starts with."""
+
+CONFIG_ERROR_EXIT = 2
+"""The exit status for a configuration error."""
 
 _COMPONENT_INTERFACES = (
     ("classifier", "IFailureClassifier"),
@@ -19,19 +38,45 @@ _COMPONENT_INTERFACES = (
 )
 """The C{components:} keys and the interface (in L{relay.interfaces}) each must provide."""
 
+_LOG_FORMATS = ("text", "json")
+
+
+def _stderr():
+    """
+    The process's own standard error. Once twistd has begun logging,
+    C{sys.stderr} writes into the log (stdout under C{-n}), so prefer
+    C{sys.__stderr__}. Tests patch this function.
+    """
+    return sys.__stderr__ or sys.stderr
+
+
+def exitWithConfigError(message: str) -> NoReturn:
+    """
+    Write C{relay: config error: MESSAGE} as one line to standard error and
+    exit with status L{CONFIG_ERROR_EXIT}.
+
+    @param message: the problem, naming the key (whitespace is collapsed so
+        it is always one line).
+    @raise SystemExit: always.
+    """
+    stream = _stderr()
+    stream.write(CONFIG_ERROR_PREFIX + " ".join(str(message).split()) + "\n")
+    stream.flush()
+    raise SystemExit(CONFIG_ERROR_EXIT)
+
 
 def checkComponents(config) -> None:
     """
     Import every class named in C{components:} and check that it implements
-    its interface, so that a bad dotted name is a one-line L{usage.UsageError}
-    at option-parsing time: twistd prints a traceback for anything
+    its interface, so that a bad dotted name is a one-line error at
+    option-parsing time: twistd prints a traceback for anything
     L{makeService} raises.
 
     A factory that is not a class cannot be checked before it is called;
     L{relay.components.loadComponent} verifies what it builds.
 
     @param config: the parsed L{relay.model.RelayConfig}.
-    @raise usage.UsageError: naming the key, e.g. C{components.classifier:
+    @raise ConfigError: naming the key, e.g. C{components.classifier:
         cannot import mypkg.Classifier: No module named 'mypkg'}.
     """
     from relay import interfaces
@@ -45,19 +90,19 @@ def checkComponents(config) -> None:
             factory = namedAny(dotted)
         except Exception as e:  # noqa: BLE001 - any import-time error is the config's
             reason = " ".join(str(e).split())[:200] or type(e).__name__
-            raise usage.UsageError(f"{path}: cannot import {dotted}: {reason}")
+            raise ConfigError(f"{path}: cannot import {dotted}: {reason}")
         if not callable(factory):
-            raise usage.UsageError(
-                f"{path}: {dotted} is not callable (expected a class or factory)"
-            )
+            raise ConfigError(f"{path}: {dotted} is not callable (expected a class or factory)")
         interface = getattr(interfaces, ifaceName)
         if isinstance(factory, type) and not interface.implementedBy(factory):
-            raise usage.UsageError(f"{path}: {dotted} does not implement {ifaceName}")
+            raise ConfigError(f"{path}: {dotted} does not implement {ifaceName}")
 
 
 class Options(usage.Options):
     """
     C{twistd relay} options.
+
+    @ivar config: the parsed L{relay.model.RelayConfig}, after parsing.
     """
 
     optParameters = [
@@ -68,26 +113,44 @@ class Options(usage.Options):
 
     def postOptions(self) -> None:
         """
-        Parse the configuration once, into C{self.config}. Any problem
-        becomes a one-line L{usage.UsageError} naming the key.
+        Parse the configuration once, into C{self.config}. A bad
+        configuration is one line on standard error and exit status 2
+        (L{exitWithConfigError}); a bad C{--log-format} is a
+        L{usage.UsageError}.
+
+        @raise SystemExit: for a configuration problem.
+        """
+        fmt = self["log-format"]
+        if fmt is not None and fmt not in _LOG_FORMATS:
+            raise usage.UsageError(f"--log-format: expected text or json, got {fmt!r}")
+        try:
+            self.configure()
+        except ConfigError as e:
+            exitWithConfigError(str(e))
+
+    def configure(self) -> None:
+        """
+        The programmatic layer of L{postOptions}: load and check the
+        configuration named by C{self["config"]} into C{self.config},
+        register its secrets for redaction and hand the runner a redacting
+        log observer.
+
+        @raise ConfigError: with a one-line message naming the key.
         """
         from attrs import evolve
 
-        from relay.config import loadConfig, secretsOf
+        from relay.config import checkDatabase, loadConfig, secretsOf
         from relay.logs import observerFor, registerSecrets
 
         try:
             config = loadConfig(self["config"])
-        except ConfigError as e:
-            raise usage.UsageError(str(e))
         except OSError as e:
-            raise usage.UsageError(f"cannot read config {self['config']}: {e.strerror or e}")
+            raise ConfigError(f"cannot read config {self['config']}: {e.strerror or e}")
         if self["listen"]:
             config = evolve(config, listen=self["listen"])
         fmt = self["log-format"] or config.log_format
-        if fmt not in ("text", "json"):
-            raise usage.UsageError(f"--log-format: expected text or json, got {fmt!r}")
         checkComponents(config)
+        checkDatabase(config)
         self.config = config
         registerSecrets(secretsOf(config))
         parent = getattr(self, "parent", None)
@@ -111,12 +174,24 @@ def makeService(options: Options, reactor=None):
     @param reactor: the reactor; the global one when L{None}
         (coding-standard idiom).
     @return: a L{twisted.application.service.MultiService}.
+    @raise SystemExit: when a component named in C{components:} cannot be
+        built (one line on standard error, L{exitWithConfigError}). The
+        service exits the same way when C{listen} cannot be listened on,
+        except under a daemonising twistd.
     """
     if reactor is None:
         from twisted.internet import reactor
     from relay.app import buildService
 
     try:
-        return buildService(options.config, reactor)
+        service = buildService(options.config, reactor)
     except ConfigError as e:
-        raise usage.UsageError(str(e))
+        exitWithConfigError(str(e))
+    parent = getattr(options, "parent", None)
+    if parent is not None and "nodaemon" in parent and not parent["nodaemon"]:
+        # A daemonising twistd: its parent process waits on a status pipe
+        # that only an exception from startApplication writes (a SystemExit
+        # would leave it waiting forever), and the daemon's stderr is
+        # /dev/null. Let a CannotListenError propagate there.
+        service.relayListener.exitOnError = False
+    return service

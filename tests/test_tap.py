@@ -6,12 +6,15 @@ the discovery of the C{relay} and C{relay-emulator} twistd plugins
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
 
 from twisted.application.internet import StreamServerEndpointService
 from twisted.application.service import IServiceMaker, MultiService
+from twisted.internet.defer import fail
+from twisted.internet.error import CannotListenError
 from twisted.internet.testing import MemoryReactorClock
 from twisted.plugin import getPlugins
 from twisted.python.reflect import namedAny
@@ -19,8 +22,11 @@ from twisted.python.usage import UsageError
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
+from relay import tap
+from relay.config import checkDatabase, settingsFromString
 from relay.logs import jsonStdout, textStdout
-from relay.tap import Options, makeService
+from relay.model import ConfigError
+from relay.tap import Options, exitWithConfigError, makeService
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEMO = os.path.join(HERE, os.pardir, "etc", "demo.yaml")
@@ -34,11 +40,41 @@ accounts:
 """
 
 
+def patchStderr(case: SynchronousTestCase) -> io.StringIO:
+    """
+    Point L{relay.tap}'s standard error at a fresh L{io.StringIO} for the
+    duration of C{case}.
+    """
+    stream = io.StringIO()
+    case.patch(tap, "_stderr", lambda: stream)
+    return stream
+
+
+class ExitWithConfigErrorTests(SynchronousTestCase):
+    """
+    L{exitWithConfigError} writes one line and exits with status 2.
+    """
+
+    def test_oneLine(self) -> None:
+        """
+        The message, whitespace collapsed, follows C{relay: config error: }
+        on exactly one line; the exit status is 2.
+        """
+        stderr = patchStderr(self)
+        e = self.assertRaises(SystemExit, exitWithConfigError, "a.b:\n  bad  value")
+        self.assertEqual(e.code, 2)
+        self.assertEqual(stderr.getvalue(), "relay: config error: a.b: bad value\n")
+
+
 class OptionsTests(SynchronousTestCase):
     """
-    L{Options} parses the configuration once and turns every problem into a
-    one-line L{UsageError}.
+    L{Options} parses the configuration once; every configuration problem
+    is one line on standard error and C{SystemExit(2)} (no usage text), and
+    L{Options.configure} raises it as a L{ConfigError}.
     """
+
+    def setUp(self) -> None:
+        self.stderr = patchStderr(self)
 
     def writeConfig(self, text: str) -> str:
         """
@@ -49,17 +85,42 @@ class OptionsTests(SynchronousTestCase):
             f.write(text)
         return path
 
-    def assertOneLineUsageError(self, argv, *fragments: str) -> str:
+    def assertOneLineConfigError(self, argv, *fragments: str) -> str:
         """
-        Parsing C{argv} raises L{UsageError} with a one-line message that
-        contains every fragment.
+        Parsing C{argv} writes exactly one line, C{relay: config error:
+        ...} containing every fragment, to standard error and raises
+        C{SystemExit(2)}; L{Options.configure} raises the same message as
+        a L{ConfigError}.
+
+        @return: the message (without the prefix).
         """
-        e = self.assertRaises(UsageError, Options().parseOptions, argv)
-        message = str(e)
-        self.assertNotIn("\n", message)
+        e = self.assertRaises(SystemExit, Options().parseOptions, argv)
+        self.assertEqual(e.code, 2)
+        lines = self.stderr.getvalue().splitlines()
+        self.assertEqual(len(lines), 1, self.stderr.getvalue())
+        self.assertTrue(lines[0].startswith("relay: config error: "), lines[0])
+        message = lines[0][len("relay: config error: "):]
         for fragment in fragments:
             self.assertIn(fragment, message)
+        self.assertEqual(self.configureError(argv), message)
         return message
+
+    def configureError(self, argv) -> str:
+        """
+        The programmatic layer: L{Options.configure} for C{argv}'s options
+        raises L{ConfigError}; nothing is written to standard error.
+
+        @return: the error's message.
+        """
+        before = self.stderr.getvalue()
+        options = Options()
+        postOptions = options.postOptions
+        options.postOptions = lambda: None
+        options.parseOptions(argv)
+        e = self.assertRaises(ConfigError, options.configure)
+        self.assertEqual(self.stderr.getvalue(), before)
+        options.postOptions = postOptions
+        return str(e)
 
     def test_demoConfig(self) -> None:
         """
@@ -76,17 +137,17 @@ class OptionsTests(SynchronousTestCase):
 
     def test_unknownKey(self) -> None:
         """
-        An unknown key is a one-line L{UsageError} naming the key path.
+        An unknown key is a one-line config error naming the key path.
         """
         path = self.writeConfig(MINIMAL + "gateway: {foo: 1}\n")
-        self.assertOneLineUsageError(["--config", path], "gateway.foo")
+        self.assertOneLineConfigError(["--config", path], "gateway.foo")
 
     def test_badValue(self) -> None:
         """
         A value of the wrong type names the key and what was expected.
         """
         path = self.writeConfig(MINIMAL + "gateway: {max_account_switches: ten}\n")
-        self.assertOneLineUsageError(
+        self.assertOneLineConfigError(
             ["--config", path], "gateway.max_account_switches", "expected an integer"
         )
 
@@ -97,21 +158,21 @@ class OptionsTests(SynchronousTestCase):
         path = self.writeConfig(
             'listen: "tcp:0"\naccounts: [{id: a1, type: apikey, base_url: "http://x/v1"}]\n'
         )
-        self.assertOneLineUsageError(["--config", path], "accounts[0] (a1)", "api_key")
+        self.assertOneLineConfigError(["--config", path], "accounts[0] (a1)", "api_key")
 
     def test_yamlSyntaxError(self) -> None:
         """
         A YAML syntax error is one line with the file position.
         """
         path = self.writeConfig("keys: [unclosed\n")
-        self.assertOneLineUsageError(["--config", path], "YAML syntax error")
+        self.assertOneLineConfigError(["--config", path], "YAML syntax error")
 
     def test_missingFile(self) -> None:
         """
-        A file that does not exist is a L{UsageError} naming it.
+        A file that does not exist is a one-line config error naming it.
         """
         path = self.mktemp()
-        self.assertOneLineUsageError(["--config", path], path)
+        self.assertOneLineConfigError(["--config", path], path)
 
     def test_secretNotInMessage(self) -> None:
         """
@@ -120,7 +181,7 @@ class OptionsTests(SynchronousTestCase):
         path = self.writeConfig(
             MINIMAL.replace("sk-relay-tap-test", "sk-relay-tap-test, concurrency: many")
         )
-        message = self.assertOneLineUsageError(["--config", path], "keys[0].concurrency")
+        message = self.assertOneLineConfigError(["--config", path], "keys[0].concurrency")
         self.assertNotIn("sk-relay-tap-test", message)
 
     def test_listenOverride(self) -> None:
@@ -141,11 +202,196 @@ class OptionsTests(SynchronousTestCase):
 
     def test_logFormatBad(self) -> None:
         """
-        An unknown C{--log-format} is a L{UsageError}.
+        An unknown C{--log-format} is a bad flag, not a bad file: a one-line
+        L{UsageError} (the runner adds its usage text), nothing on stderr.
         """
-        self.assertOneLineUsageError(
-            ["--config", DEMO, "--log-format", "xml"], "--log-format", "xml"
+        e = self.assertRaises(
+            UsageError, Options().parseOptions, ["--config", DEMO, "--log-format", "xml"]
         )
+        self.assertEqual(str(e), "--log-format: expected text or json, got 'xml'")
+        self.assertEqual(self.stderr.getvalue(), "")
+
+    def test_exactLine(self) -> None:
+        """
+        The whole standard error output for a bad value is the one line.
+        """
+        path = self.writeConfig(MINIMAL.replace("type: apikey", "type: x"))
+        self.assertRaises(SystemExit, Options().parseOptions, ["--config", path])
+        self.assertEqual(
+            self.stderr.getvalue(),
+            "relay: config error: accounts[0].type: expected apikey or oauth, got 'x'\n",
+        )
+
+    def test_databaseDirectoryMissing(self) -> None:
+        """
+        With the memory backend, a C{database} in a directory that does not
+        exist is a one-line error naming C{database}.
+        """
+        missing = os.path.abspath(self.mktemp())
+        path = self.writeConfig(MINIMAL + f"database: {missing}/settings.sqlite\n")
+        self.assertOneLineConfigError(
+            ["--config", path], f"database: directory {missing} does not exist"
+        )
+
+    def test_databaseDirectoryUnwritable(self) -> None:
+        """
+        A C{database} whose directory is not writable is a one-line error
+        naming C{database} (C{os.access} is faked: root may write anywhere).
+        """
+        directory = os.path.abspath(self.mktemp())
+        os.mkdir(directory)
+        realAccess = os.access
+
+        def access(path, mode, *a, **kw):
+            if os.path.abspath(path) == directory and mode & os.W_OK:
+                return False
+            return realAccess(path, mode, *a, **kw)
+
+        self.patch(os, "access", access)
+        path = self.writeConfig(MINIMAL + f"database: {directory}/settings.sqlite\n")
+        self.assertOneLineConfigError(
+            ["--config", path], f"database: directory {directory} is not writable"
+        )
+
+
+    def test_componentCannotImport(self) -> None:
+        """
+        A C{components:} dotted name that cannot be imported is a one-line
+        config error at option-parsing time (twistd prints a traceback for
+        exceptions in C{makeService}).
+        """
+        path = self.writeConfig(MINIMAL + "components: {classifier: nosuchpkg.Classifier}\n")
+        self.assertOneLineConfigError(
+            ["--config", path], "components.classifier", "nosuchpkg.Classifier"
+        )
+
+    def test_componentWrongInterface(self) -> None:
+        """
+        A class that does not implement its interface is a one-line
+        config error naming the key and the interface.
+        """
+        path = self.writeConfig(
+            MINIMAL + "components: {dialer: relay.classify.DefaultClassifier}\n"
+        )
+        self.assertOneLineConfigError(
+            ["--config", path], "components.dialer", "IUpstreamDialer"
+        )
+
+    def test_componentNotCallable(self) -> None:
+        """
+        A dotted name naming something that is not callable is refused.
+        """
+        path = self.writeConfig(MINIMAL + "components: {admission: relay.tap.__doc__}\n")
+        self.assertOneLineConfigError(["--config", path], "components.admission", "not callable")
+
+    def test_componentGood(self) -> None:
+        """
+        The built-in classes, named explicitly, are accepted.
+        """
+        path = self.writeConfig(
+            MINIMAL + "components: {classifier: relay.classify.DefaultClassifier}\n"
+        )
+        options = Options()
+        options.parseOptions(["--config", path])
+        self.assertEqual(
+            options.config.components.classifier, "relay.classify.DefaultClassifier"
+        )
+
+
+class CheckDatabaseTests(SynchronousTestCase):
+    """
+    L{checkDatabase} checks the SQLite settings path of the memory backend.
+    """
+
+    def config(self, extra: str):
+        """
+        A parsed configuration: L{MINIMAL} plus C{extra}.
+        """
+        return settingsFromString(MINIMAL + extra)
+
+    def assertDatabaseError(self, extra: str, expected: str) -> None:
+        """
+        L{checkDatabase} raises L{ConfigError} with exactly C{expected}.
+        """
+        e = self.assertRaises(ConfigError, checkDatabase, self.config(extra))
+        self.assertEqual(str(e), expected)
+
+    def test_good(self) -> None:
+        """
+        A file to be created in a writable directory, an existing writable
+        file and C{:memory:} are accepted.
+        """
+        directory = os.path.abspath(self.mktemp())
+        os.mkdir(directory)
+        checkDatabase(self.config(f"database: {directory}/new.sqlite\n"))
+        with open(os.path.join(directory, "old.sqlite"), "w"):
+            pass
+        checkDatabase(self.config(f"database: {directory}/old.sqlite\n"))
+        checkDatabase(self.config('database: ":memory:"\n'))
+
+    def test_relativeDefault(self) -> None:
+        """
+        A bare file name is checked against the current directory.
+        """
+        checkDatabase(self.config(""))
+
+    def test_missingDirectory(self) -> None:
+        """
+        A directory that does not exist names C{database}.
+        """
+        missing = os.path.abspath(self.mktemp())
+        self.assertDatabaseError(
+            f"database: {missing}/x.sqlite\n", f"database: directory {missing} does not exist"
+        )
+
+    def test_directoryIsAFile(self) -> None:
+        """
+        A "directory" that is a regular file is refused.
+        """
+        notDir = os.path.abspath(self.mktemp())
+        with open(notDir, "w"):
+            pass
+        self.assertDatabaseError(
+            f"database: {notDir}/x.sqlite\n", f"database: {notDir} is not a directory"
+        )
+
+    def test_databaseIsADirectory(self) -> None:
+        """
+        A C{database} that is a directory is refused.
+        """
+        directory = os.path.abspath(self.mktemp())
+        os.mkdir(directory)
+        self.assertDatabaseError(
+            f"database: {directory}\n", f"database: {directory} is a directory"
+        )
+
+    def test_unwritableFile(self) -> None:
+        """
+        An existing file that cannot be written is refused.
+        """
+        directory = os.path.abspath(self.mktemp())
+        os.mkdir(directory)
+        target = os.path.join(directory, "x.sqlite")
+        with open(target, "w"):
+            pass
+        realAccess = os.access
+        self.patch(
+            os, "access",
+            lambda p, mode, *a, **kw: False if p == target else realAccess(p, mode, *a, **kw),
+        )
+        self.assertDatabaseError(
+            f"database: {target}\n", f"database: {target} is not writable"
+        )
+
+    def test_redisBackendNotChecked(self) -> None:
+        """
+        With the Redis backend the settings live in Redis: C{database} is
+        not looked at.
+        """
+        checkDatabase(self.config(
+            "state: {backend: redis, redis_url: 'redis://127.0.0.1:6379/0'}\n"
+            "database: /nonexistent-relay-dir/x.sqlite\n"
+        ))
 
     def test_twistdLogger(self) -> None:
         """
@@ -189,49 +435,6 @@ class OptionsTests(SynchronousTestCase):
         line = stream.getvalue().strip()
         self.assertNotIn("sk-relay-demo", line)
         self.assertIsInstance(json.loads(line), dict)
-
-    def test_componentCannotImport(self) -> None:
-        """
-        A C{components:} dotted name that cannot be imported is a one-line
-        L{UsageError} at option-parsing time (twistd prints a traceback for
-        exceptions in C{makeService}).
-        """
-        path = self.writeConfig(MINIMAL + "components: {classifier: nosuchpkg.Classifier}\n")
-        self.assertOneLineUsageError(
-            ["--config", path], "components.classifier", "nosuchpkg.Classifier"
-        )
-
-    def test_componentWrongInterface(self) -> None:
-        """
-        A class that does not implement its interface is a one-line
-        L{UsageError} naming the key and the interface.
-        """
-        path = self.writeConfig(
-            MINIMAL + "components: {dialer: relay.classify.DefaultClassifier}\n"
-        )
-        self.assertOneLineUsageError(
-            ["--config", path], "components.dialer", "IUpstreamDialer"
-        )
-
-    def test_componentNotCallable(self) -> None:
-        """
-        A dotted name naming something that is not callable is refused.
-        """
-        path = self.writeConfig(MINIMAL + "components: {admission: relay.tap.__doc__}\n")
-        self.assertOneLineUsageError(["--config", path], "components.admission", "not callable")
-
-    def test_componentGood(self) -> None:
-        """
-        The built-in classes, named explicitly, are accepted.
-        """
-        path = self.writeConfig(
-            MINIMAL + "components: {classifier: relay.classify.DefaultClassifier}\n"
-        )
-        options = Options()
-        options.parseOptions(["--config", path])
-        self.assertEqual(
-            options.config.components.classifier, "relay.classify.DefaultClassifier"
-        )
 
 
 class MakeServiceTests(SynchronousTestCase):
@@ -277,6 +480,64 @@ class MakeServiceTests(SynchronousTestCase):
             "no Redis client with state.backend memory",
         )
         self.assertEqual(reactor.tcpServers, [])
+
+    def failingListen(self, service) -> None:
+        """
+        Make C{service}'s listener fail as if its port were in use.
+        """
+
+        class InUse:
+            def listen(self, factory):
+                return fail(CannotListenError(
+                    "127.0.0.1", 18080, OSError(errno.EADDRINUSE, "Address already in use")
+                ))
+
+        service.relayListener.endpoint = InUse()
+
+    def test_portInUse(self) -> None:
+        """
+        A port in use is one line naming C{listen} on standard error and
+        C{SystemExit(2)} (twistd -n and twist), not a CannotListenError
+        traceback.
+        """
+        stderr = patchStderr(self)
+        options = self.options("--listen", "tcp:18080:interface=127.0.0.1")
+        options.parent = {"nodaemon": True}
+        service = makeService(options, reactor=MemoryReactorClock())
+        self.failingListen(service)
+        e = self.assertRaises(SystemExit, service.privilegedStartService)
+        self.assertEqual(e.code, 2)
+        self.assertEqual(
+            stderr.getvalue(),
+            "relay: config error: listen: cannot listen on"
+            " tcp:18080:interface=127.0.0.1: Address already in use\n",
+        )
+
+    def test_portInUseStartService(self) -> None:
+        """
+        twist starts the service with C{startService} only: the same line.
+        """
+        stderr = patchStderr(self)
+        service = makeService(self.options(), reactor=MemoryReactorClock())
+        self.failingListen(service)
+        e = self.assertRaises(SystemExit, service.startService)
+        self.assertEqual(e.code, 2)
+        self.assertEqual(len(stderr.getvalue().splitlines()), 1)
+        self.assertIn("listen: cannot listen on", stderr.getvalue())
+
+    def test_portInUseDaemon(self) -> None:
+        """
+        Under a daemonising twistd the L{CannotListenError} propagates (its
+        parent process reports it through a status pipe that a SystemExit
+        would leave unwritten); nothing goes to standard error.
+        """
+        stderr = patchStderr(self)
+        options = self.options()
+        options.parent = {"nodaemon": False}
+        service = makeService(options, reactor=MemoryReactorClock())
+        self.failingListen(service)
+        self.assertRaises(CannotListenError, service.privilegedStartService)
+        self.assertEqual(stderr.getvalue(), "")
 
     def test_startListens(self) -> None:
         """

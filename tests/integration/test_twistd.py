@@ -4,6 +4,11 @@ The real twistd plugin in a subprocess, under both runners
 C{PYTHONPATH} at the repository root (style.md 9(f), trap T2): a bad
 configuration is one error line and no traceback; a good one serves
 C{/healthz}; C{--log-format json} logs JSON lines with no secret in them.
+
+The house rule: a bad configuration file (or a database path that cannot
+be written, or a C{listen} port in use) is exactly one line on stderr,
+C{relay: config error: ...} naming the key, and exit status 2: no usage
+text, no traceback.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 
@@ -67,6 +73,18 @@ def writeConfig(text: str) -> str:
     return path
 
 
+def writeConfigIn(directory: str, text: str) -> str:
+    """
+    Write C{text} as C{relay.yaml} in C{directory} (no database line added).
+
+    @return: the configuration file's path.
+    """
+    path = os.path.join(directory, "relay.yaml")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path
+
+
 def removeConfig(path: str) -> None:
     """
     Remove a directory made by L{writeConfig}.
@@ -88,11 +106,11 @@ def goodConfig(emulatorPort: int = 9) -> str:
     )
 
 
-async def runToCompletion(runner: str, *args: str, cwd: str):
+async def runSeparately(runner: str, *args: str, cwd: str):
     """
     Run C{relay ARGS} with a runner from L{RUNNERS} in C{cwd} to completion.
 
-    @return: C{(output, exit code)} with stdout and stderr together.
+    @return: C{(stdout, stderr, exit code)}, decoded.
     """
     d = getProcessOutputAndValue(
         sys.executable, [*RUNNERS[runner], "relay", *args],
@@ -100,7 +118,27 @@ async def runToCompletion(runner: str, *args: str, cwd: str):
     )
     d.addTimeout(30, reactor)
     out, err, code = await d
-    return (out + err).decode("utf-8", "replace"), code
+    return out.decode("utf-8", "replace"), err.decode("utf-8", "replace"), code
+
+
+async def runToCompletion(runner: str, *args: str, cwd: str):
+    """
+    Run C{relay ARGS} with a runner from L{RUNNERS} in C{cwd} to completion.
+
+    @return: C{(output, exit code)} with stdout and stderr together.
+    """
+    out, err, code = await runSeparately(runner, *args, cwd=cwd)
+    return out + err, code
+
+
+def assertOneErrorLine(out: str, err: str, code: int, expected: str) -> None:
+    """
+    The run exited with status 2, wrote exactly C{expected} (one line) to
+    stderr and no traceback anywhere.
+    """
+    assert code == 2, (code, out, err)
+    assert err.splitlines() == [expected], err
+    assert "Traceback" not in out + err
 
 
 class Collector(ProcessProtocol):
@@ -172,7 +210,7 @@ async def stopRelay(collector: Collector, process) -> None:
 async def test_bad_config_is_one_line(runner):
     """
     An unknown key exits non-zero with exactly one line naming the key
-    (after it, twist prints its usage) and no traceback.
+    and no traceback.
     """
     path = writeConfig(goodConfig() + "gateway: {no_such_key: 1}\n")
     try:
@@ -291,3 +329,107 @@ async def test_json_logs_have_no_secrets(runner):
     assert ACCOUNT_KEY not in collector.text
     redacted = [line for line in lines if "/healthz?api_key=" in line]
     assert redacted and "***" in redacted[0], collector.text
+
+
+@runners
+@pytest_twisted.ensureDeferred
+async def test_bad_config_exact_stderr_line(runner):
+    """
+    A bad value: stderr is exactly C{relay: config error: KEY: ...}, one
+    line, no usage text; stdout is empty; exit status 2.
+    """
+    path = writeConfig(goodConfig().replace("type: apikey", "type: x"))
+    try:
+        out, err, code = await runSeparately(
+            runner, "--config", path, cwd=os.path.dirname(path))
+    finally:
+        removeConfig(path)
+    assertOneErrorLine(
+        out, err, code,
+        "relay: config error: accounts[0].type: expected apikey or oauth, got 'x'")
+    assert out == ""
+
+
+@runners
+@pytest_twisted.ensureDeferred
+async def test_missing_config_file_exact_line(runner):
+    """
+    A configuration file that does not exist: the one stderr line names it.
+    """
+    directory = tempfile.mkdtemp(prefix="relay-twistd-")
+    path = os.path.join(directory, "no-such-config.yaml")
+    try:
+        out, err, code = await runSeparately(runner, "--config", path, cwd=directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assertOneErrorLine(
+        out, err, code,
+        f"relay: config error: {path}: cannot read configuration file: No such file or directory")
+
+
+@runners
+@pytest_twisted.ensureDeferred
+async def test_database_directory_missing(runner):
+    """
+    With the memory backend, a C{database} in a directory that does not
+    exist is one line naming C{database}, not a CRITICAL sqlite traceback
+    at start-up.
+    """
+    directory = tempfile.mkdtemp(prefix="relay-twistd-")
+    missing = os.path.join(directory, "no-such-dir")
+    path = writeConfigIn(
+        directory, goodConfig() + f"database: {json.dumps(missing + '/settings.sqlite')}\n")
+    try:
+        out, err, code = await runSeparately(runner, "--config", path, cwd=directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assertOneErrorLine(
+        out, err, code, f"relay: config error: database: directory {missing} does not exist")
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() == 0,
+    reason="root may write to any directory",
+)
+@runners
+@pytest_twisted.ensureDeferred
+async def test_database_directory_unwritable(runner):
+    """
+    A C{database} in a directory the relay cannot write is one line naming
+    C{database}.
+    """
+    directory = tempfile.mkdtemp(prefix="relay-twistd-")
+    readOnly = os.path.join(directory, "read-only")
+    os.mkdir(readOnly, 0o500)
+    path = writeConfigIn(
+        directory, goodConfig() + f"database: {json.dumps(readOnly + '/settings.sqlite')}\n")
+    try:
+        out, err, code = await runSeparately(runner, "--config", path, cwd=directory)
+    finally:
+        os.chmod(readOnly, 0o700)
+        shutil.rmtree(directory, ignore_errors=True)
+    assertOneErrorLine(
+        out, err, code, f"relay: config error: database: directory {readOnly} is not writable")
+
+
+@runners
+@pytest_twisted.ensureDeferred
+async def test_port_in_use(runner):
+    """
+    A C{listen} port that is already in use is one line naming C{listen}
+    on stderr and exit status 2, not a CannotListenError traceback.
+    """
+    path = writeConfig(goodConfig())
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    listen = f"tcp:{holder.getsockname()[1]}:interface=127.0.0.1"
+    try:
+        out, err, code = await runSeparately(
+            runner, "--config", path, "--listen", listen, cwd=os.path.dirname(path))
+    finally:
+        holder.close()
+        removeConfig(path)
+    assertOneErrorLine(
+        out, err, code,
+        f"relay: config error: listen: cannot listen on {listen}: Address already in use")
