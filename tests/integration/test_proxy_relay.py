@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Optional
 
 import pytest
 import pytest_twisted
@@ -68,26 +69,30 @@ def proxyURL(server, password=None) -> str:
 # ---------------------------------------------------------------------------
 
 
-def _socketInodes(localPort: int) -> set:
+def _socketInodes(localPort: int, remotePort: Optional[int] = None) -> set:
     """
     Inodes of IPv4 TCP sockets bound to C{127.0.0.1:localPort}.
     """
     want = f"0100007F:{localPort:04X}"
+    wantRemote = None if remotePort is None else f"0100007F:{remotePort:04X}"
     inodes = set()
     with open("/proc/net/tcp") as f:
         next(f)
         for line in f:
             fields = line.split()
-            if fields[1] == want:
+            if fields[1] == want and (wantRemote is None or fields[2] == wantRemote):
                 inodes.add(fields[9])
     return inodes
 
 
-def socketOwners(localPort: int) -> set:
+def socketOwners(localPort: int, remotePort: Optional[int] = None) -> set:
     """
-    PIDs holding a TCP socket whose local end is C{127.0.0.1:localPort}.
+    PIDs holding a TCP socket whose local end is C{127.0.0.1:localPort}
+    (and, when given, whose remote end is C{127.0.0.1:remotePort}: Linux
+    reuses an ephemeral local port for sockets to different destinations,
+    so the local port alone can match another process's socket).
     """
-    inodes = _socketInodes(localPort)
+    inodes = _socketInodes(localPort, remotePort)
     owners = set()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -114,8 +119,10 @@ def recordPeers(emulator: Emulator, port) -> list:
     factory = port.factory
     original = factory.buildProtocol
 
+    listening = port.getHost().port
+
     def buildProtocol(addr):
-        seen.append(socketOwners(addr.port))
+        seen.append(socketOwners(addr.port, listening))
         return original(addr)
 
     factory.buildProtocol = buildProtocol
