@@ -7,7 +7,9 @@ the production code paths against loopback (DEVELOPERS.md).
 from __future__ import annotations
 
 import json
+import os
 import socket
+import tempfile
 
 import treq
 from attrs import define, evolve, field
@@ -105,8 +107,10 @@ async def startStack(accounts, gateway: str = "{}", emulatorConfig=None, keys=No
     emulator = Emulator(reactor=reactor, config=emulatorConfig or {})
     await emulator.listen(reactor)
     keys = keys or json.dumps([{"name": "test", "key": RELAY_KEY, "concurrency": 0}])
+    database = os.path.join(tempfile.mkdtemp(prefix="relay-test-db-"), "relay.sqlite")
     text = (
         'listen: "tcp:0:interface=127.0.0.1"\n'
+        f"database: {json.dumps(database)}\n"
         f"keys: {keys}\n"
         f"accounts: {accountsYAML(emulator, accounts)}\n"
         f"gateway: {gateway}\n"
