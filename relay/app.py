@@ -18,7 +18,7 @@ from twisted.application.internet import StreamServerEndpointService
 from twisted.application.service import MultiService
 from twisted.internet.error import CannotListenError
 from twisted.logger import Logger
-from twisted.web.server import Site
+from twisted.web.server import Request, Site
 
 from relay.classify import DefaultClassifier
 from relay.components import loadComponent
@@ -31,6 +31,29 @@ from relay.proxyhealth import ProxyHealth
 from relay.scheduler import AccountScheduler
 from relay.settings import RuntimeSettings
 from relay.upstream.http import HTTPDialer
+
+
+class _Request(Request):
+    """
+    A L{Request} that skips twisted.web's form-submission parsing for a JSON
+    body. twisted.web parses every POST's C{Content-Type} with the stdlib
+    email package (about a tenth of relay's CPU per relayed request) only
+    to look for C{application/x-www-form-urlencoded} and
+    C{multipart/form-data}; a C{Content-Type} that starts with
+    C{application/json} can never be either, so skipping the parse changes
+    nothing. Every other C{Content-Type} is parsed exactly as before.
+    """
+
+    @property
+    def _parsePOSTFormSubmission(self) -> bool:
+        if not self._parseForms:
+            return False
+        ctype = self.requestHeaders.getRawHeaders(b"content-type")
+        return not (ctype and ctype[0].startswith(b"application/json"))
+
+    @_parsePOSTFormSubmission.setter
+    def _parsePOSTFormSubmission(self, value: bool) -> None:
+        self._parseForms = value
 
 
 @define(eq=False)
@@ -161,7 +184,7 @@ def buildApplication(
     wsResource = _webSocket(app, trustRoot)
     root = buildRoot(runner, keys, accounts, wsResource)
     _operatorSurface(app, root, accounts, proxyHealth)
-    site = Site(root)
+    site = Site(root, requestFactory=_Request)
     site.displayTracebacks = False
     site.wsFactory = wsResource.factory
     app.services.append(app.extras["wsPoolService"])
