@@ -20,9 +20,12 @@ import sys
 from typing import IO, Any, Iterable, Optional, Pattern, Sequence
 
 from twisted.logger import (
+    FileLogObserver,
     ILogObserver,
+    formatEventAsClassicLogText,
+    formatTime,
     jsonFileLogObserver,
-    textFileLogObserver,
+    timeFormatRFC3339,
 )
 from zope.interface import implementer
 
@@ -53,6 +56,44 @@ SECRET_PATTERNS: Sequence[tuple] = (
     # user:password@ in URLs (proxy URLs, Redis URLs).
     (re.compile(r"(?<=://)[^/@\s:]*:[^/@\s]+@"), REDACTED + "@"),
 )
+
+
+_GLOBAL_FLAGS = re.compile(r"^\(\?[aiLmsux]+\)")
+_INLINE_FLAGS = (("i", re.IGNORECASE), ("m", re.MULTILINE), ("s", re.DOTALL), ("x", re.VERBOSE))
+
+
+def _anyOf(patterns: Iterable[Pattern]) -> Optional[Pattern]:
+    """
+    One regex that matches wherever any of C{patterns} matches, used as a
+    prefilter: when it finds nothing in a string, no C{sub} with any of the
+    patterns can change it, so the string is returned as it is without
+    running each pattern over it.
+
+    @return: the combined pattern, or L{None} when the patterns cannot be
+        combined (e.g. numbered backreferences); callers then run every
+        pattern, as before.
+    """
+    pieces = []
+    for pattern in patterns:
+        source = pattern.pattern
+        if not isinstance(source, str):
+            return None
+        source = _GLOBAL_FLAGS.sub("", source)
+        flags = "".join(c for c, f in _INLINE_FLAGS if pattern.flags & f)
+        pieces.append(f"(?{flags}:{source})" if flags else f"(?:{source})")
+    if not pieces:
+        return None
+    try:
+        return re.compile("|".join(pieces))
+    except re.error:
+        return None
+
+
+# Strings the redactor found nothing in (log formats, namespaces, names
+# that recur in every event) are remembered, up to this many at a time and
+# this long; the memory is dropped whenever the secrets change.
+_CLEAN_SIZE = 4096
+_CLEAN_TEXT_LENGTH = 256
 
 
 class SecretSet:
@@ -144,6 +185,8 @@ class SecretRedactor:
         self._patterns = SECRET_PATTERNS if patterns is None else tuple(patterns)
         self._version = -1
         self._secretPattern: Optional[Pattern] = None
+        self._anyPattern: Optional[Pattern] = None
+        self._clean: set = set()
 
     def addSecrets(self, secrets: Iterable[str]) -> None:
         """
@@ -193,11 +236,26 @@ class SecretRedactor:
         self._secretPattern = (
             re.compile("|".join(re.escape(s) for s in secrets)) if secrets else None
         )
+        every = [p for p, _ in self._patterns]
+        if self._secretPattern is not None:
+            every.append(self._secretPattern)
+        self._anyPattern = _anyOf(every)
+        self._clean = set()
 
     def _redactString(self, text: str) -> str:
         """
         Replace known secrets, then pattern matches.
         """
+        clean = self._clean
+        if text in clean:
+            return text
+        anyPattern = self._anyPattern
+        if anyPattern is not None and anyPattern.search(text) is None:
+            if len(text) <= _CLEAN_TEXT_LENGTH:
+                if len(clean) >= _CLEAN_SIZE:
+                    clean.clear()
+                clean.add(text)
+            return text
         if self._secretPattern is not None:
             text = self._secretPattern.sub(REDACTED, text)
         for pattern, replacement in self._patterns:
@@ -235,6 +293,28 @@ class SecretRedactor:
         return value
 
 
+_lastSecond: list = [None, ""]
+
+
+def _formatTime(when: Optional[float]) -> str:
+    """
+    C{formatTime(when, timeFormatRFC3339)}, remembering the text for the
+    last whole second: the format has no sub-second field, so every
+    timestamp in the same second formats the same. A fraction within a
+    microsecond of the next second (which C{datetime} may round up) is
+    formatted afresh.
+    """
+    if when is None or when < 0:
+        return formatTime(when, timeFormatRFC3339)
+    second = int(when)
+    if when - second >= 0.999:
+        return formatTime(when, timeFormatRFC3339)
+    if _lastSecond[0] != second:
+        _lastSecond[1] = formatTime(second, timeFormatRFC3339)
+        _lastSecond[0] = second
+    return _lastSecond[1]
+
+
 def observerFor(format: str, stream: IO[str], secrets: Any = None) -> ILogObserver:
     """
     Build a redacting observer writing C{format} to C{stream}.
@@ -252,7 +332,11 @@ def observerFor(format: str, stream: IO[str], secrets: Any = None) -> ILogObserv
         # twisted.logger.eventsFromJSONLogFile still reads it back.
         inner = jsonFileLogObserver(stream, recordSeparator="")
     elif format == "text":
-        inner = textFileLogObserver(stream)
+        # textFileLogObserver(stream), with the timestamp prefix formatted
+        # once per second instead of once per event.
+        inner = FileLogObserver(
+            stream, lambda event: formatEventAsClassicLogText(event, formatTime=_formatTime)
+        )
     else:
         raise ValueError(f"unknown log format {format!r} (expected text or json)")
     return SecretRedactor(inner, _registered if secrets is None else secrets)
