@@ -15,11 +15,13 @@ from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Optional
 
 from attrs import define, field
+from hyperlink import EncodedURL
 from treq.client import HTTPClient
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import Protocol
 from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.http_headers import Headers
+from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface import implementer
 
 from relay.interfaces import IUpstreamDialer, IUpstreamResponse
@@ -190,6 +192,59 @@ class _Abort(Protocol):
         reason.trap(Exception)
 
 
+class _PreparedURL(EncodedURL):
+    """
+    An upstream URL already in the URI form treq sends, parsed once per
+    account and path: treq calls C{to_uri().to_text()} on every request,
+    which re-runs IDNA over the host each time. The URI form of a URI is
+    itself, so this returns itself and its remembered text.
+    """
+
+    _uriText = ""
+
+    def to_uri(self):
+        return self
+
+    def to_text(self, with_password=False):
+        if with_password:
+            return super().to_text(with_password)
+        return self._uriText
+
+
+def _prepareURL(url: str):
+    """
+    @return: a L{_PreparedURL} that treq turns into exactly the bytes it
+        would send for C{url}, or C{url} itself should the two ever differ.
+    """
+    text = EncodedURL.from_text(url).to_uri().to_text()
+    prepared = _PreparedURL.from_text(text)
+    prepared._uriText = text
+    if EncodedURL.to_text(prepared) != text:
+        return url
+    return prepared
+
+
+@implementer(IAgentEndpointFactory)
+class _EndpointCache:
+    """
+    Remembers Agent's endpoint (and, for https, its TLS connection creator)
+    per scheme, host and port. Agent builds both for every request even when
+    the pool hands back an idle connection; they are reusable, and only
+    used to open a new connection.
+    """
+
+    def __init__(self, factory) -> None:
+        self._factory = factory
+        self._endpoints: dict = {}
+
+    def endpointForURI(self, uri):
+        key = (uri.scheme, uri.host, uri.port)
+        endpoint = self._endpoints.get(key)
+        if endpoint is None:
+            endpoint = self._endpoints[key] = self._factory.endpointForURI(uri)
+        return endpoint
+
+
 @implementer(IUpstreamDialer)
 @define(eq=False)
 class HTTPDialer:
@@ -207,6 +262,7 @@ class HTTPDialer:
     _maxPersistentPerHost: int = 64
     _clients: dict = field(factory=dict)
     _pools: list = field(factory=list)
+    _urls: dict = field(factory=dict)
 
     def _clientFor(self, account: Account, timeouts: UpstreamSettings) -> HTTPClient:
         """
@@ -234,6 +290,7 @@ class HTTPDialer:
                 if policy is not None:
                     kwargs["contextFactory"] = policy
                 agent = Agent(self._reactor, **kwargs)
+                agent._endpointFactory = _EndpointCache(agent._endpointFactory)
             # Upstream cookies (e.g. Cloudflare's) must never be stored and
             # replayed: the pool is shared by every account and client.
             client = HTTPClient(agent, cookiejar=CookieJar(DefaultCookiePolicy(allowed_domains=[])))
@@ -258,12 +315,17 @@ class HTTPDialer:
         """
         client = self._clientFor(account, timeouts)
         url = account.base_url + path
+        prepared = self._urls.get(url)
+        if prepared is None:
+            if len(self._urls) >= 1024:
+                self._urls.clear()
+            prepared = self._urls[url] = _prepareURL(url)
         hdrs = Headers()
         for name, value in upstreamHeaders(account, headers).items():
             hdrs.setRawHeaders(name, [value])
         d = client.request(
             method.decode("ascii") if isinstance(method, bytes) else method,
-            url,
+            prepared,
             headers=hdrs,
             data=body,
             unbuffered=True,
