@@ -200,6 +200,11 @@ def _parseBlock(buf: bytes, start: int, end: int) -> Optional[Event]:
     if not data:
         return None
     payload = b"\n".join(data)
-    if not etype or payload[:6] == DONE:
-        etype = sniffType(payload)
-    return Event(etype, payload)
+    if etype and payload[:6] != DONE:
+        return Event(etype, payload)
+    etype = sniffType(payload)
+    if etype.startswith(b"response."):
+        return Event(etype, payload)  # framed with an event: line on output
+    # Data-only events that are not Responses events (chat chunks, [DONE])
+    # stay data-only (protocol.md 3): never synthesise an event: line.
+    return Event(etype, payload, b"data: " + payload + b"\n\n")

@@ -140,3 +140,34 @@ def withoutEncryptedReasoning(body: dict):
     if len(kept) == len(items):
         return None
     return {**body, "input": kept}
+
+
+_SESSION_NAMES = ("session_id", "session-id")
+_CONVERSATION_NAMES = ("conversation_id", "conversation-id")
+
+
+def upstreamClientHeaders(turn: Turn, account: Account) -> dict:
+    """
+    The client headers to hand the dialer for C{account} (it applies its
+    own allow-list). For OAuth accounts the session and conversation ids
+    are replaced by C{xxhash64("k{key}:" + raw)} as 16 hex digits, falling
+    back to C{prompt_cache_key}, so one tenant's ids never reach the
+    backend next to another's (protocol.md 7.2).
+
+    @return: a new dict (lower-cased names).
+    """
+    headers = dict(turn.headers)
+    if account.type != "oauth":
+        return headers
+    import xxhash
+
+    scope = "k" + turn.client.name + ":"
+    cacheKey = turn.body.get("prompt_cache_key")
+    cacheKey = cacheKey if isinstance(cacheKey, str) and cacheKey else None
+    for names in (_SESSION_NAMES, _CONVERSATION_NAMES):
+        raw = next((headers[n] for n in names if headers.get(n)), None) or cacheKey
+        for n in names:
+            headers.pop(n, None)
+        if raw:
+            headers[names[0]] = xxhash.xxh64_hexdigest((scope + raw).encode("utf-8"))
+    return headers

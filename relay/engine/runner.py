@@ -31,6 +31,7 @@ from relay.engine.payload import (
     isEmptyCompleted,
     isSemanticOutput,
     upstreamBody,
+    upstreamClientHeaders,
     upstreamStreams,
     withoutEncryptedReasoning,
 )
@@ -329,7 +330,7 @@ class StreamPump(Protocol):
             return
         if t == b"response.completed":
             response = event.json().get("response") or {}
-            if isEmptyCompleted(response):
+            if isEmptyCompleted(response) and self._turn.body.get("generate") is not False:
                 verdict = classifier.classifyStreamFailure(
                     self._account, self._turn.endpoint, "empty_completed", event.json(), ""
                 )
@@ -515,13 +516,21 @@ def modelRewriter(requested: Optional[str], upstream: Optional[str]) -> Optional
         return None
     from relay.sse import Event
 
-    old = b'"model":"' + upstream.encode() + b'"'
-    new = b'"model":"' + requested.encode() + b'"'
+    pairs = [
+        (b'"model":' + sep + b'"' + upstream.encode() + b'"',
+         b'"model":' + sep + b'"' + requested.encode() + b'"')
+        for sep in (b"", b" ")
+    ]
 
     def rewrite(event):
-        if old not in event.data:
+        data = event.data
+        for old, new in pairs:
+            if old in data:
+                data = data.replace(old, new)
+        if data is event.data:
             return event
-        return Event(event.type, event.data.replace(old, new))
+        dataOnly = event._raw is not None and event._raw.startswith(b"data: ")
+        return Event(event.type, data, b"data: " + data + b"\n\n" if dataOnly else None)
 
     return rewrite
 
@@ -1080,7 +1089,7 @@ class TurnRunner:
         s = self.settings.current
         stream = upstreamStreams(turn, account)
         path = "/responses" if turn.endpoint == "responses" else "/chat/completions"
-        headers = dict(turn.headers)
+        headers = upstreamClientHeaders(turn, account)
         headers["accept"] = "text/event-stream" if stream else "application/json"
         body = upstreamBody(turn, account)
         fot = s.first_output_timeout_seconds if stream else 0

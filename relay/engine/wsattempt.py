@@ -34,6 +34,7 @@ from relay.engine.runner import (
     previousResponseNotFound,
     raceCancel,
 )
+from relay.engine.payload import upstreamClientHeaders
 from relay.model import ClientError
 from relay.sse import eventFromJSON
 from relay.upstream.ws import (
@@ -316,7 +317,7 @@ class WebSocketAttempt:
                 current.proto.close()
                 ctx.dedicated = None
             proto = await dialUpstream(
-                self.reactor, account, turn.headers,
+                self.reactor, account, upstreamClientHeaders(turn, account),
                 s.upstream.connect_timeout_seconds, self.tlsPolicy,
             )
             conn = PooledConnection(
@@ -326,7 +327,7 @@ class WebSocketAttempt:
                 ctx.dedicated = conn
             return conn
         preferred = self.pool.findByResponse(account.id, prev) if prev else None
-        return await self.pool.acquire(account, turn.headers, preferred)
+        return await self.pool.acquire(account, upstreamClientHeaders(turn, account), preferred)
 
     def _giveBack(self, conn: PooledConnection, mode: str, broken: bool) -> None:
         if mode == "passthrough":
@@ -428,6 +429,8 @@ class WebSocketAttempt:
         body["type"] = "response.create"
         if turn.model:
             body["model"] = account.upstreamModel(turn.model)
+        if account.type == "oauth":
+            body["store"] = False  # R66: forced false on the ChatGPT backend
         payload = _dumps(body)
 
         given = []

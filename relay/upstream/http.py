@@ -46,7 +46,6 @@ FORWARDED_HEADERS = (
     "x-codex-turn-metadata",
     "x-codex-turn-state",
     "x-codex-routing-hint",
-    "openai-beta",
 )
 
 DEFAULT_ORIGINATOR = "codex_cli_rs"

@@ -218,7 +218,9 @@ async def dialUpstream(reactor, account, clientHeaders: dict, timeout: float, tl
     """
     url = upstreamWebSocketURL(account.base_url)
     headers = handshakeHeaders(account, clientHeaders)
-    factory = WebSocketClientFactory(url, headers=headers, reactor=reactor)
+    # useragent=None: only the forwarded (Codex-shaped) User-Agent goes out,
+    # not autobahn's (protocol.md 7.2: a non-Codex UA draws CDN 403s).
+    factory = WebSocketClientFactory(url, headers=headers, reactor=reactor, useragent=None)
     factory.protocol = UpstreamProtocol
     factory.setProtocolOptions(
         openHandshakeTimeout=timeout,
