@@ -26,7 +26,8 @@ from collections import OrderedDict
 from typing import Callable, Iterable, Optional, Sequence
 from weakref import WeakKeyDictionary
 
-from attrs import asdict, define, field
+from attrs import define, field
+from attrs import fields as attrs_fields
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
@@ -183,6 +184,18 @@ class _Choice:
     preferred: bool = False
     keepBinding: bool = False
     bindingOp: str = "none"
+
+
+_RECORD_FIELDS = tuple(a.name for a in attrs_fields(DecisionRecord))
+
+
+def _recordFields(record: DecisionRecord) -> dict:
+    """
+    C{attrs.asdict(record)} without its per-call recursion machinery: every
+    L{DecisionRecord} field is a scalar, so this is the same dict, in the
+    same order, at a fraction of the cost (one per relayed request).
+    """
+    return {name: getattr(record, name) for name in _RECORD_FIELDS}
 
 
 @implementer(IAccountScheduler)
@@ -878,6 +891,6 @@ class AccountScheduler:
         self._log.info(
             "account schedule decision: {layer} -> {selected_account_id}",
             event="openai.account_schedule_decision", request_id=turn.requestId,
-            entrypoint=turn.entrypoint, **asdict(record),
+            entrypoint=turn.entrypoint, **_recordFields(record),
         )
         return Selection(account=account, lease=choice.lease, waitPlan=choice.plan, record=record)
