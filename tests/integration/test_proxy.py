@@ -7,16 +7,12 @@ time. Every port and process is closed at teardown.
 
 from __future__ import annotations
 
-import datetime
 import warnings
 
 import pytest
 import pytest_twisted
 import treq
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.hazmat.primitives import serialization
 from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import wrapClientTLS
 from twisted.internet.error import ConnectionRefusedError
@@ -39,6 +35,7 @@ from relay.upstream.proxy import (
     webSocketEndpoint,
 )
 from tests.integration.proxy_servers import freePort, startMicrosocks, startTinyproxy
+from tests.integration.tlsca import _keyPEM, makeCA, makeLeaf
 
 TIMEOUT = 10
 """Seconds any single await in these tests may take."""
@@ -104,64 +101,15 @@ class PeerResource(Resource):
 
 def makeTestCA():
     """
-    A CA and a leaf certificate for C{localhost}, made with C{cryptography}.
+    A CA and a leaf certificate for C{localhost} (the shared builders in
+    L{tests.integration.tlsca}).
 
     @return: (CA certificate PEM, leaf key+certificate PEM).
     """
-    now = datetime.datetime.now(datetime.timezone.utc)
-    caKey = ec.generate_private_key(ec.SECP256R1())
-    caName = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "relay test CA")])
-    caCert = (
-        x509.CertificateBuilder()
-        .subject_name(caName)
-        .issuer_name(caName)
-        .public_key(caKey.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(hours=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(caKey.public_key()), False)
-        .sign(caKey, hashes.SHA256())
-    )
-    leafKey = ec.generate_private_key(ec.SECP256R1())
-    leafCert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
-        .issuer_name(caName)
-        .public_key(leafKey.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(hours=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), False)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), False)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(leafKey.public_key()), False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(caKey.public_key()), False
-        )
-        .sign(caKey, hashes.SHA256())
-    )
+    caKey, caCert = makeCA()
+    leafKey, leafCert = makeLeaf(caKey, caCert, ("localhost",))
     caPEM = caCert.public_bytes(serialization.Encoding.PEM)
-    leafPEM = leafKey.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.TraditionalOpenSSL,
-        serialization.NoEncryption(),
-    ) + leafCert.public_bytes(serialization.Encoding.PEM)
-    return caPEM, leafPEM
+    return caPEM, _keyPEM(leafKey) + leafCert.public_bytes(serialization.Encoding.PEM)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from twisted.internet.task import deferLater
 
 from relay.emulator import Emulator
 from tests.integration.redis_server import freePort, redisServer  # noqa: F401 (fixture)
-from tests.integration.test_two_relays_redis import ROOT, _cli, _waitHealthy
+from tests.integration.test_two_relays_redis import ROOT, _waitHealthy, slotLeftovers
 from tests.integration.test_ws_turns import _Client, userTurn
 
 KEY = "sk-relay-wshttp"
@@ -155,14 +155,7 @@ async def test_ws_and_http_relays_share_one_slot(redisServer):  # noqa: F811
         for c in clients:
             c.bye()
         await deferLater(reactor, 0.3, lambda: None)  # fire-and-forget releases land
-        leftovers = []
-        for pattern in ("concurrency:*", "wait:*"):
-            for key in _cli(redisServer, "--scan", "--pattern", pattern).split():
-                if _cli(redisServer, "type", key).strip() == "zset":
-                    n = int(_cli(redisServer, "zcard", key).strip() or 0)
-                    if n:
-                        leftovers.append((key, n))
-        assert leftovers == [], leftovers
+        assert slotLeftovers(redisServer) == []
     finally:
         for c in clients:
             c.bye()

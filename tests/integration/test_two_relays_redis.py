@@ -108,14 +108,7 @@ async def test_two_relays_share_slots(redisServer):  # noqa: F811
         assert emulator.peak("sk-two-a2") <= 1
         assert emulator.peak("sk-two-a1") + emulator.peak("sk-two-a2") >= 2
         await deferLater(reactor, 0.2, lambda: None)  # fire-and-forget releases land
-        leftovers = []
-        for pattern in ("concurrency:*", "wait:*"):
-            for key in _cli(redisServer, "--scan", "--pattern", pattern).split():
-                if _cli(redisServer, "type", key).strip() == "zset":
-                    n = int(_cli(redisServer, "zcard", key).strip() or 0)
-                    if n:
-                        leftovers.append((key, n))
-        assert leftovers == [], leftovers
+        assert slotLeftovers(redisServer) == []
     finally:
         for p in procs:
             p.terminate()
@@ -125,6 +118,21 @@ async def test_two_relays_share_slots(redisServer):  # noqa: F811
             except subprocess.TimeoutExpired:
                 p.kill()
         await emulator.stop()
+
+
+def slotLeftovers(server) -> list:
+    """
+    Non-empty slot sets and wait queues (C{concurrency:*}, C{wait:*}) in
+    Redis, as C{[(key, members)]} (R33: nothing may be left behind).
+    """
+    leftovers = []
+    for pattern in ("concurrency:*", "wait:*"):
+        for key in _cli(server, "--scan", "--pattern", pattern).split():
+            if _cli(server, "type", key).strip() == "zset":
+                n = int(_cli(server, "zcard", key).strip() or 0)
+                if n:
+                    leftovers.append((key, n))
+    return leftovers
 
 
 def _cli(server, *args) -> str:
