@@ -166,6 +166,17 @@ class Options(usage.Options):
             parent["logger"] = f"relay.logs.{fmt}Stdout"
 
 
+def globalReactor():
+    """
+    The global reactor, for the twistd C{makeService} functions only (the
+    relay's and the emulator's): the one place in relay that imports it
+    (architecture.md invariant 2).
+    """
+    from twisted.internet import reactor
+
+    return reactor
+
+
 def makeService(options: Options, reactor=None):
     """
     Build the relay service.
@@ -180,7 +191,7 @@ def makeService(options: Options, reactor=None):
         except under a daemonising twistd.
     """
     if reactor is None:
-        from twisted.internet import reactor
+        reactor = globalReactor()
     from relay.app import buildService
 
     try:

@@ -102,7 +102,9 @@ def makeService(options: Options, reactor: Any = None) -> MultiService:
     @rtype: L{MultiService}
     """
     if reactor is None:
-        from twisted.internet import reactor
+        from relay.tap import globalReactor
+
+        reactor = globalReactor()
     emulator = Emulator(reactor=reactor, config=options.config)
     service = MultiService()
     service.emulator = emulator
