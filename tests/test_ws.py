@@ -14,7 +14,8 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from relay.engine.runner import previousResponseNotFound
-from relay.engine.wsattempt import busyVerdict, errorFromEvent, isPreviousNotFound
+from relay.engine.wsattempt import errorFromEvent, isPreviousNotFound
+from relay.policy.judgement import busyVerdict
 from relay.entry.ws import ConnectionState, normaliseInput
 from relay.entry.wssink import WebSocketSink, isStatusEvent
 from relay.model import (

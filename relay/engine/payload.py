@@ -71,17 +71,24 @@ _EMPTY_WHEN_BARE = frozenset(
 )
 
 
-def isSemanticOutput(event: Event) -> bool:
+def isSemanticOutput(event: Event, chat: bool = False) -> bool:
     """
-    Whether C{event} is the first semantic output (behaviour.md R22).
+    Whether C{event} is the first semantic output (behaviour.md R22, R84,
+    R86.5).
 
     Not semantic: C{response.created}, C{response.in_progress}, upstream
     extras (C{codex.*}, C{responsesapi.*}), and C{output_item.added} /
     C{content_part.added} / C{reasoning_summary_part.added} that carry no
     content (a message with empty content, a reasoning item with neither
-    C{encrypted_content} nor summary text). Failure events are handled by
-    the caller before this test.
+    C{encrypted_content} nor summary text). On a chat completions stream a
+    role chunk without content and an empty delta are not semantic either
+    (R84). Failure events are handled by the caller before this test.
+
+    @param event: the upstream event.
+    @param chat: the stream is a chat completions stream (data-only chunks).
     """
+    if chat:
+        return _chatSemantic(event)
     t = event.type
     if t in _NEVER_SEMANTIC or t.startswith(b"codex.") or t.startswith(b"responsesapi."):
         return False
@@ -98,14 +105,35 @@ def isSemanticOutput(event: Event) -> bool:
             summary = item.get("summary") or []
             return bool(item.get("encrypted_content")) or any(s.get("text") for s in summary)
         return True
-    if t == b"chat.completion.chunk":
-        choices = event.json().get("choices") or []
-        for choice in choices:
-            delta = choice.get("delta") or {}
-            if delta.get("content") or delta.get("tool_calls") or choice.get("finish_reason"):
-                return True
-        return bool(event.json().get("usage")) and not choices
     return True
+
+
+_CHAT_OUTPUT_FIELDS = ("content", "tool_calls", "function_call", "refusal", "reasoning_content")
+
+
+def _chatSemantic(event: Event) -> bool:
+    """
+    R84/R86.5: a chat chunk is output when a choice carries content, a tool
+    call, a refusal or a finish reason, or when it is the final usage chunk
+    (no choices).
+    """
+    if event.type == b"[DONE]":
+        return True
+    data = event.json()
+    choices = data.get("choices")
+    if not isinstance(choices, list):
+        return bool(data.get("usage"))
+    if not choices:
+        return bool(data.get("usage"))
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        if choice.get("finish_reason"):
+            return True
+        delta = choice.get("delta") or choice.get("message") or {}
+        if isinstance(delta, dict) and any(delta.get(k) for k in _CHAT_OUTPUT_FIELDS):
+            return True
+    return False
 
 
 def isEmptyCompleted(response: dict) -> bool:

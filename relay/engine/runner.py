@@ -15,7 +15,7 @@ import json
 import re
 from typing import Callable, Optional
 
-from attrs import define, field
+from attrs import define, evolve, field
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.protocol import Protocol
 from twisted.internet.task import LoopingCall, deferLater
@@ -36,8 +36,11 @@ from relay.engine.payload import (
     withoutEncryptedReasoning,
 )
 from relay.model import AdmissionError, ClientError, Turn, WaitPlan
+from relay.policy import ends
+from relay.policy.bookkeeping import AccountBookkeeping
+from relay.policy.judgement import judge
 from relay.selection import NoAccountAvailable
-from relay.sse import LineTooLong, SSEParser
+from relay.sse import DONE, LineTooLong, SSEParser
 
 STAGING_CAP = 8 * 2**20
 """Held-back bytes before the first output, at most (behaviour.md R22)."""
@@ -137,22 +140,32 @@ class AttemptResult:
     """
     What one attempt on one account ended with.
 
-    @ivar ok: the turn completed (a terminal event or body reached the client).
-    @ivar verdict: the failure verdict when the attempt failed before output.
+    @ivar end: the attempt end, a fact from L{relay.policy.ends}.
+    @ivar verdict: the verdict when the attempt code already judged the end
+        (an in-band failure must be judged where it is read: it fails over
+        or is forwarded); else L{None} and the engine judges it.
     @ivar committed: output reached the client (no failover any more).
-    @ivar failedAfterOutput: upstream broke after output; the sink already
-        got the terminal error.
-    @ivar responseId: the completed response's id, if any.
     @ivar status: HTTP-like status of the outcome for logs.
     """
 
-    ok: bool = False
+    end: object = None
     verdict: Optional[F.Verdict] = None
     committed: bool = False
-    failedAfterOutput: bool = False
-    responseId: Optional[str] = None
     status: int = 200
-    firstOutputAt: Optional[float] = None
+
+    @property
+    def ok(self) -> bool:
+        """
+        The turn completed: a terminal event or body reached the client.
+        """
+        return isinstance(self.end, ends.Completed)
+
+    @property
+    def responseId(self) -> Optional[str]:
+        """
+        The response id of a completed or forwarded turn, else L{None}.
+        """
+        return getattr(self.end, "responseId", None)
 
 
 @define(eq=False)
@@ -188,6 +201,12 @@ class StreamPump(Protocol):
     through, watching only for the terminal event. Registered as a
     streaming producer on the sink, so a slow client pauses upstream.
 
+    It reports how the attempt ended as a fact (L{relay.policy.ends}) and
+    never writes account state (behaviour.md R86): the engine judges and
+    records the end. A pump the client left (the sink stops producing, or
+    the engine calls L{depart}) ends with L{ends.Departed}, so nothing that
+    happens to the upstream connection afterwards can count (R2).
+
     @ivar done: fires with an L{AttemptResult}.
     """
 
@@ -200,10 +219,11 @@ class StreamPump(Protocol):
         self._rewrite = modelRewrite
         self._idleTimeout = idleTimeout
         self._parser = SSEParser()
+        self._chat = turn.endpoint == "chat"
         # Raw pass-through needs a sink that takes bytes and no model-name
         # rewrite; Responses streams must already be in event:+data: form.
         self._rawWrite = getattr(sink, "writeRaw", None) if modelRewrite is None else None
-        self._rawPrefix = b"event: " if turn.endpoint == "responses" else b"data: "
+        self._rawPrefix = b"data: " if self._chat else b"event: "
         self._staged = []
         self._stagedBytes = 0
         self._headers = {}
@@ -233,7 +253,20 @@ class StreamPump(Protocol):
             self.transport.resumeProducing()
 
     def stopProducing(self) -> None:
-        self.abort()
+        """
+        The client's connection went away under us (twisted.web stops the
+        registered producer): the attempt ended because the client left.
+        """
+        self.depart("client_gone")
+
+    def depart(self, reason: str = "client_gone") -> None:
+        """
+        End the attempt as L{ends.Departed} and drop the upstream
+        connection (R2). Idempotent; a no-op once the attempt ended.
+
+        @param reason: why, for logs.
+        """
+        self._endWith(AttemptResult(end=ends.Departed(reason), status=499))
 
     def abort(self) -> None:
         """
@@ -266,10 +299,7 @@ class StreamPump(Protocol):
         try:
             events = self._parser.feed(data)
         except LineTooLong as e:
-            self._failPreOrPost(
-                self._runner.classifier.stagingOverflow(self._account, e.args[0]),
-                "OpenAI stream line too long",
-            )
+            self._fail(ends.StagingOverflow(e.args[0]), "OpenAI stream line too long")
             return
         for event in events:
             if self.finished:
@@ -315,41 +345,50 @@ class StreamPump(Protocol):
         else:
             self._beforeOutput(event)
 
-    def _beforeOutput(self, event) -> None:
+    def _failureEvent(self, event) -> Optional[dict]:
+        """
+        The parsed event when C{event} is an in-band failure before output:
+        a C{response.failed} or C{error} event, or a chat error chunk
+        (C{{"error": {...}}}, R84); else L{None}.
+        """
         t = event.type
-        classifier = self._runner.classifier
         if t == b"response.failed" or t == b"error":
-            verdict = classifier.classifyStreamFailure(
-                self._account, self._turn.endpoint, "event", event.json(), ""
-            )
+            return event.json()
+        if self._chat and t != DONE:
+            data = event.json()
+            if isinstance(data.get("error"), dict) and "choices" not in data:
+                return data
+        return None
+
+    def _beforeOutput(self, event) -> None:
+        failure = self._failureEvent(event)
+        if failure is not None:
+            wire = ends.WIRE_CHAT if self._chat else self._inBandWire
+            end = ends.InBandFailure(failure, wire)
+            verdict = self._runner.judge(self._turn, self._account, end)
             if verdict is not None and verdict.failover:
-                self._endWith(AttemptResult(verdict=verdict, status=verdict.status))
+                self._endWith(AttemptResult(end=end, verdict=verdict, status=verdict.status))
                 return
+            # R23: not a failover; the client sees upstream's own failure.
             self._commit()
-            self._afterOutput(event)
+            self._afterOutput(event, forwardedFailure=True)
             return
+        t = event.type
         if t == b"response.completed":
             response = event.json().get("response") or {}
             if isEmptyCompleted(response) and self._turn.body.get("generate") is not False:
-                verdict = classifier.classifyStreamFailure(
-                    self._account, self._turn.endpoint, "empty_completed", event.json(), ""
-                )
-                if verdict is not None:
-                    self._endWith(AttemptResult(verdict=verdict, status=verdict.status))
-                    return
-        if event.terminal or isSemanticOutput(event):
+                self._endWith(AttemptResult(end=ends.EmptyCompletion(event.json()), status=502))
+                return
+        if event.terminal or isSemanticOutput(event, self._chat):
             self._commit()
             self._afterOutput(event)
             return
         self._staged.append(event)
         self._stagedBytes += len(event.data)
         if self._stagedBytes > STAGING_CAP:
-            self._endWith(
-                AttemptResult(
-                    verdict=classifier.stagingOverflow(self._account, self._stagedBytes),
-                    status=502,
-                )
-            )
+            self._endWith(AttemptResult(end=ends.StagingOverflow(self._stagedBytes), status=502))
+
+    _inBandWire = ends.WIRE_SSE
 
     def _commit(self) -> None:
         """
@@ -370,24 +409,25 @@ class StreamPump(Protocol):
             event = self._rewrite(event)
         self._sink.writeEvent(event)
 
-    def _afterOutput(self, event) -> None:
-        if not event.terminal:
+    def _afterOutput(self, event, forwardedFailure: bool = False) -> None:
+        if not event.terminal and not forwardedFailure:
             self._write(event)
             return
         # Release the slot before the terminal event reaches the client:
         # Codex sends its next request the instant it reads it
         # (architecture.md invariant 4, protocol.md 8).
         responseId = None
-        ok = event.type != b"response.failed"
-        if event.type != b"[DONE]":
-            response = event.json().get("response") or {}
-            responseId = response.get("id")
+        if event.type != DONE:
+            response = event.json().get("response")
+            if isinstance(response, dict):
+                responseId = response.get("id")
         self._release()
         self._write(event)
-        self._endWith(
-            AttemptResult(ok=ok, committed=True, responseId=responseId, status=200),
-            dropUpstream=False,
-        )
+        if forwardedFailure or event.type == b"response.failed":
+            end = ends.Forwarded(responseId)
+        else:
+            end = ends.Completed(responseId)
+        self._endWith(AttemptResult(end=end, committed=True, status=200), dropUpstream=False)
 
     # -- endings -------------------------------------------------------------
 
@@ -413,13 +453,28 @@ class StreamPump(Protocol):
             detach()
         self.done.callback(result)
 
-    def _failPreOrPost(self, verdict, message: str) -> None:
-        if not self._outputReachedClient():
-            self._endWith(AttemptResult(verdict=verdict, status=verdict.status))
+    def _fail(self, end, message: str, error=None) -> None:
+        """
+        End with a stream failure: before output the engine judges it and
+        may fail over; after output the client gets a terminal error
+        in-stream (R17, R23) and C{end} is recorded as happening after
+        output.
+
+        @param end: the attempt end (a L{relay.policy.ends} failure).
+        @param message: the client's message after output.
+        @param error: the L{ClientError} to write after output (default:
+            L{E.streamBrokenError} of C{message}).
+        """
+        if self.finished:
             return
+        if not self._outputReachedClient():
+            self._endWith(AttemptResult(end=end, status=502))
+            return
+        if hasattr(end, "afterOutput"):
+            end = evolve(end, afterOutput=True)
         self._release()
-        self._sink.fail(E.streamBrokenError(message))
-        self._endWith(AttemptResult(committed=True, failedAfterOutput=True, status=502))
+        self._sink.fail(error if error is not None else E.streamBrokenError(message))
+        self._endWith(AttemptResult(end=end, committed=True, status=502))
 
     def _idleExpired(self) -> None:
         """
@@ -430,26 +485,26 @@ class StreamPump(Protocol):
         self._idle = None
         if self.finished:
             return
-        if self._outputReachedClient():
-            self._release()
-            self._sink.fail(E.streamTimeoutError())
-            self._endWith(AttemptResult(committed=True, failedAfterOutput=True, status=504))
-        else:
-            verdict = self._runner.classifier.classifyStreamFailure(
-                self._account, self._turn.endpoint, "read_error", None, "stream idle timeout"
-            )
-            self._endWith(AttemptResult(verdict=verdict, status=502))
+        end = ends.RelayTimeout(ends.IDLE, self._idleTimeout)
+        self._fail(end, "Upstream stream idle timeout", E.streamTimeoutError())
 
-    def firstOutputTimeout(self, verdict) -> None:
+    def firstOutputTimeout(self, seconds: float) -> None:
         """
         Called by the runner when the first-output timer fires (R20).
+
+        @param seconds: the deadline that expired.
         """
         if not self.finished and not self.committed:
-            self._endWith(AttemptResult(verdict=verdict, status=504))
+            self._endWith(
+                AttemptResult(end=ends.RelayTimeout(ends.FIRST_OUTPUT, seconds), status=504)
+            )
 
     def connectionLost(self, reason) -> None:
         self._cancelIdle()
         if self.finished:
+            return
+        if self._turn.cancel.cancelled:
+            self.depart(self._turn.cancel.reason)
             return
         clean = reason.check(ResponseDone, PotentialDataLoss) is not None
         tail = self._parser.feed(b"\n\n") if clean and self._parser.pending else []
@@ -459,21 +514,13 @@ class StreamPump(Protocol):
             (self._afterOutput if self.committed else self._beforeOutput)(event)
         if self.finished:
             return
-        classifier = self._runner.classifier
         if clean:
-            kind, message = "no_terminal", "OpenAI stream ended before a terminal event"
+            self._fail(ends.StreamEnded(), "OpenAI stream ended before a terminal event")
         else:
-            kind = "read_error"
-            message = "OpenAI stream disconnected before completion: " + _shortReason(reason)
-        if self._outputReachedClient():
-            self._runner._streamBrokeAfterOutput(self._account, kind)
-            self._failPreOrPost(None, message)
-        else:
-            self._runner._proxyStreamCut(self._account, kind)
-            verdict = classifier.classifyStreamFailure(
-                self._account, self._turn.endpoint, kind, None, message
+            detail = _shortReason(reason)
+            self._fail(
+                ends.StreamCut(detail), "OpenAI stream disconnected before completion: " + detail
             )
-            self._endWith(AttemptResult(verdict=verdict, status=502))
 
 
 def _shortReason(reason: Failure) -> str:
@@ -559,13 +606,44 @@ class TurnRunner:
     classifier: object
     health: object
     settings: object
-    metrics: object = None
+    metrics: object = field(default=None, on_setattr=lambda self, a, v: self._setMetrics(v))
     wsAttempt: object = None
     proxyHealth: object = None
     budget: RetryBudget = field(factory=RetryBudget)
-    accountStats: dict = field(factory=dict)
-    """account id -> {"turns", "failovers", "last_error"} for the admin view."""
+    bookkeeping: object = None
+    """The L{AccountBookkeeping}: the one writer of account state for an
+    attempt's end (behaviour.md R86); built from C{health} when not given."""
     _log = Logger()
+
+    def __attrs_post_init__(self) -> None:
+        if self.bookkeeping is None:
+            self.bookkeeping = AccountBookkeeping(
+                health=self.health, clock=self.clock, proxyHealth=self.proxyHealth,
+                metrics=self.metrics,
+            )
+
+    def _setMetrics(self, metrics):
+        if self.bookkeeping is not None:
+            self.bookkeeping.metrics = metrics
+        return metrics
+
+    @property
+    def accountStats(self) -> dict:
+        """
+        account id -> C{{"turns", "failovers", "last_error", ...}} for the
+        operator view (kept by L{AccountBookkeeping}).
+        """
+        return self.bookkeeping.stats
+
+    def judge(self, turn: Turn, account, end) -> Optional[F.Verdict]:
+        """
+        The verdict for an attempt end (L{relay.policy.judgement.judge}).
+
+        @param turn: the L{Turn}.
+        @param account: the account attempted.
+        @param end: an attempt end from L{relay.policy.ends}.
+        """
+        return judge(self.classifier, end, account, turn, self.clock.seconds())
 
     # -- public --------------------------------------------------------------
 
@@ -681,22 +759,33 @@ class TurnRunner:
                         self.clock.seconds() - state.startedAt - state.waited
                     )
             result = await self._attempt(turn, sink, account, lease)
+            end = result.end
+            if turn.cancel.cancelled or isinstance(end, ends.Departed):
+                # R2: the client left (or relay cancelled the attempt for
+                # it); nothing is judged, recorded or written.
+                raise ClientGone(turn.cancel.reason or getattr(end, "reason", "client_gone"))
+            verdict = result.verdict
+            if verdict is None:
+                verdict = self.judge(turn, account, end)
+            model = account.upstreamModel(turn.model) if turn.model else None
+            recorded = await self.bookkeeping.record(
+                account, end, verdict, model, turn.requestId
+            )
             if result.ok:
                 sink.finish()
                 await self._succeeded(turn, account, result)
                 return "completed", result.status, account.id
-            if turn.cancel.cancelled:
-                raise ClientGone(turn.cancel.reason)
-            if result.committed or result.failedAfterOutput:
+            if result.committed:
                 # R19 step 2 / R23: after output nothing fails over; the
                 # terminal event (upstream's or relay's) is already written.
                 sink.finish()
                 return "failed", result.status, account.id
-            verdict = result.verdict
+            if verdict is None:
+                raise AssertionError(f"attempt ended with {end!r} but no verdict")
             if self._rewriteOnce(turn, state, account, verdict):
                 sameAccount = account
                 continue
-            decision = await self._decide(turn, sink, state, account, verdict)
+            decision = await self._decide(turn, sink, state, account, verdict, recorded)
             if decision[0] == "pass":
                 sink.fail(decision[1])
                 return "failed", decision[1].status, account.id
@@ -739,28 +828,26 @@ class TurnRunner:
         )
         return True
 
-    async def _decide(self, turn, sink, state: TurnState, account, verdict: F.Verdict):
+    async def _decide(
+        self, turn, sink, state: TurnState, account, verdict: F.Verdict, recorded
+    ):
         """
-        R19: what to do with one failure.
+        R19: what to do with one failure. Account state was already written
+        by L{AccountBookkeeping.record} (C{recorded} says what it found);
+        this only decides.
 
         @return: C{("pass", ClientError)}, C{("exhausted", ClientError)},
             C{("same", delay)} or C{("switch", delay)}.
         """
         s = self.settings.current
-        model = account.upstreamModel(turn.model) if turn.model else None
-        self._upstreamFailed(turn, account, verdict)
         if not verdict.failover:
-            await self._mark(account, verdict, model)
             return ("pass", verdict.clientError)
         state.lastVerdict = verdict
         interval = max(0, s.retry_interval_ms) / 1000.0
 
-        # Transport failures: R4 cooldown, R-B1 breaker, R72 sticky policy.
+        # R72: a transient transport failure may retry the same account.
         if verdict.kind == F.TRANSPORT:
-            if verdict.persistent:
-                await self._mark(account, verdict, model)
-            else:
-                await self.health.transientTransportFailure(account, _proxyId(account))
+            if not verdict.persistent:
                 if s.transport_retry_policy == "sticky" and self._canRetrySame(
                     state, account, verdict
                 ):
@@ -779,15 +866,14 @@ class TurnRunner:
                     )
                     return ("same", interval)
         elif verdict.oauth429:
-            action, delay = await self.health.oauth429Decision(account, verdict)
-            if action == "retry_same":
+            # R13: inside the window the same account is retried.
+            delay = recorded.oauth429RetryIn
+            if delay is not None:
                 if not self._takeRetryToken(state, s):
                     return ("exhausted", self.classifier.exhausted(verdict, turn.endpoint))
                 self._logSameRetry(turn, account, state, delay, "oauth_429_window", None)
                 return ("same", max(interval, delay))
             state.oauth429 = True
-        else:
-            await self._mark(account, verdict, model)
 
         if verdict.stop:
             return ("exhausted", self.classifier.exhausted(verdict, turn.endpoint))
@@ -910,19 +996,10 @@ class TurnRunner:
         if self.metrics is not None:
             self.metrics.sameAccountRetry(reason)
 
-    async def _mark(self, account, verdict, model) -> None:
-        """
-        Apply the verdict's markings (R4, R11) through the health object.
-        """
-        if verdict.markings:
-            await self.health.applyVerdict(account, verdict, model)
-            if self.metrics is not None:
-                for marking in verdict.markings:
-                    self.metrics.cooldown(marking.kind)
-
     async def _succeeded(self, turn, account, result: AttemptResult) -> None:
-        model = account.upstreamModel(turn.model) if turn.model else None
-        await self.health.success(account, model)
+        """
+        A completed turn: remember which account owns the response (R39).
+        """
         if result.responseId:
             await self.scheduler.recordResponse(turn, result.responseId, account)
             if turn.onResponseId is not None:
@@ -1099,7 +1176,6 @@ class TurnRunner:
 
         def _onFirstOutputTimeout():
             timedOut.append(True)
-            verdict = self.classifier.firstOutputTimeout(account, fot)
             self._log.warn(
                 "no first output from {account_id} within {seconds}s",
                 event="openai.first_output_timeout",
@@ -1108,7 +1184,7 @@ class TurnRunner:
                 request_id=turn.requestId,
             )
             if pump is not None:
-                pump.firstOutputTimeout(verdict)
+                pump.firstOutputTimeout(fot)
             else:
                 requestD.cancel()
 
@@ -1121,10 +1197,9 @@ class TurnRunner:
             except Exception as e:
                 if timedOut:
                     return AttemptResult(
-                        verdict=self.classifier.firstOutputTimeout(account, fot), status=504
+                        end=ends.RelayTimeout(ends.FIRST_OUTPUT, fot), status=504
                     )
-                verdict = self.classifier.classifyTransport(account, e, turn.endpoint)
-                return AttemptResult(verdict=verdict, status=verdict.status)
+                return AttemptResult(end=ends.TransportFailure(e, "headers"), status=502)
             if self.metrics is not None:
                 self.metrics.upstreamStatus(response.code)
             if response.code >= 300:
@@ -1136,11 +1211,8 @@ class TurnRunner:
                 except BodyBroken as e:
                     errorBody = e.partial  # the status decides; the body is a hint
                 release()
-                verdict = self.classifier.classifyStatus(
-                    account, turn.endpoint, response.code, response.headers, errorBody,
-                    self.clock.seconds(),
-                )
-                return AttemptResult(verdict=verdict, status=response.code)
+                end = ends.StatusRefused(response.code, dict(response.headers), errorBody)
+                return AttemptResult(end=end, status=response.code)
             rewrite = modelRewriter(turn.model, account.upstreamModel(turn.model) if turn.model else None)
             if not stream:
                 return await self._readJSON(turn, sink, account, response, release, rewrite)
@@ -1151,7 +1223,7 @@ class TurnRunner:
             try:
                 return await raceCancel(_uncancellable(pump.done), turn.cancel)
             except ClientGone:
-                pump.abort()
+                pump.depart(turn.cancel.reason)
                 raise
         finally:
             if timer is not None and timer.active():
@@ -1168,22 +1240,18 @@ class TurnRunner:
                 readBody(response, JSON_BODY_LIMIT, idle, self.clock), turn.cancel
             )
         except BodyBroken as e:
-            # R1/R23/R24: a body that broke or went idle before its end is a
-            # read error before output (nothing reached the client).
-            verdict = self.classifier.classifyStreamFailure(
-                account, turn.endpoint, "read_error", None, e.detail
-            )
-            return AttemptResult(verdict=verdict, status=502)
+            # R1/R23/R24/R86.3: a body that broke before its end is a read
+            # error before output (nothing reached the client), exactly like
+            # a cut stream; one that went silent is relay's idle timeout.
+            if e.idle:
+                return AttemptResult(end=ends.RelayTimeout(ends.IDLE, idle), status=502)
+            return AttemptResult(end=ends.StreamCut(e.detail), status=502)
         try:
             parsed = json.loads(body)
         except ValueError:
             parsed = None
         if turn.endpoint == "responses" and isinstance(parsed, dict) and isEmptyCompleted(parsed):
-            verdict = self.classifier.classifyStreamFailure(
-                account, turn.endpoint, "empty_completed", parsed, ""
-            )
-            if verdict is not None:
-                return AttemptResult(verdict=verdict, status=verdict.status)
+            return AttemptResult(end=ends.EmptyCompletion(parsed), status=502)
         if rewrite is not None:
             from relay.sse import Event
 
@@ -1192,59 +1260,13 @@ class TurnRunner:
         self._firstOutput(turn)
         sink.writeBody(200, _passHeaders(response.headers), body)
         responseId = parsed.get("id") if isinstance(parsed, dict) else None
-        return AttemptResult(ok=True, committed=True, responseId=responseId, status=200)
+        return AttemptResult(end=ends.Completed(responseId), committed=True, status=200)
 
     # -- bookkeeping -----------------------------------------------------------
 
     def _firstOutput(self, turn: Turn) -> None:
         if turn.firstOutputAt is None:
             turn.firstOutputAt = self.clock.seconds()
-
-    def _stats(self, accountId: str) -> dict:
-        stats = self.accountStats.get(accountId)
-        if stats is None:
-            stats = self.accountStats[accountId] = {"turns": 0, "failovers": 0, "last_error": None}
-        return stats
-
-    def _upstreamFailed(self, turn, account, verdict) -> None:
-        stats = self._stats(account.id)
-        stats["last_error"] = f"{verdict.reason} {verdict.status}: {verdict.message}"[:200]
-        if verdict.failover:
-            stats["failovers"] += 1
-        kind = {F.TRANSPORT: "request_error", F.FIRST_OUTPUT_TIMEOUT: "first_output_timeout"}.get(
-            verdict.kind, "failover" if verdict.failover else "upstream_error"
-        )
-        self._log.info(
-            "attempt on {account_id} failed: {reason} {upstream_status}",
-            event="openai.ops_event",
-            kind=kind,
-            account_id=account.id,
-            upstream_status=0 if verdict.kind == F.TRANSPORT else verdict.status,
-            reason=verdict.reason,
-            message=verdict.message,
-            proxy_id=_proxyId(account),
-            request_id=turn.requestId,
-        )
-
-    def _proxyStreamCut(self, account, kind) -> None:
-        """
-        Issue 8: a stream through a proxy was cut mid-stream (before or
-        after output); count it towards the proxy's quarantine.
-        """
-        if self.proxyHealth is not None and kind == "read_error" and account.proxy is not None:
-            try:
-                self.proxyHealth.streamCut(account, kind)
-            except Exception:
-                self._log.failure("recording a proxy stream cut failed")
-
-    def _streamBrokeAfterOutput(self, account, kind) -> None:
-        """
-        R19 step 2: an account-health failure after output (no failover).
-        """
-        self._proxyStreamCut(account, kind)
-        if kind == "read_error":
-            d = self.health.transientTransportFailure(account, _proxyId(account))
-            d.addErrback(lambda f: self._log.failure("recording a stream failure failed", f))
 
     def _finished(self, turn, state, outcome, status, accountId, start) -> None:
         now = self.clock.seconds()
@@ -1267,8 +1289,7 @@ class TurnRunner:
             first_output_ms=None if first is None else int((first - start) * 1000),
         )
         if accountId is not None:
-            stats = self._stats(accountId)
-            stats["turns"] += 1
+            self.bookkeeping.accountStats(accountId)["turns"] += 1
         if self.metrics is not None:
             self.metrics.turnFinished(turn.entrypoint, outcome)
             if first is not None:
@@ -1297,12 +1318,15 @@ class BodyBroken(Exception):
 
     @ivar partial: the bytes read so far.
     @ivar detail: a short reason.
+    @ivar idle: the body went silent (relay's R24 timeout), rather than
+        breaking.
     """
 
-    def __init__(self, partial: bytes, detail: str):
+    def __init__(self, partial: bytes, detail: str, idle: bool = False):
         super().__init__(detail)
         self.partial = partial
         self.detail = detail
+        self.idle = idle
 
 
 class _BodyReader(Protocol):
@@ -1343,7 +1367,7 @@ class _BodyReader(Protocol):
     def _expired(self) -> None:
         self._timer = None
         if not self.done.called:
-            self.done.errback(BodyBroken(b"".join(self._parts), "body idle timeout"))
+            self.done.errback(BodyBroken(b"".join(self._parts), "body idle timeout", idle=True))
             if self.transport is not None:
                 self.transport.stopProducing()
 

@@ -23,8 +23,7 @@ from __future__ import annotations
 from attrs import define, evolve
 from twisted.logger import Logger
 
-from relay import failures as F
-from relay.classify import REASON_UPSTREAM_WS_BUSY
+from relay.engine.payload import upstreamClientHeaders
 from relay.engine.runner import (
     AttemptResult,
     ClientGone,
@@ -34,8 +33,9 @@ from relay.engine.runner import (
     previousResponseNotFound,
     raceCancel,
 )
-from relay.engine.payload import upstreamClientHeaders
 from relay.model import ClientError
+from relay.policy import ends
+from relay.policy.judgement import WS_BUSY_CLOSE, passVerdict
 from relay.sse import eventFromJSON
 from relay.upstream.ws import (
     HandshakeRejected,
@@ -44,11 +44,9 @@ from relay.upstream.ws import (
     dialUpstream,
 )
 
-WS_BUSY_CLOSE = (1013, "upstream websocket is busy, please retry later")
 WS_MODE_OFF = "websocket mode is disabled for this account"
-WS_AUTH_FAILED = (1008, "upstream websocket authentication failed")
-WS_HANDSHAKE_REJECTED = (1008, "upstream websocket handshake rejected")
 RELAY_ONLY_FIELDS = ("stream_id",)
+__all__ = ["WS_BUSY_CLOSE", "WebSocketAttempt", "WebSocketPump", "accountMode"]
 
 
 def accountMode(account, settings) -> str:
@@ -57,31 +55,6 @@ def accountMode(account, settings) -> str:
     gateway default.
     """
     return account.ws_mode or settings.websocket.mode_default
-
-
-def _passVerdict(error: ClientError, reason: str) -> F.Verdict:
-    return F.Verdict(
-        kind=F.STATUS, failover=False, status=error.status, reason=reason,
-        clientError=error, message=error.message,
-    )
-
-
-def busyVerdict(reason: str) -> F.Verdict:
-    """
-    R-B3: a pool acquire timeout or full queue switches accounts, uses the
-    switch budget and writes no cooldown.
-    """
-    return F.Verdict(
-        kind=F.STATUS,
-        failover=True,
-        status=503,
-        reason=REASON_UPSTREAM_WS_BUSY,
-        message=f"upstream websocket pool busy ({reason})",
-        clientError=ClientError(
-            503, "server_error", "Upstream websocket is busy, please retry later",
-            wsClose=WS_BUSY_CLOSE,
-        ),
-    )
 
 
 def errorFromEvent(event: dict) -> ClientError:
@@ -130,15 +103,19 @@ class WebSocketPump(StreamPump):
     """
     A L{StreamPump} fed with upstream WebSocket frames. An C{error} event
     ends the turn (there is no other terminal on the WebSocket); before
-    output it is classified like any pre-output failure, and
-    C{previous_response_not_found} is reported to the attempt for R66.
+    output it is judged exactly like the HTTP status it stands for
+    (behaviour.md R86.1), and C{previous_response_not_found} is reported to
+    the attempt for R66. An upstream close mid-turn is a clean end without
+    a terminal event when it is a 1000 close (R86.4), else a cut (a read
+    error, R86.3).
     """
+
+    _inBandWire = ends.WIRE_WS
 
     def __init__(self, runner, turn, sink, account, release, rewrite, idleTimeout, conn):
         super().__init__(runner, turn, sink, account, release, rewrite, idleTimeout)
         self.conn = conn
         self.previousNotFound = None
-        self.lostBeforeOutput = False
 
     def start(self) -> None:
         self.conn.proto.listener = self
@@ -161,60 +138,63 @@ class WebSocketPump(StreamPump):
             super()._beforeOutput(event)
             return
         data = event.json()
+        end = ends.InBandFailure(data, ends.WIRE_WS)
         if isPreviousNotFound(data):
             self.previousNotFound = data
-            self._endWith(
-                AttemptResult(
-                    verdict=_passVerdict(
-                        previousResponseNotFound(self._turn.previousResponseId),
-                        "previous_response_not_found",
-                    ),
-                    status=400,
-                ),
-                dropUpstream=False,
+            verdict = passVerdict(
+                previousResponseNotFound(self._turn.previousResponseId),
+                "previous_response_not_found",
             )
+            self._endWith(AttemptResult(end=end, verdict=verdict, status=400), dropUpstream=False)
             return
-        verdict = self._runner.classifier.classifyStreamFailure(
-            self._account, self._turn.endpoint, "event", data, ""
-        )
+        verdict = self._runner.judge(self._turn, self._account, end)
         if verdict is None or not verdict.failover:
-            error = verdict.clientError if verdict is not None and verdict.clientError else None
-            error = error or errorFromEvent(data)
-            verdict = _passVerdict(error, "upstream_error_event")
-        self._endWith(AttemptResult(verdict=verdict, status=verdict.status))
+            # Not a failover (R23): the client sees upstream's own error as a
+            # status-bearing error event (R81), unless the judgement gave it
+            # a close code.
+            error = verdict.clientError if verdict is not None else None
+            if error is None or error.wsClose is None:
+                error = errorFromEvent(data)
+            verdict = passVerdict(error, "upstream_error_event")
+        self._endWith(AttemptResult(end=end, verdict=verdict, status=verdict.status))
 
-    def _afterOutput(self, event) -> None:
+    def _afterOutput(self, event, forwardedFailure: bool = False) -> None:
         if event.type == b"error":
             self._release()
             self._write(event)
-            self._endWith(AttemptResult(committed=True, failedAfterOutput=True, status=502))
+            self._endWith(
+                AttemptResult(end=ends.Forwarded(None), committed=True, status=502)
+            )
             return
         if event.terminal:
             response = event.json().get("response") or {}
             if response.get("id"):
                 self.conn.lastResponseId = response.get("id")
-        super()._afterOutput(event)
+        super()._afterOutput(event, forwardedFailure)
 
-    def upstreamLost(self, detail: str) -> None:
+    def upstreamLost(self, code, reason: str = "") -> None:
         """
-        The upstream connection closed mid-turn (R67 before output; 1011
-        after it).
+        The upstream connection closed mid-turn: a 1000 close is a clean end
+        without a terminal event (R86.4), anything else a cut (R86.3).
+
+        @param code: the close code (L{None} when the TCP connection dropped
+            without a close frame).
+        @param reason: the close reason, for logs.
         """
         self.conn.broken = True
         if self.finished:
             return
         self._cancelIdle()
-        message = "OpenAI stream disconnected before completion: " + detail
-        if self.committed:
-            self._runner._streamBrokeAfterOutput(self._account, "read_error")
-            self._failPreOrPost(None, message)
+        if self._turn.cancel.cancelled:
+            self.depart(self._turn.cancel.reason)
+            return
+        detail = f"closed {code} {reason or ''}".strip()
+        if code == 1000:
+            self._fail(ends.StreamEnded(), "OpenAI stream ended before a terminal event")
         else:
-            self.lostBeforeOutput = True
-            self._runner._proxyStreamCut(self._account, "read_error")
-            verdict = self._runner.classifier.classifyStreamFailure(
-                self._account, self._turn.endpoint, "read_error", None, message
+            self._fail(
+                ends.StreamCut(detail), "OpenAI stream disconnected before completion: " + detail
             )
-            self._endWith(AttemptResult(verdict=verdict, status=502))
 
 
 @define(eq=False)
@@ -241,7 +221,11 @@ class WebSocketAttempt:
             error = ClientError(
                 400, "invalid_request_error", WS_MODE_OFF, wsClose=(1008, WS_MODE_OFF)
             )
-            return AttemptResult(verdict=_passVerdict(error, "ws_mode_off"), status=400)
+            return AttemptResult(
+                end=ends.Refused("ws_mode_off"),
+                verdict=passVerdict(error, "ws_mode_off"),
+                status=400,
+            )
         if mode == "http_bridge":
             return await self._bridge(runner, turn, sink, account, release, ctx)
         expanded = ctx.expandedBody(turn) if ctx is not None else None
@@ -274,7 +258,8 @@ class WebSocketAttempt:
             body = ctx.expandedBody(turn) if ctx is not None else None
             if body is None:
                 return AttemptResult(
-                    verdict=_passVerdict(
+                    end=ends.Refused("incomplete_history"),
+                    verdict=passVerdict(
                         previousResponseNotFound(turn.previousResponseId),
                         "previous_response_not_found",
                     ),
@@ -338,31 +323,16 @@ class WebSocketAttempt:
             return
         self.pool.release(conn, broken=broken or conn.broken)
 
-    def _handshakeVerdict(self, runner, turn, account, e: HandshakeRejected) -> F.Verdict:
+    def _handshakeRejected(self, runner, turn, account, e: HandshakeRejected) -> AttemptResult:
         """
-        R56: under the guard (first turn, no previous_response_id) the HTTP
-        status rules apply unchanged; outside it the older mapping.
+        R56: a rejected upgrade is a status; the engine's judgement applies
+        the guard (first turn, no previous_response_id: the HTTP rules
+        unchanged; outside it the older mapping). Logged with the action.
         """
-        guard = turn.phase == "first_turn" and not turn.previousResponseId
-        if guard or e.status == 429 or e.status >= 500:
-            verdict = runner.classifier.classifyStatus(
-                account, turn.endpoint, e.status, e.headers, e.body, self.reactor.seconds()
-            )
-        elif e.status in (401, 403):
-            verdict = _passVerdict(
-                ClientError(e.status, "upstream_error", WS_AUTH_FAILED[1], wsClose=WS_AUTH_FAILED),
-                "ws_handshake_auth",
-            )
-        else:
-            verdict = _passVerdict(
-                ClientError(
-                    e.status, "upstream_error", WS_HANDSHAKE_REJECTED[1],
-                    wsClose=WS_HANDSHAKE_REJECTED,
-                ),
-                "ws_handshake_rejected",
-            )
+        end = ends.StatusRefused(e.status, dict(e.headers or {}), e.body, ends.WIRE_WS_HANDSHAKE)
+        verdict = runner.judge(turn, account, end)
         action = "pass_through"
-        if verdict.failover:
+        if verdict is not None and verdict.failover:
             action = "retry_same" if verdict.sameAccount or verdict.oauth429 else "switch"
         self._log.info(
             "upstream websocket handshake on {account_id} rejected with {status}",
@@ -373,7 +343,7 @@ class WebSocketAttempt:
             turn=turn.phase,
             request_id=turn.requestId,
         )
-        return verdict
+        return AttemptResult(end=end, verdict=verdict, status=e.status)
 
     async def _oneSocket(
         self, runner, turn, sink, account, release, ctx, mode, expanded, useExpanded
@@ -395,13 +365,11 @@ class WebSocketAttempt:
                 reason=e.reason,
                 request_id=turn.requestId,
             )
-            return AttemptResult(verdict=busyVerdict(e.reason), status=503), False
+            return AttemptResult(end=ends.PoolBusy(e.reason), status=503), False
         except HandshakeRejected as e:
-            verdict = self._handshakeVerdict(runner, turn, account, e)
-            return AttemptResult(verdict=verdict, status=e.status), False
+            return self._handshakeRejected(runner, turn, account, e), False
         except Exception as e:  # noqa: BLE001
-            verdict = runner.classifier.classifyTransport(account, e, turn.endpoint)
-            return AttemptResult(verdict=verdict, status=verdict.status), False
+            return AttemptResult(end=ends.TransportFailure(e, "dial"), status=502), False
         if turn.cancel.cancelled:
             self._giveBack(conn, mode, broken=False)
             raise ClientGone(turn.cancel.reason)
@@ -462,7 +430,7 @@ class WebSocketAttempt:
                 request_id=turn.requestId,
                 phase="websocket_first_semantic_output",
             )
-            pump.firstOutputTimeout(runner.classifier.firstOutputTimeout(account, fot))
+            pump.firstOutputTimeout(fot)
 
         timer = self.reactor.callLater(fot, onFirstOutputTimeout) if fot > 0 else None
         try:
@@ -470,15 +438,14 @@ class WebSocketAttempt:
             try:
                 conn.proto.send(payload)
             except Exception as e:  # noqa: BLE001
+                pump.finished = True
                 pump.abort()
                 giveBack(broken=True)
-                verdict = runner.classifier.classifyTransport(account, e, turn.endpoint)
-                return AttemptResult(verdict=verdict, status=verdict.status), False
+                return AttemptResult(end=ends.TransportFailure(e, "write"), status=502), False
             try:
                 result = await raceCancel(_uncancellable(pump.done), turn.cancel)
             except ClientGone:
-                pump.finished = True
-                pump.abort()
+                pump.depart(turn.cancel.reason)
                 giveBack(broken=True)
                 raise
         finally:

@@ -122,7 +122,8 @@ class UpstreamProtocol(WebSocketClientProtocol):
     pump); without one (idle) they are ignored. autobahn answers pings.
 
     @ivar listener: an object with C{frameReceived(bytes)} and
-        C{upstreamLost(str)}, or L{None}.
+        C{upstreamLost(code, reason)} (the close code, L{None} for a drop
+        without a close frame), or L{None}.
     @ivar opened: fires with this protocol when the handshake completes,
         or fails with L{HandshakeRejected} / L{UpstreamClosed}.
     """
@@ -158,7 +159,7 @@ class UpstreamProtocol(WebSocketClientProtocol):
             return
         listener, self.listener = self.listener, None
         if listener is not None:
-            listener.upstreamLost(f"closed {code} {reason or ''}".strip())
+            listener.upstreamLost(code, reason or "")
         onGone = getattr(self, "onGone", None)
         if onGone is not None:
             onGone(self)
