@@ -119,6 +119,10 @@ class AccountRuntime:
     @ivar disabledReason: why it is disabled.
     @ivar modelBlocks: upstream model -> blocked-until (R11 streak, model
         not found).
+    @ivar modelReasons: upstream model -> why it is blocked.
+    @ivar streaks: upstream model (C{*} when unknown) -> C{(count, last
+        failure time)}: the R11 transient streak. It lapses
+        L{relay.health.STREAK_TTL_SECONDS} after the last failure.
     """
 
     blockedUntil: float = 0
@@ -128,6 +132,8 @@ class AccountRuntime:
     disabled: bool = False
     disabledReason: str = ""
     modelBlocks: dict = field(factory=dict, hash=False)
+    modelReasons: dict = field(factory=dict, hash=False)
+    streaks: dict = field(factory=dict, hash=False)
 
     def unschedulable(self, now: float, model: Optional[str] = None) -> Optional[tuple]:
         """

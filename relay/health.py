@@ -72,11 +72,12 @@ def count403Key(accountId: str) -> str:
     return counter403Key(accountId)
 
 
-def streakKey(accountId: str, model: Optional[str]) -> str:
+def streakModel(model: Optional[str]) -> str:
     """
-    R11: the per-(account, model) transient streak counter's name.
+    R11: the model key of a per-(account, model) transient streak; C{*}
+    when the model is unknown.
     """
-    return f"openai_transient_streak:account:{accountId}:model:{model or '*'}"
+    return model or "*"
 
 
 @define
@@ -94,6 +95,13 @@ class _Breaker:
     windowStart: float = 0.0
     opens: int = 0
     openUntil: float = 0.0
+
+
+def _block(scope: str, model: Optional[str], kind: str, reason: str, until) -> dict:
+    """
+    One entry of L{AccountHealth.blocks}.
+    """
+    return {"scope": scope, "model": model, "kind": kind, "reason": reason, "until": until}
 
 
 @define(eq=False)
@@ -158,14 +166,78 @@ class AccountHealth:
         """
         The R-B1 breaker of an account for the admin view.
 
-        @return: C{{"failures", "opens"}} summed over its proxies, or L{None}.
+        @return: C{{"failures", "opens", "open_until"}} over its proxies
+            (failures and opens summed; C{open_until} the latest open period's
+            end in Unix seconds, or L{None} when none is in force), or L{None}
+            when the account has no breaker state.
         """
         found = [b for k, b in self._breakers.items() if k[0] == accountId]
         if not found:
             return None
+        now = self._clock.seconds()
+        ends = [b.openUntil for b in found if b.openUntil > now]
         return {
             "failures": sum(b.failures for b in found),
-            "opens": sum(getattr(b, "opens", 0) for b in found),
+            "opens": sum(b.opens for b in found),
+            "open_until": max(ends) if ends else None,
+        }
+
+    def blocks(self, account: Account, runtime: AccountRuntime, now: float) -> list:
+        """
+        Every block of an account in force at C{now}, as selection honours
+        them: the stored states (L{AccountRuntime.unschedulable}) and the
+        in-memory blocks (R4 step 1, R-B1, the R11 bridge block, failed
+        writes) that the scheduler's C{extraBlock} hook reads.
+
+        @param account: the L{Account}.
+        @param runtime: its stored L{AccountRuntime}.
+        @param now: Unix seconds.
+        @return: a list of C{{"scope": "account" | "model", "model": str or
+            None, "kind": str, "reason": str, "until": Unix seconds or None
+            (permanent)}}, account-wide blocks first.
+        """
+        out = []
+        if runtime.disabled:
+            out.append(_block("account", None, MARK_DISABLED, runtime.disabledReason, None))
+        if runtime.blockedUntil > now:
+            out.append(
+                _block("account", None, MARK_TEMP_UNSCHEDULABLE, runtime.blockReason,
+                       runtime.blockedUntil)
+            )
+        if runtime.rateLimitedUntil > now:
+            out.append(
+                _block("account", None, MARK_RATE_LIMITED, "rate limited", runtime.rateLimitedUntil)
+            )
+        if runtime.overloadedUntil > now:
+            out.append(
+                _block("account", None, MARK_OVERLOADED, "overloaded", runtime.overloadedUntil)
+            )
+        stored = {(b["model"], b["until"]) for b in out}
+        for (accountId, model), (until, reason) in sorted(
+            self._blocks.items(), key=lambda kv: (kv[0][1] or "", kv[1][0])
+        ):
+            if accountId != account.id or until <= now or (model, until) in stored:
+                continue
+            kind = "breaker" if reason.startswith("transport circuit open") else "memory"
+            out.append(_block("model" if model else "account", model, kind, reason, until))
+        for model, until in sorted(runtime.modelBlocks.items()):
+            if until > now:
+                out.append(
+                    _block("model", model, MARK_MODEL_BLOCK,
+                           runtime.modelReasons.get(model, ""), until)
+                )
+        return out
+
+    def streaks(self, runtime: AccountRuntime, now: float) -> dict:
+        """
+        The live R11 transient streaks of an account.
+
+        @return: upstream model (C{*} when unknown) -> consecutive failures.
+        """
+        return {
+            model: count
+            for model, (count, last) in sorted(runtime.streaks.items())
+            if now - last <= STREAK_TTL_SECONDS
         }
 
     def localBlock(self, accountId: str, model: Optional[str] = None) -> Optional[tuple]:
@@ -413,8 +485,8 @@ class AccountHealth:
         failure.
         """
         try:
-            n = await self._store.incrementCounter(
-                streakKey(account.id, model), STREAK_TTL_SECONDS, True
+            n = await self._store.bumpStreak(
+                account.id, streakModel(model), STREAK_TTL_SECONDS
             )
         except Exception as e:
             self._log.warn(
@@ -523,7 +595,7 @@ class AccountHealth:
         self._oauth429.pop(account.id, None)
         if account.type != "oauth":
             try:
-                await self._store.resetCounter(streakKey(account.id, model))
+                await self._store.resetStreak(account.id, streakModel(model))
             except Exception as e:
                 self._log.warn(
                     "account {account_id}: resetting the transient streak failed ({error})",

@@ -114,7 +114,27 @@ class IStateStore(Interface):
 
     def clearAccount(accountId):
         """
-        Lift every runtime state of the account (admin "clear").
+        Lift every runtime state of the account (admin "clear"): its
+        cooldowns, rate limit, overload, disabled state, model blocks, R11
+        transient streaks and its R11 403 counter.
+
+        @return: Deferred firing with L{None}.
+        """
+
+    def bumpStreak(accountId, model, ttl):
+        """
+        Count one more consecutive transient failure of (account, model)
+        (the R11 API-key transient streak). A streak whose last failure is
+        more than C{ttl} seconds old starts again at 1.
+
+        @param model: the upstream model, or C{*} when unknown.
+        @param ttl: seconds the streak lives from its last failure.
+        @return: Deferred firing with the new count (int).
+        """
+
+    def resetStreak(accountId, model):
+        """
+        End the (account, model) streak (a success, R11).
 
         @return: Deferred firing with L{None}.
         """

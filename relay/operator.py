@@ -8,6 +8,7 @@ fresh.
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Optional
 
 from attrs import define, field
@@ -60,11 +61,21 @@ class OperatorView:
         rows = []
         for account in self.accounts:
             runtime = states[account.id]
-            why = self.health.unschedulable(runtime, account, None, now)
             inUse, waiting = loads.get(account.id, (0, 0))
             stats = self.runner.accountStats.get(account.id, {})
             proxyId = account.proxy.id if account.proxy is not None else None
             proxy = proxies.get(proxyId) if proxyId else None
+            blocks = [_timed(b, now) for b in self.health.blocks(account, runtime, now)]
+            if proxy is not None and proxy.get("state") == "quarantined":
+                blocks.append(
+                    _timed(
+                        {"scope": "proxy", "model": None, "kind": "proxy_quarantine",
+                         "reason": f"proxy {proxyId} quarantined after stream cuts",
+                         "until": proxy.get("until")},
+                        now,
+                    )
+                )
+            first = blocks[0] if blocks else None
             rows.append(
                 {
                     "id": account.id,
@@ -73,13 +84,21 @@ class OperatorView:
                     "concurrency": account.concurrency,
                     "in_use": inUse,
                     "waiting": waiting,
-                    "schedulable": why is None,
-                    "reason": why[0] if why else None,
-                    "until": why[1] if why else None,
+                    "schedulable": first is None,
+                    "reason": _reasonText(first) if first else None,
+                    "until": first["until"] if first else None,
+                    "blocks": blocks,
+                    "blocked_models": {
+                        b["model"]: {k: b[k] for k in ("reason", "until", "until_iso",
+                                                        "seconds_left")}
+                        for b in blocks if b["scope"] == "model"
+                    },
+                    "streaks": self.health.streaks(runtime, now),
                     "rate_limited_until": runtime.rateLimitedUntil or None,
                     "breaker": self.health.breakerState(account.id),
                     "disabled": runtime.disabled,
                     "last_error": stats.get("last_error"),
+                    "last_error_at": stats.get("last_error_at"),
                     "turns": stats.get("turns", 0),
                     "failovers": stats.get("failovers", 0),
                     "proxy_id": proxyId,
@@ -94,9 +113,10 @@ class OperatorView:
 
         @raise KeyError: for an unknown account id.
         """
-        if accountId not in {a.id for a in self.accounts}:
+        account = next((a for a in self.accounts if a.id == accountId), None)
+        if account is None:
             raise KeyError(accountId)
-        return self.health.clear(accountId)
+        return self.runner.bookkeeping.clear(account)
 
     def refreshSlots(self) -> Deferred:
         """
@@ -107,6 +127,36 @@ class OperatorView:
         d.addCallback(lambda loads: self.slots.update(loads))
         d.addErrback(lambda f: self._log.failure("refreshing slot gauges failed", f))
         return d
+
+
+def isoTime(seconds: Optional[float]) -> Optional[str]:
+    """
+    Unix seconds as ISO-8601 UTC (C{2026-11-30T22:10:14Z}), or L{None}.
+    """
+    if seconds is None:
+        return None
+    return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _timed(block: dict, now: float) -> dict:
+    """
+    A block with its end as ISO-8601 UTC and whole seconds left (L{None}
+    for a permanent one).
+    """
+    until = block.get("until")
+    return {
+        **block,
+        "until_iso": isoTime(until),
+        "seconds_left": None if until is None else max(0, int(until - now + 0.999)),
+    }
+
+
+def _reasonText(block: dict) -> str:
+    """
+    One line for a block: its kind, its model when model-scoped, and why.
+    """
+    head = block["kind"] if block["scope"] != "model" else f"{block['kind']} {block['model']}"
+    return f"{head}: {block['reason']}" if block.get("reason") else head
 
 
 class RedisGetSet:

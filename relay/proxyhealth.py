@@ -191,6 +191,31 @@ class ProxyHealth:
             }
         return out
 
+    def lift(self, proxyId: str) -> bool:
+        """
+        End a proxy's quarantine and forget its recent cuts (an operator's
+        "clear" of an account dialling through it).
+
+        @param proxyId: a L{ProxySpec.id}.
+        @return: L{True} when a quarantine was in force.
+        """
+        state = self._proxies.get(proxyId)
+        if state is None:
+            return False
+        active = state.until is not None and self._clock.seconds() < state.until
+        state.until = None
+        state.cuts = []
+        if active:
+            self._log.info(
+                "proxy {proxy_id} ({proxy_host}:{proxy_port}) quarantine lifted by an operator",
+                event="relay.proxy_quarantine_lifted",
+                proxy_id=state.spec.id,
+                proxy_host=state.spec.host,
+                proxy_port=state.spec.port,
+                until=None,
+            )
+        return active
+
     # -- internals --------------------------------------------------------------
 
     def _stateFor(self, proxy: ProxySpec) -> _ProxyState:

@@ -14,7 +14,7 @@ from zope.interface.verify import verifyObject
 
 from relay import failures as F
 from relay.classify import DefaultClassifier
-from relay.health import AccountHealth, streakKey
+from relay.health import AccountHealth
 from relay.interfaces import IStateStore
 from relay.model import Account, BreakerSettings, GatewaySettings, ProxySpec
 from relay.settings import RuntimeSettings
@@ -343,11 +343,31 @@ class StreakTests(HealthTestCase):
         self.clock.advance(31 * 60)
         self.assertEqual(self.apply(APIKEY, v, "m"), ())
 
-    def test_key(self):
+    def test_per_model(self):
         """
-        The streak counter is per account and model.
+        The streak is per account and model: another model's streak starts
+        at one.
         """
-        self.assertNotEqual(streakKey("a", "m1"), streakKey("a", "m2"))
+        v = self.status(APIKEY, 503)
+        self.apply(APIKEY, v, "m1")
+        self.assertEqual(self.apply(APIKEY, v, "m2"), ())
+        self.assertEqual(
+            self.apply(APIKEY, v, "m1"), ((F.MARK_MODEL_BLOCK, self.clock.seconds() + 10),)
+        )
+
+    def test_streak_visible_and_cleared(self):
+        """
+        R11 streaks live in the account's runtime state (the operator view
+        reads them) and an admin clear ends them: the next failure counts
+        from one again.
+        """
+        v = self.status(APIKEY, 503)
+        self.apply(APIKEY, v, "m")
+        self.apply(APIKEY, v, "m")
+        runtime = self.successResultOf(self.store.getAccountStates([APIKEY.id]))[APIKEY.id]
+        self.assertEqual(runtime.streaks["m"][0], 2)
+        self.successResultOf(self.health.clear(APIKEY.id))
+        self.assertEqual(self.apply(APIKEY, v, "m"), ())
 
 
 class BreakerTests(HealthTestCase):

@@ -126,6 +126,59 @@ class StateStoreContractMixin:
         assert states["a"] == AccountRuntime()
         assert states["b"].rateLimitedUntil == now + 60
 
+    async def contract_clearAccountEndsCountersAndStreaks(self):
+        """
+        C{clearAccount} also ends the account's R11 transient streaks and its
+        403 counter (admin "clear" resets everything, issue 11), and keeps
+        other accounts' streaks.
+        """
+        store = self.makeStore()
+        await store.incrementCounter(counter403Key("a"), 60, False)
+        await store.incrementCounter(counter403Key("a"), 60, False)
+        assert await store.bumpStreak("a", "m", 60) == 1
+        assert await store.bumpStreak("b", "m", 60) == 1
+        await store.markAccount("a", "model_block", self.now() + 60, "streak", "m")
+        await store.clearAccount("a")
+        assert await store.incrementCounter(counter403Key("a"), 60, False) == 1
+        assert await store.bumpStreak("a", "m", 60) == 1
+        assert await store.bumpStreak("b", "m", 60) == 2
+        state = (await store.getAccountStates(["a"]))["a"]
+        assert state.modelBlocks == {} and state.modelReasons == {}
+
+    async def contract_streaks(self):
+        """
+        R11: a streak counts per (account, model), is visible in the account
+        runtime as C{(count, last failure)}, starts again after its TTL from
+        the last failure, and C{resetStreak} ends it.
+        """
+        store = self.makeStore()
+        assert await store.bumpStreak("a", "m", 0.6) == 1
+        await self.advance(0.35)
+        assert await store.bumpStreak("a", "m", 0.6) == 2
+        assert await store.bumpStreak("a", "*", 0.6) == 1
+        state = (await store.getAccountStates(["a"]))["a"]
+        assert state.streaks["m"][0] == 2
+        assert abs(state.streaks["m"][1] - self.now()) < 1
+        await self.advance(0.35)
+        assert await store.bumpStreak("a", "m", 0.6) == 3
+        await self.advance(0.8)
+        assert await store.bumpStreak("a", "m", 0.6) == 1
+        await store.resetStreak("a", "m")
+        await store.resetStreak("a", "never")
+        assert "m" not in (await store.getAccountStates(["a"]))["a"].streaks
+        assert await store.bumpStreak("a", "m", 0.6) == 1
+
+    async def contract_modelBlockReason(self):
+        """
+        A model block keeps its reason (the operator view shows it).
+        """
+        store = self.makeStore()
+        until = self.now() + 45
+        await store.markAccount("a", "model_block", until, "3 in a row", "gpt-5.5")
+        state = (await store.getAccountStates(["a"]))["a"]
+        assert state.modelBlocks == {"gpt-5.5": until}
+        assert state.modelReasons == {"gpt-5.5": "3 in a row"}
+
     async def contract_counterIncrements(self):
         """
         A counter counts from 1 and C{resetCounter} deletes it.

@@ -461,10 +461,15 @@ def buildAdminResource(
     @param settings: the process's L{RuntimeSettings}.
     @param accountsView: returns (a L{Deferred} of) a list of dicts, one per
         account, with keys C{id}, C{type}, C{priority}, C{concurrency},
-        C{in_use}, C{waiting}, C{schedulable}, C{reason}, C{until},
+        C{in_use}, C{waiting}, C{schedulable} (false while any block is in
+        force, account- or model-wide), C{reason}, C{until}, C{blocks} (every
+        block selection honours: C{scope} account/model/proxy, C{model},
+        C{kind}, C{reason}, C{until}, C{until_iso}, C{seconds_left}),
+        C{blocked_models}, C{streaks} (R11, model -> count),
         C{rate_limited_until}, C{breaker}, C{disabled}, C{last_error},
-        C{turns}, C{failovers}, C{proxy_id}, C{proxy_state} (times in Unix
-        seconds; missing keys are shown as empty).
+        C{last_error_at}, C{turns}, C{failovers}, C{proxy_id},
+        C{proxy_state} (times in Unix seconds unless named C{*_iso};
+        missing keys are shown as empty).
     @param clearAccount: called with an account id; returns (a L{Deferred}
         of) anything, or raises/fails with L{KeyError} for an unknown id.
     @param registry: the metrics registry for C{/admin/metrics}, or L{None}

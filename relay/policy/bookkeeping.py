@@ -116,6 +116,20 @@ class AccountBookkeeping:
             }
         return stats
 
+    def clear(self, account) -> Deferred:
+        """
+        An operator lifts every block of an account (C{POST
+        /admin/accounts/{id}/clear}): its stored states, streaks and 403
+        counter, its in-memory blocks, breaker and OAuth-429 window, and the
+        quarantine of the proxy it dials through.
+
+        @param account: the L{relay.model.Account}.
+        @return: a L{Deferred} firing once the store is cleared.
+        """
+        if self.proxyHealth is not None and account.proxy is not None:
+            self.proxyHealth.lift(account.proxy.id)
+        return self.health.clear(account.id)
+
     def record(
         self,
         account,

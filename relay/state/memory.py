@@ -20,7 +20,7 @@ from zope.interface import implementer
 
 from relay.failures import AccountRuntime
 from relay.interfaces import IStateStore
-from relay.state import MARK_KINDS
+from relay.state import MARK_KINDS, counter403Key
 
 
 def applyMark(
@@ -51,7 +51,9 @@ def applyMark(
             raise ValueError("model_block needs a model")
         blocks = dict(runtime.modelBlocks)
         blocks[model] = float(until)
-        return evolve(runtime, modelBlocks=blocks)
+        reasons = dict(runtime.modelReasons)
+        reasons[model] = reason
+        return evolve(runtime, modelBlocks=blocks, modelReasons=reasons)
     raise ValueError(f"unknown account state kind {kind!r}; expected one of {sorted(MARK_KINDS)}")
 
 
@@ -102,6 +104,31 @@ class MemoryStateStore:
         See L{IStateStore.clearAccount}.
         """
         self._accounts.pop(accountId, None)
+        self._counters.pop(counter403Key(accountId), None)
+        return succeed(None)
+
+    def bumpStreak(self, accountId, model, ttl) -> Deferred:
+        """
+        See L{IStateStore.bumpStreak}.
+        """
+        now = self._clock.seconds()
+        runtime = self._accounts.get(accountId, AccountRuntime())
+        count, last = runtime.streaks.get(model, (0, 0.0))
+        count = count + 1 if now - last <= ttl else 1
+        streaks = dict(runtime.streaks)
+        streaks[model] = (count, now)
+        self._accounts[accountId] = evolve(runtime, streaks=streaks)
+        return succeed(count)
+
+    def resetStreak(self, accountId, model) -> Deferred:
+        """
+        See L{IStateStore.resetStreak}.
+        """
+        runtime = self._accounts.get(accountId)
+        if runtime is not None and model in runtime.streaks:
+            streaks = dict(runtime.streaks)
+            del streaks[model]
+            self._accounts[accountId] = evolve(runtime, streaks=streaks)
         return succeed(None)
 
     def incrementCounter(self, name, ttl, refresh=True) -> Deferred:

@@ -7,10 +7,12 @@ Keys (behaviour.md R34 where it names them):
 
   - C{relay:account:{id}}: a hash with the fields C{blockedUntil},
     C{blockReason}, C{rateLimitedUntil}, C{overloadedUntil}, C{disabled}
-    (C{1}), C{disabledReason} and C{model:{upstream model}} (until). Times
-    are absolute Unix seconds from the injected clock. The hash has no TTL
-    (accounts are configured, so the key set is bounded); C{clearAccount}
-    deletes it.
+    (C{1}), C{disabledReason}, C{model:{upstream model}} (until),
+    C{modelreason:{upstream model}} and C{streak:{upstream model}}
+    (C{"count:last failure"}, the R11 transient streak). Times are absolute
+    Unix seconds from the injected clock. The hash has no TTL (accounts are
+    configured, so the key set is bounded); C{clearAccount} deletes it and
+    the account's 403 counter.
   - counters: the caller's name (e.g. C{openai_403_count:account:{id}}), a
     string counter with a millisecond TTL (C{PEXPIRE}).
   - values: the caller's key (e.g. C{sticky_session:...}), a string set
@@ -40,7 +42,7 @@ from zope.interface import implementer
 from relay.failures import AccountRuntime
 from relay.interfaces import IStateStore
 from relay.redisclient import RedisService, RedisUnavailable, describe
-from relay.state import MARK_KINDS, accountKey
+from relay.state import MARK_KINDS, accountKey, counter403Key
 
 # KEYS = account hashes; returns one flat HGETALL array per key.
 _GET_ACCOUNTS = """
@@ -55,6 +57,23 @@ local v = redis.call('INCR', KEYS[1])
 if v == 1 or ARGV[2] == '1' then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
 return v
 """
+
+# KEYS = account hash; ARGV = streak field, now (Unix seconds), ttl seconds.
+# A streak field holds "count:last failure time"; an old one starts again.
+_BUMP_STREAK = """
+local v = redis.call('HGET', KEYS[1], ARGV[1])
+local n = 0
+if v then
+  local c, t = string.match(v, '^(%d+):(.+)$')
+  if c and (tonumber(ARGV[2]) - tonumber(t)) <= tonumber(ARGV[3]) then n = tonumber(c) end
+end
+n = n + 1
+redis.call('HSET', KEYS[1], ARGV[1], n .. ':' .. ARGV[2])
+return n
+"""
+
+STREAK_FIELD = "streak:"
+"""Hash field prefix of the R11 transient streak of one model."""
 
 
 def _ms(seconds: float) -> int:
@@ -71,6 +90,15 @@ def runtimeFromHash(fields: dict) -> AccountRuntime:
     @param fields: field name -> str value.
     """
     blocks = {k[6:]: float(v) for k, v in fields.items() if k.startswith("model:")}
+    reasons = {k[12:]: v for k, v in fields.items() if k.startswith("modelreason:")}
+    streaks = {}
+    for k, v in fields.items():
+        if k.startswith(STREAK_FIELD):
+            count, _, last = str(v).partition(":")
+            try:
+                streaks[k[len(STREAK_FIELD):]] = (int(count), float(last))
+            except ValueError:
+                continue
     return AccountRuntime(
         blockedUntil=float(fields.get("blockedUntil", 0)),
         blockReason=fields.get("blockReason", ""),
@@ -79,6 +107,8 @@ def runtimeFromHash(fields: dict) -> AccountRuntime:
         disabled=fields.get("disabled") == "1",
         disabledReason=fields.get("disabledReason", ""),
         modelBlocks=blocks,
+        modelReasons=reasons,
+        streaks=streaks,
     )
 
 
@@ -100,7 +130,7 @@ def markFields(kind: str, until: float, reason: str, model) -> list:
     if kind == "model_block":
         if not model:
             raise ValueError("model_block needs a model")
-        return ["model:" + model, repr(float(until))]
+        return ["model:" + model, repr(float(until)), "modelreason:" + model, reason]
     raise ValueError(f"unknown account state kind {kind!r}; expected one of {sorted(MARK_KINDS)}")
 
 
@@ -188,7 +218,28 @@ class RedisStateStore:
         See L{IStateStore.clearAccount}.
         """
         return self._run(
-            "clear_account", None, "execute_command", "DEL", accountKey(accountId)
+            "clear_account", None, "execute_command", "DEL", accountKey(accountId),
+            counter403Key(accountId),
+        ).addCallback(lambda _: None)
+
+    def bumpStreak(self, accountId, model, ttl) -> Deferred:
+        """
+        See L{IStateStore.bumpStreak}. One round trip (a script on the
+        account hash, so L{clearAccount} ends it too). Fail-open result: 0.
+        """
+        now = repr(float(self._clock.seconds()))
+        return self._run(
+            "bump_streak", 0, "eval", _BUMP_STREAK, [accountKey(accountId)],
+            [STREAK_FIELD + model, now, repr(float(ttl))],
+        ).addCallback(int)
+
+    def resetStreak(self, accountId, model) -> Deferred:
+        """
+        See L{IStateStore.resetStreak}.
+        """
+        return self._run(
+            "reset_streak", None, "execute_command", "HDEL", accountKey(accountId),
+            STREAK_FIELD + model,
         ).addCallback(lambda _: None)
 
     def incrementCounter(self, name, ttl, refresh=True) -> Deferred:
