@@ -456,7 +456,8 @@ class OperatorTruthTests(SynchronousTestCase):
         scheduler = self.schedulers[account.id][0]
         if account.proxy is not None:
             scheduler = AccountScheduler(
-                accounts=[account, APIKEY], admission=self.admission, store=self.store,
+                accounts=[account, evolve(APIKEY, id="direct", priority=99)],
+                admission=self.admission, store=self.store,
                 clock=self.clock, settings=self.settings,
                 extraBlock=lambda a, now, model: self.health.localBlock(a.id, model),
                 isQuarantined=self.proxies.isQuarantined,
