@@ -154,6 +154,7 @@ def buildApplication(
         settings=settings,
         extraBlock=lambda account, now, model: health.localBlock(account.id, model),
         isQuarantined=proxyHealth.isQuarantined,
+        quarantineEnd=proxyHealth.quarantinedUntil,
     )
     runner = TurnRunner(
         clock=reactor,

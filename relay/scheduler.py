@@ -35,7 +35,7 @@ from zope.interface import implementer
 
 from relay.interfaces import IAccountScheduler, ISlotAdmission, IStateStore
 from relay.model import Account, ClientError, SchedulingSettings, Turn, WaitPlan
-from relay.selection import DecisionRecord, NoAccountAvailable, Selection
+from relay.selection import DecisionRecord, NoAccountAvailable, Selection, noAccountError
 from relay.settings import RuntimeSettings
 
 LAYER_PREVIOUS = "previous_response_id"
@@ -51,7 +51,6 @@ OAUTH_CONTINUATION_MESSAGE = (
     "previous_response_id requires an OpenAI API-key account for HTTP requests"
 )
 NO_ACCOUNT_MESSAGE = "Service temporarily unavailable"
-RATE_LIMITED_MESSAGE = "All available accounts are currently rate-limited. Please retry later."
 SLOT_ERROR_MESSAGE = "Service temporarily unavailable, please retry later"
 
 
@@ -219,6 +218,8 @@ class AccountScheduler:
         returning L{None} when schedulable, or a reason (a string or a
         C{(reason, until)} tuple) for in-memory blocks the state store does
         not hold (e.g. the breaker, R-B1).
+    @ivar _quarantineEnd: optional C{(proxy id) -> Unix seconds or None}: when
+        a proxy's quarantine ends (R83's retry hint).
     @ivar _lastUsed: account id -> Unix seconds of its last selection.
     @ivar _keptBindings: turns whose selection must not rewrite the session
         binding (R-B6), consulted by L{bind}.
@@ -234,6 +235,7 @@ class AccountScheduler:
     _random: random.Random = field(factory=random.Random)
     _isQuarantined: Callable[[Account], bool] = _never
     _extraBlock: Optional[Callable] = None
+    _quarantineEnd: Optional[Callable[[str], Optional[float]]] = None
     _lastUsed: dict = field(factory=dict, init=False)
     _keptBindings: WeakKeyDictionary = field(factory=WeakKeyDictionary, init=False)
     _localOwners: OrderedDict = field(factory=OrderedDict, init=False)
@@ -441,8 +443,11 @@ class AccountScheduler:
     def _nothingQualifies(self, ctx: _Pass, openAccounts: list) -> NoAccountAvailable:
         """
         The R44 error when no account qualifies: R42's 400 when only OAuth
-        accounts remain for an HTTP continuation, 429 when every candidate
-        is rate-limited, else 503. WebSocket turns close 1013.
+        accounts remain for an HTTP continuation; when every candidate is
+        blocked, R83's answer (429 when all are rate-limited, else 503, with
+        C{Retry-After} and the reason class, L{noAccountError}); else 503.
+        WebSocket turns close 1013. The log line lists each account's
+        reason.
 
         @param openAccounts: accounts that serve the model and are not
             excluded.
@@ -454,16 +459,45 @@ class AccountScheduler:
                 param="previous_response_id",
             )
         allowed = [a for a in openAccounts if not (ctx.oauthBarred and a.type == "oauth")]
-        reasons = [self._blockReason(ctx, a) for a in allowed]
-        if allowed and all(r == "rate_limited" for r in reasons):
-            return self._error(
-                turn, 429, "rate_limit_error", RATE_LIMITED_MESSAGE,
-                wsClose=(1013, "no available account"),
+        blocked = []
+        for account in allowed:
+            why = self._blockWhy(ctx, account)
+            if why is None and self._quarantined(ctx, account):
+                why = ("proxy_quarantined", self._quarantineUntil(account))
+            if why is None:
+                blocked = None
+                break
+            blocked.append((account.id, why[0], why[1]))
+        self._log.info(
+            "no account available for model {model}: {accounts}",
+            event="openai.account_select_no_available", request_id=turn.requestId,
+            entrypoint=turn.entrypoint, model=turn.model, excluded_count=len(ctx.excluded),
+            accounts="; ".join(
+                f"{a.id}: {self._describe(ctx, a)}" for a in openAccounts
+            ) or "none",
+        )
+        if blocked:
+            # R83: every account is blocked: say why and when it ends.
+            return NoAccountAvailable(
+                noAccountError(turn.model, blocked, ctx.now, turn.entrypoint == "ws")
             )
         return self._error(
             turn, 503, "api_error", NO_ACCOUNT_MESSAGE,
             wsClose=(1013, "no available account"),
         )
+
+    def _describe(self, ctx: _Pass, account: Account) -> str:
+        """
+        One account's state for the R83 log line: its block reason and end,
+        or why else it was not chosen.
+        """
+        why = self._blockWhy(ctx, account)
+        if why is not None:
+            until = why[1]
+            return f"{why[0]} until {until:.0f}" if until else why[0]
+        if self._quarantined(ctx, account):
+            return "proxy_quarantined"
+        return self._incompatible(ctx, account) or "busy or over load"
 
     # ------------------------------------------------------------------
     # Eligibility
@@ -471,22 +505,42 @@ class AccountScheduler:
 
     def _blockReason(self, ctx: _Pass, account: Account) -> Optional[str]:
         """
-        Why the account is runtime-blocked for this turn's model: the state
-        store's L{relay.failures.AccountRuntime.unschedulable}, then the
-        C{extraBlock} hook.
+        Why the account is runtime-blocked for this turn's model (see
+        L{_blockWhy}).
 
         @return: a reason string, or L{None} when schedulable.
         """
+        why = self._blockWhy(ctx, account)
+        return None if why is None else why[0]
+
+    def _blockWhy(self, ctx: _Pass, account: Account) -> Optional[tuple]:
+        """
+        Why the account is runtime-blocked for this turn's model and until
+        when: the state store's L{relay.failures.AccountRuntime.unschedulable},
+        then the C{extraBlock} hook; the later end wins when both block.
+
+        @return: C{(reason, until)} (C{until} Unix seconds, 0 or L{None}
+            when permanent or unknown), or L{None} when schedulable.
+        """
         upstream = account.upstreamModel(ctx.turn.model) if ctx.turn.model else None
         state = ctx.states.get(account.id)
-        verdict = state.unschedulable(ctx.now, upstream) if state is not None else None
-        if verdict is None and self._extraBlock is not None:
-            verdict = self._extraBlock(account, ctx.now, upstream)
-        if not verdict:
+        stored = state.unschedulable(ctx.now, upstream) if state is not None else None
+        extra = self._extraBlock(account, ctx.now, upstream) if self._extraBlock else None
+        if extra and not isinstance(extra, tuple):
+            extra = (str(extra), None)
+        if stored is None:
+            return (str(extra[0]), extra[1]) if extra else None
+        if extra and stored[1] and (extra[1] or 0) > stored[1]:
+            return (str(extra[0]), extra[1])
+        return (str(stored[0]), stored[1])
+
+    def _quarantineUntil(self, account: Account) -> Optional[float]:
+        """
+        When the account's proxy quarantine ends, if the hook knows.
+        """
+        if self._quarantineEnd is None or account.proxy is None:
             return None
-        if isinstance(verdict, tuple):
-            return str(verdict[0])
-        return str(verdict)
+        return self._quarantineEnd(account.proxy.id)
 
     def _quarantined(self, ctx: _Pass, account: Account) -> bool:
         """
@@ -735,11 +789,6 @@ class AccountScheduler:
                     keepBinding=keepBinding,
                 )
         if choice is None:
-            self._log.info(
-                "no account available for model {model}",
-                event="openai.account_select_no_available", request_id=turn.requestId,
-                entrypoint=turn.entrypoint, model=turn.model, excluded_count=len(excluded),
-            )
             raise self._nothingQualifies(ctx, openAccounts)
         return await self._finish(ctx, started, choice)
 

@@ -5,6 +5,7 @@ What account selection returns (behaviour.md R43-R45).
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from attrs import frozen
@@ -69,6 +70,80 @@ class Selection:
     lease: object
     waitPlan: Optional[WaitPlan]
     record: DecisionRecord
+
+
+#: R83 reason classes, from the reasons selection skips an account for.
+CLASS_RATE_LIMITED = "rate-limited"
+CLASS_COOLING = "cooling down"
+CLASS_DISABLED = "disabled"
+CLASS_QUARANTINED = "behind a quarantined proxy"
+CLASS_UNAVAILABLE = "unavailable"
+
+
+def reasonClass(reason: str) -> str:
+    """
+    The R83 reason class of one account's block reason.
+
+    @param reason: the reason selection gave (e.g. C{rate_limited},
+        C{model_blocked}, C{transport_error}, C{disabled: ...},
+        C{proxy_quarantined}).
+    """
+    if reason == "rate_limited":
+        return CLASS_RATE_LIMITED
+    if reason.startswith("disabled"):
+        return CLASS_DISABLED
+    if reason == "proxy_quarantined":
+        return CLASS_QUARANTINED
+    if reason.startswith("needs_login"):
+        return "waiting for a new login"
+    return CLASS_COOLING
+
+
+def noAccountError(model: Optional[str], blocked: list, now: float, ws: bool) -> ClientError:
+    """
+    behaviour.md R44 + R83: the answer when no account can serve the model
+    because every one is blocked: 429 when every one is rate-limited, else
+    503; C{Retry-After} is whole seconds until the earliest becomes
+    schedulable (omitted when no end time is known); the message names the
+    reason class and that time; the WebSocket closes 1013 with the same
+    text.
+
+    @param model: the requested model, or L{None}.
+    @param blocked: C{(account id, reason, until or None)} per account that
+        serves the model; C{until} in Unix seconds, 0 or L{None} when
+        permanent or unknown.
+    @param now: Unix seconds.
+    @param ws: the turn is a WebSocket turn (adds the 1013 close).
+    """
+    classes = [reasonClass(reason) for _, reason, _ in blocked]
+    ends = [until for _, _, until in blocked if until]
+    wait = None
+    if ends:
+        wait = max(1, int(math.ceil(min(ends) - now)))
+    n = len(blocked)
+    what = f"for {model}" if model else "for this request"
+    distinct = sorted(set(classes), key=classes.index)
+    if len(distinct) == 1:
+        subject = (
+            f"the only account {what} is {distinct[0]}"
+            if n == 1
+            else f"all {n} accounts {what} are {distinct[0]}"
+        )
+    else:
+        counts = ", ".join(f"{classes.count(c)} {c}" for c in distinct)
+        subject = f"no account {what} is available ({counts})"
+    message = subject + (f"; the earliest is available in {wait} s" if wait is not None else "")
+    message = message[0].upper() + message[1:]
+    rateLimited = bool(classes) and all(c == CLASS_RATE_LIMITED for c in classes)
+    headers = (("Retry-After", str(wait)),) if wait is not None else ()
+    return ClientError(
+        status=429 if rateLimited else 503,
+        type="rate_limit_error" if rateLimited else "api_error",
+        message=message,
+        code="no_available_account",
+        headers=headers,
+        wsClose=(1013, message) if ws else None,
+    )
 
 
 class NoAccountAvailable(RelayError):

@@ -629,17 +629,67 @@ class ModelAndErrorTests(SchedulerMixin, SynchronousTestCase):
 
     def test_allRateLimited(self):
         """
-        R44: every candidate rate-limited → 429.
+        R44 + R83: every candidate rate-limited → 429 with C{Retry-After} =
+        whole seconds until the earliest reset, and a message naming the
+        class, the count, the model and that time.
         """
         self.build([account("a"), account("b")])
-        for aid in "ab":
-            self.successResultOf(self.store.markAccount(
-                aid, "rate_limited", self.clock.seconds() + 60, "x"))
+        now = self.clock.seconds()
+        self.successResultOf(self.store.markAccount("a", "rate_limited", now + 60, "x"))
+        self.successResultOf(self.store.markAccount("b", "rate_limited", now + 41.5, "x"))
         error = self.selectFails(turn())
-        self.assertEqual(error.status, 429)
+        self.assertEqual((error.status, error.type), (429, "rate_limit_error"))
+        self.assertEqual(error.headers, (("Retry-After", "42"),))
         self.assertEqual(
-            error.message, "All available accounts are currently rate-limited. Please retry later."
+            error.message,
+            "All 2 accounts for gpt-5 are rate-limited; the earliest is available in 42 s",
         )
+
+    def test_allCoolingR83(self):
+        """
+        R83: every candidate blocked for mixed reasons (a model block, an
+        in-memory breaker, a cooldown) → 503 with the earliest end as
+        C{Retry-After} and the classes counted; the WebSocket closes 1013 with
+        the same text; the log line lists each account's reason.
+        """
+        now = 1_000_000 + 0.0
+        self.build(
+            [account("a"), account("b"), account("c")],
+            extraBlock=lambda a, t, m: (
+                ("transport circuit open", t + 120) if a.id == "b" else None
+            ),
+        )
+        self.successResultOf(self.store.markAccount("a", "model_block", now + 45, "streak",
+                                                    model="gpt-5"))
+        self.successResultOf(self.store.markAccount("c", "rate_limited", now + 300, "x"))
+        logs = EventLoggingObserver.createWithCleanup(self, globalLogPublisher)
+        error = self.selectFails(turn())
+        self.assertEqual((error.status, error.type), (503, "api_error"))
+        self.assertEqual(error.headers, (("Retry-After", "45"),))
+        self.assertEqual(
+            error.message,
+            "No account for gpt-5 is available (2 cooling down, 1 rate-limited);"
+            " the earliest is available in 45 s",
+        )
+        lines = [e for e in logs if e.get("event") == "openai.account_select_no_available"]
+        self.assertEqual(len(lines), 1)
+        for aid in "abc":
+            self.assertIn(aid + ": ", lines[0]["accounts"])
+        self.assertIn("model_blocked until", lines[0]["accounts"])
+        ws = self.selectFails(turn(entrypoint="ws"))
+        self.assertEqual(ws.wsClose, (1013, error.message))
+
+    def test_disabledOnlyHasNoRetryAfter(self):
+        """
+        R83: when no end time is known (disabled accounts) C{Retry-After} is
+        omitted.
+        """
+        self.build([account("a")])
+        self.successResultOf(self.store.markAccount("a", "disabled", 0, "401"))
+        error = self.selectFails(turn())
+        self.assertEqual(error.status, 503)
+        self.assertEqual(error.headers, ())
+        self.assertEqual(error.message, "The only account for gpt-5 is disabled")
 
     def test_modelBlock(self):
         """
