@@ -30,14 +30,17 @@ from relay.engine import errors as E
 from relay.engine.payload import (
     isEmptyCompleted,
     isSemanticOutput,
+    translatesChat,
     upstreamBody,
     upstreamClientHeaders,
+    upstreamPath,
     upstreamStreams,
     withoutEncryptedReasoning,
 )
 from relay.model import AdmissionError, ClientError, Turn, WaitPlan
 from relay.selection import NoAccountAvailable
 from relay.sse import LineTooLong, SSEParser
+from relay.translate.sink import ChatCompletionsSink
 
 STAGING_CAP = 8 * 2**20
 """Held-back bytes before the first output, at most (behaviour.md R22)."""
@@ -1085,10 +1088,16 @@ class TurnRunner:
     async def _attemptHTTP(self, turn: Turn, sink, account, release) -> AttemptResult:
         """
         One HTTP attempt: dial, then stream (SSE) or read (JSON).
+
+        A chat turn on an OAuth account goes to C{/responses}; the pump
+        stages and classifies its Responses events as on any other turn and
+        a L{ChatCompletionsSink} translates them on write (issue 13, R84).
         """
         s = self.settings.current
         stream = upstreamStreams(turn, account)
-        path = "/responses" if turn.endpoint == "responses" else "/chat/completions"
+        path = upstreamPath(turn, account)
+        if translatesChat(turn, account):
+            sink = ChatCompletionsSink(sink, turn, self.clock.seconds())
         headers = upstreamClientHeaders(turn, account)
         headers["accept"] = "text/event-stream" if stream else "application/json"
         body = upstreamBody(turn, account)

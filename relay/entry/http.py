@@ -24,6 +24,7 @@ from twisted.web.server import NOT_DONE_YET
 from relay.entry.sinks import JSONSink, SSESink, writeError
 from relay.model import ClientError, ClientKey, Turn
 from relay.session import sessionHash, sessionSeed
+from relay.translate.chatrequest import ChatRequestError, checkMessages
 
 MAX_BODY_BYTES = 64 * 2**20
 """The largest request body accepted (behaviour.md R47 read limit)."""
@@ -242,12 +243,10 @@ class TurnResource(Resource):
             return NOT_DONE_YET
         stream = streamFlag is True
         if self._endpoint == "chat":
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                writeError(
-                    request,
-                    badRequest("messages must be a non-empty array", param="messages"),
-                )
+            try:
+                checkMessages(body.get("messages"))
+            except ChatRequestError as e:
+                writeError(request, badRequest(str(e), param=e.param))
                 return NOT_DONE_YET
         headers = clientHeaders(request)
         previous = body.get("previous_response_id") if self._endpoint == "responses" else None
