@@ -18,11 +18,12 @@ from twisted.application.internet import StreamServerEndpointService
 from twisted.application.service import MultiService
 from twisted.internet.error import CannotListenError
 from twisted.logger import Logger
-from twisted.web.server import Request, Site
+from twisted.web.server import Site
 
 from relay.classify import DefaultClassifier
 from relay.components import loadComponent
 from relay.engine.runner import TurnRunner
+from relay.entry.body import LimitedBodyRequest
 from relay.entry.http import KeyRing, buildRoot
 from relay.health import AccountHealth
 from relay.interfaces import IFailureClassifier, ISlotAdmission, IUpstreamDialer
@@ -33,9 +34,10 @@ from relay.settings import RuntimeSettings
 from relay.upstream.http import HTTPDialer
 
 
-class _Request(Request):
+class _Request(LimitedBodyRequest):
     """
-    A L{Request} that skips twisted.web's form-submission parsing for a JSON
+    A L{Request} that limits and decodes bodies (L{LimitedBodyRequest},
+    issue 13) and skips twisted.web's form-submission parsing for a JSON
     body. twisted.web parses every POST's C{Content-Type} with the stdlib
     email package (about a tenth of relay's CPU per relayed request) only
     to look for C{application/x-www-form-urlencoded} and
@@ -187,6 +189,7 @@ def buildApplication(
     _operatorSurface(app, root, accounts, proxyHealth)
     site = Site(root, requestFactory=_Request)
     site.displayTracebacks = False
+    site.maxRequestBodyBytes = config.gateway.max_request_body_bytes
     site.wsFactory = wsResource.factory
     app.services.append(app.extras["wsPoolService"])
     app.site = site

@@ -402,6 +402,7 @@ def _nested(table: Dict[str, Validator], cls: type) -> Validator:
 
 _GATEWAY: Dict[str, Validator] = {
     "max_account_switches": _integer(0),
+    "max_request_body_bytes": _integer(1024),
     "first_output_timeout_seconds": _firstOutputTimeout,
     "retry_interval_ms": _integer(0, 30000),
     "transport_retry_policy": _choice(*TRANSPORT_RETRY_POLICIES),

@@ -105,13 +105,14 @@ class Account:
 
     def servesEndpoint(self, endpoint: str) -> bool:
         """
-        Whether this account has the upstream route for C{endpoint}: the
-        ChatGPT (OAuth) backend serves only C{/responses} (protocol.md 3,
-        7.2); relay does not convert chat completions for it.
+        Whether this account can serve C{endpoint}. Every account serves
+        both: the ChatGPT (OAuth) backend has only C{/responses}
+        (protocol.md 3, 7.2), and relay translates a chat turn for it
+        (L{relay.translate}, issue 13).
 
         @param endpoint: C{responses} or C{chat}.
         """
-        return endpoint != "chat" or self.type != "oauth"
+        return endpoint in ("responses", "chat")
 
     def servesModel(self, requested: Optional[str]) -> bool:
         """
@@ -202,6 +203,9 @@ class GatewaySettings:
     """
 
     max_account_switches: int = 10
+    max_request_body_bytes: int = 64 * 2**20
+    """The largest request body, after decoding any C{Content-Encoding};
+    larger ones are answered 413 at once (issue 13). Read at startup."""
     first_output_timeout_seconds: float = 0
     retry_interval_ms: int = 0
     transport_retry_policy: str = "rotate"

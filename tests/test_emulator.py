@@ -26,6 +26,7 @@ from relay.emulator.state import (
     ReplyScript,
     ToolCall,
     buildTurn,
+    chatChunks,
     chooseReply,
     parseFault,
     parseScript,
@@ -282,6 +283,84 @@ class TurnShapeTests(SynchronousTestCase):
                                 b'data: {"type":"response.created","sequence_number":0}\n\n')
 
 
+class AwkwardShapeTests(SynchronousTestCase):
+    """
+    The script options that rehearse the ChatGPT backend's awkward shapes
+    (issue 13): parallel calls, arguments only in C{.done}, C{output: []}
+    on the terminal event, C{response.incomplete} endings.
+    """
+
+    PARALLEL = {"tool_calls": [{"name": "a", "arguments": {"x": 1}},
+                               {"name": "b", "arguments": "{}"}],
+                "argument_deltas": 0}
+
+    def test_parse(self) -> None:
+        """
+        The new keys parse; bad values are refused.
+        """
+        script = parseScript({**self.PARALLEL, "completed_output": "empty",
+                              "ending": "content_filter"})
+        self.assertEqual(script.calls(), (ToolCall("a", '{"x":1}'), ToolCall("b", "{}")))
+        self.assertEqual((script.argumentDeltas, script.completedOutput, script.ending),
+                         (0, "empty", "content_filter"))
+        for bad in ({"tool_calls": {}}, {"argument_deltas": -1}, {"completed_output": "x"},
+                    {"ending": "stop"}, {"tool_calls": [{"arguments": {}}]}):
+            self.assertRaises(ValueError, parseScript, bad)
+
+    def test_parallel_calls_without_argument_deltas(self) -> None:
+        """
+        Two calls at output indexes 0 and 1; with C{argument_deltas: 0}
+        no delta events, the arguments only in C{.done}.
+        """
+        reply = chooseReply(parseScript(self.PARALLEL), [], "a1", "m")
+        turn = buildTurn({}, reply, 0.0, argumentDeltas=0)
+        types = [e["type"] for e in turn.events]
+        self.assertNotIn("response.function_call_arguments.delta", types)
+        done = [e for e in turn.events if e["type"] == "response.function_call_arguments.done"]
+        self.assertEqual([(e["output_index"], e["arguments"]) for e in done],
+                         [(0, '{"x":1}'), (1, "{}")])
+        self.assertEqual([i["name"] for i in turn.final["output"]], ["a", "b"])
+
+    def test_empty_output(self) -> None:
+        """
+        C{emptyOutput}: the terminal event has C{output: []}, the items are
+        in the C{output_item.done} events; the non-stream answer is full.
+        """
+        turn = buildTurn({}, chooseReply(ReplyScript(), [], "a1", "m"), 0.0, emptyOutput=True)
+        self.assertEqual(turn.events[-1]["response"]["output"], [])
+        self.assertIsNotNone(turn.events[-1]["response"]["usage"])
+        self.assertEqual(len(turn.final["output"]), 1)
+
+    def test_incomplete_endings(self) -> None:
+        """
+        C{ending}: half the text, then C{response.incomplete} with the reason.
+        """
+        for ending in ("max_output_tokens", "content_filter"):
+            script = parseScript({"text": "abcdefgh", "ending": ending})
+            turn = buildTurn({}, chooseReply(script, [], "a1", "m"), 0.0)
+            last = turn.events[-1]
+            self.assertEqual(last["type"], "response.incomplete")
+            self.assertEqual(last["response"]["incomplete_details"], {"reason": ending})
+            self.assertEqual(last["response"]["output"][0]["content"][0]["text"], "abcd")
+
+    def test_chat_chunks(self) -> None:
+        """
+        The chat route answers parallel calls with two indexes and the
+        endings with C{length} / C{content_filter}.
+        """
+        reply = chooseReply(parseScript(self.PARALLEL), [], "a1", "m")
+        chunks, completion = chatChunks({}, reply, 0.0, False, 0)
+        calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+        self.assertEqual([(c["index"], c["function"]["arguments"]) for c in calls],
+                         [(0, '{"x":1}'), (1, "{}")])
+        self.assertEqual(len(completion["choices"][0]["message"]["tool_calls"]), 2)
+        for ending, finish in (("max_output_tokens", "length"),
+                               ("content_filter", "content_filter")):
+            reply = chooseReply(parseScript({"ending": ending}), [], "a1", "m")
+            _, completion = chatChunks({}, reply, 0.0, False)
+            self.assertEqual(completion["choices"][0]["finish_reason"], finish)
+
+
 class EventPumpTests(SynchronousTestCase):
     """
     Tests for L{EventPump} on a L{Clock}.
@@ -431,6 +510,35 @@ class ResourceTests(SynchronousTestCase):
         self.assertEqual(response.code, 400)
         self.assertEqual(json.loads(self._content(response)),
                          {"detail": "Stream must be set to true"})
+
+    def test_oauthUnsupportedParameters(self) -> None:
+        """
+        The OAuth route refuses C{max_output_tokens}, C{temperature} and
+        C{top_p} as the ChatGPT backend does.
+        """
+        for name in ("max_output_tokens", "temperature", "top_p"):
+            response = self._post("/backend-api/codex/responses",
+                                  {"input": "hi", "stream": True, name: 1}, "oauth-a3")
+            self.assertEqual(response.code, 400)
+            self.assertEqual(json.loads(self._content(response)),
+                             {"detail": f"Unsupported parameter: {name}"})
+
+    def test_oauthTerminalOutputIsEmpty(self) -> None:
+        """
+        On the OAuth route the terminal event carries C{output: []} (the call
+        is only in C{output_item.done}); C{completed_output: full} restores it.
+        """
+        body = {"input": "hi", "stream": True}
+        data = self._content(self._post("/backend-api/codex/responses", body, "oauth-a3"))
+        events = [json.loads(line[6:]) for line in data.decode().split("\n")
+                  if line.startswith("data: ")]
+        self.assertEqual(events[-1]["type"], "response.completed")
+        self.assertEqual(events[-1]["response"]["output"], [])
+        self.assertEqual(events[-2]["item"]["type"], "function_call")
+        self.emulator.setScript("oauth-a3", {**TOOL, "completed_output": "full"})
+        data = self._content(self._post("/backend-api/codex/responses", body, "oauth-a3"))
+        last = json.loads(data.decode().strip().split("\n")[-1][6:])
+        self.assertEqual(len(last["response"]["output"]), 1)
 
     def test_storeChaining(self) -> None:
         """

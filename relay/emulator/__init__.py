@@ -7,8 +7,12 @@ It serves, on one port (plain TCP or TLS):
 
   - C{POST /v1/responses} and C{/responses} (API-key style: C{previous_response_id} works
     against responses stored by the same credential) and
-    C{POST /backend-api/codex/responses} (OAuth style: non-stream requests get 400
-    C{{"detail":"Stream must be set to true"}}, nothing is stored);
+    C{POST /backend-api/codex/responses} (OAuth style, as the ChatGPT backend: non-stream
+    requests get 400 C{{"detail":"Stream must be set to true"}}, C{max_output_tokens},
+    C{temperature} and C{top_p} get 400 C{{"detail":"Unsupported parameter: <name>"}},
+    the terminal event carries C{output: []} (the items are only in the
+    C{response.output_item.done} events; script C{completed_output} changes that), and
+    nothing is stored);
   - the Responses WebSocket on C{GET} of the same paths with C{Upgrade: websocket};
   - C{POST /v1/chat/completions} (and C{/chat/completions});
   - C{GET /v1/models} (and C{/models}, C{/backend-api/codex/models});

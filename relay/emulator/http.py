@@ -41,6 +41,10 @@ APIKEY_RESPONSES = ("/v1/responses", "/responses")
 OAUTH_RESPONSES = ("/backend-api/codex/responses",)
 """Paths of the ChatGPT (OAuth) style Responses endpoint."""
 
+OAUTH_UNSUPPORTED = ("max_output_tokens", "temperature", "top_p")
+"""Request fields the ChatGPT backend refuses on its HTTP path with 400
+C{{"detail": "Unsupported parameter: <name>"}} (chat clients send them by default)."""
+
 CHAT = ("/v1/chat/completions", "/chat/completions")
 """Paths of the Chat Completions endpoint."""
 
@@ -420,6 +424,9 @@ class EmulatorResource(Resource):
         stream = body.get("stream") is True
         if route == "oauth" and self._state.known(credential) and not stream:
             return self._json(request, 400, {"detail": "Stream must be set to true"})
+        unsupported = [name for name in OAUTH_UNSUPPORTED if name in body]
+        if route == "oauth" and self._state.known(credential) and unsupported:
+            return self._json(request, 400, {"detail": f"Unsupported parameter: {unsupported[0]}"})
         answer, fault = self._admit(request, credential)
         if answer is not None:
             return answer
@@ -436,7 +443,10 @@ class EmulatorResource(Resource):
                                 self._state.nameOf(credential), body.get("model") or "")
         shaping = fault if fault is not None and fault.kind in (
             "stream_error", "empty_completed") else None
-        turn = buildTurn(body, reply, self.emulator.clock.seconds(), shaping, script.deltas)
+        emptyOutput = (script.completedOutput or ("empty" if route == "oauth" else "full")) \
+            == "empty"
+        turn = buildTurn(body, reply, self.emulator.clock.seconds(), shaping, script.deltas,
+                         script.argumentDeltas, emptyOutput)
         if route == "apikey" and body.get("store") is not False:
             self._state.storeResponse(credential, turn.responseId)
         tracker = TurnTracker(self._state, credential)
@@ -523,7 +533,7 @@ class EmulatorResource(Resource):
         options = body.get("stream_options") or {}
         includeUsage = bool(options.get("include_usage")) if isinstance(options, dict) else False
         chunks, completion = chatChunks(body, reply, self.emulator.clock.seconds(),
-                                        includeUsage)
+                                        includeUsage, script.argumentDeltas)
         kind = fault.kind if fault is not None else None
         tracker = TurnTracker(self._state, credential)
         firstDelay = float(fault.get("seconds", 0)) if kind == "delay_first_output" else 0.0

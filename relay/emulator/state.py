@@ -11,6 +11,16 @@ Script format (a JSON object; every key optional)::
     {"text": "Tool said: {output}",          # reply text template
      "tool_call": {"name": "exec_command",    # answer a fresh turn with this call
                    "arguments": {"cmd": "echo hi"}},
+     "tool_calls": [{"name": "a", "arguments": {}},   # or with these parallel calls
+                    {"name": "b", "arguments": {}}],
+     "argument_deltas": 2,                    # argument deltas per call; 0 = the arguments
+                                              # only in function_call_arguments.done
+     "completed_output": "empty",             # "full" or "empty": the terminal response's
+                                              # output (default: "empty" on the OAuth
+                                              # route, as the ChatGPT backend, else "full")
+     "ending": "completed",                   # or "max_output_tokens" / "content_filter":
+                                              # half the text, then response.incomplete
+                                              # (chat: finish_reason length / content_filter)
      "delay": 0.0,                            # seconds between streamed events
      "deltas": 3}                             # how many deltas the text is split into
 
@@ -349,14 +359,53 @@ class ReplyScript:
 
     @ivar text: the reply text template.
     @ivar toolCall: the call to answer a fresh turn with, or L{None}.
+    @ivar toolCalls: parallel calls to answer a fresh turn with (wins over
+        C{toolCall}).
     @ivar delay: seconds between streamed events.
     @ivar deltas: how many deltas the text is split into.
+    @ivar argumentDeltas: how many deltas each call's arguments are split
+        into; 0 sends them only in C{response.function_call_arguments.done}.
+    @ivar completedOutput: C{full}, C{empty}, or L{None} for the route's
+        default (C{empty} on the OAuth route).
+    @ivar ending: C{completed}, C{max_output_tokens} or C{content_filter}.
     """
 
     text: str = DEFAULT_TEXT
     toolCall: ToolCall | None = None
     delay: float = 0.0
     deltas: int = 3
+    toolCalls: tuple = ()
+    argumentDeltas: int = 2
+    completedOutput: str | None = None
+    ending: str = "completed"
+
+    def calls(self) -> tuple:
+        """
+        The calls a fresh turn answers with, possibly none.
+
+        @rtype: L{tuple} of L{ToolCall}
+        """
+        if self.toolCalls:
+            return self.toolCalls
+        return (self.toolCall,) if self.toolCall is not None else ()
+
+
+ENDINGS = ("completed", "max_output_tokens", "content_filter")
+"""Script C{ending} values: a normal end, or C{response.incomplete} with that reason."""
+
+
+def _toolCall(tool: Any) -> ToolCall:
+    """
+    Parse one C{tool_call} object.
+
+    @raise ValueError: without a name.
+    """
+    if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+        raise ValueError("tool_call needs a name")
+    args = tool.get("arguments", {})
+    if not isinstance(args, str):
+        args = json.dumps(args, separators=(",", ":"))
+    return ToolCall(name=tool["name"], arguments=args)
 
 
 def parseScript(spec: dict | None) -> ReplyScript:
@@ -372,27 +421,37 @@ def parseScript(spec: dict | None) -> ReplyScript:
         return ReplyScript()
     if not isinstance(spec, dict):
         raise ValueError("a script must be a JSON object")
-    unknown = set(spec) - {"text", "tool_call", "delay", "deltas"}
+    unknown = set(spec) - {
+        "text", "tool_call", "tool_calls", "delay", "deltas", "argument_deltas",
+        "completed_output", "ending",
+    }
     if unknown:
         raise ValueError(f"unknown script keys: {sorted(unknown)}")
     tool = spec.get("tool_call")
-    toolCall = None
-    if tool is not None:
-        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
-            raise ValueError("tool_call needs a name")
-        args = tool.get("arguments", {})
-        if not isinstance(args, str):
-            args = json.dumps(args, separators=(",", ":"))
-        toolCall = ToolCall(name=tool["name"], arguments=args)
+    toolCall = _toolCall(tool) if tool is not None else None
+    tools = spec.get("tool_calls")
+    tools = [] if tools is None else tools
+    if not isinstance(tools, list):
+        raise ValueError("tool_calls must be a list")
     delay = spec.get("delay", 0.0)
     deltas = spec.get("deltas", 3)
+    argumentDeltas = spec.get("argument_deltas", 2)
     if not isinstance(delay, (int, float)) or delay < 0:
         raise ValueError("delay must be a non-negative number")
     if not isinstance(deltas, int) or deltas < 1:
         raise ValueError("deltas must be a positive integer")
+    if not isinstance(argumentDeltas, int) or argumentDeltas < 0:
+        raise ValueError("argument_deltas must be a non-negative integer")
+    completedOutput = spec.get("completed_output")
+    if completedOutput not in (None, "full", "empty"):
+        raise ValueError('completed_output must be "full" or "empty"')
+    ending = spec.get("ending", "completed")
+    if ending not in ENDINGS:
+        raise ValueError(f"ending must be one of {list(ENDINGS)}")
     return ReplyScript(
         text=str(spec.get("text", DEFAULT_TEXT)), toolCall=toolCall, delay=float(delay),
-        deltas=deltas,
+        deltas=deltas, toolCalls=tuple(_toolCall(t) for t in tools),
+        argumentDeltas=argumentDeltas, completedOutput=completedOutput, ending=ending,
     )
 
 
@@ -437,11 +496,20 @@ class Reply:
     What one turn answers.
 
     @ivar text: the text, when the answer is a message.
-    @ivar toolCall: the call, when the answer is a function call.
+    @ivar toolCalls: the calls, when the answer is one or more function calls.
+    @ivar ending: C{completed}, C{max_output_tokens} or C{content_filter}.
     """
 
     text: str | None = None
-    toolCall: ToolCall | None = None
+    toolCalls: tuple = ()
+    ending: str = "completed"
+
+    @property
+    def toolCall(self) -> ToolCall | None:
+        """
+        The first call, or L{None}.
+        """
+        return self.toolCalls[0] if self.toolCalls else None
 
 
 def _lastUserText(items: list) -> str:
@@ -508,8 +576,8 @@ def chooseReply(script: ReplyScript, items: list, accountName: str, model: str) 
         toolOutput = last.get("content", "")
     if not isinstance(toolOutput, (str, type(None))):
         toolOutput = json.dumps(toolOutput)
-    if toolOutput is None and script.toolCall is not None:
-        return Reply(toolCall=script.toolCall)
+    if toolOutput is None and script.calls():
+        return Reply(toolCalls=script.calls(), ending=script.ending)
     output = (toolOutput or "").strip()
     marker = output.rfind("Output:\n")
     result = output[marker + len("Output:\n"):].strip() if marker >= 0 else output
@@ -517,7 +585,7 @@ def chooseReply(script: ReplyScript, items: list, accountName: str, model: str) 
         script.text, name=accountName, credential_name=accountName, output=output,
         result=result, model=model, input=_lastUserText(items),
     )
-    return Reply(text=text)
+    return Reply(text=text, ending=script.ending)
 
 
 def splitText(text: str, pieces: int) -> list[str]:
@@ -647,7 +715,8 @@ class Turn:
 
 
 def buildTurn(
-    body: dict, reply: Reply | None, now: float, fault: Fault | None = None, deltas: int = 3
+    body: dict, reply: Reply | None, now: float, fault: Fault | None = None, deltas: int = 3,
+    argumentDeltas: int = 2, emptyOutput: bool = False,
 ) -> Turn:
     """
     Plan the events of one Responses turn (protocol.md §2.3, §2.4).
@@ -663,6 +732,13 @@ def buildTurn(
     @type fault: L{Fault} or L{None}
     @param deltas: how many C{response.output_text.delta} events the text is split into.
     @type deltas: L{int}
+    @param argumentDeltas: how many C{response.function_call_arguments.delta} events each
+        call's arguments are split into; 0 sends none (the arguments arrive only in
+        C{response.function_call_arguments.done} and the finished item).
+    @type argumentDeltas: L{int}
+    @param emptyOutput: the terminal event carries C{output: []}, as the ChatGPT backend's
+        does; the items are only in the C{response.output_item.done} events.
+    @type emptyOutput: L{bool}
     @rtype: L{Turn}
     """
     rid = newId("resp")
@@ -695,24 +771,31 @@ def buildTurn(
         return Turn(rid, events, final, 1)
     emit("response.in_progress", response=responseObject(rid, body, now, "in_progress", [], None))
     firstOutput = len(events)
-    if reply.toolCall is not None:
-        call = reply.toolCall
-        fid = newId("fc")
-        item = {
-            "type": "function_call", "id": fid, "call_id": newId("call"), "name": call.name,
-            "arguments": "", "status": "in_progress",
-        }
-        emit("response.output_item.added", output_index=0, item=dict(item))
-        for piece in splitText(call.arguments, 2):
-            emit("response.function_call_arguments.delta", item_id=fid, output_index=0,
-                 delta=piece)
-        emit("response.function_call_arguments.done", item_id=fid, output_index=0,
-             arguments=call.arguments)
-        item.update(arguments=call.arguments, status="completed")
-        emit("response.output_item.done", output_index=0, item=item)
-        outputTokens = estimateTokens(call.arguments) + 5
+    incomplete = reply.ending != "completed"
+    output: list = []
+    if reply.toolCalls:
+        outputTokens = 0
+        for index, call in enumerate(reply.toolCalls):
+            fid = newId("fc")
+            item = {
+                "type": "function_call", "id": fid, "call_id": newId("call"),
+                "name": call.name, "arguments": "", "status": "in_progress",
+            }
+            emit("response.output_item.added", output_index=index, item=dict(item))
+            if argumentDeltas > 0:
+                for piece in splitText(call.arguments, argumentDeltas):
+                    emit("response.function_call_arguments.delta", item_id=fid,
+                         output_index=index, delta=piece)
+            emit("response.function_call_arguments.done", item_id=fid, output_index=index,
+                 arguments=call.arguments)
+            item.update(arguments=call.arguments, status="completed")
+            emit("response.output_item.done", output_index=index, item=item)
+            output.append(item)
+            outputTokens += estimateTokens(call.arguments) + 5
     else:
         text = reply.text or ""
+        if incomplete:
+            text = text[: max(1, len(text) // 2)]
         mid = newId("msg")
         item = {"type": "message", "id": mid, "role": "assistant", "content": [],
                 "status": "in_progress"}
@@ -727,12 +810,16 @@ def buildTurn(
         part = {"type": "output_text", "text": text, "annotations": []}
         emit("response.content_part.done", item_id=mid, output_index=0, content_index=0,
              part=part)
-        item.update(content=[part], status="completed")
+        item.update(content=[part], status="incomplete" if incomplete else "completed")
         emit("response.output_item.done", output_index=0, item=item)
+        output.append(item)
         outputTokens = estimateTokens(text)
-    final = responseObject(rid, body, now, "completed", [item],
-                           usageFor(inputTokens, outputTokens))
-    emit("response.completed", response=final)
+    status = "incomplete" if incomplete else "completed"
+    final = responseObject(rid, body, now, status, output, usageFor(inputTokens, outputTokens))
+    if incomplete:
+        final["incomplete_details"] = {"reason": reply.ending}
+    terminal = dict(final, output=[]) if emptyOutput else final
+    emit("response." + status, response=terminal)
     return Turn(rid, events, final, firstOutput)
 
 
@@ -749,19 +836,23 @@ def sseFrame(event: dict) -> bytes:
 
 
 def chatChunks(
-    body: dict, reply: Reply, now: float, includeUsage: bool
+    body: dict, reply: Reply, now: float, includeUsage: bool, argumentDeltas: int = 2,
 ) -> tuple[list[dict], dict]:
     """
     Plan a Chat Completions answer (protocol.md §3).
 
     @param body: the request body.
     @type body: L{dict}
-    @param reply: the answer.
+    @param reply: the answer: text, or one or more (parallel) tool calls; its C{ending}
+        gives C{finish_reason} C{length} or C{content_filter} (after half the text).
     @type reply: L{Reply}
     @param now: Unix seconds.
     @type now: L{float}
     @param includeUsage: C{stream_options.include_usage}.
     @type includeUsage: L{bool}
+    @param argumentDeltas: how many chunks each call's arguments are split into (0 or 1:
+        the whole arguments in the call's first chunk).
+    @type argumentDeltas: L{int}
     @return: the stream chunks (without C{[DONE]}) and the non-stream completion object.
     @rtype: L{tuple}
     """
@@ -780,29 +871,35 @@ def chatChunks(
         return out
 
     chunks = [chunk({"role": "assistant", "content": ""}, None)]
-    if reply.toolCall is not None:
-        callId = newId("call")
-        pieces = splitText(reply.toolCall.arguments, 2)
-        chunks.append(chunk({"tool_calls": [{
-            "index": 0, "id": callId, "type": "function",
-            "function": {"name": reply.toolCall.name, "arguments": pieces[0]}}]}, None))
-        for piece in pieces[1:]:
+    if reply.toolCalls:
+        calls = []
+        completionTokens = 0
+        for index, call in enumerate(reply.toolCalls):
+            callId = newId("call")
+            pieces = splitText(call.arguments, max(1, argumentDeltas))
             chunks.append(chunk({"tool_calls": [{
-                "index": 0, "function": {"arguments": piece}}]}, None))
-        message = {
-            "role": "assistant", "content": None, "refusal": None,
-            "tool_calls": [{"id": callId, "type": "function", "function": {
-                "name": reply.toolCall.name, "arguments": reply.toolCall.arguments}}],
-        }
+                "index": index, "id": callId, "type": "function",
+                "function": {"name": call.name, "arguments": pieces[0]}}]}, None))
+            for piece in pieces[1:]:
+                chunks.append(chunk({"tool_calls": [{
+                    "index": index, "function": {"arguments": piece}}]}, None))
+            calls.append({"id": callId, "type": "function", "function": {
+                "name": call.name, "arguments": call.arguments}})
+            completionTokens += estimateTokens(call.arguments) + 5
+        message = {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}
         finish = "tool_calls"
-        completionTokens = estimateTokens(reply.toolCall.arguments) + 5
     else:
         text = reply.text or ""
+        if reply.ending != "completed":
+            text = text[: max(1, len(text) // 2)]
         for piece in splitText(text, 3):
             chunks.append(chunk({"content": piece}, None))
         message = {"role": "assistant", "content": text, "refusal": None}
         finish = "stop"
         completionTokens = estimateTokens(text)
+    finish = {"max_output_tokens": "length", "content_filter": "content_filter"}.get(
+        reply.ending, finish
+    )
     chunks.append(chunk({}, finish))
     usage = {
         "prompt_tokens": promptTokens, "completion_tokens": completionTokens,

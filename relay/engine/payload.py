@@ -10,6 +10,7 @@ import json
 
 from relay.model import Account, Turn
 from relay.sse import Event
+from relay.translate.chatrequest import chatToResponses
 
 WS_ONLY_FIELDS = ("type", "generate", "stream_id")
 """Fields that exist only on WebSocket frames; an HTTP upstream rejects them
@@ -23,6 +24,48 @@ OAUTH_HTTP_DROPPED = (
 )
 """Fields the ChatGPT backend's HTTP path rejects (protocol.md 7.2)."""
 
+OAUTH_CHAT_FIELDS = frozenset(
+    {
+        "model",
+        "instructions",
+        "input",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "reasoning",
+        "store",
+        "stream",
+        "include",
+        "prompt_cache_key",
+        "text",
+    }
+)
+"""The fields a translated chat turn keeps on an OAuth account: those Codex
+itself sends (protocol.md 2.1). The ChatGPT backend answers 400
+C{{"detail":"Unsupported parameter: ..."}} to others that chat clients
+send by default, e.g. C{max_output_tokens} (from C{max_tokens}),
+C{temperature} and C{top_p}."""
+
+
+def translatesChat(turn: Turn, account: Account) -> bool:
+    """
+    Whether C{turn} is a chat turn that C{account} serves through its
+    C{/responses} route (protocol.md 3 "Upstream": OAuth accounts have no
+    C{/chat/completions}); the engine then puts a
+    L{relay.translate.ChatCompletionsSink} in front of the client's sink.
+    """
+    return turn.endpoint == "chat" and account.type == "oauth"
+
+
+def upstreamPath(turn: Turn, account: Account) -> str:
+    """
+    The upstream route under the account's base URL: C{/responses}, or
+    C{/chat/completions} for a chat turn on an account that has it.
+    """
+    if turn.endpoint == "responses" or translatesChat(turn, account):
+        return "/responses"
+    return "/chat/completions"
+
 
 def upstreamStreams(turn: Turn, account: Account) -> bool:
     """
@@ -30,25 +73,31 @@ def upstreamStreams(turn: Turn, account: Account) -> bool:
 
     The ChatGPT (OAuth) backend accepts only streaming requests, so relay
     streams upstream and collects the terminal event for a non-streaming
-    client (protocol.md 2.7).
+    client (protocol.md 2.7); chat turns there too.
     """
-    if turn.endpoint == "responses" and account.type == "oauth":
+    if account.type == "oauth":
         return True
     return turn.stream
 
 
 def upstreamBody(turn: Turn, account: Account) -> bytes:
     """
-    The JSON body to send to C{account} for C{turn}.
+    The JSON body to send to C{account} for C{turn}. A chat turn on an
+    OAuth account is translated to a Responses request
+    (L{relay.translate.chatrequest.chatToResponses}) keeping L{OAUTH_CHAT_FIELDS}.
 
     @return: UTF-8 JSON bytes.
     """
-    body = dict(turn.body)
+    if translatesChat(turn, account):
+        translated = chatToResponses(turn.body)
+        body = {k: v for k, v in translated.items() if k in OAUTH_CHAT_FIELDS}
+    else:
+        body = dict(turn.body)
     for name in WS_ONLY_FIELDS:
         body.pop(name, None)
     if turn.model:
         body["model"] = account.upstreamModel(turn.model)
-    if turn.endpoint == "responses" and account.type == "oauth":
+    if account.type == "oauth":
         body["stream"] = True
         body["store"] = False
         body.setdefault("instructions", "")

@@ -30,8 +30,10 @@ from relay.engine import errors as E
 from relay.engine.payload import (
     isEmptyCompleted,
     isSemanticOutput,
+    translatesChat,
     upstreamBody,
     upstreamClientHeaders,
+    upstreamPath,
     upstreamStreams,
     withoutEncryptedReasoning,
 )
@@ -41,6 +43,7 @@ from relay.policy.bookkeeping import AccountBookkeeping
 from relay.policy.judgement import judge
 from relay.selection import NoAccountAvailable
 from relay.sse import DONE, LineTooLong, SSEParser
+from relay.translate.sink import ChatCompletionsSink
 
 STAGING_CAP = 8 * 2**20
 """Held-back bytes before the first output, at most (behaviour.md R22)."""
@@ -219,7 +222,9 @@ class StreamPump(Protocol):
         self._rewrite = modelRewrite
         self._idleTimeout = idleTimeout
         self._parser = SSEParser()
-        self._chat = turn.endpoint == "chat"
+        # The upstream speaks chat completions chunks only for a chat turn
+        # forwarded as is; a translated one (OAuth) streams Responses events.
+        self._chat = turn.endpoint == "chat" and not translatesChat(turn, account)
         # Raw pass-through needs a sink that takes bytes and no model-name
         # rewrite; Responses streams must already be in event:+data: form.
         self._rawWrite = getattr(sink, "writeRaw", None) if modelRewrite is None else None
@@ -1162,10 +1167,16 @@ class TurnRunner:
     async def _attemptHTTP(self, turn: Turn, sink, account, release) -> AttemptResult:
         """
         One HTTP attempt: dial, then stream (SSE) or read (JSON).
+
+        A chat turn on an OAuth account goes to C{/responses}; the pump
+        stages and classifies its Responses events as on any other turn and
+        a L{ChatCompletionsSink} translates them on write (issue 13, R84).
         """
         s = self.settings.current
         stream = upstreamStreams(turn, account)
-        path = "/responses" if turn.endpoint == "responses" else "/chat/completions"
+        path = upstreamPath(turn, account)
+        if translatesChat(turn, account):
+            sink = ChatCompletionsSink(sink, turn, self.clock.seconds())
         headers = upstreamClientHeaders(turn, account)
         headers["accept"] = "text/event-stream" if stream else "application/json"
         body = upstreamBody(turn, account)

@@ -21,12 +21,16 @@ from twisted.logger import Logger
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
+from relay.entry.body import DEFAULT_MAX_BODY_BYTES
 from relay.entry.sinks import JSONSink, SSESink, writeError
 from relay.model import ClientError, ClientKey, Turn
 from relay.session import sessionHash, sessionSeed
+from relay.translate.chatrequest import ChatRequestError, checkMessages
 
-MAX_BODY_BYTES = 64 * 2**20
-"""The largest request body accepted (behaviour.md R47 read limit)."""
+MAX_BODY_BYTES = DEFAULT_MAX_BODY_BYTES
+"""The largest request body accepted when the request does not say
+(C{gateway.max_request_body_bytes}, enforced while the body arrives by
+L{relay.entry.body.LimitedBodyRequest})."""
 
 NOT_FORWARDED = frozenset(
     {
@@ -46,6 +50,7 @@ NOT_FORWARDED = frozenset(
         "content-type",
         "accept",
         "accept-encoding",
+        "content-encoding",
         "origin",
     }
 )
@@ -217,8 +222,9 @@ class TurnResource(Resource):
         if key is None:
             writeError(request, UNAUTHORIZED)
             return NOT_DONE_YET
-        raw = request.content.read(MAX_BODY_BYTES + 1)
-        if len(raw) > MAX_BODY_BYTES:
+        limit = getattr(request, "bodyLimit", MAX_BODY_BYTES)
+        raw = request.content.read(limit + 1)
+        if len(raw) > limit:
             writeError(
                 request,
                 ClientError(413, "invalid_request_error", "Request payload is too large"),
@@ -242,12 +248,10 @@ class TurnResource(Resource):
             return NOT_DONE_YET
         stream = streamFlag is True
         if self._endpoint == "chat":
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                writeError(
-                    request,
-                    badRequest("messages must be a non-empty array", param="messages"),
-                )
+            try:
+                checkMessages(body.get("messages"))
+            except ChatRequestError as e:
+                writeError(request, badRequest(str(e), param=e.param))
                 return NOT_DONE_YET
         headers = clientHeaders(request)
         previous = body.get("previous_response_id") if self._endpoint == "responses" else None

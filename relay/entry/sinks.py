@@ -15,6 +15,9 @@ from zope.interface import implementer
 
 from relay.interfaces import ITurnSink
 from relay.model import ClientError
+from relay.translate.assemble import ResponseAssembler
+
+_ITEM_DONE = b"response.output_item.done"
 
 # protocol.md 2.6: error type -> in-stream code.
 STREAM_ERROR_CODES = {
@@ -198,7 +201,9 @@ class JSONSink(_RequestSink):
     """
     One JSON answer for a non-streaming client. A streamed upstream (OAuth
     accounts) is collected: the terminal event's C{response} object is the
-    body (protocol.md 2.7).
+    body (protocol.md 2.7), its C{output} rebuilt from the
+    C{response.output_item.done} events when the terminal event carries
+    C{output: []}, as the ChatGPT backend's does (issue 13).
 
     C{holdsOutput}: nothing reaches the client before the terminal event,
     so a failure before it may still fail over (behaviour.md R19 step 2).
@@ -210,6 +215,7 @@ class JSONSink(_RequestSink):
         super().__init__(request, endpoint, model)
         self._final = None
         self._headers = {}
+        self._assembler = ResponseAssembler()
 
     def keepalive(self) -> None:
         """
@@ -221,8 +227,11 @@ class JSONSink(_RequestSink):
         self._headers = dict(headers or {})
 
     def writeEvent(self, event) -> None:
-        if event.terminal and event.type != b"[DONE]":
-            self._final = event.json().get("response")
+        if event.type == _ITEM_DONE:
+            self._assembler.add(event.json())
+        elif event.terminal and event.type != b"[DONE]":
+            final = event.json().get("response")
+            self._final = self._assembler.complete(final) if isinstance(final, dict) else final
             self._reply()
 
     def _reply(self) -> None:

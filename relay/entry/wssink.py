@@ -20,6 +20,9 @@ from zope.interface import implementer
 
 from relay.interfaces import ITurnSink
 from relay.model import ClientError
+from relay.translate.assemble import ResponseAssembler
+
+_ITEM_DONE = b"response.output_item.done"
 
 STATUS_EVENT_CODES = frozenset({"previous_response_not_found", "websocket_connection_limit_reached"})
 """Codes that reach the client as a status-bearing error event (R81)."""
@@ -64,7 +67,10 @@ class WebSocketSink:
     """
     Writes one turn to a client connection.
 
-    @ivar terminal: the terminal event's parsed C{response}, once written.
+    @ivar terminal: the terminal event's parsed C{response}, once written;
+        its C{output} rebuilt from the C{response.output_item.done} events
+        when the upstream sent C{output: []} (the ChatGPT backend does), so
+        the connection's transcript keeps the turn's items (issue 13).
     @ivar committed: output reached the client.
     """
 
@@ -81,6 +87,7 @@ class WebSocketSink:
         self.terminalType: bytes | None = None
         self.closed = False
         self.failed: ClientError | None = None
+        self._assembler = ResponseAssembler()
 
     def keepalive(self) -> None:
         """
@@ -93,10 +100,12 @@ class WebSocketSink:
     def writeEvent(self, event) -> None:
         if event.type == b"[DONE]":
             return
-        if event.terminal:
+        if event.type == _ITEM_DONE:
+            self._assembler.add(event.json())
+        elif event.terminal:
             self.terminalType = event.type
             response = event.json().get("response")
-            self.terminal = response if isinstance(response, dict) else {}
+            self.terminal = self._assembler.complete(response) if isinstance(response, dict) else {}
         if self._conn.isOpen():
             self._conn.sendText(event.data)
 

@@ -149,12 +149,12 @@ async def test_upstream_cookies_are_never_replayed():
 
 
 @pytest_twisted.ensureDeferred
-async def test_chat_never_goes_to_oauth_accounts():
+async def test_chat_fails_over_to_oauth_accounts():
     """
-    protocol.md 3/7.2: the ChatGPT backend has no chat completions route, so
-    a chat request skips OAuth accounts even when the API-key account fails
-    (it is exhausted instead of landing on a 404 upstream); with only OAuth
-    accounts it is refused before routing.
+    Issue 13: OAuth accounts serve chat completions through their
+    C{/responses} route, so a chat request whose API-key account fails is
+    served by the OAuth account (translated), and with only OAuth accounts
+    it is served too.
     """
     stack = await startStack(
         [
@@ -166,10 +166,10 @@ async def test_chat_never_goes_to_oauth_accounts():
         stack.emulator.setFault("sk-chat-k1", {"kind": "status", "code": 500, "times": 1})
         body = {"model": "gpt-5.5", "messages": [{"role": "user", "content": "hi"}]}
         response, data = await stack.postJSON("/v1/chat/completions", body)
-        assert response.code == 502, data
-        assert stack.emulator.requestsFor("oauth-chat-o1") == []
-        response, data = await stack.postJSON("/v1/chat/completions", body)
         assert response.code == 200, data
+        assert json.loads(data)["object"] == "chat.completion"
+        [seen] = stack.emulator.requestsFor("oauth-chat-o1")
+        assert seen.path == "/backend-api/codex/responses"
     finally:
         await stack.stop()
     stack = await startStack([{"id": "o1", "type": "oauth", "credential": "oauth-chat-o1"}])
@@ -177,9 +177,8 @@ async def test_chat_never_goes_to_oauth_accounts():
         response, data = await stack.postJSON(
             "/v1/chat/completions", {"model": "gpt-5.5", "messages": [{"role": "user", "content": "hi"}]}
         )
-        assert response.code == 503
-        assert json.loads(data)["error"]["code"] == "no_available_accounts"
-        assert stack.emulator.requests == []
+        assert response.code == 200, data
+        assert json.loads(data)["choices"][0]["message"]["content"]
     finally:
         await stack.stop()
 
