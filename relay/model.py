@@ -207,6 +207,10 @@ class GatewaySettings:
     transport_retry_policy: str = "rotate"
     transport_error_cooldown_seconds: float = 600
     retry_budget_percent: float = 20
+    stream_keepalive_interval: float = 10
+    """Seconds of downstream silence before a keepalive (SSE comment or
+    WebSocket ping) from turn start to terminal event; 0 = off
+    (behaviour.md R24, R85)."""
     breaker: BreakerSettings = BreakerSettings()
     scheduling: SchedulingSettings = SchedulingSettings()
     websocket: WebSocketSettings = WebSocketSettings()

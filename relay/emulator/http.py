@@ -30,7 +30,7 @@ from relay.emulator.state import (
     previousNotFoundError,
     sseFrame,
 )
-from relay.emulator.stream import EventPump, TurnTracker
+from relay.emulator.stream import EventPump, TurnTracker, stallOf
 
 if TYPE_CHECKING:  # pragma: no cover
     from relay.emulator.core import Emulator
@@ -461,7 +461,7 @@ class EmulatorResource(Resource):
             send=lambda event: request.write(sseFrame(event)),
             finish=self._finisher(request, tracker), cut=cut, beforeTerminal=tracker.end,
             delay=script.delay, firstOutput=turn.firstOutput, firstDelay=firstDelay,
-            cutAfter=cutAfter,
+            cutAfter=cutAfter, **stallOf(fault),
         )
         self._watch(request, tracker, pump)
         pump.start()
@@ -565,6 +565,7 @@ class EmulatorResource(Resource):
             finish=self._finisher(request, tracker), cut=cut, beforeTerminal=tracker.end,
             delay=script.delay, firstOutput=1, firstDelay=firstDelay,
             cutAfter=fault.get("events") if kind == "cut_after_events" else None,
+            **stallOf(fault),
         )
         self._watch(request, tracker, pump)
         pump.start()

@@ -28,7 +28,9 @@ Fault format (a JSON object, or a list of them; the first applicable one is used
      "transport": "http" | "ws" | "any"}
 
 Kinds: C{reset_before_headers}, C{hang_before_headers}, C{hang_after_headers}, C{status},
-C{delay_first_output} (C{seconds}), C{cut_after_events} (C{events}), C{stream_error}
+C{delay_first_output} (C{seconds}), C{stall_after_events} (C{events}, C{seconds}: send that
+many events, then nothing for that long, then the rest), C{cut_after_events} (C{events}),
+C{stream_error}
 (C{code}, C{message}), C{empty_completed}, C{ws_handshake_status} (C{code}, C{body},
 C{headers}), C{ws_handshake_reset} and C{ws_handshake_hang}.  The three C{ws_handshake_*}
 kinds apply to WebSocket upgrades only; every other kind applies to HTTP requests and WebSocket
@@ -60,6 +62,7 @@ TURN_KINDS = frozenset(
         "hang_after_headers",
         "status",
         "delay_first_output",
+        "stall_after_events",
         "cut_after_events",
         "stream_error",
         "empty_completed",
@@ -306,6 +309,11 @@ def parseFault(spec: dict, now: float = 0.0) -> Fault:
             raise ValueError(f"{kind} fault needs an integer code, not {code!r}")
     if kind == "delay_first_output" and not isinstance(params.get("seconds"), (int, float)):
         raise ValueError("delay_first_output needs seconds")
+    if kind == "stall_after_events" and (
+        not isinstance(params.get("events"), int)
+        or not isinstance(params.get("seconds"), (int, float))
+    ):
+        raise ValueError("stall_after_events needs events (an integer) and seconds")
     if kind == "cut_after_events" and not isinstance(params.get("events"), int):
         raise ValueError("cut_after_events needs events (an integer)")
     return Fault(kind=kind, transport=transport, times=times, params=params)

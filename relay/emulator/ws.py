@@ -26,7 +26,7 @@ from relay.emulator.state import (
     normaliseInput,
     previousNotFoundError,
 )
-from relay.emulator.stream import EventPump, TurnTracker
+from relay.emulator.stream import EventPump, TurnTracker, stallOf
 
 if TYPE_CHECKING:  # pragma: no cover
     from relay.emulator.core import Emulator
@@ -272,6 +272,7 @@ class EmulatorWebSocketProtocol(WebSocketServerProtocol):
             if fault is not None and fault.kind == "delay_first_output" else 0.0,
             cutAfter=fault.get("events")
             if fault is not None and fault.kind == "cut_after_events" else None,
+            **stallOf(fault),
         )
         self._pump.start()
 

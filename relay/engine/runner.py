@@ -18,7 +18,7 @@ from typing import Callable, Optional
 from attrs import define, field
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.protocol import Protocol
-from twisted.internet.task import LoopingCall, deferLater
+from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import PotentialDataLoss, ResponseDone
@@ -27,6 +27,7 @@ from twisted.internet.interfaces import IPushProducer
 
 from relay import failures as F
 from relay.engine import errors as E
+from relay.engine.keepalive import StreamKeepalive
 from relay.engine.payload import (
     isEmptyCompleted,
     isSemanticOutput,
@@ -178,6 +179,8 @@ class TurnState:
     waited: float = 0.0
     """Seconds spent in slot waits and retry sleeps (not relay's own latency)."""
     dispatched: bool = False
+    keepalive: Optional[StreamKeepalive] = None
+    """The turn's downstream keepalive (R85), for streaming turns."""
 
 
 @implementer(IPushProducer)
@@ -588,6 +591,7 @@ class TurnRunner:
         outcome, status, accountId = "error", 500, None
         self.budget.active += 1
         try:
+            state.keepalive = self._startKeepalive(turn, sink)
             userLease = await self._admitUser(turn, sink, state)
             outcome, status, accountId = await self._loop(turn, sink, state)
         except ClientGone:
@@ -605,6 +609,8 @@ class TurnRunner:
                 except Exception:
                     self._log.failure("writing the fallback error failed")
         finally:
+            if state.keepalive is not None:
+                state.keepalive.stop()
             if userLease is not None:
                 userLease.release()
             self.budget.active -= 1
@@ -980,7 +986,7 @@ class TurnRunner:
         )
         self._log.info("waiting for a {plan} slot on {account_id}", event=prefix + "_started", **fields)
         start = self.clock.seconds()
-        keepalive = self._keepalive(sink)
+        keepalive = self._keepalive(state)
         try:
             lease = await self.admission.acquire(plan, turn.cancel)
         except AdmissionError as e:
@@ -993,8 +999,8 @@ class TurnRunner:
             self._waitFinished(prefix, fields, "client_gone", start, 0)
             raise
         finally:
-            if keepalive is not None and keepalive.running:
-                keepalive.stop()
+            if keepalive is not None:
+                keepalive.endWait()
             if state is not None:
                 state.waited += self.clock.seconds() - start
         self._waitFinished(prefix, fields, "acquired", start, getattr(lease, "queuePosition", 0))
@@ -1016,20 +1022,39 @@ class TurnRunner:
         if self.metrics is not None:
             self.metrics.waitFinished(fields["entrypoint"], outcome, waitMs / 1000.0)
 
-    def _keepalive(self, sink) -> Optional[LoopingCall]:
+    def _startKeepalive(self, turn: Turn, sink) -> Optional[StreamKeepalive]:
         """
-        SSE keepalive comments every C{ping_interval} seconds while waiting
-        (R31). Non-streaming sinks ignore them.
+        The turn's downstream keepalive (R24, R85): for every streaming
+        turn, from now until the turn ends, an SSE comment or WebSocket
+        ping after C{stream_keepalive_interval} seconds of silence.
+        Non-streaming turns get none (R31).
+
+        @return: the running L{StreamKeepalive}, or L{None}.
         """
-        interval = self.settings.current.scheduling.ping_interval
-        if interval <= 0:
+        if not turn.stream:
             return None
-        call = LoopingCall(sink.keepalive)
-        call.clock = self.clock
-        call.start(interval, now=False).addErrback(
-            lambda f: self._log.failure("keepalive failed", f)
+        keepalive = StreamKeepalive(
+            clock=self.clock,
+            send=sink.keepalive,
+            interval=self.settings.current.stream_keepalive_interval,
+            requestId=turn.requestId,
         )
-        return call
+        watch = getattr(sink, "watchWrites", None)
+        if watch is not None:
+            watch(keepalive.touch)
+        keepalive.start()
+        return keepalive
+
+    def _keepalive(self, state) -> Optional[StreamKeepalive]:
+        """
+        A wait or retry sleep begins: keepalives at least every
+        C{ping_interval} seconds while it runs (R31); the caller calls
+        C{endWait} on the result.
+        """
+        keepalive = state.keepalive if state is not None else None
+        if keepalive is not None:
+            keepalive.beginWait(self.settings.current.scheduling.ping_interval)
+        return keepalive
 
     async def _sleep(self, turn: Turn, sink, seconds: float, state=None) -> None:
         """
@@ -1044,13 +1069,13 @@ class TurnRunner:
             interval_ms=int(seconds * 1000),
             request_id=turn.requestId,
         )
-        keepalive = self._keepalive(sink)
+        keepalive = self._keepalive(state)
         began = self.clock.seconds()
         try:
             await raceCancel(deferLater(self.clock, seconds), turn.cancel)
         finally:
-            if keepalive is not None and keepalive.running:
-                keepalive.stop()
+            if keepalive is not None:
+                keepalive.endWait()
             if state is not None:
                 state.waited += self.clock.seconds() - began
 
