@@ -436,7 +436,8 @@ class EmulatorResource(Resource):
                                 self._state.nameOf(credential), body.get("model") or "")
         shaping = fault if fault is not None and fault.kind in (
             "stream_error", "empty_completed") else None
-        turn = buildTurn(body, reply, self.emulator.clock.seconds(), shaping, script.deltas)
+        turn = buildTurn(body, reply, self.emulator.clock.seconds(), shaping, script.deltas,
+                         script.usage)
         if route == "apikey" and body.get("store") is not False:
             self._state.storeResponse(credential, turn.responseId)
         tracker = TurnTracker(self._state, credential)
@@ -523,7 +524,7 @@ class EmulatorResource(Resource):
         options = body.get("stream_options") or {}
         includeUsage = bool(options.get("include_usage")) if isinstance(options, dict) else False
         chunks, completion = chatChunks(body, reply, self.emulator.clock.seconds(),
-                                        includeUsage)
+                                        includeUsage, script.usage)
         kind = fault.kind if fault is not None else None
         tracker = TurnTracker(self._state, credential)
         firstDelay = float(fault.get("seconds", 0)) if kind == "delay_first_output" else 0.0

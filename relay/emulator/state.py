@@ -12,7 +12,14 @@ Script format (a JSON object; every key optional)::
      "tool_call": {"name": "exec_command",    # answer a fresh turn with this call
                    "arguments": {"cmd": "echo hi"}},
      "delay": 0.0,                            # seconds between streamed events
-     "deltas": 3}                             # how many deltas the text is split into
+     "deltas": 3,                             # how many deltas the text is split into
+     "usage": {"input_tokens": 120,           # pin the reported usage (each key optional;
+               "cached_tokens": 100,          # default: estimated from the sizes, no cache,
+               "output_tokens": 30,           # no reasoning); reasoning is part of output
+               "reasoning_tokens": 12}}
+
+A Responses request whose C{max_output_tokens} is below the reply's output tokens ends with
+C{response.incomplete} (C{incomplete_details.reason: max_output_tokens}), as OpenAI does.
 
 Template fields: C{{name}} / C{{credential_name}} (the account name, never the secret),
 C{{output}} (the last C{function_call_output}), C{{result}} (that output after Codex's
@@ -359,12 +366,15 @@ class ReplyScript:
     @ivar toolCall: the call to answer a fresh turn with, or L{None}.
     @ivar delay: seconds between streamed events.
     @ivar deltas: how many deltas the text is split into.
+    @ivar usage: pinned usage numbers (C{input_tokens}, C{cached_tokens},
+        C{output_tokens}, C{reasoning_tokens}); absent keys are estimated.
     """
 
     text: str = DEFAULT_TEXT
     toolCall: ToolCall | None = None
     delay: float = 0.0
     deltas: int = 3
+    usage: dict = field(factory=dict, hash=False)
 
 
 def parseScript(spec: dict | None) -> ReplyScript:
@@ -380,7 +390,7 @@ def parseScript(spec: dict | None) -> ReplyScript:
         return ReplyScript()
     if not isinstance(spec, dict):
         raise ValueError("a script must be a JSON object")
-    unknown = set(spec) - {"text", "tool_call", "delay", "deltas"}
+    unknown = set(spec) - {"text", "tool_call", "delay", "deltas", "usage"}
     if unknown:
         raise ValueError(f"unknown script keys: {sorted(unknown)}")
     tool = spec.get("tool_call")
@@ -398,10 +408,19 @@ def parseScript(spec: dict | None) -> ReplyScript:
         raise ValueError("delay must be a non-negative number")
     if not isinstance(deltas, int) or deltas < 1:
         raise ValueError("deltas must be a positive integer")
+    usage = spec.get("usage") or {}
+    if not isinstance(usage, dict) or set(usage) - set(USAGE_KEYS) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in usage.values()
+    ):
+        raise ValueError(f"usage must map some of {list(USAGE_KEYS)} to non-negative integers")
     return ReplyScript(
         text=str(spec.get("text", DEFAULT_TEXT)), toolCall=toolCall, delay=float(delay),
-        deltas=deltas,
+        deltas=deltas, usage=dict(usage),
     )
+
+
+USAGE_KEYS = ("input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens")
+"""The usage numbers a script may pin."""
 
 
 class _Template(string.Formatter):
@@ -570,22 +589,49 @@ def newId(prefix: str) -> str:
     return prefix + sep + secrets.token_hex(12)
 
 
-def usageFor(inputTokens: int, outputTokens: int) -> dict:
+def usageFor(inputTokens: int, outputTokens: int, pinned: dict | None = None) -> dict:
     """
-    A Responses C{usage} object.
+    A Responses C{usage} object (protocol.md §2.7).
 
-    @param inputTokens: input tokens.
+    @param inputTokens: input tokens (estimated).
     @type inputTokens: L{int}
-    @param outputTokens: output tokens.
+    @param outputTokens: output tokens (estimated).
     @type outputTokens: L{int}
+    @param pinned: a script's C{usage} numbers, which win over the estimates.
+    @type pinned: L{dict} or L{None}
     @rtype: L{dict}
     """
+    pinned = pinned or {}
+    inputTokens = pinned.get("input_tokens", inputTokens)
+    outputTokens = pinned.get("output_tokens", outputTokens)
     return {
         "input_tokens": inputTokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": pinned.get("cached_tokens", 0)},
         "output_tokens": outputTokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": pinned.get("reasoning_tokens", 0)},
         "total_tokens": inputTokens + outputTokens,
+    }
+
+
+def chatUsageFor(promptTokens: int, completionTokens: int, pinned: dict | None = None) -> dict:
+    """
+    A Chat Completions C{usage} object (protocol.md §3).
+
+    @param promptTokens: prompt tokens (estimated).
+    @type promptTokens: L{int}
+    @param completionTokens: completion tokens (estimated).
+    @type completionTokens: L{int}
+    @param pinned: a script's C{usage} numbers, which win over the estimates.
+    @type pinned: L{dict} or L{None}
+    @rtype: L{dict}
+    """
+    usage = usageFor(promptTokens, completionTokens, pinned)
+    return {
+        "prompt_tokens": usage["input_tokens"],
+        "completion_tokens": usage["output_tokens"],
+        "total_tokens": usage["total_tokens"],
+        "prompt_tokens_details": dict(usage["input_tokens_details"]),
+        "completion_tokens_details": dict(usage["output_tokens_details"]),
     }
 
 
@@ -655,7 +701,8 @@ class Turn:
 
 
 def buildTurn(
-    body: dict, reply: Reply | None, now: float, fault: Fault | None = None, deltas: int = 3
+    body: dict, reply: Reply | None, now: float, fault: Fault | None = None, deltas: int = 3,
+    usage: dict | None = None,
 ) -> Turn:
     """
     Plan the events of one Responses turn (protocol.md §2.3, §2.4).
@@ -671,6 +718,8 @@ def buildTurn(
     @type fault: L{Fault} or L{None}
     @param deltas: how many C{response.output_text.delta} events the text is split into.
     @type deltas: L{int}
+    @param usage: the script's pinned usage numbers, or L{None}.
+    @type usage: L{dict} or L{None}
     @rtype: L{Turn}
     """
     rid = newId("resp")
@@ -703,6 +752,7 @@ def buildTurn(
         return Turn(rid, events, final, 1)
     emit("response.in_progress", response=responseObject(rid, body, now, "in_progress", [], None))
     firstOutput = len(events)
+    status = "completed"
     if reply.toolCall is not None:
         call = reply.toolCall
         fid = newId("fc")
@@ -721,6 +771,12 @@ def buildTurn(
         outputTokens = estimateTokens(call.arguments) + 5
     else:
         text = reply.text or ""
+        limit = body.get("max_output_tokens")
+        if isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < \
+                estimateTokens(text):
+            # OpenAI stops at the limit and ends with response.incomplete.
+            text = text[: limit * 4]
+            status = "incomplete"
         mid = newId("msg")
         item = {"type": "message", "id": mid, "role": "assistant", "content": [],
                 "status": "in_progress"}
@@ -735,12 +791,14 @@ def buildTurn(
         part = {"type": "output_text", "text": text, "annotations": []}
         emit("response.content_part.done", item_id=mid, output_index=0, content_index=0,
              part=part)
-        item.update(content=[part], status="completed")
+        item.update(content=[part], status=status)
         emit("response.output_item.done", output_index=0, item=item)
         outputTokens = estimateTokens(text)
-    final = responseObject(rid, body, now, "completed", [item],
-                           usageFor(inputTokens, outputTokens))
-    emit("response.completed", response=final)
+    final = responseObject(rid, body, now, status, [item],
+                           usageFor(inputTokens, outputTokens, usage))
+    if status == "incomplete":
+        final["incomplete_details"] = {"reason": "max_output_tokens"}
+    emit("response." + status, response=final)
     return Turn(rid, events, final, firstOutput)
 
 
@@ -757,7 +815,7 @@ def sseFrame(event: dict) -> bytes:
 
 
 def chatChunks(
-    body: dict, reply: Reply, now: float, includeUsage: bool
+    body: dict, reply: Reply, now: float, includeUsage: bool, usage: dict | None = None
 ) -> tuple[list[dict], dict]:
     """
     Plan a Chat Completions answer (protocol.md §3).
@@ -770,6 +828,8 @@ def chatChunks(
     @type now: L{float}
     @param includeUsage: C{stream_options.include_usage}.
     @type includeUsage: L{bool}
+    @param usage: the script's pinned usage numbers, or L{None}.
+    @type usage: L{dict} or L{None}
     @return: the stream chunks (without C{[DONE]}) and the non-stream completion object.
     @rtype: L{tuple}
     """
@@ -812,10 +872,7 @@ def chatChunks(
         finish = "stop"
         completionTokens = estimateTokens(text)
     chunks.append(chunk({}, finish))
-    usage = {
-        "prompt_tokens": promptTokens, "completion_tokens": completionTokens,
-        "total_tokens": promptTokens + completionTokens,
-    }
+    usage = chatUsageFor(promptTokens, completionTokens, usage)
     if includeUsage:
         last = chunk({}, None)
         last["choices"] = []

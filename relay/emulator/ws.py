@@ -255,7 +255,7 @@ class EmulatorWebSocketProtocol(WebSocketServerProtocol):
                                 state.nameOf(self._credential), body["model"])
         shaping = fault if fault is not None and fault.kind in (
             "stream_error", "empty_completed") else None
-        turn = buildTurn(body, reply, now, shaping, script.deltas)
+        turn = buildTurn(body, reply, now, shaping, script.deltas, script.usage)
         self._known.add(turn.responseId)
         self._busy = True
         self._tracker = tracker
