@@ -27,11 +27,16 @@ class ClientKey:
     @ivar name: the key's display name, used in logs (never the secret).
     @ivar key: the secret value the client sends as C{Authorization: Bearer}.
     @ivar concurrency: per-key slots (behaviour.md R26); 0 means unlimited.
+    @ivar daily_tokens: optional token budget (input + output) per UTC day;
+        L{None} means none (issue 13 item 5).
+    @ivar monthly_tokens: optional token budget per UTC month.
     """
 
     name: str
     key: str = field(repr=False)
     concurrency: int = 5
+    daily_tokens: Optional[int] = None
+    monthly_tokens: Optional[int] = None
 
 
 @frozen
@@ -235,6 +240,20 @@ class StateSettings:
 
 
 @frozen
+class UsageSettings:
+    """
+    Token accounting (config.md C{usage:}, issue 13 item 5).
+
+    @ivar flush_interval_seconds: how often hourly totals are written to
+        the settings store (SQLite or Redis) and budgets re-read.
+    @ivar retention_days: how long hourly totals are kept.
+    """
+
+    flush_interval_seconds: float = 10
+    retention_days: int = 400
+
+
+@frozen
 class ComponentSettings:
     """
     Dotted names of replacement components (config.md C{components:}).
@@ -262,6 +281,7 @@ class RelayConfig:
     state: StateSettings = StateSettings()
     database: str = "relay.sqlite"
     proxies: tuple = ()
+    usage: UsageSettings = UsageSettings()
 
 
 # ---------------------------------------------------------------------------
@@ -371,6 +391,8 @@ class Turn:
         seconds), set by the engine.
     @ivar wsContext: for C{ws} turns, the client connection's state (its
         history and dedicated upstream), read by the WebSocket attempt.
+    @ivar usage: the turn's L{relay.usage.tokens.TokenCounts} once the
+        engine read them (issue 13 item 5), else L{None}.
     """
 
     entrypoint: str
@@ -391,6 +413,7 @@ class Turn:
     onResponseId: Optional[Callable[[str, Account], Any]] = None
     firstOutputAt: Optional[float] = None
     wsContext: Any = None
+    usage: Any = None
 
 
 # ---------------------------------------------------------------------------

@@ -21,12 +21,11 @@ runs on the reactor, never inside a write.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from attrs import define, field
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
-
 
 _SLACK = 1e-6
 """Seconds of float rounding tolerated when a timer fires exactly on time."""
@@ -55,9 +54,9 @@ class StreamKeepalive:
     interval: float
     requestId: str = ""
     sent: int = 0
-    _waitInterval: Optional[float] = None
+    _waitInterval: float | None = None
     _last: float = 0.0
-    _call: Optional[IDelayedCall] = None
+    _call: IDelayedCall | None = None
     _running: bool = field(default=False)
     _log = Logger()
 
@@ -112,7 +111,7 @@ class StreamKeepalive:
 
     # -- internals ---------------------------------------------------------
 
-    def _effective(self) -> Optional[float]:
+    def _effective(self) -> float | None:
         """
         @return: the current pace in seconds, or L{None} for none.
         """
@@ -149,7 +148,7 @@ class StreamKeepalive:
             self.sent += 1
             try:
                 self.send()
-            except Exception:
+            except Exception:  # noqa: BLE001 - logged; the keepalive goes on
                 self._log.failure(
                     "writing a keepalive failed",
                     event="relay.keepalive_failed",

@@ -39,6 +39,8 @@ from relay.engine.payload import (
 from relay.model import AdmissionError, ClientError, Turn, WaitPlan
 from relay.selection import NoAccountAvailable
 from relay.sse import LineTooLong, SSEParser
+from relay.usage.tap import UsageTap, clientAskedUsage
+from relay.usage.tokens import USAGE_CHUNK, fromBody
 
 STAGING_CAP = 8 * 2**20
 """Held-back bytes before the first output, at most (behaviour.md R22)."""
@@ -207,6 +209,9 @@ class StreamPump(Protocol):
         # rewrite; Responses streams must already be in event:+data: form.
         self._rawWrite = getattr(sink, "writeRaw", None) if modelRewrite is None else None
         self._rawPrefix = b"event: " if turn.endpoint == "responses" else b"data: "
+        self._usage = runner._usageTap(turn, account)
+        self._usageChunk = self._usage.chunk if self._usage.chat else None
+        self._mark = _USAGE_MARK if self._usage.chat else _TERMINAL_MARK
         self._staged = []
         self._stagedBytes = 0
         self._headers = {}
@@ -299,7 +304,7 @@ class StreamPump(Protocol):
             parser._buf = buf
             return True
         complete = buf[: end + 2]
-        if _TERMINAL_MARK.search(complete) is not None or not complete.startswith(self._rawPrefix):
+        if self._mark.search(complete) is not None or not complete.startswith(self._rawPrefix):
             return False
         parser._buf = buf[end + 2 :]
         self._rawWrite(complete)
@@ -369,6 +374,8 @@ class StreamPump(Protocol):
             self._write(event)
 
     def _write(self, event) -> None:
+        if self._usageChunk is not None and self._usageChunk(event):
+            return  # a chat usage chunk the client did not ask for (issue 13)
         if self._rewrite is not None:
             event = self._rewrite(event)
         self._sink.writeEvent(event)
@@ -385,6 +392,7 @@ class StreamPump(Protocol):
         if event.type != b"[DONE]":
             response = event.json().get("response") or {}
             responseId = response.get("id")
+        self._usage.terminal(event)
         self._release()
         self._write(event)
         self._endWith(
@@ -496,6 +504,9 @@ _TERMINAL_MARK = re.compile(
 """Anything that may be a terminal event (protocol.md 2.5); a false hit
 only sends the chunk down the event-by-event path."""
 
+_USAGE_MARK = re.compile(_TERMINAL_MARK.pattern + b"|" + USAGE_CHUNK.pattern)
+"""On a chat stream also the chunk that carries usage (issue 13 item 5)."""
+
 _PASSED_RESPONSE_HEADERS = ("x-codex-turn-state", "x-request-id", "openai-model")
 
 
@@ -553,6 +564,8 @@ class TurnRunner:
     @ivar metrics: optional L{relay.metrics.RelayMetrics}.
     @ivar wsAttempt: optional attempt function for WebSocket upstream modes
         (issue 6), called like L{_attemptHTTP}.
+    @ivar usage: optional L{relay.usage.ledger.UsageLedger}: token
+        accounting and per-key budgets (issue 13 item 5).
     """
 
     clock: object
@@ -565,6 +578,7 @@ class TurnRunner:
     metrics: object = None
     wsAttempt: object = None
     proxyHealth: object = None
+    usage: object = None
     budget: RetryBudget = field(factory=RetryBudget)
     accountStats: dict = field(factory=dict)
     """account id -> {"turns", "failovers", "last_error"} for the admin view."""
@@ -591,13 +605,15 @@ class TurnRunner:
         outcome, status, accountId = "error", 500, None
         self.budget.active += 1
         try:
+            self._checkTokenBudget(turn, start)
             state.keepalive = self._startKeepalive(turn, sink)
             userLease = await self._admitUser(turn, sink, state)
             outcome, status, accountId = await self._loop(turn, sink, state)
         except ClientGone:
             outcome, status = "client_gone", 499
         except _AdmissionFailed as e:
-            # R26/R32: the per-key slot could not be had.
+            # R26/R32: the per-key slot could not be had; or the key's token
+            # budget is spent (issue 13 item 5).
             sink.fail(e.error)
             outcome, status = "failed", e.error.status
         except Exception:
@@ -618,6 +634,28 @@ class TurnRunner:
                 self.budget.give()
         self._finished(turn, state, outcome, status, accountId or state.lastAccountId, start)
         return outcome
+
+    def _checkTokenBudget(self, turn: Turn, now: float) -> None:
+        """
+        Issue 13 item 5: a key whose C{daily_tokens} or C{monthly_tokens}
+        budget is spent gets a 429 before the turn takes a slot or reaches
+        an account.
+
+        @raise _AdmissionFailed: with the budget's L{ClientError}.
+        """
+        if self.usage is None:
+            return
+        error = self.usage.overBudget(turn.client.name, now)
+        if error is None:
+            return
+        self._log.warn(
+            "key {key_name} is over its token budget",
+            event="relay.token_budget_exceeded",
+            key_name=turn.client.name,
+            message=error.message,
+            request_id=turn.requestId,
+        )
+        raise _AdmissionFailed(error)
 
     async def _admitUser(self, turn: Turn, sink, state: Optional[TurnState] = None):
         """
@@ -1213,6 +1251,9 @@ class TurnRunner:
             from relay.sse import Event
 
             body = rewrite(Event(b"", body)).data
+        counts = fromBody(parsed)
+        if counts is not None:
+            self._recordUsage(turn, account, counts)
         release()
         self._firstOutput(turn)
         sink.writeBody(200, _passHeaders(response.headers), body)
@@ -1220,6 +1261,40 @@ class TurnRunner:
         return AttemptResult(ok=True, committed=True, responseId=responseId, status=200)
 
     # -- bookkeeping -----------------------------------------------------------
+
+    def _usageTap(self, turn: Turn, account) -> UsageTap:
+        """
+        The usage reader of one attempt (issue 13 item 5): records into
+        L{usage} and onto C{turn.usage}. A chat stream's usage chunk is
+        dropped when the client did not ask for it (relay always asks
+        upstream, L{relay.engine.payload.upstreamBody}).
+        """
+        chat = turn.endpoint == "chat" and turn.stream
+        return UsageTap(
+            record=lambda counts: self._recordUsage(turn, account, counts),
+            chat=chat,
+            dropUsageChunk=chat and not clientAskedUsage(turn.body),
+            requestId=turn.requestId,
+        )
+
+    def _recordUsage(self, turn: Turn, account, counts) -> None:
+        """
+        Count C{counts} for the turn's key, C{account} and the upstream
+        model relay asked for; once per turn (issue 13 item 5).
+        """
+        if turn.usage is not None:
+            return
+        turn.usage = counts
+        if self.usage is None:
+            return
+        model = account.upstreamModel(turn.model) if turn.model else ""
+        try:
+            self.usage.record(turn.client.name, account.id, model, counts)
+        except Exception:  # noqa: BLE001 - logged; accounting never breaks a turn
+            self._log.failure(
+                "recording usage failed", event="relay.usage_failed", request_id=turn.requestId,
+                account_id=account.id,
+            )
 
     def _firstOutput(self, turn: Turn) -> None:
         if turn.firstOutputAt is None:
@@ -1290,6 +1365,7 @@ class TurnRunner:
             switches=state.switches,
             duration_ms=int((now - start) * 1000),
             first_output_ms=None if first is None else int((first - start) * 1000),
+            **_usageFields(turn.usage),
         )
         if accountId is not None:
             stats = self._stats(accountId)
@@ -1298,6 +1374,18 @@ class TurnRunner:
             self.metrics.turnFinished(turn.entrypoint, outcome)
             if first is not None:
                 self.metrics.firstOutput(first - start)
+
+
+def _usageFields(counts) -> dict:
+    """
+    The token fields of C{relay.turn_finished} (issue 13 item 5); L{None}
+    when the turn reported no usage.
+    """
+    if counts is None:
+        return {"input_tokens": None, "cached_input_tokens": None,
+                "output_tokens": None, "reasoning_tokens": None}
+    return {"input_tokens": counts.input, "cached_input_tokens": counts.cached,
+            "output_tokens": counts.output, "reasoning_tokens": counts.reasoning}
 
 
 def previousResponseNotFound(responseId: Optional[str]) -> ClientError:

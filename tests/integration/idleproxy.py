@@ -22,7 +22,7 @@ class _Upstream(Protocol):
     count as activity.
     """
 
-    def __init__(self, downstream: "_Downstream"):
+    def __init__(self, downstream: _Downstream):
         self.downstream = downstream
 
     def dataReceived(self, data: bytes) -> None:
@@ -39,7 +39,7 @@ class _Downstream(Protocol):
     relays both ways and arms the idle timer.
     """
 
-    def __init__(self, proxy: "IdleCuttingProxy"):
+    def __init__(self, proxy: IdleCuttingProxy):
         self.proxy = proxy
         self.upstream = None
         self.pending = []
