@@ -117,6 +117,7 @@ class RelayMetrics:
     recentLimit: int = 50
     _recent: deque = field(init=False)
     _slots: SlotsCollector = field(init=False)
+    _tokenChildren: dict = field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         r = self.registry
@@ -278,15 +279,22 @@ class RelayMetrics:
         @param model: the upstream model.
         @param counts: a L{relay.usage.tokens.TokenCounts}.
         """
-        labels = {"key": key, "account": account, "model": model}
-        self.usageTurns.labels(**labels).inc(counts.requests)
-        for kind, value in (
-            ("input", counts.input),
-            ("cached_input", counts.cached),
-            ("output", counts.output),
-            ("reasoning", counts.reasoning),
-        ):
-            self.tokenCounter.labels(type=kind, **labels).inc(value)
+        children = self._tokenChildren.get((key, account, model))
+        if children is None:
+            # labels() costs about a microsecond each; cache the five per
+            # (key, account, model) - a bounded set (configured names).
+            labels = {"key": key, "account": account, "model": model}
+            children = (self.usageTurns.labels(**labels),) + tuple(
+                self.tokenCounter.labels(type=kind, **labels)
+                for kind in ("input", "cached_input", "output", "reasoning")
+            )
+            self._tokenChildren[(key, account, model)] = children
+        turns, inputs, cached, outputs, reasoning = children
+        turns.inc(counts.requests)
+        inputs.inc(counts.input)
+        cached.inc(counts.cached)
+        outputs.inc(counts.output)
+        reasoning.inc(counts.reasoning)
 
     def wsClose(self, code: int) -> None:
         """
