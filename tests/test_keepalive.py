@@ -418,3 +418,35 @@ class WebSocketKeepaliveTests(SynchronousTestCase):
         self.assertEqual(outcome, ["completed"])
         self.assertEqual(conn.pings, 2)
         self.assertEqual(conn.sent[-1]["type"], "response.completed")
+
+    def test_no_ping_after_the_terminal_event(self):
+        """
+        R85: the keepalive ends with the terminal event, even while the
+        turn's bookkeeping after it is slow.
+        """
+        from twisted.internet.defer import Deferred
+
+        rig = Rig([account("a")])
+        rig.script("a", timed((0, CREATED + ITEM_ADDED + DELTA + COMPLETED)))
+        slow = Deferred()
+
+        class SlowHealth:
+            def __getattr__(self, name):
+                return getattr(rig.health, name)
+
+            def success(self, account, model):
+                return slow
+
+        rig.runner.health = SlowHealth()
+        conn = _Conn()
+        sink = WebSocketSink(conn)
+        turn = streamingTurn()
+        turn.entrypoint, turn.wsMode = "ws", "http_bridge"
+        outcome = []
+        rig.runner.run(turn, sink).addCallback(outcome.append)
+        self.assertEqual(conn.sent[-1]["type"], "response.completed")
+        rig.clock.pump([5] * 6)
+        self.assertEqual(outcome, [])
+        slow.callback(None)
+        self.assertEqual(outcome, ["completed"])
+        self.assertEqual(conn.pings, 0)

@@ -725,6 +725,8 @@ class TurnRunner:
                         self.clock.seconds() - state.startedAt - state.waited
                     )
             result = await self._attempt(turn, sink, account, lease)
+            if (result.ok or result.committed) and state.keepalive is not None:
+                state.keepalive.stop()  # R85: the terminal event was written
             if result.ok:
                 sink.finish()
                 await self._succeeded(turn, account, result)
