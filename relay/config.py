@@ -428,7 +428,7 @@ _COMPONENTS: Dict[str, Validator] = {
     "admission": _optional(_dottedName),
 }
 
-_USAGE: Dict[str, Validator] = {
+_USAGE: dict[str, Validator] = {
     "flush_interval_seconds": _number(1, 3600),
     "retention_days": _integer(1, 3660),
 }

@@ -35,8 +35,8 @@ class ClientKey:
     name: str
     key: str = field(repr=False)
     concurrency: int = 5
-    daily_tokens: Optional[int] = None
-    monthly_tokens: Optional[int] = None
+    daily_tokens: int | None = None
+    monthly_tokens: int | None = None
 
 
 @frozen

@@ -181,7 +181,7 @@ class TurnState:
     waited: float = 0.0
     """Seconds spent in slot waits and retry sleeps (not relay's own latency)."""
     dispatched: bool = False
-    keepalive: Optional[StreamKeepalive] = None
+    keepalive: StreamKeepalive | None = None
     """The turn's downstream keepalive (R85), for streaming turns."""
 
 
@@ -1062,7 +1062,7 @@ class TurnRunner:
         if self.metrics is not None:
             self.metrics.waitFinished(fields["entrypoint"], outcome, waitMs / 1000.0)
 
-    def _startKeepalive(self, turn: Turn, sink) -> Optional[StreamKeepalive]:
+    def _startKeepalive(self, turn: Turn, sink) -> StreamKeepalive | None:
         """
         The turn's downstream keepalive (R24, R85): for every streaming
         turn, from now until the turn ends, an SSE comment or WebSocket
@@ -1085,7 +1085,7 @@ class TurnRunner:
         keepalive.start()
         return keepalive
 
-    def _keepalive(self, state) -> Optional[StreamKeepalive]:
+    def _keepalive(self, state) -> StreamKeepalive | None:
         """
         A wait or retry sleep begins: keepalives at least every
         C{ping_interval} seconds while it runs (R31); the caller calls
