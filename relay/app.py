@@ -245,6 +245,7 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
     metrics.setSlotsSource(lambda: view.slots)
     redis = app.services[0] if app.services else None
     app.settings.store = settingsStore(config, reactor, redis)
+    usage = _usageLedger(app, metrics, redis)
     admin = buildAdminResource(
         config.admin_key,
         app.settings,
@@ -253,6 +254,7 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
         metrics.registry,
         recentFailovers=metrics.recentFailovers,
         clock=reactor,
+        usage=usage,
     )
     root.putChild(b"admin", admin)
     root.putChild(b"metrics", _GuardedMetrics(config.admin_key, metrics.registry))
@@ -260,6 +262,39 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
     app.services.append(periodic(5, view.refreshSlots, reactor))
     if config.state.backend == "redis":
         app.services.append(periodic(5, app.settings.refresh, reactor))
+
+
+def _usageLedger(app: RelayApplication, metrics, redis):
+    """
+    Token accounting (issue 13 item 5): the ledger the engine records into,
+    its store (Redis with the Redis backend, else the settings SQLite file,
+    else memory), and its flush timer.
+
+    @return: the L{relay.usage.ledger.UsageLedger}.
+    """
+    from relay.settingsdb import SQLiteSettingsStore
+    from relay.usage.ledger import UsageLedger
+    from relay.usage.service import UsageFlushService
+    from relay.usage.store import MemoryUsageStore, RedisUsageStore, SQLiteUsageStore
+
+    reactor, config = app.reactor, app.config
+    retention = config.usage.retention_days
+    if config.state.backend == "redis" and redis is not None:
+        store = RedisUsageStore(redis=redis, clock=reactor, retentionDays=retention)
+    elif isinstance(app.settings.store, SQLiteSettingsStore):
+        store = SQLiteUsageStore(database=app.settings.store, retentionDays=retention)
+    else:
+        store = MemoryUsageStore()
+    budgets = {
+        key.name: (key.daily_tokens, key.monthly_tokens)
+        for key in config.keys
+        if key.daily_tokens is not None or key.monthly_tokens is not None
+    }
+    ledger = UsageLedger(clock=reactor, store=store, metrics=metrics, budgets=budgets)
+    app.runner.usage = ledger
+    app.extras["usage"] = ledger
+    app.services.append(UsageFlushService(ledger, config.usage.flush_interval_seconds, reactor))
+    return ledger
 
 
 class _Startup(MultiService):

@@ -41,6 +41,7 @@ from relay.model import (
     SchedulingSettings,
     StateSettings,
     UpstreamSettings,
+    UsageSettings,
     WebSocketSettings,
 )
 
@@ -408,6 +409,7 @@ _GATEWAY: Dict[str, Validator] = {
     "transport_retry_policy": _choice(*TRANSPORT_RETRY_POLICIES),
     "transport_error_cooldown_seconds": _number(0),
     "retry_budget_percent": _number(0, 100),
+    "stream_keepalive_interval": _number(0, 300),
     "breaker": _nested(_BREAKER, BreakerSettings),
     "scheduling": _nested(_SCHEDULING, SchedulingSettings),
     "websocket": _nested(_WEBSOCKET, WebSocketSettings),
@@ -427,6 +429,11 @@ _COMPONENTS: Dict[str, Validator] = {
     "admission": _optional(_dottedName),
 }
 
+_USAGE: dict[str, Validator] = {
+    "flush_interval_seconds": _number(1, 3600),
+    "retention_days": _integer(1, 3660),
+}
+
 _LOG: Dict[str, Validator] = {
     "format": _choice(*LOG_FORMATS),
 }
@@ -439,6 +446,8 @@ _KEY: Dict[str, Validator] = {
     "key": _secretString,
     "key_env": _string,
     "concurrency": _integer(0),
+    "daily_tokens": _optional(_integer(1)),
+    "monthly_tokens": _optional(_integer(1)),
 }
 
 _PROXY: Dict[str, Validator] = {
@@ -481,6 +490,7 @@ _TOP: Dict[str, Validator] = {
     "components": _nested(_COMPONENTS, ComponentSettings),
     "state": _nested(_STATE, StateSettings),
     "database": _string,
+    "usage": _nested(_USAGE, UsageSettings),
 }
 
 

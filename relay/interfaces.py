@@ -370,3 +370,43 @@ class ITurnSink(Interface):
         """
         End a successful turn.
         """
+
+
+class IUsageStore(Interface):
+    """
+    Hourly token totals (issue 13 item 5), kept where the runtime settings
+    are: SQLite embedded, Redis when several relays share state. Rows are
+    keyed by (hour, client key name, account id, upstream model); values
+    are L{relay.usage.tokens.TokenCounts}. Hours are Unix seconds at the
+    start of a UTC hour.
+    """
+
+    def add(rows):
+        """
+        Add to the stored totals (an increment, never a replacement).
+
+        @param rows: a list of C{((hour, key, account, model), TokenCounts)}.
+        @return: a L{Deferred} firing with L{None} once stored; on failure
+            nothing may be assumed stored (the caller keeps the rows).
+        """
+
+    def totals(since, groupBy):
+        """
+        Sum the totals of every hour at or after C{since}.
+
+        @param since: Unix seconds (rounded down to the hour).
+        @param groupBy: C{key}, C{account}, C{model} or C{hour}.
+        @return: a L{Deferred} firing with a C{dict} of group value (an
+            C{int} hour for C{hour}, else a C{str}) -> C{TokenCounts}.
+        """
+
+    def budgetTotals(dayStart, monthStart):
+        """
+        Total tokens (input + output) per key since the start of the UTC
+        day and of the UTC month, for token budgets.
+
+        @param dayStart: Unix seconds of 00:00 UTC today.
+        @param monthStart: Unix seconds of 00:00 UTC on the 1st.
+        @return: a L{Deferred} firing with C{(day, month)}, each a C{dict}
+            of key name -> tokens.
+        """

@@ -20,6 +20,10 @@ Names (all prefixed C{relay_}):
   - C{relay_upstream_status_total{status}}
   - C{relay_added_latency_seconds}
   - C{relay_ws_closes_total{code}}
+  - C{relay_tokens_total{key,account,model,type}} (C{type}: C{input},
+    C{cached_input}, C{output}, C{reasoning}) and
+    C{relay_usage_turns_total{key,account,model}}: tokens counted from
+    every turn's terminal usage (issue 13 item 5)
 """
 
 from __future__ import annotations
@@ -113,6 +117,7 @@ class RelayMetrics:
     recentLimit: int = 50
     _recent: deque = field(init=False)
     _slots: SlotsCollector = field(init=False)
+    _tokenChildren: dict = field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         r = self.registry
@@ -156,6 +161,18 @@ class RelayMetrics:
         )
         self.wsCloses = Counter(
             "relay_ws_closes", "WebSocket close codes sent to clients", ["code"], registry=r
+        )
+        self.tokenCounter = Counter(
+            "relay_tokens",
+            "Tokens counted from upstream usage (cached within input, reasoning within output)",
+            ["key", "account", "model", "type"],
+            registry=r,
+        )
+        self.usageTurns = Counter(
+            "relay_usage_turns",
+            "Turns whose usage was counted",
+            ["key", "account", "model"],
+            registry=r,
         )
         self._slots = SlotsCollector()
         r.register(self._slots)
@@ -252,6 +269,32 @@ class RelayMetrics:
         Observe the latency relay added before the upstream request.
         """
         self.addedLatencyHistogram.observe(max(0.0, seconds))
+
+    def tokens(self, key: str, account: str, model: str, counts) -> None:
+        """
+        Count one turn's tokens (issue 13 item 5).
+
+        @param key: the client key's name.
+        @param account: the account id.
+        @param model: the upstream model.
+        @param counts: a L{relay.usage.tokens.TokenCounts}.
+        """
+        children = self._tokenChildren.get((key, account, model))
+        if children is None:
+            # labels() costs about a microsecond each; cache the five per
+            # (key, account, model) - a bounded set (configured names).
+            labels = {"key": key, "account": account, "model": model}
+            children = (self.usageTurns.labels(**labels),) + tuple(
+                self.tokenCounter.labels(type=kind, **labels)
+                for kind in ("input", "cached_input", "output", "reasoning")
+            )
+            self._tokenChildren[(key, account, model)] = children
+        turns, inputs, cached, outputs, reasoning = children
+        turns.inc(counts.requests)
+        inputs.inc(counts.input)
+        cached.inc(counts.cached)
+        outputs.inc(counts.output)
+        reasoning.inc(counts.reasoning)
 
     def wsClose(self, code: int) -> None:
         """

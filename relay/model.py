@@ -27,11 +27,16 @@ class ClientKey:
     @ivar name: the key's display name, used in logs (never the secret).
     @ivar key: the secret value the client sends as C{Authorization: Bearer}.
     @ivar concurrency: per-key slots (behaviour.md R26); 0 means unlimited.
+    @ivar daily_tokens: optional token budget (input + output) per UTC day;
+        L{None} means none (issue 13 item 5).
+    @ivar monthly_tokens: optional token budget per UTC month.
     """
 
     name: str
     key: str = field(repr=False)
     concurrency: int = 5
+    daily_tokens: int | None = None
+    monthly_tokens: int | None = None
 
 
 @frozen
@@ -211,6 +216,10 @@ class GatewaySettings:
     transport_retry_policy: str = "rotate"
     transport_error_cooldown_seconds: float = 600
     retry_budget_percent: float = 20
+    stream_keepalive_interval: float = 10
+    """Seconds of downstream silence before a keepalive (SSE comment or
+    WebSocket ping) from turn start to terminal event; 0 = off
+    (behaviour.md R24, R85)."""
     breaker: BreakerSettings = BreakerSettings()
     scheduling: SchedulingSettings = SchedulingSettings()
     websocket: WebSocketSettings = WebSocketSettings()
@@ -232,6 +241,20 @@ class StateSettings:
     redis_url: str = "redis://127.0.0.1:6379/0"
     on_redis_error: str = "fail_open"
     concurrency_slot_ttl_minutes: float = 30
+
+
+@frozen
+class UsageSettings:
+    """
+    Token accounting (config.md C{usage:}, issue 13 item 5).
+
+    @ivar flush_interval_seconds: how often hourly totals are written to
+        the settings store (SQLite or Redis) and budgets re-read.
+    @ivar retention_days: how long hourly totals are kept.
+    """
+
+    flush_interval_seconds: float = 10
+    retention_days: int = 400
 
 
 @frozen
@@ -262,6 +285,7 @@ class RelayConfig:
     state: StateSettings = StateSettings()
     database: str = "relay.sqlite"
     proxies: tuple = ()
+    usage: UsageSettings = UsageSettings()
 
 
 # ---------------------------------------------------------------------------
@@ -371,6 +395,8 @@ class Turn:
         seconds), set by the engine.
     @ivar wsContext: for C{ws} turns, the client connection's state (its
         history and dedicated upstream), read by the WebSocket attempt.
+    @ivar usage: the turn's L{relay.usage.tokens.TokenCounts} once the
+        engine read them (issue 13 item 5), else L{None}.
     """
 
     entrypoint: str
@@ -391,6 +417,7 @@ class Turn:
     onResponseId: Optional[Callable[[str, Account], Any]] = None
     firstOutputAt: Optional[float] = None
     wsContext: Any = None
+    usage: Any = None
 
 
 # ---------------------------------------------------------------------------

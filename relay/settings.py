@@ -185,6 +185,8 @@ RUNTIME_KEYS: dict = {
     "transport_retry_policy": _policy,
     "transport_error_cooldown_seconds": _floatSetting(0, 86400),
     "retry_budget_percent": _floatSetting(0, 100),
+    # R24/R85: 0 = off; at most 300 s.
+    "stream_keepalive_interval": _floatSetting(0, 300),
     "scheduling.sticky_session_wait_timeout": _floatSetting(0, 3600),
     "scheduling.sticky_session_max_waiting": _intSetting(0, 100000),
     "scheduling.fallback_wait_timeout": _floatSetting(0, 3600),

@@ -151,6 +151,19 @@ class SQLiteSettingsStore:
         d.addCallback(lambda _: self._getPool().runInteraction(_write))
         return d.addCallback(lambda _: None)
 
+    def runInteraction(self, interaction, *args) -> Deferred:
+        """
+        Run C{interaction(txn, *args)} in one transaction on this store's
+        connection, after the migrations; other tables in the same file
+        (e.g. L{relay.usage.store.SQLiteUsageStore}'s) share the single,
+        serialised connection.
+
+        @return: a L{Deferred} firing with the interaction's result.
+        """
+        d = self._migrate()
+        d.addCallback(lambda _: self._getPool().runInteraction(interaction, *args))
+        return d
+
     def schemaVersion(self) -> Deferred:
         """
         @return: a L{Deferred} firing with the stored schema version (int).

@@ -30,7 +30,7 @@ from relay.emulator.state import (
     previousNotFoundError,
     sseFrame,
 )
-from relay.emulator.stream import EventPump, TurnTracker
+from relay.emulator.stream import EventPump, TurnTracker, stallOf
 
 if TYPE_CHECKING:  # pragma: no cover
     from relay.emulator.core import Emulator
@@ -446,7 +446,7 @@ class EmulatorResource(Resource):
         emptyOutput = (script.completedOutput or ("empty" if route == "oauth" else "full")) \
             == "empty"
         turn = buildTurn(body, reply, self.emulator.clock.seconds(), shaping, script.deltas,
-                         script.argumentDeltas, emptyOutput)
+                         script.argumentDeltas, emptyOutput, script.usage)
         if route == "apikey" and body.get("store") is not False:
             self._state.storeResponse(credential, turn.responseId)
         tracker = TurnTracker(self._state, credential)
@@ -471,7 +471,7 @@ class EmulatorResource(Resource):
             send=lambda event: request.write(sseFrame(event)),
             finish=self._finisher(request, tracker), cut=cut, beforeTerminal=tracker.end,
             delay=script.delay, firstOutput=turn.firstOutput, firstDelay=firstDelay,
-            cutAfter=cutAfter,
+            cutAfter=cutAfter, **stallOf(fault),
         )
         self._watch(request, tracker, pump)
         pump.start()
@@ -533,7 +533,7 @@ class EmulatorResource(Resource):
         options = body.get("stream_options") or {}
         includeUsage = bool(options.get("include_usage")) if isinstance(options, dict) else False
         chunks, completion = chatChunks(body, reply, self.emulator.clock.seconds(),
-                                        includeUsage, script.argumentDeltas)
+                                        includeUsage, script.argumentDeltas, script.usage)
         kind = fault.kind if fault is not None else None
         tracker = TurnTracker(self._state, credential)
         firstDelay = float(fault.get("seconds", 0)) if kind == "delay_first_output" else 0.0
@@ -575,6 +575,7 @@ class EmulatorResource(Resource):
             finish=self._finisher(request, tracker), cut=cut, beforeTerminal=tracker.end,
             delay=script.delay, firstOutput=1, firstDelay=firstDelay,
             cutAfter=fault.get("events") if kind == "cut_after_events" else None,
+            **stallOf(fault),
         )
         self._watch(request, tracker, pump)
         pump.start()

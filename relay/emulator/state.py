@@ -22,7 +22,14 @@ Script format (a JSON object; every key optional)::
                                               # half the text, then response.incomplete
                                               # (chat: finish_reason length / content_filter)
      "delay": 0.0,                            # seconds between streamed events
-     "deltas": 3}                             # how many deltas the text is split into
+     "deltas": 3,                             # how many deltas the text is split into
+     "usage": {"input_tokens": 120,           # pin the reported usage (each key optional;
+               "cached_tokens": 100,          # default: estimated from the sizes, no cache,
+               "output_tokens": 30,           # no reasoning); reasoning is part of output
+               "reasoning_tokens": 12}}
+
+A Responses request whose C{max_output_tokens} is below the reply's output tokens ends with
+C{response.incomplete} (C{incomplete_details.reason: max_output_tokens}), as OpenAI does.
 
 Template fields: C{{name}} / C{{credential_name}} (the account name, never the secret),
 C{{output}} (the last C{function_call_output}), C{{result}} (that output after Codex's
@@ -38,7 +45,9 @@ Fault format (a JSON object, or a list of them; the first applicable one is used
      "transport": "http" | "ws" | "any"}
 
 Kinds: C{reset_before_headers}, C{hang_before_headers}, C{hang_after_headers}, C{status},
-C{delay_first_output} (C{seconds}), C{cut_after_events} (C{events}), C{stream_error}
+C{delay_first_output} (C{seconds}), C{stall_after_events} (C{events}, C{seconds}: send that
+many events, then nothing for that long, then the rest), C{cut_after_events} (C{events}),
+C{stream_error}
 (C{code}, C{message}), C{empty_completed}, C{ws_handshake_status} (C{code}, C{body},
 C{headers}), C{ws_handshake_reset} and C{ws_handshake_hang}.  The three C{ws_handshake_*}
 kinds apply to WebSocket upgrades only; every other kind applies to HTTP requests and WebSocket
@@ -70,6 +79,7 @@ TURN_KINDS = frozenset(
         "hang_after_headers",
         "status",
         "delay_first_output",
+        "stall_after_events",
         "cut_after_events",
         "stream_error",
         "empty_completed",
@@ -316,6 +326,11 @@ def parseFault(spec: dict, now: float = 0.0) -> Fault:
             raise ValueError(f"{kind} fault needs an integer code, not {code!r}")
     if kind == "delay_first_output" and not isinstance(params.get("seconds"), (int, float)):
         raise ValueError("delay_first_output needs seconds")
+    if kind == "stall_after_events" and (
+        not isinstance(params.get("events"), int)
+        or not isinstance(params.get("seconds"), (int, float))
+    ):
+        raise ValueError("stall_after_events needs events (an integer) and seconds")
     if kind == "cut_after_events" and not isinstance(params.get("events"), int):
         raise ValueError("cut_after_events needs events (an integer)")
     return Fault(kind=kind, transport=transport, times=times, params=params)
@@ -368,6 +383,8 @@ class ReplyScript:
     @ivar completedOutput: C{full}, C{empty}, or L{None} for the route's
         default (C{empty} on the OAuth route).
     @ivar ending: C{completed}, C{max_output_tokens} or C{content_filter}.
+    @ivar usage: pinned usage numbers (C{input_tokens}, C{cached_tokens},
+        C{output_tokens}, C{reasoning_tokens}); absent keys are estimated.
     """
 
     text: str = DEFAULT_TEXT
@@ -378,6 +395,7 @@ class ReplyScript:
     argumentDeltas: int = 2
     completedOutput: str | None = None
     ending: str = "completed"
+    usage: dict = field(factory=dict, hash=False)
 
     def calls(self) -> tuple:
         """
@@ -423,7 +441,7 @@ def parseScript(spec: dict | None) -> ReplyScript:
         raise ValueError("a script must be a JSON object")
     unknown = set(spec) - {
         "text", "tool_call", "tool_calls", "delay", "deltas", "argument_deltas",
-        "completed_output", "ending",
+        "completed_output", "ending", "usage",
     }
     if unknown:
         raise ValueError(f"unknown script keys: {sorted(unknown)}")
@@ -448,11 +466,21 @@ def parseScript(spec: dict | None) -> ReplyScript:
     ending = spec.get("ending", "completed")
     if ending not in ENDINGS:
         raise ValueError(f"ending must be one of {list(ENDINGS)}")
+    usage = spec.get("usage") or {}
+    if not isinstance(usage, dict) or set(usage) - set(USAGE_KEYS) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in usage.values()
+    ):
+        raise ValueError(f"usage must map some of {list(USAGE_KEYS)} to non-negative integers")
     return ReplyScript(
         text=str(spec.get("text", DEFAULT_TEXT)), toolCall=toolCall, delay=float(delay),
         deltas=deltas, toolCalls=tuple(_toolCall(t) for t in tools),
         argumentDeltas=argumentDeltas, completedOutput=completedOutput, ending=ending,
+        usage=dict(usage),
     )
+
+
+USAGE_KEYS = ("input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens")
+"""The usage numbers a script may pin."""
 
 
 class _Template(string.Formatter):
@@ -630,22 +658,49 @@ def newId(prefix: str) -> str:
     return prefix + sep + secrets.token_hex(12)
 
 
-def usageFor(inputTokens: int, outputTokens: int) -> dict:
+def usageFor(inputTokens: int, outputTokens: int, pinned: dict | None = None) -> dict:
     """
-    A Responses C{usage} object.
+    A Responses C{usage} object (protocol.md §2.7).
 
-    @param inputTokens: input tokens.
+    @param inputTokens: input tokens (estimated).
     @type inputTokens: L{int}
-    @param outputTokens: output tokens.
+    @param outputTokens: output tokens (estimated).
     @type outputTokens: L{int}
+    @param pinned: a script's C{usage} numbers, which win over the estimates.
+    @type pinned: L{dict} or L{None}
     @rtype: L{dict}
     """
+    pinned = pinned or {}
+    inputTokens = pinned.get("input_tokens", inputTokens)
+    outputTokens = pinned.get("output_tokens", outputTokens)
     return {
         "input_tokens": inputTokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": pinned.get("cached_tokens", 0)},
         "output_tokens": outputTokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": pinned.get("reasoning_tokens", 0)},
         "total_tokens": inputTokens + outputTokens,
+    }
+
+
+def chatUsageFor(promptTokens: int, completionTokens: int, pinned: dict | None = None) -> dict:
+    """
+    A Chat Completions C{usage} object (protocol.md §3).
+
+    @param promptTokens: prompt tokens (estimated).
+    @type promptTokens: L{int}
+    @param completionTokens: completion tokens (estimated).
+    @type completionTokens: L{int}
+    @param pinned: a script's C{usage} numbers, which win over the estimates.
+    @type pinned: L{dict} or L{None}
+    @rtype: L{dict}
+    """
+    usage = usageFor(promptTokens, completionTokens, pinned)
+    return {
+        "prompt_tokens": usage["input_tokens"],
+        "completion_tokens": usage["output_tokens"],
+        "total_tokens": usage["total_tokens"],
+        "prompt_tokens_details": dict(usage["input_tokens_details"]),
+        "completion_tokens_details": dict(usage["output_tokens_details"]),
     }
 
 
@@ -716,7 +771,7 @@ class Turn:
 
 def buildTurn(
     body: dict, reply: Reply | None, now: float, fault: Fault | None = None, deltas: int = 3,
-    argumentDeltas: int = 2, emptyOutput: bool = False,
+    argumentDeltas: int = 2, emptyOutput: bool = False, usage: dict | None = None,
 ) -> Turn:
     """
     Plan the events of one Responses turn (protocol.md §2.3, §2.4).
@@ -739,6 +794,8 @@ def buildTurn(
     @param emptyOutput: the terminal event carries C{output: []}, as the ChatGPT backend's
         does; the items are only in the C{response.output_item.done} events.
     @type emptyOutput: L{bool}
+    @param usage: the script's pinned usage numbers, or L{None}.
+    @type usage: L{dict} or L{None}
     @rtype: L{Turn}
     """
     rid = newId("resp")
@@ -771,7 +828,7 @@ def buildTurn(
         return Turn(rid, events, final, 1)
     emit("response.in_progress", response=responseObject(rid, body, now, "in_progress", [], None))
     firstOutput = len(events)
-    incomplete = reply.ending != "completed"
+    ending = reply.ending
     output: list = []
     if reply.toolCalls:
         outputTokens = 0
@@ -794,7 +851,13 @@ def buildTurn(
             outputTokens += estimateTokens(call.arguments) + 5
     else:
         text = reply.text or ""
-        if incomplete:
+        limit = body.get("max_output_tokens")
+        if isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < \
+                estimateTokens(text):
+            # OpenAI stops at the limit and ends with response.incomplete.
+            text = text[: limit * 4]
+            ending = "max_output_tokens"
+        elif ending != "completed":
             text = text[: max(1, len(text) // 2)]
         mid = newId("msg")
         item = {"type": "message", "id": mid, "role": "assistant", "content": [],
@@ -810,14 +873,16 @@ def buildTurn(
         part = {"type": "output_text", "text": text, "annotations": []}
         emit("response.content_part.done", item_id=mid, output_index=0, content_index=0,
              part=part)
-        item.update(content=[part], status="incomplete" if incomplete else "completed")
+        item.update(content=[part],
+                    status="incomplete" if ending != "completed" else "completed")
         emit("response.output_item.done", output_index=0, item=item)
         output.append(item)
         outputTokens = estimateTokens(text)
-    status = "incomplete" if incomplete else "completed"
-    final = responseObject(rid, body, now, status, output, usageFor(inputTokens, outputTokens))
-    if incomplete:
-        final["incomplete_details"] = {"reason": reply.ending}
+    status = "incomplete" if ending != "completed" else "completed"
+    final = responseObject(rid, body, now, status, output,
+                           usageFor(inputTokens, outputTokens, usage))
+    if status == "incomplete":
+        final["incomplete_details"] = {"reason": ending}
     terminal = dict(final, output=[]) if emptyOutput else final
     emit("response." + status, response=terminal)
     return Turn(rid, events, final, firstOutput)
@@ -837,6 +902,7 @@ def sseFrame(event: dict) -> bytes:
 
 def chatChunks(
     body: dict, reply: Reply, now: float, includeUsage: bool, argumentDeltas: int = 2,
+    usage: dict | None = None,
 ) -> tuple[list[dict], dict]:
     """
     Plan a Chat Completions answer (protocol.md §3).
@@ -853,6 +919,8 @@ def chatChunks(
     @param argumentDeltas: how many chunks each call's arguments are split into (0 or 1:
         the whole arguments in the call's first chunk).
     @type argumentDeltas: L{int}
+    @param usage: the script's pinned usage numbers, or L{None}.
+    @type usage: L{dict} or L{None}
     @return: the stream chunks (without C{[DONE]}) and the non-stream completion object.
     @rtype: L{tuple}
     """
@@ -901,10 +969,7 @@ def chatChunks(
         reply.ending, finish
     )
     chunks.append(chunk({}, finish))
-    usage = {
-        "prompt_tokens": promptTokens, "completion_tokens": completionTokens,
-        "total_tokens": promptTokens + completionTokens,
-    }
+    usage = chatUsageFor(promptTokens, completionTokens, usage)
     if includeUsage:
         last = chunk({}, None)
         last["choices"] = []

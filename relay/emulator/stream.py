@@ -51,6 +51,19 @@ def _nothing() -> None:
     """
 
 
+def stallOf(fault: Any) -> dict:
+    """
+    The L{EventPump} arguments of a C{stall_after_events} fault.
+
+    @param fault: a L{relay.emulator.state.Fault}, or L{None}.
+    @return: C{stallAt}/C{stallFor} keyword arguments (empty for any other fault).
+    @rtype: L{dict}
+    """
+    if fault is None or fault.kind != "stall_after_events":
+        return {}
+    return {"stallAt": int(fault.get("events")), "stallFor": float(fault.get("seconds"))}
+
+
 @define(eq=False)
 class EventPump:
     """
@@ -67,6 +80,8 @@ class EventPump:
     @ivar firstOutput: index of the first output event.
     @ivar firstDelay: extra seconds to wait before event C{firstOutput}.
     @ivar cutAfter: how many events to send before cutting, or L{None}.
+    @ivar stallAt: index of the event a stall waits before, or L{None}.
+    @ivar stallFor: seconds of that stall (C{stall_after_events}).
     """
 
     clock: IReactorTime
@@ -79,6 +94,8 @@ class EventPump:
     firstOutput: int = 1
     firstDelay: float = 0.0
     cutAfter: int | None = None
+    stallAt: int | None = None
+    stallFor: float = 0.0
     _index: int = 0
     _ready: bool = False
     _stopped: bool = False
@@ -119,6 +136,8 @@ class EventPump:
         wait = self.delay if index > 0 else 0.0
         if index == self.firstOutput:
             wait += self.firstDelay
+        if index == self.stallAt:
+            wait += self.stallFor
         return wait
 
     def _resume(self) -> None:

@@ -26,7 +26,7 @@ from relay.emulator.state import (
     normaliseInput,
     previousNotFoundError,
 )
-from relay.emulator.stream import EventPump, TurnTracker
+from relay.emulator.stream import EventPump, TurnTracker, stallOf
 
 if TYPE_CHECKING:  # pragma: no cover
     from relay.emulator.core import Emulator
@@ -256,7 +256,7 @@ class EmulatorWebSocketProtocol(WebSocketServerProtocol):
         shaping = fault if fault is not None and fault.kind in (
             "stream_error", "empty_completed") else None
         turn = buildTurn(body, reply, now, shaping, script.deltas, script.argumentDeltas,
-                         script.completedOutput == "empty")
+                         script.completedOutput == "empty", script.usage)
         self._known.add(turn.responseId)
         self._busy = True
         self._tracker = tracker
@@ -273,6 +273,7 @@ class EmulatorWebSocketProtocol(WebSocketServerProtocol):
             if fault is not None and fault.kind == "delay_first_output" else 0.0,
             cutAfter=fault.get("events")
             if fault is not None and fault.kind == "cut_after_events" else None,
+            **stallOf(fault),
         )
         self._pump.start()
 

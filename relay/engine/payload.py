@@ -105,6 +105,14 @@ def upstreamBody(turn: Turn, account: Account) -> bytes:
             body.pop(name, None)
     elif turn.stream:
         body["stream"] = True
+        if turn.endpoint == "chat":
+            # Issue 13 item 5: always ask for the usage chunk, so every
+            # chat stream is counted; relay drops it again when the client
+            # did not ask (relay.usage.tap).
+            options = body.get("stream_options")
+            options = dict(options) if isinstance(options, dict) else {}
+            options["include_usage"] = True
+            body["stream_options"] = options
     else:
         body.pop("stream", None)
     return json.dumps(body, separators=(",", ":")).encode("utf-8")

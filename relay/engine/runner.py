@@ -18,7 +18,7 @@ from typing import Callable, Optional
 from attrs import define, evolve, field
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.protocol import Protocol
-from twisted.internet.task import LoopingCall, deferLater
+from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import PotentialDataLoss, ResponseDone
@@ -27,6 +27,7 @@ from twisted.internet.interfaces import IPushProducer
 
 from relay import failures as F
 from relay.engine import errors as E
+from relay.engine.keepalive import StreamKeepalive
 from relay.engine.payload import (
     isEmptyCompleted,
     isSemanticOutput,
@@ -44,6 +45,8 @@ from relay.policy.judgement import judge
 from relay.selection import NoAccountAvailable
 from relay.sse import DONE, LineTooLong, SSEParser
 from relay.translate.sink import ChatCompletionsSink
+from relay.usage.tap import UsageTap, clientAskedUsage
+from relay.usage.tokens import USAGE_CHUNK, fromBody
 
 STAGING_CAP = 8 * 2**20
 """Held-back bytes before the first output, at most (behaviour.md R22)."""
@@ -194,6 +197,8 @@ class TurnState:
     waited: float = 0.0
     """Seconds spent in slot waits and retry sleeps (not relay's own latency)."""
     dispatched: bool = False
+    keepalive: StreamKeepalive | None = None
+    """The turn's downstream keepalive (R85), for streaming turns."""
 
 
 @implementer(IPushProducer)
@@ -229,6 +234,9 @@ class StreamPump(Protocol):
         # rewrite; Responses streams must already be in event:+data: form.
         self._rawWrite = getattr(sink, "writeRaw", None) if modelRewrite is None else None
         self._rawPrefix = b"data: " if self._chat else b"event: "
+        self._usage = runner._usageTap(turn, account)
+        self._usageChunk = self._usage.chunk if self._usage.chat else None
+        self._mark = _USAGE_MARK if self._usage.chat else _TERMINAL_MARK
         self._staged = []
         self._stagedBytes = 0
         self._headers = {}
@@ -331,7 +339,7 @@ class StreamPump(Protocol):
             parser._buf = buf
             return True
         complete = buf[: end + 2]
-        if _TERMINAL_MARK.search(complete) is not None or not complete.startswith(self._rawPrefix):
+        if self._mark.search(complete) is not None or not complete.startswith(self._rawPrefix):
             return False
         parser._buf = buf[end + 2 :]
         self._rawWrite(complete)
@@ -410,6 +418,8 @@ class StreamPump(Protocol):
             self._write(event)
 
     def _write(self, event) -> None:
+        if self._usageChunk is not None and self._usageChunk(event):
+            return  # a chat usage chunk the client did not ask for (issue 13)
         if self._rewrite is not None:
             event = self._rewrite(event)
         self._sink.writeEvent(event)
@@ -426,6 +436,7 @@ class StreamPump(Protocol):
             response = event.json().get("response")
             if isinstance(response, dict):
                 responseId = response.get("id")
+        self._usage.terminal(event)
         self._release()
         self._write(event)
         if forwardedFailure or event.type == b"response.failed":
@@ -545,6 +556,9 @@ _TERMINAL_MARK = re.compile(
 """Anything that may be a terminal event (protocol.md 2.5); a false hit
 only sends the chunk down the event-by-event path."""
 
+_USAGE_MARK = re.compile(_TERMINAL_MARK.pattern + b"|" + USAGE_CHUNK.pattern)
+"""On a chat stream also the chunk that carries usage (issue 13 item 5)."""
+
 _PASSED_RESPONSE_HEADERS = ("x-codex-turn-state", "x-request-id", "openai-model")
 
 
@@ -602,6 +616,8 @@ class TurnRunner:
     @ivar metrics: optional L{relay.metrics.RelayMetrics}.
     @ivar wsAttempt: optional attempt function for WebSocket upstream modes
         (issue 6), called like L{_attemptHTTP}.
+    @ivar usage: optional L{relay.usage.ledger.UsageLedger}: token
+        accounting and per-key budgets (issue 13 item 5).
     """
 
     clock: object
@@ -614,6 +630,7 @@ class TurnRunner:
     metrics: object = field(default=None, on_setattr=lambda self, a, v: self._setMetrics(v))
     wsAttempt: object = None
     proxyHealth: object = None
+    usage: object = None
     budget: RetryBudget = field(factory=RetryBudget)
     bookkeeping: object = None
     """The L{AccountBookkeeping}: the one writer of account state for an
@@ -671,12 +688,15 @@ class TurnRunner:
         outcome, status, accountId = "error", 500, None
         self.budget.active += 1
         try:
+            self._checkTokenBudget(turn, start)
+            state.keepalive = self._startKeepalive(turn, sink)
             userLease = await self._admitUser(turn, sink, state)
             outcome, status, accountId = await self._loop(turn, sink, state)
         except ClientGone:
             outcome, status = "client_gone", 499
         except _AdmissionFailed as e:
-            # R26/R32: the per-key slot could not be had.
+            # R26/R32: the per-key slot could not be had; or the key's token
+            # budget is spent (issue 13 item 5).
             sink.fail(e.error)
             outcome, status = "failed", e.error.status
         except Exception:
@@ -688,6 +708,8 @@ class TurnRunner:
                 except Exception:
                     self._log.failure("writing the fallback error failed")
         finally:
+            if state.keepalive is not None:
+                state.keepalive.stop()
             if userLease is not None:
                 userLease.release()
             self.budget.active -= 1
@@ -695,6 +717,28 @@ class TurnRunner:
                 self.budget.give()
         self._finished(turn, state, outcome, status, accountId or state.lastAccountId, start)
         return outcome
+
+    def _checkTokenBudget(self, turn: Turn, now: float) -> None:
+        """
+        Issue 13 item 5: a key whose C{daily_tokens} or C{monthly_tokens}
+        budget is spent gets a 429 before the turn takes a slot or reaches
+        an account.
+
+        @raise _AdmissionFailed: with the budget's L{ClientError}.
+        """
+        if self.usage is None:
+            return
+        error = self.usage.overBudget(turn.client.name, now)
+        if error is None:
+            return
+        self._log.warn(
+            "key {key_name} is over its token budget",
+            event="relay.token_budget_exceeded",
+            key_name=turn.client.name,
+            message=error.message,
+            request_id=turn.requestId,
+        )
+        raise _AdmissionFailed(error)
 
     async def _admitUser(self, turn: Turn, sink, state: Optional[TurnState] = None):
         """
@@ -765,6 +809,8 @@ class TurnRunner:
                     )
             result = await self._attempt(turn, sink, account, lease)
             end = result.end
+            if (result.ok or result.committed) and state.keepalive is not None:
+                state.keepalive.stop()  # R85: the terminal event was written
             if turn.cancel.cancelled or isinstance(end, ends.Departed):
                 # R2: the client left (or relay cancelled the attempt for
                 # it); nothing is judged, recorded or written.
@@ -1062,7 +1108,7 @@ class TurnRunner:
         )
         self._log.info("waiting for a {plan} slot on {account_id}", event=prefix + "_started", **fields)
         start = self.clock.seconds()
-        keepalive = self._keepalive(sink)
+        keepalive = self._keepalive(state)
         try:
             lease = await self.admission.acquire(plan, turn.cancel)
         except AdmissionError as e:
@@ -1075,8 +1121,8 @@ class TurnRunner:
             self._waitFinished(prefix, fields, "client_gone", start, 0)
             raise
         finally:
-            if keepalive is not None and keepalive.running:
-                keepalive.stop()
+            if keepalive is not None:
+                keepalive.endWait()
             if state is not None:
                 state.waited += self.clock.seconds() - start
         self._waitFinished(prefix, fields, "acquired", start, getattr(lease, "queuePosition", 0))
@@ -1098,20 +1144,39 @@ class TurnRunner:
         if self.metrics is not None:
             self.metrics.waitFinished(fields["entrypoint"], outcome, waitMs / 1000.0)
 
-    def _keepalive(self, sink) -> Optional[LoopingCall]:
+    def _startKeepalive(self, turn: Turn, sink) -> StreamKeepalive | None:
         """
-        SSE keepalive comments every C{ping_interval} seconds while waiting
-        (R31). Non-streaming sinks ignore them.
+        The turn's downstream keepalive (R24, R85): for every streaming
+        turn, from now until the turn ends, an SSE comment or WebSocket
+        ping after C{stream_keepalive_interval} seconds of silence.
+        Non-streaming turns get none (R31).
+
+        @return: the running L{StreamKeepalive}, or L{None}.
         """
-        interval = self.settings.current.scheduling.ping_interval
-        if interval <= 0:
+        if not turn.stream:
             return None
-        call = LoopingCall(sink.keepalive)
-        call.clock = self.clock
-        call.start(interval, now=False).addErrback(
-            lambda f: self._log.failure("keepalive failed", f)
+        keepalive = StreamKeepalive(
+            clock=self.clock,
+            send=sink.keepalive,
+            interval=self.settings.current.stream_keepalive_interval,
+            requestId=turn.requestId,
         )
-        return call
+        watch = getattr(sink, "watchWrites", None)
+        if watch is not None:
+            watch(keepalive.touch)
+        keepalive.start()
+        return keepalive
+
+    def _keepalive(self, state) -> StreamKeepalive | None:
+        """
+        A wait or retry sleep begins: keepalives at least every
+        C{ping_interval} seconds while it runs (R31); the caller calls
+        C{endWait} on the result.
+        """
+        keepalive = state.keepalive if state is not None else None
+        if keepalive is not None:
+            keepalive.beginWait(self.settings.current.scheduling.ping_interval)
+        return keepalive
 
     async def _sleep(self, turn: Turn, sink, seconds: float, state=None) -> None:
         """
@@ -1126,13 +1191,13 @@ class TurnRunner:
             interval_ms=int(seconds * 1000),
             request_id=turn.requestId,
         )
-        keepalive = self._keepalive(sink)
+        keepalive = self._keepalive(state)
         began = self.clock.seconds()
         try:
             await raceCancel(deferLater(self.clock, seconds), turn.cancel)
         finally:
-            if keepalive is not None and keepalive.running:
-                keepalive.stop()
+            if keepalive is not None:
+                keepalive.endWait()
             if state is not None:
                 state.waited += self.clock.seconds() - began
 
@@ -1267,6 +1332,9 @@ class TurnRunner:
             from relay.sse import Event
 
             body = rewrite(Event(b"", body)).data
+        counts = fromBody(parsed)
+        if counts is not None:
+            self._recordUsage(turn, account, counts)
         release()
         self._firstOutput(turn)
         sink.writeBody(200, _passHeaders(response.headers), body)
@@ -1274,6 +1342,42 @@ class TurnRunner:
         return AttemptResult(end=ends.Completed(responseId), committed=True, status=200)
 
     # -- bookkeeping -----------------------------------------------------------
+
+    def _usageTap(self, turn: Turn, account) -> UsageTap:
+        """
+        The usage reader of one attempt (issue 13 item 5): records into
+        L{usage} and onto C{turn.usage}. A chat stream's usage chunk is
+        dropped when the client did not ask for it (relay always asks
+        upstream, L{relay.engine.payload.upstreamBody}).
+        """
+        # Chat chunks carry usage only when the upstream speaks chat; a
+        # translated chat turn (OAuth) ends with a Responses terminal event.
+        chat = turn.endpoint == "chat" and turn.stream and not translatesChat(turn, account)
+        return UsageTap(
+            record=lambda counts: self._recordUsage(turn, account, counts),
+            chat=chat,
+            dropUsageChunk=chat and not clientAskedUsage(turn.body),
+            requestId=turn.requestId,
+        )
+
+    def _recordUsage(self, turn: Turn, account, counts) -> None:
+        """
+        Count C{counts} for the turn's key, C{account} and the upstream
+        model relay asked for; once per turn (issue 13 item 5).
+        """
+        if turn.usage is not None:
+            return
+        turn.usage = counts
+        if self.usage is None:
+            return
+        model = account.upstreamModel(turn.model) if turn.model else ""
+        try:
+            self.usage.record(turn.client.name, account.id, model, counts)
+        except Exception:  # noqa: BLE001 - logged; accounting never breaks a turn
+            self._log.failure(
+                "recording usage failed", event="relay.usage_failed", request_id=turn.requestId,
+                account_id=account.id,
+            )
 
     def _firstOutput(self, turn: Turn) -> None:
         if turn.firstOutputAt is None:
@@ -1298,6 +1402,7 @@ class TurnRunner:
             switches=state.switches,
             duration_ms=int((now - start) * 1000),
             first_output_ms=None if first is None else int((first - start) * 1000),
+            **_usageFields(turn.usage),
         )
         if accountId is not None:
             self.bookkeeping.accountStats(accountId)["turns"] += 1
@@ -1305,6 +1410,18 @@ class TurnRunner:
             self.metrics.turnFinished(turn.entrypoint, outcome)
             if first is not None:
                 self.metrics.firstOutput(first - start)
+
+
+def _usageFields(counts) -> dict:
+    """
+    The token fields of C{relay.turn_finished} (issue 13 item 5); L{None}
+    when the turn reported no usage.
+    """
+    if counts is None:
+        return {"input_tokens": None, "cached_input_tokens": None,
+                "output_tokens": None, "reasoning_tokens": None}
+    return {"input_tokens": counts.input, "cached_input_tokens": counts.cached,
+            "output_tokens": counts.output, "reasoning_tokens": counts.reasoning}
 
 
 def previousResponseNotFound(responseId: Optional[str]) -> ClientError:

@@ -282,6 +282,8 @@ class WebSocketAttempt:
         finally:
             if turn.firstOutputAt is None:
                 turn.firstOutputAt = bridged.firstOutputAt
+            if turn.usage is None:
+                turn.usage = bridged.usage
 
     # -- ctx_pool / passthrough ------------------------------------------------
 

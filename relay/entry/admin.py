@@ -12,7 +12,9 @@ C{/admin}):
   - C{PUT /admin/settings} - a partial change, nested or flat dotted JSON;
   - C{GET /admin/accounts} - every account's live state for the page;
   - C{POST /admin/accounts/{id}/clear} - lift an account's runtime states;
-  - C{GET /admin/metrics} - the same metrics as C{/metrics}, behind the key.
+  - C{GET /admin/metrics} - the same metrics as C{/metrics}, behind the key;
+  - C{GET /admin/usage?since=<ISO 8601 or Unix seconds>&group_by=key|account|model|hour}
+    - token totals (issue 13 item 5), with the per-key budgets.
 
 Authentication is C{Authorization: Bearer <admin key>}. Without a
 configured admin key every C{/admin} route answers 404: the admin API is
@@ -33,7 +35,7 @@ from typing import Any, Callable, Optional
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
-from twisted.internet.defer import maybeDeferred
+from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
@@ -316,6 +318,64 @@ class _AccountsResource(_Guarded):
         return _deliverLater(request, d, _cbCleared, "clearing account")
 
 
+class _UsageResource(_Guarded):
+    """
+    C{GET /admin/usage} (issue 13 item 5): the token totals since C{since}
+    (default: the last 24 hours; rounded down to the hour), grouped by
+    C{group_by} (default C{key}).
+    """
+
+    def __init__(self, adminKey, ledger, clock):
+        super().__init__(adminKey)
+        self.ledger = ledger
+        self.clock = clock
+
+    def render_GET(self, request):
+        """
+        C{{"since", "group_by", "now", "rows": [...], "total": {...},
+        "budgets": [...]}}; each row has the group value and C{requests},
+        C{input_tokens}, C{cached_input_tokens}, C{output_tokens},
+        C{reasoning_tokens}, C{total_tokens}. A bad parameter is a 400
+        naming it.
+        """
+        from relay.usage.query import UsageQueryError, parseGroupBy, parseSince
+        from relay.usage.store import hourOf
+
+        if request.postpath not in ([], [b""]):
+            return _notFound(request)
+        now = self.clock.seconds()
+
+        def arg(name):
+            values = request.args.get(name.encode("ascii"))
+            return values[0].decode("utf-8", "replace") if values else None
+
+        try:
+            since = hourOf(parseSince(arg("since"), now))
+            groupBy = parseGroupBy(arg("group_by"))
+        except UsageQueryError as e:
+            return _respond(
+                request, 400, _errorBody(str(e), "invalid_request_error", "invalid_value", e.param)
+            )
+
+        def _cbRows(rows):
+            total = {}
+            for row in rows:
+                for name, value in row.items():
+                    if name != groupBy:
+                        total[name] = total.get(name, 0) + value
+            return 200, {
+                "since": since,
+                "group_by": groupBy,
+                "now": now,
+                "rows": rows,
+                "total": total,
+                "budgets": self.ledger.budgetView(now),
+            }
+
+        d = Deferred.fromCoroutine(self.ledger.totals(since, groupBy))
+        return _deliverLater(request, d, _cbRows, "reading usage")
+
+
 class _MetricsResource(Resource):
     """
     The Prometheus text exposition of one registry, rendered synchronously
@@ -453,6 +513,7 @@ def buildAdminResource(
     *,
     recentFailovers: Optional[Callable[[], list]] = None,
     clock=None,
+    usage=None,
 ) -> Resource:
     """
     Build the resource tree to mount at C{/admin}.
@@ -478,6 +539,8 @@ def buildAdminResource(
         L{relay.metrics.RelayMetrics.recentFailovers}) for the page.
     @param clock: optional L{IReactorTime}; its time is sent as C{now} so
         the page counts down cooldowns on the server's clock.
+    @param usage: optional L{relay.usage.ledger.UsageLedger} for
+        C{/admin/usage} (needs C{clock}).
     @rtype: L{Resource}
     """
     routes = {
@@ -489,6 +552,8 @@ def buildAdminResource(
     }
     if registry is not None:
         routes[b"metrics"] = _GuardedMetrics(adminKey, registry)
+    if usage is not None:
+        routes[b"usage"] = _UsageResource(adminKey, usage, clock)
     return _AdminRoot(adminKey, routes)
 
 

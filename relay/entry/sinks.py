@@ -92,9 +92,20 @@ class _RequestSink:
         self._gone = False
         self._finished = False
         self._producer = None
+        self._onWrite = None
         self.committed = False
         self.status = None
         request.notifyFinish().addErrback(self._clientGone)
+
+    def watchWrites(self, callback) -> None:
+        """
+        Call C{callback()} after every event written to the client, so a
+        L{relay.engine.keepalive.StreamKeepalive} writes only after real
+        silence (behaviour.md R85).
+
+        @param callback: a no-argument callable, or L{None} to stop.
+        """
+        self._onWrite = callback
 
     def _clientGone(self, reason) -> None:
         self._gone = True
@@ -127,7 +138,9 @@ class SSESink(_RequestSink):
 
     C{headersSent} turns true at the first keepalive or commit; after it
     every error is written in-stream (R17). C{committed} turns true at the
-    first output.
+    first output. Keepalive comments may come before and after the first
+    output (R85): every write is a whole event, so a comment always falls
+    between two events.
     """
 
     headersSent = False
@@ -146,7 +159,11 @@ class SSESink(_RequestSink):
             r.setHeader(name.encode("latin-1"), value.encode("latin-1"))
 
     def keepalive(self) -> None:
-        if self._gone or self._finished or self.committed:
+        """
+        An SSE comment (protocol.md 2.2), before or after the first output
+        (R31, R85); the first one commits 200 and the SSE headers.
+        """
+        if self._gone or self._finished:
             return
         self._sendHeaders()
         self._request.write(b":\n\n")
@@ -158,6 +175,8 @@ class SSESink(_RequestSink):
     def writeEvent(self, event) -> None:
         if not self._gone and not self._finished:
             self._request.write(event.raw)
+            if self._onWrite is not None:
+                self._onWrite()
 
     def writeRaw(self, data: bytes) -> None:
         """
@@ -166,6 +185,8 @@ class SSESink(_RequestSink):
         """
         if not self._gone and not self._finished:
             self._request.write(data)
+            if self._onWrite is not None:
+                self._onWrite()
 
     def writeBody(self, status, headers, body) -> None:
         # A streaming client got a JSON body from upstream: forward it as is.

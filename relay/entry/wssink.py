@@ -78,10 +78,11 @@ class WebSocketSink:
 
     def __init__(self, connection):
         """
-        @param connection: the client protocol; needs C{sendJSON(bytes)},
-            C{closeWith(code, reason)} and C{isOpen()}.
+        @param connection: the client protocol; needs C{sendText(bytes)},
+            C{sendPing()}, C{closeWith(code, reason)} and C{isOpen()}.
         """
         self._conn = connection
+        self._onWrite = None
         self.committed = False
         self.terminal: dict | None = None
         self.terminalType: bytes | None = None
@@ -89,10 +90,24 @@ class WebSocketSink:
         self.failed: ClientError | None = None
         self._assembler = ResponseAssembler()
 
+    def watchWrites(self, callback) -> None:
+        """
+        Call C{callback()} after every event frame sent, so a
+        L{relay.engine.keepalive.StreamKeepalive} pings only after real
+        silence (behaviour.md R85).
+
+        @param callback: a no-argument callable, or L{None} to stop.
+        """
+        self._onWrite = callback
+
     def keepalive(self) -> None:
         """
-        The WebSocket keeps itself alive with pings (R31); nothing to write.
+        A ping frame while the turn is quiet: during waits (R31) and while
+        the upstream is silent before or after its first output (R85). A
+        control frame goes between whole messages, never inside one.
         """
+        if self._conn.isOpen():
+            self._conn.sendPing()
 
     def commit(self, headers) -> None:
         self.committed = True
@@ -108,6 +123,8 @@ class WebSocketSink:
             self.terminal = self._assembler.complete(response) if isinstance(response, dict) else {}
         if self._conn.isOpen():
             self._conn.sendText(event.data)
+            if self._onWrite is not None:
+                self._onWrite()
 
     def writeBody(self, status, headers, body) -> None:
         """

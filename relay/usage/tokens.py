@@ -1,0 +1,165 @@
+# -*- test-case-name: tests.test_usage -*-
+"""
+Token counts, and reading them from what upstream sent (issue 13 item 5).
+
+Responses (protocol.md 2.5, 2.7) report C{usage} on the terminal event's
+C{response} (C{response.completed}, C{response.incomplete},
+C{response.failed}) and in a non-stream JSON body::
+
+    {"input_tokens": 120, "input_tokens_details": {"cached_tokens": 100},
+     "output_tokens": 30, "output_tokens_details": {"reasoning_tokens": 12},
+     "total_tokens": 150}
+
+Chat Completions (protocol.md 3) report C{usage} in a non-stream body and,
+with C{stream_options.include_usage}, in one last chunk with C{choices: []}::
+
+    {"prompt_tokens": 120, "prompt_tokens_details": {"cached_tokens": 100},
+     "completion_tokens": 30, "completion_tokens_details": {"reasoning_tokens": 12},
+     "total_tokens": 150}
+
+Cached tokens are part of the input, reasoning tokens part of the output,
+as upstream counts them; L{TokenCounts.total} is input + output.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from attrs import frozen
+
+__all__ = [
+    "USAGE_CHUNK",
+    "TokenCounts",
+    "fromBody",
+    "fromEvent",
+    "fromUsage",
+]
+
+
+def _count(value: Any) -> int:
+    """
+    A token count from JSON: a non-negative integer, else 0.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0
+    return max(0, int(value))
+
+
+@frozen
+class TokenCounts:
+    """
+    Tokens of one or more turns.
+
+    @ivar requests: how many turns reported usage.
+    @ivar input: input (prompt) tokens, cached ones included.
+    @ivar cached: cached input tokens.
+    @ivar output: output (completion) tokens, reasoning ones included.
+    @ivar reasoning: reasoning tokens.
+    """
+
+    requests: int = 0
+    input: int = 0
+    cached: int = 0
+    output: int = 0
+    reasoning: int = 0
+
+    @property
+    def total(self) -> int:
+        """
+        Input plus output tokens (what a token budget counts).
+        """
+        return self.input + self.output
+
+    def __add__(self, other: TokenCounts) -> TokenCounts:
+        return TokenCounts(
+            self.requests + other.requests,
+            self.input + other.input,
+            self.cached + other.cached,
+            self.output + other.output,
+            self.reasoning + other.reasoning,
+        )
+
+    def asDict(self) -> dict:
+        """
+        @return: the counts under the names C{/admin/usage} serves:
+            C{requests}, C{input_tokens}, C{cached_input_tokens},
+            C{output_tokens}, C{reasoning_tokens}, C{total_tokens}.
+        """
+        return {
+            "requests": self.requests,
+            "input_tokens": self.input,
+            "cached_input_tokens": self.cached,
+            "output_tokens": self.output,
+            "reasoning_tokens": self.reasoning,
+            "total_tokens": self.total,
+        }
+
+
+def fromUsage(usage: Any) -> TokenCounts | None:
+    """
+    Read a Responses or Chat Completions C{usage} object.
+
+    @param usage: the parsed C{usage} value.
+    @return: the counts of one turn, or L{None} when C{usage} is not a
+        usage object (absent, C{null}, or neither shape).
+    """
+    if not isinstance(usage, dict):
+        return None
+    if "input_tokens" in usage or "output_tokens" in usage:
+        inputDetails = usage.get("input_tokens_details")
+        outputDetails = usage.get("output_tokens_details")
+        inputKey, outputKey = "input_tokens", "output_tokens"
+    elif "prompt_tokens" in usage or "completion_tokens" in usage:
+        inputDetails = usage.get("prompt_tokens_details")
+        outputDetails = usage.get("completion_tokens_details")
+        inputKey, outputKey = "prompt_tokens", "completion_tokens"
+    else:
+        return None
+    inputDetails = inputDetails if isinstance(inputDetails, dict) else {}
+    outputDetails = outputDetails if isinstance(outputDetails, dict) else {}
+    return TokenCounts(
+        requests=1,
+        input=_count(usage.get(inputKey)),
+        cached=_count(inputDetails.get("cached_tokens")),
+        output=_count(usage.get(outputKey)),
+        reasoning=_count(outputDetails.get("reasoning_tokens")),
+    )
+
+
+def fromEvent(event) -> TokenCounts | None:
+    """
+    The usage a stream event carries: a Responses terminal event's
+    C{response.usage}, or a chat chunk's top-level C{usage}.
+
+    @param event: a L{relay.sse.Event}.
+    @return: the counts, or L{None} (C{[DONE]}, no usage, not JSON).
+    """
+    if event.type == b"[DONE]":
+        return None
+    parsed = event.json()
+    if not isinstance(parsed, dict):
+        return None
+    response = parsed.get("response")
+    if isinstance(response, dict) and "usage" in response:
+        return fromUsage(response.get("usage"))
+    return fromUsage(parsed.get("usage"))
+
+
+def fromBody(parsed: Any) -> TokenCounts | None:
+    """
+    The usage of a non-stream JSON answer (a Responses C{response} object
+    or a C{chat.completion}).
+
+    @param parsed: the parsed body.
+    @return: the counts, or L{None}.
+    """
+    if not isinstance(parsed, dict):
+        return None
+    return fromUsage(parsed.get("usage"))
+
+
+USAGE_CHUNK = re.compile(rb'"usage":\s*\{')
+"""A chat chunk that carries a usage object (not C{"usage":null}); scanned
+on the pass-through path instead of parsing every chunk. Inside a JSON
+string the quotes are escaped, so text never matches."""
