@@ -11,7 +11,9 @@ Script format (a JSON object; every key optional)::
     {"text": "Tool said: {output}",          # reply text template
      "tool_call": {"name": "exec_command",    # answer a fresh turn with this call
                    "arguments": {"cmd": "echo hi"}},
-     "delay": 0.0,                            # seconds between streamed events
+     "delay": 0.0,                            # seconds between streamed events (a
+                                              # non-stream answer takes as long as the
+                                              # stream would have)
      "deltas": 3}                             # how many deltas the text is split into
 
 Template fields: C{{name}} / C{{credential_name}} (the account name, never the secret),
@@ -28,11 +30,26 @@ Fault format (a JSON object, or a list of them; the first applicable one is used
      "transport": "http" | "ws" | "any"}
 
 Kinds: C{reset_before_headers}, C{hang_before_headers}, C{hang_after_headers}, C{status},
-C{delay_first_output} (C{seconds}), C{cut_after_events} (C{events}), C{stream_error}
-(C{code}, C{message}), C{empty_completed}, C{ws_handshake_status} (C{code}, C{body},
-C{headers}), C{ws_handshake_reset} and C{ws_handshake_hang}.  The three C{ws_handshake_*}
-kinds apply to WebSocket upgrades only; every other kind applies to HTTP requests and WebSocket
-turns (filtered by C{transport}).
+C{delay_first_output} (C{seconds}), C{cut_after_events} (C{events}), C{end_after_events}
+(C{events}), C{stream_error} (C{code}, C{message}), C{empty_completed},
+C{ws_handshake_status} (C{code}, C{body}, C{headers}), C{ws_handshake_reset} and
+C{ws_handshake_hang}.  The three C{ws_handshake_*} kinds apply to WebSocket upgrades only;
+every other kind applies to HTTP requests and WebSocket turns (filtered by C{transport}).
+
+What the stream-shaping kinds look like on each wire:
+
+  - C{cut_after_events}: K events, then the connection is lost without a terminal event
+    (HTTP: the TCP connection is closed mid-body, so the chunked body never ends; WebSocket:
+    TCP closed without a close frame).  A non-stream request gets its status line, headers and
+    the first half of the JSON body, then the same cut (a read error mid-body).
+  - C{end_after_events}: K events, then a I{clean} end without a terminal event (HTTP: the
+    chunked body ends normally; WebSocket: a close frame with code 1000 mid-turn).  A
+    non-stream request gets 200 and the first half of the JSON body, ended cleanly.
+  - C{stream_error}: on a Responses stream or WebSocket turn, C{response.created} then
+    C{response.failed} with the code; on a Chat Completions stream, the role chunk, then an
+    error chunk C{{"error": {"type": "server_error", "code": ...}}}, then the body ends
+    (no C{[DONE]}); a non-stream request (either endpoint) gets HTTP 500 with the error
+    envelope carrying the code, as the real API answers a failed non-stream request.
 """
 
 from __future__ import annotations
@@ -61,6 +78,7 @@ TURN_KINDS = frozenset(
         "status",
         "delay_first_output",
         "cut_after_events",
+        "end_after_events",
         "stream_error",
         "empty_completed",
     }
@@ -306,8 +324,9 @@ def parseFault(spec: dict, now: float = 0.0) -> Fault:
             raise ValueError(f"{kind} fault needs an integer code, not {code!r}")
     if kind == "delay_first_output" and not isinstance(params.get("seconds"), (int, float)):
         raise ValueError("delay_first_output needs seconds")
-    if kind == "cut_after_events" and not isinstance(params.get("events"), int):
-        raise ValueError("cut_after_events needs events (an integer)")
+    if kind in ("cut_after_events", "end_after_events") and not isinstance(
+            params.get("events"), int):
+        raise ValueError(f"{kind} needs events (an integer)")
     return Fault(kind=kind, transport=transport, times=times, params=params)
 
 
