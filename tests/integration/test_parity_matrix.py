@@ -103,6 +103,10 @@ ROWS = [
         {"*": {"kind": "status", "code": 503,
                "body": _err("Service Unavailable", "server_error")}},
         SERVED, (True, "ok", 0, 1)),
+    Row("5xx_exhausted", "R15 (HTTP 502), R65/R70 (WebSocket 1013), R11 streak, R86.1",
+        {"*": {"kind": "status", "code": 503,
+               "body": _err("Service Unavailable", "server_error")}},
+        ("terminal_error", 502), (True, "ok", 0, 1), accounts=_accounts()[:1]),
     Row("5xx_ws_handshake", "R56 guard (first turn), R11 streak, R86.2",
         {"ws": {"kind": "ws_handshake_status", "code": 503,
                 "body": _err("Service Unavailable", "server_error")}},
@@ -115,7 +119,10 @@ ROWS = [
         {"*": {"kind": "stream_error", "code": "server_is_overloaded",
                "message": "Our servers are currently overloaded. Please try again later."}},
         SERVED, OK),
-    Row("529_overloaded", "R8 capacity shed, R86.2 (a 529 marks nothing; wins over R11's 529 row)",
+    Row("529", "R8 capacity shed, R86.2 (a 529 marks nothing anywhere; wins over R11's 529 row)",
+        {"*": {"kind": "status", "code": 529, "body": _err("Site overloaded", "server_error")}},
+        SERVED, OK),
+    Row("529_overload_code", "R8 capacity shed (same-account retry, R14), R11 check 1, R86",
         {"*": {"kind": "status", "code": 529,
                "body": _err("The server is overloaded. Please try again later.", "server_error",
                             "server_is_overloaded")}},
@@ -179,6 +186,8 @@ ROWS = [
 #: outcomes allowed instead of the row's, with the rule. The account state
 #: must match the row's in every case.
 ALLOWED = [
+    ("5xx_exhausted", P.WS_ENTRYPOINTS, {("retryable_close", 1013)},
+     "R65, R70, R81: the WebSocket closes 1013 where HTTP answers 502"),
     ("cut_after_output", ("http_json",), {SERVED},
      "R19 step 2: a JSON client never saw output, so the cut fails over"),
     ("cut_after_output", P.WS_ENTRYPOINTS, {("retryable_close", 1011)},
