@@ -31,6 +31,7 @@ from tests.integration.test_ws_turns import connect, drain, userTurn
 __all__ = [
     "ADMIN",
     "BAD",
+    "CHAT_OAUTH",
     "ENTRYPOINTS",
     "GOOD",
     "HTTP_ENTRYPOINTS",
@@ -64,11 +65,21 @@ MODEL = "gpt-5.5"
 HTTP_ENTRYPOINTS = ("http_sse", "http_json", "chat_stream")
 WS_ENTRYPOINTS = ("ws_ctx_pool", "ws_passthrough", "ws_http_bridge")
 ENTRYPOINTS = HTTP_ENTRYPOINTS + WS_ENTRYPOINTS
-# Chat Completions on OAuth accounts is being built by the clients helper
-# (issue 13). When it lands, add "chat_stream_oauth" here and in
-# ACCOUNT_TYPE below (the driver below already speaks chat; only the
-# accounts' type changes), then give it a column in the matrix.
-ACCOUNT_TYPE = {ep: "apikey" for ep in ENTRYPOINTS}
+
+CHAT_OAUTH = "chat_stream_oauth"
+"""
+The column still to add: a chat stream on OAuth accounts (relay converts it to
+an upstream Responses stream). Chat on OAuth is being built by the clients
+helper (issue 13); the drivers here already run it (chat client, OAuth
+accounts, Responses-shaped upstream faults). To enable it, add it to the
+matrix's C{COLUMNS}.
+"""
+
+ACCOUNT_TYPE = {CHAT_OAUTH: "oauth"}
+"""Account type per entrypoint; everything else uses API-key accounts."""
+
+_HTTP = (*HTTP_ENTRYPOINTS, CHAT_OAUTH)
+_CHAT = ("chat_stream", CHAT_OAUTH)
 
 WS_MODE = {"ws_ctx_pool": "ctx_pool", "ws_passthrough": "passthrough",
            "ws_http_bridge": "http_bridge"}
@@ -94,8 +105,7 @@ def _names(accounts) -> dict:
     return {"accounts": [{"name": a["id"], "credential": a["credential"]} for a in accounts]}
 
 
-async def startParityStack(entrypoint: str, accounts, firstOutputTimeout: float = 0.0,
-                           extraGateway: str = ""):
+async def startParityStack(entrypoint: str, accounts, firstOutputTimeout: float = 0.0):
     """
     Start an emulator + relay for one entrypoint with an admin key; the
     WebSocket entrypoints set C{gateway.websocket.mode_default}.
@@ -106,7 +116,10 @@ async def startParityStack(entrypoint: str, accounts, firstOutputTimeout: float 
         runtime settings (the config file only allows 30..600, R20).
     """
     mode = WS_MODE.get(entrypoint)
-    gateway = "{" + (f"websocket: {{mode_default: {mode}}}" if mode else "") + extraGateway + "}"
+    gateway = "{" + (f"websocket: {{mode_default: {mode}}}" if mode else "") + "}"
+    kind = ACCOUNT_TYPE.get(entrypoint)
+    if kind is not None:
+        accounts = [{"type": kind, **a} for a in accounts]
     stack = await startStack(accounts, gateway=gateway, emulatorConfig=_names(accounts),
                              extra=f"admin_key: {ADMIN}\n")
     if firstOutputTimeout:
@@ -171,20 +184,22 @@ def _completedText(response: dict) -> str:
     return "".join(parts)
 
 
-def responsesOutcome(types_events: list, faulty: str) -> Outcome:
+def responsesOutcome(events: list, faulty: str) -> Outcome:
     """
     Classify a Responses event sequence (SSE or WebSocket frames).
 
-    @param types_events: C{(type, data)} pairs in arrival order.
+    @param events: C{(type, data)} pairs in arrival order.
+    @param faulty: the faulty account's id (a reply from it is
+        C{served_same}).
     """
-    types = [t for t, _ in types_events]
+    types = [t for t, _ in events]
     if types.count("response.created") > 1:
         return Outcome("mixed_stream", "in-stream", None, " ".join(types)[:120])
-    last, data = types_events[-1] if types_events else (None, None)
+    last, data = events[-1] if events else (None, None)
     if last == "response.completed":
         response = data.get("response") or {}
         return _served(_completedText(response), faulty, response.get("id"))
-    for t, d in types_events:
+    for t, d in events:
         if t in ("response.failed", "error"):
             error = (d.get("response") or {}).get("error") or d.get("error") or d
             return Outcome("terminal_error", "in-stream", None, json.dumps(error)[:120])
@@ -213,7 +228,7 @@ def newSession() -> tuple:
 async def _httpTurn(stack, entrypoint: str, faulty: str, previous=None) -> Outcome:
     sid, text = newSession()
     headers = {"session-id": [sid]}
-    if entrypoint == "chat_stream":
+    if entrypoint in _CHAT:
         body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "stream": True}
         response, data = await stack.postJSON("/v1/chat/completions", body, headers=headers)
         if response.code != 200:
@@ -336,7 +351,7 @@ async def oneTurn(stack, entrypoint: str, faulty: str = "bad", client=None, prev
         open unless it was closed) or L{None} for HTTP. The caller closes it
         (L{drain}).
     """
-    if entrypoint in HTTP_ENTRYPOINTS:
+    if entrypoint in _HTTP:
         return await _httpTurn(stack, entrypoint, faulty, previous), None
     if client is None:
         client = await connectNew(stack)
@@ -391,7 +406,10 @@ class RawHTTP(Protocol):
         """
         @return: a Deferred firing once the received bytes satisfy C{predicate}.
         """
-        d = Deferred()
+        def forget(d):
+            self._waiters[:] = [w for w in self._waiters if w[1] is not d]
+
+        d = Deferred(canceller=forget)
         if predicate(self.data):
             d.callback(self.data)
         else:
@@ -426,7 +444,7 @@ async def rawPost(stack, path: str, body: dict) -> RawHTTP:
 
 def _requestFor(entrypoint: str) -> tuple:
     text = newSession()[1]
-    if entrypoint == "chat_stream":
+    if entrypoint in _CHAT:
         return "/v1/chat/completions", {
             "model": MODEL, "messages": [{"role": "user", "content": text}], "stream": True}
     return "/v1/responses", {"model": MODEL, "input": text, "stream": entrypoint == "http_sse"}
@@ -458,7 +476,7 @@ async def startLeaver(stack, entrypoint: str):
 
     @return: the L{RawHTTP} or the WebSocket client.
     """
-    if entrypoint in HTTP_ENTRYPOINTS:
+    if entrypoint in _HTTP:
         path, body = _requestFor(entrypoint)
         return await rawPost(stack, path, body)
     client = await connectNew(stack)
@@ -474,7 +492,7 @@ async def waitForOutput(stack, entrypoint: str, leaver, credential: str) -> None
     """
     if entrypoint == "http_sse":
         await leaver.waitFor(lambda data: b"response.output_text.delta" in data)
-    elif entrypoint == "chat_stream":
+    elif entrypoint in _CHAT:
         await leaver.waitFor(_chatHasContent)
     elif entrypoint == "http_json":
         await waitUntil(lambda: stack.emulator.inflight(credential) >= 1, "the JSON turn upstream")
@@ -493,7 +511,7 @@ def leaveNow(entrypoint: str, leaver, how: str) -> None:
     WebSocket that is a FIN without a close frame) or C{"close"} (a
     WebSocket close frame with 1000; for HTTP the same as C{"fin"}).
     """
-    if entrypoint in HTTP_ENTRYPOINTS:
+    if entrypoint in _HTTP:
         leaver.leave("rst" if how == "rst" else "fin")
     elif how == "rst":
         leaver.transport.abortConnection()

@@ -32,9 +32,12 @@ import os
 import pytest
 import pytest_twisted
 from attrs import field, frozen
+from twisted.internet import reactor
 from twisted.internet.defer import ensureDeferred
+from twisted.internet.task import deferLater
 
 from tests.integration import parity as P
+from tests.integration.harness import sseEvents
 from tests.integration.parity import BAD, GOOD
 
 #: seconds (R20 on the runtime settings; the config file's range is 30-600)
@@ -47,6 +50,12 @@ FIRST_OUTPUT_DELAY = 2.5
 SLOW = 0.1
 
 OK = (True, "ok", 0, 0)
+
+COLUMNS = P.ENTRYPOINTS
+"""
+The entrypoints. ADD HERE: C{P.CHAT_OAUTH} (a chat stream on OAuth accounts)
+once chat on OAuth lands (issue 13): C{COLUMNS = (*P.ENTRYPOINTS, P.CHAT_OAUTH)}.
+"""
 
 
 def _err(message, type_, code=None):
@@ -85,7 +94,7 @@ class Row:
     expect: tuple
     state: tuple
     driver: str = "turn"
-    columns: tuple = P.ENTRYPOINTS
+    columns: tuple = COLUMNS
     firstOutputTimeout: float = 0.0
     accounts: list = field(factory=_accounts)
 
@@ -303,7 +312,7 @@ async def _leaveWaitingDriver(stack, row, entrypoint, clients):
         for _ in range(int(P.WAIT / 0.01)):
             if predicate(await loads()):
                 return
-            await P.deferLater(P.reactor, 0.01, lambda: None)
+            await deferLater(reactor, 0.01, lambda: None)
         raise AssertionError(f"timed out waiting for {what}: {await loads()}")
 
     await until(lambda now: now == {"bad": (1, 0), "good": (1, 0)}, "both slots busy")
@@ -313,7 +322,7 @@ async def _leaveWaitingDriver(stack, row, entrypoint, clients):
     for d in busy:
         response, data = await d
         assert response.code == 200, data
-        assert P.sseEvents(data)[-1][0] == "response.completed"
+        assert sseEvents(data)[-1][0] == "response.completed"
     cell = await _capture(stack, entrypoint, P.Outcome("none"), 3)
     assert P.departures(stack) == 1
     return cell
