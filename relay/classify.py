@@ -38,7 +38,6 @@ from relay.failures import (
     MARK_COUNT_403,
     MARK_DISABLED,
     MARK_MODEL_BLOCK,
-    MARK_OVERLOADED,
     MARK_RATE_LIMITED,
     MARK_TEMP_UNSCHEDULABLE,
     MARK_TRANSIENT_STREAK,
@@ -110,8 +109,6 @@ ERROR_BODY_LIMIT = 512 * 1024
 MESSAGE_CAP = 500
 #: R11: OAuth 401 with a refresh token: temp-unschedulable, seconds.
 OAUTH_401_COOLDOWN_SECONDS = 600
-#: R11: 529 overloaded period, seconds.
-OVERLOAD_COOLDOWN_SECONDS = 600
 #: R11 check 4: model-level cooldown for "model not found", seconds. The
 #: requirement gives no duration; relay uses 10 minutes.
 MODEL_NOT_FOUND_COOLDOWN_SECONDS = 600
@@ -698,19 +695,6 @@ def _mark429(f: ErrorFacts, a: Account, now: float, c: "DefaultClassifier") -> t
     return ()  # filled in by classifyStatus, which has the headers
 
 
-def _mark529(f: ErrorFacts, a: Account, now: float, c: "DefaultClassifier") -> tuple:
-    """
-    R11 529 row: overloaded for 10 minutes.
-    """
-    return (
-        Marking(
-            MARK_OVERLOADED,
-            seconds=OVERLOAD_COOLDOWN_SECONDS,
-            reason="529: " + (f.message or "overloaded"),
-        ),
-    )
-
-
 def _mark400(f: ErrorFacts, a: Account, now: float, c: "DefaultClassifier") -> tuple:
     """
     R11 400 rows: disabled-organization or identity-verification messages
@@ -722,14 +706,15 @@ def _mark400(f: ErrorFacts, a: Account, now: float, c: "DefaultClassifier") -> t
 
 
 #: R11 status-specific rules: status -> marking builder. 5xx logs only
-#: (plus the streak below); statuses not listed mark nothing.
+#: (plus the streak below); statuses not listed mark nothing. A 529 is a
+#: capacity shed and marks nothing anywhere: behaviour.md R86.2 (section I)
+#: wins over R11's "529: overloaded for 10 minutes" row.
 R11_STATUS_RULES: dict = {
     400: _mark400,
     401: _mark401,
     402: _mark402,
     403: _mark403,
     429: _mark429,
-    529: _mark529,
 }
 
 

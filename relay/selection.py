@@ -131,7 +131,7 @@ def noAccountError(model: Optional[str], blocked: list, now: float, ws: bool) ->
         )
     else:
         counts = ", ".join(f"{classes.count(c)} {c}" for c in distinct)
-        subject = f"no account {what} is available ({counts})"
+        subject = f"none of the {n} accounts {what} is available ({counts})"
     message = subject + (f"; the earliest is available in {wait} s" if wait is not None else "")
     message = message[0].upper() + message[1:]
     rateLimited = bool(classes) and all(c == CLASS_RATE_LIMITED for c in classes)

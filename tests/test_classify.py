@@ -1026,7 +1026,8 @@ R11_ROWS = [
     ),
     ("429 apikey rate limited", APIKEY, 429, b"", {}, [(F.MARK_RATE_LIMITED, None, NOW + 5)]),
     ("429 oauth none (R13)", OAUTH, 429, b"", {}, []),
-    ("529 overloaded 10 min", APIKEY, 529, b"", {}, [(F.MARK_OVERLOADED, 600, None)]),
+    # R86.2 (section I) wins over R11's 529 row: a capacity shed marks nothing.
+    ("529 marks nothing (R86.2)", APIKEY, 529, b"", {}, []),
     ("500 apikey streak", APIKEY, 500, b"", {}, [(F.MARK_TRANSIENT_STREAK, None, None)]),
     ("522 apikey streak", APIKEY, 522, b"", {}, [(F.MARK_TRANSIENT_STREAK, None, None)]),
     ("507 apikey logs only", APIKEY, 507, b"", {}, []),

@@ -192,7 +192,8 @@ class FaultTests(SynchronousTestCase):
         Malformed faults raise L{ValueError}.
         """
         for spec in ({"kind": "nope"}, {"kind": "status"}, {"kind": "status", "code": 99},
-                     {"kind": "cut_after_events"}, {"kind": "reset_before_headers", "times": 0},
+                     {"kind": "cut_after_events"}, {"kind": "end_after_events", "events": "2"},
+                     {"kind": "reset_before_headers", "times": 0},
                      {"kind": "reset_before_headers", "transport": "udp"},
                      {"kind": "status", "preset": "nope"}):
             self.assertRaises(ValueError, parseFault, spec)
@@ -583,6 +584,29 @@ class ResourceTests(SynchronousTestCase):
         self.treq.flush()
         self.assertEqual(self.successResultOf(d).code, 200)
         self.assertEqual(self.emulator.inflight("a1"), 0)
+
+    def test_nonStreamTakesGenerationTime(self) -> None:
+        """
+        With a per-event C{delay} in the script, a non-stream answer comes after the time
+        the stream would have taken (here 10 events after the first, 0.5 s apart), and a
+        non-stream C{stream_error} is an HTTP 500 with the code in the error envelope.
+        """
+        self.emulator.setScript("a1", {"delay": 0.5})
+        d = self.treq.post("http://emulator/v1/responses", b'{"input":"hi"}',
+                           headers={"Authorization": "Bearer sk-a1"})
+        self.treq.flush()
+        self.clock.advance(4.9)
+        self.treq.flush()
+        self.assertNoResult(d)
+        self.assertEqual(self.emulator.inflight("a1"), 1)
+        self.clock.advance(0.1)
+        self.treq.flush()
+        self.assertEqual(self.successResultOf(d).code, 200)
+        self.emulator.setFault("a1", {"kind": "stream_error", "code": "server_error"})
+        response = self._post("/v1/responses", {"input": "hi"})
+        self.assertEqual(response.code, 500)
+        error = json.loads(self._content(response))["error"]
+        self.assertEqual((error["type"], error["code"]), ("server_error", "server_error"))
 
     def test_hangBeforeHeaders(self) -> None:
         """

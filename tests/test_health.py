@@ -190,7 +190,7 @@ class FailingStoreTests(HealthTestCase):
         """
         A failed write of any other mark also leaves an in-memory block.
         """
-        self.apply(APIKEY, self.status(APIKEY, 529))
+        self.apply(APIKEY, self.status(APIKEY, 403))
         self.assertEqual(self.blocked(APIKEY)[1], T0 + 600)
 
 
@@ -201,15 +201,16 @@ class MarkingTests(HealthTestCase):
 
     def test_cooldownSetEvent(self):
         """
-        R11: a 529 marks overloaded for 10 min and logs
+        R11: a JSON 403 cools the account for 10 min and logs
         C{relay.account_cooldown_set}.
         """
         with capturedLogs() as events:
-            self.apply(APIKEY, self.status(APIKEY, 529))
-        self.assertEqual(self.runtime(APIKEY).overloadedUntil, T0 + 600)
+            self.apply(APIKEY, self.status(APIKEY, 403))
+        self.assertEqual(self.runtime(APIKEY).blockedUntil, T0 + 600)
         ev = [e for e in events if e.get("event") == "relay.account_cooldown_set"]
         self.assertEqual(
-            [(e["account_id"], e["kind"], e["until"]) for e in ev], [("k1", "overloaded", T0 + 600)]
+            [(e["account_id"], e["kind"], e["until"]) for e in ev],
+            [("k1", "temp_unschedulable", T0 + 600)],
         )
 
     def test_rateLimited(self):

@@ -503,7 +503,6 @@ class OperatorTruthTests(SynchronousTestCase):
             ("rate_limited (R12)", APIKEY,
              httpStatus(429, err("slow", "rate_limit_error", "rate_limit_exceeded"),
                         {"retry-after": "30"}), 1),
-            ("overloaded (529)", APIKEY, httpStatus(529, err("overloaded site")), 1),
             ("disabled (401)", APIKEY, httpStatus(401, err("bad key", "invalid_request_error")),
              1),
             ("count_403 (R11)", APIKEY, httpStatus(403, err("forbidden", "permission_error")), 1),

@@ -668,7 +668,7 @@ class ModelAndErrorTests(SchedulerMixin, SynchronousTestCase):
         self.assertEqual(error.headers, (("Retry-After", "45"),))
         self.assertEqual(
             error.message,
-            "No account for gpt-5 is available (2 cooling down, 1 rate-limited);"
+            "None of the 3 accounts for gpt-5 is available (2 cooling down, 1 rate-limited);"
             " the earliest is available in 45 s",
         )
         lines = [e for e in logs if e.get("event") == "openai.account_select_no_available"]

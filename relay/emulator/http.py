@@ -137,6 +137,37 @@ def dropConnection(request: Any) -> None:
         transport.loseConnection()
 
 
+def breakAfter(fault: Fault | None) -> tuple[int | None, bool]:
+    """
+    Where a C{cut_after_events} or C{end_after_events} fault breaks a stream off.
+
+    @param fault: the turn's fault, if any.
+    @type fault: L{Fault} or L{None}
+    @return: C{(events, clean)}: how many events are sent first (L{None}: no break) and
+        whether the break is a clean end (C{end_after_events}) rather than a lost
+        connection (C{cut_after_events}).
+    @rtype: L{tuple}
+    """
+    if fault is None or fault.kind not in ("cut_after_events", "end_after_events"):
+        return None, False
+    return fault.get("events"), fault.kind == "end_after_events"
+
+
+def streamErrorBody(fault: Fault) -> dict:
+    """
+    The error envelope of a C{stream_error} fault: the body of the HTTP 500 a non-stream
+    request gets, and the Chat Completions error chunk.
+
+    @param fault: the C{stream_error} fault.
+    @type fault: L{Fault}
+    @return: C{{"error": {"message", "type": "server_error", "code", "param"}}}.
+    @rtype: L{dict}
+    """
+    return {"error": {
+        "message": fault.get("message", "The emulator injected a stream error."),
+        "type": "server_error", "code": fault.get("code", "server_error"), "param": None}}
+
+
 class EmulatorResource(Resource):
     """
     The single leaf resource of the emulator site.
@@ -441,6 +472,8 @@ class EmulatorResource(Resource):
         if body.get("generate") is not False:
             reply = chooseReply(script, normaliseInput(body.get("input")),
                                 self._state.nameOf(credential), body.get("model") or "")
+        if not stream and fault is not None and fault.kind == "stream_error":
+            return self._json(request, 500, streamErrorBody(fault))
         shaping = fault if fault is not None and fault.kind in (
             "stream_error", "empty_completed") else None
         emptyOutput = (script.completedOutput or ("empty" if route == "oauth" else "full")) \
@@ -452,15 +485,19 @@ class EmulatorResource(Resource):
         tracker = TurnTracker(self._state, credential)
         firstDelay = float(fault.get("seconds", 0)) if fault is not None and \
             fault.kind == "delay_first_output" else 0.0
-        cutAfter = fault.get("events") if fault is not None and \
-            fault.kind == "cut_after_events" else None
+        cutAfter, cleanEnd = breakAfter(fault)
         if not stream:
-            return self._nonStream(request, tracker, turn.final, firstDelay, cutAfter)
+            # A non-stream answer takes as long as the stream would have.
+            generation = script.delay * max(0, len(turn.events) - 1)
+            return self._nonStream(request, tracker, turn.final, firstDelay + generation,
+                                   cutAfter, cleanEnd)
         request.setResponseCode(200)
         request.setHeader(b"content-type", b"text/event-stream")
         request.setHeader(b"cache-control", b"no-cache")
         request.setHeader(b"x-request-id", ("req_" + secrets.token_hex(12)).encode())
         request.write(b"")
+
+        finish = self._finisher(request, tracker)
 
         def cut() -> None:
             tracker.end()
@@ -469,7 +506,7 @@ class EmulatorResource(Resource):
         pump = EventPump(
             clock=self.emulator.clock, events=turn.events,
             send=lambda event: request.write(sseFrame(event)),
-            finish=self._finisher(request, tracker), cut=cut, beforeTerminal=tracker.end,
+            finish=finish, cut=finish if cleanEnd else cut, beforeTerminal=tracker.end,
             delay=script.delay, firstOutput=turn.firstOutput, firstDelay=firstDelay,
             cutAfter=cutAfter, **stallOf(fault),
         )
@@ -478,9 +515,9 @@ class EmulatorResource(Resource):
         return NOT_DONE_YET
 
     def _nonStream(self, request: Any, tracker: TurnTracker, final: dict, firstDelay: float,
-                   cutAfter: int | None) -> Any:
+                   cutAfter: int | None, cleanEnd: bool = False) -> Any:
         """
-        Answer a non-stream Responses request with the final response object.
+        Answer a non-stream request with the final response (or completion) object.
 
         @param request: the request.
         @param tracker: the turn's tracker.
@@ -489,14 +526,31 @@ class EmulatorResource(Resource):
         @type final: L{dict}
         @param firstDelay: seconds to wait before answering.
         @type firstDelay: L{float}
-        @param cutAfter: when not L{None}, drop the connection instead of answering.
+        @param cutAfter: when not L{None}, send the status line, the headers and the first
+            half of the body, then break off (the event count does not matter: the body is
+            one piece).
+        @type cutAfter: L{int} or L{None}
+        @param cleanEnd: with C{cutAfter}, end the truncated body cleanly
+            (C{end_after_events}) instead of dropping the connection mid-body
+            (C{cut_after_events}).
+        @type cleanEnd: L{bool}
         @return: C{NOT_DONE_YET}.
         """
+        finish = self._finisher(request, tracker)
+
+        def truncated() -> None:
+            encoded = self._json(request, 200, final)
+            request.write(encoded[: max(1, len(encoded) // 2)])
+            if cleanEnd:
+                finish()
+            else:
+                tracker.end()
+                dropConnection(request)
+
         pump = EventPump(
             clock=self.emulator.clock, events=[final],
             send=lambda obj: request.write(self._json(request, 200, obj)),
-            finish=self._finisher(request, tracker),
-            cut=lambda: (tracker.end(), abortConnection(request)),
+            finish=finish, cut=truncated,
             beforeTerminal=tracker.end, firstOutput=0, firstDelay=firstDelay,
             cutAfter=0 if cutAfter is not None else None,
         )
@@ -537,25 +591,22 @@ class EmulatorResource(Resource):
         kind = fault.kind if fault is not None else None
         tracker = TurnTracker(self._state, credential)
         firstDelay = float(fault.get("seconds", 0)) if kind == "delay_first_output" else 0.0
+        cutAfter, cleanEnd = breakAfter(fault)
         if not stream:
             if kind == "empty_completed":
                 completion["choices"][0]["message"]["content"] = ""
                 completion.pop("usage")
             if kind == "stream_error":
                 tracker.end()
-                return self._json(request, 500, {"error": {
-                    "message": fault.get("message", "The emulator injected a stream error."),
-                    "type": "server_error", "code": fault.get("code", "server_error"),
-                    "param": None}})
-            return self._nonStream(request, tracker, completion, firstDelay,
-                                   fault.get("events") if kind == "cut_after_events" else None)
+                return self._json(request, 500, streamErrorBody(fault))
+            generation = script.delay * max(0, len(chunks) - 1)
+            return self._nonStream(request, tracker, completion, firstDelay + generation,
+                                   cutAfter, cleanEnd)
         frames = [b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n"
                   for c in chunks]
         if kind == "stream_error":
-            frames = frames[:1] + [b"data: " + json.dumps({"error": {
-                "message": fault.get("message", "The emulator injected a stream error."),
-                "type": "server_error", "code": fault.get("code", "server_error"),
-                "param": None}}).encode() + b"\n\n"]
+            frames = frames[:1] + [
+                b"data: " + json.dumps(streamErrorBody(fault)).encode() + b"\n\n"]
         elif kind == "empty_completed":
             frames = frames[:1] + frames[-1:] if not includeUsage else frames[:1] + frames[-2:-1]
             frames.append(b"data: [DONE]\n\n")
@@ -566,15 +617,16 @@ class EmulatorResource(Resource):
         request.setHeader(b"cache-control", b"no-cache")
         request.write(b"")
 
+        finish = self._finisher(request, tracker)
+
         def cut() -> None:
             tracker.end()
             dropConnection(request)
 
         pump = EventPump(
             clock=self.emulator.clock, events=frames, send=request.write,
-            finish=self._finisher(request, tracker), cut=cut, beforeTerminal=tracker.end,
-            delay=script.delay, firstOutput=1, firstDelay=firstDelay,
-            cutAfter=fault.get("events") if kind == "cut_after_events" else None,
+            finish=finish, cut=finish if cleanEnd else cut, beforeTerminal=tracker.end,
+            delay=script.delay, firstOutput=1, firstDelay=firstDelay, cutAfter=cutAfter,
             **stallOf(fault),
         )
         self._watch(request, tracker, pump)

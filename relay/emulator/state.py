@@ -21,7 +21,9 @@ Script format (a JSON object; every key optional)::
      "ending": "completed",                   # or "max_output_tokens" / "content_filter":
                                               # half the text, then response.incomplete
                                               # (chat: finish_reason length / content_filter)
-     "delay": 0.0,                            # seconds between streamed events
+     "delay": 0.0,                            # seconds between streamed events (a
+                                              # non-stream answer takes as long as the
+                                              # stream would have)
      "deltas": 3,                             # how many deltas the text is split into
      "usage": {"input_tokens": 120,           # pin the reported usage (each key optional;
                "cached_tokens": 100,          # default: estimated from the sizes, no cache,
@@ -47,11 +49,25 @@ Fault format (a JSON object, or a list of them; the first applicable one is used
 Kinds: C{reset_before_headers}, C{hang_before_headers}, C{hang_after_headers}, C{status},
 C{delay_first_output} (C{seconds}), C{stall_after_events} (C{events}, C{seconds}: send that
 many events, then nothing for that long, then the rest), C{cut_after_events} (C{events}),
-C{stream_error}
-(C{code}, C{message}), C{empty_completed}, C{ws_handshake_status} (C{code}, C{body},
-C{headers}), C{ws_handshake_reset} and C{ws_handshake_hang}.  The three C{ws_handshake_*}
-kinds apply to WebSocket upgrades only; every other kind applies to HTTP requests and WebSocket
-turns (filtered by C{transport}).
+C{end_after_events} (C{events}), C{stream_error} (C{code}, C{message}), C{empty_completed},
+C{ws_handshake_status} (C{code}, C{body}, C{headers}), C{ws_handshake_reset} and
+C{ws_handshake_hang}.  The three C{ws_handshake_*} kinds apply to WebSocket upgrades only;
+every other kind applies to HTTP requests and WebSocket turns (filtered by C{transport}).
+
+What the stream-shaping kinds look like on each wire:
+
+  - C{cut_after_events}: K events, then the connection is lost without a terminal event
+    (HTTP: the TCP connection is closed mid-body, so the chunked body never ends; WebSocket:
+    TCP closed without a close frame).  A non-stream request gets its status line, headers and
+    the first half of the JSON body, then the same cut (a read error mid-body).
+  - C{end_after_events}: K events, then a I{clean} end without a terminal event (HTTP: the
+    chunked body ends normally; WebSocket: a close frame with code 1000 mid-turn).  A
+    non-stream request gets 200 and the first half of the JSON body, ended cleanly.
+  - C{stream_error}: on a Responses stream or WebSocket turn, C{response.created} then
+    C{response.failed} with the code; on a Chat Completions stream, the role chunk, then an
+    error chunk C{{"error": {"type": "server_error", "code": ...}}}, then the body ends
+    (no C{[DONE]}); a non-stream request (either endpoint) gets HTTP 500 with the error
+    envelope carrying the code, as the real API answers a failed non-stream request.
 """
 
 from __future__ import annotations
@@ -81,6 +97,7 @@ TURN_KINDS = frozenset(
         "delay_first_output",
         "stall_after_events",
         "cut_after_events",
+        "end_after_events",
         "stream_error",
         "empty_completed",
     }
@@ -331,8 +348,9 @@ def parseFault(spec: dict, now: float = 0.0) -> Fault:
         or not isinstance(params.get("seconds"), (int, float))
     ):
         raise ValueError("stall_after_events needs events (an integer) and seconds")
-    if kind == "cut_after_events" and not isinstance(params.get("events"), int):
-        raise ValueError("cut_after_events needs events (an integer)")
+    if kind in ("cut_after_events", "end_after_events") and not isinstance(
+            params.get("events"), int):
+        raise ValueError(f"{kind} needs events (an integer)")
     return Fault(kind=kind, transport=transport, times=times, params=params)
 
 

@@ -17,7 +17,7 @@ from autobahn.twisted.websocket import WebSocketServerFactory, WebSocketServerPr
 from autobahn.websocket.compress import PerMessageDeflateOffer, PerMessageDeflateOfferAccept
 from twisted.logger import Logger
 
-from relay.emulator.http import bearer
+from relay.emulator.http import bearer, breakAfter
 from relay.emulator.state import (
     WS,
     Fault,
@@ -261,9 +261,16 @@ class EmulatorWebSocketProtocol(WebSocketServerProtocol):
         self._busy = True
         self._tracker = tracker
 
+        cutAfter, cleanEnd = breakAfter(fault)
+
         def cut() -> None:
+            # cut_after_events: TCP closed without a close frame (the relay sees 1006);
+            # end_after_events: a clean close 1000 in the middle of the turn.
             tracker.end()
-            self.dropConnection(abort=False)
+            if cleanEnd:
+                self.sendClose(code=1000)
+            else:
+                self.dropConnection(abort=False)
 
         self._pump = EventPump(
             clock=self._emulator.clock, events=turn.events, send=self._sendEvent,
@@ -271,8 +278,7 @@ class EmulatorWebSocketProtocol(WebSocketServerProtocol):
             firstOutput=turn.firstOutput,
             firstDelay=float(fault.get("seconds", 0))
             if fault is not None and fault.kind == "delay_first_output" else 0.0,
-            cutAfter=fault.get("events")
-            if fault is not None and fault.kind == "cut_after_events" else None,
+            cutAfter=cutAfter,
             **stallOf(fault),
         )
         self._pump.start()

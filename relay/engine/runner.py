@@ -1326,7 +1326,12 @@ class TurnRunner:
             parsed = json.loads(body)
         except ValueError:
             parsed = None
-        if turn.endpoint == "responses" and isinstance(parsed, dict) and isEmptyCompleted(parsed):
+        if not isinstance(parsed, dict):
+            # R86.4: a JSON body that ended cleanly but is not a whole JSON
+            # object is the non-stream form of "ended before a terminal
+            # event": a stream failure that fails over, never a 200.
+            return AttemptResult(end=ends.StreamEnded(), status=502)
+        if turn.endpoint == "responses" and isEmptyCompleted(parsed):
             return AttemptResult(end=ends.EmptyCompletion(parsed), status=502)
         if rewrite is not None:
             from relay.sse import Event

@@ -337,6 +337,60 @@ async def test_cutAfterEvents(emulator, http):
 
 
 @pytest_twisted.ensureDeferred
+async def test_endAfterEvents(emulator, http):
+    """
+    C{end_after_events} sends K events and then ends the body I{cleanly} (the chunked body
+    is complete) without a terminal event, on Responses and Chat Completions streams.
+    """
+    emulator.setFault("a1", {"kind": "end_after_events", "events": 2})
+    response = await http.post(emulator.baseURL() + "/responses", json.dumps(
+        {"input": "hi", "stream": True}).encode(), headers=_auth("sk-emu-a1"))
+    assert response.code == 200
+    events = _sse(await response.text())
+    assert [e for e, _ in events] == ["response.created", "response.in_progress"]
+    response = await http.post(emulator.baseURL() + "/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}], "stream": True}).encode(),
+        headers=_auth("sk-emu-a1"))
+    body = await response.text()
+    chunks = [line for line in body.split("\n") if line.startswith("data: ")]
+    assert len(chunks) == 2 and "[DONE]" not in body
+    assert emulator.inflight("a1") == 0
+
+
+@pytest.mark.parametrize("path", ["/responses", "/chat/completions"])
+@pytest_twisted.ensureDeferred
+async def test_nonStreamBreaks(emulator, http, path):
+    """
+    On a non-stream request C{cut_after_events} sends 200, the headers and half the JSON
+    body, then drops the connection (a read error mid-body); C{end_after_events} ends the
+    same half body cleanly; C{stream_error} is an HTTP 500 with the code in the envelope.
+    """
+    body = {"input": "hi", "messages": [{"role": "user", "content": "hi"}]}
+    emulator.setFault("a1", [
+        {"kind": "cut_after_events", "events": 3, "times": 1},
+        {"kind": "end_after_events", "events": 3, "times": 1},
+        {"kind": "stream_error", "code": "server_is_overloaded", "times": 1}])
+    response = await http.post(emulator.baseURL() + path, json.dumps(body).encode(),
+                               headers=_auth("sk-emu-a1"))
+    assert response.code == 200
+    with pytest.raises(Exception):
+        await response.content()
+    response = await http.post(emulator.baseURL() + path, json.dumps(body).encode(),
+                               headers=_auth("sk-emu-a1"))
+    assert response.code == 200
+    text = await response.text()
+    assert text.startswith("{")
+    with pytest.raises(ValueError):
+        json.loads(text)
+    response = await http.post(emulator.baseURL() + path, json.dumps(body).encode(),
+                               headers=_auth("sk-emu-a1"))
+    assert response.code == 500
+    error = json.loads(await response.text())["error"]
+    assert (error["type"], error["code"]) == ("server_error", "server_is_overloaded")
+    assert emulator.inflight("a1") == 0
+
+
+@pytest_twisted.ensureDeferred
 async def test_webSocketChain(emulator):
     """
     Over the WebSocket: a prewarm gets an empty completed response; a turn chained to it gets
@@ -395,6 +449,24 @@ async def test_webSocketFaults(emulator):
         events = await client.turn()
         assert events[-1] is None and len(events) == 3
         assert client.closeCode == 1006
+    finally:
+        await client.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_webSocketCleanCloseMidTurn(emulator):
+    """
+    C{end_after_events} on a WebSocket turn sends K events and then closes the connection
+    cleanly with code 1000, in the middle of the turn.
+    """
+    emulator.setFault("a1", {"kind": "end_after_events", "events": 2, "times": 1})
+    client = await _connect(emulator, "sk-emu-a1")
+    try:
+        await client.send({"type": "response.create", "model": "gpt-5.5", "input": "hi"})
+        events = await client.turn()
+        assert [e["type"] for e in events[:-1]] == ["response.created", "response.in_progress"]
+        assert events[-1] is None
+        assert client.closeCode == 1000
     finally:
         await client.close()
 

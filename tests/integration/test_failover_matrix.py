@@ -223,7 +223,7 @@ STATUS_ROWS = [
     ("520", "apikey", {"kind": "status", "code": 520, "body": "origin error"}, True,
      (502, "Upstream request failed", None), "none"),
     ("529", "apikey", {"kind": "status", "code": 529, "body": JSON_ERR("Site overloaded", "server_error")},
-     True, (503, "Upstream service overloaded, please retry later", None), "overloaded600"),
+     True, (503, "Upstream service overloaded, please retry later", None), "none"),  # R86.2
     ("access-state", "apikey", {"kind": "status", "code": 403,
                                 "body": {"detail": {"code": "deactivated_workspace"}}}, True,
      (502, "Upstream access is temporarily unavailable, please retry later", None), "disabled"),
