@@ -356,7 +356,8 @@ class Turn:
     @ivar historyComplete: whether relay may move the turn to another
         account (R62, R80).
     @ivar wsMode: the WebSocket mode for C{ws} turns.
-    @ivar requestId: relay's id for this turn, for logs.
+    @ivar requestId: the turn's id (L{relay.requestid}): on every log line
+        of the turn, in C{X-Request-Id}, and sent upstream.
     @ivar cancel: the client's L{CancelSignal}.
     @ivar phase: C{first_turn}, C{later_turn} (WebSocket), or C{request}.
     @ivar preferredAccountId: an account to try first (WebSocket later
@@ -367,6 +368,9 @@ class Turn:
         seconds), set by the engine.
     @ivar wsContext: for C{ws} turns, the client connection's state (its
         history and dedicated upstream), read by the WebSocket attempt.
+    @ivar upstreamRequestId: the current attempt's upstream C{x-request-id}
+        (L{None} before its headers or when it sent none), set by the
+        engine and logged as C{upstream_request_id} (issue 15).
     """
 
     entrypoint: str
@@ -387,6 +391,7 @@ class Turn:
     onResponseId: Optional[Callable[[str, Account], Any]] = None
     firstOutputAt: Optional[float] = None
     wsContext: Any = None
+    upstreamRequestId: Optional[str] = None
 
 
 # ---------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from relay.engine.payload import (
     withoutEncryptedReasoning,
 )
 from relay.model import AdmissionError, ClientError, Turn, WaitPlan
+from relay.requestid import bindRequestId, withRequestId
 from relay.selection import NoAccountAvailable
 from relay.sse import LineTooLong, SSEParser
 
@@ -466,10 +467,13 @@ class StreamPump(Protocol):
             kind = "read_error"
             message = "OpenAI stream disconnected before completion: " + _shortReason(reason)
         if self._outputReachedClient():
-            self._runner._streamBrokeAfterOutput(self._account, kind)
+            # Issue 15: outside the turn's coroutine; keep its request id.
+            withRequestId(
+                self._turn.requestId, self._runner._streamBrokeAfterOutput, self._account, kind
+            )
             self._failPreOrPost(None, message)
         else:
-            self._runner._proxyStreamCut(self._account, kind)
+            withRequestId(self._turn.requestId, self._runner._proxyStreamCut, self._account, kind)
             verdict = classifier.classifyStreamFailure(
                 self._account, self._turn.endpoint, kind, None, message
             )
@@ -493,15 +497,22 @@ _TERMINAL_MARK = re.compile(
 """Anything that may be a terminal event (protocol.md 2.5); a false hit
 only sends the chunk down the event-by-event path."""
 
-_PASSED_RESPONSE_HEADERS = ("x-codex-turn-state", "x-request-id", "openai-model")
+_PASSED_RESPONSE_HEADERS = (
+    ("x-codex-turn-state", "x-codex-turn-state"),
+    ("x-request-id", "x-upstream-request-id"),
+    ("openai-model", "openai-model"),
+)
+"""(upstream name, name the client sees). The upstream's C{x-request-id}
+reaches the client as C{X-Upstream-Request-Id}; C{X-Request-Id} is the
+turn's own id (issue 15, L{relay.requestid})."""
 
 
 def _passHeaders(headers: dict) -> dict:
     """
     Upstream response headers that reach the client on commit (R22: headers
-    are staged with the events).
+    are staged with the events), renamed by L{_PASSED_RESPONSE_HEADERS}.
     """
-    return {k: headers[k] for k in _PASSED_RESPONSE_HEADERS if k in headers}
+    return {ours: headers[theirs] for theirs, ours in _PASSED_RESPONSE_HEADERS if theirs in headers}
 
 
 def modelRewriter(requested: Optional[str], upstream: Optional[str]) -> Optional[Callable]:
@@ -562,9 +573,12 @@ class TurnRunner:
     metrics: object = None
     wsAttempt: object = None
     proxyHealth: object = None
+    history: object = None
+    """optional L{relay.interfaces.IAccountHistory} (the status page's charts)."""
     budget: RetryBudget = field(factory=RetryBudget)
     accountStats: dict = field(factory=dict)
-    """account id -> {"turns", "failovers", "last_error"} for the admin view."""
+    """account id -> {"turns", "failovers", "last_error", "last_error_at",
+    "last_success_at"} for the admin view (times in clock seconds)."""
     _log = Logger()
 
     # -- public --------------------------------------------------------------
@@ -582,6 +596,9 @@ class TurnRunner:
     # -- the loop --------------------------------------------------------------
 
     async def _run(self, turn: Turn, sink) -> str:
+        # Issue 15: every log line written while this coroutine runs (health,
+        # scheduler, admission) carries the turn's id (relay.requestid).
+        bindRequestId(turn.requestId)
         start = self.clock.seconds()
         state = TurnState(startedAt=start)
         userLease = None
@@ -660,7 +677,7 @@ class TurnRunner:
                 account = selection.account
                 lease = selection.lease
                 if state.pendingFailover is not None:
-                    state.pendingFailover["next_account_id"] = account.id
+                    self.metrics.failoverTo(state.pendingFailover, account.id)
                     state.pendingFailover = None
                 if lease is None:
                     try:
@@ -673,6 +690,8 @@ class TurnRunner:
                 await self.scheduler.bind(turn, account)
             state.attempts += 1
             state.lastAccountId = account.id
+            if self.history is not None:
+                self.history.attempt(account.id)
             if not state.dispatched:
                 # Relay-added latency: start to first dispatch, less waits.
                 state.dispatched = True
@@ -868,12 +887,15 @@ class TurnRunner:
             proxy_host=account.proxy.host if account.proxy is not None else None,
             proxy_port=account.proxy.port if account.proxy is not None else None,
             request_id=turn.requestId,
+            upstream_request_id=turn.upstreamRequestId,
             entrypoint=turn.entrypoint,
         )
         if self.metrics is not None:
             state.pendingFailover = self.metrics.failover(
                 verdict.reason, account.id, None, turn.entrypoint, verdict.status
             )
+        if self.history is not None:
+            self.history.failover(account.id)
         # R71: no extra interval after a first-output timeout.
         return ("switch", 0 if verdict.kind == F.FIRST_OUTPUT_TIMEOUT else interval)
 
@@ -921,6 +943,7 @@ class TurnRunner:
                     self.metrics.cooldown(marking.kind)
 
     async def _succeeded(self, turn, account, result: AttemptResult) -> None:
+        self._stats(account.id)["last_success_at"] = self.clock.seconds()
         model = account.upstreamModel(turn.model) if turn.model else None
         await self.health.success(account, model)
         if result.responseId:
@@ -1062,6 +1085,7 @@ class TurnRunner:
         every path, before a terminal event is written.
         """
         released = []
+        turn.upstreamRequestId = None
         renew = getattr(lease, "startRenewing", None)
         if renew is not None:
             # R34: a long stream keeps its Redis slot lease alive.
@@ -1125,6 +1149,7 @@ class TurnRunner:
                     )
                 verdict = self.classifier.classifyTransport(account, e, turn.endpoint)
                 return AttemptResult(verdict=verdict, status=verdict.status)
+            turn.upstreamRequestId = response.headers.get("x-request-id")
             if self.metrics is not None:
                 self.metrics.upstreamStatus(response.code)
             if response.code >= 300:
@@ -1203,12 +1228,16 @@ class TurnRunner:
     def _stats(self, accountId: str) -> dict:
         stats = self.accountStats.get(accountId)
         if stats is None:
-            stats = self.accountStats[accountId] = {"turns": 0, "failovers": 0, "last_error": None}
+            stats = self.accountStats[accountId] = {
+                "turns": 0, "failovers": 0, "last_error": None,
+                "last_error_at": None, "last_success_at": None,
+            }
         return stats
 
     def _upstreamFailed(self, turn, account, verdict) -> None:
         stats = self._stats(account.id)
         stats["last_error"] = f"{verdict.reason} {verdict.status}: {verdict.message}"[:200]
+        stats["last_error_at"] = self.clock.seconds()
         if verdict.failover:
             stats["failovers"] += 1
         kind = {F.TRANSPORT: "request_error", F.FIRST_OUTPUT_TIMEOUT: "first_output_timeout"}.get(
@@ -1224,6 +1253,7 @@ class TurnRunner:
             message=verdict.message,
             proxy_id=_proxyId(account),
             request_id=turn.requestId,
+            upstream_request_id=turn.upstreamRequestId,
         )
 
     def _proxyStreamCut(self, account, kind) -> None:
@@ -1265,11 +1295,19 @@ class TurnRunner:
             switches=state.switches,
             duration_ms=int((now - start) * 1000),
             first_output_ms=None if first is None else int((first - start) * 1000),
+            upstream_request_id=turn.upstreamRequestId,
         )
         if accountId is not None:
             stats = self._stats(accountId)
             stats["turns"] += 1
+            if first is not None and self.history is not None:
+                self.history.firstOutput(accountId, first - start)
         if self.metrics is not None:
+            if state.pendingFailover is not None:
+                # A switch that found no next account (exhausted, or the
+                # client left during the retry interval).
+                self.metrics.failoverTo(state.pendingFailover, None)
+                state.pendingFailover = None
             self.metrics.turnFinished(turn.entrypoint, outcome)
             if first is not None:
                 self.metrics.firstOutput(first - start)

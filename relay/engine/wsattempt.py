@@ -36,6 +36,7 @@ from relay.engine.runner import (
 )
 from relay.engine.payload import upstreamClientHeaders
 from relay.model import ClientError
+from relay.requestid import withRequestId
 from relay.sse import eventFromJSON
 from relay.upstream.ws import (
     HandshakeRejected,
@@ -206,11 +207,17 @@ class WebSocketPump(StreamPump):
         self._cancelIdle()
         message = "OpenAI stream disconnected before completion: " + detail
         if self.committed:
-            self._runner._streamBrokeAfterOutput(self._account, "read_error")
+            # Issue 15: outside the turn's coroutine; keep its request id.
+            withRequestId(
+                self._turn.requestId, self._runner._streamBrokeAfterOutput, self._account,
+                "read_error",
+            )
             self._failPreOrPost(None, message)
         else:
             self.lostBeforeOutput = True
-            self._runner._proxyStreamCut(self._account, "read_error")
+            withRequestId(
+                self._turn.requestId, self._runner._proxyStreamCut, self._account, "read_error"
+            )
             verdict = self._runner.classifier.classifyStreamFailure(
                 self._account, self._turn.endpoint, "read_error", None, message
             )
@@ -397,11 +404,22 @@ class WebSocketAttempt:
             )
             return AttemptResult(verdict=busyVerdict(e.reason), status=503), False
         except HandshakeRejected as e:
+            turn.upstreamRequestId = (e.headers or {}).get("x-request-id")
+            if runner.metrics is not None:
+                runner.metrics.upstreamStatus(e.status)  # issue 15: like HTTP statuses
             verdict = self._handshakeVerdict(runner, turn, account, e)
             return AttemptResult(verdict=verdict, status=e.status), False
         except Exception as e:  # noqa: BLE001
             verdict = runner.classifier.classifyTransport(account, e, turn.endpoint)
             return AttemptResult(verdict=verdict, status=verdict.status), False
+        turn.upstreamRequestId = (getattr(conn.proto, "responseHeaders", None) or {}).get(
+            "x-request-id"
+        )
+        if not conn.handshakeCounted:
+            # A new upstream connection: its 101, counted once (issue 15).
+            conn.handshakeCounted = True
+            if runner.metrics is not None:
+                runner.metrics.upstreamStatus(101)
         if turn.cancel.cancelled:
             self._giveBack(conn, mode, broken=False)
             raise ClientGone(turn.cancel.reason)
