@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Optional
 
 from attrs import define, field
 from twisted.internet.interfaces import IReactorTime
@@ -29,7 +28,7 @@ from zope.interface import implementer
 
 from relay.interfaces import IAccountHistory
 
-__all__ = ["AccountHistory", "BUCKET_SECONDS", "MINUTES"]
+__all__ = ["BUCKET_SECONDS", "MINUTES", "AccountHistory"]
 
 MINUTES = 15
 """How many minutes the status page charts."""
@@ -80,7 +79,7 @@ class _Minute:
     failovers: int = 0
     latencies: dict = field(factory=dict)
 
-    def median(self) -> Optional[float]:
+    def median(self) -> float | None:
         """
         @return: the median first-output latency in ms (the lower median
             for an even count), or L{None} without samples.

@@ -43,8 +43,10 @@ import json
 import re
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
+from re import Pattern
 from string import Formatter
-from typing import IO, Any, Callable, Iterable, Optional, Pattern, Sequence
+from typing import IO, Any
 
 from twisted.logger import FileLogObserver, ILogObserver, formatEvent
 from zope.interface import implementer
@@ -88,7 +90,7 @@ _GLOBAL_FLAGS = re.compile(r"^\(\?[aiLmsux]+\)")
 _INLINE_FLAGS = (("i", re.IGNORECASE), ("m", re.MULTILINE), ("s", re.DOTALL), ("x", re.VERBOSE))
 
 
-def _anyOf(patterns: Iterable[Pattern]) -> Optional[Pattern]:
+def _anyOf(patterns: Iterable[Pattern]) -> Pattern | None:
     """
     One regex that matches wherever any of C{patterns} matches, used as a
     prefilter: when it finds nothing in a string, no C{sub} with any of the
@@ -197,7 +199,7 @@ class SecretRedactor:
         self,
         observer: ILogObserver,
         secrets: Any = (),
-        patterns: Optional[Sequence[tuple]] = None,
+        patterns: Sequence[tuple] | None = None,
     ) -> None:
         """
         @param observer: where redacted events go.
@@ -210,8 +212,8 @@ class SecretRedactor:
         self._secrets = secrets if isinstance(secrets, SecretSet) else SecretSet(secrets)
         self._patterns = SECRET_PATTERNS if patterns is None else tuple(patterns)
         self._version = -1
-        self._secretPattern: Optional[Pattern] = None
-        self._anyPattern: Optional[Pattern] = None
+        self._secretPattern: Pattern | None = None
+        self._anyPattern: Pattern | None = None
         self._clean: set = set()
 
     def addSecrets(self, secrets: Iterable[str]) -> None:
@@ -339,7 +341,7 @@ _SCALARS = frozenset({int, float, bool, type(None)})
 _lastSecond: list = [None, ""]
 
 
-def isoTime(when: Optional[float]) -> str:
+def isoTime(when: float | None) -> str:
     """
     A Unix time as ISO-8601 UTC with milliseconds, e.g.
     C{2026-05-02T10:11:12.345Z}. The part up to the second is remembered
@@ -351,15 +353,14 @@ def isoTime(when: Optional[float]) -> str:
         return "-"
     second = int(when // 1)
     millis = int((when - second) * 1000)
-    if millis > 999:
-        millis = 999
+    millis = min(millis, 999)
     if _lastSecond[0] != second:
         try:
             _lastSecond[1] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
         except (OverflowError, OSError, ValueError):
             return str(when)
         _lastSecond[0] = second
-    return "%s.%03dZ" % (_lastSecond[1], millis)
+    return f"{_lastSecond[1]}.{millis:03d}Z"
 
 
 _EPOCH_2001 = 978307200
@@ -383,7 +384,7 @@ def _timeFields(fmt: str) -> tuple:
         for _, name, spec, conversion in Formatter().parse(fmt):
             if not name or spec or conversion:
                 continue
-            if name in ("until", "at") or name.endswith("_until") or name.endswith("_at"):
+            if name in ("until", "at") or name.endswith(("_until", "_at")):
                 names.append(name)
     except ValueError:
         pass
@@ -423,7 +424,7 @@ def _message(event: dict) -> str:
         return formatEvent(event)
 
 
-def _failureText(event: dict) -> Optional[str]:
+def _failureText(event: dict) -> str | None:
     """
     @return: the traceback of the event's C{log_failure}, if any.
     """
@@ -454,7 +455,7 @@ def _eventName(event: dict) -> str:
     return name if isinstance(name, str) else str(name)
 
 
-def _requestId(event: dict) -> Optional[str]:
+def _requestId(event: dict) -> str | None:
     """
     @return: the event's C{request_id}, else the running turn's id
         (L{currentRequestId}), else L{None}.
@@ -492,7 +493,7 @@ def formatTextLine(event: dict, redact: Callable[[str], str] = _identity) -> str
     tag = _eventName(event) + "#" + _levelName(event)
     if requestId is not None:
         tag = tag + " req=" + requestId
-    return "%s [%s] %s\n" % (isoTime(event.get("log_time")), tag, text)
+    return f"{isoTime(event.get('log_time'))} [{tag}] {text}\n"
 
 
 JSON_FIXED_KEYS = ("time", "level", "event", "message", "request_id")
@@ -514,7 +515,7 @@ _outputKeys: dict = {}
 _OUTPUT_KEYS_SIZE = 4096
 
 
-def _outputKey(key: str) -> Optional[str]:
+def _outputKey(key: str) -> str | None:
     """
     The JSON name of an event key, or L{None} for keys not written
     (C{log_*}, C{__class_uuid__}, and C{event}/C{request_id}, which are
@@ -561,10 +562,8 @@ def formatJSONLine(event: dict, redact: Callable[[str], str] = _identity) -> str
     traceback = _failureText(event)
     if traceback is not None:
         failure = event["log_failure"]
-        record["failure"] = redact(
-            "%s: %s" % (getattr(getattr(failure, "type", None), "__name__", "?"),
-                        getattr(failure, "value", ""))
-        )
+        kind = getattr(getattr(failure, "type", None), "__name__", "?")
+        record["failure"] = redact(f"{kind}: {getattr(failure, 'value', '')}")
         record["traceback"] = redact(traceback)
 
     def default(value):

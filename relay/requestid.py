@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from contextvars import ContextVar, Token, copy_context
 from itertools import count
-from typing import Callable, Optional
 
 __all__ = [
     "CLIENT_REQUEST_ID_HEADER",
@@ -69,9 +69,9 @@ UPSTREAM_REQUEST_ID_HEADER = "x-upstream-request-id"
 MAX_LENGTH = 128
 """The longest client id relay adopts."""
 
-_WELL_FORMED = re.compile(r"[A-Za-z0-9._:\-]{1,%d}\Z" % MAX_LENGTH)
+_WELL_FORMED = re.compile(rf"[A-Za-z0-9._:\-]{{1,{MAX_LENGTH}}}\Z")
 
-currentRequestId: ContextVar[Optional[str]] = ContextVar("relay_request_id", default=None)
+currentRequestId: ContextVar[str | None] = ContextVar("relay_request_id", default=None)
 """The id of the turn whose coroutine is running, or L{None} outside one."""
 
 _ids = count(1)
@@ -81,7 +81,7 @@ _ATTRIBUTE = "relayRequestId"
 """Where L{requestIdOf} keeps a request's id."""
 
 
-def wellFormed(value) -> Optional[str]:
+def wellFormed(value) -> str | None:
     """
     @param value: a header value (C{str} or C{bytes}) or L{None}.
     @return: C{value} as text when it is 1 to L{MAX_LENGTH} characters of
@@ -99,7 +99,7 @@ def wellFormed(value) -> Optional[str]:
     return value if _WELL_FORMED.match(value) else None
 
 
-def adoptClientId(getHeader: Callable[[str], object]) -> Optional[str]:
+def adoptClientId(getHeader: Callable[[str], object]) -> str | None:
     """
     The client's own request id, if it sent a well-formed one.
 
@@ -143,7 +143,7 @@ def requestIdOf(request) -> str:
     return requestId
 
 
-def bindRequestId(requestId: Optional[str]) -> Token:
+def bindRequestId(requestId: str | None) -> Token:
     """
     Make C{requestId} the current turn's id in this context (call it at
     the start of the turn's coroutine; the copy of the context that Twisted
@@ -154,7 +154,7 @@ def bindRequestId(requestId: Optional[str]) -> Token:
     return currentRequestId.set(requestId or None)
 
 
-def withRequestId(requestId: Optional[str], f: Callable, *args, **kwargs):
+def withRequestId(requestId: str | None, f: Callable, *args, **kwargs):
     """
     Call C{f(*args, **kwargs)} with C{requestId} as the current turn's id,
     in a copy of the current context: for the turn's work done from a

@@ -292,7 +292,7 @@ class LineFormatTests(SynchronousTestCase):
         text format indents the traceback under its line.
         """
         try:
-            1 / 0
+            raise ZeroDivisionError("division by zero")
         except ZeroDivisionError:
             self.log.failure("while {doing}", doing="dividing", event="relay.test_bug")
         (record,) = self.records()

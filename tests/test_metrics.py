@@ -47,8 +47,8 @@ class RelayMetricsTests(SynchronousTestCase):
         text = self.scrape()
         for line in [
             'relay_turns_total{entrypoint="ws",outcome="ok"} 2.0',
-            'relay_failovers_total{from_account="a2",reason="transport_transient",'
-            'to_account="a1"} 1.0',
+            ('relay_failovers_total{from_account="a2",reason="transport_transient",'
+             'to_account="a1"} 1.0'),
             'relay_same_account_retries_total{reason="status_429"} 1.0',
             'relay_cooldowns_total{reason="temp_unschedulable"} 1.0',
             'relay_waits_total{entrypoint="http",outcome="queue_full"} 1.0',
@@ -86,7 +86,9 @@ class RelayMetricsTests(SynchronousTestCase):
         The OpenMetrics exposition (chosen by C{Accept}) has no C{_created}
         samples either.
         """
-        from prometheus_client.openmetrics.exposition import generate_latest as openMetrics
+        from prometheus_client.openmetrics.exposition import (
+            generate_latest as openMetrics,
+        )
 
         self.metrics.turnFinished("http", "completed")
         text = openMetrics(withoutCreated(self.metrics.registry)).decode("utf-8")

@@ -32,6 +32,7 @@ import os
 import re
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 import pytest_twisted
@@ -65,7 +66,7 @@ def firstShellBlock(readme: str) -> str:
 
     @raise AssertionError: when there is none.
     """
-    found = re.search(r"^```sh\n(.*?)^```", readme, re.S | re.M)
+    found = re.search(r"^```sh\n(.*?)^```", readme, re.DOTALL | re.MULTILINE)
     assert found is not None, "README.md has no ```sh block"
     return found.group(1)
 
@@ -104,8 +105,7 @@ async def test_readme_first_command_on_a_stock_box():
             reactor=reactor,
         )
         assert code == 0, err.decode()
-        with open(os.path.join(clone, "README.md"), encoding="utf-8") as f:
-            readme = f.read()
+        readme = Path(clone, "README.md").read_text(encoding="utf-8")
         assert "python3-venv" in readme.split("```sh", 1)[0]
         block = firstShellBlock(readme)
         assert "python3 -m venv" in block and "scripts/demo.sh" in block, block

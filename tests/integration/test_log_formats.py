@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest_twisted
 import treq
@@ -200,8 +201,7 @@ async def test_twistd_relay_and_emulator_side_by_side():
         env=environment(), path=directory,
     )
     path = os.path.join(directory, "relay.yaml")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(failoverConfig(emulatorPort))
+    Path(path).write_text(failoverConfig(emulatorPort), encoding="utf-8")
     relayPort = closedPort()
     relay = Collector()
     relayProcess = reactor.spawnProcess(
@@ -222,7 +222,7 @@ async def test_twistd_relay_and_emulator_side_by_side():
                     await response.content()
                     if response.code == 200:
                         break
-                except Exception:  # noqa: BLE001 - not listening yet
+                except Exception:  # noqa: BLE001, S110 - not listening yet
                     pass
             await deferLater(reactor, 0.1, lambda: None)
         assert not relay.ended.called, relay.text
