@@ -370,44 +370,58 @@ _timeFieldCache: dict = {}
 _TIME_FIELD_CACHE_SIZE = 4096
 
 
-def _timeFields(fmt: str) -> tuple:
+def _formatInfo(fmt: str) -> tuple:
     """
-    The placeholders of C{fmt} that name a time (C{until}, C{at},
-    C{*_until}, C{*_at}) and carry no format spec or conversion; cached
-    per format string.
+    What L{_message} needs to know about a format string, cached per
+    string: C{(time fields, field names)}. Time fields are the
+    placeholders naming a time (C{until}, C{at}, C{*_until}, C{*_at})
+    without a format spec or conversion; field names are the names of
+    every placeholder (up to any C{.} or C{[}).
     """
     found = _timeFieldCache.get(fmt)
     if found is not None:
         return found
-    names = []
+    times, names = [], []
     try:
         for _, name, spec, conversion in Formatter().parse(fmt):
-            if not name or spec or conversion:
+            if not name:
+                continue
+            names.append(re.split(r"[.\[]", name, maxsplit=1)[0])
+            if spec or conversion:
                 continue
             if name in ("until", "at") or name.endswith(("_until", "_at")):
-                names.append(name)
+                times.append(name)
     except ValueError:
         pass
-    found = tuple(names)
+    found = (tuple(times), tuple(dict.fromkeys(names)))
     if len(_timeFieldCache) >= _TIME_FIELD_CACHE_SIZE:
         _timeFieldCache.clear()
     _timeFieldCache[fmt] = found
     return found
 
 
-def _message(event: dict) -> str:
+_PLAIN = frozenset({str, int, float, bool, type(None)})
+"""Field types whose text the field redaction has already seen."""
+
+
+def _message(event: dict, redact: Callable[[str], str]) -> str:
     """
     The event's text with Unix times rendered ISO-8601 (see the module
     docstring).
 
     C{str.format_map} renders it (C-speed; the same PEP 3101 syntax); an
     event it cannot render -- a missing field, or Twisted's C{{method()}}
-    call syntax -- goes through L{formatEvent}, which handles both.
+    call syntax -- goes through L{formatEvent}, which handles both. The
+    fields and the format were redacted already (L{SecretRedactor}); the
+    text is redacted again only when it rendered an object (whose C{str}
+    the field redaction could not see).
+
+    @param redact: the text redaction.
     """
     fmt = event.get("log_format")
     if not isinstance(fmt, str):
-        return formatEvent(event)
-    fields = _timeFields(fmt)
+        return redact(formatEvent(event))
+    fields, names = _formatInfo(fmt)
     if fields:
         event = dict(event)
         for name in fields:
@@ -419,9 +433,13 @@ def _message(event: dict) -> str:
             ):
                 event[name] = isoTime(value)
     try:
-        return fmt.format_map(event)
+        text = fmt.format_map(event)
     except Exception:  # noqa: BLE001 - formatEvent reports what went wrong
-        return formatEvent(event)
+        return redact(formatEvent(event))
+    for name in names:
+        if type(event.get(name)) not in _PLAIN:
+            return redact(text)
+    return text
 
 
 def _failureText(event: dict) -> str | None:
@@ -484,7 +502,7 @@ def formatTextLine(event: dict, redact: Callable[[str], str] = _identity) -> str
     @rtype: L{str}
     """
     requestId = _requestId(event)
-    text = redact(_message(event))
+    text = _message(event, redact)
     traceback = _failureText(event)
     if traceback:
         text = text + "\n" + traceback
@@ -531,20 +549,52 @@ def _outputKey(key: str) -> str | None:
     return name
 
 
-def formatJSONLine(event: dict, redact: Callable[[str], str] = _identity) -> str:
+def _jsonDefault(value: Any, redact: Callable[[str], str]) -> Any:
+    """
+    Text for what JSON cannot hold: bytes decoded, sets as sorted lists,
+    anything else by its C{str}, redacted and capped.
+    """
+    if isinstance(value, (bytes, bytearray)):
+        return redact(bytes(value).decode("utf-8", "replace"))
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=str)
+    return redact(str(value)[:_MAX_OBJECT_TEXT])
+
+
+def _encoder(redact: Callable[[str], str]) -> json.JSONEncoder:
+    """
+    A compact JSON encoder whose fallback for other values is
+    L{_jsonDefault} with C{redact} (built once per observer: a
+    C{json.dumps} with options builds one per call).
+    """
+    return json.JSONEncoder(
+        separators=(",", ":"), default=lambda value: _jsonDefault(value, redact)
+    )
+
+
+_plainEncoder = _encoder(_identity)
+
+
+def formatJSONLine(
+    event: dict,
+    redact: Callable[[str], str] = _identity,
+    encoder: json.JSONEncoder | None = None,
+) -> str:
     """
     One flat JSON object and a newline (see the module docstring).
 
     @param event: a Twisted log event.
     @param redact: applied to the rendered message and to the text of
         values JSON cannot hold.
+    @param encoder: from L{_encoder} with the same C{redact}; L{None}
+        builds one.
     @rtype: L{str}
     """
     record = {
         "time": isoTime(event.get("log_time")),
         "level": _levelName(event),
         "event": _eventName(event),
-        "message": redact(_message(event)),
+        "message": _message(event, redact),
         "request_id": _requestId(event),
     }
     if "isError" in event and "system" in event:
@@ -565,20 +615,10 @@ def formatJSONLine(event: dict, redact: Callable[[str], str] = _identity) -> str
         kind = getattr(getattr(failure, "type", None), "__name__", "?")
         record["failure"] = redact(f"{kind}: {getattr(failure, 'value', '')}")
         record["traceback"] = redact(traceback)
-
-    def default(value):
-        """
-        Text for what JSON cannot hold: bytes decoded, sets as lists,
-        anything else by its C{str}, redacted and capped.
-        """
-        if isinstance(value, (bytes, bytearray)):
-            return redact(bytes(value).decode("utf-8", "replace"))
-        if isinstance(value, (set, frozenset)):
-            return sorted(value, key=str)
-        return redact(str(value)[:_MAX_OBJECT_TEXT])
-
+    if encoder is None:
+        encoder = _plainEncoder if redact is _identity else _encoder(redact)
     try:
-        return json.dumps(record, default=default, separators=(",", ":")) + "\n"
+        return encoder.encode(record) + "\n"
     except (TypeError, ValueError):
         # Circular or otherwise unencodable fields: keep the line.
         fixed = {k: record[k] for k in JSON_FIXED_KEYS}
@@ -597,19 +637,31 @@ def observerFor(format: str, stream: IO[str], secrets: Any = None) -> ILogObserv
     @raise ValueError: for an unknown format.
     @rtype: L{ILogObserver}
     """
-    if format == "json":
-        formatter = formatJSONLine
-    elif format == "text":
-        formatter = formatTextLine
-    else:
+    if format not in ("json", "text"):
         raise ValueError(f"unknown log format {format!r} (expected text or json)")
     holder: list = []
 
-    def formatLine(event: dict) -> str:
+    def redactText(text: str) -> str:
         """
-        Format one (already field-redacted) event.
+        The redactor's text redaction (the redactor is built below).
         """
-        return formatter(event, holder[0].redactText)
+        return holder[0].redactText(text)
+
+    if format == "json":
+        encoder = _encoder(redactText)
+
+        def formatLine(event: dict) -> str:
+            """
+            Format one (already field-redacted) event as JSON.
+            """
+            return formatJSONLine(event, redactText, encoder)
+    else:
+
+        def formatLine(event: dict) -> str:
+            """
+            Format one (already field-redacted) event as text.
+            """
+            return formatTextLine(event, redactText)
 
     redactor = SecretRedactor(
         FileLogObserver(stream, formatLine), _registered if secrets is None else secrets
