@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -120,7 +121,7 @@ async def test_every_json_line_is_one_flat_object(runner, tmp_path):
     UTC), C{level}, C{event}, C{message}, C{request_id}, holding none of
     Twisted's internals; the turn's lines carry the client's id (also the
     cooldown health wrote without knowing the turn, with its C{until} in
-    ISO-8601 in the message); C{relay-report} reads the file.
+    ISO-8601 in the message); C{relay-report} and C{jq} read the file.
     """
     output = await _runRelay(runner, "json")
     lines = [line for line in output.splitlines() if line.strip()]
@@ -157,6 +158,15 @@ async def test_every_json_line_is_one_flat_object(runner, tmp_path):
     report = json.loads(out)
     assert report["events"]["relay.turn_finished"] == 2
     assert report["events"]["openai.upstream_failover_switching"] == 2
+    jq = shutil.which("jq")
+    if jq is not None:  # CI installs it (.ci/run)
+        out, err, code = await getProcessOutputAndValue(
+            jq, ["-r", 'select(.request_id == "logfmt-1") | .event', str(log)],
+            env=environment(), reactor=reactor,
+        )
+        assert code == 0, err
+        events = out.decode().split()
+        assert events[-1] == "relay.turn_finished" and "relay.account_cooldown_set" in events
 
 
 @runners
