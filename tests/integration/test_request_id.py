@@ -55,6 +55,10 @@ class RelayLogs:
         self.names = []
 
     def __call__(self, event):
+        """
+        Write a relay event through both observers (other namespaces are
+        not the relay's lines).
+        """
         namespace = event.get("log_namespace") or ""
         if not namespace.startswith("relay.") or namespace.startswith("relay.emulator"):
             return
@@ -66,6 +70,10 @@ class RelayLogs:
             d.callback(None)
 
     def seen(self, name) -> Deferred:
+        """
+        @return: a Deferred firing once an event called C{name} was logged
+            (at most 5 s).
+        """
         if name in self.names:
             return Deferred.fromCoroutine(_done())
         d = Deferred()
@@ -73,20 +81,35 @@ class RelayLogs:
         return d.addTimeout(5, reactor)
 
     def __enter__(self):
+        """
+        Start capturing.
+        """
         globalLogPublisher.addObserver(self)
         return self
 
     def __exit__(self, *exc):
+        """
+        Stop capturing.
+        """
         globalLogPublisher.removeObserver(self)
 
     def textLines(self):
+        """
+        @return: the text lines written.
+        """
         return self.text.getvalue().splitlines()
 
     def jsonRecords(self):
+        """
+        @return: the JSON lines written, parsed.
+        """
         return [json.loads(line) for line in self.json.getvalue().splitlines()]
 
 
 async def _done():
+    """
+    Nothing to wait for.
+    """
     return None
 
 
@@ -272,20 +295,35 @@ class _Client(WebSocketClientProtocol):
         self.upgradeHeaders = {}
 
     def onConnect(self, response):
+        """
+        Keep the 101's headers.
+        """
         self.upgradeHeaders = {k.lower(): v for k, v in response.headers.items()}
 
     def onOpen(self):
+        """
+        The handshake completed.
+        """
         self.opened.callback(self)
 
     def onMessage(self, payload, isBinary):
+        """
+        Queue each event.
+        """
         self.events.put(json.loads(payload))
 
     def onClose(self, wasClean, code, reason):
+        """
+        Fail a pending handshake; queue a close marker.
+        """
         if not self.opened.called:
             self.opened.errback(Exception(f"handshake failed {code} {reason}"))
         self.events.put({"type": "__closed__", "code": code})
 
     async def turn(self, frame):
+        """
+        Send C{frame}; return the turn's terminal event (or the close).
+        """
         self.sendMessage(json.dumps(frame).encode(), False)
         while True:
             event = await self.events.get().addTimeout(5, reactor)
@@ -294,6 +332,9 @@ class _Client(WebSocketClientProtocol):
 
 
 async def _connect(stack, headers) -> _Client:
+    """
+    Open a client WebSocket to the relay with C{headers}.
+    """
     port = stack.port.getHost().port
     factory = WebSocketClientFactory(
         f"ws://127.0.0.1:{port}/v1/responses",
