@@ -9,6 +9,9 @@ in benchmarks"). Not a test: it prints figures.
                                          # the emulator alone for comparison
   python bench/bench_relay.py stream     # one long SSE stream through relay:
                                          # events/s end to end
+  python bench/bench_relay.py logs       # in-process: the log lines of one
+                                         # relayed request through the text
+                                         # and JSON observers, us per request
 
 Targets (DEVELOPERS.md): >= 5,000 relayed requests/s and >= 150k SSE
 events/s per process.
@@ -95,6 +98,84 @@ def benchPump(events: int = 200_000) -> None:
           f"({written[0] / elapsed / 2**20:,.1f} MiB/s written)")
 
 
+def _requestEvents():
+    """
+    The log lines one relayed non-streaming request writes, as
+    C{(namespace, format, fields)}: the access line, the scheduling
+    decision record and C{relay.turn_finished}, with the fields the real
+    call sites pass. Older trees (before issue 15) logged the access line
+    through twisted.web's Apache-style C{log_io} text; newer ones log
+    C{relay.http_access} (L{relay.app}).
+    """
+    import relay.app
+
+    rid = "req_0123456789abcdef"
+    if hasattr(relay.app, "_Site"):
+        access = ("relay.app._Site",
+                  '{client} "{method} {path}" {status} {bytes} in {duration_ms}ms',
+                  dict(event="relay.http_access", request_id=rid, client="127.0.0.1",
+                       method="POST", path="/v1/responses", status=200, bytes=898,
+                       duration_ms=2.5, user_agent="wrk"))
+    else:
+        access = ("twisted.python.log", "{log_io}",
+                  dict(log_io='"127.0.0.1" - - [30/Nov/2026:22:18:35 +0000] '
+                              '"POST /v1/responses HTTP/1.1" 200 898 "-" "-"'))
+    decision = ("relay.scheduler.AccountScheduler",
+                "account {selected_account_id} chosen by {layer} for {request_id}",
+                dict(event="openai.account_schedule_decision", request_id=rid,
+                     entrypoint="http", layer="load_balance", sticky_previous_hit=False,
+                     sticky_session_hit=False, selected_account_id="a1",
+                     selected_account_type="apikey", candidate_count=1, excluded_count=0,
+                     wait_plan=None, latency_ms=0.135, load_skew=0.0, top_k=1,
+                     sticky_busy_bypass=False, preferred_account_hit=False))
+    finished = ("relay.engine.runner.TurnRunner",
+                "turn {request_id} {outcome} with status {status} on {account_id}"
+                " after {attempts} attempt(s)",
+                dict(event="relay.turn_finished", request_id=rid, entrypoint="http",
+                     endpoint="responses", client="bench", model="gpt-5.5",
+                     outcome="completed", status=200, account_id="a1", attempts=1,
+                     switches=0, duration_ms=6, first_output_ms=5,
+                     upstream_request_id="req_e63c6c7ff7e5de539ec60762"))
+    return [access, decision, finished]
+
+
+def benchLogs(requests: int = 20_000) -> None:
+    """
+    The logging cost per relayed request: the lines one request writes
+    (L{_requestEvents}) emitted through a L{Logger} into the observer
+    C{--log-format text} and C{json} build (redaction included), writing
+    to an in-memory file. Prints microseconds per request and bytes per
+    request for each format.
+    """
+    import io
+
+    from twisted.logger import Logger
+
+    from relay.logs import observerFor
+
+    class Source:
+        """Stands in for the logging object (log_source)."""
+
+    shapes = _requestEvents()
+    for fmt in ("text", "json"):
+        out = io.StringIO()
+        observer = observerFor(fmt, out, secrets=["sk-relay-bench-secret"])
+        loggers = [Logger(namespace=ns, source=Source(), observer=observer) for ns, _, _ in shapes]
+        calls = [(log.info, f, kw) for log, (_, f, kw) in zip(loggers, shapes)]
+        for info, f, kw in calls * 200:  # warm up
+            info(f, **kw)
+        out.seek(0)
+        out.truncate()
+        start = time.perf_counter()
+        for _ in range(requests):
+            for info, f, kw in calls:
+                info(f, **kw)
+        elapsed = time.perf_counter() - start
+        size = len(out.getvalue().encode()) / requests
+        print(f"logs {fmt}: {elapsed / requests * 1e6:.1f} us per request "
+              f"({len(shapes)} lines, {size:.0f} bytes per request)")
+
+
 def _free() -> int:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -132,8 +213,9 @@ def _start(deltas: int):
         subprocess.Popen([sys.executable, "-m", "twisted", "relay-emulator", "--config",
                           os.path.join(tmp, "emu.yaml")], env=env, cwd=ROOT, stdout=log, stderr=log),
         subprocess.Popen([sys.executable, "-m", "twisted", "relay", "--config",
-                          os.path.join(tmp, "relay.yaml")], env=env, cwd=ROOT,
-                         stdout=subprocess.DEVNULL, stderr=log),
+                          os.path.join(tmp, "relay.yaml"), "--log-format",
+                          os.environ.get("RELAY_BENCH_LOG_FORMAT", "text")], env=env, cwd=ROOT,
+                         stdout=open(os.path.join(tmp, "relay.log"), "wb"), stderr=log),
     ]
     _wait(eport)
     _wait(rport)
@@ -152,6 +234,8 @@ def benchHTTP(seconds: int = 10, connections: int = 32) -> None:  # noqa: C901
     """
     wrk against relay (non-streaming POST /v1/responses) and against the
     emulator alone. Both processes share this 2-core machine with wrk.
+    The relay logs to a file in C{RELAY_BENCH_LOG_FORMAT} (text or json,
+    default text); its CPU time per relayed request is printed too.
     """
     if not shutil.which("wrk"):
         raise SystemExit("wrk is not installed (apt-get install wrk)")
@@ -165,13 +249,19 @@ def benchHTTP(seconds: int = 10, connections: int = 32) -> None:  # noqa: C901
                     'wrk.headers["Authorization"] = "Bearer sk-relay-bench"\n')
         for name, port, path in (("emulator alone", eport, "/v1/responses"),
                                  ("through relay", rport, "/v1/responses")):
+            cpu0 = _cpu(procs[1].pid)
             out = subprocess.run(
                 ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "-s", lua,
                  f"http://127.0.0.1:{port}{path}"], capture_output=True, text=True
             ).stdout
             rps = [line for line in out.splitlines() if "Requests/sec" in line]
             errors = [line for line in out.splitlines() if "Non-2xx" in line or "errors" in line]
-            print(f"http {name}: {rps[0].split()[-1] if rps else '?'} requests/s {errors}")
+            done = [line for line in out.splitlines() if "requests in" in line]
+            count = int(done[0].split()[0]) if done else 0
+            cpu = _cpu(procs[1].pid) - cpu0
+            extra = (f"; relay CPU {cpu / count * 1e6:.0f} us per request"
+                     if port == rport and count else "")
+            print(f"http {name}: {rps[0].split()[-1] if rps else '?'} requests/s {errors}{extra}")
     finally:
         _stop(procs, tmp)
 
@@ -221,4 +311,4 @@ def benchStream(deltas: int = 50_000) -> None:
 if __name__ == "__main__":
     which = sys.argv[1:] or ["pump"]
     for w in which:
-        {"pump": benchPump, "http": benchHTTP, "stream": benchStream}[w]()
+        {"pump": benchPump, "http": benchHTTP, "stream": benchStream, "logs": benchLogs}[w]()

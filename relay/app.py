@@ -29,6 +29,7 @@ from relay.health import AccountHealth
 from relay.interfaces import IFailureClassifier, ISlotAdmission, IUpstreamDialer
 from relay.model import RelayConfig
 from relay.proxyhealth import ProxyHealth
+from relay.requestid import requestIdOf
 from relay.scheduler import AccountScheduler
 from relay.settings import RuntimeSettings
 from relay.upstream.http import HTTPDialer
@@ -56,6 +57,56 @@ class _Request(LimitedBodyRequest):
     @_parsePOSTFormSubmission.setter
     def _parsePOSTFormSubmission(self, value: bool) -> None:
         self._parseForms = value
+
+    def process(self) -> None:
+        """
+        Give the request its id (and its C{X-Request-Id} response header)
+        before any resource sees it, so every answer carries it (issue 15),
+        and note when it started for the access line (L{_Site.log}).
+        """
+        clock = getattr(self.channel.site, "clock", None)
+        self.relayStartedAt = clock.seconds() if clock is not None else None
+        requestIdOf(self)
+        super().process()
+
+
+class _Site(Site):
+    """
+    The relay's L{Site}: its access line is a structured
+    C{relay.http_access} event with the request's id (issue 15), instead of
+    twisted.web's Apache-style text line.
+
+    @ivar clock: the L{IReactorTime} the request durations are measured on.
+    """
+
+    _log = Logger()
+    clock = None
+
+    def log(self, request) -> None:
+        """
+        Log one finished request: client address, method, path, status,
+        bytes sent, duration (ms) and user agent, with C{request_id}.
+
+        @param request: the finished L{Request}.
+        """
+        address = request.getClientAddress()
+        started = getattr(request, "relayStartedAt", None)
+        duration = None
+        if started is not None and self.clock is not None:
+            duration = round((self.clock.seconds() - started) * 1000, 1)
+        agent = request.getHeader(b"user-agent")
+        self._log.info(
+            '{client} "{method} {path}" {status} {bytes} in {duration_ms}ms',
+            event="relay.http_access",
+            request_id=getattr(request, "relayRequestId", None),
+            client=getattr(address, "host", "-"),
+            method=request.method.decode("latin-1"),
+            path=request.uri.decode("latin-1")[:512],
+            status=request.code,
+            bytes=request.sentLength,
+            duration_ms=duration,
+            user_agent=agent.decode("latin-1")[:200] if agent else None,
+        )
 
 
 @define(eq=False)
@@ -187,7 +238,8 @@ def buildApplication(
     wsResource = _webSocket(app, trustRoot)
     root = buildRoot(runner, keys, accounts, wsResource)
     _operatorSurface(app, root, accounts, proxyHealth)
-    site = Site(root, requestFactory=_Request)
+    site = _Site(root, requestFactory=_Request)
+    site.clock = reactor
     site.displayTracebacks = False
     site.maxRequestBodyBytes = config.gateway.max_request_body_bytes
     site.wsFactory = wsResource.factory
@@ -227,12 +279,15 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
     metrics into the engine and the settings store into the settings.
     """
     from relay.entry.admin import _GuardedMetrics, buildAdminResource
+    from relay.history import AccountHistory
     from relay.metrics import RelayMetrics
     from relay.operator import OperatorView, periodic, settingsStore
 
     reactor, config = app.reactor, app.config
     metrics = RelayMetrics(clock=reactor)
     app.runner.metrics = metrics
+    history = AccountHistory(clock=reactor)
+    app.runner.history = history
     view = OperatorView(
         accounts=accounts,
         store=app.store,
@@ -255,10 +310,11 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
         recentFailovers=metrics.recentFailovers,
         clock=reactor,
         usage=usage,
+        history=history.snapshot,
     )
     root.putChild(b"admin", admin)
     root.putChild(b"metrics", _GuardedMetrics(config.admin_key, metrics.registry))
-    app.extras.update(metrics=metrics, operator=view)
+    app.extras.update(metrics=metrics, operator=view, history=history)
     app.services.append(periodic(5, view.refreshSlots, reactor))
     if config.state.backend == "redis":
         app.services.append(periodic(5, app.settings.refresh, reactor))

@@ -410,3 +410,49 @@ class IUsageStore(Interface):
         @return: a L{Deferred} firing with C{(day, month)}, each a C{dict}
             of key name -> tokens.
         """
+
+
+class IAccountHistory(Interface):
+    """
+    What each account did minute by minute over the last few minutes, kept
+    in memory for the status page (issue 15). Bounded: a fixed number of
+    one-minute buckets per configured account, each of fixed size.
+    Synchronous and cheap: the turn engine calls it on its hot path.
+    """
+
+    minutes = Attribute("How many one-minute buckets are kept (the chart's width), e.g. 15.")
+
+    def attempt(accountId):
+        """
+        Count one upstream attempt (a request sent to C{accountId}).
+
+        @param accountId: the account's id.
+        """
+
+    def failover(accountId):
+        """
+        Count one switch away from C{accountId} (behaviour.md section C).
+
+        @param accountId: the account switched away from.
+        """
+
+    def firstOutput(accountId, seconds):
+        """
+        Record one turn's time from its start to its first output, for the
+        turn's final account.
+
+        @param accountId: the account that produced the output.
+        @param seconds: the latency in seconds (not milliseconds).
+        """
+
+    def snapshot():
+        """
+        The last L{minutes} minutes, oldest first, ending with the current
+        (partial) minute.
+
+        @return: a JSON-ready dict: C{minutes}, C{bucket_seconds} (60),
+            C{start} (Unix seconds of the oldest bucket's start) and
+            C{accounts}: account id -> C{{"requests": [int],
+            "failovers": [int], "first_output_p50_ms": [float or None]}},
+            each list L{minutes} long.
+        """

@@ -1,10 +1,34 @@
 # -*- test-case-name: tests.test_logs -*-
 """
-Log observers for relay (style.md section 6).
+Log observers for relay (style.md section 6; issue 15).
 
 Run C{twistd -n --logger=relay.logs.jsonStdout relay ...} for one JSON
 object per line on stdout, or C{--logger=relay.logs.textStdout} for text.
-Global options go before the subcommand (style.md trap T29).
+Global options go before the subcommand (style.md trap T29). C{relay
+--log-format json|text} picks the same observers.
+
+Both formats show, on every line, the event's name (its C{event} field, or
+the logger's namespace for lines without one) and the request id: the
+event's C{request_id}, or else the id of the turn whose code is running
+(L{relay.requestid.currentRequestId}), so lines written by code that does
+not know the turn (health, the scheduler, admission) still carry it.
+
+Text (L{formatTextLine})::
+
+    2026-05-02T10:11:12.345Z [relay.turn_finished#info req=req_ab12] turn ...
+
+JSON (L{formatJSONLine}): one flat object per line, C{time} (ISO-8601
+UTC), C{level}, C{event}, C{message} (the rendered text), C{request_id}
+(C{null} outside a turn), then the event's own fields; nothing of
+Twisted's internals (C{log_*} keys, C{__class_uuid__}, legacy keys). An
+own field named C{time}, C{level} or C{message} is written as
+C{event_time}, C{event_level} or C{event_message}; a failure adds
+C{failure} and C{traceback}; values JSON cannot hold are written as text.
+
+Times inside messages are ISO-8601 UTC: a placeholder named C{until},
+C{at}, C{*_until} or C{*_at} whose value is a Unix time (a number after
+2001) is rendered as e.g. C{2026-05-02T10:11:12.345Z}; the JSON field
+keeps the number.
 
 Every observer built here is wrapped in a L{SecretRedactor}, which replaces
 known secrets (registered from the configuration with L{registerSecrets})
@@ -15,25 +39,29 @@ still never log a secret.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
-from typing import IO, Any, Iterable, Optional, Pattern, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
+from re import Pattern
+from string import Formatter
+from typing import IO, Any
 
-from twisted.logger import (
-    FileLogObserver,
-    ILogObserver,
-    formatEventAsClassicLogText,
-    formatTime,
-    jsonFileLogObserver,
-    timeFormatRFC3339,
-)
+from twisted.logger import FileLogObserver, ILogObserver, formatEvent
 from zope.interface import implementer
 
+from relay.requestid import currentRequestId
+
 __all__ = [
+    "JSON_FIXED_KEYS",
     "REDACTED",
     "SECRET_PATTERNS",
     "SecretRedactor",
     "SecretSet",
+    "formatJSONLine",
+    "formatTextLine",
+    "isoTime",
     "jsonStdout",
     "observerFor",
     "registerSecrets",
@@ -62,7 +90,7 @@ _GLOBAL_FLAGS = re.compile(r"^\(\?[aiLmsux]+\)")
 _INLINE_FLAGS = (("i", re.IGNORECASE), ("m", re.MULTILINE), ("s", re.DOTALL), ("x", re.VERBOSE))
 
 
-def _anyOf(patterns: Iterable[Pattern]) -> Optional[Pattern]:
+def _anyOf(patterns: Iterable[Pattern]) -> Pattern | None:
     """
     One regex that matches wherever any of C{patterns} matches, used as a
     prefilter: when it finds nothing in a string, no C{sub} with any of the
@@ -171,7 +199,7 @@ class SecretRedactor:
         self,
         observer: ILogObserver,
         secrets: Any = (),
-        patterns: Optional[Sequence[tuple]] = None,
+        patterns: Sequence[tuple] | None = None,
     ) -> None:
         """
         @param observer: where redacted events go.
@@ -184,8 +212,8 @@ class SecretRedactor:
         self._secrets = secrets if isinstance(secrets, SecretSet) else SecretSet(secrets)
         self._patterns = SECRET_PATTERNS if patterns is None else tuple(patterns)
         self._version = -1
-        self._secretPattern: Optional[Pattern] = None
-        self._anyPattern: Optional[Pattern] = None
+        self._secretPattern: Pattern | None = None
+        self._anyPattern: Pattern | None = None
         self._clean: set = set()
 
     def addSecrets(self, secrets: Iterable[str]) -> None:
@@ -212,6 +240,8 @@ class SecretRedactor:
         self._refresh()
         redacted = dict(event)
         for key, value in event.items():
+            if key in _UNREDACTED_KEYS:
+                continue
             new = self._redact(value, 0)
             if new is not value:
                 redacted[key] = new
@@ -268,6 +298,12 @@ class SecretRedactor:
 
         @return: C{value} itself when unchanged, else a redacted copy.
         """
+        kind = type(value)
+        if kind is str:
+            new = self._redactString(value)
+            return value if new == value else new
+        if kind in _SCALARS:
+            return value
         if isinstance(value, str):
             new = self._redactString(value)
             return value if new == value else new
@@ -293,26 +329,301 @@ class SecretRedactor:
         return value
 
 
+_UNREDACTED_KEYS = frozenset(
+    {"log_logger", "log_source", "log_level", "log_namespace", "log_time"}
+)
+"""Twisted's bookkeeping keys: objects and names that are never written
+as they are (an object reaches the output only through a format field)."""
+
+_SCALARS = frozenset({int, float, bool, type(None)})
+"""Types that cannot hold a secret (checked first: most event values)."""
+
 _lastSecond: list = [None, ""]
 
 
-def _formatTime(when: Optional[float]) -> str:
+def isoTime(when: float | None) -> str:
     """
-    C{formatTime(when, timeFormatRFC3339)}, remembering the text for the
-    last whole second: the format has no sub-second field, so every
-    timestamp in the same second formats the same. A fraction within a
-    microsecond of the next second (which C{datetime} may round up) is
-    formatted afresh.
+    A Unix time as ISO-8601 UTC with milliseconds, e.g.
+    C{2026-05-02T10:11:12.345Z}. The part up to the second is remembered
+    for the last whole second, so lines within one second format it once.
+
+    @param when: Unix seconds, or L{None} (C{-}).
     """
-    if when is None or when < 0:
-        return formatTime(when, timeFormatRFC3339)
-    second = int(when)
-    if when - second >= 0.999:
-        return formatTime(when, timeFormatRFC3339)
+    if when is None:
+        return "-"
+    second = int(when // 1)
+    millis = int((when - second) * 1000)
+    millis = min(millis, 999)
     if _lastSecond[0] != second:
-        _lastSecond[1] = formatTime(second, timeFormatRFC3339)
+        try:
+            _lastSecond[1] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        except (OverflowError, OSError, ValueError):
+            return str(when)
         _lastSecond[0] = second
-    return _lastSecond[1]
+    return f"{_lastSecond[1]}.{millis:03d}Z"
+
+
+_EPOCH_2001 = 978307200
+"""Numbers below this are durations or counts, never times worth rendering."""
+
+_timeFieldCache: dict = {}
+_TIME_FIELD_CACHE_SIZE = 4096
+
+
+def _formatInfo(fmt: str) -> tuple:
+    """
+    What L{_message} needs to know about a format string, cached per
+    string: C{(time fields, field names)}. Time fields are the
+    placeholders naming a time (C{until}, C{at}, C{*_until}, C{*_at})
+    without a format spec or conversion; field names are the names of
+    every placeholder (up to any C{.} or C{[}).
+    """
+    found = _timeFieldCache.get(fmt)
+    if found is not None:
+        return found
+    times, names = [], []
+    try:
+        for _, name, spec, conversion in Formatter().parse(fmt):
+            if not name:
+                continue
+            names.append(re.split(r"[.\[]", name, maxsplit=1)[0])
+            if spec or conversion:
+                continue
+            if name in ("until", "at") or name.endswith(("_until", "_at")):
+                times.append(name)
+    except ValueError:
+        pass
+    found = (tuple(times), tuple(dict.fromkeys(names)))
+    if len(_timeFieldCache) >= _TIME_FIELD_CACHE_SIZE:
+        _timeFieldCache.clear()
+    _timeFieldCache[fmt] = found
+    return found
+
+
+_PLAIN = frozenset({str, int, float, bool, type(None)})
+"""Field types whose text the field redaction has already seen."""
+
+
+def _message(event: dict, redact: Callable[[str], str]) -> str:
+    """
+    The event's text with Unix times rendered ISO-8601 (see the module
+    docstring).
+
+    C{str.format_map} renders it (C-speed; the same PEP 3101 syntax); an
+    event it cannot render -- a missing field, or Twisted's C{{method()}}
+    call syntax -- goes through L{formatEvent}, which handles both. The
+    fields and the format were redacted already (L{SecretRedactor}); the
+    text is redacted again only when it rendered an object (whose C{str}
+    the field redaction could not see).
+
+    @param redact: the text redaction.
+    """
+    fmt = event.get("log_format")
+    if not isinstance(fmt, str):
+        return redact(formatEvent(event))
+    fields, names = _formatInfo(fmt)
+    if fields:
+        event = dict(event)
+        for name in fields:
+            value = event.get(name)
+            if (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and value >= _EPOCH_2001
+            ):
+                event[name] = isoTime(value)
+    try:
+        text = fmt.format_map(event)
+    except Exception:  # noqa: BLE001 - formatEvent reports what went wrong
+        return redact(formatEvent(event))
+    for name in names:
+        if type(event.get(name)) not in _PLAIN:
+            return redact(text)
+    return text
+
+
+def _failureText(event: dict) -> str | None:
+    """
+    @return: the traceback of the event's C{log_failure}, if any.
+    """
+    failure = event.get("log_failure")
+    if failure is None:
+        return None
+    try:
+        return failure.getTraceback().rstrip("\n")
+    except Exception:  # noqa: BLE001 - never lose the line over a bad failure
+        return repr(failure)
+
+
+def _levelName(event: dict) -> str:
+    """
+    @return: the event's level name (C{info} when it has none).
+    """
+    level = event.get("log_level")
+    return getattr(level, "name", None) or "info"
+
+
+def _eventName(event: dict) -> str:
+    """
+    @return: the event's C{event} name, else its logger's namespace.
+    """
+    name = event.get("event")
+    if name is None:
+        return str(event.get("log_namespace") or "-")
+    return name if isinstance(name, str) else str(name)
+
+
+def _requestId(event: dict) -> str | None:
+    """
+    @return: the event's C{request_id}, else the running turn's id
+        (L{currentRequestId}), else L{None}.
+    """
+    requestId = event.get("request_id")
+    if requestId is None:
+        return currentRequestId.get()
+    return requestId if isinstance(requestId, str) else str(requestId)
+
+
+def _identity(text: str) -> str:
+    """
+    @return: C{text} unchanged (no redaction).
+    """
+    return text
+
+
+def formatTextLine(event: dict, redact: Callable[[str], str] = _identity) -> str:
+    """
+    One text line (with a traceback after it, indented by a tab, for a
+    failure): C{<ISO time> [<event>#<level> req=<id>] <message>}.
+
+    @param event: a Twisted log event.
+    @param redact: applied to the rendered message (objects rendered by
+        their C{str} may hold what the field redaction could not see).
+    @rtype: L{str}
+    """
+    requestId = _requestId(event)
+    text = _message(event, redact)
+    traceback = _failureText(event)
+    if traceback:
+        text = text + "\n" + traceback
+    if "\n" in text:
+        text = text.replace("\n", "\n\t")
+    tag = _eventName(event) + "#" + _levelName(event)
+    if requestId is not None:
+        tag = tag + " req=" + requestId
+    return f"{isoTime(event.get('log_time'))} [{tag}] {text}\n"
+
+
+JSON_FIXED_KEYS = ("time", "level", "event", "message", "request_id")
+"""The keys every JSON line starts with, in this order."""
+
+_RENAMED = {"time": "event_time", "level": "event_level", "message": "event_message"}
+
+_LEGACY_KEYS = frozenset(
+    {"message", "format", "system", "isError", "time", "why", "failure", "printed", "logLevel"}
+)
+"""What a L{twisted.python.log} event carries besides its C{log_*} keys."""
+
+_DROPPED = frozenset({"__class_uuid__", "event", "request_id"})
+
+_MAX_OBJECT_TEXT = 2000
+
+_UNSEEN = object()
+_outputKeys: dict = {}
+_OUTPUT_KEYS_SIZE = 4096
+
+
+def _outputKey(key: str) -> str | None:
+    """
+    The JSON name of an event key, or L{None} for keys not written
+    (C{log_*}, C{__class_uuid__}, and C{event}/C{request_id}, which are
+    fixed keys); remembered per key.
+    """
+    if key.startswith("log_") or key in _DROPPED:
+        name = None
+    else:
+        name = _RENAMED.get(key, key)
+    if len(_outputKeys) >= _OUTPUT_KEYS_SIZE:
+        _outputKeys.clear()
+    _outputKeys[key] = name
+    return name
+
+
+def _jsonDefault(value: Any, redact: Callable[[str], str]) -> Any:
+    """
+    Text for what JSON cannot hold: bytes decoded, sets as sorted lists,
+    anything else by its C{str}, redacted and capped.
+    """
+    if isinstance(value, (bytes, bytearray)):
+        return redact(bytes(value).decode("utf-8", "replace"))
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=str)
+    return redact(str(value)[:_MAX_OBJECT_TEXT])
+
+
+def _encoder(redact: Callable[[str], str]) -> json.JSONEncoder:
+    """
+    A compact JSON encoder whose fallback for other values is
+    L{_jsonDefault} with C{redact} (built once per observer: a
+    C{json.dumps} with options builds one per call).
+    """
+    return json.JSONEncoder(
+        separators=(",", ":"), default=lambda value: _jsonDefault(value, redact)
+    )
+
+
+_plainEncoder = _encoder(_identity)
+
+
+def formatJSONLine(
+    event: dict,
+    redact: Callable[[str], str] = _identity,
+    encoder: json.JSONEncoder | None = None,
+) -> str:
+    """
+    One flat JSON object and a newline (see the module docstring).
+
+    @param event: a Twisted log event.
+    @param redact: applied to the rendered message and to the text of
+        values JSON cannot hold.
+    @param encoder: from L{_encoder} with the same C{redact}; L{None}
+        builds one.
+    @rtype: L{str}
+    """
+    record = {
+        "time": isoTime(event.get("log_time")),
+        "level": _levelName(event),
+        "event": _eventName(event),
+        "message": _message(event, redact),
+        "request_id": _requestId(event),
+    }
+    if "isError" in event and "system" in event:
+        for key, value in event.items():
+            if key not in _LEGACY_KEYS and _outputKey(key) is not None:
+                record[_outputKey(key)] = value
+    else:
+        keys = _outputKeys
+        for key, value in event.items():
+            name = keys.get(key, _UNSEEN)
+            if name is _UNSEEN:
+                name = _outputKey(key)
+            if name is not None:
+                record[name] = value
+    traceback = _failureText(event)
+    if traceback is not None:
+        failure = event["log_failure"]
+        kind = getattr(getattr(failure, "type", None), "__name__", "?")
+        record["failure"] = redact(f"{kind}: {getattr(failure, 'value', '')}")
+        record["traceback"] = redact(traceback)
+    if encoder is None:
+        encoder = _plainEncoder if redact is _identity else _encoder(redact)
+    try:
+        return encoder.encode(record) + "\n"
+    except (TypeError, ValueError):
+        # Circular or otherwise unencodable fields: keep the line.
+        fixed = {k: record[k] for k in JSON_FIXED_KEYS}
+        fixed["unencodable_fields"] = sorted(k for k in record if k not in JSON_FIXED_KEYS)
+        return json.dumps(fixed, separators=(",", ":")) + "\n"
 
 
 def observerFor(format: str, stream: IO[str], secrets: Any = None) -> ILogObserver:
@@ -326,20 +637,37 @@ def observerFor(format: str, stream: IO[str], secrets: Any = None) -> ILogObserv
     @raise ValueError: for an unknown format.
     @rtype: L{ILogObserver}
     """
-    if format == "json":
-        # One plain JSON object per line: no RFC 7464 record separator, so
-        # line-oriented tools (jq, json.loads per line) read it directly;
-        # twisted.logger.eventsFromJSONLogFile still reads it back.
-        inner = jsonFileLogObserver(stream, recordSeparator="")
-    elif format == "text":
-        # textFileLogObserver(stream), with the timestamp prefix formatted
-        # once per second instead of once per event.
-        inner = FileLogObserver(
-            stream, lambda event: formatEventAsClassicLogText(event, formatTime=_formatTime)
-        )
-    else:
+    if format not in ("json", "text"):
         raise ValueError(f"unknown log format {format!r} (expected text or json)")
-    return SecretRedactor(inner, _registered if secrets is None else secrets)
+    holder: list = []
+
+    def redactText(text: str) -> str:
+        """
+        The redactor's text redaction (the redactor is built below).
+        """
+        return holder[0].redactText(text)
+
+    if format == "json":
+        encoder = _encoder(redactText)
+
+        def formatLine(event: dict) -> str:
+            """
+            Format one (already field-redacted) event as JSON.
+            """
+            return formatJSONLine(event, redactText, encoder)
+    else:
+
+        def formatLine(event: dict) -> str:
+            """
+            Format one (already field-redacted) event as text.
+            """
+            return formatTextLine(event, redactText)
+
+    redactor = SecretRedactor(
+        FileLogObserver(stream, formatLine), _registered if secrets is None else secrets
+    )
+    holder.append(redactor)
+    return redactor
 
 
 def jsonStdout() -> ILogObserver:

@@ -11,19 +11,27 @@ methods of L{RelayMetrics}; they never touch the metric objects.
 Names (all prefixed C{relay_}):
 
   - C{relay_turns_total{entrypoint,outcome}}
-  - C{relay_failovers_total{reason}}
+  - C{relay_failovers_total{from_account,to_account,reason}} (C{to_account}
+    is C{none} when no account took the turn over)
   - C{relay_same_account_retries_total{reason}}
   - C{relay_cooldowns_total{reason}}
   - C{relay_waits_total{entrypoint,outcome}}, C{relay_wait_seconds{entrypoint}}
   - C{relay_slots_in_use{account}}, C{relay_slots_waiting{account}}
   - C{relay_first_output_seconds}
-  - C{relay_upstream_status_total{status}}
+  - C{relay_upstream_status_total{status}} (HTTP statuses, and WebSocket
+    handshake statuses: C{101} for each new upstream connection, the
+    refusal's status otherwise)
   - C{relay_added_latency_seconds}
   - C{relay_ws_closes_total{code}}
   - C{relay_tokens_total{key,account,model,type}} (C{type}: C{input},
     C{cached_input}, C{output}, C{reasoning}) and
     C{relay_usage_turns_total{key,account,model}}: tokens counted from
     every turn's terminal usage (issue 13 item 5)
+
+No C{_created} series: prometheus_client only has a process-wide switch
+(C{disable_created_metrics()}), so the exposition reads the registry
+through L{withoutCreated} instead, which drops them for relay's registry
+only (issue 15).
 """
 
 from __future__ import annotations
@@ -38,7 +46,10 @@ from prometheus_client.registry import Collector
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-__all__ = ["RelayMetrics", "SlotsCollector", "newRegistry"]
+__all__ = ["NO_ACCOUNT", "RelayMetrics", "SlotsCollector", "newRegistry", "withoutCreated"]
+
+NO_ACCOUNT = "none"
+"""The C{to_account} label of a failover no account took over."""
 
 _WAIT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
 _FIRST_OUTPUT_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
@@ -51,6 +62,45 @@ def newRegistry() -> CollectorRegistry:
     @rtype: L{CollectorRegistry}
     """
     return CollectorRegistry(auto_describe=True)
+
+
+_CREATED_TYPES = frozenset({"counter", "histogram", "summary", "gaugehistogram"})
+
+
+class _WithoutCreated:
+    """
+    A read-only view of a registry whose families have no C{<name>_created}
+    samples; what L{withoutCreated} returns.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        """
+        @param registry: the registry to read.
+        """
+        self._registry = registry
+
+    def collect(self):
+        """
+        Yield the registry's metric families, each without its C{_created}
+        samples (counters, histograms and summaries only).
+        """
+        for family in self._registry.collect():
+            if family.type in _CREATED_TYPES:
+                created = family.name + "_created"
+                family.samples = [s for s in family.samples if s.name != created]
+            yield family
+
+
+def withoutCreated(registry: CollectorRegistry):
+    """
+    What to hand prometheus_client's encoders instead of C{registry}: the
+    same metrics without C{_created} series (a per-registry alternative to
+    the process-wide C{prometheus_client.disable_created_metrics()}).
+
+    @param registry: a L{CollectorRegistry}.
+    @return: an object with C{collect()}, as the encoders expect.
+    """
+    return _WithoutCreated(registry)
 
 
 class SlotsCollector(Collector):
@@ -126,7 +176,10 @@ class RelayMetrics:
             "relay_turns", "Finished turns", ["entrypoint", "outcome"], registry=r
         )
         self.failovers = Counter(
-            "relay_failovers", "Switches to another account", ["reason"], registry=r
+            "relay_failovers",
+            "Switches to another account",
+            ["from_account", "to_account", "reason"],
+            registry=r,
         )
         self.sameAccountRetries = Counter(
             "relay_same_account_retries", "Retries on the same account", ["reason"], registry=r
@@ -195,18 +248,19 @@ class RelayMetrics:
         status: Optional[int] = None,
     ) -> None:
         """
-        Count a switch to another account, and remember it for the status
-        page.
+        Record a switch away from an account, and remember it for the status
+        page. It is counted in C{relay_failovers_total} once the account
+        that takes the turn over is known: now when C{nextAccountId} is
+        given, else when the caller passes the returned entry to
+        L{failoverTo}.
 
         @param reason: the verdict's machine reason (e.g. C{status_503}).
         @param accountId: the account switched away from.
         @param nextAccountId: the account switched to, when known.
         @param entrypoint: C{http} or C{ws}.
         @param status: the upstream (or synthetic) status.
-        @return: the remembered entry (a dict); the caller may fill in
-            C{next_account_id} once the next account is chosen.
+        @return: the remembered entry (a dict), for L{failoverTo}.
         """
-        self.failovers.labels(reason=reason).inc()
         entry = {
             "at": self._clock.seconds() if self._clock is not None else None,
             "reason": reason,
@@ -216,7 +270,26 @@ class RelayMetrics:
             "upstream_status": status,
         }
         self._recent.appendleft(entry)
+        if nextAccountId is not None:
+            self.failoverTo(entry, nextAccountId)
         return entry
+
+    def failoverTo(self, entry: dict, nextAccountId: Optional[str]) -> None:
+        """
+        Count a switch recorded by L{failover} now that its next account is
+        known, and show it on the status page.
+
+        @param entry: what L{failover} returned.
+        @param nextAccountId: the account that took the turn over, or
+            L{None} when none did (no account left, the switch budget ran
+            out, or the client left): counted as C{to_account="none"}.
+        """
+        entry["next_account_id"] = nextAccountId
+        self.failovers.labels(
+            from_account=str(entry.get("account_id") or NO_ACCOUNT),
+            to_account=str(nextAccountId or NO_ACCOUNT),
+            reason=str(entry.get("reason") or "unknown"),
+        ).inc()
 
     def recentFailovers(self) -> list:
         """
@@ -260,7 +333,8 @@ class RelayMetrics:
     def upstreamStatus(self, status) -> None:
         """
         Count an upstream HTTP status (or a synthetic one, e.g. 502 for a
-        transport failure).
+        transport failure), or an upstream WebSocket handshake's status
+        (101, or the status that refused it).
         """
         self.upstreamStatuses.labels(status=str(status)).inc()
 

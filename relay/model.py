@@ -384,7 +384,8 @@ class Turn:
     @ivar historyComplete: whether relay may move the turn to another
         account (R62, R80).
     @ivar wsMode: the WebSocket mode for C{ws} turns.
-    @ivar requestId: relay's id for this turn, for logs.
+    @ivar requestId: the turn's id (L{relay.requestid}): on every log line
+        of the turn, in C{X-Request-Id}, and sent upstream.
     @ivar cancel: the client's L{CancelSignal}.
     @ivar phase: C{first_turn}, C{later_turn} (WebSocket), or C{request}.
     @ivar preferredAccountId: an account to try first (WebSocket later
@@ -397,6 +398,9 @@ class Turn:
         history and dedicated upstream), read by the WebSocket attempt.
     @ivar usage: the turn's L{relay.usage.tokens.TokenCounts} once the
         engine read them (issue 13 item 5), else L{None}.
+    @ivar upstreamRequestId: the current attempt's upstream C{x-request-id}
+        (L{None} before its headers or when it sent none), set by the
+        engine and logged as C{upstream_request_id} (issue 15).
     """
 
     entrypoint: str
@@ -418,6 +422,7 @@ class Turn:
     firstOutputAt: Optional[float] = None
     wsContext: Any = None
     usage: Any = None
+    upstreamRequestId: Optional[str] = None
 
 
 # ---------------------------------------------------------------------------

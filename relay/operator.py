@@ -99,6 +99,7 @@ class OperatorView:
                     "disabled": runtime.disabled,
                     "last_error": stats.get("last_error"),
                     "last_error_at": stats.get("last_error_at"),
+                    "last_success_at": stats.get("last_success_at"),
                     "turns": stats.get("turns", 0),
                     "failovers": stats.get("failovers", 0),
                     "proxy_id": proxyId,

@@ -7,9 +7,11 @@ Usage::
     python -m relay.report LOGFILE [--json]
     relay-report LOGFILE [--json]
 
-C{LOGFILE} is what C{jsonFileLogObserver} wrote (one JSON object per line,
-optionally preceded by the C{\\x1e} record separator), or C{-} for standard
-input. Events are selected by their C{event} field (style.md section 6):
+C{LOGFILE} is relay's JSON log (C{--log-format json}: one flat JSON object
+per line, L{relay.logs.formatJSONLine}), or C{-} for standard input. Logs
+written by C{twisted.logger.jsonFileLogObserver} (a C{\\x1e} record
+separator before each object) read the same way. Events are selected by
+their C{event} field (style.md section 6):
 
   - waits (seed 000's "who had to wait" table):
     C{openai.websocket_account_wait_finished} and
@@ -32,8 +34,6 @@ import sys
 from collections import Counter, defaultdict
 from typing import IO, Iterable, Optional
 
-from twisted.logger import eventsFromJSONLogFile
-
 __all__ = ["buildReport", "formatReport", "main", "percentile", "readEvents"]
 
 WS_WAIT_FINISHED = "openai.websocket_account_wait_finished"
@@ -50,12 +50,26 @@ _LAYERS = ("previous_response_id", "session_hash", "load_balance")
 
 def readEvents(inFile: IO) -> Iterable[dict]:
     """
-    Read log events, in order, from a JSON log file.
+    Read log events, in order, from a JSON log file: one object per line
+    (a leading C{\\x1e} record separator is ignored).
 
     @param inFile: a file opened for reading (text or binary).
-    @return: an iterable of event dicts (unreadable records are skipped).
+    @return: an iterable of event dicts (lines that are not a JSON object
+        are skipped).
     """
-    return eventsFromJSONLogFile(inFile)
+    for line in inFile:
+        if isinstance(line, bytes):
+            line = line.decode("utf-8", "replace")
+        for record in line.split("\x1e"):
+            record = record.strip()
+            if not record:
+                continue
+            try:
+                event = json.loads(record)
+            except ValueError:
+                continue
+            if isinstance(event, dict):
+                yield event
 
 
 def percentile(values: list, p: float) -> Optional[float]:

@@ -40,6 +40,28 @@ _COMPONENT_INTERFACES = (
 
 _LOG_FORMATS = ("text", "json")
 
+TWISTD_DEFAULT_PIDFILE = "twistd.pid"
+"""twistd's own default C{--pidfile}."""
+
+
+def ownPidfile(options: usage.Options, name: str) -> None:
+    """
+    Give a twistd plugin its own default pid file, C{<name>.pid}, instead
+    of twistd's C{twistd.pid}, so C{twistd -n relay} and C{twistd -n
+    relay-emulator} started side by side from one directory do not refuse
+    each other ("Another twistd server is running"; issue 15). A
+    C{--pidfile} given on the command line (other than C{twistd.pid}
+    itself) is kept, and C{--pidfile=} still means none. Runs in the
+    plugin's C{postOptions}, before twistd resolves the path; does nothing
+    under C{twist} (C{python -m twisted}), which writes no pid file.
+
+    @param options: the plugin's options (its C{parent} is twistd's).
+    @param name: the plugin's name, e.g. C{relay}.
+    """
+    parent = getattr(options, "parent", None)
+    if parent is not None and parent.get("pidfile") == TWISTD_DEFAULT_PIDFILE:
+        parent["pidfile"] = name + ".pid"
+
 
 def _stderr():
     """
@@ -123,6 +145,7 @@ class Options(usage.Options):
         fmt = self["log-format"]
         if fmt is not None and fmt not in _LOG_FORMATS:
             raise usage.UsageError(f"--log-format: expected text or json, got {fmt!r}")
+        ownPidfile(self, "relay")
         try:
             self.configure()
         except ConfigError as e:

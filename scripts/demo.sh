@@ -2,7 +2,8 @@
 # The offline relay demo: the bundled upstream emulator (etc/emulator.yaml) and a relay
 # (etc/demo.yaml) on loopback, no network and no real secrets.
 #
-#   scripts/demo.sh            start both, print how to use them, stop both on Ctrl-C
+#   scripts/demo.sh            start both, print how to use them (and the status page's
+#                              address with the demo admin key), stop both on Ctrl-C
 #   scripts/demo.sh --check    start both, run one streaming and one non-streaming request
 #                              with curl, stop both; exit non-zero if anything failed
 #
@@ -12,9 +13,9 @@
 #   RELAY_KEY       the client key for curl   (default sk-relay-demo, the demo's key)
 #   PYTHON          the interpreter           (default: python3, else python)
 #
-# Both servers run with `python -m twisted <plugin>` and PYTHONPATH set to the repository
-# root, so the demo works from a fresh clone with or without `pip install` (an editable
-# install hides the twistd plugins: style.md trap T2).
+# Both servers run with `python -m twisted <plugin>` (no pid files) and PYTHONPATH set to
+# the repository root, so the demo works from a fresh clone with or without `pip install`
+# (an editable install hides the twistd plugins: style.md trap T2).
 
 set -euo pipefail
 
@@ -30,7 +31,7 @@ CHECK=0
 case "${1:-}" in
     "") ;;
     --check) CHECK=1 ;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^$/p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "demo.sh: unknown argument $1 (expected --check or nothing)" >&2; exit 2 ;;
 esac
 
@@ -73,6 +74,7 @@ trap 'exit 143' TERM
 
 # The demo accounts point at the emulator's port.
 sed "s/127\.0\.0\.1:9090/127.0.0.1:${EMULATOR_PORT}/g" "$ROOT/etc/demo.yaml" > "$WORK/demo.yaml"
+ADMIN_KEY="$(sed -n 's/^admin_key: *//p' "$WORK/demo.yaml" | head -n 1)"
 
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 cd "$WORK"  # anything the servers write (sqlite, dropin caches aside) stays in the temp dir
@@ -111,6 +113,9 @@ waitFor emulator "$EMULATOR_URL/_emulator/stats" "$WORK/emulator.pid" "$WORK/emu
 waitFor relay "$RELAY_URL/healthz" "$WORK/relay.pid" "$WORK/relay.log"
 echo "emulator: $EMULATOR_URL  (pid $(cat "$WORK/emulator.pid"), log $WORK/emulator.log)"
 echo "relay:    $RELAY_URL  (pid $(cat "$WORK/relay.pid"), log $WORK/relay.log)"
+if [[ -n "$ADMIN_KEY" ]]; then
+    echo "status:   $RELAY_URL/admin/#key=$ADMIN_KEY  (the status page, signed in with the demo admin key)"
+fi
 
 if (( CHECK )); then
     failed=0

@@ -126,16 +126,18 @@ class AuthTests(AdminFixture, SynchronousTestCase):
 
     def test_missingKeyIs401(self):
         """
-        A missing key answers 401 with OpenAI's error envelope.
+        A missing key answers 401 with OpenAI's error envelope, carrying
+        the request's id (issue 15) in the body and C{X-Request-Id}.
         """
         for path in ("settings", "accounts", "metrics"):
             request = render(self.root, makeRequest(path, key=None))
             self.assertEqual(request.responseCode, 401)
+            requestId = request.responseHeaders.getRawHeaders(b"x-request-id")[0].decode()
             self.assertEqual(
                 jsonBody(request),
                 {"error": {"message": "Missing or invalid admin key",
                            "type": "authentication_error", "param": None,
-                           "code": "invalid_admin_key"}},
+                           "code": "invalid_admin_key", "request_id": requestId}},
             )
 
     def test_wrongKeyIs401(self):

@@ -193,3 +193,165 @@ class ObserverTests(SynchronousTestCase):
         self.assertEqual(json.loads(jsonOutput.strip("\x1e\n"))["v"], "***")
         self.assertIn("value ***", textOutput)
         self.assertNotIn("registered-secret-xyz", jsonOutput + textOutput)
+
+
+class LineFormatTests(SynchronousTestCase):
+    """
+    Issue 15: what each text and JSON line holds (L{logs.formatTextLine},
+    L{logs.formatJSONLine}).
+    """
+
+    def setUp(self):
+        self.text = io.StringIO()
+        self.json = io.StringIO()
+        textObserver = observerFor("text", self.text, ["sk-secret-abcdef"])
+        jsonObserver = observerFor("json", self.json, ["sk-secret-abcdef"])
+
+        def both(event):
+            textObserver(event)
+            jsonObserver(event)
+
+        self.observer = both
+        self.log = Logger(namespace="relay.test.Thing", observer=both)
+
+    def records(self):
+        return [json.loads(line) for line in self.json.getvalue().splitlines()]
+
+    def test_textLine(self):
+        """
+        A text line: ISO-8601 UTC time with milliseconds, then the event's
+        name, level and request id in brackets, then the message.
+        """
+        self.log.warn(
+            "switching from {account_id}", event="openai.upstream_failover_switching",
+            account_id="a2", request_id="req_1",
+        )
+        self.log.info("no name here")
+        first, second = self.text.getvalue().splitlines()
+        self.assertRegex(
+            first,
+            r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z "
+            r"\[openai\.upstream_failover_switching#warn req=req_1\] switching from a2$",
+        )
+        self.assertRegex(second, r"Z \[relay\.test\.Thing#info\] no name here$")
+
+    def test_timesInMessagesAreISO(self):
+        """
+        C{until}, C{*_until} and C{*_at} placeholders holding a Unix time
+        render as ISO-8601 UTC in the message; the JSON field keeps the
+        number; durations, formatted fields and other names are untouched.
+        """
+        self.log.warn(
+            "marked until {until}, rate limited until {rate_limited_until}, reset at"
+            " {reset_at}; {seconds} s; {until_short:.0f}; at {at}",
+            event="relay.account_cooldown_set", until=1796069325.8038597,
+            rate_limited_until=1796069385, reset_at=1796069400.5, seconds=10.0,
+            until_short=1796069325.8, at=12.5,
+        )
+        message = (
+            "marked until 2026-11-30T20:08:45.803Z, rate limited until"
+            " 2026-11-30T20:09:45.000Z, reset at 2026-11-30T20:10:00.500Z; 10.0 s;"
+            " 1796069326; at 12.5"
+        )
+        self.assertTrue(self.text.getvalue().rstrip("\n").endswith(message))
+        (record,) = self.records()
+        self.assertEqual(record["message"], message)
+        self.assertEqual(record["until"], 1796069325.8038597)
+
+    def test_jsonFieldSet(self):
+        """
+        A JSON line is one flat object: the fixed keys first, then the
+        event's own fields; nothing of Twisted's (C{log_*}); own fields
+        named like a fixed key are renamed; values JSON cannot hold become
+        text.
+        """
+        class Thing:
+            def __str__(self):
+                return "a thing"
+
+        self.log.info(
+            "attempt on {account_id} failed", event="openai.ops_event", account_id="a1",
+            message="upstream said no", time=3, thing=Thing(), raw=b"bytes",
+            tags={"b", "a"}, request_id="req_2",
+        )
+        (record,) = self.records()
+        self.assertEqual(list(record)[:5], list(logs.JSON_FIXED_KEYS))
+        self.assertEqual(record["level"], "info")
+        self.assertEqual(record["event"], "openai.ops_event")
+        self.assertEqual(record["message"], "attempt on a1 failed")
+        self.assertEqual(record["request_id"], "req_2")
+        self.assertEqual(
+            {k: record[k] for k in list(record)[5:]},
+            {"account_id": "a1", "event_message": "upstream said no", "event_time": 3,
+             "thing": "a thing", "raw": "bytes", "tags": ["a", "b"]},
+        )
+
+    def test_jsonFailure(self):
+        """
+        A logged failure adds C{failure} and C{traceback}, as text; the
+        text format indents the traceback under its line.
+        """
+        try:
+            raise ZeroDivisionError("division by zero")
+        except ZeroDivisionError:
+            self.log.failure("while {doing}", doing="dividing", event="relay.test_bug")
+        (record,) = self.records()
+        self.assertEqual(record["level"], "critical")
+        self.assertEqual(record["message"], "while dividing")
+        self.assertEqual(record["failure"], "ZeroDivisionError: division by zero")
+        self.assertIn("Traceback", record["traceback"])
+        lines = self.text.getvalue().splitlines()
+        self.assertIn("[relay.test_bug#critical] while dividing", lines[0])
+        self.assertTrue(all(line.startswith("\t") for line in lines[1:]))
+
+    def test_legacyEvent(self):
+        """
+        A C{twisted.python.log} event (e.g. twisted.web's "starting on")
+        keeps only its text; its legacy keys are not written.
+        """
+        from twisted.logger._legacy import publishToNewObserver
+        from twisted.python.log import textFromEventDict
+
+        publishToNewObserver(
+            self.observer,
+            {"message": ("Site starting on 8080",), "isError": 0, "system": "-",
+             "time": 1796069325.0},
+            textFromEventDict,
+        )
+        (record,) = self.records()
+        self.assertEqual(
+            record,
+            {"time": "2026-11-30T20:08:45.000Z", "level": "info", "event": "log_legacy",
+             "message": "Site starting on 8080", "request_id": None},
+        )
+
+    def test_redactedEverywhere(self):
+        """
+        A secret is redacted in fields, in the message, and in the text of
+        an object that JSON could not hold.
+        """
+        class Leaky:
+            def __str__(self):
+                return "holding sk-secret-abcdef and Bearer abc.def"
+
+        self.log.info("object {obj}", obj=Leaky(), key="sk-secret-abcdef", event="relay.leak")
+        output = self.text.getvalue() + self.json.getvalue()
+        self.assertNotIn("sk-secret-abcdef", output)
+        self.assertNotIn("abc.def", output)
+        (record,) = self.records()
+        self.assertEqual(record["key"], "***")
+        self.assertEqual(record["message"], "object holding *** and Bearer ***")
+
+    def test_reportReadsIt(self):
+        """
+        L{relay.report.readEvents} reads the JSON lines (and the older
+        record-separated form).
+        """
+        from relay.report import buildReport, readEvents
+
+        self.log.info("done", event="relay.turn_finished", entrypoint="http",
+                      outcome="completed", status=200, attempts=1, duration_ms=5)
+        report = buildReport(readEvents(io.StringIO(self.json.getvalue())))
+        self.assertEqual(report["events"], {"relay.turn_finished": 1})
+        older = "\x1e" + self.json.getvalue()
+        self.assertEqual(len(list(readEvents(io.BytesIO(older.encode())))), 1)

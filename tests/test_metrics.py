@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from relay.metrics import RelayMetrics
+from relay.metrics import NO_ACCOUNT, RelayMetrics, withoutCreated
 
 
 class RelayMetricsTests(SynchronousTestCase):
@@ -21,7 +21,10 @@ class RelayMetricsTests(SynchronousTestCase):
         self.metrics = RelayMetrics(CollectorRegistry(), clock=self.clock)
 
     def scrape(self) -> str:
-        return generate_latest(self.metrics.registry).decode("utf-8")
+        """
+        The text exposition, as C{/metrics} serves it.
+        """
+        return generate_latest(withoutCreated(self.metrics.registry)).decode("utf-8")
 
     def test_namesAndLabels(self):
         """
@@ -31,7 +34,7 @@ class RelayMetricsTests(SynchronousTestCase):
         m = self.metrics
         m.turnFinished("ws", "ok")
         m.turnFinished("ws", "ok")
-        m.failover("transport_transient")
+        m.failoverTo(m.failover("transport_transient", "a2"), "a1")
         m.sameAccountRetry("status_429")
         m.cooldown("temp_unschedulable")
         m.waitFinished("http", "queue_full", 0.0)
@@ -44,7 +47,8 @@ class RelayMetricsTests(SynchronousTestCase):
         text = self.scrape()
         for line in [
             'relay_turns_total{entrypoint="ws",outcome="ok"} 2.0',
-            'relay_failovers_total{reason="transport_transient"} 1.0',
+            ('relay_failovers_total{from_account="a2",reason="transport_transient",'
+             'to_account="a1"} 1.0'),
             'relay_same_account_retries_total{reason="status_429"} 1.0',
             'relay_cooldowns_total{reason="temp_unschedulable"} 1.0',
             'relay_waits_total{entrypoint="http",outcome="queue_full"} 1.0',
@@ -61,6 +65,61 @@ class RelayMetricsTests(SynchronousTestCase):
             'relay_slots_in_use{account="a2"} 0.0',
         ]:
             self.assertIn(line + "\n", text)
+
+    def test_noCreatedSeries(self):
+        """
+        Issue 15: the exposition has no C{_created} series (counters and
+        histograms alike), while the registry itself still has them.
+        """
+        m = self.metrics
+        m.turnFinished("http", "completed")
+        m.firstOutput(0.2)
+        m.failover("status_503", "a2", "a1")
+        text = self.scrape()
+        self.assertIn('relay_turns_total{entrypoint="http",outcome="completed"} 1.0', text)
+        self.assertIn("relay_first_output_seconds_count 1.0", text)
+        self.assertNotIn("_created", text)
+        self.assertIn("_created", generate_latest(m.registry).decode("utf-8"))
+
+    def test_openMetricsWithoutCreated(self):
+        """
+        The OpenMetrics exposition (chosen by C{Accept}) has no C{_created}
+        samples either.
+        """
+        from prometheus_client.openmetrics.exposition import (
+            generate_latest as openMetrics,
+        )
+
+        self.metrics.turnFinished("http", "completed")
+        text = openMetrics(withoutCreated(self.metrics.registry)).decode("utf-8")
+        self.assertIn("relay_turns_total", text)
+        self.assertNotIn("_created", text)
+
+    def test_failoverCountedWithItsNextAccount(self):
+        """
+        Issue 15: a failover is counted under C{from_account},
+        C{to_account} and C{reason} once the next account is known; one no
+        account took over counts as C{to_account="none"}. The status
+        page's entry gets the next account too.
+        """
+        m = self.metrics
+        entry = m.failover("status_503", "a2", None, "http", 503)
+        self.assertNotIn("relay_failovers_total{", self.scrape())
+        m.failoverTo(entry, "a1")
+        m.failoverTo(m.failover("transport_transient", "a1", None, "ws", 502), None)
+        text = self.scrape()
+        self.assertIn(
+            'relay_failovers_total{from_account="a2",reason="status_503",to_account="a1"} 1.0',
+            text,
+        )
+        self.assertIn(
+            'relay_failovers_total{from_account="a1",reason="transport_transient",'
+            f'to_account="{NO_ACCOUNT}"}} 1.0',
+            text,
+        )
+        self.assertEqual(
+            [f["next_account_id"] for f in m.recentFailovers()], [None, "a1"]
+        )
 
     def test_slotsSourceReadAtScrape(self):
         """

@@ -411,6 +411,37 @@ class CheckDatabaseTests(SynchronousTestCase):
         options.parseOptions(["--config", DEMO])
         self.assertIs(namedAny(options.parent["logger"]), textStdout)
 
+    def test_ownPidfile(self) -> None:
+        """
+        Issue 15: under twistd, relay's default pid file is C{relay.pid} and
+        the emulator's C{relay-emulator.pid}, not the shared C{twistd.pid};
+        a chosen one (or none, C{--pidfile=}) is kept; under twist (no
+        C{pidfile} option) nothing changes.
+        """
+        from twisted.scripts.twistd import ServerOptions
+
+        from relay.emulator.tap import Options as EmulatorOptions
+
+        for argv, expected in (
+            (["-n", "relay", "--config", DEMO], "relay.pid"),
+            (["-n", "--pidfile=mine.pid", "relay", "--config", DEMO], "mine.pid"),
+            (["-n", "--pidfile=", "relay", "--config", DEMO], ""),
+            (["-n", "relay-emulator", "--port", "0"], "relay-emulator.pid"),
+        ):
+            server = ServerOptions()
+            server.parseOptions(argv)
+            self.assertEqual(
+                server["pidfile"], os.path.abspath(expected) if expected else "", argv
+            )
+        options = Options()
+        options.parent = {"logger": None}
+        options.parseOptions(["--config", DEMO])
+        self.assertNotIn("pidfile", options.parent)
+        emulator = EmulatorOptions()
+        emulator.parent = {"pidfile": "twistd.pid"}
+        emulator.parseOptions([])
+        self.assertEqual(emulator.parent["pidfile"], "relay-emulator.pid")
+
     def test_twistdLoggerGiven(self) -> None:
         """
         A C{--logger} the operator gave twistd is left alone.

@@ -476,6 +476,9 @@ class FakeRequest:
     def setHeader(self, name, value):
         self.headers[name] = value
 
+    def getHeader(self, name):
+        return None
+
     def write(self, data):
         self.written.append(data)
 

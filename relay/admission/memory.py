@@ -23,6 +23,7 @@ from zope.interface import implementer
 from relay.admission import admissionError
 from relay.interfaces import ISlotAdmission, ISlotLease
 from relay.model import WaitPlan
+from relay.requestid import currentRequestId
 
 
 @implementer(ISlotLease)
@@ -74,6 +75,9 @@ class _Ticket:
     @ivar timer: the timeout L{IDelayedCall}.
     @ivar cancelWait: the L{relay.model.CancelSignal.whenCancelled} Deferred.
     @ivar done: whether the ticket left the queue (granted or failed).
+    @ivar requestId: the waiting turn's id (L{currentRequestId} when it
+        joined), for the lines written when it leaves from a timer or a
+        cancellation, outside the turn (issue 15).
     """
 
     plan: WaitPlan
@@ -84,6 +88,7 @@ class _Ticket:
     timer: object = None
     cancelWait: Optional[Deferred] = None
     done: bool = False
+    requestId: Optional[str] = field(factory=currentRequestId.get)
 
 
 @implementer(ISlotAdmission)
@@ -292,6 +297,7 @@ class MemorySlotAdmission:
             kind=ticket.plan.kind,
             id=ticket.plan.id,
             reason=reason,
+            request_id=ticket.requestId,
         )
         # The next waiter may now be the head of a queue with a free slot.
         self._pump(key)

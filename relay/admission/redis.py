@@ -70,6 +70,7 @@ from relay.admission import admissionError
 from relay.interfaces import ISlotAdmission, ISlotLease
 from relay.model import AdmissionError, WaitPlan
 from relay.redisclient import RedisService, RedisUnavailable, describe
+from relay.requestid import currentRequestId
 
 
 def _script(name: str) -> str:
@@ -153,6 +154,9 @@ class RedisSlotLease:
     @ivar counted: L{False} for an unlimited slot, which holds nothing in
         Redis.
     @ivar released: whether L{release} was called.
+    @ivar turnRequestId: the id of the turn that acquired it
+        (L{relay.requestid.currentRequestId} when it was made), for the
+        log lines its renewals write outside the turn (issue 15).
     """
 
     _admission: "RedisSlotAdmission"
@@ -164,6 +168,7 @@ class RedisSlotLease:
     counted: bool = True
     released: bool = False
     _renewer: Optional[LoopingCall] = None
+    turnRequestId: Optional[str] = field(factory=currentRequestId.get)
 
     def release(self) -> None:
         """
@@ -545,9 +550,10 @@ class RedisSlotAdmission:
         def _cb(reply):
             if int(reply) != 1:
                 self._log.warn(
-                    "{kind} {id} slot lease {request_id} was lost",
+                    "{kind} {id} slot lease {lease_id} was lost",
                     event="relay.slot_lease_lost",
-                    kind=lease.kind, id=lease.id, request_id=lease.requestId,
+                    kind=lease.kind, id=lease.id, lease_id=lease.requestId,
+                    request_id=lease.turnRequestId,
                 )
                 return False
             return True

@@ -72,6 +72,9 @@ class Options(usage.Options):
 
         @raise usage.UsageError: for an unreadable or invalid file.
         """
+        from relay.tap import ownPidfile
+
+        ownPidfile(self, "relay-emulator")
         config: dict = {}
         if self["config"]:
             try:

@@ -239,9 +239,15 @@ def upstreamClientHeaders(turn: Turn, account: Account) -> dict:
     back to C{prompt_cache_key}, so one tenant's ids never reach the
     backend next to another's (protocol.md 7.2).
 
+    The turn's request id goes upstream as C{x-client-request-id} (issue
+    15), replacing the client's value (which relay adopted as the id when
+    it was well-formed).
+
     @return: a new dict (lower-cased names).
     """
     headers = dict(turn.headers)
+    if turn.requestId:
+        headers["x-client-request-id"] = turn.requestId
     if account.type != "oauth":
         return headers
     import xxhash

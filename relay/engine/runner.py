@@ -42,6 +42,7 @@ from relay.model import AdmissionError, ClientError, Turn, WaitPlan
 from relay.policy import ends
 from relay.policy.bookkeeping import AccountBookkeeping
 from relay.policy.judgement import judge
+from relay.requestid import bindRequestId
 from relay.selection import NoAccountAvailable
 from relay.sse import DONE, LineTooLong, SSEParser
 from relay.translate.sink import ChatCompletionsSink
@@ -559,15 +560,22 @@ only sends the chunk down the event-by-event path."""
 _USAGE_MARK = re.compile(_TERMINAL_MARK.pattern + b"|" + USAGE_CHUNK.pattern)
 """On a chat stream also the chunk that carries usage (issue 13 item 5)."""
 
-_PASSED_RESPONSE_HEADERS = ("x-codex-turn-state", "x-request-id", "openai-model")
+_PASSED_RESPONSE_HEADERS = (
+    ("x-codex-turn-state", "x-codex-turn-state"),
+    ("x-request-id", "x-upstream-request-id"),
+    ("openai-model", "openai-model"),
+)
+"""(upstream name, name the client sees). The upstream's C{x-request-id}
+reaches the client as C{X-Upstream-Request-Id}; C{X-Request-Id} is the
+turn's own id (issue 15, L{relay.requestid})."""
 
 
 def _passHeaders(headers: dict) -> dict:
     """
     Upstream response headers that reach the client on commit (R22: headers
-    are staged with the events).
+    are staged with the events), renamed by L{_PASSED_RESPONSE_HEADERS}.
     """
-    return {k: headers[k] for k in _PASSED_RESPONSE_HEADERS if k in headers}
+    return {ours: headers[theirs] for theirs, ours in _PASSED_RESPONSE_HEADERS if theirs in headers}
 
 
 def modelRewriter(requested: Optional[str], upstream: Optional[str]) -> Optional[Callable]:
@@ -631,6 +639,8 @@ class TurnRunner:
     wsAttempt: object = None
     proxyHealth: object = None
     usage: object = None
+    history: object = None
+    """optional L{relay.interfaces.IAccountHistory} (the status page's charts)."""
     budget: RetryBudget = field(factory=RetryBudget)
     bookkeeping: object = None
     """The L{AccountBookkeeping}: the one writer of account state for an
@@ -682,6 +692,9 @@ class TurnRunner:
     # -- the loop --------------------------------------------------------------
 
     async def _run(self, turn: Turn, sink) -> str:
+        # Issue 15: every log line written while this coroutine runs (health,
+        # scheduler, admission) carries the turn's id (relay.requestid).
+        bindRequestId(turn.requestId)
         start = self.clock.seconds()
         state = TurnState(startedAt=start)
         userLease = None
@@ -787,7 +800,7 @@ class TurnRunner:
                 account = selection.account
                 lease = selection.lease
                 if state.pendingFailover is not None:
-                    state.pendingFailover["next_account_id"] = account.id
+                    self.metrics.failoverTo(state.pendingFailover, account.id)
                     state.pendingFailover = None
                 if lease is None:
                     try:
@@ -800,6 +813,8 @@ class TurnRunner:
                 await self.scheduler.bind(turn, account)
             state.attempts += 1
             state.lastAccountId = account.id
+            if self.history is not None:
+                self.history.attempt(account.id)
             if not state.dispatched:
                 # Relay-added latency: start to first dispatch, less waits.
                 state.dispatched = True
@@ -820,7 +835,7 @@ class TurnRunner:
                 verdict = self.judge(turn, account, end)
             model = account.upstreamModel(turn.model) if turn.model else None
             recorded = await self.bookkeeping.record(
-                account, end, verdict, model, turn.requestId
+                account, end, verdict, model, turn.requestId, turn.upstreamRequestId
             )
             if result.ok:
                 sink.finish()
@@ -1005,12 +1020,15 @@ class TurnRunner:
             proxy_host=account.proxy.host if account.proxy is not None else None,
             proxy_port=account.proxy.port if account.proxy is not None else None,
             request_id=turn.requestId,
+            upstream_request_id=turn.upstreamRequestId,
             entrypoint=turn.entrypoint,
         )
         if self.metrics is not None:
             state.pendingFailover = self.metrics.failover(
                 verdict.reason, account.id, None, turn.entrypoint, verdict.status
             )
+        if self.history is not None:
+            self.history.failover(account.id)
         # R71: no extra interval after a first-output timeout.
         return ("switch", 0 if verdict.kind == F.FIRST_OUTPUT_TIMEOUT else interval)
 
@@ -1209,6 +1227,7 @@ class TurnRunner:
         every path, before a terminal event is written.
         """
         released = []
+        turn.upstreamRequestId = None
         renew = getattr(lease, "startRenewing", None)
         if renew is not None:
             # R34: a long stream keeps its Redis slot lease alive.
@@ -1276,6 +1295,7 @@ class TurnRunner:
                         end=ends.RelayTimeout(ends.FIRST_OUTPUT, fot), status=504
                     )
                 return AttemptResult(end=ends.TransportFailure(e, "headers"), status=502)
+            turn.upstreamRequestId = response.headers.get("x-request-id")
             if self.metrics is not None:
                 self.metrics.upstreamStatus(response.code)
             if response.code >= 300:
@@ -1408,10 +1428,18 @@ class TurnRunner:
             duration_ms=int((now - start) * 1000),
             first_output_ms=None if first is None else int((first - start) * 1000),
             **_usageFields(turn.usage),
+            upstream_request_id=turn.upstreamRequestId,
         )
         if accountId is not None:
             self.bookkeeping.accountStats(accountId)["turns"] += 1
+            if first is not None and self.history is not None:
+                self.history.firstOutput(accountId, first - start)
         if self.metrics is not None:
+            if state.pendingFailover is not None:
+                # A switch that found no next account (exhausted, or the
+                # client left during the retry interval).
+                self.metrics.failoverTo(state.pendingFailover, None)
+                state.pendingFailover = None
             self.metrics.turnFinished(turn.entrypoint, outcome)
             if first is not None:
                 self.metrics.firstOutput(first - start)

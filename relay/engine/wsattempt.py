@@ -369,9 +369,20 @@ class WebSocketAttempt:
             )
             return AttemptResult(end=ends.PoolBusy(e.reason), status=503), False
         except HandshakeRejected as e:
+            turn.upstreamRequestId = (e.headers or {}).get("x-request-id")
+            if runner.metrics is not None:
+                runner.metrics.upstreamStatus(e.status)  # issue 15: like HTTP statuses
             return self._handshakeRejected(runner, turn, account, e), False
         except Exception as e:  # noqa: BLE001
             return AttemptResult(end=ends.TransportFailure(e, "dial"), status=502), False
+        turn.upstreamRequestId = (getattr(conn.proto, "responseHeaders", None) or {}).get(
+            "x-request-id"
+        )
+        if not conn.handshakeCounted:
+            # A new upstream connection: its 101, counted once (issue 15).
+            conn.handshakeCounted = True
+            if runner.metrics is not None:
+                runner.metrics.upstreamStatus(101)
         if turn.cancel.cancelled:
             self._giveBack(conn, mode, broken=False)
             raise ClientGone(turn.cancel.reason)

@@ -11,6 +11,8 @@ C{/admin}):
   - C{GET /admin/settings} - the runtime settings, nested (behaviour.md R74);
   - C{PUT /admin/settings} - a partial change, nested or flat dotted JSON;
   - C{GET /admin/accounts} - every account's live state for the page;
+  - C{GET /admin/history} - per account, the last 15 minutes in one-minute
+    buckets (L{relay.history}) for the page's charts;
   - C{POST /admin/accounts/{id}/clear} - lift an account's runtime states;
   - C{GET /admin/metrics} - the same metrics as C{/metrics}, behind the key;
   - C{GET /admin/usage?since=<ISO 8601 or Unix seconds>&group_by=key|account|model|hour}
@@ -41,6 +43,8 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
+from relay.metrics import withoutCreated
+from relay.requestid import requestIdOf
 from relay.settings import RuntimeSettings, SettingsError
 
 __all__ = ["STATUS_PAGE", "buildAdminResource", "metricsResource"]
@@ -63,8 +67,11 @@ def _errorBody(message: str, type: str, code: Optional[str], param: Optional[str
 
 def _respond(request, status: int, obj: Any) -> bytes:
     """
-    Set the status and JSON headers, and return the encoded body.
+    Set the status and JSON headers, and return the encoded body. An error
+    envelope gets the request's id as C{error.request_id} (issue 15).
     """
+    if status >= 400 and isinstance(obj, dict) and isinstance(obj.get("error"), dict):
+        obj["error"]["request_id"] = requestIdOf(request)
     request.setResponseCode(status)
     request.setHeader(b"content-type", b"application/json; charset=utf-8")
     request.setHeader(b"cache-control", b"no-store")
@@ -376,10 +383,32 @@ class _UsageResource(_Guarded):
         return _deliverLater(request, d, _cbRows, "reading usage")
 
 
+class _HistoryResource(_Guarded):
+    """
+    C{GET /admin/history}: L{relay.interfaces.IAccountHistory.snapshot}.
+    """
+
+    def __init__(self, adminKey, history: Callable[[], dict]):
+        """
+        @param history: returns the snapshot (a JSON-ready dict).
+        """
+        super().__init__(adminKey)
+        self.history = history
+
+    def render_GET(self, request):
+        """
+        The snapshot as JSON.
+        """
+        if request.postpath not in ([], [b""]):
+            return _notFound(request)
+        return _respond(request, 200, self.history())
+
+
 class _MetricsResource(Resource):
     """
     The Prometheus text exposition of one registry, rendered synchronously
-    (no threads, no global reactor, unlike C{prometheus_client.twisted}).
+    (no threads, no global reactor, unlike C{prometheus_client.twisted}),
+    without C{_created} series (L{relay.metrics.withoutCreated}).
     """
 
     isLeaf = True
@@ -399,7 +428,7 @@ class _MetricsResource(Resource):
         request.setResponseCode(200)
         request.setHeader(b"content-type", contentType.encode("ascii"))
         request.setHeader(b"cache-control", b"no-store")
-        return encoder(self.registry)
+        return encoder(withoutCreated(self.registry))
 
     render_HEAD = render_GET
 
@@ -514,6 +543,7 @@ def buildAdminResource(
     recentFailovers: Optional[Callable[[], list]] = None,
     clock=None,
     usage=None,
+    history: Optional[Callable[[], dict]] = None,
 ) -> Resource:
     """
     Build the resource tree to mount at C{/admin}.
@@ -528,9 +558,9 @@ def buildAdminResource(
         C{kind}, C{reason}, C{until}, C{until_iso}, C{seconds_left}),
         C{blocked_models}, C{streaks} (R11, model -> count),
         C{rate_limited_until}, C{breaker}, C{disabled}, C{last_error},
-        C{last_error_at}, C{turns}, C{failovers}, C{proxy_id},
-        C{proxy_state} (times in Unix seconds unless named C{*_iso};
-        missing keys are shown as empty).
+        C{last_error_at}, C{last_success_at}, C{turns}, C{failovers},
+        C{proxy_id}, C{proxy_state} (times in Unix seconds unless named
+        C{*_iso}; missing keys are shown as empty).
     @param clearAccount: called with an account id; returns (a L{Deferred}
         of) anything, or raises/fails with L{KeyError} for an unknown id.
     @param registry: the metrics registry for C{/admin/metrics}, or L{None}
@@ -541,6 +571,8 @@ def buildAdminResource(
         the page counts down cooldowns on the server's clock.
     @param usage: optional L{relay.usage.ledger.UsageLedger} for
         C{/admin/usage} (needs C{clock}).
+    @param history: optional; returns the charts' data (e.g.
+        L{relay.history.AccountHistory.snapshot}) for C{/admin/history}.
     @rtype: L{Resource}
     """
     routes = {
@@ -554,6 +586,8 @@ def buildAdminResource(
         routes[b"metrics"] = _GuardedMetrics(adminKey, registry)
     if usage is not None:
         routes[b"usage"] = _UsageResource(adminKey, usage, clock)
+    if history is not None:
+        routes[b"history"] = _HistoryResource(adminKey, history)
     return _AdminRoot(adminKey, routes)
 
 

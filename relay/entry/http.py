@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import os
-from itertools import count
 from typing import Optional
 
 from twisted.logger import Logger
@@ -24,6 +22,7 @@ from twisted.web.server import NOT_DONE_YET
 from relay.entry.body import DEFAULT_MAX_BODY_BYTES
 from relay.entry.sinks import JSONSink, SSESink, writeError
 from relay.model import ClientError, ClientKey, Turn
+from relay.requestid import newRequestId, requestIdOf  # noqa: F401 - newRequestId re-exported
 from relay.session import sessionHash, sessionSeed
 from relay.translate.chatrequest import ChatRequestError, checkMessages
 
@@ -147,17 +146,6 @@ def badRequest(message: str, param=None, code=None) -> ClientError:
     return ClientError(400, "invalid_request_error", message, param=param, code=code)
 
 
-_ids = count(1)
-_prefix = os.urandom(3).hex()
-
-
-def newRequestId() -> str:
-    """
-    A relay request id for logs: C{req_<process prefix><seq>}.
-    """
-    return f"req_{_prefix}{next(_ids):x}"
-
-
 class TurnResource(Resource):
     """
     C{POST} a turn: C{/v1/responses} (C{endpoint="responses"}) or
@@ -268,7 +256,7 @@ class TurnResource(Resource):
             headers=headers,
             sessionHash=sessionHash(sessionSeed(headers, body, model), key.name),
             previousResponseId=previous,
-            requestId=newRequestId(),
+            requestId=requestIdOf(request),
         )
         sinkType = SSESink if stream else JSONSink
         sink = sinkType(request, self._endpoint, model)

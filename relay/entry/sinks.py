@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Optional
 
 from twisted.logger import Logger
 from zope.interface import implementer
@@ -18,6 +19,7 @@ from relay.model import ClientError
 from relay.translate.assemble import ResponseAssembler
 
 _ITEM_DONE = b"response.output_item.done"
+from relay.requestid import requestIdOf
 
 # protocol.md 2.6: error type -> in-stream code.
 STREAM_ERROR_CODES = {
@@ -32,19 +34,27 @@ STREAM_ERROR_CODES = {
 }
 
 
-def errorBody(error: ClientError) -> bytes:
+def errorBody(error: ClientError, requestId: Optional[str] = None) -> bytes:
     """
+    @param requestId: the turn's id, added to the error object as
+        C{request_id} (issue 15; OpenAI's envelope tolerates extra fields).
     @return: the OpenAI error envelope as JSON bytes.
     """
-    return json.dumps(error.envelope()).encode("utf-8")
+    envelope = error.envelope()
+    if requestId is not None:
+        envelope["error"]["request_id"] = requestId
+    return json.dumps(envelope).encode("utf-8")
 
 
 def writeError(request, error: ClientError) -> None:
     """
     Answer C{request} with C{error} before anything was written: the status,
-    C{Retry-After} when safe (R16), and the JSON envelope, or the upstream
-    body unchanged for C{cyber_policy} (R9).
+    C{Retry-After} when safe (R16), and the JSON envelope carrying the
+    request id (L{relay.requestid.requestIdOf}), or the upstream body
+    unchanged for C{cyber_policy} (R9; the id is then in the
+    C{X-Request-Id} header only).
     """
+    requestId = requestIdOf(request)
     request.setResponseCode(error.status)
     for name, value in error.headers:
         request.setHeader(name, value)
@@ -53,14 +63,17 @@ def writeError(request, error: ClientError) -> None:
         request.write(error.rawBody)
     else:
         request.setHeader(b"content-type", b"application/json")
-        request.write(errorBody(error))
+        request.write(errorBody(error, requestId))
     request.finish()
 
 
-def failedEvent(error: ClientError, model) -> bytes:
+def failedEvent(error: ClientError, model, requestId: Optional[str] = None) -> bytes:
     """
     A terminal C{response.failed} SSE event for an error after the stream
     started (protocol.md 2.6, behaviour.md R17).
+
+    @param requestId: the turn's id, added to C{response.error} as
+        C{request_id} (issue 15).
     """
     code = error.code if error.code and error.type != "rate_limit_error" else None
     code = code or STREAM_ERROR_CODES.get(error.type or "", "server_error")
@@ -75,6 +88,8 @@ def failedEvent(error: ClientError, model) -> bytes:
             "error": {"code": code, "message": error.message},
         },
     }
+    if requestId is not None:
+        payload["response"]["error"]["request_id"] = requestId
     return b"event: response.failed\ndata: " + json.dumps(payload).encode() + b"\n\n"
 
 
@@ -207,10 +222,11 @@ class SSESink(_RequestSink):
             self._finished = True
             writeError(self._request, error)
             return
+        requestId = requestIdOf(self._request)
         if self._endpoint == "responses":
-            self._request.write(failedEvent(error, self._model))
+            self._request.write(failedEvent(error, self._model, requestId))
         else:
-            self._request.write(b"event: error\ndata: " + errorBody(error) + b"\n\n")
+            self._request.write(b"event: error\ndata: " + errorBody(error, requestId) + b"\n\n")
         self._finish()
 
     def finish(self) -> None:

@@ -28,10 +28,11 @@ from twisted.logger import Logger
 from twisted.web.server import NOT_DONE_YET
 
 from relay.engine.runner import previousResponseNotFound
-from relay.entry.http import UNAUTHORIZED, filterClientHeaders, newRequestId
+from relay.entry.http import UNAUTHORIZED, filterClientHeaders
 from relay.entry.sinks import writeError
 from relay.entry.wssink import WebSocketSink, wsErrorEvent
 from relay.model import ClientError, Turn
+from relay.requestid import adoptClientId
 from relay.session import SESSION_HEADERS, sessionHash, sessionSeed
 
 MSG_ID_MESSAGE = "previous_response_id must be a response.id (resp_*), not a message id"
@@ -178,12 +179,16 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             self._closing = None
             self._gone = False
             self._connId = "ws_" + os.urandom(6).hex()
+            # Issue 15: the connection's request id is the client's (Codex:
+            # its thread id) or the connection id; turn n is "<id>:<n>".
+            self._requestId = adoptClientId(headers.get) or self._connId
             self._openedAt = f.reactor.seconds()
             self._threadId = next((headers[h] for h in THREAD_HEADERS if headers.get(h)), None)
             self._ownerKey = None
         except Exception:
             self._log.failure("accepting a client websocket failed")
             raise
+        return (None, {"X-Request-Id": self._requestId})
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -218,6 +223,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             "client websocket {conn_id} closed {code} {reason} after {turns} turn(s)",
             event="relay.ws_closed",
             conn_id=self._connId,
+            request_id=self._requestId,
             code=closeCode,
             reason=sent[1] if sent else (reason or ""),
             turns=self._turns,
@@ -395,7 +401,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             previousResponseId=previous,
             historyComplete=state.historyComplete(previous),
             wsMode=mode,
-            requestId=newRequestId(),
+            requestId=f"{self._requestId}:{self._turns + 1}",
             phase=phase,
             preferredAccountId=state.accountId,
             wsContext=state,
@@ -454,6 +460,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             event="ingress_ws_http_bridge_prewarm",
             response_id=rid,
             conn_id=self._connId,
+            request_id=turn.requestId,
         )
         self._next()
 
@@ -517,6 +524,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             "client websocket {conn_id} pre-empted by {new_conn_id}",
             event="ingress_ws_session_preempted",
             conn_id=self._connId,
+            request_id=self._requestId,
             new_conn_id=by,
             account_id=self._state.accountId,
             while_running=self._running is not None,
@@ -549,6 +557,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             "client websocket {conn_id} reached its age limit ({age:.0f}s)",
             event="ingress_ws_connection_limit_reached",
             conn_id=self._connId,
+            request_id=self._requestId,
             age=age,
             limit=limit,
             turns=self._turns,

@@ -137,6 +137,7 @@ class AccountBookkeeping:
         verdict: Optional[F.Verdict],
         model: Optional[str] = None,
         requestId: str = "",
+        upstreamRequestId: Optional[str] = None,
     ) -> Deferred:
         """
         Write what C{end} means to C{account}'s state.
@@ -148,14 +149,18 @@ class AccountBookkeeping:
         @param model: the upstream model of the attempt (R11 streak and
             model blocks), or L{None}.
         @param requestId: the turn's id, for logs.
+        @param upstreamRequestId: the upstream's C{x-request-id} of the
+            attempt, for logs (issue 15), or L{None}.
         @return: a L{Deferred} firing with a L{Recorded}; it fails only on
             a bug (store errors are handled by the health object).
         """
         if isinstance(end, E.Departed):
             return Deferred.fromCoroutine(_nothing())
-        return Deferred.fromCoroutine(self._record(account, end, verdict, model, requestId))
+        return Deferred.fromCoroutine(
+            self._record(account, end, verdict, model, requestId, upstreamRequestId)
+        )
 
-    async def _record(self, account, end, verdict, model, requestId) -> Recorded:
+    async def _record(self, account, end, verdict, model, requestId, upstreamId) -> Recorded:
         if isinstance(end, (E.Refused, E.Forwarded)):
             return NOTHING
         if isinstance(end, E.Completed):
@@ -163,7 +168,7 @@ class AccountBookkeeping:
             await self.health.success(account, model)
             return NOTHING
         if verdict is not None:
-            self._noteFailure(account, end, verdict, requestId)
+            self._noteFailure(account, end, verdict, requestId, upstreamId)
         if self._isTransportFailure(end, verdict):
             await self.health.transientTransportFailure(account, proxyId(account))
         if isinstance(end, E.StreamCut):
@@ -205,7 +210,9 @@ class AccountBookkeeping:
         except Exception:
             self._log.failure("recording a proxy stream cut failed")
 
-    def _noteFailure(self, account, end, verdict: F.Verdict, requestId: str) -> None:
+    def _noteFailure(
+        self, account, end, verdict: F.Verdict, requestId: str, upstreamId: Optional[str]
+    ) -> None:
         """
         The operator counters and the R5 ops event of one failed attempt.
         """
@@ -226,6 +233,7 @@ class AccountBookkeeping:
             end=type(end).__name__,
             proxy_id=proxyId(account),
             request_id=requestId,
+            upstream_request_id=upstreamId,
         )
 
 

@@ -251,6 +251,8 @@ class PooledConnection:
 
     @ivar lastResponseId: the latest response produced on it (the chain
         head the upstream caches, protocol.md 4.4).
+    @ivar handshakeCounted: whether its handshake's 101 was counted in
+        C{relay_upstream_status_total} (once per connection; issue 15).
     """
 
     proto: UpstreamProtocol
@@ -259,6 +261,7 @@ class PooledConnection:
     busy: bool = False
     broken: bool = False
     lastResponseId: str | None = None
+    handshakeCounted: bool = False
 
     @property
     def alive(self) -> bool:

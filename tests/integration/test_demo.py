@@ -62,13 +62,15 @@ async def test_demo_check_passes():
     """
     C{demo.sh --check} exits 0 after a streaming request that ended with
     C{response.completed} and a non-streaming one that completed, both
-    served through the relay on the overridden ports.
+    served through the relay on the overridden ports; it printed the status
+    page's address with the demo admin key (issue 15).
     """
     output, code, relayPort, emulatorPort = await runDemo()
     print(output)
     assert code == 0, output
     assert f"relay:    http://127.0.0.1:{relayPort}" in output
     assert f"emulator: http://127.0.0.1:{emulatorPort}" in output
+    assert f"status:   http://127.0.0.1:{relayPort}/admin/#key=admin-demo" in output
     assert "ending with response.completed" in output
     assert "status completed" in output
     assert "demo check passed" in output

@@ -96,7 +96,8 @@ async def test_timeout_after_keepalives_is_in_stream():
     """
     R31/R17: once a keepalive committed the SSE headers, a wait timeout
     arrives in-stream as a terminal C{response.failed} with code
-    C{rate_limit_exceeded}, not as an HTTP 429.
+    C{rate_limit_exceeded} (and the turn's C{request_id}, issue 15), not as
+    an HTTP 429.
     """
     stack = await startStack([{"id": "a1", "credential": "sk-adm-a1", "concurrency": 1}],
                              emulatorConfig={"default_script": {"text": "slow", "delay": 0.3, "deltas": 4}})
@@ -110,7 +111,9 @@ async def test_timeout_after_keepalives_is_in_stream():
         assert len(failed) == 1
         kind, event = failed[0][-1]
         assert kind == "response.failed"
-        assert event["response"]["error"] == {
+        error = event["response"]["error"]
+        assert error.pop("request_id").startswith("req_")  # issue 15
+        assert error == {
             "code": "rate_limit_exceeded",
             "message": "Concurrency limit exceeded for account, please retry later",
         }

@@ -72,6 +72,44 @@ async def _stack():
     return stack
 
 
+async def _traffic(stack):
+    """
+    Issue 15: more traffic for the charts and the last-error column:
+    C{acct-ok} answers one 503 (its last error) and then serves a few turns
+    (so that error is older than its last success).
+    """
+    stack.emulator.setFault("sk-ok", {"kind": "status", "code": 503, "times": 1})
+    response, data = await stack.postJSON(
+        "/v1/responses", {"model": "gpt-5.5", "input": "one 503", "stream": True}
+    )
+    for n in range(3):
+        response, data = await stack.postJSON(
+            "/v1/responses", {"model": "gpt-5.5", "input": f"turn {n}", "stream": True}
+        )
+        assert response.code == 200 and sseEvents(data)[-1][0] == "response.completed", data
+
+
+def _svg(dom: str, account: str) -> str:
+    """
+    The chart of C{account} in a dumped DOM.
+    """
+    found = re.search(
+        r'<svg[^>]*class="history"[^>]*data-account-id="%s".*?</svg>' % re.escape(account),
+        dom, re.S,
+    )
+    assert found is not None, dom[-3000:]
+    return found.group(0)
+
+
+def _path(svg: str, cls: str) -> str:
+    """
+    The C{d} of the chart path of class C{cls}.
+    """
+    found = re.search(r'<path class="%s" d="([^"]*)"' % cls, svg)
+    assert found is not None, svg
+    return found.group(1)
+
+
 async def chromium(url, *extra):
     """
     Run headless Chromium on C{url} (bounded by L{CHROMIUM_DEADLINE}) while
@@ -126,12 +164,59 @@ async def test_cooldown_row_rendered_and_screenshot():
         assert re.search(r'<tr class="failover">.*?acct-cool.*?acct-ok', dom, re.S), dom[-3000:]
         assert 'data-loaded="1"' in dom
         assert KEY not in dom
+        # Issue 15: when the last error happened.
+        assert re.search(r'class="lasterror".*?transport.*?\d+s ago', row.group(0), re.S)
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         target = ARTIFACTS / "status.png"
         if target.exists():
             target.unlink()
         _, err, code = await chromium(
             base + "#key=" + KEY, "--window-size=1200,800", "--screenshot=" + str(target)
+        )
+        assert code == 0, err[-2000:]
+        assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_charts_and_layout_at_1280_after_traffic():
+    """
+    Issue 15: after some traffic the page, 1280 px wide, does not scroll
+    sideways and shows every Clear button; each account has a chart of the
+    last 15 minutes drawn as inline SVG -- request bars for both, a
+    failover bar for the account that was failed over, a first-output p50
+    line for the account that served -- from C{/admin/history}; an error
+    followed by a success is shown as old. A screenshot is kept as
+    C{artifacts/status-history.png}.
+    """
+    stack = await _stack()
+    try:
+        await _traffic(stack)
+        base = stack.url + "/admin/"
+        dom, err, code = await chromium(
+            base + "#key=" + KEY, "--window-size=1280,900", "--dump-dom"
+        )
+        assert code == 0, err[-2000:]
+        assert 'data-loaded="1"' in dom
+        assert 'data-overflow-x="0"' in dom, "the page scrolls sideways at 1280 px"
+        assert 'data-clear-clipped="0"' in dom, "a Clear button is outside the window"
+        ok, cool = _svg(dom, "acct-ok"), _svg(dom, "acct-cool")
+        assert re.match(r"^M[\d.]+ [\d.]+v-", _path(ok, "requests"))
+        assert _path(ok, "latency").startswith("M")
+        assert re.match(r"^M[\d.]+ [\d.]+v-", _path(cool, "requests"))
+        assert re.match(r"^M[\d.]+ [\d.]+v-", _path(cool, "failovers"))
+        assert _path(cool, "latency") == ""
+        okRow = re.search(
+            r'<tr class="account state-ok" data-account-id="acct-ok".*?</tr>', dom, re.S
+        ).group(0)
+        assert 'class="lasterror stale"' in okRow and "ok since" in okRow, okRow
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        target = ARTIFACTS / "status-history.png"
+        if target.exists():
+            target.unlink()
+        _, err, code = await chromium(
+            base + "#key=" + KEY, "--window-size=1280,900", "--screenshot=" + str(target)
         )
         assert code == 0, err[-2000:]
         assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

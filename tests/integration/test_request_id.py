@@ -1,0 +1,386 @@
+"""
+Issue 15: one request id, end to end, through a real relay and the real
+emulator on loopback.
+
+A client's C{X-Request-Id} (or C{X-Client-Request-Id}) becomes the turn's
+id: it comes back as C{X-Request-Id}, reaches the upstream as
+C{X-Client-Request-Id} on every attempt, and is on every relay log line of
+the turn in both log formats -- including the lines written by code that
+does not know the turn (health's cooldown, the scheduler), which get it
+from the turn's context (L{relay.requestid.currentRequestId}). The
+upstream's own id comes back as C{X-Upstream-Request-Id}. WebSocket
+connections answer the 101 with the connection's id and number their turns
+C{<id>:<n>}.
+
+The logs are captured with the real observers (L{relay.logs.observerFor})
+on the global log publisher, limited to relay's own namespaces (the
+in-process emulator's lines and Twisted's are not the relay's).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+
+import attrs
+import pytest_twisted
+import treq
+from autobahn.twisted.websocket import WebSocketClientFactory, WebSocketClientProtocol
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred, DeferredQueue, gatherResults
+from twisted.internet.endpoints import TCP4ClientEndpoint
+from twisted.logger import globalLogPublisher
+
+from relay.logs import JSON_FIXED_KEYS, observerFor
+from tests.integration.harness import RELAY_KEY, sseEvents, startStack
+
+GOOD, BAD = "sk-good", "sk-bad"
+ISO_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
+
+
+class RelayLogs:
+    """
+    The relay's log lines (text and JSON, through the real observers)
+    while it is installed on the global publisher; C{seen(name)} fires
+    when an event of that name has been logged.
+    """
+
+    def __init__(self):
+        self.text = io.StringIO()
+        self.json = io.StringIO()
+        self._text = observerFor("text", self.text, ())
+        self._json = observerFor("json", self.json, ())
+        self._waiting = {}
+        self.names = []
+
+    def __call__(self, event):
+        """
+        Write a relay event through both observers (other namespaces are
+        not the relay's lines).
+        """
+        namespace = event.get("log_namespace") or ""
+        if not namespace.startswith("relay.") or namespace.startswith("relay.emulator"):
+            return
+        self._text(event)
+        self._json(event)
+        name = event.get("event")
+        self.names.append(name)
+        for d in self._waiting.pop(name, []):
+            d.callback(None)
+
+    def seen(self, name) -> Deferred:
+        """
+        @return: a Deferred firing once an event called C{name} was logged
+            (at most 5 s).
+        """
+        if name in self.names:
+            return Deferred.fromCoroutine(_done())
+        d = Deferred()
+        self._waiting.setdefault(name, []).append(d)
+        return d.addTimeout(5, reactor)
+
+    def __enter__(self):
+        """
+        Start capturing.
+        """
+        globalLogPublisher.addObserver(self)
+        return self
+
+    def __exit__(self, *exc):
+        """
+        Stop capturing.
+        """
+        globalLogPublisher.removeObserver(self)
+
+    def textLines(self):
+        """
+        @return: the text lines written.
+        """
+        return self.text.getvalue().splitlines()
+
+    def jsonRecords(self):
+        """
+        @return: the JSON lines written, parsed.
+        """
+        return [json.loads(line) for line in self.json.getvalue().splitlines()]
+
+
+async def _done():
+    """
+    Nothing to wait for.
+    """
+    return None
+
+
+async def _failoverStack():
+    """
+    BAD (preferred) answers 503, GOOD serves: one failover per turn.
+    """
+    stack = await startStack(
+        [
+            {"id": "bad", "credential": BAD, "priority": 1},
+            {"id": "good", "credential": GOOD, "priority": 50},
+        ]
+    )
+    stack.emulator.setFault(BAD, {"kind": "status", "code": 503})
+    return stack
+
+
+def _checkTurnLines(logs: RelayLogs, requestId: str) -> list:
+    """
+    Every relay text line carries C{req=<id>} and its event name; every
+    JSON record carries C{request_id} and the fixed keys first.
+
+    @return: the JSON records.
+    """
+    lines = [line for line in logs.textLines() if not line.startswith("\t")]
+    assert lines
+    for line in lines:
+        assert f" req={requestId}] " in line, line
+    records = logs.jsonRecords()
+    assert len(records) == len(lines)
+    for record in records:
+        assert list(record)[: len(JSON_FIXED_KEYS)] == list(JSON_FIXED_KEYS), record
+        assert record["request_id"] == requestId, record
+        assert ISO_UTC.match(record["time"]), record
+    return records
+
+
+@pytest_twisted.ensureDeferred
+async def test_client_id_end_to_end_with_a_failover():
+    """
+    Issue 15 "done when": a request with a client C{X-Request-Id} that fails
+    over once finds that id on the response, on every relay log line of the
+    turn (text and JSON: the attempt's failure, the failover, the R11
+    streak line health writes without knowing the turn, the decisions, the
+    turn's end, the access line) and on
+    both upstream attempts as C{X-Client-Request-Id}.
+    """
+    stack = await _failoverStack()
+    requestId = "client-abc.123:try-1"
+    try:
+        with RelayLogs() as logs:
+            response, data = await stack.postJSON(
+                "/v1/responses",
+                {"model": "gpt-5.5", "input": "hi", "stream": True},
+                headers={"X-Request-Id": [requestId]},
+            )
+            assert response.code == 200, data
+            assert sseEvents(data)[-1][0] == "response.completed"
+            await logs.seen("relay.turn_finished")
+            await logs.seen("relay.http_access")
+        assert response.headers.getRawHeaders(b"x-request-id") == [requestId.encode()]
+        upstreamId = response.headers.getRawHeaders(b"x-upstream-request-id")
+        assert upstreamId and upstreamId[0].startswith(b"req_") and upstreamId[0] != requestId
+        seen = [r.headers.get("x-client-request-id") for r in stack.emulator.requestsFor(BAD)]
+        seen += [r.headers.get("x-client-request-id") for r in stack.emulator.requestsFor(GOOD)]
+        assert seen == [requestId, requestId]
+        records = _checkTurnLines(logs, requestId)
+        names = {r["event"] for r in records}
+        for name in (
+            "openai.ops_event",
+            "openai.upstream_failover_switching",
+            "openai_model_transient_state",  # health.py: no request_id passed
+            "openai.account_schedule_decision",
+            "relay.turn_finished",
+            "relay.http_access",
+        ):
+            assert name in names, (name, names)
+        finished = next(r for r in records if r["event"] == "relay.turn_finished")
+        assert finished["upstream_request_id"] == upstreamId[0].decode()
+        failed = next(r for r in records if r["event"] == "openai.ops_event")
+        assert failed["upstream_request_id"].startswith("req_")
+        assert failed["upstream_request_id"] != finished["upstream_request_id"]
+        text = "\n".join(logs.textLines())
+        assert "[openai.upstream_failover_switching#warn req=" in text
+        assert "[relay.turn_finished#info req=" in text
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_own_id_when_the_client_sends_none_or_a_bad_one():
+    """
+    Without a usable client id (none, or one with characters outside
+    C{[A-Za-z0-9._:-]}, or longer than 128) relay assigns its own, and the
+    X-Client-Request-Id form is adopted like X-Request-Id.
+    """
+    stack = await _failoverStack()
+    try:
+        for headers in ({}, {"X-Request-Id": ["has space"]}, {"X-Request-Id": ["x" * 129]}):
+            with RelayLogs() as logs:
+                response, data = await stack.postJSON(
+                    "/v1/responses", {"model": "gpt-5.5", "input": "hi"}, headers=headers
+                )
+                await logs.seen("relay.turn_finished")
+            assert response.code == 200, data
+            (own,) = response.headers.getRawHeaders(b"x-request-id")
+            assert re.match(rb"^req_[0-9a-f]+$", own), own
+            _checkTurnLines(logs, own.decode())
+        response, data = await stack.postJSON(
+            "/v1/responses", {"model": "gpt-5.5", "input": "hi"},
+            headers={"X-Client-Request-Id": ["thread-5f0e"]},
+        )
+        assert response.headers.getRawHeaders(b"x-request-id") == [b"thread-5f0e"]
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_relay_errors_carry_the_id():
+    """
+    relay's own answers carry the id too: 401, 404, 405, 426, a bad body
+    (400), and relay's 429s when the one slot is busy (queue full, wait
+    timeout), each in C{X-Request-Id} and as C{error.request_id} in the
+    body.
+    """
+    stack = await startStack(
+        [{"id": "good", "credential": GOOD, "concurrency": 1}],
+        emulatorConfig={"default_script": {"text": "slow", "delay": 0.3, "deltas": 4}},
+    )
+    current = stack.app.settings.current
+    stack.app.settings.current = attrs.evolve(
+        current,
+        scheduling=attrs.evolve(
+            current.scheduling, fallback_max_waiting=1, fallback_wait_timeout=0.3
+        ),
+    )
+    try:
+        url = stack.url
+        auth = {"Authorization": [f"Bearer {RELAY_KEY}"]}
+        cases = [
+            (401, treq.post(url + "/v1/responses", b"{}", headers={"X-Request-Id": ["e401"]})),
+            (404, treq.get(url + "/nowhere", headers={"X-Request-Id": ["e404"]})),
+            (405, treq.put(url + "/v1/responses", b"", headers={"X-Request-Id": ["e405"]})),
+            (426, treq.get(url + "/v1/responses", headers={"X-Request-Id": ["e426"]})),
+            (400, treq.post(url + "/v1/responses", b"nope",
+                            headers={**auth, "X-Request-Id": ["e400"]})),
+        ]
+        for status, d in cases:
+            response = await d
+            body = json.loads(await response.content())
+            expected = f"e{status}"
+            assert response.code == status
+            assert response.headers.getRawHeaders(b"x-request-id") == [expected.encode()]
+            assert body["error"]["request_id"] == expected
+        # One slot, one waiter: of three turns one is served, one finds the
+        # queue full and one times out waiting (relay's own 429s, R32).
+        results = await gatherResults([
+            Deferred.fromCoroutine(stack.postJSON(
+                "/v1/responses", {"model": "gpt-5.5", "input": f"q{i}", "stream": True},
+                headers={"X-Request-Id": [f"turn-{i}"]},
+            ))
+            for i in range(3)
+        ])
+        refused = [(r, d) for r, d in results if r.code == 429]
+        assert len(refused) == 2, [r.code for r, _ in results]
+        for response, data in refused:
+            (requestId,) = response.headers.getRawHeaders(b"x-request-id")
+            assert requestId.startswith(b"turn-")
+            assert json.loads(data)["error"]["request_id"] == requestId.decode()
+    finally:
+        await stack.stop()
+
+
+class _Client(WebSocketClientProtocol):
+    """
+    A WebSocket client that keeps the 101's headers.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.events = DeferredQueue()
+        self.opened = Deferred()
+        self.upgradeHeaders = {}
+
+    def onConnect(self, response):
+        """
+        Keep the 101's headers.
+        """
+        self.upgradeHeaders = {k.lower(): v for k, v in response.headers.items()}
+
+    def onOpen(self):
+        """
+        The handshake completed.
+        """
+        self.opened.callback(self)
+
+    def onMessage(self, payload, isBinary):
+        """
+        Queue each event.
+        """
+        self.events.put(json.loads(payload))
+
+    def onClose(self, wasClean, code, reason):
+        """
+        Fail a pending handshake; queue a close marker.
+        """
+        if not self.opened.called:
+            self.opened.errback(Exception(f"handshake failed {code} {reason}"))
+        self.events.put({"type": "__closed__", "code": code})
+
+    async def turn(self, frame):
+        """
+        Send C{frame}; return the turn's terminal event (or the close).
+        """
+        self.sendMessage(json.dumps(frame).encode(), False)
+        while True:
+            event = await self.events.get().addTimeout(5, reactor)
+            if event["type"] in ("response.completed", "response.failed", "error", "__closed__"):
+                return event
+
+
+async def _connect(stack, headers) -> _Client:
+    """
+    Open a client WebSocket to the relay with C{headers}.
+    """
+    port = stack.port.getHost().port
+    factory = WebSocketClientFactory(
+        f"ws://127.0.0.1:{port}/v1/responses",
+        headers={"Authorization": f"Bearer {RELAY_KEY}", **headers},
+        reactor=reactor,
+    )
+    factory.protocol = _Client
+    proto = await TCP4ClientEndpoint(reactor, "127.0.0.1", port, timeout=5).connect(factory)
+    await proto.opened.addTimeout(5, reactor)
+    return proto
+
+
+@pytest_twisted.ensureDeferred
+async def test_websocket_connection_and_turn_ids():
+    """
+    The 101 carries the connection's id (the client's
+    C{x-client-request-id}, as Codex sends its thread id); turn n is
+    C{<id>:<n>} on every relay line of that turn and reaches the upstream
+    handshake as C{x-client-request-id}; the upstream handshake's statuses
+    are counted like HTTP statuses (a refused 503, then a 101).
+    """
+    stack = await _failoverStack()
+    stack.emulator.clearFaults()
+    stack.emulator.setFault(BAD, {"kind": "ws_handshake_status", "code": 503})
+    thread = "5f0e3c1a-0000-4000-8000-000000000001"
+    try:
+        client = await _connect(stack, {"x-client-request-id": thread, "session-id": thread})
+        assert client.upgradeHeaders.get("x-request-id") == thread
+        for n in (1, 2):
+            with RelayLogs() as logs:
+                event = await client.turn(
+                    {"type": "response.create", "model": "gpt-5.5", "input": f"turn {n}"}
+                )
+                assert event["type"] == "response.completed", event
+                await logs.seen("relay.turn_finished")
+            _checkTurnLines(logs, f"{thread}:{n}")
+        client.sendClose(1000)
+        handshakes = stack.emulator.requestsFor(GOOD, "handshake")
+        assert handshakes and handshakes[0].headers.get("x-client-request-id") == f"{thread}:1"
+        metrics = stack.app.extras["metrics"]
+        text = metrics.registry.get_sample_value
+        assert text("relay_upstream_status_total", {"status": "503"}) == 1
+        assert text("relay_upstream_status_total", {"status": "101"}) >= 1
+        assert text(
+            "relay_failovers_total",
+            {"from_account": "bad", "to_account": "good", "reason": "status_503"},
+        ) >= 1
+    finally:
+        await stack.stop()
