@@ -178,6 +178,10 @@ class TurnState:
     waited: float = 0.0
     """Seconds spent in slot waits and retry sleeps (not relay's own latency)."""
     dispatched: bool = False
+    bearers: dict = field(factory=dict)
+    """Account id -> the bearer its last attempt was dialled with (issue 12)."""
+    refreshed: set = field(factory=set)
+    """Accounts that got their one 401 refresh-and-replay in this turn."""
 
 
 @implementer(IPushProducer)
@@ -562,6 +566,10 @@ class TurnRunner:
     metrics: object = None
     wsAttempt: object = None
     proxyHealth: object = None
+    credentials: object = None
+    """The L{relay.interfaces.ICredentialSource}, or L{None}: dial as configured."""
+    quota: object = None
+    """The L{relay.quota.UsageWindows} recording upstream usage windows, or L{None}."""
     budget: RetryBudget = field(factory=RetryBudget)
     accountStats: dict = field(factory=dict)
     """account id -> {"turns", "failovers", "last_error"} for the admin view."""
@@ -680,7 +688,7 @@ class TurnRunner:
                     self.metrics.addedLatency(
                         self.clock.seconds() - state.startedAt - state.waited
                     )
-            result = await self._attempt(turn, sink, account, lease)
+            result = await self._attempt(turn, sink, account, lease, state)
             if result.ok:
                 sink.finish()
                 await self._succeeded(turn, account, result)
@@ -694,6 +702,9 @@ class TurnRunner:
                 return "failed", result.status, account.id
             verdict = result.verdict
             if self._rewriteOnce(turn, state, account, verdict):
+                sameAccount = account
+                continue
+            if await self._refreshOnce(turn, state, account, verdict):
                 sameAccount = account
                 continue
             decision = await self._decide(turn, sink, state, account, verdict)
@@ -738,6 +749,40 @@ class TurnRunner:
             request_id=turn.requestId,
         )
         return True
+
+    async def _refreshOnce(self, turn: Turn, state: TurnState, account, verdict) -> bool:
+        """
+        Issue 12 (behaviour.md R11, protocol.md 7.4): a 401 from an OAuth
+        account that can refresh, before anything reached the client,
+        triggers one refresh (single flight) and one replay on the same
+        account before any failover decision. A second 401 in the turn
+        invalidates the cached token and goes on to R11's marking.
+
+        @return: L{True} when a new token is in place and the turn should
+            be replayed on C{account}.
+        """
+        if self.credentials is None or verdict is None or verdict.status != 401:
+            return False
+        if verdict.kind not in (F.STATUS, F.STREAM) or account.type != "oauth":
+            return False
+        if account.id in state.refreshed:
+            self.credentials.invalidate(account)
+            return False
+        if not self.credentials.canRefresh(account):
+            return False
+        state.refreshed.add(account.id)
+        ok = await raceCancel(
+            self.credentials.refresh(account, stale=state.bearers.get(account.id)), turn.cancel
+        )
+        self._log.info(
+            "401 on {account_id}: token refresh {outcome}; {action}",
+            event="openai.oauth_401_refresh",
+            account_id=account.id,
+            outcome="succeeded" if ok else "failed",
+            action="replaying on the same account" if ok else "deciding as usual",
+            request_id=turn.requestId,
+        )
+        return bool(ok)
 
     async def _decide(self, turn, sink, state: TurnState, account, verdict: F.Verdict):
         """
@@ -1056,10 +1101,12 @@ class TurnRunner:
 
     # -- one attempt -----------------------------------------------------------
 
-    async def _attempt(self, turn: Turn, sink, account, lease) -> AttemptResult:
+    async def _attempt(self, turn: Turn, sink, account, lease, state=None) -> AttemptResult:
         """
         One attempt on C{account} holding C{lease}. The lease is released on
-        every path, before a terminal event is written.
+        every path, before a terminal event is written. With a credential
+        source the account is dialled with its current bearer, refreshed
+        first when it is missing or expired (issue 12).
         """
         released = []
         renew = getattr(lease, "startRenewing", None)
@@ -1073,6 +1120,13 @@ class TurnRunner:
                 lease.release()
 
         try:
+            if self.credentials is not None:
+                pending = self.credentials.ready(account)
+                if pending is not None:
+                    await raceCancel(pending, turn.cancel)
+                account = self.credentials.current(account)
+                if state is not None:
+                    state.bearers[account.id] = account.credential
             if self.wsAttempt is not None and turn.entrypoint == "ws" and turn.wsMode in (
                 "ctx_pool",
                 "passthrough",
@@ -1127,6 +1181,8 @@ class TurnRunner:
                 return AttemptResult(verdict=verdict, status=verdict.status)
             if self.metrics is not None:
                 self.metrics.upstreamStatus(response.code)
+            if self.quota is not None and account.type == "oauth":
+                self.quota.observeHeaders(account, response.headers)
             if response.code >= 300:
                 idle = s.upstream.stream_idle_timeout_seconds
                 try:

@@ -62,6 +62,9 @@ class Stack:
         return response, data
 
     async def stop(self) -> None:
+        credentials = self.app.extras.get("credentials") if self.app is not None else None
+        if credentials is not None:
+            credentials.stop()
         if self.port is not None:
             await maybeDeferred(self.port.stopListening)
         for p in self.extraPorts:
@@ -118,6 +121,9 @@ async def startStack(accounts, gateway: str = "{}", emulatorConfig=None, keys=No
     )
     config = settingsFromString(text)
     app = buildApplication(config, reactor)
+    credentials = app.extras.get("credentials")
+    if credentials is not None:
+        await credentials.start()  # what relay's _Startup does (issue 12)
     port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(app.site)
     return Stack(emulator=emulator, app=app, port=port)
 
