@@ -331,7 +331,8 @@ class OAuthAuthority:
         @return: C{(key, None)} with the credential key to use (the
             canonical key for our tokens, else C{token} unchanged), or
             C{(key, body)} with a 401 body (C{key} is the account's key when
-            the token is ours but expired, else L{None}).
+            the token names one of our accounts but is expired or badly
+            signed, else L{None}).
         """
         if not token or token.count(".") != 2:
             return token, None
@@ -351,8 +352,13 @@ class OAuthAuthority:
             return key, _authError("Provided authentication token is expired. Please try"
                                    " signing in again.", "token_expired")
         except jwt.PyJWTError:
-            return None, _authError("Could not validate your authentication token.",
-                                    "invalid_token")
+            try:
+                name = jwt.decode(token, options={"verify_signature": False}).get("sub")
+            except jwt.PyJWTError:
+                name = None
+            key = canonicalKey(name) if name in self.accounts else None
+            return key, _authError("Could not validate your authentication token.",
+                                   "invalid_token")
         name = claims.get("sub")
         if name not in self.accounts:
             return None, _authError("Unknown account.", "invalid_token")

@@ -90,7 +90,8 @@ def accountsYAML(emulator: Emulator, accounts) -> str:
         base = a.pop("base_url", None) or emulator.baseURL(kind)
         entry = {"id": a.pop("id"), "type": kind, "base_url": base}
         if kind == "oauth":
-            entry["access_token"] = cred
+            if cred is not None:
+                entry["access_token"] = cred
             entry["chatgpt_account_id"] = a.pop("chatgpt_account_id", "acct-test")
         else:
             entry["api_key"] = cred
@@ -99,16 +100,23 @@ def accountsYAML(emulator: Emulator, accounts) -> str:
     return json.dumps(lines)
 
 
-async def startStack(accounts, gateway: str = "{}", emulatorConfig=None, keys=None, extra="") -> Stack:
+async def startStack(accounts, gateway: str = "{}", emulatorConfig=None, keys=None, extra="",
+                     emulator=None) -> Stack:
     """
     Start an emulator and a relay whose accounts point at it.
 
-    @param accounts: see L{accountsYAML}.
+    @param accounts: see L{accountsYAML}; or a callable taking the
+        listening emulator and returning them (to mint OAuth tokens).
     @param gateway: the C{gateway:} section as YAML/JSON text.
     @param keys: the C{keys:} section as JSON text (default: one test key).
+    @param emulator: an emulator already listening, else one is started
+        with C{emulatorConfig}.
     """
-    emulator = Emulator(reactor=reactor, config=emulatorConfig or {})
-    await emulator.listen(reactor)
+    if emulator is None:
+        emulator = Emulator(reactor=reactor, config=emulatorConfig or {})
+        await emulator.listen(reactor)
+    if callable(accounts):
+        accounts = accounts(emulator)
     keys = keys or json.dumps([{"name": "test", "key": RELAY_KEY, "concurrency": 0}])
     database = os.path.join(tempfile.mkdtemp(prefix="relay-test-db-"), "relay.sqlite")
     text = (
