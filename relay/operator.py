@@ -66,6 +66,8 @@ class OperatorView:
         for account in self.accounts:
             runtime = states[account.id]
             why = self.health.unschedulable(runtime, account, None, now)
+            if why is None and self.credentials is not None:
+                why = self.credentials.blockReason(account, now)  # needs_login (issue 12)
             inUse, waiting = loads.get(account.id, (0, 0))
             stats = self.runner.accountStats.get(account.id, {})
             proxyId = account.proxy.id if account.proxy is not None else None
