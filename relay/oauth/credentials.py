@@ -531,6 +531,8 @@ class OAuthCredentials:
 
     def _fresh(self, slot: _Slot, stale) -> bool:
         tokens = slot.record.tokens
+        if slot.record.status == STATUS_NEEDS_LOGIN:
+            return False
         if not tokens.access_token or slot.invalidated:
             return False
         if stale is not None and tokens.access_token == stale:
