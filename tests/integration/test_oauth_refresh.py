@@ -331,3 +331,52 @@ async def test_refresh_through_socks5_proxy():
     finally:
         proxy.stop()
         await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_usage_windows_recorded_and_shown():
+    """
+    Issue 12: relay records an OAuth account's windows from HTTP response
+    headers, the WebSocket handshake and C{codex.rate_limits} events, and
+    shows them in C{/admin/accounts} (with the token's expiry and last
+    refresh) and as Prometheus gauges.
+    """
+    usage = {"primary_used_percent": 30, "primary_capacity_tokens": 100000,
+             "secondary_used_percent": 7, "secondary_capacity_tokens": 1000000}
+    config = emulatorConfig(("o1", "o2"), usage=usage)
+    stack = await oauthStack(lambda e: [oauthAccount(e, "o1"), oauthAccount(e, "o2")],
+                             config=config, gateway="{websocket: {mode_default: ctx_pool}}")
+    quota = stack.app.extras["quota"]
+    client = None
+    try:
+        await streamTurn(stack)
+        served = [a for a in ("o1", "o2") if stack.emulator.requestsFor(a, "request")]
+        [httpAccount] = served
+        assert quota.get(httpAccount).source == "headers"
+        assert quota.get(httpAccount).primary.used_percent == 30
+        client = await connect(stack)
+        seen = []
+        for i in range(2):
+            events = await client.turn(userTurn(f"w{i}"), timeout=10)
+            assert events[-1]["type"] == "response.completed", events
+            seen.append(events)
+        wsAccounts = {a for a in ("o1", "o2") if stack.emulator.requestsFor(a, "handshake")}
+        assert wsAccounts
+        for accountId in wsAccounts:
+            assert quota.get(accountId).source in ("handshake", "event")
+        assert any(quota.get(a).source == "event" for a in wsAccounts)
+        view = await accountsView(stack)
+        row = view[httpAccount]
+        assert row["usage"]["primary"]["used_percent"] >= 30
+        assert row["usage"]["secondary"]["used_percent"] >= 7
+        assert row["token_expires_at"] > reactor.seconds() and row["token_status"] == "ok"
+        r = await treq.get(stack.url + "/metrics", persistent=False,
+                           headers={"Authorization": [f"Bearer {ADMIN}"]})
+        text = (await r.content()).decode()
+        assert f'relay_account_usage_percent{{account="{httpAccount}",window="primary"}}' in text
+        assert f'relay_oauth_token_expiry_timestamp_seconds{{account="{httpAccount}"}}' in text
+    finally:
+        if client is not None:
+            await drain(stack, [client])
+        else:
+            await stack.stop()
