@@ -470,7 +470,7 @@ _ACCOUNT: Dict[str, Validator] = {
     "id_token": _secretString,
     "id_token_env": _string,
     "auth_file": _string,
-    "auth_base_url": _httpURL,
+    "auth_base_url": _optional(_httpURL),
     "chatgpt_account_id": _string,
     "concurrency": _integer(0),
     "priority": _integer(),

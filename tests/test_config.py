@@ -39,6 +39,7 @@ _EXAMPLE_ENV = {
     "RELAY_PROXY_EGRESS_1": "socks5h://proxyuser:proxy-pass-secret@proxy.example:1080",
     "OPENAI_API_KEY_A1": "sk-upstream-a1-secret",
     "OPENAI_ACCESS_TOKEN_O1": "oauth-token-o1-secret",
+    "OPENAI_REFRESH_TOKEN_O1": "oauth-refresh-o1-secret",
 }
 
 _MINIMAL = """\
@@ -807,6 +808,7 @@ class SecretTests(SynchronousTestCase):
                 "sk-relay-alice-secret",
                 "sk-upstream-a1-secret",
                 "oauth-token-o1-secret",
+                "oauth-refresh-o1-secret",
                 "proxy-pass-secret",
             },
         )

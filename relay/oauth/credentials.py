@@ -273,7 +273,9 @@ class OAuthCredentials:
             current = TokenRecord.fromJSON(await self.store.load(slot.account.id)) or record
             if current.in_flight is None:
                 return current
-            return await self._markInDoubt(slot, current, "a refresh was in flight when its process stopped")
+            return await self._markInDoubt(
+                slot, current, "a refresh was in flight when its process stopped"
+            )
         finally:
             await self._release(slot, owner)
 
@@ -282,7 +284,10 @@ class OAuthCredentials:
             self._clock.seconds(), in_flight=None, status=STATUS_IN_DOUBT,
             reason=IN_DOUBT_REASON, last_error=why,
         )
-        if await self.store.save(slot.account.id, doubtful.version, doubtful.toJSON(), record.version):
+        written = await self.store.save(
+            slot.account.id, doubtful.version, doubtful.toJSON(), record.version
+        )
+        if written:
             self._log.error(
                 "refresh token of {account_id} is in doubt ({why}); it will not be sent again:"
                 " the account serves while its access token lasts, then needs a login",
@@ -636,7 +641,9 @@ class OAuthCredentials:
                 body["access_token"], body.get("refresh_token") or refreshToken,
                 body.get("id_token") or record.tokens.id_token, now, body.get("expires_in"),
             )
-            registerSecrets([tokens.access_token, tokens.refresh_token or "", tokens.id_token or ""])
+            registerSecrets(
+                [tokens.access_token, tokens.refresh_token or "", tokens.id_token or ""]
+            )
             fresh = marked.next(
                 now, tokens=tokens, in_flight=None, status=STATUS_OK, reason=None,
                 last_refresh=now, failures=0, last_error=None,

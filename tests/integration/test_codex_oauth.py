@@ -18,7 +18,13 @@ from twisted.internet import reactor
 from relay.emulator import Emulator
 from tests.integration.codex import FALLBACK_MARKER, SKIP_REASON, codexBinary, runCodex
 from tests.integration.harness import RELAY_KEY, startStack
-from tests.integration.oauthstack import bearers, emulatorConfig, forgedToken, oauthAccount, oauthStats
+from tests.integration.oauthstack import (
+    bearers,
+    emulatorConfig,
+    forgedToken,
+    oauthAccount,
+    oauthStats,
+)
 from tests.integration.test_ws_turns import drain
 
 pytestmark = pytest.mark.skipif(codexBinary() is None, reason=SKIP_REASON)

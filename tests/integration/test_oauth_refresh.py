@@ -23,7 +23,7 @@ from twisted.internet.defer import Deferred, gatherResults
 from twisted.logger import globalLogPublisher
 
 from relay.emulator import Emulator
-from tests.integration.harness import RELAY_KEY, sseEvents, startStack
+from tests.integration.harness import sseEvents, startStack
 from tests.integration.oauthstack import (
     RESPONSES,
     bearers,
@@ -144,7 +144,8 @@ async def test_401_refreshes_once_and_replays(entry, mode, stream, logs):
             assert types[-1] == "response.completed", events
             assert "error" not in types and types.count("response.created") == 1, types
         assert oauthStats(stack.emulator, "o1")["refreshes"] == 1
-        tokens = bearers(stack.emulator, "o1", "handshake" if entry == "ws" and mode != "http_bridge" else "request")
+        kind = "handshake" if entry == "ws" and mode != "http_bridge" else "request"
+        tokens = bearers(stack.emulator, "o1", kind)
         assert len(tokens) == 2, tokens
         assert stack.emulator.authenticate(tokens[0])[1] is not None  # rejected
         assert stack.emulator.authenticate(tokens[1]) == ("oauth:o1", None)
