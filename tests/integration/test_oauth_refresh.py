@@ -221,7 +221,8 @@ async def test_reused_refresh_token_needs_login_and_traffic_moves(logs):
     Issue 12: C{refresh_token_reused} puts the account in C{needs_login}
     (shown with its reason, never scheduled) and its traffic moves to the
     other account; new tokens through C{PUT /admin/accounts/o1/tokens}
-    bring it back without a restart. relay never sent a used refresh token.
+    bring it back without a restart, and C{POST /admin/accounts/o1/refresh}
+    forces a refresh. relay never sent a used refresh token.
     """
     config = emulatorConfig(("o1",), apikeys=("sk-a1",))
     stack = await oauthStack(
@@ -255,6 +256,18 @@ async def test_reused_refresh_token_needs_login_and_traffic_moves(logs):
         assert oauthStats(stack.emulator, "o1")["refreshes"] == 1
         view = (await accountsView(stack))["o1"]
         assert view["token_status"] == "ok" and view["schedulable"] is True, view
+
+        async def forceRefresh(accountId):
+            r = await treq.post(stack.url + f"/admin/accounts/{accountId}/refresh", b"",
+                                headers={"Authorization": [f"Bearer {ADMIN}"]},
+                                persistent=False)
+            return r.code, json.loads(await r.content())
+
+        code, forced = await forceRefresh("o1")
+        assert code == 200 and forced["refreshed"] is True, forced
+        assert forced["token"]["refreshes"] == 2
+        assert (await forceRefresh("a1"))[0] == 400
+        assert (await forceRefresh("nope"))[0] == 404
         assert oauthStats(stack.emulator, "o1")["reuse_attempts"] == 0
     finally:
         await stack.stop()
