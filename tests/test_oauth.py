@@ -637,3 +637,20 @@ class CredentialsTests(SynchronousTestCase):
         self.assertEqual(credentials.blockReason(acct, NOW + 11)[0],
                          "needs_login: access token expired and no refresh token")
         self.assertIsNone(credentials.refreshAt(acct))
+
+    def test_lockRenewedDuringFlight(self):
+        """
+        The refresh lock is renewed while the token request runs, so a slow
+        request longer than the lock's TTL never lets another process in;
+        it is released when the refresh ends.
+        """
+        acct = account()
+        credentials = self.make(acct)
+        d = credentials.refresh(acct, force=True)
+        self.clock.pump([LOCK_TTL_SECONDS / 3] * 6)  # twice the TTL
+        self.assertFalse(self.successResultOf(
+            self.store.acquireLock("o1", "other", LOCK_TTL_SECONDS)))
+        self.endpoint.pending[0].callback(rotated(1))
+        self.assertTrue(self.successResultOf(d))
+        self.assertTrue(self.successResultOf(
+            self.store.acquireLock("o1", "other", LOCK_TTL_SECONDS)))

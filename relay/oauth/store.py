@@ -12,7 +12,7 @@ Token stores (L{relay.interfaces.ITokenStore}, issue 12).
   - L{RedisTokenStore}: C{state.backend: redis}; the record is a hash
     C{relay:oauth:{id}} (C{version}, C{record}) written by a
     compare-and-set script, the lock is C{SET relay:oauth:lock:{id} owner NX
-    PX ttl} released by a compare-and-delete script. Durability across a
+    PX ttl} (renewed by its owner) released by a compare-and-delete script. Durability across a
     Redis restart is Redis's own (AOF); see the README.
 
 Every call is bounded by a timeout on the injected clock (style.md trap
@@ -44,6 +44,17 @@ elseif current ~= ARGV[1] then
   return 0
 end
 redis.call('HSET', KEYS[1], 'version', ARGV[2], 'record', ARGV[3])
+return 1
+"""
+
+_ACQUIRE_SCRIPT = """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+if holder then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
 
@@ -257,13 +268,14 @@ class RedisTokenStore:
 
     def acquireLock(self, accountId: str, owner: str, ttl: float) -> Deferred:
         """
-        See L{ITokenStore.acquireLock}: C{SET key owner NX PX ttl}.
+        See L{ITokenStore.acquireLock}: C{SET key owner NX PX ttl} in a
+        script that also renews the TTL for the lock's own owner.
         """
         d = self._redis.execute(
-            self.timeout, "set", REDIS_LOCK_PREFIX + accountId, owner,
-            pexpire=max(1, int(ttl * 1000)), only_if_not_exists=True,
+            self.timeout, "eval", _ACQUIRE_SCRIPT,
+            keys=[REDIS_LOCK_PREFIX + accountId], args=[owner, str(max(1, int(ttl * 1000)))],
         )
-        return d.addCallback(lambda result: result not in (None, 0, False))
+        return d.addCallback(lambda result: int(result or 0) == 1)
 
     def releaseLock(self, accountId: str, owner: str) -> Deferred:
         """

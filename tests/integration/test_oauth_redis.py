@@ -62,3 +62,41 @@ async def test_two_relays_refresh_once(redisServer):  # noqa: F811
         for relay in relays:
             relay.stop()
         await emulator.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_redis_token_store_contract(redisServer):  # noqa: F811
+    """
+    L{RedisTokenStore} keeps the L{ITokenStore} contract on a real Redis:
+    compare-and-set writes, and a lock with an owner (re-entrant for its
+    owner, refused to others, freed by its owner or by its TTL).
+    """
+    from zope.interface.verify import verifyObject
+
+    from relay.interfaces import ITokenStore
+    from relay.oauth.store import RedisTokenStore
+    from relay.redisclient import RedisService
+
+    service = RedisService(url=redisServer.url, clock=reactor)
+    service.startService()
+    try:
+        store = RedisTokenStore(redis=service)
+        assert verifyObject(ITokenStore, store)
+        account = f"c{os.getpid()}"
+        assert await store.load(account) is None
+        assert await store.save(account, 1, "r1", None) is True
+        assert await store.save(account, 1, "rX", None) is False
+        assert await store.save(account, 2, "rX", 5) is False
+        assert await store.save(account, 2, "r2", 1) is True
+        assert await store.load(account) == "r2"
+        assert await store.acquireLock(account, "a", 0.5) is True
+        assert await store.acquireLock(account, "a", 0.5) is True  # the owner renews
+        assert await store.acquireLock(account, "b", 0.5) is False
+        await store.releaseLock(account, "b")
+        assert await store.acquireLock(account, "b", 0.5) is False
+        await store.releaseLock(account, "a")
+        assert await store.acquireLock(account, "b", 0.3) is True
+        await sleep(0.5)
+        assert await store.acquireLock(account, "c", 0.3) is True
+    finally:
+        await service.stopService()
