@@ -34,6 +34,9 @@ from zope.interface import implementer
 from relay.interfaces import ITokenEndpoint
 from relay.oauth.tokens import PERMANENT_CODES
 
+USER_AGENT = b"codex_cli_rs/0.171.0"
+"""The C{User-Agent} of token requests (a Codex-shaped one, protocol.md 7.2)."""
+
 REPLY_LIMIT = 64 * 1024
 """The largest token endpoint body read, bytes."""
 
@@ -189,6 +192,9 @@ class TokenEndpoint:
         headers = Headers({
             b"content-type": [b"application/json"],
             b"accept": [b"application/json"],
+            # Codex-shaped, like every other upstream call (protocol.md 7.2).
+            b"user-agent": [USER_AGENT],
+            b"originator": [b"codex_cli_rs"],
         })
         d = client.post(self.url(account), data=body, headers=headers, unbuffered=True)
         d.addTimeout(timeout, self._reactor)
