@@ -199,15 +199,22 @@ def buildApplication(
     health = AccountHealth(store=store, clock=reactor, settings=settings)
     proxyHealth = ProxyHealth(clock=reactor)
     accounts = list(config.accounts)
+    credentials, quota = _oauthParts(config, reactor, settings, accounts, trustRoot)
+
+    def extraBlock(account, now, model):
+        # R4/R-B1 in-memory blocks, then token state (needs_login, issue 12).
+        return health.localBlock(account.id, model) or credentials.blockReason(account, now)
+
     scheduler = AccountScheduler(
         accounts=accounts,
         admission=admission,
         store=store,
         clock=reactor,
         settings=settings,
-        extraBlock=lambda account, now, model: health.localBlock(account.id, model),
+        extraBlock=extraBlock,
         isQuarantined=proxyHealth.isQuarantined,
         quarantineEnd=proxyHealth.quarantinedUntil,
+        quota=quota,
     )
     runner = TurnRunner(
         clock=reactor,
@@ -218,6 +225,8 @@ def buildApplication(
         health=health,
         settings=settings,
         proxyHealth=proxyHealth,
+        credentials=credentials,
+        quota=quota,
     )
     keys = KeyRing(config.keys)
     app = RelayApplication(
@@ -234,7 +243,7 @@ def buildApplication(
         keys=keys,
         services=services,
     )
-    app.extras["proxyHealth"] = proxyHealth
+    app.extras.update(proxyHealth=proxyHealth, credentials=credentials, quota=quota)
     wsResource = _webSocket(app, trustRoot)
     root = buildRoot(runner, keys, accounts, wsResource)
     _operatorSurface(app, root, accounts, proxyHealth)
@@ -246,6 +255,53 @@ def buildApplication(
     app.services.append(app.extras["wsPoolService"])
     app.site = site
     return app
+
+
+def _oauthParts(config: RelayConfig, reactor, settings, accounts, trustRoot):
+    """
+    The token side of OAuth accounts (issue 12): the credential source
+    (its store is set by L{_operatorSurface} once the settings store
+    exists) and the usage-window recorder.
+
+    @return: C{(OAuthCredentials, UsageWindows)}.
+    """
+    from twisted.web.client import BrowserLikePolicyForHTTPS
+
+    from relay.oauth.credentials import OAuthCredentials
+    from relay.oauth.endpoint import TokenEndpoint
+    from relay.oauth.store import MemoryTokenStore
+    from relay.quota import UsageWindows
+
+    policy = BrowserLikePolicyForHTTPS(trustRoot) if trustRoot is not None else None
+    credentials = OAuthCredentials(
+        clock=reactor,
+        settings=settings,
+        store=MemoryTokenStore(clock=reactor),
+        endpoint=TokenEndpoint(reactor=reactor, settings=settings, tlsPolicy=policy),
+        accounts=accounts,
+    )
+    return credentials, UsageWindows(clock=reactor)
+
+
+def _tokenStore(app: RelayApplication, redis):
+    """
+    Where the newest tokens are persisted: Redis with the Redis backend,
+    else the SQLite C{database} (through the settings store), else memory
+    (nothing survives a restart; logged).
+    """
+    from relay.oauth.store import RedisTokenStore, SQLiteTokenStore
+    from relay.settingsdb import SQLiteSettingsStore
+
+    if app.config.state.backend == "redis" and redis is not None:
+        return RedisTokenStore(redis=redis)
+    if isinstance(app.settings.store, SQLiteSettingsStore):
+        return SQLiteTokenStore(settings=app.settings.store, clock=app.reactor)
+    if any(a.type == "oauth" and a.refresh_token for a in app.config.accounts):
+        Logger().warn(
+            "no database: refreshed OAuth tokens live in memory only and are lost on restart",
+            event="relay.oauth_store_memory",
+        )
+    return app.extras["credentials"].store
 
 
 def _webSocket(app: RelayApplication, trustRoot):
@@ -288,6 +344,7 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
     app.runner.metrics = metrics
     history = AccountHistory(clock=reactor)
     app.runner.history = history
+    credentials, quota = app.extras["credentials"], app.extras["quota"]
     view = OperatorView(
         accounts=accounts,
         store=app.store,
@@ -296,11 +353,17 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
         runner=app.runner,
         clock=reactor,
         proxyHealth=proxyHealth,
+        credentials=credentials,
+        quota=quota,
     )
     metrics.setSlotsSource(lambda: view.slots)
     redis = app.services[0] if app.services else None
     app.settings.store = settingsStore(config, reactor, redis)
     usage = _usageLedger(app, metrics, redis)
+    credentials.store = _tokenStore(app, redis)
+    from relay.quota import UsageCollector
+
+    metrics.registry.register(UsageCollector(quota, credentials, accounts))
     admin = buildAdminResource(
         config.admin_key,
         app.settings,
@@ -311,6 +374,7 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
         clock=reactor,
         usage=usage,
         history=history.snapshot,
+        tokenActions=view,
     )
     root.putChild(b"admin", admin)
     root.putChild(b"metrics", _GuardedMetrics(config.admin_key, metrics.registry))
@@ -318,6 +382,9 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
     app.services.append(periodic(5, view.refreshSlots, reactor))
     if config.state.backend == "redis":
         app.services.append(periodic(5, app.settings.refresh, reactor))
+    if any(a.type == "oauth" for a in accounts):
+        # Issue 12: adopt tokens another process refreshed; re-plan timers.
+        app.services.append(periodic(15, credentials.sync, reactor))
 
 
 def _usageLedger(app: RelayApplication, metrics, redis):
@@ -371,12 +438,21 @@ class _Startup(MultiService):
         d.addErrback(
             lambda f: self._log.failure("loading persisted settings failed; using the file's", f)
         )
+        credentials = self._app.extras.get("credentials")
+        if credentials is not None:
+            # Issue 12: stored tokens win over the file's; timers start once
+            # the runtime settings (the refresh margin) are loaded.
+            d.addBoth(lambda _: credentials.start())
+            d.addErrback(lambda f: self._log.failure("loading OAuth tokens failed", f))
 
     def stopService(self):
         """
         Stop the children, then close the settings store (the SQLite
         connection pool's thread), if it has a C{close}.
         """
+        credentials = self._app.extras.get("credentials")
+        if credentials is not None:
+            credentials.stop()
         d = super().stopService()
         return d.addBoth(self._closeStore)
 

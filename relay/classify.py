@@ -655,16 +655,19 @@ R11_STREAK_STATUSES = frozenset({500, 502, 503, 504, 520, 521, 522, 523, 524})
 
 def _mark401(f: ErrorFacts, a: Account, now: float, c: "DefaultClassifier") -> tuple:
     """
-    R11 401 rows: revoked/invalidated or C{detail: Unauthorized} or an
-    API-key account -> permanent; an OAuth account -> 10 min cooldown (the
-    account model carries no refresh token, so an OAuth account is treated
-    as having one; relay's token refresher owns the cache).
+    R11 401 rows: revoked/invalidated or C{detail: Unauthorized}, an
+    API-key account, or an OAuth account without a refresh token ->
+    permanent; an OAuth account with a refresh token -> 10 min cooldown
+    (the engine has already refreshed once and replayed, issue 12, and
+    invalidates the cached token). The account the engine dials carries
+    its current refresh token (L{relay.interfaces.ICredentialSource}).
     """
     reason = "401: " + (f.message or "Unauthorized")
     if (
         any(code in f.codes for code in R11_401_PERMANENT_CODES)
         or f.detailUnauthorized
         or a.type != "oauth"
+        or not a.refresh_token
     ):
         return (Marking(MARK_DISABLED, reason=reason),)
     return (Marking(MARK_TEMP_UNSCHEDULABLE, seconds=OAUTH_401_COOLDOWN_SECONDS, reason=reason),)
@@ -738,36 +741,61 @@ def _float(value: Any) -> Optional[float]:
     return result if result == result else None  # NaN
 
 
-def r12Reset(headers: dict, error: dict, now: float, fallbackSeconds: float) -> tuple:
+#: R82: an upstream Retry-After is capped at this for OAuth accounts (R13's
+#: retry cap) and at L{R82_RETRY_AFTER_CAP_SECONDS} otherwise, seconds.
+R82_RETRY_AFTER_CAP_SECONDS = 60.0
+#: protocol.md 7.3: bodies that mean the plan window is spent.
+USAGE_LIMIT_CODES = ("usage_limit_reached", "usage_not_included")
+
+
+def retryAfterCap(account: Account) -> float:
     """
-    R12: choose the 429 reset.
+    R82: the cap on a 429's C{Retry-After} used as its reset: 8 s for OAuth
+    accounts (R13), else 60 s.
+    """
+    return OAUTH_429_MAX_DELAY_SECONDS if account.type == "oauth" else R82_RETRY_AFTER_CAP_SECONDS
+
+
+def r12Reset(
+    headers: dict,
+    error: dict,
+    now: float,
+    fallbackSeconds: float,
+    retryAfterCapSeconds: float = R82_RETRY_AFTER_CAP_SECONDS,
+) -> tuple:
+    """
+    R12 as revised by R82: choose the 429 reset.
 
         1. C{x-codex-*} headers: a window at C{used_percent >= 100} gives
-           its own reset; otherwise the later of the two resets.
-        2. Body C{error.type == usage_limit_reached}: C{resets_at}, or
-           C{now + resets_in_seconds}.
-        3. The fallback, clamped to 1-7200 s.
+           its own reset (the later one if both are spent). A window below
+           100 % never gives a reset (R82: a burst is not a spent plan).
+        2. Body C{usage_limit_reached} / C{usage_not_included}:
+           C{resets_at}, or C{now + resets_in_seconds}.
+        3. R82: the upstream C{Retry-After}, capped at
+           C{retryAfterCapSeconds}.
+        4. The fallback, clamped to 1-7200 s.
 
     @param headers: lower-cased headers.
     @param error: the body's C{error} object.
     @param now: Unix seconds.
     @param fallbackSeconds: the admin fallback cooldown, seconds.
-    @return: C{(until, rule)} with rule C{headers}, C{body} or C{fallback}.
+    @param retryAfterCapSeconds: see L{retryAfterCap}.
+    @return: C{(until, rule)} with rule C{headers}, C{body},
+        C{retry_after} or C{fallback}.
     """
-    windows = []
+    spent = []
     for name in _CODEX_WINDOWS:
         used = _float(headers.get(f"x-codex-{name}-used-percent"))
         at = _float(headers.get(f"x-codex-{name}-reset-at"))
         after = _float(headers.get(f"x-codex-{name}-reset-after-seconds"))
         reset = at if at is not None else (now + after if after is not None else None)
-        if reset is not None and reset > now:
-            windows.append((used, reset))
-    if windows:
-        spent = [reset for used, reset in windows if used is not None and used >= 100]
-        return (max(spent) if spent else max(reset for _, reset in windows), "headers")
+        if reset is not None and reset > now and used is not None and used >= 100:
+            spent.append(reset)
+    if spent:
+        return (max(spent), "headers")
     if (
-        _str(error.get("type")) == "usage_limit_reached"
-        or _str(error.get("code")) == "usage_limit_reached"
+        _str(error.get("type")) in USAGE_LIMIT_CODES
+        or _str(error.get("code")) in USAGE_LIMIT_CODES
     ):
         at = _float(error.get("resets_at"))
         if at is not None and at > now:
@@ -775,6 +803,9 @@ def r12Reset(headers: dict, error: dict, now: float, fallbackSeconds: float) -> 
         after = _float(error.get("resets_in_seconds"))
         if after is not None and after > 0:
             return (now + after, "body")
+    retry = retryAfterSeconds(headers.get("retry-after"), now)
+    if retry is not None and retry > 0:
+        return (now + min(retry, retryAfterCapSeconds), "retry_after")
     seconds = min(
         max(fallbackSeconds, RATE_LIMIT_FALLBACK_MIN_SECONDS), RATE_LIMIT_FALLBACK_MAX_SECONDS
     )
@@ -1064,7 +1095,9 @@ class DefaultClassifier:
 
         rateLimitUntil = None
         if status == 429 and not overload:
-            rateLimitUntil, _ = r12Reset(headers, f.error, now, self.rate_limit_fallback_seconds)
+            rateLimitUntil, _ = r12Reset(
+                headers, f.error, now, self.rate_limit_fallback_seconds, retryAfterCap(account)
+            )
         markings = self._markings(f, account, row, headers, now, oauthWindow=oauth429)
         verdict = Verdict(
             kind=STATUS,
@@ -1123,7 +1156,10 @@ class DefaultClassifier:
         markings: tuple = ()
         if status == 429:
             if not oauthWindow:
-                until, _ = r12Reset(headers, f.error, now, self.rate_limit_fallback_seconds)
+                until, _ = r12Reset(
+                    headers, f.error, now, self.rate_limit_fallback_seconds,
+                    retryAfterCap(account),
+                )
                 markings = (
                     Marking(
                         MARK_RATE_LIMITED,
@@ -1332,7 +1368,9 @@ class DefaultClassifier:
             or any(p.search(text) for p in R49_RATE_LIMIT_MESSAGES)
         )
         if rateLimited and not isOverload(f):
-            until, rule = r12Reset(headers, err, 0.0, self.rate_limit_fallback_seconds)
+            until, rule = r12Reset(
+                headers, err, 0.0, self.rate_limit_fallback_seconds, retryAfterCap(account)
+            )
             marking = self._relativeRateLimit(until, rule, headers, err, message)
             return self._streamVerdict(
                 endpoint,

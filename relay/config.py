@@ -36,6 +36,7 @@ from relay.model import (
     ComponentSettings,
     ConfigError,
     GatewaySettings,
+    OAuthSettings,
     ProxySpec,
     RelayConfig,
     SchedulingSettings,
@@ -372,6 +373,15 @@ _SCHEDULING: Dict[str, Validator] = {
     "sticky_session_ttl_seconds": _number(positive=True),
     "previous_response_ttl_seconds": _number(positive=True),
     "ping_interval": _number(5, 30),
+    "quota_aware": _boolean,
+    "quota_threshold_percent": _number(0, 100),
+}
+
+_OAUTH: Dict[str, Validator] = {
+    "auth_base_url": _httpURL,
+    "client_id": _string,
+    "refresh_margin_seconds": _number(0),
+    "refresh_timeout_seconds": _number(1, 300),
 }
 
 _WEBSOCKET: Dict[str, Validator] = {
@@ -414,6 +424,7 @@ _GATEWAY: Dict[str, Validator] = {
     "scheduling": _nested(_SCHEDULING, SchedulingSettings),
     "websocket": _nested(_WEBSOCKET, WebSocketSettings),
     "upstream": _nested(_UPSTREAM, UpstreamSettings),
+    "oauth": _nested(_OAUTH, OAuthSettings),
 }
 
 _STATE: Dict[str, Validator] = {
@@ -464,6 +475,12 @@ _ACCOUNT: Dict[str, Validator] = {
     "api_key_env": _string,
     "access_token": _secretString,
     "access_token_env": _string,
+    "refresh_token": _secretString,
+    "refresh_token_env": _string,
+    "id_token": _secretString,
+    "id_token_env": _string,
+    "auth_file": _string,
+    "auth_base_url": _optional(_httpURL),
     "chatgpt_account_id": _string,
     "concurrency": _integer(0),
     "priority": _integer(),
@@ -700,7 +717,7 @@ def _parseAccounts(
         kind = values["type"]
 
         if kind == "apikey":
-            for other in ("access_token", "access_token_env", "chatgpt_account_id"):
+            for other in _OAUTH_ONLY:
                 if other in values:
                     raise ConfigError(f"{path}.{other}: only allowed on an oauth account")
             credential = _secret(values, "api_key", path, label, environ, required=True)
@@ -709,9 +726,7 @@ def _parseAccounts(
             for other in ("api_key", "api_key_env", "pool_mode"):
                 if other in values:
                     raise ConfigError(f"{path}.{other}: only allowed on an apikey account")
-            credential = _secret(values, "access_token", path, label, environ, required=True)
-            if "chatgpt_account_id" not in values:
-                raise ConfigError(f"{label}: chatgpt_account_id is required for an oauth account")
+            credential = _oauthTokens(values, path, label, environ)
             values.setdefault("base_url", OAUTH_BASE_URL)
 
         values["proxy"] = _accountProxy(values, path, label, accountId, byId, environ)
@@ -719,6 +734,73 @@ def _parseAccounts(
             values.pop("model_mapping", None)
         accounts.append(Account(credential=credential, **values))
     return tuple(accounts)
+
+
+_OAUTH_ONLY = (
+    "access_token", "access_token_env", "chatgpt_account_id", "refresh_token",
+    "refresh_token_env", "id_token", "id_token_env", "auth_file", "auth_base_url",
+)
+"""Account keys that only an oauth account may have."""
+
+
+def _oauthTokens(
+    values: Dict[str, Any], path: str, label: str, environ: Mapping[str, str]
+) -> str:
+    """
+    Resolve an oauth account's tokens (issue 12): C{access_token},
+    C{refresh_token} and C{id_token} (each also as C{*_env}), or
+    C{auth_file} (a Codex C{auth.json}, protocol.md 7.4). At least an access
+    or a refresh token is needed; C{chatgpt_account_id} defaults to the
+    tokens' account claim. Sets C{refresh_token}, C{id_token},
+    C{last_refresh}, C{token_source} and C{chatgpt_account_id} in
+    C{values}.
+
+    @return: the access token (empty when only a refresh token is given:
+        relay refreshes before the first request).
+    @raise ConfigError: no token, tokens and C{auth_file} together, an
+        unreadable C{auth_file}, or no account id.
+    """
+    from relay.oauth.authfile import AuthFileError, readAuthFile
+    from relay.oauth.tokens import accountIdOf
+
+    given = [k for k in ("access_token", "access_token_env", "refresh_token",
+                         "refresh_token_env", "id_token", "id_token_env") if k in values]
+    envGiven = any(k.endswith("_env") for k in given)
+    access = _secret(values, "access_token", path, label, environ, required=False)
+    refresh = _secret(values, "refresh_token", path, label, environ, required=False)
+    idToken = _secret(values, "id_token", path, label, environ, required=False)
+    authFile = values.pop("auth_file", None)
+    source = "env" if envGiven else "config"
+    if authFile is not None:
+        if given:
+            raise ConfigError(f"{label}: give auth_file or tokens ({given[0]}), not both")
+        try:
+            auth = readAuthFile(authFile)
+        except AuthFileError as e:
+            raise _fail(f"{path}.auth_file", str(e))
+        access, refresh, idToken = auth.access_token, auth.refresh_token, auth.id_token
+        if auth.account_id and "chatgpt_account_id" not in values:
+            values["chatgpt_account_id"] = auth.account_id
+        if auth.last_refresh is not None:
+            values["last_refresh"] = auth.last_refresh
+        source = "auth_file:" + authFile
+    if not access and not refresh:
+        raise ConfigError(
+            f"{label}: access_token or access_token_env is required"
+            " (or refresh_token, refresh_token_env or auth_file)"
+        )
+    if "chatgpt_account_id" not in values:
+        claim = accountIdOf(access, idToken)
+        if claim is None:
+            raise ConfigError(
+                f"{label}: chatgpt_account_id is required for an oauth account"
+                " (the tokens carry no account claim)"
+            )
+        values["chatgpt_account_id"] = claim
+    values["refresh_token"] = refresh or None
+    values["id_token"] = idToken or None
+    values["token_source"] = source
+    return access or ""
 
 
 def _accountProxy(
@@ -904,6 +986,8 @@ def secretsOf(config: RelayConfig) -> frozenset:
     proxies = list(config.proxies)
     for account in config.accounts:
         secrets.add(account.credential)
+        secrets.add(account.refresh_token)
+        secrets.add(account.id_token)
         if account.proxy is not None:
             proxies.append(account.proxy)
     for proxy in proxies:

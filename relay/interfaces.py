@@ -456,3 +456,149 @@ class IAccountHistory(Interface):
             "failovers": [int], "first_output_p50_ms": [float or None]}},
             each list L{minutes} long.
         """
+
+
+class ICredentialSource(Interface):
+    """
+    The bearer each account is dialled with (issue 12): an API key's static
+    key, or an OAuth account's current access token, refreshed before it
+    expires and once after an upstream 401 (protocol.md 7.4, behaviour.md
+    R11). The engine asks it for the account to dial; dialers read that
+    account's C{credential} as before.
+    """
+
+    def current(account):
+        """
+        The account as it must be dialled now.
+
+        @param account: a configured L{relay.model.Account}.
+        @return: C{account} itself when nothing changed (API keys, static
+            OAuth tokens), else an equal account whose C{credential} is the
+            current access token and whose C{refresh_token} tells whether a
+            refresh is possible (never logged).
+        """
+
+    def ready(account):
+        """
+        Make sure C{account} has a usable bearer before a dial: an access
+        token that is missing, expired or invalidated is refreshed first
+        (single flight).
+
+        @return: L{None} when the current bearer is usable now (the common
+            case, no allocation), else a L{twisted.internet.defer.Deferred}
+            firing with L{True} or L{False} (whether a usable token is now
+            in place) once the refresh has ended; it never fails.
+        """
+
+    def canRefresh(account):
+        """
+        @return: whether an upstream 401 on C{account} may be answered with
+            one refresh and a replay (an OAuth account with a refresh token
+            that is neither in doubt nor in C{needs_login}).
+        """
+
+    def refresh(account, stale=None, reason="401", force=False):
+        """
+        Refresh C{account}'s tokens: at most one refresh per account at a
+        time in this process and, with a shared store, across processes.
+        Callers that arrive while one runs share its outcome.
+
+        @param stale: the access token the caller saw fail, or L{None}; when
+            the current token is already another one, nothing is sent.
+        @param reason: C{401}, C{proactive}, C{expired}, C{admin}, for logs.
+        @param force: refresh even when the current token is still fresh
+            (the admin API).
+        @return: a L{twisted.internet.defer.Deferred} firing with L{True}
+            when a token newer than C{stale} is in use, else L{False}
+            (needs login, in doubt, transient failure); it never fails.
+        """
+
+    def invalidate(account):
+        """
+        Forget that the current access token works (behaviour.md R11: a
+        401 after a refresh and a replay); the next dial refreshes first.
+        """
+
+    def blockReason(account, now):
+        """
+        Whether token state keeps C{account} from being scheduled.
+
+        @param now: Unix seconds.
+        @return: L{None}, or C{(reason, until)} like
+            L{relay.failures.AccountRuntime.unschedulable} (C{until} 0 for
+            C{needs_login}, which lasts until new tokens arrive).
+        """
+
+    def view(account):
+        """
+        @return: the token state for C{/admin/accounts}: a dict with
+            C{token_status}, C{token_reason}, C{token_expires_at},
+            C{last_refresh}, C{refresh_failures}, C{refresh_last_error},
+            C{refreshes} (times in Unix seconds; never a secret), or C{{}}
+            for accounts without managed tokens.
+        """
+
+
+class ITokenStore(Interface):
+    """
+    Where the newest OAuth tokens are persisted (issue 12): the SQLite
+    C{database} or Redis. Writes are compare-and-set on the record's
+    version; the lock gives cross-process single flight.
+
+    Every method returns a L{twisted.internet.defer.Deferred} that fails
+    when the store cannot be reached (the caller decides what that means).
+    """
+
+    def load(accountId):
+        """
+        @return: Deferred firing with the stored record (a JSON string), or
+            L{None}.
+        """
+
+    def save(accountId, version, record, expected):
+        """
+        Write C{record} (a JSON string whose version is C{version}) only if
+        the stored version is C{expected} (L{None}: nothing stored yet).
+        Durable when the Deferred fires.
+
+        @return: Deferred firing with L{True} when written, L{False} on a
+            version conflict.
+        """
+
+    def acquireLock(accountId, owner, ttl):
+        """
+        Take the account's refresh lock for C{ttl} seconds unless another
+        owner holds it.
+
+        @param owner: a random string naming this holder.
+        @return: Deferred firing with L{True} when taken.
+        """
+
+    def releaseLock(accountId, owner):
+        """
+        Give the lock back if C{owner} still holds it.
+
+        @return: Deferred firing with L{None}.
+        """
+
+
+class ITokenEndpoint(Interface):
+    """
+    The OAuth token endpoint (protocol.md 7.4): C{POST
+    {auth_base_url}/oauth/token} through the account's egress proxy.
+    """
+
+    def refresh(account, refreshToken, timeout):
+        """
+        Exchange a refresh token.
+
+        @param account: the L{relay.model.Account} (its proxy and
+            C{auth_base_url} apply).
+        @param refreshToken: the single-use refresh token.
+        @param timeout: seconds for the whole exchange.
+        @return: Deferred firing with a L{relay.oauth.endpoint.TokenReply}
+            (success, or the server's error with its status); it fails with
+            L{relay.oauth.endpoint.NotSent} when the request certainly never
+            reached the server, and with any other exception when it may
+            have (the refresh token is then in doubt).
+        """

@@ -82,6 +82,17 @@ class Account:
     @ivar pool_mode_retry_count: same-account retry limit (R14), default 3.
     @ivar pool_mode_retry_status_codes: statuses that allow a same-account
         retry in pool mode (R14).
+    @ivar refresh_token: OAuth only: the configured refresh token (issue 12),
+        or, on the account the engine dials, the current one; L{None} for a
+        static access token. Never logged.
+    @ivar id_token: OAuth only: the configured ID token (a JWT), if any.
+    @ivar auth_base_url: OAuth only: where C{POST /oauth/token} is sent
+        (protocol.md 7.4); L{None} means C{gateway.oauth.auth_base_url}.
+    @ivar last_refresh: OAuth only: when the configured tokens were last
+        refreshed (Unix seconds, e.g. Codex C{auth.json}'s C{last_refresh}),
+        or L{None}.
+    @ivar token_source: where the configured tokens came from, for the
+        admin view: C{config}, C{env} or C{auth_file:PATH} (no secrets).
     """
 
     id: str
@@ -98,6 +109,11 @@ class Account:
     pool_mode: bool = False
     pool_mode_retry_count: int = 3
     pool_mode_retry_status_codes: tuple = (401, 403, 429)
+    refresh_token: Optional[str] = field(default=None, repr=False)
+    id_token: Optional[str] = field(default=None, repr=False)
+    auth_base_url: Optional[str] = None
+    last_refresh: Optional[float] = None
+    token_source: Optional[str] = None
 
     def upstreamModel(self, requested: str) -> str:
         """
@@ -165,6 +181,34 @@ class SchedulingSettings:
     sticky_session_ttl_seconds: float = 3600
     previous_response_ttl_seconds: float = 3600
     ping_interval: float = 10
+    quota_aware: bool = True
+    """Issue 12: among accounts of equal priority, prefer the one with the
+    most remaining usage window (L{relay.quota})."""
+    quota_threshold_percent: float = 95.0
+    """Issue 12: an account whose primary or secondary window is at or above
+    this used-percent is chosen only when no account of its priority below
+    it can serve."""
+
+
+@frozen
+class OAuthSettings:
+    """
+    OAuth token refresh (issue 12, protocol.md 7.4). Seconds.
+
+    @ivar auth_base_url: where C{POST /oauth/token} goes unless an account
+        names its own C{auth_base_url}.
+    @ivar client_id: the OAuth client id sent with a refresh (Codex's).
+    @ivar refresh_margin_seconds: refresh this long before the access
+        token's C{exp} (a runtime setting); at most half the token's
+        lifetime is used, so short-lived tokens do not refresh constantly.
+    @ivar refresh_timeout_seconds: the token request's timeout; a request
+        that was sent and timed out leaves the refresh token in doubt.
+    """
+
+    auth_base_url: str = "https://auth.openai.com"
+    client_id: str = "app_EMoamEEZ73f0CkXaXp7hrann"
+    refresh_margin_seconds: float = 86400
+    refresh_timeout_seconds: float = 30
 
 
 @frozen
@@ -224,6 +268,7 @@ class GatewaySettings:
     scheduling: SchedulingSettings = SchedulingSettings()
     websocket: WebSocketSettings = WebSocketSettings()
     upstream: UpstreamSettings = UpstreamSettings()
+    oauth: OAuthSettings = OAuthSettings()
 
 
 @frozen

@@ -31,6 +31,9 @@ class OperatorView:
     @ivar clock: the L{IReactorTime}.
     @ivar slots: the last C{{account id: (in use, waiting)}} read, served
         synchronously to the Prometheus collector.
+    @ivar credentials: the L{relay.interfaces.ICredentialSource} (token
+        state, refresh, new tokens; issue 12), or L{None}.
+    @ivar quota: the L{relay.quota.UsageWindows}, or L{None}.
     """
 
     accounts: list
@@ -40,6 +43,8 @@ class OperatorView:
     runner: object
     clock: object
     proxyHealth: object = None
+    credentials: object = None
+    quota: object = None
     slots: dict = field(factory=dict)
     _log = Logger()
 
@@ -75,6 +80,17 @@ class OperatorView:
                         now,
                     )
                 )
+            tokenBlock = (
+                self.credentials.blockReason(account, now) if self.credentials is not None
+                else None
+            )
+            if tokenBlock is not None:
+                # Issue 12: needs_login (or an expired token) keeps it out.
+                blocks.insert(0, _timed(
+                    {"scope": "account", "model": None, "kind": "token",
+                     "reason": tokenBlock[0], "until": tokenBlock[1] or None},
+                    now,
+                ))
             first = blocks[0] if blocks else None
             rows.append(
                 {
@@ -104,9 +120,61 @@ class OperatorView:
                     "failovers": stats.get("failovers", 0),
                     "proxy_id": proxyId,
                     "proxy_state": proxy,
+                    "usage": self.quota.view(account.id) if self.quota is not None else None,
                 }
             )
+            if self.credentials is not None:
+                rows[-1].update(self.credentials.view(account))
         return rows
+
+    def _oauthAccount(self, accountId: str):
+        for account in self.accounts:
+            if account.id == accountId:
+                if account.type != "oauth" or self.credentials is None:
+                    raise ValueError(f"account {accountId!r} is not an OAuth account")
+                return account
+        raise KeyError(accountId)
+
+    def refreshAccount(self, accountId: str, options: dict) -> Deferred:
+        """
+        Force a token refresh (C{POST /admin/accounts/{id}/refresh}, issue
+        12). C{options} may hold C{retry_in_doubt: true} to send a refresh
+        token that is in doubt (the operator's explicit choice).
+
+        @return: a Deferred firing with C{(refreshed, token view)}.
+        @raise KeyError: unknown account. @raise ValueError: not OAuth.
+        """
+        account = self._oauthAccount(accountId)
+        retry = bool(options.get("retry_in_doubt"))
+        d = self.credentials.refresh(account, reason="admin", force=True, retryInDoubt=retry)
+        return d.addCallback(lambda ok: (ok, self.credentials.view(account)))
+
+    def setTokens(self, accountId: str, body: dict) -> Deferred:
+        """
+        New tokens for an account (C{PUT /admin/accounts/{id}/tokens}):
+        C{refresh_token}, C{access_token}, C{id_token}, or a Codex
+        C{auth.json} document; clears C{needs_login} and the account's
+        runtime states without a restart.
+
+        @return: a Deferred firing with the token view.
+        @raise KeyError: unknown account. @raise ValueError: not OAuth, or
+            no usable token in C{body}.
+        """
+        from relay.oauth.authfile import AuthFileError, parseAuth
+
+        self._oauthAccount(accountId)
+        try:
+            auth = parseAuth(body)
+        except AuthFileError as e:
+            raise ValueError(str(e))
+        d = self.credentials.setTokens(
+            accountId, auth.access_token, auth.refresh_token, auth.id_token
+        )
+
+        def _cbClear(view):
+            return self.health.clear(accountId).addCallback(lambda _: view)
+
+        return d.addCallback(_cbClear)
 
     def clearAccount(self, accountId: str) -> Deferred:
         """

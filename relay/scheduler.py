@@ -153,6 +153,7 @@ class _Pass:
     skew: float = 0.0
     tried: int = 0
     loads: dict = field(factory=dict)
+    quotaDecided: bool = False
 
 
 @define
@@ -220,6 +221,9 @@ class AccountScheduler:
         not hold (e.g. the breaker, R-B1).
     @ivar _quarantineEnd: optional C{(proxy id) -> Unix seconds or None}: when
         a proxy's quarantine ends (R83's retry hint).
+    @ivar _quota: optional L{relay.quota.UsageWindows}: with
+        C{scheduling.quota_aware} the load-balance layer orders accounts of
+        equal priority by remaining usage window (issue 12).
     @ivar _lastUsed: account id -> Unix seconds of its last selection.
     @ivar _keptBindings: turns whose selection must not rewrite the session
         binding (R-B6), consulted by L{bind}.
@@ -236,6 +240,7 @@ class AccountScheduler:
     _isQuarantined: Callable[[Account], bool] = _never
     _extraBlock: Optional[Callable] = None
     _quarantineEnd: Optional[Callable[[str], Optional[float]]] = None
+    _quota: Optional[object] = None
     _lastUsed: dict = field(factory=dict, init=False)
     _keptBindings: WeakKeyDictionary = field(factory=WeakKeyDictionary, init=False)
     _localOwners: OrderedDict = field(factory=OrderedDict, init=False)
@@ -647,21 +652,37 @@ class AccountScheduler:
         candidates = [a for a in ctx.eligible if a.id not in skip]
         if not candidates:
             return None
+        scheduling = ctx.scheduling
+        quota = self._quota if scheduling.quota_aware else None
+        threshold = scheduling.quota_threshold_percent
         for _ in range(2):
             ctx.loads.update(await self._loads(candidates))
             rates = {a.id: loadRate(*ctx.loads[a.id], a.concurrency) for a in candidates}
             ctx.skew = statistics.pstdev(rates.values()) if len(rates) > 1 else 0.0
             available = [a for a in candidates if rates[a.id] < 100]
-            order = self._ordered(
-                available,
-                key=lambda a: (a.priority, rates[a.id], self._lastUsedSecond(a)),
-            )
+
+            def plain(a, rates=rates):
+                return (rates[a.id], self._lastUsedSecond(a))
+
+            if quota is None:
+                order = self._ordered(available, key=lambda a: (a.priority,) + plain(a))
+            else:
+                # Issue 12: within a priority, the most remaining usage
+                # window first; at/above the threshold only after the rest.
+                order = self._ordered(
+                    available,
+                    key=lambda a: (a.priority,) + quota.rank(a.id, threshold) + plain(a),
+                )
             for account in order:
                 if self._incompatible(ctx, account):
                     continue
                 ctx.tried += 1
                 lease = await self._try(ctx, account)
                 if lease is not None:
+                    if quota is not None:
+                        peers = [plain(a) for a in order if a.priority == account.priority
+                                 and not self._incompatible(ctx, a)]
+                        ctx.quotaDecided = plain(account) > min(peers)
                     return account, lease
         return None
 
@@ -686,6 +707,15 @@ class AccountScheduler:
             if ctx.loads.get(account.id, (0, 0))[1] < limit:
                 return account
         return order[0]
+
+    def _usedPercent(self, account: Account) -> Optional[float]:
+        """
+        The account's fuller usage window now, in percent, or L{None}.
+        """
+        if self._quota is None:
+            return None
+        snapshot = self._quota.get(account.id)
+        return None if snapshot is None else snapshot.used(self._clock.seconds())
 
     def _movable(self, turn: Turn) -> bool:
         """
@@ -934,6 +964,8 @@ class AccountScheduler:
             top_k=max(ctx.tried, 1),
             sticky_busy_bypass=choice.bypass,
             preferred_account_hit=choice.preferred,
+            quota_decided=ctx.quotaDecided and choice.layer == LAYER_LOAD and not choice.preferred,
+            quota_used_percent=self._usedPercent(account),
         )
         # Info, not R45's debug: seed 003's tables (and relay.report) are
         # computed from these lines, and the default runners drop debug.

@@ -36,6 +36,11 @@ class DecisionRecord:
         C{sticky_session_hit} is L{False}.
     @ivar preferred_account_hit: the turn's C{preferredAccountId} (a
         WebSocket connection's account) was chosen.
+    @ivar quota_decided: the load-balance layer chose this account over
+        one that the plain order (load rate, last used) would have tried
+        first, because its usage window has more room (issue 12).
+    @ivar quota_used_percent: the chosen account's fuller usage window, in
+        percent, when relay knows it.
     """
 
     layer: str
@@ -51,6 +56,8 @@ class DecisionRecord:
     top_k: int = 0
     sticky_busy_bypass: bool = False
     preferred_account_hit: bool = False
+    quota_decided: bool = False
+    quota_used_percent: Optional[float] = None
 
 
 @frozen

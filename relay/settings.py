@@ -201,6 +201,10 @@ RUNTIME_KEYS: dict = {
     "breaker.open_seconds": _floatSetting(1, 86400),
     "breaker.max_open_seconds": _floatSetting(1, 86400),
     "breaker.enabled": _bool,
+    # Issue 12: quota-aware load balance and the token refresh margin.
+    "scheduling.quota_aware": _bool,
+    "scheduling.quota_threshold_percent": _floatSetting(0, 100),
+    "oauth.refresh_margin_seconds": _floatSetting(0, 30 * 86400),
 }
 
 _GROUPS = frozenset(key.split(".", 1)[0] for key in RUNTIME_KEYS if "." in key)

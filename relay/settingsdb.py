@@ -29,12 +29,20 @@ from zope.interface import Interface, implementer
 __all__ = ["ISettingsStore", "SQLiteSettingsStore", "RedisSettingsStore", "SCHEMA_VERSION"]
 
 #: The schema version L{SQLiteSettingsStore} migrates to.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _MIGRATIONS = {
     1: (
         "CREATE TABLE IF NOT EXISTS settings ("
         " key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    ),
+    # Issue 12: OAuth token records and refresh locks
+    # (L{relay.oauth.store.SQLiteTokenStore}).
+    2: (
+        "CREATE TABLE IF NOT EXISTS oauth_tokens ("
+        " account_id TEXT PRIMARY KEY, version INTEGER NOT NULL, record TEXT NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS oauth_locks ("
+        " account_id TEXT PRIMARY KEY, owner TEXT NOT NULL, until REAL NOT NULL)",
     ),
 }
 

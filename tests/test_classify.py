@@ -47,7 +47,12 @@ APIKEY = Account(
     id="k1", type="apikey", base_url="https://api.openai.com/v1", credential="sk-secret"
 )
 OAUTH = Account(
-    id="o1", type="oauth", base_url="https://chatgpt.com/backend-api/codex", credential="tok"
+    id="o1", type="oauth", base_url="https://chatgpt.com/backend-api/codex", credential="tok",
+    refresh_token="rt-secret",
+)
+#: An OAuth account with a static access token and no refresh token.
+OAUTH_STATIC = Account(
+    id="o2", type="oauth", base_url="https://chatgpt.com/backend-api/codex", credential="tok2"
 )
 POOL = Account(
     id="p1", type="apikey", base_url="https://api.openai.com/v1", credential="sk-x", pool_mode=True
@@ -792,11 +797,11 @@ class SummaryTests(SynchronousTestCase):
         R13: an OAuth 429 retries the same account after Retry-After capped
         at 8 s, else 0.5 s; it carries no marking but the R12 reset.
         """
-        for headers, delay in (
-            ({}, 0.5),
-            ({"retry-after": "3"}, 3.0),
-            ({"retry-after": "30"}, 8.0),
-            ({"retry-after": "junk"}, 0.5),
+        for headers, delay, reset in (
+            ({}, 0.5, 5),
+            ({"retry-after": "3"}, 3.0, 3),
+            ({"retry-after": "30"}, 8.0, 8),
+            ({"retry-after": "junk"}, 0.5, 5),
         ):
             v = classify(OAUTH, 429, b"", headers)
             self.assertEqual(
@@ -804,7 +809,8 @@ class SummaryTests(SynchronousTestCase):
                 (True, True, delay, ()),
                 headers,
             )
-            self.assertEqual(v.rateLimitUntil, NOW + 5)
+            # R82: the reset is Retry-After capped at 8 s, else the fallback.
+            self.assertEqual(v.rateLimitUntil, NOW + reset, headers)
         self.assertFalse(classify(APIKEY, 429).oauth429)
 
 
@@ -992,6 +998,14 @@ R11_ROWS = [
         [(F.MARK_DISABLED, None, None)],
     ),
     (
+        "401 oauth without a refresh token -> permanent",
+        OAUTH_STATIC,
+        401,
+        err(None, "expired"),
+        {},
+        [(F.MARK_DISABLED, None, None)],
+    ),
+    (
         "401 oauth other -> 10 min",
         OAUTH,
         401,
@@ -1136,24 +1150,48 @@ class R12Tests(SynchronousTestCase):
         )
         self.assertEqual(self.until(h2), NOW + 86400)
 
-    def test_headerLaterReset(self):
+    def test_headerSpentRelative(self):
         """
-        R12 rule 1: no window spent -> the later of the two resets; the
-        relative C{reset-after-seconds} form is converted from now.
+        R12 rule 1: a spent window's relative C{reset-after-seconds} form is
+        converted from now; with both spent, the later reset.
         """
         h = {
-            "x-codex-primary-used-percent": "80",
+            "x-codex-primary-used-percent": "100",
             "x-codex-primary-reset-after-seconds": "300",
             "x-codex-secondary-used-percent": "90",
             "x-codex-secondary-reset-after-seconds": "7200",
         }
+        self.assertEqual(self.until(h), NOW + 300)
+        h["x-codex-secondary-used-percent"] = "100"
         self.assertEqual(self.until(h), NOW + 7200)
-        self.assertEqual(self.until({"x-codex-primary-reset-after-seconds": "90"}), NOW + 90)
+
+    def test_burstNotSpentPlan(self):
+        """
+        R82: a 429 whose windows are all below 100 % (and whose body is not a
+        usage limit) is a burst: never a window reset, but Retry-After
+        capped at 60 s (8 s on OAuth accounts), else the fallback. Before
+        R82 this parked the account until the later window reset (R12.1).
+        """
+        h = {
+            "x-codex-primary-used-percent": "80",
+            "x-codex-primary-reset-after-seconds": "18000",
+            "x-codex-secondary-used-percent": "90",
+            "x-codex-secondary-reset-after-seconds": "600000",
+        }
+        self.assertEqual(self.until(h), NOW + 5)
+        self.assertEqual(self.until(dict(h, **{"retry-after": "20"})), NOW + 20)
+        self.assertEqual(self.until(dict(h, **{"retry-after": "600"})), NOW + 60)
+        self.assertEqual(self.until({"x-codex-primary-reset-after-seconds": "90"}), NOW + 5)
+        oauth = classify(OAUTH, 429, b"", dict(h, **{"retry-after": "20"}))
+        self.assertEqual(oauth.rateLimitUntil, NOW + 8)
+        spent = classify(OAUTH, 429, b"", dict(h, **{"x-codex-primary-used-percent": "100"}))
+        self.assertEqual(spent.rateLimitUntil, NOW + 18000)
 
     def test_body(self):
         """
-        R12 rule 2: usage_limit_reached uses resets_at, else now +
-        resets_in_seconds; headers win over the body.
+        R12 rule 2: usage_limit_reached (and usage_not_included) use
+        resets_at, else now + resets_in_seconds; a spent window's header
+        reset wins over the body.
         """
         self.assertEqual(
             self.until(body=err(None, "x", "usage_limit_reached", resets_at=NOW + 1234)), NOW + 1234
@@ -1163,10 +1201,20 @@ class R12Tests(SynchronousTestCase):
         )
         self.assertEqual(
             self.until(
-                {"x-codex-primary-reset-at": str(NOW + 50)},
+                {"x-codex-primary-used-percent": "100",
+                 "x-codex-primary-reset-at": str(NOW + 50)},
                 err(None, "x", "usage_limit_reached", resets_in_seconds=77),
             ),
             NOW + 50,
+        )
+        # R82: a window below 100 % gives no reset; the body's does.
+        self.assertEqual(
+            self.until(
+                {"x-codex-primary-used-percent": "60",
+                 "x-codex-primary-reset-at": str(NOW + 50)},
+                err(None, "x", "usage_not_included", resets_in_seconds=77),
+            ),
+            NOW + 77,
         )
 
     def test_fallback(self):

@@ -4,6 +4,7 @@ Tests for L{relay.config}: the YAML contract of config.md.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -38,6 +39,7 @@ _EXAMPLE_ENV = {
     "RELAY_PROXY_EGRESS_1": "socks5h://proxyuser:proxy-pass-secret@proxy.example:1080",
     "OPENAI_API_KEY_A1": "sk-upstream-a1-secret",
     "OPENAI_ACCESS_TOKEN_O1": "oauth-token-o1-secret",
+    "OPENAI_REFRESH_TOKEN_O1": "oauth-refresh-o1-secret",
 }
 
 _MINIMAL = """\
@@ -806,6 +808,103 @@ class SecretTests(SynchronousTestCase):
                 "sk-relay-alice-secret",
                 "sk-upstream-a1-secret",
                 "oauth-token-o1-secret",
+                "oauth-refresh-o1-secret",
                 "proxy-pass-secret",
             },
         )
+
+
+class OAuthConfigTests(SynchronousTestCase, ConfigErrorAssertions):
+    """
+    Issue 12: OAuth accounts with refresh tokens or a Codex C{auth.json},
+    C{auth_base_url}, and the C{gateway.oauth} / quota settings.
+    """
+
+    def test_refreshTokenOnly(self):
+        """
+        A refresh token alone is enough (relay refreshes before the first
+        request); C{id_token} is optional; the account id comes from the
+        config.
+        """
+        config = parse(
+            "accounts: [{id: o1, type: oauth, refresh_token_env: RT, id_token: idt,"
+            " chatgpt_account_id: c1, auth_base_url: 'http://127.0.0.1:9/'}]",
+            environ={"RT": "rt-secret"},
+        )
+        [acct] = config.accounts
+        self.assertEqual((acct.credential, acct.refresh_token, acct.id_token),
+                         ("", "rt-secret", "idt"))
+        self.assertEqual(acct.auth_base_url, "http://127.0.0.1:9")
+        self.assertEqual(acct.token_source, "env")
+        self.assertNotIn("rt-secret", repr(acct))
+
+    def test_accountIdFromClaim(self):
+        """
+        Without C{chatgpt_account_id} the access token's account claim
+        gives it; without a claim it is required.
+        """
+        import jwt
+
+        access = jwt.encode({"https://api.openai.com/auth": {"chatgpt_account_id": "acct-j"}},
+                            b"k" * 32, algorithm="HS256")
+        config = parse(f"accounts: [{{id: o1, type: oauth, access_token: '{access}'}}]")
+        self.assertEqual(config.accounts[0].chatgpt_account_id, "acct-j")
+        self.assertConfigError(
+            "accounts: [{id: o1, type: oauth, refresh_token: rt}]",
+            "accounts[0] (o1): chatgpt_account_id is required",
+        )
+
+    def test_authFile(self):
+        """
+        C{auth_file} reads a Codex C{auth.json}: tokens, account id and
+        last refresh; giving tokens as well is an error; an unreadable file
+        names the key.
+        """
+        path = self.mktemp()
+        with open(path, "w") as f:
+            json.dump({"tokens": {"refresh_token": "rt-file", "account_id": "acct-file"},
+                       "last_refresh": "2027-01-01T00:00:00Z"}, f)
+        config = parse(f"accounts: [{{id: o1, type: oauth, auth_file: '{path}'}}]")
+        [acct] = config.accounts
+        self.assertEqual((acct.refresh_token, acct.chatgpt_account_id),
+                         ("rt-file", "acct-file"))
+        self.assertEqual(acct.token_source, "auth_file:" + path)
+        self.assertIsNotNone(acct.last_refresh)
+        self.assertConfigError(
+            f"accounts: [{{id: o1, type: oauth, auth_file: '{path}', refresh_token: x}}]",
+            "give auth_file or tokens",
+        )
+        self.assertConfigError(
+            "accounts: [{id: o1, type: oauth, auth_file: /nonexistent/auth.json}]",
+            "accounts[0].auth_file: cannot read /nonexistent/auth.json",
+        )
+        self.assertConfigError(
+            "accounts: [{id: a1, type: apikey, api_key: k, refresh_token: x}]",
+            "accounts[0].refresh_token: only allowed on an oauth account",
+        )
+
+    def test_gatewaySettings(self):
+        """
+        C{gateway.oauth} and the quota settings parse; unknown keys and
+        out-of-range values are one-line errors.
+        """
+        config = parse(
+            "gateway: {oauth: {auth_base_url: 'http://127.0.0.1:1', refresh_margin_seconds: 60,"
+            " client_id: x}, scheduling: {quota_aware: false, quota_threshold_percent: 90}}"
+        )
+        self.assertEqual(config.gateway.oauth.refresh_margin_seconds, 60)
+        self.assertFalse(config.gateway.scheduling.quota_aware)
+        self.assertEqual(config.gateway.scheduling.quota_threshold_percent, 90)
+        self.assertConfigError("gateway: {oauth: {margin: 1}}", "unknown key gateway.oauth.margin")
+        self.assertConfigError("gateway: {scheduling: {quota_threshold_percent: 101}}",
+                               "gateway.scheduling.quota_threshold_percent")
+
+    def test_secrets(self):
+        """
+        Refresh and ID tokens are registered for log redaction.
+        """
+        from relay.config import secretsOf
+
+        config = parse("accounts: [{id: o1, type: oauth, refresh_token: rt-abcdef,"
+                       " id_token: id-abcdef, chatgpt_account_id: c}]")
+        self.assertTrue({"rt-abcdef", "id-abcdef"} <= secretsOf(config))

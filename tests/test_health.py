@@ -215,11 +215,12 @@ class MarkingTests(HealthTestCase):
 
     def test_rateLimited(self):
         """
-        R12: a 429 marks rate-limited until the chosen reset.
+        R12: a 429 marks rate-limited until the chosen reset (R82: a spent
+        window's).
         """
-        self.apply(
-            APIKEY, self.status(APIKEY, 429, headers={"x-codex-primary-reset-after-seconds": "90"})
-        )
+        spent = {"x-codex-primary-used-percent": "100",
+                 "x-codex-primary-reset-after-seconds": "90"}
+        self.apply(APIKEY, self.status(APIKEY, 429, headers=spent))
         self.assertEqual(self.runtime(APIKEY).rateLimitedUntil, T0 + 90)
         self.assertEqual(self.blocked(APIKEY)[1], T0 + 90)
 
@@ -489,7 +490,8 @@ class OAuth429Tests(HealthTestCase):
         self.assertEqual(self.decide(v30), ("retry_same", 2.0))
         self.assertIsNone(self.blocked(OAUTH))
         self.clock.advance(2)
-        late = self.status(OAUTH, 429, headers={"x-codex-primary-reset-after-seconds": "3600"})
+        late = self.status(OAUTH, 429, headers={"x-codex-primary-used-percent": "100",
+                                                "x-codex-primary-reset-after-seconds": "3600"})
         self.assertEqual(self.decide(late), ("mark", None))
         self.assertEqual(self.runtime(OAUTH).rateLimitedUntil, T0 + 120 + 3600)
         self.assertEqual(self.health.localBlock("o1")[1], T0 + 120 + 3600)

@@ -122,6 +122,7 @@ class SecretRedactorTests(SynchronousTestCase):
             "RELAY_PROXY_EGRESS_1": "http://pu:proxy-pass-secret@proxy.example:3128",
             "OPENAI_API_KEY_A1": "upstream-a1-secret",
             "OPENAI_ACCESS_TOKEN_O1": "oauth-token-o1-secret",
+            "OPENAI_REFRESH_TOKEN_O1": "oauth-refresh-o1-secret",
         }
         config = loadConfig(os.path.join(_ETC, "relay.example.yaml"), environ=env)
         secrets = secretsOf(config)

@@ -539,7 +539,8 @@ class SQLiteSettingsStoreTests(SynchronousTestCase):
         db.close()
         self.assertEqual([(c[1], c[2], c[3], c[5]) for c in columns],
                          [("key", "TEXT", 0, 1), ("value", "TEXT", 1, 0)])
-        self.assertEqual(versions, [(SCHEMA_VERSION,)])
+        # One row per migration, each recorded once (2: OAuth tokens, issue 12).
+        self.assertEqual(versions, [(v,) for v in range(1, SCHEMA_VERSION + 1)])
 
     def test_saveLoad(self):
         """

@@ -16,6 +16,10 @@ It serves, on one port (plain TCP or TLS):
   - the Responses WebSocket on C{GET} of the same paths with C{Upgrade: websocket};
   - C{POST /v1/chat/completions} (and C{/chat/completions});
   - C{GET /v1/models} (and C{/models}, C{/backend-api/codex/models});
+  - C{POST /oauth/token} and C{GET /backend-api/wham/usage} for C{type: oauth} accounts (JWT
+    access tokens with C{exp} and the account claim, single-use refresh tokens, token faults,
+    usage windows in C{x-codex-*} headers and C{codex.rate_limits} events): see
+    L{relay.emulator.oauth};
   - the control API under C{/_emulator/} (no authentication; listen on loopback):
 
     - C{GET /_emulator/requests}: the recorded requests as JSON (names instead of credentials,
@@ -28,7 +32,9 @@ It serves, on one port (plain TCP or TLS):
     - C{PUT /_emulator/scripts/<credential-or-name>} with a script object (C{null} resets;
       C{*} is the default script);
     - C{GET /_emulator/stats}: C{{name: {"inflight": n, "peak": n}}};
-      C{DELETE /_emulator/peaks} resets peaks.
+      C{DELETE /_emulator/peaks} resets peaks;
+    - C{GET /_emulator/oauth} (token requests, refreshes, reuse attempts; never a token),
+      C{PUT|DELETE /_emulator/oauth/faults/<name>}, C{POST /_emulator/oauth/release}.
 
 An account is identified by its credential, the C{Authorization: Bearer} token.  Unknown
 credentials are served as anonymous accounts named C{key-<sha256 prefix>} when C{accept_any}
@@ -44,8 +50,11 @@ The script and fault formats are documented in L{relay.emulator.state}.  The con
     models: [gpt-5.5]
     default_script: {text: "...", tool_call: {...}}
     default_fault: null
+    oauth: {access_token_ttl: 864000}   # seconds; optional secret: HS256 key
     accounts:
       - {name: a1, credential: sk-emu-a1, script: {...}, fault: {...}}
+      - {name: o1, type: oauth, refresh_token: rt-o1, chatgpt_account_id: acct-o1,
+         plan_type: plus, usage: {primary_used_percent: 10, primary_capacity_tokens: 100000}}
 
 Python use (e.g. in a pytest-twisted test)::
 

@@ -18,6 +18,7 @@ from twisted.logger import Logger
 from twisted.web.server import Site
 
 from relay.emulator.http import EmulatorResource
+from relay.emulator.oauth import DEFAULT_ACCESS_TTL, OAuthAuthority, UsageModel, canonicalKey
 from relay.emulator.state import (
     DEFAULT_MODELS,
     EmulatorState,
@@ -29,11 +30,17 @@ from relay.emulator.ws import buildFactory
 
 CONFIG_KEYS = frozenset(
     {"listen", "accept_any", "ws_max_age", "models", "default_script", "default_fault",
-     "accounts"}
+     "accounts", "oauth"}
 )
 """The keys an emulator configuration may have."""
 
-ACCOUNT_KEYS = frozenset({"name", "credential", "script", "fault"})
+ACCOUNT_KEYS = frozenset(
+    {"name", "credential", "script", "fault", "type", "refresh_token", "chatgpt_account_id",
+     "plan_type", "usage"}
+)
+
+OAUTH_KEYS = frozenset({"access_token_ttl", "secret"})
+"""The keys of the C{oauth:} section (L{relay.emulator.oauth})."""
 """The keys an account entry may have."""
 
 
@@ -71,11 +78,29 @@ def validateConfig(config: dict) -> dict:
             bad = set(account) - ACCOUNT_KEYS
             if bad:
                 raise EmulatorConfigError(f"accounts[{index}]: unknown keys {sorted(bad)}")
-            for key in ("name", "credential"):
+            kind = account.get("type", "apikey")
+            if kind not in ("apikey", "oauth"):
+                raise EmulatorConfigError(f"accounts[{index}]: type must be apikey or oauth")
+            required = ("name",) if kind == "oauth" else ("name", "credential")
+            for key in required:
                 if not isinstance(account.get(key), str) or not account[key]:
                     raise EmulatorConfigError(f"accounts[{index}]: missing entry {key!r}")
+            if kind == "oauth" and "credential" in account:
+                raise EmulatorConfigError(
+                    f"accounts[{index}]: an oauth account has no credential (its key is"
+                    " oauth:<name>)")
+            if kind != "oauth" and "refresh_token" in account:
+                raise EmulatorConfigError(f"accounts[{index}]: refresh_token needs type oauth")
+            if account.get("usage") is not None:
+                UsageModel.parse(account["usage"], 0.0)
             parseScript(account.get("script"))
             parseFaults(account.get("fault"))
+        oauth = config.get("oauth") or {}
+        if not isinstance(oauth, dict) or set(oauth) - OAUTH_KEYS:
+            raise EmulatorConfigError(f"oauth: expected a mapping with keys {sorted(OAUTH_KEYS)}")
+        ttl = oauth.get("access_token_ttl", 1)
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0:
+            raise EmulatorConfigError("oauth.access_token_ttl must be a positive number")
     except EmulatorConfigError:
         raise
     except ValueError as e:
@@ -101,6 +126,7 @@ class Emulator:
     @ivar listeningPort: the port after L{listen}, else L{None}.
     @ivar wsMaxAge: the WebSocket connection age limit in seconds.
     @ivar models: the model ids C{GET /v1/models} lists.
+    @ivar oauth: the token issuer and usage meter (L{relay.emulator.oauth}).
     """
 
     _log = Logger()
@@ -113,6 +139,7 @@ class Emulator:
     listeningPort: IListeningPort | None = field(init=False, default=None)
     wsMaxAge: float = field(init=False, default=3600.0)
     models: tuple = field(init=False, default=DEFAULT_MODELS)
+    oauth: OAuthAuthority = field(init=False)
     _secure: bool = field(init=False, default=False)
     _held: set = field(init=False, factory=set)
     _connections: set = field(init=False, factory=set)
@@ -128,12 +155,30 @@ class Emulator:
                                    acceptAny=bool(config.get("accept_any", True)))
         self.wsMaxAge = float(config.get("ws_max_age", 3600))
         self.models = tuple(config.get("models") or DEFAULT_MODELS)
+        oauth = config.get("oauth") or {}
+        self.oauth = OAuthAuthority(
+            clock=self.reactor, accessTtl=float(oauth.get("access_token_ttl", DEFAULT_ACCESS_TTL))
+        )
+        if oauth.get("secret"):
+            self.oauth.secret = str(oauth["secret"]).encode("utf-8")
         for account in config.get("accounts") or []:
-            self.state.addAccount(account["name"], account["credential"])
+            name = account["name"]
+            if account.get("type") == "oauth":
+                key = canonicalKey(name)
+                self.oauth.addAccount(
+                    name, account.get("refresh_token"),
+                    account.get("chatgpt_account_id") or f"acct-{name}",
+                    account.get("plan_type") or "plus",
+                )
+            else:
+                key = account["credential"]
+            self.state.addAccount(name, key)
             if account.get("script") is not None:
-                self.state.setScript(account["credential"], account["script"])
+                self.state.setScript(key, account["script"])
             if account.get("fault") is not None:
-                self.state.setFault(account["credential"], account["fault"])
+                self.state.setFault(key, account["fault"])
+            if account.get("usage") is not None:
+                self.oauth.setUsage(key, account["usage"])
         if config.get("default_script") is not None:
             self.state.setScript("*", config["default_script"])
         if config.get("default_fault") is not None:
@@ -214,6 +259,31 @@ class Emulator:
         return f"{scheme}://{authority}{paths[kind]}"
 
     # -- control ----------------------------------------------------------------------------
+
+    def authenticate(self, token: str | None) -> tuple:
+        """
+        Map a bearer to its credential key (see
+        L{relay.emulator.oauth.OAuthAuthority.authenticate}).
+
+        @return: C{(key, None)} or C{(None, 401 body)}.
+        """
+        return self.oauth.authenticate(token)
+
+    def mintAccessToken(self, name: str, ttl: float | None = None) -> str:
+        """
+        A signed access token for OAuth account C{name} (tests, rehearsals).
+
+        @param ttl: seconds it is valid (default the configured lifetime).
+        """
+        return self.oauth.mintAccessToken(name, ttl)
+
+    def setUsage(self, credentialOrName: str, spec: dict | None) -> None:
+        """
+        Configure the usage windows of an account (by name or credential).
+
+        @raise ValueError: for a malformed spec.
+        """
+        self.oauth.setUsage(self.state.resolve(credentialOrName), spec)
 
     def setFault(self, credential: str, fault: Any) -> None:
         """

@@ -51,6 +51,12 @@ CHAT = ("/v1/chat/completions", "/chat/completions")
 MODELS = ("/v1/models", "/models", "/backend-api/codex/models")
 """Paths of the model list."""
 
+TOKEN = "/oauth/token"
+"""The OAuth token endpoint (L{relay.emulator.oauth})."""
+
+WHAM_USAGE = "/backend-api/wham/usage"
+"""The usage snapshot endpoint (protocol.md 7.4)."""
+
 
 def bearer(value: str | None) -> str | None:
     """
@@ -280,6 +286,17 @@ class EmulatorResource(Resource):
             peerHost(request.getClientAddress()),
         )
 
+    def _credential(self, request: Any) -> tuple:
+        """
+        The request's credential key and, for one of the emulator's own
+        access tokens that is expired or invalid, the 401 body.
+
+        @param request: the request.
+        @return: C{(key, None)} or C{(key, body)}.
+        @rtype: L{tuple}
+        """
+        return self.emulator.authenticate(bearer(request.getHeader("authorization")))
+
     def _hold(self, request: Any) -> None:
         """
         Keep a request open (a hang) until the client goes or the emulator stops.
@@ -314,6 +331,13 @@ class EmulatorResource(Resource):
                     "message": "WebSocket upgrade required (Upgrade: websocket)"}})
             return self._json(request, 405, {"error": {"type": "invalid_request_error",
                                                        "message": "Method not allowed"}})
+        if path == TOKEN:
+            if method != b"POST":
+                return self._json(request, 405, {"error": "invalid_request",
+                                                 "error_description": "use POST"})
+            return self._token(request)
+        if path == WHAM_USAGE and method == b"GET":
+            return self._wham(request)
         if path in CHAT and method == b"POST":
             return self._chat(request)
         if path in MODELS and method == b"GET":
@@ -331,8 +355,10 @@ class EmulatorResource(Resource):
         @param request: the request.
         @rtype: L{bytes}
         """
-        credential = bearer(request.getHeader("authorization"))
+        credential, denied = self._credential(request)
         self._record(request, HTTP, "request", credential, None)
+        if denied is not None:
+            return self._json(request, 401, denied)
         if not self._state.known(credential):
             return self._json(request, 401, invalidKeyBody())
         created = int(self.emulator.clock.seconds())
@@ -446,8 +472,10 @@ class EmulatorResource(Resource):
         @return: the body or C{NOT_DONE_YET}.
         """
         ok, body = self._parseBody(request)
-        credential = bearer(request.getHeader("authorization"))
+        credential, denied = self._credential(request)
         self._record(request, HTTP, "request", credential, body)
+        if denied is not None:
+            return self._json(request, 401, denied)
         if not ok or not isinstance(body, dict):
             return self._json(request, 400, {"error": {
                 "message": "We could not parse the JSON body of your request.",
@@ -482,6 +510,11 @@ class EmulatorResource(Resource):
                          script.argumentDeltas, emptyOutput, script.usage)
         if route == "apikey" and body.get("store") is not False:
             self._state.storeResponse(credential, turn.responseId)
+        if route == "oauth":
+            for name, value in self.emulator.oauth.usageHeaders(credential).items():
+                request.setHeader(name.encode(), value.encode())
+        self.emulator.oauth.served(credential, (turn.final.get("usage") or {}).get(
+            "total_tokens", 0))
         tracker = TurnTracker(self._state, credential)
         firstDelay = float(fault.get("seconds", 0)) if fault is not None and \
             fault.kind == "delay_first_output" else 0.0
@@ -558,6 +591,79 @@ class EmulatorResource(Resource):
         pump.start()
         return NOT_DONE_YET
 
+    # -- POST /oauth/token, GET wham/usage --------------------------------------------------
+
+    def _token(self, request: Any) -> Any:
+        """
+        Answer a token request (L{relay.emulator.oauth}): apply the token
+        fault of the refresh token's account, then rotate.
+
+        @param request: the request.
+        @return: the body or C{NOT_DONE_YET}.
+        """
+        raw = request.content.read() if request.content is not None else b""
+        ctype = (request.getHeader(b"content-type") or b"").decode("latin-1")
+        authority = self.emulator.oauth
+        params = authority.parseRequest(raw, ctype)
+        name = authority.accountFor(params)
+        shown = {k: ("***" if "token" in k else v) for k, v in params.items()}
+        self._state.record(
+            f"oauth:{name}" if name else None, HTTP, "token", request.path.decode("latin-1"),
+            "POST", lowerHeaders(request), shown, peerHost(request.getClientAddress()),
+        )
+        authority.countRequest(name)
+        fault = authority.takeFault(name)
+        if fault is not None:
+            self._log.info("applying token fault {kind} for {name}", event="emulator.fault",
+                           kind=fault.kind, name=name)
+        gone: list = []
+        request.notifyFinish().addErrback(lambda _: gone.append(True))
+
+        def answer() -> None:
+            status, body = authority.exchange(params)
+            if gone or request.finished:
+                return
+            request.write(self._json(request, status, body))
+            request.finish()
+
+        if fault is None:
+            status, body = authority.exchange(params)
+            return self._json(request, status, body)
+        if fault.kind == "status":
+            body = fault.params.get("body") or {"error": {"message": "Emulated token error",
+                                                          "type": "server_error"}}
+            return self._json(request, fault.params["code"], body,
+                              fault.params.get("headers"))
+        if fault.kind == "reset":
+            abortConnection(request)
+            return NOT_DONE_YET
+        if fault.kind == "slow":
+            self.emulator.clock.callLater(float(fault.params["seconds"]), answer)
+            return NOT_DONE_YET
+        if fault.kind == "hold":
+            authority.held.append(answer)
+            self._hold(request)
+            return NOT_DONE_YET
+        from relay.emulator.oauth import permanentError
+
+        return self._json(request, 401 if fault.kind != "invalid_grant" else 400,
+                          permanentError(fault.kind))
+
+    def _wham(self, request: Any) -> bytes:
+        """
+        Answer C{GET /backend-api/wham/usage} (protocol.md 7.4).
+
+        @param request: the request.
+        @rtype: L{bytes}
+        """
+        credential, denied = self._credential(request)
+        self._record(request, HTTP, "request", credential, None)
+        if denied is not None:
+            return self._json(request, 401, denied)
+        if not self._state.known(credential):
+            return self._json(request, 401, invalidKeyBody())
+        return self._json(request, 200, self.emulator.oauth.wham(credential))
+
     # -- POST /v1/chat/completions ----------------------------------------------------------
 
     def _chat(self, request: Any) -> Any:
@@ -568,8 +674,10 @@ class EmulatorResource(Resource):
         @return: the body or C{NOT_DONE_YET}.
         """
         ok, body = self._parseBody(request)
-        credential = bearer(request.getHeader("authorization"))
+        credential, denied = self._credential(request)
         self._record(request, HTTP, "request", credential, body)
+        if denied is not None:
+            return self._json(request, 401, denied)
         if not ok or not isinstance(body, dict):
             return self._json(request, 400, {"error": {
                 "message": "We could not parse the JSON body of your request.",
@@ -642,8 +750,10 @@ class EmulatorResource(Resource):
         @param request: the request.
         @return: whatever the C{WebSocketResource} returns, or a rejection body.
         """
-        credential = bearer(request.getHeader("authorization"))
+        credential, denied = self._credential(request)
         self._record(request, WS, "handshake", credential, None)
+        if denied is not None:
+            return self._json(request, 401, denied)
         if not self._state.known(credential):
             return self._json(request, 401, invalidKeyBody())
         fault = self._state.takeFault(credential, WS, handshake=True)
@@ -698,6 +808,17 @@ class EmulatorResource(Resource):
                     emulator.setFault(parts[1], body)
                 else:
                     emulator.setScript(parts[1], body)
+                return self._json(request, 200, {"ok": True})
+            if parts == ["oauth"] and method == b"GET":
+                return self._json(request, 200, emulator.oauth.stats())
+            if parts == ["oauth", "release"] and method == b"POST":
+                return self._json(request, 200, {"released": emulator.oauth.release()})
+            if len(parts) == 3 and parts[:2] == ["oauth", "faults"] and method in (
+                    b"PUT", b"DELETE"):
+                ok, body = self._parseBody(request)
+                if not ok:
+                    return self._json(request, 400, {"error": "invalid JSON"})
+                emulator.oauth.setFault(parts[2], None if method == b"DELETE" else body)
                 return self._json(request, 200, {"ok": True})
             if parts == ["peaks"] and method == b"DELETE":
                 emulator.state.resetPeaks()

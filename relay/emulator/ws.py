@@ -102,7 +102,9 @@ class EmulatorWebSocketProtocol(WebSocketServerProtocol):
         """
         try:
             self._emulator: Emulator = self.factory.emulator
-            self._credential = bearer(request.headers.get("authorization"))
+            self._credential, _ = self._emulator.authenticate(
+                bearer(request.headers.get("authorization"))
+            )
             self._headers = {k.lower(): v for k, v in request.headers.items()}
             self._path = request.path
             self._peerHost = getattr(self.transport.getPeer(), "host", None)
@@ -114,9 +116,14 @@ class EmulatorWebSocketProtocol(WebSocketServerProtocol):
             self._tracker: TurnTracker | None = None
             self._model: str | None = None
             self._closed = False
+            self._oauthRoute = (self._path or "").startswith("/backend-api")
+            usage = self._emulator.oauth.usageHeaders(self._credential)
         except Exception:
             self._log.failure("while accepting an emulated WebSocket")
             raise
+        if self._oauthRoute and usage:
+            # protocol.md 7.3: the usage windows ride on the handshake too.
+            return (None, usage)
         return None
 
     def onOpen(self) -> None:
@@ -258,6 +265,12 @@ class EmulatorWebSocketProtocol(WebSocketServerProtocol):
         turn = buildTurn(body, reply, now, shaping, script.deltas, script.argumentDeltas,
                          script.completedOutput == "empty", script.usage)
         self._known.add(turn.responseId)
+        limits = self._emulator.oauth.usageEvent(self._credential) if self._oauthRoute else None
+        if limits is not None:
+            self._sendEvent(limits)
+        self._emulator.oauth.served(
+            self._credential, (turn.final.get("usage") or {}).get("total_tokens", 0)
+        )
         self._busy = True
         self._tracker = tracker
 

@@ -200,6 +200,10 @@ class TurnState:
     dispatched: bool = False
     keepalive: StreamKeepalive | None = None
     """The turn's downstream keepalive (R85), for streaming turns."""
+    bearers: dict = field(factory=dict)
+    """Account id -> the bearer its last attempt was dialled with (issue 12)."""
+    refreshed: set = field(factory=set)
+    """Accounts that got their one 401 refresh-and-replay in this turn."""
 
 
 @implementer(IPushProducer)
@@ -641,6 +645,10 @@ class TurnRunner:
     usage: object = None
     history: object = None
     """optional L{relay.interfaces.IAccountHistory} (the status page's charts)."""
+    credentials: object = None
+    """The L{relay.interfaces.ICredentialSource}, or L{None}: dial as configured."""
+    quota: object = None
+    """The L{relay.quota.UsageWindows} recording upstream usage windows, or L{None}."""
     budget: RetryBudget = field(factory=RetryBudget)
     bookkeeping: object = None
     """The L{AccountBookkeeping}: the one writer of account state for an
@@ -822,7 +830,7 @@ class TurnRunner:
                     self.metrics.addedLatency(
                         self.clock.seconds() - state.startedAt - state.waited
                     )
-            result = await self._attempt(turn, sink, account, lease)
+            result = await self._attempt(turn, sink, account, lease, state)
             end = result.end
             if (result.ok or result.committed) and state.keepalive is not None:
                 state.keepalive.stop()  # R85: the terminal event was written
@@ -833,6 +841,15 @@ class TurnRunner:
             verdict = result.verdict
             if verdict is None:
                 verdict = self.judge(turn, account, end)
+            if not result.committed and verdict is not None:
+                # Ends relay resolves on the same account before any
+                # decision, and that say nothing against the account: R7's
+                # one-shot body rewrite, issue 12's one refresh after a 401.
+                if self._rewriteOnce(turn, state, account, verdict) or await self._refreshOnce(
+                    turn, state, account, verdict
+                ):
+                    sameAccount = account
+                    continue
             model = account.upstreamModel(turn.model) if turn.model else None
             recorded = await self.bookkeeping.record(
                 account, end, verdict, model, turn.requestId, turn.upstreamRequestId
@@ -848,9 +865,6 @@ class TurnRunner:
                 return "failed", result.status, account.id
             if verdict is None:
                 raise AssertionError(f"attempt ended with {end!r} but no verdict")
-            if self._rewriteOnce(turn, state, account, verdict):
-                sameAccount = account
-                continue
             decision = await self._decide(turn, sink, state, account, verdict, recorded)
             if decision[0] == "pass":
                 sink.fail(decision[1])
@@ -893,6 +907,40 @@ class TurnRunner:
             request_id=turn.requestId,
         )
         return True
+
+    async def _refreshOnce(self, turn: Turn, state: TurnState, account, verdict) -> bool:
+        """
+        Issue 12 (behaviour.md R11, protocol.md 7.4): a 401 from an OAuth
+        account that can refresh, before anything reached the client,
+        triggers one refresh (single flight) and one replay on the same
+        account before any failover decision. A second 401 in the turn
+        invalidates the cached token and goes on to R11's marking.
+
+        @return: L{True} when a new token is in place and the turn should
+            be replayed on C{account}.
+        """
+        if self.credentials is None or verdict is None or verdict.status != 401:
+            return False
+        if verdict.kind not in (F.STATUS, F.STREAM) or account.type != "oauth":
+            return False
+        if account.id in state.refreshed:
+            self.credentials.invalidate(account)
+            return False
+        if not self.credentials.canRefresh(account):
+            return False
+        state.refreshed.add(account.id)
+        ok = await raceCancel(
+            self.credentials.refresh(account, stale=state.bearers.get(account.id)), turn.cancel
+        )
+        self._log.info(
+            "401 on {account_id}: token refresh {outcome}; {action}",
+            event="openai.oauth_401_refresh",
+            account_id=account.id,
+            outcome="succeeded" if ok else "failed",
+            action="replaying on the same account" if ok else "deciding as usual",
+            request_id=turn.requestId,
+        )
+        return bool(ok)
 
     async def _decide(
         self, turn, sink, state: TurnState, account, verdict: F.Verdict, recorded
@@ -1221,10 +1269,12 @@ class TurnRunner:
 
     # -- one attempt -----------------------------------------------------------
 
-    async def _attempt(self, turn: Turn, sink, account, lease) -> AttemptResult:
+    async def _attempt(self, turn: Turn, sink, account, lease, state=None) -> AttemptResult:
         """
         One attempt on C{account} holding C{lease}. The lease is released on
-        every path, before a terminal event is written.
+        every path, before a terminal event is written. With a credential
+        source the account is dialled with its current bearer, refreshed
+        first when it is missing or expired (issue 12).
         """
         released = []
         turn.upstreamRequestId = None
@@ -1239,6 +1289,13 @@ class TurnRunner:
                 lease.release()
 
         try:
+            if self.credentials is not None:
+                pending = self.credentials.ready(account)
+                if pending is not None:
+                    await raceCancel(pending, turn.cancel)
+                account = self.credentials.current(account)
+                if state is not None:
+                    state.bearers[account.id] = account.credential
             if self.wsAttempt is not None and turn.entrypoint == "ws" and turn.wsMode in (
                 "ctx_pool",
                 "passthrough",
@@ -1298,6 +1355,8 @@ class TurnRunner:
             turn.upstreamRequestId = response.headers.get("x-request-id")
             if self.metrics is not None:
                 self.metrics.upstreamStatus(response.code)
+            if self.quota is not None and account.type == "oauth":
+                self.quota.observeHeaders(account, response.headers)
             if response.code >= 300:
                 idle = s.upstream.stream_idle_timeout_seconds
                 try:

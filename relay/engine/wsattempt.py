@@ -131,6 +131,9 @@ class WebSocketPump(StreamPump):
         if self.finished:
             return
         self._resetIdle()
+        quota = self._runner.quota
+        if quota is not None and self._account.type == "oauth":
+            quota.observeFrame(self._account, payload)  # codex.rate_limits (issue 12)
         self.feedEvent(eventFromJSON(payload))
 
     def _beforeOutput(self, event) -> None:
@@ -386,6 +389,13 @@ class WebSocketAttempt:
         if turn.cancel.cancelled:
             self._giveBack(conn, mode, broken=False)
             raise ClientGone(turn.cancel.reason)
+        if runner.quota is not None and account.type == "oauth" and not getattr(
+            conn.proto, "usageSeen", False
+        ):
+            # Issue 12: a fresh connection's handshake headers carry the
+            # usage windows (protocol.md 7.3).
+            conn.proto.usageSeen = True
+            runner.quota.observeHeaders(account, conn.proto.responseHeaders or {}, "handshake")
 
         prev = turn.previousResponseId
         body = dict(turn.body)

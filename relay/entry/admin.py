@@ -14,6 +14,11 @@ C{/admin}):
   - C{GET /admin/history} - per account, the last 15 minutes in one-minute
     buckets (L{relay.history}) for the page's charts;
   - C{POST /admin/accounts/{id}/clear} - lift an account's runtime states;
+  - C{POST /admin/accounts/{id}/refresh} - force an OAuth token refresh
+    (body C{{"retry_in_doubt": true}} to resend an in-doubt refresh token);
+  - C{PUT /admin/accounts/{id}/tokens} - new OAuth tokens (C{refresh_token},
+    C{access_token}, C{id_token}, or a Codex C{auth.json}), clearing
+    C{needs_login} without a restart (issue 12);
   - C{GET /admin/metrics} - the same metrics as C{/metrics}, behind the key;
   - C{GET /admin/usage?since=<ISO 8601 or Unix seconds>&group_by=key|account|model|hour}
     - token totals (issue 13 item 5), with the per-key budgets.
@@ -262,12 +267,14 @@ class _AccountsResource(_Guarded):
     C{GET /admin/accounts} and C{POST /admin/accounts/{id}/clear}.
     """
 
-    def __init__(self, adminKey, accountsView, clearAccount, recentFailovers, clock):
+    def __init__(self, adminKey, accountsView, clearAccount, recentFailovers, clock,
+                 tokenActions=None):
         super().__init__(adminKey)
         self.accountsView = accountsView
         self.clearAccount = clearAccount
         self.recentFailovers = recentFailovers
         self.clock = clock
+        self.tokenActions = tokenActions
 
     def render_GET(self, request):
         """
@@ -291,6 +298,8 @@ class _AccountsResource(_Guarded):
         unknown id.
         """
         path = request.postpath
+        if len(path) == 2 and path[1] == b"refresh" and path[0] and self.tokenActions:
+            return self._tokens(request, path[0], "refresh")
         if len(path) != 2 or path[1] != b"clear" or not path[0]:
             return _notFound(request)
         try:
@@ -323,6 +332,64 @@ class _AccountsResource(_Guarded):
             return 200, {"cleared": accountId}
 
         return _deliverLater(request, d, _cbCleared, "clearing account")
+
+    def render_PUT(self, request):
+        """
+        C{/admin/accounts/{id}/tokens} (issue 12): 200 with the token view;
+        400 for a body without tokens or a non-OAuth account; 404 for an
+        unknown id.
+        """
+        path = request.postpath
+        if len(path) != 2 or path[1] != b"tokens" or not path[0] or not self.tokenActions:
+            return _notFound(request)
+        return self._tokens(request, path[0], "tokens")
+
+    def _tokens(self, request, rawId: bytes, action: str):
+        """
+        Run a token action (C{refresh} or C{tokens}) for one account.
+        """
+        try:
+            accountId = rawId.decode("utf-8")
+        except UnicodeDecodeError:
+            return _notFound(request)
+        raw = request.content.read(_MAX_BODY + 1) if request.content is not None else b""
+        if len(raw) > _MAX_BODY:
+            return _respond(request, 413, _errorBody(
+                "Body too large", "invalid_request_error", "body_too_large"))
+        try:
+            body = json.loads(raw.decode("utf-8")) if raw.strip() else {}
+        except (ValueError, UnicodeDecodeError):
+            body = None
+        if not isinstance(body, dict):
+            return _respond(request, 400, _errorBody(
+                "Request body must be a JSON object", "invalid_request_error", "invalid_json"))
+        if action == "refresh":
+            d = maybeDeferred(self.tokenActions.refreshAccount, accountId, body)
+        else:
+            d = maybeDeferred(self.tokenActions.setTokens, accountId, body)
+        problem = object()
+
+        def _ebKnown(f):
+            error = f.trap(KeyError, ValueError)
+            return (problem, error, f.getErrorMessage())
+
+        d.addErrback(_ebKnown)
+
+        def _cbAnswer(result):
+            if isinstance(result, tuple) and result and result[0] is problem:
+                if result[1] is KeyError:
+                    return 404, _errorBody(f"No account {accountId!r}", "invalid_request_error",
+                                           "account_not_found", "id")
+                return 400, _errorBody(result[2], "invalid_request_error", "invalid_tokens")
+            if action == "refresh":
+                refreshed, view = result
+                _log.info("token refresh of {account_id} forced by admin: {refreshed}",
+                          account_id=accountId, refreshed=refreshed,
+                          event="relay.oauth_admin_refresh")
+                return 200, {"account": accountId, "refreshed": refreshed, "token": view}
+            return 200, {"account": accountId, "token": result}
+
+        return _deliverLater(request, d, _cbAnswer, "handling tokens")
 
 
 class _UsageResource(_Guarded):
@@ -544,6 +611,7 @@ def buildAdminResource(
     clock=None,
     usage=None,
     history: Optional[Callable[[], dict]] = None,
+    tokenActions=None,
 ) -> Resource:
     """
     Build the resource tree to mount at C{/admin}.
@@ -573,13 +641,17 @@ def buildAdminResource(
         C{/admin/usage} (needs C{clock}).
     @param history: optional; returns the charts' data (e.g.
         L{relay.history.AccountHistory.snapshot}) for C{/admin/history}.
+    @param tokenActions: optional object with C{refreshAccount(id,
+        options)} and C{setTokens(id, body)} (L{relay.operator.OperatorView})
+        for the OAuth routes; they return (Deferreds of) results and raise
+        L{KeyError} for an unknown account, L{ValueError} for a bad request.
     @rtype: L{Resource}
     """
     routes = {
         b"": _StatusPage(adminKey, _loadPage()),
         b"settings": _SettingsResource(adminKey, settings),
         b"accounts": _AccountsResource(
-            adminKey, accountsView, clearAccount, recentFailovers, clock
+            adminKey, accountsView, clearAccount, recentFailovers, clock, tokenActions
         ),
     }
     if registry is not None:

@@ -62,6 +62,9 @@ class Stack:
         return response, data
 
     async def stop(self) -> None:
+        credentials = self.app.extras.get("credentials") if self.app is not None else None
+        if credentials is not None:
+            credentials.stop()
         if self.port is not None:
             await maybeDeferred(self.port.stopListening)
         for p in self.extraPorts:
@@ -87,7 +90,8 @@ def accountsYAML(emulator: Emulator, accounts) -> str:
         base = a.pop("base_url", None) or emulator.baseURL(kind)
         entry = {"id": a.pop("id"), "type": kind, "base_url": base}
         if kind == "oauth":
-            entry["access_token"] = cred
+            if cred is not None:
+                entry["access_token"] = cred
             entry["chatgpt_account_id"] = a.pop("chatgpt_account_id", "acct-test")
         else:
             entry["api_key"] = cred
@@ -96,16 +100,23 @@ def accountsYAML(emulator: Emulator, accounts) -> str:
     return json.dumps(lines)
 
 
-async def startStack(accounts, gateway: str = "{}", emulatorConfig=None, keys=None, extra="") -> Stack:
+async def startStack(accounts, gateway: str = "{}", emulatorConfig=None, keys=None, extra="",
+                     emulator=None) -> Stack:
     """
     Start an emulator and a relay whose accounts point at it.
 
-    @param accounts: see L{accountsYAML}.
+    @param accounts: see L{accountsYAML}; or a callable taking the
+        listening emulator and returning them (to mint OAuth tokens).
     @param gateway: the C{gateway:} section as YAML/JSON text.
     @param keys: the C{keys:} section as JSON text (default: one test key).
+    @param emulator: an emulator already listening, else one is started
+        with C{emulatorConfig}.
     """
-    emulator = Emulator(reactor=reactor, config=emulatorConfig or {})
-    await emulator.listen(reactor)
+    if emulator is None:
+        emulator = Emulator(reactor=reactor, config=emulatorConfig or {})
+        await emulator.listen(reactor)
+    if callable(accounts):
+        accounts = accounts(emulator)
     keys = keys or json.dumps([{"name": "test", "key": RELAY_KEY, "concurrency": 0}])
     database = os.path.join(tempfile.mkdtemp(prefix="relay-test-db-"), "relay.sqlite")
     text = (
@@ -118,6 +129,9 @@ async def startStack(accounts, gateway: str = "{}", emulatorConfig=None, keys=No
     )
     config = settingsFromString(text)
     app = buildApplication(config, reactor)
+    credentials = app.extras.get("credentials")
+    if credentials is not None:
+        await credentials.start()  # what relay's _Startup does (issue 12)
     port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(app.site)
     return Stack(emulator=emulator, app=app, port=port)
 

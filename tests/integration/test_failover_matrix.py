@@ -194,8 +194,11 @@ JSON_ERR = lambda message, type_="invalid_request_error", code=None: {
 STATUS_ROWS = [
     ("401-apikey", "apikey", {"kind": "status", "preset": "unauthorized"}, True,
      (502, "Upstream authentication failed, please contact administrator", None), "disabled"),
+    # R11: an OAuth account without a refresh token -> permanent error (one
+    # with a refresh token refreshes, replays, then cools 10 min: see
+    # tests/integration/test_oauth_refresh.py).
     ("401-oauth", "oauth", {"kind": "status", "preset": "unauthorized"}, True,
-     (502, "Upstream authentication failed, please contact administrator", None), "blocked600"),
+     (502, "Upstream authentication failed, please contact administrator", None), "disabled"),
     ("402", "apikey", {"kind": "status", "code": 402, "body": JSON_ERR("pay up", "billing_error")},
      True, (502, "Upstream request failed", None), "disabled"),
     ("403-cloudflare", "oauth", {"kind": "status", "preset": "cloudflare"}, True,

@@ -1,0 +1,850 @@
+# -*- test-case-name: tests.test_oauth -*-
+"""
+L{OAuthCredentials}: the L{relay.interfaces.ICredentialSource} for every
+account (issue 12, protocol.md 7.4, behaviour.md R11).
+
+API-key accounts and OAuth accounts whose tokens relay does not manage are
+dialled as configured. For every OAuth account relay keeps a
+L{relay.oauth.tokens.TokenRecord} in memory and in the L{ITokenStore}:
+
+  - B{Start-up.} The stored record wins over the configuration while it
+    descends from the same configured tokens (same seed fingerprint); a
+    configuration holding other tokens (a new login) starts a new lineage.
+  - B{Proactive refresh} at the access token's C{exp} minus
+    C{gateway.oauth.refresh_margin_seconds} (at most half its lifetime),
+    less a random jitter, on the injected clock.
+  - B{Before a dial} (L{ready}) an expired, missing or invalidated access
+    token is refreshed first; B{after an upstream 401} the engine asks for
+    one refresh and replays the turn once (L{refresh} with the token that
+    failed: when another caller already replaced it nothing is sent).
+  - B{Single flight.} One refresh per account at a time in the process
+    (callers share its outcome) and across processes through the store's
+    lock (C{SET NX PX} on Redis, a row with an expiry in SQLite), renewed
+    while the request runs. A caller that waits for another holder's lock
+    re-reads the store once it gets the lock and uses the newer tokens
+    without sending anything.
+  - B{Persistence first.} Before the token request is sent an in-flight
+    marker is written; the new tokens are written (compare-and-set) before
+    the new access token is used. If that write fails, the tokens wait in
+    memory (never used, never lost while the process lives) and the write
+    is retried.
+  - B{In doubt.} A token request that may have reached the server but
+    produced no answer (a timeout after the connection was up; a process
+    killed while the marker was set) leaves the refresh token in doubt:
+    the server may have rotated it, and sending it again would be reuse
+    (which also counts against the account). relay then never sends it by
+    itself: the account keeps serving while its access token is valid and
+    then shows C{needs_login} (reason C{refresh_in_doubt}); an operator may
+    retry it explicitly (C{POST /admin/accounts/{id}/refresh} with
+    C{{"retry_in_doubt": true}}) or give new tokens.
+  - B{Failures.} C{refresh_token_expired}, C{refresh_token_reused},
+    C{refresh_token_invalidated}, C{invalid_grant} (and any 401) put the
+    account in C{needs_login}: never scheduled, shown with the reason,
+    cleared by new tokens (C{PUT /admin/accounts/{id}/tokens}). Transient
+    failures (5xx, 429, network errors before the request was sent) keep
+    the current access token while it is valid and retry with exponential
+    backoff (5 s doubling to 10 min, +-20 % jitter).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Optional
+
+from attrs import define, evolve, field
+from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall, deferLater
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from relay.interfaces import ICredentialSource, ITokenEndpoint, ITokenStore
+from relay.logs import registerSecrets
+from relay.model import Account
+from relay.oauth.crashpoints import crashPoint
+from relay.oauth.endpoint import NotSent
+from relay.oauth.tokens import (
+    STATUS_IN_DOUBT,
+    STATUS_NEEDS_LOGIN,
+    STATUS_OK,
+    TokenRecord,
+    TokenSet,
+    fingerprint,
+)
+
+LOCK_TTL_SECONDS = 15.0
+"""The refresh lock's TTL; the holder renews it every third of it."""
+
+LOCK_POLL_SECONDS = 0.2
+"""How often a waiter retries the lock, seconds."""
+
+EXPIRY_SKEW_SECONDS = 5.0
+"""An access token this close to its C{exp} counts as expired before a dial."""
+
+BACKOFF_FIRST_SECONDS = 5.0
+BACKOFF_MAX_SECONDS = 600.0
+BACKOFF_JITTER = 0.2
+
+CODEX_REFRESH_AGE_SECONDS = 8 * 86400
+"""Without a known C{exp}, refresh when the last refresh is this old (Codex's rule)."""
+
+PERSIST_RETRY_SECONDS = 5.0
+"""How often unpersisted new tokens are written again, seconds."""
+
+IN_DOUBT_REASON = "refresh_in_doubt"
+
+
+@define(eq=False)
+class _Slot:
+    """
+    One OAuth account's token state in this process.
+
+    @ivar account: the configured account.
+    @ivar seed: the fingerprint of its configured tokens.
+    @ivar record: the newest known L{TokenRecord}, or L{None} before start.
+    @ivar dial: the account to dial (C{credential} = access token).
+    @ivar waiters: callers waiting on the running refresh, or L{None} when
+        none runs.
+    @ivar timer: the proactive refresh call.
+    @ivar invalidated: the current access token got a 401 after a refresh.
+    @ivar pending: new tokens whose write failed (not used until written).
+    @ivar nextAttempt: no automatic refresh before this (backoff), seconds.
+    @ivar refreshes: successful refreshes by this process.
+    """
+
+    account: Account
+    seed: str
+    record: Optional[TokenRecord] = None
+    dial: Optional[Account] = None
+    waiters: Optional[list] = None
+    timer: Any = None
+    invalidated: bool = False
+    pending: Optional[TokenRecord] = None
+    pendingCall: Any = None
+    nextAttempt: float = 0.0
+    refreshes: int = 0
+
+
+def _describe(e: BaseException) -> str:
+    text = " ".join(str(e).split())[:160]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+@implementer(ICredentialSource)
+@define(eq=False)
+class OAuthCredentials:
+    """
+    See the module docstring.
+
+    @ivar _clock: the injected clock (Unix seconds).
+    @ivar _settings: the L{relay.settings.RuntimeSettings}
+        (C{current.oauth}).
+    @ivar store: the L{ITokenStore} (may be replaced before L{start}).
+    @ivar _endpoint: the L{ITokenEndpoint}.
+    @ivar _accounts: the configured accounts.
+    @ivar _random: jitter and lock owners.
+    """
+
+    _clock: IReactorTime
+    _settings: Any
+    store: ITokenStore
+    _endpoint: ITokenEndpoint
+    _accounts: list
+    _random: random.Random = field(factory=random.Random)
+    _slots: dict = field(factory=dict, init=False)
+    _running: bool = field(default=False, init=False)
+    _owner: str = field(default="", init=False)
+    _log = Logger()
+
+    def __attrs_post_init__(self) -> None:
+        self._owner = f"{os.getpid()}-{self._random.getrandbits(48):012x}"
+        for account in self._accounts:
+            if account.type == "oauth":
+                seed = fingerprint(account.refresh_token, account.credential, account.id_token)
+                self._slots[account.id] = _Slot(account=account, seed=seed)
+
+    # -- life cycle ---------------------------------------------------------------
+
+    def start(self) -> Deferred:
+        """
+        Load (or seed) every OAuth account's record, resolve orphaned
+        in-flight markers, and schedule the proactive refreshes.
+
+        @return: a Deferred firing once every account is loaded; an account
+            whose store read fails keeps its configured tokens (logged) and
+            is loaded again by L{sync}.
+        """
+        return Deferred.fromCoroutine(self._start())
+
+    async def _start(self) -> None:
+        self._running = True
+        for slot in list(self._slots.values()):
+            try:
+                await self._load(slot)
+            except Exception as e:
+                self._log.error(
+                    "could not load the tokens of {account_id}: {error}; using the configured ones",
+                    event="relay.oauth_load_failed", account_id=slot.account.id, error=_describe(e),
+                )
+                if slot.record is None:
+                    self._adopt(slot, self._configured(slot, 0), schedule=True)
+
+    def stop(self) -> None:
+        """
+        Cancel timers (service stop). A running refresh finishes on its own.
+        """
+        self._running = False
+        for slot in self._slots.values():
+            for name in ("timer", "pendingCall"):
+                call = getattr(slot, name)
+                if call is not None and call.active():
+                    call.cancel()
+                setattr(slot, name, None)
+
+    def sync(self) -> Deferred:
+        """
+        Re-read every record from the store and adopt newer ones (another
+        process refreshed; a periodic job). Never fails.
+        """
+        return Deferred.fromCoroutine(self._sync())
+
+    async def _sync(self) -> None:
+        for slot in list(self._slots.values()):
+            try:
+                if slot.record is None:
+                    await self._load(slot)
+                else:
+                    await self._reload(slot)
+                    self._schedule(slot)
+            except Exception as e:
+                self._log.warn(
+                    "token store read for {account_id} failed: {error}",
+                    event="relay.oauth_sync_failed", account_id=slot.account.id,
+                    error=_describe(e),
+                )
+
+    def _configured(self, slot: _Slot, version: int) -> TokenRecord:
+        account = slot.account
+        tokens = TokenSet.fromTokens(
+            account.credential, account.refresh_token, account.id_token, self._clock.seconds()
+        )
+        return TokenRecord(
+            tokens=tokens, version=version, seed=slot.seed, last_refresh=account.last_refresh,
+            updated_at=self._clock.seconds(),
+        )
+
+    async def _load(self, slot: _Slot) -> None:
+        account = slot.account
+        stored = TokenRecord.fromJSON(await self.store.load(account.id))
+        if stored is None or stored.seed != slot.seed:
+            fresh = self._configured(slot, (stored.version + 1) if stored else 1)
+            written = await self.store.save(
+                account.id, fresh.version, fresh.toJSON(), stored.version if stored else None
+            )
+            if written:
+                self._log.info(
+                    "tokens of {account_id} taken from the configuration ({source})",
+                    event="relay.oauth_tokens_seeded", account_id=account.id,
+                    source=account.token_source, replaced=stored is not None,
+                )
+                stored = fresh
+            else:
+                stored = TokenRecord.fromJSON(await self.store.load(account.id)) or fresh
+        else:
+            self._log.info(
+                "tokens of {account_id} loaded from the store (version {version})",
+                event="relay.oauth_tokens_loaded", account_id=account.id, version=stored.version,
+                status=stored.status,
+            )
+        if stored.in_flight is not None:
+            stored = await self._resolveInFlight(slot, stored)
+        self._adopt(slot, stored, schedule=True)
+
+    async def _resolveInFlight(self, slot: _Slot, record: TokenRecord) -> TokenRecord:
+        """
+        A stored in-flight marker: when its owner's lock is gone the owner
+        died mid-refresh and the refresh token is in doubt.
+        """
+        owner = self._newOwner()
+        if not await self.store.acquireLock(slot.account.id, owner, LOCK_TTL_SECONDS):
+            return record  # its owner is alive (or its lock not yet expired)
+        try:
+            current = TokenRecord.fromJSON(await self.store.load(slot.account.id)) or record
+            if current.in_flight is None:
+                return current
+            return await self._markInDoubt(
+                slot, current, "a refresh was in flight when its process stopped"
+            )
+        finally:
+            await self._release(slot, owner)
+
+    async def _markInDoubt(self, slot: _Slot, record: TokenRecord, why: str) -> TokenRecord:
+        doubtful = record.next(
+            self._clock.seconds(), in_flight=None, status=STATUS_IN_DOUBT,
+            reason=IN_DOUBT_REASON, last_error=why,
+        )
+        written = await self.store.save(
+            slot.account.id, doubtful.version, doubtful.toJSON(), record.version
+        )
+        if written:
+            self._log.error(
+                "refresh token of {account_id} is in doubt ({why}); it will not be sent again:"
+                " the account serves while its access token lasts, then needs a login",
+                event="relay.oauth_refresh_in_doubt", account_id=slot.account.id, why=why,
+            )
+            return doubtful
+        return TokenRecord.fromJSON(await self.store.load(slot.account.id)) or record
+
+    # -- ICredentialSource ----------------------------------------------------------
+
+    def current(self, account: Account) -> Account:
+        """
+        See L{ICredentialSource.current}.
+        """
+        slot = self._slots.get(account.id)
+        if slot is None or slot.dial is None:
+            return account
+        return slot.dial
+
+    def ready(self, account: Account):
+        """
+        See L{ICredentialSource.ready}.
+        """
+        slot = self._slots.get(account.id)
+        if slot is None or slot.record is None:
+            return None
+        tokens = slot.record.tokens
+        now = self._clock.seconds()
+        if not slot.invalidated and tokens.access_token and (
+            tokens.expires_at is None or tokens.expires_at > now + EXPIRY_SKEW_SECONDS
+        ):
+            return None
+        if not self.canRefresh(account) or (slot.waiters is None and now < slot.nextAttempt):
+            return None
+        return self.refresh(account, stale=tokens.access_token, reason="expired")
+
+    def canRefresh(self, account: Account) -> bool:
+        """
+        See L{ICredentialSource.canRefresh}.
+        """
+        slot = self._slots.get(account.id)
+        if slot is None or slot.record is None or slot.pending is not None:
+            return False
+        return slot.record.status == STATUS_OK and bool(slot.record.tokens.refresh_token)
+
+    def refresh(self, account: Account, stale=None, reason: str = "401", force: bool = False,
+                retryInDoubt: bool = False) -> Deferred:
+        """
+        See L{ICredentialSource.refresh}.
+
+        @param retryInDoubt: send an in-doubt refresh token anyway (the
+            operator's explicit choice through the admin API).
+        """
+        slot = self._slots.get(account.id)
+        if slot is None or slot.record is None:
+            return succeed(False)
+        tokens = slot.record.tokens
+        if (
+            not force and stale is not None and tokens.access_token
+            and tokens.access_token != stale and not slot.invalidated
+        ):
+            return succeed(True)  # someone already replaced the failing token
+        if not force and slot.waiters is None and self._clock.seconds() < slot.nextAttempt:
+            return succeed(False)  # backing off after a transient failure
+        waiter = Deferred()
+        if slot.waiters is not None:
+            slot.waiters.append(waiter)
+            return waiter
+        slot.waiters = [waiter]
+        flight = Deferred.fromCoroutine(self._flight(slot, stale, reason, force, retryInDoubt))
+
+        def _done(result):
+            waiters, slot.waiters = slot.waiters or [], None
+            ok = result is True
+            for w in waiters:
+                if not w.called:
+                    w.callback(ok)
+            if self._running:
+                self._schedule(slot)
+
+        def _ebBug(f):
+            self._log.failure("token refresh of {account_id} failed unexpectedly", f,
+                              account_id=account.id)
+            return False
+
+        flight.addErrback(_ebBug).addCallback(_done)
+        return waiter
+
+    def invalidate(self, account: Account) -> None:
+        """
+        See L{ICredentialSource.invalidate}.
+        """
+        slot = self._slots.get(account.id)
+        if slot is not None:
+            slot.invalidated = True
+            self._log.warn(
+                "access token of {account_id} invalidated after a 401 on the refreshed token",
+                event="relay.oauth_token_invalidated", account_id=account.id,
+            )
+
+    def blockReason(self, account: Account, now: float):
+        """
+        See L{ICredentialSource.blockReason}.
+        """
+        slot = self._slots.get(account.id)
+        if slot is None or slot.record is None:
+            return None
+        record = slot.record
+        if record.status == STATUS_NEEDS_LOGIN:
+            return ("needs_login: " + (record.reason or "login required"), 0)
+        tokens = record.tokens
+        usable = bool(tokens.access_token) and not slot.invalidated and (
+            tokens.expires_at is None or tokens.expires_at > now
+        )
+        if usable:
+            return None
+        if record.status == STATUS_IN_DOUBT:
+            return ("needs_login: " + IN_DOUBT_REASON, 0)
+        if slot.pending is None and not tokens.refresh_token:
+            return ("needs_login: access token expired and no refresh token", 0)
+        if slot.waiters is None and now < slot.nextAttempt:
+            return ("token_refresh_failing", slot.nextAttempt)
+        return None
+
+    def view(self, account: Account) -> dict:
+        """
+        See L{ICredentialSource.view}.
+        """
+        slot = self._slots.get(account.id)
+        if slot is None or slot.record is None:
+            return {}
+        record = slot.record
+        status, reason = record.status, record.reason
+        block = self.blockReason(account, self._clock.seconds())
+        if block is not None and block[0].startswith("needs_login"):
+            status, reason = STATUS_NEEDS_LOGIN, block[0][len("needs_login: "):]
+        return {
+            "token_status": status,
+            "token_reason": reason,
+            "token_expires_at": record.tokens.expires_at,
+            "token_refreshable": bool(record.tokens.refresh_token),
+            "last_refresh": record.last_refresh,
+            "refresh_failures": record.failures,
+            "refresh_last_error": record.last_error,
+            "refresh_next_attempt": slot.nextAttempt or None,
+            "refreshes": slot.refreshes,
+            "refresh_running": slot.waiters is not None,
+            "token_version": record.version,
+            "token_unpersisted": slot.pending is not None,
+            "token_source": slot.account.token_source,
+        }
+
+    # -- admin ------------------------------------------------------------------------
+
+    def hasAccount(self, accountId: str) -> bool:
+        """
+        @return: whether C{accountId} is an OAuth account this object manages.
+        """
+        return accountId in self._slots
+
+    def setTokens(self, accountId: str, access: Optional[str], refresh: Optional[str],
+                  idToken: Optional[str] = None) -> Deferred:
+        """
+        New tokens from an operator (C{PUT /admin/accounts/{id}/tokens}):
+        written under the lock as the lineage's newest record; clears
+        C{needs_login} and the in-doubt state.
+
+        @return: a Deferred firing with the account's L{view}.
+        @raise KeyError: for an account this object does not manage.
+        """
+        slot = self._slots[accountId]
+        return Deferred.fromCoroutine(self._setTokens(slot, access, refresh, idToken))
+
+    async def _setTokens(self, slot, access, refresh, idToken) -> dict:
+        owner = await self._lock(slot, LOCK_TTL_SECONDS * 4)
+        if owner is None:
+            raise RuntimeError("the refresh lock is busy; try again")
+        try:
+            current = await self._reload(slot)
+            now = self._clock.seconds()
+            record = current.next(
+                now, tokens=TokenSet.fromTokens(access, refresh, idToken, now), status=STATUS_OK,
+                reason=None, in_flight=None, failures=0, last_error=None, last_refresh=now,
+            )
+            if not await self.store.save(slot.account.id, record.version, record.toJSON(),
+                                          current.version):
+                raise RuntimeError("the token record changed meanwhile; try again")
+            slot.pending = None
+            slot.nextAttempt = 0.0
+            self._adopt(slot, record, schedule=True)
+            self._log.warn(
+                "new tokens for {account_id} set by the admin",
+                event="relay.oauth_tokens_set", account_id=slot.account.id,
+            )
+        finally:
+            await self._release(slot, owner)
+        return self.view(slot.account)
+
+    # -- the refresh -------------------------------------------------------------------
+
+    def _newOwner(self) -> str:
+        return f"{self._owner}-{self._random.getrandbits(32):08x}"
+
+    async def _lock(self, slot: _Slot, wait: float) -> Optional[str]:
+        """
+        Take the account's lock, waiting up to C{wait} seconds for another
+        holder.
+
+        @return: the owner string, or L{None} when it could not be had.
+        """
+        owner = self._newOwner()
+        deadline = self._clock.seconds() + wait
+        while True:
+            if await self.store.acquireLock(slot.account.id, owner, LOCK_TTL_SECONDS):
+                return owner
+            if self._clock.seconds() >= deadline:
+                return None
+            await deferLater(self._clock, LOCK_POLL_SECONDS, lambda: None)
+
+    async def _release(self, slot: _Slot, owner: str) -> None:
+        try:
+            await self.store.releaseLock(slot.account.id, owner)
+        except Exception as e:
+            self._log.warn(
+                "releasing the refresh lock of {account_id} failed: {error}",
+                event="relay.oauth_lock_release_failed", account_id=slot.account.id,
+                error=_describe(e),
+            )
+
+    async def _reload(self, slot: _Slot) -> TokenRecord:
+        """
+        Read the stored record and adopt it when newer.
+
+        @return: the newest record.
+        """
+        stored = TokenRecord.fromJSON(await self.store.load(slot.account.id))
+        if stored is None and slot.record is not None:
+            # The store lost the record (e.g. a flushed Redis): put ours back.
+            await self.store.save(
+                slot.account.id, slot.record.version, slot.record.toJSON(), None
+            )
+            stored = TokenRecord.fromJSON(await self.store.load(slot.account.id))
+        if stored is not None and (slot.record is None or stored.version > slot.record.version):
+            self._adopt(slot, stored, schedule=False)
+        return slot.record if slot.record is not None else stored
+
+    def _fresh(self, slot: _Slot, stale) -> bool:
+        tokens = slot.record.tokens
+        if slot.record.status == STATUS_NEEDS_LOGIN:
+            return False
+        if not tokens.access_token or slot.invalidated:
+            return False
+        if stale is not None and tokens.access_token == stale:
+            return False
+        now = self._clock.seconds()
+        return tokens.expires_at is None or tokens.expires_at > now + EXPIRY_SKEW_SECONDS
+
+    async def _flight(self, slot, stale, reason, force, retryInDoubt) -> bool:
+        account = slot.account
+        settings = self._settings.current.oauth
+        try:
+            owner = await self._lock(slot, settings.refresh_timeout_seconds + 2 * LOCK_TTL_SECONDS)
+        except Exception as e:
+            self._log.warn(
+                "cannot refresh {account_id}: the token store is unavailable ({error})",
+                event="relay.oauth_refresh_failed", account_id=account.id, error=_describe(e),
+                reason=reason,
+            )
+            self._backoff(slot, slot.record.failures + 1)
+            return False
+        if owner is None:
+            self._log.warn(
+                "cannot refresh {account_id}: its refresh lock stayed busy",
+                event="relay.oauth_refresh_failed", account_id=account.id, reason=reason,
+            )
+            return False
+        renew = LoopingCall(
+            lambda: self.store.acquireLock(account.id, owner, LOCK_TTL_SECONDS).addErrback(
+                lambda f: None
+            )
+        )
+        renew.clock = self._clock
+        renew.start(LOCK_TTL_SECONDS / 3, now=False).addErrback(lambda f: None)
+        try:
+            return await self._refreshLocked(slot, owner, stale, reason, force, retryInDoubt)
+        except Exception as e:
+            self._log.warn(
+                "refresh of {account_id} failed: {error}",
+                event="relay.oauth_refresh_failed", account_id=account.id, error=_describe(e),
+                reason=reason,
+            )
+            return False
+        finally:
+            if renew.running:
+                renew.stop()
+            await self._release(slot, owner)
+
+    async def _refreshLocked(self, slot, owner, stale, reason, force, retryInDoubt) -> bool:
+        account = slot.account
+        settings = self._settings.current.oauth
+        record = await self._reload(slot)
+        if record.in_flight is not None and record.in_flight.get("owner") != owner:
+            record = await self._markInDoubt(
+                slot, record, "another refresh was in flight and its process is gone"
+            )
+            self._adopt(slot, record, schedule=False)
+        if not force and self._fresh(slot, stale):
+            self._log.info(
+                "tokens of {account_id} were already refreshed elsewhere; nothing sent",
+                event="relay.oauth_refresh_shared", account_id=account.id, reason=reason,
+            )
+            return True
+        if slot.pending is not None:
+            return False
+        if record.status == STATUS_NEEDS_LOGIN:
+            return False
+        if record.status == STATUS_IN_DOUBT and not retryInDoubt:
+            return False
+        refreshToken = record.tokens.refresh_token
+        if not refreshToken:
+            return False
+        now = self._clock.seconds()
+        crashPoint("before_mark")
+        marked = record.next(now, in_flight={"owner": owner, "since": now}, status=STATUS_OK)
+        if not await self.store.save(account.id, marked.version, marked.toJSON(), record.version):
+            await self._reload(slot)
+            return self._fresh(slot, stale)
+        crashPoint("before_request")
+        self._log.info(
+            "refreshing the tokens of {account_id} ({reason})",
+            event="relay.oauth_refresh_started", account_id=account.id, reason=reason,
+        )
+        try:
+            reply = await self._endpoint.refresh(
+                account, refreshToken, settings.refresh_timeout_seconds
+            )
+        except NotSent as e:
+            await self._transient(slot, marked, _describe(e), reason)
+            return False
+        except (Exception, CancelledError) as e:
+            doubtful = await self._markInDoubt(
+                slot, marked, "the token request may have reached the server: " + _describe(e)
+            )
+            self._adopt(slot, doubtful, schedule=False)
+            return False
+        crashPoint("after_response")
+        now = self._clock.seconds()
+        if reply.ok:
+            body = reply.body
+            tokens = TokenSet.fromTokens(
+                body["access_token"], body.get("refresh_token") or refreshToken,
+                body.get("id_token") or record.tokens.id_token, now, body.get("expires_in"),
+            )
+            registerSecrets(
+                [tokens.access_token, tokens.refresh_token or "", tokens.id_token or ""]
+            )
+            fresh = marked.next(
+                now, tokens=tokens, in_flight=None, status=STATUS_OK, reason=None,
+                last_refresh=now, failures=0, last_error=None,
+            )
+            stored = await self._persist(slot, fresh, marked)
+            crashPoint("after_persist")
+            if stored is None:
+                return False
+            slot.refreshes += 1
+            slot.nextAttempt = 0.0
+            self._adopt(slot, stored, schedule=False)
+            self._log.info(
+                "refreshed the tokens of {account_id} ({reason}); the new access token expires"
+                " at {expires_at}",
+                event="relay.oauth_refreshed", account_id=account.id, reason=reason,
+                expires_at=tokens.expires_at,
+            )
+            return True
+        if reply.permanent:
+            code = reply.errorCode or f"status_{reply.status}"
+            dead = marked.next(
+                now, in_flight=None, status=STATUS_NEEDS_LOGIN, reason=code,
+                last_error=reply.describe(),
+            )
+            if await self.store.save(account.id, dead.version, dead.toJSON(), marked.version):
+                self._adopt(slot, dead, schedule=False)
+            self._log.error(
+                "account {account_id} needs a new login: the token endpoint answered {code}",
+                event="relay.oauth_needs_login", account_id=account.id, code=code,
+                status=reply.status,
+            )
+            return False
+        await self._transient(slot, marked, reply.describe(), reason)
+        return False
+
+    async def _transient(self, slot, marked: TokenRecord, error: str, reason: str) -> None:
+        failures = marked.failures + 1
+        record = marked.next(
+            self._clock.seconds(), in_flight=None, failures=failures, last_error=error,
+        )
+        if await self.store.save(slot.account.id, record.version, record.toJSON(), marked.version):
+            self._adopt(slot, record, schedule=False)
+        delay = self._backoff(slot, failures)
+        self._log.warn(
+            "refresh of {account_id} failed ({error}); keeping the current token, next try in"
+            " {delay:.0f}s",
+            event="relay.oauth_refresh_failed", account_id=slot.account.id, error=error,
+            reason=reason, failures=failures, delay=delay,
+        )
+
+    def _backoff(self, slot: _Slot, failures: int) -> float:
+        base = min(BACKOFF_MAX_SECONDS, BACKOFF_FIRST_SECONDS * 2 ** max(0, failures - 1))
+        delay = base * (1 + self._random.uniform(-BACKOFF_JITTER, BACKOFF_JITTER))
+        slot.nextAttempt = self._clock.seconds() + delay
+        return delay
+
+    async def _persist(self, slot, fresh: TokenRecord, marked: TokenRecord):
+        """
+        Write the new tokens before they are used: compare-and-set on the
+        marker's version, retried on store errors; a conflict with a record
+        that still holds the refresh token just used (another process
+        marked it in doubt) is overwritten, any other record wins.
+
+        @return: the written record, or L{None} (kept in memory and retried
+            when the store failed; dropped when other tokens won).
+        """
+        expected = marked
+        for attempt in range(3):
+            try:
+                if await self.store.save(slot.account.id, fresh.version, fresh.toJSON(),
+                                          expected.version):
+                    return fresh
+                stored = TokenRecord.fromJSON(await self.store.load(slot.account.id))
+                if stored is None or stored.tokens.refresh_token != marked.tokens.refresh_token:
+                    self._log.warn(
+                        "new tokens of {account_id} dropped: the store holds other tokens",
+                        event="relay.oauth_refresh_conflict", account_id=slot.account.id,
+                    )
+                    return None
+                expected = stored
+                fresh = evolve(fresh, version=stored.version + 1)
+            except Exception as e:
+                self._log.error(
+                    "writing the new tokens of {account_id} failed: {error}",
+                    event="relay.oauth_persist_failed", account_id=slot.account.id,
+                    error=_describe(e), attempt=attempt + 1,
+                )
+                await deferLater(self._clock, 0.5 * 2 ** attempt, lambda: None)
+        slot.pending = fresh
+        self._retryPending(slot, expected)
+        return None
+
+    def _retryPending(self, slot: _Slot, expected: TokenRecord) -> None:
+        def _again():
+            slot.pendingCall = None
+            d = Deferred.fromCoroutine(self._flushPending(slot, expected))
+            d.addErrback(lambda f: self._log.failure("retrying a token write failed", f))
+
+        slot.pendingCall = self._clock.callLater(PERSIST_RETRY_SECONDS, _again)
+
+    async def _flushPending(self, slot: _Slot, expected: TokenRecord) -> None:
+        fresh = slot.pending
+        if fresh is None:
+            return
+        try:
+            written = await self.store.save(
+                slot.account.id, fresh.version, fresh.toJSON(), expected.version
+            )
+        except Exception as e:
+            self._log.error(
+                "writing the new tokens of {account_id} failed again: {error}",
+                event="relay.oauth_persist_failed", account_id=slot.account.id,
+                error=_describe(e),
+            )
+            self._retryPending(slot, expected)
+            return
+        slot.pending = None
+        if written:
+            slot.refreshes += 1
+            self._adopt(slot, fresh, schedule=True)
+            self._log.info(
+                "new tokens of {account_id} written; now in use",
+                event="relay.oauth_refreshed", account_id=slot.account.id, reason="persisted",
+                expires_at=fresh.tokens.expires_at,
+            )
+        else:
+            await self._reload(slot)
+
+    # -- adopting and scheduling ------------------------------------------------------
+
+    def _adopt(self, slot: _Slot, record: TokenRecord, schedule: bool) -> None:
+        previous = slot.record.tokens.access_token if slot.record is not None else None
+        slot.record = record
+        tokens = record.tokens
+        if tokens.access_token != previous:
+            slot.invalidated = False
+        registerSecrets([tokens.access_token, tokens.refresh_token or "", tokens.id_token or ""])
+        refresh = tokens.refresh_token if record.status == STATUS_OK else None
+        account = slot.account
+        if account.credential == tokens.access_token and account.refresh_token == refresh:
+            slot.dial = account
+        else:
+            slot.dial = evolve(account, credential=tokens.access_token, refresh_token=refresh)
+        if schedule:
+            self._schedule(slot)
+
+    def refreshAt(self, account: Account) -> Optional[float]:
+        """
+        When the proactive refresh of C{account} is due (Unix seconds), or
+        L{None} when none is planned.
+        """
+        slot = self._slots.get(account.id)
+        if slot is None or slot.record is None:
+            return None
+        return self._due(slot)
+
+    def _due(self, slot: _Slot) -> Optional[float]:
+        record = slot.record
+        tokens = record.tokens
+        if record.status != STATUS_OK or not tokens.refresh_token or slot.pending is not None:
+            return None
+        now = self._clock.seconds()
+        if not tokens.access_token or slot.invalidated:
+            return max(now, slot.nextAttempt)
+        if tokens.expires_at is None:
+            if record.last_refresh is None:
+                return None
+            return max(record.last_refresh + CODEX_REFRESH_AGE_SECONDS, slot.nextAttempt)
+        start = tokens.issued_at or record.last_refresh or record.updated_at
+        lifetime = max(0.0, tokens.expires_at - start)
+        margin = min(self._settings.current.oauth.refresh_margin_seconds, lifetime / 2)
+        return max(tokens.expires_at - margin, slot.nextAttempt)
+
+    def _schedule(self, slot: _Slot) -> None:
+        if slot.timer is not None and slot.timer.active():
+            slot.timer.cancel()
+        slot.timer = None
+        if not self._running or slot.record is None:
+            return
+        due = self._due(slot)
+        if due is None:
+            return
+        now = self._clock.seconds()
+        delay = max(0.0, due - now)
+        # Jitter spreads processes that share the account (up to 5 % of the
+        # wait, at most 60 s) without ever moving the refresh past C{due}.
+        jitter = self._random.uniform(0, min(60.0, delay * 0.05))
+        delay = max(0.0, delay - jitter, slot.nextAttempt - now)
+        slot.timer = self._clock.callLater(delay, self._onTimer, slot)
+
+    def _onTimer(self, slot: _Slot) -> None:
+        slot.timer = None
+        try:
+            tokens = slot.record.tokens
+            d = self.refresh(slot.account, stale=tokens.access_token or "", reason="proactive")
+
+            def _cbAgain(ok):
+                if slot.waiters is None and slot.timer is None:
+                    self._schedule(slot)
+
+            d.addCallback(_cbAgain)
+            d.addErrback(lambda f: self._log.failure("proactive refresh failed", f))
+        except Exception:
+            self._log.failure("scheduling a proactive refresh failed")

@@ -1,0 +1,314 @@
+# -*- test-case-name: tests.test_quota -*-
+"""
+Usage windows of OAuth accounts and quota-aware ordering (issue 12,
+protocol.md 7.3).
+
+L{UsageWindows} records each account's primary and secondary window
+(used-percent, length, reset time, plan) from every upstream response that
+carries them: HTTP response headers (C{x-codex-*}), the WebSocket
+handshake's headers, and C{codex.rate_limits} events. It is per process
+and in memory: every response carries the upstream's current figures, so
+each process learns them from its own traffic. A window whose reset time
+has passed counts as empty.
+
+L{UsageWindows.rank} is the load-balance layer's quota key
+(L{relay.scheduler.AccountScheduler}): among accounts of equal priority the
+one with the most remaining window comes first (lowest used-percent of its
+fuller window, in whole points, then the earliest reset), and an account
+whose primary or secondary window is at or above the threshold
+(C{gateway.scheduling.quota_threshold_percent}, default 95) sorts after
+every account of its priority below it. Accounts without data (API keys,
+OAuth accounts not yet seen) count as empty.
+
+L{UsageCollector} exports C{relay_account_usage_percent{account,window}}
+and C{relay_account_usage_reset_timestamp_seconds{account,window}}.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Optional
+
+from attrs import define, field, frozen
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from twisted.internet.interfaces import IReactorTime
+
+WINDOWS = ("primary", "secondary")
+
+_HEADER_MARK = "x-codex-primary-used-percent"
+
+
+@frozen
+class Window:
+    """
+    One usage window.
+
+    @ivar used_percent: percent used (0-100, may be fractional).
+    @ivar window_minutes: the window's length, or L{None}.
+    @ivar reset_at: when it resets, Unix seconds, or L{None}.
+    """
+
+    used_percent: float
+    window_minutes: Optional[float] = None
+    reset_at: Optional[float] = None
+
+    def usedAt(self, now: float) -> float:
+        """
+        @return: the used-percent now (0 once the reset time has passed).
+        """
+        if self.reset_at is not None and self.reset_at <= now:
+            return 0.0
+        return self.used_percent
+
+
+@frozen
+class Snapshot:
+    """
+    What relay last heard about one account's windows.
+
+    @ivar primary: the primary (usually 5-hour) L{Window}, or L{None}.
+    @ivar secondary: the secondary (usually weekly) L{Window}, or L{None}.
+    @ivar plan: the plan type, or L{None}.
+    @ivar observed_at: Unix seconds of the observation.
+    @ivar source: C{headers}, C{handshake} or C{event}.
+    """
+
+    primary: Optional[Window]
+    secondary: Optional[Window]
+    plan: Optional[str] = None
+    observed_at: float = 0.0
+    source: str = "headers"
+
+    def used(self, now: float) -> float:
+        """
+        @return: the fuller window's used-percent now.
+        """
+        return max((w.usedAt(now) for w in (self.primary, self.secondary) if w), default=0.0)
+
+    def resetOfFuller(self, now: float) -> float:
+        """
+        @return: the reset time of the fuller window (infinity if unknown).
+        """
+        windows = [w for w in (self.primary, self.secondary) if w is not None]
+        if not windows:
+            return math.inf
+        fuller = max(windows, key=lambda w: w.usedAt(now))
+        return fuller.reset_at if fuller.reset_at is not None else math.inf
+
+    def toJSON(self, now: float) -> dict:
+        """
+        @return: the admin view's C{usage} object.
+        """
+        out: dict = {"plan": self.plan, "observed_at": self.observed_at, "source": self.source}
+        for name in WINDOWS:
+            window = getattr(self, name)
+            out[name] = None if window is None else {
+                "used_percent": window.usedAt(now), "window_minutes": window.window_minutes,
+                "reset_at": window.reset_at,
+            }
+        return out
+
+
+def _float(value: Any) -> Optional[float]:
+    if isinstance(value, bytes):
+        value = value.decode("ascii", "replace")
+    if isinstance(value, bool):
+        return None
+    try:
+        result = float(value)
+    except (TypeError, ValueError):
+        return None
+    return result if math.isfinite(result) else None
+
+
+def windowsFromHeaders(headers: dict, now: float) -> Optional[Snapshot]:
+    """
+    Read C{x-codex-*} headers (protocol.md 7.3).
+
+    @param headers: lower-cased name -> value.
+    @param now: Unix seconds (for C{reset-after-seconds}).
+    @return: a L{Snapshot}, or L{None} when no window is given.
+    """
+    found = {}
+    for name in WINDOWS:
+        used = _float(headers.get(f"x-codex-{name}-used-percent"))
+        if used is None:
+            continue
+        at = _float(headers.get(f"x-codex-{name}-reset-at"))
+        if at is None:
+            after = _float(headers.get(f"x-codex-{name}-reset-after-seconds"))
+            at = now + after if after is not None else None
+        found[name] = Window(
+            used, _float(headers.get(f"x-codex-{name}-window-minutes")), at
+        )
+    if not found:
+        return None
+    plan = headers.get("x-codex-plan-type")
+    return Snapshot(found.get("primary"), found.get("secondary"),
+                    str(plan) if plan else None, now)
+
+
+def windowsFromEvent(event: dict, now: float) -> Optional[Snapshot]:
+    """
+    Read a C{codex.rate_limits} event (protocol.md 7.3).
+
+    @return: a L{Snapshot}, or L{None} when it holds no window.
+    """
+    limits = event.get("rate_limits")
+    if not isinstance(limits, dict):
+        return None
+    found = {}
+    for name in WINDOWS:
+        raw = limits.get(name)
+        if not isinstance(raw, dict):
+            continue
+        used = _float(raw.get("used_percent"))
+        if used is None:
+            continue
+        at = _float(raw.get("reset_at", raw.get("resets_at")))
+        if at is None:
+            after = _float(raw.get("reset_after_seconds", raw.get("resets_in_seconds")))
+            at = now + after if after is not None else None
+        minutes = _float(raw.get("window_minutes"))
+        found[name] = Window(used, minutes, at)
+    if not found:
+        return None
+    plan = event.get("plan_type")
+    return Snapshot(found.get("primary"), found.get("secondary"),
+                    str(plan) if plan else None, now, "event")
+
+
+@define(eq=False)
+class UsageWindows:
+    """
+    The per-process record of every account's windows (see the module
+    docstring).
+
+    @ivar _clock: Unix seconds.
+    @ivar snapshots: account id -> L{Snapshot}.
+    """
+
+    _clock: IReactorTime
+    snapshots: dict = field(factory=dict)
+
+    def observeHeaders(self, account, headers: dict, source: str = "headers") -> None:
+        """
+        Record the windows an upstream response's headers carry (cheap when
+        there are none).
+
+        @param account: the L{relay.model.Account}.
+        @param headers: lower-cased name -> value.
+        """
+        if _HEADER_MARK not in headers and "x-codex-secondary-used-percent" not in headers:
+            return
+        snapshot = windowsFromHeaders(headers, self._clock.seconds())
+        if snapshot is not None:
+            if source != "headers":
+                snapshot = Snapshot(snapshot.primary, snapshot.secondary, snapshot.plan,
+                                    snapshot.observed_at, source)
+            self.snapshots[account.id] = snapshot
+
+    def observeFrame(self, account, payload: bytes) -> None:
+        """
+        Record a C{codex.rate_limits} WebSocket frame (other frames are
+        ignored after a substring check).
+
+        @param payload: the raw frame.
+        """
+        if b"codex.rate_limits" not in payload:
+            return
+        try:
+            event = json.loads(payload)
+        except ValueError:
+            return
+        if not isinstance(event, dict) or event.get("type") != "codex.rate_limits":
+            return
+        snapshot = windowsFromEvent(event, self._clock.seconds())
+        if snapshot is not None:
+            self.snapshots[account.id] = snapshot
+
+    def get(self, accountId: str) -> Optional[Snapshot]:
+        """
+        @return: the last L{Snapshot} of an account, or L{None}.
+        """
+        return self.snapshots.get(accountId)
+
+    def rank(self, accountId: str, threshold: float) -> tuple:
+        """
+        The quota part of the load-balance sort key (see the module
+        docstring): C{(over threshold, used points, earliest reset)}.
+        """
+        snapshot = self.snapshots.get(accountId)
+        if snapshot is None:
+            return (False, 0, math.inf)
+        now = self._clock.seconds()
+        over = any(
+            w is not None and w.usedAt(now) >= threshold
+            for w in (snapshot.primary, snapshot.secondary)
+        )
+        return (over, int(snapshot.used(now)), snapshot.resetOfFuller(now))
+
+    def view(self, accountId: str) -> Optional[dict]:
+        """
+        @return: the admin view's C{usage} object, or L{None}.
+        """
+        snapshot = self.snapshots.get(accountId)
+        return None if snapshot is None else snapshot.toJSON(self._clock.seconds())
+
+
+class UsageCollector(Collector):
+    """
+    Prometheus gauges of the usage windows (and OAuth token expiry):
+    C{relay_account_usage_percent{account,window}},
+    C{relay_account_usage_reset_timestamp_seconds{account,window}} and
+    C{relay_oauth_token_expiry_timestamp_seconds{account}}.
+    """
+
+    def __init__(self, windows: UsageWindows, credentials=None, accounts=()):
+        self._windows = windows
+        self._credentials = credentials
+        self._accounts = accounts
+
+    def describe(self):
+        """
+        Name the gauges up front.
+        """
+        return list(self._families())
+
+    def _families(self):
+        return (
+            GaugeMetricFamily("relay_account_usage_percent",
+                              "Used percent of an account's usage window",
+                              labels=["account", "window"]),
+            GaugeMetricFamily("relay_account_usage_reset_timestamp_seconds",
+                              "When an account's usage window resets (Unix seconds)",
+                              labels=["account", "window"]),
+            GaugeMetricFamily("relay_oauth_token_expiry_timestamp_seconds",
+                              "When an OAuth account's access token expires (Unix seconds)",
+                              labels=["account"]),
+        )
+
+    def collect(self):
+        """
+        Read the snapshots at scrape time.
+        """
+        used, reset, expiry = self._families()
+        now = self._windows._clock.seconds()
+        for accountId, snapshot in list(self._windows.snapshots.items()):
+            for name in WINDOWS:
+                window = getattr(snapshot, name)
+                if window is None:
+                    continue
+                used.add_metric([accountId, name], window.usedAt(now))
+                if window.reset_at is not None:
+                    reset.add_metric([accountId, name], window.reset_at)
+        if self._credentials is not None:
+            for account in self._accounts:
+                view = self._credentials.view(account)
+                if view.get("token_expires_at") is not None:
+                    expiry.add_metric([account.id], view["token_expires_at"])
+        yield used
+        yield reset
+        yield expiry
