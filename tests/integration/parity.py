@@ -32,6 +32,8 @@ __all__ = [
     "ADMIN",
     "BAD",
     "CHAT_OAUTH",
+    "OAUTH_ENTRYPOINTS",
+    "SSE_OAUTH",
     "ENTRYPOINTS",
     "GOOD",
     "HTTP_ENTRYPOINTS",
@@ -67,18 +69,21 @@ WS_ENTRYPOINTS = ("ws_ctx_pool", "ws_passthrough", "ws_http_bridge")
 ENTRYPOINTS = HTTP_ENTRYPOINTS + WS_ENTRYPOINTS
 
 CHAT_OAUTH = "chat_stream_oauth"
-"""
-The column still to add: a chat stream on OAuth accounts (relay converts it to
-an upstream Responses stream). Chat on OAuth is being built by the clients
-helper (issue 13); the drivers here already run it (chat client, OAuth
-accounts, Responses-shaped upstream faults). To enable it, add it to the
-matrix's C{COLUMNS}.
-"""
+"""A chat stream on OAuth accounts: relay translates it to the backend's
+Responses route (issue 13), so the upstream faults are Responses-shaped."""
 
-ACCOUNT_TYPE = {CHAT_OAUTH: "oauth"}
+SSE_OAUTH = "http_sse_oauth"
+"""A Responses SSE stream on OAuth accounts: the reference column the chat
+translation is compared with (R11 marks OAuth accounts differently from
+API-key ones, so the API-key rows' prescriptions do not apply)."""
+
+OAUTH_ENTRYPOINTS = (SSE_OAUTH, CHAT_OAUTH)
+
+ACCOUNT_TYPE = {CHAT_OAUTH: "oauth", SSE_OAUTH: "oauth"}
 """Account type per entrypoint; everything else uses API-key accounts."""
 
-_HTTP = (*HTTP_ENTRYPOINTS, CHAT_OAUTH)
+_SSE = ("http_sse", SSE_OAUTH)
+_HTTP = (*HTTP_ENTRYPOINTS, *OAUTH_ENTRYPOINTS)
 _CHAT = ("chat_stream", CHAT_OAUTH)
 
 WS_MODE = {"ws_ctx_pool": "ctx_pool", "ws_passthrough": "passthrough",
@@ -234,7 +239,7 @@ async def _httpTurn(stack, entrypoint: str, faulty: str, previous=None) -> Outco
         if response.code != 200:
             return Outcome("terminal_error", response.code, None, _errorMessage(data))
         return chatOutcome(data, faulty)
-    body = {"model": MODEL, "input": text, "stream": entrypoint == "http_sse"}
+    body = {"model": MODEL, "input": text, "stream": entrypoint in _SSE}
     if previous:
         body["previous_response_id"] = previous
     response, data = await stack.postJSON("/v1/responses", body, headers=headers)
@@ -244,7 +249,7 @@ async def _httpTurn(stack, entrypoint: str, faulty: str, previous=None) -> Outco
         if retryAfter:
             note += f" [Retry-After {retryAfter[0].decode()}]"
         return Outcome("terminal_error", response.code, None, note)
-    if entrypoint == "http_sse":
+    if entrypoint in _SSE:
         return responsesOutcome(sseEvents(data), faulty)
     try:
         parsed = json.loads(data)
@@ -447,7 +452,7 @@ def _requestFor(entrypoint: str) -> tuple:
     if entrypoint in _CHAT:
         return "/v1/chat/completions", {
             "model": MODEL, "messages": [{"role": "user", "content": text}], "stream": True}
-    return "/v1/responses", {"model": MODEL, "input": text, "stream": entrypoint == "http_sse"}
+    return "/v1/responses", {"model": MODEL, "input": text, "stream": entrypoint in _SSE}
 
 
 def _chatHasContent(data: bytes) -> bool:
@@ -490,7 +495,7 @@ async def waitForOutput(stack, entrypoint: str, leaver, credential: str) -> None
     (Responses SSE and WebSocket), the first content chunk (chat), or, for a
     JSON client (one body, no stream), until the upstream is working on it.
     """
-    if entrypoint == "http_sse":
+    if entrypoint in _SSE:
         await leaver.waitFor(lambda data: b"response.output_text.delta" in data)
     elif entrypoint in _CHAT:
         await leaver.waitFor(_chatHasContent)

@@ -434,7 +434,10 @@ def _writeMatrix():
     C{RELAY_PARITY_MATRIX} is set, write it to that file.
     """
     yield
-    text = "\n\n".join(RESULTS[name] for name in [r.name for r in ROWS] if name in RESULTS)
+    names = [r.name for r in ROWS] + [r.name + "@oauth" for r in ROWS]
+    text = "\n\n".join(RESULTS[name] for name in names if name in RESULTS)
+    skipped = "\n".join(f"  {name}: {why}" for name, why in OAUTH_SKIPPED.items())
+    text += f"\n\nOAuth rows skipped:\n{skipped}"
     allowed = "\n".join(f"  {name} @ {', '.join(cols)}: {sorted(outs, key=str)}  -- {rule}"
                         for name, cols, outs, rule in ALLOWED)
     text = f"{text}\n\nAllowed differences (behaviour.md):\n{allowed}\n"
@@ -464,3 +467,62 @@ async def test_parity_row(row):
     RESULTS[row.name] = table + ("\n   PROBLEMS:\n   " + "\n   ".join(problems) if problems else "")
     print("\n" + RESULTS[row.name])
     assert not problems, RESULTS[row.name]
+
+
+#: Rows the OAuth columns skip, with the rule that makes them different in
+#: kind rather than in parity: an OAuth 429 retries the same account for up
+#: to its 2-minute window (R13) before it marks anything, which the HTTP
+#: continuation rows cannot exercise on OAuth at all (R42).
+OAUTH_SKIPPED = {
+    "429_usage_limit": "R13: an OAuth 429 retries the same account within its 2-minute window",
+    "429_rate_limit": "R13: an OAuth 429 retries the same account within its 2-minute window",
+    "429_usage_limit_later_turn": "R42: HTTP continuations need an API-key account",
+    "5xx_ws_handshake": "a WebSocket-only fault",
+}
+
+OAUTH_ROWS = [r for r in ROWS if r.name not in OAUTH_SKIPPED]
+
+
+def checkOAuthRow(row: Row, cells: dict) -> list:
+    """
+    @return: the problems of an OAuth row: the chat-on-OAuth cell must show
+        the same client outcome class, account state and decisions as a
+        Responses stream on the same OAuth accounts (issue 13: chat holds
+        back, fails over and marks exactly as responses does).
+    """
+    reference = cells[P.SSE_OAUTH]
+    problems = []
+    for ep, cell in cells.items():
+        if ep == P.SSE_OAUTH:
+            continue
+        if cell.outcome.kind != reference.outcome.kind:
+            problems.append(f"{ep}: outcome {cell.outcome.key()} != {P.SSE_OAUTH}'s"
+                            f" {reference.outcome.key()} ({cell.outcome.detail})")
+        if cell.state != reference.state:
+            problems.append(f"{ep}: state {cell.state} != {P.SSE_OAUTH}'s {reference.state}")
+        if cell.decisions() != reference.decisions():
+            problems.append(f"{ep}: decisions {cell.decisions()} != {P.SSE_OAUTH}'s"
+                            f" {reference.decisions()}")
+    return problems
+
+
+@pytest.mark.parametrize("row", OAUTH_ROWS, ids=[r.name for r in OAUTH_ROWS])
+@pytest_twisted.ensureDeferred
+async def test_parity_row_oauth(row):
+    """
+    Issue 13 + R86: on OAuth accounts, a chat stream (translated to the
+    backend's Responses route) meets each fault exactly as a Responses
+    stream does: the same outcome class, the same account state in the
+    operator view, the same failover / retry / cooldown decisions.
+    """
+    cells = {}
+    for entrypoint in P.OAUTH_ENTRYPOINTS:
+        cells[entrypoint] = await runCell(row, entrypoint)
+    problems = checkOAuthRow(row, cells)
+    table = formatRow(row, cells, problems).replace(
+        f"   prescribed: {row.expect[0]}", f"   (OAuth; compared with {P.SSE_OAUTH}) api-key row:"
+        f" {row.expect[0]}", 1)
+    RESULTS[row.name + "@oauth"] = table + (
+        "\n   PROBLEMS:\n   " + "\n   ".join(problems) if problems else "")
+    print("\n" + RESULTS[row.name + "@oauth"])
+    assert not problems, RESULTS[row.name + "@oauth"]
