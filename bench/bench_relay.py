@@ -40,7 +40,8 @@ def benchPump(events: int = 200_000) -> None:
     from twisted.internet.task import Clock
 
     from relay.classify import DefaultClassifier
-    from relay.engine.runner import StreamPump, TurnRunner
+    from relay.engine.pump import StreamPump
+    from relay.engine.runner import TurnRunner
     from relay.model import Account, ClientKey, Turn
     from relay.settings import RuntimeSettings
     from relay.sse import Event

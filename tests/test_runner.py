@@ -22,7 +22,8 @@ from zope.interface.verify import verifyObject
 
 from relay.admission.memory import MemorySlotAdmission
 from relay.classify import DefaultClassifier
-from relay.engine.runner import STAGING_CAP, TurnRunner
+from relay.engine.pump import STAGING_CAP
+from relay.engine.runner import TurnRunner
 from relay.health import AccountHealth
 from relay.interfaces import ITurnSink, IUpstreamDialer, IUpstreamResponse
 from relay.model import Account, ClientKey, GatewaySettings, Turn

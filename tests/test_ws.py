@@ -13,7 +13,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from relay.engine.runner import previousResponseNotFound
+from relay.engine.errors import previousResponseNotFound
 from relay.engine.wsattempt import errorFromEvent, isPreviousNotFound
 from relay.policy.judgement import busyVerdict
 from relay.entry.ws import ConnectionState, normaliseInput

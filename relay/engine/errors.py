@@ -7,6 +7,8 @@ errors come from the classifier (R9, R10, R15).
 
 from __future__ import annotations
 
+from typing import Optional
+
 from relay.model import AdmissionError, ClientError
 
 QUEUE_FULL_MESSAGE = "Too many pending requests, please retry later"
@@ -93,4 +95,20 @@ def streamTimeoutError() -> ClientError:
         "Upstream stream idle timeout",
         code="stream_timeout",
         wsClose=(1001, "upstream websocket read timeout; please reconnect"),
+    )
+
+
+def previousResponseNotFound(responseId: Optional[str]) -> ClientError:
+    """
+    The error that makes a client resend its full input (protocol.md 4.5,
+    behaviour.md R66, R-B7): status 400 C{previous_response_not_found}, then
+    the WebSocket closes so Codex reconnects.
+    """
+    return ClientError(
+        400,
+        "invalid_request_error",
+        f"Previous response with id '{responseId}' not found.",
+        code="previous_response_not_found",
+        param="previous_response_id",
+        wsClose=(1011, "upstream websocket proxy failed"),
     )

@@ -11,52 +11,27 @@ they hold no policy.
 
 from __future__ import annotations
 
-import json
-import re
-from typing import Callable, Optional
+from typing import Optional
 
-from attrs import define, evolve, field
-from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.protocol import Protocol
+from attrs import define, field
+from twisted.internet.defer import Deferred
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
-from twisted.python.failure import Failure
-from twisted.web.client import PotentialDataLoss, ResponseDone
-from zope.interface import implementer
-from twisted.internet.interfaces import IPushProducer
 
 from relay import failures as F
 from relay.engine import errors as E
+from relay.engine.cancel import ClientGone, raceCancel
+from relay.engine.httpattempt import attemptHTTP
 from relay.engine.keepalive import StreamKeepalive
-from relay.engine.payload import (
-    isEmptyCompleted,
-    isSemanticOutput,
-    translatesChat,
-    upstreamBody,
-    upstreamClientHeaders,
-    upstreamPath,
-    upstreamStreams,
-    withoutEncryptedReasoning,
-)
+from relay.engine.payload import translatesChat, withoutEncryptedReasoning
+from relay.engine.pump import AttemptResult
 from relay.model import AdmissionError, ClientError, Turn, WaitPlan
 from relay.policy import ends
 from relay.policy.bookkeeping import AccountBookkeeping
 from relay.policy.judgement import judge
 from relay.requestid import bindRequestId
 from relay.selection import NoAccountAvailable
-from relay.sse import DONE, LineTooLong, SSEParser
-from relay.translate.sink import ChatCompletionsSink
 from relay.usage.tap import UsageTap, clientAskedUsage
-from relay.usage.tokens import USAGE_CHUNK, fromBody
-
-STAGING_CAP = 8 * 2**20
-"""Held-back bytes before the first output, at most (behaviour.md R22)."""
-
-ERROR_BODY_LIMIT = 512 * 2**10
-"""Upstream error bodies are read up to 512 KiB (behaviour.md R7)."""
-
-JSON_BODY_LIMIT = 40 * 2**20
-"""A non-streaming upstream body, at most (behaviour.md R22 line cap)."""
 
 MAX_FIRST_OUTPUT_SWITCHES = 1
 """behaviour.md R21: the first safe-after-write failure switches, the second ends."""
@@ -66,40 +41,6 @@ OAUTH_429_SWITCH_STOP = 3
 
 FIXED_RETRY_DELAY = 0.5
 """Same-account retry delay without a better one (R14), seconds."""
-
-
-class ClientGone(Exception):
-    """
-    The client went away (behaviour.md R2); the turn stops silently.
-    """
-
-
-def raceCancel(d: Deferred, cancel) -> Deferred:
-    """
-    Tie C{d} to the turn's cancellation: when the client goes, C{d} is
-    cancelled and the result fails with L{ClientGone}.
-
-    @param d: any cancellable Deferred.
-    @param cancel: the turn's L{relay.model.CancelSignal}.
-    """
-    if cancel.cancelled:
-        d.cancel()
-        d.addErrback(lambda f: None)
-        result = Deferred()
-        result.errback(ClientGone(cancel.reason))
-        return result
-    w = cancel.whenCancelled()
-    w.addCallback(lambda _: d.cancel())
-    w.addErrback(lambda f: f.trap(CancelledError))
-
-    def _done(result):
-        if not w.called:
-            w.cancel()
-        if cancel.cancelled and isinstance(result, Failure):
-            return Failure(ClientGone(cancel.reason))
-        return result
-
-    return d.addBoth(_done)
 
 
 @define(eq=False)
@@ -143,39 +84,6 @@ class RetryBudget:
 
 
 @define(eq=False)
-class AttemptResult:
-    """
-    What one attempt on one account ended with.
-
-    @ivar end: the attempt end, a fact from L{relay.policy.ends}.
-    @ivar verdict: the verdict when the attempt code already judged the end
-        (an in-band failure must be judged where it is read: it fails over
-        or is forwarded); else L{None} and the engine judges it.
-    @ivar committed: output reached the client (no failover any more).
-    @ivar status: HTTP-like status of the outcome for logs.
-    """
-
-    end: object = None
-    verdict: Optional[F.Verdict] = None
-    committed: bool = False
-    status: int = 200
-
-    @property
-    def ok(self) -> bool:
-        """
-        The turn completed: a terminal event or body reached the client.
-        """
-        return isinstance(self.end, ends.Completed)
-
-    @property
-    def responseId(self) -> Optional[str]:
-        """
-        The response id of a completed or forwarded turn, else L{None}.
-        """
-        return getattr(self.end, "responseId", None)
-
-
-@define(eq=False)
 class TurnState:
     """
     Per-turn failover state (behaviour.md R18): switch count, first-output
@@ -206,413 +114,6 @@ class TurnState:
     """Accounts that got their one 401 refresh-and-replay in this turn."""
 
 
-@implementer(IPushProducer)
-class StreamPump(Protocol):
-    """
-    Reads one upstream SSE body: holds events back until the first semantic
-    output (R22), classifies pre-output failures (R23), then passes bytes
-    through, watching only for the terminal event. Registered as a
-    streaming producer on the sink, so a slow client pauses upstream.
-
-    It reports how the attempt ended as a fact (L{relay.policy.ends}) and
-    never writes account state (behaviour.md R86): the engine judges and
-    records the end. A pump the client left (the sink stops producing, or
-    the engine calls L{depart}) ends with L{ends.Departed}, so nothing that
-    happens to the upstream connection afterwards can count (R2).
-
-    @ivar done: fires with an L{AttemptResult}.
-    """
-
-    def __init__(self, runner, turn, sink, account, release, modelRewrite, idleTimeout):
-        self._runner = runner
-        self._turn = turn
-        self._sink = sink
-        self._account = account
-        self._release = release
-        self._rewrite = modelRewrite
-        self._idleTimeout = idleTimeout
-        self._parser = SSEParser()
-        # The upstream speaks chat completions chunks only for a chat turn
-        # forwarded as is; a translated one (OAuth) streams Responses events.
-        self._chat = turn.endpoint == "chat" and not translatesChat(turn, account)
-        # Raw pass-through needs a sink that takes bytes and no model-name
-        # rewrite; Responses streams must already be in event:+data: form.
-        self._rawWrite = getattr(sink, "writeRaw", None) if modelRewrite is None else None
-        self._rawPrefix = b"data: " if self._chat else b"event: "
-        self._usage = runner._usageTap(turn, account)
-        self._usageChunk = self._usage.chunk if self._usage.chat else None
-        self._mark = _USAGE_MARK if self._usage.chat else _TERMINAL_MARK
-        self._staged = []
-        self._stagedBytes = 0
-        self._headers = {}
-        self._idle = None
-        self.committed = False
-        self.finished = False
-        self.done = Deferred()
-
-    # -- wiring ------------------------------------------------------------
-
-    def start(self, response) -> None:
-        """
-        Begin reading C{response} (an L{relay.interfaces.IUpstreamResponse}).
-        """
-        self._headers = response.headers
-        response.deliverBody(self)
-
-    def connectionMade(self) -> None:
-        self._resetIdle()
-
-    def pauseProducing(self) -> None:
-        if self.transport is not None and not self.finished:
-            self.transport.pauseProducing()
-
-    def resumeProducing(self) -> None:
-        if self.transport is not None and not self.finished:
-            self.transport.resumeProducing()
-
-    def stopProducing(self) -> None:
-        """
-        The client's connection went away under us (twisted.web stops the
-        registered producer): the attempt ended because the client left.
-        """
-        self.depart("client_gone")
-
-    def depart(self, reason: str = "client_gone") -> None:
-        """
-        End the attempt as L{ends.Departed} and drop the upstream
-        connection (R2). Idempotent; a no-op once the attempt ended.
-
-        @param reason: why, for logs.
-        """
-        self._endWith(AttemptResult(end=ends.Departed(reason), status=499))
-
-    def abort(self) -> None:
-        """
-        Drop the upstream connection. A WebSocket attempt overrides this to
-        close or retire its upstream socket.
-        """
-        if self.transport is not None:
-            self.transport.stopProducing()
-
-    def _resetIdle(self) -> None:
-        clock = self._runner.clock
-        if self._idle is not None and self._idle.active():
-            self._idle.reset(self._idleTimeout)
-        elif self._idleTimeout > 0:
-            self._idle = clock.callLater(self._idleTimeout, self._idleExpired)
-
-    def _cancelIdle(self) -> None:
-        if self._idle is not None and self._idle.active():
-            self._idle.cancel()
-        self._idle = None
-
-    # -- data ---------------------------------------------------------------
-
-    def dataReceived(self, data: bytes) -> None:
-        if self.finished:
-            return  # style.md trap T15: bytes after pause/abort
-        self._resetIdle()
-        if self._rawWrite is not None and self.committed and self._passThrough(data):
-            return
-        try:
-            events = self._parser.feed(data)
-        except LineTooLong as e:
-            self._fail(ends.StagingOverflow(e.args[0]), "OpenAI stream line too long")
-            return
-        for event in events:
-            if self.finished:
-                return
-            self.feedEvent(event)
-
-    def _passThrough(self, data: bytes) -> bool:
-        """
-        The hot path after first output: write whole upstream events as
-        they came, in one write per chunk, scanning only for a terminal
-        event (DEVELOPERS.md "pass upstream bytes through"). A chunk that
-        may hold a terminal event, or a CR, takes the event-by-event path.
-
-        @return: L{True} when C{data} was handled.
-        """
-        if b"\r" in data:
-            return False
-        parser = self._parser
-        buf = parser._buf + data if parser._buf else data
-        end = buf.rfind(b"\n\n")
-        if end < 0:
-            if len(buf) > parser.maxLine:
-                return False
-            parser._buf = buf
-            return True
-        complete = buf[: end + 2]
-        if self._mark.search(complete) is not None or not complete.startswith(self._rawPrefix):
-            return False
-        parser._buf = buf[end + 2 :]
-        self._rawWrite(complete)
-        return True
-
-    def feedEvent(self, event) -> None:
-        """
-        Handle one upstream event (from SSE or a WebSocket frame): held back
-        and classified before the first output, passed through after it.
-        Transport-agnostic; a WebSocket attempt feeds frames here.
-        """
-        if self.finished:
-            return
-        if self.committed:
-            self._afterOutput(event)
-        else:
-            self._beforeOutput(event)
-
-    def _failureEvent(self, event) -> Optional[dict]:
-        """
-        The parsed event when C{event} is an in-band failure before output:
-        a C{response.failed} or C{error} event, or a chat error chunk
-        (C{{"error": {...}}}, R84); else L{None}.
-        """
-        t = event.type
-        if t == b"response.failed" or t == b"error":
-            return event.json()
-        if self._chat and t != DONE:
-            data = event.json()
-            if isinstance(data.get("error"), dict) and "choices" not in data:
-                return data
-        return None
-
-    def _beforeOutput(self, event) -> None:
-        failure = self._failureEvent(event)
-        if failure is not None:
-            wire = ends.WIRE_CHAT if self._chat else self._inBandWire
-            end = ends.InBandFailure(failure, wire)
-            verdict = self._runner.judge(self._turn, self._account, end)
-            if verdict is not None and verdict.failover:
-                self._endWith(AttemptResult(end=end, verdict=verdict, status=verdict.status))
-                return
-            # R23: not a failover; the client sees upstream's own failure.
-            self._commit()
-            self._afterOutput(event, forwardedFailure=True)
-            return
-        t = event.type
-        if t == b"response.completed":
-            response = event.json().get("response") or {}
-            if isEmptyCompleted(response) and self._turn.body.get("generate") is not False:
-                self._endWith(AttemptResult(end=ends.EmptyCompletion(event.json()), status=502))
-                return
-        if event.terminal or isSemanticOutput(event, self._chat):
-            self._commit()
-            self._afterOutput(event)
-            return
-        self._staged.append(event)
-        self._stagedBytes += len(event.data)
-        if self._stagedBytes > STAGING_CAP:
-            self._endWith(AttemptResult(end=ends.StagingOverflow(self._stagedBytes), status=502))
-
-    _inBandWire = ends.WIRE_SSE
-
-    def _commit(self) -> None:
-        """
-        First output: fix the response and flush what was held back (R22).
-        """
-        self.committed = True
-        self._runner._firstOutput(self._turn)
-        self._sink.commit(_passHeaders(self._headers))
-        attach = getattr(self._sink, "attachProducer", None)
-        if attach is not None:
-            attach(self)
-        staged, self._staged = self._staged, []
-        for event in staged:
-            self._write(event)
-
-    def _write(self, event) -> None:
-        if self._usageChunk is not None and self._usageChunk(event):
-            return  # a chat usage chunk the client did not ask for (issue 13)
-        if self._rewrite is not None:
-            event = self._rewrite(event)
-        self._sink.writeEvent(event)
-
-    def _afterOutput(self, event, forwardedFailure: bool = False) -> None:
-        if not event.terminal and not forwardedFailure:
-            self._write(event)
-            return
-        # Release the slot before the terminal event reaches the client:
-        # Codex sends its next request the instant it reads it
-        # (architecture.md invariant 4, protocol.md 8).
-        responseId = None
-        if event.type != DONE:
-            response = event.json().get("response")
-            if isinstance(response, dict):
-                responseId = response.get("id")
-        self._usage.terminal(event)
-        self._release()
-        self._write(event)
-        if forwardedFailure or event.type == b"response.failed":
-            end = ends.Forwarded(responseId)
-        else:
-            end = ends.Completed(responseId)
-        self._endWith(AttemptResult(end=end, committed=True, status=200), dropUpstream=False)
-
-    # -- endings -------------------------------------------------------------
-
-    def _outputReachedClient(self) -> bool:
-        """
-        R19 step 2 counts bytes written to the client: a sink that holds
-        everything back until the terminal event (C{holdsOutput}, the JSON
-        sink of a non-streaming client) has written nothing yet, so a
-        failure before the terminal event may still fail over.
-        """
-        return self.committed and not getattr(self._sink, "holdsOutput", False)
-
-    def _endWith(self, result: AttemptResult, dropUpstream: bool = True) -> None:
-        if self.finished:
-            return
-        self.finished = True
-        self._cancelIdle()
-        result.committed = result.committed or self._outputReachedClient()
-        if dropUpstream:
-            self.abort()
-        detach = getattr(self._sink, "detachProducer", None)
-        if detach is not None and self.committed:
-            detach()
-        self.done.callback(result)
-
-    def _fail(self, end, message: str, error=None) -> None:
-        """
-        End with a stream failure: before output the engine judges it and
-        may fail over; after output the client gets a terminal error
-        in-stream (R17, R23) and C{end} is recorded as happening after
-        output.
-
-        @param end: the attempt end (a L{relay.policy.ends} failure).
-        @param message: the client's message after output.
-        @param error: the L{ClientError} to write after output (default:
-            L{E.streamBrokenError} of C{message}).
-        """
-        if self.finished:
-            return
-        if not self._outputReachedClient():
-            self._endWith(AttemptResult(end=end, status=502))
-            return
-        if hasattr(end, "afterOutput"):
-            end = evolve(end, afterOutput=True)
-        self._release()
-        self._sink.fail(error if error is not None else E.streamBrokenError(message))
-        self._endWith(AttemptResult(end=end, committed=True, status=502))
-
-    def _idleExpired(self) -> None:
-        """
-        R24: the upstream stream went silent. After output: an in-stream
-        C{stream_timeout} error without failover. Before output relay fails
-        over as for a read error (nothing reached the client yet).
-        """
-        self._idle = None
-        if self.finished:
-            return
-        end = ends.RelayTimeout(ends.IDLE, self._idleTimeout)
-        self._fail(end, "Upstream stream idle timeout", E.streamTimeoutError())
-
-    def firstOutputTimeout(self, seconds: float) -> None:
-        """
-        Called by the runner when the first-output timer fires (R20).
-
-        @param seconds: the deadline that expired.
-        """
-        if not self.finished and not self.committed:
-            self._endWith(
-                AttemptResult(end=ends.RelayTimeout(ends.FIRST_OUTPUT, seconds), status=504)
-            )
-
-    def connectionLost(self, reason) -> None:
-        self._cancelIdle()
-        if self.finished:
-            return
-        if self._turn.cancel.cancelled:
-            self.depart(self._turn.cancel.reason)
-            return
-        clean = reason.check(ResponseDone, PotentialDataLoss) is not None
-        tail = self._parser.feed(b"\n\n") if clean and self._parser.pending else []
-        for event in tail:
-            if self.finished:
-                return
-            (self._afterOutput if self.committed else self._beforeOutput)(event)
-        if self.finished:
-            return
-        if clean:
-            self._fail(ends.StreamEnded(), "OpenAI stream ended before a terminal event")
-        else:
-            detail = _shortReason(reason)
-            self._fail(
-                ends.StreamCut(detail), "OpenAI stream disconnected before completion: " + detail
-            )
-
-
-def _shortReason(reason: Failure) -> str:
-    """
-    A short text of a stream failure, for logs and messages.
-    """
-    value = reason.value
-    inner = getattr(value, "reasons", None)
-    if inner:
-        value = inner[0].value
-    return type(value).__name__
-
-
-_TERMINAL_MARK = re.compile(
-    rb"response\.(?:completed|failed|incomplete|done|cancell?ed)|\[DONE\]"
-)
-"""Anything that may be a terminal event (protocol.md 2.5); a false hit
-only sends the chunk down the event-by-event path."""
-
-_USAGE_MARK = re.compile(_TERMINAL_MARK.pattern + b"|" + USAGE_CHUNK.pattern)
-"""On a chat stream also the chunk that carries usage (issue 13 item 5)."""
-
-_PASSED_RESPONSE_HEADERS = (
-    ("x-codex-turn-state", "x-codex-turn-state"),
-    ("x-request-id", "x-upstream-request-id"),
-    ("openai-model", "openai-model"),
-)
-"""(upstream name, name the client sees). The upstream's C{x-request-id}
-reaches the client as C{X-Upstream-Request-Id}; C{X-Request-Id} is the
-turn's own id (issue 15, L{relay.requestid})."""
-
-
-def _passHeaders(headers: dict) -> dict:
-    """
-    Upstream response headers that reach the client on commit (R22: headers
-    are staged with the events), renamed by L{_PASSED_RESPONSE_HEADERS}.
-    """
-    return {ours: headers[theirs] for theirs, ours in _PASSED_RESPONSE_HEADERS if theirs in headers}
-
-
-def modelRewriter(requested: Optional[str], upstream: Optional[str]) -> Optional[Callable]:
-    """
-    When relay mapped the model name, rewrite C{"model":"<upstream>"} back
-    to the requested name in forwarded events (protocol.md 4.3). A bytes
-    replace: no JSON re-serialisation on the hot path.
-
-    @return: a function L{Event} -> L{Event}, or L{None} when no mapping.
-    """
-    if not requested or not upstream or requested == upstream:
-        return None
-    from relay.sse import Event
-
-    pairs = [
-        (b'"model":' + sep + b'"' + upstream.encode() + b'"',
-         b'"model":' + sep + b'"' + requested.encode() + b'"')
-        for sep in (b"", b" ")
-    ]
-
-    def rewrite(event):
-        data = event.data
-        for old, new in pairs:
-            if old in data:
-                data = data.replace(old, new)
-        if data is event.data:
-            return event
-        dataOnly = event._raw is not None and event._raw.startswith(b"data: ")
-        return Event(event.type, data, b"data: " + data + b"\n\n" if dataOnly else None)
-
-    return rewrite
-
-
 @define(eq=False)
 class TurnRunner:
     """
@@ -627,7 +128,7 @@ class TurnRunner:
     @ivar settings: the L{relay.settings.RuntimeSettings}, read per attempt.
     @ivar metrics: optional L{relay.metrics.RelayMetrics}.
     @ivar wsAttempt: optional attempt function for WebSocket upstream modes
-        (issue 6), called like L{_attemptHTTP}.
+        (issue 6), called like L{relay.engine.httpattempt.attemptHTTP}.
     @ivar usage: optional L{relay.usage.ledger.UsageLedger}: token
         accounting and per-key budgets (issue 13 item 5).
     """
@@ -1032,7 +533,7 @@ class TurnRunner:
                 account_id=account.id,
                 request_id=turn.requestId,
             )
-            return ("exhausted", previousResponseNotFound(turn.previousResponseId))
+            return ("exhausted", E.previousResponseNotFound(turn.previousResponseId))
         if state.switches >= s.max_account_switches:
             return ("exhausted", self.classifier.exhausted(verdict, turn.endpoint))
         if state.oauth429 and state.switches >= OAUTH_429_SWITCH_STOP:
@@ -1301,133 +802,13 @@ class TurnRunner:
                 "passthrough",
             ):
                 return await self.wsAttempt(self, turn, sink, account, release)
-            return await self._attemptHTTP(turn, sink, account, release)
+            return await attemptHTTP(self, turn, sink, account, release)
         finally:
             release()
 
-    async def _attemptHTTP(self, turn: Turn, sink, account, release) -> AttemptResult:
-        """
-        One HTTP attempt: dial, then stream (SSE) or read (JSON).
-
-        A chat turn on an OAuth account goes to C{/responses}; the pump
-        stages and classifies its Responses events as on any other turn and
-        a L{ChatCompletionsSink} translates them on write (issue 13, R84).
-        """
-        s = self.settings.current
-        stream = upstreamStreams(turn, account)
-        path = upstreamPath(turn, account)
-        if translatesChat(turn, account):
-            sink = ChatCompletionsSink(sink, turn, self.clock.seconds())
-        headers = upstreamClientHeaders(turn, account)
-        headers["accept"] = "text/event-stream" if stream else "application/json"
-        body = upstreamBody(turn, account)
-        fot = s.first_output_timeout_seconds if stream else 0
-        pump = None
-        timedOut = []
-        requestD = self.dialer.request(account, b"POST", path, body, headers, s.upstream)
-
-        def _onFirstOutputTimeout():
-            timedOut.append(True)
-            self._log.warn(
-                "no first output from {account_id} within {seconds}s",
-                event="openai.first_output_timeout",
-                account_id=account.id,
-                seconds=fot,
-                request_id=turn.requestId,
-            )
-            if pump is not None:
-                pump.firstOutputTimeout(fot)
-            else:
-                requestD.cancel()
-
-        timer = self.clock.callLater(fot, _onFirstOutputTimeout) if fot > 0 else None
-        try:
-            try:
-                response = await raceCancel(requestD, turn.cancel)
-            except ClientGone:
-                raise
-            except Exception as e:
-                if timedOut:
-                    return AttemptResult(
-                        end=ends.RelayTimeout(ends.FIRST_OUTPUT, fot), status=504
-                    )
-                return AttemptResult(end=ends.TransportFailure(e, "headers"), status=502)
-            turn.upstreamRequestId = response.headers.get("x-request-id")
-            if self.metrics is not None:
-                self.metrics.upstreamStatus(response.code)
-            if self.quota is not None and account.type == "oauth":
-                self.quota.observeHeaders(account, response.headers)
-            if response.code >= 300:
-                idle = s.upstream.stream_idle_timeout_seconds
-                try:
-                    errorBody = await raceCancel(
-                        readBody(response, ERROR_BODY_LIMIT, idle, self.clock), turn.cancel
-                    )
-                except BodyBroken as e:
-                    errorBody = e.partial  # the status decides; the body is a hint
-                release()
-                end = ends.StatusRefused(response.code, dict(response.headers), errorBody)
-                return AttemptResult(end=end, status=response.code)
-            rewrite = modelRewriter(turn.model, account.upstreamModel(turn.model) if turn.model else None)
-            if not stream:
-                return await self._readJSON(turn, sink, account, response, release, rewrite)
-            pump = StreamPump(
-                self, turn, sink, account, release, rewrite, s.upstream.stream_idle_timeout_seconds
-            )
-            pump.start(response)
-            try:
-                return await raceCancel(_uncancellable(pump.done), turn.cancel)
-            except ClientGone:
-                pump.depart(turn.cancel.reason)
-                raise
-        finally:
-            if timer is not None and timer.active():
-                timer.cancel()
-
-    async def _readJSON(self, turn, sink, account, response, release, rewrite) -> AttemptResult:
-        """
-        A non-streaming upstream body: check for a silent refusal, then
-        answer the client with it.
-        """
-        idle = self.settings.current.upstream.stream_idle_timeout_seconds
-        try:
-            body = await raceCancel(
-                readBody(response, JSON_BODY_LIMIT, idle, self.clock), turn.cancel
-            )
-        except BodyBroken as e:
-            # R1/R23/R24/R86.3: a body that broke before its end is a read
-            # error before output (nothing reached the client), exactly like
-            # a cut stream; one that went silent is relay's idle timeout.
-            if e.idle:
-                return AttemptResult(end=ends.RelayTimeout(ends.IDLE, idle), status=502)
-            return AttemptResult(end=ends.StreamCut(e.detail), status=502)
-        try:
-            parsed = json.loads(body)
-        except ValueError:
-            parsed = None
-        if not isinstance(parsed, dict):
-            # R86.4: a JSON body that ended cleanly but is not a whole JSON
-            # object is the non-stream form of "ended before a terminal
-            # event": a stream failure that fails over, never a 200.
-            return AttemptResult(end=ends.StreamEnded(), status=502)
-        if turn.endpoint == "responses" and isEmptyCompleted(parsed):
-            return AttemptResult(end=ends.EmptyCompletion(parsed), status=502)
-        if rewrite is not None:
-            from relay.sse import Event
-
-            body = rewrite(Event(b"", body)).data
-        counts = fromBody(parsed)
-        if counts is not None:
-            self._recordUsage(turn, account, counts)
-        release()
-        self._firstOutput(turn)
-        sink.writeBody(200, _passHeaders(response.headers), body)
-        responseId = parsed.get("id") if isinstance(parsed, dict) else None
-        return AttemptResult(end=ends.Completed(responseId), committed=True, status=200)
-
     # -- bookkeeping -----------------------------------------------------------
 
-    def _usageTap(self, turn: Turn, account) -> UsageTap:
+    def usageTap(self, turn: Turn, account) -> UsageTap:
         """
         The usage reader of one attempt (issue 13 item 5): records into
         L{usage} and onto C{turn.usage}. A chat stream's usage chunk is
@@ -1438,13 +819,13 @@ class TurnRunner:
         # translated chat turn (OAuth) ends with a Responses terminal event.
         chat = turn.endpoint == "chat" and turn.stream and not translatesChat(turn, account)
         return UsageTap(
-            record=lambda counts: self._recordUsage(turn, account, counts),
+            record=lambda counts: self.recordUsage(turn, account, counts),
             chat=chat,
             dropUsageChunk=chat and not clientAskedUsage(turn.body),
             requestId=turn.requestId,
         )
 
-    def _recordUsage(self, turn: Turn, account, counts) -> None:
+    def recordUsage(self, turn: Turn, account, counts) -> None:
         """
         Count C{counts} for the turn's key, C{account} and the upstream
         model relay asked for; once per turn (issue 13 item 5).
@@ -1463,7 +844,7 @@ class TurnRunner:
                 account_id=account.id,
             )
 
-    def _firstOutput(self, turn: Turn) -> None:
+    def firstOutput(self, turn: Turn) -> None:
         if turn.firstOutputAt is None:
             turn.firstOutputAt = self.clock.seconds()
 
@@ -1516,117 +897,6 @@ def _usageFields(counts) -> dict:
             "output_tokens": counts.output, "reasoning_tokens": counts.reasoning}
 
 
-def previousResponseNotFound(responseId: Optional[str]) -> ClientError:
-    """
-    The error that makes a client resend its full input (protocol.md 4.5,
-    behaviour.md R66, R-B7): status 400 C{previous_response_not_found}, then
-    the WebSocket closes so Codex reconnects.
-    """
-    return ClientError(
-        400,
-        "invalid_request_error",
-        f"Previous response with id '{responseId}' not found.",
-        code="previous_response_not_found",
-        param="previous_response_id",
-        wsClose=(1011, "upstream websocket proxy failed"),
-    )
-
-
-class BodyBroken(Exception):
-    """
-    An upstream body ended uncleanly or went idle before its end.
-
-    @ivar partial: the bytes read so far.
-    @ivar detail: a short reason.
-    @ivar idle: the body went silent (relay's R24 timeout), rather than
-        breaking.
-    """
-
-    def __init__(self, partial: bytes, detail: str, idle: bool = False):
-        super().__init__(detail)
-        self.partial = partial
-        self.detail = detail
-        self.idle = idle
-
-
-class _BodyReader(Protocol):
-    """
-    Reads a bounded upstream body for L{readBody}.
-    """
-
-    def __init__(self, limit: int, idle: float, clock):
-        self._limit = limit
-        self._idle = idle
-        self._clock = clock
-        self._parts = []
-        self._size = 0
-        self._timer = None
-        self.done = Deferred(self._cancel)
-
-    def _cancel(self, d) -> None:
-        self._disarm()
-        if self.transport is not None:
-            self.transport.stopProducing()
-
-    def connectionMade(self) -> None:
-        self._arm()
-
-    def _arm(self) -> None:
-        if self._idle <= 0:
-            return
-        if self._timer is not None and self._timer.active():
-            self._timer.reset(self._idle)
-        else:
-            self._timer = self._clock.callLater(self._idle, self._expired)
-
-    def _disarm(self) -> None:
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
-        self._timer = None
-
-    def _expired(self) -> None:
-        self._timer = None
-        if not self.done.called:
-            self.done.errback(BodyBroken(b"".join(self._parts), "body idle timeout", idle=True))
-            if self.transport is not None:
-                self.transport.stopProducing()
-
-    def dataReceived(self, data: bytes) -> None:
-        if self.done.called:
-            return
-        self._arm()
-        room = self._limit - self._size
-        self._parts.append(data[:room])
-        self._size += min(len(data), room)
-        if self._size >= self._limit:
-            self._disarm()
-            self.done.callback(b"".join(self._parts))
-            self.transport.stopProducing()
-
-    def connectionLost(self, reason) -> None:
-        self._disarm()
-        if self.done.called:
-            return
-        if reason.check(ResponseDone, PotentialDataLoss) is not None:
-            self.done.callback(b"".join(self._parts))
-        else:
-            self.done.errback(BodyBroken(b"".join(self._parts), _shortReason(reason)))
-
-
-def readBody(response, limit: int, idle: float, clock) -> Deferred:
-    """
-    Read at most C{limit} bytes of an upstream body. Unlike
-    L{IUpstreamResponse.readBody} it tells a clean end from a broken one,
-    and gives up after C{idle} seconds without bytes (R24's idle timeout
-    also covers non-streaming bodies).
-
-    @return: Deferred firing with bytes, or failing with L{BodyBroken}.
-    """
-    reader = _BodyReader(limit, idle, clock)
-    response.deliverBody(reader)
-    return reader.done
-
-
 class _AdmissionFailed(Exception):
     """
     Admission refused; carries the L{ClientError} (R32).
@@ -1635,16 +905,6 @@ class _AdmissionFailed(Exception):
     def __init__(self, error: ClientError):
         super().__init__(error.message)
         self.error = error
-
-
-def _uncancellable(d: Deferred) -> Deferred:
-    """
-    A view of C{d} whose cancellation does not errback C{d} itself (the
-    pump owns its Deferred and ends it on abort).
-    """
-    view = Deferred(lambda _: None)
-    d.addBoth(lambda r: (view.callback(r) if not view.called else None, r)[1])
-    return view
 
 
 def _proxyId(account) -> Optional[str]:

@@ -23,16 +23,11 @@ from __future__ import annotations
 from attrs import define, evolve
 from twisted.logger import Logger
 
+from relay.engine.cancel import ClientGone, raceCancel, uncancellable
+from relay.engine.errors import previousResponseNotFound
+from relay.engine.httpattempt import attemptHTTP
 from relay.engine.payload import upstreamClientHeaders
-from relay.engine.runner import (
-    AttemptResult,
-    ClientGone,
-    StreamPump,
-    _uncancellable,
-    modelRewriter,
-    previousResponseNotFound,
-    raceCancel,
-)
+from relay.engine.pump import AttemptResult, StreamPump, modelRewriter
 from relay.model import ClientError
 from relay.policy import ends
 from relay.policy.judgement import WS_BUSY_CLOSE, passVerdict
@@ -281,7 +276,7 @@ class WebSocketAttempt:
             body.pop(name, None)
         bridged = evolve(turn, body=body, stream=True, previousResponseId=None)
         try:
-            return await runner._attemptHTTP(bridged, sink, account, release)
+            return await attemptHTTP(runner, bridged, sink, account, release)
         finally:
             if turn.firstOutputAt is None:
                 turn.firstOutputAt = bridged.firstOutputAt
@@ -466,7 +461,7 @@ class WebSocketAttempt:
                 giveBack(broken=True)
                 return AttemptResult(end=ends.TransportFailure(e, "write"), status=502), False
             try:
-                result = await raceCancel(_uncancellable(pump.done), turn.cancel)
+                result = await raceCancel(uncancellable(pump.done), turn.cancel)
             except ClientGone:
                 pump.depart(turn.cancel.reason)
                 giveBack(broken=True)

@@ -27,7 +27,7 @@ from autobahn.websocket.compress import (
 from twisted.logger import Logger
 from twisted.web.server import NOT_DONE_YET
 
-from relay.engine.runner import previousResponseNotFound
+from relay.engine.errors import previousResponseNotFound
 from relay.entry.http import UNAUTHORIZED, filterClientHeaders
 from relay.entry.sinks import writeError
 from relay.entry.wssink import WebSocketSink, wsErrorEvent

@@ -1,0 +1,474 @@
+# -*- test-case-name: tests.test_runner -*-
+"""
+The stream pump: reads one upstream attempt's events (an SSE body, or
+WebSocket frames fed by L{relay.engine.wsattempt}), holds them back until
+the first semantic output (behaviour.md R22), reports pre-output failures as
+facts (R23, R86), then passes upstream bytes through to the client's sink,
+watching only for the terminal event.
+
+It never decides anything about the account: the attempt's end goes to the
+turn engine as an L{AttemptResult} carrying a L{relay.policy.ends} fact.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Optional
+
+from attrs import define, evolve
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IPushProducer
+from twisted.internet.protocol import Protocol
+from twisted.python.failure import Failure
+from twisted.web.client import PotentialDataLoss, ResponseDone
+from zope.interface import implementer
+
+from relay import failures as F
+from relay.engine import errors as E
+from relay.engine.payload import isEmptyCompleted, isSemanticOutput, translatesChat
+from relay.policy import ends
+from relay.sse import DONE, LineTooLong, SSEParser
+from relay.usage.tokens import USAGE_CHUNK
+
+STAGING_CAP = 8 * 2**20
+"""Held-back bytes before the first output, at most (behaviour.md R22)."""
+
+
+@define(eq=False)
+class AttemptResult:
+    """
+    What one attempt on one account ended with.
+
+    @ivar end: the attempt end, a fact from L{relay.policy.ends}.
+    @ivar verdict: the verdict when the attempt code already judged the end
+        (an in-band failure must be judged where it is read: it fails over
+        or is forwarded); else L{None} and the engine judges it.
+    @ivar committed: output reached the client (no failover any more).
+    @ivar status: HTTP-like status of the outcome for logs.
+    """
+
+    end: object = None
+    verdict: Optional[F.Verdict] = None
+    committed: bool = False
+    status: int = 200
+
+    @property
+    def ok(self) -> bool:
+        """
+        The turn completed: a terminal event or body reached the client.
+        """
+        return isinstance(self.end, ends.Completed)
+
+    @property
+    def responseId(self) -> Optional[str]:
+        """
+        The response id of a completed or forwarded turn, else L{None}.
+        """
+        return getattr(self.end, "responseId", None)
+
+
+@implementer(IPushProducer)
+class StreamPump(Protocol):
+    """
+    Reads one upstream SSE body: holds events back until the first semantic
+    output (R22), classifies pre-output failures (R23), then passes bytes
+    through, watching only for the terminal event. Registered as a
+    streaming producer on the sink, so a slow client pauses upstream.
+
+    It reports how the attempt ended as a fact (L{relay.policy.ends}) and
+    never writes account state (behaviour.md R86): the engine judges and
+    records the end. A pump the client left (the sink stops producing, or
+    the engine calls L{depart}) ends with L{ends.Departed}, so nothing that
+    happens to the upstream connection afterwards can count (R2).
+
+    @ivar done: fires with an L{AttemptResult}.
+    """
+
+    def __init__(self, runner, turn, sink, account, release, modelRewrite, idleTimeout):
+        self._runner = runner
+        self._turn = turn
+        self._sink = sink
+        self._account = account
+        self._release = release
+        self._rewrite = modelRewrite
+        self._idleTimeout = idleTimeout
+        self._parser = SSEParser()
+        # The upstream speaks chat completions chunks only for a chat turn
+        # forwarded as is; a translated one (OAuth) streams Responses events.
+        self._chat = turn.endpoint == "chat" and not translatesChat(turn, account)
+        # Raw pass-through needs a sink that takes bytes and no model-name
+        # rewrite; Responses streams must already be in event:+data: form.
+        self._rawWrite = getattr(sink, "writeRaw", None) if modelRewrite is None else None
+        self._rawPrefix = b"data: " if self._chat else b"event: "
+        self._usage = runner.usageTap(turn, account)
+        self._usageChunk = self._usage.chunk if self._usage.chat else None
+        self._mark = _USAGE_MARK if self._usage.chat else _TERMINAL_MARK
+        self._staged = []
+        self._stagedBytes = 0
+        self._headers = {}
+        self._idle = None
+        self.committed = False
+        self.finished = False
+        self.done = Deferred()
+
+    # -- wiring ------------------------------------------------------------
+
+    def start(self, response) -> None:
+        """
+        Begin reading C{response} (an L{relay.interfaces.IUpstreamResponse}).
+        """
+        self._headers = response.headers
+        response.deliverBody(self)
+
+    def connectionMade(self) -> None:
+        self._resetIdle()
+
+    def pauseProducing(self) -> None:
+        if self.transport is not None and not self.finished:
+            self.transport.pauseProducing()
+
+    def resumeProducing(self) -> None:
+        if self.transport is not None and not self.finished:
+            self.transport.resumeProducing()
+
+    def stopProducing(self) -> None:
+        """
+        The client's connection went away under us (twisted.web stops the
+        registered producer): the attempt ended because the client left.
+        """
+        self.depart("client_gone")
+
+    def depart(self, reason: str = "client_gone") -> None:
+        """
+        End the attempt as L{ends.Departed} and drop the upstream
+        connection (R2). Idempotent; a no-op once the attempt ended.
+
+        @param reason: why, for logs.
+        """
+        self._endWith(AttemptResult(end=ends.Departed(reason), status=499))
+
+    def abort(self) -> None:
+        """
+        Drop the upstream connection. A WebSocket attempt overrides this to
+        close or retire its upstream socket.
+        """
+        if self.transport is not None:
+            self.transport.stopProducing()
+
+    def _resetIdle(self) -> None:
+        clock = self._runner.clock
+        if self._idle is not None and self._idle.active():
+            self._idle.reset(self._idleTimeout)
+        elif self._idleTimeout > 0:
+            self._idle = clock.callLater(self._idleTimeout, self._idleExpired)
+
+    def _cancelIdle(self) -> None:
+        if self._idle is not None and self._idle.active():
+            self._idle.cancel()
+        self._idle = None
+
+    # -- data ---------------------------------------------------------------
+
+    def dataReceived(self, data: bytes) -> None:
+        if self.finished:
+            return  # style.md trap T15: bytes after pause/abort
+        self._resetIdle()
+        if self._rawWrite is not None and self.committed and self._passThrough(data):
+            return
+        try:
+            events = self._parser.feed(data)
+        except LineTooLong as e:
+            self._fail(ends.StagingOverflow(e.args[0]), "OpenAI stream line too long")
+            return
+        for event in events:
+            if self.finished:
+                return
+            self.feedEvent(event)
+
+    def _passThrough(self, data: bytes) -> bool:
+        """
+        The hot path after first output: write whole upstream events as
+        they came, in one write per chunk, scanning only for a terminal
+        event (DEVELOPERS.md "pass upstream bytes through"). A chunk that
+        may hold a terminal event, or a CR, takes the event-by-event path.
+
+        @return: L{True} when C{data} was handled.
+        """
+        if b"\r" in data:
+            return False
+        parser = self._parser
+        buf = parser._buf + data if parser._buf else data
+        end = buf.rfind(b"\n\n")
+        if end < 0:
+            if len(buf) > parser.maxLine:
+                return False
+            parser._buf = buf
+            return True
+        complete = buf[: end + 2]
+        if self._mark.search(complete) is not None or not complete.startswith(self._rawPrefix):
+            return False
+        parser._buf = buf[end + 2 :]
+        self._rawWrite(complete)
+        return True
+
+    def feedEvent(self, event) -> None:
+        """
+        Handle one upstream event (from SSE or a WebSocket frame): held back
+        and classified before the first output, passed through after it.
+        Transport-agnostic; a WebSocket attempt feeds frames here.
+        """
+        if self.finished:
+            return
+        if self.committed:
+            self._afterOutput(event)
+        else:
+            self._beforeOutput(event)
+
+    def _failureEvent(self, event) -> Optional[dict]:
+        """
+        The parsed event when C{event} is an in-band failure before output:
+        a C{response.failed} or C{error} event, or a chat error chunk
+        (C{{"error": {...}}}, R84); else L{None}.
+        """
+        t = event.type
+        if t == b"response.failed" or t == b"error":
+            return event.json()
+        if self._chat and t != DONE:
+            data = event.json()
+            if isinstance(data.get("error"), dict) and "choices" not in data:
+                return data
+        return None
+
+    def _beforeOutput(self, event) -> None:
+        failure = self._failureEvent(event)
+        if failure is not None:
+            wire = ends.WIRE_CHAT if self._chat else self._inBandWire
+            end = ends.InBandFailure(failure, wire)
+            verdict = self._runner.judge(self._turn, self._account, end)
+            if verdict is not None and verdict.failover:
+                self._endWith(AttemptResult(end=end, verdict=verdict, status=verdict.status))
+                return
+            # R23: not a failover; the client sees upstream's own failure.
+            self._commit()
+            self._afterOutput(event, forwardedFailure=True)
+            return
+        t = event.type
+        if t == b"response.completed":
+            response = event.json().get("response") or {}
+            if isEmptyCompleted(response) and self._turn.body.get("generate") is not False:
+                self._endWith(AttemptResult(end=ends.EmptyCompletion(event.json()), status=502))
+                return
+        if event.terminal or isSemanticOutput(event, self._chat):
+            self._commit()
+            self._afterOutput(event)
+            return
+        self._staged.append(event)
+        self._stagedBytes += len(event.data)
+        if self._stagedBytes > STAGING_CAP:
+            self._endWith(AttemptResult(end=ends.StagingOverflow(self._stagedBytes), status=502))
+
+    _inBandWire = ends.WIRE_SSE
+
+    def _commit(self) -> None:
+        """
+        First output: fix the response and flush what was held back (R22).
+        """
+        self.committed = True
+        self._runner.firstOutput(self._turn)
+        self._sink.commit(passHeaders(self._headers))
+        attach = getattr(self._sink, "attachProducer", None)
+        if attach is not None:
+            attach(self)
+        staged, self._staged = self._staged, []
+        for event in staged:
+            self._write(event)
+
+    def _write(self, event) -> None:
+        if self._usageChunk is not None and self._usageChunk(event):
+            return  # a chat usage chunk the client did not ask for (issue 13)
+        if self._rewrite is not None:
+            event = self._rewrite(event)
+        self._sink.writeEvent(event)
+
+    def _afterOutput(self, event, forwardedFailure: bool = False) -> None:
+        if not event.terminal and not forwardedFailure:
+            self._write(event)
+            return
+        # Release the slot before the terminal event reaches the client:
+        # Codex sends its next request the instant it reads it
+        # (architecture.md invariant 4, protocol.md 8).
+        responseId = None
+        if event.type != DONE:
+            response = event.json().get("response")
+            if isinstance(response, dict):
+                responseId = response.get("id")
+        self._usage.terminal(event)
+        self._release()
+        self._write(event)
+        if forwardedFailure or event.type == b"response.failed":
+            end = ends.Forwarded(responseId)
+        else:
+            end = ends.Completed(responseId)
+        self._endWith(AttemptResult(end=end, committed=True, status=200), dropUpstream=False)
+
+    # -- endings -------------------------------------------------------------
+
+    def _outputReachedClient(self) -> bool:
+        """
+        R19 step 2 counts bytes written to the client: a sink that holds
+        everything back until the terminal event (C{holdsOutput}, the JSON
+        sink of a non-streaming client) has written nothing yet, so a
+        failure before the terminal event may still fail over.
+        """
+        return self.committed and not getattr(self._sink, "holdsOutput", False)
+
+    def _endWith(self, result: AttemptResult, dropUpstream: bool = True) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self._cancelIdle()
+        result.committed = result.committed or self._outputReachedClient()
+        if dropUpstream:
+            self.abort()
+        detach = getattr(self._sink, "detachProducer", None)
+        if detach is not None and self.committed:
+            detach()
+        self.done.callback(result)
+
+    def _fail(self, end, message: str, error=None) -> None:
+        """
+        End with a stream failure: before output the engine judges it and
+        may fail over; after output the client gets a terminal error
+        in-stream (R17, R23) and C{end} is recorded as happening after
+        output.
+
+        @param end: the attempt end (a L{relay.policy.ends} failure).
+        @param message: the client's message after output.
+        @param error: the L{ClientError} to write after output (default:
+            L{E.streamBrokenError} of C{message}).
+        """
+        if self.finished:
+            return
+        if not self._outputReachedClient():
+            self._endWith(AttemptResult(end=end, status=502))
+            return
+        if hasattr(end, "afterOutput"):
+            end = evolve(end, afterOutput=True)
+        self._release()
+        self._sink.fail(error if error is not None else E.streamBrokenError(message))
+        self._endWith(AttemptResult(end=end, committed=True, status=502))
+
+    def _idleExpired(self) -> None:
+        """
+        R24: the upstream stream went silent. After output: an in-stream
+        C{stream_timeout} error without failover. Before output relay fails
+        over as for a read error (nothing reached the client yet).
+        """
+        self._idle = None
+        if self.finished:
+            return
+        end = ends.RelayTimeout(ends.IDLE, self._idleTimeout)
+        self._fail(end, "Upstream stream idle timeout", E.streamTimeoutError())
+
+    def firstOutputTimeout(self, seconds: float) -> None:
+        """
+        Called by the runner when the first-output timer fires (R20).
+
+        @param seconds: the deadline that expired.
+        """
+        if not self.finished and not self.committed:
+            self._endWith(
+                AttemptResult(end=ends.RelayTimeout(ends.FIRST_OUTPUT, seconds), status=504)
+            )
+
+    def connectionLost(self, reason) -> None:
+        self._cancelIdle()
+        if self.finished:
+            return
+        if self._turn.cancel.cancelled:
+            self.depart(self._turn.cancel.reason)
+            return
+        clean = reason.check(ResponseDone, PotentialDataLoss) is not None
+        tail = self._parser.feed(b"\n\n") if clean and self._parser.pending else []
+        for event in tail:
+            if self.finished:
+                return
+            (self._afterOutput if self.committed else self._beforeOutput)(event)
+        if self.finished:
+            return
+        if clean:
+            self._fail(ends.StreamEnded(), "OpenAI stream ended before a terminal event")
+        else:
+            detail = shortReason(reason)
+            self._fail(
+                ends.StreamCut(detail), "OpenAI stream disconnected before completion: " + detail
+            )
+
+
+def shortReason(reason: Failure) -> str:
+    """
+    A short text of a stream failure, for logs and messages.
+    """
+    value = reason.value
+    inner = getattr(value, "reasons", None)
+    if inner:
+        value = inner[0].value
+    return type(value).__name__
+
+
+_TERMINAL_MARK = re.compile(
+    rb"response\.(?:completed|failed|incomplete|done|cancell?ed)|\[DONE\]"
+)
+"""Anything that may be a terminal event (protocol.md 2.5); a false hit
+only sends the chunk down the event-by-event path."""
+
+_USAGE_MARK = re.compile(_TERMINAL_MARK.pattern + b"|" + USAGE_CHUNK.pattern)
+"""On a chat stream also the chunk that carries usage (issue 13 item 5)."""
+
+_PASSED_RESPONSE_HEADERS = (
+    ("x-codex-turn-state", "x-codex-turn-state"),
+    ("x-request-id", "x-upstream-request-id"),
+    ("openai-model", "openai-model"),
+)
+"""(upstream name, name the client sees). The upstream's C{x-request-id}
+reaches the client as C{X-Upstream-Request-Id}; C{X-Request-Id} is the
+turn's own id (issue 15, L{relay.requestid})."""
+
+
+def passHeaders(headers: dict) -> dict:
+    """
+    Upstream response headers that reach the client on commit (R22: headers
+    are staged with the events), renamed by L{_PASSED_RESPONSE_HEADERS}.
+    """
+    return {ours: headers[theirs] for theirs, ours in _PASSED_RESPONSE_HEADERS if theirs in headers}
+
+
+def modelRewriter(requested: Optional[str], upstream: Optional[str]) -> Optional[Callable]:
+    """
+    When relay mapped the model name, rewrite C{"model":"<upstream>"} back
+    to the requested name in forwarded events (protocol.md 4.3). A bytes
+    replace: no JSON re-serialisation on the hot path.
+
+    @return: a function L{Event} -> L{Event}, or L{None} when no mapping.
+    """
+    if not requested or not upstream or requested == upstream:
+        return None
+    from relay.sse import Event
+
+    pairs = [
+        (b'"model":' + sep + b'"' + upstream.encode() + b'"',
+         b'"model":' + sep + b'"' + requested.encode() + b'"')
+        for sep in (b"", b" ")
+    ]
+
+    def rewrite(event):
+        data = event.data
+        for old, new in pairs:
+            if old in data:
+                data = data.replace(old, new)
+        if data is event.data:
+            return event
+        dataOnly = event._raw is not None and event._raw.startswith(b"data: ")
+        return Event(event.type, data, b"data: " + data + b"\n\n" if dataOnly else None)
+
+    return rewrite
