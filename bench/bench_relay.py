@@ -39,7 +39,7 @@ def benchPump(events: int = 200_000) -> None:
     """
     from twisted.internet.task import Clock
 
-    from relay.classify import DefaultClassifier
+    from relay.policy.classify import DefaultClassifier
     from relay.engine.pump import StreamPump
     from relay.engine.runner import TurnRunner
     from relay.model import Account, ClientKey, Turn
@@ -121,7 +121,7 @@ def _requestEvents():
         access = ("twisted.python.log", "{log_io}",
                   dict(log_io='"127.0.0.1" - - [30/Nov/2026:22:18:35 +0000] '
                               '"POST /v1/responses HTTP/1.1" 200 898 "-" "-"'))
-    decision = ("relay.scheduler.AccountScheduler",
+    decision = ("relay.scheduling.scheduler.AccountScheduler",
                 "account {selected_account_id} chosen by {layer} for {request_id}",
                 dict(event="openai.account_schedule_decision", request_id=rid,
                      entrypoint="http", layer="load_balance", sticky_previous_hit=False,

@@ -20,17 +20,17 @@ from twisted.internet.error import CannotListenError
 from twisted.logger import Logger
 from twisted.web.server import Site
 
-from relay.classify import DefaultClassifier
+from relay.policy.classify import DefaultClassifier
 from relay.components import loadComponent
 from relay.engine.runner import TurnRunner
 from relay.entry.body import LimitedBodyRequest
 from relay.entry.http import KeyRing, buildRoot
-from relay.health import AccountHealth
+from relay.policy.health import AccountHealth
 from relay.interfaces import IFailureClassifier, ISlotAdmission, IUpstreamDialer
 from relay.model import RelayConfig
-from relay.proxyhealth import ProxyHealth
+from relay.policy.proxyhealth import ProxyHealth
 from relay.requestid import requestIdOf
-from relay.scheduler import AccountScheduler
+from relay.scheduling.scheduler import AccountScheduler
 from relay.settings import RuntimeSettings
 from relay.upstream.http import HTTPDialer
 
@@ -270,7 +270,7 @@ def _oauthParts(config: RelayConfig, reactor, settings, accounts, trustRoot):
     from relay.oauth.credentials import OAuthCredentials
     from relay.oauth.endpoint import TokenEndpoint
     from relay.oauth.store import MemoryTokenStore
-    from relay.quota import UsageWindows
+    from relay.scheduling.quota import UsageWindows
 
     policy = BrowserLikePolicyForHTTPS(trustRoot) if trustRoot is not None else None
     credentials = OAuthCredentials(
@@ -334,10 +334,10 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
     Mount C{/admin} and C{/metrics} (issue 7, behind C{admin_key}), wire
     metrics into the engine and the settings store into the settings.
     """
-    from relay.entry.admin import _GuardedMetrics, buildAdminResource
-    from relay.history import AccountHistory
-    from relay.metrics import RelayMetrics
-    from relay.operator import OperatorView, periodic, settingsStore
+    from relay.operator.admin import _GuardedMetrics, buildAdminResource
+    from relay.operator.history import AccountHistory
+    from relay.operator.metrics import RelayMetrics
+    from relay.operator.view import OperatorView, periodic, settingsStore
 
     reactor, config = app.reactor, app.config
     metrics = RelayMetrics(clock=reactor)
@@ -361,7 +361,7 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
     app.settings.store = settingsStore(config, reactor, redis)
     usage = _usageLedger(app, metrics, redis)
     credentials.store = _tokenStore(app, redis)
-    from relay.quota import UsageCollector
+    from relay.scheduling.quota import UsageCollector
 
     metrics.registry.register(UsageCollector(quota, credentials, accounts))
     admin = buildAdminResource(

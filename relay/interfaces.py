@@ -15,7 +15,7 @@ from zope.interface import Attribute, Interface
 
 class IFailureClassifier(Interface):
     """
-    Turns a failed upstream attempt into a L{relay.failures.Verdict}.
+    Turns a failed upstream attempt into a L{relay.policy.failures.Verdict}.
 
     Pure and synchronous: no I/O, no clock. The rules are behaviour.md
     R1-R24 (groups A-C).
@@ -28,7 +28,7 @@ class IFailureClassifier(Interface):
         @param account: the L{relay.model.Account} that was dialled.
         @param reason: the exception or L{twisted.python.failure.Failure}.
         @param endpoint: C{responses} or C{chat}.
-        @return: a L{relay.failures.Verdict} with C{kind="transport"},
+        @return: a L{relay.policy.failures.Verdict} with C{kind="transport"},
             C{failover=True}, C{status=502}.
         """
 
@@ -42,7 +42,7 @@ class IFailureClassifier(Interface):
         @param headers: lower-cased header name -> value (first value).
         @param body: at most 512 KiB of the error body, as bytes.
         @param now: the current time, Unix seconds (for R12 reset times).
-        @return: a L{relay.failures.Verdict}.
+        @return: a L{relay.policy.failures.Verdict}.
         """
 
     def classifyStreamFailure(account, endpoint, kind, event, detail):
@@ -53,7 +53,7 @@ class IFailureClassifier(Interface):
             event), C{read_error}, C{no_terminal} or C{empty_completed}.
         @param event: the parsed event dict for C{kind="event"}, else L{None}.
         @param detail: human text for logs.
-        @return: a failover L{relay.failures.Verdict}, or L{None} when the
+        @return: a failover L{relay.policy.failures.Verdict}, or L{None} when the
             event should be forwarded to the client unchanged.
         """
 
@@ -76,7 +76,7 @@ class IFailureClassifier(Interface):
         """
         What the client sees when failover is exhausted (R15).
 
-        @param verdict: the last failover L{relay.failures.Verdict}, or
+        @param verdict: the last failover L{relay.policy.failures.Verdict}, or
             L{None} when there was none.
         @param endpoint: C{responses} or C{chat}.
         @return: a L{relay.model.ClientError}, including C{wsClose} for the
@@ -97,7 +97,7 @@ class IStateStore(Interface):
         """
         @param accountIds: an iterable of account ids.
         @return: Deferred firing with C{{id: AccountRuntime}} for every id
-            (a default L{relay.failures.AccountRuntime} when none is stored).
+            (a default L{relay.policy.failures.AccountRuntime} when none is stored).
         """
 
     def markAccount(accountId, kind, until, reason, model=None):
@@ -302,9 +302,9 @@ class IAccountScheduler(Interface):
 
         @param turn: the L{relay.model.Turn}.
         @param excluded: account ids excluded in this turn (a frozenset).
-        @return: Deferred firing with a L{relay.selection.Selection}
+        @return: Deferred firing with a L{relay.scheduling.selection.Selection}
             (C{lease} set when the slot is held, else C{waitPlan} set), or
-            failing with L{relay.selection.NoAccountAvailable} carrying the
+            failing with L{relay.scheduling.selection.NoAccountAvailable} carrying the
             L{relay.model.ClientError} (R44).
         """
 
@@ -525,7 +525,7 @@ class ICredentialSource(Interface):
 
         @param now: Unix seconds.
         @return: L{None}, or C{(reason, until)} like
-            L{relay.failures.AccountRuntime.unschedulable} (C{until} 0 for
+            L{relay.policy.failures.AccountRuntime.unschedulable} (C{until} 0 for
             C{needs_login}, which lasts until new tokens arrive).
         """
 

@@ -183,7 +183,7 @@ class SchedulingSettings:
     ping_interval: float = 10
     quota_aware: bool = True
     """Issue 12: among accounts of equal priority, prefer the one with the
-    most remaining usage window (L{relay.quota})."""
+    most remaining usage window (L{relay.scheduling.quota})."""
     quota_threshold_percent: float = 95.0
     """Issue 12: an account whose primary or secondary window is at or above
     this used-percent is chosen only when no account of its priority below

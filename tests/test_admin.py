@@ -1,5 +1,5 @@
 """
-Tests for L{relay.entry.admin}: the admin API and the C{/metrics} resource.
+Tests for L{relay.operator.admin}: the admin API and the C{/metrics} resource.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from twisted.web.resource import getChildForRequest
 from twisted.web.server import NOT_DONE_YET
 from twisted.web.test.requesthelper import DummyRequest
 
-from relay.entry.admin import buildAdminResource, metricsResource
-from relay.metrics import RelayMetrics
+from relay.operator.admin import buildAdminResource, metricsResource
+from relay.operator.metrics import RelayMetrics
 from relay.settings import RuntimeSettings
 
 KEY = "admin-secret"

@@ -1,5 +1,5 @@
 """
-Tests for L{relay.classify}: behaviour.md R1-R24, table by table.
+Tests for L{relay.policy.classify}: behaviour.md R1-R24, table by table.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import ResponseNeverReceived
 from zope.interface.verify import verifyObject
 
-from relay import failures as F
-from relay.classify import (
+from relay.policy import failures as F
+from relay.policy.classify import (
     MSG_ACCESS_UNAVAILABLE,
     MSG_AUTH_FAILED,
     MSG_FORBIDDEN,

@@ -1,5 +1,5 @@
 """
-Tests for L{relay.health.AccountHealth}: R4, R11, R12, R13, R-B1 on a
+Tests for L{relay.policy.health.AccountHealth}: R4, R11, R12, R13, R-B1 on a
 L{Clock} with the memory state store.
 """
 
@@ -12,9 +12,9 @@ from twisted.logger import capturedLogs
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
-from relay import failures as F
-from relay.classify import DefaultClassifier
-from relay.health import AccountHealth
+from relay.policy import failures as F
+from relay.policy.classify import DefaultClassifier
+from relay.policy.health import AccountHealth
 from relay.interfaces import IStateStore
 from relay.model import Account, BreakerSettings, GatewaySettings, ProxySpec
 from relay.settings import RuntimeSettings

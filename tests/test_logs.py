@@ -345,10 +345,10 @@ class LineFormatTests(SynchronousTestCase):
 
     def test_reportReadsIt(self):
         """
-        L{relay.report.readEvents} reads the JSON lines (and the older
+        L{relay.operator.report.readEvents} reads the JSON lines (and the older
         record-separated form).
         """
-        from relay.report import buildReport, readEvents
+        from relay.operator.report import buildReport, readEvents
 
         self.log.info("done", event="relay.turn_finished", entrypoint="http",
                       outcome="completed", status=200, attempts=1, duration_ms=5)

@@ -13,14 +13,14 @@ from twisted.internet.error import ConnectionLost, ConnectionRefusedError
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from relay import failures as F
-from relay.classify import DefaultClassifier
-from relay.health import AccountHealth
+from relay.policy import failures as F
+from relay.policy.classify import DefaultClassifier
+from relay.policy.health import AccountHealth
 from relay.model import Account, ClientKey, GatewaySettings, ProxySpec, Turn
 from relay.policy import ends as E
 from relay.policy.bookkeeping import AccountBookkeeping
 from relay.policy.judgement import eventError, impliedStatus, judge
-from relay.proxyhealth import ProxyHealth
+from relay.policy.proxyhealth import ProxyHealth
 from relay.settings import RuntimeSettings
 from relay.state.memory import MemoryStateStore
 
@@ -404,8 +404,8 @@ class OperatorTruthTests(SynchronousTestCase):
     def setUp(self):
         from relay.admission.memory import MemorySlotAdmission
         from relay.engine.runner import TurnRunner
-        from relay.operator import OperatorView
-        from relay.scheduler import AccountScheduler
+        from relay.operator.view import OperatorView
+        from relay.scheduling.scheduler import AccountScheduler
 
         self.clock = Clock()
         self.clock.advance(T0)
@@ -450,8 +450,8 @@ class OperatorTruthTests(SynchronousTestCase):
         is selected among itself and a direct one, because quarantine fails
         open when every candidate is quarantined (R41).
         """
-        from relay.scheduler import AccountScheduler
-        from relay.selection import NoAccountAvailable
+        from relay.scheduling.scheduler import AccountScheduler
+        from relay.scheduling.selection import NoAccountAvailable
 
         scheduler = self.schedulers[account.id][0]
         if account.proxy is not None:

@@ -832,14 +832,14 @@ class AgentAndWebSocketEndpointTests(SynchronousTestCase):
 class ClassificationTests(SynchronousTestCase):
     """
     The errors of this module land in the right R3 class of
-    L{relay.classify.isPersistentTransport}.
+    L{relay.policy.classify.isPersistentTransport}.
     """
 
     def classify(self, data: bytes, negotiation=None) -> bool:
         """
         @return: the R3 verdict for the error C{data} provokes.
         """
-        from relay.classify import isPersistentTransport
+        from relay.policy.classify import isPersistentTransport
 
         if negotiation is None:
             negotiation = Socks5Negotiation("h", 1, "u", "p")
@@ -868,7 +868,7 @@ class ClassificationTests(SynchronousTestCase):
         R3: SOCKS general failure, HTTP 502 without a reason, a timeout and a
         close mid-handshake are transient.
         """
-        from relay.classify import isPersistentTransport
+        from relay.policy.classify import isPersistentTransport
 
         self.assertFalse(self.classify(b"\x05\x00\x05\x01"))
         self.assertFalse(
@@ -884,6 +884,6 @@ class ClassificationTests(SynchronousTestCase):
         """
         R3: the proxy port refusing is persistent by type.
         """
-        from relay.classify import isPersistentTransport
+        from relay.policy.classify import isPersistentTransport
 
         self.assertTrue(isPersistentTransport(Failure(ConnectionRefusedError())))

@@ -1,5 +1,5 @@
 """
-Tests for L{relay.proxyhealth.ProxyHealth} (issue 8: proxy quarantine after
+Tests for L{relay.policy.proxyhealth.ProxyHealth} (issue 8: proxy quarantine after
 mid-stream cuts) and its use as the scheduler's C{isQuarantined} hook
 (behaviour.md R41), with a L{Clock}.
 """
@@ -15,8 +15,8 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from relay.admission.memory import MemorySlotAdmission
 from relay.model import Account, ClientKey, GatewaySettings, ProxySpec, Turn
-from relay.proxyhealth import ProxyHealth
-from relay.scheduler import AccountScheduler
+from relay.policy.proxyhealth import ProxyHealth
+from relay.scheduling.scheduler import AccountScheduler
 from relay.settings import RuntimeSettings
 from relay.state.memory import MemoryStateStore
 

@@ -1,6 +1,6 @@
 """
 Issue 12: usage windows (protocol.md 7.3) and quota-aware scheduling
-(L{relay.quota}, the load-balance layer of L{relay.scheduler}).
+(L{relay.scheduling.quota}, the load-balance layer of L{relay.scheduling.scheduler}).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from relay.admission.memory import MemorySlotAdmission
 from relay.model import Account, GatewaySettings, SchedulingSettings
-from relay.quota import UsageCollector, UsageWindows, windowsFromEvent, windowsFromHeaders
-from relay.scheduler import AccountScheduler
+from relay.scheduling.quota import UsageCollector, UsageWindows, windowsFromEvent, windowsFromHeaders
+from relay.scheduling.scheduler import AccountScheduler
 from relay.settings import RuntimeSettings
 from relay.state.memory import MemoryStateStore
 from tests.test_scheduler import turn

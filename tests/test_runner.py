@@ -21,13 +21,13 @@ from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
 from relay.admission.memory import MemorySlotAdmission
-from relay.classify import DefaultClassifier
+from relay.policy.classify import DefaultClassifier
 from relay.engine.pump import STAGING_CAP
 from relay.engine.runner import TurnRunner
-from relay.health import AccountHealth
+from relay.policy.health import AccountHealth
 from relay.interfaces import ITurnSink, IUpstreamDialer, IUpstreamResponse
 from relay.model import Account, ClientKey, GatewaySettings, Turn
-from relay.scheduler import AccountScheduler
+from relay.scheduling.scheduler import AccountScheduler
 from relay.settings import RuntimeSettings
 from relay.state.memory import MemoryStateStore
 

@@ -1,5 +1,5 @@
 """
-Tests for L{relay.scheduler.AccountScheduler} (behaviour.md group E,
+Tests for L{relay.scheduling.scheduler.AccountScheduler} (behaviour.md group E,
 R37-R46, R-B6, seed 003), against the real memory providers.
 """
 
@@ -17,13 +17,13 @@ from zope.interface.verify import verifyObject
 from relay.admission.memory import MemorySlotAdmission
 from relay.interfaces import IAccountScheduler
 from relay.model import Account, ClientKey, GatewaySettings, SchedulingSettings, Turn
-from relay.scheduler import (
+from relay.scheduling.scheduler import (
     AccountScheduler,
     responseKey,
     responseOwnerKey,
     sessionKey,
 )
-from relay.selection import NoAccountAvailable
+from relay.scheduling.selection import NoAccountAvailable
 from relay.settings import RuntimeSettings
 from relay.state.memory import MemoryStateStore
 

@@ -1,5 +1,5 @@
 """
-Tests for L{relay.session}: the sticky session seed and hash (R37).
+Tests for L{relay.scheduling.session}: the sticky session seed and hash (R37).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import re
 import xxhash
 from twisted.trial.unittest import SynchronousTestCase
 
-from relay.session import (
+from relay.scheduling.session import (
     CONTENT_SEED_PREFIX,
     SESSION_HEADERS,
     contentSeed,

@@ -271,7 +271,7 @@ class OptionsTests(SynchronousTestCase):
         config error naming the key and the interface.
         """
         path = self.writeConfig(
-            MINIMAL + "components: {dialer: relay.classify.DefaultClassifier}\n"
+            MINIMAL + "components: {dialer: relay.policy.classify.DefaultClassifier}\n"
         )
         self.assertOneLineConfigError(
             ["--config", path], "components.dialer", "IUpstreamDialer"
@@ -289,12 +289,12 @@ class OptionsTests(SynchronousTestCase):
         The built-in classes, named explicitly, are accepted.
         """
         path = self.writeConfig(
-            MINIMAL + "components: {classifier: relay.classify.DefaultClassifier}\n"
+            MINIMAL + "components: {classifier: relay.policy.classify.DefaultClassifier}\n"
         )
         options = Options()
         options.parseOptions(["--config", path])
         self.assertEqual(
-            options.config.components.classifier, "relay.classify.DefaultClassifier"
+            options.config.components.classifier, "relay.policy.classify.DefaultClassifier"
         )
 
 

@@ -19,7 +19,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
 from relay.interfaces import IUsageStore
-from relay.metrics import RelayMetrics
+from relay.operator.metrics import RelayMetrics
 from relay.model import ClientKey, Turn
 from relay.settingsdb import SQLiteSettingsStore
 from relay.sse import Event, eventFromJSON
@@ -584,7 +584,7 @@ class AdminUsageTests(SynchronousTestCase):
     """
 
     def setUp(self):
-        from relay.entry.admin import buildAdminResource
+        from relay.operator.admin import buildAdminResource
         from relay.settings import RuntimeSettings
 
         self.clock = Clock()

@@ -23,7 +23,7 @@ from twisted.python.failure import Failure
 from twisted.web.client import PotentialDataLoss, ResponseDone
 from zope.interface import implementer
 
-from relay import failures as F
+from relay.policy import failures as F
 from relay.engine import errors as E
 from relay.engine.payload import isEmptyCompleted, isSemanticOutput, translatesChat
 from relay.policy import ends

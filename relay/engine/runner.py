@@ -18,7 +18,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
-from relay import failures as F
+from relay.policy import failures as F
 from relay.engine import errors as E
 from relay.engine.cancel import ClientGone, raceCancel
 from relay.engine.httpattempt import attemptHTTP
@@ -30,7 +30,7 @@ from relay.policy import ends
 from relay.policy.bookkeeping import AccountBookkeeping
 from relay.policy.judgement import judge
 from relay.requestid import bindRequestId
-from relay.selection import NoAccountAvailable
+from relay.scheduling.selection import NoAccountAvailable
 from relay.usage.tap import UsageTap, clientAskedUsage
 
 MAX_FIRST_OUTPUT_SWITCHES = 1
@@ -124,9 +124,9 @@ class TurnRunner:
     @ivar admission: the L{relay.interfaces.ISlotAdmission}.
     @ivar dialer: the L{relay.interfaces.IUpstreamDialer}.
     @ivar classifier: the L{relay.interfaces.IFailureClassifier}.
-    @ivar health: the L{relay.health.AccountHealth}.
+    @ivar health: the L{relay.policy.health.AccountHealth}.
     @ivar settings: the L{relay.settings.RuntimeSettings}, read per attempt.
-    @ivar metrics: optional L{relay.metrics.RelayMetrics}.
+    @ivar metrics: optional L{relay.operator.metrics.RelayMetrics}.
     @ivar wsAttempt: optional attempt function for WebSocket upstream modes
         (issue 6), called like L{relay.engine.httpattempt.attemptHTTP}.
     @ivar usage: optional L{relay.usage.ledger.UsageLedger}: token
@@ -149,7 +149,7 @@ class TurnRunner:
     credentials: object = None
     """The L{relay.interfaces.ICredentialSource}, or L{None}: dial as configured."""
     quota: object = None
-    """The L{relay.quota.UsageWindows} recording upstream usage windows, or L{None}."""
+    """The L{relay.scheduling.quota.UsageWindows} recording upstream usage windows, or L{None}."""
     budget: RetryBudget = field(factory=RetryBudget)
     bookkeeping: object = None
     """The L{AccountBookkeeping}: the one writer of account state for an

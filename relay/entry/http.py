@@ -23,7 +23,7 @@ from relay.entry.body import DEFAULT_MAX_BODY_BYTES
 from relay.entry.sinks import JSONSink, SSESink, writeError
 from relay.model import ClientError, ClientKey, Turn
 from relay.requestid import newRequestId, requestIdOf  # noqa: F401 - newRequestId re-exported
-from relay.session import sessionHash, sessionSeed
+from relay.scheduling.session import sessionHash, sessionSeed
 from relay.translate.chatrequest import ChatRequestError, checkMessages
 
 MAX_BODY_BYTES = DEFAULT_MAX_BODY_BYTES

@@ -33,7 +33,7 @@ from relay.entry.sinks import writeError
 from relay.entry.wssink import WebSocketSink, wsErrorEvent
 from relay.model import ClientError, Turn
 from relay.requestid import adoptClientId
-from relay.session import SESSION_HEADERS, sessionHash, sessionSeed
+from relay.scheduling.session import SESSION_HEADERS, sessionHash, sessionSeed
 
 MSG_ID_MESSAGE = "previous_response_id must be a response.id (resp_*), not a message id"
 APPEND_MESSAGE = (

@@ -6,7 +6,7 @@ from what the end means).
 
 L{AccountBookkeeping.record} takes the fact (L{relay.policy.ends}) and its
 verdict (L{relay.policy.judgement.judge}) and writes, through
-L{relay.health.AccountHealth} and L{relay.proxyhealth.ProxyHealth}:
+L{relay.policy.health.AccountHealth} and L{relay.policy.proxyhealth.ProxyHealth}:
 
   - L{ends.Completed}: success (resets the R-B1 breaker, the R11 streak and
     the R13 window); upstream's own failure forwarded to the client
@@ -36,7 +36,7 @@ from attrs import define, field, frozen
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
-from relay import failures as F
+from relay.policy import failures as F
 from relay.policy import ends as E
 
 
@@ -81,10 +81,10 @@ class AccountBookkeeping:
     """
     Applies attempt ends to account state. See the module docstring.
 
-    @ivar health: the L{relay.health.AccountHealth}.
+    @ivar health: the L{relay.policy.health.AccountHealth}.
     @ivar clock: the L{IReactorTime}, for C{last_error_at}.
-    @ivar proxyHealth: the L{relay.proxyhealth.ProxyHealth}, or L{None}.
-    @ivar metrics: the L{relay.metrics.RelayMetrics}, or L{None}.
+    @ivar proxyHealth: the L{relay.policy.proxyhealth.ProxyHealth}, or L{None}.
+    @ivar metrics: the L{relay.operator.metrics.RelayMetrics}, or L{None}.
     @ivar stats: account id -> C{{"turns", "failovers", "last_error",
         "last_error_at", "last_success_at"}} for the operator view; times are
         Unix seconds or L{None}.

@@ -29,8 +29,8 @@ import json
 import re
 from typing import Optional
 
-from relay import failures as F
-from relay.classify import (
+from relay.policy import failures as F
+from relay.policy.classify import (
     R49_RATE_LIMIT_CODES,
     R49_RATE_LIMIT_FRAGMENTS,
     REASON_UPSTREAM_WS_BUSY,
@@ -162,7 +162,7 @@ def judge(classifier, end, account, turn, now: float) -> Optional[F.Verdict]:
     @param account: the L{relay.model.Account} attempted.
     @param turn: the L{relay.model.Turn} (endpoint, phase, chain id).
     @param now: Unix seconds, for R12 reset times.
-    @return: a L{relay.failures.Verdict}; L{None} for the ends that are not
+    @return: a L{relay.policy.failures.Verdict}; L{None} for the ends that are not
         failures (L{ends.Completed}, L{ends.Forwarded}, L{ends.Departed},
         L{ends.Refused}) and for an in-band failure R23 forwards unchanged.
     """

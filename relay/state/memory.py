@@ -18,7 +18,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from relay.failures import AccountRuntime
+from relay.policy.failures import AccountRuntime
 from relay.interfaces import IStateStore
 from relay.state import MARK_KINDS, counter403Key
 

@@ -39,7 +39,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from relay.failures import AccountRuntime
+from relay.policy.failures import AccountRuntime
 from relay.interfaces import IStateStore
 from relay.redisclient import RedisService, RedisUnavailable, describe
 from relay.state import MARK_KINDS, accountKey, counter403Key

@@ -76,7 +76,7 @@ class UsageLedger:
 
     @ivar clock: the injected L{IReactorTime}.
     @ivar store: the L{relay.interfaces.IUsageStore}.
-    @ivar metrics: optional L{relay.metrics.RelayMetrics} (token counters).
+    @ivar metrics: optional L{relay.operator.metrics.RelayMetrics} (token counters).
     @ivar budgets: key name -> C{(daily_tokens, monthly_tokens)}, each an
         C{int} or L{None}; keys without a budget are absent.
     @ivar flushTimeout: seconds a flush may take before it is abandoned (the

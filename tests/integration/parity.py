@@ -718,7 +718,7 @@ def _storedStreak(stack, accountId: str, model: str = MODEL):
     when the store or the key layout is not the one this reads).
     """
     try:
-        from relay.health import streakKey
+        from relay.policy.health import streakKey
 
         entry = stack.app.store._counters.get(streakKey(accountId, model))
     except Exception:  # noqa: BLE001 - diagnostics only

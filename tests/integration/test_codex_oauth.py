@@ -66,6 +66,12 @@ async def test_codex_session_outlives_its_token(transport):
         gateway="{oauth: {refresh_margin_seconds: 0}, websocket: {mode_default: " + mode + "}}",
     )
     try:
+        if transport == "http":
+            # The first request (the user turn) outlives the 6 s token, so the
+            # second (the tool result) is dialled after its expiry whatever
+            # the machine's speed.
+            stack.emulator.setFault("o1", {"kind": "delay_first_output", "seconds": 7,
+                                           "times": 1, "transport": "http"})
         result = await runCodex(
             stack.url + "/v1", RELAY_KEY, prompt="run echo hi",
             websockets=transport != "http", timeout=60,

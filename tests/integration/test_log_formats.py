@@ -151,7 +151,7 @@ async def test_every_json_line_is_one_flat_object(runner, tmp_path):
     log = tmp_path / "relay.json.log"
     log.write_text(output)
     out, err, code = await getProcessOutputAndValue(
-        sys.executable, ["-m", "relay.report", str(log), "--json"],
+        sys.executable, ["-m", "relay.operator.report", str(log), "--json"],
         env=environment(), reactor=reactor,
     )
     assert code == 0, err

@@ -14,7 +14,7 @@ import treq
 from twisted.internet.defer import Deferred, gatherResults
 from twisted.logger import globalLogPublisher, jsonFileLogObserver
 
-from relay.report import buildReport, readEvents
+from relay.operator.report import buildReport, readEvents
 from tests.integration.harness import closedPort, sseEvents, startStack
 
 ADMIN = "adm-test-key"

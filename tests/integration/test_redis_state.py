@@ -11,7 +11,7 @@ import pytest_twisted
 from twisted.internet import reactor
 from twisted.internet.task import deferLater
 
-from relay.failures import AccountRuntime
+from relay.policy.failures import AccountRuntime
 from relay.redisclient import RedisService, RedisUnavailable
 from relay.state.redis import RedisStateStore
 from tests.integration.redis_server import redisServer  # noqa: F401 (fixture)

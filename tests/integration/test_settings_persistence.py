@@ -29,7 +29,7 @@ from twisted.internet.task import deferLater
 
 from relay.app import buildService
 from relay.config import settingsFromString
-from relay.operator import RedisGetSet
+from relay.operator.view import RedisGetSet
 from relay.redisclient import RedisService
 from relay.settings import RuntimeSettings
 from relay.settingsdb import REDIS_KEY, RedisSettingsStore, SQLiteSettingsStore

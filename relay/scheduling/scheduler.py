@@ -35,7 +35,7 @@ from zope.interface import implementer
 
 from relay.interfaces import IAccountScheduler, ISlotAdmission, IStateStore
 from relay.model import Account, ClientError, SchedulingSettings, Turn, WaitPlan
-from relay.selection import DecisionRecord, NoAccountAvailable, Selection, noAccountError
+from relay.scheduling.selection import DecisionRecord, NoAccountAvailable, Selection, noAccountError
 from relay.settings import RuntimeSettings
 
 LAYER_PREVIOUS = "previous_response_id"
@@ -58,7 +58,7 @@ def sessionKey(sessionHash: str) -> str:
     """
     The store key of a sticky session binding (R38).
 
-    @param sessionHash: the 16-hex-digit hash from L{relay.session.sessionHash}.
+    @param sessionHash: the 16-hex-digit hash from L{relay.scheduling.session.sessionHash}.
     @return: C{sticky_session:0:openai:{hash}}.
     """
     return f"sticky_session:0:openai:{sessionHash}"
@@ -128,7 +128,7 @@ class _Pass:
     @ivar now: Unix seconds when the states were read.
     @ivar scheduling: the L{SchedulingSettings} in force.
     @ivar byId: account id -> L{Account}.
-    @ivar states: account id -> L{relay.failures.AccountRuntime}.
+    @ivar states: account id -> L{relay.policy.failures.AccountRuntime}.
     @ivar oauthBarred: R42 applies (HTTP turn with C{previous_response_id}).
     @ivar quarantineFailOpen: every open candidate's proxy is quarantined,
         so quarantine is ignored (R41).
@@ -221,7 +221,7 @@ class AccountScheduler:
         not hold (e.g. the breaker, R-B1).
     @ivar _quarantineEnd: optional C{(proxy id) -> Unix seconds or None}: when
         a proxy's quarantine ends (R83's retry hint).
-    @ivar _quota: optional L{relay.quota.UsageWindows}: with
+    @ivar _quota: optional L{relay.scheduling.quota.UsageWindows}: with
         C{scheduling.quota_aware} the load-balance layer orders accounts of
         equal priority by remaining usage window (issue 12).
     @ivar _lastUsed: account id -> Unix seconds of its last selection.
@@ -521,7 +521,7 @@ class AccountScheduler:
     def _blockWhy(self, ctx: _Pass, account: Account) -> Optional[tuple]:
         """
         Why the account is runtime-blocked for this turn's model and until
-        when: the state store's L{relay.failures.AccountRuntime.unschedulable},
+        when: the state store's L{relay.policy.failures.AccountRuntime.unschedulable},
         then the C{extraBlock} hook; the later end wins when both block.
 
         @return: C{(reason, until)} (C{until} Unix seconds, 0 or L{None}
@@ -967,7 +967,7 @@ class AccountScheduler:
             quota_decided=ctx.quotaDecided and choice.layer == LAYER_LOAD and not choice.preferred,
             quota_used_percent=self._usedPercent(account),
         )
-        # Info, not R45's debug: seed 003's tables (and relay.report) are
+        # Info, not R45's debug: seed 003's tables (and relay.operator.report) are
         # computed from these lines, and the default runners drop debug.
         self._log.info(
             "account schedule decision: {layer} -> {selected_account_id}",

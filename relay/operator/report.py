@@ -4,7 +4,7 @@ Seed-style outcome tables from relay's JSON logs.
 
 Usage::
 
-    python -m relay.report LOGFILE [--json]
+    python -m relay.operator.report LOGFILE [--json]
     relay-report LOGFILE [--json]
 
 C{LOGFILE} is relay's JSON log (C{--log-format json}: one flat JSON object

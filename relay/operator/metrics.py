@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_metrics -*-
 """
 Prometheus metrics for relay, served at C{/metrics}
-(L{relay.entry.admin.metricsResource}).
+(L{relay.operator.admin.metricsResource}).
 
 Every metric lives in the registry given to L{RelayMetrics}, never in
 prometheus_client's global registry, so tests and several relays in one

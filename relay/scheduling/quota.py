@@ -12,7 +12,7 @@ each process learns them from its own traffic. A window whose reset time
 has passed counts as empty.
 
 L{UsageWindows.rank} is the load-balance layer's quota key
-(L{relay.scheduler.AccountScheduler}): among accounts of equal priority the
+(L{relay.scheduling.scheduler.AccountScheduler}): among accounts of equal priority the
 one with the most remaining window comes first (lowest used-percent of its
 fuller window, in whole points, then the earliest reset), and an account
 whose primary or secondary window is at or above the threshold

@@ -17,7 +17,7 @@ reader can hold this file next to behaviour.md and check it row by row:
 The classifier is pure: no I/O and no clock. Times it needs (R12 resets,
 R16 dates) come in as C{now}; the stateful part of marking (the 403 counter,
 the transient streak, the R13 window, the R-B1 breaker) is
-L{relay.health.AccountHealth}.
+L{relay.policy.health.AccountHealth}.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from twisted.internet import error as terror
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from relay.failures import (
+from relay.policy.failures import (
     FIRST_OUTPUT_TIMEOUT,
     MARK_COUNT_403,
     MARK_DISABLED,
@@ -683,7 +683,7 @@ def _mark402(f: ErrorFacts, a: Account, now: float, c: "DefaultClassifier") -> t
 def _mark403(f: ErrorFacts, a: Account, now: float, c: "DefaultClassifier") -> tuple:
     """
     R11 403 rows: an HTML body marks nothing; other bodies go to the
-    180-minute counter (L{relay.health.AccountHealth}).
+    180-minute counter (L{relay.policy.health.AccountHealth}).
     """
     if f.html:
         return ()

@@ -25,15 +25,15 @@ class OperatorView:
     @ivar accounts: the configured accounts (the scheduler's list).
     @ivar store: the L{relay.interfaces.IStateStore}.
     @ivar admission: the L{relay.interfaces.ISlotAdmission}.
-    @ivar health: the L{relay.health.AccountHealth}.
+    @ivar health: the L{relay.policy.health.AccountHealth}.
     @ivar runner: the L{relay.engine.runner.TurnRunner} (per-account stats).
-    @ivar proxyHealth: the L{relay.proxyhealth.ProxyHealth}, or L{None}.
+    @ivar proxyHealth: the L{relay.policy.proxyhealth.ProxyHealth}, or L{None}.
     @ivar clock: the L{IReactorTime}.
     @ivar slots: the last C{{account id: (in use, waiting)}} read, served
         synchronously to the Prometheus collector.
     @ivar credentials: the L{relay.interfaces.ICredentialSource} (token
         state, refresh, new tokens; issue 12), or L{None}.
-    @ivar quota: the L{relay.quota.UsageWindows}, or L{None}.
+    @ivar quota: the L{relay.scheduling.quota.UsageWindows}, or L{None}.
     """
 
     accounts: list
@@ -51,7 +51,7 @@ class OperatorView:
     def accountsView(self) -> Deferred:
         """
         @return: Deferred firing with one dict per account (keys as
-            L{relay.entry.admin.buildAdminResource} documents; times in Unix
+            L{relay.operator.admin.buildAdminResource} documents; times in Unix
             seconds).
         """
         return Deferred.fromCoroutine(self._view())

@@ -122,7 +122,7 @@ class AccountRuntime:
     @ivar modelReasons: upstream model -> why it is blocked.
     @ivar streaks: upstream model (C{*} when unknown) -> C{(count, last
         failure time)}: the R11 transient streak. It lapses
-        L{relay.health.STREAK_TTL_SECONDS} after the last failure.
+        L{relay.policy.health.STREAK_TTL_SECONDS} after the last failure.
     """
 
     blockedUntil: float = 0

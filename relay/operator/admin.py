@@ -12,7 +12,7 @@ C{/admin}):
   - C{PUT /admin/settings} - a partial change, nested or flat dotted JSON;
   - C{GET /admin/accounts} - every account's live state for the page;
   - C{GET /admin/history} - per account, the last 15 minutes in one-minute
-    buckets (L{relay.history}) for the page's charts;
+    buckets (L{relay.operator.history}) for the page's charts;
   - C{POST /admin/accounts/{id}/clear} - lift an account's runtime states;
   - C{POST /admin/accounts/{id}/refresh} - force an OAuth token refresh
     (body C{{"retry_in_doubt": true}} to resend an in-doubt refresh token);
@@ -48,7 +48,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
-from relay.metrics import withoutCreated
+from relay.operator.metrics import withoutCreated
 from relay.requestid import requestIdOf
 from relay.settings import RuntimeSettings, SettingsError
 
@@ -475,7 +475,7 @@ class _MetricsResource(Resource):
     """
     The Prometheus text exposition of one registry, rendered synchronously
     (no threads, no global reactor, unlike C{prometheus_client.twisted}),
-    without C{_created} series (L{relay.metrics.withoutCreated}).
+    without C{_created} series (L{relay.operator.metrics.withoutCreated}).
     """
 
     isLeaf = True
@@ -597,7 +597,7 @@ def _loadPage() -> bytes:
     """
     @return: the bytes of L{STATUS_PAGE}.
     """
-    return resources.files("relay.entry").joinpath(STATUS_PAGE).read_bytes()
+    return resources.files("relay.operator").joinpath(STATUS_PAGE).read_bytes()
 
 
 def buildAdminResource(
@@ -634,15 +634,15 @@ def buildAdminResource(
     @param registry: the metrics registry for C{/admin/metrics}, or L{None}
         for no such route.
     @param recentFailovers: optional; returns recent failovers (e.g.
-        L{relay.metrics.RelayMetrics.recentFailovers}) for the page.
+        L{relay.operator.metrics.RelayMetrics.recentFailovers}) for the page.
     @param clock: optional L{IReactorTime}; its time is sent as C{now} so
         the page counts down cooldowns on the server's clock.
     @param usage: optional L{relay.usage.ledger.UsageLedger} for
         C{/admin/usage} (needs C{clock}).
     @param history: optional; returns the charts' data (e.g.
-        L{relay.history.AccountHistory.snapshot}) for C{/admin/history}.
+        L{relay.operator.history.AccountHistory.snapshot}) for C{/admin/history}.
     @param tokenActions: optional object with C{refreshAccount(id,
-        options)} and C{setTokens(id, body)} (L{relay.operator.OperatorView})
+        options)} and C{setTokens(id, body)} (L{relay.operator.view.OperatorView})
         for the OAuth routes; they return (Deferreds of) results and raise
         L{KeyError} for an unknown account, L{ValueError} for a bad request.
     @rtype: L{Resource}
@@ -668,7 +668,7 @@ def metricsResource(registry: CollectorRegistry) -> Resource:
     The resource to mount at C{/metrics} (no key; bind relay to loopback or
     put the scrape behind a firewall).
 
-    @param registry: e.g. L{relay.metrics.RelayMetrics.registry}.
+    @param registry: e.g. L{relay.operator.metrics.RelayMetrics.registry}.
     @rtype: L{Resource}
     """
     return _MetricsResource(registry)

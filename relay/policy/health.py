@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_health -*-
 """
 The stateful side of account marking: it applies a classifier's
-L{relay.failures.Verdict} to the state store, and keeps the process-wide
+L{relay.policy.failures.Verdict} to the state store, and keeps the process-wide
 state that the classifier, being pure, cannot: the R4 in-memory block, the
 R11 403 counter and transient streak, the R13 OAuth 429 window and the R-B1
 transport breaker.
@@ -19,7 +19,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from relay.failures import (
+from relay.policy.failures import (
     MARK_COUNT_403,
     MARK_DISABLED,
     MARK_MODEL_BLOCK,

@@ -1,0 +1,17 @@
+# -*- test-case-name: tests.test_scheduler -*-
+"""
+Which account serves a turn (behaviour.md group E):
+
+  - L{relay.scheduling.session}: the session hash that sticky routing keys
+    on (R37);
+  - L{relay.scheduling.scheduler}: the layers (previous_response_id ->
+    session hash -> load balance), compatibility checks, wait plans and the
+    decision record (R38-R46, R-B6);
+  - L{relay.scheduling.selection}: what a selection returns, and relay's own
+    "no account can serve this" answers (R44, R83);
+  - L{relay.scheduling.quota}: OAuth usage windows and quota-aware order
+    (issue 12).
+
+Slot admission (waiting for a slot once an account is chosen) is its own
+seam, L{relay.admission}.
+"""
