@@ -408,6 +408,7 @@ _GATEWAY: Dict[str, Validator] = {
     "transport_retry_policy": _choice(*TRANSPORT_RETRY_POLICIES),
     "transport_error_cooldown_seconds": _number(0),
     "retry_budget_percent": _number(0, 100),
+    "shutdown_grace_seconds": _number(0, 3600),
     "breaker": _nested(_BREAKER, BreakerSettings),
     "scheduling": _nested(_SCHEDULING, SchedulingSettings),
     "websocket": _nested(_WEBSOCKET, WebSocketSettings),

@@ -67,7 +67,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from relay.admission import admissionError
-from relay.interfaces import ISlotAdmission, ISlotLease
+from relay.interfaces import ISlotAdmission, ISlotDrain, ISlotLease
 from relay.model import AdmissionError, WaitPlan
 from relay.redisclient import RedisService, RedisUnavailable, describe
 
@@ -221,7 +221,7 @@ class RedisSlotLease:
         return self.renew().addErrback(_eb)
 
 
-@implementer(ISlotAdmission)
+@implementer(ISlotAdmission, ISlotDrain)
 @define(eq=False)
 class RedisSlotAdmission:
     """
@@ -240,6 +240,8 @@ class RedisSlotAdmission:
     @ivar _sleepers: C{(kind, id)} -> this process's waiters between polls;
         a local release wakes them at once (after its C{ZREM} lands), so
         in-process hand-over does not wait for the backoff.
+    @ivar _writes: the slot and queue commands in flight (acquire, leave,
+        release), so L{releaseAll} can wait until they have landed.
     """
 
     _redis: RedisService
@@ -253,6 +255,7 @@ class RedisSlotAdmission:
     held: set = field(factory=set, init=False)
     _seq: object = field(factory=lambda: itertools.count(1), init=False)
     _sleepers: dict = field(factory=dict, init=False)
+    _writes: set = field(factory=set, init=False)
 
     _log = Logger()
 
@@ -294,6 +297,54 @@ class RedisSlotAdmission:
         See L{ISlotAdmission.acquire}.
         """
         return Deferred.fromCoroutine(self._acquire(plan, cancel, deadline))
+
+    # -- ISlotDrain -----------------------------------------------------------
+
+    def releaseAll(self, timeout: float) -> Deferred:
+        """
+        See L{ISlotDrain.releaseAll}: release every lease still in L{held}
+        (a C{ZREM} each), then wait up to C{timeout} seconds for every slot
+        and queue command in flight to land.
+        """
+        return Deferred.fromCoroutine(self._releaseAll(timeout))
+
+    async def _releaseAll(self, timeout: float) -> int:
+        leftover = [lease for lease in list(self.held) if not lease.released]
+        for lease in leftover:
+            lease.release()
+        if self._writes:
+            from twisted.internet.defer import DeferredList
+
+            waits = []
+            for d in list(self._writes):
+                w = Deferred()
+                d.addBoth(_fire, w)
+                waits.append(w)
+            try:
+                await DeferredList(waits, consumeErrors=True).addTimeout(timeout, self._clock)
+            except Exception:  # noqa: BLE001 - a bounded best effort (a timeout)
+                self._log.warn(
+                    "{count} redis slot command(s) still in flight after {timeout}s",
+                    event="relay.redis_admission_error",
+                    operation="release_all",
+                    count=len(self._writes),
+                    timeout=timeout,
+                )
+        return len(leftover)
+
+    def _track(self, d: Deferred) -> Deferred:
+        """
+        Remember a slot or queue command until it completes (L{releaseAll}).
+
+        @return: C{d}.
+        """
+        self._writes.add(d)
+
+        def _done(result):
+            self._writes.discard(d)
+            return result
+
+        return d.addBoth(_done)
 
     def load(self, kind, ids) -> Deferred:
         """
@@ -463,20 +514,20 @@ class RedisSlotAdmission:
 
         @return: Deferred firing with C{[status, now, position, waiting]}.
         """
-        return self._redis.execute(
+        return self._track(self._redis.execute(
             self.timeout, "eval", ACQUIRE_LUA, keysFor(kind, id),
             [int(limit), repr(self.slotTtl), rid, mode, int(maxWaiting), repr(self.ticketTtl)],
-        )
+        ))
 
     def _leave(self, plan: WaitPlan, rid: str, dropSlot: bool) -> None:
         """
         Fire-and-forget C{leave.lua}: drop the ticket (and a slot member an
         abandoned attempt may have added).
         """
-        d = self._redis.execute(
+        d = self._track(self._redis.execute(
             self.timeout, "eval", LEAVE_LUA, keysFor(plan.kind, plan.id),
             [rid, "1" if dropSlot else "0"],
-        )
+        ))
         d.addErrback(lambda f: self._logError("slot_leave", f))
 
     def _release(self, lease: RedisSlotLease) -> None:
@@ -487,10 +538,10 @@ class RedisSlotAdmission:
         self.held.discard(lease)
         if not lease.counted:
             return
-        d = self._redis.execute(
+        d = self._track(self._redis.execute(
             self.timeout, "execute_command", "ZREM", slotKey(lease.kind, lease.id),
             lease.requestId,
-        )
+        ))
         d.addCallbacks(
             lambda _: self._wake((lease.kind, lease.id)),
             lambda f: self._logError("slot_release", f),
@@ -586,6 +637,16 @@ class RedisSlotAdmission:
             error=describe(reason),
             mode=self.onRedisError,
         )
+
+
+def _fire(result, waiter: Deferred):
+    """
+    Fire C{waiter} (once) when a tracked command completes; pass C{result}
+    through unchanged.
+    """
+    if not waiter.called:
+        waiter.callback(None)
+    return result
 
 
 class _Cancelled(Exception):

@@ -32,6 +32,7 @@ from relay.entry.http import UNAUTHORIZED, filterClientHeaders, newRequestId
 from relay.entry.sinks import writeError
 from relay.entry.wssink import WebSocketSink, wsErrorEvent
 from relay.model import ClientError, Turn
+from relay.operations.drain import RESTART_CLOSE
 from relay.session import SESSION_HEADERS, sessionHash, sessionSeed
 
 MSG_ID_MESSAGE = "previous_response_id must be a response.id (resp_*), not a message id"
@@ -54,6 +55,9 @@ PREEMPTED_CLOSE = (1001, "session preempted by a newer connection")
 THREAD_HEADERS = ("thread-id", "x-codex-window-id")
 """R-B13: parallel Codex threads sharing a session id do not pre-empt each other."""
 """R69: the passthrough client idle close (other modes close 1000)."""
+KEY_REVOKED_CLOSE = (1008, "api key is no longer valid")
+"""Issue 14: the connection's key was removed or rotated by a reload; the
+connection takes no new turn (a reconnect with the new key works)."""
 
 def closeWith(proto, code: int, reason: str) -> None:
     """
@@ -189,8 +193,16 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
 
     def onOpen(self) -> None:
         try:
-            s = self.factory.settings.current.websocket
-            self._openedAt = self.factory.reactor.seconds()
+            f = self.factory
+            s = f.settings.current.websocket
+            self._openedAt = f.reactor.seconds()
+            connections = getattr(f, "openConnections", None)
+            if connections is not None:
+                connections.add(self)
+            if getattr(f, "draining", False):
+                # Issue 14: the upgrade raced the start of a graceful stop.
+                self.closeWith(*RESTART_CLOSE)
+                return
             self._arm(s.client_first_message_timeout_seconds, 1008, "missing first response.create message")
         except Exception:  # noqa: BLE001
             self._log.failure("opening a client websocket failed")
@@ -201,6 +213,9 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             return
         self._gone = True
         self._disarm()
+        connections = getattr(self.factory, "openConnections", None)
+        if connections is not None:
+            connections.discard(self)
         owners = getattr(self.factory, "sessionOwners", None)
         if owners is not None and self._ownerKey is not None and owners.get(self._ownerKey) is self:
             del owners[self._ownerKey]
@@ -237,6 +252,15 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             return self._modeFor(self._model)
         except Exception:  # noqa: BLE001
             return None
+
+    def drain(self) -> None:
+        """
+        Issue 14: relay is stopping. An idle connection closes 1001 "server
+        restarting" now (Codex reconnects); a busy one when its turn ends
+        (L{_turnDone}).
+        """
+        if self._running is None:
+            self.closeWith(*RESTART_CLOSE)
 
     def isOpen(self) -> bool:
         return not self._gone and self.state == self.STATE_OPEN and self._closing is None
@@ -330,6 +354,26 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         if kind != "response.create":
             self.reject(f"unsupported websocket request type: {kind}", "unsupported_request_type", "type")
             return
+        if getattr(self.factory, "draining", False):
+            # Issue 14: no new turn while relay stops; reconnect elsewhere.
+            self.closeWith(*RESTART_CLOSE)
+            return
+        key = self.factory.keys.current(self._key)
+        if key is None:
+            self._log.info(
+                "client websocket {conn_id}: its key was removed or rotated",
+                event="ingress_ws_key_revoked",
+                conn_id=self._connId,
+                client=self._key.name,
+            )
+            # R81: information without a status, then the close.
+            revoked = ClientError(
+                401, "invalid_request_error", UNAUTHORIZED.message, code="invalid_api_key"
+            )
+            self.sendText(json.dumps(wsErrorEvent(revoked, withStatus=False)).encode())
+            self.closeWith(*KEY_REVOKED_CLOSE)
+            return
+        self._key = key
         if self._overAge():
             return
         model = frame.get("model")
@@ -466,6 +510,9 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             return
         if sink.closed:
             return
+        if getattr(self.factory, "draining", False):
+            self.closeWith(*RESTART_CLOSE)
+            return
         self._next()
 
     def _next(self) -> None:
@@ -598,9 +645,11 @@ def buildWebSocketResource(runner, keys, accounts, settings, reactor) -> RelayWe
     factory.protocol = RelayWebSocketProtocol
     factory.runner = runner
     factory.keys = keys
-    factory.accounts = list(accounts)
+    factory.accounts = accounts  # the live registry (issue 14), never a copy
     factory.settings = settings
     factory.sessionOwners = {}  # R68: (key, session hash, thread id) -> connection
+    factory.openConnections = set()  # issue 14: what a graceful stop closes
+    factory.draining = False
     factory.setProtocolOptions(
         openHandshakeTimeout=10,
         closeHandshakeTimeout=5,
