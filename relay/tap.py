@@ -236,6 +236,32 @@ class ReloadOnHangup(Service):
             self._log.failure("reload on SIGHUP failed", event="relay.config_reload_failed")
 
 
+class CleanExitOnTerm(Service):
+    """
+    C{SIGTERM} is relay's normal stop (issue 14): once the service has
+    drained, the process exits with status 0. Since Twisted 22 twistd and
+    twist re-raise the signal that stopped the reactor after it stops (the
+    reactor's private C{_exitSignal}), so the exit status would say
+    "killed by SIGTERM"; this service, stopped after the drain, forgets a
+    C{SIGTERM} there. Any other signal (e.g. C{SIGINT}) keeps twistd's
+    behaviour.
+    """
+
+    def __init__(self, reactor):
+        """
+        @param reactor: the reactor twistd runs.
+        """
+        self._reactor = reactor
+
+    def stopService(self):
+        """
+        The drain is over: a C{SIGTERM} stop exits 0.
+        """
+        super().stopService()
+        if getattr(self._reactor, "_exitSignal", None) == getattr(signal, "SIGTERM", None):
+            self._reactor._exitSignal = None
+
+
 def makeService(options: Options, reactor=None):
     """
     Build the relay service.
@@ -257,7 +283,10 @@ def makeService(options: Options, reactor=None):
         service = buildService(
             options.config, reactor,
             configPath=options["config"], listenOverride=options["listen"],
-            edgeServices=[lambda app: ReloadOnHangup(app.reloader.reload, reactor)],
+            edgeServices=[
+                lambda app: ReloadOnHangup(app.reloader.reload, reactor),
+                lambda app: CleanExitOnTerm(reactor),
+            ],
         )
     except ConfigError as e:
         exitWithConfigError(str(e))

@@ -762,3 +762,40 @@ class HangupTests(SynchronousTestCase):
             service._reloadNow()
         self.assertEqual(len(events(logs, "relay.config_reload_failed")), 1)
         self.flushLoggedErrors(RuntimeError)
+
+
+class _ExitReactor:
+    _exitSignal = None
+
+
+class CleanExitTests(SynchronousTestCase):
+    """
+    L{relay.tap.CleanExitOnTerm}: a drained C{SIGTERM} stop exits 0.
+    """
+
+    def test_termForgotten(self):
+        """
+        After a C{SIGTERM} stop the reactor no longer asks twistd to
+        re-raise it (exit status 0).
+        """
+        from relay.tap import CleanExitOnTerm
+
+        reactor = _ExitReactor()
+        reactor._exitSignal = signal.SIGTERM
+        service = CleanExitOnTerm(reactor)
+        service.startService()
+        service.stopService()
+        self.assertIsNone(reactor._exitSignal)
+
+    def test_otherSignalsKept(self):
+        """
+        C{SIGINT} keeps twistd's behaviour.
+        """
+        from relay.tap import CleanExitOnTerm
+
+        reactor = _ExitReactor()
+        reactor._exitSignal = signal.SIGINT
+        service = CleanExitOnTerm(reactor)
+        service.startService()
+        service.stopService()
+        self.assertEqual(reactor._exitSignal, signal.SIGINT)
