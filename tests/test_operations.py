@@ -799,3 +799,69 @@ class CleanExitTests(SynchronousTestCase):
         service.startService()
         service.stopService()
         self.assertEqual(reactor._exitSignal, signal.SIGINT)
+
+
+class _Redis:
+    """
+    A L{relay.redisclient.RedisService} stand-in whose commands complete
+    when the test says so.
+    """
+
+    def __init__(self):
+        self.calls = []
+
+    def execute(self, timeout, method, *args, **kwargs):
+        d = Deferred()
+        self.calls.append((method, args, d))
+        return d
+
+
+class RedisReleaseAllTests(SynchronousTestCase):
+    """
+    L{RedisSlotAdmission.releaseAll}: leftover leases are released and the
+    drain waits (bounded) until the commands have landed.
+    """
+
+    def setUp(self):
+        from relay.admission.redis import RedisSlotAdmission
+
+        self.clock = Clock()
+        self.redis = _Redis()
+        self.admission = RedisSlotAdmission(redis=self.redis, clock=self.clock, prefix="p")
+
+    def test_interfaces(self):
+        """
+        The Redis provider can give everything back.
+        """
+        self.assertTrue(verifyObject(ISlotDrain, self.admission))
+
+    def test_waitsForReleaseToLand(self):
+        """
+        A held lease is released with a ZREM; the result waits for it.
+        """
+        lease = self.admission._lease("account", "a1", "p-1")
+        d = self.admission.releaseAll(5)
+        self.assertTrue(lease.released)
+        [(method, args, zrem)] = self.redis.calls
+        self.assertEqual((method, args[0]), ("execute_command", "ZREM"))
+        self.assertNoResult(d)
+        zrem.callback(1)
+        self.assertEqual(self.successResultOf(d), 1)
+
+    def test_inFlightQueueCommandsAwaited(self):
+        """
+        A wait-queue departure still in flight is awaited too, at most
+        C{timeout} seconds; then the drain goes on, logging it.
+        """
+        from relay.model import WaitPlan
+
+        self.admission._leave(WaitPlan("account", "a1", 1, 5, 5), "p-2", True)
+        d = self.admission.releaseAll(2)
+        self.assertNoResult(d)
+        with capturedLogs() as logs:
+            self.clock.advance(2)
+        self.assertEqual(self.successResultOf(d), 0)
+        self.assertEqual(
+            [e["operation"] for e in events(logs, "relay.redis_admission_error")],
+            ["release_all"],
+        )

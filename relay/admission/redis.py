@@ -59,7 +59,7 @@ import random
 from typing import Optional
 
 from attrs import define, field
-from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.defer import CancelledError, Deferred, DeferredList, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
@@ -313,16 +313,14 @@ class RedisSlotAdmission:
         for lease in leftover:
             lease.release()
         if self._writes:
-            from twisted.internet.defer import DeferredList
-
             waits = []
             for d in list(self._writes):
                 w = Deferred()
                 d.addBoth(_fire, w)
                 waits.append(w)
-            try:
-                await DeferredList(waits, consumeErrors=True).addTimeout(timeout, self._clock)
-            except Exception:  # noqa: BLE001 - a bounded best effort (a timeout)
+            # A timeout cancels the waits; the list then fires normally.
+            await DeferredList(waits, consumeErrors=True).addTimeout(timeout, self._clock)
+            if self._writes:
                 self._log.warn(
                     "{count} redis slot command(s) still in flight after {timeout}s",
                     event="relay.redis_admission_error",
@@ -330,7 +328,7 @@ class RedisSlotAdmission:
                     count=len(self._writes),
                     timeout=timeout,
                 )
-        return len(leftover)
+        return len([lease for lease in leftover if lease.counted])
 
     def _track(self, d: Deferred) -> Deferred:
         """
