@@ -205,7 +205,8 @@ class GatewaySettings:
     max_account_switches: int = 10
     max_request_body_bytes: int = 64 * 2**20
     """The largest request body, after decoding any C{Content-Encoding};
-    larger ones are answered 413 at once (issue 13). Read at startup."""
+    larger ones are answered 413 at once (issue 13). Read at startup and on
+    a live reload (issue 14)."""
     first_output_timeout_seconds: float = 0
     retry_interval_ms: int = 0
     transport_retry_policy: str = "rotate"
