@@ -15,7 +15,8 @@ from typing import Optional
 
 from attrs import define, field
 from twisted.application.internet import StreamServerEndpointService
-from twisted.application.service import MultiService
+from twisted.application.service import MultiService, Service
+from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.error import CannotListenError
 from twisted.logger import Logger
 from twisted.web.server import Site
@@ -28,6 +29,9 @@ from relay.entry.http import KeyRing, buildRoot
 from relay.policy.health import AccountHealth
 from relay.interfaces import IFailureClassifier, ISlotAdmission, IUpstreamDialer
 from relay.model import RelayConfig
+from relay.operations.drain import DrainGate, GracefulDrain
+from relay.operations.live import LiveConfiguration
+from relay.operations.reload import ConfigReloader
 from relay.policy.proxyhealth import ProxyHealth
 from relay.requestid import requestIdOf
 from relay.scheduling.scheduler import AccountScheduler
@@ -116,6 +120,11 @@ class RelayApplication:
 
     @ivar site: the L{Site} to listen with.
     @ivar services: child services to start (Redis, timers).
+    @ivar live: the L{LiveConfiguration}: the accounts registry and key ring
+        every consumer reads (issue 14).
+    @ivar reloader: the L{ConfigReloader} behind C{SIGHUP} and C{POST
+        /admin/reload}.
+    @ivar drain: the L{GracefulDrain} the service runs on stop.
     """
 
     config: RelayConfig
@@ -129,6 +138,9 @@ class RelayApplication:
     scheduler: object
     runner: TurnRunner
     keys: KeyRing
+    live: Optional[LiveConfiguration] = None
+    reloader: Optional[ConfigReloader] = None
+    drain: Optional[GracefulDrain] = None
     site: Optional[Site] = None
     services: list = field(factory=list)
     extras: dict = field(factory=dict)
@@ -161,7 +173,12 @@ def _redisProviders(config: RelayConfig, reactor):
 
 
 def buildApplication(
-    config: RelayConfig, reactor, dialer=None, trustRoot=None
+    config: RelayConfig,
+    reactor,
+    dialer=None,
+    trustRoot=None,
+    configPath: Optional[str] = None,
+    listenOverride: Optional[str] = None,
 ) -> RelayApplication:
     """
     Wire a relay.
@@ -171,6 +188,10 @@ def buildApplication(
     @param dialer: an L{IUpstreamDialer} to use instead of the configured
         one (tests).
     @param trustRoot: TLS trust root for upstreams (tests with a local CA).
+    @param configPath: the file C{config} was read from, re-read by a live
+        reload (issue 14); L{None} leaves reload without a file until
+        C{app.reloader.path} is set.
+    @param listenOverride: the C{--listen} that overrode the file's.
     @return: a L{RelayApplication} whose C{site} is ready to listen.
     @raise relay.model.ConfigError: a component named in C{components:}
         cannot be built or does not provide its interface.
@@ -198,7 +219,10 @@ def buildApplication(
         )
     health = AccountHealth(store=store, clock=reactor, settings=settings)
     proxyHealth = ProxyHealth(clock=reactor)
-    accounts = list(config.accounts)
+    # Issue 14: the accounts and keys have one live home; every consumer
+    # below reads through it, so a reload changes them for all at once.
+    live = LiveConfiguration.fromConfig(config)
+    accounts = live.accounts
     credentials, quota = _oauthParts(config, reactor, settings, accounts, trustRoot)
 
     def extraBlock(account, now, model):
@@ -228,7 +252,7 @@ def buildApplication(
         credentials=credentials,
         quota=quota,
     )
-    keys = KeyRing(config.keys)
+    keys = live.keys
     app = RelayApplication(
         config=config,
         reactor=reactor,
@@ -241,19 +265,28 @@ def buildApplication(
         scheduler=scheduler,
         runner=runner,
         keys=keys,
+        live=live,
         services=services,
+    )
+    app.reloader = ConfigReloader(
+        path=configPath, live=live, settings=settings, listenOverride=listenOverride
     )
     app.extras.update(proxyHealth=proxyHealth, credentials=credentials, quota=quota)
     wsResource = _webSocket(app, trustRoot)
     root = buildRoot(runner, keys, accounts, wsResource)
     _operatorSurface(app, root, accounts, proxyHealth)
-    site = _Site(root, requestFactory=_Request)
+    app.drain = GracefulDrain(
+        clock=reactor, runner=runner, settings=settings, admission=admission,
+        wsFactory=wsResource.factory,
+    )
+    site = _Site(DrainGate(root, app.drain), requestFactory=_Request)
     site.clock = reactor
     site.displayTracebacks = False
     site.maxRequestBodyBytes = config.gateway.max_request_body_bytes
     site.wsFactory = wsResource.factory
     app.services.append(app.extras["wsPoolService"])
     app.site = site
+    app.reloader.onApplied.append(lambda result, new: _applyLimits(app, new))
     return app
 
 
@@ -304,6 +337,18 @@ def _tokenStore(app: RelayApplication, redis):
     return app.extras["credentials"].store
 
 
+def _applyLimits(app: RelayApplication, config: RelayConfig) -> None:
+    """
+    A reload's gateway limits that live outside the runtime settings (issue
+    14): the request body limit (read per request from the site) and the
+    client WebSocket frame limit (read by each new connection).
+    """
+    app.site.maxRequestBodyBytes = config.gateway.max_request_body_bytes
+    factory = app.extras.get("wsFactory")
+    if factory is not None:
+        factory.setProtocolOptions(maxMessagePayloadSize=config.gateway.websocket.max_frame_bytes)
+
+
 def _webSocket(app: RelayApplication, trustRoot):
     """
     The Responses WebSocket (issue 6): the upstream pool, the engine's
@@ -322,8 +367,16 @@ def _webSocket(app: RelayApplication, trustRoot):
     app.runner.wsAttempt = WebSocketAttempt(pool=pool, reactor=reactor, tlsPolicy=policy)
     app.extras["wsPool"] = pool
     app.extras["wsPoolService"] = PoolService(pool).asService()
+
+    def retire(change) -> None:
+        # Issue 14: a changed or removed account's pooled connections are
+        # retired once idle; an unchanged account's stay.
+        for accountId in change.changed | change.removed:
+            pool.retire(accountId)
+
+    app.live.accounts.subscribe(retire)
     resource = buildWebSocketResource(
-        app.runner, app.keys, list(app.config.accounts), app.settings, reactor
+        app.runner, app.keys, app.live.accounts, app.settings, reactor
     )
     app.extras["wsFactory"] = resource.factory
     return resource
@@ -365,7 +418,7 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
 
     metrics.registry.register(UsageCollector(quota, credentials, accounts))
     admin = buildAdminResource(
-        config.admin_key,
+        app.live.adminKey,
         app.settings,
         view.accountsView,
         view.clearAccount,
@@ -375,9 +428,10 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
         usage=usage,
         history=history.snapshot,
         tokenActions=view,
+        reload=app.reloader.reload,
     )
     root.putChild(b"admin", admin)
-    root.putChild(b"metrics", _GuardedMetrics(config.admin_key, metrics.registry))
+    root.putChild(b"metrics", _GuardedMetrics(app.live.adminKey, metrics.registry))
     app.extras.update(metrics=metrics, operator=view, history=history)
     app.services.append(periodic(5, view.refreshSlots, reactor))
     if config.state.backend == "redis":
@@ -422,9 +476,22 @@ def _usageLedger(app: RelayApplication, metrics, redis):
 
 class _Startup(MultiService):
     """
-    Loads persisted runtime settings once the Redis client (if any) runs
-    (R74 "at startup"); a failure is logged and the file's values stay.
+    The relay service. Loads persisted runtime settings once the Redis
+    client (if any) runs (R74 "at startup"); a failure is logged and the
+    file's values stay.
+
+    Stops in sequence, not concurrently as L{MultiService} would (issue 14,
+    L{relay.operations.drain}): the listener first (no new connections),
+    then the drain (running turns finish within the grace, the rest are
+    cancelled, every slot is given back), then the other children in
+    reverse order (pooled upstream connections, periodic jobs, and the
+    Redis client last), then the settings store. twistd waits for the
+    returned Deferred before the reactor stops, then exits 0.
+
+    @ivar relayListener: the listening L{_Listener}, when there is one.
     """
+
+    relayListener = None
 
     _log = Logger()
 
@@ -447,14 +514,42 @@ class _Startup(MultiService):
 
     def stopService(self):
         """
-        Stop the children, then close the settings store (the SQLite
-        connection pool's thread), if it has a C{close}.
+        Stop accepting, drain, stop the other children one by one, then
+        close the settings store (the SQLite connection pool's thread), if
+        it has a C{close}. Never fails; problems are logged.
+
+        @return: a Deferred that fires when relay has stopped.
         """
+        return Deferred.fromCoroutine(self._stop())
+
+    async def _stop(self) -> None:
+        Service.stopService(self)
+        listener = self.relayListener
+        if listener is not None and listener.running:
+            await self._stopChild(listener)
+        drain = self._app.drain
+        if drain is not None:
+            try:
+                await drain.drain()
+            except Exception:  # noqa: BLE001 - logged; stopping goes on
+                self._log.failure("draining failed", event="relay.drain_failed")
         credentials = self._app.extras.get("credentials")
         if credentials is not None:
+            # Issue 12: token timers stop once no turn can need a refresh.
             credentials.stop()
-        d = super().stopService()
-        return d.addBoth(self._closeStore)
+        for service in reversed(list(self)):
+            if service.running:
+                await self._stopChild(service)
+        self._closeStore(None)
+
+    async def _stopChild(self, service) -> None:
+        """
+        Stop one child, logging (not raising) a failure.
+        """
+        try:
+            await maybeDeferred(service.stopService)
+        except Exception:  # noqa: BLE001 - logged; stopping goes on
+            self._log.failure("stopping {service} failed", service=service)
 
     def _closeStore(self, result):
         """
@@ -507,17 +602,31 @@ class _Listener(StreamServerEndpointService):
             exitWithConfigError(message)
 
 
-def buildService(config: RelayConfig, reactor) -> MultiService:
+def buildService(
+    config: RelayConfig,
+    reactor,
+    configPath: Optional[str] = None,
+    listenOverride: Optional[str] = None,
+    edgeServices=(),
+) -> MultiService:
     """
     The twistd service: the Redis client (when configured), then the
     listening endpoint.
+
+    @param configPath: the configuration file, for live reloads.
+    @param listenOverride: the C{--listen} that overrode the file's.
+    @param edgeServices: callables C{app -> IService} for services of the
+        process edge (the C{SIGHUP} handler of L{relay.tap}), started
+        before the listener.
     """
     from twisted.internet.endpoints import serverFromString
 
-    app = buildApplication(config, reactor)
+    app = buildApplication(config, reactor, configPath=configPath, listenOverride=listenOverride)
     top = _Startup(app)
     for service in app.services:
         service.setServiceParent(top)
+    for build in edgeServices:
+        build(app).setServiceParent(top)
     endpoint = serverFromString(reactor, config.listen)
     listener = _Listener(endpoint, app.site, config.listen)
     listener.setServiceParent(top)

@@ -420,6 +420,7 @@ _GATEWAY: Dict[str, Validator] = {
     "transport_error_cooldown_seconds": _number(0),
     "retry_budget_percent": _number(0, 100),
     "stream_keepalive_interval": _number(0, 300),
+    "shutdown_grace_seconds": _number(0, 3600),
     "breaker": _nested(_BREAKER, BreakerSettings),
     "scheduling": _nested(_SCHEDULING, SchedulingSettings),
     "websocket": _nested(_WEBSOCKET, WebSocketSettings),

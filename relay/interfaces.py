@@ -602,3 +602,64 @@ class ITokenEndpoint(Interface):
             reached the server, and with any other exception when it may
             have (the refresh token is then in doubt).
         """
+
+
+class ILiveAccounts(Interface):
+    """
+    The accounts in force: the one home every consumer reads through
+    (scheduler, WebSocket entry, model list, operator view), so a live
+    reload changes them for all at once (issue 14).
+
+    Iterating gives the accounts in configuration order; C{len()} and
+    indexing work as on a tuple.
+    """
+
+    def byId(accountId):
+        """
+        @param accountId: an account id.
+        @return: the L{relay.model.Account} in force with that id, or
+            L{None}.
+        """
+
+    def replace(accounts):
+        """
+        Put C{accounts} in force (a reload) and tell every subscriber
+        what changed. Turns already running keep the account object they
+        selected.
+
+        @param accounts: the new L{relay.model.Account}s, ids unique.
+        @return: the L{relay.operations.live.AccountSetChange} (empty when
+            nothing changed; subscribers are then not called).
+        """
+
+    def subscribe(listener):
+        """
+        Be told whenever the set changes: C{listener(change)} with an
+        L{relay.operations.live.AccountSetChange} (ids added, removed and
+        changed; never secrets). Called synchronously after the new set is
+        in force; an exception is logged and does not stop the others.
+        Other components (e.g. a per-account OAuth token source) use this
+        to forget or rebuild their per-account state.
+
+        @param listener: a one-argument callable.
+        @return: a no-argument callable that unsubscribes.
+        """
+
+
+class ISlotDrain(Interface):
+    """
+    An L{ISlotAdmission} that can give back everything this process holds
+    when it stops (issue 14's graceful stop), so other processes sharing
+    its slots (Redis) see them free at once instead of after the slot TTL.
+    """
+
+    def releaseAll(timeout):
+        """
+        Release every lease this process still holds and wait until the
+        releases (and any outstanding wait-queue departures) have reached
+        the backing store.
+
+        @param timeout: at most this many seconds to wait for the store.
+        @return: Deferred firing with the number of leases it released
+            (those the turns had not released themselves); never fails.
+        """

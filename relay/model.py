@@ -254,7 +254,8 @@ class GatewaySettings:
     max_account_switches: int = 10
     max_request_body_bytes: int = 64 * 2**20
     """The largest request body, after decoding any C{Content-Encoding};
-    larger ones are answered 413 at once (issue 13). Read at startup."""
+    larger ones are answered 413 at once (issue 13). Read at startup and on
+    a live reload (issue 14)."""
     first_output_timeout_seconds: float = 0
     retry_interval_ms: int = 0
     transport_retry_policy: str = "rotate"
@@ -264,6 +265,10 @@ class GatewaySettings:
     """Seconds of downstream silence before a keepalive (SSE comment or
     WebSocket ping) from turn start to terminal event; 0 = off
     (behaviour.md R24, R85)."""
+    shutdown_grace_seconds: float = 30
+    """How long running turns may finish after C{SIGTERM} before relay
+    cancels them (issue 14, L{relay.operations.drain}). Read when the stop
+    begins, so a reload changes it."""
     breaker: BreakerSettings = BreakerSettings()
     scheduling: SchedulingSettings = SchedulingSettings()
     websocket: WebSocketSettings = WebSocketSettings()
@@ -372,22 +377,33 @@ class CancelSignal:
     Entrypoints call L{cancel} when the client goes; the engine checks
     L{cancelled} before every decision and races its waits against
     L{whenCancelled} (behaviour.md R2).
+
+    @ivar tell: the L{ClientError} relay owes a client whose turn relay
+        cancelled itself, or L{None}.
     """
 
     cancelled: bool = False
     reason: str = ""
+    tell: Optional["ClientError"] = None
     _waiters: list = field(factory=list)
 
-    def cancel(self, reason: str = "client_gone") -> None:
+    def cancel(self, reason: str = "client_gone", tell: Optional["ClientError"] = None) -> None:
         """
         Mark the turn cancelled and fire every waiter. Idempotent.
 
         @param reason: why, for logs.
+        @param tell: when relay itself cancels a turn whose client is still
+            there (the end of a graceful stop's grace, issue 14), the
+            terminal error the engine writes to that client once the turn
+            has unwound; L{None} when the client left (nothing to tell).
+            Either way the attempt ends as L{relay.policy.ends.Departed}:
+            no account state is written (R2).
         """
         if self.cancelled:
             return
         self.cancelled = True
         self.reason = reason
+        self.tell = tell
         waiters, self._waiters = self._waiters, []
         for d in waiters:
             d.callback(reason)

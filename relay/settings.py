@@ -375,6 +375,9 @@ class RuntimeSettings:
 
     current: GatewaySettings = GatewaySettings()
     store: Any = None
+    _overrides: dict = attrs.field(factory=dict, init=False)
+    """The normalised values set through the admin API or loaded from the
+    store (flat dotted names): they win over the file's (L{rebase})."""
     _log = Logger()
 
     def snapshot(self) -> dict:
@@ -442,6 +445,7 @@ class RuntimeSettings:
         """
         values = normalise(partial)
         changed = self._applyNormalised(values, "admin")
+        self._overrides.update(values)
         if self.store is None or not values:
             return succeed(changed)
         d = self.store.save(values)
@@ -495,4 +499,59 @@ class RuntimeSettings:
                 event="relay.settings_ignored",
                 dropped_keys=dropped,
             )
+        self._overrides = dict(values)
         return self._applyNormalised(values, source)
+
+    def rebase(self, base: GatewaySettings) -> dict:
+        """
+        A live reload changed the file's C{gateway:} section (issue 14):
+        C{base} becomes the file's values, and every value an operator set
+        through C{PUT /admin/settings} (persisted, R74) still wins over
+        it, as it does at start-up. Keys that are not runtime settings
+        (C{websocket.*}, C{upstream.*}, C{shutdown_grace_seconds}, ...)
+        come from C{base} alone.
+
+        @param base: the reloaded file's L{GatewaySettings}.
+        @return: flat dotted name -> new value for every gateway value that
+            changed in force (runtime or not), for the reload's log.
+        @rtype: L{dict}
+        """
+        before = _flatFields(self.current)
+        self.current = _apply(base, self._overrides)
+        after = _flatFields(self.current)
+        changed = {k: after[k] for k in after if after[k] != before.get(k)}
+        if changed:
+            self._log.info(
+                "runtime settings changed (reload): {changed_keys}",
+                event="relay.settings_updated",
+                source="reload",
+                changed_keys=sorted(changed),
+                values=changed,
+            )
+        return changed
+
+    @property
+    def overrides(self) -> dict:
+        """
+        @return: the values set live (admin API or store) that win over
+            the file's, flat and dotted.
+        @rtype: L{dict}
+        """
+        return dict(self._overrides)
+
+
+def _flatFields(settings: GatewaySettings) -> dict:
+    """
+    Every field of a L{GatewaySettings}, nested groups flattened to dotted
+    names (e.g. C{websocket.max_frame_bytes}).
+
+    @rtype: L{dict}
+    """
+    out = {}
+    for name, value in attrs.asdict(settings, recurse=False).items():
+        if attrs.has(type(value)):
+            for sub, inner in attrs.asdict(value, recurse=False).items():
+                out[f"{name}.{sub}"] = inner
+        else:
+            out[name] = value
+    return out

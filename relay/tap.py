@@ -17,9 +17,12 @@ C{--log-format}) stays a L{usage.UsageError} with the usage text.
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import NoReturn
 
+from twisted.application.service import Service
+from twisted.logger import Logger
 from twisted.python import usage
 from twisted.python.reflect import namedAny
 
@@ -200,6 +203,88 @@ def globalReactor():
     return reactor
 
 
+class ReloadOnHangup(Service):
+    """
+    C{SIGHUP} reloads the configuration (issue 14,
+    L{relay.operations.reload}). Signal handling lives here, at the edge
+    where the service starts: the handler is installed when the service
+    starts and the previous one restored when it stops. The handler only
+    schedules the reload on the reactor thread (C{callFromThread}, as
+    Twisted's own signal handlers do); the reload runs there.
+
+    @ivar reload: C{reload(source)}, e.g. L{relay.operations.reload.ConfigReloader.reload}.
+    """
+
+    _log = Logger()
+
+    def __init__(self, reload, reactor):
+        """
+        @param reload: called with C{"sighup"} on the reactor thread.
+        @param reactor: the reactor to schedule it on.
+        """
+        self.reload = reload
+        self._reactor = reactor
+        self._previous = None
+
+    def startService(self) -> None:
+        """
+        Install the C{SIGHUP} handler (where the platform has one).
+        """
+        super().startService()
+        if hasattr(signal, "SIGHUP"):
+            self._previous = signal.signal(signal.SIGHUP, self._onSignal)
+
+    def stopService(self):
+        """
+        Restore the previous C{SIGHUP} handler.
+        """
+        super().stopService()
+        if self._previous is not None:
+            signal.signal(signal.SIGHUP, self._previous)
+            self._previous = None
+
+    def _onSignal(self, signum, frame) -> None:
+        """
+        The signal handler: hand the reload to the reactor thread.
+        """
+        self._reactor.callFromThread(self._reloadNow)
+
+    def _reloadNow(self) -> None:
+        """
+        Run the reload; its outcome is logged by the reloader.
+        """
+        try:
+            self.reload("sighup")
+        except Exception:  # noqa: BLE001 - logged; the process stays up
+            self._log.failure("reload on SIGHUP failed", event="relay.config_reload_failed")
+
+
+class CleanExitOnTerm(Service):
+    """
+    C{SIGTERM} is relay's normal stop (issue 14): once the service has
+    drained, the process exits with status 0. Since Twisted 22 twistd and
+    twist re-raise the signal that stopped the reactor after it stops (the
+    reactor's private C{_exitSignal}), so the exit status would say
+    "killed by SIGTERM"; this service, stopped after the drain, forgets a
+    C{SIGTERM} there. Any other signal (e.g. C{SIGINT}) keeps twistd's
+    behaviour.
+    """
+
+    def __init__(self, reactor):
+        """
+        @param reactor: the reactor twistd runs.
+        """
+        self._reactor = reactor
+
+    def stopService(self):
+        """
+        The drain is over: a C{SIGTERM} stop exits 0.
+        """
+        super().stopService()
+        if getattr(self._reactor, "_exitSignal", None) == getattr(signal, "SIGTERM", None):
+            self._reactor._exitSignal = None
+
+
 def makeService(options: Options, reactor=None):
     """
     Build the relay service.
@@ -218,7 +303,14 @@ def makeService(options: Options, reactor=None):
     from relay.app import buildService
 
     try:
-        service = buildService(options.config, reactor)
+        service = buildService(
+            options.config, reactor,
+            configPath=options["config"], listenOverride=options["listen"],
+            edgeServices=[
+                lambda app: ReloadOnHangup(app.reloader.reload, reactor),
+                lambda app: CleanExitOnTerm(reactor),
+            ],
+        )
     except ConfigError as e:
         exitWithConfigError(str(e))
     parent = getattr(options, "parent", None)

@@ -21,7 +21,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from relay.admission import admissionError
-from relay.interfaces import ISlotAdmission, ISlotLease
+from relay.interfaces import ISlotAdmission, ISlotDrain, ISlotLease
 from relay.model import WaitPlan
 from relay.requestid import currentRequestId
 
@@ -91,7 +91,7 @@ class _Ticket:
     requestId: Optional[str] = field(factory=currentRequestId.get)
 
 
-@implementer(ISlotAdmission)
+@implementer(ISlotAdmission, ISlotDrain)
 @define(eq=False)
 class MemorySlotAdmission:
     """
@@ -177,6 +177,18 @@ class MemorySlotAdmission:
             key = (kind, i)
             out[i] = (len(self._held.get(key, ())), len(self._queues.get(key, ())))
         return succeed(out)
+
+    # -- ISlotDrain -----------------------------------------------------------
+
+    def releaseAll(self, timeout: float) -> Deferred:
+        """
+        See L{ISlotDrain.releaseAll}: release every lease still held (the
+        store is this process's memory, so nothing is in flight).
+        """
+        leftover = [lease for held in list(self._held.values()) for lease in list(held)]
+        for lease in leftover:
+            lease.release()
+        return succeed(len(leftover))
 
     # -- internals -----------------------------------------------------------
 

@@ -59,7 +59,7 @@ import random
 from typing import Optional
 
 from attrs import define, field
-from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.defer import CancelledError, Deferred, DeferredList, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
@@ -67,7 +67,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from relay.admission import admissionError
-from relay.interfaces import ISlotAdmission, ISlotLease
+from relay.interfaces import ISlotAdmission, ISlotDrain, ISlotLease
 from relay.model import AdmissionError, WaitPlan
 from relay.redisclient import RedisService, RedisUnavailable, describe
 from relay.requestid import currentRequestId
@@ -226,7 +226,7 @@ class RedisSlotLease:
         return self.renew().addErrback(_eb)
 
 
-@implementer(ISlotAdmission)
+@implementer(ISlotAdmission, ISlotDrain)
 @define(eq=False)
 class RedisSlotAdmission:
     """
@@ -245,6 +245,8 @@ class RedisSlotAdmission:
     @ivar _sleepers: C{(kind, id)} -> this process's waiters between polls;
         a local release wakes them at once (after its C{ZREM} lands), so
         in-process hand-over does not wait for the backoff.
+    @ivar _writes: the slot and queue commands in flight (acquire, leave,
+        release), so L{releaseAll} can wait until they have landed.
     """
 
     _redis: RedisService
@@ -258,6 +260,7 @@ class RedisSlotAdmission:
     held: set = field(factory=set, init=False)
     _seq: object = field(factory=lambda: itertools.count(1), init=False)
     _sleepers: dict = field(factory=dict, init=False)
+    _writes: set = field(factory=set, init=False)
 
     _log = Logger()
 
@@ -299,6 +302,52 @@ class RedisSlotAdmission:
         See L{ISlotAdmission.acquire}.
         """
         return Deferred.fromCoroutine(self._acquire(plan, cancel, deadline))
+
+    # -- ISlotDrain -----------------------------------------------------------
+
+    def releaseAll(self, timeout: float) -> Deferred:
+        """
+        See L{ISlotDrain.releaseAll}: release every lease still in L{held}
+        (a C{ZREM} each), then wait up to C{timeout} seconds for every slot
+        and queue command in flight to land.
+        """
+        return Deferred.fromCoroutine(self._releaseAll(timeout))
+
+    async def _releaseAll(self, timeout: float) -> int:
+        leftover = [lease for lease in list(self.held) if not lease.released]
+        for lease in leftover:
+            lease.release()
+        if self._writes:
+            waits = []
+            for d in list(self._writes):
+                w = Deferred()
+                d.addBoth(_fire, w)
+                waits.append(w)
+            # A timeout cancels the waits; the list then fires normally.
+            await DeferredList(waits, consumeErrors=True).addTimeout(timeout, self._clock)
+            if self._writes:
+                self._log.warn(
+                    "{count} redis slot command(s) still in flight after {timeout}s",
+                    event="relay.redis_admission_error",
+                    operation="release_all",
+                    count=len(self._writes),
+                    timeout=timeout,
+                )
+        return len([lease for lease in leftover if lease.counted])
+
+    def _track(self, d: Deferred) -> Deferred:
+        """
+        Remember a slot or queue command until it completes (L{releaseAll}).
+
+        @return: C{d}.
+        """
+        self._writes.add(d)
+
+        def _done(result):
+            self._writes.discard(d)
+            return result
+
+        return d.addBoth(_done)
 
     def load(self, kind, ids) -> Deferred:
         """
@@ -468,20 +517,20 @@ class RedisSlotAdmission:
 
         @return: Deferred firing with C{[status, now, position, waiting]}.
         """
-        return self._redis.execute(
+        return self._track(self._redis.execute(
             self.timeout, "eval", ACQUIRE_LUA, keysFor(kind, id),
             [int(limit), repr(self.slotTtl), rid, mode, int(maxWaiting), repr(self.ticketTtl)],
-        )
+        ))
 
     def _leave(self, plan: WaitPlan, rid: str, dropSlot: bool) -> None:
         """
         Fire-and-forget C{leave.lua}: drop the ticket (and a slot member an
         abandoned attempt may have added).
         """
-        d = self._redis.execute(
+        d = self._track(self._redis.execute(
             self.timeout, "eval", LEAVE_LUA, keysFor(plan.kind, plan.id),
             [rid, "1" if dropSlot else "0"],
-        )
+        ))
         d.addErrback(lambda f: self._logError("slot_leave", f))
 
     def _release(self, lease: RedisSlotLease) -> None:
@@ -492,10 +541,10 @@ class RedisSlotAdmission:
         self.held.discard(lease)
         if not lease.counted:
             return
-        d = self._redis.execute(
+        d = self._track(self._redis.execute(
             self.timeout, "execute_command", "ZREM", slotKey(lease.kind, lease.id),
             lease.requestId,
-        )
+        ))
         d.addCallbacks(
             lambda _: self._wake((lease.kind, lease.id)),
             lambda f: self._logError("slot_release", f),
@@ -592,6 +641,16 @@ class RedisSlotAdmission:
             error=describe(reason),
             mode=self.onRedisError,
         )
+
+
+def _fire(result, waiter: Deferred):
+    """
+    Fire C{waiter} (once) when a tracked command completes; pass C{result}
+    through unchanged.
+    """
+    if not waiter.called:
+        waiter.callback(None)
+    return result
 
 
 class _Cancelled(Exception):

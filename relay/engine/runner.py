@@ -154,6 +154,10 @@ class TurnRunner:
     bookkeeping: object = None
     """The L{AccountBookkeeping}: the one writer of account state for an
     attempt's end (behaviour.md R86); built from C{health} when not given."""
+    inflight: dict = field(factory=dict)
+    """Every turn running now -> the Deferred L{run} returned for it, so a
+    graceful stop can wait for them and cancel what is left (issue 14,
+    L{relay.operations.drain})."""
     _log = Logger()
 
     def __attrs_post_init__(self) -> None:
@@ -196,7 +200,18 @@ class TurnRunner:
             C{completed}, C{failed}, C{client_gone} or C{error}. It never
             fails; bugs are logged and answered with a 502.
         """
-        return Deferred.fromCoroutine(self._run(turn, sink))
+        d = Deferred.fromCoroutine(self._run(turn, sink))
+        if not d.called:
+            self.inflight[turn] = d
+            d.addBoth(self._forget, turn)
+        return d
+
+    def _forget(self, result, turn: Turn):
+        """
+        Drop an ended turn from L{inflight}; pass C{result} through.
+        """
+        self.inflight.pop(turn, None)
+        return result
 
     # -- the loop --------------------------------------------------------------
 
@@ -216,6 +231,12 @@ class TurnRunner:
             outcome, status, accountId = await self._loop(turn, sink, state)
         except ClientGone:
             outcome, status = "client_gone", 499
+            if turn.cancel.tell is not None:
+                # relay cancelled the turn itself (a graceful stop's grace
+                # ran out, issue 14): nothing was judged or written (R2),
+                # and the client, still there, gets a terminal error once
+                # the slots are back (invariant 4).
+                outcome, status = "relay_cancelled", turn.cancel.tell.status
         except _AdmissionFailed as e:
             # R26/R32: the per-key slot could not be had; or the key's token
             # budget is spent (issue 13 item 5).
@@ -237,6 +258,14 @@ class TurnRunner:
             self.budget.active -= 1
             if state.retryToken:
                 self.budget.give()
+        if outcome == "relay_cancelled":
+            try:
+                sink.fail(turn.cancel.tell)
+            except Exception:
+                self._log.failure(
+                    "telling turn {request_id} it was cancelled failed",
+                    request_id=turn.requestId,
+                )
         self._finished(turn, state, outcome, status, accountId or state.lastAccountId, start)
         return outcome
 

@@ -87,14 +87,48 @@ def clientHeaders(request) -> dict:
 
 class KeyRing:
     """
-    Client API keys issued by relay (config.md C{keys:}).
+    Client API keys issued by relay (config.md C{keys:}). One ring serves
+    every entrypoint; a live reload swaps its keys (L{replace}, issue 14).
     """
 
     def __init__(self, keys):
         """
         @param keys: an iterable of L{ClientKey}.
         """
-        self._keys = list(keys)
+        self._keys = tuple(keys)
+
+    @property
+    def keys(self) -> tuple:
+        """
+        @return: the keys in force, in configuration order.
+        @rtype: L{tuple} of L{ClientKey}
+        """
+        return self._keys
+
+    def replace(self, keys) -> None:
+        """
+        Put C{keys} in force at once (a live reload): the next request or
+        WebSocket turn authenticates against them; turns already running
+        keep the key they started with.
+
+        @param keys: an iterable of L{ClientKey}.
+        """
+        self._keys = tuple(keys)
+
+    def current(self, key: ClientKey) -> Optional[ClientKey]:
+        """
+        The key in force with C{key}'s secret: C{key} itself, its
+        reloaded version (e.g. a new C{concurrency}), or L{None} when the
+        secret was removed or rotated (a WebSocket opened with it takes no
+        new turn, issue 14).
+
+        @param key: a L{ClientKey} authenticated earlier.
+        """
+        found = None
+        for candidate in self._keys:
+            if hmac.compare_digest(candidate.key.encode(), key.key.encode()):
+                found = candidate
+        return found
 
     def authenticate(self, request) -> Optional[ClientKey]:
         """

@@ -32,6 +32,7 @@ from relay.entry.http import UNAUTHORIZED, filterClientHeaders
 from relay.entry.sinks import writeError
 from relay.entry.wssink import WebSocketSink, wsErrorEvent
 from relay.model import ClientError, Turn
+from relay.operations.drain import RESTART_CLOSE
 from relay.requestid import adoptClientId
 from relay.scheduling.session import SESSION_HEADERS, sessionHash, sessionSeed
 
@@ -55,6 +56,9 @@ PREEMPTED_CLOSE = (1001, "session preempted by a newer connection")
 THREAD_HEADERS = ("thread-id", "x-codex-window-id")
 """R-B13: parallel Codex threads sharing a session id do not pre-empt each other."""
 """R69: the passthrough client idle close (other modes close 1000)."""
+KEY_REVOKED_CLOSE = (1008, "api key is no longer valid")
+"""Issue 14: the connection's key was removed or rotated by a reload; the
+connection takes no new turn (a reconnect with the new key works)."""
 
 def closeWith(proto, code: int, reason: str) -> None:
     """
@@ -194,8 +198,16 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
 
     def onOpen(self) -> None:
         try:
-            s = self.factory.settings.current.websocket
-            self._openedAt = self.factory.reactor.seconds()
+            f = self.factory
+            s = f.settings.current.websocket
+            self._openedAt = f.reactor.seconds()
+            connections = getattr(f, "openConnections", None)
+            if connections is not None:
+                connections.add(self)
+            if getattr(f, "draining", False):
+                # Issue 14: the upgrade raced the start of a graceful stop.
+                self.closeWith(*RESTART_CLOSE)
+                return
             self._arm(s.client_first_message_timeout_seconds, 1008, "missing first response.create message")
         except Exception:  # noqa: BLE001
             self._log.failure("opening a client websocket failed")
@@ -206,6 +218,9 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             return
         self._gone = True
         self._disarm()
+        connections = getattr(self.factory, "openConnections", None)
+        if connections is not None:
+            connections.discard(self)
         owners = getattr(self.factory, "sessionOwners", None)
         if owners is not None and self._ownerKey is not None and owners.get(self._ownerKey) is self:
             del owners[self._ownerKey]
@@ -243,6 +258,15 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             return self._modeFor(self._model)
         except Exception:  # noqa: BLE001
             return None
+
+    def drain(self) -> None:
+        """
+        Issue 14: relay is stopping. An idle connection closes 1001 "server
+        restarting" now (Codex reconnects); a busy one when its turn ends
+        (L{_turnDone}).
+        """
+        if self._running is None:
+            self.closeWith(*RESTART_CLOSE)
 
     def isOpen(self) -> bool:
         return not self._gone and self.state == self.STATE_OPEN and self._closing is None
@@ -336,6 +360,26 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         if kind != "response.create":
             self.reject(f"unsupported websocket request type: {kind}", "unsupported_request_type", "type")
             return
+        if getattr(self.factory, "draining", False):
+            # Issue 14: no new turn while relay stops; reconnect elsewhere.
+            self.closeWith(*RESTART_CLOSE)
+            return
+        key = self.factory.keys.current(self._key)
+        if key is None:
+            self._log.info(
+                "client websocket {conn_id}: its key was removed or rotated",
+                event="ingress_ws_key_revoked",
+                conn_id=self._connId,
+                client=self._key.name,
+            )
+            # R81: information without a status, then the close.
+            revoked = ClientError(
+                401, "invalid_request_error", UNAUTHORIZED.message, code="invalid_api_key"
+            )
+            self.sendText(json.dumps(wsErrorEvent(revoked, withStatus=False)).encode())
+            self.closeWith(*KEY_REVOKED_CLOSE)
+            return
+        self._key = key
         if self._overAge():
             return
         model = frame.get("model")
@@ -473,6 +517,9 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             return
         if sink.closed:
             return
+        if getattr(self.factory, "draining", False):
+            self.closeWith(*RESTART_CLOSE)
+            return
         self._next()
 
     def _next(self) -> None:
@@ -607,9 +654,11 @@ def buildWebSocketResource(runner, keys, accounts, settings, reactor) -> RelayWe
     factory.protocol = RelayWebSocketProtocol
     factory.runner = runner
     factory.keys = keys
-    factory.accounts = list(accounts)
+    factory.accounts = accounts  # the live registry (issue 14), never a copy
     factory.settings = settings
     factory.sessionOwners = {}  # R68: (key, session hash, thread id) -> connection
+    factory.openConnections = set()  # issue 14: what a graceful stop closes
+    factory.draining = False
     factory.setProtocolOptions(
         openHandshakeTimeout=10,
         closeHandshakeTimeout=5,

@@ -22,6 +22,8 @@ C{/admin}):
   - C{GET /admin/metrics} - the same metrics as C{/metrics}, behind the key;
   - C{GET /admin/usage?since=<ISO 8601 or Unix seconds>&group_by=key|account|model|hour}
     - token totals (issue 13 item 5), with the per-key budgets.
+  - C{POST /admin/reload} - re-read the configuration file and apply it
+    live (issue 14).
 
 Authentication is C{Authorization: Bearer <admin key>}. Without a
 configured admin key every C{/admin} route answers 404: the admin API is
@@ -125,6 +127,14 @@ def _deliverLater(request, d, onResult: Callable[[Any], tuple], what: str):
     return NOT_DONE_YET
 
 
+def _keyOf(adminKey) -> Optional[str]:
+    """
+    @param adminKey: a key, L{None}, or a callable returning either.
+    @return: the key in force.
+    """
+    return adminKey() if callable(adminKey) else adminKey
+
+
 class _Guarded(Resource):
     """
     A leaf admin resource: checks the admin key, then dispatches to
@@ -136,9 +146,21 @@ class _Guarded(Resource):
     isLeaf = True
     requireKey = True
 
-    def __init__(self, adminKey: Optional[str]):
+    def __init__(self, adminKey):
+        """
+        @param adminKey: the key, L{None}, or a no-argument callable
+            returning either, read per request (a live reload rotates the
+            key, issue 14).
+        """
         super().__init__()
-        self.adminKey = adminKey
+        self._adminKey = adminKey
+
+    @property
+    def adminKey(self) -> Optional[str]:
+        """
+        @return: the admin key in force, or L{None} when disabled.
+        """
+        return _keyOf(self._adminKey)
 
     def _authorised(self, request) -> bool:
         """
@@ -471,6 +493,43 @@ class _HistoryResource(_Guarded):
         return _respond(request, 200, self.history())
 
 
+class _ReloadResource(_Guarded):
+    """
+    C{POST /admin/reload} (issue 14): re-read the configuration file and
+    apply it (L{relay.operations.reload.ConfigReloader}).
+    """
+
+    def __init__(self, adminKey, reload: Callable[[str], Any]):
+        """
+        @param reload: called with the source C{"admin"}; returns a
+            L{relay.operations.reload.ReloadResult}.
+        """
+        super().__init__(adminKey)
+        self.reload = reload
+
+    def render_POST(self, request):
+        """
+        200 with C{{"applied": true, "problems": [], "refused": [...],
+        "changes": {...}}} when the file applied (C{refused} lists keys
+        kept until a restart); 400 in OpenAI's error envelope, with the
+        same fields, when the file has a problem and nothing changed.
+        """
+        if request.postpath not in ([], [b""]):
+            return _notFound(request)
+        result = self.reload("admin")
+        answer = result.asDict()
+        if result.applied:
+            return _respond(request, 200, answer)
+        problems = list(result.problems)
+        body = _errorBody(
+            "configuration not reloaded: " + "; ".join(problems),
+            "invalid_request_error",
+            "invalid_configuration",
+        )
+        body.update(answer)
+        return _respond(request, 400, body)
+
+
 class _MetricsResource(Resource):
     """
     The Prometheus text exposition of one registry, rendered synchronously
@@ -559,8 +618,15 @@ class _AdminRoot(Resource):
 
     def __init__(self, adminKey, children: dict):
         super().__init__()
-        self.adminKey = adminKey
+        self._adminKey = adminKey
         self._routes = children
+
+    @property
+    def adminKey(self) -> Optional[str]:
+        """
+        @return: the admin key in force, or L{None} when disabled.
+        """
+        return _keyOf(self._adminKey)
 
     def getChild(self, path, request):
         """
@@ -612,11 +678,13 @@ def buildAdminResource(
     usage=None,
     history: Optional[Callable[[], dict]] = None,
     tokenActions=None,
+    reload: Optional[Callable[[str], Any]] = None,
 ) -> Resource:
     """
     Build the resource tree to mount at C{/admin}.
 
-    @param adminKey: the admin key, or L{None} to disable every route (404).
+    @param adminKey: the admin key, or L{None} to disable every route (404),
+        or a no-argument callable returning either, read per request.
     @param settings: the process's L{RuntimeSettings}.
     @param accountsView: returns (a L{Deferred} of) a list of dicts, one per
         account, with keys C{id}, C{type}, C{priority}, C{concurrency},
@@ -645,6 +713,9 @@ def buildAdminResource(
         options)} and C{setTokens(id, body)} (L{relay.operator.view.OperatorView})
         for the OAuth routes; they return (Deferreds of) results and raise
         L{KeyError} for an unknown account, L{ValueError} for a bad request.
+    @param reload: optional; C{reload(source)} re-reads the configuration
+        and returns a L{relay.operations.reload.ReloadResult}, served as
+        C{POST /admin/reload} (issue 14).
     @rtype: L{Resource}
     """
     routes = {
@@ -660,6 +731,8 @@ def buildAdminResource(
         routes[b"usage"] = _UsageResource(adminKey, usage, clock)
     if history is not None:
         routes[b"history"] = _HistoryResource(adminKey, history)
+    if reload is not None:
+        routes[b"reload"] = _ReloadResource(adminKey, reload)
     return _AdminRoot(adminKey, routes)
 
 

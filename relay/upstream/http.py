@@ -266,10 +266,13 @@ class HTTPDialer:
     def _clientFor(self, account: Account, timeouts: UpstreamSettings) -> HTTPClient:
         """
         One treq client (and connection pool) per (proxy, connect timeout):
-        connections through different proxies must never be shared.
+        connections through different proxies must never be shared. Keyed
+        by the whole L{relay.model.ProxySpec}, not its id: a reload that points a
+        proxy id at another address or credentials gets a new client
+        (issue 14).
         """
         proxy = account.proxy
-        key = (proxy.id if proxy else None, timeouts.connect_timeout_seconds)
+        key = (proxy, timeouts.connect_timeout_seconds)
         client = self._clients.get(key)
         if client is None:
             pool = HTTPConnectionPool(self._reactor, persistent=True)

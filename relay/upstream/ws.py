@@ -253,6 +253,8 @@ class PooledConnection:
         head the upstream caches, protocol.md 4.4).
     @ivar handshakeCounted: whether its handshake's 101 was counted in
         C{relay_upstream_status_total} (once per connection; issue 15).
+    @ivar retiring: its account changed or went away in a reload (issue
+        14): closed when its turn gives it back, never lent again.
     """
 
     proto: UpstreamProtocol
@@ -262,6 +264,7 @@ class PooledConnection:
     broken: bool = False
     lastResponseId: str | None = None
     handshakeCounted: bool = False
+    retiring: bool = False
 
     @property
     def alive(self) -> bool:
@@ -403,7 +406,7 @@ class UpstreamPool:
         conn.proto.listener = None
         pool = self._pool(conn.accountId)
         tooOld = self.reactor.seconds() - conn.openedAt >= MAX_AGE_SECONDS
-        if broken or not conn.alive or tooOld:
+        if broken or not conn.alive or tooOld or conn.retiring:
             conn.broken = True
             if conn in pool.conns:
                 pool.conns.remove(conn)
@@ -416,6 +419,36 @@ class UpstreamPool:
                 conn.busy = True
                 d.callback(conn)
                 return
+
+    def retire(self, accountId: str) -> int:
+        """
+        An account's credentials or settings changed, or it was removed,
+        in a live reload (issue 14): close its idle connections now and
+        each busy one when its turn gives it back, so new turns dial with
+        the account in force. Other accounts' connections are untouched.
+
+        @param accountId: the account id.
+        @return: how many connections were retired.
+        """
+        pool = self._pools.get(accountId)
+        if pool is None:
+            return 0
+        retired = 0
+        for conn in list(pool.conns):
+            retired += 1
+            conn.retiring = True
+            if not conn.busy:
+                pool.conns.remove(conn)
+                conn.broken = True
+                conn.proto.close()
+        if retired:
+            self._log.info(
+                "retiring {count} upstream websocket(s) of {account_id} after a reload",
+                event="relay.ws_upstream_retired",
+                account_id=accountId,
+                count=retired,
+            )
+        return retired
 
     def _wakeForCapacity(self, pool) -> None:
         """
