@@ -26,6 +26,7 @@ from relay.components import loadComponent
 from relay.engine.runner import TurnRunner
 from relay.entry.body import LimitedBodyRequest
 from relay.entry.http import KeyRing, buildRoot
+from relay.entry.site import JSONMethodErrors, RelaySite
 from relay.health import AccountHealth
 from relay.interfaces import IFailureClassifier, ISlotAdmission, IUpstreamDialer
 from relay.model import RelayConfig
@@ -60,6 +61,13 @@ class _Request(LimitedBodyRequest):
     @_parsePOSTFormSubmission.setter
     def _parsePOSTFormSubmission(self, value: bool) -> None:
         self._parseForms = value
+
+    def render(self, resrc) -> None:
+        """
+        Render C{resrc}; a method it has no handler for is a JSON 405
+        (L{JSONMethodErrors}, issue 14), never twisted.web's HTML page.
+        """
+        super().render(JSONMethodErrors(resrc))
 
 
 @define(eq=False)
@@ -219,7 +227,7 @@ def buildApplication(
         clock=reactor, runner=runner, settings=settings, admission=admission,
         wsFactory=wsResource.factory,
     )
-    site = Site(DrainGate(root, app.drain), requestFactory=_Request)
+    site = RelaySite(DrainGate(root, app.drain), requestFactory=_Request)
     site.displayTracebacks = False
     site.maxRequestBodyBytes = config.gateway.max_request_body_bytes
     site.wsFactory = wsResource.factory
