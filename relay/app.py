@@ -39,6 +39,9 @@ from relay.settings import RuntimeSettings
 from relay.upstream.http import HTTPDialer
 
 
+_log = Logger()
+
+
 class _Request(LimitedBodyRequest):
     """
     A L{Request} that limits and decodes bodies (L{LimitedBodyRequest},
@@ -275,11 +278,29 @@ def _webSocket(app: RelayApplication, trustRoot):
             pool.retire(accountId)
 
     app.live.accounts.subscribe(retire)
+    app.live.accounts.subscribe(lambda change: _forgetRenewed(app, change))
     resource = buildWebSocketResource(
         app.runner, app.keys, app.live.accounts, app.settings, reactor
     )
     app.extras["wsFactory"] = resource.factory
     return resource
+
+
+def _forgetRenewed(app: RelayApplication, change) -> None:
+    """
+    Issue 14: an account whose credential, endpoint or proxy a reload
+    changed starts afresh: its cooldowns, streaks and breaker (learnt about
+    the old identity) are cleared, as an operator's clear would. Other
+    accounts' state, changed or not, is kept.
+    """
+    for accountId in sorted(change.renewed):
+        d = app.health.clear(accountId)
+        d.addErrback(
+            lambda f, i=accountId: _log.failure(
+                "clearing renewed account {account_id} failed", f, account_id=i,
+                event="relay.config_listener_failed",
+            )
+        )
 
 
 def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None:
