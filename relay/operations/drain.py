@@ -215,7 +215,10 @@ class GracefulDrain:
             grace=grace,
         )
         self.start()
-        await _waitAll(list(inflight.values()), grace, self.clock)
+        deadline = started + grace
+        # Nothing new should start while draining; wait for late ones too.
+        while inflight and self.clock.seconds() < deadline:
+            await _waitAll(list(inflight.values()), deadline - self.clock.seconds(), self.clock)
         cancelled = 0
         if inflight:
             left = list(inflight.items())
