@@ -1,9 +1,11 @@
 """
 Regression tests for what issue 14's fuzzing found below the routes
-(L{relay.entry.site}) and in JSON parsing (L{relay.entry.http.loadJSON}):
+(L{relay.entry.site}), in JSON parsing (L{relay.entry.http.loadJSON}) and
+in chat request checks (L{relay.translate.chatrequest.checkChatRequest}):
 relay's answers stay in OpenAI's error format where twisted.web would
-answer bare or in HTML, and an unpaired surrogate never gets past the
-entrypoints.
+answer bare or in HTML, an unpaired surrogate never gets past the
+entrypoints, and a chat request the translator cannot read is a 400, not
+an internal error.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from twisted.web.resource import Resource
 
 from relay.entry.http import loadJSON
 from relay.session import sessionHash
+from relay.translate.chatrequest import ChatRequestError, chatToResponses, checkChatRequest
 
 
 class _GetOnly(Resource):
@@ -145,3 +148,60 @@ class SurrogateTests(SynchronousTestCase):
         The session hash takes any string (defence in depth).
         """
         self.assertEqual(len(sessionHash("\ud800", "k")), 16)
+
+
+class ChatShapeTests(SynchronousTestCase):
+    """
+    L{checkChatRequest}: every shape L{chatToResponses} reads is checked.
+    """
+
+    USER = {"role": "user", "content": "hi"}
+
+    def test_unhashableRoleIs400(self):
+        """
+        Fuzz: a list C{role} raised TypeError in the check itself (an HTML
+        500); now a L{ChatRequestError} naming the role.
+        """
+        e = self.assertRaises(
+            ChatRequestError, checkChatRequest, {"messages": [{"role": ["user"]}]}
+        )
+        self.assertEqual(e.param, "messages[0].role")
+
+    def test_wrongShapesAre400(self):
+        """
+        Fuzz: C{"tools": 1} crashed the OAuth translation (a 502 and a
+        logged bug); it and its kin are refused up front, naming the
+        parameter.
+        """
+        cases = [
+            ({"tools": 1}, "tools"),
+            ({"tools": [1]}, "tools[0]"),
+            ({"functions": "f"}, "functions"),
+            ({"messages": [dict(self.USER), {"role": "assistant", "tool_calls": 3}]},
+             "messages[1].tool_calls"),
+            ({"messages": [{"role": "assistant", "tool_calls": [{"function": "x"}]}]},
+             "messages[0].tool_calls[0].function"),
+            ({"messages": [{"role": "user", "content": [{"type": "file", "file": "x"}]}]},
+             "messages[0].content[0].file"),
+            ({"tool_choice": {"type": "allowed_tools", "allowed_tools": {"tools": 5}}},
+             "tool_choice.allowed_tools.tools"),
+        ]
+        for extra, param in cases:
+            body = {"messages": [dict(self.USER)], **extra}
+            e = self.assertRaises(ChatRequestError, checkChatRequest, body)
+            self.assertEqual(e.param, param)
+
+    def test_checkedBodiesTranslate(self):
+        """
+        What the check lets through translates (odd but readable values
+        included).
+        """
+        body = {
+            "messages": [dict(self.USER), {"role": "assistant", "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": 1}}]}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "functions": None,
+            "tool_choice": "auto",
+        }
+        checkChatRequest(body)
+        self.assertEqual(chatToResponses(body)["tools"][0]["name"], "f")

@@ -26,7 +26,7 @@ from relay.entry.body import DEFAULT_MAX_BODY_BYTES
 from relay.entry.sinks import JSONSink, SSESink, writeError
 from relay.model import ClientError, ClientKey, Turn
 from relay.session import sessionHash, sessionSeed
-from relay.translate.chatrequest import ChatRequestError, checkMessages
+from relay.translate.chatrequest import ChatRequestError, checkChatRequest
 
 MAX_BODY_BYTES = DEFAULT_MAX_BODY_BYTES
 """The largest request body accepted when the request does not say
@@ -311,7 +311,7 @@ class TurnResource(Resource):
         stream = streamFlag is True
         if self._endpoint == "chat":
             try:
-                checkMessages(body.get("messages"))
+                checkChatRequest(body)
             except ChatRequestError as e:
                 writeError(request, badRequest(str(e), param=e.param))
                 return NOT_DONE_YET

@@ -88,6 +88,13 @@ _message = _some({
     }), max_size=2))),
     "name": _orWrong(_text),
     "tool_call_id": _orWrong(_text),
+    "tool_calls": _orWrong(st.lists(_some({
+        "id": _orWrong(_text),
+        "type": _orWrong(st.sampled_from(["function", "custom"])),
+        "function": _orWrong(_some({"name": _orWrong(_text), "arguments": _orWrong(_text)})),
+        "custom": _orWrong(_some({"name": _orWrong(_text), "input": _orWrong(_text)})),
+    }), max_size=2)),
+    "function_call": anyJSON,
 })
 _inputItem = _some({
     "type": _orWrong(st.sampled_from(["message", "function_call_output", "reasoning", "x"])),
@@ -129,7 +136,16 @@ _CHAT_FIELDS = {
     "stream": _orWrong(st.booleans()),
     "stream_options": anyJSON,
     "max_tokens": _orWrong(st.integers(1, 4096)),
-    "tools": anyJSON,
+    "tools": _orWrong(st.lists(_some({
+        "type": _orWrong(st.sampled_from(["function", "custom"])),
+        "function": _orWrong(_some({"name": _orWrong(_text), "parameters": anyJSON,
+                                    "strict": anyJSON})),
+    }), max_size=2)),
+    "functions": anyJSON,
+    "tool_choice": anyJSON,
+    "response_format": anyJSON,
+    "reasoning_effort": anyJSON,
+    "max_completion_tokens": anyJSON,
     "n": _orWrong(st.integers(1, 3)),
     "temperature": anyJSON,
 }

@@ -186,3 +186,27 @@ async def test_site_answers_unparseable_http_and_odd_methods_in_json():
         assert b'"method_not_allowed"' in answers[1]
     finally:
         await s.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_chat_shapes_on_oauth_are_400():
+    """
+    Fuzz: on an OAuth account C{"tools": 1} failed inside the engine's
+    translation (502, a logged bug) and a list C{role} failed the entry's
+    check (an HTML 500); both are 400s in OpenAI's format now, and nothing
+    reaches upstream.
+    """
+    s = await startStack([{"id": "o1", "type": "oauth", "credential": "sk-emu-regress-o1"}])
+    try:
+        for body, param in (
+            ({"model": "gpt-5.5", "tools": 1, "messages": [{"role": "user", "content": "x"}]},
+             "tools"),
+            ({"model": "gpt-5.5", "messages": [{"role": ["user"], "content": "x"}]},
+             "messages[0].role"),
+        ):
+            response, data = await s.postJSON("/v1/chat/completions", body)
+            assert response.code == 400, data
+            assert json.loads(data)["error"]["param"] == param
+        assert s.emulator.requestsFor("sk-emu-regress-o1", "request") == []
+    finally:
+        await s.stop()
