@@ -11,6 +11,7 @@ an internal error.
 from __future__ import annotations
 
 import json
+from typing import ClassVar
 
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
@@ -19,7 +20,11 @@ from twisted.web.resource import Resource
 
 from relay.entry.http import loadJSON
 from relay.session import sessionHash
-from relay.translate.chatrequest import ChatRequestError, chatToResponses, checkChatRequest
+from relay.translate.chatrequest import (
+    ChatRequestError,
+    chatToResponses,
+    checkChatRequest,
+)
 
 
 class _GetOnly(Resource):
@@ -155,7 +160,7 @@ class ChatShapeTests(SynchronousTestCase):
     L{checkChatRequest}: every shape L{chatToResponses} reads is checked.
     """
 
-    USER = {"role": "user", "content": "hi"}
+    USER: ClassVar[dict] = {"role": "user", "content": "hi"}
 
     def test_unhashableRoleIs400(self):
         """

@@ -80,6 +80,13 @@ class Reloadable:
         with open(self.path, "w", encoding="utf-8") as f:
             f.write(text)
 
+    def read(self) -> str:
+        """
+        @return: the configuration file's text.
+        """
+        with open(self.path, encoding="utf-8") as f:
+            return f.read()
+
     async def start(self, accounts, keys=(("one", K1),), gateway="{}", extra=""):
         emulator = Emulator(reactor=reactor)
         await emulator.listen(reactor)
@@ -180,8 +187,7 @@ async def test_bad_file_changes_nothing(tmp_path):
     """
     relay = await Reloadable(tmp_path).start([("a1", "sk-emu-a1", {})])
     try:
-        with open(relay.path, encoding="utf-8") as f:
-            text = f.read()
+        text = relay.read()
         relay.write(None, text=text + "gateway2: {}\n")
         status, answer = await relay.reload()
         assert status == 400
