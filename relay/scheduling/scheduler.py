@@ -680,8 +680,11 @@ class AccountScheduler:
                 lease = await self._try(ctx, account)
                 if lease is not None:
                     if quota is not None:
+                        # The chosen account is always its own peer: its state
+                        # may have changed while the acquire was in flight
+                        # (found by the chaos soak, issue 14).
                         peers = [plain(a) for a in order if a.priority == account.priority
-                                 and not self._incompatible(ctx, a)]
+                                 and (a is account or not self._incompatible(ctx, a))]
                         ctx.quotaDecided = plain(account) > min(peers)
                     return account, lease
         return None
