@@ -351,8 +351,15 @@ class AccountScheduler:
             return
         ttl = self._settings.current.scheduling.previous_response_ttl_seconds
         self._remember(responseId, account.id, turn.client.name, ttl)
-        await self._write("setValue", responseKey(responseId), account.id, ttl)
-        await self._write("setValue", responseOwnerKey(responseId), turn.client.name, ttl)
+        # Both writes leave at once (issue 14): a reader in another process
+        # must not find the owner without the key (R40) a round trip later.
+        writes = [
+            Deferred.fromCoroutine(self._write("setValue", key, value, ttl))
+            for key, value in ((responseKey(responseId), account.id),
+                               (responseOwnerKey(responseId), turn.client.name))
+        ]
+        for d in writes:
+            await d
 
     def _remember(self, responseId: str, accountId: str, keyName: str, ttl: float) -> None:
         """
