@@ -241,3 +241,16 @@ def dump(directory: str, turns: list, ledger: dict) -> None:
                 "detail", "cancelPlan", "cancelPhase", "rerouted", "responseId")}) + "\n")
     with open(os.path.join(directory, "ledger.json"), "w") as f:
         json.dump(ledger, f)
+
+
+OAUTH_EVENTS = ("relay.oauth_refreshed", "relay.oauth_refresh_shared", "relay.oauth_tokens_loaded",
+                "relay.oauth_refresh_failed", "relay.oauth_refresh_in_doubt",
+                "relay.oauth_needs_login", "relay.oauth_refresh_conflict")
+
+
+def oauthEvents(logs: dict) -> Counter:
+    """
+    The relays' OAuth token events by name (issue 12's log lines).
+    """
+    return Counter(event["event"] for lines in logs.values() for event in lines
+                   if event.get("event") in OAUTH_EVENTS)

@@ -9,7 +9,8 @@ Accounts: three API-key accounts (C{a1}-C{a3}) serve both models, two OAuth acco
 (C{o1}, C{o2}) only L{MODEL} (the chained HTTP conversations use L{CHAIN_MODEL}, which needs
 an API-key account, R42). WebSocket modes: relay 0 defaults to C{ctx_pool}, relay 1 to
 C{passthrough}, and C{a3} and C{o2} are C{http_bridge} on both, so WebSocket turns meet all
-three modes. The reload adds C{a4} and changes C{a2}'s priority on relay 0.
+three modes. The reload adds C{a4} and changes C{a2}'s priority and C{o2}'s concurrency on
+relay 0. OAuth access tokens live L{TOKEN_TTL} seconds, so both relays refresh them mid-run.
 """
 
 from __future__ import annotations
@@ -38,14 +39,21 @@ APIKEYS = ("a1", "a2", "a3")
 OAUTH = ("o1", "o2")
 CONCURRENCY = {"a1": 8, "a2": 8, "a3": 6, "a4": 6, "o1": 6, "o2": 6}
 BRIDGED = ("a3", "o2")
+TOKEN_TTL = 40
+"""Seconds an OAuth access token lives: with L{REFRESH_MARGIN}, each relay refreshes the OAuth
+tokens during the run (two processes sharing the refresh lock and the records in Redis, across
+the Redis restarts and the relay restart)."""
+REFRESH_MARGIN = 20
 
 FAULTS = [
-    # Every kind the emulator can inject, weighted; see relay.emulator.chaos.
-    {"weight": 2, "kind": "status", "preset": "unavailable"},
-    {"weight": 1, "kind": "status", "preset": "server_error"},
-    {"weight": 1, "kind": "status", "preset": "overloaded"},
-    {"weight": 1, "kind": "status", "preset": "usage_limit", "resets_in_seconds": 4},
-    {"weight": 1, "kind": "status", "preset": "rate_limit"},
+    # Every kind the emulator can inject, weighted; see relay.emulator.chaos. Status faults
+    # are lighter than their share of kinds: R11 blocks and R12 rate limits park accounts
+    # for seconds, and a soak that only answers "no account" exercises little else.
+    {"weight": 1, "kind": "status", "preset": "unavailable"},
+    {"weight": 0.5, "kind": "status", "preset": "server_error"},
+    {"weight": 0.5, "kind": "status", "preset": "overloaded"},
+    {"weight": 0.5, "kind": "status", "preset": "usage_limit", "resets_in_seconds": 3},
+    {"weight": 0.5, "kind": "status", "preset": "rate_limit"},
     {"weight": 1, "kind": "reset_before_headers"},
     {"weight": 0.5, "kind": "hang_before_headers"},
     {"weight": 0.5, "kind": "hang_after_headers"},
@@ -55,7 +63,7 @@ FAULTS = [
     {"weight": 1, "kind": "delay_first_output", "seconds": 1.5},
     {"weight": 0.5, "kind": "end_after_events", "events": 2},
     {"weight": 0.5, "kind": "end_after_events", "events": 6},
-    {"weight": 1, "kind": "stream_error", "code": "server_error"},
+    {"weight": 0.5, "kind": "stream_error", "code": "server_error"},
     {"weight": 1, "kind": "ws_handshake_status", "code": 503},
     {"weight": 0.5, "kind": "ws_handshake_reset"},
     {"weight": 0.3, "kind": "ws_handshake_hang"},
@@ -84,7 +92,7 @@ def emulatorConfig(port: int, seed: int, rate: float) -> dict:
     return {
         "listen": f"tcp:{port}:interface=127.0.0.1",
         "accept_any": False,
-        "oauth": {"access_token_ttl": 3600, "secret": SECRET},
+        "oauth": {"access_token_ttl": TOKEN_TTL, "secret": SECRET},
         "default_script": {"text": "soak answer from {credential_name} to {input}",
                            "delay": 0.03, "deltas": 6},
         "accounts": accounts,
@@ -96,7 +104,8 @@ def relayConfig(port: int, emulatorPort: int, redisURL: str, mode: str, tokens: 
                 reloaded: bool = False) -> dict:
     """
     One relay's configuration. C{reloaded} is the file the C{SIGHUP} reads: C{a4} added,
-    C{a2}'s priority changed.
+    C{a2}'s priority and C{o2}'s concurrency changed (its pooled upstream WebSockets are
+    retired).
     """
     base = f"http://127.0.0.1:{emulatorPort}"
     accounts = []
@@ -111,13 +120,14 @@ def relayConfig(port: int, emulatorPort: int, redisURL: str, mode: str, tokens: 
             "id": o, "type": "oauth", "base_url": base + "/backend-api/codex",
             "access_token": tokens[o], "refresh_token": f"rt-{o}-0",
             "chatgpt_account_id": f"acct-{o}", "auth_base_url": base,
-            "concurrency": CONCURRENCY[o], "models": [MODEL],
+            "concurrency": CONCURRENCY[o] - (2 if (reloaded and o == "o2") else 0),
+            "models": [MODEL],
         })
     for account in accounts:
         if account["id"] in BRIDGED:
             account["ws_mode"] = "http_bridge"
     gateway = dict(GATEWAY, websocket={"mode_default": mode},
-                   oauth={"auth_base_url": base, "refresh_margin_seconds": 60})
+                   oauth={"auth_base_url": base, "refresh_margin_seconds": REFRESH_MARGIN})
     return {
         "listen": f"tcp:{port}:interface=127.0.0.1",
         "admin_key": ADMIN,
@@ -193,7 +203,7 @@ class SoakStack:
         with open(path, "w") as f:
             yaml.safe_dump(config, f)
         minter = Emulator(reactor=reactor, config=dict(config, listen=None, chaos=None))
-        self.tokens = {o: minter.mintAccessToken(o, 3600) for o in OAUTH}
+        self.tokens = {o: minter.mintAccessToken(o, TOKEN_TTL) for o in OAUTH}
         self.emulator = subprocess.Popen(
             [sys.executable, "-m", "twisted", "relay-emulator", "--config", path],
             cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
@@ -252,8 +262,7 @@ class SoakStack:
 
     def reload(self, index: int) -> None:
         """
-        Rewrite relay C{index}'s file (C{a4} added, C{a2}'s priority changed) and send it
-        C{SIGHUP}.
+        Rewrite relay C{index}'s file (see L{relayConfig}'s C{reloaded}) and send it C{SIGHUP}.
         """
         relay = self.relays[index]
         self._writeRelayConfig(index, relay.port, reloaded=True)
@@ -293,6 +302,14 @@ class SoakStack:
         """
         r = await treq.get(self.emulatorURL + "/_emulator/turns", persistent=False)
         return json.loads(await r.content())
+
+    async def oauthStats(self) -> dict:
+        """
+        The emulator's token endpoint counters (C{GET /_emulator/oauth}): per account
+        C{token_requests}, C{refreshes}, C{reuse_attempts}.
+        """
+        r = await treq.get(self.emulatorURL + "/_emulator/oauth", persistent=False)
+        return json.loads(await r.content())["accounts"]
 
     def redisKeys(self, pattern: str) -> list:
         """

@@ -19,7 +19,9 @@ asserts (definitions in L{tests.integration.soakchecks}):
   - each relay process's peak RSS stays below L{soakchecks.RSS_BOUND_KIB};
   - the R86 rules hold in the relays' JSON logs, and they show no unexpected failure
     (a critical line, a traceback, an unhandled error);
-  - both stops (the mid-run restart and the final stop) exit 0.
+  - both stops (the mid-run restart and the final stop) exit 0;
+  - OAuth tokens (40 s access tokens) are refreshed mid-run by the two relays without a
+    refresh token used twice and without a login lost (issue 12, across the restarts).
 
 Deterministic to re-run: the seed is printed first (C{RELAY_SOAK_SEED} overrides it); each
 client's choices and each turn's faults derive from it. How many turns fit in the time
@@ -48,7 +50,7 @@ from tests.integration.soakstack import FAULTS, SoakStack
 SEED = int(os.environ.get("RELAY_SOAK_SEED", "1414"))
 CLIENTS = int(os.environ.get("RELAY_SOAK_CLIENTS", "200"))
 SECONDS = float(os.environ.get("RELAY_SOAK_SECONDS", "60"))
-FAULT_RATE = 0.25
+FAULT_RATE = 0.2
 
 
 async def _sleepUntil(when: float) -> None:
@@ -114,6 +116,7 @@ async def test_chaos_soak():
         loadEnded = reactor.seconds()
         leftovers = await _leftovers(stack)
         ledger = await stack.ledger()
+        tokenStats = await stack.oauthStats()
         stack.recordPeaks()
         for relay in stack.relays:
             relay.process.terminate()
@@ -132,6 +135,7 @@ async def test_chaos_soak():
         cancels = Counter(t.cancelPhase for t in turns if t.outcome == "cancelled")
         unclear = [t for t in turns if t.outcome not in CLEAR]
         modes = checks.wsModes(logs)
+        oauthLog = checks.oauthEvents(logs)
         faults = checks.injectedFaults(stack.emulatorLog)
         missingKinds = sorted({f["kind"] for f in FAULTS} - set(faults))
         missingModes = sorted({"ctx_pool", "passthrough", "http_bridge"} - set(modes))
@@ -160,6 +164,14 @@ async def test_chaos_soak():
             ("turns generated twice", len(found["doubles"]), "0"),
             ("upstream calls > 1 s after the client left", len(found["late_calls"]), "0"),
             ("generations > 1 s after the client left", found["late_generations"], "(info)"),
+            ("OAuth refreshes at the token endpoint", " ".join(
+                f"{name}:{v['refreshes']}" for name, v in sorted(tokenStats.items())),
+             "each > 0"),
+            ("  refresh token reuse attempts", sum(v["reuse_attempts"]
+                                                   for v in tokenStats.values()), "0"),
+            ("  relay token events", " ".join(
+                f"{k.split('.')[-1]}={v}" for k, v in sorted(oauthLog.items())),
+             "needs_login=0"),
             ("Redis slot/wait/lease keys left when idle", len(leftovers), "0"),
             ("peak RSS per relay process (MiB)", " ".join(
                 f"r{i}:{kib // 1024}" for i, _, kib in stack.peakKiB),
@@ -195,6 +207,12 @@ async def test_chaos_soak():
             "RSS over bound": [p for p in stack.peakKiB if p[2] >= checks.RSS_BOUND_KIB],
             "non-zero exits": [c for c in exits if c != 0],
             "fault kinds never injected": missingKinds,
+            "OAuth accounts never refreshed": [n for n, v in tokenStats.items()
+                                               if not v["refreshes"]],
+            "OAuth refresh token reuse": [n for n, v in tokenStats.items()
+                                          if v["reuse_attempts"]],
+            "OAuth logins lost": [f"needs_login x{oauthLog['relay.oauth_needs_login']}"]
+            if oauthLog["relay.oauth_needs_login"] else [],
             "WebSocket modes never used": missingModes,
             **{f"R86 {k}": v for k, v in logFound.items() if k != "causes"},
         }
