@@ -843,6 +843,16 @@ class AccountScheduler:
         ownerId = await self._responseOwner(previous)
         owner = ctx.byId.get(ownerId) if ownerId else None
         if owner is None:
+            if ownerId:
+                # Issue 14: an owner this process does not have (removed by
+                # a reload, or configured on another relay only) is said,
+                # not silently dropped.
+                self._log.info(
+                    "previous_response_id owner {account_id} not usable ({reason});"
+                    " falling back",
+                    event="openai.previous_response_owner_skipped", account_id=ownerId,
+                    reason="not_configured", request_id=ctx.turn.requestId,
+                )
             return None
         reason = self._incompatible(ctx, owner)
         if reason is not None and reason.startswith("unschedulable"):
