@@ -28,6 +28,12 @@ Definitions (the soak's contract):
       4. every C{relay.account_cooldown_set} follows an ops event of the same turn and account,
          never a capacity shed, a clean end without terminal event (R86.4), relay's own
          timeout or a departure.
+  - I{Chains kept} (R39, R41, R42): a chained HTTP Responses turn (turn 2, with the
+    C{previous_response_id} of turn 1, which completed) is scheduled with its owner known --
+    the relay either routed it to the owner or logged why the owner was skipped (cooling,
+    excluded, ...) -- unless Redis was restarted between the two turns (the record is gone
+    and only the relay that served turn 1 still knows it locally) or the turn never reached
+    scheduling.
   - No unexpected failure: no relay log line at level C{critical}, with a traceback, or an
     unhandled error in a Deferred (a bug relay did not expect, whatever the client saw).
 """
@@ -254,3 +260,38 @@ def oauthEvents(logs: dict) -> Counter:
     """
     return Counter(event["event"] for lines in logs.values() for event in lines
                    if event.get("event") in OAUTH_EVENTS)
+
+
+def chainsLost(logs: dict, turns: list, redisDown: list) -> list:
+    """
+    Chained HTTP turns scheduled without their owner (module docstring, "Chains kept").
+
+    @param redisDown: C{(killed, started)} Unix-second pairs of the Redis restarts.
+    """
+    byId = {t.id: t for t in turns}
+    seen = {}
+    for lines in logs.values():
+        for event in lines:
+            rid = event.get("request_id")
+            if not rid or not rid.endswith("-t2"):
+                continue
+            if event.get("event") == "openai.previous_response_owner_skipped":
+                seen.setdefault(rid, set()).add("skipped")
+            elif event.get("event") == "openai.account_schedule_decision":
+                seen.setdefault(rid, set()).add(
+                    "hit" if event.get("sticky_previous_hit") else "decided")
+    lost = []
+    for turn in turns:
+        if turn.kind not in ("sse", "json") or not turn.id.endswith("-t2"):
+            continue
+        first = byId.get(turn.id[:-1] + "1")
+        marks = seen.get(turn.requestId, set())
+        if first is None or first.ended is None or marks != {"decided"}:
+            continue
+        if first.relay != turn.relay and any(
+                killed < (turn.ended or turn.started) and started > first.ended - 1.0
+                for killed, started in redisDown):
+            continue  # Redis lost the record between turn 1's end and turn 2's scheduling
+        lost.append(f"{turn.id}: turn 1 on relay {first.relay}, turn 2 on relay {turn.relay} "
+                    f"{turn.started - first.ended:.3f}s later, owner unknown ({turn.detail})")
+    return lost

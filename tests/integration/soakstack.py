@@ -9,8 +9,8 @@ Accounts: three API-key accounts (C{a1}-C{a3}) serve both models, two OAuth acco
 (C{o1}, C{o2}) only L{MODEL} (the chained HTTP conversations use L{CHAIN_MODEL}, which needs
 an API-key account, R42). WebSocket modes: relay 0 defaults to C{ctx_pool}, relay 1 to
 C{passthrough}, and C{a3} and C{o2} are C{http_bridge} on both, so WebSocket turns meet all
-three modes. The reload adds C{a4} and changes C{a2}'s priority and C{o2}'s concurrency on
-relay 0. OAuth access tokens live L{TOKEN_TTL} seconds, so both relays refresh them mid-run.
+three modes. The new configuration (C{a4} added, C{a2}'s priority and C{o2}'s concurrency
+changed) is written for both relays; relay 0 reads it on C{SIGHUP}, relay 1 when restarted. OAuth access tokens live L{TOKEN_TTL} seconds, so both relays refresh them mid-run.
 """
 
 from __future__ import annotations
@@ -262,11 +262,13 @@ class SoakStack:
 
     def reload(self, index: int) -> None:
         """
-        Rewrite relay C{index}'s file (see L{relayConfig}'s C{reloaded}) and send it C{SIGHUP}.
+        Roll out the new configuration (see L{relayConfig}'s C{reloaded}) to both relays'
+        files, as an operator would, and send relay C{index} C{SIGHUP}; the other relay reads
+        it when it is restarted.
         """
-        relay = self.relays[index]
-        self._writeRelayConfig(index, relay.port, reloaded=True)
-        os.kill(relay.process.pid, signal.SIGHUP)
+        for each, relay in enumerate(self.relays):
+            self._writeRelayConfig(each, relay.port, reloaded=True)
+        os.kill(self.relays[index].process.pid, signal.SIGHUP)
         self.note(f"relay {index} SIGHUP")
 
     async def restartRelay(self, index: int) -> int:

@@ -15,6 +15,7 @@ asserts (definitions in L{tests.integration.soakchecks}):
     OpenAI's envelope, an in-stream C{response.failed}/C{error}/chat error chunk, a
     WebSocket close code) or its own cancel -- none is unclear, none hung past its deadline;
   - no client turn was generated twice upstream;
+  - chained HTTP turns find their owner (R39, R42) but across a Redis restart;
   - no upstream call for a turn more than 1 s after its client left;
   - each relay process's peak RSS stays below L{soakchecks.RSS_BOUND_KIB};
   - the R86 rules hold in the relays' JSON logs, and they show no unexpected failure
@@ -136,6 +137,10 @@ async def test_chaos_soak():
         unclear = [t for t in turns if t.outcome not in CLEAR]
         modes = checks.wsModes(logs)
         oauthLog = checks.oauthEvents(logs)
+        kills = [t for t, what in stack.events if what == "redis killed"]
+        starts = [t for t, what in stack.events if what == "redis started"]
+        chainsLost = checks.chainsLost(logs, turns, list(zip(kills, starts)))
+        chained = sum(1 for t in turns if t.kind in ("sse", "json") and t.id.endswith("-t2"))
         faults = checks.injectedFaults(stack.emulatorLog)
         missingKinds = sorted({f["kind"] for f in FAULTS} - set(faults))
         missingModes = sorted({"ctx_pool", "passthrough", "http_bridge"} - set(modes))
@@ -161,6 +166,8 @@ async def test_chaos_soak():
              "every kind"),
             ("upstream requests / generations", f"{found['requests']} / "
              f"{found['generations']}", ""),
+            ("chained HTTP turns / scheduled without owner", f"{chained} / {len(chainsLost)}",
+             "- / 0"),
             ("turns generated twice", len(found["doubles"]), "0"),
             ("upstream calls > 1 s after the client left", len(found["late_calls"]), "0"),
             ("generations > 1 s after the client left", found["late_generations"], "(info)"),
@@ -202,6 +209,7 @@ async def test_chaos_soak():
             "unclear or hung turns": [f"{t.id} {t.kind} r{t.relay} {t.outcome}: {t.detail}"
                                       for t in unclear],
             "double generations": found["doubles"],
+            "R39 chains lost": chainsLost,
             "late upstream calls": found["late_calls"],
             "Redis leftovers": leftovers,
             "RSS over bound": [p for p in stack.peakKiB if p[2] >= checks.RSS_BOUND_KIB],
