@@ -48,7 +48,7 @@ from datetime import datetime
 LATE_CALL_SLACK = 1.0
 """Seconds after a client's departure within which an upstream call is not counted late."""
 
-RSS_BOUND_KIB = 300 * 1024
+RSS_BOUND_KIB = 200 * 1024
 """The bound on each relay process's peak RSS (VmHWM), in KiB."""
 
 TRANSPORT_ENDS = frozenset({"TransportFailure", "StreamCut"})
@@ -295,3 +295,14 @@ def chainsLost(logs: dict, turns: list, redisDown: list) -> list:
         lost.append(f"{turn.id}: turn 1 on relay {first.relay}, turn 2 on relay {turn.relay} "
                     f"{turn.started - first.ended:.3f}s later, owner unknown ({turn.detail})")
     return lost
+
+
+def waitsLeft(logs: dict) -> int:
+    """
+    Slot waits that ended because the client left (C{outcome: client_gone}), as the relays
+    saw them: the clients that cancelled I{while waiting}.
+    """
+    return sum(1 for lines in logs.values() for event in lines
+               if event.get("event") in ("openai.account_wait_finished",
+                                         "openai.websocket_account_wait_finished")
+               and event.get("outcome") == "client_gone")

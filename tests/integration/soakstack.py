@@ -10,7 +10,8 @@ Accounts: three API-key accounts (C{a1}-C{a3}) serve both models, two OAuth acco
 an API-key account, R42). WebSocket modes: relay 0 defaults to C{ctx_pool}, relay 1 to
 C{passthrough}, and C{a3} and C{o2} are C{http_bridge} on both, so WebSocket turns meet all
 three modes. The new configuration (C{a4} added, C{a2}'s priority and C{o2}'s concurrency
-changed) is written for both relays; relay 0 reads it on C{SIGHUP}, relay 1 when restarted. OAuth access tokens live L{TOKEN_TTL} seconds, so both relays refresh them mid-run.
+changed) is written for both relays; relay 0 reads it on C{SIGHUP}, relay 1 when restarted.
+OAuth access tokens live L{TOKEN_TTL} seconds, so both relays refresh them mid-run.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ FAULTS = [
     {"weight": 0.5, "kind": "stream_error", "code": "server_error"},
     {"weight": 1, "kind": "ws_handshake_status", "code": 503},
     {"weight": 0.5, "kind": "ws_handshake_reset"},
-    {"weight": 0.3, "kind": "ws_handshake_hang"},
+    {"weight": 0.5, "kind": "ws_handshake_hang"},
 ]
 
 GATEWAY = {
@@ -96,7 +97,7 @@ def emulatorConfig(port: int, seed: int, rate: float) -> dict:
         "default_script": {"text": "soak answer from {credential_name} to {input}",
                            "delay": 0.03, "deltas": 6},
         "accounts": accounts,
-        "chaos": {"seed": seed, "rate": rate, "handshake_rate": 0.1, "faults": FAULTS},
+        "chaos": {"seed": seed, "rate": rate, "handshake_rate": 0.15, "faults": FAULTS},
     }
 
 
@@ -304,6 +305,15 @@ class SoakStack:
         """
         r = await treq.get(self.emulatorURL + "/_emulator/turns", persistent=False)
         return json.loads(await r.content())
+
+    async def inflight(self) -> dict:
+        """
+        Upstream turns the emulator still has in flight, per account name (C{GET
+        /_emulator/stats}); only non-zero counts.
+        """
+        r = await treq.get(self.emulatorURL + "/_emulator/stats", persistent=False)
+        stats = json.loads(await r.content())
+        return {name: v["inflight"] for name, v in stats.items() if v["inflight"]}
 
     async def oauthStats(self) -> dict:
         """
