@@ -26,6 +26,7 @@ from relay.components import loadComponent
 from relay.engine.runner import TurnRunner
 from relay.entry.body import LimitedBodyRequest
 from relay.entry.http import KeyRing, buildRoot
+from relay.entry.site import JSONMethodErrors, RelaySite
 from relay.policy.health import AccountHealth
 from relay.interfaces import IFailureClassifier, ISlotAdmission, IUpstreamDialer
 from relay.model import RelayConfig
@@ -37,6 +38,9 @@ from relay.requestid import requestIdOf
 from relay.scheduling.scheduler import AccountScheduler
 from relay.settings import RuntimeSettings
 from relay.upstream.http import HTTPDialer
+
+
+_log = Logger()
 
 
 class _Request(LimitedBodyRequest):
@@ -73,8 +77,15 @@ class _Request(LimitedBodyRequest):
         requestIdOf(self)
         super().process()
 
+    def render(self, resrc) -> None:
+        """
+        Render C{resrc}; a method it has no handler for is a JSON 405
+        (L{JSONMethodErrors}, issue 14), never twisted.web's HTML page.
+        """
+        super().render(JSONMethodErrors(resrc))
 
-class _Site(Site):
+
+class _Site(RelaySite):
     """
     The relay's L{Site}: its access line is a structured
     C{relay.http_access} event with the request's id (issue 15), instead of
@@ -375,11 +386,29 @@ def _webSocket(app: RelayApplication, trustRoot):
             pool.retire(accountId)
 
     app.live.accounts.subscribe(retire)
+    app.live.accounts.subscribe(lambda change: _forgetRenewed(app, change))
     resource = buildWebSocketResource(
         app.runner, app.keys, app.live.accounts, app.settings, reactor
     )
     app.extras["wsFactory"] = resource.factory
     return resource
+
+
+def _forgetRenewed(app: RelayApplication, change) -> None:
+    """
+    Issue 14: an account whose credential, endpoint or proxy a reload
+    changed starts afresh: its cooldowns, streaks and breaker (learnt about
+    the old identity) are cleared, as an operator's clear would. Other
+    accounts' state, changed or not, is kept.
+    """
+    for accountId in sorted(change.renewed):
+        d = app.health.clear(accountId)
+        d.addErrback(
+            lambda f, i=accountId: _log.failure(
+                "clearing renewed account {account_id} failed", f, account_id=i,
+                event="relay.config_listener_failed",
+            )
+        )
 
 
 def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None:

@@ -95,7 +95,8 @@ class RegistryTests(SynchronousTestCase):
         )
         self.assertEqual(seen, [(change, ["a", "b", "d"])])
         self.assertEqual(
-            change.asDict(), {"added": ["d"], "removed": ["c"], "changed": ["b"]}
+            change.asDict(),
+            {"added": ["d"], "removed": ["c"], "changed": ["b"], "renewed": []},
         )
 
     def test_credentialChangeIsAChange(self):
@@ -105,7 +106,27 @@ class RegistryTests(SynchronousTestCase):
         registry = AccountRegistry([acct("a")])
         change = registry.replace([evolve(acct("a"), credential="rotated")])
         self.assertEqual(change.changed, frozenset({"a"}))
+        self.assertEqual(change.renewed, frozenset({"a"}))
         self.assertNotIn("rotated", repr(change))
+
+    def test_renewedOnlyForIdentity(self):
+        """
+        A new credential, endpoint, ChatGPT account or proxy renews an
+        account; priority, concurrency, models or mapping alone do not.
+        """
+        from relay.config import parseProxyURL
+
+        base = acct("a")
+        registry = AccountRegistry([base])
+        quiet = registry.replace([evolve(base, priority=1, concurrency=9, models=("m",),
+                                         model_mapping={"x": "m"})])
+        self.assertEqual((quiet.changed, quiet.renewed), (frozenset({"a"}), frozenset()))
+        for renewed in (
+            evolve(base, base_url="http://v/v1"),
+            evolve(base, proxy=parseProxyURL("socks5://127.0.0.1:1080", "p", "proxy")),
+        ):
+            registry = AccountRegistry([base])
+            self.assertEqual(registry.replace([renewed]).renewed, frozenset({"a"}))
 
     def test_noChangeNoCall(self):
         """
@@ -307,7 +328,7 @@ class ReloaderTests(SynchronousTestCase):
         self.assertEqual(self.live.keys.authenticateHeader("Bearer sk-relay-bob").name, "bob")
         self.assertEqual(
             result.asDict()["changes"]["accounts"],
-            {"added": ["a3"], "removed": ["a2"], "changed": ["a1"]},
+            {"added": ["a3"], "removed": ["a2"], "changed": ["a1"], "renewed": ["a1"]},
         )
         self.assertEqual(
             result.keys, {"added": ["bob"], "removed": ["alice"], "changed": []}

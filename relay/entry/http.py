@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 from typing import Optional
 
 from twisted.logger import Logger
@@ -24,7 +25,7 @@ from relay.entry.sinks import JSONSink, SSESink, writeError
 from relay.model import ClientError, ClientKey, Turn
 from relay.requestid import newRequestId, requestIdOf  # noqa: F401 - newRequestId re-exported
 from relay.scheduling.session import sessionHash, sessionSeed
-from relay.translate.chatrequest import ChatRequestError, checkMessages
+from relay.translate.chatrequest import ChatRequestError, checkChatRequest
 
 MAX_BODY_BYTES = DEFAULT_MAX_BODY_BYTES
 """The largest request body accepted when the request does not say
@@ -180,6 +181,33 @@ def badRequest(message: str, param=None, code=None) -> ClientError:
     return ClientError(400, "invalid_request_error", message, param=param, code=code)
 
 
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+"""A JSON C{\\uD800}-C{\\uDFFF} escape: the only way a parsed body can
+hold an unpaired surrogate (raw UTF-8 surrogates fail to decode)."""
+
+
+def loadJSON(raw: bytes):
+    """
+    Parse a client's JSON body or WebSocket frame, refusing an unpaired
+    UTF-16 surrogate escape (e.g. C{"\\ud800"}): it is not text, it cannot
+    be hashed or forwarded as UTF-8, and upstream must never see it
+    (found by issue 14's fuzzing). Paired escapes (emoji written as
+    C{"\\ud83d\\ude00"}) are fine. Only bodies that contain a surrogate
+    escape pay for the second check.
+
+    @param raw: the bytes.
+    @return: the parsed value.
+    @raise ValueError: for invalid JSON, bad UTF-8 or an unpaired surrogate.
+    """
+    value = json.loads(raw)
+    if _ESCAPED_SURROGATE.search(raw):
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("unpaired Unicode surrogate") from None
+    return value
+
+
 class TurnResource(Resource):
     """
     C{POST} a turn: C{/v1/responses} (C{endpoint="responses"}) or
@@ -253,7 +281,7 @@ class TurnResource(Resource):
             )
             return NOT_DONE_YET
         try:
-            body = json.loads(raw)
+            body = loadJSON(raw)
         except ValueError:
             writeError(request, badRequest("We could not parse the JSON body of your request."))
             return NOT_DONE_YET
@@ -271,7 +299,7 @@ class TurnResource(Resource):
         stream = streamFlag is True
         if self._endpoint == "chat":
             try:
-                checkMessages(body.get("messages"))
+                checkChatRequest(body)
             except ChatRequestError as e:
                 writeError(request, badRequest(str(e), param=e.param))
                 return NOT_DONE_YET
@@ -279,6 +307,13 @@ class TurnResource(Resource):
         previous = body.get("previous_response_id") if self._endpoint == "responses" else None
         if previous is not None and not isinstance(previous, str):
             writeError(request, badRequest("previous_response_id must be a string", param="previous_response_id"))
+            return NOT_DONE_YET
+        if previous == "":
+            # Never forwarded upstream as an empty chain id (issue 14's fuzzing).
+            writeError(request, badRequest(
+                "previous_response_id must not be empty", param="previous_response_id",
+                code="invalid_value",
+            ))
             return NOT_DONE_YET
         turn = Turn(
             entrypoint="http",

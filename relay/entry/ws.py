@@ -28,7 +28,7 @@ from twisted.logger import Logger
 from twisted.web.server import NOT_DONE_YET
 
 from relay.engine.errors import previousResponseNotFound
-from relay.entry.http import UNAUTHORIZED, filterClientHeaders
+from relay.entry.http import UNAUTHORIZED, filterClientHeaders, loadJSON
 from relay.entry.sinks import writeError
 from relay.entry.wssink import WebSocketSink, wsErrorEvent
 from relay.model import ClientError, Turn
@@ -343,7 +343,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
     def _handle(self, payload: bytes) -> None:
         self._disarm()
         try:
-            frame = json.loads(payload)
+            frame = loadJSON(payload)
         except ValueError:
             self.reject("invalid JSON payload", "invalid_json")
             return
@@ -396,6 +396,16 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         if previous is not None and not isinstance(previous, str):
             self.reject("invalid JSON payload", "invalid_type", "previous_response_id")
             return
+        if previous == "":
+            # Never forwarded as an empty chain id (issue 14's fuzzing).
+            self.reject("invalid JSON payload", "invalid_value", "previous_response_id")
+            return
+        stream = frame.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            # As on HTTP (a 400 there): never forward a non-boolean stream
+            # upstream (found by issue 14's fuzzing).
+            self.reject("invalid JSON payload", "invalid_type", "stream")
+            return
         if previous and previous.startswith("msg_"):
             self.reject(MSG_ID_MESSAGE, "invalid_value", "previous_response_id")
             return
@@ -429,6 +439,9 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         body = dict(frame)
         body.pop("type", None)
         body["model"] = model
+        for name in ("stream", "previous_response_id"):
+            if body.get(name, False) is None:
+                body.pop(name)  # null is absent; never forwarded (issue 14's fuzzing)
         if self._session is None:
             self._session = sessionHash(sessionSeed(self._headers, body, model), self._key.name)
             self._claimSession(body)

@@ -196,9 +196,17 @@ class GracefulDrain:
         """
         if self._result is None:
             self._result = Deferred.fromCoroutine(self._drain(grace))
+            self._result.addErrback(self._ebDrain)
         d = Deferred()
         self._result.addBoth(_relay, d)
         return d
+
+    def _ebDrain(self, failure) -> DrainReport:
+        """
+        A bug while draining: log it; the stop goes on.
+        """
+        self._log.failure("draining failed", failure, event="relay.drain_failed")
+        return DrainReport()
 
     async def _drain(self, grace: float | None) -> DrainReport:
         started = self.clock.seconds()
@@ -215,7 +223,10 @@ class GracefulDrain:
             grace=grace,
         )
         self.start()
-        await _waitAll(list(inflight.values()), grace, self.clock)
+        deadline = started + grace
+        # Nothing new should start while draining; wait for late ones too.
+        while inflight and self.clock.seconds() < deadline:
+            await _waitAll(list(inflight.values()), deadline - self.clock.seconds(), self.clock)
         cancelled = 0
         if inflight:
             left = list(inflight.items())

@@ -41,11 +41,17 @@ class AccountSetChange:
         take no new turn).
     @ivar changed: ids whose settings differ (credential, proxy, priority,
         concurrency, models, mapping, ...): new attempts use the new ones.
+    @ivar renewed: the changed ids whose identity upstream changed (type,
+        C{base_url}, credential, C{chatgpt_account_id} or proxy): what was
+        learnt about the old one (cooldowns, streaks, the breaker) no
+        longer applies, so relay clears it; a change of priority,
+        concurrency, models or mapping alone keeps the account's state.
     """
 
     added: frozenset = frozenset()
     removed: frozenset = frozenset()
     changed: frozenset = frozenset()
+    renewed: frozenset = frozenset()
 
     def __bool__(self) -> bool:
         """
@@ -62,6 +68,7 @@ class AccountSetChange:
             "added": sorted(self.added),
             "removed": sorted(self.removed),
             "changed": sorted(self.changed),
+            "renewed": sorted(self.renewed),
         }
 
 
@@ -75,10 +82,23 @@ def diffAccounts(old: Iterable[Account], new: Iterable[Account]) -> AccountSetCh
     """
     before = {a.id: a for a in old}
     after = {a.id: a for a in new}
+    changed = frozenset(i for i in before.keys() & after.keys() if before[i] != after[i])
     return AccountSetChange(
         added=frozenset(after.keys() - before.keys()),
         removed=frozenset(before.keys() - after.keys()),
-        changed=frozenset(i for i in before.keys() & after.keys() if before[i] != after[i]),
+        changed=changed,
+        renewed=frozenset(i for i in changed if _identity(before[i]) != _identity(after[i])),
+    )
+
+
+def _identity(account: Account) -> tuple:
+    """
+    What an account is upstream: its type, endpoint, credential, ChatGPT
+    account and egress proxy.
+    """
+    return (
+        account.type, account.base_url, account.credential, account.chatgpt_account_id,
+        account.proxy,
     )
 
 

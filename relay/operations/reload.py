@@ -27,10 +27,13 @@ Order:
     sticky bindings, response owners) is keyed by id and survives; a
     changed or removed account's C{ctx_pool} connections are retired once
     idle (an L{relay.operations.live.AccountRegistry} subscriber), an
-    unchanged account's stay. The C{gateway:} section becomes the new base
-    of the runtime settings; a value an operator set live with C{PUT
-    /admin/settings} still wins over the file (persisted, R74), as at
-    start-up (L{relay.settings.RuntimeSettings.rebase}).
+    unchanged account's stay; an account whose credential, endpoint or
+    proxy changed (C{renewed}) has its cooldowns, streaks and breaker
+    cleared, since they were learnt about its old identity. The
+    C{gateway:} section becomes the new base of the runtime settings; a
+    value an operator set live with C{PUT /admin/settings} still wins over
+    the file (persisted, R74), as at start-up
+    (L{relay.settings.RuntimeSettings.rebase}).
  4. B{Log} C{relay.config_reloaded} with what changed: ids and names,
     never secrets.
 """

@@ -168,7 +168,9 @@ def sessionHash(seed: Optional[str], keyName: str) -> Optional[str]:
     """
     if not seed:
         return None
-    return xxhash.xxh64_hexdigest(f"{keyName}:{seed}".encode("utf-8"))
+    # surrogatepass: any str hashes (entrypoints refuse unpaired surrogates,
+    # issue 14; this keeps the hash total anyway).
+    return xxhash.xxh64_hexdigest(f"{keyName}:{seed}".encode("utf-8", "surrogatepass"))
 
 
 def wsFallbackSeed(keyName: str, groupId: int = 0) -> str:

@@ -82,7 +82,9 @@ def checkMessages(messages: Any) -> None:
         if not isinstance(message, dict):
             raise ChatRequestError("each message must be an object", f"messages[{i}]")
         role = message.get("role")
-        if role not in CHAT_ROLES:
+        # A list or object role is unhashable: test the type first (issue
+        # 14's fuzzing found the 500).
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise ChatRequestError(
                 f"Invalid value for 'role': {role!r}. Supported values are: "
                 "'system', 'developer', 'user', 'assistant', 'tool' and 'function'.",
@@ -90,12 +92,67 @@ def checkMessages(messages: Any) -> None:
             )
 
 
+def checkChatRequest(body: dict) -> None:
+    """
+    Everything L{chatToResponses} reads has a shape it can read, so a chat
+    request is answered 400 at once whichever account serves it, never
+    translated into an internal error (issue 14's fuzzing found C{"tools":
+    1} failing inside the engine on an OAuth account): L{checkMessages},
+    then C{tools} and C{functions} arrays of objects, each message's
+    C{tool_calls} an array of objects whose C{function} / C{custom} are
+    objects, a C{file} content part's C{file} an object, and an
+    C{allowed_tools} choice's C{tools} an array.
+
+    @param body: the parsed chat request.
+    @raise ChatRequestError: naming the parameter.
+    """
+    messages = body.get("messages")
+    checkMessages(messages)
+    for name in ("tools", "functions"):
+        _objects(body.get(name), name)
+    for i, message in enumerate(messages):
+        calls = message.get("tool_calls")
+        _objects(calls, f"messages[{i}].tool_calls")
+        for j, call in enumerate(calls or []):
+            for key in ("function", "custom"):
+                if call.get(key) is not None and not isinstance(call[key], dict):
+                    raise ChatRequestError(
+                        f"{key} must be an object", f"messages[{i}].tool_calls[{j}].{key}"
+                    )
+        content = message.get("content")
+        for k, part in enumerate(content if isinstance(content, list) else [content]):
+            if (
+                isinstance(part, dict) and part.get("type") == "file"
+                and part.get("file") is not None and not isinstance(part["file"], dict)
+            ):
+                raise ChatRequestError("file must be an object", f"messages[{i}].content[{k}].file")
+    choice = body.get("tool_choice", body.get("function_call"))
+    if isinstance(choice, dict) and isinstance(choice.get("allowed_tools"), dict):
+        allowed = choice["allowed_tools"].get("tools")
+        if allowed is not None and not isinstance(allowed, list):
+            raise ChatRequestError("tools must be an array", "tool_choice.allowed_tools.tools")
+
+
+def _objects(value: Any, param: str) -> None:
+    """
+    C{value} is absent, or an array of objects.
+
+    @raise ChatRequestError: otherwise, naming C{param}.
+    """
+    if value is None:
+        return
+    if not isinstance(value, list):
+        raise ChatRequestError(f"{param.rsplit('.', 1)[-1]} must be an array", param)
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise ChatRequestError("each entry must be an object", f"{param}[{i}]")
+
+
 def chatToResponses(body: dict) -> dict:
     """
     Translate a chat request body into a Responses request body.
 
-    @param body: the chat request (C{messages} already checked by
-        L{checkMessages}).
+    @param body: the chat request, already checked by L{checkChatRequest}.
     @return: a new dict; C{stream} is left for the caller to set.
     """
     out: dict = {}

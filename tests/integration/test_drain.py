@@ -155,7 +155,8 @@ async def test_drain_finishes_running_turns_and_refuses_new(tmp_path):
     During the drain: new connections are refused; a request on a
     kept-alive connection gets 503 + Retry-After + Connection: close; an
     idle WebSocket closes 1001 at once; a busy one gets its answer, then
-    1001; the running SSE turn completes; then the stop finishes.
+    1001 instead of running the response.create it sent meanwhile; the
+    running SSE turn completes; then the stop finishes.
     """
     emulator = Emulator(reactor=reactor)
     await emulator.listen(reactor)
@@ -177,6 +178,9 @@ async def test_drain_finishes_running_turns_and_refuses_new(tmp_path):
         busy = await connectWS(relay.port)
         clients.append(busy)
         busy.sendJSON(CREATE)
+        # R63: a second response.create while the first runs is held; during
+        # the drain it is answered by the 1001 close, never run.
+        busy.sendJSON(dict(CREATE, input="the next turn"))
         sse = Deferred.fromCoroutine(answer(post(relay.url, {
             "model": "gpt-5.5", "input": "hi", "stream": True})))
         await waitFor(lambda: emulator.inflight(CRED) == 2)
@@ -199,6 +203,9 @@ async def test_drain_finishes_running_turns_and_refuses_new(tmp_path):
         events = await busy.collect(10)
         assert events[-1]["type"] == "response.completed"
         assert await busy.closed.addTimeout(5, reactor) == (1001, "server restarting")
+        upstreamFrames = [json.dumps(r.body) for r in emulator.requestsFor(CRED, "frame")]
+        assert len(upstreamFrames) == 2
+        assert not any("the next turn" in f for f in upstreamFrames)
 
         status, _, data = await sse
         assert status == 200

@@ -80,6 +80,13 @@ class Reloadable:
         with open(self.path, "w", encoding="utf-8") as f:
             f.write(text)
 
+    def read(self) -> str:
+        """
+        @return: the configuration file's text.
+        """
+        with open(self.path, encoding="utf-8") as f:
+            return f.read()
+
     async def start(self, accounts, keys=(("one", K1),), gateway="{}", extra=""):
         emulator = Emulator(reactor=reactor)
         await emulator.listen(reactor)
@@ -145,7 +152,9 @@ async def test_reload_swaps_accounts_and_keys_running_turn_finishes(tmp_path):
         status, answer = await relay.reload()
         assert status == 200, answer
         assert answer["applied"] is True
-        assert answer["changes"]["accounts"] == {"added": ["a2"], "removed": ["a1"], "changed": []}
+        assert answer["changes"]["accounts"] == {
+            "added": ["a2"], "removed": ["a1"], "changed": [], "renewed": []
+        }
         assert answer["changes"]["keys"] == {"added": ["two"], "removed": ["one"], "changed": []}
         assert "sk-emu-a2" not in json.dumps(answer)
 
@@ -178,8 +187,7 @@ async def test_bad_file_changes_nothing(tmp_path):
     """
     relay = await Reloadable(tmp_path).start([("a1", "sk-emu-a1", {})])
     try:
-        with open(relay.path, encoding="utf-8") as f:
-            text = f.read()
+        text = relay.read()
         relay.write(None, text=text + "gateway2: {}\n")
         status, answer = await relay.reload()
         assert status == 400
@@ -217,7 +225,9 @@ async def test_changed_credential_applies_state_survives(tmp_path):
         ])
         status, answer = await relay.reload()
         assert status == 200, answer
-        assert answer["changes"]["accounts"] == {"added": ["a3"], "removed": [], "changed": ["a2"]}
+        assert answer["changes"]["accounts"] == {
+            "added": ["a3"], "removed": [], "changed": ["a2"], "renewed": ["a2"]
+        }
         code, _ = await relay.ask()
         assert code == 200
         assert len(emulator.requestsFor("sk-emu-a1", "request")) == 1
@@ -230,6 +240,42 @@ async def test_changed_credential_applies_state_survives(tmp_path):
         assert set(rows) == {"a1", "a2", "a3"}
         assert rows["a1"]["schedulable"] is False
         assert rows["a2"]["schedulable"] is True
+    finally:
+        await relay.stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_rotated_credential_starts_afresh_priority_change_keeps_state(tmp_path):
+    """
+    a1 and a2 both cool down after usage-limit 429s. A reload rotates a1's
+    credential and changes only a2's priority: a1's cooldown (learnt about
+    the old key) is cleared and the next turn uses its new key; a2 stays
+    cooling.
+    """
+    relay = await Reloadable(tmp_path).start(
+        [("a1", "sk-emu-a1", {"priority": 1}), ("a2", "sk-emu-a2", {"priority": 2}),
+         ("a3", "sk-emu-a3", {"priority": 3})]
+    )
+    try:
+        emulator = relay.stack.emulator
+        for cred in ("sk-emu-a1", "sk-emu-a2"):
+            emulator.setFault(cred, {"kind": "status", "preset": "usage_limit", "times": 1})
+        code, _ = await relay.ask()
+        assert code == 200
+        assert len(emulator.requestsFor("sk-emu-a3", "request")) == 1
+        relay.write([
+            ("a1", "sk-emu-a1-rotated", {"priority": 1}),
+            ("a2", "sk-emu-a2", {"priority": 0}),
+            ("a3", "sk-emu-a3", {"priority": 3}),
+        ])
+        status, answer = await relay.reload()
+        assert status == 200, answer
+        assert answer["changes"]["accounts"]["renewed"] == ["a1"]
+        assert answer["changes"]["accounts"]["changed"] == ["a1", "a2"]
+        code, _ = await relay.ask(text="a new session, not bound to a3")
+        assert code == 200
+        assert len(emulator.requestsFor("sk-emu-a1-rotated", "request")) == 1
+        assert len(emulator.requestsFor("sk-emu-a2", "request")) == 1
     finally:
         await relay.stack.stop()
 

@@ -1,0 +1,212 @@
+"""
+Regression tests for what issue 14's fuzzing found below the routes
+(L{relay.entry.site}), in JSON parsing (L{relay.entry.http.loadJSON}) and
+in chat request checks (L{relay.translate.chatrequest.checkChatRequest}):
+relay's answers stay in OpenAI's error format where twisted.web would
+answer bare or in HTML, an unpaired surrogate never gets past the
+entrypoints, and a chat request the translator cannot read is a 400, not
+an internal error.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import ClassVar
+
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.resource import Resource
+
+from relay.entry.http import loadJSON
+from relay.scheduling.session import sessionHash
+from relay.translate.chatrequest import (
+    ChatRequestError,
+    chatToResponses,
+    checkChatRequest,
+)
+
+
+class _GetOnly(Resource):
+    """
+    A leaf with only C{render_GET} (like C{/v1/models} and C{/healthz}).
+    """
+
+    isLeaf = True
+
+    def render_GET(self, request):
+        request.setHeader(b"content-type", b"application/json")
+        return b'{"ok":true}'
+
+
+def exchange(raw: bytes):
+    """
+    Feed C{raw} to a fresh connection of the relay's site classes.
+
+    @return: C{(bytes written, transport)}.
+    """
+    from relay.app import _Request
+    from relay.entry.site import RelaySite
+
+    root = Resource()
+    root.putChild(b"models", _GetOnly())
+    site = RelaySite(root, requestFactory=_Request, reactor=Clock())
+    protocol = site.buildProtocol(None)
+    transport = StringTransport()
+    protocol.makeConnection(transport)
+    protocol.dataReceived(raw)
+    return transport.value(), transport
+
+
+def split(data: bytes):
+    """
+    @return: C{(status line, lower-cased head, body)} of one response.
+    """
+    head, _, body = data.partition(b"\r\n\r\n")
+    return head.split(b"\r\n")[0], head.lower(), body
+
+
+class MalformedHTTPTests(SynchronousTestCase):
+    """
+    L{relay.entry.site.RelayHTTPChannel}.
+    """
+
+    def test_unknownVersionIsJSON400(self):
+        """
+        Issue 14 fuzz: C{HTTP/2.0} on the request line was a bare 400 with
+        no body; now OpenAI's envelope, then the connection closes.
+        """
+        data, transport = exchange(b"POST /v1/responses HTTP/2.0\r\nHost: x\r\n\r\n")
+        status, head, body = split(data)
+        self.assertEqual(status, b"HTTP/1.1 400 Bad Request")
+        self.assertIn(b"content-type: application/json", head)
+        self.assertIn(b"connection: close", head)
+        self.assertEqual(json.loads(body)["error"]["code"], "malformed_http_request")
+        self.assertTrue(transport.disconnecting)
+
+    def test_badContentLengthIsJSON400(self):
+        """
+        A non-numeric C{Content-Length} gets the same JSON 400.
+        """
+        data, _ = exchange(b"POST /models HTTP/1.1\r\nHost: x\r\nContent-Length: 12abc\r\n\r\n")
+        self.assertEqual(json.loads(split(data)[2])["error"]["type"], "invalid_request_error")
+
+
+class MethodTests(SynchronousTestCase):
+    """
+    L{relay.entry.site.JSONMethodErrors} through relay's request class.
+    """
+
+    def test_unknownMethodIsJSON405(self):
+        """
+        Issue 14 fuzz: C{A /v1/models} was twisted.web's HTML C{501 Huh?};
+        now a JSON 405 naming the allowed methods.
+        """
+        data, _ = exchange(b"A /models HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+        status, head, body = split(data)
+        self.assertTrue(status.startswith(b"HTTP/1.1 405"))
+        self.assertIn(b"allow: head, get", head)
+        error = json.loads(body[body.index(b"{"): body.rindex(b"}") + 1])["error"]
+        self.assertEqual(error["code"], "method_not_allowed")
+
+    def test_knownMethodIsJSON405(self):
+        """
+        A C{DELETE} on a GET-only resource was an HTML 405; now JSON.
+        """
+        data, _ = exchange(b"DELETE /models HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+        status, head, _ = split(data)
+        self.assertTrue(status.startswith(b"HTTP/1.1 405"))
+        self.assertIn(b"application/json", head)
+
+    def test_headStillServed(self):
+        """
+        C{HEAD} on a GET resource is still answered by twisted.web (no
+        body, a length).
+        """
+        data, _ = exchange(b"HEAD /models HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _, body = split(data)
+        self.assertTrue(status.startswith(b"HTTP/1.1 200"))
+        self.assertEqual(body, b"")
+
+
+class SurrogateTests(SynchronousTestCase):
+    """
+    Issue 14 fuzz: a JSON C{"\\ud800"} escape crashed the session hash
+    (the WebSocket closed 1011) and could reach upstream.
+    """
+
+    def test_unpairedRefused(self):
+        """
+        An unpaired surrogate escape is invalid input.
+        """
+        for raw in (b'{"input": "\\ud800"}', b'{"a": ["x\\udfff"]}', b'"\\uDBFF"'):
+            self.assertRaises(ValueError, loadJSON, raw)
+
+    def test_pairedAccepted(self):
+        """
+        A surrogate pair (an emoji escaped by ensure_ascii clients) is fine.
+        """
+        self.assertEqual(loadJSON(b'{"t": "\\ud83d\\ude00"}'), {"t": "\U0001f600"})
+
+    def test_sessionHashTotal(self):
+        """
+        The session hash takes any string (defence in depth).
+        """
+        self.assertEqual(len(sessionHash("\ud800", "k")), 16)
+
+
+class ChatShapeTests(SynchronousTestCase):
+    """
+    L{checkChatRequest}: every shape L{chatToResponses} reads is checked.
+    """
+
+    USER: ClassVar[dict] = {"role": "user", "content": "hi"}
+
+    def test_unhashableRoleIs400(self):
+        """
+        Fuzz: a list C{role} raised TypeError in the check itself (an HTML
+        500); now a L{ChatRequestError} naming the role.
+        """
+        e = self.assertRaises(
+            ChatRequestError, checkChatRequest, {"messages": [{"role": ["user"]}]}
+        )
+        self.assertEqual(e.param, "messages[0].role")
+
+    def test_wrongShapesAre400(self):
+        """
+        Fuzz: C{"tools": 1} crashed the OAuth translation (a 502 and a
+        logged bug); it and its kin are refused up front, naming the
+        parameter.
+        """
+        cases = [
+            ({"tools": 1}, "tools"),
+            ({"tools": [1]}, "tools[0]"),
+            ({"functions": "f"}, "functions"),
+            ({"messages": [dict(self.USER), {"role": "assistant", "tool_calls": 3}]},
+             "messages[1].tool_calls"),
+            ({"messages": [{"role": "assistant", "tool_calls": [{"function": "x"}]}]},
+             "messages[0].tool_calls[0].function"),
+            ({"messages": [{"role": "user", "content": [{"type": "file", "file": "x"}]}]},
+             "messages[0].content[0].file"),
+            ({"tool_choice": {"type": "allowed_tools", "allowed_tools": {"tools": 5}}},
+             "tool_choice.allowed_tools.tools"),
+        ]
+        for extra, param in cases:
+            body = {"messages": [dict(self.USER)], **extra}
+            e = self.assertRaises(ChatRequestError, checkChatRequest, body)
+            self.assertEqual(e.param, param)
+
+    def test_checkedBodiesTranslate(self):
+        """
+        What the check lets through translates (odd but readable values
+        included).
+        """
+        body = {
+            "messages": [dict(self.USER), {"role": "assistant", "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": 1}}]}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "functions": None,
+            "tool_choice": "auto",
+        }
+        checkChatRequest(body)
+        self.assertEqual(chatToResponses(body)["tools"][0]["name"], "f")
