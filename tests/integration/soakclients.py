@@ -246,6 +246,9 @@ class _Body(Protocol):
         self._onEvent = onEvent
 
     def dataReceived(self, data: bytes) -> None:
+        """
+        Keep the bytes; count complete events.
+        """
         self.data += data
         events = self.data.count(b"\n\n")
         if events != self.events:
@@ -253,6 +256,9 @@ class _Body(Protocol):
             self._onEvent(events)
 
     def connectionLost(self, reason) -> None:
+        """
+        The body ended: fire C{done} with whether it ended normally.
+        """
         clean = reason.check(ResponseDone, PotentialDataLoss) is not None
         self.done.callback(clean)
 
@@ -567,15 +573,24 @@ class _WSClient(WebSocketClientProtocol):
         self.eventCount = 0
 
     def onOpen(self) -> None:
+        """
+        The upgrade succeeded.
+        """
         self.opened.callback(self)
 
     def onMessage(self, payload, isBinary) -> None:
+        """
+        Queue one event (a frame that is not JSON is queued as C{__garbage__}).
+        """
         try:
             self.events.put(json.loads(payload))
         except ValueError:
             self.events.put({"type": "__garbage__"})
 
     def onClose(self, wasClean, code, reason) -> None:
+        """
+        Fail the upgrade (a refused handshake), or queue a C{__closed__} event.
+        """
         if not self.opened.called:
             # autobahn: "WebSocket connection upgrade failed (503 - Service Unavailable)".
             why = f"{reason} {getattr(self, 'wasNotCleanReason', '')}"
@@ -586,9 +601,15 @@ class _WSClient(WebSocketClientProtocol):
         self.events.put({"type": "__closed__", "code": code, "reason": reason})
 
     def sendJSON(self, frame: dict) -> None:
+        """
+        Send one frame while the connection is open.
+        """
         if self.state == self.STATE_OPEN:
             self.sendMessage(json.dumps(frame).encode(), False)
 
     def bye(self) -> None:
+        """
+        Close cleanly (1000) while the connection is open.
+        """
         if self.state == self.STATE_OPEN:
             self.sendClose(1000)

@@ -178,10 +178,16 @@ class SoakStack:
 
     @property
     def emulatorURL(self) -> str:
+        """
+        The emulator's root URL.
+        """
         return f"http://127.0.0.1:{self.emulatorPort}"
 
     @property
     def emulatorLog(self) -> str:
+        """
+        The emulator's log file.
+        """
         return os.path.join(self.tmp, "emulator.log")
 
     def _configPath(self, index: int) -> str:
@@ -244,9 +250,15 @@ class SoakStack:
 
     @property
     def urls(self) -> list:
+        """
+        The relays' base URLs, by index.
+        """
         return [relay.url for relay in self.relays]
 
     def note(self, what: str) -> None:
+        """
+        Record an operation with its time (for the figures and the checks).
+        """
         self.events.append((reactor.seconds(), what))
 
     # -- operations during the run ---------------------------------------------------------
@@ -332,6 +344,9 @@ class SoakStack:
         return out.stdout.decode().split()
 
     def redisCommand(self, *args: str) -> str:
+        """
+        Run one C{redis-cli} command; its output, stripped.
+        """
         out = subprocess.run(["redis-cli", "-p", str(self.redis.port), *args],
                              capture_output=True, timeout=10, check=True)
         return out.stdout.decode().strip()
