@@ -34,6 +34,11 @@ Definitions (the soak's contract):
     excluded, ...) -- unless Redis was restarted between the two turns (the record is gone
     and only the relay that served turn 1 still knows it locally) or the turn never reached
     scheduling.
+  - I{Unanswered} turns (a connection dropped before any response, see
+    L{tests.integration.soakclients}) are excused only when relay never saw them (no log line
+    carries their id) and they happened within L{STOP_WINDOW} seconds of a relay's C{SIGTERM},
+    in under 2 s: the kernel resets connections it queued for a listening socket the process
+    closes. Any other is unclear.
   - No unexpected failure: no relay log line at level C{critical}, with a traceback, or an
     unhandled error in a Deferred (a bug relay did not expect, whatever the client saw).
 """
@@ -50,6 +55,9 @@ LATE_CALL_SLACK = 1.0
 
 RSS_BOUND_KIB = 200 * 1024
 """The bound on each relay process's peak RSS (VmHWM), in KiB."""
+
+STOP_WINDOW = 3.0
+"""Seconds around a relay's C{SIGTERM} within which an unanswered connection is excused."""
 
 TRANSPORT_ENDS = frozenset({"TransportFailure", "StreamCut"})
 STATUS_ENDS = frozenset({"StatusRefused", "InBandFailure"})
@@ -306,3 +314,25 @@ def waitsLeft(logs: dict) -> int:
                if event.get("event") in ("openai.account_wait_finished",
                                          "openai.websocket_account_wait_finished")
                and event.get("outcome") == "client_gone")
+
+
+def unansweredExcused(turns: list, logs: dict, stops: list) -> tuple:
+    """
+    Split the unanswered turns (module docstring) into excused and not.
+
+    @param stops: Unix seconds of the relays' C{SIGTERM}s.
+    @return: C{(excused, unexcused)} lists of L{TurnRecord}.
+    """
+    seen = {event.get("request_id") for lines in logs.values() for event in lines}
+    excused, unexcused = [], []
+    for turn in turns:
+        if turn.outcome != "unanswered":
+            continue
+        connection = turn.requestId.rsplit(":", 1)[0] if turn.kind == "ws" else turn.requestId
+        quick = turn.ended is not None and turn.ended - turn.started < 2.0
+        atStop = any(abs(turn.started - when) < STOP_WINDOW for when in stops)
+        if quick and atStop and turn.requestId not in seen and connection not in seen:
+            excused.append(turn)
+        else:
+            unexcused.append(turn)
+    return excused, unexcused

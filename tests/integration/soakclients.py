@@ -24,6 +24,11 @@ Outcomes (L{TurnRecord.outcome}):
   - C{error_stream}: an in-stream C{response.failed} or C{error} event, a chat error chunk;
   - C{ws_close}: the relay closed the WebSocket with a code other than 1000/1005/1006;
   - C{cancelled}: the client left on purpose before the end (its plan, L{CANCEL_SHARE});
+  - C{unanswered}: the connection was dropped before any response byte (HTTP) or upgrade
+    answer (WebSocket) -- what a client sees when it connects the instant a relay closes its
+    listening socket (the kernel resets connections it had queued but the process never
+    accepted); L{tests.integration.soakchecks.unansweredExcused} decides whether relay had
+    anything to do with it;
   - C{unclear}: anything else (a stream that ended without a terminal event, a reset, a
     1006 close, an error body without the envelope) -- the soak fails on it;
   - C{hung}: no end before the turn's deadline -- the soak fails on it.
@@ -44,7 +49,13 @@ from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.error import ConnectError, ConnectionRefusedError
 from twisted.internet.protocol import Protocol
 from twisted.internet.task import deferLater
-from twisted.web.client import Agent, FileBodyProducer, HTTPConnectionPool, ResponseDone
+from twisted.web.client import (
+    Agent,
+    FileBodyProducer,
+    HTTPConnectionPool,
+    ResponseDone,
+    ResponseNeverReceived,
+)
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 
@@ -406,6 +417,9 @@ class SoakClients:
                         return record
                     record.rerouted += 1
                     continue
+                except ResponseNeverReceived as e:
+                    record.finish("unanswered", f"no response: {e.reasons[0].value!r}")
+                    return record
                 break
             else:
                 record.finish("unclear", "every relay refused the connection")
@@ -456,7 +470,7 @@ class SoakClients:
                 record = TurnRecord(f"{prefix}-t1", f"{prefix}:1", "ws", relay,
                                     reactor.seconds(), rerouted=refused)
                 self.turns.append(record)
-                record.finish("error_status" if e.clear else "unclear", str(e))
+                record.finish("error_status" if e.clear else "unanswered", str(e))
                 return
         if client is None:
             record = TurnRecord(f"{prefix}-t1", f"{prefix}:1", "ws", relay, reactor.seconds(),

@@ -150,7 +150,9 @@ async def test_chaos_soak():
         errors = Counter(f"{t.kind} {t.detail}" for t in turns
                          if t.outcome in ("error_status", "error_stream", "ws_close"))
         cancels = Counter(t.cancelPhase for t in turns if t.outcome == "cancelled")
-        unclear = [t for t in turns if t.outcome not in CLEAR]
+        stops = [t for t, what in stack.events if what.endswith("SIGTERM")]
+        excused, unexcused = checks.unansweredExcused(turns, logs, stops)
+        unclear = [t for t in turns if t.outcome not in CLEAR + ("unanswered",)] + unexcused
         modes = checks.wsModes(logs)
         oauthLog = checks.oauthEvents(logs)
         kills = [t for t, what in stack.events if what == "redis killed"]
@@ -175,6 +177,7 @@ async def test_chaos_soak():
                 f"{k}={v}" for k, v in sorted(cancels.items()))
              + f"; relay saw {checks.waitsLeft(logs)} leave a slot wait; planned "
              f"{sum(1 for t in turns if t.cancelPlan)})", "plan ~10 %"),
+            ("  dropped unanswered at a relay's stop", len(excused), "(never reached relay)"),
             ("  unclear or hung", len(unclear), "0"),
             ("  rerouted after a refused connection", sum(t.rerouted for t in turns), ""),
             ("WebSocket connections by mode", " ".join(
