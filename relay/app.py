@@ -66,13 +66,6 @@ class _Request(LimitedBodyRequest):
     def _parsePOSTFormSubmission(self, value: bool) -> None:
         self._parseForms = value
 
-    def render(self, resrc) -> None:
-        """
-        Render C{resrc}; a method it has no handler for is a JSON 405
-        (L{JSONMethodErrors}, issue 14), never twisted.web's HTML page.
-        """
-        super().render(JSONMethodErrors(resrc))
-
     def process(self) -> None:
         """
         Give the request its id (and its C{X-Request-Id} response header)
@@ -83,6 +76,13 @@ class _Request(LimitedBodyRequest):
         self.relayStartedAt = clock.seconds() if clock is not None else None
         requestIdOf(self)
         super().process()
+
+    def render(self, resrc) -> None:
+        """
+        Render C{resrc}; a method it has no handler for is a JSON 405
+        (L{JSONMethodErrors}, issue 14), never twisted.web's HTML page.
+        """
+        super().render(JSONMethodErrors(resrc))
 
 
 class _Site(RelaySite):

@@ -9,6 +9,7 @@ import json
 import random
 
 from prometheus_client import CollectorRegistry, generate_latest
+from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -190,6 +191,46 @@ class QuotaOrderTests(SynchronousTestCase):
         for _ in range(3):
             self.successResultOf(self.admission.tryAcquire("account", "b", 0))
         self.assertEqual(self.pick().account.id, "a")
+
+    def test_blockedWhileAcquiring(self):
+        """
+        Found by the chaos soak (issue 14): when the chosen account becomes
+        unschedulable while its slot acquire is in flight (another turn's
+        429 or breaker, a Redis round trip), the selection still returns
+        the slot it took -- before, working out C{quota_decided} met no
+        compatible peer, C{min()} of nothing raised, the turn died with a
+        502 and the slot it held was never given back.
+        """
+        blocked = set()
+        pending = []
+
+        class SlowAdmission(MemorySlotAdmission):
+            def tryAcquire(self, kind, id, limit):
+                d = Deferred()
+                pending.append((d, super().tryAcquire(kind, id, limit)))
+                return d
+
+        self.clock = Clock()
+        self.clock.advance(NOW)
+        self.windows = UsageWindows(clock=self.clock)
+        self.admission = SlowAdmission(clock=self.clock)
+        self.scheduler = AccountScheduler(
+            accounts=[oauth("a")], admission=self.admission,
+            store=MemoryStateStore(clock=self.clock), clock=self.clock,
+            settings=RuntimeSettings(GatewaySettings()), random=random.Random(3),
+            quota=self.windows,
+            extraBlock=lambda a, now, model: ("rate_limited", now + 5) if a.id in blocked
+            else None,
+        )
+        d = self.scheduler.select(turn())
+        blocked.add("a")
+        acquired, inner = pending.pop()
+        inner.chainDeferred(acquired)
+        selection = self.successResultOf(d)
+        self.assertEqual(selection.account.id, "a")
+        self.assertFalse(selection.record.quota_decided)
+        self.assertEqual(self.successResultOf(self.admission.load("account", ["a"]))["a"][0], 1)
+        selection.lease.release()
 
     def test_plainWhenOff(self):
         """

@@ -27,7 +27,7 @@ from relay.engine.runner import TurnRunner
 from relay.policy.health import AccountHealth
 from relay.interfaces import ITurnSink, IUpstreamDialer, IUpstreamResponse
 from relay.model import Account, ClientKey, GatewaySettings, Turn
-from relay.scheduling.scheduler import AccountScheduler
+from relay.scheduling.scheduler import AccountScheduler, responseKey, responseOwnerKey
 from relay.settings import RuntimeSettings
 from relay.state.memory import MemoryStateStore
 
@@ -784,3 +784,99 @@ class OutputTests(SynchronousTestCase):
         self.assertEqual(rig.state("a").blockedUntil, 0)
         self.assertEqual(rig.health._breakers, {})
         self.assertEqual(sink.errors, [])
+
+
+class _OwnerProbe(FakeSink):
+    """
+    A sink that reads, at the moment the client gets the terminal event or
+    the JSON body, what another relay process reading the shared store (and
+    this process's local map) would find about the response's owner.
+    """
+
+    def __init__(self, rig):
+        super().__init__()
+        self._rig = rig
+        self.seen = []
+
+    def _probe(self):
+        store = []
+        self._rig.store.getValue(responseKey("resp_1")).addCallback(store.append)
+        key = []
+        self._rig.store.getValue(responseOwnerKey("resp_1")).addCallback(key.append)
+        self.seen.append((store[0], key[0], self._rig.scheduler._local("resp_1")))
+
+    def writeEvent(self, event):
+        if event.type == b"response.completed":
+            self._probe()
+        super().writeEvent(event)
+
+    def writeBody(self, status, headers, body):
+        self._probe()
+        super().writeBody(status, headers, body)
+
+
+class _RecordSpy:
+    """
+    Delegates to a scheduler, recording C{recordResponse} calls.
+    """
+
+    def __init__(self, scheduler, calls):
+        self._scheduler = scheduler
+        self._calls = calls
+
+    def __getattr__(self, name):
+        return getattr(self._scheduler, name)
+
+    def recordResponse(self, turn, responseId, acct):
+        self._calls.append(responseId)
+        return self._scheduler.recordResponse(turn, responseId, acct)
+
+
+class ResponseOwnerTests(SynchronousTestCase):
+    """
+    R39/R40: a response's owner is recorded before the client can chain
+    from it. Found by the chaos soak (issue 14): the owner was written only
+    after the terminal event (SSE) or the whole body (JSON) had gone to the
+    client and the account's bookkeeping had reached the store, so a
+    client's next turn with C{previous_response_id}, sent at once through
+    the other relay, found no owner, went to another account and got 400
+    C{previous_response_not_found}.
+    """
+
+    def chain(self, stream):
+        rig = Rig([account("a")])
+        calls = []
+        rig.runner.scheduler = _RecordSpy(rig.scheduler, calls)
+        sink = _OwnerProbe(rig)
+        turn = Turn(entrypoint="http", endpoint="responses",
+                    client=ClientKey(name="t", key="k", concurrency=0), model="gpt-5.5",
+                    body={"model": "gpt-5.5", "input": "hi", "stream": stream}, stream=stream,
+                    requestId="req")
+        outcome = []
+        rig.runner.run(turn, sink).addCallback(outcome.append)
+        self.assertEqual(outcome, ["completed"])
+        self.assertEqual(sink.seen, [("a", "t", ("a", "t"))])
+        self.assertEqual(calls, ["resp_1"])
+
+    def test_stream(self):
+        """
+        SSE: the owner (store and local map) and the key are there when the
+        terminal event reaches the client, and recorded once.
+        """
+        self.chain(stream=True)
+
+    def test_json(self):
+        """
+        A JSON upstream body: the owner is there when the body is written.
+        """
+        body = {"id": "resp_1", "object": "response", "status": "completed", "output": [
+            {"type": "message", "id": "msg_1", "role": "assistant",
+             "content": [{"type": "output_text", "text": "Hi"}]}]}
+        original = Rig.__init__
+
+        def patched(self, accounts, **settings):
+            original(self, accounts, **settings)
+            self.dialer.scripts["a"] = [status(200, body)]
+
+        self.patch(Rig, "__init__", patched)
+        self.chain(stream=False)

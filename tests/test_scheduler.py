@@ -10,7 +10,7 @@ import random
 from twisted.internet.defer import fail
 from twisted.internet.task import Clock
 from twisted.internet.testing import EventLoggingObserver
-from twisted.logger import globalLogPublisher
+from twisted.logger import capturedLogs, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
@@ -410,6 +410,21 @@ class PreviousResponseTests(SchedulerMixin, SynchronousTestCase):
         self.assertIn(":response:", responseKey("resp_1"))
         self.clock.advance(11)
         self.assertIsNone(self.value(responseKey("resp_1")))
+
+    def test_ownerNotConfiguredHere(self):
+        """
+        Issue 14 (the chaos soak): an owner this process does not have (an
+        account only another relay has, or one a reload removed) falls
+        through to normal selection and says so, like any skipped owner.
+        """
+        self.build([account("a"), account("b")])
+        self.successResultOf(self.store.setValue(responseKey("resp_1"), "gone", 3600))
+        with capturedLogs() as logs:
+            sel = self.select(turn(previousResponseId="resp_1"))
+        self.assertEqual(sel.record.layer, "load_balance")
+        skipped = [e for e in logs if e.get("event") == "openai.previous_response_owner_skipped"]
+        self.assertEqual([(e["account_id"], e["reason"]) for e in skipped],
+                         [("gone", "not_configured")])
 
     def test_ownerBusyStickyWait(self):
         """

@@ -34,7 +34,10 @@ It serves, on one port (plain TCP or TLS):
     - C{GET /_emulator/stats}: C{{name: {"inflight": n, "peak": n}}};
       C{DELETE /_emulator/peaks} resets peaks;
     - C{GET /_emulator/oauth} (token requests, refreshes, reuse attempts; never a token),
-      C{PUT|DELETE /_emulator/oauth/faults/<name>}, C{POST /_emulator/oauth/release}.
+      C{PUT|DELETE /_emulator/oauth/faults/<name>}, C{POST /_emulator/oauth/release};
+    - C{GET|PUT|DELETE /_emulator/chaos}: seeded random faults (chaos mode);
+    - C{GET /_emulator/turns}: requests and generations per client turn (the turn ledger);
+      C{DELETE} forgets it. Both are described in L{relay.emulator.chaos}.
 
 An account is identified by its credential, the C{Authorization: Bearer} token.  Unknown
 credentials are served as anonymous accounts named C{key-<sha256 prefix>} when C{accept_any}
@@ -50,6 +53,7 @@ The script and fault formats are documented in L{relay.emulator.state}.  The con
     models: [gpt-5.5]
     default_script: {text: "...", tool_call: {...}}
     default_fault: null
+    chaos: {seed: 7, rate: 0.3, faults: [{weight: 2, kind: status, preset: unavailable}]}
     oauth: {access_token_ttl: 864000}   # seconds; optional secret: HS256 key
     accounts:
       - {name: a1, credential: sk-emu-a1, script: {...}, fault: {...}}

@@ -17,11 +17,13 @@ from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.web.server import Site
 
+from relay.emulator.chaos import ChaosPlan, TurnDraw, TurnLedger, turnKey
 from relay.emulator.http import EmulatorResource
 from relay.emulator.oauth import DEFAULT_ACCESS_TTL, OAuthAuthority, UsageModel, canonicalKey
 from relay.emulator.state import (
     DEFAULT_MODELS,
     EmulatorState,
+    Fault,
     RecordedRequest,
     parseFaults,
     parseScript,
@@ -30,7 +32,7 @@ from relay.emulator.ws import buildFactory
 
 CONFIG_KEYS = frozenset(
     {"listen", "accept_any", "ws_max_age", "models", "default_script", "default_fault",
-     "accounts", "oauth"}
+     "accounts", "oauth", "chaos"}
 )
 """The keys an emulator configuration may have."""
 
@@ -101,6 +103,7 @@ def validateConfig(config: dict) -> dict:
         ttl = oauth.get("access_token_ttl", 1)
         if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0:
             raise EmulatorConfigError("oauth.access_token_ttl must be a positive number")
+        ChaosPlan.parse(config.get("chaos"))
     except EmulatorConfigError:
         raise
     except ValueError as e:
@@ -127,6 +130,8 @@ class Emulator:
     @ivar wsMaxAge: the WebSocket connection age limit in seconds.
     @ivar models: the model ids C{GET /v1/models} lists.
     @ivar oauth: the token issuer and usage meter (L{relay.emulator.oauth}).
+    @ivar chaos: the seeded random faults in force (L{relay.emulator.chaos}), or L{None}.
+    @ivar ledger: requests and generations per client turn (L{relay.emulator.chaos}).
     """
 
     _log = Logger()
@@ -140,6 +145,8 @@ class Emulator:
     wsMaxAge: float = field(init=False, default=3600.0)
     models: tuple = field(init=False, default=DEFAULT_MODELS)
     oauth: OAuthAuthority = field(init=False)
+    chaos: ChaosPlan | None = field(init=False, default=None)
+    ledger: TurnLedger = field(init=False, factory=TurnLedger)
     _secure: bool = field(init=False, default=False)
     _held: set = field(init=False, factory=set)
     _connections: set = field(init=False, factory=set)
@@ -183,6 +190,7 @@ class Emulator:
             self.state.setScript("*", config["default_script"])
         if config.get("default_fault") is not None:
             self.state.setFault("*", config["default_fault"])
+        self.chaos = ChaosPlan.parse(config.get("chaos"))
         factory = buildFactory(self)
         self.wsResource = WebSocketResource(factory)
         self.site = Site(EmulatorResource(self), reactor=self.reactor)
@@ -302,6 +310,49 @@ class Emulator:
         Remove every fault, including the C{"*"} default.
         """
         self.state.clearFaults()
+
+    def setChaos(self, spec: Any) -> None:
+        """
+        Put a chaos configuration in force (L{relay.emulator.chaos}); L{None} turns chaos off.
+
+        @raise ValueError: for a malformed configuration (nothing changes).
+        """
+        self.chaos = ChaosPlan.parse(spec)
+
+    def arrive(self, credential: str | None, transport: str, body: Any,
+               headers: dict | None) -> TurnDraw:
+        """
+        Note a request (HTTP) or a turn (a WebSocket C{response.create}) in the turn ledger.
+
+        @param credential: the bearer's key.
+        @param transport: C{"http"} or C{"ws"}.
+        @param body: the parsed body or frame.
+        @param headers: the request's lower-cased headers (L{None} for a WebSocket frame).
+        @return: the request's L{TurnDraw}, for L{takeFault} and L{generated}.
+        """
+        return self.ledger.arrived(turnKey(body, headers), self.state.nameOf(credential),
+                                   transport, self.reactor.seconds())
+
+    def takeFault(self, credential: str | None, transport: str, draw: TurnDraw,
+                  handshake: bool = False) -> Fault | None:
+        """
+        The fault of one request: a scripted one first (its C{times} counts down), else the
+        chaos draw.
+
+        @param draw: the request's L{TurnDraw} (L{arrive}, or L{TurnLedger.handshake}).
+        @return: the fault, or L{None}.
+        """
+        fault = self.state.takeFault(credential, transport, handshake)
+        if fault is None and self.chaos is not None:
+            fault = self.chaos.pick(self.state.nameOf(credential), draw.drawKey, draw.attempt,
+                                    transport, handshake, self.reactor.seconds())
+        return fault
+
+    def generated(self, draw: TurnDraw | None, credential: str | None) -> None:
+        """
+        Note that a request's answer was delivered whole (a generation).
+        """
+        self.ledger.generated(draw, self.state.nameOf(credential), self.reactor.seconds())
 
     def setScript(self, credential: str, script: dict | None) -> None:
         """

@@ -18,6 +18,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
+from relay.emulator.chaos import CLIENT_REQUEST_ID, TurnDraw
 from relay.emulator.state import (
     HTTP,
     WS,
@@ -371,19 +372,21 @@ class EmulatorResource(Resource):
 
     # -- shared fault handling --------------------------------------------------------------
 
-    def _admit(self, request: Any, credential: str | None) -> tuple[Any, Fault | None]:
+    def _admit(self, request: Any, credential: str | None,
+               draw: TurnDraw) -> tuple[Any, Fault | None]:
         """
         Authenticate and apply the faults that act before the response starts.
 
         @param request: the request.
         @param credential: the bearer token.
+        @param draw: the request's L{TurnDraw} (scripted faults first, then chaos).
         @return: C{(answer, fault)}: when C{answer} is not L{None} the request is already
             answered with it; otherwise C{fault} is the fault (if any) that shapes the stream.
         @rtype: L{tuple}
         """
         if not self._state.known(credential):
             return self._json(request, 401, invalidKeyBody()), None
-        fault = self._state.takeFault(credential, HTTP)
+        fault = self.emulator.takeFault(credential, HTTP, draw)
         if fault is None:
             return None, None
         self._log.info("applying fault {kind} for {name}", event="emulator.fault",
@@ -422,7 +425,7 @@ class EmulatorResource(Resource):
         self._hold(request)
         return NOT_DONE_YET
 
-    def _finisher(self, request: Any, tracker: TurnTracker):
+    def _finisher(self, request: Any, tracker: TurnTracker, onComplete: Any = None):
         """
         Build a callback that ends the turn and finishes the request (if the client is still
         there).
@@ -430,12 +433,16 @@ class EmulatorResource(Resource):
         @param request: the request.
         @param tracker: the turn's tracker.
         @type tracker: L{TurnTracker}
+        @param onComplete: called before finishing when the client is still there (the
+            answer was delivered whole: a generation, L{relay.emulator.chaos}), or L{None}.
         @return: a no-argument callable.
         """
 
         def finish() -> None:
             tracker.end()
             if not request.finished and not getattr(request, "_emulatorGone", False):
+                if onComplete is not None:
+                    onComplete()
                 request.finish()
 
         return finish
@@ -480,13 +487,14 @@ class EmulatorResource(Resource):
             return self._json(request, 400, {"error": {
                 "message": "We could not parse the JSON body of your request.",
                 "type": "invalid_request_error", "code": None, "param": None}})
+        draw = self.emulator.arrive(credential, HTTP, body, lowerHeaders(request))
         stream = body.get("stream") is True
         if route == "oauth" and self._state.known(credential) and not stream:
             return self._json(request, 400, {"detail": "Stream must be set to true"})
         unsupported = [name for name in OAUTH_UNSUPPORTED if name in body]
         if route == "oauth" and self._state.known(credential) and unsupported:
             return self._json(request, 400, {"detail": f"Unsupported parameter: {unsupported[0]}"})
-        answer, fault = self._admit(request, credential)
+        answer, fault = self._admit(request, credential, draw)
         if answer is not None:
             return answer
         if fault is not None and fault.kind == "hang_after_headers":
@@ -519,11 +527,17 @@ class EmulatorResource(Resource):
         firstDelay = float(fault.get("seconds", 0)) if fault is not None and \
             fault.kind == "delay_first_output" else 0.0
         cutAfter, cleanEnd = breakAfter(fault)
+        complete = None
+        if reply is not None and (shaping is None or shaping.kind != "stream_error"):
+            # A generation: an answer (not a prewarm, not a response.failed) delivered whole.
+            def complete() -> None:
+                self.emulator.generated(draw, credential)
+
         if not stream:
             # A non-stream answer takes as long as the stream would have.
             generation = script.delay * max(0, len(turn.events) - 1)
             return self._nonStream(request, tracker, turn.final, firstDelay + generation,
-                                   cutAfter, cleanEnd)
+                                   cutAfter, cleanEnd, complete)
         request.setResponseCode(200)
         request.setHeader(b"content-type", b"text/event-stream")
         request.setHeader(b"cache-control", b"no-cache")
@@ -539,7 +553,8 @@ class EmulatorResource(Resource):
         pump = EventPump(
             clock=self.emulator.clock, events=turn.events,
             send=lambda event: request.write(sseFrame(event)),
-            finish=finish, cut=finish if cleanEnd else cut, beforeTerminal=tracker.end,
+            finish=self._finisher(request, tracker, complete),
+            cut=finish if cleanEnd else cut, beforeTerminal=tracker.end,
             delay=script.delay, firstOutput=turn.firstOutput, firstDelay=firstDelay,
             cutAfter=cutAfter, **stallOf(fault),
         )
@@ -548,7 +563,7 @@ class EmulatorResource(Resource):
         return NOT_DONE_YET
 
     def _nonStream(self, request: Any, tracker: TurnTracker, final: dict, firstDelay: float,
-                   cutAfter: int | None, cleanEnd: bool = False) -> Any:
+                   cutAfter: int | None, cleanEnd: bool = False, complete: Any = None) -> Any:
         """
         Answer a non-stream request with the final response (or completion) object.
 
@@ -567,6 +582,7 @@ class EmulatorResource(Resource):
             (C{end_after_events}) instead of dropping the connection mid-body
             (C{cut_after_events}).
         @type cleanEnd: L{bool}
+        @param complete: called when the whole body was delivered (a generation), or L{None}.
         @return: C{NOT_DONE_YET}.
         """
         finish = self._finisher(request, tracker)
@@ -583,7 +599,7 @@ class EmulatorResource(Resource):
         pump = EventPump(
             clock=self.emulator.clock, events=[final],
             send=lambda obj: request.write(self._json(request, 200, obj)),
-            finish=finish, cut=truncated,
+            finish=self._finisher(request, tracker, complete), cut=truncated,
             beforeTerminal=tracker.end, firstOutput=0, firstDelay=firstDelay,
             cutAfter=0 if cutAfter is not None else None,
         )
@@ -682,8 +698,9 @@ class EmulatorResource(Resource):
             return self._json(request, 400, {"error": {
                 "message": "We could not parse the JSON body of your request.",
                 "type": "invalid_request_error", "code": None, "param": None}})
+        draw = self.emulator.arrive(credential, HTTP, body, lowerHeaders(request))
         stream = body.get("stream") is True
-        answer, fault = self._admit(request, credential)
+        answer, fault = self._admit(request, credential, draw)
         if answer is not None:
             return answer
         if fault is not None and fault.kind == "hang_after_headers":
@@ -700,6 +717,10 @@ class EmulatorResource(Resource):
         tracker = TurnTracker(self._state, credential)
         firstDelay = float(fault.get("seconds", 0)) if kind == "delay_first_output" else 0.0
         cutAfter, cleanEnd = breakAfter(fault)
+
+        def complete() -> None:
+            self.emulator.generated(draw, credential)
+
         if not stream:
             if kind == "empty_completed":
                 completion["choices"][0]["message"]["content"] = ""
@@ -709,7 +730,7 @@ class EmulatorResource(Resource):
                 return self._json(request, 500, streamErrorBody(fault))
             generation = script.delay * max(0, len(chunks) - 1)
             return self._nonStream(request, tracker, completion, firstDelay + generation,
-                                   cutAfter, cleanEnd)
+                                   cutAfter, cleanEnd, complete)
         frames = [b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n"
                   for c in chunks]
         if kind == "stream_error":
@@ -733,7 +754,9 @@ class EmulatorResource(Resource):
 
         pump = EventPump(
             clock=self.emulator.clock, events=frames, send=request.write,
-            finish=finish, cut=finish if cleanEnd else cut, beforeTerminal=tracker.end,
+            finish=self._finisher(request, tracker,
+                                  None if kind == "stream_error" else complete),
+            cut=finish if cleanEnd else cut, beforeTerminal=tracker.end,
             delay=script.delay, firstOutput=1, firstDelay=firstDelay, cutAfter=cutAfter,
             **stallOf(fault),
         )
@@ -756,7 +779,9 @@ class EmulatorResource(Resource):
             return self._json(request, 401, denied)
         if not self._state.known(credential):
             return self._json(request, 401, invalidKeyBody())
-        fault = self._state.takeFault(credential, WS, handshake=True)
+        draw = self.emulator.ledger.handshake(
+            lowerHeaders(request).get(CLIENT_REQUEST_ID) or None)
+        fault = self.emulator.takeFault(credential, WS, draw, handshake=True)
         if fault is not None:
             self._log.info("applying handshake fault {kind} for {name}",
                            event="emulator.fault", kind=fault.kind,
@@ -819,6 +844,20 @@ class EmulatorResource(Resource):
                 if not ok:
                     return self._json(request, 400, {"error": "invalid JSON"})
                 emulator.oauth.setFault(parts[2], None if method == b"DELETE" else body)
+                return self._json(request, 200, {"ok": True})
+            if parts == ["chaos"] and method == b"GET":
+                chaos = emulator.chaos
+                return self._json(request, 200, chaos.toJSON() if chaos is not None else None)
+            if parts == ["chaos"] and method in (b"PUT", b"DELETE"):
+                ok, body = self._parseBody(request)
+                if not ok:
+                    return self._json(request, 400, {"error": "invalid JSON"})
+                emulator.setChaos(None if method == b"DELETE" else body)
+                return self._json(request, 200, {"ok": True})
+            if parts == ["turns"] and method == b"GET":
+                return self._json(request, 200, emulator.ledger.toJSON())
+            if parts == ["turns"] and method == b"DELETE":
+                emulator.ledger.clear()
                 return self._json(request, 200, {"ok": True})
             if parts == ["peaks"] and method == b"DELETE":
                 emulator.state.resetPeaks()

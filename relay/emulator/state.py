@@ -44,7 +44,11 @@ Fault format (a JSON object, or a list of them; the first applicable one is used
      "preset": "cloudflare" | "usage_limit" | "overloaded" | "server_error" | "unavailable"
                | "rate_limit" | "unauthorized",
      "times": 2,                 # apply to the next 2 matching requests, then heal
-     "transport": "http" | "ws" | "any"}
+     "transport": "http" | "ws" | "any",
+     "resets_in_seconds": 7200}  # usage_limit preset: when its window resets
+
+Seeded random faults (chaos mode) and the per-turn generation ledger are
+L{relay.emulator.chaos}.
 
 Kinds: C{reset_before_headers}, C{hang_before_headers}, C{hang_after_headers}, C{status},
 C{delay_first_output} (C{seconds}), C{stall_after_events} (C{events}, C{seconds}: send that
@@ -118,7 +122,7 @@ _CLOUDFLARE_HTML = (
 )
 
 
-def _preset(name: str, now: float) -> dict[str, Any]:
+def _preset(name: str, now: float, resetsIn: float = 7200) -> dict[str, Any]:
     """
     Build the status-fault fields of a named preset.
 
@@ -126,6 +130,7 @@ def _preset(name: str, now: float) -> dict[str, Any]:
     @type name: L{str}
     @param now: the current time in Unix seconds, for reset timestamps.
     @type now: L{float}
+    @param resetsIn: seconds until the C{usage_limit} preset's primary window resets.
     @return: C{code}, C{body} and C{headers} for the preset.
     @rtype: L{dict}
     @raise ValueError: for an unknown preset.
@@ -141,6 +146,7 @@ def _preset(name: str, now: float) -> dict[str, Any]:
             },
         }
     if name == "usage_limit":
+        resetAt = int(now + resetsIn)
         return {
             "code": 429,
             "body": {
@@ -148,14 +154,14 @@ def _preset(name: str, now: float) -> dict[str, Any]:
                     "type": "usage_limit_reached",
                     "message": "The usage limit has been reached",
                     "plan_type": "plus",
-                    "resets_at": int(now) + 7200,
-                    "resets_in_seconds": 7200,
+                    "resets_at": resetAt,
+                    "resets_in_seconds": int(resetsIn),
                 }
             },
             "headers": {
                 "x-codex-primary-used-percent": "100",
                 "x-codex-primary-window-minutes": "300",
-                "x-codex-primary-reset-at": str(int(now) + 7200),
+                "x-codex-primary-reset-at": str(resetAt),
                 "x-codex-secondary-used-percent": "42",
                 "x-codex-secondary-window-minutes": "10080",
                 "x-codex-secondary-reset-at": str(int(now) + 86400),
@@ -334,7 +340,10 @@ def parseFault(spec: dict, now: float = 0.0) -> Fault:
     if times is not None and (not isinstance(times, int) or times < 1):
         raise ValueError("fault times must be a positive integer")
     if preset is not None:
-        base = _preset(preset, now)
+        resetsIn = params.pop("resets_in_seconds", 7200)
+        if isinstance(resetsIn, bool) or not isinstance(resetsIn, (int, float)) or resetsIn < 0:
+            raise ValueError("resets_in_seconds must be a number of seconds")
+        base = _preset(preset, now, resetsIn)
         base.update(params)
         params = base
     if kind in ("status", "ws_handshake_status"):

@@ -228,7 +228,8 @@ class EmulatorWebSocketProtocol(WebSocketServerProtocol):
                 "message": f"Responses websocket connection limit reached ({minutes} minutes)."
                 " Create a new websocket connection to continue.", "param": None}))
             return
-        fault = state.takeFault(self._credential, WS)
+        draw = self._emulator.arrive(self._credential, WS, frame, None)
+        fault = self._emulator.takeFault(self._credential, WS, draw)
         tracker = TurnTracker(state, self._credential)
         if fault is not None:
             self._log.info("applying fault {kind} for {name}", event="emulator.fault",
@@ -285,9 +286,17 @@ class EmulatorWebSocketProtocol(WebSocketServerProtocol):
             else:
                 self.dropConnection(abort=False)
 
+        generative = reply is not None and (shaping is None or shaping.kind != "stream_error")
+
+        def finish() -> None:
+            if generative and not self._closed and self.state == self.STATE_OPEN:
+                # The terminal event went out on an open connection: a generation.
+                self._emulator.generated(draw, self._credential)
+            self._turnDone()
+
         self._pump = EventPump(
             clock=self._emulator.clock, events=turn.events, send=self._sendEvent,
-            finish=self._turnDone, cut=cut, beforeTerminal=tracker.end, delay=script.delay,
+            finish=finish, cut=cut, beforeTerminal=tracker.end, delay=script.delay,
             firstOutput=turn.firstOutput,
             firstDelay=float(fault.get("seconds", 0))
             if fault is not None and fault.kind == "delay_first_output" else 0.0,

@@ -153,6 +153,10 @@ async def _readJSON(runner, turn, sink, account, response, release, rewrite) -> 
         runner.recordUsage(turn, account, counts)
     release()
     runner.firstOutput(turn)
+    responseId = parsed.get("id")
+    # R39/R40: the owner is known before the client can chain from the body.
+    owned = runner.ownResponse(turn, account, responseId)
     sink.writeBody(200, passHeaders(response.headers), body)
-    responseId = parsed.get("id") if isinstance(parsed, dict) else None
-    return AttemptResult(end=ends.Completed(responseId), committed=True, status=200)
+    return AttemptResult(
+        end=ends.Completed(responseId), committed=True, status=200, ownerRecorded=owned
+    )

@@ -45,12 +45,17 @@ class AttemptResult:
         or is forwarded); else L{None} and the engine judges it.
     @ivar committed: output reached the client (no failover any more).
     @ivar status: HTTP-like status of the outcome for logs.
+    @ivar ownerRecorded: the response's owner was recorded before its
+        terminal event or body went to the client
+        (L{relay.engine.runner.TurnRunner.ownResponse}); the engine does not
+        record it again.
     """
 
     end: object = None
     verdict: Optional[F.Verdict] = None
     committed: bool = False
     status: int = 200
+    ownerRecorded: bool = False
 
     @property
     def ok(self) -> bool:
@@ -304,12 +309,16 @@ class StreamPump(Protocol):
                 responseId = response.get("id")
         self._usage.terminal(event)
         self._release()
+        forwarded = forwardedFailure or event.type == b"response.failed"
+        # R39/R40: the owner too is known before the client can chain from
+        # the response (found by the chaos soak, issue 14).
+        owned = not forwarded and self._runner.ownResponse(self._turn, self._account, responseId)
         self._write(event)
-        if forwardedFailure or event.type == b"response.failed":
-            end = ends.Forwarded(responseId)
-        else:
-            end = ends.Completed(responseId)
-        self._endWith(AttemptResult(end=end, committed=True, status=200), dropUpstream=False)
+        end = ends.Forwarded(responseId) if forwarded else ends.Completed(responseId)
+        self._endWith(
+            AttemptResult(end=end, committed=True, status=200, ownerRecorded=owned),
+            dropUpstream=False,
+        )
 
     # -- endings -------------------------------------------------------------
 

@@ -645,12 +645,39 @@ class TurnRunner:
 
     async def _succeeded(self, turn, account, result: AttemptResult) -> None:
         """
-        A completed turn: remember which account owns the response (R39).
+        A completed turn: remember which account owns the response (R39),
+        unless the attempt already did (L{ownResponse}).
         """
         if result.responseId:
-            await self.scheduler.recordResponse(turn, result.responseId, account)
+            if not result.ownerRecorded:
+                await self.scheduler.recordResponse(turn, result.responseId, account)
             if turn.onResponseId is not None:
                 turn.onResponseId(result.responseId, account)
+
+    def ownResponse(self, turn: Turn, account, responseId: Optional[str]) -> bool:
+        """
+        Record that C{account} owns C{responseId} (R39) and the turn's key
+        may use it (R40), called by the attempt just I{before} the terminal
+        event or body goes to the client: a client chains from a response
+        the instant it reads it, possibly through another relay process, so
+        the owner must already be in the local map (set synchronously here)
+        and its store writes already on their way (sent ahead of the
+        client's bytes; a later read from any process sees them). The
+        writes are not awaited: the terminal event is not held back, and a
+        store error is logged by the scheduler (R35 fail-open).
+
+        @param responseId: the response id, or L{None} (nothing recorded).
+        @return: whether the owner was recorded.
+        """
+        if not responseId:
+            return False
+        self.scheduler.recordResponse(turn, responseId, account).addErrback(
+            lambda f: self._log.failure(
+                "recording the owner of {response_id} failed", f,
+                response_id=responseId, request_id=turn.requestId,
+            )
+        )
+        return True
 
     async def _retakeSameAccount(self, turn, sink, account, state=None):
         """

@@ -351,8 +351,15 @@ class AccountScheduler:
             return
         ttl = self._settings.current.scheduling.previous_response_ttl_seconds
         self._remember(responseId, account.id, turn.client.name, ttl)
-        await self._write("setValue", responseKey(responseId), account.id, ttl)
-        await self._write("setValue", responseOwnerKey(responseId), turn.client.name, ttl)
+        # Both writes leave at once (issue 14): a reader in another process
+        # must not find the owner without the key (R40) a round trip later.
+        writes = [
+            Deferred.fromCoroutine(self._write("setValue", key, value, ttl))
+            for key, value in ((responseKey(responseId), account.id),
+                               (responseOwnerKey(responseId), turn.client.name))
+        ]
+        for d in writes:
+            await d
 
     def _remember(self, responseId: str, accountId: str, keyName: str, ttl: float) -> None:
         """
@@ -680,8 +687,11 @@ class AccountScheduler:
                 lease = await self._try(ctx, account)
                 if lease is not None:
                     if quota is not None:
+                        # The chosen account is always its own peer: its state
+                        # may have changed while the acquire was in flight
+                        # (found by the chaos soak, issue 14).
                         peers = [plain(a) for a in order if a.priority == account.priority
-                                 and not self._incompatible(ctx, a)]
+                                 and (a is account or not self._incompatible(ctx, a))]
                         ctx.quotaDecided = plain(account) > min(peers)
                     return account, lease
         return None
@@ -833,6 +843,16 @@ class AccountScheduler:
         ownerId = await self._responseOwner(previous)
         owner = ctx.byId.get(ownerId) if ownerId else None
         if owner is None:
+            if ownerId:
+                # Issue 14: an owner this process does not have (removed by
+                # a reload, or configured on another relay only) is said,
+                # not silently dropped.
+                self._log.info(
+                    "previous_response_id owner {account_id} not usable ({reason});"
+                    " falling back",
+                    event="openai.previous_response_owner_skipped", account_id=ownerId,
+                    reason="not_configured", request_id=ctx.turn.requestId,
+                )
             return None
         reason = self._incompatible(ctx, owner)
         if reason is not None and reason.startswith("unschedulable"):
