@@ -387,6 +387,12 @@ def _webSocket(app: RelayApplication, trustRoot):
 
     app.live.accounts.subscribe(retire)
     app.live.accounts.subscribe(lambda change: _forgetRenewed(app, change))
+    credentials = app.extras.get("credentials")
+    if credentials is not None:
+        # Issue 12 + 14: an OAuth account a reload adds gets managed tokens.
+        app.live.accounts.subscribe(
+            lambda change: credentials.accountsChanged(app.live.accounts, change)
+        )
     resource = buildWebSocketResource(
         app.runner, app.keys, app.live.accounts, app.settings, reactor
     )

@@ -16,7 +16,7 @@ import os
 import stat
 
 import jwt
-from attrs import define, field
+from attrs import define, evolve, field
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
@@ -416,6 +416,35 @@ class CredentialsTests(SynchronousTestCase):
         self.assertEqual(third.current(relogin).refresh_token, "rt-new")
         self.assertEqual(self.stored().version, self.stored().version)
         self.assertEqual(self.stored().tokens.refresh_token, "rt-new")
+
+    def test_reloadAddsRemovesAndRenews(self):
+        """
+        Issue 12 + 14: an OAuth account a reload adds gets managed tokens at
+        once (seeded into the store, a proactive refresh planned); a removed
+        one is forgotten; a renewed one starts again from its new
+        configured tokens; a changed one dials with its new settings.
+        """
+        from relay.operations.live import AccountSetChange
+
+        first = account("o1")
+        credentials = self.make(first)
+        added = account("o2", refresh="rt-2")
+        changed = evolve(first, priority=7)
+        self.successResultOf(credentials.accountsChanged(
+            [changed, added], AccountSetChange(added=frozenset({"o2"}),
+                                               changed=frozenset({"o1"}))))
+        self.assertIsNotNone(credentials.refreshAt(added))
+        self.assertEqual(self.stored("o2").tokens.refresh_token, "rt-2")
+        self.assertEqual(credentials.current(changed).priority, 7)
+        renewed = evolve(added, refresh_token="rt-new", credential=token(NOW + 3600, NOW))
+        self.successResultOf(credentials.accountsChanged(
+            [changed, renewed], AccountSetChange(changed=frozenset({"o2"}),
+                                                 renewed=frozenset({"o2"}))))
+        self.assertEqual(self.stored("o2").tokens.refresh_token, "rt-new")
+        self.successResultOf(credentials.accountsChanged(
+            [renewed], AccountSetChange(removed=frozenset({"o1"}))))
+        self.assertIsNone(credentials.refreshAt(first))
+        self.assertIs(credentials.current(first), first)
 
     def test_proactiveOnTheClock(self):
         """

@@ -196,11 +196,61 @@ class OAuthCredentials:
         """
         self._running = False
         for slot in self._slots.values():
-            for name in ("timer", "pendingCall"):
-                call = getattr(slot, name)
-                if call is not None and call.active():
-                    call.cancel()
-                setattr(slot, name, None)
+            self._cancelTimers(slot)
+
+    @staticmethod
+    def _cancelTimers(slot: _Slot) -> None:
+        for name in ("timer", "pendingCall"):
+            call = getattr(slot, name)
+            if call is not None and call.active():
+                call.cancel()
+            setattr(slot, name, None)
+
+    def accountsChanged(self, accounts, change) -> Deferred:
+        """
+        A reload changed the live account set (issue 14; subscribed to
+        L{relay.interfaces.ILiveAccounts}): a new OAuth account gets its
+        tokens managed at once (loaded or seeded, proactive refresh
+        scheduled); a removed one is forgotten; a renewed one (its tokens,
+        endpoint or proxy changed) starts again from its configured tokens;
+        a changed one (priority, concurrency, models) keeps its tokens and
+        dials with its new settings.
+
+        @param accounts: the live accounts, new set (L{Account}s).
+        @param change: the L{relay.operations.live.AccountSetChange}.
+        @return: a Deferred firing once new accounts are loaded; never fails.
+        """
+        return Deferred.fromCoroutine(self._accountsChanged(list(accounts), change))
+
+    async def _accountsChanged(self, accounts, change) -> None:
+        byId = {a.id: a for a in accounts}
+        for accountId in change.removed | change.renewed:
+            slot = self._slots.pop(accountId, None)
+            if slot is not None:
+                self._cancelTimers(slot)
+        for accountId in change.changed - change.renewed:
+            slot, account = self._slots.get(accountId), byId.get(accountId)
+            if slot is not None and account is not None:
+                slot.account = account
+                if slot.record is not None:
+                    self._adopt(slot, slot.record, schedule=False)
+        for accountId in sorted(change.added | change.renewed):
+            account = byId.get(accountId)
+            if account is None or account.type != "oauth":
+                continue
+            seed = fingerprint(account.refresh_token, account.credential, account.id_token)
+            slot = self._slots[accountId] = _Slot(account=account, seed=seed)
+            if not self._running:
+                continue
+            try:
+                await self._load(slot)
+            except Exception as e:
+                self._log.error(
+                    "could not load the tokens of {account_id}: {error}; using the configured ones",
+                    event="relay.oauth_load_failed", account_id=accountId, error=_describe(e),
+                )
+                if slot.record is None:
+                    self._adopt(slot, self._configured(slot, 0), schedule=True)
 
     def sync(self) -> Deferred:
         """
@@ -393,8 +443,12 @@ class OAuthCredentials:
         See L{ICredentialSource.blockReason}.
         """
         slot = self._slots.get(account.id)
-        if slot is None or slot.record is None:
+        if slot is None:
             return None
+        if slot.record is None:
+            # Loading (start-up, or an account a reload just added): never
+            # dial with token state relay has not read yet.
+            return ("tokens_loading", now + 1) if self._running else None
         record = slot.record
         if record.status == STATUS_NEEDS_LOGIN:
             return ("needs_login: " + (record.reason or "login required"), 0)

@@ -87,13 +87,15 @@ class Reloadable:
         with open(self.path, encoding="utf-8") as f:
             return f.read()
 
-    async def start(self, accounts, keys=(("one", K1),), gateway="{}", extra=""):
-        emulator = Emulator(reactor=reactor)
+    async def start(self, accounts, keys=(("one", K1),), gateway="{}", extra="",
+                    emulatorConfig=None):
+        emulator = Emulator(reactor=reactor, config=emulatorConfig or {})
         await emulator.listen(reactor)
         self.stack = Stack(emulator=emulator)
         self.write(accounts, keys, gateway, extra)
         app = buildApplication(loadConfig(self.path), reactor, configPath=self.path)
         self.stack.app = app
+        await app.extras["credentials"].start()  # as the service does at start-up
         self.stack.port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(
             app.site
         )
@@ -175,6 +177,43 @@ async def test_reload_swaps_accounts_and_keys_running_turn_finishes(tmp_path):
         )
         assert models.code == 200
         await models.content()
+    finally:
+        await relay.stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_reload_adds_an_oauth_account_with_managed_tokens(tmp_path):
+    """
+    Issues 12 + 14: an OAuth account a reload adds, whose access token has
+    already expired, is refreshed before its first dial (its tokens are
+    managed from the moment it exists) and serves at once.
+    """
+    from tests.integration.harness import accountsYAML
+    from tests.integration.oauthstack import emulatorConfig, oauthAccount, oauthStats
+
+    relay = await Reloadable(tmp_path).start(
+        [("a1", "sk-emu-a1", {})], emulatorConfig=emulatorConfig(("o1",))
+    )
+    try:
+        emulator = relay.stack.emulator
+        oauth = oauthAccount(emulator, "o1", accessTtl=-60, priority=1)
+        text = relay.read().replace(
+            "accounts: ",
+            "accounts: " + accountsYAML(emulator, [oauth])[:-1] + ", ",
+            1,
+        ).replace('[{"id": "a1"', '{"id": "a1"', 1)
+        relay.write(None, text=text)
+        status, answer = await relay.reload()
+        assert status == 200, answer
+        assert answer["changes"]["accounts"]["added"] == ["o1"], answer
+        credentials = relay.stack.app.extras["credentials"]
+        o1 = next(a for a in relay.stack.app.live.accounts if a.id == "o1")
+        await waitFor(lambda: credentials.blockReason(o1, reactor.seconds()) is None)
+        code, data = await relay.ask(stream=False)
+        assert code == 200, data
+        assert oauthStats(emulator, "o1")["refreshes"] == 1
+        assert len(emulator.requestsFor("o1", "request")) == 1
+        assert emulator.requestsFor("sk-emu-a1", "request") == []
     finally:
         await relay.stack.stop()
 
