@@ -507,10 +507,13 @@ class _Listener(StreamServerEndpointService):
             exitWithConfigError(message)
 
 
-def buildService(config: RelayConfig, reactor) -> MultiService:
+def buildService(config: RelayConfig, reactor, reusePort: bool = False) -> MultiService:
     """
     The twistd service: the Redis client (when configured), then the
     listening endpoint.
+
+    @param reusePort: listen with C{SO_REUSEPORT} beside the other workers
+        of a supervisor (issue 16, L{relay.workers}).
     """
     from twisted.internet.endpoints import serverFromString
 
@@ -518,7 +521,12 @@ def buildService(config: RelayConfig, reactor) -> MultiService:
     top = _Startup(app)
     for service in app.services:
         service.setServiceParent(top)
-    endpoint = serverFromString(reactor, config.listen)
+    if reusePort:
+        from relay.workers import ReusePortEndpoint
+
+        endpoint = ReusePortEndpoint(reactor, config.listen)
+    else:
+        endpoint = serverFromString(reactor, config.listen)
     listener = _Listener(endpoint, app.site, config.listen)
     listener.setServiceParent(top)
     top.relayApplication = app

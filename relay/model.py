@@ -321,6 +321,7 @@ class RelayConfig:
     """
 
     listen: str = "tcp:8080:interface=127.0.0.1"
+    workers: int = 1
     admin_key: Optional[str] = field(default=None, repr=False)
     log_format: str = "text"
     keys: tuple = ()

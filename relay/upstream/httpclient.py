@@ -29,7 +29,6 @@ Accounts behind an egress proxy keep the treq path (L{relay.upstream.http}).
 from __future__ import annotations
 
 import zlib
-from typing import Optional
 from urllib.parse import urlsplit
 
 import httptools
@@ -50,6 +49,9 @@ IDLE_TIMEOUT_SECONDS = 240.0
 (twisted.web's C{HTTPConnectionPool.cachedConnectionTimeout})."""
 
 
+_CLOSED = Failure(ConnectionDone())
+
+
 class Target:
     """
     One upstream URL, parsed once: where to connect and what to send.
@@ -62,7 +64,7 @@ class Target:
         C{POST}.
     """
 
-    __slots__ = ("scheme", "host", "port", "key", "head")
+    __slots__ = ("head", "host", "key", "port", "scheme")
 
     def __init__(self, url: str):
         """
@@ -154,7 +156,7 @@ class Response:
         self._decoder = decoder
         self._protocol = None
         self._buffer = []
-        self._end: Optional[Failure] = None
+        self._end: Failure | None = None
         self._delivered = False
 
     # -- from the connection ---------------------------------------------------
@@ -260,16 +262,16 @@ class Connection(Protocol):
     @ivar response: the L{Response} whose body is arriving, or L{None}.
     """
 
-    def __init__(self, pool: "ConnectionPool", key: tuple):
+    def __init__(self, pool: ConnectionPool, key: tuple):
         self._pool = pool
         self._key = key
         self._parser = httptools.HttpResponseParser(self)
-        self._waiting: Optional[Deferred] = None
+        self._waiting: Deferred | None = None
         self._headers: dict = {}
         self._framed = False
         self._aborted = False
         self._paused = False
-        self.response: Optional[Response] = None
+        self.response: Response | None = None
         self.idleSince = 0.0
 
     # -- requests ----------------------------------------------------------------
@@ -380,7 +382,7 @@ class Connection(Protocol):
         except httptools.HttpParserError:
             self.fail(Failure())
 
-    def connectionLost(self, reason: Failure = Failure(ConnectionDone())) -> None:
+    def connectionLost(self, reason: Failure = _CLOSED) -> None:
         self._aborted = True
         self._pool.forget(self)
         self._end(reason)
@@ -405,7 +407,7 @@ class Connection(Protocol):
 
 
 class _ConnectionFactory(Factory):
-    def __init__(self, pool: "ConnectionPool", key: tuple):
+    def __init__(self, pool: ConnectionPool, key: tuple):
         self._pool = pool
         self._key = key
 
