@@ -705,20 +705,25 @@ class _TextRedactor(SecretRedactor):
     def redactEvent(self, event: dict) -> dict:
         """
         @param event: a Twisted log event (not modified).
-        @return: a shallow copy with the written fields redacted.
+        @return: C{event} itself when nothing it shows needed redaction,
+            else a shallow copy with the written fields redacted.
         """
         fmt = event.get("log_format")
         if not isinstance(fmt, str):
             return super().redactEvent(event)
         self._refresh()
-        redacted = dict(event)
-        for key in _formatInfo(fmt)[1] + _TEXT_KEYS:
-            value = event.get(key)
-            if value is not None:
+        redacted = None
+        for names in (_formatInfo(fmt)[1], _TEXT_KEYS):
+            for key in names:
+                value = event.get(key)
+                if value is None or type(value) in _SCALARS:
+                    continue
                 new = self._redact(value, 0)
                 if new is not value:
+                    if redacted is None:
+                        redacted = dict(event)
                     redacted[key] = new
-        return redacted
+        return event if redacted is None else redacted
 
 
 _TEXT_KEYS = ("log_format", "event", "request_id")
