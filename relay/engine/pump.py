@@ -106,6 +106,7 @@ class StreamPump(Protocol):
         self._staged = []
         self._stagedBytes = 0
         self._headers = {}
+        self._batch = None
         self._idle = None
         self.committed = False
         self.finished = False
@@ -180,10 +181,34 @@ class StreamPump(Protocol):
         except LineTooLong as e:
             self._fail(ends.StagingOverflow(e.args[0]), "OpenAI stream line too long")
             return
-        for event in events:
-            if self.finished:
-                return
-            self.feedEvent(event)
+        if self._rawWrite is None or len(events) < 2:
+            for event in events:
+                if self.finished:
+                    return
+                self.feedEvent(event)
+            return
+        # Issue 16: the events of one read that reach the client go out in
+        # one write (whole events, in order; flushed before the slot is
+        # released for a terminal event and before any ending).
+        self._batch = []
+        try:
+            for event in events:
+                if self.finished:
+                    break
+                self.feedEvent(event)
+        finally:
+            self._flush()
+            self._batch = None
+
+    def _flush(self) -> None:
+        """
+        Write the events batched by L{dataReceived} (L{_write}).
+        """
+        batch = self._batch
+        if batch:
+            data = b"".join(batch)
+            batch.clear()
+            self._rawWrite(data)
 
     def _passThrough(self, data: bytes) -> bool:
         """
@@ -269,6 +294,9 @@ class StreamPump(Protocol):
 
     _inBandWire = ends.WIRE_SSE
 
+    _batch: Optional[list] = None
+    """Raw events of the current read waiting for one write (L{dataReceived})."""
+
     def _commit(self) -> None:
         """
         First output: fix the response and flush what was held back (R22).
@@ -288,6 +316,9 @@ class StreamPump(Protocol):
             return  # a chat usage chunk the client did not ask for (issue 13)
         if self._rewrite is not None:
             event = self._rewrite(event)
+        if self._batch is not None:
+            self._batch.append(event.raw)
+            return
         self._sink.writeEvent(event)
 
     def _afterOutput(self, event, forwardedFailure: bool = False) -> None:
@@ -303,6 +334,7 @@ class StreamPump(Protocol):
             if isinstance(response, dict):
                 responseId = response.get("id")
         self._usage.terminal(event)
+        self._flush()
         self._release()
         self._write(event)
         if forwardedFailure or event.type == b"response.failed":
@@ -325,6 +357,7 @@ class StreamPump(Protocol):
     def _endWith(self, result: AttemptResult, dropUpstream: bool = True) -> None:
         if self.finished:
             return
+        self._flush()
         self.finished = True
         self._cancelIdle()
         result.committed = result.committed or self._outputReachedClient()
@@ -354,6 +387,7 @@ class StreamPump(Protocol):
             return
         if hasattr(end, "afterOutput"):
             end = evolve(end, afterOutput=True)
+        self._flush()
         self._release()
         self._sink.fail(error if error is not None else E.streamBrokenError(message))
         self._endWith(AttemptResult(end=end, committed=True, status=502))

@@ -1,0 +1,101 @@
+"""
+The stream pump writes the events of one upstream read in one write
+(issue 16), in order, releasing the slot before the terminal event reaches
+the client (architecture.md invariant 4).
+"""
+
+from __future__ import annotations
+
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+
+from relay.engine.pump import StreamPump
+from relay.engine.runner import TurnRunner
+from relay.model import Account, ClientKey, Turn
+from relay.policy.classify import DefaultClassifier
+from relay.settings import RuntimeSettings
+
+
+def _event(kind: str, data: str) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + data.encode() + b"\n\n"
+
+
+CREATED = _event("response.created", '{"type":"response.created","response":{"id":"resp_1"}}')
+DELTA = _event("response.output_text.delta", '{"type":"response.output_text.delta","delta":"hi"}')
+COMPLETED = _event(
+    "response.completed",
+    '{"type":"response.completed","response":{"id":"resp_1","status":"completed",'
+    '"output":[{"type":"message"}],"usage":{"input_tokens":1,"output_tokens":1,"total_tokens":2}}}',
+)
+
+
+class Sink:
+    """
+    Records what reaches the client, in order, in a shared journal.
+    """
+
+    committed = False
+
+    def __init__(self, journal):
+        self.journal = journal
+
+    def commit(self, headers):
+        self.committed = True
+
+    def writeEvent(self, event):
+        self.journal.append(("event", event.raw))
+
+    def writeRaw(self, data):
+        self.journal.append(("raw", data))
+
+    def fail(self, error):
+        self.journal.append(("fail", error))
+
+
+class Transport:
+    def stopProducing(self):
+        pass
+
+
+class BatchTests(SynchronousTestCase):
+    """
+    L{StreamPump.dataReceived} with several whole events in one read.
+    """
+
+    def _pump(self, journal):
+        runner = TurnRunner(
+            clock=Clock(), scheduler=None, admission=None, dialer=None,
+            classifier=DefaultClassifier(), health=None, settings=RuntimeSettings(),
+        )
+        account = Account(id="a", type="apikey", base_url="http://x", credential="k")
+        turn = Turn(entrypoint="http", endpoint="responses", client=ClientKey("c", "k"),
+                    model="m", body={}, stream=True)
+        pump = StreamPump(runner, turn, Sink(journal), account,
+                          lambda: journal.append(("release", None)), None, 0)
+        pump.makeConnection(Transport())
+        return pump
+
+    def test_oneWriteThenReleaseThenTerminal(self):
+        """
+        Everything before the terminal event goes out in one write, then
+        the slot is released, then the terminal event is written.
+        """
+        journal = []
+        pump = self._pump(journal)
+        pump.dataReceived(CREATED + DELTA + DELTA + DELTA + COMPLETED)
+        self.assertEqual(
+            journal,
+            [("raw", CREATED + DELTA * 3), ("release", None), ("raw", COMPLETED)],
+        )
+        self.assertTrue(pump.finished)
+        self.assertEqual(self.successResultOf(pump.done).status, 200)
+
+    def test_batchFlushedAtTheEndOfTheRead(self):
+        """
+        A read without a terminal event is written at its end, whole.
+        """
+        journal = []
+        pump = self._pump(journal)
+        pump.dataReceived(CREATED + DELTA + DELTA)
+        self.assertEqual(journal, [("raw", CREATED + DELTA * 2)])
+        self.assertFalse(pump.finished)
