@@ -111,3 +111,55 @@ class EagerDeferredTests(SynchronousTestCase):
         self.failureResultOf(d, CancelledError)
         self.assertEqual(cancelled, [True])
         self.assertEqual(seen, ["cancelled"])
+
+
+class RaceCancelTests(SynchronousTestCase):
+    """
+    L{relay.engine.cancel.raceCancel} on L{CancelSignal.onCancel} (issue 16).
+    """
+
+    def test_firedPassesThrough(self):
+        """
+        A Deferred that already has its result is returned as it is and
+        leaves no watcher behind.
+        """
+        from relay.engine.cancel import raceCancel
+        from relay.model import CancelSignal
+
+        signal = CancelSignal()
+        d = succeed(5)
+        self.assertIs(raceCancel(d, signal), d)
+        self.assertEqual(signal._waiters, [])
+
+    def test_clientGoneCancelsTheWait(self):
+        """
+        A pending wait is cancelled when the client goes and fails with
+        L{ClientGone}.
+        """
+        from relay.engine.cancel import ClientGone, raceCancel
+        from relay.model import CancelSignal
+
+        signal = CancelSignal()
+        cancelled = []
+        d = raceCancel(Deferred(lambda _: cancelled.append(True)), signal)
+        self.assertNoResult(d)
+        signal.cancel("client_gone")
+        self.assertEqual(cancelled, [True])
+        self.failureResultOf(d, ClientGone)
+
+    def test_watcherRemovedOnResult(self):
+        """
+        Once the wait has its result the signal holds no watcher; a later
+        cancel does not touch it.
+        """
+        from relay.engine.cancel import raceCancel
+        from relay.model import CancelSignal
+
+        signal = CancelSignal()
+        waiting = Deferred()
+        d = raceCancel(waiting, signal)
+        self.assertEqual(len(signal._waiters), 1)
+        waiting.callback("ok")
+        self.assertEqual(self.successResultOf(d), "ok")
+        self.assertEqual(signal._waiters, [])
+        signal.cancel()

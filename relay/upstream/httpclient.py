@@ -51,6 +51,10 @@ IDLE_TIMEOUT_SECONDS = 240.0
 
 _CLOSED = Failure(ConnectionDone())
 
+_DONE = Failure(ResponseDone("Response body fully received"))
+"""How every complete body ends (one shared Failure: building one per
+response walked its exception's class hierarchy each time)."""
+
 
 class Target:
     """
@@ -368,7 +372,7 @@ class Connection(Protocol):
             self._aborted = True
             self._pool.forget(self)
             self.transport.loseConnection()
-        response._finished(Failure(ResponseDone("Response body fully received")))
+        response._finished(_DONE)
 
     # -- the transport ----------------------------------------------------------------
 
