@@ -99,3 +99,32 @@ class BatchTests(SynchronousTestCase):
         pump.dataReceived(CREATED + DELTA + DELTA)
         self.assertEqual(journal, [("raw", CREATED + DELTA * 2)])
         self.assertFalse(pump.finished)
+
+    def test_textThatLooksTerminal(self):
+        """
+        A delta whose text names a terminal event passes too; only the real
+        terminal event comes after the release.
+        """
+        journal = []
+        pump = self._pump(journal)
+        tricky = _event("response.output_text.delta",
+                        '{"type":"response.output_text.delta","delta":"response.completed"}')
+        pump.dataReceived(CREATED + DELTA + tricky + DELTA + COMPLETED)
+        written = [data for kind, data in journal if kind == "raw"]
+        self.assertEqual(b"".join(written), CREATED + DELTA + tricky + DELTA + COMPLETED)
+        self.assertEqual(journal[-2:], [("release", None), ("raw", COMPLETED)])
+
+    def test_eventsSplitAcrossReads(self):
+        """
+        An event cut between two reads is written whole, once, in order.
+        """
+        journal = []
+        pump = self._pump(journal)
+        first = CREATED + DELTA[:10]
+        pump.dataReceived(first)
+        self.assertEqual(journal, [])
+        pump.dataReceived(DELTA[10:] + DELTA[:5])
+        pump.dataReceived(DELTA[5:] + COMPLETED)
+        written = b"".join(data for kind, data in journal if kind == "raw")
+        self.assertEqual(written, CREATED + DELTA + DELTA + COMPLETED)
+        self.assertEqual(journal[-2:], [("release", None), ("raw", COMPLETED)])

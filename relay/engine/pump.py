@@ -174,31 +174,44 @@ class StreamPump(Protocol):
         if self.finished:
             return  # style.md trap T15: bytes after pause/abort
         self._resetIdle()
-        if self._rawWrite is not None and self.committed and self._passThrough(data):
+        if self._rawWrite is None:
+            self._eventByEvent(data)
             return
+        # Issue 16: what one read brings to the client goes out in one
+        # write (whole events, in order; flushed before the slot is
+        # released for a terminal event and before any ending). Events are
+        # parsed one by one only until the first output; after it whole
+        # events pass through up to the first that may be terminal.
+        self._batch = []
+        try:
+            if not self.committed:
+                try:
+                    data = self._parser.feedWhile(data, self.feedEvent, self._beforeFirstOutput)
+                except LineTooLong as e:
+                    self._fail(ends.StagingOverflow(e.args[0]), "OpenAI stream line too long")
+                    return
+                if not data or self.finished:
+                    return
+            data = self._passThrough(data)
+            if data is not None:
+                self._eventByEvent(data)
+        finally:
+            self._flush()
+            self._batch = None
+
+    def _eventByEvent(self, data: bytes) -> None:
+        """
+        Parse C{data} into events and handle each.
+        """
         try:
             events = self._parser.feed(data)
         except LineTooLong as e:
             self._fail(ends.StagingOverflow(e.args[0]), "OpenAI stream line too long")
             return
-        if self._rawWrite is None or len(events) < 2:
-            for event in events:
-                if self.finished:
-                    return
-                self.feedEvent(event)
-            return
-        # Issue 16: the events of one read that reach the client go out in
-        # one write (whole events, in order; flushed before the slot is
-        # released for a terminal event and before any ending).
-        self._batch = []
-        try:
-            for event in events:
-                if self.finished:
-                    break
-                self.feedEvent(event)
-        finally:
-            self._flush()
-            self._batch = None
+        for event in events:
+            if self.finished:
+                return
+            self.feedEvent(event)
 
     def _flush(self) -> None:
         """
@@ -210,31 +223,55 @@ class StreamPump(Protocol):
             batch.clear()
             self._rawWrite(data)
 
-    def _passThrough(self, data: bytes) -> bool:
+    def _raw(self, data: bytes) -> None:
+        """
+        Write whole upstream events: into the read's batch when one is open.
+        """
+        if self._batch is not None:
+            self._batch.append(data)
+        else:
+            self._rawWrite(data)
+
+    def _beforeFirstOutput(self) -> bool:
+        return not self.committed and not self.finished
+
+    def _passThrough(self, data: bytes) -> Optional[bytes]:
         """
         The hot path after first output: write whole upstream events as
         they came, in one write per chunk, scanning only for a terminal
-        event (DEVELOPERS.md "pass upstream bytes through"). A chunk that
-        may hold a terminal event, or a CR, takes the event-by-event path.
+        event (DEVELOPERS.md "pass upstream bytes through"). The whole
+        events before the first that may be terminal are written so too
+        (issue 16); from there on, and for a chunk with a CR, events take
+        the event-by-event path.
 
-        @return: L{True} when C{data} was handled.
+        @return: L{None} when C{data} was handled; else the bytes for the
+            event-by-event path (the parser's pending bytes included when
+            it was emptied).
         """
         if b"\r" in data:
-            return False
+            return data
         parser = self._parser
         buf = parser._buf + data if parser._buf else data
         end = buf.rfind(b"\n\n")
         if end < 0:
             if len(buf) > parser.maxLine:
-                return False
+                return data
             parser._buf = buf
-            return True
+            return None
         complete = buf[: end + 2]
-        if self._mark.search(complete) is not None or not complete.startswith(self._rawPrefix):
-            return False
-        parser._buf = buf[end + 2 :]
-        self._rawWrite(complete)
-        return True
+        if not complete.startswith(self._rawPrefix):
+            return data
+        mark = self._mark.search(complete)
+        if mark is None:
+            parser._buf = buf[end + 2 :]
+            self._raw(complete)
+            return None
+        cut = complete.rfind(b"\n\n", 0, mark.start()) + 2
+        if cut < 2:
+            return data
+        parser._buf = b""
+        self._raw(buf[:cut])
+        return buf[cut:]
 
     def feedEvent(self, event) -> None:
         """
