@@ -128,3 +128,29 @@ class BatchTests(SynchronousTestCase):
         written = b"".join(data for kind, data in journal if kind == "raw")
         self.assertEqual(written, CREATED + DELTA + DELTA + COMPLETED)
         self.assertEqual(journal[-2:], [("release", None), ("raw", COMPLETED)])
+
+
+class MarksTests(SynchronousTestCase):
+    """
+    The pass-through's mark search finds what the alternation found.
+    """
+
+    def test_sameAsAlternation(self):
+        """
+        For assorted chunks the first mark is where L{_USAGE_MARK} and
+        L{_TERMINAL_MARK} match first.
+        """
+        from relay.engine.pump import _TERMINAL_MARK, _TERMINAL_MARKS, _USAGE_MARK, _USAGE_MARKS
+
+        chunks = [
+            DELTA * 3,
+            DELTA + COMPLETED,
+            DELTA + b'data: {"usage": {"total_tokens": 1}}\n\n' + b"data: [DONE]\n\n",
+            b"data: [DONE]\n\n" + DELTA + b'"usage": {',
+            DELTA + b"event: response.failed\ndata: {}\n\n" + b"data: [DONE]\n\n",
+            b"response.cancelled response.canceled response.incomplete",
+        ]
+        for chunk in chunks:
+            for marks, pattern in ((_TERMINAL_MARKS, _TERMINAL_MARK), (_USAGE_MARKS, _USAGE_MARK)):
+                m = pattern.search(chunk)
+                self.assertEqual(marks.first(chunk), -1 if m is None else m.start(), chunk)

@@ -102,7 +102,7 @@ class StreamPump(Protocol):
         self._rawPrefix = b"data: " if self._chat else b"event: "
         self._usage = runner.usageTap(turn, account)
         self._usageChunk = self._usage.chunk if self._usage.chat else None
-        self._mark = _USAGE_MARK if self._usage.chat else _TERMINAL_MARK
+        self._mark = _USAGE_MARKS if self._usage.chat else _TERMINAL_MARKS
         self._staged = []
         self._stagedBytes = 0
         self._headers = {}
@@ -261,12 +261,12 @@ class StreamPump(Protocol):
         complete = buf[: end + 2]
         if not complete.startswith(self._rawPrefix):
             return data
-        mark = self._mark.search(complete)
-        if mark is None:
+        mark = self._mark.first(complete)
+        if mark < 0:
             parser._buf = buf[end + 2 :]
             self._raw(complete)
             return None
-        cut = complete.rfind(b"\n\n", 0, mark.start()) + 2
+        cut = complete.rfind(b"\n\n", 0, mark) + 2
         if cut < 2:
             return data
         parser._buf = b""
@@ -495,6 +495,43 @@ only sends the chunk down the event-by-event path."""
 
 _USAGE_MARK = re.compile(_TERMINAL_MARK.pattern + b"|" + USAGE_CHUNK.pattern)
 """On a chat stream also the chunk that carries usage (issue 13 item 5)."""
+
+
+class _Marks:
+    """
+    Finds the first of several marks in a chunk: each pattern searched on
+    its own (a pattern with a literal prefix is scanned for that prefix at
+    C speed; their alternation was six times slower on a 40-event chunk)
+    and plain substrings with C{bytes.find} (issue 16).
+    """
+
+    def __init__(self, patterns, literals):
+        self._patterns = patterns
+        self._literals = literals
+
+    def first(self, data: bytes) -> int:
+        """
+        @return: where the earliest mark starts in C{data}, or -1.
+        """
+        best = -1
+        for pattern in self._patterns:
+            m = pattern.search(data)
+            if m is not None and (best < 0 or m.start() < best):
+                best = m.start()
+        for literal in self._literals:
+            i = data.find(literal)
+            if i >= 0 and (best < 0 or i < best):
+                best = i
+        return best
+
+
+_RESPONSES_TERMINAL = re.compile(rb"response\.(?:completed|failed|incomplete|done|cancell?ed)")
+
+_TERMINAL_MARKS = _Marks((_RESPONSES_TERMINAL,), (b"[DONE]",))
+"""L{_TERMINAL_MARK}, faster."""
+
+_USAGE_MARKS = _Marks((_RESPONSES_TERMINAL, USAGE_CHUNK), (b"[DONE]",))
+"""L{_USAGE_MARK}, faster."""
 
 _PASSED_RESPONSE_HEADERS = (
     ("x-codex-turn-state", "x-codex-turn-state"),
