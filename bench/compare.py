@@ -5,6 +5,7 @@ relay side by side with nginx on one upstream, in one run (issue 16).
   python bench/compare.py --quick         # 3 s per scenario, smaller planning tests
   python bench/compare.py --only speed    # or: workers, planning
   python bench/compare.py --out bench/results/compare.md
+  python bench/compare.py --baseline /tmp/main   # also relay from another tree
 
 Not a test and not run by CI; it prints a markdown report (and writes it to
 C{--out}). What it starts, all on 127.0.0.1:
@@ -288,14 +289,15 @@ def relayConfig(tmp: str, name: str, port: int, upstreamPort: int, extra: str = 
 
 
 def startRelay(procs: Procs, name: str, upstreamPort: int, cpu=None, extra: str = "",
-               args=()) -> tuple:
+               args=(), tree: str = ROOT) -> tuple:
     """
-    relay (twist) on C{cpu}. @return: C{(process, port)}.
+    relay (twist) on C{cpu}, from the source tree C{tree} (this checkout
+    by default). @return: C{(process, port)}.
     """
     port = free()
     conf = relayConfig(procs.tmp, name, port, upstreamPort, extra)
     p = procs.start(name, [sys.executable, "-m", "twisted", "relay", "--config", conf, *args],
-                    cpu=cpu, env=dict(os.environ, PYTHONPATH=ROOT))
+                    cpu=cpu, env=dict(os.environ, PYTHONPATH=tree))
     waitPort(port)
     return p, port
 
@@ -397,16 +399,21 @@ SPEED = [
 ]
 
 
-def speed(procs: Procs, bodies: dict, seconds: float, report: list) -> dict:
+def speed(procs: Procs, bodies: dict, seconds: float, report: list, baseline=None) -> dict:
     """
     Direct, nginx and relay for every L{SPEED} scenario, one after the
-    other, on one upstream.
+    other, on one upstream; and relay from the C{baseline} source tree,
+    when given, pinned like relay.
     """
     upstream, uport = startUpstream(procs, bodies, cpu=1)
     proxy, pport = startNginxProxy(procs, uport, cpu=0)
     relay, rport = startRelay(procs, "relay", uport, cpu=0)
     targets = [("direct", uport, upstream.pid), ("nginx", pport, proxy.pid),
                ("relay", rport, relay.pid)]
+    base = None
+    if baseline:
+        base, bport = startRelay(procs, "relay-baseline", uport, cpu=0, tree=baseline)
+        targets.append(("baseline", bport, base.pid))
     # Warm up (connection pools, imports, caches).
     for _, port, pid in targets:
         wrk(procs.tmp, "json", port, 8, 1, cpu=1)
@@ -447,9 +454,36 @@ def speed(procs: Procs, bodies: dict, seconds: float, report: list) -> dict:
                   f"{peaks['nginx'] / 1024:.1f} MiB | {peaks['relay'] / 1024:.1f} MiB | |")
     report.append(f"| relay RSS during c=128 | | | {results['c=128 JSON', 'relay']['rss'] / 1024:.1f} MiB | |")
     report.append("")
+    if base is not None:
+        _baselineTable(results, peaks, baseline, report)
+        procs.stop(base)
     for p in (relay, proxy, upstream):
         procs.stop(p)
     return results
+
+
+def _baselineTable(results: dict, peaks: dict, baseline: str, report: list) -> None:
+    """
+    This checkout's relay against the baseline tree's, scenario by
+    scenario, from the same run.
+    """
+    commit = subprocess.run(["git", "-C", baseline, "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True, check=False).stdout.strip()
+    report.append(f"## relay vs the baseline relay (`{baseline}`{' ' + commit if commit else ''}), "
+                  "same run, same pinning\n")
+    report.append("| scenario | baseline | relay | relay / baseline | CPU per request: "
+                  "baseline -> relay |")
+    report.append("|---|---:|---:|---:|---:|")
+    for label, kind, conns in SPEED:
+        b, r = results[label, "baseline"], results[label, "relay"]
+        mult, unit = (EVENTS_PER_STREAM, "events/s") if kind == "sse" else (1, "RPS")
+        report.append(f"| {label}: {unit} | {b['rps'] * mult:,.0f} | {r['rps'] * mult:,.0f} | "
+                      f"**{r['rps'] / b['rps']:.2f}x** | {_us(b)} -> {_us(r)} |")
+        if conns == 1:
+            report.append(f"| {label}: p50 ms | {b['p50']:.3f} | {r['p50']:.3f} | | |")
+    report.append(f"| peak RSS | {peaks['baseline'] / 1024:.1f} MiB | {peaks['relay'] / 1024:.1f} MiB "
+                  "| | |")
+    report.append("")
 
 
 def _us(r: dict) -> str:
@@ -717,6 +751,8 @@ def main() -> None:
     parser.add_argument("--only", action="append",
                         choices=["speed", "workers", "planning", "idle", "slow"])
     parser.add_argument("--out", help="also write the report (markdown) here")
+    parser.add_argument("--baseline", help="another relay source tree (e.g. main exported with "
+                        "git archive) measured in the same run, beside this one")
     args = parser.parse_args()
     for tool in ("nginx", "wrk", "taskset", "redis-server"):
         if not shutil.which(tool):
@@ -739,7 +775,7 @@ def main() -> None:
     try:
         bodies = fetchBodies(procs)
         if "speed" in only:
-            speed(procs, bodies, seconds, report)
+            speed(procs, bodies, seconds, report, baseline=args.baseline)
             print("\n".join(report), flush=True)
         if "workers" in only:
             workers(procs, bodies, seconds, report)
