@@ -167,6 +167,19 @@ class ConnectionTests(SynchronousTestCase):
         self.assertEqual(body.data, [b"ok"])
         self.assertTrue(body.reason.check(ResponseDone))
 
+    def test_interimResponseSkipped(self):
+        """
+        A C{100 Continue} before the real head is not the response.
+        """
+        d = self._request()
+        self.connection.dataReceived(b"HTTP/1.1 100 Continue\r\nX-A: 1\r\n\r\n")
+        self.assertNoResult(d)
+        self.connection.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        response = self.successResultOf(d)
+        self.assertEqual(response.code, 200)
+        self.assertNotIn("x-a", response.headers)
+        self.assertEqual(self.successResultOf(response.readBody(10)), b"ok")
+
     def test_readBody(self):
         """
         L{IUpstreamResponse.readBody} collects the body.

@@ -345,6 +345,7 @@ class Connection(Protocol):
         code = self._parser.get_status_code()
         if code < 200:
             self._headers = {}  # an interim 1xx: wait for the real head
+            self._framed = False
             return
         headers = self._headers
         decoder = None
