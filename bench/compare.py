@@ -62,7 +62,7 @@ EVENTS_PER_STREAM = 40
 
 
 def _raiseFiles() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
@@ -135,9 +135,10 @@ class Procs:
     def start(self, name: str, argv: list, cpu=None, env=None) -> subprocess.Popen:
         if cpu is not None:
             argv = ["taskset", "-c", str(cpu)] + argv
-        log = open(os.path.join(self.tmp, name + ".log"), "ab")
-        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp,
-                             env=env or os.environ, preexec_fn=_raiseFiles)
+        with open(os.path.join(self.tmp, name + ".log"), "ab") as log:
+            # preexec_fn: the samplers' threads are not running while we fork.
+            p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp,
+                                 env=env or os.environ, preexec_fn=_raiseFiles)  # noqa: PLW1509
         self.procs.append(p)
         return p
 
@@ -364,7 +365,8 @@ def wrk(tmp: str, kind: str, port: int, connections: int, seconds: float, cpu=No
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60).stdout
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60,
+                         check=False).stdout
     done.set()
     sampler.join()
     used = sum(cpuSeconds(p) for p in watch) - cpu0
@@ -766,12 +768,13 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="relay-compare-")
     procs = Procs(tmp)
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()
-    nginxVersion = subprocess.run(["nginx", "-v"], capture_output=True, text=True).stderr.strip()
+                            capture_output=True, text=True, check=False).stdout.strip()
+    nginxVersion = subprocess.run(["nginx", "-v"], capture_output=True, text=True,
+                                  check=False).stderr.strip()
     report = [f"# relay bench: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n",
-              f"Command: `python bench/compare.py {' '.join(sys.argv[1:])}`; relay {commit}; "
-              f"{nginxVersion}; Python {sys.version.split()[0]}; {os.cpu_count()} CPUs; "
-              f"load average before: {os.getloadavg()[0]:.2f}; {seconds:g} s per scenario.\n"]
+              (f"Command: `python bench/compare.py {' '.join(sys.argv[1:])}`; relay {commit}; "
+               f"{nginxVersion}; Python {sys.version.split()[0]}; {os.cpu_count()} CPUs; "
+               f"load average before: {os.getloadavg()[0]:.2f}; {seconds:g} s per scenario.\n")]
     try:
         bodies = fetchBodies(procs)
         if "speed" in only:
