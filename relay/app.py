@@ -643,6 +643,7 @@ def buildService(
     configPath: Optional[str] = None,
     listenOverride: Optional[str] = None,
     edgeServices=(),
+    reusePort: bool = False,
 ) -> MultiService:
     """
     The twistd service: the Redis client (when configured), then the
@@ -653,6 +654,8 @@ def buildService(
     @param edgeServices: callables C{app -> IService} for services of the
         process edge (the C{SIGHUP} handler of L{relay.tap}), started
         before the listener.
+    @param reusePort: listen with C{SO_REUSEPORT} beside the other workers
+        of a supervisor (issue 16, L{relay.workers}).
     """
     from twisted.internet.endpoints import serverFromString
 
@@ -662,7 +665,12 @@ def buildService(
         service.setServiceParent(top)
     for build in edgeServices:
         build(app).setServiceParent(top)
-    endpoint = serverFromString(reactor, config.listen)
+    if reusePort:
+        from relay.workers import ReusePortEndpoint
+
+        endpoint = ReusePortEndpoint(reactor, config.listen)
+    else:
+        endpoint = serverFromString(reactor, config.listen)
     listener = _Listener(endpoint, app.site, config.listen)
     listener.setServiceParent(top)
     top.relayApplication = app

@@ -498,6 +498,7 @@ _ACCOUNT: Dict[str, Validator] = {
 
 _TOP: Dict[str, Validator] = {
     "listen": _endpoint,
+    "workers": _integer(1, 64),
     "admin_key": _optional(_secretString),
     "admin_key_env": _string,
     "log": lambda value, path: _section(value, path, _LOG),
@@ -909,12 +910,39 @@ def settingsFromString(
     values["keys"] = _parseKeys(values.pop("keys", []), environ)
     values["accounts"] = _parseAccounts(values.pop("accounts", []), proxies, environ)
 
+    config = RelayConfig(**values)
+    checkWorkers(config)
     gateway = values.get("gateway")
     if gateway is not None and gateway.breaker.max_open_seconds < gateway.breaker.open_seconds:
         raise ConfigError(
             "gateway.breaker.max_open_seconds: must be at least gateway.breaker.open_seconds"
         )
-    return RelayConfig(**values)
+    return config
+
+
+def checkWorkers(config: RelayConfig) -> None:
+    """
+    Issue 16: more than one worker process needs state they share (every
+    slot, wait, binding, cooldown, token and setting lives in Redis with
+    C{state.backend: redis}; memory state is per process) and a TCP
+    C{listen} endpoint (the workers each listen on it with
+    C{SO_REUSEPORT}).
+
+    @param config: a parsed L{RelayConfig} (after command-line overrides).
+    @raise ConfigError: naming C{workers}.
+    """
+    if config.workers <= 1:
+        return
+    if config.state.backend != "redis":
+        raise ConfigError(
+            f"workers: {config.workers} worker processes need state.backend: redis "
+            f"(state.backend: {config.state.backend} is per process)"
+        )
+    if not config.listen.startswith(("tcp:", "tcp6:")):
+        raise ConfigError(
+            f"workers: {config.workers} worker processes need a tcp: listen endpoint, "
+            f"not {config.listen.split(':', 1)[0]}:"
+        )
 
 
 def loadConfig(path: str, environ: Mapping[str, str] = os.environ) -> RelayConfig:

@@ -255,6 +255,24 @@ class SecretRedactor:
         self._refresh()
         return self._redactString(text)
 
+    def redactLine(self, text: str) -> str:
+        """
+        Like L{redactText}, for a whole output line: not remembered as
+        clean (lines are unique, the memory is for repeated field values).
+
+        @param text: a rendered line.
+        @return: C{text} with secrets replaced by C{***}.
+        """
+        self._refresh()
+        anyPattern = self._anyPattern
+        if anyPattern is None or anyPattern.search(text) is None:
+            return text
+        if self._secretPattern is not None:
+            text = self._secretPattern.sub(REDACTED, text)
+        for pattern, replacement in self._patterns:
+            text = pattern.sub(replacement, text)
+        return text
+
     def _refresh(self) -> None:
         """
         Rebuild the alternation of known secrets if the set changed.
@@ -663,11 +681,53 @@ def observerFor(format: str, stream: IO[str], secrets: Any = None) -> ILogObserv
             """
             return formatTextLine(event, redactText)
 
+        # Issue 16: a text line shows only the fields its format names.
+        redactor = _TextRedactor(
+            FileLogObserver(stream, formatLine), _registered if secrets is None else secrets
+        )
+        holder.append(redactor)
+        return redactor
+
     redactor = SecretRedactor(
         FileLogObserver(stream, formatLine), _registered if secrets is None else secrets
     )
     holder.append(redactor)
     return redactor
+
+
+class _TextRedactor(SecretRedactor):
+    """
+    The L{SecretRedactor} of the text format: a text line shows the
+    format, the fields the format names, C{event} and C{request_id}, so
+    only those are redacted (the others are never written).
+    """
+
+    def redactEvent(self, event: dict) -> dict:
+        """
+        @param event: a Twisted log event (not modified).
+        @return: C{event} itself when nothing it shows needed redaction,
+            else a shallow copy with the written fields redacted.
+        """
+        fmt = event.get("log_format")
+        if not isinstance(fmt, str):
+            return super().redactEvent(event)
+        self._refresh()
+        redacted = None
+        for names in (_formatInfo(fmt)[1], _TEXT_KEYS):
+            for key in names:
+                value = event.get(key)
+                if value is None or type(value) in _SCALARS:
+                    continue
+                new = self._redact(value, 0)
+                if new is not value:
+                    if redacted is None:
+                        redacted = dict(event)
+                    redacted[key] = new
+        return event if redacted is None else redacted
+
+
+_TEXT_KEYS = ("log_format", "event", "request_id")
+"""Besides the format's own fields, what a text line shows of an event."""
 
 
 def jsonStdout() -> ILogObserver:

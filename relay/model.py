@@ -326,6 +326,7 @@ class RelayConfig:
     """
 
     listen: str = "tcp:8080:interface=127.0.0.1"
+    workers: int = 1
     admin_key: Optional[str] = field(default=None, repr=False)
     log_format: str = "text"
     keys: tuple = ()
@@ -406,7 +407,30 @@ class CancelSignal:
         self.tell = tell
         waiters, self._waiters = self._waiters, []
         for d in waiters:
-            d.callback(reason)
+            if isinstance(d, Deferred):
+                d.callback(reason)
+            else:
+                d(reason)
+
+    def onCancel(self, callback) -> None:
+        """
+        Call C{callback(reason)} once, when the turn is cancelled; a
+        lighter L{whenCancelled} for the engine's hot path (issue 16).
+        Not called when already cancelled (check L{cancelled} first).
+
+        @param callback: a one-argument callable.
+        """
+        self._waiters.append(callback)
+
+    def removeOnCancel(self, callback) -> None:
+        """
+        Forget a callback added with L{onCancel}; a no-op when it was
+        called or removed already.
+        """
+        try:
+            self._waiters.remove(callback)
+        except ValueError:
+            pass
 
     def whenCancelled(self) -> Deferred:
         """

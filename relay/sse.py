@@ -11,7 +11,7 @@ needs it (before the first output, and the terminal event).
 from __future__ import annotations
 
 import json
-from typing import Optional
+from typing import Callable, Optional
 
 TERMINAL_TYPES = frozenset(
     {
@@ -157,6 +157,39 @@ class SSEParser:
         if len(self._buf) > self.maxLine:
             raise LineTooLong(len(self._buf))
         return events
+
+    def feedWhile(self, chunk: bytes, handle: Callable, more: Callable[[], bool]) -> bytes:
+        """
+        Like L{feed}, but hand each complete event to C{handle} at once,
+        and only while C{more()} is true (issue 16: the stream pump parses
+        events one by one only until the first output, and passes the rest
+        of the read through).
+
+        @param chunk: bytes from upstream.
+        @param handle: called with each L{Event}.
+        @param more: checked before each event.
+        @return: the bytes after the last event handled when C{more()}
+            turned false (the parser keeps none of them); else C{b""} (an
+            incomplete tail stays in the parser, as with L{feed}).
+        @raise LineTooLong: the pending event grew past C{maxLine}.
+        """
+        if b"\r" in chunk:
+            chunk = chunk.replace(b"\r\n", b"\n")
+        buf = self._buf + chunk if self._buf else chunk
+        self._buf = b""
+        start = 0
+        while more():
+            end = buf.find(b"\n\n", start)
+            if end < 0:
+                self._buf = buf[start:]
+                if len(self._buf) > self.maxLine:
+                    raise LineTooLong(len(self._buf))
+                return b""
+            ev = _parseBlock(buf, start, end)
+            start = end + 2
+            if ev is not None:
+                handle(ev)
+        return buf[start:]
 
     @property
     def pending(self) -> int:

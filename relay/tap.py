@@ -134,6 +134,7 @@ class Options(usage.Options):
         ["config", "c", "/etc/relay/relay.yaml", "The relay configuration file (YAML)."],
         ["listen", "l", None, "A Twisted endpoint string overriding the config's listen."],
         ["log-format", None, None, "text or json (one JSON object per line); overrides log.format."],
+        ["workers", "w", None, "Worker processes sharing the listen port; overrides workers:."],
     ]
 
     def postOptions(self) -> None:
@@ -174,6 +175,23 @@ class Options(usage.Options):
             raise ConfigError(f"cannot read config {self['config']}: {e.strerror or e}")
         if self["listen"]:
             config = evolve(config, listen=self["listen"])
+        if self["workers"] is not None:
+            try:
+                workers = int(self["workers"])
+            except ValueError:
+                workers = 0
+            if not 1 <= workers <= 64:
+                raise ConfigError(f"workers: --workers must be between 1 and 64, got {self['workers']!r}")
+            config = evolve(config, workers=workers)
+        from relay.config import checkWorkers
+        from relay.workers import workerIndex
+
+        checkWorkers(config)
+        self.worker = workerIndex()
+        if self.worker is not None:
+            # Issue 16: a worker started by the supervisor serves; it does
+            # not supervise.
+            config = evolve(config, workers=1)
         fmt = self["log-format"] or config.log_format
         checkComponents(config)
         checkDatabase(config)
@@ -190,6 +208,45 @@ class Options(usage.Options):
             # postOptions runs after ours and resolves --logger with namedAny,
             # so this must be a dotted name, not a callable.
             parent["logger"] = f"relay.logs.{fmt}Stdout"
+
+
+SUPERVISOR_GRACE_MARGIN_SECONDS = 10.0
+"""How much longer than a worker's C{gateway.shutdown_grace_seconds} the
+supervisor waits for it after C{SIGTERM} before it sends C{SIGKILL}."""
+
+
+def _supervisor(options: Options, reactor):
+    """
+    The service of a C{workers: N} supervisor (issue 16,
+    L{relay.workers}): the listen address reserved now (a port in use is
+    a one-line error naming C{listen}), N workers started with the
+    service.
+    """
+    from twisted.application.service import MultiService
+    from twisted.internet.error import CannotListenError
+
+    from relay.workers import WorkerSupervisor, reserveAddress, workerArgv
+
+    config = options.config
+    try:
+        reserved, listen = reserveAddress(config.listen)
+    except CannotListenError as e:
+        reason = getattr(e.socketError, "strerror", None) or str(e.socketError)
+        exitWithConfigError(f"listen: cannot listen on {config.listen}: {reason}")
+    top = MultiService()
+    supervisor = WorkerSupervisor(
+        reactor=reactor,
+        count=config.workers,
+        argv=workerArgv(options["config"], listen, options["log-format"]),
+        reserved=reserved,
+        # Issue 14: each worker drains for up to its grace; the supervisor
+        # waits that long (and a little more) before it kills one.
+        grace=config.gateway.shutdown_grace_seconds + SUPERVISOR_GRACE_MARGIN_SECONDS,
+    )
+    supervisor.setServiceParent(top)
+    CleanExitOnTerm(reactor).setServiceParent(top)
+    top.relaySupervisor = supervisor
+    return top
 
 
 def globalReactor():
@@ -300,8 +357,11 @@ def makeService(options: Options, reactor=None):
     """
     if reactor is None:
         reactor = globalReactor()
+    if options.config.workers > 1:
+        return _supervisor(options, reactor)
     from relay.app import buildService
 
+    worker = getattr(options, "worker", None)
     try:
         service = buildService(
             options.config, reactor,
@@ -310,9 +370,14 @@ def makeService(options: Options, reactor=None):
                 lambda app: ReloadOnHangup(app.reloader.reload, reactor),
                 lambda app: CleanExitOnTerm(reactor),
             ],
+            reusePort=worker is not None,
         )
     except ConfigError as e:
         exitWithConfigError(str(e))
+    if worker is not None:
+        from relay.workers import dieWithParent
+
+        dieWithParent()
     parent = getattr(options, "parent", None)
     if parent is not None and "nodaemon" in parent and not parent["nodaemon"]:
         # A daemonising twistd: its parent process waits on a status pipe

@@ -7,7 +7,7 @@ client that left ends the wait with L{ClientGone}.
 
 from __future__ import annotations
 
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
 
 
@@ -31,13 +31,18 @@ def raceCancel(d: Deferred, cancel) -> Deferred:
         result = Deferred()
         result.errback(ClientGone(cancel.reason))
         return result
-    w = cancel.whenCancelled()
-    w.addCallback(lambda _: d.cancel())
-    w.addErrback(lambda f: f.trap(CancelledError))
+    if d.called and not isinstance(d.result, Deferred):
+        # Already has its result (the memory store and admission answer at
+        # once): nothing to race (issue 16).
+        return d
+
+    def _cancelled(reason):
+        d.cancel()
+
+    cancel.onCancel(_cancelled)
 
     def _done(result):
-        if not w.called:
-            w.cancel()
+        cancel.removeOnCancel(_cancelled)
         if cancel.cancelled and isinstance(result, Failure):
             return Failure(ClientGone(cancel.reason))
         return result

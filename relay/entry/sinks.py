@@ -280,7 +280,9 @@ class JSONSink(_RequestSink):
         r.setHeader(b"content-type", b"application/json")
         for name, value in self._headers.items():
             r.setHeader(name.encode("latin-1"), value.encode("latin-1"))
-        r.write(json.dumps(self._final).encode("utf-8"))
+        data = json.dumps(self._final).encode("utf-8")
+        r.setHeader(b"content-length", b"%d" % len(data))
+        r.write(data)
         self._finish()
 
     def writeBody(self, status, headers, body) -> None:
@@ -293,6 +295,9 @@ class JSONSink(_RequestSink):
         r.setHeader(b"content-type", b"application/json")
         for name, value in (headers or {}).items():
             r.setHeader(name.encode("latin-1"), value.encode("latin-1"))
+        # The whole body is here: a length instead of chunked encoding (one
+        # write, no terminating chunk; issue 16).
+        r.setHeader(b"content-length", b"%d" % len(body))
         r.write(body)
         self._finish()
 

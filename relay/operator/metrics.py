@@ -168,6 +168,8 @@ class RelayMetrics:
     _recent: deque = field(init=False)
     _slots: SlotsCollector = field(init=False)
     _tokenChildren: dict = field(init=False, factory=dict)
+    _turnChildren: dict = field(init=False, factory=dict)
+    _statusChildren: dict = field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         r = self.registry
@@ -237,7 +239,11 @@ class RelayMetrics:
         @param entrypoint: C{http} or C{ws}.
         @param outcome: e.g. C{ok}, C{error}, C{client_gone}, C{exhausted}.
         """
-        self.turns.labels(entrypoint=entrypoint, outcome=outcome).inc()
+        key = (entrypoint, outcome)
+        child = self._turnChildren.get(key)
+        if child is None:
+            child = self._turnChildren[key] = self.turns.labels(entrypoint=entrypoint, outcome=outcome)
+        child.inc()
 
     def failover(
         self,
@@ -336,7 +342,12 @@ class RelayMetrics:
         transport failure), or an upstream WebSocket handshake's status
         (101, or the status that refused it).
         """
-        self.upstreamStatuses.labels(status=str(status)).inc()
+        child = self._statusChildren.get(status)
+        if child is None:
+            child = self.upstreamStatuses.labels(status=str(status))
+            if len(self._statusChildren) < 1024:
+                self._statusChildren[status] = child
+        child.inc()
 
     def addedLatency(self, seconds: float) -> None:
         """

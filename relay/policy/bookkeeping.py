@@ -36,8 +36,9 @@ from attrs import define, field, frozen
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
-from relay.policy import failures as F
+from relay.eager import eagerDeferred
 from relay.policy import ends as E
+from relay.policy import failures as F
 
 
 @frozen
@@ -156,7 +157,7 @@ class AccountBookkeeping:
         """
         if isinstance(end, E.Departed):
             return Deferred.fromCoroutine(_nothing())
-        return Deferred.fromCoroutine(
+        return eagerDeferred(  # issue 16: no driver for a record that never waits
             self._record(account, end, verdict, model, requestId, upstreamRequestId)
         )
 

@@ -19,6 +19,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
+from relay.eager import eagerDeferred
 from relay.policy.failures import (
     MARK_COUNT_403,
     MARK_DISABLED,
@@ -580,7 +581,7 @@ class AccountHealth:
 
         @return: a L{Deferred} firing with L{None}.
         """
-        return Deferred.fromCoroutine(self._success(account, model))
+        return eagerDeferred(self._success(account, model))
 
     async def _success(self, account: Account, model: Optional[str]) -> None:
         for key in [k for k in self._breakers if k[0] == account.id]:

@@ -33,6 +33,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from zope.interface import implementer
 
+from relay.eager import eagerDeferred
 from relay.interfaces import IAccountScheduler, ISlotAdmission, IStateStore
 from relay.model import Account, ClientError, SchedulingSettings, Turn, WaitPlan
 from relay.scheduling.selection import DecisionRecord, NoAccountAvailable, Selection, noAccountError
@@ -265,7 +266,7 @@ class AccountScheduler:
         @return: Deferred firing with a L{Selection}, or failing with
             L{NoAccountAvailable}.
         """
-        return Deferred.fromCoroutine(self._select(turn, frozenset(excluded or ())))
+        return eagerDeferred(self._select(turn, frozenset(excluded or ())))
 
     def bind(self, turn: Turn, account: Account) -> Deferred:
         """
@@ -276,7 +277,7 @@ class AccountScheduler:
 
         @return: Deferred firing with L{None}; store errors are logged.
         """
-        return Deferred.fromCoroutine(self._bind(turn, account))
+        return eagerDeferred(self._bind(turn, account))
 
     def unbind(self, turn: Turn) -> Deferred:
         """
@@ -294,7 +295,7 @@ class AccountScheduler:
 
         @return: Deferred firing with L{None}; store errors are logged.
         """
-        return Deferred.fromCoroutine(self._recordResponse(turn, responseId, account))
+        return eagerDeferred(self._recordResponse(turn, responseId, account))
 
     # ------------------------------------------------------------------
     # Store helpers (R35: fail open)

@@ -1,7 +1,8 @@
 # -*- test-case-name: tests.test_upstream_http -*-
 """
-The built-in upstream HTTP dialer: treq over a persistent
-L{HTTPConnectionPool}, real TLS (C{optionsForClientTLS} through Agent's
+The built-in upstream HTTP dialer: the lean keep-alive client of
+L{relay.upstream.httpclient} for direct upstreams, treq over a persistent
+L{HTTPConnectionPool} through egress proxies; real TLS (C{optionsForClientTLS} through Agent's
 default policy), per-account auth headers, connect and response-header
 timeouts, and per-account egress proxies (issue 8).
 
@@ -25,6 +26,7 @@ from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface import implementer
 
 from relay.interfaces import IUpstreamDialer, IUpstreamResponse
+from relay.upstream.httpclient import ConnectionPool, Target, requestBytes
 from relay.model import Account, UpstreamSettings
 
 # Client headers that may travel upstream (protocol.md 7.2). Everything else
@@ -262,6 +264,40 @@ class HTTPDialer:
     _clients: dict = field(factory=dict)
     _pools: list = field(factory=list)
     _urls: dict = field(factory=dict)
+    _direct: dict = field(factory=dict)
+    _targets: dict = field(factory=dict)
+
+    def _directPool(self, timeouts: UpstreamSettings) -> ConnectionPool:
+        """
+        The lean client's pool (L{relay.upstream.httpclient}) for accounts
+        without an egress proxy, one per connect timeout.
+        """
+        pool = self._direct.get(timeouts.connect_timeout_seconds)
+        if pool is None:
+            from twisted.web.client import BrowserLikePolicyForHTTPS
+
+            policy = self._tlsPolicy() or BrowserLikePolicyForHTTPS()
+            pool = self._direct[timeouts.connect_timeout_seconds] = ConnectionPool(
+                self._reactor, policy, timeouts.connect_timeout_seconds,
+                maxPerHost=self._maxPersistentPerHost,
+            )
+        return pool
+
+    def _target(self, url: str) -> Optional[Target]:
+        """
+        The parsed L{Target} of C{url} (cached), or L{None} when the lean
+        client cannot send to it.
+        """
+        target = self._targets.get(url, False)
+        if target is False:
+            if len(self._targets) >= 1024:
+                self._targets.clear()
+            try:
+                target = Target(url)
+            except ValueError:
+                target = None
+            self._targets[url] = target
+        return target
 
     def _clientFor(self, account: Account, timeouts: UpstreamSettings) -> HTTPClient:
         """
@@ -315,8 +351,17 @@ class HTTPDialer:
         See L{IUpstreamDialer.request}. The returned Deferred is cancellable
         (client gone, first-output timeout).
         """
-        client = self._clientFor(account, timeouts)
         url = account.base_url + path
+        if account.proxy is None and method in (b"POST", "POST") and isinstance(body, bytes):
+            target = self._target(url)
+            if target is not None:
+                # Issue 16: direct upstreams go through the lean client.
+                data = requestBytes(target, upstreamHeaders(account, headers), body)
+                d = self._directPool(timeouts).request(target, data)
+                timeout = timeouts.connect_timeout_seconds + timeouts.header_timeout_seconds
+                d.addTimeout(timeout, self._reactor, onTimeoutCancel=lambda r, t: _timeoutFail(t))
+                return d
+        client = self._clientFor(account, timeouts)
         prepared = self._urls.get(url)
         if prepared is None:
             if len(self._urls) >= 1024:
@@ -344,7 +389,9 @@ class HTTPDialer:
         """
         from twisted.internet.defer import gatherResults
 
-        return gatherResults([p.closeCachedConnections() for p in self._pools])
+        closing = [p.closeCachedConnections() for p in self._pools]
+        closing.extend(p.close() for p in self._direct.values())
+        return gatherResults(closing)
 
 
 def _timeoutFail(t):

@@ -1,0 +1,809 @@
+"""
+relay side by side with nginx on one upstream, in one run (issue 16).
+
+  python bench/compare.py                 # everything, ~6 minutes
+  python bench/compare.py --quick         # 3 s per scenario, smaller planning tests
+  python bench/compare.py --only speed    # or: workers, planning
+  python bench/compare.py --out bench/results/compare.md
+  python bench/compare.py --baseline /tmp/main   # also relay from another tree
+
+Not a test and not run by CI; it prints a markdown report (and writes it to
+C{--out}). What it starts, all on 127.0.0.1:
+
+  - the upstream: apt's nginx (1 process) answering C{POST /v1/responses}
+    with a Responses JSON body, or -- for C{Accept: text/event-stream} --
+    a 40-event Responses SSE stream, and C{POST /v1/chat/completions} with
+    a chat completion. The bodies are what the bundled emulator answers
+    (fetched from it once at start), served from memory by C{return 200}.
+  - nginx C{proxy_pass} (apt's nginx, 1 process, keepalive upstream,
+    C{proxy_buffering off} as an SSE gateway needs) in front of it;
+  - relay (C{python -m twisted relay}, memory state, one API-key account
+    on the same upstream, text logs to a file) in front of it.
+
+Pinning (C{taskset}): relay and the nginx proxy on CPU 0, wrk and the
+upstream on CPU 1 (the box has two cores). Scenarios: C{c=1}, C{c=32},
+C{c=128} JSON, the 40-event stream at C{c=16}, chat at C{c=32}; each against
+direct (the upstream itself), nginx and relay. Per target: requests/s
+(events/s for the stream), p50/p99, CPU per request of the process under
+test, peak RSS; relay/nginx ratios.
+
+Then C{workers}: relay with Redis state, one worker vs C{workers: 2}
+(unpinned, both cores), C{c=32} JSON. Then C{planning}: RSS of one relay
+process at C{c=128}; RSS growth per idle client WebSocket with 10,000 of
+them (and the latency of a request made meanwhile); 1,000 concurrent slow
+SSE streams (1 event/s) through one process, p99 delay of an event.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RELAY_KEY = "sk-relay-bench"
+PAGE = os.sysconf("SC_PAGE_SIZE")
+TICK = os.sysconf("SC_CLK_TCK")
+EVENTS_PER_STREAM = 40
+
+
+# -- processes -----------------------------------------------------------------
+
+
+def _raiseFiles() -> None:
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def free() -> int:
+    """
+    A free TCP port on 127.0.0.1.
+    """
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def waitPort(port: int, timeout: float = 30) -> None:
+    """
+    Wait until something accepts on C{port}.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"nothing listening on {port}")
+
+
+def cpuSeconds(pid: int) -> float:
+    """
+    CPU seconds (user + system) C{pid} has used so far.
+    """
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def memory(pid: int) -> dict:
+    """
+    C{VmRSS} and C{VmHWM} (peak RSS) of C{pid}, in KiB.
+    """
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                out[line.split(":")[0]] = int(line.split()[1])
+    return out
+
+
+def children(pid: int) -> list:
+    """
+    The pids of C{pid}'s direct children.
+    """
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+class Procs:
+    """
+    The processes a bench run started; all stopped at the end.
+    """
+
+    def __init__(self, tmp: str):
+        self.tmp = tmp
+        self.procs = []
+
+    def start(self, name: str, argv: list, cpu=None, env=None) -> subprocess.Popen:
+        if cpu is not None:
+            argv = ["taskset", "-c", str(cpu)] + argv
+        with open(os.path.join(self.tmp, name + ".log"), "ab") as log:
+            # preexec_fn: the samplers' threads are not running while we fork.
+            p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp,
+                                 env=env or os.environ, preexec_fn=_raiseFiles)  # noqa: PLW1509
+        self.procs.append(p)
+        return p
+
+    def stop(self, p: subprocess.Popen) -> None:
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if p in self.procs:
+            self.procs.remove(p)
+
+    def stopAll(self) -> None:
+        for p in list(self.procs):
+            self.stop(p)
+
+
+# -- the upstream and nginx --------------------------------------------------------
+
+
+def fetchBodies(procs: Procs) -> dict:
+    """
+    What the bundled emulator answers for a JSON turn, a 40-event streamed
+    turn (32 text deltas) and a chat completion.
+    """
+    port = free()
+    conf = os.path.join(procs.tmp, "emulator.yaml")
+    with open(conf, "w") as f:
+        f.write(f'listen: "tcp:{port}:interface=127.0.0.1"\n'
+                "default_script: {text: '" + "w " * 32 + "', deltas: 32}\n")
+    p = procs.start("emulator", [sys.executable, "-m", "twisted", "relay-emulator", "--config", conf],
+                    env=dict(os.environ, PYTHONPATH=ROOT))
+    waitPort(port)
+
+    def post(path, body):
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "Authorization": "Bearer x"})
+        with urllib.request.urlopen(req) as r:
+            return r.read().decode()
+
+    bodies = {
+        "json": post("/v1/responses", {"model": "gpt-5.5", "input": "hi"}),
+        "sse": post("/v1/responses", {"model": "gpt-5.5", "input": "hi", "stream": True}),
+        "chat": post("/v1/chat/completions",
+                     {"model": "gpt-5.5", "messages": [{"role": "user", "content": "hi"}]}),
+    }
+    procs.stop(p)
+    assert bodies["sse"].count("\n\n") == EVENTS_PER_STREAM, bodies["sse"]
+    return bodies
+
+
+def _nginxString(text: str) -> str:
+    assert "$" not in text
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
+
+
+def _nginxReturn(text: str) -> str:
+    """
+    C{return 200 ...} for C{text}; nginx limits one config token to 4 KiB,
+    so a longer text is set in parts and returned as their concatenation.
+    """
+    parts = [text[i:i + 1500] for i in range(0, len(text), 1500)]
+    if len(parts) == 1:
+        return f"return 200 {_nginxString(text)};"
+    sets = " ".join(f"set $part{i} {_nginxString(p)};" for i, p in enumerate(parts))
+    return sets + ' return 200 "' + "".join(f"${{part{i}}}" for i in range(len(parts))) + '";'
+
+
+def nginxConf(tmp: str, name: str, port: int, http: str) -> str:
+    """
+    Write an nginx config (one process, no daemon, no access log).
+    """
+    path = os.path.join(tmp, name + ".conf")
+    with open(path, "w") as f:
+        f.write(f"""
+daemon off; master_process off; worker_processes 1; worker_rlimit_nofile 20000;
+pid {tmp}/{name}.pid; error_log {tmp}/{name}.err warn;
+events {{ worker_connections 16384; }}
+http {{
+  access_log off; keepalive_requests 1000000000; keepalive_timeout 300s;
+  client_body_temp_path {tmp}/{name}-body; proxy_temp_path {tmp}/{name}-proxy;
+  fastcgi_temp_path {tmp}/{name}-fcgi; uwsgi_temp_path {tmp}/{name}-uwsgi;
+  scgi_temp_path {tmp}/{name}-scgi;
+  server {{
+    listen 127.0.0.1:{port} reuseport backlog=4096;
+{http}
+  }}
+}}
+""")
+    return path
+
+
+def startUpstream(procs: Procs, bodies: dict, cpu) -> tuple:
+    """
+    The nginx upstream on C{cpu}. @return: C{(process, port)}.
+    """
+    port = free()
+    http = f"""
+    location = /v1/responses {{
+      if ($http_accept = "text/event-stream") {{ rewrite ^ /sse last; }}
+      default_type application/json;
+      {_nginxReturn(bodies["json"])}
+    }}
+    location = /sse {{ internal; default_type text/event-stream; {_nginxReturn(bodies["sse"])} }}
+    location = /v1/chat/completions {{
+      default_type application/json; {_nginxReturn(bodies["chat"])}
+    }}"""
+    conf = nginxConf(procs.tmp, "upstream", port, http)
+    p = procs.start("upstream", ["nginx", "-c", conf, "-p", procs.tmp], cpu=cpu)
+    waitPort(port)
+    return p, port
+
+
+def startNginxProxy(procs: Procs, upstreamPort: int, cpu) -> tuple:
+    """
+    nginx C{proxy_pass} to the upstream, keepalive connections, no
+    buffering. @return: C{(process, port)}.
+    """
+    port = free()
+    http = f"""
+    location / {{
+      proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection "";
+      proxy_buffering off;
+    }}
+  }}
+  upstream up {{ server 127.0.0.1:{upstreamPort}; keepalive 256; keepalive_requests 1000000000;"""
+    conf = nginxConf(procs.tmp, "proxy", port, http)
+    p = procs.start("proxy", ["nginx", "-c", conf, "-p", procs.tmp], cpu=cpu)
+    waitPort(port)
+    return p, port
+
+
+def relayConfig(tmp: str, name: str, port: int, upstreamPort: int, extra: str = "") -> str:
+    """
+    Write a relay config: one key, one API-key account on the upstream.
+    """
+    path = os.path.join(tmp, name + ".yaml")
+    account = {"id": "a1", "type": "apikey", "base_url": f"http://127.0.0.1:{upstreamPort}/v1",
+               "api_key": "sk-upstream-bench", "concurrency": 0}
+    with open(path, "w") as f:
+        f.write(f'listen: "tcp:{port}:interface=127.0.0.1"\n'
+                f"keys: [{{name: bench, key: {RELAY_KEY}, concurrency: 0}}]\n"
+                f"accounts: [{json.dumps(account)}]\n"
+                f"database: {tmp}/{name}.sqlite\n" + extra)
+    return path
+
+
+def startRelay(procs: Procs, name: str, upstreamPort: int, cpu=None, extra: str = "",
+               args=(), tree: str = ROOT) -> tuple:
+    """
+    relay (twist) on C{cpu}, from the source tree C{tree} (this checkout
+    by default). @return: C{(process, port)}.
+    """
+    port = free()
+    conf = relayConfig(procs.tmp, name, port, upstreamPort, extra)
+    p = procs.start(name, [sys.executable, "-m", "twisted", "relay", "--config", conf, *args],
+                    cpu=cpu, env=dict(os.environ, PYTHONPATH=tree))
+    waitPort(port)
+    return p, port
+
+
+# -- wrk -----------------------------------------------------------------------------
+
+
+SCRIPTS = {
+    "json": ("/v1/responses", {"model": "gpt-5.5", "input": "hi"}, None),
+    "sse": ("/v1/responses", {"model": "gpt-5.5", "input": "hi", "stream": True},
+            "text/event-stream"),
+    "chat": ("/v1/chat/completions",
+             {"model": "gpt-5.5", "messages": [{"role": "user", "content": "hi"}]}, None),
+}
+
+
+def wrkScript(tmp: str, kind: str) -> str:
+    """
+    A wrk Lua script POSTing the C{kind} body with relay's key.
+    """
+    path = os.path.join(tmp, kind + ".lua")
+    _, body, accept = SCRIPTS[kind]
+    with open(path, "w") as f:
+        f.write('wrk.method = "POST"\n'
+                f"wrk.body = '{json.dumps(body)}'\n"
+                'wrk.headers["Content-Type"] = "application/json"\n'
+                f'wrk.headers["Authorization"] = "Bearer {RELAY_KEY}"\n'
+                + (f'wrk.headers["Accept"] = "{accept}"\n' if accept else ""))
+    return path
+
+
+_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4}
+
+
+def _ms(text: str) -> float:
+    m = re.match(r"([\d.]+)(us|ms|s|m)$", text)
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def wrk(tmp: str, kind: str, port: int, connections: int, seconds: float, cpu=None,
+        watch=()) -> dict:
+    """
+    Run wrk; measure the CPU and memory of the C{watch} pids meanwhile.
+
+    @return: C{requests}, C{rps}, C{p50}, C{p99} (ms), C{errors},
+        C{cpu} (seconds used by C{watch}), C{rss} (the highest VmRSS seen,
+        KiB).
+    """
+    path = SCRIPTS[kind][0]
+    argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "-s",
+            wrkScript(tmp, kind), f"http://127.0.0.1:{port}{path}"]
+    if cpu is not None:
+        argv = ["taskset", "-c", str(cpu)] + argv
+    cpu0 = sum(cpuSeconds(p) for p in watch)
+    peak = [0]
+    done = threading.Event()
+
+    def sample():
+        while not done.wait(0.25):
+            try:
+                peak[0] = max(peak[0], sum(memory(p)["VmRSS"] for p in watch))
+            except OSError:
+                pass
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60,
+                         check=False).stdout
+    done.set()
+    sampler.join()
+    used = sum(cpuSeconds(p) for p in watch) - cpu0
+    result = {"requests": 0, "rps": 0.0, "p50": None, "p99": None, "errors": 0,
+              "cpu": used, "rss": peak[0]}
+    for line in out.splitlines():
+        words = line.split()
+        if "requests in" in line:
+            result["requests"] = int(words[0])
+        elif line.startswith("Requests/sec:"):
+            result["rps"] = float(words[1])
+        elif re.match(r"\s+50%", line):
+            result["p50"] = _ms(words[1])
+        elif re.match(r"\s+99%", line):
+            result["p99"] = _ms(words[1])
+        elif "Non-2xx" in line or "Socket errors" in line:
+            result["errors"] += sum(int(n) for n in re.findall(r"\d+", line))
+    if not result["requests"]:
+        raise SystemExit("wrk failed:\n" + out)
+    return result
+
+
+# -- the scenarios -----------------------------------------------------------------
+
+
+SPEED = [
+    ("c=1 JSON", "json", 1),
+    ("c=32 JSON", "json", 32),
+    ("c=128 JSON", "json", 128),
+    ("stream 40 events c=16", "sse", 16),
+    ("chat c=32", "chat", 32),
+]
+
+
+def speed(procs: Procs, bodies: dict, seconds: float, report: list, baseline=None) -> dict:
+    """
+    Direct, nginx and relay for every L{SPEED} scenario, one after the
+    other, on one upstream; and relay from the C{baseline} source tree,
+    when given, pinned like relay.
+    """
+    upstream, uport = startUpstream(procs, bodies, cpu=1)
+    proxy, pport = startNginxProxy(procs, uport, cpu=0)
+    relay, rport = startRelay(procs, "relay", uport, cpu=0)
+    targets = [("direct", uport, upstream.pid), ("nginx", pport, proxy.pid),
+               ("relay", rport, relay.pid)]
+    base = None
+    if baseline:
+        base, bport = startRelay(procs, "relay-baseline", uport, cpu=0, tree=baseline)
+        targets.append(("baseline", bport, base.pid))
+    # Warm up (connection pools, imports, caches).
+    for _, port, pid in targets:
+        wrk(procs.tmp, "json", port, 8, 1, cpu=1)
+        wrk(procs.tmp, "sse", port, 4, 1, cpu=1)
+        wrk(procs.tmp, "chat", port, 4, 1, cpu=1)
+    results = {}
+    for label, kind, conns in SPEED:
+        for name, port, pid in targets:
+            results[label, name] = wrk(procs.tmp, kind, port, conns, seconds, cpu=1, watch=[pid])
+    peaks = {name: memory(pid)["VmHWM"] for name, _, pid in targets}
+    report.append("## Per process: direct, nginx proxy_pass, relay (same upstream, same run)\n")
+    report.append("relay and the nginx proxy pinned to CPU 0; wrk and the upstream (nginx "
+                  "`return 200`) on CPU 1. CPU per request is the process under test (for "
+                  "direct: the upstream). Stream: events/s = responses/s x 40.\n")
+    report.append("| scenario | direct | nginx | relay | relay / nginx |")
+    report.append("|---|---:|---:|---:|---:|")
+    for label, kind, conns in SPEED:
+        d, n, r = (results[label, t] for t in ("direct", "nginx", "relay"))
+        if conns == 1:
+            report.append(f"| {label}: p50 / p99 ms | {d['p50']:.3f} / {d['p99']:.3f} | "
+                          f"{n['p50']:.3f} / {n['p99']:.3f} | {r['p50']:.3f} / {r['p99']:.3f} | "
+                          f"added p50 over direct: nginx {n['p50'] - d['p50']:.3f} ms, "
+                          f"relay **{r['p50'] - d['p50']:.3f} ms** |")
+        mult, unit = (EVENTS_PER_STREAM, "events/s") if kind == "sse" else (1, "RPS")
+        report.append(f"| {label}: {unit} | {d['rps'] * mult:,.0f} | {n['rps'] * mult:,.0f} | "
+                      f"{r['rps'] * mult:,.0f} | **{r['rps'] / n['rps']:.3f}x** |")
+        report.append(f"| {label}: p50 / p99 ms | {d['p50']:.2f} / {d['p99']:.2f} | "
+                      f"{n['p50']:.2f} / {n['p99']:.2f} | {r['p50']:.2f} / {r['p99']:.2f} | |"
+                      if conns > 1 else "")
+        report.append(f"| {label}: CPU per request | {_us(d)} | {_us(n)} | {_us(r)} | "
+                      f"{_ratio(r, n)} |")
+        errs = [f"{t} {results[label, t]['errors']}" for t in ("direct", "nginx", "relay")
+                if results[label, t]["errors"]]
+        if errs:
+            report.append(f"| {label}: errors | " + ", ".join(errs) + " | | | |")
+    report[:] = [line for line in report if line != ""]
+    report.append(f"| peak RSS (VmHWM) | {peaks['direct'] / 1024:.1f} MiB | "
+                  f"{peaks['nginx'] / 1024:.1f} MiB | {peaks['relay'] / 1024:.1f} MiB | |")
+    report.append(f"| relay RSS during c=128 | | | {results['c=128 JSON', 'relay']['rss'] / 1024:.1f} MiB | |")
+    report.append("")
+    if base is not None:
+        _baselineTable(results, peaks, baseline, report)
+        procs.stop(base)
+    for p in (relay, proxy, upstream):
+        procs.stop(p)
+    return results
+
+
+def _baselineTable(results: dict, peaks: dict, baseline: str, report: list) -> None:
+    """
+    This checkout's relay against the baseline tree's, scenario by
+    scenario, from the same run.
+    """
+    commit = subprocess.run(["git", "-C", baseline, "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True, check=False).stdout.strip()
+    report.append(f"## relay vs the baseline relay (`{baseline}`{' ' + commit if commit else ''}), "
+                  "same run, same pinning\n")
+    report.append("| scenario | baseline | relay | relay / baseline | CPU per request: "
+                  "baseline -> relay |")
+    report.append("|---|---:|---:|---:|---:|")
+    for label, kind, conns in SPEED:
+        b, r = results[label, "baseline"], results[label, "relay"]
+        mult, unit = (EVENTS_PER_STREAM, "events/s") if kind == "sse" else (1, "RPS")
+        report.append(f"| {label}: {unit} | {b['rps'] * mult:,.0f} | {r['rps'] * mult:,.0f} | "
+                      f"**{r['rps'] / b['rps']:.2f}x** | {_us(b)} -> {_us(r)} |")
+        if conns == 1:
+            report.append(f"| {label}: p50 ms | {b['p50']:.3f} | {r['p50']:.3f} | | |")
+    report.append(f"| peak RSS | {peaks['baseline'] / 1024:.1f} MiB | {peaks['relay'] / 1024:.1f} MiB "
+                  "| | |")
+    report.append("")
+
+
+def _us(r: dict) -> str:
+    return f"{r['cpu'] / r['requests'] * 1e6:,.0f} us" if r["requests"] else "-"
+
+
+def _ratio(r: dict, n: dict) -> str:
+    if not (r["requests"] and n["requests"] and n["cpu"]):
+        return "-"
+    return f"{(r['cpu'] / r['requests']) / (n['cpu'] / n['requests']):.1f}x"
+
+
+def workers(procs: Procs, bodies: dict, seconds: float, report: list) -> None:
+    """
+    One relay worker vs C{workers: 2} (Redis state, unpinned), c=32 JSON.
+    """
+    redisPort = free()
+    redis = procs.start("redis", ["redis-server", "--port", str(redisPort), "--bind", "127.0.0.1",
+                                  "--save", "", "--appendonly", "no"])
+    waitPort(redisPort)
+    upstream, uport = startUpstream(procs, bodies, cpu=None)
+    state = f"state: {{backend: redis, redis_url: 'redis://127.0.0.1:{redisPort}/0'}}\n"
+    rows = []
+    relays = {}
+    for n in (1, 2):
+        relay, rport = startRelay(procs, f"relay-w{n}", uport, extra=state + f"workers: {n}\n")
+        deadline = time.monotonic() + 30
+        while len(children(relay.pid)) < (n if n > 1 else 0) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(3)
+        relays[n] = (relay, rport, [relay.pid] + children(relay.pid))
+        wrk(procs.tmp, "json", rport, 32, 2)
+    # Alternate (1, 2, 1, 2): the box is shared, so neighbours' load hits both.
+    for n in (1, 2, 1, 2):
+        relay, rport, pids = relays[n]
+        rows.append((n, wrk(procs.tmp, "json", rport, 32, seconds, watch=pids)))
+    for relay, _, _ in relays.values():
+        procs.stop(relay)
+    procs.stop(upstream)
+    procs.stop(redis)
+    one = sum(r["rps"] for n, r in rows if n == 1) / 2
+    two = sum(r["rps"] for n, r in rows if n == 2) / 2
+    report.append("## Workers across cores\n")
+    report.append("relay with `state.backend: redis`, nothing pinned (relay, wrk, the upstream "
+                  "and redis-server share both cores), c=32 JSON.\n")
+    report.append("| workers | RPS | p50 / p99 ms | CPU per request (all workers) | vs 1 worker |")
+    report.append("|---:|---:|---:|---:|---:|")
+    for n, r in rows:
+        report.append(f"| {n} | {r['rps']:,.0f} | {r['p50']:.2f} / {r['p99']:.2f} | {_us(r)} | "
+                      f"{r['rps'] / one:.2f}x |")
+    report.append(f"| **2 vs 1 (means of the alternating runs)** | {two:,.0f} vs {one:,.0f} | | | "
+                  f"**{two / one:.2f}x** |")
+    report.append("")
+
+
+# -- planning figures ----------------------------------------------------------------
+
+
+async def _openWebSockets(port: int, count: int, opened: list) -> list:
+    key = "dGhlIHNhbXBsZSBub25jZQ=="
+    request = (f"GET /v1/responses HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+               "Upgrade: websocket\r\nConnection: Upgrade\r\n"
+               f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+               f"Authorization: Bearer {RELAY_KEY}\r\n\r\n").encode()
+    conns = []
+    sem = asyncio.Semaphore(200)
+
+    async def one():
+        async with sem:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            if not head.startswith(b"HTTP/1.1 101"):
+                raise SystemExit(f"WebSocket upgrade refused: {head[:200]!r}")
+            conns.append(writer)
+            opened[0] += 1
+
+    await asyncio.gather(*(one() for _ in range(count)))
+    return conns
+
+
+def _timedRequest(port: int) -> float:
+    """
+    One JSON turn through relay; seconds it took.
+    """
+    start = time.perf_counter()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/responses",
+        data=json.dumps(SCRIPTS["json"][1]).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {RELAY_KEY}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        r.read()
+    return time.perf_counter() - start
+
+
+def idleWebSockets(procs: Procs, bodies: dict, count: int, report: list) -> None:
+    """
+    RSS growth of one relay process per idle client WebSocket, and the
+    latency of requests made while C{count} of them are open.
+    """
+    upstream, uport = startUpstream(procs, bodies, cpu=1)
+    relay, rport = startRelay(procs, "relay-ws", uport, cpu=0)
+    for _ in range(50):
+        _timedRequest(rport)
+    before = memory(relay.pid)["VmRSS"]
+    opened = [0]
+    latencies = []
+
+    opening = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(_openWebSockets(rport, count, opened))
+        while not task.done():
+            opening.append(await loop.run_in_executor(None, _timedRequest, rport))
+            await asyncio.sleep(0.2)
+        conns = task.result()
+        await asyncio.sleep(3)
+        after = memory(relay.pid)["VmRSS"]
+        for _ in range(50):
+            latencies.append(await loop.run_in_executor(None, _timedRequest, rport))
+            await asyncio.sleep(0.1)
+        for w in conns:
+            w.close()
+        return after
+
+    after = asyncio.run(main())
+    per = (after - before) / count
+    latencies.sort()
+    opening.sort()
+    report.append(f"| RSS growth per idle client WebSocket ({count:,} open on one process; "
+                  f"{before / 1024:.1f} -> {after / 1024:.1f} MiB) | **{per:.1f} KiB** | <= 20 KiB |")
+    report.append(f"| a JSON request while the {count:,} are open: max of {len(latencies)} | "
+                  f"**{latencies[-1] * 1000:.1f} ms** (p50 {latencies[len(latencies) // 2] * 1000:.1f} ms) "
+                  f"| <= 50 ms |")
+    report.append(f"| a JSON request while they are being opened (200 handshakes in flight): "
+                  f"max of {len(opening)} | {opening[-1] * 1000:.1f} ms "
+                  f"(p50 {opening[len(opening) // 2] * 1000:.1f} ms) | |")
+    procs.stop(relay)
+    procs.stop(upstream)
+
+
+SLOW_UPSTREAM = r'''
+import json, sys, time
+from twisted.internet import reactor, task
+from twisted.web import server, resource
+
+EVENTS = int(sys.argv[2])
+
+def sse(kind, payload):
+    payload["type"] = kind
+    return b"event: " + kind.encode() + b"\ndata: " + json.dumps(payload).encode() + b"\n\n"
+
+class Slow(resource.Resource):
+    isLeaf = True
+    def render_POST(self, request):
+        request.setHeader(b"content-type", b"text/event-stream")
+        request.write(sse("response.created", {"response": {"id": "resp_1", "status": "in_progress", "output": []}}))
+        state = {"n": 0}
+        def tick():
+            if request.finished or request._disconnected:
+                loop.stop(); return
+            if state["n"] == EVENTS:
+                request.write(sse("response.completed", {"response": {"id": "resp_1", "status": "completed", "output": [], "usage": {"input_tokens": 1, "output_tokens": 1, "total_tokens": 2}}}))
+                request.finish(); loop.stop(); return
+            state["n"] += 1
+            request.write(sse("response.output_text.delta", {"item_id": "msg_1", "output_index": 0, "content_index": 0, "delta": "%.6f " % time.time()}))
+        loop = task.LoopingCall(tick)
+        loop.start(1.0, now=True)
+        return server.NOT_DONE_YET
+
+reactor.listenTCP(int(sys.argv[1]), server.Site(Slow()), backlog=4096, interface="127.0.0.1")
+reactor.run()
+'''
+
+
+async def _slowClients(port: int, count: int, path: str, spread: float) -> list:
+    body = json.dumps(SCRIPTS["sse"][1]).encode()
+    request = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               f"Authorization: Bearer {RELAY_KEY}\r\nAccept: text/event-stream\r\n"
+               f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+    delays = []
+    started = []
+    pattern = re.compile(rb'"delta": ?"([\d.]+) ')
+
+    async def one(i):
+        await asyncio.sleep(spread * i / count)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request)
+        first = True
+        while True:
+            data = await reader.read(65536)
+            if not data:
+                break
+            now = time.time()
+            for m in pattern.finditer(data):
+                if first:
+                    started.append(now)
+                    first = False
+                sent = float(m.group(1))
+                delays.append((sent, now - sent))
+        writer.close()
+
+    await asyncio.gather(*(one(i) for i in range(count)))
+    return delays, max(started)
+
+
+def slowStreams(procs: Procs, count: int, events: int, report: list, spread: float = 3.0) -> None:
+    """
+    C{count} concurrent streams of C{events} events 1 s apart, direct and
+    through one relay process; the delay of each event (client receive time
+    minus the upstream's write time, in the event).
+    """
+    uport = free()
+    script = os.path.join(procs.tmp, "slow_upstream.py")
+    with open(script, "w") as f:
+        f.write(SLOW_UPSTREAM)
+    upstream = procs.start("slow-upstream", [sys.executable, script, str(uport), str(events)], cpu=1)
+    waitPort(uport)
+    relay, rport = startRelay(procs, "relay-slow", uport, cpu=0)
+    _timedRequest  # noqa: B018 - (the upstream answers SSE only)
+    rows = []
+    for name, port in (("direct", uport), ("relay", rport)):
+        cpu0 = cpuSeconds(relay.pid)
+        delays, allStarted = asyncio.run(_slowClients(port, count, "/v1/responses", spread))
+        used = cpuSeconds(relay.pid) - cpu0
+        rows.append((name, delays, allStarted, used))
+    rss = memory(relay.pid)["VmHWM"]
+    procs.stop(relay)
+    procs.stop(upstream)
+
+    def pct(values, q):
+        return values[min(len(values) - 1, int(len(values) * q))] * 1000
+
+    for name, delays, allStarted, used in rows:
+        steady = sorted(d for sent, d in delays if sent > allStarted + 0.5)
+        every = sorted(d for _, d in delays)
+        target = "<= 20 ms" if name == "relay" else ""
+        extra = (f"; relay CPU {used:.1f} s, peak RSS {rss / 1024:.0f} MiB"
+                 if name == "relay" else "")
+        report.append(f"| {count:,} slow SSE streams (1 event/s, {events} each, started over "
+                      f"{spread:g} s), {name}: event delay p50 / p99 once all are open "
+                      f"({len(steady):,} events{extra}) | "
+                      f"{pct(steady, 0.5):.1f} / **{pct(steady, 0.99):.1f} ms** | {target} |")
+        report.append(f"| ... {name}, every event including the ramp-up ({len(every):,}) | "
+                      f"{pct(every, 0.5):.1f} / {pct(every, 0.99):.1f} ms | |")
+    report.append("")
+
+
+def planning(procs: Procs, bodies: dict, quick: bool, report: list) -> None:
+    """
+    The planning figures.
+    """
+    report.append("## Planning figures\n")
+    report.append("| figure | value | target |")
+    report.append("|---|---:|---:|")
+    idleWebSockets(procs, bodies, 2_000 if quick else 10_000, report)
+    slowStreams(procs, 200 if quick else 1_000, 6 if quick else 20, report)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=10)
+    parser.add_argument("--quick", action="store_true", help="3 s per scenario, smaller planning")
+    parser.add_argument("--only", action="append",
+                        choices=["speed", "workers", "planning", "idle", "slow"])
+    parser.add_argument("--out", help="also write the report (markdown) here")
+    parser.add_argument("--baseline", help="another relay source tree (e.g. main exported with "
+                        "git archive) measured in the same run, beside this one")
+    args = parser.parse_args()
+    for tool in ("nginx", "wrk", "taskset", "redis-server"):
+        if not shutil.which(tool):
+            raise SystemExit(f"{tool} is not installed (apt-get install nginx wrk util-linux "
+                             "redis-server)")
+    if os.cpu_count() < 2:
+        raise SystemExit("needs two CPUs for the pinning")
+    _raiseFiles()
+    seconds = 3 if args.quick else args.seconds
+    only = args.only or ["speed", "workers", "planning"]
+    tmp = tempfile.mkdtemp(prefix="relay-compare-")
+    procs = Procs(tmp)
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True, check=False).stdout.strip()
+    nginxVersion = subprocess.run(["nginx", "-v"], capture_output=True, text=True,
+                                  check=False).stderr.strip()
+    report = [f"# relay bench: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n",
+              (f"Command: `python bench/compare.py {' '.join(sys.argv[1:])}`; relay {commit}; "
+               f"{nginxVersion}; Python {sys.version.split()[0]}; {os.cpu_count()} CPUs; "
+               f"load average before: {os.getloadavg()[0]:.2f}; {seconds:g} s per scenario.\n")]
+    try:
+        bodies = fetchBodies(procs)
+        if "speed" in only:
+            speed(procs, bodies, seconds, report, baseline=args.baseline)
+            print("\n".join(report), flush=True)
+        if "workers" in only:
+            workers(procs, bodies, seconds, report)
+        if "planning" in only:
+            planning(procs, bodies, args.quick, report)
+        elif "idle" in only or "slow" in only:
+            report.append("## Planning figures\n")
+            report.append("| figure | value | target |")
+            report.append("|---|---:|---:|")
+            if "idle" in only:
+                idleWebSockets(procs, bodies, 2_000 if args.quick else 10_000, report)
+            if "slow" in only:
+                slowStreams(procs, 200 if args.quick else 1_000, 6 if args.quick else 20, report)
+    finally:
+        procs.stopAll()
+        if os.environ.get("RELAY_BENCH_KEEP"):
+            print(f"(kept {tmp})")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    text = "\n".join(report) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,344 @@
+# -*- test-case-name: tests.test_workers -*-
+"""
+Worker processes across cores (issue 16, config.md C{workers}).
+
+With C{workers: N} (N > 1) the process started by C{twistd relay} /
+C{python -m twisted relay} becomes a supervisor: it reserves the listening
+address, then runs N workers -- each a whole relay (C{python -m twisted
+relay} with the same configuration file and C{RELAY_WORKER} set in its
+environment) listening on that one address with C{SO_REUSEPORT}, so the
+kernel spreads new connections across them. Every slot, wait, binding,
+cooldown, token and setting is shared through Redis (C{state.backend:
+redis} is required; L{relay.config.checkWorkers}).
+
+The supervisor restarts a worker that exits while it runs (after a delay
+that grows while workers keep dying young), and on stop sends each worker
+C{SIGTERM}, waits for all of them (up to L{STOP_GRACE_SECONDS}, then
+C{SIGKILL}), and exits. Workers inherit its standard output and error, so
+their log lines go where its own go. A worker whose supervisor dies gets
+C{SIGTERM} from the kernel (Linux C{PR_SET_PDEATHSIG}).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+from attrs import define, field
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred, DeferredList, succeed
+from twisted.internet.error import CannotListenError
+from twisted.internet.interfaces import IStreamServerEndpoint
+from twisted.internet.protocol import ProcessProtocol
+from twisted.logger import Logger
+from zope.interface import implementer
+
+WORKER_ENV = "RELAY_WORKER"
+"""Set (to the worker's index) in a worker's environment by the supervisor."""
+
+STOP_GRACE_SECONDS = 30.0
+"""How long a stopping supervisor waits for its workers before SIGKILL."""
+
+RESTART_DELAY_SECONDS = 0.5
+"""The first restart delay; it doubles (up to L{MAX_RESTART_DELAY_SECONDS})
+while workers die within L{HEALTHY_SECONDS} of their start."""
+
+MAX_RESTART_DELAY_SECONDS = 30.0
+
+HEALTHY_SECONDS = 10.0
+"""A worker that ran this long resets the restart delay."""
+
+
+def workerIndex(environ=os.environ) -> int | None:
+    """
+    @return: this process's worker index when a supervisor started it,
+        else L{None}.
+    """
+    value = environ.get(WORKER_ENV)
+    if value is None or not value.isdigit():
+        return None
+    return int(value)
+
+
+def tcpAddress(listen: str) -> tuple:
+    """
+    The address of a C{tcp:} / C{tcp6:} server endpoint string.
+
+    @param listen: e.g. C{tcp:8080:interface=127.0.0.1:backlog=100}.
+    @return: C{(family, interface, port, backlog)}.
+    @raise ValueError: for another endpoint type.
+    """
+    from twisted.internet.endpoints import (
+        TCP4ServerEndpoint,
+        TCP6ServerEndpoint,
+        serverFromString,
+    )
+
+    endpoint = serverFromString(None, listen)
+    if isinstance(endpoint, TCP6ServerEndpoint):
+        family = socket.AF_INET6
+    elif isinstance(endpoint, TCP4ServerEndpoint):
+        family = socket.AF_INET
+    else:
+        raise ValueError(f"not a tcp: endpoint: {listen}")  # noqa: TRY004 - a bad value
+    interface = endpoint._interface or ("::" if family == socket.AF_INET6 else "0.0.0.0")
+    return family, interface, endpoint._port, endpoint._backlog
+
+
+def _reusePortSocket(family, interface: str, port: int) -> socket.socket:
+    """
+    A TCP socket bound to C{(interface, port)} with C{SO_REUSEADDR} and
+    C{SO_REUSEPORT} set; not listening.
+
+    @raise CannotListenError: when the address cannot be bound.
+    """
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((interface, port))
+    except OSError as e:
+        sock.close()
+        raise CannotListenError(interface, port, e)
+    return sock
+
+
+def reserveAddress(listen: str) -> tuple:
+    """
+    Bind (without listening) the supervisor's C{listen} address with
+    C{SO_REUSEPORT}: the port is held for the workers (a port of 0 becomes
+    a real one) and a port in use is found before any worker starts. A
+    bound socket that does not listen receives no connections.
+
+    @return: C{(socket, listen string naming the bound port)}.
+    @raise CannotListenError: when the address cannot be bound.
+    """
+    family, interface, port, backlog = tcpAddress(listen)
+    sock = _reusePortSocket(family, interface, port)
+    bound = sock.getsockname()[1]
+    kind = "tcp6" if family == socket.AF_INET6 else "tcp"
+    escaped = interface.replace(":", "\\:")
+    return sock, f"{kind}:{bound}:interface={escaped}:backlog={backlog}"
+
+
+@implementer(IStreamServerEndpoint)
+@define
+class ReusePortEndpoint:
+    """
+    A worker's server endpoint: the C{tcp:} address of C{listen}, bound
+    with C{SO_REUSEPORT} and adopted by the reactor
+    (C{IReactorSocket.adoptStreamPort}).
+
+    @ivar reactor: an L{IReactorSocket}.
+    @ivar address: the C{tcp:} / C{tcp6:} endpoint string.
+    """
+
+    reactor: object
+    address: str
+
+    def listen(self, factory) -> Deferred:
+        """
+        See L{IStreamServerEndpoint.listen}.
+
+        @return: a Deferred firing with the L{IListeningPort}; failing with
+            L{CannotListenError}.
+        """
+        from twisted.internet.defer import fail
+
+        try:
+            family, interface, port, backlog = tcpAddress(self.address)
+            sock = _reusePortSocket(family, interface, port)
+            try:
+                sock.listen(backlog)
+                sock.setblocking(False)
+                listening = self.reactor.adoptStreamPort(sock.fileno(), family, factory)
+            finally:
+                sock.close()  # the reactor holds its own duplicate
+        except CannotListenError:
+            return fail()
+        except OSError as e:
+            return fail(CannotListenError(self.address, 0, e))
+        return succeed(listening)
+
+
+def dieWithParent() -> None:
+    """
+    Ask Linux to send this process C{SIGTERM} when its parent (the
+    supervisor) dies, so no worker outlives a killed supervisor. Does
+    nothing elsewhere.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    except Exception:  # noqa: BLE001 - best effort
+        return
+    if os.getppid() == 1:
+        # The supervisor died before prctl: nobody will signal us.
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+class _WorkerProtocol(ProcessProtocol):
+    """
+    Watches one worker process for L{WorkerSupervisor}.
+    """
+
+    def __init__(self, supervisor: WorkerSupervisor, index: int, startedAt: float):
+        self.supervisor = supervisor
+        self.index = index
+        self.startedAt = startedAt
+        self.ended = Deferred()
+
+    def processEnded(self, reason) -> None:
+        self.supervisor._ended(self, reason)
+        self.ended.callback(None)
+
+
+@define(eq=False)
+class WorkerSupervisor(Service):
+    """
+    Runs and watches the worker processes (see the module docstring).
+
+    @ivar reactor: an L{IReactorProcess} and L{IReactorTime}.
+    @ivar count: how many workers.
+    @ivar argv: the worker command line (C{sys.executable} first).
+    @ivar environ: the workers' environment (L{WORKER_ENV} is added).
+    @ivar reserved: the supervisor's bound, non-listening socket holding
+        the port (closed on stop), or L{None}.
+    @ivar grace: seconds to wait for workers after C{SIGTERM}.
+    """
+
+    reactor: object
+    count: int
+    argv: list
+    environ: dict = field(factory=lambda: dict(os.environ))
+    reserved: socket.socket | None = None
+    grace: float = STOP_GRACE_SECONDS
+    workers: dict = field(factory=dict, init=False)
+    _delay: float = field(default=RESTART_DELAY_SECONDS, init=False)
+    _pendingRestarts: dict = field(factory=dict, init=False)
+    running: int = field(default=0, init=False)
+    name: str | None = field(default=None, init=False)
+    parent: object = field(default=None, init=False)
+
+    _log = Logger()
+
+    def startService(self) -> None:
+        """
+        Start every worker.
+        """
+        Service.startService(self)
+        for index in range(self.count):
+            self._spawn(index)
+
+    def _spawn(self, index: int) -> None:
+        self._pendingRestarts.pop(index, None)
+        if not self.running:
+            return
+        protocol = _WorkerProtocol(self, index, self.reactor.seconds())
+        env = dict(self.environ)
+        env[WORKER_ENV] = str(index)
+        process = self.reactor.spawnProcess(
+            protocol, self.argv[0], self.argv, env=env, childFDs={0: 0, 1: 1, 2: 2}
+        )
+        self.workers[index] = (protocol, process)
+        self._log.info(
+            "worker {index} started (pid {pid})",
+            event="relay.worker_started", index=index, pid=process.pid,
+        )
+
+    def _ended(self, protocol: _WorkerProtocol, reason) -> None:
+        index = protocol.index
+        if self.workers.get(index, (None,))[0] is protocol:
+            del self.workers[index]
+        status = getattr(reason.value, "exitCode", None)
+        signal = getattr(reason.value, "signal", None)
+        if not self.running:
+            self._log.info(
+                "worker {index} stopped (exit status {status}, signal {signal})",
+                event="relay.worker_stopped", index=index, status=status, signal=signal,
+            )
+            return
+        lived = self.reactor.seconds() - protocol.startedAt
+        if lived >= HEALTHY_SECONDS:
+            self._delay = RESTART_DELAY_SECONDS
+        delay = self._delay
+        self._delay = min(self._delay * 2, MAX_RESTART_DELAY_SECONDS)
+        self._log.warn(
+            "worker {index} exited (exit status {status}, signal {signal}) after "
+            "{lived:.1f}s; restarting it in {delay}s",
+            event="relay.worker_exited", index=index, status=status, signal=signal,
+            lived=lived, delay=delay,
+        )
+        self._pendingRestarts[index] = self.reactor.callLater(delay, self._spawn, index)
+
+    def stopService(self) -> Deferred:
+        """
+        C{SIGTERM} every worker; fire once all have exited (C{SIGKILL}
+        after L{grace} seconds).
+        """
+        Service.stopService(self)
+        for call in self._pendingRestarts.values():
+            if call.active():
+                call.cancel()
+        self._pendingRestarts.clear()
+        if self.reserved is not None:
+            self.reserved.close()
+            self.reserved = None
+        waiting = []
+        for protocol, process in list(self.workers.values()):
+            waiting.append(protocol.ended)
+            _signal(process, "TERM")
+        if not waiting:
+            return succeed(None)
+        done = DeferredList(waiting)
+
+        def kill():
+            for _, process in list(self.workers.values()):
+                self._log.warn(
+                    "worker (pid {pid}) did not stop within {grace}s; killing it",
+                    event="relay.worker_killed", pid=process.pid, grace=self.grace,
+                )
+                _signal(process, "KILL")
+
+        timer = self.reactor.callLater(self.grace, kill)
+
+        def stopped(result):
+            if timer.active():
+                timer.cancel()
+
+        return done.addCallback(stopped)
+
+
+def _signal(process, name: str) -> None:
+    """
+    Signal a process that may have exited already.
+    """
+    from twisted.internet.error import ProcessExitedAlready
+
+    try:
+        process.signalProcess(name)
+    except (ProcessExitedAlready, OSError):
+        pass
+
+
+def workerArgv(configPath: str, listen: str, logFormat: str | None) -> list:
+    """
+    The command line of one worker.
+
+    @param configPath: the configuration file (made absolute).
+    @param listen: the address the workers share.
+    @param logFormat: C{--log-format} when given on the supervisor's
+        command line.
+    """
+    argv = [sys.executable, "-m", "twisted", "relay", "--config", os.path.abspath(configPath),
+            "--listen", listen]
+    if logFormat:
+        argv += ["--log-format", logFormat]
+    return argv

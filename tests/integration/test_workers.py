@@ -1,0 +1,264 @@
+"""
+C{workers: N} (issue 16): real relay processes -- a supervisor and its
+workers sharing one listening port with C{SO_REUSEPORT}, Redis state --
+against the real emulator. Two workers both serve; a killed worker is
+restarted; SIGTERM to the supervisor stops every worker and then the
+supervisor; N > 1 with memory state is a one-line configuration error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+
+import pytest_twisted
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred, gatherResults
+from twisted.internet.task import deferLater
+
+from relay.emulator import Emulator
+from tests.integration.redis_server import redisServer  # noqa: F401 (fixture)
+from tests.integration.relayproc import KEY, RelayProcess, writeConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _children(pid: int) -> list:
+    """
+    The pids of C{pid}'s live child processes.
+    """
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    """
+    Whether C{pid} exists and is not a zombie.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _establishedOn(pid: int, port: int) -> int:
+    """
+    How many established TCP connections with local port C{port} process
+    C{pid} holds (its socket inodes matched against C{/proc/net/tcp}).
+    """
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    except OSError:
+        return 0
+    count = 0
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "01" and int(local.split(":")[1], 16) == port and inode in inodes:
+                count += 1
+    return count
+
+
+async def _until(predicate, timeout: float, what: str) -> None:
+    """
+    Wait (polling the event, not sleeping a fixed time) until C{predicate()}.
+    """
+    deadline = reactor.seconds() + timeout
+    while not predicate():
+        if reactor.seconds() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await deferLater(reactor, 0.05, lambda: None)
+
+
+async def _startWorkers(tmp: str, emulator, redisURL: str, workers: int = 2) -> RelayProcess:
+    path = os.path.join(tmp, "relay.yaml")
+    relay = RelayProcess(config=path, log=os.path.join(tmp, "relay.log"))
+    accounts = [{"id": "a1", "type": "apikey", "base_url": emulator.baseURL("apikey"),
+                 "api_key": "sk-workers-a1", "concurrency": 0}]
+    writeConfig(path, relay.port, accounts,
+                extra=f"workers: {workers}\nstate: {{backend: redis, redis_url: '{redisURL}'}}\n")
+    relay.start()
+    await relay.waitHealthy()
+    await _until(lambda: len(_children(relay.process.pid)) == workers, 20, "the workers")
+    for pid in _children(relay.process.pid):
+        await _until(lambda pid=pid: _listening(pid, relay.port), 20, f"worker {pid} listening")
+    return relay
+
+
+def _listening(pid: int, port: int) -> bool:
+    """
+    Whether C{pid} holds a listening socket on C{port}.
+    """
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    except OSError:
+        return False
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].split(":")[1], 16) == port and fields[9] in inodes:
+                return True
+    return False
+
+
+def _post(port: int) -> tuple:
+    """
+    One JSON turn on a new connection, blocking (run in a thread).
+    """
+    body = json.dumps({"model": "gpt-5.5", "input": "hi"}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+        s.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nConnection: close\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        data = b""
+        while True:
+            part = s.recv(65536)
+            if not part:
+                break
+            data += part
+    return int(data.split(b" ", 2)[1]), data
+
+
+@pytest_twisted.ensureDeferred
+async def test_two_workers_serve_and_a_killed_one_is_restarted(redisServer):  # noqa: F811
+    """
+    With C{workers: 2} both workers accept connections on the one port
+    (held keep-alive connections land on both), turns succeed through
+    them, and a worker killed with SIGKILL is replaced by a new process
+    that serves too. Without the supervisor's restart the child count
+    stays at one.
+    """
+    emulator = Emulator(reactor=reactor, config={})
+    await emulator.listen(reactor)
+    tmp = tempfile.mkdtemp(prefix="relay-workers-")
+    relay = None
+    held = []
+    try:
+        relay = await _startWorkers(tmp, emulator, redisServer.url)
+        workers = _children(relay.process.pid)
+        assert len(workers) == 2 and workers[0] != relay.process.pid
+        # SO_REUSEPORT spreads connections by their address hash: 24 held
+        # connections all landing on one worker has odds of 2**-23.
+        for _ in range(24):
+            held.append(socket.create_connection(("127.0.0.1", relay.port)))
+        await _until(lambda: sum(_establishedOn(p, relay.port) for p in workers) == 24, 10,
+                     "the held connections to be accepted")
+        counts = [_establishedOn(p, relay.port) for p in workers]
+        assert all(c > 0 for c in counts), counts
+        for s in held:
+            s.close()
+        held.clear()
+
+        results = await gatherResults(
+            [Deferred.fromCoroutine(_threaded(relay.port)) for _ in range(8)])
+        assert [code for code, _ in results] == [200] * 8, results
+
+        victim = workers[0]
+        os.kill(victim, signal.SIGKILL)
+        await _until(lambda: victim not in _children(relay.process.pid)
+                     and len(_children(relay.process.pid)) == 2, 20, "the restarted worker")
+        replacement = [p for p in _children(relay.process.pid) if p not in workers]
+        assert len(replacement) == 1
+        await _until(lambda: _listening(replacement[0], relay.port), 20, "the new worker listening")
+        results = await gatherResults(
+            [Deferred.fromCoroutine(_threaded(relay.port)) for _ in range(8)])
+        assert [code for code, _ in results] == [200] * 8, results
+        assert "relay.worker_exited" in relay.tail(20000) or "exited" in relay.tail(20000)
+    finally:
+        for s in held:
+            s.close()
+        if relay is not None:
+            relay.stop()
+        await emulator.stop()
+
+
+async def _threaded(port: int):
+    from twisted.internet.threads import deferToThread
+
+    return await deferToThread(_post, port)
+
+
+@pytest_twisted.ensureDeferred
+async def test_sigterm_stops_every_worker_then_the_supervisor(redisServer):  # noqa: F811
+    """
+    SIGTERM to the supervisor reaches every worker; each drains and exits
+    cleanly (status 0, not a SIGKILL) and the supervisor exits 0 after
+    them (issues 14 and 16).
+    """
+    emulator = Emulator(reactor=reactor, config={})
+    await emulator.listen(reactor)
+    tmp = tempfile.mkdtemp(prefix="relay-workers-")
+    relay = None
+    try:
+        relay = await _startWorkers(tmp, emulator, redisServer.url)
+        workers = _children(relay.process.pid)
+        relay.process.send_signal(signal.SIGTERM)
+        code = await relay.waitExit(30)
+        assert code == 0, code  # issue 14: SIGTERM is a clean stop
+        for pid in workers:
+            assert not _alive(pid), f"worker {pid} outlived its supervisor"
+        log = relay.tail(20000)
+        assert log.count("relay.worker_stopped") == 2, log
+        assert "signal 9" not in log and "relay.worker_exited" not in log, log
+    finally:
+        if relay is not None:
+            relay.stop()
+        await emulator.stop()
+
+
+def _runToExit(args: list, cwd: str) -> tuple:
+    process = subprocess.run(
+        [sys.executable, "-m", "twisted", "relay", *args], check=False, cwd=cwd,
+        env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=60,
+    )
+    return process.returncode, process.stderr, process.stdout
+
+
+def test_workers_with_memory_state_is_a_config_error():
+    """
+    C{workers: 2} (or C{--workers 2}) with C{state.backend: memory} exits
+    with status 2 and one line naming C{workers}; no process is started.
+    """
+    tmp = tempfile.mkdtemp(prefix="relay-workers-")
+    path = os.path.join(tmp, "relay.yaml")
+    accounts = [{"id": "a1", "type": "apikey", "base_url": "http://127.0.0.1:9/v1",
+                 "api_key": "sk-workers-a1"}]
+    writeConfig(path, 0, accounts, extra="workers: 2\n")
+    code, err, out = _runToExit(["--config", path], tmp)
+    assert code == 2, (code, err, out)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines == [lines[0]] and lines[0].startswith("relay: config error: workers: "), err
+    assert "state.backend: redis" in lines[0]
+    assert "Traceback" not in err + out
+
+    writeConfig(path, 0, accounts)
+    code, err, out = _runToExit(["--config", path, "--workers", "2"], tmp)
+    assert code == 2, (code, err, out)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("relay: config error: workers: "), err
