@@ -534,8 +534,10 @@ class ICredentialSource(Interface):
         @return: the token state for C{/admin/accounts}: a dict with
             C{token_status}, C{token_reason}, C{token_expires_at},
             C{last_refresh}, C{refresh_failures}, C{refresh_last_error},
-            C{refreshes} (times in Unix seconds; never a secret), or C{{}}
-            for accounts without managed tokens.
+            C{refreshes} (times in Unix seconds; never a secret); only
+            C{token_status} C{"loading"} (and C{token_source}) while the
+            record has not been read from the store yet; C{{}} for accounts
+            without managed tokens.
         """
 
 

@@ -350,6 +350,17 @@ class _HeldSaves(MemoryTokenStore):
         return super().save(accountId, version, record, expected)
 
 
+class _HeldLoads(MemoryTokenStore):
+    """
+    A memory store whose loads wait for C{pending} (start-up not done yet).
+    """
+
+    pending: Deferred = None
+
+    def load(self, accountId):
+        return self.pending.addCallback(lambda _: None)
+
+
 class CredentialsTests(SynchronousTestCase):
     """
     L{OAuthCredentials} on a Clock with a memory store and a fake endpoint.
@@ -394,6 +405,26 @@ class CredentialsTests(SynchronousTestCase):
         self.assertFalse(credentials.canRefresh(key))
         self.assertIsNone(credentials.blockReason(key, NOW))
         self.assertEqual(credentials.view(key), {})
+
+    def test_viewWhileLoading(self):
+        """
+        Until an OAuth account's record is read from the store the account
+        is blocked C{tokens_loading} and the operator view says
+        C{token_status: "loading"} (not a row without token fields).
+        """
+        acct = account()
+        held = Deferred()
+        store = _HeldLoads(clock=self.clock)
+        store.pending = held
+        credentials = self.make(acct, store=store, start=False)
+        started = credentials.start()
+        self.assertNoResult(started)
+        view = credentials.view(acct)
+        self.assertEqual(view["token_status"], "loading")
+        self.assertEqual(credentials.blockReason(acct, NOW)[0], "tokens_loading")
+        held.callback(None)
+        self.successResultOf(started)
+        self.assertEqual(credentials.view(acct)["token_status"], "ok")
 
     def test_seedThenStoreWins(self):
         """

@@ -66,6 +66,7 @@ from relay.oauth.crashpoints import crashPoint
 from relay.oauth.endpoint import NotSent
 from relay.oauth.tokens import (
     STATUS_IN_DOUBT,
+    STATUS_LOADING,
     STATUS_NEEDS_LOGIN,
     STATUS_OK,
     TokenRecord,
@@ -471,8 +472,17 @@ class OAuthCredentials:
         See L{ICredentialSource.view}.
         """
         slot = self._slots.get(account.id)
-        if slot is None or slot.record is None:
+        if slot is None:
             return {}
+        if slot.record is None:
+            # Managed tokens not read from the store yet (start-up or a
+            # reload): the account is blocked ("tokens_loading") and the view
+            # says so rather than leaving the token fields out.
+            return {
+                "token_status": STATUS_LOADING, "token_reason": None,
+                "token_expires_at": None, "refresh_running": False,
+                "token_source": slot.account.token_source,
+            }
         record = slot.record
         status, reason = record.status, record.reason
         block = self.blockReason(account, self._clock.seconds())

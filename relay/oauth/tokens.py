@@ -32,6 +32,8 @@ AUTH_CLAIM = "https://api.openai.com/auth"
 STATUS_OK = "ok"
 STATUS_IN_DOUBT = "in_doubt"
 STATUS_NEEDS_LOGIN = "needs_login"
+STATUS_LOADING = "loading"
+"""Shown by the operator view only: the record has not been read from the store yet."""
 
 PERMANENT_CODES = (
     "refresh_token_expired",
