@@ -26,7 +26,7 @@ from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface import implementer
 
 from relay.interfaces import IUpstreamDialer, IUpstreamResponse
-from relay.upstream.httpclient import ConnectionPool, Target, requestBytes
+from relay.upstream.httpclient import BodyCollector, ConnectionPool, Target, requestBytes
 from relay.model import Account, UpstreamSettings
 
 # Client headers that may travel upstream (protocol.md 7.2). Everything else
@@ -141,7 +141,7 @@ class UpstreamResponse:
         See L{IUpstreamResponse.readBody}. Stops reading (and drops the
         connection) once C{limit} bytes are in.
         """
-        collector = _Collector(limit)
+        collector = BodyCollector(limit)
         self.deliverBody(collector)
         return collector.done
 
@@ -153,32 +153,6 @@ class UpstreamResponse:
             self._transport.stopProducing()
         elif not self._delivered:
             self.deliverBody(_Abort())
-
-
-class _Collector(Protocol):
-    """
-    Collects a bounded body.
-    """
-
-    def __init__(self, limit: int):
-        self._limit = limit
-        self._parts = []
-        self._size = 0
-        self.done = Deferred()
-
-    def dataReceived(self, data: bytes) -> None:
-        if self.done.called:
-            return
-        room = self._limit - self._size
-        self._parts.append(data[:room])
-        self._size += min(len(data), room)
-        if self._size >= self._limit:
-            self.done.callback(b"".join(self._parts))
-            self.transport.stopProducing()
-
-    def connectionLost(self, reason) -> None:
-        if not self.done.called:
-            self.done.callback(b"".join(self._parts))
 
 
 class _Abort(Protocol):

@@ -219,7 +219,7 @@ class Response:
         """
         See L{IUpstreamResponse.readBody}.
         """
-        collector = _Collector(limit)
+        collector = BodyCollector(limit)
         self.deliverBody(collector)
         return collector.done
 
@@ -231,9 +231,10 @@ class Response:
             self._connection.abort()
 
 
-class _Collector(Protocol):
+class BodyCollector(Protocol):
     """
-    Collects a bounded body (L{Response.readBody}).
+    Collects a bounded body (C{readBody} of both upstream responses): fires
+    C{done} with at most C{limit} bytes, stopping the producer once full.
     """
 
     def __init__(self, limit: int):
