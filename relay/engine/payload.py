@@ -24,6 +24,23 @@ OAUTH_HTTP_DROPPED = (
 )
 """Fields the ChatGPT backend's HTTP path rejects (protocol.md 7.2)."""
 
+OAUTH_SAMPLING_DROPPED = ("max_output_tokens", "temperature", "top_p")
+"""Sampling fields the ChatGPT backend answers 400 C{{"detail":"Unsupported
+parameter: ..."}} to. Codex never sends them; SDK and chat clients do, so
+relay leaves them out of every OAuth upstream request (HTTP and WebSocket,
+Responses and translated chat turns alike): whether a turn succeeds must not
+depend on which kind of account the scheduler picked (behaviour.md R86's
+rule of one outcome for one request). They still apply on API-key accounts."""
+
+
+def dropOAuthSampling(body: dict) -> None:
+    """
+    Remove L{OAUTH_SAMPLING_DROPPED} from C{body} (in place), for an OAuth
+    upstream request.
+    """
+    for name in OAUTH_SAMPLING_DROPPED:
+        body.pop(name, None)
+
 OAUTH_CHAT_FIELDS = frozenset(
     {
         "model",
@@ -103,6 +120,7 @@ def upstreamBody(turn: Turn, account: Account) -> bytes:
         body.setdefault("instructions", "")
         for name in OAUTH_HTTP_DROPPED:
             body.pop(name, None)
+        dropOAuthSampling(body)
     elif turn.stream:
         body["stream"] = True
         if turn.endpoint == "chat":

@@ -26,7 +26,7 @@ from twisted.logger import Logger
 from relay.engine.cancel import ClientGone, raceCancel, uncancellable
 from relay.engine.errors import previousResponseNotFound
 from relay.engine.httpattempt import attemptHTTP
-from relay.engine.payload import upstreamClientHeaders
+from relay.engine.payload import dropOAuthSampling, upstreamClientHeaders
 from relay.engine.pump import AttemptResult, StreamPump, modelRewriter
 from relay.model import ClientError
 from relay.policy import ends
@@ -417,6 +417,7 @@ class WebSocketAttempt:
             body["model"] = account.upstreamModel(turn.model)
         if account.type == "oauth":
             body["store"] = False  # R66: forced false on the ChatGPT backend
+            dropOAuthSampling(body)
         payload = _dumps(body)
 
         given = []

@@ -21,7 +21,7 @@ import pytest_twisted
 from twisted.internet.threads import deferToThread
 
 from tests.integration.harness import RELAY_KEY, sseEvents, startStack
-from tests.integration.test_ws_turns import connect, drain, gateway, http, userTurn
+from tests.integration.test_ws_turns import connect, drain, frames, gateway, http, userTurn
 
 MODEL = "gpt-5.5"
 TOOLS = [
@@ -326,3 +326,52 @@ async def test_bridge_transcript_keeps_items_of_empty_completed():
         assert sent[-2]["call_id"] == call["call_id"]
     finally:
         await drain(stack, [ws])
+
+
+@pytest.mark.parametrize("mode", ["ctx_pool", "passthrough", "http_bridge"])
+@pytest_twisted.ensureDeferred
+async def test_sampling_fields_left_out_on_oauth(mode):
+    """
+    The ChatGPT backend refuses C{max_output_tokens}, C{temperature} and
+    C{top_p} (400 "Unsupported parameter"); SDK clients send them on
+    C{/v1/responses} too. Over HTTP (stream and JSON) and the WebSocket in
+    every mode, a turn on an OAuth account completes and the backend never
+    sees them, while an API-key account still gets them: the outcome does
+    not depend on which kind of account served the turn.
+    """
+    stack = await start([oauth()], gateway=gateway(mode))
+    sampling = {"max_output_tokens": 300, "temperature": 0.2, "top_p": 0.9}
+    try:
+        response = await sdk(stack, lambda c: c.responses.create(
+            model=MODEL, input="hi", **sampling))
+        assert response.status == "completed", response
+        with_stream = await sdk(stack, lambda c: list(c.responses.create(
+            model=MODEL, input="hi", stream=True, **sampling)))
+        assert with_stream[-1].type == "response.completed", with_stream[-1]
+        ws = await connect(stack)
+        events = await ws.turn({**userTurn("hi"), **sampling})
+        assert events[-1]["type"] == "response.completed", events[-1]
+        bodies = http(stack, "oauth-o1") + frames(stack, "oauth-o1")
+        assert len(bodies) == 3, bodies
+        for body in bodies:
+            assert not set(sampling) & set(body), body
+        await drain(stack, [ws])
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_sampling_fields_kept_on_apikey():
+    """
+    The counterpart of L{test_sampling_fields_left_out_on_oauth}: an
+    API-key account gets the sampling fields as the client sent them.
+    """
+    stack = await startStack([{"id": "a1", "credential": "sk-a1"}])
+    try:
+        response = await sdk(stack, lambda c: c.responses.create(
+            model=MODEL, input="hi", max_output_tokens=300, temperature=0.2, top_p=0.9))
+        assert response.status == "completed", response
+        [body] = http(stack, "sk-a1")
+        assert (body["max_output_tokens"], body["temperature"], body["top_p"]) == (300, 0.2, 0.9)
+    finally:
+        await stack.stop()
