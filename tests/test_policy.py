@@ -101,6 +101,27 @@ class JudgementTests(SynchronousTestCase):
         self.assertTrue(verdict.failover)
         self.assertEqual([m.kind for m in verdict.markings], [F.MARK_TRANSIENT_STREAK])
 
+    def test_html_403_in_band_is_the_html_row(self):
+        """
+        R86.1 with R11's 403 rows: an in-band C{error} event whose wrapped
+        answer is an HTML page (the event's C{headers} say C{text/html}, or
+        the message is a document) is judged like the HTTP 403 with that
+        page: fail over, no marking; a JSON 403 in band still counts.
+        """
+        page = "<!DOCTYPE html><html><head><title>Attention Required!</title></head></html>"
+        http = self.judged(E.StatusRefused(
+            403, {"content-type": "text/html; charset=UTF-8"}, page.encode()))
+        self.assertTrue(http.failover)
+        self.assertEqual(http.markings, ())
+        for headers in ({"content-type": "text/html; charset=UTF-8", "server": "cloudflare"}, {}):
+            event = {"type": "error", "status": 403, "headers": headers,
+                     "error": {"type": "invalid_request_error", "message": page}}
+            self.assertEqual(shape(self.judged(E.InBandFailure(event, E.WIRE_WS))), shape(http))
+        forbidden = errorJSON("Country, region, or territory not supported")
+        event = {"type": "error", "status": 403, "error": forbidden}
+        markings = self.judged(E.InBandFailure(event, E.WIRE_WS)).markings
+        self.assertEqual([m.kind for m in markings], [F.MARK_COUNT_403])
+
     def test_server_error_failed_stands_for_500(self):
         """
         R86.2: a pre-output C{response.failed} (or C{error} event, or chat

@@ -342,9 +342,10 @@ class ErrorFacts:
     html: bool
 
 
-def _looksHtml(text: str, contentType: str) -> bool:
+def looksHtml(text: str, contentType: str) -> bool:
     """
-    R11 403 row: a CDN or proxy block page.
+    R11 403 row: a CDN or proxy block page (an HTML content type, or a
+    body that starts like an HTML document).
     """
     head = text.lstrip()[:200].lower()
     return "text/html" in contentType.lower() or head.startswith(("<!doctype html", "<html"))
@@ -403,7 +404,7 @@ def parseError(status: int, body: Any, contentType: str = "") -> ErrorFacts:
         _str(data.get("code")),
     )
     codes = tuple(c for c in codesAccess + (_str(err.get("type")), _str(data.get("type"))) if c)
-    html = not isJson and _looksHtml(text, contentType)
+    html = not isJson and looksHtml(text, contentType)
 
     original = next(
         (

@@ -35,6 +35,7 @@ from relay.policy.classify import (
     R49_RATE_LIMIT_FRAGMENTS,
     REASON_UPSTREAM_WS_BUSY,
     isOverload,
+    looksHtml,
     parseError,
 )
 from relay.model import ClientError
@@ -225,7 +226,15 @@ def _inBand(classifier, end: E.InBandFailure, account, endpoint: str, now: float
     if not status:
         status = impliedStatus(err)
     if status >= 400:
-        body = json.dumps({"error": err}).encode("utf-8")
-        headers = {**headers, "content-type": "application/json"}
+        message = err.get("message")
+        contentType = str(headers.get("content-type") or "")
+        if isinstance(message, str) and looksHtml(message, contentType):
+            # The wrapped answer was a page (a CDN block, protocol.md 7.2):
+            # judged like that HTTP body, so R11's HTML 403 row applies.
+            body = message.encode("utf-8", "replace")
+            headers = {**headers, "content-type": contentType or "text/html"}
+        else:
+            body = json.dumps({"error": err}).encode("utf-8")
+            headers = {**headers, "content-type": "application/json"}
         return classifier.classifyStatus(account, endpoint, status, headers, body, now)
     return classifier.classifyStreamFailure(account, endpoint, "event", end.event, "")
