@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_ws -*-
 """
 One attempt of a WebSocket turn on one account: the C{TurnRunner.wsAttempt}
-hook (behaviour.md R49-R53, R55, R56, R66, R-B3, R76-R78).
+hook (behaviour.md R49-R53, R55, R56, R66, R67, R-B3, R76-R78).
 
 The engine selects, admits, waits, classifies and decides; this function
 only turns "send this turn to this account over its upstream transport"
@@ -15,10 +15,14 @@ into an L{AttemptResult}:
   without cooldown (R-B3); a dial without a status is R6; a handshake
   rejected with a status is R56;
 - frames are fed as events into a L{StreamPump}, which stages and
-  classifies pre-output failures exactly as for HTTP.
+  classifies pre-output failures exactly as for HTTP;
+- a connection that carried turns before and breaks before this turn's
+  output is retried once on a new connection (R67).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 from attrs import define, evolve
 from twisted.logger import Logger
@@ -92,6 +96,13 @@ def isPreviousNotFound(event: dict) -> bool:
     inner = event.get("error")
     message = inner.get("message", "") if isinstance(inner, dict) else ""
     return "previous response with id" in str(message).lower()
+
+
+RETRY_FULL_INPUT = "full_input"
+"""The R66 retry: resend the turn with its chain expanded into full input."""
+
+RETRY_FRESH_CONNECTION = "fresh_connection"
+"""The R67 retry: the turn once more on a new upstream connection."""
 
 
 class WebSocketPump(StreamPump):
@@ -227,23 +238,25 @@ class WebSocketAttempt:
         if mode == "http_bridge":
             return await self._bridge(runner, turn, sink, account, release, ctx)
         expanded = ctx.expandedBody(turn) if ctx is not None else None
-        useExpanded = False
-        for attempt in range(2):
+        useExpanded = fresh = False
+        while True:
             result, retry = await self._oneSocket(
-                runner, turn, sink, account, release, ctx, mode, expanded, useExpanded
+                runner, turn, sink, account, release, ctx, mode, expanded, useExpanded, fresh
             )
-            if not retry:
+            if retry == RETRY_FULL_INPUT and not useExpanded:
+                useExpanded = True
+                self._log.info(
+                    "previous_response_id {previous} not found upstream; resending full input",
+                    event="ingress_ws_prev_response_recovery",
+                    action="drop_previous_response_id",
+                    retry=1,
+                    account_id=account.id,
+                    request_id=turn.requestId,
+                )
+            elif retry == RETRY_FRESH_CONNECTION and not fresh:
+                fresh = True
+            else:
                 return result
-            useExpanded = True
-            self._log.info(
-                "previous_response_id {previous} not found upstream; resending full input",
-                event="ingress_ws_prev_response_recovery",
-                action="drop_previous_response_id",
-                retry=1,
-                account_id=account.id,
-                request_id=turn.requestId,
-            )
-        return result
 
     # -- http_bridge ---------------------------------------------------------
 
@@ -285,7 +298,7 @@ class WebSocketAttempt:
 
     # -- ctx_pool / passthrough ------------------------------------------------
 
-    async def _acquire(self, turn, account, ctx, mode, s) -> PooledConnection:
+    async def _acquire(self, turn, account, ctx, mode, s, fresh=False) -> PooledConnection:
         prev = turn.previousResponseId
         if mode == "passthrough":
             current = ctx.dedicated if ctx is not None else None
@@ -311,8 +324,10 @@ class WebSocketAttempt:
             if ctx is not None:
                 ctx.dedicated = conn
             return conn
-        preferred = self.pool.findByResponse(account.id, prev) if prev else None
-        return await self.pool.acquire(account, upstreamClientHeaders(turn, account), preferred)
+        preferred = self.pool.findByResponse(account.id, prev) if prev and not fresh else None
+        return await self.pool.acquire(
+            account, upstreamClientHeaders(turn, account), preferred, fresh=fresh
+        )
 
     def _giveBack(self, conn: PooledConnection, mode: str, broken: bool) -> None:
         if mode == "passthrough":
@@ -345,18 +360,67 @@ class WebSocketAttempt:
         )
         return AttemptResult(end=end, verdict=verdict, status=e.status)
 
+    def _staleRetry(self, turn, account, conn, result, fresh) -> Optional[str]:
+        """
+        R67: a read or write error on a connection that already carried
+        turns, before anything of this turn reached the client, retries the
+        turn once on a new connection of the same account; the broken
+        connection is not the account's failure, so the first end is not
+        recorded. A connection's first turn gets no such retry (its failure
+        is the account's), nor does a strict-affinity turn (C{store:false}
+        with C{previous_response_id}: only that connection holds its chain).
+
+        @return: L{RETRY_FRESH_CONNECTION} or L{None}.
+        """
+        end = result.end
+        stale = isinstance(end, ends.StreamCut) or (
+            isinstance(end, ends.TransportFailure) and end.stage == "write"
+        )
+        if (
+            fresh
+            or not stale
+            or conn.turns < 2
+            or result.committed
+            or turn.firstOutputAt is not None
+            or turn.cancel.cancelled
+        ):
+            return None
+        stage = "write_upstream" if isinstance(end, ends.TransportFailure) else "read_upstream"
+        if turn.previousResponseId and turn.body.get("store") is False:
+            self._log.info(
+                "not retrying turn {request_id} on a new connection: strict affinity",
+                event="ingress_ws_turn_retry_skip",
+                reason="strict_affinity",
+                stage=stage,
+                account_id=account.id,
+                request_id=turn.requestId,
+            )
+            return None
+        self._log.info(
+            "upstream connection of {account_id} failed ({stage}) before output; "
+            "retrying turn {request_id} once on a new connection",
+            event="ingress_ws_turn_retry",
+            stage=stage,
+            account_id=account.id,
+            request_id=turn.requestId,
+        )
+        return RETRY_FRESH_CONNECTION
+
     async def _oneSocket(
-        self, runner, turn, sink, account, release, ctx, mode, expanded, useExpanded
+        self, runner, turn, sink, account, release, ctx, mode, expanded, useExpanded,
+        fresh=False,
     ):
         """
         One send on one upstream connection.
 
-        @return: (L{AttemptResult}, retry) where C{retry} asks for the R66
-            full-input resend.
+        @param fresh: on a new connection (the R67 retry).
+        @return: (L{AttemptResult}, retry) where C{retry} is L{None},
+            L{RETRY_FULL_INPUT} (the R66 full-input resend) or
+            L{RETRY_FRESH_CONNECTION} (R67).
         """
         s = runner.settings.current
         try:
-            conn = await self._acquire(turn, account, ctx, mode, s)
+            conn = await self._acquire(turn, account, ctx, mode, s, fresh)
         except PoolBusy as e:
             self._log.info(
                 "upstream websocket pool of {account_id} busy ({reason})",
@@ -365,14 +429,14 @@ class WebSocketAttempt:
                 reason=e.reason,
                 request_id=turn.requestId,
             )
-            return AttemptResult(end=ends.PoolBusy(e.reason), status=503), False
+            return AttemptResult(end=ends.PoolBusy(e.reason), status=503), None
         except HandshakeRejected as e:
             turn.upstreamRequestId = (e.headers or {}).get("x-request-id")
             if runner.metrics is not None:
                 runner.metrics.upstreamStatus(e.status)  # issue 15: like HTTP statuses
-            return self._handshakeRejected(runner, turn, account, e), False
+            return self._handshakeRejected(runner, turn, account, e), None
         except Exception as e:  # noqa: BLE001
-            return AttemptResult(end=ends.TransportFailure(e, "dial"), status=502), False
+            return AttemptResult(end=ends.TransportFailure(e, "dial"), status=502), None
         turn.upstreamRequestId = (getattr(conn.proto, "responseHeaders", None) or {}).get(
             "x-request-id"
         )
@@ -381,6 +445,7 @@ class WebSocketAttempt:
             conn.handshakeCounted = True
             if runner.metrics is not None:
                 runner.metrics.upstreamStatus(101)
+        conn.turns += 1
         if turn.cancel.cancelled:
             self._giveBack(conn, mode, broken=False)
             raise ClientGone(turn.cancel.reason)
@@ -460,7 +525,8 @@ class WebSocketAttempt:
                 pump.finished = True
                 pump.abort()
                 giveBack(broken=True)
-                return AttemptResult(end=ends.TransportFailure(e, "write"), status=502), False
+                result = AttemptResult(end=ends.TransportFailure(e, "write"), status=502)
+                return result, self._staleRetry(turn, account, conn, result, fresh)
             try:
                 result = await raceCancel(uncancellable(pump.done), turn.cancel)
             except ClientGone:
@@ -472,12 +538,15 @@ class WebSocketAttempt:
                 timer.cancel()
             pump._cancelIdle()
         conn.proto.listener = None
-        retry = (
+        if (
             pump.previousNotFound is not None
             and sentPrev is not None
             and expanded is not None
             and not useExpanded
-        )
+        ):
+            retry = RETRY_FULL_INPUT
+        else:
+            retry = self._staleRetry(turn, account, conn, result, fresh)
         giveBack(broken=bool(conn.broken or retry))
         return result, retry
 

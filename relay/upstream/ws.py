@@ -255,6 +255,8 @@ class PooledConnection:
         C{relay_upstream_status_total} (once per connection; issue 15).
     @ivar retiring: its account changed or went away in a reload (issue
         14): closed when its turn gives it back, never lent again.
+    @ivar turns: how many turns were sent on it; a connection with turns
+        behind it may have gone stale while idle (behaviour.md R67).
     """
 
     proto: UpstreamProtocol
@@ -265,6 +267,7 @@ class PooledConnection:
     lastResponseId: str | None = None
     handshakeCounted: bool = False
     retiring: bool = False
+    turns: int = 0
 
     @property
     def alive(self) -> bool:
@@ -331,11 +334,17 @@ class UpstreamPool:
         live = [c for c in pool.conns if c.alive]
         return len(live), len([c for c in live if c.busy]), len(pool.waiters)
 
-    async def acquire(self, account, clientHeaders: dict, preferred=None) -> PooledConnection:
+    async def acquire(
+        self, account, clientHeaders: dict, preferred=None, fresh: bool = False
+    ) -> PooledConnection:
         """
         Lend one connection of C{account} to a turn: C{preferred} when it is
         idle and alive, else an idle one (never one holding another turn),
         else a new dial under capacity, else wait up to dial + 2 s.
+
+        @param fresh: dial a new connection when capacity allows instead of
+            lending an idle one (the R67 turn retry); at capacity the rules
+            above apply.
 
         @raise PoolBusy: the deadline passed or the queue is full (R-B3).
         @raise HandshakeRejected: a new dial was rejected with a status.
@@ -343,6 +352,8 @@ class UpstreamPool:
         """
         pool = self._pool(account.id)
         self._prune(pool)
+        if fresh and len([c for c in pool.conns if c.alive]) + pool.dialing < self.capacity(account):
+            return await self._dialInto(pool, account, clientHeaders)
         if preferred is not None and preferred.alive and not preferred.busy:
             preferred.busy = True
             return preferred

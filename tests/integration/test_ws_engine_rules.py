@@ -376,3 +376,108 @@ async def test_apikey_sessions_are_not_preempted():
         assert first.closeInfo is None and second.closeInfo is None
     finally:
         await drain(stack, [c for c in (first, second) if c is not None])
+
+
+# -- R67 -------------------------------------------------------------------------
+
+
+def breakerFailures(row) -> int:
+    breaker = row.get("breaker")
+    return int((breaker or {}).get("failures", 0)) if isinstance(breaker, dict) else 0
+
+
+@pytest.mark.parametrize("mode", ["ctx_pool", "passthrough"])
+@pytest_twisted.ensureDeferred
+async def test_stale_connection_retried_once_on_a_new_one(mode):
+    """
+    R67: the upstream connection that served turn 1 breaks when turn 2 is
+    sent (a read error before any output): the turn is retried once on a
+    new connection of the same account and completes there; the broken
+    connection is not the account's failure (no breaker count, no switch to
+    C{b}). Only once: when the new connection breaks too, that failure
+    counts (R-B1) and the turn fails over to C{b}.
+    """
+    from tests.integration.harness import startStack
+    from tests.integration.parity import ADMIN, adminAccounts
+
+    # One pooled connection for C{a}: ctx_pool lends turn 1's connection
+    # (it holds a chain head, so only when no new one may be dialled, R-B11).
+    accounts = threeAccounts(a={"concurrency": 1})
+    stack = await startStack(
+        accounts, extra=f"admin_key: {ADMIN}\n",
+        gateway="{websocket: {mode_default: " + mode + ", pool_capacity_factor: 1}}")
+    logged = []
+    from twisted.logger import globalLogPublisher
+
+    def observe(event):
+        if event.get("event") in ("ingress_ws_turn_retry", "ingress_ws_turn_retry_skip"):
+            logged.append(event)
+
+    globalLogPublisher.addObserver(observe)
+    client = await connect(stack)
+    try:
+        first = await client.turn(userTurn("one"))
+        assert first[-1]["type"] == "response.completed", first
+        stack.emulator.setFault("sk-a", {"kind": "reset_before_headers", "times": 1,
+                                         "transport": "ws"})
+        second = await client.turn(userTurn("two"))
+        assert second[-1]["type"] == "response.completed", second
+        assert len(stack.emulator.requestsFor("sk-a", "handshake")) == 2
+        assert sent(stack, "sk-b") == []
+        assert [(e["event"], e["stage"]) for e in logged] == [
+            ("ingress_ws_turn_retry", "read_upstream")]
+        row = (await adminAccounts(stack))["a"]
+        assert row["schedulable"] is True and breakerFailures(row) == 0, row
+
+        # Once only: when the new connection breaks too, that failure is the
+        # account's (R-B1 counts it) and the turn fails over to b.
+        stack.emulator.setFault("sk-a", {"kind": "reset_before_headers", "times": 2,
+                                         "transport": "ws"})
+        third = await client.turn(userTurn("three"))
+        assert third[-1]["type"] == "response.completed", third
+        assert len(sent(stack, "sk-b")) == 1
+        assert [e["event"] for e in logged] == ["ingress_ws_turn_retry"] * 2
+        assert breakerFailures((await adminAccounts(stack))["a"]) == 1
+    finally:
+        globalLogPublisher.removeObserver(observe)
+        await drain(stack, [client])
+
+
+@pytest_twisted.ensureDeferred
+async def test_strict_affinity_turn_not_retried_on_a_new_connection():
+    """
+    R67: a strict-affinity turn (C{store:false} with
+    C{previous_response_id}: only its connection holds the chain) is not
+    retried on a new connection when that connection breaks; relay logs
+    C{ingress_ws_turn_retry_skip} (C{reason=strict_affinity}) and the
+    engine's failover applies (the turn completes elsewhere from the
+    connection's own history, R66/R76).
+    """
+    from twisted.logger import globalLogPublisher
+
+    from tests.integration.harness import startStack
+
+    stack = await startStack(
+        threeAccounts(a={"concurrency": 1}),
+        gateway="{websocket: {mode_default: ctx_pool, pool_capacity_factor: 1}}")
+    logged = []
+
+    def observe(event):
+        if event.get("event") in ("ingress_ws_turn_retry", "ingress_ws_turn_retry_skip"):
+            logged.append(event)
+
+    globalLogPublisher.addObserver(observe)
+    client = await connect(stack)
+    try:
+        first = await client.turn(userTurn("one"))
+        rid = first[-1]["response"]["id"]
+        stack.emulator.setFault("sk-a", {"kind": "reset_before_headers", "times": 1,
+                                         "transport": "ws"})
+        second = await client.turn(userTurn("two", previous=rid))
+        assert second[-1]["type"] == "response.completed", second
+        assert [(e["event"], e.get("reason")) for e in logged] == [
+            ("ingress_ws_turn_retry_skip", "strict_affinity")]
+        assert len(stack.emulator.requestsFor("sk-a", "handshake")) == 1
+    finally:
+        globalLogPublisher.removeObserver(observe)
+        await drain(stack, [client])
