@@ -92,6 +92,78 @@ class MalformedHTTPTests(SynchronousTestCase):
         self.assertEqual(json.loads(split(data)[2])["error"]["type"], "invalid_request_error")
 
 
+class EarlyAnswerIdTests(SynchronousTestCase):
+    """
+    Issue 15: answers written below the resources -- the channel's 400 for
+    unparseable HTTP and autobahn's refusal of a malformed upgrade -- carry
+    the request id as C{X-Request-Id} (and the 400 as
+    C{error.request_id}), chosen as for every other answer.
+    """
+
+    def test_malformedRequestCarriesTheId(self):
+        """
+        A bad C{Content-Length} after a well-formed C{X-Request-Id}: the
+        client's id; a request line that does not parse: a new C{req_} id.
+        """
+        data, _ = exchange(
+            b"POST /models HTTP/1.1\r\nHost: x\r\nX-Request-Id: mine-1\r\n"
+            b"Content-Length: 12abc\r\n\r\n"
+        )
+        _, head, body = split(data)
+        self.assertIn(b"x-request-id: mine-1\r\n", head)
+        self.assertEqual(json.loads(body)["error"]["request_id"], "mine-1")
+        data, _ = exchange(b"POST /v1/responses HTTP/2.0\r\nHost: x\r\n\r\n")
+        _, head, body = split(data)
+        requestId = json.loads(body)["error"]["request_id"]
+        self.assertTrue(requestId.startswith("req_"), requestId)
+        self.assertIn(b"x-request-id: " + requestId.encode() + b"\r\n", head)
+
+    def test_refusedUpgradeCarriesTheId(self):
+        """
+        An upgrade autobahn refuses (no C{Sec-WebSocket-Key}, an unknown
+        version) answers with the client's id, or a new C{ws_} id.
+        """
+        from twisted.internet.testing import MemoryReactorClock
+        from txaio.testutil import replace_loop
+
+        from relay.app import buildApplication
+        from relay.config import settingsFromString
+
+        config = settingsFromString(
+            'listen: "tcp:0:interface=127.0.0.1"\ndatabase: ":memory:"\n'
+            "keys: [{name: team, key: sk-team}]\n"
+            "accounts: [{id: a1, type: apikey, api_key: sk-up, "
+            'base_url: "http://127.0.0.1:1/v1"}]\n'
+        )
+        site = buildApplication(config, MemoryReactorClock()).site
+
+        class Transport(StringTransport):
+            protocol = None
+
+        def upgrade(headers: bytes) -> bytes:
+            transport = Transport()
+            with replace_loop(Clock()):
+                protocol = site.buildProtocol(None)
+                protocol.makeConnection(transport)
+                protocol.dataReceived(
+                    b"GET /v1/responses HTTP/1.1\r\nHost: x\r\n"
+                    b"Authorization: Bearer sk-team\r\nUpgrade: websocket\r\n"
+                    b"Connection: Upgrade\r\n" + headers + b"\r\n"
+                )
+            return transport.value()
+
+        data = upgrade(b"Sec-WebSocket-Version: 13\r\nX-Request-Id: thread-7\r\n")
+        status, head, _ = split(data)
+        self.assertTrue(status.startswith(b"HTTP/1.1 400 "), status)
+        self.assertIn(b"x-request-id: thread-7\r\n", head + b"\r\n")
+        data = upgrade(
+            b"Sec-WebSocket-Version: 99\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        )
+        status, head, _ = split(data)
+        self.assertTrue(status.startswith(b"HTTP/1.1 400 "), status)
+        self.assertRegex(head.decode(), r"\r\nx-request-id: ws_[0-9a-f]+(\r\n|$)")
+
+
 class MethodTests(SynchronousTestCase):
     """
     L{relay.entry.site.JSONMethodErrors} through relay's request class.

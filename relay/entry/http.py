@@ -20,7 +20,7 @@ from twisted.logger import Logger
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
-from relay.entry.body import DEFAULT_MAX_BODY_BYTES
+from relay.entry.body import DEFAULT_MAX_BODY_BYTES, tooLarge
 from relay.entry.sinks import JSONSink, SSESink, writeError
 from relay.model import ClientError, ClientKey, Turn
 from relay.requestid import newRequestId, requestIdOf  # noqa: F401 - newRequestId re-exported
@@ -275,10 +275,7 @@ class TurnResource(Resource):
         limit = getattr(request, "bodyLimit", MAX_BODY_BYTES)
         raw = request.content.read(limit + 1)
         if len(raw) > limit:
-            writeError(
-                request,
-                ClientError(413, "invalid_request_error", "Request payload is too large"),
-            )
+            writeError(request, tooLarge(limit))
             return NOT_DONE_YET
         try:
             body = loadJSON(raw)
