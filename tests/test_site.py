@@ -58,6 +58,25 @@ def exchange(raw: bytes):
     return transport.value(), transport
 
 
+def appSite():
+    """
+    The site of a relay built from a minimal configuration (client key
+    C{sk-team}, one API-key account) on a L{MemoryReactorClock}.
+    """
+    from twisted.internet.testing import MemoryReactorClock
+
+    from relay.app import buildApplication
+    from relay.config import settingsFromString
+
+    config = settingsFromString(
+        'listen: "tcp:0:interface=127.0.0.1"\ndatabase: ":memory:"\n'
+        "keys: [{name: team, key: sk-team}]\n"
+        "accounts: [{id: a1, type: apikey, api_key: sk-up, "
+        'base_url: "http://127.0.0.1:1/v1"}]\n'
+    )
+    return buildApplication(config, MemoryReactorClock()).site
+
+
 def split(data: bytes):
     """
     @return: C{(status line, lower-cased head, body)} of one response.
@@ -123,19 +142,9 @@ class EarlyAnswerIdTests(SynchronousTestCase):
         An upgrade autobahn refuses (no C{Sec-WebSocket-Key}, an unknown
         version) answers with the client's id, or a new C{ws_} id.
         """
-        from twisted.internet.testing import MemoryReactorClock
         from txaio.testutil import replace_loop
 
-        from relay.app import buildApplication
-        from relay.config import settingsFromString
-
-        config = settingsFromString(
-            'listen: "tcp:0:interface=127.0.0.1"\ndatabase: ":memory:"\n'
-            "keys: [{name: team, key: sk-team}]\n"
-            "accounts: [{id: a1, type: apikey, api_key: sk-up, "
-            'base_url: "http://127.0.0.1:1/v1"}]\n'
-        )
-        site = buildApplication(config, MemoryReactorClock()).site
+        site = appSite()
 
         class Transport(StringTransport):
             protocol = None
@@ -162,6 +171,55 @@ class EarlyAnswerIdTests(SynchronousTestCase):
         status, head, _ = split(data)
         self.assertTrue(status.startswith(b"HTTP/1.1 400 "), status)
         self.assertRegex(head.decode(), r"\r\nx-request-id: ws_[0-9a-f]+(\r\n|$)")
+
+
+class _Refuses(Resource):
+    """
+    A leaf answering relay's 429 through L{relay.entry.sinks.writeError}.
+    """
+
+    isLeaf = True
+
+    def render_GET(self, request):
+        from twisted.web.server import NOT_DONE_YET
+
+        from relay.entry.sinks import writeError
+        from relay.model import ClientError
+
+        writeError(request, ClientError(429, "rate_limit_error", "busy"))
+        return NOT_DONE_YET
+
+
+class StatusLineTests(SynchronousTestCase):
+    """
+    The reason phrase of statuses twisted.web has none for.
+    """
+
+    def test_upgradeRequired(self):
+        """
+        C{GET /v1/responses} without an upgrade is C{426 Upgrade Required},
+        not twisted.web's C{426 Unknown Status}.
+        """
+        site = appSite()
+        protocol = site.buildProtocol(None)
+        transport = StringTransport()
+        protocol.makeConnection(transport)
+        protocol.dataReceived(b"GET /v1/responses HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual(split(transport.value())[0], b"HTTP/1.1 426 Upgrade Required")
+
+    def test_tooManyRequests(self):
+        """
+        relay's own 429 is C{429 Too Many Requests}.
+        """
+        from relay.app import _Request
+        from relay.entry.site import RelaySite
+
+        site = RelaySite(_Refuses(), requestFactory=_Request, reactor=Clock())
+        protocol = site.buildProtocol(None)
+        transport = StringTransport()
+        protocol.makeConnection(transport)
+        protocol.dataReceived(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual(split(transport.value())[0], b"HTTP/1.1 429 Too Many Requests")
 
 
 class MethodTests(SynchronousTestCase):

@@ -258,7 +258,6 @@ class TurnResource(Resource):
         connection = (request.getHeader(b"connection") or b"").lower()
         if upgrade == b"websocket" and b"upgrade" in connection and self._ws is not None:
             return self._ws.render(request)
-        request.setResponseCode(426, b"Upgrade Required")
         writeError(
             request,
             ClientError(
