@@ -222,6 +222,66 @@ class StatusLineTests(SynchronousTestCase):
         self.assertEqual(split(transport.value())[0], b"HTTP/1.1 429 Too Many Requests")
 
 
+class FieldTypeTests(SynchronousTestCase):
+    """
+    A turn's fields of the wrong JSON type are answered 400 in OpenAI's
+    C{invalid_type} shape, naming the field; a missing model is still
+    "you must provide a model parameter".
+    """
+
+    def post(self, body: dict) -> dict:
+        """
+        POST C{body} to C{/v1/responses} on an L{appSite}.
+
+        @return: the answer's C{error} object.
+        """
+        raw = json.dumps(body).encode()
+        protocol = appSite().buildProtocol(None)
+        transport = StringTransport()
+        protocol.makeConnection(transport)
+        protocol.dataReceived(
+            b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-team\r\n"
+            b"Content-Type: application/json\r\nContent-Length: "
+            + str(len(raw)).encode() + b"\r\n\r\n" + raw
+        )
+        status, _, data = split(transport.value())
+        self.assertTrue(status.startswith(b"HTTP/1.1 400 "), status)
+        return json.loads(data[data.index(b"{"): data.rindex(b"}") + 1])["error"]
+
+    def test_wrongTypes(self):
+        """
+        C{{"model": 5}} says the model must be a string (not that it is
+        missing); C{stream} and C{previous_response_id} the same way.
+        """
+        cases = [
+            ({"model": 5}, "model", "expected a string, but got an integer"),
+            ({"model": ["gpt-5.5"]}, "model", "expected a string, but got an array"),
+            ({"model": "gpt-5.5", "stream": "yes"}, "stream",
+             "expected a boolean, but got a string"),
+            ({"model": "gpt-5.5", "previous_response_id": 7}, "previous_response_id",
+             "expected a string, but got an integer"),
+        ]
+        for body, param, expected in cases:
+            error = self.post(body)
+            self.assertEqual(
+                error["message"], f"Invalid type for '{param}': {expected} instead.", body
+            )
+            self.assertEqual(
+                (error["type"], error["param"], error["code"]),
+                ("invalid_request_error", param, "invalid_type"),
+            )
+
+    def test_missingModel(self):
+        """
+        No model (or an empty one) is OpenAI's "you must provide a model
+        parameter".
+        """
+        for body in ({}, {"model": ""}, {"model": None}):
+            error = self.post(body)
+            self.assertEqual(error["message"], "you must provide a model parameter")
+            self.assertEqual(error["param"], "model")
+
+
 class MethodTests(SynchronousTestCase):
     """
     L{relay.entry.site.JSONMethodErrors} through relay's request class.

@@ -412,7 +412,12 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         if self._overAge():
             return
         model = frame.get("model")
-        if not isinstance(model, str) or not model:
+        if model is not None and not isinstance(model, str):
+            # As on HTTP (a 400 there), and as for stream and
+            # previous_response_id below: a wrong type is not a missing model.
+            self.reject("invalid JSON payload", "invalid_type", "model")
+            return
+        if not model:
             if self._model is None:
                 self.reject(
                     "model is required in first response.create payload",
