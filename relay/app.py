@@ -426,7 +426,7 @@ def _forgetRenewed(app: RelayApplication, change) -> None:
     accounts' state, changed or not, is kept.
     """
     for accountId in sorted(change.renewed):
-        d = app.health.clear(accountId)
+        d = app.health.clear(accountId, "reload")
         d.addErrback(
             lambda f, i=accountId: _log.failure(
                 "clearing renewed account {account_id} failed", f, account_id=i,
