@@ -11,6 +11,7 @@ global one).
 from __future__ import annotations
 
 import os
+from http import HTTPStatus
 from typing import Optional
 
 from attrs import define, field
@@ -19,6 +20,7 @@ from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.error import CannotListenError
 from twisted.logger import Logger
+from twisted.web.http import RESPONSES
 from twisted.web.server import Site
 
 from relay.policy.classify import DefaultClassifier
@@ -76,6 +78,22 @@ class _Request(LimitedBodyRequest):
         self.relayStartedAt = clock.seconds() if clock is not None else None
         requestIdOf(self)
         super().process()
+
+    def setResponseCode(self, code: int, message: Optional[bytes] = None) -> None:
+        """
+        Set the status; a status twisted.web has no reason phrase for (426
+        Upgrade Required, 429 Too Many Requests, ...) gets the standard one
+        (L{HTTPStatus}) instead of twisted.web's C{Unknown Status}.
+
+        @param code: the HTTP status.
+        @param message: the reason phrase, or L{None} for the standard one.
+        """
+        if message is None and code not in RESPONSES:
+            try:
+                message = HTTPStatus(code).phrase.encode("ascii")
+            except ValueError:
+                pass
+        super().setResponseCode(code, message)
 
     def render(self, resrc) -> None:
         """
@@ -408,7 +426,7 @@ def _forgetRenewed(app: RelayApplication, change) -> None:
     accounts' state, changed or not, is kept.
     """
     for accountId in sorted(change.renewed):
-        d = app.health.clear(accountId)
+        d = app.health.clear(accountId, "reload")
         d.addErrback(
             lambda f, i=accountId: _log.failure(
                 "clearing renewed account {account_id} failed", f, account_id=i,

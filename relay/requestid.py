@@ -6,7 +6,10 @@ Each HTTP request gets its id as soon as twisted.web has parsed it
 (L{requestIdOf}, called from C{relay.app}'s request class), so every
 answer -- a relayed turn, relay's own errors, 401, 404, 405, 426, the
 admission 429/503s, SSE and JSON -- carries it as C{X-Request-Id}, and
-error bodies repeat it as C{error.request_id}. The turn engine logs it as
+error bodies repeat it as C{error.request_id}. Answers written before
+that, below the resources, call L{requestIdOf} themselves: the 413 for an
+oversize body (C{relay.entry.body}) and the 400 for unparseable HTTP
+(C{relay.entry.site}). The turn engine logs it as
 C{request_id} on every line of the turn and sends it upstream as
 C{X-Client-Request-Id}; the upstream's own C{x-request-id} is logged as
 C{upstream_request_id} and returned as C{X-Upstream-Request-Id}.

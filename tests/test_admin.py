@@ -443,3 +443,40 @@ class MetricsResourceTests(AdminFixture, SynchronousTestCase):
         request = render(self.root, makeRequest("metrics"))
         self.assertEqual(request.responseCode, 200)
         self.assertIn(b"relay_turns_total", b"".join(request.written))
+
+
+class ClearLogTests(SynchronousTestCase):
+    """
+    C{POST /admin/accounts/{id}/clear} through a built relay.
+    """
+
+    def test_oneLine(self):
+        """
+        A clear is logged once, as C{relay.account_cleared} with its cause
+        (it was logged twice: by the account state and by the admin route).
+        """
+        from twisted.internet.testing import MemoryReactorClock, StringTransport
+        from twisted.logger import capturedLogs, formatEvent
+
+        from relay.app import buildApplication
+        from relay.config import settingsFromString
+
+        config = settingsFromString(
+            'listen: "tcp:0:interface=127.0.0.1"\ndatabase: ":memory:"\n'
+            "admin_key: admin-k\nkeys: [{name: team, key: sk-team}]\n"
+            "accounts: [{id: a1, type: apikey, api_key: sk-up, "
+            'base_url: "http://127.0.0.1:1/v1"}]\n'
+        )
+        site = buildApplication(config, MemoryReactorClock()).site
+        protocol = site.buildProtocol(None)
+        transport = StringTransport()
+        protocol.makeConnection(transport)
+        with capturedLogs() as logs:
+            protocol.dataReceived(
+                b"POST /admin/accounts/a1/clear HTTP/1.1\r\nHost: x\r\n"
+                b"Authorization: Bearer admin-k\r\nContent-Length: 0\r\n\r\n"
+            )
+        self.assertTrue(transport.value().startswith(b"HTTP/1.1 200 "), transport.value()[:200])
+        cleared = [e for e in logs if e.get("event") == "relay.account_cleared"]
+        self.assertEqual([formatEvent(e) for e in cleared], ["account a1 cleared (operator)"])
+        self.assertEqual(cleared[0]["cause"], "operator")

@@ -18,6 +18,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import Site
 
 from relay.entry import body as B
+from relay.requestid import requestIdOf
 
 DOC = json.dumps({"model": "gpt-5.5", "input": "hi " * 1000}).encode()
 MiB = 2**20
@@ -277,6 +278,52 @@ class RequestTests(SynchronousTestCase):
         self.assertIn(b"HTTP/1.1 415 ", value)
         error = json.loads(responseBody(value))["error"]
         self.assertEqual(error["code"], "unsupported_content_encoding")
+
+    def test_413_carries_the_request_id(self):
+        """
+        Issue 15: every 413 (a declared length, a chunked body, a gzip
+        bomb) answers with the request's id as C{X-Request-Id} and
+        C{error.request_id}: the client's well-formed C{X-Request-Id}, else
+        a new C{req_} id, chosen as for every other answer.
+        """
+        declared = (
+            b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000000\r\n%s\r\n"
+        )
+        chunked = (
+            b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n%s\r\n"
+            + b"1000\r\n" + b"a" * 4096 + b"\r\n"
+        )
+        bomb = gzip.compress(b"\0" * (4 * MiB))
+        compressed = (
+            b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\nContent-Length: "
+            + str(len(bomb)).encode() + b"\r\n%s\r\n" + bomb
+        )
+        for raw in (declared, chunked, compressed):
+            for header, expected in (
+                (b"X-Request-Id: my-id.1\r\n", "my-id.1"),
+                (b"X-Client-Request-Id: thread-9\r\n", "thread-9"),
+                (b"X-Request-Id: not ok\r\n", None),
+                (b"", None),
+            ):
+                channel, transport = self.channel(limit=1000)
+                channel.dataReceived(raw.replace(b"%s", header))
+                value = transport.value()
+                self.assertTrue(value.startswith(b"HTTP/1.1 413 "), value[:100])
+                head, _, body = value.partition(b"\r\n\r\n")
+                ids = [
+                    line.split(b":", 1)[1].strip().decode()
+                    for line in head.split(b"\r\n")[1:]
+                    if line.lower().startswith(b"x-request-id:")
+                ]
+                self.assertEqual(len(ids), 1, head)
+                if expected is None:
+                    self.assertTrue(ids[0].startswith("req_"), ids)
+                else:
+                    self.assertEqual(ids[0], expected)
+                error = json.loads(body)["error"]
+                self.assertEqual(error["request_id"], ids[0])
+                self.assertEqual(error["code"], "request_too_large")
+                self.assertEqual(requestIdOf(channel._channel.requests[-1]), ids[0])
 
     def test_without_half_close(self):
         """

@@ -125,6 +125,30 @@ class GoodFileTests(SynchronousTestCase):
         )
         self.assertEqual(str(e), "admin_key_env: environment variable RELAY_ADMIN_KEY is not set")
 
+    def test_readmeSetsTheExampleEnvironment(self):
+        """
+        The README's "Running relay for real" block sets every variable
+        C{etc/relay.example.yaml} needs before the command that runs it:
+        with exactly the C{export}s shown, the file loads.
+        """
+        readme = os.path.join(os.path.dirname(_ETC), "README.md")
+        with open(readme, encoding="utf-8") as f:
+            text = f.read()
+        command = "python3 -m twisted relay --config etc/relay.example.yaml"
+        blocks = [b for b in text.split("```sh\n")[1:] if command in b.split("```")[0]]
+        self.assertEqual(len(blocks), 1, "README: no single sh block runs the example config")
+        block = blocks[0].split("```")[0]
+        environ = {}
+        for line in block[: block.index(command)].splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line.startswith("export "):
+                for assignment in line[len("export "):].split():
+                    name, _, value = assignment.partition("=")
+                    environ[name] = value
+        config = loadConfig(os.path.join(_ETC, "relay.example.yaml"), environ=environ)
+        self.assertEqual(config.admin_key, environ["RELAY_ADMIN_KEY"])
+        self.assertEqual(set(environ), set(_EXAMPLE_ENV))
+
     def test_demoFile(self):
         """
         etc/demo.yaml describes the offline demo: one key, three accounts on

@@ -225,6 +225,40 @@ class ReportTests(SynchronousTestCase):
         self.assertEqual(report["failovers"]["total"], 0)
         self.assertIn("(no wait events)", formatReport(report))
 
+    def test_textLog(self):
+        """
+        A log with lines but no JSON record (relay's text format) prints no
+        tables, a one-line hint naming C{--log-format json} on standard
+        error, and exits 1; from standard input too.
+        """
+        text = (
+            b"2026-05-02T10:11:12.345Z [relay.turn_finished#info req=r1] turn r1 completed\n"
+            b"2026-05-02T10:11:13.000Z [relay.ws_closed#info req=-] closed 1000\n"
+        )
+        path = self.mktemp()
+        with open(path, "wb") as f:
+            f.write(text)
+        for argv, stdin in (([path], None), (["-"], io.BytesIO(text))):
+            out, err = io.StringIO(), io.StringIO()
+            self.assertEqual(main(argv, out=out, stdin=stdin, err=err), 1)
+            self.assertEqual(out.getvalue(), "")
+            lines = err.getvalue().splitlines()
+            self.assertEqual(len(lines), 1, lines)
+            self.assertIn("no JSON records", lines[0])
+            self.assertIn("--log-format json", lines[0])
+
+    def test_emptyFileIsNotAnError(self):
+        """
+        An empty file is an empty log: empty tables, exit 0, nothing on
+        standard error.
+        """
+        path = self.mktemp()
+        open(path, "wb").close()
+        out, err = io.StringIO(), io.StringIO()
+        self.assertEqual(main([path], out=out, err=err), 0)
+        self.assertIn("(no wait events)", out.getvalue())
+        self.assertEqual(err.getvalue(), "")
+
     def test_missingFile(self):
         """
         A missing file exits 2.

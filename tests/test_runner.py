@@ -13,7 +13,7 @@ from attrs import evolve
 from twisted.internet import error as terror
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import Clock
-from twisted.logger import capturedLogs
+from twisted.logger import capturedLogs, formatEvent
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import ResponseDone
@@ -290,9 +290,9 @@ class Rig:
     def script(self, accountId, *actions):
         self.dialer.scripts[accountId] = list(actions)
 
-    def run(self, stream=True, model="gpt-5.5"):
+    def run(self, stream=True, model="gpt-5.5", client=None):
         turn = Turn(entrypoint="http", endpoint="responses",
-                    client=ClientKey(name="t", key="k", concurrency=0), model=model,
+                    client=client or ClientKey(name="t", key="k", concurrency=0), model=model,
                     body={"model": model, "input": "hi", "stream": stream}, stream=stream,
                     requestId="req")
         sink = FakeSink()
@@ -339,6 +339,36 @@ class FakesTests(SynchronousTestCase):
         self.assertEqual(outcome, ["completed"])
         self.assertEqual(sink.events[-1], "response.completed")
         self.assertEqual(rig.dialer.ids(), ["a"])
+
+
+class UserSlotWaitTests(SynchronousTestCase):
+    """
+    R26, R32: the wait for a per-key slot.
+    """
+
+    def test_logLinesNameTheKey(self):
+        """
+        The wait's start and end lines name the client key by its name
+        (never C{None}, never the secret).
+        """
+        rig = Rig([account("a")])
+        key = ClientKey(name="team-a", key="sk-secret-1", concurrency=1)
+        held = []
+        rig.admission.tryAcquire("user", "team-a", 1).addCallback(held.append)
+        self.assertIsNotNone(held[0])
+        with capturedLogs() as logs:
+            turn, _, outcome = rig.run(client=key)
+            turn.cancel.cancel("client_gone")
+        self.assertEqual(outcome, ["client_gone"])
+        lines = [
+            formatEvent(e) for e in logs
+            if e.get("event") in ("openai.account_wait_started", "openai.account_wait_finished")
+        ]
+        self.assertEqual(lines, [
+            "waiting for a user slot on key team-a",
+            "wait for key team-a finished: client_gone after 0 ms",
+        ])
+        self.assertFalse(any("sk-secret" in formatEvent(e) for e in logs))
 
 
 class RetryIntervalTests(SynchronousTestCase):

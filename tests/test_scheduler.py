@@ -690,7 +690,9 @@ class ModelAndErrorTests(SchedulerMixin, SynchronousTestCase):
         self.assertEqual(len(lines), 1)
         for aid in "abc":
             self.assertIn(aid + ": ", lines[0]["accounts"])
-        self.assertIn("model_blocked until", lines[0]["accounts"])
+        # Times inside the text are ISO-8601 UTC, like every message's.
+        self.assertIn("a: model_blocked until 1970-01-12T13:47:25.000Z", lines[0]["accounts"])
+        self.assertIn("c: rate_limited until 1970-01-12T13:51:40.000Z", lines[0]["accounts"])
         ws = self.selectFails(turn(entrypoint="ws"))
         self.assertEqual(ws.wsClose, (1013, error.message))
 

@@ -58,6 +58,25 @@ def exchange(raw: bytes):
     return transport.value(), transport
 
 
+def appSite():
+    """
+    The site of a relay built from a minimal configuration (client key
+    C{sk-team}, one API-key account) on a L{MemoryReactorClock}.
+    """
+    from twisted.internet.testing import MemoryReactorClock
+
+    from relay.app import buildApplication
+    from relay.config import settingsFromString
+
+    config = settingsFromString(
+        'listen: "tcp:0:interface=127.0.0.1"\ndatabase: ":memory:"\n'
+        "keys: [{name: team, key: sk-team}]\n"
+        "accounts: [{id: a1, type: apikey, api_key: sk-up, "
+        'base_url: "http://127.0.0.1:1/v1"}]\n'
+    )
+    return buildApplication(config, MemoryReactorClock()).site
+
+
 def split(data: bytes):
     """
     @return: C{(status line, lower-cased head, body)} of one response.
@@ -90,6 +109,177 @@ class MalformedHTTPTests(SynchronousTestCase):
         """
         data, _ = exchange(b"POST /models HTTP/1.1\r\nHost: x\r\nContent-Length: 12abc\r\n\r\n")
         self.assertEqual(json.loads(split(data)[2])["error"]["type"], "invalid_request_error")
+
+
+class EarlyAnswerIdTests(SynchronousTestCase):
+    """
+    Issue 15: answers written below the resources -- the channel's 400 for
+    unparseable HTTP and autobahn's refusal of a malformed upgrade -- carry
+    the request id as C{X-Request-Id} (and the 400 as
+    C{error.request_id}), chosen as for every other answer.
+    """
+
+    def test_malformedRequestCarriesTheId(self):
+        """
+        A bad C{Content-Length} after a well-formed C{X-Request-Id}: the
+        client's id; a request line that does not parse: a new C{req_} id.
+        """
+        data, _ = exchange(
+            b"POST /models HTTP/1.1\r\nHost: x\r\nX-Request-Id: mine-1\r\n"
+            b"Content-Length: 12abc\r\n\r\n"
+        )
+        _, head, body = split(data)
+        self.assertIn(b"x-request-id: mine-1\r\n", head)
+        self.assertEqual(json.loads(body)["error"]["request_id"], "mine-1")
+        data, _ = exchange(b"POST /v1/responses HTTP/2.0\r\nHost: x\r\n\r\n")
+        _, head, body = split(data)
+        requestId = json.loads(body)["error"]["request_id"]
+        self.assertTrue(requestId.startswith("req_"), requestId)
+        self.assertIn(b"x-request-id: " + requestId.encode() + b"\r\n", head)
+
+    def test_refusedUpgradeCarriesTheId(self):
+        """
+        An upgrade autobahn refuses (no C{Sec-WebSocket-Key}, an unknown
+        version) answers with the client's id, or a new C{ws_} id.
+        """
+        from txaio.testutil import replace_loop
+
+        site = appSite()
+
+        class Transport(StringTransport):
+            protocol = None
+
+        def upgrade(headers: bytes) -> bytes:
+            transport = Transport()
+            with replace_loop(Clock()):
+                protocol = site.buildProtocol(None)
+                protocol.makeConnection(transport)
+                protocol.dataReceived(
+                    b"GET /v1/responses HTTP/1.1\r\nHost: x\r\n"
+                    b"Authorization: Bearer sk-team\r\nUpgrade: websocket\r\n"
+                    b"Connection: Upgrade\r\n" + headers + b"\r\n"
+                )
+            return transport.value()
+
+        data = upgrade(b"Sec-WebSocket-Version: 13\r\nX-Request-Id: thread-7\r\n")
+        status, head, _ = split(data)
+        self.assertTrue(status.startswith(b"HTTP/1.1 400 "), status)
+        self.assertIn(b"x-request-id: thread-7\r\n", head + b"\r\n")
+        data = upgrade(
+            b"Sec-WebSocket-Version: 99\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        )
+        status, head, _ = split(data)
+        self.assertTrue(status.startswith(b"HTTP/1.1 400 "), status)
+        self.assertRegex(head.decode(), r"\r\nx-request-id: ws_[0-9a-f]+(\r\n|$)")
+
+
+class _Refuses(Resource):
+    """
+    A leaf answering relay's 429 through L{relay.entry.sinks.writeError}.
+    """
+
+    isLeaf = True
+
+    def render_GET(self, request):
+        from twisted.web.server import NOT_DONE_YET
+
+        from relay.entry.sinks import writeError
+        from relay.model import ClientError
+
+        writeError(request, ClientError(429, "rate_limit_error", "busy"))
+        return NOT_DONE_YET
+
+
+class StatusLineTests(SynchronousTestCase):
+    """
+    The reason phrase of statuses twisted.web has none for.
+    """
+
+    def test_upgradeRequired(self):
+        """
+        C{GET /v1/responses} without an upgrade is C{426 Upgrade Required},
+        not twisted.web's C{426 Unknown Status}.
+        """
+        site = appSite()
+        protocol = site.buildProtocol(None)
+        transport = StringTransport()
+        protocol.makeConnection(transport)
+        protocol.dataReceived(b"GET /v1/responses HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual(split(transport.value())[0], b"HTTP/1.1 426 Upgrade Required")
+
+    def test_tooManyRequests(self):
+        """
+        relay's own 429 is C{429 Too Many Requests}.
+        """
+        from relay.app import _Request
+        from relay.entry.site import RelaySite
+
+        site = RelaySite(_Refuses(), requestFactory=_Request, reactor=Clock())
+        protocol = site.buildProtocol(None)
+        transport = StringTransport()
+        protocol.makeConnection(transport)
+        protocol.dataReceived(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual(split(transport.value())[0], b"HTTP/1.1 429 Too Many Requests")
+
+
+class FieldTypeTests(SynchronousTestCase):
+    """
+    A turn's fields of the wrong JSON type are answered 400 in OpenAI's
+    C{invalid_type} shape, naming the field; a missing model is still
+    "you must provide a model parameter".
+    """
+
+    def post(self, body: dict) -> dict:
+        """
+        POST C{body} to C{/v1/responses} on an L{appSite}.
+
+        @return: the answer's C{error} object.
+        """
+        raw = json.dumps(body).encode()
+        protocol = appSite().buildProtocol(None)
+        transport = StringTransport()
+        protocol.makeConnection(transport)
+        protocol.dataReceived(
+            b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-team\r\n"
+            b"Content-Type: application/json\r\nContent-Length: "
+            + str(len(raw)).encode() + b"\r\n\r\n" + raw
+        )
+        status, _, data = split(transport.value())
+        self.assertTrue(status.startswith(b"HTTP/1.1 400 "), status)
+        return json.loads(data[data.index(b"{"): data.rindex(b"}") + 1])["error"]
+
+    def test_wrongTypes(self):
+        """
+        C{{"model": 5}} says the model must be a string (not that it is
+        missing); C{stream} and C{previous_response_id} the same way.
+        """
+        cases = [
+            ({"model": 5}, "model", "expected a string, but got an integer"),
+            ({"model": ["gpt-5.5"]}, "model", "expected a string, but got an array"),
+            ({"model": "gpt-5.5", "stream": "yes"}, "stream",
+             "expected a boolean, but got a string"),
+            ({"model": "gpt-5.5", "previous_response_id": 7}, "previous_response_id",
+             "expected a string, but got an integer"),
+        ]
+        for body, param, expected in cases:
+            error = self.post(body)
+            self.assertEqual(
+                error["message"], f"Invalid type for '{param}': {expected} instead.", body
+            )
+            self.assertEqual(
+                (error["type"], error["param"], error["code"]),
+                ("invalid_request_error", param, "invalid_type"),
+            )
+
+    def test_missingModel(self):
+        """
+        No model (or an empty one) is OpenAI's "you must provide a model
+        parameter".
+        """
+        for body in ({}, {"model": ""}, {"model": None}):
+            error = self.post(body)
+            self.assertEqual(error["message"], "you must provide a model parameter")
+            self.assertEqual(error["param"], "model")
 
 
 class MethodTests(SynchronousTestCase):

@@ -729,7 +729,11 @@ class TurnRunner:
             plan=plan.plan,
             request_id=turn.requestId,
         )
-        self._log.info("waiting for a {plan} slot on {account_id}", event=prefix + "_started", **fields)
+        self._log.info(
+            "waiting for a {plan} slot on key {key_name}"
+            if plan.kind == "user" else "waiting for a {plan} slot on {account_id}",
+            event=prefix + "_started", **fields,
+        )
         start = self.clock.seconds()
         keepalive = self._keepalive(state)
         try:
@@ -755,9 +759,15 @@ class TurnRunner:
         return lease
 
     def _waitFinished(self, prefix, fields, outcome, start, position) -> None:
+        """
+        Log the end of a slot wait (R32) and count it: the text names the
+        account, or the client key (by name) for a per-key slot.
+        """
         waitMs = int((self.clock.seconds() - start) * 1000)
         self._log.info(
-            "wait for {account_id} finished: {outcome} after {wait_ms} ms",
+            "wait for key {key_name} finished: {outcome} after {wait_ms} ms"
+            if fields["key_name"] is not None
+            else "wait for {account_id} finished: {outcome} after {wait_ms} ms",
             event=prefix + "_finished",
             outcome=outcome,
             wait_ms=waitMs,

@@ -8,7 +8,9 @@ and 3).
     read, before any of the body is; a chunked (or compressed) body is
     counted while it arrives and answered 413 the moment it crosses the
     limit. Either way relay stops storing the body at once (nothing more is
-    spooled to a file), writes the 413 with C{Connection: close}, and
+    spooled to a file), writes the 413 with C{Connection: close} and the
+    request's id (C{X-Request-Id} and C{error.request_id}, adopted or made
+    by L{relay.requestid.requestIdOf} as for every answer), and
     half-closes: it keeps reading and discarding what the client is still
     sending for at most L{LINGER_SECONDS}, so that the client reads the 413
     instead of a reset, then drops the connection.
@@ -30,7 +32,6 @@ Transport adapter only; no policy (architecture.md invariant 1).
 from __future__ import annotations
 
 import io
-import json
 import tempfile
 import zlib
 from typing import Callable, Optional
@@ -39,7 +40,9 @@ import zstandard
 from twisted.logger import Logger
 from twisted.web.server import Request
 
+from relay.entry.sinks import errorBody, writeError
 from relay.model import ClientError
+from relay.requestid import requestIdOf
 
 DEFAULT_MAX_BODY_BYTES = 64 * 2**20
 """The default of C{gateway.max_request_body_bytes} (config.md)."""
@@ -405,35 +408,37 @@ class LimitedBodyRequest(Request):
         """
         if self._bodyError is None:
             return super().process()
-        from relay.entry.sinks import writeError
-
         self.site = self.channel.site
         self._log.info(
             "request body refused with {status}: {message}", event="http.request_body_refused",
             status=self._bodyError.status, message=self._bodyError.message,
+            request_id=requestIdOf(self),
         )
         writeError(self, self._bodyError)
 
     def _refuseNow(self, declared: Optional[int]) -> None:
         """
         413 at once: stop storing, write the answer with C{Connection:
-        close}, half-close, and drop the connection after
-        L{LINGER_SECONDS} at the latest.
+        close} and the request's id (L{requestIdOf}: the client's
+        C{X-Request-Id} when well-formed, else a new one; issue 15) as
+        C{X-Request-Id} and C{error.request_id}, half-close, and drop the
+        connection after L{LINGER_SECONDS} at the latest.
         """
         self._refused = True
         self._decoder = None
         self._dropContent()
         self.requestHeaders.removeHeader(b"expect")  # no "100 Continue" after the answer
-        error = tooLarge(self.bodyLimit)
+        requestId = requestIdOf(self)
         self._log.info(
             "request body over {limit} bytes refused (declared {declared}, received "
             "{received})", event="http.request_body_too_large", limit=self.bodyLimit,
-            declared=declared, received=self._received,
+            declared=declared, received=self._received, request_id=requestId,
         )
-        body = json.dumps(error.envelope()).encode("utf-8")
+        body = errorBody(tooLarge(self.bodyLimit), requestId)
         transport = self.channel.transport
         transport.write(
             b"HTTP/1.1 413 Payload Too Large\r\ncontent-type: application/json\r\n"
+            b"x-request-id: " + requestId.encode("ascii") + b"\r\n"
             b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n"
             + body
         )

@@ -20,7 +20,7 @@ from twisted.logger import Logger
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
-from relay.entry.body import DEFAULT_MAX_BODY_BYTES
+from relay.entry.body import DEFAULT_MAX_BODY_BYTES, tooLarge
 from relay.entry.sinks import JSONSink, SSESink, writeError
 from relay.model import ClientError, ClientKey, Turn
 from relay.requestid import newRequestId, requestIdOf  # noqa: F401 - newRequestId re-exported
@@ -181,6 +181,35 @@ def badRequest(message: str, param=None, code=None) -> ClientError:
     return ClientError(400, "invalid_request_error", message, param=param, code=code)
 
 
+_JSON_TYPES = (
+    (bool, "a boolean"),
+    (int, "an integer"),
+    (float, "a decimal"),
+    (str, "a string"),
+    (list, "an array"),
+    (dict, "an object"),
+)
+"""How OpenAI names a JSON value's type in its messages (C{bool} before
+C{int}: a boolean is an C{int} in Python)."""
+
+
+def invalidType(param: str, expected: str, value) -> ClientError:
+    """
+    OpenAI's 400 for a field of the wrong JSON type, e.g. C{Invalid type
+    for 'model': expected a string, but got an integer instead.}
+
+    @param param: the field's name (also the error's C{param}).
+    @param expected: the type it must have, as OpenAI words it (C{a string}).
+    @param value: the value the client sent.
+    @return: the L{ClientError}, code C{invalid_type}.
+    """
+    got = next((name for kind, name in _JSON_TYPES if isinstance(value, kind)), "null")
+    return badRequest(
+        f"Invalid type for '{param}': expected {expected}, but got {got} instead.",
+        param=param, code="invalid_type",
+    )
+
+
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 """A JSON C{\\uD800}-C{\\uDFFF} escape: the only way a parsed body can
 hold an unpaired surrogate (raw UTF-8 surrogates fail to decode)."""
@@ -258,7 +287,6 @@ class TurnResource(Resource):
         connection = (request.getHeader(b"connection") or b"").lower()
         if upgrade == b"websocket" and b"upgrade" in connection and self._ws is not None:
             return self._ws.render(request)
-        request.setResponseCode(426, b"Upgrade Required")
         writeError(
             request,
             ClientError(
@@ -275,10 +303,7 @@ class TurnResource(Resource):
         limit = getattr(request, "bodyLimit", MAX_BODY_BYTES)
         raw = request.content.read(limit + 1)
         if len(raw) > limit:
-            writeError(
-                request,
-                ClientError(413, "invalid_request_error", "Request payload is too large"),
-            )
+            writeError(request, tooLarge(limit))
             return NOT_DONE_YET
         try:
             body = loadJSON(raw)
@@ -289,12 +314,15 @@ class TurnResource(Resource):
             writeError(request, badRequest("The request body must be a JSON object."))
             return NOT_DONE_YET
         model = body.get("model")
-        if not isinstance(model, str) or not model:
+        if model is not None and not isinstance(model, str):
+            writeError(request, invalidType("model", "a string", model))
+            return NOT_DONE_YET
+        if not model:
             writeError(request, badRequest("you must provide a model parameter", param="model"))
             return NOT_DONE_YET
         streamFlag = body.get("stream", False)
         if streamFlag is not None and not isinstance(streamFlag, bool):
-            writeError(request, badRequest("stream must be a boolean", param="stream"))
+            writeError(request, invalidType("stream", "a boolean", streamFlag))
             return NOT_DONE_YET
         stream = streamFlag is True
         if self._endpoint == "chat":
@@ -306,7 +334,7 @@ class TurnResource(Resource):
         headers = clientHeaders(request)
         previous = body.get("previous_response_id") if self._endpoint == "responses" else None
         if previous is not None and not isinstance(previous, str):
-            writeError(request, badRequest("previous_response_id must be a string", param="previous_response_id"))
+            writeError(request, invalidType("previous_response_id", "a string", previous))
             return NOT_DONE_YET
         if previous == "":
             # Never forwarded upstream as an empty chain id (issue 14's fuzzing).

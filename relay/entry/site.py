@@ -22,40 +22,46 @@ fails loudly.
 
 from __future__ import annotations
 
-import json
-
 from twisted.web.http import HTTPChannel, _GenericHTTPChannelProtocol
 from twisted.web.resource import UnsupportedMethod
 from twisted.web.server import NOT_DONE_YET, Site
 
+from relay.entry.sinks import errorBody, writeError
 from relay.model import ClientError
+from relay.requestid import newRequestId, requestIdOf
 
-BAD_REQUEST_BODY = json.dumps({
-    "error": {
-        "message": "The HTTP request could not be parsed.",
-        "type": "invalid_request_error",
-        "param": None,
-        "code": "malformed_http_request",
-    }
-}).encode()
+BAD_REQUEST = ClientError(
+    400, "invalid_request_error", "The HTTP request could not be parsed.",
+    code="malformed_http_request",
+)
+"""The answer to HTTP twisted.web cannot parse."""
 
 
 class RelayHTTPChannel(HTTPChannel):
     """
     An L{HTTPChannel} whose answer to unparseable HTTP is OpenAI's error
-    envelope (still a 400 and still the end of the connection).
+    envelope (still a 400 and still the end of the connection), with the
+    request's id like every other answer (issue 15).
     """
 
     def _respondToBadRequestAndDisconnect(self) -> None:
         """
-        Write a JSON 400 with a length and C{Connection: close}, then drop
-        the connection (twisted.web's own writes only the status line).
+        Write a JSON 400 with a length, C{X-Request-Id} and C{Connection:
+        close}, then drop the connection (twisted.web's own writes only the
+        status line). The id is the one of the request being read
+        (L{requestIdOf}: the client's if the headers parsed so far carry a
+        well-formed one), or a new one when the request line itself is what
+        failed.
         """
+        request = self.requests[-1] if self.requests else None
+        requestId = requestIdOf(request) if request is not None else newRequestId()
+        body = errorBody(BAD_REQUEST, requestId)
         self.transport.write(
             b"HTTP/1.1 400 Bad Request\r\n"
             b"Content-Type: application/json\r\n"
-            b"Content-Length: " + str(len(BAD_REQUEST_BODY)).encode() + b"\r\n"
-            b"Connection: close\r\n\r\n" + BAD_REQUEST_BODY
+            b"X-Request-Id: " + requestId.encode("ascii") + b"\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n"
+            b"Connection: close\r\n\r\n" + body
         )
         self.loseConnection()
 
@@ -97,8 +103,6 @@ class JSONMethodErrors:
             allowed = list(e.allowedMethods or ())
             if request.method == b"HEAD" and b"GET" in allowed:
                 raise
-            from relay.entry.sinks import writeError
-
             if allowed:
                 request.setHeader(b"allow", b", ".join(allowed))
             method = request.method.decode("latin-1")

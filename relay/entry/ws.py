@@ -157,6 +157,20 @@ class ConnectionState:
             self.accountId = accountId
 
 
+def _connectionIds(headers) -> tuple[str, str]:
+    """
+    A new connection's ids (issue 15): its own C{ws_<random>} id, and its
+    request id -- the client's (Codex: its thread id), adopted by
+    L{adoptClientId} as for HTTP, else the connection id. Turn C{n} on the
+    connection is C{<request id>:<n>}.
+
+    @param headers: the upgrade request's headers by lower-case name.
+    @return: C{(connection id, request id)}.
+    """
+    connId = "ws_" + os.urandom(6).hex()
+    return connId, adoptClientId(headers.get) or connId
+
+
 class RelayWebSocketProtocol(WebSocketServerProtocol):
     """
     One client WebSocket. Strictly one turn at a time (protocol.md 4.6);
@@ -182,10 +196,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             self._timer = None
             self._closing = None
             self._gone = False
-            self._connId = "ws_" + os.urandom(6).hex()
-            # Issue 15: the connection's request id is the client's (Codex:
-            # its thread id) or the connection id; turn n is "<id>:<n>".
-            self._requestId = adoptClientId(headers.get) or self._connId
+            self._connId, self._requestId = _connectionIds(headers)
             self._openedAt = f.reactor.seconds()
             self._threadId = next((headers[h] for h in THREAD_HEADERS if headers.get(h)), None)
             self._ownerKey = None
@@ -193,6 +204,24 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             self._log.failure("accepting a client websocket failed")
             raise
         return (None, {"X-Request-Id": self._requestId})
+
+    def failHandshake(self, reason: str, code: int = 400, responseHeaders=None) -> None:
+        """
+        Refuse the opening handshake (autobahn's answer to a malformed
+        upgrade: no C{Sec-WebSocket-Key}, an unknown version, ...) with the
+        request id as C{X-Request-Id}, like every HTTP answer (issue 15):
+        the connection's once L{onConnect} chose it, else chosen the same
+        way (L{_connectionIds}) from the headers autobahn parsed.
+
+        @param reason: the status line's reason.
+        @param code: the HTTP status.
+        @param responseHeaders: C{(name, value)} pairs to send, or L{None}.
+        """
+        requestId = getattr(self, "_requestId", None)
+        if requestId is None:
+            _, requestId = _connectionIds(getattr(self, "http_headers", None) or {})
+        headers = [*(responseHeaders or ()), ("X-Request-Id", requestId)]
+        super().failHandshake(reason, code, headers)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -383,7 +412,12 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         if self._overAge():
             return
         model = frame.get("model")
-        if not isinstance(model, str) or not model:
+        if model is not None and not isinstance(model, str):
+            # As on HTTP (a 400 there), and as for stream and
+            # previous_response_id below: a wrong type is not a missing model.
+            self.reject("invalid JSON payload", "invalid_type", "model")
+            return
+        if not model:
             if self._model is None:
                 self.reject(
                     "model is required in first response.create payload",

@@ -23,7 +23,6 @@ from treq.client import HTTPClient
 from twisted.internet.defer import Deferred
 from twisted.web.client import (
     Agent,
-    HTTPConnectionPool,
     RequestTransmissionFailed,
     ResponseNeverReceived,
 )
@@ -33,6 +32,7 @@ from zope.interface import implementer
 
 from relay.interfaces import ITokenEndpoint
 from relay.oauth.tokens import PERMANENT_CODES
+from relay.upstream.http import QuietConnectionPool
 
 USER_AGENT = b"codex_cli_rs/0.171.0"
 """The C{User-Agent} of token requests (a Codex-shaped one, protocol.md 7.2)."""
@@ -179,7 +179,7 @@ class TokenEndpoint:
             self._reactor, account.proxy, current.upstream.connect_timeout_seconds,
             self._tlsPolicy,
         )
-        pool = HTTPConnectionPool(self._reactor, persistent=False)
+        pool = QuietConnectionPool(self._reactor, persistent=False)
         pool.retryAutomatically = False
         agent = Agent.usingEndpointFactory(self._reactor, _Watched(factory, connected), pool=pool)
         client = HTTPClient(agent)

@@ -8,7 +8,9 @@ Usage::
     relay-report LOGFILE [--json]
 
 C{LOGFILE} is relay's JSON log (C{--log-format json}: one flat JSON object
-per line, L{relay.logs.formatJSONLine}), or C{-} for standard input. Logs
+per line, L{relay.logs.formatJSONLine}), or C{-} for standard input. A
+file with lines but no JSON object (a text log) prints a one-line hint to
+standard error and exits 1. Logs
 written by C{twisted.logger.jsonFileLogObserver} (a C{\\x1e} record
 separator before each object) read the same way. Events are selected by
 their C{event} field (style.md section 6):
@@ -48,15 +50,19 @@ _WAIT_OUTCOMES = ("acquired", "queue_full", "timeout", "client_gone")
 _LAYERS = ("previous_response_id", "session_hash", "load_balance")
 
 
-def readEvents(inFile: IO) -> Iterable[dict]:
+def readEvents(inFile: IO, counts: Optional[Counter] = None) -> Iterable[dict]:
     """
     Read log events, in order, from a JSON log file: one object per line
     (a leading C{\\x1e} record separator is ignored).
 
     @param inFile: a file opened for reading (text or binary).
+    @param counts: if given, counts C{records} (non-blank records read)
+        and C{objects} (those that were a JSON object), so a caller can
+        tell a log that is not JSON from an empty one.
     @return: an iterable of event dicts (lines that are not a JSON object
         are skipped).
     """
+    counts = counts if counts is not None else Counter()
     for line in inFile:
         if isinstance(line, bytes):
             line = line.decode("utf-8", "replace")
@@ -64,11 +70,13 @@ def readEvents(inFile: IO) -> Iterable[dict]:
             record = record.strip()
             if not record:
                 continue
+            counts["records"] += 1
             try:
                 event = json.loads(record)
             except ValueError:
                 continue
             if isinstance(event, dict):
+                counts["objects"] += 1
                 yield event
 
 
@@ -397,7 +405,9 @@ def main(
     @param out: where to print (default standard output).
     @param stdin: what C{-} reads (default standard input).
     @param err: where errors go (default standard error).
-    @return: the exit status.
+    @return: the exit status: 0, 2 for a file that cannot be read, 1 for
+        one that holds lines but no JSON object (a text log: the hint on
+        standard error says how to get a JSON one).
     """
     parser = argparse.ArgumentParser(
         prog="relay-report", description="Seed-style outcome tables from relay's JSON logs."
@@ -406,16 +416,26 @@ def main(
     parser.add_argument("--json", action="store_true", help="print the tables as JSON")
     args = parser.parse_args(argv)
     out = out if out is not None else sys.stdout
+    err = err if err is not None else sys.stderr
+    counts: Counter = Counter()
     if args.logfile == "-":
         source = stdin if stdin is not None else sys.stdin.buffer
-        report = buildReport(readEvents(source))
+        report = buildReport(readEvents(source, counts))
     else:
         try:
             with open(args.logfile, "rb") as f:
-                report = buildReport(readEvents(f))
+                report = buildReport(readEvents(f, counts))
         except OSError as e:
-            print(f"relay-report: {e}", file=err if err is not None else sys.stderr)
+            print(f"relay-report: {e}", file=err)
             return 2
+    if counts["records"] and not counts["objects"]:
+        name = "standard input" if args.logfile == "-" else args.logfile
+        print(
+            f"relay-report: {name} has {counts['records']} lines but no JSON records;"
+            " it needs a log written with --log-format json (or log.format: json)",
+            file=err,
+        )
+        return 1
     if args.json:
         out.write(json.dumps(report, indent=2, sort_keys=True) + "\n")
     else:

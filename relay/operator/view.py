@@ -172,7 +172,7 @@ class OperatorView:
         )
 
         def _cbClear(view):
-            return self.health.clear(accountId).addCallback(lambda _: view)
+            return self.health.clear(accountId, "new_tokens").addCallback(lambda _: view)
 
         return d.addCallback(_cbClear)
 

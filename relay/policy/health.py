@@ -144,11 +144,16 @@ class AccountHealth:
         if current is None or current[0] < until:
             self._blocks[key] = (until, reason)
 
-    def clear(self, accountId: str) -> Deferred:
+    def clear(self, accountId: str, cause: str = "operator") -> Deferred:
         """
         Lift every block of an account: the store's states, the in-memory
-        blocks, the breaker and the OAuth-429 window (admin "clear", issue 7).
+        blocks, the breaker and the OAuth-429 window (admin "clear", issue 7),
+        logged once as C{relay.account_cleared}.
 
+        @param cause: why, in that line: C{operator} (C{POST
+            /admin/accounts/{id}/clear}), C{new_tokens} (C{PUT
+            /admin/accounts/{id}/tokens}) or C{reload} (a reload renewed the
+            account's credential, endpoint or proxy).
         @return: Deferred firing once the store is cleared.
         """
         for key in [k for k in self._blocks if k[0] == accountId]:
@@ -157,9 +162,10 @@ class AccountHealth:
             del self._breakers[key]
         self._oauth429.pop(accountId, None)
         self._log.info(
-            "account {account_id} cleared by an operator",
+            "account {account_id} cleared ({cause})",
             event="relay.account_cleared",
             account_id=accountId,
+            cause=cause,
         )
         return self._store.clearAccount(accountId)
 

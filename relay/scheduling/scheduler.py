@@ -35,6 +35,7 @@ from zope.interface import implementer
 
 from relay.eager import eagerDeferred
 from relay.interfaces import IAccountScheduler, ISlotAdmission, IStateStore
+from relay.logs import isoTime
 from relay.model import Account, ClientError, SchedulingSettings, Turn, WaitPlan
 from relay.scheduling.selection import DecisionRecord, NoAccountAvailable, Selection, noAccountError
 from relay.settings import RuntimeSettings
@@ -501,13 +502,14 @@ class AccountScheduler:
 
     def _describe(self, ctx: _Pass, account: Account) -> str:
         """
-        One account's state for the R83 log line: its block reason and end,
-        or why else it was not chosen.
+        One account's state for the R83 log line: its block reason and end
+        (ISO-8601 UTC, as the log renders times in every message), or why
+        else it was not chosen.
         """
         why = self._blockWhy(ctx, account)
         if why is not None:
             until = why[1]
-            return f"{why[0]} until {until:.0f}" if until else why[0]
+            return f"{why[0]} until {isoTime(until)}" if until else why[0]
         if self._quarantined(ctx, account):
             return "proxy_quarantined"
         return self._incompatible(ctx, account) or "busy or over load"

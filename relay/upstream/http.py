@@ -20,7 +20,7 @@ from hyperlink import EncodedURL
 from treq.client import HTTPClient
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import Protocol
-from twisted.web.client import Agent, HTTPConnectionPool
+from twisted.web.client import Agent, HTTPConnectionPool, _HTTP11ClientFactory
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface import implementer
@@ -52,6 +52,27 @@ FORWARDED_HEADERS = (
 
 DEFAULT_ORIGINATOR = "codex_cli_rs"
 """The C{originator} sent for OAuth accounts when the client is not Codex."""
+
+
+class _QuietClientFactory(_HTTP11ClientFactory):
+    """
+    twisted.web's per-connection client factory without its "Starting
+    factory" / "Stopping factory" info lines.
+    """
+
+    noisy = False
+
+
+class QuietConnectionPool(HTTPConnectionPool):
+    """
+    An L{HTTPConnectionPool} whose connections' factories are quiet: Twisted
+    logs every new connection's factory start and stop at info level, two
+    lines per upstream call through a proxy or to the token endpoint. Relies
+    on the pool's C{_factory} class attribute (Twisted 26;
+    C{tests.test_upstream_http} pins it).
+    """
+
+    _factory = _QuietClientFactory
 
 
 class HeaderTimeout(Exception):
@@ -285,7 +306,7 @@ class HTTPDialer:
         key = (proxy, timeouts.connect_timeout_seconds)
         client = self._clients.get(key)
         if client is None:
-            pool = HTTPConnectionPool(self._reactor, persistent=True)
+            pool = QuietConnectionPool(self._reactor, persistent=True)
             pool.retryAutomatically = False
             pool.maxPersistentPerHost = self._maxPersistentPerHost
             self._pools.append(pool)

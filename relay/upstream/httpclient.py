@@ -413,6 +413,14 @@ class Connection(Protocol):
 
 
 class _ConnectionFactory(Factory):
+    """
+    Builds the one L{Connection} of one dial. Quiet (C{noisy = False}):
+    Twisted would log "Starting factory" / "Stopping factory" at info
+    level for every upstream connection.
+    """
+
+    noisy = False
+
     def __init__(self, pool: ConnectionPool, key: tuple):
         self._pool = pool
         self._key = key

@@ -609,8 +609,11 @@ class _TunnelProtocol(Protocol):
 class _TunnelFactory(Factory):
     """
     Builds one L{_TunnelProtocol} for one proxy connection and forwards the
-    factory lifecycle to the wrapped factory.
+    factory lifecycle to the wrapped factory. Quiet, like every factory
+    relay dials with (no "Starting factory" line per connection).
     """
+
+    noisy = False
 
     def __init__(self, negotiation, wrappedFactory: IProtocolFactory, address):
         """

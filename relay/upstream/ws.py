@@ -207,21 +207,20 @@ def _acceptDeflate(response):
     return None
 
 
-async def dialUpstream(reactor, account, clientHeaders: dict, timeout: float, tlsPolicy=None):
+def upstreamFactory(reactor, url: str, headers: dict, timeout: float) -> WebSocketClientFactory:
     """
-    Open one upstream WebSocket for C{account}.
+    The autobahn factory of one upstream WebSocket dial, with explicit
+    options (style.md 9(b)). Quiet (C{noisy = False}): Twisted would log
+    "Starting factory" / "Stopping factory" at info level for every dial.
 
-    @param timeout: seconds for the dial (TCP, proxy, TLS) and again for
-        the opening handshake (R69: 10 s).
-    @return: the open L{UpstreamProtocol}.
-    @raise HandshakeRejected: the upgrade was answered with a status.
-    @raise Exception: a transport failure without a status (R6).
+    @param url: the C{ws://} or C{wss://} URL.
+    @param headers: the handshake headers.
+    @param timeout: seconds for the opening handshake.
     """
-    url = upstreamWebSocketURL(account.base_url)
-    headers = handshakeHeaders(account, clientHeaders)
     # useragent=None: only the forwarded (Codex-shaped) User-Agent goes out,
     # not autobahn's (protocol.md 7.2: a non-Codex UA draws CDN 403s).
     factory = WebSocketClientFactory(url, headers=headers, reactor=reactor, useragent=None)
+    factory.noisy = False
     factory.protocol = UpstreamProtocol
     factory.setProtocolOptions(
         openHandshakeTimeout=timeout,
@@ -234,6 +233,21 @@ async def dialUpstream(reactor, account, clientHeaders: dict, timeout: float, tl
         perMessageCompressionOffers=_offerDeflate(),
         perMessageCompressionAccept=_acceptDeflate,
     )
+    return factory
+
+
+async def dialUpstream(reactor, account, clientHeaders: dict, timeout: float, tlsPolicy=None):
+    """
+    Open one upstream WebSocket for C{account}.
+
+    @param timeout: seconds for the dial (TCP, proxy, TLS) and again for
+        the opening handshake (R69: 10 s).
+    @return: the open L{UpstreamProtocol}.
+    @raise HandshakeRejected: the upgrade was answered with a status.
+    @raise Exception: a transport failure without a status (R6).
+    """
+    url = upstreamWebSocketURL(account.base_url)
+    factory = upstreamFactory(reactor, url, handshakeHeaders(account, clientHeaders), timeout)
     endpoint = webSocketEndpoint(reactor, account.proxy, url, timeout, tlsPolicy)
     proto = await endpoint.connect(factory)
     try:

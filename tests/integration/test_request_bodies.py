@@ -171,7 +171,8 @@ async def test_declared_100mb_body_is_413_before_it_is_sent():
     """
     Item 3: a 100 MB C{Content-Length} is answered 413 (OpenAI envelope,
     C{Connection: close}) from the headers alone, and the connection is
-    closed; not one body byte was sent and nothing was stored.
+    closed; not one body byte was sent and nothing was stored. Like every
+    answer it carries the client's C{X-Request-Id} (issue 15).
     """
     stack = await startStack([{"id": "a1", "credential": "sk-emu-a1"}])
     files = []
@@ -179,13 +180,17 @@ async def test_declared_100mb_body_is_413_before_it_is_sent():
     bodymodule._contentFile = lambda length: files.append(original(length)) or files[-1]
     try:
         client = await rawConnect(stack)
-        client.transport.write(head("/v1/responses", "Content-Length: 104857600\r\n"))
+        client.transport.write(head(
+            "/v1/responses", "X-Request-Id: myid\r\nContent-Length: 104857600\r\n"
+        ))
         await client.closed.addTimeout(10, reactor)
         status, _, rest = client.received.partition(b"\r\n")
         assert status == b"HTTP/1.1 413 Payload Too Large"
         assert b"connection: close" in rest.lower()
+        assert b"x-request-id: myid\r\n" in rest.lower()
         envelope = json.loads(rest.partition(b"\r\n\r\n")[2])
         assert envelope["error"]["type"] == "invalid_request_error"
+        assert envelope["error"]["request_id"] == "myid"
         assert files == []
         assert stack.emulator.requestsFor("sk-emu-a1") == []
     finally:

@@ -621,6 +621,8 @@ PROTOCOL_CASES = [
      "invalid_value", "previous_response_id"),
     (json.dumps({"type": "response.create", "model": "gpt-5.5", "previous_response_id": 7}).encode(),
      1008, "invalid JSON payload", "invalid_type", "previous_response_id"),
+    (json.dumps({"type": "response.create", "model": 5}).encode(),
+     1008, "invalid JSON payload", "invalid_type", "model"),
     (json.dumps({"type": "response.append", "model": "gpt-5.5"}).encode(), 1008,
      "response.append is not supported in ws v2; use response.create with previous_response_id",
      "unsupported_request_type", "type"),
