@@ -345,6 +345,25 @@ def _oauthParts(config: RelayConfig, reactor, settings, accounts, trustRoot):
     return credentials, UsageWindows(clock=reactor)
 
 
+def _warnUnmigratedTokens(config) -> None:
+    """
+    With the Redis backend the SQLite C{database} is ignored; OAuth tokens
+    refreshed while it was the store stay there, and the configuration's
+    refresh tokens were rotated since (reusing one can revoke the login,
+    protocol.md 7.4). Say so once at start when such a file exists.
+    """
+    path = config.database
+    refreshable = [a.id for a in config.accounts if a.type == "oauth" and a.refresh_token]
+    if path and refreshable and os.path.exists(path):
+        Logger().warn(
+            "state.backend is redis: OAuth tokens refreshed into {path} are not carried over;"
+            " give {accounts} a fresh login if they were refreshed there (README, OAuth)",
+            event="relay.oauth_store_not_migrated",
+            path=path,
+            accounts=", ".join(refreshable),
+        )
+
+
 def _tokenStore(app: RelayApplication, redis):
     """
     Where the newest tokens are persisted: Redis with the Redis backend,
@@ -355,6 +374,7 @@ def _tokenStore(app: RelayApplication, redis):
     from relay.settingsdb import SQLiteSettingsStore
 
     if app.config.state.backend == "redis" and redis is not None:
+        _warnUnmigratedTokens(app.config)
         return RedisTokenStore(redis=redis)
     if isinstance(app.settings.store, SQLiteSettingsStore):
         return SQLiteTokenStore(settings=app.settings.store, clock=app.reactor)

@@ -616,3 +616,49 @@ class PluginTests(SynchronousTestCase):
         plugin = self.plugin("relay-emulator")
         self.assertTrue(verifyObject(IServiceMaker, plugin))
         self.assertIs(plugin.options, emulatorTap.Options)
+
+
+class UnmigratedTokensTests(SynchronousTestCase):
+    """
+    L{relay.app._warnUnmigratedTokens}: with the Redis backend, an existing
+    SQLite C{database} may hold the newest OAuth tokens; relay says so.
+    """
+
+    def warnings(self, database, accounts):
+        from types import SimpleNamespace
+
+        from twisted.logger import globalLogPublisher
+
+        from relay.app import _warnUnmigratedTokens
+
+        seen = []
+
+        def observe(event):
+            if event.get("event") == "relay.oauth_store_not_migrated":
+                seen.append(event)
+
+        globalLogPublisher.addObserver(observe)
+        try:
+            _warnUnmigratedTokens(SimpleNamespace(database=database, accounts=accounts))
+        finally:
+            globalLogPublisher.removeObserver(observe)
+        return seen
+
+    def test_warnsOnlyWhenTokensMayBeThere(self):
+        """
+        One warning naming the refreshable OAuth accounts when the file
+        exists; none without the file, without a database key, or without
+        refreshable OAuth accounts.
+        """
+        from types import SimpleNamespace
+
+        path = self.mktemp()
+        with open(path, "w"):
+            pass
+        oauth = SimpleNamespace(id="o1", type="oauth", refresh_token="rt")
+        apikey = SimpleNamespace(id="a1", type="apikey", refresh_token=None)
+        [event] = self.warnings(path, [oauth, apikey])
+        self.assertEqual(event["accounts"], "o1")
+        self.assertEqual(self.warnings(path + ".missing", [oauth]), [])
+        self.assertEqual(self.warnings(None, [oauth]), [])
+        self.assertEqual(self.warnings(path, [apikey]), [])
