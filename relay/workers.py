@@ -17,6 +17,12 @@ C{SIGTERM}, waits for all of them (up to L{STOP_GRACE_SECONDS}, then
 C{SIGKILL}), and exits. Workers inherit its standard output and error, so
 their log lines go where its own go. A worker whose supervisor dies gets
 C{SIGTERM} from the kernel (Linux C{PR_SET_PDEATHSIG}).
+
+C{SIGHUP} to the supervisor (L{WorkerSupervisor.reloadWorkers}, installed
+by L{relay.tap}) is forwarded to every running worker, and each reloads the
+configuration file (L{relay.operations.reload}); the supervisor itself
+stays up. A worker waiting to be restarted gets nothing: it starts with the
+file as it then is.
 """
 
 from __future__ import annotations
@@ -253,6 +259,27 @@ class WorkerSupervisor(Service):
             event="relay.worker_started", index=index, pid=process.pid,
         )
 
+    def reloadWorkers(self, source: str = "sighup") -> int:
+        """
+        Forward C{SIGHUP} to every running worker: each reloads the
+        configuration file. A worker waiting to be restarted is skipped
+        (it will read the file when it starts). Logs one line,
+        C{relay.workers_reload_forwarded}, with how many were signalled.
+
+        @param source: who asked (C{sighup}), for the log.
+        @return: how many workers were signalled.
+        """
+        signalled = 0
+        for _, process in list(self.workers.values()):
+            if _signal(process, "HUP"):
+                signalled += 1
+        self._log.info(
+            "{source}: asked {signalled} of {count} workers to reload the configuration",
+            event="relay.workers_reload_forwarded", source=source, signalled=signalled,
+            count=self.count,
+        )
+        return signalled
+
     def _ended(self, protocol: _WorkerProtocol, reason) -> None:
         index = protocol.index
         if self.workers.get(index, (None,))[0] is protocol:
@@ -316,16 +343,19 @@ class WorkerSupervisor(Service):
         return done.addCallback(stopped)
 
 
-def _signal(process, name: str) -> None:
+def _signal(process, name: str) -> bool:
     """
     Signal a process that may have exited already.
+
+    @return: whether the signal was sent.
     """
     from twisted.internet.error import ProcessExitedAlready
 
     try:
         process.signalProcess(name)
     except (ProcessExitedAlready, OSError):
-        pass
+        return False
+    return True
 
 
 def workerArgv(configPath: str, listen: str, logFormat: str | None) -> list:

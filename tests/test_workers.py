@@ -5,11 +5,13 @@ reactor and a L{Clock}; the C{workers} configuration key and flag.
 
 from __future__ import annotations
 
+import signal
 import socket
 
 from twisted.internet.error import ProcessDone, ProcessTerminated
 from twisted.internet.interfaces import IStreamServerEndpoint
 from twisted.internet.task import Clock
+from twisted.logger import capturedLogs
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
@@ -53,6 +55,12 @@ class FakeReactor(Clock):
     def __init__(self):
         super().__init__()
         self.spawned = []
+
+    def callFromThread(self, f, *args, **kw):
+        """
+        Run C{f} now (a signal handler's hand-off to the reactor thread).
+        """
+        f(*args, **kw)
 
     def spawnProcess(self, protocol, executable, args, env=None, childFDs=None, **kw):
         """
@@ -172,6 +180,61 @@ class SupervisorTests(SynchronousTestCase):
         self.successResultOf(d)
         self.reactor.advance(60)
         self.assertEqual(len(self.reactor.spawned), 2)
+
+
+    def test_hangupForwardedToRunningWorkers(self):
+        """
+        L{WorkerSupervisor.reloadWorkers} sends C{SIGHUP} to every running
+        worker and logs one line naming how many; a worker waiting to be
+        restarted is skipped and starts (with the file as it then is)
+        without one.
+        """
+        self.supervisor.startService()
+        _end(self.reactor.spawned[0], signal=9)
+        with capturedLogs() as logs:
+            self.assertEqual(self.supervisor.reloadWorkers("sighup"), 1)
+        self.assertEqual(self.reactor.spawned[1][5].signals, ["HUP"])
+        self.assertEqual(self.reactor.spawned[0][5].signals, [])
+        [line] = [e for e in logs if e.get("event") == "relay.workers_reload_forwarded"]
+        self.assertEqual((line["signalled"], line["count"], line["source"]), (1, 2, "sighup"))
+        self.reactor.advance(RESTART_DELAY_SECONDS)
+        self.assertEqual(self.reactor.spawned[2][5].signals, [])
+        self.assertTrue(self.supervisor.running)
+
+
+class SupervisorServiceTests(SynchronousTestCase):
+    """
+    The C{workers: N} service tree L{relay.tap.makeService} builds.
+    """
+
+    def test_hangupReloadsWorkersSupervisorStays(self):
+        """
+        The supervisor installs a C{SIGHUP} handler while it runs (without
+        one, the signal's default action kills it and the service goes
+        down) that forwards C{SIGHUP} to every worker.
+        """
+        from relay.tap import Options, makeService
+
+        path = self.mktemp()
+        with open(path, "w") as f:
+            f.write("workers: 2\nlisten: tcp:0:interface=127.0.0.1\nstate: {backend: redis}\n")
+        options = Options()
+        options.parseOptions(["--config", path])
+        reactor = FakeReactor()
+        service = makeService(options, reactor=reactor)
+        previous = signal.getsignal(signal.SIGHUP)
+        service.startService()
+        try:
+            handler = signal.getsignal(signal.SIGHUP)
+            self.assertNotIn(handler, (previous, signal.SIG_DFL))
+            handler(signal.SIGHUP, None)
+            self.assertEqual([e[5].signals for e in reactor.spawned], [["HUP"], ["HUP"]])
+        finally:
+            d = service.stopService()
+            for entry in reactor.spawned:
+                _end(entry)
+            self.successResultOf(d)
+        self.assertEqual(signal.getsignal(signal.SIGHUP), previous)
 
 
 class AddressTests(SynchronousTestCase):
