@@ -368,14 +368,22 @@ def makeService(options: Options, reactor=None):
     from relay.app import buildService
 
     worker = getattr(options, "worker", None)
+    edgeServices = [
+        lambda app: ReloadOnHangup(app.reloader.reload, reactor),
+        lambda app: CleanExitOnTerm(reactor),
+    ]
+    if worker is not None:
+        from relay.workers import SupervisorChannel, supervisorChannel
+
+        channel = supervisorChannel()
+        if channel is not None:
+            # After the SIGHUP handler: "ready" means a SIGHUP is safe.
+            edgeServices.append(lambda app: SupervisorChannel(fd=channel, reloader=app.reloader))
     try:
         service = buildService(
             options.config, reactor,
             configPath=options["config"], listenOverride=options["listen"],
-            edgeServices=[
-                lambda app: ReloadOnHangup(app.reloader.reload, reactor),
-                lambda app: CleanExitOnTerm(reactor),
-            ],
+            edgeServices=edgeServices,
             reusePort=worker is not None,
         )
     except ConfigError as e:

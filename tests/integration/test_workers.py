@@ -357,6 +357,71 @@ async def test_sighup_to_the_supervisor_reloads_every_worker(redisServer):  # no
         await emulator.stop()
 
 
+async def _adminReload(relay: RelayProcess) -> tuple:
+    """
+    C{POST /admin/reload} on a new connection (one worker answers).
+
+    @return: C{(status, JSON answer)}.
+    """
+    import treq
+
+    r = await treq.post(relay.url + "/admin/reload", b"",
+                        headers={"Authorization": [f"Bearer {ADMIN}"]}, persistent=False)
+    return r.code, json.loads(await r.content())
+
+
+@pytest_twisted.ensureDeferred
+async def test_admin_reload_reaches_every_worker(redisServer):  # noqa: F811
+    """
+    C{POST /admin/reload}, answered by one worker with its own result, has
+    the other worker reload the same file too (through the supervisor):
+    both then list the added account, and each reloaded once. A bad file
+    is refused by the worker asked and not forwarded.
+    """
+    emulator = Emulator(reactor=reactor, config={})
+    await emulator.listen(reactor)
+    tmp = tempfile.mkdtemp(prefix="relay-workers-")
+    relay = None
+    try:
+        relay = await _startWorkers(tmp, emulator, redisServer.url)
+        workers = _children(relay.process.pid)
+        a1, a2 = _account(emulator, "a1"), _account(emulator, "a2")
+        _writeWorkersConfig(relay, [a1, a2], redisServer.url)
+        code, answer = await _adminReload(relay)
+        assert code == 200 and answer["changes"]["accounts"]["added"] == ["a2"], answer
+
+        def reloaded():
+            return relay.tail(100000).count("relay.config_reloaded")
+
+        await _until(lambda: reloaded() >= 2, 15, "the other worker to reload")
+        after = await _inThread(_accountsByWorker, relay.port, workers)
+        assert all(s == {"a1", "a2"} for a in after.values() for s in a), after
+        assert reloaded() == 2, relay.tail()
+
+        # A bad file: refused where asked, not forwarded. The good reload
+        # after it is forwarded; the forwards arrive in order, so a
+        # forwarded bad one would have been refused by the other worker
+        # before it reloads the good one.
+        with open(relay.config, "a") as f:
+            f.write("gateway: {max_account_switches: lots}\n")
+        code, answer = await _adminReload(relay)
+        assert code == 400 and answer["applied"] is False, answer
+        _writeWorkersConfig(relay, [a1], redisServer.url)
+        code, answer = await _adminReload(relay)
+        assert code == 200 and answer["changes"]["accounts"]["removed"] == ["a2"], answer
+        await _until(lambda: reloaded() >= 4, 15, "both workers to reload again")
+        log = relay.tail(100000)
+        assert log.count("relay.config_reload_failed") == 1, log
+        assert log.count("relay.workers_reload_forwarded") == 2, log
+        after = await _inThread(_accountsByWorker, relay.port, workers)
+        assert all(s == {"a1"} for a in after.values() for s in a), after
+        assert sorted(_children(relay.process.pid)) == sorted(workers)
+    finally:
+        if relay is not None:
+            relay.stop()
+        await emulator.stop()
+
+
 def _runToExit(args: list, cwd: str) -> tuple:
     process = subprocess.run(
         [sys.executable, "-m", "twisted", "relay", *args], check=False, cwd=cwd,
