@@ -376,19 +376,22 @@ async def test_admin_reload_reaches_every_worker(redisServer):  # noqa: F811
     C{POST /admin/reload}, answered by one worker with its own result, has
     the other worker reload the same file too (through the supervisor):
     both then list the added account, and each reloaded once. A bad file
-    is refused by the worker asked and not forwarded.
+    is refused by the worker asked and not forwarded. Each worker's JSON
+    log lines carry its index as C{worker}; the supervisor's do not.
     """
     emulator = Emulator(reactor=reactor, config={})
     await emulator.listen(reactor)
     tmp = tempfile.mkdtemp(prefix="relay-workers-")
     relay = None
     try:
-        relay = await _startWorkers(tmp, emulator, redisServer.url)
+        jsonLog = "log: {format: json}\n"
+        relay = await _startWorkers(tmp, emulator, redisServer.url, extra=jsonLog)
         workers = _children(relay.process.pid)
         a1, a2 = _account(emulator, "a1"), _account(emulator, "a2")
-        _writeWorkersConfig(relay, [a1, a2], redisServer.url)
+        _writeWorkersConfig(relay, [a1, a2], redisServer.url, extra=jsonLog)
         code, answer = await _adminReload(relay)
         assert code == 200 and answer["changes"]["accounts"]["added"] == ["a2"], answer
+        assert answer["refused"] == [], answer
 
         def reloaded():
             return relay.tail(100000).count("relay.config_reloaded")
@@ -397,6 +400,17 @@ async def test_admin_reload_reaches_every_worker(redisServer):  # noqa: F811
         after = await _inThread(_accountsByWorker, relay.port, workers)
         assert all(s == {"a1", "a2"} for a in after.values() for s in a), after
         assert reloaded() == 2, relay.tail()
+        # Every worker line names its worker; the supervisor's lines do not.
+        records = [json.loads(line) for line in relay.tail(100000).splitlines()
+                   if line.startswith("{")]
+        byEvent = {}
+        for record in records:
+            byEvent.setdefault(record["event"], []).append(record)
+        assert sorted(r["worker"] for r in byEvent["relay.config_reloaded"]) == [0, 1], records
+        [forwarded] = byEvent["relay.workers_reload_forwarded"]
+        assert "worker" not in forwarded and forwarded["signalled"] == 1, forwarded
+        assert all("worker" not in r for r in byEvent["relay.worker_started"]), records
+        assert {r.get("worker") for r in records} == {None, 0, 1}
 
         # A bad file: refused where asked, not forwarded. The good reload
         # after it is forwarded; the forwards arrive in order, so a
@@ -406,7 +420,7 @@ async def test_admin_reload_reaches_every_worker(redisServer):  # noqa: F811
             f.write("gateway: {max_account_switches: lots}\n")
         code, answer = await _adminReload(relay)
         assert code == 400 and answer["applied"] is False, answer
-        _writeWorkersConfig(relay, [a1], redisServer.url)
+        _writeWorkersConfig(relay, [a1], redisServer.url, extra=jsonLog)
         code, answer = await _adminReload(relay)
         assert code == 200 and answer["changes"]["accounts"]["removed"] == ["a2"], answer
         await _until(lambda: reloaded() >= 4, 15, "both workers to reload again")
