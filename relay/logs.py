@@ -30,6 +30,13 @@ C{at}, C{*_until} or C{*_at} whose value is a Unix time (a number after
 2001) is rendered as e.g. C{2026-05-02T10:11:12.345Z}; the JSON field
 keeps the number.
 
+Under a C{workers: N} supervisor (L{relay.workers}) every line of a worker
+also names the worker's index: a C{worker} key right after C{request_id}
+in JSON (an own field called C{worker} is then written as
+C{event_worker}), C{worker=N} at the end of the text line's brackets. A
+process that no supervisor started (the supervisor itself included) writes
+neither.
+
 Every observer built here is wrapped in a L{SecretRedactor}, which replaces
 known secrets (registered from the configuration with L{registerSecrets})
 and anything that looks like an API key or a bearer token with C{***}
@@ -509,14 +516,18 @@ def _identity(text: str) -> str:
     return text
 
 
-def formatTextLine(event: dict, redact: Callable[[str], str] = _identity) -> str:
+def formatTextLine(
+    event: dict, redact: Callable[[str], str] = _identity, worker: int | None = None
+) -> str:
     """
     One text line (with a traceback after it, indented by a tab, for a
-    failure): C{<ISO time> [<event>#<level> req=<id>] <message>}.
+    failure): C{<ISO time> [<event>#<level> req=<id> worker=<n>] <message>}.
 
     @param event: a Twisted log event.
     @param redact: applied to the rendered message (objects rendered by
         their C{str} may hold what the field redaction could not see).
+    @param worker: the worker index (L{relay.workers.workerIndex}), or
+        L{None} (not supervised: no C{worker=}).
     @rtype: L{str}
     """
     requestId = _requestId(event)
@@ -529,6 +540,8 @@ def formatTextLine(event: dict, redact: Callable[[str], str] = _identity) -> str
     tag = _eventName(event) + "#" + _levelName(event)
     if requestId is not None:
         tag = tag + " req=" + requestId
+    if worker is not None:
+        tag = f"{tag} worker={worker}"
     return f"{isoTime(event.get('log_time'))} [{tag}] {text}\n"
 
 
@@ -597,6 +610,7 @@ def formatJSONLine(
     event: dict,
     redact: Callable[[str], str] = _identity,
     encoder: json.JSONEncoder | None = None,
+    worker: int | None = None,
 ) -> str:
     """
     One flat JSON object and a newline (see the module docstring).
@@ -606,6 +620,9 @@ def formatJSONLine(
         values JSON cannot hold.
     @param encoder: from L{_encoder} with the same C{redact}; L{None}
         builds one.
+    @param worker: the worker index (L{relay.workers.workerIndex}),
+        written as C{worker} after the fixed keys, or L{None} (not
+        supervised: no C{worker} key).
     @rtype: L{str}
     """
     record = {
@@ -615,6 +632,8 @@ def formatJSONLine(
         "message": _message(event, redact),
         "request_id": _requestId(event),
     }
+    if worker is not None:
+        record["worker"] = worker
     if "isError" in event and "system" in event:
         for key, value in event.items():
             if key not in _LEGACY_KEYS and _outputKey(key) is not None:
@@ -627,6 +646,9 @@ def formatJSONLine(
                 name = _outputKey(key)
             if name is not None:
                 record[name] = value
+    if worker is not None and "worker" in event:
+        record["event_worker"] = record["worker"]
+        record["worker"] = worker
     traceback = _failureText(event)
     if traceback is not None:
         failure = event["log_failure"]
@@ -644,7 +666,12 @@ def formatJSONLine(
         return json.dumps(fixed, separators=(",", ":")) + "\n"
 
 
-def observerFor(format: str, stream: IO[str], secrets: Any = None) -> ILogObserver:
+_FROM_ENVIRONMENT = object()
+
+
+def observerFor(
+    format: str, stream: IO[str], secrets: Any = None, worker: Any = _FROM_ENVIRONMENT
+) -> ILogObserver:
     """
     Build a redacting observer writing C{format} to C{stream}.
 
@@ -652,11 +679,18 @@ def observerFor(format: str, stream: IO[str], secrets: Any = None) -> ILogObserv
     @param stream: a text stream, e.g. C{sys.stdout}.
     @param secrets: an iterable or L{SecretSet}; L{None} means the
         process-wide set filled by L{registerSecrets}.
+    @param worker: the worker index every line names, or L{None} for
+        none; by default this process's (L{relay.workers.workerIndex},
+        read once, here).
     @raise ValueError: for an unknown format.
     @rtype: L{ILogObserver}
     """
     if format not in ("json", "text"):
         raise ValueError(f"unknown log format {format!r} (expected text or json)")
+    if worker is _FROM_ENVIRONMENT:
+        from relay.workers import workerIndex
+
+        worker = workerIndex()
     holder: list = []
 
     def redactText(text: str) -> str:
@@ -672,14 +706,14 @@ def observerFor(format: str, stream: IO[str], secrets: Any = None) -> ILogObserv
             """
             Format one (already field-redacted) event as JSON.
             """
-            return formatJSONLine(event, redactText, encoder)
+            return formatJSONLine(event, redactText, encoder, worker)
     else:
 
         def formatLine(event: dict) -> str:
             """
             Format one (already field-redacted) event as text.
             """
-            return formatTextLine(event, redactText)
+            return formatTextLine(event, redactText, worker)
 
         # Issue 16: a text line shows only the fields its format names.
         redactor = _TextRedactor(

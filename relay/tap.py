@@ -220,7 +220,8 @@ def _supervisor(options: Options, reactor):
     The service of a C{workers: N} supervisor (issue 16,
     L{relay.workers}): the listen address reserved now (a port in use is
     a one-line error naming C{listen}), N workers started with the
-    service.
+    service, C{SIGHUP} forwarded to them
+    (L{relay.workers.WorkerSupervisor.reloadWorkers}).
     """
     from twisted.application.service import MultiService
     from twisted.internet.error import CannotListenError
@@ -243,6 +244,10 @@ def _supervisor(options: Options, reactor):
         # waits that long (and a little more) before it kills one.
         grace=config.gateway.shutdown_grace_seconds + SUPERVISOR_GRACE_MARGIN_SECONDS,
     )
+    # SIGHUP (kill -HUP <supervisor pid>) reloads every worker; without a
+    # handler its default action would kill the supervisor and so the
+    # service. Installed before the workers start.
+    ReloadOnHangup(supervisor.reloadWorkers, reactor).setServiceParent(top)
     supervisor.setServiceParent(top)
     CleanExitOnTerm(reactor).setServiceParent(top)
     top.relaySupervisor = supervisor
@@ -269,7 +274,8 @@ class ReloadOnHangup(Service):
     schedules the reload on the reactor thread (C{callFromThread}, as
     Twisted's own signal handlers do); the reload runs there.
 
-    @ivar reload: C{reload(source)}, e.g. L{relay.operations.reload.ConfigReloader.reload}.
+    @ivar reload: C{reload(source)}, e.g. L{relay.operations.reload.ConfigReloader.reload},
+        or a supervisor's L{relay.workers.WorkerSupervisor.reloadWorkers}.
     """
 
     _log = Logger()
@@ -362,14 +368,22 @@ def makeService(options: Options, reactor=None):
     from relay.app import buildService
 
     worker = getattr(options, "worker", None)
+    edgeServices = [
+        lambda app: ReloadOnHangup(app.reloader.reload, reactor),
+        lambda app: CleanExitOnTerm(reactor),
+    ]
+    if worker is not None:
+        from relay.workers import SupervisorChannel, supervisorChannel
+
+        channel = supervisorChannel()
+        if channel is not None:
+            # After the SIGHUP handler: "ready" means a SIGHUP is safe.
+            edgeServices.append(lambda app: SupervisorChannel(fd=channel, reloader=app.reloader))
     try:
         service = buildService(
             options.config, reactor,
             configPath=options["config"], listenOverride=options["listen"],
-            edgeServices=[
-                lambda app: ReloadOnHangup(app.reloader.reload, reactor),
-                lambda app: CleanExitOnTerm(reactor),
-            ],
+            edgeServices=edgeServices,
             reusePort=worker is not None,
         )
     except ConfigError as e:

@@ -17,12 +17,31 @@ C{SIGTERM}, waits for all of them (up to L{STOP_GRACE_SECONDS}, then
 C{SIGKILL}), and exits. Workers inherit its standard output and error, so
 their log lines go where its own go. A worker whose supervisor dies gets
 C{SIGTERM} from the kernel (Linux C{PR_SET_PDEATHSIG}).
+
+C{SIGHUP} to the supervisor (L{WorkerSupervisor.reloadWorkers}, installed
+by L{relay.tap}) is forwarded to every running worker, and each reloads the
+configuration file (L{relay.operations.reload}); the supervisor itself
+stays up. A worker waiting to be restarted gets nothing: it starts with the
+file as it then is.
+
+Each worker also has a channel to its supervisor: a pipe on the worker's
+file descriptor L{CHANNEL_FD}, named in its environment by
+L{SUPERVISOR_FD_ENV} (L{SupervisorChannel} is the worker's end). A worker
+says C{ready} once its own C{SIGHUP} handler is installed -- until then
+the signal's default action would kill it, so a C{SIGHUP} meant for a
+worker still starting is held and sent when it is ready -- and
+C{reloaded} after a reload asked of it through C{POST /admin/reload}
+applied, so that the supervisor has the other workers reload the same
+file (a failed reload is not forwarded). Nothing is ever signalled to a
+worker's parent: a process started without the channel is not
+supervised.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import stat
 import sys
 
 from attrs import define, field
@@ -36,6 +55,22 @@ from zope.interface import implementer
 
 WORKER_ENV = "RELAY_WORKER"
 """Set (to the worker's index) in a worker's environment by the supervisor."""
+
+SUPERVISOR_FD_ENV = "RELAY_SUPERVISOR_FD"
+"""Set in a worker's environment by the supervisor: the file descriptor of
+the worker's end of its channel to the supervisor (L{CHANNEL_FD})."""
+
+CHANNEL_FD = 3
+"""The worker's file descriptor of the pipe its supervisor reads."""
+
+MESSAGE_READY = b"ready"
+"""A worker's message: its C{SIGHUP} handler is installed."""
+
+MESSAGE_RELOADED = b"reloaded"
+"""A worker's message: a C{POST /admin/reload} applied; reload the others."""
+
+_MAX_MESSAGE = 256
+"""Longer unterminated channel input is dropped (not our protocol)."""
 
 STOP_GRACE_SECONDS = 30.0
 """How long a stopping supervisor waits for its workers before SIGKILL."""
@@ -59,6 +94,87 @@ def workerIndex(environ=os.environ) -> int | None:
     if value is None or not value.isdigit():
         return None
     return int(value)
+
+
+def supervisorChannel(environ=os.environ) -> int | None:
+    """
+    This worker's end of its channel to the supervisor, when the
+    supervisor started it: L{WORKER_ENV} and L{SUPERVISOR_FD_ENV} are set
+    and the descriptor named is a pipe.
+
+    @return: the file descriptor, or L{None} (not supervised).
+    """
+    if workerIndex(environ) is None:
+        return None
+    value = environ.get(SUPERVISOR_FD_ENV)
+    if value is None or not value.isdigit():
+        return None
+    fd = int(value)
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return None
+    except OSError:
+        return None
+    return fd
+
+
+@define(eq=False)
+class SupervisorChannel(Service):
+    """
+    A worker's end of its channel to the supervisor (see the module
+    docstring): C{ready} when started (the edge services before it have
+    installed the C{SIGHUP} handler), C{reloaded} after every reload asked
+    through C{POST /admin/reload} that applied.
+
+    @ivar fd: the channel's file descriptor (L{supervisorChannel}).
+    @ivar reloader: the worker's L{relay.operations.reload.ConfigReloader}.
+    """
+
+    fd: int
+    reloader: object
+    running: int = field(default=0, init=False)
+    name: str | None = field(default=None, init=False)
+    parent: object = field(default=None, init=False)
+
+    _log = Logger()
+
+    def startService(self) -> None:
+        """
+        Follow the reloads; tell the supervisor this worker is ready.
+        """
+        Service.startService(self)
+        self.reloader.onApplied.append(self._applied)
+        self._send(MESSAGE_READY)
+
+    def stopService(self) -> None:
+        """
+        Stop following the reloads.
+        """
+        Service.stopService(self)
+        if self._applied in self.reloader.onApplied:
+            self.reloader.onApplied.remove(self._applied)
+
+    def _applied(self, result, config) -> None:
+        """
+        An C{onApplied} hook: a reload an operator asked of this worker
+        (C{admin}) is forwarded to the others; a C{SIGHUP} one is not
+        (the supervisor sent it, or the operator signalled this worker
+        alone).
+        """
+        if result.source == "admin":
+            self._send(MESSAGE_RELOADED)
+
+    def _send(self, message: bytes) -> None:
+        """
+        Write one message line; a supervisor that is gone is logged.
+        """
+        try:
+            os.write(self.fd, message + b"\n")
+        except OSError as e:
+            self._log.warn(
+                "cannot tell the supervisor {what}: {error}",
+                event="relay.worker_channel_failed", what=message.decode(), error=str(e),
+            )
 
 
 def tcpAddress(listen: str) -> tuple:
@@ -190,10 +306,31 @@ class _WorkerProtocol(ProcessProtocol):
     """
 
     def __init__(self, supervisor: WorkerSupervisor, index: int, startedAt: float):
+        """
+        @param supervisor: told of the worker's messages and end.
+        @param index: the worker's index.
+        @param startedAt: when it was spawned.
+        """
         self.supervisor = supervisor
         self.index = index
         self.startedAt = startedAt
         self.ended = Deferred()
+        self.ready = False
+        self.hangupHeld = False
+        self._pending = b""
+
+    def childDataReceived(self, childFD: int, data: bytes) -> None:
+        """
+        Lines from the worker's channel (L{CHANNEL_FD}) go to the
+        supervisor.
+        """
+        if childFD != CHANNEL_FD:
+            return
+        *lines, self._pending = (self._pending + data).split(b"\n")
+        if len(self._pending) > _MAX_MESSAGE:
+            self._pending = b""
+        for line in lines:
+            self.supervisor._message(self, line.strip())
 
     def processEnded(self, reason) -> None:
         self.supervisor._ended(self, reason)
@@ -244,14 +381,62 @@ class WorkerSupervisor(Service):
         protocol = _WorkerProtocol(self, index, self.reactor.seconds())
         env = dict(self.environ)
         env[WORKER_ENV] = str(index)
+        env[SUPERVISOR_FD_ENV] = str(CHANNEL_FD)
         process = self.reactor.spawnProcess(
-            protocol, self.argv[0], self.argv, env=env, childFDs={0: 0, 1: 1, 2: 2}
+            protocol, self.argv[0], self.argv, env=env,
+            childFDs={0: 0, 1: 1, 2: 2, CHANNEL_FD: "r"},
         )
         self.workers[index] = (protocol, process)
         self._log.info(
             "worker {index} started (pid {pid})",
             event="relay.worker_started", index=index, pid=process.pid,
         )
+
+    def reloadWorkers(self, source: str = "sighup", sender: _WorkerProtocol | None = None) -> int:
+        """
+        Forward C{SIGHUP} to every running worker (but C{sender}): each
+        reloads the configuration file. A worker still starting (not
+        C{ready}) gets it once ready; a worker waiting to be restarted is
+        skipped (it will read the file when it starts). Logs one line,
+        C{relay.workers_reload_forwarded}, with how many were signalled.
+
+        @param source: who asked (C{sighup}, C{admin}), for the log.
+        @param sender: the worker whose own reload is being forwarded.
+        @return: how many workers were signalled now.
+        """
+        signalled = held = 0
+        for protocol, process in list(self.workers.values()):
+            if protocol is sender:
+                continue
+            if not protocol.ready:
+                protocol.hangupHeld = True
+                held += 1
+            elif _signal(process, "HUP"):
+                signalled += 1
+        self._log.info(
+            "reload ({source}{by}): sent SIGHUP to {signalled} worker(s){later}",
+            event="relay.workers_reload_forwarded", source=source, signalled=signalled,
+            starting=held, count=self.count,
+            from_worker=None if sender is None else sender.index,
+            by="" if sender is None else f" on worker {sender.index}",
+            later=f", {held} more once started" if held else "",
+        )
+        return signalled
+
+    def _message(self, protocol: _WorkerProtocol, message: bytes) -> None:
+        """
+        A line from a worker's channel (see the module docstring).
+        """
+        current = self.workers.get(protocol.index, (None, None))
+        if current[0] is not protocol or not self.running:
+            return
+        if message == MESSAGE_READY:
+            protocol.ready = True
+            if protocol.hangupHeld:
+                protocol.hangupHeld = False
+                _signal(current[1], "HUP")
+        elif message == MESSAGE_RELOADED:
+            self.reloadWorkers("admin", sender=protocol)
 
     def _ended(self, protocol: _WorkerProtocol, reason) -> None:
         index = protocol.index
@@ -316,16 +501,19 @@ class WorkerSupervisor(Service):
         return done.addCallback(stopped)
 
 
-def _signal(process, name: str) -> None:
+def _signal(process, name: str) -> bool:
     """
     Signal a process that may have exited already.
+
+    @return: whether the signal was sent.
     """
     from twisted.internet.error import ProcessExitedAlready
 
     try:
         process.signalProcess(name)
     except (ProcessExitedAlready, OSError):
-        pass
+        return False
+    return True
 
 
 def workerArgv(configPath: str, listen: str, logFormat: str | None) -> list:

@@ -356,3 +356,66 @@ class LineFormatTests(SynchronousTestCase):
         self.assertEqual(report["events"], {"relay.turn_finished": 1})
         older = "\x1e" + self.json.getvalue()
         self.assertEqual(len(list(readEvents(io.BytesIO(older.encode())))), 1)
+
+
+class WorkerFieldTests(SynchronousTestCase):
+    """
+    Issue 16: the lines of a worker (C{workers: N}) name its index; those
+    of a process no supervisor started do not.
+    """
+
+    def lines(self, fmt: str, index, **fields) -> str:
+        """
+        One event written through L{observerFor} with the worker C{index}.
+        """
+        stream = io.StringIO()
+        observer = observerFor(fmt, stream, (), worker=index)
+        _emit(observer, "hello {who}", who="op", event="relay.hello", **fields)
+        return stream.getvalue()
+
+    def test_json(self):
+        """
+        A worker's JSON line has C{worker} (its index) right after the
+        fixed keys; an own C{worker} field is kept as C{event_worker}.
+        """
+        record = json.loads(self.lines("json", 1))
+        self.assertEqual(list(record)[:6], [*logs.JSON_FIXED_KEYS, "worker"])
+        self.assertEqual(record["worker"], 1)
+        record = json.loads(self.lines("json", 0, worker="w-own"))
+        self.assertEqual((record["worker"], record["event_worker"]), (0, "w-own"))
+
+    def test_text(self):
+        """
+        A worker's text line ends its brackets with C{worker=N}.
+        """
+        self.assertRegex(self.lines("text", 2), r"Z \[relay\.hello#info worker=2\] hello op$")
+
+    def test_absentUnlessSupervised(self):
+        """
+        Without a worker index neither format names one.
+        """
+        self.assertNotIn("worker", json.loads(self.lines("json", None)))
+        self.assertNotIn("worker", self.lines("text", None))
+
+    def test_fromEnvironment(self):
+        """
+        By default the index is this process's, from C{RELAY_WORKER} (set
+        by the supervisor), read when the observer is built.
+        """
+        from relay.workers import WORKER_ENV
+
+        self.addCleanup(os.environ.pop, WORKER_ENV, None)
+        os.environ.pop(WORKER_ENV, None)
+        plain = io.StringIO()
+        plainObserver = observerFor("json", plain, ())
+        os.environ[WORKER_ENV] = "3"
+        stream = io.StringIO()
+        observer = observerFor("json", stream, ())
+        text = io.StringIO()
+        textObserver = observerFor("text", text, ())
+        del os.environ[WORKER_ENV]
+        for each in (plainObserver, observer, textObserver):
+            _emit(each, "hello", event="relay.hello")
+        self.assertEqual(json.loads(stream.getvalue())["worker"], 3)
+        self.assertIn(" worker=3]", text.getvalue())
+        self.assertNotIn("worker", json.loads(plain.getvalue()))

@@ -5,11 +5,13 @@ reactor and a L{Clock}; the C{workers} configuration key and flag.
 
 from __future__ import annotations
 
+import signal
 import socket
 
 from twisted.internet.error import ProcessDone, ProcessTerminated
 from twisted.internet.interfaces import IStreamServerEndpoint
 from twisted.internet.task import Clock
+from twisted.logger import capturedLogs
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
@@ -17,12 +19,16 @@ from zope.interface.verify import verifyObject
 from relay.config import checkWorkers, settingsFromString
 from relay.model import ConfigError
 from relay.workers import (
+    CHANNEL_FD,
     HEALTHY_SECONDS,
     RESTART_DELAY_SECONDS,
+    SUPERVISOR_FD_ENV,
     WORKER_ENV,
     ReusePortEndpoint,
+    SupervisorChannel,
     WorkerSupervisor,
     reserveAddress,
+    supervisorChannel,
     tcpAddress,
     workerArgv,
     workerIndex,
@@ -54,6 +60,12 @@ class FakeReactor(Clock):
         super().__init__()
         self.spawned = []
 
+    def callFromThread(self, f, *args, **kw):
+        """
+        Run C{f} now (a signal handler's hand-off to the reactor thread).
+        """
+        f(*args, **kw)
+
     def spawnProcess(self, protocol, executable, args, env=None, childFDs=None, **kw):
         """
         Record the spawn; return a L{FakeProcess}.
@@ -74,6 +86,21 @@ def _end(entry, code=0, signal=None) -> None:
         protocol.processEnded(Failure(ProcessTerminated(code, signal)))
 
 
+def _say(entry, data: bytes) -> None:
+    """
+    Bytes from the spawned worker C{entry}'s channel to the supervisor.
+    """
+    entry[0].childDataReceived(CHANNEL_FD, data)
+
+
+def _ready(reactor) -> None:
+    """
+    Every worker spawned so far says it is ready.
+    """
+    for entry in reactor.spawned:
+        _say(entry, b"ready\n")
+
+
 class SupervisorTests(SynchronousTestCase):
     """
     L{WorkerSupervisor} starts, restarts and stops its workers.
@@ -89,14 +116,17 @@ class SupervisorTests(SynchronousTestCase):
     def test_startSpawnsEachWorker(self):
         """
         Starting runs C{count} workers, each with its index in
-        L{WORKER_ENV}, sharing the supervisor's stdout and stderr.
+        L{WORKER_ENV}, sharing the supervisor's stdout and stderr, with a
+        channel to the supervisor on L{CHANNEL_FD} named in
+        L{SUPERVISOR_FD_ENV}.
         """
         self.supervisor.startService()
         self.assertEqual(len(self.reactor.spawned), 2)
         envs = [entry[3] for entry in self.reactor.spawned]
         self.assertEqual([env[WORKER_ENV] for env in envs], ["0", "1"])
         self.assertEqual(envs[0]["PATH"], "/bin")
-        self.assertEqual(self.reactor.spawned[0][4], {0: 0, 1: 1, 2: 2})
+        self.assertEqual(envs[0][SUPERVISOR_FD_ENV], str(CHANNEL_FD))
+        self.assertEqual(self.reactor.spawned[0][4], {0: 0, 1: 1, 2: 2, CHANNEL_FD: "r"})
         self.assertEqual(self.reactor.spawned[0][1], "python")
 
     def test_crashedWorkerIsRestarted(self):
@@ -172,6 +202,215 @@ class SupervisorTests(SynchronousTestCase):
         self.successResultOf(d)
         self.reactor.advance(60)
         self.assertEqual(len(self.reactor.spawned), 2)
+
+
+    def test_hangupForwardedToRunningWorkers(self):
+        """
+        L{WorkerSupervisor.reloadWorkers} sends C{SIGHUP} to every running
+        worker and logs one line naming how many; a worker waiting to be
+        restarted is skipped and starts (with the file as it then is)
+        without one.
+        """
+        self.supervisor.startService()
+        _ready(self.reactor)
+        _end(self.reactor.spawned[0], signal=9)
+        with capturedLogs() as logs:
+            self.assertEqual(self.supervisor.reloadWorkers("sighup"), 1)
+        self.assertEqual(self.reactor.spawned[1][5].signals, ["HUP"])
+        self.assertEqual(self.reactor.spawned[0][5].signals, [])
+        [line] = [e for e in logs if e.get("event") == "relay.workers_reload_forwarded"]
+        self.assertEqual((line["signalled"], line["count"], line["source"]), (1, 2, "sighup"))
+        self.reactor.advance(RESTART_DELAY_SECONDS)
+        _ready(self.reactor)
+        self.assertEqual(self.reactor.spawned[2][5].signals, [])
+        self.assertTrue(self.supervisor.running)
+
+    def test_hangupHeldUntilWorkerReady(self):
+        """
+        A worker that has not said C{ready} (its C{SIGHUP} handler is not
+        installed yet: the signal would kill it) gets the C{SIGHUP} once
+        it is ready, and only once.
+        """
+        self.supervisor.startService()
+        _say(self.reactor.spawned[1], b"ready\n")
+        self.assertEqual(self.supervisor.reloadWorkers("sighup"), 1)
+        processes = [entry[5] for entry in self.reactor.spawned]
+        self.assertEqual([p.signals for p in processes], [[], ["HUP"]])
+        _say(self.reactor.spawned[0], b"rea")
+        self.assertEqual(processes[0].signals, [])
+        _say(self.reactor.spawned[0], b"dy\n")
+        self.assertEqual(processes[0].signals, ["HUP"])
+        _say(self.reactor.spawned[0], b"ready\n")
+        self.assertEqual([p.signals for p in processes], [["HUP"], ["HUP"]])
+
+    def test_adminReloadForwardedToTheOthers(self):
+        """
+        A worker's C{reloaded} (a C{POST /admin/reload} applied there) has
+        the supervisor send C{SIGHUP} to every other worker, not back to
+        the sender; one line names the sender and the count.
+        """
+        self.supervisor = WorkerSupervisor(
+            reactor=self.reactor, count=3, argv=["python"], environ={}, grace=5,
+        )
+        self.supervisor.startService()
+        _ready(self.reactor)
+        with capturedLogs() as logs:
+            _say(self.reactor.spawned[1], b"reloaded\n")
+        processes = [entry[5] for entry in self.reactor.spawned]
+        self.assertEqual([p.signals for p in processes], [["HUP"], [], ["HUP"]])
+        [line] = [e for e in logs if e.get("event") == "relay.workers_reload_forwarded"]
+        self.assertEqual((line["source"], line["from_worker"], line["signalled"]), ("admin", 1, 2))
+
+    def test_channelNoiseIgnored(self):
+        """
+        Other descriptors, unknown lines and the messages of a worker that
+        has been replaced change nothing.
+        """
+        self.supervisor.startService()
+        _ready(self.reactor)
+        old = self.reactor.spawned[0]
+        self.reactor.spawned[1][0].childDataReceived(1, b"reloaded\n")
+        _say(self.reactor.spawned[1], b"hello\n" + b"x" * 1000)
+        _end(old, code=1)
+        self.reactor.advance(RESTART_DELAY_SECONDS)
+        _say(old, b"reloaded\n")
+        self.assertEqual([e[5].signals for e in self.reactor.spawned], [[], [], []])
+
+
+class SupervisorServiceTests(SynchronousTestCase):
+    """
+    The C{workers: N} service tree L{relay.tap.makeService} builds.
+    """
+
+    def test_hangupReloadsWorkersSupervisorStays(self):
+        """
+        The supervisor installs a C{SIGHUP} handler while it runs (without
+        one, the signal's default action kills it and the service goes
+        down) that forwards C{SIGHUP} to every worker.
+        """
+        from relay.tap import Options, makeService
+
+        path = self.mktemp()
+        with open(path, "w") as f:
+            f.write("workers: 2\nlisten: tcp:0:interface=127.0.0.1\nstate: {backend: redis}\n")
+        options = Options()
+        options.parseOptions(["--config", path])
+        reactor = FakeReactor()
+        service = makeService(options, reactor=reactor)
+        previous = signal.getsignal(signal.SIGHUP)
+        service.startService()
+        try:
+            _ready(reactor)
+            handler = signal.getsignal(signal.SIGHUP)
+            self.assertNotIn(handler, (previous, signal.SIG_DFL))
+            handler(signal.SIGHUP, None)
+            self.assertEqual([e[5].signals for e in reactor.spawned], [["HUP"], ["HUP"]])
+        finally:
+            d = service.stopService()
+            for entry in reactor.spawned:
+                _end(entry)
+            self.successResultOf(d)
+        self.assertEqual(signal.getsignal(signal.SIGHUP), previous)
+
+
+class _Reloads:
+    """
+    A L{relay.operations.reload.ConfigReloader} over a configuration held
+    in memory: L{good} switches between a valid and a broken file.
+    """
+
+    def __init__(self):
+        from relay.operations.live import LiveConfiguration
+        from relay.operations.reload import ConfigReloader
+        from relay.settings import RuntimeSettings
+
+        config = settingsFromString("{}\n")
+        self.good = True
+
+        def load(path, environ):
+            if not self.good:
+                raise ConfigError("gateway: broken")
+            return config
+
+        self.reloader = ConfigReloader(
+            path="relay.yaml", live=LiveConfiguration.fromConfig(config),
+            settings=RuntimeSettings(current=config.gateway), load=load, checks=lambda c: [],
+        )
+
+
+class ChannelTests(SynchronousTestCase):
+    """
+    The worker's end of its channel to the supervisor.
+    """
+
+    def pipe(self) -> tuple:
+        """
+        @return: a pipe's C{(read, write)} descriptors, closed on cleanup.
+        """
+        import os
+
+        read, write = os.pipe()
+        self.addCleanup(os.close, read)
+        self.addCleanup(os.close, write)
+        return read, write
+
+    def test_onlyWhenSupervised(self):
+        """
+        The channel is the pipe named by L{SUPERVISOR_FD_ENV} in a worker
+        (L{WORKER_ENV} set); a process without both, or whose descriptor is
+        not a pipe, is not supervised.
+        """
+        _, write = self.pipe()
+        self.assertEqual(supervisorChannel({WORKER_ENV: "0", SUPERVISOR_FD_ENV: str(write)}), write)
+        self.assertIsNone(supervisorChannel({SUPERVISOR_FD_ENV: str(write)}))
+        self.assertIsNone(supervisorChannel({WORKER_ENV: "0"}))
+        self.assertIsNone(supervisorChannel({WORKER_ENV: "0", SUPERVISOR_FD_ENV: "x"}))
+        with open(self.mktemp(), "w") as f:
+            regular = {WORKER_ENV: "0", SUPERVISOR_FD_ENV: str(f.fileno())}
+            self.assertIsNone(supervisorChannel(regular))
+        self.assertIsNone(supervisorChannel({WORKER_ENV: "0", SUPERVISOR_FD_ENV: "987"}))
+
+    def test_readyThenAdminReloadsOnly(self):
+        """
+        The started channel says C{ready}; a C{POST /admin/reload} that
+        applied says C{reloaded}; a C{SIGHUP} reload (the supervisor's own
+        forward) and a failed reload (a bad file) say nothing.
+        """
+        import os
+
+        read, write = self.pipe()
+        os.set_blocking(read, False)
+        reloads = _Reloads()
+        channel = SupervisorChannel(fd=write, reloader=reloads.reloader)
+        channel.startService()
+        self.assertEqual(os.read(read, 100), b"ready\n")
+        self.assertTrue(reloads.reloader.reload("sighup").applied)
+        reloads.good = False
+        self.assertFalse(reloads.reloader.reload("admin").applied)
+        self.assertRaises(BlockingIOError, os.read, read, 100)
+        reloads.good = True
+        self.assertTrue(reloads.reloader.reload("admin").applied)
+        self.assertEqual(os.read(read, 100), b"reloaded\n")
+        channel.stopService()
+        self.assertEqual(reloads.reloader.onApplied, [])
+
+    def test_supervisorGoneIsLogged(self):
+        """
+        A channel whose supervisor is gone logs the failed write; the
+        worker goes on.
+        """
+        import os
+
+        read, write = os.pipe()
+        os.close(read)
+        self.addCleanup(os.close, write)
+        channel = SupervisorChannel(fd=write, reloader=_Reloads().reloader)
+        with capturedLogs() as logs:
+            channel.startService()
+        self.assertEqual(
+            [e["what"] for e in logs if e.get("event") == "relay.worker_channel_failed"],
+            ["ready"],
+        )
 
 
 class AddressTests(SynchronousTestCase):

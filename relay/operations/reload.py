@@ -125,6 +125,7 @@ class ReloadResult:
     @ivar keys: client key names added, removed and changed.
     @ivar gateway: dotted C{gateway:} names whose value in force changed.
     @ivar adminKeyChanged: whether C{admin_key} changed (never its value).
+    @ivar source: who asked (C{sighup}, C{admin}); not in the answer.
     """
 
     applied: bool
@@ -134,6 +135,7 @@ class ReloadResult:
     keys: dict = field(factory=lambda: {"added": [], "removed": [], "changed": []})
     gateway: tuple = ()
     adminKeyChanged: bool = False
+    source: str | None = None
 
     def asDict(self) -> dict:
         """
@@ -253,7 +255,7 @@ class ConfigReloader:
                     source=source,
                     path=self.path,
                 )
-        return ReloadResult(applied=False, problems=tuple(problems))
+        return ReloadResult(applied=False, problems=tuple(problems), source=source)
 
     def _apply(self, config: RelayConfig, source: str) -> ReloadResult:
         """
@@ -278,6 +280,7 @@ class ConfigReloader:
             keys=keys,
             gateway=tuple(sorted(gateway)),
             adminKeyChanged=adminKeyChanged,
+            source=source,
         )
         for key in refused:
             self._log.warn(

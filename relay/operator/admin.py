@@ -491,7 +491,10 @@ class _HistoryResource(_Guarded):
 class _ReloadResource(_Guarded):
     """
     C{POST /admin/reload} (issue 14): re-read the configuration file and
-    apply it (L{relay.operations.reload.ConfigReloader}).
+    apply it (L{relay.operations.reload.ConfigReloader}). In a worker
+    (C{workers: N}) an applied reload is then forwarded to the other
+    workers (L{relay.workers.SupervisorChannel}); the answer is this
+    process's own result.
     """
 
     def __init__(self, adminKey, reload: Callable[[str], Any]):

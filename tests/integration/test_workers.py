@@ -23,7 +23,7 @@ from twisted.internet.task import deferLater
 
 from relay.emulator import Emulator
 from tests.integration.redis_server import redisServer  # noqa: F401 (fixture)
-from tests.integration.relayproc import KEY, RelayProcess, writeConfig
+from tests.integration.relayproc import ADMIN, KEY, RelayProcess, writeConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -88,13 +88,29 @@ async def _until(predicate, timeout: float, what: str) -> None:
         await deferLater(reactor, 0.05, lambda: None)
 
 
-async def _startWorkers(tmp: str, emulator, redisURL: str, workers: int = 2) -> RelayProcess:
+def _account(emulator, accountId: str) -> dict:
+    """
+    An API-key account on the emulator.
+    """
+    return {"id": accountId, "type": "apikey", "base_url": emulator.baseURL("apikey"),
+            "api_key": f"sk-workers-{accountId}", "concurrency": 0}
+
+
+def _writeWorkersConfig(relay: RelayProcess, accounts: list, redisURL: str, workers: int = 2,
+                        extra: str = "") -> None:
+    """
+    (Re)write C{relay}'s configuration: C{workers} workers on Redis state.
+    """
+    writeConfig(relay.config, relay.port, accounts,
+                extra=f"workers: {workers}\nstate: {{backend: redis, redis_url: '{redisURL}'}}\n"
+                + extra)
+
+
+async def _startWorkers(tmp: str, emulator, redisURL: str, workers: int = 2,
+                        extra: str = "") -> RelayProcess:
     path = os.path.join(tmp, "relay.yaml")
     relay = RelayProcess(config=path, log=os.path.join(tmp, "relay.log"))
-    accounts = [{"id": "a1", "type": "apikey", "base_url": emulator.baseURL("apikey"),
-                 "api_key": "sk-workers-a1", "concurrency": 0}]
-    writeConfig(path, relay.port, accounts,
-                extra=f"workers: {workers}\nstate: {{backend: redis, redis_url: '{redisURL}'}}\n")
+    _writeWorkersConfig(relay, [_account(emulator, "a1")], redisURL, workers, extra)
     relay.start()
     await relay.waitHealthy()
     await _until(lambda: len(_children(relay.process.pid)) == workers, 20, "the workers")
@@ -125,6 +141,78 @@ def _listening(pid: int, port: int) -> bool:
             if fields[3] == "0A" and int(fields[1].split(":")[1], 16) == port and fields[9] in inodes:
                 return True
     return False
+
+
+def _servedBy(client: socket.socket, workers: list, port: int) -> int | None:
+    """
+    The worker (of C{workers}) that accepted C{client}'s connection to
+    C{port}, found by the connection's addresses in C{/proc/net/tcp}, or
+    L{None} while none has accepted it yet.
+    """
+    clientPort = client.getsockname()[1]
+    ours = set()
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            local, remote, inode = fields[1], fields[2], fields[9]
+            if (int(local.split(":")[1], 16) == port
+                    and int(remote.split(":")[1], 16) == clientPort):
+                ours.add(inode)
+    for pid in workers:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in ours:
+                return pid
+    return None
+
+
+def _accountsByWorker(port: int, workers: list, attempts: int = 60) -> dict:
+    """
+    C{GET /admin/accounts} on new connections until every one of
+    C{workers} has answered at least twice (blocking; run in a thread).
+
+    @return: worker pid -> the list of account-id sets it answered.
+    """
+    import time
+
+    answers = {pid: [] for pid in workers}
+    for _ in range(attempts):
+        if all(len(a) >= 2 for a in answers.values()):
+            break
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            deadline = time.monotonic() + 5
+            pid = _servedBy(s, workers, port)
+            while pid is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+                pid = _servedBy(s, workers, port)
+            assert pid is not None, "no worker accepted the connection"
+            s.sendall(b"GET /admin/accounts HTTP/1.0\r\nHost: x\r\nAuthorization: Bearer "
+                      + ADMIN.encode() + b"\r\nConnection: close\r\n\r\n")
+            data = b""
+            while True:
+                part = s.recv(65536)
+                if not part:
+                    break
+                data += part
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.split(b" ", 2)[1] == b"200", data
+        answers[pid].append({a["id"] for a in json.loads(body)["accounts"]})
+    assert all(len(a) >= 2 for a in answers.values()), answers
+    return answers
+
+
+async def _inThread(f, *args):
+    from twisted.internet.threads import deferToThread
+
+    return await deferToThread(f, *args)
 
 
 def _post(port: int) -> tuple:
@@ -226,6 +314,122 @@ async def test_sigterm_stops_every_worker_then_the_supervisor(redisServer):  # n
         log = relay.tail(20000)
         assert log.count("relay.worker_stopped") == 2, log
         assert "signal 9" not in log and "relay.worker_exited" not in log, log
+    finally:
+        if relay is not None:
+            relay.stop()
+        await emulator.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_sighup_to_the_supervisor_reloads_every_worker(redisServer):  # noqa: F811
+    """
+    C{kill -HUP <supervisor>} after an account was added to the file: the
+    supervisor stays up (no handler made SIGHUP's default action kill it,
+    and the workers with it), forwards the signal, and both workers (told
+    apart by which pid accepted each connection) then list the new
+    account; no worker was restarted.
+    """
+    emulator = Emulator(reactor=reactor, config={})
+    await emulator.listen(reactor)
+    tmp = tempfile.mkdtemp(prefix="relay-workers-")
+    relay = None
+    try:
+        relay = await _startWorkers(tmp, emulator, redisServer.url)
+        workers = _children(relay.process.pid)
+        before = await _inThread(_accountsByWorker, relay.port, workers)
+        assert all(s == {"a1"} for a in before.values() for s in a), before
+
+        _writeWorkersConfig(relay, [_account(emulator, "a1"), _account(emulator, "a2")],
+                            redisServer.url)
+        relay.process.send_signal(signal.SIGHUP)
+        await _until(lambda: relay.tail(50000).count("relay.config_reloaded") == 2
+                     or relay.process.poll() is not None, 15, "both workers to reload")
+        assert relay.process.poll() is None, relay.tail()
+        after = await _inThread(_accountsByWorker, relay.port, workers)
+        assert all(s == {"a1", "a2"} for a in after.values() for s in a), after
+        assert sorted(_children(relay.process.pid)) == sorted(workers)
+        log = relay.tail(50000)
+        assert "relay.workers_reload_forwarded" in log, log
+        assert "relay.worker_exited" not in log, log
+    finally:
+        if relay is not None:
+            relay.stop()
+        await emulator.stop()
+
+
+async def _adminReload(relay: RelayProcess) -> tuple:
+    """
+    C{POST /admin/reload} on a new connection (one worker answers).
+
+    @return: C{(status, JSON answer)}.
+    """
+    import treq
+
+    r = await treq.post(relay.url + "/admin/reload", b"",
+                        headers={"Authorization": [f"Bearer {ADMIN}"]}, persistent=False)
+    return r.code, json.loads(await r.content())
+
+
+@pytest_twisted.ensureDeferred
+async def test_admin_reload_reaches_every_worker(redisServer):  # noqa: F811
+    """
+    C{POST /admin/reload}, answered by one worker with its own result, has
+    the other worker reload the same file too (through the supervisor):
+    both then list the added account, and each reloaded once. A bad file
+    is refused by the worker asked and not forwarded. Each worker's JSON
+    log lines carry its index as C{worker}; the supervisor's do not.
+    """
+    emulator = Emulator(reactor=reactor, config={})
+    await emulator.listen(reactor)
+    tmp = tempfile.mkdtemp(prefix="relay-workers-")
+    relay = None
+    try:
+        jsonLog = "log: {format: json}\n"
+        relay = await _startWorkers(tmp, emulator, redisServer.url, extra=jsonLog)
+        workers = _children(relay.process.pid)
+        a1, a2 = _account(emulator, "a1"), _account(emulator, "a2")
+        _writeWorkersConfig(relay, [a1, a2], redisServer.url, extra=jsonLog)
+        code, answer = await _adminReload(relay)
+        assert code == 200 and answer["changes"]["accounts"]["added"] == ["a2"], answer
+        assert answer["refused"] == [], answer
+
+        def reloaded():
+            return relay.tail(100000).count("relay.config_reloaded")
+
+        await _until(lambda: reloaded() >= 2, 15, "the other worker to reload")
+        after = await _inThread(_accountsByWorker, relay.port, workers)
+        assert all(s == {"a1", "a2"} for a in after.values() for s in a), after
+        assert reloaded() == 2, relay.tail()
+        # Every worker line names its worker; the supervisor's lines do not.
+        records = [json.loads(line) for line in relay.tail(100000).splitlines()
+                   if line.startswith("{")]
+        byEvent = {}
+        for record in records:
+            byEvent.setdefault(record["event"], []).append(record)
+        assert sorted(r["worker"] for r in byEvent["relay.config_reloaded"]) == [0, 1], records
+        [forwarded] = byEvent["relay.workers_reload_forwarded"]
+        assert "worker" not in forwarded and forwarded["signalled"] == 1, forwarded
+        assert all("worker" not in r for r in byEvent["relay.worker_started"]), records
+        assert {r.get("worker") for r in records} == {None, 0, 1}
+
+        # A bad file: refused where asked, not forwarded. The good reload
+        # after it is forwarded; the forwards arrive in order, so a
+        # forwarded bad one would have been refused by the other worker
+        # before it reloads the good one.
+        with open(relay.config, "a") as f:
+            f.write("gateway: {max_account_switches: lots}\n")
+        code, answer = await _adminReload(relay)
+        assert code == 400 and answer["applied"] is False, answer
+        _writeWorkersConfig(relay, [a1], redisServer.url, extra=jsonLog)
+        code, answer = await _adminReload(relay)
+        assert code == 200 and answer["changes"]["accounts"]["removed"] == ["a2"], answer
+        await _until(lambda: reloaded() >= 4, 15, "both workers to reload again")
+        log = relay.tail(100000)
+        assert log.count("relay.config_reload_failed") == 1, log
+        assert log.count("relay.workers_reload_forwarded") == 2, log
+        after = await _inThread(_accountsByWorker, relay.port, workers)
+        assert all(s == {"a1"} for a in after.values() for s in a), after
+        assert sorted(_children(relay.process.pid)) == sorted(workers)
     finally:
         if relay is not None:
             relay.stop()
