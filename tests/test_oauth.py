@@ -242,6 +242,42 @@ class AuthFileTests(SynchronousTestCase):
         self.assertEqual((acct.id, acct.refresh_token, acct.credential, acct.chatgpt_account_id),
                          ("team1", "rt-secret", access, "acct-abc"))
 
+    def test_importEnvMergesAndIsPrivate(self):
+        """
+        C{--env-file} naming an existing 0644 file: it ends up 0600 (as the
+        printed comment says), and importing a second account keeps the
+        first one's variables and other lines; importing the first again
+        replaces its variables, including one the new file no longer has.
+        """
+        envFile = self.mktemp()
+        with open(envFile, "w") as f:
+            f.write("# mine\nOTHER=keep\n")
+        os.chmod(envFile, 0o644)
+        first = self.write({"tokens": {"access_token": "at-1", "refresh_token": "rt-1",
+                                       "account_id": "acct-1"}})
+        second = self.write({"tokens": {"refresh_token": "rt-2", "account_id": "acct-2"}})
+        out = io.StringIO()
+        self.assertEqual(authfile.main([first, "--env-file", envFile, "--id", "o1"], out,
+                                       io.StringIO()), 0)
+        self.assertIn("(mode 0600)", out.getvalue())
+        self.assertEqual(stat.S_IMODE(os.stat(envFile).st_mode), 0o600)
+        self.assertEqual(authfile.main([second, "--env-file", envFile, "--id", "o2"],
+                                       io.StringIO(), io.StringIO()), 0)
+        with open(envFile) as f:
+            self.assertEqual(f.read().splitlines(), [
+                "# mine", "OTHER=keep", "RELAY_O1_REFRESH_TOKEN=rt-1",
+                "RELAY_O1_ACCESS_TOKEN=at-1", "RELAY_O2_REFRESH_TOKEN=rt-2",
+            ])
+        again = self.write({"tokens": {"refresh_token": "rt-1b", "account_id": "acct-1"}})
+        self.assertEqual(authfile.main([again, "--env-file", envFile, "--id", "o1"],
+                                       io.StringIO(), io.StringIO()), 0)
+        with open(envFile) as f:
+            self.assertEqual(f.read().splitlines(), [
+                "# mine", "OTHER=keep", "RELAY_O2_REFRESH_TOKEN=rt-2",
+                "RELAY_O1_REFRESH_TOKEN=rt-1b",
+            ])
+        self.assertEqual(stat.S_IMODE(os.stat(envFile).st_mode), 0o600)
+
     def test_importInlineAndFile(self):
         """
         C{--secrets inline} puts the tokens in the YAML; C{--secrets file}
