@@ -667,6 +667,49 @@ class CredentialsTests(SynchronousTestCase):
             credentials.refresh(acct, force=True, retryInDoubt=True)))
         self.assertEqual(self.stored().status, "ok")
 
+    def test_inDoubtExpiryLogsNeedsLoginOnce(self):
+        """
+        An in-doubt account whose access token then expires turns
+        C{needs_login} (C{refresh_in_doubt}): C{relay.oauth_needs_login} is
+        logged once, at the expiry on the clock, not again on later syncs;
+        new tokens cancel the pending call.
+        """
+        from twisted.internet.testing import EventLoggingObserver
+        from twisted.logger import globalLogPublisher
+
+        events = EventLoggingObserver.createWithCleanup(self, globalLogPublisher)
+
+        def needsLogin():
+            return [e for e in events if e.get("event") == "relay.oauth_needs_login"]
+
+        acct = account(access=token(NOW + 100, NOW))
+        self.endpoint.auto = lambda rt: ConnectionResetError("lost after sending")
+        credentials = self.make(acct)
+        self.assertFalse(self.successResultOf(credentials.refresh(acct, force=True)))
+        self.assertEqual(self.stored().status, STATUS_IN_DOUBT)
+        self.clock.advance(99)
+        self.successResultOf(credentials.sync())
+        self.assertEqual(needsLogin(), [])
+        self.clock.advance(1)
+        [event] = needsLogin()
+        self.assertEqual((event["account_id"], event["code"]), ("o1", "refresh_in_doubt"))
+        self.successResultOf(credentials.sync())
+        self.clock.advance(1000)
+        self.assertEqual(len(needsLogin()), 1)
+        self.assertEqual(credentials.view(acct)["token_status"], STATUS_NEEDS_LOGIN)
+
+        other = account("o2", access=token(NOW + 2000, NOW), refresh="rt-o2")
+        credentials2 = self.make(other)
+        self.assertFalse(self.successResultOf(credentials2.refresh(other, force=True)))
+        self.assertEqual(self.stored("o2").status, STATUS_IN_DOUBT)
+        def doubtCalls():
+            return [c for c in self.clock.getDelayedCalls()
+                    if c.func == credentials2._onDoubtExpired]
+
+        self.assertEqual(len(doubtCalls()), 1)
+        self.successResultOf(credentials2.setTokens("o2", token(NOW + 9000, NOW), "rt-new"))
+        self.assertEqual(doubtCalls(), [])
+
     def test_orphanedMarkerAtStart(self):
         """
         A stored in-flight marker whose owner's lock is gone means a process

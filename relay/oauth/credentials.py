@@ -112,6 +112,11 @@ class _Slot:
     @ivar pending: new tokens whose write failed (not used until written).
     @ivar nextAttempt: no automatic refresh before this (backoff), seconds.
     @ivar refreshes: successful refreshes by this process.
+    @ivar doubtTimer: the call at the in-doubt access token's expiry, which
+        logs C{relay.oauth_needs_login}; L{None} when none is planned.
+    @ivar doubtKey: the (access token, expiry) C{doubtTimer} is for.
+    @ivar doubtAnnounced: the (access token, expiry) whose expiry was
+        already logged (once per in-doubt token).
     """
 
     account: Account
@@ -125,6 +130,9 @@ class _Slot:
     pendingCall: Any = None
     nextAttempt: float = 0.0
     refreshes: int = 0
+    doubtTimer: Any = None
+    doubtKey: Any = None
+    doubtAnnounced: Any = None
 
 
 def _describe(e: BaseException) -> str:
@@ -201,7 +209,7 @@ class OAuthCredentials:
 
     @staticmethod
     def _cancelTimers(slot: _Slot) -> None:
-        for name in ("timer", "pendingCall"):
+        for name in ("timer", "pendingCall", "doubtTimer"):
             call = getattr(slot, name)
             if call is not None and call.active():
                 call.cancel()
@@ -438,6 +446,7 @@ class OAuthCredentials:
                 "access token of {account_id} invalidated after a 401 on the refreshed token",
                 event="relay.oauth_token_invalidated", account_id=account.id,
             )
+            self._announceDoubt(slot)
 
     def blockReason(self, account: Account, now: float):
         """
@@ -853,6 +862,61 @@ class OAuthCredentials:
             slot.dial = evolve(account, credential=tokens.access_token, refresh_token=refresh)
         if schedule:
             self._schedule(slot)
+        self._planDoubt(slot)
+
+    def _planDoubt(self, slot: _Slot) -> None:
+        """
+        While the refresh token is in doubt, plan the call at the access
+        token's expiry that logs the account's turn to C{needs_login}
+        (reason C{refresh_in_doubt}); cancel it when the tokens or the
+        status change.
+        """
+        record = slot.record
+        tokens = record.tokens
+        key = None
+        if record.status == STATUS_IN_DOUBT and tokens.expires_at is not None:
+            key = (tokens.access_token, tokens.expires_at)
+        if slot.doubtTimer is not None and slot.doubtTimer.active():
+            if slot.doubtKey == key:
+                return
+            slot.doubtTimer.cancel()
+        slot.doubtTimer = slot.doubtKey = None
+        if key is None or not self._running or slot.doubtAnnounced == key:
+            return
+        slot.doubtKey = key
+        delay = max(0.0, tokens.expires_at - self._clock.seconds())
+        slot.doubtTimer = self._clock.callLater(delay, self._onDoubtExpired, slot)
+
+    def _onDoubtExpired(self, slot: _Slot) -> None:
+        slot.doubtTimer = None
+        try:
+            self._announceDoubt(slot)
+        except Exception:
+            self._log.failure("reporting the end of an in-doubt access token failed")
+
+    def _announceDoubt(self, slot: _Slot) -> None:
+        """
+        Log C{relay.oauth_needs_login} (once per in-doubt access token) when
+        the account is now unschedulable because its refresh token is in
+        doubt and its access token expired or was invalidated.
+        """
+        record = slot.record
+        if record is None or record.status != STATUS_IN_DOUBT:
+            return
+        key = (record.tokens.access_token, record.tokens.expires_at)
+        block = self.blockReason(slot.account, self._clock.seconds())
+        if slot.doubtAnnounced == key or block is None or block[0] != (
+            "needs_login: " + IN_DOUBT_REASON
+        ):
+            return
+        slot.doubtAnnounced = key
+        self._log.error(
+            "account {account_id} needs a new login: its access token is no longer usable and"
+            " its refresh token is in doubt (POST /admin/accounts/{account_id}/refresh with"
+            ' {{"retry_in_doubt": true}} retries it, PUT .../tokens sets new ones)',
+            event="relay.oauth_needs_login", account_id=slot.account.id, code=IN_DOUBT_REASON,
+            status=None, expired_at=record.tokens.expires_at,
+        )
 
     def refreshAt(self, account: Account) -> Optional[float]:
         """
