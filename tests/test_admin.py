@@ -5,11 +5,14 @@ Tests for L{relay.operator.admin}: the admin API and the C{/metrics} resource.
 from __future__ import annotations
 
 import json
+import re
+import shutil
+import subprocess
 from io import BytesIO
 
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import Clock
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import SkipTest, SynchronousTestCase
 from twisted.web.resource import getChildForRequest
 from twisted.web.server import NOT_DONE_YET
 from twisted.web.test.requesthelper import DummyRequest
@@ -480,3 +483,55 @@ class ClearLogTests(SynchronousTestCase):
         cleared = [e for e in logs if e.get("event") == "relay.account_cleared"]
         self.assertEqual([formatEvent(e) for e in cleared], ["account a1 cleared (operator)"])
         self.assertEqual(cleared[0]["cause"], "operator")
+
+
+class StatusPageScriptTests(SynchronousTestCase):
+    """
+    The status page's own logic (C{stateOf}) run in Node.js, and its CSS;
+    the page in a real browser is C{tests/integration/test_status_page.py}.
+    """
+
+    def page(self) -> str:
+        from relay.operator.admin import _loadPage
+
+        return _loadPage().decode("utf-8")
+
+    def stateOf(self, account: dict) -> list:
+        """
+        Run the page's C{stateOf(account)} in Node.js.
+        """
+        node = shutil.which("node") or shutil.which("nodejs")
+        if node is None:
+            raise SkipTest("Node.js is not installed")
+        match = re.search(r"function stateOf\(a\) \{.*?\n  \}\n", self.page(), re.S)
+        self.assertIsNotNone(match)
+        script = ("function nowSeconds() { return 1000; }\n" + match.group(0)
+                  + "process.stdout.write(JSON.stringify(stateOf(" + json.dumps(account) + ")));")
+        result = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=30)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        return json.loads(result.stdout)
+
+    def test_inDoubtIsAWarning(self):
+        """
+        Issue 12: a schedulable account whose refresh token is in doubt
+        gets the warning badge "token in doubt", not the green "ok"; an ok
+        token stays "ok" and needs_login stays "needs login".
+        """
+        base = {"schedulable": True, "disabled": False, "breaker": None}
+        self.assertEqual(self.stateOf({**base, "token_status": "in_doubt"}),
+                         ["doubt", "token in doubt"])
+        self.assertEqual(self.stateOf({**base, "token_status": "ok"}), ["ok", "ok"])
+        self.assertEqual(self.stateOf({**base, "token_status": "needs_login",
+                                       "schedulable": False}), ["disabled", "needs login"])
+
+    def test_tokenTextNotClipped(self):
+        """
+        The token line under the account id wraps instead of being cut
+        with an ellipsis, and the doubt state has its own badge colour.
+        """
+        page = self.page()
+        self.assertIn('sub(token, "token")', page)
+        rule = re.search(r"\.sub\.token \{([^}]*)\}", page)
+        self.assertIsNotNone(rule)
+        self.assertIn("white-space: normal", rule.group(1))
+        self.assertIn(".state-doubt .badge { background: var(--doubt); }", page)
