@@ -535,3 +535,72 @@ class StatusPageScriptTests(SynchronousTestCase):
         self.assertIsNotNone(rule)
         self.assertIn("white-space: normal", rule.group(1))
         self.assertIn(".state-doubt .badge { background: var(--doubt); }", page)
+
+
+class OAuthRefreshRouteTests(SynchronousTestCase):
+    """
+    C{POST /admin/accounts/{id}/refresh} over the real
+    L{relay.operator.view.OperatorView} and L{relay.oauth.credentials.OAuthCredentials}.
+    """
+
+    def setUp(self):
+        from relay.model import GatewaySettings, OAuthSettings
+        from relay.oauth.credentials import OAuthCredentials
+        from relay.oauth.store import MemoryTokenStore
+        from relay.operator.view import OperatorView
+        from tests.test_oauth import NOW, FakeEndpoint, account, token
+
+        self.clock = Clock()
+        self.clock.advance(NOW)
+        self.endpoint = FakeEndpoint()
+        self.account = account("o2", access=token(NOW + 3600, NOW))
+        self.credentials = OAuthCredentials(
+            clock=self.clock,
+            settings=RuntimeSettings(current=GatewaySettings(
+                oauth=OAuthSettings(refresh_margin_seconds=600))),
+            store=MemoryTokenStore(clock=self.clock), endpoint=self.endpoint,
+            accounts=[self.account],
+        )
+        self.successResultOf(self.credentials.start())
+        self.addCleanup(self.credentials.stop)
+        view = OperatorView(accounts=[self.account], store=None, admission=None, health=None,
+                            runner=None, clock=self.clock, credentials=self.credentials)
+        self.root = buildAdminResource(KEY, RuntimeSettings(), lambda: succeed([]),
+                                       lambda accountId: succeed(None), None,
+                                       clock=self.clock, tokenActions=view)
+
+    def test_inDoubtAnswerSaysRetryInDoubt(self):
+        """
+        A forced refresh of an in-doubt account answers C{refreshed: false}
+        with C{reason: refresh_in_doubt} and a hint naming
+        C{retry_in_doubt}; the log line says it was not refreshed and why.
+        With C{retry_in_doubt} the token is sent and the answer has no
+        reason.
+        """
+        from twisted.internet.testing import EventLoggingObserver
+        from twisted.logger import globalLogPublisher
+
+        from tests.test_oauth import rotated
+
+        self.endpoint.auto = lambda rt: ConnectionResetError("lost after sending")
+        self.assertFalse(self.successResultOf(
+            self.credentials.refresh(self.account, force=True)))
+        calls = len(self.endpoint.calls)
+        events = EventLoggingObserver.createWithCleanup(self, globalLogPublisher)
+        request = render(self.root, makeRequest("accounts/o2/refresh", b"POST", body={}))
+        self.assertEqual(request.responseCode, 200)
+        body = jsonBody(request)
+        self.assertEqual((body["refreshed"], body["reason"]), (False, "refresh_in_doubt"))
+        self.assertIn('"retry_in_doubt": true', body["hint"])
+        self.assertEqual(len(self.endpoint.calls), calls)
+        [event] = [e for e in events if e.get("event") == "relay.oauth_admin_refresh"]
+        self.assertEqual(event["reason"], "refresh_in_doubt")
+        self.assertIn("not refreshed (refresh_in_doubt)", event["outcome"])
+
+        self.endpoint.auto = lambda rt: rotated(1)
+        request = render(self.root, makeRequest("accounts/o2/refresh", b"POST",
+                                                body={"retry_in_doubt": True}))
+        body = jsonBody(request)
+        self.assertTrue(body["refreshed"])
+        self.assertNotIn("reason", body)
+        self.assertEqual(body["token"]["token_status"], "ok")
