@@ -710,6 +710,34 @@ class CredentialsTests(SynchronousTestCase):
         self.successResultOf(credentials2.setTokens("o2", token(NOW + 9000, NOW), "rt-new"))
         self.assertEqual(doubtCalls(), [])
 
+    def test_lastErrorIsReadable(self):
+        """
+        C{refresh_last_error} names the exception and its message, also for
+        Twisted's wrapper exceptions holding Failures (never a C{Failure}
+        repr): a request that may have been sent, and one that was not.
+        """
+        from twisted.internet.error import ConnectionLost, ConnectionRefusedError
+        from twisted.python.failure import Failure
+        from twisted.web._newclient import RequestTransmissionFailed, ResponseNeverReceived
+
+        from relay.oauth.endpoint import describeError
+
+        acct = account(access=token(NOW + 3600, NOW))
+        self.endpoint.auto = lambda rt: NotSent(describeError(
+            RequestTransmissionFailed([Failure(ConnectionRefusedError("no"))])))
+        credentials = self.make(acct)
+        self.assertFalse(self.successResultOf(credentials.refresh(acct, force=True)))
+        error = credentials.view(acct)["refresh_last_error"]
+        self.assertEqual(
+            error, "NotSent: RequestTransmissionFailed: ConnectionRefusedError: Connection was"
+            " refused by other side: no.")
+        self.endpoint.auto = lambda rt: ResponseNeverReceived([Failure(ConnectionLost("gone"))])
+        self.assertFalse(self.successResultOf(credentials.refresh(acct, force=True)))
+        error = credentials.view(acct)["refresh_last_error"]
+        self.assertTrue(error.endswith("ResponseNeverReceived: ConnectionLost: Connection to the"
+                                       " other side was lost in a non-clean fashion: gone."), error)
+        self.assertNotIn("<twisted", error)
+
     def test_orphanedMarkerAtStart(self):
         """
         A stored in-flight marker whose owner's lock is gone means a process

@@ -63,7 +63,7 @@ from relay.interfaces import ICredentialSource, ITokenEndpoint, ITokenStore
 from relay.logs import registerSecrets
 from relay.model import Account
 from relay.oauth.crashpoints import crashPoint
-from relay.oauth.endpoint import NotSent
+from relay.oauth.endpoint import NotSent, describeError
 from relay.oauth.tokens import (
     STATUS_IN_DOUBT,
     STATUS_LOADING,
@@ -136,8 +136,11 @@ class _Slot:
 
 
 def _describe(e: BaseException) -> str:
-    text = " ".join(str(e).split())[:160]
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+    """
+    @return: C{e}'s class and message, readable (no C{Failure} reprs;
+        L{relay.oauth.endpoint.describeError}).
+    """
+    return describeError(e)
 
 
 @implementer(ICredentialSource)
