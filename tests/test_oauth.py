@@ -640,6 +640,33 @@ class CredentialsTests(SynchronousTestCase):
         self.assertEqual(credentials.current(acct).refresh_token, "rt-1")
         self.assertEqual(self.stored().failures, 0)
 
+    def test_backoffRetryWhenLogged(self):
+        """
+        A transient failure of a refresh made before the proactive time (an
+        admin's forced refresh, the refresh after a 401) is retried when the
+        log line and C{refresh_next_attempt} say (about 5 s), not at the
+        later proactive time.
+        """
+        from twisted.internet.testing import EventLoggingObserver
+        from twisted.logger import globalLogPublisher
+
+        events = EventLoggingObserver.createWithCleanup(self, globalLogPublisher)
+        acct = account(access=token(NOW + 40, NOW))  # proactive refresh due at NOW + 20
+        replies = [TokenReply(503, {}), rotated(1)]
+        self.endpoint.auto = lambda rt: replies.pop(0)
+        credentials = self.make(acct)
+        self.assertFalse(self.successResultOf(
+            credentials.refresh(acct, reason="admin", force=True)))
+        [failed] = [e for e in events if e.get("event") == "relay.oauth_refresh_failed"]
+        nextAttempt = credentials.view(acct)["refresh_next_attempt"]
+        self.assertAlmostEqual(nextAttempt, NOW + failed["delay"], places=6)
+        self.assertEqual(credentials.refreshAt(acct), nextAttempt)
+        self.clock.advance(nextAttempt - NOW - 0.01)
+        self.assertEqual(len(self.endpoint.calls), 1)
+        self.clock.advance(0.01)
+        self.assertEqual(len(self.endpoint.calls), 2)
+        self.assertEqual(credentials.current(acct).refresh_token, "rt-1")
+
     def test_notSentIsNotInDoubt(self):
         """
         A failure before the request left (L{NotSent}) is transient; any

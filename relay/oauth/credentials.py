@@ -43,7 +43,8 @@ L{relay.oauth.tokens.TokenRecord} in memory and in the L{ITokenStore}:
     cleared by new tokens (C{PUT /admin/accounts/{id}/tokens}). Transient
     failures (5xx, 429, network errors before the request was sent) keep
     the current access token while it is valid and retry with exponential
-    backoff (5 s doubling to 10 min, +-20 % jitter).
+    backoff (5 s doubling to 10 min, +-20 % jitter), at the time the log
+    line announces, even before the proactive refresh time.
 """
 
 from __future__ import annotations
@@ -939,6 +940,12 @@ class OAuthCredentials:
         now = self._clock.seconds()
         if not tokens.access_token or slot.invalidated:
             return max(now, slot.nextAttempt)
+        if record.failures and slot.nextAttempt:
+            # A transient failure in this process: the retry is at the
+            # backoff time its log line and the view announced, also when
+            # the failed refresh came before the proactive time (an admin's
+            # forced refresh, the refresh after a 401).
+            return slot.nextAttempt
         if tokens.expires_at is None:
             if record.last_refresh is None:
                 return None
@@ -969,7 +976,8 @@ class OAuthCredentials:
         slot.timer = None
         try:
             tokens = slot.record.tokens
-            d = self.refresh(slot.account, stale=tokens.access_token or "", reason="proactive")
+            reason = "retry" if slot.record.failures and slot.nextAttempt else "proactive"
+            d = self.refresh(slot.account, stale=tokens.access_token or "", reason=reason)
 
             def _cbAgain(ok):
                 if slot.waiters is None and slot.timer is None:
