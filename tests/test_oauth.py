@@ -615,6 +615,25 @@ class CredentialsTests(SynchronousTestCase):
         self.assertIsNone(credentials.blockReason(acct, NOW))
         self.assertIsNotNone(credentials.ready(acct))  # no access token: refresh first
 
+    def test_adminTokensSource(self):
+        """
+        Tokens put by an operator show C{token_source} C{admin} instead of
+        the configured file, also after a refresh and after a restart (the
+        stored lineage wins); the record without it reads as configured.
+        """
+        acct = account(token_source="auth_file:/etc/relay/auth-o1.json")
+        credentials = self.make(acct)
+        self.assertEqual(credentials.view(acct)["token_source"],
+                         "auth_file:/etc/relay/auth-o1.json")
+        view = self.successResultOf(credentials.setTokens("o1", token(NOW + 3600, NOW), "rt-a"))
+        self.assertEqual(view["token_source"], "admin")
+        self.endpoint.auto = lambda rt: rotated(1)
+        self.assertTrue(self.successResultOf(credentials.refresh(acct, force=True)))
+        credentials.stop()
+        again = self.make(acct)
+        self.assertEqual(again.view(acct)["token_source"], "admin")
+        self.assertEqual(self.stored().source, "admin")
+
     def test_transientKeepsTokenAndBacksOff(self):
         """
         A 5xx keeps the current (valid) token and schedules the next try

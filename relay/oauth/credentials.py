@@ -96,6 +96,9 @@ PERSIST_RETRY_SECONDS = 5.0
 
 IN_DOUBT_REASON = "refresh_in_doubt"
 
+TOKEN_SOURCE_ADMIN = "admin"
+"""C{token_source} of tokens an operator put (C{PUT /admin/accounts/{id}/tokens})."""
+
 
 @define(eq=False)
 class _Slot:
@@ -514,7 +517,7 @@ class OAuthCredentials:
             "refresh_running": slot.waiters is not None,
             "token_version": record.version,
             "token_unpersisted": slot.pending is not None,
-            "token_source": slot.account.token_source,
+            "token_source": record.source or slot.account.token_source,
         }
 
     # -- admin ------------------------------------------------------------------------
@@ -548,6 +551,7 @@ class OAuthCredentials:
             record = current.next(
                 now, tokens=TokenSet.fromTokens(access, refresh, idToken, now), status=STATUS_OK,
                 reason=None, in_flight=None, failures=0, last_error=None, last_refresh=now,
+                source=TOKEN_SOURCE_ADMIN,
             )
             if not await self.store.save(slot.account.id, record.version, record.toJSON(),
                                           current.version):
