@@ -563,7 +563,11 @@ class OAuthRefreshRouteTests(SynchronousTestCase):
         )
         self.successResultOf(self.credentials.start())
         self.addCleanup(self.credentials.stop)
-        view = OperatorView(accounts=[self.account], store=None, admission=None, health=None,
+        class _Health:
+            def clear(self, accountId, why):
+                return succeed(None)
+
+        view = OperatorView(accounts=[self.account], store=None, admission=None, health=_Health(),
                             runner=None, clock=self.clock, credentials=self.credentials)
         self.root = buildAdminResource(KEY, RuntimeSettings(), lambda: succeed([]),
                                        lambda accountId: succeed(None), None,
@@ -604,3 +608,32 @@ class OAuthRefreshRouteTests(SynchronousTestCase):
         self.assertTrue(body["refreshed"])
         self.assertNotIn("reason", body)
         self.assertEqual(body["token"]["token_status"], "ok")
+
+    def test_tokenExpiryInISO(self):
+        """
+        The token view carries C{token_expires_at_iso} (ISO-8601 UTC, as
+        blocks' C{until_iso}) beside C{token_expires_at}, in the answers of
+        the refresh and tokens routes.
+        """
+        from relay.operator.view import isoTime
+        from tests.test_oauth import NOW, token
+
+        request = render(self.root, makeRequest("accounts/o2/tokens", b"PUT", body={
+            "access_token": token(NOW + 7200, NOW), "refresh_token": "rt-put"}))
+        view = jsonBody(request)["token"]
+        self.assertEqual(view["token_expires_at"], NOW + 7200)
+        self.assertEqual(view["token_expires_at_iso"], isoTime(NOW + 7200))
+        self.assertTrue(view["token_expires_at_iso"].endswith("Z"))
+        self.endpoint.auto = lambda rt: tokenReplyFor(NOW + 9000)
+        body = jsonBody(render(self.root, makeRequest("accounts/o2/refresh", b"POST", body={})))
+        self.assertEqual(body["token"]["token_expires_at_iso"], isoTime(NOW + 9000))
+
+
+def tokenReplyFor(exp):
+    """
+    A successful token reply whose access token expires at C{exp}.
+    """
+    from relay.oauth.endpoint import TokenReply
+    from tests.test_oauth import NOW, token
+
+    return TokenReply(200, {"access_token": token(exp, NOW), "refresh_token": "rt-next"})

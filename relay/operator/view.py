@@ -124,7 +124,7 @@ class OperatorView:
                 }
             )
             if self.credentials is not None:
-                rows[-1].update(self.credentials.view(account))
+                rows[-1].update(_tokenView(self.credentials.view(account)))
         return rows
 
     def _oauthAccount(self, accountId: str):
@@ -151,7 +151,7 @@ class OperatorView:
         d = self.credentials.refresh(account, reason="admin", force=True, retryInDoubt=retry)
 
         def _cbAnswer(ok):
-            view = self.credentials.view(account)
+            view = _tokenView(self.credentials.view(account))
             return ok, view, None if ok else refreshNotDone(accountId, view, retry)
 
         return d.addCallback(_cbAnswer)
@@ -177,6 +177,7 @@ class OperatorView:
         d = self.credentials.setTokens(
             accountId, auth.access_token, auth.refresh_token, auth.id_token
         )
+        d.addCallback(_tokenView)
 
         def _cbClear(view):
             return self.health.clear(accountId, "new_tokens").addCallback(lambda _: view)
@@ -254,6 +255,16 @@ def isoTime(seconds: Optional[float]) -> Optional[str]:
     if seconds is None:
         return None
     return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _tokenView(view: dict) -> dict:
+    """
+    An account's token view with C{token_expires_at_iso} beside
+    C{token_expires_at} (as blocks have C{until_iso}), for OAuth accounts.
+    """
+    if "token_expires_at" not in view:
+        return view
+    return {**view, "token_expires_at_iso": isoTime(view["token_expires_at"])}
 
 
 def _timed(block: dict, now: float) -> dict:
