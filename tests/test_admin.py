@@ -503,11 +503,12 @@ class StatusPageScriptTests(SynchronousTestCase):
         node = shutil.which("node") or shutil.which("nodejs")
         if node is None:
             raise SkipTest("Node.js is not installed")
-        match = re.search(r"function stateOf\(a\) \{.*?\n  \}\n", self.page(), re.S)
+        match = re.search(r"function stateOf\(a\) \{.*?\n  \}\n", self.page(), re.DOTALL)
         self.assertIsNotNone(match)
         script = ("function nowSeconds() { return 1000; }\n" + match.group(0)
                   + "process.stdout.write(JSON.stringify(stateOf(" + json.dumps(account) + ")));")
-        result = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=30)
+        result = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=30,
+                                check=False)
         self.assertEqual(result.returncode, 0, result.stderr)
         return json.loads(result.stdout)
 

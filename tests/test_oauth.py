@@ -764,7 +764,10 @@ class CredentialsTests(SynchronousTestCase):
         """
         from twisted.internet.error import ConnectionLost, ConnectionRefusedError
         from twisted.python.failure import Failure
-        from twisted.web._newclient import RequestTransmissionFailed, ResponseNeverReceived
+        from twisted.web._newclient import (
+            RequestTransmissionFailed,
+            ResponseNeverReceived,
+        )
 
         from relay.oauth.endpoint import describeError
 
