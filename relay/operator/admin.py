@@ -742,8 +742,11 @@ def buildAdminResource(
 
 def metricsResource(registry: CollectorRegistry) -> Resource:
     """
-    The resource to mount at C{/metrics} (no key; bind relay to loopback or
-    put the scrape behind a firewall).
+    The bare Prometheus exposition of C{registry}, without the admin key.
+    relay itself does not mount it: its C{/metrics} (like C{/admin/metrics})
+    requires C{Authorization: Bearer <admin key>} and answers 404 when no
+    admin key is configured (L{_GuardedMetrics}); this one is for embedding
+    and tests.
 
     @param registry: e.g. L{relay.operator.metrics.RelayMetrics.registry}.
     @rtype: L{Resource}
