@@ -634,6 +634,41 @@ class CredentialsTests(SynchronousTestCase):
         self.assertEqual(again.view(acct)["token_source"], "admin")
         self.assertEqual(self.stored().source, "admin")
 
+    def test_tokenStatusMetrics(self):
+        """
+        C{relay_oauth_token_status{account,status}} is 1 for the account's
+        current token status and 0 for the others, so C{needs_login} can be
+        alerted on; C{relay_oauth_refresh_failures_total} counts the failed
+        token requests. No token appears in the scrape.
+        """
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        from relay.scheduling.quota import UsageCollector, UsageWindows
+
+        acct = account(refresh="rt-secret-0")
+        credentials = self.make(acct)
+        registry = CollectorRegistry()
+        registry.register(UsageCollector(UsageWindows(clock=self.clock), credentials, [acct]))
+
+        def scrape():
+            return generate_latest(registry).decode()
+
+        text = scrape()
+        self.assertIn('relay_oauth_token_status{account="o1",status="ok"} 1.0', text)
+        self.assertIn('relay_oauth_token_status{account="o1",status="needs_login"} 0.0', text)
+        self.assertIn('relay_oauth_refresh_failures_total{account="o1"} 0.0', text)
+        replies = [TokenReply(503, {}),
+                   TokenReply(400, {"error": {"code": "refresh_token_reused"}})]
+        self.endpoint.auto = lambda rt: replies.pop(0)
+        self.assertFalse(self.successResultOf(credentials.refresh(acct, force=True)))
+        self.assertFalse(self.successResultOf(credentials.refresh(acct, force=True)))
+        text = scrape()
+        self.assertIn('relay_oauth_token_status{account="o1",status="needs_login"} 1.0', text)
+        self.assertIn('relay_oauth_token_status{account="o1",status="ok"} 0.0', text)
+        self.assertIn('relay_oauth_refresh_failures_total{account="o1"} 2.0', text)
+        self.assertNotIn("rt-secret", text)
+        self.assertNotIn(acct.credential, text)
+
     def test_transientKeepsTokenAndBacksOff(self):
         """
         A 5xx keeps the current (valid) token and schedules the next try

@@ -116,6 +116,9 @@ class _Slot:
     @ivar pending: new tokens whose write failed (not used until written).
     @ivar nextAttempt: no automatic refresh before this (backoff), seconds.
     @ivar refreshes: successful refreshes by this process.
+    @ivar refreshFailures: token requests of this process that failed
+        (transient, permanent or in doubt), for
+        C{relay_oauth_refresh_failures_total}.
     @ivar doubtTimer: the call at the in-doubt access token's expiry, which
         logs C{relay.oauth_needs_login}; L{None} when none is planned.
     @ivar doubtKey: the (access token, expiry) C{doubtTimer} is for.
@@ -134,6 +137,7 @@ class _Slot:
     pendingCall: Any = None
     nextAttempt: float = 0.0
     refreshes: int = 0
+    refreshFailures: int = 0
     doubtTimer: Any = None
     doubtKey: Any = None
     doubtAnnounced: Any = None
@@ -511,6 +515,7 @@ class OAuthCredentials:
             "token_refreshable": bool(record.tokens.refresh_token),
             "last_refresh": record.last_refresh,
             "refresh_failures": record.failures,
+            "refresh_failures_total": slot.refreshFailures,
             "refresh_last_error": record.last_error,
             "refresh_next_attempt": slot.nextAttempt or None,
             "refreshes": slot.refreshes,
@@ -709,6 +714,7 @@ class OAuthCredentials:
             await self._transient(slot, marked, _describe(e), reason)
             return False
         except (Exception, CancelledError) as e:
+            slot.refreshFailures += 1
             doubtful = await self._markInDoubt(
                 slot, marked, "the token request may have reached the server: " + _describe(e)
             )
@@ -744,6 +750,7 @@ class OAuthCredentials:
             )
             return True
         if reply.permanent:
+            slot.refreshFailures += 1
             code = reply.errorCode or f"status_{reply.status}"
             dead = marked.next(
                 now, in_flight=None, status=STATUS_NEEDS_LOGIN, reason=code,
@@ -761,6 +768,7 @@ class OAuthCredentials:
         return False
 
     async def _transient(self, slot, marked: TokenRecord, error: str, reason: str) -> None:
+        slot.refreshFailures += 1
         failures = marked.failures + 1
         record = marked.next(
             self._clock.seconds(), in_flight=None, failures=failures, last_error=error,
