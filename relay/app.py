@@ -29,6 +29,7 @@ from relay.engine.runner import TurnRunner
 from relay.entry.body import LimitedBodyRequest
 from relay.entry.http import KeyRing, buildRoot
 from relay.entry.site import JSONMethodErrors, RelaySite
+from relay.logs import redactQuery
 from relay.policy.health import AccountHealth
 from relay.interfaces import IFailureClassifier, ISlotAdmission, IUpstreamDialer
 from relay.model import RelayConfig
@@ -118,7 +119,9 @@ class _Site(RelaySite):
     def log(self, request) -> None:
         """
         Log one finished request: client address, method, path, status,
-        bytes sent, duration (ms) and user agent, with C{request_id}.
+        bytes sent, duration (ms) and user agent, with C{request_id}. Query
+        parameters whose names look secret (C{api_key=}, C{token=}, ...)
+        are logged as C{***} (L{relay.logs.redactQuery}).
 
         @param request: the finished L{Request}.
         """
@@ -134,7 +137,7 @@ class _Site(RelaySite):
             request_id=getattr(request, "relayRequestId", None),
             client=getattr(address, "host", "-"),
             method=request.method.decode("latin-1"),
-            path=request.uri.decode("latin-1")[:512],
+            path=redactQuery(request.uri.decode("latin-1"))[:512],
             status=request.code,
             bytes=request.sentLength,
             duration_ms=duration,

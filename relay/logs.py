@@ -54,6 +54,7 @@ from collections.abc import Callable, Iterable, Sequence
 from re import Pattern
 from string import Formatter
 from typing import IO, Any
+from urllib.parse import unquote_plus
 
 from twisted.logger import FileLogObserver, ILogObserver, formatEvent
 from zope.interface import implementer
@@ -76,6 +77,38 @@ __all__ = [
 ]
 
 REDACTED = "***"
+
+_SECRET_PARAMETER = re.compile(r"key|token|secret|password|passwd|auth|signature|sig$",
+                               re.IGNORECASE)
+
+
+def redactQuery(uri: str) -> str:
+    """
+    A request target for the access log with the values of query
+    parameters whose names look secret replaced by C{***}: names
+    containing C{key}, C{token}, C{secret}, C{password}, C{passwd},
+    C{auth} or C{signature} (or ending in C{sig}), in any case, also
+    percent-encoded. The path, the other parameters and their order are
+    kept as sent.
+
+    @param uri: the request target (path and query), decoded as latin-1.
+    @return: the same target, redacted.
+    """
+    path, mark, query = uri.partition("?")
+    if not mark:
+        return uri
+    fragment = ""
+    if "#" in query:
+        query, _, fragment = query.partition("#")
+        fragment = "#" + fragment
+    parts = []
+    for part in query.split("&"):
+        name, equals, value = part.partition("=")
+        decoded = unquote_plus(name)
+        if equals and value and _SECRET_PARAMETER.search(decoded):
+            value = REDACTED
+        parts.append(name + equals + value)
+    return path + "?" + "&".join(parts) + fragment
 
 # Shorter registered secrets are ignored: redacting every "ab" in the log
 # would destroy it and protect nothing.

@@ -11,6 +11,12 @@ Two providers of L{ISettingsStore}:
     C{relay:settings}, for several relay processes sharing settings; each
     process calls L{relay.settings.RuntimeSettings.refresh} periodically.
 
+The SQLite file also holds live OAuth access and refresh tokens
+(L{relay.oauth.store.SQLiteTokenStore}), so it is created with mode 0600
+whatever the umask, and an existing file (and its C{-wal}, C{-shm} and
+C{-journal} companions, which SQLite otherwise creates with the main file's
+mode) readable by group or others is tightened to 0600 (L{secureDatabaseFile}).
+
 Both store flat dotted names (C{breaker.failures}) with JSON values, and
 C{save} merges: keys not given keep their stored values.
 """
@@ -18,15 +24,21 @@ C{save} merges: keys not given keep their stored values.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from typing import Any, Optional
 
 from attrs import define, field
 from twisted.enterprise import adbapi
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
 from zope.interface import Interface, implementer
 
-__all__ = ["ISettingsStore", "SQLiteSettingsStore", "RedisSettingsStore", "SCHEMA_VERSION"]
+__all__ = [
+    "ISettingsStore", "SQLiteSettingsStore", "RedisSettingsStore", "SCHEMA_VERSION",
+    "secureDatabaseFile",
+]
 
 #: The schema version L{SQLiteSettingsStore} migrates to.
 SCHEMA_VERSION = 2
@@ -119,6 +131,7 @@ class SQLiteSettingsStore:
         """
         if self._migrated:
             return succeed(None)
+        secureDatabaseFile(self.path)
 
         def _cbMigrated(_):
             self._migrated = True
@@ -190,6 +203,45 @@ class SQLiteSettingsStore:
             pool, self._pool = self._pool, None
             self._migrated = False
             pool.close()
+
+
+#: The files SQLite keeps beside a database, by suffix.
+_COMPANIONS = ("-wal", "-shm", "-journal")
+
+_log = Logger()
+
+
+def secureDatabaseFile(path: str) -> None:
+    """
+    Make the SQLite file at C{path} private to relay's user before SQLite
+    opens it: create it empty with mode 0600 when it does not exist, and
+    take the group and other bits off an existing file and its companions
+    (C{-wal}, C{-shm}, C{-journal}; SQLite gives the ones it creates later
+    the main file's mode). In-memory and URI names are left alone.
+
+    @param path: the configured C{database}.
+    @raise OSError: the file cannot be created (SQLite would fail too).
+    """
+    if not path or path == ":memory:" or path.startswith("file:"):
+        return
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        os.close(descriptor)
+    for name in (path,) + tuple(path + suffix for suffix in _COMPANIONS):
+        try:
+            mode = stat.S_IMODE(os.stat(name).st_mode)
+        except FileNotFoundError:
+            continue
+        if mode & 0o077:
+            os.chmod(name, mode & 0o700)
+            _log.warn(
+                "{file} was readable by other users (mode {old:o}); now {new:o}: it holds"
+                " OAuth tokens",
+                event="relay.database_mode_tightened", file=name, old=mode, new=mode & 0o700,
+            )
 
 
 def _migrateSchema(txn) -> None:

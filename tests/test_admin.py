@@ -5,11 +5,14 @@ Tests for L{relay.operator.admin}: the admin API and the C{/metrics} resource.
 from __future__ import annotations
 
 import json
+import re
+import shutil
+import subprocess
 from io import BytesIO
 
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import Clock
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import SkipTest, SynchronousTestCase
 from twisted.web.resource import getChildForRequest
 from twisted.web.server import NOT_DONE_YET
 from twisted.web.test.requesthelper import DummyRequest
@@ -480,3 +483,158 @@ class ClearLogTests(SynchronousTestCase):
         cleared = [e for e in logs if e.get("event") == "relay.account_cleared"]
         self.assertEqual([formatEvent(e) for e in cleared], ["account a1 cleared (operator)"])
         self.assertEqual(cleared[0]["cause"], "operator")
+
+
+class StatusPageScriptTests(SynchronousTestCase):
+    """
+    The status page's own logic (C{stateOf}) run in Node.js, and its CSS;
+    the page in a real browser is C{tests/integration/test_status_page.py}.
+    """
+
+    def page(self) -> str:
+        from relay.operator.admin import _loadPage
+
+        return _loadPage().decode("utf-8")
+
+    def stateOf(self, account: dict) -> list:
+        """
+        Run the page's C{stateOf(account)} in Node.js.
+        """
+        node = shutil.which("node") or shutil.which("nodejs")
+        if node is None:
+            raise SkipTest("Node.js is not installed")
+        match = re.search(r"function stateOf\(a\) \{.*?\n  \}\n", self.page(), re.DOTALL)
+        self.assertIsNotNone(match)
+        script = ("function nowSeconds() { return 1000; }\n" + match.group(0)
+                  + "process.stdout.write(JSON.stringify(stateOf(" + json.dumps(account) + ")));")
+        result = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=30,
+                                check=False)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        return json.loads(result.stdout)
+
+    def test_inDoubtIsAWarning(self):
+        """
+        Issue 12: a schedulable account whose refresh token is in doubt
+        gets the warning badge "token in doubt", not the green "ok"; an ok
+        token stays "ok" and needs_login stays "needs login".
+        """
+        base = {"schedulable": True, "disabled": False, "breaker": None}
+        self.assertEqual(self.stateOf({**base, "token_status": "in_doubt"}),
+                         ["doubt", "token in doubt"])
+        self.assertEqual(self.stateOf({**base, "token_status": "ok"}), ["ok", "ok"])
+        self.assertEqual(self.stateOf({**base, "token_status": "needs_login",
+                                       "schedulable": False}), ["disabled", "needs login"])
+
+    def test_tokenTextNotClipped(self):
+        """
+        The token line under the account id wraps instead of being cut
+        with an ellipsis, and the doubt state has its own badge colour.
+        """
+        page = self.page()
+        self.assertIn('sub(token, "token")', page)
+        rule = re.search(r"\.sub\.token \{([^}]*)\}", page)
+        self.assertIsNotNone(rule)
+        self.assertIn("white-space: normal", rule.group(1))
+        self.assertIn(".state-doubt .badge { background: var(--doubt); }", page)
+
+
+class OAuthRefreshRouteTests(SynchronousTestCase):
+    """
+    C{POST /admin/accounts/{id}/refresh} over the real
+    L{relay.operator.view.OperatorView} and L{relay.oauth.credentials.OAuthCredentials}.
+    """
+
+    def setUp(self):
+        from relay.model import GatewaySettings, OAuthSettings
+        from relay.oauth.credentials import OAuthCredentials
+        from relay.oauth.store import MemoryTokenStore
+        from relay.operator.view import OperatorView
+        from tests.test_oauth import NOW, FakeEndpoint, account, token
+
+        self.clock = Clock()
+        self.clock.advance(NOW)
+        self.endpoint = FakeEndpoint()
+        self.account = account("o2", access=token(NOW + 3600, NOW))
+        self.credentials = OAuthCredentials(
+            clock=self.clock,
+            settings=RuntimeSettings(current=GatewaySettings(
+                oauth=OAuthSettings(refresh_margin_seconds=600))),
+            store=MemoryTokenStore(clock=self.clock), endpoint=self.endpoint,
+            accounts=[self.account],
+        )
+        self.successResultOf(self.credentials.start())
+        self.addCleanup(self.credentials.stop)
+        class _Health:
+            def clear(self, accountId, why):
+                return succeed(None)
+
+        view = OperatorView(accounts=[self.account], store=None, admission=None, health=_Health(),
+                            runner=None, clock=self.clock, credentials=self.credentials)
+        self.root = buildAdminResource(KEY, RuntimeSettings(), lambda: succeed([]),
+                                       lambda accountId: succeed(None), None,
+                                       clock=self.clock, tokenActions=view)
+
+    def test_inDoubtAnswerSaysRetryInDoubt(self):
+        """
+        A forced refresh of an in-doubt account answers C{refreshed: false}
+        with C{reason: refresh_in_doubt} and a hint naming
+        C{retry_in_doubt}; the log line says it was not refreshed and why.
+        With C{retry_in_doubt} the token is sent and the answer has no
+        reason.
+        """
+        from twisted.internet.testing import EventLoggingObserver
+        from twisted.logger import globalLogPublisher
+
+        from tests.test_oauth import rotated
+
+        self.endpoint.auto = lambda rt: ConnectionResetError("lost after sending")
+        self.assertFalse(self.successResultOf(
+            self.credentials.refresh(self.account, force=True)))
+        calls = len(self.endpoint.calls)
+        events = EventLoggingObserver.createWithCleanup(self, globalLogPublisher)
+        request = render(self.root, makeRequest("accounts/o2/refresh", b"POST", body={}))
+        self.assertEqual(request.responseCode, 200)
+        body = jsonBody(request)
+        self.assertEqual((body["refreshed"], body["reason"]), (False, "refresh_in_doubt"))
+        self.assertIn('"retry_in_doubt": true', body["hint"])
+        self.assertEqual(len(self.endpoint.calls), calls)
+        [event] = [e for e in events if e.get("event") == "relay.oauth_admin_refresh"]
+        self.assertEqual(event["reason"], "refresh_in_doubt")
+        self.assertIn("not refreshed (refresh_in_doubt)", event["outcome"])
+
+        self.endpoint.auto = lambda rt: rotated(1)
+        request = render(self.root, makeRequest("accounts/o2/refresh", b"POST",
+                                                body={"retry_in_doubt": True}))
+        body = jsonBody(request)
+        self.assertTrue(body["refreshed"])
+        self.assertNotIn("reason", body)
+        self.assertEqual(body["token"]["token_status"], "ok")
+
+    def test_tokenExpiryInISO(self):
+        """
+        The token view carries C{token_expires_at_iso} (ISO-8601 UTC, as
+        blocks' C{until_iso}) beside C{token_expires_at}, in the answers of
+        the refresh and tokens routes.
+        """
+        from relay.operator.view import isoTime
+        from tests.test_oauth import NOW, token
+
+        request = render(self.root, makeRequest("accounts/o2/tokens", b"PUT", body={
+            "access_token": token(NOW + 7200, NOW), "refresh_token": "rt-put"}))
+        view = jsonBody(request)["token"]
+        self.assertEqual(view["token_expires_at"], NOW + 7200)
+        self.assertEqual(view["token_expires_at_iso"], isoTime(NOW + 7200))
+        self.assertTrue(view["token_expires_at_iso"].endswith("Z"))
+        self.endpoint.auto = lambda rt: tokenReplyFor(NOW + 9000)
+        body = jsonBody(render(self.root, makeRequest("accounts/o2/refresh", b"POST", body={})))
+        self.assertEqual(body["token"]["token_expires_at_iso"], isoTime(NOW + 9000))
+
+
+def tokenReplyFor(exp):
+    """
+    A successful token reply whose access token expires at C{exp}.
+    """
+    from relay.oauth.endpoint import TokenReply
+    from tests.test_oauth import NOW, token
+
+    return TokenReply(200, {"access_token": token(exp, NOW), "refresh_token": "rt-next"})

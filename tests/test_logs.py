@@ -419,3 +419,52 @@ class WorkerFieldTests(SynchronousTestCase):
         self.assertEqual(json.loads(stream.getvalue())["worker"], 3)
         self.assertIn(" worker=3]", text.getvalue())
         self.assertNotIn("worker", json.loads(plain.getvalue()))
+
+
+class AccessLogQueryTests(SynchronousTestCase):
+    """
+    The access line (C{relay.http_access}) never carries a secret-looking
+    query parameter's value.
+    """
+
+    def test_redactQuery(self):
+        """
+        Values of parameters named like a key, token, secret, password or
+        auth (any case, also percent-encoded) become C{***}; other
+        parameters, the path and the order stay as sent.
+        """
+        self.assertEqual(
+            logs.redactQuery("/v1/responses?api_key=sk-live-1&stream=true&Access_Token=abc"
+                             "&x%2DAuth=q&PASSWORD=p&client_secret=s&model=gpt-5"),
+            "/v1/responses?api_key=***&stream=true&Access_Token=***&x%2DAuth=***"
+            "&PASSWORD=***&client_secret=***&model=gpt-5",
+        )
+        self.assertEqual(logs.redactQuery("/v1/models"), "/v1/models")
+        self.assertEqual(logs.redactQuery("/x?key&token=&a=1"), "/x?key&token=&a=1")
+
+    def test_accessLineRedacted(self):
+        """
+        C{POST /v1/responses?api_key=...}: the access event's C{path} keeps
+        the path and the harmless parameters, and the key is gone.
+        """
+        from twisted.internet.task import Clock
+        from twisted.internet.testing import EventLoggingObserver
+        from twisted.logger import globalLogPublisher
+        from twisted.web.resource import Resource
+        from twisted.web.test.requesthelper import DummyRequest
+
+        from relay.app import _Site
+
+        site = _Site(Resource())
+        site.clock = Clock()
+        request = DummyRequest([b"v1", b"responses"])
+        request.method = b"POST"
+        request.uri = b"/v1/responses?api_key=sk-query-secret-1&stream=true"
+        request.code = 200
+        request.sentLength = 12
+        events = EventLoggingObserver.createWithCleanup(self, globalLogPublisher)
+        site.log(request)
+        [event] = [e for e in events if e.get("event") == "relay.http_access"]
+        self.assertEqual(event["event"], "relay.http_access")
+        self.assertEqual(event["path"], "/v1/responses?api_key=***&stream=true")
+        self.assertNotIn("sk-query-secret-1", json.dumps(event, default=repr))

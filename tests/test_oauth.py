@@ -242,6 +242,42 @@ class AuthFileTests(SynchronousTestCase):
         self.assertEqual((acct.id, acct.refresh_token, acct.credential, acct.chatgpt_account_id),
                          ("team1", "rt-secret", access, "acct-abc"))
 
+    def test_importEnvMergesAndIsPrivate(self):
+        """
+        C{--env-file} naming an existing 0644 file: it ends up 0600 (as the
+        printed comment says), and importing a second account keeps the
+        first one's variables and other lines; importing the first again
+        replaces its variables, including one the new file no longer has.
+        """
+        envFile = self.mktemp()
+        with open(envFile, "w") as f:
+            f.write("# mine\nOTHER=keep\n")
+        os.chmod(envFile, 0o644)
+        first = self.write({"tokens": {"access_token": "at-1", "refresh_token": "rt-1",
+                                       "account_id": "acct-1"}})
+        second = self.write({"tokens": {"refresh_token": "rt-2", "account_id": "acct-2"}})
+        out = io.StringIO()
+        self.assertEqual(authfile.main([first, "--env-file", envFile, "--id", "o1"], out,
+                                       io.StringIO()), 0)
+        self.assertIn("(mode 0600)", out.getvalue())
+        self.assertEqual(stat.S_IMODE(os.stat(envFile).st_mode), 0o600)
+        self.assertEqual(authfile.main([second, "--env-file", envFile, "--id", "o2"],
+                                       io.StringIO(), io.StringIO()), 0)
+        with open(envFile) as f:
+            self.assertEqual(f.read().splitlines(), [
+                "# mine", "OTHER=keep", "RELAY_O1_REFRESH_TOKEN=rt-1",
+                "RELAY_O1_ACCESS_TOKEN=at-1", "RELAY_O2_REFRESH_TOKEN=rt-2",
+            ])
+        again = self.write({"tokens": {"refresh_token": "rt-1b", "account_id": "acct-1"}})
+        self.assertEqual(authfile.main([again, "--env-file", envFile, "--id", "o1"],
+                                       io.StringIO(), io.StringIO()), 0)
+        with open(envFile) as f:
+            self.assertEqual(f.read().splitlines(), [
+                "# mine", "OTHER=keep", "RELAY_O2_REFRESH_TOKEN=rt-2",
+                "RELAY_O1_REFRESH_TOKEN=rt-1b",
+            ])
+        self.assertEqual(stat.S_IMODE(os.stat(envFile).st_mode), 0o600)
+
     def test_importInlineAndFile(self):
         """
         C{--secrets inline} puts the tokens in the YAML; C{--secrets file}
@@ -579,6 +615,60 @@ class CredentialsTests(SynchronousTestCase):
         self.assertIsNone(credentials.blockReason(acct, NOW))
         self.assertIsNotNone(credentials.ready(acct))  # no access token: refresh first
 
+    def test_adminTokensSource(self):
+        """
+        Tokens put by an operator show C{token_source} C{admin} instead of
+        the configured file, also after a refresh and after a restart (the
+        stored lineage wins); the record without it reads as configured.
+        """
+        acct = account(token_source="auth_file:/etc/relay/auth-o1.json")
+        credentials = self.make(acct)
+        self.assertEqual(credentials.view(acct)["token_source"],
+                         "auth_file:/etc/relay/auth-o1.json")
+        view = self.successResultOf(credentials.setTokens("o1", token(NOW + 3600, NOW), "rt-a"))
+        self.assertEqual(view["token_source"], "admin")
+        self.endpoint.auto = lambda rt: rotated(1)
+        self.assertTrue(self.successResultOf(credentials.refresh(acct, force=True)))
+        credentials.stop()
+        again = self.make(acct)
+        self.assertEqual(again.view(acct)["token_source"], "admin")
+        self.assertEqual(self.stored().source, "admin")
+
+    def test_tokenStatusMetrics(self):
+        """
+        C{relay_oauth_token_status{account,status}} is 1 for the account's
+        current token status and 0 for the others, so C{needs_login} can be
+        alerted on; C{relay_oauth_refresh_failures_total} counts the failed
+        token requests. No token appears in the scrape.
+        """
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        from relay.scheduling.quota import UsageCollector, UsageWindows
+
+        acct = account(refresh="rt-secret-0")
+        credentials = self.make(acct)
+        registry = CollectorRegistry()
+        registry.register(UsageCollector(UsageWindows(clock=self.clock), credentials, [acct]))
+
+        def scrape():
+            return generate_latest(registry).decode()
+
+        text = scrape()
+        self.assertIn('relay_oauth_token_status{account="o1",status="ok"} 1.0', text)
+        self.assertIn('relay_oauth_token_status{account="o1",status="needs_login"} 0.0', text)
+        self.assertIn('relay_oauth_refresh_failures_total{account="o1"} 0.0', text)
+        replies = [TokenReply(503, {}),
+                   TokenReply(400, {"error": {"code": "refresh_token_reused"}})]
+        self.endpoint.auto = lambda rt: replies.pop(0)
+        self.assertFalse(self.successResultOf(credentials.refresh(acct, force=True)))
+        self.assertFalse(self.successResultOf(credentials.refresh(acct, force=True)))
+        text = scrape()
+        self.assertIn('relay_oauth_token_status{account="o1",status="needs_login"} 1.0', text)
+        self.assertIn('relay_oauth_token_status{account="o1",status="ok"} 0.0', text)
+        self.assertIn('relay_oauth_refresh_failures_total{account="o1"} 2.0', text)
+        self.assertNotIn("rt-secret", text)
+        self.assertNotIn(acct.credential, text)
+
     def test_transientKeepsTokenAndBacksOff(self):
         """
         A 5xx keeps the current (valid) token and schedules the next try
@@ -603,6 +693,33 @@ class CredentialsTests(SynchronousTestCase):
         self.assertEqual(len(self.endpoint.calls), 3)
         self.assertEqual(credentials.current(acct).refresh_token, "rt-1")
         self.assertEqual(self.stored().failures, 0)
+
+    def test_backoffRetryWhenLogged(self):
+        """
+        A transient failure of a refresh made before the proactive time (an
+        admin's forced refresh, the refresh after a 401) is retried when the
+        log line and C{refresh_next_attempt} say (about 5 s), not at the
+        later proactive time.
+        """
+        from twisted.internet.testing import EventLoggingObserver
+        from twisted.logger import globalLogPublisher
+
+        events = EventLoggingObserver.createWithCleanup(self, globalLogPublisher)
+        acct = account(access=token(NOW + 40, NOW))  # proactive refresh due at NOW + 20
+        replies = [TokenReply(503, {}), rotated(1)]
+        self.endpoint.auto = lambda rt: replies.pop(0)
+        credentials = self.make(acct)
+        self.assertFalse(self.successResultOf(
+            credentials.refresh(acct, reason="admin", force=True)))
+        [failed] = [e for e in events if e.get("event") == "relay.oauth_refresh_failed"]
+        nextAttempt = credentials.view(acct)["refresh_next_attempt"]
+        self.assertAlmostEqual(nextAttempt, NOW + failed["delay"], places=6)
+        self.assertEqual(credentials.refreshAt(acct), nextAttempt)
+        self.clock.advance(nextAttempt - NOW - 0.01)
+        self.assertEqual(len(self.endpoint.calls), 1)
+        self.clock.advance(0.01)
+        self.assertEqual(len(self.endpoint.calls), 2)
+        self.assertEqual(credentials.current(acct).refresh_token, "rt-1")
 
     def test_notSentIsNotInDoubt(self):
         """
@@ -630,6 +747,80 @@ class CredentialsTests(SynchronousTestCase):
         self.assertTrue(self.successResultOf(
             credentials.refresh(acct, force=True, retryInDoubt=True)))
         self.assertEqual(self.stored().status, "ok")
+
+    def test_inDoubtExpiryLogsNeedsLoginOnce(self):
+        """
+        An in-doubt account whose access token then expires turns
+        C{needs_login} (C{refresh_in_doubt}): C{relay.oauth_needs_login} is
+        logged once, at the expiry on the clock, not again on later syncs;
+        new tokens cancel the pending call.
+        """
+        from twisted.internet.testing import EventLoggingObserver
+        from twisted.logger import globalLogPublisher
+
+        events = EventLoggingObserver.createWithCleanup(self, globalLogPublisher)
+
+        def needsLogin():
+            return [e for e in events if e.get("event") == "relay.oauth_needs_login"]
+
+        acct = account(access=token(NOW + 100, NOW))
+        self.endpoint.auto = lambda rt: ConnectionResetError("lost after sending")
+        credentials = self.make(acct)
+        self.assertFalse(self.successResultOf(credentials.refresh(acct, force=True)))
+        self.assertEqual(self.stored().status, STATUS_IN_DOUBT)
+        self.clock.advance(99)
+        self.successResultOf(credentials.sync())
+        self.assertEqual(needsLogin(), [])
+        self.clock.advance(1)
+        [event] = needsLogin()
+        self.assertEqual((event["account_id"], event["code"]), ("o1", "refresh_in_doubt"))
+        self.successResultOf(credentials.sync())
+        self.clock.advance(1000)
+        self.assertEqual(len(needsLogin()), 1)
+        self.assertEqual(credentials.view(acct)["token_status"], STATUS_NEEDS_LOGIN)
+
+        other = account("o2", access=token(NOW + 2000, NOW), refresh="rt-o2")
+        credentials2 = self.make(other)
+        self.assertFalse(self.successResultOf(credentials2.refresh(other, force=True)))
+        self.assertEqual(self.stored("o2").status, STATUS_IN_DOUBT)
+        def doubtCalls():
+            return [c for c in self.clock.getDelayedCalls()
+                    if c.func == credentials2._onDoubtExpired]
+
+        self.assertEqual(len(doubtCalls()), 1)
+        self.successResultOf(credentials2.setTokens("o2", token(NOW + 9000, NOW), "rt-new"))
+        self.assertEqual(doubtCalls(), [])
+
+    def test_lastErrorIsReadable(self):
+        """
+        C{refresh_last_error} names the exception and its message, also for
+        Twisted's wrapper exceptions holding Failures (never a C{Failure}
+        repr): a request that may have been sent, and one that was not.
+        """
+        from twisted.internet.error import ConnectionLost, ConnectionRefusedError
+        from twisted.python.failure import Failure
+        from twisted.web._newclient import (
+            RequestTransmissionFailed,
+            ResponseNeverReceived,
+        )
+
+        from relay.oauth.endpoint import describeError
+
+        acct = account(access=token(NOW + 3600, NOW))
+        self.endpoint.auto = lambda rt: NotSent(describeError(
+            RequestTransmissionFailed([Failure(ConnectionRefusedError("no"))])))
+        credentials = self.make(acct)
+        self.assertFalse(self.successResultOf(credentials.refresh(acct, force=True)))
+        error = credentials.view(acct)["refresh_last_error"]
+        self.assertEqual(
+            error, "NotSent: RequestTransmissionFailed: ConnectionRefusedError: Connection was"
+            " refused by other side: no.")
+        self.endpoint.auto = lambda rt: ResponseNeverReceived([Failure(ConnectionLost("gone"))])
+        self.assertFalse(self.successResultOf(credentials.refresh(acct, force=True)))
+        error = credentials.view(acct)["refresh_last_error"]
+        self.assertTrue(error.endswith("ResponseNeverReceived: ConnectionLost: Connection to the"
+                                       " other side was lost in a non-clean fashion: gone."), error)
+        self.assertNotIn("<twisted", error)
 
     def test_orphanedMarkerAtStart(self):
         """

@@ -6,7 +6,9 @@ settings stores of L{relay.settingsdb}.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
+import stat
 
 from twisted.enterprise import adbapi
 from twisted.internet.defer import Deferred, fail, succeed
@@ -520,6 +522,42 @@ class SQLiteSettingsStoreTests(SynchronousTestCase):
         self.assertEqual((pool.dbapiName, pool.min, pool.max), ("sqlite3", 1, 1))
         self.assertEqual(pool.connkw, {"check_same_thread": False})
         self.assertIs(pool._reactor, reactor)
+
+    def test_newFileIsPrivate(self):
+        """
+        The database holds OAuth tokens: a new file is created 0600 under a
+        umask of 022, and so are the C{-wal} and C{-shm} files SQLite makes
+        beside it in WAL mode.
+        """
+        path = self.mktemp()
+        old = os.umask(0o022)
+        try:
+            store = self.makeStore(path)
+            self.successResultOf(store.runInteraction(
+                lambda txn: txn.execute("PRAGMA journal_mode=WAL")))
+            self.successResultOf(store.save({"retry_interval_ms": 5}))
+            modes = {suffix: stat.S_IMODE(os.stat(path + suffix).st_mode)
+                     for suffix in ("", "-wal", "-shm") if os.path.exists(path + suffix)}
+        finally:
+            os.umask(old)
+        self.assertIn("-wal", modes)
+        self.assertEqual(set(modes.values()), {0o600}, modes)
+
+    def test_existingFileTightened(self):
+        """
+        An existing database file readable by group and others (0644) is
+        made 0600 before it is used, with a warning naming the file.
+        """
+        path = self.mktemp()
+        with sqlite3.connect(path) as db:
+            db.execute("CREATE TABLE t (x)")
+        db.close()
+        os.chmod(path, 0o644)
+        events = EventLoggingObserver.createWithCleanup(self, globalLogPublisher)
+        self.assertEqual(self.successResultOf(self.makeStore(path).load()), {})
+        self.assertEqual(stat.S_IMODE(os.stat(path).st_mode), 0o600)
+        self.assertEqual([e["file"] for e in events
+                          if e.get("event") == "relay.database_mode_tightened"], [path])
 
     def test_schema(self):
         """

@@ -18,7 +18,8 @@ file back; its newest tokens live in its own store.
 C{relay-import-codex-auth FILE...} prints the C{accounts:} YAML for one or
 more files. Secrets go, at the operator's choice, into an env file (0600)
 referenced with C{*_env} keys (the default), inline, or stay in the file
-(C{auth_file: PATH}).
+(C{auth_file: PATH}). The env file is merged, not overwritten: importing
+one account after another keeps the earlier ones' variables.
 """
 
 from __future__ import annotations
@@ -179,6 +180,53 @@ def accountEntry(auth: CodexAuth, accountId: str, mode: str, path: str, env: dic
     return lines
 
 
+_TOKEN_VARIABLES = ("REFRESH_TOKEN", "ACCESS_TOKEN", "ID_TOKEN")
+"""The suffixes of the variables L{accountEntry} writes for one account."""
+
+
+def writeEnvFile(path: str, env: dict, replaced) -> None:
+    """
+    Merge C{NAME=value} lines into the env file at C{path}, which ends up
+    mode 0600 whatever it was: lines of other variables (other accounts'
+    tokens, comments) are kept in their order; every line setting a name in
+    C{replaced} (the imported accounts' variables, also ones this import no
+    longer sets) or in C{env} is dropped, and C{env} is appended. The file
+    is replaced atomically (a 0600 temporary file renamed over it).
+
+    @param env: variable name -> secret.
+    @param replaced: names whose old lines are dropped.
+    @raise OSError: the file cannot be read or written.
+    """
+    drop = set(replaced) | set(env)
+    kept = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                name = line.split("=", 1)[0].strip()
+                if name.startswith("export "):
+                    name = name[len("export "):].strip()
+                if "=" in line and name in drop:
+                    continue
+                kept.append(line if line.endswith("\n") else line + "\n")
+    except FileNotFoundError:
+        pass
+    temporary = f"{path}.{os.getpid()}.tmp"
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), 0o600)  # an old temporary file keeps its mode
+            f.writelines(kept)
+            for name, value in env.items():
+                f.write(f"{name}={value}\n")
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise
+
+
 def main(argv=None, stdout=None, stderr=None) -> int:
     """
     C{relay-import-codex-auth [--secrets env|inline|file] [--env-file PATH]
@@ -201,7 +249,8 @@ def main(argv=None, stdout=None, stderr=None) -> int:
     )
     parser.add_argument(
         "--env-file", default="relay-codex.env",
-        help="where --secrets env writes NAME=value lines (mode 0600; default %(default)s)",
+        help="where --secrets env writes NAME=value lines (mode 0600; other variables in an "
+        "existing file are kept, the imported accounts' are replaced; default %(default)s)",
     )
     parser.add_argument(
         "--id", action="append", default=[],
@@ -228,10 +277,15 @@ def main(argv=None, stdout=None, stderr=None) -> int:
             lines.append(f"  # {accountId}: no refresh token: the access token cannot be renewed")
         lines.extend(accountEntry(auth, accountId, args.secrets, path, env))
     if args.secrets == "env" and env:
-        descriptor = os.open(args.env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(descriptor, "w", encoding="utf-8") as f:
-            for name, value in env.items():
-                f.write(f"{name}={value}\n")
+        replaced = {
+            _envName(accountId, what) for accountId in seen for what in _TOKEN_VARIABLES
+        }
+        try:
+            writeEnvFile(args.env_file, env, replaced)
+        except OSError as e:
+            print(f"relay-import-codex-auth: cannot write {args.env_file}: {e.strerror or e}",
+                  file=stderr)
+            return 2
         lines.insert(0, f"# secrets written to {args.env_file} (mode 0600); load it into "
                         "relay's environment, e.g. with systemd EnvironmentFile=")
     print("\n".join(lines), file=stdout)

@@ -43,7 +43,8 @@ L{relay.oauth.tokens.TokenRecord} in memory and in the L{ITokenStore}:
     cleared by new tokens (C{PUT /admin/accounts/{id}/tokens}). Transient
     failures (5xx, 429, network errors before the request was sent) keep
     the current access token while it is valid and retry with exponential
-    backoff (5 s doubling to 10 min, +-20 % jitter).
+    backoff (5 s doubling to 10 min, +-20 % jitter), at the time the log
+    line announces, even before the proactive refresh time.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from relay.interfaces import ICredentialSource, ITokenEndpoint, ITokenStore
 from relay.logs import registerSecrets
 from relay.model import Account
 from relay.oauth.crashpoints import crashPoint
-from relay.oauth.endpoint import NotSent
+from relay.oauth.endpoint import NotSent, describeError
 from relay.oauth.tokens import (
     STATUS_IN_DOUBT,
     STATUS_LOADING,
@@ -95,6 +96,9 @@ PERSIST_RETRY_SECONDS = 5.0
 
 IN_DOUBT_REASON = "refresh_in_doubt"
 
+TOKEN_SOURCE_ADMIN = "admin"
+"""C{token_source} of tokens an operator put (C{PUT /admin/accounts/{id}/tokens})."""
+
 
 @define(eq=False)
 class _Slot:
@@ -112,6 +116,14 @@ class _Slot:
     @ivar pending: new tokens whose write failed (not used until written).
     @ivar nextAttempt: no automatic refresh before this (backoff), seconds.
     @ivar refreshes: successful refreshes by this process.
+    @ivar refreshFailures: token requests of this process that failed
+        (transient, permanent or in doubt), for
+        C{relay_oauth_refresh_failures_total}.
+    @ivar doubtTimer: the call at the in-doubt access token's expiry, which
+        logs C{relay.oauth_needs_login}; L{None} when none is planned.
+    @ivar doubtKey: the (access token, expiry) C{doubtTimer} is for.
+    @ivar doubtAnnounced: the (access token, expiry) whose expiry was
+        already logged (once per in-doubt token).
     """
 
     account: Account
@@ -125,11 +137,18 @@ class _Slot:
     pendingCall: Any = None
     nextAttempt: float = 0.0
     refreshes: int = 0
+    refreshFailures: int = 0
+    doubtTimer: Any = None
+    doubtKey: Any = None
+    doubtAnnounced: Any = None
 
 
 def _describe(e: BaseException) -> str:
-    text = " ".join(str(e).split())[:160]
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+    """
+    @return: C{e}'s class and message, readable (no C{Failure} reprs;
+        L{relay.oauth.endpoint.describeError}).
+    """
+    return describeError(e)
 
 
 @implementer(ICredentialSource)
@@ -201,7 +220,7 @@ class OAuthCredentials:
 
     @staticmethod
     def _cancelTimers(slot: _Slot) -> None:
-        for name in ("timer", "pendingCall"):
+        for name in ("timer", "pendingCall", "doubtTimer"):
             call = getattr(slot, name)
             if call is not None and call.active():
                 call.cancel()
@@ -438,6 +457,7 @@ class OAuthCredentials:
                 "access token of {account_id} invalidated after a 401 on the refreshed token",
                 event="relay.oauth_token_invalidated", account_id=account.id,
             )
+            self._announceDoubt(slot)
 
     def blockReason(self, account: Account, now: float):
         """
@@ -495,13 +515,14 @@ class OAuthCredentials:
             "token_refreshable": bool(record.tokens.refresh_token),
             "last_refresh": record.last_refresh,
             "refresh_failures": record.failures,
+            "refresh_failures_total": slot.refreshFailures,
             "refresh_last_error": record.last_error,
             "refresh_next_attempt": slot.nextAttempt or None,
             "refreshes": slot.refreshes,
             "refresh_running": slot.waiters is not None,
             "token_version": record.version,
             "token_unpersisted": slot.pending is not None,
-            "token_source": slot.account.token_source,
+            "token_source": record.source or slot.account.token_source,
         }
 
     # -- admin ------------------------------------------------------------------------
@@ -535,6 +556,7 @@ class OAuthCredentials:
             record = current.next(
                 now, tokens=TokenSet.fromTokens(access, refresh, idToken, now), status=STATUS_OK,
                 reason=None, in_flight=None, failures=0, last_error=None, last_refresh=now,
+                source=TOKEN_SOURCE_ADMIN,
             )
             if not await self.store.save(slot.account.id, record.version, record.toJSON(),
                                           current.version):
@@ -692,6 +714,7 @@ class OAuthCredentials:
             await self._transient(slot, marked, _describe(e), reason)
             return False
         except (Exception, CancelledError) as e:
+            slot.refreshFailures += 1
             doubtful = await self._markInDoubt(
                 slot, marked, "the token request may have reached the server: " + _describe(e)
             )
@@ -727,6 +750,7 @@ class OAuthCredentials:
             )
             return True
         if reply.permanent:
+            slot.refreshFailures += 1
             code = reply.errorCode or f"status_{reply.status}"
             dead = marked.next(
                 now, in_flight=None, status=STATUS_NEEDS_LOGIN, reason=code,
@@ -744,6 +768,7 @@ class OAuthCredentials:
         return False
 
     async def _transient(self, slot, marked: TokenRecord, error: str, reason: str) -> None:
+        slot.refreshFailures += 1
         failures = marked.failures + 1
         record = marked.next(
             self._clock.seconds(), in_flight=None, failures=failures, last_error=error,
@@ -853,6 +878,61 @@ class OAuthCredentials:
             slot.dial = evolve(account, credential=tokens.access_token, refresh_token=refresh)
         if schedule:
             self._schedule(slot)
+        self._planDoubt(slot)
+
+    def _planDoubt(self, slot: _Slot) -> None:
+        """
+        While the refresh token is in doubt, plan the call at the access
+        token's expiry that logs the account's turn to C{needs_login}
+        (reason C{refresh_in_doubt}); cancel it when the tokens or the
+        status change.
+        """
+        record = slot.record
+        tokens = record.tokens
+        key = None
+        if record.status == STATUS_IN_DOUBT and tokens.expires_at is not None:
+            key = (tokens.access_token, tokens.expires_at)
+        if slot.doubtTimer is not None and slot.doubtTimer.active():
+            if slot.doubtKey == key:
+                return
+            slot.doubtTimer.cancel()
+        slot.doubtTimer = slot.doubtKey = None
+        if key is None or not self._running or slot.doubtAnnounced == key:
+            return
+        slot.doubtKey = key
+        delay = max(0.0, tokens.expires_at - self._clock.seconds())
+        slot.doubtTimer = self._clock.callLater(delay, self._onDoubtExpired, slot)
+
+    def _onDoubtExpired(self, slot: _Slot) -> None:
+        slot.doubtTimer = None
+        try:
+            self._announceDoubt(slot)
+        except Exception:
+            self._log.failure("reporting the end of an in-doubt access token failed")
+
+    def _announceDoubt(self, slot: _Slot) -> None:
+        """
+        Log C{relay.oauth_needs_login} (once per in-doubt access token) when
+        the account is now unschedulable because its refresh token is in
+        doubt and its access token expired or was invalidated.
+        """
+        record = slot.record
+        if record is None or record.status != STATUS_IN_DOUBT:
+            return
+        key = (record.tokens.access_token, record.tokens.expires_at)
+        block = self.blockReason(slot.account, self._clock.seconds())
+        if slot.doubtAnnounced == key or block is None or block[0] != (
+            "needs_login: " + IN_DOUBT_REASON
+        ):
+            return
+        slot.doubtAnnounced = key
+        self._log.error(
+            "account {account_id} needs a new login: its access token is no longer usable and"
+            " its refresh token is in doubt (POST /admin/accounts/{account_id}/refresh with"
+            ' {{"retry_in_doubt": true}} retries it, PUT .../tokens sets new ones)',
+            event="relay.oauth_needs_login", account_id=slot.account.id, code=IN_DOUBT_REASON,
+            status=None, expired_at=record.tokens.expires_at,
+        )
 
     def refreshAt(self, account: Account) -> Optional[float]:
         """
@@ -872,6 +952,12 @@ class OAuthCredentials:
         now = self._clock.seconds()
         if not tokens.access_token or slot.invalidated:
             return max(now, slot.nextAttempt)
+        if record.failures and slot.nextAttempt:
+            # A transient failure in this process: the retry is at the
+            # backoff time its log line and the view announced, also when
+            # the failed refresh came before the proactive time (an admin's
+            # forced refresh, the refresh after a 401).
+            return slot.nextAttempt
         if tokens.expires_at is None:
             if record.last_refresh is None:
                 return None
@@ -902,7 +988,8 @@ class OAuthCredentials:
         slot.timer = None
         try:
             tokens = slot.record.tokens
-            d = self.refresh(slot.account, stale=tokens.access_token or "", reason="proactive")
+            reason = "retry" if slot.record.failures and slot.nextAttempt else "proactive"
+            d = self.refresh(slot.account, stale=tokens.access_token or "", reason=reason)
 
             def _cbAgain(ok):
                 if slot.waiters is None and slot.timer is None:

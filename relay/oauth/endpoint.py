@@ -15,6 +15,7 @@ refresh token in doubt (the server may have rotated it).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Optional
 
 from attrs import define, field, frozen
@@ -205,7 +206,7 @@ class TokenEndpoint:
             if not connected or failure.check(RequestTransmissionFailed) is not None or (
                 failure.check(ResponseNeverReceived) is not None and _tlsFailure(failure)
             ):
-                raise NotSent(f"{type(e).__name__}: {e}") from e
+                raise NotSent(describeError(e)) from e
             raise
         reader = response.content()
         reader.addTimeout(timeout, self._reactor)
@@ -215,6 +216,36 @@ class TokenEndpoint:
         except ValueError:
             parsed = {}
         return TokenReply(status=response.code, body=parsed if isinstance(parsed, dict) else {})
+
+
+_FAILURE_REPR = re.compile(r"<twisted\.python\.failure\.Failure (?:[\w.]+\.)?(\w+): ?(.*?)>")
+
+
+def describeError(e: BaseException, limit: int = 160) -> str:
+    """
+    A short, readable description of an exception for logs and the admin
+    view: its class name and message, with the Failures that Twisted's
+    wrapper exceptions (C{ResponseNeverReceived}, C{RequestTransmissionFailed},
+    ...) hold described the same way instead of their C{repr}.
+
+    @param e: the exception.
+    @param limit: at most this many characters of message.
+    @return: e.g. C{ResponseNeverReceived: ConnectionLost: Connection to
+        the other side was lost in a non-clean fashion.}
+    """
+    reasons = getattr(e, "reasons", None)
+    if isinstance(reasons, (list, tuple)) and reasons:
+        inner = [
+            describeError(r.value, limit) if isinstance(getattr(r, "value", None), BaseException)
+            else str(r)
+            for r in reasons
+        ]
+        text = "; ".join(inner)
+    else:
+        text = _FAILURE_REPR.sub(lambda m: m.group(1) + (": " + m.group(2) if m.group(2) else ""),
+                                 str(e))
+    text = " ".join(text.split())[:limit]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _asFailure(e: Exception):

@@ -219,6 +219,9 @@ class TokenRecord:
     @ivar failures: consecutive transient refresh failures.
     @ivar last_error: the last refresh error (short text, no secrets).
     @ivar updated_at: Unix seconds of this write.
+    @ivar source: where this lineage's tokens came from when not from the
+        configuration (C{admin}: C{PUT /admin/accounts/{id}/tokens}), or
+        L{None} (the account's configured C{token_source}).
     """
 
     tokens: TokenSet
@@ -231,6 +234,7 @@ class TokenRecord:
     failures: int = 0
     last_error: Optional[str] = None
     updated_at: float = 0.0
+    source: Optional[str] = None
 
     def next(self, now: float, **changes: Any) -> "TokenRecord":
         """
@@ -249,6 +253,7 @@ class TokenRecord:
                 "status": self.status, "reason": self.reason, "in_flight": self.in_flight,
                 "last_refresh": self.last_refresh, "failures": self.failures,
                 "last_error": self.last_error, "updated_at": self.updated_at,
+                "source": self.source,
             },
             sort_keys=True,
         )
@@ -286,4 +291,5 @@ class TokenRecord:
             failures=int(value.get("failures") or 0),
             last_error=value.get("last_error"),
             updated_at=float(value.get("updated_at") or 0.0),
+            source=value.get("source") if isinstance(value.get("source"), str) else None,
         )

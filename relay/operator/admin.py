@@ -16,6 +16,8 @@ C{/admin}):
   - C{POST /admin/accounts/{id}/clear} - lift an account's runtime states;
   - C{POST /admin/accounts/{id}/refresh} - force an OAuth token refresh
     (body C{{"retry_in_doubt": true}} to resend an in-doubt refresh token);
+    C{{"refreshed": false}} comes with a C{reason} and a C{hint} saying
+    what to do (e.g. pass C{retry_in_doubt});
   - C{PUT /admin/accounts/{id}/tokens} - new OAuth tokens (C{refresh_token},
     C{access_token}, C{id_token}, or a Codex C{auth.json}), clearing
     C{needs_login} without a restart (issue 12);
@@ -399,11 +401,18 @@ class _AccountsResource(_Guarded):
                                            "account_not_found", "id")
                 return 400, _errorBody(result[2], "invalid_request_error", "invalid_tokens")
             if action == "refresh":
-                refreshed, view = result
-                _log.info("token refresh of {account_id} forced by admin: {refreshed}",
-                          account_id=accountId, refreshed=refreshed,
-                          event="relay.oauth_admin_refresh")
-                return 200, {"account": accountId, "refreshed": refreshed, "token": view}
+                refreshed, view = result[0], result[1]
+                why = (result[2] if len(result) > 2 else None) or {}
+                outcome = "refreshed" if refreshed else (
+                    "not refreshed (" + why.get("reason", "see the log") + ")"
+                )
+                _log.info("token refresh of {account_id} forced by admin: {outcome}",
+                          account_id=accountId, refreshed=refreshed, outcome=outcome,
+                          reason=why.get("reason"), event="relay.oauth_admin_refresh")
+                answer = {"account": accountId, "refreshed": refreshed, "token": view}
+                if not refreshed:
+                    answer.update(reason=why.get("reason"), hint=why.get("hint"))
+                return 200, answer
             return 200, {"account": accountId, "token": result}
 
         return _deliverLater(request, d, _cbAnswer, "handling tokens")
@@ -708,7 +717,7 @@ def buildAdminResource(
     @param history: optional; returns the charts' data (e.g.
         L{relay.operator.history.AccountHistory.snapshot}) for C{/admin/history}.
     @param tokenActions: optional object with C{refreshAccount(id,
-        options)} and C{setTokens(id, body)} (L{relay.operator.view.OperatorView})
+        options)} (firing with C{(refreshed, view, why)}) and C{setTokens(id, body)} (L{relay.operator.view.OperatorView})
         for the OAuth routes; they return (Deferreds of) results and raise
         L{KeyError} for an unknown account, L{ValueError} for a bad request.
     @param reload: optional; C{reload(source)} re-reads the configuration
@@ -736,8 +745,11 @@ def buildAdminResource(
 
 def metricsResource(registry: CollectorRegistry) -> Resource:
     """
-    The resource to mount at C{/metrics} (no key; bind relay to loopback or
-    put the scrape behind a firewall).
+    The bare Prometheus exposition of C{registry}, without the admin key.
+    relay itself does not mount it: its C{/metrics} (like C{/admin/metrics})
+    requires C{Authorization: Bearer <admin key>} and answers 404 when no
+    admin key is configured (L{_GuardedMetrics}); this one is for embedding
+    and tests.
 
     @param registry: e.g. L{relay.operator.metrics.RelayMetrics.registry}.
     @rtype: L{Resource}

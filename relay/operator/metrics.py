@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_metrics -*-
 """
-Prometheus metrics for relay, served at C{/metrics}
-(L{relay.operator.admin.metricsResource}).
+Prometheus metrics for relay, served at C{/metrics} and C{/admin/metrics},
+both behind the admin key (L{relay.operator.admin._GuardedMetrics}).
 
 Every metric lives in the registry given to L{RelayMetrics}, never in
 prometheus_client's global registry, so tests and several relays in one
@@ -27,6 +27,11 @@ Names (all prefixed C{relay_}):
     C{cached_input}, C{output}, C{reasoning}) and
     C{relay_usage_turns_total{key,account,model}}: tokens counted from
     every turn's terminal usage (issue 13 item 5)
+  - from L{relay.scheduling.quota.UsageCollector}: the usage windows,
+    C{relay_oauth_token_expiry_timestamp_seconds{account}},
+    C{relay_oauth_token_status{account,status}} (1 for the current status of
+    C{ok}, C{in_doubt}, C{needs_login}, C{loading}; 0 for the others) and
+    C{relay_oauth_refresh_failures_total{account}}
 
 No C{_created} series: prometheus_client only has a process-wide switch
 (C{disable_created_metrics()}), so the exposition reads the registry

@@ -124,7 +124,7 @@ class OperatorView:
                 }
             )
             if self.credentials is not None:
-                rows[-1].update(self.credentials.view(account))
+                rows[-1].update(_tokenView(self.credentials.view(account)))
         return rows
 
     def _oauthAccount(self, accountId: str):
@@ -141,13 +141,20 @@ class OperatorView:
         12). C{options} may hold C{retry_in_doubt: true} to send a refresh
         token that is in doubt (the operator's explicit choice).
 
-        @return: a Deferred firing with C{(refreshed, token view)}.
+        @return: a Deferred firing with C{(refreshed, token view, why)}:
+            C{why} is L{None} after a refresh, else L{refreshNotDone}'s
+            C{{"reason", "hint"}}.
         @raise KeyError: unknown account. @raise ValueError: not OAuth.
         """
         account = self._oauthAccount(accountId)
         retry = bool(options.get("retry_in_doubt"))
         d = self.credentials.refresh(account, reason="admin", force=True, retryInDoubt=retry)
-        return d.addCallback(lambda ok: (ok, self.credentials.view(account)))
+
+        def _cbAnswer(ok):
+            view = _tokenView(self.credentials.view(account))
+            return ok, view, None if ok else refreshNotDone(accountId, view, retry)
+
+        return d.addCallback(_cbAnswer)
 
     def setTokens(self, accountId: str, body: dict) -> Deferred:
         """
@@ -170,6 +177,7 @@ class OperatorView:
         d = self.credentials.setTokens(
             accountId, auth.access_token, auth.refresh_token, auth.id_token
         )
+        d.addCallback(_tokenView)
 
         def _cbClear(view):
             return self.health.clear(accountId, "new_tokens").addCallback(lambda _: view)
@@ -198,6 +206,48 @@ class OperatorView:
         return d
 
 
+def refreshNotDone(accountId: str, view: dict, retriedInDoubt: bool) -> dict:
+    """
+    Why a forced refresh did not happen and what the operator can do, from
+    the account's token view afterwards (C{POST
+    /admin/accounts/{id}/refresh}).
+
+    @param view: L{relay.interfaces.ICredentialSource.view} of the account.
+    @param retriedInDoubt: whether C{retry_in_doubt} was asked for.
+    @return: C{{"reason": machine reason, "hint": one sentence}}.
+    """
+    status, reason = view.get("token_status"), view.get("token_reason")
+    error = view.get("refresh_last_error")
+    tokens = f"PUT /admin/accounts/{accountId}/tokens with new tokens"
+    if view.get("token_unpersisted"):
+        return {"reason": "tokens_unpersisted",
+                "hint": "new tokens are waiting to be written to the token store; relay retries"
+                        " the write, try again once it is reachable"}
+    if status == "in_doubt" or reason == "refresh_in_doubt":
+        if retriedInDoubt:
+            return {"reason": "refresh_in_doubt",
+                    "hint": "the retried token request got no answer either"
+                            + (f" ({error})" if error else "") + f"; {tokens}"}
+        return {"reason": "refresh_in_doubt",
+                "hint": "the refresh token is in doubt (an earlier token request may have"
+                        " reached the server unanswered) and is not sent without consent: POST"
+                        ' again with {"retry_in_doubt": true} to send it anyway (the server'
+                        f" may count it as reuse), or {tokens}"}
+    if status == "needs_login":
+        return {"reason": "needs_login",
+                "hint": f"the account needs a new login ({reason or 'login required'}): {tokens}"}
+    if not view.get("token_refreshable"):
+        return {"reason": "no_refresh_token", "hint": f"no refresh token to send: {tokens}"}
+    if error:
+        when = isoTime(view.get("refresh_next_attempt"))
+        return {"reason": "refresh_failed",
+                "hint": f"the token request failed ({error})"
+                        + (f"; relay tries again at {when}" if when else "")}
+    return {"reason": "not_refreshed",
+            "hint": "another refresh or the refresh lock was busy; see the"
+                    " relay.oauth_refresh_* log lines"}
+
+
 def isoTime(seconds: Optional[float]) -> Optional[str]:
     """
     Unix seconds as ISO-8601 UTC (C{2026-11-30T22:10:14Z}), or L{None}.
@@ -205,6 +255,16 @@ def isoTime(seconds: Optional[float]) -> Optional[str]:
     if seconds is None:
         return None
     return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _tokenView(view: dict) -> dict:
+    """
+    An account's token view with C{token_expires_at_iso} beside
+    C{token_expires_at} (as blocks have C{until_iso}), for OAuth accounts.
+    """
+    if "token_expires_at" not in view:
+        return view
+    return {**view, "token_expires_at_iso": isoTime(view["token_expires_at"])}
 
 
 def _timed(block: dict, now: float) -> dict:

@@ -31,9 +31,11 @@ import math
 from typing import Any, Optional
 
 from attrs import define, field, frozen
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from twisted.internet.interfaces import IReactorTime
+
+from relay.oauth.tokens import STATUS_IN_DOUBT, STATUS_LOADING, STATUS_NEEDS_LOGIN, STATUS_OK
 
 WINDOWS = ("primary", "secondary")
 
@@ -258,12 +260,21 @@ class UsageWindows:
         return None if snapshot is None else snapshot.toJSON(self._clock.seconds())
 
 
+TOKEN_STATUSES = (STATUS_OK, STATUS_IN_DOUBT, STATUS_NEEDS_LOGIN, STATUS_LOADING)
+"""The C{status} label values of C{relay_oauth_token_status}."""
+
+
 class UsageCollector(Collector):
     """
-    Prometheus gauges of the usage windows (and OAuth token expiry):
+    Prometheus gauges of the usage windows and the OAuth token state:
     C{relay_account_usage_percent{account,window}},
-    C{relay_account_usage_reset_timestamp_seconds{account,window}} and
-    C{relay_oauth_token_expiry_timestamp_seconds{account}}.
+    C{relay_account_usage_reset_timestamp_seconds{account,window}},
+    C{relay_oauth_token_expiry_timestamp_seconds{account}},
+    C{relay_oauth_token_status{account,status}} (1 for the account's
+    current status, 0 for the others of L{TOKEN_STATUSES}: alert on
+    C{relay_oauth_token_status{status="needs_login"} == 1}) and the counter
+    C{relay_oauth_refresh_failures_total{account}} (token requests of this
+    process that failed). No secrets: account ids and statuses only.
     """
 
     def __init__(self, windows: UsageWindows, credentials=None, accounts=()):
@@ -288,13 +299,19 @@ class UsageCollector(Collector):
             GaugeMetricFamily("relay_oauth_token_expiry_timestamp_seconds",
                               "When an OAuth account's access token expires (Unix seconds)",
                               labels=["account"]),
+            GaugeMetricFamily("relay_oauth_token_status",
+                              "An OAuth account's token status (1 for the current one)",
+                              labels=["account", "status"]),
+            CounterMetricFamily("relay_oauth_refresh_failures",
+                                "OAuth token requests of this process that failed",
+                                labels=["account"]),
         )
 
     def collect(self):
         """
         Read the snapshots at scrape time.
         """
-        used, reset, expiry = self._families()
+        used, reset, expiry, status, failures = self._families()
         now = self._windows._clock.seconds()
         for accountId, snapshot in list(self._windows.snapshots.items()):
             for name in WINDOWS:
@@ -309,6 +326,14 @@ class UsageCollector(Collector):
                 view = self._credentials.view(account)
                 if view.get("token_expires_at") is not None:
                     expiry.add_metric([account.id], view["token_expires_at"])
+                current = view.get("token_status")
+                if current is not None:
+                    for name in TOKEN_STATUSES:
+                        status.add_metric([account.id, name], 1.0 if name == current else 0.0)
+                if view.get("refresh_failures_total") is not None:
+                    failures.add_metric([account.id], view["refresh_failures_total"])
         yield used
         yield reset
         yield expiry
+        yield status
+        yield failures
