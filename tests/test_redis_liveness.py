@@ -221,3 +221,29 @@ class ProcessLivenessServiceTests(SynchronousTestCase):
         self.assertIs(self.successResultOf(service.stopService()), True)
         self.assertFalse(service.running)
         self.assertEqual(redis.heartbeats()[-1][1][1], "0.0")
+
+    def test_redisRelayRunsHeartbeat(self):
+        """
+        R34: a relay on the Redis backend runs its admission's heartbeat as
+        a child after the Redis client (started after it, stopped before it
+        and after the drain); one on memory has none.
+        """
+        from twisted.internet.testing import MemoryReactorClock
+
+        from relay.app import buildApplication
+        from relay.config import settingsFromString
+        from relay.redisclient import RedisService
+
+        base = 'listen: "tcp:0:interface=127.0.0.1"\ndatabase: ":memory:"\n'
+        app = buildApplication(
+            settingsFromString(
+                base + "state: {backend: redis, redis_url: 'redis://127.0.0.1:1/0'}\n"
+            ),
+            MemoryReactorClock(),
+        )
+        kinds = [type(s) for s in app.services]
+        self.assertEqual(kinds[:2], [RedisService, ProcessLivenessService])
+        self.assertIs(app.services[1].admission, app.admission)
+        self.assertEqual(kinds.count(ProcessLivenessService), 1)
+        memory = buildApplication(settingsFromString(base), MemoryReactorClock())
+        self.assertNotIn(ProcessLivenessService, [type(s) for s in memory.services])
