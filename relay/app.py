@@ -204,6 +204,25 @@ def _redisProviders(config: RelayConfig, reactor):
     return store, (lambda **kw: RedisSlotAdmission(**kw)), kwargs, [service]
 
 
+def _processLiveness(admission) -> list:
+    """
+    R34 crash recovery: the heartbeat service of a Redis admission that has
+    one (L{relay.admission.redis.RedisSlotAdmission.startHeartbeat}), so
+    other processes free this process's slots soon after it is killed. It
+    sits after the Redis client in the children: it starts after it, and
+    stops before it but after the drain has released the slots.
+
+    @param admission: the built L{ISlotAdmission} (possibly a component
+        without a heartbeat, which gets none).
+    @return: C{[ProcessLivenessService]}, or C{[]}.
+    """
+    from relay.admission.redis import ProcessLivenessService
+
+    if not (hasattr(admission, "startHeartbeat") and hasattr(admission, "stopHeartbeat")):
+        return []
+    return [ProcessLivenessService(admission)]
+
+
 def buildApplication(
     config: RelayConfig,
     reactor,
@@ -237,6 +256,8 @@ def buildApplication(
         config.components.admission, ISlotAdmission, admissionFactory, "admission",
         **admissionKwargs,
     )
+    if config.state.backend == "redis":
+        services.extend(_processLiveness(admission))
     classifier = loadComponent(
         config.components.classifier,
         IFailureClassifier,

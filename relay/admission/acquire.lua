@@ -8,6 +8,8 @@
 -- ARGV[4] mode: try | enqueue | poll
 -- ARGV[5] max waiting (enqueue)
 -- ARGV[6] ticket heartbeat ttl seconds
+-- KEYS[4] (optional) process registry ZSET relay:processes
+--         member = process prefix, score = liveness expiry (Redis TIME s)
 -- Returns {status, now, position, waiting}:
 --   status 1 acquired, 0 waiting (or missed a try), -1 queue full.
 local t = redis.call('TIME')
@@ -40,7 +42,30 @@ end
 local rank = redis.call('ZRANK', KEYS[2], rid)
 local ahead = rank
 if ahead == false or ahead == nil then ahead = redis.call('ZCARD', KEYS[2]) end
-if limit <= 0 or ahead < limit - redis.call('ZCARD', KEYS[1]) then
+local free = limit - redis.call('ZCARD', KEYS[1])
+-- Crash recovery (R34 "purge slots of dead process prefixes"): only when
+-- the key is full for this caller, drop members whose process's liveness
+-- entry has expired (killed without releasing). A prefix with no entry is
+-- unknown (an older relay, a lost registry) and keeps the slot TTL only.
+-- Cost: one ZRANGE of this key plus one ZSCORE per distinct prefix.
+if limit > 0 and ahead >= free and KEYS[4] and free < limit then
+  local verdict = {}
+  local members = redis.call('ZRANGE', KEYS[1], 0, -1)
+  for i = 1, #members do
+    local p = string.match(members[i], '^(.*)%-[^%-]*$')
+    if p then
+      if verdict[p] == nil then
+        local expiry = redis.call('ZSCORE', KEYS[4], p)
+        verdict[p] = (expiry and tonumber(expiry) <= now) or false
+      end
+      if verdict[p] then
+        redis.call('ZREM', KEYS[1], members[i])
+        free = free + 1
+      end
+    end
+  end
+end
+if limit <= 0 or ahead < free then
   redis.call('ZADD', KEYS[1], now, rid)
   redis.call('PEXPIRE', KEYS[1], math.floor(ttl * 1000))
   if rank then

@@ -1,4 +1,4 @@
-# -*- test-case-name: tests.integration.test_redis_admission -*-
+# -*- test-case-name: tests.integration.test_redis_admission,tests.test_redis_liveness -*-
 """
 The Redis L{ISlotAdmission} provider: slots shared by several relay
 processes, with a FIFO ticket queue per slot key (behaviour.md R27-R35,
@@ -8,10 +8,33 @@ Keys (R34 names; C{kind} is C{account} or C{user}):
 
   - C{concurrency:{kind}:{id}}: ZSET of held slots; member = request id
     (C{<process prefix>-<seq base36>}), score = Redis C{TIME} seconds.
-    Members older than C{concurrency_slot_ttl_minutes} (30) are pruned by
-    every script, so a crashed process never leaks capacity; a long turn
-    renews its lease (L{RedisSlotLease.renew} or
-    L{RedisSlotLease.startRenewing}).
+    Released with C{ZREM}. Two ways a member that no one will release
+    (its process was killed: SIGKILL, OOM) is removed:
+      - crash recovery (R34 "purge slots that belong to dead process
+        prefixes"): once its process's liveness entry in
+        C{relay:processes} has expired (60 s after the last
+        heartbeat), by the next C{acquire.lua} call that finds the key full
+        for its caller, and by every C{load.lua} call;
+      - the slot TTL, C{concurrency_slot_ttl_minutes} (30): members older
+        than it are pruned by every script. This remains the fallback for a
+        prefix with no liveness entry (a relay without heartbeats, or a
+        registry lost with a Redis restart); a long turn renews its lease
+        (L{RedisSlotLease.renew} or L{RedisSlotLease.startRenewing}).
+  - C{relay:processes} (relay's own key, outside R34's C{concurrency:*}
+    slot names): ZSET process registry; member = process prefix, score =
+    liveness expiry in Redis C{TIME} seconds (no clock skew between
+    hosts). Each process refreshes its entry every C{heartbeatInterval}
+    (20 s) to now + C{liveTtl} (60 s), the figures of R34's live leases,
+    with C{heartbeat.lua} (L{RedisSlotAdmission.startHeartbeat}, run by
+    L{ProcessLivenessService}), so a process whose Redis connection blips
+    keeps its slots through up to 40 s without a heartbeat. A clean stop
+    expires its entry at once (L{RedisSlotAdmission.stopHeartbeat}). An
+    entry is dropped (by any heartbeat) once it has been expired for a
+    slot TTL, when no member of its process can be left; the key expires
+    after C{liveTtl} + the slot TTL without any heartbeat. Only an
+    I{expired} entry marks a process dead: a missing one is unknown, so a
+    lost or flushed registry, or a relay that predates heartbeats, never
+    frees a live process's slots early.
   - C{wait:account:{id}} (accounts) and C{concurrency:wait:{id}} (users):
     the FIFO ticket queue, a ZSET (member = request id, score = arrival
     order). Its size is the one wait counter per account of R29 that
@@ -24,7 +47,8 @@ Keys (R34 names; C{kind} is C{account} or C{user}):
 Scripts (C{relay/admission/*.lua}, one round trip each, sent with
 C{eval}, which falls back from C{EVALSHA} on C{NOSCRIPT} by itself, T17):
 C{acquire.lua} (modes C{try}, C{enqueue}, C{poll}), C{leave.lua},
-C{renew.lua}, C{load.lua}. Release is a plain C{ZREM}.
+C{renew.lua}, C{load.lua}, C{heartbeat.lua}. Release is a plain C{ZREM}.
+Every key a script touches is one of its C{KEYS}.
 
 Fast path: one C{acquire.lua} call and one C{ZREM}.
 
@@ -43,6 +67,7 @@ C{on_redis_error} (R35), as implemented:
     ends, then fails with C{error} when the last poll failed, else
     C{timeout}; C{fail_closed} fails with C{error} at once;
   - release and leave errors are logged; the slot TTL reclaims the member;
+  - heartbeat errors are logged and the heartbeat goes on;
   - C{load()} errors: C{fail_open} reports C{(0, 0)} for every id,
     C{fail_closed} fails with L{relay.redisclient.RedisUnavailable}.
 
@@ -59,6 +84,7 @@ import random
 from typing import Optional
 
 from attrs import define, field
+from twisted.application.service import Service
 from twisted.internet.defer import CancelledError, Deferred, DeferredList, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
@@ -85,6 +111,10 @@ ACQUIRE_LUA = _script("acquire")
 LEAVE_LUA = _script("leave")
 RENEW_LUA = _script("renew")
 LOAD_LUA = _script("load")
+HEARTBEAT_LUA = _script("heartbeat")
+
+#: The process registry ZSET (see the module docstring; R34 crash recovery).
+PROCESSES_KEY = "relay:processes"
 
 #: R30 poll loop figures, seconds
 BACKOFF_START = 0.1
@@ -240,7 +270,14 @@ class RedisSlotAdmission:
     @ivar timeout: per-command timeout, seconds.
     @ivar onRedisError: C{fail_open} or C{fail_closed} (R35).
     @ivar ticketTtl: seconds a waiter's ticket lives without a poll.
-    @ivar prefix: this process's request id prefix.
+    @ivar prefix: this process's request id prefix, also its member of the
+        process registry C{relay:processes}.
+    @ivar liveTtl: seconds this process's liveness entry lives after a
+        heartbeat (R34 live leases: 60 s). Once it has lapsed, other
+        processes free this process's slots.
+    @ivar heartbeatInterval: seconds between heartbeats (R34: 20 s); less
+        than C{liveTtl}, whose excess over it is the Redis outage a live
+        process survives without losing its slots (40 s by default).
     @ivar held: leases held by this process (local accounting).
     @ivar _sleepers: C{(kind, id)} -> this process's waiters between polls;
         a local release wakes them at once (after its C{ZREM} lands), so
@@ -257,19 +294,98 @@ class RedisSlotAdmission:
     onRedisError: str = "fail_open"
     ticketTtl: float = 6.0
     prefix: str = ""
+    liveTtl: float = 60.0
+    heartbeatInterval: float = 20.0
     held: set = field(factory=set, init=False)
     _seq: object = field(factory=lambda: itertools.count(1), init=False)
     _sleepers: dict = field(factory=dict, init=False)
     _writes: set = field(factory=set, init=False)
+    _heartbeat: Optional[LoopingCall] = field(default=None, init=False)
 
     _log = Logger()
 
     def __attrs_post_init__(self) -> None:
         """
         Pick a process prefix when none was given.
+
+        @raise ValueError: when C{heartbeatInterval} is not below
+            C{liveTtl} (the entry would lapse between heartbeats).
         """
         if not self.prefix:
             self.prefix = "%08x" % self._random.getrandbits(32)
+        if not 0 < self.heartbeatInterval < self.liveTtl:
+            raise ValueError(
+                f"heartbeatInterval ({self.heartbeatInterval}s) must be positive and"
+                f" below liveTtl ({self.liveTtl}s)"
+            )
+
+    # -- process liveness (R34 crash recovery) --------------------------------
+
+    def startHeartbeat(self) -> None:
+        """
+        Register this process in C{relay:processes} now and refresh
+        its entry every C{heartbeatInterval} seconds on the injected clock,
+        until L{stopHeartbeat}. Errors are logged and the loop goes on
+        (trap T26). Idempotent.
+        """
+        if self._heartbeat is not None:
+            return
+        self._heartbeat = LoopingCall(self.beat)
+        self._heartbeat.clock = self._clock
+        self._heartbeat.start(self.heartbeatInterval, now=True)
+
+    def beat(self) -> Deferred:
+        """
+        One C{heartbeat.lua} round trip: this process's liveness entry
+        expires C{liveTtl} seconds from now (Redis C{TIME}).
+
+        @return: a Deferred firing with L{True} once the entry is refreshed,
+            L{False} on a Redis error (logged); it never fails.
+        """
+        return self._heartbeatCall(self.liveTtl, "heartbeat")
+
+    def stopHeartbeat(self) -> Deferred:
+        """
+        Stop the heartbeat and expire this process's liveness entry at once
+        (a clean stop), so any slot member it left behind is freed by the
+        next full acquire instead of after C{liveTtl}. Call it after
+        L{releaseAll}.
+
+        @return: a Deferred firing with L{True} once the entry is expired,
+            L{False} when the heartbeat was not running or on a Redis error
+            (logged; the entry then lapses after C{liveTtl}); it never
+            fails.
+        """
+        loop, self._heartbeat = self._heartbeat, None
+        if loop is None:
+            return succeed(False)
+        if loop.running:
+            loop.stop()
+        return self._heartbeatCall(0, "retire")
+
+    def _heartbeatCall(self, liveTtl: float, operation: str) -> Deferred:
+        """
+        Set this process's liveness entry to expire C{liveTtl} seconds from
+        now.
+
+        @param liveTtl: seconds; 0 expires it at once.
+        @param operation: C{heartbeat} or C{retire}, for the error log.
+        @return: a Deferred firing with L{True}, or L{False} on a Redis
+            error (logged).
+        """
+        d = self._redis.execute(
+            self.timeout, "eval", HEARTBEAT_LUA, [PROCESSES_KEY],
+            [self.prefix, repr(float(liveTtl)), repr(self.slotTtl)],
+        )
+
+        def _eb(f: Failure) -> bool:
+            if f.check(RedisUnavailable):
+                self._logError(operation, f)
+            else:
+                self._log.failure("process {operation} failed", f, operation=operation)
+            return False
+
+        return d.addCallbacks(lambda _: True, _eb)
 
     # -- ISlotAdmission ------------------------------------------------------
 
@@ -359,6 +475,7 @@ class RedisSlotAdmission:
         keys = []
         for i in ids:
             keys.extend(keysFor(kind, i))
+        keys.append(PROCESSES_KEY)
         d = self._redis.execute(self.timeout, "eval", LOAD_LUA, keys, [repr(self.slotTtl)])
 
         def _cb(flat):
@@ -518,7 +635,7 @@ class RedisSlotAdmission:
         @return: Deferred firing with C{[status, now, position, waiting]}.
         """
         return self._track(self._redis.execute(
-            self.timeout, "eval", ACQUIRE_LUA, keysFor(kind, id),
+            self.timeout, "eval", ACQUIRE_LUA, keysFor(kind, id) + [PROCESSES_KEY],
             [int(limit), repr(self.slotTtl), rid, mode, int(maxWaiting), repr(self.ticketTtl)],
         ))
 
@@ -643,6 +760,40 @@ class RedisSlotAdmission:
         )
 
 
+class ProcessLivenessService(Service):
+    """
+    Runs a L{RedisSlotAdmission}'s liveness heartbeat while the relay runs
+    (R34 crash recovery): started after the Redis client, stopped after the
+    drain has released this process's slots (L{relay.app._Startup} stops
+    children in reverse order), which expires its liveness entry.
+
+    @ivar admission: the L{RedisSlotAdmission}.
+    """
+
+    def __init__(self, admission: RedisSlotAdmission):
+        """
+        @param admission: the L{RedisSlotAdmission} whose heartbeat to run.
+        """
+        self.admission = admission
+
+    def startService(self) -> None:
+        """
+        Start the heartbeat (first beat now).
+        """
+        super().startService()
+        self.admission.startHeartbeat()
+
+    def stopService(self) -> Deferred:
+        """
+        Stop the heartbeat and expire this process's liveness entry.
+
+        @return: a Deferred that fires (never fails) once the entry is
+            expired or the attempt has failed or timed out.
+        """
+        super().stopService()
+        return self.admission.stopHeartbeat()
+
+
 def _fire(result, waiter: Deferred):
     """
     Fire C{waiter} (once) when a tracked command completes; pass C{result}
@@ -659,4 +810,7 @@ class _Cancelled(Exception):
     """
 
 
-__all__ = ["RedisSlotAdmission", "RedisSlotLease", "AdmissionError", "nextBackoff"]
+__all__ = [
+    "RedisSlotAdmission", "RedisSlotLease", "ProcessLivenessService", "AdmissionError",
+    "nextBackoff", "PROCESSES_KEY",
+]

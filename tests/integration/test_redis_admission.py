@@ -16,7 +16,13 @@ from twisted.internet.defer import gatherResults
 from twisted.internet.task import deferLater
 from zope.interface.verify import verifyObject
 
-from relay.admission.redis import ACQUIRE_LUA, RedisSlotAdmission, keysFor, nextBackoff
+from relay.admission.redis import (
+    ACQUIRE_LUA,
+    PROCESSES_KEY,
+    RedisSlotAdmission,
+    keysFor,
+    nextBackoff,
+)
 from relay.interfaces import ISlotAdmission, ISlotLease
 from relay.model import AdmissionError, CancelSignal, WaitPlan
 from relay.redisclient import RedisService, RedisUnavailable
@@ -367,3 +373,243 @@ async def test_soak(redisService, redisServer):  # noqa: F811
     for i in limits:
         await waitFor(lambda i=i: _loadIs(adms[0], i, (0, 0)))
     assert redisServer.command("KEYS", "*") == b"*0\r\n"
+
+
+# -- crash recovery: process liveness (R34) -----------------------------------
+
+#: short liveness figures so the crash tests take seconds, not a minute
+LIVE_TTL = 1.0
+BEAT = 0.25
+
+
+def process(service, prefix, **kw):
+    """
+    @return: a L{RedisSlotAdmission} standing for one relay process, its
+        heartbeat running with the short test figures.
+    """
+    kw.setdefault("liveTtl", LIVE_TTL)
+    kw.setdefault("heartbeatInterval", BEAT)
+    adm = admission(service, prefix=prefix, **kw)
+    adm.startHeartbeat()
+    return adm
+
+
+def kill(adm):
+    """
+    Simulate a SIGKILL of the process behind C{adm}: its heartbeat stops;
+    nothing is released, no shutdown runs.
+    """
+    adm._heartbeat.stop()
+    adm._heartbeat = None
+
+
+async def registry(service):
+    """
+    @return: C{{prefix: expiry}} of the process registry.
+    """
+    flat = await service.execute(2, "execute_command", "ZRANGE", PROCESSES_KEY, 0, -1,
+                                 "WITHSCORES")
+    return {flat[i]: float(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+
+@pytest_twisted.ensureDeferred
+async def test_killedProcessSlotFreedOnceLivenessLapses(redisService):
+    """
+    R34 crash recovery: process A holds the only slot of an account and is
+    killed (heartbeat stopped, nothing released). Process B is refused
+    while A's liveness entry is still valid, and acquires the slot once it
+    has lapsed, long before the 30-minute slot TTL; A's lease is gone.
+    """
+    a = process(redisService, "procA")
+    b = process(redisService, "procB")
+    held = await a.tryAcquire("account", "k", 1)
+    assert held is not None
+    await sleep(BEAT * 2)
+    assert await b.tryAcquire("account", "k", 1) is None
+    kill(a)
+    killed = reactor.seconds()
+    await sleep(0.4)
+    # The last beat was at most BEAT ago at the kill: valid until >= kill + 0.75 s.
+    assert await b.tryAcquire("account", "k", 1) is None
+    assert await b.load("account", ["k"]) == {"k": (1, 0)}
+    lease = None
+    while lease is None:
+        assert reactor.seconds() - killed < LIVE_TTL + 1.0, "the slot was never freed"
+        await sleep(0.05)
+        lease = await b.tryAcquire("account", "k", 1)
+    assert reactor.seconds() - killed >= LIVE_TTL - BEAT
+    assert lease.requestId.startswith("procB-")
+    assert await held.renew() is False
+    lease.release()
+    await b.stopHeartbeat()
+
+
+@pytest_twisted.ensureDeferred
+async def test_killedProcessWaiterServed(redisService):
+    """
+    R34 crash recovery on the wait path: B waits in the queue for the slot
+    a killed A holds and is served once A's liveness lapses; C{load()}
+    reports the freed slot too.
+    """
+    a = process(redisService, "procA")
+    b = process(redisService, "procB")
+    assert await a.tryAcquire("account", "w", 1) is not None
+    kill(a)
+    killed = reactor.seconds()
+    lease = await b.acquire(plan("w", timeout=5), CancelSignal())
+    assert LIVE_TTL - BEAT <= reactor.seconds() - killed < LIVE_TTL + 2.5
+    assert lease.queuePosition == 1
+    lease.release()
+    await waitFor(lambda: _loadIs(b, "w", (0, 0)))
+    await b.stopHeartbeat()
+
+
+@pytest_twisted.ensureDeferred
+async def test_loadPrunesKilledProcess(redisService):
+    """
+    R34: C{load()} stops counting a killed process's slots once its
+    liveness lapses, so the scheduler and the metrics see the capacity.
+    """
+    a = process(redisService, "procA")
+    b = admission(redisService, prefix="procB")
+    assert await a.tryAcquire("user", "u", 2) is not None
+    assert await a.tryAcquire("user", "u", 2) is not None
+    assert await b.load("user", ["u"]) == {"u": (2, 0)}
+    kill(a)
+    await waitFor(lambda: _loadIs(b, "u", (0, 0), kind="user"), timeout=LIVE_TTL + 1.0)
+
+
+@pytest_twisted.ensureDeferred
+async def test_liveProcessKeepsSlot(redisService):
+    """
+    R34: a process whose heartbeat runs keeps its slot well past the
+    liveness TTL; other processes are refused until it releases.
+    """
+    a = process(redisService, "procA")
+    b = process(redisService, "procB")
+    held = await a.tryAcquire("account", "l", 1)
+    end = reactor.seconds() + 3 * LIVE_TTL
+    while reactor.seconds() < end:
+        assert await b.tryAcquire("account", "l", 1) is None
+        assert await b.load("account", ["l"]) == {"l": (1, 0)}
+        await sleep(0.2)
+    assert await held.renew() is True
+    held.release()
+    await waitFor(lambda: _loadIs(b, "l", (0, 0)))
+    lease = await b.tryAcquire("account", "l", 1)
+    assert lease is not None
+    lease.release()
+    await a.stopHeartbeat()
+    await b.stopHeartbeat()
+
+
+class _Blip:
+    """
+    A L{RedisService} wrapper whose commands fail while C{down} is set: one
+    process's Redis connection blipping while other processes still reach
+    Redis.
+    """
+
+    def __init__(self, service):
+        self.service = service
+        self.down = False
+
+    def execute(self, timeout, method, *args, **kwargs):
+        if self.down:
+            from twisted.internet.defer import fail
+
+            return fail(RedisUnavailable(method, "connection lost (test)"))
+        return self.service.execute(timeout, method, *args, **kwargs)
+
+
+@pytest_twisted.ensureDeferred
+async def test_connectionBlipKeepsSlots(redisService):
+    """
+    R34: a process whose Redis connection is down for less than the margin
+    (C{liveTtl} - C{heartbeatInterval}) keeps its slots; its failed
+    heartbeats are logged and the heartbeat resumes afterwards.
+    """
+    blip = _Blip(redisService)
+    a = process(blip, "procA", liveTtl=1.5)
+    b = process(redisService, "procB")
+    held = await a.tryAcquire("account", "b", 1)
+    await sleep(BEAT)
+    blip.down = True
+    await sleep(0.9)
+    assert await b.tryAcquire("account", "b", 1) is None
+    blip.down = False
+    await sleep(2 * BEAT)
+    assert (await registry(redisService))["procA"] > reactor.seconds() + 1.0
+    await sleep(1.0)
+    assert await b.tryAcquire("account", "b", 1) is None
+    assert await held.renew() is True
+    held.release()
+    await a.stopHeartbeat()
+    await b.stopHeartbeat()
+
+
+@pytest_twisted.ensureDeferred
+async def test_cleanStopExpiresLivenessAtOnce(redisService):
+    """
+    R34: a clean stop (C{releaseAll}, then C{stopHeartbeat}) leaves no slot
+    and expires the process's liveness entry at once, so even a member
+    whose release was lost is free to others immediately.
+    """
+    a = process(redisService, "procA")
+    b = process(redisService, "procB")
+    lost = await a.tryAcquire("account", "c", 1)
+    a.held.discard(lost)  # as if its ZREM had been lost: releaseAll skips it
+    assert await a.releaseAll(2) == 0
+    assert await b.tryAcquire("account", "c", 1) is None
+    assert await a.stopHeartbeat() is True
+    assert (await registry(redisService))["procA"] <= reactor.seconds()
+    lease = await b.tryAcquire("account", "c", 1)
+    assert lease is not None
+    lease.release()
+    assert await a.stopHeartbeat() is False
+    await b.stopHeartbeat()
+
+
+@pytest_twisted.ensureDeferred
+async def test_unknownProcessKeepsSlotTtlOnly(redisService):
+    """
+    R34: only an expired liveness entry frees slots. A member whose process
+    has no entry (a relay without heartbeats, or a registry lost with a
+    Redis restart) keeps its slot until the slot TTL; deleting the
+    registry does not free a live process's slots.
+    """
+    legacy = admission(redisService, prefix="legacy", slotTtl=2.0)
+    b = process(redisService, "procB", slotTtl=2.0)
+    assert await legacy.tryAcquire("account", "x", 1) is not None
+    await sleep(LIVE_TTL + 0.1)
+    assert await b.tryAcquire("account", "x", 1) is None
+    await waitFor(lambda: _notNone(b.tryAcquire("account", "x", 1)), timeout=1.5)
+
+    a = process(redisService, "procA")
+    assert await a.tryAcquire("account", "y", 1) is not None
+    await redisService.execute(2, "execute_command", "DEL", PROCESSES_KEY)
+    assert await b.tryAcquire("account", "y", 1) is None
+    await a.stopHeartbeat()
+    await b.stopHeartbeat()
+
+
+async def _notNone(d):
+    return (await d) is not None
+
+
+@pytest_twisted.ensureDeferred
+async def test_registryEntriesDroppedAfterSlotTtl(redisService):
+    """
+    R34: the registry does not grow: an entry expired for longer than the
+    slot TTL (no member of its process can remain) is dropped by the next
+    heartbeat of any process, and the key carries an expiry.
+    """
+    old = process(redisService, "old", slotTtl=0.3)
+    await old.stopHeartbeat()
+    live = process(redisService, "live", slotTtl=0.3)
+    await sleep(0.5)
+    await live.beat()
+    assert set(await registry(redisService)) == {"live"}
+    pttl = await redisService.execute(2, "execute_command", "PTTL", PROCESSES_KEY)
+    assert 0 < pttl <= (LIVE_TTL + 0.3) * 1000
+    await live.stopHeartbeat()
