@@ -110,6 +110,7 @@ def redactQuery(uri: str) -> str:
         parts.append(name + equals + value)
     return path + "?" + "&".join(parts) + fragment
 
+
 # Shorter registered secrets are ignored: redacting every "ab" in the log
 # would destroy it and protect nothing.
 _MIN_SECRET_LENGTH = 4
