@@ -299,11 +299,14 @@ class ReloadOnHangup(Service):
 
     def stopService(self):
         """
-        Restore the previous C{SIGHUP} handler.
+        Stop reloading: from here to the process's exit (the drain, up to
+        C{shutdown_grace_seconds}) a C{SIGHUP} is logged and ignored. The
+        previous handler is not restored: the default action would kill
+        the process (and a supervisor's workers) in the middle of the drain.
         """
         super().stopService()
         if self._previous is not None:
-            signal.signal(signal.SIGHUP, self._previous)
+            signal.signal(signal.SIGHUP, self._onSignalWhileStopping)
             self._previous = None
 
     def _onSignal(self, signum, frame) -> None:
@@ -311,6 +314,19 @@ class ReloadOnHangup(Service):
         The signal handler: hand the reload to the reactor thread.
         """
         self._reactor.callFromThread(self._reloadNow)
+
+    def _onSignalWhileStopping(self, signum, frame) -> None:
+        """
+        The signal handler once stopping: say so on the reactor thread.
+        """
+        self._reactor.callFromThread(self._logIgnored)
+
+    def _logIgnored(self) -> None:
+        self._log.info(
+            "SIGHUP ignored: relay is stopping",
+            event="relay.config_reload_ignored",
+            source="sighup",
+        )
 
     def _reloadNow(self) -> None:
         """

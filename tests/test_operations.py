@@ -751,9 +751,11 @@ class HangupTests(SynchronousTestCase):
     def test_installedWhileRunning(self):
         """
         Starting installs the handler; the signal schedules the reload on
-        the reactor thread; stopping restores the previous handler.
+        the reactor thread; once stopping (the drain) a C{SIGHUP} is logged
+        and ignored, never the default action that would kill the process.
         """
         previous = signal.getsignal(signal.SIGHUP)
+        self.addCleanup(signal.signal, signal.SIGHUP, previous)
         reloads = []
         reactor = _SignalReactor()
         service = ReloadOnHangup(reloads.append, reactor)
@@ -768,7 +770,15 @@ class HangupTests(SynchronousTestCase):
             self.assertEqual(reloads, ["sighup"])
         finally:
             service.stopService()
-        self.assertEqual(signal.getsignal(signal.SIGHUP), previous)
+        handler = signal.getsignal(signal.SIGHUP)
+        self.assertNotIn(handler, (signal.SIG_DFL, previous))
+        reactor.calls.clear()
+        handler(signal.SIGHUP, None)
+        [(call, args)] = reactor.calls
+        with capturedLogs() as logs:
+            call(*args)
+        self.assertEqual(len(events(logs, "relay.config_reload_ignored")), 1)
+        self.assertEqual(reloads, ["sighup"])
 
     def test_reloadFailureIsLogged(self):
         """
