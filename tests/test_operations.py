@@ -17,7 +17,7 @@ from attrs import evolve
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
-from twisted.logger import capturedLogs
+from twisted.logger import capturedLogs, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 from twisted.web.server import Site
@@ -352,6 +352,22 @@ class ReloaderTests(SynchronousTestCase):
         self.assertEqual(self.pool.retired, [])
         self.assertEqual(self.settings.current.max_account_switches, 3)
         self.assertIn("max_account_switches", result.gateway)
+
+    def test_nothingChangedSaysSo(self):
+        """
+        A reload of the same file (e.g. a forwarded SIGHUP reaching a worker
+        that already read it) logs "nothing changed", not empty lists;
+        a change is listed.
+        """
+        with capturedLogs() as logs:
+            self.reloader.reload("sighup")
+        [same] = events(logs, "relay.config_reloaded")
+        self.assertIn("nothing changed", formatEvent(same))
+        self.write(gateway="{max_account_switches: 3}")
+        with capturedLogs() as logs:
+            self.reloader.reload("sighup")
+        [changed] = events(logs, "relay.config_reloaded")
+        self.assertIn("max_account_switches", formatEvent(changed))
 
     def test_refusedKeysKeptRestApplied(self):
         """

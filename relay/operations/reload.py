@@ -289,14 +289,23 @@ class ConfigReloader:
                 key=key,
                 source=source,
             )
+        changes = result.accounts.asDict()
+        unchanged = not (
+            any(changes[k] for k in ("added", "removed", "changed"))
+            or any(keys[k] for k in ("added", "removed", "changed"))
+            or result.gateway
+            or adminKeyChanged
+        )
         self._log.info(
-            "configuration reloaded ({source}): accounts +{added} -{removed} ~{changed},"
+            "configuration reloaded ({source}): nothing changed"
+            if unchanged
+            else "configuration reloaded ({source}): accounts +{added} -{removed} ~{changed},"
             " keys +{keys_added} -{keys_removed} ~{keys_changed}, gateway {gateway}",
             event="relay.config_reloaded",
             source=source,
-            added=result.accounts.asDict()["added"],
-            removed=result.accounts.asDict()["removed"],
-            changed=result.accounts.asDict()["changed"],
+            added=changes["added"],
+            removed=changes["removed"],
+            changed=changes["changed"],
             keys_added=keys["added"],
             keys_removed=keys["removed"],
             keys_changed=keys["changed"],
