@@ -50,10 +50,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _establishedOn(pid: int, port: int) -> int:
+def _sockets(pid: int, port: int, state: str) -> int:
     """
-    How many established TCP connections with local port C{port} process
-    C{pid} holds (its socket inodes matched against C{/proc/net/tcp}).
+    How many TCP sockets in C{state} (C{/proc/net/tcp} hex: C{01}
+    established, C{0A} listening) with local port C{port} process C{pid}
+    holds (its socket inodes matched against C{/proc/net/tcp}).
     """
     inodes = set()
     try:
@@ -71,10 +72,17 @@ def _establishedOn(pid: int, port: int) -> int:
         next(f)
         for line in f:
             fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if state == "01" and int(local.split(":")[1], 16) == port and inode in inodes:
+            local, inode = fields[1], fields[9]
+            if fields[3] == state and int(local.split(":")[1], 16) == port and inode in inodes:
                 count += 1
     return count
+
+
+def _establishedOn(pid: int, port: int) -> int:
+    """
+    How many established TCP connections with local port C{port} C{pid} holds.
+    """
+    return _sockets(pid, port, "01")
 
 
 async def _until(predicate, timeout: float, what: str) -> None:
@@ -123,24 +131,7 @@ def _listening(pid: int, port: int) -> bool:
     """
     Whether C{pid} holds a listening socket on C{port}.
     """
-    inodes = set()
-    try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-    except OSError:
-        return False
-    with open("/proc/net/tcp") as f:
-        next(f)
-        for line in f:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[1].split(":")[1], 16) == port and fields[9] in inodes:
-                return True
-    return False
+    return _sockets(pid, port, "0A") > 0
 
 
 def _servedBy(client: socket.socket, workers: list, port: int) -> int | None:
