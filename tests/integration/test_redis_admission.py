@@ -377,9 +377,10 @@ async def test_soak(redisService, redisServer):  # noqa: F811
 
 # -- crash recovery: process liveness (R34) -----------------------------------
 
-#: short liveness figures so the crash tests take seconds, not a minute
-LIVE_TTL = 1.0
-BEAT = 0.25
+#: short liveness figures so the crash tests take seconds, not a minute;
+#: margins of a second or more so a loaded CI box cannot turn them over
+LIVE_TTL = 2.0
+BEAT = 0.5
 
 
 def process(service, prefix, **kw):
@@ -429,7 +430,7 @@ async def test_killedProcessSlotFreedOnceLivenessLapses(redisService):
     kill(a)
     killed = reactor.seconds()
     await sleep(0.4)
-    # The last beat was at most BEAT ago at the kill: valid until >= kill + 0.75 s.
+    # The last beat was at most BEAT ago at the kill: valid until >= kill + 1.5 s.
     assert await b.tryAcquire("account", "k", 1) is None
     assert await b.load("account", ["k"]) == {"k": (1, 0)}
     lease = None
@@ -488,7 +489,7 @@ async def test_liveProcessKeepsSlot(redisService):
     a = process(redisService, "procA")
     b = process(redisService, "procB")
     held = await a.tryAcquire("account", "l", 1)
-    end = reactor.seconds() + 3 * LIVE_TTL
+    end = reactor.seconds() + 2 * LIVE_TTL
     while reactor.seconds() < end:
         assert await b.tryAcquire("account", "l", 1) is None
         assert await b.load("account", ["l"]) == {"l": (1, 0)}
@@ -530,16 +531,17 @@ async def test_connectionBlipKeepsSlots(redisService):
     heartbeats are logged and the heartbeat resumes afterwards.
     """
     blip = _Blip(redisService)
-    a = process(blip, "procA", liveTtl=1.5)
+    a = process(blip, "procA", liveTtl=3.0)
     b = process(redisService, "procB")
     held = await a.tryAcquire("account", "b", 1)
     await sleep(BEAT)
     blip.down = True
-    await sleep(0.9)
+    # Down for 1.6 s, less than the margin (3.0 - 0.5 s): valid until >= 2.5 s.
+    await sleep(1.6)
     assert await b.tryAcquire("account", "b", 1) is None
     blip.down = False
     await sleep(2 * BEAT)
-    assert (await registry(redisService))["procA"] > reactor.seconds() + 1.0
+    assert (await registry(redisService))["procA"] > reactor.seconds() + 1.5
     await sleep(1.0)
     assert await b.tryAcquire("account", "b", 1) is None
     assert await held.renew() is True
@@ -578,12 +580,12 @@ async def test_unknownProcessKeepsSlotTtlOnly(redisService):
     Redis restart) keeps its slot until the slot TTL; deleting the
     registry does not free a live process's slots.
     """
-    legacy = admission(redisService, prefix="legacy", slotTtl=2.0)
-    b = process(redisService, "procB", slotTtl=2.0)
+    legacy = admission(redisService, prefix="legacy", slotTtl=LIVE_TTL + 1.5)
+    b = process(redisService, "procB", slotTtl=LIVE_TTL + 1.5)
     assert await legacy.tryAcquire("account", "x", 1) is not None
     await sleep(LIVE_TTL + 0.1)
     assert await b.tryAcquire("account", "x", 1) is None
-    await waitFor(lambda: _notNone(b.tryAcquire("account", "x", 1)), timeout=1.5)
+    await waitFor(lambda: _notNone(b.tryAcquire("account", "x", 1)), timeout=3.0)
 
     a = process(redisService, "procA")
     assert await a.tryAcquire("account", "y", 1) is not None
