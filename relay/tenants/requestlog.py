@@ -387,8 +387,12 @@ def _text(value) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-def _streamMs(streamId: str) -> int:
-    return int(streamId.split("-", 1)[0])
+def _streamOrder(streamId: str) -> tuple:
+    """
+    A stream id (C{<ms>-<seq>}) as a sortable tuple.
+    """
+    ms, _, seq = streamId.partition("-")
+    return int(ms), int(seq or 0)
 
 
 @implementer(IRequestLog)
@@ -447,7 +451,7 @@ class RedisRequestLog(_Buffered):
             reply = list(reply or [])
             records = self._decode(zip(reply[0::2], reply[1::2]))
             records = [r for r in records if filters.matches(r)]
-            records.sort(key=lambda r: _streamMs(r.seq), reverse=True)
+            records.sort(key=lambda r: _streamOrder(r.seq), reverse=True)
             return records[:limit], None
         end = "+"
         if filters.until is not None:
