@@ -178,7 +178,7 @@ async def test_open_socket_expired_revoked_and_http_expired():
     upgrade with the expired key is refused 401; HTTP turns get 401 saying
     the key expired. A key that expires by the clock does the same.
     """
-    names = [f"k-{entry}" for entry in ENTRYPOINTS]
+    names = [f"k-{entry}" for entry in ENTRYPOINTS] + ["prewarm"]
     keys = [keyEntry(n) for n in names] + [keyEntry("soon", expires_at=time.time() + 1.5)]
     stack = await tenantsStack(keys)
     driver = Driver(stack)
@@ -188,14 +188,22 @@ async def test_open_socket_expired_revoked_and_http_expired():
             if entry.startswith("ws_"):
                 assert (await driver.turn(entry, f"k-{entry}"))[0] == "ok"
         assert (await driver.turn("ws_ctx_pool", "soon"))[0] == "ok"
+        assert (await driver.turn("ws_http_bridge", "prewarm"))[0] == "ok"
         past = time.time() - 1
-        expired = {"k-ws_ctx_pool", "k-ws_http_bridge", "k-http_sse", "k-http_json", "k-chat"}
+        expired = {"k-ws_ctx_pool", "k-ws_http_bridge", "k-http_sse", "k-http_json", "k-chat",
+                   "prewarm"}
         kept = [evolve(k, expires_at=past) if k.name in expired else k for k in ring.keys
                 if k.name != "k-ws_passthrough"]
         ring.replace(kept)  # what a reload does
         for entry in ("ws_ctx_pool", "ws_http_bridge"):
             result = await driver.turn(entry, f"k-{entry}")
             assert result == ("refused", 1008, "api key expired"), (entry, result)
+        # An http_bridge prewarm (answered by relay, no generation) is
+        # refused like a turn (R102).
+        prewarm = driver.sockets[("ws_http_bridge", "sk-prewarm")]
+        events = await prewarm.turn({"type": "response.create", "model": "gpt-5.4-mini",
+                                     "generate": False}, timeout=10)
+        assert events[-1]["type"] == "__closed__" and events[-1]["code"] == 1008, events
         result = await driver.turn("ws_passthrough", "k-ws_passthrough")
         assert result == ("refused", 1008, "api key is no longer valid"), result
         for entry in ("http_sse", "http_json", "chat"):
