@@ -180,6 +180,9 @@ class _DryLease:
 
 DRY_LEASE = _DryLease()
 
+_SILENT = Logger(observer=lambda event: None)
+"""What a dry run logs to: nothing."""
+
 
 @define(eq=False)
 class Preview:
@@ -527,6 +530,13 @@ class AccountScheduler:
             loads = {}
         return {a.id: tuple(loads.get(a.id, (0, 0))) for a in accounts}
 
+    def _logFor(self, ctx: _Pass) -> Logger:
+        """
+        The scheduler's logger, or (issue 22's dry run) one that writes
+        nothing.
+        """
+        return _SILENT if ctx.dryRun else self._log
+
     def _candidates(self, turn: Turn) -> list:
         """
         Issue 22: the accounts selection considers for C{turn}: the
@@ -584,15 +594,14 @@ class AccountScheduler:
                 blocked = None
                 break
             blocked.append((account.id, why[0], why[1]))
-        if not ctx.dryRun:
-            self._log.info(
-                "no account available for model {model}: {accounts}",
-                event="openai.account_select_no_available", request_id=turn.requestId,
-                entrypoint=turn.entrypoint, model=turn.model, excluded_count=len(ctx.excluded),
-                accounts="; ".join(
-                    f"{a.id}: {self._describe(ctx, a)}" for a in openAccounts
-                ) or "none",
-            )
+        self._logFor(ctx).info(
+            "no account available for model {model}: {accounts}",
+            event="openai.account_select_no_available", request_id=turn.requestId,
+            entrypoint=turn.entrypoint, model=turn.model, excluded_count=len(ctx.excluded),
+            accounts="; ".join(
+                f"{a.id}: {self._describe(ctx, a)}" for a in openAccounts
+            ) or "none",
+        )
         if blocked:
             # R83: every account is blocked: say why and when it ends.
             return NoAccountAvailable(
@@ -910,12 +919,11 @@ class AccountScheduler:
         openAccounts = [a for a in serving if a.id not in excluded]
         if openAccounts and all(self._isQuarantined(a) for a in openAccounts):
             ctx.quarantineFailOpen = True
-            if not ctx.dryRun:
-                self._log.warn(
-                    "every candidate proxy is quarantined; allowing them anyway",
-                    event="openai.proxy_quarantine_fail_open", request_id=turn.requestId,
-                    candidate_count=len(openAccounts),
-                )
+            self._logFor(ctx).warn(
+                "every candidate proxy is quarantined; allowing them anyway",
+                event="openai.proxy_quarantine_fail_open", request_id=turn.requestId,
+                candidate_count=len(openAccounts),
+            )
         ctx.eligible = [a for a in openAccounts if self._incompatible(ctx, a) is None]
         if turn.sessionHash:
             ctx.binding = await self._get(sessionKey(turn.sessionHash))
@@ -966,7 +974,7 @@ class AccountScheduler:
                 # Issue 14: an owner this process does not have (removed by
                 # a reload, or configured on another relay only) is said,
                 # not silently dropped.
-                self._log.info(
+                self._logFor(ctx).info(
                     "previous_response_id owner {account_id} not usable ({reason});"
                     " falling back",
                     event="openai.previous_response_owner_skipped", account_id=ownerId,
@@ -986,14 +994,14 @@ class AccountScheduler:
                 lease.release()
                 lease = None
         if reason is not None:
-            self._log.info(
+            self._logFor(ctx).info(
                 "previous_response_id owner {account_id} not usable ({reason}); falling back",
                 event="openai.previous_response_owner_skipped", account_id=owner.id,
                 reason=reason, request_id=ctx.turn.requestId,
             )
             return None
         if ctx.quarantineFailOpen and self._isQuarantined(owner):
-            self._log.warn(
+            self._logFor(ctx).warn(
                 "routing to previous_response_id owner {account_id} despite proxy quarantine",
                 event="openai.previous_response_owner_fail_open", account_id=owner.id,
                 request_id=ctx.turn.requestId,
