@@ -17,8 +17,8 @@ import pytest_twisted
 
 from tests.integration import parity as P
 from tests.integration.harness import RELAY_KEY
-from tests.integration.test_parity_matrix import DRIVERS, ROWS, checkRow, formatRow
 from tests.integration.parity import BAD
+from tests.integration.test_parity_matrix import DRIVERS, ROWS, checkRow, formatRow
 
 OUTSIDER = "cred-outsider"
 
