@@ -530,6 +530,7 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
     root.putChild(b"admin", admin)
     root.putChild(b"metrics", _GuardedMetrics(app.live.adminKey, metrics.registry))
     app.extras.update(metrics=metrics, operator=view, history=history)
+    _tenants(app, admin, usage, redis)
     app.services.append(periodic(5, view.refreshSlots, reactor))
     if config.state.backend == "redis":
         app.services.append(periodic(5, app.settings.refresh, reactor))
@@ -569,6 +570,68 @@ def _usageLedger(app: RelayApplication, metrics, redis):
     app.extras["usage"] = ledger
     app.services.append(UsageFlushService(ledger, config.usage.flush_interval_seconds, reactor))
     return ledger
+
+
+def _tenants(app: RelayApplication, admin, usage, redis) -> None:
+    """
+    Client keys as tenants (issue 22): the price table and the key policy
+    the engine checks before every turn (rate windows in Redis with the
+    Redis backend, else in memory), the request log (Redis stream, else
+    the settings SQLite file, else memory) and its flush timer, the
+    C{/admin/requests} and C{/admin/explain} routes, and what a reload
+    changes (prices, budgets; groups are read live).
+    """
+    from relay.settingsdb import SQLiteSettingsStore
+    from relay.tenants.admin import ExplainResource, RequestsResource
+    from relay.tenants.explain import Explainer
+    from relay.tenants.policy import KeyPolicy
+    from relay.tenants.prices import PriceTable
+    from relay.tenants.ratelimit import MemoryRateLimiter, RedisRateLimiter
+    from relay.tenants.requestlog import (
+        MemoryRequestLog,
+        RedisRequestLog,
+        RequestLogService,
+        SQLiteRequestLog,
+    )
+
+    reactor, config = app.reactor, app.config
+    prices = PriceTable(config.prices)
+    if config.state.backend == "redis" and redis is not None:
+        limiter = RedisRateLimiter(redis=redis, onRedisError=config.state.on_redis_error)
+    else:
+        limiter = MemoryRateLimiter(clock=reactor)
+    policy = KeyPolicy(clock=reactor, live=app.live, limiter=limiter, prices=prices)
+    settings = config.request_log
+    bounds = dict(clock=reactor, maxRecords=settings.max_records,
+                  retentionDays=settings.retention_days, sampleRate=settings.sample_rate,
+                  sampleMaxBytes=settings.sample_max_bytes)
+    if config.state.backend == "redis" and redis is not None:
+        log = RedisRequestLog(redis=redis, **bounds)
+    elif isinstance(app.settings.store, SQLiteSettingsStore):
+        log = SQLiteRequestLog(database=app.settings.store, **bounds)
+    else:
+        log = MemoryRequestLog(**bounds)
+    runner = app.runner
+    runner.prices, runner.keyPolicy, runner.requestLog = prices, policy, log
+    usage.setBudgets(config.keys)
+    app.extras.update(prices=prices, keyPolicy=policy, rateLimiter=limiter, requestLog=log)
+    app.services.append(RequestLogService(log, settings.flush_interval_seconds, reactor))
+    explainer = Explainer(
+        clock=reactor, scheduler=app.scheduler, keys=app.keys, accounts=app.live.accounts,
+        policy=policy, admission=app.admission, ledger=usage, settings=app.settings,
+    )
+    admin.putRoute(b"requests", RequestsResource(app.live.adminKey, log, reactor))
+    admin.putRoute(b"explain", ExplainResource(app.live.adminKey, explainer))
+
+    def reloaded(result, new) -> None:
+        prices.replace(new.prices)
+        usage.setBudgets(new.keys)
+        log.maxRecords = new.request_log.max_records
+        log.retentionDays = new.request_log.retention_days
+        log.sampleRate = new.request_log.sample_rate
+        log.sampleMaxBytes = new.request_log.sample_max_bytes
+
+    app.reloader.onApplied.append(reloaded)
 
 
 class _Startup(MultiService):

@@ -39,6 +39,7 @@ from relay.model import (
     OAuthSettings,
     ProxySpec,
     RelayConfig,
+    RequestLogSettings,
     SchedulingSettings,
     StateSettings,
     UpstreamSettings,
@@ -292,6 +293,36 @@ def _stringMap(value: Any, path: str) -> dict:
     return result
 
 
+def _instant(value: Any, path: str) -> float:
+    """
+    A point in time (issue 22, C{keys[].expires_at}): an ISO 8601 time
+    (C{"2027-03-01T00:00:00Z"}; without a zone it is UTC; YAML's own
+    timestamps too) or Unix seconds.
+
+    @return: Unix seconds.
+    """
+    import datetime
+
+    if isinstance(value, bool):
+        raise _fail(path, f"expected an ISO 8601 time or Unix seconds, got {_describe(value)}")
+    if isinstance(value, (int, float)):
+        return float(_number(0)(value, path))
+    if isinstance(value, datetime.date) and not isinstance(value, datetime.datetime):
+        value = datetime.datetime(value.year, value.month, value.day)
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            value = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+        except ValueError:
+            raise _fail(path, f"expected an ISO 8601 time, e.g. 2027-03-01T00:00:00Z, got"
+                              f" {_describe(text)}") from None
+    if not isinstance(value, datetime.datetime):
+        raise _fail(path, f"expected an ISO 8601 time or Unix seconds, got {_describe(value)}")
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=datetime.timezone.utc)
+    return value.timestamp()
+
+
 def _statusTuple(value: Any, path: str) -> tuple:
     """
     A list of HTTP status codes (may be empty), as a tuple.
@@ -460,6 +491,32 @@ _KEY: Dict[str, Validator] = {
     "concurrency": _integer(0),
     "daily_tokens": _optional(_integer(1)),
     "monthly_tokens": _optional(_integer(1)),
+    # Issue 22 (behaviour.md R102): the key's policy.
+    "models": _optional(_stringTuple),
+    "deny_models": _optional(_stringTuple),
+    "expires_at": _optional(_instant),
+    "rpm": _optional(_integer(1)),
+    "tpm": _optional(_integer(1)),
+    "accounts": _optional(_stringTuple),
+    "group": _optional(_string),
+    "daily_usd": _optional(_number(0, positive=True)),
+    "monthly_usd": _optional(_number(0, positive=True)),
+    "disabled": _boolean,
+}
+
+_PRICE: Dict[str, Validator] = {
+    "input": _number(0),
+    "cached_input": _optional(_number(0)),
+    "output": _number(0),
+    "reasoning": _optional(_number(0)),
+}
+
+_REQUEST_LOG: Dict[str, Validator] = {
+    "max_records": _integer(100, 10_000_000),
+    "retention_days": _number(0, 3660, positive=True),
+    "flush_interval_seconds": _number(0.05, 60),
+    "sample_rate": _number(0, 1),
+    "sample_max_bytes": _integer(256, 16 * 2**20),
 }
 
 _PROXY: Dict[str, Validator] = {
@@ -510,6 +567,9 @@ _TOP: Dict[str, Validator] = {
     "state": _nested(_STATE, StateSettings),
     "database": _string,
     "usage": _nested(_USAGE, UsageSettings),
+    "groups": lambda value, path: value,
+    "prices": lambda value, path: value,
+    "request_log": _nested(_REQUEST_LOG, RequestLogSettings),
 }
 
 
@@ -688,6 +748,82 @@ def _parseKeys(raw: list, environ: Mapping[str, str]) -> Tuple[ClientKey, ...]:
         secretsSeen[secret] = i
         keys.append(ClientKey(key=secret, **values))
     return tuple(keys)
+
+
+def _parseGroups(raw: Any, accounts: Tuple[Account, ...]) -> dict:
+    """
+    Parse C{groups:} (issue 22): group name -> a list of account ids, each
+    a configured account.
+
+    @return: name -> tuple of account ids.
+    @raise ConfigError: naming the group or the unknown account.
+    """
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise _fail("groups", f"expected a mapping of group name to account ids, got"
+                              f" {_describe(raw)}")
+    known = {a.id for a in accounts}
+    groups = {}
+    for name, members in raw.items():
+        path = _join("groups", name)
+        if not isinstance(name, str) or not name.strip():
+            raise _fail("groups", f"group names must be non-empty strings, got {_describe(name)}")
+        ids = _stringTuple(members, path)
+        for i, accountId in enumerate(ids):
+            if accountId not in known:
+                raise _fail(f"{path}[{i}]", f"unknown account id {accountId!r} (not in accounts)")
+        groups[name] = ids
+    return groups
+
+
+def _parsePrices(raw: Any) -> dict:
+    """
+    Parse C{prices:} (issue 22): model -> C{{input, cached_input, output,
+    reasoning}} in US dollars per 1M tokens; C{input} and C{output} are
+    required.
+
+    @return: model -> L{relay.tenants.prices.Price}.
+    """
+    from relay.tenants.prices import Price
+
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise _fail("prices", f"expected a mapping of model to prices, got {_describe(raw)}")
+    prices = {}
+    for model, entry in raw.items():
+        if not isinstance(model, str) or not model.strip():
+            raise _fail("prices", f"model names must be non-empty strings, got {_describe(model)}")
+        path = _join("prices", model)
+        values = _section(entry, path, _PRICE)
+        for required in ("input", "output"):
+            if required not in values:
+                raise ConfigError(f"{path}: {required} is required (US dollars per 1M tokens)")
+        prices[model] = Price(**values)
+    return prices
+
+
+def _checkKeyAccounts(keys: Tuple[ClientKey, ...], accounts: Tuple[Account, ...],
+                      groups: dict) -> None:
+    """
+    Issue 22: a key's C{accounts} name configured accounts and its
+    C{group} a configured group; a key has one or the other.
+
+    @raise ConfigError: naming the key.
+    """
+    known = {a.id for a in accounts}
+    for i, key in enumerate(keys):
+        label = f"keys[{i}] ({key.name})"
+        if key.accounts is not None and key.group is not None:
+            raise ConfigError(f"{label}: give accounts or group, not both")
+        if key.group is not None and key.group not in groups:
+            raise ConfigError(f"keys[{i}].group: unknown group {key.group!r} (not in groups)")
+        for j, accountId in enumerate(key.accounts or ()):
+            if accountId not in known:
+                raise ConfigError(
+                    f"keys[{i}].accounts[{j}]: unknown account id {accountId!r} (not in accounts)"
+                )
 
 
 def _parseAccounts(
@@ -909,6 +1045,9 @@ def settingsFromString(
     values["proxies"] = proxies
     values["keys"] = _parseKeys(values.pop("keys", []), environ)
     values["accounts"] = _parseAccounts(values.pop("accounts", []), proxies, environ)
+    values["groups"] = _parseGroups(values.pop("groups", None), values["accounts"])
+    values["prices"] = _parsePrices(values.pop("prices", None))
+    _checkKeyAccounts(values["keys"], values["accounts"], values["groups"])
 
     config = RelayConfig(**values)
     checkWorkers(config)

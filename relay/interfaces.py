@@ -411,6 +411,18 @@ class IUsageStore(Interface):
             of key name -> tokens.
         """
 
+    def costTotals(dayStart, monthStart):
+        """
+        Total cost (nano-dollars, priced turns only) per key since the
+        start of the UTC day and of the UTC month, for money budgets
+        (issue 22).
+
+        @param dayStart: Unix seconds of 00:00 UTC today.
+        @param monthStart: Unix seconds of 00:00 UTC on the 1st.
+        @return: a L{Deferred} firing with C{(day, month)}, each a C{dict}
+            of key name -> nano-dollars.
+        """
+
 
 class IAccountHistory(Interface):
     """
@@ -664,4 +676,85 @@ class ISlotDrain(Interface):
         @param timeout: at most this many seconds to wait for the store.
         @return: Deferred firing with the number of leases it released
             (those the turns had not released themselves); never fails.
+        """
+
+
+class IRateLimiter(Interface):
+    """
+    Per-key sliding 60-second windows of turns started and tokens used
+    (C{keys[].rpm} / C{keys[].tpm}, issue 22, behaviour.md R102), in memory
+    or shared by every relay process on one Redis
+    (L{relay.tenants.ratelimit}).
+
+    Every method returns a L{Deferred}; decisions are
+    L{relay.tenants.ratelimit.RateDecision}s.
+    """
+
+    def admit(name, rpm, tpm):
+        """
+        Check both windows of key C{name} and, when both allow, count one
+        turn started now, atomically (two processes never both take the
+        last place).
+
+        @param name: the client key's name.
+        @param rpm: its request limit, or L{None} (not counted).
+        @param tpm: its token limit, or L{None}.
+        @return: a L{Deferred} firing with the decision; with Redis down
+            and C{fail_closed} it fails with
+            L{relay.tenants.ratelimit.RateLimitUnavailable}.
+        """
+
+    def peek(name, rpm, tpm):
+        """
+        The same decision as L{admit} without counting anything (for
+        C{/admin/explain}).
+
+        @return: a L{Deferred} firing with the decision.
+        """
+
+    def addTokens(name, tokens):
+        """
+        Count the tokens (input + output) of a turn of key C{name} that
+        just finished.
+
+        @param tokens: a non-negative int.
+        @return: a L{Deferred} firing with L{None}; errors are logged.
+        """
+
+
+class IRequestLog(Interface):
+    """
+    The request log (issue 22 item 4): one
+    L{relay.tenants.record.TurnRecord} per turn, bounded by count and age,
+    searchable by the operator (L{relay.tenants.requestlog}).
+    """
+
+    def add(record):
+        """
+        Keep one record. Synchronous and cheap (the engine calls it once
+        per turn): records are buffered and written by L{flush}.
+
+        @param record: a L{relay.tenants.record.TurnRecord}.
+        """
+
+    def flush():
+        """
+        Write the buffered records and apply the bounds.
+
+        @return: a L{Deferred} firing with L{None}; never fails (errors
+            are logged and the records kept for the next flush, up to a
+            bound).
+        """
+
+    def query(filters, limit, cursor):
+        """
+        The newest records matching C{filters}, newest first.
+
+        @param filters: a L{relay.tenants.requestlog.RequestQuery}.
+        @param limit: at most this many records.
+        @param cursor: an opaque string from a previous answer's C{next}
+            (older records), or L{None} for the newest.
+        @return: a L{Deferred} firing with C{(records, next)}: a list of
+            L{relay.tenants.record.TurnRecord} and the cursor of the next
+            page, or L{None} when there is none.
         """

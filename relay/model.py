@@ -37,6 +37,29 @@ class ClientKey:
     concurrency: int = 5
     daily_tokens: int | None = None
     monthly_tokens: int | None = None
+    # Issue 22 (behaviour.md R102): the key's policy. Every field defaults
+    # to "no limit", so a key without them behaves as before; keys made
+    # through the admin API later carry the same fields.
+    models: Optional[tuple] = None
+    """Allow-list of client model names (before mapping), or L{None}: any."""
+    deny_models: Optional[tuple] = None
+    """Model names the key may never use, checked after C{models}."""
+    expires_at: Optional[float] = None
+    """Unix seconds after which the key is refused (401), or L{None}."""
+    rpm: Optional[int] = None
+    """Requests per sliding 60-second window, or L{None}."""
+    tpm: Optional[int] = None
+    """Tokens (input + output) per sliding 60-second window, or L{None}."""
+    accounts: Optional[tuple] = None
+    """The account ids the key may reach, or L{None} (see C{group})."""
+    group: Optional[str] = None
+    """The name of a C{groups:} entry whose accounts the key may reach."""
+    daily_usd: Optional[float] = None
+    """Money budget per UTC day (priced turns, L{relay.tenants.prices})."""
+    monthly_usd: Optional[float] = None
+    """Money budget per UTC month."""
+    disabled: bool = False
+    """A disabled key is refused like a revoked one (401, close 1008)."""
 
 
 @frozen
@@ -308,6 +331,27 @@ class UsageSettings:
 
 
 @frozen
+class RequestLogSettings:
+    """
+    The request log (config.md C{request_log:}, issue 22 item 4): one
+    record per turn, bounded by count and by age.
+
+    @ivar max_records: records kept at most (the oldest go first).
+    @ivar retention_days: records older than this are deleted.
+    @ivar flush_interval_seconds: how often buffered records are written.
+    @ivar sample_rate: the fraction (0..1) of turns whose request body and
+        output are kept for debugging; 0 (the default) keeps neither.
+    @ivar sample_max_bytes: the most of each kept body or output, bytes.
+    """
+
+    max_records: int = 100000
+    retention_days: float = 7
+    flush_interval_seconds: float = 1.0
+    sample_rate: float = 0.0
+    sample_max_bytes: int = 16384
+
+
+@frozen
 class ComponentSettings:
     """
     Dotted names of replacement components (config.md C{components:}).
@@ -337,6 +381,12 @@ class RelayConfig:
     database: str = "relay.sqlite"
     proxies: tuple = ()
     usage: UsageSettings = UsageSettings()
+    groups: dict = field(factory=dict, hash=False)
+    """Issue 22: account group name -> tuple of account ids (config.md C{groups:})."""
+    prices: dict = field(factory=dict, hash=False)
+    """Issue 22: model -> L{relay.tenants.prices.Price} overriding the shipped table."""
+    request_log: RequestLogSettings = RequestLogSettings()
+    """Issue 22: the request log's bounds and debug sampling."""
 
 
 # ---------------------------------------------------------------------------
@@ -508,6 +558,13 @@ class Turn:
     wsContext: Any = None
     usage: Any = None
     upstreamRequestId: Optional[str] = None
+    allowedAccounts: Optional[frozenset] = None
+    """Issue 22: the account ids the key may reach (its group), or L{None}
+    for every account; set by the key policy, narrowed at selection."""
+    clientAddress: Optional[str] = None
+    """The client's IP address, for the request log (issue 22)."""
+    userAgent: Optional[str] = None
+    """The client's C{User-Agent}, for the request log (issue 22)."""
 
 
 # ---------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from relay.policy.bookkeeping import AccountBookkeeping
 from relay.policy.judgement import judge
 from relay.requestid import bindRequestId
 from relay.scheduling.selection import NoAccountAvailable
+from relay.tenants.record import Attempt, TurnRecord
 from relay.usage.tap import UsageTap, clientAskedUsage
 
 MAX_FIRST_OUTPUT_SWITCHES = 1
@@ -112,6 +113,11 @@ class TurnState:
     """Account id -> the bearer its last attempt was dialled with (issue 12)."""
     refreshed: set = field(factory=set)
     """Accounts that got their one 401 refresh-and-replay in this turn."""
+    tried: list = field(factory=list)
+    """Issue 22: every attempt (L{Attempt}) and why it was left, for the
+    turn's record."""
+    sink: object = None
+    """The turn's sink (its C{failed} error goes into the record)."""
 
 
 @define(eq=False)
@@ -158,6 +164,15 @@ class TurnRunner:
     """Every turn running now -> the Deferred L{run} returned for it, so a
     graceful stop can wait for them and cancel what is left (issue 14,
     L{relay.operations.drain})."""
+    keyPolicy: object = None
+    """Issue 22: the L{relay.tenants.policy.KeyPolicy} checked before every
+    turn (behaviour.md R102), or L{None}."""
+    prices: object = None
+    """Issue 22: the L{relay.tenants.prices.PriceTable} pricing each turn's
+    usage, or L{None} (costs not counted)."""
+    requestLog: object = None
+    """Issue 22: the L{relay.interfaces.IRequestLog} that gets each turn's
+    L{TurnRecord}, or L{None}."""
     _log = Logger()
 
     def __attrs_post_init__(self) -> None:
@@ -223,9 +238,14 @@ class TurnRunner:
         state = TurnState(startedAt=start)
         userLease = None
         outcome, status, accountId = "error", 500, None
+        if self.requestLog is not None and self.requestLog.sampled():
+            sink = _SamplingSink(sink, self.requestLog.sampleMaxBytes)
+        state.sink = sink
         self.budget.active += 1
         try:
+            self._checkKeyPolicy(turn, start)
             self._checkTokenBudget(turn, start)
+            await self._checkKeyRate(turn)
             state.keepalive = self._startKeepalive(turn, sink)
             userLease = await self._admitUser(turn, sink, state)
             outcome, status, accountId = await self._loop(turn, sink, state)
@@ -268,6 +288,63 @@ class TurnRunner:
                 )
         self._finished(turn, state, outcome, status, accountId or state.lastAccountId, start)
         return outcome
+
+    def _checkKeyPolicy(self, turn: Turn, now: float) -> None:
+        """
+        Issue 22 (behaviour.md R102): the key's policy before the turn takes
+        a slot: disabled, expired, model allow/deny list, a money budget on
+        an unpriced model (L{relay.tenants.policy.KeyPolicy.refusal}); and
+        the accounts the key may reach, for selection.
+
+        @raise _AdmissionFailed: with the policy's L{ClientError}.
+        """
+        policy = self.keyPolicy
+        if policy is None:
+            return
+        key = turn.client
+        turn.allowedAccounts = policy.allowedAccounts(key)
+        error = policy.refusal(key, turn.model, now)
+        if error is None:
+            return
+        self._log.info(
+            "key {key_name} refused: {message}",
+            event="relay.key_policy_refused",
+            key_name=key.name,
+            code=error.code,
+            message=error.message,
+            request_id=turn.requestId,
+        )
+        raise _AdmissionFailed(error)
+
+    async def _checkKeyRate(self, turn: Turn) -> None:
+        """
+        Issue 22: the key's C{rpm}/C{tpm} windows count the turn, or refuse
+        it with a 429 that carries C{Retry-After} and the
+        C{x-ratelimit-*} headers (L{relay.tenants.policy.KeyPolicy.admitRate}).
+
+        @raise _AdmissionFailed: with that L{ClientError}.
+        """
+        key = turn.client
+        if self.keyPolicy is None or not (key.rpm or key.tpm):
+            return
+        error = await self.keyPolicy.admitRate(turn)
+        if error is not None:
+            raise _AdmissionFailed(error)
+
+    def refusal(self, turn: Turn) -> Optional[ClientError]:
+        """
+        Issue 22: the key policy's answer for a C{response.create} relay
+        answers without a generation (an C{http_bridge} prewarm), so it is
+        refused exactly like a turn would be (behaviour.md R102).
+
+        @return: the L{ClientError}, or L{None}.
+        """
+        if self.keyPolicy is None:
+            return None
+        now = self.clock.seconds()
+        return self.keyPolicy.refusal(turn.client, turn.model, now) or (
+            self.usage.overBudget(turn.client.name, now) if self.usage is not None else None
+        )
 
     def _checkTokenBudget(self, turn: Turn, now: float) -> None:
         """
@@ -351,6 +428,8 @@ class TurnRunner:
                 await self.scheduler.bind(turn, account)
             state.attempts += 1
             state.lastAccountId = account.id
+            attempt = Attempt(account.id)
+            state.tried.append(attempt)
             if self.history is not None:
                 self.history.attempt(account.id)
             if not state.dispatched:
@@ -367,10 +446,13 @@ class TurnRunner:
             if turn.cancel.cancelled or isinstance(end, ends.Departed):
                 # R2: the client left (or relay cancelled the attempt for
                 # it); nothing is judged, recorded or written.
+                attempt.reason, attempt.decision = "client_gone", "client_gone"
                 raise ClientGone(turn.cancel.reason or getattr(end, "reason", "client_gone"))
             verdict = result.verdict
             if verdict is None:
                 verdict = self.judge(turn, account, end)
+            if verdict is not None:
+                attempt.status, attempt.reason = verdict.status, verdict.reason
             if not result.committed and verdict is not None:
                 # Ends relay resolves on the same account before any
                 # decision, and that say nothing against the account: R7's
@@ -378,6 +460,7 @@ class TurnRunner:
                 if self._rewriteOnce(turn, state, account, verdict) or await self._refreshOnce(
                     turn, state, account, verdict
                 ):
+                    attempt.decision = "replay"
                     sameAccount = account
                     continue
             model = account.upstreamModel(turn.model) if turn.model else None
@@ -385,17 +468,22 @@ class TurnRunner:
                 account, end, verdict, model, turn.requestId, turn.upstreamRequestId
             )
             if result.ok:
+                attempt.status, attempt.reason, attempt.decision = result.status, "ok", "served"
                 sink.finish()
                 await self._succeeded(turn, account, result)
                 return "completed", result.status, account.id
             if result.committed:
                 # R19 step 2 / R23: after output nothing fails over; the
                 # terminal event (upstream's or relay's) is already written.
+                attempt.decision = "failed_after_output"
+                if attempt.status is None:
+                    attempt.status = result.status
                 sink.finish()
                 return "failed", result.status, account.id
             if verdict is None:
                 raise AssertionError(f"attempt ended with {end!r} but no verdict")
             decision = await self._decide(turn, sink, state, account, verdict, recorded)
+            attempt.decision = decision[0]
             if decision[0] == "pass":
                 sink.fail(decision[1])
                 return "failed", decision[1].status, account.id
@@ -898,10 +986,15 @@ class TurnRunner:
         """
         if turn.usage is not None:
             return
+        model = account.upstreamModel(turn.model) if turn.model else ""
+        if self.prices is not None:
+            # Issue 22: the turn's cost, once, by the upstream model.
+            counts = self.prices.priced(model, counts)
         turn.usage = counts
+        if self.keyPolicy is not None and turn.client.tpm:
+            self.keyPolicy.countTokens(turn.client, counts.total)
         if self.usage is None:
             return
-        model = account.upstreamModel(turn.model) if turn.model else ""
         try:
             self.usage.record(turn.client.name, account.id, model, counts)
         except Exception:  # noqa: BLE001 - logged; accounting never breaks a turn
@@ -917,6 +1010,14 @@ class TurnRunner:
     def _finished(self, turn, state, outcome, status, accountId, start) -> None:
         now = self.clock.seconds()
         first = turn.firstOutputAt
+        if self.requestLog is not None:
+            try:
+                self.requestLog.add(
+                    _turnRecord(turn, state, outcome, status, accountId, start, now)
+                )
+            except Exception:  # noqa: BLE001 - logged; the log never breaks a turn
+                self._log.failure("recording turn {request_id} failed",
+                                  event="relay.request_log_failed", request_id=turn.requestId)
         self._log.info(
             "turn {request_id} {outcome} with status {status} on {account_id}"
             " after {attempts} attempt(s)",
@@ -961,6 +1062,100 @@ def _usageFields(counts) -> dict:
                 "output_tokens": None, "reasoning_tokens": None}
     return {"input_tokens": counts.input, "cached_input_tokens": counts.cached,
             "output_tokens": counts.output, "reasoning_tokens": counts.reasoning}
+
+
+def _turnRecord(turn, state, outcome, status, accountId, start, now) -> TurnRecord:
+    """
+    Issue 22: the turn's one structured record, from what the engine holds
+    at its end (no parsing, no formatting).
+    """
+    first = turn.firstOutputAt
+    usage = turn.usage
+    error = getattr(state.sink, "failed", None)
+    sample = None
+    if isinstance(state.sink, _SamplingSink):
+        sample = state.sink.sample(turn.body)
+    return TurnRecord(
+        time=start,
+        request_id=turn.requestId,
+        key=turn.client.name,
+        entrypoint=turn.entrypoint,
+        endpoint=turn.endpoint,
+        mode=turn.wsMode,
+        stream=turn.stream,
+        model=turn.model,
+        account=accountId,
+        attempts=state.tried,
+        outcome=outcome,
+        status=status,
+        first_output_ms=None if first is None else int((first - start) * 1000),
+        duration_ms=int((now - start) * 1000),
+        input_tokens=None if usage is None else usage.input,
+        cached_tokens=None if usage is None else usage.cached,
+        output_tokens=None if usage is None else usage.output,
+        reasoning_tokens=None if usage is None else usage.reasoning,
+        cost_nanos=None if usage is None or usage.unpriced else usage.cost,
+        unpriced=usage is not None and bool(usage.unpriced),
+        error_code=None if error is None else error.code,
+        error=None if error is None else error.message,
+        client_ip=turn.clientAddress,
+        user_agent=turn.userAgent,
+        upstream_request_id=turn.upstreamRequestId,
+        switches=state.switches,
+        waited_ms=int(state.waited * 1000),
+        sample=sample,
+    )
+
+
+class _SamplingSink:
+    """
+    Issue 22's debug sampling (C{request_log.sample_rate}, off by default):
+    a sink that forwards everything to the turn's sink and keeps a copy of
+    what the client received, up to C{limit} bytes. Only sampled turns pay
+    for it.
+    """
+
+    def __init__(self, sink, limit: int):
+        self._sink = sink
+        self._limit = limit
+        self._kept: list = []
+        self._size = 0
+        if hasattr(sink, "writeRaw"):
+            self.writeRaw = self._writeRaw
+
+    def __getattr__(self, name):
+        return getattr(self._sink, name)
+
+    def _keep(self, data: bytes) -> None:
+        if self._size < self._limit:
+            part = data[: self._limit - self._size]
+            self._kept.append(part)
+            self._size += len(part)
+
+    def writeEvent(self, event) -> None:
+        self._keep(event.raw or event.data)
+        self._sink.writeEvent(event)
+
+    def _writeRaw(self, data: bytes) -> None:
+        self._keep(data)
+        self._sink.writeRaw(data)
+
+    def writeBody(self, status, headers, body) -> None:
+        self._keep(body)
+        self._sink.writeBody(status, headers, body)
+
+    def sample(self, body) -> dict:
+        """
+        @return: C{{"request": <body JSON>, "output": <what the client got>}},
+            each cut to the limit.
+        """
+        import json
+
+        request = json.dumps(body, ensure_ascii=False, default=str)
+        return {
+            "request": request[: self._limit],
+            "output": b"".join(self._kept).decode("utf-8", "replace"),
+        }
 
 
 class _AdmissionFailed(Exception):

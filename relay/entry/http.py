@@ -355,6 +355,7 @@ class TurnResource(Resource):
             previousResponseId=previous,
             requestId=requestIdOf(request),
         )
+        _noteClient(turn, request)
         sinkType = SSESink if stream else JSONSink
         sink = sinkType(request, self._endpoint, model)
         request.notifyFinish().addErrback(lambda f: turn.cancel.cancel("client_gone"))
@@ -362,27 +363,49 @@ class TurnResource(Resource):
         return NOT_DONE_YET
 
 
+def _noteClient(turn: Turn, request) -> None:
+    """
+    Issue 22: the client's address and C{User-Agent} on the turn, for its
+    request-log record.
+    """
+    address = request.getClientAddress()
+    turn.clientAddress = getattr(address, "host", None)
+    agent = request.getHeader(b"user-agent")
+    if agent:
+        turn.userAgent = agent.decode("latin-1")[:200]
+
+
 class ModelsResource(Resource):
     """
     C{GET /v1/models}: the models the accounts serve, by the names clients
-    use (allow-lists and mapping keys).
+    use (allow-lists and mapping keys); with a key policy (issue 22), only
+    the accounts the key may reach and the models it may use.
     """
 
     isLeaf = True
 
-    def __init__(self, keys: KeyRing, accounts):
+    def __init__(self, keys: KeyRing, accounts, runner=None):
         super().__init__()
         self._keys = keys
         self._accounts = accounts
+        self._runner = runner
 
     def render_GET(self, request):
-        if self._keys.authenticate(request) is None:
+        key = self._keys.authenticate(request)
+        if key is None:
             writeError(request, UNAUTHORIZED)
             return NOT_DONE_YET
+        policy = getattr(self._runner, "keyPolicy", None)
+        accounts = self._accounts if policy is None else policy.reachable(key, self._accounts)
         names = set()
-        for account in self._accounts:
+        for account in accounts:
             names.update(account.models or ())
             names.update(account.model_mapping)
+        if policy is not None:
+            # A key's own allow-list names the models it uses even where
+            # the accounts declare none (they then serve any model).
+            names.update(m for m in key.models or () if any(a.servesModel(m) for a in accounts))
+            names = set(policy.models(key, names))
         data = [
             {"id": name, "object": "model", "created": 0, "owned_by": "relay"}
             for name in sorted(names)
@@ -445,7 +468,7 @@ def buildRoot(runner, keys: KeyRing, accounts, websocket=None) -> Resource:
     """
     responses = TurnResource(runner, keys, "responses", websocket)
     chat = TurnResource(runner, keys, "chat")
-    models = ModelsResource(keys, accounts)
+    models = ModelsResource(keys, accounts, runner)
     root = JSONRoot()
     v1 = JSONRoot()
     for parent in (root, v1):

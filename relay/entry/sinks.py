@@ -110,6 +110,8 @@ class _RequestSink:
         self._onWrite = None
         self.committed = False
         self.status = None
+        self.failed = None
+        """Issue 22: the L{ClientError} the turn ended with, for its record."""
         request.notifyFinish().addErrback(self._clientGone)
 
     def watchWrites(self, callback) -> None:
@@ -215,6 +217,7 @@ class SSESink(_RequestSink):
         self._finish()
 
     def fail(self, error: ClientError) -> None:
+        self.failed = error
         if self._gone or self._finished:
             return
         if not self.headersSent:
@@ -302,6 +305,7 @@ class JSONSink(_RequestSink):
         self._finish()
 
     def fail(self, error: ClientError) -> None:
+        self.failed = error
         if self._gone or self._finished:
             return
         self.status = error.status

@@ -200,6 +200,9 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             self._openedAt = f.reactor.seconds()
             self._threadId = next((headers[h] for h in THREAD_HEADERS if headers.get(h)), None)
             self._ownerKey = None
+            # Issue 22: who is calling, for the request log.
+            self._clientAddress = _peerHost(self.transport)
+            self._userAgent = (headers.get("user-agent") or "")[:200] or None
         except Exception:
             self._log.failure("accepting a client websocket failed")
             raise
@@ -455,11 +458,12 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         """
         f = self.factory
         default = f.settings.current.websocket.mode_default
-        byId = {a.id: a for a in f.accounts}
+        accounts = _reachable(f, self._key)
+        byId = {a.id: a for a in accounts}
         current = byId.get(self._state.accountId)
         if current is not None and current.servesModel(model):
             return current.ws_mode or default
-        modes = {a.ws_mode or default for a in f.accounts if a.servesModel(model)}
+        modes = {a.ws_mode or default for a in accounts if a.servesModel(model)}
         modes.discard("off")
         if len(modes) == 1:
             return modes.pop()
@@ -496,9 +500,18 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             phase=phase,
             preferredAccountId=state.accountId,
             wsContext=state,
+            clientAddress=getattr(self, "_clientAddress", None),
+            userAgent=getattr(self, "_userAgent", None),
         )
         if mode == "http_bridge":
             if frame.get("generate") is False:
+                # Issue 22 (R102): a prewarm answered locally is refused
+                # exactly like a turn would be.
+                refusal = getattr(f.runner, "refusal", None)
+                error = refusal(turn) if refusal is not None else None
+                if error is not None:
+                    WebSocketSink(self).fail(error)
+                    return
                 self._prewarm(turn, previous, inputItems)
                 return
             if previous:
@@ -661,6 +674,27 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         return True
 
 
+def _peerHost(transport):
+    """
+    @return: the client's IP address, or L{None} when the transport cannot say.
+    """
+    try:
+        return getattr(transport.getPeer(), "host", None)
+    except Exception:  # noqa: BLE001 - a test transport, a closed socket
+        return None
+
+
+def _reachable(factory, key) -> list:
+    """
+    Issue 22: the accounts C{key} may reach (its account group), for the
+    connection's mode choice; every account without a key policy.
+    """
+    policy = getattr(getattr(factory, "runner", None), "keyPolicy", None)
+    if policy is None or key is None:
+        return list(factory.accounts)
+    return policy.reachable(key, factory.accounts)
+
+
 class RelayWebSocketResource:
     """
     The upgrade handler: authenticate (401 JSON, not upgraded), refuse when
@@ -676,11 +710,20 @@ class RelayWebSocketResource:
         self._ws = WebSocketResource(factory)
 
     def render(self, request):
-        if self._keys.authenticate(request) is None:
+        key = self._keys.authenticate(request)
+        if key is None:
             writeError(request, UNAUTHORIZED)
             return NOT_DONE_YET
+        policy = getattr(self.factory.runner, "keyPolicy", None)
+        if policy is not None:
+            # Issue 22: a disabled or expired key is refused before the
+            # upgrade (an open socket's next turn is refused by the engine).
+            error = policy.keyRefusal(key, self.factory.reactor.seconds())
+            if error is not None:
+                writeError(request, error)
+                return NOT_DONE_YET
         default = self._settings.current.websocket.mode_default
-        if all((a.ws_mode or default) == "off" for a in self._accounts):
+        if all((a.ws_mode or default) == "off" for a in _reachable(self.factory, key)):
             writeError(
                 request,
                 ClientError(

@@ -635,6 +635,16 @@ class _AdminRoot(Resource):
         """
         return _keyOf(self._adminKey)
 
+    def putRoute(self, path: bytes, resource) -> None:
+        """
+        Mount another leaf under C{/admin} (issue 22: the request log and
+        explain resources of L{relay.tenants.admin}).
+
+        @param path: the segment, e.g. C{b"requests"}.
+        @param resource: a guarded leaf resource.
+        """
+        self._routes[path] = resource
+
     def getChild(self, path, request):
         """
         Route one segment; unknown ones (and all when disabled) are 404.

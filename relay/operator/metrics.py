@@ -234,6 +234,19 @@ class RelayMetrics:
             ["key", "account", "model"],
             registry=r,
         )
+        # Issue 22: cost in money, and the turns relay could not price.
+        self.costCounter = Counter(
+            "relay_cost_usd",
+            "Cost of priced turns in US dollars (relay.tenants.prices)",
+            ["key", "account", "model"],
+            registry=r,
+        )
+        self.unpricedTurns = Counter(
+            "relay_unpriced_turns",
+            "Turns on a model without a price (their cost is unknown, not zero)",
+            ["key", "account", "model"],
+            registry=r,
+        )
         self._slots = SlotsCollector()
         r.register(self._slots)
 
@@ -385,6 +398,10 @@ class RelayMetrics:
         cached.inc(counts.cached)
         outputs.inc(counts.output)
         reasoning.inc(counts.reasoning)
+        if counts.cost:
+            self.costCounter.labels(key=key, account=account, model=model).inc(counts.cost / 1e9)
+        if counts.unpriced:
+            self.unpricedTurns.labels(key=key, account=account, model=model).inc(counts.unpriced)
 
     def wsClose(self, code: int) -> None:
         """

@@ -156,6 +156,50 @@ class _Pass:
     tried: int = 0
     loads: dict = field(factory=dict)
     quotaDecided: bool = False
+    dryRun: bool = False
+    """Issue 22: a preview (L{AccountScheduler.preview}): no slot is taken,
+    nothing is written, nothing is logged."""
+    rng: Optional[random.Random] = None
+    """The tie shuffler: the scheduler's own, or (dry run) a copy of its
+    state, so a preview predicts the next real selection's ties."""
+
+
+class _DryLease:
+    """
+    What a dry run's slot "try" returns when the slot is free: holds
+    nothing, releases nothing.
+    """
+
+    wouldAcquire = True
+
+    def release(self) -> None:
+        """
+        Nothing was taken.
+        """
+
+
+DRY_LEASE = _DryLease()
+
+_SILENT = Logger(observer=lambda event: None)
+"""What a dry run logs to: nothing."""
+
+
+@define(eq=False)
+class Preview:
+    """
+    A dry run of one selection (issue 22, L{AccountScheduler.preview}).
+
+    @ivar selection: the L{Selection} the turn would get (its C{lease} is
+        L{DRY_LEASE} when a slot is free now, else C{waitPlan} is set), or
+        L{None}.
+    @ivar error: the L{ClientError} the turn would get instead, or L{None}.
+    @ivar ctx: what the selection knew (account states, loads), or L{None}
+        when it ended before reading them.
+    """
+
+    selection: Optional[Selection] = None
+    error: Optional[ClientError] = None
+    ctx: Optional[_Pass] = None
 
 
 @define
@@ -268,6 +312,54 @@ class AccountScheduler:
             L{NoAccountAvailable}.
         """
         return eagerDeferred(self._select(turn, frozenset(excluded or ())))
+
+    def preview(self, turn: Turn) -> Deferred:
+        """
+        Issue 22: the selection C{turn} would get now, from the same code
+        as L{select}, without taking a slot, writing the store, touching the
+        last-used order or logging a decision. A slot "try" becomes a load
+        read (free when C{in use + waiting < concurrency}); ties are broken
+        with a copy of the shuffler's state, so the preview names the
+        account the next real selection picks when nothing changes between
+        them.
+
+        @return: a Deferred firing with a L{Preview}.
+        """
+        preview = Preview()
+
+        async def _run():
+            try:
+                preview.selection = await self._select(turn, frozenset(), preview)
+            except NoAccountAvailable as e:
+                preview.error = e.error
+            return preview
+
+        return Deferred.fromCoroutine(_run())
+
+    def why(self, ctx: _Pass, account: Account) -> Optional[tuple]:
+        """
+        Issue 22: why C{account} is not a candidate in a previewed pass,
+        from the compatibility check every layer uses.
+
+        @return: C{(reason, until)} (C{until} Unix seconds or L{None}), or
+            L{None} when it is a candidate.
+        """
+        reason = self._incompatible(ctx, account)
+        if reason is None:
+            return None
+        until = None
+        if reason.startswith("unschedulable"):
+            why = self._blockWhy(ctx, account)
+            until = why[1] if why else None
+        elif reason == "proxy_quarantined":
+            until = self._quarantineUntil(account)
+        return reason, until
+
+    def usedPercent(self, account: Account) -> Optional[float]:
+        """
+        Issue 22: the account's fuller usage window in percent, or L{None}.
+        """
+        return self._usedPercent(account)
 
     def bind(self, turn: Turn, account: Account) -> Deferred:
         """
@@ -438,6 +530,26 @@ class AccountScheduler:
             loads = {}
         return {a.id: tuple(loads.get(a.id, (0, 0))) for a in accounts}
 
+    def _logFor(self, ctx: _Pass) -> Logger:
+        """
+        The scheduler's logger, or (issue 22's dry run) one that writes
+        nothing.
+        """
+        return _SILENT if ctx.dryRun else self._log
+
+    def _candidates(self, turn: Turn) -> list:
+        """
+        Issue 22: the accounts selection considers for C{turn}: the
+        configured ones, narrowed to those its key may reach
+        (C{Turn.allowedAccounts}, its account group). Every layer, failover
+        and wait plan below works on this list only, so a key bound to a
+        group never reaches another account.
+        """
+        allowed = turn.allowedAccounts
+        if allowed is None:
+            return list(self._accounts)
+        return [a for a in self._accounts if a.id in allowed]
+
     # ------------------------------------------------------------------
     # Errors
     # ------------------------------------------------------------------
@@ -482,7 +594,7 @@ class AccountScheduler:
                 blocked = None
                 break
             blocked.append((account.id, why[0], why[1]))
-        self._log.info(
+        self._logFor(ctx).info(
             "no account available for model {model}: {accounts}",
             event="openai.account_select_no_available", request_id=turn.requestId,
             entrypoint=turn.entrypoint, model=turn.model, excluded_count=len(ctx.excluded),
@@ -619,6 +731,11 @@ class AccountScheduler:
 
         @return: an L{relay.interfaces.ISlotLease} or L{None}.
         """
+        if ctx.dryRun:
+            # Issue 22's preview: read the load instead of taking the slot.
+            inUse, waiting = (await self._loads([account]))[account.id]
+            limit = account.concurrency
+            return DRY_LEASE if limit <= 0 or inUse + waiting < limit else None
         try:
             return await self._admission.tryAcquire("account", account.id, account.concurrency)
         except Exception as e:
@@ -632,13 +749,13 @@ class AccountScheduler:
                 wsClose=(1011, "failed to acquire account concurrency slot"),
             )
 
-    def _ordered(self, accounts: list, key: Callable) -> list:
+    def _ordered(self, accounts: list, key: Callable, rng=None) -> list:
         """
         Sort by C{key}, shuffling accounts that tie (R43 step 3.5): shuffle
-        with the injected random, then sort stably.
+        with the injected random (or C{rng}), then sort stably.
         """
         accounts = list(accounts)
-        self._random.shuffle(accounts)
+        (rng or self._random).shuffle(accounts)
         accounts.sort(key=key)
         return accounts
 
@@ -675,13 +792,15 @@ class AccountScheduler:
                 return (rates[a.id], self._lastUsedSecond(a))
 
             if quota is None:
-                order = self._ordered(available, key=lambda a: (a.priority,) + plain(a))
+                order = self._ordered(available, key=lambda a: (a.priority,) + plain(a),
+                                      rng=ctx.rng)
             else:
                 # Issue 12: within a priority, the most remaining usage
                 # window first; at/above the threshold only after the rest.
                 order = self._ordered(
                     available,
                     key=lambda a: (a.priority,) + quota.rank(a.id, threshold) + plain(a),
+                    rng=ctx.rng,
                 )
             for account in order:
                 if self._incompatible(ctx, account):
@@ -713,7 +832,7 @@ class AccountScheduler:
         missing = [a for a in ctx.eligible if a.id not in ctx.loads]
         ctx.loads.update(await self._loads(missing))
         order = self._ordered(
-            ctx.eligible, key=lambda a: (a.priority, self._lastUsedSecond(a)),
+            ctx.eligible, key=lambda a: (a.priority, self._lastUsedSecond(a)), rng=ctx.rng,
         )
         limit = ctx.scheduling.fallback_max_waiting
         for account in order:
@@ -742,12 +861,13 @@ class AccountScheduler:
             return False
         return bool(turn.historyComplete)
 
-    async def _select(self, turn: Turn, excluded: frozenset) -> Selection:
+    async def _select(self, turn: Turn, excluded: frozenset,
+                      preview: Optional[Preview] = None) -> Selection:
         """
-        See L{select}.
+        See L{select}; with C{preview}, the dry run of L{preview}.
         """
         started = self._clock.seconds()
-        accounts = list(self._accounts)
+        accounts = self._candidates(turn)
         previous = turn.previousResponseId or None
 
         # R40: a message id is never a chain id.
@@ -792,10 +912,14 @@ class AccountScheduler:
             byId={a.id: a for a in accounts}, states=states,
             oauthBarred=bool(previous) and turn.entrypoint == "http",
         )
+        if preview is not None:
+            ctx.dryRun, preview.ctx = True, ctx
+            ctx.rng = random.Random()
+            ctx.rng.setstate(self._random.getstate())
         openAccounts = [a for a in serving if a.id not in excluded]
         if openAccounts and all(self._isQuarantined(a) for a in openAccounts):
             ctx.quarantineFailOpen = True
-            self._log.warn(
+            self._logFor(ctx).warn(
                 "every candidate proxy is quarantined; allowing them anyway",
                 event="openai.proxy_quarantine_fail_open", request_id=turn.requestId,
                 candidate_count=len(openAccounts),
@@ -850,7 +974,7 @@ class AccountScheduler:
                 # Issue 14: an owner this process does not have (removed by
                 # a reload, or configured on another relay only) is said,
                 # not silently dropped.
-                self._log.info(
+                self._logFor(ctx).info(
                     "previous_response_id owner {account_id} not usable ({reason});"
                     " falling back",
                     event="openai.previous_response_owner_skipped", account_id=ownerId,
@@ -858,7 +982,7 @@ class AccountScheduler:
                 )
             return None
         reason = self._incompatible(ctx, owner)
-        if reason is not None and reason.startswith("unschedulable"):
+        if reason is not None and reason.startswith("unschedulable") and not ctx.dryRun:
             # R41 step 2: the owner is no longer schedulable.
             await self._write("deleteValue", responseKey(previous))
         lease = None
@@ -870,14 +994,14 @@ class AccountScheduler:
                 lease.release()
                 lease = None
         if reason is not None:
-            self._log.info(
+            self._logFor(ctx).info(
                 "previous_response_id owner {account_id} not usable ({reason}); falling back",
                 event="openai.previous_response_owner_skipped", account_id=owner.id,
                 reason=reason, request_id=ctx.turn.requestId,
             )
             return None
         if ctx.quarantineFailOpen and self._isQuarantined(owner):
-            self._log.warn(
+            self._logFor(ctx).warn(
                 "routing to previous_response_id owner {account_id} despite proxy quarantine",
                 event="openai.previous_response_owner_fail_open", account_id=owner.id,
                 request_id=ctx.turn.requestId,
@@ -930,7 +1054,8 @@ class AccountScheduler:
                 "unschedulable"
             ):
                 # R38: delete a binding whose account can no longer serve.
-                await self._write("deleteValue", sessionKey(turn.sessionHash))
+                if not ctx.dryRun:
+                    await self._write("deleteValue", sessionKey(turn.sessionHash))
                 ctx.binding = None
                 return False
             # Excluded in this turn (failover): the new account takes the
@@ -962,13 +1087,15 @@ class AccountScheduler:
         """
         turn = ctx.turn
         account = choice.account
-        if choice.keepBinding:
-            self._keptBindings[turn] = True
-        else:
-            self._keptBindings.pop(turn, None)
-        self._lastUsed[account.id] = self._clock.seconds()
+        if not ctx.dryRun:
+            if choice.keepBinding:
+                self._keptBindings[turn] = True
+            else:
+                self._keptBindings.pop(turn, None)
+            self._lastUsed[account.id] = self._clock.seconds()
         ttl = ctx.scheduling.sticky_session_ttl_seconds
-        if choice.lease is not None and turn.sessionHash and not choice.keepBinding:
+        writeBinding = choice.lease is not None and turn.sessionHash and not choice.keepBinding
+        if writeBinding and not ctx.dryRun:
             if choice.bindingOp == "touch":
                 await self._write("touchValue", sessionKey(turn.sessionHash), ttl)
             elif choice.bindingOp == "write":
@@ -990,6 +1117,9 @@ class AccountScheduler:
             quota_decided=ctx.quotaDecided and choice.layer == LAYER_LOAD and not choice.preferred,
             quota_used_percent=self._usedPercent(account),
         )
+        if ctx.dryRun:
+            return Selection(account=account, lease=choice.lease, waitPlan=choice.plan,
+                             record=record)
         # Info, not R45's debug: seed 003's tables (and relay.operator.report) are
         # computed from these lines, and the default runners drop debug.
         self._log.info(

@@ -38,27 +38,36 @@ def _iso(seconds: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
 
 
-def budgetError(keyName: str, budget: str, limit: int, used: int, resetsAt: float,
+def budgetError(keyName: str, budget: str, limit, used, resetsAt: float,
                 now: float) -> ClientError:
     """
     The 429 a key gets once its token budget is spent: the message names the
     budget and when it resets; C{Retry-After} is the seconds until then.
 
     @param keyName: the client key's name (never its secret).
-    @param budget: C{daily_tokens} or C{monthly_tokens}.
-    @param limit: the budget in tokens.
-    @param used: tokens counted so far in the period.
+    @param budget: C{daily_tokens}, C{monthly_tokens}, or (issue 22)
+        C{daily_usd} or C{monthly_usd}.
+    @param limit: the budget in tokens (or dollars).
+    @param used: tokens (or dollars) counted so far in the period.
     @param resetsAt: Unix seconds of the next UTC day or month.
     @param now: Unix seconds.
     @rtype: L{ClientError}
     """
-    period = "UTC day" if budget == "daily_tokens" else "UTC month"
-    message = (
-        f"Token budget exhausted for key {keyName!r}: {budget} is {limit} and {used} were used"
-        f" this {period}; it resets at {_iso(resetsAt)}."
-    )
+    period = "UTC day" if budget.startswith("daily") else "UTC month"
+    if budget.endswith("_usd"):
+        what = "Money budget"
+        message = (
+            f"Money budget exhausted for key {keyName!r}: {budget} is ${limit:.2f} and"
+            f" ${used:.4f} was spent this {period}; it resets at {_iso(resetsAt)}."
+        )
+    else:
+        what = "Token budget"
+        message = (
+            f"Token budget exhausted for key {keyName!r}: {budget} is {limit} and {used} were"
+            f" used this {period}; it resets at {_iso(resetsAt)}."
+        )
     wait = max(1, int(resetsAt - now + 0.999))
-    reason = f"token budget {budget} exhausted; resets at {_iso(resetsAt)}"
+    reason = f"{what.lower()} {budget} exhausted; resets at {_iso(resetsAt)}"
     return ClientError(
         429,
         "insufficient_quota",
@@ -79,6 +88,8 @@ class UsageLedger:
     @ivar metrics: optional L{relay.operator.metrics.RelayMetrics} (token counters).
     @ivar budgets: key name -> C{(daily_tokens, monthly_tokens)}, each an
         C{int} or L{None}; keys without a budget are absent.
+    @ivar moneyBudgets: key name -> C{(daily_usd, monthly_usd)}, each a
+        C{float} or L{None} (issue 22); keys without one are absent.
     @ivar flushTimeout: seconds a flush may take before it is abandoned (the
         rows are kept for the next one).
     """
@@ -88,9 +99,12 @@ class UsageLedger:
     metrics: Any = None
     budgets: dict = field(factory=dict)
     flushTimeout: float = 30.0
+    moneyBudgets: dict = field(factory=dict)
     _pending: dict = field(factory=dict)
     _stored: dict = field(factory=dict)
     _local: dict = field(factory=dict)
+    _storedCost: dict = field(factory=dict)
+    _localCost: dict = field(factory=dict)
     _flushing: Deferred | None = None
     _log = Logger()
 
@@ -113,8 +127,29 @@ class UsageLedger:
             for period in (("d", dayStart(now)), ("m", monthStart(now))):
                 slot = (key,) + period
                 self._local[slot] = self._local.get(slot, 0) + counts.total
+        if key in self.moneyBudgets and counts.cost:
+            for period in (("d", dayStart(now)), ("m", monthStart(now))):
+                slot = (key,) + period
+                self._localCost[slot] = self._localCost.get(slot, 0) + counts.cost
         if self.metrics is not None:
             self.metrics.tokens(key, account, model, counts)
+
+    def setBudgets(self, keys) -> None:
+        """
+        Take the token and money budgets of C{keys} (at start-up and after
+        a reload, issue 22): a key added with a budget is enforced from its
+        next turn, a budget removed stops being enforced.
+
+        @param keys: an iterable of L{relay.model.ClientKey}.
+        """
+        budgets, money = {}, {}
+        for key in keys:
+            if key.daily_tokens is not None or key.monthly_tokens is not None:
+                budgets[key.name] = (key.daily_tokens, key.monthly_tokens)
+            if key.daily_usd is not None or key.monthly_usd is not None:
+                money[key.name] = (key.daily_usd, key.monthly_usd)
+        self.budgets = budgets
+        self.moneyBudgets = money
 
     # -- budgets -----------------------------------------------------------------
 
@@ -132,9 +167,23 @@ class UsageLedger:
             for period in (day, month)
         )
 
+    def spent(self, key: str, now: float) -> tuple:
+        """
+        Nano-dollars a key spent this UTC day and month on priced turns, as
+        far as this process knows (like L{used}; issue 22).
+
+        @return: C{(day, month)}.
+        """
+        day, month = ("d", dayStart(now)), ("m", monthStart(now))
+        return tuple(
+            self._storedCost.get((key,) + period, 0) + self._localCost.get((key,) + period, 0)
+            for period in (day, month)
+        )
+
     def overBudget(self, key: str, now: float) -> ClientError | None:
         """
-        Check C{key}'s token budgets before a turn starts.
+        Check C{key}'s token budgets, then (issue 22) its money budgets,
+        before a turn starts.
 
         @param key: the client key's name.
         @param now: Unix seconds.
@@ -142,14 +191,24 @@ class UsageLedger:
             the key may go on.
         """
         limits = self.budgets.get(key)
-        if limits is None:
-            return None
-        daily, monthly = limits
-        usedDay, usedMonth = self.used(key, now)
-        if daily is not None and usedDay >= daily:
-            return budgetError(key, "daily_tokens", daily, usedDay, dayStart(now) + DAY, now)
-        if monthly is not None and usedMonth >= monthly:
-            return budgetError(key, "monthly_tokens", monthly, usedMonth, nextMonthStart(now), now)
+        if limits is not None:
+            daily, monthly = limits
+            usedDay, usedMonth = self.used(key, now)
+            if daily is not None and usedDay >= daily:
+                return budgetError(key, "daily_tokens", daily, usedDay, dayStart(now) + DAY, now)
+            if monthly is not None and usedMonth >= monthly:
+                return budgetError(key, "monthly_tokens", monthly, usedMonth,
+                                   nextMonthStart(now), now)
+        money = self.moneyBudgets.get(key)
+        if money is not None:
+            daily, monthly = money
+            spentDay, spentMonth = self.spent(key, now)
+            if daily is not None and spentDay >= daily * 1e9:
+                return budgetError(key, "daily_usd", daily, spentDay / 1e9,
+                                   dayStart(now) + DAY, now)
+            if monthly is not None and spentMonth >= monthly * 1e9:
+                return budgetError(key, "monthly_usd", monthly, spentMonth / 1e9,
+                                   nextMonthStart(now), now)
         return None
 
     def budgetView(self, now: float) -> list:
@@ -161,9 +220,10 @@ class UsageLedger:
             C{monthly_resets_at} (times in Unix seconds).
         """
         rows = []
-        for key, (daily, monthly) in sorted(self.budgets.items()):
+        for key in sorted(set(self.budgets) | set(self.moneyBudgets)):
+            daily, monthly = self.budgets.get(key, (None, None))
             usedDay, usedMonth = self.used(key, now)
-            rows.append({
+            row = {
                 "key": key,
                 "daily_tokens": daily,
                 "daily_used": usedDay,
@@ -171,7 +231,14 @@ class UsageLedger:
                 "monthly_tokens": monthly,
                 "monthly_used": usedMonth,
                 "monthly_resets_at": nextMonthStart(now),
-            })
+            }
+            if key in self.moneyBudgets:
+                # Issue 22: money budgets, in dollars.
+                dailyUsd, monthlyUsd = self.moneyBudgets[key]
+                spentDay, spentMonth = self.spent(key, now)
+                row.update(daily_usd=dailyUsd, daily_spent_usd=round(spentDay / 1e9, 9),
+                           monthly_usd=monthlyUsd, monthly_spent_usd=round(spentMonth / 1e9, 9))
+            rows.append(row)
         return rows
 
     # -- flushing and reading -------------------------------------------------
@@ -214,33 +281,38 @@ class UsageLedger:
                 return
             self._log.debug("stored {rows} usage row(s)", event="relay.usage_flushed",
                             rows=len(rows))
-        if not self.budgets:
-            return
+        localCost = dict(self._localCost)
         now = self.clock.seconds()
         day, month = dayStart(now), monthStart(now)
-        try:
-            totals = await self.store.budgetTotals(day, month).addTimeout(
-                self.flushTimeout, self.clock
-            )
-        except Exception as e:  # noqa: BLE001 - logged; next flush retries
-            self._log.error(
-                "reading usage totals for budgets failed ({error})",
-                event="relay.usage_flush_failed", error=repr(e),
-            )
-            return
-        self._stored = {}
-        for period, start, perKey in (("d", day, totals[0]), ("m", month, totals[1])):
-            for key, tokens in perKey.items():
-                self._stored[(key, period, start)] = tokens
-        # What was counted before this flush is in the store's totals now;
-        # keep only what was counted while it ran (and no stale periods).
-        for slot in list(self._local):
-            left = self._local[slot] - local.get(slot, 0)
-            current = slot[2] == (day if slot[1] == "d" else month)
-            if left > 0 and current:
-                self._local[slot] = left
-            else:
-                del self._local[slot]
+        for budgets, read, stored, counted, before in (
+            (self.budgets, self.store.budgetTotals, "_stored", self._local, local),
+            (self.moneyBudgets, self.store.costTotals, "_storedCost", self._localCost, localCost),
+        ):
+            if not budgets:
+                continue
+            try:
+                totals = await read(day, month).addTimeout(self.flushTimeout, self.clock)
+            except Exception as e:  # noqa: BLE001 - logged; next flush retries
+                self._log.error(
+                    "reading usage totals for budgets failed ({error})",
+                    event="relay.usage_flush_failed", error=repr(e),
+                )
+                return
+            fresh = {}
+            for period, start, perKey in (("d", day, totals[0]), ("m", month, totals[1])):
+                for key, amount in perKey.items():
+                    fresh[(key, period, start)] = amount
+            setattr(self, stored, fresh)
+            # What was counted before this flush is in the store's totals
+            # now; keep only what was counted while it ran (and no stale
+            # periods).
+            for slot in list(counted):
+                left = counted[slot] - before.get(slot, 0)
+                current = slot[2] == (day if slot[1] == "d" else month)
+                if left > 0 and current:
+                    counted[slot] = left
+                else:
+                    del counted[slot]
 
     async def totals(self, since: float, groupBy: str) -> list:
         """

@@ -124,14 +124,23 @@ class MemoryUsageStore:
         """
         See L{IUsageStore.budgetTotals}.
         """
+        return succeed(self._sums(dayStart, monthStart, lambda c: c.total))
+
+    def costTotals(self, dayStart, monthStart) -> Deferred:
+        """
+        See L{IUsageStore.costTotals}.
+        """
+        return succeed(self._sums(dayStart, monthStart, lambda c: c.cost))
+
+    def _sums(self, dayStart, monthStart, value) -> tuple:
         day: dict = {}
         month: dict = {}
         for (hour, key, _account, _model), counts in self.rows.items():
             if hour >= monthStart:
-                month[key] = month.get(key, 0) + counts.total
+                month[key] = month.get(key, 0) + value(counts)
             if hour >= dayStart:
-                day[key] = day.get(key, 0) + counts.total
-        return succeed((day, month))
+                day[key] = day.get(key, 0) + value(counts)
+        return day, month
 
 
 _SQL_CREATE = (
@@ -139,20 +148,31 @@ _SQL_CREATE = (
     " hour INTEGER NOT NULL, key TEXT NOT NULL, account TEXT NOT NULL,"
     " model TEXT NOT NULL, requests INTEGER NOT NULL, input INTEGER NOT NULL,"
     " cached INTEGER NOT NULL, output INTEGER NOT NULL, reasoning INTEGER NOT NULL,"
+    " cost INTEGER NOT NULL DEFAULT 0, unpriced INTEGER NOT NULL DEFAULT 0,"
     " PRIMARY KEY (hour, key, account, model))"
 )
 
+_SQL_MONEY_COLUMNS = (
+    ("cost", "ALTER TABLE usage_hourly ADD COLUMN cost INTEGER NOT NULL DEFAULT 0"),
+    ("unpriced", "ALTER TABLE usage_hourly ADD COLUMN unpriced INTEGER NOT NULL DEFAULT 0"),
+)
+"""Issue 22: the money columns, added to a table an older relay created."""
+
 _SQL_ADD = (
     "INSERT INTO usage_hourly"
-    " (hour, key, account, model, requests, input, cached, output, reasoning)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " (hour, key, account, model, requests, input, cached, output, reasoning, cost, unpriced)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
     " ON CONFLICT (hour, key, account, model) DO UPDATE SET"
     " requests = requests + excluded.requests, input = input + excluded.input,"
     " cached = cached + excluded.cached, output = output + excluded.output,"
-    " reasoning = reasoning + excluded.reasoning"
+    " reasoning = reasoning + excluded.reasoning, cost = cost + excluded.cost,"
+    " unpriced = unpriced + excluded.unpriced"
 )
 
-_SQL_SUMS = "SUM(requests), SUM(input), SUM(cached), SUM(output), SUM(reasoning)"
+_SQL_SUMS = (
+    "SUM(requests), SUM(input), SUM(cached), SUM(output), SUM(reasoning), SUM(cost),"
+    " SUM(unpriced)"
+)
 
 
 @implementer(IUsageStore)
@@ -177,6 +197,11 @@ class SQLiteUsageStore:
         def _withTable(txn, *a):
             if not self._ready:
                 txn.execute(_SQL_CREATE)
+                txn.execute("PRAGMA table_info(usage_hourly)")
+                present = {row[1] for row in txn.fetchall()}
+                for column, alter in _SQL_MONEY_COLUMNS:
+                    if column not in present:
+                        txn.execute(alter)
             return interaction(txn, *a)
 
         def _cbReady(result):
@@ -191,7 +216,8 @@ class SQLiteUsageStore:
         retention cut).
         """
         values = [
-            (hour, key, account, model, c.requests, c.input, c.cached, c.output, c.reasoning)
+            (hour, key, account, model, c.requests, c.input, c.cached, c.output, c.reasoning,
+             c.cost, c.unpriced)
             for (hour, key, account, model), c in rows
         ]
 
@@ -225,37 +251,51 @@ class SQLiteUsageStore:
         See L{IUsageStore.budgetTotals}.
         """
 
-        def _sums(txn):
-            out = []
-            for since in (dayStart, monthStart):
-                txn.execute(
-                    "SELECT key, SUM(input) + SUM(output) FROM usage_hourly"
-                    " WHERE hour >= ? GROUP BY key",
-                    (since,),
-                )
-                out.append({key: int(total or 0) for key, total in txn.fetchall()})
-            return tuple(out)
+        return self._run(self._sums, "SUM(input) + SUM(output)", dayStart, monthStart)
 
-        return self._run(_sums)
+    def costTotals(self, dayStart, monthStart) -> Deferred:
+        """
+        See L{IUsageStore.costTotals}.
+        """
+        return self._run(self._sums, "SUM(cost)", dayStart, monthStart)
+
+    @staticmethod
+    def _sums(txn, expression, dayStart, monthStart):
+        out = []
+        for since in (dayStart, monthStart):
+            txn.execute(
+                f"SELECT key, {expression} FROM usage_hourly WHERE hour >= ? GROUP BY key",
+                (since,),
+            )
+            out.append({key: int(total or 0) for key, total in txn.fetchall()})
+        return tuple(out)
 
 
 # Adds rows. KEYS: per row its hour hash, day hash and month hash. ARGV: the
 # hour, day and month TTLs, then per row: the "key\taccount\tmodel" field,
-# the key name, requests, input, cached, output, reasoning.
+# the key name, requests, input, cached, output, reasoning, cost (nano-USD)
+# and unpriced requests. The day and month hashes hold tokens per key name
+# and, under "$\t<key>", the cost (issue 22).
 _REDIS_ADD = """
-local rows = (#ARGV - 3) / 7
+local rows = (#ARGV - 3) / 9
 for i = 0, rows - 1 do
   local h, d, m = KEYS[3 * i + 1], KEYS[3 * i + 2], KEYS[3 * i + 3]
-  local a = 3 + 7 * i
+  local a = 3 + 9 * i
   local f = ARGV[a + 1]
   redis.call('HINCRBY', h, 'r\\t' .. f, ARGV[a + 3])
   redis.call('HINCRBY', h, 'i\\t' .. f, ARGV[a + 4])
   redis.call('HINCRBY', h, 'c\\t' .. f, ARGV[a + 5])
   redis.call('HINCRBY', h, 'o\\t' .. f, ARGV[a + 6])
   redis.call('HINCRBY', h, 'x\\t' .. f, ARGV[a + 7])
+  if ARGV[a + 8] ~= '0' then redis.call('HINCRBY', h, 'u\\t' .. f, ARGV[a + 8]) end
+  if ARGV[a + 9] ~= '0' then redis.call('HINCRBY', h, 'n\\t' .. f, ARGV[a + 9]) end
   local total = tonumber(ARGV[a + 4]) + tonumber(ARGV[a + 6])
   redis.call('HINCRBY', d, ARGV[a + 2], total)
   redis.call('HINCRBY', m, ARGV[a + 2], total)
+  if ARGV[a + 8] ~= '0' then
+    redis.call('HINCRBY', d, '$\\t' .. ARGV[a + 2], ARGV[a + 8])
+    redis.call('HINCRBY', m, '$\\t' .. ARGV[a + 2], ARGV[a + 8])
+  end
   redis.call('EXPIRE', h, ARGV[1])
   redis.call('EXPIRE', d, ARGV[2])
   redis.call('EXPIRE', m, ARGV[3])
@@ -277,7 +317,11 @@ end
 return out
 """
 
-_METRICS = {"r": "requests", "i": "input", "c": "cached", "o": "output", "x": "reasoning"}
+_METRICS = {"r": "requests", "i": "input", "c": "cached", "o": "output", "x": "reasoning",
+            "u": "cost", "n": "unpriced"}
+
+_COST_FIELD = "$\t"
+"""Prefix of the cost fields in the day and month hashes (issue 22)."""
 
 
 def _clean(text: str) -> str:
@@ -356,6 +400,7 @@ class RedisUsageStore:
                 f"{_clean(key)}\t{_clean(account)}\t{_clean(model)}",
                 _clean(key),
                 str(c.requests), str(c.input), str(c.cached), str(c.output), str(c.reasoning),
+                str(c.cost), str(c.unpriced),
             ]
         d = self.redis.execute(self.timeout, "eval", _REDIS_ADD, keys, args)
         return d.addCallback(lambda _: None)
@@ -395,6 +440,16 @@ class RedisUsageStore:
         """
         See L{IUsageStore.budgetTotals}: one C{EVAL} reading both hashes.
         """
+        return self._periodTotals(dayStart, monthStart, cost=False)
+
+    def costTotals(self, dayStart, monthStart) -> Deferred:
+        """
+        See L{IUsageStore.costTotals}: one C{EVAL} reading both hashes'
+        cost fields.
+        """
+        return self._periodTotals(dayStart, monthStart, cost=True)
+
+    def _periodTotals(self, dayStart, monthStart, cost: bool) -> Deferred:
         keys = [f"{self.prefix}:d:{dayStart}", f"{self.prefix}:m:{monthStart}"]
         d = self.redis.execute(self.timeout, "eval", _REDIS_READ, keys, [])
 
@@ -403,9 +458,12 @@ class RedisUsageStore:
             reply = list(reply or [])
             for name, flat in zip(reply[0::2], reply[1::2]):
                 flat = list(flat)
-                found[_text(name)] = {
-                    _text(k): _number(v) for k, v in zip(flat[0::2], flat[1::2])
-                }
+                values = {}
+                for k, v in zip(flat[0::2], flat[1::2]):
+                    k = _text(k)
+                    if k.startswith(_COST_FIELD) == cost:
+                        values[k[len(_COST_FIELD):] if cost else k] = _number(v)
+                found[_text(name)] = values
             return found.get(keys[0], {}), found.get(keys[1], {})
 
         return d.addCallback(_cbTotals)

@@ -63,6 +63,12 @@ class TokenCounts:
     cached: int = 0
     output: int = 0
     reasoning: int = 0
+    cost: int = 0
+    """Issue 22: the cost of the priced turns among these, nano-dollars
+    (L{relay.tenants.prices}); 0 until priced."""
+    unpriced: int = 0
+    """Issue 22: how many of these turns ran on a model without a price
+    (their cost is unknown, never zero)."""
 
     @property
     def total(self) -> int:
@@ -78,13 +84,18 @@ class TokenCounts:
             self.cached + other.cached,
             self.output + other.output,
             self.reasoning + other.reasoning,
+            self.cost + other.cost,
+            self.unpriced + other.unpriced,
         )
 
     def asDict(self) -> dict:
         """
         @return: the counts under the names C{/admin/usage} serves:
             C{requests}, C{input_tokens}, C{cached_input_tokens},
-            C{output_tokens}, C{reasoning_tokens}, C{total_tokens}.
+            C{output_tokens}, C{reasoning_tokens}, C{total_tokens}, and
+            (issue 22) C{cost_usd} (the priced turns' cost in dollars) and
+            C{unpriced_requests} (turns on a model without a price, whose
+            cost C{cost_usd} does not include).
         """
         return {
             "requests": self.requests,
@@ -93,6 +104,8 @@ class TokenCounts:
             "output_tokens": self.output,
             "reasoning_tokens": self.reasoning,
             "total_tokens": self.total,
+            "cost_usd": round(self.cost / 1e9, 9),
+            "unpriced_requests": self.unpriced,
         }
 
 

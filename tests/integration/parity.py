@@ -110,7 +110,8 @@ def _names(accounts) -> dict:
     return {"accounts": [{"name": a["id"], "credential": a["credential"]} for a in accounts]}
 
 
-async def startParityStack(entrypoint: str, accounts, firstOutputTimeout: float = 0.0):
+async def startParityStack(entrypoint: str, accounts, firstOutputTimeout: float = 0.0,
+                           keys=None, extra: str = ""):
     """
     Start an emulator + relay for one entrypoint with an admin key; the
     WebSocket entrypoints set C{gateway.websocket.mode_default}.
@@ -119,6 +120,8 @@ async def startParityStack(entrypoint: str, accounts, firstOutputTimeout: float 
         takes them (each needs C{id} and C{credential}).
     @param firstOutputTimeout: seconds; when set, written straight onto the
         runtime settings (the config file only allows 30..600, R20).
+    @param keys: the C{keys:} section as JSON text (default: the harness key).
+    @param extra: more configuration text (e.g. C{groups:}, issue 22).
     """
     mode = WS_MODE.get(entrypoint)
     gateway = "{" + (f"websocket: {{mode_default: {mode}}}" if mode else "") + "}"
@@ -126,7 +129,7 @@ async def startParityStack(entrypoint: str, accounts, firstOutputTimeout: float 
     if kind is not None:
         accounts = [{"type": kind, **a} for a in accounts]
     stack = await startStack(accounts, gateway=gateway, emulatorConfig=_names(accounts),
-                             extra=f"admin_key: {ADMIN}\n")
+                             keys=keys, extra=f"admin_key: {ADMIN}\n{extra}")
     if firstOutputTimeout:
         s = stack.app.settings.current
         stack.app.settings.current = evolve(s, first_output_timeout_seconds=firstOutputTimeout)

@@ -65,12 +65,26 @@ async def usage(port: int, query: str = "group_by=key") -> dict:
     return body
 
 
+MONEY = ("cost_usd", "unpriced_requests")
+"""Issue 22's money fields of a row, compared by L{costs}."""
+
+
 def rows(body: dict) -> dict:
     """
-    @return: group value -> the row without its group field.
+    @return: group value -> the row without its group field and its money
+        fields (see L{costs}).
     """
     group = body["group_by"]
-    return {row[group]: {k: v for k, v in row.items() if k != group} for row in body["rows"]}
+    return {row[group]: {k: v for k, v in row.items() if k != group and k not in MONEY}
+            for row in body["rows"]}
+
+
+def costs(body: dict) -> dict:
+    """
+    @return: group value -> C{(cost_usd, unpriced_requests)} (issue 22).
+    """
+    group = body["group_by"]
+    return {row[group]: (row["cost_usd"], row["unpriced_requests"]) for row in body["rows"]}
 
 
 async def wsTurns(port: int, model: str, count: int) -> list:
@@ -149,10 +163,22 @@ async def test_every_entrypoint_is_counted_once():
         assert byAccount == {"api": times(6), "oauth": ONE, "pass": ONE, "bridge": ONE}
         byKey = await usage(port, "group_by=key&since=0")
         assert rows(byKey) == {"test": times(9)}
-        assert byKey["total"] == times(9)
-        byModel = rows(await usage(port, "group_by=model"))
+        assert {k: v for k, v in byKey["total"].items() if k not in MONEY} == times(9)
+        modelBody = await usage(port, "group_by=model")
+        byModel = rows(modelBody)
         assert byModel == {"gpt-5.5": times(6), "gpt-5.4": ONE, "gpt-4.1": ONE,
                            "gpt-5.4-mini": ONE}
+        # Issue 22: each model's turns at its shipped price, on every entrypoint.
+        from relay.tenants.prices import PriceTable
+        from relay.usage.tokens import TokenCounts
+
+        def price(model, n):
+            return round(n * PriceTable().cost(model, TokenCounts(1, 120, 100, 30, 12)) / 1e9, 9)
+
+        assert costs(modelBody) == {"gpt-5.5": (price("gpt-5.5", 6), 0),
+                                    "gpt-5.4": (price("gpt-5.4", 1), 0),
+                                    "gpt-4.1": (price("gpt-4.1", 1), 0),
+                                    "gpt-5.4-mini": (price("gpt-5.4-mini", 1), 0)}
 
         metrics = stack.app.extras["metrics"].registry
         labels = {"key": "test", "account": "api", "model": "gpt-5.5"}
@@ -292,7 +318,8 @@ async def test_sqlite_totals_survive_a_restart():
         again = buildApplication(app.config, reactor)
         try:
             found = await Deferred.fromCoroutine(again.extras["usage"].totals(0, "account"))
-            assert found == [{"account": "api", **ONE}]
+            assert found == [{"account": "api", **ONE, "cost_usd": 0.00105,
+                              "unpriced_requests": 0}]
         finally:
             again.settings.store.close()
     finally:

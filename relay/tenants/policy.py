@@ -1,0 +1,301 @@
+# -*- test-case-name: tests.test_tenants_policy -*-
+"""
+The per-key policy (issue 22; behaviour.md R102): what a client key may do,
+checked by the turn engine before a turn takes a slot or reaches an
+account, the same way on every entrypoint (HTTP SSE, JSON, chat) and every
+WebSocket mode (each C{response.create} of an open socket is a turn).
+
+Order of the checks (the first refusal wins; L{KeyPolicy.refusal} then the
+engine's budget check, then L{KeyPolicy.admitRate}):
+
+ 1. C{disabled} -> 401, WebSocket close 1008;
+ 2. C{expires_at} passed -> 401 "... expired at ...", close 1008;
+ 3. C{models} / C{deny_models}: a model the key may not use -> 403
+    C{model_not_found} (what OpenAI answers for a model a project may not
+    use), close 1008;
+ 4. a money budget (C{daily_usd}/C{monthly_usd}) and a model without a
+    price -> 403 (relay could not count its cost; unpriced is never free);
+ 5. token and money budgets (L{relay.usage.ledger.UsageLedger.overBudget})
+    -> 429 C{insufficient_quota}, close 1013;
+ 6. C{rpm} / C{tpm} (L{relay.tenants.ratelimit}, sliding 60 s) -> 429
+    C{rate_limit_exceeded} with C{Retry-After} (whole seconds),
+    C{retry-after-ms}, and OpenAI's C{x-ratelimit-limit-requests},
+    C{-remaining-requests}, C{-reset-requests} and the C{-tokens}
+    variants, so an OpenAI SDK backs off by itself; close 1013.
+
+Account groups (C{accounts:} or C{group:} on the key, C{groups:} at the top)
+are not a refusal: L{KeyPolicy.allowedAccounts} is put on the turn
+(C{Turn.allowedAccounts}) and the scheduler narrows its candidates to it
+at the entry of selection, so scheduling, failover and waits only ever
+consider the group's accounts.
+
+Checks 1-3 need only the key (and the model); they can run as early as the
+key is known. Nothing here reads a clock but the injected one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Iterable, Optional
+
+from attrs import define
+from twisted.logger import Logger
+
+from relay.model import ClientError, ClientKey
+
+__all__ = ["KeyPolicy", "formatReset", "rateLimitHeaders"]
+
+EXPIRED_CLOSE = "api key expired"
+DISABLED_CLOSE = "api key is disabled"
+MODEL_CLOSE = "model not allowed for this api key"
+
+
+def _iso(seconds: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
+
+def formatReset(seconds: float) -> str:
+    """
+    A duration the way OpenAI writes C{x-ratelimit-reset-*}: C{20ms},
+    C{1.5s}, C{6m0s}.
+
+    @param seconds: non-negative seconds.
+    """
+    seconds = max(0.0, seconds)
+    if seconds < 1:
+        return f"{int(round(seconds * 1000))}ms"
+    if seconds < 60:
+        text = f"{seconds:.3f}".rstrip("0").rstrip(".")
+        return f"{text}s"
+    minutes, rest = divmod(int(math.ceil(seconds)), 60)
+    return f"{minutes}m{rest}s"
+
+
+def rateLimitHeaders(decision) -> tuple:
+    """
+    The OpenAI rate-limit headers of a decision.
+
+    @param decision: a L{relay.tenants.ratelimit.RateDecision}.
+    @return: C{(name, value)} pairs: C{x-ratelimit-*} for the limits the
+        key has, and, when refused, C{Retry-After} (whole seconds, at least
+        1) and C{retry-after-ms}.
+    """
+    headers = []
+    if decision.rpm:
+        headers += [
+            ("x-ratelimit-limit-requests", str(decision.rpm)),
+            ("x-ratelimit-remaining-requests", str(max(0, decision.rpm - decision.requests))),
+            ("x-ratelimit-reset-requests", formatReset(decision.resetRequests)),
+        ]
+    if decision.tpm:
+        headers += [
+            ("x-ratelimit-limit-tokens", str(decision.tpm)),
+            ("x-ratelimit-remaining-tokens", str(max(0, decision.tpm - decision.tokens))),
+            ("x-ratelimit-reset-tokens", formatReset(decision.resetTokens)),
+        ]
+    if not decision.allowed:
+        headers += [
+            ("Retry-After", str(max(1, int(math.ceil(decision.retryAfter))))),
+            ("retry-after-ms", str(max(1, int(math.ceil(decision.retryAfter * 1000))))),
+        ]
+    return tuple(headers)
+
+
+def _rateError(key: ClientKey, decision, model: Optional[str]) -> ClientError:
+    if decision.refusedBy == "rpm":
+        what, limit, used = "requests per min (RPM)", decision.rpm, decision.requests
+    else:
+        what, limit, used = "tokens per min (TPM)", decision.tpm, decision.tokens
+    wait = decision.retryAfter
+    message = (
+        f"Rate limit reached for key {key.name!r} on {what}: Limit {limit}, Used {used}."
+        f" Please try again in {formatReset(wait)}."
+    )
+    reason = f"rate limit {decision.refusedBy} {limit} reached; retry in {formatReset(wait)}"
+    return ClientError(
+        429, "rate_limit_error", message, code="rate_limit_exceeded",
+        headers=rateLimitHeaders(decision), wsClose=(1013, reason),
+    )
+
+
+@define(eq=False)
+class KeyPolicy:
+    """
+    See the module docstring.
+
+    @ivar clock: the injected L{IReactorTime} (Unix seconds).
+    @ivar live: the L{relay.operations.live.LiveConfiguration}: its
+        C{config.groups} and C{accounts} are read per check, so a reload
+        applies to the next turn.
+    @ivar limiter: the L{relay.interfaces.IRateLimiter}, or L{None} (no
+        rates enforced).
+    @ivar prices: the L{relay.tenants.prices.PriceTable}, or L{None}.
+    """
+
+    clock: Any
+    live: Any
+    limiter: Any = None
+    prices: Any = None
+    _log = Logger()
+
+    # -- what the key may reach ------------------------------------------------
+
+    def allowedAccounts(self, key: ClientKey) -> Optional[frozenset]:
+        """
+        The account ids C{key} may reach: its C{accounts}, or its
+        C{group}'s, or L{None} for every account.
+
+        @rtype: L{frozenset} of L{str} or L{None}
+        """
+        if key.accounts is not None:
+            return frozenset(key.accounts)
+        if key.group is not None:
+            groups = getattr(self.live.config, "groups", None) or {}
+            return frozenset(groups.get(key.group, ()))
+        return None
+
+    def reachable(self, key: ClientKey, accounts: Iterable) -> list:
+        """
+        @param accounts: accounts (e.g. the live registry).
+        @return: those of C{accounts} that C{key} may reach, in order.
+        """
+        allowed = self.allowedAccounts(key)
+        return [a for a in accounts if allowed is None or a.id in allowed]
+
+    def modelAllowed(self, key: ClientKey, model: Optional[str]) -> bool:
+        """
+        Whether C{key}'s C{models} and C{deny_models} let it use C{model}
+        (a client model name, before any account's mapping).
+        """
+        if model is None:
+            return True
+        if key.models is not None and model not in key.models:
+            return False
+        return not (key.deny_models and model in key.deny_models)
+
+    def models(self, key: ClientKey, names: Iterable[str]) -> list:
+        """
+        @return: the names of C{names} that C{key} may use (C{/v1/models}).
+        """
+        return [name for name in names if self.modelAllowed(key, name)]
+
+    # -- refusals ----------------------------------------------------------------
+
+    def keyRefusal(self, key: ClientKey, now: float) -> Optional[ClientError]:
+        """
+        Checks 1-2: a disabled or expired key, refused as soon as it is
+        known (the WebSocket upgrade uses this too).
+
+        @return: the 401, or L{None}.
+        """
+        if key.disabled:
+            return ClientError(
+                401, "invalid_request_error",
+                f"The API key {key.name!r} is disabled. Ask the relay's operator to enable it.",
+                code="api_key_disabled", wsClose=(1008, DISABLED_CLOSE),
+            )
+        if key.expires_at is not None and now >= key.expires_at:
+            return ClientError(
+                401, "invalid_request_error",
+                f"The API key {key.name!r} expired at {_iso(key.expires_at)} (expires_at)."
+                " Ask the relay's operator for a new key.",
+                code="api_key_expired", wsClose=(1008, EXPIRED_CLOSE),
+            )
+        return None
+
+    def refusal(self, key: ClientKey, model: Optional[str],
+                now: float) -> Optional[ClientError]:
+        """
+        Checks 1-4 (synchronous): disabled, expired, model allow/deny,
+        money budget on an unpriced model (a model is priced when its own
+        name, or the name every account the key may reach maps it to, has
+        a price).
+
+        @param key: the turn's L{ClientKey}.
+        @param model: the client model name.
+        @param now: Unix seconds.
+        @return: the L{ClientError} to refuse with, or L{None}.
+        """
+        error = self.keyRefusal(key, now)
+        if error is not None:
+            return error
+        if not self.modelAllowed(key, model):
+            allowed = ", ".join(key.models) if key.models is not None else None
+            detail = (f"its models allow-list is {allowed}" if allowed is not None
+                      and model not in key.models else "it is in its deny_models list")
+            return ClientError(
+                403, "invalid_request_error",
+                f"The key {key.name!r} does not have access to model `{model}` ({detail}).",
+                code="model_not_found", param="model", wsClose=(1008, MODEL_CLOSE),
+            )
+        if (key.daily_usd is not None or key.monthly_usd is not None) and not self._priced(
+            model, self.reachable(key, self.live.accounts)
+        ):
+            return ClientError(
+                403, "invalid_request_error",
+                f"The key {key.name!r} has a money budget and model `{model}` has no price,"
+                " so its cost cannot be counted; the operator can add it under prices:.",
+                code="model_not_priced", param="model", wsClose=(1008, MODEL_CLOSE),
+            )
+        return None
+
+    def _priced(self, model: Optional[str], accounts: Iterable) -> bool:
+        if self.prices is None or model is None:
+            return True
+        if self.prices.lookup(model) is not None:
+            return True
+        serving = [a for a in accounts if a.servesModel(model)]
+        return bool(serving) and all(
+            self.prices.lookup(a.upstreamModel(model)) is not None for a in serving
+        )
+
+    async def admitRate(self, turn) -> Optional[ClientError]:
+        """
+        Check 6: count the turn in its key's windows, or refuse it.
+
+        @param turn: the L{relay.model.Turn}.
+        @return: the 429 (or 503 when the shared windows are down and
+            C{fail_closed}), or L{None}.
+        """
+        key = turn.client
+        if self.limiter is None or not (key.rpm or key.tpm):
+            return None
+        from relay.tenants.ratelimit import RateLimitUnavailable
+
+        try:
+            decision = await self.limiter.admit(key.name, key.rpm, key.tpm)
+        except RateLimitUnavailable:
+            return ClientError(
+                503, "api_error", "Service temporarily unavailable, please retry later",
+                wsClose=(1011, "failed to acquire user concurrency slot"),
+            )
+        if decision.allowed:
+            return None
+        error = _rateError(key, decision, turn.model)
+        self._log.info(
+            "key {key_name} over its {limit}: {message}",
+            event="relay.key_rate_limited", key_name=key.name, limit=decision.refusedBy,
+            message=error.message, request_id=turn.requestId,
+        )
+        return error
+
+    def countTokens(self, key: ClientKey, tokens: int) -> None:
+        """
+        A turn of C{key} finished with C{tokens} (input + output): count
+        them in its token window (when it has a C{tpm}).
+        """
+        if self.limiter is not None and key.tpm and tokens:
+            self.limiter.addTokens(key.name, tokens)
+
+    def peekRate(self, key: ClientKey):
+        """
+        @return: a L{Deferred} firing with the key's current
+            L{relay.tenants.ratelimit.RateDecision} (nothing counted), or
+            with L{None} when it has no rates.
+        """
+        from twisted.internet.defer import succeed
+
+        if self.limiter is None or not (key.rpm or key.tpm):
+            return succeed(None)
+        return self.limiter.peek(key.name, key.rpm, key.tpm)
