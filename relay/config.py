@@ -351,6 +351,37 @@ def _redisURL(value: Any, path: str) -> str:
     return value
 
 
+def _sentinelAddresses(value: Any, path: str) -> tuple:
+    """
+    C{state.redis_sentinels}: a non-empty list of C{host:port} strings
+    (an IPv6 host in brackets, C{[::1]:26379}), as a tuple of those strings.
+    """
+    items = _stringTuple(value, path)
+    for i, item in enumerate(items):
+        try:
+            from relay.redisclient import parseHostPort
+
+            parseHostPort(item)
+        except ValueError as e:
+            raise _fail(f"{path}[{i}]", str(e))
+    return items
+
+
+def _stateSection(value: Any, path: str) -> StateSettings:
+    """
+    C{state:} with its cross-key rules: C{redis_sentinels} and
+    C{redis_master_name} come together (issue 23).
+    """
+    fields = _section(value, path, _STATE)
+    sentinels = fields.get("redis_sentinels", ())
+    name = fields.get("redis_master_name")
+    if sentinels and not name:
+        raise _fail(f"{path}.redis_master_name", "is required with state.redis_sentinels")
+    if name and not sentinels:
+        raise _fail(f"{path}.redis_sentinels", "is required with state.redis_master_name")
+    return StateSettings(**fields)
+
+
 # ---------------------------------------------------------------------------
 # The whitelists. Key -> validator. Defaults live in relay.model.
 # ---------------------------------------------------------------------------
@@ -433,6 +464,8 @@ _STATE: Dict[str, Validator] = {
     "redis_url": _redisURL,
     "on_redis_error": _choice(*REDIS_ERROR_POLICIES),
     "concurrency_slot_ttl_minutes": _number(positive=True),
+    "redis_sentinels": _sentinelAddresses,
+    "redis_master_name": _string,
 }
 
 _COMPONENTS: Dict[str, Validator] = {
@@ -507,7 +540,7 @@ _TOP: Dict[str, Validator] = {
     "proxies": lambda value, path: _list(value, path),
     "gateway": _nested(_GATEWAY, GatewaySettings),
     "components": _nested(_COMPONENTS, ComponentSettings),
-    "state": _nested(_STATE, StateSettings),
+    "state": _stateSection,
     "database": _string,
     "usage": _nested(_USAGE, UsageSettings),
 }

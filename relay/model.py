@@ -285,12 +285,18 @@ class StateSettings:
     @ivar redis_url: C{redis://host:port/db}.
     @ivar on_redis_error: C{fail_open} or C{fail_closed} (R35).
     @ivar concurrency_slot_ttl_minutes: slot lease TTL (R34).
+    @ivar redis_sentinels: C{("host:port", ...)} of Redis Sentinels; when
+        given, the master of C{redis_master_name} is asked of them and
+        C{redis_url} gives only the database, user and password (issue 23).
+    @ivar redis_master_name: the Sentinel service name of the master.
     """
 
     backend: str = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
     on_redis_error: str = "fail_open"
     concurrency_slot_ttl_minutes: float = 30
+    redis_sentinels: tuple = ()
+    redis_master_name: Optional[str] = None
 
 
 @frozen

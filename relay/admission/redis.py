@@ -66,7 +66,12 @@ C{on_redis_error} (R35), as implemented:
   - a poll error while waiting: C{fail_open} keeps polling until the wait
     ends, then fails with C{error} when the last poll failed, else
     C{timeout}; C{fail_closed} fails with C{error} at once;
-  - release and leave errors are logged; the slot TTL reclaims the member;
+  - release and leave errors are logged, and the member is released again
+    (C{leave.lua}) once Redis answers (L{RedisSlotAdmission.unreleased},
+    issue 23): a command that timed out may still run later (a Redis that
+    was paused, or a reply lost in a failover), so every slot member an
+    error left in doubt is removed twice, L{RELEASE_RETRY_SECONDS} apart,
+    and the slot TTL is only the last resort;
   - heartbeat errors are logged and the heartbeat goes on;
   - C{load()} errors: C{fail_open} reports C{(0, 0)} for every id,
     C{fail_closed} fails with L{relay.redisclient.RedisUnavailable}.
@@ -115,6 +120,10 @@ HEARTBEAT_LUA = _script("heartbeat")
 
 #: The process registry ZSET (see the module docstring; R34 crash recovery).
 PROCESSES_KEY = "relay:processes"
+
+#: Seconds between passes over the slot members whose release is in doubt
+#: (issue 23); each member is released on two passes that reached Redis.
+RELEASE_RETRY_SECONDS = 1.0
 
 #: R30 poll loop figures, seconds
 BACKOFF_START = 0.1
@@ -301,6 +310,10 @@ class RedisSlotAdmission:
     _sleepers: dict = field(factory=dict, init=False)
     _writes: set = field(factory=set, init=False)
     _heartbeat: Optional[LoopingCall] = field(default=None, init=False)
+    unreleased: dict = field(factory=dict, init=False)
+    """Request id -> C{[kind, id, passes]}: slot members an error left in
+    doubt, released again once Redis answers (issue 23)."""
+    _releaser: Optional[LoopingCall] = field(default=None, init=False)
 
     _log = Logger()
 
@@ -356,6 +369,9 @@ class RedisSlotAdmission:
             (logged; the entry then lapses after C{liveTtl}); it never
             fails.
         """
+        releaser, self._releaser = self._releaser, None
+        if releaser is not None and releaser.running:
+            releaser.stop()
         loop, self._heartbeat = self._heartbeat, None
         if loop is None:
             return succeed(False)
@@ -433,6 +449,9 @@ class RedisSlotAdmission:
         leftover = [lease for lease in list(self.held) if not lease.released]
         for lease in leftover:
             lease.release()
+        if self.unreleased:
+            # Issue 23: members left in doubt by earlier errors, once more.
+            self.retryReleases()
         if self._writes:
             waits = []
             for d in list(self._writes):
@@ -648,7 +667,13 @@ class RedisSlotAdmission:
             self.timeout, "eval", LEAVE_LUA, keysFor(plan.kind, plan.id),
             [rid, "1" if dropSlot else "0"],
         ))
-        d.addErrback(lambda f: self._logError("slot_leave", f))
+
+        def _eb(f: Failure) -> None:
+            self._logError("slot_leave", f)
+            if dropSlot:
+                self._releaseLater(plan.kind, plan.id, rid)
+
+        d.addErrback(_eb)
 
     def _release(self, lease: RedisSlotLease) -> None:
         """
@@ -662,10 +687,54 @@ class RedisSlotAdmission:
             self.timeout, "execute_command", "ZREM", slotKey(lease.kind, lease.id),
             lease.requestId,
         ))
-        d.addCallbacks(
-            lambda _: self._wake((lease.kind, lease.id)),
-            lambda f: self._logError("slot_release", f),
-        )
+
+        def _eb(f: Failure) -> None:
+            self._logError("slot_release", f)
+            self._releaseLater(lease.kind, lease.id, lease.requestId)
+
+        d.addCallbacks(lambda _: self._wake((lease.kind, lease.id)), _eb)
+
+    def _releaseLater(self, kind: str, id: str, rid: str) -> None:
+        """
+        Remember a slot member whose release failed or whose acquire may
+        have landed after its error (issue 23), and start the pass loop.
+        """
+        self.unreleased[rid] = [kind, id, 0]
+        if self._releaser is None:
+            self._releaser = LoopingCall(self.retryReleases)
+            self._releaser.clock = self._clock
+            self._releaser.start(RELEASE_RETRY_SECONDS, now=False)
+
+    def retryReleases(self) -> Deferred:
+        """
+        One pass over L{unreleased}: C{leave.lua} (slot member, ticket and
+        its heartbeat) for each; a member is forgotten after its second
+        pass that reached Redis. The loop stops when none is left. Never
+        fails.
+
+        @return: a Deferred firing when the pass's commands have ended.
+        """
+        if not self.unreleased:
+            if self._releaser is not None and self._releaser.running:
+                self._releaser.stop()
+            self._releaser = None
+            return succeed(None)
+        waits = []
+        for rid, entry in list(self.unreleased.items()):
+            kind, id, passes = entry
+            d = self._track(self._redis.execute(
+                self.timeout, "eval", LEAVE_LUA, keysFor(kind, id), [rid, "1"],
+            ))
+
+            def _cb(_, rid=rid, entry=entry, key=(kind, id)):
+                entry[2] += 1
+                if entry[2] >= 2 and self.unreleased.get(rid) is entry:
+                    del self.unreleased[rid]
+                self._wake(key)
+
+            d.addCallbacks(_cb, lambda f: None)
+            waits.append(d)
+        return DeferredList(waits, consumeErrors=True).addCallback(lambda _: None)
 
     def _sleep(self, key: tuple, seconds: float) -> Deferred:
         """

@@ -699,7 +699,18 @@ class TurnRunner:
         """
         One immediate try on C{plan}'s slot, else wait on it (R27 steps 1-3).
         """
-        lease = await self.admission.tryAcquire(plan.kind, plan.id, plan.max_concurrency)
+        try:
+            lease = await self.admission.tryAcquire(plan.kind, plan.id, plan.max_concurrency)
+        except AdmissionError as e:
+            # R35 / R101: a slot acquire error (Redis silent or down) is
+            # R32's service error (503 / 1011), never an internal error.
+            self._log.warn(
+                "{kind} slot acquire failed for {id}: {error}",
+                event="openai.account_slot_acquire_error"
+                if plan.kind == "account" else "openai.user_slot_acquire_error",
+                kind=plan.kind, id=plan.id, error=str(e), request_id=turn.requestId,
+            )
+            raise _AdmissionFailed(E.admissionError(e, plan.kind))
         if lease is not None:
             return lease
         return await self._wait(turn, sink, plan, reason, state)
