@@ -215,6 +215,12 @@ class RedisService(Service):
     _prober: Optional[LoopingCall] = field(default=None, init=False)
     _probing: bool = field(default=False, init=False)
     _sentinel: Optional[Any] = field(default=None, init=False)
+    _watchers: list = field(factory=list, init=False)
+    _switchedTo: Optional[tuple] = field(default=None, init=False)
+    switchListeners: list = field(factory=list, init=False)
+    """Callables run (no arguments) when the Sentinels promote a new master,
+    after the connections were dropped (e.g. the slot admission re-releasing
+    what the old master may not have passed on)."""
 
     _log = Logger()
 
@@ -406,6 +412,7 @@ class RedisService(Service):
             connectTimeout=self.connectTimeout,
             replyTimeout=self.replyTimeout,
         )
+        self._watchSwitches()
         # txredisapi waits this long for a usable answer about the master
         # before the connection attempt fails and is retried; while the
         # Sentinels report it down (before the promotion) that is the
@@ -421,6 +428,68 @@ class RedisService(Service):
             replyTimeout=self.replyTimeout,
             convertNumbers=False,
         )
+
+    def _watchSwitches(self) -> None:
+        """
+        Subscribe to every Sentinel's C{+switch-master} channel: when the
+        Sentinels promote a new master of L{masterName}, every pooled
+        connection is dropped at once, so relay stops writing to the old
+        master before it is demoted (or while it is cut off), and the next
+        connection asks the Sentinels for the new one.
+        """
+        import txredisapi
+        from twisted.internet.endpoints import HostnameEndpoint
+
+        service = self
+
+        class _SwitchWatch(txredisapi.SubscriberProtocol):
+            def connectionMade(self):
+                d = txredisapi.SubscriberProtocol.connectionMade(self)
+                d.addCallback(lambda _: self.subscribe("+switch-master"))
+                d.addErrback(lambda f: None)
+                return d
+
+            def messageReceived(self, pattern, channel, message):
+                service._masterSwitched(message)
+
+        for host, port in self.sentinels:
+            factory = txredisapi.SubscriberFactory(isLazy=True)
+            factory.protocol = _SwitchWatch
+            factory.initialDelay = 0.1
+            factory.maxDelay = self.reconnectMaxDelay
+            factory.startConnecting(
+                # The injected clock is the reactor in a running relay.
+                HostnameEndpoint(self._clock, host, port, timeout=self.connectTimeout)
+            )
+            self._watchers.append(factory)
+
+    def _masterSwitched(self, message) -> None:
+        """
+        A C{+switch-master} message: C{<name> <old ip> <old port> <new ip>
+        <new port>}; the first message about a new master of ours drops
+        the connections (the other Sentinels repeat it).
+        """
+        if isinstance(message, bytes):
+            message = message.decode("utf-8", "replace")
+        parts = str(message).split()
+        if len(parts) != 5 or parts[0] != self.masterName:
+            return
+        new = (parts[3], parts[4])
+        if new == self._switchedTo:
+            return
+        self._switchedTo = new
+        self._log.warn(
+            "sentinel promoted {new} (was {old}); moving relay's connections",
+            event="relay.redis_master_switched",
+            old=f"{parts[1]}:{parts[2]}",
+            new=f"{parts[3]}:{parts[4]}",
+        )
+        self._dropConnections()
+        for listener in list(self.switchListeners):
+            try:
+                listener()
+            except Exception:  # noqa: BLE001 - logged; the others still run
+                self._log.failure("a master switch listener failed")
 
     def stopService(self) -> Deferred:
         """
@@ -439,6 +508,9 @@ class RedisService(Service):
             waits.append(pool.disconnect().addErrback(lambda f: None))
         if sentinel is not None:
             waits.append(sentinel.disconnect().addErrback(lambda f: None))
+        watchers, self._watchers = self._watchers, []
+        for factory in watchers:
+            waits.append(factory.disconnect().addErrback(lambda f: None))
         return defer.gatherResults(waits).addCallback(lambda _: None)
 
     # -- commands --------------------------------------------------------------

@@ -71,7 +71,10 @@ C{on_redis_error} (R35), as implemented:
     issue 23): a command that timed out may still run later (a Redis that
     was paused, or a reply lost in a failover), so every slot member an
     error left in doubt is removed twice, L{RELEASE_RETRY_SECONDS} apart,
-    and the slot TTL is only the last resort;
+    and the slot TTL is only the last resort. With Sentinel, the members
+    released in the last L{RECENT_RELEASE_SECONDS} are released again on
+    the new master when the Sentinels switch (a release the old master
+    acknowledged may never have reached the replica that took over);
   - heartbeat errors are logged and the heartbeat goes on;
   - C{load()} errors: C{fail_open} reports C{(0, 0)} for every id,
     C{fail_closed} fails with L{relay.redisclient.RedisUnavailable}.
@@ -86,6 +89,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+from collections import deque
 from typing import Optional
 
 from attrs import define, field
@@ -124,6 +128,9 @@ PROCESSES_KEY = "relay:processes"
 #: Seconds between passes over the slot members whose release is in doubt
 #: (issue 23); each member is released on two passes that reached Redis.
 RELEASE_RETRY_SECONDS = 1.0
+
+#: With Sentinel: how far back releases are repeated on a new master.
+RECENT_RELEASE_SECONDS = 60.0
 
 #: R30 poll loop figures, seconds
 BACKOFF_START = 0.1
@@ -314,6 +321,8 @@ class RedisSlotAdmission:
     """Request id -> C{[kind, id, passes]}: slot members an error left in
     doubt, released again once Redis answers (issue 23)."""
     _releaser: Optional[LoopingCall] = field(default=None, init=False)
+    _recent: Optional[deque] = field(default=None, init=False)
+    """With Sentinel: C{(at, request id, kind, id)} of recent releases."""
 
     _log = Logger()
 
@@ -326,6 +335,10 @@ class RedisSlotAdmission:
         """
         if not self.prefix:
             self.prefix = "%08x" % self._random.getrandbits(32)
+        listeners = getattr(self._redis, "switchListeners", None)
+        if listeners is not None and getattr(self._redis, "sentinels", ()):
+            self._recent = deque(maxlen=100_000)
+            listeners.append(self.masterSwitched)
         if not 0 < self.heartbeatInterval < self.liveTtl:
             raise ValueError(
                 f"heartbeatInterval ({self.heartbeatInterval}s) must be positive and"
@@ -683,6 +696,8 @@ class RedisSlotAdmission:
         self.held.discard(lease)
         if not lease.counted:
             return
+        if self._recent is not None:
+            self._recent.append((self._clock.seconds(), lease.requestId, lease.kind, lease.id))
         d = self._track(self._redis.execute(
             self.timeout, "execute_command", "ZREM", slotKey(lease.kind, lease.id),
             lease.requestId,
@@ -704,6 +719,27 @@ class RedisSlotAdmission:
             self._releaser = LoopingCall(self.retryReleases)
             self._releaser.clock = self._clock
             self._releaser.start(RELEASE_RETRY_SECONDS, now=False)
+
+    def masterSwitched(self) -> None:
+        """
+        The Sentinels promoted a new master (a
+        L{relay.redisclient.RedisService.switchListeners} hook): every
+        release of the last L{RECENT_RELEASE_SECONDS} is repeated there,
+        since the old master may have acknowledged it without passing it
+        on (R34: no slot leaked across a failover).
+        """
+        if self._recent is None:
+            return
+        horizon = self._clock.seconds() - RECENT_RELEASE_SECONDS
+        count = 0
+        for at, rid, kind, id in self._recent:
+            if at >= horizon:
+                self._releaseLater(kind, id, rid)
+                count += 1
+        self._log.info(
+            "new redis master: repeating {count} recent slot release(s)",
+            event="relay.redis_admission_rereleased", count=count,
+        )
 
     def retryReleases(self) -> Deferred:
         """
