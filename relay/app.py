@@ -561,13 +561,13 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
     credentials.store = _tokenStore(app, redis)
     from relay.scheduling.quota import UsageCollector
 
-    metrics.registry.register(UsageCollector(quota, credentials, accounts))
+    metrics.addCollector(UsageCollector(quota, credentials, accounts))
     admin = buildAdminResource(
         app.live.adminKey,
         app.settings,
         view.accountsView,
         view.clearAccount,
-        metrics.registry,
+        metrics.exposed,
         recentFailovers=metrics.recentFailovers,
         clock=reactor,
         usage=usage,
@@ -576,7 +576,7 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
         reload=app.reloader.reload,
     )
     root.putChild(b"admin", admin)
-    root.putChild(b"metrics", _GuardedMetrics(app.live.adminKey, metrics.registry))
+    root.putChild(b"metrics", _GuardedMetrics(app.live.adminKey, metrics.exposed))
     app.extras.update(metrics=metrics, operator=view, history=history)
     app.services.append(periodic(5, view.refreshSlots, reactor))
     if config.state.backend == "redis":
