@@ -348,6 +348,7 @@ def buildApplication(
     _readiness(app, root)
     _redisReadiness(app)
     _operatorSurface(app, root, accounts, proxyHealth)
+    _tracing(app)
     app.drain = GracefulDrain(
         clock=reactor, runner=runner, settings=settings, admission=admission,
         wsFactory=wsResource.factory,
@@ -361,6 +362,45 @@ def buildApplication(
     app.site = site
     app.reloader.onApplied.append(lambda result, new: _applyLimits(app, new))
     return app
+
+
+def _tracing(app: RelayApplication, exporter=None) -> None:
+    """
+    Issue 23: with C{tracing.exporter} set, OpenTelemetry spans for every
+    turn and attempt (L{relay.tracing.otel.TurnTracer}, the runner's
+    observer); the provider is flushed and shut down when relay stops.
+    Off (the default): nothing is built.
+
+    @param exporter: a span exporter to use instead of the configured one
+        (tests).
+    @raise relay.model.ConfigError: the C{otel} extra is not installed.
+    """
+    settings = app.config.tracing
+    if settings.exporter == "none" and exporter is None:
+        return
+    from relay.tracing.otel import TurnTracer, buildTracerProvider
+
+    provider = buildTracerProvider(settings, exporter)
+    app.runner.observer = TurnTracer(provider.get_tracer("relay"), app.reactor)
+    app.extras["tracerProvider"] = provider
+    app.services.append(_TracerShutdown(provider))
+
+
+class _TracerShutdown(Service):
+    """
+    Flush and shut down the tracer provider when relay stops (after the
+    drain: the last turns' spans are exported).
+    """
+
+    def __init__(self, provider):
+        self.provider = provider
+
+    def stopService(self):
+        super().stopService()
+        try:
+            self.provider.shutdown()
+        except Exception:  # noqa: BLE001 - logged; stopping goes on
+            _log.failure("shutting down the tracer failed")
 
 
 def _readiness(app: RelayApplication, root) -> None:

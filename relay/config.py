@@ -41,6 +41,7 @@ from relay.model import (
     RelayConfig,
     SchedulingSettings,
     StateSettings,
+    TracingSettings,
     UpstreamSettings,
     UsageSettings,
     WebSocketSettings,
@@ -479,6 +480,13 @@ _USAGE: dict[str, Validator] = {
     "retention_days": _integer(1, 3660),
 }
 
+_TRACING: Dict[str, Validator] = {
+    "exporter": _choice("none", "otlp", "console"),
+    "endpoint": _optional(_httpURL),
+    "service_name": _string,
+    "sample_ratio": _number(0, 1),
+}
+
 _LOG: Dict[str, Validator] = {
     "format": _choice(*LOG_FORMATS),
 }
@@ -543,6 +551,7 @@ _TOP: Dict[str, Validator] = {
     "state": _stateSection,
     "database": _string,
     "usage": _nested(_USAGE, UsageSettings),
+    "tracing": _nested(_TRACING, TracingSettings),
 }
 
 

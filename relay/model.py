@@ -314,6 +314,30 @@ class UsageSettings:
 
 
 @frozen
+class TracingSettings:
+    """
+    OpenTelemetry traces (issue 23; off unless C{exporter} is set). Needs
+    the C{otel} extra (C{pip install 'relay[otel]'}).
+
+    @ivar exporter: C{none} (off: no tracer, nothing built per turn),
+        C{otlp} (OTLP over HTTP/protobuf; the standard C{OTEL_EXPORTER_OTLP_*}
+        variables apply) or C{console} (spans as JSON on standard output).
+    @ivar endpoint: the OTLP traces URL, e.g.
+        C{http://collector:4318/v1/traces}; L{None} leaves it to
+        C{OTEL_EXPORTER_OTLP_TRACES_ENDPOINT} / C{OTEL_EXPORTER_OTLP_ENDPOINT}
+        (default C{http://localhost:4318/v1/traces}).
+    @ivar service_name: the C{service.name} resource attribute.
+    @ivar sample_ratio: the share of new traces sampled, 0-1; a client's
+        C{traceparent} decision is followed (parent-based).
+    """
+
+    exporter: str = "none"
+    endpoint: Optional[str] = None
+    service_name: str = "relay"
+    sample_ratio: float = 1.0
+
+
+@frozen
 class ComponentSettings:
     """
     Dotted names of replacement components (config.md C{components:}).
@@ -343,6 +367,7 @@ class RelayConfig:
     database: str = "relay.sqlite"
     proxies: tuple = ()
     usage: UsageSettings = UsageSettings()
+    tracing: TracingSettings = TracingSettings()
 
 
 # ---------------------------------------------------------------------------

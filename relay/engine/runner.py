@@ -112,6 +112,8 @@ class TurnState:
     """Account id -> the bearer its last attempt was dialled with (issue 12)."""
     refreshed: set = field(factory=set)
     """Accounts that got their one 401 refresh-and-replay in this turn."""
+    trace: object = None
+    """The turn's L{relay.interfaces.ITurnTrace} (issue 23), or L{None}."""
 
 
 @define(eq=False)
@@ -150,6 +152,9 @@ class TurnRunner:
     """The L{relay.interfaces.ICredentialSource}, or L{None}: dial as configured."""
     quota: object = None
     """The L{relay.scheduling.quota.UsageWindows} recording upstream usage windows, or L{None}."""
+    observer: object = None
+    """The L{relay.interfaces.ITurnObserver} (traces, issue 23), or L{None}:
+    then nothing is built per turn."""
     budget: RetryBudget = field(factory=RetryBudget)
     bookkeeping: object = None
     """The L{AccountBookkeeping}: the one writer of account state for an
@@ -221,6 +226,8 @@ class TurnRunner:
         bindRequestId(turn.requestId)
         start = self.clock.seconds()
         state = TurnState(startedAt=start)
+        if self.observer is not None:
+            state.trace = self.observer.turnStarted(turn)
         userLease = None
         outcome, status, accountId = "error", 500, None
         self.budget.active += 1
@@ -360,6 +367,8 @@ class TurnRunner:
                     self.metrics.addedLatency(
                         self.clock.seconds() - state.startedAt - state.waited
                     )
+            if state.trace is not None:
+                state.trace.attemptStarted(account, state)
             result = await self._attempt(turn, sink, account, lease, state)
             end = result.end
             if (result.ok or result.committed) and state.keepalive is not None:
@@ -371,6 +380,8 @@ class TurnRunner:
             verdict = result.verdict
             if verdict is None:
                 verdict = self.judge(turn, account, end)
+            if state.trace is not None:
+                state.trace.attemptEnded(result, verdict, state)
             if not result.committed and verdict is not None:
                 # Ends relay resolves on the same account before any
                 # decision, and that say nothing against the account: R7's
@@ -926,6 +937,8 @@ class TurnRunner:
             turn.firstOutputAt = self.clock.seconds()
 
     def _finished(self, turn, state, outcome, status, accountId, start) -> None:
+        if state.trace is not None:
+            state.trace.turnEnded(outcome, status, accountId, state)
         now = self.clock.seconds()
         first = turn.firstOutputAt
         self._log.info(
