@@ -37,6 +37,7 @@ from relay.operations.drain import DrainGate, GracefulDrain
 from relay.operations.live import LiveConfiguration
 from relay.operations.reload import ConfigReloader
 from relay.policy.proxyhealth import ProxyHealth
+from relay.redisclient import logFailure
 from relay.requestid import requestIdOf
 from relay.scheduling.scheduler import AccountScheduler
 from relay.settings import RuntimeSettings
@@ -190,7 +191,9 @@ def _redisProviders(config: RelayConfig, reactor):
     from relay.redisclient import RedisService
     from relay.state.redis import RedisStateStore
 
-    service = RedisService(url=config.state.redis_url, clock=reactor)
+    service = RedisService(
+        url=config.state.redis_url, clock=reactor, **_sentinelArguments(config.state)
+    )
     store = RedisStateStore(
         redis=service, clock=reactor, onRedisError=config.state.on_redis_error
     )
@@ -202,6 +205,21 @@ def _redisProviders(config: RelayConfig, reactor):
         "prefix": os.urandom(4).hex(),
     }
     return store, (lambda **kw: RedisSlotAdmission(**kw)), kwargs, [service]
+
+
+def _sentinelArguments(state) -> dict:
+    """
+    Issue 23: the L{relay.redisclient.RedisService} arguments of
+    C{state.redis_sentinels} / C{state.redis_master_name}, or none.
+    """
+    if not state.redis_sentinels:
+        return {}
+    from relay.redisclient import parseHostPort
+
+    return {
+        "sentinels": tuple(parseHostPort(a) for a in state.redis_sentinels),
+        "masterName": state.redis_master_name,
+    }
 
 
 def _processLiveness(admission) -> list:
@@ -327,7 +345,10 @@ def buildApplication(
     app.extras.update(proxyHealth=proxyHealth, credentials=credentials, quota=quota)
     wsResource = _webSocket(app, trustRoot)
     root = buildRoot(runner, keys, accounts, wsResource)
+    _readiness(app, root)
+    _redisReadiness(app)
     _operatorSurface(app, root, accounts, proxyHealth)
+    _tracing(app)
     app.drain = GracefulDrain(
         clock=reactor, runner=runner, settings=settings, admission=admission,
         wsFactory=wsResource.factory,
@@ -341,6 +362,73 @@ def buildApplication(
     app.site = site
     app.reloader.onApplied.append(lambda result, new: _applyLimits(app, new))
     return app
+
+
+def _tracing(app: RelayApplication, exporter=None) -> None:
+    """
+    Issue 23: with C{tracing.exporter} set, OpenTelemetry spans for every
+    turn and attempt (L{relay.tracing.otel.TurnTracer}, the runner's
+    observer); the provider is flushed and shut down when relay stops.
+    Off (the default): nothing is built.
+
+    @param exporter: a span exporter to use instead of the configured one
+        (tests).
+    @raise relay.model.ConfigError: the C{otel} extra is not installed.
+    """
+    settings = app.config.tracing
+    if settings.exporter == "none" and exporter is None:
+        return
+    from relay.tracing.otel import TurnTracer, buildTracerProvider
+
+    provider = buildTracerProvider(settings, exporter)
+    app.runner.observer = TurnTracer(provider.get_tracer("relay"), app.reactor)
+    app.extras["tracerProvider"] = provider
+    app.services.append(_TracerShutdown(provider))
+
+
+class _TracerShutdown(Service):
+    """
+    Flush and shut down the tracer provider when relay stops (after the
+    drain: the last turns' spans are exported).
+    """
+
+    def __init__(self, provider):
+        self.provider = provider
+
+    def stopService(self):
+        super().stopService()
+        try:
+            self.provider.shutdown()
+        except Exception:  # noqa: BLE001 - logged; stopping goes on
+            _log.failure("shutting down the tracer failed")
+
+
+def _readiness(app: RelayApplication, root) -> None:
+    """
+    C{GET /readyz} (issue 19 / 23, L{relay.operations.readiness}): the
+    L{Readiness} every part registers its check with, in
+    C{app.extras["readiness"]}.
+    """
+    from relay.operations.readiness import Readiness, ReadinessResource
+
+    readiness = app.extras.setdefault("readiness", Readiness())
+    root.putChild(b"readyz", ReadinessResource(readiness))
+
+
+def _redisReadiness(app: RelayApplication) -> None:
+    """
+    Issue 23 / R101: C{/readyz} is not ready while Redis does not answer
+    (L{relay.redisclient.RedisService.reachable}: the last round trip's
+    outcome, no ping per request).
+    """
+    from relay.redisclient import RedisService
+
+    if "readiness" not in app.extras:
+        return
+    for service in app.services:
+        if isinstance(service, RedisService):
+            app.extras["readiness"].addCheck("redis", lambda s=service: s.reachable)
+            return
 
 
 def _oauthParts(config: RelayConfig, reactor, settings, accounts, trustRoot):
@@ -513,13 +601,13 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
     credentials.store = _tokenStore(app, redis)
     from relay.scheduling.quota import UsageCollector
 
-    metrics.registry.register(UsageCollector(quota, credentials, accounts))
+    metrics.addCollector(UsageCollector(quota, credentials, accounts))
     admin = buildAdminResource(
         app.live.adminKey,
         app.settings,
         view.accountsView,
         view.clearAccount,
-        metrics.registry,
+        metrics.exposed,
         recentFailovers=metrics.recentFailovers,
         clock=reactor,
         usage=usage,
@@ -528,7 +616,7 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
         reload=app.reloader.reload,
     )
     root.putChild(b"admin", admin)
-    root.putChild(b"metrics", _GuardedMetrics(app.live.adminKey, metrics.registry))
+    root.putChild(b"metrics", _GuardedMetrics(app.live.adminKey, metrics.exposed))
     app.extras.update(metrics=metrics, operator=view, history=history)
     _tenants(app, admin, usage, redis)
     app.services.append(periodic(5, view.refreshSlots, reactor))
@@ -663,7 +751,10 @@ class _Startup(MultiService):
         super().startService()
         d = self._app.settings.start()
         d.addErrback(
-            lambda f: self._log.failure("loading persisted settings failed; using the file's", f)
+            lambda f: logFailure(
+                self._log, f, "loading persisted settings failed; using the file's",
+                event="relay.settings_load_failed",
+            )
         )
         credentials = self._app.extras.get("credentials")
         if credentials is not None:

@@ -42,6 +42,7 @@ from relay.model import (
     RequestLogSettings,
     SchedulingSettings,
     StateSettings,
+    TracingSettings,
     UpstreamSettings,
     UsageSettings,
     WebSocketSettings,
@@ -382,6 +383,37 @@ def _redisURL(value: Any, path: str) -> str:
     return value
 
 
+def _sentinelAddresses(value: Any, path: str) -> tuple:
+    """
+    C{state.redis_sentinels}: a non-empty list of C{host:port} strings
+    (an IPv6 host in brackets, C{[::1]:26379}), as a tuple of those strings.
+    """
+    items = _stringTuple(value, path)
+    for i, item in enumerate(items):
+        try:
+            from relay.redisclient import parseHostPort
+
+            parseHostPort(item)
+        except ValueError as e:
+            raise _fail(f"{path}[{i}]", str(e))
+    return items
+
+
+def _stateSection(value: Any, path: str) -> StateSettings:
+    """
+    C{state:} with its cross-key rules: C{redis_sentinels} and
+    C{redis_master_name} come together (issue 23).
+    """
+    fields = _section(value, path, _STATE)
+    sentinels = fields.get("redis_sentinels", ())
+    name = fields.get("redis_master_name")
+    if sentinels and not name:
+        raise _fail(f"{path}.redis_master_name", "is required with state.redis_sentinels")
+    if name and not sentinels:
+        raise _fail(f"{path}.redis_sentinels", "is required with state.redis_master_name")
+    return StateSettings(**fields)
+
+
 # ---------------------------------------------------------------------------
 # The whitelists. Key -> validator. Defaults live in relay.model.
 # ---------------------------------------------------------------------------
@@ -464,6 +496,8 @@ _STATE: Dict[str, Validator] = {
     "redis_url": _redisURL,
     "on_redis_error": _choice(*REDIS_ERROR_POLICIES),
     "concurrency_slot_ttl_minutes": _number(positive=True),
+    "redis_sentinels": _sentinelAddresses,
+    "redis_master_name": _string,
 }
 
 _COMPONENTS: Dict[str, Validator] = {
@@ -475,6 +509,13 @@ _COMPONENTS: Dict[str, Validator] = {
 _USAGE: dict[str, Validator] = {
     "flush_interval_seconds": _number(1, 3600),
     "retention_days": _integer(1, 3660),
+}
+
+_TRACING: Dict[str, Validator] = {
+    "exporter": _choice("none", "otlp", "console"),
+    "endpoint": _optional(_httpURL),
+    "service_name": _string,
+    "sample_ratio": _number(0, 1),
 }
 
 _LOG: Dict[str, Validator] = {
@@ -564,12 +605,13 @@ _TOP: Dict[str, Validator] = {
     "proxies": lambda value, path: _list(value, path),
     "gateway": _nested(_GATEWAY, GatewaySettings),
     "components": _nested(_COMPONENTS, ComponentSettings),
-    "state": _nested(_STATE, StateSettings),
+    "state": _stateSection,
     "database": _string,
     "usage": _nested(_USAGE, UsageSettings),
     "groups": lambda value, path: value,
     "prices": lambda value, path: value,
     "request_log": _nested(_REQUEST_LOG, RequestLogSettings),
+    "tracing": _nested(_TRACING, TracingSettings),
 }
 
 

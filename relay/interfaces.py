@@ -758,3 +758,59 @@ class IRequestLog(Interface):
             L{relay.tenants.record.TurnRecord} and the cursor of the next
             page, or L{None} when there is none.
         """
+
+
+class ITurnObserver(Interface):
+    """
+    Watches turns from inside the engine (issue 23: OpenTelemetry traces,
+    L{relay.tracing}), through one seam: the runner asks it for an
+    L{ITurnTrace} when a turn starts and tells that trace about each
+    attempt and the end. With no observer the runner builds nothing.
+    """
+
+    def turnStarted(turn):
+        """
+        A turn begins.
+
+        @param turn: the L{relay.model.Turn} (its C{headers} carry the
+            client's C{traceparent}, if any).
+        @return: an L{ITurnTrace} for this turn, or L{None} to skip it.
+        """
+
+
+class ITurnTrace(Interface):
+    """
+    One turn as an L{ITurnObserver} follows it. Its methods must not raise
+    (the runner does not guard them) and must be cheap.
+    """
+
+    def attemptStarted(account, state):
+        """
+        An attempt on C{account} is about to be dialled. The trace may set
+        C{turn.headers["traceparent"]} for the attempt (it goes upstream).
+
+        @param account: the L{relay.model.Account}.
+        @param state: the runner's per-turn state (C{attempts}, C{waited}
+            seconds so far, C{switches}).
+        """
+
+    def attemptEnded(result, verdict, state):
+        """
+        The attempt ended and was judged.
+
+        @param result: the L{relay.engine.pump.AttemptResult}.
+        @param verdict: the L{relay.policy.failures.Verdict}, or L{None}
+            for a success.
+        @param state: the runner's per-turn state.
+        """
+
+    def turnEnded(outcome, status, accountId, state):
+        """
+        The turn is over (an attempt still open ends with it).
+
+        @param outcome: C{completed}, C{failed}, C{client_gone},
+            C{relay_cancelled} or C{error}.
+        @param status: the status given to the client.
+        @param accountId: the last account tried, or L{None}.
+        @param state: the runner's per-turn state.
+        """

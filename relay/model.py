@@ -308,12 +308,18 @@ class StateSettings:
     @ivar redis_url: C{redis://host:port/db}.
     @ivar on_redis_error: C{fail_open} or C{fail_closed} (R35).
     @ivar concurrency_slot_ttl_minutes: slot lease TTL (R34).
+    @ivar redis_sentinels: C{("host:port", ...)} of Redis Sentinels; when
+        given, the master of C{redis_master_name} is asked of them and
+        C{redis_url} gives only the database, user and password (issue 23).
+    @ivar redis_master_name: the Sentinel service name of the master.
     """
 
     backend: str = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
     on_redis_error: str = "fail_open"
     concurrency_slot_ttl_minutes: float = 30
+    redis_sentinels: tuple = ()
+    redis_master_name: Optional[str] = None
 
 
 @frozen
@@ -352,6 +358,30 @@ class RequestLogSettings:
 
 
 @frozen
+class TracingSettings:
+    """
+    OpenTelemetry traces (issue 23; off unless C{exporter} is set). Needs
+    the C{otel} extra (C{pip install 'relay[otel]'}).
+
+    @ivar exporter: C{none} (off: no tracer, nothing built per turn),
+        C{otlp} (OTLP over HTTP/protobuf; the standard C{OTEL_EXPORTER_OTLP_*}
+        variables apply) or C{console} (spans as JSON on standard output).
+    @ivar endpoint: the OTLP traces URL, e.g.
+        C{http://collector:4318/v1/traces}; L{None} leaves it to
+        C{OTEL_EXPORTER_OTLP_TRACES_ENDPOINT} / C{OTEL_EXPORTER_OTLP_ENDPOINT}
+        (default C{http://localhost:4318/v1/traces}).
+    @ivar service_name: the C{service.name} resource attribute.
+    @ivar sample_ratio: the share of new traces sampled, 0-1; a client's
+        C{traceparent} decision is followed (parent-based).
+    """
+
+    exporter: str = "none"
+    endpoint: Optional[str] = None
+    service_name: str = "relay"
+    sample_ratio: float = 1.0
+
+
+@frozen
 class ComponentSettings:
     """
     Dotted names of replacement components (config.md C{components:}).
@@ -387,6 +417,7 @@ class RelayConfig:
     """Issue 22: model -> L{relay.tenants.prices.Price} overriding the shipped table."""
     request_log: RequestLogSettings = RequestLogSettings()
     """Issue 22: the request log's bounds and debug sampling."""
+    tracing: TracingSettings = TracingSettings()
 
 
 # ---------------------------------------------------------------------------

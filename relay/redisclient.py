@@ -2,10 +2,29 @@
 """
 The one place relay talks to txredisapi (style.md pattern d).
 
-L{RedisService} owns a txredisapi C{lazyConnectionPool} built from
-C{state.redis_url} and runs every command through L{RedisService.execute},
-which puts a timeout on the injected clock on each call (trap T16) and
-counts commands (for the benchmark and tests).
+L{RedisService} owns a txredisapi connection pool -- a C{lazyConnectionPool}
+built from C{state.redis_url}, or with C{state.redis_sentinels} the pool
+txredisapi's C{Sentinel.master_for} keeps on the current master -- and runs
+every command through L{RedisService.execute}, which puts a timeout on the
+injected clock on each call (trap T16) and counts commands (for the
+benchmark and tests).
+
+Reachability (behaviour.md R101, issue 23). The service knows, without any
+ping of its own on a turn's path, whether Redis answers: every reply marks
+it I{reachable}; a command that times out or loses its connection with no
+reply from Redis since it was sent marks it I{unreachable}. While
+unreachable, L{RedisService.execute} fails at once with L{RedisUnavailable}
+(a silent Redis would otherwise cost every command its whole timeout, one
+after another, in every turn) and a background probe (C{PING}, or C{ROLE}
+with Sentinel) runs every L{RedisService.probeInterval} seconds until Redis
+answers again; an idle connection is probed every
+L{RedisService.idleProbeSeconds}. L{RedisService.reachable} is what
+C{/readyz} reads.
+
+Never a write to a demoted master: with Sentinel every new connection checks
+C{ROLE} (txredisapi's C{SentinelRedisProtocol}) and the probe does too; a
+C{READONLY} reply (the master was demoted while relay held a connection)
+drops every connection, so the next one asks the Sentinels again.
 
 txredisapi imports the global reactor at import time (trap T5), so it is
 imported lazily in L{RedisService.startService}; this module is safe to
@@ -22,6 +41,7 @@ from twisted.application.service import Service
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -64,6 +84,39 @@ def parseRedisUrl(url: str) -> dict:
     }
 
 
+def parseHostPort(address: str, defaultPort: int = 26379) -> tuple:
+    """
+    Parse one C{state.redis_sentinels} entry.
+
+    @param address: C{host:port}, C{host} (port C{defaultPort}) or
+        C{[v6 address]:port}.
+    @return: C{(host, port)}.
+    @raise ValueError: for an empty host or a bad port.
+    """
+    address = address.strip()
+    if address.startswith("["):
+        host, _, rest = address[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+        if rest and not rest.startswith(":"):
+            raise ValueError(f"expected host:port, got {address!r}")
+    else:
+        host, _, port = address.rpartition(":") if ":" in address else (address, "", "")
+    if not host:
+        raise ValueError(f"expected host:port, got {address!r}")
+    if not port:
+        return host, defaultPort
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"bad port in {address!r}")
+    return host, int(port)
+
+
+#: Error replies that mean "this server cannot serve relay's writes now":
+#: a demoted master (C{READONLY}), a replica cut off from its master
+#: (C{MASTERDOWN}), a server still loading its data set (C{LOADING}), a
+#: master without enough in-sync replicas (C{NOREPLICAS}, min-replicas-to-write).
+UNSERVING_REPLIES = ("READONLY", "MASTERDOWN", "LOADING", "NOREPLICAS")
+
+
 def isRedisFailure(reason: Any) -> bool:
     """
     Whether an exception or L{Failure} is one of the Redis errors R35 maps
@@ -84,6 +137,25 @@ def isRedisFailure(reason: Any) -> bool:
     return txredisapi is not None and isinstance(value, txredisapi.RedisError)
 
 
+def logFailure(log: Logger, reason: Failure, message: str, **fields: Any) -> None:
+    """
+    Log a background job's failure: a Redis failure (L{isRedisFailure}) is
+    one warning line naming it -- Redis being away is an operating
+    condition, already announced by C{relay.redis_unreachable}, not a bug
+    (behaviour.md R101: "never an unhandled error") -- anything else is
+    logged with its traceback, as L{Logger.failure} does.
+
+    @param log: the L{Logger}.
+    @param reason: the L{Failure}.
+    @param message: the log format string.
+    @param fields: log fields (C{event=...}).
+    """
+    if isRedisFailure(reason):
+        log.warn(message + " ({error})", error=describe(reason), **fields)
+    else:
+        log.failure(message, reason, **fields)
+
+
 def describe(reason: Any) -> str:
     """
     @param reason: an exception or a L{Failure}.
@@ -96,18 +168,31 @@ def describe(reason: Any) -> str:
 @define(eq=False)
 class RedisService(Service):
     """
-    Owns the txredisapi connection pool.
+    Owns the txredisapi connection pool and knows whether Redis answers.
 
-    @ivar url: C{redis://host:port/db}.
-    @ivar _clock: the clock for per-call timeouts.
+    @ivar url: C{redis://[user:password@]host:port/db}; with C{sentinels}
+        only its database, user and password are used.
+    @ivar _clock: the clock for per-call timeouts and the probe.
     @ivar poolsize: connections in the pool.
     @ivar connectTimeout: TCP connect timeout, seconds.
     @ivar replyTimeout: txredisapi's reply timeout on a live connection,
-        seconds (the per-call timeout of L{execute} bounds the rest).
+        seconds (the per-call timeout of L{execute} bounds the rest); a
+        connection without a reply for this long is dropped and redialled.
     @ivar reconnectMaxDelay: cap of the reconnect back-off, seconds, so
-        relay notices a restarted Redis quickly.
+        relay notices a restarted (or newly promoted) Redis quickly.
+    @ivar sentinels: C{((host, port), ...)} of the Sentinels (issue 23), or
+        empty for a plain C{url}.
+    @ivar masterName: the Sentinel service name (C{state.redis_master_name}).
+    @ivar durableReplicas: replicas a L{executeDurable} write waits for
+        (C{WAIT}); 1 with Sentinel, else 0 (nothing to wait for).
+    @ivar durableTimeout: seconds a durable write waits for them.
+    @ivar probeInterval: seconds between probes while unreachable.
+    @ivar idleProbeSeconds: a reachable Redis with no reply for this long is
+        probed (so an idle relay still notices a Redis that went silent).
     @ivar pool: the pool while running, else L{None}.
     @ivar commandCount: commands sent through L{execute} so far.
+    @ivar lastReplyAt: clock seconds of the last reply from Redis, or
+        L{None}.
     """
 
     url: str
@@ -116,8 +201,26 @@ class RedisService(Service):
     connectTimeout: float = 2.0
     replyTimeout: float = 5.0
     reconnectMaxDelay: float = 1.0
+    sentinels: tuple = ()
+    masterName: Optional[str] = None
+    durableReplicas: Optional[int] = None
+    durableTimeout: float = 1.0
+    probeInterval: float = 0.5
+    idleProbeSeconds: float = 5.0
     pool: Optional[Any] = field(default=None, init=False)
     commandCount: int = field(default=0, init=False)
+    lastReplyAt: Optional[float] = field(default=None, init=False)
+    _state: Optional[bool] = field(default=None, init=False)
+    _downSince: Optional[float] = field(default=None, init=False)
+    _prober: Optional[LoopingCall] = field(default=None, init=False)
+    _probing: bool = field(default=False, init=False)
+    _sentinel: Optional[Any] = field(default=None, init=False)
+    _watchers: list = field(factory=list, init=False)
+    _switchedTo: Optional[tuple] = field(default=None, init=False)
+    switchListeners: list = field(factory=list, init=False)
+    """Callables run (no arguments) when the Sentinels promote a new master,
+    after the connections were dropped (e.g. the slot admission re-releasing
+    what the old master may not have passed on)."""
 
     _log = Logger()
 
@@ -128,38 +231,289 @@ class RedisService(Service):
         self.running = 0
         self.name = None
         self.parent = None
+        if self.durableReplicas is None:
+            self.durableReplicas = 1 if self.sentinels else 0
 
-    def startService(self) -> None:
+    # -- reachability ----------------------------------------------------------
+
+    @property
+    def reachable(self) -> bool:
         """
-        Create the lazy pool; it connects in the background and reconnects
-        by itself.
+        Whether Redis answered the last time relay heard from it (R101): a
+        reply since the last command that timed out or lost its
+        connection. L{False} before the first reply. Costs nothing: no
+        round trip.
+        """
+        return self._state is True
+
+    def _replied(self) -> None:
+        """
+        Redis answered: it is reachable.
+        """
+        now = self._clock.seconds()
+        self.lastReplyAt = now
+        if self._state is not True:
+            if self._state is False:
+                self._log.info(
+                    "redis answers again after {outage:.1f}s",
+                    event="relay.redis_reachable",
+                    outage=now - (self._downSince or now),
+                )
+            self._state = True
+            self._downSince = None
+
+    def _silent(self, sentAt: float, why: str) -> None:
+        """
+        A command sent at C{sentAt} got no reply (timeout, lost or refused
+        connection): unless Redis answered anything since, it is
+        unreachable.
+        """
+        if self.lastReplyAt is not None and self.lastReplyAt > sentAt:
+            return
+        self._unreachable(why)
+
+    def _unreachable(self, why: str) -> None:
+        if self._state is False:
+            return
+        self._state = False
+        self._downSince = self._clock.seconds()
+        self._log.warn(
+            "redis does not answer ({why}); failing fast and probing every {interval}s",
+            event="relay.redis_unreachable",
+            why=why,
+            interval=self.probeInterval,
+        )
+
+    def _probeTick(self) -> None:
+        """
+        The probe loop: while unreachable, or when no reply came for
+        L{idleProbeSeconds}, send one probe (never two at once).
+        """
+        if self._probing or self.pool is None:
+            return
+        now = self._clock.seconds()
+        idle = self.lastReplyAt is None or now - self.lastReplyAt >= self.idleProbeSeconds
+        if self._state is True and not idle:
+            return
+        self.probe()
+
+    def probe(self) -> Deferred:
+        """
+        One probe round trip: C{PING}, or with Sentinel C{ROLE} (a server
+        that is no longer the master has its connections dropped, so the
+        next connection asks the Sentinels). Bypasses the fail-fast of
+        L{execute}.
+
+        @return: a Deferred firing with L{True} when Redis answered as a
+            usable master, else L{False}; it never fails.
+        """
+        if self.pool is None:
+            return defer.succeed(False)
+        self._probing = True
+        sentAt = self._clock.seconds()
+        try:
+            d = self.pool.role() if self.sentinels else self.pool.ping()
+        except Exception as e:  # noqa: BLE001 - the pool refused at once
+            d = defer.fail(e)
+        d.addTimeout(max(self.probeInterval * 2, 1.0), self._clock)
+
+        def _cb(reply) -> bool:
+            if self.sentinels:
+                role = reply[0] if isinstance(reply, (list, tuple)) and reply else reply
+                if isinstance(role, bytes):
+                    role = role.decode("ascii", "replace")
+                if role != "master":
+                    self.lastReplyAt = self._clock.seconds()
+                    self._unreachable(f"connected to a {role}, not the master")
+                    self._dropConnections()
+                    return False
+            self._replied()
+            return True
+
+        def _eb(f: Failure) -> bool:
+            self._classify(f, sentAt)
+            return False
+
+        def _done(result):
+            self._probing = False
+            return result
+
+        return d.addCallbacks(_cb, _eb).addBoth(_done)
+
+    def _classify(self, f: Failure, sentAt: float) -> None:
+        """
+        Learn from a failed command: an error reply is an answer (a
+        demoted master's C{READONLY} also drops the connections); a timeout
+        or connection error is silence.
         """
         import txredisapi
 
+        if f.check(defer.CancelledError):
+            return
+        if f.check(txredisapi.ResponseError):
+            text = str(f.value)
+            self.lastReplyAt = self._clock.seconds()
+            if text.startswith(UNSERVING_REPLIES):
+                self._unreachable(text.split("\n")[0][:120])
+                if text.startswith("READONLY"):
+                    self._dropConnections()
+            else:
+                self._replied()
+            return
+        if f.check(defer.TimeoutError, txredisapi.ConnectionError, ValueError):
+            self._silent(sentAt, describe(f)[:120])
+
+    def _dropConnections(self) -> None:
+        """
+        Close every pooled connection; txredisapi reconnects by itself
+        (with Sentinel, to the master the Sentinels name now).
+        """
+        factory = getattr(self.pool, "_factory", None)
+        for conn in list(getattr(factory, "pool", ())):
+            transport = getattr(conn, "transport", None)
+            if transport is not None:
+                transport.loseConnection()
+
+    # -- the service -----------------------------------------------------------
+
+    def startService(self) -> None:
+        """
+        Create the pool (it connects in the background and reconnects by
+        itself) and start the probe loop, which probes at once.
+        """
         Service.startService(self)
-        self.pool = txredisapi.lazyConnectionPool(
-            poolsize=self.poolsize,
-            connectTimeout=self.connectTimeout,
-            replyTimeout=self.replyTimeout,
-            convertNumbers=False,
-            **parseRedisUrl(self.url),
-        )
+        self.pool = self._makePool()
         factory = getattr(self.pool, "_factory", None)
         if factory is not None:
             factory.initialDelay = min(factory.initialDelay, 0.1)
             factory.maxDelay = self.reconnectMaxDelay
+        self._prober = LoopingCall(self._probeTick)
+        self._prober.clock = self._clock
+        self._prober.start(self.probeInterval, now=True)
+
+    def _makePool(self):
+        """
+        @return: the txredisapi connection handler: a lazy pool on the URL's
+            host, or with C{sentinels} one kept on the current master.
+        """
+        import txredisapi
+
+        params = parseRedisUrl(self.url)
+        if not self.sentinels:
+            return txredisapi.lazyConnectionPool(
+                poolsize=self.poolsize,
+                connectTimeout=self.connectTimeout,
+                replyTimeout=self.replyTimeout,
+                convertNumbers=False,
+                **params,
+            )
+        self._sentinel = txredisapi.Sentinel(
+            [tuple(a) for a in self.sentinels],
+            connectTimeout=self.connectTimeout,
+            replyTimeout=self.replyTimeout,
+        )
+        self._watchSwitches()
+        # txredisapi waits this long for a usable answer about the master
+        # before the connection attempt fails and is retried; while the
+        # Sentinels report it down (before the promotion) that is the
+        # delay before relay asks again.
+        self._sentinel.discovery_timeout = max(self.reconnectMaxDelay, 0.5)
+        return self._sentinel.master_for(
+            self.masterName,
+            dbid=params["dbid"],
+            poolsize=self.poolsize,
+            isLazy=True,
+            password=params["password"],
+            username=params["username"],
+            replyTimeout=self.replyTimeout,
+            convertNumbers=False,
+        )
+
+    def _watchSwitches(self) -> None:
+        """
+        Subscribe to every Sentinel's C{+switch-master} channel: when the
+        Sentinels promote a new master of L{masterName}, every pooled
+        connection is dropped at once, so relay stops writing to the old
+        master before it is demoted (or while it is cut off), and the next
+        connection asks the Sentinels for the new one.
+        """
+        import txredisapi
+        from twisted.internet.endpoints import HostnameEndpoint
+
+        service = self
+
+        class _SwitchWatch(txredisapi.SubscriberProtocol):
+            def connectionMade(self):
+                d = txredisapi.SubscriberProtocol.connectionMade(self)
+                d.addCallback(lambda _: self.subscribe("+switch-master"))
+                d.addErrback(lambda f: None)
+                return d
+
+            def messageReceived(self, pattern, channel, message):
+                service._masterSwitched(message)
+
+        for host, port in self.sentinels:
+            factory = txredisapi.SubscriberFactory(isLazy=True)
+            factory.protocol = _SwitchWatch
+            factory.initialDelay = 0.1
+            factory.maxDelay = self.reconnectMaxDelay
+            factory.startConnecting(
+                # The injected clock is the reactor in a running relay.
+                HostnameEndpoint(self._clock, host, port, timeout=self.connectTimeout)
+            )
+            self._watchers.append(factory)
+
+    def _masterSwitched(self, message) -> None:
+        """
+        A C{+switch-master} message: C{<name> <old ip> <old port> <new ip>
+        <new port>}; the first message about a new master of ours drops
+        the connections (the other Sentinels repeat it).
+        """
+        if isinstance(message, bytes):
+            message = message.decode("utf-8", "replace")
+        parts = str(message).split()
+        if len(parts) != 5 or parts[0] != self.masterName:
+            return
+        new = (parts[3], parts[4])
+        if new == self._switchedTo:
+            return
+        self._switchedTo = new
+        self._log.warn(
+            "sentinel promoted {new} (was {old}); moving relay's connections",
+            event="relay.redis_master_switched",
+            old=f"{parts[1]}:{parts[2]}",
+            new=f"{parts[3]}:{parts[4]}",
+        )
+        self._dropConnections()
+        for listener in list(self.switchListeners):
+            try:
+                listener()
+            except Exception:  # noqa: BLE001 - logged; the others still run
+                self._log.failure("a master switch listener failed")
 
     def stopService(self) -> Deferred:
         """
-        Disconnect the pool.
+        Stop probing and disconnect the pool (and the Sentinel connections).
 
         @return: a L{Deferred} that fires when the connections are closed.
         """
         Service.stopService(self)
+        if self._prober is not None and self._prober.running:
+            self._prober.stop()
+        self._prober = None
         pool, self.pool = self.pool, None
-        if pool is None:
-            return defer.succeed(None)
-        return pool.disconnect().addErrback(lambda f: None)
+        sentinel, self._sentinel = self._sentinel, None
+        waits = []
+        if pool is not None:
+            waits.append(pool.disconnect().addErrback(lambda f: None))
+        if sentinel is not None:
+            waits.append(sentinel.disconnect().addErrback(lambda f: None))
+        watchers, self._watchers = self._watchers, []
+        for factory in watchers:
+            waits.append(factory.disconnect().addErrback(lambda f: None))
+        return defer.gatherResults(waits).addCallback(lambda _: None)
+
+    # -- commands --------------------------------------------------------------
 
     def execute(self, timeout: float, method: str, *args: Any, **kwargs: Any) -> Deferred:
         """
@@ -169,21 +523,84 @@ class RedisService(Service):
         @param method: a txredisapi method name, e.g. C{eval} or
             C{execute_command}.
         @return: a L{Deferred} with the reply; it fails with
-            L{RedisUnavailable} on any Redis error (see L{isRedisFailure})
-            and with L{RedisUnavailable} when the service is not running.
+            L{RedisUnavailable} on any Redis error (see L{isRedisFailure}),
+            when the service is not running, and at once while Redis is
+            unreachable (R101; see the module docstring).
         """
         self.commandCount += 1
         if self.pool is None:
             return defer.fail(RedisUnavailable(method, "redis service not running"))
+        if self._state is False:
+            return defer.fail(RedisUnavailable(method, "redis unreachable"))
+        sentAt = self._clock.seconds()
         try:
             d = getattr(self.pool, method)(*args, **kwargs)
         except Exception as e:
             return defer.fail(RedisUnavailable(method, describe(e)))
         d.addTimeout(timeout, self._clock)
+        return d.addCallbacks(self._cbReply, self._ebMap, errbackArgs=(method, sentAt))
 
-        def _ebMap(f: Failure) -> Failure:
-            if isRedisFailure(f) and not f.check(RedisUnavailable):
-                raise RedisUnavailable(method, describe(f))
-            return f
+    def _cbReply(self, reply):
+        self._replied()
+        return reply
 
-        return d.addErrback(_ebMap)
+    def _ebMap(self, f: Failure, method: str, sentAt: float) -> Failure:
+        self._classify(f, sentAt)
+        if isRedisFailure(f) and not f.check(RedisUnavailable):
+            raise RedisUnavailable(method, describe(f))
+        return f
+
+    def executeDurable(self, timeout: float, command: tuple) -> Deferred:
+        """
+        Run one write command and, with L{durableReplicas}, C{WAIT} on the
+        same connection (a pipeline) until that many replicas have it, for
+        up to L{durableTimeout} seconds: a write acknowledged this way
+        survives the master's death and a Sentinel promotion (issue 23;
+        used for OAuth token records, whose loss would mean reusing a
+        rotated refresh token). Fewer replicas than asked is logged
+        (C{relay.redis_write_not_replicated}), not an error: the write is on
+        the master.
+
+        @param timeout: seconds for the whole round trip (the C{WAIT}
+            included).
+        @param command: the raw command, e.g. C{("EVAL", script, 1, key,
+            ...)}; scripts go as C{EVAL} (no C{EVALSHA} fallback inside a
+            pipeline).
+        @return: a L{Deferred} with the command's reply; failures as
+            L{execute}.
+        """
+        if not self.durableReplicas:
+            return self.execute(timeout, "execute_command", *command)
+        self.commandCount += 1
+        if self.pool is None:
+            return defer.fail(RedisUnavailable(command[0], "redis service not running"))
+        if self._state is False:
+            return defer.fail(RedisUnavailable(command[0], "redis unreachable"))
+        sentAt = self._clock.seconds()
+        waitMs = max(1, int(self.durableTimeout * 1000))
+        replicas = self.durableReplicas
+
+        async def run():
+            pipe = await self.pool.pipeline()
+            reply = pipe.execute_command(*command)
+            acked = pipe.execute_command("WAIT", replicas, waitMs)
+            # Each reply is awaited on its own (an error reply stays a
+            # ResponseError, not the pipeline's FirstError).
+            pipe.execute_pipeline().addErrback(lambda f: None)
+            try:
+                value = await reply
+            except BaseException:
+                acked.addErrback(lambda f: None)
+                raise
+            count = await acked
+            if int(count or 0) < replicas:
+                self._log.warn(
+                    "a durable write reached {acked} of {replicas} replica(s) within {ms} ms",
+                    event="relay.redis_write_not_replicated",
+                    acked=int(count or 0), replicas=replicas, ms=waitMs,
+                )
+            return value
+
+        d = Deferred.fromCoroutine(run())
+        d.addTimeout(timeout + self.durableTimeout, self._clock)
+        return d.addCallbacks(self._cbReply, self._ebMap, errbackArgs=(command[0], sentAt))

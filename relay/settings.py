@@ -31,6 +31,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
 from relay.model import GatewaySettings
+from relay.redisclient import logFailure
 
 __all__ = [
     "RUNTIME_KEYS",
@@ -480,8 +481,9 @@ class RuntimeSettings:
         d = Deferred.fromCoroutine(self._load("refresh"))
 
         def _ebRefresh(f):
-            self._log.failure(
-                "could not refresh runtime settings", f, event="relay.settings_refresh_failed"
+            logFailure(
+                self._log, f, "could not refresh runtime settings",
+                event="relay.settings_refresh_failed",
             )
             return {}
 

@@ -24,6 +24,13 @@ configuration file (L{relay.operations.reload}); the supervisor itself
 stays up. A worker waiting to be restarted gets nothing: it starts with the
 file as it then is.
 
+Metrics across workers (issue 23): the supervisor runs its workers with
+prometheus_client's multiprocess directory, C{PROMETHEUS_MULTIPROC_DIR}
+(L{MetricsDirectory}): its own temporary directory, removed when it stops,
+or the operator's (emptied of old files when the supervisor starts). A
+scrape answered by any worker reports the whole group
+(L{relay.operator.metrics}); a worker that exits is marked dead there.
+
 Each worker also has a channel to its supervisor: a pipe on the worker's
 file descriptor L{CHANNEL_FD}, named in its environment by
 L{SUPERVISOR_FD_ENV} (L{SupervisorChannel} is the worker's end). A worker
@@ -83,6 +90,70 @@ MAX_RESTART_DELAY_SECONDS = 30.0
 
 HEALTHY_SECONDS = 10.0
 """A worker that ran this long resets the restart delay."""
+
+
+@define(eq=False)
+class MetricsDirectory:
+    """
+    The workers' prometheus_client multiprocess directory (issue 23).
+
+    @ivar path: the directory, once L{prepare}d.
+    @ivar owned: whether the supervisor made it (and removes it).
+    """
+
+    path: str | None = None
+    owned: bool = False
+
+    def prepare(self, environ: dict) -> str:
+        """
+        Use C{environ}'s C{PROMETHEUS_MULTIPROC_DIR} (its old C{*.db} files
+        removed: prometheus_client wants it empty at start) or make a
+        temporary directory, and put it in C{environ} for the workers.
+
+        @return: the directory.
+        """
+        from relay.operator.metrics import MULTIPROCESS_ENV
+
+        given = environ.get(MULTIPROCESS_ENV)
+        if given:
+            os.makedirs(given, exist_ok=True)
+            for name in os.listdir(given):
+                if name.endswith(".db"):
+                    try:
+                        os.unlink(os.path.join(given, name))
+                    except OSError:
+                        pass
+            self.path, self.owned = given, False
+        else:
+            import tempfile
+
+            self.path, self.owned = tempfile.mkdtemp(prefix="relay-metrics-"), True
+        environ[MULTIPROCESS_ENV] = self.path
+        return self.path
+
+    def processDead(self, pid: int) -> None:
+        """
+        A worker exited: its live gauges go (prometheus_client's
+        C{mark_process_dead}); its counters stay in the sums.
+        """
+        if self.path is None:
+            return
+        try:
+            from prometheus_client.multiprocess import mark_process_dead
+
+            mark_process_dead(pid, self.path)
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+
+    def remove(self) -> None:
+        """
+        Remove the directory if the supervisor made it.
+        """
+        if self.owned and self.path is not None:
+            import shutil
+
+            shutil.rmtree(self.path, ignore_errors=True)
+        self.path = None
 
 
 def workerIndex(environ=os.environ) -> int | None:
@@ -317,6 +388,7 @@ class _WorkerProtocol(ProcessProtocol):
         self.ended = Deferred()
         self.ready = False
         self.hangupHeld = False
+        self.pid = None
         self._pending = b""
 
     def childDataReceived(self, childFD: int, data: bytes) -> None:
@@ -360,6 +432,7 @@ class WorkerSupervisor(Service):
     workers: dict = field(factory=dict, init=False)
     _delay: float = field(default=RESTART_DELAY_SECONDS, init=False)
     _pendingRestarts: dict = field(factory=dict, init=False)
+    metrics: MetricsDirectory = field(factory=MetricsDirectory)
     running: int = field(default=0, init=False)
     name: str | None = field(default=None, init=False)
     parent: object = field(default=None, init=False)
@@ -368,9 +441,11 @@ class WorkerSupervisor(Service):
 
     def startService(self) -> None:
         """
-        Start every worker.
+        Start every worker (with the metrics directory in their
+        environment).
         """
         Service.startService(self)
+        self.metrics.prepare(self.environ)
         for index in range(self.count):
             self._spawn(index)
 
@@ -386,6 +461,7 @@ class WorkerSupervisor(Service):
             protocol, self.argv[0], self.argv, env=env,
             childFDs={0: 0, 1: 1, 2: 2, CHANNEL_FD: "r"},
         )
+        protocol.pid = process.pid
         self.workers[index] = (protocol, process)
         self._log.info(
             "worker {index} started (pid {pid})",
@@ -444,6 +520,8 @@ class WorkerSupervisor(Service):
             del self.workers[index]
         status = getattr(reason.value, "exitCode", None)
         signal = getattr(reason.value, "signal", None)
+        if protocol.pid is not None:
+            self.metrics.processDead(protocol.pid)
         if not self.running:
             self._log.info(
                 "worker {index} stopped (exit status {status}, signal {signal})",
@@ -481,6 +559,7 @@ class WorkerSupervisor(Service):
             waiting.append(protocol.ended)
             _signal(process, "TERM")
         if not waiting:
+            self.metrics.remove()
             return succeed(None)
         done = DeferredList(waiting)
 
@@ -497,6 +576,7 @@ class WorkerSupervisor(Service):
         def stopped(result):
             if timer.active():
                 timer.cancel()
+            self.metrics.remove()
 
         return done.addCallback(stopped)
 

@@ -932,3 +932,48 @@ class OAuthConfigTests(SynchronousTestCase, ConfigErrorAssertions):
         config = parse("accounts: [{id: o1, type: oauth, refresh_token: rt-abcdef,"
                        " id_token: id-abcdef, chatgpt_account_id: c}]")
         self.assertTrue({"rt-abcdef", "id-abcdef"} <= secretsOf(config))
+
+
+class SentinelConfigTests(SynchronousTestCase, ConfigErrorAssertions):
+    """
+    C{state.redis_sentinels} and C{state.redis_master_name} (config.md,
+    issue 23).
+    """
+
+    def test_parsed(self):
+        """
+        Both keys together; C{redis_url} still gives the database.
+        """
+        config = parse(
+            "state: {backend: redis, redis_url: 'redis://:pw@ignored:1/2',"
+            " redis_sentinels: ['10.0.0.1:26379', 'sentinel-b', '[::1]:26380'],"
+            " redis_master_name: mymaster}"
+        )
+        self.assertEqual(
+            config.state.redis_sentinels, ("10.0.0.1:26379", "sentinel-b", "[::1]:26380")
+        )
+        self.assertEqual(config.state.redis_master_name, "mymaster")
+        self.assertEqual(parse("{}").state.redis_sentinels, ())
+        self.assertIsNone(parse("{}").state.redis_master_name)
+
+    def test_errors(self):
+        """
+        One key without the other, a bad address, an empty list: one line
+        naming the key.
+        """
+        self.assertConfigError(
+            "state: {redis_sentinels: ['h:1']}", "state.redis_master_name", "required"
+        )
+        self.assertConfigError(
+            "state: {redis_master_name: m}", "state.redis_sentinels", "required"
+        )
+        self.assertConfigError(
+            "state: {redis_sentinels: ['h:notaport'], redis_master_name: m}",
+            "state.redis_sentinels[0]",
+        )
+        self.assertConfigError(
+            "state: {redis_sentinels: [], redis_master_name: m}", "state.redis_sentinels"
+        )
+        self.assertConfigError(
+            "state: {redis_sentinels: 'h:1', redis_master_name: m}", "state.redis_sentinels"
+        )

@@ -910,3 +910,41 @@ class ResponseOwnerTests(SynchronousTestCase):
 
         self.patch(Rig, "__init__", patched)
         self.chain(stream=False)
+
+
+class SlotErrorTests(SynchronousTestCase):
+    """
+    behaviour.md R35/R101 (issue 23): an error from an immediate slot try
+    (the per-key slot; a Redis that is down or silent) is R32's service
+    error -- HTTP 503, WebSocket 1011 "failed to acquire ... concurrency
+    slot" -- never the internal 502 C{upstream_error}, and nothing is dialled.
+    """
+
+    def test_userSlotTryError(self):
+        from relay.model import AdmissionError
+
+        rig = Rig([account("a")])
+
+        class _Failing:
+            def __init__(self, real):
+                self._real = real
+
+            def __getattr__(self, name):
+                return getattr(self._real, name)
+
+            def tryAcquire(self, kind, id, limit):
+                if kind == "user":
+                    return fail(AdmissionError("error", None, "RedisUnavailable: eval: timeout"))
+                return self._real.tryAcquire(kind, id, limit)
+
+        rig.runner.admission = _Failing(rig.admission)
+        with capturedLogs() as logs:
+            _, sink, outcome = rig.run(client=ClientKey(name="t", key="k", concurrency=2))
+        self.assertEqual(outcome, ["failed"])
+        [error] = sink.errors
+        self.assertEqual((error.status, error.type), (503, "api_error"))
+        self.assertEqual(error.message, "Service temporarily unavailable, please retry later")
+        self.assertEqual(error.wsClose, (1011, "failed to acquire user concurrency slot"))
+        self.assertEqual(rig.dialer.ids(), [])
+        self.assertFalse([e for e in logs if e.get("log_failure") is not None])
+        self.assertEqual(len(events(logs, "openai.user_slot_acquire_error")), 1)

@@ -66,7 +66,15 @@ C{on_redis_error} (R35), as implemented:
   - a poll error while waiting: C{fail_open} keeps polling until the wait
     ends, then fails with C{error} when the last poll failed, else
     C{timeout}; C{fail_closed} fails with C{error} at once;
-  - release and leave errors are logged; the slot TTL reclaims the member;
+  - release and leave errors are logged, and the member is released again
+    (C{leave.lua}) once Redis answers (L{RedisSlotAdmission.unreleased},
+    issue 23): a command that timed out may still run later (a Redis that
+    was paused, or a reply lost in a failover), so every slot member an
+    error left in doubt is removed twice, L{RELEASE_RETRY_SECONDS} apart,
+    and the slot TTL is only the last resort. With Sentinel, the members
+    released in the last L{RECENT_RELEASE_SECONDS} are released again on
+    the new master when the Sentinels switch (a release the old master
+    acknowledged may never have reached the replica that took over);
   - heartbeat errors are logged and the heartbeat goes on;
   - C{load()} errors: C{fail_open} reports C{(0, 0)} for every id,
     C{fail_closed} fails with L{relay.redisclient.RedisUnavailable}.
@@ -81,6 +89,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+from collections import deque
 from typing import Optional
 
 from attrs import define, field
@@ -115,6 +124,13 @@ HEARTBEAT_LUA = _script("heartbeat")
 
 #: The process registry ZSET (see the module docstring; R34 crash recovery).
 PROCESSES_KEY = "relay:processes"
+
+#: Seconds between passes over the slot members whose release is in doubt
+#: (issue 23); each member is released on two passes that reached Redis.
+RELEASE_RETRY_SECONDS = 1.0
+
+#: With Sentinel: how far back releases are repeated on a new master.
+RECENT_RELEASE_SECONDS = 60.0
 
 #: R30 poll loop figures, seconds
 BACKOFF_START = 0.1
@@ -301,6 +317,12 @@ class RedisSlotAdmission:
     _sleepers: dict = field(factory=dict, init=False)
     _writes: set = field(factory=set, init=False)
     _heartbeat: Optional[LoopingCall] = field(default=None, init=False)
+    unreleased: dict = field(factory=dict, init=False)
+    """Request id -> C{[kind, id, passes]}: slot members an error left in
+    doubt, released again once Redis answers (issue 23)."""
+    _releaser: Optional[LoopingCall] = field(default=None, init=False)
+    _recent: Optional[deque] = field(default=None, init=False)
+    """With Sentinel: C{(at, request id, kind, id)} of recent releases."""
 
     _log = Logger()
 
@@ -313,6 +335,10 @@ class RedisSlotAdmission:
         """
         if not self.prefix:
             self.prefix = "%08x" % self._random.getrandbits(32)
+        listeners = getattr(self._redis, "switchListeners", None)
+        if listeners is not None and getattr(self._redis, "sentinels", ()):
+            self._recent = deque(maxlen=100_000)
+            listeners.append(self.masterSwitched)
         if not 0 < self.heartbeatInterval < self.liveTtl:
             raise ValueError(
                 f"heartbeatInterval ({self.heartbeatInterval}s) must be positive and"
@@ -356,6 +382,9 @@ class RedisSlotAdmission:
             (logged; the entry then lapses after C{liveTtl}); it never
             fails.
         """
+        releaser, self._releaser = self._releaser, None
+        if releaser is not None and releaser.running:
+            releaser.stop()
         loop, self._heartbeat = self._heartbeat, None
         if loop is None:
             return succeed(False)
@@ -433,6 +462,9 @@ class RedisSlotAdmission:
         leftover = [lease for lease in list(self.held) if not lease.released]
         for lease in leftover:
             lease.release()
+        if self.unreleased:
+            # Issue 23: members left in doubt by earlier errors, once more.
+            self.retryReleases()
         if self._writes:
             waits = []
             for d in list(self._writes):
@@ -648,7 +680,13 @@ class RedisSlotAdmission:
             self.timeout, "eval", LEAVE_LUA, keysFor(plan.kind, plan.id),
             [rid, "1" if dropSlot else "0"],
         ))
-        d.addErrback(lambda f: self._logError("slot_leave", f))
+
+        def _eb(f: Failure) -> None:
+            self._logError("slot_leave", f)
+            if dropSlot:
+                self._releaseLater(plan.kind, plan.id, rid)
+
+        d.addErrback(_eb)
 
     def _release(self, lease: RedisSlotLease) -> None:
         """
@@ -658,14 +696,81 @@ class RedisSlotAdmission:
         self.held.discard(lease)
         if not lease.counted:
             return
+        if self._recent is not None:
+            self._recent.append((self._clock.seconds(), lease.requestId, lease.kind, lease.id))
         d = self._track(self._redis.execute(
             self.timeout, "execute_command", "ZREM", slotKey(lease.kind, lease.id),
             lease.requestId,
         ))
-        d.addCallbacks(
-            lambda _: self._wake((lease.kind, lease.id)),
-            lambda f: self._logError("slot_release", f),
+
+        def _eb(f: Failure) -> None:
+            self._logError("slot_release", f)
+            self._releaseLater(lease.kind, lease.id, lease.requestId)
+
+        d.addCallbacks(lambda _: self._wake((lease.kind, lease.id)), _eb)
+
+    def _releaseLater(self, kind: str, id: str, rid: str) -> None:
+        """
+        Remember a slot member whose release failed or whose acquire may
+        have landed after its error (issue 23), and start the pass loop.
+        """
+        self.unreleased[rid] = [kind, id, 0]
+        if self._releaser is None:
+            self._releaser = LoopingCall(self.retryReleases)
+            self._releaser.clock = self._clock
+            self._releaser.start(RELEASE_RETRY_SECONDS, now=False)
+
+    def masterSwitched(self) -> None:
+        """
+        The Sentinels promoted a new master (a
+        L{relay.redisclient.RedisService.switchListeners} hook): every
+        release of the last L{RECENT_RELEASE_SECONDS} is repeated there,
+        since the old master may have acknowledged it without passing it
+        on (R34: no slot leaked across a failover).
+        """
+        if self._recent is None:
+            return
+        horizon = self._clock.seconds() - RECENT_RELEASE_SECONDS
+        count = 0
+        for at, rid, kind, id in self._recent:
+            if at >= horizon:
+                self._releaseLater(kind, id, rid)
+                count += 1
+        self._log.info(
+            "new redis master: repeating {count} recent slot release(s)",
+            event="relay.redis_admission_rereleased", count=count,
         )
+
+    def retryReleases(self) -> Deferred:
+        """
+        One pass over L{unreleased}: C{leave.lua} (slot member, ticket and
+        its heartbeat) for each; a member is forgotten after its second
+        pass that reached Redis. The loop stops when none is left. Never
+        fails.
+
+        @return: a Deferred firing when the pass's commands have ended.
+        """
+        if not self.unreleased:
+            if self._releaser is not None and self._releaser.running:
+                self._releaser.stop()
+            self._releaser = None
+            return succeed(None)
+        waits = []
+        for rid, entry in list(self.unreleased.items()):
+            kind, id, passes = entry
+            d = self._track(self._redis.execute(
+                self.timeout, "eval", LEAVE_LUA, keysFor(kind, id), [rid, "1"],
+            ))
+
+            def _cb(_, rid=rid, entry=entry, key=(kind, id)):
+                entry[2] += 1
+                if entry[2] >= 2 and self.unreleased.get(rid) is entry:
+                    del self.unreleased[rid]
+                self._wake(key)
+
+            d.addCallbacks(_cb, lambda f: None)
+            waits.append(d)
+        return DeferredList(waits, consumeErrors=True).addCallback(lambda _: None)
 
     def _sleep(self, key: tuple, seconds: float) -> Deferred:
         """

@@ -118,6 +118,8 @@ class TurnState:
     turn's record."""
     sink: object = None
     """The turn's sink (its C{failed} error goes into the record)."""
+    trace: object = None
+    """The turn's L{relay.interfaces.ITurnTrace} (issue 23), or L{None}."""
 
 
 @define(eq=False)
@@ -156,6 +158,9 @@ class TurnRunner:
     """The L{relay.interfaces.ICredentialSource}, or L{None}: dial as configured."""
     quota: object = None
     """The L{relay.scheduling.quota.UsageWindows} recording upstream usage windows, or L{None}."""
+    observer: object = None
+    """The L{relay.interfaces.ITurnObserver} (traces, issue 23), or L{None}:
+    then nothing is built per turn."""
     budget: RetryBudget = field(factory=RetryBudget)
     bookkeeping: object = None
     """The L{AccountBookkeeping}: the one writer of account state for an
@@ -236,6 +241,8 @@ class TurnRunner:
         bindRequestId(turn.requestId)
         start = self.clock.seconds()
         state = TurnState(startedAt=start)
+        if self.observer is not None:
+            state.trace = self.observer.turnStarted(turn)
         userLease = None
         outcome, status, accountId = "error", 500, None
         if self.requestLog is not None and self.requestLog.sampled():
@@ -439,6 +446,8 @@ class TurnRunner:
                     self.metrics.addedLatency(
                         self.clock.seconds() - state.startedAt - state.waited
                     )
+            if state.trace is not None:
+                state.trace.attemptStarted(account, state)
             result = await self._attempt(turn, sink, account, lease, state)
             end = result.end
             if (result.ok or result.committed) and state.keepalive is not None:
@@ -453,6 +462,8 @@ class TurnRunner:
                 verdict = self.judge(turn, account, end)
             if verdict is not None:
                 attempt.status, attempt.reason = verdict.status, verdict.reason
+            if state.trace is not None:
+                state.trace.attemptEnded(result, verdict, state)
             if not result.committed and verdict is not None:
                 # Ends relay resolves on the same account before any
                 # decision, and that say nothing against the account: R7's
@@ -787,7 +798,18 @@ class TurnRunner:
         """
         One immediate try on C{plan}'s slot, else wait on it (R27 steps 1-3).
         """
-        lease = await self.admission.tryAcquire(plan.kind, plan.id, plan.max_concurrency)
+        try:
+            lease = await self.admission.tryAcquire(plan.kind, plan.id, plan.max_concurrency)
+        except AdmissionError as e:
+            # R35 / R101: a slot acquire error (Redis silent or down) is
+            # R32's service error (503 / 1011), never an internal error.
+            self._log.warn(
+                "{kind} slot acquire failed for {id}: {error}",
+                event="openai.account_slot_acquire_error"
+                if plan.kind == "account" else "openai.user_slot_acquire_error",
+                kind=plan.kind, id=plan.id, error=str(e), request_id=turn.requestId,
+            )
+            raise _AdmissionFailed(E.admissionError(e, plan.kind))
         if lease is not None:
             return lease
         return await self._wait(turn, sink, plan, reason, state)
@@ -1008,6 +1030,8 @@ class TurnRunner:
             turn.firstOutputAt = self.clock.seconds()
 
     def _finished(self, turn, state, outcome, status, accountId, start) -> None:
+        if state.trace is not None:
+            state.trace.turnEnded(outcome, status, accountId, state)
         now = self.clock.seconds()
         first = turn.firstOutputAt
         if self.requestLog is not None:

@@ -74,6 +74,7 @@ from relay.oauth.tokens import (
     TokenSet,
     fingerprint,
 )
+from relay.redisclient import logFailure
 
 LOCK_TTL_SECONDS = 15.0
 """The refresh lock's TTL; the holder renews it every third of it."""
@@ -829,7 +830,7 @@ class OAuthCredentials:
         def _again():
             slot.pendingCall = None
             d = Deferred.fromCoroutine(self._flushPending(slot, expected))
-            d.addErrback(lambda f: self._log.failure("retrying a token write failed", f))
+            d.addErrback(lambda f: logFailure(self._log, f, "retrying a token write failed"))
 
         slot.pendingCall = self._clock.callLater(PERSIST_RETRY_SECONDS, _again)
 
@@ -996,6 +997,6 @@ class OAuthCredentials:
                     self._schedule(slot)
 
             d.addCallback(_cbAgain)
-            d.addErrback(lambda f: self._log.failure("proactive refresh failed", f))
+            d.addErrback(lambda f: logFailure(self._log, f, "proactive refresh failed"))
         except Exception:
             self._log.failure("scheduling a proactive refresh failed")

@@ -13,7 +13,9 @@ Token stores (L{relay.interfaces.ITokenStore}, issue 12).
     C{relay:oauth:{id}} (C{version}, C{record}) written by a
     compare-and-set script, the lock is C{SET relay:oauth:lock:{id} owner NX
     PX ttl} (renewed by its owner) released by a compare-and-delete script. Durability across a
-    Redis restart is Redis's own (AOF); see the README.
+    Redis restart is Redis's own (AOF); with Sentinel a record write also
+    waits for a replica (C{WAIT}, L{relay.redisclient.RedisService.executeDurable},
+    issue 23) so a failover cannot lose it; see the README.
 
 Every call is bounded by a timeout on the injected clock (style.md trap
 T16).
@@ -259,11 +261,20 @@ class RedisTokenStore:
         """
         See L{ITokenStore.save}: a compare-and-set script.
         """
-        d = self._redis.execute(
-            self.timeout, "eval", _SAVE_SCRIPT,
-            keys=[REDIS_RECORD_PREFIX + accountId],
-            args=["" if expected is None else str(expected), str(version), record],
-        )
+        args = ["" if expected is None else str(expected), str(version), record]
+        durable = getattr(self._redis, "executeDurable", None)
+        if durable is not None and getattr(self._redis, "durableReplicas", 0):
+            # Issue 23: with Sentinel the write is acknowledged by a replica
+            # (WAIT) before relay relies on it, so a failover right after a
+            # refresh cannot lose the rotated refresh token.
+            d = durable(
+                self.timeout, ("EVAL", _SAVE_SCRIPT, 1, REDIS_RECORD_PREFIX + accountId, *args)
+            )
+        else:
+            d = self._redis.execute(
+                self.timeout, "eval", _SAVE_SCRIPT,
+                keys=[REDIS_RECORD_PREFIX + accountId], args=args,
+            )
         return d.addCallback(lambda result: int(result or 0) == 1)
 
     def acquireLock(self, accountId: str, owner: str, ttl: float) -> Deferred:

@@ -33,6 +33,21 @@ Names (all prefixed C{relay_}):
     C{ok}, C{in_doubt}, C{needs_login}, C{loading}; 0 for the others) and
     C{relay_oauth_refresh_failures_total{account}}
 
+Across workers (issue 23). With C{workers: N} the supervisor gives its
+workers a private directory in C{PROMETHEUS_MULTIPROC_DIR}
+(L{relay.workers.MetricsDirectory}), and prometheus_client's multiprocess
+mode keeps every worker's counters and histograms in files there; whichever
+worker answers a scrape serves the sum of all of them (a
+C{MultiProcessCollector}), so one scrape reports the whole group's
+C{relay_turns_total}, failovers, waits, latencies, tokens... including
+those of a worker that has since been restarted. The gauges relay reports
+are read at scrape time from shared state, so the answering worker's
+reading is the group's: C{relay_slots_in_use} / C{relay_slots_waiting} come
+from Redis (the same numbers in every worker), the usage windows and token
+status from the token store every worker follows (within its 15 s sync).
+One exception: C{relay_oauth_refresh_failures_total} counts the token
+requests of the answering worker only.
+
 No C{_created} series: prometheus_client only has a process-wide switch
 (C{disable_created_metrics()}), so the exposition reads the registry
 through L{withoutCreated} instead, which drops them for relay's registry
@@ -41,6 +56,7 @@ only (issue 15).
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from typing import Callable, Optional
 
@@ -59,6 +75,20 @@ NO_ACCOUNT = "none"
 _WAIT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
 _FIRST_OUTPUT_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 _ADDED_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
+"""prometheus_client's multiprocess directory variable (read at import time
+by prometheus_client itself, so it must be in the environment the process
+starts with; L{relay.workers} sets it for its workers)."""
+
+
+def multiprocessDirectory(environ=os.environ) -> Optional[str]:
+    """
+    @return: the multiprocess metrics directory of this process, or L{None}
+        when it reports its own metrics only.
+    """
+    return environ.get(MULTIPROCESS_ENV) or None
 
 
 def newRegistry() -> CollectorRegistry:
@@ -170,6 +200,12 @@ class RelayMetrics:
     registry: CollectorRegistry = field(factory=newRegistry)
     _clock: Optional[IReactorTime] = None
     recentLimit: int = 50
+    multiprocessDir: Optional[str] = field(factory=multiprocessDirectory)
+    exposed: CollectorRegistry = field(init=False)
+    """The registry C{/metrics} serves: L{registry} itself, or with
+    L{multiprocessDir} a registry with the whole process group's counters
+    and histograms and this process's scrape-time collectors (see the
+    module docstring)."""
     _recent: deque = field(init=False)
     _slots: SlotsCollector = field(init=False)
     _tokenChildren: dict = field(init=False, factory=dict)
@@ -249,6 +285,22 @@ class RelayMetrics:
         )
         self._slots = SlotsCollector()
         r.register(self._slots)
+        self.exposed = r
+        if self.multiprocessDir is not None:
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            self.exposed = CollectorRegistry()
+            MultiProcessCollector(self.exposed, path=self.multiprocessDir)
+            self.exposed.register(self._slots)
+
+    def addCollector(self, collector: Collector) -> None:
+        """
+        Register a scrape-time collector (e.g. the usage windows) in
+        L{registry} and, across workers, in L{exposed} too.
+        """
+        self.registry.register(collector)
+        if self.exposed is not self.registry:
+            self.exposed.register(collector)
 
     def turnFinished(self, entrypoint: str, outcome: str) -> None:
         """

@@ -16,6 +16,8 @@ from twisted.application.internet import TimerService
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
+from relay.redisclient import logFailure
+
 
 @define(eq=False)
 class OperatorView:
@@ -202,7 +204,7 @@ class OperatorView:
         """
         d = self.admission.load("account", [a.id for a in self.accounts])
         d.addCallback(lambda loads: self.slots.update(loads))
-        d.addErrback(lambda f: self._log.failure("refreshing slot gauges failed", f))
+        d.addErrback(lambda f: logFailure(self._log, f, "refreshing slot gauges failed"))
         return d
 
 
@@ -319,7 +321,7 @@ def periodic(interval: float, job, clock) -> TimerService:
             log.failure("periodic job {job} failed", job=getattr(job, "__name__", job))
             return None
         if isinstance(d, Deferred):
-            d.addErrback(lambda f: log.failure("periodic job failed", f))
+            d.addErrback(lambda f: logFailure(log, f, "periodic job failed"))
         return None
 
     service = TimerService(interval, _safe)

@@ -48,6 +48,10 @@ FORWARDED_HEADERS = (
     "x-codex-turn-metadata",
     "x-codex-turn-state",
     "x-codex-routing-hint",
+    # W3C trace context (issue 23): passed through, or replaced by the
+    # attempt's own when relay traces (relay.tracing).
+    "traceparent",
+    "tracestate",
 )
 
 DEFAULT_ORIGINATOR = "codex_cli_rs"

@@ -10,6 +10,8 @@ from twisted.application.internet import TimerService
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
+from relay.redisclient import logFailure
+
 __all__ = ["UsageFlushService"]
 
 
@@ -39,7 +41,9 @@ class UsageFlushService(TimerService):
             self._log.failure("flushing usage failed", event="relay.usage_flush_failed")
             return None
         return d.addErrback(
-            lambda f: self._log.failure("flushing usage failed", f, event="relay.usage_flush_failed")
+            lambda f: logFailure(
+                self._log, f, "flushing usage failed", event="relay.usage_flush_failed"
+            )
         )
 
     def stopService(self) -> Deferred:

@@ -1,0 +1,394 @@
+"""
+L{relay.redisclient} on a L{Clock} with a pool stand-in (issue 23,
+behaviour.md R101): what makes Redis reachable or unreachable, the
+fail-fast while it is not, the probe that finds it again, a demoted master
+(C{READONLY}, C{ROLE}), the Sentinels' C{+switch-master}, the durable write
+(C{WAIT} on the same connection), and the one-line log of a background
+job's Redis failure. The real-server side is in
+L{tests.integration.test_redis_silent} and
+L{tests.integration.test_redis_sentinel}.
+"""
+
+from __future__ import annotations
+
+import txredisapi
+from twisted.internet import defer
+from twisted.internet.defer import Deferred
+from twisted.internet.task import Clock
+from twisted.logger import Logger, capturedLogs
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
+
+from relay.redisclient import RedisService, RedisUnavailable, logFailure, parseHostPort
+
+
+class _Transport:
+    def __init__(self):
+        self.lost = 0
+
+    def loseConnection(self):
+        self.lost += 1
+
+
+class _Conn:
+    def __init__(self):
+        self.transport = _Transport()
+
+
+class _Factory:
+    def __init__(self, n=2):
+        self.pool = [_Conn() for _ in range(n)]
+
+
+class _Pipe:
+    """
+    A pipelining connection: records the commands, answers on
+    C{execute_pipeline} with C{replies}.
+    """
+
+    def __init__(self, replies):
+        self.commands = []
+        self.replies = replies
+        self._waiting = []
+
+    def execute_command(self, *args):
+        d = Deferred()
+        self.commands.append(args)
+        self._waiting.append(d)
+        return d
+
+    def execute_pipeline(self):
+        for d, reply in zip(self._waiting, self.replies):
+            d.callback(reply)
+        return defer.succeed(None)
+
+
+class _Pool:
+    """
+    A txredisapi connection handler stand-in: every method call is recorded
+    as C{(name, args, Deferred)}; the test fires the Deferred.
+    """
+
+    def __init__(self):
+        self.calls = []
+        self._factory = _Factory()
+        self.pipe = None
+
+    def pipeline(self):
+        return defer.succeed(self.pipe)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def call(*args, **kwargs):
+            d = Deferred()
+            self.calls.append((name, args, d))
+            return d
+
+        return call
+
+    def names(self):
+        return [c[0] for c in self.calls]
+
+
+def _service(**kw) -> tuple:
+    clock = Clock()
+    clock.advance(1000)
+    service = RedisService(url="redis://127.0.0.1:6379/0", clock=clock, **kw)
+    service.pool = _Pool()
+    return service, clock
+
+
+def _result(d: Deferred):
+    out = []
+    d.addBoth(out.append)
+    return out[0] if out else None
+
+
+class ParseHostPortTests(SynchronousTestCase):
+    """
+    L{parseHostPort}: the C{state.redis_sentinels} entries.
+    """
+
+    def test_forms(self):
+        self.assertEqual(parseHostPort("10.0.0.5:26380"), ("10.0.0.5", 26380))
+        self.assertEqual(parseHostPort("sentinel-1"), ("sentinel-1", 26379))
+        self.assertEqual(parseHostPort("[::1]:26379"), ("::1", 26379))
+        self.assertEqual(parseHostPort("[::1]"), ("::1", 26379))
+
+    def test_bad(self):
+        for bad in (":26379", "host:0", "host:99999", "host:abc", "[::1]x"):
+            self.assertRaises(ValueError, parseHostPort, bad)
+
+
+class ReachabilityTests(SynchronousTestCase):
+    """
+    L{RedisService.reachable} and the fail-fast of L{RedisService.execute}.
+    """
+
+    def test_unknownUntilFirstReply(self):
+        """
+        Before any reply Redis is not known to be reachable (C{/readyz}
+        waits); commands go out; a reply makes it reachable.
+        """
+        service, clock = _service()
+        self.assertFalse(service.reachable)
+        d = service.execute(2, "get", "k")
+        self.assertEqual(service.pool.names(), ["get"])
+        service.pool.calls[0][2].callback("v")
+        self.assertEqual(_result(d), "v")
+        self.assertTrue(service.reachable)
+        self.assertEqual(service.lastReplyAt, clock.seconds())
+
+    def test_silenceMakesItUnreachableAndFailsFast(self):
+        """
+        A command that times out with no reply since it was sent marks
+        Redis unreachable (logged once); every later command fails at once
+        with L{RedisUnavailable} without reaching the pool.
+        """
+        service, clock = _service()
+        first = service.execute(2, "get", "k")
+        service.pool.calls[0][2].callback("v")
+        _result(first)
+        with capturedLogs() as logs:
+            d = service.execute(2, "get", "k")
+            clock.advance(2)
+            failure = _result(d)
+            self.assertIsInstance(failure.value, RedisUnavailable)
+            self.assertFalse(service.reachable)
+            again = _result(service.execute(2, "set", "k", "v"))
+            self.assertIsInstance(again.value, RedisUnavailable)
+            self.assertIn("unreachable", str(again.value))
+        self.assertEqual(service.pool.names(), ["get", "get"])
+        self.assertEqual(
+            [e["event"] for e in logs if e.get("event", "").startswith("relay.redis_")],
+            ["relay.redis_unreachable"],
+        )
+
+    def test_slowCommandIsNotSilence(self):
+        """
+        A command that times out while another one sent after it got its
+        reply is slow, not a silent Redis: still reachable.
+        """
+        service, clock = _service()
+        slow = service.execute(2, "eval", "script")
+        clock.advance(1)
+        quick = service.execute(2, "get", "k")
+        service.pool.calls[1][2].callback("v")
+        _result(quick)
+        clock.advance(1)
+        self.assertIsInstance(_result(slow).value, RedisUnavailable)
+        self.assertTrue(service.reachable)
+
+    def test_lostConnectionIsSilence(self):
+        """
+        A lost connection with no reply since is unreachability too.
+        """
+        service, clock = _service()
+        d = service.execute(2, "get", "k")
+        service.pool.calls[0][2].errback(txredisapi.ConnectionError("Lost connection"))
+        self.assertIsInstance(_result(d).value, RedisUnavailable)
+        self.assertFalse(service.reachable)
+
+    def test_cancelledIsNotSilence(self):
+        """
+        A command its caller cancelled (a client that left) says nothing
+        about Redis.
+        """
+        service, clock = _service()
+        d = service.execute(2, "get", "k")
+        d.cancel()
+        _result(d)
+        self.assertIsNone(service._state)
+
+    def test_errorReplyIsAnAnswer(self):
+        """
+        An error reply (a script error) is Redis answering: reachable.
+        """
+        service, clock = _service()
+        d = service.execute(2, "eval", "bad")
+        service.pool.calls[0][2].errback(txredisapi.ResponseError("ERR syntax"))
+        self.assertIsInstance(_result(d).value, RedisUnavailable)
+        self.assertTrue(service.reachable)
+
+    def test_readonlyDropsTheConnections(self):
+        """
+        C{READONLY} (the master was demoted under relay) makes Redis
+        unusable and drops every pooled connection, so the next one asks
+        the Sentinels; C{LOADING} and C{NOREPLICAS} are unusable too.
+        """
+        service, clock = _service()
+        d = service.execute(2, "eval", "write")
+        service.pool.calls[0][2].errback(
+            txredisapi.ResponseError("READONLY You can't write against a read only replica.")
+        )
+        _result(d)
+        self.assertFalse(service.reachable)
+        self.assertEqual([c.transport.lost for c in service.pool._factory.pool], [1, 1])
+        for text in ("LOADING Redis is loading", "NOREPLICAS Not enough good replicas"):
+            service, clock = _service()
+            d = service.execute(2, "eval", "write")
+            service.pool.calls[0][2].errback(txredisapi.ResponseError(text))
+            _result(d)
+            self.assertFalse(service.reachable, text)
+            self.assertEqual([c.transport.lost for c in service.pool._factory.pool], [0, 0])
+
+
+class ProbeTests(SynchronousTestCase):
+    """
+    The probe loop of L{RedisService} (C{_probeTick}).
+    """
+
+    def test_probesWhileUnreachableUntilItAnswers(self):
+        """
+        While unreachable each tick sends one C{PING} (never two at once);
+        a C{PONG} makes Redis reachable again (logged with the outage).
+        """
+        service, clock = _service()
+        service._unreachable("test")
+        service._probeTick()
+        service._probeTick()
+        self.assertEqual(service.pool.names(), ["ping"])
+        clock.advance(1)  # the probe's own timeout
+        service._probeTick()
+        self.assertEqual(service.pool.names(), ["ping", "ping"])
+        self.assertFalse(service.reachable)
+        with capturedLogs() as logs:
+            service.pool.calls[1][2].callback("PONG")
+        self.assertTrue(service.reachable)
+        self.assertEqual([e["event"] for e in logs], ["relay.redis_reachable"])
+        self.assertEqual(_result(service.execute(2, "get", "k")), None)
+        self.assertEqual(service.pool.names()[-1], "get")
+
+    def test_idleProbe(self):
+        """
+        A reachable Redis is probed only after L{idleProbeSeconds} without
+        a reply; busy traffic needs no probe at all.
+        """
+        service, clock = _service(idleProbeSeconds=5)
+        service._replied()
+        clock.advance(4)
+        service._probeTick()
+        self.assertEqual(service.pool.names(), [])
+        clock.advance(1)
+        service._probeTick()
+        self.assertEqual(service.pool.names(), ["ping"])
+
+    def test_sentinelProbeChecksRole(self):
+        """
+        With Sentinel the probe is C{ROLE}: a replica (a demoted master)
+        is not usable, its connections are dropped; the master is.
+        """
+        service, clock = _service(sentinels=(("127.0.0.1", 26379),), masterName="m")
+        d = service.probe()
+        self.assertEqual(service.pool.names(), ["role"])
+        service.pool.calls[0][2].callback(["slave", "127.0.0.1", 6380, "connected", 10])
+        self.assertFalse(_result(d))
+        self.assertFalse(service.reachable)
+        self.assertEqual([c.transport.lost for c in service.pool._factory.pool], [1, 1])
+        d = service.probe()
+        service.pool.calls[1][2].callback(["master", 100, []])
+        self.assertTrue(_result(d))
+        self.assertTrue(service.reachable)
+
+
+class SentinelSwitchTests(SynchronousTestCase):
+    """
+    C{+switch-master} from the Sentinels (L{RedisService._masterSwitched}).
+    """
+
+    def test_switchDropsOnceAndTellsListeners(self):
+        """
+        The first message about a new master of ours drops the
+        connections and runs the listeners; the other Sentinels' copies
+        and other masters' switches do nothing.
+        """
+        service, clock = _service(sentinels=(("127.0.0.1", 26379),), masterName="m")
+        heard = []
+        service.switchListeners.append(lambda: heard.append(1))
+        service._masterSwitched("other 127.0.0.1 1 127.0.0.1 2")
+        self.assertEqual(heard, [])
+        with capturedLogs() as logs:
+            service._masterSwitched(b"m 127.0.0.1 6379 127.0.0.1 6380")
+            service._masterSwitched("m 127.0.0.1 6379 127.0.0.1 6380")
+        self.assertEqual(heard, [1])
+        self.assertEqual([c.transport.lost for c in service.pool._factory.pool], [1, 1])
+        self.assertEqual([e["event"] for e in logs], ["relay.redis_master_switched"])
+
+    def test_durableReplicasDefault(self):
+        """
+        Durable writes wait for one replica with Sentinel, none without.
+        """
+        self.assertEqual(_service()[0].durableReplicas, 0)
+        self.assertEqual(
+            _service(sentinels=(("h", 1),), masterName="m")[0].durableReplicas, 1
+        )
+
+
+class DurableWriteTests(SynchronousTestCase):
+    """
+    L{RedisService.executeDurable}.
+    """
+
+    def test_waitOnTheSameConnection(self):
+        """
+        The write and C{WAIT 1 <ms>} go in one pipeline (one connection);
+        the write's reply is returned.
+        """
+        service, clock = _service(sentinels=(("h", 1),), masterName="m", durableTimeout=0.5)
+        service.pool.pipe = _Pipe([1, 1])
+        with capturedLogs() as logs:
+            d = service.executeDurable(5, ("EVAL", "script", 1, "k", "v"))
+        self.assertEqual(_result(d), 1)
+        self.assertEqual(service.pool.pipe.commands,
+                         [("EVAL", "script", 1, "k", "v"), ("WAIT", 1, 500)])
+        self.assertEqual(logs, [])
+        self.assertTrue(service.reachable)
+
+    def test_noReplicaIsLogged(self):
+        """
+        No replica acknowledged in time: the write stands (it is on the
+        master) and a warning says so.
+        """
+        service, clock = _service(sentinels=(("h", 1),), masterName="m")
+        service.pool.pipe = _Pipe(["OK", 0])
+        with capturedLogs() as logs:
+            d = service.executeDurable(5, ("SET", "k", "v"))
+        self.assertEqual(_result(d), "OK")
+        self.assertEqual([e["event"] for e in logs], ["relay.redis_write_not_replicated"])
+
+    def test_withoutReplicasPlainExecute(self):
+        """
+        Without Sentinel a durable write is a plain command.
+        """
+        service, clock = _service()
+        d = service.executeDurable(5, ("SET", "k", "v"))
+        self.assertEqual(service.pool.calls[0][:2], ("execute_command", ("SET", "k", "v")))
+        service.pool.calls[0][2].callback("OK")
+        self.assertEqual(_result(d), "OK")
+
+
+class LogFailureTests(SynchronousTestCase):
+    """
+    L{logFailure}: a Redis failure is one warning line, anything else a
+    traceback.
+    """
+
+    def test_redisFailureOneLine(self):
+        log = Logger()
+        with capturedLogs() as logs:
+            logFailure(log, Failure(RedisUnavailable("get", "redis unreachable")), "job failed",
+                       event="x.job")
+        self.assertEqual(len(logs), 1)
+        self.assertEqual(logs[0]["log_level"].name, "warn")
+        self.assertNotIn("log_failure", logs[0])
+        self.assertEqual(logs[0]["event"], "x.job")
+
+    def test_otherFailureTraceback(self):
+        log = Logger()
+        with capturedLogs() as logs:
+            logFailure(log, Failure(KeyError("bug")), "job failed")
+        self.assertEqual(logs[0]["log_level"].name, "critical")
+        self.assertIn("log_failure", logs[0])
+        self.flushLoggedErrors(KeyError)
