@@ -48,6 +48,7 @@ FORWARDED_HEADERS = (
     "x-codex-turn-metadata",
     "x-codex-turn-state",
     "x-codex-routing-hint",
+    "if-none-match",
 )
 
 DEFAULT_ORIGINATOR = "codex_cli_rs"
