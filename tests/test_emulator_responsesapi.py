@@ -308,7 +308,8 @@ class BackgroundTests(_Base):
 
     def test_backgroundStream(self) -> None:
         """
-        C{background} with C{stream}: the events start with C{response.queued}.
+        C{background} with C{stream}: the events start with C{response.created} (status
+        C{queued}) and C{response.queued}.
         """
         self.emulator.setScript("a1", {"delay": 0.0})
         d = self.treq.post("http://emulator/v1/responses", json.dumps(
@@ -320,7 +321,8 @@ class BackgroundTests(_Base):
         self.clock.advance(0)
         self.treq.flush()
         events = sse(self.successResultOf(content))
-        self.assertEqual(events[0]["type"], "response.queued")
+        self.assertEqual([e["type"] for e in events[:2]], ["response.created", "response.queued"])
+        self.assertEqual(events[0]["response"]["status"], "queued")
         self.assertEqual(events[-1]["type"], "response.completed")
 
 

@@ -41,10 +41,8 @@ from relay.emulator.stored import (
     ACTIVE,
     StoredResponse,
     inputItemsWithIds,
+    backgroundEvents,
     listPage,
-    markBackground,
-    queuedEvent,
-    renumber,
 )
 from relay.emulator.stream import EventPump
 
@@ -319,9 +317,12 @@ class ResponsesAPIMixin:
         request.setHeader(b"content-type", b"text/event-stream")
         request.setHeader(b"cache-control", b"no-cache")
         request.write(b"")
-        for event in stored.happened():
-            if event.get("sequence_number", -1) > after:
-                request.write(sseFrame(event))
+        happened = [e for e in stored.happened() if e.get("sequence_number", -1) > after]
+        if not happened and stored.status not in ACTIVE and stored.events:
+            # A finished response answers at least its terminal event.
+            happened = stored.events[-1:]
+        for event in happened:
+            request.write(sseFrame(event))
         if stored.status not in ACTIVE:
             request.finish()
             return NOT_DONE_YET
@@ -348,8 +349,8 @@ class ResponsesAPIMixin:
         events = turn.events
         final = turn.final
         if background:
-            events = renumber(markBackground(events),
-                              queuedEvent(turn.responseId, body, self.emulator.clock.seconds()))
+            events = backgroundEvents(events, turn.responseId, body,
+                                      self.emulator.clock.seconds())
             final = dict(final, background=True)
         stored = StoredResponse(
             responseId=turn.responseId, credential=credential, body=body,
@@ -368,7 +369,7 @@ class ResponsesAPIMixin:
                     script: Any, stream: bool, complete: Any) -> Any:
         """
         C{background: true} (behaviour.md R88): answer C{queued} at once (or, streaming,
-        follow the run live from C{response.queued}); the run goes on on the clock whatever
+        follow the run live from its C{response.created}); the run goes on on the clock whatever
         the client does, and its whole delivery is the generation.
         """
         stored = self._keep(credential, turn, body, background=True)
@@ -380,7 +381,7 @@ class ResponsesAPIMixin:
                 complete()
 
         pump = EventPump(clock=clock, events=stored.events, send=stored.emit, finish=done,
-                         delay=script.delay, firstOutput=2)
+                         delay=script.delay, firstOutput=3)
         call = clock.callLater(0, pump.start)
 
         def stop() -> None:

@@ -5,8 +5,9 @@ what C{GET}/C{DELETE /v1/responses/{id}}, C{GET …/{id}/input_items} and
 C{POST …/{id}/cancel} answer, and the background run behind C{background: true}
 (protocol.md 1; behaviour.md R87, R88).
 
-A background response is created C{queued} and answered at once; its planned events then
-happen on the emulator's clock (the script's C{delay} between events), so a client that polls
+A background response is created C{queued} and answered at once; its events
+(C{response.created}, C{response.queued}, then the planned turn) then happen on the emulator's
+clock (the script's C{delay} between events), so a client that polls
 sees C{queued}, C{in_progress}, then the terminal status. C{GET …?stream=true&starting_after=N}
 replays the events after sequence number C{N} and follows the run live to its end. A cancel
 stops the run: the status becomes C{cancelled} and live streams end with C{response.cancelled}.
@@ -111,10 +112,10 @@ class StoredResponse:
         """
         self.emitted += 1
         kind = event.get("type")
-        if kind in ("response.created", "response.in_progress"):
-            self.status = "in_progress"
-        elif kind in ("response.completed", "response.incomplete", "response.failed"):
+        if kind in ("response.completed", "response.incomplete", "response.failed"):
             self.status = kind.split(".", 1)[1]
+        elif kind not in ("response.created", "response.queued"):
+            self.status = "in_progress"
         for send, _finish in list(self._listeners):
             send(event)
         if self.status not in ACTIVE:
@@ -236,40 +237,29 @@ def listPage(items: list, query: dict) -> dict:
     }
 
 
-def renumber(events: list, first: dict) -> list:
+def backgroundEvents(events: list, responseId: str, body: dict, now: float) -> list:
     """
-    Put C{first} before C{events} and renumber every C{sequence_number} from 0 (a
-    background stream starts with C{response.queued}).
+    The events of a background run: C{response.created} (status C{queued}), then
+    C{response.queued}, then the rest of the planned turn, every C{response} marked
+    C{background: true} and the sequence numbers counted from 0. (The SDK's stream helper,
+    which also replays a background stream from its start, needs C{response.created} first.)
+
+    @param events: the planned turn's events (L{relay.emulator.state.buildTurn}).
     """
+    queued = responseObject(responseId, body, now, "queued", [], None)
+    head = [{"type": "response.created", "response": queued},
+            {"type": "response.queued", "response": queued}]
     out = []
-    for index, event in enumerate([first, *events]):
-        out.append(dict(event, sequence_number=index))
-    return out
-
-
-def queuedEvent(responseId: str, body: dict, now: float) -> dict:
-    """
-    The C{response.queued} event a background stream starts with.
-    """
-    response = responseObject(responseId, body, now, "queued", [], None)
-    response["background"] = True
-    return {"type": "response.queued", "sequence_number": 0, "response": response}
-
-
-def markBackground(events: list) -> list:
-    """
-    The events of a background run, each C{response} marked C{background: true}.
-    """
-    out = []
-    for event in events:
+    for index, event in enumerate([*head, *events[1:]]):
+        event = dict(event, sequence_number=index)
         response = event.get("response")
         if isinstance(response, dict):
-            event = dict(event, response=dict(response, background=True))
+            event["response"] = dict(response, background=True)
         out.append(event)
     return out
 
 
 __all__ = [
-    "ACTIVE", "ResponseStore", "StoredResponse", "inputItemsWithIds", "listPage",
-    "markBackground", "queuedEvent", "renumber",
+    "ACTIVE", "ResponseStore", "StoredResponse", "backgroundEvents", "inputItemsWithIds",
+    "listPage",
 ]
