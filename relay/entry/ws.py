@@ -28,6 +28,7 @@ from twisted.logger import Logger
 from twisted.web.server import NOT_DONE_YET
 
 from relay.engine.errors import previousResponseNotFound
+from relay.entry.annotate import annotateTurn
 from relay.entry.http import UNAUTHORIZED, filterClientHeaders, loadJSON
 from relay.entry.sinks import writeError
 from relay.entry.wssink import WebSocketSink, wsErrorEvent
@@ -95,6 +96,21 @@ def normaliseInput(value) -> list:
     return [value]
 
 
+COMPACTION_TRIGGER = "compaction_trigger"
+"""protocol.md 2.8: the input item that asks for a compaction turn."""
+
+
+def lastCompaction(items: list) -> int:
+    """
+    The index of the last C{compaction} item of a transcript, or 0.
+    """
+    for index in range(len(items) - 1, -1, -1):
+        item = items[index]
+        if isinstance(item, dict) and item.get("type") == "compaction":
+            return index
+    return 0
+
+
 @define(eq=False)
 class ConnectionState:
     """
@@ -144,14 +160,26 @@ class ConnectionState:
     def record(self, previous, inputItems: list, response: dict, accountId=None) -> None:
         """
         A turn completed: extend (or restart, or lose) the transcript.
+
+        R89: a C{compaction_trigger} is used once it was sent, so the
+        transcript never keeps one (a replayed trigger would no longer be
+        the last item, and upstream refuses that); once a C{compaction}
+        item arrived, the transcript restarts from it (it stands for
+        everything before it).
         """
         outputs = [o for o in (response.get("output") or []) if isinstance(o, dict)]
+        inputItems = [i for i in inputItems
+                      if not (isinstance(i, dict) and i.get("type") == COMPACTION_TRIGGER)]
         if not previous:
             self.items = list(inputItems) + outputs
         elif self.expandable(previous):
             self.items = list(self.items) + list(inputItems) + outputs
         else:
             self.items = None
+        if self.items is not None:
+            start = lastCompaction(self.items)
+            if start:
+                self.items = self.items[start:]
         self.lastResponseId = response.get("id") or self.lastResponseId
         if accountId is not None:
             self.accountId = accountId
@@ -444,7 +472,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             self.reject(MSG_ID_MESSAGE, "invalid_value", "previous_response_id")
             return
         self._model = model
-        self._runTurn(frame, model, previous or None)
+        self._runTurn(frame, model, previous or None, payload)
 
     def _modeFor(self, model) -> str:
         """
@@ -465,7 +493,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             return modes.pop()
         return default if default != "off" else "ctx_pool"
 
-    def _runTurn(self, frame: dict, model: str, previous: str | None) -> None:
+    def _runTurn(self, frame: dict, model: str, previous: str | None, raw: bytes = b"") -> None:
         f = self.factory
         state = self._state
         mode = self._modeFor(model)
@@ -497,6 +525,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             preferredAccountId=state.accountId,
             wsContext=state,
         )
+        annotateTurn(turn, raw)  # R89, R90 (relay.entry.annotate)
         if mode == "http_bridge":
             if frame.get("generate") is False:
                 self._prewarm(turn, previous, inputItems)
