@@ -445,6 +445,9 @@ class WebSocketAttempt:
             conn.handshakeCounted = True
             if runner.metrics is not None:
                 runner.metrics.upstreamStatus(101)
+            token = (getattr(conn.proto, "responseHeaders", None) or {}).get("x-codex-turn-state")
+            if token:
+                sessionTurnState(runner, turn, account, token)
         conn.turns += 1
         if turn.cancel.cancelled:
             self._giveBack(conn, mode, broken=False)
@@ -549,6 +552,23 @@ class WebSocketAttempt:
             retry = self._staleRetry(turn, account, conn, result, fresh)
         giveBack(broken=bool(conn.broken or retry))
         return result, retry
+
+
+def sessionTurnState(runner, turn, account, token: str) -> None:
+    """
+    R90 on the WebSocket: the upstream handshake gave this session an
+    C{x-codex-turn-state}. relay's own 101 went out before an account was
+    chosen (R47), so the token is kept for the session
+    (L{relay.scheduling.scheduler.turnStateSessionKey}) and carried on the
+    101 of its next connection; the account that issued it is remembered
+    for the client's replay of it (affinity, like R38).
+    """
+    from relay.scheduling.scheduler import affinityKey, turnStateSessionKey
+
+    scheduler = runner.scheduler
+    scheduler.recordAffinity(affinityKey("turn_state", token), account)
+    if turn.sessionHash:
+        scheduler.recordValue(turnStateSessionKey(turn.sessionHash), token)
 
 
 def _dumps(body: dict) -> bytes:

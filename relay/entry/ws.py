@@ -231,7 +231,36 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         except Exception:
             self._log.failure("accepting a client websocket failed")
             raise
-        return (None, {"X-Request-Id": self._requestId})
+        answer = {"X-Request-Id": self._requestId}
+        if self._key is not None and any(headers.get(h) for h in SESSION_HEADERS):
+            return self._withTurnState(headers, answer)
+        return (None, answer)
+
+    def _withTurnState(self, headers: dict, answer: dict):
+        """
+        R90: the 101 of a session's new connection carries the
+        C{x-codex-turn-state} the upstream gave the session before (its
+        first 101 went out before an account was chosen, R47).
+
+        @return: a Deferred firing with autobahn's C{(protocol, headers)}.
+        """
+        recall = getattr(getattr(self.factory.runner, "scheduler", None), "recallValue", None)
+        if recall is None:
+            return (None, answer)
+        from relay.scheduling.scheduler import turnStateSessionKey
+
+        session = sessionHash(sessionSeed(headers, {}, None), self._key.name)
+        d = recall(turnStateSessionKey(session))
+
+        def carry(token):
+            if token:
+                return (None, {**answer, "x-codex-turn-state": token})
+            return (None, answer)
+
+        d.addCallback(carry)
+        d.addErrback(lambda f: (self._log.failure("recalling a turn state failed", f),
+                                (None, answer))[1])
+        return d
 
     def failHandshake(self, reason: str, code: int = 400, responseHeaders=None) -> None:
         """

@@ -111,6 +111,17 @@ def affinityKey(kind: str, value: str) -> str:
     return f"openai:affinity:{kind}:{_digest(value)}"
 
 
+def turnStateSessionKey(sessionHash: str) -> str:
+    """
+    The store key of the C{x-codex-turn-state} the upstream gave a
+    WebSocket session (R90), carried on the 101 of its next connection.
+
+    @param sessionHash: the session hash (R37) of the client key and the
+        session header.
+    """
+    return f"openai:ws-turn-state:{sessionHash}"
+
+
 class _NoSlot:
     """
     The lease of a request that takes no account slot (an owner-bound
@@ -354,13 +365,32 @@ class AccountScheduler:
         @param key: an L{affinityKey}.
         @return: Deferred firing with L{None}; store errors are logged.
         """
+        return self.recordValue(key, account.id)
+
+    def recordValue(self, key: str, value: str) -> Deferred:
+        """
+        Keep a short string under C{key} for C{previous_response_ttl_seconds}
+        (R39's lifetime), in the store and a bounded local map (fail open,
+        R35): an affinity record, or the turn-state token the upstream gave
+        a WebSocket session (R90, L{turnStateSessionKey}).
+
+        @return: Deferred firing with L{None}; store errors are logged.
+        """
         ttl = self._settings.current.scheduling.previous_response_ttl_seconds
         owners = self._localAffinity
         owners.pop(key, None)
-        owners[key] = (account.id, self._clock.seconds() + ttl)
+        owners[key] = (value, self._clock.seconds() + ttl)
         while len(owners) > LOCAL_OWNER_CAPACITY:
             owners.popitem(last=False)
-        return eagerDeferred(self._write("setValue", key, account.id, ttl))
+        return eagerDeferred(self._write("setValue", key, value, ttl))
+
+    def recallValue(self, key: str) -> Deferred:
+        """
+        What L{recordValue} kept under C{key}: the store, then the local map.
+
+        @return: Deferred firing with the string, or L{None}.
+        """
+        return eagerDeferred(self._affinityOwner(key))
 
     def claimOnce(self, key: str, ttl: float) -> Deferred:
         """
