@@ -330,8 +330,12 @@ class WebSocketAttempt:
     async def _bridge(self, runner, turn, sink, account, release, ctx) -> AttemptResult:
         """
         R52: one upstream HTTP request; the body is the turn with its chain
-        expanded from this connection's own turns (R77).
+        expanded from this connection's own turns (R77). A prewarm
+        (C{generate: false}) is answered here, never sent: HTTP has no
+        C{generate} and would bill a generation (R53, R93).
         """
+        if turn.body.get("generate") is False:
+            return localPrewarm(runner, turn, sink, account, release)
         if turn.previousResponseId:
             body = ctx.expandedBody(turn) if ctx is not None else None
             if body is None:
@@ -619,6 +623,36 @@ class WebSocketAttempt:
             retry = self._staleRetry(turn, account, conn, result, fresh)
         giveBack(broken=bool(conn.broken or retry))
         return result, retry
+
+
+def localPrewarm(runner, turn, sink, account, release) -> AttemptResult:
+    """
+    R53, R93: a prewarm on an account bridged to HTTP: C{response.created},
+    then C{response.completed} with empty output and a relay-minted id a
+    later turn may chain to (the connection's transcript records the
+    prewarm's input); no upstream request, so nothing is billed.
+    """
+    import os
+
+    rid = "resp_" + os.urandom(12).hex()
+    response = {"id": rid, "object": "response", "created_at": int(runner.clock.seconds()),
+                "status": "in_progress", "model": turn.model, "output": []}
+    done = dict(response, status="completed",
+                usage={"input_tokens": 0, "output_tokens": 0, "total_tokens": 0})
+    runner.firstOutput(turn)
+    sink.commit({})
+    sink.writeEvent(eventFromJSON(_dumps(
+        {"type": "response.created", "sequence_number": 0, "response": response})))
+    release()
+    owned = runner.ownResponse(turn, account, rid)
+    sink.writeEvent(eventFromJSON(_dumps(
+        {"type": "response.completed", "sequence_number": 1, "response": done})))
+    WebSocketAttempt._log.info(
+        "answered a prewarm locally with {response_id} (account {account_id} is bridged to HTTP)",
+        event="ingress_ws_http_bridge_prewarm", response_id=rid, account_id=account.id,
+        request_id=turn.requestId,
+    )
+    return AttemptResult(end=ends.Completed(rid), committed=True, status=200, ownerRecorded=owned)
 
 
 def sessionTurnState(runner, turn, account, token: str) -> None:
