@@ -18,9 +18,9 @@ from relay.engine import requests as R
 from relay.engine.catalog import CaptureSink, ModelCatalog
 from relay.engine.compaction import (
     CompactionWatch,
-    compactShape,
     compactionKeys,
     compactionTurnBody,
+    compactShape,
     endsWithTrigger,
 )
 from relay.engine.payload import isEmptyCompleted

@@ -63,7 +63,8 @@ class RoutingTests(SynchronousTestCase):
             {"resp_a": ("a1", "alice"), "resp_o": ("o1", "alice")},
             [account("a1"), account("o1", "oauth")])
         self.runner = RecordingRunner(self.scheduler)
-        root = buildRoot(self.runner, KeyRing([ALICE, BOB]), [account("a1"), account("o1", "oauth")])
+        accounts = [account("a1"), account("o1", "oauth")]
+        root = buildRoot(self.runner, KeyRing([ALICE, BOB]), accounts)
         self.treq = StubTreq(root)
 
     def call(self, method, path, body=None, key="sk-alice", headers=None):

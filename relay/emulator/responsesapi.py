@@ -27,6 +27,7 @@ from typing import Any
 
 from twisted.web.server import NOT_DONE_YET
 
+from relay.emulator.sealing import seal
 from relay.emulator.state import (
     HTTP,
     estimateTokens,
@@ -36,12 +37,11 @@ from relay.emulator.state import (
     sseFrame,
     usageFor,
 )
-from relay.emulator.sealing import seal
 from relay.emulator.stored import (
     ACTIVE,
     StoredResponse,
-    inputItemsWithIds,
     backgroundEvents,
+    inputItemsWithIds,
     listPage,
 )
 from relay.emulator.stream import EventPump

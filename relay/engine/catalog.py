@@ -199,8 +199,9 @@ class ModelCatalog:
         """
         The manifest's models that some account serves (after mapping).
         """
+        accounts = list(self.accounts)
         models = [m for m in manifest.get("models") or []
-                  if isinstance(m, dict) and any(a.servesModel(m.get("slug")) for a in self.accounts)]
+                  if isinstance(m, dict) and any(a.servesModel(m.get("slug")) for a in accounts)]
         return {**manifest, "models": models}
 
     # -- the plain list -----------------------------------------------------------

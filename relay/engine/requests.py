@@ -412,5 +412,6 @@ class _EventTap(UsageTap):
 
 __all__ = [
     "RequestKind", "compactRequest", "countUsage", "forwardAttempt", "inputTokensRequest",
-    "manifestRequest", "modelsRequest", "onceUsageTap", "ownedRequest", "requestFinished", "upstreamError",
+    "manifestRequest", "modelsRequest", "onceUsageTap", "ownedRequest", "requestFinished",
+    "upstreamError",
 ]

@@ -47,7 +47,8 @@ def named(*pairs):
 
 
 def bodies(stack, credential):
-    return [r.body for r in stack.emulator.requestsFor(credential) if r.kind in ("request", "frame")]
+    return [r.body for r in stack.emulator.requestsFor(credential)
+            if r.kind in ("request", "frame")]
 
 
 @pytest.mark.parametrize("mode", ["ctx_pool", "passthrough", "http_bridge"])

@@ -13,7 +13,7 @@ import json
 import pytest_twisted
 import treq
 
-from tests.integration.harness import RELAY_KEY, sseEvents, startStack
+from tests.integration.harness import RELAY_KEY, startStack
 
 MODEL = "gpt-5.5"
 OTHER_KEY = "sk-relay-other"
@@ -117,8 +117,9 @@ async def test_compact_fails_over_and_4xx_passes_after_one_attempt():
         assert response.code == 200, content
         assert len(stack.emulator.requestsFor("sk-emu-good", "request")) == 1
         stack.emulator.clearRequests()
-        refusal = {"error": {"message": "Invalid 'input': bad item.", "type": "invalid_request_error",
-                             "code": "invalid_value", "param": "input"}}
+        refusal = {"error": {"message": "Invalid 'input': bad item.",
+                             "type": "invalid_request_error", "code": "invalid_value",
+                             "param": "input"}}
         stack.emulator.setFault("sk-emu-bad", {"kind": "status", "code": 400, "body": refusal,
                                                "times": 1})
         response, content = await call(stack, "POST", "/v1/responses/compact",
@@ -157,7 +158,8 @@ async def test_retrieve_delete_input_items_go_to_the_owner_for_its_key():
         assert response.code == 200, content
         assert [i["content"][0]["text"] for i in parsed(content)["data"]] == ["a", "b"]
         for key in (OTHER_KEY,):
-            for method, path in (("GET", f"/v1/responses/{rid}"), ("DELETE", f"/v1/responses/{rid}"),
+            for method, path in (("GET", f"/v1/responses/{rid}"),
+                                 ("DELETE", f"/v1/responses/{rid}"),
                                  ("GET", f"/v1/responses/{rid}/input_items"),
                                  ("POST", f"/v1/responses/{rid}/cancel")):
                 response, content = await call(stack, method, path, key=key)

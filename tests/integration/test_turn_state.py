@@ -3,13 +3,11 @@ The turn-state token round trip (issue 20; behaviour.md R90; protocol.md
 4.1, 7.2) through a real relay to the emulator's OAuth route on loopback.
 """
 
-import json
 import uuid
 
 import pytest_twisted
-import treq
 
-from tests.integration.harness import RELAY_KEY, sseEvents, startStack
+from tests.integration.harness import sseEvents, startStack
 from tests.integration.test_ws_turns import connect, drain, userTurn
 
 MODEL = "gpt-5.5"
