@@ -171,7 +171,13 @@ async def _readJSON(runner, turn, sink, account, response, release, rewrite) -> 
         body = rewrite(Event(b"", body)).data
     counts = fromBody(parsed)
     if counts is not None:
-        runner.recordUsage(turn, account, counts)
+        if turn.background:
+            # R88: once per background response, whoever sees it first.
+            from relay.engine.requests import countBackgroundOnce
+
+            countBackgroundOnce(runner, turn, account, dict(parsed, background=True), counts)
+        else:
+            runner.recordUsage(turn, account, counts)
     release()
     runner.firstOutput(turn)
     responseId = parsed.get("id")
