@@ -148,6 +148,19 @@ class RoutingTests(SynchronousTestCase):
         self.assertEqual(compact.compactionItems, [])
         self.assertIsNotNone(compact.sessionHash)
 
+    def test_compactOfAChain(self):
+        """
+        A compaction of a chain carries its C{previous_response_id} into
+        selection (it goes where the chain lives, R40-R42); a bad one is 400.
+        """
+        self.call("POST", "/v1/responses/compact",
+                  {"model": "gpt-5.5", "previous_response_id": "resp_a"})
+        self.assertEqual(self.runner.turns[-1].previousResponseId, "resp_a")
+        for bad in ("", 7):
+            status, _ = self.call("POST", "/v1/responses/compact",
+                                  {"model": "gpt-5.5", "previous_response_id": bad})
+            self.assertEqual(status, 400)
+
     def test_compactNeedsAModel(self):
         status, body = self.call("POST", "/v1/responses/compact", {"input": "x"})
         self.assertEqual((status, body["error"]["param"]), (400, "model"))

@@ -185,12 +185,21 @@ class ResponsesResource(Resource):
             writeError(request, badRequest("you must provide a model parameter", param="model"))
             return NOT_DONE_YET
         body.pop("stream", None)  # unary routes: a stream flag means nothing here
+        previous = body.get("previous_response_id")
+        if previous is not None and (not isinstance(previous, str) or not previous):
+            writeError(request, invalidType("previous_response_id", "a string", previous)
+                       if not isinstance(previous, str) else badRequest(
+                           "previous_response_id must not be empty",
+                           param="previous_response_id", code="invalid_value"))
+            return NOT_DONE_YET
         headers = clientHeaders(request)
         kind = R.compactRequest() if which == COMPACT else R.inputTokensRequest()
         turn = Turn(
             entrypoint="http", endpoint="responses", client=key, model=model or None,
             body=body, stream=False, headers=headers,
             sessionHash=sessionHash(sessionSeed(headers, body, model), key.name),
+            # A compaction of a chain goes where the chain lives (R40-R42).
+            previousResponseId=previous if which == COMPACT else None,
             requestId=requestIdOf(request), request=kind,
         )
         annotateTurn(turn, raw or b"")
