@@ -182,13 +182,13 @@ class AnnotateTests(SynchronousTestCase):
         body = {"input": [item]}
         turn = Turn(entrypoint="http", endpoint="responses", client=ALICE, model="m", body=body,
                     stream=False, headers={"x-codex-turn-state": "ts_1"})
-        annotateTurn(turn, json.dumps(body).encode())
+        annotateTurn(turn)
         self.assertEqual(turn.affinity, (
             ("compaction", affinityKey("compaction", "E")),
             ("turn_state", affinityKey("turn_state", "ts_1"))))
         plain = Turn(entrypoint="ws", endpoint="responses", client=ALICE, model="m",
                      body={"input": [], "background": True}, stream=True)
-        annotateTurn(plain, b'{"input": []}')
+        annotateTurn(plain)
         self.assertEqual((plain.affinity, plain.background), ((), False))
 
 

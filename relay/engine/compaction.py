@@ -62,15 +62,15 @@ def compactionKeys(items) -> tuple:
     """
     from relay.scheduling.scheduler import affinityKey
 
-    out = []
-    if not isinstance(items, list):
+    if type(items) is not list:
         return ()
+    out = ()
     for item in items:
-        if isinstance(item, dict) and item.get("type") == "compaction":
+        if type(item) is dict and item.get("type") == "compaction":
             content = item.get("encrypted_content")
             if isinstance(content, str) and content:
-                out.append(("compaction", affinityKey("compaction", content)))
-    return tuple(out)
+                out += (("compaction", affinityKey("compaction", content)),)
+    return out
 
 
 class CompactionWatch:

@@ -12,28 +12,20 @@ from relay.engine.compaction import compactionKeys
 from relay.model import Turn
 from relay.scheduling.scheduler import affinityKey
 
-_COMPACTION_MARK = b'"compaction"'
-"""Cheap test of a raw body for C{compaction} items (R89): only bodies that
-hold the word pay for the scan of their input."""
-
-
-def annotateTurn(turn: Turn, raw: bytes) -> None:
+def annotateTurn(turn: Turn) -> None:
     """
     What a Responses turn (or compact request) carries for R88-R90: a
     background create (C{background: true}, HTTP only); the affinity of the
-    C{compaction} items in its input (R89; only bodies that hold the word
-    are scanned) and of its C{x-codex-turn-state} (R90, a header of the
-    request or of the WebSocket upgrade).
+    C{compaction} items in its input (R89; one type check per item, a
+    fraction of the body's parse) and of its C{x-codex-turn-state} (R90, a
+    header of the request or of the WebSocket upgrade).
 
     @param turn: the L{Turn}, its C{headers} and C{body} set.
-    @param raw: the request body (or WebSocket frame) as it came.
     """
     body = turn.body
     if turn.entrypoint == "http" and body.get("background") is True:
         turn.background = True
-    affinity = ()
-    if _COMPACTION_MARK in raw:
-        affinity = compactionKeys(body.get("input"))
+    affinity = compactionKeys(body.get("input"))
     token = turn.headers.get("x-codex-turn-state")
     if token:
         affinity += (("turn_state", affinityKey("turn_state", token)),)

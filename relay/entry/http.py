@@ -361,7 +361,7 @@ class TurnResource(Resource):
         sinkType = SSESink if stream else JSONSink
         sink = sinkType(request, self._endpoint, model)
         if self._endpoint == "responses":
-            annotateTurn(turn, raw)  # R88-R90 (relay.entry.annotate)
+            annotateTurn(turn)  # R88-R90 (relay.entry.annotate)
         request.notifyFinish().addErrback(lambda f: turn.cancel.cancel("client_gone"))
         self._runner.run(turn, sink)
         return NOT_DONE_YET

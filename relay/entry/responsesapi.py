@@ -173,7 +173,7 @@ class ResponsesResource(Resource):
         C{compact} or C{input_tokens}: selected like a turn (the model,
         the session, R89's compaction owner), admitted, classified.
         """
-        body, raw, error = readBody(request)
+        body, _, error = readBody(request)
         if error is not None:
             writeError(request, error)
             return NOT_DONE_YET
@@ -202,7 +202,7 @@ class ResponsesResource(Resource):
             previousResponseId=previous if which == COMPACT else None,
             requestId=requestIdOf(request), request=kind,
         )
-        annotateTurn(turn, raw or b"")
+        annotateTurn(turn)
         turn.background = False
         if which == COMPACT:
             turn.compactionItems = []

@@ -501,7 +501,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             self.reject(MSG_ID_MESSAGE, "invalid_value", "previous_response_id")
             return
         self._model = model
-        self._runTurn(frame, model, previous or None, payload)
+        self._runTurn(frame, model, previous or None)
 
     def _modeFor(self, model) -> str:
         """
@@ -522,7 +522,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             return modes.pop()
         return default if default != "off" else "ctx_pool"
 
-    def _runTurn(self, frame: dict, model: str, previous: str | None, raw: bytes = b"") -> None:
+    def _runTurn(self, frame: dict, model: str, previous: str | None) -> None:
         f = self.factory
         state = self._state
         mode = self._modeFor(model)
@@ -554,7 +554,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             preferredAccountId=state.accountId,
             wsContext=state,
         )
-        annotateTurn(turn, raw)  # R89, R90 (relay.entry.annotate)
+        annotateTurn(turn)  # R89, R90 (relay.entry.annotate)
         if mode == "http_bridge":
             if frame.get("generate") is False:
                 self._prewarm(turn, previous, inputItems)
