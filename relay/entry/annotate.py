@@ -12,6 +12,7 @@ from relay.engine.compaction import compactionKeys
 from relay.model import Turn
 from relay.scheduling.scheduler import affinityKey
 
+
 def annotateTurn(turn: Turn) -> None:
     """
     What a Responses turn (or compact request) carries for R88-R90: a
