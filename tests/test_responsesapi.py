@@ -192,6 +192,24 @@ class AnnotateTests(SynchronousTestCase):
         self.assertEqual((plain.affinity, plain.background), ((), False))
 
 
+    def test_usedTriggersDropped(self):
+        """
+        R89: a trigger passes upstream only as the last input item; one the
+        client replayed earlier in the input is dropped, the last one kept.
+        """
+        trigger = {"type": "compaction_trigger"}
+        user = {"type": "message", "role": "user", "content": "x"}
+        for given, kept in (([user, trigger, user], [user, user]),
+                            ([user, trigger, user, trigger], [user, user, trigger]),
+                            ([user, trigger], [user, trigger])):
+            body = {"input": given}
+            turn = Turn(entrypoint="http", endpoint="responses", client=ALICE, model="m",
+                        body=body, stream=False)
+            annotateTurn(turn)
+            self.assertEqual(turn.body["input"], kept)
+            self.assertEqual(body["input"], given)  # the client's body is not changed
+
+
 class ModelsTests(SynchronousTestCase):
     def test_keyAndETag(self):
         """

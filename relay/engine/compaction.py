@@ -50,6 +50,46 @@ def endsWithTrigger(body: dict) -> bool:
     return isinstance(last, dict) and last.get("type") == COMPACTION_TRIGGER
 
 
+def inputFacts(items) -> tuple:
+    """
+    One pass over a turn's input for R89: the affinity keys of its
+    C{compaction} items (L{compactionKeys}) and whether a
+    C{compaction_trigger} sits anywhere but last (a used one the client
+    replayed; upstream refuses it there).
+
+    @return: C{(keys, misplaced)}.
+    """
+    if type(items) is not list:
+        return (), False
+    from relay.scheduling.scheduler import affinityKey
+
+    keys = ()
+    misplaced = False
+    last = len(items) - 1
+    for index, item in enumerate(items):
+        if type(item) is not dict:
+            continue
+        kind = item.get("type")
+        if kind == "compaction":
+            content = item.get("encrypted_content")
+            if isinstance(content, str) and content:
+                keys += (("compaction", affinityKey("compaction", content)),)
+        elif kind == COMPACTION_TRIGGER and index != last:
+            misplaced = True
+    return keys, misplaced
+
+
+def withoutUsedTriggers(items: list) -> list:
+    """
+    R89: the input with every C{compaction_trigger} but a last one removed
+    (a trigger passes upstream only as the last item of its turn).
+    """
+    last = len(items) - 1
+    return [item for index, item in enumerate(items)
+            if not (type(item) is dict and item.get("type") == COMPACTION_TRIGGER
+                    and index != last)]
+
+
 def compactionKeys(items) -> tuple:
     """
     R89: the affinity keys of the C{compaction} items a turn carries (the
@@ -272,5 +312,6 @@ async def oauthCompactAttempt(runner, turn: Turn, sink, account, release) -> Att
 
 __all__ = [
     "CompactSink", "CompactionWatch", "compactShape", "compactionKeys", "compactionTurnBody",
-    "endsWithTrigger", "oauthCompactAttempt", "recordCompaction",
+    "endsWithTrigger", "inputFacts", "oauthCompactAttempt", "recordCompaction",
+    "withoutUsedTriggers",
 ]

@@ -555,6 +555,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             wsContext=state,
         )
         annotateTurn(turn)  # R89, R90 (relay.entry.annotate)
+        body = turn.body
         if mode == "http_bridge":
             if frame.get("generate") is False:
                 self._prewarm(turn, previous, inputItems)

@@ -169,3 +169,31 @@ async def test_compaction_item_is_never_dropped_to_fit_another_account():
             ["reasoning", "compaction", "message"], ["compaction", "message"]]
     finally:
         await stack.stop()
+
+
+@pytest.mark.parametrize("entrypoint", ["http", "ctx_pool", "http_bridge"])
+@pytest_twisted.ensureDeferred
+async def test_a_replayed_trigger_never_goes_upstream(entrypoint):
+    """
+    R89: a client that replays a used trigger (not the last item) gets its
+    turn served; the trigger does not go upstream (where it would be
+    refused).
+    """
+    mode = "ctx_pool" if entrypoint == "http" else entrypoint
+    stack = await startStack([{"id": "a1", "credential": "sk-a1"}], gateway=gateway(mode))
+    clients = []
+    try:
+        items = [user("before"), TRIGGER, user("after")]
+        if entrypoint == "http":
+            response, data = await stack.postJSON("/v1/responses", {"model": MODEL,
+                                                                    "input": items})
+            assert response.code == 200, data
+        else:
+            client = await connect(stack)
+            clients.append(client)
+            events = await client.turn(frame(items))
+            assert events[-1]["type"] == "response.completed", events
+        (sent,) = bodies(stack, "sk-a1")
+        assert [i["type"] for i in sent["input"]] == ["message", "message"]
+    finally:
+        await drain(stack, clients)
