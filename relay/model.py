@@ -567,6 +567,18 @@ class Turn:
     @ivar upstreamRequestId: the current attempt's upstream C{x-request-id}
         (L{None} before its headers or when it sent none), set by the
         engine and logged as C{upstream_request_id} (issue 15).
+    @ivar request: for a request that is not a turn (behaviour.md R87:
+        compact, retrieve, delete, input items, cancel, input tokens,
+        models), its L{relay.engine.requests.RequestKind}; L{None} for a
+        turn.
+    @ivar background: a C{background: true} create (R88): API-key accounts
+        only, owner recorded at its first event, usage counted once.
+    @ivar compactionItems: for a compaction turn (its last input item is
+        C{compaction_trigger}, R89), the C{compaction} items it produced,
+        filled by the engine; L{None} for other turns.
+    @ivar affinity: C{(layer, store key)} pairs whose recorded account the
+        turn prefers (R89: the account that produced a C{compaction} item
+        it carries; R90: the account that issued its C{x-codex-turn-state}).
     """
 
     entrypoint: str
@@ -596,6 +608,10 @@ class Turn:
     """The client's IP address, for the request log (issue 22)."""
     userAgent: Optional[str] = None
     """The client's C{User-Agent}, for the request log (issue 22)."""
+    request: Any = None
+    background: bool = False
+    compactionItems: Optional[list] = None
+    affinity: tuple = ()
 
 
 # ---------------------------------------------------------------------------

@@ -504,14 +504,17 @@ class ModelsListTests(SynchronousTestCase):
     """
 
     def test_models(self):
-        from relay.entry.http import KeyRing, ModelsResource
+        from relay.engine.catalog import ModelCatalog
+        from relay.entry.http import KeyRing
+        from relay.entry.models import ModelsResource
         from tests.test_admin import makeRequest, render
 
         rig = TenantsRig([account("pro", models=("gpt-5.5", "o3")),
                           account("c1", models=("gpt-5.4", "o3"))], groups={"g": ("c1",)})
         keys = [key("all"), key("grouped", group="g"), key("listed", models=("o3", "nope")),
                 key("denied", deny_models=("o3",))]
-        resource = ModelsResource(KeyRing(keys), rig.live.accounts, rig.runner)
+        resource = ModelsResource(
+            KeyRing(keys), ModelCatalog(runner=rig.runner, accounts=rig.live.accounts))
         listed = {}
         for client in keys:
             request = makeRequest("", key=client.key)

@@ -13,9 +13,19 @@ It serves, on one port (plain TCP or TLS):
     the terminal event carries C{output: []} (the items are only in the
     C{response.output_item.done} events; script C{completed_output} changes that), and
     nothing is stored);
+  - compaction turns (the last input item is C{compaction_trigger}: one C{compaction} item
+    whose C{encrypted_content} only the producing account can open; a misplaced trigger or
+    another account's compaction / encrypted reasoning item is refused with 400), and the
+    routes beyond the turn (L{relay.emulator.responsesapi}): C{POST /v1/responses/compact},
+    C{POST /v1/responses/input_tokens}, stored and C{background: true} responses
+    (C{GET}/C{DELETE /v1/responses/{id}}, C{?stream=true&starting_after=N}, C{GET …/input_items},
+    C{POST …/cancel}; L{relay.emulator.stored}) on the API-key route; on the OAuth route
+    C{/responses/compact} is retired (404) and nothing is stored; the OAuth route answers
+    with C{x-codex-turn-state} on HTTP and on the WebSocket 101;
   - the Responses WebSocket on C{GET} of the same paths with C{Upgrade: websocket};
   - C{POST /v1/chat/completions} (and C{/chat/completions});
-  - C{GET /v1/models} (and C{/models}, C{/backend-api/codex/models});
+  - C{GET /v1/models} (and C{/models}); C{GET /backend-api/codex/models?client_version=...}
+    is the Codex models manifest with an C{ETag} (C{If-None-Match} answered 304);
   - C{POST /oauth/token} and C{GET /backend-api/wham/usage} for C{type: oauth} accounts (JWT
     access tokens with C{exp} and the account claim, single-use refresh tokens, token faults,
     usage windows in C{x-codex-*} headers and C{codex.rate_limits} events): see
@@ -37,7 +47,9 @@ It serves, on one port (plain TCP or TLS):
       C{PUT|DELETE /_emulator/oauth/faults/<name>}, C{POST /_emulator/oauth/release};
     - C{GET|PUT|DELETE /_emulator/chaos}: seeded random faults (chaos mode);
     - C{GET /_emulator/turns}: requests and generations per client turn (the turn ledger);
-      C{DELETE} forgets it. Both are described in L{relay.emulator.chaos}.
+      C{DELETE} forgets it. Both are described in L{relay.emulator.chaos};
+    - C{GET /_emulator/generations}: C{{"total": n, "by_account": {name: n}}}, every
+      generation with or without a turn key (sub-routes never add to it).
 
 An account is identified by its credential, the C{Authorization: Bearer} token.  Unknown
 credentials are served as anonymous accounts named C{key-<sha256 prefix>} when C{accept_any}
@@ -50,6 +62,7 @@ The script and fault formats are documented in L{relay.emulator.state}.  The con
     listen: "tcp:9090:interface=127.0.0.1"
     accept_any: true
     ws_max_age: 3600            # seconds; older WebSockets get websocket_connection_limit_reached
+    ws_max_frame_bytes: 67108864  # a bigger client frame is closed 1009 (frame too big)
     models: [gpt-5.5]
     default_script: {text: "...", tool_call: {...}}
     default_fault: null

@@ -239,9 +239,13 @@ class TurnLedger:
 
     @ivar turns: key -> C{{"requests": [[time, name, transport]], "generations":
         [[time, name]]}}, oldest key first.
+    @ivar total: every generation, with or without a turn key (never forgotten by the bound).
+    @ivar byAccount: account name -> its generations, with or without a turn key.
     """
 
     turns: OrderedDict = field(factory=OrderedDict)
+    total: int = 0
+    byAccount: dict = field(factory=dict)
     _sequence: int = 0
 
     def _next(self) -> TurnDraw:
@@ -290,6 +294,8 @@ class TurnLedger:
         @param name: the account's name.
         @param now: Unix seconds.
         """
+        self.total += 1
+        self.byAccount[name] = self.byAccount.get(name, 0) + 1
         if draw is None or draw.key is None:
             return
         entry = self.turns.get(draw.key)
@@ -302,6 +308,8 @@ class TurnLedger:
         """
         self.turns.clear()
         self._sequence = 0
+        self.total = 0
+        self.byAccount.clear()
 
     def toJSON(self) -> dict:
         """

@@ -28,11 +28,12 @@ from relay.emulator.state import (
     parseFaults,
     parseScript,
 )
+from relay.emulator.stored import ResponseStore
 from relay.emulator.ws import buildFactory
 
 CONFIG_KEYS = frozenset(
     {"listen", "accept_any", "ws_max_age", "models", "default_script", "default_fault",
-     "accounts", "oauth", "chaos"}
+     "accounts", "oauth", "chaos", "ws_max_frame_bytes"}
 )
 """The keys an emulator configuration may have."""
 
@@ -111,6 +112,9 @@ def validateConfig(config: dict) -> dict:
     age = config.get("ws_max_age", 3600)
     if not isinstance(age, (int, float)) or age <= 0:
         raise EmulatorConfigError("ws_max_age must be a positive number of seconds")
+    frame = config.get("ws_max_frame_bytes", 64 * 2**20)
+    if isinstance(frame, bool) or not isinstance(frame, int) or frame <= 0:
+        raise EmulatorConfigError("ws_max_frame_bytes must be a positive integer")
     return config
 
 
@@ -132,6 +136,9 @@ class Emulator:
     @ivar oauth: the token issuer and usage meter (L{relay.emulator.oauth}).
     @ivar chaos: the seeded random faults in force (L{relay.emulator.chaos}), or L{None}.
     @ivar ledger: requests and generations per client turn (L{relay.emulator.chaos}).
+    @ivar responses: the stored and background responses (L{relay.emulator.stored}).
+    @ivar wsMaxFrameBytes: the largest client WebSocket frame; a bigger one is closed 1009
+        (C{ws_max_frame_bytes}, default 64 MiB), as upstream closes a frame too big.
     """
 
     _log = Logger()
@@ -147,6 +154,8 @@ class Emulator:
     oauth: OAuthAuthority = field(init=False)
     chaos: ChaosPlan | None = field(init=False, default=None)
     ledger: TurnLedger = field(init=False, factory=TurnLedger)
+    responses: ResponseStore = field(init=False, factory=ResponseStore)
+    wsMaxFrameBytes: int = field(init=False, default=64 * 2**20)
     _secure: bool = field(init=False, default=False)
     _held: set = field(init=False, factory=set)
     _connections: set = field(init=False, factory=set)
@@ -161,6 +170,7 @@ class Emulator:
         self.state = EmulatorState(clock=self.reactor,
                                    acceptAny=bool(config.get("accept_any", True)))
         self.wsMaxAge = float(config.get("ws_max_age", 3600))
+        self.wsMaxFrameBytes = int(config.get("ws_max_frame_bytes", 64 * 2**20))
         self.models = tuple(config.get("models") or DEFAULT_MODELS)
         oauth = config.get("oauth") or {}
         self.oauth = OAuthAuthority(
@@ -353,6 +363,17 @@ class Emulator:
         Note that a request's answer was delivered whole (a generation).
         """
         self.ledger.generated(draw, self.state.nameOf(credential), self.reactor.seconds())
+
+    def generationCount(self, credentialOrName: str | None = None) -> int:
+        """
+        How many generations the emulator delivered (with or without a turn key): in all, or
+        of one account. Sub-routes (compact, retrieve, cancel, ...) never add to it.
+
+        @param credentialOrName: a credential or account name, or L{None} for all.
+        """
+        if credentialOrName is None:
+            return self.ledger.total
+        return self.ledger.byAccount.get(self.state.nameOf(self.state.resolve(credentialOrName)), 0)
 
     def setScript(self, credential: str, script: dict | None) -> None:
         """

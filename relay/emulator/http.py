@@ -26,11 +26,13 @@ from relay.emulator.state import (
     buildTurn,
     chatChunks,
     chooseReply,
+    inputError,
     invalidKeyBody,
     normaliseInput,
     previousNotFoundError,
     sseFrame,
 )
+from relay.emulator.responsesapi import ResponsesAPIMixin, manifestETag, modelsManifest
 from relay.emulator.stream import EventPump, TurnTracker, stallOf
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -144,6 +146,22 @@ def dropConnection(request: Any) -> None:
         transport.loseConnection()
 
 
+def turnStateFor(request: Any) -> str:
+    """
+    The C{x-codex-turn-state} the OAuth route answers with: the client's own (Codex replays it
+    within a turn), else a fresh token.
+
+    @param request: a twisted.web request, or autobahn's C{ConnectionRequest}.
+    """
+    headers = getattr(request, "headers", None)
+    if isinstance(headers, dict):
+        given = headers.get("x-codex-turn-state")
+    else:
+        raw = request.getHeader(b"x-codex-turn-state")
+        given = raw.decode("latin-1") if isinstance(raw, bytes) else raw
+    return given or "ts_" + secrets.token_hex(12)
+
+
 def breakAfter(fault: Fault | None) -> tuple[int | None, bool]:
     """
     Where a C{cut_after_events} or C{end_after_events} fault breaks a stream off.
@@ -175,7 +193,7 @@ def streamErrorBody(fault: Fault) -> dict:
         "type": "server_error", "code": fault.get("code", "server_error"), "param": None}}
 
 
-class EmulatorResource(Resource):
+class EmulatorResource(ResponsesAPIMixin, Resource):
     """
     The single leaf resource of the emulator site.
 
@@ -332,6 +350,10 @@ class EmulatorResource(Resource):
                     "message": "WebSocket upgrade required (Upgrade: websocket)"}})
             return self._json(request, 405, {"error": {"type": "invalid_request_error",
                                                        "message": "Method not allowed"}})
+        for prefix in APIKEY_RESPONSES + OAUTH_RESPONSES:
+            if path.startswith(prefix + "/"):
+                route = "oauth" if prefix in OAUTH_RESPONSES else "apikey"
+                return self._subRoute(request, route, path[len(prefix) + 1:].split("/"))
         if path == TOKEN:
             if method != b"POST":
                 return self._json(request, 405, {"error": "invalid_request",
@@ -364,8 +386,15 @@ class EmulatorResource(Resource):
             return self._json(request, 401, invalidKeyBody())
         created = int(self.emulator.clock.seconds())
         if request.path.startswith(b"/backend-api"):
-            return self._json(request, 200, {"models": [
-                {"slug": m, "display_name": m} for m in self.emulator.models]})
+            # The Codex models manifest (protocol.md 7.2) with its ETag; a matching
+            # If-None-Match is answered 304 without a body (behaviour.md R92).
+            manifest = modelsManifest(self.emulator.models)
+            etag = manifestETag(manifest)
+            if request.getHeader(b"if-none-match") == etag.encode():
+                request.setResponseCode(304)
+                request.setHeader(b"etag", etag.encode())
+                return b""
+            return self._json(request, 200, manifest, {"etag": etag})
         return self._json(request, 200, {"object": "list", "data": [
             {"id": m, "object": "model", "created": created, "owned_by": "openai"}
             for m in self.emulator.models]})
@@ -501,13 +530,20 @@ class EmulatorResource(Resource):
             return self._hangAfterHeaders(request, credential, stream)
         previous = body.get("previous_response_id")
         if previous and not (route == "apikey"
-                             and self._state.hasResponse(credential, previous)):
+                             and self.emulator.responses.get(credential, previous) is not None):
             return self._json(request, 400, {"error": previousNotFoundError(previous)})
+        background = body.get("background") is True
+        if background and route == "oauth":
+            return self._json(request, 400, {"detail": "Unsupported parameter: background"})
+        items = normaliseInput(body.get("input"))
+        refused = inputError(items, self._state.nameOf(credential))
+        if refused is not None:
+            return self._json(request, 400, {"error": refused})
         script = self._state.scriptFor(credential)
         reply = None
         if body.get("generate") is not False:
-            reply = chooseReply(script, normaliseInput(body.get("input")),
-                                self._state.nameOf(credential), body.get("model") or "")
+            reply = chooseReply(script, items, self._state.nameOf(credential),
+                                body.get("model") or "", body.get("include"))
         if not stream and fault is not None and fault.kind == "stream_error":
             return self._json(request, 500, streamErrorBody(fault))
         shaping = fault if fault is not None and fault.kind in (
@@ -516,11 +552,14 @@ class EmulatorResource(Resource):
             == "empty"
         turn = buildTurn(body, reply, self.emulator.clock.seconds(), shaping, script.deltas,
                          script.argumentDeltas, emptyOutput, script.usage)
-        if route == "apikey" and body.get("store") is not False:
-            self._state.storeResponse(credential, turn.responseId)
+        if route == "apikey" and body.get("store") is not False and not background:
+            self._keep(credential, turn, body)
         if route == "oauth":
             for name, value in self.emulator.oauth.usageHeaders(credential).items():
                 request.setHeader(name.encode(), value.encode())
+            # The sticky-routing token (protocol.md 4.1, behaviour.md R90): the client's own
+            # within a turn, else a fresh one.
+            request.setHeader(b"x-codex-turn-state", turnStateFor(request).encode())
         self.emulator.oauth.served(credential, (turn.final.get("usage") or {}).get(
             "total_tokens", 0))
         tracker = TurnTracker(self._state, credential)
@@ -533,6 +572,9 @@ class EmulatorResource(Resource):
             def complete() -> None:
                 self.emulator.generated(draw, credential)
 
+        if background:
+            tracker.end()
+            return self._background(request, credential, body, turn, script, stream, complete)
         if not stream:
             # A non-stream answer takes as long as the stream would have.
             generation = script.delay * max(0, len(turn.events) - 1)
@@ -856,6 +898,9 @@ class EmulatorResource(Resource):
                 return self._json(request, 200, {"ok": True})
             if parts == ["turns"] and method == b"GET":
                 return self._json(request, 200, emulator.ledger.toJSON())
+            if parts == ["generations"] and method == b"GET":
+                return self._json(request, 200, {"total": emulator.ledger.total,
+                                                 "by_account": dict(emulator.ledger.byAccount)})
             if parts == ["turns"] and method == b"DELETE":
                 emulator.ledger.clear()
                 return self._json(request, 200, {"ok": True})

@@ -28,7 +28,16 @@ Script format (a JSON object; every key optional)::
      "usage": {"input_tokens": 120,           # pin the reported usage (each key optional;
                "cached_tokens": 100,          # default: estimated from the sizes, no cache,
                "output_tokens": 30,           # no reasoning); reasoning is part of output
-               "reasoning_tokens": 12}}
+               "reasoning_tokens": 12},
+     "reasoning": false}                      # true: answers start with an encrypted
+                                              # reasoning item (bound to the account) when
+                                              # include asks for reasoning.encrypted_content
+
+A Responses turn whose last input item is C{{"type": "compaction_trigger"}} is a compaction
+turn (protocol.md 2.8): it answers with exactly one C{compaction} item whose
+C{encrypted_content} is bound to the account (L{relay.emulator.sealing}); a trigger anywhere
+else in the input is refused with 400, and so is an item another account sealed
+(C{invalid_encrypted_content}).
 
 A Responses request whose C{max_output_tokens} is below the reply's output tokens ends with
 C{response.incomplete} (C{incomplete_details.reason: max_output_tokens}), as OpenAI does.
@@ -84,6 +93,8 @@ from typing import Any
 
 from attrs import define, field, frozen
 from twisted.internet.interfaces import IReactorTime
+
+from relay.emulator.sealing import foreignItem, invalidContentError, seal
 
 HTTP = "http"
 WS = "ws"
@@ -258,6 +269,47 @@ def previousNotFoundError(previousId: str) -> dict:
     }
 
 
+COMPACTION_TRIGGER = "compaction_trigger"
+"""The input item type that asks for a compaction turn (protocol.md 2.8)."""
+
+
+def misplacedTrigger(items: list) -> bool:
+    """
+    Whether a C{compaction_trigger} sits anywhere but last in C{items}, or appears twice:
+    upstream refuses such a request (behaviour.md R89).
+
+    @param items: the request's input items.
+    """
+    positions = [i for i, item in enumerate(items)
+                 if isinstance(item, dict) and item.get("type") == COMPACTION_TRIGGER]
+    return bool(positions) and positions != [len(items) - 1]
+
+
+def misplacedTriggerError() -> dict:
+    """
+    The 400 error object for a misplaced or repeated C{compaction_trigger}.
+    """
+    return _errorBody("compaction_trigger must be the last input item, and appear once.",
+                      "invalid_request_error", "invalid_compaction_trigger", "input")["error"]
+
+
+def inputError(items: list, account: str) -> dict | None:
+    """
+    What upstream refuses in a request's input before generating: a misplaced
+    C{compaction_trigger}, or an item another account sealed.
+
+    @param items: the normalised input items.
+    @param account: the serving account's name.
+    @return: the error object (the caller answers 400), or L{None}.
+    """
+    if misplacedTrigger(items):
+        return misplacedTriggerError()
+    foreign = foreignItem(items, account)
+    if foreign is not None:
+        return invalidContentError(foreign)
+    return None
+
+
 @frozen
 class Fault:
     """
@@ -412,6 +464,9 @@ class ReplyScript:
     @ivar ending: C{completed}, C{max_output_tokens} or C{content_filter}.
     @ivar usage: pinned usage numbers (C{input_tokens}, C{cached_tokens},
         C{output_tokens}, C{reasoning_tokens}); absent keys are estimated.
+    @ivar reasoning: answers start with an encrypted C{reasoning} item (bound to the
+        account, L{relay.emulator.sealing}) when the request's C{include} asks for
+        C{reasoning.encrypted_content}, as reasoning models do for Codex.
     """
 
     text: str = DEFAULT_TEXT
@@ -423,6 +478,7 @@ class ReplyScript:
     completedOutput: str | None = None
     ending: str = "completed"
     usage: dict = field(factory=dict, hash=False)
+    reasoning: bool = False
 
     def calls(self) -> tuple:
         """
@@ -468,7 +524,7 @@ def parseScript(spec: dict | None) -> ReplyScript:
         raise ValueError("a script must be a JSON object")
     unknown = set(spec) - {
         "text", "tool_call", "tool_calls", "delay", "deltas", "argument_deltas",
-        "completed_output", "ending", "usage",
+        "completed_output", "ending", "usage", "reasoning",
     }
     if unknown:
         raise ValueError(f"unknown script keys: {sorted(unknown)}")
@@ -502,7 +558,7 @@ def parseScript(spec: dict | None) -> ReplyScript:
         text=str(spec.get("text", DEFAULT_TEXT)), toolCall=toolCall, delay=float(delay),
         deltas=deltas, toolCalls=tuple(_toolCall(t) for t in tools),
         argumentDeltas=argumentDeltas, completedOutput=completedOutput, ending=ending,
-        usage=dict(usage),
+        usage=dict(usage), reasoning=bool(spec.get("reasoning", False)),
     )
 
 
@@ -553,11 +609,19 @@ class Reply:
     @ivar text: the text, when the answer is a message.
     @ivar toolCalls: the calls, when the answer is one or more function calls.
     @ivar ending: C{completed}, C{max_output_tokens} or C{content_filter}.
+    @ivar compaction: for a compaction turn (input ending with C{compaction_trigger},
+        protocol.md 2.8), the account-bound C{encrypted_content} of the one C{compaction}
+        item the turn answers with (L{relay.emulator.sealing}); else L{None}.
+    @ivar reasoning: the account-bound C{encrypted_content} of a C{reasoning} item the answer
+        starts with (a script's C{reasoning: true} and C{include: ["reasoning.encrypted_content"]}),
+        or L{None}.
     """
 
     text: str | None = None
     toolCalls: tuple = ()
     ending: str = "completed"
+    compaction: str | None = None
+    reasoning: str | None = None
 
     @property
     def toolCall(self) -> ToolCall | None:
@@ -605,10 +669,12 @@ def normaliseInput(raw: Any) -> list:
     return []
 
 
-def chooseReply(script: ReplyScript, items: list, accountName: str, model: str) -> Reply:
+def chooseReply(script: ReplyScript, items: list, accountName: str, model: str,
+                include: Any = None) -> Reply:
     """
-    Pick the answer for a turn: text after a tool output, otherwise the scripted tool call,
-    otherwise text.
+    Pick the answer for a turn: one compaction item for a compaction turn (the last input item
+    is C{compaction_trigger}); text after a tool output or a compaction item (the turn resumes
+    from the compacted window); otherwise the scripted tool call, otherwise text.
 
     Works for Responses input items (C{function_call_output}) and chat messages
     (C{role: tool}).
@@ -621,9 +687,16 @@ def chooseReply(script: ReplyScript, items: list, accountName: str, model: str) 
     @type accountName: L{str}
     @param model: the requested model.
     @type model: L{str}
+    @param include: the request's C{include} list (Responses), or L{None}.
     @rtype: L{Reply}
     """
     last = items[-1] if items and isinstance(items[-1], dict) else {}
+    if last.get("type") == COMPACTION_TRIGGER:
+        return Reply(compaction=seal(accountName, "compaction"))
+    reasoning = None
+    if script.reasoning and isinstance(include, list) and \
+            "reasoning.encrypted_content" in include:
+        reasoning = seal(accountName, "reasoning")
     toolOutput = None
     if last.get("type") == "function_call_output":
         toolOutput = last.get("output", "")
@@ -631,8 +704,12 @@ def chooseReply(script: ReplyScript, items: list, accountName: str, model: str) 
         toolOutput = last.get("content", "")
     if not isinstance(toolOutput, (str, type(None))):
         toolOutput = json.dumps(toolOutput)
+    if last.get("type") == "compaction":
+        # The turn resumes after a compaction (Codex appends the compaction item to the
+        # context it re-sends): the work it summarised is done, so the model answers.
+        toolOutput = ""
     if toolOutput is None and script.calls():
-        return Reply(toolCalls=script.calls(), ending=script.ending)
+        return Reply(toolCalls=script.calls(), ending=script.ending, reasoning=reasoning)
     output = (toolOutput or "").strip()
     marker = output.rfind("Output:\n")
     result = output[marker + len("Output:\n"):].strip() if marker >= 0 else output
@@ -640,7 +717,7 @@ def chooseReply(script: ReplyScript, items: list, accountName: str, model: str) 
         script.text, name=accountName, credential_name=accountName, output=output,
         result=result, model=model, input=_lastUserText(items),
     )
-    return Reply(text=text, ending=script.ending)
+    return Reply(text=text, ending=script.ending, reasoning=reasoning)
 
 
 def splitText(text: str, pieces: int) -> list[str]:
@@ -857,6 +934,23 @@ def buildTurn(
     firstOutput = len(events)
     ending = reply.ending
     output: list = []
+    if reply.compaction is not None:
+        # protocol.md 2.8: one compaction item, delivered in output_item.done (the
+        # ChatGPT backend's response.completed then carries output: []).
+        item = {"type": "compaction", "id": newId("cmp"), "encrypted_content": reply.compaction}
+        emit("response.output_item.added", output_index=0, item=dict(item))
+        emit("response.output_item.done", output_index=0, item=item)
+        final = responseObject(rid, body, now, "completed", [item],
+                               usageFor(inputTokens, max(1, inputTokens // 10), usage))
+        emit("response.completed", response=dict(final, output=[]) if emptyOutput else final)
+        return Turn(rid, events, final, firstOutput)
+    if reply.reasoning is not None:
+        item = {"type": "reasoning", "id": newId("rs"), "summary": [],
+                "encrypted_content": reply.reasoning}
+        emit("response.output_item.added", output_index=0, item=dict(item))
+        emit("response.output_item.done", output_index=0, item=item)
+        output.append(item)
+    base = len(output)
     if reply.toolCalls:
         outputTokens = 0
         for index, call in enumerate(reply.toolCalls):
@@ -865,15 +959,16 @@ def buildTurn(
                 "type": "function_call", "id": fid, "call_id": newId("call"),
                 "name": call.name, "arguments": "", "status": "in_progress",
             }
-            emit("response.output_item.added", output_index=index, item=dict(item))
+            at = base + index
+            emit("response.output_item.added", output_index=at, item=dict(item))
             if argumentDeltas > 0:
                 for piece in splitText(call.arguments, argumentDeltas):
                     emit("response.function_call_arguments.delta", item_id=fid,
-                         output_index=index, delta=piece)
-            emit("response.function_call_arguments.done", item_id=fid, output_index=index,
+                         output_index=at, delta=piece)
+            emit("response.function_call_arguments.done", item_id=fid, output_index=at,
                  arguments=call.arguments)
             item.update(arguments=call.arguments, status="completed")
-            emit("response.output_item.done", output_index=index, item=item)
+            emit("response.output_item.done", output_index=at, item=item)
             output.append(item)
             outputTokens += estimateTokens(call.arguments) + 5
     else:
@@ -889,20 +984,20 @@ def buildTurn(
         mid = newId("msg")
         item = {"type": "message", "id": mid, "role": "assistant", "content": [],
                 "status": "in_progress"}
-        emit("response.output_item.added", output_index=0, item=dict(item))
-        emit("response.content_part.added", item_id=mid, output_index=0, content_index=0,
+        emit("response.output_item.added", output_index=base, item=dict(item))
+        emit("response.content_part.added", item_id=mid, output_index=base, content_index=0,
              part={"type": "output_text", "text": "", "annotations": []})
         for piece in splitText(text, deltas):
-            emit("response.output_text.delta", item_id=mid, output_index=0, content_index=0,
-                 delta=piece, logprobs=[])
-        emit("response.output_text.done", item_id=mid, output_index=0, content_index=0,
+            emit("response.output_text.delta", item_id=mid, output_index=base,
+                 content_index=0, delta=piece, logprobs=[])
+        emit("response.output_text.done", item_id=mid, output_index=base, content_index=0,
              text=text, logprobs=[])
         part = {"type": "output_text", "text": text, "annotations": []}
-        emit("response.content_part.done", item_id=mid, output_index=0, content_index=0,
+        emit("response.content_part.done", item_id=mid, output_index=base, content_index=0,
              part=part)
         item.update(content=[part],
                     status="incomplete" if ending != "completed" else "completed")
-        emit("response.output_item.done", output_index=0, item=item)
+        emit("response.output_item.done", output_index=base, item=item)
         output.append(item)
         outputTokens = estimateTokens(text)
     status = "incomplete" if ending != "completed" else "completed"
@@ -1096,8 +1191,8 @@ class AccountSpec:
 @define(eq=False)
 class EmulatorState:
     """
-    Everything the emulator remembers: accounts, scripts, faults, recordings, in-flight turns
-    and stored responses.
+    Everything the emulator remembers: accounts, scripts, faults, recordings and in-flight
+    turns (stored responses are L{relay.emulator.stored}).
 
     @ivar clock: the time source.
     @ivar acceptAny: whether unknown credentials are served (as anonymous accounts).
@@ -1113,7 +1208,6 @@ class EmulatorState:
     _faults: dict = field(factory=dict)
     _inflight: dict = field(factory=dict)
     _peak: dict = field(factory=dict)
-    _stored: dict = field(factory=dict)
 
     def addAccount(self, name: str, credential: str) -> None:
         """
@@ -1334,24 +1428,3 @@ class EmulatorState:
             name: {"inflight": self._inflight.get(cred, 0), "peak": self._peak.get(cred, 0)}
             for cred, name in self.names().items()
         }
-
-    def storeResponse(self, credential: str | None, responseId: str) -> None:
-        """
-        Remember a stored HTTP response for chaining.
-
-        @param credential: the owning bearer token.
-        @param responseId: the C{resp_…} id.
-        @type responseId: L{str}
-        """
-        self._stored.setdefault(credential, set()).add(responseId)
-
-    def hasResponse(self, credential: str | None, responseId: str) -> bool:
-        """
-        Whether a credential owns a stored response.
-
-        @param credential: the bearer token.
-        @param responseId: the C{resp_…} id.
-        @type responseId: L{str}
-        @rtype: L{bool}
-        """
-        return responseId in self._stored.get(credential, ())

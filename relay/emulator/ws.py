@@ -17,12 +17,13 @@ from autobahn.twisted.websocket import WebSocketServerFactory, WebSocketServerPr
 from autobahn.websocket.compress import PerMessageDeflateOffer, PerMessageDeflateOfferAccept
 from twisted.logger import Logger
 
-from relay.emulator.http import bearer, breakAfter
+from relay.emulator.http import bearer, breakAfter, turnStateFor
 from relay.emulator.state import (
     WS,
     Fault,
     buildTurn,
     chooseReply,
+    inputError,
     normaliseInput,
     previousNotFoundError,
 )
@@ -121,9 +122,10 @@ class EmulatorWebSocketProtocol(WebSocketServerProtocol):
         except Exception:
             self._log.failure("while accepting an emulated WebSocket")
             raise
-        if self._oauthRoute and usage:
-            # protocol.md 7.3: the usage windows ride on the handshake too.
-            return (None, usage)
+        if self._oauthRoute:
+            # protocol.md 7.3: the usage windows ride on the handshake too; so does the
+            # sticky-routing token (protocol.md 4.1, behaviour.md R90).
+            return (None, {**usage, "x-codex-turn-state": turnStateFor(request)})
         return None
 
     def onOpen(self) -> None:
@@ -256,11 +258,17 @@ class EmulatorWebSocketProtocol(WebSocketServerProtocol):
         body = dict(frame)
         body.pop("type", None)
         body["model"] = self._model or "gpt-5.5"
+        items = normaliseInput(frame.get("input"))
+        refused = inputError(items, state.nameOf(self._credential))
+        if refused is not None:
+            tracker.end()
+            self._sendEvent(wsError(400, refused))
+            return
         script = state.scriptFor(self._credential)
         reply = None
         if frame.get("generate") is not False:
-            reply = chooseReply(script, normaliseInput(frame.get("input")),
-                                state.nameOf(self._credential), body["model"])
+            reply = chooseReply(script, items, state.nameOf(self._credential), body["model"],
+                                frame.get("include"))
         shaping = fault if fault is not None and fault.kind in (
             "stream_error", "empty_completed") else None
         turn = buildTurn(body, reply, now, shaping, script.deltas, script.argumentDeltas,
@@ -319,7 +327,7 @@ def buildFactory(emulator: Emulator) -> WebSocketServerFactory:
     factory.emulator = emulator
     factory.setProtocolOptions(
         openHandshakeTimeout=10, closeHandshakeTimeout=5, autoPingInterval=30,
-        autoPingTimeout=60, maxMessagePayloadSize=64 * 2**20, failByDrop=False,
+        autoPingTimeout=60, maxMessagePayloadSize=emulator.wsMaxFrameBytes, failByDrop=False,
         perMessageCompressionAccept=acceptDeflate,
     )
     return factory

@@ -100,6 +100,8 @@ async def attemptHTTP(runner, turn: Turn, sink, account, release) -> AttemptResu
             release()
             end = ends.StatusRefused(response.code, dict(response.headers), errorBody)
             return AttemptResult(end=end, status=response.code)
+        if _TURN_STATE in response.headers:
+            turnState(runner, turn, sink, account, response.headers)
         rewrite = modelRewriter(turn.model, account.upstreamModel(turn.model) if turn.model else None)
         if not stream:
             return await _readJSON(runner, turn, sink, account, response, release, rewrite)
@@ -115,6 +117,25 @@ async def attemptHTTP(runner, turn: Turn, sink, account, release) -> AttemptResu
     finally:
         if timer is not None and timer.active():
             timer.cancel()
+
+_TURN_STATE = "x-codex-turn-state"
+
+
+def turnState(runner, turn, sink, account, headers: dict) -> None:
+    """
+    R90: the upstream gave the turn an C{x-codex-turn-state}. It reaches the
+    client with the response headers: a sink that commits them early (a
+    keepalive while the upstream is still silent) is told now
+    (C{noteHeaders}); and the account that issued it is remembered, so the
+    client's replay of the token routes back to it (R38-like affinity).
+    """
+    note = getattr(sink, "noteHeaders", None)
+    if note is not None:
+        note(passHeaders(headers))
+    from relay.scheduling.scheduler import affinityKey
+
+    runner.scheduler.recordAffinity(affinityKey("turn_state", headers[_TURN_STATE]), account)
+
 
 async def _readJSON(runner, turn, sink, account, response, release, rewrite) -> AttemptResult:
     """
@@ -150,7 +171,13 @@ async def _readJSON(runner, turn, sink, account, response, release, rewrite) -> 
         body = rewrite(Event(b"", body)).data
     counts = fromBody(parsed)
     if counts is not None:
-        runner.recordUsage(turn, account, counts)
+        if turn.background:
+            # R88: once per background response, whoever sees it first.
+            from relay.engine.requests import countBackgroundOnce
+
+            countBackgroundOnce(runner, turn, account, dict(parsed, background=True), counts)
+        else:
+            runner.recordUsage(turn, account, counts)
     release()
     runner.firstOutput(turn)
     responseId = parsed.get("id")

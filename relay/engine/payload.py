@@ -214,11 +214,16 @@ def _chatSemantic(event: Event) -> bool:
 def isEmptyCompleted(response: dict) -> bool:
     """
     A silent upstream refusal: a C{response.completed} with no output, no
-    usage and no error (behaviour.md R23, sub2api #5009).
+    usage and no error (behaviour.md R23, sub2api #5009). A response that
+    is still C{queued} or C{in_progress} (a background create, R88) is not
+    one.
 
     @param response: the terminal event's C{response} object.
     """
-    return not response.get("output") and not response.get("usage") and not response.get("error")
+    return (
+        not response.get("output") and not response.get("usage") and not response.get("error")
+        and response.get("status") in (None, "completed")
+    )
 
 
 def withoutEncryptedReasoning(body: dict):

@@ -320,6 +320,8 @@ class StreamPump(Protocol):
             self._afterOutput(event, forwardedFailure=True)
             return
         t = event.type
+        if self._turn.background and t in _BACKGROUND_FIRST:
+            self._ownBackground(event)
         if t == b"response.completed":
             response = event.json().get("response") or {}
             if isEmptyCompleted(response) and self._turn.body.get("generate") is not False:
@@ -335,6 +337,20 @@ class StreamPump(Protocol):
             self._endWith(AttemptResult(end=ends.StagingOverflow(self._stagedBytes), status=502))
 
     _inBandWire = ends.WIRE_SSE
+
+    _owned = False
+
+    def _ownBackground(self, event) -> None:
+        """
+        R88: a background response's owner is recorded at its first event,
+        before the client could drop the stream and resume it elsewhere.
+        """
+        if self._owned:
+            return
+        response = event.json().get("response")
+        if isinstance(response, dict) and response.get("id"):
+            self._owned = True
+            self._runner.ownResponse(self._turn, self._account, response["id"])
 
     _batch: Optional[list] = None
     """Raw events of the current read waiting for one write (L{dataReceived})."""
@@ -533,6 +549,9 @@ class _Marks:
                 best = i
         return best
 
+
+_BACKGROUND_FIRST = frozenset({b"response.queued", b"response.created"})
+"""The events a background stream starts with (R88)."""
 
 _RESPONSES_TERMINAL = re.compile(rb"response\.(?:completed|failed|incomplete|done|cancell?ed)")
 

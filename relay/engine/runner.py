@@ -25,11 +25,14 @@ from relay.engine.httpattempt import attemptHTTP
 from relay.engine.keepalive import StreamKeepalive
 from relay.engine.payload import translatesChat, withoutEncryptedReasoning
 from relay.engine.pump import AttemptResult
+from relay.engine.compaction import CompactionWatch, endsWithTrigger, recordCompaction
+from relay.engine.requests import onceUsageTap, requestFinished
 from relay.model import AdmissionError, ClientError, Turn, WaitPlan
 from relay.policy import ends
 from relay.policy.bookkeeping import AccountBookkeeping
 from relay.policy.judgement import judge
 from relay.requestid import bindRequestId
+from relay.scheduling.scheduler import NO_SLOT
 from relay.scheduling.selection import NoAccountAvailable
 from relay.tenants.record import Attempt, TurnRecord
 from relay.usage.tap import UsageTap, clientAskedUsage
@@ -220,6 +223,12 @@ class TurnRunner:
             C{completed}, C{failed}, C{client_gone} or C{error}. It never
             fails; bugs are logged and answered with a 502.
         """
+        if turn.compactionItems is not None or endsWithTrigger(turn.body):
+            # R89: compaction items are bound to the account that produces
+            # them (a compaction turn, a compact request); see which it was.
+            if turn.compactionItems is None:
+                turn.compactionItems = []
+            sink = CompactionWatch(sink, turn.compactionItems)
         d = Deferred.fromCoroutine(self._run(turn, sink))
         if not d.called:
             self.inflight[turn] = d
@@ -361,7 +370,7 @@ class TurnRunner:
 
         @raise _AdmissionFailed: with the budget's L{ClientError}.
         """
-        if self.usage is None:
+        if self.usage is None or (turn.request is not None and not turn.request.billed):
             return
         error = self.usage.overBudget(turn.client.name, now)
         if error is None:
@@ -380,7 +389,7 @@ class TurnRunner:
         The per-key slot (R26; on the WebSocket too, R-B10).
         """
         key = turn.client
-        if key.concurrency <= 0:
+        if key.concurrency <= 0 or (turn.request is not None and not turn.request.usesSlot):
             return None
         s = self.settings.current.scheduling
         plan = WaitPlan(
@@ -747,6 +756,8 @@ class TurnRunner:
         A completed turn: remember which account owns the response (R39),
         unless the attempt already did (L{ownResponse}).
         """
+        if turn.compactionItems:
+            recordCompaction(self, turn, account)
         if result.responseId:
             if not result.ownerRecorded:
                 await self.scheduler.recordResponse(turn, result.responseId, account)
@@ -781,8 +792,11 @@ class TurnRunner:
     async def _retakeSameAccount(self, turn, sink, account, state=None):
         """
         Retake the slot for a same-account retry, waiting per the sticky
-        plan (R60, R64 step 2).
+        plan (R60, R64 step 2). A request that takes no slot (R87) retakes
+        none.
         """
+        if turn.request is not None and not turn.request.usesSlot:
+            return NO_SLOT
         s = self.settings.current.scheduling
         plan = WaitPlan(
             kind="account",
@@ -973,6 +987,9 @@ class TurnRunner:
                 account = self.credentials.current(account)
                 if state is not None:
                     state.bearers[account.id] = account.credential
+            if turn.request is not None:
+                # R87: a request of its own kind, never the generation path.
+                return await turn.request.run(self, turn, sink, account, release)
             if self.wsAttempt is not None and turn.entrypoint == "ws" and turn.wsMode in (
                 "ctx_pool",
                 "passthrough",
@@ -991,6 +1008,8 @@ class TurnRunner:
         dropped when the client did not ask for it (relay always asks
         upstream, L{relay.engine.payload.upstreamBody}).
         """
+        if turn.request is not None or turn.background:
+            return onceUsageTap(self, turn, account)  # R87, R88
         # Chat chunks carry usage only when the upstream speaks chat; a
         # translated chat turn (OAuth) ends with a Responses terminal event.
         chat = turn.endpoint == "chat" and turn.stream and not translatesChat(turn, account)
@@ -1032,6 +1051,9 @@ class TurnRunner:
     def _finished(self, turn, state, outcome, status, accountId, start) -> None:
         if state.trace is not None:
             state.trace.turnEnded(outcome, status, accountId, state)
+        if turn.request is not None:
+            requestFinished(self, turn, state, outcome, status, accountId, start)
+            return
         now = self.clock.seconds()
         first = turn.firstOutputAt
         if self.requestLog is not None:

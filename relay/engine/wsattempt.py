@@ -98,6 +98,42 @@ def isPreviousNotFound(event: dict) -> bool:
     return "previous response with id" in str(message).lower()
 
 
+FRAME_TOO_BIG = 1009
+"""The WebSocket close code for a message over the peer's limit."""
+
+FRAME_TOO_LARGE_MESSAGE = "request frame too large for the upstream websocket"
+
+_SIZE_CODES = frozenset({"frame_too_large", "payload_too_large", "request_too_large",
+                         "message_too_big"})
+
+
+def isSizeRefusal(event: dict) -> bool:
+    """
+    R91: an upstream C{error} event that refuses the frame for its size
+    (status 413 or a size code).
+    """
+    status = event.get("status") or event.get("status_code")
+    return status == 413 or _eventCode(event) in _SIZE_CODES
+
+
+def frameTooLargeResult() -> AttemptResult:
+    """
+    R91: an upstream "frame too big" (close 1009, or a size refusal) is
+    the request's fault: it marks nothing (L{ends.Refused}) and does not
+    fail over; the client gets an C{error} event with status 400, code
+    C{frame_too_large}, and close 1009.
+    """
+    error = ClientError(400, "invalid_request_error", FRAME_TOO_LARGE_MESSAGE,
+                        code="frame_too_large", wsClose=(FRAME_TOO_BIG, FRAME_TOO_LARGE_MESSAGE))
+    return AttemptResult(end=ends.Refused("frame_too_large"),
+                         verdict=passVerdict(error, "frame_too_large"), status=400)
+
+
+def isFrameTooLarge(result: AttemptResult) -> bool:
+    end = result.end
+    return isinstance(end, ends.Refused) and end.reason == "frame_too_large"
+
+
 RETRY_FULL_INPUT = "full_input"
 """The R66 retry: resend the turn with its chain expanded into full input."""
 
@@ -156,6 +192,9 @@ class WebSocketPump(StreamPump):
             )
             self._endWith(AttemptResult(end=end, verdict=verdict, status=400), dropUpstream=False)
             return
+        if isSizeRefusal(data):
+            self._endWith(frameTooLargeResult())  # R91
+            return
         verdict = self._runner.judge(self._turn, self._account, end)
         if verdict is None or not verdict.failover:
             # Not a failover (R23): the client sees upstream's own error as a
@@ -198,6 +237,10 @@ class WebSocketPump(StreamPump):
             self.depart(self._turn.cancel.reason)
             return
         detail = f"closed {code} {reason or ''}".strip()
+        if code == FRAME_TOO_BIG and not self._outputReachedClient():
+            # R91: the request's fault, not the account's.
+            self._endWith(frameTooLargeResult(), dropUpstream=False)
+            return
         if code == 1000:
             self._fail(ends.StreamEnded(), "OpenAI stream ended before a terminal event")
         else:
@@ -255,16 +298,44 @@ class WebSocketAttempt:
                 )
             elif retry == RETRY_FRESH_CONNECTION and not fresh:
                 fresh = True
+            elif isFrameTooLarge(result):
+                return await self._tooLarge(runner, turn, sink, account, release, ctx)
             else:
                 return result
+
+    async def _tooLarge(self, runner, turn, sink, account, release, ctx) -> AttemptResult:
+        """
+        R91: the upstream WebSocket refused the frame for its size. The turn
+        is retried once over HTTP on the same account (R48's bridge, which
+        has no frame limit); when it cannot be (a chain relay cannot
+        expand), or HTTP refuses the size too, the client is told
+        C{frame_too_large}. Nothing is marked either way.
+        """
+        self._log.info(
+            "upstream websocket of {account_id} refused turn {request_id}'s frame for its size;"
+            " retrying once over HTTP",
+            event="openai.websocket_frame_too_large", account_id=account.id,
+            request_id=turn.requestId,
+        )
+        if turn.previousResponseId and (ctx is None or ctx.expandedBody(turn) is None):
+            return frameTooLargeResult()
+        result = await self._bridge(runner, turn, sink, account, release, ctx)
+        end = result.end
+        if isinstance(end, ends.StatusRefused) and end.status == 413:
+            return frameTooLargeResult()
+        return result
 
     # -- http_bridge ---------------------------------------------------------
 
     async def _bridge(self, runner, turn, sink, account, release, ctx) -> AttemptResult:
         """
         R52: one upstream HTTP request; the body is the turn with its chain
-        expanded from this connection's own turns (R77).
+        expanded from this connection's own turns (R77). A prewarm
+        (C{generate: false}) is answered here, never sent: HTTP has no
+        C{generate} and would bill a generation (R53, R93).
         """
+        if turn.body.get("generate") is False:
+            return localPrewarm(runner, turn, sink, account, release)
         if turn.previousResponseId:
             body = ctx.expandedBody(turn) if ctx is not None else None
             if body is None:
@@ -445,6 +516,9 @@ class WebSocketAttempt:
             conn.handshakeCounted = True
             if runner.metrics is not None:
                 runner.metrics.upstreamStatus(101)
+            token = (getattr(conn.proto, "responseHeaders", None) or {}).get("x-codex-turn-state")
+            if token:
+                sessionTurnState(runner, turn, account, token)
         conn.turns += 1
         if turn.cancel.cancelled:
             self._giveBack(conn, mode, broken=False)
@@ -549,6 +623,53 @@ class WebSocketAttempt:
             retry = self._staleRetry(turn, account, conn, result, fresh)
         giveBack(broken=bool(conn.broken or retry))
         return result, retry
+
+
+def localPrewarm(runner, turn, sink, account, release) -> AttemptResult:
+    """
+    R53, R93: a prewarm on an account bridged to HTTP: C{response.created},
+    then C{response.completed} with empty output and a relay-minted id a
+    later turn may chain to (the connection's transcript records the
+    prewarm's input); no upstream request, so nothing is billed.
+    """
+    import os
+
+    rid = "resp_" + os.urandom(12).hex()
+    response = {"id": rid, "object": "response", "created_at": int(runner.clock.seconds()),
+                "status": "in_progress", "model": turn.model, "output": []}
+    done = dict(response, status="completed",
+                usage={"input_tokens": 0, "output_tokens": 0, "total_tokens": 0})
+    runner.firstOutput(turn)
+    sink.commit({})
+    sink.writeEvent(eventFromJSON(_dumps(
+        {"type": "response.created", "sequence_number": 0, "response": response})))
+    release()
+    owned = runner.ownResponse(turn, account, rid)
+    sink.writeEvent(eventFromJSON(_dumps(
+        {"type": "response.completed", "sequence_number": 1, "response": done})))
+    WebSocketAttempt._log.info(
+        "answered a prewarm locally with {response_id} (account {account_id} is bridged to HTTP)",
+        event="ingress_ws_http_bridge_prewarm", response_id=rid, account_id=account.id,
+        request_id=turn.requestId,
+    )
+    return AttemptResult(end=ends.Completed(rid), committed=True, status=200, ownerRecorded=owned)
+
+
+def sessionTurnState(runner, turn, account, token: str) -> None:
+    """
+    R90 on the WebSocket: the upstream handshake gave this session an
+    C{x-codex-turn-state}. relay's own 101 went out before an account was
+    chosen (R47), so the token is kept for the session
+    (L{relay.scheduling.scheduler.turnStateSessionKey}) and carried on the
+    101 of its next connection; the account that issued it is remembered
+    for the client's replay of it (affinity, like R38).
+    """
+    from relay.scheduling.scheduler import affinityKey, turnStateSessionKey
+
+    scheduler = runner.scheduler
+    scheduler.recordAffinity(affinityKey("turn_state", token), account)
+    if turn.sessionHash:
+        scheduler.recordValue(turnStateSessionKey(turn.sessionHash), token)
 
 
 def _dumps(body: dict) -> bytes:

@@ -1,8 +1,10 @@
 # -*- test-case-name: tests.test_entry_http -*-
 """
 The HTTP entrypoint: C{POST /v1/responses}, C{POST /v1/chat/completions},
-C{GET /v1/models}, C{GET /healthz}, and the dispatch of C{GET /v1/responses}
-upgrades to the WebSocket resource (style.md 9(a), protocol.md 1).
+C{GET /healthz}, and the dispatch of C{GET /v1/responses} upgrades to the
+WebSocket resource (style.md 9(a), protocol.md 1). The routes under
+C{/v1/responses/} are L{relay.entry.responsesapi}; C{GET /v1/models} is
+L{relay.entry.models} (issue 20).
 
 It authenticates, parses, builds a L{Turn} and a sink, and hands both to the
 turn runner. It holds no failover, cooldown or admission policy
@@ -20,6 +22,7 @@ from twisted.logger import Logger
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
+from relay.entry.annotate import annotateTurn
 from relay.entry.body import DEFAULT_MAX_BODY_BYTES, tooLarge
 from relay.entry.sinks import JSONSink, SSESink, writeError
 from relay.model import ClientError, ClientKey, Turn
@@ -358,6 +361,8 @@ class TurnResource(Resource):
         _noteClient(turn, request)
         sinkType = SSESink if stream else JSONSink
         sink = sinkType(request, self._endpoint, model)
+        if self._endpoint == "responses":
+            annotateTurn(turn)  # R88-R90 (relay.entry.annotate)
         request.notifyFinish().addErrback(lambda f: turn.cancel.cancel("client_gone"))
         self._runner.run(turn, sink)
         return NOT_DONE_YET
@@ -373,45 +378,6 @@ def _noteClient(turn: Turn, request) -> None:
     agent = request.getHeader(b"user-agent")
     if agent:
         turn.userAgent = agent.decode("latin-1")[:200]
-
-
-class ModelsResource(Resource):
-    """
-    C{GET /v1/models}: the models the accounts serve, by the names clients
-    use (allow-lists and mapping keys); with a key policy (issue 22), only
-    the accounts the key may reach and the models it may use.
-    """
-
-    isLeaf = True
-
-    def __init__(self, keys: KeyRing, accounts, runner=None):
-        super().__init__()
-        self._keys = keys
-        self._accounts = accounts
-        self._runner = runner
-
-    def render_GET(self, request):
-        key = self._keys.authenticate(request)
-        if key is None:
-            writeError(request, UNAUTHORIZED)
-            return NOT_DONE_YET
-        policy = getattr(self._runner, "keyPolicy", None)
-        accounts = self._accounts if policy is None else policy.reachable(key, self._accounts)
-        names = set()
-        for account in accounts:
-            names.update(account.models or ())
-            names.update(account.model_mapping)
-        if policy is not None:
-            # A key's own allow-list names the models it uses even where
-            # the accounts declare none (they then serve any model).
-            names.update(m for m in key.models or () if any(a.servesModel(m) for a in accounts))
-            names = set(policy.models(key, names))
-        data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "relay"}
-            for name in sorted(names)
-        ]
-        request.setHeader(b"content-type", b"application/json")
-        return json.dumps({"object": "list", "data": data}).encode()
 
 
 class HealthResource(Resource):
@@ -466,9 +432,17 @@ def buildRoot(runner, keys: KeyRing, accounts, websocket=None) -> Resource:
     @return: the root L{Resource}; the application adds C{admin} and
         C{metrics} children.
     """
-    responses = TurnResource(runner, keys, "responses", websocket)
+    # Issue 20 (R87-R92): everything under /v1/responses/ and both shapes
+    # of /v1/models live in their own modules.
+    from relay.engine.catalog import ModelCatalog
+    from relay.entry.models import ModelsResource
+    from relay.entry.responsesapi import ResponsesResource
+
+    responses = ResponsesResource(
+        TurnResource(runner, keys, "responses", websocket), runner, keys
+    )
     chat = TurnResource(runner, keys, "chat")
-    models = ModelsResource(keys, accounts, runner)
+    models = ModelsResource(keys, ModelCatalog(runner=runner, accounts=accounts))
     root = JSONRoot()
     v1 = JSONRoot()
     for parent in (root, v1):

@@ -161,10 +161,23 @@ class SSESink(_RequestSink):
     """
 
     headersSent = False
+    _noted = None
+
+    def noteHeaders(self, headers: dict) -> None:
+        """
+        R90: the upstream's response headers (its C{x-codex-turn-state})
+        arrived before any output; a keepalive that commits the status line
+        before the output now sends them too.
+
+        @param headers: the headers L{relay.engine.pump.passHeaders} keeps.
+        """
+        self._noted = headers
 
     def _sendHeaders(self, headers=None) -> None:
         if self.headersSent:
             return
+        if not headers:
+            headers = self._noted
         self.headersSent = True
         self.status = 200
         r = self._request

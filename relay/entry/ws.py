@@ -28,6 +28,7 @@ from twisted.logger import Logger
 from twisted.web.server import NOT_DONE_YET
 
 from relay.engine.errors import previousResponseNotFound
+from relay.entry.annotate import annotateTurn
 from relay.entry.http import UNAUTHORIZED, filterClientHeaders, loadJSON
 from relay.entry.sinks import writeError
 from relay.entry.wssink import WebSocketSink, wsErrorEvent
@@ -95,6 +96,21 @@ def normaliseInput(value) -> list:
     return [value]
 
 
+COMPACTION_TRIGGER = "compaction_trigger"
+"""protocol.md 2.8: the input item that asks for a compaction turn."""
+
+
+def lastCompaction(items: list) -> int:
+    """
+    The index of the last C{compaction} item of a transcript, or 0.
+    """
+    for index in range(len(items) - 1, -1, -1):
+        item = items[index]
+        if isinstance(item, dict) and item.get("type") == "compaction":
+            return index
+    return 0
+
+
 @define(eq=False)
 class ConnectionState:
     """
@@ -144,14 +160,26 @@ class ConnectionState:
     def record(self, previous, inputItems: list, response: dict, accountId=None) -> None:
         """
         A turn completed: extend (or restart, or lose) the transcript.
+
+        R89: a C{compaction_trigger} is used once it was sent, so the
+        transcript never keeps one (a replayed trigger would no longer be
+        the last item, and upstream refuses that); once a C{compaction}
+        item arrived, the transcript restarts from it (it stands for
+        everything before it).
         """
         outputs = [o for o in (response.get("output") or []) if isinstance(o, dict)]
+        inputItems = [i for i in inputItems
+                      if not (isinstance(i, dict) and i.get("type") == COMPACTION_TRIGGER)]
         if not previous:
             self.items = list(inputItems) + outputs
         elif self.expandable(previous):
             self.items = list(self.items) + list(inputItems) + outputs
         else:
             self.items = None
+        if self.items is not None:
+            start = lastCompaction(self.items)
+            if start:
+                self.items = self.items[start:]
         self.lastResponseId = response.get("id") or self.lastResponseId
         if accountId is not None:
             self.accountId = accountId
@@ -206,7 +234,36 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         except Exception:
             self._log.failure("accepting a client websocket failed")
             raise
-        return (None, {"X-Request-Id": self._requestId})
+        answer = {"X-Request-Id": self._requestId}
+        if self._key is not None and any(headers.get(h) for h in SESSION_HEADERS):
+            return self._withTurnState(headers, answer)
+        return (None, answer)
+
+    def _withTurnState(self, headers: dict, answer: dict):
+        """
+        R90: the 101 of a session's new connection carries the
+        C{x-codex-turn-state} the upstream gave the session before (its
+        first 101 went out before an account was chosen, R47).
+
+        @return: a Deferred firing with autobahn's C{(protocol, headers)}.
+        """
+        recall = getattr(getattr(self.factory.runner, "scheduler", None), "recallValue", None)
+        if recall is None:
+            return (None, answer)
+        from relay.scheduling.scheduler import turnStateSessionKey
+
+        session = sessionHash(sessionSeed(headers, {}, None), self._key.name)
+        d = recall(turnStateSessionKey(session))
+
+        def carry(token):
+            if token:
+                return (None, {**answer, "x-codex-turn-state": token})
+            return (None, answer)
+
+        d.addCallback(carry)
+        d.addErrback(lambda f: (self._log.failure("recalling a turn state failed", f),
+                                (None, answer))[1])
+        return d
 
     def failHandshake(self, reason: str, code: int = 400, responseHeaders=None) -> None:
         """
@@ -503,6 +560,8 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             clientAddress=getattr(self, "_clientAddress", None),
             userAgent=getattr(self, "_userAgent", None),
         )
+        annotateTurn(turn)  # R89, R90 (relay.entry.annotate)
+        body = turn.body
         if mode == "http_bridge":
             if frame.get("generate") is False:
                 # Issue 22 (R102): a prewarm answered locally is refused

@@ -24,8 +24,11 @@ from relay.translate.assemble import ResponseAssembler
 
 _ITEM_DONE = b"response.output_item.done"
 
-STATUS_EVENT_CODES = frozenset({"previous_response_not_found", "websocket_connection_limit_reached"})
-"""Codes that reach the client as a status-bearing error event (R81)."""
+STATUS_EVENT_CODES = frozenset(
+    {"previous_response_not_found", "websocket_connection_limit_reached", "frame_too_large"}
+)
+"""Codes that reach the client as a status-bearing error event (R81; R91's
+oversized frame, which then closes 1009)."""
 
 RETRY_STATUSES = frozenset({401, 403, 408, 429})
 """4xx statuses that are not client mistakes: they end with a close."""

@@ -283,6 +283,12 @@ class RelayMetrics:
             ["key", "account", "model"],
             registry=r,
         )
+        self.requests = Counter(
+            "relay_requests",
+            "Finished requests that are not turns (compact, retrieve, cancel, ...), R87",
+            ["kind", "outcome"],
+            registry=r,
+        )
         self._slots = SlotsCollector()
         r.register(self._slots)
         self.exposed = r
@@ -314,6 +320,16 @@ class RelayMetrics:
         if child is None:
             child = self._turnChildren[key] = self.turns.labels(entrypoint=entrypoint, outcome=outcome)
         child.inc()
+
+    def requestFinished(self, kind: str, outcome: str) -> None:
+        """
+        Count a finished request of its own kind (behaviour.md R87).
+
+        @param kind: C{compact}, C{retrieve}, C{stream}, C{delete},
+            C{input_items}, C{cancel}, C{input_tokens}, C{models} or C{manifest}.
+        @param outcome: as for L{turnFinished}.
+        """
+        self.requests.labels(kind=kind, outcome=outcome).inc()
 
     def failover(
         self,

@@ -43,6 +43,8 @@ from relay.settings import RuntimeSettings
 LAYER_PREVIOUS = "previous_response_id"
 LAYER_SESSION = "session_hash"
 LAYER_LOAD = "load_balance"
+LAYER_OWNER = "response_owner"
+"""A request bound to the account that owns its response id (R87)."""
 
 #: At most this many response owners are kept in the local map (R39).
 LOCAL_OWNER_CAPACITY = 65536
@@ -52,6 +54,9 @@ FOREIGN_OWNER_MESSAGE = "previous_response_id is not available for this user"
 OAUTH_CONTINUATION_MESSAGE = (
     "previous_response_id requires an OpenAI API-key account for HTTP requests"
 )
+BACKGROUND_MESSAGE = "background responses require an OpenAI API-key account"
+"""R88: the ChatGPT backend keeps nothing (store is forced false), so a
+background response can live only on an API-key account."""
 NO_ACCOUNT_MESSAGE = "Service temporarily unavailable"
 SLOT_ERROR_MESSAGE = "Service temporarily unavailable, please retry later"
 
@@ -92,6 +97,59 @@ def responseOwnerKey(responseId: str) -> str:
     @return: C{openai:http-response-owner:key:{sha256(responseId)}}.
     """
     return f"openai:http-response-owner:key:{_digest(responseId)}"
+
+
+def affinityKey(kind: str, value: str) -> str:
+    """
+    The store key of an affinity record: which account issued a turn-state
+    token (R90) or produced a C{compaction} item (R89).
+
+    @param kind: C{compaction} or C{turn_state}.
+    @param value: the token, or the item's C{encrypted_content}.
+    @return: C{openai:affinity:{kind}:{sha256(value)}}.
+    """
+    return f"openai:affinity:{kind}:{_digest(value)}"
+
+
+def turnStateSessionKey(sessionHash: str) -> str:
+    """
+    The store key of the C{x-codex-turn-state} the upstream gave a
+    WebSocket session (R90), carried on the 101 of its next connection.
+
+    @param sessionHash: the session hash (R37) of the client key and the
+        session header.
+    """
+    return f"openai:ws-turn-state:{sessionHash}"
+
+
+class _NoSlot:
+    """
+    The lease of a request that takes no account slot (an owner-bound
+    retrieve, delete, cancel or input-items listing, R87/R88: the slot is
+    held only while relay streams, not while the client polls).
+    """
+
+    kind = "account"
+    id = None
+    waitedSeconds = 0.0
+    queuePosition = 0
+
+    def release(self) -> None:
+        """
+        Nothing to give back.
+        """
+
+    def renew(self):
+        """
+        Nothing to renew.
+        """
+        from twisted.internet.defer import succeed
+
+        return succeed(None)
+
+
+NO_SLOT = _NoSlot()
+"""The one L{_NoSlot}."""
 
 
 def _never(account: Account) -> bool:
@@ -149,6 +207,9 @@ class _Pass:
     byId: dict
     states: dict
     oauthBarred: bool = False
+    barMessage: str = OAUTH_CONTINUATION_MESSAGE
+    barParam: Optional[str] = "previous_response_id"
+    onlyOAuth: bool = False
     quarantineFailOpen: bool = False
     eligible: list = field(factory=list)
     binding: Optional[str] = None
@@ -290,6 +351,7 @@ class AccountScheduler:
     _lastUsed: dict = field(factory=dict, init=False)
     _keptBindings: WeakKeyDictionary = field(factory=WeakKeyDictionary, init=False)
     _localOwners: OrderedDict = field(factory=OrderedDict, init=False)
+    _localAffinity: OrderedDict = field(factory=OrderedDict, init=False)
 
     _log = Logger()
 
@@ -306,11 +368,18 @@ class AccountScheduler:
         preferred account, the session binding (R43 step 2 with R-B6),
         load balance (step 3) and the fallback wait plan (step 4).
 
+        A request bound to the account owning its response id (R87: a
+        retrieve, delete, cancel or input-items listing) is given that
+        account only, never another (L{_selectOwner}).
+
         @param turn: the L{Turn}.
         @param excluded: account ids excluded in this turn.
         @return: Deferred firing with a L{Selection}, or failing with
             L{NoAccountAvailable}.
         """
+        request = turn.request
+        if request is not None and request.ownerAccountId is not None:
+            return eagerDeferred(self._selectOwner(turn, request, frozenset(excluded or ())))
         return eagerDeferred(self._select(turn, frozenset(excluded or ())))
 
     def preview(self, turn: Turn) -> Deferred:
@@ -360,6 +429,91 @@ class AccountScheduler:
         Issue 22: the account's fuller usage window in percent, or L{None}.
         """
         return self._usedPercent(account)
+    def accountById(self, accountId: str) -> Optional[Account]:
+        """
+        The configured account with this id (the live registry), or L{None}.
+        """
+        return next((a for a in self._accounts if a.id == accountId), None)
+
+    def lookupResponse(self, responseId: str) -> Deferred:
+        """
+        Who owns a response (R39, R40, R104): the account that served it and
+        the client key that created it.
+
+        @param responseId: the response id.
+        @return: Deferred firing with C{(accountId, keyName)}, or L{None}
+            when relay holds no complete owner record for it (fail closed:
+            the caller answers as for an unknown id).
+        """
+        return eagerDeferred(self._lookupResponse(responseId))
+
+    def recordAffinity(self, key: str, account: Account) -> Deferred:
+        """
+        Remember that C{account} issued a turn-state token (R90) or produced
+        a C{compaction} item (R89), with TTL C{previous_response_ttl_seconds},
+        in the store and a bounded local map (fail open, R35).
+
+        @param key: an L{affinityKey}.
+        @return: Deferred firing with L{None}; store errors are logged.
+        """
+        return self.recordValue(key, account.id)
+
+    def recordValue(self, key: str, value: str) -> Deferred:
+        """
+        Keep a short string under C{key} for C{previous_response_ttl_seconds}
+        (R39's lifetime), in the store and a bounded local map (fail open,
+        R35): an affinity record, or the turn-state token the upstream gave
+        a WebSocket session (R90, L{turnStateSessionKey}).
+
+        @return: Deferred firing with L{None}; store errors are logged.
+        """
+        ttl = self._settings.current.scheduling.previous_response_ttl_seconds
+        owners = self._localAffinity
+        owners.pop(key, None)
+        owners[key] = (value, self._clock.seconds() + ttl)
+        while len(owners) > LOCAL_OWNER_CAPACITY:
+            owners.popitem(last=False)
+        return eagerDeferred(self._write("setValue", key, value, ttl))
+
+    def recallValue(self, key: str) -> Deferred:
+        """
+        What L{recordValue} kept under C{key}: the store, then the local map.
+
+        @return: Deferred firing with the string, or L{None}.
+        """
+        return eagerDeferred(self._affinityOwner(key))
+
+    def claimOnce(self, key: str, ttl: float) -> Deferred:
+        """
+        Whether this is the first claim of C{key} within C{ttl} seconds, in
+        every process sharing the store (an atomic counter): a background
+        response's usage is counted once, whoever sees it finished first
+        (R88). A store error falls back to this process's own memory.
+
+        @return: Deferred firing with L{True} for the first claim.
+        """
+        return eagerDeferred(self._claimOnce(key, ttl))
+
+    async def _claimOnce(self, key: str, ttl: float) -> bool:
+        try:
+            return (await self._store.incrementCounter(key, ttl, refresh=False)) == 1
+        except Exception as e:  # noqa: BLE001 - R35: fail open, locally
+            self._log.error(
+                "state store claim failed for {key}: {error}",
+                event="openai.sticky_write_failed", op="incrementCounter", key=key,
+                error=repr(e),
+            )
+            first = key not in self._localAffinity
+            self._localAffinity[key] = ("", self._clock.seconds() + ttl)
+            return first
+
+    def affinityOwner(self, key: str) -> Deferred:
+        """
+        The account recorded by L{recordAffinity} for C{key}.
+
+        @return: Deferred firing with an account id, or L{None}.
+        """
+        return eagerDeferred(self._affinityOwner(key))
 
     def bind(self, turn: Turn, account: Account) -> Deferred:
         """
@@ -489,6 +643,31 @@ class AccountScheduler:
         local = self._local(responseId)
         return local[0] if local else None
 
+    async def _lookupResponse(self, responseId: str) -> Optional[tuple]:
+        """
+        See L{lookupResponse}.
+        """
+        accountId = await self._responseOwner(responseId)
+        keyName = await self._responseKeyName(responseId)
+        if not accountId or not keyName:
+            return None
+        return (accountId, keyName)
+
+    async def _affinityOwner(self, key: str) -> Optional[str]:
+        """
+        See L{affinityOwner}: the store, then the local map.
+        """
+        owner = await self._get(key)
+        if owner:
+            return owner
+        entry = self._localAffinity.get(key)
+        if entry is None:
+            return None
+        if entry[1] <= self._clock.seconds():
+            del self._localAffinity[key]
+            return None
+        return entry[0]
+
     async def _responseKeyName(self, responseId: str) -> Optional[str]:
         """
         The client key name that owns a response (R40), or L{None}.
@@ -581,10 +760,12 @@ class AccountScheduler:
         turn = ctx.turn
         if ctx.oauthBarred and openAccounts and all(a.type == "oauth" for a in openAccounts):
             return self._error(
-                turn, 400, "invalid_request_error", OAUTH_CONTINUATION_MESSAGE,
-                param="previous_response_id",
+                turn, 400, "invalid_request_error", ctx.barMessage, param=ctx.barParam,
             )
-        allowed = [a for a in openAccounts if not (ctx.oauthBarred and a.type == "oauth")]
+        if ctx.onlyOAuth and not any(a.type == "oauth" for a in openAccounts):
+            return self._error(turn, 400, "invalid_request_error", ctx.barMessage)
+        allowed = [a for a in openAccounts if not (ctx.oauthBarred and a.type == "oauth")
+                   and not (ctx.onlyOAuth and a.type != "oauth")]
         blocked = []
         for account in allowed:
             why = self._blockWhy(ctx, account)
@@ -691,6 +872,8 @@ class AccountScheduler:
             return "endpoint_not_served"
         if ctx.oauthBarred and account.type == "oauth":
             return "oauth_http_continuation"
+        if ctx.onlyOAuth and account.type != "oauth":
+            return "not_an_oauth_account"
         blocked = self._blockReason(ctx, account)
         if blocked:
             return "unschedulable: " + blocked
@@ -916,6 +1099,8 @@ class AccountScheduler:
             ctx.dryRun, preview.ctx = True, ctx
             ctx.rng = random.Random()
             ctx.rng.setstate(self._random.getstate())
+        if turn.background or turn.request is not None:
+            self._barOAuth(ctx)
         openAccounts = [a for a in serving if a.id not in excluded]
         if openAccounts and all(self._isQuarantined(a) for a in openAccounts):
             ctx.quarantineFailOpen = True
@@ -931,6 +1116,8 @@ class AccountScheduler:
         choice = None
         if previous:
             choice = await self._previousLayer(ctx, previous)
+        if choice is None and turn.affinity:
+            choice = await self._affinityLayer(ctx)
         if choice is None and turn.preferredAccountId:
             choice = await self._preferredLayer(ctx)
         keepBinding = False
@@ -1010,6 +1197,102 @@ class AccountScheduler:
         return _Choice(
             owner, lease, plan, LAYER_PREVIOUS, previousHit=True, bindingOp="write",
         )
+
+    def _barOAuth(self, ctx: _Pass) -> None:
+        """
+        R88 and R87: a background create, and a request only API-key
+        accounts serve (input token counts), are barred from OAuth accounts
+        like an HTTP continuation (R42), with their own message; a request
+        only OAuth accounts serve (the Codex models manifest, R92) is barred
+        from API-key accounts.
+        """
+        request = ctx.turn.request
+        if request is not None and request.accountType == "apikey":
+            ctx.oauthBarred = True
+            ctx.barMessage, ctx.barParam = request.accountTypeMessage, None
+        elif request is not None and request.accountType == "oauth":
+            ctx.onlyOAuth = True
+            ctx.barMessage, ctx.barParam = request.accountTypeMessage, None
+        elif ctx.turn.background:
+            ctx.oauthBarred = True
+            ctx.barMessage, ctx.barParam = BACKGROUND_MESSAGE, "background"
+
+    async def _affinityLayer(self, ctx: _Pass) -> Optional[_Choice]:
+        """
+        R89, R90: a turn carrying a C{compaction} item (or an
+        C{x-codex-turn-state} token) prefers the account that produced
+        (issued) it, like R39's owner: the first recorded, usable account of
+        C{turn.affinity} is tried (its sticky wait plan when busy); an
+        unusable one falls through to the other layers. The layer is named
+        after the kind of record (C{compaction}, C{turn_state}).
+
+        @return: a L{_Choice}, or L{None} to fall through.
+        """
+        for layer, key in ctx.turn.affinity:
+            ownerId = await self._affinityOwner(key)
+            owner = ctx.byId.get(ownerId) if ownerId else None
+            if owner is None:
+                continue
+            reason = self._incompatible(ctx, owner)
+            lease = None
+            if reason is None:
+                lease = await self._try(ctx, owner)
+                reason = self._incompatible(ctx, owner)
+                if reason is not None and lease is not None:
+                    lease.release()
+                    lease = None
+            if reason is not None:
+                self._log.info(
+                    "{layer} owner {account_id} not usable ({reason}); falling back",
+                    event="openai.affinity_owner_skipped", layer=layer, account_id=owner.id,
+                    reason=reason, request_id=ctx.turn.requestId,
+                )
+                continue
+            plan = None if lease is not None else self._stickyPlan(ctx, owner)
+            return _Choice(owner, lease, plan, layer, bindingOp="write")
+        return None
+
+    async def _selectOwner(self, turn: Turn, request, excluded: frozenset) -> Selection:
+        """
+        R87: a request bound to the account that owns its response id gets
+        that account and no other: it is never moved (once the owner is
+        excluded by a failure, nothing is left and the engine answers with
+        the last failure). It takes the account's slot only when the
+        request uses one (a stream resume, R88), waiting on the sticky plan
+        when busy; otherwise L{NO_SLOT}. The owner's blocks are not
+        consulted: only it can answer for its responses.
+        """
+        started = self._clock.seconds()
+        account = self.accountById(request.ownerAccountId)
+        if account is None or account.id in excluded:
+            raise NoAccountAvailable(ClientError(
+                404, "invalid_request_error",
+                f"No response found with id '{request.responseId}'.",
+            ) if account is None else ClientError(
+                503, "api_error", NO_ACCOUNT_MESSAGE, code="no_available_accounts",
+            ))
+        scheduling = self._settings.current.scheduling
+        plan = None
+        lease = NO_SLOT
+        if request.usesSlot:
+            ctx = _Pass(turn=turn, excluded=excluded, now=started, scheduling=scheduling,
+                        byId={account.id: account}, states={})
+            lease = await self._try(ctx, account)
+            if lease is None:
+                plan = self._stickyPlan(ctx, account)
+        record = DecisionRecord(
+            layer=LAYER_OWNER, sticky_previous_hit=False, sticky_session_hit=False,
+            selected_account_id=account.id, selected_account_type=account.type,
+            candidate_count=1, excluded_count=len(excluded),
+            wait_plan=plan.plan if plan is not None else None,
+            latency_ms=(self._clock.seconds() - started) * 1000.0, top_k=1,
+        )
+        self._log.info(
+            "account schedule decision: {layer} -> {selected_account_id}",
+            event="openai.account_schedule_decision", request_id=turn.requestId,
+            entrypoint=turn.entrypoint, request_kind=request.name, **_recordFields(record),
+        )
+        return Selection(account=account, lease=lease, waitPlan=plan, record=record)
 
     async def _preferredLayer(self, ctx: _Pass) -> Optional[_Choice]:
         """

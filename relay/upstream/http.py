@@ -52,6 +52,7 @@ FORWARDED_HEADERS = (
     # attempt's own when relay traces (relay.tracing).
     "traceparent",
     "tracestate",
+    "if-none-match",
 )
 
 DEFAULT_ORIGINATOR = "codex_cli_rs"

@@ -223,6 +223,29 @@ def configTOML(baseURL: str, websockets: bool, model: str = "gpt-5.5",
     )
 
 
+def builtinConfigTOML(baseURL: str, model: str = "gpt-5.5", compactLimit: int | None = None,
+                      extra: str = "") -> str:
+    """
+    The C{config.toml} for Codex's B{built-in} C{openai} provider pointed at
+    relay (C{openai_base_url}, protocol.md 8): it sends no C{Authorization}
+    unless C{CODEX_API_KEY} is exported (L{runCodex} does), uses the
+    WebSocket (HTTP when the upgrade is refused), and compacts remotely
+    (protocol.md 2.8) once the context passes C{model_auto_compact_token_limit}.
+
+    @param compactLimit: the token limit, or L{None} for Codex's default.
+    """
+    limit = "" if compactLimit is None else f"model_auto_compact_token_limit = {compactLimit}\n"
+    return (
+        f'model = "{model}"\n'
+        f"openai_base_url = {json.dumps(baseURL)}\n"
+        f"{limit}"
+        "check_for_update_on_startup = false\n"
+        f"{extra}"
+        "\n[analytics]\nenabled = false\n"
+        "\n[features]\nplugins = false\n"
+    )
+
+
 def _codexHome() -> str:
     """
     A fresh C{CODEX_HOME} under C{~/.cache/relay-tests/} (outside the temp
@@ -248,6 +271,8 @@ async def runCodex(
     extraTOML: str = "",
     binary: str | None = None,
     workdir: str | None = None,
+    builtin: bool = False,
+    compactLimit: int | None = None,
 ) -> CodexResult:
     """
     Run one C{codex exec --json} turn against a relay.
@@ -263,6 +288,11 @@ async def runCodex(
     @param binary: the Codex executable; default L{codexBinary}.
     @param workdir: the working directory (C{-C}); default the fresh
         C{CODEX_HOME}.
+    @param builtin: use Codex's built-in C{openai} provider
+        (L{builtinConfigTOML}; the key goes in C{CODEX_API_KEY}) instead of
+        the custom C{relay} provider; C{websockets} and C{extraTOML} do not
+        apply then.
+    @param compactLimit: with C{builtin}, C{model_auto_compact_token_limit}.
     @return: the parsed L{CodexResult}.
     @raise RuntimeError: Codex is not installed.
     """
@@ -272,13 +302,17 @@ async def runCodex(
     home = _codexHome()
     try:
         with open(os.path.join(home, "config.toml"), "w", encoding="utf-8") as f:  # noqa: ASYNC230
-            f.write(configTOML(baseURL, websockets, extra=extraTOML))
+            if builtin:
+                f.write(builtinConfigTOML(baseURL, compactLimit=compactLimit))
+            else:
+                f.write(configTOML(baseURL, websockets, extra=extraTOML))
         cwd = workdir or home
         env = {
             "HOME": os.environ.get("HOME", home),
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "CODEX_HOME": home,
             "RELAY_API_KEY": apiKey,
+            **({"CODEX_API_KEY": apiKey} if builtin else {}),
             "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
             "NO_COLOR": "1",
         }

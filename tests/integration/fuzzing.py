@@ -516,8 +516,8 @@ def upstreamProblem(record, credentials: set):
     """
     if record.credential not in credentials:
         return f"upstream got credential {record.credential!r}"
-    if record.kind == "handshake":
-        return None
+    if record.kind == "handshake" or record.method in ("GET", "DELETE"):
+        return None  # no body: an upgrade, a model list, a retrieve (issue 20)
     body = record.body
     if not isinstance(body, dict):
         return f"upstream {record.kind} body is not an object: {body!r}"[:300]

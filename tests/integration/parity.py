@@ -729,3 +729,89 @@ def _storedStreak(stack, accountId: str, model: str = MODEL):
     if entry is None or entry[1] <= stack.app.reactor.seconds():
         return None
     return entry[0]
+
+
+# -- compaction turns (issue 20, R89) ---------------------------------------------
+
+TRIGGER = {"type": "compaction_trigger"}
+COMPACTION_ENTRYPOINTS = ("http_sse", "http_json", "ws_ctx_pool", "ws_passthrough",
+                          "ws_http_bridge")
+"""Where a compaction turn exists: the Responses entrypoints (chat has none)."""
+
+
+def _user(text: str) -> dict:
+    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+
+def compactionOutcome(items: list, terminal: str, faulty: str, responseId=None) -> Outcome:
+    """
+    Classify a compaction turn: served when it ended with
+    C{response.completed} and exactly one C{compaction} item, by the account
+    that sealed it (L{relay.emulator.sealing}).
+    """
+    from relay.emulator.sealing import sealedFor
+
+    compaction = [i for i in items if isinstance(i, dict) and i.get("type") == "compaction"]
+    if terminal != "response.completed" or len(compaction) != 1:
+        return Outcome("terminal_error", "in-stream", None,
+                       f"{terminal} with {len(compaction)} compaction items")
+    who = sealedFor(compaction[0].get("encrypted_content"))
+    kind = "served_same" if who == faulty else "served_by_other"
+    return Outcome(kind, None, who, f"compaction by {who}", responseId)
+
+
+async def compactionTurn(stack, entrypoint: str, faulty: str = "bad", client=None,
+                         item=None, previous=None):
+    """
+    One compaction turn (input ending with C{compaction_trigger}) through an
+    entrypoint; or, with C{item}, the turn after it, carrying that
+    compaction item (HTTP: in full input; WebSocket: chained to
+    C{previous} on the same connection).
+
+    @return: C{(Outcome, client, compaction item or None)}.
+    """
+    sid, text = newSession()
+    if item is None:
+        items = [_user(text), TRIGGER]
+    elif entrypoint in _HTTP:
+        items = [_user(text), item, _user("go on")]
+    else:
+        items = [_user("go on")]
+    if entrypoint in _HTTP:
+        stream = entrypoint in _SSE
+        body = {"model": MODEL, "input": items, "stream": stream}
+        response, data = await stack.postJSON("/v1/responses", body,
+                                              headers={"session-id": [sid]})
+        if response.code != 200:
+            return Outcome("terminal_error", response.code, None, _errorMessage(data)), None, None
+        if stream:
+            events = sseEvents(data)
+            done = [d.get("item") for t, d in events if t == "response.output_item.done"]
+            last, final = events[-1] if events else (None, {})
+            final = final.get("response") or {}
+        else:
+            final = json.loads(data)
+            done, last = final.get("output") or [], (
+                "response.completed" if final.get("status") == "completed" else final.get("status"))
+    else:
+        if client is None:
+            client = await connectNew(stack)
+        frame = {"type": "response.create", "model": MODEL, "store": False, "stream": True,
+                 "input": items}
+        if previous:
+            frame["previous_response_id"] = previous
+        client.sendJSON(frame)
+        events = await collectTurn(client)
+        last, data = events[-1]
+        if last != "response.completed":
+            return wsOutcome(events, faulty), client, None
+        done = [d.get("item") for t, d in events if t == "response.output_item.done"]
+        final = data.get("response") or {}
+    if item is not None:
+        texts = _completedText(final) or "".join(
+            c.get("text", "") for i in done if isinstance(i, dict)
+            for c in i.get("content") or [] if isinstance(c, dict))
+        return _served(texts, faulty, final.get("id")), client, None
+    outcome = compactionOutcome(done, last, faulty, final.get("id"))
+    found = [i for i in done if isinstance(i, dict) and i.get("type") == "compaction"]
+    return outcome, client, (found[0] if found else None)

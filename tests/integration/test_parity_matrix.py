@@ -188,6 +188,19 @@ ROWS = [
     Row("client_leaves_waiting", "R2, R33 (slot hygiene)",
         {}, ("none", None), OK, driver="leaveWaiting",
         accounts=_accounts({"concurrency": 1}, {"concurrency": 1})),
+    Row("compaction_5xx",
+        "R89 (a compaction turn is a turn: it fails over like one and its one compaction"
+        " item comes from the account that served it), R8 row 6, R11 streak, R86.1",
+        {"*": {"kind": "status", "code": 503,
+               "body": _err("Service Unavailable", "server_error")}},
+        SERVED, (True, "ok", 0, 1), driver="compaction", columns=P.COMPACTION_ENTRYPOINTS),
+    Row("compaction_turn_after",
+        "R89 (the turn carrying a compaction item goes to the account that produced it, here"
+        " the failover's account, though the faulty one is preferred and healthy again)",
+        {"*": {"kind": "status", "code": 503, "times": 1,
+               "body": _err("Service Unavailable", "server_error")}},
+        SERVED, (True, "ok", 0, 1), driver="compactionAfter",
+        columns=P.COMPACTION_ENTRYPOINTS),
     Row("429_usage_limit_later_turn", "R11, R12, R49 step 5, R51, R52, R61, R76",
         {"*": {"kind": "status", "preset": "usage_limit"}},
         SERVED, (False, "rate_limited", 0, 0), driver="laterTurn",
@@ -348,7 +361,34 @@ async def _laterTurnDriver(stack, row, entrypoint, clients):
     return await _capture(stack, entrypoint, outcome, 2)
 
 
+async def _compactionDriver(stack, row, entrypoint, clients):
+    """
+    One compaction turn (its input ends with C{compaction_trigger}, R89).
+    """
+    outcome, client, _ = await P.compactionTurn(stack, entrypoint)
+    if client is not None:
+        clients.append(client)
+    return await _capture(stack, entrypoint, outcome, 1)
+
+
+async def _compactionAfterDriver(stack, row, entrypoint, clients):
+    """
+    A compaction turn that fails over (the fault applies once), then the
+    turn that carries its compaction item: HTTP in full input from a new
+    session, WebSocket chained on the same connection.
+    """
+    first, client, item = await P.compactionTurn(stack, entrypoint)
+    if client is not None:
+        clients.append(client)
+    assert first.kind == "served_by_other" and item is not None, first
+    outcome, _, _ = await P.compactionTurn(stack, entrypoint, client=client, item=item,
+                                           previous=first.responseId)
+    return await _capture(stack, entrypoint, outcome, 2)
+
+
 DRIVERS = {
+    "compaction": _compactionDriver,
+    "compactionAfter": _compactionAfterDriver,
     "turn": _turnDriver,
     "refused": _turnDriver,
     "leave3": _leave3Driver,
@@ -481,6 +521,8 @@ OAUTH_SKIPPED = {
     "429_rate_limit": "R13: an OAuth 429 retries the same account within its 2-minute window",
     "429_usage_limit_later_turn": "R42: HTTP continuations need an API-key account",
     "5xx_ws_handshake": "a WebSocket-only fault",
+    "compaction_5xx": "chat has no compaction turn (OAuth compaction turns: test_compaction.py)",
+    "compaction_turn_after": "chat has no compaction turn",
 }
 
 OAUTH_ROWS = [r for r in ROWS if r.name not in OAUTH_SKIPPED]

@@ -197,3 +197,156 @@ async def test_previous_response_id_chain_stays_on_owner():
         assert all(e["sticky_previous_hit"] for e in log.events[1:])
     finally:
         await stack.stop()
+
+
+# -- issue 20: the rest of the Responses API, with the SDK's own calls -----------------------
+
+
+def inputTokensCounted(stack) -> float:
+    """
+    The input tokens relay counted (C{relay_tokens_total{type="input"}}).
+    """
+    total = 0.0
+    for metric in stack.app.extras["metrics"].registry.collect():
+        for sample in metric.samples:
+            if sample.name == "relay_tokens_total" and sample.labels.get("type") == "input":
+                total += sample.value
+    return total
+
+
+@pytest_twisted.ensureDeferred
+async def test_background_create_poll_and_cancel():
+    """
+    R88 with C{client.responses.create(background=True)}, C{.retrieve} and
+    C{.cancel}: the create answers C{queued} at once; polling reaches
+    C{completed} on the owning account; the run is the only generation and
+    its usage is counted once, however often it is polled; a cancelled run
+    is never a generation.
+    """
+    stack = await startStack(
+        [{"id": "a1", "credential": "sk-emu-a1", "priority": 1},
+         {"id": "o1", "type": "oauth", "credential": "oauth-1", "priority": 0}],
+        emulatorConfig={"default_script": {"delay": 0.05}},
+    )
+    try:
+
+        def poll():
+            import time
+
+            with client(stack) as c:
+                created = c.responses.create(model=MODEL, input="Say hi", background=True)
+                statuses = [created.status]
+                current = created
+                for _ in range(200):
+                    if current.status not in ("queued", "in_progress"):
+                        break
+                    time.sleep(0.05)
+                    current = c.responses.retrieve(created.id)
+                    statuses.append(current.status)
+                again = c.responses.retrieve(created.id)
+                return created, statuses, current, again
+
+        created, statuses, final, again = await deferToThread(poll)
+        assert created.status == "queued" and created.background is True
+        assert final.status == "completed", statuses
+        assert final.output_text and again.output_text == final.output_text
+        assert stack.emulator.generationCount() == 1
+        assert stack.emulator.requestsFor("oauth-1") == []  # R88: API-key accounts only
+        counted = inputTokensCounted(stack)
+        assert counted == final.usage.input_tokens  # once, not once per poll
+
+        stack.emulator.setScript("sk-emu-a1", {"delay": 0.5})
+
+        def cancel():
+            with client(stack) as c:
+                created = c.responses.create(model=MODEL, input="A long one", background=True)
+                cancelled = c.responses.cancel(created.id)
+                twice = c.responses.cancel(created.id)
+                return cancelled, twice
+
+        cancelled, twice = await deferToThread(cancel)
+        assert (cancelled.status, twice.status) == ("cancelled", "cancelled")
+        assert stack.emulator.generationCount() == 1
+        assert inputTokensCounted(stack) == counted
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_background_stream_resume():
+    """
+    R88: C{create(background=True, stream=True)} streams from
+    C{response.created} (queued); after the client dropped the stream,
+    C{client.responses.stream(response_id=..., starting_after=N)} (which
+    replays the stream and skips to event N) resumes on the owning account
+    and ends with the completed response; C{retrieve(stream=True,
+    starting_after=N)} asks upstream for the rest only. The usage is
+    counted once.
+    """
+    stack = await startStack([{"id": "a1", "credential": "sk-emu-a1"}],
+                             emulatorConfig={"default_script": {"delay": 0.05, "deltas": 6}})
+    try:
+
+        def run():
+            with client(stack) as c:
+                stream = c.responses.create(model=MODEL, input="Stream it", background=True,
+                                            stream=True)
+                seen = []
+                for event in stream:
+                    seen.append(event)
+                    if event.type == "response.output_text.delta":
+                        break
+                stream.close()  # the client drops the stream mid-answer
+                last = seen[-1].sequence_number
+                responseId = seen[0].response.id
+                with c.responses.stream(response_id=responseId, starting_after=last) as resumed:
+                    rest = list(resumed)
+                    final = resumed.get_final_response()
+                tail = list(c.responses.retrieve(responseId, stream=True, starting_after=last))
+                return seen, last, rest, final, tail
+
+        seen, last, rest, final, tail = await deferToThread(run)
+        assert [e.type for e in seen[:2]] == ["response.created", "response.queued"]
+        assert rest[0].sequence_number == last + 1
+        assert [e.sequence_number for e in tail] == [e.sequence_number for e in rest]
+        assert rest[-1].type == "response.completed"
+        assert final.status == "completed" and final.output_text
+        assert stack.emulator.generationCount() == 1
+        assert inputTokensCounted(stack) == final.usage.input_tokens
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_compact_input_tokens_items_delete_with_the_sdk():
+    """
+    R87 with the SDK's own calls: C{responses.compact}, C{input_tokens.count},
+    C{input_items.list} and C{delete}; none is a generation.
+    """
+    stack = await startStack([{"id": "a1", "credential": "sk-emu-a1"}])
+    try:
+
+        def run():
+            with client(stack) as c:
+                created = c.responses.create(model=MODEL, input="Remember otters")
+                compacted = c.responses.compact(model=MODEL, input=[
+                    {"role": "user", "content": "Remember otters"}])
+                counted = c.responses.input_tokens.count(model=MODEL, input="Remember otters")
+                items = list(c.responses.input_items.list(created.id))
+                c.responses.delete(created.id)
+                try:
+                    c.responses.retrieve(created.id)
+                    gone = False
+                except openai.NotFoundError:
+                    gone = True
+                return created, compacted, counted, items, gone
+
+        created, compacted, counted, items, gone = await deferToThread(run)
+        assert compacted.object == "response.compaction"
+        assert compacted.output[-1].type == "compaction"
+        assert counted.input_tokens == created.usage.input_tokens
+        assert [i.type for i in items] == ["message"]
+        assert gone
+        assert stack.emulator.generationCount() == 1
+    finally:
+        await stack.stop()
