@@ -662,7 +662,7 @@ class _Listener(StreamServerEndpointService):
     """
     The listening endpoint service. A port that cannot be listened on (in
     use, no permission) is one line naming C{listen} on standard error and
-    exit status 2 (L{relay.tap.exitWithConfigError}), not twistd's
+    exit status 2 (L{relay.configcheck.exitWithConfigError}), not twistd's
     CannotListenError traceback. twistd calls C{privilegedStartService}
     before dropping privileges; twist and tests reach it through
     C{startService}.
@@ -694,7 +694,7 @@ class _Listener(StreamServerEndpointService):
             self._log.error("{message}", message=message)
             if not self.exitOnError:
                 raise
-            from relay.tap import exitWithConfigError
+            from relay.configcheck import exitWithConfigError
 
             exitWithConfigError(message)
 
