@@ -796,3 +796,31 @@ class IControlStore(Interface):
 
         @return: a Deferred firing once it is closed.
         """
+
+
+class IEgressClient(Interface):
+    """
+    One HTTP request to an OpenAI endpoint that is not a turn, through an
+    account's egress proxy (behaviour.md R97: login code exchanges,
+    device-code requests and polls, usage probes go through the account's
+    proxy exactly as its model traffic does, never directly). TLS is
+    verified like every upstream call. Each request has its own
+    connection; nothing is retried.
+    """
+
+    def request(proxy, method, url, headers, body, timeout):
+        """
+        Send one request and read the whole (bounded) answer.
+
+        @param proxy: the account's L{relay.model.ProxySpec}, or L{None}
+            for an account without one (a direct connection, as its turns).
+        @param method: C{GET} or C{POST}.
+        @param url: the absolute C{http(s)} URL.
+        @param headers: C{str -> str}, sent as given (never logged: they may
+            carry a bearer).
+        @param body: the request body (bytes), or L{None}.
+        @param timeout: seconds for the whole exchange.
+        @return: a Deferred firing with a L{relay.oauth.egress.EgressReply}
+            (any status), or failing with the transport's exception
+            (refused, proxy failure, TLS, timeout).
+        """

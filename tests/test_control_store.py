@@ -17,9 +17,9 @@ from relay.control.store import (
     ControlChange,
     ControlStoreUnavailable,
     VersionConflict,
-    controlStoreFor,
     sequenceId,
 )
+from relay.control.assemble import controlStoreFor
 from relay.control.store.memory import MemoryControlStore
 from relay.control.store.sqlite import SQLiteControlStore
 from relay.interfaces import IControlStore

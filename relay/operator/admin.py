@@ -635,6 +635,14 @@ class _AdminRoot(Resource):
         """
         return _keyOf(self._adminKey)
 
+    def route(self, path: bytes):
+        """
+        @return: the resource routed at C{path} (e.g. C{b"accounts"}), or
+            L{None}; the control plane puts its own in front of some
+            (L{relay.control.audit.resource.ControlAdmin}).
+        """
+        return self._routes.get(path)
+
     def getChild(self, path, request):
         """
         Route one segment; unknown ones (and all when disabled) are 404.

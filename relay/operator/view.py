@@ -34,6 +34,8 @@ class OperatorView:
     @ivar credentials: the L{relay.interfaces.ICredentialSource} (token
         state, refresh, new tokens; issue 12), or L{None}.
     @ivar quota: the L{relay.scheduling.quota.UsageWindows}, or L{None}.
+    @ivar control: the L{relay.control.plane.ControlPlane} (pauses and
+        where each account comes from, issue 21), or L{None}.
     """
 
     accounts: list
@@ -45,6 +47,7 @@ class OperatorView:
     proxyHealth: object = None
     credentials: object = None
     quota: object = None
+    control: object = None
     slots: dict = field(factory=dict)
     _log = Logger()
 
@@ -91,6 +94,9 @@ class OperatorView:
                      "reason": tokenBlock[0], "until": tokenBlock[1] or None},
                     now,
                 ))
+            if self.control is not None:
+                # Issue 21: a paused account's block comes first.
+                blocks[0:0] = [_timed(b, now) for b in self.control.blocksOf(account, now)]
             first = blocks[0] if blocks else None
             rows.append(
                 {
@@ -125,6 +131,8 @@ class OperatorView:
             )
             if self.credentials is not None:
                 rows[-1].update(_tokenView(self.credentials.view(account)))
+            if self.control is not None:
+                rows[-1].update(self.control.viewOf(account))
         return rows
 
     def _oauthAccount(self, accountId: str):

@@ -1,7 +1,8 @@
 # -*- test-case-name: tests.test_control_store -*-
 """
 The control plane's store (L{relay.interfaces.IControlStore}, issue 21):
-the values its providers share, and the choice of provider.
+the values its providers share (the choice of provider is
+L{relay.control.assemble.controlStoreFor}).
 
 Providers, one contract (tests/test_control_store.py, architecture
 invariant 8):
@@ -38,7 +39,6 @@ __all__ = [
     "STORE_TIMEOUT_SECONDS",
     "VersionConflict",
     "checkKey",
-    "controlStoreFor",
     "decodeData",
     "encodeData",
     "sequenceId",
@@ -249,31 +249,3 @@ class Listeners:
                 self._log.failure(
                     "a control store listener failed", event="relay.control_listener_failed"
                 )
-
-
-def controlStoreFor(config, reactor, redis=None, settingsStore=None):
-    """
-    The control store of a relay: Redis with C{state.backend: redis}, else
-    the SQLite C{database} (sharing the settings store's connection), else
-    memory (nothing survives a restart).
-
-    @param config: the L{relay.model.RelayConfig}.
-    @param reactor: the reactor (the clock of every timeout).
-    @param redis: the L{relay.redisclient.RedisService}, with Redis.
-    @param settingsStore: the settings store (a
-        L{relay.settingsdb.SQLiteSettingsStore} when there is a database).
-    @rtype: L{relay.interfaces.IControlStore}
-    """
-    from relay.settingsdb import SQLiteSettingsStore
-
-    if config.state.backend == "redis" and redis is not None:
-        from relay.control.store.redis import RedisControlStore
-
-        return RedisControlStore(redis=redis, clock=reactor)
-    if isinstance(settingsStore, SQLiteSettingsStore):
-        from relay.control.store.sqlite import SQLiteControlStore
-
-        return SQLiteControlStore(database=settingsStore, clock=reactor)
-    from relay.control.store.memory import MemoryControlStore
-
-    return MemoryControlStore(clock=reactor)
