@@ -281,8 +281,9 @@ class ControlPlane:
         @param now: Unix seconds.
         @return: L{None}, or C{(reason, until)} (C{until} 0: until enabled).
         """
-        if account.id in self.pauses:
-            return ("paused by admin", 0)
+        pause = self.pauses.get(account.id)
+        if pause is not None:
+            return ("paused: " + (pause.data.get("reason") or "by admin"), 0)
         if self._running and not self._loaded and now < self._loadingUntil:
             return ("control_loading", now + 1)
         return None
@@ -294,8 +295,7 @@ class ControlPlane:
         """
         if account.id not in self.pauses:
             return []
-        data = self.pauses[account.id].data
-        reason = "paused by admin" + (f": {data['reason']}" if data.get("reason") else "")
+        reason = self.pauses[account.id].data.get("reason") or "by admin"
         return [{"scope": "account", "model": None, "kind": PAUSED_KIND, "reason": reason,
                  "until": None}]
 

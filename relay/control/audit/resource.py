@@ -100,7 +100,15 @@ class ControlAdmin(Resource):
         return self.inner.render(request)
 
     def _audit(self, request, segments) -> None:
-        status = request.code
+        try:
+            self._record(request, segments)
+        except Exception:  # noqa: BLE001 - logged; the answer is already sent
+            from twisted.logger import Logger
+
+            Logger().failure("recording an admin change failed", event="relay.admin_audit_failed")
+
+    def _record(self, request, segments) -> None:
+        status = getattr(request, "code", None) or getattr(request, "responseCode", None) or 200
         if not 200 <= status < 300:
             return
         note = getattr(request, "relayAudit", None) or {}
