@@ -87,8 +87,8 @@ class ControlPlane:
     live: Any
     configPath: Optional[str] = None
     store: Any = None
-    admin: dict = field(factory=dict)
-    pauses: dict = field(factory=dict)
+    admin: dict = field(factory=dict, repr=False)
+    pauses: dict = field(factory=dict, repr=False)
     invalid: dict = field(factory=dict)
     _loaded: bool = field(default=False, init=False)
     _running: bool = field(default=False, init=False)

@@ -43,7 +43,7 @@ class MemoryControlStore:
 
     _clock: IReactorTime
     failing: bool = False
-    _records: dict = field(factory=dict, init=False)
+    _records: dict = field(factory=dict, init=False, repr=False)
     _revision: int = field(default=0, init=False)
     _sequences: dict = field(factory=dict, init=False)
     _listeners: Listeners = field(factory=Listeners, init=False)
