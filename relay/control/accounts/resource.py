@@ -78,6 +78,7 @@ class AccountsResource(AdminLeaf):
                 else {}, address, note), "pausing an account")
         if len(path) == 2 and path[1] == b"login" and self.logins is not None:
             note = self._note(request)
+            note["action"] = "login.start"
             return deliver(request, lambda: self.logins.begin(
                 dict(readJSONBody(request, allowEmpty=True), account_id=pathId(path[0])),
                 address, note), "starting a login")
