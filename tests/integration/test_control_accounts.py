@@ -293,3 +293,35 @@ async def test_two_relays_on_one_redis_see_every_change_within_a_second(redisSer
         relays.assertNoSecret(ADMIN_API_KEY)
     finally:
         await relays.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_idle_oauth_account_usage_is_probed():
+    """
+    An idle OAuth account's windows are read from the emulator's
+    C{wham/usage} by the relay process itself (no traffic on it), with
+    their resets, and shown in the view with source C{probe}.
+    """
+    def accounts(emulator):
+        emulator.setUsage("o-added", {"primary_used_percent": 37, "secondary_used_percent": 5})
+        return [{"id": "o-idle", "type": "oauth", "base_url": emulator.baseURL("oauth"),
+                 "access_token": emulator.mintAccessToken("o-added", 3600),
+                 "chatgpt_account_id": "acct-o-added",
+                 "auth_base_url": emulator.baseURL("root")}]
+
+    relays = await Relays().start(accounts)
+    try:
+        for _ in range(100):
+            usage = (await relays.view())["o-idle"].get("usage")
+            if usage:
+                break
+            await sleep(0.1)
+        assert usage and usage["source"] == "probe", usage
+        assert (usage["primary"]["used_percent"], usage["secondary"]["used_percent"]) == (37, 5)
+        assert usage["primary"]["reset_at"] > reactor.seconds()
+        probes = [r for r in relays.emulator.requestsFor("o-added")
+                  if r.path == "/backend-api/wham/usage"]
+        assert len(probes) == 1
+        assert probes[0].headers["chatgpt-account-id"] == "acct-o-added"
+    finally:
+        await relays.stop()
