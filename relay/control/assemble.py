@@ -47,9 +47,14 @@ def controlStoreFor(config, reactor, redis=None, settingsStore=None):
     from relay.settingsdb import SQLiteSettingsStore
 
     if config.state.backend == "redis" and redis is not None:
-        from relay.control.store.redis import RedisControlStore
+        from relay.control.store.redis import CHANNEL, RedisControlStore
+        from relay.redisclient import parseRedisUrl
 
-        return RedisControlStore(redis=redis, clock=reactor)
+        # Pub/sub channels are server-wide, not per database: relays on
+        # another database of the same server hear nothing of these.
+        dbid = parseRedisUrl(config.state.redis_url).get("dbid")
+        channel = CHANNEL if dbid is None else f"{CHANNEL}:{dbid}"
+        return RedisControlStore(redis=redis, clock=reactor, channel=channel)
     if isinstance(settingsStore, SQLiteSettingsStore):
         from relay.control.store.sqlite import SQLiteControlStore
 

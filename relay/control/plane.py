@@ -43,6 +43,7 @@ from attrs import define, field
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from relay.control.accounts.records import (
     ACCOUNT,
@@ -174,7 +175,10 @@ class ControlPlane:
         self._again = False
         self._syncing = Deferred.fromCoroutine(self._sync())
 
-        def _done(_):
+        def _done(result):
+            if isinstance(result, Failure):
+                self._log.failure("applying the control store failed", result,
+                                  event="relay.control_sync_failed")
             self._syncing = None
             for w in waiters:
                 w.callback(None)

@@ -1,0 +1,4 @@
+"""
+Accounts changed through the admin API (issue 21): L{resource} (HTTP),
+L{service} (the rules), L{records} (how they are stored).
+"""
