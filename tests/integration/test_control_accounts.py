@@ -28,7 +28,7 @@ from relay.emulator import Emulator
 from tests.integration.harness import sseEvents
 from tests.integration.oauthstack import sleep
 from tests.integration.redis_server import redisServer  # noqa: F401 (fixture)
-from tests.integration.relayproc import ADMIN, KEY, RelayProcess, writeConfig
+from tests.integration.relayproc import ADMIN, RelayProcess, writeConfig
 
 SLOW = {"text": "a slow answer in many pieces", "delay": 0.06, "deltas": 30}
 """About two seconds of streaming."""
@@ -252,8 +252,8 @@ async def test_two_relays_on_one_redis_see_every_change_within_a_second(redisSer
     the audit is shared.
     """
     redisServer.command("FLUSHALL")
-    relays = await Relays().start(fileAccounts("fast"), count=2,
-                                  state=f"state: {{backend: redis, redis_url: '{redisServer.url}'}}\n")
+    state = f"state: {{backend: redis, redis_url: '{redisServer.url}'}}\n"
+    relays = await Relays().start(fileAccounts("fast"), count=2, state=state)
     first, second = relays.processes
     try:
         async def seen(predicate, what):

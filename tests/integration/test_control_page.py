@@ -34,7 +34,7 @@ from twisted.internet import reactor
 from relay.emulator import Emulator
 from tests.integration.cdp import CHROMIUM, Session
 from tests.integration.oauthstack import sleep
-from tests.integration.relayproc import ADMIN, KEY, RelayProcess, writeConfig
+from tests.integration.relayproc import ADMIN, RelayProcess, writeConfig
 from tests.integration.test_status_page import ARTIFACTS
 
 pytestmark = pytest.mark.skipif(
