@@ -151,6 +151,19 @@ class AddAccountTests(ControlFixture, SynchronousTestCase):
         rows = self.rows()
         self.assertEqual((rows["x1"]["source"], rows["a1"]["source"]), ("admin", "file"))
 
+    def test_othersKeepTheirState(self):
+        """
+        Adding, pausing and deleting an account keeps the cooldowns of the
+        others (state is keyed by id; they did not change).
+        """
+        store = self.app.store
+        self.successResultOf(store.markAccount("a1", "rate_limited", NOW + 600, "429"))
+        self.call(b"POST", "accounts", self.apikey())
+        self.call(b"POST", "accounts/x1/disable")
+        self.call(b"DELETE", "accounts/x1")
+        states = self.successResultOf(store.getAccountStates(["a1"]))
+        self.assertEqual(states["a1"].rateLimitedUntil, NOW + 600)
+
     def test_addOAuthAccount(self):
         """
         An OAuth account added with tokens (or a Codex C{auth.json}) takes
@@ -252,12 +265,15 @@ class EditDeleteTests(ControlFixture, SynchronousTestCase):
     def test_update(self):
         """
         Priority, concurrency, models, mapping, ws_mode, proxy and label
-        change the account in force; a proxy is shown without its password
-        (R100); C{null} resets a field; the account's learnt state is kept
-        (a change, not a renewal) unless its key or proxy changed.
+        change the account in force (its pooled sockets retired, as a
+        reload does); a proxy is shown without its password (R100); C{null}
+        resets a field; the account's learnt state is kept (a change, not
+        a renewal) unless its key or proxy changed.
         """
-        changes = []
+        changes, retired = [], []
         self.app.live.accounts.subscribe(changes.append)
+        pool = self.app.extras["wsPool"]
+        self.patch(type(pool), "retire", lambda this, accountId: retired.append(accountId))
         status, body = self.call(b"PATCH", "accounts/x1", {
             "priority": 1, "concurrency": 7, "models": ["gpt-5.5"], "ws_mode": "passthrough",
             "model_mapping": {"gpt-5": "gpt-5.5"}, "label": "team b"})
@@ -268,6 +284,9 @@ class EditDeleteTests(ControlFixture, SynchronousTestCase):
         self.assertEqual(body["account"]["label"], "team b")
         self.assertEqual(changes[-1].changed, frozenset({"x1"}))
         self.assertEqual(changes[-1].renewed, frozenset())
+        # As a reload does: the changed account's pooled upstream WebSockets
+        # are retired once idle; no other account's.
+        self.assertEqual(retired, ["x1"])
         status, body = self.call(b"PATCH", "accounts/x1", {"proxy_id": "p1"})
         self.assertEqual(body["account"]["proxy"], {"id": "p1", "scheme": "http",
                                                     "host": "127.0.0.1", "port": 3128})
