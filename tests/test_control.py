@@ -431,6 +431,40 @@ class PauseTests(ControlFixture, SynchronousTestCase):
         self.assertIsNone(self.plane.blockReason(account, NOW + LOADING_GRACE_SECONDS + 1))
 
 
+class EmbeddedStartTests(SynchronousTestCase):
+    """
+    With the embedded store, the control plane knows the pauses before
+    relay listens (R105: no turn meets a paused account, none waits).
+    """
+
+    def test_pausesKnownAtStart(self):
+        """
+        A pause written before a restart blocks the account from the
+        plane's start, with no loading window.
+        """
+        from relay.control.plane import ControlPlane
+        from relay.control.store.sqlite import SQLiteControlStore
+        from relay.operations.live import LiveConfiguration
+        from relay.settingsdb import SQLiteSettingsStore
+        from tests.test_settings import synchronousPool
+
+        path = self.mktemp()
+        database = SQLiteSettingsStore(path=path, pool=synchronousPool(path))
+        self.addCleanup(database.close)
+        reactor = MemoryReactorClock()
+        reactor.advance(NOW)
+        store = SQLiteControlStore(database=database, clock=reactor)
+        self.successResultOf(store.put("pause", "a1", {"paused_at": NOW}, None))
+        live = LiveConfiguration.fromConfig(settingsFromString(CONFIG))
+        plane = ControlPlane(clock=reactor, live=live)
+        plane.attach(store)
+        # The store's asynchronous read has not answered yet (a thread).
+        self.patch(SQLiteControlStore, "list", lambda this, kind: Deferred())
+        plane.start()
+        account = live.accounts.byId("a1")
+        self.assertEqual(plane.blockReason(account, NOW), ("paused: by admin", 0))
+
+
 class ReloadTests(ControlFixture, SynchronousTestCase):
     """
     A reload keeps what the control plane added and refuses a clash.

@@ -343,6 +343,23 @@ class SQLiteControlStoreTests(ControlStoreContractMixin, SynchronousTestCase):
         later = self.successResultOf(again.put("pause", "a2", {}, None))
         self.assertGreater(later.version, first.version)
 
+    def test_readNow(self):
+        """
+        The start-up read: every record of the kinds asked, at once, with a
+        connection of its own; nothing (not an error) before the file or
+        its tables exist.
+        """
+        store = self.makeStore()
+        self.assertEqual(store.readNow(("pause",)), {"pause": []})
+        self.successResultOf(self.database.save({"x": 1}))
+        self.assertEqual(store.readNow(("pause",)), {"pause": []})
+        record = self.successResultOf(store.put("pause", "a1", {"paused": True}, None))
+        self.successResultOf(store.put("account", "b", {}, None))
+        found = store.readNow(("pause", "account", "login"))
+        self.assertEqual(found["pause"], [record])
+        self.assertEqual([r.id for r in found["account"]], ["b"])
+        self.assertEqual(found["login"], [])
+
     def test_settingsUntouched(self):
         """
         The control tables live beside the settings in the same file.

@@ -21,6 +21,7 @@ listeners only.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from attrs import define, field
@@ -234,6 +235,41 @@ class SQLiteControlStore:
     def _announce(self, record: ControlRecord) -> ControlRecord:
         self._listeners.notify(ControlChange(record.kind, record.id, record.version))
         return record
+
+    def readNow(self, kinds) -> dict:
+        """
+        Read every record of C{kinds} now, synchronously, with a short-lived
+        connection of its own (start-up only: the control plane knows the
+        admin accounts and pauses before relay listens; the file is local).
+        Not part of L{IControlStore}.
+
+        @return: kind -> list of L{ControlRecord} sorted by id (empty when
+            the tables do not exist yet).
+        @raise sqlite3.Error: the file cannot be read.
+        """
+        import sqlite3
+
+        out = {kind: [] for kind in kinds}
+        path = self.database.path
+        if not path or path == ":memory:" or not os.path.exists(path):
+            return out
+        connection = sqlite3.connect(path, timeout=self.timeout)
+        try:
+            for kind in kinds:
+                try:
+                    rows = connection.execute(
+                        "SELECT id, version, data, updated_at FROM control_records"
+                        " WHERE kind = ? ORDER BY id", (kind,)).fetchall()
+                except sqlite3.OperationalError as e:
+                    if "no such table" in str(e):
+                        return out
+                    raise
+                out[kind] = [ControlRecord(kind=kind, id=r[0], version=int(r[1]),
+                                           data=decodeData(r[2]), updated_at=float(r[3]))
+                             for r in rows]
+        finally:
+            connection.close()
+        return out
 
     def subscribe(self, listener):
         """
