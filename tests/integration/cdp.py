@@ -231,10 +231,14 @@ class Page:
         """
         A real click at the centre of the (visible) element C{selector}.
         """
+        # The element must be the one under its centre (not covered, and the
+        # layout settled: the page re-renders its tables every few seconds).
         box = await self.waitFor(
             "(function(){var e=document.querySelector(%s); if(!e) return null;"
             " e.scrollIntoView({block:'center'}); var r=e.getBoundingClientRect();"
-            " if(!r.width||!r.height) return null; return [r.left+r.width/2, r.top+r.height/2];"
+            " if(!r.width||!r.height) return null; var x=r.left+r.width/2, y=r.top+r.height/2;"
+            " var hit=document.elementFromPoint(x, y);"
+            " return hit && (hit===e || e.contains(hit)) ? [x, y] : null;"
             "})()" % json.dumps(selector), what=f"clickable {selector}")
         x, y = box
         for kind in ("mouseMoved", "mousePressed", "mouseReleased"):
@@ -245,13 +249,20 @@ class Page:
         """
         Focus C{selector} (by clicking it) and type C{text}.
         """
-        await self.click(selector)
-        if clear:
-            # What select-all and delete do: an empty field, an input event.
-            await self.evaluate("(function(){var e=document.querySelector(%s); e.value='';"
-                                " e.dispatchEvent(new Event('input',{bubbles:true}));})()"
-                                % json.dumps(selector))
-        await self.send("Input.insertText", {"text": text})
+        for attempt in range(3):
+            await self.click(selector)
+            # The click focuses the field; make sure (a re-render may have
+            # moved it), and empty it as select-all and delete would.
+            await self.evaluate(
+                "(function(){var e=document.querySelector(%s); e.focus(); if(%s){e.value='';"
+                " e.dispatchEvent(new Event('input',{bubbles:true}));}})()"
+                % (json.dumps(selector), "true" if clear else "false"))
+            before = await self.evaluate("document.querySelector(%s).value" % json.dumps(selector))
+            await self.send("Input.insertText", {"text": text})
+            value = await self.evaluate("document.querySelector(%s).value" % json.dumps(selector))
+            if value == before + text:
+                return
+        raise AssertionError(f"typing into {selector} gave {value!r}")
 
     async def select(self, selector, value):
         """
