@@ -27,7 +27,8 @@ from relay.policy.classify import DefaultClassifier
 from relay.components import loadComponent
 from relay.engine.runner import TurnRunner
 from relay.entry.body import LimitedBodyRequest
-from relay.entry.http import KeyRing, buildRoot
+from relay.entry.http import KeyRing
+from relay.entry.root import buildRoot
 from relay.entry.site import JSONMethodErrors, RelaySite
 from relay.logs import redactQuery
 from relay.policy.health import AccountHealth
@@ -296,9 +297,17 @@ def buildApplication(
     accounts = live.accounts
     credentials, quota = _oauthParts(config, reactor, settings, accounts, trustRoot)
 
+    from relay.control.plane import ControlPlane
+
+    # Issue 21: what operators change live (admin accounts, pauses); its
+    # store is attached once the settings store exists (_controlSurface).
+    control = ControlPlane(clock=reactor, live=live, configPath=configPath)
+
     def extraBlock(account, now, model):
-        # R4/R-B1 in-memory blocks, then token state (needs_login, issue 12).
-        return health.localBlock(account.id, model) or credentials.blockReason(account, now)
+        # A pause (issue 21), R4/R-B1 in-memory blocks, then token state
+        # (needs_login, issue 12).
+        return (control.blockReason(account, now) or health.localBlock(account.id, model)
+                or credentials.blockReason(account, now))
 
     scheduler = AccountScheduler(
         accounts=accounts,
@@ -342,7 +351,8 @@ def buildApplication(
     app.reloader = ConfigReloader(
         path=configPath, live=live, settings=settings, listenOverride=listenOverride
     )
-    app.extras.update(proxyHealth=proxyHealth, credentials=credentials, quota=quota)
+    app.extras.update(proxyHealth=proxyHealth, credentials=credentials, quota=quota,
+                      control=control, trustRoot=trustRoot)
     wsResource = _webSocket(app, trustRoot)
     root = buildRoot(runner, keys, accounts, wsResource)
     _readiness(app, root)
@@ -615,7 +625,8 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
         tokenActions=view,
         reload=app.reloader.reload,
     )
-    root.putChild(b"admin", admin)
+    view.control = app.extras["control"]
+    root.putChild(b"admin", _controlSurface(app, admin, view, redis))
     root.putChild(b"metrics", _GuardedMetrics(app.live.adminKey, metrics.exposed))
     app.extras.update(metrics=metrics, operator=view, history=history)
     _tenants(app, admin, usage, redis)
@@ -625,6 +636,25 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
     if any(a.type == "oauth" for a in accounts):
         # Issue 12: adopt tokens another process refreshed; re-plan timers.
         app.services.append(periodic(15, credentials.sync, reactor))
+
+
+def _controlSurface(app: RelayApplication, admin, view, redis):
+    """
+    Issue 21: the control plane's store, services and routes
+    (L{relay.control.assemble}); a reload also checks that the file and
+    the admin accounts agree.
+
+    @return: the C{/admin} resource to mount (the operator's with the
+        control routes in front, every change audited).
+    """
+    from relay.control.assemble import assembleControl
+
+    parts = assembleControl(app, admin, view, redis)
+    app.extras["controlParts"] = parts
+    app.services.append(parts.service)
+    base = app.reloader.checks
+    app.reloader.checks = lambda config: list(base(config)) + parts.plane.reloadProblems(config)
+    return parts.resource
 
 
 def _usageLedger(app: RelayApplication, metrics, redis):
@@ -816,7 +846,7 @@ class _Listener(StreamServerEndpointService):
     """
     The listening endpoint service. A port that cannot be listened on (in
     use, no permission) is one line naming C{listen} on standard error and
-    exit status 2 (L{relay.tap.exitWithConfigError}), not twistd's
+    exit status 2 (L{relay.configcheck.exitWithConfigError}), not twistd's
     CannotListenError traceback. twistd calls C{privilegedStartService}
     before dropping privileges; twist and tests reach it through
     C{startService}.
@@ -848,7 +878,7 @@ class _Listener(StreamServerEndpointService):
             self._log.error("{message}", message=message)
             if not self.exitOnError:
                 raise
-            from relay.tap import exitWithConfigError
+            from relay.configcheck import exitWithConfigError
 
             exitWithConfigError(message)
 

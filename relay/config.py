@@ -54,6 +54,7 @@ __all__ = [
     "secretsOf",
     "checkDatabase",
     "parseProxyURL",
+    "parseAccount",
     "OAUTH_BASE_URL",
     "APIKEY_BASE_URL",
     "WS_MODES",
@@ -414,6 +415,16 @@ def _stateSection(value: Any, path: str) -> StateSettings:
     return StateSettings(**fields)
 
 
+def _usageProbeInterval(value: Any, path: str) -> float:
+    """
+    C{0} (never) or at least 30 seconds between usage probes (issue 21).
+    """
+    value = _number(0, 86400)(value, path)
+    if value != 0 and value < 30:
+        raise _fail(path, f"must be 0 (off) or at least 30, got {_describe(value)}")
+    return value
+
+
 # ---------------------------------------------------------------------------
 # The whitelists. Key -> validator. Defaults live in relay.model.
 # ---------------------------------------------------------------------------
@@ -445,6 +456,8 @@ _OAUTH: Dict[str, Validator] = {
     "client_id": _string,
     "refresh_margin_seconds": _number(0),
     "refresh_timeout_seconds": _number(1, 300),
+    "usage_probe_interval_seconds": _usageProbeInterval,
+    "usage_probe_after_cooldown": _boolean,
 }
 
 _WEBSOCKET: Dict[str, Validator] = {
@@ -886,34 +899,65 @@ def _parseAccounts(
         if "id" not in values:
             raise ConfigError(f"{path}: id is required")
         accountId = values["id"]
-        label = f"{path} ({accountId})"
         if accountId in seen:
             raise ConfigError(
                 f"{path}.id: duplicate account id {accountId!r} (also accounts[{seen[accountId]}])"
             )
         seen[accountId] = i
-        if "type" not in values:
-            raise ConfigError(f"{label}: type is required (apikey or oauth)")
-        kind = values["type"]
-
-        if kind == "apikey":
-            for other in _OAUTH_ONLY:
-                if other in values:
-                    raise ConfigError(f"{path}.{other}: only allowed on an oauth account")
-            credential = _secret(values, "api_key", path, label, environ, required=True)
-            values.setdefault("base_url", APIKEY_BASE_URL)
-        else:
-            for other in ("api_key", "api_key_env", "pool_mode"):
-                if other in values:
-                    raise ConfigError(f"{path}.{other}: only allowed on an apikey account")
-            credential = _oauthTokens(values, path, label, environ)
-            values.setdefault("base_url", OAUTH_BASE_URL)
-
-        values["proxy"] = _accountProxy(values, path, label, accountId, byId, environ)
-        if values.get("model_mapping") is None:
-            values.pop("model_mapping", None)
-        accounts.append(Account(credential=credential, **values))
+        accounts.append(_accountFrom(values, path, byId, environ))
     return tuple(accounts)
+
+
+def parseAccount(
+    entry: Any, proxies: Tuple[ProxySpec, ...], environ: Mapping[str, str], path: str
+) -> Account:
+    """
+    Validate one account mapping exactly as an entry of C{accounts:} is
+    validated (the admin API's accounts, issue 21, use the file's fields
+    and rules).
+
+    @param entry: the mapping (as YAML would give it).
+    @param proxies: the top-level proxies, for C{proxy_id}.
+    @param environ: where C{*_env} keys are looked up.
+    @param path: the key path messages name, e.g. C{account}.
+    @rtype: L{Account}
+    @raise ConfigError: one line naming the key.
+    """
+    values = _section(entry, path, _ACCOUNT)
+    if "id" not in values:
+        raise ConfigError(f"{path}: id is required")
+    return _accountFrom(values, path, {p.id: p for p in proxies}, environ)
+
+
+def _accountFrom(
+    values: Dict[str, Any], path: str, byId: Mapping[str, ProxySpec], environ: Mapping[str, str]
+) -> Account:
+    """
+    Build one account from its validated keys (C{id} present).
+    """
+    accountId = values["id"]
+    label = f"{path} ({accountId})"
+    if "type" not in values:
+        raise ConfigError(f"{label}: type is required (apikey or oauth)")
+    kind = values["type"]
+
+    if kind == "apikey":
+        for other in _OAUTH_ONLY:
+            if other in values:
+                raise ConfigError(f"{path}.{other}: only allowed on an oauth account")
+        credential = _secret(values, "api_key", path, label, environ, required=True)
+        values.setdefault("base_url", APIKEY_BASE_URL)
+    else:
+        for other in ("api_key", "api_key_env", "pool_mode"):
+            if other in values:
+                raise ConfigError(f"{path}.{other}: only allowed on an apikey account")
+        credential = _oauthTokens(values, path, label, environ)
+        values.setdefault("base_url", OAUTH_BASE_URL)
+
+    values["proxy"] = _accountProxy(values, path, label, accountId, byId, environ)
+    if values.get("model_mapping") is None:
+        values.pop("model_mapping", None)
+    return Account(credential=credential, **values)
 
 
 _OAUTH_ONLY = (

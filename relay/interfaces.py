@@ -814,3 +814,162 @@ class ITurnTrace(Interface):
         @param accountId: the last account tried, or L{None}.
         @param state: the runner's per-turn state.
         """
+
+
+class IControlStore(Interface):
+    """
+    What operators change while relay runs (issue 21, protocol.md 7.5,
+    behaviour.md R95-R97): the control plane's one store, shared by every
+    relay process on the same backend (L{relay.control}).
+
+    B{Records.} A record is a JSON object stored under a I{kind} and an
+    I{id}, with a I{version} and the time it was written
+    (L{relay.control.store.ControlRecord}). Kinds used today:
+
+      - C{account}: an account added through the admin API (its file-like
+        fields, secrets included: the store is as private as the token
+        store, never shown);
+      - C{pause}: a paused account (any source: file or admin), so a pause
+        survives restarts and reloads;
+      - C{login}: a pending ChatGPT login (its PKCE verifier and state, or
+        its device code), single-use, gone after 10 minutes;
+      - C{audit}: the admin audit trail, appended with L{append} (never a
+        secret);
+      - C{key}: client keys and their policy (issue 22).
+
+    A kind is any short C{[a-z_]} name: a new concept adds a kind, not a
+    method. Ids are non-empty strings.
+
+    B{Versions.} Every write gives the record a new version: a
+    store-wide revision number that only grows, so a version also orders
+    writes across records and kinds. L{put} and L{delete} are
+    compare-and-set on the version the caller last read, so two admins (or
+    two processes) editing one record cannot lose each other's change.
+
+    B{Changes.} L{subscribe} delivers an
+    L{relay.control.store.ControlChange} for every write by any process
+    on the same backend: at once for this process's own writes, within a
+    second for other processes' (Redis publishes on a channel; memory and
+    SQLite serve one process). A change whose C{kind} is L{None} means
+    "anything may have changed" (the change feed reconnected and may have
+    missed some): re-read everything.
+
+    Every method returning a L{twisted.internet.defer.Deferred} is bounded
+    by a timeout on the injected clock and fails with
+    L{relay.control.store.ControlStoreUnavailable} when the backend cannot
+    be reached (nothing may be assumed written then).
+    """
+
+    def get(kind, id):
+        """
+        Read one record.
+
+        @param kind: e.g. C{account}.
+        @param id: the record's id.
+        @return: a Deferred firing with the
+            L{relay.control.store.ControlRecord}, or L{None}.
+        """
+
+    def list(kind):
+        """
+        Read every record of a kind.
+
+        @return: a Deferred firing with a list of
+            L{relay.control.store.ControlRecord}, sorted by id (records
+            added with L{append} therefore come oldest first).
+        """
+
+    def put(kind, id, data, expected):
+        """
+        Write a record if its version is still C{expected}.
+
+        @param data: a JSON-able C{dict} (stored as JSON; read back equal).
+        @param expected: the version the caller read; L{None} when the
+            record must not exist yet; L{relay.control.store.ANY} to write
+            whatever is stored.
+        @return: a Deferred firing with the written
+            L{relay.control.store.ControlRecord} (its new version), or
+            failing with L{relay.control.store.VersionConflict} (nothing
+            written) when the stored version is another.
+        """
+
+    def delete(kind, id, expected):
+        """
+        Remove a record if its version is still C{expected}
+        (L{relay.control.store.ANY}: whatever is stored).
+
+        @return: a Deferred firing with L{True} when a record was removed,
+            L{False} when there was none; failing with
+            L{relay.control.store.VersionConflict} when the stored version
+            is another.
+        """
+
+    def append(kind, data, keep):
+        """
+        Add a record under the next id of an ever-growing sequence (12
+        zero-padded digits, so ids sort in the order they were added),
+        keeping only the newest C{keep} records of the kind (an append-only
+        log such as the audit trail).
+
+        @param data: a JSON-able C{dict}.
+        @param keep: how many records of the kind to keep (>= 1).
+        @return: a Deferred firing with the new
+            L{relay.control.store.ControlRecord}.
+        """
+
+    def subscribe(listener):
+        """
+        Be told of every change (see the class docstring). The listener is
+        called with one L{relay.control.store.ControlChange}, on the
+        reactor thread, after the write is durable; its exceptions are
+        logged and do not stop the other listeners.
+
+        @param listener: a one-argument callable.
+        @return: a no-argument callable that unsubscribes.
+        """
+
+    def start():
+        """
+        Begin delivering other processes' changes (Redis: open the
+        subscriber connection, reconnecting by itself). Idempotent.
+
+        @return: a Deferred firing once the feed is listening (or at once
+            where there is nothing to open); it never fails: a feed that
+            cannot connect yet keeps trying and signals a resync change
+            once it does.
+        """
+
+    def stop():
+        """
+        Stop the change feed (service stop). Idempotent.
+
+        @return: a Deferred firing once it is closed.
+        """
+
+
+class IEgressClient(Interface):
+    """
+    One HTTP request to an OpenAI endpoint that is not a turn, through an
+    account's egress proxy (behaviour.md R97: login code exchanges,
+    device-code requests and polls, usage probes go through the account's
+    proxy exactly as its model traffic does, never directly). TLS is
+    verified like every upstream call. Each request has its own
+    connection; nothing is retried.
+    """
+
+    def request(proxy, method, url, headers, body, timeout):
+        """
+        Send one request and read the whole (bounded) answer.
+
+        @param proxy: the account's L{relay.model.ProxySpec}, or L{None}
+            for an account without one (a direct connection, as its turns).
+        @param method: C{GET} or C{POST}.
+        @param url: the absolute C{http(s)} URL.
+        @param headers: C{str -> str}, sent as given (never logged: they may
+            carry a bearer).
+        @param body: the request body (bytes), or L{None}.
+        @param timeout: seconds for the whole exchange.
+        @return: a Deferred firing with a L{relay.oauth.egress.EgressReply}
+            (any status), or failing with the transport's exception
+            (refused, proxy failure, TLS, timeout).
+        """

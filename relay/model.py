@@ -232,6 +232,13 @@ class OAuthSettings:
     client_id: str = "app_EMoamEEZ73f0CkXaXp7hrann"
     refresh_margin_seconds: float = 86400
     refresh_timeout_seconds: float = 30
+    usage_probe_interval_seconds: float = 300
+    """Issue 21: how often an idle OAuth account's usage windows are read
+    from C{/backend-api/wham/usage} (through its proxy); an account whose
+    traffic reported its windows more recently is not probed. 0 = never."""
+    usage_probe_after_cooldown: bool = True
+    """Issue 21: probe an OAuth account once when a cooldown of it ends (so
+    a window that reset shows as such before the next turn)."""
 
 
 @frozen

@@ -18,28 +18,18 @@ C{--log-format}) stays a L{usage.UsageError} with the usage text.
 from __future__ import annotations
 
 import signal
-import sys
-from typing import NoReturn
 
 from twisted.application.service import Service
 from twisted.logger import Logger
 from twisted.python import usage
-from twisted.python.reflect import namedAny
 
-from relay.model import ConfigError
-
-CONFIG_ERROR_PREFIX = "relay: config error: "
-"""What every configuration error line on standard error starts with."""
-
-CONFIG_ERROR_EXIT = 2
-"""The exit status for a configuration error."""
-
-_COMPONENT_INTERFACES = (
-    ("classifier", "IFailureClassifier"),
-    ("dialer", "IUpstreamDialer"),
-    ("admission", "ISlotAdmission"),
+from relay.configcheck import (  # noqa: F401 - their home is relay.configcheck (issue 21)
+    CONFIG_ERROR_EXIT,
+    CONFIG_ERROR_PREFIX,
+    checkComponents,
+    exitWithConfigError,
 )
-"""The C{components:} keys and the interface (in L{relay.interfaces}) each must provide."""
+from relay.model import ConfigError
 
 _LOG_FORMATS = ("text", "json")
 
@@ -64,63 +54,6 @@ def ownPidfile(options: usage.Options, name: str) -> None:
     parent = getattr(options, "parent", None)
     if parent is not None and parent.get("pidfile") == TWISTD_DEFAULT_PIDFILE:
         parent["pidfile"] = name + ".pid"
-
-
-def _stderr():
-    """
-    The process's own standard error. Once twistd has begun logging,
-    C{sys.stderr} writes into the log (stdout under C{-n}), so prefer
-    C{sys.__stderr__}. Tests patch this function.
-    """
-    return sys.__stderr__ or sys.stderr
-
-
-def exitWithConfigError(message: str) -> NoReturn:
-    """
-    Write C{relay: config error: MESSAGE} as one line to standard error and
-    exit with status L{CONFIG_ERROR_EXIT}.
-
-    @param message: the problem, naming the key (whitespace is collapsed so
-        it is always one line).
-    @raise SystemExit: always.
-    """
-    stream = _stderr()
-    stream.write(CONFIG_ERROR_PREFIX + " ".join(str(message).split()) + "\n")
-    stream.flush()
-    raise SystemExit(CONFIG_ERROR_EXIT)
-
-
-def checkComponents(config) -> None:
-    """
-    Import every class named in C{components:} and check that it implements
-    its interface, so that a bad dotted name is a one-line error at
-    option-parsing time: twistd prints a traceback for anything
-    L{makeService} raises.
-
-    A factory that is not a class cannot be checked before it is called;
-    L{relay.components.loadComponent} verifies what it builds.
-
-    @param config: the parsed L{relay.model.RelayConfig}.
-    @raise ConfigError: naming the key, e.g. C{components.classifier:
-        cannot import mypkg.Classifier: No module named 'mypkg'}.
-    """
-    from relay import interfaces
-
-    for key, ifaceName in _COMPONENT_INTERFACES:
-        dotted = getattr(config.components, key)
-        if dotted is None:
-            continue
-        path = f"components.{key}"
-        try:
-            factory = namedAny(dotted)
-        except Exception as e:  # noqa: BLE001 - any import-time error is the config's
-            reason = " ".join(str(e).split())[:200] or type(e).__name__
-            raise ConfigError(f"{path}: cannot import {dotted}: {reason}")
-        if not callable(factory):
-            raise ConfigError(f"{path}: {dotted} is not callable (expected a class or factory)")
-        interface = getattr(interfaces, ifaceName)
-        if isinstance(factory, type) and not interface.implementedBy(factory):
-            raise ConfigError(f"{path}: {dotted} does not implement {ifaceName}")
 
 
 class Options(usage.Options):

@@ -5,7 +5,13 @@
 #   scripts/demo.sh            start both, print how to use them (and the status page's
 #                              address with the demo admin key), stop both on Ctrl-C
 #   scripts/demo.sh --check    start both, run one streaming and one non-streaming request
-#                              with curl, stop both; exit non-zero if anything failed
+#                              with curl, log a ChatGPT account in with the device-code flow
+#                              and serve a turn with it, stop both; exit non-zero if anything
+#                              failed
+#
+# Both modes show a device-code login against the emulator (README "Managing accounts"):
+# relay asks the emulator for a user code, the code is approved (as a person would at the
+# verification page), relay polls, stores the tokens and adds the account demo-login.
 #
 # Environment:
 #   RELAY_PORT      the relay's port          (default 8080)
@@ -117,6 +123,41 @@ if [[ -n "$ADMIN_KEY" ]]; then
     echo "status:   $RELAY_URL/admin/#key=$ADMIN_KEY  (the status page, signed in with the demo admin key)"
 fi
 
+# json EXPR: read one value from the JSON on stdin (EXPR is Python, the document is `d`).
+json() { "$PYTHON" -c "import json, sys; d = json.load(sys.stdin); print($1)"; }
+
+# admin METHOD PATH [BODY]: one admin API call with the demo admin key.
+admin() {
+    curl -sS --max-time 10 -X "$1" "$RELAY_URL/admin/$2" -H "Authorization: Bearer $ADMIN_KEY" \
+        -H "Content-Type: application/json" ${3:+-d "$3"}
+}
+
+# deviceLogin: a device-code ChatGPT login of a new account, demo-login, against the
+# emulator (issue 21). Prints each step; returns non-zero if the login did not complete.
+deviceLogin() {
+    local started id code url status
+    echo "--- device-code login: POST /admin/logins {\"flow\": \"device\", \"account\": {\"id\": \"demo-login\", ...}}"
+    started="$(admin POST logins "{\"flow\": \"device\", \"account\": {\"id\": \"demo-login\", \"label\": \"logged in by demo.sh\", \"priority\": 40, \"base_url\": \"$EMULATOR_URL/backend-api/codex\"}}")" || return 1
+    id="$(echo "$started" | json 'd["login"]["id"]')" || { echo "$started" >&2; return 1; }
+    code="$(echo "$started" | json 'd["login"]["user_code"]')"
+    url="$(echo "$started" | json 'd["login"]["verification_url"]')"
+    echo "relay says: open $url and enter the code $code"
+    echo "(approving it as the emulator login demo-login, as a person would on that page)"
+    curl -sS --max-time 5 -o /dev/null -X POST "$EMULATOR_URL/_emulator/oauth/device/approve" \
+        -H "Content-Type: application/json" \
+        -d "{\"user_code\": \"$code\", \"account\": \"demo-login\"}" || return 1
+    for _ in $(seq 100); do
+        status="$(admin GET "logins/$id" | json 'd["login"]["status"]')"
+        [[ "$status" == pending || "$status" == exchanging ]] || break
+        sleep 0.2
+    done
+    if [[ "$status" != completed ]]; then
+        echo "device-code login ended $status: $(admin GET "logins/$id")" >&2
+        return 1
+    fi
+    echo "ok: login completed; $(admin GET accounts/demo-login | json '"account " + d["account"]["id"] + " (" + d["account"]["source"] + ", ChatGPT " + d["account"]["chatgpt_account_id"] + ", plan " + str(d["account"].get("login", {}).get("plan")) + ") is in force"')"
+}
+
 if (( CHECK )); then
     failed=0
 
@@ -150,6 +191,26 @@ print("ok: response", body["id"], "status", body["status"],
         echo "FAILED: non-streaming request:" >&2; cat "$WORK/json.out" >&2; echo >&2; failed=1
     fi
 
+    echo "--- check 3: a device-code ChatGPT login, then a turn served by the new account"
+    if deviceLogin; then
+        # a1 and a3 paused for one turn (a2 answers 503): the turn fails over to demo-login.
+        admin POST accounts/a1/disable '{"reason": "demo"}' >/dev/null
+        admin POST accounts/a3/disable '{"reason": "demo"}' >/dev/null
+        if curl -sS --max-time 20 --fail-with-body "$RELAY_URL/v1/responses" \
+                -H "Authorization: Bearer $RELAY_KEY" -H "Content-Type: application/json" \
+                -d '{"model":"gpt-5.5","input":"Say hi"}' > "$WORK/login.out" \
+                && [[ "$(admin GET accounts | json '[a["turns"] for a in d["accounts"] if a["id"] == "demo-login"][0]')" == 1 ]]; then
+            echo "ok: with a1 and a3 paused, the turn was served by account demo-login"
+        else
+            echo "FAILED: the turn was not served by demo-login:" >&2; cat "$WORK/login.out" >&2
+            failed=1
+        fi
+        admin POST accounts/a1/enable >/dev/null
+        admin POST accounts/a3/enable >/dev/null
+    else
+        echo "FAILED: the device-code login" >&2; failed=1
+    fi
+
     if (( failed )); then
         echo "--- relay log" >&2; cat "$WORK/relay.log" >&2
         echo "demo check FAILED" >&2
@@ -159,7 +220,13 @@ print("ok: response", body["id"], "status", body["status"],
     exit 0
 fi
 
+deviceLogin || echo "(the device-code login did not complete; see $WORK/relay.log)"
+
 cat <<EOF
+
+Accounts are managed live from the status page above (add, edit, pause, log in) or the
+admin API; see README "Managing accounts". A browser login signs in at the emulator's page:
+start one there with the kind "ChatGPT login" and the flow "browser".
 
 Try it (a2 is preferred but the emulator answers it 503, so you will see a failover):
 

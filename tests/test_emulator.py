@@ -678,13 +678,15 @@ class ConfigTests(SynchronousTestCase):
 
     def test_exampleConfig(self) -> None:
         """
-        C{etc/emulator.yaml} parses and defines the three demo accounts, a2 faulty.
+        C{etc/emulator.yaml} parses and defines the three demo accounts, a2 faulty,
+        and the ChatGPT login C{demo-login} the demo signs in with (issue 21).
         """
         options = Options()
         options.parseOptions(["--config", _EXAMPLE])
         self.assertEqual(options.listen, "tcp:9090:interface=127.0.0.1")
-        creds = {a["name"]: a["credential"] for a in options.config["accounts"]}
-        self.assertEqual(creds, {"a1": "sk-emu-a1", "a2": "sk-emu-a2", "a3": "oauth-emu-a3"})
+        creds = {a["name"]: a.get("credential") for a in options.config["accounts"]}
+        self.assertEqual(creds, {"a1": "sk-emu-a1", "a2": "sk-emu-a2", "a3": "oauth-emu-a3",
+                                 "demo-login": None})
         emulator = Emulator(reactor=Clock(), config=options.config)
         self.assertEqual(emulator.state.takeFault("sk-emu-a2", "http").get("code"), 503)
 

@@ -2,7 +2,8 @@
 architecture.md's invariants that can be checked on the source itself:
 injected time (no wall clock or global reactor below relay/ outside the
 tap modules), no failover/cooldown/admission policy in the entrypoints and
-upstream dialers, and no automatic retries in the HTTP client.
+upstream dialers, no automatic retries in the HTTP client, and no import
+circle between relay's modules outside the emulator.
 """
 
 from __future__ import annotations
@@ -109,3 +110,103 @@ class InvariantTests(SynchronousTestCase):
         dialer._clientFor(account, UpstreamSettings())
         self.assertTrue(dialer._pools)
         self.assertEqual([p.retryAutomatically for p in dialer._pools], [False] * len(dialer._pools))
+
+
+def _moduleName(rel: str) -> str:
+    """
+    @param rel: a path below relay/, e.g. C{operations/reload.py}.
+    @return: the dotted module name, e.g. C{relay.operations.reload}.
+    """
+    name = "relay." + rel[:-3].replace(os.sep, ".")
+    return name[: -len(".__init__")] if name.endswith(".__init__") else name
+
+
+def importGraph() -> dict:
+    """
+    Which relay module imports which, counting every import (at the top
+    and inside functions: a lazy import still ties the modules).
+
+    @return: module name -> set of relay module names it imports.
+    """
+    modules = {_moduleName(rel): (rel, path) for rel, path in _modules()}
+    graph = {}
+    for name, (rel, path) in modules.items():
+        package = name if rel.endswith("__init__.py") else name.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(_tree(path)):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    parts = parts[: len(parts) - (node.level - 1)]
+                    base = ".".join(parts + ([node.module] if node.module else []))
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                           for alias in node.names]
+            deps.update(t for t in targets if t in modules and t != name)
+        graph[name] = deps
+    return graph
+
+
+def importCircles(graph: dict) -> list:
+    """
+    The strongly connected components of more than one module (Tarjan).
+
+    @return: sorted lists of module names.
+    """
+    index, low, stack, onStack, circles = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        onStack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in onStack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                onStack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(circles)
+
+
+class ImportCircleTests(SynchronousTestCase):
+    """
+    Issue 21: the house's import graph has no circle outside the emulator
+    (whose core, HTTP and WebSocket modules are one unit), so a part that
+    needs start-up's checks does not import the twistd plugin's module.
+    """
+
+    def test_noCircleOutsideTheEmulator(self):
+        """
+        No set of relay modules (lazy imports included) imports itself
+        round, except within relay.emulator. C{app -> operations.reload ->
+        tap -> app} was one: the checks both need live in
+        L{relay.configcheck} now.
+        """
+        circles = [c for c in importCircles(importGraph())
+                   if not all(m.startswith("relay.emulator.") for m in c)]
+        self.assertEqual(circles, [])
+
+    def test_findsACircle(self):
+        """
+        The detector itself finds a circle through a lazy import.
+        """
+        self.assertEqual(
+            importCircles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}), [["a", "b", "c"]]
+        )

@@ -15,7 +15,8 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from relay.entry.annotate import annotateTurn
-from relay.entry.http import KeyRing, buildRoot
+from relay.entry.http import KeyRing
+from relay.entry.root import buildRoot
 from relay.model import Account, ClientKey, Turn
 from relay.scheduling.scheduler import affinityKey
 

@@ -22,7 +22,7 @@ from twisted.python.usage import UsageError
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
-from relay import tap
+from relay import configcheck
 from relay.config import checkDatabase, settingsFromString
 from relay.logs import jsonStdout, textStdout
 from relay.model import ConfigError
@@ -42,11 +42,12 @@ accounts:
 
 def patchStderr(case: SynchronousTestCase) -> io.StringIO:
     """
-    Point L{relay.tap}'s standard error at a fresh L{io.StringIO} for the
-    duration of C{case}.
+    Point the configuration error line's standard error
+    (L{relay.configcheck}) at a fresh L{io.StringIO} for the duration of
+    C{case}.
     """
     stream = io.StringIO()
-    case.patch(tap, "_stderr", lambda: stream)
+    case.patch(configcheck, "_stderr", lambda: stream)
     return stream
 
 

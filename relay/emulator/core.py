@@ -19,6 +19,7 @@ from twisted.web.server import Site
 
 from relay.emulator.chaos import ChaosPlan, TurnDraw, TurnLedger, turnKey
 from relay.emulator.http import EmulatorResource
+from relay.emulator.login import LoginFlows
 from relay.emulator.oauth import DEFAULT_ACCESS_TTL, OAuthAuthority, UsageModel, canonicalKey
 from relay.emulator.state import (
     DEFAULT_MODELS,
@@ -42,7 +43,7 @@ ACCOUNT_KEYS = frozenset(
      "plan_type", "usage"}
 )
 
-OAUTH_KEYS = frozenset({"access_token_ttl", "secret"})
+OAUTH_KEYS = frozenset({"access_token_ttl", "secret", "device_interval"})
 """The keys of the C{oauth:} section (L{relay.emulator.oauth})."""
 """The keys an account entry may have."""
 
@@ -101,6 +102,9 @@ def validateConfig(config: dict) -> dict:
         oauth = config.get("oauth") or {}
         if not isinstance(oauth, dict) or set(oauth) - OAUTH_KEYS:
             raise EmulatorConfigError(f"oauth: expected a mapping with keys {sorted(OAUTH_KEYS)}")
+        interval = oauth.get("device_interval", 5)
+        if isinstance(interval, bool) or not isinstance(interval, int) or not 1 <= interval <= 60:
+            raise EmulatorConfigError("oauth.device_interval must be an integer from 1 to 60")
         ttl = oauth.get("access_token_ttl", 1)
         if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0:
             raise EmulatorConfigError("oauth.access_token_ttl must be a positive number")
@@ -178,6 +182,8 @@ class Emulator:
         )
         if oauth.get("secret"):
             self.oauth.secret = str(oauth["secret"]).encode("utf-8")
+        self.oauth.login = LoginFlows(authority=self.oauth,
+                                      interval=int(oauth.get("device_interval", 5)))
         for account in config.get("accounts") or []:
             name = account["name"]
             if account.get("type") == "oauth":

@@ -60,6 +60,16 @@ TOKEN = "/oauth/token"
 WHAM_USAGE = "/backend-api/wham/usage"
 """The usage snapshot endpoint (protocol.md 7.4)."""
 
+AUTHORIZE = "/oauth/authorize"
+AUTHORIZE_DECISION = "/oauth/authorize/decision"
+DEVICE_USERCODE = "/api/accounts/deviceauth/usercode"
+DEVICE_TOKEN = "/api/accounts/deviceauth/token"
+DEVICE_PAGE = "/codex/device"
+"""The login endpoints (protocol.md 7.5, L{relay.emulator.login})."""
+
+_LOGIN_SECRET_FIELDS = ("code", "code_verifier", "device_auth_id", "user_code", "state",
+                        "code_challenge", "refresh_token")
+
 
 def bearer(value: str | None) -> str | None:
     """
@@ -361,6 +371,8 @@ class EmulatorResource(ResponsesAPIMixin, Resource):
             return self._token(request)
         if path == WHAM_USAGE and method == b"GET":
             return self._wham(request)
+        if path in (AUTHORIZE, AUTHORIZE_DECISION, DEVICE_USERCODE, DEVICE_TOKEN, DEVICE_PAGE):
+            return self._login(request, path)
         if path in CHAT and method == b"POST":
             return self._chat(request)
         if path in MODELS and method == b"GET":
@@ -664,7 +676,8 @@ class EmulatorResource(ResponsesAPIMixin, Resource):
         authority = self.emulator.oauth
         params = authority.parseRequest(raw, ctype)
         name = authority.accountFor(params)
-        shown = {k: ("***" if "token" in k else v) for k, v in params.items()}
+        shown = {k: ("***" if "token" in k or k in _LOGIN_SECRET_FIELDS else v)
+                 for k, v in params.items()}
         self._state.record(
             f"oauth:{name}" if name else None, HTTP, "token", request.path.decode("latin-1"),
             "POST", lowerHeaders(request), shown, peerHost(request.getClientAddress()),
@@ -721,6 +734,69 @@ class EmulatorResource(ResponsesAPIMixin, Resource):
         if not self._state.known(credential):
             return self._json(request, 401, invalidKeyBody())
         return self._json(request, 200, self.emulator.oauth.wham(credential))
+
+    # -- the login flows (protocol.md 7.5) ----------------------------------------------------
+
+    def _html(self, request: Any, code: int, body: bytes) -> bytes:
+        request.setResponseCode(code)
+        request.setHeader(b"content-type", b"text/html; charset=utf-8")
+        request.setHeader(b"cache-control", b"no-store")
+        return body
+
+    def _login(self, request: Any, path: str) -> bytes:
+        """
+        Serve the login endpoints (L{relay.emulator.login}): the authorize
+        page and its decision, the device code, its polls and its page.
+
+        @param request: the request.
+        @param path: the normalised path.
+        @rtype: L{bytes}
+        """
+        from relay.emulator.login import parseForm, parseJSONObject
+
+        flows = self.emulator.oauth.login
+        method = request.method
+        raw = request.content.read() if request.content is not None else b""
+        if path == AUTHORIZE and method == b"GET":
+            params = {k.decode("utf-8", "replace"): v[0].decode("utf-8", "replace")
+                      for k, v in request.args.items() if v}
+            self._recordLogin(request, path, params)
+            problem = flows.checkAuthorize(params)
+            return self._html(request, 400 if problem else 200, flows.authorizePage(params))
+        if path == AUTHORIZE_DECISION and method == b"POST":
+            params = parseForm(raw)
+            self._recordLogin(request, path, params)
+            code, result = flows.decide(params)
+            if code == 302:
+                request.setResponseCode(302)
+                request.setHeader(b"location", result.encode("utf-8"))
+                request.setHeader(b"cache-control", b"no-store")
+                return b""
+            return self._html(request, code, result)
+        if path == DEVICE_PAGE and method == b"GET":
+            return self._html(request, 200, flows.devicePage())
+        if path == DEVICE_PAGE and method == b"POST":
+            form = parseForm(raw)
+            ok, message = flows.approve(form.get("user_code", ""), form.get("account"),
+                                        form.get("decision", "allow"))
+            return self._html(request, 200 if ok else 400, flows.devicePage(message))
+        if method != b"POST":
+            return self._json(request, 405, {"error": {"code": "method_not_allowed",
+                                                       "message": "use POST"}})
+        params = parseJSONObject(raw)
+        self._recordLogin(request, path, params)
+        if path == DEVICE_USERCODE:
+            scheme = "https" if self.emulator._secure else "http"
+            host = (request.getHeader(b"host") or b"127.0.0.1").decode("latin-1")
+            status, body = flows.userCode(params, f"{scheme}://{host}")
+        else:
+            status, body = flows.poll(params)
+        return self._json(request, status, body)
+
+    def _recordLogin(self, request: Any, path: str, params: dict) -> None:
+        shown = {k: ("***" if k in _LOGIN_SECRET_FIELDS else v) for k, v in params.items()}
+        self._state.record(None, HTTP, "login", path, request.method.decode("latin-1"),
+                           lowerHeaders(request), shown, peerHost(request.getClientAddress()))
 
     # -- POST /v1/chat/completions ----------------------------------------------------------
 
@@ -880,6 +956,23 @@ class EmulatorResource(ResponsesAPIMixin, Resource):
                 return self._json(request, 200, emulator.oauth.stats())
             if parts == ["oauth", "release"] and method == b"POST":
                 return self._json(request, 200, {"released": emulator.oauth.release()})
+            if parts == ["oauth", "login"] and method == b"GET":
+                return self._json(request, 200, emulator.oauth.login.status())
+            if parts == ["oauth", "login"] and method in (b"PUT", b"DELETE"):
+                ok, body = self._parseBody(request)
+                if not ok:
+                    return self._json(request, 400, {"error": "invalid JSON"})
+                emulator.oauth.login.setFault(None if method == b"DELETE" else body)
+                return self._json(request, 200, {"ok": True})
+            if parts == ["oauth", "device", "approve"] and method == b"POST":
+                ok, body = self._parseBody(request)
+                if not ok or not isinstance(body, dict):
+                    return self._json(request, 400, {"error": "expected a JSON object"})
+                done, message = emulator.oauth.login.approve(
+                    str(body.get("user_code", "")), body.get("account"),
+                    body.get("decision", "allow"))
+                return self._json(request, 200 if done else 400,
+                                  {"ok": done, "message": message})
             if len(parts) == 3 and parts[:2] == ["oauth", "faults"] and method in (
                     b"PUT", b"DELETE"):
                 ok, body = self._parseBody(request)

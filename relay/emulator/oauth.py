@@ -19,7 +19,8 @@ account is 401 C{invalid_token}; an expired one is 401 C{token_expired}
 (an API key, a static test token) is treated as before.
 
 B{C{POST /oauth/token}} takes JSON or form bodies
-(C{grant_type=refresh_token}, C{refresh_token}, C{client_id}, C{scope}).
+(C{grant_type=refresh_token}, C{refresh_token}, C{client_id}, C{scope}; or
+C{grant_type=authorization_code} from a login, L{relay.emulator.login}).
 A current refresh token is rotated: the answer is 200 C{{access_token,
 refresh_token, id_token, token_type, expires_in, scope}} and the old one
 is marked used. A used one is 401 C{refresh_token_reused} and counted
@@ -264,6 +265,9 @@ class OAuthAuthority:
     accounts: dict = field(factory=dict)
     usage: dict = field(factory=dict)
     held: list = field(factory=list)
+    login: Any = None
+    """The browser and device login flows (L{relay.emulator.login.LoginFlows}),
+    set by the emulator."""
     _byToken: dict = field(factory=dict)
     _faults: dict = field(factory=dict)
 
@@ -426,10 +430,28 @@ class OAuthAuthority:
 
     def accountFor(self, params: dict) -> Optional[str]:
         """
-        @return: the account name a token request's refresh token belongs to.
+        @return: the account name a token request's refresh token (or, for
+            C{grant_type=authorization_code}, its code) belongs to.
         """
+        if params.get("grant_type") == "authorization_code" and self.login is not None:
+            return self.login.accountForCode(params)
         token = params.get("refresh_token")
         return self._byToken.get(token) if isinstance(token, str) else None
+
+    def loginTokens(self, name: str) -> dict:
+        """
+        The tokens of a new login of C{name} (issue 21): an access token,
+        an ID token with the account claim, and a new current refresh token.
+        """
+        account = self.accounts[name]
+        return {
+            "access_token": self.mintAccessToken(name),
+            "refresh_token": self.newRefreshToken(name),
+            "id_token": self._idToken(account),
+            "token_type": "Bearer",
+            "expires_in": int(self.accessTtl),
+            "scope": "openid profile email offline_access",
+        }
 
     def exchange(self, params: dict) -> tuple:
         """
@@ -437,9 +459,12 @@ class OAuthAuthority:
 
         @return: C{(status, body)}.
         """
+        if params.get("grant_type") == "authorization_code" and self.login is not None:
+            return self.login.exchangeCode(params)
         if params.get("grant_type") != "refresh_token":
             return 400, {"error": "unsupported_grant_type",
-                         "error_description": "grant_type must be refresh_token"}
+                         "error_description": "grant_type must be refresh_token or"
+                         " authorization_code"}
         token = params.get("refresh_token")
         name = self._byToken.get(token) if isinstance(token, str) else None
         if name is None:

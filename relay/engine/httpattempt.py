@@ -13,6 +13,7 @@ import json
 
 from twisted.logger import Logger
 
+from relay.engine.background import countBackgroundOnce
 from relay.engine.cancel import ClientGone, raceCancel, uncancellable
 from relay.engine.payload import (
     isEmptyCompleted,
@@ -173,8 +174,6 @@ async def _readJSON(runner, turn, sink, account, response, release, rewrite) -> 
     if counts is not None:
         if turn.background:
             # R88: once per background response, whoever sees it first.
-            from relay.engine.requests import countBackgroundOnce
-
             countBackgroundOnce(runner, turn, account, dict(parsed, background=True), counts)
         else:
             runner.recordUsage(turn, account, counts)

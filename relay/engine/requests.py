@@ -24,13 +24,13 @@ attempt and mark nothing (R87).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Callable, Optional
 
 from attrs import frozen
 from twisted.logger import Logger
 
+from relay.engine.background import countBackgroundOnce
 from relay.engine.cancel import ClientGone, raceCancel, uncancellable
 from relay.engine.payload import upstreamClientHeaders
 from relay.engine.pump import AttemptResult, StreamPump, passHeaders
@@ -309,31 +309,6 @@ def countUsage(runner, turn: Turn, account, response) -> None:
         runner.recordUsage(turn, account, counts)
         return
     countBackgroundOnce(runner, turn, account, response, counts)
-
-
-def countBackgroundOnce(runner, turn: Turn, account, response: dict, counts) -> None:
-    """
-    R88: a background response's usage is counted once, by whichever of
-    its create stream, a poll or a stream resume sees it finished first
-    (across processes: an atomic counter in the state store). A stored
-    response that is not a background one was counted when it was created.
-
-    @param response: the response object carrying C{usage}.
-    """
-    responseId = response.get("id")
-    if response.get("background") is not True or not isinstance(responseId, str):
-        return
-    digest = hashlib.sha256(responseId.encode("utf-8")).hexdigest()
-    ttl = runner.settings.current.scheduling.previous_response_ttl_seconds
-    d = runner.scheduler.claimOnce(f"openai:background-usage:{digest}", ttl)
-
-    def counted(first):
-        if first:
-            runner.recordUsage(turn, account, counts)
-
-    d.addCallback(counted)
-    d.addErrback(lambda f: _log.failure("counting background usage failed", f,
-                                        request_id=turn.requestId))
 
 
 def onceUsageTap(runner, turn: Turn, account) -> UsageTap:

@@ -20,6 +20,7 @@ forget or rebuild an account's state.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Optional
 
 from attrs import define, field, frozen
 from twisted.logger import Logger
@@ -180,11 +181,16 @@ class LiveConfiguration:
     @ivar accounts: the L{AccountRegistry} every consumer reads.
     @ivar keys: the L{relay.entry.http.KeyRing} every entrypoint
         authenticates with.
+    @ivar overlay: L{None}, or C{fileAccounts -> accounts in force}: the
+        control plane (issue 21, L{relay.control.plane.ControlPlane.overlay})
+        adds the accounts an operator added through the admin API, so a
+        reload keeps them.
     """
 
     config: RelayConfig
     accounts: AccountRegistry
     keys: object
+    overlay: Optional[Callable[[tuple], tuple]] = None
 
     @classmethod
     def fromConfig(cls, config: RelayConfig) -> LiveConfiguration:
@@ -219,4 +225,7 @@ class LiveConfiguration:
         """
         self.config = config
         self.keys.replace(config.keys)
-        return self.accounts.replace(config.accounts)
+        accounts = tuple(config.accounts)
+        if self.overlay is not None:
+            accounts = self.overlay(accounts)
+        return self.accounts.replace(accounts)

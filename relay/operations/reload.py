@@ -7,7 +7,7 @@ without dropping a turn.
 Order:
 
  1. B{Validate completely first}, with start-up's own code:
-    L{relay.config.loadConfig}, L{relay.tap.checkComponents} and
+    L{relay.config.loadConfig}, L{relay.configcheck.checkComponents} and
     L{relay.config.checkDatabase}. Any problem and nothing changes: each
     problem is one line (logged as C{relay.config_reload_failed}, and
     listed in the admin answer), and the process keeps serving with what
@@ -165,7 +165,7 @@ def _startupChecks(config: RelayConfig) -> list:
     @return: the problem lines (empty when all is well).
     """
     from relay.config import checkDatabase
-    from relay.tap import checkComponents
+    from relay.configcheck import checkComponents
 
     problems = []
     for check in (checkComponents, checkDatabase):

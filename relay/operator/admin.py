@@ -644,6 +644,13 @@ class _AdminRoot(Resource):
         @param resource: a guarded leaf resource.
         """
         self._routes[path] = resource
+    def route(self, path: bytes):
+        """
+        @return: the resource routed at C{path} (e.g. C{b"accounts"}), or
+            L{None}; the control plane puts its own in front of some
+            (L{relay.control.audit.resource.ControlAdmin}).
+        """
+        return self._routes.get(path)
 
     def getChild(self, path, request):
         """

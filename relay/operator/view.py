@@ -36,6 +36,8 @@ class OperatorView:
     @ivar credentials: the L{relay.interfaces.ICredentialSource} (token
         state, refresh, new tokens; issue 12), or L{None}.
     @ivar quota: the L{relay.scheduling.quota.UsageWindows}, or L{None}.
+    @ivar control: the L{relay.control.plane.ControlPlane} (pauses and
+        where each account comes from, issue 21), or L{None}.
     """
 
     accounts: list
@@ -47,6 +49,7 @@ class OperatorView:
     proxyHealth: object = None
     credentials: object = None
     quota: object = None
+    control: object = None
     slots: dict = field(factory=dict)
     _log = Logger()
 
@@ -93,6 +96,9 @@ class OperatorView:
                      "reason": tokenBlock[0], "until": tokenBlock[1] or None},
                     now,
                 ))
+            if self.control is not None:
+                # Issue 21: a paused account's block comes first.
+                blocks[0:0] = [_timed(b, now) for b in self.control.blocksOf(account, now)]
             first = blocks[0] if blocks else None
             rows.append(
                 {
@@ -127,6 +133,8 @@ class OperatorView:
             )
             if self.credentials is not None:
                 rows[-1].update(_tokenView(self.credentials.view(account)))
+            if self.control is not None:
+                rows[-1].update(self.control.viewOf(account))
         return rows
 
     def _oauthAccount(self, accountId: str):

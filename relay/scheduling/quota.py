@@ -74,7 +74,8 @@ class Snapshot:
     @ivar secondary: the secondary (usually weekly) L{Window}, or L{None}.
     @ivar plan: the plan type, or L{None}.
     @ivar observed_at: Unix seconds of the observation.
-    @ivar source: C{headers}, C{handshake} or C{event}.
+    @ivar source: C{headers}, C{handshake}, C{event}, or C{probe} (a usage
+        probe of an idle account, issue 21).
     """
 
     primary: Optional[Window]
@@ -182,6 +183,40 @@ def windowsFromEvent(event: dict, now: float) -> Optional[Snapshot]:
                     str(plan) if plan else None, now, "event")
 
 
+def windowsFromWham(body: dict, now: float) -> Optional[Snapshot]:
+    """
+    Read a C{GET /backend-api/wham/usage} answer (protocol.md 7.4; the
+    usage probe of idle accounts, issue 21): C{{"plan_type", "rate_limit":
+    {"primary_window": {"used_percent", "limit_window_seconds",
+    "reset_after_seconds", "reset_at"}, "secondary_window": {...}}}}.
+
+    @return: a L{Snapshot} with source C{probe}, or L{None} when it holds
+        no window.
+    """
+    limits = body.get("rate_limit") if isinstance(body, dict) else None
+    if not isinstance(limits, dict):
+        return None
+    found = {}
+    for name in WINDOWS:
+        raw = limits.get(name + "_window")
+        if not isinstance(raw, dict):
+            continue
+        used = _float(raw.get("used_percent"))
+        if used is None:
+            continue
+        at = _float(raw.get("reset_at"))
+        if at is None:
+            after = _float(raw.get("reset_after_seconds"))
+            at = now + after if after is not None else None
+        seconds = _float(raw.get("limit_window_seconds"))
+        found[name] = Window(used, seconds / 60 if seconds is not None else None, at)
+    if not found:
+        return None
+    plan = body.get("plan_type")
+    return Snapshot(found.get("primary"), found.get("secondary"),
+                    str(plan) if plan else None, now, "probe")
+
+
 @define(eq=False)
 class UsageWindows:
     """
@@ -230,6 +265,15 @@ class UsageWindows:
         snapshot = windowsFromEvent(event, self._clock.seconds())
         if snapshot is not None:
             self.snapshots[account.id] = snapshot
+
+    def observe(self, accountId: str, snapshot: Snapshot) -> None:
+        """
+        Record a snapshot learnt outside traffic (a usage probe, issue 21),
+        unless traffic told something newer meanwhile.
+        """
+        current = self.snapshots.get(accountId)
+        if current is None or current.observed_at <= snapshot.observed_at:
+            self.snapshots[accountId] = snapshot
 
     def get(self, accountId: str) -> Optional[Snapshot]:
         """

@@ -1,24 +1,28 @@
 """
-Drive a real headless Chromium through the DevTools protocol, as a person
-uses a page: click at an element's place, type into the focused field,
-read what the page shows, take a screenshot (issue 22's page tests).
+Headless Chromium driven over the Chrome DevTools Protocol, for page tests
+that click and type as a person does (issue 21). The same Debian
+C{chromium} the status page tests run (tests/integration/test_status_page.py),
+started with C{--remote-debugging-port=0}; the protocol's WebSocket is
+spoken with autobahn (relay's own WebSocket library), on the running
+reactor.
 
-The protocol runs over a WebSocket (autobahn, relay's own dependency) on
-the Twisted reactor. Chromium is started with
-C{--remote-debugging-port=0}; the port it picked is read from the
-C{DevTools listening on ws://...} line it prints. Only the Chromium process
-this module started is ever signalled.
+Clicks are real mouse events at an element's centre
+(C{Input.dispatchMouseEvent}), typing is C{Input.insertText} into the
+focused element, reading is C{Runtime.evaluate}; screenshots are
+C{Page.captureScreenshot}.
 """
 
 from __future__ import annotations
 
 import base64
+import itertools
 import json
+import os
 import re
 import shutil
+import signal
 import tempfile
 
-import treq
 from autobahn.twisted.websocket import WebSocketClientFactory, WebSocketClientProtocol
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
@@ -26,186 +30,276 @@ from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.task import deferLater
 
-__all__ = ["Browser"]
+CHROMIUM = next((p for p in (shutil.which(n) for n in (
+    "chromium", "chromium-browser", "google-chrome")) if p), None)
 
 _LISTENING = re.compile(rb"DevTools listening on (ws://[^\s]+)")
 
 
-class _Chromium(ProcessProtocol):
+class _Browser(ProcessProtocol):
     def __init__(self):
-        self.listening = Deferred()
+        self.found = Deferred()
+        self.output = b""
         self.ended = Deferred()
-        self._err = b""
 
     def errReceived(self, data):
-        self._err += data
-        found = _LISTENING.search(self._err)
-        if found and not self.listening.called:
-            self.listening.callback(found.group(1).decode())
+        self.output += data
+        match = _LISTENING.search(self.output)
+        if match and not self.found.called:
+            self.found.callback(match.group(1).decode())
+
+    outReceived = errReceived
 
     def processEnded(self, reason):
-        if not self.listening.called:
-            self.listening.errback(RuntimeError(
-                "chromium ended before listening: " + self._err[-2000:].decode("replace")))
+        if not self.found.called:
+            self.found.errback(RuntimeError("chromium exited: " + self.output[-2000:].decode(
+                "utf-8", "replace")))
         self.ended.callback(None)
 
 
-class _Protocol(WebSocketClientProtocol):
-    def onConnect(self, response):
-        self.factory.page._proto = self
-
+class _DevTools(WebSocketClientProtocol):
     def onOpen(self):
-        self.factory.page._opened.callback(None)
+        self.factory.session.opened.callback(self)
 
     def onMessage(self, payload, isBinary):
-        self.factory.page._message(json.loads(payload))
+        self.factory.session.received(json.loads(payload))
+
+    def onClose(self, wasClean, code, reason):
+        self.factory.session.closed()
+
+
+class Session:
+    """
+    One browser and one page (more with L{newPage}).
+    """
+
+    def __init__(self):
+        self.opened = Deferred()
+        self._ids = itertools.count(1)
+        self._pending = {}
+        self._events = []
+        self._waiters = []
+        self.protocol = None
+        self.process = None
+        self.browser = None
+        self.profile = None
+
+    # -- protocol ---------------------------------------------------------------------
+
+    def received(self, message):
+        if "id" in message and message["id"] in self._pending:
+            d = self._pending.pop(message["id"])
+            if "error" in message:
+                d.errback(RuntimeError(f"CDP error: {message['error']}"))
+            else:
+                d.callback(message.get("result", {}))
+            return
+        self._events.append(message)
+        for waiter in list(self._waiters):
+            predicate, d = waiter
+            if predicate(message):
+                self._waiters.remove(waiter)
+                d.callback(message)
+
+    def closed(self):
+        for d in self._pending.values():
+            if not d.called:
+                d.errback(RuntimeError("devtools connection closed"))
+        self._pending.clear()
+
+    def send(self, method, params=None, sessionId=None, timeout=20):
+        """
+        @return: a Deferred with the command's result.
+        """
+        id = next(self._ids)
+        message = {"id": id, "method": method, "params": params or {}}
+        if sessionId is not None:
+            message["sessionId"] = sessionId
+        d = Deferred()
+        self._pending[id] = d
+        self.protocol.sendMessage(json.dumps(message).encode())
+        return d.addTimeout(timeout, reactor)
+
+    # -- life ---------------------------------------------------------------------------
+
+    async def start(self, width=1280, height=900):
+        """
+        Start Chromium and open its first page at C{width} x C{height}.
+
+        @return: the first L{Page}.
+        """
+        self.profile = tempfile.mkdtemp(prefix="relay-cdp-")
+        self.browser = _Browser()
+        args = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                "--no-first-run", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
+                "--remote-debugging-port=0", "--remote-debugging-address=127.0.0.1",
+                f"--window-size={width},{height}", "--user-data-dir=" + self.profile,
+                "about:blank"]
+        self.process = reactor.spawnProcess(self.browser, CHROMIUM, args, env=dict(os.environ))
+        url = await self.browser.found.addTimeout(30, reactor)
+        match = re.match(r"ws://([^:/]+):(\d+)(/.*)", url)
+        factory = WebSocketClientFactory(url, reactor=reactor)
+        factory.protocol = _DevTools
+        factory.session = self
+        factory.setProtocolOptions(maxMessagePayloadSize=0, maxFramePayloadSize=0)
+        endpoint = TCP4ClientEndpoint(reactor, match.group(1), int(match.group(2)), timeout=10)
+        await endpoint.connect(factory)
+        self.protocol = await self.opened.addTimeout(10, reactor)
+        return await self.newPage(width, height)
+
+    async def newPage(self, width=1280, height=900, url="about:blank"):
+        """
+        @return: a new L{Page} (a tab), attached.
+        """
+        target = await self.send("Target.createTarget", {"url": url})
+        attached = await self.send("Target.attachToTarget",
+                                   {"targetId": target["targetId"], "flatten": True})
+        page = Page(self, attached["sessionId"], target["targetId"])
+        await page.send("Page.enable")
+        await page.send("Runtime.enable")
+        await page.send("Emulation.setDeviceMetricsOverride", {
+            "width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})
+        return page
+
+    async def stop(self):
+        if self.protocol is not None:
+            try:
+                await self.send("Browser.close", timeout=5)
+            except Exception:
+                pass
+        if self.process is not None and self.process.pid is not None:
+            try:
+                await self.browser.ended.addTimeout(10, reactor)
+            except Exception:
+                try:
+                    self.process.signalProcess(signal.SIGKILL)
+                except Exception:
+                    pass
+        if self.profile:
+            shutil.rmtree(self.profile, ignore_errors=True)
 
 
 class Page:
     """
-    One tab.
+    One tab: navigate, click, type, read, screenshot.
     """
 
-    def __init__(self):
-        self._proto = None
-        self._opened = Deferred()
-        self._pending = {}
-        self._next = 0
+    def __init__(self, session, sessionId, targetId):
+        self.session = session
+        self.sessionId = sessionId
+        self.targetId = targetId
 
-    def _message(self, message):
-        waiter = self._pending.pop(message.get("id"), None)
-        if waiter is None:
-            return
-        if "error" in message:
-            waiter.errback(RuntimeError(json.dumps(message["error"])))
-        else:
-            waiter.callback(message.get("result", {}))
+    def send(self, method, params=None, timeout=20):
+        return self.session.send(method, params, self.sessionId, timeout)
 
-    def send(self, method: str, **params) -> Deferred:
-        """
-        One DevTools command. @return: a Deferred with its result.
-        """
-        self._next += 1
-        d = Deferred()
-        self._pending[self._next] = d
-        self._proto.sendMessage(json.dumps({"id": self._next, "method": method,
-                                            "params": params}).encode())
-        return d.addTimeout(30, reactor)
+    async def goto(self, url):
+        await self.send("Page.navigate", {"url": url})
+        await self.waitFor("document.readyState === 'complete'")
 
-    async def evaluate(self, expression: str):
+    async def evaluate(self, expression):
         """
-        The value of a JavaScript expression in the page.
+        @return: the expression's JSON value.
         """
-        result = await self.send("Runtime.evaluate", expression=expression, returnByValue=True,
-                                 awaitPromise=True)
+        result = await self.send("Runtime.evaluate", {
+            "expression": expression, "returnByValue": True, "awaitPromise": True})
         if "exceptionDetails" in result:
-            raise RuntimeError(json.dumps(result["exceptionDetails"])[:500])
+            raise AssertionError(f"page script failed: {result['exceptionDetails']}")
         return result["result"].get("value")
 
-    async def waitFor(self, expression: str, timeout: float = 15.0):
+    async def waitFor(self, expression, timeout=15.0, what=None):
         """
-        Poll until C{expression} is truthy. @return: its value.
+        Wait until C{expression} is truthy in the page.
+
+        @return: its value.
         """
         deadline = reactor.seconds() + timeout
         while True:
-            value = await self.evaluate(expression)
+            try:
+                value = await self.evaluate(expression)
+            except AssertionError:
+                value = None
             if value:
                 return value
             if reactor.seconds() > deadline:
-                raise AssertionError(f"timed out waiting for {expression}")
+                text = await self.evaluate("document.body ? document.body.innerText : ''")
+                raise AssertionError(f"timed out waiting for {what or expression}; page: "
+                                     f"{str(text)[-1500:]}")
             await deferLater(reactor, 0.1, lambda: None)
 
-    async def click(self, selector: str) -> None:
+    async def click(self, selector):
         """
-        Press and release the mouse at the middle of the element, as a
-        person's click does.
+        A real click at the centre of the (visible) element C{selector}.
         """
-        box = await self.evaluate(
-            "(function(){var e=document.querySelector(%s); if(!e){return null;}"
-            "e.scrollIntoView({block:'center'}); var r=e.getBoundingClientRect();"
-            "return [r.left + r.width / 2, r.top + r.height / 2];})()" % json.dumps(selector))
-        if box is None:
-            raise AssertionError(f"nothing matches {selector}")
+        # The element must be the one under its centre (not covered, and the
+        # layout settled: the page re-renders its tables every few seconds).
+        box = await self.waitFor(
+            "(function(){var e=document.querySelector(%s); if(!e) return null;"
+            " e.scrollIntoView({block:'center'}); var r=e.getBoundingClientRect();"
+            " if(!r.width||!r.height) return null; var x=r.left+r.width/2, y=r.top+r.height/2;"
+            " var hit=document.elementFromPoint(x, y);"
+            " return hit && (hit===e || e.contains(hit)) ? [x, y] : null;"
+            "})()" % json.dumps(selector), what=f"clickable {selector}")
         x, y = box
         for kind in ("mouseMoved", "mousePressed", "mouseReleased"):
-            await self.send("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left",
-                            clickCount=1)
+            await self.send("Input.dispatchMouseEvent", {
+                "type": kind, "x": x, "y": y, "button": "left", "clickCount": 1})
 
-    async def type(self, selector: str, text: str) -> None:
+    async def type(self, selector, text, clear=True):
         """
-        Click into the field and type C{text}.
+        Focus C{selector} (by clicking it) and type C{text}.
+        """
+        for attempt in range(3):
+            await self.click(selector)
+            # The click focuses the field; make sure (a re-render may have
+            # moved it), and empty it as select-all and delete would.
+            await self.evaluate(
+                "(function(){var e=document.querySelector(%s); e.focus(); if(%s){e.value='';"
+                " e.dispatchEvent(new Event('input',{bubbles:true}));}})()"
+                % (json.dumps(selector), "true" if clear else "false"))
+            before = await self.evaluate("document.querySelector(%s).value" % json.dumps(selector))
+            await self.send("Input.insertText", {"text": text})
+            value = await self.evaluate("document.querySelector(%s).value" % json.dumps(selector))
+            if value == before + text:
+                return
+        raise AssertionError(f"typing into {selector} gave {value!r}")
+
+    async def select(self, selector, value):
+        """
+        Choose an option of a C{<select>} as a person would (change event).
         """
         await self.click(selector)
-        await self.send("Input.insertText", text=text)
+        await self.evaluate(
+            "(function(){var e=document.querySelector(%s); e.value=%s;"
+            " e.dispatchEvent(new Event('change',{bubbles:true}));})()"
+            % (json.dumps(selector), json.dumps(value)))
 
-    async def text(self, selector: str) -> str:
-        """
-        The visible text of the first element matching C{selector}.
-        """
+    async def text(self, selector):
         return await self.evaluate(
             "(function(){var e=document.querySelector(%s); return e ? e.innerText : null;})()"
             % json.dumps(selector))
 
-    async def screenshot(self, path) -> None:
-        result = await self.send("Page.captureScreenshot", format="png")
+    async def url(self):
+        """
+        The address of the current history entry (also of a page that
+        failed to load, e.g. the login redirect to C{localhost:1455}).
+        """
+        history = await self.send("Page.getNavigationHistory")
+        return history["entries"][history["currentIndex"]]["url"]
+
+    async def html(self):
+        return await self.evaluate("document.documentElement.outerHTML")
+
+    async def screenshot(self, path):
+        """
+        Save a PNG of the page.
+        """
+        shot = await self.send("Page.captureScreenshot", {"format": "png",
+                                                          "captureBeyondViewport": True})
+        data = base64.b64decode(shot["data"])
         with open(path, "wb") as f:
-            f.write(base64.b64decode(result["data"]))
+            f.write(data)
+        return data
 
-
-class Browser:
-    """
-    A headless Chromium with its DevTools endpoint.
-    """
-
-    def __init__(self, executable: str):
-        self.executable = executable
-        self._profile = tempfile.mkdtemp(prefix="relay-cdp-")
-        self._process = None
-        self._chromium = _Chromium()
-        self._pages = []
-
-    async def start(self, width: int = 1280, height: int = 900) -> None:
-        args = [self.executable, "--headless", "--no-sandbox", "--disable-gpu",
-                "--disable-dev-shm-usage", "--no-first-run", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync", "--remote-debugging-port=0",
-                f"--window-size={width},{height}", "--user-data-dir=" + self._profile,
-                "about:blank"]
-        self._process = reactor.spawnProcess(self._chromium, self.executable, args, env=None)
-        self.endpoint = await self._chromium.listening.addTimeout(30, reactor)
-        self.http = "http://" + self.endpoint.split("/")[2]
-
-    async def open(self, url: str) -> Page:
-        """
-        A new tab showing C{url}.
-        """
-        response = await treq.request("PUT", self.http + "/json/new?about:blank")
-        target = await response.json()
-        page = Page()
-        wsURL = target["webSocketDebuggerUrl"]
-        host, port = wsURL.split("/")[2].split(":")
-        factory = WebSocketClientFactory(wsURL, reactor=reactor)
-        factory.protocol = _Protocol
-        factory.page = page
-        factory.setProtocolOptions(maxMessagePayloadSize=0, maxFramePayloadSize=0)
-        await TCP4ClientEndpoint(reactor, host, int(port), timeout=10).connect(factory)
-        await page._opened.addTimeout(10, reactor)
-        await page.send("Page.enable")
-        await page.send("Runtime.enable")
-        # Navigated here, not through /json/new: its query would drop a
-        # fragment such as #key=...
-        await page.send("Page.navigate", url=url)
-        await page.waitFor("document.readyState === 'complete' && location.href !== 'about:blank'")
-        self._pages.append(page)
-        return page
-
-    async def stop(self) -> None:
-        for page in self._pages:
-            if page._proto is not None:
-                page._proto.dropConnection(abort=True)
-        if self._process is not None and self._process.pid is not None:
-            try:
-                self._process.signalProcess("KILL")
-            except Exception:
-                pass
-            await self._chromium.ended.addTimeout(10, reactor)
-        shutil.rmtree(self._profile, ignore_errors=True)
+    async def close(self):
+        await self.session.send("Target.closeTarget", {"targetId": self.targetId})

@@ -1,6 +1,6 @@
 """
 Issue 22's part of the status page in a real headless Chromium, used as a
-person uses it (L{tests.integration.cdp}): the request log with its
+person uses it (L{tests.integration.cdp_tenants}): the request log with its
 filters (type a request id or a key, press Search), one request's detail
 with its attempts (click the row), and usage and cost per key with the
 money budget. Screenshots are kept as C{artifacts/status-requests.png} and
@@ -14,7 +14,7 @@ import json
 import pytest
 import pytest_twisted
 
-from tests.integration.cdp import Browser
+from tests.integration.cdp_tenants import Browser
 from tests.integration.harness import startStack
 from tests.integration.test_status_page import ARTIFACTS, CHROMIUM
 

@@ -1,0 +1,115 @@
+# -*- test-case-name: tests.test_control -*-
+"""
+C{/admin/accounts} and below (issue 21): the control plane's routes, and
+the operator surface's own ones (the accounts view, clear, token refresh,
+new tokens: L{relay.operator.admin}) handed on unchanged.
+
+  - C{POST /admin/accounts} - add an account: 201 C{{"account": view}};
+  - C{GET /admin/accounts/{id}} - one account's configuration view;
+  - C{PATCH /admin/accounts/{id}} - change its editable fields;
+  - C{DELETE /admin/accounts/{id}} - remove an admin account;
+  - C{POST /admin/accounts/{id}/disable} (optional body C{{"reason"}}) and
+    C{POST /admin/accounts/{id}/enable} - pause and resume any account;
+  - C{POST /admin/accounts/{id}/login} - start a new ChatGPT login of an
+    OAuth account (body C{{"flow": "browser" | "device"}}; see
+    L{relay.control.logins.resource});
+  - everything else (C{GET /admin/accounts}, C{.../clear},
+    C{.../refresh}, C{PUT .../tokens}) - the operator resource.
+
+The rules are L{relay.control.accounts.service.AccountService}'s; each
+answer that changed something leaves its audit details on the request
+(C{request.relayAudit}) for L{relay.control.audit}.
+"""
+
+from __future__ import annotations
+
+from relay.control.web import AdminLeaf, clientAddress, deliver, pathId, readJSONBody
+
+__all__ = ["AccountsResource"]
+
+
+class AccountsResource(AdminLeaf):
+    """
+    See the module docstring.
+
+    @ivar service: the L{relay.control.accounts.service.AccountService}.
+    @ivar logins: the L{relay.control.logins.service.LoginService}, or
+        L{None}.
+    @ivar fallback: the operator surface's accounts resource.
+    """
+
+    def __init__(self, adminKey, service, fallback, logins=None):
+        super().__init__(adminKey)
+        self.service = service
+        self.fallback = fallback
+        self.logins = logins
+
+    def _note(self, request) -> dict:
+        note = {}
+        request.relayAudit = note
+        return note
+
+    def render_GET(self, request):
+        """
+        C{/admin/accounts/{id}}: C{{"account": view}}; the list is the
+        operator view's.
+        """
+        path = request.postpath
+        if len(path) == 1 and path[0]:
+            return deliver(request, lambda: (200, {"account": self.service.view(
+                pathId(path[0]))}), "reading an account")
+        return self.fallback.render(request)
+
+    def render_POST(self, request):
+        """
+        Add (no id), pause, resume or log in; the rest is the operator's.
+        """
+        path = request.postpath
+        address = clientAddress(request)
+        if path in ([], [b""]):
+            note = self._note(request)
+            return deliver(request, lambda: self.service.create(
+                readJSONBody(request), address, note), "adding an account")
+        if len(path) == 2 and path[1] in (b"disable", b"enable"):
+            note = self._note(request)
+            paused = path[1] == b"disable"
+            return deliver(request, lambda: self.service.setPaused(
+                pathId(path[0]), paused, readJSONBody(request, allowEmpty=True) if paused
+                else {}, address, note), "pausing an account")
+        if len(path) == 2 and path[1] == b"login" and self.logins is not None:
+            note = self._note(request)
+            note["action"] = "login.start"
+            return deliver(request, lambda: self.logins.begin(
+                dict(readJSONBody(request, allowEmpty=True), account_id=pathId(path[0])),
+                address, note), "starting a login")
+        return self.fallback.render(request)
+
+    def render_PATCH(self, request):
+        """
+        C{/admin/accounts/{id}}: change an admin account.
+        """
+        path = request.postpath
+        if len(path) != 1 or not path[0]:
+            return self.fallback.render(request)
+        note = self._note(request)
+        address = clientAddress(request)
+        return deliver(request, lambda: self.service.update(
+            pathId(path[0]), readJSONBody(request), address, note), "changing an account")
+
+    def render_DELETE(self, request):
+        """
+        C{/admin/accounts/{id}}: remove an admin account.
+        """
+        path = request.postpath
+        if len(path) != 1 or not path[0]:
+            return self.fallback.render(request)
+        note = self._note(request)
+        address = clientAddress(request)
+        return deliver(request, lambda: self.service.delete(pathId(path[0]), address, note),
+                       "deleting an account")
+
+    def render_PUT(self, request):
+        """
+        C{/admin/accounts/{id}/tokens}: the operator's.
+        """
+        return self.fallback.render(request)

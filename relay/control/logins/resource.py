@@ -1,0 +1,84 @@
+# -*- test-case-name: tests.test_control_logins -*-
+"""
+C{/admin/logins} (issue 21, protocol.md 7.5): ChatGPT logins over HTTP,
+behind the admin key. The rules are
+L{relay.control.logins.service.LoginService}'s.
+
+  - C{POST /admin/logins} - start one: C{{"flow": "browser" | "device",
+    "account": {"id", ...}}} (a new OAuth account) or C{{"flow",
+    "account_id"}} (log an account in again; also C{POST
+    /admin/accounts/{id}/login}); 201 C{{"login": view}};
+  - C{GET /admin/logins} - the last hour's logins; C{GET
+    /admin/logins/{id}} - one (the page polls a device login with it);
+  - C{POST /admin/logins/{id}/complete} - the browser flow's paste-back:
+    C{{"redirect_url": "http://localhost:1455/auth/callback?code=...&state=..."}}
+    or C{{"code": "..."}}; 200 C{{"login", "account"}};
+  - C{DELETE /admin/logins/{id}} - cancel a pending login.
+"""
+
+from __future__ import annotations
+
+from relay.control.web import AdminLeaf, clientAddress, deliver, pathId, readJSONBody
+
+__all__ = ["LoginsResource"]
+
+
+class LoginsResource(AdminLeaf):
+    """
+    See the module docstring.
+
+    @ivar service: the L{relay.control.logins.service.LoginService}.
+    """
+
+    def __init__(self, adminKey, service):
+        super().__init__(adminKey)
+        self.service = service
+
+    def _note(self, request) -> dict:
+        note = {}
+        request.relayAudit = note
+        return note
+
+    def render_GET(self, request):
+        """
+        The list, or one login.
+        """
+        path = request.postpath
+        if path in ([], [b""]):
+            return deliver(request, self.service.recent, "reading logins")
+        if len(path) == 1:
+            return deliver(request, lambda: self.service.get(pathId(path[0])), "reading a login")
+        return deliver(request, lambda: (404, _notFound()), "reading a login")
+
+    def render_POST(self, request):
+        """
+        Start a login, or complete a browser login.
+        """
+        path = request.postpath
+        address = clientAddress(request)
+        note = self._note(request)
+        if path in ([], [b""]):
+            return deliver(request, lambda: self.service.begin(
+                readJSONBody(request), address, note), "starting a login")
+        if len(path) == 2 and path[1] == b"complete":
+            return deliver(request, lambda: self.service.complete(
+                pathId(path[0]), readJSONBody(request), address, note), "completing a login")
+        return deliver(request, lambda: (404, _notFound()), "starting a login")
+
+    def render_DELETE(self, request):
+        """
+        Cancel a pending login.
+        """
+        path = request.postpath
+        if len(path) != 1:
+            return deliver(request, lambda: (404, _notFound()), "cancelling a login")
+        note = self._note(request)
+        address = clientAddress(request)
+        return deliver(request, lambda: self.service.cancel(pathId(path[0]), address, note),
+                       "cancelling a login")
+
+
+def _notFound() -> dict:
+    from relay.control.web import ControlError
+
+    return ControlError(404, "not_found", "Not found").envelope()

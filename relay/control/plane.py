@@ -1,0 +1,369 @@
+# -*- test-case-name: tests.test_control -*-
+"""
+L{ControlPlane}: what operators changed, applied to the running relay
+(issue 21), the way a reload is applied (L{relay.operations.reload}).
+
+The accounts in force (the live set every consumer reads,
+L{relay.operations.live.AccountRegistry}) are B{the file's accounts, then
+the admin accounts} (records of kind C{account} in the control store,
+oldest first). Whenever the store changes -- this process's own write at
+once, another process's within a second (Redis pub/sub) -- the plane
+re-reads the records and puts the merged set in force with
+L{relay.interfaces.ILiveAccounts.replace}: a new account serves the next
+turn; a removed one takes no new turn while its running turns finish
+(they hold the account object they selected); a changed one's pooled
+upstream sockets are retired once idle; cooldowns, streaks and sticky
+bindings of unchanged accounts are kept (they are keyed by id in the
+state store); an account whose credential, endpoint or proxy changed
+starts afresh -- exactly what a reload does, through the same
+subscribers. A reload keeps the admin accounts: the live configuration
+merges them into the file's (L{overlay}).
+
+B{Pauses} (records of kind C{pause}, for any account) take an account
+out of scheduling without taking it out of the set: the scheduler's
+C{extraBlock} hook asks L{blockReason}, and the operator view shows the
+block (kind C{paused}); its state (cooldowns, bindings, tokens) is kept,
+and it is paused again after a restart or a reload until enabled. An
+admin clear (R95) lifts learnt blocks, never a pause.
+
+B{Ids are unique across the file and the admin API.} The API refuses an
+id the file uses (409) and a reload that would add an id an admin account
+has (the reload is refused, nothing changes, one line naming the id:
+L{reloadProblems}); a file edited while relay was stopped can still
+clash: the admin account wins then (logged), because it may hold the
+only copy of a ChatGPT login, while the file's entry is still in the
+file. See the README ("Managing accounts").
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from attrs import define, field
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from relay.control.accounts.records import (
+    ACCOUNT,
+    PAUSE,
+    accountFromSpec,
+    specSecrets,
+)
+from relay.control.store import ControlChange
+from relay.model import Account, ConfigError
+
+__all__ = ["ControlPlane", "LOADING_GRACE_SECONDS", "PAUSED_KIND"]
+
+PAUSED_KIND = "paused"
+"""The block kind of a paused account in the operator view."""
+
+LOADING_GRACE_SECONDS = 10.0
+"""How long after start accounts wait for the control store's first read
+(a paused account must never serve before its pause is known); a store
+that does not answer by then is read again in the background and
+accounts serve meanwhile (logged)."""
+
+
+@define(eq=False)
+class ControlPlane:
+    """
+    See the module docstring.
+
+    @ivar _clock: the reactor's clock.
+    @ivar live: the L{relay.operations.live.LiveConfiguration} to change.
+    @ivar configPath: the configuration file (named in 409 answers), or
+        L{None}.
+    @ivar store: the L{relay.interfaces.IControlStore}; set once the
+        settings store exists (L{attach}).
+    @ivar admin: account id -> C{(ControlRecord, Account)} of the admin
+        accounts in force.
+    @ivar pauses: account id -> the C{pause} L{ControlRecord}.
+    @ivar invalid: account id -> why an admin record does not validate
+        (e.g. its C{proxy_id} was removed); such an account is not in force.
+    """
+
+    _clock: IReactorTime
+    live: Any
+    configPath: Optional[str] = None
+    store: Any = None
+    admin: dict = field(factory=dict, repr=False)
+    pauses: dict = field(factory=dict, repr=False)
+    invalid: dict = field(factory=dict)
+    _loaded: bool = field(default=False, init=False)
+    _running: bool = field(default=False, init=False)
+    _loadingUntil: float = field(default=0.0, init=False)
+    _syncing: Optional[Deferred] = field(default=None, init=False)
+    _again: bool = field(default=False, init=False)
+    _waiters: list = field(factory=list, init=False)
+    _clashes: set = field(factory=set, init=False)
+    _unsubscribe: Optional[Callable] = field(default=None, init=False)
+    _log = Logger()
+
+    # -- wiring ------------------------------------------------------------------------
+
+    def attach(self, store) -> None:
+        """
+        Use C{store} and apply its changes from now on; the live
+        configuration merges the admin accounts into every reload.
+
+        @param store: the L{relay.interfaces.IControlStore}.
+        """
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+        self.store = store
+        self._unsubscribe = store.subscribe(self._onChange)
+        self.live.overlay = self.overlay
+
+    @property
+    def fileName(self) -> str:
+        """
+        @return: the configuration file's path, for messages.
+        """
+        return self.configPath or "the configuration file"
+
+    def start(self) -> Deferred:
+        """
+        Start the change feed and read the store (service start): a store
+        with C{readNow} (the embedded SQLite file) is read at once, before
+        relay listens; otherwise (Redis), until the first read (at most
+        L{LOADING_GRACE_SECONDS}) every account is held back
+        (L{blockReason}).
+
+        @return: a Deferred firing once read (or the read failed, logged);
+            it never fails.
+        """
+        self._running = True
+        self._loadingUntil = self._clock.seconds() + LOADING_GRACE_SECONDS
+        readNow = getattr(self.store, "readNow", None)
+        if readNow is not None:
+            # The embedded store is a local file: read it before the port
+            # opens, so no turn waits for it (and none meets a paused
+            # account, R105).
+            try:
+                records = readNow((ACCOUNT, PAUSE))
+            except Exception as e:  # noqa: BLE001 - logged; the async read follows
+                self._log.warn("reading the control store at start failed: {error}",
+                               event="relay.control_sync_failed", error=str(e))
+            else:
+                self._apply(records[ACCOUNT], records[PAUSE])
+        d = self.store.start()
+        d.addErrback(lambda f: self._log.failure("starting the control feed failed", f))
+        d.addCallback(lambda _: self.refresh())
+        return d
+
+    def stop(self) -> Deferred:
+        """
+        Stop the change feed (service stop).
+        """
+        self._running = False
+        return self.store.stop() if self.store is not None else succeed(None)
+
+    # -- reading the store -----------------------------------------------------------
+
+    def _onChange(self, change: ControlChange) -> None:
+        if change.kind in (None, ACCOUNT, PAUSE):
+            self.refresh()
+
+    def refresh(self) -> Deferred:
+        """
+        Re-read the admin accounts and pauses and put them in force.
+        Calls that arrive while a read runs are served by one more read
+        after it (so the newest write is always seen).
+
+        @return: a Deferred firing once a read that began after this call
+            has been applied; it never fails (a failure is logged; the
+            previous state stays in force).
+        """
+        waiter = Deferred()
+        self._waiters.append(waiter)
+        if self._syncing is not None:
+            self._again = True
+            return waiter
+        self._run()
+        return waiter
+
+    def _run(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        self._again = False
+        self._syncing = Deferred.fromCoroutine(self._sync())
+
+        def _done(result):
+            if isinstance(result, Failure):
+                self._log.failure("applying the control store failed", result,
+                                  event="relay.control_sync_failed")
+            self._syncing = None
+            for w in waiters:
+                w.callback(None)
+            if self._again or self._waiters:
+                self._run()
+
+        self._syncing.addBoth(_done)
+
+    async def _sync(self) -> None:
+        if self.store is None:
+            return
+        try:
+            accounts = await self.store.list(ACCOUNT)
+            pauses = await self.store.list(PAUSE)
+        except Exception as e:  # noqa: BLE001 - logged; the previous state stays
+            self._log.warn(
+                "reading the control store failed: {error}; the accounts in force are kept",
+                event="relay.control_sync_failed", error=str(e),
+            )
+            return
+        self._apply(accounts, pauses)
+
+    def _apply(self, accounts: list, pauses: list) -> None:
+        """
+        Put the admin accounts and pauses read from the store in force.
+        """
+        self.pauses = {r.id: r for r in pauses}
+        proxies = tuple(self.live.config.proxies)
+        admin, invalid = {}, {}
+        for record in accounts:
+            spec = record.data.get("spec") or {}
+            try:
+                account = accountFromSpec(spec, proxies)
+            except ConfigError as e:
+                invalid[record.id] = str(e)
+                if self.invalid.get(record.id) != str(e):
+                    self._log.error(
+                        "admin account {account_id} is not in force: {problem}",
+                        event="relay.control_account_invalid", account_id=record.id,
+                        problem=str(e),
+                    )
+                continue
+            if account.id != record.id:
+                invalid[record.id] = "its id does not match its record"
+                continue
+            from relay.logs import registerSecrets
+
+            registerSecrets(specSecrets(spec, account))
+            admin[record.id] = (record, account)
+        self.admin, self.invalid = admin, invalid
+        self._loaded = True
+        change = self.live.accounts.replace(self.overlay(tuple(self.live.config.accounts)))
+        if change:
+            self._log.info(
+                "control plane applied: accounts +{added} -{removed} ~{changed}",
+                event="relay.control_applied", **change.asDict(),
+            )
+
+    # -- what the rest of relay asks --------------------------------------------------
+
+    def overlay(self, fileAccounts: tuple) -> tuple:
+        """
+        The accounts to put in force for the file's C{fileAccounts}: the
+        file's (less any id an admin account has: the admin account wins,
+        logged once), then the admin accounts, oldest first.
+
+        @rtype: L{tuple} of L{Account}
+        """
+        kept = []
+        for account in fileAccounts:
+            if account.id in self.admin:
+                if account.id not in self._clashes:
+                    self._clashes.add(account.id)
+                    self._log.error(
+                        "account id {account_id} is in {file} and was added through the admin"
+                        " API; the admin account is in force, the file's entry is ignored:"
+                        " delete one of them or rename the file's",
+                        event="relay.control_id_clash", account_id=account.id,
+                        file=self.fileName,
+                    )
+                continue
+            kept.append(account)
+        ordered = sorted(self.admin.values(),
+                         key=lambda pair: (pair[0].data.get("created_at") or 0, pair[0].id))
+        return tuple(kept) + tuple(account for _, account in ordered)
+
+    def sourceOf(self, accountId: str) -> Optional[str]:
+        """
+        @return: C{admin}, C{file}, or L{None} for an account not in force.
+        """
+        if accountId in self.admin:
+            return "admin"
+        if any(a.id == accountId for a in self.live.config.accounts):
+            return "file"
+        return None
+
+    def isPaused(self, accountId: str) -> bool:
+        """
+        @return: whether the account is paused.
+        """
+        return accountId in self.pauses
+
+    def blockReason(self, account: Account, now: float):
+        """
+        The scheduler's C{extraBlock} answer for the control plane: a paused
+        account is never scheduled (permanent until enabled); before the
+        store's first read every account waits (so a paused one cannot
+        slip through at start).
+
+        @param now: Unix seconds.
+        @return: L{None}, or C{(reason, until)} (C{until} 0: until enabled).
+        """
+        pause = self.pauses.get(account.id)
+        if pause is not None:
+            return ("paused: " + (pause.data.get("reason") or "by admin"), 0)
+        if self._running and not self._loaded and now < self._loadingUntil:
+            return ("control_loading", now + 1)
+        return None
+
+    def blocksOf(self, account: Account, now: float) -> list:
+        """
+        The operator view's blocks from the control plane (the shape of
+        L{relay.policy.health.AccountHealth.blocks}).
+        """
+        if account.id not in self.pauses:
+            return []
+        reason = self.pauses[account.id].data.get("reason") or "by admin"
+        return [{"scope": "account", "model": None, "kind": PAUSED_KIND, "reason": reason,
+                 "until": None}]
+
+    def viewOf(self, account: Account) -> dict:
+        """
+        The control plane's fields of an account's row in C{GET
+        /admin/accounts}: C{source} (C{file} | C{admin}), C{label},
+        C{paused}, C{paused_at}, C{created_at}. Never a secret.
+        """
+        record = self.admin.get(account.id)
+        data = record[0].data if record is not None else {}
+        pause = self.pauses.get(account.id)
+        return {
+            "source": "admin" if record is not None else "file",
+            "label": data.get("label"),
+            "paused": pause is not None,
+            "paused_at": pause.data.get("paused_at") if pause is not None else None,
+            "created_at": data.get("created_at"),
+        }
+
+    def reloadProblems(self, config) -> list:
+        """
+        What stops a reload of C{config} because of the admin accounts
+        (L{relay.operations.reload.ConfigReloader.checks}): an id the file
+        would add that an admin account has, a proxy an admin account uses
+        that the file would remove. One line each; nothing changes.
+
+        @param config: the reloaded L{relay.model.RelayConfig}.
+        @rtype: L{list} of L{str}
+        """
+        problems = []
+        for i, account in enumerate(config.accounts):
+            if account.id in self.admin:
+                problems.append(
+                    f"accounts[{i}].id: {account.id!r} is already an account added through the"
+                    " admin API; delete that one (DELETE /admin/accounts/"
+                    f"{account.id}) or give the file's entry another id"
+                )
+        proxyIds = {p.id for p in config.proxies}
+        for accountId, (record, _) in sorted(self.admin.items()):
+            proxyId = (record.data.get("spec") or {}).get("proxy_id")
+            if proxyId is not None and proxyId not in proxyIds:
+                problems.append(
+                    f"proxies: {proxyId!r} is the proxy of the admin account {accountId!r};"
+                    " keep it in the file or change that account's proxy first"
+                )
+        return problems

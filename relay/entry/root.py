@@ -1,0 +1,49 @@
+# -*- test-case-name: tests.test_responsesapi -*-
+"""
+The relay's resource tree (protocol.md 1): the turn routes of
+L{relay.entry.http}, everything under C{/v1/responses/} that is not a turn
+(L{relay.entry.responsesapi}, behaviour.md R87-R91), both shapes of
+C{/v1/models} (L{relay.entry.models}, R92), the prefixless aliases,
+C{/backend-api/codex/responses} and C{/healthz}. The application adds the
+operator routes.
+"""
+
+from __future__ import annotations
+
+from twisted.web.resource import Resource
+
+from relay.engine.catalog import ModelCatalog
+from relay.entry.http import HealthResource, JSONRoot, KeyRing, TurnResource
+from relay.entry.models import ModelsResource
+from relay.entry.responsesapi import ResponsesResource
+
+
+def buildRoot(runner, keys: KeyRing, accounts, websocket=None) -> Resource:
+    """
+    The relay's resource tree (protocol.md 1): C{/v1/...}, the prefixless
+    aliases, C{/backend-api/codex/responses} and C{/healthz}.
+
+    @return: the root L{Resource}; the application adds C{admin} and
+        C{metrics} children.
+    """
+    responses = ResponsesResource(
+        TurnResource(runner, keys, "responses", websocket), runner, keys
+    )
+    chat = TurnResource(runner, keys, "chat")
+    models = ModelsResource(keys, ModelCatalog(runner=runner, accounts=accounts))
+    root = JSONRoot()
+    v1 = JSONRoot()
+    for parent in (root, v1):
+        parent.putChild(b"responses", responses)
+        chatParent = JSONRoot()
+        chatParent.putChild(b"completions", chat)
+        parent.putChild(b"chat", chatParent)
+        parent.putChild(b"models", models)
+    root.putChild(b"v1", v1)
+    backend = JSONRoot()
+    codex = JSONRoot()
+    codex.putChild(b"responses", responses)
+    backend.putChild(b"codex", codex)
+    root.putChild(b"backend-api", backend)
+    root.putChild(b"healthz", HealthResource())
+    return root
