@@ -59,6 +59,12 @@ def _exists(image: str) -> bool:
     return podman("image", "exists", image, check=False).returncode == 0
 
 
+_BUILT: dict = {}
+"""What L{containerImages} built in this process: test modules import the
+fixture, and pytest makes each import a fixture of its own, so the session
+scope alone would build once per module."""
+
+
 @pytest.fixture(scope="session")
 def containerImages():
     """
@@ -66,8 +72,10 @@ def containerImages():
     scratch under CI).
 
     @return: C{{"relay": name, "redis": name, "base": name, "seconds":
-        build seconds (0 when this session did not build)}}.
+        build seconds (0 when an earlier test of the session built them)}}.
     """
+    if _BUILT:
+        return dict(_BUILT, seconds=0.0)
     if shutil.which("podman") is None:
         pytest.skip("podman is not installed (.ci/run installs it): "
                     "the container tests build and run the images with podman")
@@ -89,4 +97,5 @@ def containerImages():
              if line.startswith("container-images.sh: ") and " in " in line]
     print(f"\ncontainer images ({'from scratch' if fresh else 'cached'}): "
           f"{'; '.join(steps)}; {seconds:.1f}s in all")
-    return {"relay": IMAGE, "redis": REDIS_IMAGE, "base": BASE, "seconds": seconds}
+    _BUILT.update(relay=IMAGE, redis=REDIS_IMAGE, base=BASE, seconds=seconds)
+    return dict(_BUILT)

@@ -21,7 +21,8 @@ The test waits for C{/readyz}, passes the requests of C{scripts/demo.sh
 over) and a WebSocket turn, and checks: relay runs its two workers (none
 exited: a supervisor that is a container's pid 1 used to make its workers
 end themselves), one scrape counts every turn, relay's state is in Redis
-and Redis has AOF on (C{appendonly yes}, C{aof_enabled:1}). Then C{stop -t
+and Redis has AOF on (C{appendonly yes}, C{aof_enabled:1}), and every service's health check
+passes. Then C{stop -t
 45} (compose's C{stop_grace_period}, which podman-compose 1.0 ignores):
 every worker drains and relay exits 0; then C{down -v} leaves no container
 and no volume of the project.
@@ -34,6 +35,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 
 import pytest
 import pytest_twisted
@@ -127,18 +129,26 @@ async def test_compose_up_serves_the_demo(containerImages):  # noqa: F811
         result = podman("logs", relayName, check=False)
         return (result.stdout + result.stderr)[-tail:]
 
+    upAt = time.monotonic()
     try:
         up = await deferToThread(_compose, project, env, "up", "-d", "--no-build")
         relayName = await deferToThread(_container, project, "relay")
         redisName = await deferToThread(_container, project, "redis")
-        # podman-compose 1.0 has no profiles: the emulator runs.
-        await deferToThread(_container, project, "emulator")
+        # podman-compose 1.0 has no profiles: the emulator runs (checked below).
 
         async def ready():
             r = await treq.get(base + "/readyz", persistent=False).addTimeout(5, reactor)
             return r.code == 200
         await _until(ready, 90, "the stack ready (GET /readyz 200)",
                      lambda: up.stdout[-2000:] + logs())
+        readySeconds = time.monotonic() - upAt
+
+        # Every service's health check passes as podman-compose wrote it (1.0
+        # re-quotes a CMD list; relay's comes from the image, asking /readyz).
+        emulatorName = await deferToThread(_container, project, "emulator")
+        for name in (relayName, redisName, emulatorName):
+            health = await deferToThread(podman, "healthcheck", "run", name, check=False)
+            assert health.returncode == 0, (name, health.stdout, health.stderr)
 
         # scripts/demo.sh --check: streaming, then non-streaming; and the WebSocket.
         code, body = await _post(base, {"model": "gpt-5.5", "input": "Say hi", "stream": True})
@@ -149,10 +159,16 @@ async def test_compose_up_serves_the_demo(containerImages):  # noqa: F811
         assert data["status"] == "completed", data
         assert "response.completed" in await _wsTurn(port)
 
-        r = await treq.get(base + "/metrics", headers={"Authorization": [f"Bearer {ADMIN}"]},
-                           persistent=False)
-        assert r.code == 200
-        metrics = (await r.content()).decode()
+        scraped = []
+
+        async def counted():
+            # A turn is counted as it ends, just after its last event went out.
+            r = await treq.get(base + "/metrics",
+                               headers={"Authorization": [f"Bearer {ADMIN}"]}, persistent=False)
+            scraped[:] = [r.code, (await r.content()).decode()]
+            return r.code == 200 and _sample(scraped[1], "relay_turns_total") >= 3
+        await _until(counted, 10, "the three turns counted", lambda: str(scraped))
+        metrics = scraped[1]
         assert _sample(metrics, "relay_turns_total") == 3, metrics
         assert _sample(metrics, "relay_turns_total", outcome="completed") == 3, metrics
         # The demo's failover: a2 (preferred) answers 503, another account serves.
@@ -191,7 +207,8 @@ async def test_compose_up_serves_the_demo(containerImages):  # noqa: F811
         volumes = await deferToThread(podman, "volume", "ls", "-q", "--filter",
                                       f"label=com.docker.compose.project={project}")
         assert volumes.stdout.strip() == "", volumes.stdout
-        print(f"\ncompose stack: up, ready, demo requests and down for project {project}")
+        print(f"\ncompose stack ({project}): ready {readySeconds:.1f}s after up, "
+              f"up to down {time.monotonic() - upAt:.1f}s")
     finally:
         await deferToThread(_compose, project, env, "down", "-v", "-t", "5", check=False)
         # podman-compose 1.0 leaves the project's network behind.
