@@ -113,8 +113,9 @@ class RedisTarget:
 
         @return: an C{IOpenSSLClientConnectionCreator}, as txredisapi's
             C{ssl_context_factory} takes it.
-        @raise ValueError: for a file that cannot be read or parsed (the
-            message names the parameter, never a password).
+        @raise ValueError: for a file that cannot be read or parsed, or a
+            key that is not the certificate's (the message names the
+            parameter, never a password).
         """
         from cryptography import x509
         from cryptography.hazmat.primitives import serialization
@@ -144,6 +145,10 @@ class RedisTarget:
                     _readFile("ssl_keyfile", keyPath), password=None)
             except (ValueError, TypeError):
                 raise ValueError(f"ssl_keyfile: no unencrypted PEM private key in {keyPath}")
+            spki = (serialization.Encoding.DER,
+                    serialization.PublicFormat.SubjectPublicKeyInfo)
+            if key.public_key().public_bytes(*spki) != certificate.public_key().public_bytes(*spki):
+                raise ValueError(f"ssl_keyfile: the key in {keyPath} is not ssl_certfile's")
             extra = {"privateKey": key, "certificate": certificate}
         return ssl.optionsForClientTLS(self.host, trustRoot=trustRoot,
                                        extraCertificateOptions=extra)

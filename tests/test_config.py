@@ -1009,6 +1009,26 @@ class RedisURLConfigTests(SynchronousTestCase, ConfigErrorAssertions):
         self.assertConfigError(f"state: {{redis_url: 'rediss://h/0?ssl_keyfile={path}'}}",
                                "state.redis_url", "ssl_keyfile needs ssl_certfile")
 
+    def test_clientKeyMatchesCertificate(self):
+        """
+        A client key that is not the certificate's is refused at load, not
+        at the first TLS handshake.
+        """
+        from tests.integration.tlsca import TestCA
+
+        one, other = TestCA.create(), TestCA.create()
+        paths = {}
+        for name, data in (("cert", one.leafCertPEM), ("key", one.leafKeyPEM),
+                           ("otherkey", other.leafKeyPEM)):
+            paths[name] = self.mktemp()
+            with open(paths[name], "wb") as f:
+                f.write(data)
+        good = f"rediss://h/0?ssl_certfile={paths['cert']}&ssl_keyfile={paths['key']}"
+        self.assertEqual(parse(f"state: {{redis_url: '{good}'}}").state.redis_url, good)
+        bad = f"rediss://h/0?ssl_certfile={paths['cert']}&ssl_keyfile={paths['otherkey']}"
+        self.assertConfigError(f"state: {{redis_url: '{bad}'}}", "state.redis_url",
+                               "is not ssl_certfile's")
+
     def test_refused(self):
         cases = [
             ("http://u:redis-pass@h:6379", "unsupported scheme 'http'"),
