@@ -40,22 +40,33 @@ if [[ -n "$CA_BUNDLE" && -e "$CA_BUNDLE" ]]; then
     ca=(-v "$CA_BUNDLE:/etc/ssl/certs/ca-certificates.crt:ro")
 fi
 
-step() {  # step WHAT COMMAND...: run it (its output: errors only), say how long it took
-    local what="$1" started=$SECONDS
-    shift
+step() {  # step WHAT IMAGE COMMAND...: run it (its output: errors only), say how long it
+          # took, and remove the image IMAGE named before if it was replaced (unless in use)
+    local what="$1" image="$2" started=$SECONDS old new
+    shift 2
+    old="$(podman image inspect --format '{{.Id}}' "$image" 2>/dev/null || true)"
     "$@" >/dev/null
     echo "container-images.sh: $what in $((SECONDS - started))s"
+    new="$(podman image inspect --format '{{.Id}}' "$image" 2>/dev/null || true)"
+    if [[ -n "$old" && "$old" != "$new" ]]; then
+        replaced+=("$old")
+        podman rmi "$old" >/dev/null 2>&1 || true
+    fi
 }
+replaced=()
 
 if [[ -n "${FRESH:-}" ]] || ! podman image exists "$RELAY_BASE"; then
-    step "base $RELAY_BASE" "$ROOT/scripts/container-base.sh" "$RELAY_BASE"
+    step "base $RELAY_BASE" "$RELAY_BASE" "$ROOT/scripts/container-base.sh" "$RELAY_BASE"
 else
     echo "container-images.sh: base $RELAY_BASE exists (FRESH=1 rebuilds it)"
 fi
-step "relay $RELAY_IMAGE" podman build -q --format docker "${cache[@]}" "${ca[@]}" \
+step "relay $RELAY_IMAGE" "$RELAY_IMAGE" podman build -q --format docker "${cache[@]}" "${ca[@]}" \
     --build-arg "BASE=$RELAY_BASE" -t "$RELAY_IMAGE" "$ROOT"
-step "redis $RELAY_REDIS_IMAGE" podman build -q --format docker "${cache[@]}" \
+step "redis $RELAY_REDIS_IMAGE" "$RELAY_REDIS_IMAGE" podman build -q --format docker "${cache[@]}" \
     --build-arg "BASE=$RELAY_BASE" --build-arg "MIRROR=$MIRROR" \
     -t "$RELAY_REDIS_IMAGE" "$ROOT/etc/redis"
+for old in "${replaced[@]}"; do  # an old base goes once the images built on it have
+    podman rmi "$old" >/dev/null 2>&1 || true
+done
 echo "container-images.sh: built; for compose.yaml's stack:"
 echo "  export RELAY_BASE=$RELAY_BASE RELAY_IMAGE=$RELAY_IMAGE RELAY_REDIS_IMAGE=$RELAY_REDIS_IMAGE"

@@ -226,7 +226,8 @@ async def test_image_serves_and_drains(relayImage):
             "-c", "%u %n", "/data/relay.sqlite")
         assert listing.stdout.split() == [str(RELAY_UID), "/data/relay.sqlite"], listing.stdout
         total = time.monotonic() - started + buildSeconds
-        print(f"container test: build {buildSeconds:.1f}s, "
+        built = f"build {buildSeconds:.1f}s" if buildSeconds else "images reused"
+        print(f"container test: {built}, "
               f"run {time.monotonic() - started:.1f}s, total {total:.1f}s; "
               f"SIGTERM to exit {stopSeconds:.1f}s with a stream in flight")
     finally:
