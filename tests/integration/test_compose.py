@@ -77,6 +77,23 @@ def _container(project: str, service: str) -> str:
     return names[0]
 
 
+def _anonymousVolumes(project: str) -> list:
+    """
+    The unnamed volumes the project's containers mount (an image's
+    C{VOLUME} without a mount in compose.yaml).
+    """
+    ids = podman("ps", "-a", "-q", "--filter", f"label=com.docker.compose.project={project}")
+    names = []
+    for container in ids.stdout.split():
+        mounts = podman("inspect", container, "--format",
+                        "{{range .Mounts}}{{.Type}}={{.Name}} {{end}}", check=False)
+        for mount in mounts.stdout.split():
+            kind, _, name = mount.partition("=")
+            if kind == "volume" and name and not name.startswith(f"{project}_"):
+                names.append(name)
+    return names
+
+
 async def _until(check, timeout: float, what: str, logs=None):
     deadline = reactor.seconds() + timeout
     while reactor.seconds() < deadline:
@@ -200,7 +217,12 @@ async def test_compose_up_serves_the_demo(containerImages):  # noqa: F811
         assert log.count('"relay.drain_finished"') == 2, log[-6000:]
         assert '"level":"critical"' not in log, log[-6000:]
 
+        # Anonymous volumes (the emulator's, of the image's VOLUME): podman-compose
+        # 1.0's down -v removes only the named ones.
+        anonymous = await deferToThread(_anonymousVolumes, project)
         await deferToThread(_compose, project, env, "down", "-v", "-t", "45")
+        for volume in anonymous:
+            await deferToThread(podman, "volume", "rm", volume)
         left = await deferToThread(podman, "ps", "-a", "--filter",
                                    f"label=com.docker.compose.project={project}", "-q")
         assert left.stdout.strip() == "", left.stdout
@@ -210,6 +232,9 @@ async def test_compose_up_serves_the_demo(containerImages):  # noqa: F811
         print(f"\ncompose stack ({project}): ready {readySeconds:.1f}s after up, "
               f"up to down {time.monotonic() - upAt:.1f}s")
     finally:
+        anonymous = await deferToThread(_anonymousVolumes, project)
         await deferToThread(_compose, project, env, "down", "-v", "-t", "5", check=False)
+        for volume in anonymous:
+            await deferToThread(podman, "volume", "rm", "-f", volume, check=False)
         # podman-compose 1.0 leaves the project's network behind.
         await deferToThread(podman, "network", "rm", "-f", f"{project}_default", check=False)
