@@ -612,6 +612,9 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
     from relay.scheduling.quota import UsageCollector
 
     metrics.addCollector(UsageCollector(quota, credentials, accounts))
+    # relay_oauth_refresh_failures_total: a counter, summed across workers (issue 23).
+    metrics.oauthAccounts([a.id for a in accounts if a.type == "oauth"])
+    credentials.onRefreshFailure = metrics.oauthRefreshFailed
     admin = buildAdminResource(
         app.live.adminKey,
         app.settings,

@@ -375,12 +375,20 @@ def _httpURL(value: Any, path: str) -> str:
 
 def _redisURL(value: Any, path: str) -> str:
     """
-    A C{redis://} (or C{rediss://}, C{unix://}) URL.
+    A C{redis://}, C{rediss://} (TLS) or C{unix://} URL, as
+    L{relay.redisclient.parseRedisUrl} reads it; a C{rediss://} URL's
+    certificate files must load.
     """
+    from relay.redisclient import parseRedisUrl
+
     value = _string(value, path)
-    if urlsplit(value).scheme not in ("redis", "rediss", "unix"):
+    try:
+        target = parseRedisUrl(value)
+        if target.tls:
+            target.tlsOptions()
+    except ValueError as e:
         # The URL may carry a password: name the problem, not the value.
-        raise _fail(path, "expected a redis://host:port/db URL")
+        raise _fail(path, str(e))
     return value
 
 
@@ -412,6 +420,10 @@ def _stateSection(value: Any, path: str) -> StateSettings:
         raise _fail(f"{path}.redis_master_name", "is required with state.redis_sentinels")
     if name and not sentinels:
         raise _fail(f"{path}.redis_sentinels", "is required with state.redis_master_name")
+    url = fields.get("redis_url")
+    if sentinels and url is not None and urlsplit(url).scheme != "redis":
+        raise _fail(f"{path}.redis_url", "with state.redis_sentinels only a redis:// URL"
+                    " (txredisapi's Sentinel connects without TLS or unix sockets)")
     return StateSettings(**fields)
 
 

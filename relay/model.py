@@ -312,7 +312,8 @@ class StateSettings:
     Where shared state lives (config.md C{state:}).
 
     @ivar backend: C{memory} or C{redis}.
-    @ivar redis_url: C{redis://host:port/db}.
+    @ivar redis_url: C{redis://host:port/db}, C{rediss://} (TLS) or
+        C{unix:///path/redis.sock?db=N} (L{relay.redisclient.parseRedisUrl}).
     @ivar on_redis_error: C{fail_open} or C{fail_closed} (R35).
     @ivar concurrency_slot_ttl_minutes: slot lease TTL (R34).
     @ivar redis_sentinels: C{("host:port", ...)} of Redis Sentinels; when

@@ -3,7 +3,8 @@
 The one place relay talks to txredisapi (style.md pattern d).
 
 L{RedisService} owns a txredisapi connection pool -- a C{lazyConnectionPool}
-built from C{state.redis_url}, or with C{state.redis_sentinels} the pool
+built from C{state.redis_url} (C{redis://}, C{rediss://} with TLS, or a
+C{unix://} socket: L{parseRedisUrl}), or with C{state.redis_sentinels} the pool
 txredisapi's C{Sentinel.master_for} keeps on the current master -- and runs
 every command through L{RedisService.execute}, which puts a timeout on the
 injected clock on each call (trap T16) and counts commands (for the
@@ -34,7 +35,7 @@ import anywhere.
 from __future__ import annotations
 
 from typing import Any, Optional
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from attrs import define, field
 from twisted.application.service import Service
@@ -61,27 +62,167 @@ class RedisUnavailable(RelayError):
         self.operation = operation
 
 
-def parseRedisUrl(url: str) -> dict:
+REDIS_URL_SCHEMES = ("redis", "rediss", "unix")
+"""The schemes of C{state.redis_url}: plain TCP, TLS, a unix socket."""
+
+TLS_PARAMETERS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+"""The query parameters of a C{rediss://} URL (the names redis-py uses)."""
+
+
+@define(frozen=True)
+class RedisTarget:
     """
-    Parse C{redis://[user:password@]host:port/db}.
+    Where and how to reach Redis, from C{state.redis_url} (L{parseRedisUrl}).
+
+    @ivar scheme: C{redis}, C{rediss} (TLS) or C{unix}.
+    @ivar host: the host name or address (TCP), else L{None}.
+    @ivar port: the TCP port, else L{None}.
+    @ivar path: the unix socket's path, else L{None}.
+    @ivar dbid: the database, L{None} for 0 (no C{SELECT} on reconnect).
+    @ivar password: or L{None}. @ivar username: or L{None} (ACL user).
+    @ivar caCerts: C{rediss}: a PEM file of the certificate authorities to
+        trust instead of the system's, or L{None}.
+    @ivar certFile: C{rediss}: the client certificate (PEM), or L{None}.
+    @ivar keyFile: C{rediss}: its private key (PEM; default: in
+        C{certFile}).
+    """
+
+    scheme: str
+    host: Optional[str] = None
+    port: Optional[int] = None
+    path: Optional[str] = None
+    dbid: Optional[int] = None
+    password: Optional[str] = field(default=None, repr=False)
+    username: Optional[str] = None
+    caCerts: Optional[str] = None
+    certFile: Optional[str] = None
+    keyFile: Optional[str] = None
+
+    @property
+    def tls(self) -> bool:
+        """
+        Whether the connection is TLS (C{rediss://}).
+        """
+        return self.scheme == "rediss"
+
+    def tlsOptions(self):
+        """
+        The client TLS options of a C{rediss://} target: the server's
+        certificate verified against L{caCerts} (or the system's trust
+        store) for L{host}, and L{certFile}/L{keyFile} presented when given.
+
+        @return: an C{IOpenSSLClientConnectionCreator}, as txredisapi's
+            C{ssl_context_factory} takes it.
+        @raise ValueError: for a file that cannot be read or parsed, or a
+            key that is not the certificate's (the message names the
+            parameter, never a password).
+        """
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+        from twisted.internet import ssl
+
+        trustRoot = None
+        if self.caCerts:
+            data = _readFile("ssl_ca_certs", self.caCerts)
+            try:
+                certificates = x509.load_pem_x509_certificates(data)
+            except ValueError:
+                raise ValueError(f"ssl_ca_certs: no PEM certificate in {self.caCerts}")
+            trustRoot = ssl.trustRootFromCertificates(
+                [ssl.Certificate.loadPEM(c.public_bytes(serialization.Encoding.PEM))
+                 for c in certificates])
+        extra = {}
+        if self.certFile:
+            # cryptography objects, not pyOpenSSL's (deprecated by pyOpenSSL).
+            try:
+                certificate = x509.load_pem_x509_certificate(
+                    _readFile("ssl_certfile", self.certFile))
+            except ValueError:
+                raise ValueError(f"ssl_certfile: no PEM certificate in {self.certFile}")
+            keyPath = self.keyFile or self.certFile
+            try:
+                key = serialization.load_pem_private_key(
+                    _readFile("ssl_keyfile", keyPath), password=None)
+            except (ValueError, TypeError):
+                raise ValueError(f"ssl_keyfile: no unencrypted PEM private key in {keyPath}")
+            spki = (serialization.Encoding.DER,
+                    serialization.PublicFormat.SubjectPublicKeyInfo)
+            if key.public_key().public_bytes(*spki) != certificate.public_key().public_bytes(*spki):
+                raise ValueError(f"ssl_keyfile: the key in {keyPath} is not ssl_certfile's")
+            extra = {"privateKey": key, "certificate": certificate}
+        return ssl.optionsForClientTLS(self.host, trustRoot=trustRoot,
+                                       extraCertificateOptions=extra)
+
+
+def _readFile(parameter: str, path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"{parameter}: cannot read {path}: {e.strerror}")
+
+
+def parseRedisUrl(url: str) -> RedisTarget:
+    """
+    Parse C{state.redis_url} (the forms redis-py takes):
+
+      - C{redis://[[user]:password@]host[:port][/db]}
+      - C{rediss://[[user]:password@]host[:port][/db][?ssl_ca_certs=PEM]
+        [&ssl_certfile=PEM][&ssl_keyfile=PEM]}: TLS, the server's
+        certificate verified for C{host}
+      - C{unix://[[user]:password@]/path/to/redis.sock[?db=N]}
 
     @param url: the C{state.redis_url} value.
-    @return: keyword arguments for C{txredisapi.lazyConnectionPool}:
-        C{host}, C{port}, C{dbid}, C{password}, C{username}.
-    @raise ValueError: for another scheme.
+    @return: a L{RedisTarget}.
+    @raise ValueError: for another scheme, a bad database or port, an
+        unknown or repeated query parameter, or a unix URL without a path
+        (messages never include the URL: it may carry a password).
     """
     parts = urlsplit(url)
-    if parts.scheme != "redis":
-        raise ValueError(f"state.redis_url: unsupported scheme {parts.scheme!r}")
-    path = parts.path.strip("/")
-    return {
-        "host": parts.hostname or "127.0.0.1",
-        "port": parts.port or 6379,
-        # None skips SELECT for db 0 (fewer moving parts on reconnect).
-        "dbid": int(path) if path and int(path) != 0 else None,
-        "password": unquote(parts.password) if parts.password else None,
-        "username": unquote(parts.username) if parts.username else None,
-    }
+    scheme = parts.scheme
+    if scheme not in REDIS_URL_SCHEMES:
+        raise ValueError(f"unsupported scheme {scheme!r}: expected redis://host:port/db,"
+                         " rediss://host:port/db or unix:///path/to/redis.sock")
+    known = {"unix": ("db",), "rediss": TLS_PARAMETERS}.get(scheme, ())
+    query = {}
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name not in known:
+            allowed = f" (known: {', '.join(known)})" if known else ""
+            raise ValueError(f"unknown parameter {name!r} in a {scheme}:// URL{allowed}")
+        if name in query:
+            raise ValueError(f"parameter {name!r} given twice")
+        query[name] = value
+    password = unquote(parts.password) if parts.password else None
+    username = unquote(parts.username) if parts.username else None
+    if scheme == "unix":
+        if not parts.path or parts.path == "/":
+            raise ValueError("a unix:// URL needs the socket's path: unix:///path/to/redis.sock")
+        db = query.get("db", "0")
+        return RedisTarget(scheme=scheme, path=unquote(parts.path), dbid=_database(db),
+                           password=password, username=username)
+    try:
+        port = parts.port or 6379
+    except ValueError:
+        raise ValueError("bad port")
+    tls = {}
+    if scheme == "rediss":
+        tls = {"caCerts": query.get("ssl_ca_certs") or None,
+               "certFile": query.get("ssl_certfile") or None,
+               "keyFile": query.get("ssl_keyfile") or None}
+        if tls["keyFile"] and not tls["certFile"]:
+            raise ValueError("ssl_keyfile needs ssl_certfile")
+    return RedisTarget(scheme=scheme, host=parts.hostname or "127.0.0.1", port=port,
+                       dbid=_database(parts.path.strip("/") or "0"), password=password,
+                       username=username, **tls)
+
+
+def _database(text: str) -> Optional[int]:
+    """
+    The database number of a URL, L{None} for 0 (C{SELECT} is skipped).
+    """
+    if not text.isdigit():
+        raise ValueError(f"bad database {text!r}: expected a number")
+    return int(text) or None
 
 
 def parseHostPort(address: str, defaultPort: int = 26379) -> tuple:
@@ -170,8 +311,9 @@ class RedisService(Service):
     """
     Owns the txredisapi connection pool and knows whether Redis answers.
 
-    @ivar url: C{redis://[user:password@]host:port/db}; with C{sentinels}
-        only its database, user and password are used.
+    @ivar url: C{state.redis_url} (L{parseRedisUrl}); with C{sentinels}
+        a C{redis://} URL of which only the database, user and password
+        are used.
     @ivar _clock: the clock for per-call timeouts and the probe.
     @ivar poolsize: connections in the pool.
     @ivar connectTimeout: TCP connect timeout, seconds.
@@ -394,18 +536,28 @@ class RedisService(Service):
     def _makePool(self):
         """
         @return: the txredisapi connection handler: a lazy pool on the URL's
-            host, or with C{sentinels} one kept on the current master.
+            host (over TLS for C{rediss://}) or unix socket, or with
+            C{sentinels} one kept on the current master.
         """
         import txredisapi
 
-        params = parseRedisUrl(self.url)
+        target = parseRedisUrl(self.url)
+        params = {"dbid": target.dbid, "password": target.password,
+                  "username": target.username}
         if not self.sentinels:
-            return txredisapi.lazyConnectionPool(
+            common = dict(
                 poolsize=self.poolsize,
                 connectTimeout=self.connectTimeout,
                 replyTimeout=self.replyTimeout,
                 convertNumbers=False,
                 **params,
+            )
+            if target.path is not None:
+                return txredisapi.lazyUnixConnectionPool(path=target.path, **common)
+            return txredisapi.lazyConnectionPool(
+                host=target.host, port=target.port,
+                ssl_context_factory=target.tlsOptions() if target.tls else False,
+                **common,
             )
         self._sentinel = txredisapi.Sentinel(
             [tuple(a) for a in self.sentinels],

@@ -70,6 +70,11 @@ the worker's end of its channel to the supervisor (L{CHANNEL_FD})."""
 CHANNEL_FD = 3
 """The worker's file descriptor of the pipe its supervisor reads."""
 
+SUPERVISOR_PID_ENV = "RELAY_SUPERVISOR_PID"
+"""Set in a worker's environment by the supervisor: the supervisor's pid, so
+that L{dieWithParent} can tell "my supervisor died" from "my supervisor is
+pid 1" (the entrypoint of a container, issue 23)."""
+
 MESSAGE_READY = b"ready"
 """A worker's message: its C{SIGHUP} handler is installed."""
 
@@ -349,26 +354,44 @@ class ReusePortEndpoint:
         return succeed(listening)
 
 
-def dieWithParent() -> None:
+def dieWithParent(environ=None, getppid=os.getppid, kill=os.kill, prctl=None) -> None:
     """
     Ask Linux to send this process C{SIGTERM} when its parent (the
     supervisor) dies, so no worker outlives a killed supervisor. Does
     nothing elsewhere.
+
+    A supervisor that died before the request leaves the worker with
+    another parent (init, or a subreaper): then the worker sends itself
+    C{SIGTERM} at once. The supervisor's pid comes from
+    L{SUPERVISOR_PID_ENV}: a supervisor that I{is} pid 1 -- the entrypoint
+    of a container, issue 23 -- is alive, not dead (without the variable,
+    a parent of pid 1 means the supervisor is gone).
+
+    @param environ: the environment (default C{os.environ}).
+    @param getppid: returns the parent's pid.
+    @param kill: C{os.kill}.
+    @param prctl: C{prctl(option, arg2, ...)}; default libc's.
     """
     if not sys.platform.startswith("linux"):
         return
-    try:
-        import ctypes
-        import signal
+    import signal
 
-        libc = ctypes.CDLL(None, use_errno=True)
+    environ = os.environ if environ is None else environ
+    try:
+        if prctl is None:
+            import ctypes
+
+            prctl = ctypes.CDLL(None, use_errno=True).prctl
         PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
     except Exception:  # noqa: BLE001 - best effort
         return
-    if os.getppid() == 1:
+    expected = environ.get(SUPERVISOR_PID_ENV, "")
+    parent = getppid()
+    gone = parent != int(expected) if expected.isdigit() else parent == 1
+    if gone:
         # The supervisor died before prctl: nobody will signal us.
-        os.kill(os.getpid(), signal.SIGTERM)
+        kill(os.getpid(), signal.SIGTERM)
 
 
 class _WorkerProtocol(ProcessProtocol):
@@ -457,6 +480,7 @@ class WorkerSupervisor(Service):
         env = dict(self.environ)
         env[WORKER_ENV] = str(index)
         env[SUPERVISOR_FD_ENV] = str(CHANNEL_FD)
+        env[SUPERVISOR_PID_ENV] = str(os.getpid())
         process = self.reactor.spawnProcess(
             protocol, self.argv[0], self.argv, env=env,
             childFDs={0: 0, 1: 1, 2: 2, CHANNEL_FD: "r"},

@@ -977,3 +977,80 @@ class SentinelConfigTests(SynchronousTestCase, ConfigErrorAssertions):
         self.assertConfigError(
             "state: {redis_sentinels: 'h:1', redis_master_name: m}", "state.redis_sentinels"
         )
+
+
+class RedisURLConfigTests(SynchronousTestCase, ConfigErrorAssertions):
+    """
+    C{state.redis_url} takes what the client honours (issue 23):
+    C{redis://}, C{rediss://} (TLS, with redis-py's C{ssl_*} parameters) and
+    C{unix://}; anything else is one line naming the key, never the URL's
+    password. The real connections: L{tests.integration.test_redis_url}.
+    """
+
+    def test_accepted(self):
+        for url in ("redis://:pw@h:6380/2", "rediss://h/0", "unix:///run/redis/redis.sock",
+                    "unix://:pw@/run/redis/redis.sock?db=4"):
+            self.assertEqual(parse(f"state: {{redis_url: '{url}'}}").state.redis_url, url)
+
+    def test_tlsFiles(self):
+        """
+        A C{rediss://} URL's certificate files are loaded with the
+        configuration: a missing or unparsable file is a config error.
+        """
+        self.assertConfigError("state: {redis_url: 'rediss://:pw@h/0?ssl_ca_certs=/nonexistent'}",
+                               "state.redis_url", "ssl_ca_certs", "/nonexistent")
+        path = self.mktemp()
+        with open(path, "w") as f:
+            f.write("not a certificate\n")
+        message = self.assertConfigError(
+            f"state: {{redis_url: 'rediss://:secret-pw@h/0?ssl_ca_certs={path}'}}",
+            "state.redis_url", "no PEM certificate")
+        self.assertNotIn("secret-pw", message)
+        self.assertConfigError(f"state: {{redis_url: 'rediss://h/0?ssl_keyfile={path}'}}",
+                               "state.redis_url", "ssl_keyfile needs ssl_certfile")
+
+    def test_clientKeyMatchesCertificate(self):
+        """
+        A client key that is not the certificate's is refused at load, not
+        at the first TLS handshake.
+        """
+        from tests.integration.tlsca import TestCA
+
+        one, other = TestCA.create(), TestCA.create()
+        paths = {}
+        for name, data in (("cert", one.leafCertPEM), ("key", one.leafKeyPEM),
+                           ("otherkey", other.leafKeyPEM)):
+            paths[name] = self.mktemp()
+            with open(paths[name], "wb") as f:
+                f.write(data)
+        good = f"rediss://h/0?ssl_certfile={paths['cert']}&ssl_keyfile={paths['key']}"
+        self.assertEqual(parse(f"state: {{redis_url: '{good}'}}").state.redis_url, good)
+        bad = f"rediss://h/0?ssl_certfile={paths['cert']}&ssl_keyfile={paths['otherkey']}"
+        self.assertConfigError(f"state: {{redis_url: '{bad}'}}", "state.redis_url",
+                               "is not ssl_certfile's")
+
+    def test_refused(self):
+        cases = [
+            ("http://u:redis-pass@h:6379", "unsupported scheme 'http'"),
+            ("redis://:redis-pass@h:6379/x", "bad database"),
+            ("redis://:redis-pass@h:6379/0?ssl_ca_certs=/x", "unknown parameter 'ssl_ca_certs'"),
+            ("rediss://:redis-pass@h/0?verify=no", "unknown parameter 'verify'"),
+            ("unix://:redis-pass@", "needs the socket's path"),
+            ("unix:///r.sock?db=one", "bad database"),
+            ("redis://:redis-pass@h:99999/0", "bad port"),
+        ]
+        for url, fragment in cases:
+            message = self.assertConfigError(f"state: {{redis_url: '{url}'}}",
+                                             "state.redis_url", fragment)
+            self.assertNotIn("redis-pass", message)
+
+    def test_sentinelsTakeRedisOnly(self):
+        """
+        txredisapi's Sentinel support connects without TLS or unix sockets,
+        so with C{redis_sentinels} the URL must be C{redis://}.
+        """
+        for scheme in ("rediss://unused/0", "unix:///r.sock"):
+            self.assertConfigError(
+                f"state: {{backend: redis, redis_url: '{scheme}',"
+                " redis_sentinels: ['h:26379'], redis_master_name: m}",
+                "state.redis_url", "redis_sentinels")

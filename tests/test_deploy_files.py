@@ -50,7 +50,28 @@ class ComposeTests(SynchronousTestCase):
         self.assertTrue(relay["environment"]["RELAY_HEALTH_URL"].endswith("/readyz"))
         grace = GatewaySettings().shutdown_grace_seconds + SUPERVISOR_GRACE_MARGIN_SECONDS
         self.assertGreater(_seconds(relay["stop_grace_period"]), grace)
-        self.assertEqual(relay["build"]["args"]["BASE"].split(":-")[0], "${BASE")
+        self.assertEqual(relay["build"]["args"]["BASE"].split(":-")[0], "${RELAY_BASE")
+
+    def test_redisImage(self):
+        """
+        Redis is the public image unless C{RELAY_REDIS_IMAGE} names another
+        (Debian's redis-server on the base made without a registry:
+        C{etc/redis/Dockerfile}, built by C{scripts/container-images.sh});
+        both take the same command line, which turns protected mode off
+        (the public image's default; Debian's is on) and publishes no port.
+        """
+        redis = self.services["redis"]
+        self.assertEqual(redis["image"],
+                         "${RELAY_REDIS_IMAGE:-docker.io/library/redis:7-bookworm}")
+        self.assertIn("--protected-mode no", " ".join(redis["command"]))
+        self.assertNotIn("ports", redis)
+        text = _read("etc/redis/Dockerfile")
+        self.assertRegex(text, r"(?m)^FROM \$\{BASE\}$")
+        self.assertIn("redis-server", text)
+        self.assertRegex(text, r"(?m)^USER redis$")
+        script = _read("scripts/container-images.sh")
+        for name in ("RELAY_BASE", "RELAY_IMAGE", "RELAY_REDIS_IMAGE"):
+            self.assertIn(name, script)
 
     def test_mountedFilesExistAndParse(self):
         """

@@ -639,24 +639,32 @@ class CredentialsTests(SynchronousTestCase):
         C{relay_oauth_token_status{account,status}} is 1 for the account's
         current token status and 0 for the others, so C{needs_login} can be
         alerted on; C{relay_oauth_refresh_failures_total} counts the failed
-        token requests. No token appears in the scrape.
+        token requests -- a counter of L{RelayMetrics} fed by
+        C{onRefreshFailure} (wired as L{relay.app} does), so that it adds
+        up across workers like the other counters (issue 23; the summing
+        itself: tests.integration.test_metrics_workers). No token appears
+        in the scrape.
         """
-        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client import generate_latest
 
+        from relay.operator.metrics import RelayMetrics, withoutCreated
         from relay.scheduling.quota import UsageCollector, UsageWindows
 
         acct = account(refresh="rt-secret-0")
         credentials = self.make(acct)
-        registry = CollectorRegistry()
-        registry.register(UsageCollector(UsageWindows(clock=self.clock), credentials, [acct]))
+        metrics = RelayMetrics(multiprocessDir=None)
+        metrics.addCollector(UsageCollector(UsageWindows(clock=self.clock), credentials, [acct]))
+        metrics.oauthAccounts([acct.id])
+        credentials.onRefreshFailure = metrics.oauthRefreshFailed
 
         def scrape():
-            return generate_latest(registry).decode()
+            return generate_latest(withoutCreated(metrics.exposed)).decode()
 
         text = scrape()
         self.assertIn('relay_oauth_token_status{account="o1",status="ok"} 1.0', text)
         self.assertIn('relay_oauth_token_status{account="o1",status="needs_login"} 0.0', text)
         self.assertIn('relay_oauth_refresh_failures_total{account="o1"} 0.0', text)
+        self.assertEqual(text.count("# TYPE relay_oauth_refresh_failures_total counter"), 1)
         replies = [TokenReply(503, {}),
                    TokenReply(400, {"error": {"code": "refresh_token_reused"}})]
         self.endpoint.auto = lambda rt: replies.pop(0)
@@ -666,6 +674,7 @@ class CredentialsTests(SynchronousTestCase):
         self.assertIn('relay_oauth_token_status{account="o1",status="needs_login"} 1.0', text)
         self.assertIn('relay_oauth_token_status{account="o1",status="ok"} 0.0', text)
         self.assertIn('relay_oauth_refresh_failures_total{account="o1"} 2.0', text)
+        self.assertEqual(credentials.view(acct)["refresh_failures_total"], 2)
         self.assertNotIn("rt-secret", text)
         self.assertNotIn(acct.credential, text)
 

@@ -392,3 +392,36 @@ class LogFailureTests(SynchronousTestCase):
         self.assertEqual(logs[0]["log_level"].name, "critical")
         self.assertIn("log_failure", logs[0])
         self.flushLoggedErrors(KeyError)
+
+
+class ParseRedisUrlTests(SynchronousTestCase):
+    """
+    L{parseRedisUrl}: the three forms of C{state.redis_url} (issue 23).
+    """
+
+    def test_tcp(self):
+        from relay.redisclient import parseRedisUrl
+
+        target = parseRedisUrl("redis://user:p%40ss@cache.internal:6380/3")
+        self.assertEqual((target.scheme, target.host, target.port, target.dbid),
+                         ("redis", "cache.internal", 6380, 3))
+        self.assertEqual((target.username, target.password), ("user", "p@ss"))
+        self.assertFalse(target.tls)
+        self.assertNotIn("p@ss", repr(target))
+        target = parseRedisUrl("redis://h")
+        self.assertEqual((target.port, target.dbid, target.password), (6379, None, None))
+
+    def test_tls(self):
+        from relay.redisclient import parseRedisUrl
+
+        target = parseRedisUrl("rediss://:pw@h/0?ssl_ca_certs=/ca.pem&ssl_certfile=/c.pem")
+        self.assertTrue(target.tls)
+        self.assertEqual((target.caCerts, target.certFile, target.keyFile),
+                         ("/ca.pem", "/c.pem", None))
+
+    def test_unix(self):
+        from relay.redisclient import parseRedisUrl
+
+        target = parseRedisUrl("unix://:pw@/run/redis/redis.sock?db=5")
+        self.assertEqual((target.path, target.dbid, target.password, target.host),
+                         ("/run/redis/redis.sock", 5, "pw", None))

@@ -5,8 +5,10 @@ reactor and a L{Clock}; the C{workers} configuration key and flag.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
+import sys
 
 from twisted.internet.error import ProcessDone, ProcessTerminated
 from twisted.internet.interfaces import IStreamServerEndpoint
@@ -23,10 +25,12 @@ from relay.workers import (
     HEALTHY_SECONDS,
     RESTART_DELAY_SECONDS,
     SUPERVISOR_FD_ENV,
+    SUPERVISOR_PID_ENV,
     WORKER_ENV,
     ReusePortEndpoint,
     SupervisorChannel,
     WorkerSupervisor,
+    dieWithParent,
     reserveAddress,
     supervisorChannel,
     tcpAddress,
@@ -126,6 +130,7 @@ class SupervisorTests(SynchronousTestCase):
         self.assertEqual([env[WORKER_ENV] for env in envs], ["0", "1"])
         self.assertEqual(envs[0]["PATH"], "/bin")
         self.assertEqual(envs[0][SUPERVISOR_FD_ENV], str(CHANNEL_FD))
+        self.assertEqual(envs[0][SUPERVISOR_PID_ENV], str(os.getpid()))
         self.assertEqual(self.reactor.spawned[0][4], {0: 0, 1: 1, 2: 2, CHANNEL_FD: "r"})
         self.assertEqual(self.reactor.spawned[0][1], "python")
 
@@ -275,6 +280,55 @@ class SupervisorTests(SynchronousTestCase):
         self.reactor.advance(RESTART_DELAY_SECONDS)
         _say(old, b"reloaded\n")
         self.assertEqual([e[5].signals for e in self.reactor.spawned], [[], [], []])
+
+
+class DieWithParentTests(SynchronousTestCase):
+    """
+    L{dieWithParent}: a worker asks for C{SIGTERM} at its supervisor's
+    death, and ends itself when the supervisor is already gone -- but a
+    supervisor that is pid 1 (a container's entrypoint) is alive.
+    """
+
+    if not sys.platform.startswith("linux"):
+        skip = "PR_SET_PDEATHSIG is Linux's"
+
+    def run_(self, parent: int, environ: dict) -> list:
+        calls = []
+        dieWithParent(
+            environ=environ, getppid=lambda: parent,
+            kill=lambda pid, sig: calls.append(("kill", pid, sig)),
+            prctl=lambda *args: calls.append(("prctl",) + args),
+        )
+        return calls
+
+    def test_supervisorIsPidOne(self):
+        """
+        In a container the supervisor is pid 1: its workers keep running
+        (issue 23: they used to end themselves at once, over and over).
+        """
+        calls = self.run_(1, {SUPERVISOR_PID_ENV: "1"})
+        self.assertEqual(calls, [("prctl", 1, int(signal.SIGTERM), 0, 0, 0)])
+
+    def test_supervisorAlive(self):
+        self.assertEqual(len(self.run_(4242, {SUPERVISOR_PID_ENV: "4242"})), 1)
+
+    def test_supervisorGoneBeforeTheRequest(self):
+        """
+        Re-parented (to init or a subreaper) before the request: the
+        worker sends itself C{SIGTERM}.
+        """
+        calls = self.run_(1, {SUPERVISOR_PID_ENV: "4242"})
+        self.assertEqual(calls[-1], ("kill", os.getpid(), signal.SIGTERM))
+        calls = self.run_(77, {SUPERVISOR_PID_ENV: "4242"})
+        self.assertEqual(calls[-1], ("kill", os.getpid(), signal.SIGTERM))
+
+    def test_withoutThePid(self):
+        """
+        Without L{SUPERVISOR_PID_ENV}, a parent of pid 1 means the
+        supervisor is gone.
+        """
+        self.assertEqual(self.run_(1, {})[-1][0], "kill")
+        self.assertEqual(len(self.run_(4242, {})), 1)
 
 
 class SupervisorServiceTests(SynchronousTestCase):

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from attrs import define, evolve, field
 from twisted.internet.defer import CancelledError, Deferred, succeed
@@ -165,6 +165,10 @@ class OAuthCredentials:
     @ivar _endpoint: the L{ITokenEndpoint}.
     @ivar _accounts: the configured accounts.
     @ivar _random: jitter and lock owners.
+    @ivar onRefreshFailure: called with an account id for each failed token
+        request (transient, permanent or in doubt), or L{None}: the metrics'
+        C{relay_oauth_refresh_failures_total}, which adds up across workers
+        (L{relay.operator.metrics.RelayMetrics.oauthRefreshFailed}).
     """
 
     _clock: IReactorTime
@@ -173,6 +177,7 @@ class OAuthCredentials:
     _endpoint: ITokenEndpoint
     _accounts: list
     _random: random.Random = field(factory=random.Random)
+    onRefreshFailure: Optional[Callable[[str], None]] = None
     _slots: dict = field(factory=dict, init=False)
     _running: bool = field(default=False, init=False)
     _owner: str = field(default="", init=False)
@@ -715,7 +720,7 @@ class OAuthCredentials:
             await self._transient(slot, marked, _describe(e), reason)
             return False
         except (Exception, CancelledError) as e:
-            slot.refreshFailures += 1
+            self._refreshFailed(slot)
             doubtful = await self._markInDoubt(
                 slot, marked, "the token request may have reached the server: " + _describe(e)
             )
@@ -751,7 +756,7 @@ class OAuthCredentials:
             )
             return True
         if reply.permanent:
-            slot.refreshFailures += 1
+            self._refreshFailed(slot)
             code = reply.errorCode or f"status_{reply.status}"
             dead = marked.next(
                 now, in_flight=None, status=STATUS_NEEDS_LOGIN, reason=code,
@@ -768,8 +773,17 @@ class OAuthCredentials:
         await self._transient(slot, marked, reply.describe(), reason)
         return False
 
-    async def _transient(self, slot, marked: TokenRecord, error: str, reason: str) -> None:
+    def _refreshFailed(self, slot: _Slot) -> None:
+        """
+        Count a failed token request of C{slot}'s account: in the view
+        (this process) and through L{onRefreshFailure} (the metrics).
+        """
         slot.refreshFailures += 1
+        if self.onRefreshFailure is not None:
+            self.onRefreshFailure(slot.account.id)
+
+    async def _transient(self, slot, marked: TokenRecord, error: str, reason: str) -> None:
+        self._refreshFailed(slot)
         failures = marked.failures + 1
         record = marked.next(
             self._clock.seconds(), in_flight=None, failures=failures, last_error=error,

@@ -30,8 +30,11 @@ Names (all prefixed C{relay_}):
   - from L{relay.scheduling.quota.UsageCollector}: the usage windows,
     C{relay_oauth_token_expiry_timestamp_seconds{account}},
     C{relay_oauth_token_status{account,status}} (1 for the current status of
-    C{ok}, C{in_doubt}, C{needs_login}, C{loading}; 0 for the others) and
-    C{relay_oauth_refresh_failures_total{account}}
+    C{ok}, C{in_doubt}, C{needs_login}, C{loading}; 0 for the others)
+  - C{relay_oauth_refresh_failures_total{account}}: failed OAuth token
+    requests (transient, permanent or in doubt), counted by
+    L{relay.oauth.credentials.OAuthCredentials} through
+    L{RelayMetrics.oauthRefreshFailed}
 
 Across workers (issue 23). With C{workers: N} the supervisor gives its
 workers a private directory in C{PROMETHEUS_MULTIPROC_DIR}
@@ -45,8 +48,8 @@ are read at scrape time from shared state, so the answering worker's
 reading is the group's: C{relay_slots_in_use} / C{relay_slots_waiting} come
 from Redis (the same numbers in every worker), the usage windows and token
 status from the token store every worker follows (within its 15 s sync).
-One exception: C{relay_oauth_refresh_failures_total} counts the token
-requests of the answering worker only.
+C{relay_oauth_refresh_failures_total} is a counter like the others: the sum
+of every worker's failed token requests.
 
 No C{_created} series: prometheus_client only has a process-wide switch
 (C{disable_created_metrics()}), so the exposition reads the registry
@@ -289,6 +292,12 @@ class RelayMetrics:
             ["kind", "outcome"],
             registry=r,
         )
+        self.oauthRefreshFailures = Counter(
+            "relay_oauth_refresh_failures",
+            "OAuth token requests that failed (transient, permanent or in doubt)",
+            ["account"],
+            registry=r,
+        )
         self._slots = SlotsCollector()
         r.register(self._slots)
         self.exposed = r
@@ -307,6 +316,24 @@ class RelayMetrics:
         self.registry.register(collector)
         if self.exposed is not self.registry:
             self.exposed.register(collector)
+
+    def oauthAccounts(self, accountIds) -> None:
+        """
+        Report C{relay_oauth_refresh_failures_total} of these OAuth
+        accounts from the start (0 until a token request fails), so an
+        alert rule sees the series before the first failure.
+
+        @param accountIds: account ids.
+        """
+        for accountId in accountIds:
+            self.oauthRefreshFailures.labels(account=str(accountId))
+
+    def oauthRefreshFailed(self, accountId: str) -> None:
+        """
+        Count one failed OAuth token request of C{accountId} (transient,
+        permanent or in doubt; L{relay.oauth.credentials}).
+        """
+        self.oauthRefreshFailures.labels(account=str(accountId)).inc()
 
     def turnFinished(self, entrypoint: str, outcome: str) -> None:
         """

@@ -31,7 +31,7 @@ import math
 from typing import Any, Optional
 
 from attrs import define, field, frozen
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from twisted.internet.interfaces import IReactorTime
 
@@ -316,9 +316,10 @@ class UsageCollector(Collector):
     C{relay_oauth_token_expiry_timestamp_seconds{account}},
     C{relay_oauth_token_status{account,status}} (1 for the account's
     current status, 0 for the others of L{TOKEN_STATUSES}: alert on
-    C{relay_oauth_token_status{status="needs_login"} == 1}) and the counter
-    C{relay_oauth_refresh_failures_total{account}} (token requests of this
-    process that failed). No secrets: account ids and statuses only.
+    C{relay_oauth_token_status{status="needs_login"} == 1}). No secrets:
+    account ids and statuses only. (The counter
+    C{relay_oauth_refresh_failures_total} is a real counter of
+    L{relay.operator.metrics.RelayMetrics}, so it adds up across workers.)
     """
 
     def __init__(self, windows: UsageWindows, credentials=None, accounts=()):
@@ -346,16 +347,13 @@ class UsageCollector(Collector):
             GaugeMetricFamily("relay_oauth_token_status",
                               "An OAuth account's token status (1 for the current one)",
                               labels=["account", "status"]),
-            CounterMetricFamily("relay_oauth_refresh_failures",
-                                "OAuth token requests of this process that failed",
-                                labels=["account"]),
         )
 
     def collect(self):
         """
         Read the snapshots at scrape time.
         """
-        used, reset, expiry, status, failures = self._families()
+        used, reset, expiry, status = self._families()
         now = self._windows._clock.seconds()
         for accountId, snapshot in list(self._windows.snapshots.items()):
             for name in WINDOWS:
@@ -374,10 +372,7 @@ class UsageCollector(Collector):
                 if current is not None:
                     for name in TOKEN_STATUSES:
                         status.add_metric([account.id, name], 1.0 if name == current else 0.0)
-                if view.get("refresh_failures_total") is not None:
-                    failures.add_metric([account.id], view["refresh_failures_total"])
         yield used
         yield reset
         yield expiry
         yield status
-        yield failures

@@ -2,14 +2,13 @@
 The container image, built and run (issue 23; Dockerfile, README
 "Deploying").
 
-No registry is reachable from CI, so the base image is made here:
-L{scripts/container-base.sh} (mmdebstrap: Debian bookworm with python3,
-python3-venv and ca-certificates; C{podman import}), then C{podman build
---build-arg BASE=...} builds relay's image from this checkout. Under CI
-(C{CI} set) both are built from scratch once per run (C{--no-cache}); a
-developer's machine reuses the base and podman's layer cache. Podman runs
-with L{.ci/containers.conf} (runc; no default ulimits), pip inside the build
-with the machine's CA bundle mounted read-only.
+No registry is reachable from CI, so the images are made here
+(L{tests.integration.containers}: C{scripts/container-images.sh}, the base
+from Debian packages with mmdebstrap, relay's image on it from this
+checkout), once per test session and from scratch under CI (C{CI} set);
+L{tests.integration.test_compose} reuses them. Podman runs with
+L{.ci/containers.conf} (runc; no default ulimits), pip inside the build with
+the machine's CA bundle mounted read-only.
 
 The image then runs (host network) against the emulator and a real
 C{redis-server} on loopback: it runs as the unprivileged user, its health
@@ -30,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import tempfile
 import time
 
@@ -44,71 +42,21 @@ from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
 
 from relay.emulator import Emulator
+from tests.integration.containers import RELAY_UID, containerImages, podman  # noqa: F401
 from tests.integration.redis_server import RedisServer, freePort, requireRedis
 from tests.integration.test_ws_turns import _Client, userTurn
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BASE = "localhost/relay-base:bookworm"
-IMAGE = "localhost/relay:test"
-CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 KEY = "sk-relay-container"
 ADMIN = "admin-container"
-RELAY_UID = 10001
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env.setdefault("CONTAINERS_CONF", os.path.join(ROOT, ".ci", "containers.conf"))
-    return env
-
-
-def podman(*args, check=True, timeout=600) -> subprocess.CompletedProcess:
-    """
-    Run one podman command (blocking).
-    """
-    result = subprocess.run(["podman", *args], capture_output=True, text=True, env=_env(),
-                            timeout=timeout)
-    if check and result.returncode != 0:
-        raise AssertionError(f"podman {' '.join(args)}: {result.returncode}\n"
-                             f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return result
-
-
-def _exists(image: str) -> bool:
-    return podman("image", "exists", image, check=False).returncode == 0
 
 
 @pytest.fixture(scope="module")
-def relayImage():
+def relayImage(containerImages):  # noqa: F811
     """
-    The base and relay images, built once per test module (from scratch
-    under CI); yields the relay image's name and the build's timings.
+    relay's image (L{tests.integration.containers.containerImages}: built
+    once per session, from scratch under CI) and the build's seconds.
     """
-    if shutil.which("podman") is None:
-        pytest.skip("podman is not installed (.ci/run installs it): "
-                    "the container test builds and runs the image with podman")
-    fresh = bool(os.environ.get("CI"))
-    if (fresh or not _exists(BASE)) and shutil.which("mmdebstrap") is None:
-        pytest.fail("mmdebstrap is not installed (.ci/run installs it): it makes the base image")
-    timings = {}
-    started = time.monotonic()
-    if fresh or not _exists(BASE):
-        result = subprocess.run(
-            [os.path.join(ROOT, "scripts", "container-base.sh"), BASE],
-            capture_output=True, text=True, env=_env(), timeout=900,
-        )
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    timings["base"] = time.monotonic() - started
-    started = time.monotonic()
-    args = ["build", "--format", "docker", "--build-arg", f"BASE={BASE}", "-t", IMAGE]
-    if os.path.exists(CA_BUNDLE):
-        args += ["-v", f"{CA_BUNDLE}:{CA_BUNDLE}:ro"]
-    if fresh:
-        args.append("--no-cache")
-    podman(*args, ROOT, timeout=900)
-    timings["build"] = time.monotonic() - started
-    print(f"\ncontainer image: base {timings['base']:.1f}s, build {timings['build']:.1f}s")
-    yield IMAGE, timings
+    return containerImages["relay"], containerImages["seconds"]
 
 
 def _config(path: str, port: int, emulator, redisPort: int | None) -> None:
@@ -191,7 +139,7 @@ async def test_image_serves_and_drains(relayImage):
     See the module docstring.
     """
     requireRedis()
-    image, timings = relayImage
+    image, buildSeconds = relayImage
     started = time.monotonic()
     emulator = Emulator(reactor=reactor, config={
         "accounts": [
@@ -277,8 +225,9 @@ async def test_image_serves_and_drains(relayImage):
             podman, "run", "--rm", "-v", f"{volume}:/data", "--entrypoint", "stat", image,
             "-c", "%u %n", "/data/relay.sqlite")
         assert listing.stdout.split() == [str(RELAY_UID), "/data/relay.sqlite"], listing.stdout
-        total = time.monotonic() - started + timings["base"] + timings["build"]
-        print(f"container test: build {timings['base'] + timings['build']:.1f}s, "
+        total = time.monotonic() - started + buildSeconds
+        built = f"build {buildSeconds:.1f}s" if buildSeconds else "images reused"
+        print(f"container test: {built}, "
               f"run {time.monotonic() - started:.1f}s, total {total:.1f}s; "
               f"SIGTERM to exit {stopSeconds:.1f}s with a stream in flight")
     finally:

@@ -80,6 +80,9 @@ def test_unit_settings():
     assert timeout > grace, (timeout, grace)
     assert "--nodaemon" in s["ExecStart"][0] and "--pidfile=" in s["ExecStart"][0]
     assert s["User"] == ["relay"]
+    # The example configuration's secrets come from *_env keys: the README's
+    # walk-through puts them in this (optional) file.
+    assert s["EnvironmentFile"] == ["-/etc/relay/relay.env"]
     for key in ("NoNewPrivileges", "ProtectSystem", "ProtectHome", "PrivateTmp",
                 "RestrictAddressFamilies", "SystemCallFilter", "CapabilityBoundingSet"):
         assert key in s, key
