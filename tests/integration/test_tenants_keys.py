@@ -266,7 +266,7 @@ async def test_file_key_disable_survives_reload_and_restart():
     """
     A file key disabled through the API is refused (401 saying so) after a
     reload and after a restart, until enabled; an issued key and its
-    policy survive the restart.
+    policy, the API's prices and groups survive the restart.
     """
     relays = await Relays().start()
     try:
@@ -278,6 +278,8 @@ async def test_file_key_disable_survives_reload_and_restart():
         code, body = await relays.admin("POST", "reload")
         assert code == 200, body
         assert (await relays.http("http_json", KEY))[0] == 401
+        assert (await relays.admin("PUT", "prices/o3", {"input": 3, "output": 4}))[0] == 200
+        assert (await relays.admin("PUT", "groups/ws", {"accounts": ["pass", "bridge"]}))[0] == 201
         process = relays.processes[0]
         process.stop()
         process.start()
@@ -288,6 +290,12 @@ async def test_file_key_disable_survives_reload_and_restart():
         code, body = await relays.admin("GET", "keys/bob")
         assert body["key"]["policy"]["models"] == ["gpt-5.5"]
         assert body["key"]["usage"]["today"]["requests"] == 1, body
+        code, body = await relays.admin("GET", "prices")
+        assert body["prices"]["o3"] == {"input": 3, "cached_input": 3, "output": 4,
+                                        "reasoning": 4, "source": "admin"}
+        code, body = await relays.admin("GET", "groups/ws")
+        assert (body["group"]["source"], body["group"]["accounts"]) == ("admin",
+                                                                       ["pass", "bridge"])
         code, _ = await relays.admin("POST", "keys/proc/enable")
         assert code == 200
         assert (await relays.http("http_json", KEY))[0] == 200

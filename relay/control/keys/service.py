@@ -238,12 +238,13 @@ class KeyService:
         data = {"digest": keyDigest(secret).hex(), "hint": keyHint(secret),
                 "policy": storedPolicy(converted), "label": label, "created_at": now,
                 "created_from": address}
+        # A disable left by an earlier key of this name is not this key's
+        # (removed first, so the new key is never in force with it).
+        await self.store.delete(KEY_DISABLED, name, ANY)
         try:
             await self.store.put(KEY, name, data, None)
         except VersionConflict:
             raise ControlError(409, "key_exists", f"key {name!r} already exists", "name")
-        # A disable left by an earlier key of this name is not this key's.
-        await self.store.delete(KEY_DISABLED, name, ANY)
         await self.plane.refresh()
         view = self._withUsage(self.viewOf(name), {})
         return 201, {"key": view, "secret": secret,
