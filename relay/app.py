@@ -735,6 +735,7 @@ def _tenants(app: RelayApplication, admin, usage, redis) -> None:
     runner = app.runner
     runner.prices, runner.keyPolicy, runner.requestLog = prices, policy, log
     usage.setBudgets(config.keys)
+    _keysFromTheControlPlane(app, prices, policy, usage)
     app.extras.update(prices=prices, keyPolicy=policy, rateLimiter=limiter, requestLog=log)
     app.services.append(RequestLogService(log, settings.flush_interval_seconds, reactor))
     explainer = Explainer(
@@ -746,13 +747,32 @@ def _tenants(app: RelayApplication, admin, usage, redis) -> None:
 
     def reloaded(result, new) -> None:
         prices.replace(new.prices)
-        usage.setBudgets(new.keys)
         log.maxRecords = new.request_log.max_records
         log.retentionDays = new.request_log.retention_days
         log.sampleRate = new.request_log.sample_rate
         log.sampleMaxBytes = new.request_log.sample_max_bytes
 
     app.reloader.onApplied.append(reloaded)
+
+
+def _keysFromTheControlPlane(app: RelayApplication, prices, policy, usage) -> None:
+    """
+    Issue 22: the control plane puts the admin API's groups and prices
+    into the key policy and the price table; the budgets follow the key
+    ring (file and admin keys, after every reload or admin change; a new
+    budget reads the store's totals at once).
+    """
+    control = app.extras["control"]
+    control.prices, control.keyPolicy = prices, policy
+
+    def keysChanged() -> None:
+        before = (usage.budgets, usage.moneyBudgets)
+        usage.setBudgets(app.keys.keys)
+        if (usage.budgets, usage.moneyBudgets) != before:
+            usage.flush()
+
+    app.keys.subscribe(keysChanged)
+    keysChanged()
 
 
 class _Startup(MultiService):

@@ -835,7 +835,12 @@ class IControlStore(Interface):
         its device code), single-use, gone after 10 minutes;
       - C{audit}: the admin audit trail, appended with L{append} (never a
         secret);
-      - C{key}: client keys and their policy (issue 22).
+      - C{key}: client keys issued through the admin API, with their
+        policy and the SHA-256 digest of their secret (never the secret;
+        issue 22, L{relay.control.keys});
+      - C{key_disabled}: a key (file or admin) disabled through the API;
+      - C{group}: an account group added through the API;
+      - C{prices}: the admin API's prices (one record).
 
     A kind is any short C{[a-z_]} name: a new concept adds a kind, not a
     method. Ids are non-empty strings.

@@ -60,6 +60,10 @@ class ClientKey:
     """Money budget per UTC month."""
     disabled: bool = False
     """A disabled key is refused like a revoked one (401, close 1008)."""
+    digest: Optional[bytes] = field(default=None, repr=False)
+    """The SHA-256 digest of the secret (L{relay.tenants.keydigest}): the
+    only form a key issued through the admin API is kept in (its C{key} is
+    then empty); L{relay.entry.http.KeyRing} fills it in for file keys."""
 
 
 @frozen

@@ -2,8 +2,8 @@
 """
 What operators change while relay runs (issue 21; architecture.md
 "relay/control/"): accounts added, edited, paused and deleted, ChatGPT
-logins, the audit of every admin change -- and, next, client keys and
-their policy (issue 22).
+logins, the audit of every admin change; client keys, account groups and
+prices (issue 22).
 
 One concept per subpackage, each split in three (as codex-lb splits its
 C{app/modules/<concept>/}, in Twisted's idiom): the HTTP C{resource}
@@ -19,8 +19,14 @@ its C{records} in the one control store:
     logins (protocol.md 7.5);
   - L{relay.control.audit}: C{GET /admin/audit} and the C{/admin} tree
     that records every change;
+  - L{relay.control.keys}: C{/admin/keys}: keys issued (the secret shown
+    once, kept as a digest), edited, disabled, revoked;
+  - L{relay.control.groups}: C{/admin/groups};
+  - L{relay.control.prices}: C{/admin/prices} over the file's and the
+    shipped prices;
   - L{relay.control.plane}: the changes applied to the live account set,
-    the way a reload applies a file (L{relay.operations.reload});
+    the key ring, the groups and the prices, the way a reload applies a
+    file (L{relay.operations.reload});
   - L{relay.control.web}: the admin key check and the one admin body
     reader the resources share;
   - L{relay.control.assemble}: the wiring into a relay.

@@ -2,8 +2,9 @@
 """
 Wires the control plane into a running relay (issue 21): its store (the
 same backend as the settings: Redis, else the SQLite C{database}, else
-memory), the account, login and audit services, the usage probe, their
-routes under C{/admin}, and the service that starts and stops them.
+memory), the account, login and audit services, the usage probe, (issue
+22) the key, group and price services, their routes under C{/admin}, the
+C{control} readiness check, and the service that starts and stops them.
 """
 
 from __future__ import annotations
@@ -18,8 +19,14 @@ from relay.control.accounts.resource import AccountsResource
 from relay.control.accounts.service import AccountService
 from relay.control.audit.resource import AuditResource, ControlAdmin
 from relay.control.audit.service import AuditTrail
+from relay.control.groups.resource import GroupsResource
+from relay.control.groups.service import GroupService
+from relay.control.keys.resource import KeysResource
+from relay.control.keys.service import KeyService
 from relay.control.logins.resource import LoginsResource
 from relay.control.logins.service import LoginService
+from relay.control.prices.resource import PricesResource
+from relay.control.prices.service import PriceService
 
 __all__ = ["ControlParts", "ControlService", "assembleControl", "controlStoreFor"]
 
@@ -116,6 +123,9 @@ class ControlParts:
     probe: Any
     service: Any
     resource: Any
+    keys: Any = None
+    groups: Any = None
+    prices: Any = None
 
 
 def assembleControl(app, admin, view, redis) -> ControlParts:
@@ -152,13 +162,24 @@ def assembleControl(app, admin, view, redis) -> ControlParts:
     probe = UsageProbe(clock=reactor, accounts=app.live.accounts, credentials=credentials,
                        quota=app.extras["quota"], egress=egress, settings=app.settings,
                        store=app.store, paused=plane.isPaused)
+    # Issue 22: keys, groups and prices.
+    keys = KeyService(plane=plane, clock=reactor, usage=app.extras.get("usage"))
+    groups = GroupService(plane=plane, clock=reactor)
+    prices = PriceService(plane=plane, clock=reactor)
+    readiness = app.extras.get("readiness")
+    if readiness is not None:
+        readiness.addCheck("control", lambda: plane.ready)
     adminKey = app.live.adminKey
     routes = {
         b"accounts": AccountsResource(adminKey, accounts, admin.route(b"accounts"), logins),
         b"logins": LoginsResource(adminKey, logins),
         b"audit": AuditResource(adminKey, audit, reactor),
+        b"keys": KeysResource(adminKey, keys),
+        b"groups": GroupsResource(adminKey, groups),
+        b"prices": PricesResource(adminKey, prices),
     }
     resource = ControlAdmin(admin, audit, routes)
     service = ControlService(plane, logins, probe, reactor)
     return ControlParts(plane=plane, store=store, accounts=accounts, logins=logins,
-                        audit=audit, probe=probe, service=service, resource=resource)
+                        audit=audit, probe=probe, service=service, resource=resource,
+                        keys=keys, groups=groups, prices=prices)

@@ -26,6 +26,17 @@ block (kind C{paused}); its state (cooldowns, bindings, tokens) is kept,
 and it is paused again after a restart or a reload until enabled. An
 admin clear (R95) lifts learnt blocks, never a pause.
 
+B{Keys, groups and prices} (issue 22, L{relay.control.keys},
+L{relay.control.groups}, L{relay.control.prices}) are applied the same
+way, from the same reads: the admin keys (kind C{key}) and the disables of
+any key (C{key_disabled}) go into the L{relay.entry.http.KeyRing}
+(L{relay.entry.http.KeyRing.replaceAdmin}), so a deleted key's next request
+is a 401 and an open WebSocket's next turn a close 1008 on every process;
+the admin groups (C{group}) into the key policy; the admin prices
+(C{prices}) into the price table. Until the first read the ring is
+C{pending} (the key policy answers 503 for that moment, so a key disabled
+through the API cannot slip through at start).
+
 B{Ids are unique across the file and the admin API.} The API refuses an
 id the file uses (409) and a reload that would add an id an admin account
 has (the reload is refused, nothing changes, one line naming the id:
@@ -51,10 +62,17 @@ from relay.control.accounts.records import (
     accountFromSpec,
     specSecrets,
 )
+from relay.control.groups.service import GROUP, groupAccounts
+from relay.control.keys.records import KEY, KEY_DISABLED, keyFromRecord
+from relay.control.prices.service import PRICES, pricesOf
 from relay.control.store import ControlChange
 from relay.model import Account, ConfigError
 
 __all__ = ["ControlPlane", "LOADING_GRACE_SECONDS", "PAUSED_KIND"]
+
+_KINDS = (ACCOUNT, PAUSE, KEY, KEY_DISABLED, GROUP, PRICES)
+"""The kinds the plane reads, in the order L{ControlPlane._apply} takes
+them."""
 
 PAUSED_KIND = "paused"
 """The block kind of a paused account in the operator view."""
@@ -82,6 +100,16 @@ class ControlPlane:
     @ivar pauses: account id -> the C{pause} L{ControlRecord}.
     @ivar invalid: account id -> why an admin record does not validate
         (e.g. its C{proxy_id} was removed); such an account is not in force.
+    @ivar keyPolicy: the L{relay.tenants.policy.KeyPolicy} (its
+        C{adminGroups}), set by the app; or L{None}.
+    @ivar prices: the L{relay.tenants.prices.PriceTable}, set by the app;
+        or L{None}.
+    @ivar adminKeys: key name -> C{(ControlRecord, ClientKey)} of the admin
+        keys in force.
+    @ivar keyDisables: key name -> the C{key_disabled} L{ControlRecord}.
+    @ivar groups: group name -> the C{group} L{ControlRecord}.
+    @ivar priceRecord: the C{prices} L{ControlRecord}, or L{None}.
+    @ivar invalidKeys: key name -> why its record is not in force.
     """
 
     _clock: IReactorTime
@@ -91,6 +119,13 @@ class ControlPlane:
     admin: dict = field(factory=dict, repr=False)
     pauses: dict = field(factory=dict, repr=False)
     invalid: dict = field(factory=dict)
+    keyPolicy: Any = None
+    prices: Any = None
+    adminKeys: dict = field(factory=dict, repr=False)
+    keyDisables: dict = field(factory=dict, repr=False)
+    groups: dict = field(factory=dict, repr=False)
+    priceRecord: Any = field(default=None, repr=False)
+    invalidKeys: dict = field(factory=dict)
     _loaded: bool = field(default=False, init=False)
     _running: bool = field(default=False, init=False)
     _loadingUntil: float = field(default=0.0, init=False)
@@ -136,18 +171,21 @@ class ControlPlane:
         """
         self._running = True
         self._loadingUntil = self._clock.seconds() + LOADING_GRACE_SECONDS
+        if not self._loaded:
+            self.live.keys.pending = True
+            self._clock.callLater(LOADING_GRACE_SECONDS, self._graceOver)
         readNow = getattr(self.store, "readNow", None)
         if readNow is not None:
             # The embedded store is a local file: read it before the port
             # opens, so no turn waits for it (and none meets a paused
             # account, R105).
             try:
-                records = readNow((ACCOUNT, PAUSE))
+                records = readNow(_KINDS)
             except Exception as e:  # noqa: BLE001 - logged; the async read follows
                 self._log.warn("reading the control store at start failed: {error}",
                                event="relay.control_sync_failed", error=str(e))
             else:
-                self._apply(records[ACCOUNT], records[PAUSE])
+                self._apply(*(records[kind] for kind in _KINDS))
         d = self.store.start()
         d.addErrback(lambda f: self._log.failure("starting the control feed failed", f))
         d.addCallback(lambda _: self.refresh())
@@ -162,8 +200,23 @@ class ControlPlane:
 
     # -- reading the store -----------------------------------------------------------
 
+    def _graceOver(self) -> None:
+        if self.live.keys.pending:
+            self._log.warn(
+                "the control store was not read within {seconds} s of start; the file's keys"
+                " serve without the admin API's keys and disables until it is",
+                event="relay.control_sync_failed", seconds=LOADING_GRACE_SECONDS)
+            self.live.keys.pending = False
+
+    @property
+    def ready(self) -> bool:
+        """
+        Whether the store has been read since start (C{/readyz}: R105).
+        """
+        return self._loaded or not self._running
+
     def _onChange(self, change: ControlChange) -> None:
-        if change.kind in (None, ACCOUNT, PAUSE):
+        if change.kind is None or change.kind in _KINDS:
             self.refresh()
 
     def refresh(self) -> Deferred:
@@ -205,20 +258,23 @@ class ControlPlane:
         if self.store is None:
             return
         try:
-            accounts = await self.store.list(ACCOUNT)
-            pauses = await self.store.list(PAUSE)
+            read = [await self.store.list(kind) for kind in _KINDS]
         except Exception as e:  # noqa: BLE001 - logged; the previous state stays
             self._log.warn(
-                "reading the control store failed: {error}; the accounts in force are kept",
+                "reading the control store failed: {error}; the accounts and keys in force"
+                " are kept",
                 event="relay.control_sync_failed", error=str(e),
             )
             return
-        self._apply(accounts, pauses)
+        self._apply(*read)
 
-    def _apply(self, accounts: list, pauses: list) -> None:
+    def _apply(self, accounts: list, pauses: list, keys: list = (), disables: list = (),
+               groups: list = (), prices: list = ()) -> None:
         """
-        Put the admin accounts and pauses read from the store in force.
+        Put the admin accounts and pauses read from the store in force,
+        then the keys, groups and prices (L{_applyTenants}).
         """
+        self._applyTenants(keys, disables, groups, prices)
         self.pauses = {r.id: r for r in pauses}
         proxies = tuple(self.live.config.proxies)
         admin, invalid = {}, {}
@@ -250,6 +306,38 @@ class ControlPlane:
                 "control plane applied: accounts +{added} -{removed} ~{changed}",
                 event="relay.control_applied", **change.asDict(),
             )
+
+    def _applyTenants(self, keys, disables, groups, prices) -> None:
+        """
+        Issue 22: the admin groups into the key policy, the admin prices
+        into the price table, then the admin keys and the disables into the
+        key ring (last: a key's group is known before the key serves).
+        """
+        self.groups = {r.id: r for r in groups}
+        if self.keyPolicy is not None:
+            self.keyPolicy.adminGroups = {r.id: groupAccounts(r) for r in groups}
+        self.priceRecord = prices[0] if prices else None
+        if self.prices is not None:
+            try:
+                self.prices.setAdmin(pricesOf(self.priceRecord))
+            except ConfigError as e:
+                self._log.error("the admin prices are not in force: {problem}",
+                                event="relay.control_prices_invalid", problem=str(e))
+        admin, invalid = {}, {}
+        for record in keys:
+            try:
+                admin[record.id] = (record, keyFromRecord(record))
+            except (ConfigError, ValueError) as e:
+                invalid[record.id] = str(e)
+                if self.invalidKeys.get(record.id) != str(e):
+                    self._log.error(
+                        "admin key {key_name} is not in force: {problem}",
+                        event="relay.control_key_invalid", key_name=record.id, problem=str(e))
+        self.adminKeys, self.invalidKeys = admin, invalid
+        self.keyDisables = {r.id: r for r in disables}
+        ring = self.live.keys
+        ring.replaceAdmin([key for _, key in admin.values()], self.keyDisables)
+        ring.pending = False
 
     # -- what the rest of relay asks --------------------------------------------------
 
@@ -345,7 +433,10 @@ class ControlPlane:
         What stops a reload of C{config} because of the admin accounts
         (L{relay.operations.reload.ConfigReloader.checks}): an id the file
         would add that an admin account has, a proxy an admin account uses
-        that the file would remove. One line each; nothing changes.
+        that the file would remove; and (issue 22) a key name or group name
+        the file would add that the admin API has, a file group an admin key
+        is bound to that the file would remove. One line each; nothing
+        changes.
 
         @param config: the reloaded L{relay.model.RelayConfig}.
         @rtype: L{list} of L{str}
@@ -357,6 +448,27 @@ class ControlPlane:
                     f"accounts[{i}].id: {account.id!r} is already an account added through the"
                     " admin API; delete that one (DELETE /admin/accounts/"
                     f"{account.id}) or give the file's entry another id"
+                )
+        for i, key in enumerate(config.keys):
+            if key.name in self.adminKeys:
+                problems.append(
+                    f"keys[{i}].name: {key.name!r} is already a key issued through the admin"
+                    f" API; revoke that one (DELETE /admin/keys/{key.name}) or give the file's"
+                    " entry another name"
+                )
+        fileGroups = getattr(config, "groups", None) or {}
+        for name in sorted(fileGroups):
+            if name in self.groups:
+                problems.append(
+                    f"groups.{name}: {name!r} is already a group added through the admin API;"
+                    f" delete that one (DELETE /admin/groups/{name}) or rename the file's"
+                )
+        for name, (_, key) in sorted(self.adminKeys.items()):
+            if (key.group is not None and key.group not in fileGroups
+                    and key.group not in self.groups):
+                problems.append(
+                    f"groups: {key.group!r} is the group of the admin key {name!r}; keep it in"
+                    " the file or change that key's group first"
                 )
         proxyIds = {p.id for p in config.proxies}
         for accountId, (record, _) in sorted(self.admin.items()):

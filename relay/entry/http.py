@@ -18,6 +18,7 @@ import json
 import re
 from typing import Optional
 
+from attrs import evolve
 from twisted.logger import Logger
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
@@ -28,6 +29,7 @@ from relay.entry.sinks import JSONSink, SSESink, writeError
 from relay.model import ClientError, ClientKey, Turn
 from relay.requestid import newRequestId, requestIdOf  # noqa: F401 - newRequestId re-exported
 from relay.scheduling.session import sessionHash, sessionSeed
+from relay.tenants.keydigest import keyDigest
 from relay.translate.chatrequest import ChatRequestError, checkChatRequest
 
 MAX_BODY_BYTES = DEFAULT_MAX_BODY_BYTES
@@ -91,53 +93,130 @@ def clientHeaders(request) -> dict:
 
 class KeyRing:
     """
-    Client API keys issued by relay (config.md C{keys:}). One ring serves
-    every entrypoint; a live reload swaps its keys (L{replace}, issue 14).
+    Client API keys (config.md C{keys:}, and issue 22's keys issued through
+    the admin API). One ring serves every entrypoint; a live reload swaps
+    the file's keys (L{replace}, issue 14), the control plane the admin
+    keys and the disables (L{replaceAdmin}).
+
+    Keys are indexed by the SHA-256 digest of their secret
+    (L{relay.tenants.keydigest}): authenticating hashes the presented
+    secret once and looks it up (one lookup per request, whatever the
+    number of keys), then confirms the match with
+    L{hmac.compare_digest}. An admin key is known only by its digest.
+
+    @ivar pending: L{True} while the control plane has not read its store
+        yet (a Redis store at start): the admin keys and disables are not
+        known, so the key policy refuses turns for that moment
+        (L{relay.tenants.policy.KeyPolicy.keyRefusal}).
     """
 
     def __init__(self, keys):
         """
-        @param keys: an iterable of L{ClientKey}.
+        @param keys: an iterable of L{ClientKey} (the file's).
         """
-        self._keys = tuple(keys)
+        self._file = _digested(keys)
+        self._admin = ()
+        self._disabled = frozenset()
+        self._listeners = []
+        self.pending = False
+        self._rebuild()
 
     @property
     def keys(self) -> tuple:
         """
-        @return: the keys in force, in configuration order.
+        @return: the keys in force: the file's in configuration order, then
+            the admin keys; a key disabled through the admin API has
+            C{disabled} set.
         @rtype: L{tuple} of L{ClientKey}
         """
         return self._keys
 
+    @property
+    def fileKeys(self) -> tuple:
+        """
+        @return: the file's keys as the file has them.
+        """
+        return self._file
+
+    @property
+    def adminNames(self) -> frozenset:
+        """
+        @return: the names of the keys issued through the admin API.
+        """
+        return frozenset(k.name for k in self._admin)
+
+    def byName(self, name: str) -> Optional[ClientKey]:
+        """
+        @return: the key in force named C{name}, or L{None}.
+        """
+        return self._names.get(name)
+
     def replace(self, keys) -> None:
         """
-        Put C{keys} in force at once (a live reload): the next request or
-        WebSocket turn authenticates against them; turns already running
-        keep the key they started with.
+        Put the file's C{keys} in force at once (a live reload): the next
+        request or WebSocket turn authenticates against them; turns already
+        running keep the key they started with.
 
         @param keys: an iterable of L{ClientKey}.
         """
+        self._file = _digested(keys)
+        self._rebuild()
+
+    def replaceAdmin(self, keys, disabled) -> None:
+        """
+        Put the control plane's keys and disables in force at once (issue
+        22): a deleted key's next request is a 401 and an open socket's
+        next turn a close 1008 (L{current} no longer finds it).
+
+        @param keys: the admin keys, L{ClientKey}s with a C{digest}.
+        @param disabled: the names of the keys (file or admin) disabled
+            through the admin API.
+        """
+        admin, disabled = tuple(k for k in keys if k.digest), frozenset(disabled)
+        if admin == self._admin and disabled == self._disabled:
+            return
+        self._admin, self._disabled = admin, disabled
+        self._rebuild()
+
+    def subscribe(self, listener) -> None:
+        """
+        Be called (no arguments) after every change of the keys in force.
+        """
+        self._listeners.append(listener)
+
+    def _rebuild(self) -> None:
+        admin = {k.name for k in self._admin}
+        keys = [k for k in self._file if k.name not in admin] + list(self._admin)
+        keys = [evolve(k, disabled=True) if k.name in self._disabled and not k.disabled else k
+                for k in keys]
         self._keys = tuple(keys)
+        self._index = {k.digest: k for k in keys}
+        self._names = {k.name: k for k in keys}
+        for listener in list(self._listeners):
+            listener()
+
+    def _lookup(self, secret) -> Optional[ClientKey]:
+        digest = keyDigest(secret)
+        found = self._index.get(digest)
+        if found is not None and hmac.compare_digest(found.digest, digest):
+            return found
+        return None
 
     def current(self, key: ClientKey) -> Optional[ClientKey]:
         """
         The key in force with C{key}'s secret: C{key} itself, its
-        reloaded version (e.g. a new C{concurrency}), or L{None} when the
-        secret was removed or rotated (a WebSocket opened with it takes no
-        new turn, issue 14).
+        reloaded or edited version (e.g. a new C{concurrency}, disabled),
+        or L{None} when the key was deleted, removed or rotated (a
+        WebSocket opened with it takes no new turn, issue 14 and 22).
 
         @param key: a L{ClientKey} authenticated earlier.
         """
-        found = None
-        for candidate in self._keys:
-            if hmac.compare_digest(candidate.key.encode(), key.key.encode()):
-                found = candidate
-        return found
+        return self._index.get(key.digest if key.digest else keyDigest(key.key))
 
     def authenticate(self, request) -> Optional[ClientKey]:
         """
         Find the key in C{Authorization: Bearer} or C{x-api-key}
-        (protocol.md 1). Compared in constant time.
+        (protocol.md 1): one digest, one lookup.
 
         @return: the L{ClientKey}, or L{None}.
         """
@@ -149,11 +228,7 @@ class KeyRing:
             secret = request.getHeader(b"x-api-key")
         if not secret:
             return None
-        found = None
-        for key in self._keys:
-            if hmac.compare_digest(key.key.encode(), secret):
-                found = key
-        return found
+        return self._lookup(secret)
 
     def authenticateHeader(self, value: Optional[str]) -> Optional[ClientKey]:
         """
@@ -162,11 +237,17 @@ class KeyRing:
         if not value:
             return None
         secret = value[7:].strip() if value[:7].lower() == "bearer " else value.strip()
-        found = None
-        for key in self._keys:
-            if hmac.compare_digest(key.key.encode(), secret.encode()):
-                found = key
-        return found
+        if not secret:
+            return None
+        return self._lookup(secret)
+
+
+def _digested(keys) -> tuple:
+    """
+    @return: C{keys} each with its C{digest} (a file key's is computed
+        from its secret once, here).
+    """
+    return tuple(k if k.digest else evolve(k, digest=keyDigest(k.key)) for k in keys)
 
 
 UNAUTHORIZED = ClientError(

@@ -39,16 +39,27 @@ import math
 import time
 from typing import Any, Iterable, Optional
 
-from attrs import define
+from attrs import define, field
 from twisted.logger import Logger
 
 from relay.model import ClientError, ClientKey
 
-__all__ = ["KeyPolicy", "formatReset", "rateLimitHeaders"]
+__all__ = ["KEYS_LOADING", "KeyPolicy", "formatReset", "rateLimitHeaders"]
 
 EXPIRED_CLOSE = "api key expired"
 DISABLED_CLOSE = "api key is disabled"
 MODEL_CLOSE = "model not allowed for this api key"
+
+
+KEYS_LOADING = ClientError(
+    503, "api_error",
+    "relay is starting and has not read its keys yet; retry in a second",
+    code="keys_loading", headers=(("Retry-After", "1"),),
+    wsClose=(1013, "relay is starting; retry"),
+)
+"""The answer while the control store's keys and disables are not read yet
+(a Redis store at start, at most a few seconds): a key disabled through
+the admin API must not slip through, and none is refused as unknown."""
 
 
 def _iso(seconds: float) -> str:
@@ -137,6 +148,9 @@ class KeyPolicy:
     live: Any
     limiter: Any = None
     prices: Any = None
+    adminGroups: dict = field(factory=dict)
+    """Group name -> account ids of the groups added through the admin API
+    (L{relay.control.groups}; the file's C{groups:} win on a name)."""
     _log = Logger()
 
     # -- what the key may reach ------------------------------------------------
@@ -152,7 +166,10 @@ class KeyPolicy:
             return frozenset(key.accounts)
         if key.group is not None:
             groups = getattr(self.live.config, "groups", None) or {}
-            return frozenset(groups.get(key.group, ()))
+            members = groups.get(key.group)
+            if members is None:
+                members = self.adminGroups.get(key.group, ())
+            return frozenset(members)
         return None
 
     def reachable(self, key: ClientKey, accounts: Iterable) -> list:
@@ -187,8 +204,10 @@ class KeyPolicy:
         Checks 1-2: a disabled or expired key, refused as soon as it is
         known (the WebSocket upgrade uses this too).
 
-        @return: the 401, or L{None}.
+        @return: the 401 (or the 503 of L{KEYS_LOADING}), or L{None}.
         """
+        if getattr(self.live.keys, "pending", False):
+            return KEYS_LOADING
         if key.disabled:
             return ClientError(
                 401, "invalid_request_error",

@@ -25,7 +25,8 @@ the standard rate). Sources, read in 2026-06: OpenAI's pricing page as
 mirrored in github/docs C{data/tables/copilot/models-and-pricing.yml}
 (GPT-5.5, 5.4, 5.4 mini/nano, 5.3-Codex, 5 mini) and OpenAI's 2025 text
 token table (GPT-5, 5 nano, 4.1 family, 4o family, o3, o4-mini). Prices
-change: the C{prices:} section of the file overrides any of them.
+change: the C{prices:} section of the file overrides any of them, and
+C{PUT /admin/prices} overrides both (L{relay.control.prices}).
 """
 
 from __future__ import annotations
@@ -136,8 +137,9 @@ def usd(nanos: Optional[int]) -> Optional[float]:
 
 class PriceTable:
     """
-    The prices in force: the shipped table with the file's C{prices:} on
-    top. A live reload replaces the overrides (L{replace}).
+    The prices in force: the shipped table, the file's C{prices:} on top,
+    and the admin API's on top of both. A live reload replaces the file's
+    (L{replace}), the control plane the admin's (L{setAdmin}).
     """
 
     def __init__(self, overrides: Optional[Mapping[str, Price]] = None,
@@ -148,18 +150,35 @@ class PriceTable:
         """
         self._defaults = dict(defaults)
         self._table: dict = {}
+        self._admin: dict = {}
         self.replace(overrides or {})
 
     def replace(self, overrides: Mapping[str, Price]) -> None:
         """
-        Put new overrides in force (a reload).
+        Put the file's new overrides in force (a reload); the admin API's
+        stay on top.
 
         @param overrides: model -> L{Price}.
         """
-        table = dict(self._defaults)
-        table.update(overrides)
-        self._table = table
         self._overrides = dict(overrides)
+        self._build()
+
+    def setAdmin(self, prices: Mapping[str, Price]) -> None:
+        """
+        Put the prices set through the admin API in force (issue 22,
+        L{relay.control.prices}): they win over the file's and the
+        shipped ones.
+
+        @param prices: model -> L{Price}.
+        """
+        self._admin = dict(prices)
+        self._build()
+
+    def _build(self) -> None:
+        table = dict(self._defaults)
+        table.update(self._overrides)
+        table.update(self._admin)
+        self._table = table
 
     def lookup(self, model: Optional[str]) -> Optional[Price]:
         """
@@ -208,9 +227,11 @@ class PriceTable:
     def view(self) -> dict:
         """
         @return: model -> the price's L{Price.asDict} plus C{source}
-            (C{default} or C{config}), for the admin API.
+            (C{admin}, C{config} or C{default}: where the price in force
+            comes from), for the admin API.
         """
         return {
-            model: dict(price.asDict(), source="config" if model in self._overrides else "default")
+            model: dict(price.asDict(), source="admin" if model in self._admin else (
+                "config" if model in self._overrides else "default"))
             for model, price in sorted(self._table.items())
         }

@@ -162,6 +162,14 @@ class Session:
             "width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})
         return page
 
+    async def grant(self, origin, permissions=("clipboardReadWrite", "clipboardSanitizedWrite")):
+        """
+        Grant C{origin} browser permissions (e.g. the clipboard, so a page's
+        Copy button can be checked by reading the clipboard back).
+        """
+        await self.send("Browser.grantPermissions", {"origin": origin,
+                                                     "permissions": list(permissions)})
+
     async def stop(self):
         if self.protocol is not None:
             try:
@@ -273,6 +281,30 @@ class Page:
             "(function(){var e=document.querySelector(%s); e.value=%s;"
             " e.dispatchEvent(new Event('change',{bubbles:true}));})()"
             % (json.dumps(selector), json.dumps(value)))
+
+    async def value(self, selector):
+        """
+        The current value of a form field (what a person sees in it).
+        """
+        return await self.evaluate(
+            "(function(){var e=document.querySelector(%s); return e ? e.value : null;})()"
+            % json.dumps(selector))
+
+    async def focus(self):
+        """
+        Make the page the focused window, as a person's is (the clipboard
+        API works only in a focused document).
+        """
+        await self.send("Page.bringToFront")
+        await self.send("Emulation.setFocusEmulationEnabled", {"enabled": True})
+
+    async def clipboard(self):
+        """
+        What the clipboard holds (needs L{Session.grant} for the page's
+        origin).
+        """
+        await self.focus()
+        return await self.evaluate("navigator.clipboard.readText()")
 
     async def text(self, selector):
         return await self.evaluate(

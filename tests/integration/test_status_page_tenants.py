@@ -1,10 +1,13 @@
 """
 Issue 22's part of the status page in a real headless Chromium, used as a
-person uses it (L{tests.integration.cdp_tenants}): the request log with its
+person uses it (L{tests.integration.cdp}): the request log with its
 filters (type a request id or a key, press Search), one request's detail
-with its attempts (click the row), and usage and cost per key with the
-money budget. Screenshots are kept as C{artifacts/status-requests.png} and
-C{artifacts/status-cost.png}.
+with its attempts (click the row), usage and cost per key with the money
+budget; and the keys panel: issue a key (the secret shown once, copied with
+the Copy button, gone from the page once the panel is closed), disable and
+enable it, edit its policy, revoke it, disable a file key; usage and cost
+per key. Screenshots are kept as C{artifacts/status-requests.png},
+C{artifacts/status-cost.png} and C{artifacts/keys-*.png}.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import json
 import pytest
 import pytest_twisted
 
-from tests.integration.cdp_tenants import Browser
+from tests.integration.cdp import Session
 from tests.integration.harness import startStack
 from tests.integration.test_status_page import ARTIFACTS, CHROMIUM
 
@@ -43,7 +46,7 @@ async def test_request_log_and_cost_page():
          {"id": "second", "credential": "sk-second", "priority": 2}],
         keys=json.dumps(keys), emulatorConfig={"default_script": {"usage": PINNED}},
         extra=f"admin_key: {ADMIN}\n")
-    browser = Browser(CHROMIUM)
+    session = Session()
     try:
         stack.emulator.setFault("sk-first", {"kind": "status", "code": 503, "times": 1})
         response, _ = await stack.postJSON("/v1/responses", {"model": "gpt-5.5", "input": "x"},
@@ -57,8 +60,8 @@ async def test_request_log_and_cost_page():
             await stack.postJSON("/v1/responses", {"model": "gpt-5.5", "input": "x"},
                                  key="sk-alice")
 
-        await browser.start()
-        page = await browser.open(stack.url + "/admin/#key=" + ADMIN)
+        page = await session.start()
+        await page.goto(stack.url + "/admin/#key=" + ADMIN)
         await page.waitFor("document.body.getAttribute('data-requests-loaded') === '1'")
         assert await page.evaluate("document.querySelectorAll('tr.request').length") == 4
         first = await page.text("#requests-body tr.request")
@@ -107,5 +110,129 @@ async def test_request_log_and_cost_page():
             assert secret not in html
         assert (ARTIFACTS / "status-requests.png").read_bytes()[:4] == b"\x89PNG"
     finally:
-        await browser.stop()
+        await session.stop()
+        await stack.stop()
+
+
+def keyRow(name):
+    return f'tr.key-row[data-key="{name}"]'
+
+
+@pytest_twisted.ensureDeferred
+async def test_keys_panel():
+    """
+    The keys panel as a person uses it: issue a key with a policy (the
+    secret shown once; Copy puts it on the clipboard; closing the panel
+    removes it from the page); the key serves and its usage and cost show
+    in its row; disable refuses it (401) and enable lets it back; Edit
+    changes its rpm (the next turn is a 429); Revoke, then Confirm, refuses
+    it; a file key has no Edit or Revoke but can be disabled; the audit
+    names each change. The issued secret is on no page, answer or log.
+    """
+    keys = [{"name": "bob", "key": "sk-bob-file", "concurrency": 0}]
+    stack = await startStack(
+        [{"id": "first", "credential": "sk-first", "priority": 1}],
+        keys=json.dumps(keys), emulatorConfig={"default_script": {"usage": PINNED}},
+        extra=f"admin_key: {ADMIN}\ngroups: {{staff: [first]}}\n")
+    session = Session()
+    answers = []
+
+    async def turn(secret):
+        response, data = await stack.postJSON("/v1/responses", {"model": "gpt-5.5",
+                                                                "input": "x"}, key=secret)
+        answers.append(data)
+        return response.code
+
+    try:
+        page = await session.start()
+        await session.grant(stack.url)
+        await page.goto(stack.url + "/admin/#key=" + ADMIN)
+        await page.waitFor("document.body.getAttribute('data-keys-loaded') === '1'")
+        assert await page.evaluate(f"!!document.querySelector('{keyRow('bob')}')")
+        assert await page.evaluate(
+            f"document.querySelector('{keyRow('bob')} button.key-edit') === null && "
+            f"document.querySelector('{keyRow('bob')} button.key-revoke') === null")
+
+        await page.click("#key-issue-open")
+        await page.type("#key-name", "dana")
+        await page.type("#key-label", "Dana's laptop")
+        await page.type("#key-models", "gpt-5.5, gpt-5.4")
+        await page.type("#key-daily-usd", "2")
+        await page.select("#key-group", "staff")
+        await page.click("#key-submit")
+        await page.waitFor("!document.getElementById('key-secret-panel').classList"
+                           ".contains('hidden')")
+        secret = await page.value("#key-secret")
+        assert secret.startswith("sk-relay-") and len(secret) == 52, secret
+        await page.focus()
+        await page.click("#key-copy")
+        await page.waitFor("document.getElementById('key-copy-status').innerText === 'copied'")
+        assert await page.clipboard() == secret
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        await page.screenshot(ARTIFACTS / "keys-issued.png")
+        await page.click("#key-secret-close")
+        await page.waitFor("document.getElementById('key-secret-panel').classList"
+                           ".contains('hidden')")
+        assert await page.value("#key-secret") == ""
+        everything = ("document.documentElement.outerHTML + Array.from(document.querySelectorAll("
+                      "'input, textarea')).map(function (e) { return e.value; }).join(' ')")
+        assert secret not in await page.evaluate(everything)
+
+        assert await turn(secret) == 200
+        assert await turn(secret) == 200
+        await page.waitFor(f"(document.querySelector('{keyRow('dana')} .usage-today') || {{}})"
+                           ".innerText === 'today: 2 turns · 300 tok · $0.00210'", timeout=10)
+        row = await page.text(keyRow("dana"))
+        assert "admin" in row and "Dana's laptop" in row and "active" in row, row
+        assert "models gpt-5.5, gpt-5.4" in row and "$2.00/day" in row, row
+        assert "group staff" in row, row
+
+        await page.click(f"{keyRow('dana')} button.key-disable")
+        await page.waitFor(f"document.querySelector('{keyRow('dana')}').dataset.disabled === '1'")
+        assert await turn(secret) == 401
+        await page.click(f"{keyRow('dana')} button.key-enable")
+        await page.waitFor(f"document.querySelector('{keyRow('dana')}').dataset.disabled === '0'")
+        assert await turn(secret) == 200
+
+        await page.click(f"{keyRow('dana')} button.key-edit")
+        await page.waitFor("!document.getElementById('key-form-panel').classList"
+                           ".contains('hidden')")
+        assert await page.value("#key-models") == "gpt-5.5, gpt-5.4"
+        await page.type("#key-rpm", "1")
+        await page.click("#key-submit")
+        await page.waitFor(f"document.querySelector('{keyRow('dana')} .key-policy')"
+                           ".innerText.indexOf('rpm 1') >= 0")
+        assert "changed: rpm" in await page.text("#keys-msg")
+        assert await turn(secret) == 200
+        assert await turn(secret) == 429
+        await page.screenshot(ARTIFACTS / "keys-panel.png")
+
+        await page.click(f"{keyRow('bob')} button.key-disable")
+        await page.waitFor(f"document.querySelector('{keyRow('bob')}').dataset.disabled === '1'")
+        assert await turn("sk-bob-file") == 401
+        await page.click(f"{keyRow('bob')} button.key-enable")
+        await page.waitFor(f"document.querySelector('{keyRow('bob')}').dataset.disabled === '0'")
+        assert await turn("sk-bob-file") == 200
+
+        await page.click(f"{keyRow('dana')} button.key-revoke")
+        await page.waitFor(f"document.querySelector('{keyRow('dana')} button.key-revoke')"
+                           ".innerText === 'Confirm revoke'")
+        await page.click(f"{keyRow('dana')} button.key-revoke")
+        await page.waitFor(f"document.querySelector('{keyRow('dana')}') === null")
+        assert await turn(secret) == 401
+        await page.waitFor("document.querySelector('#audit-body tr[data-action=\"key.delete\"]')"
+                           " !== null", timeout=10)
+        actions = await page.evaluate(
+            "Array.from(document.querySelectorAll('#audit-body tr.audit-row'))"
+            ".map(function (r) { return r.dataset.action; })")
+        assert actions[:7] == ["key.delete", "key.enable", "key.disable", "key.update",
+                               "key.enable", "key.disable", "key.create"], actions
+        assert await page.evaluate("document.body.getAttribute('data-overflow-x')") != "1"
+        await page.evaluate("document.getElementById('keys-section').scrollIntoView()")
+        await page.screenshot(ARTIFACTS / "keys-revoked.png")
+        assert secret not in await page.evaluate(everything)
+        for raw in answers:
+            assert secret.encode() not in raw
+    finally:
+        await session.stop()
         await stack.stop()

@@ -1,0 +1,5 @@
+# -*- test-case-name: tests.test_control_keys -*-
+"""
+Account groups changed through the admin API (issue 22): L{resource}
+(HTTP), L{service} (the rules and how they are stored).
+"""

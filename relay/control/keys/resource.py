@@ -1,0 +1,87 @@
+# -*- test-case-name: tests.test_control_keys -*-
+"""
+C{/admin/keys} and below (issue 22), behind the admin key (R99):
+
+  - C{GET /admin/keys} - every key (file and admin) with its policy, state,
+    usage and cost: C{{"keys": [view], "now"}};
+  - C{POST /admin/keys} - issue a key: 201 C{{"key": view, "secret"}}, the
+    secret shown this once;
+  - C{GET /admin/keys/{name}} - one key: C{{"key": view}};
+  - C{PATCH /admin/keys/{name}} - change an admin key's policy or label;
+  - C{DELETE /admin/keys/{name}} - revoke an admin key;
+  - C{POST /admin/keys/{name}/disable} (optional body C{{"reason"}}) and
+    C{POST /admin/keys/{name}/enable} - any key.
+
+The rules are L{relay.control.keys.service.KeyService}'s; each change
+leaves its audit details on the request (C{request.relayAudit}) for
+L{relay.control.audit} (never the secret).
+"""
+
+from __future__ import annotations
+
+from relay.control.web import AdminLeaf, ControlError, clientAddress, deliver, pathId, readJSONBody
+
+__all__ = ["KeysResource"]
+
+
+def _notFound():
+    return (404, ControlError(404, "not_found", "Not found").envelope())
+
+
+class KeysResource(AdminLeaf):
+    """
+    See the module docstring.
+
+    @ivar service: the L{relay.control.keys.service.KeyService}.
+    """
+
+    def __init__(self, adminKey, service):
+        super().__init__(adminKey)
+        self.service = service
+
+    def _note(self, request) -> dict:
+        note = {}
+        request.relayAudit = note
+        return note
+
+    def render_GET(self, request):
+        path = request.postpath
+        if path in ([], [b""]):
+            return deliver(request, self.service.list, "reading the keys")
+        if len(path) == 1:
+            return deliver(request, lambda: self.service.one(pathId(path[0])), "reading a key")
+        return deliver(request, _notFound, "reading a key")
+
+    def render_POST(self, request):
+        path = request.postpath
+        address = clientAddress(request)
+        if path in ([], [b""]):
+            note = self._note(request)
+            return deliver(request, lambda: self.service.create(
+                readJSONBody(request), address, note), "issuing a key")
+        if len(path) == 2 and path[1] in (b"disable", b"enable"):
+            note = self._note(request)
+            disabled = path[1] == b"disable"
+            return deliver(request, lambda: self.service.setDisabled(
+                pathId(path[0]), disabled,
+                readJSONBody(request, allowEmpty=True) if disabled else {}, address, note),
+                "disabling a key")
+        return deliver(request, _notFound, "changing a key")
+
+    def render_PATCH(self, request):
+        path = request.postpath
+        if len(path) != 1 or not path[0]:
+            return deliver(request, _notFound, "changing a key")
+        note = self._note(request)
+        address = clientAddress(request)
+        return deliver(request, lambda: self.service.update(
+            pathId(path[0]), readJSONBody(request), address, note), "changing a key")
+
+    def render_DELETE(self, request):
+        path = request.postpath
+        if len(path) != 1 or not path[0]:
+            return deliver(request, _notFound, "revoking a key")
+        note = self._note(request)
+        address = clientAddress(request)
+        return deliver(request, lambda: self.service.delete(pathId(path[0]), address, note),
+                       "revoking a key")

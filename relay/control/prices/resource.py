@@ -1,0 +1,54 @@
+# -*- test-case-name: tests.test_control_keys -*-
+"""
+C{/admin/prices} and below (issue 22), behind the admin key (R99):
+C{GET /admin/prices}, C{PUT /admin/prices}, C{PUT} and C{DELETE
+/admin/prices/{model}} (the rules: L{relay.control.prices.service.PriceService}).
+"""
+
+from __future__ import annotations
+
+from relay.control.web import AdminLeaf, ControlError, clientAddress, deliver, pathId, readJSONBody
+
+__all__ = ["PricesResource"]
+
+
+def _notFound():
+    return (404, ControlError(404, "not_found", "Not found").envelope())
+
+
+class PricesResource(AdminLeaf):
+    """
+    See the module docstring.
+    """
+
+    def __init__(self, adminKey, service):
+        super().__init__(adminKey)
+        self.service = service
+
+    def render_GET(self, request):
+        if request.postpath not in ([], [b""]):
+            return deliver(request, _notFound, "reading the prices")
+        return deliver(request, self.service.view, "reading the prices")
+
+    def render_PUT(self, request):
+        path = request.postpath
+        note = {}
+        request.relayAudit = note
+        address = clientAddress(request)
+        if path in ([], [b""]):
+            return deliver(request, lambda: self.service.replace(
+                readJSONBody(request), address, note), "setting the prices")
+        if len(path) == 1:
+            return deliver(request, lambda: self.service.setOne(
+                pathId(path[0]), readJSONBody(request), address, note), "setting a price")
+        return deliver(request, _notFound, "setting a price")
+
+    def render_DELETE(self, request):
+        path = request.postpath
+        if len(path) != 1 or not path[0]:
+            return deliver(request, _notFound, "removing a price")
+        note = {}
+        request.relayAudit = note
+        address = clientAddress(request)
+        return deliver(request, lambda: self.service.deleteOne(
+            pathId(path[0]), address, note), "removing a price")
