@@ -581,6 +581,31 @@ class RedisService(Service):
             convertNumbers=False,
         )
 
+    def endpoint(self):
+        """
+        A client endpoint to the Redis relay writes to now, for a
+        connection of its own outside the pool (a pub/sub subscriber such
+        as the control plane's change feed, L{relay.control.store.redis}):
+        the URL's host (over TLS for C{rediss://}) or unix socket, or with
+        C{sentinels} the master the Sentinels name at each connect (so a
+        reconnect after a promotion reaches the new master).
+
+        @return: an L{twisted.internet.interfaces.IStreamClientEndpoint}.
+        @raise ValueError: for a URL L{parseRedisUrl} refuses.
+        """
+        from twisted.internet.endpoints import HostnameEndpoint, UNIXClientEndpoint, wrapClientTLS
+
+        if self.sentinels:
+            return _MasterEndpoint(self)
+        target = parseRedisUrl(self.url)
+        if target.path is not None:
+            return UNIXClientEndpoint(self._clock, target.path, timeout=self.connectTimeout)
+        endpoint = HostnameEndpoint(self._clock, target.host, target.port,
+                                    timeout=self.connectTimeout)
+        if target.tls:
+            return wrapClientTLS(target.tlsOptions(), endpoint)
+        return endpoint
+
     def _watchSwitches(self) -> None:
         """
         Subscribe to every Sentinel's C{+switch-master} channel: when the
@@ -756,3 +781,30 @@ class RedisService(Service):
         d = Deferred.fromCoroutine(run())
         d.addTimeout(timeout + self.durableTimeout, self._clock)
         return d.addCallbacks(self._cbReply, self._ebMap, errbackArgs=(command[0], sentAt))
+
+
+class _MasterEndpoint:
+    """
+    A client endpoint that asks the Sentinels of a L{RedisService} for the
+    current master's address at every connect (L{RedisService.endpoint}).
+    """
+
+    def __init__(self, service: RedisService):
+        self._service = service
+
+    def connect(self, factory):
+        """
+        @return: a Deferred firing with the connected protocol, or failing
+            when no Sentinel names a master (the caller retries).
+        """
+        from twisted.internet.endpoints import HostnameEndpoint
+
+        service = self._service
+        sentinel = service._sentinel
+        if sentinel is None:
+            return defer.fail(RedisUnavailable("connect", "the Redis client is not running"))
+        d = sentinel.discover_master(service.masterName)
+        d.addCallback(lambda address: HostnameEndpoint(
+            service._clock, address[0], int(address[1]), timeout=service.connectTimeout,
+        ).connect(factory))
+        return d

@@ -59,7 +59,7 @@ def controlStoreFor(config, reactor, redis=None, settingsStore=None):
 
         # Pub/sub channels are server-wide, not per database: relays on
         # another database of the same server hear nothing of these.
-        dbid = parseRedisUrl(config.state.redis_url).get("dbid")
+        dbid = parseRedisUrl(config.state.redis_url).dbid
         channel = CHANNEL if dbid is None else f"{CHANNEL}:{dbid}"
         return RedisControlStore(redis=redis, clock=reactor, channel=channel)
     if isinstance(settingsStore, SQLiteSettingsStore):

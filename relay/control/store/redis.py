@@ -298,14 +298,13 @@ class RedisControlStore:
         if self._feed is not None:
             return succeed(None)
         from twisted.application.internet import ClientService, backoffPolicy
-        from twisted.internet.endpoints import HostnameEndpoint
 
         from relay.redisclient import parseRedisUrl
 
-        params = parseRedisUrl(self._redis.url)
-        factory = _feedFactory(self, params)
-        endpoint = HostnameEndpoint(self._clock, params["host"], params["port"],
-                                    timeout=FEED_CONNECT_TIMEOUT)
+        # TCP, TLS, a unix socket or the Sentinels' current master: the
+        # Redis client knows how to reach the Redis it writes to.
+        factory = _feedFactory(self, parseRedisUrl(self._redis.url))
+        endpoint = self._redis.endpoint()
         self._feed = ClientService(
             endpoint, factory, retryPolicy=backoffPolicy(initialDelay=0.1, maxDelay=1.0),
             clock=self._clock,
@@ -369,7 +368,7 @@ class RedisControlStore:
                            event="relay.control_feed_lost", channel=self.channel)
 
 
-def _feedFactory(store: RedisControlStore, params: dict):
+def _feedFactory(store: RedisControlStore, params):
     """
     A protocol factory for the change feed: a txredisapi
     C{SubscriberProtocol} that subscribes to C{store.channel} once it is
@@ -404,8 +403,8 @@ def _feedFactory(store: RedisControlStore, params: dict):
 
         def buildProtocol(self, addr):
             protocol = _FeedProtocol(
-                charset="utf-8", password=params.get("password"), dbid=None,
-                convertNumbers=False, username=params.get("username"),
+                charset="utf-8", password=params.password, dbid=None,
+                convertNumbers=False, username=params.username,
             )
             protocol.factory = self
             return protocol
