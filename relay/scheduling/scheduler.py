@@ -785,6 +785,11 @@ class AccountScheduler:
                     param="previous_response_id",
                 )
 
+        # Issue 24: the binding read leaves with the states read (one round
+        # trip on Redis, relay.state.redisbatch); memory answers both at once.
+        binding = None
+        if turn.sessionHash:
+            binding = eagerDeferred(self._get(sessionKey(turn.sessionHash)))
         states = await self._states(accounts)
         ctx = _Pass(
             turn=turn, excluded=excluded, now=self._clock.seconds(),
@@ -801,8 +806,8 @@ class AccountScheduler:
                 candidate_count=len(openAccounts),
             )
         ctx.eligible = [a for a in openAccounts if self._incompatible(ctx, a) is None]
-        if turn.sessionHash:
-            ctx.binding = await self._get(sessionKey(turn.sessionHash))
+        if binding is not None:
+            ctx.binding = await binding
 
         choice = None
         if previous:
@@ -970,7 +975,9 @@ class AccountScheduler:
         ttl = ctx.scheduling.sticky_session_ttl_seconds
         if choice.lease is not None and turn.sessionHash and not choice.keepBinding:
             if choice.bindingOp == "touch":
-                await self._write("touchValue", sessionKey(turn.sessionHash), ttl)
+                # Not awaited (errors are logged by _write): on Redis it leaves
+                # with the bind() write that follows admission (issue 24).
+                eagerDeferred(self._write("touchValue", sessionKey(turn.sessionHash), ttl))
             elif choice.bindingOp == "write":
                 await self._write("setValue", sessionKey(turn.sessionHash), account.id, ttl)
         record = DecisionRecord(
