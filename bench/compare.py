@@ -991,7 +991,8 @@ def main() -> None:
         if "turncost" in only:
             import turncost
 
-            costs = turncost.run(procs, trees, ["kinds", "state", "pool"], args.turns, bodies)
+            costs = turncost.run(procs, trees, ["kinds", "state", "load", "pool"], args.turns,
+                                 bodies)
             turncost.report(costs, trees, args.turns, report)
             print("\n".join(report), flush=True)
         if "workers" in only:

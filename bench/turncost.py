@@ -32,6 +32,9 @@ kind of turn):
     admitted turn); JSON, stream, chat; for Redis also the commands per
     turn (C{MONITOR}: round trips the relay sent, script-internal commands
     not counted);
+  - C{load}: the same memory vs Redis comparison with the turns on 32
+    connections at once (16 for the stream): the work per turn at load,
+    where concurrent turns share reactor wake-ups and Redis batches;
   - C{pool}: 1, 100 and 2,000 identical healthy accounts, memory and Redis
     state, JSON (the sticky-session path the bench's repeated body takes).
 """
@@ -106,26 +109,51 @@ def relayYaml(path: str, port: int, upstreamPort: int, accounts: int, limit: int
 
 class Client:
     """
-    Sequential turns on one keep-alive connection.
+    Turns on C{concurrency} keep-alive connections, each sequential (one
+    thread per connection).
     """
 
-    def __init__(self, port: int):
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    def __init__(self, port: int, concurrency: int = 1):
+        self.conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=900)
+                      for _ in range(concurrency)]
 
     def turns(self, kind: str, n: int) -> None:
+        """
+        C{n} turns in all, spread over the connections.
+        """
         path, body, headers = KINDS[kind]
         data = json.dumps(body)
         headers = dict(headers, **{"Authorization": f"Bearer {compare.RELAY_KEY}",
                                    "Content-Type": "application/json"})
-        for _ in range(n):
-            self.conn.request("POST", path, data, headers)
-            r = self.conn.getresponse()
-            payload = r.read()
-            if r.status != 200:
-                raise SystemExit(f"turn failed: {r.status} {payload[:300]!r}")
+        errors = []
+
+        def run(conn, count):
+            try:
+                for _ in range(count):
+                    conn.request("POST", path, data, headers)
+                    r = conn.getresponse()
+                    payload = r.read()
+                    if r.status != 200:
+                        raise RuntimeError(f"turn failed: {r.status} {payload[:300]!r}")
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        share = [n // len(self.conns) + (1 if i < n % len(self.conns) else 0)
+                 for i in range(len(self.conns))]
+        if len(self.conns) == 1:
+            run(self.conns[0], n)
+        else:
+            threads = [threading.Thread(target=run, args=(c, k)) for c, k in zip(self.conns, share)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        if errors:
+            raise SystemExit(str(errors[0]))
 
     def close(self) -> None:
-        self.conn.close()
+        for conn in self.conns:
+            conn.close()
 
 
 class Monitor:
@@ -204,10 +232,13 @@ def _totals(out: str) -> int:
 
 
 def measureRelay(procs, name: str, tree: str, upstreamPort: int, accounts: int, limit: int,
-                 kinds, turns: int, redisPort=None) -> dict:
+                 kinds, turns: int, redisPort=None, concurrency: int = 1) -> dict:
     """
     One relay process under callgrind; instructions per turn of each kind,
-    and (with C{redisPort}) the Redis commands per turn.
+    and (with C{redisPort}) the Redis commands per turn. With
+    C{concurrency} > 1 the turns come on that many connections at once
+    (relay under callgrind is the bottleneck, so its queues stay full: the
+    per-turn work at load, e.g. Redis batches shared by several turns).
 
     @return: kind -> C{{"instr": per turn, "redis": {command: per turn}}}.
     """
@@ -221,7 +252,7 @@ def measureRelay(procs, name: str, tree: str, upstreamPort: int, accounts: int, 
     relayYaml(config, port, upstreamPort, accounts, limit, extra)
     p, out = _valgrindRelay(procs, name, tree, config, port)
     pid = p.pid
-    client = Client(port)
+    client = Client(port, concurrency)
     results = {}
     try:
         for kind in kinds:
@@ -273,6 +304,13 @@ def run(procs, trees: list, only, turns: int, bodies=None) -> dict:
                     for kind, r in measureRelay(procs, f"cg-{label}-{state}", tree, uport, 1,
                                                 LIMITS, list(KINDS), turns, rport).items():
                         results["state", label, state, 1, kind] = r
+            if "load" in only:
+                for state, rport in (("memory", None), ("redis", redisPort)):
+                    for kind, conns in (("json", 32), ("sse", 16)):
+                        r = measureRelay(procs, f"cg-{label}-{state}-c{conns}", tree, uport, 1,
+                                         LIMITS, [kind], max(turns, 10 * conns), rport,
+                                         concurrency=conns)
+                        results["load", label, state, conns, kind] = r[kind]
             if "pool" in only:
                 for state, rport in (("memory", None), ("redis", redisPort)):
                     for n in (1, 100, 2000):
@@ -350,6 +388,33 @@ def report(results: dict, trees: list, turns: int, out: list) -> None:
                 if r and "redis" in r:
                     out.append(f"| {LABELS[kind]} | {label} | {_redisSummary(r['redis'])} |")
         out.append("")
+    if any(k[0] == "load" for k in results):
+        out.append(f"At load: JSON on 32 connections, the stream on 16 (relay under callgrind is "
+                   f"the bottleneck, so work shared by concurrent turns, such as a Redis batch, is "
+                   f"counted as at load); concurrency {LIMITS}.\n")
+        out.append(f"| turn | {head} |")
+        out.append("|---|" + "---:|" * (len(labels) + two))
+        for kind, conns in (("json", 32), ("sse", 16)):
+            for state in ("memory", "redis"):
+                row(f"{LABELS[kind]} c={conns}, {state}",
+                    lambda label, kind=kind, state=state, conns=conns:
+                    ("load", label, state, conns, kind))
+        for label in labels:
+            for kind, conns in (("json", 32), ("sse", 16)):
+                m = results.get(("load", label, "memory", conns, kind))
+                r = results.get(("load", label, "redis", conns, kind))
+                if m and r:
+                    out.append(f"| {LABELS[kind]} c={conns}: redis / memory ({label}) | "
+                               f"**{r['instr'] / m['instr']:.2f}x** |" + " |" * (len(labels) + two - 1))
+        out.append("")
+        out.append("| turn | tree | Redis commands per turn at load |")
+        out.append("|---|---|---|")
+        for kind, conns in (("json", 32), ("sse", 16)):
+            for label in labels:
+                r = results.get(("load", label, "redis", conns, kind))
+                if r and "redis" in r:
+                    out.append(f"| {LABELS[kind]} c={conns} | {label} | {_redisSummary(r['redis'])} |")
+        out.append("")
     if any(k[0] == "pool" for k in results):
         out.append(f"Pool size: identical healthy accounts, JSON, concurrency {LIMITS}.\n")
         out.append(f"| accounts, state | {head} | vs 1 account |")
@@ -371,7 +436,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", help="a git ref or a source tree measured beside this one")
     parser.add_argument("--turns", type=int, default=200)
-    parser.add_argument("--only", action="append", choices=["kinds", "state", "pool"])
+    parser.add_argument("--only", action="append", choices=["kinds", "state", "load", "pool"])
     parser.add_argument("--out", help="also write the report (markdown) here")
     args = parser.parse_args()
     for tool in ("valgrind", "callgrind_control", "nginx", "redis-server", "redis-cli"):
@@ -391,7 +456,7 @@ def main() -> None:
         dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--", "relay"],
                                capture_output=True, text=True, check=False).stdout.strip()
         trees.append((f"this tree {head}{'+' if dirty else ''}", ROOT))
-        only = args.only or ["kinds", "state", "pool"]
+        only = args.only or ["kinds", "state", "load", "pool"]
         results = run(procs, trees, only, args.turns)
     finally:
         procs.stopAll()

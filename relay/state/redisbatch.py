@@ -33,6 +33,7 @@ Deferred fires with the C{SET}'s outcome.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Optional
 
 from attrs import define, field
@@ -42,9 +43,10 @@ from twisted.python.failure import Failure
 
 from relay.redisclient import RedisService, RedisUnavailable
 
-# ARGV[1] = number of operations; then per operation: its name, how many of
-# KEYS it takes (in order), how many ARGV values follow, the values. Each
-# runs protected, so one failing operation gives an error element and the
+# ARGV[1] = the operations as one JSON array (one argument, so the client
+# encodes one string however many operations there are): per operation
+# [name, how many of KEYS it takes (in order), [its other arguments as
+# strings]]. KEYS = every operation's keys, in order. Each runs protected, so one failing operation gives an error element and the
 # rest still run. Besides plain commands, relay's own operations (each is
 # also a standalone script, SOLO, for a batch of one):
 #   MHGETALL      HGETALL of each of its keys: a list of flat lists;
@@ -75,16 +77,14 @@ local function streak(keys, args)
   return n
 end
 local own = {MHGETALL = mhgetall, RELAY_INCR = incr, RELAY_STREAK = streak}
+local ops = cjson.decode(ARGV[1])
 local out = {}
-local k, a = 1, 2
-for i = 1, tonumber(ARGV[1]) do
-  local name, nk, na = ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
-  a = a + 3
-  local keys, args = {}, {}
+local k = 1
+for i = 1, #ops do
+  local name, nk, args = ops[i][1], ops[i][2], ops[i][3]
+  local keys = {}
   for j = 1, nk do keys[j] = KEYS[k + j - 1] end
-  for j = 1, na do args[j] = ARGV[a + j - 1] end
   k = k + nk
-  a = a + na
   local f = own[name]
   if f then
     local ok, r = pcall(f, keys, args)
@@ -96,7 +96,7 @@ for i = 1, tonumber(ARGV[1]) do
       out[i] = redis.error_reply(tostring(r))
     end
   else
-    for j = 1, na do keys[nk + j] = args[j] end
+    for j = 1, #args do keys[nk + j] = args[j] end
     out[i] = redis.pcall(name, unpack(keys))
   end
 end
@@ -209,12 +209,12 @@ class RedisBatch:
             d = self._solo(sent[0])
         else:
             keys: list = []
-            argv: list = [str(len(sent))]
+            spec = []
             for op in sent:
                 keys.extend(op.keys)
-                argv.extend((op.name, str(len(op.keys)), str(len(op.args))))
-                argv.extend(op.args)
-            d = self._redis.execute(min(op.timeout for op in sent), "eval", BATCH_LUA, keys, argv)
+                spec.append((op.name, len(op.keys), op.args))
+            d = self._redis.execute(min(op.timeout for op in sent), "eval", BATCH_LUA, keys,
+                                    [json.dumps(spec, separators=(",", ":"))])
         d.addCallbacks(self._deliver, self._fail, callbackArgs=(sent, ops),
                        errbackArgs=(ops,))
 

@@ -83,3 +83,17 @@ async def test_oneCallFailsAlone(redisService):
         await bad
     assert await lenient == 0
     assert await after == "v"
+
+
+@pytest_twisted.ensureDeferred
+async def test_valuesRoundTrip(redisService):
+    """
+    Values with quotes, backslashes, non-ASCII text and digits with
+    leading zeros come back as they went in through a batch (T20).
+    """
+    store = RedisStateStore(redis=redisService, clock=reactor, onRedisError="fail_closed")
+    odd = ['a"b\\c', "zürich ✓", "00123", ""]
+    writes = [store.setValue(f"k{i}", v, 60) for i, v in enumerate(odd)]
+    reads = [store.getValue(f"k{i}") for i in range(len(odd))]
+    await gatherResults(writes)
+    assert await gatherResults(reads) == odd
