@@ -184,8 +184,7 @@ class RedisBatch:
         @return: a L{Deferred} firing with the reply, or failing with
             L{RedisUnavailable}.
         """
-        op = _Op(name, list(keys), [str(a) if not isinstance(a, (str, bytes)) else a
-                                     for a in args], timeout)
+        op = _Op(name, list(keys), [_text(a) for a in args], timeout)
         self._ops.append(op)
         if self._call is None:
             self._call = self._clock.callLater(0, self.flush)
@@ -266,6 +265,17 @@ class RedisBatch:
 
 
 _MISSING = object()
+
+
+def _text(value) -> str:
+    """
+    An argument as text (the batch carries its arguments as JSON strings).
+    """
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    return str(value)
 
 
 def _fold(ops: list) -> list:
