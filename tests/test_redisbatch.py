@@ -148,3 +148,54 @@ class RedisBatchTests(SynchronousTestCase):
         self.batch.call(5, "SET", ["t"], ["a1", "PX", 1000])
         self.clock.advance(0)
         self.assertEqual(len(json.loads(self.redis.calls[0][2][2][0])), 2)
+
+
+class LeadingBatchTests(SynchronousTestCase):
+    """
+    L{RedisBatch} with C{leading=True} (the slot admission's): a lone call
+    leaves at once; calls made while one is in flight are batched.
+    """
+
+    def setUp(self):
+        self.clock = Clock()
+        self.redis = _Redis()
+        self.batch = RedisBatch(self.redis, self.clock, leading=True)
+
+    def test_loneCallLeavesAtOnce(self):
+        """
+        With nothing queued or in flight, a call is sent synchronously as
+        its plain command; once its reply is in, the next one is too.
+        """
+        first = self.batch.call(2, "ZREM", ["s"], ["p-1"])
+        [(_, method, args, d)] = self.redis.calls
+        self.assertEqual((method, args), ("execute_command", ("ZREM", "s", "p-1")))
+        d.callback(1)
+        self.assertEqual(self.successResultOf(first), 1)
+        self.batch.call(2, "ZREM", ["s"], ["p-2"])
+        self.assertEqual(len(self.redis.calls), 2)
+
+    def test_callsDuringAFlightAreBatched(self):
+        """
+        Calls made while one is in flight wait for the end of the reactor
+        turn and leave together, without waiting for the first's reply.
+        """
+        self.batch.call(2, "ZREM", ["s"], ["p-1"])
+        second = self.batch.call(2, "ZREM", ["s"], ["p-2"])
+        third = self.batch.call(2, "ZREM", ["t"], ["p-3"])
+        self.assertEqual(len(self.redis.calls), 1)
+        self.clock.advance(0)
+        self.assertEqual(len(self.redis.calls), 2)
+        _, method, args, d = self.redis.calls[1]
+        self.assertEqual((method, args[1]), ("eval", ["s", "t"]))
+        d.callback([1, 0])
+        self.assertEqual((self.successResultOf(second), self.successResultOf(third)), (1, 0))
+
+    def test_flushSendsNow(self):
+        """
+        L{RedisBatch.flush} sends what is queued without waiting for the
+        end of the reactor turn (the drain's release of leftover slots).
+        """
+        self.batch.call(2, "ZREM", ["s"], ["p-1"])
+        self.batch.call(2, "ZREM", ["s"], ["p-2"])
+        self.batch.flush()
+        self.assertEqual(len(self.redis.calls), 2)

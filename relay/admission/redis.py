@@ -52,6 +52,13 @@ Every key a script touches is one of its C{KEYS}.
 
 Fast path: one C{acquire.lua} call and one C{ZREM}.
 
+Issue 24: acquire, leave and release calls go through a
+L{relay.state.redisbatch.RedisBatch} in leading mode: a call made while
+none of them is queued or in flight leaves at once as the plain script or
+command above; calls made while one is in flight (concurrent turns) wait for
+the end of the reactor turn and leave together as one script call, in issue
+order, each with its own reply.
+
 Waiting polls with R30's backoff (100 ms x1.5 up to 2 s, jitter 0.8-1.2
 from the injected random); only the queue's head may take a slot.
 
@@ -97,6 +104,7 @@ from relay.interfaces import ISlotAdmission, ISlotDrain, ISlotLease
 from relay.model import AdmissionError, WaitPlan
 from relay.redisclient import RedisService, RedisUnavailable, describe
 from relay.requestid import currentRequestId
+from relay.state.redisbatch import RedisBatch, batchScript
 
 
 def _script(name: str) -> str:
@@ -112,6 +120,12 @@ LEAVE_LUA = _script("leave")
 RENEW_LUA = _script("renew")
 LOAD_LUA = _script("load")
 HEARTBEAT_LUA = _script("heartbeat")
+
+#: The slot commands a turn sends (acquire, leave; release is a plain
+#: C{ZREM}), as operations of one batch (issue 24): alone, each is the
+#: script or command it always was.
+ADMISSION_SOLO = {"ACQUIRE": ACQUIRE_LUA, "LEAVE": LEAVE_LUA}
+ADMISSION_BATCH_LUA = batchScript(ADMISSION_SOLO)
 
 #: The process registry ZSET (see the module docstring; R34 crash recovery).
 PROCESSES_KEY = "relay:processes"
@@ -301,6 +315,7 @@ class RedisSlotAdmission:
     _sleepers: dict = field(factory=dict, init=False)
     _writes: set = field(factory=set, init=False)
     _heartbeat: Optional[LoopingCall] = field(default=None, init=False)
+    _batch: Optional[RedisBatch] = field(default=None, init=False)
 
     _log = Logger()
 
@@ -313,6 +328,8 @@ class RedisSlotAdmission:
         """
         if not self.prefix:
             self.prefix = "%08x" % self._random.getrandbits(32)
+        self._batch = RedisBatch(self._redis, self._clock, solo=ADMISSION_SOLO,
+                                 script=ADMISSION_BATCH_LUA, leading=True)
         if not 0 < self.heartbeatInterval < self.liveTtl:
             raise ValueError(
                 f"heartbeatInterval ({self.heartbeatInterval}s) must be positive and"
@@ -433,6 +450,7 @@ class RedisSlotAdmission:
         leftover = [lease for lease in list(self.held) if not lease.released]
         for lease in leftover:
             lease.release()
+        self._batch.flush()
         if self._writes:
             waits = []
             for d in list(self._writes):
@@ -634,8 +652,8 @@ class RedisSlotAdmission:
 
         @return: Deferred firing with C{[status, now, position, waiting]}.
         """
-        return self._track(self._redis.execute(
-            self.timeout, "eval", ACQUIRE_LUA, keysFor(kind, id) + [PROCESSES_KEY],
+        return self._track(self._batch.call(
+            self.timeout, "ACQUIRE", keysFor(kind, id) + [PROCESSES_KEY],
             [int(limit), repr(self.slotTtl), rid, mode, int(maxWaiting), repr(self.ticketTtl)],
         ))
 
@@ -644,9 +662,8 @@ class RedisSlotAdmission:
         Fire-and-forget C{leave.lua}: drop the ticket (and a slot member an
         abandoned attempt may have added).
         """
-        d = self._track(self._redis.execute(
-            self.timeout, "eval", LEAVE_LUA, keysFor(plan.kind, plan.id),
-            [rid, "1" if dropSlot else "0"],
+        d = self._track(self._batch.call(
+            self.timeout, "LEAVE", keysFor(plan.kind, plan.id), [rid, "1" if dropSlot else "0"],
         ))
         d.addErrback(lambda f: self._logError("slot_leave", f))
 
@@ -658,9 +675,8 @@ class RedisSlotAdmission:
         self.held.discard(lease)
         if not lease.counted:
             return
-        d = self._track(self._redis.execute(
-            self.timeout, "execute_command", "ZREM", slotKey(lease.kind, lease.id),
-            lease.requestId,
+        d = self._track(self._batch.call(
+            self.timeout, "ZREM", [slotKey(lease.kind, lease.id)], [lease.requestId],
         ))
         d.addCallbacks(
             lambda _: self._wake((lease.kind, lease.id)),

@@ -43,40 +43,38 @@ from twisted.python.failure import Failure
 
 from relay.redisclient import RedisService, RedisUnavailable
 
-# ARGV[1] = the operations as one JSON array (one argument, so the client
-# encodes one string however many operations there are): per operation
-# [name, how many of KEYS it takes (in order), [its other arguments as
-# strings]]. KEYS = every operation's keys, in order. Each runs protected, so one failing operation gives an error element and the
-# rest still run. Besides plain commands, relay's own operations (each is
-# also a standalone script, SOLO, for a batch of one):
-#   MHGETALL      HGETALL of each of its keys: a list of flat lists;
-#   RELAY_INCR    KEYS counter; ARGV ttl ms, refresh flag: INCR, and
-#                 PEXPIRE when new or refreshed; the new value;
-#   RELAY_STREAK  KEYS account hash; ARGV streak field, now, ttl seconds:
-#                 the R11 streak bump ("count:last failure"); the count.
-BATCH_LUA = """
-local function mhgetall(keys, args)
-  local rows = {}
-  for j = 1, #keys do rows[j] = redis.call('HGETALL', keys[j]) end
-  return rows
+#: relay's own state operations, as standalone scripts (KEYS / ARGV), run
+#: alone for a batch of one and wrapped as functions in the batch script:
+#:   MHGETALL      HGETALL of each of its keys: a list of flat lists;
+#:   RELAY_INCR    KEYS counter; ARGV ttl ms, refresh flag: INCR, and
+#:                 PEXPIRE when new or refreshed; the new value;
+#:   RELAY_STREAK  KEYS account hash; ARGV streak field, now, ttl seconds:
+#:                 the R11 streak bump ("count:last failure"); the count.
+SOLO = {
+    "MHGETALL": """
+local out = {}
+for i, k in ipairs(KEYS) do out[i] = redis.call('HGETALL', k) end
+return out
+""",
+    "RELAY_INCR": """
+local v = redis.call('INCR', KEYS[1])
+if v == 1 or ARGV[2] == '1' then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+return v
+""",
+    "RELAY_STREAK": """
+local v = redis.call('HGET', KEYS[1], ARGV[1])
+local n = 0
+if v then
+  local c, t = string.match(v, '^(%d+):(.+)$')
+  if c and (tonumber(ARGV[2]) - tonumber(t)) <= tonumber(ARGV[3]) then n = tonumber(c) end
 end
-local function incr(keys, args)
-  local v = redis.call('INCR', keys[1])
-  if v == 1 or args[2] == '1' then redis.call('PEXPIRE', keys[1], args[1]) end
-  return v
-end
-local function streak(keys, args)
-  local v = redis.call('HGET', keys[1], args[1])
-  local n = 0
-  if v then
-    local c, t = string.match(v, '^(%d+):(.+)$')
-    if c and (tonumber(args[2]) - tonumber(t)) <= tonumber(args[3]) then n = tonumber(c) end
-  end
-  n = n + 1
-  redis.call('HSET', keys[1], args[1], n .. ':' .. args[2])
-  return n
-end
-local own = {MHGETALL = mhgetall, RELAY_INCR = incr, RELAY_STREAK = streak}
+n = n + 1
+redis.call('HSET', KEYS[1], ARGV[1], n .. ':' .. ARGV[2])
+return n
+""",
+}
+
+_DISPATCH = """
 local ops = cjson.decode(ARGV[1])
 local out = {}
 local k = 1
@@ -103,30 +101,31 @@ end
 return out
 """
 
-#: relay's own operations alone (a batch of one): the standalone scripts.
-SOLO = {
-    "MHGETALL": """
-local out = {}
-for i, k in ipairs(KEYS) do out[i] = redis.call('HGETALL', k) end
-return out
-""",
-    "RELAY_INCR": """
-local v = redis.call('INCR', KEYS[1])
-if v == 1 or ARGV[2] == '1' then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
-return v
-""",
-    "RELAY_STREAK": """
-local v = redis.call('HGET', KEYS[1], ARGV[1])
-local n = 0
-if v then
-  local c, t = string.match(v, '^(%d+):(.+)$')
-  if c and (tonumber(ARGV[2]) - tonumber(t)) <= tonumber(ARGV[3]) then n = tonumber(c) end
-end
-n = n + 1
-redis.call('HSET', KEYS[1], ARGV[1], n .. ':' .. ARGV[2])
-return n
-""",
-}
+
+def batchScript(solo: dict) -> str:
+    """
+    The batch script for a set of own operations.
+
+    ARGV[1] is the batch as one JSON array (one argument, so the client
+    encodes one string however many operations there are): per operation
+    C{[name, how many of KEYS it takes (in order), [its other arguments as
+    strings]]}; KEYS are every operation's keys, in order (a script names
+    every key it touches). Each operation runs protected: one that fails
+    gives an error element and the rest still run. A name of C{solo} runs
+    that standalone script as a function of its keys and arguments; any
+    other name is a plain command.
+
+    @param solo: operation name -> standalone Lua script (KEYS / ARGV).
+    @return: the Lua text; its reply is one element per operation.
+    """
+    parts = ["local own = {}"]
+    for name, script in sorted(solo.items()):
+        parts.append(f"own[{name!r}] = function(KEYS, ARGV)\n{script.strip()}\nend")
+    return "\n".join(parts) + "\n" + _DISPATCH
+
+
+#: the state store's batch script
+BATCH_LUA = batchScript(SOLO)
 
 
 @define(eq=False)
@@ -158,16 +157,26 @@ class RedisBatch:
 
     @ivar _redis: the running L{RedisService}.
     @ivar _clock: schedules the end-of-turn send.
+    @ivar solo: relay's own operations: name -> standalone script.
+    @ivar script: the batch script (L{batchScript} of C{solo}).
+    @ivar leading: send an operation at once, alone, when nothing of this
+        batcher is queued or waiting for its reply (so a lone caller sees
+        its command leave synchronously, as without batching); only the
+        operations that come while one is in flight are batched.
     @ivar batches: round trips sent so far (for tests and benchmarks).
     @ivar operations: operations sent so far, folded ones included.
     """
 
     _redis: RedisService
     _clock: IReactorTime
+    solo: dict = field(factory=lambda: dict(SOLO))
+    script: str = BATCH_LUA
+    leading: bool = False
     batches: int = 0
     operations: int = 0
     _ops: list = field(factory=list, init=False)
     _call: Optional[IDelayedCall] = field(default=None, init=False)
+    _inflight: int = field(default=0, init=False)
 
     def call(self, timeout: float, name: str, keys: list, args: list) -> Deferred:
         """
@@ -185,6 +194,10 @@ class RedisBatch:
             L{RedisUnavailable}.
         """
         op = _Op(name, list(keys), [_text(a) for a in args], timeout)
+        if self.leading and not self._ops and not self._inflight:
+            self.operations += 1
+            self._send([op], [op])
+            return op.deferred
         self._ops.append(op)
         if self._call is None:
             self._call = self._clock.callLater(0, self.flush)
@@ -202,8 +215,15 @@ class RedisBatch:
         if not ops:
             return
         self.operations += len(ops)
-        sent = _fold(ops)
+        self._send(_fold(ops), ops)
+
+    def _send(self, sent: list, ops: list) -> None:
+        """
+        One round trip for C{sent} (the operations of C{ops} not folded);
+        deliver every operation's outcome when it ends.
+        """
         self.batches += 1
+        self._inflight += 1
         if len(sent) == 1:
             d = self._solo(sent[0])
         else:
@@ -212,17 +232,25 @@ class RedisBatch:
             for op in sent:
                 keys.extend(op.keys)
                 spec.append((op.name, len(op.keys), op.args))
-            d = self._redis.execute(min(op.timeout for op in sent), "eval", BATCH_LUA, keys,
+            d = self._redis.execute(min(op.timeout for op in sent), "eval", self.script, keys,
                                     [json.dumps(spec, separators=(",", ":"))])
+        d.addBoth(self._landed)
         d.addCallbacks(self._deliver, self._fail, callbackArgs=(sent, ops),
                        errbackArgs=(ops,))
+
+    def _landed(self, result):
+        """
+        A round trip ended; pass its result on.
+        """
+        self._inflight -= 1
+        return result
 
     def _solo(self, op: _Op) -> Deferred:
         """
         One operation alone: its plain command (a batch of one is what the
         store sent before batching).
         """
-        script = SOLO.get(op.name)
+        script = self.solo.get(op.name)
         if script is not None:
             return self._redis.execute(op.timeout, "eval", script, op.keys, op.args).addCallback(
                 lambda reply: [reply])
@@ -298,4 +326,4 @@ def _fold(ops: list) -> list:
     return [op for op in ops if op.folded is None]
 
 
-__all__ = ["BATCH_LUA", "SOLO", "RedisBatch"]
+__all__ = ["BATCH_LUA", "SOLO", "RedisBatch", "batchScript"]
