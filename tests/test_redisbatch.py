@@ -199,3 +199,31 @@ class LeadingBatchTests(SynchronousTestCase):
         self.batch.call(2, "ZREM", ["s"], ["p-2"])
         self.batch.flush()
         self.assertEqual(len(self.redis.calls), 2)
+
+
+class CancelledOperationTests(SynchronousTestCase):
+    """
+    An operation its caller cancelled while the round trip was in flight.
+    """
+
+    def test_othersStillDelivered(self):
+        """
+        The late reply of a cancelled operation is dropped; the other
+        operations of the batch still get theirs (success or failure).
+        """
+        clock, redis = Clock(), _Redis()
+        batch = RedisBatch(redis, clock)
+        gone = batch.call(2, "GET", ["a"], [])
+        kept = batch.call(2, "GET", ["b"], [])
+        clock.advance(0)
+        gone.cancel()
+        self.failureResultOf(gone)
+        redis.calls[0][3].callback(["x", "y"])
+        self.assertEqual(self.successResultOf(kept), "y")
+        gone2 = batch.call(2, "GET", ["a"], [])
+        kept2 = batch.call(2, "GET", ["b"], [])
+        clock.advance(0)
+        gone2.cancel()
+        self.failureResultOf(gone2)
+        redis.calls[1][3].errback(RedisUnavailable("eval", "down"))
+        self.failureResultOf(kept2, RedisUnavailable)

@@ -269,6 +269,10 @@ class RedisBatch:
         for op, reply in zip(sent, replies):
             outcome[id(op)] = reply
         for op in ops:
+            if op.deferred.called:
+                # Cancelled by its caller meanwhile (a turn that left while its
+                # slot acquire was in flight): the reply is not wanted.
+                continue
             target = op
             while target.folded is not None:
                 target = target.folded
@@ -289,7 +293,8 @@ class RedisBatch:
         The whole round trip failed: every operation fails with it.
         """
         for op in ops:
-            op.deferred.errback(failure)
+            if not op.deferred.called:
+                op.deferred.errback(failure)
 
 
 _MISSING = object()
