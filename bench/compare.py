@@ -1,11 +1,14 @@
 """
-relay side by side with nginx on one upstream, in one run (issue 16).
+relay side by side with nginx and a Go gateway's floor on one upstream, in one
+run (issues 16 and 24).
 
-  python bench/compare.py                 # everything, ~6 minutes
+  python bench/compare.py                 # everything, ~15 minutes
   python bench/compare.py --quick         # 3 s per scenario, smaller planning tests
-  python bench/compare.py --only speed    # or: workers, planning
+  python bench/compare.py --only speed    # or: pool, turncost, workers, planning
   python bench/compare.py --out bench/results/compare.md
-  python bench/compare.py --baseline /tmp/main   # also relay from another tree
+  python bench/compare.py --baseline main        # also relay at a git ref (git
+                                                 # archive) or from another tree,
+                                                 # in the same run
 
 Not a test and not run by CI; it prints a markdown report (and writes it to
 C{--out}). What it starts, all on 127.0.0.1:
@@ -18,7 +21,13 @@ C{--out}). What it starts, all on 127.0.0.1:
   - nginx C{proxy_pass} (apt's nginx, 1 process, keepalive upstream,
     C{proxy_buffering off} as an SSE gateway needs) in front of it;
   - relay (C{python -m twisted relay}, memory state, one API-key account
-    on the same upstream, text logs to a file) in front of it.
+    on the same upstream, text logs to a file) in front of it;
+  - the Go row (issue 24): C{bench/goproxy/main.go}, built here with
+    Debian's C{go} (standard library only, offline), the minimum of a Go
+    gateway -- check the client key, swap in the upstream credential,
+    C{httputil.ReverseProxy} with keep-alive and C{FlushInterval: -1} --
+    run with C{GOMAXPROCS=1} and pinned like relay; every issue-24 ratio
+    is against it, in the same run.
 
 Pinning (C{taskset}): relay and the nginx proxy on CPU 0, wrk and the
 upstream on CPU 1 (the box has two cores). Scenarios: C{c=1}, C{c=32},
@@ -27,7 +36,11 @@ direct (the upstream itself), nginx and relay. Per target: requests/s
 (events/s for the stream), p50/p99, CPU per request of the process under
 test, peak RSS; relay/nginx ratios.
 
-Then C{workers}: relay with Redis state, one worker vs C{workers: 2}
+Then C{pool} (issue 24): memory vs Redis state (JSON, stream, chat: CPU
+per turn, target Redis <= 1.3x memory) and pools of 1, 100 and 2,000
+identical accounts (c=32 JSON, memory and Redis). Then C{turncost}: the
+instruction counts per turn of C{bench/turncost.py} (callgrind; robust to a
+loaded box). Then C{workers}: relay with Redis state, one worker vs C{workers: 2}
 (unpinned, both cores), C{c=32} JSON. Then C{planning}: RSS of one relay
 process at C{c=128}; RSS growth per idle client WebSocket with 10,000 of
 them (and the latency of a request made meanwhile); 1,000 concurrent slow
@@ -274,6 +287,36 @@ def startNginxProxy(procs: Procs, upstreamPort: int, cpu) -> tuple:
     return p, port
 
 
+GO_SOURCE = os.path.join(ROOT, "bench", "goproxy", "main.go")
+GO_UPSTREAM_KEY = "sk-upstream-bench"
+
+
+def buildGo(tmp: str) -> str:
+    """
+    Build L{GO_SOURCE} (standard library only, offline: no module is
+    fetched) into C{tmp}. @return: the binary's path.
+    """
+    out = os.path.join(tmp, "goproxy")
+    env = dict(os.environ, GOCACHE=os.path.join(tmp, "gocache"), GO111MODULE="off",
+               GOFLAGS="", GOPROXY="off", CGO_ENABLED="0")
+    subprocess.run(["go", "build", "-o", out, GO_SOURCE], check=True, env=env,
+                   cwd=os.path.dirname(GO_SOURCE))
+    return out
+
+
+def startGo(procs: Procs, binary: str, upstreamPort: int, cpu) -> tuple:
+    """
+    The Go stdlib reverse proxy (issue 24's Go row) on C{cpu} with
+    C{GOMAXPROCS=1}. @return: C{(process, port)}.
+    """
+    port = free()
+    p = procs.start("goproxy", [binary, f"127.0.0.1:{port}", f"http://127.0.0.1:{upstreamPort}",
+                                RELAY_KEY, GO_UPSTREAM_KEY],
+                    cpu=cpu, env=dict(os.environ, GOMAXPROCS="1"))
+    waitPort(port)
+    return p, port
+
+
 def relayConfig(tmp: str, name: str, port: int, upstreamPort: int, extra: str = "") -> str:
     """
     Write a relay config: one key, one API-key account on the upstream.
@@ -410,11 +453,12 @@ def speed(procs: Procs, bodies: dict, seconds: float, report: list, baseline=Non
     upstream, uport = startUpstream(procs, bodies, cpu=1)
     proxy, pport = startNginxProxy(procs, uport, cpu=0)
     relay, rport = startRelay(procs, "relay", uport, cpu=0)
+    goproxy, gport = startGo(procs, buildGo(procs.tmp), uport, cpu=0)
     targets = [("direct", uport, upstream.pid), ("nginx", pport, proxy.pid),
-               ("relay", rport, relay.pid)]
+               ("go", gport, goproxy.pid), ("relay", rport, relay.pid)]
     base = None
     if baseline:
-        base, bport = startRelay(procs, "relay-baseline", uport, cpu=0, tree=baseline)
+        base, bport = startRelay(procs, "relay-baseline", uport, cpu=0, tree=baseline[0])
         targets.append(("baseline", bport, base.pid))
     # Warm up (connection pools, imports, caches).
     for _, port, pid in targets:
@@ -426,42 +470,98 @@ def speed(procs: Procs, bodies: dict, seconds: float, report: list, baseline=Non
         for name, port, pid in targets:
             results[label, name] = wrk(procs.tmp, kind, port, conns, seconds, cpu=1, watch=[pid])
     peaks = {name: memory(pid)["VmHWM"] for name, _, pid in targets}
-    report.append("## Per process: direct, nginx proxy_pass, relay (same upstream, same run)\n")
-    report.append("relay and the nginx proxy pinned to CPU 0; wrk and the upstream (nginx "
-                  "`return 200`) on CPU 1. CPU per request is the process under test (for "
-                  "direct: the upstream). Stream: events/s = responses/s x 40.\n")
-    report.append("| scenario | direct | nginx | relay | relay / nginx |")
-    report.append("|---|---:|---:|---:|---:|")
+    report.append("## Per process: direct, nginx proxy_pass, Go stdlib proxy, relay (same "
+                  "upstream, same run)\n")
+    report.append("relay, the nginx proxy and the Go proxy (`bench/goproxy/main.go`, "
+                  "`GOMAXPROCS=1`) pinned to CPU 0; wrk and the upstream (nginx `return 200`) on "
+                  "CPU 1. CPU per request is the process under test (for direct: the upstream). "
+                  "Stream: events/s = responses/s x 40.\n")
+    report.append("| scenario | direct | nginx | Go | relay | relay / nginx | relay / Go |")
+    report.append("|---|---:|---:|---:|---:|---:|---:|")
     for label, kind, conns in SPEED:
-        d, n, r = (results[label, t] for t in ("direct", "nginx", "relay"))
+        d, n, g, r = (results[label, t] for t in ("direct", "nginx", "go", "relay"))
         if conns == 1:
             report.append(f"| {label}: p50 / p99 ms | {d['p50']:.3f} / {d['p99']:.3f} | "
-                          f"{n['p50']:.3f} / {n['p99']:.3f} | {r['p50']:.3f} / {r['p99']:.3f} | "
-                          f"added p50 over direct: nginx {n['p50'] - d['p50']:.3f} ms, "
-                          f"relay **{r['p50'] - d['p50']:.3f} ms** |")
+                          f"{n['p50']:.3f} / {n['p99']:.3f} | {g['p50']:.3f} / {g['p99']:.3f} | "
+                          f"{r['p50']:.3f} / {r['p99']:.3f} | | |")
+            report.append(f"| {label}: added p50 over direct | | {n['p50'] - d['p50']:.3f} ms | "
+                          f"{g['p50'] - d['p50']:.3f} ms | **{r['p50'] - d['p50']:.3f} ms** | | "
+                          f"**{_added(r, d) / max(_added(g, d), 1e-6):.1f}x** |")
         mult, unit = (EVENTS_PER_STREAM, "events/s") if kind == "sse" else (1, "RPS")
         report.append(f"| {label}: {unit} | {d['rps'] * mult:,.0f} | {n['rps'] * mult:,.0f} | "
-                      f"{r['rps'] * mult:,.0f} | **{r['rps'] / n['rps']:.3f}x** |")
+                      f"{g['rps'] * mult:,.0f} | {r['rps'] * mult:,.0f} | "
+                      f"**{r['rps'] / n['rps']:.3f}x** | **{r['rps'] / g['rps']:.3f}x** |")
         report.append(f"| {label}: p50 / p99 ms | {d['p50']:.2f} / {d['p99']:.2f} | "
-                      f"{n['p50']:.2f} / {n['p99']:.2f} | {r['p50']:.2f} / {r['p99']:.2f} | |"
+                      f"{n['p50']:.2f} / {n['p99']:.2f} | {g['p50']:.2f} / {g['p99']:.2f} | "
+                      f"{r['p50']:.2f} / {r['p99']:.2f} | | |"
                       if conns > 1 else "")
-        report.append(f"| {label}: CPU per request | {_us(d)} | {_us(n)} | {_us(r)} | "
-                      f"{_ratio(r, n)} |")
-        errs = [f"{t} {results[label, t]['errors']}" for t in ("direct", "nginx", "relay")
+        report.append(f"| {label}: CPU per request | {_us(d)} | {_us(n)} | {_us(g)} | {_us(r)} | "
+                      f"{_ratio(r, n)} | {_ratio(r, g)} |")
+        errs = [f"{t} {results[label, t]['errors']}" for t in ("direct", "nginx", "go", "relay")
                 if results[label, t]["errors"]]
         if errs:
-            report.append(f"| {label}: errors | " + ", ".join(errs) + " | | | |")
+            report.append(f"| {label}: errors | " + ", ".join(errs) + " | | | | | |")
     report[:] = [line for line in report if line != ""]
     report.append(f"| peak RSS (VmHWM) | {peaks['direct'] / 1024:.1f} MiB | "
-                  f"{peaks['nginx'] / 1024:.1f} MiB | {peaks['relay'] / 1024:.1f} MiB | |")
-    report.append(f"| relay RSS during c=128 | | | {results['c=128 JSON', 'relay']['rss'] / 1024:.1f} MiB | |")
+                  f"{peaks['nginx'] / 1024:.1f} MiB | {peaks['go'] / 1024:.1f} MiB | "
+                  f"{peaks['relay'] / 1024:.1f} MiB | | |")
+    report.append(f"| RSS during c=128 | | | {results['c=128 JSON', 'go']['rss'] / 1024:.1f} MiB | "
+                  f"{results['c=128 JSON', 'relay']['rss'] / 1024:.1f} MiB | | |")
     report.append("")
+    _goTargets(results, report, ["relay"] + (["baseline"] if base is not None else []))
     if base is not None:
         _baselineTable(results, peaks, baseline, report)
         procs.stop(base)
-    for p in (relay, proxy, upstream):
+    for p in (relay, goproxy, proxy, upstream):
         procs.stop(p)
     return results
+
+
+def _added(r: dict, d: dict) -> float:
+    """
+    Added p50 latency of C{r} over direct C{d}, ms.
+    """
+    return r["p50"] - d["p50"]
+
+
+#: issue 24's per-process targets against the Go row: (label, scenario,
+#: how to read it, target, higher is better)
+GO_TARGETS = [
+    ("c=32 JSON RPS", "c=32 JSON", "rps", 0.25, True),
+    ("c=128 JSON RPS", "c=128 JSON", "rps", None, True),
+    ("chat c=32 RPS", "chat c=32", "rps", None, True),
+    ("stream events/s", "stream 40 events c=16", "rps", 0.2, True),
+    ("c=1 added p50", "c=1 JSON", "added", 3.0, False),
+]
+
+
+def _goTargets(results: dict, report: list, names: list) -> None:
+    """
+    Issue 24's ratios against the Go row, for relay (and the baseline).
+    """
+    report.append("### Issue 24 ratios against the Go row (same run)\n")
+    report.append("| figure | target | " + " | ".join(names) + " |")
+    report.append("|---|---:|" + "---:|" * len(names))
+    for label, scenario, how, target, higher in GO_TARGETS:
+        g, d = results[scenario, "go"], results[scenario, "direct"]
+        cells = []
+        for name in names:
+            r = results[scenario, name]
+            if how == "rps":
+                value = r["rps"] / g["rps"]
+            else:
+                value = _added(r, d) / max(_added(g, d), 1e-6)
+            met = "" if target is None else (" (met)" if (value >= target if higher
+                                                         else value <= target) else " (not met)")
+            cells.append(f"{value:.3f}x{met}" if how == "rps" else f"{value:.1f}x{met}")
+        goal = "" if target is None else (f">= {target}x" if higher else f"<= {target}x")
+        report.append(f"| {label} vs Go | {goal} | " + " | ".join(cells) + " |")
+    cells = []
+    for name in names:
+        rss = results["c=128 JSON", name]["rss"] / 1024
+        cells.append(f"{rss:.1f} MiB{' (met)' if rss <= 64 else ' (not met)'}")
+    report.append("| RSS at c=128 | <= 64 MiB | " + " | ".join(cells) + " |")
+    report.append("")
 
 
 def _baselineTable(results: dict, peaks: dict, baseline: str, report: list) -> None:
@@ -469,10 +569,7 @@ def _baselineTable(results: dict, peaks: dict, baseline: str, report: list) -> N
     This checkout's relay against the baseline tree's, scenario by
     scenario, from the same run.
     """
-    commit = subprocess.run(["git", "-C", baseline, "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True, check=False).stdout.strip()
-    report.append(f"## relay vs the baseline relay (`{baseline}`{' ' + commit if commit else ''}), "
-                  "same run, same pinning\n")
+    report.append(f"## relay vs the baseline relay ({baseline[1]}), same run, same pinning\n")
     report.append("| scenario | baseline | relay | relay / baseline | CPU per request: "
                   "baseline -> relay |")
     report.append("|---|---:|---:|---:|---:|")
@@ -538,6 +635,101 @@ def workers(procs: Procs, bodies: dict, seconds: float, report: list) -> None:
                       f"{r['rps'] / one:.2f}x |")
     report.append(f"| **2 vs 1 (means of the alternating runs)** | {two:,.0f} vs {one:,.0f} | | | "
                   f"**{two / one:.2f}x** |")
+    report.append("")
+
+
+# -- state backends and pool sizes (issue 24) ----------------------------------------
+
+
+POOL_SIZES = (1, 100, 2000)
+STATE_KINDS = [("c=32 JSON", "json", 32), ("stream 40 events c=16", "sse", 16),
+               ("chat c=32", "chat", 32)]
+
+
+def statePool(procs: Procs, bodies: dict, seconds: float, report: list, trees: list) -> dict:
+    """
+    Issue 24 items 3 and 5, for each C{(label, source tree)}: memory vs
+    Redis state (one account; JSON, stream and chat) and pools of 1, 100
+    and 2,000 identical healthy accounts (c=32 JSON), memory and Redis.
+    Key and account C{concurrency: 64}, so each turn takes both slots.
+    relay pinned to CPU 0; wrk, the upstream and redis-server on CPU 1.
+    """
+    import turncost
+
+    upstream, uport = startUpstream(procs, bodies, cpu=1)
+    redisPort = free()
+    redis = procs.start("redis-pool", ["redis-server", "--port", str(redisPort), "--bind",
+                                       "127.0.0.1", "--save", "", "--appendonly", "no"], cpu=1)
+    waitPort(redisPort)
+    results = {}
+    for label, tree in trees:
+        for state in ("memory", "redis"):
+            for n in POOL_SIZES:
+                extra = ""
+                if state == "redis":
+                    subprocess.run(["redis-cli", "-p", str(redisPort), "FLUSHALL"],
+                                   capture_output=True, check=True)
+                    extra = (f"state: {{backend: redis, redis_url: "
+                             f"'redis://127.0.0.1:{redisPort}/0'}}\n")
+                port = free()
+                name = f"relay-{state}-{n}"
+                config = os.path.join(procs.tmp, name + ".yaml")
+                turncost.relayYaml(config, port, uport, n, turncost.LIMITS, extra)
+                relay = procs.start(name, [sys.executable, "-m", "twisted", "relay", "--config",
+                                           config], cpu=0, env=dict(os.environ, PYTHONPATH=tree))
+                waitPort(port)
+                kinds = STATE_KINDS if n == 1 else STATE_KINDS[:1]
+                for scenario, kind, conns in kinds:
+                    wrk(procs.tmp, kind, port, 8, 1, cpu=1)
+                    r0 = cpuSeconds(redis.pid)
+                    r = wrk(procs.tmp, kind, port, conns, seconds, cpu=1, watch=[relay.pid])
+                    r["redisCpu"] = cpuSeconds(redis.pid) - r0 if state == "redis" else 0.0
+                    r["load"] = os.getloadavg()[0]
+                    results[label, state, n, scenario] = r
+                procs.stop(relay)
+    procs.stop(redis)
+    procs.stop(upstream)
+    _statePoolReport(results, trees, report)
+    return results
+
+
+def _statePoolReport(results: dict, trees: list, report: list) -> None:
+    report.append("## Memory vs Redis state (issue 24 item 3)\n")
+    report.append("One account, key and account concurrency 64; relay on CPU 0, wrk, the "
+                  "upstream and redis-server on CPU 1. CPU per request: relay's process (and "
+                  "redis-server's beside it). Target: Redis <= 1.3x memory.\n")
+    report.append("| tree | scenario | memory RPS | Redis RPS | relay CPU/request memory -> "
+                  "Redis | Redis / memory | redis-server CPU/request | load avg |")
+    report.append("|---|---|---:|---:|---:|---:|---:|---:|")
+    for label, _ in trees:
+        for scenario, kind, _ in STATE_KINDS:
+            m = results.get((label, "memory", 1, scenario))
+            r = results.get((label, "redis", 1, scenario))
+            if not (m and r):
+                continue
+            mult = EVENTS_PER_STREAM if kind == "sse" else 1
+            unit = " events/s" if kind == "sse" else ""
+            report.append(
+                f"| {label} | {scenario} | {m['rps'] * mult:,.0f}{unit} | "
+                f"{r['rps'] * mult:,.0f}{unit} | {_us(m)} -> {_us(r)} | **{_ratio(r, m)}** | "
+                f"{r['redisCpu'] / r['requests'] * 1e6:,.0f} us | {r['load']:.2f} |")
+    report.append("")
+    report.append("## Pool size (issue 24 item 5)\n")
+    report.append("c=32 JSON, identical healthy accounts (the bench's repeated body takes the "
+                  "sticky-session path). Target: 2,000 accounts >= 0.8x the 1-account RPS, on "
+                  "memory and on Redis.\n")
+    report.append("| tree | state | accounts | RPS | vs 1 account | relay CPU/request | "
+                  "load avg |")
+    report.append("|---|---|---:|---:|---:|---:|---:|")
+    for label, _ in trees:
+        for state in ("memory", "redis"):
+            one = results.get((label, state, 1, "c=32 JSON"))
+            for n in POOL_SIZES:
+                r = results.get((label, state, n, "c=32 JSON"))
+                if not (r and one):
+                    continue
+                report.append(f"| {label} | {state} | {n:,} | {r['rps']:,.0f} | "
+                              f"**{r['rps'] / one['rps']:.2f}x** | {_us(r)} | {r['load']:.2f} |")
     report.append("")
 
 
@@ -751,20 +943,23 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--quick", action="store_true", help="3 s per scenario, smaller planning")
     parser.add_argument("--only", action="append",
-                        choices=["speed", "workers", "planning", "idle", "slow"])
+                        choices=["speed", "workers", "planning", "idle", "slow", "pool",
+                                 "turncost"])
     parser.add_argument("--out", help="also write the report (markdown) here")
-    parser.add_argument("--baseline", help="another relay source tree (e.g. main exported with "
-                        "git archive) measured in the same run, beside this one")
+    parser.add_argument("--baseline", help="a git ref (exported with git archive) or another "
+                        "relay source tree, measured in the same run beside this one")
+    parser.add_argument("--turns", type=int, default=200,
+                        help="turns per instruction count (turncost)")
     args = parser.parse_args()
-    for tool in ("nginx", "wrk", "taskset", "redis-server"):
+    for tool in ("nginx", "wrk", "taskset", "redis-server", "go", "valgrind"):
         if not shutil.which(tool):
             raise SystemExit(f"{tool} is not installed (apt-get install nginx wrk util-linux "
-                             "redis-server)")
+                             "redis-server golang-go valgrind)")
     if os.cpu_count() < 2:
         raise SystemExit("needs two CPUs for the pinning")
     _raiseFiles()
     seconds = 3 if args.quick else args.seconds
-    only = args.only or ["speed", "workers", "planning"]
+    only = args.only or ["speed", "pool", "turncost", "workers", "planning"]
     tmp = tempfile.mkdtemp(prefix="relay-compare-")
     procs = Procs(tmp)
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
@@ -776,9 +971,29 @@ def main() -> None:
                f"{nginxVersion}; Python {sys.version.split()[0]}; {os.cpu_count()} CPUs; "
                f"load average before: {os.getloadavg()[0]:.2f}; {seconds:g} s per scenario.\n")]
     try:
+        baseline = None
+        trees = [(f"this tree {commit}", ROOT)]
+        if args.baseline:
+            import turncost
+
+            path, baseCommit = turncost.exportTree(args.baseline, tmp)
+            baseline = (path, f"baseline {baseCommit or args.baseline}")
+            trees.insert(0, (baseline[1], path))
+            report.append(f"Baseline: `{args.baseline}` ({baseCommit}), measured in the same "
+                          "run.\n")
         bodies = fetchBodies(procs)
         if "speed" in only:
-            speed(procs, bodies, seconds, report, baseline=args.baseline)
+            speed(procs, bodies, seconds, report, baseline=baseline)
+            print("\n".join(report), flush=True)
+        if "pool" in only:
+            statePool(procs, bodies, seconds, report, trees)
+            print("\n".join(report), flush=True)
+        if "turncost" in only:
+            import turncost
+
+            costs = turncost.run(procs, trees, ["kinds", "state", "load", "pool"], args.turns,
+                                 bodies)
+            turncost.report(costs, trees, args.turns, report)
             print("\n".join(report), flush=True)
         if "workers" in only:
             workers(procs, bodies, seconds, report)

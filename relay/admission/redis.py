@@ -52,6 +52,13 @@ Every key a script touches is one of its C{KEYS}.
 
 Fast path: one C{acquire.lua} call and one C{ZREM}.
 
+Issue 24: acquire, leave and release calls go through a
+L{relay.state.redisbatch.RedisBatch} in leading mode: a call made while
+none of them is queued or in flight leaves at once as the plain script or
+command above; calls made while one is in flight (concurrent turns) wait for
+the end of the reactor turn and leave together as one script call, in issue
+order, each with its own reply.
+
 Waiting polls with R30's backoff (100 ms x1.5 up to 2 s, jitter 0.8-1.2
 from the injected random); only the queue's head may take a slot.
 
@@ -106,6 +113,7 @@ from relay.interfaces import ISlotAdmission, ISlotDrain, ISlotLease
 from relay.model import AdmissionError, WaitPlan
 from relay.redisclient import RedisService, RedisUnavailable, describe
 from relay.requestid import currentRequestId
+from relay.state.redisbatch import RedisBatch, batchScript
 
 
 def _script(name: str) -> str:
@@ -121,6 +129,12 @@ LEAVE_LUA = _script("leave")
 RENEW_LUA = _script("renew")
 LOAD_LUA = _script("load")
 HEARTBEAT_LUA = _script("heartbeat")
+
+#: The slot commands a turn sends (acquire, leave; release is a plain
+#: C{ZREM}), as operations of one batch (issue 24): alone, each is the
+#: script or command it always was.
+ADMISSION_SOLO = {"ACQUIRE": ACQUIRE_LUA, "LEAVE": LEAVE_LUA}
+ADMISSION_BATCH_LUA = batchScript(ADMISSION_SOLO)
 
 #: The process registry ZSET (see the module docstring; R34 crash recovery).
 PROCESSES_KEY = "relay:processes"
@@ -323,6 +337,7 @@ class RedisSlotAdmission:
     _releaser: Optional[LoopingCall] = field(default=None, init=False)
     _recent: Optional[deque] = field(default=None, init=False)
     """With Sentinel: C{(at, request id, kind, id)} of recent releases."""
+    _batch: Optional[RedisBatch] = field(default=None, init=False)
 
     _log = Logger()
 
@@ -339,6 +354,8 @@ class RedisSlotAdmission:
         if listeners is not None and getattr(self._redis, "sentinels", ()):
             self._recent = deque(maxlen=100_000)
             listeners.append(self.masterSwitched)
+        self._batch = RedisBatch(self._redis, self._clock, solo=ADMISSION_SOLO,
+                                 script=ADMISSION_BATCH_LUA, leading=True)
         if not 0 < self.heartbeatInterval < self.liveTtl:
             raise ValueError(
                 f"heartbeatInterval ({self.heartbeatInterval}s) must be positive and"
@@ -465,6 +482,7 @@ class RedisSlotAdmission:
         if self.unreleased:
             # Issue 23: members left in doubt by earlier errors, once more.
             self.retryReleases()
+        self._batch.flush()
         if self._writes:
             waits = []
             for d in list(self._writes):
@@ -666,8 +684,8 @@ class RedisSlotAdmission:
 
         @return: Deferred firing with C{[status, now, position, waiting]}.
         """
-        return self._track(self._redis.execute(
-            self.timeout, "eval", ACQUIRE_LUA, keysFor(kind, id) + [PROCESSES_KEY],
+        return self._track(self._batch.call(
+            self.timeout, "ACQUIRE", keysFor(kind, id) + [PROCESSES_KEY],
             [int(limit), repr(self.slotTtl), rid, mode, int(maxWaiting), repr(self.ticketTtl)],
         ))
 
@@ -676,9 +694,8 @@ class RedisSlotAdmission:
         Fire-and-forget C{leave.lua}: drop the ticket (and a slot member an
         abandoned attempt may have added).
         """
-        d = self._track(self._redis.execute(
-            self.timeout, "eval", LEAVE_LUA, keysFor(plan.kind, plan.id),
-            [rid, "1" if dropSlot else "0"],
+        d = self._track(self._batch.call(
+            self.timeout, "LEAVE", keysFor(plan.kind, plan.id), [rid, "1" if dropSlot else "0"],
         ))
 
         def _eb(f: Failure) -> None:
@@ -698,9 +715,8 @@ class RedisSlotAdmission:
             return
         if self._recent is not None:
             self._recent.append((self._clock.seconds(), lease.requestId, lease.kind, lease.id))
-        d = self._track(self._redis.execute(
-            self.timeout, "execute_command", "ZREM", slotKey(lease.kind, lease.id),
-            lease.requestId,
+        d = self._track(self._batch.call(
+            self.timeout, "ZREM", [slotKey(lease.kind, lease.id)], [lease.requestId],
         ))
 
         def _eb(f: Failure) -> None:

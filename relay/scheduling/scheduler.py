@@ -28,7 +28,7 @@ from weakref import WeakKeyDictionary
 
 from attrs import define, field
 from attrs import fields as attrs_fields
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, fail
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from zope.interface import implementer
@@ -561,6 +561,48 @@ class AccountScheduler:
             )
             return None
 
+    def _read(self, key: str) -> Deferred:
+        """
+        Start reading a key (see L{_got}); a store that raises at once gives
+        a failed Deferred.
+        """
+        try:
+            return self._store.getValue(key)
+        except Exception:  # noqa: BLE001 - delivered through the Deferred, logged by _got
+            return fail()
+
+    async def _got(self, d: Deferred, key: str) -> Optional[str]:
+        """
+        The value a L{_read} of C{key} gives; a store error counts as "no
+        value" (R35), logged as L{_get} does.
+        """
+        try:
+            return await d
+        except Exception as e:
+            self._log.error(
+                "state store read failed for {key}: {error}",
+                event="openai.sticky_read_failed", key=key, error=repr(e),
+            )
+            return None
+
+    def _send(self, op: str, *args) -> None:
+        """
+        Call a store write method without waiting for it; errors are logged
+        as L{_write} logs them.
+        """
+        try:
+            d = getattr(self._store, op)(*args)
+        except Exception:  # noqa: BLE001 - logged by the errback below
+            d = fail()
+
+        def _eb(f):
+            self._log.error(
+                "state store {op} failed for {key}: {error}",
+                event="openai.sticky_write_failed", op=op, key=args[0], error=repr(f.value),
+            )
+
+        d.addErrback(_eb)
+
     async def _write(self, op: str, *args) -> None:
         """
         Call a store write method; errors are logged, never raised.
@@ -1088,6 +1130,11 @@ class AccountScheduler:
                     param="previous_response_id",
                 )
 
+        # Issue 24: the binding read leaves with the states read (one round
+        # trip on Redis, relay.state.redisbatch); memory answers both at once.
+        binding = None
+        if turn.sessionHash:
+            binding = self._read(sessionKey(turn.sessionHash))
         states = await self._states(accounts)
         ctx = _Pass(
             turn=turn, excluded=excluded, now=self._clock.seconds(),
@@ -1110,8 +1157,8 @@ class AccountScheduler:
                 candidate_count=len(openAccounts),
             )
         ctx.eligible = [a for a in openAccounts if self._incompatible(ctx, a) is None]
-        if turn.sessionHash:
-            ctx.binding = await self._get(sessionKey(turn.sessionHash))
+        if binding is not None:
+            ctx.binding = await self._got(binding, sessionKey(turn.sessionHash))
 
         choice = None
         if previous:
@@ -1380,7 +1427,9 @@ class AccountScheduler:
         writeBinding = choice.lease is not None and turn.sessionHash and not choice.keepBinding
         if writeBinding and not ctx.dryRun:
             if choice.bindingOp == "touch":
-                await self._write("touchValue", sessionKey(turn.sessionHash), ttl)
+                # Not awaited (errors are logged by _write): on Redis it leaves
+                # with the bind() write that follows admission (issue 24).
+                self._send("touchValue", sessionKey(turn.sessionHash), ttl)
             elif choice.bindingOp == "write":
                 await self._write("setValue", sessionKey(turn.sessionHash), account.id, ttl)
         record = DecisionRecord(

@@ -20,6 +20,11 @@ Keys (behaviour.md R34 where it names them):
 
 Every command carries the constructor's C{timeout} (R4: 5 s; trap T16).
 
+Issue 24: every call of one reactor turn (account states, values, marks,
+counters, streaks) goes out, in issue order, in one round trip
+(L{relay.state.redisbatch.RedisBatch}); each call's Deferred still fires
+once its own command has run in Redis.
+
 C{on_redis_error} (R35):
 
   - C{fail_open} (default): reads degrade (C{getAccountStates} returns the
@@ -32,7 +37,7 @@ C{on_redis_error} (R35):
 
 from __future__ import annotations
 
-from attrs import define
+from attrs import define, field
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
@@ -43,34 +48,7 @@ from relay.policy.failures import AccountRuntime
 from relay.interfaces import IStateStore
 from relay.redisclient import RedisService, RedisUnavailable, describe
 from relay.state import MARK_KINDS, accountKey, counter403Key
-
-# KEYS = account hashes; returns one flat HGETALL array per key.
-_GET_ACCOUNTS = """
-local out = {}
-for i, k in ipairs(KEYS) do out[i] = redis.call('HGETALL', k) end
-return out
-"""
-
-# KEYS = counter; ARGV = ttl ms, refresh flag. Returns the new value.
-_INCREMENT = """
-local v = redis.call('INCR', KEYS[1])
-if v == 1 or ARGV[2] == '1' then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
-return v
-"""
-
-# KEYS = account hash; ARGV = streak field, now (Unix seconds), ttl seconds.
-# A streak field holds "count:last failure time"; an old one starts again.
-_BUMP_STREAK = """
-local v = redis.call('HGET', KEYS[1], ARGV[1])
-local n = 0
-if v then
-  local c, t = string.match(v, '^(%d+):(.+)$')
-  if c and (tonumber(ARGV[2]) - tonumber(t)) <= tonumber(ARGV[3]) then n = tonumber(c) end
-end
-n = n + 1
-redis.call('HSET', KEYS[1], ARGV[1], n .. ':' .. ARGV[2])
-return n
-"""
+from relay.state.redisbatch import RedisBatch
 
 STREAK_FIELD = "streak:"
 """Hash field prefix of the R11 transient streak of one model."""
@@ -150,17 +128,33 @@ class RedisStateStore:
     _clock: IReactorTime
     timeout: float = 5.0
     onRedisError: str = "fail_open"
+    batch: RedisBatch = field(default=None)
 
     _log = Logger()
 
-    def _run(self, operation: str, fallback, method: str, *args) -> Deferred:
+    def __attrs_post_init__(self) -> None:
         """
-        Run one command and apply C{on_redis_error} to its failure.
+        One L{RedisBatch} per store unless one was given.
+        """
+        if self.batch is None:
+            self.batch = RedisBatch(self._redis, self._clock)
+
+    def _batched(self, operation: str, fallback, name: str, keys: list, args=()) -> Deferred:
+        """
+        Queue one command in this reactor turn's batch and apply
+        C{on_redis_error} to its failure.
 
         @param operation: the operation name for logs and errors.
         @param fallback: the fail-open result.
         """
-        d = self._redis.execute(self.timeout, method, *args)
+        return self._applyMode(
+            operation, fallback, self.batch.call(self.timeout, name, keys, list(args))
+        )
+
+    def _applyMode(self, operation: str, fallback, d: Deferred) -> Deferred:
+        """
+        R35 for one call's Deferred.
+        """
 
         def _ebRedis(f: Failure):
             f.trap(RedisUnavailable)
@@ -179,13 +173,13 @@ class RedisStateStore:
 
     def getAccountStates(self, accountIds) -> Deferred:
         """
-        See L{IStateStore.getAccountStates}. One round trip.
+        See L{IStateStore.getAccountStates}. One operation (C{MHGETALL}).
         """
         ids = list(accountIds)
         if not ids:
             return Deferred.fromCoroutine(_const({}))
         keys = [accountKey(i) for i in ids]
-        d = self._run("get_account_states", None, "eval", _GET_ACCOUNTS, keys)
+        d = self._batched("get_account_states", None, "MHGETALL", keys)
 
         def _cbBuild(rows):
             if rows is None:
@@ -209,27 +203,26 @@ class RedisStateStore:
             d = Deferred()
             d.errback(e)
             return d
-        return self._run(
-            "mark_account", None, "execute_command", "HSET", accountKey(accountId), *fields
+        return self._batched(
+            "mark_account", None, "HSET", [accountKey(accountId)], fields
         ).addCallback(lambda _: None)
 
     def clearAccount(self, accountId) -> Deferred:
         """
         See L{IStateStore.clearAccount}.
         """
-        return self._run(
-            "clear_account", None, "execute_command", "DEL", accountKey(accountId),
-            counter403Key(accountId),
+        return self._batched(
+            "clear_account", None, "DEL", [accountKey(accountId), counter403Key(accountId)]
         ).addCallback(lambda _: None)
 
     def bumpStreak(self, accountId, model, ttl) -> Deferred:
         """
-        See L{IStateStore.bumpStreak}. One round trip (a script on the
+        See L{IStateStore.bumpStreak}. One operation (C{RELAY_STREAK}, on the
         account hash, so L{clearAccount} ends it too). Fail-open result: 0.
         """
         now = repr(float(self._clock.seconds()))
-        return self._run(
-            "bump_streak", 0, "eval", _BUMP_STREAK, [accountKey(accountId)],
+        return self._batched(
+            "bump_streak", 0, "RELAY_STREAK", [accountKey(accountId)],
             [STREAK_FIELD + model, now, repr(float(ttl))],
         ).addCallback(int)
 
@@ -237,58 +230,53 @@ class RedisStateStore:
         """
         See L{IStateStore.resetStreak}.
         """
-        return self._run(
-            "reset_streak", None, "execute_command", "HDEL", accountKey(accountId),
-            STREAK_FIELD + model,
+        return self._batched(
+            "reset_streak", None, "HDEL", [accountKey(accountId)], [STREAK_FIELD + model]
         ).addCallback(lambda _: None)
 
     def incrementCounter(self, name, ttl, refresh=True) -> Deferred:
         """
-        See L{IStateStore.incrementCounter}. One round trip (a script).
+        See L{IStateStore.incrementCounter}. One operation (C{RELAY_INCR}).
         Fail-open result: 0.
         """
-        return self._run(
-            "increment_counter", 0, "eval", _INCREMENT, [name], [_ms(ttl), "1" if refresh else "0"]
+        return self._batched(
+            "increment_counter", 0, "RELAY_INCR", [name], [_ms(ttl), "1" if refresh else "0"]
         ).addCallback(int)
 
     def resetCounter(self, name) -> Deferred:
         """
         See L{IStateStore.resetCounter}.
         """
-        return self._run("reset_counter", None, "execute_command", "DEL", name).addCallback(
-            lambda _: None
-        )
+        return self._batched("reset_counter", None, "DEL", [name]).addCallback(lambda _: None)
 
     def getValue(self, key) -> Deferred:
         """
         See L{IStateStore.getValue}. Fail-open result: L{None} (R35: a
         sticky read error is no binding).
         """
-        return self._run("get_value", None, "execute_command", "GET", key)
+        return self._batched("get_value", None, "GET", [key])
 
     def setValue(self, key, value, ttl) -> Deferred:
         """
         See L{IStateStore.setValue}.
         """
-        return self._run(
-            "set_value", None, "execute_command", "SET", key, value, "PX", _ms(ttl)
+        return self._batched(
+            "set_value", None, "SET", [key], [value, "PX", _ms(ttl)]
         ).addCallback(lambda _: None)
 
     def touchValue(self, key, ttl) -> Deferred:
         """
         See L{IStateStore.touchValue}.
         """
-        return self._run(
-            "touch_value", None, "execute_command", "PEXPIRE", key, _ms(ttl)
+        return self._batched(
+            "touch_value", None, "PEXPIRE", [key], [_ms(ttl)]
         ).addCallback(lambda _: None)
 
     def deleteValue(self, key) -> Deferred:
         """
         See L{IStateStore.deleteValue}.
         """
-        return self._run("delete_value", None, "execute_command", "DEL", key).addCallback(
-            lambda _: None
-        )
+        return self._batched("delete_value", None, "DEL", [key]).addCallback(lambda _: None)
 
 
 async def _const(value):

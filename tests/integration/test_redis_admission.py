@@ -615,3 +615,23 @@ async def test_registryEntriesDroppedAfterSlotTtl(redisService):
     pttl = await redisService.execute(2, "execute_command", "PTTL", PROCESSES_KEY)
     assert 0 < pttl <= (LIVE_TTL + 0.3) * 1000
     await live.stopHeartbeat()
+
+
+@pytest_twisted.ensureDeferred
+async def test_concurrentReleasesShareARoundTrip(redisService):
+    """
+    Issue 24: releases made while another slot command is in flight leave
+    together at the end of the reactor turn: three releases in a row are
+    two round trips (the first alone, at once; the other two batched), and
+    every slot is free afterwards.
+    """
+    adm = admission(redisService, prefix="p9")
+    leases = [await adm.acquire(plan(limit=5), CancelSignal()) for _ in range(3)]
+    assert await adm.load("account", ["a"]) == {"a": (3, 0)}
+    before = redisService.commandCount
+    for lease in leases:
+        lease.release()
+    assert redisService.commandCount - before == 1
+    await sleep(0.2)
+    assert redisService.commandCount - before == 2
+    assert await adm.load("account", ["a"]) == {"a": (0, 0)}
