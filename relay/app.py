@@ -28,6 +28,7 @@ from relay.components import loadComponent
 from relay.engine.runner import TurnRunner
 from relay.entry.body import LimitedBodyRequest
 from relay.entry.http import KeyRing, buildRoot
+from relay.entry.intake import IntakePolicy
 from relay.entry.site import JSONMethodErrors, RelaySite
 from relay.logs import redactQuery
 from relay.policy.health import AccountHealth
@@ -48,26 +49,10 @@ _log = Logger()
 
 class _Request(LimitedBodyRequest):
     """
-    A L{Request} that limits and decodes bodies (L{LimitedBodyRequest},
-    issue 13) and skips twisted.web's form-submission parsing for a JSON
-    body. twisted.web parses every POST's C{Content-Type} with the stdlib
-    email package (about a tenth of relay's CPU per relayed request) only
-    to look for C{application/x-www-form-urlencoded} and
-    C{multipart/form-data}; a C{Content-Type} that starts with
-    C{application/json} can never be either, so skipping the parse changes
-    nothing. Every other C{Content-Type} is parsed exactly as before.
+    A L{Request} that checks credentials from the headers, bounds, holds
+    and decodes bodies (L{LimitedBodyRequest}, issues 13 and 19) and never
+    parses form submissions (relay reads JSON only, R103).
     """
-
-    @property
-    def _parsePOSTFormSubmission(self) -> bool:
-        if not self._parseForms:
-            return False
-        ctype = self.requestHeaders.getRawHeaders(b"content-type")
-        return not (ctype and ctype[0].startswith(b"application/json"))
-
-    @_parsePOSTFormSubmission.setter
-    def _parsePOSTFormSubmission(self, value: bool) -> None:
-        self._parseForms = value
 
     def process(self) -> None:
         """
@@ -333,6 +318,12 @@ def buildApplication(
         wsFactory=wsResource.factory,
     )
     site = _Site(DrainGate(root, app.drain), requestFactory=_Request)
+    site.intake = IntakePolicy(
+        keys=keys, adminKey=app.live.adminKey, metricsKey=app.live.metricsKey,
+        limits=lambda: settings.current.limits, admitKey=runner.admitKey,
+    )
+    site.limits = lambda: settings.current.limits
+    wsResource.factory.budget = site.intake.budget
     site.clock = reactor
     site.displayTracebacks = False
     site.maxRequestBodyBytes = config.gateway.max_request_body_bytes

@@ -157,7 +157,7 @@ class GoodFileTests(SynchronousTestCase):
         config = loadConfig(os.path.join(_ETC, "demo.yaml"), environ={})
         self.assertEqual(config.listen, "tcp:8080:interface=127.0.0.1")
         self.assertEqual(config.keys, (ClientKey("demo", "sk-relay-demo", 5),))
-        self.assertEqual(config.admin_key, "admin-demo")
+        self.assertEqual(config.admin_key, "admin-demo-change-me")
         self.assertEqual(config.state.backend, "memory")
         self.assertEqual(config.database, "relay-demo.sqlite")
         byId = {a.id: a for a in config.accounts}
@@ -328,7 +328,7 @@ class EnvironmentTests(SynchronousTestCase, ConfigErrorAssertions):
             "K": "sk-relay-from-env",
             "A": "sk-up-from-env",
             "T": "token-from-env",
-            "ADM": "admin-from-env",
+            "ADM": "admin-from-env-0123456789",
             "P": "http://u:pw-from-env@10.0.0.1:3128",
         }
         config = parse(
@@ -341,7 +341,7 @@ class EnvironmentTests(SynchronousTestCase, ConfigErrorAssertions):
             """,
             env,
         )
-        self.assertEqual(config.admin_key, "admin-from-env")
+        self.assertEqual(config.admin_key, "admin-from-env-0123456789")
         self.assertEqual(config.keys[0].key, "sk-relay-from-env")
         self.assertEqual(config.accounts[0].credential, "sk-up-from-env")
         self.assertEqual(

@@ -227,7 +227,12 @@ class TurnRunner:
         try:
             self._checkTokenBudget(turn, start)
             state.keepalive = self._startKeepalive(turn, sink)
-            userLease = await self._admitUser(turn, sink, state)
+            if turn.keyAdmitted:
+                # Issue 19 (R103): the entry admitted the key's slot before
+                # the body was decoded (L{admitKey}); the turn owns it now.
+                userLease, turn.keyLease = turn.keyLease, None
+            else:
+                userLease = await self._admitUser(turn, sink, state)
             outcome, status, accountId = await self._loop(turn, sink, state)
         except ClientGone:
             outcome, status = "client_gone", 499
@@ -290,6 +295,28 @@ class TurnRunner:
             request_id=turn.requestId,
         )
         raise _AdmissionFailed(error)
+
+    def admitKey(self, key, cancel, requestId: str = "", entrypoint: str = "http") -> Deferred:
+        """
+        Admit C{key}'s slot (R26) for a request whose body is not decoded
+        yet (behaviour.md R103, issue 19): the entry calls this once the
+        raw body is in and hands the lease to the turn (C{Turn.keyLease},
+        C{keyAdmitted=True}). The same wait plan, logs and answers as a
+        turn's own per-key admission; no keepalive is sent (nothing is
+        known of the request yet).
+
+        @param key: the authenticated L{relay.model.ClientKey}.
+        @param cancel: the request's L{relay.model.CancelSignal}.
+        @param requestId: for the wait's log lines.
+        @return: a Deferred firing with the lease (L{None} for an unlimited
+            key), or failing with an exception whose C{error} is the R32
+            L{ClientError} (or with L{ClientGone}).
+        """
+        intake = Turn(
+            entrypoint=entrypoint, endpoint="responses", client=key, model=None, body={},
+            stream=False, requestId=requestId, cancel=cancel,
+        )
+        return Deferred.fromCoroutine(self._admitUser(intake, None, None))
 
     async def _admitUser(self, turn: Turn, sink, state: Optional[TurnState] = None):
         """

@@ -28,7 +28,7 @@ from twisted.logger import Logger
 from twisted.web.server import NOT_DONE_YET
 
 from relay.engine.errors import previousResponseNotFound
-from relay.entry.http import UNAUTHORIZED, filterClientHeaders, loadJSON
+from relay.entry.http import NESTING_MESSAGE, UNAUTHORIZED, filterClientHeaders, loadJSON
 from relay.entry.sinks import writeError
 from relay.entry.wssink import WebSocketSink, wsErrorEvent
 from relay.model import ClientError, Turn
@@ -59,6 +59,39 @@ THREAD_HEADERS = ("thread-id", "x-codex-window-id")
 KEY_REVOKED_CLOSE = (1008, "api key is no longer valid")
 """Issue 14: the connection's key was removed or rotated by a reload; the
 connection takes no new turn (a reconnect with the new key works)."""
+
+PARSE_FREELY_BYTES = 256 * 1024
+"""Client frames up to this size are parsed without the key's slot (a
+C{response.processed}, a short turn): bounded work. Larger ones wait for
+the slot first (issue 19 item 2)."""
+
+
+class _FrameHold:
+    """
+    The parsed-size estimate of one admitted frame, held in the bytes in
+    flight until its turn ends; released once.
+    """
+
+    def __init__(self, budget, keyName: str, n: int):
+        self._budget, self._key, self._n = budget, keyName, n
+
+    def release(self) -> None:
+        n, self._n = self._n, 0
+        if n and self._budget is not None:
+            self._budget.release(self._key, n)
+
+
+def _giveBack(admitted) -> None:
+    """
+    Give back an admitted frame's lease and bytes no turn took.
+    """
+    if admitted is None:
+        return
+    lease, held = admitted
+    if lease is not None:
+        lease.release()
+    held.release()
+
 
 def closeWith(proto, code: int, reason: str) -> None:
     """
@@ -184,8 +217,14 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         try:
             f = self.factory
             headers = {k.lower(): v for k, v in request.headers.items()}
-            secret = headers.get("authorization") or headers.get("x-api-key")
-            self._key = f.keys.authenticateHeader(secret)
+            # Issue 19 item 7: the upgrade was authenticated once, by the
+            # HTTP intake and L{RelayWebSocketResource}; its key is handed
+            # over, never parsed again from the headers.
+            self._key = getattr(self, "relayKey", None)
+            if self._key is None:
+                from autobahn.websocket.types import ConnectionDeny
+
+                raise ConnectionDeny(401, "Unauthorized")
             self._headers = filterClientHeaders(headers)
             self._state = ConnectionState()
             self._model = None
@@ -200,6 +239,8 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             self._openedAt = f.reactor.seconds()
             self._threadId = next((headers[h] for h in THREAD_HEADERS if headers.get(h)), None)
             self._ownerKey = None
+            self._admittingFrame = None
+            self._pendingAdmission = None
         except Exception:
             self._log.failure("accepting a client websocket failed")
             raise
@@ -256,6 +297,9 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         turn = self._running
         if turn is not None:
             turn.cancel.cancel("client_gone")
+        admitting = getattr(self, "_admittingFrame", None)
+        if admitting is not None:
+            admitting.cancel("client_gone")
         dedicated = self._state.dedicated
         if dedicated is not None:
             dedicated.broken = True
@@ -370,12 +414,100 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             self.closeWith(1011, "upstream websocket proxy failed")
 
     def _handle(self, payload: bytes) -> None:
+        """
+        One client frame, outside a running turn. A small frame is parsed
+        at once; a larger one (over L{PARSE_FREELY_BYTES}) is parsed only
+        once the key's slot is admitted and its parsed-size estimate is
+        held within the key's and the process's bytes in flight (R103,
+        issue 19 item 2), like an HTTP body.
+        """
         self._disarm()
+        if len(payload) <= PARSE_FREELY_BYTES or self.factory.__dict__.get("runner") is None:
+            self._parse(payload, None)
+            return
+        self._admitFrame(payload)
+
+    def _admitFrame(self, payload: bytes) -> None:
+        from relay.entry.body import parsedEstimate
+        from relay.model import CancelSignal
+
+        f = self.factory
+        estimate = parsedEstimate(payload)
+        budget, limits = getattr(f, "budget", None), f.settings.current.limits
+        if budget is not None:
+            error = None
+            for limit in (limits.body_bytes_in_flight_per_key, limits.body_bytes_in_flight):
+                if limit and estimate > limit:
+                    error = ClientError(
+                        400, "invalid_request_error",
+                        "frame too large once parsed (gateway.limits.body_bytes_in_flight)",
+                        code="frame_too_large",
+                    )
+            if error is None:
+                error = budget.reserve(
+                    self._key.name, estimate, limits.body_bytes_in_flight_per_key,
+                    limits.body_bytes_in_flight,
+                )
+            if error is not None:
+                self._log.info(
+                    "client websocket {conn_id}: frame refused ({message})",
+                    event="relay.ws_frame_refused", conn_id=self._connId, message=error.message,
+                )
+                self.sendText(json.dumps(wsErrorEvent(error)).encode())
+                self.closeWith(1013 if error.status == 429 else 1009, error.message)
+                return
+        held = _FrameHold(budget, self._key.name, estimate if budget is not None else 0)
+        cancel = CancelSignal()
+        self._admittingFrame = cancel
+        d = f.runner.admitKey(self._key, cancel, f"{self._requestId}:{self._turns + 1}", "ws")
+
+        def admitted(lease):
+            self._admittingFrame = None
+            if self._gone or self._closing is not None:
+                if lease is not None:
+                    lease.release()
+                held.release()
+                return
+            self._parse(payload, (lease, held))
+
+        def refused(failure):
+            self._admittingFrame = None
+            held.release()
+            if self._gone or self._closing is not None:
+                return
+            error = getattr(failure.value, "error", None)
+            if error is None or error.wsClose is None:
+                self._log.failure("admitting a websocket frame failed", failure)
+                self.closeWith(1011, "failed to acquire user concurrency slot")
+                return
+            self.closeWith(*error.wsClose)
+
+        d.addCallbacks(admitted, refused)
+        d.addErrback(lambda fail: self._log.failure("websocket frame admission", fail))
+
+    def _parse(self, payload: bytes, admitted) -> None:
+        """
+        Parse and act on a frame; C{admitted} is C{(lease, held bytes)}
+        when the key's slot was admitted for it (the turn takes both;
+        anything else gives them back).
+        """
         try:
             frame = loadJSON(payload)
-        except ValueError:
+        except ValueError as e:
+            _giveBack(admitted)
+            if str(e) == NESTING_MESSAGE:
+                self.reject("invalid JSON payload: nested too deeply", "invalid_json")
+                return
             self.reject("invalid JSON payload", "invalid_json")
             return
+        self._pendingAdmission = admitted
+        try:
+            self._act(frame)
+        finally:
+            _giveBack(self._pendingAdmission)
+            self._pendingAdmission = None
+
+    def _act(self, frame) -> None:
         if not isinstance(frame, dict):
             self.reject("invalid JSON payload", "invalid_json")
             return
@@ -523,7 +655,13 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             state.accountId = account.id
 
         turn.onResponseId = onResponse
+        admitted, self._pendingAdmission = self._pendingAdmission, None
+        if admitted is not None:
+            # R103: the key's slot was admitted before the frame was parsed.
+            turn.keyAdmitted, turn.keyLease = True, admitted[0]
         d = f.runner.run(turn, sink)
+        if admitted is not None:
+            d.addBoth(lambda result: (admitted[1].release(), result)[1])
         d.addCallback(self._turnDone, turn, sink, previous, inputItems)
         d.addErrback(lambda fail: self._log.failure("websocket turn failed", fail))
 
@@ -676,7 +814,8 @@ class RelayWebSocketResource:
         self._ws = WebSocketResource(factory)
 
     def render(self, request):
-        if self._keys.authenticate(request) is None:
+        key = self._keys.authenticate(request)
+        if key is None:
             writeError(request, UNAUTHORIZED)
             return NOT_DONE_YET
         default = self._settings.current.websocket.mode_default
@@ -689,7 +828,27 @@ class RelayWebSocketResource:
                 ),
             )
             return NOT_DONE_YET
-        return self._ws.render(request)
+        # Issue 19 item 7: the protocol takes this key (authenticated once).
+        self.factory.handoverKey = key
+        try:
+            return self._ws.render(request)
+        finally:
+            self.factory.handoverKey = None
+
+
+class _RelayWebSocketFactory(WebSocketServerFactory):
+    """
+    The client WebSocket factory: a protocol built for an upgrade takes
+    the key L{RelayWebSocketResource} authenticated (C{handoverKey}).
+    """
+
+    handoverKey = None
+    budget = None
+
+    def buildProtocol(self, addr):
+        proto = super().buildProtocol(addr)
+        proto.relayKey = self.handoverKey
+        return proto
 
 
 def buildWebSocketResource(runner, keys, accounts, settings, reactor) -> RelayWebSocketResource:
@@ -697,7 +856,7 @@ def buildWebSocketResource(runner, keys, accounts, settings, reactor) -> RelayWe
     The autobahn factory with explicit options (style.md 9(a)) wrapped in
     the upgrade handler. Keep C{resource.factory} as C{site.wsFactory}.
     """
-    factory = WebSocketServerFactory(None, reactor=reactor)
+    factory = _RelayWebSocketFactory(None, reactor=reactor)
     factory.protocol = RelayWebSocketProtocol
     factory.runner = runner
     factory.keys = keys
