@@ -324,6 +324,21 @@ def parsedEstimate(data: bytes) -> int:
     )
 
 
+def reasonPhrase(status: int) -> bytes:
+    """
+    The reason phrase relay writes for C{status} on an answer it writes to
+    the transport itself.
+    """
+    from http import HTTPStatus
+
+    if status == 413:
+        return b"Payload Too Large"
+    try:
+        return HTTPStatus(status).phrase.encode("ascii")
+    except ValueError:
+        return b"Error"
+
+
 class _Once:
     """
     A slot lease released at most once.
@@ -766,8 +781,6 @@ class LimitedBodyRequest(Request):
         L{LINGER_SECONDS} at the latest (the client reads the answer
         instead of a reset).
         """
-        from http import HTTPStatus
-
         self._refused = True
         self._stopRate()
         self._encoding = None
@@ -776,10 +789,7 @@ class LimitedBodyRequest(Request):
         self.requestHeaders.removeHeader(b"expect")  # no "100 Continue" after the answer
         requestId = requestIdOf(self)
         body = errorBody(error, requestId)
-        try:
-            phrase = HTTPStatus(error.status).phrase.encode("ascii")
-        except ValueError:
-            phrase = b"Error"
+        phrase = reasonPhrase(error.status)
         extra = b"".join(
             name.encode("latin-1") + b": " + str(value).encode("latin-1") + b"\r\n"
             for name, value in (error.headers or ())
