@@ -330,8 +330,31 @@ def buildApplication(
     site.wsFactory = wsResource.factory
     app.services.append(app.extras["wsPoolService"])
     app.site = site
+    _readiness(app, root)
     app.reloader.onApplied.append(lambda result, new: _applyLimits(app, new))
     return app
+
+
+def _readiness(app: RelayApplication, root) -> None:
+    """
+    Issue 19 item 6 (R105): C{/readyz} and its checks -- C{settings} and
+    C{tokens} (the stores were loaded; L{_Startup} sets them) and
+    C{draining} -- and the gate turns wait on before the stores are in.
+    Others register theirs through C{app.extras["readiness"].addCheck}.
+    Without L{_Startup} (an application wired by hand, as in tests) the
+    stores count as loaded.
+    """
+    from relay.operations.readiness import Readiness, ReadinessResource, StartupGate
+
+    readiness = Readiness()
+    gate = StartupGate()
+    gate.mark(gate.settings)()
+    gate.mark(gate.tokens)()
+    readiness.addCheck("settings", gate.settings)
+    readiness.addCheck("tokens", gate.tokens)
+    readiness.addCheck("draining", lambda: not app.drain.draining)
+    app.extras.update(readiness=readiness, startupGate=gate)
+    root.putChild(b"readyz", ReadinessResource(readiness))
 
 
 def _oauthParts(config: RelayConfig, reactor, settings, accounts, trustRoot):
@@ -588,17 +611,29 @@ class _Startup(MultiService):
         self._app = app
 
     def startService(self) -> None:
+        from relay.operations.readiness import StartupGate
+
+        # R105 (issue 19 item 6): not ready, and no turn, until the stores
+        # are loaded.
+        gate = StartupGate()
+        readiness = self._app.extras["readiness"]
+        readiness.addCheck("settings", gate.settings)
+        readiness.addCheck("tokens", gate.tokens)
+        self._app.extras["startupGate"] = gate
+        self._app.runner.startupGate = gate
         super().startService()
         d = self._app.settings.start()
         d.addErrback(
             lambda f: self._log.failure("loading persisted settings failed; using the file's", f)
         )
+        d.addBoth(gate.mark(gate.settings))
         credentials = self._app.extras.get("credentials")
         if credentials is not None:
             # Issue 12: stored tokens win over the file's; timers start once
             # the runtime settings (the refresh margin) are loaded.
             d.addBoth(lambda _: credentials.start())
             d.addErrback(lambda f: self._log.failure("loading OAuth tokens failed", f))
+        d.addBoth(gate.mark(gate.tokens))
 
     def stopService(self):
         """

@@ -33,6 +33,11 @@ from relay.requestid import bindRequestId
 from relay.scheduling.selection import NoAccountAvailable
 from relay.usage.tap import UsageTap, clientAskedUsage
 
+STARTUP_WAIT_SECONDS = 10.0
+"""R105: how long a turn that arrives before the stores are loaded waits for
+them; after that it goes on, and selection skips an account whose tokens
+are still loading (C{tokens_loading})."""
+
 MAX_FIRST_OUTPUT_SWITCHES = 1
 """behaviour.md R21: the first safe-after-write failure switches, the second ends."""
 
@@ -154,6 +159,10 @@ class TurnRunner:
     bookkeeping: object = None
     """The L{AccountBookkeeping}: the one writer of account state for an
     attempt's end (behaviour.md R86); built from C{health} when not given."""
+    startupGate: object = None
+    """Issue 19 item 6 (R105): a L{relay.operations.readiness.StartupGate}
+    a turn waits on (at most L{STARTUP_WAIT_SECONDS}) until the settings
+    and token stores are loaded; L{None}: no wait."""
     inflight: dict = field(factory=dict)
     """Every turn running now -> the Deferred L{run} returned for it, so a
     graceful stop can wait for them and cancel what is left (issue 14,
@@ -227,6 +236,7 @@ class TurnRunner:
         try:
             self._checkTokenBudget(turn, start)
             state.keepalive = self._startKeepalive(turn, sink)
+            await self._waitForStores(turn)
             if turn.keyAdmitted:
                 # Issue 19 (R103): the entry admitted the key's slot before
                 # the body was decoded (L{admitKey}); the turn owns it now.
@@ -273,6 +283,33 @@ class TurnRunner:
                 )
         self._finished(turn, state, outcome, status, accountId or state.lastAccountId, start)
         return outcome
+
+    async def _waitForStores(self, turn: Turn) -> None:
+        """
+        R105: no turn on an account before its tokens and the settings are
+        loaded. A turn that arrives first waits (cancellable, at most
+        L{STARTUP_WAIT_SECONDS}); then selection's C{tokens_loading} block
+        skips what is still not loaded.
+        """
+        gate = self.startupGate
+        pending = gate.wait() if gate is not None else None
+        if pending is None:
+            return
+        self._log.info(
+            "turn {request_id} waits for the stores to load", event="relay.turn_waits_for_stores",
+            request_id=turn.requestId,
+        )
+        pending.addTimeout(STARTUP_WAIT_SECONDS, self.clock)
+        try:
+            await raceCancel(pending, turn.cancel)
+        except ClientGone:
+            raise
+        except Exception:  # noqa: BLE001 - timed out: go on, loading accounts are skipped
+            self._log.warn(
+                "stores not loaded after {seconds} s; turn {request_id} goes on",
+                event="relay.stores_not_loaded", seconds=STARTUP_WAIT_SECONDS,
+                request_id=turn.requestId,
+            )
 
     def _checkTokenBudget(self, turn: Turn, now: float) -> None:
         """

@@ -14,12 +14,15 @@ Store keys (R38, R39, R40):
   - C{sticky_session:0:openai:{hash}} -> account id (the session binding);
   - C{sticky_session:0:openai:response:{sha256(id)}} -> account id (the
     response owner);
-  - C{openai:http-response-owner:key:{sha256(id)}} -> client key name.
+  - C{openai:http-response-owner:key:{sha256(id)}} -> the owner record
+    C{{"key": name, "account": id}} (R40, R104; TTL
+    C{response_owner_ttl_seconds}; see L{AccountScheduler.lookupResponse}).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import statistics
 from collections import OrderedDict
@@ -92,6 +95,34 @@ def responseOwnerKey(responseId: str) -> str:
     @return: C{openai:http-response-owner:key:{sha256(responseId)}}.
     """
     return f"openai:http-response-owner:key:{_digest(responseId)}"
+
+
+def _parseOwner(raw: str) -> tuple:
+    """
+    An owner record: C{{"key": name, "account": id}} (R104), or the bare
+    key name of records written before issue 19.
+
+    @return: C{(keyName, accountId or None)}.
+    """
+    if raw.startswith("{"):
+        try:
+            value = json.loads(raw)
+            return value.get("key"), value.get("account")
+        except (ValueError, AttributeError):
+            return None, None
+    return raw, None
+
+
+def _previousNotFound(previous: str, turn: Turn) -> ClientError:
+    """
+    R104's fail-closed answer: C{previous_response_not_found}, as upstream
+    words it (the WebSocket closes 1008 after the event, R81).
+    """
+    return ClientError(
+        400, "invalid_request_error", f"Previous response with id '{previous}' not found.",
+        code="previous_response_not_found", param="previous_response_id",
+        wsClose=(1008, "previous response not found") if turn.entrypoint == "ws" else None,
+    )
 
 
 def _never(account: Account) -> bool:
@@ -347,18 +378,25 @@ class AccountScheduler:
 
     async def _recordResponse(self, turn: Turn, responseId: str, account: Account) -> None:
         """
-        See L{recordResponse}.
+        See L{recordResponse}. Two records: the routing binding (R39, TTL
+        C{previous_response_ttl_seconds}) and the owner record (R104: the
+        key and the account, JSON, TTL C{response_owner_ttl_seconds}, as
+        long as upstream keeps a stored response).
         """
         if not responseId:
             return
-        ttl = self._settings.current.scheduling.previous_response_ttl_seconds
-        self._remember(responseId, account.id, turn.client.name, ttl)
+        s = self._settings.current.scheduling
+        ttl = s.previous_response_ttl_seconds
+        ownerTtl = max(ttl, s.response_owner_ttl_seconds)
+        self._remember(responseId, account.id, turn.client.name, ownerTtl)
+        owner = json.dumps({"key": turn.client.name, "account": account.id},
+                           separators=(",", ":"))
         # Both writes leave at once (issue 14): a reader in another process
         # must not find the owner without the key (R40) a round trip later.
         writes = [
-            Deferred.fromCoroutine(self._write("setValue", key, value, ttl))
-            for key, value in ((responseKey(responseId), account.id),
-                               (responseOwnerKey(responseId), turn.client.name))
+            Deferred.fromCoroutine(self._write("setValue", key, value, t))
+            for key, value, t in ((responseKey(responseId), account.id, ttl),
+                                  (responseOwnerKey(responseId), owner, ownerTtl))
         ]
         for d in writes:
             await d
@@ -386,26 +424,56 @@ class AccountScheduler:
             return None
         return entry[:2]
 
+    def lookupResponse(self, responseId: str) -> Deferred:
+        """
+        Who owns a response id (behaviour.md R39, R40, R104): the key that
+        created it and the account that served it, from the store's owner
+        record (persisted with the store: Redis, or the embedded store),
+        else this process's local map.
+
+        The contract with every route that names a response (retrieve,
+        delete, cancel, input items, continuations): L{None} means relay
+        holds no owner record, and the caller must fail closed (an unknown
+        id, C{previous_response_not_found} / 404), never serve it on
+        another key's context.
+
+        @param responseId: the response id (C{resp_...}).
+        @return: a Deferred firing with L{None} or C{(accountId, keyName)}
+            (C{accountId} may be L{None} for a record written before the
+            account was kept with it and whose routing binding expired).
+            Store errors count as "no record" (fail closed, logged).
+        """
+        return eagerDeferred(self._lookupResponse(responseId))
+
+    async def _lookupResponse(self, responseId: str) -> Optional[tuple]:
+        if not responseId:
+            return None
+        raw = await self._get(responseOwnerKey(responseId))
+        if raw:
+            keyName, accountId = _parseOwner(raw)
+            if accountId is None:
+                accountId = await self._get(responseKey(responseId))
+            if keyName:
+                return (accountId, keyName)
+        return self._local(responseId)
+
     async def _responseOwner(self, responseId: str) -> Optional[str]:
         """
-        The account id that owns a response (R39): the store, then the
-        local map.
+        The account id that owns a response (R39): the routing binding,
+        then the owner record (R104), then the local map.
         """
         owner = await self._get(responseKey(responseId))
         if owner:
             return owner
-        local = self._local(responseId)
-        return local[0] if local else None
+        found = await self._lookupResponse(responseId)
+        return found[0] if found else None
 
     async def _responseKeyName(self, responseId: str) -> Optional[str]:
         """
         The client key name that owns a response (R40), or L{None}.
         """
-        name = await self._get(responseOwnerKey(responseId))
-        if name:
-            return name
-        local = self._local(responseId)
-        return local[1] if local else None
+        found = await self._lookupResponse(responseId)
+        return found[1] if found else None
 
     async def _states(self, accounts: Iterable[Account]) -> dict:
         """
@@ -776,13 +844,27 @@ class AccountScheduler:
                 code="no_available_accounts",
             ))
 
-        # R40: an HTTP continuation must belong to the caller's key.
-        if previous and turn.entrypoint == "http":
+        # R40, R104: a continuation must belong to the caller's key, on
+        # every entrypoint and mode; an id relay holds no owner record for
+        # is refused (fail closed), never tried on another key's context.
+        if previous:
             ownerKey = await self._responseKeyName(previous)
-            if ownerKey is not None and ownerKey != turn.client.name:
+            if ownerKey is None:
+                self._log.info(
+                    "previous_response_id {previous} has no owner record; refused",
+                    event="relay.previous_response_unowned", previous=previous,
+                    request_id=turn.requestId, client=turn.client.name,
+                )
+                raise NoAccountAvailable(_previousNotFound(previous, turn))
+            if ownerKey != turn.client.name:
+                self._log.warn(
+                    "key {client} named a response of another key; refused",
+                    event="relay.previous_response_foreign", request_id=turn.requestId,
+                    client=turn.client.name,
+                )
                 raise self._error(
                     turn, 400, "invalid_request_error", FOREIGN_OWNER_MESSAGE,
-                    param="previous_response_id",
+                    param="previous_response_id", wsClose=(1008, FOREIGN_OWNER_MESSAGE),
                 )
 
         states = await self._states(accounts)
