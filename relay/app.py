@@ -542,9 +542,15 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
         reload=app.reloader.reload,
     )
     root.putChild(b"admin", admin)
-    root.putChild(b"metrics", _GuardedMetrics(app.live.adminKey, metrics.registry))
+    root.putChild(b"metrics", _GuardedMetrics(
+        app.live.adminKey, metrics.registry, readKey=app.live.metricsKey
+    ))
     app.extras.update(metrics=metrics, operator=view, history=history)
     app.services.append(periodic(5, view.refreshSlots, reactor))
+    prune = getattr(app.store, "prune", None)
+    if prune is not None:
+        # Issue 19 item 7: expired bindings and owners leave memory.
+        app.services.append(periodic(60, prune, reactor))
     if config.state.backend == "redis":
         app.services.append(periodic(5, app.settings.refresh, reactor))
     if any(a.type == "oauth" for a in accounts):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from attrs import define, field
+from attrs import define, evolve, field
 from twisted.internet.defer import Deferred
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
@@ -397,6 +397,7 @@ class TurnRunner:
                     error = e.error
                     if state.lastVerdict is not None:
                         error = self.classifier.exhausted(state.lastVerdict, turn.endpoint)
+                        error = await self._withRetryHint(turn, error, e.error)
                     sink.fail(error)
                     return "failed", error.status, state.lastAccountId
                 account = selection.account
@@ -464,14 +465,38 @@ class TurnRunner:
                 sink.fail(decision[1])
                 return "failed", decision[1].status, account.id
             if decision[0] == "exhausted":
-                sink.fail(decision[1])
-                return "failed", decision[1].status, account.id
+                error = await self._withRetryHint(turn, decision[1])
+                sink.fail(error)
+                return "failed", error.status, account.id
             if decision[0] == "same":
                 await self._sleep(turn, sink, decision[1], state)
                 sameAccount = account
                 continue
             # switch
             await self._sleep(turn, sink, decision[1], state)
+
+    async def _withRetryHint(self, turn: Turn, error: ClientError, fallback=None) -> ClientError:
+        """
+        Issue 19 item 7 (R83, R16): relay's 429 after every account it
+        tried answered 429 carries C{Retry-After} -- the upstream's when it
+        gave one, else the seconds until the earliest cooldown ends.
+
+        @param fallback: the scheduler's own answer, whose hint is used
+            first when it has one.
+        """
+        if error.status != 429 or any(n.lower() == "retry-after" for n, _ in error.headers):
+            return error
+        hint = None
+        for name, value in (fallback.headers if fallback is not None else ()):
+            if name.lower() == "retry-after":
+                hint = value
+        if hint is None:
+            hinter = getattr(self.scheduler, "retryHint", None)
+            seconds = await hinter(turn) if hinter is not None else None
+            hint = str(seconds) if seconds else None
+        if hint is None:
+            return error
+        return evolve(error, headers=tuple(error.headers) + (("Retry-After", hint),))
 
     def _rewriteOnce(self, turn: Turn, state: TurnState, account, verdict) -> bool:
         """

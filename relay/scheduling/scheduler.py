@@ -329,6 +329,37 @@ class AccountScheduler:
         """
         return eagerDeferred(self._recordResponse(turn, responseId, account))
 
+    def retryHint(self, turn: Turn) -> Deferred:
+        """
+        Whole seconds until the earliest account serving C{turn}'s model
+        becomes schedulable again (R83's hint, issue 19 item 7: also for
+        the 429 relay answers when every account it tried answered 429).
+
+        @return: a Deferred firing with seconds (at least 1), or L{None}
+            when no account is blocked with a known end.
+        """
+        return eagerDeferred(self._retryHint(turn))
+
+    async def _retryHint(self, turn: Turn) -> Optional[int]:
+        import math
+
+        accounts = [a for a in self._accounts if a.servesModel(turn.model)]
+        states = await self._states(accounts)
+        now = self._clock.seconds()
+        ctx = _Pass(
+            turn=turn, excluded=frozenset(), now=now,
+            scheduling=self._settings.current.scheduling,
+            byId={a.id: a for a in accounts}, states=states,
+        )
+        ends = []
+        for account in accounts:
+            why = self._blockWhy(ctx, account)
+            if why is not None and why[1] and why[1] > now:
+                ends.append(why[1])
+        if not ends:
+            return None
+        return max(1, int(math.ceil(min(ends) - now)))
+
     # ------------------------------------------------------------------
     # Store helpers (R35: fail open)
     # ------------------------------------------------------------------

@@ -72,6 +72,10 @@ class MemoryStateStore:
     """
 
     _clock: IReactorTime
+    maxValues: int = 1_000_000
+    """Issue 19 item 7: the most TTL'd values (bindings, owners) kept; over
+    it, expired entries are pruned, then the oldest written are dropped.
+    Client-chosen session ids can never grow the store without bound."""
     _accounts: dict = field(factory=dict, init=False)
     _counters: dict = field(factory=dict, init=False)
     _values: dict = field(factory=dict, init=False)
@@ -171,7 +175,13 @@ class MemoryStateStore:
 
         @param ttl: seconds.
         """
-        self._values[key] = (value, self._clock.seconds() + ttl)
+        values = self._values
+        values.pop(key, None)
+        values[key] = (value, self._clock.seconds() + ttl)
+        if len(values) > self.maxValues:
+            if self.prune() == 0 or len(values) > self.maxValues:
+                while len(values) > self.maxValues:
+                    del values[next(iter(values))]
         return succeed(None)
 
     def touchValue(self, key, ttl) -> Deferred:
@@ -198,8 +208,8 @@ class MemoryStateStore:
 
     def prune(self) -> int:
         """
-        Drop expired counters and values (a periodic job may call this; the
-        store also drops them lazily).
+        Drop expired counters and values (relay runs this every minute,
+        L{relay.app}; the store also drops them lazily).
 
         @return: the number of entries dropped.
         """
