@@ -523,6 +523,7 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
     metrics.setSlotsSource(lambda: view.slots)
     redis = app.services[0] if app.services else None
     app.settings.store = settingsStore(config, reactor, redis)
+    _durableOwners(app)
     usage = _usageLedger(app, metrics, redis)
     credentials.store = _tokenStore(app, redis)
     from relay.scheduling.quota import UsageCollector
@@ -556,6 +557,19 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
     if any(a.type == "oauth" for a in accounts):
         # Issue 12: adopt tokens another process refreshed; re-plan timers.
         app.services.append(periodic(15, credentials.sync, reactor))
+
+
+def _durableOwners(app: RelayApplication) -> None:
+    """
+    Issue 19 item 5 (R104): with the embedded store, response owner records
+    are persisted in the SQLite C{database}, so a restart does not forget
+    which key owns a chain (Redis keeps them itself).
+    """
+    from relay.settingsdb import SQLiteSettingsStore
+    from relay.state.durable import SQLiteValues
+
+    if isinstance(app.settings.store, SQLiteSettingsStore) and hasattr(app.store, "durable"):
+        app.store.durable = SQLiteValues(app.settings.store)
 
 
 def _usageLedger(app: RelayApplication, metrics, redis):

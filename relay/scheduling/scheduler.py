@@ -29,7 +29,7 @@ from collections import OrderedDict
 from typing import Callable, Iterable, Optional, Sequence
 from weakref import WeakKeyDictionary
 
-from attrs import define, field
+from attrs import define, evolve, field
 from attrs import fields as attrs_fields
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
@@ -116,13 +116,14 @@ def _parseOwner(raw: str) -> tuple:
 def _previousNotFound(previous: str, turn: Turn) -> ClientError:
     """
     R104's fail-closed answer: C{previous_response_not_found}, as upstream
-    words it (the WebSocket closes 1008 after the event, R81).
+    words it; on the WebSocket the event is followed by the close every
+    C{previous_response_not_found} gets, so Codex reconnects with its full
+    input (L{relay.engine.errors.previousResponseNotFound}).
     """
-    return ClientError(
-        400, "invalid_request_error", f"Previous response with id '{previous}' not found.",
-        code="previous_response_not_found", param="previous_response_id",
-        wsClose=(1008, "previous response not found") if turn.entrypoint == "ws" else None,
-    )
+    from relay.engine.errors import previousResponseNotFound
+
+    error = previousResponseNotFound(previous)
+    return error if turn.entrypoint == "ws" else evolve(error, wsClose=None)
 
 
 def _never(account: Account) -> bool:
