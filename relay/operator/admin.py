@@ -247,7 +247,7 @@ class _SettingsResource(_Guarded):
             )
         try:
             body = json.loads(raw.decode("utf-8"))
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # issue 19 item 3
             return _respond(
                 request,
                 400,
@@ -377,7 +377,7 @@ class _AccountsResource(_Guarded):
                 "Body too large", "invalid_request_error", "body_too_large"))
         try:
             body = json.loads(raw.decode("utf-8")) if raw.strip() else {}
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # issue 19 item 3
             body = None
         if not isinstance(body, dict):
             return _respond(request, 400, _errorBody(

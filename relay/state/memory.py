@@ -84,6 +84,7 @@ class MemoryStateStore:
     _accounts: dict = field(factory=dict, init=False)
     _counters: dict = field(factory=dict, init=False)
     _values: dict = field(factory=dict, init=False)
+    _prunedAt: float = field(default=-1.0, init=False)
 
     _log = Logger()
 
@@ -204,9 +205,13 @@ class MemoryStateStore:
                 lambda f: self._log.failure("persisting {key} failed", f, key=key)
             )
         if len(values) > self.maxValues:
-            if self.prune() == 0 or len(values) > self.maxValues:
-                while len(values) > self.maxValues:
-                    del values[next(iter(values))]
+            now = self._clock.seconds()
+            if now > self._prunedAt:
+                # At most one full pass per clock tick; then the oldest go.
+                self._prunedAt = now
+                self.prune()
+            while len(values) > self.maxValues:
+                del values[next(iter(values))]
         return succeed(None)
 
     def touchValue(self, key, ttl) -> Deferred:
