@@ -34,7 +34,7 @@ from relay.model import (
 _ETC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "etc")
 
 _EXAMPLE_ENV = {
-    "RELAY_ADMIN_KEY": "admin-example-secret",
+    "RELAY_ADMIN_KEY": "admin-example-secret-0000",
     "RELAY_KEY_ALICE": "sk-relay-alice-secret",
     "RELAY_PROXY_EGRESS_1": "socks5h://proxyuser:proxy-pass-secret@proxy.example:1080",
     "OPENAI_API_KEY_A1": "sk-upstream-a1-secret",
@@ -96,7 +96,7 @@ class GoodFileTests(SynchronousTestCase):
         """
         config = loadConfig(os.path.join(_ETC, "relay.example.yaml"), environ=_EXAMPLE_ENV)
         self.assertEqual(config.listen, "tcp:8080:interface=127.0.0.1")
-        self.assertEqual(config.admin_key, "admin-example-secret")
+        self.assertEqual(config.admin_key, "admin-example-secret-0000")
         self.assertEqual(config.keys, (ClientKey("alice", "sk-relay-alice-secret", 5),))
         a1, o1 = config.accounts
         self.assertEqual(a1.credential, "sk-upstream-a1-secret")
@@ -828,7 +828,7 @@ class SecretTests(SynchronousTestCase):
         self.assertEqual(
             secretsOf(config),
             {
-                "admin-example-secret",
+                "admin-example-secret-0000",
                 "sk-relay-alice-secret",
                 "sk-upstream-a1-secret",
                 "oauth-token-o1-secret",
