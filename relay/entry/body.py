@@ -1,7 +1,8 @@
 # -*- test-case-name: tests.test_body -*-
 """
 Request bodies: the size limit and C{Content-Encoding} (issue 13 items 2
-and 3).
+and 3), held raw and decoded only after the key's slot is admitted
+(issue 19, behaviour.md R103; the order of checks is L{relay.entry.intake}'s).
 
   - B{Limit} (C{gateway.max_request_body_bytes}, default 64 MiB): a
     C{Content-Length} above it is answered 413 as soon as the headers are
