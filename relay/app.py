@@ -321,6 +321,7 @@ def buildApplication(
     site.intake = IntakePolicy(
         keys=keys, adminKey=app.live.adminKey, metricsKey=app.live.metricsKey,
         limits=lambda: settings.current.limits, admitKey=runner.admitKey,
+        draining=lambda: app.drain.draining,
     )
     site.limits = lambda: settings.current.limits
     wsResource.factory.budget = site.intake.budget

@@ -353,7 +353,28 @@ class TurnRunner:
             entrypoint=entrypoint, endpoint="responses", client=key, model=None, body={},
             stream=False, requestId=requestId, cancel=cancel,
         )
-        return Deferred.fromCoroutine(self._admitUser(intake, None, None))
+        d = Deferred.fromCoroutine(self._admitKey(intake))
+        if not d.called:
+            # A request waiting for its key's slot is a turn in the making:
+            # a graceful stop waits for it and, when the grace runs out,
+            # cancels it like a running turn (issue 14), so no slot or
+            # wait ticket is taken after the drain gave them back.
+            self.inflight[intake] = d
+            d.addBoth(self._forget, intake)
+        return d
+
+    async def _admitKey(self, intake: Turn):
+        """
+        See L{admitKey}. A wait relay cancelled itself (the end of a
+        graceful stop's grace) fails with the error relay owes the client
+        (C{cancel.tell}: 503 C{server_restarting}, C{Retry-After}).
+        """
+        try:
+            return await self._admitUser(intake, None, None)
+        except ClientGone:
+            if intake.cancel.tell is not None:
+                raise _AdmissionFailed(intake.cancel.tell) from None
+            raise
 
     async def _admitUser(self, turn: Turn, sink, state: Optional[TurnState] = None):
         """

@@ -570,6 +570,14 @@ class LimitedBodyRequest(Request):
         if self._refused:
             return
         admit = self._intake.admitKey if self._intake is not None else None
+        if self._intake is not None and self.relayClientKey is not None and self._intake.draining():
+            # Issue 14: relay drains; the drain gate answers 503. No slot is
+            # taken and the body is neither decoded nor parsed.
+            self._encoding = None
+            self._dropContent()
+            self.content = io.BytesIO()
+            self._decodeAndProcess(command, path, version)
+            return
         if (
             admit is not None and self.relayClientKey is not None and not self._discard
             and self._bodyError is None and self._received

@@ -233,6 +233,9 @@ class IntakePolicy:
         (the engine's R26 admission), failing with an exception carrying
         C{.error} (a L{ClientError}); L{None} admits nothing.
     @ivar budget: the L{BodyBudget}.
+    @ivar draining: a no-argument callable, true while relay drains (issue
+        14): a request that arrives then takes no slot; the drain gate
+        answers it 503.
     """
 
     keys: object
@@ -241,6 +244,7 @@ class IntakePolicy:
     limits: Callable[[], object] = None
     admitKey: Optional[Callable] = None
     budget: BodyBudget = field(factory=BodyBudget)
+    draining: Callable[[], bool] = lambda: False
     _log = Logger()
 
     def authenticate(self, route: str, request):
