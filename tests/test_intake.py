@@ -418,3 +418,131 @@ class DrainTests(SynchronousTestCase):
             + body)
         self.assertEqual(conn.status(), 503)
         self.assertEqual((calls, probe.seen), ([], []))
+
+
+class KeepaliveWhileQueuedTests(SynchronousTestCase):
+    """
+    R85 with R103: a streaming turn that waits for its key's slot (before
+    its body may be parsed) gets keepalives at the turn's pace; the body's
+    C{stream} flag decides (protocol.md 2.1: the SDK sends C{Accept:
+    application/json} when it streams), read from the raw bytes.
+    """
+
+    SDK_BODY = json.dumps({"input": [{"role": "user", "content": "hi"}], "model": "m",
+                           "stream": True, "tools": [{"type": "function", "name": "f",
+                                                      "parameters": {}}]}).encode()
+
+    def queued(self, body, path=b"/v1/responses", headers=b"", wait=None):
+        app, probe = relaySite(concurrency=1)
+        app.settings.update({"stream_keepalive_interval": 10,
+                             "scheduling.user_wait_timeout": wait or 30})
+        held = []
+        app.admission.tryAcquire("user", "team", 1).addCallback(held.append)
+        conn = Conn(app.site, clock=app.reactor).send(
+            head(path, headers=AUTH + b"Accept: application/json\r\n" + headers,
+                 length=len(body)) + body)
+        return app, conn, held
+
+    def test_streamingBodyGetsKeepalives(self):
+        """
+        Nothing before C{stream_keepalive_interval}; then 200, the SSE
+        headers and an SSE comment every interval while the wait lasts; a
+        wait that times out ends in-stream (R19.2).
+        """
+        app, conn, _ = self.queued(self.SDK_BODY, wait=25)
+        app.reactor.advance(9)
+        self.assertEqual(conn.value, b"")
+        app.reactor.advance(1)
+        head_, _, rest = conn.value.partition(b"\r\n\r\n")
+        self.assertTrue(head_.startswith(b"HTTP/1.1 200"), conn.value)
+        self.assertIn(b"content-type: text/event-stream", head_.lower())
+        self.assertIn(b"x-request-id: ", head_.lower())
+        self.assertEqual(rest.count(b":\n\n"), 1)
+        app.reactor.advance(10)
+        self.assertEqual(conn.value.count(b":\n\n"), 2)
+        app.reactor.advance(10)
+        body = conn.value.partition(b"\r\n\r\n")[2]
+        self.assertIn(b"event: response.failed", body)
+        self.assertIn(b'"code": "rate_limit_exceeded"', body)
+        self.assertTrue(body.endswith(b"0\r\n\r\n"), body[-40:])
+
+    def test_chatStreamErrorIsAnErrorEvent(self):
+        body = json.dumps({"model": "m", "messages": [], "stream": True}).encode()
+        app, conn, _ = self.queued(body, path=b"/v1/chat/completions", wait=15)
+        app.reactor.advance(20)
+        rest = conn.value.partition(b"\r\n\r\n")[2]
+        self.assertIn(b":\n\n", rest)
+        self.assertIn(b"event: error\ndata: ", rest)
+        self.assertNotIn(b"response.failed", rest)
+
+    def test_nonStreamingBodyGetsNone(self):
+        """
+        R31: no keepalive for a request that does not stream, whatever its
+        C{Accept}; its wait ends with a plain 429.
+        """
+        for body in (b'{"model":"m","input":"hi","stream":false}',
+                     b'{"model":"m","input":"x, \\"stream\\": true"}'):
+            app, conn, _ = self.queued(body, headers=b"Accept: text/event-stream\r\n", wait=25)
+            app.reactor.advance(24)
+            self.assertEqual(conn.value, b"", body)
+            app.reactor.advance(2)
+            self.assertEqual(conn.status(), 429)
+
+    def test_admittedTurnIsStreamed(self):
+        """
+        Once admitted the turn's sink knows the head is sent (errors
+        in-stream), and its silence counts from the last keepalive.
+        """
+        from relay.entry.sinks import SSESink
+
+        app, conn, held = self.queued(self.SDK_BODY)
+        app.reactor.advance(10)
+        app.reactor.advance(5)
+        seen = []
+
+        def run(turn, sink):
+            seen.append((turn.stream, type(sink), sink.headersSent, sink.quietSince))
+            sink.fail(B.tooLarge(1))  # never runs upstream
+
+        responses = app.site.resource.root.children[b"v1"].children[b"responses"]
+        self.patch(responses, "_runner", type("R", (), {"run": staticmethod(run)})())
+        held[0].release()
+        app.reactor.advance(1)
+        [(stream, sinkType, sent, quiet)] = seen
+        self.assertEqual((stream, sinkType, sent, quiet), (True, SSESink, True, 10.0))
+        self.assertIn(b"event: response.failed", conn.value)
+        self.assertEqual(conn.value.count(b"HTTP/1.1"), 1)
+
+    def test_compressedBodyIsNotDecodedForIt(self):
+        """
+        R103 first: a compressed body is not decoded before the slot to
+        find its flag; it gets no keepalive while queued.
+        """
+        body = zstandard.ZstdCompressor().compress(self.SDK_BODY)
+        app, conn, _ = self.queued(body, headers=b"Content-Encoding: zstd\r\n", wait=25)
+        app.reactor.advance(24)
+        self.assertEqual(conn.value, b"")
+
+
+class BodyStreamsTests(SynchronousTestCase):
+    """
+    L{relay.entry.intake.bodyStreams}: the raw body's C{stream} flag.
+    """
+
+    def test_flag(self):
+        from relay.entry.intake import bodyStreams
+
+        cases = [
+            ({"model": "m", "input": "x", "stream": True}, True),
+            ({"model": "m", "input": "x", "stream": False}, False),
+            ({"model": "m", "input": "x"}, False),
+            ({"model": "m", "input": '"stream": true'}, False),
+            ({"model": "m", "input": ["stream", ',"stream":true'], "stream": True}, True),
+        ]
+        for value, expected in cases:
+            for separators in ((",", ":"), (", ", ": ")):
+                raw = json.dumps(value, separators=separators).encode()
+                self.assertIs(bodyStreams(raw), expected, raw)
+            self.assertIs(bodyStreams(json.dumps(value, indent=2).encode()), expected)
+        self.assertIs(bodyStreams(b'{"stream":true,"stream":false}'), False)
+        self.assertIsNone(bodyStreams(b'{"input":[' + b'"stream",' * 100 + b'""]}'))

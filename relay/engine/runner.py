@@ -333,18 +333,26 @@ class TurnRunner:
         )
         raise _AdmissionFailed(error)
 
-    def admitKey(self, key, cancel, requestId: str = "", entrypoint: str = "http") -> Deferred:
+    def admitKey(
+        self, key, cancel, requestId: str = "", entrypoint: str = "http", keepalive=None
+    ) -> Deferred:
         """
         Admit C{key}'s slot (R26) for a request whose body is not decoded
         yet (behaviour.md R103, issue 19): the entry calls this once the
         raw body is in and hands the lease to the turn (C{Turn.keyLease},
         C{keyAdmitted=True}). The same wait plan, logs and answers as a
-        turn's own per-key admission; no keepalive is sent (nothing is
-        known of the request yet).
+        turn's own per-key admission, and the same keepalives (R85, R31)
+        for a request that streams: C{keepalive} is called whenever the
+        wait was silent for C{stream_keepalive_interval} seconds (at least
+        every C{scheduling.ping_interval}).
 
         @param key: the authenticated L{relay.model.ClientKey}.
         @param cancel: the request's L{relay.model.CancelSignal}.
         @param requestId: for the wait's log lines.
+        @param entrypoint: C{http} or C{ws}.
+        @param keepalive: a no-argument callable writing one keepalive to
+            the client (an SSE comment, a ping frame), or L{None} for a
+            request that does not stream.
         @return: a Deferred firing with the lease (L{None} for an unlimited
             key), or failing with an exception whose C{error} is the R32
             L{ClientError} (or with L{ClientGone}).
@@ -353,7 +361,7 @@ class TurnRunner:
             entrypoint=entrypoint, endpoint="responses", client=key, model=None, body={},
             stream=False, requestId=requestId, cancel=cancel,
         )
-        d = Deferred.fromCoroutine(self._admitKey(intake))
+        d = Deferred.fromCoroutine(self._admitKey(intake, keepalive))
         if not d.called:
             # A request waiting for its key's slot is a turn in the making:
             # a graceful stop waits for it and, when the grace runs out,
@@ -363,18 +371,30 @@ class TurnRunner:
             d.addBoth(self._forget, intake)
         return d
 
-    async def _admitKey(self, intake: Turn):
+    async def _admitKey(self, intake: Turn, keepalive=None):
         """
         See L{admitKey}. A wait relay cancelled itself (the end of a
         graceful stop's grace) fails with the error relay owes the client
         (C{cancel.tell}: 503 C{server_restarting}, C{Retry-After}).
         """
+        state = None
+        if keepalive is not None:
+            state = TurnState(startedAt=self.clock.seconds())
+            state.keepalive = StreamKeepalive(
+                clock=self.clock, send=keepalive,
+                interval=self.settings.current.stream_keepalive_interval,
+                requestId=intake.requestId,
+            )
+            state.keepalive.start()
         try:
-            return await self._admitUser(intake, None, None)
+            return await self._admitUser(intake, None, state)
         except ClientGone:
             if intake.cancel.tell is not None:
                 raise _AdmissionFailed(intake.cancel.tell) from None
             raise
+        finally:
+            if state is not None:
+                state.keepalive.stop()
 
     async def _admitUser(self, turn: Turn, sink, state: Optional[TurnState] = None):
         """
@@ -907,7 +927,10 @@ class TurnRunner:
         watch = getattr(sink, "watchWrites", None)
         if watch is not None:
             watch(keepalive.touch)
-        keepalive.start()
+        # Issue 19: a request whose key's slot was awaited before its body
+        # was parsed may have had keepalives already; the silence counts
+        # from the last one (R85), not from the turn's start.
+        keepalive.start(since=getattr(sink, "quietSince", None))
         return keepalive
 
     def _keepalive(self, state) -> StreamKeepalive | None:

@@ -373,6 +373,10 @@ class LimitedBodyRequest(Request):
     @ivar relayClientKey: the client key authenticated from the headers.
     @ivar relayKeyLease: the key's slot admitted before decoding, until a
         resource takes it (L{takeKeyLease}).
+    @ivar relaySSEStarted: keepalives were written while the key's slot
+        was awaited (L{_waitKeepalive}): 200 and the SSE headers are sent.
+    @ivar relayQuietSince: when the last of them was written (site clock
+        seconds), or L{None}.
     """
 
     _log = Logger()
@@ -382,6 +386,10 @@ class LimitedBodyRequest(Request):
     relayClientKey = None
     relayKeyLease = None
     relayKeyAdmitted = False
+    relaySSEStarted = False
+    relayQuietSince = None
+    _streams = None
+    _line = None
     _intake = None
     _encoding = None
     _bodyError: Optional[ClientError] = None
@@ -582,16 +590,59 @@ class LimitedBodyRequest(Request):
             admit is not None and self.relayClientKey is not None and not self._discard
             and self._bodyError is None and self._received
         ):
+            from relay.entry.intake import isTurnPath
             from relay.model import CancelSignal
 
             self._cancel = CancelSignal()
-            d = self._admitting = admit(self.relayClientKey, self._cancel, requestIdOf(self))
+            keepalive = None
+            if command.upper() == b"POST" and isTurnPath(path):
+                self._line = (command, path, version)
+                keepalive = self._waitKeepalive
+            d = self._admitting = admit(
+                self.relayClientKey, self._cancel, requestIdOf(self), keepalive=keepalive
+            )
             d.addCallbacks(
                 self._admitted, self._notAdmitted,
                 callbackArgs=(command, path, version), errbackArgs=(command, path, version),
             )
             return
         self._decodeAndProcess(command, path, version)
+
+    def _waitKeepalive(self) -> None:
+        """
+        The engine's keepalive while the request waits for its key's slot
+        (behaviour.md R85, R31; L{relay.engine.runner.TurnRunner.admitKey}):
+        for a turn whose raw body says C{"stream": true}
+        (L{relay.entry.intake.bodyStreams}, read once, at the first tick;
+        a C{Content-Encoding}-ed body is not decoded before the slot, so it
+        gets none), the first commits 200 and the SSE headers and every one
+        writes an SSE comment, as the turn's own keepalives do
+        (L{relay.entry.sinks.SSESink}); later errors are written in-stream.
+        """
+        if self._done or self._refused or self.content is None:
+            return
+        if self._streams is None:
+            from relay.entry.intake import bodyStreams
+
+            self._streams = False
+            if self._encoding is None:
+                self.content.seek(0)
+                self._streams = bodyStreams(self.content.read()) is True
+                self.content.seek(0, io.SEEK_END)
+        if not self._streams:
+            return
+        if not self.relaySSEStarted:
+            self.method, self.uri, self.clientproto = self._line
+            self.path = self.uri.split(b"?", 1)[0]
+            self.relaySSEStarted = True
+            self.setResponseCode(200)
+            self.setHeader(b"content-type", b"text/event-stream")
+            self.setHeader(b"cache-control", b"no-cache")
+            self.setHeader(b"x-accel-buffering", b"no")
+        self.write(b":\n\n")
+        clock = getattr(getattr(self.channel, "site", None), "clock", None)
+        if clock is not None:
+            self.relayQuietSince = clock.seconds()
 
     def _admitted(self, lease, command, path, version) -> None:
         self._admitting = None

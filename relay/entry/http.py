@@ -353,6 +353,12 @@ class TurnResource(Resource):
             writeError(request, invalidType("stream", "a boolean", streamFlag))
             return NOT_DONE_YET
         stream = streamFlag is True
+        if not stream and getattr(request, "relaySSEStarted", False):
+            # Issue 19: keepalives already went out (the raw body read as
+            # streaming while the key's slot was awaited, R85) and committed
+            # the SSE head; a body whose parse disagrees (a nested
+            # "stream": true, L{relay.entry.intake.bodyStreams}) is streamed.
+            body, stream = dict(body, stream=True), True
         if self._endpoint == "chat":
             try:
                 checkChatRequest(body)

@@ -53,6 +53,7 @@ invariant 1).
 from __future__ import annotations
 
 import hmac
+import re
 from typing import Callable, Optional
 
 from attrs import define, field
@@ -76,6 +77,66 @@ ADMIN_BODY_LIMIT = 64 * 1024
 BODY_METHODS = frozenset({b"POST", b"PUT", b"PATCH"})
 """Methods whose body a route may read; any other request's body is
 discarded unread."""
+
+
+TURN_PATHS = frozenset({
+    (b"v1", b"responses"), (b"responses",), (b"backend-api", b"codex", b"responses"),
+    (b"v1", b"chat", b"completions"), (b"chat", b"completions"),
+})
+"""The request targets whose C{POST} is a turn (protocol.md 1)."""
+
+STREAM_SCAN_CANDIDATES = 64
+"""How many C{"stream"} strings L{bodyStreams} looks at, from the end, before
+it gives up (a body of many of them costs no more than this)."""
+
+_STREAM_MEMBER = re.compile(rb'"stream"[ \t\r\n]{0,64}:[ \t\r\n]{0,64}(true|false)')
+_KEY_START = re.compile(rb'[{,][ \t\r\n]{0,64}\Z')
+
+
+def isTurnPath(path: bytes) -> bool:
+    """
+    Whether a request target is a turn route (C{POST /v1/responses} and
+    its aliases, C{POST /v1/chat/completions}).
+
+    @param path: the request target as sent (may carry a query).
+    """
+    target = path.split(b"?", 1)[0]
+    return tuple(s for s in target.split(b"/") if s) in TURN_PATHS
+
+
+def bodyStreams(raw: bytes) -> Optional[bool]:
+    """
+    The C{stream} flag of a JSON request body, read from its raw bytes
+    without parsing them (issue 19: behaviour.md R85 while the key's slot is
+    awaited, before R103 lets relay parse the body; protocol.md 2.1: the
+    body's flag decides, never C{Accept}).
+
+    The last C{"stream": true|false} in member position (after C{{} or
+    C{,}) wins, as in a parse (the last duplicate wins). The bytes are
+    searched from the end with C{bytes.rfind} (Codex and the SDK put
+    C{stream} after C{input}), at most L{STREAM_SCAN_CANDIDATES} C{"stream"}
+    strings are looked at, nothing is allocated but match objects, and
+    nesting is not checked: a C{"stream": true} member of a nested object
+    counts. In valid JSON an unescaped C{"stream"} after C{{} or C{,} and
+    before C{:} is always a member name, so the answer is the parse's for
+    every body relay receives from Codex and the SDK. The parse after
+    admission stays authoritative (L{relay.entry.body}).
+
+    @param raw: the body as received (not C{Content-Encoding}-decoded).
+    @return: C{True} or C{False} for the flag (C{False} when the body has
+        no C{stream} member), L{None} when it could not tell (too many
+        candidates).
+    """
+    end = len(raw)
+    for _ in range(STREAM_SCAN_CANDIDATES):
+        at = raw.rfind(b'"stream"', 0, end)
+        if at < 0:
+            return False
+        end = at
+        member = _STREAM_MEMBER.match(raw, at)
+        if member is not None and _KEY_START.search(raw, max(0, at - 65), at):
+            return member.group(1) == b"true"
+    return None
 
 
 class RequestRefused(Exception):

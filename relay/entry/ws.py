@@ -459,7 +459,10 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         held = _FrameHold(budget, self._key.name, estimate if budget is not None else 0)
         cancel = CancelSignal()
         self._admittingFrame = cancel
-        d = f.runner.admitKey(self._key, cancel, f"{self._requestId}:{self._turns + 1}", "ws")
+        d = f.runner.admitKey(
+            self._key, cancel, f"{self._requestId}:{self._turns + 1}", "ws",
+            keepalive=self._admissionPing,
+        )
 
         def admitted(lease):
             self._admittingFrame = None
@@ -484,6 +487,14 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
 
         d.addCallbacks(admitted, refused)
         d.addErrback(lambda fail: self._log.failure("websocket frame admission", fail))
+
+    def _admissionPing(self) -> None:
+        """
+        R85 while a frame waits for the key's slot: a ping frame at the
+        turn's pace (the engine calls this, L{TurnRunner.admitKey}).
+        """
+        if not self._gone and self._closing is None and self.isOpen():
+            self.sendPing()
 
     def _parse(self, payload: bytes, admitted) -> None:
         """
