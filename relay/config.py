@@ -405,6 +405,7 @@ _UPSTREAM: Dict[str, Validator] = {
 _LIMITS: Dict[str, Validator] = {
     "header_timeout_seconds": _number(1, 3600),
     "min_body_bytes_per_second": _integer(0),
+    "body_rate_window_seconds": _number(1, 600),
     "max_connections": _integer(0),
     "max_connections_per_address": _integer(0),
     "body_bytes_in_flight_per_key": _integer(0),

@@ -257,7 +257,8 @@ class LimitSettings:
         arrive within this many seconds of its first byte (or of the
         connection opening); else 408 and close.
     @ivar min_body_bytes_per_second: a body must arrive at least this fast,
-        measured over each L{BODY_RATE_WINDOW_SECONDS} window; 0 = off.
+        measured over each C{body_rate_window_seconds} window; 0 = off.
+    @ivar body_rate_window_seconds: that window, seconds.
     @ivar max_connections: open client connections per process; 0 = off.
     @ivar max_connections_per_address: open connections per client IP
         address; 0 = off.
@@ -272,6 +273,7 @@ class LimitSettings:
 
     header_timeout_seconds: float = 10
     min_body_bytes_per_second: int = 1024
+    body_rate_window_seconds: float = 10.0
     max_connections: int = 10000
     max_connections_per_address: int = 256
     body_bytes_in_flight_per_key: int = 256 * 2**20
@@ -280,7 +282,7 @@ class LimitSettings:
 
 
 BODY_RATE_WINDOW_SECONDS = 10.0
-"""The window over which C{min_body_bytes_per_second} is measured."""
+"""The default window over which C{min_body_bytes_per_second} is measured."""
 
 
 @frozen

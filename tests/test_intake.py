@@ -355,6 +355,19 @@ class SlowClientTests(SynchronousTestCase):
         conn.clock.advance(10)
         self.assertEqual(conn.status(), 408)
 
+    def test_slowBodyWindow(self):
+        """
+        The window the rate is measured over is configurable.
+        """
+        app, _ = relaySite("{min_body_bytes_per_second: 100, body_rate_window_seconds: 2}")
+        conn = Conn(app.site).send(head(headers=AUTH, length=100000))
+        conn.send(b"a" * 150)
+        conn.clock.advance(1.9)
+        self.assertEqual(conn.value, b"")
+        conn.clock.advance(0.1)
+        self.assertEqual(conn.status(), 408)
+        self.assertIn("min_body_bytes_per_second", conn.error()["message"])
+
     def test_connectionCaps(self):
         app, _ = relaySite("{max_connections: 3, max_connections_per_address: 2}")
         a1, a2 = Conn(app.site), Conn(app.site)

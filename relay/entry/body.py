@@ -500,19 +500,16 @@ class LimitedBodyRequest(Request):
         limits = self._limits()
         if limits is None or not limits.min_body_bytes_per_second:
             return
-        from relay.model import BODY_RATE_WINDOW_SECONDS
-
         self._rateMark = self._received
-        self._rateCall = self.channel.callLater(BODY_RATE_WINDOW_SECONDS, self._checkRate)
+        self._rateCall = self.channel.callLater(limits.body_rate_window_seconds, self._checkRate)
 
     def _checkRate(self) -> None:
-        from relay.model import BODY_RATE_WINDOW_SECONDS
-
         self._rateCall = None
         if self._refused:
             return
         limits = self._limits()
-        need = limits.min_body_bytes_per_second * BODY_RATE_WINDOW_SECONDS
+        window = limits.body_rate_window_seconds
+        need = limits.min_body_bytes_per_second * window
         got = self._received - self._rateMark
         if got >= need:
             self._armRate()
@@ -522,7 +519,7 @@ class LimitedBodyRequest(Request):
             "request body from {client} too slow ({got} bytes in {window:.0f} s, the minimum is"
             " {rate} bytes/s): closing",
             event="relay.intake_slow_body", client=getattr(address, "host", "-"), got=got,
-            window=BODY_RATE_WINDOW_SECONDS, rate=limits.min_body_bytes_per_second,
+            window=window, rate=limits.min_body_bytes_per_second,
         )
         self._dropContent()
         self._answerNow(ClientError(

@@ -19,6 +19,7 @@ import os
 from attrs import define, field
 from autobahn.twisted.resource import WebSocketResource
 from autobahn.twisted.websocket import WebSocketServerFactory, WebSocketServerProtocol
+from autobahn.exception import PayloadExceededError
 from autobahn.util import encode_truncate
 from autobahn.websocket.compress import (
     PerMessageDeflateOffer,
@@ -287,6 +288,9 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         if getattr(self, "_state", None) is None:
             return
         self._gone = True
+        # Issue 19: what the connection still held leaves the bytes in flight.
+        held, self._bufferedHold = self._bufferedHold, 0
+        self._giveBackBytes(self._releaseAssembled() + held)
         self._disarm()
         connections = getattr(self.factory, "openConnections", None)
         if connections is not None:
@@ -377,12 +381,141 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         closes 1009 itself; tell the client first while it can still read.
         """
         if self._closing is None and not self._gone and self.state == self.STATE_OPEN:
+            code = "frame_too_large"
+            if self._ratioExceeded:
+                # Issue 19 item 2: a permessage-deflate bomb.
+                ratio = self.factory.settings.current.limits.max_decompression_ratio
+                reason = (f"frame decompresses to more than {ratio:g} times its size"
+                          " (gateway.limits.max_decompression_ratio)")
+                code = "decompression_ratio_exceeded"
+            self._giveBackBytes(self._releaseAssembled())
             reason = encode_truncate(reason, 120).decode("utf-8", "ignore")
-            error = ClientError(400, "invalid_request_error", reason, code="frame_too_large")
+            error = ClientError(400, "invalid_request_error", reason, code=code)
             self.sendText(json.dumps(wsErrorEvent(error)).encode())
             self._closing = (1009, reason)
             self._disarm()
         super()._max_message_size_exceeded(msg_size, max_msg_size, reason)
+
+    # -- frames in flight (issue 19 item 2) ----------------------------------------
+
+    _assembling = 0
+    """Bytes of the message being assembled now (after permessage-deflate),
+    held in the key's and the process's bytes in flight."""
+    _bufferedHold = 0
+    """The same for the one early frame held while a turn runs (R63)."""
+    _compressedIn = 0
+    _inflatedOut = 0
+    _ratioExceeded = False
+
+    def _budgetAndLimits(self):
+        f = self.factory
+        budget = getattr(f, "budget", None)
+        settings = getattr(f, "settings", None)
+        if budget is None or settings is None or getattr(self, "_key", None) is None:
+            return None, None
+        return budget, settings.current.limits
+
+    def onMessageBegin(self, isBinary: bool) -> None:
+        """
+        A client message starts: bound its permessage-deflate inflation by
+        C{gateway.limits.max_decompression_ratio} (L{_boundInflation}).
+        """
+        self._compressedIn = self._inflatedOut = 0
+        self._ratioExceeded = False
+        self._boundInflation()
+        super().onMessageBegin(isBinary)
+
+    def _boundInflation(self) -> None:
+        """
+        Issue 19 item 2: a compressed message inflates to at most
+        C{max_decompression_ratio} times the compressed bytes received so
+        far (or L{relay.entry.body.RATIO_FLOOR_BYTES}, whichever is more),
+        besides autobahn's own C{maxMessagePayloadSize} bound: the
+        decompressor is asked for no more (it stops inflating, in C), and a
+        message that needs more is refused like an oversized one
+        (L{_max_message_size_exceeded}: C{error} event, close 1009).
+        """
+        pmc = getattr(self, "_perMessageCompress", None)
+        if pmc is None or getattr(pmc, "_relayBounded", False):
+            return
+        from relay.entry.body import RATIO_FLOOR_BYTES
+
+        original = pmc.decompress_message_data
+
+        def bounded(data, max_output_len=None):
+            _, limits = self._budgetAndLimits()
+            ratio = limits.max_decompression_ratio if limits is not None else None
+            if not ratio:
+                return original(data, max_output_len=max_output_len)
+            self._compressedIn += len(data)
+            allowed = max(int(ratio * self._compressedIn), RATIO_FLOOR_BYTES) - self._inflatedOut
+            allowed = max(allowed, 0)
+            cap = allowed if max_output_len is None else min(max_output_len, allowed)
+            try:
+                out = original(data, max_output_len=cap)
+            except PayloadExceededError:
+                if max_output_len is None or allowed < max_output_len:
+                    self._ratioExceeded = True
+                raise
+            self._inflatedOut += len(out)
+            return out
+
+        pmc.decompress_message_data = bounded
+        pmc._relayBounded = True
+
+    def onMessageFrameData(self, payload: bytes) -> None:
+        """
+        A piece of a client message (inflated): held in the key's and the
+        process's bytes in flight while the message is assembled (issue 19
+        item 2), like an HTTP body while it arrives; over a bound the
+        connection is refused (L{_refuseFrame}) and nothing more of the
+        message is kept.
+        """
+        if self._closing is not None or getattr(self, "_gone", False):
+            return
+        budget, limits = self._budgetAndLimits()
+        if budget is not None and payload:
+            error = budget.reserve(
+                self._key.name, len(payload), limits.body_bytes_in_flight_per_key,
+                limits.body_bytes_in_flight,
+            )
+            if error is not None:
+                self._refuseFrame(error)
+                return
+            self._assembling += len(payload)
+        super().onMessageFrameData(payload)
+
+    def _releaseAssembled(self) -> int:
+        """
+        Stop counting the assembled message; return its byte count.
+        """
+        n, self._assembling = self._assembling, 0
+        return n
+
+    def _giveBackBytes(self, n: int) -> None:
+        budget, _ = self._budgetAndLimits()
+        if budget is not None and n:
+            budget.release(self._key.name, n)
+
+    def _refuseFrame(self, error: ClientError) -> None:
+        """
+        A message over the bytes in flight: busy, not the client's mistake
+        (R81): an C{error} event without status, then close 1013; a single
+        message that can never fit is a frame too large (400, 1009).
+        """
+        self._log.info(
+            "client websocket {conn_id}: frame refused ({message})",
+            event="relay.ws_frame_refused", conn_id=getattr(self, "_connId", "-"),
+            message=error.message,
+        )
+        self._giveBackBytes(self._releaseAssembled())
+        busy = error.status == 429
+        self.sendText(json.dumps(wsErrorEvent(error, withStatus=not busy)).encode())
+        self.closeWith(1013 if busy else 1009, encode_truncate(error.message, 120).decode(
+            "utf-8", "ignore"))
+        running = getattr(self, "_running", None)
+        if running is not None:
+            running.cancel.cancel("frame_refused")
 
     def _arm(self, seconds: float, code: int, reason: str) -> None:
         self._disarm()
@@ -397,17 +530,24 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
     # -- frames ----------------------------------------------------------------
 
     def onMessage(self, payload: bytes, isBinary: bool) -> None:
+        assembled = self._releaseAssembled()
         try:
             if self._closing is not None or self._gone:
+                self._giveBackBytes(assembled)
                 return
             if self._running is not None:
                 # R63: one early frame is held; a second one is too many.
                 if self._buffered is None:
                     self._buffered = payload
+                    self._bufferedHold = assembled  # still held (issue 19)
                     return
+                self._giveBackBytes(assembled)
                 self.closeWith(1013, TOO_MANY_MESSAGE)
                 self._running.cancel.cancel("too_many_frames")
                 return
+            # The frame's own hold is given back; a large one is held again
+            # as its parsed-size estimate while it waits (L{_admitFrame}).
+            self._giveBackBytes(assembled)
             self._handle(payload)
         except Exception:  # noqa: BLE001
             self._log.failure("handling a client websocket frame failed")
@@ -449,12 +589,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
                     limits.body_bytes_in_flight,
                 )
             if error is not None:
-                self._log.info(
-                    "client websocket {conn_id}: frame refused ({message})",
-                    event="relay.ws_frame_refused", conn_id=self._connId, message=error.message,
-                )
-                self.sendText(json.dumps(wsErrorEvent(error)).encode())
-                self.closeWith(1013 if error.status == 429 else 1009, error.message)
+                self._refuseFrame(error)
                 return
         held = _FrameHold(budget, self._key.name, estimate if budget is not None else 0)
         cancel = CancelSignal()
@@ -721,6 +856,8 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
     def _next(self) -> None:
         if self._buffered is not None:
             payload, self._buffered = self._buffered, None
+            held, self._bufferedHold = self._bufferedHold, 0
+            self._giveBackBytes(held)
             self._handle(payload)
             return
         self._idle()

@@ -28,6 +28,7 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import deferLater
 
 from relay.emulator import Emulator
+from tests.integration.rawws import deflateMessage, rawWebSocket
 from tests.integration.relayproc import RelayProcess
 from tests.integration.test_ws_turns import _Client, userTurn
 
@@ -138,6 +139,8 @@ def preparePayloads() -> None:
     PAYLOADS["form"] = compress(b"a=&" * (20 * 2**20 // 3))
     PAYLOADS["chunk"] = compress(b"a" * (60 * 2**20))
     PAYLOADS["inflate"] = compress(b'{"input":[' + b"{}," * (64 * 2**20 // 3 - 10) + b"{}]}")
+    PAYLOADS["wsbomb"] = deflateMessage(json.dumps(
+        {"type": "response.create", "model": "gpt-5.5", "input": "a" * (60 * 2**20)}).encode())
 
 
 async def attackNoKeyFormBomb(port, url):
@@ -241,14 +244,40 @@ async def attackCrossKeyChain(port, url):
     return 0, f"ws {events[0].get('status')}, http {http.code}", ok
 
 
+async def attackWebSocketDeflateBomb(port, url):
+    bomb = PAYLOADS["wsbomb"]
+    client = await rawWebSocket(port, KEY_A)
+    client.send(bomb, compressed=True)
+    code, _ = await client.closed.addTimeout(10, reactor)
+    events = [m.get("error", {}).get("code") for m in client.messages]
+    return len(bomb), f"{events} close {code}", events == [
+        "decompression_ratio_exceeded"] and code == 1009
+
+
+async def attackSlowBody(port, url):
+    client = await raw(port)
+    client.transport.write(request("/v1/responses", {"Authorization": f"Bearer {KEY_A}"},
+                                   b"x" * 100000))
+    sent, started = 0, time.monotonic()
+    while not client.closed.called and time.monotonic() - started < 8:
+        client.transport.write(b" " * 100)
+        sent += 100
+        await deferLater(reactor, 0.5, lambda: None)
+    await client.closed.addTimeout(5, reactor)
+    took = time.monotonic() - started
+    return sent, f"{client.status} after {took:.1f}s", client.status == 408 and took < 4
+
+
 ATTACKS = [
     ("no key: 1.7 KB zstd form body -> 20 MiB", attackNoKeyFormBomb),
     ("no key: 3x chunked zstd chunk -> 60 MiB, held open", attackChunkedHeldOpen),
     ("key: 5.7 KB zstd -> 64 MiB [{},...]", attackKeyedInflation),
     ("key: 200,000-deep nesting", attackDeepNesting),
     ("header bytes dripped every 0.5 s", attackHeaderDrip),
+    ("key: body at 200 B/s (min 1024 B/s over 2 s)", attackSlowBody),
     ("30 connections from one address", attackConnectionFlood),
     ("WS upgrade: Basic + valid x-api-key", attackWebSocketBasicPlusKey),
+    ("key: WS permessage-deflate 60 KB -> 60 MiB", attackWebSocketDeflateBomb),
     ("key B chains on key A's response (WS, HTTP)", attackCrossKeyChain),
 ]
 
@@ -271,7 +300,8 @@ async def test_attacks_leave_relay_responsive_and_flat(capsys):
             f"admin_key: {ADMIN}\n"
             f"database: {json.dumps(os.path.join(directory, 'relay.sqlite'))}\n"
             f"keys: {json.dumps(keys)}\naccounts: {json.dumps(accounts)}\n"
-            "gateway: {limits: {header_timeout_seconds: 2, max_connections_per_address: 20}}\n"
+            "gateway: {limits: {header_timeout_seconds: 2, max_connections_per_address: 20,"
+            " body_rate_window_seconds: 2}}\n"
         )
     process.start()
     rows = []
