@@ -132,6 +132,11 @@ class NothingBeforeTheKeyTests(SynchronousTestCase):
             (b"/admin/settings", b"PUT", b"Authorization: Bearer " + METRICS.encode() + b"\r\n",
              401),
             (b"/metrics", b"GET", AUTH, 401),
+            # Sorted by the resource twisted.web finds: segments percent-decoded.
+            (b"/%61dmin/settings", b"PUT", AUTH, 401),
+            (b"/%6detrics", b"GET", b"", 401),
+            (b"/%761/responses", b"POST", b"", 401),
+            (b"/v1/chat/%63ompletions", b"POST", b"", 401),
         ]
         for path, method, headers, expected in cases:
             conn = Conn(app.site).send(

@@ -329,3 +329,97 @@ class SmallDefectTests(SynchronousTestCase):
             with self.assertRaises(ChatRequestError) as e:
                 checkChatRequest({"model": "m", "messages": messages})
             self.assertEqual(e.exception.param, param)
+
+
+class NoCredentialInAdminAnswersTests(SynchronousTestCase):
+    """
+    R99, R100: no admin answer -- views, settings, history, usage,
+    metrics (labels included), a reload's answer, applied or refused --
+    and no log line contains a credential: proxy userinfo (plain or as
+    the base64 of C{Proxy-Authorization}), userinfo in an upstream
+    C{base_url}, a Redis password, account and client keys; a client key
+    opens no admin route and the metrics key only C{/metrics}.
+    """
+
+    SECRETS = ("pw-proxy-secret", "puser-name", "up-url-secret", "upuser-name",
+               "redis-pw-secret", "sk-up-account-credential", "sk-team-intake",
+               "admin-intake-0123456789", "metrics-intake-0123456789", "pw-proxy-rotated")
+
+    def config(self, password="pw-proxy-secret", broken=False):
+        proxy = f"http://puser-name:{password}@127.0.0.1:3128"
+        if broken:
+            proxy = f"ftp://puser-name:{password}@127.0.0.1:3128"
+        return (
+            'listen: "tcp:0:interface=127.0.0.1"\ndatabase: ":memory:"\n'
+            "admin_key: admin-intake-0123456789\nmetrics_key: metrics-intake-0123456789\n"
+            "keys: [{name: team, key: sk-team-intake, concurrency: 0}]\n"
+            f"proxies: [{{id: egress-1, url: '{proxy}'}}]\n"
+            "accounts: [{id: a1, type: apikey, api_key: sk-up-account-credential,"
+            " proxy_id: egress-1, base_url: 'http://upuser-name:up-url-secret@127.0.0.1:2/v1'}]\n"
+            "state: {redis_url: 'redis://:redis-pw-secret@127.0.0.1:6379/0'}\n"
+        )
+
+    def assertClean(self, text, where):
+        import base64
+
+        forms = self.SECRETS + tuple(
+            base64.b64encode(f"puser-name:{p}".encode()).decode()
+            for p in ("pw-proxy-secret", "pw-proxy-rotated"))
+        for secret in forms:
+            self.assertNotIn(secret, text, where)
+
+    def test_everyAdminAnswerAndLogLine(self):
+        from twisted.internet.testing import MemoryReactorClock
+        from twisted.logger import globalLogPublisher
+
+        from relay.app import buildApplication
+        from relay.config import secretsOf, settingsFromString
+        from relay.logs import SecretRedactor, formatTextLine
+        from tests.test_intake import Conn, head
+
+        path = os.path.join(tempfile.mkdtemp(), "relay.yaml")
+        with open(path, "w") as f:
+            f.write(self.config())
+        config = settingsFromString(self.config())
+        lines = []
+        redactor = SecretRedactor(lambda e: lines.append(formatTextLine(e)), secretsOf(config))
+        globalLogPublisher.addObserver(redactor)
+        self.addCleanup(globalLogPublisher.removeObserver, redactor)
+        app = buildApplication(config, MemoryReactorClock(), configPath=path)
+        admin = b"Authorization: Bearer admin-intake-0123456789\r\n"
+
+        def ask(target, method=b"GET", auth=admin):
+            conn = Conn(app.site, clock=app.reactor).send(head(target, method, auth, length=0))
+            app.reactor.advance(0)
+            return conn
+
+        # (/admin/usage reads the SQLite ledger in a thread: not on this
+        # reactor; it holds token counts by key name and model only.)
+        routes = [b"/admin/settings", b"/admin/accounts", b"/admin/history",
+                  b"/admin/metrics", b"/metrics", b"/readyz"]
+        for target in routes:
+            conn = ask(target)
+            self.assertEqual(conn.status(), 200, (target, conn.value[:200]))
+            self.assertClean(conn.value.decode("latin-1"), target)
+        accounts = ask(b"/admin/accounts").value
+        self.assertIn(b"egress-1", accounts)  # the proxy is named by its id
+        for password, broken, status in (("pw-proxy-rotated", False, 200),
+                                         ("pw-proxy-rotated", True, 400)):
+            with open(path, "w") as f:
+                f.write(self.config(password, broken))
+            conn = ask(b"/admin/reload", b"POST")
+            self.assertEqual(conn.status(), status, conn.value[-400:])
+            self.assertClean(conn.value.decode("latin-1"), b"reload")
+        # R99: a client key reaches no admin route; the metrics key /metrics only.
+        client = b"Authorization: Bearer sk-team-intake\r\n"
+        metrics = b"Authorization: Bearer metrics-intake-0123456789\r\n"
+        for target in routes[:-2] + [b"/admin/accounts/a1/clear", b"/admin/reload"]:
+            for auth in (client, metrics, b"x-api-key: admin-intake-0123456789\r\n"):
+                method = b"POST" if target.endswith((b"clear", b"reload")) else b"GET"
+                conn = ask(target, method, auth)
+                self.assertEqual(conn.status(), 401, (target, auth))
+                self.assertClean(conn.value.decode("latin-1"), target)
+        self.assertEqual(ask(b"/metrics", auth=client).status(), 401)
+        self.assertEqual(ask(b"/metrics", auth=metrics).status(), 200)
+        self.assertGreater(len(lines), 0)
+        self.assertClean("\n".join(lines), "log")

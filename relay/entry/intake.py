@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import hmac
 import re
+from urllib.parse import unquote_to_bytes as unquote
 from typing import Callable, Optional
 
 from attrs import define, field
@@ -100,8 +101,18 @@ def isTurnPath(path: bytes) -> bool:
 
     @param path: the request target as sent (may carry a query).
     """
+    return tuple(_segments(path)) in TURN_PATHS
+
+
+def _segments(path: bytes) -> list:
+    """
+    The non-empty path segments of a request target, percent-decoded as
+    twisted.web decodes them to find the resource (C{/%61dmin/settings}
+    is C{/admin/settings}), so a route is sorted by the resource that will
+    answer it.
+    """
     target = path.split(b"?", 1)[0]
-    return tuple(s for s in target.split(b"/") if s) in TURN_PATHS
+    return [s for s in (unquote(s) for s in target.split(b"/")) if s]
 
 
 def bodyStreams(raw: bytes) -> Optional[bool]:
@@ -161,8 +172,7 @@ def routeClass(path: bytes, method: bytes) -> str:
     @return: one of L{ROUTE_CLIENT}, L{ROUTE_ADMIN}, L{ROUTE_METRICS},
         L{ROUTE_OPEN}.
     """
-    target = path.split(b"?", 1)[0]
-    segments = [s for s in target.split(b"/") if s]
+    segments = _segments(path)
     if not segments:
         return ROUTE_OPEN
     head = segments[0]
