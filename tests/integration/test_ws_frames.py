@@ -127,14 +127,14 @@ async def test_large_frame_waits_for_the_key_slot_with_pings():
     """
     stack = await _stack(concurrency=1, gateway={"stream_keepalive_interval": 0.5})
     try:
-        stack.emulator.setFault("sk-a1", {"kind": "delay_first_output", "seconds": 3,
+        stack.emulator.setFault("sk-a1", {"kind": "delay_first_output", "seconds": 5,
                                           "times": 1})
         busy = await connect(stack)
         busy.sendJSON(userTurn("slow"))
         await waitFor(lambda: stack.emulator.inflight("sk-a1") == 1)
         waiting = await rawWebSocket(stack.port.getHost().port, RELAY_KEY, deflate=False)
         waiting.sendJSON(dict(CREATE, input="b" * 300000))
-        await waitFor(lambda: waiting.pings >= 3, timeout=2.8)
+        await waitFor(lambda: waiting.pings >= 3, timeout=4)
         assert stack.emulator.inflight("sk-a1") == 1
         assert len(stack.emulator.requestsFor("sk-a1", "frame")) == 1
         events = await busy.collect(10)
