@@ -151,6 +151,21 @@ class NothingBeforeTheKeyTests(SynchronousTestCase):
             self.assertIsNone(request.content, path)
             self.assertTrue(conn.halfClosed)
 
+    def test_refusalsHaveAnAccessLine(self):
+        """
+        An answer written from the headers is in the access log like any
+        other (issue 15's C{relay.http_access}), with its id and status.
+        """
+        from twisted.logger import capturedLogs
+
+        app, _ = relaySite()
+        with capturedLogs() as events:
+            Conn(app.site).send(head(b"/v1/responses?api_key=x", length=10,
+                                     headers=b"X-Request-Id: intake-refused-1\r\n"))
+        [line] = [e for e in events if e.get("event") == "relay.http_access"]
+        self.assertEqual((line["status"], line["method"], line["request_id"], line["path"]),
+                         (401, "POST", "intake-refused-1", "/v1/responses?api_key=***"))
+
     def test_webSocketUpgradeWithoutKey(self):
         """
         The WebSocket upgrade needs the key like every client route.

@@ -859,12 +859,31 @@ class LimitedBodyRequest(Request):
             + b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n"
             + body
         )
+        self._accessLine(error.status, len(body))
         halfClose = getattr(transport, "loseWriteConnection", None)
         if halfClose is None:
             self.channel.loseConnection()
             return
         halfClose()
         self._linger = self.channel.callLater(LINGER_SECONDS, transport.abortConnection)
+
+    def _accessLine(self, status: int, length: int) -> None:
+        """
+        The access line of an answer written from the transport (401 from
+        the headers, 413, 429, 408): the site logs it like every finished
+        request (twisted.web's C{finish} would).
+        """
+        channel = self.channel
+        site = getattr(channel, "factory", None) or getattr(channel, "site", None)
+        if site is None:
+            return
+        self.method = getattr(channel, "_command", None) or self.method
+        self.uri = getattr(channel, "_path", None) or self.uri
+        self.code, self.sentLength = status, length
+        try:
+            site.log(self)
+        except Exception:  # noqa: BLE001 - an access line must never break the answer
+            self._log.failure("writing the access line failed")
 
     # -- the end -----------------------------------------------------------------
 

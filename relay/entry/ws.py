@@ -434,6 +434,8 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         decompressor is asked for no more (it stops inflating, in C), and a
         message that needs more is refused like an oversized one
         (L{_max_message_size_exceeded}: C{error} event, close 1009).
+        Needs autobahn's bounded C{decompress_message_data(data,
+        max_output_len)} (26.11; setup.cfg).
         """
         pmc = getattr(self, "_perMessageCompress", None)
         if pmc is None or getattr(pmc, "_relayBounded", False):
