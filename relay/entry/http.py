@@ -25,6 +25,7 @@ from twisted.web.server import NOT_DONE_YET
 
 from relay.entry.annotate import annotateTurn
 from relay.entry.body import DEFAULT_MAX_BODY_BYTES, tooLarge
+from relay.entry.intake import RequestRefused
 from relay.entry.sinks import JSONSink, SSESink, writeError
 from relay.model import ClientError, ClientKey, Turn
 from relay.requestid import newRequestId, requestIdOf  # noqa: F401 - newRequestId re-exported
@@ -216,16 +217,27 @@ class KeyRing:
     def authenticate(self, request) -> Optional[ClientKey]:
         """
         Find the key in C{Authorization: Bearer} or C{x-api-key}
-        (protocol.md 1): one digest, one lookup.
+        (protocol.md 1; L{relay.entry.intake.bearerOrKey}): one digest, one
+        lookup. A request the site's intake already authenticated
+        (C{request.relayClientKey}) is answered from that, so a request is
+        authenticated once, by one parser (issue 19).
 
         @return: the L{ClientKey}, or L{None}.
         """
-        auth = request.getHeader(b"authorization")
-        secret = None
-        if auth and auth[:7].lower() == b"bearer ":
-            secret = auth[7:].strip()
-        if not secret:
-            secret = request.getHeader(b"x-api-key")
+        known = getattr(request, "relayClientKey", None)
+        if known is not None:
+            return self.current(known)
+        from relay.entry.intake import bearerOrKey
+
+        return self.authenticateSecret(bearerOrKey(request))
+
+    def authenticateSecret(self, secret: Optional[bytes]) -> Optional[ClientKey]:
+        """
+        The key whose value is C{secret}, compared in constant time.
+
+        @param secret: the presented secret, or L{None}.
+        @return: the L{ClientKey}, or L{None}.
+        """
         if not secret:
             return None
         return self._lookup(secret)
@@ -248,7 +260,6 @@ def _digested(keys) -> tuple:
         from its secret once, here).
     """
     return tuple(k if k.digest else evolve(k, digest=keyDigest(k.key)) for k in keys)
-
 
 UNAUTHORIZED = ClientError(
     401,
@@ -299,6 +310,9 @@ _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 hold an unpaired surrogate (raw UTF-8 surrogates fail to decode)."""
 
 
+NESTING_MESSAGE = "The JSON body of your request nests too deeply."
+
+
 def loadJSON(raw: bytes):
     """
     Parse a client's JSON body or WebSocket frame, refusing an unpaired
@@ -310,15 +324,46 @@ def loadJSON(raw: bytes):
 
     @param raw: the bytes.
     @return: the parsed value.
-    @raise ValueError: for invalid JSON, bad UTF-8 or an unpaired surrogate.
+    @raise ValueError: for invalid JSON, bad UTF-8, an unpaired surrogate
+        or nesting deeper than the parser's recursion limit
+        (L{NESTING_MESSAGE}, issue 19 item 3).
     """
-    value = json.loads(raw)
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        # Issue 19 item 3: deep nesting is the client's fault, a 400.
+        raise ValueError(NESTING_MESSAGE) from None
     if _ESCAPED_SURROGATE.search(raw):
         try:
             json.dumps(value, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
             raise ValueError("unpaired Unicode surrogate") from None
     return value
+
+
+def requestJSON(request):
+    """
+    The request's JSON body: through the intake's
+    C{request.relayJSON()} (parsed once, after the key's slot was
+    admitted, R103), else read and parsed here (requests built without
+    the intake, e.g. unit tests).
+
+    @raise RequestRefused: 413 over the limit, 400 for a body that is not
+        JSON or nests too deep.
+    """
+    parse = getattr(request, "relayJSON", None)
+    if parse is not None:
+        return parse()
+    limit = getattr(request, "bodyLimit", MAX_BODY_BYTES)
+    raw = request.content.read(limit + 1)
+    if len(raw) > limit:
+        raise RequestRefused(tooLarge(limit))
+    try:
+        return loadJSON(raw)
+    except ValueError as e:
+        message = str(e) if str(e) == NESTING_MESSAGE else (
+            "We could not parse the JSON body of your request.")
+        raise RequestRefused(badRequest(message)) from None
 
 
 class TurnResource(Resource):
@@ -384,15 +429,10 @@ class TurnResource(Resource):
         if key is None:
             writeError(request, UNAUTHORIZED)
             return NOT_DONE_YET
-        limit = getattr(request, "bodyLimit", MAX_BODY_BYTES)
-        raw = request.content.read(limit + 1)
-        if len(raw) > limit:
-            writeError(request, tooLarge(limit))
-            return NOT_DONE_YET
         try:
-            body = loadJSON(raw)
-        except ValueError:
-            writeError(request, badRequest("We could not parse the JSON body of your request."))
+            body = requestJSON(request)
+        except RequestRefused as e:
+            writeError(request, e.error)
             return NOT_DONE_YET
         if not isinstance(body, dict):
             writeError(request, badRequest("The request body must be a JSON object."))
@@ -409,6 +449,12 @@ class TurnResource(Resource):
             writeError(request, invalidType("stream", "a boolean", streamFlag))
             return NOT_DONE_YET
         stream = streamFlag is True
+        if not stream and getattr(request, "relaySSEStarted", False):
+            # Issue 19: keepalives already went out (the raw body read as
+            # streaming while the key's slot was awaited, R85) and committed
+            # the SSE head; a body whose parse disagrees (a nested
+            # "stream": true, L{relay.entry.intake.bodyStreams}) is streamed.
+            body, stream = dict(body, stream=True), True
         if self._endpoint == "chat":
             try:
                 checkChatRequest(body)
@@ -440,6 +486,11 @@ class TurnResource(Resource):
             requestId=requestIdOf(request),
         )
         _noteClient(turn, request)
+        if getattr(request, "relayKeyAdmitted", False):
+            # Issue 19 (R103): the intake admitted the key's slot before
+            # decoding the body; the engine releases it with the turn.
+            turn.keyAdmitted = True
+            turn.keyLease = request.takeKeyLease()
         sinkType = SSESink if stream else JSONSink
         sink = sinkType(request, self._endpoint, model)
         if self._endpoint == "responses":

@@ -37,7 +37,7 @@ from tests.integration.oauthstack import (
 )
 from tests.integration.test_ws_turns import connect, drain, userTurn
 
-ADMIN = "admin-secret-oauth"
+ADMIN = "admin-secret-oauth-0000"
 
 
 @pytest.fixture
