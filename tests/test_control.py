@@ -31,7 +31,7 @@ from relay.control.web import ControlError, readJSONBody
 from relay.logs import _registered
 from relay.model import ConfigError
 
-ADMIN = "adm-control-key"
+ADMIN = "adm-control-key-0123456789"
 NOW = 1_700_000_000.0
 FILE_KEY = "sk-file-account-a1-secret"
 ADMIN_SECRET = "sk-admin-added-x1-secret"
