@@ -340,6 +340,10 @@ def reasonPhrase(status: int) -> bytes:
         return b"Error"
 
 
+_BLANK = object()
+"""What L{LimitedBodyRequest.relayJSON} read from an empty body."""
+
+
 class _Once:
     """
     A slot lease released at most once.
@@ -377,6 +381,7 @@ class LimitedBodyRequest(Request):
         was awaited (L{_waitKeepalive}): 200 and the SSE headers are sent.
     @ivar relayQuietSince: when the last of them was written (site clock
         seconds), or L{None}.
+    @ivar relayBodyBlank: L{relayJSON} found the body empty or blank.
     """
 
     _log = Logger()
@@ -386,6 +391,7 @@ class LimitedBodyRequest(Request):
     relayClientKey = None
     relayKeyLease = None
     relayKeyAdmitted = False
+    relayBodyBlank = False
     relaySSEStarted = False
     relayQuietSince = None
     _streams = None
@@ -774,22 +780,35 @@ class LimitedBodyRequest(Request):
         lease, self.relayKeyLease = self.relayKeyLease, None
         return lease
 
-    def relayJSON(self):
+    def relayJSON(self, allowEmpty: bool = False):
         """
-        The decoded body parsed as JSON, once (L{relay.entry.http.loadJSON}).
+        The decoded body parsed as JSON, once (L{relay.entry.jsonbody.loadJSON}).
+        The one body reader of every resource behind the intake: client
+        routes (turns, C{/v1/responses/*}) and admin routes (through
+        L{relay.control.web.readJSONBody}).
 
+        @param allowEmpty: an empty (or blank) body reads as C{{}} (routes
+            whose body is optional) instead of a 400.
         @raise relay.entry.intake.RequestRefused: a 400 for a body that is
             not JSON (or nests too deep).
         """
         if not self._parsed:
-            from relay.entry.http import loadJSON
+            from relay.entry.jsonbody import loadJSON
 
             raw = self.content.read() if self.content is not None else b""
             self._parsed = True
-            try:
-                self._json = loadJSON(raw)
-            except ValueError as e:
-                self._json = e
+            if not raw.strip():
+                self._json, self.relayBodyBlank = _BLANK, True
+            else:
+                try:
+                    self._json = loadJSON(raw)
+                except ValueError as e:
+                    self._json = e
+            del raw
+        if self._json is _BLANK:
+            if allowEmpty:
+                return {}
+            self._json = ValueError("blank body")
         if isinstance(self._json, ValueError):
             message = str(self._json)
             if "nest" not in message:

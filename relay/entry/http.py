@@ -14,8 +14,6 @@ turn runner. It holds no failover, cooldown or admission policy
 from __future__ import annotations
 
 import hmac
-import json
-import re
 from typing import Optional
 
 from attrs import evolve
@@ -25,7 +23,8 @@ from twisted.web.server import NOT_DONE_YET
 
 from relay.entry.annotate import annotateTurn
 from relay.entry.body import DEFAULT_MAX_BODY_BYTES, tooLarge
-from relay.entry.intake import RequestRefused
+from relay.entry.intake import UNAUTHORIZED, RequestRefused  # noqa: F401 - UNAUTHORIZED re-exported
+from relay.entry.jsonbody import NESTING_MESSAGE, loadJSON  # noqa: F401 - re-exported
 from relay.entry.sinks import JSONSink, SSESink, writeError
 from relay.model import ClientError, ClientKey, Turn
 from relay.requestid import newRequestId, requestIdOf  # noqa: F401 - newRequestId re-exported
@@ -261,12 +260,6 @@ def _digested(keys) -> tuple:
     """
     return tuple(k if k.digest else evolve(k, digest=keyDigest(k.key)) for k in keys)
 
-UNAUTHORIZED = ClientError(
-    401,
-    "invalid_request_error",
-    "Incorrect API key provided. Use Authorization: Bearer <relay key> or x-api-key.",
-    code="invalid_api_key",
-)
 
 
 def badRequest(message: str, param=None, code=None) -> ClientError:
@@ -305,42 +298,6 @@ def invalidType(param: str, expected: str, value) -> ClientError:
     )
 
 
-_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
-"""A JSON C{\\uD800}-C{\\uDFFF} escape: the only way a parsed body can
-hold an unpaired surrogate (raw UTF-8 surrogates fail to decode)."""
-
-
-NESTING_MESSAGE = "The JSON body of your request nests too deeply."
-
-
-def loadJSON(raw: bytes):
-    """
-    Parse a client's JSON body or WebSocket frame, refusing an unpaired
-    UTF-16 surrogate escape (e.g. C{"\\ud800"}): it is not text, it cannot
-    be hashed or forwarded as UTF-8, and upstream must never see it
-    (found by issue 14's fuzzing). Paired escapes (emoji written as
-    C{"\\ud83d\\ude00"}) are fine. Only bodies that contain a surrogate
-    escape pay for the second check.
-
-    @param raw: the bytes.
-    @return: the parsed value.
-    @raise ValueError: for invalid JSON, bad UTF-8, an unpaired surrogate
-        or nesting deeper than the parser's recursion limit
-        (L{NESTING_MESSAGE}, issue 19 item 3).
-    """
-    try:
-        value = json.loads(raw)
-    except RecursionError:
-        # Issue 19 item 3: deep nesting is the client's fault, a 400.
-        raise ValueError(NESTING_MESSAGE) from None
-    if _ESCAPED_SURROGATE.search(raw):
-        try:
-            json.dumps(value, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError("unpaired Unicode surrogate") from None
-    return value
-
-
 def requestJSON(request):
     """
     The request's JSON body: through the intake's
@@ -364,6 +321,18 @@ def requestJSON(request):
         message = str(e) if str(e) == NESTING_MESSAGE else (
             "We could not parse the JSON body of your request.")
         raise RequestRefused(badRequest(message)) from None
+
+
+def handOverKeyLease(request, turn: Turn) -> None:
+    """
+    Issue 19 (R103): when the intake admitted the key's slot before the
+    body was decoded, the turn takes that lease (the engine does not admit
+    the key again, and releases it when the turn ends). Every resource
+    that starts a turn from a request with a body calls this.
+    """
+    if getattr(request, "relayKeyAdmitted", False):
+        turn.keyAdmitted = True
+        turn.keyLease = request.takeKeyLease()
 
 
 class TurnResource(Resource):
@@ -486,11 +455,7 @@ class TurnResource(Resource):
             requestId=requestIdOf(request),
         )
         _noteClient(turn, request)
-        if getattr(request, "relayKeyAdmitted", False):
-            # Issue 19 (R103): the intake admitted the key's slot before
-            # decoding the body; the engine releases it with the turn.
-            turn.keyAdmitted = True
-            turn.keyLease = request.takeKeyLease()
+        handOverKeyLease(request, turn)
         sinkType = SSESink if stream else JSONSink
         sink = sinkType(request, self._endpoint, model)
         if self._endpoint == "responses":

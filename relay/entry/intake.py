@@ -40,7 +40,7 @@ C{render} on a client route carries
     C{keyAdmitted=True}) and the engine releases it; otherwise it is
     released when the request finishes;
   - C{request.relayJSON()}: the decoded body parsed as JSON
-    (L{relay.entry.http.loadJSON}: deep nesting and bad surrogates are
+    (L{relay.entry.jsonbody.loadJSON}: deep nesting and bad surrogates are
     400s), raising L{RequestRefused} (its C{.error} a 400
     L{relay.model.ClientError}) for a body that is not JSON; parsed once.
     L{relay.entry.http.requestJSON} does the same for requests built
@@ -233,6 +233,15 @@ def tooManyBytes(scope: str, limit: int) -> ClientError:
     )
 
 
+UNAUTHORIZED = ClientError(
+    401,
+    "invalid_request_error",
+    "Incorrect API key provided. Use Authorization: Bearer <relay key> or x-api-key.",
+    code="invalid_api_key",
+)
+"""A client route without a valid key (protocol.md 1); re-exported by
+L{relay.entry.http}."""
+
 UNAUTHORIZED_ADMIN = ClientError(
     401, "authentication_error", "Missing or invalid admin key", code="invalid_admin_key",
     headers=(("WWW-Authenticate", 'Bearer realm="relay-admin"'),),
@@ -328,8 +337,6 @@ class IntakePolicy:
             return None, None
         secret = bearerOrKey(request)
         if route == ROUTE_CLIENT:
-            from relay.entry.http import UNAUTHORIZED
-
             key = self.keys.authenticateSecret(secret) if secret else None
             return (key, None) if key is not None else (None, UNAUTHORIZED)
         admin = self.adminKey()
