@@ -538,7 +538,8 @@ class KeepaliveWhileQueuedTests(SynchronousTestCase):
             sink.fail(B.tooLarge(1))  # never runs upstream
 
         responses = app.site.resource.root.children[b"v1"].children[b"responses"]
-        self.patch(responses, "_runner", type("R", (), {"run": staticmethod(run)})())
+        turns = getattr(responses, "_turns", responses)  # issue 20: the turn resource inside
+        self.patch(turns, "_runner", type("R", (), {"run": staticmethod(run)})())
         held[0].release()
         app.reactor.advance(1)
         [(stream, sinkType, sent, quiet)] = seen
