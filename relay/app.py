@@ -353,6 +353,7 @@ def buildApplication(
         keys=keys, adminKey=app.live.adminKey, metricsKey=app.live.metricsKey,
         limits=lambda: settings.current.limits, admitKey=runner.admitKey,
         draining=lambda: app.drain.draining,
+        keyRefusal=_keyRefusal(app), keysReady=_keysReady(app),
     )
     site.limits = lambda: settings.current.limits
     wsResource.factory.budget = site.intake.budget
@@ -364,6 +365,38 @@ def buildApplication(
     app.site = site
     app.reloader.onApplied.append(lambda result, new: _applyLimits(app, new))
     return app
+
+
+def _keyRefusal(app: RelayApplication):
+    """
+    The intake's key-only refusals (R102 with R103): the key policy's
+    disabled / expired answers, given at the headers on every client route
+    and the WebSocket upgrade (L{relay.entry.intake.IntakePolicy}).
+    """
+
+    def refusal(key):
+        policy = app.extras.get("keyPolicy")
+        if policy is None:
+            return None
+        return policy.keyRefusal(key, app.reactor.seconds())
+
+    return refusal
+
+
+def _keysReady(app: RelayApplication):
+    """
+    R105 at the headers: while the control store's first read is pending
+    (the key ring does not know the admin keys and disables yet), the
+    start-up gate's C{control} flag to wait for; else L{None}.
+    """
+
+    def ready():
+        if not getattr(app.keys, "pending", False):
+            return None
+        gate = app.extras.get("startupGate")
+        return gate.wait(["control"]) if gate is not None else None
+
+    return ready
 
 
 def _tracing(app: RelayApplication, exporter=None) -> None:
@@ -829,14 +862,25 @@ class _Startup(MultiService):
         from relay.operations.readiness import StartupGate
 
         # R105 (issue 19 item 6): not ready, and no turn, until the stores
-        # are loaded.
+        # are loaded -- one gate for every store a turn depends on: the
+        # settings, the OAuth tokens, and the control plane's first read
+        # (admin accounts, pauses, admin keys and disables; issue 21/22),
+        # each set once read or once its read failed (R35, R101).
         gate = StartupGate()
         readiness = self._app.extras["readiness"]
         readiness.addCheck("settings", gate.settings)
         readiness.addCheck("tokens", gate.tokens)
+        plane = None
+        if "controlParts" in self._app.extras:
+            plane = self._app.extras["controlParts"].plane
+            plane.onSettled = gate.mark(gate.add("control"))
         self._app.extras["startupGate"] = gate
         self._app.runner.startupGate = gate
         super().startService()
+        if plane is not None and not plane.running:
+            # No control service among the children (an application wired
+            # by hand): nothing will read the store, nobody waits for it.
+            plane.onSettled()
         d = self._app.settings.start()
         d.addErrback(
             lambda f: logFailure(

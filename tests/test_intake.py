@@ -580,3 +580,198 @@ class BodyStreamsTests(SynchronousTestCase):
             self.assertIs(bodyStreams(json.dumps(value, indent=2).encode()), expected)
         self.assertIs(bodyStreams(b'{"stream":true,"stream":false}'), False)
         self.assertIsNone(bodyStreams(b'{"input":[' + b'"stream",' * 100 + b'""]}'))
+
+
+def policySite():
+    """
+    A relay's site with keys the policy refuses by themselves: C{offkey}
+    (disabled in the file), C{old} (expired), and C{team}; the clock at a
+    2026 instant.
+    """
+    from relay.app import buildApplication
+    from relay.config import settingsFromString
+
+    config = settingsFromString(
+        'listen: "tcp:0:interface=127.0.0.1"\ndatabase: ":memory:"\n'
+        f"admin_key: {ADMIN}\n"
+        f"keys: [{{name: team, key: {KEY}}},"
+        " {name: offkey, key: sk-off-intake, disabled: true},"
+        " {name: old, key: sk-old-intake, expires_at: '2020-01-01T00:00:00Z'}]\n"
+        "accounts: [{id: a1, type: apikey, api_key: sk-up, "
+        'base_url: "http://127.0.0.1:1/v1"}]\n'
+    )
+    reactor = MemoryReactorClock()
+    reactor.advance(1_780_000_000)
+    app = buildApplication(config, reactor)
+    probe = Probe()
+    app.site.resource.root.children[b"v1"].putChild(b"probe", probe)
+    return app, probe
+
+
+UPGRADE = (b"Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+           b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n")
+
+
+def bearer(secret: str) -> bytes:
+    return b"Authorization: Bearer " + secret.encode() + b"\r\n"
+
+
+class KeyPolicyAtTheHeadersTests(SynchronousTestCase):
+    """
+    R102 with R103 (issues 19 and 22 merged): the key policy's refusals
+    that need only the key -- disabled (in the file or through the admin
+    API) and expired -- are answered from the headers like an unknown key,
+    on every client route and the WebSocket upgrade; the body is never
+    read. (Before the merge a disabled key's body was read, decoded and
+    parsed, and its key slot taken, before the engine refused the turn.)
+    """
+
+    def test_refusedBeforeTheBody(self):
+        app, probe = policySite()
+        for secret, code in (("sk-off-intake", "api_key_disabled"),
+                             ("sk-old-intake", "api_key_expired")):
+            for path in (b"/v1/probe", b"/v1/responses", b"/v1/responses/compact"):
+                conn = Conn(app.site, clock=app.reactor).send(
+                    head(path, headers=bearer(secret), length=5000))
+                self.assertEqual((conn.status(), conn.error()["code"]), (401, code), path)
+                self.assertTrue(conn.halfClosed)
+                request = conn.inner._channel.requests[-1] if conn.inner._channel.requests else None
+                conn.send(b"a" * 5000)
+                self.assertIsNone(getattr(request, "content", None))
+        self.assertEqual(probe.seen, [])
+        loads = self.successResultOf(app.admission.load("user", ["offkey", "old"]))
+        self.assertEqual({k: tuple(v) for k, v in loads.items() if any(v)}, {})
+
+    def test_webSocketUpgrade(self):
+        app, _ = policySite()
+        for secret, code in (("sk-off-intake", "api_key_disabled"),
+                             ("sk-old-intake", "api_key_expired")):
+            conn = Conn(app.site, clock=app.reactor).send(
+                head(b"/v1/responses", b"GET", bearer(secret) + UPGRADE))
+            self.assertEqual((conn.status(), conn.error()["code"]), (401, code))
+            self.assertNotIn(b"101", conn.value.split(b"\r\n", 1)[0])
+
+    def test_disabledThroughTheAdminAPI(self):
+        """
+        A disable kept in the control store (C{key_disabled}) is in the
+        ring at once, so the next request is refused at its headers.
+        """
+        app, probe = policySite()
+        app.keys.replaceAdmin([], {"team"})
+        conn = Conn(app.site, clock=app.reactor).send(
+            head(b"/v1/probe", headers=AUTH, length=2) + b"{}")
+        self.assertEqual((conn.status(), conn.error()["code"]), (401, "api_key_disabled"))
+        app.keys.replaceAdmin([], set())
+        Conn(app.site, clock=app.reactor).send(head(b"/v1/probe", headers=AUTH, length=2) + b"{}")
+        self.assertEqual(len(probe.seen), 1)
+
+
+class KeysPendingAtStartTests(SynchronousTestCase):
+    """
+    R105 at the headers (issues 19, 21 and 22 merged): while the control
+    store's first read is pending, the key ring cannot tell an admin key or
+    a disable; a client request waits at its headers with the connection's
+    reads paused (its body unread) until the read settles -- the start-up
+    gate's C{control} flag -- instead of a 503 C{keys_loading} (before the
+    merge) or a 401 for a key not read yet.
+    """
+
+    def pending(self):
+        from relay.operations.readiness import StartupGate
+
+        app, probe = policySite()
+        gate = StartupGate()
+        gate.mark(gate.settings)()
+        gate.mark(gate.tokens)()
+        flag = gate.add("control")
+        app.extras["startupGate"] = gate
+        app.keys.pending = True
+        return app, probe, gate, gate.mark(flag)
+
+    def test_waitsThenGoesOn(self):
+        app, probe, gate, settle = self.pending()
+        conn = Conn(app.site, clock=app.reactor).send(
+            head(b"/v1/probe", headers=AUTH, length=2) + b"{}")
+        self.assertEqual((conn.value, probe.seen), (b"", []))
+        self.assertEqual(conn.transport.producerState, "paused")
+        app.keys.pending = False
+        settle()
+        self.assertEqual(conn.transport.producerState, "producing")
+        [seen] = probe.seen
+        self.assertEqual((seen["body"], seen["key"].name), (b"{}", "team"))
+
+    def test_bodyAfterTheWait(self):
+        """
+        A body that comes after the headers is read only once the key is
+        known (and counted then); C{Expect: 100-continue} is answered then.
+        """
+        app, probe, gate, settle = self.pending()
+        conn = Conn(app.site, clock=app.reactor).send(
+            head(b"/v1/probe", headers=AUTH + b"Expect: 100-continue\r\n", length=2))
+        self.assertEqual(conn.value, b"")
+        app.keys.pending = False
+        settle()
+        self.assertTrue(conn.value.startswith(b"HTTP/1.1 100 Continue"), conn.value)
+        conn.send(b"{}")
+        self.assertEqual(probe.seen[0]["body"], b"{}")
+
+    def test_disableReadMeanwhileRefuses(self):
+        """
+        A disable the first read brings in refuses the waiting request
+        from its headers; an admin key it brings in authenticates.
+        """
+        from relay.model import ClientKey
+        from relay.tenants.keydigest import keyDigest
+
+        app, probe, gate, settle = self.pending()
+        refused = Conn(app.site, clock=app.reactor).send(
+            head(b"/v1/probe", headers=AUTH, length=2) + b"{}")
+        issued = Conn(app.site, clock=app.reactor).send(
+            head(b"/v1/probe", headers=bearer("sk-relay-issued-later"), length=2) + b"{}")
+        app.keys.replaceAdmin(
+            [ClientKey(name="later", key="", digest=keyDigest("sk-relay-issued-later"))], {"team"})
+        app.keys.pending = False
+        settle()
+        self.assertEqual((refused.status(), refused.error()["code"]), (401, "api_key_disabled"))
+        self.assertEqual([s["key"].name for s in probe.seen], ["later"])
+        self.assertEqual(issued.status(), 200)
+
+    def test_webSocketUpgradeWaits(self):
+        app, _, gate, settle = self.pending()
+        conn = Conn(app.site, clock=app.reactor).send(
+            head(b"/v1/responses", b"GET", bearer("sk-off-intake") + UPGRADE))
+        self.assertEqual(conn.value, b"")
+        app.keys.pending = False
+        settle()
+        self.assertEqual((conn.status(), conn.error()["code"]), (401, "api_key_disabled"))
+
+    def test_boundedWait(self):
+        """
+        The wait lasts at most L{relay.entry.intake.KEYS_WAIT_SECONDS}; a
+        ring still pending then is answered 503 C{keys_loading} (retry)
+        from the headers, the body unread.
+        """
+        from relay.entry.intake import KEYS_WAIT_SECONDS
+
+        app, probe, gate, _ = self.pending()
+        conn = Conn(app.site, clock=app.reactor).send(head(b"/v1/probe", headers=AUTH, length=2))
+        app.reactor.advance(KEYS_WAIT_SECONDS - 0.1)
+        self.assertEqual(conn.value, b"")
+        app.reactor.advance(0.2)
+        self.assertEqual((conn.status(), conn.error()["code"]), (503, "keys_loading"))
+        self.assertEqual((probe.seen, gate._waiters), ([], []))
+
+    def test_clientGoneWhileWaiting(self):
+        app, probe, gate, settle = self.pending()
+        conn = Conn(app.site, clock=app.reactor).send(head(b"/v1/probe", headers=AUTH, length=2))
+        conn.protocol.connectionLost(None)
+        self.assertEqual(gate._waiters, [])
+        app.keys.pending = False
+        settle()
+        self.assertEqual(probe.seen, [])
+
+    def test_noWaitOnceKnown(self):
+        app, probe = policySite()
+        conn = Conn(app.site, clock=app.reactor).send(
+            head(b"/v1/probe", headers=AUTH, length=2) + b"{}")
+        self.assertEqual((conn.status(), len(probe.seen)), (200, 1))

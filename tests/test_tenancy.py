@@ -9,7 +9,7 @@ import json
 import os
 import tempfile
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.logger import formatEvent  # noqa: F401
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
@@ -213,8 +213,48 @@ class CleanStartTests(SynchronousTestCase):
         self.assertEqual(readiness.ready(), (False, ["settings", "tokens"]))
         pending.callback({})
         self.assertEqual(readiness.ready(), (True, []))
+        # The control plane was not started here (no child services): its
+        # flag does not hold the one start-up gate (issue 21 merged).
+        self.assertTrue(app.extras["startupGate"].isOpen)
         app.drain.draining = True
         self.assertEqual(readiness.ready(), (False, ["draining"]))
+
+    def test_controlPlaneJoinsTheGate(self):
+        """
+        R105 with issue 21: the control plane's first read is a flag of the
+        one start-up gate the runner waits on; the gate opens once the
+        settings, the tokens and that read are in.
+        """
+        from twisted.internet.testing import MemoryReactorClock
+
+        from relay.app import _Startup, buildApplication
+        from relay.config import settingsFromString
+
+        config = settingsFromString(
+            'listen: "tcp:0:interface=127.0.0.1"\ndatabase: ":memory:"\n'
+            "keys: [{name: t, key: sk-t}]\naccounts: [{id: a1, type: apikey, api_key: k}]\n")
+        app = buildApplication(config, MemoryReactorClock())
+        parts = app.extras["controlParts"]
+        held = []
+        # A store read over the network (Redis): no read before listening.
+        self.patch(type(parts.store), "readNow", None)
+        self.patch(type(parts.store), "list",
+                   lambda this, kind: held.append(Deferred()) or held[-1])
+        from relay.settings import RuntimeSettings
+
+        self.patch(RuntimeSettings, "start", lambda self: succeed({}))
+        startup = _Startup(app)
+        parts.service.setServiceParent(startup)
+        startup.startService()
+        gate = app.extras["startupGate"]
+        self.assertIs(app.runner.startupGate, gate)
+        self.assertTrue(gate.settings() and gate.tokens())
+        self.assertFalse(gate.isOpen)
+        self.assertTrue(app.keys.pending)
+        while held:
+            held.pop(0).callback([])
+        self.assertTrue(gate.isOpen)
+        self.assertFalse(app.keys.pending)
 
 
 class SmallDefectTests(SynchronousTestCase):

@@ -273,11 +273,13 @@ class TurnRunner:
                 # the body was decoded (L{admitKey}); the turn owns it now,
                 # so every way out below gives it back.
                 userLease, turn.keyLease = turn.keyLease, None
-            self._checkKeyPolicy(turn, start)
-            self._checkTokenBudget(turn, start)
-            await self._checkKeyRate(turn)
             state.keepalive = self._startKeepalive(turn, sink)
+            # R105: the stores first (the key policy reads the control
+            # plane's keys and disables, selection its pauses).
             await self._waitForStores(turn)
+            self._checkKeyPolicy(turn, self.clock.seconds())
+            self._checkTokenBudget(turn, self.clock.seconds())
+            await self._checkKeyRate(turn)
             if not turn.keyAdmitted:
                 userLease = await self._admitUser(turn, sink, state)
             outcome, status, accountId = await self._loop(turn, sink, state)
@@ -380,10 +382,13 @@ class TurnRunner:
 
     async def _waitForStores(self, turn: Turn) -> None:
         """
-        R105: no turn on an account before its tokens and the settings are
-        loaded. A turn that arrives first waits (cancellable, at most
-        L{STARTUP_WAIT_SECONDS}); then selection's C{tokens_loading} block
-        skips what is still not loaded.
+        R105: no turn on an account before its tokens, the settings and the
+        control plane's first read (pauses, admin keys and disables) are
+        loaded: the one start-up gate (L{relay.operations.readiness.StartupGate}).
+        A turn that arrives first waits (cancellable, at most
+        L{STARTUP_WAIT_SECONDS}; a store whose read failed sets its flag,
+        R35/R101, so a silent store ends the wait); then selection's
+        C{tokens_loading} block skips what is still not loaded.
         """
         gate = self.startupGate
         pending = gate.wait() if gate is not None else None

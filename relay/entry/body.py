@@ -302,6 +302,10 @@ def _contentFile(length: Optional[int]):
     return tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)
 
 
+HELD_BEFORE_KEY_BYTES = 256 * 1024
+"""The most body bytes kept aside (undecoded) for a request waiting at its
+headers for the key ring at start (L{LimitedBodyRequest._holdForKeys})."""
+
 RATIO_FLOOR_BYTES = 2**20
 """A compressed body may always decode to this much, whatever its ratio."""
 
@@ -405,6 +409,10 @@ class LimitedBodyRequest(Request):
     _charged = 0
     _linger = None
     _rateCall = None
+    _chunked = False
+    _keysWait = None
+    _keysTimer = None
+    _pausedForKeys = None
     _rateMark = 0
     _admitting = None
     _cancel = None
@@ -430,16 +438,37 @@ class LimitedBodyRequest(Request):
         """
         The headers are in: check the credentials (R103), refuse a declared
         length over the limit at once, and prepare to hold the raw body.
+        A client request whose key the ring cannot tell yet (the control
+        store's first read at start, R105) waits first, its body unread
+        (L{_holdForKeys}).
         """
         from relay.entry import intake as I
 
         site = getattr(self.channel, "site", None)
         self.bodyLimit = getattr(site, "maxRequestBodyBytes", DEFAULT_MAX_BODY_BYTES)
+        self._chunked = length is None
         policy = getattr(site, "intake", None)
+        if policy is None:
+            self._headersIn(length, None, None, None)
+            return
+        method = (getattr(self.channel, "_command", b"") or b"").upper()
+        path = getattr(self.channel, "_path", b"") or b"/"
+        route = I.routeClass(path, method)
+        self.relayRoute = route
+        if route == I.ROUTE_CLIENT:
+            pending = policy.keysReady()
+            if pending is not None:
+                self._holdForKeys(pending, length, policy, route, method, path)
+                return
+        self._headersIn(length, policy, route, method)
+
+    def _headersIn(self, length, policy, route, method) -> None:
+        """
+        See L{gotLength}: the checks once the key can be told.
+        """
+        from relay.entry import intake as I
+
         if policy is not None:
-            method = (getattr(self.channel, "_command", b"") or b"").upper()
-            route = I.routeClass(getattr(self.channel, "_path", b"") or b"/", method)
-            self.relayRoute = route
             key, error = policy.authenticate(route, self)
             if error is not None:
                 self.content = None
@@ -468,6 +497,99 @@ class LimitedBodyRequest(Request):
             return
         if length != 0:
             self._armRate()
+
+    # -- waiting for the key ring at start (R105) ---------------------------------
+
+    def _holdForKeys(self, pending, length, policy, route, method, path) -> None:
+        """
+        The key ring cannot tell keys yet (the control store's first read
+        is pending at start): wait for it (at most
+        L{relay.entry.intake.KEYS_WAIT_SECONDS}) with the connection's
+        reads paused, so nothing of the body is read, decoded or parsed
+        before the key is known (R103, R105). What twisted.web had already
+        read with the headers (at most one socket read) is kept aside,
+        undecoded, and counted once the key is known; an
+        C{Expect: 100-continue} is answered only then.
+        """
+        from relay.entry import intake as I
+
+        self.method, self.uri = method, path  # for an access line while held
+        self._keysWait = pending
+        self._held = []
+        self._heldBytes = 0
+        self._heldReceived = None
+        self._heldArgs = (length, policy, route, method)
+        self._heldExpect = bool(self.requestHeaders.getRawHeaders(b"expect"))
+        self.requestHeaders.removeHeader(b"expect")
+        self.content = io.BytesIO()
+        producer = getattr(self.channel, "_networkProducer", None)
+        if producer is not None:
+            producer.pauseProducing()
+            self._pausedForKeys = producer
+        self._keysTimer = self.channel.callLater(I.KEYS_WAIT_SECONDS, self._keysKnown)
+        pending.addBoth(self._keysKnown)
+
+    def _keysKnown(self, result=None):
+        """
+        The key ring can tell keys now (or the wait ran out): resume
+        reading and go on as if the headers had just come in.
+        """
+        from twisted.internet.defer import CancelledError
+        from twisted.python.failure import Failure
+
+        if isinstance(result, Failure):
+            result.trap(CancelledError)
+            result = None
+        if self._keysWait is None:
+            return result
+        self._endKeysWait()
+        if self._done or self._refused:
+            return result
+        held, self._held = self._held, []
+        self._headersIn(*self._heldArgs)
+        if self._refused:
+            return result
+        if self._heldExpect and getattr(self.channel, "transport", None) is not None:
+            self.channel._send100Continue()
+        for data in held:
+            self.handleContentChunk(data)
+            if self._refused:
+                return result
+        if self._heldReceived is not None:
+            self.requestReceived(*self._heldReceived)
+        return result
+
+    def _holdChunk(self, data: bytes) -> None:
+        """
+        Body bytes twisted.web read with the headers while the key ring is
+        awaited: kept aside undecoded (reads are paused, so this is at most
+        about one socket read); more than L{HELD_BEFORE_KEY_BYTES} is
+        answered at once (503, retry) rather than kept.
+        """
+        self._heldBytes += len(data)
+        if self._heldBytes > HELD_BEFORE_KEY_BYTES:
+            from relay.tenants.policy import KEYS_LOADING
+
+            self._held = []
+            self._endKeysWait()
+            self._answerNow(KEYS_LOADING)
+            return
+        self._held.append(data)
+
+    def _endKeysWait(self) -> None:
+        """
+        Stop waiting for the key ring: the timer, the wait, and the paused
+        reads.
+        """
+        wait, self._keysWait = self._keysWait, None
+        timer, self._keysTimer = self._keysTimer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+        if wait is not None and not wait.called:
+            wait.cancel()
+        producer, self._pausedForKeys = self._pausedForKeys, None
+        if producer is not None and not self._refused:
+            producer.resumeProducing()
 
     def _limits(self):
         intake = self._intake
@@ -548,13 +670,16 @@ class LimitedBodyRequest(Request):
         """
         if self._refused:
             return
+        if self._keysWait is not None:
+            self._holdChunk(data)
+            return
         self._received += len(data)
         if self._received > self.bodyLimit:
             self._refuseNow(None)
             return
         if self._bodyError is not None or self._discard:
             return
-        if self.channel.length is None and not self._reserve(len(data)):
+        if self._chunked and not self._reserve(len(data)):
             return  # chunked: held bytes are counted as they come
         self.content.write(data)
 
@@ -579,6 +704,11 @@ class LimitedBodyRequest(Request):
         """
         self._stopRate()
         if self._refused:
+            return
+        if self._keysWait is not None:
+            # R105: the whole body came with the headers; it is looked at
+            # once the key can be told (L{_keysKnown}).
+            self._heldReceived = (command, path, version)
             return
         admit = self._intake.admitKey if self._intake is not None else None
         if self._intake is not None and self.relayClientKey is not None and self._intake.draining():
@@ -859,6 +989,7 @@ class LimitedBodyRequest(Request):
         """
         self._refused = True
         self._stopRate()
+        self._endKeysWait()
         self._encoding = None
         self._dropContent()
         self._releaseBudget()
@@ -915,6 +1046,7 @@ class LimitedBodyRequest(Request):
             return
         self._done = True
         self._stopRate()
+        self._endKeysWait()
         self._releaseBudget()
         lease = self.takeKeyLease()
         if lease is not None:

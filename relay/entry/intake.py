@@ -11,7 +11,12 @@ C{Connection: close}; its body is never read, decoded, spooled or parsed.
 
   - B{client routes} (C{/v1/...}, the prefixless aliases,
     C{/backend-api/...}): a client key (C{Authorization: Bearer} or
-    C{x-api-key}, L{relay.entry.http.KeyRing});
+    C{x-api-key}, L{relay.entry.http.KeyRing}: one digest, one lookup)
+    that is neither disabled nor expired (401 C{api_key_disabled} /
+    C{api_key_expired}, the key policy's key-only refusals, R102); while
+    the ring cannot tell yet (the control store's first read at start,
+    R105) the request waits at its headers, its body unread (bounded,
+    L{KEYS_WAIT_SECONDS});
   - B{admin routes} (C{/admin/<anything>}): the admin key; the status page
     shell C{GET /admin/} needs none (R99);
   - B{C{/metrics}}: the admin key or the read-only C{metrics_key};
@@ -71,6 +76,12 @@ CLIENT_PREFIXES = (b"v1", b"backend-api", b"responses", b"chat", b"models")
 """First path segments of the client API (protocol.md 1)."""
 
 OPEN_PATHS = frozenset({b"healthz", b"readyz"})
+
+KEYS_WAIT_SECONDS = 10.0
+"""R105: how long a client request waits at its headers for the key ring
+(the control store's first read) before it is authenticated with what is
+known (the control plane gives up waiting after as long,
+L{relay.control.plane.LOADING_GRACE_SECONDS})."""
 
 ADMIN_BODY_LIMIT = 64 * 1024
 """The largest admin request body (settings, tokens), bytes."""
@@ -316,6 +327,16 @@ class IntakePolicy:
     @ivar draining: a no-argument callable, true while relay drains (issue
         14): a request that arrives then takes no slot; the drain gate
         answers it 503.
+    @ivar keyRefusal: C{(key) -> ClientError or None}: the refusals that
+        need only the key (behaviour.md R102, R103: disabled 401
+        C{api_key_disabled}, expired 401 C{api_key_expired};
+        L{relay.tenants.policy.KeyPolicy.keyRefusal}), answered from the
+        headers like an unknown key; L{None}: none.
+    @ivar keysReady: a no-argument callable: L{None} when the key ring can
+        tell every key now, else a Deferred firing once it can (the start-up
+        gate's C{control} flag while the control store's first read is
+        pending, R105); a client request then waits at its headers, its
+        body unread, for at most L{KEYS_WAIT_SECONDS}.
     """
 
     keys: object
@@ -325,6 +346,8 @@ class IntakePolicy:
     admitKey: Optional[Callable] = None
     budget: BodyBudget = field(factory=BodyBudget)
     draining: Callable[[], bool] = lambda: False
+    keyRefusal: Optional[Callable] = None
+    keysReady: Callable[[], object] = lambda: None
     _log = Logger()
 
     def authenticate(self, route: str, request):
@@ -338,7 +361,12 @@ class IntakePolicy:
         secret = bearerOrKey(request)
         if route == ROUTE_CLIENT:
             key = self.keys.authenticateSecret(secret) if secret else None
-            return (key, None) if key is not None else (None, UNAUTHORIZED)
+            if key is None:
+                return None, UNAUTHORIZED
+            refusal = self.keyRefusal(key) if self.keyRefusal is not None else None
+            if refusal is not None:
+                return None, refusal
+            return key, None
         admin = self.adminKey()
         if route == ROUTE_METRICS:
             metrics = self.metricsKey()
