@@ -699,6 +699,9 @@ def _controlSurface(app: RelayApplication, admin, view, redis):
 
     parts = assembleControl(app, admin, view, redis)
     app.extras["controlParts"] = parts
+    if redis is not None and hasattr(redis, "unreachableListeners"):
+        # R101 with R105: a silent Redis ends the first read's wait at once.
+        redis.unreachableListeners.append(parts.plane.storeUnreachable)
     app.services.append(parts.service)
     base = app.reloader.checks
     app.reloader.checks = lambda config: list(base(config)) + parts.plane.reloadProblems(config)

@@ -450,8 +450,12 @@ class PauseTests(ControlFixture, SynchronousTestCase):
         """
         R35/R101: a first read that fails settles at once (fail open,
         logged) -- a silent store ends the wait instead of holding every
-        turn for the grace -- and a later read applies what it finds.
+        turn for the grace -- and the read is tried again by itself, so a
+        store that comes back is applied (and C{/readyz} ready) without a
+        change to announce it.
         """
+        from relay.control.plane import RETRY_SECONDS
+
         from twisted.internet.defer import fail
         from twisted.logger import capturedLogs
 
@@ -474,8 +478,27 @@ class PauseTests(ControlFixture, SynchronousTestCase):
         self.assertFalse(self.plane.ready)
         self.assertIn("relay.control_sync_failed", [e.get("event") for e in events])
         self.patch(type(store), "list", original)
-        self.successResultOf(self.plane.refresh())
+        self.reactor.advance(RETRY_SECONDS)
         self.assertTrue(self.plane.ready)
+
+    def test_silentRedisSettlesTheFirstRead(self):
+        """
+        R101: when the Redis client finds Redis silent, a first read still
+        in flight (answered only at its timeout) settles at once.
+        """
+        from relay.operations.readiness import StartupGate
+
+        never = Deferred()
+        self.patch(type(self.parts.store), "list", lambda this, kind: never)
+        gate = StartupGate()
+        self.plane.onSettled = gate.mark(gate.add("control"))
+        self.plane._loaded = False
+        self.plane.start()
+        self.assertFalse(gate.isSet(["control"]))
+        self.plane.storeUnreachable()
+        self.assertTrue(gate.isSet(["control"]))
+        self.assertFalse(self.app.keys.pending)
+        self.flushLoggedErrors()
 
 
 class EmbeddedStartTests(SynchronousTestCase):

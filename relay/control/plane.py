@@ -79,6 +79,9 @@ from relay.model import Account, ConfigError
 
 __all__ = ["ControlPlane", "LOADING_GRACE_SECONDS", "PAUSED_KIND"]
 
+RETRY_SECONDS = 2.0
+"""How soon a failed read of the control store is tried again."""
+
 _KINDS = (ACCOUNT, PAUSE, KEY, KEY_DISABLED, GROUP, PRICES)
 """The kinds the plane reads, in the order L{ControlPlane._apply} takes
 them."""
@@ -146,6 +149,7 @@ class ControlPlane:
     _waiters: list = field(factory=list, init=False)
     _clashes: set = field(factory=set, init=False)
     _unsubscribe: Optional[Callable] = field(default=None, init=False)
+    _retry: Any = field(default=None, init=False)
     _log = Logger()
 
     # -- wiring ------------------------------------------------------------------------
@@ -211,6 +215,9 @@ class ControlPlane:
         Stop the change feed (service stop).
         """
         self._running = False
+        retry, self._retry = self._retry, None
+        if retry is not None and retry.active():
+            retry.cancel()
         return self.store.stop() if self.store is not None else succeed(None)
 
     # -- reading the store -----------------------------------------------------------
@@ -222,6 +229,38 @@ class ControlPlane:
                 " and accounts serve without the admin API's keys, disables and pauses until"
                 " it is",
                 event="relay.control_sync_failed", seconds=LOADING_GRACE_SECONDS)
+            self._settle()
+
+    def _retryLater(self) -> None:
+        """
+        A read failed: read again in L{RETRY_SECONDS} (once; a change or a
+        re-subscription of the feed reads sooner), so a store that comes
+        back is applied -- and C{/readyz} says ready -- without waiting
+        for the next change.
+        """
+        if not self._running or (self._retry is not None and self._retry.active()):
+            return
+
+        def again():
+            self._retry = None
+            if self._running:
+                self.refresh()
+
+        self._retry = self._clock.callLater(RETRY_SECONDS, again)
+
+    def storeUnreachable(self) -> None:
+        """
+        The control store's Redis was found silent (L{relay.redisclient.
+        RedisService.unreachableListeners}): a first read still in flight
+        will not be answered before its timeout, so it settles now (fail
+        open, R35, R101: turns waiting at the start-up gate go on at once
+        instead of after the store's timeout). Later, nothing.
+        """
+        if self._running and not self._settled:
+            self._log.warn(
+                "the control store's Redis does not answer; the file's accounts and keys serve"
+                " without the admin API's until a read succeeds",
+                event="relay.control_sync_failed")
             self._settle()
 
     def _settle(self) -> None:
@@ -299,6 +338,7 @@ class ControlPlane:
         try:
             read = [await self.store.list(kind) for kind in _KINDS]
         except Exception as e:  # noqa: BLE001 - logged; the previous state stays
+            self._retryLater()
             if not self._settled:
                 # R35, R101: the first read failed; fail open at once rather
                 # than holding turns for the whole grace.
