@@ -64,6 +64,23 @@ class ClientKey:
     """The SHA-256 digest of the secret (L{relay.tenants.keydigest}): the
     only form a key issued through the admin API is kept in (its C{key} is
     then empty); L{relay.entry.http.KeyRing} fills it in for file keys."""
+    issuance: Optional[str] = None
+    """Which issuance of the name this key is, for a key issued through the
+    admin API (a random id kept in its record, L{relay.control.keys}); a
+    key issued again under a revoked key's name has another. L{None} for
+    file keys."""
+
+    @property
+    def ownerId(self) -> str:
+        """
+        The identity that owns what this key creates (behaviour.md R104:
+        response owner records, pooled upstream WebSockets, session scopes):
+        a file key's name (an operator rotating its secret keeps its
+        conversations), or an admin key's name with its issuance (a key
+        issued again under a revoked key's name never continues the old
+        key's conversations).
+        """
+        return f"{self.name}#{self.issuance}" if self.issuance else self.name
 
 
 @frozen

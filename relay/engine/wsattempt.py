@@ -395,7 +395,7 @@ class WebSocketAttempt:
             if ctx is not None:
                 ctx.dedicated = conn
             return conn
-        owner = turn.client.name
+        owner = turn.client.ownerId  # R104: never lent to another key
         preferred = (
             self.pool.findByResponse(account.id, prev, owner) if prev and not fresh else None
         )

@@ -450,7 +450,7 @@ class TurnResource(Resource):
             body=body,
             stream=stream,
             headers=headers,
-            sessionHash=sessionHash(sessionSeed(headers, body, model), key.name),
+            sessionHash=sessionHash(sessionSeed(headers, body, model), key.ownerId),
             previousResponseId=previous,
             requestId=requestIdOf(request),
         )

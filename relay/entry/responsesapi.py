@@ -213,7 +213,7 @@ class ResponsesResource(Resource):
         turn = Turn(
             entrypoint="http", endpoint="responses", client=key, model=model or None,
             body=body, stream=False, headers=headers,
-            sessionHash=sessionHash(sessionSeed(headers, body, model), key.name),
+            sessionHash=sessionHash(sessionSeed(headers, body, model), key.ownerId),
             # A compaction of a chain goes where the chain lives (R40-R42).
             previousResponseId=previous if which == COMPACT else None,
             requestId=requestIdOf(request), request=kind,
@@ -261,7 +261,7 @@ class ResponsesResource(Resource):
     def _ownerFound(self, owner: Optional[tuple], request, key, responseId: str, action: bytes):
         if getattr(request, "_disconnected", False) or request.finished:
             return
-        if owner is None or owner[1] != key.name:
+        if owner is None or owner[1] != key.ownerId:  # R104
             writeError(request, notFound(responseId))
             return
         accountId = owner[0]

@@ -294,7 +294,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             return (None, answer)
         from relay.scheduling.scheduler import turnStateSessionKey
 
-        session = sessionHash(sessionSeed(headers, {}, None), self._key.name)
+        session = sessionHash(sessionSeed(headers, {}, None), self._key.ownerId)
         d = recall(turnStateSessionKey(session))
 
         def carry(token):
@@ -818,7 +818,8 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             if body.get(name, False) is None:
                 body.pop(name)  # null is absent; never forwarded (issue 14's fuzzing)
         if self._session is None:
-            self._session = sessionHash(sessionSeed(self._headers, body, model), self._key.name)
+            self._session = sessionHash(sessionSeed(self._headers, body, model),
+                                        self._key.ownerId)
             self._claimSession(body)
         phase = "first_turn" if self._turns == 0 else "later_turn"
         turn = Turn(
@@ -956,7 +957,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         if not self._session or not explicit:
             return
         owners = self.factory.__dict__.setdefault("sessionOwners", {})  # unit-test factories
-        key = (self._key.name, self._session, self._threadId)
+        key = (self._key.ownerId, self._session, self._threadId)
         older = owners.get(key)
         owners[key] = self
         self._ownerKey = key

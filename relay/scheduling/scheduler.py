@@ -697,8 +697,10 @@ class AccountScheduler:
         s = self._settings.current.scheduling
         ttl = s.previous_response_ttl_seconds
         ownerTtl = max(ttl, s.response_owner_ttl_seconds)
-        self._remember(responseId, account.id, turn.client.name, ownerTtl)
-        owner = json.dumps({"key": turn.client.name, "account": account.id},
+        # R104: owned by the key's owner identity (ClientKey.ownerId): a
+        # file key's name, an admin key's name with its issuance.
+        self._remember(responseId, account.id, turn.client.ownerId, ownerTtl)
+        owner = json.dumps({"key": turn.client.ownerId, "account": account.id},
                            separators=(",", ":"))
         # Both writes leave at once (issue 14): a reader in another process
         # must not find the owner without the key (R40) a round trip later.
@@ -1212,7 +1214,7 @@ class AccountScheduler:
                     request_id=turn.requestId, client=turn.client.name,
                 )
                 raise NoAccountAvailable(_previousNotFound(previous, turn))
-            if ownerKey != turn.client.name:
+            if ownerKey != turn.client.ownerId:
                 self._log.warn(
                     "key {client} named a response of another key; refused",
                     event="relay.previous_response_foreign", request_id=turn.requestId,
