@@ -1,4 +1,4 @@
-# -*- test-case-name: tests.test_entry_http -*-
+# -*- test-case-name: tests.test_intake -*-
 """
 The JSON reader of every client body and WebSocket frame (L{loadJSON}),
 below the entry modules that use it (L{relay.entry.body},
