@@ -775,3 +775,40 @@ class KeysPendingAtStartTests(SynchronousTestCase):
         conn = Conn(app.site, clock=app.reactor).send(
             head(b"/v1/probe", headers=AUTH, length=2) + b"{}")
         self.assertEqual((conn.status(), len(probe.seen)), (200, 1))
+
+
+class SubRoutesTakeTheLeaseTests(SynchronousTestCase):
+    """
+    Issue 20 behind the intake: C{POST /v1/responses/compact},
+    C{/input_tokens} and C{/{id}/cancel} read their bodies through
+    C{request.relayJSON()} and hand the key's slot the intake admitted to
+    their turn (C{keyAdmitted}), so the engine does not admit the key a
+    second time (with C{concurrency: 1} the turn waited for its own slot).
+    """
+
+    def test_compactAndInputTokens(self):
+        app, _ = relaySite(concurrency=1)
+        seen = []
+
+        def run(turn, sink):
+            seen.append((turn.keyAdmitted, turn.keyLease is not None, turn.body.get("model")))
+            turn.keyLease.release()
+            sink.fail(B.tooLarge(1))
+
+        responses = app.site.resource.root.children[b"v1"].children[b"responses"]
+        self.patch(responses, "_runner", type("R", (), {"run": staticmethod(run)})())
+        body = b'{"model":"m","input":"hi"}'
+        for path in (b"/v1/responses/compact", b"/v1/responses/input_tokens"):
+            conn = Conn(app.site, clock=app.reactor).send(
+                head(path, headers=AUTH, length=len(body)) + body)
+            app.reactor.advance(0)
+            self.assertEqual(conn.status(), 413, conn.value)
+        self.assertEqual(seen, [(True, True, "m")] * 2)
+
+    def test_badBodyIsA400(self):
+        app, _ = relaySite()
+        for raw in (b"[", b"{\"model\": " + b"[" * 100000 + b"]" * 100000 + b"}"):
+            conn = Conn(app.site, clock=app.reactor).send(
+                head(b"/v1/responses/compact", headers=AUTH, length=len(raw)) + raw)
+            app.reactor.advance(0)
+            self.assertEqual(conn.status(), 400, conn.value[:200])

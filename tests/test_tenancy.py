@@ -463,3 +463,43 @@ class NoCredentialInAdminAnswersTests(SynchronousTestCase):
         self.assertEqual(ask(b"/metrics", auth=metrics).status(), 200)
         self.assertGreater(len(lines), 0)
         self.assertClean("\n".join(lines), "log")
+
+
+class IntakeLeaseTests(SynchronousTestCase):
+    """
+    The merge of issues 19 and 22: the key's slot the intake admitted
+    (C{Turn.keyLease}) is given back however the turn ends, also when the
+    key policy or a budget refuses it before any account (before the merge
+    the lease was taken over only after those checks, so a refused turn
+    left its key's slot held).
+    """
+
+    def test_refusedTurnReleasesTheIntakeLease(self):
+        from relay.model import ClientError
+        from tests.test_runner import FakeSink
+
+        rig = Rig([raccount("a")])
+        refusal = ClientError(401, "invalid_request_error", "disabled", code="api_key_disabled")
+
+        class Policy:
+            def allowedAccounts(self, key):
+                return None
+
+            def refusal(self, key, model, now):
+                return refusal
+
+        rig.runner.keyPolicy = Policy()
+        held = []
+        rig.admission.tryAcquire("user", "t", 1).addCallback(held.append)
+        key = ClientKey(name="t", key="k", concurrency=1)
+        turn = Turn(entrypoint="http", endpoint="responses", client=key, model="gpt-5.5",
+                    body={"model": "gpt-5.5", "input": "hi"}, stream=False, requestId="req")
+        turn.keyAdmitted, turn.keyLease = True, held[0]
+        sink = FakeSink()
+        outcome = []
+        rig.runner.run(turn, sink).addCallback(outcome.append)
+        self.assertEqual(outcome, ["failed"])
+        again = []
+        rig.admission.tryAcquire("user", "t", 1).addCallback(again.append)
+        self.assertIsNotNone(again[0], "the key's only slot is still held")
+        self.assertEqual(rig.dialer.ids(), [])
