@@ -87,3 +87,49 @@ def test_unit_settings():
                 "RestrictAddressFamilies", "SystemCallFilter", "CapabilityBoundingSet"):
         assert key in s, key
     assert s["ProtectSystem"] == ["strict"] and s["StateDirectory"] == ["relay"]
+
+
+_TLS_CHILD = r"""
+import ctypes, sys
+if sys.argv[1] == "mdwe":
+    # PR_SET_MDWE (65) with PR_MDWE_REFUSE_EXEC_GAIN (1): the kernel policy
+    # systemd applies for MemoryDenyWriteExecute=yes.
+    if ctypes.CDLL(None).prctl(65, 1, 0, 0, 0) != 0:
+        sys.exit(77)
+from twisted.web.client import BrowserLikePolicyForHTTPS
+from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.testing import StringTransport
+from twisted.protocols.tls import TLSMemoryBIOFactory
+# A dial's TLS start: the OpenSSL context, the hostname verify callback (a
+# cffi callback) and the ClientHello written to the transport.
+creator = BrowserLikePolicyForHTTPS().creatorForNetloc(b"api.openai.com", 443)
+tls = TLSMemoryBIOFactory(creator, True, Factory.forProtocol(Protocol)).buildProtocol(None)
+transport = StringTransport()
+tls.makeConnection(transport)
+assert transport.value()[:1] == b"\x16", transport.value()[:8]
+print("tls ok")
+"""
+
+
+def _tlsUnder(policy: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _TLS_CHILD, policy], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_tls_under_the_units_memory_policy():
+    """
+    Every memory policy the unit sets leaves relay able to build the TLS
+    client connection of its upstream dials (relay/upstream/http.py's
+    C{BrowserLikePolicyForHTTPS}): C{MemoryDenyWriteExecute=yes} is applied
+    to a child with C{prctl(PR_SET_MDWE)} when the unit sets it (the unit
+    had it, and pyOpenSSL's cffi callbacks then raise C{MemoryError}: every
+    HTTPS/WSS dial, OAuth refresh and C{rediss://} connection failed while
+    C{/readyz} said ready).
+    """
+    plain = _tlsUnder("plain")
+    assert plain.returncode == 0 and "tls ok" in plain.stdout, plain.stderr
+    if _settings().get("MemoryDenyWriteExecute", ["no"])[-1] in ("yes", "true", "1", "on"):
+        guarded = _tlsUnder("mdwe")
+        if guarded.returncode == 77:
+            pytest.skip("this kernel has no PR_SET_MDWE (Linux < 6.3)")
+        assert guarded.returncode == 0 and "tls ok" in guarded.stdout, guarded.stderr[-400:]
