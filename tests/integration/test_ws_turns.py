@@ -632,6 +632,9 @@ async def test_model_change_reselects_and_unknown_model_is_an_error_event():
 PROTOCOL_CASES = [
     (b"{not json", 1008, "invalid JSON payload", "invalid_json", None),
     (b"[1, 2]", 1008, "invalid JSON payload", "invalid_json", None),
+    # issue 19 item 3: deep nesting is the client's mistake, not a RecursionError
+    (b'{"type": "response.create", "model": "gpt-5.5", "input": ' + b"[" * 100_000 + b"]" * 100_000
+     + b"}", 1008, "invalid JSON payload: nested too deeply", "invalid_json", None),
     (json.dumps({"type": "response.create", "input": "x"}).encode(), 1008,
      "model is required in first response.create payload", "missing_required_parameter", "model"),
     (json.dumps({"type": "response.create", "model": "gpt-5.5", "previous_response_id": "msg_1"}).encode(),
