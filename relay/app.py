@@ -348,7 +348,7 @@ def buildApplication(
         clock=reactor, runner=runner, settings=settings, admission=admission,
         wsFactory=wsResource.factory,
     )
-    site = _Site(DrainGate(root, app.drain), requestFactory=_Request)
+    site = _Site(DrainGate(root, app.drain), requestFactory=_Request, reactor=reactor)
     site.intake = IntakePolicy(
         keys=keys, adminKey=app.live.adminKey, metricsKey=app.live.metricsKey,
         limits=lambda: settings.current.limits, admitKey=runner.admitKey,

@@ -14,6 +14,7 @@ import zstandard
 from twisted.internet.address import IPv4Address
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.logger import capturedLogs, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 
@@ -399,6 +400,41 @@ class SlowClientTests(SynchronousTestCase):
         a1.protocol.connectionLost(None)
         self.assertEqual(Conn(app.site).value, b"")
         self.assertEqual(app.site.openByAddress, {"10.0.0.1": 2, "10.0.0.2": 1})
+
+    def test_refusalsLoggedOncePerSecond(self):
+        """
+        A refused connection is logged (C{relay.intake_connection_refused},
+        naming the cap), but a flood of them is one line per cap per second
+        that counts the refusals it stands for.
+        """
+        app, _ = relaySite("{max_connections_per_address: 1}")
+        Conn(app.site)
+        with capturedLogs() as events:
+            for _ in range(50):
+                self.assertEqual(Conn(app.site).status(), 503)
+            app.reactor.advance(1)
+            Conn(app.site)
+        refused = [e for e in events if e.get("event") == "relay.intake_connection_refused"]
+        self.assertEqual([(e["cap"], e["suppressed"]) for e in refused],
+                         [("max_connections_per_address", 0), ("max_connections_per_address", 49)])
+        self.assertIn("49 more refused", formatEvent(refused[1]))
+
+    def test_capsThatBiteAreLogged(self):
+        """
+        The header deadline and the minimum body rate log when they close
+        a connection (issue 19 item 4: "logged when it bites").
+        """
+        app, _ = relaySite("{header_timeout_seconds: 10, min_body_bytes_per_second: 100}")
+        with capturedLogs() as events:
+            late = Conn(app.site).send(b"POST /v1/responses HTTP/1.1\r\n")
+            late.clock.advance(11)
+            slow = Conn(app.site, host="10.0.0.9").send(head(headers=AUTH, length=100000))
+            slow.send(b"a" * 999)
+            slow.clock.advance(10)
+        self.assertEqual((late.status(), slow.status()), (408, 408))
+        kinds = [e.get("event") for e in events]
+        self.assertIn("relay.intake_header_timeout", kinds)
+        self.assertIn("relay.intake_slow_body", kinds)
 
 
 class DrainTests(SynchronousTestCase):

@@ -203,6 +203,7 @@ class RelaySite(Site):
         super().__init__(*args, **kwargs)
         self.openConnections = 0
         self.openByAddress = {}
+        self._refusalsLogged = {}
 
     def buildProtocol(self, addr):
         """
@@ -218,16 +219,35 @@ class RelaySite(Site):
             elif limits.max_connections_per_address and mine >= limits.max_connections_per_address:
                 cap = ("max_connections_per_address", limits.max_connections_per_address)
             if cap is not None:
-                self._relayLog.warn(
-                    "connection from {client} refused: gateway.limits.{cap} ({limit}) reached",
-                    event="relay.intake_connection_refused", client=host, cap=cap[0],
-                    limit=cap[1],
-                )
+                self._noteRefusal(host, cap)
                 return _Refusal(TOO_MANY_CONNECTIONS)
         inner = super().buildProtocol(addr)
         if host is None:
             return inner
         return _Counted(self, inner, host)
+
+    def _noteRefusal(self, host: str, cap: tuple) -> None:
+        """
+        Log a refused connection: at most one C{relay.intake_connection_refused}
+        line per cap per second of the site's reactor, so a flood of
+        connections is not a flood of log lines; a line counts the refusals
+        of that cap left unlogged since the one before (C{suppressed}).
+
+        @param host: the client's IP.
+        @param cap: C{(limit name, its value)}.
+        """
+        now = self.reactor.seconds()
+        last, suppressed = self._refusalsLogged.get(cap[0], (None, 0))
+        if last is not None and now - last < 1.0:
+            self._refusalsLogged[cap[0]] = (last, suppressed + 1)
+            return
+        self._refusalsLogged[cap[0]] = (now, 0)
+        self._relayLog.warn(
+            "connection from {client} refused: gateway.limits.{cap} ({limit}) reached"
+            + (" ({suppressed} more refused since the last line)" if suppressed else ""),
+            event="relay.intake_connection_refused", client=host, cap=cap[0],
+            limit=cap[1], suppressed=suppressed,
+        )
 
     def registerProtocol(self, proto) -> None:
         """
