@@ -62,6 +62,7 @@ class AppReadinessTests(SynchronousTestCase):
 
     def _app(self, state: str):
         config = settingsFromString(
+            "database: \":memory:\"\n"
             "keys: [{name: k, key: sk-k}]\n"
             "accounts: [{id: a1, type: apikey, api_key: x, base_url: 'http://127.0.0.1:1/v1'}]\n"
             f"state: {state}\n"

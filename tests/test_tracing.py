@@ -185,6 +185,7 @@ class TracingTests(SynchronousTestCase):
 class WiringTests(SynchronousTestCase):
     def _config(self, tracing=""):
         return settingsFromString(
+            "database: \":memory:\"\n"
             "keys: [{name: k, key: sk-k}]\n"
             "accounts: [{id: a1, type: apikey, api_key: x, base_url: 'http://127.0.0.1:1/v1'}]\n"
             + tracing

@@ -170,6 +170,7 @@ async def startProxiedStack(accounts, gateway="{}", tls: TestCA = None, extra=""
     keys = json.dumps([{"name": "test", "key": RELAY_KEY, "concurrency": 0}])
     text = (
         'listen: "tcp:0:interface=127.0.0.1"\n'
+        'database: ":memory:"\n'
         f"keys: {keys}\n"
         f"accounts: {accountsYAML(emulator, rendered)}\n"
         f"gateway: {gateway}\n"
