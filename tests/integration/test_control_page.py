@@ -393,6 +393,24 @@ async def test_manage_relogin_and_audit_through_the_page(stack):
                        "'tr.manage-row[data-account-id=\"typed\"]');"
                        " return r && r.getAttribute('data-paused') === '0';})()")
 
+    # Clear: a cooled-down account is schedulable again after its Clear button.
+    async def typedRow():
+        code, accounts = await stack.admin("GET", "accounts")
+        return {a["id"]: a for a in accounts["accounts"]}["typed"]
+
+    stack.emulator.setFault("typed", {"kind": "status", "code": 429, "times": 1})
+    for _ in range(12):
+        if not (await typedRow())["schedulable"]:
+            break
+        await stack.turn()
+    cooled = await typedRow()
+    assert cooled["schedulable"] is False and cooled["rate_limited_until"], cooled
+    await page.click("tr.manage-row[data-account-id=\"typed\"] button.clear")
+    await page.waitFor("document.getElementById('manage-msg').innerText"
+                       ".indexOf('Account typed cleared') >= 0", what="the cleared message")
+    cleared = await typedRow()
+    assert cleared["schedulable"] is True and not cleared["rate_limited_until"], cleared
+
     # Delete it (two clicks).
     await page.click("tr.manage-row[data-account-id=\"typed\"] button.delete")
     await page.waitFor("(function(){var b=document.querySelector("
