@@ -1,4 +1,4 @@
-# -*- test-case-name: tests.test_interfaces -*-
+# -*- test-case-name: tests.test_components -*-
 """
 Every seam of relay, as zope interfaces (DEVELOPERS.md "Seams are zope
 interfaces"; style.md section 4).

@@ -1,4 +1,4 @@
-# -*- test-case-name: tests.test_sse -*-
+# -*- test-case-name: tests.test_translate, tests.test_keepalive -*-
 """
 Server-Sent Events framing for the relay's hot path (protocol.md 2.2).
 

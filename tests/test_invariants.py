@@ -83,6 +83,26 @@ class InvariantTests(SynchronousTestCase):
                         offenders.append(f"{rel}:{node.lineno} reads the wall clock")
         self.assertEqual(offenders, [])
 
+    def test_testCaseNamesExist(self):
+        """
+        Every module's C{test-case-name} header (what C{trial --testmodule}
+        runs for it) names test modules that exist.
+        """
+        tests = os.path.join(os.path.dirname(ROOT), "tests")
+        missing = []
+        for rel, path in _modules():
+            with open(path, encoding="utf-8") as f:
+                first = f.readline()
+            if "test-case-name:" not in first:
+                continue
+            names = first.split("test-case-name:", 1)[1].split("-*-", 1)[0]
+            for name in filter(None, (n.strip() for n in names.split(","))):
+                parts = name.split(".")
+                if parts[0] != "tests" or not os.path.exists(
+                        os.path.join(tests, *parts[1:]) + ".py"):
+                    missing.append(f"{rel} names {name}")
+        self.assertEqual(missing, [])
+
     def test_noPolicyInEntrypointsOrDialers(self):
         """
         Invariant 1: relay/entry/ and relay/upstream/ use none of the

@@ -1,4 +1,4 @@
-# -*- test-case-name: tests.test_payload -*-
+# -*- test-case-name: tests.test_requests, tests.test_translate -*-
 """
 Building the upstream request body for an account (protocol.md 2.7, 7.2),
 and the semantic-output test of behaviour.md R22.

@@ -1,4 +1,4 @@
-# -*- test-case-name: tests.test_entry_http -*-
+# -*- test-case-name: tests.test_requests, tests.test_intake -*-
 """
 The HTTP entrypoint: C{POST /v1/responses}, C{POST /v1/chat/completions},
 C{GET /healthz}, and the dispatch of C{GET /v1/responses} upgrades to the

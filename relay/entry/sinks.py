@@ -1,4 +1,4 @@
-# -*- test-case-name: tests.test_sinks -*-
+# -*- test-case-name: tests.test_keepalive, tests.test_translate -*-
 """
 The HTTP sinks the turn engine writes to: SSE (streaming) and JSON
 (non-streaming). Transport adapters only; no policy (architecture.md

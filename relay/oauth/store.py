@@ -1,4 +1,4 @@
-# -*- test-case-name: tests.test_oauth_store -*-
+# -*- test-case-name: tests.test_oauth -*-
 """
 Token stores (L{relay.interfaces.ITokenStore}, issue 12).
 
