@@ -30,10 +30,9 @@ within a second.
 from __future__ import annotations
 
 import re
-from typing import Any, Optional
+from typing import Optional
 
 from attrs import define
-from twisted.internet.interfaces import IReactorTime
 
 from relay.config import _ACCOUNT as FILE_FIELDS
 from relay.control.accounts.records import (
@@ -47,6 +46,7 @@ from relay.control.accounts.records import (
     publicAccount,
     specSecrets,
 )
+from relay.control.service import PlaneService
 from relay.control.store import ANY, VersionConflict
 from relay.control.web import ControlError
 from relay.logs import registerSecrets
@@ -64,20 +64,10 @@ def _invalid(message: str, param: Optional[str] = None) -> ControlError:
 
 
 @define(eq=False)
-class AccountService:
+class AccountService(PlaneService):
     """
-    See the module docstring.
-
-    @ivar plane: the L{relay.control.plane.ControlPlane}.
-    @ivar _clock: stamps records.
+    See the module docstring (plane, clock and store: L{PlaneService}).
     """
-
-    plane: Any
-    _clock: IReactorTime
-
-    @property
-    def store(self):
-        return self.plane.store
 
     def _proxies(self) -> tuple:
         return tuple(self.plane.live.config.proxies)

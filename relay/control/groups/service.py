@@ -23,12 +23,12 @@ later: they reach nothing (a group never widens by itself).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 from attrs import define
-from twisted.internet.interfaces import IReactorTime
 
 from relay.control.keys.records import NAME
+from relay.control.service import PlaneService
 from relay.control.web import ControlError
 
 __all__ = ["GROUP", "GroupService", "groupAccounts", "groupView"]
@@ -66,20 +66,10 @@ def _invalid(message: str, param: Optional[str] = None) -> ControlError:
 
 
 @define(eq=False)
-class GroupService:
+class GroupService(PlaneService):
     """
-    See the module docstring.
-
-    @ivar plane: the L{relay.control.plane.ControlPlane}.
-    @ivar _clock: stamps records.
+    See the module docstring (plane, clock and store: L{PlaneService}).
     """
-
-    plane: Any
-    _clock: IReactorTime
-
-    @property
-    def store(self):
-        return self.plane.store
 
     def _fileGroups(self) -> dict:
         return getattr(self.plane.live.config, "groups", None) or {}

@@ -41,7 +41,6 @@ import os
 from typing import Any, Optional
 
 from attrs import define
-from twisted.internet.interfaces import IReactorTime
 
 from relay.control.accounts.records import describeConfigError
 from relay.control.keys.records import (
@@ -53,6 +52,7 @@ from relay.control.keys.records import (
     storedPolicy,
     validatePolicy,
 )
+from relay.control.service import PlaneService
 from relay.control.store import ANY, VersionConflict
 from relay.control.web import ControlError
 from relay.logs import registerSecrets
@@ -78,23 +78,15 @@ def _notFound(name: str) -> ControlError:
 
 
 @define(eq=False)
-class KeyService:
+class KeyService(PlaneService):
     """
-    See the module docstring.
+    See the module docstring (plane, clock and store: L{PlaneService}).
 
-    @ivar plane: the L{relay.control.plane.ControlPlane}.
-    @ivar _clock: stamps records.
     @ivar usage: the L{relay.usage.ledger.UsageLedger} (usage and cost per
         key), or L{None}.
     """
 
-    plane: Any
-    _clock: IReactorTime
     usage: Any = None
-
-    @property
-    def store(self):
-        return self.plane.store
 
     @property
     def ring(self):

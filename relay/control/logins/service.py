@@ -44,7 +44,6 @@ import os
 from typing import Any, Optional
 
 from attrs import define, field
-from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from relay.control.accounts.records import (
@@ -55,6 +54,7 @@ from relay.control.accounts.records import (
     specSecrets,
 )
 from relay.control.logins import wire
+from relay.control.service import PlaneService
 from relay.control.store import ANY, VersionConflict
 from relay.control.web import ControlError
 from relay.logs import registerSecrets
@@ -97,11 +97,11 @@ def _newId() -> str:
 
 
 @define(eq=False)
-class LoginService:
+class LoginService(PlaneService):
     """
-    See the module docstring.
+    See the module docstring (plane, clock and store: L{PlaneService};
+    the plane's live set is read here).
 
-    @ivar plane: the L{relay.control.plane.ControlPlane} (store, live set).
     @ivar accounts: the L{relay.control.accounts.service.AccountService}.
     @ivar tokens: an object with C{setTokens(accountId, body)} (the
         operator view's: new tokens, blocks cleared).
@@ -113,20 +113,14 @@ class LoginService:
         adopt a re-login another process completed, or L{None}.
     """
 
-    plane: Any
     accounts: Any
     tokens: Any
     egress: Any
     settings: Any
-    _clock: IReactorTime
     audit: Any = None
     credentials: Any = None
     _polls: dict = field(factory=dict, init=False)
     _log = Logger()
-
-    @property
-    def store(self):
-        return self.plane.store
 
     def watch(self) -> None:
         """

@@ -26,11 +26,11 @@ is one compare-and-set write.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 from attrs import define
-from twisted.internet.interfaces import IReactorTime
 
+from relay.control.service import PlaneService
 from relay.control.web import ControlError
 from relay.model import ConfigError
 
@@ -75,21 +75,11 @@ def _invalid(error: ConfigError) -> ControlError:
 
 
 @define(eq=False)
-class PriceService:
+class PriceService(PlaneService):
     """
-    See the module docstring.
-
-    @ivar plane: the L{relay.control.plane.ControlPlane} (its C{prices}
-        table and C{priceRecord}).
-    @ivar _clock: stamps records.
+    See the module docstring (plane, clock and store: L{PlaneService};
+    the plane's C{prices} table and C{priceRecord} are read here).
     """
-
-    plane: Any
-    _clock: IReactorTime
-
-    @property
-    def store(self):
-        return self.plane.store
 
     def view(self) -> tuple:
         """
