@@ -33,8 +33,8 @@ from relay.entry.intake import ADMIN_BODY_LIMIT, RequestRefused
 from relay.operator.admin import _errorBody, _Guarded, _respond
 
 __all__ = [
-    "AdminLeaf", "ControlError", "MAX_BODY_BYTES", "clientAddress", "deliver", "pathId",
-    "readJSONBody",
+    "AdminLeaf", "ControlError", "MAX_BODY_BYTES", "ServiceLeaf", "clientAddress", "deliver",
+    "notFound", "pathId", "readJSONBody",
 ]
 
 MAX_BODY_BYTES = ADMIN_BODY_LIMIT
@@ -79,6 +79,37 @@ class AdminLeaf(_Guarded):
     is configured, 401 without it, a JSON 405 for other methods (the
     operator surface's own guard, R99).
     """
+
+
+class ServiceLeaf(AdminLeaf):
+    """
+    An L{AdminLeaf} that answers with a control plane service's rules
+    (accounts, logins, keys, groups, prices).
+
+    @ivar service: the service (e.g.
+        L{relay.control.keys.service.KeyService}).
+    """
+
+    def __init__(self, adminKey, service):
+        super().__init__(adminKey)
+        self.service = service
+
+    def _note(self, request) -> dict:
+        """
+        @return: a new dict, left on the request as C{request.relayAudit}:
+            the service writes the change's audit details into it for
+            L{relay.control.audit} (never a secret).
+        """
+        note = {}
+        request.relayAudit = note
+        return note
+
+
+def notFound() -> tuple:
+    """
+    @return: the C{(404, not_found envelope)} answer for L{deliver}.
+    """
+    return 404, ControlError(404, "not_found", "Not found").envelope()
 
 
 def _depth(value, limit: int) -> bool:

@@ -23,12 +23,12 @@ answer that changed something leaves its audit details on the request
 
 from __future__ import annotations
 
-from relay.control.web import AdminLeaf, clientAddress, deliver, pathId, readJSONBody
+from relay.control.web import ServiceLeaf, clientAddress, deliver, pathId, readJSONBody
 
 __all__ = ["AccountsResource"]
 
 
-class AccountsResource(AdminLeaf):
+class AccountsResource(ServiceLeaf):
     """
     See the module docstring.
 
@@ -39,15 +39,9 @@ class AccountsResource(AdminLeaf):
     """
 
     def __init__(self, adminKey, service, fallback, logins=None):
-        super().__init__(adminKey)
-        self.service = service
+        super().__init__(adminKey, service)
         self.fallback = fallback
         self.logins = logins
-
-    def _note(self, request) -> dict:
-        note = {}
-        request.relayAudit = note
-        return note
 
     def render_GET(self, request):
         """

@@ -17,7 +17,7 @@ from __future__ import annotations
 from twisted.web.resource import Resource
 
 from relay.control.audit.service import actionOf
-from relay.control.web import AdminLeaf, ControlError, clientAddress, deliver
+from relay.control.web import AdminLeaf, ControlError, clientAddress, deliver, notFound
 from relay.requestid import requestIdOf
 
 __all__ = ["AuditResource", "ControlAdmin"]
@@ -42,8 +42,7 @@ class AuditResource(AdminLeaf):
         400 naming it.
         """
         if request.postpath not in ([], [b""]):
-            return deliver(request, lambda: (404, ControlError(
-                404, "not_found", "Not found").envelope()), "reading the audit")
+            return deliver(request, notFound, "reading the audit")
 
         def arg(name):
             values = request.args.get(name.encode("ascii"))

@@ -7,23 +7,15 @@ C{GET /admin/groups}, C{GET}, C{PUT} and C{DELETE /admin/groups/{name}}
 
 from __future__ import annotations
 
-from relay.control.web import AdminLeaf, ControlError, clientAddress, deliver, pathId, readJSONBody
+from relay.control.web import ServiceLeaf, clientAddress, deliver, notFound, pathId, readJSONBody
 
 __all__ = ["GroupsResource"]
 
 
-def _notFound():
-    return (404, ControlError(404, "not_found", "Not found").envelope())
-
-
-class GroupsResource(AdminLeaf):
+class GroupsResource(ServiceLeaf):
     """
     See the module docstring.
     """
-
-    def __init__(self, adminKey, service):
-        super().__init__(adminKey)
-        self.service = service
 
     def render_GET(self, request):
         path = request.postpath
@@ -32,14 +24,13 @@ class GroupsResource(AdminLeaf):
         if len(path) == 1:
             return deliver(request, lambda: (200, {"group": self.service.view(
                 pathId(path[0]))}), "reading a group")
-        return deliver(request, _notFound, "reading a group")
+        return deliver(request, notFound, "reading a group")
 
     def render_PUT(self, request):
         path = request.postpath
         if len(path) != 1 or not path[0]:
-            return deliver(request, _notFound, "changing a group")
-        note = {}
-        request.relayAudit = note
+            return deliver(request, notFound, "changing a group")
+        note = self._note(request)
         address = clientAddress(request)
         return deliver(request, lambda: self.service.put(
             pathId(path[0]), readJSONBody(request), address, note), "changing a group")
@@ -47,9 +38,8 @@ class GroupsResource(AdminLeaf):
     def render_DELETE(self, request):
         path = request.postpath
         if len(path) != 1 or not path[0]:
-            return deliver(request, _notFound, "deleting a group")
-        note = {}
-        request.relayAudit = note
+            return deliver(request, notFound, "deleting a group")
+        note = self._note(request)
         address = clientAddress(request)
         return deliver(request, lambda: self.service.delete(pathId(path[0]), address, note),
                        "deleting a group")

@@ -19,30 +19,17 @@ L{relay.control.audit} (never the secret).
 
 from __future__ import annotations
 
-from relay.control.web import AdminLeaf, ControlError, clientAddress, deliver, pathId, readJSONBody
+from relay.control.web import ServiceLeaf, clientAddress, deliver, notFound, pathId, readJSONBody
 
 __all__ = ["KeysResource"]
 
 
-def _notFound():
-    return (404, ControlError(404, "not_found", "Not found").envelope())
-
-
-class KeysResource(AdminLeaf):
+class KeysResource(ServiceLeaf):
     """
     See the module docstring.
 
     @ivar service: the L{relay.control.keys.service.KeyService}.
     """
-
-    def __init__(self, adminKey, service):
-        super().__init__(adminKey)
-        self.service = service
-
-    def _note(self, request) -> dict:
-        note = {}
-        request.relayAudit = note
-        return note
 
     def render_GET(self, request):
         path = request.postpath
@@ -50,7 +37,7 @@ class KeysResource(AdminLeaf):
             return deliver(request, self.service.list, "reading the keys")
         if len(path) == 1:
             return deliver(request, lambda: self.service.one(pathId(path[0])), "reading a key")
-        return deliver(request, _notFound, "reading a key")
+        return deliver(request, notFound, "reading a key")
 
     def render_POST(self, request):
         path = request.postpath
@@ -66,12 +53,12 @@ class KeysResource(AdminLeaf):
                 pathId(path[0]), disabled,
                 readJSONBody(request, allowEmpty=True) if disabled else {}, address, note),
                 "disabling a key")
-        return deliver(request, _notFound, "changing a key")
+        return deliver(request, notFound, "changing a key")
 
     def render_PATCH(self, request):
         path = request.postpath
         if len(path) != 1 or not path[0]:
-            return deliver(request, _notFound, "changing a key")
+            return deliver(request, notFound, "changing a key")
         note = self._note(request)
         address = clientAddress(request)
         return deliver(request, lambda: self.service.update(
@@ -80,7 +67,7 @@ class KeysResource(AdminLeaf):
     def render_DELETE(self, request):
         path = request.postpath
         if len(path) != 1 or not path[0]:
-            return deliver(request, _notFound, "revoking a key")
+            return deliver(request, notFound, "revoking a key")
         note = self._note(request)
         address = clientAddress(request)
         return deliver(request, lambda: self.service.delete(pathId(path[0]), address, note),

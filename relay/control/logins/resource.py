@@ -18,26 +18,17 @@ L{relay.control.logins.service.LoginService}'s.
 
 from __future__ import annotations
 
-from relay.control.web import AdminLeaf, clientAddress, deliver, pathId, readJSONBody
+from relay.control.web import ServiceLeaf, clientAddress, deliver, notFound, pathId, readJSONBody
 
 __all__ = ["LoginsResource"]
 
 
-class LoginsResource(AdminLeaf):
+class LoginsResource(ServiceLeaf):
     """
     See the module docstring.
 
     @ivar service: the L{relay.control.logins.service.LoginService}.
     """
-
-    def __init__(self, adminKey, service):
-        super().__init__(adminKey)
-        self.service = service
-
-    def _note(self, request) -> dict:
-        note = {}
-        request.relayAudit = note
-        return note
 
     def render_GET(self, request):
         """
@@ -48,7 +39,7 @@ class LoginsResource(AdminLeaf):
             return deliver(request, self.service.recent, "reading logins")
         if len(path) == 1:
             return deliver(request, lambda: self.service.get(pathId(path[0])), "reading a login")
-        return deliver(request, lambda: (404, _notFound()), "reading a login")
+        return deliver(request, notFound, "reading a login")
 
     def render_POST(self, request):
         """
@@ -63,7 +54,7 @@ class LoginsResource(AdminLeaf):
         if len(path) == 2 and path[1] == b"complete":
             return deliver(request, lambda: self.service.complete(
                 pathId(path[0]), readJSONBody(request), address, note), "completing a login")
-        return deliver(request, lambda: (404, _notFound()), "starting a login")
+        return deliver(request, notFound, "starting a login")
 
     def render_DELETE(self, request):
         """
@@ -71,14 +62,8 @@ class LoginsResource(AdminLeaf):
         """
         path = request.postpath
         if len(path) != 1:
-            return deliver(request, lambda: (404, _notFound()), "cancelling a login")
+            return deliver(request, notFound, "cancelling a login")
         note = self._note(request)
         address = clientAddress(request)
         return deliver(request, lambda: self.service.cancel(pathId(path[0]), address, note),
                        "cancelling a login")
-
-
-def _notFound() -> dict:
-    from relay.control.web import ControlError
-
-    return ControlError(404, "not_found", "Not found").envelope()

@@ -7,33 +7,24 @@ C{GET /admin/prices}, C{PUT /admin/prices}, C{PUT} and C{DELETE
 
 from __future__ import annotations
 
-from relay.control.web import AdminLeaf, ControlError, clientAddress, deliver, pathId, readJSONBody
+from relay.control.web import ServiceLeaf, clientAddress, deliver, notFound, pathId, readJSONBody
 
 __all__ = ["PricesResource"]
 
 
-def _notFound():
-    return (404, ControlError(404, "not_found", "Not found").envelope())
-
-
-class PricesResource(AdminLeaf):
+class PricesResource(ServiceLeaf):
     """
     See the module docstring.
     """
 
-    def __init__(self, adminKey, service):
-        super().__init__(adminKey)
-        self.service = service
-
     def render_GET(self, request):
         if request.postpath not in ([], [b""]):
-            return deliver(request, _notFound, "reading the prices")
+            return deliver(request, notFound, "reading the prices")
         return deliver(request, self.service.view, "reading the prices")
 
     def render_PUT(self, request):
         path = request.postpath
-        note = {}
-        request.relayAudit = note
+        note = self._note(request)
         address = clientAddress(request)
         if path in ([], [b""]):
             return deliver(request, lambda: self.service.replace(
@@ -41,14 +32,13 @@ class PricesResource(AdminLeaf):
         if len(path) == 1:
             return deliver(request, lambda: self.service.setOne(
                 pathId(path[0]), readJSONBody(request), address, note), "setting a price")
-        return deliver(request, _notFound, "setting a price")
+        return deliver(request, notFound, "setting a price")
 
     def render_DELETE(self, request):
         path = request.postpath
         if len(path) != 1 or not path[0]:
-            return deliver(request, _notFound, "removing a price")
-        note = {}
-        request.relayAudit = note
+            return deliver(request, notFound, "removing a price")
+        note = self._note(request)
         address = clientAddress(request)
         return deliver(request, lambda: self.service.deleteOne(
             pathId(path[0]), address, note), "removing a price")
