@@ -60,7 +60,7 @@ CHANNEL = PREFIX + "changes"
 FEED_CONNECT_TIMEOUT = 2.0
 """Seconds L{RedisControlStore.start} waits for the first subscription."""
 
-_PUT = """
+_CHECK_VERSION = """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 local cv = false
 if cur then cv = string.match(cur, '^(%d+)') end
@@ -71,23 +71,20 @@ if ARGV[2] ~= '*' then
     return {0, cv or ''}
   end
 end
+"""
+"""The version check both writes start with (KEYS[1] the kind's hash,
+ARGV[1] the id, ARGV[2] the expected version: C{*} any, empty for absent):
+on a mismatch the script answers C{{0, current version}} and writes
+nothing. It leaves C{cur} (the stored value, or false) for the rest."""
+
+_PUT = _CHECK_VERSION + """\
 local v = redis.call('INCR', KEYS[2])
 redis.call('HSET', KEYS[1], ARGV[1], v .. '\\t' .. ARGV[4] .. '\\t' .. ARGV[3])
 redis.call('PUBLISH', ARGV[5], cjson.encode({kind=ARGV[6], id=ARGV[1], version=v}))
 return {1, v}
 """
 
-_DELETE = """
-local cur = redis.call('HGET', KEYS[1], ARGV[1])
-local cv = false
-if cur then cv = string.match(cur, '^(%d+)') end
-if ARGV[2] ~= '*' then
-  if ARGV[2] == '' then
-    if cur then return {0, cv} end
-  elseif cv ~= ARGV[2] then
-    return {0, cv or ''}
-  end
-end
+_DELETE = _CHECK_VERSION + """\
 if not cur then return {1, 0} end
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('INCR', KEYS[2])
