@@ -214,8 +214,9 @@ class ResponsesResource(Resource):
             entrypoint="http", endpoint="responses", client=key, model=model or None,
             body=body, stream=False, headers=headers,
             sessionHash=sessionHash(sessionSeed(headers, body, model), key.ownerId),
-            # A compaction of a chain goes where the chain lives (R40-R42).
-            previousResponseId=previous if which == COMPACT else None,
+            # A compaction or a token count of a chain goes where the chain
+            # lives (R40-R42), for the key that owns it (R104).
+            previousResponseId=previous,
             requestId=requestIdOf(request), request=kind,
         )
         annotateTurn(turn)

@@ -183,6 +183,43 @@ async def test_retrieve_delete_input_items_go_to_the_owner_for_its_key():
 
 
 @pytest_twisted.ensureDeferred
+async def test_chains_are_the_owners_on_every_route():
+    """
+    R40, R104: C{previous_response_id} on C{/v1/responses/input_tokens} and
+    C{/v1/responses/compact} is checked like on a turn: another key's
+    response id is refused (400, nothing upstream) and an id relay never
+    issued is not found (input_tokens forwarded any id to any account);
+    the owner key's count goes to the account that holds the chain.
+    """
+    stack = await startStack([{"id": "a1", "credential": "sk-emu-a1", "priority": 1},
+                              {"id": "a2", "credential": "sk-emu-a2", "priority": 2}], keys=KEYS)
+    try:
+        _, content = await call(stack, "POST", "/v1/responses", {"model": MODEL, "input": "x"})
+        rid = parsed(content)["id"]
+        stack.emulator.clearRequests()
+        for path in ("/v1/responses/input_tokens", "/v1/responses/compact"):
+            body = {"model": MODEL, "previous_response_id": rid, "input": "y"}
+            response, content = await call(stack, "POST", path, body, key=OTHER_KEY)
+            assert response.code == 400, (path, content)
+            assert parsed(content)["error"]["param"] == "previous_response_id", content
+            assert "not available" in parsed(content)["error"]["message"], content
+            response, content = await call(
+                stack, "POST", path, dict(body, previous_response_id="resp_nobodyknows"))
+            assert response.code == 400, (path, content)
+            assert parsed(content)["error"]["code"] == "previous_response_not_found", content
+        assert stack.emulator.requests == []
+        # The owner key's count goes to a1, where the chain is.
+        response, content = await call(stack, "POST", "/v1/responses/input_tokens",
+                                       {"model": MODEL, "previous_response_id": rid,
+                                        "input": "y"})
+        assert response.code == 200, content
+        assert [r.path for r in stack.emulator.requestsFor("sk-emu-a1")] == [
+            "/v1/responses/input_tokens"]
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
 async def test_owner_bound_request_never_moves():
     """
     R87: a 5xx on the owning account is not failed over to another account
