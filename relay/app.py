@@ -963,6 +963,9 @@ class _Listener(StreamServerEndpointService):
         L{relay.tap.makeService}) the L{CannotListenError} propagates: the
         daemon's parent waits on a status pipe that only an exception
         writes, and the daemon has no stderr.
+    @ivar beforeExit: L{None}, or a no-argument callable run just before
+        the exit (L{relay.tap.makeService} removes twistd's pid file there:
+        twistd removes it only for an L{Exception}).
     """
 
     _log = Logger()
@@ -972,6 +975,7 @@ class _Listener(StreamServerEndpointService):
         self._raiseSynchronously = True
         self.listen = listen
         self.exitOnError = True
+        self.beforeExit = None
 
     def privilegedStartService(self) -> None:
         try:
@@ -979,14 +983,18 @@ class _Listener(StreamServerEndpointService):
         except CannotListenError as e:
             reason = getattr(e.socketError, "strerror", None) or str(e.socketError)
             message = f"listen: cannot listen on {self.listen}: {reason}"
-            # Leave the line in the log too (error, not critical: critical
-            # is echoed to stderr before logging begins, which is when twist
-            # starts the service).
-            self._log.error("{message}", message=message)
             if not self.exitOnError:
+                # The daemon's log is the only place the line can go (error,
+                # not critical: critical is echoed to stderr as well).
+                self._log.error("listen: cannot listen on {listen}: {reason}",
+                                event="relay.listen_failed", listen=self.listen, reason=reason)
                 raise
             from relay.configcheck import exitWithConfigError
 
+            # The stderr line is the message: the log (stdout, under twistd
+            # -n and twist) would show it a second time.
+            if self.beforeExit is not None:
+                self.beforeExit()
             exitWithConfigError(message)
 
 

@@ -363,11 +363,64 @@ def _endpoint(value: Any, path: str) -> str:
     return value
 
 
+def urlProblem(value: str, query: bool = False) -> Optional[str]:
+    """
+    What makes an absolute URL unusable as a place to connect to, the
+    check every URL-valued key shares (C{base_url}, C{auth_base_url},
+    proxy URLs, C{state.redis_url}, C{tracing.endpoint}): a config mistake
+    is refused when the file or an admin change is read, not found later as
+    a failing dial on every turn.
+
+    The scheme is the caller's to check.
+
+    @param value: the URL, already stripped of surrounding blanks.
+    @param query: whether a C{?query} is allowed (C{rediss://} options).
+    @return: L{None} for a usable URL, else one line saying what is wrong;
+        the line never repeats the URL nor its userinfo (it may carry a
+        password, behaviour.md R100).
+    """
+    # The userinfo is the proxy's or Redis's own business (a password may
+    # hold anything); the rest goes on a request line or into a dial.
+    scheme, sep, rest = value.partition("://")
+    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    shown = scheme + sep + rest[len(authority.rpartition("@")[0]):]
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in shown):
+        return "invalid URL: it contains a space or control character"
+    try:
+        parts = urlsplit(value)
+        host = parts.hostname
+    except ValueError:
+        # urlsplit checks a bracketed host: C{[::1]}.
+        return "invalid URL: bad IPv6 address in the host"
+    try:
+        port = parts.port
+    except ValueError:
+        return "invalid URL: bad port (expected 1-65535)"
+    if port == 0:
+        return "invalid URL: bad port 0 (expected 1-65535)"
+    # A name or an IPv4 address (an IPv6 one, with its C{:}, urlsplit checked).
+    if host and ":" not in host and (
+            not all(c.isalnum() or c in "-._" for c in host) or not host.strip(".")):
+        return "invalid URL: bad character in the host"
+    if "#" in value:
+        return "invalid URL: a #fragment is not allowed"
+    if "?" in value and not query:
+        return "invalid URL: a ?query is not allowed here"
+    return None
+
+
 def _httpURL(value: Any, path: str) -> str:
     """
-    An C{http://} or C{https://} URL, returned without a trailing slash.
+    An C{http://} or C{https://} URL, returned without a trailing slash:
+    a host, an optional port 1-65535 and path; no query or fragment
+    (L{urlProblem}).
+
+    @raise ConfigError: C{"<path>: ..."}, one line.
     """
     value = _string(value, path).strip()
+    problem = urlProblem(value)
+    if problem is not None:
+        raise _fail(path, problem)
     parts = urlsplit(value)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise _fail(path, f"expected an http:// or https:// URL, got {_describe(value)}")
@@ -390,6 +443,10 @@ def _redisURL(value: Any, path: str) -> str:
     except ValueError as e:
         # The URL may carry a password: name the problem, not the value.
         raise _fail(path, str(e))
+    if target.scheme != "unix":
+        problem = urlProblem(value.strip(), query=True)
+        if problem is not None:
+            raise _fail(path, problem)
     return value
 
 
@@ -764,6 +821,9 @@ def parseProxyURL(url: str, proxyId: str, path: str) -> ProxySpec:
         raise _fail(path, "invalid proxy URL: port is missing")
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         raise _fail(path, "invalid proxy URL: expected scheme://[user:pass@]host:port")
+    problem = urlProblem(url.strip())
+    if problem is not None:
+        raise _fail(path, problem.replace("invalid URL", "invalid proxy URL", 1))
     username = unquote(parts.username) if parts.username is not None else None
     password = unquote(parts.password) if parts.password is not None else None
     return ProxySpec(

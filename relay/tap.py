@@ -17,6 +17,7 @@ C{--log-format}) stays a L{usage.UsageError} with the usage text.
 
 from __future__ import annotations
 
+import os
 import signal
 
 from twisted.application.service import Service
@@ -54,6 +55,29 @@ def ownPidfile(options: usage.Options, name: str) -> None:
     parent = getattr(options, "parent", None)
     if parent is not None and parent.get("pidfile") == TWISTD_DEFAULT_PIDFILE:
         parent["pidfile"] = name + ".pid"
+
+
+def removeOwnPidfile(path) -> None:
+    """
+    Remove the pid file twistd wrote for this process, when relay exits
+    before the reactor runs (a C{listen} port in use): twistd removes it
+    only for an L{Exception}, and the one-line exit is a L{SystemExit}. A
+    file holding another process's pid (or none) is left alone.
+
+    @param path: the pid file's path (twistd's C{--pidfile}), or L{None}.
+    """
+    if not path:
+        return
+    try:
+        with open(path) as f:
+            pid = int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return
+    if pid == os.getpid():
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 class Options(usage.Options):
@@ -348,4 +372,8 @@ def makeService(options: Options, reactor=None):
         # would leave it waiting forever), and the daemon's stderr is
         # /dev/null. Let a CannotListenError propagate there.
         service.relayListener.exitOnError = False
+    elif parent is not None and parent.get("pidfile"):
+        # twistd -n writes its pid file before it starts the service.
+        pidfile = parent["pidfile"]
+        service.relayListener.beforeExit = lambda: removeOwnPidfile(pidfile)
     return service

@@ -623,6 +623,71 @@ class ValueErrorTests(SynchronousTestCase, ConfigErrorAssertions):
         )
         self.assertNotIn("redis-pass", message)
 
+    def test_unusableURLs(self):
+        """
+        A URL that parses but cannot be dialled (a space, port 0 or above
+        65535, a bad host, a C{?query} or C{#fragment} where the request
+        path is appended) is a one-line error naming the key, for every
+        URL-valued key: not a transport failure on every turn later.
+        """
+        bad = [
+            ("http://exa mple.com/v1", "space"),
+            ("https://host:0/v1", "bad port 0"),
+            ("https://host:99999/v1", "bad port"),
+            ("https://host:abc/v1", "bad port"),
+            ("https://ho<st>/v1", "bad character in the host"),
+            ("https://[::zz]/v1", "bad IPv6 address"),
+            ("https://host/v1?api-version=1", "?query is not allowed"),
+            ("https://host/v1#frag", "#fragment is not allowed"),
+        ]
+        for url, problem in bad:
+            self.assertConfigError(
+                f"accounts: [{{id: a1, type: apikey, api_key: k1, base_url: '{url}'}}]",
+                "accounts[0].base_url: invalid URL", problem)
+            self.assertConfigError(
+                f"accounts: [{{id: o1, type: oauth, access_token: t1, chatgpt_account_id: c,"
+                f" auth_base_url: '{url}'}}]", "accounts[0].auth_base_url: invalid URL", problem)
+            self.assertConfigError(
+                f"gateway: {{oauth: {{auth_base_url: '{url}'}}}}",
+                "gateway.oauth.auth_base_url: invalid URL", problem)
+            self.assertConfigError(
+                f"tracing: {{exporter: otlp, endpoint: '{url}'}}",
+                "tracing.endpoint: invalid URL", problem)
+        good = parse("accounts: [{id: a1, type: apikey, api_key: k1,"
+                     " base_url: 'https://[::1]:8443/v1/'}, {id: a2, type: apikey, api_key: k2,"
+                     " base_url: 'http://relay_emulator.local:9090/v1'}]")
+        self.assertEqual([a.base_url for a in good.accounts],
+                         ["https://[::1]:8443/v1", "http://relay_emulator.local:9090/v1"])
+
+    def test_unusableProxyAndRedisURLs(self):
+        """
+        Proxy URLs (top-level and an account's own) and C{state.redis_url}
+        share the check, and their messages never echo the URL (it may
+        carry a password, R100); a password may still hold a space.
+        """
+        for url, problem in (("socks5://u:proxy-pass@h:0", "bad port 0"),
+                             ("socks5://u:proxy-pass@exa mple:1080", "space"),
+                             ("http://u:proxy-pass@h%41:3128", "bad character in the host")):
+            message = self.assertConfigError(
+                f"proxies: [{{id: p1, url: '{url}'}}]", "proxies[0].url: invalid proxy URL",
+                problem)
+            self.assertNotIn("proxy-pass", message)
+            message = self.assertConfigError(
+                f"accounts: [{{id: a1, type: apikey, api_key: k1, proxy: '{url}'}}]",
+                "accounts[0].proxy: invalid proxy URL", problem)
+            self.assertNotIn("proxy-pass", message)
+        spec = parse("proxies: [{id: p1, url: 'socks5://u:pa%20ss@h:1080'}]").proxies[0]
+        self.assertEqual((spec.host, spec.port, spec.password), ("h", 1080, "pa ss"))
+        for url, problem in (("redis://:redis-pass@h:0/0", "bad port 0"),
+                             ("redis://:redis-pass@exa mple:6379/0", "space"),
+                             ("redis://:redis-pass@h:6379/0#x", "#fragment is not allowed")):
+            message = self.assertConfigError(
+                f"state: {{backend: redis, redis_url: '{url}'}}", "state.redis_url: invalid URL",
+                problem)
+            self.assertNotIn("redis-pass", message)
+        self.assertEqual(parse("state: {redis_url: 'unix:///run/redis/redis.sock?db=2'}")
+                         .state.redis_url, "unix:///run/redis/redis.sock?db=2")
+
     def test_componentName(self):
         """
         Component names must look like dotted Python names.

@@ -217,6 +217,33 @@ class AddAccountTests(ControlFixture, SynchronousTestCase):
         self.assertEqual(self.ids(), ["a1"])
         self.assertEqual(self.audit(), [])
 
+
+    def test_unusableURLs(self):
+        """
+        A base_url (or auth_base_url, or proxy) that could never be dialled
+        -- a space, port 0, a C{?query} or C{#fragment} -- is the file's
+        error as a 400 naming the field, not an account whose every turn
+        fails over as a transport fault; nothing is added.
+        """
+        before = self.ids()
+        for url in ("http://exa mple.com/v1", "https://host:0/v1", "https://host/v1?x=1",
+                    "https://host/v1#frag"):
+            for field in ("base_url", "auth_base_url"):
+                if field == "base_url":
+                    spec = self.apikey(base_url=url)
+                else:
+                    spec = {"id": "o1", "type": "oauth", "access_token": oauthToken("acct-1"),
+                            "auth_base_url": url}
+                status, body = self.call(b"POST", "accounts", spec)
+                self.assertEqual(status, 400, (field, url, body))
+                self.assertEqual(body["error"]["param"], field, url)
+                self.assertIn(f"{field}: invalid URL", body["error"]["message"], url)
+        status, body = self.call(b"POST", "accounts",
+                                 self.apikey(proxy="socks5://u:proxy-pass@h:0"))
+        self.assertEqual((status, body["error"]["param"]), (400, "proxy"), body)
+        self.assertIn("bad port 0", body["error"]["message"])
+        self.assertNotIn("proxy-pass", self.lastRaw.decode())
+        self.assertEqual(self.ids(), before)
     def test_idClash(self):
         """
         An id the file uses is a 409 naming the file; an id an admin

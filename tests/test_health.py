@@ -8,7 +8,7 @@ from __future__ import annotations
 from twisted.internet import error as terror
 from twisted.internet.defer import Deferred, fail
 from twisted.internet.task import Clock
-from twisted.logger import capturedLogs
+from twisted.logger import capturedLogs, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
@@ -186,6 +186,16 @@ class FailingStoreTests(HealthTestCase):
         )
         self.assertIsNotNone(self.blocked(APIKEY))
 
+    def test_disabledWriteFailsLogSaysUntilCleared(self):
+        """
+        The failed write of a disabled marking says "until cleared" too.
+        """
+        with capturedLogs() as events:
+            self.apply(APIKEY, self.status(APIKEY, 401))
+        (ev,) = [e for e in events if e.get("event") == "relay.account_state_write_failed"]
+        self.assertEqual((ev["kind"], ev["until"]), ("disabled", 0))
+        self.assertIn("writing disabled until cleared failed", formatEvent(ev))
+
     def test_otherMarkKeptInMemory(self):
         """
         A failed write of any other mark also leaves an in-memory block.
@@ -249,6 +259,23 @@ class MarkingTests(HealthTestCase):
         self.assertTrue(rt.disabled)
         self.assertEqual(self.health.localBlock("k1")[1], T0 + 120)
         self.assertEqual(self.blocked(APIKEY)[1], 0)
+
+    def test_disabledLogSaysUntilCleared(self):
+        """
+        A disabled marking has no end (C{until} 0): its line says "until
+        cleared", not "until 0"; the structured fields stay.
+        """
+        with capturedLogs() as events:
+            self.apply(APIKEY, self.status(APIKEY, 401))
+        (ev,) = [e for e in events if e.get("event") == "relay.account_cooldown_set"]
+        self.assertEqual((ev["account_id"], ev["kind"], ev["until"]), ("k1", "disabled", 0))
+        text = formatEvent(ev)
+        self.assertIn("k1 marked disabled until cleared: ", text)
+        self.assertNotIn("until 0", text)
+        with capturedLogs() as events:
+            self.apply(APIKEY, self.status(APIKEY, 403))
+        (ev,) = [e for e in events if e.get("event") == "relay.account_cooldown_set"]
+        self.assertIn(f"until {T0 + 600}: ", formatEvent(ev))
 
     def test_modelBlock(self):
         """

@@ -16,6 +16,7 @@ from twisted.application.service import IServiceMaker, MultiService
 from twisted.internet.defer import fail
 from twisted.internet.error import CannotListenError
 from twisted.internet.testing import MemoryReactorClock
+from twisted.logger import capturedLogs, formatEvent
 from twisted.plugin import getPlugins
 from twisted.python.reflect import namedAny
 from twisted.python.usage import UsageError
@@ -544,6 +545,60 @@ class MakeServiceTests(SynchronousTestCase):
             "relay: config error: listen: cannot listen on"
             " tcp:18080:interface=127.0.0.1: Address already in use\n",
         )
+
+    def test_portInUseOnceNoStalePidfile(self) -> None:
+        """
+        Under C{twistd -n} a port in use is said once (standard error, not
+        also the log, which is stdout there too), and the pid file twistd
+        wrote for this process is removed: twistd removes it only for an
+        L{Exception}, not for the L{SystemExit}.
+        """
+        stderr = patchStderr(self)
+        pidfile = os.path.abspath(self.mktemp())
+        with open(pidfile, "w") as f:
+            f.write(str(os.getpid()))
+        options = self.options()
+        options.parent = {"nodaemon": True, "pidfile": pidfile}
+        service = makeService(options, reactor=MemoryReactorClock())
+        self.failingListen(service)
+        with capturedLogs() as events:
+            e = self.assertRaises(SystemExit, service.privilegedStartService)
+        self.assertEqual(e.code, 2)
+        self.assertEqual(len(stderr.getvalue().splitlines()), 1)
+        self.assertEqual([ev for ev in events if ev.get("log_namespace") == "relay.app._Listener"],
+                         [])
+        self.assertFalse(os.path.exists(pidfile))
+
+    def test_portInUseOtherPidfileKept(self) -> None:
+        """
+        A pid file that is not this process's (another relay's) is left.
+        """
+        patchStderr(self)
+        pidfile = os.path.abspath(self.mktemp())
+        with open(pidfile, "w") as f:
+            f.write(str(os.getpid() + 1))
+        options = self.options()
+        options.parent = {"nodaemon": True, "pidfile": pidfile}
+        service = makeService(options, reactor=MemoryReactorClock())
+        self.failingListen(service)
+        self.assertRaises(SystemExit, service.privilegedStartService)
+        self.assertTrue(os.path.exists(pidfile))
+
+    def test_portInUseDaemonLogs(self) -> None:
+        """
+        A daemonising twistd's only record is its log: the line is logged
+        there, and twistd removes its own pid file for the exception.
+        """
+        patchStderr(self)
+        options = self.options()
+        options.parent = {"nodaemon": False, "pidfile": os.path.abspath(self.mktemp())}
+        service = makeService(options, reactor=MemoryReactorClock())
+        self.failingListen(service)
+        with capturedLogs() as events:
+            self.assertRaises(CannotListenError, service.privilegedStartService)
+        (logged,) = [ev for ev in events if ev.get("log_namespace") == "relay.app._Listener"]
+        self.assertEqual(formatEvent(logged), "listen: cannot listen on"
+                         " tcp:8080:interface=127.0.0.1: Address already in use")
 
     def test_portInUseStartService(self) -> None:
         """

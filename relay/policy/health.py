@@ -319,6 +319,8 @@ class AccountHealth:
 
         @return: L{True} when the store accepted it.
         """
+        # A disabled marking (until 0) has no end: an operator clears it.
+        ends = "until {until}" if until else "until cleared"
         try:
             d = self._store.markAccount(account.id, kind, until, reason, model)
             d.addTimeout(STATE_WRITE_TIMEOUT_SECONDS, self._clock)
@@ -331,7 +333,7 @@ class AccountHealth:
             )
             self._block(account.id, blockUntil, reason, model if kind == MARK_MODEL_BLOCK else None)
             self._log.warn(
-                "account {account_id}: writing {kind} until {until} failed ({error});"
+                "account {account_id}: writing {kind} " + ends + " failed ({error});"
                 " blocked in memory",
                 event="openai.account_temp_unscheduled_transport_failed"
                 if transport
@@ -345,7 +347,7 @@ class AccountHealth:
             return False
         if transport:
             self._log.warn(
-                "account {account_id} temp-unschedulable until {until}: {reason}",
+                "account {account_id} temp-unschedulable " + ends + ": {reason}",
                 event="openai.account_temp_unscheduled_transport",
                 account_id=account.id,
                 until=until,
@@ -353,7 +355,7 @@ class AccountHealth:
             )
         else:
             self._log.warn(
-                "account {account_id} marked {kind} until {until}: {reason}",
+                "account {account_id} marked {kind} " + ends + ": {reason}",
                 event="relay.account_cooldown_set",
                 account_id=account.id,
                 kind=kind,

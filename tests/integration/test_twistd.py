@@ -433,3 +433,36 @@ async def test_port_in_use(runner):
     assertOneErrorLine(
         out, err, code,
         f"relay: config error: listen: cannot listen on {listen}: Address already in use")
+    assert "cannot listen" not in out, out
+
+
+@pytest_twisted.ensureDeferred
+async def test_port_in_use_leaves_no_pidfile():
+    """
+    Under C{twistd -n} with its pid file (relay's own default,
+    C{relay.pid}), a port in use is still one line, said once (not again
+    in the log on stdout), and no stale C{relay.pid} is left behind.
+    """
+    path = writeConfig(goodConfig())
+    directory = os.path.dirname(path)
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    listen = f"tcp:{holder.getsockname()[1]}:interface=127.0.0.1"
+    argv = [arg for arg in RUNNERS["twistd"] if arg != "--pidfile="]
+    try:
+        d = getProcessOutputAndValue(
+            sys.executable, [*argv, "relay", "--config", path, "--listen", listen],
+            env=environment(), path=directory, reactor=reactor, stdinBytes=b"")
+        d.addTimeout(30, reactor)
+        out, err, code = await d
+        leftover = sorted(os.listdir(directory))
+    finally:
+        holder.close()
+        removeConfig(path)
+    out, err = out.decode(), err.decode()
+    assertOneErrorLine(
+        out, err, code,
+        f"relay: config error: listen: cannot listen on {listen}: Address already in use")
+    assert "cannot listen" not in out, out
+    assert "relay.pid" not in leftover, leftover
