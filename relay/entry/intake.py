@@ -115,6 +115,18 @@ def isTurnPath(path: bytes) -> bool:
     return tuple(_segments(path)) in TURN_PATHS
 
 
+def isHealthPath(path: bytes) -> bool:
+    """
+    Whether a request target is C{/healthz} or C{/readyz} (the routes a
+    connection over the connection caps may still ask,
+    L{relay.entry.site.OVER_CAP_ALLOWANCE}).
+
+    @param path: the request target as sent (may carry a query).
+    """
+    segments = _segments(path)
+    return len(segments) == 1 and segments[0] in OPEN_PATHS
+
+
 def _segments(path: bytes) -> list:
     """
     The non-empty path segments of a request target, percent-decoded as
