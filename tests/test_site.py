@@ -133,7 +133,7 @@ class TwistedHooksTests(SynchronousTestCase):
         Through the site classes alone (no intake): 431, not an empty reply.
         """
         data, transport = exchange(b"GET /models HTTP/1.1\r\nX-Big: " + b"a" * 17000 + b"\r\n")
-        status, head, body = split(data)
+        status, _, body = split(data)
         self.assertTrue(status.startswith(b"HTTP/1.1 431 "), status)
         self.assertEqual(json.loads(body)["error"]["code"], "request_header_fields_too_large")
         self.assertTrue(transport.disconnecting)

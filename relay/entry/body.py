@@ -457,13 +457,11 @@ class LimitedBodyRequest(Request):
         if overCap is not None and not I.isHealthPath(getattr(self.channel, "_path", b"")):
             # a connection of the over-cap allowance answers the health
             # routes only (relay.entry.site.OVER_CAP_ALLOWANCE)
-            from relay.entry.site import TOO_MANY_CONNECTIONS
-
             self.content = None
             refuse = getattr(site, "refuseOverCap", None)
             if refuse is not None:
                 refuse(getattr(self.getClientAddress(), "host", "-"), overCap)
-            self._answerNow(TOO_MANY_CONNECTIONS)
+            self._answerNow(I.TOO_MANY_CONNECTIONS)
             return
         policy = getattr(site, "intake", None)
         if policy is None:

@@ -272,6 +272,15 @@ UNAUTHORIZED_ADMIN = ClientError(
 
 ADMIN_DISABLED = ClientError(404, "invalid_request_error", "Not found", code="not_found")
 
+TOO_MANY_CONNECTIONS = ClientError(
+    503, "api_error", "Too many open connections, please retry later.",
+    code="too_many_connections", headers=(("Retry-After", "1"),),
+)
+"""A connection over C{gateway.limits.max_connections} /
+C{max_connections_per_address} (L{relay.entry.site.RelaySite}), or a
+request other than C{/healthz} / C{/readyz} on one of the over-cap
+allowance (L{relay.entry.site.OVER_CAP_ALLOWANCE})."""
+
 
 @define(eq=False)
 class BodyBudget:

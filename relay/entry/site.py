@@ -30,6 +30,7 @@ from twisted.web.resource import UnsupportedMethod
 from twisted.web.server import NOT_DONE_YET, Site
 
 from relay.entry.body import reasonPhrase
+from relay.entry.intake import TOO_MANY_CONNECTIONS
 from relay.entry.logthrottle import LogThrottle, suppressedNote, throttleOf
 from relay.entry.sinks import errorBody, writeError
 from relay.model import ClientError
@@ -47,10 +48,6 @@ HEADER_TIMEOUT = ClientError(
     code="request_timeout",
 )
 
-TOO_MANY_CONNECTIONS = ClientError(
-    503, "api_error", "Too many open connections, please retry later.",
-    code="too_many_connections", headers=(("Retry-After", "1"),),
-)
 
 HEADER_TOO_LARGE = ClientError(
     431, "invalid_request_error",
