@@ -12,8 +12,6 @@ the same key left unlogged since the one before (its C{suppressed} field).
 
 from __future__ import annotations
 
-from typing import Optional
-
 
 class LogThrottle:
     """
@@ -31,7 +29,7 @@ class LogThrottle:
         self._clock = clock
         self._last = {}
 
-    def admit(self, key) -> Optional[int]:
+    def admit(self, key) -> int | None:
         """
         Whether a line of C{key} may be written now.
 
@@ -60,7 +58,7 @@ def suppressedNote(suppressed: int, what: str = "more") -> str:
     return f" ({{suppressed}} {what} since the last line)" if suppressed else ""
 
 
-def throttleOf(site) -> Optional[LogThrottle]:
+def throttleOf(site) -> LogThrottle | None:
     """
     The site's shared L{LogThrottle} (L{relay.entry.site.RelaySite}), or
     L{None} for a site without one (a bare L{twisted.web.server.Site}).
