@@ -119,7 +119,8 @@ class _Site(RelaySite):
             duration = round((self.clock.seconds() - started) * 1000, 1)
         agent = request.getHeader(b"user-agent")
         self._log.info(
-            '{client} "{method} {path}" {status} {bytes} in {duration_ms}ms',
+            '{client} "{method} {path}" {status} {bytes}'
+            + (" in {duration_ms}ms" if duration is not None else ""),
             event="relay.http_access",
             request_id=getattr(request, "relayRequestId", None),
             client=getattr(address, "host", "-"),

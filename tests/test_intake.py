@@ -390,13 +390,18 @@ class SlowClientTests(SynchronousTestCase):
         self.assertIn("min_body_bytes_per_second", conn.error()["message"])
 
     def test_connectionCaps(self):
+        """
+        A request on a connection over a cap (other than the health routes,
+        L{OverCapHealthTests}) is a JSON 503 C{too_many_connections}.
+        """
+        models = head(b"/v1/models", b"GET", AUTH)
         app, _ = relaySite("{max_connections: 3, max_connections_per_address: 2}")
         a1, a2 = Conn(app.site), Conn(app.site)
-        a3 = Conn(app.site)
+        a3 = Conn(app.site).send(models)
         self.assertEqual(a3.status(), 503)
         self.assertEqual(a3.error()["code"], "too_many_connections")
         Conn(app.site, host="10.0.0.2")
-        self.assertEqual(Conn(app.site, host="10.0.0.3").status(), 503)
+        self.assertEqual(Conn(app.site, host="10.0.0.3").send(models).status(), 503)
         a1.protocol.connectionLost(None)
         self.assertEqual(Conn(app.site).value, b"")
         self.assertEqual(app.site.openByAddress, {"10.0.0.1": 2, "10.0.0.2": 1})
@@ -411,7 +416,7 @@ class SlowClientTests(SynchronousTestCase):
         Conn(app.site)
         with capturedLogs() as events:
             for _ in range(50):
-                self.assertEqual(Conn(app.site).status(), 503)
+                self.assertEqual(Conn(app.site).send(head()).status(), 503)
             app.reactor.advance(1)
             Conn(app.site)
         refused = [e for e in events if e.get("event") == "relay.intake_connection_refused"]
@@ -435,6 +440,278 @@ class SlowClientTests(SynchronousTestCase):
         kinds = [e.get("event") for e in events]
         self.assertIn("relay.intake_header_timeout", kinds)
         self.assertIn("relay.intake_slow_body", kinds)
+
+
+class OverCapHealthTests(SynchronousTestCase):
+    """
+    A connection over C{max_connections} / C{max_connections_per_address}
+    still answers C{/healthz} and C{/readyz} (a liveness probe sharing the
+    flood's address must not fail), from a small allowance counted on its
+    own; nothing else is answered on it.
+    """
+
+    def flooded(self, limits="{max_connections_per_address: 1}"):
+        app, _ = relaySite(limits)
+        Conn(app.site)  # the cap is reached
+        return app
+
+    def test_healthAnsweredOverTheCaps(self):
+        """
+        Over either cap, C{GET /healthz} and C{GET /readyz} are 200 (today
+        503 C{too_many_connections} at connect), and the connection closes
+        after the one answer.
+        """
+        for limits in ("{max_connections_per_address: 1}", "{max_connections: 1}"):
+            app = self.flooded(limits)
+            for path in (b"/healthz", b"/readyz", b"/healthz?probe=1"):
+                conn = Conn(app.site).send(head(path, b"GET"))
+                self.assertEqual(conn.status(), 200, (limits, path))
+                self.assertIn(b"connection: close", conn.value.lower())
+                self.assertTrue(conn.transport.disconnecting)
+            self.assertEqual(app.site.openConnections, 1)
+            self.assertEqual(app.site.openByAddress, {"10.0.0.1": 1})
+
+    def test_otherRoutesRefused(self):
+        """
+        Any other request on an over-cap connection (with the key or not,
+        the status page, a WebSocket upgrade) is the JSON 503 and close,
+        logged as a refused connection; a request pipelined after a health
+        probe is not answered.
+        """
+        app = self.flooded()
+        upgrade = (b"Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13"
+                   b"\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n")
+        with capturedLogs() as events:
+            for request in (head(b"/v1/models", b"GET", AUTH), head(headers=AUTH, length=2),
+                            head(b"/admin/", b"GET"), head(b"/v1/responses", b"GET",
+                                                           AUTH + upgrade),
+                            head(b"/healthz/x", b"GET")):
+                conn = Conn(app.site).send(request)
+                self.assertEqual(conn.status(), 503, request)
+                self.assertEqual(conn.error()["code"], "too_many_connections")
+                self.assertIn(b"retry-after: 1", conn.value.lower())
+                self.assertTrue(conn.halfClosed)
+        refused = [e for e in events if e.get("event") == "relay.intake_connection_refused"]
+        self.assertEqual([e["cap"] for e in refused], ["max_connections_per_address"])
+        conn = Conn(app.site).send(head(b"/healthz", b"GET") + head(b"/v1/models", b"GET", AUTH))
+        self.assertEqual(conn.value.count(b"HTTP/1.1 "), 1)
+
+    def test_allowanceIsBounded(self):
+        """
+        At most L{OVER_CAP_ALLOWANCE} connections over the caps are open at
+        once; when they are all past their headers, a new one is refused
+        at connect.
+        """
+        from relay.entry.site import OVER_CAP_ALLOWANCE
+
+        app = self.flooded()
+        held = [Conn(app.site).send(head(b"/readyz", b"GET"))
+                for _ in range(OVER_CAP_ALLOWANCE)]
+        self.assertEqual({c.status() for c in held}, {200})
+        self.assertEqual(len(app.site.overCap), OVER_CAP_ALLOWANCE)
+        refused = Conn(app.site)
+        self.assertEqual(refused.status(), 503)
+        self.assertEqual(len(app.site.overCap), OVER_CAP_ALLOWANCE)
+        app.site.unregisterProtocol(held[0].protocol)  # one closes
+        self.assertEqual(Conn(app.site).send(head(b"/healthz", b"GET")).status(), 200)
+
+    def test_idleConnectionsMakeRoom(self):
+        """
+        Connections held open without a request cannot keep the probe out:
+        the oldest one whose headers are not in is closed (503) to make
+        room, and every one of them is under the header deadline.
+        """
+        from relay.entry.site import OVER_CAP_ALLOWANCE
+
+        app = self.flooded("{max_connections_per_address: 1, header_timeout_seconds: 5}")
+        idle = [Conn(app.site) for _ in range(OVER_CAP_ALLOWANCE)]
+        probe = Conn(app.site)
+        self.assertEqual(idle[0].status(), 503)
+        self.assertTrue(idle[0].transport.disconnecting)
+        self.assertEqual([c.value for c in idle[1:]], [b""] * (OVER_CAP_ALLOWANCE - 1))
+        self.assertEqual(len(app.site.overCap), OVER_CAP_ALLOWANCE)
+        self.assertEqual(probe.send(head(b"/healthz", b"GET")).status(), 200)
+        idle[1].clock.advance(5)
+        self.assertEqual(idle[1].status(), 408)
+
+
+class IntakeLogThrottleTests(SynchronousTestCase):
+    """
+    Every intake refusal an unauthenticated client can repeat at will is
+    logged at most once per second per kind, counting the ones it stands
+    for (one shared L{relay.entry.logthrottle.LogThrottle}).
+    """
+
+    def flood(self, app, event, one, times=20):
+        with capturedLogs() as events:
+            for i in range(times):
+                one(i)
+            app.reactor.advance(1)
+            one(times)
+        lines = [e for e in events if e.get("event") == event]
+        self.assertEqual([e["suppressed"] for e in lines], [0, times - 1])
+        self.assertIn(f"{times - 1} more", formatEvent(lines[1]))
+
+    def test_headerTimeout(self):
+        """
+        C{relay.intake_header_timeout}: one line per second (today one per
+        connection).
+        """
+        app, _ = relaySite("{header_timeout_seconds: 10}")
+
+        def one(i):
+            conn = Conn(app.site, host=f"10.0.1.{i}").send(b"POST /v1/responses HTTP/1.1\r\n")
+            conn.clock.advance(11)
+            self.assertEqual(conn.status(), 408)
+
+        self.flood(app, "relay.intake_header_timeout", one)
+
+    def test_slowBody(self):
+        """
+        C{relay.intake_slow_body}: the same.
+        """
+        app, _ = relaySite("{min_body_bytes_per_second: 100}")
+
+        def one(i):
+            conn = Conn(app.site, host=f"10.0.2.{i}").send(head(headers=AUTH, length=100000))
+            conn.clock.advance(10)
+            self.assertEqual(conn.status(), 408)
+
+        self.flood(app, "relay.intake_slow_body", one)
+
+    def test_headerTooLarge(self):
+        """
+        C{relay.intake_header_too_large}: the same.
+        """
+        app, _ = relaySite()
+
+        def one(i):
+            conn = Conn(app.site, host=f"10.0.3.{i}").send(
+                head(headers=b"X-Big: " + b"a" * 17000 + b"\r\n"))
+            self.assertEqual(conn.status(), 431)
+
+        self.flood(app, "relay.intake_header_too_large", one)
+
+
+class HeaderTooLargeTests(SynchronousTestCase):
+    """
+    A header line over twisted.web's 16 KiB line limit was dropped without
+    a byte (curl: "Empty reply from server"); now 431 in OpenAI's format,
+    with C{X-Request-Id}, then close.
+    """
+
+    def test_headerLine(self):
+        app, _ = relaySite()
+        with capturedLogs() as events:
+            conn = Conn(app.site).send(head(headers=b"X-Request-Id: big-1\r\nX-Big: "
+                                            + b"a" * 17000 + b"\r\n"))
+        self.assertEqual(conn.status(), 431)
+        self.assertEqual(conn.error()["code"], "request_header_fields_too_large")
+        self.assertEqual(conn.error()["request_id"], "big-1")
+        self.assertIn(b"x-request-id: big-1\r\n", conn.value.lower())
+        self.assertIn(b"connection: close", conn.value.lower())
+        self.assertTrue(conn.transport.disconnecting)
+        [line] = [e for e in events if e.get("event") == "relay.intake_header_too_large"]
+        self.assertEqual((line["status"], line["client"]), (431, conn.transport.getPeer().host))
+        conn.send(b"\r\nGET /healthz HTTP/1.1\r\n\r\n")  # nothing more is read
+        self.assertEqual(conn.value.count(b"HTTP/1.1 "), 1)
+
+    def test_lineWithoutEnd(self):
+        """
+        17 KiB of one header line not yet ended is answered at once.
+        """
+        app, _ = relaySite()
+        conn = Conn(app.site).send(b"GET /healthz HTTP/1.1\r\nX-Big: " + b"a" * 17000)
+        self.assertEqual(conn.status(), 431)
+
+    def test_headerBlock(self):
+        """
+        A header block over 16 KiB in short lines: 431 too (today JSON 400).
+        """
+        app, _ = relaySite()
+        lines = b"".join(b"X-H%d: %s\r\n" % (i, b"a" * 1000) for i in range(17))
+        conn = Conn(app.site).send(head(headers=lines))
+        self.assertEqual(conn.status(), 431)
+        self.assertEqual(conn.error()["type"], "invalid_request_error")
+
+    def test_requestLine(self):
+        """
+        A request line over the limit is a 414.
+        """
+        app, _ = relaySite()
+        conn = Conn(app.site).send(b"GET /" + b"a" * 17000 + b" HTTP/1.1\r\n")
+        self.assertEqual(conn.status(), 414)
+        self.assertEqual(conn.error()["code"], "request_uri_too_long")
+        self.assertRegex(conn.value.decode(), r"X-Request-Id: req_[0-9a-f]+\r\n")
+
+
+class IntakeAccessLineTests(SynchronousTestCase):
+    """
+    The access line of an answer written by the intake has a duration
+    (today C{in Nonems}).
+    """
+
+    def accessLine(self, app, send):
+        with capturedLogs() as events:
+            send()
+        [line] = [e for e in events if e.get("event") == "relay.http_access"]
+        return line
+
+    def test_fromTheHeaders(self):
+        app, _ = relaySite()
+        line = self.accessLine(app, lambda: Conn(app.site).send(head(length=10)))
+        self.assertEqual((line["status"], line["duration_ms"]), (401, 0.0))
+        self.assertNotIn("None", formatEvent(line))
+        self.assertTrue(formatEvent(line).endswith(" in 0.0ms"), formatEvent(line))
+
+    def test_afterPartOfTheBody(self):
+        """
+        A 413 two seconds into the body: 2000 ms, counted from the headers.
+        """
+        app, _ = relaySite(body_limit=1024)
+
+        def send():
+            conn = Conn(app.site).send(head(headers=AUTH + b"Transfer-Encoding: chunked\r\n"))
+            app.reactor.advance(2)
+            conn.send(b"7d0\r\n" + b"a" * 2000 + b"\r\n")
+            self.assertEqual(conn.status(), 413)
+
+        line = self.accessLine(app, send)
+        self.assertEqual(line["duration_ms"], 2000.0)
+
+
+class OpenRouteBodyTests(SynchronousTestCase):
+    """
+    README "Security": a body sent to C{/healthz}, C{/readyz} or C{GET
+    /admin/} is discarded unread -- whatever its size or encoding (today
+    413 over 64 KiB, 415 for an unknown encoding).
+    """
+
+    def test_discardedUnread(self):
+        app, _ = relaySite()
+        big = b"a" * (200 * 1024)
+        for path, method in ((b"/healthz", b"POST"), (b"/readyz", b"POST"),
+                             (b"/admin/", b"GET"), (b"/healthz", b"GET")):
+            conn = Conn(app.site).send(head(path, method, length=len(big)))
+            request = conn.inner._channel.requests[-1]
+            conn.send(big[:-1])
+            self.assertEqual((conn.value, request.content.getvalue()), (b"", b""), path)
+            conn.send(big[-1:])
+            self.assertEqual(conn.status(), 200 if method == b"GET" else 405, (path, method))
+            conn = Conn(app.site).send(
+                head(path, method, b"Transfer-Encoding: chunked\r\nContent-Encoding: br\r\n")
+                + b"%x\r\n" % len(big) + big + b"\r\n0\r\n\r\n")
+            self.assertEqual(conn.status(), 200 if method == b"GET" else 405, (path, method))
+
+    def test_stillUnderTheBodyRate(self):
+        """
+        A discarded body still has to arrive at the minimum rate.
+        """
+        app, _ = relaySite("{min_body_bytes_per_second: 100}")
+        conn = Conn(app.site).send(head(b"/healthz", b"POST", length=100000))
+        conn.send(b"a" * 999)
+        conn.clock.advance(10)
+        self.assertEqual(conn.status(), 408)
 
 
 class DrainTests(SynchronousTestCase):

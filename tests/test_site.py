@@ -111,6 +111,34 @@ class MalformedHTTPTests(SynchronousTestCase):
         self.assertEqual(json.loads(split(data)[2])["error"]["type"], "invalid_request_error")
 
 
+class TwistedHooksTests(SynchronousTestCase):
+    """
+    The private parts of twisted.web's L{HTTPChannel} that
+    L{relay.entry.site.RelayHTTPChannel} reads to answer an over-long
+    request line (414) or header (431): an upgrade that renames them fails
+    here, not in production.
+    """
+
+    def test_pinned(self):
+        from twisted.web.http import HTTPChannel
+
+        channel = HTTPChannel()
+        self.assertEqual(channel._HTTPChannel__first_line, 1)
+        self.assertEqual(channel._HTTPChannel__header, b"")
+        self.assertEqual((channel._receivedHeaderSize, channel.totalHeadersSize,
+                          channel.MAX_LENGTH), (0, 16384, 16384))
+
+    def test_overLongLineIsAnswered(self):
+        """
+        Through the site classes alone (no intake): 431, not an empty reply.
+        """
+        data, transport = exchange(b"GET /models HTTP/1.1\r\nX-Big: " + b"a" * 17000 + b"\r\n")
+        status, _, body = split(data)
+        self.assertTrue(status.startswith(b"HTTP/1.1 431 "), status)
+        self.assertEqual(json.loads(body)["error"]["code"], "request_header_fields_too_large")
+        self.assertTrue(transport.disconnecting)
+
+
 class EarlyAnswerIdTests(SynchronousTestCase):
     """
     Issue 15: answers written below the resources -- the channel's 400 for

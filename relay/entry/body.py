@@ -41,6 +41,7 @@ import zstandard
 from twisted.logger import Logger
 from twisted.web.server import Request
 
+from relay.entry.logthrottle import suppressedNote, throttleOf
 from relay.entry.sinks import errorBody, writeError
 from relay.model import ClientError
 from relay.requestid import requestIdOf
@@ -445,8 +446,23 @@ class LimitedBodyRequest(Request):
         from relay.entry import intake as I
 
         site = getattr(self.channel, "site", None)
+        clock = getattr(site, "clock", None)
+        if clock is not None and getattr(self, "relayStartedAt", None) is None:
+            # the access line of an answer written from the headers has a
+            # duration too (relay.app._Site.log; process() sets it anew)
+            self.relayStartedAt = clock.seconds()
         self.bodyLimit = getattr(site, "maxRequestBodyBytes", DEFAULT_MAX_BODY_BYTES)
         self._chunked = length is None
+        overCap = getattr(self.channel, "relayOverCap", None)
+        if overCap is not None and not I.isHealthPath(getattr(self.channel, "_path", b"")):
+            # a connection of the over-cap allowance answers the health
+            # routes only (relay.entry.site.OVER_CAP_ALLOWANCE)
+            self.content = None
+            refuse = getattr(site, "refuseOverCap", None)
+            if refuse is not None:
+                refuse(getattr(self.getClientAddress(), "host", "-"), overCap)
+            self._answerNow(I.TOO_MANY_CONNECTIONS)
+            return
         policy = getattr(site, "intake", None)
         if policy is None:
             self._headersIn(length, None, None, None)
@@ -480,6 +496,14 @@ class LimitedBodyRequest(Request):
             self.bodyLimit = policy.bodyLimit(route, self.bodyLimit)
             if route == I.ROUTE_OPEN or method not in I.BODY_METHODS:
                 self._discard = True
+        if self._discard:
+            # README "Security": a body the route does not read is discarded
+            # unread -- whatever its size or encoding, but still under the
+            # minimum body rate.
+            self.content = io.BytesIO()
+            if length != 0:
+                self._armRate()
+            return
         if length is not None and length > self.bodyLimit:
             self.content = None
             self._refuseNow(length)
@@ -489,9 +513,6 @@ class LimitedBodyRequest(Request):
             self._encoding = header if contentDecoder(header, 1, lambda d: None) else None
         except UnsupportedEncoding as e:
             self._bodyError = unsupported(e.encoding)
-        if self._discard:
-            self.content = io.BytesIO()
-            return
         self.content = _contentFile(length)
         if length and not self._reserve(length):
             return
@@ -643,12 +664,15 @@ class LimitedBodyRequest(Request):
             self._armRate()
             return
         address = self.getClientAddress()
-        self._log.warn(
-            "request body from {client} too slow ({got} bytes in {window:.0f} s, the minimum is"
-            " {rate} bytes/s): closing",
-            event="relay.intake_slow_body", client=getattr(address, "host", "-"), got=got,
-            window=window, rate=limits.min_body_bytes_per_second,
-        )
+        throttle = throttleOf(getattr(self.channel, "site", None))
+        suppressed = throttle.admit("relay.intake_slow_body") if throttle is not None else 0
+        if suppressed is not None:
+            self._log.warn(
+                "request body from {client} too slow ({got} bytes in {window:.0f} s, the minimum"
+                " is {rate} bytes/s): closing" + suppressedNote(suppressed, "more closed"),
+                event="relay.intake_slow_body", client=getattr(address, "host", "-"), got=got,
+                window=window, rate=limits.min_body_bytes_per_second, suppressed=suppressed,
+            )
         self._dropContent()
         self._answerNow(ClientError(
             408, "invalid_request_error",
@@ -674,10 +698,12 @@ class LimitedBodyRequest(Request):
             self._holdChunk(data)
             return
         self._received += len(data)
+        if self._discard:
+            return
         if self._received > self.bodyLimit:
             self._refuseNow(None)
             return
-        if self._bodyError is not None or self._discard:
+        if self._bodyError is not None:
             return
         if self._chunked and not self._reserve(len(data)):
             return  # chunked: held bytes are counted as they come

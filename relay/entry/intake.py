@@ -115,6 +115,18 @@ def isTurnPath(path: bytes) -> bool:
     return tuple(_segments(path)) in TURN_PATHS
 
 
+def isHealthPath(path: bytes) -> bool:
+    """
+    Whether a request target is C{/healthz} or C{/readyz} (the routes a
+    connection over the connection caps may still ask,
+    L{relay.entry.site.OVER_CAP_ALLOWANCE}).
+
+    @param path: the request target as sent (may carry a query).
+    """
+    segments = _segments(path)
+    return len(segments) == 1 and segments[0] in OPEN_PATHS
+
+
 def _segments(path: bytes) -> list:
     """
     The non-empty path segments of a request target, percent-decoded as
@@ -259,6 +271,15 @@ UNAUTHORIZED_ADMIN = ClientError(
 )
 
 ADMIN_DISABLED = ClientError(404, "invalid_request_error", "Not found", code="not_found")
+
+TOO_MANY_CONNECTIONS = ClientError(
+    503, "api_error", "Too many open connections, please retry later.",
+    code="too_many_connections", headers=(("Retry-After", "1"),),
+)
+"""A connection over C{gateway.limits.max_connections} /
+C{max_connections_per_address} (L{relay.entry.site.RelaySite}), or a
+request other than C{/healthz} / C{/readyz} on one of the over-cap
+allowance (L{relay.entry.site.OVER_CAP_ALLOWANCE})."""
 
 
 @define(eq=False)

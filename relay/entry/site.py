@@ -30,6 +30,8 @@ from twisted.web.resource import UnsupportedMethod
 from twisted.web.server import NOT_DONE_YET, Site
 
 from relay.entry.body import reasonPhrase
+from relay.entry.intake import TOO_MANY_CONNECTIONS
+from relay.entry.logthrottle import LogThrottle, suppressedNote, throttleOf
 from relay.entry.sinks import errorBody, writeError
 from relay.model import ClientError
 from relay.requestid import newRequestId, requestIdOf  # noqa: F401
@@ -46,10 +48,28 @@ HEADER_TIMEOUT = ClientError(
     code="request_timeout",
 )
 
-TOO_MANY_CONNECTIONS = ClientError(
-    503, "api_error", "Too many open connections, please retry later.",
-    code="too_many_connections", headers=(("Retry-After", "1"),),
+
+HEADER_TOO_LARGE = ClientError(
+    431, "invalid_request_error",
+    "A request header line or the header block is too large (the limit is 16384 bytes).",
+    code="request_header_fields_too_large",
 )
+"""A header line over twisted.web's line limit, or a header block over its
+total (both 16 KiB)."""
+
+URI_TOO_LONG = ClientError(
+    414, "invalid_request_error",
+    "The request line is too long (the limit is 16384 bytes).", code="request_uri_too_long",
+)
+"""A request line over twisted.web's line limit."""
+
+OVER_CAP_ALLOWANCE = 8
+"""How many connections over C{gateway.limits.max_connections} /
+C{max_connections_per_address} are still accepted, counted on their own,
+to answer C{/healthz} and C{/readyz} (a liveness probe sharing an address
+with a flood must not fail): any other request on one is the JSON 503
+C{too_many_connections}. When all are taken, the oldest one whose headers
+are not in yet is closed with that 503 to make room."""
 
 
 def _rawAnswer(transport, error: ClientError, requestId: str) -> None:
@@ -85,6 +105,11 @@ class RelayHTTPChannel(HTTPChannel):
 
     _headerCall = None
     _awaitingHeaders = True
+    _relayClosed = False
+    _relayHeaderBlocks = 0
+    relayOverCap = None
+    """The C{(limit name, value)} this connection is over when it is one of
+    the L{OVER_CAP_ALLOWANCE} (health routes only), else L{None}."""
     _relayLog = Logger()
 
     def _headerTimeout(self) -> float:
@@ -103,15 +128,111 @@ class RelayHTTPChannel(HTTPChannel):
 
     def _headersLate(self) -> None:
         self._headerCall = None
-        if self.transport is None:
+        if self.transport is None or self._relayClosed:
             return
+        self._relayClosed = True
         peer = self.transport.getPeer()
-        self._relayLog.warn(
-            "request headers from {client} not complete within {seconds} s: closing",
-            event="relay.intake_header_timeout", client=getattr(peer, "host", "-"),
-            seconds=self._headerTimeout(),
-        )
+        suppressed = self._throttled("relay.intake_header_timeout")
+        if suppressed is not None:
+            self._relayLog.warn(
+                "request headers from {client} not complete within {seconds} s: closing"
+                + suppressedNote(suppressed, "more closed"),
+                event="relay.intake_header_timeout", client=getattr(peer, "host", "-"),
+                seconds=self._headerTimeout(), suppressed=suppressed,
+            )
         _rawAnswer(self.transport, HEADER_TIMEOUT, newRequestId())
+        self.loseConnection()
+
+    def _throttled(self, key):
+        """
+        The site's L{LogThrottle} verdict for a line of C{key}: L{None} to
+        drop it, else the count of dropped ones it stands for (C{0} with no
+        throttle).
+        """
+        throttle = throttleOf(getattr(self, "site", None))
+        return throttle.admit(key) if throttle is not None else 0
+
+    def lineReceived(self, line):
+        """
+        A header block over twisted.web's C{totalHeadersSize}: 431 (see
+        L{lineLengthExceeded}) instead of twisted.web's bare 400.
+        """
+        if self._receivedHeaderSize + len(line) > self.totalHeadersSize:
+            self._tooLarge(len(line))
+            return None
+        return super().lineReceived(line)
+
+    def lineLengthExceeded(self, line) -> None:
+        """
+        A request line or a header line over twisted.web's C{MAX_LENGTH}
+        (16 KiB): twisted's L{LineReceiver} only drops the connection (the
+        client reads an empty reply); relay answers 414 (the request line)
+        or 431 (a header) in OpenAI's format with C{X-Request-Id}, and
+        closes, logged as C{relay.intake_header_too_large} (throttled).
+        """
+        self._tooLarge(len(line))
+
+    def _tooLarge(self, size: int) -> None:
+        if self._relayClosed or self.transport is None:
+            return
+        self._relayClosed = True
+        self._disarmHeaders()
+        requestLine = bool(self._HTTPChannel__first_line)
+        error = URI_TOO_LONG if requestLine else HEADER_TOO_LARGE
+        request = self.requests[-1] if self.requests and not requestLine else None
+        pending = self._HTTPChannel__header
+        if request is not None and b":" in pending:
+            # twisted.web holds the last header line until the next one (a
+            # continuation may follow): it counts for the request's id
+            self._HTTPChannel__header = b""
+            name, _, value = pending.partition(b":")
+            request.requestHeaders.addRawHeader(name.strip(), value.strip())
+        requestId = requestIdOf(request) if request is not None else newRequestId()
+        peer = self.transport.getPeer()
+        suppressed = self._throttled("relay.intake_header_too_large")
+        if suppressed is not None:
+            self._relayLog.warn(
+                "{what} from {client} over {limit} bytes: {status}, closing"
+                + suppressedNote(suppressed, "more refused"),
+                event="relay.intake_header_too_large", client=getattr(peer, "host", "-"),
+                what="request line" if requestLine else "request header",
+                limit=self.MAX_LENGTH, status=error.status, size=size,
+                suppressed=suppressed, request_id=requestId,
+            )
+        _rawAnswer(self.transport, error, requestId)
+        self.loseConnection()
+
+    def checkPersistence(self, request, version):
+        """
+        A connection of the over-cap allowance answers one request and
+        closes (it must not be held open to keep the probe out).
+        """
+        if self.relayOverCap is not None:
+            request.responseHeaders.setRawHeaders(b"Connection", [b"close"])
+            return False
+        return super().checkPersistence(request, version)
+
+    def relayIdle(self) -> bool:
+        """
+        Whether the connection is open and no request's headers have come
+        in on it yet.
+        """
+        transport = self.transport
+        return not (
+            self._relayClosed or transport is None or getattr(transport, "disconnecting", False)
+            or self._relayHeaderBlocks
+        )
+
+    def relayEvict(self) -> None:
+        """
+        Close an over-cap connection whose headers are not in, with the
+        JSON 503 C{too_many_connections} (to make room in the allowance).
+        """
+        if self._relayClosed or self.transport is None:
+            return
+        self._relayClosed = True
+        self._disarmHeaders()
+        _rawAnswer(self.transport, TOO_MANY_CONNECTIONS, newRequestId())
         self.loseConnection()
 
     def connectionMade(self) -> None:
@@ -120,12 +241,15 @@ class RelayHTTPChannel(HTTPChannel):
         self._armHeaders()
 
     def dataReceived(self, data: bytes) -> None:
+        if self._relayClosed:
+            return
         if self._awaitingHeaders and self._headerCall is None:
             self._armHeaders()
         super().dataReceived(data)
 
     def allHeadersReceived(self) -> None:
         self._awaitingHeaders = False
+        self._relayHeaderBlocks += 1
         self._disarmHeaders()
         super().allHeadersReceived()
 
@@ -166,6 +290,10 @@ class _Counted(ProtocolWrapper):
     the protocol this wrapper wraps, not the wrapper).
     """
 
+    relayOverCap = None
+    """The cap this connection is over (the site's over-cap allowance), or
+    L{None}."""
+
     def __init__(self, counter, wrapped, host: str):
         super().__init__(counter, wrapped)
         self.relayHost = host
@@ -188,12 +316,24 @@ class RelaySite(Site):
     """
     The relay's L{Site}: its connections are L{RelayHTTPChannel}s, counted
     against C{gateway.limits.max_connections} and
-    C{max_connections_per_address} (issue 19 item 4): a connection over
-    either cap gets a JSON 503 (C{too_many_connections}, C{Retry-After: 1})
-    and is closed at once, logged as C{relay.intake_connection_refused}.
+    C{max_connections_per_address} (issue 19 item 4). A connection over
+    either cap is still accepted into a separate allowance of
+    L{OVER_CAP_ALLOWANCE} connections (counted on their own, under the
+    header deadline, one request each) that answers only C{/healthz} and
+    C{/readyz}, so a flood from a probe's address does not fail the probe;
+    any other request on it, and a connection when the allowance is full of
+    connections already past their headers, gets a JSON 503
+    (C{too_many_connections}, C{Retry-After: 1}) and is closed, logged as
+    C{relay.intake_connection_refused}.
 
-    @ivar openConnections: open client connections now.
-    @ivar openByAddress: client IP -> open connections.
+    @ivar openConnections: open client connections now (the allowance's
+        not included).
+    @ivar openByAddress: client IP -> open connections (likewise).
+    @ivar overCap: the open connections of the allowance (an ordered dict
+        of their L{_Counted} wrappers, oldest first).
+    @ivar logThrottle: the L{LogThrottle} of every intake refusal line
+        (connections refused, header deadline, slow bodies, headers too
+        large): one line per kind per second.
     """
 
     limits = None
@@ -203,48 +343,79 @@ class RelaySite(Site):
         super().__init__(*args, **kwargs)
         self.openConnections = 0
         self.openByAddress = {}
-        self._refusalsLogged = {}
+        self.overCap = {}
+        self.logThrottle = LogThrottle(self.reactor)
 
     def buildProtocol(self, addr):
         """
-        Build a connection's protocol, or a refusal over a cap.
+        Build a connection's protocol: counted, in the over-cap allowance,
+        or a refusal.
         """
         host = getattr(addr, "host", None)
         limits = self.limits() if self.limits is not None else None
+        cap = None
         if limits is not None and host is not None:
             total, mine = self.openConnections, self.openByAddress.get(host, 0)
-            cap = None
             if limits.max_connections and total >= limits.max_connections:
                 cap = ("max_connections", limits.max_connections)
             elif limits.max_connections_per_address and mine >= limits.max_connections_per_address:
                 cap = ("max_connections_per_address", limits.max_connections_per_address)
-            if cap is not None:
+            if cap is not None and not self._roomOverCap():
                 self._noteRefusal(host, cap)
                 return _Refusal(TOO_MANY_CONNECTIONS)
         inner = super().buildProtocol(addr)
         if host is None:
             return inner
-        return _Counted(self, inner, host)
+        wrapper = _Counted(self, inner, host)
+        if cap is not None:
+            wrapper.relayOverCap = cap
+            getattr(inner, "_channel", inner).relayOverCap = cap
+        return wrapper
+
+    def _roomOverCap(self) -> bool:
+        """
+        Whether the over-cap allowance takes one more connection, making
+        room when it is full by closing its oldest connection whose headers
+        are not in yet (L{RelayHTTPChannel.relayEvict}): a probe sends its
+        request at once, a connection held open to fill the allowance does
+        not.
+        """
+        if len(self.overCap) < OVER_CAP_ALLOWANCE:
+            return True
+        for wrapper in self.overCap:
+            channel = getattr(wrapper.wrappedProtocol, "_channel", None)
+            if channel is not None and channel.relayIdle():
+                del self.overCap[wrapper]
+                self._noteRefusal(wrapper.relayHost, wrapper.relayOverCap)
+                channel.relayEvict()
+                return True
+        return False
+
+    def refuseOverCap(self, host: str, cap: tuple) -> None:
+        """
+        A request other than C{/healthz} / C{/readyz} on a connection of the
+        over-cap allowance (L{relay.entry.body}: answered 503): log it as a
+        refused connection.
+        """
+        self._noteRefusal(host, cap)
 
     def _noteRefusal(self, host: str, cap: tuple) -> None:
         """
         Log a refused connection: at most one C{relay.intake_connection_refused}
-        line per cap per second of the site's reactor, so a flood of
-        connections is not a flood of log lines; a line counts the refusals
-        of that cap left unlogged since the one before (C{suppressed}).
+        line per cap per second of the site's reactor (L{logThrottle}), so a
+        flood of connections is not a flood of log lines; a line counts the
+        refusals of that cap left unlogged since the one before
+        (C{suppressed}).
 
         @param host: the client's IP.
         @param cap: C{(limit name, its value)}.
         """
-        now = self.reactor.seconds()
-        last, suppressed = self._refusalsLogged.get(cap[0], (None, 0))
-        if last is not None and now - last < 1.0:
-            self._refusalsLogged[cap[0]] = (last, suppressed + 1)
+        suppressed = self.logThrottle.admit(("relay.intake_connection_refused", cap[0]))
+        if suppressed is None:
             return
-        self._refusalsLogged[cap[0]] = (now, 0)
         self._relayLog.warn(
             "connection from {client} refused: gateway.limits.{cap} ({limit}) reached"
-            + (" ({suppressed} more refused since the last line)" if suppressed else ""),
+            + suppressedNote(suppressed, "more refused"),
             event="relay.intake_connection_refused", client=host, cap=cap[0],
             limit=cap[1], suppressed=suppressed,
         )
@@ -253,6 +424,9 @@ class RelaySite(Site):
         """
         L{ProtocolWrapper} hook: a counted connection opened.
         """
+        if proto.relayOverCap is not None:
+            self.overCap[proto] = None
+            return
         self.openConnections += 1
         self.openByAddress[proto.relayHost] = self.openByAddress.get(proto.relayHost, 0) + 1
 
@@ -260,6 +434,9 @@ class RelaySite(Site):
         """
         L{ProtocolWrapper} hook: a counted connection closed.
         """
+        if proto.relayOverCap is not None:
+            self.overCap.pop(proto, None)
+            return
         self.openConnections = max(0, self.openConnections - 1)
         left = self.openByAddress.get(proto.relayHost, 0) - 1
         if left > 0:
