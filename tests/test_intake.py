@@ -616,6 +616,18 @@ class HeaderTooLargeTests(SynchronousTestCase):
         conn.send(b"\r\nGET /healthz HTTP/1.1\r\n\r\n")  # nothing more is read
         self.assertEqual(conn.value.count(b"HTTP/1.1 "), 1)
 
+    def test_heldLineWithAnInvalidName(self):
+        """
+        The header line twisted.web held back before the long one is no
+        valid header at all (the fuzz's C{;: ...}): still a 431 (the held
+        line was added as a header and raised C{InvalidHeaderName}).
+        """
+        app, _ = relaySite()
+        conn = Conn(app.site).send(head(headers=b";: " + b"x" * 100 + b"\r\nX-Big: "
+                                        + b"a" * 17000 + b"\r\n"))
+        self.assertEqual(conn.status(), 431)
+        self.assertRegex(conn.value.decode(), r"X-Request-Id: req_[0-9a-f]+\r\n")
+
     def test_lineWithoutEnd(self):
         """
         17 KiB of one header line not yet ended is answered at once.

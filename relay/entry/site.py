@@ -181,12 +181,14 @@ class RelayHTTPChannel(HTTPChannel):
         error = URI_TOO_LONG if requestLine else HEADER_TOO_LARGE
         request = self.requests[-1] if self.requests and not requestLine else None
         pending = self._HTTPChannel__header
-        if request is not None and b":" in pending:
+        name, _, value = pending.partition(b":")
+        if request is not None and name.strip().lower() == b"x-request-id":
             # twisted.web holds the last header line until the next one (a
-            # continuation may follow): it counts for the request's id
+            # continuation may follow): it counts for the request's id. Only
+            # that header is taken from it (any other name may be no valid
+            # header name at all: the fuzz's ";").
             self._HTTPChannel__header = b""
-            name, _, value = pending.partition(b":")
-            request.requestHeaders.addRawHeader(name.strip(), value.strip())
+            request.requestHeaders.addRawHeader(b"x-request-id", value.strip())
         requestId = requestIdOf(request) if request is not None else newRequestId()
         peer = self.transport.getPeer()
         suppressed = self._throttled("relay.intake_header_too_large")
