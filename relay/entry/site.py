@@ -33,6 +33,7 @@ from relay.entry.body import reasonPhrase
 from relay.entry.sinks import errorBody, writeError
 from relay.model import ClientError
 from relay.requestid import newRequestId, requestIdOf  # noqa: F401
+from relay.sendnow import sendNow
 
 BAD_REQUEST = ClientError(
     400, "invalid_request_error", "The HTTP request could not be parsed.",
@@ -136,6 +137,56 @@ class RelayHTTPChannel(HTTPChannel):
     def connectionLost(self, reason) -> None:
         self._disarmHeaders()
         super().connectionLost(reason)
+
+    # -- issue 24: an answer's head and body in one send, sent at once ---------
+
+    _holdHead = False
+    _head = None
+
+    def writeHeaders(self, version, code, reason, headers) -> None:
+        """
+        While the answer's first C{Request.write} runs (L{holdHead}), keep
+        the head to send with the body that follows; else as twisted.web.
+        """
+        if not self._holdHead:
+            return super().writeHeaders(version, code, reason, headers)
+        head = [version, b" ", code, b" ", reason, b"\r\n"]
+        for name, values in headers.getAllRawHeaders():
+            for value in values:
+                head.extend((name, b": ", value, b"\r\n"))
+        head.append(b"\r\n")
+        self._head = b"".join(head)
+
+    def write(self, data: bytes) -> None:
+        """
+        Answer data, after any held head, sent at once when nothing is
+        queued (L{relay.sendnow.sendNow}).
+        """
+        head = self._head
+        if head is not None:
+            self._head = None
+            data = head + data
+        sendNow(self.transport, data)
+
+    def writeSequence(self, iovec) -> None:
+        self.write(b"".join(iovec))
+
+    def holdHead(self) -> None:
+        """
+        The first write of an answer starts: hold its head (see
+        L{writeHeaders}) until L{sendHead}.
+        """
+        self._holdHead = True
+
+    def sendHead(self) -> None:
+        """
+        The first write of an answer is done: send a head no body took.
+        """
+        self._holdHead = False
+        head = self._head
+        if head is not None:
+            self._head = None
+            sendNow(self.transport, head)
 
     def _respondToBadRequestAndDisconnect(self) -> None:
         """
