@@ -62,10 +62,10 @@ from zope.interface import implementer
 from relay.requestid import currentRequestId
 
 __all__ = [
-    "BatchedFileLogObserver",
     "JSON_FIXED_KEYS",
     "REDACTED",
     "SECRET_PATTERNS",
+    "BatchedFileLogObserver",
     "SecretRedactor",
     "SecretSet",
     "formatJSONLine",
