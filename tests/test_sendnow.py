@@ -5,51 +5,55 @@ L{relay.entry.site.RelayHTTPChannel} (issue 24 item 2).
 
 from __future__ import annotations
 
-from twisted.internet import reactor
-from twisted.internet.defer import Deferred
-from twisted.internet.protocol import ClientFactory, Factory, Protocol
+import socket
+
+from twisted.internet import tcp
+from twisted.internet.protocol import Protocol
 from twisted.internet.testing import StringTransport
-from twisted.trial.unittest import SynchronousTestCase, TestCase
+from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
 from relay.sendnow import sendNow, socketOf
 
 
-class _Collect(Protocol):
-    def __init__(self):
-        self.data = b""
-        self.got = Deferred()
-
-    def dataReceived(self, data):
-        self.data += data
-        if self.data.endswith(b"!") and not self.got.called:
-            self.got.callback(self.data)
-
-
-class _Client(Protocol):
-    def __init__(self, connected):
-        self.connected_ = connected
-
-    def connectionMade(self):
-        self.connected_.callback(self.transport)
-
-
-class SendNowTCPTests(TestCase):
+class _Reactor:
     """
-    On a real TCP connection on 127.0.0.1.
+    The reactor methods a L{tcp.Connection} calls to queue its writes.
+    """
+
+    def __init__(self):
+        self.writers = set()
+
+    def addWriter(self, writer):
+        self.writers.add(writer)
+
+    def removeWriter(self, writer):
+        self.writers.discard(writer)
+
+    def addReader(self, reader):
+        pass
+
+    def removeReader(self, reader):
+        pass
+
+
+class SendNowTCPTests(SynchronousTestCase):
+    """
+    On a plain TCP connection (a L{tcp.Connection} on one end of a real
+    socket pair).
     """
 
     def setUp(self):
-        self.server = _Collect()
-        port = reactor.listenTCP(0, Factory.forProtocol(lambda: self.server),
-                                 interface="127.0.0.1")
-        self.addCleanup(port.stopListening)
-        connected = Deferred()
-        factory = ClientFactory.forProtocol(lambda: _Client(connected))
-        connector = reactor.connectTCP("127.0.0.1", port.getHost().port, factory)
-        self.addCleanup(connector.disconnect)
-        return connected.addCallback(lambda t: setattr(self, "transport", t))
+        mine, theirs = socket.socketpair()
+        mine.setblocking(False)
+        theirs.settimeout(5)
+        self.addCleanup(mine.close)
+        self.addCleanup(theirs.close)
+        self.reactor = _Reactor()
+        self.transport = tcp.Connection(mine, Protocol(), reactor=self.reactor)
+        self.transport.connected = 1
+        self.peer = theirs
 
     def test_sentAtOnce(self):
         """
@@ -60,8 +64,8 @@ class SendNowTCPTests(TestCase):
         self.assertIs(socketOf(t), t)
         sendNow(t, b"hello!")
         self.assertEqual((t._tempDataBuffer, t.dataBuffer), ([], b""))
-        self.assertNotIn(t, reactor.getWriters())
-        return self.server.got.addCallback(self.assertEqual, b"hello!")
+        self.assertEqual(self.reactor.writers, set())
+        self.assertEqual(self.peer.recv(100), b"hello!")
 
     def test_queuedKeepsOrder(self):
         """
@@ -71,7 +75,9 @@ class SendNowTCPTests(TestCase):
         t.write(b"first ")
         sendNow(t, b"second!")
         self.assertEqual(t._tempDataBuffer, [b"first ", b"second!"])
-        return self.server.got.addCallback(self.assertEqual, b"first second!")
+        self.assertEqual(self.reactor.writers, {t})
+        t.doWrite()
+        self.assertEqual(self.peer.recv(100), b"first second!")
 
 
 class SendNowFallbackTests(SynchronousTestCase):
