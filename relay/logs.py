@@ -791,13 +791,15 @@ class BatchedFileLogObserver:
 
     def __init__(self, stream: IO[str], formatEvent: Callable[[dict], str | None],
                  schedule: Callable[[Callable[[], None]], Any],
-                 limit: int = 64 * 1024) -> None:
+                 limit: int = 4000) -> None:
         """
         @param stream: the text stream lines go to.
         @param formatEvent: an event to its line (or L{None}: nothing).
         @param schedule: runs a function soon (after the current reactor
             iteration's callbacks).
-        @param limit: characters held before a write regardless.
+        @param limit: characters (ASCII: bytes) one write holds at most,
+            below Linux's C{PIPE_BUF} (4096), so a write to a pipe is
+            atomic.
         """
         self._stream = stream
         self._format = formatEvent
@@ -810,12 +812,20 @@ class BatchedFileLogObserver:
         text = self._format(event)
         if not text:
             return
+        plain = text.isascii()
+        if self._held and (not plain or self._size + len(text) > self._limit):
+            # One write stays within PIPE_BUF: the lines of workers sharing
+            # a pipe never interleave inside a line. A non-ASCII line (more
+            # bytes than characters) and a longer one are written alone, as
+            # before.
+            self.flush()
         held = self._held
         held.append(text)
         self._size += len(text)
         if (
             event.get("log_level") not in _HELD_LEVELS
             or "log_failure" in event
+            or not plain
             or self._size >= self._limit
         ):
             self.flush()

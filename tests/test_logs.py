@@ -477,8 +477,13 @@ class _CountingStream(io.StringIO):
 
     writes = 0
 
+    def __init__(self):
+        super().__init__()
+        self.chunks = []
+
     def write(self, text):
         self.writes += 1
+        self.chunks.append(text)
         return super().write(text)
 
 
@@ -531,3 +536,21 @@ class BatchedObserverTests(SynchronousTestCase):
         log = Logger(observer=observerFor("json", stream, worker=None), namespace="relay.test")
         log.info("now", event="relay.test_line")
         self.assertEqual(json.loads(stream.getvalue())["message"], "now")
+
+    def test_writesStayWithinPipeBuffer(self):
+        """
+        No write holds more than 4,000 characters (a pipe's atomic write
+        is 4,096 bytes): the lines of workers sharing one never interleave.
+        """
+        for n in range(30):
+            self.log.info("{pad}", pad="x" * 300, event="relay.test_line")
+        self.clock.advance(0)
+        self.assertEqual(len(self.stream.getvalue().splitlines()), 30)
+        self.assertGreater(self.stream.writes, 1)
+        self.assertTrue(all(len(w) <= 4000 for w in self.stream.chunks))
+
+    def test_nonASCIILineAlone(self):
+        self.log.info("plain", event="relay.test_line")
+        self.log.info("caf\u00e9", event="relay.test_line")
+        self.assertEqual(self.stream.writes, 2)
+        self.assertTrue(self.stream.chunks[1].endswith("caf\u00e9\n"))
