@@ -33,7 +33,6 @@ from relay.entry.body import reasonPhrase
 from relay.entry.sinks import errorBody, writeError
 from relay.model import ClientError
 from relay.requestid import newRequestId, requestIdOf  # noqa: F401
-from relay.sendnow import sendNow
 
 BAD_REQUEST = ClientError(
     400, "invalid_request_error", "The HTTP request could not be parsed.",
@@ -138,7 +137,13 @@ class RelayHTTPChannel(HTTPChannel):
         self._disarmHeaders()
         super().connectionLost(reason)
 
-    # -- issue 24: an answer's head and body in one send, sent at once ---------
+    # -- issue 24: an answer's head and body in one write -----------------------
+    #
+    # Queued as twisted.web queues them (sent at the next poll), never sent
+    # at once: a response's owner record (R39/R40) and other store writes
+    # issued before the answer leave at the end of the reactor iteration,
+    # and must reach the store before the client can read the body and
+    # chain from it (TurnRunner.ownResponse).
 
     _holdHead = False
     _head = None
@@ -159,14 +164,13 @@ class RelayHTTPChannel(HTTPChannel):
 
     def write(self, data: bytes) -> None:
         """
-        Answer data, after any held head, sent at once when nothing is
-        queued (L{relay.sendnow.sendNow}).
+        Answer data, after any held head (one C{write}).
         """
         head = self._head
         if head is not None:
             self._head = None
             data = head + data
-        sendNow(self.transport, data)
+        self.transport.write(data)
 
     def writeSequence(self, iovec) -> None:
         self.write(b"".join(iovec))
@@ -186,7 +190,7 @@ class RelayHTTPChannel(HTTPChannel):
         head = self._head
         if head is not None:
             self._head = None
-            sendNow(self.transport, head)
+            self.transport.write(head)
 
     def _respondToBadRequestAndDisconnect(self) -> None:
         """
