@@ -104,6 +104,24 @@ def waitPort(port: int, timeout: float = 30) -> None:
     raise SystemExit(f"nothing listening on {port}")
 
 
+def waitReady(port: int, timeout: float = 60) -> None:
+    """
+    Wait until relay on C{port} answers C{GET /readyz} with 200 (its keys
+    and control plane read: before that a turn gets 503 C{keys_loading}).
+    """
+    waitPort(port, timeout)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"relay on {port} not ready after {timeout:g} s")
+
+
 def cpuSeconds(pid: int) -> float:
     """
     CPU seconds (user + system) C{pid} has used so far.
@@ -342,7 +360,7 @@ def startRelay(procs: Procs, name: str, upstreamPort: int, cpu=None, extra: str 
     conf = relayConfig(procs.tmp, name, port, upstreamPort, extra)
     p = procs.start(name, [sys.executable, "-m", "twisted", "relay", "--config", conf, *args],
                     cpu=cpu, env=dict(os.environ, PYTHONPATH=tree))
-    waitPort(port)
+    waitReady(port)
     return p, port
 
 
@@ -677,7 +695,7 @@ def statePool(procs: Procs, bodies: dict, seconds: float, report: list, trees: l
                 turncost.relayYaml(config, port, uport, n, turncost.LIMITS, extra)
                 relay = procs.start(name, [sys.executable, "-m", "twisted", "relay", "--config",
                                            config], cpu=0, env=dict(os.environ, PYTHONPATH=tree))
-                waitPort(port)
+                waitReady(port)
                 kinds = STATE_KINDS if n == 1 else STATE_KINDS[:1]
                 for scenario, kind, conns in kinds:
                     wrk(procs.tmp, kind, port, 8, 1, cpu=1)

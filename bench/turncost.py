@@ -210,7 +210,7 @@ def _valgrindRelay(procs, name: str, tree: str, config: str, port: int):
                            f"--callgrind-out-file={out}", sys.executable, "-m", "twisted",
                            "relay", "--config", config],
                     env=dict(os.environ, PYTHONPATH=tree))
-    compare.waitPort(port, timeout=300)
+    compare.waitReady(port, timeout=300)
     return p, out
 
 

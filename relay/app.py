@@ -309,6 +309,20 @@ def buildApplication(
         return (control.blockReason(account, now) or health.localBlock(account.id, model)
                 or credentials.blockReason(account, now))
 
+    def flagged(now, pool):
+        # Issue 24: the accounts extraBlock and the quarantine hook may
+        # refuse now (a superset), so a selection checks only those.
+        paused = control.flagged(now)
+        if paused is None:
+            return None
+        out = set(paused)
+        out.update(health.flagged(now))
+        out.update(credentials.flagged(now))
+        proxies = proxyHealth.quarantinedProxies(now)
+        if proxies:
+            out.update(pool.behindProxies(proxies))
+        return out
+
     scheduler = AccountScheduler(
         accounts=accounts,
         admission=admission,
@@ -319,6 +333,7 @@ def buildApplication(
         isQuarantined=proxyHealth.isQuarantined,
         quarantineEnd=proxyHealth.quarantinedUntil,
         quota=quota,
+        flagged=flagged,
     )
     runner = TurnRunner(
         clock=reactor,

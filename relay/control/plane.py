@@ -400,6 +400,19 @@ class ControlPlane:
             return ("control_loading", now + 1)
         return None
 
+    def flagged(self, now: float):
+        """
+        Issue 24: the accounts L{blockReason} may refuse at C{now}: the
+        paused ones, or L{None} (every account) while the store's first
+        read is awaited.
+
+        @param now: Unix seconds.
+        @return: account ids, or L{None}.
+        """
+        if self._running and not self._loaded and now < self._loadingUntil:
+            return None
+        return self.pauses.keys()
+
     def blocksOf(self, account: Account, now: float) -> list:
         """
         The operator view's blocks from the control plane (the shape of

@@ -247,6 +247,21 @@ class AccountHealth:
             if now - last <= STREAK_TTL_SECONDS
         }
 
+    def flagged(self, now: float) -> list:
+        """
+        Issue 24: the accounts with an in-memory block (R4 step 1, R-B1,
+        the R11 bridge block) in force at C{now}: those L{localBlock} may
+        answer for; blocks that have ended are dropped.
+
+        @param now: Unix seconds.
+        @return: account ids (possibly repeated).
+        """
+        blocks = self._blocks
+        over = [key for key, (until, _) in blocks.items() if until <= now]
+        for key in over:
+            del blocks[key]
+        return [key[0] for key in blocks]
+
     def localBlock(self, accountId: str, model: Optional[str] = None) -> Optional[tuple]:
         """
         The in-memory block of an account, if one is in force.

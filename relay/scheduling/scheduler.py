@@ -34,9 +34,10 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from relay.eager import eagerDeferred
-from relay.interfaces import IAccountScheduler, ISlotAdmission, IStateStore
+from relay.interfaces import IAccountScheduler, IAccountStateView, ISlotAdmission, IStateStore
 from relay.logs import isoTime
 from relay.model import Account, ClientError, SchedulingSettings, Turn, WaitPlan
+from relay.scheduling.index import PoolIndex, sameSnapshot
 from relay.scheduling.selection import DecisionRecord, NoAccountAvailable, Selection, noAccountError
 from relay.settings import RuntimeSettings
 
@@ -211,7 +212,12 @@ class _Pass:
     barParam: Optional[str] = "previous_response_id"
     onlyOAuth: bool = False
     quarantineFailOpen: bool = False
-    eligible: list = field(factory=list)
+    _eligible: Optional[list] = None
+    _lazy: Optional[tuple] = None
+    """Issue 24: C{(static candidates, excluded, ineligible ids)} when the
+    eligible list is built only if a layer needs it (see L{eligible})."""
+    candidateCount: int = 0
+    """How many accounts are eligible (R45's C{candidate_count})."""
     binding: Optional[str] = None
     skew: float = 0.0
     tried: int = 0
@@ -223,6 +229,29 @@ class _Pass:
     rng: Optional[random.Random] = None
     """The tie shuffler: the scheduler's own, or (dry run) a copy of its
     state, so a preview predicts the next real selection's ties."""
+
+    @property
+    def eligible(self) -> list:
+        """
+        The eligible accounts in configured order; with the pool index
+        (issue 24), built on first use from the static candidates less the
+        excluded and the flagged accounts found ineligible.
+        """
+        if self._eligible is None:
+            if self._lazy is None:
+                self._eligible = []
+            else:
+                static, excluded, bad = self._lazy
+                skip = excluded | bad if excluded else bad
+                self._eligible = ([a for a in static if a.id not in skip] if skip
+                                  else list(static))
+        return self._eligible
+
+    @eligible.setter
+    def eligible(self, value: list) -> None:
+        self._eligible = value
+        self._lazy = None
+        self.candidateCount = len(value)
 
 
 class _DryLease:
@@ -331,6 +360,15 @@ class AccountScheduler:
     @ivar _quota: optional L{relay.scheduling.quota.UsageWindows}: with
         C{scheduling.quota_aware} the load-balance layer orders accounts of
         equal priority by remaining usage window (issue 12).
+    @ivar _flagged: optional C{(now, pool) -> iterable of account ids, or
+        None} (C{pool}: the L{PoolIndex}, e.g. for the accounts behind a
+        quarantined proxy): a superset of the accounts C{extraBlock} and C{isQuarantined} may
+        refuse at C{now} (issue 24). With it (and a state store providing
+        L{IAccountStateView}) a selection checks only those accounts and
+        the few the store flags, so its cost does not grow with the pool;
+        without it (L{None} from it, or hooks given without it) every
+        candidate is checked, as before.
+    @ivar _index: the L{PoolIndex} of the current account snapshot.
     @ivar _lastUsed: account id -> Unix seconds of its last selection.
     @ivar _keptBindings: turns whose selection must not rewrite the session
         binding (R-B6), consulted by L{bind}.
@@ -348,10 +386,12 @@ class AccountScheduler:
     _extraBlock: Optional[Callable] = None
     _quarantineEnd: Optional[Callable[[str], Optional[float]]] = None
     _quota: Optional[object] = None
+    _flagged: Optional[Callable] = None
     _lastUsed: dict = field(factory=dict, init=False)
     _keptBindings: WeakKeyDictionary = field(factory=WeakKeyDictionary, init=False)
     _localOwners: OrderedDict = field(factory=OrderedDict, init=False)
     _localAffinity: OrderedDict = field(factory=OrderedDict, init=False)
+    _index: Optional[PoolIndex] = field(default=None, init=False)
 
     _log = Logger()
 
@@ -433,7 +473,7 @@ class AccountScheduler:
         """
         The configured account with this id (the live registry), or L{None}.
         """
-        return next((a for a in self._accounts if a.id == accountId), None)
+        return self._pool().byId.get(accountId)
 
     def lookupResponse(self, responseId: str) -> Deferred:
         """
@@ -766,10 +806,58 @@ class AccountScheduler:
         and wait plan below works on this list only, so a key bound to a
         group never reaches another account.
         """
-        allowed = turn.allowedAccounts
-        if allowed is None:
-            return list(self._accounts)
-        return [a for a in self._accounts if a.id in allowed]
+        return list(self._pool().candidates(turn.allowedAccounts)[0])
+
+    def _pool(self) -> PoolIndex:
+        """
+        The L{PoolIndex} of the accounts in force now (a new one when the
+        live set changed: a reload, an admin change; a list changed in
+        place).
+        """
+        accounts = self._accounts
+        snapshot = getattr(accounts, "snapshot", None)
+        accounts = snapshot() if snapshot is not None else tuple(accounts)
+        index = self._index
+        if not sameSnapshot(index, accounts):
+            index = self._index = PoolIndex(accounts)
+        return index
+
+    async def _view(self, pool: PoolIndex, accounts: Sequence[Account]):
+        """
+        The account states for one selection: the store's view (issue 24,
+        no per-account read) or, for a store without one, a read of every
+        candidate's state; a store error counts as "all healthy" (R35).
+        """
+        store = self._store
+        if IAccountStateView.providedBy(store):
+            try:
+                return await store.accountStateView(pool.ids)
+            except Exception as e:
+                self._log.error(
+                    "account state read failed: {error}",
+                    event="openai.account_state_read_failed", error=repr(e),
+                )
+                return {}
+        return await self._states(accounts)
+
+    def _suspects(self, ctx: _Pass, pool: PoolIndex) -> Optional[set]:
+        """
+        Issue 24: the accounts whose eligibility must be checked in this
+        selection (every other static candidate is eligible), or L{None}
+        when the sources cannot tell (then every candidate is checked).
+        """
+        flagged = getattr(ctx.states, "flagged", None)
+        if flagged is None:
+            return None
+        out = set(flagged(ctx.now))
+        if self._extraBlock is not None or self._isQuarantined is not _never:
+            if self._flagged is None:
+                return None
+            more = self._flagged(ctx.now, pool)
+            if more is None:
+                return None
+            out.update(more)
+        return out
 
     # ------------------------------------------------------------------
     # Errors
@@ -1074,6 +1162,27 @@ class AccountScheduler:
         snapshot = self._quota.get(account.id)
         return None if snapshot is None else snapshot.used(self._clock.seconds())
 
+    def _eligibleFromIndex(self, ctx: _Pass, pool: PoolIndex, suspects: set) -> None:
+        """
+        Issue 24: the eligible count (and, lazily, list) from the static
+        candidates of this kind of turn, checking only the C{suspects}
+        (flagged by a source) that are static candidates and not excluded.
+        """
+        turn = ctx.turn
+        static = pool.static(turn.allowedAccounts, turn.model, turn.endpoint,
+                             ctx.oauthBarred, ctx.onlyOAuth)
+        excluded = ctx.excluded
+        bad = set()
+        byId = pool.byId
+        for accountId in suspects:
+            if accountId in static.ids and accountId not in excluded:
+                if self._incompatible(ctx, byId[accountId]) is not None:
+                    bad.add(accountId)
+        gone = sum(1 for i in excluded if i in static.ids) if excluded else 0
+        ctx._lazy = (static.accounts, excluded, bad)
+        ctx._eligible = None
+        ctx.candidateCount = len(static.accounts) - gone - len(bad)
+
     def _movable(self, turn: Turn) -> bool:
         """
         Whether a busy sticky slot may send the turn elsewhere (R-B6): not
@@ -1092,7 +1201,9 @@ class AccountScheduler:
         See L{select}; with C{preview}, the dry run of L{preview}.
         """
         started = self._clock.seconds()
-        accounts = self._candidates(turn)
+        pool = self._pool()
+        allowed = turn.allowedAccounts
+        accounts, byId = pool.candidates(allowed)
         previous = turn.previousResponseId or None
 
         # R40: a message id is never a chain id.
@@ -1103,7 +1214,7 @@ class AccountScheduler:
             )
 
         # Seed 003 / R44: the requested model must be served, before routing.
-        serving = [a for a in accounts if a.servesModel(turn.model)]
+        serving, servingIds, endpointServed = pool.serving(allowed, turn.model, turn.endpoint)
         if not serving:
             message = f"The model `{turn.model}` does not exist or you do not have access to it."
             # R79: on the WebSocket an unknown model is an error event with
@@ -1114,7 +1225,7 @@ class AccountScheduler:
                 param="model",
             ))
 
-        if not any(a.servesEndpoint(turn.endpoint) for a in serving):
+        if not endpointServed:
             raise NoAccountAvailable(ClientError(
                 status=503, type="api_error",
                 message="No available accounts: only API-key accounts serve chat completions",
@@ -1135,11 +1246,11 @@ class AccountScheduler:
         binding = None
         if turn.sessionHash:
             binding = self._read(sessionKey(turn.sessionHash))
-        states = await self._states(accounts)
+        states = await self._view(pool, accounts)
         ctx = _Pass(
             turn=turn, excluded=excluded, now=self._clock.seconds(),
             scheduling=self._settings.current.scheduling,
-            byId={a.id: a for a in accounts}, states=states,
+            byId=byId, states=states,
             oauthBarred=bool(previous) and turn.entrypoint == "http",
         )
         if preview is not None:
@@ -1148,15 +1259,26 @@ class AccountScheduler:
             ctx.rng.setstate(self._random.getstate())
         if turn.background or turn.request is not None:
             self._barOAuth(ctx)
-        openAccounts = [a for a in serving if a.id not in excluded]
-        if openAccounts and all(self._isQuarantined(a) for a in openAccounts):
+        openAccounts = [a for a in serving if a.id not in excluded] if excluded else serving
+        suspects = self._suspects(ctx, pool)
+        if suspects is None:
+            failOpen = bool(openAccounts) and all(self._isQuarantined(a) for a in openAccounts)
+        else:
+            # Issue 24: an open account no source flags is not quarantined.
+            flaggedOpen = sum(1 for i in suspects if i in servingIds and i not in excluded)
+            failOpen = (bool(openAccounts) and flaggedOpen == len(openAccounts)
+                        and all(self._isQuarantined(a) for a in openAccounts))
+        if failOpen:
             ctx.quarantineFailOpen = True
             self._logFor(ctx).warn(
                 "every candidate proxy is quarantined; allowing them anyway",
                 event="openai.proxy_quarantine_fail_open", request_id=turn.requestId,
                 candidate_count=len(openAccounts),
             )
-        ctx.eligible = [a for a in openAccounts if self._incompatible(ctx, a) is None]
+        if suspects is None:
+            ctx.eligible = [a for a in openAccounts if self._incompatible(ctx, a) is None]
+        else:
+            self._eligibleFromIndex(ctx, pool, suspects)
         if binding is not None:
             ctx.binding = await self._got(binding, sessionKey(turn.sessionHash))
 
@@ -1438,7 +1560,7 @@ class AccountScheduler:
             sticky_session_hit=choice.sessionHit,
             selected_account_id=account.id,
             selected_account_type=account.type,
-            candidate_count=len(ctx.eligible),
+            candidate_count=ctx.candidateCount,
             excluded_count=len(ctx.excluded),
             wait_plan=choice.plan.plan if choice.plan is not None else None,
             latency_ms=(self._clock.seconds() - started) * 1000.0,

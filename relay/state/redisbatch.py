@@ -49,7 +49,16 @@ from relay.redisclient import RedisService, RedisUnavailable
 #:   RELAY_INCR    KEYS counter; ARGV ttl ms, refresh flag: INCR, and
 #:                 PEXPIRE when new or refreshed; the new value;
 #:   RELAY_STREAK  KEYS account hash; ARGV streak field, now, ttl seconds:
-#:                 the R11 streak bump ("count:last failure"); the count.
+#:                 the R11 streak bump ("count:last failure"); the count;
+#:   RELAY_MARK    KEYS account hash, change sequence, change ZSET; ARGV
+#:                 account id, then the hash's field/value pairs: HSET, and
+#:                 the account noted as changed (issue 24);
+#:   RELAY_CLEAR   KEYS account hash, its 403 counter, change sequence,
+#:                 change ZSET; ARGV account id: DEL both, noted as changed;
+#:   RELAY_SYNC    KEYS change sequence, change ZSET, epoch; ARGV the
+#:                 sequence and epoch the caller knows: {epoch, sequence,
+#:                 ids of the accounts changed since} (no ids when the epoch
+#:                 differs: the caller reads everything again).
 SOLO = {
     "MHGETALL": """
 local out = {}
@@ -60,6 +69,31 @@ return out
 local v = redis.call('INCR', KEYS[1])
 if v == 1 or ARGV[2] == '1' then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
 return v
+""",
+    "RELAY_MARK": """
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[2]), ARGV[1])
+return 1
+""",
+    "RELAY_CLEAR": """
+local n = redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('ZADD', KEYS[4], redis.call('INCR', KEYS[3]), ARGV[1])
+return n
+""",
+    "RELAY_SYNC": """
+local epoch = redis.call('GET', KEYS[3])
+if not epoch then
+  local t = redis.call('TIME')
+  epoch = t[1] .. '.' .. t[2]
+  redis.call('SET', KEYS[3], epoch)
+end
+local seq = tonumber(redis.call('GET', KEYS[1]) or '0')
+local out = {epoch, tostring(seq)}
+if epoch == ARGV[2] and seq > tonumber(ARGV[1]) then
+  local ids = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. ARGV[1], '+inf')
+  for i = 1, #ids do out[#out + 1] = ids[i] end
+end
+return out
 """,
     "RELAY_STREAK": """
 local v = redis.call('HGET', KEYS[1], ARGV[1])

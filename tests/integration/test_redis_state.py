@@ -136,3 +136,34 @@ async def waitForRecovery(store, tries=60):
             ok = 0
             await deferLater(reactor, 0.1)
     raise AssertionError("redis did not come back")
+
+
+@pytest_twisted.ensureDeferred
+async def test_stateViewAcrossProcesses(redisService, redisServer):  # noqa: F811
+    """
+    Issue 24: a store's view follows the state writes of another store on
+    the same Redis (another relay process) through the change log, reading
+    again only the accounts written; a flushed Redis (a new epoch) is read
+    again whole, so a block that is gone there is gone from the view.
+    """
+    ids = tuple(f"a{i}" for i in range(50))
+    mine = RedisStateStore(redis=redisService, clock=reactor, onRedisError="fail_closed")
+    other = RedisStateStore(redis=redisService, clock=reactor, onRedisError="fail_closed")
+    await other.markAccount("a3", "rate_limited", reactor.seconds() + 60, "429")
+    view = await mine.accountStateView(ids)
+    assert set(view.flagged(reactor.seconds())) == {"a3"}
+    await other.markAccount("a7", "disabled", 0, "401")
+    await other.clearAccount("a3")
+    reads = mine.batch.operations
+    view = await mine.accountStateView(ids)
+    assert set(view.flagged(reactor.seconds())) == {"a7"}
+    assert view.get("a7").disabledReason == "401"
+    # One sync and one read of the two changed accounts.
+    assert mine.batch.operations - reads == 2
+    reads = mine.batch.operations
+    view = await mine.accountStateView(ids)
+    assert mine.batch.operations - reads == 1
+    redisServer.command("FLUSHALL")
+    view = await mine.accountStateView(ids)
+    assert set(view.flagged(reactor.seconds())) == set()
+    assert view.get("a7") is None

@@ -1,0 +1,226 @@
+"""
+Tests for selection through the pool index (issue 24 item 5,
+L{relay.scheduling.index}): with a state store that gives a view and a
+C{flagged} hook beside C{extraBlock}, a selection checks only the flagged
+accounts, and decides exactly what the full check of every candidate
+decides.
+"""
+
+from __future__ import annotations
+
+import random
+
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+
+from relay.admission.memory import MemorySlotAdmission
+from relay.model import GatewaySettings, SchedulingSettings
+from relay.operations.live import AccountRegistry
+from relay.scheduling.index import PoolIndex, sameSnapshot
+from relay.scheduling.scheduler import AccountScheduler, sessionKey
+from relay.scheduling.selection import NoAccountAvailable
+from relay.settings import RuntimeSettings
+from relay.state.memory import MemoryStateStore
+from tests.test_scheduler import HASH, account, turn
+
+
+class CountingStore(MemoryStateStore):
+    """
+    A memory store that counts per-account state reads.
+    """
+
+    __slots__ = ("reads",)
+
+    def getAccountStates(self, accountIds):
+        ids = list(accountIds)
+        self.reads = getattr(self, "reads", 0) + len(ids)
+        return super().getAccountStates(ids)
+
+
+class Blocks:
+    """
+    An C{extraBlock} hook with its C{flagged} answer (like the app's:
+    pauses, in-memory blocks, token state), counting the accounts it is
+    asked about.
+    """
+
+    def __init__(self):
+        self.blocked = {}
+        self.quarantined = set()
+        self.asked = 0
+        self.unknown = False
+
+    def extraBlock(self, account, now, model):
+        self.asked += 1
+        return self.blocked.get(account.id)
+
+    def isQuarantined(self, account):
+        return account.id in self.quarantined
+
+    def flagged(self, now, pool):
+        if self.unknown:
+            return None
+        return set(self.blocked) | self.quarantined
+
+
+class Rig:
+    """
+    One scheduler over a registry of accounts, memory providers, a seeded
+    random; C{indexed=False} makes its hook's C{flagged} answer "unknown",
+    so every candidate is checked (the path without an index).
+    """
+
+    def __init__(self, accounts, seed=1, indexed=True, clock=None):
+        self.clock = clock or Clock()
+        if clock is None:
+            self.clock.advance(1_000_000)
+        self.store = CountingStore(clock=self.clock)
+        self.admission = MemorySlotAdmission(clock=self.clock)
+        self.registry = AccountRegistry(accounts)
+        self.blocks = Blocks()
+        self.blocks.unknown = not indexed
+        self.scheduler = AccountScheduler(
+            accounts=self.registry, admission=self.admission, store=self.store,
+            clock=self.clock,
+            settings=RuntimeSettings(GatewaySettings(scheduling=SchedulingSettings())),
+            random=random.Random(seed), extraBlock=self.blocks.extraBlock,
+            isQuarantined=self.blocks.isQuarantined, flagged=self.blocks.flagged,
+        )
+
+    def select(self, t, excluded=frozenset()):
+        d = self.scheduler.select(t, excluded)
+        result = []
+        d.addBoth(result.append)
+        (outcome,) = result
+        if isinstance(getattr(outcome, "value", None), NoAccountAvailable):
+            return ("error", outcome.value.error.status, outcome.value.error.message)
+        sel = outcome
+        if sel.lease is not None:
+            sel.lease.release()
+        r = sel.record
+        return (sel.account.id, r.layer, r.candidate_count, r.sticky_session_hit,
+                sel.waitPlan.plan if sel.waitPlan else None)
+
+
+class IndexTests(SynchronousTestCase):
+    """
+    Selection through the index.
+    """
+
+    def test_stickyTurnChecksOnlyFlagged(self):
+        """
+        With 2,000 accounts, a sticky turn reads no account state and asks
+        the hooks about the flagged accounts only, while the decision
+        record still counts every eligible account (R45).
+        """
+        rig = Rig([account(f"a{i}") for i in range(2000)])
+        rig.blocks.blocked = {"a5": "paused: by admin", "a9": ("breaker_open", 2e6)}
+        self.successResultOf(rig.store.markAccount("a7", "rate_limited", 2e6, "429"))
+        self.successResultOf(rig.store.setValue(sessionKey(HASH), "a42", 3600))
+        rig.blocks.asked = 0
+        result = rig.select(turn(sessionHash=HASH))
+        self.assertEqual(result[:4], ("a42", "session_hash", 1997, True))
+        self.assertEqual(getattr(rig.store, "reads", 0), 0)
+        self.assertLessEqual(rig.blocks.asked, 4)
+
+    def test_sameDecisionsAsFullCheck(self):
+        """
+        Over random pools, blocks, quarantines, exclusions, bindings and
+        model mappings, the indexed selection decides what the full check
+        of every candidate decides (account, layer, candidate count,
+        sticky hit, wait plan; or the same error), turn after turn.
+        """
+        rng = random.Random(24)
+        for case in range(60):
+            n = rng.randint(1, 12)
+            accounts = [
+                account(f"a{i}", type=rng.choice(["apikey", "apikey", "oauth"]),
+                        priority=rng.choice([1, 50, 50]), concurrency=rng.choice([0, 1, 2]),
+                        models=rng.choice([None, None, ["gpt-5"], ["o3"]]))
+                for i in range(n)
+            ]
+            rigs = [Rig(accounts, seed=case, indexed=True), Rig(accounts, seed=case, indexed=False)]
+            for rig in rigs:
+                for a in accounts:
+                    roll = random.Random(hash((case, a.id)) & 0xFFFF).random()
+                    if roll < 0.15:
+                        self.successResultOf(rig.store.markAccount(
+                            a.id, "rate_limited", rig.clock.seconds() + 30, "429"))
+                    elif roll < 0.25:
+                        self.successResultOf(rig.store.markAccount(
+                            a.id, "model_block", rig.clock.seconds() + 30, "x", model="gpt-5"))
+                    elif roll < 0.3:
+                        rig.blocks.blocked[a.id] = ("paused: by admin", 0)
+                    elif roll < 0.35:
+                        rig.blocks.quarantined.add(a.id)
+                    elif roll < 0.4:
+                        self.successResultOf(rig.admission.tryAcquire("account", a.id, 0))
+            turns = []
+            for step in range(6):
+                kw = {}
+                if step % 2:
+                    kw["sessionHash"] = HASH
+                if step == 3:
+                    kw["previousResponseId"] = "resp_x"
+                if step == 4:
+                    kw["entrypoint"] = "ws"
+                turns.append(kw)
+            excluded = frozenset(a.id for a in accounts[: case % 3])
+            outcomes = []
+            for rig in rigs:
+                out = []
+                self.successResultOf(rig.store.setValue(
+                    sessionKey(HASH), accounts[case % n].id, 3600))
+                for kw in turns:
+                    out.append(rig.select(turn(**kw), excluded))
+                    rig.clock.advance(1.5)
+                outcomes.append(out)
+            self.assertEqual(outcomes[0], outcomes[1], f"case {case}")
+
+    def test_reloadGivesNewIndex(self):
+        """
+        A new account set (a reload, an admin change) is selected from at
+        once; an unchanged one keeps its index.
+        """
+        rig = Rig([account("a")])
+        self.assertEqual(rig.select(turn())[0], "a")
+        index = rig.scheduler._index
+        rig.select(turn())
+        self.assertIs(rig.scheduler._index, index)
+        rig.registry.replace([account("b")])
+        self.assertEqual(rig.select(turn())[0], "b")
+        self.assertIsNot(rig.scheduler._index, index)
+
+    def test_groupNarrowing(self):
+        """
+        Issue 22: a key's group narrows the index's candidates, and the
+        count is of the group's eligible accounts only.
+        """
+        rig = Rig([account(f"a{i}") for i in range(10)])
+        rig.blocks.blocked = {"a2": "paused: by admin"}
+        result = rig.select(turn(allowedAccounts=frozenset({"a1", "a2", "a3"})))
+        self.assertIn(result[0], {"a1", "a3"})
+        self.assertEqual(result[2], 2)
+
+    def test_quarantineFailOpenThroughIndex(self):
+        """
+        R41: every open account quarantined -> allowed anyway; one not
+        quarantined (not flagged) -> the others stay out.
+        """
+        rig = Rig([account("a"), account("b")])
+        rig.blocks.quarantined = {"a", "b"}
+        self.assertEqual(rig.select(turn())[2], 2)
+        rig.blocks.quarantined = {"a"}
+        self.assertEqual(rig.select(turn())[:3], ("b", "load_balance", 1))
+
+    def test_sameSnapshot(self):
+        """
+        L{sameSnapshot} is identity of the accounts, in order.
+        """
+        a, b = account("a"), account("b")
+        index = PoolIndex((a, b))
+        self.assertTrue(sameSnapshot(index, (a, b)))
+        self.assertTrue(sameSnapshot(index, [a, b]))
+        self.assertFalse(sameSnapshot(index, (b, a)))
+        self.assertFalse(sameSnapshot(index, (a, account("b"))))
+        self.assertFalse(sameSnapshot(None, (a,)))
