@@ -188,15 +188,18 @@ def _memoryProviders(config: RelayConfig, reactor):
 
 
 def _redisProviders(config: RelayConfig, reactor):
-    from relay.admission.redis import RedisSlotAdmission
+    from relay.admission.redis import RedisSlotAdmission, sharedBatch
     from relay.redisclient import RedisService
     from relay.state.redis import RedisStateStore
 
     service = RedisService(
         url=config.state.redis_url, clock=reactor, **_sentinelArguments(config.state)
     )
+    # Issue 24: the built-in store and admission share one batcher, so a
+    # turn's state reads, slot acquire and end-of-turn writes share round trips.
+    batch = sharedBatch(service, reactor)
     store = RedisStateStore(
-        redis=service, clock=reactor, onRedisError=config.state.on_redis_error
+        redis=service, clock=reactor, onRedisError=config.state.on_redis_error, batch=batch
     )
     kwargs = {
         "redis": service,
@@ -205,7 +208,7 @@ def _redisProviders(config: RelayConfig, reactor):
         "onRedisError": config.state.on_redis_error,
         "prefix": os.urandom(4).hex(),
     }
-    return store, (lambda **kw: RedisSlotAdmission(**kw)), kwargs, [service]
+    return store, (lambda **kw: RedisSlotAdmission(batch=batch, **kw)), kwargs, [service]
 
 
 def _sentinelArguments(state) -> dict:

@@ -113,7 +113,7 @@ from relay.interfaces import ISlotAdmission, ISlotDrain, ISlotLease
 from relay.model import AdmissionError, WaitPlan
 from relay.redisclient import RedisService, RedisUnavailable, describe
 from relay.requestid import currentRequestId
-from relay.state.redisbatch import RedisBatch, batchScript
+from relay.state.redisbatch import SOLO, RedisBatch, batchScript
 
 
 def _script(name: str) -> str:
@@ -135,6 +135,36 @@ HEARTBEAT_LUA = _script("heartbeat")
 #: script or command it always was.
 ADMISSION_SOLO = {"ACQUIRE": ACQUIRE_LUA, "LEAVE": LEAVE_LUA}
 ADMISSION_BATCH_LUA = batchScript(ADMISSION_SOLO)
+
+#: Issue 24: the session binding's refresh that rides with an account slot
+#: acquire (L{RedisSlotAdmission.tryAcquireBinding}): KEYS slot ZSET, binding
+#: key; ARGV request id, account id, TTL ms. Only when the acquire just took
+#: the slot (the member is there) and the binding still names this account
+#: (R38: a hit refreshes its TTL; anything else is the scheduler's to decide).
+BIND_LUA = """
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) and redis.call('GET', KEYS[2]) == ARGV[2] then
+  redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+  return 1
+end
+return 0
+"""
+
+#: Issue 24: one batcher for the state store and the admission of a relay
+#: process (L{sharedBatch}): a turn's state reads and its account slot acquire
+#: travel in one round trip, and its end (slot releases, owner records, the
+#: streak reset) in one more.
+SHARED_SOLO = {**SOLO, **ADMISSION_SOLO, "RELAY_BIND": BIND_LUA}
+SHARED_BATCH_LUA = batchScript(SHARED_SOLO)
+
+
+def sharedBatch(redis: RedisService, clock: IReactorTime) -> RedisBatch:
+    """
+    The batcher a L{relay.state.redis.RedisStateStore} and a
+    L{RedisSlotAdmission} share (issue 24): leading (a lone acquire leaves
+    at once, as alone), the store's operations and the releases queued to
+    the end of the reactor turn.
+    """
+    return RedisBatch(redis, clock, solo=SHARED_SOLO, script=SHARED_BATCH_LUA, leading=True)
 
 #: The process registry ZSET (see the module docstring; R34 crash recovery).
 PROCESSES_KEY = "relay:processes"
@@ -337,7 +367,11 @@ class RedisSlotAdmission:
     _releaser: Optional[LoopingCall] = field(default=None, init=False)
     _recent: Optional[deque] = field(default=None, init=False)
     """With Sentinel: C{(at, request id, kind, id)} of recent releases."""
+    batch: Optional[RedisBatch] = None
+    """A batcher shared with the state store (L{sharedBatch}), or L{None}
+    for this admission's own (releases then leave at once when alone)."""
     _batch: Optional[RedisBatch] = field(default=None, init=False)
+    _releaseLead: Optional[bool] = field(default=None, init=False)
 
     _log = Logger()
 
@@ -354,8 +388,13 @@ class RedisSlotAdmission:
         if listeners is not None and getattr(self._redis, "sentinels", ()):
             self._recent = deque(maxlen=100_000)
             listeners.append(self.masterSwitched)
-        self._batch = RedisBatch(self._redis, self._clock, solo=ADMISSION_SOLO,
-                                 script=ADMISSION_BATCH_LUA, leading=True)
+        if self.batch is not None:
+            # Shared (issue 24): a release waits for the end of the reactor
+            # turn, with the turn's other end-of-turn writes.
+            self._batch, self._releaseLead = self.batch, False
+        else:
+            self._batch = RedisBatch(self._redis, self._clock, solo=ADMISSION_SOLO,
+                                     script=ADMISSION_BATCH_LUA, leading=True)
         if not 0 < self.heartbeatInterval < self.liveTtl:
             raise ValueError(
                 f"heartbeatInterval ({self.heartbeatInterval}s) must be positive and"
@@ -454,6 +493,43 @@ class RedisSlotAdmission:
             f.trap(RedisUnavailable)
             self._logError("slot_acquire", f)
             # The try may have landed after our timeout: drop its member.
+            self._leave(WaitPlan(kind, id, limit, 0, 0), rid, True)
+            raise admissionError("error", None, detail=describe(f))
+
+        return d.addCallbacks(_cb, _eb)
+
+    def tryAcquireBinding(self, kind, id, limit, bindingKey: str, ttl: float) -> Deferred:
+        """
+        Issue 24: L{tryAcquire} with the session binding's refresh in the
+        same round trip: when the slot is taken and C{bindingKey} still
+        names C{id}, its TTL is set to C{ttl} (R38's hit). With a shared
+        batcher the acquire waits for the reactor turn's other commands
+        (the scheduler's binding and state reads) and leaves with them.
+
+        @param ttl: seconds.
+        @return: a Deferred firing with C{(lease or None, refreshed)}, or
+            failing as L{tryAcquire} does.
+        """
+        rid = self._newRequestId()
+        if limit <= 0:
+            return succeed((self._lease(kind, id, rid, counted=False), False))
+        d = self._acquireCall(kind, id, limit, rid, "try", 0, lead=False)
+        bound = self._batch.call(
+            self.timeout, "RELAY_BIND", [slotKey(kind, id), bindingKey],
+            [rid, id, max(1, int(round(ttl * 1000)))], lead=False,
+        )
+        bound.addErrback(lambda f: 0)
+
+        def _cb(reply):
+            if int(reply[0]) == 1:
+                lease = self._lease(kind, id, rid)
+                return bound.addCallback(lambda done: (lease, bool(done)))
+            bound.cancel()
+            return (None, False)
+
+        def _eb(f: Failure):
+            f.trap(RedisUnavailable)
+            self._logError("slot_acquire", f)
             self._leave(WaitPlan(kind, id, limit, 0, 0), rid, True)
             raise admissionError("error", None, detail=describe(f))
 
@@ -678,15 +754,18 @@ class RedisSlotAdmission:
 
     # -- Redis calls -----------------------------------------------------------
 
-    def _acquireCall(self, kind, id, limit, rid, mode, maxWaiting) -> Deferred:
+    def _acquireCall(self, kind, id, limit, rid, mode, maxWaiting, lead=None) -> Deferred:
         """
         One C{acquire.lua} round trip.
 
+        @param lead: the batcher's C{lead} for this call (L{False}: wait for
+            the end of the reactor turn, with what follows).
         @return: Deferred firing with C{[status, now, position, waiting]}.
         """
         return self._track(self._batch.call(
             self.timeout, "ACQUIRE", keysFor(kind, id) + [PROCESSES_KEY],
             [int(limit), repr(self.slotTtl), rid, mode, int(maxWaiting), repr(self.ticketTtl)],
+            lead=lead,
         ))
 
     def _leave(self, plan: WaitPlan, rid: str, dropSlot: bool) -> None:
@@ -717,6 +796,7 @@ class RedisSlotAdmission:
             self._recent.append((self._clock.seconds(), lease.requestId, lease.kind, lease.id))
         d = self._track(self._batch.call(
             self.timeout, "ZREM", [slotKey(lease.kind, lease.id)], [lease.requestId],
+            lead=self._releaseLead,
         ))
 
         def _eb(f: Failure) -> None:

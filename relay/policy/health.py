@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Optional
 
 from attrs import define, field
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, fail
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
@@ -616,15 +616,22 @@ class AccountHealth:
                 )
         self._oauth429.pop(account.id, None)
         if account.type != "oauth":
+            # Not waited for (issue 24): on Redis it leaves with the turn's
+            # other end-of-turn writes (owner records, slot releases).
             try:
-                await self._store.resetStreak(account.id, streakModel(model))
-            except Exception as e:
+                d = self._store.resetStreak(account.id, streakModel(model))
+            except Exception:  # noqa: BLE001 - logged by the errback below
+                d = fail()
+
+            def _eb(f, accountId=account.id):
                 self._log.warn(
                     "account {account_id}: resetting the transient streak failed ({error})",
                     event="relay.account_state_write_failed",
-                    account_id=account.id,
-                    error=repr(e),
+                    account_id=accountId,
+                    error=repr(f.value),
                 )
+
+            d.addErrback(_eb)
 
     # -- R13 --------------------------------------------------------------------
 

@@ -218,6 +218,12 @@ class _Pass:
     eligible list is built only if a layer needs it (see L{eligible})."""
     candidateCount: int = 0
     """How many accounts are eligible (R45's C{candidate_count})."""
+    spec: Optional[list] = None
+    """Issue 24: C{[account, Deferred]} of a slot try sent with the state
+    reads on the account this process last bound the session to (see
+    L{AccountScheduler._speculate}), until the session layer takes it."""
+    refreshed: bool = False
+    """The speculative try also refreshed the session binding (R38)."""
     binding: Optional[str] = None
     skew: float = 0.0
     tried: int = 0
@@ -392,6 +398,12 @@ class AccountScheduler:
     _localOwners: OrderedDict = field(factory=OrderedDict, init=False)
     _localAffinity: OrderedDict = field(factory=OrderedDict, init=False)
     _index: Optional[PoolIndex] = field(default=None, init=False)
+    _localBindings: OrderedDict = field(factory=OrderedDict, init=False)
+    """Issue 24: session hash -> the account this process last bound it to
+    (bounded): the guess of L{_speculate}."""
+    _boundTurns: WeakKeyDictionary = field(factory=WeakKeyDictionary, init=False)
+    """Turns whose selection already wrote (or refreshed) their binding to
+    the chosen account with the slot held, so L{bind} need not again."""
 
     _log = Logger()
 
@@ -663,14 +675,31 @@ class AccountScheduler:
         """
         if not turn.sessionHash or self._keptBindings.get(turn):
             return
+        if self._boundTurns.pop(turn, None) == account.id:
+            # The selection wrote it with the slot held (issue 24).
+            return
         ttl = self._settings.current.scheduling.sticky_session_ttl_seconds
+        self._noteBinding(turn.sessionHash, account.id)
         await self._write("setValue", sessionKey(turn.sessionHash), account.id, ttl)
+
+    def _noteBinding(self, sessionHash: str, accountId: Optional[str]) -> None:
+        """
+        Keep (or with L{None}, forget) the local guess of a session's
+        binding (issue 24, L{_speculate}).
+        """
+        bindings = self._localBindings
+        bindings.pop(sessionHash, None)
+        if accountId is not None:
+            bindings[sessionHash] = accountId
+            while len(bindings) > LOCAL_OWNER_CAPACITY:
+                bindings.popitem(last=False)
 
     async def _unbind(self, turn: Turn) -> None:
         """
         See L{unbind}.
         """
         if turn.sessionHash:
+            self._noteBinding(turn.sessionHash, None)
             await self._write("deleteValue", sessionKey(turn.sessionHash))
 
     async def _recordResponse(self, turn: Turn, responseId: str, account: Account) -> None:
@@ -1049,18 +1078,76 @@ class AccountScheduler:
             inUse, waiting = (await self._loads([account]))[account.id]
             limit = account.concurrency
             return DRY_LEASE if limit <= 0 or inUse + waiting < limit else None
+        spec = ctx.spec
+        if spec is not None and spec[0] is account:
+            # Issue 24: the try sent with the state reads (L{_speculate}).
+            ctx.spec = None
+            try:
+                lease, ctx.refreshed = await spec[1]
+                return lease
+            except Exception as e:
+                raise self._acquireFailed(ctx, account, e)
         try:
             return await self._admission.tryAcquire("account", account.id, account.concurrency)
         except Exception as e:
-            self._log.error(
-                "account slot acquire failed for {account_id}: {error}",
-                event="openai.account_slot_acquire_error", account_id=account.id,
-                error=repr(e), request_id=ctx.turn.requestId,
-            )
-            raise self._error(
-                ctx.turn, 503, "api_error", SLOT_ERROR_MESSAGE,
-                wsClose=(1011, "failed to acquire account concurrency slot"),
-            )
+            raise self._acquireFailed(ctx, account, e)
+
+    def _acquireFailed(self, ctx: _Pass, account: Account, e: Exception) -> NoAccountAvailable:
+        """
+        Log an account slot acquire error; the 503 / WebSocket 1011 that
+        ends the selection (R32, R35).
+        """
+        self._log.error(
+            "account slot acquire failed for {account_id}: {error}",
+            event="openai.account_slot_acquire_error", account_id=account.id,
+            error=repr(e), request_id=ctx.turn.requestId,
+        )
+        return self._error(
+            ctx.turn, 503, "api_error", SLOT_ERROR_MESSAGE,
+            wsClose=(1011, "failed to acquire account concurrency slot"),
+        )
+
+    def _speculate(self, turn: Turn, byId: dict, excluded: frozenset) -> Optional[list]:
+        """
+        Issue 24: with an admission that can refresh a binding with a slot
+        try (L{relay.admission.redis.RedisSlotAdmission.tryAcquireBinding}),
+        try the slot of the account this process last bound the session to
+        now, so it travels with the binding and state reads (one round trip
+        instead of three for a sticky turn on Redis). The session layer
+        takes the try when the binding still names that account and it is
+        eligible, exactly where it would try it; otherwise the slot, if
+        taken, is released when the selection ends.
+
+        @return: C{[account, Deferred of (lease or None, refreshed)]}, or
+            L{None}.
+        """
+        tryBinding = getattr(self._admission, "tryAcquireBinding", None)
+        if tryBinding is None:
+            return None
+        guess = self._localBindings.get(turn.sessionHash)
+        account = byId.get(guess) if guess is not None else None
+        if account is None or account.id in excluded:
+            return None
+        ttl = self._settings.current.scheduling.sticky_session_ttl_seconds
+        try:
+            d = tryBinding("account", account.id, account.concurrency,
+                           sessionKey(turn.sessionHash), ttl)
+        except Exception:  # noqa: BLE001 - delivered to the session layer, or dropped
+            d = fail()
+        return [account, d]
+
+    @staticmethod
+    def _dropSpeculation(spec: list) -> None:
+        """
+        Give back a speculative slot the selection did not use.
+        """
+
+        def _cb(result):
+            lease = result[0]
+            if lease is not None:
+                lease.release()
+
+        spec[1].addCallbacks(_cb, lambda f: None)
 
     def _ordered(self, accounts: list, key: Callable, rng=None) -> list:
         """
@@ -1246,17 +1333,41 @@ class AccountScheduler:
         binding = None
         if turn.sessionHash:
             binding = self._read(sessionKey(turn.sessionHash))
-        states = await self._view(pool, accounts)
+        viewing = eagerDeferred(self._view(pool, accounts))
+        spec = None
+        if (binding is not None and preview is None and not previous and not turn.affinity
+                and not turn.preferredAccountId):
+            spec = self._speculate(turn, byId, excluded)
+        try:
+            states = await viewing
+        except BaseException:
+            if spec is not None:
+                self._dropSpeculation(spec)
+            raise
         ctx = _Pass(
             turn=turn, excluded=excluded, now=self._clock.seconds(),
             scheduling=self._settings.current.scheduling,
             byId=byId, states=states,
-            oauthBarred=bool(previous) and turn.entrypoint == "http",
+            oauthBarred=bool(previous) and turn.entrypoint == "http", spec=spec,
         )
         if preview is not None:
             ctx.dryRun, preview.ctx = True, ctx
             ctx.rng = random.Random()
             ctx.rng.setstate(self._random.getstate())
+        try:
+            return await self._decide(ctx, turn, started, pool, serving, servingIds,
+                                      excluded, previous, binding)
+        finally:
+            if ctx.spec is not None:
+                self._dropSpeculation(ctx.spec)
+                ctx.spec = None
+
+    async def _decide(self, ctx: _Pass, turn: Turn, started: float, pool: PoolIndex,
+                      serving: list, servingIds: frozenset, excluded: frozenset,
+                      previous: Optional[str], binding) -> Selection:
+        """
+        The layers of L{_select}, once the states are read.
+        """
         if turn.background or turn.request is not None:
             self._barOAuth(ctx)
         openAccounts = [a for a in serving if a.id not in excluded] if excluded else serving
@@ -1507,6 +1618,7 @@ class AccountScheduler:
             ):
                 # R38: delete a binding whose account can no longer serve.
                 if not ctx.dryRun:
+                    self._noteBinding(turn.sessionHash, None)
                     await self._write("deleteValue", sessionKey(turn.sessionHash))
                 ctx.binding = None
                 return False
@@ -1544,16 +1656,21 @@ class AccountScheduler:
                 self._keptBindings[turn] = True
             else:
                 self._keptBindings.pop(turn, None)
+            self._boundTurns.pop(turn, None)
             self._lastUsed[account.id] = self._clock.seconds()
         ttl = ctx.scheduling.sticky_session_ttl_seconds
         writeBinding = choice.lease is not None and turn.sessionHash and not choice.keepBinding
-        if writeBinding and not ctx.dryRun:
+        if writeBinding and not ctx.dryRun and choice.bindingOp in ("touch", "write"):
             if choice.bindingOp == "touch":
-                # Not awaited (errors are logged by _write): on Redis it leaves
-                # with the bind() write that follows admission (issue 24).
-                self._send("touchValue", sessionKey(turn.sessionHash), ttl)
-            elif choice.bindingOp == "write":
+                if not (choice.sessionHit and ctx.refreshed):
+                    # Not awaited (errors are logged by _write). On Redis a
+                    # speculative try refreshed it already (issue 24).
+                    self._send("touchValue", sessionKey(turn.sessionHash), ttl)
+            else:
                 await self._write("setValue", sessionKey(turn.sessionHash), account.id, ttl)
+            # Issue 24: written with the slot held; bind() need not again.
+            self._boundTurns[turn] = account.id
+            self._noteBinding(turn.sessionHash, account.id)
         record = DecisionRecord(
             layer=choice.layer,
             sticky_previous_hit=choice.previousHit,

@@ -175,7 +175,7 @@ class RedisStateStore:
         @param fallback: the fail-open result.
         """
         return self._applyMode(
-            operation, fallback, self.batch.call(self.timeout, name, keys, list(args))
+            operation, fallback, self.batch.call(self.timeout, name, keys, list(args), lead=False)
         )
 
     def _applyMode(self, operation: str, fallback, d: Deferred) -> Deferred:

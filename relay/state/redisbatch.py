@@ -212,7 +212,8 @@ class RedisBatch:
     _call: Optional[IDelayedCall] = field(default=None, init=False)
     _inflight: int = field(default=0, init=False)
 
-    def call(self, timeout: float, name: str, keys: list, args: list) -> Deferred:
+    def call(self, timeout: float, name: str, keys: list, args: list,
+             lead: Optional[bool] = None) -> Deferred:
         """
         Queue one operation for the end of this reactor turn.
 
@@ -224,11 +225,14 @@ class RedisBatch:
         @param keys: the keys the operation touches (Redis scripts must
             name every key they touch).
         @param args: the remaining arguments.
+        @param lead: this operation's L{leading} (a batcher shared by the
+            state store, which never leads, and the admission, which does,
+            issue 24); L{None} for the batcher's own.
         @return: a L{Deferred} firing with the reply, or failing with
             L{RedisUnavailable}.
         """
         op = _Op(name, list(keys), [_text(a) for a in args], timeout)
-        if self.leading and not self._ops and not self._inflight:
+        if (self.leading if lead is None else lead) and not self._ops and not self._inflight:
             self.operations += 1
             self._send([op], [op])
             return op.deferred
