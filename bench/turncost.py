@@ -36,7 +36,8 @@ kind of turn):
     connections at once (16 for the stream): the work per turn at load,
     where concurrent turns share reactor wake-ups and Redis batches;
   - C{pool}: 1, 100 and 2,000 identical healthy accounts, memory and Redis
-    state, JSON (the sticky-session path the bench's repeated body takes).
+    state, JSON: the sticky-session path the bench's repeated body takes,
+    and a new session each turn (the load-balance layer).
 """
 
 from __future__ import annotations
@@ -68,7 +69,12 @@ KINDS = {
     "chat": ("/v1/chat/completions",
              {"model": "gpt-5.5", "messages": [{"role": "user", "content": "hi"}]}, {}),
 }
-LABELS = {"json": "JSON", "sse": "stream (40 events)", "chat": "chat"}
+KINDS["new"] = KINDS["json"]
+"""A JSON turn of a new session each time (a C{session_id} header of its
+own): the load-balance layer picks its account (issue 24's pool scenario
+beside the sticky one)."""
+LABELS = {"json": "JSON", "sse": "stream (40 events)", "chat": "chat",
+          "new": "JSON, new session each turn"}
 
 
 def exportTree(ref: str, tmp: str) -> tuple:
@@ -116,6 +122,7 @@ class Client:
     def __init__(self, port: int, concurrency: int = 1):
         self.conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=900)
                       for _ in range(concurrency)]
+        self.sessions = 0
 
     def turns(self, kind: str, n: int) -> None:
         """
@@ -126,10 +133,14 @@ class Client:
         headers = dict(headers, **{"Authorization": f"Bearer {compare.RELAY_KEY}",
                                    "Content-Type": "application/json"})
         errors = []
+        fresh = kind == "new"
 
         def run(conn, count):
             try:
                 for _ in range(count):
+                    if fresh:
+                        self.sessions += 1
+                        headers["session_id"] = f"bench-{id(self)}-{self.sessions}"
                     conn.request("POST", path, data, headers)
                     r = conn.getresponse()
                     payload = r.read()
@@ -327,8 +338,9 @@ def run(procs, trees: list, only, turns: int, bodies=None) -> dict:
                     for n in (1, 100, 2000):
                         count = turns if n < 2000 else max(20, turns // 5)
                         r = measureRelay(procs, f"cg-{label}-{state}-{n}", tree, uport, n,
-                                         LIMITS, ["json"], count, rport)
-                        results["pool", label, state, n, "json"] = r["json"]
+                                         LIMITS, ["json", "new"], count, rport)
+                        for kind in ("json", "new"):
+                            results["pool", label, state, n, kind] = r[kind]
     finally:
         procs.stop(redis)
         procs.stop(upstream)
@@ -427,19 +439,24 @@ def report(results: dict, trees: list, turns: int, out: list) -> None:
                     out.append(f"| {LABELS[kind]} c={conns} | {label} | {_redisSummary(r['redis'])} |")
         out.append("")
     if any(k[0] == "pool" for k in results):
-        out.append(f"Pool size: identical healthy accounts, JSON, concurrency {LIMITS}.\n")
-        out.append(f"| accounts, state | {head} | vs 1 account |")
+        out.append(f"Pool size: identical healthy accounts, concurrency {LIMITS}; JSON turns of "
+                   "one session (the sticky path) and of a new session each (the load-balance "
+                   "layer).\n")
+        out.append(f"| accounts, state, turn | {head} | vs 1 account |")
         out.append("|---|" + "---:|" * (len(labels) + two) + "---:|")
-        for state in ("memory", "redis"):
-            for n in (1, 100, 2000):
-                vals = [results.get(("pool", label, state, n, "json")) for label in labels]
-                if any(v is None for v in vals):
-                    continue
-                ones = [results.get(("pool", label, state, 1, "json")) for label in labels]
-                cells = " | ".join(_m(v["instr"]) for v in vals)
-                ratio = f" | **{vals[1]['instr'] / vals[0]['instr']:.2f}x**" if two else ""
-                vs1 = " / ".join(f"{v['instr'] / o['instr']:.2f}x" for v, o in zip(vals, ones))
-                out.append(f"| {n:,}, {state} | {cells}{ratio} | {vs1} |")
+        for kind in ("json", "new"):
+            for state in ("memory", "redis"):
+                for n in (1, 100, 2000):
+                    vals = [results.get(("pool", label, state, n, kind)) for label in labels]
+                    if any(v is None for v in vals):
+                        continue
+                    ones = [results.get(("pool", label, state, 1, kind)) for label in labels]
+                    cells = " | ".join(_m(v["instr"]) for v in vals)
+                    ratio = f" | **{vals[1]['instr'] / vals[0]['instr']:.2f}x**" if two else ""
+                    vs1 = " / ".join(f"{v['instr'] / o['instr']:.2f}x"
+                                     for v, o in zip(vals, ones))
+                    name = "sticky" if kind == "json" else "new session"
+                    out.append(f"| {n:,}, {state}, {name} | {cells}{ratio} | {vs1} |")
         out.append("")
 
 

@@ -17,6 +17,7 @@ from relay.admission.memory import MemorySlotAdmission
 from relay.model import GatewaySettings, SchedulingSettings
 from relay.operations.live import AccountRegistry
 from relay.scheduling.index import PoolIndex, sameSnapshot
+from relay.scheduling.quota import Snapshot, UsageWindows, Window
 from relay.scheduling.scheduler import AccountScheduler, sessionKey
 from relay.scheduling.selection import NoAccountAvailable
 from relay.settings import RuntimeSettings
@@ -70,7 +71,7 @@ class Rig:
     so every candidate is checked (the path without an index).
     """
 
-    def __init__(self, accounts, seed=1, indexed=True, clock=None):
+    def __init__(self, accounts, seed=1, indexed=True, clock=None, quota=False):
         self.clock = clock or Clock()
         if clock is None:
             self.clock.advance(1_000_000)
@@ -85,6 +86,7 @@ class Rig:
             settings=RuntimeSettings(GatewaySettings(scheduling=SchedulingSettings())),
             random=random.Random(seed), extraBlock=self.blocks.extraBlock,
             isQuarantined=self.blocks.isQuarantined, flagged=self.blocks.flagged,
+            quota=UsageWindows(clock=self.clock) if quota else None,
         )
 
     def select(self, t, excluded=frozenset()):
@@ -174,6 +176,52 @@ class IndexTests(SynchronousTestCase):
                 for kw in turns:
                     out.append(rig.select(turn(**kw), excluded))
                     rig.clock.advance(1.5)
+                outcomes.append(out)
+            self.assertEqual(outcomes[0], outcomes[1], f"case {case}")
+
+    def test_loadBalanceSameAsFullSort(self):
+        """
+        The load-balance layer read from the index (busy accounts, usage
+        windows and flagged ones ranked one by one, the idle rest by the
+        index's priority and last-used order) picks what sorting every
+        candidate picks, draw for draw, turn after turn while slots fill
+        and time passes; the record's load skew, top_k and quota verdict
+        agree too.
+        """
+        rng = random.Random(12)
+        for case in range(50):
+            n = rng.randint(2, 10)
+            accounts = [account(f"a{i}", priority=rng.choice([1, 50, 50, 50]),
+                                concurrency=rng.choice([0, 1, 2, 3]))
+                        for i in range(n)]
+            rigs = [Rig(accounts, seed=case, indexed=flag, quota=True) for flag in (True, False)]
+            held = [rng.randrange(n) for _ in range(rng.randint(0, n))]
+            windows = {f"a{i}": rng.choice([5.0, 40.0, 97.0]) for i in range(n)
+                       if rng.random() < 0.3}
+            steps = [rng.choice([0.2, 1.0]) for _ in range(8)]
+            outcomes = []
+            for rig in rigs:
+                for i in held:
+                    self.successResultOf(rig.admission.tryAcquire("account", f"a{i}", 0))
+                for aid, used in windows.items():
+                    rig.scheduler._quota.observe(aid, Snapshot(
+                        Window(used, 300, rig.clock.seconds() + 3600), None))
+                if case % 4 == 0:
+                    rig.blocks.blocked = {"a1": ("paused: by admin", 0)}
+                out = []
+                for step in steps:
+                    d = rig.scheduler.select(turn())
+                    result = []
+                    d.addBoth(result.append)
+                    sel = result[0]
+                    if isinstance(getattr(sel, "value", None), NoAccountAvailable):
+                        out.append(("error", sel.value.error.status))
+                        rig.clock.advance(step)
+                        continue
+                    r = sel.record
+                    out.append((sel.account.id, r.candidate_count, round(r.load_skew, 9),
+                                r.top_k, r.quota_decided, sel.waitPlan is None))
+                    rig.clock.advance(step)
                 outcomes.append(out)
             self.assertEqual(outcomes[0], outcomes[1], f"case {case}")
 

@@ -25,6 +25,7 @@ eligible.
 
 from __future__ import annotations
 
+import bisect
 from typing import Optional, Sequence
 
 from attrs import define, field
@@ -60,10 +61,53 @@ class PoolIndex:
     _serving: dict = field(factory=dict, init=False)
     _static: dict = field(factory=dict, init=False)
     _proxies: Optional[dict] = field(default=None, init=False)
+    position: dict = field(init=False)
+    """account id -> its place in the configured order."""
+    buckets: Optional[dict] = field(default=None, init=False)
+    """C{(priority, last-used second)} -> ids (an ordered set): the
+    load-balance order of the accounts nothing else distinguishes (idle,
+    no usage window), built by L{placeAll}."""
+    bucketKeys: list = field(factory=list, init=False)
+    """The keys of L{buckets}, ascending."""
 
     def __attrs_post_init__(self) -> None:
         self.ids = tuple(a.id for a in self.accounts)
         self.byId = {a.id: a for a in self.accounts}
+        self.position = {a.id: i for i, a in enumerate(self.accounts)}
+
+    def placeAll(self, lastUsedSecond) -> None:
+        """
+        Build L{buckets} for every account.
+
+        @param lastUsedSecond: C{(account) -> int}, -1 for never used.
+        """
+        self.buckets, self.bucketKeys = {}, []
+        for account in self.accounts:
+            self._add((account.priority, lastUsedSecond(account)), account.id)
+
+    def moved(self, account, old: int, new: int) -> None:
+        """
+        The account's last-used second changed from C{old} to C{new}.
+        """
+        if self.buckets is None or old == new or account.id not in self.byId:
+            return
+        key = (account.priority, old)
+        members = self.buckets.get(key)
+        if members is not None:
+            members.pop(account.id, None)
+            if not members:
+                del self.buckets[key]
+                i = bisect.bisect_left(self.bucketKeys, key)
+                if i < len(self.bucketKeys) and self.bucketKeys[i] == key:
+                    del self.bucketKeys[i]
+        self._add((account.priority, new), account.id)
+
+    def _add(self, key: tuple, accountId: str) -> None:
+        members = self.buckets.get(key)
+        if members is None:
+            members = self.buckets[key] = {}
+            bisect.insort(self.bucketKeys, key)
+        members[accountId] = None
 
     def candidates(self, allowed: Optional[frozenset]) -> tuple:
         """

@@ -20,6 +20,8 @@ Store keys (R38, R39, R40):
 from __future__ import annotations
 
 import hashlib
+import itertools
+import math
 import random
 import statistics
 from collections import OrderedDict
@@ -161,6 +163,21 @@ def _never(account: Account) -> bool:
     @return: L{False}.
     """
     return False
+
+
+def _skew(rates: list, count: int) -> float:
+    """
+    The population standard deviation of C{count} load rates of which all
+    but C{rates} are 0 (R45's C{load_skew}; issue 24: the idle accounts of
+    a pool are not listed one by one).
+    """
+    if count <= 1 or not any(rates):
+        return 0.0
+    if len(rates) == count:
+        return statistics.pstdev(rates)
+    mean = math.fsum(rates) / count
+    variance = (math.fsum((r - mean) ** 2 for r in rates) + (count - len(rates)) * mean * mean)
+    return math.sqrt(variance / count)
 
 
 def loadRate(inUse: int, waiting: int, concurrency: int) -> float:
@@ -1170,18 +1187,27 @@ class AccountScheduler:
         """
         The load-balance layer (R43 step 3): read loads in one batch, keep
         C{loadRate < 100}, order by priority, load rate, last used (ties
-        shuffled), try each slot after re-checking its state; on a full miss
-        re-read the load and repeat once.
+        in random order), try each slot after re-checking its state; on a
+        full miss re-read the load and repeat once.
+
+        Issue 24: with the pool index and an admission that reports its
+        busy slots (L{relay.admission.memory.MemorySlotAdmission.busy}) the
+        order is read from the index (L{_indexedOrder}) instead of sorting
+        every candidate; ties are put in random order lazily, one draw per
+        account tried, the same way on both paths (L{_inRandomOrder}).
 
         @param skip: account ids not to try (the busy bound account, R-B6).
         @return: C{(account, lease)} or L{None}.
         """
-        candidates = [a for a in ctx.eligible if a.id not in skip]
-        if not candidates:
-            return None
         scheduling = ctx.scheduling
         quota = self._quota if scheduling.quota_aware else None
         threshold = scheduling.quota_threshold_percent
+        busy = getattr(self._admission, "busy", None)
+        if ctx._lazy is not None and busy is not None:
+            return await self._loadBalanceIndexed(ctx, skip, busy, quota, threshold)
+        candidates = [a for a in ctx.eligible if a.id not in skip]
+        if not candidates:
+            return None
         for _ in range(2):
             ctx.loads.update(await self._loads(candidates))
             rates = {a.id: loadRate(*ctx.loads[a.id], a.concurrency) for a in candidates}
@@ -1192,31 +1218,171 @@ class AccountScheduler:
                 return (rates[a.id], self._lastUsedSecond(a))
 
             if quota is None:
-                order = self._ordered(available, key=lambda a: (a.priority,) + plain(a),
-                                      rng=ctx.rng)
+                def key(a):
+                    return (a.priority,) + plain(a)
             else:
                 # Issue 12: within a priority, the most remaining usage
                 # window first; at/above the threshold only after the rest.
-                order = self._ordered(
-                    available,
-                    key=lambda a: (a.priority,) + quota.rank(a.id, threshold) + plain(a),
-                    rng=ctx.rng,
-                )
-            for account in order:
-                if self._incompatible(ctx, account):
-                    continue
-                ctx.tried += 1
-                lease = await self._try(ctx, account)
-                if lease is not None:
-                    if quota is not None:
-                        # The chosen account is always its own peer: its state
-                        # may have changed while the acquire was in flight
-                        # (found by the chaos soak, issue 14).
-                        peers = [plain(a) for a in order if a.priority == account.priority
-                                 and (a is account or not self._incompatible(ctx, a))]
-                        ctx.quotaDecided = plain(account) > min(peers)
-                    return account, lease
+                def key(a):
+                    return (a.priority,) + quota.rank(a.id, threshold) + plain(a)
+            ranked = sorted(available, key=key)
+            groups = [list(g) for _, g in itertools.groupby(ranked, key=key)]
+            def peersOf(priority, chosen, available=available, plain=plain):
+                return [plain(a) for a in available if a.priority == priority
+                        and (a is chosen or not self._incompatible(ctx, a))]
+
+            found = await self._tryInOrder(ctx, self._inRandomOrder(groups, ctx.rng),
+                                           quota, peersOf, plain)
+            if found is not None:
+                return found
         return None
+
+    def _inRandomOrder(self, groups, rng=None):
+        """
+        R43 step 3.5: the accounts of C{groups} (runs of accounts that tie,
+        in order, each in configured order), each run in a random order
+        drawn lazily (Fisher-Yates, one draw per account taken), so a
+        selection whose first try succeeds draws once, however many tie.
+        """
+        rng = rng or self._random
+        for group in groups:
+            count = len(group)
+            if count == 1:
+                yield group[0]
+                continue
+            group = list(group)
+            for i in range(count - 1):
+                j = rng.randrange(i, count)
+                group[i], group[j] = group[j], group[i]
+                yield group[i]
+            yield group[count - 1]
+
+    async def _tryInOrder(self, ctx: _Pass, order, quota, peersOf, plain):
+        """
+        Try each account of C{order} after re-checking it (R43 step 3.6).
+
+        @param peersOf: C{(priority) -> plain keys} of the available
+            accounts of that priority (issue 12's C{quota_decided}).
+        @return: C{(account, lease)} or L{None}.
+        """
+        for account in order:
+            if self._incompatible(ctx, account):
+                continue
+            ctx.tried += 1
+            lease = await self._try(ctx, account)
+            if lease is not None:
+                if quota is not None:
+                    # The chosen account is always its own peer: its state
+                    # may have changed while the acquire was in flight
+                    # (found by the chaos soak, issue 14).
+                    peers = peersOf(account.priority, account)
+                    ctx.quotaDecided = plain(account) > min(peers + [plain(account)])
+                return account, lease
+        return None
+
+    async def _loadBalanceIndexed(self, ctx: _Pass, skip: frozenset, busy, quota, threshold):
+        """
+        L{_loadBalance} from the pool index (issue 24): only the busy
+        candidates (a slot held or a waiter), those with a usage window
+        (issue 12, when quota-aware) and the flagged ones are looked at one
+        by one; every other candidate is idle with the default quota rank,
+        so its place is its priority and last-used second, which the index
+        keeps in order (L{PoolIndex.buckets}).
+        """
+        pool = self._pool()
+        if pool.buckets is None:
+            pool.placeAll(self._lastUsedSecond)
+        static, excluded, bad = ctx._lazy
+        staticIds = pool.static(ctx.turn.allowedAccounts, ctx.turn.model, ctx.turn.endpoint,
+                                ctx.oauthBarred, ctx.onlyOAuth).ids
+        out = excluded | bad | skip if (excluded or skip) else bad
+        count = ctx.candidateCount - sum(1 for i in skip if i in staticIds and i not in excluded
+                                         and i not in bad)
+        if count <= 0:
+            return None
+        byId = pool.byId
+        for _ in range(2):
+            loads = {i: load for i, load in busy("account").items()
+                     if i in staticIds and i not in out}
+            ctx.loads.update(loads)
+            special = dict.fromkeys(loads)
+            if quota is not None:
+                for i in quota.snapshots:
+                    if i in staticIds and i not in out:
+                        special[i] = None
+            rates = {i: loadRate(*loads.get(i, (0, 0)), byId[i].concurrency) for i in special}
+            ctx.skew = _skew([rates[i] for i in loads], count)
+
+            def plain(a, rates=rates):
+                return (rates.get(a.id, 0.0), self._lastUsedSecond(a))
+
+            if quota is None:
+                def key(a):
+                    return (a.priority,) + plain(a)
+            else:
+                def key(a):
+                    return (a.priority,) + quota.rank(a.id, threshold) + plain(a)
+            specials = sorted(
+                (key(byId[i]), pool.position[i], byId[i]) for i in special if rates[i] < 100)
+            skipped = out.union(special) if special else out
+            groups = self._indexedGroups(pool, staticIds, skipped, specials, quota is not None)
+
+            def peersOf(priority, chosen, specials=specials, skipped=skipped):
+                peers = [plain(t[2]) for t in specials if t[2].priority == priority
+                         and (t[2] is chosen or not self._incompatible(ctx, t[2]))]
+                for p, lus in pool.bucketKeys:
+                    if p == priority and any(i in staticIds and i not in skipped
+                                             for i in pool.buckets[(p, lus)]):
+                        peers.append((0.0, lus))
+                        break
+                return peers
+
+            found = await self._tryInOrder(ctx, self._inRandomOrder(groups, ctx.rng), quota,
+                                           peersOf, plain)
+            if found is not None:
+                return found
+        return None
+
+    @staticmethod
+    def _indexedGroups(pool: PoolIndex, staticIds: frozenset, skipped, specials: list,
+                       quotaAware: bool):
+        """
+        The tie runs of L{_loadBalanceIndexed}'s order, lazily: the index's
+        buckets (idle candidates by priority and last-used second) merged
+        with the explicitly ranked C{specials} (C{(key, position, account)},
+        sorted), each run in configured order.
+        """
+        byId = pool.byId
+        position = pool.position
+        si = 0
+        quotaKey = (False, 0, math.inf) if quotaAware else ()
+        for bucket in list(pool.bucketKeys):
+            priority, lus = bucket
+            members = pool.buckets.get(bucket)
+            if not members:
+                continue
+            plainKey = (priority,) + quotaKey + (0.0, lus)
+            while si < len(specials) and specials[si][0] < plainKey:
+                run = [specials[si]]
+                si += 1
+                while si < len(specials) and specials[si][0] == run[0][0]:
+                    run.append(specials[si])
+                    si += 1
+                yield [t[2] for t in run]
+            group = [byId[i] for i in members if i in staticIds and i not in skipped]
+            while si < len(specials) and specials[si][0] == plainKey:
+                group.append(specials[si][2])
+                si += 1
+            if group:
+                group.sort(key=lambda a: position[a.id])
+                yield group
+        while si < len(specials):
+            run = [specials[si]]
+            si += 1
+            while si < len(specials) and specials[si][0] == run[0][0]:
+                run.append(specials[si])
+                si += 1
+            yield [t[2] for t in run]
 
     async def _fallback(self, ctx: _Pass):
         """
@@ -1657,7 +1823,10 @@ class AccountScheduler:
             else:
                 self._keptBindings.pop(turn, None)
             self._boundTurns.pop(turn, None)
+            old = self._lastUsedSecond(account)
             self._lastUsed[account.id] = self._clock.seconds()
+            if self._index is not None:
+                self._index.moved(account, old, self._lastUsedSecond(account))
         ttl = ctx.scheduling.sticky_session_ttl_seconds
         writeBinding = choice.lease is not None and turn.sessionHash and not choice.keepBinding
         if writeBinding and not ctx.dryRun and choice.bindingOp in ("touch", "write"):
