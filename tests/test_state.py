@@ -93,6 +93,17 @@ class StateStoreContractMixin:
         assert view.get("a").blockReason == "transport"
         assert view.get("b", AccountRuntime()) == AccountRuntime()
 
+    async def contract_setValues(self):
+        """
+        Issue 24: C{setValues} sets every key with the one TTL, as
+        C{setValue} does each.
+        """
+        store = self.makeStore()
+        await store.setValues([("k1", "v1"), ("k2", "0012")], 0.3)
+        assert (await store.getValue("k1"), await store.getValue("k2")) == ("v1", "0012")
+        await self.advance(0.5)
+        assert (await store.getValue("k1"), await store.getValue("k2")) == (None, None)
+
     async def contract_markEachKind(self):
         """
         Every marking kind is stored and read back (R4, R11, R12).

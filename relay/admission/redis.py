@@ -130,30 +130,35 @@ RENEW_LUA = _script("renew")
 LOAD_LUA = _script("load")
 HEARTBEAT_LUA = _script("heartbeat")
 
+#: Issue 24: a slot try and the binding refresh as one operation: KEYS the
+#: four of C{acquire.lua} and the binding key; ARGV those of C{acquire.lua}
+#: (mode C{try}), then the account id and the binding's TTL ms. Returns
+#: C{acquire.lua}'s reply with a fifth element, 1 when the binding was
+#: refreshed.
+ACQUIRE_BIND_LUA = (
+    "local function acquire(KEYS, ARGV)\n" + ACQUIRE_LUA + "\nend\n" + """
+local r = acquire({KEYS[1], KEYS[2], KEYS[3], KEYS[4]},
+                  {ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]})
+local bound = 0
+if tonumber(r[1]) == 1 and redis.call('GET', KEYS[5]) == ARGV[7] then
+  redis.call('SET', KEYS[5], ARGV[7], 'PX', ARGV[8])
+  bound = 1
+end
+r[5] = bound
+return r
+""")
+
 #: The slot commands a turn sends (acquire, leave; release is a plain
 #: C{ZREM}), as operations of one batch (issue 24): alone, each is the
 #: script or command it always was.
-ADMISSION_SOLO = {"ACQUIRE": ACQUIRE_LUA, "LEAVE": LEAVE_LUA}
+ADMISSION_SOLO = {"ACQUIRE": ACQUIRE_LUA, "LEAVE": LEAVE_LUA, "ACQUIRE_BIND": ACQUIRE_BIND_LUA}
 ADMISSION_BATCH_LUA = batchScript(ADMISSION_SOLO)
-
-#: Issue 24: the session binding's refresh that rides with an account slot
-#: acquire (L{RedisSlotAdmission.tryAcquireBinding}): KEYS slot ZSET, binding
-#: key; ARGV request id, account id, TTL ms. Only when the acquire just took
-#: the slot (the member is there) and the binding still names this account
-#: (R38: a hit refreshes its TTL; anything else is the scheduler's to decide).
-BIND_LUA = """
-if redis.call('ZSCORE', KEYS[1], ARGV[1]) and redis.call('GET', KEYS[2]) == ARGV[2] then
-  redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
-  return 1
-end
-return 0
-"""
 
 #: Issue 24: one batcher for the state store and the admission of a relay
 #: process (L{sharedBatch}): a turn's state reads and its account slot acquire
 #: travel in one round trip, and its end (slot releases, owner records, the
 #: streak reset) in one more.
-SHARED_SOLO = {**SOLO, **ADMISSION_SOLO, "RELAY_BIND": BIND_LUA}
+SHARED_SOLO = {**SOLO, **ADMISSION_SOLO}
 SHARED_BATCH_LUA = batchScript(SHARED_SOLO)
 
 
@@ -513,18 +518,15 @@ class RedisSlotAdmission:
         rid = self._newRequestId()
         if limit <= 0:
             return succeed((self._lease(kind, id, rid, counted=False), False))
-        d = self._acquireCall(kind, id, limit, rid, "try", 0, lead=False)
-        bound = self._batch.call(
-            self.timeout, "RELAY_BIND", [slotKey(kind, id), bindingKey],
-            [rid, id, max(1, int(round(ttl * 1000)))], lead=False,
-        )
-        bound.addErrback(lambda f: 0)
+        d = self._track(self._batch.call(
+            self.timeout, "ACQUIRE_BIND", keysFor(kind, id) + [PROCESSES_KEY, bindingKey],
+            [int(limit), repr(self.slotTtl), rid, "try", 0, repr(self.ticketTtl), id,
+             max(1, int(round(ttl * 1000)))], lead=False,
+        ))
 
         def _cb(reply):
             if int(reply[0]) == 1:
-                lease = self._lease(kind, id, rid)
-                return bound.addCallback(lambda done: (lease, bool(done)))
-            bound.cancel()
+                return (self._lease(kind, id, rid), int(reply[4]) == 1)
             return (None, False)
 
         def _eb(f: Failure):

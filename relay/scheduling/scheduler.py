@@ -681,9 +681,10 @@ class AccountScheduler:
         try:
             await getattr(self._store, op)(*args)
         except Exception as e:
+            key = ", ".join(k for k, _ in args[0]) if op == "setValues" else args[0]
             self._log.error(
                 "state store {op} failed for {key}: {error}",
-                event="openai.sticky_write_failed", op=op, key=args[0], error=repr(e),
+                event="openai.sticky_write_failed", op=op, key=key, error=repr(e),
             )
 
     async def _bind(self, turn: Turn, account: Account) -> None:
@@ -729,6 +730,12 @@ class AccountScheduler:
         self._remember(responseId, account.id, turn.client.name, ttl)
         # Both writes leave at once (issue 14): a reader in another process
         # must not find the owner without the key (R40) a round trip later.
+        pairs = ((responseKey(responseId), account.id),
+                 (responseOwnerKey(responseId), turn.client.name))
+        if getattr(self._store, "setValues", None) is not None:
+            # Issue 24: one operation for both.
+            await self._write("setValues", pairs, ttl)
+            return
         writes = [
             Deferred.fromCoroutine(self._write("setValue", key, value, ttl))
             for key, value in ((responseKey(responseId), account.id),

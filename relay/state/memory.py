@@ -252,6 +252,19 @@ class MemoryStateStore:
         self._values[key] = (value, self._clock.seconds() + ttl)
         return succeed(None)
 
+    def setValues(self, pairs, ttl) -> Deferred:
+        """
+        L{setValue} of several keys with one TTL (issue 24; as the Redis
+        store's).
+
+        @param pairs: C{[(key, value), ...]}.
+        @param ttl: seconds.
+        """
+        expires = self._clock.seconds() + ttl
+        for key, value in pairs:
+            self._values[key] = (value, expires)
+        return succeed(None)
+
     def touchValue(self, key, ttl) -> Deferred:
         """
         See L{IStateStore.touchValue}. A missing or expired key stays absent.

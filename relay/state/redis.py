@@ -48,8 +48,8 @@ C{on_redis_error} (R35):
 
 from __future__ import annotations
 
-from attrs import define, field
-from twisted.internet.defer import Deferred
+from attrs import define, evolve, field
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -311,16 +311,39 @@ class RedisStateStore:
         See L{IStateStore.bumpStreak}. One operation (C{RELAY_STREAK}, on the
         account hash, so L{clearAccount} ends it too). Fail-open result: 0.
         """
-        now = repr(float(self._clock.seconds()))
-        return self._batched(
-            "bump_streak", 0, "RELAY_STREAK", [accountKey(accountId)],
-            [STREAK_FIELD + model, now, repr(float(ttl))],
+        at = float(self._clock.seconds())
+        d = self._batched(
+            "bump_streak", 0, "RELAY_STREAK", [accountKey(accountId), CHANGE_SEQ_KEY, CHANGES_KEY],
+            [STREAK_FIELD + model, repr(at), repr(float(ttl)), accountId],
         ).addCallback(int)
+
+        def _mirror(count):
+            # Issue 24: this process's own bump is in its mirror at once, so
+            # a success right after it resets it (L{resetStreak}).
+            if count and accountId in self._loaded:
+                runtime = self._mirror.get(accountId) or AccountRuntime()
+                streaks = dict(runtime.streaks)
+                streaks[model] = (count, at)
+                self._mirror.put(accountId, evolve(runtime, streaks=streaks))
+            return count
+
+        return d.addCallback(_mirror)
 
     def resetStreak(self, accountId, model) -> Deferred:
         """
-        See L{IStateStore.resetStreak}.
+        See L{IStateStore.resetStreak}. Issue 24: nothing is sent when the
+        mirror (read at this process's last selection, with its own bumps
+        since) holds no streak of that model: a success's reset then costs
+        no command. A streak bumped elsewhere after that read is reset by
+        the next success that reads it.
         """
+        if accountId in self._loaded and self._epoch:
+            runtime = self._mirror.get(accountId)
+            if runtime is None or model not in runtime.streaks:
+                return succeed(None)
+            streaks = dict(runtime.streaks)
+            del streaks[model]
+            self._mirror.put(accountId, evolve(runtime, streaks=streaks))
         return self._batched(
             "reset_streak", None, "HDEL", [accountKey(accountId)], [STREAK_FIELD + model]
         ).addCallback(lambda _: None)
@@ -353,6 +376,20 @@ class RedisStateStore:
         """
         return self._batched(
             "set_value", None, "SET", [key], [value, "PX", _ms(ttl)]
+        ).addCallback(lambda _: None)
+
+    def setValues(self, pairs, ttl) -> Deferred:
+        """
+        Issue 24: L{setValue} of several keys with one TTL, together (one
+        operation; the response owner's two records, R39/R40).
+
+        @param pairs: C{[(key, value), ...]}.
+        @param ttl: seconds.
+        """
+        pairs = list(pairs)
+        return self._batched(
+            "set_values", None, "RELAY_MSET", [k for k, _ in pairs],
+            [_ms(ttl)] + [v for _, v in pairs],
         ).addCallback(lambda _: None)
 
     def touchValue(self, key, ttl) -> Deferred:

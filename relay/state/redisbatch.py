@@ -48,8 +48,14 @@ from relay.redisclient import RedisService, RedisUnavailable
 #:   MHGETALL      HGETALL of each of its keys: a list of flat lists;
 #:   RELAY_INCR    KEYS counter; ARGV ttl ms, refresh flag: INCR, and
 #:                 PEXPIRE when new or refreshed; the new value;
-#:   RELAY_STREAK  KEYS account hash; ARGV streak field, now, ttl seconds:
-#:                 the R11 streak bump ("count:last failure"); the count;
+#:   RELAY_STREAK  KEYS account hash (and optionally the change sequence
+#:                 and change ZSET); ARGV streak field, now, ttl seconds (and
+#:                 the account id): the R11 streak bump ("count:last
+#:                 failure"), noted as a change when the keys are given; the
+#:                 count;
+#:   RELAY_MSET    KEYS values; ARGV TTL ms, then one value per key: SET ...
+#:                 PX of each, together (issue 24: a response's two owner
+#:                 records, R39/R40);
 #:   RELAY_MARK    KEYS account hash, change sequence, change ZSET; ARGV
 #:                 account id, then the hash's field/value pairs: HSET, and
 #:                 the account noted as changed (issue 24);
@@ -80,6 +86,10 @@ local n = redis.call('DEL', KEYS[1], KEYS[2])
 redis.call('ZADD', KEYS[4], redis.call('INCR', KEYS[3]), ARGV[1])
 return n
 """,
+    "RELAY_MSET": """
+for i, k in ipairs(KEYS) do redis.call('SET', k, ARGV[i + 1], 'PX', ARGV[1]) end
+return #KEYS
+""",
     "RELAY_SYNC": """
 local epoch = redis.call('GET', KEYS[3])
 if not epoch then
@@ -96,6 +106,7 @@ end
 return out
 """,
     "RELAY_STREAK": """
+if KEYS[3] then redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[2]), ARGV[4]) end
 local v = redis.call('HGET', KEYS[1], ARGV[1])
 local n = 0
 if v then

@@ -167,3 +167,27 @@ async def test_stateViewAcrossProcesses(redisService, redisServer):  # noqa: F81
     view = await mine.accountStateView(ids)
     assert set(view.flagged(reactor.seconds())) == set()
     assert view.get("a7") is None
+
+
+@pytest_twisted.ensureDeferred
+async def test_streakResetFollowsTheMirror(redisService, redisServer):  # noqa: F811
+    """
+    Issue 24: a success's streak reset sends nothing when the mirror holds
+    no streak of that model; this process's own bump, and another's read
+    by the next view, are reset in Redis.
+    """
+    ids = ("a1", "a2")
+    mine = RedisStateStore(redis=redisService, clock=reactor, onRedisError="fail_closed")
+    other = RedisStateStore(redis=redisService, clock=reactor, onRedisError="fail_closed")
+    await mine.accountStateView(ids)
+    sent = mine.batch.operations
+    await mine.resetStreak("a1", "gpt-5")
+    assert mine.batch.operations == sent
+    assert await mine.bumpStreak("a1", "gpt-5", 60) == 1
+    await mine.resetStreak("a1", "gpt-5")
+    assert redisServer.command("HGETALL", "relay:account:a1") == b"*0\r\n"
+    await other.bumpStreak("a2", "gpt-5", 60)
+    await other.bumpStreak("a2", "gpt-5", 60)
+    await mine.accountStateView(ids)
+    await mine.resetStreak("a2", "gpt-5")
+    assert (await other.getAccountStates(["a2"]))["a2"].streaks == {}
