@@ -225,6 +225,31 @@ class IndexTests(SynchronousTestCase):
                 outcomes.append(out)
             self.assertEqual(outcomes[0], outcomes[1], f"case {case}")
 
+    def test_freshPoolDrawsInPlace(self):
+        """
+        A new session in a pool of 2,000 never-used accounts costs a draw or
+        two, not a shuffle of the pool: the selection asks the hooks about
+        the flagged accounts only, never picks a blocked, excluded or busy
+        one, and spreads its picks over the pool.
+        """
+        rig = Rig([account(f"a{i}", concurrency=1) for i in range(2000)])
+        draws = []
+        real = rig.scheduler._random.randrange
+        rig.scheduler._random.randrange = lambda *a: draws.append(a) or real(*a)
+        blocked = {f"a{i}" for i in range(0, 2000, 2)}
+        rig.blocks.blocked = {i: ("paused: by admin", 0) for i in blocked}
+        picks = set()
+        for n in range(30):
+            del draws[:]
+            rig.blocks.asked = 0
+            result = rig.select(turn(), excluded=frozenset({"a1"}))
+            self.assertNotIn(result[0], blocked | {"a1"})
+            self.assertEqual(result[2], 999)
+            self.assertLessEqual(len(draws), 40)
+            self.assertLessEqual(rig.blocks.asked, 1100)
+            picks.add(result[0])
+        self.assertGreater(len(picks), 20)
+
     def test_reloadGivesNewIndex(self):
         """
         A new account set (a reload, an admin change) is selected from at

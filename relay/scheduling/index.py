@@ -64,7 +64,7 @@ class PoolIndex:
     position: dict = field(init=False)
     """account id -> its place in the configured order."""
     buckets: Optional[dict] = field(default=None, init=False)
-    """C{(priority, last-used second)} -> ids (an ordered set): the
+    """C{(priority, last-used second)} -> ids in configured order: the
     load-balance order of the accounts nothing else distinguishes (idle,
     no usage window), built by L{placeAll}."""
     bucketKeys: list = field(factory=list, init=False)
@@ -94,7 +94,11 @@ class PoolIndex:
         key = (account.priority, old)
         members = self.buckets.get(key)
         if members is not None:
-            members.pop(account.id, None)
+            position = self.position
+            where = position[account.id]
+            i = bisect.bisect_left(members, where, key=position.__getitem__)
+            if i < len(members) and members[i] == account.id:
+                del members[i]
             if not members:
                 del self.buckets[key]
                 i = bisect.bisect_left(self.bucketKeys, key)
@@ -105,9 +109,9 @@ class PoolIndex:
     def _add(self, key: tuple, accountId: str) -> None:
         members = self.buckets.get(key)
         if members is None:
-            members = self.buckets[key] = {}
+            members = self.buckets[key] = []
             bisect.insort(self.bucketKeys, key)
-        members[accountId] = None
+        bisect.insort(members, accountId, key=self.position.__getitem__)
 
     def candidates(self, allowed: Optional[frozenset]) -> tuple:
         """

@@ -165,6 +165,38 @@ def _never(account: Account) -> bool:
     return False
 
 
+BIG_TIE = 64
+"""Issue 24: an index bucket of more accounts than this is drawn from in
+place (L{_Run}) rather than copied and filtered first."""
+
+
+class _Run:
+    """
+    A large run of tying accounts in the pool index (one bucket), drawn
+    in random order without copying it: a sparse Fisher-Yates over the
+    bucket, skipping the accounts that are not candidates of this turn, so
+    each candidate comes in uniformly random order (R43 step 3.5) at the
+    cost of the draws made.
+    """
+
+    def __init__(self, members: list, byId: dict, candidates: frozenset, skipped):
+        self.members, self.byId = members, byId
+        self.candidates, self.skipped = candidates, skipped
+
+    def drawn(self, rng):
+        members = self.members
+        count = len(members)
+        swapped: dict = {}
+        for i in range(count):
+            if count > len(members):
+                return  # the bucket changed meanwhile; the caller reads again
+            j = rng.randrange(i, count) if i < count - 1 else i
+            picked = swapped.get(j, members[j])
+            swapped[j] = swapped.get(i, members[i])
+            if picked in self.candidates and picked not in self.skipped:
+                yield self.byId[picked]
+
+
 def _skew(rates: list, count: int) -> float:
     """
     The population standard deviation of C{count} load rates of which all
@@ -1253,6 +1285,9 @@ class AccountScheduler:
         """
         rng = rng or self._random
         for group in groups:
+            if isinstance(group, _Run):
+                yield from group.drawn(rng)
+                continue
             count = len(group)
             if count == 1:
                 yield group[0]
@@ -1376,6 +1411,12 @@ class AccountScheduler:
                     run.append(specials[si])
                     si += 1
                 yield [t[2] for t in run]
+            if len(members) > BIG_TIE and not (si < len(specials)
+                                                and specials[si][0] == plainKey):
+                # Issue 24: a large run (a fresh pool: every account never
+                # used) is drawn from in place, not copied.
+                yield _Run(members, byId, staticIds, skipped)
+                continue
             group = [byId[i] for i in members if i in staticIds and i not in skipped]
             while si < len(specials) and specials[si][0] == plainKey:
                 group.append(specials[si][2])
