@@ -62,6 +62,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,6 +117,9 @@ def waitReady(port: int, timeout: float = 60) -> None:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as r:
                 if r.status == 200:
                     return
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                return  # a relay from before /readyz (a --baseline tree)
         except OSError:
             pass
         time.sleep(0.2)
