@@ -178,7 +178,7 @@ class MemorySlotAdmission:
             out[i] = (len(self._held.get(key, ())), len(self._queues.get(key, ())))
         return succeed(out)
 
-    def busy(self, kind) -> dict:
+    def busy(self, kind, ids=()) -> dict:
         """
         Issue 24: the loads of the slot keys of C{kind} that hold a slot or
         have a waiter -- every other key's load is C{(0, 0)} -- at the cost

@@ -618,6 +618,20 @@ class RedisSlotAdmission:
 
         return d.addCallbacks(_cb, _eb)
 
+    def busy(self, kind, ids=()) -> Deferred:
+        """
+        Issue 24: the loads of those of C{ids} that hold a slot or have a
+        waiter (the scheduler's load-balance layer ranks only these one by
+        one; every other id's load is C{(0, 0)}). One C{load.lua} call for
+        C{ids}: Redis keeps no index of the busy slot keys, so this read
+        still costs every id (the ranking after it does not).
+
+        @return: a Deferred firing with id -> C{(inUse, waiting)}; failing
+            as L{load} does.
+        """
+        return self.load(kind, ids).addCallback(
+            lambda loads: {i: load for i, load in loads.items() if load != (0, 0)})
+
     # -- the wait ------------------------------------------------------------
 
     async def _acquire(self, plan: WaitPlan, cancel, deadline):

@@ -1344,8 +1344,8 @@ class AccountScheduler:
             return None
         byId = pool.byId
         for _ in range(2):
-            loads = {i: load for i, load in busy("account").items()
-                     if i in staticIds and i not in out}
+            loads = await self._busy(busy, static)
+            loads = {i: load for i, load in loads.items() if i in staticIds and i not in out}
             ctx.loads.update(loads)
             special = dict.fromkeys(loads)
             if quota is not None:
@@ -1384,6 +1384,24 @@ class AccountScheduler:
             if found is not None:
                 return found
         return None
+
+    async def _busy(self, busy, static: list) -> dict:
+        """
+        The admission's busy loads among the static candidates (at once in
+        memory, one load read on Redis); an error counts as idle (R35), as
+        L{_loads}.
+        """
+        try:
+            loads = busy("account", [a.id for a in static])
+            if isinstance(loads, Deferred):
+                loads = await loads
+            return loads
+        except Exception as e:
+            self._log.error(
+                "account load read failed: {error}",
+                event="openai.account_load_read_failed", error=repr(e),
+            )
+            return {}
 
     @staticmethod
     def _indexedGroups(pool: PoolIndex, staticIds: frozenset, skipped, specials: list,

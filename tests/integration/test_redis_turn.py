@@ -104,3 +104,24 @@ async def test_wrongGuessGivesTheSlotBack(redisService):  # noqa: F811
     assert await admission.load("account", ["a", "b"]) == {"a": (1, 0), "b": (0, 0)}
     assert await store.getValue(sessionKey(HASH)) == "a"
     away.lease.release()
+
+
+@pytest_twisted.ensureDeferred
+async def test_newSessionRanksBusyAccountsFromRedis(redisService):  # noqa: F811
+    """
+    The load-balance layer on Redis ranks the accounts another process
+    keeps busy by their load (R43): a new session goes to an idle one, and
+    the record counts every candidate and the load's spread (R45).
+    """
+    store, admission, scheduler = _rig(redisService)
+    other = RedisSlotAdmission(redis=redisService, clock=reactor, prefix="t2")
+    held = [await other.tryAcquire("account", "a", 4) for _ in range(3)]
+    turn = Turn(entrypoint="http", endpoint="responses", client=ClientKey(name="k", key="sk-k"),
+                model="gpt-5", body={}, stream=True, requestId="req-2", sessionHash="f" * 16)
+    picked = await scheduler.select(turn)
+    assert (picked.account.id, picked.record.layer) == ("b", "load_balance")
+    assert picked.record.candidate_count == 2
+    assert picked.record.load_skew > 0
+    picked.lease.release()
+    for lease in held:
+        lease.release()
