@@ -61,6 +61,10 @@ import compare  # noqa: E402, I001
 
 ROOT = compare.ROOT
 LIMITS = 64
+STEADY = False
+"""Issue 24 (C{--steady}): new-session turns are warmed up on every account
+of the pool first, so the count is of the steady state (an account's first
+turn creates its metrics children, a one-time cost)."""
 
 KINDS = {
     "json": ("/v1/responses", {"model": "gpt-5.5", "input": "hi"}, {}),
@@ -267,7 +271,7 @@ def measureRelay(procs, name: str, tree: str, upstreamPort: int, accounts: int, 
     results = {}
     try:
         for kind in kinds:
-            client.turns(kind, 30)
+            client.turns(kind, accounts + 30 if STEADY and kind == "new" else 30)
             monitor = Monitor(redisPort) if redisPort else None
             if monitor:
                 time.sleep(0.3)
@@ -466,7 +470,12 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=200)
     parser.add_argument("--only", action="append", choices=["kinds", "state", "load", "pool"])
     parser.add_argument("--out", help="also write the report (markdown) here")
+    parser.add_argument("--steady", action="store_true",
+                        help="warm new-session turns up on every account first (slow at 2,000)")
     args = parser.parse_args()
+    if args.steady:
+        global STEADY
+        STEADY = True
     for tool in ("valgrind", "callgrind_control", "nginx", "redis-server", "redis-cli"):
         if not shutil.which(tool):
             raise SystemExit(f"{tool} is not installed (apt-get install valgrind nginx "

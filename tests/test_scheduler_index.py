@@ -253,13 +253,19 @@ class IndexTests(SynchronousTestCase):
     def test_reloadGivesNewIndex(self):
         """
         A new account set (a reload, an admin change) is selected from at
-        once; an unchanged one keeps its index.
+        once; an unchanged one keeps its index, also when it comes as a new
+        tuple of the same accounts (then compared by identity again).
         """
         rig = Rig([account("a")])
         self.assertEqual(rig.select(turn())[0], "a")
         index = rig.scheduler._index
         rig.select(turn())
         self.assertIs(rig.scheduler._index, index)
+        a = rig.registry.snapshot()[0]
+        rig.registry.replace([a])
+        rig.select(turn())
+        self.assertIs(rig.scheduler._index, index)
+        self.assertIs(index.accounts, rig.registry.snapshot())
         rig.registry.replace([account("b")])
         self.assertEqual(rig.select(turn())[0], "b")
         self.assertIsNot(rig.scheduler._index, index)

@@ -903,8 +903,14 @@ class AccountScheduler:
         snapshot = getattr(accounts, "snapshot", None)
         accounts = snapshot() if snapshot is not None else tuple(accounts)
         index = self._index
-        if not sameSnapshot(index, accounts):
-            index = self._index = PoolIndex(accounts)
+        if index is None or index.accounts is not accounts:
+            if sameSnapshot(index, accounts):
+                # The same accounts in a new tuple (a reload or a control
+                # plane refresh that changed nothing): keep the index, and
+                # compare by identity from now on.
+                index.accounts = accounts
+            else:
+                index = self._index = PoolIndex(accounts)
         return index
 
     async def _view(self, pool: PoolIndex, accounts: Sequence[Account]):
