@@ -629,7 +629,7 @@ class RedisSlotAdmission:
         @return: a Deferred firing with id -> C{(inUse, waiting)}; failing
             as L{load} does.
         """
-        return self.load(kind, ids).addCallback(
+        return self.load(kind, sorted(ids)).addCallback(
             lambda loads: {i: load for i, load in loads.items() if load != (0, 0)})
 
     # -- the wait ------------------------------------------------------------

@@ -1350,7 +1350,7 @@ class AccountScheduler:
             return None
         byId = pool.byId
         for _ in range(2):
-            loads = await self._busy(busy, static)
+            loads = await self._busy(busy, staticIds)
             loads = {i: load for i, load in loads.items() if i in staticIds and i not in out}
             ctx.loads.update(loads)
             special = dict.fromkeys(loads)
@@ -1391,14 +1391,14 @@ class AccountScheduler:
                 return found
         return None
 
-    async def _busy(self, busy, static: list) -> dict:
+    async def _busy(self, busy, ids: frozenset) -> dict:
         """
         The admission's busy loads among the static candidates (at once in
         memory, one load read on Redis); an error counts as idle (R35), as
         L{_loads}.
         """
         try:
-            loads = busy("account", [a.id for a in static])
+            loads = busy("account", ids)
             if isinstance(loads, Deferred):
                 loads = await loads
             return loads
