@@ -28,6 +28,7 @@ from relay.components import loadComponent
 from relay.engine.runner import TurnRunner
 from relay.entry.body import LimitedBodyRequest
 from relay.entry.http import KeyRing
+from relay.entry.intake import IntakePolicy
 from relay.entry.root import buildRoot
 from relay.entry.site import JSONMethodErrors, RelaySite
 from relay.logs import redactQuery
@@ -50,26 +51,10 @@ _log = Logger()
 
 class _Request(LimitedBodyRequest):
     """
-    A L{Request} that limits and decodes bodies (L{LimitedBodyRequest},
-    issue 13) and skips twisted.web's form-submission parsing for a JSON
-    body. twisted.web parses every POST's C{Content-Type} with the stdlib
-    email package (about a tenth of relay's CPU per relayed request) only
-    to look for C{application/x-www-form-urlencoded} and
-    C{multipart/form-data}; a C{Content-Type} that starts with
-    C{application/json} can never be either, so skipping the parse changes
-    nothing. Every other C{Content-Type} is parsed exactly as before.
+    A L{Request} that checks credentials from the headers, bounds, holds
+    and decodes bodies (L{LimitedBodyRequest}, issues 13 and 19) and never
+    parses form submissions (relay reads JSON only, R103).
     """
-
-    @property
-    def _parsePOSTFormSubmission(self) -> bool:
-        if not self._parseForms:
-            return False
-        ctype = self.requestHeaders.getRawHeaders(b"content-type")
-        return not (ctype and ctype[0].startswith(b"application/json"))
-
-    @_parsePOSTFormSubmission.setter
-    def _parsePOSTFormSubmission(self, value: bool) -> None:
-        self._parseForms = value
 
     def process(self) -> None:
         """
@@ -382,6 +367,14 @@ def buildApplication(
         wsFactory=wsResource.factory,
     )
     site = _Site(DrainGate(root, app.drain), requestFactory=_Request)
+    site.intake = IntakePolicy(
+        keys=keys, adminKey=app.live.adminKey, metricsKey=app.live.metricsKey,
+        limits=lambda: settings.current.limits, admitKey=runner.admitKey,
+        draining=lambda: app.drain.draining,
+        keyRefusal=_keyRefusal(app), keysReady=_keysReady(app),
+    )
+    site.limits = lambda: settings.current.limits
+    wsResource.factory.budget = site.intake.budget
     site.clock = reactor
     site.displayTracebacks = False
     site.maxRequestBodyBytes = config.gateway.max_request_body_bytes
@@ -390,6 +383,38 @@ def buildApplication(
     app.site = site
     app.reloader.onApplied.append(lambda result, new: _applyLimits(app, new))
     return app
+
+
+def _keyRefusal(app: RelayApplication):
+    """
+    The intake's key-only refusals (R102 with R103): the key policy's
+    disabled / expired answers, given at the headers on every client route
+    and the WebSocket upgrade (L{relay.entry.intake.IntakePolicy}).
+    """
+
+    def refusal(key):
+        policy = app.extras.get("keyPolicy")
+        if policy is None:
+            return None
+        return policy.keyRefusal(key, app.reactor.seconds())
+
+    return refusal
+
+
+def _keysReady(app: RelayApplication):
+    """
+    R105 at the headers: while the control store's first read is pending
+    (the key ring does not know the admin keys and disables yet), the
+    start-up gate's C{control} flag to wait for; else L{None}.
+    """
+
+    def ready():
+        if not getattr(app.keys, "pending", False):
+            return None
+        gate = app.extras.get("startupGate")
+        return gate.wait(["control"]) if gate is not None else None
+
+    return ready
 
 
 def _tracing(app: RelayApplication, exporter=None) -> None:
@@ -433,13 +458,26 @@ class _TracerShutdown(Service):
 
 def _readiness(app: RelayApplication, root) -> None:
     """
-    C{GET /readyz} (issue 19 / 23, L{relay.operations.readiness}): the
-    L{Readiness} every part registers its check with, in
-    C{app.extras["readiness"]}.
+    C{GET /readyz} (issue 19 item 6 and issue 23; R101, R105,
+    L{relay.operations.readiness}): the L{Readiness} every part registers
+    its check with, in C{app.extras["readiness"]} -- here C{settings} and
+    C{tokens} (the stores were loaded; L{_Startup} sets them) and
+    C{draining}; C{redis} (L{_redisReadiness}) and C{control}
+    (L{relay.control.assemble}) add theirs -- and the one start-up gate
+    turns wait on before the stores are in (C{app.extras["startupGate"]},
+    the runner's C{startupGate}). Without L{_Startup} (an application wired
+    by hand, as in tests) the stores count as loaded.
     """
-    from relay.operations.readiness import Readiness, ReadinessResource
+    from relay.operations.readiness import Readiness, ReadinessResource, StartupGate
 
     readiness = app.extras.setdefault("readiness", Readiness())
+    gate = StartupGate()
+    gate.mark(gate.settings)()
+    gate.mark(gate.tokens)()
+    readiness.addCheck("settings", gate.settings)
+    readiness.addCheck("tokens", gate.tokens)
+    readiness.addCheck("draining", lambda: app.drain is None or not app.drain.draining)
+    app.extras.update(readiness=readiness, startupGate=gate)
     root.putChild(b"readyz", ReadinessResource(readiness))
 
 
@@ -625,6 +663,7 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
     metrics.setSlotsSource(lambda: view.slots)
     redis = app.services[0] if app.services else None
     app.settings.store = settingsStore(config, reactor, redis)
+    _durableOwners(app)
     usage = _usageLedger(app, metrics, redis)
     credentials.store = _tokenStore(app, redis)
     from relay.scheduling.quota import UsageCollector
@@ -648,10 +687,16 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
     )
     view.control = app.extras["control"]
     root.putChild(b"admin", _controlSurface(app, admin, view, redis))
-    root.putChild(b"metrics", _GuardedMetrics(app.live.adminKey, metrics.exposed))
+    root.putChild(b"metrics", _GuardedMetrics(
+        app.live.adminKey, metrics.exposed, readKey=app.live.metricsKey
+    ))
     app.extras.update(metrics=metrics, operator=view, history=history)
     _tenants(app, admin, usage, redis)
     app.services.append(periodic(5, view.refreshSlots, reactor))
+    prune = getattr(app.store, "prune", None)
+    if prune is not None:
+        # Issue 19 item 7: expired bindings and owners leave memory.
+        app.services.append(periodic(60, prune, reactor))
     if config.state.backend == "redis":
         app.services.append(periodic(5, app.settings.refresh, reactor))
     if any(a.type == "oauth" for a in accounts):
@@ -672,10 +717,26 @@ def _controlSurface(app: RelayApplication, admin, view, redis):
 
     parts = assembleControl(app, admin, view, redis)
     app.extras["controlParts"] = parts
+    if redis is not None and hasattr(redis, "unreachableListeners"):
+        # R101 with R105: a silent Redis ends the first read's wait at once.
+        redis.unreachableListeners.append(parts.plane.storeUnreachable)
     app.services.append(parts.service)
     base = app.reloader.checks
     app.reloader.checks = lambda config: list(base(config)) + parts.plane.reloadProblems(config)
     return parts.resource
+
+
+def _durableOwners(app: RelayApplication) -> None:
+    """
+    Issue 19 item 5 (R104): with the embedded store, response owner records
+    are persisted in the SQLite C{database}, so a restart does not forget
+    which key owns a chain (Redis keeps them itself).
+    """
+    from relay.settingsdb import SQLiteSettingsStore
+    from relay.state.durable import SQLiteValues
+
+    if isinstance(app.settings.store, SQLiteSettingsStore) and hasattr(app.store, "durable"):
+        app.store.durable = SQLiteValues(app.settings.store)
 
 
 def _usageLedger(app: RelayApplication, metrics, redis):
@@ -819,7 +880,28 @@ class _Startup(MultiService):
         self._app = app
 
     def startService(self) -> None:
+        from relay.operations.readiness import StartupGate
+
+        # R105 (issue 19 item 6): not ready, and no turn, until the stores
+        # are loaded -- one gate for every store a turn depends on: the
+        # settings, the OAuth tokens, and the control plane's first read
+        # (admin accounts, pauses, admin keys and disables; issue 21/22),
+        # each set once read or once its read failed (R35, R101).
+        gate = StartupGate()
+        readiness = self._app.extras["readiness"]
+        readiness.addCheck("settings", gate.settings)
+        readiness.addCheck("tokens", gate.tokens)
+        plane = None
+        if "controlParts" in self._app.extras:
+            plane = self._app.extras["controlParts"].plane
+            plane.onSettled = gate.mark(gate.add("control"))
+        self._app.extras["startupGate"] = gate
+        self._app.runner.startupGate = gate
         super().startService()
+        if plane is not None and not plane.running:
+            # No control service among the children (an application wired
+            # by hand): nothing will read the store, nobody waits for it.
+            plane.onSettled()
         d = self._app.settings.start()
         d.addErrback(
             lambda f: logFailure(
@@ -827,12 +909,14 @@ class _Startup(MultiService):
                 event="relay.settings_load_failed",
             )
         )
+        d.addBoth(gate.mark(gate.settings))
         credentials = self._app.extras.get("credentials")
         if credentials is not None:
             # Issue 12: stored tokens win over the file's; timers start once
             # the runtime settings (the refresh margin) are loaded.
             d.addBoth(lambda _: credentials.start())
             d.addErrback(lambda f: self._log.failure("loading OAuth tokens failed", f))
+        d.addBoth(gate.mark(gate.tokens))
 
     def stopService(self):
         """

@@ -36,6 +36,7 @@ from relay.model import (
     ComponentSettings,
     ConfigError,
     GatewaySettings,
+    LimitSettings,
     OAuthSettings,
     ProxySpec,
     RelayConfig,
@@ -458,6 +459,7 @@ _SCHEDULING: Dict[str, Validator] = {
     "user_max_waiting": _integer(0),
     "sticky_session_ttl_seconds": _number(positive=True),
     "previous_response_ttl_seconds": _number(positive=True),
+    "response_owner_ttl_seconds": _number(60),
     "ping_interval": _number(5, 30),
     "quota_aware": _boolean,
     "quota_threshold_percent": _number(0, 100),
@@ -488,6 +490,18 @@ _UPSTREAM: Dict[str, Validator] = {
 }
 
 
+_LIMITS: Dict[str, Validator] = {
+    "header_timeout_seconds": _number(1, 3600),
+    "min_body_bytes_per_second": _integer(0),
+    "body_rate_window_seconds": _number(1, 600),
+    "max_connections": _integer(0),
+    "max_connections_per_address": _integer(0),
+    "body_bytes_in_flight_per_key": _integer(0),
+    "body_bytes_in_flight": _integer(0),
+    "max_decompression_ratio": _number(2),
+}
+
+
 def _nested(table: Dict[str, Validator], cls: type) -> Validator:
     """
     A nested mapping validated by C{table} and built into C{cls}.
@@ -514,6 +528,7 @@ _GATEWAY: Dict[str, Validator] = {
     "websocket": _nested(_WEBSOCKET, WebSocketSettings),
     "upstream": _nested(_UPSTREAM, UpstreamSettings),
     "oauth": _nested(_OAUTH, OAuthSettings),
+    "limits": _nested(_LIMITS, LimitSettings),
 }
 
 _STATE: Dict[str, Validator] = {
@@ -624,6 +639,8 @@ _TOP: Dict[str, Validator] = {
     "workers": _integer(1, 64),
     "admin_key": _optional(_secretString),
     "admin_key_env": _string,
+    "metrics_key": _optional(_secretString),
+    "metrics_key_env": _string,
     "log": lambda value, path: _section(value, path, _LOG),
     "keys": lambda value, path: _list(value, path),
     "accounts": lambda value, path: _list(value, path),
@@ -1138,6 +1155,9 @@ def settingsFromString(
     admin = _secret(values, "admin_key", "", "admin_key", environ, required=False)
     if admin is not None:
         values["admin_key"] = admin
+    metrics = _secret(values, "metrics_key", "", "metrics_key", environ, required=False)
+    if metrics is not None:
+        values["metrics_key"] = metrics
 
     proxies = _parseProxies(values.pop("proxies", []), environ)
     values["proxies"] = proxies
@@ -1149,12 +1169,42 @@ def settingsFromString(
 
     config = RelayConfig(**values)
     checkWorkers(config)
+    checkOperatorKeys(config)
     gateway = values.get("gateway")
     if gateway is not None and gateway.breaker.max_open_seconds < gateway.breaker.open_seconds:
         raise ConfigError(
             "gateway.breaker.max_open_seconds: must be at least gateway.breaker.open_seconds"
         )
     return config
+
+
+MIN_OPERATOR_KEY_LENGTH = 16
+"""Issue 19 item 7: the shortest admin or metrics key relay accepts."""
+
+
+def checkOperatorKeys(config: RelayConfig) -> None:
+    """
+    Issue 19 item 7 (R99): the admin key and the read-only C{metrics_key}
+    are at least L{MIN_OPERATOR_KEY_LENGTH} characters, differ from each
+    other and from every client key (a client key that equals the admin
+    key would open the admin API to that client).
+
+    @raise ConfigError: naming C{admin_key} or C{metrics_key}; the value is
+        never part of the message.
+    """
+    clients = {key.key: key.name for key in config.keys}
+    for name in ("admin_key", "metrics_key"):
+        value = getattr(config, name)
+        if value is None:
+            continue
+        if len(value) < MIN_OPERATOR_KEY_LENGTH:
+            raise ConfigError(
+                f"{name}: must be at least {MIN_OPERATOR_KEY_LENGTH} characters long"
+            )
+        if value in clients:
+            raise ConfigError(f"{name}: must differ from every client key (same as keys {clients[value]!r})")
+    if config.admin_key is not None and config.admin_key == config.metrics_key:
+        raise ConfigError("metrics_key: must differ from admin_key")
 
 
 def checkWorkers(config: RelayConfig) -> None:
@@ -1247,6 +1297,8 @@ def secretsOf(config: RelayConfig) -> frozenset:
     secrets = set()
     if config.admin_key:
         secrets.add(config.admin_key)
+    if config.metrics_key:
+        secrets.add(config.metrics_key)
     for key in config.keys:
         secrets.add(key.key)
     proxies = list(config.proxies)

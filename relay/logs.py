@@ -568,7 +568,9 @@ def formatTextLine(
     text = _message(event, redact)
     traceback = _failureText(event)
     if traceback:
-        text = text + "\n" + traceback
+        # Issue 19 item 7: a traceback quotes values (a failing request's
+        # headers, a token); redacted as the JSON format does.
+        text = text + "\n" + redact(traceback)
     if "\n" in text:
         text = text.replace("\n", "\n\t")
     tag = _eventName(event) + "#" + _levelName(event)

@@ -64,6 +64,23 @@ class ClientKey:
     """The SHA-256 digest of the secret (L{relay.tenants.keydigest}): the
     only form a key issued through the admin API is kept in (its C{key} is
     then empty); L{relay.entry.http.KeyRing} fills it in for file keys."""
+    issuance: Optional[str] = None
+    """Which issuance of the name this key is, for a key issued through the
+    admin API (a random id kept in its record, L{relay.control.keys}); a
+    key issued again under a revoked key's name has another. L{None} for
+    file keys."""
+
+    @property
+    def ownerId(self) -> str:
+        """
+        The identity that owns what this key creates (behaviour.md R104:
+        response owner records, pooled upstream WebSockets, session scopes):
+        a file key's name (an operator rotating its secret keeps its
+        conversations), or an admin key's name with its issuance (a key
+        issued again under a revoked key's name never continues the old
+        key's conversations).
+        """
+        return f"{self.name}#{self.issuance}" if self.issuance else self.name
 
 
 @frozen
@@ -207,6 +224,12 @@ class SchedulingSettings:
     user_max_waiting: int = 20
     sticky_session_ttl_seconds: float = 3600
     previous_response_ttl_seconds: float = 3600
+    response_owner_ttl_seconds: float = 30 * 86400
+    """Issue 19 (R104): how long relay remembers which key and account own
+    a response id: as long as upstream keeps a stored response (30 days).
+    A chain on an id with no owner record is refused
+    (C{previous_response_not_found}); never shorter than
+    C{previous_response_ttl_seconds}."""
     ping_interval: float = 10
     quota_aware: bool = True
     """Issue 12: among accounts of equal priority, prefer the one with the
@@ -277,6 +300,43 @@ class UpstreamSettings:
 
 
 @frozen
+class LimitSettings:
+    """
+    Intake limits (config.md C{gateway.limits}, behaviour.md R103, issue 19).
+
+    @ivar header_timeout_seconds: the whole header block of a request must
+        arrive within this many seconds of its first byte (or of the
+        connection opening); else 408 and close.
+    @ivar min_body_bytes_per_second: a body must arrive at least this fast,
+        measured over each C{body_rate_window_seconds} window; 0 = off.
+    @ivar body_rate_window_seconds: that window, seconds.
+    @ivar max_connections: open client connections per process; 0 = off.
+    @ivar max_connections_per_address: open connections per client IP
+        address; 0 = off.
+    @ivar body_bytes_in_flight_per_key: bytes of request bodies and
+        WebSocket frames one client key may hold at once (raw while they
+        arrive, then the parsed-size estimate of L{relay.entry.body});
+        0 = off.
+    @ivar body_bytes_in_flight: the same for all keys together; 0 = off.
+    @ivar max_decompression_ratio: a compressed body may decode to at most
+        this many times its size (or 1 MiB, whichever is more); else 413.
+    """
+
+    header_timeout_seconds: float = 10
+    min_body_bytes_per_second: int = 1024
+    body_rate_window_seconds: float = 10.0
+    max_connections: int = 10000
+    max_connections_per_address: int = 256
+    body_bytes_in_flight_per_key: int = 256 * 2**20
+    body_bytes_in_flight: int = 4 * 2**30
+    max_decompression_ratio: float = 100
+
+
+BODY_RATE_WINDOW_SECONDS = 10.0
+"""The default window over which C{min_body_bytes_per_second} is measured."""
+
+
+@frozen
 class GatewaySettings:
     """
     The runtime failover and admission settings (config.md C{gateway:}).
@@ -308,6 +368,7 @@ class GatewaySettings:
     websocket: WebSocketSettings = WebSocketSettings()
     upstream: UpstreamSettings = UpstreamSettings()
     oauth: OAuthSettings = OAuthSettings()
+    limits: LimitSettings = LimitSettings()
 
 
 @frozen
@@ -414,6 +475,8 @@ class RelayConfig:
     listen: str = "tcp:8080:interface=127.0.0.1"
     workers: int = 1
     admin_key: Optional[str] = field(default=None, repr=False)
+    metrics_key: Optional[str] = field(default=None, repr=False)
+    """Issue 19: a read-only key that opens C{/metrics} and nothing else (R99)."""
     log_format: str = "text"
     keys: tuple = ()
     accounts: tuple = ()
@@ -624,6 +687,12 @@ class Turn:
     background: bool = False
     compactionItems: Optional[list] = None
     affinity: tuple = ()
+    keyAdmitted: bool = False
+    """Issue 19 (R103): the entry already admitted the key's slot (before
+    decoding the body); the engine does not admit it again."""
+    keyLease: Any = None
+    """The key's slot lease the entry admitted, released by the engine
+    when the turn ends (L{None}: unlimited key)."""
 
 
 # ---------------------------------------------------------------------------

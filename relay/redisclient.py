@@ -363,6 +363,10 @@ class RedisService(Service):
     """Callables run (no arguments) when the Sentinels promote a new master,
     after the connections were dropped (e.g. the slot admission re-releasing
     what the old master may not have passed on)."""
+    unreachableListeners: list = field(factory=list, init=False)
+    """Callables run (no arguments) each time Redis is found unreachable
+    (e.g. the control plane ending the start-up wait for its first read,
+    R101: a silent Redis fails fast, the read in flight included)."""
 
     _log = Logger()
 
@@ -425,6 +429,11 @@ class RedisService(Service):
             why=why,
             interval=self.probeInterval,
         )
+        for listener in list(self.unreachableListeners):
+            try:
+                listener()
+            except Exception:  # noqa: BLE001 - logged; the others still run
+                self._log.failure("a redis unreachable listener failed")
 
     def _probeTick(self) -> None:
         """

@@ -34,7 +34,7 @@ from relay.model import (
 _ETC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "etc")
 
 _EXAMPLE_ENV = {
-    "RELAY_ADMIN_KEY": "admin-example-secret",
+    "RELAY_ADMIN_KEY": "admin-example-secret-0000",
     "RELAY_KEY_ALICE": "sk-relay-alice-secret",
     "RELAY_PROXY_EGRESS_1": "socks5h://proxyuser:proxy-pass-secret@proxy.example:1080",
     "OPENAI_API_KEY_A1": "sk-upstream-a1-secret",
@@ -96,7 +96,7 @@ class GoodFileTests(SynchronousTestCase):
         """
         config = loadConfig(os.path.join(_ETC, "relay.example.yaml"), environ=_EXAMPLE_ENV)
         self.assertEqual(config.listen, "tcp:8080:interface=127.0.0.1")
-        self.assertEqual(config.admin_key, "admin-example-secret")
+        self.assertEqual(config.admin_key, "admin-example-secret-0000")
         self.assertEqual(config.keys, (ClientKey("alice", "sk-relay-alice-secret", 5),))
         a1, o1 = config.accounts
         self.assertEqual(a1.credential, "sk-upstream-a1-secret")
@@ -157,7 +157,7 @@ class GoodFileTests(SynchronousTestCase):
         config = loadConfig(os.path.join(_ETC, "demo.yaml"), environ={})
         self.assertEqual(config.listen, "tcp:8080:interface=127.0.0.1")
         self.assertEqual(config.keys, (ClientKey("demo", "sk-relay-demo", 5),))
-        self.assertEqual(config.admin_key, "admin-demo")
+        self.assertEqual(config.admin_key, "admin-demo-change-me")
         self.assertEqual(config.state.backend, "memory")
         self.assertEqual(config.database, "relay-demo.sqlite")
         byId = {a.id: a for a in config.accounts}
@@ -328,7 +328,7 @@ class EnvironmentTests(SynchronousTestCase, ConfigErrorAssertions):
             "K": "sk-relay-from-env",
             "A": "sk-up-from-env",
             "T": "token-from-env",
-            "ADM": "admin-from-env",
+            "ADM": "admin-from-env-0123456789",
             "P": "http://u:pw-from-env@10.0.0.1:3128",
         }
         config = parse(
@@ -341,7 +341,7 @@ class EnvironmentTests(SynchronousTestCase, ConfigErrorAssertions):
             """,
             env,
         )
-        self.assertEqual(config.admin_key, "admin-from-env")
+        self.assertEqual(config.admin_key, "admin-from-env-0123456789")
         self.assertEqual(config.keys[0].key, "sk-relay-from-env")
         self.assertEqual(config.accounts[0].credential, "sk-up-from-env")
         self.assertEqual(
@@ -828,7 +828,7 @@ class SecretTests(SynchronousTestCase):
         self.assertEqual(
             secretsOf(config),
             {
-                "admin-example-secret",
+                "admin-example-secret-0000",
                 "sk-relay-alice-secret",
                 "sk-upstream-a1-secret",
                 "oauth-token-o1-secret",

@@ -31,7 +31,7 @@ from relay.control.web import ControlError, readJSONBody
 from relay.logs import _registered
 from relay.model import ConfigError
 
-ADMIN = "adm-control-key"
+ADMIN = "adm-control-key-0123456789"
 NOW = 1_700_000_000.0
 FILE_KEY = "sk-file-account-a1-secret"
 ADMIN_SECRET = "sk-admin-added-x1-secret"
@@ -417,18 +417,88 @@ class PauseTests(ControlFixture, SynchronousTestCase):
         self.successResultOf(store.delete("account", "y1", ANY))
         self.assertEqual(self.ids(), ["a1"])
 
-    def test_loadingHoldsAccountsBack(self):
+    def test_loadingHoldsTheStartupGate(self):
         """
-        Until the store's first read at start, no account is scheduled (a
-        paused one must not slip through), for at most the grace period.
+        Until the store's first read at start, the plane holds the one
+        start-up gate's C{control} flag (turns wait there, R105) and the key
+        ring is pending; it blocks no account (before the merge of issue 19
+        every account was "control_loading", so a turn that got past the
+        gate was refused as if the account were cooling down). The grace
+        settles it.
         """
+        from relay.operations.readiness import StartupGate
+
         never = Deferred()
         self.patch(type(self.parts.store), "list", lambda this, kind: never)
+        gate = StartupGate()
+        gate.mark(gate.settings)()
+        gate.mark(gate.tokens)()
+        self.plane.onSettled = gate.mark(gate.add("control"))
         self.plane._loaded = False
         self.plane.start()
+        waiting = gate.wait()
+        self.assertNoResult(waiting)
+        self.assertTrue(self.app.keys.pending)
         account = self.app.live.accounts.byId("a1")
-        self.assertEqual(self.plane.blockReason(account, NOW)[0], "control_loading")
-        self.assertIsNone(self.plane.blockReason(account, NOW + LOADING_GRACE_SECONDS + 1))
+        self.assertIsNone(self.plane.blockReason(account, NOW))
+        self.reactor.advance(LOADING_GRACE_SECONDS + 1)
+        self.successResultOf(waiting)
+        self.assertFalse(self.app.keys.pending)
+        self.assertFalse(self.plane.ready)  # /readyz still lists control
+
+    def test_failedFirstReadOpensTheGate(self):
+        """
+        R35/R101: a first read that fails settles at once (fail open,
+        logged) -- a silent store ends the wait instead of holding every
+        turn for the grace -- and the read is tried again by itself, so a
+        store that comes back is applied (and C{/readyz} ready) without a
+        change to announce it.
+        """
+        from relay.control.plane import RETRY_SECONDS
+
+        from twisted.internet.defer import fail
+        from twisted.logger import capturedLogs
+
+        from relay.control.store import ControlStoreUnavailable
+        from relay.operations.readiness import StartupGate
+
+        store = self.parts.store
+        original = type(store).list
+        self.patch(type(store), "list",
+                   lambda this, kind: fail(ControlStoreUnavailable("redis down")))
+        gate = StartupGate()
+        gate.mark(gate.settings)()
+        gate.mark(gate.tokens)()
+        self.plane.onSettled = gate.mark(gate.add("control"))
+        self.plane._loaded = False
+        with capturedLogs() as events:
+            self.plane.start()
+        self.assertTrue(gate.isOpen)
+        self.assertFalse(self.app.keys.pending)
+        self.assertFalse(self.plane.ready)
+        self.assertIn("relay.control_sync_failed", [e.get("event") for e in events])
+        self.patch(type(store), "list", original)
+        self.reactor.advance(RETRY_SECONDS)
+        self.assertTrue(self.plane.ready)
+
+    def test_silentRedisSettlesTheFirstRead(self):
+        """
+        R101: when the Redis client finds Redis silent, a first read still
+        in flight (answered only at its timeout) settles at once.
+        """
+        from relay.operations.readiness import StartupGate
+
+        never = Deferred()
+        self.patch(type(self.parts.store), "list", lambda this, kind: never)
+        gate = StartupGate()
+        self.plane.onSettled = gate.mark(gate.add("control"))
+        self.plane._loaded = False
+        self.plane.start()
+        self.assertFalse(gate.isSet(["control"]))
+        self.plane.storeUnreachable()
+        self.assertTrue(gate.isSet(["control"]))
+        self.assertFalse(self.app.keys.pending)
+        self.flushLoggedErrors()
 
 
 class EmbeddedStartTests(SynchronousTestCase):

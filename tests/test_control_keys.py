@@ -606,3 +606,69 @@ class PriceTests(KeysFixture, SynchronousTestCase):
         self.successResultOf(self.parts.store.put("prices", "admin", {"prices": {
             "o3": {"input": 7, "output": 7}}}, None))
         self.assertEqual(self.prices()["o3"]["source"], "admin")
+
+
+class OwnerIdentityTests(KeysFixture, SynchronousTestCase):
+    """
+    R104 across key names (issues 19 and 22 merged): what a key creates is
+    owned by its owner identity (L{ClientKey.ownerId}) -- an admin key's
+    name and its issuance, a file key's name -- so a key issued again under
+    a revoked key's name cannot continue the old key's conversations, while
+    an edit, or a file key whose secret an operator rotates, keeps them.
+    (Before, owner records held the bare name: the new "alice" continued
+    the revoked "alice"'s chains.)
+    """
+
+    def turn(self, key, previous=None):
+        from relay.model import Turn
+
+        return Turn(entrypoint="http", endpoint="responses", client=key, model="gpt-5.5",
+                    body={"input": "hi"}, stream=False, requestId="req-owner",
+                    previousResponseId=previous)
+
+    def record(self, key, responseId):
+        account = self.app.live.accounts.byId("a1")
+        self.successResultOf(self.app.scheduler.recordResponse(self.turn(key), responseId,
+                                                               account))
+
+    def test_reissuedNameIsAnotherOwner(self):
+        old = self.ring.authenticate(bearer(self.issue("alice")["secret"]))
+        self.record(old, "resp_alice_1")
+        found = self.successResultOf(self.app.scheduler.lookupResponse("resp_alice_1"))
+        self.assertEqual(found, ("a1", old.ownerId))
+        self.assertNotEqual(old.ownerId, "alice")
+        status, _ = self.call(b"DELETE", "keys/alice")
+        self.assertEqual(status, 200)
+        new = self.ring.authenticate(bearer(self.issue("alice")["secret"]))
+        self.assertEqual(new.name, "alice")
+        self.assertNotEqual(new.ownerId, old.ownerId)
+        failure = self.failureResultOf(
+            self.app.scheduler.select(self.turn(new, "resp_alice_1")))
+        error = failure.value.error
+        self.assertEqual((error.status, error.param), (400, "previous_response_id"))
+        self.assertNotIn(old.ownerId.partition("#")[2],
+                         json.dumps(self.call(b"GET", "keys/alice")[1]))
+
+    def test_editKeepsTheOwner(self):
+        before = self.ring.authenticate(bearer(self.issue("alice")["secret"]))
+        self.record(before, "resp_alice_2")
+        status, _ = self.call(b"PATCH", "keys/alice", {"rpm": 9})
+        self.assertEqual(status, 200)
+        after = self.ring.current(before)
+        self.assertEqual((after.rpm, after.ownerId), (9, before.ownerId))
+        selection = self.successResultOf(
+            self.app.scheduler.select(self.turn(after, "resp_alice_2")))
+        self.assertEqual(selection.account.id, "a1")
+        selection.lease.release()
+
+    def test_fileKeyRotationKeepsTheOwner(self):
+        bob = self.ring.authenticate(bearer(FILE_SECRET))
+        self.assertEqual(bob.ownerId, "bob")
+        self.record(bob, "resp_bob_1")
+        self.ring.replace([ClientKey(name="bob", key="sk-file-key-bob-rotated")])
+        rotated = self.ring.authenticate(bearer("sk-file-key-bob-rotated"))
+        self.assertEqual(rotated.ownerId, "bob")
+        selection = self.successResultOf(
+            self.app.scheduler.select(self.turn(rotated, "resp_bob_1")))
+        self.assertEqual(selection.account.id, "a1")
+        selection.lease.release()

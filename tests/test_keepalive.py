@@ -63,6 +63,18 @@ class KeepaliveTests(SynchronousTestCase):
         self.clock.pump([0.1, 10, 10])
         self.assertEqual(self.sent, [10, 20, 30])
 
+    def test_silence_since_an_earlier_write(self):
+        """
+        Issue 19: a turn whose request had keepalives while it waited for
+        its key's slot counts the silence from the last of them.
+        """
+        self.clock.advance(25)
+        self.keepalive.start(since=22)
+        self.clock.advance(6.9)
+        self.assertEqual(self.sent, [])
+        self.clock.advance(0.1)
+        self.assertEqual(self.sent, [32])
+
     def test_writes_restart_the_silence(self):
         """
         A keepalive comes only after a whole interval without writes.

@@ -184,13 +184,13 @@ class KeyRingTests(SynchronousTestCase):
         ring.replace([ClientKey("alice", "sk-a", 9), ClientKey("carol", "sk-c")])
         self.assertEqual(ring.current(old).concurrency, 9)
         self.assertIsNone(ring.current(ClientKey("bob", "sk-b")))
-        self.assertEqual(ring.authenticateHeader("Bearer sk-c").name, "carol")
-        self.assertIsNone(ring.authenticateHeader("Bearer sk-b"))
+        self.assertEqual(ring.authenticateSecret(b"sk-c").name, "carol")
+        self.assertIsNone(ring.authenticateSecret(b"sk-b"))
 
 
 CONFIG = """
 listen: "tcp:0:interface=127.0.0.1"
-admin_key: admin-one
+admin_key: admin-one-0123456789
 database: {database}
 keys: {keys}
 accounts: {accounts}
@@ -324,8 +324,8 @@ class ReloaderTests(SynchronousTestCase):
         self.assertEqual(result.refused, ())
         self.assertEqual([a.id for a in self.live.accounts], ["a1", "a3"])
         self.assertEqual(self.live.accounts.byId("a1").credential, "sk-up-1-rotated")
-        self.assertIsNone(self.live.keys.authenticateHeader("Bearer sk-relay-alice"))
-        self.assertEqual(self.live.keys.authenticateHeader("Bearer sk-relay-bob").name, "bob")
+        self.assertIsNone(self.live.keys.authenticateSecret(b"sk-relay-alice"))
+        self.assertEqual(self.live.keys.authenticateSecret(b"sk-relay-bob").name, "bob")
         self.assertEqual(
             result.asDict()["changes"]["accounts"],
             {"added": ["a3"], "removed": ["a2"], "changed": ["a1"], "renewed": ["a1"]},
@@ -425,11 +425,11 @@ class ReloaderTests(SynchronousTestCase):
         """
         A changed admin key is in force at once (read per request).
         """
-        self.write(text=self.read().replace("admin-one", "admin-two"))
+        self.write(text=self.read().replace("admin-one-0123456789", "admin-two-0123456789"))
         result = self.reloader.reload()
         self.assertTrue(result.adminKeyChanged)
-        self.assertEqual(self.live.adminKey(), "admin-two")
-        self.assertNotIn("admin-two", json.dumps(result.asDict()))
+        self.assertEqual(self.live.adminKey(), "admin-two-0123456789")
+        self.assertNotIn("admin-two-0123456789", json.dumps(result.asDict()))
 
     def test_liveOverrideWinsOverFile(self):
         """

@@ -94,3 +94,49 @@ class AppReadinessTests(SynchronousTestCase):
         self.assertEqual(redis.sentinels, (("127.0.0.1", 26379), ("h2", 26380)))
         self.assertEqual(redis.masterName, "mm")
         self.assertEqual(redis.durableReplicas, 1)
+
+
+class StartupGateTests(SynchronousTestCase):
+    """
+    L{relay.operations.readiness.StartupGate}: one gate, a flag per store
+    (issue 19's settings and tokens, and those parts add: the control
+    plane's first read, issue 21), waited on whole or by name.
+    """
+
+    def test_flagsAddedJoinTheGate(self):
+        from relay.operations.readiness import StartupGate
+
+        gate = StartupGate()
+        control = gate.add("control")
+        self.assertIs(gate.add("control"), control)
+        whole, keys = gate.wait(), gate.wait(["control"])
+        gate.mark(gate.settings)()
+        gate.mark(gate.tokens)()
+        self.assertNoResult(whole)
+        self.assertNoResult(keys)
+        gate.mark(control)()
+        self.successResultOf(whole)
+        self.successResultOf(keys)
+        self.assertTrue(gate.isOpen)
+        self.assertIsNone(gate.wait())
+
+    def test_waitByName(self):
+        from relay.operations.readiness import StartupGate
+
+        gate = StartupGate()
+        control = gate.add("control")
+        keys = gate.wait(["control"])
+        gate.mark(control)()
+        self.successResultOf(keys)
+        self.assertIsNone(gate.wait(["control"]))
+        self.assertIsNone(gate.wait(["unknown"]))
+        self.assertIsNotNone(gate.wait())  # settings and tokens still unread
+
+    def test_cancelledWaitLeaves(self):
+        from relay.operations.readiness import StartupGate
+
+        gate = StartupGate()
+        d = gate.wait()
+        d.cancel()
+        self.failureResultOf(d)
+        self.assertEqual(gate._waiters, [])

@@ -123,3 +123,34 @@ class MasterSwitchTests(SynchronousTestCase):
         clock.advance(RELEASE_RETRY_SECONDS)
         self.assertEqual(admission.unreleased, {})
         admission.stopHeartbeat()
+
+    def test_abandonedAcquireRepeatedOnLaterMasters(self):
+        """
+        R34 across two failovers (the Sentinel test's leak): an acquire in
+        flight when relay left the old master failed here, and its leave
+        reached the new master; the old master had run the acquire after
+        the promotion and, made master again by the next failover, still
+        held the member. Every switch within the window now repeats the
+        leave of such a member, not only releases.
+        """
+        clock = Clock()
+        redis = _SentinelRedis()
+        admission = RedisSlotAdmission(redis=redis, clock=clock, prefix="p")
+        failed = []
+        redis.replies = [RedisUnavailable("eval", "ConnectionError: Lost connection"), 1]
+        with capturedLogs():
+            admission.tryAcquire("account", "a", 5).addErrback(failed.append)
+        [rid] = _leaves(redis)
+        self.assertEqual(admission.unreleased, {})  # the leave itself landed
+        for _ in range(2):  # the next failover, and the one after it
+            clock.advance(10)
+            with capturedLogs():
+                admission.masterSwitched()
+            self.assertEqual(list(admission.unreleased), [rid])
+            redis.replies = [1, 1]
+            clock.advance(RELEASE_RETRY_SECONDS)
+            clock.advance(RELEASE_RETRY_SECONDS)
+            self.assertEqual(admission.unreleased, {})
+        self.assertEqual(_leaves(redis), [rid] * 5)
+        self.assertEqual(len(admission._recent), 1)
+        admission.stopHeartbeat()

@@ -166,6 +166,23 @@ class ReachabilityTests(SynchronousTestCase):
             ["relay.redis_unreachable"],
         )
 
+    def test_unreachableListenersHearIt(self):
+        """
+        Each time Redis is found unreachable the C{unreachableListeners}
+        run (the control plane ends its start-up wait, R101); a listener
+        that raises is logged and the others still run.
+        """
+        service, clock = _service()
+        heard = []
+        service.unreachableListeners.append(lambda: 1 / 0)
+        service.unreachableListeners.append(lambda: heard.append(1))
+        service.execute(2, "get", "k").addErrback(lambda f: None)
+        clock.advance(2)
+        self.assertEqual(heard, [1])
+        self.assertEqual(len(self.flushLoggedErrors(ZeroDivisionError)), 1)
+        service._unreachable("again")  # already unreachable: not again
+        self.assertEqual(heard, [1])
+
     def test_slowCommandIsNotSilence(self):
         """
         A command that times out while another one sent after it got its

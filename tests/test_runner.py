@@ -833,7 +833,8 @@ class _OwnerProbe(FakeSink):
         self._rig.store.getValue(responseKey("resp_1")).addCallback(store.append)
         key = []
         self._rig.store.getValue(responseOwnerKey("resp_1")).addCallback(key.append)
-        self.seen.append((store[0], key[0], self._rig.scheduler._local("resp_1")))
+        owner = json.loads(key[0])["key"] if key[0] else None
+        self.seen.append((store[0], owner, self._rig.scheduler._local("resp_1")))
 
     def writeEvent(self, event):
         if event.type == b"response.completed":

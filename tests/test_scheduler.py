@@ -5,6 +5,8 @@ R37-R46, R-B6, seed 003), against the real memory providers.
 
 from __future__ import annotations
 
+import json
+
 import random
 
 from twisted.internet.defer import fail
@@ -406,7 +408,8 @@ class PreviousResponseTests(SchedulerMixin, SynchronousTestCase):
         self.build([account("a")], previous_response_ttl_seconds=10)
         self.ownResponse("resp_1", "a")
         self.assertEqual(self.value(responseKey("resp_1")), "a")
-        self.assertEqual(self.value(responseOwnerKey("resp_1")), "alice")
+        self.assertEqual(json.loads(self.value(responseOwnerKey("resp_1"))),
+                         {"key": "alice", "account": "a"})
         self.assertIn(":response:", responseKey("resp_1"))
         self.clock.advance(11)
         self.assertIsNone(self.value(responseKey("resp_1")))
@@ -419,6 +422,7 @@ class PreviousResponseTests(SchedulerMixin, SynchronousTestCase):
         """
         self.build([account("a"), account("b")])
         self.successResultOf(self.store.setValue(responseKey("resp_1"), "gone", 3600))
+        self.successResultOf(self.store.setValue(responseOwnerKey("resp_1"), "alice", 3600))
         with capturedLogs() as logs:
             sel = self.select(turn(previousResponseId="resp_1"))
         self.assertEqual(sel.record.layer, "load_balance")
@@ -549,6 +553,7 @@ class PreviousResponseTests(SchedulerMixin, SynchronousTestCase):
         R42: with only OAuth accounts an HTTP continuation fails 400.
         """
         self.build([account("o", type="oauth")])
+        self.ownResponse("resp_1", "o")
         error = self.selectFails(turn(previousResponseId="resp_1"))
         self.assertEqual(error.status, 400)
         self.assertEqual(

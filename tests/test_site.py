@@ -197,14 +197,17 @@ class StatusLineTests(SynchronousTestCase):
 
     def test_upgradeRequired(self):
         """
-        C{GET /v1/responses} without an upgrade is C{426 Upgrade Required},
-        not twisted.web's C{426 Unknown Status}.
+        C{GET /v1/responses} (with the key: without it, 401 from the
+        headers, R103) without an upgrade is C{426 Upgrade Required}, not
+        twisted.web's C{426 Unknown Status}.
         """
         site = appSite()
         protocol = site.buildProtocol(None)
         transport = StringTransport()
         protocol.makeConnection(transport)
-        protocol.dataReceived(b"GET /v1/responses HTTP/1.1\r\nHost: x\r\n\r\n")
+        protocol.dataReceived(
+            b"GET /v1/responses HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-team\r\n\r\n"
+        )
         self.assertEqual(split(transport.value())[0], b"HTTP/1.1 426 Upgrade Required")
 
     def test_tooManyRequests(self):

@@ -789,6 +789,11 @@ class RedisSlotAdmission:
         Fire-and-forget C{leave.lua}: drop the ticket (and a slot member an
         abandoned attempt may have added).
         """
+        if dropSlot:
+            # The abandoned acquire's member may exist on a master relay
+            # is about to leave (it ran there after the switch): repeated on
+            # the next masters too (L{masterSwitched}).
+            self._remember(plan.kind, plan.id, rid)
         d = self._track(self._batch.call(
             self.timeout, "LEAVE", keysFor(plan.kind, plan.id), [rid, "1" if dropSlot else "0"],
         ))
@@ -808,8 +813,7 @@ class RedisSlotAdmission:
         self.held.discard(lease)
         if not lease.counted:
             return
-        if self._recent is not None:
-            self._recent.append((self._clock.seconds(), lease.requestId, lease.kind, lease.id))
+        self._remember(lease.kind, lease.id, lease.requestId)
         d = self._track(self._batch.call(
             self.timeout, "ZREM", [slotKey(lease.kind, lease.id)], [lease.requestId],
             lead=self._releaseLead,
@@ -821,11 +825,25 @@ class RedisSlotAdmission:
 
         d.addCallbacks(lambda _: self._wake((lease.kind, lease.id)), _eb)
 
-    def _releaseLater(self, kind: str, id: str, rid: str) -> None:
+    def _remember(self, kind: str, id: str, rid: str) -> None:
+        """
+        With Sentinel: note a slot member relay removed (a release, or the
+        leave of an acquire that failed or was abandoned), for
+        L{masterSwitched}.
+        """
+        if self._recent is not None:
+            self._recent.append((self._clock.seconds(), rid, kind, id))
+
+    def _releaseLater(self, kind: str, id: str, rid: str, remember: bool = True) -> None:
         """
         Remember a slot member whose release failed or whose acquire may
         have landed after its error (issue 23), and start the pass loop.
+
+        @param remember: also note it for the next master switches
+            (L{_remember}); L{masterSwitched} itself does not note again.
         """
+        if remember:
+            self._remember(kind, id, rid)
         self.unreleased[rid] = [kind, id, 0]
         if self._releaser is None:
             self._releaser = LoopingCall(self.retryReleases)
@@ -836,17 +854,23 @@ class RedisSlotAdmission:
         """
         The Sentinels promoted a new master (a
         L{relay.redisclient.RedisService.switchListeners} hook): every
-        release of the last L{RECENT_RELEASE_SECONDS} is repeated there,
-        since the old master may have acknowledged it without passing it
-        on (R34: no slot leaked across a failover).
+        removal of a slot member of the last L{RECENT_RELEASE_SECONDS} -- a
+        release, and the leave of an acquire that failed or was abandoned
+        -- is repeated there (R34: no slot leaked across a failover). The
+        old master may have acknowledged a release without passing it on;
+        and an acquire in flight when relay left it may still have run
+        there after the replica was promoted, so the member exists only on
+        the old master, which a later failover can make master again (it
+        came back that way in the Sentinel test: the leave had reached the
+        new master only). Every switch within the window repeats them.
         """
         if self._recent is None:
             return
         horizon = self._clock.seconds() - RECENT_RELEASE_SECONDS
         count = 0
-        for at, rid, kind, id in self._recent:
+        for at, rid, kind, id in list(self._recent):
             if at >= horizon:
-                self._releaseLater(kind, id, rid)
+                self._releaseLater(kind, id, rid, remember=False)
                 count += 1
         self._log.info(
             "new redis master: repeating {count} recent slot release(s)",

@@ -33,9 +33,18 @@ any key (C{key_disabled}) go into the L{relay.entry.http.KeyRing}
 (L{relay.entry.http.KeyRing.replaceAdmin}), so a deleted key's next request
 is a 401 and an open WebSocket's next turn a close 1008 on every process;
 the admin groups (C{group}) into the key policy; the admin prices
-(C{prices}) into the price table. Until the first read the ring is
-C{pending} (the key policy answers 503 for that moment, so a key disabled
-through the API cannot slip through at start).
+(C{prices}) into the price table.
+
+B{Start-up} (behaviour.md R105, R101). Until the store's first read is
+settled the ring is C{pending} and the plane's flag of relay's one
+start-up gate (L{relay.operations.readiness.StartupGate}, C{control}) is
+unset: a turn waits at the gate (bounded) and a client request waits at
+its headers (L{relay.entry.body}), so neither a paused account nor a key
+disabled through the API slips through, and no turn is refused for the
+moment. The first read settles when it is applied, when it fails (fail
+open, R35: the file's accounts and keys serve, logged, and the next
+change or re-subscription reads again) or after L{LOADING_GRACE_SECONDS};
+C{/readyz} lists C{control} until a read succeeded (L{ready}).
 
 B{Ids are unique across the file and the admin API.} The API refuses an
 id the file uses (409) and a reload that would add an id an admin account
@@ -70,6 +79,9 @@ from relay.model import Account, ConfigError
 
 __all__ = ["ControlPlane", "LOADING_GRACE_SECONDS", "PAUSED_KIND"]
 
+RETRY_SECONDS = 2.0
+"""How soon a failed read of the control store is tried again."""
+
 _KINDS = (ACCOUNT, PAUSE, KEY, KEY_DISABLED, GROUP, PRICES)
 """The kinds the plane reads, in the order L{ControlPlane._apply} takes
 them."""
@@ -78,9 +90,9 @@ PAUSED_KIND = "paused"
 """The block kind of a paused account in the operator view."""
 
 LOADING_GRACE_SECONDS = 10.0
-"""How long after start accounts wait for the control store's first read
-(a paused account must never serve before its pause is known); a store
-that does not answer by then is read again in the background and
+"""How long after start the start-up gate waits for the control store's
+first read (a paused account must never serve before its pause is known);
+a store that does not answer by then is read again in the background and
 accounts serve meanwhile (logged)."""
 
 
@@ -128,12 +140,16 @@ class ControlPlane:
     invalidKeys: dict = field(factory=dict)
     _loaded: bool = field(default=False, init=False)
     _running: bool = field(default=False, init=False)
-    _loadingUntil: float = field(default=0.0, init=False)
+    onSettled: Optional[Callable] = None
+    """Called (no argument) once the first read is settled: the start-up
+    gate's C{control} flag (L{relay.app}); L{None}: nobody waits."""
+    _settled: bool = field(default=False, init=False)
     _syncing: Optional[Deferred] = field(default=None, init=False)
     _again: bool = field(default=False, init=False)
     _waiters: list = field(factory=list, init=False)
     _clashes: set = field(factory=set, init=False)
     _unsubscribe: Optional[Callable] = field(default=None, init=False)
+    _retry: Any = field(default=None, init=False)
     _log = Logger()
 
     # -- wiring ------------------------------------------------------------------------
@@ -162,18 +178,21 @@ class ControlPlane:
         """
         Start the change feed and read the store (service start): a store
         with C{readNow} (the embedded SQLite file) is read at once, before
-        relay listens; otherwise (Redis), until the first read (at most
-        L{LOADING_GRACE_SECONDS}) every account is held back
-        (L{blockReason}).
+        relay listens; otherwise (Redis), until the first read is settled
+        (at most L{LOADING_GRACE_SECONDS}) the key ring is C{pending} and
+        the start-up gate holds turns (L{onSettled}; see the module
+        docstring).
 
         @return: a Deferred firing once read (or the read failed, logged);
             it never fails.
         """
         self._running = True
-        self._loadingUntil = self._clock.seconds() + LOADING_GRACE_SECONDS
         if not self._loaded:
+            self._settled = False
             self.live.keys.pending = True
             self._clock.callLater(LOADING_GRACE_SECONDS, self._graceOver)
+        else:
+            self._settle()
         readNow = getattr(self.store, "readNow", None)
         if readNow is not None:
             # The embedded store is a local file: read it before the port
@@ -196,17 +215,76 @@ class ControlPlane:
         Stop the change feed (service stop).
         """
         self._running = False
+        retry, self._retry = self._retry, None
+        if retry is not None and retry.active():
+            retry.cancel()
         return self.store.stop() if self.store is not None else succeed(None)
 
     # -- reading the store -----------------------------------------------------------
 
     def _graceOver(self) -> None:
-        if self.live.keys.pending:
+        if not self._settled:
             self._log.warn(
                 "the control store was not read within {seconds} s of start; the file's keys"
-                " serve without the admin API's keys and disables until it is",
+                " and accounts serve without the admin API's keys, disables and pauses until"
+                " it is",
                 event="relay.control_sync_failed", seconds=LOADING_GRACE_SECONDS)
-            self.live.keys.pending = False
+            self._settle()
+
+    def _retryLater(self) -> None:
+        """
+        A read failed: read again in L{RETRY_SECONDS} (once; a change or a
+        re-subscription of the feed reads sooner), so a store that comes
+        back is applied -- and C{/readyz} says ready -- without waiting
+        for the next change.
+        """
+        if not self._running or (self._retry is not None and self._retry.active()):
+            return
+
+        def again():
+            self._retry = None
+            if self._running:
+                self.refresh()
+
+        self._retry = self._clock.callLater(RETRY_SECONDS, again)
+
+    def storeUnreachable(self) -> None:
+        """
+        The control store's Redis was found silent (L{relay.redisclient.
+        RedisService.unreachableListeners}): a first read still in flight
+        will not be answered before its timeout, so it settles now (fail
+        open, R35, R101: turns waiting at the start-up gate go on at once
+        instead of after the store's timeout). Later, nothing.
+        """
+        if self._running and not self._settled:
+            self._log.warn(
+                "the control store's Redis does not answer; the file's accounts and keys serve"
+                " without the admin API's until a read succeeds",
+                event="relay.control_sync_failed")
+            self._settle()
+
+    def _settle(self) -> None:
+        """
+        The first read is settled (applied, failed, or the grace ran out):
+        the key ring is no longer pending and the start-up gate's flag is
+        set (once).
+        """
+        self.live.keys.pending = False
+        if self._settled:
+            return
+        self._settled = True
+        if self.onSettled is not None:
+            try:
+                self.onSettled()
+            except Exception:  # noqa: BLE001 - logged; the plane goes on
+                self._log.failure("releasing the start-up gate failed")
+
+    @property
+    def running(self) -> bool:
+        """
+        Whether the plane was started (L{start}) and not stopped.
+        """
+        return self._running
 
     @property
     def ready(self) -> bool:
@@ -260,6 +338,17 @@ class ControlPlane:
         try:
             read = [await self.store.list(kind) for kind in _KINDS]
         except Exception as e:  # noqa: BLE001 - logged; the previous state stays
+            self._retryLater()
+            if not self._settled:
+                # R35, R101: the first read failed; fail open at once rather
+                # than holding turns for the whole grace.
+                self._log.warn(
+                    "reading the control store at start failed: {error}; the file's accounts"
+                    " and keys serve without the admin API's until a read succeeds",
+                    event="relay.control_sync_failed", error=str(e),
+                )
+                self._settle()
+                return
             self._log.warn(
                 "reading the control store failed: {error}; the accounts and keys in force"
                 " are kept",
@@ -300,6 +389,7 @@ class ControlPlane:
             admin[record.id] = (record, account)
         self.admin, self.invalid = admin, invalid
         self._loaded = True
+        self._settle()
         change = self.live.accounts.replace(self.overlay(tuple(self.live.config.accounts)))
         if change:
             self._log.info(
@@ -337,7 +427,6 @@ class ControlPlane:
         self.keyDisables = {r.id: r for r in disables}
         ring = self.live.keys
         ring.replaceAdmin([key for _, key in admin.values()], self.keyDisables)
-        ring.pending = False
 
     # -- what the rest of relay asks --------------------------------------------------
 
@@ -386,9 +475,10 @@ class ControlPlane:
     def blockReason(self, account: Account, now: float):
         """
         The scheduler's C{extraBlock} answer for the control plane: a paused
-        account is never scheduled (permanent until enabled); before the
-        store's first read every account waits (so a paused one cannot
-        slip through at start).
+        account is never scheduled (permanent until enabled). Before the
+        store's first read no turn gets here: it waits at the start-up gate
+        (see the module docstring), so no account is blocked for that
+        moment.
 
         @param now: Unix seconds.
         @return: L{None}, or C{(reason, until)} (C{until} 0: until enabled).
@@ -396,21 +486,17 @@ class ControlPlane:
         pause = self.pauses.get(account.id)
         if pause is not None:
             return ("paused: " + (pause.data.get("reason") or "by admin"), 0)
-        if self._running and not self._loaded and now < self._loadingUntil:
-            return ("control_loading", now + 1)
         return None
 
     def flagged(self, now: float):
         """
         Issue 24: the accounts L{blockReason} may refuse at C{now}: the
-        paused ones, or L{None} (every account) while the store's first
-        read is awaited.
+        paused ones (before the store's first read no turn is scheduled:
+        it waits at the start-up gate, R105).
 
         @param now: Unix seconds.
-        @return: account ids, or L{None}.
+        @return: account ids.
         """
-        if self._running and not self._loaded and now < self._loadingUntil:
-            return None
         return self.pauses.keys()
 
     def blocksOf(self, account: Account, now: float) -> list:

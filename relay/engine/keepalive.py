@@ -67,14 +67,17 @@ class StreamKeepalive:
         """
         return self._running
 
-    def start(self) -> None:
+    def start(self, since: float | None = None) -> None:
         """
-        Start counting silence from now (the turn's start).
+        Start counting silence from now (the turn's start), or from
+        C{since} (seconds on C{clock}: when the client was last written
+        to, if earlier).
         """
         if self._running:
             return
         self._running = True
-        self._last = self.clock.seconds()
+        now = self.clock.seconds()
+        self._last = now if since is None else min(since, now)
         self._schedule()
 
     def stop(self) -> None:

@@ -275,7 +275,7 @@ def upstreamClientHeaders(turn: Turn, account: Account) -> dict:
         return headers
     import xxhash
 
-    scope = "k" + turn.client.name + ":"
+    scope = "k" + turn.client.ownerId + ":"  # R104
     cacheKey = turn.body.get("prompt_cache_key")
     cacheKey = cacheKey if isinstance(cacheKey, str) and cacheKey else None
     for names in (_SESSION_NAMES, _CONVERSATION_NAMES):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from attrs import define, field
+from attrs import define, evolve, field
 from twisted.internet.defer import Deferred
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
@@ -36,6 +36,11 @@ from relay.scheduling.scheduler import NO_SLOT
 from relay.scheduling.selection import NoAccountAvailable
 from relay.tenants.record import Attempt, TurnRecord
 from relay.usage.tap import UsageTap, clientAskedUsage
+
+STARTUP_WAIT_SECONDS = 10.0
+"""R105: how long a turn that arrives before the stores are loaded waits for
+them; after that it goes on, and selection skips an account whose tokens
+are still loading (C{tokens_loading})."""
 
 MAX_FIRST_OUTPUT_SWITCHES = 1
 """behaviour.md R21: the first safe-after-write failure switches, the second ends."""
@@ -168,6 +173,10 @@ class TurnRunner:
     bookkeeping: object = None
     """The L{AccountBookkeeping}: the one writer of account state for an
     attempt's end (behaviour.md R86); built from C{health} when not given."""
+    startupGate: object = None
+    """Issue 19 item 6 (R105): a L{relay.operations.readiness.StartupGate}
+    a turn waits on (at most L{STARTUP_WAIT_SECONDS}) until the settings
+    and token stores are loaded; L{None}: no wait."""
     inflight: dict = field(factory=dict)
     """Every turn running now -> the Deferred L{run} returned for it, so a
     graceful stop can wait for them and cancel what is left (issue 14,
@@ -259,11 +268,20 @@ class TurnRunner:
         state.sink = sink
         self.budget.active += 1
         try:
-            self._checkKeyPolicy(turn, start)
-            self._checkTokenBudget(turn, start)
-            await self._checkKeyRate(turn)
+            if turn.keyAdmitted:
+                # Issue 19 (R103): the entry admitted the key's slot before
+                # the body was decoded (L{admitKey}); the turn owns it now,
+                # so every way out below gives it back.
+                userLease, turn.keyLease = turn.keyLease, None
             state.keepalive = self._startKeepalive(turn, sink)
-            userLease = await self._admitUser(turn, sink, state)
+            # R105: the stores first (the key policy reads the control
+            # plane's keys and disables, selection its pauses).
+            await self._waitForStores(turn)
+            self._checkKeyPolicy(turn, self.clock.seconds())
+            self._checkTokenBudget(turn, self.clock.seconds())
+            await self._checkKeyRate(turn)
+            if not turn.keyAdmitted:
+                userLease = await self._admitUser(turn, sink, state)
             outcome, status, accountId = await self._loop(turn, sink, state)
         except ClientGone:
             outcome, status = "client_gone", 499
@@ -362,6 +380,36 @@ class TurnRunner:
             self.usage.overBudget(turn.client.name, now) if self.usage is not None else None
         )
 
+    async def _waitForStores(self, turn: Turn) -> None:
+        """
+        R105: no turn on an account before its tokens, the settings and the
+        control plane's first read (pauses, admin keys and disables) are
+        loaded: the one start-up gate (L{relay.operations.readiness.StartupGate}).
+        A turn that arrives first waits (cancellable, at most
+        L{STARTUP_WAIT_SECONDS}; a store whose read failed sets its flag,
+        R35/R101, so a silent store ends the wait); then selection's
+        C{tokens_loading} block skips what is still not loaded.
+        """
+        gate = self.startupGate
+        pending = gate.wait() if gate is not None else None
+        if pending is None:
+            return
+        self._log.info(
+            "turn {request_id} waits for the stores to load", event="relay.turn_waits_for_stores",
+            request_id=turn.requestId,
+        )
+        pending.addTimeout(STARTUP_WAIT_SECONDS, self.clock)
+        try:
+            await raceCancel(pending, turn.cancel)
+        except ClientGone:
+            raise
+        except Exception:  # noqa: BLE001 - timed out: go on, loading accounts are skipped
+            self._log.warn(
+                "stores not loaded after {seconds} s; turn {request_id} goes on",
+                event="relay.stores_not_loaded", seconds=STARTUP_WAIT_SECONDS,
+                request_id=turn.requestId,
+            )
+
     def _checkTokenBudget(self, turn: Turn, now: float) -> None:
         """
         Issue 13 item 5: a key whose C{daily_tokens} or C{monthly_tokens}
@@ -383,6 +431,69 @@ class TurnRunner:
             request_id=turn.requestId,
         )
         raise _AdmissionFailed(error)
+
+    def admitKey(
+        self, key, cancel, requestId: str = "", entrypoint: str = "http", keepalive=None
+    ) -> Deferred:
+        """
+        Admit C{key}'s slot (R26) for a request whose body is not decoded
+        yet (behaviour.md R103, issue 19): the entry calls this once the
+        raw body is in and hands the lease to the turn (C{Turn.keyLease},
+        C{keyAdmitted=True}). The same wait plan, logs and answers as a
+        turn's own per-key admission, and the same keepalives (R85, R31)
+        for a request that streams: C{keepalive} is called whenever the
+        wait was silent for C{stream_keepalive_interval} seconds (at least
+        every C{scheduling.ping_interval}).
+
+        @param key: the authenticated L{relay.model.ClientKey}.
+        @param cancel: the request's L{relay.model.CancelSignal}.
+        @param requestId: for the wait's log lines.
+        @param entrypoint: C{http} or C{ws}.
+        @param keepalive: a no-argument callable writing one keepalive to
+            the client (an SSE comment, a ping frame), or L{None} for a
+            request that does not stream.
+        @return: a Deferred firing with the lease (L{None} for an unlimited
+            key), or failing with an exception whose C{error} is the R32
+            L{ClientError} (or with L{ClientGone}).
+        """
+        intake = Turn(
+            entrypoint=entrypoint, endpoint="responses", client=key, model=None, body={},
+            stream=False, requestId=requestId, cancel=cancel,
+        )
+        d = Deferred.fromCoroutine(self._admitKey(intake, keepalive))
+        if not d.called:
+            # A request waiting for its key's slot is a turn in the making:
+            # a graceful stop waits for it and, when the grace runs out,
+            # cancels it like a running turn (issue 14), so no slot or
+            # wait ticket is taken after the drain gave them back.
+            self.inflight[intake] = d
+            d.addBoth(self._forget, intake)
+        return d
+
+    async def _admitKey(self, intake: Turn, keepalive=None):
+        """
+        See L{admitKey}. A wait relay cancelled itself (the end of a
+        graceful stop's grace) fails with the error relay owes the client
+        (C{cancel.tell}: 503 C{server_restarting}, C{Retry-After}).
+        """
+        state = None
+        if keepalive is not None:
+            state = TurnState(startedAt=self.clock.seconds())
+            state.keepalive = StreamKeepalive(
+                clock=self.clock, send=keepalive,
+                interval=self.settings.current.stream_keepalive_interval,
+                requestId=intake.requestId,
+            )
+            state.keepalive.start()
+        try:
+            return await self._admitUser(intake, None, state)
+        except ClientGone:
+            if intake.cancel.tell is not None:
+                raise _AdmissionFailed(intake.cancel.tell) from None
+            raise
+        finally:
+            if state is not None:
+                state.keepalive.stop()
 
     async def _admitUser(self, turn: Turn, sink, state: Optional[TurnState] = None):
         """
@@ -426,6 +537,7 @@ class TurnRunner:
                     error = e.error
                     if state.lastVerdict is not None:
                         error = self.classifier.exhausted(state.lastVerdict, turn.endpoint)
+                        error = await self._withRetryHint(turn, error, e.error)
                     sink.fail(error)
                     return "failed", error.status, state.lastAccountId
                 account = selection.account
@@ -508,14 +620,38 @@ class TurnRunner:
                 sink.fail(decision[1])
                 return "failed", decision[1].status, account.id
             if decision[0] == "exhausted":
-                sink.fail(decision[1])
-                return "failed", decision[1].status, account.id
+                error = await self._withRetryHint(turn, decision[1])
+                sink.fail(error)
+                return "failed", error.status, account.id
             if decision[0] == "same":
                 await self._sleep(turn, sink, decision[1], state)
                 sameAccount = account
                 continue
             # switch
             await self._sleep(turn, sink, decision[1], state)
+
+    async def _withRetryHint(self, turn: Turn, error: ClientError, fallback=None) -> ClientError:
+        """
+        Issue 19 item 7 (R83, R16): relay's 429 after every account it
+        tried answered 429 carries C{Retry-After} -- the upstream's when it
+        gave one, else the seconds until the earliest cooldown ends.
+
+        @param fallback: the scheduler's own answer, whose hint is used
+            first when it has one.
+        """
+        if error.status != 429 or any(n.lower() == "retry-after" for n, _ in error.headers):
+            return error
+        hint = None
+        for name, value in (fallback.headers if fallback is not None else ()):
+            if name.lower() == "retry-after":
+                hint = value
+        if hint is None:
+            hinter = getattr(self.scheduler, "retryHint", None)
+            seconds = await hinter(turn) if hinter is not None else None
+            hint = str(seconds) if seconds else None
+        if hint is None:
+            return error
+        return evolve(error, headers=tuple(error.headers) + (("Retry-After", hint),))
 
     def _rewriteOnce(self, turn: Turn, state: TurnState, account, verdict) -> bool:
         """
@@ -921,7 +1057,10 @@ class TurnRunner:
         watch = getattr(sink, "watchWrites", None)
         if watch is not None:
             watch(keepalive.touch)
-        keepalive.start()
+        # Issue 19: a request whose key's slot was awaited before its body
+        # was parsed may have had keepalives already; the silence counts
+        # from the last one (R85), not from the turn's start.
+        keepalive.start(since=getattr(sink, "quietSince", None))
         return keepalive
 
     def _keepalive(self, state) -> StreamKeepalive | None:

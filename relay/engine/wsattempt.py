@@ -395,9 +395,13 @@ class WebSocketAttempt:
             if ctx is not None:
                 ctx.dedicated = conn
             return conn
-        preferred = self.pool.findByResponse(account.id, prev) if prev and not fresh else None
+        owner = turn.client.ownerId  # R104: never lent to another key
+        preferred = (
+            self.pool.findByResponse(account.id, prev, owner) if prev and not fresh else None
+        )
         return await self.pool.acquire(
-            account, upstreamClientHeaders(turn, account), preferred, fresh=fresh
+            account, upstreamClientHeaders(turn, account), preferred, fresh=fresh,
+            ownerKey=owner,
         )
 
     def _giveBack(self, conn: PooledConnection, mode: str, broken: bool) -> None:

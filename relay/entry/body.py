@@ -1,7 +1,8 @@
 # -*- test-case-name: tests.test_body -*-
 """
 Request bodies: the size limit and C{Content-Encoding} (issue 13 items 2
-and 3).
+and 3), held raw and decoded only after the key's slot is admitted
+(issue 19, behaviour.md R103; the order of checks is L{relay.entry.intake}'s).
 
   - B{Limit} (C{gateway.max_request_body_bytes}, default 64 MiB): a
     C{Content-Length} above it is answered 413 as soon as the headers are
@@ -301,79 +302,392 @@ def _contentFile(length: Optional[int]):
     return tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)
 
 
+HELD_BEFORE_KEY_BYTES = 256 * 1024
+"""The most body bytes kept aside (undecoded) for a request waiting at its
+headers for the key ring at start (L{LimitedBodyRequest._holdForKeys})."""
+
+RATIO_FLOOR_BYTES = 2**20
+"""A compressed body may always decode to this much, whatever its ratio."""
+
+
+def parsedEstimate(data: bytes) -> int:
+    """
+    An upper estimate of the memory a JSON body takes once parsed (issue
+    19 item 2): its bytes, plus per object, array, string and separator
+    what CPython's parser allocates for one (a dict 64 B, a list 56 B, a
+    string ~56 B, an element pointer or a float ~32 B). Measured worst
+    shapes parse to 24x their size (C{[{},{},...]}); the estimate stays
+    above the measured size for every shape, and costs four C{bytes.count}
+    passes (~60 ms for 64 MiB).
+
+    @param data: the decoded body.
+    @return: bytes.
+    """
+    return (
+        len(data) + 64 * data.count(b"{") + 56 * data.count(b"[")
+        + 28 * data.count(b'"') + 32 * data.count(b",")
+    )
+
+
+def reasonPhrase(status: int) -> bytes:
+    """
+    The reason phrase relay writes for C{status} on an answer it writes to
+    the transport itself.
+    """
+    from http import HTTPStatus
+
+    if status == 413:
+        return b"Payload Too Large"
+    try:
+        return HTTPStatus(status).phrase.encode("ascii")
+    except ValueError:
+        return b"Error"
+
+
+_BLANK = object()
+"""What L{LimitedBodyRequest.relayJSON} read from an empty body."""
+
+
+class _Once:
+    """
+    A slot lease released at most once.
+    """
+
+    def __init__(self, lease):
+        self._lease = lease
+
+    def release(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.release()
+
+    def __getattr__(self, name):
+        return getattr(self._lease, name)
+
+
 class LimitedBodyRequest(Request):
     """
-    A twisted.web L{Request} that enforces the body limit and decodes
-    C{Content-Encoding} (see the module docstring). The limit is the site's
-    C{maxRequestBodyBytes} (L{DEFAULT_MAX_BODY_BYTES} when unset).
+    A twisted.web L{Request} that checks credentials from the headers,
+    bounds and holds the raw body, admits the key's slot, then decodes
+    C{Content-Encoding} (see the module docstring and
+    L{relay.entry.intake}). The limit is the site's C{maxRequestBodyBytes}
+    (L{DEFAULT_MAX_BODY_BYTES} when unset); the intake is the site's
+    C{intake} (L{None}: no credential check, as in unit tests of this
+    module).
 
     @ivar bodyLimit: the limit in force for this request, bytes.
     @ivar contentEncoding: the decoded C{Content-Encoding} value, or L{None}.
+    @ivar relayRoute: the route class (L{relay.entry.intake}), or L{None}.
+    @ivar relayClientKey: the client key authenticated from the headers.
+    @ivar relayKeyLease: the key's slot admitted before decoding, until a
+        resource takes it (L{takeKeyLease}).
+    @ivar relaySSEStarted: keepalives were written while the key's slot
+        was awaited (L{_waitKeepalive}): 200 and the SSE headers are sent.
+    @ivar relayQuietSince: when the last of them was written (site clock
+        seconds), or L{None}.
+    @ivar relayBodyBlank: L{relayJSON} found the body empty or blank.
     """
 
     _log = Logger()
     bodyLimit = DEFAULT_MAX_BODY_BYTES
     contentEncoding = None
-    _decoder = None
+    relayRoute = None
+    relayClientKey = None
+    relayKeyLease = None
+    relayKeyAdmitted = False
+    relayBodyBlank = False
+    relaySSEStarted = False
+    relayQuietSince = None
+    _streams = None
+    _line = None
+    _intake = None
+    _encoding = None
     _bodyError: Optional[ClientError] = None
     _refused = False
+    _discard = False
     _received = 0
+    _charged = 0
     _linger = None
+    _rateCall = None
+    _chunked = False
+    _keysWait = None
+    _keysTimer = None
+    _pausedForKeys = None
+    _rateMark = 0
+    _admitting = None
+    _cancel = None
+    _json = None
+    _parsed = False
+    _done = False
+
+    @property
+    def _parsePOSTFormSubmission(self) -> bool:
+        """
+        relay reads JSON only: twisted.web never parses a form or
+        multipart body (R103, issue 19 item 1).
+        """
+        return False
+
+    @_parsePOSTFormSubmission.setter
+    def _parsePOSTFormSubmission(self, value: bool) -> None:
+        pass
+
+    # -- headers in ------------------------------------------------------------
 
     def gotLength(self, length: Optional[int]) -> None:
         """
-        The headers are in: refuse a declared length over the limit at once,
-        and set up the decoder.
+        The headers are in: check the credentials (R103), refuse a declared
+        length over the limit at once, and prepare to hold the raw body.
+        A client request whose key the ring cannot tell yet (the control
+        store's first read at start, R105) waits first, its body unread
+        (L{_holdForKeys}).
         """
+        from relay.entry import intake as I
+
         site = getattr(self.channel, "site", None)
         self.bodyLimit = getattr(site, "maxRequestBodyBytes", DEFAULT_MAX_BODY_BYTES)
+        self._chunked = length is None
+        policy = getattr(site, "intake", None)
+        if policy is None:
+            self._headersIn(length, None, None, None)
+            return
+        method = (getattr(self.channel, "_command", b"") or b"").upper()
+        path = getattr(self.channel, "_path", b"") or b"/"
+        route = I.routeClass(path, method)
+        self.relayRoute = route
+        if route == I.ROUTE_CLIENT:
+            pending = policy.keysReady()
+            if pending is not None:
+                self._holdForKeys(pending, length, policy, route, method, path)
+                return
+        self._headersIn(length, policy, route, method)
+
+    def _headersIn(self, length, policy, route, method) -> None:
+        """
+        See L{gotLength}: the checks once the key can be told.
+        """
+        from relay.entry import intake as I
+
+        if policy is not None:
+            key, error = policy.authenticate(route, self)
+            if error is not None:
+                self.content = None
+                policy.logRefused(self, route, error)
+                self._answerNow(error)
+                return
+            self._intake = policy
+            self.relayClientKey = key
+            self.bodyLimit = policy.bodyLimit(route, self.bodyLimit)
+            if route == I.ROUTE_OPEN or method not in I.BODY_METHODS:
+                self._discard = True
         if length is not None and length > self.bodyLimit:
             self.content = None
             self._refuseNow(length)
             return
         header = self.requestHeaders.getRawHeaders(b"content-encoding", [None])[0]
         try:
-            self._decoder = contentDecoder(header, self.bodyLimit, self._decoded)
+            self._encoding = header if contentDecoder(header, 1, lambda d: None) else None
         except UnsupportedEncoding as e:
             self._bodyError = unsupported(e.encoding)
-        if self._decoder is not None:
-            self.contentEncoding = header.decode("latin-1")
-            self.content = _contentFile(None)
-        else:
-            self.content = _contentFile(length)
+        if self._discard:
+            self.content = io.BytesIO()
+            return
+        self.content = _contentFile(length)
+        if length and not self._reserve(length):
+            return
+        if length != 0:
+            self._armRate()
 
-    def _decoded(self, data: bytes) -> None:
-        self.content.write(data)
+    # -- waiting for the key ring at start (R105) ---------------------------------
+
+    def _holdForKeys(self, pending, length, policy, route, method, path) -> None:
+        """
+        The key ring cannot tell keys yet (the control store's first read
+        is pending at start): wait for it (at most
+        L{relay.entry.intake.KEYS_WAIT_SECONDS}) with the connection's
+        reads paused, so nothing of the body is read, decoded or parsed
+        before the key is known (R103, R105). What twisted.web had already
+        read with the headers (at most one socket read) is kept aside,
+        undecoded, and counted once the key is known; an
+        C{Expect: 100-continue} is answered only then.
+        """
+        from relay.entry import intake as I
+
+        self.method, self.uri = method, path  # for an access line while held
+        self._keysWait = pending
+        self._held = []
+        self._heldBytes = 0
+        self._heldReceived = None
+        self._heldArgs = (length, policy, route, method)
+        self._heldExpect = bool(self.requestHeaders.getRawHeaders(b"expect"))
+        self.requestHeaders.removeHeader(b"expect")
+        self.content = io.BytesIO()
+        producer = getattr(self.channel, "_networkProducer", None)
+        if producer is not None:
+            producer.pauseProducing()
+            self._pausedForKeys = producer
+        self._keysTimer = self.channel.callLater(I.KEYS_WAIT_SECONDS, self._keysKnown)
+        pending.addBoth(self._keysKnown)
+
+    def _keysKnown(self, result=None):
+        """
+        The key ring can tell keys now (or the wait ran out): resume
+        reading and go on as if the headers had just come in.
+        """
+        from twisted.internet.defer import CancelledError
+        from twisted.python.failure import Failure
+
+        if isinstance(result, Failure):
+            result.trap(CancelledError)
+            result = None
+        if self._keysWait is None:
+            return result
+        self._endKeysWait()
+        if self._done or self._refused:
+            return result
+        held, self._held = self._held, []
+        self._headersIn(*self._heldArgs)
+        if self._refused:
+            return result
+        if self._heldExpect and getattr(self.channel, "transport", None) is not None:
+            self.channel._send100Continue()
+        for data in held:
+            self.handleContentChunk(data)
+            if self._refused:
+                return result
+        if self._heldReceived is not None:
+            self.requestReceived(*self._heldReceived)
+        return result
+
+    def _holdChunk(self, data: bytes) -> None:
+        """
+        Body bytes twisted.web read with the headers while the key ring is
+        awaited: kept aside undecoded (reads are paused, so this is at most
+        about one socket read); more than L{HELD_BEFORE_KEY_BYTES} is
+        answered at once (503, retry) rather than kept.
+        """
+        self._heldBytes += len(data)
+        if self._heldBytes > HELD_BEFORE_KEY_BYTES:
+            from relay.tenants.policy import KEYS_LOADING
+
+            self._held = []
+            self._endKeysWait()
+            self._answerNow(KEYS_LOADING)
+            return
+        self._held.append(data)
+
+    def _endKeysWait(self) -> None:
+        """
+        Stop waiting for the key ring: the timer, the wait, and the paused
+        reads.
+        """
+        wait, self._keysWait = self._keysWait, None
+        timer, self._keysTimer = self._keysTimer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+        if wait is not None and not wait.called:
+            wait.cancel()
+        producer, self._pausedForKeys = self._pausedForKeys, None
+        if producer is not None and not self._refused:
+            producer.resumeProducing()
+
+    def _limits(self):
+        intake = self._intake
+        return intake.limits() if intake is not None and intake.limits is not None else None
+
+    def _reserve(self, n: int) -> bool:
+        """
+        Count C{n} more bytes against the key's and the process's bodies in
+        flight; answer at once when over.
+
+        @return: whether the bytes are held.
+        """
+        key = self.relayClientKey
+        limits = self._limits()
+        if key is None or limits is None:
+            return True
+        error = self._intake.budget.reserve(
+            key.name, n, limits.body_bytes_in_flight_per_key, limits.body_bytes_in_flight
+        )
+        if error is None:
+            self._charged += n
+            return True
+        self._intake.logRefused(self, self.relayRoute, error)
+        self._dropContent()
+        self._answerNow(error)
+        return False
+
+    def _releaseBudget(self) -> None:
+        if self._charged and self._intake is not None and self.relayClientKey is not None:
+            self._intake.budget.release(self.relayClientKey.name, self._charged)
+        self._charged = 0
+
+    # -- the minimum body rate (issue 19 item 4) ------------------------------
+
+    def _armRate(self) -> None:
+        limits = self._limits()
+        if limits is None or not limits.min_body_bytes_per_second:
+            return
+        self._rateMark = self._received
+        self._rateCall = self.channel.callLater(limits.body_rate_window_seconds, self._checkRate)
+
+    def _checkRate(self) -> None:
+        self._rateCall = None
+        if self._refused:
+            return
+        limits = self._limits()
+        window = limits.body_rate_window_seconds
+        need = limits.min_body_bytes_per_second * window
+        got = self._received - self._rateMark
+        if got >= need:
+            self._armRate()
+            return
+        address = self.getClientAddress()
+        self._log.warn(
+            "request body from {client} too slow ({got} bytes in {window:.0f} s, the minimum is"
+            " {rate} bytes/s): closing",
+            event="relay.intake_slow_body", client=getattr(address, "host", "-"), got=got,
+            window=window, rate=limits.min_body_bytes_per_second,
+        )
+        self._dropContent()
+        self._answerNow(ClientError(
+            408, "invalid_request_error",
+            "The request body arrived too slowly (gateway.limits.min_body_bytes_per_second is "
+            f"{limits.min_body_bytes_per_second}).", code="request_timeout",
+        ))
+
+    def _stopRate(self) -> None:
+        if self._rateCall is not None and self._rateCall.active():
+            self._rateCall.cancel()
+        self._rateCall = None
+
+    # -- the body arrives ------------------------------------------------------
 
     def handleContentChunk(self, data: bytes) -> None:
         """
-        A piece of the body: count it, decode or store it, or drop it once
-        the answer is decided.
+        A piece of the body: count it and hold it raw, or drop it once the
+        answer is decided (or when the route reads no body).
         """
         if self._refused:
+            return
+        if self._keysWait is not None:
+            self._holdChunk(data)
             return
         self._received += len(data)
         if self._received > self.bodyLimit:
             self._refuseNow(None)
             return
-        if self._bodyError is not None:
+        if self._bodyError is not None or self._discard:
             return
-        if self._decoder is None:
-            self.content.write(data)
-            return
-        try:
-            self._decoder.write(data)
-        except BodyTooLarge:
-            self._refuseNow(None)
-        except CorruptBody as e:
-            self._bodyFailed(corrupt(str(e)))
+        if self._chunked and not self._reserve(len(data)):
+            return  # chunked: held bytes are counted as they come
+        self.content.write(data)
 
     def _bodyFailed(self, error: ClientError) -> None:
         """
         Answer C{error} once the body has arrived; store nothing more.
         """
         self._bodyError = error
-        self._decoder = None
         self._dropContent()
         self.content = io.BytesIO()
 
@@ -384,27 +698,260 @@ class LimitedBodyRequest(Request):
 
     def requestReceived(self, command, path, version) -> None:
         """
-        The whole body is in: finish decoding, then process (or, when the
-        413 was already written, nothing).
+        The whole raw body is in: admit the key's slot (R103, through the
+        site's intake), then decode and process (or, when the answer was
+        already written, nothing).
         """
+        self._stopRate()
         if self._refused:
             return
-        if self._decoder is not None:
-            try:
-                self._decoder.close()
-            except BodyTooLarge:  # pragma: no cover - close produces nothing new
-                self._refuseNow(None)
-                return
-            except CorruptBody as e:
-                self._bodyFailed(corrupt(str(e)))
-            else:
-                self.requestHeaders.removeHeader(b"content-encoding")
+        if self._keysWait is not None:
+            # R105: the whole body came with the headers; it is looked at
+            # once the key can be told (L{_keysKnown}).
+            self._heldReceived = (command, path, version)
+            return
+        admit = self._intake.admitKey if self._intake is not None else None
+        if self._intake is not None and self.relayClientKey is not None and self._intake.draining():
+            # Issue 14: relay drains; the drain gate answers 503. No slot is
+            # taken and the body is neither decoded nor parsed.
+            self._encoding = None
+            self._dropContent()
+            self.content = io.BytesIO()
+            self._decodeAndProcess(command, path, version)
+            return
+        if (
+            admit is not None and self.relayClientKey is not None and not self._discard
+            and self._bodyError is None and self._received
+        ):
+            from relay.entry.intake import isTurnPath
+            from relay.model import CancelSignal
+
+            self._cancel = CancelSignal()
+            keepalive = None
+            if command.upper() == b"POST" and isTurnPath(path):
+                self._line = (command, path, version)
+                keepalive = self._waitKeepalive
+            d = self._admitting = admit(
+                self.relayClientKey, self._cancel, requestIdOf(self), keepalive=keepalive
+            )
+            d.addCallbacks(
+                self._admitted, self._notAdmitted,
+                callbackArgs=(command, path, version), errbackArgs=(command, path, version),
+            )
+            return
+        self._decodeAndProcess(command, path, version)
+
+    def _waitKeepalive(self) -> None:
+        """
+        The engine's keepalive while the request waits for its key's slot
+        (behaviour.md R85, R31; L{relay.engine.runner.TurnRunner.admitKey}):
+        for a turn whose raw body says C{"stream": true}
+        (L{relay.entry.intake.bodyStreams}, read once, at the first tick;
+        a C{Content-Encoding}-ed body is not decoded before the slot, so it
+        gets none), the first commits 200 and the SSE headers and every one
+        writes an SSE comment, as the turn's own keepalives do
+        (L{relay.entry.sinks.SSESink}); later errors are written in-stream.
+        """
+        if self._done or self._refused or self.content is None:
+            return
+        if self._streams is None:
+            from relay.entry.intake import bodyStreams
+
+            self._streams = False
+            if self._encoding is None:
+                self.content.seek(0)
+                self._streams = bodyStreams(self.content.read()) is True
+                self.content.seek(0, io.SEEK_END)
+        if not self._streams:
+            return
+        if not self.relaySSEStarted:
+            self.method, self.uri, self.clientproto = self._line
+            self.path = self.uri.split(b"?", 1)[0]
+            self.relaySSEStarted = True
+            self.setResponseCode(200)
+            self.setHeader(b"content-type", b"text/event-stream")
+            self.setHeader(b"cache-control", b"no-cache")
+            self.setHeader(b"x-accel-buffering", b"no")
+        self.write(b":\n\n")
+        clock = getattr(getattr(self.channel, "site", None), "clock", None)
+        if clock is not None:
+            self.relayQuietSince = clock.seconds()
+
+    def _admitted(self, lease, command, path, version) -> None:
+        self._admitting = None
+        if self._done:
+            if lease is not None:
+                lease.release()
+            return
+        self.relayKeyAdmitted = True
+        self.relayKeyLease = _Once(lease) if lease is not None else None
+        self._decodeAndProcess(command, path, version)
+
+    def _notAdmitted(self, failure, command, path, version) -> None:
+        self._admitting = None
+        if self._done:
+            return
+        error = getattr(failure.value, "error", None)
+        if not isinstance(error, ClientError):
+            self._log.failure("admitting a request failed", failure)
+            error = ClientError(
+                503, "api_error", "Service temporarily unavailable, please retry later",
+            )
+        self._bodyFailed(error)
         super().requestReceived(command, path, version)
+
+    def _decodeAndProcess(self, command, path, version) -> None:
+        if self._encoding is not None and self._bodyError is None and self.content is not None:
+            self._decode()
+        if self._bodyError is None and self.content is not None and not self._discard:
+            if self.relayClientKey is not None and self._limits() is not None:
+                self._chargeParsed()
+        super().requestReceived(command, path, version)
+
+    def _decode(self) -> None:
+        """
+        Decode the held raw body, bounded by the limit and by the
+        decompression ratio (issue 19 item 2), into a new content file.
+        """
+        raw = self.content
+        raw.seek(0)
+        limits = self._limits()
+        ratio = limits.max_decompression_ratio if limits is not None else None
+        bound = self.bodyLimit
+        ratioBound = None
+        if ratio:
+            ratioBound = max(int(ratio * max(self._received, 1)), RATIO_FLOOR_BYTES)
+            bound = min(bound, ratioBound)
+        out = _contentFile(None)
+        try:
+            decoder = contentDecoder(self._encoding, bound, out.write)
+            while True:
+                piece = raw.read(CHUNK)
+                if not piece:
+                    break
+                decoder.write(piece)
+            decoder.close()
+        except BodyTooLarge:
+            out.close()
+            raw.close()
+            self.content = io.BytesIO()
+            if ratioBound is not None and bound == ratioBound and ratioBound < self.bodyLimit:
+                self._bodyError = ClientError(
+                    413, "invalid_request_error",
+                    f"The compressed request body decodes to more than {ratio:g} times its size"
+                    " (gateway.limits.max_decompression_ratio).",
+                    code="decompression_ratio_exceeded",
+                )
+            else:
+                self._bodyError = tooLarge(self.bodyLimit)
+            self._logRefusedBody()
+            return
+        except CorruptBody as e:
+            out.close()
+            self._bodyFailed(corrupt(str(e)))
+            return
+        raw.close()
+        self.contentEncoding = self._encoding.decode("latin-1")
+        self.requestHeaders.removeHeader(b"content-encoding")
+        out.seek(0, io.SEEK_END)
+        self.content = out
+
+    def _chargeParsed(self) -> None:
+        """
+        Replace the raw bytes counted for this body by the estimate of its
+        parsed size (L{parsedEstimate}): what a decoded body will hold once
+        a resource parses it, until the request ends.
+        """
+        self.content.seek(0)
+        data = self.content.read()
+        self.content.seek(0, io.SEEK_END)
+        estimate = parsedEstimate(data)
+        del data
+        charged, self._charged = self._charged, 0
+        key = self.relayClientKey
+        limits = self._limits()
+        budget = self._intake.budget
+        budget.release(key.name, charged)
+        for scope, limit in (("key", limits.body_bytes_in_flight_per_key),
+                             ("total", limits.body_bytes_in_flight)):
+            if limit and estimate > limit:
+                name = ("gateway.limits.body_bytes_in_flight_per_key" if scope == "key"
+                        else "gateway.limits.body_bytes_in_flight")
+                self._bodyFailed(ClientError(
+                    413, "invalid_request_error",
+                    f"Request payload is too large: it would take about {estimate} bytes once"
+                    f" parsed, over {name} ({limit} bytes).",
+                    code="request_too_large",
+                ))
+                self._logRefusedBody()
+                return
+        error = budget.reserve(key.name, estimate, limits.body_bytes_in_flight_per_key,
+                               limits.body_bytes_in_flight)
+        if error is not None:
+            self._bodyFailed(error)
+            self._logRefusedBody()
+            return
+        self._charged = estimate
+
+    def _logRefusedBody(self) -> None:
+        self._log.info(
+            "request body refused with {status}: {message}", event="http.request_body_refused",
+            status=self._bodyError.status, message=self._bodyError.message,
+            request_id=requestIdOf(self),
+        )
+
+    # -- for resources (relay.entry.intake) ---------------------------------------
+
+    def takeKeyLease(self):
+        """
+        Take the key's admitted slot (to hand it to a turn, which releases
+        it); L{None} when there is none or it was taken.
+        """
+        lease, self.relayKeyLease = self.relayKeyLease, None
+        return lease
+
+    def relayJSON(self, allowEmpty: bool = False):
+        """
+        The decoded body parsed as JSON, once (L{relay.entry.jsonbody.loadJSON}).
+        The one body reader of every resource behind the intake: client
+        routes (turns, C{/v1/responses/*}) and admin routes (through
+        L{relay.control.web.readJSONBody}).
+
+        @param allowEmpty: an empty (or blank) body reads as C{{}} (routes
+            whose body is optional) instead of a 400.
+        @raise relay.entry.intake.RequestRefused: a 400 for a body that is
+            not JSON (or nests too deep).
+        """
+        if not self._parsed:
+            from relay.entry.jsonbody import loadJSON
+
+            raw = self.content.read() if self.content is not None else b""
+            self._parsed = True
+            if not raw.strip():
+                self._json, self.relayBodyBlank = _BLANK, True
+            else:
+                try:
+                    self._json = loadJSON(raw)
+                except ValueError as e:
+                    self._json = e
+            del raw
+        if self._json is _BLANK:
+            if allowEmpty:
+                return {}
+            self._json = ValueError("blank body")
+        if isinstance(self._json, ValueError):
+            message = str(self._json)
+            if "nest" not in message:
+                message = "We could not parse the JSON body of your request."
+            from relay.entry.intake import RequestRefused
+
+            raise RequestRefused(ClientError(400, "invalid_request_error", message))
+        return self._json
 
     def process(self) -> None:
         """
-        Render, or answer the body's error (400 corrupt, 415 unknown
-        encoding) in OpenAI's envelope.
+        Render, or answer the body's error (400 corrupt, 413, 415 unknown
+        encoding, 429 bytes in flight) in OpenAI's envelope.
         """
         if self._bodyError is None:
             return super().process()
@@ -416,32 +963,53 @@ class LimitedBodyRequest(Request):
         )
         writeError(self, self._bodyError)
 
+    # -- answering from the transport --------------------------------------------
+
     def _refuseNow(self, declared: Optional[int]) -> None:
         """
-        413 at once: stop storing, write the answer with C{Connection:
-        close} and the request's id (L{requestIdOf}: the client's
-        C{X-Request-Id} when well-formed, else a new one; issue 15) as
-        C{X-Request-Id} and C{error.request_id}, half-close, and drop the
-        connection after L{LINGER_SECONDS} at the latest.
+        413 at once (see L{_answerNow}).
         """
-        self._refused = True
-        self._decoder = None
-        self._dropContent()
-        self.requestHeaders.removeHeader(b"expect")  # no "100 Continue" after the answer
-        requestId = requestIdOf(self)
         self._log.info(
             "request body over {limit} bytes refused (declared {declared}, received "
             "{received})", event="http.request_body_too_large", limit=self.bodyLimit,
-            declared=declared, received=self._received, request_id=requestId,
+            declared=declared, received=self._received, request_id=requestIdOf(self),
         )
-        body = errorBody(tooLarge(self.bodyLimit), requestId)
+        self._dropContent()
+        self._answerNow(tooLarge(self.bodyLimit))
+
+    def _answerNow(self, error: ClientError) -> None:
+        """
+        Answer C{error} at once, before (the rest of) the body: stop
+        storing, write the answer with C{Connection: close} and the
+        request's id (L{requestIdOf}: the client's C{X-Request-Id} when
+        well-formed, else a new one; issue 15) as C{X-Request-Id} and
+        C{error.request_id}, half-close, and drop the connection after
+        L{LINGER_SECONDS} at the latest (the client reads the answer
+        instead of a reset).
+        """
+        self._refused = True
+        self._stopRate()
+        self._endKeysWait()
+        self._encoding = None
+        self._dropContent()
+        self._releaseBudget()
+        self.requestHeaders.removeHeader(b"expect")  # no "100 Continue" after the answer
+        requestId = requestIdOf(self)
+        body = errorBody(error, requestId)
+        phrase = reasonPhrase(error.status)
+        extra = b"".join(
+            name.encode("latin-1") + b": " + str(value).encode("latin-1") + b"\r\n"
+            for name, value in (error.headers or ())
+        )
         transport = self.channel.transport
         transport.write(
-            b"HTTP/1.1 413 Payload Too Large\r\ncontent-type: application/json\r\n"
+            b"HTTP/1.1 %d " % error.status + phrase + b"\r\ncontent-type: application/json\r\n"
             b"x-request-id: " + requestId.encode("ascii") + b"\r\n"
-            b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n"
+            b"cache-control: no-store\r\n" + extra
+            + b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n"
             + body
         )
+        self._accessLine(error.status, len(body))
         halfClose = getattr(transport, "loseWriteConnection", None)
         if halfClose is None:
             self.channel.loseConnection()
@@ -449,12 +1017,59 @@ class LimitedBodyRequest(Request):
         halfClose()
         self._linger = self.channel.callLater(LINGER_SECONDS, transport.abortConnection)
 
+    def _accessLine(self, status: int, length: int) -> None:
+        """
+        The access line of an answer written from the transport (401 from
+        the headers, 413, 429, 408): the site logs it like every finished
+        request (twisted.web's C{finish} would).
+        """
+        channel = self.channel
+        site = getattr(channel, "factory", None) or getattr(channel, "site", None)
+        if site is None:
+            return
+        self.method = getattr(channel, "_command", None) or self.method
+        self.uri = getattr(channel, "_path", None) or self.uri
+        self.code, self.sentLength = status, length
+        try:
+            site.log(self)
+        except Exception:  # noqa: BLE001 - an access line must never break the answer
+            self._log.failure("writing the access line failed")
+
+    # -- the end -----------------------------------------------------------------
+
+    def _relayDone(self) -> None:
+        """
+        The request ended (answered or the client left): give back the
+        bytes it held and a slot no turn took; stop a running admission.
+        """
+        if self._done:
+            return
+        self._done = True
+        self._stopRate()
+        self._endKeysWait()
+        self._releaseBudget()
+        lease = self.takeKeyLease()
+        if lease is not None:
+            lease.release()
+        if self._admitting is not None and self._cancel is not None:
+            self._cancel.cancel("client_gone")
+
+    def finish(self):
+        """
+        Finish as twisted.web does, then L{_relayDone}.
+        """
+        try:
+            return super().finish()
+        finally:
+            self._relayDone()
+
     def connectionLost(self, reason) -> None:
         """
-        Cancel the linger timer with the connection; the rest as
-        twisted.web does.
+        Cancel the linger timer with the connection and end the request
+        (L{_relayDone}); the rest as twisted.web does.
         """
         if self._linger is not None and self._linger.active():
             self._linger.cancel()
         self._linger = None
+        self._relayDone()
         super().connectionLost(reason)

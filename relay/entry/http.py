@@ -14,8 +14,6 @@ turn runner. It holds no failover, cooldown or admission policy
 from __future__ import annotations
 
 import hmac
-import json
-import re
 from typing import Optional
 
 from attrs import evolve
@@ -25,6 +23,8 @@ from twisted.web.server import NOT_DONE_YET
 
 from relay.entry.annotate import annotateTurn
 from relay.entry.body import DEFAULT_MAX_BODY_BYTES, tooLarge
+from relay.entry.intake import UNAUTHORIZED, RequestRefused  # noqa: F401 - UNAUTHORIZED re-exported
+from relay.entry.jsonbody import NESTING_MESSAGE, loadJSON  # noqa: F401 - re-exported
 from relay.entry.sinks import JSONSink, SSESink, writeError
 from relay.model import ClientError, ClientKey, Turn
 from relay.requestid import newRequestId, requestIdOf  # noqa: F401 - newRequestId re-exported
@@ -216,16 +216,27 @@ class KeyRing:
     def authenticate(self, request) -> Optional[ClientKey]:
         """
         Find the key in C{Authorization: Bearer} or C{x-api-key}
-        (protocol.md 1): one digest, one lookup.
+        (protocol.md 1; L{relay.entry.intake.bearerOrKey}): one digest, one
+        lookup. A request the site's intake already authenticated
+        (C{request.relayClientKey}) is answered from that, so a request is
+        authenticated once, by one parser (issue 19).
 
         @return: the L{ClientKey}, or L{None}.
         """
-        auth = request.getHeader(b"authorization")
-        secret = None
-        if auth and auth[:7].lower() == b"bearer ":
-            secret = auth[7:].strip()
-        if not secret:
-            secret = request.getHeader(b"x-api-key")
+        known = getattr(request, "relayClientKey", None)
+        if known is not None:
+            return self.current(known)
+        from relay.entry.intake import bearerOrKey
+
+        return self.authenticateSecret(bearerOrKey(request))
+
+    def authenticateSecret(self, secret: Optional[bytes]) -> Optional[ClientKey]:
+        """
+        The key whose value is C{secret}, compared in constant time.
+
+        @param secret: the presented secret, or L{None}.
+        @return: the L{ClientKey}, or L{None}.
+        """
         if not secret:
             return None
         return self._lookup(secret)
@@ -249,13 +260,6 @@ def _digested(keys) -> tuple:
     """
     return tuple(k if k.digest else evolve(k, digest=keyDigest(k.key)) for k in keys)
 
-
-UNAUTHORIZED = ClientError(
-    401,
-    "invalid_request_error",
-    "Incorrect API key provided. Use Authorization: Bearer <relay key> or x-api-key.",
-    code="invalid_api_key",
-)
 
 
 def badRequest(message: str, param=None, code=None) -> ClientError:
@@ -294,31 +298,41 @@ def invalidType(param: str, expected: str, value) -> ClientError:
     )
 
 
-_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
-"""A JSON C{\\uD800}-C{\\uDFFF} escape: the only way a parsed body can
-hold an unpaired surrogate (raw UTF-8 surrogates fail to decode)."""
-
-
-def loadJSON(raw: bytes):
+def requestJSON(request):
     """
-    Parse a client's JSON body or WebSocket frame, refusing an unpaired
-    UTF-16 surrogate escape (e.g. C{"\\ud800"}): it is not text, it cannot
-    be hashed or forwarded as UTF-8, and upstream must never see it
-    (found by issue 14's fuzzing). Paired escapes (emoji written as
-    C{"\\ud83d\\ude00"}) are fine. Only bodies that contain a surrogate
-    escape pay for the second check.
+    The request's JSON body: through the intake's
+    C{request.relayJSON()} (parsed once, after the key's slot was
+    admitted, R103), else read and parsed here (requests built without
+    the intake, e.g. unit tests).
 
-    @param raw: the bytes.
-    @return: the parsed value.
-    @raise ValueError: for invalid JSON, bad UTF-8 or an unpaired surrogate.
+    @raise RequestRefused: 413 over the limit, 400 for a body that is not
+        JSON or nests too deep.
     """
-    value = json.loads(raw)
-    if _ESCAPED_SURROGATE.search(raw):
-        try:
-            json.dumps(value, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError("unpaired Unicode surrogate") from None
-    return value
+    parse = getattr(request, "relayJSON", None)
+    if parse is not None:
+        return parse()
+    limit = getattr(request, "bodyLimit", MAX_BODY_BYTES)
+    raw = request.content.read(limit + 1)
+    if len(raw) > limit:
+        raise RequestRefused(tooLarge(limit))
+    try:
+        return loadJSON(raw)
+    except ValueError as e:
+        message = str(e) if str(e) == NESTING_MESSAGE else (
+            "We could not parse the JSON body of your request.")
+        raise RequestRefused(badRequest(message)) from None
+
+
+def handOverKeyLease(request, turn: Turn) -> None:
+    """
+    Issue 19 (R103): when the intake admitted the key's slot before the
+    body was decoded, the turn takes that lease (the engine does not admit
+    the key again, and releases it when the turn ends). Every resource
+    that starts a turn from a request with a body calls this.
+    """
+    if getattr(request, "relayKeyAdmitted", False):
+        turn.keyAdmitted = True
+        turn.keyLease = request.takeKeyLease()
 
 
 class TurnResource(Resource):
@@ -384,15 +398,10 @@ class TurnResource(Resource):
         if key is None:
             writeError(request, UNAUTHORIZED)
             return NOT_DONE_YET
-        limit = getattr(request, "bodyLimit", MAX_BODY_BYTES)
-        raw = request.content.read(limit + 1)
-        if len(raw) > limit:
-            writeError(request, tooLarge(limit))
-            return NOT_DONE_YET
         try:
-            body = loadJSON(raw)
-        except ValueError:
-            writeError(request, badRequest("We could not parse the JSON body of your request."))
+            body = requestJSON(request)
+        except RequestRefused as e:
+            writeError(request, e.error)
             return NOT_DONE_YET
         if not isinstance(body, dict):
             writeError(request, badRequest("The request body must be a JSON object."))
@@ -409,6 +418,12 @@ class TurnResource(Resource):
             writeError(request, invalidType("stream", "a boolean", streamFlag))
             return NOT_DONE_YET
         stream = streamFlag is True
+        if not stream and getattr(request, "relaySSEStarted", False):
+            # Issue 19: keepalives already went out (the raw body read as
+            # streaming while the key's slot was awaited, R85) and committed
+            # the SSE head; a body whose parse disagrees (a nested
+            # "stream": true, L{relay.entry.intake.bodyStreams}) is streamed.
+            body, stream = dict(body, stream=True), True
         if self._endpoint == "chat":
             try:
                 checkChatRequest(body)
@@ -435,11 +450,12 @@ class TurnResource(Resource):
             body=body,
             stream=stream,
             headers=headers,
-            sessionHash=sessionHash(sessionSeed(headers, body, model), key.name),
+            sessionHash=sessionHash(sessionSeed(headers, body, model), key.ownerId),
             previousResponseId=previous,
             requestId=requestIdOf(request),
         )
         _noteClient(turn, request)
+        handOverKeyLease(request, turn)
         sinkType = SSESink if stream else JSONSink
         sink = sinkType(request, self._endpoint, model)
         if self._endpoint == "responses":

@@ -35,12 +35,15 @@ from relay.engine import requests as R
 from relay.entry.annotate import annotateTurn
 from relay.entry.body import DEFAULT_MAX_BODY_BYTES, tooLarge
 from relay.entry.http import (
+    NESTING_MESSAGE,
     UNAUTHORIZED,
     badRequest,
     clientHeaders,
+    handOverKeyLease,
     invalidType,
     loadJSON,
 )
+from relay.entry.intake import RequestRefused
 from relay.entry.sinks import JSONSink, SSESink, writeError
 from relay.model import ClientError, Turn
 from relay.requestid import requestIdOf
@@ -81,25 +84,38 @@ def methodNotAllowed(request, allowed: bytes) -> ClientError:
 
 def readBody(request) -> tuple:
     """
-    The one place this module reads a request body: bounded by the site's
-    limit (C{gateway.max_request_body_bytes}), parsed by L{loadJSON}, a JSON
-    object.
+    The one place this module reads a request body: through the intake's
+    C{request.relayJSON()} (R103: the key was checked at the headers, the
+    body bounded by C{gateway.max_request_body_bytes} and the bytes in
+    flight, decoded after the key's slot; deep nesting a 400), a JSON
+    object; an empty body is C{{}}. A request built without the intake
+    (unit tests) is read and parsed here with the same rules.
 
-    @return: C{(body dict, raw bytes, None)} or C{(None, None, ClientError)}.
+    @return: C{(body dict, None, None)} or C{(None, None, ClientError)}
+        (the middle element is kept for callers of the former shape).
     """
-    limit = getattr(request, "bodyLimit", DEFAULT_MAX_BODY_BYTES)
-    raw = request.content.read(limit + 1) if request.content is not None else b""
-    if len(raw) > limit:
-        return None, None, tooLarge(limit)
-    if not raw.strip():
-        return {}, raw, None
-    try:
-        body = loadJSON(raw)
-    except ValueError:
-        return None, None, badRequest("We could not parse the JSON body of your request.")
+    parse = getattr(request, "relayJSON", None)
+    if parse is not None:
+        try:
+            body = parse(allowEmpty=True)
+        except RequestRefused as e:
+            return None, None, e.error
+    else:
+        limit = getattr(request, "bodyLimit", DEFAULT_MAX_BODY_BYTES)
+        raw = request.content.read(limit + 1) if request.content is not None else b""
+        if len(raw) > limit:
+            return None, None, tooLarge(limit)
+        if not raw.strip():
+            return {}, None, None
+        try:
+            body = loadJSON(raw)
+        except ValueError as e:
+            message = str(e) if str(e) == NESTING_MESSAGE else (
+                "We could not parse the JSON body of your request.")
+            return None, None, badRequest(message)
     if not isinstance(body, dict):
         return None, None, badRequest("The request body must be a JSON object.")
-    return body, raw, None
+    return body, None, None
 
 
 class ResponsesResource(Resource):
@@ -197,7 +213,7 @@ class ResponsesResource(Resource):
         turn = Turn(
             entrypoint="http", endpoint="responses", client=key, model=model or None,
             body=body, stream=False, headers=headers,
-            sessionHash=sessionHash(sessionSeed(headers, body, model), key.name),
+            sessionHash=sessionHash(sessionSeed(headers, body, model), key.ownerId),
             # A compaction of a chain goes where the chain lives (R40-R42).
             previousResponseId=previous if which == COMPACT else None,
             requestId=requestIdOf(request), request=kind,
@@ -245,7 +261,7 @@ class ResponsesResource(Resource):
     def _ownerFound(self, owner: Optional[tuple], request, key, responseId: str, action: bytes):
         if getattr(request, "_disconnected", False) or request.finished:
             return
-        if owner is None or owner[1] != key.name:
+        if owner is None or owner[1] != key.ownerId:  # R104
             writeError(request, notFound(responseId))
             return
         accountId = owner[0]
@@ -275,6 +291,7 @@ class ResponsesResource(Resource):
         self._start(request, turn, sink)
 
     def _start(self, request, turn: Turn, sink) -> Deferred:
+        handOverKeyLease(request, turn)  # R103: a slot the intake admitted
         request.notifyFinish().addErrback(lambda f: turn.cancel.cancel("client_gone"))
         return self._runner.run(turn, sink)
 

@@ -55,6 +55,12 @@ def writeError(request, error: ClientError) -> None:
     C{X-Request-Id} header only).
     """
     requestId = requestIdOf(request)
+    if getattr(request, "relaySSEStarted", False):
+        # Issue 19 (R85): keepalives went out while the request waited for
+        # its key's slot, so the 200 and the SSE headers are sent; the
+        # error is written in-stream (R19.2).
+        writeStreamError(request, error, requestId)
+        return
     request.setResponseCode(error.status)
     for name, value in error.headers:
         request.setHeader(name, value)
@@ -64,6 +70,20 @@ def writeError(request, error: ClientError) -> None:
     else:
         request.setHeader(b"content-type", b"application/json")
         request.write(errorBody(error, requestId))
+    request.finish()
+
+
+def writeStreamError(request, error: ClientError, requestId: str, model=None) -> None:
+    """
+    End a request whose SSE head is already sent with C{error} in-stream:
+    a C{response.failed} event on the Responses routes, an C{error} event
+    on Chat Completions (as L{SSESink.fail} does), then finish.
+    """
+    target = (getattr(request, "path", None) or b"").split(b"?", 1)[0].rstrip(b"/")
+    if target.endswith(b"chat/completions"):
+        request.write(b"event: error\ndata: " + errorBody(error, requestId) + b"\n\n")
+    else:
+        request.write(failedEvent(error, model, requestId))
     request.finish()
 
 
@@ -162,6 +182,18 @@ class SSESink(_RequestSink):
 
     headersSent = False
     _noted = None
+    quietSince = None
+    """When the client was last written to before the turn began (clock
+    seconds; issue 19: keepalives during the key's slot wait), or L{None}."""
+
+    def __init__(self, request, endpoint: str, model=None):
+        super().__init__(request, endpoint, model)
+        if getattr(request, "relaySSEStarted", False):
+            # Issue 19 (R85): the intake sent the head with a keepalive
+            # while the request waited for its key's slot.
+            self.headersSent = True
+            self.status = 200
+            self.quietSince = getattr(request, "relayQuietSince", None)
 
     def noteHeaders(self, headers: dict) -> None:
         """

@@ -19,6 +19,7 @@ import os
 from attrs import define, field
 from autobahn.twisted.resource import WebSocketResource
 from autobahn.twisted.websocket import WebSocketServerFactory, WebSocketServerProtocol
+from autobahn.exception import PayloadExceededError
 from autobahn.util import encode_truncate
 from autobahn.websocket.compress import (
     PerMessageDeflateOffer,
@@ -29,7 +30,7 @@ from twisted.web.server import NOT_DONE_YET
 
 from relay.engine.errors import previousResponseNotFound
 from relay.entry.annotate import annotateTurn
-from relay.entry.http import UNAUTHORIZED, filterClientHeaders, loadJSON
+from relay.entry.http import NESTING_MESSAGE, UNAUTHORIZED, filterClientHeaders, loadJSON
 from relay.entry.sinks import writeError
 from relay.entry.wssink import WebSocketSink, wsErrorEvent
 from relay.model import ClientError, Turn
@@ -60,6 +61,39 @@ THREAD_HEADERS = ("thread-id", "x-codex-window-id")
 KEY_REVOKED_CLOSE = (1008, "api key is no longer valid")
 """Issue 14: the connection's key was removed or rotated by a reload; the
 connection takes no new turn (a reconnect with the new key works)."""
+
+PARSE_FREELY_BYTES = 256 * 1024
+"""Client frames up to this size are parsed without the key's slot (a
+C{response.processed}, a short turn): bounded work. Larger ones wait for
+the slot first (issue 19 item 2)."""
+
+
+class _FrameHold:
+    """
+    The parsed-size estimate of one admitted frame, held in the bytes in
+    flight until its turn ends; released once.
+    """
+
+    def __init__(self, budget, keyName: str, n: int):
+        self._budget, self._key, self._n = budget, keyName, n
+
+    def release(self) -> None:
+        n, self._n = self._n, 0
+        if n and self._budget is not None:
+            self._budget.release(self._key, n)
+
+
+def _giveBack(admitted) -> None:
+    """
+    Give back an admitted frame's lease and bytes no turn took.
+    """
+    if admitted is None:
+        return
+    lease, held = admitted
+    if lease is not None:
+        lease.release()
+    held.release()
+
 
 def closeWith(proto, code: int, reason: str) -> None:
     """
@@ -212,8 +246,14 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         try:
             f = self.factory
             headers = {k.lower(): v for k, v in request.headers.items()}
-            secret = headers.get("authorization") or headers.get("x-api-key")
-            self._key = f.keys.authenticateHeader(secret)
+            # Issue 19 item 7: the upgrade was authenticated once, by the
+            # HTTP intake and L{RelayWebSocketResource}; its key is handed
+            # over, never parsed again from the headers.
+            self._key = getattr(self, "relayKey", None)
+            if self._key is None:
+                from autobahn.websocket.types import ConnectionDeny
+
+                raise ConnectionDeny(401, "Unauthorized")
             self._headers = filterClientHeaders(headers)
             self._state = ConnectionState()
             self._model = None
@@ -231,6 +271,8 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             # Issue 22: who is calling, for the request log.
             self._clientAddress = _peerHost(self.transport)
             self._userAgent = (headers.get("user-agent") or "")[:200] or None
+            self._admittingFrame = None
+            self._pendingAdmission = None
         except Exception:
             self._log.failure("accepting a client websocket failed")
             raise
@@ -252,7 +294,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             return (None, answer)
         from relay.scheduling.scheduler import turnStateSessionKey
 
-        session = sessionHash(sessionSeed(headers, {}, None), self._key.name)
+        session = sessionHash(sessionSeed(headers, {}, None), self._key.ownerId)
         d = recall(turnStateSessionKey(session))
 
         def carry(token):
@@ -306,6 +348,9 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         if getattr(self, "_state", None) is None:
             return
         self._gone = True
+        # Issue 19: what the connection still held leaves the bytes in flight.
+        held, self._bufferedHold = self._bufferedHold, 0
+        self._giveBackBytes(self._releaseAssembled() + held)
         self._disarm()
         connections = getattr(self.factory, "openConnections", None)
         if connections is not None:
@@ -316,6 +361,9 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         turn = self._running
         if turn is not None:
             turn.cancel.cancel("client_gone")
+        admitting = getattr(self, "_admittingFrame", None)
+        if admitting is not None:
+            admitting.cancel("client_gone")
         dedicated = self._state.dedicated
         if dedicated is not None:
             dedicated.broken = True
@@ -393,12 +441,143 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         closes 1009 itself; tell the client first while it can still read.
         """
         if self._closing is None and not self._gone and self.state == self.STATE_OPEN:
+            code = "frame_too_large"
+            if self._ratioExceeded:
+                # Issue 19 item 2: a permessage-deflate bomb.
+                ratio = self.factory.settings.current.limits.max_decompression_ratio
+                reason = (f"frame decompresses to more than {ratio:g} times its size"
+                          " (gateway.limits.max_decompression_ratio)")
+                code = "decompression_ratio_exceeded"
+            self._giveBackBytes(self._releaseAssembled())
             reason = encode_truncate(reason, 120).decode("utf-8", "ignore")
-            error = ClientError(400, "invalid_request_error", reason, code="frame_too_large")
+            error = ClientError(400, "invalid_request_error", reason, code=code)
             self.sendText(json.dumps(wsErrorEvent(error)).encode())
             self._closing = (1009, reason)
             self._disarm()
         super()._max_message_size_exceeded(msg_size, max_msg_size, reason)
+
+    # -- frames in flight (issue 19 item 2) ----------------------------------------
+
+    _assembling = 0
+    """Bytes of the message being assembled now (after permessage-deflate),
+    held in the key's and the process's bytes in flight."""
+    _bufferedHold = 0
+    """The same for the one early frame held while a turn runs (R63)."""
+    _compressedIn = 0
+    _inflatedOut = 0
+    _ratioExceeded = False
+
+    def _budgetAndLimits(self):
+        f = self.factory
+        budget = getattr(f, "budget", None)
+        settings = getattr(f, "settings", None)
+        if budget is None or settings is None or getattr(self, "_key", None) is None:
+            return None, None
+        return budget, settings.current.limits
+
+    def onMessageBegin(self, isBinary: bool) -> None:
+        """
+        A client message starts: bound its permessage-deflate inflation by
+        C{gateway.limits.max_decompression_ratio} (L{_boundInflation}).
+        """
+        self._compressedIn = self._inflatedOut = 0
+        self._ratioExceeded = False
+        self._boundInflation()
+        super().onMessageBegin(isBinary)
+
+    def _boundInflation(self) -> None:
+        """
+        Issue 19 item 2: a compressed message inflates to at most
+        C{max_decompression_ratio} times the compressed bytes received so
+        far (or L{relay.entry.body.RATIO_FLOOR_BYTES}, whichever is more),
+        besides autobahn's own C{maxMessagePayloadSize} bound: the
+        decompressor is asked for no more (it stops inflating, in C), and a
+        message that needs more is refused like an oversized one
+        (L{_max_message_size_exceeded}: C{error} event, close 1009).
+        Needs autobahn's bounded C{decompress_message_data(data,
+        max_output_len)} (26.11; setup.cfg).
+        """
+        pmc = getattr(self, "_perMessageCompress", None)
+        if pmc is None or getattr(pmc, "_relayBounded", False):
+            return
+        from relay.entry.body import RATIO_FLOOR_BYTES
+
+        original = pmc.decompress_message_data
+
+        def bounded(data, max_output_len=None):
+            _, limits = self._budgetAndLimits()
+            ratio = limits.max_decompression_ratio if limits is not None else None
+            if not ratio:
+                return original(data, max_output_len=max_output_len)
+            self._compressedIn += len(data)
+            allowed = max(int(ratio * self._compressedIn), RATIO_FLOOR_BYTES) - self._inflatedOut
+            allowed = max(allowed, 0)
+            cap = allowed if max_output_len is None else min(max_output_len, allowed)
+            try:
+                out = original(data, max_output_len=cap)
+            except PayloadExceededError:
+                if max_output_len is None or allowed < max_output_len:
+                    self._ratioExceeded = True
+                raise
+            self._inflatedOut += len(out)
+            return out
+
+        pmc.decompress_message_data = bounded
+        pmc._relayBounded = True
+
+    def onMessageFrameData(self, payload: bytes) -> None:
+        """
+        A piece of a client message (inflated): held in the key's and the
+        process's bytes in flight while the message is assembled (issue 19
+        item 2), like an HTTP body while it arrives; over a bound the
+        connection is refused (L{_refuseFrame}) and nothing more of the
+        message is kept.
+        """
+        if self._closing is not None or getattr(self, "_gone", False):
+            return
+        budget, limits = self._budgetAndLimits()
+        if budget is not None and payload:
+            error = budget.reserve(
+                self._key.name, len(payload), limits.body_bytes_in_flight_per_key,
+                limits.body_bytes_in_flight,
+            )
+            if error is not None:
+                self._refuseFrame(error)
+                return
+            self._assembling += len(payload)
+        super().onMessageFrameData(payload)
+
+    def _releaseAssembled(self) -> int:
+        """
+        Stop counting the assembled message; return its byte count.
+        """
+        n, self._assembling = self._assembling, 0
+        return n
+
+    def _giveBackBytes(self, n: int) -> None:
+        budget, _ = self._budgetAndLimits()
+        if budget is not None and n:
+            budget.release(self._key.name, n)
+
+    def _refuseFrame(self, error: ClientError) -> None:
+        """
+        A message over the bytes in flight: busy, not the client's mistake
+        (R81): an C{error} event without status, then close 1013; a single
+        message that can never fit is a frame too large (400, 1009).
+        """
+        self._log.info(
+            "client websocket {conn_id}: frame refused ({message})",
+            event="relay.ws_frame_refused", conn_id=getattr(self, "_connId", "-"),
+            message=error.message,
+        )
+        self._giveBackBytes(self._releaseAssembled())
+        busy = error.status == 429
+        self.sendText(json.dumps(wsErrorEvent(error, withStatus=not busy)).encode())
+        self.closeWith(1013 if busy else 1009, encode_truncate(error.message, 120).decode(
+            "utf-8", "ignore"))
+        running = getattr(self, "_running", None)
+        if running is not None:
+            running.cancel.cancel("frame_refused")
 
     def _arm(self, seconds: float, code: int, reason: str) -> None:
         self._disarm()
@@ -413,29 +592,130 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
     # -- frames ----------------------------------------------------------------
 
     def onMessage(self, payload: bytes, isBinary: bool) -> None:
+        assembled = self._releaseAssembled()
         try:
             if self._closing is not None or self._gone:
+                self._giveBackBytes(assembled)
                 return
             if self._running is not None:
                 # R63: one early frame is held; a second one is too many.
                 if self._buffered is None:
                     self._buffered = payload
+                    self._bufferedHold = assembled  # still held (issue 19)
                     return
+                self._giveBackBytes(assembled)
                 self.closeWith(1013, TOO_MANY_MESSAGE)
                 self._running.cancel.cancel("too_many_frames")
                 return
+            # The frame's own hold is given back; a large one is held again
+            # as its parsed-size estimate while it waits (L{_admitFrame}).
+            self._giveBackBytes(assembled)
             self._handle(payload)
         except Exception:  # noqa: BLE001
             self._log.failure("handling a client websocket frame failed")
             self.closeWith(1011, "upstream websocket proxy failed")
 
     def _handle(self, payload: bytes) -> None:
+        """
+        One client frame, outside a running turn. A small frame is parsed
+        at once; a larger one (over L{PARSE_FREELY_BYTES}) is parsed only
+        once the key's slot is admitted and its parsed-size estimate is
+        held within the key's and the process's bytes in flight (R103,
+        issue 19 item 2), like an HTTP body.
+        """
         self._disarm()
+        if len(payload) <= PARSE_FREELY_BYTES or self.factory.__dict__.get("runner") is None:
+            self._parse(payload, None)
+            return
+        self._admitFrame(payload)
+
+    def _admitFrame(self, payload: bytes) -> None:
+        from relay.entry.body import parsedEstimate
+        from relay.model import CancelSignal
+
+        f = self.factory
+        estimate = parsedEstimate(payload)
+        budget, limits = getattr(f, "budget", None), f.settings.current.limits
+        if budget is not None:
+            error = None
+            for limit in (limits.body_bytes_in_flight_per_key, limits.body_bytes_in_flight):
+                if limit and estimate > limit:
+                    error = ClientError(
+                        400, "invalid_request_error",
+                        "frame too large once parsed (gateway.limits.body_bytes_in_flight)",
+                        code="frame_too_large",
+                    )
+            if error is None:
+                error = budget.reserve(
+                    self._key.name, estimate, limits.body_bytes_in_flight_per_key,
+                    limits.body_bytes_in_flight,
+                )
+            if error is not None:
+                self._refuseFrame(error)
+                return
+        held = _FrameHold(budget, self._key.name, estimate if budget is not None else 0)
+        cancel = CancelSignal()
+        self._admittingFrame = cancel
+        d = f.runner.admitKey(
+            self._key, cancel, f"{self._requestId}:{self._turns + 1}", "ws",
+            keepalive=self._admissionPing,
+        )
+
+        def admitted(lease):
+            self._admittingFrame = None
+            if self._gone or self._closing is not None:
+                if lease is not None:
+                    lease.release()
+                held.release()
+                return
+            self._parse(payload, (lease, held))
+
+        def refused(failure):
+            self._admittingFrame = None
+            held.release()
+            if self._gone or self._closing is not None:
+                return
+            error = getattr(failure.value, "error", None)
+            if error is None or error.wsClose is None:
+                self._log.failure("admitting a websocket frame failed", failure)
+                self.closeWith(1011, "failed to acquire user concurrency slot")
+                return
+            self.closeWith(*error.wsClose)
+
+        d.addCallbacks(admitted, refused)
+        d.addErrback(lambda fail: self._log.failure("websocket frame admission", fail))
+
+    def _admissionPing(self) -> None:
+        """
+        R85 while a frame waits for the key's slot: a ping frame at the
+        turn's pace (the engine calls this, L{TurnRunner.admitKey}).
+        """
+        if not self._gone and self._closing is None and self.isOpen():
+            self.sendPing()
+
+    def _parse(self, payload: bytes, admitted) -> None:
+        """
+        Parse and act on a frame; C{admitted} is C{(lease, held bytes)}
+        when the key's slot was admitted for it (the turn takes both;
+        anything else gives them back).
+        """
         try:
             frame = loadJSON(payload)
-        except ValueError:
+        except ValueError as e:
+            _giveBack(admitted)
+            if str(e) == NESTING_MESSAGE:
+                self.reject("invalid JSON payload: nested too deeply", "invalid_json")
+                return
             self.reject("invalid JSON payload", "invalid_json")
             return
+        self._pendingAdmission = admitted
+        try:
+            self._act(frame)
+        finally:
+            _giveBack(self._pendingAdmission)
+            self._pendingAdmission = None
+
+    def _act(self, frame) -> None:
         if not isinstance(frame, dict):
             self.reject("invalid JSON payload", "invalid_json")
             return
@@ -538,7 +818,8 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             if body.get(name, False) is None:
                 body.pop(name)  # null is absent; never forwarded (issue 14's fuzzing)
         if self._session is None:
-            self._session = sessionHash(sessionSeed(self._headers, body, model), self._key.name)
+            self._session = sessionHash(sessionSeed(self._headers, body, model),
+                                        self._key.ownerId)
             self._claimSession(body)
         phase = "first_turn" if self._turns == 0 else "later_turn"
         turn = Turn(
@@ -595,7 +876,13 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             state.accountId = account.id
 
         turn.onResponseId = onResponse
+        admitted, self._pendingAdmission = self._pendingAdmission, None
+        if admitted is not None:
+            # R103: the key's slot was admitted before the frame was parsed.
+            turn.keyAdmitted, turn.keyLease = True, admitted[0]
         d = f.runner.run(turn, sink)
+        if admitted is not None:
+            d.addBoth(lambda result: (admitted[1].release(), result)[1])
         d.addCallback(self._turnDone, turn, sink, previous, inputItems)
         d.addErrback(lambda fail: self._log.failure("websocket turn failed", fail))
 
@@ -644,6 +931,8 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
     def _next(self) -> None:
         if self._buffered is not None:
             payload, self._buffered = self._buffered, None
+            held, self._bufferedHold = self._bufferedHold, 0
+            self._giveBackBytes(held)
             self._handle(payload)
             return
         self._idle()
@@ -668,7 +957,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         if not self._session or not explicit:
             return
         owners = self.factory.__dict__.setdefault("sessionOwners", {})  # unit-test factories
-        key = (self._key.name, self._session, self._threadId)
+        key = (self._key.ownerId, self._session, self._threadId)
         older = owners.get(key)
         owners[key] = self
         self._ownerKey = key
@@ -791,7 +1080,27 @@ class RelayWebSocketResource:
                 ),
             )
             return NOT_DONE_YET
-        return self._ws.render(request)
+        # Issue 19 item 7: the protocol takes this key (authenticated once).
+        self.factory.handoverKey = key
+        try:
+            return self._ws.render(request)
+        finally:
+            self.factory.handoverKey = None
+
+
+class _RelayWebSocketFactory(WebSocketServerFactory):
+    """
+    The client WebSocket factory: a protocol built for an upgrade takes
+    the key L{RelayWebSocketResource} authenticated (C{handoverKey}).
+    """
+
+    handoverKey = None
+    budget = None
+
+    def buildProtocol(self, addr):
+        proto = super().buildProtocol(addr)
+        proto.relayKey = self.handoverKey
+        return proto
 
 
 def buildWebSocketResource(runner, keys, accounts, settings, reactor) -> RelayWebSocketResource:
@@ -799,7 +1108,7 @@ def buildWebSocketResource(runner, keys, accounts, settings, reactor) -> RelayWe
     The autobahn factory with explicit options (style.md 9(a)) wrapped in
     the upgrade handler. Keep C{resource.factory} as C{site.wsFactory}.
     """
-    factory = WebSocketServerFactory(None, reactor=reactor)
+    factory = _RelayWebSocketFactory(None, reactor=reactor)
     factory.protocol = RelayWebSocketProtocol
     factory.runner = runner
     factory.keys = keys

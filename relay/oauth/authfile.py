@@ -29,6 +29,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 from datetime import datetime
 from typing import Optional
 
@@ -210,8 +211,12 @@ def writeEnvFile(path: str, env: dict, replaced) -> None:
                 kept.append(line if line.endswith("\n") else line + "\n")
     except FileNotFoundError:
         pass
-    temporary = f"{path}.{os.getpid()}.tmp"
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # Issue 19 item 7: an unpredictable name in the target directory,
+    # created exclusively with mode 0600 (never a file someone planted).
+    descriptor, temporary = tempfile.mkstemp(
+        prefix="." + os.path.basename(path) + ".", suffix=".tmp",
+        dir=os.path.dirname(os.path.abspath(path)),
+    )
     try:
         with os.fdopen(descriptor, "w", encoding="utf-8") as f:
             os.fchmod(f.fileno(), 0o600)  # an old temporary file keeps its mode

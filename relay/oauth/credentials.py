@@ -490,8 +490,9 @@ class OAuthCredentials:
             return None
         if slot.record is None:
             # Loading (start-up, or an account a reload just added): never
-            # dial with token state relay has not read yet.
-            return ("tokens_loading", now + 1) if self._running else None
+            # dial with token state relay has not read yet (R105, issue 19:
+            # also before the store load began).
+            return ("tokens_loading", now + 1)
         record = slot.record
         if record.status == STATUS_NEEDS_LOGIN:
             return ("needs_login: " + (record.reason or "login required"), 0)

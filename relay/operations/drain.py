@@ -323,8 +323,8 @@ class DrainGate(Resource):
         """
         Route to the real root, or refuse while draining.
         """
-        if self._drain.draining:
-            return _Refusal()
+        if self._drain.draining and path != b"readyz":
+            return _Refusal()  # /readyz itself answers "not ready" (R105)
         return self.root.getChildWithDefault(path, request)
 
     def putChild(self, path, child) -> None:

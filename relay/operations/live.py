@@ -220,6 +220,13 @@ class LiveConfiguration:
         """
         return self.config.admin_key
 
+    def metricsKey(self) -> str | None:
+        """
+        @return: the read-only C{metrics_key} in force (opens C{/metrics}
+            only, R99), or L{None}.
+        """
+        return self.config.metrics_key
+
     def apply(self, config: RelayConfig) -> AccountSetChange:
         """
         Put C{config}'s keys, accounts and admin key in force (the gateway

@@ -247,7 +247,7 @@ class _SettingsResource(_Guarded):
             )
         try:
             body = json.loads(raw.decode("utf-8"))
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # issue 19 item 3
             return _respond(
                 request,
                 400,
@@ -377,7 +377,7 @@ class _AccountsResource(_Guarded):
                 "Body too large", "invalid_request_error", "body_too_large"))
         try:
             body = json.loads(raw.decode("utf-8")) if raw.strip() else {}
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # issue 19 item 3
             body = None
         if not isinstance(body, dict):
             return _respond(request, 400, _errorBody(
@@ -568,12 +568,41 @@ class _MetricsResource(Resource):
 
 class _GuardedMetrics(_Guarded):
     """
-    C{/admin/metrics}: the metrics behind the admin key.
+    C{/admin/metrics}: the metrics behind the admin key; C{/metrics} also
+    opens to the read-only C{metrics_key} (R99, issue 19 item 7).
     """
 
-    def __init__(self, adminKey, registry):
+    def __init__(self, adminKey, registry, readKey=None):
+        """
+        @param readKey: a no-argument callable returning the read-only
+            metrics key or L{None}; L{None} for admin-only.
+        """
         super().__init__(adminKey)
         self._metrics = _MetricsResource(registry)
+        self._readKey = readKey
+
+    @property
+    def adminKey(self) -> Optional[str]:
+        """
+        @return: the admin key, or (when only a metrics key is configured)
+            the metrics key, so the route is enabled.
+        """
+        admin = _keyOf(self._adminKey)
+        if admin is None and self._readKey is not None:
+            return self._readKey()
+        return admin
+
+    def _authorised(self, request) -> bool:
+        if super()._authorised(request):
+            return True
+        key = self._readKey() if self._readKey is not None else None
+        if key is None:
+            return False
+        header = request.getHeader(b"authorization") or b""
+        scheme, _, token = header.decode("latin-1").strip().partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode("utf-8"), key.encode("utf-8")
+        )
 
     def render_GET(self, request):
         """

@@ -14,13 +14,16 @@ Store keys (R38, R39, R40):
   - C{sticky_session:0:openai:{hash}} -> account id (the session binding);
   - C{sticky_session:0:openai:response:{sha256(id)}} -> account id (the
     response owner);
-  - C{openai:http-response-owner:key:{sha256(id)}} -> client key name.
+  - C{openai:http-response-owner:key:{sha256(id)}} -> the owner record
+    C{{"key": name, "account": id}} (R40, R104; TTL
+    C{response_owner_ttl_seconds}; see L{AccountScheduler.lookupResponse}).
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import math
 import random
 import statistics
@@ -28,7 +31,7 @@ from collections import OrderedDict
 from typing import Callable, Iterable, Optional, Sequence
 from weakref import WeakKeyDictionary
 
-from attrs import define, field
+from attrs import define, evolve, field
 from attrs import fields as attrs_fields
 from twisted.internet.defer import Deferred, fail
 from twisted.internet.interfaces import IReactorTime
@@ -153,6 +156,35 @@ class _NoSlot:
 
 NO_SLOT = _NoSlot()
 """The one L{_NoSlot}."""
+
+
+def _parseOwner(raw: str) -> tuple:
+    """
+    An owner record: C{{"key": name, "account": id}} (R104), or the bare
+    key name of records written before issue 19.
+
+    @return: C{(keyName, accountId or None)}.
+    """
+    if raw.startswith("{"):
+        try:
+            value = json.loads(raw)
+            return value.get("key"), value.get("account")
+        except (ValueError, AttributeError):
+            return None, None
+    return raw, None
+
+
+def _previousNotFound(previous: str, turn: Turn) -> ClientError:
+    """
+    R104's fail-closed answer: C{previous_response_not_found}, as upstream
+    words it; on the WebSocket the event is followed by the close every
+    C{previous_response_not_found} gets, so Codex reconnects with its full
+    input (L{relay.engine.errors.previousResponseNotFound}).
+    """
+    from relay.engine.errors import previousResponseNotFound
+
+    error = previousResponseNotFound(previous)
+    return error if turn.entrypoint == "ws" else evolve(error, wsClose=None)
 
 
 def _never(account: Account) -> bool:
@@ -530,23 +562,12 @@ class AccountScheduler:
         Issue 22: the account's fuller usage window in percent, or L{None}.
         """
         return self._usedPercent(account)
+
     def accountById(self, accountId: str) -> Optional[Account]:
         """
         The configured account with this id (the live registry), or L{None}.
         """
         return self._pool().byId.get(accountId)
-
-    def lookupResponse(self, responseId: str) -> Deferred:
-        """
-        Who owns a response (R39, R40, R104): the account that served it and
-        the client key that created it.
-
-        @param responseId: the response id.
-        @return: Deferred firing with C{(accountId, keyName)}, or L{None}
-            when relay holds no complete owner record for it (fail closed:
-            the caller answers as for an unknown id).
-        """
-        return eagerDeferred(self._lookupResponse(responseId))
 
     def recordAffinity(self, key: str, account: Account) -> Deferred:
         """
@@ -645,6 +666,37 @@ class AccountScheduler:
         """
         return eagerDeferred(self._recordResponse(turn, responseId, account))
 
+    def retryHint(self, turn: Turn) -> Deferred:
+        """
+        Whole seconds until the earliest account serving C{turn}'s model
+        becomes schedulable again (R83's hint, issue 19 item 7: also for
+        the 429 relay answers when every account it tried answered 429).
+
+        @return: a Deferred firing with seconds (at least 1), or L{None}
+            when no account is blocked with a known end.
+        """
+        return eagerDeferred(self._retryHint(turn))
+
+    async def _retryHint(self, turn: Turn) -> Optional[int]:
+        import math
+
+        accounts = [a for a in self._accounts if a.servesModel(turn.model)]
+        states = await self._states(accounts)
+        now = self._clock.seconds()
+        ctx = _Pass(
+            turn=turn, excluded=frozenset(), now=now,
+            scheduling=self._settings.current.scheduling,
+            byId={a.id: a for a in accounts}, states=states,
+        )
+        ends = []
+        for account in accounts:
+            why = self._blockWhy(ctx, account)
+            if why is not None and why[1] and why[1] > now:
+                ends.append(why[1])
+        if not ends:
+            return None
+        return max(1, int(math.ceil(min(ends) - now)))
+
     # ------------------------------------------------------------------
     # Store helpers (R35: fail open)
     # ------------------------------------------------------------------
@@ -713,7 +765,7 @@ class AccountScheduler:
         try:
             await getattr(self._store, op)(*args)
         except Exception as e:
-            key = ", ".join(k for k, _ in args[0]) if op == "setValues" else args[0]
+            key = ", ".join(p[0] for p in args[0]) if op == "setValues" else args[0]
             self._log.error(
                 "state store {op} failed for {key}: {error}",
                 event="openai.sticky_write_failed", op=op, key=key, error=repr(e),
@@ -754,24 +806,34 @@ class AccountScheduler:
 
     async def _recordResponse(self, turn: Turn, responseId: str, account: Account) -> None:
         """
-        See L{recordResponse}.
+        See L{recordResponse}. Two records: the routing binding (R39, TTL
+        C{previous_response_ttl_seconds}) and the owner record (R104: the
+        key and the account, JSON, TTL C{response_owner_ttl_seconds}, as
+        long as upstream keeps a stored response).
         """
         if not responseId:
             return
-        ttl = self._settings.current.scheduling.previous_response_ttl_seconds
-        self._remember(responseId, account.id, turn.client.name, ttl)
+        s = self._settings.current.scheduling
+        ttl = s.previous_response_ttl_seconds
+        ownerTtl = max(ttl, s.response_owner_ttl_seconds)
+        # R104: owned by the key's owner identity (ClientKey.ownerId): a
+        # file key's name, an admin key's name with its issuance.
+        self._remember(responseId, account.id, turn.client.ownerId, ownerTtl)
+        owner = json.dumps({"key": turn.client.ownerId, "account": account.id},
+                           separators=(",", ":"))
         # Both writes leave at once (issue 14): a reader in another process
         # must not find the owner without the key (R40) a round trip later.
-        pairs = ((responseKey(responseId), account.id),
-                 (responseOwnerKey(responseId), turn.client.name))
         if getattr(self._store, "setValues", None) is not None:
-            # Issue 24: one operation for both.
-            await self._write("setValues", pairs, ttl)
+            # Issue 24: one operation for both (each with its own TTL).
+            await self._write("setValues", (
+                (responseKey(responseId), account.id, ttl),
+                (responseOwnerKey(responseId), owner, ownerTtl),
+            ), ttl)
             return
         writes = [
-            Deferred.fromCoroutine(self._write("setValue", key, value, ttl))
-            for key, value in ((responseKey(responseId), account.id),
-                               (responseOwnerKey(responseId), turn.client.name))
+            Deferred.fromCoroutine(self._write("setValue", key, value, t))
+            for key, value, t in ((responseKey(responseId), account.id, ttl),
+                                  (responseOwnerKey(responseId), owner, ownerTtl))
         ]
         for d in writes:
             await d
@@ -799,26 +861,49 @@ class AccountScheduler:
             return None
         return entry[:2]
 
+    def lookupResponse(self, responseId: str) -> Deferred:
+        """
+        Who owns a response id (behaviour.md R39, R40, R104): the key that
+        created it and the account that served it, from the store's owner
+        record (persisted with the store: Redis, or the embedded store),
+        else this process's local map.
+
+        The contract with every route that names a response (retrieve,
+        delete, cancel, input items, continuations): L{None} means relay
+        holds no owner record, and the caller must fail closed (an unknown
+        id, C{previous_response_not_found} / 404), never serve it on
+        another key's context.
+
+        @param responseId: the response id (C{resp_...}).
+        @return: a Deferred firing with L{None} or C{(accountId, keyName)}
+            (C{accountId} may be L{None} for a record written before the
+            account was kept with it and whose routing binding expired).
+            Store errors count as "no record" (fail closed, logged).
+        """
+        return eagerDeferred(self._lookupResponse(responseId))
+
+    async def _lookupResponse(self, responseId: str) -> Optional[tuple]:
+        if not responseId:
+            return None
+        raw = await self._get(responseOwnerKey(responseId))
+        if raw:
+            keyName, accountId = _parseOwner(raw)
+            if accountId is None:
+                accountId = await self._get(responseKey(responseId))
+            if keyName:
+                return (accountId, keyName)
+        return self._local(responseId)
+
     async def _responseOwner(self, responseId: str) -> Optional[str]:
         """
-        The account id that owns a response (R39): the store, then the
-        local map.
+        The account id that owns a response (R39): the routing binding,
+        then the owner record (R104), then the local map.
         """
         owner = await self._get(responseKey(responseId))
         if owner:
             return owner
-        local = self._local(responseId)
-        return local[0] if local else None
-
-    async def _lookupResponse(self, responseId: str) -> Optional[tuple]:
-        """
-        See L{lookupResponse}.
-        """
-        accountId = await self._responseOwner(responseId)
-        keyName = await self._responseKeyName(responseId)
-        if not accountId or not keyName:
-            return None
-        return (accountId, keyName)
+        found = await self._lookupResponse(responseId)
+        return found[0] if found else None
 
     async def _affinityOwner(self, key: str) -> Optional[str]:
         """
@@ -839,11 +924,8 @@ class AccountScheduler:
         """
         The client key name that owns a response (R40), or L{None}.
         """
-        name = await self._get(responseOwnerKey(responseId))
-        if name:
-            return name
-        local = self._local(responseId)
-        return local[1] if local else None
+        found = await self._lookupResponse(responseId)
+        return found[1] if found else None
 
     async def _states(self, accounts: Iterable[Account]) -> dict:
         """
@@ -1557,13 +1639,27 @@ class AccountScheduler:
                 code="no_available_accounts",
             ))
 
-        # R40: an HTTP continuation must belong to the caller's key.
-        if previous and turn.entrypoint == "http":
+        # R40, R104: a continuation must belong to the caller's key, on
+        # every entrypoint and mode; an id relay holds no owner record for
+        # is refused (fail closed), never tried on another key's context.
+        if previous:
             ownerKey = await self._responseKeyName(previous)
-            if ownerKey is not None and ownerKey != turn.client.name:
+            if ownerKey is None:
+                self._log.info(
+                    "previous_response_id {previous} has no owner record; refused",
+                    event="relay.previous_response_unowned", previous=previous,
+                    request_id=turn.requestId, client=turn.client.name,
+                )
+                raise NoAccountAvailable(_previousNotFound(previous, turn))
+            if ownerKey != turn.client.ownerId:
+                self._log.warn(
+                    "key {client} named a response of another key; refused",
+                    event="relay.previous_response_foreign", request_id=turn.requestId,
+                    client=turn.client.name,
+                )
                 raise self._error(
                     turn, 400, "invalid_request_error", FOREIGN_OWNER_MESSAGE,
-                    param="previous_response_id",
+                    param="previous_response_id", wsClose=(1008, FOREIGN_OWNER_MESSAGE),
                 )
 
         # Issue 24: the binding read leaves with the states read (one round

@@ -22,6 +22,7 @@ from zope.interface import implementer
 from relay.policy.failures import AccountRuntime
 from relay.interfaces import IAccountStates, IAccountStateView, IStateStore
 from relay.state import MARK_KINDS, counter403Key
+from relay.state.durable import isDurable
 
 
 def applyMark(
@@ -138,10 +139,19 @@ class MemoryStateStore:
     """
 
     _clock: IReactorTime
+    maxValues: int = 1_000_000
+    """Issue 19 item 7: the most TTL'd values (bindings, owners) kept; over
+    it, expired entries are pruned, then the oldest written are dropped.
+    Client-chosen session ids can never grow the store without bound."""
+    durable: object = None
+    """Issue 19 (R104): a L{relay.state.durable.SQLiteValues} the owner
+    records are also written to and read back from after a restart, or
+    L{None} (nothing outlives the process)."""
     _view: FlaggedStates = field(factory=FlaggedStates, init=False)
     _accounts: dict = field(init=False)
     _counters: dict = field(factory=dict, init=False)
     _values: dict = field(factory=dict, init=False)
+    _prunedAt: float = field(default=-1.0, init=False)
 
     _log = Logger()
 
@@ -237,11 +247,27 @@ class MemoryStateStore:
         """
         entry = self._values.get(key)
         if entry is None:
+            if self.durable is not None and isDurable(key):
+                return self._loadDurable(key)
             return succeed(None)
         if entry[1] <= self._clock.seconds():
             del self._values[key]
             return succeed(None)
         return succeed(entry[0])
+
+    def _loadDurable(self, key: str) -> Deferred:
+        """
+        A persisted value this process does not hold (after a restart).
+        """
+        d = self.durable.load(key, self._clock.seconds())
+
+        def found(row):
+            if row is None:
+                return None
+            self._values[key] = row
+            return row[0]
+
+        return d.addCallback(found)
 
     def setValue(self, key, value, ttl) -> Deferred:
         """
@@ -249,20 +275,33 @@ class MemoryStateStore:
 
         @param ttl: seconds.
         """
-        self._values[key] = (value, self._clock.seconds() + ttl)
+        values = self._values
+        values.pop(key, None)
+        values[key] = (value, self._clock.seconds() + ttl)
+        if self.durable is not None and isDurable(key):
+            self.durable.save(key, value, values[key][1]).addErrback(
+                lambda f: self._log.failure("persisting {key} failed", f, key=key)
+            )
+        if len(values) > self.maxValues:
+            now = self._clock.seconds()
+            if now > self._prunedAt:
+                # At most one full pass per clock tick; then the oldest go.
+                self._prunedAt = now
+                self.prune()
+            while len(values) > self.maxValues:
+                del values[next(iter(values))]
         return succeed(None)
 
     def setValues(self, pairs, ttl) -> Deferred:
         """
-        L{setValue} of several keys with one TTL (issue 24; as the Redis
-        store's).
+        L{setValue} of several keys (issue 24; as the Redis store's).
 
-        @param pairs: C{[(key, value), ...]}.
-        @param ttl: seconds.
+        @param pairs: C{[(key, value), ...]}, or C{(key, value, ttl)}
+            triples for a key with a TTL of its own.
+        @param ttl: seconds (for the pairs without one).
         """
-        expires = self._clock.seconds() + ttl
-        for key, value in pairs:
-            self._values[key] = (value, expires)
+        for pair in pairs:
+            self.setValue(pair[0], pair[1], pair[2] if len(pair) > 2 else ttl)
         return succeed(None)
 
     def touchValue(self, key, ttl) -> Deferred:
@@ -285,17 +324,25 @@ class MemoryStateStore:
         See L{IStateStore.deleteValue}.
         """
         self._values.pop(key, None)
+        if self.durable is not None and isDurable(key):
+            self.durable.delete(key).addErrback(
+                lambda f: self._log.failure("forgetting {key} failed", f, key=key)
+            )
         return succeed(None)
 
     def prune(self) -> int:
         """
-        Drop expired counters and values (a periodic job may call this; the
-        store also drops them lazily).
+        Drop expired counters and values (relay runs this every minute,
+        L{relay.app}; the store also drops them lazily).
 
         @return: the number of entries dropped.
         """
         now = self._clock.seconds()
         dropped = 0
+        if self.durable is not None:
+            self.durable.prune(now).addErrback(
+                lambda f: self._log.failure("pruning persisted values failed", f)
+            )
         for table in (self._counters, self._values):
             for key in [k for k, e in table.items() if e[1] <= now]:
                 del table[key]

@@ -380,16 +380,20 @@ class RedisStateStore:
 
     def setValues(self, pairs, ttl) -> Deferred:
         """
-        Issue 24: L{setValue} of several keys with one TTL, together (one
-        operation; the response owner's two records, R39/R40).
+        Issue 24: L{setValue} of several keys, together (one operation,
+        atomic; a response's routing binding and owner record, R39/R40/R104).
 
-        @param pairs: C{[(key, value), ...]}.
-        @param ttl: seconds.
+        @param pairs: C{[(key, value), ...]}, or C{(key, value, ttl)}
+            triples for a key with a TTL of its own.
+        @param ttl: seconds (for the pairs without one).
         """
-        pairs = list(pairs)
+        keys, args = [], []
+        for pair in pairs:
+            keys.append(pair[0])
+            args.append(_ms(pair[2] if len(pair) > 2 else ttl))
+            args.append(pair[1])
         return self._batched(
-            "set_values", None, "RELAY_MSET", [k for k, _ in pairs],
-            [_ms(ttl)] + [v for _, v in pairs],
+            "set_values", None, "RELAY_MSET", keys, args,
         ).addCallback(lambda _: None)
 
     def touchValue(self, key, ttl) -> Deferred:

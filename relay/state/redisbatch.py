@@ -53,9 +53,9 @@ from relay.redisclient import RedisService, RedisUnavailable
 #:                 the account id): the R11 streak bump ("count:last
 #:                 failure"), noted as a change when the keys are given; the
 #:                 count;
-#:   RELAY_MSET    KEYS values; ARGV TTL ms, then one value per key: SET ...
-#:                 PX of each, together (issue 24: a response's two owner
-#:                 records, R39/R40);
+#:   RELAY_MSET    KEYS values; ARGV a TTL ms and a value per key: SET ...
+#:                 PX of each, together (issue 24: a response's routing
+#:                 binding and owner record, R39/R40/R104);
 #:   RELAY_MARK    KEYS account hash, change sequence, change ZSET; ARGV
 #:                 account id, then the hash's field/value pairs: HSET, and
 #:                 the account noted as changed (issue 24);
@@ -87,7 +87,7 @@ redis.call('ZADD', KEYS[4], redis.call('INCR', KEYS[3]), ARGV[1])
 return n
 """,
     "RELAY_MSET": """
-for i, k in ipairs(KEYS) do redis.call('SET', k, ARGV[i + 1], 'PX', ARGV[1]) end
+for i, k in ipairs(KEYS) do redis.call('SET', k, ARGV[2 * i], 'PX', ARGV[2 * i - 1]) end
 return #KEYS
 """,
     "RELAY_SYNC": """

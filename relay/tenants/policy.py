@@ -57,9 +57,10 @@ KEYS_LOADING = ClientError(
     code="keys_loading", headers=(("Retry-After", "1"),),
     wsClose=(1013, "relay is starting; retry"),
 )
-"""The answer while the control store's keys and disables are not read yet
-(a Redis store at start, at most a few seconds): a key disabled through
-the admin API must not slip through, and none is refused as unknown."""
+"""The answer while the control store's keys and disables are still not read
+after the start-up wait (a request waits for them at its headers first,
+L{relay.entry.intake.KEYS_WAIT_SECONDS}; R105): a key disabled through the
+admin API must not slip through, and none is refused as unknown."""
 
 
 def _iso(seconds: float) -> str:

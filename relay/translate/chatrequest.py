@@ -113,7 +113,15 @@ def checkChatRequest(body: dict) -> None:
     for i, message in enumerate(messages):
         calls = message.get("tool_calls")
         _objects(calls, f"messages[{i}].tool_calls")
+        callId = message.get("tool_call_id")
+        if callId is not None and not isinstance(callId, str):
+            # Issue 19 item 7: an unhashable id crashed the translation.
+            raise ChatRequestError(
+                "tool_call_id must be a string", f"messages[{i}].tool_call_id"
+            )
         for j, call in enumerate(calls or []):
+            if call.get("id") is not None and not isinstance(call["id"], str):
+                raise ChatRequestError("id must be a string", f"messages[{i}].tool_calls[{j}].id")
             for key in ("function", "custom"):
                 if call.get(key) is not None and not isinstance(call[key], dict):
                     raise ChatRequestError(

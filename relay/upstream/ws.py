@@ -282,6 +282,9 @@ class PooledConnection:
     handshakeCounted: bool = False
     retiring: bool = False
     turns: int = 0
+    ownerKey: str | None = None
+    """Issue 19 (R104): the client key whose turn dialled it (with that
+    turn's session headers); it is lent to that key's turns only."""
 
     @property
     def alive(self) -> bool:
@@ -330,13 +333,15 @@ class UpstreamPool:
             pool = self._pools[accountId] = _AccountPool()
         return pool
 
-    def findByResponse(self, accountId: str, responseId: str) -> PooledConnection | None:
+    def findByResponse(
+        self, accountId: str, responseId: str, ownerKey: str | None = None
+    ) -> PooledConnection | None:
         """
         The live connection of C{accountId} whose chain head is
-        C{responseId}, if any.
+        C{responseId}, if any, among those of C{ownerKey} (R104).
         """
         for conn in self._pool(accountId).conns:
-            if conn.alive and conn.lastResponseId == responseId:
+            if conn.alive and conn.lastResponseId == responseId and conn.ownerKey == ownerKey:
                 return conn
         return None
 
@@ -349,16 +354,23 @@ class UpstreamPool:
         return len(live), len([c for c in live if c.busy]), len(pool.waiters)
 
     async def acquire(
-        self, account, clientHeaders: dict, preferred=None, fresh: bool = False
+        self, account, clientHeaders: dict, preferred=None, fresh: bool = False,
+        ownerKey: str | None = None,
     ) -> PooledConnection:
         """
-        Lend one connection of C{account} to a turn: C{preferred} when it is
-        idle and alive, else an idle one (never one holding another turn),
-        else a new dial under capacity, else wait up to dial + 2 s.
+        Lend one connection of C{account} to a turn of client key
+        C{ownerKey}: C{preferred} when it is idle and alive, else an idle
+        one (never one holding another turn), else a new dial under
+        capacity, else wait up to dial + 2 s. Only connections dialled for
+        C{ownerKey}'s turns are lent (R104, issue 19: a connection carries
+        the session headers and the context of the key that dialled it);
+        at capacity, an idle connection of another key is closed to make
+        room.
 
         @param fresh: dial a new connection when capacity allows instead of
             lending an idle one (the R67 turn retry); at capacity the rules
             above apply.
+        @param ownerKey: the turn's client key name.
 
         @raise PoolBusy: the deadline passed or the queue is full (R-B3).
         @raise HandshakeRejected: a new dial was rejected with a status.
@@ -366,27 +378,40 @@ class UpstreamPool:
         """
         pool = self._pool(account.id)
         self._prune(pool)
-        if fresh and len([c for c in pool.conns if c.alive]) + pool.dialing < self.capacity(account):
-            return await self._dialInto(pool, account, clientHeaders)
-        if preferred is not None and preferred.alive and not preferred.busy:
+        mine = [c for c in pool.conns if c.ownerKey == ownerKey]
+
+        def room() -> bool:
+            return len([c for c in pool.conns if c.alive]) + pool.dialing < self.capacity(account)
+
+        if fresh and room():
+            return await self._dialInto(pool, account, clientHeaders, ownerKey)
+        if (
+            preferred is not None and preferred.alive and not preferred.busy
+            and preferred.ownerKey == ownerKey
+        ):
             preferred.busy = True
             return preferred
-        for conn in pool.conns:
+        for conn in mine:
             if conn.alive and not conn.busy and conn.lastResponseId is None:
                 conn.busy = True
                 return conn
         # R-B11: a connection holding a live chain head is lent to another
         # turn only when no new connection can be dialled.
-        if len([c for c in pool.conns if c.alive]) + pool.dialing < self.capacity(account):
-            return await self._dialInto(pool, account, clientHeaders)
-        idle = [c for c in pool.conns if c.alive and not c.busy]
+        if room():
+            return await self._dialInto(pool, account, clientHeaders, ownerKey)
+        idle = [c for c in mine if c.alive and not c.busy]
         if idle:
             conn = min(idle, key=lambda c: c.openedAt)
             conn.busy = True
             return conn
+        others = [c for c in pool.conns if c.alive and not c.busy and c.ownerKey != ownerKey]
+        if others:
+            self._close(pool, min(others, key=lambda c: c.openedAt))
+            return await self._dialInto(pool, account, clientHeaders, ownerKey)
         if len(pool.waiters) >= QUEUE_LIMIT:
             raise PoolBusy("conn_queue_full")
         d = Deferred()
+        d.relayOwnerKey = ownerKey
         pool.waiters.append(d)
         try:
             conn = await d.addTimeout(self._timeout() + ACQUIRE_EXTRA_SECONDS, self.reactor)
@@ -394,9 +419,21 @@ class UpstreamPool:
             if d in pool.waiters:
                 pool.waiters.remove(d)
             raise PoolBusy("acquire_timeout")
+        if conn is None:
+            # Another key's connection was closed to make room for this one.
+            return await self._dialInto(pool, account, clientHeaders, ownerKey)
         return conn
 
-    async def _dialInto(self, pool, account, clientHeaders) -> PooledConnection:
+    def _close(self, pool, conn: PooledConnection) -> None:
+        """
+        Close and forget an idle connection.
+        """
+        conn.broken = True
+        if conn in pool.conns:
+            pool.conns.remove(conn)
+        conn.proto.close()
+
+    async def _dialInto(self, pool, account, clientHeaders, ownerKey=None) -> PooledConnection:
         pool.dialing += 1
         try:
             if self.dial is not None:
@@ -408,7 +445,8 @@ class UpstreamPool:
         finally:
             pool.dialing -= 1
         conn = PooledConnection(
-            proto=proto, accountId=account.id, openedAt=self.reactor.seconds(), busy=True
+            proto=proto, accountId=account.id, openedAt=self.reactor.seconds(), busy=True,
+            ownerKey=ownerKey,
         )
         proto.onGone = lambda p: self._gone(pool, conn)
         pool.conns.append(conn)
@@ -438,12 +476,19 @@ class UpstreamPool:
             conn.proto.close()
             self._wakeForCapacity(pool)
             return
-        while pool.waiters:
-            d = pool.waiters.pop(0)
-            if not d.called:
+        pool.waiters = [d for d in pool.waiters if not d.called]
+        for d in pool.waiters:
+            if getattr(d, "relayOwnerKey", None) == conn.ownerKey:
+                pool.waiters.remove(d)
                 conn.busy = True
                 d.callback(conn)
                 return
+        if pool.waiters:
+            # R104: only another key waits; this connection is never lent
+            # to it: close it, and let that waiter dial its own.
+            d = pool.waiters.pop(0)
+            self._close(pool, conn)
+            d.callback(None)
 
     def retire(self, accountId: str) -> int:
         """

@@ -21,7 +21,7 @@ from tests.integration.redis_server import freePort
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEY = "sk-relay-proc"
-ADMIN = "admin-proc"
+ADMIN = "admin-proc-00000000"
 
 
 def writeConfig(path: str, port: int, accounts: list, extra: str = "", gateway: str = "{}") -> None:

@@ -34,7 +34,7 @@ from tests.integration.redis_server import RedisServer, freePort
 from tests.integration.relayproc import ROOT, RelayProcess
 from tests.integration.soakclients import CHAIN_MODEL, KEY, MODEL
 
-ADMIN = "admin-soak"
+ADMIN = "admin-soak-0000000"
 SECRET = "soak-emulator-secret-0123456789abcdef"
 APIKEYS = ("a1", "a2", "a3")
 OAUTH = ("o1", "o2")

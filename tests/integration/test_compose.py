@@ -52,7 +52,7 @@ from tests.integration.test_metrics_workers import _sample
 from tests.integration.test_ws_turns import _Client, userTurn
 
 KEY = "sk-relay-demo"      # etc/compose.yaml's demo key
-ADMIN = "admin-demo"
+ADMIN = "admin-demo-change-me"
 
 
 def _compose(project: str, env: dict, *args, check=True, timeout=300):

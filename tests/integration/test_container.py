@@ -47,7 +47,7 @@ from tests.integration.redis_server import RedisServer, freePort, requireRedis
 from tests.integration.test_ws_turns import _Client, userTurn
 
 KEY = "sk-relay-container"
-ADMIN = "admin-container"
+ADMIN = "admin-container-0123456789"
 
 
 @pytest.fixture(scope="module")

@@ -67,11 +67,12 @@ class Stack:
         root = self.emulator.baseURL("root")
         self.tmp = tempfile.mkdtemp(prefix="relay-control-page-")
         path = os.path.join(self.tmp, "relay.yaml")
+        self.staleToken = self.emulator.mintAccessToken("o-stale", ttl=-60)
         accounts = [
             {"id": "k-file", "type": "apikey", "api_key": "sk-file-page-secret-77",
              "base_url": self.emulator.baseURL("apikey"), "priority": 50},
             {"id": "o-stale", "type": "oauth", "priority": 60,
-             "access_token": self.emulator.mintAccessToken("o-stale", ttl=-60),
+             "access_token": self.staleToken,
              "chatgpt_account_id": "acct-o-stale", "base_url": self.emulator.baseURL("oauth"),
              "auth_base_url": root},
         ]
@@ -187,11 +188,14 @@ class Stack:
     def secrets(self):
         """
         Every secret value this run used: the typed API key, the file key,
-        every refresh token and authorization code the emulator issued,
-        every device code, and every bearer it saw.
+        the expired access token of the configuration (relay never sends
+        it: its tokens are not used before the token store is loaded, R105,
+        and then it needs a login), every refresh token and authorization
+        code the emulator issued, every device code, and every bearer it
+        saw.
         """
         flows = self.emulator.oauth.login
-        values = {API_KEY, "sk-file-page-secret-77"}
+        values = {API_KEY, "sk-file-page-secret-77", self.staleToken}
         for account in self.emulator.oauth.accounts.values():
             values.update(account.refreshTokens)
         values.update(flows._codes)

@@ -70,7 +70,7 @@ async def test_demo_check_passes():
     assert code == 0, output
     assert f"relay:    http://127.0.0.1:{relayPort}" in output
     assert f"emulator: http://127.0.0.1:{emulatorPort}" in output
-    assert f"status:   http://127.0.0.1:{relayPort}/admin/#key=admin-demo" in output
+    assert f"status:   http://127.0.0.1:{relayPort}/admin/#key=admin-demo-change-me" in output
     assert "ending with response.completed" in output
     assert "status completed" in output
     assert "demo check passed" in output

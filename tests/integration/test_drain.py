@@ -192,7 +192,11 @@ async def test_drain_finishes_running_turns_and_refuses_new(tmp_path):
         with pytest.raises(ConnectionRefusedError):
             await rawConnect(relay.port)
 
-        raw.transport.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        # With the key (R103: without it, 401 from the headers first).
+        raw.transport.write(
+            b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+            + b"\r\n\r\n"
+        )
         await raw.lost.addTimeout(5, reactor)
         head, _, body = raw.data.partition(b"\r\n\r\n")
         lowered = head.lower()

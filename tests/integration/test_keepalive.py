@@ -167,3 +167,37 @@ async def test_websocket_turns_survive_an_idle_cutting_proxy(case):
             await client.closed.addTimeout(5, reactor)
         await proxy.stop()
         await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_sse_turn_queued_for_its_key_survives_an_idle_cutting_proxy():
+    """
+    R85 with R103 (issue 19): a key limited to one turn at a time; while
+    its first streaming turn runs (silent upstream), a second one waits
+    for the key's slot before relay may parse its body -- and gets SSE
+    comments at the keepalive pace all the same (the SDK sends C{Accept:
+    application/json}; the raw body's C{"stream": true} decides). Both
+    complete through the proxy without a cut; without the keepalive in
+    the wait, the proxy cut the queued one.
+    """
+    interval, cut, silence = SCALED
+    keys = json.dumps([{"name": "test", "key": RELAY_KEY, "concurrency": 1}])
+    gateway = json.dumps({"stream_keepalive_interval": interval})
+    stack = await startStack([{"id": "a1", "credential": "sk-a1"}], gateway=gateway, keys=keys)
+    proxy = IdleCuttingProxy(stack.port.getHost().port, cut)
+    port = await proxy.listen()
+    try:
+        stack.emulator.setFault("sk-a1", _silences(silence)[:1])
+        first = deferToThread(_sdkStream, port, silence * 4)
+        from tests.integration.test_reload import waitFor
+
+        await waitFor(lambda: stack.emulator.inflight("sk-a1") == 1)
+        second = deferToThread(_sdkStream, port, silence * 4)
+        for types in (await first, await second):
+            assert types[0] == "response.created"
+            assert types[-1] == "response.completed"
+        assert proxy.cuts == 0
+        assert len(stack.emulator.requestsFor("sk-a1")) == 2
+    finally:
+        await proxy.stop()
+        await stack.stop()

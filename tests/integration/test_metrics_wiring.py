@@ -17,7 +17,7 @@ from twisted.internet.task import deferLater
 from tests.integration.harness import startStack
 from tests.integration.test_ws_turns import connect, drain, userTurn
 
-ADMIN = "k"
+ADMIN = "metrics-wiring-admin-k"
 ACCOUNTS = [{"id": "a1", "credential": "sk-a1"}]
 
 

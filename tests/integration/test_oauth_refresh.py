@@ -37,7 +37,7 @@ from tests.integration.oauthstack import (
 )
 from tests.integration.test_ws_turns import connect, drain, userTurn
 
-ADMIN = "admin-secret-oauth"
+ADMIN = "admin-secret-oauth-0000"
 
 
 @pytest.fixture
@@ -88,12 +88,27 @@ async def test_proactive_refresh_before_expiry():
     refreshed about 3 s in, before it expires: every request of a steady
     stream succeeds, none carries an expired token, and the emulator
     rotated exactly once.
+
+    The 6 s token is handed to relay once it is up (C{PUT
+    /admin/accounts/o1/tokens}, the same refresh token), so its lifetime
+    counts from then: minted into the configuration before the relay
+    started, the token lost the start-up time (and up to 1 s to the JWT's
+    whole-second C{iat}/C{exp}) from its 3 s before the refresh, and on a
+    loaded box the refresh came before the first turn (one distinct token
+    in the turns: the flake).
     """
     stack = await oauthStack(
-        lambda e: [oauthAccount(e, "o1", accessTtl=6)],
+        lambda e: [oauthAccount(e, "o1")],
         gateway="{oauth: {refresh_margin_seconds: 3}}",
     )
     try:
+        r = await treq.put(
+            stack.url + "/admin/accounts/o1/tokens",
+            json.dumps({"access_token": stack.emulator.mintAccessToken("o1", 6),
+                        "refresh_token": "rt-o1-0"}).encode(),
+            headers={"Authorization": [f"Bearer {ADMIN}"]}, persistent=False,
+        )
+        assert r.code == 200, await r.content()
         first = bearers(stack.emulator, "o1")
         for i in range(16):
             code, events = await streamTurn(stack, f"q{i}")

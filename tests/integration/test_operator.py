@@ -17,7 +17,7 @@ from twisted.logger import globalLogPublisher, jsonFileLogObserver
 from relay.operator.report import buildReport, readEvents
 from tests.integration.harness import closedPort, sseEvents, startStack
 
-ADMIN = "adm-test-key"
+ADMIN = "adm-test-key-000000"
 
 
 def _accounts(goodConcurrency=3):

@@ -70,7 +70,7 @@ def _config(path, port, emulator, group: SentinelGroup) -> None:
     }
     text = (
         f'listen: "tcp:{port}:interface=127.0.0.1"\n'
-        "admin_key: admin-sentinel\n"
+        "admin_key: admin-sentinel-0123456789\n"
         f"keys: {json.dumps(keys)}\n"
         f"accounts: {json.dumps(accounts)}\n"
         "gateway: {websocket: {mode_default: ctx_pool}, oauth: {refresh_margin_seconds: 4},"

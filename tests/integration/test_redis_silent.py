@@ -66,7 +66,7 @@ def _config(path: str, port: int, emulator, redisPort: int, onError: str) -> Non
     ]
     text = (
         f'listen: "tcp:{port}:interface=127.0.0.1"\n'
-        "admin_key: admin-silent\n"
+        "admin_key: admin-silent-0123456789\n"
         f"keys: {json.dumps(keys)}\n"
         f"accounts: {json.dumps(accounts)}\n"
         "gateway: {websocket: {mode_default: ctx_pool}}\n"

@@ -252,8 +252,10 @@ async def test_relay_errors_carry_the_id():
         cases = [
             (401, treq.post(url + "/v1/responses", b"{}", headers={"X-Request-Id": ["e401"]})),
             (404, treq.get(url + "/nowhere", headers={"X-Request-Id": ["e404"]})),
-            (405, treq.put(url + "/v1/responses", b"", headers={"X-Request-Id": ["e405"]})),
-            (426, treq.get(url + "/v1/responses", headers={"X-Request-Id": ["e426"]})),
+            # With the key: without it a client route is a 401 first (R103).
+            (405, treq.put(url + "/v1/responses", b"",
+                           headers={**auth, "X-Request-Id": ["e405"]})),
+            (426, treq.get(url + "/v1/responses", headers={**auth, "X-Request-Id": ["e426"]})),
             (400, treq.post(url + "/v1/responses", b"nope",
                             headers={**auth, "X-Request-Id": ["e400"]})),
         ]

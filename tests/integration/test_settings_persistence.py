@@ -37,7 +37,7 @@ from tests.integration.harness import closedPort
 from tests.integration.redis_server import freePort, redisServer  # noqa: F401 (fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ADMIN = "adm-settings-key"
+ADMIN = "adm-settings-key-0000"
 
 
 async def sleep(seconds: float) -> None:

@@ -29,7 +29,7 @@ from twisted.internet.utils import getProcessOutputAndValue
 
 from tests.integration.harness import closedPort, sseEvents, startStack
 
-KEY = "status-page-key"
+KEY = "status-page-key-0123"
 
 CHROMIUM = next(
     (p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome"))

@@ -33,7 +33,7 @@ from tests.integration.redis_server import redisServer  # noqa: F401 (fixture)
 from tests.integration.test_status_page import CHROMIUM, chromium
 from tests.integration.test_ws_turns import _Client
 
-ADMIN = "usage-admin-key"
+ADMIN = "usage-admin-key-0000"
 PINNED = {"input_tokens": 120, "cached_tokens": 100, "output_tokens": 30, "reasoning_tokens": 12}
 ONE = {"requests": 1, "input_tokens": 120, "cached_input_tokens": 100, "output_tokens": 30,
        "reasoning_tokens": 12, "total_tokens": 150}

@@ -236,6 +236,22 @@ async def test_openai_sdk_connect_chains_two_turns():
 # -- failures on the first turn ----------------------------------------------
 
 
+async def ownedByThisKey(stack, responseId: str, accountId: str = "a") -> None:
+    """
+    Record C{responseId} as a response of the test key on C{accountId}
+    (R104: relay refuses a chain it holds no owner for), as another relay
+    process sharing the store, or an earlier connection, would have; its
+    chain is on no upstream connection this relay has.
+    """
+    from relay.model import Turn
+
+    turn = Turn(entrypoint="ws", endpoint="responses", client=stack.app.keys.keys[0],
+                model="gpt-5.5", body={}, stream=True)
+    await stack.app.scheduler.recordResponse(
+        turn, responseId, stack.app.live.accounts.byId(accountId)
+    )
+
+
 def twoAccounts(port=None, deadFirst=True, **extra):
     dead = {"id": "a", "credential": "sk-a", "priority": 1}
     if port is not None:
@@ -467,6 +483,7 @@ async def test_incomplete_history_gets_previous_response_not_found(mode):
     error event and then the close, so it resends full input.
     """
     stack = await startStack(twoAccounts(), gateway=gateway(mode))
+    await ownedByThisKey(stack, "resp_from_elsewhere")
     client = await connect(stack)
     try:
         events = await client.turn(userTurn("more", previous="resp_from_elsewhere"))
@@ -494,6 +511,7 @@ async def test_incomplete_history_never_moves_accounts(mode):
     close.
     """
     stack = await startStack(twoAccounts(), gateway=gateway(mode))
+    await ownedByThisKey(stack, "resp_from_elsewhere")
     client = await connect(stack)
     failTurns(stack, "sk-a", mode)
     try:

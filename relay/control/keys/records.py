@@ -110,7 +110,10 @@ def keyFromRecord(record) -> ClientKey:
     if len(digest) != 32:
         raise ValueError(f"key {record.id!r} has no digest")
     policy = validatePolicy(record.data.get("policy") or {}, f"key {record.id}")
-    return ClientKey(name=record.id, key="", digest=digest, **policy)
+    # R104: the owner identity of this issuance (a record written before
+    # issuance ids existed is told apart by its creation time).
+    issuance = record.data.get("issuance") or "c%r" % (record.data.get("created_at") or 0.0)
+    return ClientKey(name=record.id, key="", digest=digest, issuance=str(issuance), **policy)
 
 
 def publicKey(key: ClientKey, source: str, now: float, data: Optional[dict] = None,

@@ -36,6 +36,8 @@ force in this process (L{relay.control.plane.ControlPlane.refresh}).
 
 from __future__ import annotations
 
+import base64
+import os
 from typing import Any, Optional
 
 from attrs import define
@@ -235,9 +237,13 @@ class KeyService:
         # Redacted from every log line from now on (it is in this answer only).
         registerSecrets({secret})
         now = self._clock.seconds()
+        # R104: this issuance's owner identity (ClientKey.ownerId); a key
+        # issued again under this name gets another, so it never continues
+        # this one's conversations.
+        issuance = base64.urlsafe_b64encode(os.urandom(9)).decode("ascii")
         data = {"digest": keyDigest(secret).hex(), "hint": keyHint(secret),
                 "policy": storedPolicy(converted), "label": label, "created_at": now,
-                "created_from": address}
+                "created_from": address, "issuance": issuance}
         # A disable left by an earlier key of this name is not this key's
         # (removed first, so the new key is never in force with it).
         await self.store.delete(KEY_DISABLED, name, ANY)

@@ -377,6 +377,18 @@ def _feedFactory(store: RedisControlStore, params):
     import txredisapi
     from twisted.internet.protocol import Factory
 
+    def _subscribeFailed(failure) -> None:
+        # The connection went while subscribing (a Redis that stopped
+        # answering, a failover): the service reconnects and re-subscribes
+        # (feedLost); a warning, not a traceback (R101). Anything else is a bug.
+        from twisted.internet.error import ConnectionDone, ConnectionLost
+
+        if failure.check(txredisapi.ConnectionError, ConnectionLost, ConnectionDone):
+            store._log.warn("control feed subscription failed: {error}; reconnecting",
+                            event="relay.control_feed_lost", error=str(failure.value))
+            return
+        store._log.failure("control feed subscription failed", failure)
+
     class _FeedProtocol(txredisapi.SubscriberProtocol):
         def connectionMade(self):
             d = super().connectionMade()
@@ -388,7 +400,7 @@ def _feedFactory(store: RedisControlStore, params):
                     lambda _: store.feedSubscribed())
 
             d.addCallback(_cbSubscribe)
-            d.addErrback(lambda f: store._log.failure("control feed subscription failed", f))
+            d.addErrback(_subscribeFailed)
             return d
 
         def messageReceived(self, pattern, channel, message):

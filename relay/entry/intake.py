@@ -1,0 +1,411 @@
+# -*- test-case-name: tests.test_intake -*-
+"""
+Request intake: nothing before the key (behaviour.md R103, issue 19).
+
+Every HTTP request passes through L{IntakePolicy} as soon as its headers
+are read, before a byte of its body is stored, on every route (those of
+today and those added later): the route class of its path decides which
+credential it needs, and a request without it is answered at once (401,
+or 404 for admin routes when no admin key is configured, R99) with
+C{Connection: close}; its body is never read, decoded, spooled or parsed.
+
+  - B{client routes} (C{/v1/...}, the prefixless aliases,
+    C{/backend-api/...}): a client key (C{Authorization: Bearer} or
+    C{x-api-key}, L{relay.entry.http.KeyRing}: one digest, one lookup)
+    that is neither disabled nor expired (401 C{api_key_disabled} /
+    C{api_key_expired}, the key policy's key-only refusals, R102); while
+    the ring cannot tell yet (the control store's first read at start,
+    R105) the request waits at its headers, its body unread (bounded,
+    L{KEYS_WAIT_SECONDS});
+  - B{admin routes} (C{/admin/<anything>}): the admin key; the status page
+    shell C{GET /admin/} needs none (R99);
+  - B{C{/metrics}}: the admin key or the read-only C{metrics_key};
+  - B{open routes} (C{/healthz}, C{/readyz}, unknown paths): none; their
+    body, if any, is discarded unread.
+
+A client request's body is then held raw (not decoded) while it arrives,
+counted against C{gateway.max_request_body_bytes} and against the bytes in
+flight of its key (C{gateway.limits.body_bytes_in_flight_per_key}) and of
+the whole process (C{gateway.limits.body_bytes_in_flight}): over either,
+a 429 naming the limit, at once. Once the raw body is in, the key's slot
+(R26) is admitted by the engine (L{relay.engine.runner.TurnRunner.admitKey}:
+the wait plan and its answers are engine policy; this module only
+sequences the transport); only then is the body decoded (bounded by the
+limit and by C{gateway.limits.max_decompression_ratio}) and handed to the
+resource. Form and multipart bodies are never parsed (relay reads JSON
+only).
+
+B{For resources} (every route of every engineer): a request that reached
+C{render} on a client route carries
+
+  - C{request.relayClientKey}: the authenticated L{relay.model.ClientKey};
+  - C{request.relayKeyLease}: the key's admitted slot (or L{None} when the
+    key is unlimited or the request had no body); a resource that starts a
+    turn hands it to the L{relay.model.Turn} (C{keyLease}, with
+    C{keyAdmitted=True}) and the engine releases it; otherwise it is
+    released when the request finishes;
+  - C{request.relayJSON()}: the decoded body parsed as JSON
+    (L{relay.entry.jsonbody.loadJSON}: deep nesting and bad surrogates are
+    400s), raising L{RequestRefused} (its C{.error} a 400
+    L{relay.model.ClientError}) for a body that is not JSON; parsed once.
+    L{relay.entry.http.requestJSON} does the same for requests built
+    without the intake.
+
+Transport sequencing only; no failover or admission policy (architecture.md
+invariant 1).
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+from urllib.parse import unquote_to_bytes as unquote
+from typing import Callable, Optional
+
+from attrs import define, field
+from twisted.logger import Logger
+
+from relay.model import ClientError
+
+ROUTE_CLIENT = "client"
+ROUTE_ADMIN = "admin"
+ROUTE_METRICS = "metrics"
+ROUTE_OPEN = "open"
+
+CLIENT_PREFIXES = (b"v1", b"backend-api", b"responses", b"chat", b"models")
+"""First path segments of the client API (protocol.md 1)."""
+
+OPEN_PATHS = frozenset({b"healthz", b"readyz"})
+
+KEYS_WAIT_SECONDS = 10.0
+"""R105: how long a client request waits at its headers for the key ring
+(the control store's first read) before it is authenticated with what is
+known (the control plane gives up waiting after as long,
+L{relay.control.plane.LOADING_GRACE_SECONDS})."""
+
+ADMIN_BODY_LIMIT = 64 * 1024
+"""The largest admin request body (settings, tokens), bytes."""
+
+BODY_METHODS = frozenset({b"POST", b"PUT", b"PATCH"})
+"""Methods whose body a route may read; any other request's body is
+discarded unread."""
+
+
+TURN_PATHS = frozenset({
+    (b"v1", b"responses"), (b"responses",), (b"backend-api", b"codex", b"responses"),
+    (b"v1", b"chat", b"completions"), (b"chat", b"completions"),
+})
+"""The request targets whose C{POST} is a turn (protocol.md 1)."""
+
+STREAM_SCAN_CANDIDATES = 64
+"""How many C{"stream"} strings L{bodyStreams} looks at, from the end, before
+it gives up (a body of many of them costs no more than this)."""
+
+_STREAM_MEMBER = re.compile(rb'"stream"[ \t\r\n]{0,64}:[ \t\r\n]{0,64}(true|false)')
+_KEY_START = re.compile(rb'[{,][ \t\r\n]{0,64}\Z')
+
+
+def isTurnPath(path: bytes) -> bool:
+    """
+    Whether a request target is a turn route (C{POST /v1/responses} and
+    its aliases, C{POST /v1/chat/completions}).
+
+    @param path: the request target as sent (may carry a query).
+    """
+    return tuple(_segments(path)) in TURN_PATHS
+
+
+def _segments(path: bytes) -> list:
+    """
+    The non-empty path segments of a request target, percent-decoded as
+    twisted.web decodes them to find the resource (C{/%61dmin/settings}
+    is C{/admin/settings}), so a route is sorted by the resource that will
+    answer it.
+    """
+    target = path.split(b"?", 1)[0]
+    return [s for s in (unquote(s) for s in target.split(b"/")) if s]
+
+
+def bodyStreams(raw: bytes) -> Optional[bool]:
+    """
+    The C{stream} flag of a JSON request body, read from its raw bytes
+    without parsing them (issue 19: behaviour.md R85 while the key's slot is
+    awaited, before R103 lets relay parse the body; protocol.md 2.1: the
+    body's flag decides, never C{Accept}).
+
+    The last C{"stream": true|false} in member position (after C{{} or
+    C{,}) wins, as in a parse (the last duplicate wins). The bytes are
+    searched from the end with C{bytes.rfind} (Codex and the SDK put
+    C{stream} after C{input}), at most L{STREAM_SCAN_CANDIDATES} C{"stream"}
+    strings are looked at, nothing is allocated but match objects, and
+    nesting is not checked: a C{"stream": true} member of a nested object
+    counts. In valid JSON an unescaped C{"stream"} after C{{} or C{,} and
+    before C{:} is always a member name, so the answer is the parse's for
+    every body relay receives from Codex and the SDK. The parse after
+    admission stays authoritative (L{relay.entry.body}).
+
+    @param raw: the body as received (not C{Content-Encoding}-decoded).
+    @return: C{True} or C{False} for the flag (C{False} when the body has
+        no C{stream} member), L{None} when it could not tell (too many
+        candidates).
+    """
+    end = len(raw)
+    for _ in range(STREAM_SCAN_CANDIDATES):
+        at = raw.rfind(b'"stream"', 0, end)
+        if at < 0:
+            return False
+        end = at
+        member = _STREAM_MEMBER.match(raw, at)
+        if member is not None and _KEY_START.search(raw, max(0, at - 65), at):
+            return member.group(1) == b"true"
+    return None
+
+
+class RequestRefused(Exception):
+    """
+    A request answered with an error before a turn began (its body is not
+    JSON, nests too deep, ...).
+
+    @ivar error: the L{ClientError} to write.
+    """
+
+    def __init__(self, error: ClientError):
+        super().__init__(error.message)
+        self.error = error
+
+
+def routeClass(path: bytes, method: bytes) -> str:
+    """
+    The route class of a request target (see the module docstring).
+
+    @param path: the request target as sent (may carry a query).
+    @param method: the request method.
+    @return: one of L{ROUTE_CLIENT}, L{ROUTE_ADMIN}, L{ROUTE_METRICS},
+        L{ROUTE_OPEN}.
+    """
+    segments = _segments(path)
+    if not segments:
+        return ROUTE_OPEN
+    head = segments[0]
+    if head == b"admin":
+        if len(segments) == 1 and method in (b"GET", b"HEAD"):
+            return ROUTE_OPEN  # the status page shell and its redirect (R99)
+        return ROUTE_ADMIN
+    if head == b"metrics":
+        return ROUTE_METRICS
+    if head in CLIENT_PREFIXES:
+        return ROUTE_CLIENT
+    return ROUTE_OPEN
+
+
+def bearerOrKey(request) -> Optional[bytes]:
+    """
+    The secret a request presents: C{Authorization: Bearer <secret>}, else
+    C{x-api-key} (protocol.md 1). Another scheme (C{Basic ...}) is not a
+    secret, and does not hide an C{x-api-key}.
+
+    @return: the secret bytes, or L{None}.
+    """
+    auth = request.requestHeaders.getRawHeaders(b"authorization", [None])[0]
+    if auth and auth[:7].lower() == b"bearer ":
+        secret = auth[7:].strip()
+        if secret:
+            return secret
+    key = request.requestHeaders.getRawHeaders(b"x-api-key", [None])[0]
+    return key.strip() if key and key.strip() else None
+
+
+def sameSecret(given: Optional[bytes], expected: Optional[str]) -> bool:
+    """
+    Constant-time comparison of a presented secret with a configured one.
+    """
+    if not given or not expected:
+        return False
+    return hmac.compare_digest(given, expected.encode("utf-8"))
+
+
+def tooManyBytes(scope: str, limit: int) -> ClientError:
+    """
+    The 429 for bodies in flight over a bound.
+
+    @param scope: C{key} or C{total}.
+    @param limit: the bound, bytes.
+    """
+    name = (
+        "gateway.limits.body_bytes_in_flight_per_key" if scope == "key"
+        else "gateway.limits.body_bytes_in_flight"
+    )
+    who = "this API key's requests" if scope == "key" else "all requests"
+    return ClientError(
+        429, "rate_limit_error",
+        f"Too many request bytes in flight for {who} (the limit is {limit} bytes, {name});"
+        " please retry later.",
+        code="body_bytes_in_flight_exceeded", headers=(("Retry-After", "1"),),
+    )
+
+
+UNAUTHORIZED = ClientError(
+    401,
+    "invalid_request_error",
+    "Incorrect API key provided. Use Authorization: Bearer <relay key> or x-api-key.",
+    code="invalid_api_key",
+)
+"""A client route without a valid key (protocol.md 1); re-exported by
+L{relay.entry.http}."""
+
+UNAUTHORIZED_ADMIN = ClientError(
+    401, "authentication_error", "Missing or invalid admin key", code="invalid_admin_key",
+    headers=(("WWW-Authenticate", 'Bearer realm="relay-admin"'),),
+)
+
+ADMIN_DISABLED = ClientError(404, "invalid_request_error", "Not found", code="not_found")
+
+
+@define(eq=False)
+class BodyBudget:
+    """
+    Bytes of request bodies (and WebSocket frames) held now, per client
+    key and in total (issue 19 item 2).
+
+    @ivar perKey: key name -> bytes held.
+    @ivar total: bytes held by every key.
+    """
+
+    perKey: dict = field(factory=dict)
+    total: int = 0
+
+    def reserve(self, keyName: str, n: int, perKeyLimit: int, totalLimit: int):
+        """
+        Hold C{n} more bytes for C{keyName}.
+
+        @param perKeyLimit: the per-key bound (0 = none).
+        @param totalLimit: the process bound (0 = none).
+        @return: L{None} when held, else the L{ClientError} (nothing held).
+        """
+        if n <= 0:
+            return None
+        held = self.perKey.get(keyName, 0)
+        if perKeyLimit and held + n > perKeyLimit:
+            return tooManyBytes("key", perKeyLimit)
+        if totalLimit and self.total + n > totalLimit:
+            return tooManyBytes("total", totalLimit)
+        self.perKey[keyName] = held + n
+        self.total += n
+        return None
+
+    def release(self, keyName: str, n: int) -> None:
+        """
+        Give back C{n} bytes of C{keyName}.
+        """
+        if n <= 0:
+            return
+        held = self.perKey.get(keyName, 0) - n
+        if held > 0:
+            self.perKey[keyName] = held
+        else:
+            self.perKey.pop(keyName, None)
+        self.total = max(0, self.total - n)
+
+
+@define(eq=False)
+class IntakePolicy:
+    """
+    What the site checks when a request's headers are in (see the module
+    docstring). Set as C{site.intake}.
+
+    @ivar keys: the L{relay.entry.http.KeyRing}.
+    @ivar adminKey: a no-argument callable returning the admin key in force
+        or L{None}.
+    @ivar metricsKey: a no-argument callable returning the read-only
+        metrics key or L{None}.
+    @ivar limits: a no-argument callable returning the
+        L{relay.model.LimitSettings} in force.
+    @ivar admitKey: C{(key, cancel, requestId) -> Deferred[lease or None]}
+        (the engine's R26 admission), failing with an exception carrying
+        C{.error} (a L{ClientError}); L{None} admits nothing.
+    @ivar budget: the L{BodyBudget}.
+    @ivar draining: a no-argument callable, true while relay drains (issue
+        14): a request that arrives then takes no slot; the drain gate
+        answers it 503.
+    @ivar keyRefusal: C{(key) -> ClientError or None}: the refusals that
+        need only the key (behaviour.md R102, R103: disabled 401
+        C{api_key_disabled}, expired 401 C{api_key_expired};
+        L{relay.tenants.policy.KeyPolicy.keyRefusal}), answered from the
+        headers like an unknown key; L{None}: none.
+    @ivar keysReady: a no-argument callable: L{None} when the key ring can
+        tell every key now, else a Deferred firing once it can (the start-up
+        gate's C{control} flag while the control store's first read is
+        pending, R105); a client request then waits at its headers, its
+        body unread, for at most L{KEYS_WAIT_SECONDS}.
+    """
+
+    keys: object
+    adminKey: Callable[[], Optional[str]] = lambda: None
+    metricsKey: Callable[[], Optional[str]] = lambda: None
+    limits: Callable[[], object] = None
+    admitKey: Optional[Callable] = None
+    budget: BodyBudget = field(factory=BodyBudget)
+    draining: Callable[[], bool] = lambda: False
+    keyRefusal: Optional[Callable] = None
+    keysReady: Callable[[], object] = lambda: None
+    _log = Logger()
+
+    def authenticate(self, route: str, request):
+        """
+        Check the request's credentials for its route class.
+
+        @return: C{(clientKey or None, error or None)}.
+        """
+        if route == ROUTE_OPEN:
+            return None, None
+        secret = bearerOrKey(request)
+        if route == ROUTE_CLIENT:
+            key = self.keys.authenticateSecret(secret) if secret else None
+            if key is None:
+                return None, UNAUTHORIZED
+            refusal = self.keyRefusal(key) if self.keyRefusal is not None else None
+            if refusal is not None:
+                return None, refusal
+            return key, None
+        admin = self.adminKey()
+        if route == ROUTE_METRICS:
+            metrics = self.metricsKey()
+            if admin is None and metrics is None:
+                return None, ADMIN_DISABLED
+            if sameSecret(_bearer(request), admin) or sameSecret(_bearer(request), metrics):
+                return None, None
+            return None, UNAUTHORIZED_ADMIN
+        if admin is None:
+            return None, ADMIN_DISABLED
+        if sameSecret(_bearer(request), admin):
+            return None, None
+        return None, UNAUTHORIZED_ADMIN
+
+    def bodyLimit(self, route: str, siteLimit: int) -> int:
+        """
+        The largest body the route class takes, bytes.
+        """
+        if route == ROUTE_CLIENT:
+            return siteLimit
+        return ADMIN_BODY_LIMIT
+
+    def logRefused(self, request, route: str, error: ClientError) -> None:
+        """
+        Say that a request was answered from its headers alone.
+        """
+        address = request.getClientAddress()
+        self._log.info(
+            "{route} request refused before its body: {status} {code}",
+            event="relay.intake_refused", route=route, status=error.status, code=error.code,
+            client=getattr(address, "host", "-"),
+        )
+
+
+def _bearer(request) -> Optional[bytes]:
+    """
+    The C{Authorization: Bearer} secret only (admin routes, R99).
+    """
+    auth = request.requestHeaders.getRawHeaders(b"authorization", [None])[0]
+    if auth and auth[:7].lower() == b"bearer ":
+        return auth[7:].strip() or None
+    return None
