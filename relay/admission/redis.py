@@ -181,6 +181,12 @@ RELEASE_RETRY_SECONDS = 1.0
 #: With Sentinel: how far back releases are repeated on a new master.
 RECENT_RELEASE_SECONDS = 60.0
 
+#: R34: how long the load-balance layer's load read is reused in this
+#: process (sub2api's C{load_batch_cache_ttl_ms}, 200 ms; issue 24). This
+#: process's own slot takes and releases since the read are counted into
+#: it at once; a pass whose tries all failed reads again uncached.
+LOAD_CACHE_SECONDS = 0.2
+
 #: R30 poll loop figures, seconds
 BACKOFF_START = 0.1
 BACKOFF_FACTOR = 1.5
@@ -377,6 +383,9 @@ class RedisSlotAdmission:
     for this admission's own (releases then leave at once when alone)."""
     _batch: Optional[RedisBatch] = field(default=None, init=False)
     _releaseLead: Optional[bool] = field(default=None, init=False)
+    _busyCache: dict = field(factory=dict, init=False)
+    """Issue 24 (R34's load cache): C{(kind, ids)} -> C{[read at, loads or
+    in-flight Deferred, {id: own slots taken (+) or released (-) since}]}."""
 
     _log = Logger()
 
@@ -618,19 +627,95 @@ class RedisSlotAdmission:
 
         return d.addCallbacks(_cb, _eb)
 
-    def busy(self, kind, ids=()) -> Deferred:
+    def busy(self, kind, ids=(), fresh=False) -> Deferred:
         """
         Issue 24: the loads of those of C{ids} that hold a slot or have a
         waiter (the scheduler's load-balance layer ranks only these one by
         one; every other id's load is C{(0, 0)}). One C{load.lua} call for
-        C{ids}: Redis keeps no index of the busy slot keys, so this read
-        still costs every id (the ranking after it does not).
+        C{ids}, reused for L{LOAD_CACHE_SECONDS} (R34's in-process load
+        cache): a read costs every id (Redis keeps no index of the busy
+        slot keys), so a large pool reads it once per 200 ms, not once per
+        turn. This process's own slot takes and releases since the read are
+        counted in at once (its view of its own slots is exact; other
+        processes' are at most 200 ms old, and an acquire checks the limit
+        itself).
 
+        @param ids: a collection the caller passes again unchanged (the
+            scheduler's static candidate set) -- the cache is kept per
+            C{(kind, ids)}.
+        @param fresh: read uncached (R34: after a pass whose tries all
+            failed).
         @return: a Deferred firing with id -> C{(inUse, waiting)}; failing
             as L{load} does.
         """
-        return self.load(kind, sorted(ids)).addCallback(
-            lambda loads: {i: load for i, load in loads.items() if load != (0, 0)})
+        cacheKey = (kind, ids)
+        now = self._clock.seconds()
+        entry = self._busyCache.get(cacheKey)
+        if not fresh and entry is not None and now - entry[0] < LOAD_CACHE_SECONDS:
+            loads = entry[1]
+            if isinstance(loads, Deferred):
+                waiter = Deferred()
+                entry.append(waiter)
+                return waiter
+            return succeed(self._withOwn(loads, entry[2]))
+        if len(self._busyCache) > 16:
+            self._busyCache.clear()
+        entry = [now, None, {}]
+        d = self.load(kind, sorted(ids))
+        entry[1] = d
+        self._busyCache[cacheKey] = entry
+
+        def _read(loads):
+            busy = {i: load for i, load in loads.items() if load != (0, 0)}
+            if self._busyCache.get(cacheKey) is entry:
+                entry[1] = busy
+            else:
+                entry[1] = {}
+            waiters = entry[3:]
+            del entry[3:]
+            out = self._withOwn(busy, entry[2])
+            for w in waiters:
+                w.callback(dict(out))
+            return out
+
+        def _failed(f):
+            if self._busyCache.get(cacheKey) is entry:
+                del self._busyCache[cacheKey]
+            waiters = entry[3:]
+            del entry[3:]
+            for w in waiters:
+                w.errback(f)
+            return f
+
+        return d.addCallbacks(_read, _failed)
+
+    @staticmethod
+    def _withOwn(busy: dict, own: dict) -> dict:
+        """
+        A cached busy read with this process's own changes since counted
+        in (see L{busy}).
+        """
+        if not own:
+            return dict(busy)
+        out = dict(busy)
+        for i, n in own.items():
+            inUse, waiting = out.get(i, (0, 0))
+            inUse = max(0, inUse + n)
+            if inUse or waiting:
+                out[i] = (inUse, waiting)
+            else:
+                out.pop(i, None)
+        return out
+
+    def _noteOwn(self, kind, id, n: int) -> None:
+        """
+        Count one of this process's slot takes (C{n} 1) or releases (-1)
+        into every cached busy read of C{kind} that covers C{id}.
+        """
+        for (k, ids), entry in self._busyCache.items():
+            if k == kind and id in ids:
+                own = entry[2]
+                own[id] = own.get(id, 0) + n
 
     # -- the wait ------------------------------------------------------------
 
@@ -813,6 +898,8 @@ class RedisSlotAdmission:
         self.held.discard(lease)
         if not lease.counted:
             return
+        if self._busyCache:
+            self._noteOwn(lease.kind, lease.id, -1)
         self._remember(lease.kind, lease.id, lease.requestId)
         d = self._track(self._batch.call(
             self.timeout, "ZREM", [slotKey(lease.kind, lease.id)], [lease.requestId],
@@ -986,6 +1073,8 @@ class RedisSlotAdmission:
         """
         lease = RedisSlotLease(self, kind, id, rid, waited, position, counted)
         self.held.add(lease)
+        if counted and self._busyCache:
+            self._noteOwn(kind, id, 1)
         return lease
 
     def _logError(self, operation: str, reason) -> None:

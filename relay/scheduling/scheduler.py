@@ -1431,8 +1431,10 @@ class AccountScheduler:
         if count <= 0:
             return None
         byId = pool.byId
-        for _ in range(2):
-            loads = await self._busy(busy, staticIds)
+        for again in (False, True):
+            # R34: the second pass (every try of the first failed) reads
+            # the loads uncached.
+            loads = await self._busy(busy, staticIds, again)
             loads = {i: load for i, load in loads.items() if i in staticIds and i not in out}
             ctx.loads.update(loads)
             special = dict.fromkeys(loads)
@@ -1473,14 +1475,14 @@ class AccountScheduler:
                 return found
         return None
 
-    async def _busy(self, busy, ids: frozenset) -> dict:
+    async def _busy(self, busy, ids: frozenset, fresh: bool = False) -> dict:
         """
         The admission's busy loads among the static candidates (at once in
-        memory, one load read on Redis); an error counts as idle (R35), as
-        L{_loads}.
+        memory, one load read on Redis, reused for 200 ms unless C{fresh},
+        R34); an error counts as idle (R35), as L{_loads}.
         """
         try:
-            loads = busy("account", ids)
+            loads = busy("account", ids, fresh=True) if fresh else busy("account", ids)
             if isinstance(loads, Deferred):
                 loads = await loads
             return loads
