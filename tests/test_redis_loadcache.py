@@ -1,6 +1,6 @@
 """
 R34's in-process load cache on the Redis admission (issue 24): the
-load-balance layer's busy read is one C{load.lua} call per 200 ms, with
+load-balance layer's busy read is one C{busy.lua} call per 200 ms, with
 this process's own slot takes and releases counted in at once; a fresh
 read bypasses it.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from relay.admission.redis import LOAD_CACHE_SECONDS, LOAD_LUA, RedisSlotAdmission
+from relay.admission.redis import BUSY_LUA, LOAD_CACHE_SECONDS, RedisSlotAdmission
 from tests.test_redis_liveness import _Redis
 
 IDS = frozenset({"a1", "a2", "a3"})
@@ -25,25 +25,26 @@ class LoadCacheTests(SynchronousTestCase):
         self.admission = RedisSlotAdmission(redis=self.redis, clock=self.clock, prefix="p")
 
     def loadCalls(self):
-        return [a for m, a in self.redis.calls if m == "eval" and a[0] == LOAD_LUA]
+        return [a for m, a in self.redis.calls if m == "eval" and a[0] == BUSY_LUA]
 
     def busy(self, **kw):
         return self.successResultOf(self.admission.busy("account", IDS, **kw))
 
     def test_oneReadPer200ms(self):
         """
-        Busy reads within L{LOAD_CACHE_SECONDS} share one C{load.lua}
-        call; the next one after it reads again. On the old code every
+        Busy reads within L{LOAD_CACHE_SECONDS} share one C{busy.lua}
+        call (the ids go as one argument, one per line); the next one after it reads again. On the old code every
         call read every id.
         """
         self.assertEqual(LOAD_CACHE_SECONDS, 0.2)
-        self.redis.replies = [[0, 0, 2, 1, 0, 0]]
+        self.redis.replies = [["a2", 2, 1]]
         self.assertEqual(self.busy(), {"a2": (2, 1)})
+        self.assertEqual(self.loadCalls()[0][2][3], b"a1\na2\na3")
         self.clock.advance(0.1)
         self.assertEqual(self.busy(), {"a2": (2, 1)})
         self.assertEqual(len(self.loadCalls()), 1)
         self.clock.advance(0.15)
-        self.redis.replies = [[0, 0, 0, 0, 0, 0]]
+        self.redis.replies = [[]]
         self.assertEqual(self.busy(), {})
         self.assertEqual(len(self.loadCalls()), 2)
 
@@ -51,7 +52,7 @@ class LoadCacheTests(SynchronousTestCase):
         """
         R34: a fresh read (after a failed pass) bypasses the cache.
         """
-        self.redis.replies = [[0, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0]]
+        self.redis.replies = [[], ["a1", 1, 0]]
         self.assertEqual(self.busy(), {})
         self.assertEqual(self.busy(fresh=True), {"a1": (1, 0)})
         self.assertEqual(len(self.loadCalls()), 2)
@@ -61,7 +62,7 @@ class LoadCacheTests(SynchronousTestCase):
         A slot this process takes after the read counts in the cached
         answer at once, and its release takes it out again.
         """
-        self.redis.replies = [[0, 0, 0, 0, 0, 0]]
+        self.redis.replies = [[]]
         self.assertEqual(self.busy(), {})
         self.redis.replies = [[1, "1000", 0, 0]]
         lease = self.successResultOf(self.admission.tryAcquire("account", "a3", 4))
@@ -89,6 +90,6 @@ class LoadCacheTests(SynchronousTestCase):
         self.assertEqual(len(self.loadCalls()), 1)
         self.assertNoResult(first)
         self.assertNoResult(second)
-        pending[0].callback([0, 0, 3, 0, 0, 0])
+        pending[0].callback([b"a2", 3, 0])
         self.assertEqual(self.successResultOf(first), {"a2": (3, 0)})
         self.assertEqual(self.successResultOf(second), {"a2": (3, 0)})

@@ -128,6 +128,7 @@ ACQUIRE_LUA = _script("acquire")
 LEAVE_LUA = _script("leave")
 RENEW_LUA = _script("renew")
 LOAD_LUA = _script("load")
+BUSY_LUA = _script("busy")
 HEARTBEAT_LUA = _script("heartbeat")
 
 #: Issue 24: a slot try and the binding refresh as one operation: KEYS the
@@ -383,6 +384,8 @@ class RedisSlotAdmission:
     for this admission's own (releases then leave at once when alone)."""
     _batch: Optional[RedisBatch] = field(default=None, init=False)
     _releaseLead: Optional[bool] = field(default=None, init=False)
+    _busyIds: dict = field(factory=dict, init=False)
+    """Issue 24: C{(kind, ids)} -> the ids as C{busy.lua}'s one argument."""
     _busyCache: dict = field(factory=dict, init=False)
     """Issue 24 (R34's load cache): C{(kind, ids)} -> C{[read at, loads or
     in-flight Deferred, {id: own slots taken (+) or released (-) since}]}."""
@@ -631,11 +634,11 @@ class RedisSlotAdmission:
         """
         Issue 24: the loads of those of C{ids} that hold a slot or have a
         waiter (the scheduler's load-balance layer ranks only these one by
-        one; every other id's load is C{(0, 0)}). One C{load.lua} call for
-        C{ids}, reused for L{LOAD_CACHE_SECONDS} (R34's in-process load
-        cache): a read costs every id (Redis keeps no index of the busy
-        slot keys), so a large pool reads it once per 200 ms, not once per
-        turn. This process's own slot takes and releases since the read are
+        one; every other id's load is C{(0, 0)}). One C{busy.lua} call for
+        C{ids} (L{_busyRead}), reused for L{LOAD_CACHE_SECONDS} (R34's
+        in-process load cache): Redis keeps no index of the busy slot keys,
+        so the read's work in Redis grows with the ids, and a large pool
+        reads it once per 200 ms, not once per turn. This process's own slot takes and releases since the read are
         counted in at once (its view of its own slots is exact; other
         processes' are at most 200 ms old, and an acquire checks the limit
         itself).
@@ -661,16 +664,12 @@ class RedisSlotAdmission:
         if len(self._busyCache) > 16:
             self._busyCache.clear()
         entry = [now, None, {}]
-        d = self.load(kind, sorted(ids))
+        d = self._busyRead(kind, ids)
         entry[1] = d
         self._busyCache[cacheKey] = entry
 
-        def _read(loads):
-            busy = {i: load for i, load in loads.items() if load != (0, 0)}
-            if self._busyCache.get(cacheKey) is entry:
-                entry[1] = busy
-            else:
-                entry[1] = {}
+        def _read(busy):
+            entry[1] = busy
             waiters = entry[3:]
             del entry[3:]
             out = self._withOwn(busy, entry[2])
@@ -688,6 +687,43 @@ class RedisSlotAdmission:
             return f
 
         return d.addCallbacks(_read, _failed)
+
+    def _busyRead(self, kind, ids) -> Deferred:
+        """
+        One C{busy.lua} call: the ids with a load among C{ids}, sent as one
+        argument (built once per C{ids}) and answered with the busy ones
+        only, so neither side of the round trip grows with the pool (the
+        script's work in Redis does: two C{ZCARD}s per idle id).
+
+        @return: a Deferred firing with id -> C{(inUse, waiting)} of the
+            busy ids; on a Redis error as L{load} (fail open: every id
+            idle, logged).
+        """
+        blob = self._busyIds.get((kind, ids))
+        if blob is None:
+            if len(self._busyIds) > 16:
+                self._busyIds.clear()
+            blob = self._busyIds[(kind, ids)] = "\n".join(sorted(ids)).encode("utf-8")
+        prefix = keysFor(kind, "")
+        d = self._redis.execute(self.timeout, "eval", BUSY_LUA, [PROCESSES_KEY],
+                                [repr(self.slotTtl), prefix[0], prefix[1], blob])
+
+        def _cb(flat):
+            out = {}
+            for n in range(0, len(flat), 3):
+                i = flat[n]
+                out[i.decode("utf-8") if isinstance(i, bytes) else i] = (
+                    int(flat[n + 1]), int(flat[n + 2]))
+            return out
+
+        def _eb(f: Failure):
+            f.trap(RedisUnavailable)
+            self._logError("load", f)
+            if self.onRedisError == "fail_closed":
+                return f
+            return {}
+
+        return d.addCallbacks(_cb, _eb)
 
     @staticmethod
     def _withOwn(busy: dict, own: dict) -> dict:
