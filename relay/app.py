@@ -733,10 +733,13 @@ def _durableOwners(app: RelayApplication) -> None:
     which key owns a chain (Redis keeps them itself).
     """
     from relay.settingsdb import SQLiteSettingsStore
-    from relay.state.durable import SQLiteValues
+    from relay.state.durable import DurableFlushService, SQLiteValues
 
     if isinstance(app.settings.store, SQLiteSettingsStore) and hasattr(app.store, "durable"):
-        app.store.durable = SQLiteValues(app.settings.store)
+        # Issue 24: written behind (one transaction per 0.25 s at most),
+        # what waits is written at stop, before the database closes.
+        app.store.durable = SQLiteValues(app.settings.store, clock=app.reactor)
+        app.services.append(DurableFlushService(app.store.durable))
 
 
 def _usageLedger(app: RelayApplication, metrics, redis):

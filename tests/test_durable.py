@@ -100,3 +100,47 @@ class CoalescedWritesTests(SynchronousTestCase):
         db.finish()
         self.successResultOf(second)
         self.assertEqual(db.rows(), [("k2", "v2")])
+
+
+class DelayedWritesTests(SynchronousTestCase):
+    """
+    With a clock, changes wait L{relay.state.durable.WRITE_DELAY} for each
+    other (issue 24: a synchronous commit per sequential turn cost its
+    fsyncs), and a stop writes what waits.
+    """
+
+    def test_oneTransactionPerDelay(self):
+        from twisted.internet.task import Clock
+
+        from relay.state.durable import WRITE_DELAY
+
+        clock, db = Clock(), _Database()
+        values = SQLiteValues(db, clock=clock)
+        saves = [values.save(f"k{i}", "v", 100.0) for i in range(5)]
+        self.assertEqual(db.queued, [])
+        self.assertEqual(self.successResultOf(values.load("k3", 50.0)), ("v", 100.0))
+        clock.advance(WRITE_DELAY)
+        self.assertEqual(len(db.queued), 1)
+        db.finish()
+        for d in saves:
+            self.successResultOf(d)
+        self.assertEqual(len(db.rows()), 5)
+
+    def test_stopWritesWhatWaits(self):
+        from twisted.internet.task import Clock
+
+        from relay.state.durable import DurableFlushService
+
+        clock, db = Clock(), _Database()
+        values = SQLiteValues(db, clock=clock)
+        saved = values.save("k1", "v1", 100.0)
+        service = DurableFlushService(values)
+        service.startService()
+        stopped = service.stopService()
+        self.assertEqual(len(db.queued), 1)
+        db.finish()
+        self.successResultOf(saved)
+        self.successResultOf(stopped)
+        self.assertEqual(db.rows(), [("k1", "v1")])
+        self.assertEqual(clock.getDelayedCalls(), [])
+        self.successResultOf(values.flushNow())
