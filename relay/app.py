@@ -67,6 +67,20 @@ class _Request(LimitedBodyRequest):
         requestIdOf(self)
         super().process()
 
+    def write(self, data: bytes) -> None:
+        """
+        Issue 24: the answer's first write sends its head and C{data} in
+        one C{send} (L{relay.entry.site.RelayHTTPChannel.holdHead}).
+        """
+        channel = getattr(self, "channel", None)
+        if self.startedWriting or channel is None or not hasattr(channel, "holdHead"):
+            return super().write(data)
+        channel.holdHead()
+        try:
+            super().write(data)
+        finally:
+            channel.sendHead()
+
     def setResponseCode(self, code: int, message: Optional[bytes] = None) -> None:
         """
         Set the status; a status twisted.web has no reason phrase for (426

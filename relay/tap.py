@@ -100,7 +100,7 @@ class Options(usage.Options):
         from attrs import evolve
 
         from relay.config import checkDatabase, loadConfig, secretsOf
-        from relay.logs import observerFor, registerSecrets
+        from relay.logs import registerSecrets
 
         try:
             config = loadConfig(self["config"])
@@ -134,13 +134,32 @@ class Options(usage.Options):
         if parent is not None and "fileLogObserverFactory" in parent:
             # twist (python -m twisted relay ...) builds its observer with
             # this factory on its --log-file (stdout by default).
-            parent["fileLogObserverFactory"] = lambda stream: observerFor(fmt, stream)
+            parent["fileLogObserverFactory"] = lambda stream: _batchedObserver(fmt, stream)
         elif parent is not None and not parent.get("logger"):
             # twistd builds its logger after parsing options; hand it ours so
             # every line is redacted, and JSON when asked. twistd's own
             # postOptions runs after ours and resolves --logger with namedAny,
             # so this must be a dotted name, not a callable.
             parent["logger"] = f"relay.logs.{fmt}Stdout"
+
+
+def _batchedObserver(fmt: str, stream):
+    """
+    Issue 24: twist's observer, writing the lines of one reactor iteration
+    together (L{relay.logs.BatchedFileLogObserver}); what is held is
+    written at shutdown and at exit. Called once twist installed the
+    reactor.
+    """
+    import atexit
+
+    from twisted.internet import reactor
+
+    from relay.logs import observerFor
+
+    observer = observerFor(fmt, stream, schedule=lambda f: reactor.callLater(0, f))
+    reactor.addSystemEventTrigger("after", "shutdown", observer.flushLines)
+    atexit.register(observer.flushLines)
+    return observer
 
 
 SUPERVISOR_GRACE_MARGIN_SECONDS = 10.0

@@ -468,3 +468,89 @@ class AccessLogQueryTests(SynchronousTestCase):
         self.assertEqual(event["event"], "relay.http_access")
         self.assertEqual(event["path"], "/v1/responses?api_key=***&stream=true")
         self.assertNotIn("sk-query-secret-1", json.dumps(event, default=repr))
+
+
+class _CountingStream(io.StringIO):
+    """
+    A text stream that counts its writes.
+    """
+
+    writes = 0
+
+    def __init__(self):
+        super().__init__()
+        self.chunks = []
+
+    def write(self, text):
+        self.writes += 1
+        self.chunks.append(text)
+        return super().write(text)
+
+
+class BatchedObserverTests(SynchronousTestCase):
+    """
+    Issue 24 item 1: with C{schedule}, the info lines of one reactor
+    iteration leave in one write (L{logs.BatchedFileLogObserver}).
+    """
+
+    def setUp(self):
+        from twisted.internet.task import Clock
+
+        self.clock = Clock()
+        self.stream = _CountingStream()
+        self.observer = observerFor(
+            "text", self.stream, secrets=["sk-hidden-secret"], worker=None,
+            schedule=lambda f: self.clock.callLater(0, f),
+        )
+        self.log = Logger(observer=self.observer, namespace="relay.test")
+
+    def test_infoLinesShareOneWrite(self):
+        for n in range(3):
+            self.log.info("line {n} sk-hidden-secret", n=n, event="relay.test_line")
+        self.assertEqual((self.stream.getvalue(), self.stream.writes), ("", 0))
+        self.clock.advance(0)
+        lines = self.stream.getvalue().splitlines()
+        self.assertEqual(self.stream.writes, 1)
+        self.assertEqual([line.split("] ", 1)[1] for line in lines],
+                         ["line 0 ***", "line 1 ***", "line 2 ***"])
+
+    def test_warningWritesAtOnce(self):
+        """
+        A warning is written at once, after the lines held before it.
+        """
+        self.log.info("first", event="relay.test_line")
+        self.log.warn("second", event="relay.test_warning")
+        text = self.stream.getvalue()
+        self.assertIn("first", text.splitlines()[0])
+        self.assertIn("[relay.test_warning#warn] second", text.splitlines()[1])
+        self.clock.advance(0)
+        self.assertEqual(self.stream.writes, 1)
+
+    def test_flushLines(self):
+        self.log.info("held", event="relay.test_line")
+        self.observer.flushLines()
+        self.assertIn("held", self.stream.getvalue())
+
+    def test_immediateWithoutSchedule(self):
+        stream = _CountingStream()
+        log = Logger(observer=observerFor("json", stream, worker=None), namespace="relay.test")
+        log.info("now", event="relay.test_line")
+        self.assertEqual(json.loads(stream.getvalue())["message"], "now")
+
+    def test_writesStayWithinPipeBuffer(self):
+        """
+        No write holds more than 4,000 characters (a pipe's atomic write
+        is 4,096 bytes): the lines of workers sharing one never interleave.
+        """
+        for n in range(30):
+            self.log.info("{pad}", pad="x" * 300, event="relay.test_line")
+        self.clock.advance(0)
+        self.assertEqual(len(self.stream.getvalue().splitlines()), 30)
+        self.assertGreater(self.stream.writes, 1)
+        self.assertTrue(all(len(w) <= 4000 for w in self.stream.chunks))
+
+    def test_nonASCIILineAlone(self):
+        self.log.info("plain", event="relay.test_line")
+        self.log.info("caf\u00e9", event="relay.test_line")
+        self.assertEqual(self.stream.writes, 2)
+        self.assertTrue(self.stream.chunks[1].endswith("caf\u00e9\n"))

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Optional
 
 from attrs import define, evolve, field
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
@@ -456,6 +456,10 @@ class TurnRunner:
             key), or failing with an exception whose C{error} is the R32
             L{ClientError} (or with L{ClientGone}).
         """
+        if key.concurrency <= 0:
+            # Issue 24: an unlimited key has no slot to admit (what
+            # _admitUser answers at once); no Turn, coroutine or keepalive.
+            return succeed(None)
         intake = Turn(
             entrypoint=entrypoint, endpoint="responses", client=key, model=None, body={},
             stream=False, requestId=requestId, cancel=cancel,

@@ -112,18 +112,31 @@ def isTurnPath(path: bytes) -> bool:
 
     @param path: the request target as sent (may carry a query).
     """
-    return tuple(_segments(path)) in TURN_PATHS
+    return _segments(path) in TURN_PATHS
 
 
-def _segments(path: bytes) -> list:
+_segmentsSeen: dict = {}
+_SEGMENTS_SEEN_SIZE = 512
+
+
+def _segments(path: bytes) -> tuple:
     """
     The non-empty path segments of a request target, percent-decoded as
     twisted.web decodes them to find the resource (C{/%61dmin/settings}
     is C{/admin/settings}), so a route is sorted by the resource that will
-    answer it.
+    answer it. Remembered per target without a query (issue 24: every
+    request sorts its route twice, and a gateway's targets repeat).
     """
-    target = path.split(b"?", 1)[0]
-    return [s for s in (unquote(s) for s in target.split(b"/")) if s]
+    found = _segmentsSeen.get(path)
+    if found is not None:
+        return found
+    target, mark, _ = path.partition(b"?")
+    found = tuple(s for s in (unquote(s) for s in target.split(b"/")) if s)
+    if not mark and len(path) <= 256:
+        if len(_segmentsSeen) >= _SEGMENTS_SEEN_SIZE:
+            _segmentsSeen.clear()
+        _segmentsSeen[path] = found
+    return found
 
 
 def bodyStreams(raw: bytes) -> Optional[bool]:

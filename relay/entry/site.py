@@ -137,6 +137,61 @@ class RelayHTTPChannel(HTTPChannel):
         self._disarmHeaders()
         super().connectionLost(reason)
 
+    # -- issue 24: an answer's head and body in one write -----------------------
+    #
+    # Queued as twisted.web queues them (sent at the next poll), never sent
+    # at once: a response's owner record (R39/R40) and other store writes
+    # issued before the answer leave at the end of the reactor iteration,
+    # and must reach the store before the client can read the body and
+    # chain from it (TurnRunner.ownResponse).
+
+    _holdHead = False
+    _head = None
+
+    def writeHeaders(self, version, code, reason, headers) -> None:
+        """
+        While the answer's first C{Request.write} runs (L{holdHead}), keep
+        the head to send with the body that follows; else as twisted.web.
+        """
+        if not self._holdHead:
+            return super().writeHeaders(version, code, reason, headers)
+        head = [version, b" ", code, b" ", reason, b"\r\n"]
+        for name, values in headers.getAllRawHeaders():
+            for value in values:
+                head.extend((name, b": ", value, b"\r\n"))
+        head.append(b"\r\n")
+        self._head = b"".join(head)
+
+    def write(self, data: bytes) -> None:
+        """
+        Answer data, after any held head (one C{write}).
+        """
+        head = self._head
+        if head is not None:
+            self._head = None
+            data = head + data
+        self.transport.write(data)
+
+    def writeSequence(self, iovec) -> None:
+        self.write(b"".join(iovec))
+
+    def holdHead(self) -> None:
+        """
+        The first write of an answer starts: hold its head (see
+        L{writeHeaders}) until L{sendHead}.
+        """
+        self._holdHead = True
+
+    def sendHead(self) -> None:
+        """
+        The first write of an answer is done: send a head no body took.
+        """
+        self._holdHead = False
+        head = self._head
+        if head is not None:
+            self._head = None
+            self.transport.write(head)
+
     def _respondToBadRequestAndDisconnect(self) -> None:
         """
         Write a JSON 400 with a length, C{X-Request-Id} and C{Connection:

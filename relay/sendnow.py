@@ -1,0 +1,79 @@
+# -*- test-case-name: tests.test_sendnow -*-
+"""
+L{sendNow}: write to a plain TCP connection at once when nothing is queued
+on it (issue 24 item 2).
+
+C{FileDescriptor.write} only queues: it registers the socket for
+writability (one C{epoll_ctl}), the reactor's next poll reports it, and
+C{doWrite} sends and unregisters it (a second C{epoll_ctl}). A proxy's
+writes are small and its sockets nearly always writable, so each answer
+and each upstream request paid two system calls and a reactor iteration
+for one C{send}. L{sendNow} sends straight away when the connection's
+buffers are empty and queues only what the kernel did not take, so the
+order of the bytes, the producer's back-pressure and the handling of a
+lost connection stay Twisted's.
+
+Anything that is not a plain (non-TLS) TCP connection -- TLS, a test's
+L{StringTransport}, a protocol wrapper that overrides C{write} -- gets the
+ordinary C{write}.
+"""
+
+from __future__ import annotations
+
+from twisted.internet import tcp
+from twisted.protocols.policies import ProtocolWrapper
+
+__all__ = ["sendNow", "socketOf"]
+
+_wrapperWrite = ProtocolWrapper.write
+
+
+def socketOf(transport):
+    """
+    The plain TCP connection under C{transport}, looking through protocol
+    wrappers that do not change what is written; L{None} when there is
+    none (TLS, a test double, a wrapper with its own C{write}).
+    """
+    for _ in range(4):
+        kind = type(transport)
+        if isinstance(transport, ProtocolWrapper) and kind.write is _wrapperWrite:
+            transport = transport.transport
+            continue
+        if (
+            isinstance(transport, tcp.Connection)
+            and not getattr(transport, "TLS", False)
+            and kind.writeSomeData is tcp.Connection.writeSomeData
+        ):
+            return transport
+        return None
+    return None
+
+
+def sendNow(transport, data: bytes) -> None:
+    """
+    Write C{data} to C{transport}: sent at once when it is a plain TCP
+    connection with nothing queued (what the kernel does not take is
+    queued as by C{write}); otherwise C{transport.write(data)}.
+
+    @param transport: an L{ITransport}.
+    @param data: the bytes to send.
+    """
+    conn = socketOf(transport)
+    if (
+        conn is None
+        or not data
+        or not conn.connected
+        or conn.disconnecting
+        or conn._writeDisconnected
+        or conn._tempDataBuffer
+        or conn.offset < len(conn.dataBuffer)
+    ):
+        transport.write(data)
+        return
+    sent = conn.writeSomeData(data)
+    if isinstance(sent, Exception) or sent < 0:
+        # Lost: let the ordinary path find out and tell the protocol.
+        transport.write(data)
+        return
+    if sent < len(data):
+        conn.write(data[sent:])

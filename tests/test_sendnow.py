@@ -1,0 +1,160 @@
+"""
+Tests for L{relay.sendnow} and the one-send answer of
+L{relay.entry.site.RelayHTTPChannel} (issue 24 item 2).
+"""
+
+from __future__ import annotations
+
+import socket
+
+from twisted.internet import tcp
+from twisted.internet.protocol import Protocol
+from twisted.internet.testing import StringTransport
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET
+
+from relay.sendnow import sendNow, socketOf
+
+
+class _Reactor:
+    """
+    The reactor methods a L{tcp.Connection} calls to queue its writes.
+    """
+
+    def __init__(self):
+        self.writers = set()
+
+    def addWriter(self, writer):
+        self.writers.add(writer)
+
+    def removeWriter(self, writer):
+        self.writers.discard(writer)
+
+    def addReader(self, reader):
+        pass
+
+    def removeReader(self, reader):
+        pass
+
+
+class SendNowTCPTests(SynchronousTestCase):
+    """
+    On a plain TCP connection (a L{tcp.Connection} on one end of a real
+    socket pair).
+    """
+
+    def setUp(self):
+        mine, theirs = socket.socketpair()
+        mine.setblocking(False)
+        theirs.settimeout(5)
+        self.addCleanup(mine.close)
+        self.addCleanup(theirs.close)
+        self.reactor = _Reactor()
+        self.transport = tcp.Connection(mine, Protocol(), reactor=self.reactor)
+        self.transport.connected = 1
+        self.peer = theirs
+
+    def test_sentAtOnce(self):
+        """
+        With nothing queued the bytes leave in the call: nothing is
+        buffered and the socket is not registered for writing.
+        """
+        t = self.transport
+        self.assertIs(socketOf(t), t)
+        sendNow(t, b"hello!")
+        self.assertEqual((t._tempDataBuffer, t.dataBuffer), ([], b""))
+        self.assertEqual(self.reactor.writers, set())
+        self.assertEqual(self.peer.recv(100), b"hello!")
+
+    def test_queuedKeepsOrder(self):
+        """
+        Bytes queued by C{write} go first: L{sendNow} queues behind them.
+        """
+        t = self.transport
+        t.write(b"first ")
+        sendNow(t, b"second!")
+        self.assertEqual(t._tempDataBuffer, [b"first ", b"second!"])
+        self.assertEqual(self.reactor.writers, {t})
+        t.doWrite()
+        self.assertEqual(self.peer.recv(100), b"first second!")
+
+
+class SendNowFallbackTests(SynchronousTestCase):
+    """
+    Anything but a plain TCP connection gets C{write}.
+    """
+
+    def test_stringTransport(self):
+        t = StringTransport()
+        self.assertIsNone(socketOf(t))
+        sendNow(t, b"abc")
+        self.assertEqual(t.value(), b"abc")
+
+
+class _Counting(StringTransport):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def write(self, data):
+        self.calls += 1
+        super().write(data)
+
+    def writeSequence(self, seq):
+        self.calls += 1
+        super().writeSequence(seq)
+
+
+class _Leaf(Resource):
+    isLeaf = True
+
+    def render_GET(self, request):
+        request.setHeader(b"content-type", b"application/json")
+        request.setHeader(b"content-length", b"11")
+        request.write(b'{"ok":true}')
+        request.finish()
+        return NOT_DONE_YET
+
+    def render_HEAD(self, request):
+        return self.render_GET(request)
+
+
+def _exchange(raw: bytes) -> _Counting:
+    from twisted.internet.task import Clock
+
+    from relay.app import _Request
+    from relay.entry.site import RelaySite
+
+    root = Resource()
+    root.putChild(b"x", _Leaf())
+    site = RelaySite(root, requestFactory=_Request, reactor=Clock())
+    protocol = site.buildProtocol(None)
+    transport = _Counting()
+    protocol.makeConnection(transport)
+    protocol.dataReceived(raw)
+    return transport
+
+
+class OneSendAnswerTests(SynchronousTestCase):
+    """
+    An answer written in one C{Request.write} leaves as one write: head
+    and body together (twisted.web wrote the head and the body apart).
+    """
+
+    def test_headAndBodyTogether(self):
+        t = _exchange(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
+        value = t.value()
+        self.assertTrue(value.startswith(b"HTTP/1.1 200 OK\r\n"), value)
+        self.assertTrue(value.endswith(b'\r\n\r\n{"ok":true}'), value)
+        self.assertEqual(t.calls, 1)
+
+    def test_headWithoutBody(self):
+        """
+        A HEAD answer (no body is written) still sends its head.
+        """
+        t = _exchange(b"HEAD /x HTTP/1.1\r\nHost: a\r\n\r\n")
+        value = t.value()
+        self.assertTrue(value.startswith(b"HTTP/1.1 200 OK\r\n"), value)
+        self.assertTrue(value.endswith(b"\r\n\r\n"), value)
+        self.assertNotIn(b"ok", value)
