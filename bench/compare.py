@@ -62,6 +62,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,6 +103,27 @@ def waitPort(port: int, timeout: float = 30) -> None:
         except OSError:
             time.sleep(0.1)
     raise SystemExit(f"nothing listening on {port}")
+
+
+def waitReady(port: int, timeout: float = 60) -> None:
+    """
+    Wait until relay on C{port} answers C{GET /readyz} with 200 (its keys
+    and control plane read: before that a turn gets 503 C{keys_loading}).
+    """
+    waitPort(port, timeout)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                return  # a relay from before /readyz (a --baseline tree)
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"relay on {port} not ready after {timeout:g} s")
 
 
 def cpuSeconds(pid: int) -> float:
@@ -342,7 +364,7 @@ def startRelay(procs: Procs, name: str, upstreamPort: int, cpu=None, extra: str 
     conf = relayConfig(procs.tmp, name, port, upstreamPort, extra)
     p = procs.start(name, [sys.executable, "-m", "twisted", "relay", "--config", conf, *args],
                     cpu=cpu, env=dict(os.environ, PYTHONPATH=tree))
-    waitPort(port)
+    waitReady(port)
     return p, port
 
 
@@ -391,7 +413,7 @@ def wrk(tmp: str, kind: str, port: int, connections: int, seconds: float, cpu=No
         KiB).
     """
     path = SCRIPTS[kind][0]
-    argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "-s",
+    argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--latency", "-s",
             wrkScript(tmp, kind), f"http://127.0.0.1:{port}{path}"]
     if cpu is not None:
         argv = ["taskset", "-c", str(cpu)] + argv
@@ -618,7 +640,15 @@ def workers(procs: Procs, bodies: dict, seconds: float, report: list) -> None:
     # Alternate (1, 2, 1, 2): the box is shared, so neighbours' load hits both.
     for n in (1, 2, 1, 2):
         relay, rport, pids = relays[n]
-        rows.append((n, wrk(procs.tmp, "json", rport, 32, seconds, watch=pids)))
+        r0, u0 = cpuSeconds(redis.pid), cpuSeconds(upstream.pid)
+        t0 = os.times()
+        r = wrk(procs.tmp, "json", rport, 32, seconds, watch=pids)
+        t1 = os.times()
+        r["redisCpu"] = cpuSeconds(redis.pid) - r0
+        r["upstreamCpu"] = cpuSeconds(upstream.pid) - u0
+        r["wrkCpu"] = (t1.children_user + t1.children_system) - (t0.children_user + t0.children_system)
+        r["load"] = os.getloadavg()[0]
+        rows.append((n, r))
     for relay, _, _ in relays.values():
         procs.stop(relay)
     procs.stop(upstream)
@@ -627,14 +657,48 @@ def workers(procs: Procs, bodies: dict, seconds: float, report: list) -> None:
     two = sum(r["rps"] for n, r in rows if n == 2) / 2
     report.append("## Workers across cores\n")
     report.append("relay with `state.backend: redis`, nothing pinned (relay, wrk, the upstream "
-                  "and redis-server share both cores), c=32 JSON.\n")
-    report.append("| workers | RPS | p50 / p99 ms | CPU per request (all workers) | vs 1 worker |")
-    report.append("|---:|---:|---:|---:|---:|")
+                  "and redis-server share both cores), c=32 JSON. The other columns: what the "
+                  "rest of the box spent meanwhile (the cores relay did not get).\n")
+    report.append("| workers | RPS | RPS per worker | p50 / p99 ms | CPU per request (all workers) "
+                  "| relay cores used | redis / upstream / wrk CPU per request | load avg "
+                  "| vs 1 worker |")
+    report.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n, r in rows:
-        report.append(f"| {n} | {r['rps']:,.0f} | {r['p50']:.2f} / {r['p99']:.2f} | {_us(r)} | "
-                      f"{r['rps'] / one:.2f}x |")
-    report.append(f"| **2 vs 1 (means of the alternating runs)** | {two:,.0f} vs {one:,.0f} | | | "
+        per = lambda k, r=r: f"{r[k] / r['requests'] * 1e6:,.0f}"  # noqa: E731
+        report.append(f"| {n} | {r['rps']:,.0f} | {r['rps'] / n:,.0f} | {r['p50']:.2f} / "
+                      f"{r['p99']:.2f} | {_us(r)} | {r['cpu'] / seconds:.2f} | "
+                      f"{per('redisCpu')} / {per('upstreamCpu')} / {per('wrkCpu')} us | "
+                      f"{r['load']:.2f} | {r['rps'] / one:.2f}x |")
+    report.append(f"| **2 vs 1 (means of the alternating runs)** | {two:,.0f} vs {one:,.0f} | "
+                  "| | | | | | "
                   f"**{two / one:.2f}x** |")
+    report.append("")
+    _planning(rows, report)
+
+
+def _planning(rows: list, report: list) -> None:
+    """
+    Issue 24 item 4: turns per second for N workers on N cores of their own,
+    on paper from the one-worker runs' CPU per turn (relay's and
+    redis-server's): N / relay CPU per turn, capped by one redis-server
+    core (it runs scripts on one thread).
+    """
+    ones = [r for n, r in rows if n == 1]
+    relayCpu = sum(r["cpu"] for r in ones) / sum(r["requests"] for r in ones)
+    redisCpu = sum(r["redisCpu"] for r in ones) / sum(r["requests"] for r in ones)
+    report.append("### Planning: turns per second by workers (on paper, from CPU per turn)\n")
+    report.append(f"From the one-worker runs: relay {relayCpu * 1e6:,.0f} us of CPU per turn, "
+                  f"redis-server {redisCpu * 1e6:,.0f} us (one core: at most "
+                  f"{1 / redisCpu:,.0f} turns/s). N workers, each on a core of its own (Redis, "
+                  "the upstream and the clients elsewhere), carry N / relay CPU per turn; "
+                  "scaling loss between workers is not modelled.\n")
+    report.append("| workers (cores) | turns/s | turns/s per worker | bound by |")
+    report.append("|---:|---:|---:|---|")
+    for n in (1, 2, 4, 8, 16):
+        relayBound = n / relayCpu
+        value = min(relayBound, 1 / redisCpu)
+        report.append(f"| {n} | {value:,.0f} | {value / n:,.0f} | "
+                      f"{'relay CPU' if relayBound <= 1 / redisCpu else 'redis-server (one core)'} |")
     report.append("")
 
 
@@ -677,7 +741,7 @@ def statePool(procs: Procs, bodies: dict, seconds: float, report: list, trees: l
                 turncost.relayYaml(config, port, uport, n, turncost.LIMITS, extra)
                 relay = procs.start(name, [sys.executable, "-m", "twisted", "relay", "--config",
                                            config], cpu=0, env=dict(os.environ, PYTHONPATH=tree))
-                waitPort(port)
+                waitReady(port)
                 kinds = STATE_KINDS if n == 1 else STATE_KINDS[:1]
                 for scenario, kind, conns in kinds:
                     wrk(procs.tmp, kind, port, 8, 1, cpu=1)

@@ -36,7 +36,8 @@ kind of turn):
     connections at once (16 for the stream): the work per turn at load,
     where concurrent turns share reactor wake-ups and Redis batches;
   - C{pool}: 1, 100 and 2,000 identical healthy accounts, memory and Redis
-    state, JSON (the sticky-session path the bench's repeated body takes).
+    state, JSON: the sticky-session path the bench's repeated body takes,
+    and a new session each turn (the load-balance layer).
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ import compare  # noqa: E402, I001
 
 ROOT = compare.ROOT
 LIMITS = 64
+STEADY = False
+"""Issue 24 (C{--steady}): new-session turns are warmed up on every account
+of the pool first, so the count is of the steady state (an account's first
+turn creates its metrics children, a one-time cost)."""
 
 KINDS = {
     "json": ("/v1/responses", {"model": "gpt-5.5", "input": "hi"}, {}),
@@ -68,7 +73,12 @@ KINDS = {
     "chat": ("/v1/chat/completions",
              {"model": "gpt-5.5", "messages": [{"role": "user", "content": "hi"}]}, {}),
 }
-LABELS = {"json": "JSON", "sse": "stream (40 events)", "chat": "chat"}
+KINDS["new"] = KINDS["json"]
+"""A JSON turn of a new session each time (a C{session_id} header of its
+own): the load-balance layer picks its account (issue 24's pool scenario
+beside the sticky one)."""
+LABELS = {"json": "JSON", "sse": "stream (40 events)", "chat": "chat",
+          "new": "JSON, new session each turn"}
 
 
 def exportTree(ref: str, tmp: str) -> tuple:
@@ -116,6 +126,7 @@ class Client:
     def __init__(self, port: int, concurrency: int = 1):
         self.conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=900)
                       for _ in range(concurrency)]
+        self.sessions = 0
 
     def turns(self, kind: str, n: int) -> None:
         """
@@ -126,10 +137,14 @@ class Client:
         headers = dict(headers, **{"Authorization": f"Bearer {compare.RELAY_KEY}",
                                    "Content-Type": "application/json"})
         errors = []
+        fresh = kind == "new"
 
         def run(conn, count):
             try:
                 for _ in range(count):
+                    if fresh:
+                        self.sessions += 1
+                        headers["session_id"] = f"bench-{id(self)}-{self.sessions}"
                     conn.request("POST", path, data, headers)
                     r = conn.getresponse()
                     payload = r.read()
@@ -210,7 +225,7 @@ def _valgrindRelay(procs, name: str, tree: str, config: str, port: int):
                            f"--callgrind-out-file={out}", sys.executable, "-m", "twisted",
                            "relay", "--config", config],
                     env=dict(os.environ, PYTHONPATH=tree))
-    compare.waitPort(port, timeout=300)
+    compare.waitReady(port, timeout=300)
     return p, out
 
 
@@ -256,7 +271,7 @@ def measureRelay(procs, name: str, tree: str, upstreamPort: int, accounts: int, 
     results = {}
     try:
         for kind in kinds:
-            client.turns(kind, 30)
+            client.turns(kind, accounts + 30 if STEADY and kind == "new" else 30)
             monitor = Monitor(redisPort) if redisPort else None
             if monitor:
                 time.sleep(0.3)
@@ -327,8 +342,9 @@ def run(procs, trees: list, only, turns: int, bodies=None) -> dict:
                     for n in (1, 100, 2000):
                         count = turns if n < 2000 else max(20, turns // 5)
                         r = measureRelay(procs, f"cg-{label}-{state}-{n}", tree, uport, n,
-                                         LIMITS, ["json"], count, rport)
-                        results["pool", label, state, n, "json"] = r["json"]
+                                         LIMITS, ["json", "new"], count, rport)
+                        for kind in ("json", "new"):
+                            results["pool", label, state, n, kind] = r[kind]
     finally:
         procs.stop(redis)
         procs.stop(upstream)
@@ -427,19 +443,24 @@ def report(results: dict, trees: list, turns: int, out: list) -> None:
                     out.append(f"| {LABELS[kind]} c={conns} | {label} | {_redisSummary(r['redis'])} |")
         out.append("")
     if any(k[0] == "pool" for k in results):
-        out.append(f"Pool size: identical healthy accounts, JSON, concurrency {LIMITS}.\n")
-        out.append(f"| accounts, state | {head} | vs 1 account |")
+        out.append(f"Pool size: identical healthy accounts, concurrency {LIMITS}; JSON turns of "
+                   "one session (the sticky path) and of a new session each (the load-balance "
+                   "layer).\n")
+        out.append(f"| accounts, state, turn | {head} | vs 1 account |")
         out.append("|---|" + "---:|" * (len(labels) + two) + "---:|")
-        for state in ("memory", "redis"):
-            for n in (1, 100, 2000):
-                vals = [results.get(("pool", label, state, n, "json")) for label in labels]
-                if any(v is None for v in vals):
-                    continue
-                ones = [results.get(("pool", label, state, 1, "json")) for label in labels]
-                cells = " | ".join(_m(v["instr"]) for v in vals)
-                ratio = f" | **{vals[1]['instr'] / vals[0]['instr']:.2f}x**" if two else ""
-                vs1 = " / ".join(f"{v['instr'] / o['instr']:.2f}x" for v, o in zip(vals, ones))
-                out.append(f"| {n:,}, {state} | {cells}{ratio} | {vs1} |")
+        for kind in ("json", "new"):
+            for state in ("memory", "redis"):
+                for n in (1, 100, 2000):
+                    vals = [results.get(("pool", label, state, n, kind)) for label in labels]
+                    if any(v is None for v in vals):
+                        continue
+                    ones = [results.get(("pool", label, state, 1, kind)) for label in labels]
+                    cells = " | ".join(_m(v["instr"]) for v in vals)
+                    ratio = f" | **{vals[1]['instr'] / vals[0]['instr']:.2f}x**" if two else ""
+                    vs1 = " / ".join(f"{v['instr'] / o['instr']:.2f}x"
+                                     for v, o in zip(vals, ones))
+                    name = "sticky" if kind == "json" else "new session"
+                    out.append(f"| {n:,}, {state}, {name} | {cells}{ratio} | {vs1} |")
         out.append("")
 
 
@@ -449,7 +470,12 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=200)
     parser.add_argument("--only", action="append", choices=["kinds", "state", "load", "pool"])
     parser.add_argument("--out", help="also write the report (markdown) here")
+    parser.add_argument("--steady", action="store_true",
+                        help="warm new-session turns up on every account first (slow at 2,000)")
     args = parser.parse_args()
+    if args.steady:
+        global STEADY
+        STEADY = True
     for tool in ("valgrind", "callgrind_control", "nginx", "redis-server", "redis-cli"):
         if not shutil.which(tool):
             raise SystemExit(f"{tool} is not installed (apt-get install valgrind nginx "

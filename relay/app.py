@@ -188,15 +188,18 @@ def _memoryProviders(config: RelayConfig, reactor):
 
 
 def _redisProviders(config: RelayConfig, reactor):
-    from relay.admission.redis import RedisSlotAdmission
+    from relay.admission.redis import RedisSlotAdmission, sharedBatch
     from relay.redisclient import RedisService
     from relay.state.redis import RedisStateStore
 
     service = RedisService(
         url=config.state.redis_url, clock=reactor, **_sentinelArguments(config.state)
     )
+    # Issue 24: the built-in store and admission share one batcher, so a
+    # turn's state reads, slot acquire and end-of-turn writes share round trips.
+    batch = sharedBatch(service, reactor)
     store = RedisStateStore(
-        redis=service, clock=reactor, onRedisError=config.state.on_redis_error
+        redis=service, clock=reactor, onRedisError=config.state.on_redis_error, batch=batch
     )
     kwargs = {
         "redis": service,
@@ -205,7 +208,7 @@ def _redisProviders(config: RelayConfig, reactor):
         "onRedisError": config.state.on_redis_error,
         "prefix": os.urandom(4).hex(),
     }
-    return store, (lambda **kw: RedisSlotAdmission(**kw)), kwargs, [service]
+    return store, (lambda **kw: RedisSlotAdmission(batch=batch, **kw)), kwargs, [service]
 
 
 def _sentinelArguments(state) -> dict:
@@ -309,6 +312,20 @@ def buildApplication(
         return (control.blockReason(account, now) or health.localBlock(account.id, model)
                 or credentials.blockReason(account, now))
 
+    def flagged(now, pool):
+        # Issue 24: the accounts extraBlock and the quarantine hook may
+        # refuse now (a superset), so a selection checks only those.
+        paused = control.flagged(now)
+        if paused is None:
+            return None
+        out = set(paused)
+        out.update(health.flagged(now))
+        out.update(credentials.flagged(now))
+        proxies = proxyHealth.quarantinedProxies(now)
+        if proxies:
+            out.update(pool.behindProxies(proxies))
+        return out
+
     scheduler = AccountScheduler(
         accounts=accounts,
         admission=admission,
@@ -319,6 +336,7 @@ def buildApplication(
         isQuarantined=proxyHealth.isQuarantined,
         quarantineEnd=proxyHealth.quarantinedUntil,
         quota=quota,
+        flagged=flagged,
     )
     runner = TurnRunner(
         clock=reactor,
@@ -730,10 +748,13 @@ def _durableOwners(app: RelayApplication) -> None:
     which key owns a chain (Redis keeps them itself).
     """
     from relay.settingsdb import SQLiteSettingsStore
-    from relay.state.durable import SQLiteValues
+    from relay.state.durable import DurableFlushService, SQLiteValues
 
     if isinstance(app.settings.store, SQLiteSettingsStore) and hasattr(app.store, "durable"):
-        app.store.durable = SQLiteValues(app.settings.store)
+        # Issue 24: written behind (one transaction per 0.25 s at most),
+        # what waits is written at stop, before the database closes.
+        app.store.durable = SQLiteValues(app.settings.store, clock=app.reactor)
+        app.services.append(DurableFlushService(app.store.durable))
 
 
 def _usageLedger(app: RelayApplication, metrics, redis):

@@ -178,6 +178,51 @@ class IStateStore(Interface):
         """
 
 
+class IAccountStateView(Interface):
+    """
+    Issue 24 item 5: an L{IStateStore} that keeps every account's runtime
+    state at hand, so selection reads no state per account per turn: the
+    scheduler asks for the view once per selection and looks at the few
+    accounts whose state may block them (L{IAccountStates.flagged}). A
+    store without it is read with C{getAccountStates} of every candidate,
+    as before.
+    """
+
+    def accountStateView(accountIds):
+        """
+        The runtime states as of now (what C{getAccountStates} would
+        return, for every id), without a per-account read.
+
+        @param accountIds: the configured account ids (a store that mirrors
+            remote state reads them all the first time, and after its
+            source was reset).
+        @return: Deferred firing with an L{IAccountStates}.
+        """
+
+
+class IAccountStates(Interface):
+    """
+    What L{IAccountStateView.accountStateView} gives.
+    """
+
+    def get(accountId, default=None):
+        """
+        @return: the account's L{relay.policy.failures.AccountRuntime}, or
+            C{default} when none is stored (the default runtime: healthy).
+        """
+
+    def flagged(now):
+        """
+        The accounts whose stored state may make them unschedulable at
+        C{now} (a superset: disabled, or a block, rate limit, overload or
+        model block not yet over); every other account's stored state is
+        the healthy default for scheduling.
+
+        @param now: Unix seconds.
+        @return: an iterable of account ids.
+        """
+
+
 class ISlotLease(Interface):
     """
     One held concurrency slot.

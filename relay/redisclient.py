@@ -34,6 +34,7 @@ import anywhere.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Optional
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -47,6 +48,9 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from relay.model import RelayError
+
+_SCRIPT_SHAS: dict = {}
+"""Script text -> its SHA1 hex (L{RedisService._eval}; issue 24)."""
 
 
 class RedisUnavailable(RelayError):
@@ -720,11 +724,37 @@ class RedisService(Service):
             return defer.fail(RedisUnavailable(method, "redis unreachable"))
         sentAt = self._clock.seconds()
         try:
-            d = getattr(self.pool, method)(*args, **kwargs)
+            if method == "eval" and args and isinstance(args[0], str):
+                d = self._eval(*args, **kwargs)
+            else:
+                d = getattr(self.pool, method)(*args, **kwargs)
         except Exception as e:
             return defer.fail(RedisUnavailable(method, describe(e)))
         d.addTimeout(timeout, self._clock)
         return d.addCallbacks(self._cbReply, self._ebMap, errbackArgs=(method, sentAt))
+
+    def _eval(self, script: str, keys=(), args=()) -> Deferred:
+        """
+        C{EVALSHA} with the script's SHA1 computed once per script text
+        (issue 24: txredisapi's C{eval} encodes and hashes the whole script
+        on every call -- 11 KB for the shared batch script); a Redis that
+        does not know the script (C{NOSCRIPT}: restarted, failed over,
+        flushed) gets it with C{EVAL}, as txredisapi's C{eval} does.
+        """
+        sha = _SCRIPT_SHAS.get(script)
+        if sha is None:
+            if len(_SCRIPT_SHAS) > 256:
+                _SCRIPT_SHAS.clear()
+            sha = _SCRIPT_SHAS[script] = hashlib.sha1(script.encode("utf-8")).hexdigest()
+        pool = self.pool
+
+        def noScript(f: Failure):
+            from txredisapi import ScriptDoesNotExist
+
+            f.trap(ScriptDoesNotExist)
+            return pool.eval(script, keys, args)
+
+        return pool.evalsha(sha, keys, args).addErrback(noScript)
 
     def _cbReply(self, reply):
         self._replied()

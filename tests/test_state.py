@@ -12,7 +12,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
 from relay.policy.failures import AccountRuntime
-from relay.interfaces import IStateStore
+from relay.interfaces import IAccountStates, IAccountStateView, IStateStore
 from relay.state import accountKey, counter403Key
 from relay.state.memory import MemoryStateStore
 
@@ -61,6 +61,48 @@ class StateStoreContractMixin:
         store = self.makeStore()
         states = await store.getAccountStates(["a", "b"])
         assert states == {"a": AccountRuntime(), "b": AccountRuntime()}
+
+    async def contract_stateView(self):
+        """
+        Issue 24: the store's L{IAccountStateView} gives what
+        C{getAccountStates} gives, and flags exactly the accounts whose
+        stored state may block them now: a block or model block not yet
+        over, or disabled; not an account with a streak only, a cleared
+        one, or one whose block has ended.
+        """
+        store = self.makeStore()
+        assert verifyObject(IAccountStateView, store)
+        now = self.now()
+        ids = ("a", "b", "c", "d", "e")
+        await store.markAccount("a", "rate_limited", now + 60, "429")
+        await store.markAccount("b", "disabled", 0, "401")
+        await store.markAccount("c", "model_block", now + 60, "streak", model="gpt-5")
+        await store.markAccount("d", "overloaded", now + 0.2, "529")
+        await store.bumpStreak("e", "gpt-5", 60)
+        view = await store.accountStateView(ids)
+        assert verifyObject(IAccountStates, view)
+        states = await store.getAccountStates(ids)
+        for i in ids[:4]:
+            assert view.get(i) == states[i], i
+        assert set(view.flagged(now)) == {"a", "b", "c", "d"}
+        await store.clearAccount("b")
+        await store.markAccount("a", "temp_unschedulable", now + 90, "transport")
+        await self.advance(0.4)
+        view = await store.accountStateView(ids)
+        assert set(view.flagged(self.now())) == {"a", "c"}
+        assert view.get("a").blockReason == "transport"
+        assert view.get("b", AccountRuntime()) == AccountRuntime()
+
+    async def contract_setValues(self):
+        """
+        Issue 24: C{setValues} sets every key with the one TTL, as
+        C{setValue} does each.
+        """
+        store = self.makeStore()
+        await store.setValues([("k1", "v1"), ("k2", "0012")], 0.3)
+        assert (await store.getValue("k1"), await store.getValue("k2")) == ("v1", "0012")
+        await self.advance(0.5)
+        assert (await store.getValue("k1"), await store.getValue("k2")) == (None, None)
 
     async def contract_markEachKind(self):
         """

@@ -178,6 +178,25 @@ class MemorySlotAdmission:
             out[i] = (len(self._held.get(key, ())), len(self._queues.get(key, ())))
         return succeed(out)
 
+    def busy(self, kind, ids=(), fresh=False) -> dict:
+        """
+        Issue 24: the loads of the slot keys of C{kind} that hold a slot or
+        have a waiter -- every other key's load is C{(0, 0)} -- at the cost
+        of those keys, not of every account (the scheduler's load-balance
+        layer reads this instead of every candidate's load). Always fresh
+        (C{fresh} is accepted for the Redis admission's signature).
+
+        @return: id -> C{(inUse, waiting)}.
+        """
+        out = {}
+        for key, held in self._held.items():
+            if key[0] == kind:
+                out[key[1]] = (len(held), 0)
+        for key, queue in self._queues.items():
+            if key[0] == kind:
+                out[key[1]] = (out.get(key[1], (0, 0))[0], len(queue))
+        return out
+
     # -- ISlotDrain -----------------------------------------------------------
 
     def releaseAll(self, timeout: float) -> Deferred:

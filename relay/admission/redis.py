@@ -113,7 +113,7 @@ from relay.interfaces import ISlotAdmission, ISlotDrain, ISlotLease
 from relay.model import AdmissionError, WaitPlan
 from relay.redisclient import RedisService, RedisUnavailable, describe
 from relay.requestid import currentRequestId
-from relay.state.redisbatch import RedisBatch, batchScript
+from relay.state.redisbatch import SOLO, RedisBatch, batchScript
 
 
 def _script(name: str) -> str:
@@ -128,13 +128,49 @@ ACQUIRE_LUA = _script("acquire")
 LEAVE_LUA = _script("leave")
 RENEW_LUA = _script("renew")
 LOAD_LUA = _script("load")
+BUSY_LUA = _script("busy")
 HEARTBEAT_LUA = _script("heartbeat")
+
+#: Issue 24: a slot try and the binding refresh as one operation: KEYS the
+#: four of C{acquire.lua} and the binding key; ARGV those of C{acquire.lua}
+#: (mode C{try}), then the account id and the binding's TTL ms. Returns
+#: C{acquire.lua}'s reply with a fifth element, 1 when the binding was
+#: refreshed.
+ACQUIRE_BIND_LUA = (
+    "local function acquire(KEYS, ARGV)\n" + ACQUIRE_LUA + "\nend\n" + """
+local r = acquire({KEYS[1], KEYS[2], KEYS[3], KEYS[4]},
+                  {ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]})
+local bound = 0
+if tonumber(r[1]) == 1 and redis.call('GET', KEYS[5]) == ARGV[7] then
+  redis.call('SET', KEYS[5], ARGV[7], 'PX', ARGV[8])
+  bound = 1
+end
+r[5] = bound
+return r
+""")
 
 #: The slot commands a turn sends (acquire, leave; release is a plain
 #: C{ZREM}), as operations of one batch (issue 24): alone, each is the
 #: script or command it always was.
-ADMISSION_SOLO = {"ACQUIRE": ACQUIRE_LUA, "LEAVE": LEAVE_LUA}
+ADMISSION_SOLO = {"ACQUIRE": ACQUIRE_LUA, "LEAVE": LEAVE_LUA, "ACQUIRE_BIND": ACQUIRE_BIND_LUA}
 ADMISSION_BATCH_LUA = batchScript(ADMISSION_SOLO)
+
+#: Issue 24: one batcher for the state store and the admission of a relay
+#: process (L{sharedBatch}): a turn's state reads and its account slot acquire
+#: travel in one round trip, and its end (slot releases, owner records, the
+#: streak reset) in one more.
+SHARED_SOLO = {**SOLO, **ADMISSION_SOLO}
+SHARED_BATCH_LUA = batchScript(SHARED_SOLO)
+
+
+def sharedBatch(redis: RedisService, clock: IReactorTime) -> RedisBatch:
+    """
+    The batcher a L{relay.state.redis.RedisStateStore} and a
+    L{RedisSlotAdmission} share (issue 24): leading (a lone acquire leaves
+    at once, as alone), the store's operations and the releases queued to
+    the end of the reactor turn.
+    """
+    return RedisBatch(redis, clock, solo=SHARED_SOLO, script=SHARED_BATCH_LUA, leading=True)
 
 #: The process registry ZSET (see the module docstring; R34 crash recovery).
 PROCESSES_KEY = "relay:processes"
@@ -145,6 +181,12 @@ RELEASE_RETRY_SECONDS = 1.0
 
 #: With Sentinel: how far back releases are repeated on a new master.
 RECENT_RELEASE_SECONDS = 60.0
+
+#: R34: how long the load-balance layer's load read is reused in this
+#: process (sub2api's C{load_batch_cache_ttl_ms}, 200 ms; issue 24). This
+#: process's own slot takes and releases since the read are counted into
+#: it at once; a pass whose tries all failed reads again uncached.
+LOAD_CACHE_SECONDS = 0.2
 
 #: R30 poll loop figures, seconds
 BACKOFF_START = 0.1
@@ -337,7 +379,16 @@ class RedisSlotAdmission:
     _releaser: Optional[LoopingCall] = field(default=None, init=False)
     _recent: Optional[deque] = field(default=None, init=False)
     """With Sentinel: C{(at, request id, kind, id)} of recent releases."""
+    batch: Optional[RedisBatch] = None
+    """A batcher shared with the state store (L{sharedBatch}), or L{None}
+    for this admission's own (releases then leave at once when alone)."""
     _batch: Optional[RedisBatch] = field(default=None, init=False)
+    _releaseLead: Optional[bool] = field(default=None, init=False)
+    _busyIds: dict = field(factory=dict, init=False)
+    """Issue 24: C{(kind, ids)} -> the ids as C{busy.lua}'s one argument."""
+    _busyCache: dict = field(factory=dict, init=False)
+    """Issue 24 (R34's load cache): C{(kind, ids)} -> C{[read at, loads or
+    in-flight Deferred, {id: own slots taken (+) or released (-) since}]}."""
 
     _log = Logger()
 
@@ -354,8 +405,13 @@ class RedisSlotAdmission:
         if listeners is not None and getattr(self._redis, "sentinels", ()):
             self._recent = deque(maxlen=100_000)
             listeners.append(self.masterSwitched)
-        self._batch = RedisBatch(self._redis, self._clock, solo=ADMISSION_SOLO,
-                                 script=ADMISSION_BATCH_LUA, leading=True)
+        if self.batch is not None:
+            # Shared (issue 24): a release waits for the end of the reactor
+            # turn, with the turn's other end-of-turn writes.
+            self._batch, self._releaseLead = self.batch, False
+        else:
+            self._batch = RedisBatch(self._redis, self._clock, solo=ADMISSION_SOLO,
+                                     script=ADMISSION_BATCH_LUA, leading=True)
         if not 0 < self.heartbeatInterval < self.liveTtl:
             raise ValueError(
                 f"heartbeatInterval ({self.heartbeatInterval}s) must be positive and"
@@ -459,6 +515,40 @@ class RedisSlotAdmission:
 
         return d.addCallbacks(_cb, _eb)
 
+    def tryAcquireBinding(self, kind, id, limit, bindingKey: str, ttl: float) -> Deferred:
+        """
+        Issue 24: L{tryAcquire} with the session binding's refresh in the
+        same round trip: when the slot is taken and C{bindingKey} still
+        names C{id}, its TTL is set to C{ttl} (R38's hit). With a shared
+        batcher the acquire waits for the reactor turn's other commands
+        (the scheduler's binding and state reads) and leaves with them.
+
+        @param ttl: seconds.
+        @return: a Deferred firing with C{(lease or None, refreshed)}, or
+            failing as L{tryAcquire} does.
+        """
+        rid = self._newRequestId()
+        if limit <= 0:
+            return succeed((self._lease(kind, id, rid, counted=False), False))
+        d = self._track(self._batch.call(
+            self.timeout, "ACQUIRE_BIND", keysFor(kind, id) + [PROCESSES_KEY, bindingKey],
+            [int(limit), repr(self.slotTtl), rid, "try", 0, repr(self.ticketTtl), id,
+             max(1, int(round(ttl * 1000)))], lead=False,
+        ))
+
+        def _cb(reply):
+            if int(reply[0]) == 1:
+                return (self._lease(kind, id, rid), int(reply[4]) == 1)
+            return (None, False)
+
+        def _eb(f: Failure):
+            f.trap(RedisUnavailable)
+            self._logError("slot_acquire", f)
+            self._leave(WaitPlan(kind, id, limit, 0, 0), rid, True)
+            raise admissionError("error", None, detail=describe(f))
+
+        return d.addCallbacks(_cb, _eb)
+
     def acquire(self, plan, cancel, deadline=None) -> Deferred:
         """
         See L{ISlotAdmission.acquire}.
@@ -539,6 +629,129 @@ class RedisSlotAdmission:
             return {i: (0, 0) for i in ids}
 
         return d.addCallbacks(_cb, _eb)
+
+    def busy(self, kind, ids=(), fresh=False) -> Deferred:
+        """
+        Issue 24: the loads of those of C{ids} that hold a slot or have a
+        waiter (the scheduler's load-balance layer ranks only these one by
+        one; every other id's load is C{(0, 0)}). One C{busy.lua} call for
+        C{ids} (L{_busyRead}), reused for L{LOAD_CACHE_SECONDS} (R34's
+        in-process load cache): Redis keeps no index of the busy slot keys,
+        so the read's work in Redis grows with the ids, and a large pool
+        reads it once per 200 ms, not once per turn. This process's own slot takes and releases since the read are
+        counted in at once (its view of its own slots is exact; other
+        processes' are at most 200 ms old, and an acquire checks the limit
+        itself).
+
+        @param ids: a collection the caller passes again unchanged (the
+            scheduler's static candidate set) -- the cache is kept per
+            C{(kind, ids)}.
+        @param fresh: read uncached (R34: after a pass whose tries all
+            failed).
+        @return: a Deferred firing with id -> C{(inUse, waiting)}; failing
+            as L{load} does.
+        """
+        cacheKey = (kind, ids)
+        now = self._clock.seconds()
+        entry = self._busyCache.get(cacheKey)
+        if not fresh and entry is not None and now - entry[0] < LOAD_CACHE_SECONDS:
+            loads = entry[1]
+            if isinstance(loads, Deferred):
+                waiter = Deferred()
+                entry.append(waiter)
+                return waiter
+            return succeed(self._withOwn(loads, entry[2]))
+        if len(self._busyCache) > 16:
+            self._busyCache.clear()
+        entry = [now, None, {}]
+        d = self._busyRead(kind, ids)
+        entry[1] = d
+        self._busyCache[cacheKey] = entry
+
+        def _read(busy):
+            entry[1] = busy
+            waiters = entry[3:]
+            del entry[3:]
+            out = self._withOwn(busy, entry[2])
+            for w in waiters:
+                w.callback(dict(out))
+            return out
+
+        def _failed(f):
+            if self._busyCache.get(cacheKey) is entry:
+                del self._busyCache[cacheKey]
+            waiters = entry[3:]
+            del entry[3:]
+            for w in waiters:
+                w.errback(f)
+            return f
+
+        return d.addCallbacks(_read, _failed)
+
+    def _busyRead(self, kind, ids) -> Deferred:
+        """
+        One C{busy.lua} call: the ids with a load among C{ids}, sent as one
+        argument (built once per C{ids}) and answered with the busy ones
+        only, so neither side of the round trip grows with the pool (the
+        script's work in Redis does: two C{ZCARD}s per idle id).
+
+        @return: a Deferred firing with id -> C{(inUse, waiting)} of the
+            busy ids; on a Redis error as L{load} (fail open: every id
+            idle, logged).
+        """
+        blob = self._busyIds.get((kind, ids))
+        if blob is None:
+            if len(self._busyIds) > 16:
+                self._busyIds.clear()
+            blob = self._busyIds[(kind, ids)] = "\n".join(sorted(ids)).encode("utf-8")
+        prefix = keysFor(kind, "")
+        d = self._redis.execute(self.timeout, "eval", BUSY_LUA, [PROCESSES_KEY],
+                                [repr(self.slotTtl), prefix[0], prefix[1], blob])
+
+        def _cb(flat):
+            out = {}
+            for n in range(0, len(flat), 3):
+                i = flat[n]
+                out[i.decode("utf-8") if isinstance(i, bytes) else i] = (
+                    int(flat[n + 1]), int(flat[n + 2]))
+            return out
+
+        def _eb(f: Failure):
+            f.trap(RedisUnavailable)
+            self._logError("load", f)
+            if self.onRedisError == "fail_closed":
+                return f
+            return {}
+
+        return d.addCallbacks(_cb, _eb)
+
+    @staticmethod
+    def _withOwn(busy: dict, own: dict) -> dict:
+        """
+        A cached busy read with this process's own changes since counted
+        in (see L{busy}).
+        """
+        if not own:
+            return dict(busy)
+        out = dict(busy)
+        for i, n in own.items():
+            inUse, waiting = out.get(i, (0, 0))
+            inUse = max(0, inUse + n)
+            if inUse or waiting:
+                out[i] = (inUse, waiting)
+            else:
+                out.pop(i, None)
+        return out
+
+    def _noteOwn(self, kind, id, n: int) -> None:
+        """
+        Count one of this process's slot takes (C{n} 1) or releases (-1)
+        into every cached busy read of C{kind} that covers C{id}.
+        """
+        for (k, ids), entry in self._busyCache.items():
+            if k == kind and id in ids:
+                own = entry[2]
+                own[id] = own.get(id, 0) + n
 
     # -- the wait ------------------------------------------------------------
 
@@ -678,15 +891,18 @@ class RedisSlotAdmission:
 
     # -- Redis calls -----------------------------------------------------------
 
-    def _acquireCall(self, kind, id, limit, rid, mode, maxWaiting) -> Deferred:
+    def _acquireCall(self, kind, id, limit, rid, mode, maxWaiting, lead=None) -> Deferred:
         """
         One C{acquire.lua} round trip.
 
+        @param lead: the batcher's C{lead} for this call (L{False}: wait for
+            the end of the reactor turn, with what follows).
         @return: Deferred firing with C{[status, now, position, waiting]}.
         """
         return self._track(self._batch.call(
             self.timeout, "ACQUIRE", keysFor(kind, id) + [PROCESSES_KEY],
             [int(limit), repr(self.slotTtl), rid, mode, int(maxWaiting), repr(self.ticketTtl)],
+            lead=lead,
         ))
 
     def _leave(self, plan: WaitPlan, rid: str, dropSlot: bool) -> None:
@@ -718,9 +934,12 @@ class RedisSlotAdmission:
         self.held.discard(lease)
         if not lease.counted:
             return
+        if self._busyCache:
+            self._noteOwn(lease.kind, lease.id, -1)
         self._remember(lease.kind, lease.id, lease.requestId)
         d = self._track(self._batch.call(
             self.timeout, "ZREM", [slotKey(lease.kind, lease.id)], [lease.requestId],
+            lead=self._releaseLead,
         ))
 
         def _eb(f: Failure) -> None:
@@ -890,6 +1109,8 @@ class RedisSlotAdmission:
         """
         lease = RedisSlotLease(self, kind, id, rid, waited, position, counted)
         self.held.add(lease)
+        if counted and self._busyCache:
+            self._noteOwn(kind, id, 1)
         return lease
 
     def _logError(self, operation: str, reason) -> None:

@@ -488,6 +488,17 @@ class ControlPlane:
             return ("paused: " + (pause.data.get("reason") or "by admin"), 0)
         return None
 
+    def flagged(self, now: float):
+        """
+        Issue 24: the accounts L{blockReason} may refuse at C{now}: the
+        paused ones (before the store's first read no turn is scheduled:
+        it waits at the start-up gate, R105).
+
+        @param now: Unix seconds.
+        @return: account ids.
+        """
+        return self.pauses.keys()
+
     def blocksOf(self, account: Account, now: float) -> list:
         """
         The operator view's blocks from the control plane (the shape of

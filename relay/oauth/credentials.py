@@ -49,6 +49,7 @@ L{relay.oauth.tokens.TokenRecord} in memory and in the L{ITokenStore}:
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from typing import Any, Callable, Optional
@@ -101,7 +102,20 @@ TOKEN_SOURCE_ADMIN = "admin"
 """C{token_source} of tokens an operator put (C{PUT /admin/accounts/{id}/tokens})."""
 
 
-@define(eq=False)
+_CHANGES = [0]
+"""Issue 24: bumped by every change of a L{_Slot} (and of the slot set), so
+L{CredentialManager.flagged} knows when its answer may have changed."""
+
+
+def _touched(instance, attribute, value):
+    """
+    attrs C{on_setattr}: note that a slot changed.
+    """
+    _CHANGES[0] += 1
+    return value
+
+
+@define(eq=False, on_setattr=_touched)
 class _Slot:
     """
     One OAuth account's token state in this process.
@@ -181,6 +195,7 @@ class OAuthCredentials:
     _slots: dict = field(factory=dict, init=False)
     _running: bool = field(default=False, init=False)
     _owner: str = field(default="", init=False)
+    _flagCache: Optional[tuple] = field(default=None, init=False)
     _log = Logger()
 
     def __attrs_post_init__(self) -> None:
@@ -249,6 +264,7 @@ class OAuthCredentials:
         return Deferred.fromCoroutine(self._accountsChanged(list(accounts), change))
 
     async def _accountsChanged(self, accounts, change) -> None:
+        _CHANGES[0] += 1
         byId = {a.id: a for a in accounts}
         for accountId in change.removed | change.renewed:
             slot = self._slots.pop(accountId, None)
@@ -493,6 +509,38 @@ class OAuthCredentials:
         if slot.waiters is None and now < slot.nextAttempt:
             return ("token_refresh_failing", slot.nextAttempt)
         return None
+
+    def flagged(self, now: float) -> list:
+        """
+        Issue 24: the OAuth accounts L{blockReason} may refuse at C{now}
+        (a superset): every one whose token state is not a usable access
+        token. The answer is kept until a slot changes or the first kept
+        access token expires, so a selection does not look at every OAuth
+        account.
+
+        @param now: Unix seconds.
+        @return: account ids.
+        """
+        key = (_CHANGES[0], self._running, len(self._slots))
+        cached = self._flagCache
+        if cached is not None and cached[0] == key and now < cached[2]:
+            return cached[1]
+        out = []
+        valid = math.inf
+        for accountId, slot in self._slots.items():
+            record = slot.record
+            if (record is None or record.status == STATUS_NEEDS_LOGIN or slot.invalidated
+                    or not record.tokens.access_token):
+                out.append(accountId)
+                continue
+            expires = record.tokens.expires_at
+            if expires is not None:
+                if expires <= now:
+                    out.append(accountId)
+                    continue
+                valid = min(valid, expires)
+        self._flagCache = (key, out, valid)
+        return out
 
     def view(self, account: Account) -> dict:
         """

@@ -131,6 +131,14 @@ class AccountRegistry:
     def __bool__(self) -> bool:
         return bool(self._accounts)
 
+    def snapshot(self) -> tuple:
+        """
+        The accounts in force, as one immutable tuple: the same object until
+        the set changes (issue 24: the scheduler's per-snapshot index keys
+        on it).
+        """
+        return self._accounts
+
     def byId(self, accountId: str) -> Account | None:
         """
         See L{ILiveAccounts.byId}.

@@ -13,7 +13,7 @@ from typing import Optional
 
 from attrs import define, field
 from twisted.application.internet import TimerService
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.logger import Logger
 
 from relay.redisclient import logFailure
@@ -210,7 +210,16 @@ class OperatorView:
         Re-read slot usage for the Prometheus gauges (a periodic job; errors
         are logged, never raised: style.md trap T26).
         """
-        d = self.admission.load("account", [a.id for a in self.accounts])
+        ids = [a.id for a in self.accounts]
+        busy = getattr(self.admission, "busy", None)
+        if busy is None:
+            d = self.admission.load("account", ids)
+        else:
+            # Issue 24: the busy read (the same counts; every other account
+            # is idle) -- in Redis one argument for the pool, not 3 keys per
+            # account for relay to encode every 5 s.
+            d = maybeDeferred(busy, "account", frozenset(ids), fresh=True)
+            d.addCallback(lambda loads: {i: loads.get(i, (0, 0)) for i in ids})
         d.addCallback(lambda loads: self.slots.update(loads))
         d.addErrback(lambda f: logFailure(self._log, f, "refreshing slot gauges failed"))
         return d

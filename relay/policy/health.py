@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Optional
 
 from attrs import define, field
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, fail
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
@@ -246,6 +246,21 @@ class AccountHealth:
             for model, (count, last) in sorted(runtime.streaks.items())
             if now - last <= STREAK_TTL_SECONDS
         }
+
+    def flagged(self, now: float) -> list:
+        """
+        Issue 24: the accounts with an in-memory block (R4 step 1, R-B1,
+        the R11 bridge block) in force at C{now}: those L{localBlock} may
+        answer for; blocks that have ended are dropped.
+
+        @param now: Unix seconds.
+        @return: account ids (possibly repeated).
+        """
+        blocks = self._blocks
+        over = [key for key, (until, _) in blocks.items() if until <= now]
+        for key in over:
+            del blocks[key]
+        return [key[0] for key in blocks]
 
     def localBlock(self, accountId: str, model: Optional[str] = None) -> Optional[tuple]:
         """
@@ -603,15 +618,22 @@ class AccountHealth:
                 )
         self._oauth429.pop(account.id, None)
         if account.type != "oauth":
+            # Not waited for (issue 24): on Redis it leaves with the turn's
+            # other end-of-turn writes (owner records, slot releases).
             try:
-                await self._store.resetStreak(account.id, streakModel(model))
-            except Exception as e:
+                d = self._store.resetStreak(account.id, streakModel(model))
+            except Exception:  # noqa: BLE001 - logged by the errback below
+                d = fail()
+
+            def _eb(f, accountId=account.id):
                 self._log.warn(
                     "account {account_id}: resetting the transient streak failed ({error})",
                     event="relay.account_state_write_failed",
-                    account_id=account.id,
-                    error=repr(e),
+                    account_id=accountId,
+                    error=repr(f.value),
                 )
+
+            d.addErrback(_eb)
 
     # -- R13 --------------------------------------------------------------------
 

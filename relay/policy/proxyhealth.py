@@ -155,6 +155,17 @@ class ProxyHealth:
             return False
         return self.quarantinedUntil(proxy.id) is not None
 
+    def quarantinedProxies(self, now: float) -> list:
+        """
+        Issue 24: the proxies quarantined at C{now} (the scheduler checks
+        the accounts behind them; every other account is not quarantined).
+
+        @param now: Unix seconds.
+        @return: proxy ids.
+        """
+        return [pid for pid, state in self._proxies.items()
+                if state.until is not None and now < state.until]
+
     def quarantinedUntil(self, proxyId: str) -> float | None:
         """
         @param proxyId: a L{ProxySpec.id}.

@@ -22,7 +22,9 @@ Store keys (R38, R39, R40):
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import math
 import random
 import statistics
 from collections import OrderedDict
@@ -37,9 +39,10 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from relay.eager import eagerDeferred
-from relay.interfaces import IAccountScheduler, ISlotAdmission, IStateStore
+from relay.interfaces import IAccountScheduler, IAccountStateView, ISlotAdmission, IStateStore
 from relay.logs import isoTime
 from relay.model import Account, ClientError, SchedulingSettings, Turn, WaitPlan
+from relay.scheduling.index import PoolIndex, sameSnapshot
 from relay.scheduling.selection import DecisionRecord, NoAccountAvailable, Selection, noAccountError
 from relay.settings import RuntimeSettings
 
@@ -194,6 +197,53 @@ def _never(account: Account) -> bool:
     return False
 
 
+BIG_TIE = 64
+"""Issue 24: an index bucket of more accounts than this is drawn from in
+place (L{_Run}) rather than copied and filtered first."""
+
+
+class _Run:
+    """
+    A large run of tying accounts in the pool index (one bucket), drawn
+    in random order without copying it: a sparse Fisher-Yates over the
+    bucket, skipping the accounts that are not candidates of this turn, so
+    each candidate comes in uniformly random order (R43 step 3.5) at the
+    cost of the draws made.
+    """
+
+    def __init__(self, members: list, byId: dict, candidates: frozenset, skipped):
+        self.members, self.byId = members, byId
+        self.candidates, self.skipped = candidates, skipped
+
+    def drawn(self, rng):
+        members = self.members
+        count = len(members)
+        swapped: dict = {}
+        for i in range(count):
+            if count > len(members):
+                return  # the bucket changed meanwhile; the caller reads again
+            j = rng.randrange(i, count) if i < count - 1 else i
+            picked = swapped.get(j, members[j])
+            swapped[j] = swapped.get(i, members[i])
+            if picked in self.candidates and picked not in self.skipped:
+                yield self.byId[picked]
+
+
+def _skew(rates: list, count: int) -> float:
+    """
+    The population standard deviation of C{count} load rates of which all
+    but C{rates} are 0 (R45's C{load_skew}; issue 24: the idle accounts of
+    a pool are not listed one by one).
+    """
+    if count <= 1 or not any(rates):
+        return 0.0
+    if len(rates) == count:
+        return statistics.pstdev(rates)
+    mean = math.fsum(rates) / count
+    variance = (math.fsum((r - mean) ** 2 for r in rates) + (count - len(rates)) * mean * mean)
+    return math.sqrt(variance / count)
+
+
 def loadRate(inUse: int, waiting: int, concurrency: int) -> float:
     """
     The load rate of an account (R28): C{(inUse + waiting) * 100 /
@@ -243,7 +293,18 @@ class _Pass:
     barParam: Optional[str] = "previous_response_id"
     onlyOAuth: bool = False
     quarantineFailOpen: bool = False
-    eligible: list = field(factory=list)
+    _eligible: Optional[list] = None
+    _lazy: Optional[tuple] = None
+    """Issue 24: C{(static candidates, excluded, ineligible ids)} when the
+    eligible list is built only if a layer needs it (see L{eligible})."""
+    candidateCount: int = 0
+    """How many accounts are eligible (R45's C{candidate_count})."""
+    spec: Optional[list] = None
+    """Issue 24: C{[account, Deferred]} of a slot try sent with the state
+    reads on the account this process last bound the session to (see
+    L{AccountScheduler._speculate}), until the session layer takes it."""
+    refreshed: bool = False
+    """The speculative try also refreshed the session binding (R38)."""
     binding: Optional[str] = None
     skew: float = 0.0
     tried: int = 0
@@ -255,6 +316,29 @@ class _Pass:
     rng: Optional[random.Random] = None
     """The tie shuffler: the scheduler's own, or (dry run) a copy of its
     state, so a preview predicts the next real selection's ties."""
+
+    @property
+    def eligible(self) -> list:
+        """
+        The eligible accounts in configured order; with the pool index
+        (issue 24), built on first use from the static candidates less the
+        excluded and the flagged accounts found ineligible.
+        """
+        if self._eligible is None:
+            if self._lazy is None:
+                self._eligible = []
+            else:
+                static, excluded, bad = self._lazy
+                skip = excluded | bad if excluded else bad
+                self._eligible = ([a for a in static if a.id not in skip] if skip
+                                  else list(static))
+        return self._eligible
+
+    @eligible.setter
+    def eligible(self, value: list) -> None:
+        self._eligible = value
+        self._lazy = None
+        self.candidateCount = len(value)
 
 
 class _DryLease:
@@ -363,6 +447,15 @@ class AccountScheduler:
     @ivar _quota: optional L{relay.scheduling.quota.UsageWindows}: with
         C{scheduling.quota_aware} the load-balance layer orders accounts of
         equal priority by remaining usage window (issue 12).
+    @ivar _flagged: optional C{(now, pool) -> iterable of account ids, or
+        None} (C{pool}: the L{PoolIndex}, e.g. for the accounts behind a
+        quarantined proxy): a superset of the accounts C{extraBlock} and C{isQuarantined} may
+        refuse at C{now} (issue 24). With it (and a state store providing
+        L{IAccountStateView}) a selection checks only those accounts and
+        the few the store flags, so its cost does not grow with the pool;
+        without it (L{None} from it, or hooks given without it) every
+        candidate is checked, as before.
+    @ivar _index: the L{PoolIndex} of the current account snapshot.
     @ivar _lastUsed: account id -> Unix seconds of its last selection.
     @ivar _keptBindings: turns whose selection must not rewrite the session
         binding (R-B6), consulted by L{bind}.
@@ -380,10 +473,18 @@ class AccountScheduler:
     _extraBlock: Optional[Callable] = None
     _quarantineEnd: Optional[Callable[[str], Optional[float]]] = None
     _quota: Optional[object] = None
+    _flagged: Optional[Callable] = None
     _lastUsed: dict = field(factory=dict, init=False)
     _keptBindings: WeakKeyDictionary = field(factory=WeakKeyDictionary, init=False)
     _localOwners: OrderedDict = field(factory=OrderedDict, init=False)
     _localAffinity: OrderedDict = field(factory=OrderedDict, init=False)
+    _index: Optional[PoolIndex] = field(default=None, init=False)
+    _localBindings: OrderedDict = field(factory=OrderedDict, init=False)
+    """Issue 24: session hash -> the account this process last bound it to
+    (bounded): the guess of L{_speculate}."""
+    _boundTurns: WeakKeyDictionary = field(factory=WeakKeyDictionary, init=False)
+    """Turns whose selection already wrote (or refreshed) their binding to
+    the chosen account with the slot held, so L{bind} need not again."""
 
     _log = Logger()
 
@@ -466,7 +567,7 @@ class AccountScheduler:
         """
         The configured account with this id (the live registry), or L{None}.
         """
-        return next((a for a in self._accounts if a.id == accountId), None)
+        return self._pool().byId.get(accountId)
 
     def recordAffinity(self, key: str, account: Account) -> Deferred:
         """
@@ -664,9 +765,10 @@ class AccountScheduler:
         try:
             await getattr(self._store, op)(*args)
         except Exception as e:
+            key = ", ".join(p[0] for p in args[0]) if op == "setValues" else args[0]
             self._log.error(
                 "state store {op} failed for {key}: {error}",
-                event="openai.sticky_write_failed", op=op, key=args[0], error=repr(e),
+                event="openai.sticky_write_failed", op=op, key=key, error=repr(e),
             )
 
     async def _bind(self, turn: Turn, account: Account) -> None:
@@ -675,14 +777,31 @@ class AccountScheduler:
         """
         if not turn.sessionHash or self._keptBindings.get(turn):
             return
+        if self._boundTurns.pop(turn, None) == account.id:
+            # The selection wrote it with the slot held (issue 24).
+            return
         ttl = self._settings.current.scheduling.sticky_session_ttl_seconds
+        self._noteBinding(turn.sessionHash, account.id)
         await self._write("setValue", sessionKey(turn.sessionHash), account.id, ttl)
+
+    def _noteBinding(self, sessionHash: str, accountId: Optional[str]) -> None:
+        """
+        Keep (or with L{None}, forget) the local guess of a session's
+        binding (issue 24, L{_speculate}).
+        """
+        bindings = self._localBindings
+        bindings.pop(sessionHash, None)
+        if accountId is not None:
+            bindings[sessionHash] = accountId
+            while len(bindings) > LOCAL_OWNER_CAPACITY:
+                bindings.popitem(last=False)
 
     async def _unbind(self, turn: Turn) -> None:
         """
         See L{unbind}.
         """
         if turn.sessionHash:
+            self._noteBinding(turn.sessionHash, None)
             await self._write("deleteValue", sessionKey(turn.sessionHash))
 
     async def _recordResponse(self, turn: Turn, responseId: str, account: Account) -> None:
@@ -704,6 +823,13 @@ class AccountScheduler:
                            separators=(",", ":"))
         # Both writes leave at once (issue 14): a reader in another process
         # must not find the owner without the key (R40) a round trip later.
+        if getattr(self._store, "setValues", None) is not None:
+            # Issue 24: one operation for both (each with its own TTL).
+            await self._write("setValues", (
+                (responseKey(responseId), account.id, ttl),
+                (responseOwnerKey(responseId), owner, ownerTtl),
+            ), ttl)
+            return
         writes = [
             Deferred.fromCoroutine(self._write("setValue", key, value, t))
             for key, value, t in ((responseKey(responseId), account.id, ttl),
@@ -847,10 +973,64 @@ class AccountScheduler:
         and wait plan below works on this list only, so a key bound to a
         group never reaches another account.
         """
-        allowed = turn.allowedAccounts
-        if allowed is None:
-            return list(self._accounts)
-        return [a for a in self._accounts if a.id in allowed]
+        return list(self._pool().candidates(turn.allowedAccounts)[0])
+
+    def _pool(self) -> PoolIndex:
+        """
+        The L{PoolIndex} of the accounts in force now (a new one when the
+        live set changed: a reload, an admin change; a list changed in
+        place).
+        """
+        accounts = self._accounts
+        snapshot = getattr(accounts, "snapshot", None)
+        accounts = snapshot() if snapshot is not None else tuple(accounts)
+        index = self._index
+        if index is None or index.accounts is not accounts:
+            if sameSnapshot(index, accounts):
+                # The same accounts in a new tuple (a reload or a control
+                # plane refresh that changed nothing): keep the index, and
+                # compare by identity from now on.
+                index.accounts = accounts
+            else:
+                index = self._index = PoolIndex(accounts)
+        return index
+
+    async def _view(self, pool: PoolIndex, accounts: Sequence[Account]):
+        """
+        The account states for one selection: the store's view (issue 24,
+        no per-account read) or, for a store without one, a read of every
+        candidate's state; a store error counts as "all healthy" (R35).
+        """
+        store = self._store
+        if IAccountStateView.providedBy(store):
+            try:
+                return await store.accountStateView(pool.ids)
+            except Exception as e:
+                self._log.error(
+                    "account state read failed: {error}",
+                    event="openai.account_state_read_failed", error=repr(e),
+                )
+                return {}
+        return await self._states(accounts)
+
+    def _suspects(self, ctx: _Pass, pool: PoolIndex) -> Optional[set]:
+        """
+        Issue 24: the accounts whose eligibility must be checked in this
+        selection (every other static candidate is eligible), or L{None}
+        when the sources cannot tell (then every candidate is checked).
+        """
+        flagged = getattr(ctx.states, "flagged", None)
+        if flagged is None:
+            return None
+        out = set(flagged(ctx.now))
+        if self._extraBlock is not None or self._isQuarantined is not _never:
+            if self._flagged is None:
+                return None
+            more = self._flagged(ctx.now, pool)
+            if more is None:
+                return None
+            out.update(more)
+        return out
 
     # ------------------------------------------------------------------
     # Errors
@@ -1042,18 +1222,76 @@ class AccountScheduler:
             inUse, waiting = (await self._loads([account]))[account.id]
             limit = account.concurrency
             return DRY_LEASE if limit <= 0 or inUse + waiting < limit else None
+        spec = ctx.spec
+        if spec is not None and spec[0] is account:
+            # Issue 24: the try sent with the state reads (L{_speculate}).
+            ctx.spec = None
+            try:
+                lease, ctx.refreshed = await spec[1]
+                return lease
+            except Exception as e:
+                raise self._acquireFailed(ctx, account, e)
         try:
             return await self._admission.tryAcquire("account", account.id, account.concurrency)
         except Exception as e:
-            self._log.error(
-                "account slot acquire failed for {account_id}: {error}",
-                event="openai.account_slot_acquire_error", account_id=account.id,
-                error=repr(e), request_id=ctx.turn.requestId,
-            )
-            raise self._error(
-                ctx.turn, 503, "api_error", SLOT_ERROR_MESSAGE,
-                wsClose=(1011, "failed to acquire account concurrency slot"),
-            )
+            raise self._acquireFailed(ctx, account, e)
+
+    def _acquireFailed(self, ctx: _Pass, account: Account, e: Exception) -> NoAccountAvailable:
+        """
+        Log an account slot acquire error; the 503 / WebSocket 1011 that
+        ends the selection (R32, R35).
+        """
+        self._log.error(
+            "account slot acquire failed for {account_id}: {error}",
+            event="openai.account_slot_acquire_error", account_id=account.id,
+            error=repr(e), request_id=ctx.turn.requestId,
+        )
+        return self._error(
+            ctx.turn, 503, "api_error", SLOT_ERROR_MESSAGE,
+            wsClose=(1011, "failed to acquire account concurrency slot"),
+        )
+
+    def _speculate(self, turn: Turn, byId: dict, excluded: frozenset) -> Optional[list]:
+        """
+        Issue 24: with an admission that can refresh a binding with a slot
+        try (L{relay.admission.redis.RedisSlotAdmission.tryAcquireBinding}),
+        try the slot of the account this process last bound the session to
+        now, so it travels with the binding and state reads (one round trip
+        instead of three for a sticky turn on Redis). The session layer
+        takes the try when the binding still names that account and it is
+        eligible, exactly where it would try it; otherwise the slot, if
+        taken, is released when the selection ends.
+
+        @return: C{[account, Deferred of (lease or None, refreshed)]}, or
+            L{None}.
+        """
+        tryBinding = getattr(self._admission, "tryAcquireBinding", None)
+        if tryBinding is None:
+            return None
+        guess = self._localBindings.get(turn.sessionHash)
+        account = byId.get(guess) if guess is not None else None
+        if account is None or account.id in excluded:
+            return None
+        ttl = self._settings.current.scheduling.sticky_session_ttl_seconds
+        try:
+            d = tryBinding("account", account.id, account.concurrency,
+                           sessionKey(turn.sessionHash), ttl)
+        except Exception:  # noqa: BLE001 - delivered to the session layer, or dropped
+            d = fail()
+        return [account, d]
+
+    @staticmethod
+    def _dropSpeculation(spec: list) -> None:
+        """
+        Give back a speculative slot the selection did not use.
+        """
+
+        def _cb(result):
+            lease = result[0]
+            if lease is not None:
+                lease.release()
+
+        spec[1].addCallbacks(_cb, lambda f: None)
 
     def _ordered(self, accounts: list, key: Callable, rng=None) -> list:
         """
@@ -1076,18 +1314,27 @@ class AccountScheduler:
         """
         The load-balance layer (R43 step 3): read loads in one batch, keep
         C{loadRate < 100}, order by priority, load rate, last used (ties
-        shuffled), try each slot after re-checking its state; on a full miss
-        re-read the load and repeat once.
+        in random order), try each slot after re-checking its state; on a
+        full miss re-read the load and repeat once.
+
+        Issue 24: with the pool index and an admission that reports its
+        busy slots (L{relay.admission.memory.MemorySlotAdmission.busy}) the
+        order is read from the index (L{_indexedOrder}) instead of sorting
+        every candidate; ties are put in random order lazily, one draw per
+        account tried, the same way on both paths (L{_inRandomOrder}).
 
         @param skip: account ids not to try (the busy bound account, R-B6).
         @return: C{(account, lease)} or L{None}.
         """
-        candidates = [a for a in ctx.eligible if a.id not in skip]
-        if not candidates:
-            return None
         scheduling = ctx.scheduling
         quota = self._quota if scheduling.quota_aware else None
         threshold = scheduling.quota_threshold_percent
+        busy = getattr(self._admission, "busy", None)
+        if ctx._lazy is not None and busy is not None:
+            return await self._loadBalanceIndexed(ctx, skip, busy, quota, threshold)
+        candidates = [a for a in ctx.eligible if a.id not in skip]
+        if not candidates:
+            return None
         for _ in range(2):
             ctx.loads.update(await self._loads(candidates))
             rates = {a.id: loadRate(*ctx.loads[a.id], a.concurrency) for a in candidates}
@@ -1098,31 +1345,200 @@ class AccountScheduler:
                 return (rates[a.id], self._lastUsedSecond(a))
 
             if quota is None:
-                order = self._ordered(available, key=lambda a: (a.priority,) + plain(a),
-                                      rng=ctx.rng)
+                def key(a):
+                    return (a.priority,) + plain(a)
             else:
                 # Issue 12: within a priority, the most remaining usage
                 # window first; at/above the threshold only after the rest.
-                order = self._ordered(
-                    available,
-                    key=lambda a: (a.priority,) + quota.rank(a.id, threshold) + plain(a),
-                    rng=ctx.rng,
-                )
-            for account in order:
-                if self._incompatible(ctx, account):
-                    continue
-                ctx.tried += 1
-                lease = await self._try(ctx, account)
-                if lease is not None:
-                    if quota is not None:
-                        # The chosen account is always its own peer: its state
-                        # may have changed while the acquire was in flight
-                        # (found by the chaos soak, issue 14).
-                        peers = [plain(a) for a in order if a.priority == account.priority
-                                 and (a is account or not self._incompatible(ctx, a))]
-                        ctx.quotaDecided = plain(account) > min(peers)
-                    return account, lease
+                def key(a):
+                    return (a.priority,) + quota.rank(a.id, threshold) + plain(a)
+            ranked = sorted(available, key=key)
+            groups = [list(g) for _, g in itertools.groupby(ranked, key=key)]
+            def peersOf(priority, chosen, available=available, plain=plain):
+                return [plain(a) for a in available if a.priority == priority
+                        and (a is chosen or not self._incompatible(ctx, a))]
+
+            found = await self._tryInOrder(ctx, self._inRandomOrder(groups, ctx.rng),
+                                           quota, peersOf, plain)
+            if found is not None:
+                return found
         return None
+
+    def _inRandomOrder(self, groups, rng=None):
+        """
+        R43 step 3.5: the accounts of C{groups} (runs of accounts that tie,
+        in order, each in configured order), each run in a random order
+        drawn lazily (Fisher-Yates, one draw per account taken), so a
+        selection whose first try succeeds draws once, however many tie.
+        """
+        rng = rng or self._random
+        for group in groups:
+            if isinstance(group, _Run):
+                yield from group.drawn(rng)
+                continue
+            count = len(group)
+            if count == 1:
+                yield group[0]
+                continue
+            group = list(group)
+            for i in range(count - 1):
+                j = rng.randrange(i, count)
+                group[i], group[j] = group[j], group[i]
+                yield group[i]
+            yield group[count - 1]
+
+    async def _tryInOrder(self, ctx: _Pass, order, quota, peersOf, plain):
+        """
+        Try each account of C{order} after re-checking it (R43 step 3.6).
+
+        @param peersOf: C{(priority) -> plain keys} of the available
+            accounts of that priority (issue 12's C{quota_decided}).
+        @return: C{(account, lease)} or L{None}.
+        """
+        for account in order:
+            if self._incompatible(ctx, account):
+                continue
+            ctx.tried += 1
+            lease = await self._try(ctx, account)
+            if lease is not None:
+                if quota is not None:
+                    # The chosen account is always its own peer: its state
+                    # may have changed while the acquire was in flight
+                    # (found by the chaos soak, issue 14).
+                    peers = peersOf(account.priority, account)
+                    ctx.quotaDecided = plain(account) > min(peers + [plain(account)])
+                return account, lease
+        return None
+
+    async def _loadBalanceIndexed(self, ctx: _Pass, skip: frozenset, busy, quota, threshold):
+        """
+        L{_loadBalance} from the pool index (issue 24): only the busy
+        candidates (a slot held or a waiter), those with a usage window
+        (issue 12, when quota-aware) and the flagged ones are looked at one
+        by one; every other candidate is idle with the default quota rank,
+        so its place is its priority and last-used second, which the index
+        keeps in order (L{PoolIndex.buckets}).
+        """
+        pool = self._pool()
+        if pool.buckets is None:
+            pool.placeAll(self._lastUsedSecond)
+        static, excluded, bad = ctx._lazy
+        staticIds = pool.static(ctx.turn.allowedAccounts, ctx.turn.model, ctx.turn.endpoint,
+                                ctx.oauthBarred, ctx.onlyOAuth).ids
+        out = excluded | bad | skip if (excluded or skip) else bad
+        count = ctx.candidateCount - sum(1 for i in skip if i in staticIds and i not in excluded
+                                         and i not in bad)
+        if count <= 0:
+            return None
+        byId = pool.byId
+        for again in (False, True):
+            # R34: the second pass (every try of the first failed) reads
+            # the loads uncached.
+            loads = await self._busy(busy, staticIds, again)
+            loads = {i: load for i, load in loads.items() if i in staticIds and i not in out}
+            ctx.loads.update(loads)
+            special = dict.fromkeys(loads)
+            if quota is not None:
+                for i in quota.snapshots:
+                    if i in staticIds and i not in out:
+                        special[i] = None
+            rates = {i: loadRate(*loads.get(i, (0, 0)), byId[i].concurrency) for i in special}
+            ctx.skew = _skew([rates[i] for i in loads], count)
+
+            def plain(a, rates=rates):
+                return (rates.get(a.id, 0.0), self._lastUsedSecond(a))
+
+            if quota is None:
+                def key(a):
+                    return (a.priority,) + plain(a)
+            else:
+                def key(a):
+                    return (a.priority,) + quota.rank(a.id, threshold) + plain(a)
+            specials = sorted(
+                (key(byId[i]), pool.position[i], byId[i]) for i in special if rates[i] < 100)
+            skipped = out.union(special) if special else out
+            groups = self._indexedGroups(pool, staticIds, skipped, specials, quota is not None)
+
+            def peersOf(priority, chosen, specials=specials, skipped=skipped):
+                peers = [plain(t[2]) for t in specials if t[2].priority == priority
+                         and (t[2] is chosen or not self._incompatible(ctx, t[2]))]
+                for p, lus in pool.bucketKeys:
+                    if p == priority and any(i in staticIds and i not in skipped
+                                             for i in pool.buckets[(p, lus)]):
+                        peers.append((0.0, lus))
+                        break
+                return peers
+
+            found = await self._tryInOrder(ctx, self._inRandomOrder(groups, ctx.rng), quota,
+                                           peersOf, plain)
+            if found is not None:
+                return found
+        return None
+
+    async def _busy(self, busy, ids: frozenset, fresh: bool = False) -> dict:
+        """
+        The admission's busy loads among the static candidates (at once in
+        memory, one load read on Redis, reused for 200 ms unless C{fresh},
+        R34); an error counts as idle (R35), as L{_loads}.
+        """
+        try:
+            loads = busy("account", ids, fresh=True) if fresh else busy("account", ids)
+            if isinstance(loads, Deferred):
+                loads = await loads
+            return loads
+        except Exception as e:
+            self._log.error(
+                "account load read failed: {error}",
+                event="openai.account_load_read_failed", error=repr(e),
+            )
+            return {}
+
+    @staticmethod
+    def _indexedGroups(pool: PoolIndex, staticIds: frozenset, skipped, specials: list,
+                       quotaAware: bool):
+        """
+        The tie runs of L{_loadBalanceIndexed}'s order, lazily: the index's
+        buckets (idle candidates by priority and last-used second) merged
+        with the explicitly ranked C{specials} (C{(key, position, account)},
+        sorted), each run in configured order.
+        """
+        byId = pool.byId
+        position = pool.position
+        si = 0
+        quotaKey = (False, 0, math.inf) if quotaAware else ()
+        for bucket in list(pool.bucketKeys):
+            priority, lus = bucket
+            members = pool.buckets.get(bucket)
+            if not members:
+                continue
+            plainKey = (priority,) + quotaKey + (0.0, lus)
+            while si < len(specials) and specials[si][0] < plainKey:
+                run = [specials[si]]
+                si += 1
+                while si < len(specials) and specials[si][0] == run[0][0]:
+                    run.append(specials[si])
+                    si += 1
+                yield [t[2] for t in run]
+            if len(members) > BIG_TIE and not (si < len(specials)
+                                                and specials[si][0] == plainKey):
+                # Issue 24: a large run (a fresh pool: every account never
+                # used) is drawn from in place, not copied.
+                yield _Run(members, byId, staticIds, skipped)
+                continue
+            group = [byId[i] for i in members if i in staticIds and i not in skipped]
+            while si < len(specials) and specials[si][0] == plainKey:
+                group.append(specials[si][2])
+                si += 1
+            if group:
+                group.sort(key=lambda a: position[a.id])
+                yield group
+        while si < len(specials):
+            run = [specials[si]]
+            si += 1
+            while si < len(specials) and specials[si][0] == run[0][0]:
+                run.append(specials[si])
+                si += 1
+            yield [t[2] for t in run]
 
     async def _fallback(self, ctx: _Pass):
         """
@@ -1155,6 +1571,27 @@ class AccountScheduler:
         snapshot = self._quota.get(account.id)
         return None if snapshot is None else snapshot.used(self._clock.seconds())
 
+    def _eligibleFromIndex(self, ctx: _Pass, pool: PoolIndex, suspects: set) -> None:
+        """
+        Issue 24: the eligible count (and, lazily, list) from the static
+        candidates of this kind of turn, checking only the C{suspects}
+        (flagged by a source) that are static candidates and not excluded.
+        """
+        turn = ctx.turn
+        static = pool.static(turn.allowedAccounts, turn.model, turn.endpoint,
+                             ctx.oauthBarred, ctx.onlyOAuth)
+        excluded = ctx.excluded
+        bad = set()
+        byId = pool.byId
+        for accountId in suspects:
+            if accountId in static.ids and accountId not in excluded:
+                if self._incompatible(ctx, byId[accountId]) is not None:
+                    bad.add(accountId)
+        gone = sum(1 for i in excluded if i in static.ids) if excluded else 0
+        ctx._lazy = (static.accounts, excluded, bad)
+        ctx._eligible = None
+        ctx.candidateCount = len(static.accounts) - gone - len(bad)
+
     def _movable(self, turn: Turn) -> bool:
         """
         Whether a busy sticky slot may send the turn elsewhere (R-B6): not
@@ -1173,7 +1610,9 @@ class AccountScheduler:
         See L{select}; with C{preview}, the dry run of L{preview}.
         """
         started = self._clock.seconds()
-        accounts = self._candidates(turn)
+        pool = self._pool()
+        allowed = turn.allowedAccounts
+        accounts, byId = pool.candidates(allowed)
         previous = turn.previousResponseId or None
 
         # R40: a message id is never a chain id.
@@ -1184,7 +1623,7 @@ class AccountScheduler:
             )
 
         # Seed 003 / R44: the requested model must be served, before routing.
-        serving = [a for a in accounts if a.servesModel(turn.model)]
+        serving, servingIds, endpointServed = pool.serving(allowed, turn.model, turn.endpoint)
         if not serving:
             message = f"The model `{turn.model}` does not exist or you do not have access to it."
             # R79: on the WebSocket an unknown model is an error event with
@@ -1195,7 +1634,7 @@ class AccountScheduler:
                 param="model",
             ))
 
-        if not any(a.servesEndpoint(turn.endpoint) for a in serving):
+        if not endpointServed:
             raise NoAccountAvailable(ClientError(
                 status=503, type="api_error",
                 message="No available accounts: only API-key accounts serve chat completions",
@@ -1230,28 +1669,63 @@ class AccountScheduler:
         binding = None
         if turn.sessionHash:
             binding = self._read(sessionKey(turn.sessionHash))
-        states = await self._states(accounts)
+        viewing = eagerDeferred(self._view(pool, accounts))
+        spec = None
+        if (binding is not None and preview is None and not previous and not turn.affinity
+                and not turn.preferredAccountId):
+            spec = self._speculate(turn, byId, excluded)
+        try:
+            states = await viewing
+        except BaseException:
+            if spec is not None:
+                self._dropSpeculation(spec)
+            raise
         ctx = _Pass(
             turn=turn, excluded=excluded, now=self._clock.seconds(),
             scheduling=self._settings.current.scheduling,
-            byId={a.id: a for a in accounts}, states=states,
-            oauthBarred=bool(previous) and turn.entrypoint == "http",
+            byId=byId, states=states,
+            oauthBarred=bool(previous) and turn.entrypoint == "http", spec=spec,
         )
         if preview is not None:
             ctx.dryRun, preview.ctx = True, ctx
             ctx.rng = random.Random()
             ctx.rng.setstate(self._random.getstate())
+        try:
+            return await self._decide(ctx, turn, started, pool, serving, servingIds,
+                                      excluded, previous, binding)
+        finally:
+            if ctx.spec is not None:
+                self._dropSpeculation(ctx.spec)
+                ctx.spec = None
+
+    async def _decide(self, ctx: _Pass, turn: Turn, started: float, pool: PoolIndex,
+                      serving: list, servingIds: frozenset, excluded: frozenset,
+                      previous: Optional[str], binding) -> Selection:
+        """
+        The layers of L{_select}, once the states are read.
+        """
         if turn.background or turn.request is not None:
             self._barOAuth(ctx)
-        openAccounts = [a for a in serving if a.id not in excluded]
-        if openAccounts and all(self._isQuarantined(a) for a in openAccounts):
+        openAccounts = [a for a in serving if a.id not in excluded] if excluded else serving
+        suspects = self._suspects(ctx, pool)
+        if suspects is None:
+            failOpen = bool(openAccounts) and all(self._isQuarantined(a) for a in openAccounts)
+        else:
+            # Issue 24: an open account no source flags is not quarantined.
+            flaggedOpen = sum(1 for i in suspects if i in servingIds and i not in excluded)
+            failOpen = (bool(openAccounts) and flaggedOpen == len(openAccounts)
+                        and all(self._isQuarantined(a) for a in openAccounts))
+        if failOpen:
             ctx.quarantineFailOpen = True
             self._logFor(ctx).warn(
                 "every candidate proxy is quarantined; allowing them anyway",
                 event="openai.proxy_quarantine_fail_open", request_id=turn.requestId,
                 candidate_count=len(openAccounts),
             )
-        ctx.eligible = [a for a in openAccounts if self._incompatible(ctx, a) is None]
+        if suspects is None:
+            ctx.eligible = [a for a in openAccounts if self._incompatible(ctx, a) is None]
+        else:
+            self._eligibleFromIndex(ctx, pool, suspects)
         if binding is not None:
             ctx.binding = await self._got(binding, sessionKey(turn.sessionHash))
 
@@ -1480,6 +1954,7 @@ class AccountScheduler:
             ):
                 # R38: delete a binding whose account can no longer serve.
                 if not ctx.dryRun:
+                    self._noteBinding(turn.sessionHash, None)
                     await self._write("deleteValue", sessionKey(turn.sessionHash))
                 ctx.binding = None
                 return False
@@ -1517,23 +1992,31 @@ class AccountScheduler:
                 self._keptBindings[turn] = True
             else:
                 self._keptBindings.pop(turn, None)
+            self._boundTurns.pop(turn, None)
+            old = self._lastUsedSecond(account)
             self._lastUsed[account.id] = self._clock.seconds()
+            if self._index is not None:
+                self._index.moved(account, old, self._lastUsedSecond(account))
         ttl = ctx.scheduling.sticky_session_ttl_seconds
         writeBinding = choice.lease is not None and turn.sessionHash and not choice.keepBinding
-        if writeBinding and not ctx.dryRun:
+        if writeBinding and not ctx.dryRun and choice.bindingOp in ("touch", "write"):
             if choice.bindingOp == "touch":
-                # Not awaited (errors are logged by _write): on Redis it leaves
-                # with the bind() write that follows admission (issue 24).
-                self._send("touchValue", sessionKey(turn.sessionHash), ttl)
-            elif choice.bindingOp == "write":
+                if not (choice.sessionHit and ctx.refreshed):
+                    # Not awaited (errors are logged by _write). On Redis a
+                    # speculative try refreshed it already (issue 24).
+                    self._send("touchValue", sessionKey(turn.sessionHash), ttl)
+            else:
                 await self._write("setValue", sessionKey(turn.sessionHash), account.id, ttl)
+            # Issue 24: written with the slot held; bind() need not again.
+            self._boundTurns[turn] = account.id
+            self._noteBinding(turn.sessionHash, account.id)
         record = DecisionRecord(
             layer=choice.layer,
             sticky_previous_hit=choice.previousHit,
             sticky_session_hit=choice.sessionHit,
             selected_account_id=account.id,
             selected_account_type=account.type,
-            candidate_count=len(ctx.eligible),
+            candidate_count=ctx.candidateCount,
             excluded_count=len(ctx.excluded),
             wait_plan=choice.plan.plan if choice.plan is not None else None,
             latency_ms=(self._clock.seconds() - started) * 1000.0,

@@ -1,4 +1,4 @@
-# -*- test-case-name: tests.test_tenancy -*-
+# -*- test-case-name: tests.test_tenancy,tests.test_durable -*-
 """
 Durable TTL'd values for the embedded (memory) state store (behaviour.md
 R104, issue 19 item 5): response owner records outlive a restart.
@@ -11,13 +11,29 @@ to the SQLite C{database} (table C{state_values}, created on first use, in
 the file L{relay.settingsdb.SQLiteSettingsStore} manages), and read from
 it when the process does not have them (after a restart). Redis keeps its
 keys itself.
+
+Writes are coalesced (issue 24): a change waits up to L{WRITE_DELAY}
+seconds (with a clock) and while a write is in flight, and everything that
+waited is written in one transaction (the last value of a key wins). A
+turn thus never queues a transaction of its own on the single, serialised
+connection: one per turn kept a backlog of queued transactions at load
+(memory growing with every turn, half of the throughput in the thread
+hand-offs) and, sequentially, a synchronous commit's fsyncs per turn
+(~0.7 ms of CPU). A value waiting is read back from the buffer; a clean
+stop writes what waits (L{DurableFlushService}); a crash loses at most
+the last L{WRITE_DELAY} seconds of records (a continuation of those is
+refused as unknown, R104's fail closed).
 """
 
 from __future__ import annotations
 
 from attrs import define, field
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
+from twisted.application.service import Service
 from twisted.logger import Logger
+
+WRITE_DELAY = 0.25
+"""Seconds a change waits for others before it is written (issue 24)."""
 
 DURABLE_PREFIXES = ("openai:http-response-owner:",)
 """Keys persisted by L{SQLiteValues}."""
@@ -44,7 +60,17 @@ class SQLiteValues:
     """
 
     database: object
+    clock: object = None
+    """An C{IReactorTime}: changes wait L{WRITE_DELAY} for each other;
+    L{None}: a change is written at once when no write is in flight."""
     _ready: bool = field(default=False, init=False)
+    _pending: dict = field(factory=dict, init=False)
+    """key -> C{(value, expires)}, or L{None} for a delete: what the next
+    write carries."""
+    _waiters: list = field(factory=list, init=False)
+    """The Deferreds of the calls whose changes are in L{_pending}."""
+    _writing: bool = field(default=False, init=False)
+    _timer: object = field(default=None, init=False)
     _log = Logger()
 
     def _run(self, interaction, *args) -> Deferred:
@@ -65,6 +91,9 @@ class SQLiteValues:
         """
         @return: a Deferred firing with C{(value, expires)} or L{None}.
         """
+        if key in self._pending:
+            change = self._pending[key]
+            return succeed(change if change is not None and change[1] > now else None)
 
         def read(txn):
             txn.execute("SELECT value, expires FROM state_values WHERE key = ?", (key,))
@@ -75,22 +104,79 @@ class SQLiteValues:
 
     def save(self, key: str, value: str, expires: float) -> Deferred:
         """
-        Write (or replace) one value.
+        Write (or replace) one value (coalesced, see the module docstring).
+
+        @param expires: Unix seconds.
+        @return: a Deferred firing once the value is committed.
         """
-
-        def write(txn):
-            txn.execute(
-                "INSERT OR REPLACE INTO state_values (key, value, expires) VALUES (?, ?, ?)",
-                (key, value, expires),
-            )
-
-        return self._run(write)
+        return self._change(key, (value, expires))
 
     def delete(self, key: str) -> Deferred:
         """
-        Forget one value.
+        Forget one value (coalesced, see the module docstring).
+
+        @return: a Deferred firing once the delete is committed.
         """
-        return self._run(lambda txn: txn.execute("DELETE FROM state_values WHERE key = ?", (key,)))
+        return self._change(key, None)
+
+    def _change(self, key: str, change) -> Deferred:
+        self._pending.pop(key, None)
+        self._pending[key] = change
+        d = Deferred()
+        self._waiters.append(d)
+        if not self._writing and self._timer is None:
+            if self.clock is None:
+                self._flush()
+            else:
+                self._timer = self.clock.callLater(WRITE_DELAY, self._flush)
+        return d
+
+    def flushNow(self) -> Deferred:
+        """
+        Write what waits now (a clean stop).
+
+        @return: a Deferred firing once everything that waited is written
+            (errors are the callers' and logged there; this never fails).
+        """
+        if not self._pending:
+            return succeed(None)
+        d = Deferred()
+        self._waiters.append(d)
+        if not self._writing:
+            self._flush()
+        return d.addErrback(lambda f: None)
+
+    def _flush(self) -> None:
+        """
+        Write everything pending in one transaction; when it is committed,
+        write what arrived meanwhile.
+        """
+        timer, self._timer = self._timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+        changes, self._pending = self._pending, {}
+        waiters, self._waiters = self._waiters, []
+        self._writing = True
+        saves = [(k, c[0], c[1]) for k, c in changes.items() if c is not None]
+        deletes = [(k,) for k, c in changes.items() if c is None]
+
+        def write(txn):
+            if deletes:
+                txn.executemany("DELETE FROM state_values WHERE key = ?", deletes)
+            if saves:
+                txn.executemany(
+                    "INSERT OR REPLACE INTO state_values (key, value, expires) VALUES (?, ?, ?)",
+                    saves,
+                )
+
+        def done(result):
+            self._writing = False
+            for w in waiters:
+                w.callback(None) if result is None else w.errback(result)
+            if self._pending and self._timer is None:
+                self._flush()
+
+        self._run(write).addCallbacks(lambda _: done(None), done)
 
     def prune(self, now: float) -> Deferred:
         """
@@ -99,3 +185,17 @@ class SQLiteValues:
         return self._run(
             lambda txn: txn.execute("DELETE FROM state_values WHERE expires <= ?", (now,))
         )
+
+
+class DurableFlushService(Service):
+    """
+    Writes an L{SQLiteValues}' waiting records when relay stops (before the
+    settings database closes).
+    """
+
+    def __init__(self, values: SQLiteValues):
+        self.values = values
+
+    def stopService(self):
+        Service.stopService(self)
+        return self.values.flushNow()

@@ -10,6 +10,7 @@ are dropped when touched or on L{MemoryStateStore.prune}.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from attrs import define, evolve, field
@@ -19,7 +20,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from relay.policy.failures import AccountRuntime
-from relay.interfaces import IStateStore
+from relay.interfaces import IAccountStates, IAccountStateView, IStateStore
 from relay.state import MARK_KINDS, counter403Key
 from relay.state.durable import isDurable
 
@@ -58,7 +59,71 @@ def applyMark(
     raise ValueError(f"unknown account state kind {kind!r}; expected one of {sorted(MARK_KINDS)}")
 
 
-@implementer(IStateStore)
+def blockEnd(runtime: AccountRuntime) -> float:
+    """
+    Until when a runtime state may keep its account from being scheduled
+    (issue 24: what L{relay.interfaces.IAccountStates.flagged} reports).
+
+    @return: Unix seconds; C{inf} for a disabled account; 0 when nothing
+        blocks it (streaks alone never do).
+    """
+    if runtime.disabled:
+        return math.inf
+    end = max(runtime.blockedUntil, runtime.rateLimitedUntil, runtime.overloadedUntil)
+    if runtime.modelBlocks:
+        end = max(end, max(runtime.modelBlocks.values()))
+    return end
+
+
+@implementer(IAccountStates)
+@define(eq=False)
+class FlaggedStates:
+    """
+    An L{IAccountStates} over a dict of runtimes, with the end of each
+    account's blocks kept beside it (issue 24: L{flagged} costs the flagged
+    accounts, not the pool).
+
+    @ivar runtimes: account id -> L{AccountRuntime} (only stored ones).
+    @ivar ends: account id -> L{blockEnd} of its runtime, for those whose
+        end was in the future when it was set.
+    """
+
+    runtimes: dict = field(factory=dict)
+    ends: dict = field(factory=dict)
+
+    def get(self, accountId, default=None):
+        """
+        See L{IAccountStates.get}.
+        """
+        return self.runtimes.get(accountId, default)
+
+    def flagged(self, now):
+        """
+        See L{IAccountStates.flagged}; blocks that have ended are dropped.
+        """
+        ends = self.ends
+        over = [aid for aid, end in ends.items() if end <= now]
+        for aid in over:
+            del ends[aid]
+        return ends.keys()
+
+    def put(self, accountId: str, runtime: Optional[AccountRuntime]) -> None:
+        """
+        Set (or with L{None}, forget) an account's runtime.
+        """
+        if runtime is None:
+            self.runtimes.pop(accountId, None)
+            self.ends.pop(accountId, None)
+            return
+        self.runtimes[accountId] = runtime
+        end = blockEnd(runtime)
+        if end > 0:
+            self.ends[accountId] = end
+        else:
+            self.ends.pop(accountId, None)
+
+
+@implementer(IStateStore, IAccountStateView)
 @define(eq=False)
 class MemoryStateStore:
     """
@@ -68,6 +133,7 @@ class MemoryStateStore:
 
     @ivar _clock: the time source; C{seconds()} are Unix seconds.
     @ivar _accounts: account id -> L{AccountRuntime}.
+    @ivar _view: the L{FlaggedStates} over C{_accounts} (issue 24).
     @ivar _counters: name -> C{[value, expiresAt]} (Unix seconds).
     @ivar _values: key -> C{(value, expiresAt)} (Unix seconds).
     """
@@ -81,12 +147,24 @@ class MemoryStateStore:
     """Issue 19 (R104): a L{relay.state.durable.SQLiteValues} the owner
     records are also written to and read back from after a restart, or
     L{None} (nothing outlives the process)."""
-    _accounts: dict = field(factory=dict, init=False)
+    _view: FlaggedStates = field(factory=FlaggedStates, init=False)
+    _accounts: dict = field(init=False)
     _counters: dict = field(factory=dict, init=False)
     _values: dict = field(factory=dict, init=False)
     _prunedAt: float = field(default=-1.0, init=False)
 
     _log = Logger()
+
+    @_accounts.default
+    def _accountsDefault(self) -> dict:
+        return self._view.runtimes
+
+    def accountStateView(self, accountIds) -> Deferred:
+        """
+        See L{IAccountStateView.accountStateView}: the live view of this
+        store's runtimes (one object, already fired).
+        """
+        return succeed(self._view)
 
     def getAccountStates(self, accountIds) -> Deferred:
         """
@@ -106,14 +184,14 @@ class MemoryStateStore:
             )
         except ValueError as e:
             return fail(e)
-        self._accounts[accountId] = runtime
+        self._view.put(accountId, runtime)
         return succeed(None)
 
     def clearAccount(self, accountId) -> Deferred:
         """
         See L{IStateStore.clearAccount}.
         """
-        self._accounts.pop(accountId, None)
+        self._view.put(accountId, None)
         self._counters.pop(counter403Key(accountId), None)
         return succeed(None)
 
@@ -212,6 +290,18 @@ class MemoryStateStore:
                 self.prune()
             while len(values) > self.maxValues:
                 del values[next(iter(values))]
+        return succeed(None)
+
+    def setValues(self, pairs, ttl) -> Deferred:
+        """
+        L{setValue} of several keys (issue 24; as the Redis store's).
+
+        @param pairs: C{[(key, value), ...]}, or C{(key, value, ttl)}
+            triples for a key with a TTL of its own.
+        @param ttl: seconds (for the pairs without one).
+        """
+        for pair in pairs:
+            self.setValue(pair[0], pair[1], pair[2] if len(pair) > 2 else ttl)
         return succeed(None)
 
     def touchValue(self, key, ttl) -> Deferred:

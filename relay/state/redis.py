@@ -20,6 +20,17 @@ Keys (behaviour.md R34 where it names them):
 
 Every command carries the constructor's C{timeout} (R4: 5 s; trap T16).
 
+Issue 24 item 5 (L{relay.interfaces.IAccountStateView}): every state write
+(mark, clear) also bumps C{relay:accounts:seq} and notes the account in the
+C{relay:accounts:changes} ZSET (score = that sequence number), in the same
+script. The store keeps a mirror of the account hashes: the first view reads
+them all (C{MHGETALL}), each later view sends one small C{RELAY_SYNC}
+(the sequence, and the ids written since the mirror's) and reads again only
+the hashes of those accounts, so a selection costs the changed accounts,
+not the pool. A Redis whose epoch (C{relay:accounts:epoch}) is not the
+mirror's (flushed, replaced) is read again whole. Streaks are not mirrored
+state (selection does not read them; L{getAccountStates} reads Redis).
+
 Issue 24: every call of one reactor turn (account states, values, marks,
 counters, streaks) goes out, in issue order, in one round trip
 (L{relay.state.redisbatch.RedisBatch}); each call's Deferred still fires
@@ -37,18 +48,27 @@ C{on_redis_error} (R35):
 
 from __future__ import annotations
 
-from attrs import define, field
-from twisted.internet.defer import Deferred
+from attrs import define, evolve, field
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from relay.policy.failures import AccountRuntime
-from relay.interfaces import IStateStore
+from relay.interfaces import IAccountStateView, IStateStore
 from relay.redisclient import RedisService, RedisUnavailable, describe
 from relay.state import MARK_KINDS, accountKey, counter403Key
+from relay.state.memory import FlaggedStates
 from relay.state.redisbatch import RedisBatch
+
+CHANGE_SEQ_KEY = "relay:accounts:seq"
+"""Issue 24: a counter bumped by every account state write (mark, clear)."""
+CHANGES_KEY = "relay:accounts:changes"
+"""Issue 24: ZSET account id -> the sequence number of its last state write."""
+EPOCH_KEY = "relay:accounts:epoch"
+"""Issue 24: set once (Redis TIME) with the change log; a flushed or new
+Redis has another, so a mirror of the old one is read again whole."""
 
 STREAK_FIELD = "streak:"
 """Hash field prefix of the R11 transient streak of one model."""
@@ -112,7 +132,7 @@ def markFields(kind: str, until: float, reason: str, model) -> list:
     raise ValueError(f"unknown account state kind {kind!r}; expected one of {sorted(MARK_KINDS)}")
 
 
-@implementer(IStateStore)
+@implementer(IStateStore, IAccountStateView)
 @define(eq=False)
 class RedisStateStore:
     """
@@ -129,6 +149,13 @@ class RedisStateStore:
     timeout: float = 5.0
     onRedisError: str = "fail_open"
     batch: RedisBatch = field(default=None)
+    _mirror: FlaggedStates = field(factory=FlaggedStates, init=False)
+    _seq: int = field(default=-1, init=False)
+    _epoch: str = field(default="", init=False)
+    _mirrored: object = field(default=None, init=False)
+    """The id list the mirror was last read whole for."""
+    _loaded: set = field(factory=set, init=False)
+    """The ids whose hashes the mirror holds (read whole)."""
 
     _log = Logger()
 
@@ -148,7 +175,7 @@ class RedisStateStore:
         @param fallback: the fail-open result.
         """
         return self._applyMode(
-            operation, fallback, self.batch.call(self.timeout, name, keys, list(args))
+            operation, fallback, self.batch.call(self.timeout, name, keys, list(args), lead=False)
         )
 
     def _applyMode(self, operation: str, fallback, d: Deferred) -> Deferred:
@@ -192,6 +219,67 @@ class RedisStateStore:
 
         return d.addCallback(_cbBuild)
 
+    def accountStateView(self, accountIds) -> Deferred:
+        """
+        See L{IAccountStateView.accountStateView}: one C{RELAY_SYNC} in this
+        reactor turn's batch; the hashes of the accounts written since the
+        last view (all of them the first time, for a new id list, or after
+        an epoch change) in a second round trip. A Redis error gives the
+        fail-open answer of L{getAccountStates} (every account healthy, an
+        empty view) or, with C{fail_closed}, the failure.
+        """
+        return Deferred.fromCoroutine(self._view(accountIds))
+
+    async def _view(self, accountIds):
+        ids = accountIds
+        full = ids is not self._mirrored and (
+            self._mirrored is None or not self._loaded.issuperset(ids))
+        sync = self._batched(
+            "sync_account_states", None, "RELAY_SYNC", [CHANGE_SEQ_KEY, CHANGES_KEY, EPOCH_KEY],
+            [str(self._seq), self._epoch or "-"],
+        )
+        reply = await sync
+        if reply is None:
+            return FlaggedStates()
+        epoch, seq = _str(reply[0]), int(reply[1])
+        changed = [_str(i) for i in reply[2:]]
+        if epoch != self._epoch or seq < self._seq:
+            full = True
+        if full:
+            ids = list(dict.fromkeys(list(ids) + list(self._mirror.runtimes)))
+            rows = await self._read(ids)
+            if rows is None:
+                return FlaggedStates()
+            self._mirror = FlaggedStates()
+            self._loaded = set(ids)
+            self._apply(ids, rows)
+            self._mirrored = accountIds
+        elif changed:
+            rows = await self._read(changed)
+            if rows is None:
+                return FlaggedStates()
+            self._apply(changed, rows)
+        self._epoch, self._seq = epoch, seq
+        return self._mirror
+
+    def _read(self, ids: list) -> Deferred:
+        """
+        The hashes of C{ids} (one C{MHGETALL}); L{None} on a fail-open error.
+        """
+        return self._batched("get_account_states", None, "MHGETALL",
+                             [accountKey(i) for i in ids])
+
+    def _apply(self, ids: list, rows: list) -> None:
+        """
+        Put read hashes into the mirror (an empty one forgets the account).
+        """
+        for aid, flat in zip(ids, rows):
+            flat = flat or []
+            if flat:
+                self._mirror.put(aid, runtimeFromHash(dict(zip(flat[::2], flat[1::2]))))
+            else:
+                self._mirror.put(aid, None)
+
     def markAccount(self, accountId, kind, until, reason, model=None) -> Deferred:
         """
         See L{IStateStore.markAccount}. Fails with L{ValueError} for an
@@ -204,7 +292,8 @@ class RedisStateStore:
             d.errback(e)
             return d
         return self._batched(
-            "mark_account", None, "HSET", [accountKey(accountId)], fields
+            "mark_account", None, "RELAY_MARK",
+            [accountKey(accountId), CHANGE_SEQ_KEY, CHANGES_KEY], [accountId] + fields,
         ).addCallback(lambda _: None)
 
     def clearAccount(self, accountId) -> Deferred:
@@ -212,7 +301,9 @@ class RedisStateStore:
         See L{IStateStore.clearAccount}.
         """
         return self._batched(
-            "clear_account", None, "DEL", [accountKey(accountId), counter403Key(accountId)]
+            "clear_account", None, "RELAY_CLEAR",
+            [accountKey(accountId), counter403Key(accountId), CHANGE_SEQ_KEY, CHANGES_KEY],
+            [accountId],
         ).addCallback(lambda _: None)
 
     def bumpStreak(self, accountId, model, ttl) -> Deferred:
@@ -220,16 +311,39 @@ class RedisStateStore:
         See L{IStateStore.bumpStreak}. One operation (C{RELAY_STREAK}, on the
         account hash, so L{clearAccount} ends it too). Fail-open result: 0.
         """
-        now = repr(float(self._clock.seconds()))
-        return self._batched(
-            "bump_streak", 0, "RELAY_STREAK", [accountKey(accountId)],
-            [STREAK_FIELD + model, now, repr(float(ttl))],
+        at = float(self._clock.seconds())
+        d = self._batched(
+            "bump_streak", 0, "RELAY_STREAK", [accountKey(accountId), CHANGE_SEQ_KEY, CHANGES_KEY],
+            [STREAK_FIELD + model, repr(at), repr(float(ttl)), accountId],
         ).addCallback(int)
+
+        def _mirror(count):
+            # Issue 24: this process's own bump is in its mirror at once, so
+            # a success right after it resets it (L{resetStreak}).
+            if count and accountId in self._loaded:
+                runtime = self._mirror.get(accountId) or AccountRuntime()
+                streaks = dict(runtime.streaks)
+                streaks[model] = (count, at)
+                self._mirror.put(accountId, evolve(runtime, streaks=streaks))
+            return count
+
+        return d.addCallback(_mirror)
 
     def resetStreak(self, accountId, model) -> Deferred:
         """
-        See L{IStateStore.resetStreak}.
+        See L{IStateStore.resetStreak}. Issue 24: nothing is sent when the
+        mirror (read at this process's last selection, with its own bumps
+        since) holds no streak of that model: a success's reset then costs
+        no command. A streak bumped elsewhere after that read is reset by
+        the next success that reads it.
         """
+        if accountId in self._loaded and self._epoch:
+            runtime = self._mirror.get(accountId)
+            if runtime is None or model not in runtime.streaks:
+                return succeed(None)
+            streaks = dict(runtime.streaks)
+            del streaks[model]
+            self._mirror.put(accountId, evolve(runtime, streaks=streaks))
         return self._batched(
             "reset_streak", None, "HDEL", [accountKey(accountId)], [STREAK_FIELD + model]
         ).addCallback(lambda _: None)
@@ -264,6 +378,24 @@ class RedisStateStore:
             "set_value", None, "SET", [key], [value, "PX", _ms(ttl)]
         ).addCallback(lambda _: None)
 
+    def setValues(self, pairs, ttl) -> Deferred:
+        """
+        Issue 24: L{setValue} of several keys, together (one operation,
+        atomic; a response's routing binding and owner record, R39/R40/R104).
+
+        @param pairs: C{[(key, value), ...]}, or C{(key, value, ttl)}
+            triples for a key with a TTL of its own.
+        @param ttl: seconds (for the pairs without one).
+        """
+        keys, args = [], []
+        for pair in pairs:
+            keys.append(pair[0])
+            args.append(_ms(pair[2] if len(pair) > 2 else ttl))
+            args.append(pair[1])
+        return self._batched(
+            "set_values", None, "RELAY_MSET", keys, args,
+        ).addCallback(lambda _: None)
+
     def touchValue(self, key, ttl) -> Deferred:
         """
         See L{IStateStore.touchValue}.
@@ -277,6 +409,13 @@ class RedisStateStore:
         See L{IStateStore.deleteValue}.
         """
         return self._batched("delete_value", None, "DEL", [key]).addCallback(lambda _: None)
+
+
+def _str(value) -> str:
+    """
+    A reply element as text.
+    """
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
 async def _const(value):

@@ -48,8 +48,23 @@ from relay.redisclient import RedisService, RedisUnavailable
 #:   MHGETALL      HGETALL of each of its keys: a list of flat lists;
 #:   RELAY_INCR    KEYS counter; ARGV ttl ms, refresh flag: INCR, and
 #:                 PEXPIRE when new or refreshed; the new value;
-#:   RELAY_STREAK  KEYS account hash; ARGV streak field, now, ttl seconds:
-#:                 the R11 streak bump ("count:last failure"); the count.
+#:   RELAY_STREAK  KEYS account hash (and optionally the change sequence
+#:                 and change ZSET); ARGV streak field, now, ttl seconds (and
+#:                 the account id): the R11 streak bump ("count:last
+#:                 failure"), noted as a change when the keys are given; the
+#:                 count;
+#:   RELAY_MSET    KEYS values; ARGV a TTL ms and a value per key: SET ...
+#:                 PX of each, together (issue 24: a response's routing
+#:                 binding and owner record, R39/R40/R104);
+#:   RELAY_MARK    KEYS account hash, change sequence, change ZSET; ARGV
+#:                 account id, then the hash's field/value pairs: HSET, and
+#:                 the account noted as changed (issue 24);
+#:   RELAY_CLEAR   KEYS account hash, its 403 counter, change sequence,
+#:                 change ZSET; ARGV account id: DEL both, noted as changed;
+#:   RELAY_SYNC    KEYS change sequence, change ZSET, epoch; ARGV the
+#:                 sequence and epoch the caller knows: {epoch, sequence,
+#:                 ids of the accounts changed since} (no ids when the epoch
+#:                 differs: the caller reads everything again).
 SOLO = {
     "MHGETALL": """
 local out = {}
@@ -61,7 +76,37 @@ local v = redis.call('INCR', KEYS[1])
 if v == 1 or ARGV[2] == '1' then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
 return v
 """,
+    "RELAY_MARK": """
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[2]), ARGV[1])
+return 1
+""",
+    "RELAY_CLEAR": """
+local n = redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('ZADD', KEYS[4], redis.call('INCR', KEYS[3]), ARGV[1])
+return n
+""",
+    "RELAY_MSET": """
+for i, k in ipairs(KEYS) do redis.call('SET', k, ARGV[2 * i], 'PX', ARGV[2 * i - 1]) end
+return #KEYS
+""",
+    "RELAY_SYNC": """
+local epoch = redis.call('GET', KEYS[3])
+if not epoch then
+  local t = redis.call('TIME')
+  epoch = t[1] .. '.' .. t[2]
+  redis.call('SET', KEYS[3], epoch)
+end
+local seq = tonumber(redis.call('GET', KEYS[1]) or '0')
+local out = {epoch, tostring(seq)}
+if epoch == ARGV[2] and seq > tonumber(ARGV[1]) then
+  local ids = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. ARGV[1], '+inf')
+  for i = 1, #ids do out[#out + 1] = ids[i] end
+end
+return out
+""",
     "RELAY_STREAK": """
+if KEYS[3] then redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[2]), ARGV[4]) end
 local v = redis.call('HGET', KEYS[1], ARGV[1])
 local n = 0
 if v then
@@ -178,7 +223,8 @@ class RedisBatch:
     _call: Optional[IDelayedCall] = field(default=None, init=False)
     _inflight: int = field(default=0, init=False)
 
-    def call(self, timeout: float, name: str, keys: list, args: list) -> Deferred:
+    def call(self, timeout: float, name: str, keys: list, args: list,
+             lead: Optional[bool] = None) -> Deferred:
         """
         Queue one operation for the end of this reactor turn.
 
@@ -190,11 +236,14 @@ class RedisBatch:
         @param keys: the keys the operation touches (Redis scripts must
             name every key they touch).
         @param args: the remaining arguments.
+        @param lead: this operation's L{leading} (a batcher shared by the
+            state store, which never leads, and the admission, which does,
+            issue 24); L{None} for the batcher's own.
         @return: a L{Deferred} firing with the reply, or failing with
             L{RedisUnavailable}.
         """
         op = _Op(name, list(keys), [_text(a) for a in args], timeout)
-        if self.leading and not self._ops and not self._inflight:
+        if (self.leading if lead is None else lead) and not self._ops and not self._inflight:
             self.operations += 1
             self._send([op], [op])
             return op.deferred

@@ -635,3 +635,29 @@ async def test_concurrentReleasesShareARoundTrip(redisService):
     await sleep(0.2)
     assert redisService.commandCount - before == 2
     assert await adm.load("account", ["a"]) == {"a": (0, 0)}
+
+
+@pytest_twisted.ensureDeferred
+async def test_busyReadNamesTheBusyOnly(redisService):
+    """
+    Issue 24: C{busy()} (the load-balance layer's load read, C{busy.lua})
+    answers the loads of the ids that hold a slot or have a waiter, as
+    C{load()} counts them -- slots of another process included -- and
+    nothing for the idle ones; a fresh read sees a release of another
+    process at once.
+    """
+    other, mine = admission(redisService), admission(redisService)
+    ids = frozenset(f"a{i}" for i in range(1, 201))
+    held = [await other.tryAcquire("account", "a7", 5), await other.tryAcquire("account", "a7", 5),
+            await other.tryAcquire("account", "a150", 5)]
+    waiting = other.acquire(plan("a150", limit=1, timeout=2.0), CancelSignal())
+    await sleep(0.2)
+    busy = await mine.busy("account", ids, fresh=True)
+    loads = await mine.load("account", ["a7", "a150", "a3"])
+    assert busy == {"a7": (2, 0), "a150": (1, 1)}
+    assert loads == {"a7": (2, 0), "a150": (1, 1), "a3": (0, 0)}
+    for lease in held:
+        lease.release()
+    (await waiting).release()
+    await sleep(0.2)
+    assert await mine.busy("account", ids, fresh=True) == {}

@@ -97,3 +97,18 @@ async def test_valuesRoundTrip(redisService):
     reads = [store.getValue(f"k{i}") for i in range(len(odd))]
     await gatherResults(writes)
     assert await gatherResults(reads) == odd
+
+
+@pytest_twisted.ensureDeferred
+async def test_scriptCacheFlushedUnderRelay(redisService, redisServer):  # noqa: F811
+    """
+    Issue 24: scripts go as C{EVALSHA} of a SHA1 computed once; after
+    C{SCRIPT FLUSH} (a restarted or failed-over Redis) the next call sends
+    the script whole and every call still gets its answer.
+    """
+    script = "return redis.call('INCR', KEYS[1])"
+    assert await redisService.execute(2, "eval", script, ["flushed"], []) == 1
+    assert await redisService.execute(2, "eval", script, ["flushed"], []) == 2
+    redisServer.command("SCRIPT", "FLUSH")
+    assert await redisService.execute(2, "eval", script, ["flushed"], []) == 3
+    assert await redisService.execute(2, "eval", script, ["flushed"], []) == 4

@@ -136,3 +136,58 @@ async def waitForRecovery(store, tries=60):
             ok = 0
             await deferLater(reactor, 0.1)
     raise AssertionError("redis did not come back")
+
+
+@pytest_twisted.ensureDeferred
+async def test_stateViewAcrossProcesses(redisService, redisServer):  # noqa: F811
+    """
+    Issue 24: a store's view follows the state writes of another store on
+    the same Redis (another relay process) through the change log, reading
+    again only the accounts written; a flushed Redis (a new epoch) is read
+    again whole, so a block that is gone there is gone from the view.
+    """
+    ids = tuple(f"a{i}" for i in range(50))
+    mine = RedisStateStore(redis=redisService, clock=reactor, onRedisError="fail_closed")
+    other = RedisStateStore(redis=redisService, clock=reactor, onRedisError="fail_closed")
+    await other.markAccount("a3", "rate_limited", reactor.seconds() + 60, "429")
+    view = await mine.accountStateView(ids)
+    assert set(view.flagged(reactor.seconds())) == {"a3"}
+    await other.markAccount("a7", "disabled", 0, "401")
+    await other.clearAccount("a3")
+    reads = mine.batch.operations
+    view = await mine.accountStateView(ids)
+    assert set(view.flagged(reactor.seconds())) == {"a7"}
+    assert view.get("a7").disabledReason == "401"
+    # One sync and one read of the two changed accounts.
+    assert mine.batch.operations - reads == 2
+    reads = mine.batch.operations
+    view = await mine.accountStateView(ids)
+    assert mine.batch.operations - reads == 1
+    redisServer.command("FLUSHALL")
+    view = await mine.accountStateView(ids)
+    assert set(view.flagged(reactor.seconds())) == set()
+    assert view.get("a7") is None
+
+
+@pytest_twisted.ensureDeferred
+async def test_streakResetFollowsTheMirror(redisService, redisServer):  # noqa: F811
+    """
+    Issue 24: a success's streak reset sends nothing when the mirror holds
+    no streak of that model; this process's own bump, and another's read
+    by the next view, are reset in Redis.
+    """
+    ids = ("a1", "a2")
+    mine = RedisStateStore(redis=redisService, clock=reactor, onRedisError="fail_closed")
+    other = RedisStateStore(redis=redisService, clock=reactor, onRedisError="fail_closed")
+    await mine.accountStateView(ids)
+    sent = mine.batch.operations
+    await mine.resetStreak("a1", "gpt-5")
+    assert mine.batch.operations == sent
+    assert await mine.bumpStreak("a1", "gpt-5", 60) == 1
+    await mine.resetStreak("a1", "gpt-5")
+    assert redisServer.command("HGETALL", "relay:account:a1") == b"*0\r\n"
+    await other.bumpStreak("a2", "gpt-5", 60)
+    await other.bumpStreak("a2", "gpt-5", 60)
+    await mine.accountStateView(ids)
+    await mine.resetStreak("a2", "gpt-5")
+    assert (await other.getAccountStates(["a2"]))["a2"].streaks == {}
