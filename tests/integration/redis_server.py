@@ -18,6 +18,10 @@ import tempfile
 import time
 
 import pytest
+import pytest_twisted
+from twisted.internet import reactor
+
+from relay.redisclient import RedisService
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
@@ -139,3 +143,17 @@ def redisServer():
         yield server
     finally:
         server.cleanup()
+
+
+@pytest_twisted.async_yield_fixture
+async def redisService(redisServer):
+    """
+    A started L{RedisService} on a flushed server; stopped afterwards.
+    """
+    if redisServer.process is None:
+        redisServer.start()
+    redisServer.command("FLUSHALL")
+    service = RedisService(url=redisServer.url, clock=reactor)
+    service.startService()
+    yield service
+    await service.stopService()

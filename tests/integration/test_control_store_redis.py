@@ -17,22 +17,8 @@ from twisted.internet.task import deferLater
 from relay.control.store import ANY, ControlChange, ControlStoreUnavailable
 from relay.control.store.redis import RedisControlStore
 from relay.redisclient import RedisService
-from tests.integration.redis_server import redisServer  # noqa: F401 (fixture)
+from tests.integration.redis_server import redisServer, redisService  # noqa: F401 (fixtures)
 from tests.test_control_store import ControlStoreContractMixin, contractNames
-
-
-@pytest_twisted.async_yield_fixture
-async def redisService(redisServer):  # noqa: F811
-    """
-    A started L{RedisService} on a flushed server; stopped afterwards.
-    """
-    if redisServer.process is None:
-        redisServer.start()
-    redisServer.command("FLUSHALL")
-    service = RedisService(url=redisServer.url, clock=reactor)
-    service.startService()
-    yield service
-    await service.stopService()
 
 
 class _RedisContract(ControlStoreContractMixin):

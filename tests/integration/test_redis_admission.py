@@ -25,8 +25,8 @@ from relay.admission.redis import (
 )
 from relay.interfaces import ISlotAdmission, ISlotLease
 from relay.model import AdmissionError, CancelSignal, WaitPlan
-from relay.redisclient import RedisService, RedisUnavailable
-from tests.integration.redis_server import redisServer  # noqa: F401 (fixture)
+from relay.redisclient import RedisUnavailable
+from tests.integration.redis_server import redisServer, redisService  # noqa: F401 (fixtures)
 
 
 def plan(id="a", limit=1, timeout=3.0, maxWaiting=10, kind="account"):
@@ -34,20 +34,6 @@ def plan(id="a", limit=1, timeout=3.0, maxWaiting=10, kind="account"):
     @return: a L{WaitPlan}.
     """
     return WaitPlan(kind=kind, id=id, max_concurrency=limit, timeout=timeout, max_waiting=maxWaiting)
-
-
-@pytest_twisted.async_yield_fixture
-async def redisService(redisServer):  # noqa: F811
-    """
-    A started L{RedisService} on a flushed server; stopped afterwards.
-    """
-    if redisServer.process is None:
-        redisServer.start()
-    redisServer.command("FLUSHALL")
-    service = RedisService(url=redisServer.url, clock=reactor)
-    service.startService()
-    yield service
-    await service.stopService()
 
 
 def admission(service, **kw):

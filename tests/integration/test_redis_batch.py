@@ -12,23 +12,9 @@ from twisted.internet import reactor
 from twisted.internet.defer import gatherResults
 
 from relay.policy.failures import AccountRuntime
-from relay.redisclient import RedisService, RedisUnavailable
+from relay.redisclient import RedisUnavailable
 from relay.state.redis import RedisStateStore
-from tests.integration.redis_server import redisServer  # noqa: F401 (fixture)
-
-
-@pytest_twisted.async_yield_fixture
-async def redisService(redisServer):  # noqa: F811
-    """
-    A started L{RedisService} on a flushed server; stopped afterwards.
-    """
-    if redisServer.process is None:
-        redisServer.start()
-    redisServer.command("FLUSHALL")
-    service = RedisService(url=redisServer.url, clock=reactor)
-    service.startService()
-    yield service
-    await service.stopService()
+from tests.integration.redis_server import redisServer, redisService  # noqa: F401 (fixtures)
 
 
 @pytest_twisted.ensureDeferred

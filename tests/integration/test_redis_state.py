@@ -12,24 +12,10 @@ from twisted.internet import reactor
 from twisted.internet.task import deferLater
 
 from relay.policy.failures import AccountRuntime
-from relay.redisclient import RedisService, RedisUnavailable
+from relay.redisclient import RedisUnavailable
 from relay.state.redis import RedisStateStore
-from tests.integration.redis_server import redisServer  # noqa: F401 (fixture)
+from tests.integration.redis_server import redisServer, redisService  # noqa: F401 (fixtures)
 from tests.test_state import StateStoreContractMixin, contractNames
-
-
-@pytest_twisted.async_yield_fixture
-async def redisService(redisServer):  # noqa: F811
-    """
-    A started L{RedisService} on a flushed server; stopped afterwards.
-    """
-    if redisServer.process is None:
-        redisServer.start()
-    redisServer.command("FLUSHALL")
-    service = RedisService(url=redisServer.url, clock=reactor)
-    service.startService()
-    yield service
-    await service.stopService()
 
 
 class _RedisContract(StateStoreContractMixin):
