@@ -211,6 +211,33 @@ def _redisProviders(config: RelayConfig, reactor):
     return store, (lambda **kw: RedisSlotAdmission(batch=batch, **kw)), kwargs, [service]
 
 
+def answersAtOnce(config, store, admission) -> bool:
+    """
+    Issue 24: whether the client's answers may be sent at once
+    (L{relay.entry.site.RelaySite.answerAtOnce}): only when the state store,
+    the slot admission and the control store all live in this process (the
+    memory backend's built-in providers), so every write a turn makes before
+    its answer -- the response's owner record and routing binding
+    (R39/R40/R104), the slot releases -- is done when the answer is written.
+    With Redis, or an operator's component (C{components:}, which may be
+    remote), answers wait for the next poll, after the store's batched
+    writes of the same reactor iteration have been sent.
+
+    @param config: the L{RelayConfig}.
+    @param store: the built L{IStateStore}.
+    @param admission: the built L{ISlotAdmission}.
+    @rtype: L{bool}
+    """
+    from relay.admission.memory import MemorySlotAdmission
+    from relay.state.memory import MemoryStateStore
+
+    return (
+        config.state.backend == "memory"
+        and type(store) is MemoryStateStore
+        and type(admission) is MemorySlotAdmission
+    )
+
+
 def _sentinelArguments(state) -> dict:
     """
     Issue 23: the L{relay.redisclient.RedisService} arguments of
@@ -391,6 +418,7 @@ def buildApplication(
     site.limits = lambda: settings.current.limits
     wsResource.factory.budget = site.intake.budget
     site.clock = reactor
+    site.answerAtOnce = answersAtOnce(config, store, admission)
     site.displayTracebacks = False
     site.maxRequestBodyBytes = config.gateway.max_request_body_bytes
     site.wsFactory = wsResource.factory

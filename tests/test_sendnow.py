@@ -158,3 +158,150 @@ class OneSendAnswerTests(SynchronousTestCase):
         self.assertTrue(value.startswith(b"HTTP/1.1 200 OK\r\n"), value)
         self.assertTrue(value.endswith(b"\r\n\r\n"), value)
         self.assertNotIn(b"ok", value)
+
+
+class _Connection(tcp.Connection):
+    """
+    A L{tcp.Connection} with the addresses a L{Request} asks for.
+    """
+
+    def getPeer(self):
+        from twisted.internet.address import IPv4Address
+
+        return IPv4Address("TCP", "127.0.0.1", 40000)
+
+    getHost = getPeer
+
+
+class _TCPExchange:
+    """
+    A L{RelaySite} connection on one end of a real socket pair (a
+    L{tcp.Connection}), its reactor recording the writers it registers.
+    """
+
+    def __init__(self, testCase, answerAtOnce: bool):
+        from twisted.internet.task import Clock
+
+        from relay.app import _Request
+        from relay.entry.site import RelaySite
+
+        listener = socket.create_server(("127.0.0.1", 0))
+        theirs = socket.create_connection(listener.getsockname())
+        mine, _ = listener.accept()
+        listener.close()
+        mine.setblocking(False)
+        theirs.settimeout(0.5)
+        testCase.addCleanup(mine.close)
+        testCase.addCleanup(theirs.close)
+        root = Resource()
+        root.putChild(b"x", _Leaf())
+        site = RelaySite(root, requestFactory=_Request, reactor=Clock())
+        site.answerAtOnce = answerAtOnce
+        self.reactor = _Reactor()
+        protocol = site.buildProtocol(None)
+        self.transport = _Connection(mine, protocol, reactor=self.reactor)
+        self.transport.connected = 1
+        protocol.makeConnection(self.transport)
+        self.protocol = protocol
+        self.peer = theirs
+
+    def received(self) -> bytes:
+        try:
+            return self.peer.recv(65536)
+        except TimeoutError:
+            return b""
+
+
+class AnswerAtOnceTests(SynchronousTestCase):
+    """
+    L{relay.entry.site.RelaySite.answerAtOnce} (issue 24): with every store
+    in the process the answer leaves in the call that writes it; otherwise
+    it is queued for the next poll, behind the store writes of the same
+    reactor iteration (R39/R40/R104).
+    """
+
+    def test_atOnce(self):
+        x = _TCPExchange(self, answerAtOnce=True)
+        x.protocol.dataReceived(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
+        self.assertEqual(x.reactor.writers, set())
+        value = x.received()
+        self.assertTrue(value.startswith(b"HTTP/1.1 200 OK\r\n"), value)
+        self.assertTrue(value.endswith(b'\r\n\r\n{"ok":true}'), value)
+
+    def test_queuedWithARemoteStore(self):
+        """
+        Without C{answerAtOnce} nothing reaches the client before the
+        reactor's next poll finds the socket writable.
+        """
+        x = _TCPExchange(self, answerAtOnce=False)
+        x.protocol.dataReceived(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
+        self.assertEqual(x.received(), b"")
+        self.assertEqual(x.reactor.writers, {x.transport})
+        x.transport.doWrite()
+        self.assertTrue(x.received().endswith(b'\r\n\r\n{"ok":true}'))
+
+    def test_headWithoutBodyAtOnce(self):
+        """
+        A head no body took (HEAD) is sent at once too.
+        """
+        x = _TCPExchange(self, answerAtOnce=True)
+        x.protocol.dataReceived(b"HEAD /x HTTP/1.1\r\nHost: a\r\n\r\n")
+        self.assertEqual(x.reactor.writers, set())
+        value = x.received()
+        self.assertTrue(value.startswith(b"HTTP/1.1 200 OK\r\n"), value)
+        self.assertNotIn(b"ok", value)
+
+
+class AnswersAtOnceTests(SynchronousTestCase):
+    """
+    L{relay.app.answersAtOnce}: answers go at once only with the memory
+    backend's built-in state store and admission.
+    """
+
+    CONFIG = (
+        'listen: "tcp:0:interface=127.0.0.1"\ndatabase: ":memory:"\n'
+        "keys: [{name: team, key: sk-team}]\n"
+        "accounts: [{id: a1, type: apikey, api_key: sk-up, "
+        'base_url: "http://127.0.0.1:1/v1"}]\n'
+    )
+
+    def site(self, extra: str = ""):
+        from twisted.internet.testing import MemoryReactorClock
+
+        from relay.app import buildApplication
+        from relay.config import settingsFromString
+
+        return buildApplication(settingsFromString(self.CONFIG + extra),
+                                MemoryReactorClock()).site
+
+    def test_memory(self):
+        self.assertTrue(self.site().answerAtOnce)
+
+    def test_redis(self):
+        """
+        Redis state: the owner records are batched to Redis at the end of
+        the reactor iteration, so the answer waits.
+        """
+        site = self.site("state: {backend: redis, redis_url: 'redis://127.0.0.1:1/0'}\n")
+        self.assertFalse(site.answerAtOnce)
+
+    def test_component(self):
+        """
+        An operator's admission (which may be remote) makes answers wait.
+        """
+        site = self.site(f"components: {{admission: {__name__}.RemoteAdmission}}\n")
+        self.assertFalse(site.answerAtOnce)
+
+
+def _remoteAdmission():
+    from relay.admission.memory import MemorySlotAdmission
+
+    class RemoteAdmission(MemorySlotAdmission):
+        """
+        Stands for an operator's admission component.
+        """
+
+    return RemoteAdmission
+
+
+RemoteAdmission = _remoteAdmission()

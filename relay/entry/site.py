@@ -35,6 +35,7 @@ from relay.entry.logthrottle import LogThrottle, suppressedNote, throttleOf
 from relay.entry.sinks import errorBody, writeError
 from relay.model import ClientError
 from relay.requestid import newRequestId, requestIdOf  # noqa: F401
+from relay.sendnow import sendNow
 
 BAD_REQUEST = ClientError(
     400, "invalid_request_error", "The HTTP request could not be parsed.",
@@ -265,11 +266,16 @@ class RelayHTTPChannel(HTTPChannel):
 
     # -- issue 24: an answer's head and body in one write -----------------------
     #
-    # Queued as twisted.web queues them (sent at the next poll), never sent
-    # at once: a response's owner record (R39/R40) and other store writes
-    # issued before the answer leave at the end of the reactor iteration,
-    # and must reach the store before the client can read the body and
-    # chain from it (TurnRunner.ownResponse).
+    # With a remote store (Redis state, admission or control store, or an
+    # operator's component) the answer is queued as twisted.web queues it
+    # (sent at the next poll), never sent at once: a response's owner record
+    # (R39/R40/R104), the slot releases and the other store writes issued
+    # before the answer leave at the end of the reactor iteration, and must
+    # reach the store before the client can read the body and chain from it
+    # (TurnRunner.ownResponse). With every store in this process
+    # (RelaySite.answerAtOnce) those writes are done before the answer is
+    # written, so it is sent at once (relay.sendnow.sendNow): no wait for the
+    # next poll, no epoll registration.
 
     _holdHead = False
     _head = None
@@ -296,7 +302,10 @@ class RelayHTTPChannel(HTTPChannel):
         if head is not None:
             self._head = None
             data = head + data
-        self.transport.write(data)
+        if self._atOnce:
+            sendNow(self.transport, data)
+        else:
+            self.transport.write(data)
 
     def writeSequence(self, iovec) -> None:
         self.write(b"".join(iovec))
@@ -316,7 +325,15 @@ class RelayHTTPChannel(HTTPChannel):
         head = self._head
         if head is not None:
             self._head = None
-            self.transport.write(head)
+            self.write(head)
+
+    @property
+    def _atOnce(self) -> bool:
+        """
+        Whether this connection's answers may be sent at once: the site's
+        L{RelaySite.answerAtOnce}.
+        """
+        return getattr(getattr(self, "site", None), "answerAtOnce", False)
 
     def _respondToBadRequestAndDisconnect(self) -> None:
         """
@@ -391,9 +408,15 @@ class RelaySite(Site):
     @ivar logThrottle: the L{LogThrottle} of every intake refusal line
         (connections refused, header deadline, slow bodies, headers too
         large): one line per kind per second.
+    @ivar answerAtOnce: send answers at once (L{relay.sendnow.sendNow})
+        instead of at the next poll: only when every store a turn writes
+        before its answer is in this process (issue 24;
+        L{relay.app.answersAtOnce}), so nothing the client may read next can
+        still be on its way to a remote store (R39/R40/R104).
     """
 
     limits = None
+    answerAtOnce = False
     _relayLog = Logger()
 
     def __init__(self, *args, **kwargs):
