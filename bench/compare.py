@@ -673,7 +673,37 @@ def workers(procs: Procs, bodies: dict, seconds: float, report: list) -> None:
                   "| | | | | | "
                   f"**{two / one:.2f}x** |")
     report.append("")
+    _scalingCeiling(rows, report)
     _planning(rows, report)
+
+
+def _scalingCeiling(rows: list, report: list) -> None:
+    """
+    Issue 24 item 4: what the workers cost each other, apart from the cores
+    the box lets them have. With relay's CPU per turn M{r1} (one worker)
+    and M{r2} (two), and M{o} the rest of the box's per turn (redis-server,
+    the upstream, wrk), two workers on a 2-core box carry at most
+    M{2 / (r2 + o)} turns/s and one worker M{1 / r1}: the ratio the box
+    allows is M{2 r1 / (r2 + o)}, below 2 whatever relay does. The
+    workers' own scaling is M{2 r1 / r2} (two workers on cores of their
+    own, the rest of the box elsewhere).
+    """
+    def mean(n, key):
+        picked = [r for m, r in rows if m == n]
+        return sum(r[key] for r in picked) / sum(r["requests"] for r in picked)
+
+    r1, r2 = mean(1, "cpu"), mean(2, "cpu")
+    rest = sum(mean(2, k) for k in ("redisCpu", "upstreamCpu", "wrkCpu"))
+    report.append("### Workers: what they cost each other, and what this box allows\n")
+    report.append(f"relay CPU per turn: one worker {r1 * 1e6:,.0f} us, two workers "
+                  f"{r2 * 1e6:,.0f} us ({r2 / r1:.2f}x); the rest of the box (redis-server, "
+                  f"upstream, wrk) {rest * 1e6:,.0f} us per turn on the same two cores.\n")
+    report.append("| figure | value |")
+    report.append("|---|---:|")
+    report.append(f"| two workers on cores of their own vs one (2 r1 / r2) | **{2 * r1 / r2:.2f}x** |")
+    report.append(f"| the most 2 vs 1 can show on this 2-core box (2 r1 / (r2 + rest)) | "
+                  f"{2 * r1 / (r2 + rest):.2f}x |")
+    report.append("")
 
 
 def _planning(rows: list, report: list) -> None:
