@@ -40,7 +40,7 @@ from zope.interface import implementer
 
 from relay.eager import eagerDeferred
 from relay.interfaces import IAccountScheduler, IAccountStateView, ISlotAdmission, IStateStore
-from relay.logs import isoTime
+from relay.logs import ClassLogger, isoTime
 from relay.model import Account, ClientError, SchedulingSettings, Turn, WaitPlan
 from relay.scheduling.index import PoolIndex, sameSnapshot
 from relay.scheduling.selection import DecisionRecord, NoAccountAvailable, Selection, noAccountError
@@ -486,7 +486,7 @@ class AccountScheduler:
     """Turns whose selection already wrote (or refreshed) their binding to
     the chosen account with the slot held, so L{bind} need not again."""
 
-    _log = Logger()
+    _log = ClassLogger()
 
     # ------------------------------------------------------------------
     # IAccountScheduler
