@@ -51,6 +51,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
+from operator import itemgetter
 from re import Pattern
 from string import Formatter
 from typing import IO, Any
@@ -637,6 +638,36 @@ def _outputKey(key: str) -> str | None:
     return name
 
 
+_plans: dict = {}
+
+
+def _planOf(shape: tuple) -> tuple:
+    """
+    For an event's keys in order: the JSON names of the keys it writes
+    and an C{itemgetter} of their values (always a tuple), or C{((), None)};
+    remembered per shape.
+    """
+    keys, names = [], []
+    for key in shape:
+        name = _outputKeys.get(key, _UNSEEN)
+        if name is _UNSEEN:
+            name = _outputKey(key)
+        if name is not None:
+            keys.append(key)
+            names.append(name)
+    if not keys:
+        plan = ((), None)
+    elif len(keys) == 1:
+        only = keys[0]
+        plan = (tuple(names), lambda event: (event[only],))
+    else:
+        plan = (tuple(names), itemgetter(*keys))
+    if len(_plans) >= _OUTPUT_KEYS_SIZE:
+        _plans.clear()
+    _plans[shape] = plan
+    return plan
+
+
 def _jsonDefault(value: Any, redact: Callable[[str], str]) -> Any:
     """
     Text for what JSON cannot hold: bytes decoded, sets as sorted lists,
@@ -696,13 +727,16 @@ def formatJSONLine(
             if key not in _LEGACY_KEYS and _outputKey(key) is not None:
                 record[_outputKey(key)] = value
     else:
-        keys = _outputKeys
-        for key, value in event.items():
-            name = keys.get(key, _UNSEEN)
-            if name is _UNSEEN:
-                name = _outputKey(key)
-            if name is not None:
-                record[name] = value
+        # Issue 24: the keys an event of this shape writes, and their JSON
+        # names, are worked out once per shape (a call site's keys come in
+        # the same order every time); the values are then read in C.
+        shape = tuple(event)
+        plan = _plans.get(shape)
+        if plan is None:
+            plan = _planOf(shape)
+        names, getter = plan
+        if getter is not None:
+            record.update(zip(names, getter(event)))
     if worker is not None and "worker" in event:
         record["event_worker"] = record["worker"]
         record["worker"] = worker
