@@ -69,6 +69,7 @@ __all__ = [
     "SECRET_PATTERNS",
     "BatchedFileLogObserver",
     "ClassLogger",
+    "LevelFilter",
     "SecretRedactor",
     "SecretSet",
     "formatJSONLine",
@@ -896,6 +897,72 @@ class ClassLogger(Logger):
                                 observer=self.observer)
             self._bound[owner] = bound
         return bound
+
+
+@implementer(ILogObserver)
+class LevelFilter:
+    """
+    What twist's runner puts in front of its file observer -- a
+    L{FilteringLogObserver} with one L{LogLevelFilterPredicate} of a default
+    level and no namespace levels -- with each level's verdict remembered
+    (issue 24 item 2; the predicate splits and joins the event's namespace
+    on every line). Events without a level or a namespace, and events
+    below C{level}, are dropped; the others go to C{observer}.
+    """
+
+    def __init__(self, observer: ILogObserver, level: LogLevel = LogLevel.info) -> None:
+        """
+        @param observer: where the events that pass go.
+        @param level: the lowest level that passes.
+        """
+        self._observer = observer
+        self._level = level
+        self._passes: dict = {}
+
+    def __call__(self, event: dict) -> None:
+        level = event.get("log_level")
+        if level is None or not event.get("log_namespace"):
+            return
+        passes = self._passes.get(level)
+        if passes is None:
+            passes = self._passes[level] = not level < self._level
+        if passes:
+            if "log_trace" in event:
+                event["log_trace"].append((self, self._observer))
+            self._observer(event)
+
+
+def leanLevelFilter(publisher: Any, observer: ILogObserver, level: LogLevel) -> bool:
+    """
+    Replace, in C{publisher}, the L{FilteringLogObserver} twist's runner
+    built around C{observer} (L{twisted.application.runner._runner.Runner.startLogging}:
+    one L{LogLevelFilterPredicate} of C{level}, which no one else can
+    reach to give namespace levels) by a L{LevelFilter} of C{level}.
+    Nothing changes when no such filter is found (another runner, another
+    Twisted).
+
+    @param publisher: a L{LogPublisher} (the global one).
+    @return: whether the filter was replaced.
+    """
+    from twisted.logger import FilteringLogObserver, LogLevelFilterPredicate
+
+    for candidate in list(getattr(publisher, "_observers", ())):
+        if not isinstance(candidate, FilteringLogObserver):
+            continue
+        if getattr(candidate, "_observer", None) is not observer:
+            continue
+        predicates = getattr(getattr(candidate, "_shouldLogEvent", None), "args", ((),))[0]
+        if not (
+            len(predicates) == 1
+            and type(predicates[0]) is LogLevelFilterPredicate
+            and predicates[0].defaultLogLevel == level
+            and predicates[0]._logLevelsByNamespace == {"": level}
+        ):
+            return False
+        publisher.removeObserver(candidate)
+        publisher.addObserver(LevelFilter(observer, level))
+        return True
+    return False
 
 
 _HELD_LEVELS = frozenset({LogLevel.info, LogLevel.debug})

@@ -661,3 +661,66 @@ class RedactionMemoryTests(SynchronousTestCase):
                   account_id="acct-value-1", other="acct-value-1")
             self.assertNotIn("acct-value-1", stream.getvalue())
             self.assertIn("***", stream.getvalue())
+
+
+class LevelFilterTests(SynchronousTestCase):
+    """
+    Issue 24: L{logs.LevelFilter} passes what twist's level filter passes,
+    and L{logs.leanLevelFilter} puts it in that filter's place.
+    """
+
+    def test_sameVerdicts(self):
+        """
+        For every level of the filter and of the event, with and without a
+        namespace, the same events pass as through a
+        L{FilteringLogObserver} with a L{LogLevelFilterPredicate}.
+        """
+        from twisted.logger import FilteringLogObserver, LogLevel, LogLevelFilterPredicate
+
+        levels = list(LogLevel.iterconstants())
+        for floor in levels:
+            twisted, lean = [], []
+            reference = FilteringLogObserver(twisted.append, [LogLevelFilterPredicate(floor)])
+            ours = logs.LevelFilter(lean.append, floor)
+            events = [{"log_level": level, "log_namespace": namespace, "n": i}
+                      for i, (level, namespace) in enumerate(
+                          (level, namespace) for level in levels + [None]
+                          for namespace in ("relay.engine.runner.TurnRunner", "x", "", None))]
+            for event in events:
+                reference(dict(event))
+                ours(dict(event))
+            self.assertEqual(lean, twisted)
+            self.assertTrue(lean)
+
+    def test_replacesTwistFilter(self):
+        """
+        The runner's filter around the observer is replaced by a
+        L{LevelFilter} of the same level; a filter around another observer,
+        or one with namespace levels, is left alone.
+        """
+        from twisted.logger import (FilteringLogObserver, LogLevel, LogLevelFilterPredicate,
+                                    LogPublisher)
+
+        lines, other = [], []
+        observer = lines.append
+        publisher = LogPublisher()
+        runnerFilter = FilteringLogObserver(observer,
+                                            [LogLevelFilterPredicate(LogLevel.warn)])
+        otherFilter = FilteringLogObserver(other.append, [LogLevelFilterPredicate()])
+        publisher.addObserver(otherFilter)
+        publisher.addObserver(runnerFilter)
+        self.assertTrue(logs.leanLevelFilter(publisher, observer, LogLevel.warn))
+        self.assertNotIn(runnerFilter, publisher._observers)
+        self.assertIn(otherFilter, publisher._observers)
+        Logger(namespace="relay.x", observer=publisher).info("dropped")
+        Logger(namespace="relay.x", observer=publisher).warn("kept")
+        self.assertEqual([e["log_format"] for e in lines], ["kept"])
+        self.assertEqual(len(other), 2)
+
+        predicate = LogLevelFilterPredicate(LogLevel.info)
+        predicate.setLogLevelForNamespace("relay", LogLevel.debug)
+        observer = other.append
+        custom = FilteringLogObserver(observer, [predicate])
+        publisher = LogPublisher(custom)
+        self.assertFalse(logs.leanLevelFilter(publisher, observer, LogLevel.info))
+        self.assertIn(custom, publisher._observers)
