@@ -16,7 +16,6 @@ from typing import Optional
 from attrs import define, evolve, field
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import deferLater
-from twisted.logger import Logger
 
 from relay.policy import failures as F
 from relay.engine import errors as E
