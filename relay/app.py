@@ -31,7 +31,7 @@ from relay.entry.http import KeyRing
 from relay.entry.intake import IntakePolicy
 from relay.entry.root import buildRoot
 from relay.entry.site import JSONMethodErrors, RelaySite
-from relay.logs import redactQuery
+from relay.logs import ClassLogger, redactQuery
 from relay.policy.health import AccountHealth
 from relay.interfaces import IFailureClassifier, ISlotAdmission, IUpstreamDialer
 from relay.model import RelayConfig
@@ -114,7 +114,7 @@ class _Site(RelaySite):
     @ivar clock: the L{IReactorTime} the request durations are measured on.
     """
 
-    _log = Logger()
+    _log = ClassLogger()
     clock = None
 
     def log(self, request) -> None:

@@ -51,12 +51,14 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
+from operator import itemgetter
 from re import Pattern
 from string import Formatter
 from typing import IO, Any
 from urllib.parse import unquote_plus
 
-from twisted.logger import FileLogObserver, ILogObserver, LogLevel, formatEvent
+from twisted.logger import FileLogObserver, ILogObserver, LogLevel, Logger, formatEvent
+from twisted.logger import _logger as _twistedLogger
 from zope.interface import implementer
 
 from relay.requestid import currentRequestId
@@ -66,6 +68,8 @@ __all__ = [
     "REDACTED",
     "SECRET_PATTERNS",
     "BatchedFileLogObserver",
+    "ClassLogger",
+    "LevelFilter",
     "SecretRedactor",
     "SecretSet",
     "formatJSONLine",
@@ -281,8 +285,12 @@ class SecretRedactor:
         """
         self._refresh()
         redacted = dict(event)
+        clean = self._clean
         for key, value in event.items():
-            if key in _UNREDACTED_KEYS:
+            kind = type(value)
+            # Issue 24: the common values (scalars, strings found clean
+            # before) are settled here, without a call per field.
+            if kind in _SCALARS or (kind is str and value in clean) or key in _UNREDACTED_KEYS:
                 continue
             new = self._redact(value, 0)
             if new is not value:
@@ -523,6 +531,10 @@ def _levelName(event: dict) -> str:
     return getattr(level, "name", None) or "info"
 
 
+_LEVEL_NAMES = {level: level.name for level in LogLevel.iterconstants()}
+"""Each L{LogLevel} to its name (what L{_levelName} returns for it)."""
+
+
 def _eventName(event: dict) -> str:
     """
     @return: the event's C{event} name, else its logger's namespace.
@@ -565,16 +577,26 @@ def formatTextLine(
         L{None} (not supervised: no C{worker=}).
     @rtype: L{str}
     """
-    requestId = _requestId(event)
+    # Issue 24: the helpers' common cases inlined (three lines a turn).
+    requestId = event.get("request_id")
+    if requestId is None:
+        requestId = currentRequestId.get()
+    elif type(requestId) is not str:
+        requestId = str(requestId)
     text = _message(event, redact)
-    traceback = _failureText(event)
-    if traceback:
-        # Issue 19 item 7: a traceback quotes values (a failing request's
-        # headers, a token); redacted as the JSON format does.
-        text = text + "\n" + redact(traceback)
+    if "log_failure" in event:
+        traceback = _failureText(event)
+        if traceback:
+            # Issue 19 item 7: a traceback quotes values (a failing request's
+            # headers, a token); redacted as the JSON format does.
+            text = text + "\n" + redact(traceback)
     if "\n" in text:
         text = text.replace("\n", "\n\t")
-    tag = _eventName(event) + "#" + _levelName(event)
+    name = event.get("event")
+    if type(name) is not str:
+        name = _eventName(event)
+    level = _LEVEL_NAMES.get(event.get("log_level"))
+    tag = name + "#" + (level if level is not None else _levelName(event))
     if requestId is not None:
         tag = tag + " req=" + requestId
     if worker is not None:
@@ -615,6 +637,36 @@ def _outputKey(key: str) -> str | None:
         _outputKeys.clear()
     _outputKeys[key] = name
     return name
+
+
+_plans: dict = {}
+
+
+def _planOf(shape: tuple) -> tuple:
+    """
+    For an event's keys in order: the JSON names of the keys it writes
+    and an C{itemgetter} of their values (always a tuple), or C{((), None)};
+    remembered per shape.
+    """
+    keys, names = [], []
+    for key in shape:
+        name = _outputKeys.get(key, _UNSEEN)
+        if name is _UNSEEN:
+            name = _outputKey(key)
+        if name is not None:
+            keys.append(key)
+            names.append(name)
+    if not keys:
+        plan = ((), None)
+    elif len(keys) == 1:
+        only = keys[0]
+        plan = (tuple(names), lambda event: (event[only],))
+    else:
+        plan = (tuple(names), itemgetter(*keys))
+    if len(_plans) >= _OUTPUT_KEYS_SIZE:
+        _plans.clear()
+    _plans[shape] = plan
+    return plan
 
 
 def _jsonDefault(value: Any, redact: Callable[[str], str]) -> Any:
@@ -676,13 +728,16 @@ def formatJSONLine(
             if key not in _LEGACY_KEYS and _outputKey(key) is not None:
                 record[_outputKey(key)] = value
     else:
-        keys = _outputKeys
-        for key, value in event.items():
-            name = keys.get(key, _UNSEEN)
-            if name is _UNSEEN:
-                name = _outputKey(key)
-            if name is not None:
-                record[name] = value
+        # Issue 24: the keys an event of this shape writes, and their JSON
+        # names, are worked out once per shape (a call site's keys come in
+        # the same order every time); the values are then read in C.
+        shape = tuple(event)
+        plan = _plans.get(shape)
+        if plan is None:
+            plan = _planOf(shape)
+        names, getter = plan
+        if getter is not None:
+            record.update(zip(names, getter(event)))
     if worker is not None and "worker" in event:
         record["event_worker"] = record["worker"]
         record["worker"] = worker
@@ -772,6 +827,144 @@ def observerFor(
     return redactor
 
 
+_LEVELS = frozenset(LogLevel.iterconstants())
+_INFO = LogLevel.info
+
+
+class _LeanLogger(Logger):
+    """
+    A L{Logger} whose C{emit} checks the level against a set built once
+    (L{Logger.emit} lists L{LogLevel}'s constants on every call) and whose
+    C{info} emits without a second pass through C{**kwargs}. An event holds
+    what L{Logger.emit} publishes: the caller's fields, then C{log_logger},
+    C{log_level}, C{log_namespace}, C{log_source}, C{log_format} and
+    C{log_time} (stamped by the clock L{Logger.emit} uses).
+    """
+
+    def emit(self, level: LogLevel, format: str | None = None, **kwargs: Any) -> None:
+        """
+        See L{Logger.emit}; an unknown level goes to it (it logs the mistake).
+        """
+        if level not in _LEVELS:
+            Logger.emit(self, level, format, **kwargs)
+            return
+        self._publish(level, format, kwargs)
+
+    def info(self, format: str | None = None, **kwargs: Any) -> None:
+        """
+        See L{Logger.info}.
+        """
+        self._publish(_INFO, format, kwargs)
+
+    def _publish(self, level: LogLevel, format: str | None, event: dict) -> None:
+        event["log_logger"] = self
+        event["log_level"] = level
+        event["log_namespace"] = self.namespace
+        event["log_source"] = self.source
+        event["log_format"] = format
+        event["log_time"] = _twistedLogger.time()
+        if "log_trace" in event:
+            event["log_trace"].append((self, self.observer))
+        self.observer(event)
+
+
+class ClassLogger(Logger):
+    """
+    C{_log = ClassLogger()} on a class of the turn path (issue 24 item 2)
+    logs like C{_log = Logger()} -- the same namespace (C{module.Class}),
+    observer, levels and event keys -- at a lower cost per line: reading
+    C{self._log} returns one logger per class, built on first use, instead
+    of a new L{Logger} per read (L{Logger.__get__}), and that logger emits
+    through L{_LeanLogger}. Its C{log_source} is the class rather than the
+    instance (no observer of relay writes C{log_source}).
+    """
+
+    def __init__(self, namespace: str | None = None, source: object = None,
+                 observer: ILogObserver | None = None) -> None:
+        """
+        See L{Logger.__init__}.
+        """
+        super().__init__(namespace, source, observer)
+        self._bound: dict = {}
+
+    def __get__(self, instance: object, owner: type | None = None) -> Logger:
+        """
+        The logger of C{owner}, built once per class.
+        """
+        bound = self._bound.get(owner)
+        if bound is None:
+            bound = _LeanLogger(f"{owner.__module__}.{owner.__name__}", owner,
+                                observer=self.observer)
+            self._bound[owner] = bound
+        return bound
+
+
+@implementer(ILogObserver)
+class LevelFilter:
+    """
+    What twist's runner puts in front of its file observer -- a
+    L{FilteringLogObserver} with one L{LogLevelFilterPredicate} of a default
+    level and no namespace levels -- with each level's verdict remembered
+    (issue 24 item 2; the predicate splits and joins the event's namespace
+    on every line). Events without a level or a namespace, and events
+    below C{level}, are dropped; the others go to C{observer}.
+    """
+
+    def __init__(self, observer: ILogObserver, level: LogLevel = LogLevel.info) -> None:
+        """
+        @param observer: where the events that pass go.
+        @param level: the lowest level that passes.
+        """
+        self._observer = observer
+        self._level = level
+        self._passes: dict = {}
+
+    def __call__(self, event: dict) -> None:
+        level = event.get("log_level")
+        if level is None or not event.get("log_namespace"):
+            return
+        passes = self._passes.get(level)
+        if passes is None:
+            passes = self._passes[level] = not level < self._level
+        if passes:
+            if "log_trace" in event:
+                event["log_trace"].append((self, self._observer))
+            self._observer(event)
+
+
+def leanLevelFilter(publisher: Any, observer: ILogObserver, level: LogLevel) -> bool:
+    """
+    Replace, in C{publisher}, the L{FilteringLogObserver} twist's runner
+    built around C{observer} (L{twisted.application.runner._runner.Runner.startLogging}:
+    one L{LogLevelFilterPredicate} of C{level}, which no one else can
+    reach to give namespace levels) by a L{LevelFilter} of C{level}.
+    Nothing changes when no such filter is found (another runner, another
+    Twisted).
+
+    @param publisher: a L{LogPublisher} (the global one).
+    @return: whether the filter was replaced.
+    """
+    from twisted.logger import FilteringLogObserver, LogLevelFilterPredicate
+
+    for candidate in list(getattr(publisher, "_observers", ())):
+        if not isinstance(candidate, FilteringLogObserver):
+            continue
+        if getattr(candidate, "_observer", None) is not observer:
+            continue
+        predicates = getattr(getattr(candidate, "_shouldLogEvent", None), "args", ((),))[0]
+        if not (
+            len(predicates) == 1
+            and type(predicates[0]) is LogLevelFilterPredicate
+            and predicates[0].defaultLogLevel == level
+            and predicates[0]._logLevelsByNamespace == {"": level}
+        ):
+            return False
+        publisher.removeObserver(candidate)
+        publisher.addObserver(LevelFilter(observer, level))
+        return True
+    return False
+
+
 _HELD_LEVELS = frozenset({LogLevel.info, LogLevel.debug})
 """The levels L{BatchedFileLogObserver} holds; other lines are written at once."""
 
@@ -858,21 +1051,40 @@ class _TextRedactor(SecretRedactor):
             else a shallow copy with the written fields redacted.
         """
         fmt = event.get("log_format")
-        if not isinstance(fmt, str):
+        if type(fmt) is not str:
             return super().redactEvent(event)
         self._refresh()
+        names = _textNames.get(fmt)
+        if names is None:
+            names = _textNamesOf(fmt)
+        clean = self._clean
         redacted = None
-        for names in (_formatInfo(fmt)[1], _TEXT_KEYS):
-            for key in names:
-                value = event.get(key)
-                if value is None or type(value) in _SCALARS:
-                    continue
-                new = self._redact(value, 0)
-                if new is not value:
-                    if redacted is None:
-                        redacted = dict(event)
-                    redacted[key] = new
+        for key in names:
+            value = event.get(key)
+            kind = type(value)
+            if kind in _SCALARS or (kind is str and value in clean):
+                continue
+            new = self._redact(value, 0)
+            if new is not value:
+                if redacted is None:
+                    redacted = dict(event)
+                redacted[key] = new
         return event if redacted is None else redacted
+
+
+_textNames: dict = {}
+
+
+def _textNamesOf(fmt: str) -> tuple:
+    """
+    The keys of an event with format C{fmt} that its text line shows
+    (the format's fields, then L{_TEXT_KEYS}), remembered per format.
+    """
+    names = tuple(dict.fromkeys(_formatInfo(fmt)[1] + _TEXT_KEYS))
+    if len(_textNames) >= _TIME_FIELD_CACHE_SIZE:
+        _textNames.clear()
+    _textNames[fmt] = names
+    return names
 
 
 _TEXT_KEYS = ("log_format", "event", "request_id")

@@ -158,7 +158,8 @@ class Options(usage.Options):
         if parent is not None and "fileLogObserverFactory" in parent:
             # twist (python -m twisted relay ...) builds its observer with
             # this factory on its --log-file (stdout by default).
-            parent["fileLogObserverFactory"] = lambda stream: _batchedObserver(fmt, stream)
+            parent["fileLogObserverFactory"] = lambda stream: _batchedObserver(
+                fmt, stream, parent.get("logLevel"))
         elif parent is not None and not parent.get("logger"):
             # twistd builds its logger after parsing options; hand it ours so
             # every line is redacted, and JSON when asked. twistd's own
@@ -167,22 +168,28 @@ class Options(usage.Options):
             parent["logger"] = f"relay.logs.{fmt}Stdout"
 
 
-def _batchedObserver(fmt: str, stream):
+def _batchedObserver(fmt: str, stream, level=None):
     """
     Issue 24: twist's observer, writing the lines of one reactor iteration
     together (L{relay.logs.BatchedFileLogObserver}); what is held is
     written at shutdown and at exit. Called once twist installed the
-    reactor.
+    reactor. With twist's C{level} (its C{--log-level}), the level filter
+    twist puts in front of it is replaced, once the reactor runs, by the
+    equivalent L{relay.logs.LevelFilter}, which checks a line's level
+    without parsing its namespace.
     """
     import atexit
 
     from twisted.internet import reactor
+    from twisted.logger import globalLogPublisher
 
-    from relay.logs import observerFor
+    from relay.logs import leanLevelFilter, observerFor
 
     observer = observerFor(fmt, stream, schedule=lambda f: reactor.callLater(0, f))
     reactor.addSystemEventTrigger("after", "shutdown", observer.flushLines)
     atexit.register(observer.flushLines)
+    if level is not None:
+        reactor.callWhenRunning(leanLevelFilter, globalLogPublisher, observer, level)
     return observer
 
 

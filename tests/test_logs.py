@@ -554,3 +554,173 @@ class BatchedObserverTests(SynchronousTestCase):
         self.log.info("caf\u00e9", event="relay.test_line")
         self.assertEqual(self.stream.writes, 2)
         self.assertTrue(self.stream.chunks[1].endswith("caf\u00e9\n"))
+
+
+class ClassLoggerTests(SynchronousTestCase):
+    """
+    Issue 24: L{logs.ClassLogger} publishes what L{Logger} does, bound once
+    per class.
+    """
+
+    def _pair(self):
+        events = []
+
+        class Plain:
+            _log = Logger(observer=events.append)
+
+        class Lean:
+            _log = logs.ClassLogger(observer=events.append)
+
+        return events, Plain, Lean
+
+    def test_sameEvent(self):
+        """
+        An C{info}, C{warn} or C{error} line has the keys, level, format
+        and namespace (C{module.Class}) L{Logger} gives it.
+        """
+        events, Plain, Lean = self._pair()
+        for method in ("info", "warn", "error", "debug"):
+            del events[:]
+            for owner in (Plain(), Lean()):
+                getattr(owner._log, method)("a {x}", event="relay.test", x=1)
+            plain, lean = events
+            self.assertEqual(list(plain), list(lean))
+            for key in ("log_level", "log_format", "event", "x"):
+                self.assertEqual(plain[key], lean[key])
+            self.assertEqual(lean["log_namespace"], f"{__name__}.Lean")
+            self.assertEqual(plain["log_namespace"], f"{__name__}.Plain")
+            self.assertEqual(lean["log_source"], Lean)
+
+    def test_oncePerClass(self):
+        """
+        Every read of the attribute, on any instance, is the same logger; a
+        subclass has its own namespace.
+        """
+        events, _, Lean = self._pair()
+
+        class Sub(Lean):
+            pass
+
+        self.assertIs(Lean()._log, Lean()._log)
+        self.assertIs(Lean()._log, Lean._log)
+        self.assertEqual(Sub()._log.namespace, f"{__name__}.Sub")
+
+    def test_badLevel(self):
+        """
+        An unknown level is reported as L{Logger.emit} reports it.
+        """
+        events, _, Lean = self._pair()
+        Lean()._log.emit("loud", "x")
+        self.assertEqual(len(events), 1)
+        self.assertIn("invalid log level", events[0]["log_format"])
+
+    def test_textLineMatchesLogger(self):
+        """
+        The text and JSON lines of both loggers are the same, redacted.
+        """
+        for fmt in ("text", "json"):
+            lines = []
+            for kind in (Logger, logs.ClassLogger):
+                stream = io.StringIO()
+                observer = observerFor(fmt, stream, secrets=["sk-class-secret"], worker=None)
+                owner = type("Owner", (), {"_log": kind(observer=observer)})()
+                owner._log.info("turn {request_id} on {account_id}", event="relay.test",
+                                request_id="req_1", account_id="sk-class-secret")
+                lines.append(stream.getvalue())
+            plain, lean = lines
+            self.assertNotIn("sk-class-secret", lean)
+            self.assertEqual(plain.split(" ", 1)[1] if fmt == "text" else
+                             json.loads(plain)["message"],
+                             lean.split(" ", 1)[1] if fmt == "text" else
+                             json.loads(lean)["message"])
+
+
+class RedactionMemoryTests(SynchronousTestCase):
+    """
+    Issue 24: a value the redactor found clean is skipped without a check,
+    until the secrets change.
+    """
+
+    def test_cleanUntilSecretsChange(self):
+        """
+        A field value seen clean is redacted once it becomes a secret, in
+        both formats, in the format's fields and in the others.
+        """
+        for fmt in ("text", "json"):
+            secrets = SecretSet()
+            stream = io.StringIO()
+            observer = observerFor(fmt, stream, secrets=secrets, worker=None)
+            for _ in range(2):
+                _emit(observer, "on {account_id}", event="relay.test",
+                      account_id="acct-value-1", other="acct-value-1")
+            self.assertIn("acct-value-1", stream.getvalue())
+            secrets.add(["acct-value-1"])
+            stream.seek(0)
+            stream.truncate()
+            _emit(observer, "on {account_id}", event="relay.test",
+                  account_id="acct-value-1", other="acct-value-1")
+            self.assertNotIn("acct-value-1", stream.getvalue())
+            self.assertIn("***", stream.getvalue())
+
+
+class LevelFilterTests(SynchronousTestCase):
+    """
+    Issue 24: L{logs.LevelFilter} passes what twist's level filter passes,
+    and L{logs.leanLevelFilter} puts it in that filter's place.
+    """
+
+    def test_sameVerdicts(self):
+        """
+        For every level of the filter and of the event, with and without a
+        namespace, the same events pass as through a
+        L{FilteringLogObserver} with a L{LogLevelFilterPredicate}.
+        """
+        from twisted.logger import FilteringLogObserver, LogLevel, LogLevelFilterPredicate
+
+        levels = list(LogLevel.iterconstants())
+        for floor in levels:
+            twisted, lean = [], []
+            reference = FilteringLogObserver(twisted.append, [LogLevelFilterPredicate(floor)])
+            ours = logs.LevelFilter(lean.append, floor)
+            events = [{"log_level": level, "log_namespace": namespace, "n": i}
+                      for i, (level, namespace) in enumerate(
+                          (level, namespace) for level in levels + [None]
+                          for namespace in ("relay.engine.runner.TurnRunner", "x", "", None))]
+            for event in events:
+                reference(dict(event))
+                ours(dict(event))
+            self.assertEqual(lean, twisted)
+            self.assertTrue(lean)
+
+    def test_replacesTwistFilter(self):
+        """
+        The runner's filter around the observer is replaced by a
+        L{LevelFilter} of the same level; a filter around another observer,
+        or one with namespace levels, is left alone.
+        """
+        from twisted.logger import (FilteringLogObserver, LogLevel, LogLevelFilterPredicate,
+                                    LogPublisher)
+
+        lines, other = [], []
+        observer = lines.append
+        publisher = LogPublisher()
+        runnerFilter = FilteringLogObserver(observer,
+                                            [LogLevelFilterPredicate(LogLevel.warn)])
+        otherFilter = FilteringLogObserver(other.append, [LogLevelFilterPredicate()])
+        publisher.addObserver(otherFilter)
+        publisher.addObserver(runnerFilter)
+        self.assertTrue(logs.leanLevelFilter(publisher, observer, LogLevel.warn))
+        self.assertNotIn(runnerFilter, publisher._observers)
+        self.assertIn(otherFilter, publisher._observers)
+        Logger(namespace="relay.x", observer=publisher).info("dropped")
+        Logger(namespace="relay.x", observer=publisher).warn("kept")
+        self.assertEqual([e["log_format"] for e in lines], ["kept"])
+        self.assertEqual(len(other), 2)
+
+        predicate = LogLevelFilterPredicate(LogLevel.info)
+        predicate.setLogLevelForNamespace("relay", LogLevel.debug)
+        observer = other.append
+        custom = FilteringLogObserver(observer, [predicate])
+        publisher = LogPublisher(custom)
+        self.assertFalse(logs.leanLevelFilter(publisher, observer, LogLevel.info))
+        self.assertIn(custom, publisher._observers)

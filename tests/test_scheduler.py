@@ -921,3 +921,22 @@ class DecisionLogTests(SchedulerMixin, SynchronousTestCase):
         self.assertEqual(event["request_id"], "req-9")
         self.assertEqual(event["entrypoint"], "http")
         self.assertEqual(event["latency_ms"], 0.0)
+
+    def test_eventFieldsAreTheRecords(self):
+        """
+        Issue 24: the event's record fields are the returned record's, with
+        the same values, in L{DecisionRecord}'s field order, after the
+        request id and the entrypoint.
+        """
+        from attrs import asdict
+
+        self.build([account("a"), account("b")])
+        logged = EventLoggingObserver.createWithCleanup(self, globalLogPublisher)
+        sel = self.select(turn(requestId="req-10"))
+        [event] = [e for e in logged if e.get("event") == "openai.account_schedule_decision"]
+        record = asdict(sel.record)
+        own = [k for k in event if not k.startswith("log_")]
+        expected = ["event", "request_id", "entrypoint"] + list(record)
+        # (Twisted's legacy bridge adds its keys after them.)
+        self.assertEqual(own[:len(expected)], expected)
+        self.assertEqual({k: event[k] for k in record}, record)

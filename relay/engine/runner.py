@@ -16,7 +16,6 @@ from typing import Optional
 from attrs import define, evolve, field
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import deferLater
-from twisted.logger import Logger
 
 from relay.policy import failures as F
 from relay.engine import errors as E
@@ -27,6 +26,7 @@ from relay.engine.payload import translatesChat, withoutEncryptedReasoning
 from relay.engine.pump import AttemptResult
 from relay.engine.compaction import CompactionWatch, endsWithTrigger, recordCompaction
 from relay.engine.requests import onceUsageTap, requestFinished
+from relay.logs import ClassLogger
 from relay.model import AdmissionError, ClientError, Turn, WaitPlan
 from relay.policy import ends
 from relay.policy.bookkeeping import AccountBookkeeping
@@ -190,7 +190,7 @@ class TurnRunner:
     requestLog: object = None
     """Issue 22: the L{relay.interfaces.IRequestLog} that gets each turn's
     L{TurnRecord}, or L{None}."""
-    _log = Logger()
+    _log = ClassLogger()
 
     def __attrs_post_init__(self) -> None:
         if self.bookkeeping is None:

@@ -214,6 +214,7 @@ class RelayMetrics:
     _tokenChildren: dict = field(init=False, factory=dict)
     _turnChildren: dict = field(init=False, factory=dict)
     _statusChildren: dict = field(init=False, factory=dict)
+    _costChildren: dict = field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         r = self.registry
@@ -488,13 +489,24 @@ class RelayMetrics:
             )
             self._tokenChildren[(key, account, model)] = children
         turns, inputs, cached, outputs, reasoning = children
-        turns.inc(counts.requests)
-        inputs.inc(counts.input)
-        cached.inc(counts.cached)
-        outputs.inc(counts.output)
-        reasoning.inc(counts.reasoning)
+        # Issue 24: a zero is not added (each inc takes the child's lock).
+        if counts.requests:
+            turns.inc(counts.requests)
+        if counts.input:
+            inputs.inc(counts.input)
+        if counts.cached:
+            cached.inc(counts.cached)
+        if counts.output:
+            outputs.inc(counts.output)
+        if counts.reasoning:
+            reasoning.inc(counts.reasoning)
         if counts.cost:
-            self.costCounter.labels(key=key, account=account, model=model).inc(counts.cost / 1e9)
+            # The cost series appears with the first priced turn, as before.
+            child = self._costChildren.get((key, account, model))
+            if child is None:
+                child = self._costChildren[(key, account, model)] = self.costCounter.labels(
+                    key=key, account=account, model=model)
+            child.inc(counts.cost / 1e9)
         if counts.unpriced:
             self.unpricedTurns.labels(key=key, account=account, model=model).inc(counts.unpriced)
 

@@ -15,11 +15,10 @@ from __future__ import annotations
 from typing import Optional
 
 from attrs import define, field
-from twisted.internet.defer import Deferred, fail
+from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from relay.eager import eagerDeferred
 from relay.policy.failures import (
     MARK_COUNT_403,
     MARK_DISABLED,
@@ -602,11 +601,16 @@ class AccountHealth:
         account, the R11 transient streak of (account, model) and the R13
         OAuth 429 window.
 
-        @return: a L{Deferred} firing with L{None}.
+        @return: a L{Deferred} firing with L{None} (fired: nothing here
+            waits; issue 24, no coroutine per relayed turn).
         """
-        return eagerDeferred(self._success(account, model))
+        try:
+            self._success(account, model)
+        except BaseException:  # noqa: BLE001 - delivered as the Deferred's failure (as eagerDeferred did)
+            return fail()
+        return succeed(None)
 
-    async def _success(self, account: Account, model: Optional[str]) -> None:
+    def _success(self, account: Account, model: Optional[str]) -> None:
         for key in [k for k in self._breakers if k[0] == account.id]:
             state = self._breakers.pop(key)
             if state.failures or state.opens:

@@ -40,7 +40,7 @@ from zope.interface import implementer
 
 from relay.eager import eagerDeferred
 from relay.interfaces import IAccountScheduler, IAccountStateView, ISlotAdmission, IStateStore
-from relay.logs import isoTime
+from relay.logs import ClassLogger, isoTime
 from relay.model import Account, ClientError, SchedulingSettings, Turn, WaitPlan
 from relay.scheduling.index import PoolIndex, sameSnapshot
 from relay.scheduling.selection import DecisionRecord, NoAccountAvailable, Selection, noAccountError
@@ -486,7 +486,7 @@ class AccountScheduler:
     """Turns whose selection already wrote (or refreshed) their binding to
     the chosen account with the slot held, so L{bind} need not again."""
 
-    _log = Logger()
+    _log = ClassLogger()
 
     # ------------------------------------------------------------------
     # IAccountScheduler
@@ -1990,9 +1990,11 @@ class AccountScheduler:
         if not ctx.dryRun:
             if choice.keepBinding:
                 self._keptBindings[turn] = True
-            else:
+            elif self._keptBindings:
                 self._keptBindings.pop(turn, None)
-            self._boundTurns.pop(turn, None)
+            if self._boundTurns:
+                # (A weak dictionary's pop builds a weak reference.)
+                self._boundTurns.pop(turn, None)
             old = self._lastUsedSecond(account)
             self._lastUsed[account.id] = self._clock.seconds()
             if self._index is not None:
@@ -2010,23 +2012,27 @@ class AccountScheduler:
             # Issue 24: written with the slot held; bind() need not again.
             self._boundTurns[turn] = account.id
             self._noteBinding(turn.sessionHash, account.id)
-        record = DecisionRecord(
-            layer=choice.layer,
-            sticky_previous_hit=choice.previousHit,
-            sticky_session_hit=choice.sessionHit,
-            selected_account_id=account.id,
-            selected_account_type=account.type,
-            candidate_count=ctx.candidateCount,
-            excluded_count=len(ctx.excluded),
-            wait_plan=choice.plan.plan if choice.plan is not None else None,
-            latency_ms=(self._clock.seconds() - started) * 1000.0,
-            load_skew=ctx.skew,
-            top_k=max(ctx.tried, 1),
-            sticky_busy_bypass=choice.bypass,
-            preferred_account_hit=choice.preferred,
-            quota_decided=ctx.quotaDecided and choice.layer == LAYER_LOAD and not choice.preferred,
-            quota_used_percent=self._usedPercent(account),
-        )
+        # Issue 24: the record's fields are built once, in DecisionRecord's
+        # order (_RECORD_FIELDS), for the record and for its log line.
+        fields = {
+            "layer": choice.layer,
+            "sticky_previous_hit": choice.previousHit,
+            "sticky_session_hit": choice.sessionHit,
+            "selected_account_id": account.id,
+            "selected_account_type": account.type,
+            "candidate_count": ctx.candidateCount,
+            "excluded_count": len(ctx.excluded),
+            "wait_plan": choice.plan.plan if choice.plan is not None else None,
+            "latency_ms": (self._clock.seconds() - started) * 1000.0,
+            "load_skew": ctx.skew,
+            "top_k": max(ctx.tried, 1),
+            "sticky_busy_bypass": choice.bypass,
+            "preferred_account_hit": choice.preferred,
+            "quota_decided": (ctx.quotaDecided and choice.layer == LAYER_LOAD
+                              and not choice.preferred),
+            "quota_used_percent": self._usedPercent(account),
+        }
+        record = DecisionRecord(**fields)
         if ctx.dryRun:
             return Selection(account=account, lease=choice.lease, waitPlan=choice.plan,
                              record=record)
@@ -2035,6 +2041,6 @@ class AccountScheduler:
         self._log.info(
             "account schedule decision: {layer} -> {selected_account_id}",
             event="openai.account_schedule_decision", request_id=turn.requestId,
-            entrypoint=turn.entrypoint, **_recordFields(record),
+            entrypoint=turn.entrypoint, **fields,
         )
         return Selection(account=account, lease=choice.lease, waitPlan=choice.plan, record=record)

@@ -275,6 +275,13 @@ class MemoryStateStore:
 
         @param ttl: seconds.
         """
+        self._set(key, value, ttl)
+        return succeed(None)
+
+    def _set(self, key, value, ttl) -> None:
+        """
+        L{setValue} without its Deferred (L{setValues} writes several).
+        """
         values = self._values
         values.pop(key, None)
         values[key] = (value, self._clock.seconds() + ttl)
@@ -290,7 +297,6 @@ class MemoryStateStore:
                 self.prune()
             while len(values) > self.maxValues:
                 del values[next(iter(values))]
-        return succeed(None)
 
     def setValues(self, pairs, ttl) -> Deferred:
         """
@@ -301,7 +307,7 @@ class MemoryStateStore:
         @param ttl: seconds (for the pairs without one).
         """
         for pair in pairs:
-            self.setValue(pair[0], pair[1], pair[2] if len(pair) > 2 else ttl)
+            self._set(pair[0], pair[1], pair[2] if len(pair) > 2 else ttl)
         return succeed(None)
 
     def touchValue(self, key, ttl) -> Deferred:

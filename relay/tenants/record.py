@@ -147,7 +147,12 @@ class TurnRecord:
         """
         The compact stored form (L{fromDict} reads it back).
         """
-        return json.dumps(self.asDict(), separators=(",", ":"), default=str)
+        return _ENCODER.encode(self.asDict())
+
+
+_ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
+"""What C{json.dumps(..., separators=(",", ":"), default=str)} builds on
+every call, built once (issue 24: one record per relayed turn)."""
 
 
 def fromDict(data: dict, seq: Optional[str] = None) -> TurnRecord:
