@@ -41,6 +41,7 @@ import zstandard
 from twisted.logger import Logger
 from twisted.web.server import Request
 
+from relay.entry import intake as _intake
 from relay.entry.logthrottle import suppressedNote, throttleOf
 from relay.entry.sinks import errorBody, writeError
 from relay.model import ClientError
@@ -443,7 +444,7 @@ class LimitedBodyRequest(Request):
         store's first read at start, R105) waits first, its body unread
         (L{_holdForKeys}).
         """
-        from relay.entry import intake as I
+        I = _intake
 
         site = getattr(self.channel, "site", None)
         clock = getattr(site, "clock", None)
@@ -482,7 +483,7 @@ class LimitedBodyRequest(Request):
         """
         See L{gotLength}: the checks once the key can be told.
         """
-        from relay.entry import intake as I
+        I = _intake
 
         if policy is not None:
             key, error = policy.authenticate(route, self)
@@ -532,7 +533,7 @@ class LimitedBodyRequest(Request):
         undecoded, and counted once the key is known; an
         C{Expect: 100-continue} is answered only then.
         """
-        from relay.entry import intake as I
+        I = _intake
 
         self.method, self.uri = method, path  # for an access line while held
         self._keysWait = pending

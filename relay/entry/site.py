@@ -17,19 +17,30 @@ Both hook twisted.web where it offers no public seam:
 C{HTTPChannel._respondToBadRequestAndDisconnect} and the
 C{_GenericHTTPChannelProtocol} wrapper L{RelaySite.protocol} builds
 (Twisted 26); C{tests.test_site} pins them so an upgrade that moves them
-fails loudly.
+fails loudly. The one-pass header read (issue 24,
+L{RelayHTTPChannel._relayHead}) sets twisted.web's private parser state
+(C{__first_line}, C{_command}, the request's raw headers, the
+C{Content-Length} decoder); C{tests.test_headblock} compares its answers
+with twisted.web's own on a table of edge inputs.
 """
 
 from __future__ import annotations
 
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
+from twisted.protocols.basic import LineReceiver
 from twisted.protocols.policies import ProtocolWrapper
-from twisted.web.http import HTTPChannel, _GenericHTTPChannelProtocol
+from twisted.web.http import (
+    HTTPChannel,
+    _GenericHTTPChannelProtocol,
+    _IdentityTransferDecoder,
+)
+from twisted.web.iweb import INonQueuedRequestFactory
 from twisted.web.resource import UnsupportedMethod
 from twisted.web.server import NOT_DONE_YET, Site
 
 from relay.entry.body import reasonPhrase
+from relay.entry.headblock import readHead
 from relay.entry.intake import TOO_MANY_CONNECTIONS
 from relay.entry.logthrottle import LogThrottle, suppressedNote, throttleOf
 from relay.entry.sinks import errorBody, writeError
@@ -112,6 +123,10 @@ class RelayHTTPChannel(HTTPChannel):
     """The C{(limit name, value)} this connection is over when it is one of
     the L{OVER_CAP_ALLOWANCE} (health routes only), else L{None}."""
     _relayLog = Logger()
+    relayReadHead = True
+    """Whether a plain header block is read in one pass (L{_relayHead});
+    L{False}: twisted.web reads every line (C{tests.test_headblock} compares
+    the two)."""
 
     def _headerTimeout(self) -> float:
         limits = getattr(self.site, "limits", None)
@@ -246,9 +261,57 @@ class RelayHTTPChannel(HTTPChannel):
     def dataReceived(self, data: bytes) -> None:
         if self._relayClosed:
             return
+        if (
+            self.relayReadHead and self._buffer == b"" and self.line_mode
+            and not self._busyReceiving
+            and self._HTTPChannel__first_line == 1 and self.persistent
+            and not self._handlingRequest and not self.paused
+            and self._relayHead(data)
+        ):
+            return
         if self._awaitingHeaders and self._headerCall is None:
             self._armHeaders()
         super().dataReceived(data)
+
+    def _relayHead(self, data: bytes) -> bool:
+        """
+        Issue 24: read a request's whole header block at once when it is
+        in C{data} and plain (see L{relay.entry.headblock}), doing what
+        twisted.web's line-by-line parser would do with it; then hand the
+        blank line and the rest to twisted.web (body, pipelining and every
+        later check as before).
+
+        @return: whether C{data} was taken; L{False} leaves nothing changed
+            (twisted.web reads it).
+        """
+        head = readHead(data)
+        if head is None:
+            return False
+        command, path, version, fields, length, size, blank = head
+        self.resetTimeout()
+        if INonQueuedRequestFactory.providedBy(self.requestFactory):
+            request = self.requestFactory(self)
+        else:
+            request = self.requestFactory(self, len(self.requests))
+        self.requests.append(request)
+        self._HTTPChannel__first_line = 0
+        self._command, self._path, self._version = command, path, version
+        raw = request.requestHeaders._rawHeaders
+        for name, value in fields:
+            values = raw.get(name)
+            if values is None:
+                raw[name] = [value]
+            else:
+                values.append(value)
+        self._receivedHeaderCount = len(fields)
+        self._receivedHeaderSize = size
+        if length is not None:
+            self.length = length
+            self._transferDecoder = _IdentityTransferDecoder(
+                length, request.handleContentChunk, self._finishRequestBody
+            )
+        LineReceiver.dataReceived(self, data[blank:])
+        return True
 
     def allHeadersReceived(self) -> None:
         self._awaitingHeaders = False
