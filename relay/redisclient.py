@@ -363,6 +363,7 @@ class RedisService(Service):
     _sentinel: Optional[Any] = field(default=None, init=False)
     _watchers: list = field(factory=list, init=False)
     _switchedTo: Optional[tuple] = field(default=None, init=False)
+    _turn: int = field(default=0, init=False)
     switchListeners: list = field(factory=list, init=False)
     """Callables run (no arguments) when the Sentinels promote a new master,
     after the connections were dropped (e.g. the slot admission re-releasing
@@ -538,6 +539,7 @@ class RedisService(Service):
         """
         Service.startService(self)
         self.pool = self._makePool()
+        self._fastCodec()
         factory = getattr(self.pool, "_factory", None)
         if factory is not None:
             factory.initialDelay = min(factory.initialDelay, 0.1)
@@ -545,6 +547,17 @@ class RedisService(Service):
         self._prober = LoopingCall(self._probeTick)
         self._prober.clock = self._clock
         self._prober.start(self.probeInterval, now=True)
+
+    def _fastCodec(self) -> None:
+        """
+        Give the pool's connections L{_fastProtocol} (issue 24): set on
+        the factory before any connection is built (connections are made
+        in later reactor turns).
+        """
+        factory = getattr(self.pool, "_factory", None)
+        base = getattr(factory, "protocol", None)
+        if isinstance(base, type):
+            factory.protocol = _fastProtocol(base)
 
     def _makePool(self):
         """
@@ -726,6 +739,10 @@ class RedisService(Service):
         try:
             if method == "eval" and args and isinstance(args[0], str):
                 d = self._eval(*args, **kwargs)
+            elif method == "execute_command" and not kwargs:
+                conn = self._connection()
+                d = (conn.execute_command(*args) if conn is not None
+                     else self.pool.execute_command(*args))
             else:
                 d = getattr(self.pool, method)(*args, **kwargs)
         except Exception as e:
@@ -754,7 +771,27 @@ class RedisService(Service):
             f.trap(ScriptDoesNotExist)
             return pool.eval(script, keys, args)
 
-        return pool.evalsha(sha, keys, args).addErrback(noScript)
+        conn = self._connection()
+        d = conn.evalsha(sha, keys, args) if conn is not None else pool.evalsha(sha, keys, args)
+        return d.addErrback(noScript)
+
+    def _connection(self):
+        """
+        A ready pooled connection for a non-blocking command, taken
+        directly (issue 24: txredisapi's pool handler builds a closure and
+        runs C{getConnection}, an C{inlineCallbacks} generator, for every
+        command), or L{None} when none is ready: the caller goes through
+        the pool handler, which waits for one (or fails) as before. Like
+        the handler's C{peek}, the connection stays in the pool; they are
+        taken in turn instead of at random.
+        """
+        queue = getattr(getattr(self.pool, "_factory", None), "connectionQueue", None)
+        ready = getattr(queue, "pending", None)
+        if not ready:
+            return None
+        self._turn = turn = (self._turn + 1) % len(ready)
+        conn = ready[turn]
+        return conn if conn.connected else None
 
     def _cbReply(self, reply):
         self._replied()
@@ -820,6 +857,85 @@ class RedisService(Service):
         d = Deferred.fromCoroutine(run())
         d.addTimeout(timeout + self.durableTimeout, self._clock)
         return d.addCallbacks(self._cbReply, self._ebMap, errbackArgs=(command[0], sentAt))
+
+
+_FAST_PROTOCOLS: dict = {}
+
+
+def _fastProtocol(base: type) -> type:
+    """
+    C{base} (a txredisapi protocol class) with L{_buildCommand} and
+    L{_convertReply} in place of txredisapi's C{_build_command} and
+    C{tryConvertData} (issue 24: those run Python code per argument and
+    per reply element -- an C{isinstance} chain, a C{bytearray} extended
+    three times per argument -- for every command of a turn). The same
+    bytes go out and the same values come back: both fall back to
+    txredisapi's own for anything but its default codec (UTF-8, strict,
+    C{convertNumbers=False}, which L{RedisService} uses).
+    """
+    fast = _FAST_PROTOCOLS.get(base)
+    if fast is None:
+        fast = _FAST_PROTOCOLS[base] = type(
+            "Fast" + base.__name__, (base,),
+            {"_build_command": _buildCommand, "tryConvertData": _convertReply,
+             "__module__": __name__})
+    return fast
+
+
+def _buildCommand(self, *args, **kwargs) -> bytes:
+    """
+    txredisapi's C{_build_command}: one RESP array of bulk strings.
+    """
+    if self.charset != "utf-8" or self.errors != "strict":
+        return _txredisapi().BaseRedisProtocol._build_command(self, *args, **kwargs)
+    out = [b"*%d\r\n" % len(args)]
+    append = out.append
+    try:
+        for value in args:
+            kind = type(value)
+            if kind is str:
+                value = value.encode()
+            elif kind is int:
+                value = b"%d" % value
+            elif kind is not bytes:
+                value = self._encode_value(value)
+            append(b"$%d\r\n%s\r\n" % (len(value), value))
+    except UnicodeEncodeError:
+        # txredisapi's InvalidData, with its message
+        return _txredisapi().BaseRedisProtocol._build_command(self, *args, **kwargs)
+    return b"".join(out)
+
+
+def _convertReply(self, data):
+    """
+    txredisapi's C{tryConvertData} without number conversion: bytes
+    decoded as UTF-8 (kept as bytes when they are not UTF-8), lists
+    converted element by element, anything else as it is.
+    """
+    if self.convertNumbers or self.charset != "utf-8":
+        return _txredisapi().BaseRedisProtocol.tryConvertData(self, data)
+    return _decode(data)
+
+
+def _txredisapi():
+    import txredisapi
+
+    return txredisapi
+
+
+def _decode(data):
+    kind = type(data)
+    if kind is bytes:
+        try:
+            return data.decode()
+        except UnicodeDecodeError:
+            return data
+    if kind is list:
+        try:
+            return [x.decode() if type(x) is bytes else _decode(x) for x in data]
+        except UnicodeDecodeError:
+            return [_decode(x) for x in data]
+    return data
 
 
 class _MasterEndpoint:
