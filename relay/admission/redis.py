@@ -748,10 +748,19 @@ class RedisSlotAdmission:
         Count one of this process's slot takes (C{n} 1) or releases (-1)
         into every cached busy read of C{kind} that covers C{id}.
         """
-        for (k, ids), entry in self._busyCache.items():
-            if k == kind and id in ids:
+        now = self._clock.seconds()
+        stale = []
+        for key, entry in self._busyCache.items():
+            if now - entry[0] >= LOAD_CACHE_SECONDS and not isinstance(entry[1], Deferred):
+                # Never used again (L{busy} reads anew): dropped, so the
+                # turns that follow (a sticky session reads no loads) count
+                # nothing into it (issue 24).
+                stale.append(key)
+            elif key[0] == kind and id in key[1]:
                 own = entry[2]
                 own[id] = own.get(id, 0) + n
+        for key in stale:
+            del self._busyCache[key]
 
     # -- the wait ------------------------------------------------------------
 
