@@ -275,13 +275,17 @@ class RedisStateStore:
         fail-open answer of L{getAccountStates} (every account healthy, an
         empty view) or, with C{fail_closed}, the failure.
         """
-        return Deferred.fromCoroutine(self._view(accountIds))
+        full = accountIds is not self._mirrored and (
+            self._mirrored is None or not self._loaded.issuperset(accountIds))
+        # Callbacks, not a coroutine (issue 24: the view is asked every
+        # turn; a coroutine costs Twisted's inline-callback driver).
+        return self._sync().addCallback(self._synced, accountIds, full)
 
-    async def _view(self, accountIds):
-        ids = accountIds
-        full = ids is not self._mirrored and (
-            self._mirrored is None or not self._loaded.issuperset(ids))
-        reply = await self._sync()
+    def _synced(self, reply, accountIds, full: bool):
+        """
+        L{accountStateView} after its C{RELAY_SYNC}: the mirror, or a
+        Deferred of it after reading the hashes that changed (or all).
+        """
         if reply is None:
             return FlaggedStates()
         epoch, seq = _str(reply[0]), int(reply[1])
@@ -289,19 +293,29 @@ class RedisStateStore:
         if epoch != self._epoch or seq < self._seq:
             full = True
         if full:
-            ids = list(dict.fromkeys(list(ids) + list(self._mirror.runtimes)))
-            rows = await self._read(ids)
-            if rows is None:
-                return FlaggedStates()
-            self._mirror = FlaggedStates()
-            self._loaded = set(ids)
-            self._apply(ids, rows)
-            self._mirrored = accountIds
-        elif changed:
-            rows = await self._read(changed)
-            if rows is None:
-                return FlaggedStates()
-            self._apply(changed, rows)
+            ids = list(dict.fromkeys(list(accountIds) + list(self._mirror.runtimes)))
+
+            def _full(rows):
+                if rows is None:
+                    return FlaggedStates()
+                self._mirror = FlaggedStates()
+                self._loaded = set(ids)
+                self._apply(ids, rows)
+                self._mirrored = accountIds
+                self._epoch, self._seq = epoch, seq
+                return self._mirror
+
+            return self._read(ids).addCallback(_full)
+        if changed:
+
+            def _changed(rows):
+                if rows is None:
+                    return FlaggedStates()
+                self._apply(changed, rows)
+                self._epoch, self._seq = epoch, seq
+                return self._mirror
+
+            return self._read(changed).addCallback(_changed)
         self._epoch, self._seq = epoch, seq
         return self._mirror
 
