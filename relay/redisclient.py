@@ -35,6 +35,7 @@ import anywhere.
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 from typing import Any, Optional
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -376,6 +377,11 @@ class RedisService(Service):
     _watchers: list = field(factory=list, init=False)
     _switchedTo: Optional[tuple] = field(default=None, init=False)
     _turn: int = field(default=0, init=False)
+    _watched: dict = field(factory=dict, init=False)
+    """L{_direct}'s commands waiting for a reply: timeout (seconds) -> a
+    deque of C{(deadline, result, connection, ...)} in sending order."""
+    _watch: Optional[Any] = field(default=None, init=False)
+    """The delayed call of L{_watchTick}, or L{None}."""
     switchListeners: list = field(factory=list, init=False)
     """Callables run (no arguments) when the Sentinels promote a new master,
     after the connections were dropped (e.g. the slot admission re-releasing
@@ -715,6 +721,11 @@ class RedisService(Service):
         Service.stopService(self)
         if self._prober is not None and self._prober.running:
             self._prober.stop()
+        if self._watch is not None and self._watch.active():
+            # The pool's disconnection fails every command still waiting.
+            self._watch.cancel()
+        self._watch = None
+        self._watched = {}
         self._prober = None
         pool, self.pool = self.pool, None
         sentinel, self._sentinel = self._sentinel, None
@@ -814,11 +825,8 @@ class RedisService(Service):
             payload = conn._build_command(*command)
         except Exception as e:
             return defer.fail(RedisUnavailable(method, describe(e)))
-        timer = None
 
         def cancel(d: Deferred) -> None:
-            if timer is not None and timer.active():
-                timer.cancel()
             d.errback(RedisUnavailable(method, describe(defer.CancelledError())))
 
         d = Deferred(cancel)
@@ -826,20 +834,69 @@ class RedisService(Service):
         conn.transport.write(payload)
         limit = conn.replyTimeout
         silent = bool(limit) and limit <= timeout
-        timer = self._clock.callLater(limit if silent else timeout, self._directTimeout, d, conn,
-                                      waiter, timeout, method, sentAt, silent)
-        waiter.addCallback(self._directReply, d, timer, timeout, method, sentAt, script)
+        delay = limit if silent else timeout
+        queue = self._watched.get(delay)
+        if queue is None:
+            queue = self._watched[delay] = deque()
+        queue.append((sentAt + delay, d, conn, timeout, method, sentAt, silent))
+        watch = self._watch
+        if watch is None:
+            self._watch = self._clock.callLater(delay, self._watchTick)
+        elif sentAt + delay < watch.getTime():
+            watch.reset(delay)
+        waiter.addCallback(self._directReply, d, queue, timeout, method, sentAt, script)
         return d
 
-    def _directReply(self, reply, d: Deferred, timer, timeout: float, method: str,
+    def _watchTick(self) -> None:
+        """
+        The deadline watch of L{_direct}'s commands (issue 24: one delayed
+        call for all of them, not one each). Each queue holds the commands
+        of one timeout in the order they were sent, so in deadline order:
+        answered ones are dropped from its head, expired ones fail
+        (L{_directTimeout}), and the watch is set again for the earliest
+        deadline left.
+        """
+        self._watch = None
+        now = self._clock.seconds()
+        earliest = None
+        for delay, queue in list(self._watched.items()):
+            while queue:
+                entry = queue[0]
+                if entry[1].called:
+                    queue.popleft()
+                elif entry[0] <= now:
+                    queue.popleft()
+                    self._directTimeout(*entry[1:])
+                else:
+                    break
+            if queue:
+                if earliest is None or queue[0][0] < earliest:
+                    earliest = queue[0][0]
+            elif self._watched.get(delay) is queue:
+                del self._watched[delay]
+        if earliest is not None:
+            if self._watch is None:
+                self._watch = self._clock.callLater(max(earliest - now, 0), self._watchTick)
+            elif earliest < self._watch.getTime():
+                self._watch.reset(max(earliest - now, 0))
+
+    def _directReply(self, reply, d: Deferred, queue: deque, timeout: float, method: str,
                      sentAt: float, script: Optional[tuple]) -> None:
         """
         L{_direct}'s reply (or the exception txredisapi queued for it).
         """
-        if timer.active():
-            timer.cancel()
-        if d.called:
-            return
+        if not d.called:
+            self._directAnswer(reply, d, timeout, method, sentAt, script)
+        # Answered commands leave the head of their watch queue (replies
+        # come in the order of the commands, mostly).
+        while queue and queue[0][1].called:
+            queue.popleft()
+
+    def _directAnswer(self, reply, d: Deferred, timeout: float, method: str,
+                      sentAt: float, script: Optional[tuple]) -> None:
+        """
+        Fire L{_direct}'s result with its reply.
+        """
         if not isinstance(reply, Exception):
             self._replied()
             d.callback(reply)
@@ -866,10 +923,10 @@ class RedisService(Service):
         self._classify(f, sentAt)
         d.errback(RedisUnavailable(method, describe(f)) if isRedisFailure(f) else f)
 
-    def _directTimeout(self, d: Deferred, conn, waiter: Deferred, timeout: float, method: str,
-                       sentAt: float, silent: bool) -> None:
+    def _directTimeout(self, d: Deferred, conn, timeout: float, method: str, sentAt: float,
+                       silent: bool) -> None:
         """
-        L{_direct}'s timer: no reply in time.
+        No reply in time to a command of L{_direct}.
         """
         if d.called:
             return
