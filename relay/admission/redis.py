@@ -269,7 +269,7 @@ class RedisSlotLease:
     queuePosition: int = 0
     counted: bool = True
     released: bool = False
-    _renewer: Optional[LoopingCall] = None
+    _renewEvery: Optional[float] = None
     turnRequestId: Optional[str] = field(factory=currentRequestId.get)
 
     def release(self) -> None:
@@ -302,20 +302,18 @@ class RedisSlotLease:
 
         @param interval: seconds; default a third of the slot TTL.
         """
-        if self._renewer is not None or self.released or not self.counted:
+        if self._renewEvery is not None or self.released or not self.counted:
             return
-        interval = interval or self._admission.slotTtl / 3
-        self._renewer = LoopingCall(self._renewOnce)
-        self._renewer.clock = self._admission._clock
-        self._renewer.start(interval, now=False)
+        self._renewEvery = interval or self._admission.slotTtl / 3
+        self._admission._renewLater(self)
 
     def stopRenewing(self) -> None:
         """
         Stop L{startRenewing}'s loop, if running.
         """
-        if self._renewer is not None and self._renewer.running:
-            self._renewer.stop()
-        self._renewer = None
+        if self._renewEvery is not None:
+            self._admission._renewStop(self)
+        self._renewEvery = None
 
     def _renewOnce(self) -> Deferred:
         """
@@ -389,6 +387,12 @@ class RedisSlotAdmission:
     _busyCache: dict = field(factory=dict, init=False)
     """Issue 24 (R34's load cache): C{(kind, ids)} -> C{[read at, loads or
     in-flight Deferred, {id: own slots taken (+) or released (-) since}]}."""
+    _renewals: dict = field(factory=dict, init=False)
+    """Issue 24: the leases being renewed (L{RedisSlotLease.startRenewing}):
+    interval (seconds) -> {lease: when its next renewal is due}, in due
+    order; one delayed call (L{_renewDue}) for all of them instead of a
+    L{LoopingCall} per lease (one per relayed turn)."""
+    _renewCall: Optional[object] = field(default=None, init=False)
 
     _log = Logger()
 
@@ -1105,6 +1109,66 @@ class RedisSlotAdmission:
         return d.addCallbacks(_cb, _eb)
 
     # -- helpers ---------------------------------------------------------------
+
+    def _renewLater(self, lease: RedisSlotLease) -> None:
+        """
+        Renew C{lease} every C{lease._renewEvery} seconds from now until
+        L{_renewStop}.
+        """
+        interval = lease._renewEvery
+        due = self._clock.seconds() + interval
+        leases = self._renewals.get(interval)
+        if leases is None:
+            leases = self._renewals[interval] = {}
+        leases[lease] = due
+        call = self._renewCall
+        if call is None or not call.active():
+            self._renewCall = self._clock.callLater(interval, self._renewDue)
+        elif due < call.getTime():
+            call.reset(interval)
+
+    def _renewStop(self, lease: RedisSlotLease) -> None:
+        """
+        Stop renewing C{lease} (its renewal's delayed call is left to
+        fire, and finds nothing due, or is set again for another lease).
+        """
+        leases = self._renewals.get(lease._renewEvery)
+        if leases is not None:
+            leases.pop(lease, None)
+
+    def _renewDue(self) -> None:
+        """
+        Renew the leases whose renewal is due (each is due again an
+        interval later) and set the delayed call for the next one.
+        """
+        self._renewCall = None
+        now = self._clock.seconds()
+        due = []
+        for interval, leases in list(self._renewals.items()):
+            for lease, at in leases.items():
+                if at > now:
+                    break
+                due.append((interval, lease))
+        for interval, lease in due:
+            leases = self._renewals[interval]
+            del leases[lease]
+            leases[lease] = now + interval
+        for _, lease in due:
+            lease._renewOnce()
+        earliest = None
+        for interval, leases in list(self._renewals.items()):
+            if not leases:
+                del self._renewals[interval]
+                continue
+            at = next(iter(leases.values()))
+            if earliest is None or at < earliest:
+                earliest = at
+        if earliest is not None:
+            call = self._renewCall
+            if call is None or not call.active():
+                self._renewCall = self._clock.callLater(max(earliest - now, 0), self._renewDue)
+            elif earliest < call.getTime():
+                call.reset(max(earliest - now, 0))
 
     def _newRequestId(self) -> str:
         """
