@@ -823,7 +823,7 @@ class RedisService(Service):
         """
         try:
             payload = conn._build_command(*command)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - as the pool path: a RedisUnavailable
             return defer.fail(RedisUnavailable(method, describe(e)))
 
         def cancel(d: Deferred) -> None:

@@ -187,7 +187,7 @@ class _Op:
         it is not sent itself.
     """
 
-    __slots__ = ("name", "keys", "args", "timeout", "deferred", "folded")
+    __slots__ = ("args", "deferred", "folded", "keys", "name", "timeout")
 
     def __init__(self, name: str, keys: list, args: list, timeout: float):
         self.name = name
@@ -294,8 +294,7 @@ class RedisBatch:
         for op in sent:
             keys.extend(op.keys)
             spec.append((op.name, len(op.keys), op.args))
-            if op.timeout < timeout:
-                timeout = op.timeout
+            timeout = min(timeout, op.timeout)
         d = self._redis.execute(timeout, "eval", self.script, keys,
                                 [json.dumps(spec, separators=(",", ":"))])
         d.addCallbacks(self._deliver, self._fail, callbackArgs=(sent, ops), errbackArgs=(ops,))
