@@ -1104,7 +1104,8 @@ def _decode(data):
             return data
     if kind is list:
         try:
-            return [x.decode() if type(x) is bytes else _decode(x) for x in data]
+            return [x.decode() if type(x) is bytes else _decode(x) if type(x) is list else x
+                    for x in data]
         except UnicodeDecodeError:
             return [_decode(x) for x in data]
     return data

@@ -209,12 +209,28 @@ def queueKey(kind: str, id: str) -> str:
     return f"wait:account:{id}" if kind == "account" else f"concurrency:wait:{id}"
 
 
+_KEYS: dict = {}
+"""Issue 24: C{(kind, id)} -> its C{(slot, queue, alive)} keys, built once."""
+
+
+def _keys(kind: str, id: str) -> tuple:
+    """
+    @return: C{(slot, queue, alive)} keys of one slot key (cached).
+    """
+    keys = _KEYS.get((kind, id))
+    if keys is None:
+        if len(_KEYS) > 4096:
+            _KEYS.clear()
+        q = queueKey(kind, id)
+        keys = _KEYS[kind, id] = (slotKey(kind, id), q, q + ":alive")
+    return keys
+
+
 def keysFor(kind: str, id: str) -> list:
     """
     @return: C{[slot, queue, alive]} keys of one slot key.
     """
-    q = queueKey(kind, id)
-    return [slotKey(kind, id), q, q + ":alive"]
+    return list(_keys(kind, id))
 
 
 def nextBackoff(previous: float, rng: random.Random) -> float:
@@ -951,7 +967,7 @@ class RedisSlotAdmission:
             self._noteOwn(lease.kind, lease.id, -1)
         self._remember(lease.kind, lease.id, lease.requestId)
         d = self._track(self._batch.call(
-            self.timeout, "ZREM", [slotKey(lease.kind, lease.id)], [lease.requestId],
+            self.timeout, "ZREM", [_keys(lease.kind, lease.id)[0]], [lease.requestId],
             lead=self._releaseLead,
         ))
 

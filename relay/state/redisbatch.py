@@ -245,8 +245,9 @@ class RedisBatch:
         @return: a L{Deferred} firing with the reply, or failing with
             L{RedisUnavailable}.
         """
-        op = _Op(name, list(keys),
-                 [a if a.__class__ is str else _text(a) for a in args], timeout)
+        op = _Op(name, list(keys), [
+            a if a.__class__ is str else str(a) if a.__class__ is int else _text(a)
+            for a in args] if args else [], timeout)
         if (self.leading if lead is None else lead) and not self._ops and not self._inflight:
             self.operations += 1
             self._send([op], [op])
