@@ -35,6 +35,7 @@ import anywhere.
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 from typing import Any, Optional
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -51,6 +52,18 @@ from relay.model import RelayError
 
 _SCRIPT_SHAS: dict = {}
 """Script text -> its SHA1 hex (L{RedisService._eval}; issue 24)."""
+
+
+def _scriptSha(script: str) -> str:
+    """
+    @return: the SHA1 hex of a script's text, computed once per text.
+    """
+    sha = _SCRIPT_SHAS.get(script)
+    if sha is None:
+        if len(_SCRIPT_SHAS) > 256:
+            _SCRIPT_SHAS.clear()
+        sha = _SCRIPT_SHAS[script] = hashlib.sha1(script.encode("utf-8")).hexdigest()
+    return sha
 
 
 class RedisUnavailable(RelayError):
@@ -363,6 +376,12 @@ class RedisService(Service):
     _sentinel: Optional[Any] = field(default=None, init=False)
     _watchers: list = field(factory=list, init=False)
     _switchedTo: Optional[tuple] = field(default=None, init=False)
+    _turn: int = field(default=0, init=False)
+    _watched: dict = field(factory=dict, init=False)
+    """L{_direct}'s commands waiting for a reply: timeout (seconds) -> a
+    deque of C{(deadline, result, connection, ...)} in sending order."""
+    _watch: Optional[Any] = field(default=None, init=False)
+    """The delayed call of L{_watchTick}, or L{None}."""
     switchListeners: list = field(factory=list, init=False)
     """Callables run (no arguments) when the Sentinels promote a new master,
     after the connections were dropped (e.g. the slot admission re-releasing
@@ -538,6 +557,7 @@ class RedisService(Service):
         """
         Service.startService(self)
         self.pool = self._makePool()
+        self._fastCodec()
         factory = getattr(self.pool, "_factory", None)
         if factory is not None:
             factory.initialDelay = min(factory.initialDelay, 0.1)
@@ -545,6 +565,17 @@ class RedisService(Service):
         self._prober = LoopingCall(self._probeTick)
         self._prober.clock = self._clock
         self._prober.start(self.probeInterval, now=True)
+
+    def _fastCodec(self) -> None:
+        """
+        Give the pool's connections L{_fastProtocol} (issue 24): set on
+        the factory before any connection is built (connections are made
+        in later reactor turns).
+        """
+        factory = getattr(self.pool, "_factory", None)
+        base = getattr(factory, "protocol", None)
+        if isinstance(base, type):
+            factory.protocol = _fastProtocol(base)
 
     def _makePool(self):
         """
@@ -690,6 +721,11 @@ class RedisService(Service):
         Service.stopService(self)
         if self._prober is not None and self._prober.running:
             self._prober.stop()
+        if self._watch is not None and self._watch.active():
+            # The pool's disconnection fails every command still waiting.
+            self._watch.cancel()
+        self._watch = None
+        self._watched = {}
         self._prober = None
         pool, self.pool = self.pool, None
         sentinel, self._sentinel = self._sentinel, None
@@ -723,6 +759,16 @@ class RedisService(Service):
         if self._state is False:
             return defer.fail(RedisUnavailable(method, "redis unreachable"))
         sentAt = self._clock.seconds()
+        if not kwargs and (method == "execute_command" or (
+                method == "eval" and args and isinstance(args[0], str))):
+            conn = self._connection()
+            if conn is not None:
+                if method == "eval":
+                    script, keys, scriptArgs = (tuple(args) + ((), ()))[:3]
+                    command = ("EVALSHA", _scriptSha(script), len(keys), *keys, *scriptArgs)
+                    return self._direct(conn, timeout, method, sentAt, command,
+                                        (script, keys, scriptArgs))
+                return self._direct(conn, timeout, method, sentAt, args, None)
         try:
             if method == "eval" and args and isinstance(args[0], str):
                 d = self._eval(*args, **kwargs)
@@ -741,11 +787,7 @@ class RedisService(Service):
         does not know the script (C{NOSCRIPT}: restarted, failed over,
         flushed) gets it with C{EVAL}, as txredisapi's C{eval} does.
         """
-        sha = _SCRIPT_SHAS.get(script)
-        if sha is None:
-            if len(_SCRIPT_SHAS) > 256:
-                _SCRIPT_SHAS.clear()
-            sha = _SCRIPT_SHAS[script] = hashlib.sha1(script.encode("utf-8")).hexdigest()
+        sha = _scriptSha(script)
         pool = self.pool
 
         def noScript(f: Failure):
@@ -755,6 +797,173 @@ class RedisService(Service):
             return pool.eval(script, keys, args)
 
         return pool.evalsha(sha, keys, args).addErrback(noScript)
+
+    def _direct(self, conn, timeout: float, method: str, sentAt: float, command: tuple,
+                script: Optional[tuple]) -> Deferred:
+        """
+        One command written on C{conn} (a ready pooled connection,
+        L{_connection}) and its reply taken from the connection's reply
+        queue, as txredisapi's C{execute_command} does, with one timer for
+        both timeouts (issue 24: txredisapi's path costs about six
+        L{Deferred}s and two delayed calls per command). Same outcomes as
+        the pool path of L{execute}:
+
+          - a reply marks Redis reachable and fires the result; an error
+            reply (or the connection's loss) fails it with
+            L{RedisUnavailable} after L{_classify};
+          - C{NOSCRIPT} to an C{EVALSHA} (C{script} is C{(text, keys,
+            args)}) runs the script with C{EVAL} through the pool;
+          - no reply within C{timeout} seconds fails it with a
+            L{defer.TimeoutError}'s L{RedisUnavailable}; when the
+            connection's own reply timeout (txredisapi's C{replyTimeout})
+            is not longer than C{timeout}, it comes first, as with
+            txredisapi: the commands waiting on that connection fail and
+            the connection is dropped (and redialled);
+          - cancelling the result fails it with L{RedisUnavailable}.
+        """
+        try:
+            payload = conn._build_command(*command)
+        except Exception as e:  # noqa: BLE001 - as the pool path: a RedisUnavailable
+            return defer.fail(RedisUnavailable(method, describe(e)))
+
+        def cancel(d: Deferred) -> None:
+            d.errback(RedisUnavailable(method, describe(defer.CancelledError())))
+
+        d = Deferred(cancel)
+        waiter = conn.replyQueue.get()
+        conn.transport.write(payload)
+        limit = conn.replyTimeout
+        silent = bool(limit) and limit <= timeout
+        delay = limit if silent else timeout
+        queue = self._watched.get(delay)
+        if queue is None:
+            queue = self._watched[delay] = deque()
+        queue.append((sentAt + delay, d, conn, timeout, method, sentAt, silent))
+        watch = self._watch
+        if watch is None:
+            self._watch = self._clock.callLater(delay, self._watchTick)
+        elif sentAt + delay < watch.getTime():
+            watch.reset(delay)
+        waiter.addCallback(self._directReply, d, queue, timeout, method, sentAt, script)
+        return d
+
+    def _watchTick(self) -> None:
+        """
+        The deadline watch of L{_direct}'s commands (issue 24: one delayed
+        call for all of them, not one each). Each queue holds the commands
+        of one timeout in the order they were sent, so in deadline order:
+        answered ones are dropped from its head, expired ones fail
+        (L{_directTimeout}), and the watch is set again for the earliest
+        deadline left.
+        """
+        self._watch = None
+        now = self._clock.seconds()
+        earliest = None
+        for delay, queue in list(self._watched.items()):
+            while queue:
+                entry = queue[0]
+                if entry[1].called:
+                    queue.popleft()
+                elif entry[0] <= now:
+                    queue.popleft()
+                    self._directTimeout(*entry[1:])
+                else:
+                    break
+            if queue:
+                if earliest is None or queue[0][0] < earliest:
+                    earliest = queue[0][0]
+            elif self._watched.get(delay) is queue:
+                del self._watched[delay]
+        if earliest is not None:
+            if self._watch is None:
+                self._watch = self._clock.callLater(max(earliest - now, 0), self._watchTick)
+            elif earliest < self._watch.getTime():
+                self._watch.reset(max(earliest - now, 0))
+
+    def _directReply(self, reply, d: Deferred, queue: deque, timeout: float, method: str,
+                     sentAt: float, script: Optional[tuple]) -> None:
+        """
+        L{_direct}'s reply (or the exception txredisapi queued for it).
+        """
+        if not d.called:
+            self._directAnswer(reply, d, timeout, method, sentAt, script)
+        # Answered commands leave the head of their watch queue (replies
+        # come in the order of the commands, mostly).
+        while queue and queue[0][1].called:
+            queue.popleft()
+
+    def _directAnswer(self, reply, d: Deferred, timeout: float, method: str,
+                      sentAt: float, script: Optional[tuple]) -> None:
+        """
+        Fire L{_direct}'s result with its reply.
+        """
+        if not isinstance(reply, Exception):
+            self._replied()
+            d.callback(reply)
+            return
+        import txredisapi
+
+        if (script is not None and isinstance(reply, txredisapi.ResponseError)
+                and str(reply).startswith("NOSCRIPT")):
+            remaining = max(sentAt + timeout - self._clock.seconds(), 0.001)
+            retry = self.pool.eval(*script)
+            retry.addTimeout(remaining, self._clock)
+            retry.addCallbacks(self._cbReply, self._ebMap, errbackArgs=(method, sentAt))
+
+            def _pass(result) -> None:
+                if not d.called:
+                    if isinstance(result, Failure):
+                        d.errback(result)
+                    else:
+                        d.callback(result)
+
+            retry.addBoth(_pass)
+            return
+        f = Failure(reply)
+        self._classify(f, sentAt)
+        d.errback(RedisUnavailable(method, describe(f)) if isRedisFailure(f) else f)
+
+    def _directTimeout(self, d: Deferred, conn, timeout: float, method: str, sentAt: float,
+                       silent: bool) -> None:
+        """
+        No reply in time to a command of L{_direct}.
+        """
+        if d.called:
+            return
+        if silent:
+            import txredisapi
+
+            text = f"Not received Redis response in {conn.replyTimeout} seconds"
+            error = txredisapi.TimeoutError(text)
+            f = Failure(error)
+            self._classify(f, sentAt)
+            d.errback(RedisUnavailable(method, describe(f)))
+            while conn.replyQueue.waiting:
+                conn.replyQueue.put(txredisapi.TimeoutError(text))
+            if conn.transport is not None:
+                conn.transport.abortConnection()
+            return
+        f = Failure(defer.TimeoutError(timeout, "Deferred"))
+        self._classify(f, sentAt)
+        d.errback(RedisUnavailable(method, describe(f)))
+
+    def _connection(self):
+        """
+        A ready pooled connection for a non-blocking command, taken
+        directly (issue 24: txredisapi's pool handler builds a closure and
+        runs C{getConnection}, an C{inlineCallbacks} generator, for every
+        command), or L{None} when none is ready: the caller goes through
+        the pool handler, which waits for one (or fails) as before. Like
+        the handler's C{peek}, the connection stays in the pool; they are
+        taken in turn instead of at random.
+        """
+        queue = getattr(getattr(self.pool, "_factory", None), "connectionQueue", None)
+        ready = getattr(queue, "pending", None)
+        if not ready:
+            return None
+        self._turn = turn = (self._turn + 1) % len(ready)
+        conn = ready[turn]
+        return conn if conn.connected else None
 
     def _cbReply(self, reply):
         self._replied()
@@ -820,6 +1029,86 @@ class RedisService(Service):
         d = Deferred.fromCoroutine(run())
         d.addTimeout(timeout + self.durableTimeout, self._clock)
         return d.addCallbacks(self._cbReply, self._ebMap, errbackArgs=(command[0], sentAt))
+
+
+_FAST_PROTOCOLS: dict = {}
+
+
+def _fastProtocol(base: type) -> type:
+    """
+    C{base} (a txredisapi protocol class) with L{_buildCommand} and
+    L{_convertReply} in place of txredisapi's C{_build_command} and
+    C{tryConvertData} (issue 24: those run Python code per argument and
+    per reply element -- an C{isinstance} chain, a C{bytearray} extended
+    three times per argument -- for every command of a turn). The same
+    bytes go out and the same values come back: both fall back to
+    txredisapi's own for anything but its default codec (UTF-8, strict,
+    C{convertNumbers=False}, which L{RedisService} uses).
+    """
+    fast = _FAST_PROTOCOLS.get(base)
+    if fast is None:
+        fast = _FAST_PROTOCOLS[base] = type(
+            "Fast" + base.__name__, (base,),
+            {"_build_command": _buildCommand, "tryConvertData": _convertReply,
+             "__module__": __name__})
+    return fast
+
+
+def _buildCommand(self, *args, **kwargs) -> bytes:
+    """
+    txredisapi's C{_build_command}: one RESP array of bulk strings.
+    """
+    if self.charset != "utf-8" or self.errors != "strict":
+        return _txredisapi().BaseRedisProtocol._build_command(self, *args, **kwargs)
+    out = [b"*%d\r\n" % len(args)]
+    append = out.append
+    try:
+        for value in args:
+            kind = type(value)
+            if kind is str:
+                value = value.encode()
+            elif kind is int:
+                value = b"%d" % value
+            elif kind is not bytes:
+                value = self._encode_value(value)
+            append(b"$%d\r\n%s\r\n" % (len(value), value))
+    except UnicodeEncodeError:
+        # txredisapi's InvalidData, with its message
+        return _txredisapi().BaseRedisProtocol._build_command(self, *args, **kwargs)
+    return b"".join(out)
+
+
+def _convertReply(self, data):
+    """
+    txredisapi's C{tryConvertData} without number conversion: bytes
+    decoded as UTF-8 (kept as bytes when they are not UTF-8), lists
+    converted element by element, anything else as it is.
+    """
+    if self.convertNumbers or self.charset != "utf-8":
+        return _txredisapi().BaseRedisProtocol.tryConvertData(self, data)
+    return _decode(data)
+
+
+def _txredisapi():
+    import txredisapi
+
+    return txredisapi
+
+
+def _decode(data):
+    kind = type(data)
+    if kind is bytes:
+        try:
+            return data.decode()
+        except UnicodeDecodeError:
+            return data
+    if kind is list:
+        try:
+            return [x.decode() if type(x) is bytes else _decode(x) if type(x) is list else x
+                    for x in data]
+        except UnicodeDecodeError:
+            return [_decode(x) for x in data]
+    return data
 
 
 class _MasterEndpoint:

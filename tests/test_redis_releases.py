@@ -154,3 +154,55 @@ class MasterSwitchTests(SynchronousTestCase):
         self.assertEqual(_leaves(redis), [rid] * 5)
         self.assertEqual(len(admission._recent), 1)
         admission.stopHeartbeat()
+
+
+class SharedRenewalTests(SynchronousTestCase):
+    """
+    Issue 24: leases renewing (L{RedisSlotLease.startRenewing}) share one
+    delayed call; each is still renewed every interval from its start until
+    released.
+    """
+
+    def setUp(self):
+        self.clock = Clock()
+        self.redis = _Redis()
+        self.admission = RedisSlotAdmission(redis=self.redis, clock=self.clock, prefix="p")
+
+    def _lease(self):
+        self.redis.replies = [[1, 0, 0, 0]]
+        out = []
+        self.admission.tryAcquire("account", "a", 2).addCallback(out.append)
+        return out[0]
+
+    def _renewed(self):
+        from relay.admission.redis import RENEW_LUA
+
+        return [a[2][0] for m, a in self.redis.calls if m == "eval" and a[0] == RENEW_LUA]
+
+    def test_everyIntervalUntilReleased(self):
+        """
+        Two leases started 4 s apart with a 10 s interval: one delayed call;
+        each renewed 10 s after its start and every 10 s after, none once
+        released, and no delayed call is left when none is renewing.
+        """
+        first = self._lease()
+        first.startRenewing(10)
+        self.clock.advance(4)
+        second = self._lease()
+        second.startRenewing(10)
+        self.assertEqual(len(self.clock.getDelayedCalls()), 1)
+        self.redis.replies = [1, 1, 1, 1]
+        self.clock.advance(5.9)
+        self.assertEqual(self._renewed(), [])
+        self.clock.advance(0.1)
+        self.assertEqual(self._renewed(), [first.requestId])
+        self.clock.advance(4)
+        self.assertEqual(self._renewed(), [first.requestId, second.requestId])
+        first.release()
+        self.clock.advance(10)
+        self.assertEqual(self._renewed(), [first.requestId, second.requestId,
+                                           second.requestId])
+        second.release()
+        self.clock.advance(30)
+        self.assertEqual(len(self._renewed()), 3)
+        self.assertEqual(self.clock.getDelayedCalls(), [])

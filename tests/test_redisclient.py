@@ -442,3 +442,44 @@ class ParseRedisUrlTests(SynchronousTestCase):
         target = parseRedisUrl("unix://:pw@/run/redis/redis.sock?db=5")
         self.assertEqual((target.path, target.dbid, target.password, target.host),
                          ("/run/redis/redis.sock", 5, "pw", None))
+
+
+class FastCodecTests(SynchronousTestCase):
+    """
+    Issue 24: the pool's protocol builds commands and converts replies
+    without txredisapi's per-argument Python (L{relay.redisclient._fastProtocol})
+    -- the same bytes and values as txredisapi's own.
+    """
+
+    def setUp(self):
+        import txredisapi
+
+        from relay.redisclient import _fastProtocol
+
+        self.fast = _fastProtocol(txredisapi.RedisProtocol)(convertNumbers=False)
+        self.plain = txredisapi.RedisProtocol(convertNumbers=False)
+
+    def test_commands(self):
+        """
+        Text, bytes, integers, floats and booleans encode as txredisapi
+        encodes them; text that is not encodable fails as there.
+        """
+        import txredisapi
+
+        for args in [("EVALSHA", "abc", 2, "k1", "k\u00e9", b"\xff", 1.5, True, -3), ("GET",),
+                     ()]:
+            self.assertEqual(self.fast._build_command(*args), self.plain._build_command(*args))
+        self.assertRaises(txredisapi.InvalidData, self.fast._build_command, "\ud800")
+
+    def test_replies(self):
+        """
+        Replies (nested lists, non-UTF-8 bytes, integers, nil, error
+        elements) convert as txredisapi converts them.
+        """
+        import txredisapi
+
+        error = txredisapi.ResponseError("ERR x")
+        for reply in [b"x", [b"a", [b"\xff", None, 3], b"\xc3\xa9"], 5, None, [],
+                      [b"\xff", b"a"], [1, 2, [b"x", [b"y"]]], [error]]:
+            self.assertEqual(repr(self.fast.tryConvertData(reply)),
+                             repr(self.plain.tryConvertData(reply)))

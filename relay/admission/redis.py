@@ -209,12 +209,28 @@ def queueKey(kind: str, id: str) -> str:
     return f"wait:account:{id}" if kind == "account" else f"concurrency:wait:{id}"
 
 
+_KEYS: dict = {}
+"""Issue 24: C{(kind, id)} -> its C{(slot, queue, alive)} keys, built once."""
+
+
+def _keys(kind: str, id: str) -> tuple:
+    """
+    @return: C{(slot, queue, alive)} keys of one slot key (cached).
+    """
+    keys = _KEYS.get((kind, id))
+    if keys is None:
+        if len(_KEYS) > 4096:
+            _KEYS.clear()
+        q = queueKey(kind, id)
+        keys = _KEYS[kind, id] = (slotKey(kind, id), q, q + ":alive")
+    return keys
+
+
 def keysFor(kind: str, id: str) -> list:
     """
     @return: C{[slot, queue, alive]} keys of one slot key.
     """
-    q = queueKey(kind, id)
-    return [slotKey(kind, id), q, q + ":alive"]
+    return list(_keys(kind, id))
 
 
 def nextBackoff(previous: float, rng: random.Random) -> float:
@@ -269,7 +285,7 @@ class RedisSlotLease:
     queuePosition: int = 0
     counted: bool = True
     released: bool = False
-    _renewer: Optional[LoopingCall] = None
+    _renewEvery: Optional[float] = None
     turnRequestId: Optional[str] = field(factory=currentRequestId.get)
 
     def release(self) -> None:
@@ -302,20 +318,18 @@ class RedisSlotLease:
 
         @param interval: seconds; default a third of the slot TTL.
         """
-        if self._renewer is not None or self.released or not self.counted:
+        if self._renewEvery is not None or self.released or not self.counted:
             return
-        interval = interval or self._admission.slotTtl / 3
-        self._renewer = LoopingCall(self._renewOnce)
-        self._renewer.clock = self._admission._clock
-        self._renewer.start(interval, now=False)
+        self._renewEvery = interval or self._admission.slotTtl / 3
+        self._admission._renewLater(self)
 
     def stopRenewing(self) -> None:
         """
         Stop L{startRenewing}'s loop, if running.
         """
-        if self._renewer is not None and self._renewer.running:
-            self._renewer.stop()
-        self._renewer = None
+        if self._renewEvery is not None:
+            self._admission._renewStop(self)
+        self._renewEvery = None
 
     def _renewOnce(self) -> Deferred:
         """
@@ -389,6 +403,12 @@ class RedisSlotAdmission:
     _busyCache: dict = field(factory=dict, init=False)
     """Issue 24 (R34's load cache): C{(kind, ids)} -> C{[read at, loads or
     in-flight Deferred, {id: own slots taken (+) or released (-) since}]}."""
+    _renewals: dict = field(factory=dict, init=False)
+    """Issue 24: the leases being renewed (L{RedisSlotLease.startRenewing}):
+    interval (seconds) -> {lease: when its next renewal is due}, in due
+    order; one delayed call (L{_renewDue}) for all of them instead of a
+    L{LoopingCall} per lease (one per relayed turn)."""
+    _renewCall: Optional[object] = field(default=None, init=False)
 
     _log = Logger()
 
@@ -748,10 +768,19 @@ class RedisSlotAdmission:
         Count one of this process's slot takes (C{n} 1) or releases (-1)
         into every cached busy read of C{kind} that covers C{id}.
         """
-        for (k, ids), entry in self._busyCache.items():
-            if k == kind and id in ids:
+        now = self._clock.seconds()
+        stale = []
+        for key, entry in self._busyCache.items():
+            if now - entry[0] >= LOAD_CACHE_SECONDS and not isinstance(entry[1], Deferred):
+                # Never used again (L{busy} reads anew): dropped, so the
+                # turns that follow (a sticky session reads no loads) count
+                # nothing into it (issue 24).
+                stale.append(key)
+            elif key[0] == kind and id in key[1]:
                 own = entry[2]
                 own[id] = own.get(id, 0) + n
+        for key in stale:
+            del self._busyCache[key]
 
     # -- the wait ------------------------------------------------------------
 
@@ -938,7 +967,7 @@ class RedisSlotAdmission:
             self._noteOwn(lease.kind, lease.id, -1)
         self._remember(lease.kind, lease.id, lease.requestId)
         d = self._track(self._batch.call(
-            self.timeout, "ZREM", [slotKey(lease.kind, lease.id)], [lease.requestId],
+            self.timeout, "ZREM", [_keys(lease.kind, lease.id)[0]], [lease.requestId],
             lead=self._releaseLead,
         ))
 
@@ -1096,6 +1125,66 @@ class RedisSlotAdmission:
         return d.addCallbacks(_cb, _eb)
 
     # -- helpers ---------------------------------------------------------------
+
+    def _renewLater(self, lease: RedisSlotLease) -> None:
+        """
+        Renew C{lease} every C{lease._renewEvery} seconds from now until
+        L{_renewStop}.
+        """
+        interval = lease._renewEvery
+        due = self._clock.seconds() + interval
+        leases = self._renewals.get(interval)
+        if leases is None:
+            leases = self._renewals[interval] = {}
+        leases[lease] = due
+        call = self._renewCall
+        if call is None or not call.active():
+            self._renewCall = self._clock.callLater(interval, self._renewDue)
+        elif due < call.getTime():
+            call.reset(interval)
+
+    def _renewStop(self, lease: RedisSlotLease) -> None:
+        """
+        Stop renewing C{lease} (its renewal's delayed call is left to
+        fire, and finds nothing due, or is set again for another lease).
+        """
+        leases = self._renewals.get(lease._renewEvery)
+        if leases is not None:
+            leases.pop(lease, None)
+
+    def _renewDue(self) -> None:
+        """
+        Renew the leases whose renewal is due (each is due again an
+        interval later) and set the delayed call for the next one.
+        """
+        self._renewCall = None
+        now = self._clock.seconds()
+        due = []
+        for interval, leases in list(self._renewals.items()):
+            for lease, at in leases.items():
+                if at > now:
+                    break
+                due.append((interval, lease))
+        for interval, lease in due:
+            leases = self._renewals[interval]
+            del leases[lease]
+            leases[lease] = now + interval
+        for _, lease in due:
+            lease._renewOnce()
+        earliest = None
+        for interval, leases in list(self._renewals.items()):
+            if not leases:
+                del self._renewals[interval]
+                continue
+            at = next(iter(leases.values()))
+            if earliest is None or at < earliest:
+                earliest = at
+        if earliest is not None:
+            call = self._renewCall
+            if call is None or not call.active():
+                self._renewCall = self._clock.callLater(max(earliest - now, 0), self._renewDue)
+            elif earliest < call.getTime():
+                call.reset(max(earliest - now, 0))
 
     def _newRequestId(self) -> str:
         """

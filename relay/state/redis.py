@@ -48,6 +48,8 @@ C{on_redis_error} (R35):
 
 from __future__ import annotations
 
+from typing import Optional
+
 from attrs import define, evolve, field
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
@@ -69,6 +71,11 @@ CHANGES_KEY = "relay:accounts:changes"
 EPOCH_KEY = "relay:accounts:epoch"
 """Issue 24: set once (Redis TIME) with the change log; a flushed or new
 Redis has another, so a mirror of the old one is read again whole."""
+
+_KEEPS_SYNC = frozenset(("GET", "MHGETALL", "RELAY_SYNC", "RELAY_MSET", "SET", "PEXPIRE",
+                         "RELAY_INCR", "DEL"))
+"""Issue 24: the store's operations that write no account state (a queued
+C{RELAY_SYNC} stays shareable across them, L{RedisStateStore._sync})."""
 
 STREAK_FIELD = "streak:"
 """Hash field prefix of the R11 transient streak of one model."""
@@ -156,6 +163,9 @@ class RedisStateStore:
     """The id list the mirror was last read whole for."""
     _loaded: set = field(factory=set, init=False)
     """The ids whose hashes the mirror holds (read whole)."""
+    _sharedSync: Optional[tuple] = field(default=None, init=False)
+    """The queued C{RELAY_SYNC} views may share (L{_sync}): C{(the batch's
+    queue it is in, its arguments, the Deferreds of the views sharing it)}."""
 
     _log = Logger()
 
@@ -174,9 +184,46 @@ class RedisStateStore:
         @param operation: the operation name for logs and errors.
         @param fallback: the fail-open result.
         """
+        if name not in _KEEPS_SYNC:
+            self._sharedSync = None
         return self._applyMode(
             operation, fallback, self.batch.call(self.timeout, name, keys, list(args), lead=False)
         )
+
+    def _sync(self) -> Deferred:
+        """
+        This view's C{RELAY_SYNC}: one per batch (issue 24). Views asked
+        while one is queued unsent with the same known sequence and epoch,
+        and no account state write queued after it by this store, share
+        its reply (at load every turn's selection asks one in the same
+        reactor turn).
+
+        @return: a Deferred firing with the reply, L{None} on a fail-open
+            error, or failing (C{fail_closed}).
+        """
+        args = [str(self._seq), self._epoch or "-"]
+        shared = self._sharedSync
+        if shared is not None and shared[0] is self.batch._ops and shared[1] == args:
+            w = Deferred()
+            shared[2].append(w)
+            return w
+        d = self._batched(
+            "sync_account_states", None, "RELAY_SYNC", [CHANGE_SEQ_KEY, CHANGES_KEY, EPOCH_KEY],
+            args,
+        )
+        entry = self._sharedSync = (self.batch._ops, args, [])
+
+        def _fan(result):
+            if self._sharedSync is entry:
+                self._sharedSync = None
+            for w in entry[2]:
+                if isinstance(result, Failure):
+                    w.errback(result)
+                else:
+                    w.callback(result)
+            return result
+
+        return d.addBoth(_fan)
 
     def _applyMode(self, operation: str, fallback, d: Deferred) -> Deferred:
         """
@@ -228,17 +275,17 @@ class RedisStateStore:
         fail-open answer of L{getAccountStates} (every account healthy, an
         empty view) or, with C{fail_closed}, the failure.
         """
-        return Deferred.fromCoroutine(self._view(accountIds))
+        full = accountIds is not self._mirrored and (
+            self._mirrored is None or not self._loaded.issuperset(accountIds))
+        # Callbacks, not a coroutine (issue 24: the view is asked every
+        # turn; a coroutine costs Twisted's inline-callback driver).
+        return self._sync().addCallback(self._synced, accountIds, full)
 
-    async def _view(self, accountIds):
-        ids = accountIds
-        full = ids is not self._mirrored and (
-            self._mirrored is None or not self._loaded.issuperset(ids))
-        sync = self._batched(
-            "sync_account_states", None, "RELAY_SYNC", [CHANGE_SEQ_KEY, CHANGES_KEY, EPOCH_KEY],
-            [str(self._seq), self._epoch or "-"],
-        )
-        reply = await sync
+    def _synced(self, reply, accountIds, full: bool):
+        """
+        L{accountStateView} after its C{RELAY_SYNC}: the mirror, or a
+        Deferred of it after reading the hashes that changed (or all).
+        """
         if reply is None:
             return FlaggedStates()
         epoch, seq = _str(reply[0]), int(reply[1])
@@ -246,19 +293,29 @@ class RedisStateStore:
         if epoch != self._epoch or seq < self._seq:
             full = True
         if full:
-            ids = list(dict.fromkeys(list(ids) + list(self._mirror.runtimes)))
-            rows = await self._read(ids)
-            if rows is None:
-                return FlaggedStates()
-            self._mirror = FlaggedStates()
-            self._loaded = set(ids)
-            self._apply(ids, rows)
-            self._mirrored = accountIds
-        elif changed:
-            rows = await self._read(changed)
-            if rows is None:
-                return FlaggedStates()
-            self._apply(changed, rows)
+            ids = list(dict.fromkeys(list(accountIds) + list(self._mirror.runtimes)))
+
+            def _full(rows):
+                if rows is None:
+                    return FlaggedStates()
+                self._mirror = FlaggedStates()
+                self._loaded = set(ids)
+                self._apply(ids, rows)
+                self._mirrored = accountIds
+                self._epoch, self._seq = epoch, seq
+                return self._mirror
+
+            return self._read(ids).addCallback(_full)
+        if changed:
+
+            def _changed(rows):
+                if rows is None:
+                    return FlaggedStates()
+                self._apply(changed, rows)
+                self._epoch, self._seq = epoch, seq
+                return self._mirror
+
+            return self._read(changed).addCallback(_changed)
         self._epoch, self._seq = epoch, seq
         return self._mirror
 

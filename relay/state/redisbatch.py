@@ -173,26 +173,29 @@ def batchScript(solo: dict) -> str:
 BATCH_LUA = batchScript(SOLO)
 
 
-@define(eq=False)
 class _Op:
     """
-    One queued operation.
+    One queued operation (a plain class with slots: one is made per
+    operation, issue 24).
 
     @ivar name: the Redis command (or C{MHGETALL}).
     @ivar keys: the keys it touches.
-    @ivar args: the other arguments.
+    @ivar args: the other arguments, as text.
     @ivar timeout: its timeout, seconds.
     @ivar deferred: fired with its reply.
     @ivar folded: the later operation whose outcome this one takes, when
         it is not sent itself.
     """
 
-    name: str
-    keys: list
-    args: list
-    timeout: float
-    deferred: Deferred = field(factory=Deferred)
-    folded: Optional["_Op"] = None
+    __slots__ = ("args", "deferred", "folded", "keys", "name", "timeout")
+
+    def __init__(self, name: str, keys: list, args: list, timeout: float):
+        self.name = name
+        self.keys = keys
+        self.args = args
+        self.timeout = timeout
+        self.deferred = Deferred()
+        self.folded: Optional[_Op] = None
 
 
 @define(eq=False)
@@ -242,7 +245,9 @@ class RedisBatch:
         @return: a L{Deferred} firing with the reply, or failing with
             L{RedisUnavailable}.
         """
-        op = _Op(name, list(keys), [_text(a) for a in args], timeout)
+        op = _Op(name, list(keys), [
+            a if a.__class__ is str else str(a) if a.__class__ is int else _text(a)
+            for a in args] if args else [], timeout)
         if (self.leading if lead is None else lead) and not self._ops and not self._inflight:
             self.operations += 1
             self._send([op], [op])
@@ -274,76 +279,82 @@ class RedisBatch:
         self.batches += 1
         self._inflight += 1
         if len(sent) == 1:
-            d = self._solo(sent[0])
-        else:
-            keys: list = []
-            spec = []
-            for op in sent:
-                keys.extend(op.keys)
-                spec.append((op.name, len(op.keys), op.args))
-            d = self._redis.execute(min(op.timeout for op in sent), "eval", self.script, keys,
-                                    [json.dumps(spec, separators=(",", ":"))])
-        d.addBoth(self._landed)
-        d.addCallbacks(self._deliver, self._fail, callbackArgs=(sent, ops),
-                       errbackArgs=(ops,))
+            op = sent[0]
+            script = self.solo.get(op.name)
+            if script is not None:
+                d = self._redis.execute(op.timeout, "eval", script, op.keys, op.args)
+            else:
+                d = self._redis.execute(op.timeout, "execute_command", op.name, *op.keys,
+                                        *op.args)
+            d.addCallbacks(self._deliverOne, self._fail, callbackArgs=(op, ops),
+                           errbackArgs=(ops,))
+            return
+        keys: list = []
+        spec = []
+        timeout = sent[0].timeout
+        for op in sent:
+            keys.extend(op.keys)
+            spec.append((op.name, len(op.keys), op.args))
+            timeout = min(timeout, op.timeout)
+        d = self._redis.execute(timeout, "eval", self.script, keys,
+                                [json.dumps(spec, separators=(",", ":"))])
+        d.addCallbacks(self._deliver, self._fail, callbackArgs=(sent, ops), errbackArgs=(ops,))
 
-    def _landed(self, result):
+    def _deliverOne(self, reply: Any, sent: _Op, ops: list) -> None:
         """
-        A round trip ended; pass its result on.
+        The reply of an operation sent alone (its plain command).
+        """
+        self._deliver([reply], [sent], ops)
+
+    def _deliver(self, replies: Any, sent: list, ops: list) -> None:
+        """
+        A round trip ended: fire each operation's Deferred with its reply
+        (a folded one with the outcome of the operation that replaced it).
         """
         self._inflight -= 1
-        return result
-
-    def _solo(self, op: _Op) -> Deferred:
-        """
-        One operation alone: its plain command (a batch of one is what the
-        store sent before batching).
-        """
-        script = self.solo.get(op.name)
-        if script is not None:
-            return self._redis.execute(op.timeout, "eval", script, op.keys, op.args).addCallback(
-                lambda reply: [reply])
-        return self._redis.execute(
-            op.timeout, "execute_command", op.name, *op.keys, *op.args).addCallback(
-            lambda reply: [reply])
-
-    @staticmethod
-    def _deliver(replies: Any, sent: list, ops: list) -> None:
-        """
-        Fire each operation's Deferred with its reply (a folded one with
-        the outcome of the operation that replaced it).
-        """
-        replies = list(replies or [])
+        replies = replies or ()
+        if len(sent) == len(ops) and len(replies) == len(sent):
+            # Nothing folded, a reply for each.
+            for op, reply in zip(ops, replies):
+                _settle(op, op, reply)
+            return
         outcome = {}
         for op, reply in zip(sent, replies):
             outcome[id(op)] = reply
         for op in ops:
-            if op.deferred.called:
-                # Cancelled by its caller meanwhile (a turn that left while its
-                # slot acquire was in flight): the reply is not wanted.
-                continue
             target = op
             while target.folded is not None:
                 target = target.folded
-            reply = outcome.get(id(target), _MISSING)
-            if reply is _MISSING:
-                op.deferred.errback(RedisUnavailable(op.name.lower(), "no reply in the batch"))
-            elif isinstance(reply, Exception):
-                op.deferred.errback(RedisUnavailable(op.name.lower(), f"{type(reply).__name__}: "
-                                                                      f"{reply}"))
-            elif target is not op and op.name == "PEXPIRE":
-                op.deferred.callback(1)
-            else:
-                op.deferred.callback(reply)
+            _settle(op, target, outcome.get(id(target), _MISSING))
 
-    @staticmethod
-    def _fail(failure: Failure, ops: list) -> None:
+    def _fail(self, failure: Failure, ops: list) -> None:
         """
         The whole round trip failed: every operation fails with it.
         """
+        self._inflight -= 1
         for op in ops:
             if not op.deferred.called:
                 op.deferred.errback(failure)
+
+
+def _settle(op: _Op, target: _Op, reply) -> None:
+    """
+    Fire C{op}'s Deferred with C{reply}, the reply of C{target} (C{op}
+    itself, or the operation it was folded into).
+    """
+    if op.deferred.called:
+        # Cancelled by its caller meanwhile (a turn that left while its
+        # slot acquire was in flight): the reply is not wanted.
+        return
+    if reply is _MISSING:
+        op.deferred.errback(RedisUnavailable(op.name.lower(), "no reply in the batch"))
+    elif isinstance(reply, Exception):
+        op.deferred.errback(RedisUnavailable(op.name.lower(), f"{type(reply).__name__}: "
+                                                              f"{reply}"))
+    elif target is not op and op.name == "PEXPIRE":
+        op.deferred.callback(1)
+    else:
+        op.deferred.callback(reply)
 
 
 _MISSING = object()

@@ -156,6 +156,33 @@ async def test_stateViewAcrossProcesses(redisService, redisServer):  # noqa: F81
 
 
 @pytest_twisted.ensureDeferred
+async def test_viewsOfOneTurnShareTheirSync(redisService):  # noqa: F811
+    """
+    Issue 24: views asked in one reactor turn (at load, every turn's
+    selection) share one C{RELAY_SYNC} and see the same state; an account
+    state write this store queued between two views gives the later view a
+    sync of its own, after the write, so it sees it.
+    """
+    from twisted.internet.defer import gatherResults
+
+    ids = ("s1", "s2")
+    store = RedisStateStore(redis=redisService, clock=reactor, onRedisError="fail_closed")
+    await store.accountStateView(ids)
+    ops = store.batch.operations
+    views = await gatherResults([store.accountStateView(ids) for _ in range(5)])
+    assert store.batch.operations - ops == 1
+    assert all(v is views[0] for v in views)
+    ops = store.batch.operations
+    before = store.accountStateView(ids)
+    marked = store.markAccount("s2", "disabled", 0, "401")
+    after = store.accountStateView(ids)
+    _, _, second = await gatherResults([before, marked, after])
+    # sync, mark, sync, and the read of the marked account
+    assert store.batch.operations - ops == 4
+    assert set(second.flagged(reactor.seconds())) == {"s2"}
+
+
+@pytest_twisted.ensureDeferred
 async def test_streakResetFollowsTheMirror(redisService, redisServer):  # noqa: F811
     """
     Issue 24: a success's streak reset sends nothing when the mirror holds
