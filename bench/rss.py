@@ -85,9 +85,12 @@ def _dump(path: str) -> None:
     out = {}
     mods = collections.Counter(name.split(".")[0] for name in list(sys.modules))
     out["modules"] = len(sys.modules)
+    out["blocks"] = sys.getallocatedblocks()
     out["modulesByTop"] = mods.most_common(25)
     out["moduleNames"] = list(sys.modules)
     out["threads"] = [t.name for t in threading.enumerate()]
+    out["types"] = collections.Counter(
+        f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.get_objects()).most_common(60)
     out["gc"] = {"objects": len(gc.get_objects()), "counts": gc.get_count(),
                  "frozen": gc.get_freeze_count()}
     libc = ctypes.CDLL("libc.so.6")
@@ -129,7 +132,7 @@ def _dump(path: str) -> None:
         out["tracedTopLines"] = [(str(s.traceback[0]), s.size, s.count)
                                  for s in snap.statistics("lineno")[:15]]
         # Allocations not made while importing, by the innermost relay frame
-        # (needs -X tracemalloc=N with N frames).
+        # (needs -X tracemalloc=N, N frames deep).
         runtime = collections.Counter()
         imported = 0
         for trace in snap.traces:
@@ -180,18 +183,18 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--inside"]:
     inside(sys.argv[2], sys.argv[3:])
     sys.exit(0)
 
-import argparse  # noqa: E402
-import collections  # noqa: E402
-import json  # noqa: E402
-import re  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
+import argparse
+import collections
+import json
+import re
+import tempfile
+import threading
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import compare  # noqa: E402, I001
+import compare
 
 # -- outside --------------------------------------------------------------------
 
@@ -243,7 +246,7 @@ def askDump(pid: int, dump: str) -> dict:
     if os.path.exists(dump):
         os.unlink(dump)
     os.kill(pid, signal.SIGUSR2)
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 900
     while not os.path.exists(dump):
         if time.monotonic() > deadline:
             raise SystemExit(f"no dump from {pid}")
@@ -378,9 +381,9 @@ def measure(procs, uport: int, label: str, tree: str, seconds: float, breakdown:
     procs.stop(p)
     fig["layers"] = layers(tree, procs.tmp, fig["dump"]["moduleNames"])
     if breakdown:
-        # Start-up only, 40 frames a trace: what was allocated while importing.
+        # Start-up only, 20 frames a trace: what was allocated while importing.
         q, qport, qdump = startProbed(procs, name + "-start", uport, tree,
-                                      pyflags=("-X", "tracemalloc=40"))
+                                      pyflags=("-X", "tracemalloc=20"))
         fig["tracedStart"] = askDump(q.pid, qdump)
         procs.stop(q)
         # One frame a trace, under the same load: by package, and the growth.
@@ -391,6 +394,20 @@ def measure(procs, uport: int, label: str, tree: str, seconds: float, breakdown:
         procs.stop(q)
         fig["imports"] = importTimes(os.path.join(procs.tmp, name + "-traced.log"))
     return fig
+
+
+def _short(where: str) -> str:
+    """
+    A source location without this machine's paths: C{twisted/web/http.py:12},
+    C{relay/logs.py:3}, C{stdlib/typing.py:9}.
+    """
+    for marker in ("/site-packages/", "/dist-packages/"):
+        if marker in where:
+            return where.split(marker, 1)[1]
+    if "/relay/" in where:
+        return "relay/" + where.rsplit("/relay/", 1)[1]
+    m = re.search(r"/python3\.\d+/(.*)$", where)
+    return "stdlib/" + m.group(1) if m else where
 
 
 def render(figs: dict, report: list) -> None:
@@ -457,7 +474,7 @@ def render(figs: dict, report: list) -> None:
             report.append("Python heap by package (tracemalloc, MiB): " + ", ".join(
                 f"{n} {b / 1048576:.2f}" for n, b in f["traced"]["tracedByPackage"][:20]) + "\n")
             report.append("Top lines: " + "; ".join(
-                f"{where} {size / 1024:.0f} KiB" for where, size, _ in
+                f"{_short(where)} {size / 1024:.0f} KiB" for where, size, _ in
                 f["traced"]["tracedTopLines"][:8]) + "\n")
             start = f["tracedStart"]
             report.append(f"Python heap after start-up: {mib(start['traced'][0] / 1024)} MiB, of "
@@ -465,7 +482,7 @@ def render(figs: dict, report: list) -> None:
                           " MiB; the rest by the innermost relay frame (KiB): " + "; ".join(
                               f"{w} {b / 1024:.0f}" for w, b in start["tracedRuntime"][:20]) + "\n")
             report.append("Python heap growth from warm-up to the end of c=128 (KiB): " + "; ".join(
-                f"{where} {size / 1024:+.0f}" for where, size, _ in
+                f"{_short(where)} {size / 1024:+.0f}" for where, size, _ in
                 f["traced"].get("tracedGrowth", [])[:10]) + "\n")
             imports, count = f["imports"]
             report.append(f"Slowest top-level imports of {count} (cumulative ms): " + ", ".join(
