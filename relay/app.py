@@ -1062,6 +1062,54 @@ class _Listener(StreamServerEndpointService):
             exitWithConfigError(message)
 
 
+LAZY_IMPORTS = {
+    "treq.client": "treq (accounts behind an egress proxy, OAuth token refresh)",
+    "jwt": "PyJWT (OAuth accounts' tokens)",
+    "zstandard": "zstandard (zstd request bodies)",
+}
+"""Issue 24 (RSS at c=128): libraries relay imports where it first uses
+them, not at start. L{checkImports} imports at start those the
+configuration uses, so a broken install still fails there."""
+
+
+def checkImports(config: RelayConfig) -> list:
+    """
+    Import now the lazily imported libraries (L{LAZY_IMPORTS}) that
+    C{config} uses: C{treq} when an account has a C{proxy} or is an OAuth
+    account, C{jwt} for an OAuth account. Every library must at least be
+    installed (C{importlib.util.find_spec}, which loads nothing): zstd
+    bodies come from clients whatever the configuration says.
+
+    @return: the module names imported.
+    @raise ConfigError: naming the key (C{accounts}) or the library, when
+        one cannot be imported or is not installed.
+    """
+    import importlib
+    import importlib.util
+
+    from relay.model import ConfigError
+
+    wanted = []
+    if any(a.proxy is not None or a.type == "oauth" for a in config.accounts):
+        wanted.append("treq.client")
+    if any(a.type == "oauth" for a in config.accounts):
+        wanted.append("jwt")
+    for name in wanted:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise ConfigError(f"accounts: {LAZY_IMPORTS[name]} cannot be imported: {e}")
+    for name, what in LAZY_IMPORTS.items():
+        try:
+            # The top-level name: a submodule's find_spec imports its package.
+            found = importlib.util.find_spec(name.split(".")[0])
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            raise ConfigError(f"{what} is not installed (pip install relay's requirements)")
+    return wanted
+
+
 def buildService(
     config: RelayConfig,
     reactor,
@@ -1084,6 +1132,7 @@ def buildService(
     """
     from twisted.internet.endpoints import serverFromString
 
+    checkImports(config)
     app = buildApplication(config, reactor, configPath=configPath, listenOverride=listenOverride)
     top = _Startup(app)
     for service in app.services:

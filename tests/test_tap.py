@@ -718,3 +718,161 @@ class UnmigratedTokensTests(SynchronousTestCase):
         self.assertEqual(self.warnings(path + ".missing", [oauth]), [])
         self.assertEqual(self.warnings(None, [oauth]), [])
         self.assertEqual(self.warnings(path, [apikey]), [])
+
+
+class SettleMemoryTests(SynchronousTestCase):
+    """
+    L{relay.tap.SettleMemory}: the heap is tidied once, a while after the
+    service starts (issue 24, RSS at c=128).
+    """
+
+    def test_settlesOnceAfterTheDelay(self) -> None:
+        """
+        Nothing runs at start; the settle runs once after the delay, and
+        not again.
+        """
+        from twisted.internet.task import Clock
+
+        from relay.tap import SETTLE_AFTER_SECONDS, SettleMemory
+
+        clock = Clock()
+        runs = []
+        service = SettleMemory(clock, settle=lambda: runs.append(clock.seconds()))
+        service.startService()
+        clock.advance(SETTLE_AFTER_SECONDS - 0.5)
+        self.assertEqual(runs, [])
+        clock.advance(1)
+        self.assertEqual(runs, [SETTLE_AFTER_SECONDS + 0.5])
+        clock.advance(100)
+        self.assertEqual(len(runs), 1)
+        service.stopService()
+
+    def test_stopBeforeTheDelayCancels(self) -> None:
+        """
+        A service stopped before the delay leaves no call behind.
+        """
+        from twisted.internet.task import Clock
+
+        from relay.tap import SettleMemory
+
+        clock = Clock()
+        runs = []
+        service = SettleMemory(clock, settle=lambda: runs.append(1))
+        service.startService()
+        service.stopService()
+        self.assertEqual(clock.getDelayedCalls(), [])
+        clock.advance(100)
+        self.assertEqual(runs, [])
+
+    def test_settleMemoryCollectsAndClearsLinecache(self) -> None:
+        """
+        L{relay.tap.settleMemory} frees unreachable cycles and drops the
+        cached source lines (attrs' generated methods among them).
+        """
+        import gc
+        import linecache
+
+        from relay.tap import settleMemory
+
+        class Cycle:
+            pass
+
+        a, b = Cycle(), Cycle()
+        a.other, b.other = b, a
+        del a, b
+        linecache.cache["<relay-test-settle>"] = (1, None, ["x\n"], "<relay-test-settle>")
+        gc.disable()
+        try:
+            result = settleMemory()
+        finally:
+            gc.enable()
+        self.assertGreaterEqual(result["collected"], 2)
+        self.assertNotIn("<relay-test-settle>", linecache.cache)
+
+    def test_makeServiceRunsIt(self) -> None:
+        """
+        The relay service built by L{makeService} includes a
+        L{SettleMemory}.
+        """
+        from relay.tap import SettleMemory
+
+        options = MakeServiceTests.options(self)
+        service = makeService(options, reactor=MemoryReactorClock())
+        self.assertIn(SettleMemory, [type(s) for s in service])
+
+
+_LAZY_PROBE = """
+import json, sys
+from twisted.internet.testing import MemoryReactorClock
+from relay.tap import Options, makeService
+options = Options()
+options.parseOptions(["--config", sys.argv[1]])
+makeService(options, reactor=MemoryReactorClock())
+print(json.dumps([m for m in ("treq", "jwt", "zstandard", "autobahn") if m in sys.modules]))
+"""
+
+
+class LazyImportTests(SynchronousTestCase):
+    """
+    Issue 24 (RSS at c=128): treq, PyJWT and zstandard are imported where
+    they are first used, unless the configuration uses them, in which case
+    they are imported at start (L{relay.app.checkImports}); a fresh
+    interpreter shows which are loaded once the service is built.
+    """
+
+    def loaded(self, accounts: str) -> list:
+        import subprocess
+        import sys
+
+        path = self.mktemp()
+        database = os.path.abspath(self.mktemp())
+        with open(path, "w", encoding="utf-8") as f:
+            f.write('listen: "tcp:0:interface=127.0.0.1"\n'
+                    "keys: [{name: k, key: sk-relay-test-lazy}]\n"
+                    f"accounts: [{accounts}]\n"
+                    f"database: {database}\n")
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        out = subprocess.run([sys.executable, "-c", _LAZY_PROBE, path], capture_output=True,
+                             check=False, text=True, env=dict(os.environ, PYTHONPATH=root),
+                             timeout=120)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def test_apiKeyAccountLoadsNone(self) -> None:
+        """
+        One direct API-key account: none of the three is imported (the
+        WebSocket stack, autobahn, is: the Responses WebSocket is served).
+        """
+        direct = '{id: a1, type: apikey, base_url: "http://127.0.0.1:9/v1", api_key: sk-up}'
+        self.assertEqual(self.loaded(direct), ["autobahn"])
+
+    def test_proxiedAccountLoadsTreq(self) -> None:
+        """
+        An account behind an egress proxy: treq is imported at start.
+        """
+        loaded = self.loaded('{id: a1, type: apikey, base_url: "http://127.0.0.1:9/v1", '
+                             'api_key: sk-up, proxy: "http://127.0.0.1:3128"}')
+        self.assertIn("treq", loaded)
+        self.assertNotIn("jwt", loaded)
+
+    def test_checkImportsNamesTheLibrary(self) -> None:
+        """
+        A library the configuration uses that cannot be imported is a
+        L{ConfigError} naming C{accounts} and the library.
+        """
+        import sys
+
+        from relay.app import checkImports
+        from relay.config import loadConfig
+
+        path = self.mktemp()
+        with open(path, "w", encoding="utf-8") as f:
+            f.write('listen: "tcp:0:interface=127.0.0.1"\n'
+                    "keys: [{name: k, key: sk-relay-test-lazy}]\n"
+                    'accounts: [{id: a1, type: apikey, base_url: "http://127.0.0.1:9/v1", '
+                    'api_key: sk-up, proxy: "http://127.0.0.1:3128"}]\n')
+        config = loadConfig(path)
+        self.patch(sys, "modules", dict(sys.modules, **{"treq.client": None}))
+        with self.assertRaises(ConfigError) as e:
+            checkImports(config)
+        self.assertIn("accounts: treq", str(e.exception))

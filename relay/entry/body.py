@@ -37,7 +37,6 @@ import tempfile
 import zlib
 from typing import Callable, Optional
 
-import zstandard
 from twisted.logger import Logger
 from twisted.web.server import Request
 
@@ -226,6 +225,9 @@ class _ZstdStage:
                 out(data)
                 return len(data)
 
+        import zstandard  # issue 24 (RSS): only once a zstd body comes
+
+        self._zstd = zstandard
         self._produced = False
         self._seen = False
         self._w = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).stream_writer(
@@ -238,7 +240,7 @@ class _ZstdStage:
         self._seen = True
         try:
             self._w.write(data)
-        except zstandard.ZstdError as e:
+        except self._zstd.ZstdError as e:
             raise CorruptBody("zstd: " + str(e)) from e
 
     def close(self) -> None:

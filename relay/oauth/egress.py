@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from attrs import define, field, frozen
-from treq.client import HTTPClient
 from twisted.internet.defer import Deferred
 from twisted.web.client import Agent
 from twisted.web.http_headers import Headers
@@ -83,6 +82,8 @@ class EgressClient:
         return Deferred.fromCoroutine(self._request(proxy, method, url, headers, body, timeout))
 
     async def _request(self, proxy, method, url, headers, body, timeout) -> EgressReply:
+        from treq.client import HTTPClient  # issue 24 (RSS): only when used
+
         from relay.upstream.proxy import ProxyAgentEndpointFactory
 
         connect = self._settings.current.upstream.connect_timeout_seconds

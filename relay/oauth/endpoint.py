@@ -20,7 +20,6 @@ from typing import Any, Optional
 
 from attrs import define, field, frozen
 from OpenSSL import SSL
-from treq.client import HTTPClient
 from twisted.internet.defer import Deferred
 from twisted.web.client import (
     Agent,
@@ -183,6 +182,8 @@ class TokenEndpoint:
         pool = QuietConnectionPool(self._reactor, persistent=False)
         pool.retryAutomatically = False
         agent = Agent.usingEndpointFactory(self._reactor, _Watched(factory, connected), pool=pool)
+        from treq.client import HTTPClient  # issue 24 (RSS): only for a refresh
+
         client = HTTPClient(agent)
         body = json.dumps({
             "client_id": current.oauth.client_id,

@@ -23,7 +23,6 @@ import hashlib
 import json
 from typing import Any, Optional
 
-import jwt
 from attrs import evolve, field, frozen
 
 AUTH_CLAIM = "https://api.openai.com/auth"
@@ -53,6 +52,8 @@ def claims(token: Optional[str]) -> dict:
     """
     if not token or token.count(".") != 2:
         return {}
+    import jwt  # issue 24 (RSS): only with OAuth accounts (relay.app.checkImports)
+
     try:
         value = jwt.decode(
             token, options={"verify_signature": False, "verify_exp": False, "verify_aud": False}

@@ -13,17 +13,19 @@ It never retries by itself: C{retryAutomatically} is off
 from __future__ import annotations
 
 from http.cookiejar import CookieJar, DefaultCookiePolicy
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from attrs import define, field
 from hyperlink import EncodedURL
-from treq.client import HTTPClient
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import Protocol
 from twisted.web.client import Agent, HTTPConnectionPool, _HTTP11ClientFactory
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface import implementer
+
+if TYPE_CHECKING:
+    from treq.client import HTTPClient
 
 from relay.interfaces import IUpstreamDialer, IUpstreamResponse
 from relay.upstream.httpclient import BodyCollector, ConnectionPool, Target, requestBytes
@@ -329,6 +331,10 @@ class HTTPDialer:
                     kwargs["contextFactory"] = policy
                 agent = Agent(self._reactor, **kwargs)
                 agent._endpointFactory = _EndpointCache(agent._endpointFactory)
+            # Issue 24 (RSS): treq only for accounts behind a proxy; imported
+            # at start when the config names one (relay.app.checkImports).
+            from treq.client import HTTPClient
+
             # Upstream cookies (e.g. Cloudflare's) must never be stored and
             # replayed: the pool is shared by every account and client.
             client = HTTPClient(agent, cookiejar=CookieJar(DefaultCookiePolicy(allowed_domains=[])))
