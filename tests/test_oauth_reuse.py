@@ -57,18 +57,22 @@ class RotatingEndpoint:
     @ivar current: the refresh token the server takes now.
     @ivar sent: every refresh token presented, in order.
     @ivar reused: refresh tokens presented after they were rotated.
+    @ivar answered: called (no arguments) after each answer, or L{None}.
     """
 
     current: str = "rt-0"
     issued: int = 0
     sent: list = field(factory=list)
     reused: list = field(factory=list)
+    answered: object = None
 
     def refresh(self, account, refreshToken, timeout):
         """
         See L{ITokenEndpoint.refresh}.
         """
         self.sent.append(refreshToken)
+        if self.answered is not None:
+            self.answered()
         if refreshToken != self.current:
             self.reused.append(refreshToken)
             return succeed(TokenReply(401, {"error": {
@@ -340,6 +344,37 @@ class StoreWentBackTests(_Base):
         self.assertEqual(self.stored().status, "in_doubt")
         self.successResultOf(late.refresh(acct, force=True))
         self.assertEqual(self.endpoint.sent, [])
+
+    def test_pendingTokensWinOverPeersDoubt(self):
+        """
+        The store fails after the token request (the new tokens wait in
+        memory); a peer then finds the in-flight marker without its lock
+        and marks the refresh token in doubt. When the store is back the
+        waiting tokens are written over the in-doubt record (it still holds
+        the token just used), not dropped: the login survives and nothing
+        is sent twice.
+        """
+        acct = account(access=token(NOW + 3600, NOW))
+        writer = self.process(acct)
+        peer = self.process(acct)
+        store = self.store
+        self.endpoint.answered = lambda: setattr(store, "failing", True)
+        refreshed = writer.refresh(acct, force=True)
+        self.clock.pump([0.5] * 8)  # _persist's three attempts
+        self.assertFalse(self.successResultOf(refreshed))
+        self.assertTrue(writer.view(acct)["token_unpersisted"])
+        self.endpoint.answered = None
+        store.failing = False
+        self.successResultOf(peer.refresh(acct, force=True))
+        self.assertEqual(self.stored().status, "in_doubt")
+        self.clock.advance(5)  # the pending write's retry
+        self.assertEqual(self.stored().tokens.refresh_token, "rt-1")
+        self.assertEqual(self.stored().status, STATUS_OK)
+        self.assertEqual(writer.current(acct).refresh_token, "rt-1")
+        self.successResultOf(peer.sync())
+        self.assertEqual(peer.current(acct).refresh_token, "rt-1")
+        self.assertEqual(self.endpoint.sent, ["rt-0"])
+        self.assertNoReuse()
 
     def test_noSwitchHookWhenStopped(self):
         """

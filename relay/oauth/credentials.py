@@ -1025,7 +1025,7 @@ class OAuthCredentials:
 
         slot.pendingCall = self._clock.callLater(PERSIST_RETRY_SECONDS, _again)
 
-    async def _flushPending(self, slot: _Slot, expected: TokenRecord) -> None:
+    async def _flushPending(self, slot: _Slot, expected: TokenRecord, conflicts: int = 0) -> None:
         fresh = slot.pending
         if fresh is None:
             return
@@ -1033,6 +1033,17 @@ class OAuthCredentials:
             written = await self.store.save(
                 slot.account.id, fresh.version, fresh.toJSON(), expected.version
             )
+            if not written and conflicts < 3:
+                stored = TokenRecord.fromJSON(await self.store.load(slot.account.id))
+                if stored is not None and _wentBack(stored, fresh):
+                    # The store still holds the refresh token just used: a
+                    # peer whose lock wait outlasted this one's (the store
+                    # was down) marked it in doubt, or the store went back.
+                    # The new tokens still win, as in _persist (R96): else
+                    # they would be lost and the login with them.
+                    slot.pending = evolve(fresh, version=stored.version + 1)
+                    await self._flushPending(slot, stored, conflicts + 1)
+                    return
         except Exception as e:
             self._log.error(
                 "writing the new tokens of {account_id} failed again: {error}",
