@@ -709,6 +709,11 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
     _durableOwners(app)
     usage = _usageLedger(app, metrics, redis)
     credentials.store = _tokenStore(app, redis)
+    switchListeners = getattr(redis, "switchListeners", None)
+    if config.state.backend == "redis" and switchListeners is not None:
+        # Sentinel (behaviour.md R96): after a promotion the token records
+        # are read again, so a write the old master lost is written back.
+        switchListeners.append(credentials.storeSwitched)
     from relay.scheduling.quota import UsageCollector
 
     metrics.addCollector(UsageCollector(quota, credentials, accounts))

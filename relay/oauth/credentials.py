@@ -8,8 +8,20 @@ dialled as configured. For every OAuth account relay keeps a
 L{relay.oauth.tokens.TokenRecord} in memory and in the L{ITokenStore}:
 
   - B{Start-up.} The stored record wins over the configuration while it
-    descends from the same configured tokens (same seed fingerprint); a
-    configuration holding other tokens (a new login) starts a new lineage.
+    descends from the same configured tokens (same seed fingerprint) or
+    the configured refresh token is one the record knows (its current one
+    or one it retired: the configuration is an older copy of the lineage,
+    e.g. a peer process configured with the same login but another access
+    token); a configuration holding other tokens (a new login) starts a
+    new lineage, which keeps the replaced lineage's refresh tokens as
+    retired (behaviour.md R96: a spent refresh token never wins again).
+  - B{A store that went back.} When the store holds a record older than
+    this process's (a write lost at a Redis failover: replication is
+    asynchronous; a flushed and re-seeded store), i.e. a refresh token
+    this process knows as retired, or a lower version of the same tokens,
+    relay writes its newer record back (compare-and-set) instead of
+    adopting the old one, re-reads after every Sentinel promotion, and
+    never sends a refresh token it knows as retired (behaviour.md R96).
   - B{Proactive refresh} at the access token's C{exp} minus
     C{gateway.oauth.refresh_margin_seconds} (at most half its lifetime),
     less a random jitter, on the injected clock.
@@ -74,6 +86,7 @@ from relay.oauth.tokens import (
     TokenRecord,
     TokenSet,
     fingerprint,
+    retiredAfter,
 )
 from relay.redisclient import logFailure
 
@@ -95,6 +108,10 @@ CODEX_REFRESH_AGE_SECONDS = 8 * 86400
 
 PERSIST_RETRY_SECONDS = 5.0
 """How often unpersisted new tokens are written again, seconds."""
+
+SWITCH_SYNC_DELAYS = (1.0, 5.0)
+"""Seconds after a Redis master switch at which the token records are read
+again (L{OAuthCredentials.storeSwitched})."""
 
 IN_DOUBT_REASON = "refresh_in_doubt"
 
@@ -139,6 +156,8 @@ class _Slot:
     @ivar doubtKey: the (access token, expiry) C{doubtTimer} is for.
     @ivar doubtAnnounced: the (access token, expiry) whose expiry was
         already logged (once per in-doubt token).
+    @ivar loading: a L{OAuthCredentials._load} of this slot runs (a
+        periodic sync does not start a second one beside it).
     """
 
     account: Account
@@ -156,6 +175,30 @@ class _Slot:
     doubtTimer: Any = None
     doubtKey: Any = None
     doubtAnnounced: Any = None
+    loading: bool = False
+
+
+def _wentBack(stored: TokenRecord, mine: TokenRecord) -> bool:
+    """
+    Whether the store holds an older state of C{mine}'s lineage than this
+    process knows (behaviour.md R96): its refresh token is one C{mine}
+    retired (and it does not know C{mine}'s as retired: not a newer
+    record of a lineage that came back to it), or it has a lower version
+    of the same seed and refresh token (a lost in-doubt or needs-login
+    write). Versions only grow, so a lower one is a write the store lost.
+
+    @param stored: the record read from the store.
+    @param mine: this process's newest record.
+    """
+    refreshToken = stored.tokens.refresh_token
+    if refreshToken and mine.retires(refreshToken) and not stored.retires(
+        mine.tokens.refresh_token
+    ):
+        return True
+    return (
+        stored.version < mine.version and stored.seed == mine.seed
+        and refreshToken == mine.tokens.refresh_token
+    )
 
 
 def _describe(e: BaseException) -> str:
@@ -305,6 +348,8 @@ class OAuthCredentials:
         for slot in list(self._slots.values()):
             try:
                 if slot.record is None:
+                    if slot.loading:
+                        continue  # start-up (or a reload) is reading it
                     await self._load(slot)
                 else:
                     await self._reload(slot)
@@ -315,6 +360,27 @@ class OAuthCredentials:
                     event="relay.oauth_sync_failed", account_id=slot.account.id,
                     error=_describe(e),
                 )
+
+    def storeSwitched(self) -> None:
+        """
+        The store's Redis master changed (a Sentinel promotion,
+        L{relay.redisclient.RedisService.switchListeners}): replication is
+        asynchronous, so the new master may lack the last token write.
+        Every record is read again soon (after L{SWITCH_SYNC_DELAYS}
+        seconds, by when the new master is usually reachable), and a
+        record older than this process's is written back (L{_reload},
+        behaviour.md R96).
+        """
+        if not self._running:
+            return
+        for delay in SWITCH_SYNC_DELAYS:
+            self._clock.callLater(delay, self._syncAfterSwitch)
+
+    def _syncAfterSwitch(self) -> None:
+        if self._running:
+            self.sync().addErrback(
+                lambda f: logFailure(self._log, f, "re-reading the tokens after a switch failed")
+            )
 
     def _configured(self, slot: _Slot, version: int) -> TokenRecord:
         account = slot.account
@@ -327,10 +393,28 @@ class OAuthCredentials:
         )
 
     async def _load(self, slot: _Slot) -> None:
+        slot.loading = True
+        try:
+            await self._loadSlot(slot)
+        finally:
+            slot.loading = False
+
+    async def _loadSlot(self, slot: _Slot) -> None:
         account = slot.account
         stored = TokenRecord.fromJSON(await self.store.load(account.id))
-        if stored is None or stored.seed != slot.seed:
+        older = (
+            stored is not None and stored.seed != slot.seed
+            and stored.knows(account.refresh_token)
+        )
+        if stored is None or (stored.seed != slot.seed and not older):
             fresh = self._configured(slot, (stored.version + 1) if stored else 1)
+            if stored is not None:
+                # A new login replaces the lineage: its refresh tokens stay
+                # known as spent (R96), so a peer still configured with one
+                # of them adopts this lineage instead of presenting it.
+                fresh = evolve(fresh, retired=retiredAfter(
+                    stored.retired, stored.tokens.refresh_token
+                ))
             written = await self.store.save(
                 account.id, fresh.version, fresh.toJSON(), stored.version if stored else None
             )
@@ -345,9 +429,10 @@ class OAuthCredentials:
                 stored = TokenRecord.fromJSON(await self.store.load(account.id)) or fresh
         else:
             self._log.info(
-                "tokens of {account_id} loaded from the store (version {version})",
+                "tokens of {account_id} loaded from the store (version {version})"
+                + ("; the configuration holds an older token of the same login" if older else ""),
                 event="relay.oauth_tokens_loaded", account_id=account.id, version=stored.version,
-                status=stored.status,
+                status=stored.status, older_configuration=older,
             )
         if stored.in_flight is not None:
             stored = await self._resolveInFlight(slot, stored)
@@ -608,10 +693,16 @@ class OAuthCredentials:
         try:
             current = await self._reload(slot)
             now = self._clock.seconds()
+            # The replaced refresh token is spent for good (R96); the one
+            # the operator gives is current even if relay had retired it
+            # (the operator's explicit choice).
+            retired = retiredAfter(current.retired, current.tokens.refresh_token)
+            if refresh:
+                retired = tuple(f for f in retired if f != fingerprint(refresh))
             record = current.next(
                 now, tokens=TokenSet.fromTokens(access, refresh, idToken, now), status=STATUS_OK,
                 reason=None, in_flight=None, failures=0, last_error=None, last_refresh=now,
-                source=TOKEN_SOURCE_ADMIN,
+                source=TOKEN_SOURCE_ADMIN, retired=retired,
             )
             if not await self.store.save(slot.account.id, record.version, record.toJSON(),
                                           current.version):
@@ -671,9 +762,37 @@ class OAuthCredentials:
                 slot.account.id, slot.record.version, slot.record.toJSON(), None
             )
             stored = TokenRecord.fromJSON(await self.store.load(slot.account.id))
+        if stored is not None and slot.record is not None and _wentBack(stored, slot.record):
+            stored = await self._restore(slot, stored)
         if stored is not None and (slot.record is None or stored.version > slot.record.version):
             self._adopt(slot, stored, schedule=False)
         return slot.record if slot.record is not None else stored
+
+    async def _restore(self, slot: _Slot, stored: TokenRecord) -> TokenRecord:
+        """
+        The store went back (L{_wentBack}): write this process's newer
+        record again, with a version above both, compare-and-set on the
+        stored one (behaviour.md R96).
+
+        @return: the record now stored (ours, or what won meanwhile).
+        """
+        mine = slot.record
+        restored = evolve(
+            mine, version=max(mine.version, stored.version) + 1,
+            updated_at=self._clock.seconds(),
+        )
+        self._log.warn(
+            "the token store holds an older record of {account_id} (version {stored}, this"
+            " process has {mine}: a write was lost, e.g. at a Redis failover); writing the"
+            " newer tokens back",
+            event="relay.oauth_record_restored", account_id=slot.account.id,
+            stored=stored.version, mine=mine.version,
+        )
+        if await self.store.save(slot.account.id, restored.version, restored.toJSON(),
+                                 stored.version):
+            self._adopt(slot, restored, schedule=False)
+            return restored
+        return TokenRecord.fromJSON(await self.store.load(slot.account.id)) or stored
 
     def _fresh(self, slot: _Slot, stale) -> bool:
         tokens = slot.record.tokens
@@ -750,6 +869,13 @@ class OAuthCredentials:
         refreshToken = record.tokens.refresh_token
         if not refreshToken:
             return False
+        if record.retires(refreshToken):
+            # Never present a token this lineage replaced (R96).
+            self._log.error(
+                "not refreshing {account_id}: its refresh token was already used",
+                event="relay.oauth_refresh_failed", account_id=account.id, reason=reason,
+            )
+            return False
         now = self._clock.seconds()
         crashPoint("before_mark")
         marked = record.next(now, in_flight={"owner": owner, "since": now}, status=STATUS_OK)
@@ -789,6 +915,8 @@ class OAuthCredentials:
             fresh = marked.next(
                 now, tokens=tokens, in_flight=None, status=STATUS_OK, reason=None,
                 last_refresh=now, failures=0, last_error=None,
+                retired=marked.retired if tokens.refresh_token == refreshToken
+                else retiredAfter(marked.retired, refreshToken),
             )
             stored = await self._persist(slot, fresh, marked)
             crashPoint("after_persist")
@@ -897,7 +1025,7 @@ class OAuthCredentials:
 
         slot.pendingCall = self._clock.callLater(PERSIST_RETRY_SECONDS, _again)
 
-    async def _flushPending(self, slot: _Slot, expected: TokenRecord) -> None:
+    async def _flushPending(self, slot: _Slot, expected: TokenRecord, conflicts: int = 0) -> None:
         fresh = slot.pending
         if fresh is None:
             return
@@ -905,6 +1033,17 @@ class OAuthCredentials:
             written = await self.store.save(
                 slot.account.id, fresh.version, fresh.toJSON(), expected.version
             )
+            if not written and conflicts < 3:
+                stored = TokenRecord.fromJSON(await self.store.load(slot.account.id))
+                if stored is not None and _wentBack(stored, fresh):
+                    # The store still holds the refresh token just used: a
+                    # peer whose lock wait outlasted this one's (the store
+                    # was down) marked it in doubt, or the store went back.
+                    # The new tokens still win, as in _persist (R96): else
+                    # they would be lost and the login with them.
+                    slot.pending = evolve(fresh, version=stored.version + 1)
+                    await self._flushPending(slot, stored, conflicts + 1)
+                    return
         except Exception as e:
             self._log.error(
                 "writing the new tokens of {account_id} failed again: {error}",

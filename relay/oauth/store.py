@@ -15,7 +15,9 @@ Token stores (L{relay.interfaces.ITokenStore}, issue 12).
     PX ttl} (renewed by its owner) released by a compare-and-delete script. Durability across a
     Redis restart is Redis's own (AOF); with Sentinel a record write also
     waits for a replica (C{WAIT}, L{relay.redisclient.RedisService.executeDurable},
-    issue 23) so a failover cannot lose it; see the README.
+    issue 23) so a failover cannot lose it (and should an unacknowledged
+    one be lost, L{relay.oauth.credentials} writes its newer record back
+    after the promotion); see the README.
 
 Every call is bounded by a timeout on the injected clock (style.md trap
 T16).

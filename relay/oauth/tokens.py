@@ -15,6 +15,12 @@ new login into the configuration wins over the store, while the store wins
 over a configuration that still holds an older, rotated token), and the
 refresh state (C{ok}, C{in_doubt}, C{needs_login}), with the in-flight
 marker written before a token request is sent.
+
+A record also names (by fingerprint) the refresh tokens its lineage held
+and replaced (C{retired}): a refresh token is single-use, so a
+configuration, a peer process or a store that went back (a write lost at a
+Redis failover) holding one of them holds a spent token, and relay never
+presents it again (behaviour.md R96).
 """
 
 from __future__ import annotations
@@ -201,6 +207,35 @@ class TokenSet:
         )
 
 
+RETIRED_KEEP = 32
+"""How many retired refresh-token fingerprints a record keeps: the
+lineage's first one and the newest others."""
+
+
+def retiredAfter(retired: tuple, *refreshTokens: Optional[str]) -> tuple:
+    """
+    C{retired} with the fingerprints of C{refreshTokens} added (newest
+    last, no duplicates), cut to L{RETIRED_KEEP} by dropping the oldest
+    but the first.
+
+    @param retired: fingerprints (L{fingerprint} of one refresh token).
+    @param refreshTokens: refresh tokens that were just replaced; L{None}s
+        and empty ones are skipped.
+    @return: the new tuple.
+    """
+    out = list(retired)
+    for refreshToken in refreshTokens:
+        if not refreshToken:
+            continue
+        value = fingerprint(refreshToken)
+        if value in out:
+            out.remove(value)
+        out.append(value)
+    if len(out) > RETIRED_KEEP:
+        out = out[:1] + out[len(out) - RETIRED_KEEP + 1:]
+    return tuple(out)
+
+
 @frozen
 class TokenRecord:
     """
@@ -223,6 +258,9 @@ class TokenRecord:
     @ivar source: where this lineage's tokens came from when not from the
         configuration (C{admin}: C{PUT /admin/accounts/{id}/tokens}), or
         L{None} (the account's configured C{token_source}).
+    @ivar retired: L{fingerprint}s of refresh tokens this record's lineage
+        (and the lineages it replaced) held and replaced, oldest first
+        (L{retiredAfter}); never presented again (behaviour.md R96).
     """
 
     tokens: TokenSet
@@ -236,6 +274,23 @@ class TokenRecord:
     last_error: Optional[str] = None
     updated_at: float = 0.0
     source: Optional[str] = None
+    retired: tuple = ()
+
+    def retires(self, refreshToken: Optional[str]) -> bool:
+        """
+        @return: whether C{refreshToken} is one this record's lineage held
+            and replaced (a spent token).
+        """
+        return bool(refreshToken) and fingerprint(refreshToken) in self.retired
+
+    def knows(self, refreshToken: Optional[str]) -> bool:
+        """
+        @return: whether C{refreshToken} belongs to this record: its
+            current refresh token or a retired one.
+        """
+        return bool(refreshToken) and (
+            refreshToken == self.tokens.refresh_token or self.retires(refreshToken)
+        )
 
     def next(self, now: float, **changes: Any) -> "TokenRecord":
         """
@@ -254,7 +309,7 @@ class TokenRecord:
                 "status": self.status, "reason": self.reason, "in_flight": self.in_flight,
                 "last_refresh": self.last_refresh, "failures": self.failures,
                 "last_error": self.last_error, "updated_at": self.updated_at,
-                "source": self.source,
+                "source": self.source, "retired": list(self.retired),
             },
             sort_keys=True,
         )
@@ -293,4 +348,7 @@ class TokenRecord:
             last_error=value.get("last_error"),
             updated_at=float(value.get("updated_at") or 0.0),
             source=value.get("source") if isinstance(value.get("source"), str) else None,
+            retired=tuple(
+                str(v) for v in (value.get("retired") or ()) if isinstance(v, str)
+            ) if isinstance(value.get("retired"), list) else (),
         )
