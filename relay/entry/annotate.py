@@ -29,7 +29,10 @@ def annotateTurn(turn: Turn) -> None:
     if turn.entrypoint == "http" and body.get("background") is True:
         turn.background = True
     items = body.get("input")
-    affinity, misplaced = inputFacts(items)
+    references = []
+    affinity, misplaced = inputFacts(items, references)
+    if references:
+        turn.itemReferences = tuple(references)  # R104 (relay.scheduling.itemowners)
     if misplaced:
         # R89: a used trigger the client replayed never goes upstream.
         turn.body = body = dict(body, input=withoutUsedTriggers(items))
