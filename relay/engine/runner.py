@@ -32,6 +32,7 @@ from relay.policy import ends
 from relay.policy.bookkeeping import AccountBookkeeping
 from relay.policy.judgement import judge
 from relay.requestid import bindRequestId
+from relay.scheduling.itemowners import outputItemIds
 from relay.scheduling.scheduler import NO_SLOT
 from relay.scheduling.selection import NoAccountAvailable
 from relay.tenants.record import Attempt, TurnRecord
@@ -928,8 +929,6 @@ class TurnRunner:
         if not responseId:
             return False
         if response is not None:
-            from relay.scheduling.itemowners import outputItemIds
-
             turn.outputItemIds = tuple(outputItemIds(response))
         self.scheduler.recordResponse(turn, responseId, account).addErrback(
             lambda f: self._log.failure(
