@@ -1,9 +1,11 @@
-# -*- test-case-name: tests.test_responsesapi -*-
+# -*- test-case-name: tests.test_responsesapi, tests.test_itemowners -*-
 """
 What the entrypoints note on a turn for behaviour.md R88-R90, in one place:
 a background create, and the affinity of the C{compaction} items and the
 C{x-codex-turn-state} token a turn carries (the account that produced or
-issued them is preferred, L{relay.scheduling.scheduler}).
+issued them is preferred, L{relay.scheduling.scheduler}); and, in the same
+pass, the stored items the input names by id (R104,
+L{relay.scheduling.itemowners}), which selection checks.
 """
 
 from __future__ import annotations

@@ -661,7 +661,11 @@ class AccountScheduler:
         """
         Remember that C{account} owns C{responseId} (R39) and that the
         turn's client key owns it (R40), both with TTL
-        C{previous_response_ttl_seconds}, in the store and the local map.
+        C{previous_response_ttl_seconds}, in the store and the local map;
+        and (R104) that the key owns the output items in
+        C{turn.outputItemIds}, in the same store operation
+        (L{relay.scheduling.itemowners.itemOwnerKey}, the owner record's
+        value and TTL).
 
         @return: Deferred firing with L{None}; store errors are logged.
         """
