@@ -273,3 +273,24 @@ class RecordingTests(SynchronousTestCase):
         body = json.loads(COMPLETED_ITEMS.split(b"data: ", 1)[1])["response"]
         rig.script("a", status(200, body))
         self.check(rig, stream=False)
+
+
+class RoutingTests(SchedulerMixin, SynchronousTestCase):
+    """
+    Upstream resolves an item on the account that stored it: a turn naming
+    one prefers that account.
+    """
+
+    def test_itemAccountPreferred(self):
+        self.build([account(i) for i in "abcde"])
+        recorded = turnWith(ALICE)
+        recorded.outputItemIds = ("msg_c",)
+        self.successResultOf(self.scheduler.recordResponse(recorded, "resp_c",
+                                                           self.accounts[2]))
+        for n in range(8):
+            turn = turnWith(ALICE, [ref("msg_c"), {"type": "message", "role": "user",
+                                                   "content": f"turn {n}"}])
+            selection = self.select(turn)
+            self.assertEqual(selection.account.id, "c")
+            if selection.lease is not None:
+                selection.lease.release()

@@ -917,6 +917,10 @@ class AccountScheduler:
         See L{affinityOwner}: the store, then the local map.
         """
         owner = await self._get(key)
+        if owner and owner.startswith("{"):
+            # R104: an item owner record (relay.scheduling.itemowners)
+            # names the account that stored the item.
+            owner = _parseOwner(owner)[1]
         if owner:
             return owner
         entry = self._localAffinity.get(key)
@@ -1805,6 +1809,11 @@ class AccountScheduler:
                 request_id=turn.requestId, client=turn.client.name,
             )
             raise NoAccountAvailable(itemNotFound(ref))
+        # Upstream resolves an item on the account that stored it: the turn
+        # prefers that account (the affinity layer, like R89's compaction).
+        layer = ("item_reference", itemOwnerKey(refs[0]))
+        if layer not in turn.affinity:
+            turn.affinity += (layer,)
 
     async def _previousLayer(self, ctx: _Pass, previous: str) -> Optional[_Choice]:
         """
