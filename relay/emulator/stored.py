@@ -13,6 +13,11 @@ replays the events after sequence number C{N} and follows the run live to its en
 stops the run: the status becomes C{cancelled} and live streams end with C{response.cancelled}.
 The run finishing whole is a generation (L{relay.emulator.chaos}); retrieving, streaming,
 listing, cancelling and deleting never are.
+
+The items of the stored responses (input and output) are indexed by id: a turn's input item
+given by id only (L{namedById}) is resolved from its account's stored items
+(L{ResponseStore.resolve}), else answered as the API answers an unknown item
+(L{unknownItemError}, 404).
 """
 
 from __future__ import annotations
