@@ -294,3 +294,22 @@ class RoutingTests(SchedulerMixin, SynchronousTestCase):
             self.assertEqual(selection.account.id, "c")
             if selection.lease is not None:
                 selection.lease.release()
+
+
+class RequestKindTests(SchedulerMixin, SynchronousTestCase):
+    """
+    Compact and input-token requests (R87) are selected like turns: the
+    same check.
+    """
+
+    def test_compactAndInputTokens(self):
+        from relay.engine import requests as R
+
+        self.build([account("a")])
+        for kind in (R.compactRequest(), R.inputTokensRequest()):
+            turn = turnWith(BOB, [ref("msg_a")])
+            turn.request = kind
+            self.assertEqual(self.selectFails(turn).status, 404)
+            turn = turnWith(BOB, "hi", conversation="conv_1")
+            turn.request = kind
+            self.assertEqual(self.selectFails(turn).param, "conversation")
