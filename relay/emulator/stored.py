@@ -208,7 +208,7 @@ def unknownItemError(itemId: str, storeFlag: Any) -> dict:
             "code": None}
 
 
-def resolveItems(store: "ResponseStore", route: str, credential: str | None, items: list,
+def resolveItems(store: ResponseStore, route: str, credential: str | None, items: list,
                  storeFlag: Any = None) -> tuple:
     """
     What the API does with the items of a request's input given by id (L{namedById}): the

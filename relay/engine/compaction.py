@@ -22,7 +22,6 @@ C{encrypted_content} only the producing account can open. relay:
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 from twisted.logger import Logger
 
@@ -52,7 +51,7 @@ def endsWithTrigger(body: dict) -> bool:
     return isinstance(last, dict) and last.get("type") == COMPACTION_TRIGGER
 
 
-def inputFacts(items, references: Optional[list] = None) -> tuple:
+def inputFacts(items, references: list | None = None) -> tuple:
     """
     One pass over a turn's input for R89: the affinity keys of its
     C{compaction} items (L{compactionKeys}) and whether a

@@ -31,7 +31,6 @@ parameter is refused (L{conversationRefused}).
 from __future__ import annotations
 
 import hashlib
-from typing import Optional
 
 from relay.model import ClientError
 
@@ -54,7 +53,7 @@ def itemOwnerKey(itemId: str) -> str:
     return f"openai:http-response-owner:item:{digest}"
 
 
-def storedReference(item: dict, kind) -> Optional[str]:
+def storedReference(item: dict, kind) -> str | None:
     """
     The id of a stored item that C{item} makes upstream resolve, or
     L{None}. Called by the one pass over a turn's input
