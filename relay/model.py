@@ -687,6 +687,14 @@ class Turn:
     background: bool = False
     compactionItems: Optional[list] = None
     affinity: tuple = ()
+    itemReferences: tuple = ()
+    """R104: the ids of the stored items the input names
+    (L{relay.scheduling.itemowners}); selection refuses the turn unless
+    the key owns each."""
+    outputItemIds: tuple = ()
+    """R104: the output item ids of the response being recorded
+    (L{relay.engine.runner.TurnRunner.ownResponse}); their owner records
+    are written with the response's."""
     keyAdmitted: bool = False
     """Issue 19 (R103): the entry already admitted the key's slot (before
     decoding the body); the engine does not admit it again."""

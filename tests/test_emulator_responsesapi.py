@@ -359,3 +359,59 @@ class ManifestAndTurnStateTests(_Base):
         self.post("/v1/responses", {"model": "m", "input": "x"})
         response, data = self.request("GET", "/_emulator/generations")
         self.assertEqual(json.loads(data), {"total": 1, "by_account": {"a1": 1}})
+
+
+class ItemReferenceTests(_Base):
+    """
+    Input items given by id (an C{item_reference}, an id-only item, a reasoning item without
+    its encrypted content) are resolved from the account's stored responses, as the API does;
+    one the account does not hold is OpenAI's 404 for an unknown item.
+    """
+
+    def stored(self) -> dict:
+        code, created = self.post("/v1/responses", {"model": "m", "input": [user("remember")]})
+        self.assertEqual(code, 200)
+        return created
+
+    def test_resolvedForTheAccount(self) -> None:
+        created = self.stored()
+        msg = created["output"][-1]["id"]
+        _, data = self.request("GET", f"/v1/responses/{created['id']}/input_items")
+        inputId = json.loads(data)["data"][0]["id"]
+        for item in ({"type": "item_reference", "id": msg}, {"id": msg},
+                     {"type": "item_reference", "id": inputId}):
+            code, body = self.post("/v1/responses", {"model": "m", "input": [item, user("go")]})
+            self.assertEqual(code, 200, body)
+
+    def test_otherAccountUnknownDeleted(self) -> None:
+        created = self.stored()
+        msg = created["output"][-1]["id"]
+        expected = {"message": f"Item with id '{msg}' not found.",
+                    "type": "invalid_request_error", "param": "input", "code": None}
+        body = {"model": "m", "input": [{"type": "item_reference", "id": msg}]}
+        self.assertEqual(self.post("/v1/responses", body, credential="sk-a2"),
+                         (404, {"error": expected}))
+        code, answer = self.post("/v1/responses", dict(body, store=False), credential="sk-a2")
+        self.assertEqual(code, 404)
+        self.assertIn("Items are not persisted when `store` is set to false",
+                      answer["error"]["message"])
+        code, _ = self.post("/v1/responses", {"model": "m", "input": [
+            {"type": "reasoning", "id": "rs_unknown", "summary": []}]})
+        self.assertEqual(code, 404)
+        self.request("DELETE", f"/v1/responses/{created['id']}")
+        self.assertEqual(self.post("/v1/responses", body)[0], 404)
+
+    def test_oauthStoresNothing(self) -> None:
+        msg = self.stored()["output"][-1]["id"]
+        code, answer = self.post("/backend-api/codex/responses", {
+            "model": "m", "stream": True, "input": [{"type": "item_reference", "id": msg}]})
+        self.assertEqual(code, 404)
+        self.assertEqual(answer["error"]["param"], "input")
+
+    def test_compactAndInputTokens(self) -> None:
+        msg = self.stored()["output"][-1]["id"]
+        for path in ("/v1/responses/compact", "/v1/responses/input_tokens"):
+            for credential, expected in (("sk-a1", 200), ("sk-a2", 404)):
+                code, _ = self.post(path, {"model": "m", "input": [
+                    {"type": "item_reference", "id": msg}]}, credential=credential)
+                self.assertEqual(code, expected, (path, credential))

@@ -19,7 +19,11 @@ It serves, on one port (plain TCP or TLS):
     routes beyond the turn (L{relay.emulator.responsesapi}): C{POST /v1/responses/compact},
     C{POST /v1/responses/input_tokens}, stored and C{background: true} responses
     (C{GET}/C{DELETE /v1/responses/{id}}, C{?stream=true&starting_after=N}, C{GET …/input_items},
-    C{POST …/cancel}; L{relay.emulator.stored}) on the API-key route; on the OAuth route
+    C{POST …/cancel}; L{relay.emulator.stored}) on the API-key route, whose input items given
+    by id (C{item_reference}, an id-only item, a C{reasoning} item without
+    C{encrypted_content}) are resolved from the account's stored responses (their input and
+    output items), else answered 404 "Item with id '…' not found." (C{param: input}), as the
+    API does; on the OAuth route
     C{/responses/compact} is retired (404) and nothing is stored; the OAuth route answers
     with C{x-codex-turn-state} on HTTP and on the WebSocket 101;
   - the Responses WebSocket on C{GET} of the same paths with C{Upgrade: websocket};

@@ -33,6 +33,7 @@ from relay.emulator.state import (
     sseFrame,
 )
 from relay.emulator.responsesapi import ResponsesAPIMixin, manifestETag, modelsManifest
+from relay.emulator.stored import resolveItems
 from relay.emulator.stream import EventPump, TurnTracker, stallOf
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -548,6 +549,12 @@ class EmulatorResource(ResponsesAPIMixin, Resource):
         if background and route == "oauth":
             return self._json(request, 400, {"detail": "Unsupported parameter: background"})
         items = normaliseInput(body.get("input"))
+        resolved, missing = resolveItems(self.emulator.responses, route, credential, items,
+                                         body.get("store"))
+        if missing is not None:
+            return self._json(request, 404, {"error": missing})
+        if resolved is not items:
+            body, items = dict(body, input=resolved), resolved
         refused = inputError(items, self._state.nameOf(credential))
         if refused is not None:
             return self._json(request, 400, {"error": refused})

@@ -43,6 +43,7 @@ from relay.emulator.stored import (
     backgroundEvents,
     inputItemsWithIds,
     listPage,
+    resolveItems,
 )
 from relay.emulator.stream import EventPump
 
@@ -217,7 +218,13 @@ class ResponsesAPIMixin:
                 "type": "invalid_request_error", "code": "missing_required_parameter",
                 "param": "model"}})
         name = self._state.nameOf(credential)
-        error = inputError(normaliseInput(body.get("input")), name)
+        items = normaliseInput(body.get("input"))
+        resolved, missing = resolveItems(self.emulator.responses, "apikey", credential, items)
+        if missing is not None:
+            return self._json(request, 404, {"error": missing})
+        if resolved is not items:
+            body, items = dict(body, input=resolved), resolved
+        error = inputError(items, name)
         if error is not None:
             return self._json(request, 400, {"error": error})
         script = self._state.scriptFor(credential)
@@ -251,6 +258,9 @@ class ResponsesAPIMixin:
         if answer is not None:
             return answer
         items = normaliseInput(body.get("input"))
+        items, missing = resolveItems(self.emulator.responses, "apikey", credential, items)
+        if missing is not None:
+            return self._json(request, 404, {"error": missing})
         count = estimateTokens(items) + estimateTokens(body.get("instructions"))
         return self._json(request, 200, {"object": "response.input_tokens", "input_tokens": count})
 

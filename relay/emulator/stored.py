@@ -13,12 +13,17 @@ replays the events after sequence number C{N} and follows the run live to its en
 stops the run: the status becomes C{cancelled} and live streams end with C{response.cancelled}.
 The run finishing whole is a generation (L{relay.emulator.chaos}); retrieving, streaming,
 listing, cancelling and deleting never are.
+
+The items of the stored responses (input and output) are indexed by id: a turn's input item
+given by id only (L{namedById}) is resolved from its account's stored items
+(L{ResponseStore.resolve}), else answered as the API answers an unknown item
+(L{unknownItemError}, 404).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from typing import Any, Callable
 
 from attrs import define, field
 
@@ -161,21 +166,125 @@ class StoredResponse:
         self._end()
 
 
+def storedItems(stored: StoredResponse) -> list:
+    """
+    The items a stored response keeps, each with an id: its input items, then its output
+    items (what an C{item_reference} can name).
+    """
+    output = stored.final.get("output") if isinstance(stored.final, dict) else None
+    return [i for i in (*stored.inputItems, *(output or []))
+            if isinstance(i, dict) and i.get("id") and namedById(i) is None]
+
+
+def namedById(item: Any) -> str | None:
+    """
+    The id of the stored item an input item makes the API resolve, or L{None}: an
+    C{item_reference} (whose C{type} is optional: an item with an C{id}, no C{type} and no
+    C{role}), or a C{reasoning} item with an C{id} and no C{encrypted_content} (the stored
+    reasoning is looked up by id).
+    """
+    if not isinstance(item, dict):
+        return None
+    kind = item.get("type")
+    if kind == "reasoning":
+        if item.get("encrypted_content"):
+            return None
+    elif kind != "item_reference" and not (kind is None and "role" not in item):
+        return None
+    ref = item.get("id")
+    return ref if isinstance(ref, str) and ref else None
+
+
+def unknownItemError(itemId: str, storeFlag: Any) -> dict:
+    """
+    The 404 error object OpenAI answers for an item it does not hold (with its hint when the
+    request itself has C{store: false}).
+    """
+    message = f"Item with id '{itemId}' not found."
+    if storeFlag is False:
+        message += (" Items are not persisted when `store` is set to false. Try again with"
+                    " `store` set to true, or remove this item from your input.")
+    return {"message": message, "type": "invalid_request_error", "param": "input",
+            "code": None}
+
+
+def resolveItems(store: ResponseStore, route: str, credential: str | None, items: list,
+                 storeFlag: Any = None) -> tuple:
+    """
+    What the API does with the items of a request's input given by id (L{namedById}): the
+    API-key route resolves them from the account's stored responses
+    (L{ResponseStore.resolve}); the ChatGPT backend stores nothing, so there each is unknown.
+
+    @return: C{(items, None)} (the same list when nothing was resolved), or C{(None, error
+        object)} (the caller answers 404).
+    """
+    if route == "oauth":
+        for item in items:
+            ref = namedById(item)
+            if ref is not None:
+                return None, unknownItemError(ref, False)
+        return items, None
+    return store.resolve(credential, items, storeFlag)
+
+
 @define(eq=False)
 class ResponseStore:
     """
-    The stored responses of every account, bounded by L{MAX_STORED}.
+    The stored responses of every account, bounded by L{MAX_STORED}, and an index of their
+    items (L{storedItems}) by id.
     """
 
     _byId: OrderedDict = field(factory=OrderedDict)
+    _items: dict = field(factory=dict)
+    """item id -> C{(response id, item)}."""
 
     def add(self, stored: StoredResponse) -> None:
         """
         Keep a response.
         """
         self._byId[stored.responseId] = stored
+        for item in storedItems(stored):
+            self._items[item["id"]] = (stored.responseId, item)
         while len(self._byId) > MAX_STORED:
-            self._byId.popitem(last=False)
+            _, old = self._byId.popitem(last=False)
+            self._forgetItems(old)
+
+    def _forgetItems(self, stored: StoredResponse) -> None:
+        for item in storedItems(stored):
+            if self._items.get(item["id"], (None,))[0] == stored.responseId:
+                del self._items[item["id"]]
+
+    def item(self, credential: str | None, itemId: str) -> dict | None:
+        """
+        A stored item of C{credential}'s account, or L{None} (unknown, or another
+        account's).
+        """
+        entry = self._items.get(itemId)
+        if entry is None or self.get(credential, entry[0]) is None:
+            return None
+        return entry[1]
+
+    def resolve(self, credential: str | None, items: list,
+                storeFlag: Any = None) -> tuple:
+        """
+        The input with every item given by id (L{namedById}) replaced by the stored item of
+        C{credential}'s account, as the API resolves it.
+
+        @return: C{(items, None)}, or C{(None, error object)} for the first unknown id (the
+            caller answers 404).
+        """
+        out = None
+        for index, item in enumerate(items):
+            ref = namedById(item)
+            if ref is None:
+                continue
+            found = self.item(credential, ref)
+            if found is None:
+                return None, unknownItemError(ref, storeFlag)
+            if out is None:
+                out = list(items)
+            out[index] = dict(found)
+        return (items if out is None else out), None
 
     def get(self, credential: str | None, responseId: str) -> StoredResponse | None:
         """
@@ -200,6 +309,7 @@ class ResponseStore:
             stored.stopRun()
             stored.stopRun = None
         del self._byId[responseId]
+        self._forgetItems(stored)
         return True
 
 
@@ -261,5 +371,5 @@ def backgroundEvents(events: list, responseId: str, body: dict, now: float) -> l
 
 __all__ = [
     "ACTIVE", "ResponseStore", "StoredResponse", "backgroundEvents", "inputItemsWithIds",
-    "listPage",
+    "listPage", "namedById", "resolveItems", "storedItems", "unknownItemError",
 ]

@@ -27,6 +27,7 @@ from relay.emulator.state import (
     normaliseInput,
     previousNotFoundError,
 )
+from relay.emulator.stored import resolveItems
 from relay.emulator.stream import EventPump, TurnTracker, stallOf
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -259,6 +260,15 @@ class EmulatorWebSocketProtocol(WebSocketServerProtocol):
         body.pop("type", None)
         body["model"] = self._model or "gpt-5.5"
         items = normaliseInput(frame.get("input"))
+        resolved, missing = resolveItems(self._emulator.responses,
+                                         "oauth" if self._oauthRoute else "apikey",
+                                         self._credential, items, frame.get("store"))
+        if missing is not None:
+            tracker.end()
+            self._sendEvent(wsError(404, missing))
+            return
+        if resolved is not items:
+            body["input"] = items = resolved
         refused = inputError(items, state.nameOf(self._credential))
         if refused is not None:
             tracker.end()

@@ -28,6 +28,7 @@ from twisted.logger import Logger
 from relay.engine.httpattempt import attemptHTTP
 from relay.engine.pump import AttemptResult
 from relay.model import ClientError, Turn
+from relay.scheduling.itemowners import storedReference
 from relay.translate.assemble import ResponseAssembler
 
 _log = Logger()
@@ -50,13 +51,16 @@ def endsWithTrigger(body: dict) -> bool:
     return isinstance(last, dict) and last.get("type") == COMPACTION_TRIGGER
 
 
-def inputFacts(items) -> tuple:
+def inputFacts(items, references: list | None = None) -> tuple:
     """
     One pass over a turn's input for R89: the affinity keys of its
     C{compaction} items (L{compactionKeys}) and whether a
     C{compaction_trigger} sits anywhere but last (a used one the client
     replayed; upstream refuses it there).
 
+    @param references: when a list, the ids of the stored items the input
+        names (R104, L{relay.scheduling.itemowners.storedReference}) are
+        appended to it, in the same pass.
     @return: C{(keys, misplaced)}.
     """
     if type(items) is not list:
@@ -76,6 +80,11 @@ def inputFacts(items) -> tuple:
                 keys += (("compaction", affinityKey("compaction", content)),)
         elif kind == COMPACTION_TRIGGER and index != last:
             misplaced = True
+        elif references is not None and (
+                kind == "reasoning" or kind == "item_reference" or kind is None):
+            ref = storedReference(item, kind)
+            if ref is not None:
+                references.append(ref)
     return keys, misplaced
 
 

@@ -181,7 +181,7 @@ async def _readJSON(runner, turn, sink, account, response, release, rewrite) -> 
     runner.firstOutput(turn)
     responseId = parsed.get("id")
     # R39/R40: the owner is known before the client can chain from the body.
-    owned = runner.ownResponse(turn, account, responseId)
+    owned = runner.ownResponse(turn, account, responseId, parsed)
     sink.writeBody(200, passHeaders(response.headers), body)
     return AttemptResult(
         end=ends.Completed(responseId), committed=True, status=200, ownerRecorded=owned

@@ -386,7 +386,7 @@ class StreamPump(Protocol):
         # Release the slot before the terminal event reaches the client:
         # Codex sends its next request the instant it reads it
         # (architecture.md invariant 4, protocol.md 8).
-        responseId = None
+        responseId = response = None
         if event.type != DONE:
             response = event.json().get("response")
             if isinstance(response, dict):
@@ -397,7 +397,8 @@ class StreamPump(Protocol):
         forwarded = forwardedFailure or event.type == b"response.failed"
         # R39/R40: the owner too is known before the client can chain from
         # the response (found by the chaos soak, issue 14).
-        owned = not forwarded and self._runner.ownResponse(self._turn, self._account, responseId)
+        owned = not forwarded and self._runner.ownResponse(
+            self._turn, self._account, responseId, response)
         self._write(event)
         end = ends.Forwarded(responseId) if forwarded else ends.Completed(responseId)
         self._endWith(

@@ -32,6 +32,7 @@ from relay.policy import ends
 from relay.policy.bookkeeping import AccountBookkeeping
 from relay.policy.judgement import judge
 from relay.requestid import bindRequestId
+from relay.scheduling.itemowners import outputItemIds
 from relay.scheduling.scheduler import NO_SLOT
 from relay.scheduling.selection import NoAccountAvailable
 from relay.tenants.record import Attempt, TurnRecord
@@ -904,7 +905,8 @@ class TurnRunner:
             if turn.onResponseId is not None:
                 turn.onResponseId(result.responseId, account)
 
-    def ownResponse(self, turn: Turn, account, responseId: Optional[str]) -> bool:
+    def ownResponse(self, turn: Turn, account, responseId: Optional[str],
+                    response=None) -> bool:
         """
         Record that C{account} owns C{responseId} (R39) and the turn's key
         may use it (R40), called by the attempt just I{before} the terminal
@@ -917,10 +919,17 @@ class TurnRunner:
         store error is logged by the scheduler (R35 fail-open).
 
         @param responseId: the response id, or L{None} (nothing recorded).
+        @param response: the completed response object (the terminal
+            event's, or the JSON body), or L{None}: its output items are
+            the key's too (R104, at most
+            L{relay.scheduling.itemowners.MAX_OWNED_ITEMS}), recorded in
+            the same store operation.
         @return: whether the owner was recorded.
         """
         if not responseId:
             return False
+        if response is not None:
+            turn.outputItemIds = tuple(outputItemIds(response))
         self.scheduler.recordResponse(turn, responseId, account).addErrback(
             lambda f: self._log.failure(
                 "recording the owner of {response_id} failed", f,

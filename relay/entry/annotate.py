@@ -1,9 +1,11 @@
-# -*- test-case-name: tests.test_responsesapi -*-
+# -*- test-case-name: tests.test_responsesapi, tests.test_itemowners -*-
 """
 What the entrypoints note on a turn for behaviour.md R88-R90, in one place:
 a background create, and the affinity of the C{compaction} items and the
 C{x-codex-turn-state} token a turn carries (the account that produced or
-issued them is preferred, L{relay.scheduling.scheduler}).
+issued them is preferred, L{relay.scheduling.scheduler}); and, in the same
+pass, the stored items the input names by id (R104,
+L{relay.scheduling.itemowners}), which selection checks.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ def annotateTurn(turn: Turn) -> None:
     if turn.entrypoint == "http" and body.get("background") is True:
         turn.background = True
     items = body.get("input")
-    affinity, misplaced = inputFacts(items)
+    references = []
+    affinity, misplaced = inputFacts(items, references)
+    if references:
+        turn.itemReferences = tuple(references)  # R104 (relay.scheduling.itemowners)
     if misplaced:
         # R89: a used trigger the client replayed never goes upstream.
         turn.body = body = dict(body, input=withoutUsedTriggers(items))

@@ -163,6 +163,10 @@ class ConnectionState:
     lastResponseId: str | None = None
     accountId: str | None = None
     dedicated: object = None
+    unchecked: tuple = ()
+    """R104: the stored-item ids named by prewarms relay answered itself
+    (C{http_bridge}, never selected) that the transcript now carries; the
+    next chained turn is checked for them too."""
 
     def expandable(self, previous: str | None) -> bool:
         """
@@ -842,6 +846,8 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             userAgent=getattr(self, "_userAgent", None),
         )
         annotateTurn(turn)  # R89, R90 (relay.entry.annotate)
+        if previous and state.unchecked:
+            turn.itemReferences += state.unchecked  # R104: a local prewarm's items
         body = turn.body
         if mode == "http_bridge":
             if frame.get("generate") is False:
@@ -904,6 +910,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         done = dict(response, status="completed", usage={"input_tokens": 0, "output_tokens": 0, "total_tokens": 0})
         self.sendText(json.dumps({"type": "response.completed", "sequence_number": 1, "response": done}).encode())
         self._state.record(previous, inputItems, done)
+        self._state.unchecked = (self._state.unchecked if previous else ()) + turn.itemReferences
         self._turns += 1
         self._log.info(
             "answered a prewarm locally with {response_id}",
@@ -919,6 +926,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         self._turns += 1
         if sink.terminalType == b"response.completed" and sink.terminal is not None:
             self._state.record(previous, inputItems, sink.terminal)
+            self._state.unchecked = ()  # R104: checked by this turn's selection
         if self._gone or self._closing is not None:
             return
         if sink.closed:

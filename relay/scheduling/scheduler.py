@@ -43,6 +43,7 @@ from relay.interfaces import IAccountScheduler, IAccountStateView, ISlotAdmissio
 from relay.logs import ClassLogger, isoTime
 from relay.model import Account, ClientError, SchedulingSettings, Turn, WaitPlan
 from relay.scheduling.index import PoolIndex, sameSnapshot
+from relay.scheduling.itemowners import conversationRefused, itemNotFound, itemOwnerKey
 from relay.scheduling.selection import DecisionRecord, NoAccountAvailable, Selection, noAccountError
 from relay.settings import RuntimeSettings
 
@@ -660,7 +661,11 @@ class AccountScheduler:
         """
         Remember that C{account} owns C{responseId} (R39) and that the
         turn's client key owns it (R40), both with TTL
-        C{previous_response_ttl_seconds}, in the store and the local map.
+        C{previous_response_ttl_seconds}, in the store and the local map;
+        and (R104) that the key owns the output items in
+        C{turn.outputItemIds}, in the same store operation
+        (L{relay.scheduling.itemowners.itemOwnerKey}, the owner record's
+        value and TTL).
 
         @return: Deferred firing with L{None}; store errors are logged.
         """
@@ -821,19 +826,21 @@ class AccountScheduler:
         self._remember(responseId, account.id, turn.client.ownerId, ownerTtl)
         owner = json.dumps({"key": turn.client.ownerId, "account": account.id},
                            separators=(",", ":"))
+        records = ((responseKey(responseId), account.id, ttl),
+                   (responseOwnerKey(responseId), owner, ownerTtl))
+        if turn.outputItemIds:
+            # R104: its output items belong to the key too (the same record
+            # and lifetime, in the same operation: no extra round trip).
+            records += tuple((itemOwnerKey(i), owner, ownerTtl) for i in turn.outputItemIds)
         # Both writes leave at once (issue 14): a reader in another process
         # must not find the owner without the key (R40) a round trip later.
         if getattr(self._store, "setValues", None) is not None:
             # Issue 24: one operation for both (each with its own TTL).
-            await self._write("setValues", (
-                (responseKey(responseId), account.id, ttl),
-                (responseOwnerKey(responseId), owner, ownerTtl),
-            ), ttl)
+            await self._write("setValues", records, ttl)
             return
         writes = [
             Deferred.fromCoroutine(self._write("setValue", key, value, t))
-            for key, value, t in ((responseKey(responseId), account.id, ttl),
-                                  (responseOwnerKey(responseId), owner, ownerTtl))
+            for key, value, t in records
         ]
         for d in writes:
             await d
@@ -910,6 +917,10 @@ class AccountScheduler:
         See L{affinityOwner}: the store, then the local map.
         """
         owner = await self._get(key)
+        if owner and owner.startswith("{"):
+            # R104: an item owner record (relay.scheduling.itemowners)
+            # names the account that stored the item.
+            owner = _parseOwner(owner)[1]
         if owner:
             return owner
         entry = self._localAffinity.get(key)
@@ -1664,6 +1675,17 @@ class AccountScheduler:
                     param="previous_response_id", wsClose=(1008, FOREIGN_OWNER_MESSAGE),
                 )
 
+        # R104: nor a stored item, nor a conversation (relay.scheduling.itemowners).
+        if turn.itemReferences:
+            await self._checkItemOwners(turn)
+        if turn.endpoint == "responses" and turn.body.get("conversation") is not None:
+            self._log.info(
+                "key {client} named a conversation; refused",
+                event="relay.conversation_refused", request_id=turn.requestId,
+                client=turn.client.name,
+            )
+            raise NoAccountAvailable(conversationRefused())
+
         # Issue 24: the binding read leaves with the states read (one round
         # trip on Redis, relay.state.redisbatch); memory answers both at once.
         binding = None
@@ -1761,6 +1783,37 @@ class AccountScheduler:
         if choice is None:
             raise self._nothingQualifies(ctx, openAccounts)
         return await self._finish(ctx, started, choice)
+
+    async def _checkItemOwners(self, turn: Turn) -> None:
+        """
+        R104: every stored item the turn's input names by id
+        (C{turn.itemReferences}) must be owned by the turn's key: its owner
+        record (L{itemOwnerKey}, written with the response that produced
+        it) names the key. The reads leave together (one round trip on
+        Redis); a missing record, another key's, or a store error refuses
+        the turn (fail closed) with upstream's 404 for an unknown item.
+
+        @raise NoAccountAvailable: carrying L{itemNotFound}.
+        """
+        refs = tuple(dict.fromkeys(turn.itemReferences))
+        reads = [self._read(itemOwnerKey(ref)) for ref in refs]
+        owners = [await self._got(d, itemOwnerKey(ref)) for ref, d in zip(refs, reads)]
+        for ref, raw in zip(refs, owners):
+            keyName = _parseOwner(raw)[0] if raw else None
+            if keyName == turn.client.ownerId:
+                continue
+            self._log.info(
+                "key {client} named item {item_id} it does not own; refused",
+                event="relay.item_reference_refused", item_id=ref,
+                reason="unowned" if keyName is None else "foreign",
+                request_id=turn.requestId, client=turn.client.name,
+            )
+            raise NoAccountAvailable(itemNotFound(ref))
+        # Upstream resolves an item on the account that stored it: the turn
+        # prefers that account (the affinity layer, like R89's compaction).
+        layer = ("item_reference", itemOwnerKey(refs[0]))
+        if layer not in turn.affinity:
+            turn.affinity += (layer,)
 
     async def _previousLayer(self, ctx: _Pass, previous: str) -> Optional[_Choice]:
         """
