@@ -187,8 +187,9 @@ class RaceDepartureTests(SynchronousTestCase):
         self.assertEqual(self.successResultOf(view), "result")
         self.assertEqual(self.successResultOf(done), "result")
         self.assertEqual(signal._waiters, [])
-        already = raceDeparture(succeed("early"), signal)
-        self.assertEqual(self.successResultOf(already), "early")
+        early = succeed("early")
+        self.assertIs(raceDeparture(early, signal), early)
+        self.assertEqual(signal._waiters, [])
 
     def test_departureLeavesTheDoneAlone(self):
         """

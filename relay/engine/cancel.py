@@ -56,13 +56,17 @@ def raceDeparture(d: Deferred, cancel) -> Deferred:
     callback fewer (issue 24: once per streamed attempt): when the client
     goes, the result fails with L{ClientGone} and C{d} is left alone (its
     owner, the pump, ends it on departure); else it fires with C{d}'s
-    result, which C{d} keeps.
+    result, which C{d} keeps (C{d} itself when it already has it).
 
     @param d: a Deferred that never fails (a pump's C{done}).
     @param cancel: the turn's L{relay.model.CancelSignal}.
     """
     if cancel.cancelled:
         return fail(ClientGone(cancel.reason))
+    if d.called and not isinstance(d.result, (Deferred, Failure)):
+        # The pump ended while it started (its whole body was in): nothing
+        # to race; awaiting C{d} leaves it its result.
+        return d
     view = Deferred(_ignoreCancel)
 
     def _cancelled(reason):
