@@ -163,3 +163,65 @@ class RaceCancelTests(SynchronousTestCase):
         self.assertEqual(self.successResultOf(d), "ok")
         self.assertEqual(signal._waiters, [])
         signal.cancel()
+
+
+class RaceDepartureTests(SynchronousTestCase):
+    """
+    L{relay.engine.cancel.raceDeparture}: a pump's C{done} raced against the
+    client's departure without cancelling it (issue 24).
+    """
+
+    def test_resultPassesThroughAndStays(self):
+        """
+        The view fires with the pump's result, which C{done} keeps; the
+        signal holds no watcher afterwards.
+        """
+        from relay.engine.cancel import raceDeparture
+        from relay.model import CancelSignal
+
+        signal = CancelSignal()
+        done = Deferred()
+        view = raceDeparture(done, signal)
+        self.assertNoResult(view)
+        done.callback("result")
+        self.assertEqual(self.successResultOf(view), "result")
+        self.assertEqual(self.successResultOf(done), "result")
+        self.assertEqual(signal._waiters, [])
+        early = succeed("early")
+        self.assertIs(raceDeparture(early, signal), early)
+        self.assertEqual(signal._waiters, [])
+
+    def test_departureLeavesTheDoneAlone(self):
+        """
+        The client going fails the view with L{ClientGone} (its reason) and
+        does not cancel C{done}; its later result is ignored by the view.
+        """
+        from relay.engine.cancel import ClientGone, raceDeparture
+        from relay.model import CancelSignal
+
+        signal = CancelSignal()
+        cancelled = []
+        done = Deferred(lambda _: cancelled.append(True))
+        view = raceDeparture(done, signal)
+        signal.cancel("client_gone")
+        self.assertEqual(str(self.failureResultOf(view, ClientGone).value), "client_gone")
+        self.assertEqual(cancelled, [])
+        done.callback("departed")
+        self.assertEqual(self.successResultOf(done), "departed")
+        gone = raceDeparture(Deferred(), signal)
+        self.failureResultOf(gone, ClientGone)
+
+    def test_cancellingTheViewLeavesTheDoneAlone(self):
+        """
+        Cancelling the view (the turn's own Deferred was cancelled) does
+        not cancel C{done}.
+        """
+        from relay.engine.cancel import raceDeparture
+        from relay.model import CancelSignal
+
+        cancelled = []
+        done = Deferred(lambda _: cancelled.append(True))
+        view = raceDeparture(done, CancelSignal())
+        view.cancel()
+        self.failureResultOf(view, CancelledError)
+        self.assertEqual(cancelled, [])

@@ -167,6 +167,42 @@ class ConnectionTests(SynchronousTestCase):
         self.assertEqual(body.data, [b"ok"])
         self.assertTrue(body.reason.check(ResponseDone))
 
+    def test_headFiresOnceTheReadIsParsed(self):
+        """
+        Issue 24: the head's Deferred fires after the whole read it came in
+        is parsed, so the consumer of a body that came with its head finds
+        it ended (a JSON turn reads it without waiting again); the
+        connection is back in the pool by then.
+        """
+        d = self._request()
+        seen = []
+
+        def head(response):
+            body = Body()
+            response.deliverBody(body)
+            seen.append((b"".join(body.data), body.reason, list(self.pool._idle[self.target.key])))
+
+        d.addCallback(head)
+        self.connection.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\n{}{}")
+        [(data, reason, idle)] = seen
+        self.assertEqual(data, b"{}{}")
+        self.assertTrue(reason.check(ResponseDone))
+        self.assertEqual(idle, [self.connection])
+
+    def test_headThenBrokenRead(self):
+        """
+        A read whose body breaks after the head still gives the head; the
+        body then ends as failed (L{ResponseFailed}).
+        """
+        d = self._request()
+        self.connection.dataReceived(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\nzz\r\n"
+        )
+        body = Body()
+        self.successResultOf(d).deliverBody(body)
+        self.assertEqual(body.data, [b"ok"])
+        self.assertTrue(body.reason.check(ResponseFailed))
+
     def test_interimResponseSkipped(self):
         """
         A C{100 Continue} before the real head is not the response.
@@ -332,3 +368,57 @@ class ConnectionTests(SynchronousTestCase):
         self.assertTrue(self.transport.disconnecting)
         self.assertEqual(self.transport.value(), b"")
         self.assertIsNotNone(endpoint.factory)
+
+
+class EngineBodyReadTests(SynchronousTestCase):
+    """
+    L{relay.engine.upstreambody.readBody} over a L{Connection}'s response:
+    R24's idle timer runs only while the body is still arriving.
+    """
+
+    def setUp(self):
+        self.clock = Clock()
+        self.pool = ConnectionPool(self.clock, None, 5)
+        self.target = Target("http://up/v1/responses")
+        self.connection = Connection(self.pool, self.target.key)
+        self.connection.makeConnection(StringTransport())
+
+    def _response(self, data: bytes):
+        d = self.connection.request(requestBytes(self.target, {}, b"{}"))
+        self.connection.dataReceived(data)
+        return self.successResultOf(d)
+
+    def test_bodyAlreadyInNeedsNoTimer(self):
+        """
+        A body that came with its head is read at once; no idle timer is
+        left behind (issue 24).
+        """
+        from relay.engine.upstreambody import readBody
+
+        response = self._response(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        timers = []
+        self.clock.callLater = lambda *a, **kw: timers.append(a) or Clock.callLater(
+            self.clock, *a, **kw
+        )
+        self.assertEqual(self.successResultOf(readBody(response, 100, 30.0, self.clock)), b"ok")
+        self.assertEqual(timers, [])
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_idleBodyTimesOut(self):
+        """
+        A body still arriving is watched: each read restarts the idle
+        period, and a silent one fails with L{BodyBroken} (C{idle}).
+        """
+        from relay.engine.upstreambody import BodyBroken, readBody
+
+        response = self._response(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nok")
+        d = readBody(response, 100, 30.0, self.clock)
+        self.clock.advance(20)
+        self.connection.dataReceived(b"o")
+        self.clock.advance(20)
+        self.assertNoResult(d)
+        self.clock.advance(10)
+        failure = self.failureResultOf(d, BodyBroken)
+        self.assertTrue(failure.value.idle)
+        self.assertEqual(failure.value.partial, b"oko")
+        self.assertEqual(self.clock.getDelayedCalls(), [])

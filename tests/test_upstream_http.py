@@ -91,3 +91,46 @@ class QuietFactoryTests(SynchronousTestCase):
         self.assertTrue(dialer._pools)
         for pool in dialer._pools:
             self.assertIsInstance(pool, QuietConnectionPool)
+
+
+class HeaderTimeoutTests(SynchronousTestCase):
+    """
+    The direct path's header timeout (connect + header seconds): the dial
+    is cancelled and fails with L{relay.upstream.http.HeaderTimeout}.
+    """
+
+    def test_timesOut(self):
+        """
+        No head in time: cancelled, failing with C{HeaderTimeout}.
+        """
+        from relay.upstream.http import HeaderTimeout, _headerTimeout
+
+        clock = Clock()
+        cancelled = []
+        d = _headerTimeout(Deferred(cancelled.append), 5.0, clock)
+        clock.advance(4.9)
+        self.assertNoResult(d)
+        clock.advance(0.1)
+        self.assertEqual(len(cancelled), 1)
+        failure = self.failureResultOf(d, HeaderTimeout)
+        self.assertIn("within 5s", str(failure.value))
+
+    def test_headInTime(self):
+        """
+        A head in time passes through and the timer is gone; a cancel by
+        someone else (the client left) stays a cancellation.
+        """
+        from twisted.internet.defer import CancelledError
+
+        from relay.upstream.http import _headerTimeout
+
+        clock = Clock()
+        d = Deferred()
+        result = _headerTimeout(d, 5.0, clock)
+        d.callback("head")
+        self.assertEqual(self.successResultOf(result), "head")
+        self.assertEqual(clock.getDelayedCalls(), [])
+        other = _headerTimeout(Deferred(), 5.0, clock)
+        other.cancel()
+        self.failureResultOf(other, CancelledError)
+        self.assertEqual(clock.getDelayedCalls(), [])

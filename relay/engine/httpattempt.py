@@ -14,7 +14,7 @@ import json
 from twisted.logger import Logger
 
 from relay.engine.background import countBackgroundOnce
-from relay.engine.cancel import ClientGone, raceCancel, uncancellable
+from relay.engine.cancel import ClientGone, raceCancel, raceDeparture
 from relay.engine.payload import (
     isEmptyCompleted,
     translatesChat,
@@ -111,7 +111,7 @@ async def attemptHTTP(runner, turn: Turn, sink, account, release) -> AttemptResu
         )
         pump.start(response)
         try:
-            return await raceCancel(uncancellable(pump.done), turn.cancel)
+            return await raceDeparture(pump.done, turn.cancel)
         except ClientGone:
             pump.depart(turn.cancel.reason)
             raise

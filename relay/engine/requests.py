@@ -31,7 +31,7 @@ from attrs import frozen
 from twisted.logger import Logger
 
 from relay.engine.background import countBackgroundOnce
-from relay.engine.cancel import ClientGone, raceCancel, uncancellable
+from relay.engine.cancel import ClientGone, raceCancel, raceDeparture
 from relay.engine.payload import upstreamClientHeaders
 from relay.engine.pump import AttemptResult, StreamPump, passHeaders
 from relay.engine.upstreambody import ERROR_BODY_LIMIT, JSON_BODY_LIMIT, BodyBroken, readBody
@@ -263,7 +263,7 @@ async def forwardAttempt(runner, turn: Turn, sink, account, release) -> AttemptR
                           s.upstream.stream_idle_timeout_seconds)
         pump.start(response)
         try:
-            return await raceCancel(uncancellable(pump.done), turn.cancel)
+            return await raceDeparture(pump.done, turn.cancel)
         except ClientGone:
             pump.depart(turn.cancel.reason)
             raise

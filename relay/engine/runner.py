@@ -277,10 +277,15 @@ class TurnRunner:
             state.keepalive = self._startKeepalive(turn, sink)
             # R105: the stores first (the key policy reads the control
             # plane's keys and disables, selection its pauses).
-            await self._waitForStores(turn)
+            # Issue 24: no coroutine for what is ready (the common case).
+            gate = self.startupGate
+            pending = gate.wait() if gate is not None else None
+            if pending is not None:
+                await self._waitForStores(turn, pending)
             self._checkKeyPolicy(turn, self.clock.seconds())
             self._checkTokenBudget(turn, self.clock.seconds())
-            await self._checkKeyRate(turn)
+            if self.keyPolicy is not None and (turn.client.rpm or turn.client.tpm):
+                await self._checkKeyRate(turn)
             if not turn.keyAdmitted:
                 userLease = await self._admitUser(turn, sink, state)
             outcome, status, accountId = await self._loop(turn, sink, state)
@@ -381,7 +386,7 @@ class TurnRunner:
             self.usage.overBudget(turn.client.name, now) if self.usage is not None else None
         )
 
-    async def _waitForStores(self, turn: Turn) -> None:
+    async def _waitForStores(self, turn: Turn, pending: Deferred) -> None:
         """
         R105: no turn on an account before its tokens, the settings and the
         control plane's first read (pauses, admin keys and disables) are
@@ -390,11 +395,10 @@ class TurnRunner:
         L{STARTUP_WAIT_SECONDS}; a store whose read failed sets its flag,
         R35/R101, so a silent store ends the wait); then selection's
         C{tokens_loading} block skips what is still not loaded.
+
+        @param pending: the gate's L{Deferred} (C{StartupGate.wait}), not
+            yet fired.
         """
-        gate = self.startupGate
-        pending = gate.wait() if gate is not None else None
-        if pending is None:
-            return
         self._log.info(
             "turn {request_id} waits for the stores to load", event="relay.turn_waits_for_stores",
             request_id=turn.requestId,

@@ -56,16 +56,20 @@ class _BodyReader(Protocol):
         if self.transport is not None:
             self.transport.stopProducing()
 
-    def connectionMade(self) -> None:
-        self._arm()
-
     def _arm(self) -> None:
-        if self._idle <= 0:
+        # Armed by L{readBody} once the body is handed over (issue 24: a
+        # body that was already in ends without a timer); from then on each
+        # read restarts the idle period.
+        if self._idle <= 0 or self.done.called:
             return
         if self._timer is not None and self._timer.active():
             self._timer.reset(self._idle)
         else:
             self._timer = self._clock.callLater(self._idle, self._expired)
+
+    def _touch(self) -> None:
+        if self._timer is not None and self._timer.active():
+            self._timer.reset(self._idle)
 
     def _disarm(self) -> None:
         if self._timer is not None and self._timer.active():
@@ -82,7 +86,7 @@ class _BodyReader(Protocol):
     def dataReceived(self, data: bytes) -> None:
         if self.done.called:
             return
-        self._arm()
+        self._touch()
         room = self._limit - self._size
         self._parts.append(data[:room])
         self._size += min(len(data), room)
@@ -112,4 +116,5 @@ def readBody(response, limit: int, idle: float, clock) -> Deferred:
     """
     reader = _BodyReader(limit, idle, clock)
     response.deliverBody(reader)
+    reader._arm()
     return reader.done

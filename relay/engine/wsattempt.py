@@ -27,7 +27,7 @@ from typing import Optional
 from attrs import define, evolve
 from twisted.logger import Logger
 
-from relay.engine.cancel import ClientGone, raceCancel, uncancellable
+from relay.engine.cancel import ClientGone, raceCancel, raceDeparture
 from relay.engine.errors import previousResponseNotFound
 from relay.engine.httpattempt import attemptHTTP
 from relay.engine.payload import dropOAuthSampling, upstreamClientHeaders
@@ -606,7 +606,7 @@ class WebSocketAttempt:
                 result = AttemptResult(end=ends.TransportFailure(e, "write"), status=502)
                 return result, self._staleRetry(turn, account, conn, result, fresh)
             try:
-                result = await raceCancel(uncancellable(pump.done), turn.cancel)
+                result = await raceDeparture(pump.done, turn.cancel)
             except ClientGone:
                 pump.depart(turn.cancel.reason)
                 giveBack(broken=True)

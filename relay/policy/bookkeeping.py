@@ -33,8 +33,9 @@ from __future__ import annotations
 from typing import Optional
 
 from attrs import define, field, frozen
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from relay.eager import eagerDeferred
 from relay.policy import ends as E
@@ -157,6 +158,14 @@ class AccountBookkeeping:
         """
         if isinstance(end, E.Departed):
             return Deferred.fromCoroutine(_nothing())
+        if isinstance(end, E.Completed):
+            # Issue 24: a success (every relayed turn's end) needs no
+            # coroutine: the health answers at once (a fired Deferred).
+            self.accountStats(account.id)["last_success_at"] = self.clock.seconds()
+            done = self.health.success(account, model)
+            if done.called and not isinstance(done.result, (Failure, Deferred)):
+                return succeed(NOTHING)
+            return done.addCallback(lambda _: NOTHING)
         return eagerDeferred(  # issue 16: no driver for a record that never waits
             self._record(account, end, verdict, model, requestId, upstreamRequestId)
         )

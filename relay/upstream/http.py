@@ -365,8 +365,7 @@ class HTTPDialer:
                 data = requestBytes(target, upstreamHeaders(account, headers), body)
                 d = self._directPool(timeouts).request(target, data)
                 timeout = timeouts.connect_timeout_seconds + timeouts.header_timeout_seconds
-                d.addTimeout(timeout, self._reactor, onTimeoutCancel=lambda r, t: _timeoutFail(t))
-                return d
+                return _headerTimeout(d, timeout, self._reactor)
         client = self._clientFor(account, timeouts)
         prepared = self._urls.get(url)
         if prepared is None:
@@ -398,6 +397,32 @@ class HTTPDialer:
         closing = [p.closeCachedConnections() for p in self._pools]
         closing.extend(p.close() for p in self._direct.values())
         return gatherResults(closing)
+
+
+def _headerTimeout(d: Deferred, timeout: float, clock) -> Deferred:
+    """
+    C{d.addTimeout(timeout, clock)} failing with L{HeaderTimeout}, in one
+    callback rather than C{addTimeout}'s two (issue 24: once per turn).
+
+    @param timeout: seconds until C{d} is cancelled.
+    @return: C{d}.
+    """
+    timedOut = []
+
+    def expire() -> None:
+        timedOut.append(True)
+        d.cancel()
+
+    call = clock.callLater(timeout, expire)
+
+    def settle(result):
+        if timedOut:
+            return _timeoutFail(timeout)
+        if call.active():
+            call.cancel()
+        return result
+
+    return d.addBoth(settle)
 
 
 def _timeoutFail(t):

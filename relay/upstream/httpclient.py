@@ -273,6 +273,7 @@ class Connection(Protocol):
         self._key = key
         self._parser = httptools.HttpResponseParser(self)
         self._waiting: Deferred | None = None
+        self._head: tuple | None = None
         self._headers: dict = {}
         self._framed = False
         self._aborted = False
@@ -359,7 +360,11 @@ class Connection(Protocol):
         self.response = Response(self, code, headers, decoder)
         d, self._waiting = self._waiting, None
         if d is not None:
-            d.callback(self.response)
+            # Issue 24: fired once this read is parsed (L{dataReceived}),
+            # so a body that came with its head is already buffered (and
+            # ended) when the consumer takes it: a JSON turn reads it
+            # without waiting again.
+            self._head = (d, self.response)
 
     def on_body(self, body: bytes) -> None:
         if self.response is not None and not self._aborted:
@@ -389,6 +394,10 @@ class Connection(Protocol):
             self.fail(Failure())
         except httptools.HttpParserError:
             self.fail(Failure())
+        head = self._head
+        if head is not None:
+            self._head = None
+            head[0].callback(head[1])
 
     def connectionLost(self, reason: Failure = _CLOSED) -> None:
         self._aborted = True
