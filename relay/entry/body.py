@@ -400,6 +400,11 @@ class _Headers(Headers):
             if canonical is not None:
                 values = self._rawHeaders.get(canonical)
                 return values if values else default
+        elif name.__class__ is str:
+            canonical = _CANONICAL.get(name)
+            if canonical is not None:
+                values = self._rawHeaders.get(canonical)
+                return [v.decode("utf8") for v in values] if values else default
         return Headers.getRawHeaders(self, name, default)
 
     def setRawHeaders(self, name, values) -> None:
