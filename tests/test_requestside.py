@@ -290,3 +290,74 @@ class RateTimerTests(SynchronousTestCase):
 
 
 del Deferred
+
+
+class _Chunks(Resource):
+    isLeaf = True
+
+    def render_GET(self, request):
+        request.setHeader(b"content-type", b"text/event-stream")
+        for piece in (b"data: one\n\n", b"", b"x" * 300, memoryview(b"mv")):
+            request.write(piece)
+        self.sent = request.sentLength
+        request.finish()
+        return NOT_DONE_YET
+
+
+class ChunkTests(SynchronousTestCase):
+    """
+    The chunks after an answer's head (L{relay.app._Request.write}) are
+    framed as twisted.web frames them.
+    """
+
+    def answer(self, site):
+        from twisted.internet.testing import StringTransport
+
+        channel = site.buildProtocol(None)
+        transport = StringTransport()
+        channel.makeConnection(transport)
+        channel.dataReceived(b"GET /s HTTP/1.1\r\nHost: x\r\n\r\n")
+        return transport.value().partition(b"\r\n\r\n")[2]
+
+    def test_sameAsTwisted(self):
+        from twisted.web.server import Site
+
+        from relay.app import _Request
+
+        ours, theirs = _Chunks(), _Chunks()
+        self.assertEqual(self.answer(RelaySite(ours, requestFactory=_Request)),
+                         self.answer(Site(theirs)))
+        self.assertEqual(ours.sent, theirs.sent)
+        self.assertEqual(ours.sent, 313)
+
+
+class AddressTests(SynchronousTestCase):
+    """
+    A connection's addresses are asked of its transport once.
+    """
+
+    def test_oncePerTransport(self):
+        from twisted.internet.address import IPv4Address
+        from twisted.internet.testing import StringTransport
+
+        asked = []
+
+        class Counting(StringTransport):
+            def getPeer(self):
+                asked.append("peer")
+                return IPv4Address("TCP", "10.1.1.1", 5)
+
+            def getHost(self):
+                asked.append("host")
+                return IPv4Address("TCP", "10.0.0.1", 80)
+
+        channel = RelaySite(Resource()).buildProtocol(None)
+        channel.makeConnection(Counting())
+        inner = channel._channel
+        for _ in range(3):
+            self.assertEqual(inner.getPeer(), IPv4Address("TCP", "10.1.1.1", 5))
+            self.assertEqual(inner.getHost(), IPv4Address("TCP", "10.0.0.1", 80))
+        self.assertEqual(sorted(asked), ["host", "peer"])
+        inner.transport = Counting()
+        inner.getPeer()
+        self.assertEqual(len(asked), 4)

@@ -257,6 +257,29 @@ class RelayHTTPChannel(HTTPChannel):
         _rawAnswer(self.transport, TOO_MANY_CONNECTIONS, newRequestId())
         self.loseConnection()
 
+    _relayAddresses = None
+
+    def _addresses(self) -> tuple:
+        """
+        The connection's C{(transport, peer, host)} addresses, asked of the
+        transport once per transport (issue 24: twisted.web's C{Request}
+        asks for both on every request, and a TCP transport builds a new
+        address object each time, the host one with a C{getsockname}).
+        """
+        transport = self.transport
+        addresses = self._relayAddresses
+        if addresses is None or addresses[0] is not transport:
+            addresses = self._relayAddresses = (
+                transport, transport.getPeer(), transport.getHost()
+            )
+        return addresses
+
+    def getPeer(self):
+        return self._addresses()[1]
+
+    def getHost(self):
+        return self._addresses()[2]
+
     def connectionMade(self) -> None:
         super().connectionMade()
         self._awaitingHeaders = True
