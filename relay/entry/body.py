@@ -1,4 +1,4 @@
-# -*- test-case-name: tests.test_body -*-
+# -*- test-case-name: tests.test_body, tests.test_requestside -*-
 """
 Request bodies: the size limit and C{Content-Encoding} (issue 13 items 2
 and 3), held raw and decoded only after the key's slot is admitted
@@ -388,7 +388,7 @@ class _Headers(Headers):
     is (what C{_sanitizeLinearWhitespace} returns for it). Anything else
     goes to twisted.web's own method. Same layout (no slots of its own), so
     a request's two L{Headers} become these by a class change
-    (L{LimitedBodyRequest.__init__}); C{tests.test_body} compares both
+    (L{LimitedBodyRequest.__init__}); C{tests.test_requestside} compares both
     classes' results on names and values of every kind.
     """
 
@@ -1121,7 +1121,7 @@ class LimitedBodyRequest(Request):
 
         The rest is twisted.web's, in its order: C{Server}, C{Date},
         C{prepath}/C{postpath}, C{*}, the resource, its encoder, render,
-        C{processingFailed}. C{tests.test_body} compares both on answers
+        C{processingFailed}. C{tests.test_requestside} compares both on answers
         and on what a resource sees.
         """
         site = self.site = self.channel.site
@@ -1157,7 +1157,7 @@ class LimitedBodyRequest(Request):
         is always false here, so its C{Content-Type} is not read): the body
         rewound, C{method}, C{uri}, C{clientproto}, C{path}, C{args} (the
         query parsed only when there is one), then L{process}. Issue 24
-        item 2; C{tests.test_body} compares both.
+        item 2; C{tests.test_requestside} compares both.
         """
         self.content.seek(0, 0)
         self.args = {}

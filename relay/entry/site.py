@@ -1,4 +1,4 @@
-# -*- test-case-name: tests.test_site -*-
+# -*- test-case-name: tests.test_site, tests.test_requestside -*-
 """
 The HTTP transport under every route: relay answers in OpenAI's error
 format even where twisted.web would answer on its own (issue 14's fuzzed
