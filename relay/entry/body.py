@@ -499,6 +499,9 @@ class LimitedBodyRequest(Request):
     _done = False
     relayRequestId = None
     """The request's id once L{relay.requestid.requestIdOf} chose it."""
+    relayStartedAt = None
+    """When the request's headers were in (site clock seconds), for the
+    access line's duration (L{relay.app._Site.log})."""
     _rateLate = False
 
     def __init__(self, *args, **kwargs):
