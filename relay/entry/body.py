@@ -49,7 +49,8 @@ from twisted.web.server import version as _SERVER
 from relay.entry import intake as _intake
 from relay.entry.logthrottle import suppressedNote, throttleOf
 from relay.entry.sinks import errorBody, writeError
-from relay.model import ClientError
+from relay.entry.jsonbody import loadJSON
+from relay.model import CancelSignal, ClientError
 from relay.requestid import requestIdOf
 
 _CANONICAL = _nameEncoder._canonicalHeaderCache
@@ -869,12 +870,9 @@ class LimitedBodyRequest(Request):
             admit is not None and self.relayClientKey is not None and not self._discard
             and self._bodyError is None and self._received
         ):
-            from relay.entry.intake import isTurnPath
-            from relay.model import CancelSignal
-
             self._cancel = CancelSignal()
             keepalive = None
-            if command.upper() == b"POST" and isTurnPath(path):
+            if command.upper() == b"POST" and _intake.isTurnPath(path):
                 self._line = (command, path, version)
                 keepalive = self._waitKeepalive
             d = self._admitting = admit(
@@ -1069,8 +1067,6 @@ class LimitedBodyRequest(Request):
             not JSON (or nests too deep).
         """
         if not self._parsed:
-            from relay.entry.jsonbody import loadJSON
-
             raw = self.content.read() if self.content is not None else b""
             self._parsed = True
             if not raw.strip():
