@@ -361,3 +361,30 @@ class AddressTests(SynchronousTestCase):
         inner.transport = Counting()
         inner.getPeer()
         self.assertEqual(len(asked), 4)
+
+
+class BadRequestIdTests(SynchronousTestCase):
+    """
+    A client's C{X-Request-Id} (or C{X-Client-Request-Id}) that is no UTF-8
+    is not adopted: the request is answered with an id of relay's own
+    (twisted.web's C{getHeader(str)} raised, and the connection dropped
+    with no answer).
+    """
+
+    def test_answeredWithANewId(self):
+        for name in (b"X-Request-Id", b"X-Client-Request-Id"):
+            app, _ = relaySite()
+            conn = Conn(app.site).send(head(b"/healthz", b"GET",
+                                            headers=name + b": \xff\xfe\r\n"))
+            self.assertEqual(conn.status(), 200)
+            self.assertRegex(conn.value, rb"\r\nX-Request-Id: req_[0-9a-f]+\r\n")
+
+    def test_utf8StillReadAsText(self):
+        """
+        A UTF-8 value is read as text as before (here one whose NBSP is
+        stripped, leaving a well-formed id).
+        """
+        app, _ = relaySite()
+        conn = Conn(app.site).send(head(b"/healthz", b"GET",
+                                        headers=b"X-Request-Id: abc-1\xc2\xa0\r\n"))
+        self.assertIn(b"\r\nX-Request-Id: abc-1\r\n", conn.value)
