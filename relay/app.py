@@ -67,14 +67,30 @@ class _Request(LimitedBodyRequest):
         requestIdOf(self)
         super().process()
 
+    _relayChunks = False
+    """The answer's head went out through L{relay.entry.site.RelayHTTPChannel}
+    (L{write}): later chunks go to its C{write} directly."""
+
     def write(self, data: bytes) -> None:
         """
         Issue 24: the answer's first write sends its head and C{data} in
-        one C{send} (L{relay.entry.site.RelayHTTPChannel.holdHead}).
+        one C{send} (L{relay.entry.site.RelayHTTPChannel.holdHead}); the
+        chunks after it (a streamed answer) are framed here.
         """
+        if self._relayChunks and self.chunked:
+            if not (self.finished or self._disconnected or self._encoder or self._inFakeHead):
+                # Issue 24: a chunk of a streamed answer (an SSE event), as
+                # twisted.web's Request.write frames it (toChunk, joined by
+                # RelayHTTPChannel.writeSequence), without its five calls.
+                self.sentLength += len(data)
+                if data:
+                    self.channel.write(b"%x\r\n%b\r\n" % (len(data), data))
+                return None
+            return super().write(data)
         channel = getattr(self, "channel", None)
         if self.startedWriting or channel is None or not hasattr(channel, "holdHead"):
             return super().write(data)
+        self._relayChunks = True
         channel.holdHead()
         try:
             super().write(data)

@@ -140,10 +140,30 @@ def requestIdOf(request) -> str:
     """
     requestId = getattr(request, _ATTRIBUTE, None)
     if requestId is None:
-        requestId = adoptClientId(request.getHeader) or newRequestId()
+        requestId = adoptClientId(_textHeader(request)) or newRequestId()
         setattr(request, _ATTRIBUTE, requestId)
         request.setHeader(b"x-request-id", requestId.encode("ascii"))
     return requestId
+
+
+def _textHeader(request) -> Callable[[str], object]:
+    """
+    A request's header values as text, as C{request.getHeader(str)} gives
+    them (UTF-8), except that a value that is no UTF-8 reads as L{None}
+    (twisted.web's C{getHeader(str)} raises, which dropped the connection
+    with no answer) so the request gets an id of relay's own.
+    """
+
+    def getHeader(name: str):
+        value = request.getHeader(name.encode("ascii"))
+        if isinstance(value, bytes):
+            try:
+                return value.decode("utf-8")
+            except UnicodeDecodeError:
+                return None
+        return value
+
+    return getHeader
 
 
 def bindRequestId(requestId: str | None) -> Token:

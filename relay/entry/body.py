@@ -1,4 +1,4 @@
-# -*- test-case-name: tests.test_body -*-
+# -*- test-case-name: tests.test_body, tests.test_requestside -*-
 """
 Request bodies: the size limit and C{Content-Encoding} (issue 13 items 2
 and 3), held raw and decoded only after the key's slot is admitted
@@ -35,16 +35,25 @@ from __future__ import annotations
 import io
 import tempfile
 import zlib
+from urllib.parse import unquote_to_bytes
 from typing import Callable, Optional
 
 from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.http import parse_qs
+from twisted.web.http_headers import Headers, _nameEncoder
+from twisted.web.resource import _IEncodingResource
 from twisted.web.server import Request
+from twisted.web.server import version as _SERVER
 
 from relay.entry import intake as _intake
 from relay.entry.logthrottle import suppressedNote, throttleOf
 from relay.entry.sinks import errorBody, writeError
-from relay.model import ClientError
+from relay.entry.jsonbody import loadJSON
+from relay.model import CancelSignal, ClientError
 from relay.requestid import requestIdOf
+
+_CANONICAL = _nameEncoder._canonicalHeaderCache
 
 DEFAULT_MAX_BODY_BYTES = 64 * 2**20
 """The default of C{gateway.max_request_body_bytes} (config.md)."""
@@ -369,6 +378,72 @@ class _Once:
         return getattr(self._lease, name)
 
 
+class _Headers(Headers):
+    """
+    twisted.web's L{Headers} with a shorter path for the calls a turn makes
+    (issue 24 item 2: ~40 header reads and writes per turn, each through
+    C{_NameEncoder.encode} and the value sanitiser): a C{bytes} name
+    twisted.web has canonicalised before (its C{_canonicalHeaderCache},
+    where every constant name relay and twisted.web use lands on first use)
+    is looked up once, and a C{bytes} value with no CR or LF is stored as
+    is (what C{_sanitizeLinearWhitespace} returns for it). Anything else
+    goes to twisted.web's own method. Same layout (no slots of its own), so
+    a request's two L{Headers} become these by a class change
+    (L{LimitedBodyRequest.__init__}); C{tests.test_requestside} compares both
+    classes' results on names and values of every kind.
+    """
+
+    __slots__ = ()
+
+    def getRawHeaders(self, name, default=None):
+        if name.__class__ is bytes:
+            canonical = _CANONICAL.get(name)
+            if canonical is not None:
+                values = self._rawHeaders.get(canonical)
+                return values if values else default
+        elif name.__class__ is str:
+            canonical = _CANONICAL.get(name)
+            if canonical is not None:
+                values = self._rawHeaders.get(canonical)
+                return [v.decode("utf8") for v in values] if values else default
+        return Headers.getRawHeaders(self, name, default)
+
+    def setRawHeaders(self, name, values) -> None:
+        if name.__class__ is bytes and values.__class__ is list and len(values) == 1:
+            value = values[0]
+            canonical = _CANONICAL.get(name)
+            if (
+                canonical is not None and value.__class__ is bytes
+                and b"\r" not in value and b"\n" not in value
+            ):
+                self._rawHeaders[canonical] = [value]
+                return
+        Headers.setRawHeaders(self, name, values)
+
+
+class _OnGone:
+    """
+    A L{Request.notifications} entry that is no L{Deferred}: twisted.web
+    calls C{callback(None)} on every entry when the answer is finished and
+    C{errback(reason)} when the connection is lost first; only the latter
+    calls C{f(reason)} (L{LimitedBodyRequest.relayOnGone}).
+    """
+
+    __slots__ = ("_f",)
+
+    def __init__(self, f):
+        self._f = f
+
+    def callback(self, result) -> None:
+        pass
+
+    def errback(self, reason) -> None:
+        try:
+            self._f(reason)
+        except Exception:  # noqa: BLE001 - as a Deferred keeps it: the other entries run
+            LimitedBodyRequest._log.failure("Unhandled error in a request's gone callback")
+
+
 class LimitedBodyRequest(Request):
     """
     A twisted.web L{Request} that checks credentials from the headers,
@@ -423,6 +498,26 @@ class LimitedBodyRequest(Request):
     _json = None
     _parsed = False
     _done = False
+    relayRequestId = None
+    """The request's id once L{relay.requestid.requestIdOf} chose it."""
+    relayStartedAt = None
+    """When the request's headers were in (site clock seconds), for the
+    access line's duration (L{relay.app._Site.log})."""
+    _rateLate = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.requestHeaders.__class__ = _Headers
+        self.responseHeaders.__class__ = _Headers
+
+    def relayOnGone(self, f) -> None:
+        """
+        Call C{f(reason)} if the connection is lost before the answer is
+        finished: what C{notifyFinish().addErrback(f)} does, in the same
+        order among the request's notifications, without a L{Deferred}
+        (issue 24 item 2; L{relay.entry.sinks}).
+        """
+        self.notifications.append(_OnGone(f))
 
     @property
     def _parsePOSTFormSubmission(self) -> bool:
@@ -653,6 +748,28 @@ class LimitedBodyRequest(Request):
         if limits is None or not limits.min_body_bytes_per_second:
             return
         self._rateMark = self._received
+        if getattr(self.channel, "relayBodyIn", None) is self:
+            # Issue 24: the whole body came in the read that brought the
+            # headers and is handed to this request in this same call, so
+            # it is in before any timer could fire; the timer is armed only
+            # if it is not (L{relayArmLate}), instead of armed and cancelled.
+            self._rateLate = True
+            return
+        self._rateCall = self.channel.callLater(limits.body_rate_window_seconds, self._checkRate)
+
+    def relayArmLate(self) -> None:
+        """
+        The read that brought the headers and the whole body is handled
+        (L{relay.entry.site.RelayHTTPChannel._relayHead}): arm the minimum
+        body rate's timer if the body is still not in (it was held back in
+        L{_armRate}).
+        """
+        if not self._rateLate:
+            return
+        self._rateLate = False
+        limits = self._limits()
+        if self._refused or self._done or limits is None or self.channel is None:
+            return
         self._rateCall = self.channel.callLater(limits.body_rate_window_seconds, self._checkRate)
 
     def _checkRate(self) -> None:
@@ -684,6 +801,7 @@ class LimitedBodyRequest(Request):
         ))
 
     def _stopRate(self) -> None:
+        self._rateLate = False
         if self._rateCall is not None and self._rateCall.active():
             self._rateCall.cancel()
         self._rateCall = None
@@ -752,12 +870,9 @@ class LimitedBodyRequest(Request):
             admit is not None and self.relayClientKey is not None and not self._discard
             and self._bodyError is None and self._received
         ):
-            from relay.entry.intake import isTurnPath
-            from relay.model import CancelSignal
-
             self._cancel = CancelSignal()
             keepalive = None
-            if command.upper() == b"POST" and isTurnPath(path):
+            if command.upper() == b"POST" and _intake.isTurnPath(path):
                 self._line = (command, path, version)
                 keepalive = self._waitKeepalive
             d = self._admitting = admit(
@@ -827,7 +942,7 @@ class LimitedBodyRequest(Request):
                 503, "api_error", "Service temporarily unavailable, please retry later",
             )
         self._bodyFailed(error)
-        super().requestReceived(command, path, version)
+        self._requestReceived(command, path, version)
 
     def _decodeAndProcess(self, command, path, version) -> None:
         if self._encoding is not None and self._bodyError is None and self.content is not None:
@@ -835,7 +950,7 @@ class LimitedBodyRequest(Request):
         if self._bodyError is None and self.content is not None and not self._discard:
             if self.relayClientKey is not None and self._limits() is not None:
                 self._chargeParsed()
-        super().requestReceived(command, path, version)
+        self._requestReceived(command, path, version)
 
     def _decode(self) -> None:
         """
@@ -952,8 +1067,6 @@ class LimitedBodyRequest(Request):
             not JSON (or nests too deep).
         """
         if not self._parsed:
-            from relay.entry.jsonbody import loadJSON
-
             raw = self.content.read() if self.content is not None else b""
             self._parsed = True
             if not raw.strip():
@@ -983,7 +1096,7 @@ class LimitedBodyRequest(Request):
         encoding, 429 bytes in flight) in OpenAI's envelope.
         """
         if self._bodyError is None:
-            return super().process()
+            return self._render()
         self.site = self.channel.site
         self._log.info(
             "request body refused with {status}: {message}", event="http.request_body_refused",
@@ -991,6 +1104,70 @@ class LimitedBodyRequest(Request):
             request_id=requestIdOf(self),
         )
         writeError(self, self._bodyError)
+
+    def _render(self) -> None:
+        """
+        twisted.web's C{server.Request.process} (Twisted 26), re-done for
+        two of its costs (issue 24 item 2), on a site that offers
+        C{httpDate} (L{relay.entry.site.RelaySite.httpDate}; any other site:
+        twisted.web's own):
+
+          - the C{Date} header is the site's, formatted once per second of
+            its clock, instead of formatted for every request;
+          - a path with no C{%} is split into C{postpath} without
+            unquoting each segment (C{unquote_to_bytes} returns such a
+            segment as it is).
+
+        The rest is twisted.web's, in its order: C{Server}, C{Date},
+        C{prepath}/C{postpath}, C{*}, the resource, its encoder, render,
+        C{processingFailed}. C{tests.test_requestside} compares both on answers
+        and on what a resource sees.
+        """
+        site = self.site = self.channel.site
+        date = getattr(site, "httpDate", None)
+        if date is None:
+            return Request.process(self)
+        self.setHeader(b"Server", _SERVER)
+        self.setHeader(b"Date", date())
+        self.prepath = []
+        path = self.path
+        if b"%" in path:
+            self.postpath = list(map(unquote_to_bytes, path[1:].split(b"/")))
+        else:
+            self.postpath = path[1:].split(b"/")
+        if path == b"*":
+            self._handleStar()
+            return None
+        try:
+            resrc = site.getResourceFor(self)
+            if _IEncodingResource.providedBy(resrc):
+                encoder = resrc.getEncoder(self)
+                if encoder is not None:
+                    self._encoder = encoder
+            self.render(resrc)
+        except BaseException:
+            self.processingFailed(Failure())
+        return None
+
+    def _requestReceived(self, command, path, version) -> None:
+        """
+        twisted.web's C{http.Request.requestReceived} (Twisted 26) for a
+        request whose form body is never parsed (L{_parsePOSTFormSubmission}
+        is always false here, so its C{Content-Type} is not read): the body
+        rewound, C{method}, C{uri}, C{clientproto}, C{path}, C{args} (the
+        query parsed only when there is one), then L{process}. Issue 24
+        item 2; C{tests.test_requestside} compares both.
+        """
+        self.content.seek(0, 0)
+        self.args = {}
+        self.method, self.uri = command, path
+        self.clientproto = version
+        if b"?" in path:
+            self.path, argstring = path.split(b"?", 1)
+            self.args = parse_qs(argstring, 1)
+        else:
+            self.path = path
+        self.process()
 
     # -- answering from the transport --------------------------------------------
 

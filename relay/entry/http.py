@@ -460,7 +460,9 @@ class TurnResource(Resource):
         sink = sinkType(request, self._endpoint, model)
         if self._endpoint == "responses":
             annotateTurn(turn)  # R88-R90 (relay.entry.annotate)
-        request.notifyFinish().addErrback(lambda f: turn.cancel.cancel("client_gone"))
+        gone = getattr(request, "relayOnGone", None) or (
+            lambda f: request.notifyFinish().addErrback(f))  # issue 24: no Deferred
+        gone(lambda f: turn.cancel.cancel("client_gone"))
         self._runner.run(turn, sink)
         return NOT_DONE_YET
 

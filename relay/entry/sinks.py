@@ -132,7 +132,11 @@ class _RequestSink:
         self.status = None
         self.failed = None
         """Issue 22: the L{ClientError} the turn ended with, for its record."""
-        request.notifyFinish().addErrback(self._clientGone)
+        onGone = getattr(request, "relayOnGone", None)
+        if onGone is not None:
+            onGone(self._clientGone)  # no Deferred (issue 24 item 2)
+        else:
+            request.notifyFinish().addErrback(self._clientGone)
 
     def watchWrites(self, callback) -> None:
         """

@@ -1,4 +1,4 @@
-# -*- test-case-name: tests.test_site -*-
+# -*- test-case-name: tests.test_site, tests.test_requestside -*-
 """
 The HTTP transport under every route: relay answers in OpenAI's error
 format even where twisted.web would answer on its own (issue 14's fuzzed
@@ -34,6 +34,7 @@ from twisted.web.http import (
     HTTPChannel,
     _GenericHTTPChannelProtocol,
     _IdentityTransferDecoder,
+    datetimeToString,
 )
 from twisted.web.iweb import INonQueuedRequestFactory
 from twisted.web.resource import UnsupportedMethod
@@ -119,6 +120,9 @@ class RelayHTTPChannel(HTTPChannel):
     _awaitingHeaders = True
     _relayClosed = False
     _relayHeaderBlocks = 0
+    relayBodyIn = None
+    """The request whose whole body is in the read being handled (issue 24:
+    L{relay.entry.body.LimitedBodyRequest._armRate}), else L{None}."""
     relayOverCap = None
     """The C{(limit name, value)} this connection is over when it is one of
     the L{OVER_CAP_ALLOWANCE} (health routes only), else L{None}."""
@@ -253,6 +257,29 @@ class RelayHTTPChannel(HTTPChannel):
         _rawAnswer(self.transport, TOO_MANY_CONNECTIONS, newRequestId())
         self.loseConnection()
 
+    _relayAddresses = None
+
+    def _addresses(self) -> tuple:
+        """
+        The connection's C{(transport, peer, host)} addresses, asked of the
+        transport once per transport (issue 24: twisted.web's C{Request}
+        asks for both on every request, and a TCP transport builds a new
+        address object each time, the host one with a C{getsockname}).
+        """
+        transport = self.transport
+        addresses = self._relayAddresses
+        if addresses is None or addresses[0] is not transport:
+            addresses = self._relayAddresses = (
+                transport, transport.getPeer(), transport.getHost()
+            )
+        return addresses
+
+    def getPeer(self):
+        return self._addresses()[1]
+
+    def getHost(self):
+        return self._addresses()[2]
+
     def connectionMade(self) -> None:
         super().connectionMade()
         self._awaitingHeaders = True
@@ -310,7 +337,15 @@ class RelayHTTPChannel(HTTPChannel):
             self._transferDecoder = _IdentityTransferDecoder(
                 length, request.handleContentChunk, self._finishRequestBody
             )
-        LineReceiver.dataReceived(self, data[blank:])
+        if length and len(data) - blank - 2 >= length:
+            self.relayBodyIn = request  # LimitedBodyRequest._armRate
+        try:
+            LineReceiver.dataReceived(self, data[blank:])
+        finally:
+            self.relayBodyIn = None
+        late = getattr(request, "relayArmLate", None)
+        if late is not None:
+            late()
         return True
 
     def allHeadersReceived(self) -> None:
@@ -481,6 +516,25 @@ class RelaySite(Site):
     limits = None
     answerAtOnce = False
     _relayLog = Logger()
+    clock = None
+    _dateSecond = None
+    _date = b""
+
+    def httpDate(self) -> bytes:
+        """
+        The C{Date} header of an answer now (issue 24 item 2): twisted.web's
+        C{datetimeToString} of the second the site's C{clock} is in,
+        formatted once per second; twisted.web's own (of the wall clock)
+        when the site has no clock.
+        """
+        clock = self.clock
+        if clock is None:
+            return datetimeToString()
+        second = int(clock.seconds())
+        if second != self._dateSecond:
+            self._date = datetimeToString(second)
+            self._dateSecond = second
+        return self._date
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

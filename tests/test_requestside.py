@@ -1,0 +1,390 @@
+"""
+Tests for the cheaper request side of a turn (issue 24 item 2): relay's
+request class (L{relay.entry.body.LimitedBodyRequest}) and site
+(L{relay.entry.site.RelaySite}) re-do or shorten parts of twisted.web's
+C{Request}; each is compared here with twisted.web's own on the same input.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import time
+
+from twisted.internet.defer import Deferred
+from twisted.internet.task import Clock
+from twisted.logger import capturedLogs
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.http import datetimeToString
+from twisted.web.http import Request as HTTPRequest
+from twisted.web.http_headers import Headers
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request
+
+from relay.entry import body as B
+from relay.entry.site import RelaySite
+from tests.test_intake import AUTH, Conn, head, relaySite
+
+NAMES = [b"content-type", b"Content-Type", b"CONTENT-TYPE", "content-type", b"x-request-id",
+         b"X-Request-Id", b"www-authenticate", b"x-relay-never-seen-before", "X-Str-Name"]
+VALUES = [b"v", b"", b"a\r\nb", b"a\nb", b"a\rb", b"trailing\n", "text", "caf\u00e9", b" sp "]
+
+
+class HeadersTests(SynchronousTestCase):
+    """
+    L{B._Headers} stores and answers exactly what twisted.web's L{Headers}
+    does.
+    """
+
+    def test_sameAsTwisted(self):
+        for name, first, second in itertools.product(NAMES, VALUES, VALUES):
+            for values in ([first], [first, second]):
+                ours, theirs = B._Headers(), Headers()
+                ours.setRawHeaders(name, list(values))
+                theirs.setRawHeaders(name, list(values))
+                self.assertEqual(ours._rawHeaders, theirs._rawHeaders, (name, values))
+                for asked in NAMES:
+                    self.assertEqual(ours.getRawHeaders(asked), theirs.getRawHeaders(asked))
+                    self.assertEqual(ours.getRawHeaders(asked, b"d"),
+                                     theirs.getRawHeaders(asked, b"d"))
+
+    def test_orderKept(self):
+        """
+        Setting a header again keeps its place (the answer's header order).
+        """
+        ours, theirs = B._Headers(), Headers()
+        for h in (ours, theirs):
+            for name in (b"a-one", b"b-two", b"A-One", b"c-three"):
+                h.setRawHeaders(name, [name])
+        self.assertEqual(list(ours.getAllRawHeaders()), list(theirs.getAllRawHeaders()))
+        self.assertEqual(list(ours.getAllRawHeaders())[0], (b"A-One", [b"A-One"]))
+
+    def test_requestHeadersAreOurs(self):
+        request = B.LimitedBodyRequest(_Channel())
+        self.assertIs(type(request.requestHeaders), B._Headers)
+        self.assertIs(type(request.responseHeaders), B._Headers)
+
+
+class _NoForms:
+    _parsePOSTFormSubmission = False
+
+
+class _Channel:
+    site = _NoForms()
+    transport = None
+
+    def getPeer(self):
+        return None
+
+    def getHost(self):
+        return None
+
+    def requestDone(self, request):
+        pass
+
+
+class OnGoneTests(SynchronousTestCase):
+    """
+    L{B.LimitedBodyRequest.relayOnGone} is C{notifyFinish().addErrback(f)}
+    without the L{Deferred}.
+    """
+
+    def test_orderAmongNotifications(self):
+        calls = []
+        request = B.LimitedBodyRequest(_Channel())
+        request.notifyFinish().addErrback(lambda f: calls.append("deferred 1"))
+        request.relayOnGone(lambda f: calls.append(("gone", f.type)))
+        request.notifyFinish().addErrback(lambda f: calls.append("deferred 2"))
+        request.connectionLost(Failure(ConnectionError("lost")))
+        self.assertEqual(calls, ["deferred 1", ("gone", ConnectionError), "deferred 2"])
+
+    def test_notAfterFinish(self):
+        calls = []
+        request = B.LimitedBodyRequest(_Channel())
+        request.relayOnGone(calls.append)
+        finished = request.notifyFinish()
+        request._cleanup()
+        self.assertEqual(calls, [])
+        self.assertTrue(finished.called)
+
+    def test_aFailingCallbackDoesNotStopTheOthers(self):
+        calls = []
+        request = B.LimitedBodyRequest(_Channel())
+        request.relayOnGone(lambda f: 1 / 0)
+        d = request.notifyFinish()
+        d.addErrback(lambda f: calls.append("after"))
+        with capturedLogs() as events:
+            request.connectionLost(Failure(ConnectionError("lost")))
+        self.assertEqual(calls, ["after"])
+        self.assertTrue(any(e.get("log_failure") is not None
+                            and e["log_failure"].check(ZeroDivisionError) for e in events))
+        self.flushLoggedErrors(ZeroDivisionError)
+
+
+class _Seen(Resource):
+    """
+    Records what twisted.web hands a resource, answers with a body.
+    """
+
+    isLeaf = True
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def render(self, request):
+        self.seen.append((request.method, request.uri, request.path, request.args,
+                          request.prepath, request.postpath, request.clientproto,
+                          request.content.tell()))
+        return b'{"ok":1}'
+
+
+class _TwistedWay(B.LimitedBodyRequest):
+    """
+    The request with twisted.web's own C{requestReceived} and C{process}.
+    """
+
+    def _requestReceived(self, command, path, version):
+        return HTTPRequest.requestReceived(self, command, path, version)
+
+    def _render(self):
+        return Request.process(self)
+
+
+DATE = re.compile(rb"\r\nDate: [^\r]*\r\n")
+
+
+class RequestPathTests(SynchronousTestCase):
+    """
+    L{B.LimitedBodyRequest._requestReceived} and C{_render} against
+    twisted.web's C{requestReceived} and C{process}.
+    """
+
+    def answer(self, requestFactory, data: bytes):
+        from twisted.internet.testing import StringTransport
+
+        resource = _Seen()
+        site = RelaySite(resource, requestFactory=requestFactory)
+        clock = Clock()
+        clock.advance(time.time())
+        site.clock = clock
+        channel = site.buildProtocol(None)
+        transport = StringTransport()
+        channel.makeConnection(transport)
+        channel.dataReceived(data)
+        return transport.value(), resource.seen, clock
+
+    def test_sameAsTwisted(self):
+        cases = [
+            b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n",
+            b"GET /v1/models?a=1&b=2&a=3&empty=&x HTTP/1.1\r\nHost: x\r\n\r\n",
+            b"GET /v1/p%20q/%2Fx//y/ HTTP/1.1\r\nHost: x\r\n\r\n",
+            b"GET /v1/p%zz?q=%41 HTTP/1.1\r\nHost: x\r\n\r\n",
+            b"GET / HTTP/1.0\r\n\r\n",
+            b"POST /v1/form HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded"
+            b"\r\nContent-Length: 7\r\n\r\na=1&b=2",
+            b"POST /v1/responses?x=1 HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}",
+            b"OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n",
+            b"HEAD /v1/models HTTP/1.1\r\nHost: x\r\n\r\n",
+        ]
+        for data in cases:
+            ours, oursSeen, clock = self.answer(B.LimitedBodyRequest, data)
+            theirs, theirsSeen, _ = self.answer(_TwistedWay, data)
+            self.assertEqual(oursSeen, theirsSeen, data)
+            self.assertEqual(DATE.sub(b"\r\n", ours), DATE.sub(b"\r\n", theirs), data)
+            if b"\r\nDate: " in theirs:
+                self.assertIn(b"\r\nDate: " + datetimeToString(int(clock.seconds())) + b"\r\n",
+                              ours)
+
+
+class DateTests(SynchronousTestCase):
+    """
+    L{RelaySite.httpDate}: twisted.web's format, on the site's clock, once
+    per second.
+    """
+
+    def test_perSecondOfTheClock(self):
+        site = RelaySite(Resource())
+        site.clock = clock = Clock()
+        clock.advance(1_764_000_000.25)
+        first = site.httpDate()
+        self.assertEqual(first, datetimeToString(1_764_000_000))
+        clock.advance(0.7)
+        self.assertIs(site.httpDate(), first)
+        clock.advance(0.1)
+        self.assertEqual(site.httpDate(), datetimeToString(1_764_000_001))
+
+    def test_noClock(self):
+        site = RelaySite(Resource())
+        before = time.time()
+        value = site.httpDate()
+        self.assertIn(value, {datetimeToString(int(before)), datetimeToString(int(before) + 1)})
+
+
+class _Held(Resource):
+    isLeaf = True
+
+    def render_POST(self, request):
+        request.content.read()
+        return NOT_DONE_YET
+
+
+class RateTimerTests(SynchronousTestCase):
+    """
+    The minimum body rate's timer is not armed (and cancelled) for a body
+    that came whole with its headers; it is armed as before otherwise.
+    """
+
+    def conn(self):
+        app, probe = relaySite("{min_body_bytes_per_second: 100}")
+        conn = Conn(app.site)
+        armed = []
+        callLater = conn.inner.callLater
+
+        def recording(delay, f, *a, **kw):
+            armed.append(getattr(f, "__name__", ""))
+            return callLater(delay, f, *a, **kw)
+
+        conn.inner.callLater = recording
+        return conn, armed
+
+    def test_wholeBodyInTheFirstRead(self):
+        conn, armed = self.conn()
+        conn.send(head(b"/v1/probe", headers=AUTH, length=2) + b"{}")
+        self.assertEqual(conn.status(), 200)
+        self.assertNotIn("_checkRate", armed)
+
+    def test_pipelined(self):
+        """
+        Only the request whose head was read in one pass is spared the
+        timer; the one behind it (read by twisted.web after the first is
+        answered) arms and cancels it as before.
+        """
+        conn, armed = self.conn()
+        one = head(b"/v1/probe", headers=AUTH, length=2) + b"{}"
+        conn.send(one + one)
+        self.assertEqual(conn.value.count(b"HTTP/1.1 200 "), 2)
+        self.assertEqual(armed.count("_checkRate"), 1)
+
+    def test_partOfTheBody(self):
+        conn, armed = self.conn()
+        conn.send(head(b"/v1/probe", headers=AUTH, length=1000) + b"{" * 10)
+        self.assertEqual(armed.count("_checkRate"), 1)
+        conn.clock.advance(10)
+        self.assertEqual(conn.status(), 408)
+
+    def test_bodyInButHeldBack(self):
+        """
+        A body whose read is in but not handed to the request in that call
+        (here: the request's content chunks are dropped by a stub) still
+        gets its timer, at the end of the call.
+        """
+        conn, armed = self.conn()
+        original = B.LimitedBodyRequest.handleContentChunk
+        self.patch(B.LimitedBodyRequest, "handleContentChunk", lambda self, data: None)
+        self.patch(conn.inner._channel, "_finishRequestBody", lambda data: None)
+        conn.send(head(b"/v1/probe", headers=AUTH, length=2) + b"{}")
+        self.assertEqual(armed.count("_checkRate"), 1)
+        self.assertIsNot(original, B.LimitedBodyRequest.handleContentChunk)
+
+
+del Deferred
+
+
+class _Chunks(Resource):
+    isLeaf = True
+
+    def render_GET(self, request):
+        request.setHeader(b"content-type", b"text/event-stream")
+        for piece in (b"data: one\n\n", b"", b"x" * 300, memoryview(b"mv")):
+            request.write(piece)
+        self.sent = request.sentLength
+        request.finish()
+        return NOT_DONE_YET
+
+
+class ChunkTests(SynchronousTestCase):
+    """
+    The chunks after an answer's head (L{relay.app._Request.write}) are
+    framed as twisted.web frames them.
+    """
+
+    def answer(self, site):
+        from twisted.internet.testing import StringTransport
+
+        channel = site.buildProtocol(None)
+        transport = StringTransport()
+        channel.makeConnection(transport)
+        channel.dataReceived(b"GET /s HTTP/1.1\r\nHost: x\r\n\r\n")
+        return transport.value().partition(b"\r\n\r\n")[2]
+
+    def test_sameAsTwisted(self):
+        from twisted.web.server import Site
+
+        from relay.app import _Request
+
+        ours, theirs = _Chunks(), _Chunks()
+        self.assertEqual(self.answer(RelaySite(ours, requestFactory=_Request)),
+                         self.answer(Site(theirs)))
+        self.assertEqual(ours.sent, theirs.sent)
+        self.assertEqual(ours.sent, 313)
+
+
+class AddressTests(SynchronousTestCase):
+    """
+    A connection's addresses are asked of its transport once.
+    """
+
+    def test_oncePerTransport(self):
+        from twisted.internet.address import IPv4Address
+        from twisted.internet.testing import StringTransport
+
+        asked = []
+
+        class Counting(StringTransport):
+            def getPeer(self):
+                asked.append("peer")
+                return IPv4Address("TCP", "10.1.1.1", 5)
+
+            def getHost(self):
+                asked.append("host")
+                return IPv4Address("TCP", "10.0.0.1", 80)
+
+        channel = RelaySite(Resource()).buildProtocol(None)
+        channel.makeConnection(Counting())
+        inner = channel._channel
+        for _ in range(3):
+            self.assertEqual(inner.getPeer(), IPv4Address("TCP", "10.1.1.1", 5))
+            self.assertEqual(inner.getHost(), IPv4Address("TCP", "10.0.0.1", 80))
+        self.assertEqual(sorted(asked), ["host", "peer"])
+        inner.transport = Counting()
+        inner.getPeer()
+        self.assertEqual(len(asked), 4)
+
+
+class BadRequestIdTests(SynchronousTestCase):
+    """
+    A client's C{X-Request-Id} (or C{X-Client-Request-Id}) that is no UTF-8
+    is not adopted: the request is answered with an id of relay's own
+    (twisted.web's C{getHeader(str)} raised, and the connection dropped
+    with no answer).
+    """
+
+    def test_answeredWithANewId(self):
+        for name in (b"X-Request-Id", b"X-Client-Request-Id"):
+            app, _ = relaySite()
+            conn = Conn(app.site).send(head(b"/healthz", b"GET",
+                                            headers=name + b": \xff\xfe\r\n"))
+            self.assertEqual(conn.status(), 200)
+            self.assertRegex(conn.value, rb"\r\nX-Request-Id: req_[0-9a-f]+\r\n")
+
+    def test_utf8StillReadAsText(self):
+        """
+        A UTF-8 value is read as text as before (here one whose NBSP is
+        stripped, leaving a well-formed id).
+        """
+        app, _ = relaySite()
+        conn = Conn(app.site).send(head(b"/healthz", b"GET",
+                                        headers=b"X-Request-Id: abc-1\xc2\xa0\r\n"))
+        self.assertIn(b"\r\nX-Request-Id: abc-1\r\n", conn.value)
