@@ -160,6 +160,20 @@ class OneSendAnswerTests(SynchronousTestCase):
         self.assertNotIn(b"ok", value)
 
 
+class _Stream(Resource):
+    """
+    A streamed answer (chunked): two events written one after the other.
+    """
+
+    isLeaf = True
+
+    def render_GET(self, request):
+        request.setHeader(b"content-type", b"text/event-stream")
+        request.write(b"data: 1\n\n")
+        request.write(b"data: 2\n\n")
+        return NOT_DONE_YET
+
+
 class _Connection(tcp.Connection):
     """
     A L{tcp.Connection} with the addresses a L{Request} asks for.
@@ -195,6 +209,7 @@ class _TCPExchange:
         testCase.addCleanup(theirs.close)
         root = Resource()
         root.putChild(b"x", _Leaf())
+        root.putChild(b"stream", _Stream())
         site = RelaySite(root, requestFactory=_Request, reactor=Clock())
         site.answerAtOnce = answerAtOnce
         self.reactor = _Reactor()
@@ -239,6 +254,22 @@ class AnswerAtOnceTests(SynchronousTestCase):
         self.assertEqual(x.reactor.writers, {x.transport})
         x.transport.doWrite()
         self.assertTrue(x.received().endswith(b'\r\n\r\n{"ok":true}'))
+
+    def test_streamFirstWriteAtOnceLaterQueued(self):
+        """
+        A stream's first write (head and first event) leaves at once; the
+        events after it are queued, so those of one reactor iteration share
+        one send (not one system call per event).
+        """
+        x = _TCPExchange(self, answerAtOnce=True)
+        x.protocol.dataReceived(b"GET /stream HTTP/1.1\r\nHost: a\r\n\r\n")
+        first = x.received()
+        self.assertTrue(first.startswith(b"HTTP/1.1 200 OK\r\n"), first)
+        self.assertIn(b"data: 1", first)
+        self.assertNotIn(b"data: 2", first)
+        self.assertEqual(x.reactor.writers, {x.transport})
+        x.transport.doWrite()
+        self.assertIn(b"data: 2", x.received())
 
     def test_headWithoutBodyAtOnce(self):
         """

@@ -372,8 +372,11 @@ class RelayHTTPChannel(HTTPChannel):
     # reach the store before the client can read the body and chain from it
     # (TurnRunner.ownResponse). With every store in this process
     # (RelaySite.answerAtOnce) those writes are done before the answer is
-    # written, so it is sent at once (relay.sendnow.sendNow): no wait for the
-    # next poll, no epoll registration.
+    # written, so its first write (the head and what came with it: a whole
+    # JSON answer, a stream's first event) is sent at once
+    # (relay.sendnow.sendNow): no wait for the next poll, no epoll
+    # registration. A stream's later events are queued, so the events of one
+    # reactor iteration share one send.
 
     _holdHead = False
     _head = None
@@ -394,12 +397,18 @@ class RelayHTTPChannel(HTTPChannel):
 
     def write(self, data: bytes) -> None:
         """
-        Answer data, after any held head (one C{write}).
+        Answer data, after any held head (one C{write}). The write that
+        carries the head is sent at once when L{_atOnce}; the later ones (a
+        stream's events) are queued as twisted.web queues them, so the
+        events written in one reactor iteration leave in one C{send}
+        instead of one system call each.
         """
         head = self._head
-        if head is not None:
-            self._head = None
-            data = head + data
+        if head is None:
+            self.transport.write(data)
+            return
+        self._head = None
+        data = head + data
         if self._atOnce:
             sendNow(self.transport, data)
         else:
@@ -420,10 +429,8 @@ class RelayHTTPChannel(HTTPChannel):
         The first write of an answer is done: send a head no body took.
         """
         self._holdHead = False
-        head = self._head
-        if head is not None:
-            self._head = None
-            self.write(head)
+        if self._head is not None:
+            self.write(b"")
 
     @property
     def _atOnce(self) -> bool:
