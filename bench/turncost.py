@@ -310,13 +310,14 @@ def run(procs, trees: list, only, turns: int, bodies=None) -> dict:
     results = {}
     try:
         for label, tree in trees:
+            name = re.sub(r"[^A-Za-z0-9_.-]+", "_", label)  # a file name (a tree given by path)
             if "kinds" in only:
-                for kind, r in measureRelay(procs, f"cg-{label}-kinds", tree, uport, 1, 0,
+                for kind, r in measureRelay(procs, f"cg-{name}-kinds", tree, uport, 1, 0,
                                             list(KINDS), turns).items():
                     results["kinds", label, "memory", 1, kind] = r
             if "state" in only:
                 for state, rport in (("memory", None), ("redis", redisPort)):
-                    for kind, r in measureRelay(procs, f"cg-{label}-{state}", tree, uport, 1,
+                    for kind, r in measureRelay(procs, f"cg-{name}-{state}", tree, uport, 1,
                                                 LIMITS, list(KINDS), turns, rport).items():
                         results["state", label, state, 1, kind] = r
             if "load" in only:
@@ -327,7 +328,7 @@ def run(procs, trees: list, only, turns: int, bodies=None) -> dict:
                             # that hits one of its own timeouts fails the run, which
                             # is then measured once more (and says so).
                             try:
-                                r = measureRelay(procs, f"cg-{label}-{state}-c{conns}", tree,
+                                r = measureRelay(procs, f"cg-{name}-{state}-c{conns}", tree,
                                                  uport, 1, LIMITS, [kind], max(turns, 10 * conns),
                                                  rport, concurrency=conns)
                                 break
@@ -341,7 +342,7 @@ def run(procs, trees: list, only, turns: int, bodies=None) -> dict:
                 for state, rport in (("memory", None), ("redis", redisPort)):
                     for n in (1, 100, 2000):
                         count = turns if n < 2000 else max(20, turns // 5)
-                        r = measureRelay(procs, f"cg-{label}-{state}-{n}", tree, uport, n,
+                        r = measureRelay(procs, f"cg-{name}-{state}-{n}", tree, uport, n,
                                          LIMITS, ["json", "new"], count, rport)
                         for kind in ("json", "new"):
                             results["pool", label, state, n, kind] = r[kind]
