@@ -31,7 +31,7 @@ from twisted.web.server import NOT_DONE_YET
 from relay.engine.errors import previousResponseNotFound
 from relay.entry.annotate import annotateTurn
 from relay.entry.http import NESTING_MESSAGE, UNAUTHORIZED, filterClientHeaders, loadJSON
-from relay.entry.sinks import writeError
+from relay.entry.sinks import errorBody, writeError
 from relay.entry.wssink import WebSocketSink, wsErrorEvent
 from relay.model import ClientError, Turn
 from relay.operations.drain import RESTART_CLOSE
@@ -328,6 +328,31 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             _, requestId = _connectionIds(getattr(self, "http_headers", None) or {})
         headers = [*(responseHeaders or ()), ("X-Request-Id", requestId)]
         super().failHandshake(reason, code, headers)
+
+    def sendHttpErrorResponse(self, code: int, reason: str, responseHeaders=None) -> None:
+        """
+        Write a refused handshake's answer in OpenAI's error format
+        (style: bad input gets a clear error; issue 14's fuzzing found
+        autobahn's bare status line with no body): the status line as
+        autobahn writes it, the headers given, and a JSON envelope
+        (C{websocket_handshake_failed}, the reason as its message and the
+        request id) with its length and C{Connection: close}.
+
+        @param code: the HTTP status (400, 426, ...).
+        @param reason: autobahn's reason (e.g. a missing C{Sec-WebSocket-Key}).
+        @param responseHeaders: C{(name, value)} pairs, or L{None}.
+        """
+        headers = list(responseHeaders or ())
+        requestId = next((v for n, v in headers if n.lower() == "x-request-id"), None)
+        body = errorBody(
+            ClientError(code, "invalid_request_error", reason, code="websocket_handshake_failed"),
+            requestId,
+        )
+        lines = [f"HTTP/1.1 {code} {reason}"]
+        lines.extend(f"{name}: {value}" for name, value in headers)
+        lines += ["Content-Type: application/json", f"Content-Length: {len(body)}",
+                  "Connection: close", "", ""]
+        self.sendData("\r\n".join(lines).encode("utf-8") + body)
 
     # -- lifecycle -------------------------------------------------------------
 

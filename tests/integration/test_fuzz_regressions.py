@@ -210,3 +210,37 @@ async def test_chat_shapes_on_oauth_are_400():
         assert s.emulator.requestsFor("sk-emu-regress-o1", "request") == []
     finally:
         await s.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_refused_websocket_handshake_is_json():
+    """
+    Fuzz: an upgrade autobahn refuses (no C{Sec-WebSocket-Key}, an unknown
+    C{Sec-WebSocket-Version}) was answered with a bare status line and no
+    body; now OpenAI's error format with its length, the request id and
+    C{Connection: close}.
+    """
+    s = await stack()
+    try:
+        port = s.port.getHost().port
+        head = (b"GET /v1/responses HTTP/1.1\r\nHost: relay.test\r\nAuthorization: Bearer "
+                + RELAY_KEY.encode() + b"\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n")
+        for extra in (b"Content-Length: 0\r\n",
+                      b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 99\r\n"):
+            proto = await TCP4ClientEndpoint(reactor, "127.0.0.1", port).connect(
+                Factory.forProtocol(_Raw)
+            )
+            proto.transport.write(head + extra + b"\r\n")
+            await waitFor(lambda proto=proto: b"}}" in proto.data)
+            proto.transport.loseConnection()
+            status, _, rest = proto.data.partition(b"\r\n")
+            headers, _, body = rest.partition(b"\r\n\r\n")
+            assert status.startswith(b"HTTP/1.1 4"), proto.data
+            assert b"Content-Length: %d" % len(body) in headers, proto.data
+            error = json.loads(body)["error"]
+            assert error["type"] == "invalid_request_error", error
+            assert error["code"] == "websocket_handshake_failed", error
+            assert error["request_id"].encode() in headers, proto.data
+        assert frames(s, CRED) == []
+    finally:
+        await s.stop()
