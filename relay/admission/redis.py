@@ -526,14 +526,20 @@ class RedisSlotAdmission:
                 return self._lease(kind, id, rid)
             return None
 
-        def _eb(f: Failure):
-            f.trap(RedisUnavailable)
-            self._logError("slot_acquire", f)
-            # The try may have landed after our timeout: drop its member.
-            self._leave(WaitPlan(kind, id, limit, 0, 0), rid, True)
-            raise admissionError("error", None, detail=describe(f))
+        return d.addCallbacks(_cb, self._tryFailed, errbackArgs=(kind, id, limit, rid))
 
-        return d.addCallbacks(_cb, _eb)
+    def _tryFailed(self, f: Failure, kind, id, limit, rid):
+        """
+        A try's round trip failed (L{tryAcquire}, L{tryAcquireBinding}):
+        logged, and its member dropped, since the try may have landed after
+        our timeout.
+
+        @raise AdmissionError: C{error}, naming the Redis failure.
+        """
+        f.trap(RedisUnavailable)
+        self._logError("slot_acquire", f)
+        self._leave(WaitPlan(kind, id, limit, 0, 0), rid, True)
+        raise admissionError("error", None, detail=describe(f))
 
     def tryAcquireBinding(self, kind, id, limit, bindingKey: str, ttl: float) -> Deferred:
         """
@@ -561,13 +567,7 @@ class RedisSlotAdmission:
                 return (self._lease(kind, id, rid), int(reply[4]) == 1)
             return (None, False)
 
-        def _eb(f: Failure):
-            f.trap(RedisUnavailable)
-            self._logError("slot_acquire", f)
-            self._leave(WaitPlan(kind, id, limit, 0, 0), rid, True)
-            raise admissionError("error", None, detail=describe(f))
-
-        return d.addCallbacks(_cb, _eb)
+        return d.addCallbacks(_cb, self._tryFailed, errbackArgs=(kind, id, limit, rid))
 
     def acquire(self, plan, cancel, deadline=None) -> Deferred:
         """
