@@ -816,6 +816,112 @@ class OutputTests(SynchronousTestCase):
         self.assertEqual(sink.errors, [])
 
 
+class _SlowScheduler:
+    """
+    Delegates to a scheduler; C{select} (or C{bind}) answers C{delay}
+    seconds late on the rig's clock, as a Redis-backed store does while
+    Redis reconnects. Records C{bind} calls.
+    """
+
+    def __init__(self, scheduler, clock, delay, slow="select"):
+        self._scheduler, self._clock, self._delay, self._slow = scheduler, clock, delay, slow
+        self.binds = []
+
+    def __getattr__(self, name):
+        return getattr(self._scheduler, name)
+
+    def _late(self, d):
+        out = Deferred()
+        d.addBoth(lambda r: self._clock.callLater(self._delay, out.callback, r) and None)
+        return out
+
+    def select(self, turn, excluded=frozenset()):
+        d = self._scheduler.select(turn, excluded)
+        return self._late(d) if self._slow == "select" else d
+
+    def bind(self, turn, account):
+        self.binds.append(account.id)
+        d = self._scheduler.bind(turn, account)
+        return self._late(d) if self._slow == "bind" else d
+
+
+class SlowSchedulingDepartureTests(SynchronousTestCase):
+    """
+    R2: a client that leaves while its turn is being scheduled (a slow
+    selection, a slow binding write, a slow slot retake) gets no upstream
+    call and writes nothing: the chaos soak's late call, found when Redis
+    answered a selection 1.26 s late and the engine dialled anyway.
+    """
+
+    def _rig(self, slow):
+        rig = Rig([account("a", priority=1), account("b", priority=2)])
+        spy = _SlowScheduler(rig.scheduler, rig.clock, 1.5, slow)
+        rig.runner.scheduler = spy
+        return rig, spy
+
+    def test_left_during_selection(self):
+        """
+        The client leaves while C{select} is pending: once it answers, the
+        slot it took is released, no binding is written, nothing is dialled.
+        """
+        rig, spy = self._rig("select")
+        turn, sink, outcome = rig.run()
+        rig.clock.advance(0.5)
+        turn.cancel.cancel("client_gone")
+        rig.clock.advance(5)
+        self.assertEqual(outcome, ["client_gone"])
+        self.assertEqual(rig.dialer.calls, [])
+        self.assertEqual(spy.binds, [])
+        self.assertEqual(rig.load("a", "b"), {"a": (0, 0), "b": (0, 0)})
+        self.assertEqual(sink.errors, [])
+
+    def test_left_during_binding(self):
+        """
+        The client leaves while the session binding is being written:
+        nothing is dialled and the slot is released.
+        """
+        rig, spy = self._rig("bind")
+        turn, sink, outcome = rig.run()
+        rig.clock.advance(0.5)
+        turn.cancel.cancel("client_gone")
+        rig.clock.advance(5)
+        self.assertEqual(outcome, ["client_gone"])
+        self.assertEqual(rig.dialer.calls, [])
+        self.assertEqual(rig.load("a", "b"), {"a": (0, 0), "b": (0, 0)})
+
+    def test_left_during_same_account_retake(self):
+        """
+        A sticky same-account retry whose slot retake answers late: the
+        client left meanwhile, so the retry is never dialled.
+        """
+        rig = Rig([account("a")], transport_retry_policy="sticky", retry_interval_ms=0)
+        rig.script("a", reset(), ok())
+        admission = rig.admission
+
+        class SlowRetake:
+            # The runner's admission: its slot retakes answer 1.5 s late.
+            def __getattr__(self, name):
+                return getattr(admission, name)
+
+            def tryAcquire(self, kind, id, limit):
+                d = admission.tryAcquire(kind, id, limit)
+                if kind != "account":
+                    return d
+                out = Deferred()
+                d.addBoth(lambda r: rig.clock.callLater(1.5, out.callback, r) and None)
+                return out
+
+        rig.runner.admission = SlowRetake()
+        turn, sink, outcome = rig.run()
+        rig.clock.advance(0.5)
+        self.assertEqual(rig.dialer.ids(), ["a"])
+        turn.cancel.cancel("client_gone")
+        rig.clock.advance(5)
+        self.assertEqual(outcome, ["client_gone"])
+        self.assertEqual(rig.dialer.ids(), ["a"])
+        self.assertEqual(rig.load("a"), {"a": (0, 0)})
+
+
 class _OwnerProbe(FakeSink):
     """
     A sink that reads, at the moment the client gets the terminal event or

@@ -131,6 +131,20 @@ class TurnState:
     """The turn's L{relay.interfaces.ITurnTrace} (issue 23), or L{None}."""
 
 
+def _leaveIfGone(turn: Turn, lease) -> None:
+    """
+    Behaviour.md R2: when the client left while its account was selected
+    or its slot awaited (a store that answers late, e.g. Redis
+    reconnecting), release C{lease} and stop the turn before anything is
+    written or dialled.
+
+    @raise ClientGone: the turn's client left.
+    """
+    if turn.cancel.cancelled:
+        lease.release()
+        raise ClientGone(turn.cancel.reason or "client_gone")
+
+
 @define(eq=False)
 class TurnRunner:
     """
@@ -562,6 +576,7 @@ class TurnRunner:
                     except _AdmissionFailed as e:
                         sink.fail(e.error)
                         return "failed", e.error.status, account.id
+                _leaveIfGone(turn, lease)  # R2: no binding for a client that left
                 await self.scheduler.bind(turn, account)
             state.attempts += 1
             state.lastAccountId = account.id
@@ -1143,6 +1158,10 @@ class TurnRunner:
                 account = self.credentials.current(account)
                 if state is not None:
                     state.bearers[account.id] = account.credential
+            if turn.cancel.cancelled:
+                # R2: the client left while the account was being chosen
+                # or its slot taken (a late store answer); nothing is dialled.
+                raise ClientGone(turn.cancel.reason or "client_gone")
             if turn.request is not None:
                 # R87: a request of its own kind, never the generation path.
                 return await turn.request.run(self, turn, sink, account, release)
