@@ -27,7 +27,10 @@ C{--out}). What it starts, all on 127.0.0.1:
     gateway -- check the client key, swap in the upstream credential,
     C{httputil.ReverseProxy} with keep-alive and C{FlushInterval: -1} --
     run with C{GOMAXPROCS=1} and pinned like relay; every issue-24 ratio
-    is against it, in the same run.
+    is against it, in the same run;
+  - the Twisted floor: C{bench/twistedfloor.py}, the Go row's work on the
+    Twisted reactor and httptools in CPython with nothing of relay's, pinned
+    like relay: its ratio to Go is the ceiling of relay's.
 
 Pinning (C{taskset}): relay and the nginx proxy on CPU 0, wrk and the
 upstream on CPU 1 (the box has two cores). Scenarios: C{c=1}, C{c=32},
@@ -339,6 +342,22 @@ def startGo(procs: Procs, binary: str, upstreamPort: int, cpu) -> tuple:
     return p, port
 
 
+FLOOR_SOURCE = os.path.join(ROOT, "bench", "twistedfloor.py")
+
+
+def startFloor(procs: Procs, upstreamPort: int, cpu) -> tuple:
+    """
+    The Twisted floor (L{FLOOR_SOURCE}: the Go row's work on the reactor
+    and httptools, in CPython, without any of relay's) on C{cpu}.
+    @return: C{(process, port)}.
+    """
+    port = free()
+    p = procs.start("twistedfloor", [sys.executable, FLOOR_SOURCE, str(port), str(upstreamPort),
+                                     RELAY_KEY, GO_UPSTREAM_KEY], cpu=cpu)
+    waitPort(port)
+    return p, port
+
+
 def relayConfig(tmp: str, name: str, port: int, upstreamPort: int, extra: str = "") -> str:
     """
     Write a relay config: one key, one API-key account on the upstream.
@@ -476,8 +495,10 @@ def speed(procs: Procs, bodies: dict, seconds: float, report: list, baseline=Non
     proxy, pport = startNginxProxy(procs, uport, cpu=0)
     relay, rport = startRelay(procs, "relay", uport, cpu=0)
     goproxy, gport = startGo(procs, buildGo(procs.tmp), uport, cpu=0)
+    floor, fport = startFloor(procs, uport, cpu=0)
     targets = [("direct", uport, upstream.pid), ("nginx", pport, proxy.pid),
-               ("go", gport, goproxy.pid), ("relay", rport, relay.pid)]
+               ("go", gport, goproxy.pid), ("floor", fport, floor.pid),
+               ("relay", rport, relay.pid)]
     base = None
     if baseline:
         base, bport = startRelay(procs, "relay-baseline", uport, cpu=0, tree=baseline[0])
@@ -498,43 +519,58 @@ def speed(procs: Procs, bodies: dict, seconds: float, report: list, baseline=Non
                   "`GOMAXPROCS=1`) pinned to CPU 0; wrk and the upstream (nginx `return 200`) on "
                   "CPU 1. CPU per request is the process under test (for direct: the upstream). "
                   "Stream: events/s = responses/s x 40.\n")
-    report.append("| scenario | direct | nginx | Go | relay | relay / nginx | relay / Go |")
-    report.append("|---|---:|---:|---:|---:|---:|---:|")
+    report.append("The Twisted floor (`bench/twistedfloor.py`) is the Go row's work written on "
+                  "the Twisted reactor and httptools in CPython, with nothing of relay's (no "
+                  "policy, logs, metrics, state or body parsing): the least a Twisted gateway "
+                  "does per request. *floor / Go* is the ceiling of any *relay / Go* ratio.\n")
+    report.append("| scenario | direct | nginx | Go | Twisted floor | relay | relay / nginx | "
+                  "floor / Go | relay / Go | relay / floor |")
+    report.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for label, kind, conns in SPEED:
-        d, n, g, r = (results[label, t] for t in ("direct", "nginx", "go", "relay"))
+        d, n, g, f, r = (results[label, t] for t in ("direct", "nginx", "go", "floor", "relay"))
         if conns == 1:
             report.append(f"| {label}: p50 / p99 ms | {d['p50']:.3f} / {d['p99']:.3f} | "
                           f"{n['p50']:.3f} / {n['p99']:.3f} | {g['p50']:.3f} / {g['p99']:.3f} | "
-                          f"{r['p50']:.3f} / {r['p99']:.3f} | | |")
+                          f"{f['p50']:.3f} / {f['p99']:.3f} | "
+                          f"{r['p50']:.3f} / {r['p99']:.3f} | | | | |")
+            added = max(_added(g, d), 1e-6)
             report.append(f"| {label}: added p50 over direct | | {n['p50'] - d['p50']:.3f} ms | "
-                          f"{g['p50'] - d['p50']:.3f} ms | **{r['p50'] - d['p50']:.3f} ms** | | "
-                          f"**{_added(r, d) / max(_added(g, d), 1e-6):.1f}x** |")
+                          f"{g['p50'] - d['p50']:.3f} ms | {f['p50'] - d['p50']:.3f} ms | "
+                          f"**{r['p50'] - d['p50']:.3f} ms** | | "
+                          f"{_added(f, d) / added:.1f}x | **{_added(r, d) / added:.1f}x** | "
+                          f"{_added(r, d) / max(_added(f, d), 1e-6):.1f}x |")
         mult, unit = (EVENTS_PER_STREAM, "events/s") if kind == "sse" else (1, "RPS")
         report.append(f"| {label}: {unit} | {d['rps'] * mult:,.0f} | {n['rps'] * mult:,.0f} | "
-                      f"{g['rps'] * mult:,.0f} | {r['rps'] * mult:,.0f} | "
-                      f"**{r['rps'] / n['rps']:.3f}x** | **{r['rps'] / g['rps']:.3f}x** |")
+                      f"{g['rps'] * mult:,.0f} | {f['rps'] * mult:,.0f} | {r['rps'] * mult:,.0f} | "
+                      f"**{r['rps'] / n['rps']:.3f}x** | {f['rps'] / g['rps']:.3f}x | "
+                      f"**{r['rps'] / g['rps']:.3f}x** | {r['rps'] / f['rps']:.3f}x |")
         report.append(f"| {label}: p50 / p99 ms | {d['p50']:.2f} / {d['p99']:.2f} | "
                       f"{n['p50']:.2f} / {n['p99']:.2f} | {g['p50']:.2f} / {g['p99']:.2f} | "
-                      f"{r['p50']:.2f} / {r['p99']:.2f} | | |"
+                      f"{f['p50']:.2f} / {f['p99']:.2f} | "
+                      f"{r['p50']:.2f} / {r['p99']:.2f} | | | | |"
                       if conns > 1 else "")
-        report.append(f"| {label}: CPU per request | {_us(d)} | {_us(n)} | {_us(g)} | {_us(r)} | "
-                      f"{_ratio(r, n)} | {_ratio(r, g)} |")
-        errs = [f"{t} {results[label, t]['errors']}" for t in ("direct", "nginx", "go", "relay")
+        report.append(f"| {label}: CPU per request | {_us(d)} | {_us(n)} | {_us(g)} | {_us(f)} | "
+                      f"{_us(r)} | {_ratio(r, n)} | {_ratio(f, g)} | {_ratio(r, g)} | "
+                      f"{_ratio(r, f)} |")
+        errs = [f"{t} {results[label, t]['errors']}"
+                for t in ("direct", "nginx", "go", "floor", "relay")
                 if results[label, t]["errors"]]
         if errs:
-            report.append(f"| {label}: errors | " + ", ".join(errs) + " | | | | | |")
+            report.append(f"| {label}: errors | " + ", ".join(errs) + " | | | | | | | | |")
     report[:] = [line for line in report if line != ""]
     report.append(f"| peak RSS (VmHWM) | {peaks['direct'] / 1024:.1f} MiB | "
                   f"{peaks['nginx'] / 1024:.1f} MiB | {peaks['go'] / 1024:.1f} MiB | "
-                  f"{peaks['relay'] / 1024:.1f} MiB | | |")
+                  f"{peaks['floor'] / 1024:.1f} MiB | "
+                  f"{peaks['relay'] / 1024:.1f} MiB | | | | |")
     report.append(f"| RSS during c=128 | | | {results['c=128 JSON', 'go']['rss'] / 1024:.1f} MiB | "
-                  f"{results['c=128 JSON', 'relay']['rss'] / 1024:.1f} MiB | | |")
+                  f"{results['c=128 JSON', 'floor']['rss'] / 1024:.1f} MiB | "
+                  f"{results['c=128 JSON', 'relay']['rss'] / 1024:.1f} MiB | | | | |")
     report.append("")
-    _goTargets(results, report, ["relay"] + (["baseline"] if base is not None else []))
+    _goTargets(results, report, ["floor", "relay"] + (["baseline"] if base is not None else []))
     if base is not None:
         _baselineTable(results, peaks, baseline, report)
         procs.stop(base)
-    for p in (relay, goproxy, proxy, upstream):
+    for p in (relay, floor, goproxy, proxy, upstream):
         procs.stop(p)
     return results
 
@@ -559,7 +595,8 @@ GO_TARGETS = [
 
 def _goTargets(results: dict, report: list, names: list) -> None:
     """
-    Issue 24's ratios against the Go row, for relay (and the baseline).
+    Issue 24's ratios against the Go row, for the Twisted floor, relay
+    (and the baseline).
     """
     report.append("### Issue 24 ratios against the Go row (same run)\n")
     report.append("| figure | target | " + " | ".join(names) + " |")
