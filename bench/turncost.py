@@ -246,6 +246,40 @@ def _totals(out: str) -> int:
     return total
 
 
+def measureFloor(procs, upstreamPort: int, turns: int) -> dict:
+    """
+    The Twisted floor (C{bench/twistedfloor.py}: the Go row's work on the
+    reactor and httptools, nothing of relay's) under callgrind, the same
+    turns as L{measureRelay}: what CPython and the reactor cost per
+    request before anything relay does.
+
+    @return: kind -> C{{"instr": per request}}.
+    """
+    port = compare.free()
+    out = os.path.join(procs.tmp, "floor.cg")
+    p = procs.start("cg-floor", ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                                 f"--callgrind-out-file={out}", sys.executable,
+                                 compare.FLOOR_SOURCE, str(port), str(upstreamPort),
+                                 compare.RELAY_KEY, compare.GO_UPSTREAM_KEY])
+    compare.waitPort(port, timeout=300)
+    client = Client(port)
+    results = {}
+    try:
+        for kind in ("json", "sse", "chat"):
+            client.turns(kind, 30)
+            _control(p.pid, "--zero")
+            _control(p.pid, "-i", "on")
+            client.turns(kind, turns)
+            _control(p.pid, "-i", "off")
+            _control(p.pid, "-d")
+            time.sleep(0.5)
+            results[kind] = {"instr": _totals(out) / turns}
+    finally:
+        client.close()
+        procs.stop(p)
+    return results
+
+
 def measureRelay(procs, name: str, tree: str, upstreamPort: int, accounts: int, limit: int,
                  kinds, turns: int, redisPort=None, concurrency: int = 1) -> dict:
     """
@@ -309,6 +343,9 @@ def run(procs, trees: list, only, turns: int, bodies=None) -> dict:
     compare.waitPort(redisPort)
     results = {}
     try:
+        if "floor" in only:
+            for kind, r in measureFloor(procs, uport, turns).items():
+                results["floor", "Twisted floor", "memory", 1, kind] = r
         for label, tree in trees:
             name = re.sub(r"[^A-Za-z0-9_.-]+", "_", label)  # a file name (a tree given by path)
             if "kinds" in only:
@@ -381,6 +418,24 @@ def report(results: dict, trees: list, turns: int, out: list) -> None:
 
     out.append(f"## Instructions per turn (callgrind, {turns} sequential turns after 30 "
                "warm-up, relay's process only)\n")
+    floor = {k[4]: v for k, v in results.items() if k[0] == "floor"}
+    if floor:
+        out.append("The Twisted floor (`bench/twistedfloor.py`: check the key, swap the "
+                   "credential, pass the upstream's bytes through, on the reactor and httptools; "
+                   "nothing of relay's), per request, beside relay's memory turn of the same "
+                   "kind (unlimited slots):\n")
+        out.append("| turn | Twisted floor | " + " | ".join(labels) + " | "
+                   + " | ".join(f"{label} / floor" for label in labels) + " |")
+        out.append("|---|---:|" + "---:|" * (2 * len(labels)))
+        for kind in ("json", "sse", "chat"):
+            if kind not in floor:
+                continue
+            vals = [results.get(("kinds", label, "memory", 1, kind)) for label in labels]
+            cells = " | ".join(_m(v["instr"]) if v else "-" for v in vals)
+            ratios = " | ".join(f"{v['instr'] / floor[kind]['instr']:.1f}x" if v else "-"
+                                for v in vals)
+            out.append(f"| {LABELS[kind]} | {_m(floor[kind]['instr'])} | {cells} | {ratios} |")
+        out.append("")
     if any(k[0] == "kinds" for k in results):
         out.append("Memory state, one account, unlimited slots (issue 16's shape).\n")
         out.append(f"| turn | {head} |")
@@ -469,7 +524,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", help="a git ref or a source tree measured beside this one")
     parser.add_argument("--turns", type=int, default=200)
-    parser.add_argument("--only", action="append", choices=["kinds", "state", "load", "pool"])
+    parser.add_argument("--only", action="append",
+                        choices=["floor", "kinds", "state", "load", "pool"])
     parser.add_argument("--out", help="also write the report (markdown) here")
     parser.add_argument("--steady", action="store_true",
                         help="warm new-session turns up on every account first (slow at 2,000)")
@@ -494,7 +550,7 @@ def main() -> None:
         dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--", "relay"],
                                capture_output=True, text=True, check=False).stdout.strip()
         trees.append((f"this tree {head}{'+' if dirty else ''}", ROOT))
-        only = args.only or ["kinds", "state", "load", "pool"]
+        only = args.only or ["floor", "kinds", "state", "load", "pool"]
         results = run(procs, trees, only, args.turns)
     finally:
         procs.stopAll()

@@ -235,9 +235,12 @@ class Page:
                                      f"{str(text)[-1500:]}")
             await deferLater(reactor, 0.1, lambda: None)
 
-    async def click(self, selector):
+    async def click(self, selector, hold=0.0):
         """
         A real click at the centre of the (visible) element C{selector}.
+
+        @param hold: seconds between pressing the button and releasing it
+            (a slow click: a person's takes ~0.1 s).
         """
         # The element must be the one under its centre (not covered, and the
         # layout settled: the page re-renders its tables every few seconds).
@@ -250,6 +253,8 @@ class Page:
             "})()" % json.dumps(selector), what=f"clickable {selector}")
         x, y = box
         for kind in ("mouseMoved", "mousePressed", "mouseReleased"):
+            if kind == "mouseReleased" and hold:
+                await deferLater(reactor, hold, lambda: None)
             await self.send("Input.dispatchMouseEvent", {
                 "type": kind, "x": x, "y": y, "button": "left", "clickCount": 1})
 

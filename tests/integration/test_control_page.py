@@ -433,3 +433,34 @@ async def test_manage_relogin_and_audit_through_the_page(stack):
         "document.documentElement.scrollWidth <= document.documentElement.clientWidth")
     await stack.shot("manage-audit")
     await stack.assertNoSecret()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_slow_click_across_a_refresh_is_not_lost(stack):
+    """
+    The panels re-render their tables every few seconds; a click whose
+    press and release straddle a re-render (press and release must land on
+    one element) used to be lost -- the chromium run found a Delete that
+    never armed. Held over the status panel's and the accounts panel's
+    refresh (2 s and 3 s), Pause still pauses, and the row is re-rendered
+    once the button is released.
+    """
+    page = stack.page
+    await page.evaluate(
+        "document.querySelector('tr.manage-row[data-account-id=\"k-file\"]')"
+        ".setAttribute('data-before', '1')")
+    await page.click("tr.manage-row[data-account-id=\"k-file\"] button.pause", hold=3.5)
+    await page.waitFor("(function(){var r=document.querySelector("
+                       "'tr.manage-row[data-account-id=\"k-file\"]');"
+                       " return r && r.getAttribute('data-paused') === '1';})()",
+                       what="k-file paused by the slow click")
+    code, view = await stack.admin("GET", "accounts")
+    assert {a["id"]: a for a in view["accounts"]}["k-file"]["paused"] is True
+    # The refresh that waited for the release has run since.
+    await page.waitFor("!document.querySelector('tr.manage-row[data-before]')",
+                       what="the rows re-rendered after the release")
+    await page.click("tr.manage-row[data-account-id=\"k-file\"] button.resume", hold=3.5)
+    await page.waitFor("(function(){var r=document.querySelector("
+                       "'tr.manage-row[data-account-id=\"k-file\"]');"
+                       " return r && r.getAttribute('data-paused') === '0';})()",
+                       what="k-file resumed by the slow click")
