@@ -513,10 +513,10 @@ def speed(procs: Procs, bodies: dict, seconds: float, report: list, baseline=Non
         for name, port, pid in targets:
             results[label, name] = wrk(procs.tmp, kind, port, conns, seconds, cpu=1, watch=[pid])
     peaks = {name: memory(pid)["VmHWM"] for name, _, pid in targets}
-    report.append("## Per process: direct, nginx proxy_pass, Go stdlib proxy, relay (same "
-                  "upstream, same run)\n")
-    report.append("relay, the nginx proxy and the Go proxy (`bench/goproxy/main.go`, "
-                  "`GOMAXPROCS=1`) pinned to CPU 0; wrk and the upstream (nginx `return 200`) on "
+    report.append("## Per process: direct, nginx proxy_pass, Go stdlib proxy, the Twisted floor, "
+                  "relay (same upstream, same run)\n")
+    report.append("relay, the nginx proxy, the Go proxy (`bench/goproxy/main.go`, "
+                  "`GOMAXPROCS=1`) and the Twisted floor pinned to CPU 0; wrk and the upstream (nginx `return 200`) on "
                   "CPU 1. CPU per request is the process under test (for direct: the upstream). "
                   "Stream: events/s = responses/s x 40.\n")
     report.append("The Twisted floor (`bench/twistedfloor.py`) is the Go row's work written on "
