@@ -949,12 +949,15 @@ class TurnRunner:
             return False
         if response is not None:
             turn.outputItemIds = tuple(outputItemIds(response))
-        self.scheduler.recordResponse(turn, responseId, account).addErrback(
-            lambda f: self._log.failure(
-                "recording the owner of {response_id} failed", f,
-                response_id=responseId, request_id=turn.requestId,
+        d = self.scheduler.recordResponse(turn, responseId, account)
+        if not d.called or d.result is not None:
+            # Issue 24: a write already done (the memory store's) needs no errback.
+            d.addErrback(
+                lambda f: self._log.failure(
+                    "recording the owner of {response_id} failed", f,
+                    response_id=responseId, request_id=turn.requestId,
+                )
             )
-        )
         return True
 
     async def _retakeSameAccount(self, turn, sink, account, state=None):

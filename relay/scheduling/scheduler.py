@@ -33,7 +33,7 @@ from weakref import WeakKeyDictionary
 
 from attrs import define, evolve, field
 from attrs import fields as attrs_fields
-from twisted.internet.defer import Deferred, fail
+from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from zope.interface import implementer
@@ -106,6 +106,44 @@ def responseOwnerKey(responseId: str) -> str:
     return f"openai:http-response-owner:key:{_digest(responseId)}"
 
 
+def responseKeys(responseId: str) -> tuple:
+    """
+    Issue 24: L{responseKey} and L{responseOwnerKey} of one response, from
+    one sha256 of its id (a turn writes both).
+
+    @return: C{(responseKey(responseId), responseOwnerKey(responseId))}.
+    """
+    digest = _digest(responseId)
+    return (f"sticky_session:0:openai:response:{digest}",
+            f"openai:http-response-owner:key:{digest}")
+
+
+_OWNER_RECORDS: dict = {}
+"""Issue 24: C{(key owner id, account id)} -> its L{ownerRecord} (a
+bounded set: configured keys and accounts; cleared when full)."""
+_OWNER_RECORDS_MAX = 4096
+
+
+def ownerRecord(keyOwner: str, accountId: str) -> str:
+    """
+    The value of a response's (and its items') owner record (R104): the
+    key's owner identity and the account, as compact JSON (read by
+    L{_parseOwner}); built once per C{(key, account)}.
+
+    @param keyOwner: the key's L{relay.model.ClientKey.ownerId}.
+    @param accountId: the account that served the response.
+    @return: C{{"key":keyOwner,"account":accountId}}.
+    """
+    ident = (keyOwner, accountId)
+    record = _OWNER_RECORDS.get(ident)
+    if record is None:
+        record = json.dumps({"key": keyOwner, "account": accountId}, separators=(",", ":"))
+        if len(_OWNER_RECORDS) >= _OWNER_RECORDS_MAX:
+            _OWNER_RECORDS.clear()
+        _OWNER_RECORDS[ident] = record
+    return record
+
+
 def affinityKey(kind: str, value: str) -> str:
     """
     The store key of an affinity record: which account issued a turn-state
@@ -157,6 +195,13 @@ class _NoSlot:
 
 NO_SLOT = _NoSlot()
 """The one L{_NoSlot}."""
+
+
+def _none(result) -> None:
+    """
+    @return: L{None} (a store write's result is not the caller's).
+    """
+    return None
 
 
 def _parseOwner(raw: str) -> tuple:
@@ -669,7 +714,32 @@ class AccountScheduler:
 
         @return: Deferred firing with L{None}; store errors are logged.
         """
-        return eagerDeferred(self._recordResponse(turn, responseId, account))
+        if not responseId:
+            return succeed(None)
+        setValues = getattr(self._store, "setValues", None)
+        if setValues is None:
+            return eagerDeferred(self._recordResponse(turn, responseId, account))
+        # Issue 24: a store with setValues (both built-in ones) gets its one
+        # operation straight from here: no coroutine and no await per turn.
+        try:
+            records, ttl = self._responseRecords(turn, responseId, account)
+        except BaseException:  # noqa: BLE001 - delivered as the Deferred's failure
+            return fail()
+        try:
+            d = setValues(records, ttl)
+        except Exception as e:  # noqa: BLE001 - logged, never raised (as _write)
+            self._writeFailed("setValues", (records, ttl), e)
+            return succeed(None)
+        if d.called and d.result is None:
+            return d
+
+        def failed(f):
+            if not isinstance(f.value, Exception):
+                return f
+            self._writeFailed("setValues", (records, ttl), f.value)
+            return None
+
+        return d.addCallbacks(_none, failed)
 
     def retryHint(self, turn: Turn) -> Deferred:
         """
@@ -770,11 +840,17 @@ class AccountScheduler:
         try:
             await getattr(self._store, op)(*args)
         except Exception as e:
-            key = ", ".join(p[0] for p in args[0]) if op == "setValues" else args[0]
-            self._log.error(
-                "state store {op} failed for {key}: {error}",
-                event="openai.sticky_write_failed", op=op, key=key, error=repr(e),
-            )
+            self._writeFailed(op, args, e)
+
+    def _writeFailed(self, op: str, args: tuple, e: Exception) -> None:
+        """
+        Log a store write that failed (L{_write}).
+        """
+        key = ", ".join(p[0] for p in args[0]) if op == "setValues" else args[0]
+        self._log.error(
+            "state store {op} failed for {key}: {error}",
+            event="openai.sticky_write_failed", op=op, key=key, error=repr(e),
+        )
 
     async def _bind(self, turn: Turn, account: Account) -> None:
         """
@@ -818,20 +894,7 @@ class AccountScheduler:
         """
         if not responseId:
             return
-        s = self._settings.current.scheduling
-        ttl = s.previous_response_ttl_seconds
-        ownerTtl = max(ttl, s.response_owner_ttl_seconds)
-        # R104: owned by the key's owner identity (ClientKey.ownerId): a
-        # file key's name, an admin key's name with its issuance.
-        self._remember(responseId, account.id, turn.client.ownerId, ownerTtl)
-        owner = json.dumps({"key": turn.client.ownerId, "account": account.id},
-                           separators=(",", ":"))
-        records = ((responseKey(responseId), account.id, ttl),
-                   (responseOwnerKey(responseId), owner, ownerTtl))
-        if turn.outputItemIds:
-            # R104: its output items belong to the key too (the same record
-            # and lifetime, in the same operation: no extra round trip).
-            records += tuple((itemOwnerKey(i), owner, ownerTtl) for i in turn.outputItemIds)
+        records, ttl = self._responseRecords(turn, responseId, account)
         # Both writes leave at once (issue 14): a reader in another process
         # must not find the owner without the key (R40) a round trip later.
         if getattr(self._store, "setValues", None) is not None:
@@ -844,6 +907,32 @@ class AccountScheduler:
         ]
         for d in writes:
             await d
+
+    def _responseRecords(self, turn: Turn, responseId: str, account: Account) -> tuple:
+        """
+        Remember the owner locally and build the store records of
+        L{_recordResponse}.
+
+        @return: C{(records, ttl)}: C{(key, value, ttl)} triples (the
+            routing binding, the owner record, the items' owner records)
+            and the routing binding's TTL.
+        """
+        s = self._settings.current.scheduling
+        ttl = s.previous_response_ttl_seconds
+        ownerTtl = max(ttl, s.response_owner_ttl_seconds)
+        # R104: owned by the key's owner identity (ClientKey.ownerId): a
+        # file key's name, an admin key's name with its issuance.
+        keyOwner = turn.client.ownerId
+        accountId = account.id
+        self._remember(responseId, accountId, keyOwner, ownerTtl)
+        owner = ownerRecord(keyOwner, accountId)
+        bindingKey, ownerKey = responseKeys(responseId)
+        records = ((bindingKey, accountId, ttl), (ownerKey, owner, ownerTtl))
+        if turn.outputItemIds:
+            # R104: its output items belong to the key too (the same record
+            # and lifetime, in the same operation: no extra round trip).
+            records += tuple((itemOwnerKey(i), owner, ownerTtl) for i in turn.outputItemIds)
+        return records, ttl
 
     def _remember(self, responseId: str, accountId: str, keyName: str, ttl: float) -> None:
         """

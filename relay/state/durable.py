@@ -119,9 +119,30 @@ class SQLiteValues:
         """
         return self._change(key, None)
 
+    def saveMany(self, rows) -> Deferred:
+        """
+        L{save} of several values in one change (issue 24: a response's
+        owner record and its items' ones).
+
+        @param rows: C{(key, value, expires)} triples, C{expires} in Unix
+            seconds.
+        @return: a Deferred firing once they are all committed.
+        """
+        pending = self._pending
+        for key, value, expires in rows:
+            pending.pop(key, None)
+            pending[key] = (value, expires)
+        return self._waitForWrite()
+
     def _change(self, key: str, change) -> Deferred:
         self._pending.pop(key, None)
         self._pending[key] = change
+        return self._waitForWrite()
+
+    def _waitForWrite(self) -> Deferred:
+        """
+        A Deferred for the changes now in L{_pending}: the next write's.
+        """
         d = Deferred()
         self._waiters.append(d)
         if not self._writing and self._timer is None:

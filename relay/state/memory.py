@@ -290,25 +290,68 @@ class MemoryStateStore:
                 lambda f: self._log.failure("persisting {key} failed", f, key=key)
             )
         if len(values) > self.maxValues:
-            now = self._clock.seconds()
-            if now > self._prunedAt:
-                # At most one full pass per clock tick; then the oldest go.
-                self._prunedAt = now
-                self.prune()
-            while len(values) > self.maxValues:
-                del values[next(iter(values))]
+            self._evict()
+
+    def _evict(self) -> None:
+        """
+        Bring the values back to L{maxValues}: a prune, at most once per
+        clock tick, then the oldest go.
+        """
+        values = self._values
+        now = self._clock.seconds()
+        if now > self._prunedAt:
+            # At most one full pass per clock tick; then the oldest go.
+            self._prunedAt = now
+            self.prune()
+        while len(values) > self.maxValues:
+            del values[next(iter(values))]
 
     def setValues(self, pairs, ttl) -> Deferred:
         """
-        L{setValue} of several keys (issue 24; as the Redis store's).
+        L{setValue} of several keys (issue 24; as the Redis store's). The
+        persisted ones (L{isDurable}) go to the durable store in one
+        change (L{relay.state.durable.SQLiteValues.saveMany}).
 
         @param pairs: C{[(key, value), ...]}, or C{(key, value, ttl)}
             triples for a key with a TTL of its own.
         @param ttl: seconds (for the pairs without one).
         """
+        values = self._values
+        durable = self.durable
+        saveMany = None if durable is None else getattr(durable, "saveMany", None)
+        if durable is not None and saveMany is None:
+            for pair in pairs:
+                self._set(pair[0], pair[1], pair[2] if len(pair) > 2 else ttl)
+            return succeed(None)
+        now = self._clock.seconds()
+        saves = []
         for pair in pairs:
-            self._set(pair[0], pair[1], pair[2] if len(pair) > 2 else ttl)
+            key = pair[0]
+            entry = (pair[1], now + (pair[2] if len(pair) > 2 else ttl))
+            values.pop(key, None)
+            values[key] = entry
+            if saveMany is not None and isDurable(key):
+                saves.append((key,) + entry)
+            if len(values) > self.maxValues:
+                if saves:
+                    self._persist(saveMany, saves)
+                    saves = []
+                self._evict()
+        if saves:
+            self._persist(saveMany, saves)
         return succeed(None)
+
+    def _persist(self, saveMany, rows: list) -> None:
+        """
+        Hand C{rows} (C{(key, value, expires)}) to the durable store; a
+        failure is logged per key, as L{_set}'s.
+        """
+
+        def failed(f):
+            for row in rows:
+                self._log.failure("persisting {key} failed", f, key=row[0])
+
+        saveMany(rows).addErrback(failed)
 
     def touchValue(self, key, ttl) -> Deferred:
         """

@@ -1,0 +1,291 @@
+"""
+Issue 24: the fast paths of a turn's end (after the upstream's answer) give
+what the general paths give, on the same inputs: the owner records of
+L{AccountScheduler.recordResponse} written straight to a store with
+C{setValues} against the coroutine path of a store without it, and the
+memory store's C{setValues} against one C{setValue} per key (persisted rows
+included).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+from twisted.internet.defer import fail
+from twisted.internet.task import Clock
+from twisted.logger import capturedLogs
+from twisted.trial.unittest import SynchronousTestCase
+
+from relay.admission.memory import MemorySlotAdmission
+from relay.eager import eagerDeferred
+from relay.model import Account, ClientKey, GatewaySettings, SchedulingSettings, Turn
+from relay.scheduling.itemowners import itemOwnerKey
+from relay.scheduling.scheduler import (
+    AccountScheduler,
+    ownerRecord,
+    responseKey,
+    responseKeys,
+    responseOwnerKey,
+)
+from relay.settings import RuntimeSettings
+from relay.state.durable import SQLiteValues
+from relay.state.memory import MemoryStateStore
+from tests.test_durable import _Database
+
+ALICE = ClientKey(name="alice", key="sk-alice")
+IDS = ["resp_1", "resp_\u00e9\u4e2d", "", "r" * 300]
+
+
+class _NoSetValues:
+    """
+    A store without C{setValues} (an operator's component): the scheduler's
+    general path, one C{setValue} per record.
+    """
+
+    def __init__(self, store):
+        self._inner = store
+
+    def __getattr__(self, name):
+        if name == "setValues":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+class _Failing(MemoryStateStore):
+    """
+    A memory store whose C{setValues} fails: synchronously (C{raises}) or
+    through its Deferred.
+    """
+
+    raises = False
+
+    def setValues(self, pairs, ttl):
+        if self.raises:
+            raise RuntimeError("store down")
+        return fail(RuntimeError("store down"))
+
+
+def _turn(items=()):
+    t = Turn(entrypoint="http", endpoint="responses", client=ALICE, model="gpt-5",
+             body={}, stream=False, requestId="req_1")
+    t.outputItemIds = tuple(items)
+    return t
+
+
+class DigestTests(SynchronousTestCase):
+
+    def test_responseKeys(self):
+        """
+        L{responseKeys} (one digest) is L{responseKey} and
+        L{responseOwnerKey} (one digest each).
+        """
+        for responseId in IDS:
+            self.assertEqual(responseKeys(responseId),
+                             (responseKey(responseId), responseOwnerKey(responseId)))
+
+    def test_ownerRecord(self):
+        """
+        The cached owner record is the compact JSON the scheduler wrote per
+        turn, the first time and every time after.
+        """
+        for key, account in [("alice", "a"), ('q"uote', "\u00e9"), ("k#2", "acct\\1")]:
+            expected = json.dumps({"key": key, "account": account}, separators=(",", ":"))
+            self.assertEqual(ownerRecord(key, account), expected)
+            self.assertEqual(ownerRecord(key, account), expected)
+
+
+class RecordResponseTests(SynchronousTestCase):
+    """
+    C{recordResponse} on a store with C{setValues} (no coroutine) writes
+    what the general path writes.
+    """
+
+    def scheduler(self, store, clock):
+        account = Account(id="a", type="apikey", base_url="https://api.example/v1", credential="c")
+        settings = RuntimeSettings(GatewaySettings(scheduling=SchedulingSettings(
+            previous_response_ttl_seconds=10, response_owner_ttl_seconds=50)))
+        return AccountScheduler(
+            accounts=[account], admission=MemorySlotAdmission(clock=clock), store=store,
+            clock=clock, settings=settings, random=random.Random(1),
+        ), account
+
+    def test_sameRecords(self):
+        """
+        The same keys, values and expiry times, with and without output
+        items, and the same local owner map.
+        """
+        for items in [(), ("msg_1", "fc_2")]:
+            clock = Clock()
+            clock.advance(1000)
+            fast, general = MemoryStateStore(clock=clock), MemoryStateStore(clock=clock)
+            fastScheduler, account = self.scheduler(fast, clock)
+            generalScheduler, _ = self.scheduler(_NoSetValues(general), clock)
+            for responseId in ["resp_1", "resp_2"]:
+                self.assertIsNone(self.successResultOf(
+                    fastScheduler.recordResponse(_turn(items), responseId, account)))
+                self.assertIsNone(self.successResultOf(
+                    generalScheduler.recordResponse(_turn(items), responseId, account)))
+            self.assertEqual(fast._values, general._values)
+            self.assertEqual(len(fast._values), 4 + len(items))  # the items: one record each
+            self.assertEqual(fast._values[itemOwnerKey("msg_1")][0] if items else None,
+                             '{"key":"alice","account":"a"}' if items else None)
+            self.assertEqual(fastScheduler._localOwners, generalScheduler._localOwners)
+
+    def test_sameAsCoroutine(self):
+        """
+        The fast path writes what the coroutine path
+        (C{_recordResponse}, still used without C{setValues}) writes on
+        the same store type.
+        """
+        clock = Clock()
+        fast, slow = MemoryStateStore(clock=clock), MemoryStateStore(clock=clock)
+        fastScheduler, account = self.scheduler(fast, clock)
+        slowScheduler, _ = self.scheduler(slow, clock)
+        self.successResultOf(fastScheduler.recordResponse(_turn(["rs_1"]), "resp_9", account))
+        self.successResultOf(eagerDeferred(
+            slowScheduler._recordResponse(_turn(["rs_1"]), "resp_9", account)))
+        self.assertEqual(fast._values, slow._values)
+
+    def test_failureLoggedAlike(self):
+        """
+        A store write that fails (at once or through its Deferred) is
+        logged as the coroutine path logs it, and the Deferred fires with
+        L{None} (R35 fail-open).
+        """
+        for raises in (False, True):
+            clock = Clock()
+            lines = []
+            for path in ("fast", "coroutine"):
+                store = _Failing(clock=clock)
+                store.raises = raises
+                scheduler, account = self.scheduler(store, clock)
+                with capturedLogs() as logs:
+                    if path == "fast":
+                        d = scheduler.recordResponse(_turn(["msg_1"]), "resp_1", account)
+                    else:
+                        d = eagerDeferred(
+                            scheduler._recordResponse(_turn(["msg_1"]), "resp_1", account))
+                    self.assertIsNone(self.successResultOf(d))
+                lines.append([(e["event"], e["op"], e["key"], e["error"], e["log_level"])
+                              for e in logs if e.get("event") == "openai.sticky_write_failed"])
+            self.assertEqual(len(lines[0]), 1)
+            self.assertEqual(lines[0], lines[1])
+
+    def test_pendingWrite(self):
+        """
+        A write still on its way (a remote store) fires the Deferred with
+        L{None} when it lands, not with the store's result.
+        """
+        from twisted.internet.defer import Deferred
+
+        clock = Clock()
+        pending = Deferred()
+
+        class Remote(MemoryStateStore):
+            def setValues(self, pairs, ttl):
+                return pending
+
+        scheduler, account = self.scheduler(Remote(clock=clock), clock)
+        d = scheduler.recordResponse(_turn(), "resp_1", account)
+        self.assertNoResult(d)
+        pending.callback(["OK"])
+        self.assertIsNone(self.successResultOf(d))
+
+    def test_noResponseId(self):
+        """
+        No id, nothing written.
+        """
+        clock = Clock()
+        store = MemoryStateStore(clock=clock)
+        scheduler, account = self.scheduler(store, clock)
+        self.assertIsNone(self.successResultOf(scheduler.recordResponse(_turn(), None, account)))
+        self.assertEqual(store._values, {})
+
+
+class SetValuesTests(SynchronousTestCase):
+    """
+    The memory store's C{setValues} (persisted rows in one change) against
+    one C{setValue} per key.
+    """
+
+    PAIRS = [("sticky_session:0:openai:response:x", "a", 10),
+             ("openai:http-response-owner:key:x", "{}", 50),
+             ("openai:http-response-owner:item:y", "{}", 50),
+             ("plain", "v")]
+
+    def stores(self, **kw):
+        clock = Clock()
+        clock.advance(100)
+        out = []
+        for _ in range(2):
+            db = _Database()
+            store = MemoryStateStore(clock=clock, **kw)
+            store.durable = SQLiteValues(db)
+            out.append((store, db))
+        return out
+
+    def test_same(self):
+        """
+        The same values, expiry times and persisted rows.
+        """
+        (fast, fastDb), (one, oneDb) = self.stores()
+        self.successResultOf(fast.setValues(self.PAIRS, 7))
+        for pair in self.PAIRS:
+            self.successResultOf(one.setValue(pair[0], pair[1], pair[2] if len(pair) > 2 else 7))
+        self.assertEqual(fast._values, one._values)
+        while oneDb.queued:
+            oneDb.finish()
+        while fastDb.queued:
+            fastDb.finish()
+        self.assertEqual(fastDb.rows(), oneDb.rows())
+        self.assertEqual(len(fastDb.rows()), 2)
+
+    def test_evictionSame(self):
+        """
+        Over C{maxValues}, the same values are kept.
+        """
+        (fast, fastDb), (one, oneDb) = self.stores(maxValues=2)
+        self.successResultOf(fast.setValues(self.PAIRS, 7))
+        for pair in self.PAIRS:
+            self.successResultOf(one.setValue(pair[0], pair[1], pair[2] if len(pair) > 2 else 7))
+        self.assertEqual(fast._values, one._values)
+
+    def test_failureLoggedPerKey(self):
+        """
+        A failed persist logs one line per key, as a failed C{setValue}.
+        """
+
+        class Broken:
+            def saveMany(self, rows):
+                return fail(RuntimeError("disk"))
+
+            def save(self, key, value, expires):
+                return fail(RuntimeError("disk"))
+
+        lines = []
+        for fastPath in (True, False):
+            store = MemoryStateStore(clock=Clock())
+            store.durable = Broken()
+            with capturedLogs() as logs:
+                if fastPath:
+                    store.setValues(self.PAIRS, 7)
+                else:
+                    for pair in self.PAIRS:
+                        store.setValue(pair[0], pair[1], pair[2] if len(pair) > 2 else 7)
+            lines.append([(e["log_format"], e["key"]) for e in logs])
+            self.flushLoggedErrors(RuntimeError)
+        self.assertEqual(len(lines[0]), 2)
+        self.assertEqual(lines[0], lines[1])
+
+    def test_noDurable(self):
+        """
+        Without a durable store, the values alone.
+        """
+        clock = Clock()
+        fast, one = MemoryStateStore(clock=clock), MemoryStateStore(clock=clock)
+        self.assertIsNone(self.successResultOf(fast.setValues(self.PAIRS, 7)))
+        for pair in self.PAIRS:
+            one.setValue(pair[0], pair[1], pair[2] if len(pair) > 2 else 7)
+        self.assertEqual(fast._values, one._values)
+
