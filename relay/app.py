@@ -121,6 +121,11 @@ class _Request(LimitedBodyRequest):
         super().render(JSONMethodErrors(resrc))
 
 
+_ACCESS = '{client} "{method} {path}" {status} {bytes}'
+"""The access line's format (L{_Site.log}); L{_ACCESS_TIMED} with a duration."""
+_ACCESS_TIMED = _ACCESS + " in {duration_ms}ms"
+
+
 class _Site(RelaySite):
     """
     The relay's L{Site}: its access line is a structured
@@ -148,14 +153,16 @@ class _Site(RelaySite):
         if started is not None and self.clock is not None:
             duration = round((self.clock.seconds() - started) * 1000, 1)
         agent = request.getHeader(b"user-agent")
+        uri = request.uri
+        # Issue 24: a target without a query has nothing to redact.
+        path = redactQuery(uri.decode("latin-1")) if b"?" in uri else uri.decode("latin-1")
         self._log.info(
-            '{client} "{method} {path}" {status} {bytes}'
-            + (" in {duration_ms}ms" if duration is not None else ""),
+            _ACCESS if duration is None else _ACCESS_TIMED,
             event="relay.http_access",
             request_id=getattr(request, "relayRequestId", None),
             client=getattr(address, "host", "-"),
             method=request.method.decode("latin-1"),
-            path=redactQuery(request.uri.decode("latin-1"))[:512],
+            path=path[:512],
             status=request.code,
             bytes=request.sentLength,
             duration_ms=duration,

@@ -289,3 +289,52 @@ class SetValuesTests(SynchronousTestCase):
             one.setValue(pair[0], pair[1], pair[2] if len(pair) > 2 else 7)
         self.assertEqual(fast._values, one._values)
 
+
+
+class AccessLineTests(SynchronousTestCase):
+    """
+    The access line (L{relay.app._Site.log}) skips L{relay.logs.redactQuery}
+    for a target without a query: the same C{path} and format either way.
+    """
+
+    def line(self, uri, started):
+        from twisted.internet.testing import EventLoggingObserver
+        from twisted.logger import globalLogPublisher
+        from twisted.web.resource import Resource
+        from twisted.web.test.requesthelper import DummyRequest
+
+        from relay.app import _Site
+
+        site = _Site(Resource())
+        site.clock = Clock()
+        site.clock.advance(5)
+        request = DummyRequest([b"v1"])
+        request.method = b"POST"
+        request.uri = uri
+        request.code = 200
+        request.sentLength = 3
+        if started is not None:
+            request.relayStartedAt = started
+        events = EventLoggingObserver.createWithCleanup(self, globalLogPublisher)
+        site.log(request)
+        [event] = [e for e in events if e.get("event") == "relay.http_access"]
+        return event
+
+    def test_sameAsRedacted(self):
+        """
+        Every target's C{path} is what L{redactQuery} gives (cut at 512),
+        and the format names C{duration_ms} exactly when it was measured.
+        """
+        from relay.logs import redactQuery
+
+        for uri in [b"/v1/responses", b"/v1/responses?api_key=sk-1&stream=true",
+                    b"/x?", b"/caf\xe9/" + b"p" * 600, b"/a?token=" + b"t" * 600]:
+            for started in (None, 4.5):
+                event = self.line(uri, started)
+                self.assertEqual(event["path"], redactQuery(uri.decode("latin-1"))[:512])
+                self.assertEqual(
+                    event["log_format"],
+                    '{client} "{method} {path}" {status} {bytes}'
+                    + (" in {duration_ms}ms" if started is not None else ""))
+                self.assertEqual(event["duration_ms"],
+                                 None if started is None else 500.0)

@@ -216,8 +216,9 @@ class PriceTable:
         """
         from relay.usage.tokens import TokenCounts
 
-        nanos = self.cost(model, counts)
-        # Built directly: attrs.evolve costs a few microseconds per turn.
+        price = self.lookup(model)
+        nanos = None if price is None else price.nanos(counts)
+        # (L{cost}, inline: issue 24.) Built directly: attrs.evolve costs a few microseconds per turn.
         if nanos is None:
             return TokenCounts(counts.requests, counts.input, counts.cached, counts.output,
                                counts.reasoning, 0, counts.requests)

@@ -122,7 +122,10 @@ class UsageLedger:
         """
         now = self.clock.seconds()
         ident = (hourOf(now), key, account, model)
-        self._pending[ident] = self._pending.get(ident, TokenCounts()) + counts
+        pending = self._pending.get(ident)
+        # Issue 24: an hour's first turn is its row (TokenCounts is frozen):
+        # no zero row built and added per turn.
+        self._pending[ident] = counts if pending is None else pending + counts
         if key in self.budgets:
             for period in (("d", dayStart(now)), ("m", monthStart(now))):
                 slot = (key,) + period
