@@ -338,3 +338,63 @@ class AccessLineTests(SynchronousTestCase):
                     + (" in {duration_ms}ms" if started is not None else ""))
                 self.assertEqual(event["duration_ms"],
                                  None if started is None else 500.0)
+
+
+class TurnFinishedTests(SynchronousTestCase):
+    """
+    C{relay.turn_finished}'s token fields, inlined in
+    L{relay.engine.runner.TurnRunner._finished}, are L{_usageFields}' and
+    keep their place among the fields.
+    """
+
+    def finished(self, stream):
+        from tests.test_runner import Rig, account, sse
+
+        rig = Rig([account("a")])
+        rig.script("a", sse(*stream))
+        with capturedLogs() as logs:
+            turn, sink, outcome = rig.run()
+        self.assertEqual(outcome, ["completed"])
+        [event] = [e for e in logs if e.get("event") == "relay.turn_finished"]
+        return turn, event
+
+    def test_sameFields(self):
+        """
+        With usage and without: the four token fields are
+        L{_usageFields}' values, between C{first_output_ms} and
+        C{upstream_request_id}.
+        """
+        from relay.engine.runner import _usageFields
+        from tests.test_runner import CREATED, DELTA, IN_PROGRESS, ITEM_ADDED, OK_STREAM, frame
+
+        bare = frame("response.completed", response={
+            "id": "resp_1", "status": "completed",
+            "output": [{"type": "message", "content": [{"type": "output_text", "text": "Hi"}]}]})
+        for stream, counted in [(OK_STREAM, True),
+                                ([CREATED, IN_PROGRESS, ITEM_ADDED, DELTA, bare], False)]:
+            turn, event = self.finished(stream)
+            self.assertEqual(turn.usage is not None, counted)
+            fields = _usageFields(turn.usage)
+            self.assertEqual({k: event[k] for k in fields}, fields)
+            names = list(event)
+            start = names.index("first_output_ms") + 1
+            self.assertEqual(names[start:start + 5], list(fields) + ["upstream_request_id"])
+
+
+class CountTests(SynchronousTestCase):
+    """
+    L{relay.usage.tokens._count}'s fast path for a plain C{int} gives what
+    its general path gives.
+    """
+
+    def test_sameAsGeneral(self):
+        from relay.usage.tokens import _count
+
+        def general(value):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                return 0
+            return max(0, int(value))
+
+        for value in [0, 1, 7, -3, 10 ** 20, -(10 ** 20), True, False, 2.9, -1.5, None, "5", [1]]:
+            self.assertEqual((_count(value), type(_count(value))),
+                             (general(value), type(general(value))), value)

@@ -1234,6 +1234,7 @@ class TurnRunner:
             return
         now = self.clock.seconds()
         first = turn.firstOutputAt
+        usage = turn.usage
         if self.requestLog is not None:
             try:
                 self.requestLog.add(
@@ -1258,7 +1259,11 @@ class TurnRunner:
             switches=state.switches,
             duration_ms=int((now - start) * 1000),
             first_output_ms=None if first is None else int((first - start) * 1000),
-            **_usageFields(turn.usage),
+            # The token fields (issue 13 item 5; L{_usageFields}, inline: issue 24).
+            input_tokens=None if usage is None else usage.input,
+            cached_input_tokens=None if usage is None else usage.cached,
+            output_tokens=None if usage is None else usage.output,
+            reasoning_tokens=None if usage is None else usage.reasoning,
             upstream_request_id=turn.upstreamRequestId,
         )
         if accountId is not None:

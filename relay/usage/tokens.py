@@ -41,6 +41,9 @@ def _count(value: Any) -> int:
     """
     A token count from JSON: a non-negative integer, else 0.
     """
+    if value.__class__ is int:
+        # Issue 24: what JSON gives (the general path below agrees).
+        return value if value > 0 else 0
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return 0
     return max(0, int(value))
