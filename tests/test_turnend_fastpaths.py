@@ -203,6 +203,43 @@ class RecordResponseTests(SynchronousTestCase):
         self.assertEqual(store._values, {})
 
 
+class SaveManyTests(SynchronousTestCase):
+    """
+    L{SQLiteValues.saveMany} with C{onFailure} (no Deferred) writes what
+    one L{SQLiteValues.save} per row writes, and tells only a failure.
+    """
+
+    ROWS = [("k1", "v1", 100.0), ("k2", "v2", 100.0), ("k1", "v1b", 100.0)]
+
+    def test_sameRows(self):
+        fastDb, oneDb = _Database(), _Database()
+        failures = []
+        self.assertIsNone(SQLiteValues(fastDb).saveMany(self.ROWS, failures.append))
+        one = SQLiteValues(oneDb)
+        waits = [one.save(*row) for row in self.ROWS]
+        for db in (fastDb, oneDb):
+            while db.queued:
+                db.finish()
+        for d in waits:
+            self.successResultOf(d)
+        self.assertEqual(fastDb.rows(), oneDb.rows())
+        self.assertEqual(fastDb.rows(), [("k1", "v1b"), ("k2", "v2")])
+        self.assertEqual(failures, [])
+
+    def test_failureTold(self):
+        db = _Database()
+        failures = []
+        values = SQLiteValues(db)
+        values.saveMany(self.ROWS, failures.append)
+        plain = values.saveMany([("k3", "v3", 100.0)])
+        for _ in range(2):
+            # The first write carries the first call's rows; the second call's wait for the next.
+            interaction, args, d = db.queued.pop(0)
+            d.errback(RuntimeError("disk"))
+            self.assertEqual([f.type for f in failures], [RuntimeError])
+        self.failureResultOf(plain, RuntimeError)
+
+
 class SetValuesTests(SynchronousTestCase):
     """
     The memory store's C{setValues} (persisted rows in one change) against
@@ -257,8 +294,10 @@ class SetValuesTests(SynchronousTestCase):
         """
 
         class Broken:
-            def saveMany(self, rows):
-                return fail(RuntimeError("disk"))
+            def saveMany(self, rows, onFailure):
+                from twisted.python.failure import Failure
+
+                onFailure(Failure(RuntimeError("disk")))
 
             def save(self, key, value, expires):
                 return fail(RuntimeError("disk"))

@@ -27,6 +27,8 @@ refused as unknown, R104's fail closed).
 
 from __future__ import annotations
 
+from typing import Optional
+
 from attrs import define, field
 from twisted.internet.defer import Deferred, succeed
 from twisted.application.service import Service
@@ -49,6 +51,24 @@ def isDurable(key: str) -> bool:
     @return: whether C{key} is one the embedded store persists.
     """
     return key.startswith(DURABLE_PREFIXES)
+
+
+class _OnFailure:
+    """
+    A waiter of L{SQLiteValues} that is no L{Deferred}: the write's success
+    is nobody's business, its failure goes to C{f} (L{SQLiteValues.saveMany}).
+    """
+
+    __slots__ = ("_f",)
+
+    def __init__(self, f):
+        self._f = f
+
+    def callback(self, result) -> None:
+        pass
+
+    def errback(self, failure) -> None:
+        self._f(failure)
 
 
 @define(eq=False)
@@ -119,31 +139,42 @@ class SQLiteValues:
         """
         return self._change(key, None)
 
-    def saveMany(self, rows) -> Deferred:
+    def saveMany(self, rows, onFailure=None) -> Optional[Deferred]:
         """
         L{save} of several values in one change (issue 24: a response's
         owner record and its items' ones).
 
         @param rows: C{(key, value, expires)} triples, C{expires} in Unix
             seconds.
-        @return: a Deferred firing once they are all committed.
+        @param onFailure: L{None}, or a callable given the L{Failure} when
+            their write fails (nothing is called when it succeeds): then no
+            Deferred is made (a turn's records need none).
+        @return: a Deferred firing once they are all committed, or L{None}
+            with C{onFailure}.
         """
         pending = self._pending
         for key, value, expires in rows:
             pending.pop(key, None)
             pending[key] = (value, expires)
-        return self._waitForWrite()
+        if onFailure is None:
+            return self._waitForWrite()
+        self._waitForWrite(_OnFailure(onFailure))
+        return None
 
     def _change(self, key: str, change) -> Deferred:
         self._pending.pop(key, None)
         self._pending[key] = change
         return self._waitForWrite()
 
-    def _waitForWrite(self) -> Deferred:
+    def _waitForWrite(self, d=None) -> Deferred:
         """
         A Deferred for the changes now in L{_pending}: the next write's.
+
+        @param d: L{None} (a new Deferred), or what to tell instead
+            (C{callback(None)} or C{errback(failure)}, as a Deferred).
         """
-        d = Deferred()
+        if d is None:
+            d = Deferred()
         self._waiters.append(d)
         if not self._writing and self._timer is None:
             if self.clock is None:

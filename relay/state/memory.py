@@ -351,7 +351,7 @@ class MemoryStateStore:
             for row in rows:
                 self._log.failure("persisting {key} failed", f, key=row[0])
 
-        saveMany(rows).addErrback(failed)
+        saveMany(rows, failed)
 
     def touchValue(self, key, ttl) -> Deferred:
         """
