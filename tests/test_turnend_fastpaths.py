@@ -209,7 +209,7 @@ class SaveManyTests(SynchronousTestCase):
     one L{SQLiteValues.save} per row writes, and tells only a failure.
     """
 
-    ROWS = [("k1", "v1", 100.0), ("k2", "v2", 100.0), ("k1", "v1b", 100.0)]
+    ROWS = (("k1", "v1", 100.0), ("k2", "v2", 100.0), ("k1", "v1b", 100.0))
 
     def test_sameRows(self):
         fastDb, oneDb = _Database(), _Database()
@@ -234,7 +234,7 @@ class SaveManyTests(SynchronousTestCase):
         plain = values.saveMany([("k3", "v3", 100.0)])
         for _ in range(2):
             # The first write carries the first call's rows; the second call's wait for the next.
-            interaction, args, d = db.queued.pop(0)
+            _, _, d = db.queued.pop(0)
             d.errback(RuntimeError("disk"))
             self.assertEqual([f.type for f in failures], [RuntimeError])
         self.failureResultOf(plain, RuntimeError)
@@ -246,10 +246,10 @@ class SetValuesTests(SynchronousTestCase):
     one C{setValue} per key.
     """
 
-    PAIRS = [("sticky_session:0:openai:response:x", "a", 10),
+    PAIRS = (("sticky_session:0:openai:response:x", "a", 10),
              ("openai:http-response-owner:key:x", "{}", 50),
              ("openai:http-response-owner:item:y", "{}", 50),
-             ("plain", "v")]
+             ("plain", "v"))
 
     def stores(self, **kw):
         clock = Clock()
@@ -282,7 +282,7 @@ class SetValuesTests(SynchronousTestCase):
         """
         Over C{maxValues}, the same values are kept.
         """
-        (fast, fastDb), (one, oneDb) = self.stores(maxValues=2)
+        (fast, _), (one, _) = self.stores(maxValues=2)
         self.successResultOf(fast.setValues(self.PAIRS, 7))
         for pair in self.PAIRS:
             self.successResultOf(one.setValue(pair[0], pair[1], pair[2] if len(pair) > 2 else 7))
@@ -392,7 +392,7 @@ class TurnFinishedTests(SynchronousTestCase):
         rig = Rig([account("a")])
         rig.script("a", sse(*stream))
         with capturedLogs() as logs:
-            turn, sink, outcome = rig.run()
+            turn, _, outcome = rig.run()
         self.assertEqual(outcome, ["completed"])
         [event] = [e for e in logs if e.get("event") == "relay.turn_finished"]
         return turn, event
@@ -404,7 +404,14 @@ class TurnFinishedTests(SynchronousTestCase):
         C{upstream_request_id}.
         """
         from relay.engine.runner import _usageFields
-        from tests.test_runner import CREATED, DELTA, IN_PROGRESS, ITEM_ADDED, OK_STREAM, frame
+        from tests.test_runner import (
+            CREATED,
+            DELTA,
+            IN_PROGRESS,
+            ITEM_ADDED,
+            OK_STREAM,
+            frame,
+        )
 
         bare = frame("response.completed", response={
             "id": "resp_1", "status": "completed",

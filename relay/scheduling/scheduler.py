@@ -199,9 +199,9 @@ NO_SLOT = _NoSlot()
 
 def _none(result) -> None:
     """
-    @return: L{None} (a store write's result is not the caller's).
+    Drop C{result}: a store write's result is not the caller's (the
+    Deferred fires with L{None}).
     """
-    return None
 
 
 def _parseOwner(raw: str) -> tuple:

@@ -27,11 +27,9 @@ refused as unknown, R104's fail closed).
 
 from __future__ import annotations
 
-from typing import Optional
-
 from attrs import define, field
-from twisted.internet.defer import Deferred, succeed
 from twisted.application.service import Service
+from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
 WRITE_DELAY = 0.25
@@ -139,7 +137,7 @@ class SQLiteValues:
         """
         return self._change(key, None)
 
-    def saveMany(self, rows, onFailure=None) -> Optional[Deferred]:
+    def saveMany(self, rows, onFailure=None) -> Deferred | None:
         """
         L{save} of several values in one change (issue 24: a response's
         owner record and its items' ones).
