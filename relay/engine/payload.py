@@ -133,7 +133,13 @@ def upstreamBody(turn: Turn, account: Account) -> bytes:
             body["stream_options"] = options
     else:
         body.pop("stream", None)
-    return json.dumps(body, separators=(",", ":")).encode("utf-8")
+    return _compactJSON(body).encode("utf-8")
+
+
+_compactJSON = json.JSONEncoder(separators=(",", ":")).encode
+"""C{json.dumps(value, separators=(",", ":"))}: the same encoder, built once
+instead of once per turn (issue 24; C{json.dumps} builds a new
+L{json.JSONEncoder} whenever an argument is not its default)."""
 
 
 _NEVER_SEMANTIC = frozenset({b"response.created", b"response.in_progress", b"response.queued"})

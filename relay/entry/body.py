@@ -504,11 +504,31 @@ class LimitedBodyRequest(Request):
     """When the request's headers were in (site clock seconds), for the
     access line's duration (L{relay.app._Site.log})."""
     _rateLate = False
+    relayRawHeaders = True
+    """C{getHeader} is twisted.web's, over C{requestHeaders._rawHeaders}
+    (L{relay.requestid.requestIdOf} reads the id headers there)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.requestHeaders.__class__ = _Headers
-        self.responseHeaders.__class__ = _Headers
+    def __init__(self, channel, *args, **kwargs):
+        if len(args) > 1 or kwargs or not getattr(channel, "relayPlainRequests", False):
+            super().__init__(channel, *args, **kwargs)
+            self.requestHeaders.__class__ = _Headers
+            self.responseHeaders.__class__ = _Headers
+            return
+        # Issue 24: what twisted.web's server.Request and http.Request
+        # __init__ (and Componentized's) set, without their three calls,
+        # for a channel of relay's own (RelayHTTPChannel, which has a site);
+        # tests.test_requestside compares both requests' attributes.
+        self.notifications = []
+        self.channel = channel
+        self.client = channel.getPeer()
+        self.host = channel.getHost()
+        self.requestHeaders = _Headers()
+        self.received_cookies = {}
+        self.responseHeaders = _Headers()
+        self.cookies = []
+        self.transport = channel.transport
+        self.queued = args[0] if args else False
+        self._adapterCache = {}
 
     def relayOnGone(self, f) -> None:
         """
