@@ -217,3 +217,128 @@ class UpstreamBodyTests(SynchronousTestCase):
         expected.pop("stream")
         self.assertEqual(payload.upstreamBody(turn, account),
                          json.dumps(expected, separators=(",", ":")).encode("utf-8"))
+
+
+class UpstreamHeadersTests(SynchronousTestCase):
+    """
+    L{relay.upstream.http.upstreamHeaders} copies the forwarded names in
+    C{FORWARDED_HEADERS}' order, as a look-up of each name in turn does.
+    """
+
+    def _plain(self, account, client):
+        from relay.upstream.http import FORWARDED_HEADERS
+
+        headers = {}
+        for name in FORWARDED_HEADERS:
+            value = client.get(name)
+            if value is not None:
+                headers[name] = value
+        return headers
+
+    def test_same(self):
+        from relay.upstream.http import upstreamHeaders
+
+        account = Account(id="a", type="apikey", base_url="http://u", credential="sk")
+        oauth = Account(id="o", type="oauth", base_url="http://u", credential="t",
+                        chatgpt_account_id="acc")
+        client = {"x-codex-turn-state": "t", "user-agent": "ua", "authorization": "Bearer no",
+                  "traceparent": "00-1", "originator": "codex_x", "session_id": "s",
+                  "accept": "application/json", "x-client-request-id": "r", "other": "o",
+                  "accept-language": None}
+        for headers in (client, dict(reversed(list(client.items()))), {}, {"other": "x"},
+                        {"user-agent": "ua"}):
+            for acct in (account, oauth):
+                got = upstreamHeaders(acct, headers)
+                plain = self._plain(acct, headers)
+                self.assertEqual(list(got)[:len(plain)], list(plain))
+                self.assertEqual({k: got[k] for k in plain}, plain)
+                self.assertNotIn("Bearer no", got.values())
+
+
+def _plainReadHead(data: bytes):
+    """
+    L{headblock.readHead} as it read header lines before issue 24's third
+    round (one C{partition} and C{strip} per line).
+    """
+    from twisted.web.http_headers import InvalidHeaderName, _nameEncoder
+
+    end = data.find(b"\r\n\r\n", 0, headblock.PLAIN_BLOCK_BYTES + 4)
+    if end <= 0:
+        return None
+    block = data[:end]
+    crlf = block.count(b"\r\n")
+    if (
+        block.count(b"\n") != crlf or block.count(b"\r") != crlf or b"\0" in block
+        or b"\r\n " in block or b"\r\n\t" in block or crlf > headblock.MAX_FIELDS
+    ):
+        return None
+    lines = block.split(b"\r\n")
+    try:
+        command, path, version = _parseRequestLine(lines[0])
+    except ValueError:
+        return None
+    fields = []
+    length = None
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon:
+            return None
+        try:
+            canonical = _nameEncoder.encode(name)
+        except InvalidHeaderName:
+            return None
+        value = value.strip(b" \t")
+        if canonical == b"Content-Length":
+            if length is not None or not value.isdigit():
+                return None
+            length = int(value)
+        elif canonical == b"Transfer-Encoding":
+            return None
+        fields.append((canonical, value))
+    return command, path, version, fields, length, end - 2 * crlf, end + 2
+
+
+class HeaderLineTests(SynchronousTestCase):
+    """
+    L{headblock.readHead}'s one-call split of the header lines reads what
+    one C{partition} per line read.
+    """
+
+    LINES = [
+        b"Host: a", b"host:a", b"X-A:  spaced \t ", b"X-B:", b"X-C: \t", b"X-D: a:b: c",
+        b"Content-Length: 12", b"content-length: 1x", b"Content-Length:  7 ", b"NoColon",
+        b": empty name", b"Bad Name: v", b"X-E:\tv\t", b"Transfer-Encoding: chunked",
+        b"X-F: \xe9\xff", b"X-G:v ", b" X-H: lead", b"X-I:::", b"Content-Length: 3",
+    ]
+
+    def test_same(self):
+        import random
+
+        rng = random.Random(24)
+        cases = [[], [b"Host: a"], [b"Host: a", b"Content-Length: 2"]]
+        for _ in range(3000):
+            cases.append(rng.sample(self.LINES, rng.randint(1, 5)))
+        for lines in cases:
+            data = b"\r\n".join([b"POST /v1/responses HTTP/1.1", *lines]) + b"\r\n\r\nbody"
+            self.assertEqual(headblock.readHead(data), _plainReadHead(data), lines)
+
+
+class CompactJSONTests(SynchronousTestCase):
+    """
+    The upstream body's encoder gives C{json.dumps(value, separators=(",",
+    ":"))}' text, and its errors.
+    """
+
+    def test_same(self):
+        values = [
+            {"a": [1, 2.5, 1e100, -0.0, float("nan"), float("inf"), True, None]},
+            {"t": "h\u00e9\U0001f600\n\"\\", "n": {"x": {"y": []}}, 3: "int key"},
+            ["top", "list"], "text", 7, {},
+        ]
+        for value in values:
+            self.assertEqual(payload._compactJSON(value), json.dumps(value, separators=(",", ":")))
+
+    def test_errors(self):
+        for value in ({"a": object()}, {(1, 2): "tuple key"}):
+            self.assertRaises(TypeError, json.dumps, value, separators=(",", ":"))
+            self.assertRaises(TypeError, payload._compactJSON, value)
