@@ -42,8 +42,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http import parse_qs
 from twisted.web.http_headers import Headers, _nameEncoder
-from twisted.web.resource import _IEncodingResource
-from twisted.web.server import Request
+from twisted.web.resource import _IEncodingResource, getChildForRequest
+from twisted.web.server import Request, Site
 from twisted.web.server import version as _SERVER
 
 from relay.entry import intake as _intake
@@ -1026,9 +1026,13 @@ class LimitedBodyRequest(Request):
         parsed size (L{parsedEstimate}): what a decoded body will hold once
         a resource parses it, until the request ends.
         """
-        self.content.seek(0)
-        data = self.content.read()
-        self.content.seek(0, io.SEEK_END)
+        content = self.content
+        if content.__class__ is io.BytesIO:
+            data = content.getvalue()  # issue 24: what seek, read, seek gives
+        else:
+            content.seek(0)
+            data = content.read()
+        content.seek(0, io.SEEK_END)
         estimate = parsedEstimate(data)
         del data
         charged, self._charged = self._charged, 0
@@ -1159,7 +1163,13 @@ class LimitedBodyRequest(Request):
             self._handleStar()
             return None
         try:
-            resrc = site.getResourceFor(self)
+            if type(site).getResourceFor is Site.getResourceFor:
+                # twisted.web's own, without its copy.copy of the empty
+                # prepath (issue 24)
+                self.sitepath = []
+                resrc = getChildForRequest(site.resource, self)
+            else:
+                resrc = site.getResourceFor(self)
             if _IEncodingResource.providedBy(resrc):
                 encoder = resrc.getEncoder(self)
                 if encoder is not None:
