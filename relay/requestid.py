@@ -140,10 +140,35 @@ def requestIdOf(request) -> str:
     """
     requestId = getattr(request, _ATTRIBUTE, None)
     if requestId is None:
-        requestId = adoptClientId(_textHeader(request)) or newRequestId()
+        raw = _rawHeadersOf(request)
+        if raw is not None and _RAW_REQUEST_ID not in raw and _RAW_CLIENT_REQUEST_ID not in raw:
+            # Issue 24: neither header was sent (what adoptClientId would
+            # read as None twice), told by two lookups.
+            requestId = newRequestId()
+        else:
+            requestId = adoptClientId(_textHeader(request)) or newRequestId()
         setattr(request, _ATTRIBUTE, requestId)
         request.setHeader(b"x-request-id", requestId.encode("ascii"))
     return requestId
+
+
+_RAW_REQUEST_ID = b"X-Request-Id"
+_RAW_CLIENT_REQUEST_ID = b"X-Client-Request-Id"
+"""The two id headers' names as twisted.web's L{Headers} keeps them
+(canonical capitalisation)."""
+
+
+def _rawHeadersOf(request):
+    """
+    The raw header map (canonical name -> values) of a request whose class
+    says C{getHeader} reads it (C{relayRawHeaders}: twisted.web's own
+    C{getHeader} over its L{twisted.web.http_headers.Headers},
+    L{relay.entry.body.LimitedBodyRequest}), else L{None} (the request is
+    read through C{getHeader}).
+    """
+    if getattr(type(request), "relayRawHeaders", False):
+        return request.requestHeaders._rawHeaders
+    return None
 
 
 def _textHeader(request) -> Callable[[str], object]:

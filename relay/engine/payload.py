@@ -133,7 +133,35 @@ def upstreamBody(turn: Turn, account: Account) -> bytes:
             body["stream_options"] = options
     else:
         body.pop("stream", None)
-    return json.dumps(body, separators=(",", ":")).encode("utf-8")
+    return _compactJSON(body).encode("utf-8")
+
+
+def _makeCompactJSON():
+    """
+    C{json.dumps(value, separators=(",", ":"))}, built once instead of on
+    every turn (issue 24: C{json.dumps} builds a new L{json.JSONEncoder}
+    whenever an argument is not its default, and the encoder builds its C
+    encoder on every call): the C encoder itself when there is one. It
+    keeps no circular-reference markers (a body is parsed JSON or built
+    from it, never circular); tests.test_frontpath compares the bytes.
+    """
+    from json.encoder import c_make_encoder, encode_basestring_ascii
+
+    encoder = json.JSONEncoder(separators=(",", ":"))
+    if c_make_encoder is None:
+        return encoder.encode
+    chunks = c_make_encoder(
+        None, encoder.default, encode_basestring_ascii, None, ":", ",", False, False, True
+    )
+    join = "".join
+
+    def compactJSON(value) -> str:
+        return join(chunks(value, 0))
+
+    return compactJSON
+
+
+_compactJSON = _makeCompactJSON()
 
 
 _NEVER_SEMANTIC = frozenset({b"response.created", b"response.in_progress", b"response.queued"})

@@ -42,8 +42,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http import parse_qs
 from twisted.web.http_headers import Headers, _nameEncoder
-from twisted.web.resource import _IEncodingResource
-from twisted.web.server import Request
+from twisted.web.resource import _IEncodingResource, getChildForRequest
+from twisted.web.server import Request, Site
 from twisted.web.server import version as _SERVER
 
 from relay.entry import intake as _intake
@@ -504,11 +504,31 @@ class LimitedBodyRequest(Request):
     """When the request's headers were in (site clock seconds), for the
     access line's duration (L{relay.app._Site.log})."""
     _rateLate = False
+    relayRawHeaders = True
+    """C{getHeader} is twisted.web's, over C{requestHeaders._rawHeaders}
+    (L{relay.requestid.requestIdOf} reads the id headers there)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.requestHeaders.__class__ = _Headers
-        self.responseHeaders.__class__ = _Headers
+    def __init__(self, channel, *args, **kwargs):
+        if len(args) > 1 or kwargs or not getattr(channel, "relayPlainRequests", False):
+            super().__init__(channel, *args, **kwargs)
+            self.requestHeaders.__class__ = _Headers
+            self.responseHeaders.__class__ = _Headers
+            return
+        # Issue 24: what twisted.web's server.Request and http.Request
+        # __init__ (and Componentized's) set, without their three calls,
+        # for a channel of relay's own (RelayHTTPChannel, which has a site);
+        # tests.test_requestside compares both requests' attributes.
+        self.notifications = []
+        self.channel = channel
+        self.client = channel.getPeer()
+        self.host = channel.getHost()
+        self.requestHeaders = _Headers()
+        self.received_cookies = {}
+        self.responseHeaders = _Headers()
+        self.cookies = []
+        self.transport = channel.transport
+        self.queued = args[0] if args else False
+        self._adapterCache = {}
 
     def relayOnGone(self, f) -> None:
         """
@@ -1006,9 +1026,13 @@ class LimitedBodyRequest(Request):
         parsed size (L{parsedEstimate}): what a decoded body will hold once
         a resource parses it, until the request ends.
         """
-        self.content.seek(0)
-        data = self.content.read()
-        self.content.seek(0, io.SEEK_END)
+        content = self.content
+        if content.__class__ is io.BytesIO:
+            data = content.getvalue()  # issue 24: what seek, read, seek gives
+        else:
+            content.seek(0)
+            data = content.read()
+        content.seek(0, io.SEEK_END)
         estimate = parsedEstimate(data)
         del data
         charged, self._charged = self._charged, 0
@@ -1139,7 +1163,13 @@ class LimitedBodyRequest(Request):
             self._handleStar()
             return None
         try:
-            resrc = site.getResourceFor(self)
+            if type(site).getResourceFor is Site.getResourceFor:
+                # twisted.web's own, without its copy.copy of the empty
+                # prepath (issue 24)
+                self.sitepath = []
+                resrc = getChildForRequest(site.resource, self)
+            else:
+                resrc = site.getResourceFor(self)
             if _IEncodingResource.providedBy(resrc):
                 encoder = resrc.getEncoder(self)
                 if encoder is not None:

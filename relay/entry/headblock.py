@@ -32,6 +32,17 @@ here; a larger one goes to twisted.web (its limits are 16 KiB per line and
 MAX_FIELDS = 100
 """The most header lines read here (twisted.web allows 500)."""
 
+_LINES: dict = {}
+"""Request lines twisted.web's C{_parseRequestLine} accepted -> its parts
+(issue 24: a client sends the same few lines, e.g. C{POST /v1/responses
+HTTP/1.1}, on every request; each is checked once)."""
+
+_LINES_MAX = 256
+"""The most request lines L{_LINES} keeps."""
+
+_LINE_CACHED_BYTES = 512
+"""The longest request line L{_LINES} keeps."""
+
 _CACHE = _nameEncoder._canonicalHeaderCache
 _LENGTH = b"Content-Length"
 _TRANSFER = b"Transfer-Encoding"
@@ -62,10 +73,16 @@ def readHead(data: bytes) -> Optional[tuple]:
     ):
         return None
     lines = block.split(b"\r\n")
-    try:
-        command, path, version = _parseRequestLine(lines[0])
-    except ValueError:
-        return None
+    line = lines[0]
+    parsed = _LINES.get(line)
+    if parsed is None:
+        try:
+            parsed = _parseRequestLine(line)
+        except ValueError:
+            return None
+        if len(_LINES) < _LINES_MAX and len(line) <= _LINE_CACHED_BYTES:
+            _LINES[line] = parsed
+    command, path, version = parsed
     fields = []
     length = None
     for line in lines[1:]:

@@ -83,12 +83,34 @@ def clientHeaders(request) -> dict:
 
     @return: str -> str.
     """
-    return filterClientHeaders(
-        {
-            name.decode("latin-1").lower(): values[0].decode("latin-1")
-            for name, values in request.requestHeaders.getAllRawHeaders()
-        }
-    )
+    # Issue 24: one pass, each raw name's lower-cased text (or L{None}: not
+    # forwarded) looked up once per process rather than decoded, lowered
+    # and filtered on every turn; tests.test_requests compares it with
+    # filterClientHeaders of the plain reading.
+    headers = {}
+    names = _CLIENT_NAMES
+    for name, values in request.requestHeaders.getAllRawHeaders():
+        value = values[0]
+        key = names.get(name, _UNKNOWN)
+        if key is _UNKNOWN:
+            key = name.decode("latin-1").lower()
+            if key in NOT_FORWARDED or key.startswith("sec-websocket"):
+                key = None
+            if len(names) < _CLIENT_NAMES_MAX:
+                names[name] = key
+        if key is not None:
+            headers[key] = value.decode("latin-1")
+    return headers
+
+
+_CLIENT_NAMES: dict = {}
+"""Raw header name -> its lower-cased text, or L{None} when it is not
+forwarded (L{clientHeaders})."""
+
+_CLIENT_NAMES_MAX = 1024
+"""The most names L{_CLIENT_NAMES} keeps (a client may send any names)."""
+
+_UNKNOWN = object()
 
 
 class KeyRing:

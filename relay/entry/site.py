@@ -127,6 +127,11 @@ class RelayHTTPChannel(HTTPChannel):
     """The C{(limit name, value)} this connection is over when it is one of
     the L{OVER_CAP_ALLOWANCE} (health routes only), else L{None}."""
     _relayLog = Logger()
+    relayPlainRequests = True
+    """A request of this channel may set twisted.web's request attributes
+    itself (L{relay.entry.body.LimitedBodyRequest.__init__}): the channel
+    has its site (L{Site.buildProtocol}) and the addresses of L{getPeer}
+    and L{getHost}."""
     relayReadHead = True
     """Whether a plain header block is read in one pass (L{_relayHead});
     L{False}: twisted.web reads every line (C{tests.test_headblock} compares
@@ -258,6 +263,7 @@ class RelayHTTPChannel(HTTPChannel):
         self.loseConnection()
 
     _relayAddresses = None
+    _relayFactoryKind = None
 
     def _addresses(self) -> tuple:
         """
@@ -316,10 +322,15 @@ class RelayHTTPChannel(HTTPChannel):
             return False
         command, path, version, fields, length, size, blank = head
         self.resetTimeout()
-        if INonQueuedRequestFactory.providedBy(self.requestFactory):
-            request = self.requestFactory(self)
+        factory = self.requestFactory
+        kind = self._relayFactoryKind
+        if kind is None or kind[0] is not factory:
+            # asked once per connection (and factory), not per request
+            kind = self._relayFactoryKind = (factory, INonQueuedRequestFactory.providedBy(factory))
+        if kind[1]:
+            request = factory(self)
         else:
-            request = self.requestFactory(self, len(self.requests))
+            request = factory(self, len(self.requests))
         self.requests.append(request)
         self._HTTPChannel__first_line = 0
         self._command, self._path, self._version = command, path, version

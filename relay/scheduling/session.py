@@ -55,7 +55,20 @@ def _canonical(value: Any) -> str:
     @param value: any JSON value.
     @return: compact JSON text with sorted keys.
     """
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return _canonicalJSON(value)
+
+
+_canonicalJSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode
+"""C{json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)}:
+the same encoder, built once instead of on every call (issue 24)."""
+
+
+def _isMapping(value: Any) -> bool:
+    """
+    C{isinstance(value, Mapping)}, with a parsed body's C{dict} told without
+    the ABC's C{__instancecheck__} (issue 24: several per turn).
+    """
+    return value.__class__ is dict or isinstance(value, Mapping)
 
 
 def _seedBody(body: Mapping) -> Mapping:
@@ -73,7 +86,7 @@ def _seedBody(body: Mapping) -> Mapping:
     if (
         isinstance(frameType, str)
         and frameType.startswith("response.")
-        and isinstance(nested, Mapping)
+        and _isMapping(nested)
     ):
         return nested
     return body
@@ -109,7 +122,7 @@ def contentSeed(body: Mapping, model: Optional[str] = None) -> Optional[str]:
             parts.append("|first_user=" + items)
     elif isinstance(items, list):
         for item in items:
-            if not isinstance(item, Mapping):
+            if not _isMapping(item):
                 continue
             role = item.get("role")
             if role in ("system", "developer"):
@@ -143,11 +156,14 @@ def sessionSeed(
         the body's C{model}.
     @return: the seed string, or L{None} when there is no signal at all.
     """
-    for name in SESSION_HEADERS:
-        value = _text(headers.get(name)) if headers else ""
-        if value:
-            return value
-    if not isinstance(body, Mapping):
+    if headers:
+        for name in SESSION_HEADERS:
+            value = headers.get(name)
+            if value is not None:
+                value = _text(value)
+                if value:
+                    return value
+    if not _isMapping(body):
         return None
     source = _seedBody(body)
     cacheKey = _text(source.get("prompt_cache_key"))

@@ -57,6 +57,9 @@ FORWARDED_HEADERS = (
     "if-none-match",
 )
 
+_FORWARDED = {name: i for i, name in enumerate(FORWARDED_HEADERS)}
+"""L{FORWARDED_HEADERS} -> its place in it."""
+
 DEFAULT_ORIGINATOR = "codex_cli_rs"
 """The C{originator} sent for OAuth accounts when the client is not Codex."""
 
@@ -107,8 +110,13 @@ def upstreamHeaders(account: Account, clientHeaders: dict) -> dict:
     @return: a dict of str -> str.
     """
     headers = {}
-    for name in FORWARDED_HEADERS:
-        value = clientHeaders.get(name)
+    # Issue 24: the client's few forwarded names, in FORWARDED_HEADERS'
+    # order (what a look-up of every name in that order gives).
+    names = [name for name in clientHeaders if name in _FORWARDED]
+    if len(names) > 1:
+        names.sort(key=_FORWARDED.__getitem__)
+    for name in names:
+        value = clientHeaders[name]
         if value is not None:
             headers[name] = value
     headers["authorization"] = "Bearer " + account.credential
