@@ -225,3 +225,69 @@ class FastPathParityTests(SynchronousTestCase):
                 self.compare(expectFast=False if "turns" not in case else None, **case)
             except self.failureException as e:
                 raise self.failureException(f"{case}: {e}") from None
+
+
+class AtOnceAnswerTests(SynchronousTestCase):
+    """
+    The memory providers' answers without a Deferred (issue 24, used by the
+    fast path) are their Deferreds' answers.
+    """
+
+    def setUp(self):
+        self.clock = Clock()
+        self.clock.advance(1000)
+        self.store = MemoryStateStore(clock=self.clock)
+        self.twin = MemoryStateStore(clock=self.clock)
+        for store in (self.store, self.twin):
+            store.setValue("k", "v", 10)
+            store.setValue("old", "v", 1)
+
+    def test_valueNow(self):
+        """
+        C{valueNow} gives C{getValue}'s value, L{None} for absent and
+        expired keys (dropping them as C{getValue} does).
+        """
+        self.clock.advance(2)
+        for key in ("k", "old", "absent"):
+            self.assertEqual(self.store.valueNow(key),
+                             self.successResultOf(self.twin.getValue(key)))
+        self.assertEqual(self.store._values, self.twin._values)
+
+    def test_valueNow_durable(self):
+        """
+        A durable key the process does not hold is left to C{getValue}'s
+        asynchronous load.
+        """
+        from relay.state.durable import DURABLE_PREFIXES
+        from relay.state.memory import NOT_NOW
+
+        self.store.durable = object()
+        self.assertIs(self.store.valueNow(DURABLE_PREFIXES[0] + "x"), NOT_NOW)
+
+    def test_touchValueNow(self):
+        """
+        C{touchValueNow} extends a live key and drops an expired one, as
+        C{touchValue} does.
+        """
+        self.clock.advance(2)
+        for key in ("k", "old", "absent"):
+            self.store.touchValueNow(key, 100)
+            self.successResultOf(self.twin.touchValue(key, 100))
+        self.assertEqual(self.store._values, self.twin._values)
+
+    def test_views(self):
+        """
+        C{accountStateViewNow} is the view C{accountStateView} fires with;
+        C{tryAcquireNow} grants and refuses as C{tryAcquire} does.
+        """
+        self.assertIs(self.store.accountStateViewNow(),
+                      self.successResultOf(self.store.accountStateView(["a"])))
+        admission = MemorySlotAdmission(clock=self.clock)
+        first = admission.tryAcquireNow("account", "a", 2)
+        second = self.successResultOf(admission.tryAcquire("account", "a", 2))
+        self.assertIsNotNone(first)
+        self.assertIsNotNone(second)
+        self.assertIsNone(admission.tryAcquireNow("account", "a", 2))
+        self.assertIsNone(self.successResultOf(admission.tryAcquire("account", "a", 2)))
+        first.release()
+        self.assertIsNotNone(admission.tryAcquireNow("account", "a", 2))

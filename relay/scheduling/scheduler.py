@@ -35,7 +35,6 @@ from attrs import define, evolve, field
 from attrs import fields as attrs_fields
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IReactorTime
-from twisted.python.failure import Failure
 from twisted.logger import Logger
 from zope.interface import implementer
 
@@ -48,7 +47,7 @@ from relay.scheduling.index import PoolIndex, sameSnapshot
 from relay.scheduling.itemowners import conversationRefused, itemNotFound, itemOwnerKey
 from relay.scheduling.selection import DecisionRecord, NoAccountAvailable, Selection, noAccountError
 from relay.settings import RuntimeSettings
-from relay.state.memory import MemoryStateStore
+from relay.state.memory import NOT_NOW, MemoryStateStore
 
 LAYER_PREVIOUS = "previous_response_id"
 LAYER_SESSION = "session_hash"
@@ -1051,15 +1050,19 @@ class AccountScheduler:
         flagged = getattr(states, "flagged", None)
         if flagged is None:
             return None
-        out = set(flagged(now))
+        first = flagged(now)
         if self._extraBlock is not None or self._isQuarantined is not _never:
             if self._flagged is None:
                 return None
             more = self._flagged(now, pool)
             if more is None:
                 return None
+            if not first and type(more) is set:
+                return more  # (the hook's own new set: no copy)
+            out = set(first)
             out.update(more)
-        return out
+            return out
+        return set(first)
 
     # ------------------------------------------------------------------
     # Errors
@@ -2061,9 +2064,9 @@ class AccountScheduler:
         if not ctx.dryRun:
             if choice.keepBinding:
                 self._keptBindings[turn] = True
-            elif self._keptBindings:
+            elif self._keptBindings.data:
                 self._keptBindings.pop(turn, None)
-            if self._boundTurns:
+            if self._boundTurns.data:
                 # (A weak dictionary's pop builds a weak reference.)
                 self._boundTurns.pop(turn, None)
             old = self._lastUsedSecond(account)
@@ -2123,15 +2126,16 @@ class AccountScheduler:
     def _quickSticky(self, turn: Turn, excluded: frozenset) -> Optional[Selection]:
         """
         The selection of L{_select} for the common sticky turn on the
-        built-in memory store and admission (whose Deferreds have all fired
-        when returned): the session binding names an account that is
+        built-in memory store and admission, whose answers it takes at once
+        (C{valueNow}, C{accountStateViewNow}, C{tryAcquireNow},
+        C{touchValueNow}): the session binding names an account that is
         compatible and has a free slot. It reads, checks and decides as
         L{_select}, L{_decide}, L{_sessionLayer} and L{_finish} do, in the
         same order, without their coroutines and intermediate objects; it
         builds the same L{DecisionRecord} and logs the same line.
 
         Whatever it cannot decide at once (no usable binding, a busy slot,
-        a proxy-quarantine fail open, a failed read) it leaves to the
+        a proxy-quarantine fail open) it leaves to the
         general path, having changed nothing but what a repeated read
         changes (expired values and ended blocks dropped): a busy slot's
         immediate try takes nothing.
@@ -2159,15 +2163,13 @@ class AccountScheduler:
         byId = pool.candidates(allowed)[1]
         store = self._store
         key = sessionKey(turn.sessionHash)
-        boundId = _firedValue(store.getValue(key))
-        if not boundId or boundId is _PENDING:
+        boundId = store.valueNow(key)
+        if not boundId or boundId is NOT_NOW:
             return None
         account = byId.get(boundId)
         if account is None:
             return None
-        states = _firedValue(store.accountStateView(pool.ids))
-        if states is _PENDING:
-            return None
+        states = store.accountStateViewNow()
         ctx = _QuickPass(turn, excluded, clock.seconds(), states)
         # _decide: the fail-open check and the eligible count.
         openAccounts = [a for a in serving if a.id not in excluded] if excluded else serving
@@ -2198,8 +2200,8 @@ class AccountScheduler:
         # _sessionLayer: the bound account, compatible, with a free slot.
         if incompatible(ctx, account) is not None:
             return None
-        lease = _firedValue(self._admission.tryAcquire("account", account.id, account.concurrency))
-        if lease is None or lease is _PENDING:
+        lease = self._admission.tryAcquireNow("account", account.id, account.concurrency)
+        if lease is None:
             return None
         # _finish, for a session hit holding its slot (bindingOp "touch").
         if self._keptBindings.data:
@@ -2213,12 +2215,7 @@ class AccountScheduler:
         if self._index is not None and old != int(now):
             self._index.moved(account, old, int(now))
         scheduling = self._settings.current.scheduling
-        try:
-            touched = store.touchValue(key, scheduling.sticky_session_ttl_seconds)
-        except Exception:  # noqa: BLE001 - logged by _watchWrite
-            touched = fail()
-        if not touched.called or isinstance(touched.result, Failure):
-            self._watchWrite(touched, "touchValue", key)
+        store.touchValueNow(key, scheduling.sticky_session_ttl_seconds)
         self._boundTurns[turn] = account.id
         self._noteBinding(turn.sessionHash, account.id)
         fields = {
@@ -2245,25 +2242,6 @@ class AccountScheduler:
             entrypoint=turn.entrypoint, **fields,
         )
         return Selection(account=account, lease=lease, waitPlan=None, record=record)
-
-
-_PENDING = object()
-"""What L{_firedValue} gives for a Deferred that has not fired, or failed."""
-
-
-def _firedValue(d: Deferred):
-    """
-    The value of an already-fired, successful L{Deferred} (the memory
-    providers'), else L{_PENDING}; a failure is consumed (the general path
-    reads again and reports it).
-    """
-    if not d.called or d.paused:
-        return _PENDING
-    result = d.result
-    if isinstance(result, Failure):
-        d.addErrback(lambda f: None)
-        return _PENDING
-    return result
 
 
 class _QuickPass:
