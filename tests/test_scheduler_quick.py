@@ -291,3 +291,36 @@ class AtOnceAnswerTests(SynchronousTestCase):
         self.assertIsNone(self.successResultOf(admission.tryAcquire("account", "a", 2)))
         first.release()
         self.assertIsNotNone(admission.tryAcquireNow("account", "a", 2))
+
+
+class LazyRecordTests(SynchronousTestCase):
+    """
+    A L{Selection} built from the decision line's fields (issue 24) gives
+    the record that line carries, built once, and stays immutable.
+    """
+
+    def test_record_from_fields(self):
+        """
+        The record's fields are the logged line's; two reads give one
+        object; no attribute may be set.
+        """
+        from attrs import asdict
+        from attrs.exceptions import FrozenInstanceError
+
+        world = World(accounts=[account("a1"), account("a2")], bindings=[(HASH, "a2")])
+        for kw in ({}, {"sessionHash": OTHER}):  # the fast path, then load balance
+            with capturedLogs() as events:
+                selection = outcome_selection(self, world.scheduler.select(turn(**kw)))
+            [line] = [e for e in events if e.get("event") == "openai.account_schedule_decision"]
+            record = selection.record
+            self.assertIs(selection.record, record)
+            self.assertEqual(asdict(record), {k: line[k] for k in asdict(record)})
+            self.assertRaises(FrozenInstanceError, setattr, selection, "account", None)
+            self.assertRaises(FrozenInstanceError, setattr, selection, "_record", None)
+
+
+def outcome_selection(testCase, d):
+    """
+    The L{Selection} a fired selection gave.
+    """
+    return testCase.successResultOf(d)

@@ -2106,10 +2106,8 @@ class AccountScheduler:
                               and not choice.preferred),
             "quota_used_percent": self._usedPercent(account),
         }
-        record = DecisionRecord(**fields)
         if ctx.dryRun:
-            return Selection(account=account, lease=choice.lease, waitPlan=choice.plan,
-                             record=record)
+            return Selection(account, choice.lease, choice.plan, fields=fields)
         # Info, not R45's debug: seed 003's tables (and relay.operator.report) are
         # computed from these lines, and the default runners drop debug.
         self._log.info(
@@ -2117,7 +2115,8 @@ class AccountScheduler:
             event="openai.account_schedule_decision", request_id=turn.requestId,
             entrypoint=turn.entrypoint, **fields,
         )
-        return Selection(account=account, lease=choice.lease, waitPlan=choice.plan, record=record)
+        # The record is built only if read (the log line above carries it).
+        return Selection(account, choice.lease, choice.plan, fields=fields)
 
     # ------------------------------------------------------------------
     # Issue 24: the sticky fast path of the in-process providers
@@ -2235,13 +2234,13 @@ class AccountScheduler:
             "quota_decided": False,
             "quota_used_percent": self._usedPercent(account),
         }
-        record = DecisionRecord(**fields)
         self._log.info(
             "account schedule decision: {layer} -> {selected_account_id}",
             event="openai.account_schedule_decision", request_id=turn.requestId,
             entrypoint=turn.entrypoint, **fields,
         )
-        return Selection(account=account, lease=lease, waitPlan=None, record=record)
+        # The record is built only if read (the log line above carries it).
+        return Selection(account, lease, None, fields=fields)
 
 
 class _QuickPass:
