@@ -770,17 +770,11 @@ class AccountScheduler:
             d = getattr(self._store, op)(*args)
         except Exception:  # noqa: BLE001 - logged by the errback below
             d = fail()
-        self._watchWrite(d, op, args[0])
-
-    def _watchWrite(self, d: Deferred, op: str, key: str) -> None:
-        """
-        Log the failure of a store write L{_send} did not wait for.
-        """
 
         def _eb(f):
             self._log.error(
                 "state store {op} failed for {key}: {error}",
-                event="openai.sticky_write_failed", op=op, key=key, error=repr(f.value),
+                event="openai.sticky_write_failed", op=op, key=args[0], error=repr(f.value),
             )
 
         d.addErrback(_eb)
@@ -2153,19 +2147,18 @@ class AccountScheduler:
             return None
         clock = self._clock
         started = clock.seconds()
+        store = self._store
+        key = sessionKey(turn.sessionHash)
+        boundId = store.valueNow(key)
+        if not boundId or boundId is NOT_NOW:
+            return None  # (a new session: the read is repeated, as idempotent)
         pool = self._pool()
         allowed = turn.allowedAccounts
         model, endpoint = turn.model, turn.endpoint
         serving, servingIds, endpointServed = pool.serving(allowed, model, endpoint)
         if not serving or not endpointServed:
             return None
-        byId = pool.candidates(allowed)[1]
-        store = self._store
-        key = sessionKey(turn.sessionHash)
-        boundId = store.valueNow(key)
-        if not boundId or boundId is NOT_NOW:
-            return None
-        account = byId.get(boundId)
+        account = pool.candidates(allowed)[1].get(boundId)
         if account is None:
             return None
         states = store.accountStateViewNow()
