@@ -117,6 +117,15 @@ class MemorySlotAdmission:
         """
         return succeed(self._tryNow(kind, id, limit))
 
+    def tryAcquireNow(self, kind, id, limit) -> Optional[MemorySlotLease]:
+        """
+        L{tryAcquire} without its Deferred (issue 24: the scheduler's sticky
+        fast path).
+
+        @return: a lease or L{None}.
+        """
+        return self._tryNow(kind, id, limit)
+
     def acquire(self, plan, cancel, deadline=None) -> Deferred:
         """
         See L{ISlotAdmission.acquire}.

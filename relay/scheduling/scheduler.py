@@ -38,6 +38,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from zope.interface import implementer
 
+from relay.admission.memory import MemorySlotAdmission
 from relay.eager import eagerDeferred
 from relay.interfaces import IAccountScheduler, IAccountStateView, ISlotAdmission, IStateStore
 from relay.logs import ClassLogger, isoTime
@@ -46,6 +47,7 @@ from relay.scheduling.index import PoolIndex, sameSnapshot
 from relay.scheduling.itemowners import conversationRefused, itemNotFound, itemOwnerKey
 from relay.scheduling.selection import DecisionRecord, NoAccountAvailable, Selection, noAccountError
 from relay.settings import RuntimeSettings
+from relay.state.memory import NOT_NOW, MemoryStateStore
 
 LAYER_PREVIOUS = "previous_response_id"
 LAYER_SESSION = "session_hash"
@@ -557,8 +559,15 @@ class AccountScheduler:
             L{NoAccountAvailable}.
         """
         request = turn.request
-        if request is not None and request.ownerAccountId is not None:
-            return eagerDeferred(self._selectOwner(turn, request, frozenset(excluded or ())))
+        if request is not None:
+            if request.ownerAccountId is not None:
+                return eagerDeferred(self._selectOwner(turn, request, frozenset(excluded or ())))
+        elif (turn.sessionHash and type(self._store) is MemoryStateStore
+              and type(self._admission) is MemorySlotAdmission):
+            # Issue 24: a sticky turn on the built-in in-process providers.
+            selection = self._quickSticky(turn, frozenset(excluded or ()))
+            if selection is not None:
+                return succeed(selection)
         return eagerDeferred(self._select(turn, frozenset(excluded or ())))
 
     def preview(self, turn: Turn) -> Deferred:
@@ -692,7 +701,16 @@ class AccountScheduler:
 
         @return: Deferred firing with L{None}; store errors are logged.
         """
-        return eagerDeferred(self._bind(turn, account))
+        if not turn.sessionHash:
+            return succeed(None)
+        if self._keptBindings.data and self._keptBindings.get(turn):
+            return succeed(None)
+        if self._boundTurns.data and self._boundTurns.pop(turn, None) == account.id:
+            # The selection wrote it with the slot held (issue 24).
+            return succeed(None)
+        ttl = self._settings.current.scheduling.sticky_session_ttl_seconds
+        self._noteBinding(turn.sessionHash, account.id)
+        return eagerDeferred(self._write("setValue", sessionKey(turn.sessionHash), account.id, ttl))
 
     def unbind(self, turn: Turn) -> Deferred:
         """
@@ -851,19 +869,6 @@ class AccountScheduler:
             "state store {op} failed for {key}: {error}",
             event="openai.sticky_write_failed", op=op, key=key, error=repr(e),
         )
-
-    async def _bind(self, turn: Turn, account: Account) -> None:
-        """
-        See L{bind}.
-        """
-        if not turn.sessionHash or self._keptBindings.get(turn):
-            return
-        if self._boundTurns.pop(turn, None) == account.id:
-            # The selection wrote it with the slot held (issue 24).
-            return
-        ttl = self._settings.current.scheduling.sticky_session_ttl_seconds
-        self._noteBinding(turn.sessionHash, account.id)
-        await self._write("setValue", sessionKey(turn.sessionHash), account.id, ttl)
 
     def _noteBinding(self, sessionHash: str, accountId: Optional[str]) -> None:
         """
@@ -1119,18 +1124,28 @@ class AccountScheduler:
         selection (every other static candidate is eligible), or L{None}
         when the sources cannot tell (then every candidate is checked).
         """
-        flagged = getattr(ctx.states, "flagged", None)
+        return self._suspectsAt(ctx.states, ctx.now, pool)
+
+    def _suspectsAt(self, states, now: float, pool: PoolIndex) -> Optional[set]:
+        """
+        L{_suspects} of the account states C{states} at C{now}.
+        """
+        flagged = getattr(states, "flagged", None)
         if flagged is None:
             return None
-        out = set(flagged(ctx.now))
+        first = flagged(now)
         if self._extraBlock is not None or self._isQuarantined is not _never:
             if self._flagged is None:
                 return None
-            more = self._flagged(ctx.now, pool)
+            more = self._flagged(now, pool)
             if more is None:
                 return None
+            if not first and type(more) is set:
+                return more  # (the hook's own new set: no copy)
+            out = set(first)
             out.update(more)
-        return out
+            return out
+        return set(first)
 
     # ------------------------------------------------------------------
     # Errors
@@ -2132,9 +2147,9 @@ class AccountScheduler:
         if not ctx.dryRun:
             if choice.keepBinding:
                 self._keptBindings[turn] = True
-            elif self._keptBindings:
+            elif self._keptBindings.data:
                 self._keptBindings.pop(turn, None)
-            if self._boundTurns:
+            if self._boundTurns.data:
                 # (A weak dictionary's pop builds a weak reference.)
                 self._boundTurns.pop(turn, None)
             old = self._lastUsedSecond(account)
@@ -2174,10 +2189,8 @@ class AccountScheduler:
                               and not choice.preferred),
             "quota_used_percent": self._usedPercent(account),
         }
-        record = DecisionRecord(**fields)
         if ctx.dryRun:
-            return Selection(account=account, lease=choice.lease, waitPlan=choice.plan,
-                             record=record)
+            return Selection(account, choice.lease, choice.plan, fields=fields)
         # Info, not R45's debug: seed 003's tables (and relay.operator.report) are
         # computed from these lines, and the default runners drop debug.
         self._log.info(
@@ -2185,4 +2198,146 @@ class AccountScheduler:
             event="openai.account_schedule_decision", request_id=turn.requestId,
             entrypoint=turn.entrypoint, **fields,
         )
-        return Selection(account=account, lease=choice.lease, waitPlan=choice.plan, record=record)
+        # The record is built only if read (the log line above carries it).
+        return Selection(account, choice.lease, choice.plan, fields=fields)
+
+    # ------------------------------------------------------------------
+    # Issue 24: the sticky fast path of the in-process providers
+    # ------------------------------------------------------------------
+
+    def _quickSticky(self, turn: Turn, excluded: frozenset) -> Optional[Selection]:
+        """
+        The selection of L{_select} for the common sticky turn on the
+        built-in memory store and admission, whose answers it takes at once
+        (C{valueNow}, C{accountStateViewNow}, C{tryAcquireNow},
+        C{touchValueNow}): the session binding names an account that is
+        compatible and has a free slot. It reads, checks and decides as
+        L{_select}, L{_decide}, L{_sessionLayer} and L{_finish} do, in the
+        same order, without their coroutines and intermediate objects; it
+        builds the same L{DecisionRecord} and logs the same line.
+
+        Whatever it cannot decide at once (no usable binding, a busy slot,
+        a proxy-quarantine fail open) it leaves to the
+        general path, having changed nothing but what a repeated read
+        changes (expired values and ended blocks dropped): a busy slot's
+        immediate try takes nothing.
+
+        Conditions checked by L{select}: no owner request, a session hash,
+        the memory providers. Here: no C{previous_response_id}, affinity,
+        preferred account, background, stored item references or
+        conversation (each has its own layer or check).
+
+        @return: the L{Selection}, or L{None} for the general path.
+        """
+        if (turn.previousResponseId or turn.affinity or turn.preferredAccountId
+                or turn.background or turn.itemReferences):
+            return None
+        if turn.endpoint == "responses" and turn.body.get("conversation") is not None:
+            return None
+        clock = self._clock
+        started = clock.seconds()
+        store = self._store
+        key = sessionKey(turn.sessionHash)
+        boundId = store.valueNow(key)
+        if not boundId or boundId is NOT_NOW:
+            return None  # (a new session: the read is repeated, as idempotent)
+        pool = self._pool()
+        allowed = turn.allowedAccounts
+        model, endpoint = turn.model, turn.endpoint
+        serving, servingIds, endpointServed = pool.serving(allowed, model, endpoint)
+        if not serving or not endpointServed:
+            return None
+        account = pool.candidates(allowed)[1].get(boundId)
+        if account is None:
+            return None
+        states = store.accountStateViewNow()
+        ctx = _QuickPass(turn, excluded, clock.seconds(), states)
+        # _decide: the fail-open check and the eligible count.
+        openAccounts = [a for a in serving if a.id not in excluded] if excluded else serving
+        suspects = self._suspectsAt(states, ctx.now, pool)
+        incompatible = self._incompatible
+        if suspects is None:
+            if openAccounts and all(self._isQuarantined(a) for a in openAccounts):
+                return None
+            candidateCount = sum(1 for a in openAccounts if incompatible(ctx, a) is None)
+        else:
+            if suspects:
+                flaggedOpen = sum(1 for i in suspects if i in servingIds and i not in excluded)
+                if (openAccounts and flaggedOpen == len(openAccounts)
+                        and all(self._isQuarantined(a) for a in openAccounts)):
+                    return None
+            elif not openAccounts:
+                return None
+            static = pool.static(allowed, model, endpoint, False, False)
+            staticIds = static.ids
+            bad = 0
+            if suspects:
+                for accountId in suspects:
+                    if (accountId in staticIds and accountId not in excluded
+                            and incompatible(ctx, pool.byId[accountId]) is not None):
+                        bad += 1
+            gone = sum(1 for i in excluded if i in staticIds) if excluded else 0
+            candidateCount = len(static.accounts) - gone - bad
+        # _sessionLayer: the bound account, compatible, with a free slot.
+        if incompatible(ctx, account) is not None:
+            return None
+        lease = self._admission.tryAcquireNow("account", account.id, account.concurrency)
+        if lease is None:
+            return None
+        # _finish, for a session hit holding its slot (bindingOp "touch").
+        if self._keptBindings.data:
+            self._keptBindings.pop(turn, None)
+        if self._boundTurns.data:
+            self._boundTurns.pop(turn, None)
+        lastUsed = self._lastUsed
+        last = lastUsed.get(account.id)
+        old = -1 if last is None else int(last)
+        now = lastUsed[account.id] = clock.seconds()
+        if self._index is not None and old != int(now):
+            self._index.moved(account, old, int(now))
+        scheduling = self._settings.current.scheduling
+        store.touchValueNow(key, scheduling.sticky_session_ttl_seconds)
+        self._boundTurns[turn] = account.id
+        self._noteBinding(turn.sessionHash, account.id)
+        fields = {
+            "layer": LAYER_SESSION,
+            "sticky_previous_hit": False,
+            "sticky_session_hit": True,
+            "selected_account_id": account.id,
+            "selected_account_type": account.type,
+            "candidate_count": candidateCount,
+            "excluded_count": len(excluded),
+            "wait_plan": None,
+            "latency_ms": (clock.seconds() - started) * 1000.0,
+            "load_skew": 0.0,
+            "top_k": 1,
+            "sticky_busy_bypass": False,
+            "preferred_account_hit": False,
+            "quota_decided": False,
+            "quota_used_percent": self._usedPercent(account),
+        }
+        self._log.info(
+            "account schedule decision: {layer} -> {selected_account_id}",
+            event="openai.account_schedule_decision", request_id=turn.requestId,
+            entrypoint=turn.entrypoint, **fields,
+        )
+        # The record is built only if read (the log line above carries it).
+        return Selection(account, lease, None, fields=fields)
+
+
+class _QuickPass:
+    """
+    What L{AccountScheduler._incompatible} reads of a L{_Pass}, for
+    L{AccountScheduler._quickSticky}'s turns (no R42 bar, no OAuth-only
+    request, no quarantine fail open, not a dry run).
+    """
+
+    __slots__ = ("turn", "excluded", "now", "states")
+
+    oauthBarred = False
+    onlyOAuth = False
+    quarantineFailOpen = False
+    dryRun = False
+
+    def __init__(self, turn: Turn, excluded: frozenset, now: float, states) -> None:
+        self.turn, self.excluded, self.now, self.states = turn, excluded, now, states

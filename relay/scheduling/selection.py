@@ -9,6 +9,7 @@ import math
 from typing import Optional
 
 from attrs import frozen
+from attrs.exceptions import FrozenInstanceError
 
 from relay.model import Account, ClientError, RelayError, WaitPlan
 
@@ -60,23 +61,62 @@ class DecisionRecord:
     quota_used_percent: Optional[float] = None
 
 
-@frozen
 class Selection:
     """
-    The outcome of L{relay.interfaces.IAccountScheduler.select}.
+    The outcome of L{relay.interfaces.IAccountScheduler.select} (immutable).
 
     Exactly one of C{lease} and C{waitPlan} is set.
 
     @ivar account: the chosen L{Account}.
     @ivar lease: the held L{relay.interfaces.ISlotLease}, or L{None}.
     @ivar waitPlan: the L{WaitPlan} to wait on, or L{None}.
-    @ivar record: the L{DecisionRecord}.
+    @ivar record: the L{DecisionRecord}; given, or (issue 24: a turn that
+        never reads it builds none) built on first read from C{fields},
+        the record's fields by name (the decision line's).
     """
 
-    account: Account
-    lease: object
-    waitPlan: Optional[WaitPlan]
-    record: DecisionRecord
+    __slots__ = ("account", "lease", "waitPlan", "_record", "_fields")
+
+    def __init__(self, account: Account, lease: object, waitPlan: Optional[WaitPlan],
+                 record: Optional[DecisionRecord] = None, fields: Optional[dict] = None):
+        if record is None and fields is None:
+            raise TypeError("Selection needs a record or its fields")
+        _set = object.__setattr__
+        _set(self, "account", account)
+        _set(self, "lease", lease)
+        _set(self, "waitPlan", waitPlan)
+        _set(self, "_record", record)
+        _set(self, "_fields", fields)
+
+    @property
+    def record(self) -> DecisionRecord:
+        record = self._record
+        if record is None:
+            record = DecisionRecord(**self._fields)
+            object.__setattr__(self, "_record", record)
+        return record
+
+    def __setattr__(self, name: str, value) -> None:
+        raise FrozenInstanceError()
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError()
+
+    def __eq__(self, other):
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return (self.account, self.lease, self.waitPlan, self.record) == (
+            other.account, other.lease, other.waitPlan, other.record)
+
+    def __ne__(self, other):
+        result = self.__eq__(other)
+        return result if result is NotImplemented else not result
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return (f"Selection(account={self.account!r}, lease={self.lease!r}, "
+                f"waitPlan={self.waitPlan!r}, record={self.record!r})")
 
 
 #: R83 reason classes, from the reasons selection skips an account for.

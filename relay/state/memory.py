@@ -75,6 +75,11 @@ def blockEnd(runtime: AccountRuntime) -> float:
     return end
 
 
+NOT_NOW = object()
+"""What L{MemoryStateStore.valueNow} gives when only an asynchronous read can
+answer (issue 24)."""
+
+
 @implementer(IAccountStates)
 @define(eq=False)
 class FlaggedStates:
@@ -378,6 +383,45 @@ class MemoryStateStore:
                 lambda f: self._log.failure("forgetting {key} failed", f, key=key)
             )
         return succeed(None)
+
+    # -- issue 24: answers without a Deferred, for the scheduler's fast path
+
+    def valueNow(self, key):
+        """
+        L{getValue} answered at once (the scheduler's sticky fast path).
+
+        @return: the value, L{None} when absent or expired, or L{NOT_NOW}
+            for a key that only the asynchronous durable load could answer.
+        """
+        entry = self._values.get(key)
+        if entry is None:
+            if self.durable is not None and isDurable(key):
+                return NOT_NOW
+            return None
+        if entry[1] <= self._clock.seconds():
+            del self._values[key]
+            return None
+        return entry[0]
+
+    def accountStateViewNow(self) -> FlaggedStates:
+        """
+        L{accountStateView} answered at once: the live view.
+        """
+        return self._view
+
+    def touchValueNow(self, key, ttl) -> None:
+        """
+        L{touchValue} without its Deferred.
+
+        @param ttl: seconds.
+        """
+        now = self._clock.seconds()
+        entry = self._values.get(key)
+        if entry is not None:
+            if entry[1] <= now:
+                del self._values[key]
+            else:
+                self._values[key] = (entry[0], now + ttl)
 
     def prune(self) -> int:
         """
