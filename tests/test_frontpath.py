@@ -153,6 +153,10 @@ class RequestLineTests(SynchronousTestCase):
     C{_parseRequestLine} gives.
     """
 
+    def setUp(self):
+        # The cache is the process's: other tests' request lines fill it.
+        self.patch(headblock, "_LINES", {})
+
     def test_same(self):
         for line in (b"POST /v1/responses HTTP/1.1", b"GET /healthz?x=1 HTTP/1.0"):
             data = line + b"\r\nHost: a\r\n\r\n"
@@ -160,6 +164,19 @@ class RequestLineTests(SynchronousTestCase):
             self.assertIn(line, headblock._LINES)
             self.assertEqual(headblock.readHead(data), first)
             self.assertEqual(first[:3], _parseRequestLine(line))
+
+    def test_bounded(self):
+        """
+        At most C{_LINES_MAX} lines are kept: when full the cache starts
+        over, so the line read last is kept; every line is read alike.
+        """
+        for i in range(headblock._LINES_MAX + 10):
+            line = b"POST /v1/responses/resp_%d HTTP/1.1" % i
+            head = headblock.readHead(line + b"\r\nHost: a\r\n\r\n")
+            self.assertEqual(head[:3], _parseRequestLine(line))
+            self.assertLessEqual(len(headblock._LINES), headblock._LINES_MAX)
+            self.assertIn(line, headblock._LINES)
+        self.assertEqual(len(headblock._LINES), 10)
 
     def test_refusedNotKept(self):
         for line in (b"POST /a\x7f\xffb HTTP/1.1", b"P(ST / HTTP/1.1", b"POST / HTTP/2.0"):

@@ -38,7 +38,7 @@ _LINES: dict = {}
 HTTP/1.1}, on every request; each is checked once)."""
 
 _LINES_MAX = 256
-"""The most request lines L{_LINES} keeps."""
+"""The most request lines L{_LINES} keeps (it is emptied when full)."""
 
 _LINE_CACHED_BYTES = 512
 """The longest request line L{_LINES} keeps."""
@@ -80,7 +80,11 @@ def readHead(data: bytes) -> Optional[tuple]:
             parsed = _parseRequestLine(line)
         except ValueError:
             return None
-        if len(_LINES) < _LINES_MAX and len(line) <= _LINE_CACHED_BYTES:
+        if len(line) <= _LINE_CACHED_BYTES:
+            if len(_LINES) >= _LINES_MAX:
+                # Many distinct lines (retrieves by id, scanners): start
+                # over, so the lines sent now are the ones kept.
+                _LINES.clear()
             _LINES[line] = parsed
     command, path, version = parsed
     fields = []
