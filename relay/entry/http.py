@@ -96,8 +96,9 @@ def clientHeaders(request) -> dict:
             key = name.decode("latin-1").lower()
             if key in NOT_FORWARDED or key.startswith("sec-websocket"):
                 key = None
-            if len(names) < _CLIENT_NAMES_MAX:
-                names[name] = key
+            if len(names) >= _CLIENT_NAMES_MAX:
+                names.clear()  # a client sending ever new names: start over
+            names[name] = key
         if key is not None:
             headers[key] = value.decode("latin-1")
     return headers
@@ -108,7 +109,8 @@ _CLIENT_NAMES: dict = {}
 forwarded (L{clientHeaders})."""
 
 _CLIENT_NAMES_MAX = 1024
-"""The most names L{_CLIENT_NAMES} keeps (a client may send any names)."""
+"""The most names L{_CLIENT_NAMES} keeps (a client may send any names; it
+is emptied when full)."""
 
 _UNKNOWN = object()
 
