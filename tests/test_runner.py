@@ -859,35 +859,38 @@ class SlowSchedulingDepartureTests(SynchronousTestCase):
         rig.runner.scheduler = spy
         return rig, spy
 
-    def test_left_during_selection(self):
+    def _leaveDuring(self, slow):
         """
-        The client leaves while C{select} is pending: once it answers, the
-        slot it took is released, no binding is written, nothing is dialled.
+        The client leaves 0.5 s into a turn whose C{slow} step answers at
+        1.5 s: the turn ends C{client_gone}, nothing is dialled, no error is
+        written and every slot is free.
+
+        @return: the scheduler spy.
         """
-        rig, spy = self._rig("select")
+        rig, spy = self._rig(slow)
         turn, sink, outcome = rig.run()
         rig.clock.advance(0.5)
         turn.cancel.cancel("client_gone")
         rig.clock.advance(5)
         self.assertEqual(outcome, ["client_gone"])
         self.assertEqual(rig.dialer.calls, [])
-        self.assertEqual(spy.binds, [])
-        self.assertEqual(rig.load("a", "b"), {"a": (0, 0), "b": (0, 0)})
         self.assertEqual(sink.errors, [])
+        self.assertEqual(rig.load("a", "b"), {"a": (0, 0), "b": (0, 0)})
+        return spy
+
+    def test_left_during_selection(self):
+        """
+        The client leaves while C{select} is pending: once it answers, the
+        slot it took is released, no binding is written, nothing is dialled.
+        """
+        self.assertEqual(self._leaveDuring("select").binds, [])
 
     def test_left_during_binding(self):
         """
         The client leaves while the session binding is being written:
         nothing is dialled and the slot is released.
         """
-        rig, spy = self._rig("bind")
-        turn, sink, outcome = rig.run()
-        rig.clock.advance(0.5)
-        turn.cancel.cancel("client_gone")
-        rig.clock.advance(5)
-        self.assertEqual(outcome, ["client_gone"])
-        self.assertEqual(rig.dialer.calls, [])
-        self.assertEqual(rig.load("a", "b"), {"a": (0, 0), "b": (0, 0)})
+        self.assertEqual(self._leaveDuring("bind").binds, ["a"])
 
     def test_left_during_same_account_retake(self):
         """

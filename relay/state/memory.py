@@ -364,13 +364,7 @@ class MemoryStateStore:
 
         @param ttl: seconds.
         """
-        now = self._clock.seconds()
-        entry = self._values.get(key)
-        if entry is not None:
-            if entry[1] <= now:
-                del self._values[key]
-            else:
-                self._values[key] = (entry[0], now + ttl)
+        self.touchValueNow(key, ttl)
         return succeed(None)
 
     def deleteValue(self, key) -> Deferred:
