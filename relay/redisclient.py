@@ -1007,10 +1007,13 @@ class RedisService(Service):
 
         async def run():
             pipe = await self.pool.pipeline()
-            reply = pipe.execute_command(*command)
-            acked = pipe.execute_command("WAIT", replicas, waitMs)
-            # Each reply is awaited on its own (an error reply stays a
-            # ResponseError, not the pipeline's FirstError).
+            # Each reply is taken before txredisapi's execute_pipeline sees
+            # it: its DeferredList consumes errors, so an error reply
+            # (READONLY from a demoted master, a script error) or the
+            # connection's loss would otherwise reach us as the value None
+            # -- a write that never happened reported as done.
+            reply = _ownOutcome(pipe.execute_command(*command))
+            acked = _ownOutcome(pipe.execute_command("WAIT", replicas, waitMs))
             pipe.execute_pipeline().addErrback(lambda f: None)
             try:
                 value = await reply
@@ -1031,6 +1034,24 @@ class RedisService(Service):
         return d.addCallbacks(self._cbReply, self._ebMap, errbackArgs=(command[0], sentAt))
 
 
+def _ownOutcome(d: Deferred) -> Deferred:
+    """
+    A L{Deferred} with C{d}'s outcome (its value or its failure), while
+    C{d} itself goes on with C{None}: for a pipelined command's reply,
+    which txredisapi's C{execute_pipeline} also waits on with a
+    C{DeferredList(consumeErrors=True)} that turns any later failure into
+    C{None} (see L{RedisService.executeDurable}).
+    """
+    mine = Deferred()
+
+    def take(result):
+        mine.callback(result)  # a Failure runs mine's errbacks
+        return None
+
+    d.addBoth(take)
+    return mine
+
+
 _FAST_PROTOCOLS: dict = {}
 
 
@@ -1047,11 +1068,45 @@ def _fastProtocol(base: type) -> type:
     """
     fast = _FAST_PROTOCOLS.get(base)
     if fast is None:
-        fast = _FAST_PROTOCOLS[base] = type(
-            "Fast" + base.__name__, (base,),
-            {"_build_command": _buildCommand, "tryConvertData": _convertReply,
-             "__module__": __name__})
+        from txredisapi import SentinelRedisProtocol
+
+        methods = {"_build_command": _buildCommand, "tryConvertData": _convertReply,
+                   "__module__": __name__}
+        if issubclass(base, SentinelRedisProtocol):
+            methods["connectionMade"] = _sentinelConnectionMade
+        fast = _FAST_PROTOCOLS[base] = type("Fast" + base.__name__, (base,), methods)
     return fast
+
+
+def _sentinelConnectionMade(self) -> Deferred:
+    """
+    txredisapi's C{SentinelRedisProtocol.connectionMade} -- C{ROLE} on
+    every new connection to the master the Sentinels named, and the
+    connection dropped unless it answers C{master} -- with its failures
+    handled: txredisapi leaves the C{ROLE} (and C{AUTH}) L{Deferred}s
+    without an errback, so a connection lost before the reply (the master
+    killed or cut off during a failover) logged an "Unhandled error in
+    Deferred" traceback. A failed check drops the connection, which the
+    factory redials (asking the Sentinels again); it never becomes ready,
+    so no command is written to it.
+    """
+    from txredisapi import RedisProtocol
+
+    def checkRole(role):
+        if self.factory.is_master and (not role or role[0] != "master"):
+            self.transport.loseConnection()
+            return None
+        return RedisProtocol.connectionMade(self)
+
+    def failed(f: Failure) -> None:
+        transport = self.transport
+        if transport is not None:
+            transport.loseConnection()
+
+    if self.password is not None:
+        # RedisProtocol.connectionMade sends AUTH again and acts on its reply.
+        self.auth(self.password, self.username).addErrback(lambda f: None)
+    return self.role().addCallback(checkRole).addErrback(failed)
 
 
 def _buildCommand(self, *args, **kwargs) -> bytes:

@@ -58,9 +58,16 @@ class _Pipe:
         return d
 
     def execute_pipeline(self):
+        # As txredisapi: a DeferredList that consumes the replies' errors
+        # waits on them (before anyone else can), then the replies come;
+        # an exception is an error reply or the connection's loss.
+        waited = defer.DeferredList(self._waiting, fireOnOneErrback=True, consumeErrors=True)
         for d, reply in zip(self._waiting, self.replies):
-            d.callback(reply)
-        return defer.succeed(None)
+            if isinstance(reply, Exception):
+                d.errback(reply)
+            else:
+                d.callback(reply)
+        return waited
 
 
 class _Pool:
@@ -375,6 +382,38 @@ class DurableWriteTests(SynchronousTestCase):
         self.assertEqual(_result(d), "OK")
         self.assertEqual([e["event"] for e in logs], ["relay.redis_write_not_replicated"])
 
+    def test_errorReplyFails(self):
+        """
+        An error reply to the write (here a demoted master's C{READONLY})
+        fails the durable write with L{RedisUnavailable} and drops the
+        connections -- it is not a write reported done with the value
+        C{None} (txredisapi's pipeline consumes its replies' errors).
+        """
+        service, clock = _service(sentinels=(("h", 1),), masterName="m")
+        service.pool.pipe = _Pipe([
+            txredisapi.ResponseError("READONLY You can't write against a read only replica."),
+            0])
+        d = service.executeDurable(5, ("SET", "k", "v"))
+        failure = _result(d)
+        self.assertIsInstance(failure, Failure)
+        self.assertTrue(failure.check(RedisUnavailable), failure)
+        self.assertIn("READONLY", str(failure.value))
+        self.assertEqual([c.transport.lost for c in service.pool._factory.pool], [1, 1])
+
+    def test_lostConnectionFails(self):
+        """
+        The connection lost before the replies: the durable write fails
+        and Redis counts as unreachable (no reply since it was sent).
+        """
+        service, clock = _service(sentinels=(("h", 1),), masterName="m")
+        service.pool.pipe = _Pipe([txredisapi.ConnectionError("Lost connection"),
+                                   txredisapi.ConnectionError("Lost connection")])
+        d = service.executeDurable(5, ("SET", "k", "v"))
+        failure = _result(d)
+        self.assertIsInstance(failure, Failure)
+        self.assertTrue(failure.check(RedisUnavailable), failure)
+        self.assertFalse(service.reachable)
+
     def test_withoutReplicasPlainExecute(self):
         """
         Without Sentinel a durable write is a plain command.
@@ -483,3 +522,98 @@ class FastCodecTests(SynchronousTestCase):
                       [b"\xff", b"a"], [1, 2, [b"x", [b"y"]]], [error]]:
             self.assertEqual(repr(self.fast.tryConvertData(reply)),
                              repr(self.plain.tryConvertData(reply)))
+
+
+class _SentinelFactory:
+    """
+    What txredisapi's Sentinel protocol reads of its factory.
+    """
+
+    is_master = True
+    isLazy = True
+
+    def __init__(self):
+        self.errors = []
+
+    def connectionError(self, message):
+        self.errors.append(message)
+
+    def stopTrying(self):
+        pass
+
+
+class SentinelRoleCheckTests(SynchronousTestCase):
+    """
+    Every new pooled connection with Sentinel checks C{ROLE} before it
+    serves (L{relay.redisclient._sentinelConnectionMade}); a check that
+    fails -- the connection lost before the reply (the master killed during
+    a failover, the CI fault of 2026-12-02), an error reply -- drops the
+    connection and leaves no unhandled failure behind.
+    """
+
+    def _connect(self):
+        import gc
+
+        from twisted.internet.testing import StringTransport
+
+        from relay.redisclient import _fastProtocol
+
+        gc.collect()
+        proto = _fastProtocol(txredisapi.SentinelRedisProtocol)(convertNumbers=False)
+        proto.factory = _SentinelFactory()
+        transport = StringTransport()
+        proto.makeConnection(transport)
+        self.assertEqual(transport.value(), b"*1\r\n$4\r\nROLE\r\n")
+        return proto, transport
+
+    def _unhandled(self) -> list:
+        import gc
+
+        gc.collect()
+        return self.flushLoggedErrors(txredisapi.ConnectionError, txredisapi.ResponseError)
+
+    def test_lostBeforeTheReply(self):
+        """
+        The connection lost while C{ROLE} is out: no "Unhandled error in
+        Deferred"; the connection never became ready.
+        """
+        from twisted.internet.error import ConnectionLost
+
+        proto, transport = self._connect()
+        proto.connectionLost(Failure(ConnectionLost()))
+        self.assertFalse(proto._ready)
+        del proto
+        self.assertEqual(self._unhandled(), [])
+
+    def test_errorReply(self):
+        """
+        An error reply to C{ROLE} (a Redis that refuses it) drops the
+        connection, which the factory redials.
+        """
+        proto, transport = self._connect()
+        proto.dataReceived(b"-NOAUTH Authentication required.\r\n")
+        self.assertTrue(transport.disconnecting)
+        self.assertFalse(proto._ready)
+        del proto
+        self.assertEqual(self._unhandled(), [])
+
+    def test_replicaIsDropped(self):
+        """
+        A connection that reached a replica (the Sentinels' answer was
+        stale) is dropped and never serves.
+        """
+        proto, transport = self._connect()
+        proto.dataReceived(b"*5\r\n$5\r\nslave\r\n$9\r\n127.0.0.1\r\n:6380\r\n"
+                           b"$9\r\nconnected\r\n:100\r\n")
+        self.assertTrue(transport.disconnecting)
+        self.assertFalse(proto._ready)
+
+    def test_masterServes(self):
+        """
+        C{master}: the connection becomes ready (C{SELECT} of the database
+        is not asked for here: no C{dbid}).
+        """
+        proto, transport = self._connect()
+        proto.dataReceived(b"*3\r\n$6\r\nmaster\r\n:100\r\n*0\r\n")
+        self.assertFalse(transport.disconnecting)
+        self.assertTrue(proto._ready)

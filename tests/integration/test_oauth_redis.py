@@ -100,3 +100,52 @@ async def test_redis_token_store_contract(redisServer):  # noqa: F811
         assert await store.acquireLock(account, "c", 0.3) is True
     finally:
         await service.stopService()
+
+
+@pytest_twisted.ensureDeferred
+async def test_durable_save_fails_on_a_demoted_master():
+    """
+    With Sentinel a token record's save waits for a replica (C{WAIT}, a
+    pipeline; L{relay.redisclient.RedisService.executeDurable}). On a
+    Redis that is now a replica (a demoted master: every write answers
+    C{READONLY}) the save fails with L{RedisUnavailable} -- it is not
+    reported as a lost compare-and-set race (the old code read the
+    pipeline's swallowed error as the value C{None}), so the rotated
+    refresh token is not silently dropped. Back as a master, the same save
+    is done (no replica acknowledged it: logged, not an error).
+    """
+    from relay.oauth.store import RedisTokenStore
+    from relay.redisclient import RedisService, RedisUnavailable
+    from tests.integration.redis_server import RedisServer, freePort, requireRedis
+
+    requireRedis()
+    server = RedisServer()
+    server.start()
+    service = RedisService(url=server.url, clock=reactor)
+    service.durableReplicas = 1
+    service.durableTimeout = 0.1
+    service.startService()
+    try:
+        store = RedisTokenStore(redis=service)
+        assert await store.save("d1", 1, "r1", None) is True
+        assert server.command("REPLICAOF", "127.0.0.1", str(freePort())).startswith(b"+OK")
+        try:
+            result = await store.save("d1", 2, "r2", 1)
+        except RedisUnavailable as e:
+            assert "READONLY" in str(e), e
+        else:
+            raise AssertionError(f"a refused durable write returned {result!r}")
+        assert server.command("REPLICAOF", "NO", "ONE").startswith(b"+OK")
+        deadline = reactor.seconds() + 5
+        while True:
+            try:
+                assert await store.save("d1", 2, "r2", 1) is True
+                break
+            except RedisUnavailable:
+                # The READONLY reply dropped the connections; they redial.
+                assert reactor.seconds() < deadline
+                await sleep(0.1)
+        assert await store.load("d1") == "r2"
+    finally:
+        await service.stopService()
+        server.cleanup()
