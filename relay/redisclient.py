@@ -1064,7 +1064,9 @@ def _fastProtocol(base: type) -> type:
     three times per argument -- for every command of a turn). The same
     bytes go out and the same values come back: both fall back to
     txredisapi's own for anything but its default codec (UTF-8, strict,
-    C{convertNumbers=False}, which L{RedisService} uses).
+    C{convertNumbers=False}, which L{RedisService} uses). A Sentinel
+    protocol also gets L{_sentinelConnectionMade} (its role check with its
+    failures handled).
     """
     fast = _FAST_PROTOCOLS.get(base)
     if fast is None:
