@@ -155,7 +155,7 @@ class _Site(RelaySite):
         agent = request.getHeader(b"user-agent")
         uri = request.uri
         # Issue 24: a target without a query has nothing to redact.
-        path = redactQuery(uri.decode("latin-1")) if b"?" in uri else uri.decode("latin-1")
+        path = redactQuery(uri.decode("latin-1")) if 63 in uri else uri.decode("latin-1")  # b"?"
         self._log.info(
             _ACCESS if duration is None else _ACCESS_TIMED,
             event="relay.http_access",

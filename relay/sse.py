@@ -10,8 +10,9 @@ needs it (before the first output, and the terminal event).
 
 from __future__ import annotations
 
-import json
 from typing import Callable, Optional
+
+from relay.jsoncodec import loads
 
 TERMINAL_TYPES = frozenset(
     {
@@ -92,8 +93,8 @@ class Event:
         """
         if self._parsed is None:
             try:
-                parsed = json.loads(self.data)
-            except ValueError:
+                parsed = loads(self.data)
+            except (ValueError, RecursionError):
                 parsed = {}
             self._parsed = parsed if isinstance(parsed, dict) else {}
         return self._parsed
@@ -140,7 +141,7 @@ class SSEParser:
         @return: a list of complete L{Event}s.
         @raise LineTooLong: a pending event grew past C{maxLine}.
         """
-        if b"\r" in chunk:
+        if 13 in chunk:  # b"\r" by its int value: no TypeError raised and cleared (issue 24)
             chunk = chunk.replace(b"\r\n", b"\n")
         buf = self._buf + chunk if self._buf else chunk
         events = []
@@ -173,7 +174,7 @@ class SSEParser:
             incomplete tail stays in the parser, as with L{feed}).
         @raise LineTooLong: the pending event grew past C{maxLine}.
         """
-        if b"\r" in chunk:
+        if 13 in chunk:  # b"\r" by its int value: no TypeError raised and cleared (issue 24)
             chunk = chunk.replace(b"\r\n", b"\n")
         buf = self._buf + chunk if self._buf else chunk
         self._buf = b""

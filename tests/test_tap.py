@@ -789,6 +789,38 @@ class SettleMemoryTests(SynchronousTestCase):
         self.assertGreaterEqual(result["collected"], 2)
         self.assertNotIn("<relay-test-settle>", linecache.cache)
 
+    def test_settleProcessFreezesAndRaisesTheYoungThreshold(self) -> None:
+        """
+        L{relay.tap.settleProcess} settles the heap, moves what is alive to
+        the collector's permanent generation, and raises the first
+        threshold to L{relay.tap.YOUNG_GC_THRESHOLD} (the others kept).
+        """
+        import gc
+
+        from relay.tap import YOUNG_GC_THRESHOLD, settleProcess
+
+        before = gc.get_threshold()
+        self.addCleanup(gc.set_threshold, *before)
+        self.addCleanup(gc.unfreeze)
+        gc.unfreeze()
+        self.assertEqual(gc.get_freeze_count(), 0)
+        result = settleProcess()
+        self.assertGreater(result["frozen"], 1000)
+        self.assertEqual(gc.get_freeze_count(), result["frozen"])
+        self.assertIn("collected", result)
+        self.assertEqual(gc.get_threshold(), (YOUNG_GC_THRESHOLD,) + before[1:])
+        self.assertGreater(YOUNG_GC_THRESHOLD, before[0])
+
+    def test_theServiceRunsSettleProcess(self) -> None:
+        """
+        L{SettleMemory}'s default settle is L{relay.tap.settleProcess}.
+        """
+        from twisted.internet.task import Clock
+
+        from relay.tap import SettleMemory, settleProcess
+
+        self.assertIs(SettleMemory(Clock())._settle, settleProcess)
+
     def test_makeServiceRunsIt(self) -> None:
         """
         The relay service built by L{makeService} includes a

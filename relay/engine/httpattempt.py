@@ -9,8 +9,6 @@ judges and records the end (behaviour.md R86).
 
 from __future__ import annotations
 
-import json
-
 from twisted.logger import Logger
 
 from relay.engine.background import countBackgroundOnce
@@ -30,6 +28,7 @@ from relay.engine.upstreambody import (
     BodyBroken,
     readBody,
 )
+from relay.jsoncodec import loads
 from relay.model import Turn
 from relay.policy import ends
 from relay.translate.sink import ChatCompletionsSink
@@ -156,8 +155,8 @@ async def _readJSON(runner, turn, sink, account, response, release, rewrite) -> 
             return AttemptResult(end=ends.RelayTimeout(ends.IDLE, idle), status=502)
         return AttemptResult(end=ends.StreamCut(e.detail), status=502)
     try:
-        parsed = json.loads(body)
-    except ValueError:
+        parsed = loads(body)
+    except (ValueError, RecursionError):
         parsed = None
     if not isinstance(parsed, dict):
         # R86.4: a JSON body that ended cleanly but is not a whole JSON

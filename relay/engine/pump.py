@@ -253,7 +253,7 @@ class StreamPump(Protocol):
             event-by-event path (the parser's pending bytes included when
             it was emptied).
         """
-        if b"\r" in data:
+        if 13 in data:  # b"\r": an int is looked up without a TypeError (bytes_contains)
             return data
         parser = self._parser
         buf = parser._buf + data if parser._buf else data

@@ -55,6 +55,11 @@ from relay.requestid import requestIdOf
 
 _CANONICAL = _nameEncoder._canonicalHeaderCache
 
+# Issue 24: one byte is looked for in bytes by its int value. CPython 3.11's
+# C{b"x" in data} first tries the operand as an int, raising and clearing a
+# formatted TypeError (~1,900 instructions), before it searches.
+_CR, _LF, _PERCENT, _QUESTION = 13, 10, 37, 63
+
 DEFAULT_MAX_BODY_BYTES = 64 * 2**20
 """The default of C{gateway.max_request_body_bytes} (config.md)."""
 
@@ -414,7 +419,7 @@ class _Headers(Headers):
             canonical = _CANONICAL.get(name)
             if (
                 canonical is not None and value.__class__ is bytes
-                and b"\r" not in value and b"\n" not in value
+                and _CR not in value and _LF not in value
             ):
                 self._rawHeaders[canonical] = [value]
                 return
@@ -1155,7 +1160,7 @@ class LimitedBodyRequest(Request):
         self.setHeader(b"Date", date())
         self.prepath = []
         path = self.path
-        if b"%" in path:
+        if _PERCENT in path:
             self.postpath = list(map(unquote_to_bytes, path[1:].split(b"/")))
         else:
             self.postpath = path[1:].split(b"/")
@@ -1192,7 +1197,7 @@ class LimitedBodyRequest(Request):
         self.args = {}
         self.method, self.uri = command, path
         self.clientproto = version
-        if b"?" in path:
+        if _QUESTION in path:
             self.path, argstring = path.split(b"?", 1)
             self.args = parse_qs(argstring, 1)
         else:

@@ -68,8 +68,8 @@ def readHead(data: bytes) -> Optional[tuple]:
     block = data[:end]
     crlf = block.count(b"\r\n")
     if (
-        block.count(b"\n") != crlf or block.count(b"\r") != crlf or b"\0" in block
-        or b"\r\n " in block or b"\r\n\t" in block or crlf > MAX_FIELDS
+        block.count(b"\n") != crlf or block.count(b"\r") != crlf or 0 in block
+        or block.find(b"\r\n ") >= 0 or block.find(b"\r\n\t") >= 0 or crlf > MAX_FIELDS
     ):
         return None
     lines = block.split(b"\r\n")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import re
 
+from relay.jsoncodec import loads
+
 __all__ = ["NESTING_MESSAGE", "loadJSON"]
 
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -37,7 +39,7 @@ def loadJSON(raw: bytes):
         (L{NESTING_MESSAGE}, issue 19 item 3).
     """
     try:
-        value = json.loads(raw)
+        value = loads(raw)  # json.loads, through orjson where it agrees (issue 24)
     except RecursionError:
         # Issue 19 item 3: deep nesting is the client's fault, a 400.
         raise ValueError(NESTING_MESSAGE) from None

@@ -17,10 +17,11 @@ C{request_log.sample_max_bytes}.
 
 from __future__ import annotations
 
-import json
 from typing import Optional
 
 from attrs import define
+
+from relay.jsoncodec import dumpsRecord
 
 __all__ = ["Attempt", "TurnRecord", "fromDict"]
 
@@ -145,14 +146,11 @@ class TurnRecord:
 
     def toJSON(self) -> str:
         """
-        The compact stored form (L{fromDict} reads it back).
+        The compact stored form (L{fromDict} reads it back): orjson's,
+        through L{relay.jsoncodec.dumpsRecord} (issue 24: one record per
+        relayed turn; ~1 us instead of ~8).
         """
-        return _ENCODER.encode(self.asDict())
-
-
-_ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
-"""What C{json.dumps(..., separators=(",", ":"), default=str)} builds on
-every call, built once (issue 24: one record per relayed turn)."""
+        return dumpsRecord(self.asDict())
 
 
 def fromDict(data: dict, seq: Optional[str] = None) -> TurnRecord:

@@ -1,0 +1,101 @@
+# -*- test-case-name: tests.test_jsoncodec -*-
+"""
+JSON on the turn path, through orjson where it gives what the standard
+library gives (issue 24: a turn reads the client's body, the upstream's
+answer or its first events, and writes one request-log record).
+
+L{loads} is C{json.loads} for every input: the same values, the same
+errors. orjson reads a text first when it can only agree with the
+standard library:
+
+  - orjson reads an integer beyond 64 bits as a float; the standard
+    library keeps it exact. A text with a run of 19 or more digits (the
+    shortest integer orjson could change) is read by the standard library
+    (a digit run inside a string sends it there too: slower, never
+    wrong);
+  - orjson reads nesting up to 1,024 levels whatever the caller's stack;
+    the standard library stops where the interpreter's recursion limit
+    does (about 1,000 frames, the caller's included), and relay answers
+    that with a 400 (L{relay.entry.jsonbody}). A text with more than
+    L{MAX_FAST_BRACKETS} opening brackets is read by the standard
+    library;
+  - everything orjson refuses (C{NaN}, C{Infinity}, a number out of a
+    double's range, a lone surrogate escape, UTF-8 that is not valid, a
+    byte-order mark, UTF-16, nesting past its limit) goes to the standard
+    library, which accepts it or raises its own error, as before;
+  - only C{bytes} take the fast path; a C{str} goes to the standard
+    library.
+
+tests.test_jsoncodec checks the agreement on generated documents and on
+mutated texts (hypothesis). L{dumpsRecord} is compact JSON for relay's own
+records (read back with L{loads}); it is not used for what goes upstream,
+whose bytes stay the standard library's (C{relay.engine.payload}).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+import orjson
+
+__all__ = ["dumpsRecord", "loads"]
+
+MAX_FAST_BRACKETS = 128
+"""Opening brackets (C{[} and C{{}) a text may hold and still be read by
+orjson: it then nests at most this deep, which the standard library reads
+too unless the caller is more than ~870 frames deep."""
+
+_FOLD = bytes.maketrans(b"123456789{", b"000000000[")
+_LONG_DIGIT_RUN = b"0" * 19
+"""After C{_FOLD} every digit is a C{0} and no other byte is, and every
+opening bracket a C{[}: a run of 19 digits is a run of 19 zeros. Integers
+of up to 18 digits are below 2**63, exact in orjson."""
+
+_orjsonLoads = orjson.loads
+_orjsonRefusals = (orjson.JSONDecodeError, RecursionError)
+_stdlibLoads = json.loads
+
+
+def loads(data: Any) -> Any:
+    """
+    Parse JSON exactly as C{json.loads(data)}.
+
+    @param data: C{bytes} (the fast path) or anything C{json.loads}
+        takes.
+    @return: the parsed value.
+    @raise ValueError: C{json.JSONDecodeError} or C{UnicodeDecodeError}
+        for what the standard library refuses, with its message.
+    @raise RecursionError: for nesting the standard library cannot read.
+    """
+    if data.__class__ is bytes:
+        folded = data.translate(_FOLD)
+        if folded.find(_LONG_DIGIT_RUN) < 0 and folded.count(91) <= MAX_FAST_BRACKETS:
+            try:
+                return _orjsonLoads(data)
+            except _orjsonRefusals:
+                pass
+    return _stdlibLoads(data)
+
+
+def _asText(value: Any) -> str:
+    return str(value)
+
+
+def dumpsRecord(value: Any, default: Callable[[Any], Any] = _asText) -> str:
+    """
+    Compact JSON text for one of relay's stored records (a request-log
+    row): keys in insertion order, non-ASCII text as UTF-8 rather than
+    C{\\u} escapes, a non-finite float as C{null} (a record holds
+    none). Values orjson cannot write (an integer beyond 64 bits, a
+    non-string key) take the standard library's
+    C{json.dumps(value, separators=(",", ":"), default=default)}.
+
+    @param value: JSON-ready values; others go through C{default}.
+    @param default: turns any other value into one (C{str} by default).
+    @return: the text.
+    """
+    try:
+        return orjson.dumps(value, default=default).decode("utf-8")
+    except TypeError:
+        return json.dumps(value, separators=(",", ":"), default=default)

@@ -1,0 +1,226 @@
+"""
+Tests for L{relay.jsoncodec}: its C{loads} gives what C{json.loads} gives
+(values and errors), on generated documents and on mutated texts; its
+C{dumpsRecord} reads back as the record it wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from twisted.trial.unittest import SynchronousTestCase
+
+from relay import jsoncodec
+from relay.jsoncodec import dumpsRecord, loads
+
+
+def _same(a, b) -> bool:
+    """
+    Equal values of equal types all the way down (C{1 == 1.0} and
+    C{0.0 == -0.0} are not enough here; NaN equals NaN).
+    """
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float):
+        if math.isnan(a):
+            return math.isnan(b)
+        return a == b and math.copysign(1, a) == math.copysign(1, b)
+    return a == b
+
+
+def _outcome(parse, data):
+    try:
+        return ("ok", parse(data))
+    except RecursionError:
+        return ("deep", None)
+    except ValueError as e:
+        return ("error", str(e))
+
+
+def _agree(testCase, data: bytes) -> None:
+    mine, theirs = _outcome(loads, data), _outcome(json.loads, data)
+    testCase.assertEqual(mine[0], theirs[0], data[:200])
+    if mine[0] == "ok":
+        testCase.assertTrue(_same(mine[1], theirs[1]), (data[:200], mine[1], theirs[1]))
+    else:
+        testCase.assertEqual(mine[1], theirs[1])
+
+
+_scalars = (
+    st.none() | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text()
+)
+_documents = st.recursive(
+    _scalars,
+    lambda inner: (st.lists(inner, max_size=5)
+                   | st.dictionaries(st.text(max_size=8), inner, max_size=5)),
+    max_leaves=30,
+)
+_numbers = st.from_regex(rb"\A-?(0|[1-9][0-9]{0,25})(\.[0-9]{1,25})?([eE][-+]?[0-9]{1,3})?\Z")
+
+
+class LoadsTests(SynchronousTestCase):
+    """
+    L{loads} is C{json.loads}.
+    """
+
+    @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(_documents, st.booleans())
+    def test_documents(self, value, ascii) -> None:
+        """
+        Any document, written with or without C{\\u} escapes, reads the
+        same.
+        """
+        _agree(self, json.dumps(value, ensure_ascii=ascii).encode("utf-8"))
+
+    @settings(max_examples=600, deadline=None)
+    @given(_numbers)
+    @example(b"9223372036854775807")
+    @example(b"9223372036854775808")
+    @example(b"18446744073709551616")
+    @example(b"-9223372036854775809")
+    @example(b"123456789012345678")
+    @example(b"1e400")
+    @example(b"-0")
+    @example(b"-0.0")
+    @example(b"2.2250738585072011e-308")
+    @example(b"0.30000000000000004")
+    def test_numbers(self, text) -> None:
+        """
+        Every JSON number reads as the standard library reads it: an
+        integer beyond 64 bits stays an exact integer, a float is the same
+        double, one out of range is the standard library's infinity.
+        """
+        _agree(self, text)
+        _agree(self, b'{"n":[' + text + b"]}")
+
+    @settings(max_examples=600, deadline=None)
+    @given(_documents, st.data())
+    def test_mutatedTexts(self, value, data) -> None:
+        """
+        Texts with bytes changed, inserted or cut: the fast path accepts
+        only what the standard library accepts, with the same value, and
+        refuses with the standard library's own message.
+        """
+        text = bytearray(json.dumps(value).encode("utf-8"))
+        for _ in range(data.draw(st.integers(1, 3))):
+            at = data.draw(st.integers(0, len(text)))
+            byte = data.draw(st.sampled_from(
+                b' \t\n\r\x0c\x00"\\,:[]{}-+.eE0123456789ntfuNI\xef\xbb\xbf\xc3\xed\xa0\x80/'))
+            how = data.draw(st.sampled_from(["insert", "replace", "cut"]))
+            if how == "insert" or at == len(text):
+                text[at:at] = bytes([byte])
+            elif how == "replace":
+                text[at] = byte
+            else:
+                del text[at]
+        _agree(self, bytes(text))
+
+    def test_whatOrjsonRefuses(self) -> None:
+        """
+        Texts orjson refuses and the standard library reads or refuses in
+        its own way: non-finite numbers, lone and paired surrogate
+        escapes, encoded surrogates, a byte-order mark, UTF-16, invalid
+        UTF-8, empty input.
+        """
+        for data in [b"NaN", b"[Infinity]", b"-Infinity", b'"\\ud800"', b'"\\ud83d\\ude00"',
+                     b'"\xed\xa0\x80"', b"\xef\xbb\xbf{}", '{"a":1}'.encode("utf-16"),
+                     b'"\xff"', b"", b" ", b"[1,]", b"{'a':1}", b"01", b"1.", b".5", b"+1"]:
+            _agree(self, data)
+
+    def test_nesting(self) -> None:
+        """
+        Nesting orjson stops at goes to the standard library, which reads
+        it or raises its own RecursionError.
+        """
+        for depth in (10, 500, 1023, 1024, 1025, 5000, 200_000):
+            data = b"[" * depth + b"]" * depth
+            mine, theirs = _outcome(loads, data), _outcome(json.loads, data)
+            self.assertEqual(mine[0], theirs[0], depth)
+
+    def test_manyBracketsTakeTheStandardLibrary(self) -> None:
+        """
+        More than L{relay.jsoncodec.MAX_FAST_BRACKETS} opening brackets
+        (of either kind, nested or not) are never given to orjson.
+        """
+        from relay.jsoncodec import MAX_FAST_BRACKETS
+
+        calls = []
+
+        def spy(data):
+            calls.append(data)
+            return json.loads(data)
+
+        self.patch(jsoncodec, "_orjsonLoads", spy)
+        half = MAX_FAST_BRACKETS // 2
+        fits = b"[" + b",".join([b"{}"] * (half - 1) + [b"[]"] * half) + b"]"
+        self.assertEqual(loads(fits), [{}] * (half - 1) + [[]] * half)
+        self.assertEqual(len(calls), 1)
+        loads(b"[{}," + fits[1:])
+        loads(b"[" * (MAX_FAST_BRACKETS + 1) + b"]" * (MAX_FAST_BRACKETS + 1))
+        self.assertEqual(len(calls), 1)
+
+    def test_strAndOtherTypes(self) -> None:
+        """
+        A C{str} (and a bytearray) is read by the standard library.
+        """
+        self.assertEqual(loads('{"a":[1,2.5,"é"]}'), {"a": [1, 2.5, "é"]})
+        self.assertEqual(loads(bytearray(b"[1]")), [1])
+        with self.assertRaises(ValueError):
+            loads("{")
+
+    def test_longDigitRunsTakeTheStandardLibrary(self) -> None:
+        """
+        A run of 19 digits (in a number or a string) is never given to
+        orjson; 18 are.
+        """
+        calls = []
+
+        def spy(data):
+            calls.append(data)
+            return json.loads(data)
+
+        self.patch(jsoncodec, "_orjsonLoads", spy)
+        self.assertEqual(loads(b"[123456789012345678]"), [123456789012345678])
+        self.assertEqual(len(calls), 1)
+        self.assertEqual(loads(b"[1234567890123456789]"), [1234567890123456789])
+        self.assertEqual(loads(b'["id_1234567890123456789"]'), ["id_1234567890123456789"])
+        self.assertEqual(len(calls), 1)
+
+
+class DumpsRecordTests(SynchronousTestCase):
+    """
+    L{dumpsRecord}: compact, readable back, with the standard library's
+    fallback.
+    """
+
+    @settings(max_examples=300, deadline=None)
+    @given(_documents)
+    def test_readsBack(self, value) -> None:
+        """
+        What it writes reads back as the value (integers beyond 64 bits
+        included, through the fallback).
+        """
+        self.assertTrue(_same(loads(dumpsRecord(value).encode("utf-8")), value))
+
+    def test_compactAndDefault(self) -> None:
+        """
+        No spaces; other values through C{default} (C{str} unless given).
+        """
+        class Thing:
+            def __str__(self):
+                return "thing"
+
+        self.assertEqual(dumpsRecord({"a": [1, "é"], "b": Thing()}), '{"a":[1,"é"],"b":"thing"}')
+        self.assertEqual(dumpsRecord({"n": 2**70}), '{"n":%d}' % 2**70)
+        self.assertEqual(dumpsRecord({1: "x"}), '{"1":"x"}')
+        self.assertEqual(dumpsRecord([Thing()], default=lambda o: 7), "[7]")
