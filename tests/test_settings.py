@@ -523,6 +523,33 @@ class SQLiteSettingsStoreTests(SynchronousTestCase):
         self.assertEqual(pool.connkw, {"check_same_thread": False})
         self.assertIs(pool._reactor, reactor)
 
+    def test_walWithSynchronousCommits(self):
+        """
+        The store's own pool opens its connection in WAL mode with
+        synchronous (FULL) commits (L{relay.settingsdb.openConnection},
+        issue 24), and the store works on it.
+        """
+        from relay.settingsdb import openConnection
+
+        path = self.mktemp()
+        store = SQLiteSettingsStore(path=path, reactor=_NotRunningReactor())
+        pool = store._getPool()
+        self.assertIs(pool.openfun, openConnection)
+        pool.threadpool = _SynchronousThreadPool()
+        pool.start()
+        self.addCleanup(store.close)
+        self.successResultOf(store.save({"retry_interval_ms": 5}))
+        self.assertEqual(self.successResultOf(store.load()), {"retry_interval_ms": 5})
+
+        def pragmas(txn):
+            txn.execute("PRAGMA journal_mode")
+            mode = txn.fetchone()[0]
+            txn.execute("PRAGMA synchronous")
+            return mode, txn.fetchone()[0]
+
+        self.assertEqual(self.successResultOf(store.runInteraction(pragmas)), ("wal", 2))
+        self.assertTrue(os.path.exists(path + "-wal"))
+
     def test_newFileIsPrivate(self):
         """
         The database holds OAuth tokens: a new file is created 0600 under a
