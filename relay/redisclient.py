@@ -49,6 +49,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from relay.model import RelayError
+from relay.sendnow import sendNow
 
 _SCRIPT_SHAS: dict = {}
 """Script text -> its SHA1 hex (L{RedisService._eval}; issue 24)."""
@@ -831,7 +832,10 @@ class RedisService(Service):
 
         d = Deferred(cancel)
         waiter = conn.replyQueue.get()
-        conn.transport.write(payload)
+        # Sent at once when nothing is queued on the connection (issue 24:
+        # FileDescriptor.write costs two epoll_ctl calls and a reactor
+        # iteration per command; the bytes' order stays the connection's).
+        sendNow(conn.transport, payload)
         limit = conn.replyTimeout
         silent = bool(limit) and limit <= timeout
         delay = limit if silent else timeout

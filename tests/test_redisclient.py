@@ -617,3 +617,40 @@ class SentinelRoleCheckTests(SynchronousTestCase):
         proto.dataReceived(b"*3\r\n$6\r\nmaster\r\n:100\r\n*0\r\n")
         self.assertFalse(transport.disconnecting)
         self.assertTrue(proto._ready)
+
+
+class DirectCommandWriteTests(SynchronousTestCase):
+    """
+    A command on a ready pooled connection (L{RedisService._direct}) is
+    written with L{relay.sendnow.sendNow}: sent at once when nothing is
+    queued, instead of waiting for the reactor's next poll (issue 24).
+    """
+
+    def test_sentWithSendNow(self) -> None:
+        """
+        The command's bytes go to C{sendNow} with the connection's
+        transport; the reply fires the result.
+        """
+        import relay.redisclient as redisclient
+
+        class _Ready:
+            connected = True
+            replyTimeout = 0
+
+            def __init__(self):
+                self.transport = object()
+                self.replyQueue = defer.DeferredQueue()
+
+            def _build_command(self, *args):
+                return b"|".join(a.encode() for a in args)
+
+        conn = _Ready()
+        service, clock = _service()
+        service.pool._factory.connectionQueue = type("Q", (), {"pending": [conn]})()
+        sent = []
+        self.patch(redisclient, "sendNow", lambda transport, data: sent.append((transport, data)))
+        d = service.execute(2, "execute_command", "GET", "k")
+        self.assertEqual(sent, [(conn.transport, b"GET|k")])
+        self.assertEqual(service.pool.calls, [])
+        conn.replyQueue.put("v")
+        self.assertEqual(_result(d), "v")
