@@ -94,7 +94,7 @@ class Event:
         if self._parsed is None:
             try:
                 parsed = loads(self.data)
-            except (ValueError, RecursionError):
+            except ValueError:
                 parsed = {}
             self._parsed = parsed if isinstance(parsed, dict) else {}
         return self._parsed

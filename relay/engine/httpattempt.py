@@ -156,7 +156,7 @@ async def _readJSON(runner, turn, sink, account, response, release, rewrite) -> 
         return AttemptResult(end=ends.StreamCut(e.detail), status=502)
     try:
         parsed = loads(body)
-    except (ValueError, RecursionError):
+    except ValueError:
         parsed = None
     if not isinstance(parsed, dict):
         # R86.4: a JSON body that ended cleanly but is not a whole JSON
