@@ -23,8 +23,9 @@ standard library:
     double's range, a lone surrogate escape, UTF-8 that is not valid, a
     byte-order mark, UTF-16, nesting past its limit) goes to the standard
     library, which accepts it or raises its own error, as before;
-  - only C{bytes} take the fast path; a C{str} goes to the standard
-    library.
+  - only C{bytes} of at most L{MAX_FAST_BYTES} take the fast path (the
+    checks copy the text once); a C{str} or a longer text goes to the
+    standard library.
 
 tests.test_jsoncodec checks the agreement on generated documents and on
 mutated texts (hypothesis). L{dumpsRecord} is compact JSON for relay's own
@@ -40,6 +41,12 @@ from typing import Any, Callable
 import orjson
 
 __all__ = ["dumpsRecord", "loads"]
+
+MAX_FAST_BYTES = 64 * 1024
+"""The longest text L{loads} gives orjson (the upstream's answers and
+events, small client bodies): the checks below copy it once, which a
+client body of up to 64 MiB should not cost; a longer text nearly always
+holds more than L{MAX_FAST_BRACKETS} brackets anyway."""
 
 MAX_FAST_BRACKETS = 128
 """Opening brackets (C{[} and C{{}) a text may hold and still be read by
@@ -68,7 +75,7 @@ def loads(data: Any) -> Any:
         for what the standard library refuses, with its message.
     @raise RecursionError: for nesting the standard library cannot read.
     """
-    if data.__class__ is bytes:
+    if data.__class__ is bytes and len(data) <= MAX_FAST_BYTES:
         folded = data.translate(_FOLD)
         if folded.find(_LONG_DIGIT_RUN) < 0 and folded.count(91) <= MAX_FAST_BRACKETS:
             try:

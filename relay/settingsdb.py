@@ -224,9 +224,24 @@ def openConnection(connection) -> None:
     with its C{-wal}; it must sit on a local file system (WAL's C{-shm} is
     shared memory).
 
-    @param connection: a C{sqlite3} connection (adbapi's wrapper).
+    The first switch of a file needs it to itself: while another
+    connection reads it (an operator's C{sqlite3} shell, a C{.backup},
+    another relay starting on the same file) the switch fails after the
+    busy timeout; this connection then keeps the rollback journal, with a
+    warning, and the next one tries again.
+
+    @param connection: a C{sqlite3} connection.
     """
-    connection.execute("PRAGMA journal_mode=WAL")
+    import sqlite3
+
+    try:
+        connection.execute("PRAGMA journal_mode=WAL")
+    except sqlite3.OperationalError as e:
+        _log.warn(
+            "the database could not switch to WAL mode now ({error}); this connection keeps"
+            " the rollback journal",
+            event="relay.database_wal_deferred", error=str(e),
+        )
     connection.execute("PRAGMA synchronous=FULL")
 
 

@@ -390,8 +390,11 @@ keep more than 700 young objects alive at once, so with the default a
 young collection ran every few hundred allocations and re-scanned them,
 and the survivors it promoted set off full collections: 8 % of relay's
 CPU at c=32 JSON (bench/results/2026-12-02-issue24-gc.md). Objects not in
-a cycle are freed by reference counting whatever the threshold; at most
-this many more objects in cycles wait for their collection."""
+a cycle are freed by reference counting whatever the threshold (a relayed
+turn leaves none in a cycle); what is left in cycles (a failure's
+traceback, a replaced connection's objects) waits longer for its
+collection: on a quiet process, until this many more objects have been
+allocated than freed."""
 
 
 def settleProcess() -> dict:

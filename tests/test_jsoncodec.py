@@ -169,6 +169,27 @@ class LoadsTests(SynchronousTestCase):
         loads(b"[" * (MAX_FAST_BRACKETS + 1) + b"]" * (MAX_FAST_BRACKETS + 1))
         self.assertEqual(len(calls), 1)
 
+    def test_longTextsTakeTheStandardLibrary(self) -> None:
+        """
+        A text longer than L{relay.jsoncodec.MAX_FAST_BYTES} is never given
+        to orjson (nor copied to be checked); one of that length is.
+        """
+        from relay.jsoncodec import MAX_FAST_BYTES
+
+        calls = []
+
+        def spy(data):
+            calls.append(data)
+            return json.loads(data)
+
+        self.patch(jsoncodec, "_orjsonLoads", spy)
+        fits = b'["' + b"x" * (MAX_FAST_BYTES - 4) + b'"]'
+        self.assertEqual(len(fits), MAX_FAST_BYTES)
+        self.assertEqual(loads(fits), ["x" * (MAX_FAST_BYTES - 4)])
+        self.assertEqual(len(calls), 1)
+        self.assertEqual(loads(b" " + fits), ["x" * (MAX_FAST_BYTES - 4)])
+        self.assertEqual(len(calls), 1)
+
     def test_strAndOtherTypes(self) -> None:
         """
         A C{str} (and a bytearray) is read by the standard library.

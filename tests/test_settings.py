@@ -14,7 +14,7 @@ from twisted.enterprise import adbapi
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import Clock
 from twisted.internet.testing import EventLoggingObserver
-from twisted.logger import globalLogPublisher
+from twisted.logger import capturedLogs, globalLogPublisher
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import implementer
@@ -549,6 +549,36 @@ class SQLiteSettingsStoreTests(SynchronousTestCase):
 
         self.assertEqual(self.successResultOf(store.runInteraction(pragmas)), ("wal", 2))
         self.assertTrue(os.path.exists(path + "-wal"))
+
+    def test_walSwitchWhileAnotherConnectionReads(self):
+        """
+        A file another connection is reading cannot switch to WAL: the
+        connection keeps the rollback journal with a warning (and works);
+        the next one opened when the reader is done switches.
+        """
+        import sqlite3
+
+        from relay.settingsdb import openConnection
+
+        path = self.mktemp()
+        reader = sqlite3.connect(path, isolation_level=None)
+        self.addCleanup(reader.close)
+        reader.execute("CREATE TABLE t (x)")
+        reader.execute("BEGIN")
+        reader.execute("SELECT * FROM t").fetchall()
+        busy = sqlite3.connect(path, timeout=0.05)
+        self.addCleanup(busy.close)
+        with capturedLogs() as events:
+            openConnection(busy)
+        [event] = [e for e in events if e.get("event") == "relay.database_wal_deferred"]
+        self.assertIn("locked", event["error"])
+        self.assertEqual(busy.execute("PRAGMA journal_mode").fetchone()[0], "delete")
+        self.assertEqual(busy.execute("PRAGMA synchronous").fetchone()[0], 2)
+        reader.execute("COMMIT")
+        later = sqlite3.connect(path, timeout=0.05)
+        self.addCleanup(later.close)
+        openConnection(later)
+        self.assertEqual(later.execute("PRAGMA journal_mode").fetchone()[0], "wal")
 
     def test_newFileIsPrivate(self):
         """
