@@ -9,6 +9,10 @@ run (issues 16 and 24).
   python bench/compare.py --baseline main        # also relay at a git ref (git
                                                  # archive) or from another tree,
                                                  # in the same run
+  python bench/compare.py --baseline-python /opt/py/bin/python
+                                                 # the baseline relay (this tree
+                                                 # unless --baseline) on another
+                                                 # interpreter, in the same run
 
 Not a test and not run by CI; it prints a markdown report (and writes it to
 C{--out}). What it starts, all on 127.0.0.1:
@@ -374,17 +378,52 @@ def relayConfig(tmp: str, name: str, port: int, upstreamPort: int, extra: str = 
 
 
 def startRelay(procs: Procs, name: str, upstreamPort: int, cpu=None, extra: str = "",
-               args=(), tree: str = ROOT) -> tuple:
+               args=(), tree: str = ROOT, python: str | None = None) -> tuple:
     """
     relay (twist) on C{cpu}, from the source tree C{tree} (this checkout
-    by default). @return: C{(process, port)}.
+    by default), run by the interpreter C{python} (this one by default).
+    @return: C{(process, port)}.
     """
     port = free()
     conf = relayConfig(procs.tmp, name, port, upstreamPort, extra)
-    p = procs.start(name, [sys.executable, "-m", "twisted", "relay", "--config", conf, *args],
+    p = procs.start(name, [python or sys.executable, "-m", "twisted", "relay", "--config", conf,
+                           *args],
                     cpu=cpu, env=dict(os.environ, PYTHONPATH=tree))
     waitReady(port)
     return p, port
+
+
+_BUILD = ("import sys; maps = open('/proc/self/maps').read(); "
+          "print(sys.version.split()[0], 'libpython shared' if 'libpython' in maps "
+          "else 'libpython linked in')")
+
+
+def interpreterProblem(python: str) -> str | None:
+    """
+    Why C{python} cannot run relay (not found, or relay's dependencies
+    missing), or L{None}.
+    """
+    try:
+        done = subprocess.run([python, "-c", "import twisted, autobahn, httptools, orjson"],
+                              capture_output=True, text=True, timeout=60, check=False)
+    except OSError as e:
+        return f"{python}: {e.strerror}"
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["failed"])[-1]
+        return f"{python} cannot import relay's dependencies ({last})"
+    return None
+
+
+def interpreterBuild(python: str) -> str:
+    """
+    C{python}'s version, and whether its C{libpython} is a shared library
+    (a default pyenv build) or linked into the executable (Debian's
+    C{/usr/bin/python3.11}, PGO + LTO): read from the running process's
+    maps, since Debian's C{sysconfig} reports its shared build's flags.
+    """
+    done = subprocess.run([python, "-c", _BUILD], capture_output=True, text=True, timeout=60,
+                          check=False)
+    return done.stdout.strip() or "unknown"
 
 
 # -- wrk -----------------------------------------------------------------------------
@@ -501,7 +540,8 @@ def speed(procs: Procs, bodies: dict, seconds: float, report: list, baseline=Non
                ("relay", rport, relay.pid)]
     base = None
     if baseline:
-        base, bport = startRelay(procs, "relay-baseline", uport, cpu=0, tree=baseline[0])
+        base, bport = startRelay(procs, "relay-baseline", uport, cpu=0, tree=baseline[0],
+                                 python=baseline[2])
         targets.append(("baseline", bport, base.pid))
     # Warm up (connection pools, imports, caches).
     for _, port, pid in targets:
@@ -1079,9 +1119,17 @@ def main() -> None:
     parser.add_argument("--out", help="also write the report (markdown) here")
     parser.add_argument("--baseline", help="a git ref (exported with git archive) or another "
                         "relay source tree, measured in the same run beside this one")
+    parser.add_argument("--baseline-python", metavar="PATH",
+                        help="the interpreter the baseline relay runs on (speed only; default: "
+                        "this one); without --baseline the baseline is this tree, so one run "
+                        "compares two interpreters")
     parser.add_argument("--turns", type=int, default=200,
                         help="turns per instruction count (turncost)")
     args = parser.parse_args()
+    if args.baseline_python:
+        problem = interpreterProblem(args.baseline_python)
+        if problem:
+            raise SystemExit(f"--baseline-python: {problem}")
     for tool in ("nginx", "wrk", "taskset", "redis-server", "go", "valgrind"):
         if not shutil.which(tool):
             raise SystemExit(f"{tool} is not installed (apt-get install nginx wrk util-linux "
@@ -1108,10 +1156,17 @@ def main() -> None:
             import turncost
 
             path, baseCommit = turncost.exportTree(args.baseline, tmp)
-            baseline = (path, f"baseline {baseCommit or args.baseline}")
+            baseline = (path, f"baseline {baseCommit or args.baseline}", args.baseline_python)
             trees.insert(0, (baseline[1], path))
             report.append(f"Baseline: `{args.baseline}` ({baseCommit}), measured in the same "
                           "run.\n")
+        elif args.baseline_python:
+            baseline = (ROOT, f"baseline: this tree on {args.baseline_python}",
+                        args.baseline_python)
+        if args.baseline_python:
+            report.append(f"Baseline interpreter: `{args.baseline_python}` "
+                          f"({interpreterBuild(args.baseline_python)}); relay's: "
+                          f"`{sys.executable}` ({interpreterBuild(sys.executable)}).\n")
         bodies = fetchBodies(procs)
         if "speed" in only:
             speed(procs, bodies, seconds, report, baseline=baseline)
