@@ -300,9 +300,12 @@ def _instant(value: Any, path: str) -> float:
     """
     A point in time (issue 22, C{keys[].expires_at}): an ISO 8601 time
     (C{"2027-03-01T00:00:00Z"}; without a zone it is UTC; YAML's own
-    timestamps too) or Unix seconds.
+    timestamps too) or Unix seconds. Either form is at or after the Unix
+    epoch: a time before 1970 is refused in both, so what is stored (Unix
+    seconds) passes this check again when it is read back.
 
-    @return: Unix seconds.
+    @return: Unix seconds (>= 0).
+    @raise ConfigError: naming C{path}.
     """
     import datetime
 
@@ -323,7 +326,11 @@ def _instant(value: Any, path: str) -> float:
         raise _fail(path, f"expected an ISO 8601 time or Unix seconds, got {_describe(value)}")
     if value.tzinfo is None:
         value = value.replace(tzinfo=datetime.timezone.utc)
-    return value.timestamp()
+    seconds = value.timestamp()
+    if seconds < 0:
+        raise _fail(path, "must be at or after 1970-01-01T00:00:00Z, got "
+                          + _describe(value.isoformat()))
+    return seconds
 
 
 def _statusTuple(value: Any, path: str) -> tuple:

@@ -181,6 +181,68 @@ class IssueTests(KeysFixture, SynchronousTestCase):
         self.assertEqual(body["key"]["policy"]["expires_at"], 1803859200.0)
         self.assertFalse(body["key"]["expired"])
 
+    def test_expiresAtBeforeTheEpoch(self):
+        """
+        An C{expires_at} before 1970 is a 400 naming it, in ISO 8601 as in
+        Unix seconds, and nothing is written: once stored, such a time
+        (negative seconds) would no longer validate, and the key would be
+        saved but never in force, missing from the list, and its name
+        taken. The epoch itself is accepted (a key already expired).
+        """
+        for value in ("0001-01-01T00:00:00Z", "1900-01-01T00:00:00Z",
+                      "1969-12-31T23:59:59Z", -1):
+            status, answer = self.call(b"POST", "keys", {"name": "old", "expires_at": value})
+            self.assertEqual((status, answer["error"]["param"]), (400, "expires_at"), value)
+            if isinstance(value, str):
+                self.assertIn("1970-01-01", answer["error"]["message"])
+        self.assertEqual(self.successResultOf(self.parts.store.list("key")), [])
+        self.assertEqual(self.issue("old", expires_at="1970-01-01T00:00:00Z")["key"]["expired"],
+                         True)
+
+    def test_storedPolicyReadsBack(self):
+        """
+        Whatever C{POST /admin/keys} accepts is stored in a form that
+        validates again when the key is read back (L{keyFromRecord}) to the
+        same values: ISO 8601 times from year 1 to 9999, Unix seconds,
+        the other policy fields.
+        """
+        import datetime
+
+        from hypothesis import HealthCheck, given, settings
+        from hypothesis import strategies as st
+
+        from relay.config import ConfigError
+        from relay.control.keys.records import storedPolicy, validatePolicy
+
+        instants = st.one_of(
+            st.datetimes(timezones=st.just(datetime.timezone.utc)).map(
+                lambda d: d.isoformat().replace("+00:00", "Z")),
+            st.datetimes().map(datetime.datetime.isoformat),
+            st.floats(allow_nan=False, allow_infinity=False, min_value=-1e12, max_value=1e12),
+            st.integers(min_value=-10**12, max_value=10**12),
+        )
+        policies = st.fixed_dictionaries({}, optional={
+            "expires_at": instants,
+            "rpm": st.integers(min_value=-2, max_value=10**6),
+            "daily_usd": st.floats(allow_nan=False, allow_infinity=False, min_value=-5,
+                                   max_value=1e6),
+            "models": st.lists(st.sampled_from(["gpt-5.5", "gpt-5.4-mini"]), max_size=2),
+        })
+
+        @settings(max_examples=300, deadline=None, derandomize=True,
+                  suppress_health_check=[HealthCheck.function_scoped_fixture])
+        @given(policies)
+        def readsBack(values):
+            try:
+                converted = validatePolicy(values)
+            except ConfigError:
+                return
+            stored = storedPolicy(converted)
+            self.assertEqual(storedPolicy(validatePolicy(json.loads(json.dumps(stored)))),
+                             stored)
+
+        readsBack()
+
     def test_guarded(self):
         """
         R99: without the admin key, a client key (even a new one) gets 401
@@ -233,6 +295,20 @@ class EditTests(KeysFixture, SynchronousTestCase):
         self.assertEqual(self.call(b"PATCH", "keys/alice", {"name": "x"})[0], 400)
         self.assertEqual(self.call(b"PATCH", "keys/alice", {"key": "sk-x"})[0], 400)
         self.assertEqual(self.call(b"PATCH", "keys/alice", {"daily_usd": -1})[0], 400)
+
+    def test_patchExpiresAtBeforeTheEpoch(self):
+        """
+        A C{PATCH} to an C{expires_at} before 1970 is a 400 naming it and
+        changes nothing: the key stays listed, in force, with its old
+        C{expires_at}.
+        """
+        secret = self.issue("alice", expires_at="2030-01-01T00:00:00Z")["secret"]
+        status, answer = self.call(b"PATCH", "keys/alice", {"expires_at": "1900-01-01T00:00:00Z"})
+        self.assertEqual((status, answer["error"]["param"]), (400, "expires_at"), answer)
+        self.assertEqual([k["name"] for k in self.call(b"GET", "keys")[1]["keys"]
+                          if k["name"] == "alice"], ["alice"])
+        key = self.ring.authenticate(bearer(secret))
+        self.assertEqual(key.expires_at, 1893456000.0)
 
     def test_budgetsFollow(self):
         """

@@ -488,6 +488,10 @@ class ConfigTests(SynchronousTestCase):
             ("prices: {m: {input: 1}}", "prices.m: output is required"),
             ("prices: {m: {input: 1, output: 2, extra: 1}}", "unknown key prices.m.extra"),
             ("keys: [{name: a, key: b, expires_at: soon}]", "keys[0].expires_at"),
+            ("keys: [{name: a, key: b, expires_at: 1969-12-31T00:00:00Z}]",
+             "keys[0].expires_at: must be at or after 1970-01-01T00:00:00Z"),
+            ("keys: [{name: a, key: b, expires_at: '0001-01-01'}]",
+             "keys[0].expires_at: must be at or after 1970-01-01T00:00:00Z"),
             ("keys: [{name: a, key: b, rpm: 0}]", "keys[0].rpm: must be at least 1"),
             ("request_log: {sample_rate: 2}", "request_log.sample_rate"),
         ):
