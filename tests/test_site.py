@@ -369,6 +369,18 @@ class SurrogateTests(SynchronousTestCase):
         """
         self.assertEqual(loadJSON(b'{"t": "\\ud83d\\ude00"}'), {"t": "\U0001f600"})
 
+    def test_nonFiniteRefused(self):
+        """
+        C{NaN}, C{Infinity} and C{-Infinity} are not JSON (RFC 8259), though
+        C{json.loads} reads them: refused at any depth, in a short body
+        (orjson's path) as in a long one; the words inside a string are
+        fine.
+        """
+        for raw in (b'{"t": NaN}', b'{"a": [1, {"b": Infinity}]}', b"-Infinity",
+                    b'{"x": "' + b"y" * 70_000 + b'", "t": NaN}'):
+            self.assertRaises(ValueError, loadJSON, raw)
+        self.assertEqual(loadJSON(b'{"t": "NaN, Infinity"}'), {"t": "NaN, Infinity"})
+
     def test_sessionHashTotal(self):
         """
         The session hash takes any string (defence in depth).

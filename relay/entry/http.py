@@ -442,6 +442,13 @@ class TurnResource(Resource):
             writeError(request, invalidType("stream", "a boolean", streamFlag))
             return NOT_DONE_YET
         stream = streamFlag is True
+        if self._endpoint == "responses":
+            background = body.get("background")
+            if background is not None and not isinstance(background, bool):
+                # As stream: relay reads it (R88), and upstream would refuse
+                # it only after an account was chosen and a slot taken.
+                writeError(request, invalidType("background", "a boolean", background))
+                return NOT_DONE_YET
         if not stream and getattr(request, "relaySSEStarted", False):
             # Issue 19: keepalives already went out (the raw body read as
             # streaming while the key's slot was awaited, R85) and committed

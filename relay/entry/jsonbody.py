@@ -22,6 +22,18 @@ hold an unpaired surrogate (raw UTF-8 surrogates fail to decode)."""
 
 NESTING_MESSAGE = "The JSON body of your request nests too deeply."
 
+_CONSTANT_WORDS = (b"NaN", b"Infinity")
+"""What a text holds when it may hold C{NaN}, C{Infinity} or C{-Infinity}
+as a bare value (or only inside a string)."""
+
+_BARE_CONSTANT = re.compile(rb"[\[:,]\s*-?(?:NaN|Infinity)|^\s*-?(?:NaN|Infinity)")
+"""Where a bare constant can stand: after C{[}, C{:} or C{,} (or alone).
+Text inside a string can match too (C{"x: NaN"}); the second read tells."""
+
+
+def _refuseConstant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
 
 def loadJSON(raw: bytes):
     """
@@ -32,17 +44,29 @@ def loadJSON(raw: bytes):
     C{"\\ud83d\\ude00"}) are fine. Only bodies that contain a surrogate
     escape pay for the second check.
 
+    C{NaN}, C{Infinity} and C{-Infinity} are refused too (RFC 8259 has no
+    such values; C{json.loads} reads them, OpenAI answers them with a
+    400): forwarded, they would reach upstream as text it cannot parse,
+    after relay had chosen an account and taken a slot. Only a text
+    holding one of those words where a value can stand pays for the
+    second read.
+
     @param raw: the bytes.
     @return: the parsed value.
-    @raise ValueError: for invalid JSON, bad UTF-8, an unpaired surrogate
-        or nesting deeper than the parser's recursion limit
-        (L{NESTING_MESSAGE}, issue 19 item 3).
+    @raise ValueError: for invalid JSON, bad UTF-8, an unpaired surrogate,
+        C{NaN} or an infinity, or nesting deeper than the parser's
+        recursion limit (L{NESTING_MESSAGE}, issue 19 item 3).
     """
     try:
         value = loads(raw)  # json.loads, through orjson where it agrees (issue 24)
     except RecursionError:
         # Issue 19 item 3: deep nesting is the client's fault, a 400.
         raise ValueError(NESTING_MESSAGE) from None
+    if (_CONSTANT_WORDS[0] in raw or _CONSTANT_WORDS[1] in raw) and _BARE_CONSTANT.search(raw):
+        try:
+            json.loads(raw, parse_constant=_refuseConstant)
+        except RecursionError:
+            raise ValueError(NESTING_MESSAGE) from None
     if _ESCAPED_SURROGATE.search(raw):
         try:
             json.dumps(value, ensure_ascii=False).encode("utf-8")

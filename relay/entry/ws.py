@@ -30,7 +30,13 @@ from twisted.web.server import NOT_DONE_YET
 
 from relay.engine.errors import previousResponseNotFound
 from relay.entry.annotate import annotateTurn
-from relay.entry.http import NESTING_MESSAGE, UNAUTHORIZED, filterClientHeaders, loadJSON
+from relay.entry.http import (
+    NESTING_MESSAGE,
+    UNAUTHORIZED,
+    filterClientHeaders,
+    invalidType,
+    loadJSON,
+)
 from relay.entry.sinks import errorBody, writeError
 from relay.entry.wssink import WebSocketSink, wsErrorEvent
 from relay.model import ClientError, Turn
@@ -451,18 +457,33 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         self._disarm()
         closeWith(self, code, reason)
 
-    def reject(self, reason: str, code=None, param=None, close: int = 1008) -> None:
+    def reject(self, reason: str, code=None, param=None, close: int = 1008,
+               message: str | None = None) -> None:
         """
         A genuine client mistake (R81): a status-bearing C{error} event
-        (400, C{invalid_request_error}, the close reason as its message),
-        then the R70 close with the same reason.
+        (400, C{invalid_request_error}), then the R70 close with C{reason}.
+
+        @param message: the event's message, when it says more than the
+            close reason (a field's type, worded as HTTP's 400); else the
+            reason.
         """
         if self._closing is not None or self._gone:
             return
         reason = encode_truncate(reason, 120).decode("utf-8", "ignore")  # R65
-        error = ClientError(400, "invalid_request_error", reason, code=code, param=param)
+        error = ClientError(400, "invalid_request_error", message or reason, code=code,
+                            param=param)
         self.sendText(json.dumps(wsErrorEvent(error)).encode())
         self.closeWith(close, reason)
+
+    def _wrongType(self, param: str, expected: str, value) -> None:
+        """
+        L{reject} a field of the wrong JSON type: the close reason is R47's
+        "invalid JSON payload"; the event's message is HTTP's 400
+        (L{invalidType}: C{Invalid type for 'model': expected a string,
+        but got an integer instead.}).
+        """
+        self.reject("invalid JSON payload", "invalid_type", param,
+                    message=invalidType(param, expected, value).message)
 
     def _max_message_size_exceeded(self, msg_size, max_msg_size, reason) -> None:
         """
@@ -784,7 +805,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         if model is not None and not isinstance(model, str):
             # As on HTTP (a 400 there), and as for stream and
             # previous_response_id below: a wrong type is not a missing model.
-            self.reject("invalid JSON payload", "invalid_type", "model")
+            self._wrongType("model", "a string", model)
             return
         if not model:
             if self._model is None:
@@ -797,18 +818,20 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             model = self._model
         previous = frame.get("previous_response_id")
         if previous is not None and not isinstance(previous, str):
-            self.reject("invalid JSON payload", "invalid_type", "previous_response_id")
+            self._wrongType("previous_response_id", "a string", previous)
             return
         if previous == "":
             # Never forwarded as an empty chain id (issue 14's fuzzing).
-            self.reject("invalid JSON payload", "invalid_value", "previous_response_id")
+            self.reject("invalid JSON payload", "invalid_value", "previous_response_id",
+                        message="previous_response_id must not be empty")
             return
-        stream = frame.get("stream")
-        if stream is not None and not isinstance(stream, bool):
-            # As on HTTP (a 400 there): never forward a non-boolean stream
-            # upstream (found by issue 14's fuzzing).
-            self.reject("invalid JSON payload", "invalid_type", "stream")
-            return
+        for name in ("stream", "background"):
+            flag = frame.get(name)
+            if flag is not None and not isinstance(flag, bool):
+                # As on HTTP (a 400 there): never forward a non-boolean
+                # flag upstream (stream: found by issue 14's fuzzing).
+                self._wrongType(name, "a boolean", flag)
+                return
         if previous and previous.startswith("msg_"):
             self.reject(MSG_ID_MESSAGE, "invalid_value", "previous_response_id")
             return

@@ -151,6 +151,49 @@ async def test_http_empty_previous_and_surrogate_are_400():
         await s.stop()
 
 
+@pytest_twisted.ensureDeferred
+async def test_http_nan_infinity_and_non_boolean_background_are_400():
+    """
+    Bad values that C{json.loads} reads were forwarded after an account
+    was chosen and a slot taken: C{NaN}, C{Infinity} and C{-Infinity}
+    (RFC 8259 has none; upstream could not parse the forwarded body) on
+    every JSON reader -- responses (JSON and stream), chat, compact, input
+    tokens -- and a non-boolean C{background} on responses. Each is a 400
+    in OpenAI's format; upstream sees nothing. The words inside a string
+    are served.
+    """
+    s = await stack()
+    try:
+        auth = {"Authorization": [f"Bearer {RELAY_KEY}"], "Content-Type": ["application/json"]}
+        bodies = [
+            ("/v1/responses", b'{"model": "gpt-5.5", "input": "x", "temperature": NaN}'),
+            ("/v1/responses", b'{"model": "gpt-5.5", "input": "x", "stream": true,'
+                              b' "top_p": Infinity}'),
+            ("/v1/chat/completions", b'{"model": "gpt-5.5", "temperature": -Infinity,'
+                                     b' "messages": [{"role": "user", "content": "x"}]}'),
+            ("/v1/responses/compact", b'{"model": "gpt-5.5", "input": [NaN]}'),
+            ("/v1/responses/input_tokens", b'{"model": "gpt-5.5", "input": "x", "n": NaN}'),
+        ]
+        for path, raw in bodies:
+            response = await treq.post(s.url + path, raw, headers=auth)
+            error = json.loads(await response.content())["error"]
+            assert (response.code, error["type"]) == (400, "invalid_request_error"), (path, error)
+            assert "could not parse the JSON body" in error["message"], (path, error)
+        response, data = await s.postJSON(
+            "/v1/responses", {"model": "gpt-5.5", "input": "x", "background": "yes"})
+        error = json.loads(data)["error"]
+        assert (response.code, error["param"], error["code"]) == (400, "background",
+                                                                   "invalid_type"), error
+        assert error["message"] == ("Invalid type for 'background': expected a boolean, but got"
+                                    " a string instead.")
+        assert s.emulator.requestsFor(CRED) == []
+        response, data = await s.postJSON(
+            "/v1/responses", {"model": "gpt-5.5", "input": "NaN and Infinity, in words"})
+        assert response.code == 200, data
+    finally:
+        await s.stop()
+
+
 class _Raw(Protocol):
     def __init__(self):
         self.data = b""

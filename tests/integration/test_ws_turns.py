@@ -640,10 +640,22 @@ PROTOCOL_CASES = [
     (json.dumps({"type": "response.create", "model": "gpt-5.5", "previous_response_id": "msg_1"}).encode(),
      1008, "previous_response_id must be a response.id (resp_*), not a message id",
      "invalid_value", "previous_response_id"),
+    # A field of the wrong type: R47's close reason; the event words it as
+    # HTTP's 400 does (the JSON itself is valid).
     (json.dumps({"type": "response.create", "model": "gpt-5.5", "previous_response_id": 7}).encode(),
-     1008, "invalid JSON payload", "invalid_type", "previous_response_id"),
+     1008, "invalid JSON payload", "invalid_type", "previous_response_id",
+     "Invalid type for 'previous_response_id': expected a string, but got an integer instead."),
     (json.dumps({"type": "response.create", "model": 5}).encode(),
-     1008, "invalid JSON payload", "invalid_type", "model"),
+     1008, "invalid JSON payload", "invalid_type", "model",
+     "Invalid type for 'model': expected a string, but got an integer instead."),
+    (json.dumps({"type": "response.create", "model": "gpt-5.5", "background": "yes"}).encode(),
+     1008, "invalid JSON payload", "invalid_type", "background",
+     "Invalid type for 'background': expected a boolean, but got a string instead."),
+    # RFC 8259 has no NaN or infinities (json.loads reads them).
+    (b'{"type": "response.create", "model": "gpt-5.5", "temperature": NaN}', 1008,
+     "invalid JSON payload", "invalid_json", None),
+    (b'{"type": "response.create", "model": "gpt-5.5", "temperature": -Infinity}', 1008,
+     "invalid JSON payload", "invalid_json", None),
     (json.dumps({"type": "response.append", "model": "gpt-5.5"}).encode(), 1008,
      "response.append is not supported in ws v2; use response.create with previous_response_id",
      "unsupported_request_type", "type"),
@@ -662,25 +674,27 @@ async def untilClosed(client, timeout=5.0) -> list:
     return events
 
 
-def assertClientMistake(events, code, reason, errorCode=None, param=None):
+def assertClientMistake(events, code, reason, errorCode=None, param=None, message=None):
     """
     R81: a genuine client mistake is told with a status-bearing C{error}
-    event (400, C{invalid_request_error}, the close reason as its message)
-    that arrives before the R70 close.
+    event (400, C{invalid_request_error}; its message is C{message}, else
+    the close reason) that arrives before the R70 close.
     """
     assert [e["type"] for e in events] == ["error", "__closed__"], events
     error, closed = events
     assert error["status"] == 400
     assert error["error"]["type"] == "invalid_request_error"
-    assert error["error"]["message"] == reason
+    assert error["error"]["message"] == (message or reason)
     assert error["error"]["code"] == errorCode
     assert error["error"]["param"] == param
     assert (closed["code"], closed["reason"]) == (code, reason)
 
 
-@pytest.mark.parametrize("payload,code,reason,errorCode,param", PROTOCOL_CASES)
+@pytest.mark.parametrize("payload,code,reason,errorCode,param,message",
+                         [case + (None,) * (6 - len(case)) for case in PROTOCOL_CASES])
 @pytest_twisted.ensureDeferred
-async def test_protocol_errors_close_with_r70_codes(payload, code, reason, errorCode, param):
+async def test_protocol_errors_close_with_r70_codes(payload, code, reason, errorCode, param,
+                                                    message):
     """
     R47 step 5, R40, R70, R81: bad first frames get a status-bearing error
     event, then close with the exact code and reason.
@@ -690,7 +704,7 @@ async def test_protocol_errors_close_with_r70_codes(payload, code, reason, error
     try:
         client.sendMessage(payload, False)
         assert await client.closed.addTimeout(5, reactor) == (code, reason)
-        assertClientMistake(await untilClosed(client), code, reason, errorCode, param)
+        assertClientMistake(await untilClosed(client), code, reason, errorCode, param, message)
         assert frames(stack, "sk-a1") == []
     finally:
         await drain(stack)
