@@ -405,6 +405,13 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             dedicated.proto.close()
             self._state.dedicated = None
         sent = self._closing
+        if sent is None and getattr(self, "closedByMe", False) and self.localCloseCode:
+            # autobahn failed the connection itself (a protocol violation
+            # 1002, a close reason that is not UTF-8 1007): that close is
+            # what the client got, not the client's own code it refused.
+            local = self.localCloseReason
+            sent = (self.localCloseCode,
+                    local.decode("utf-8", "replace") if isinstance(local, bytes) else local or "")
         closeCode = sent[0] if sent else (code or 1006)
         self._log.info(
             "client websocket {conn_id} closed {code} {reason} after {turns} turn(s)",

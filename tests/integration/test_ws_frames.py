@@ -145,3 +145,42 @@ async def test_large_frame_waits_for_the_key_slot_with_pings():
         waiting.transport.loseConnection()
     finally:
         await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_close_autobahn_refuses_is_logged_and_counted_as_sent():
+    """
+    A client close frame with a reserved code (999) or a reason that is
+    not UTF-8 makes autobahn fail the connection (1002, 1007);
+    C{relay.ws_closed} and the close-code metric say what relay sent, not
+    the client's refused code (they said 1000). A client's ordinary close
+    is still logged with its own code.
+    """
+    import struct
+
+    from twisted.logger import globalLogPublisher
+
+    seen = []
+
+    def observer(event):
+        if event.get("event") == "relay.ws_closed":
+            seen.append(event)
+
+    globalLogPublisher.addObserver(observer)
+    stack = await _stack()
+    try:
+        port = stack.port.getHost().port
+        for payload, code in ((struct.pack("!H", 999), 1002),
+                              (struct.pack("!H", 1000) + b"\xff\xfe", 1007),
+                              (struct.pack("!H", 4000) + b"bye", 4000)):
+            client = await rawWebSocket(port, RELAY_KEY, deflate=False)
+            client.send(payload, opcode=8)
+            await client.closed.addTimeout(10, reactor)
+            await waitFor(lambda: len(seen) == 1)
+            assert seen.pop()["code"] == code, (payload, code)
+        metrics = stack.app.runner.metrics
+        for code in ("1002", "1007", "4000"):
+            assert metrics.wsCloses.labels(code=code)._value.get() == 1, code
+    finally:
+        globalLogPublisher.removeObserver(observer)
+        await stack.stop()
