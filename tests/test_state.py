@@ -210,6 +210,23 @@ class StateStoreContractMixin:
         assert "m" not in (await store.getAccountStates(["a"]))["a"].streaks
         assert await store.bumpStreak("a", "m", 0.6) == 1
 
+    async def contract_expiredStreaksAreDropped(self):
+        """
+        A bump drops the account's streaks whose TTL has passed, of any
+        model: the account holds only the models that failed within the
+        TTL, however many model names clients send (a client's 150 model
+        names against a failing account were kept for good).
+        """
+        store = self.makeStore()
+        for i in range(20):
+            assert await store.bumpStreak("a", f"junk-{i}", 0.3) == 1
+        assert await store.bumpStreak("b", "junk-0", 5) == 1
+        await self.advance(0.4)
+        assert await store.bumpStreak("a", "m", 0.3) == 1
+        states = await store.getAccountStates(["a", "b"])
+        assert set(states["a"].streaks) == {"m"}
+        assert set(states["b"].streaks) == {"junk-0"}
+
     async def contract_modelBlockReason(self):
         """
         A model block keeps its reason (the operator view shows it).

@@ -206,9 +206,11 @@ class MemoryStateStore:
         """
         now = self._clock.seconds()
         runtime = self._accounts.get(accountId, AccountRuntime())
-        count, last = runtime.streaks.get(model, (0, 0.0))
-        count = count + 1 if now - last <= ttl else 1
-        streaks = dict(runtime.streaks)
+        # Streaks whose TTL has passed count as none: dropped here, so the
+        # map holds only the models that failed within the TTL, however
+        # many model names clients send.
+        streaks = {m: v for m, v in runtime.streaks.items() if now - v[1] <= ttl}
+        count = streaks[model][0] + 1 if model in streaks else 1
         streaks[model] = (count, now)
         self._accounts[accountId] = evolve(runtime, streaks=streaks)
         return succeed(count)

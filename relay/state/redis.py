@@ -379,7 +379,8 @@ class RedisStateStore:
             # a success right after it resets it (L{resetStreak}).
             if count and accountId in self._loaded:
                 runtime = self._mirror.get(accountId) or AccountRuntime()
-                streaks = dict(runtime.streaks)
+                # As the script did: the streaks past the TTL are gone.
+                streaks = {m: v for m, v in runtime.streaks.items() if at - v[1] <= ttl}
                 streaks[model] = (count, at)
                 self._mirror.put(accountId, evolve(runtime, streaks=streaks))
             return count

@@ -52,6 +52,7 @@ from relay.redisclient import RedisService, RedisUnavailable
 #:                 and change ZSET); ARGV streak field, now, ttl seconds (and
 #:                 the account id): the R11 streak bump ("count:last
 #:                 failure"), noted as a change when the keys are given; the
+#:                 account's other streaks past the TTL are deleted; the
 #:                 count;
 #:   RELAY_MSET    KEYS values; ARGV a TTL ms and a value per key: SET ...
 #:                 PX of each, together (issue 24: a response's routing
@@ -115,6 +116,15 @@ if v then
 end
 n = n + 1
 redis.call('HSET', KEYS[1], ARGV[1], n .. ':' .. ARGV[2])
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  if all[i] ~= ARGV[1] and string.sub(all[i], 1, 7) == 'streak:' then
+    local t = string.match(all[i + 1], '^%d+:(.+)$')
+    if t and (tonumber(ARGV[2]) - tonumber(t)) > tonumber(ARGV[3]) then
+      redis.call('HDEL', KEYS[1], all[i])
+    end
+  end
+end
 return n
 """,
 }
