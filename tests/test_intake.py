@@ -616,6 +616,25 @@ class HeaderTooLargeTests(SynchronousTestCase):
         conn.send(b"\r\nGET /healthz HTTP/1.1\r\n\r\n")  # nothing more is read
         self.assertEqual(conn.value.count(b"HTTP/1.1 "), 1)
 
+    def test_tooManyHeaderLines(self):
+        """
+        More header lines than twisted.web's 500 (each small, the block
+        under 16 KiB) was twisted.web's 400; now a 431 in OpenAI's format
+        saying so, logged as C{relay.intake_header_too_large} in lines.
+        """
+        app, _ = relaySite()
+        lines = b"".join(b"X-%d: 1\r\n" % i for i in range(501))
+        with capturedLogs() as events:
+            conn = Conn(app.site).send(head(headers=b"X-Request-Id: many-1\r\n" + lines))
+        self.assertEqual(conn.status(), 431)
+        self.assertEqual(conn.error()["code"], "request_header_fields_too_large")
+        self.assertIn("too many header lines", conn.error()["message"])
+        self.assertTrue(conn.transport.disconnecting)
+        [line] = [e for e in events if e.get("event") == "relay.intake_header_too_large"]
+        self.assertEqual((line["status"], line["limit"], line["unit"]), (431, 500, "lines"))
+        ok = Conn(app.site).send(head(headers=b"".join(b"X-%d: 1\r\n" % i for i in range(499))))
+        self.assertNotEqual(ok.status(), 431)
+
     def test_heldLineWithAnInvalidName(self):
         """
         The header line twisted.web held back before the long one is no

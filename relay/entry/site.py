@@ -70,6 +70,13 @@ HEADER_TOO_LARGE = ClientError(
 """A header line over twisted.web's line limit, or a header block over its
 total (both 16 KiB)."""
 
+TOO_MANY_HEADERS = ClientError(
+    431, "invalid_request_error",
+    "The request has too many header lines (the limit is 500).",
+    code="request_header_fields_too_large",
+)
+"""More header lines than twisted.web's C{maxHeaders} (500)."""
+
 URI_TOO_LONG = ClientError(
     414, "invalid_request_error",
     "The request line is too long (the limit is 16384 bytes).", code="request_uri_too_long",
@@ -187,6 +194,17 @@ class RelayHTTPChannel(HTTPChannel):
             return None
         return super().lineReceived(line)
 
+    def headerReceived(self, line):
+        """
+        One header line more than twisted.web's C{maxHeaders}: 431 in
+        OpenAI's format, as for a header block over its total size, instead
+        of twisted.web's 400 (RFC 6585: too many fields is a 431 too).
+        """
+        if self._receivedHeaderCount >= self.maxHeaders:
+            self._tooLarge(len(line), TOO_MANY_HEADERS)
+            return False
+        return super().headerReceived(line)
+
     def lineLengthExceeded(self, line) -> None:
         """
         A request line or a header line over twisted.web's C{MAX_LENGTH}
@@ -197,13 +215,14 @@ class RelayHTTPChannel(HTTPChannel):
         """
         self._tooLarge(len(line))
 
-    def _tooLarge(self, size: int) -> None:
+    def _tooLarge(self, size: int, error: ClientError | None = None) -> None:
         if self._relayClosed or self.transport is None:
             return
         self._relayClosed = True
         self._disarmHeaders()
         requestLine = bool(self._HTTPChannel__first_line)
-        error = URI_TOO_LONG if requestLine else HEADER_TOO_LARGE
+        if error is None:
+            error = URI_TOO_LONG if requestLine else HEADER_TOO_LARGE
         request = self.requests[-1] if self.requests and not requestLine else None
         pending = self._HTTPChannel__header
         name, _, value = pending.partition(b":")
@@ -219,11 +238,14 @@ class RelayHTTPChannel(HTTPChannel):
         suppressed = self._throttled("relay.intake_header_too_large")
         if suppressed is not None:
             self._relayLog.warn(
-                "{what} from {client} over {limit} bytes: {status}, closing"
+                "{what} from {client} over {limit} {unit}: {status}, closing"
                 + suppressedNote(suppressed, "more refused"),
                 event="relay.intake_header_too_large", client=getattr(peer, "host", "-"),
-                what="request line" if requestLine else "request header",
-                limit=self.MAX_LENGTH, status=error.status, size=size,
+                what="request line" if requestLine else (
+                    "request headers" if error is TOO_MANY_HEADERS else "request header"),
+                limit=self.maxHeaders if error is TOO_MANY_HEADERS else self.MAX_LENGTH,
+                unit="lines" if error is TOO_MANY_HEADERS else "bytes",
+                status=error.status, size=size,
                 suppressed=suppressed, request_id=requestId,
             )
         _rawAnswer(self.transport, error, requestId)
