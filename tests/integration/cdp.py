@@ -244,19 +244,37 @@ class Page:
         """
         # The element must be the one under its centre (not covered, and the
         # layout settled: the page re-renders its tables every few seconds).
-        box = await self.waitFor(
-            "(function(){var e=document.querySelector(%s); if(!e) return null;"
-            " e.scrollIntoView({block:'center'}); var r=e.getBoundingClientRect();"
-            " if(!r.width||!r.height) return null; var x=r.left+r.width/2, y=r.top+r.height/2;"
-            " var hit=document.elementFromPoint(x, y);"
-            " return hit && (hit===e || e.contains(hit)) ? [x, y] : null;"
-            "})()" % json.dumps(selector), what=f"clickable {selector}")
-        x, y = box
-        for kind in ("mouseMoved", "mousePressed", "mouseReleased"):
-            if kind == "mouseReleased" and hold:
-                await deferLater(reactor, hold, lambda: None)
+        target = json.dumps(selector)
+        under = ("(function(){var e=document.querySelector(%s); if(!e) return false;"
+                 " var hit=document.elementFromPoint(%%s, %%s);"
+                 " return !!hit && (hit===e || e.contains(hit));})()" % target)
+        for attempt in range(3):
+            box = await self.waitFor(
+                "(function(){var e=document.querySelector(%s); if(!e) return null;"
+                " e.scrollIntoView({block:'center'}); var r=e.getBoundingClientRect();"
+                " if(!r.width||!r.height) return null; var x=r.left+r.width/2,"
+                " y=r.top+r.height/2; var hit=document.elementFromPoint(x, y);"
+                " return hit && (hit===e || e.contains(hit)) ? [x, y] : null;"
+                "})()" % target, what=f"clickable {selector}")
+            x, y = box
+            for kind in ("mouseMoved", "mousePressed"):
+                await self.send("Input.dispatchMouseEvent", {
+                    "type": kind, "x": x, "y": y, "button": "left", "clickCount": 1})
+            # A re-render between the measure and the press moves what is
+            # under the pointer; once pressed, the page holds its renders
+            # (relayPage.settled). A press that missed is released away from
+            # any control and the click starts over, as a person clicks
+            # again when a table jumped under the pointer.
+            if await self.evaluate(under % (x, y)):
+                break
             await self.send("Input.dispatchMouseEvent", {
-                "type": kind, "x": x, "y": y, "button": "left", "clickCount": 1})
+                "type": "mouseReleased", "x": 0, "y": 0, "button": "left", "clickCount": 1})
+        else:
+            raise AssertionError(f"{selector} kept moving under the pointer")
+        if hold:
+            await deferLater(reactor, hold, lambda: None)
+        await self.send("Input.dispatchMouseEvent", {
+            "type": "mouseReleased", "x": x, "y": y, "button": "left", "clickCount": 1})
 
     async def type(self, selector, text, clear=True):
         """
