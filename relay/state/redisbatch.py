@@ -119,8 +119,8 @@ redis.call('HSET', KEYS[1], ARGV[1], n .. ':' .. ARGV[2])
 local all = redis.call('HGETALL', KEYS[1])
 for i = 1, #all, 2 do
   if all[i] ~= ARGV[1] and string.sub(all[i], 1, 7) == 'streak:' then
-    local t = string.match(all[i + 1], '^%d+:(.+)$')
-    if t and (tonumber(ARGV[2]) - tonumber(t)) > tonumber(ARGV[3]) then
+    local t = tonumber(string.match(all[i + 1], '^%d+:(.+)$') or '')
+    if t and (tonumber(ARGV[2]) - t) > tonumber(ARGV[3]) then
       redis.call('HDEL', KEYS[1], all[i])
     end
   end
