@@ -245,17 +245,17 @@ class Page:
         # The element must be the one under its centre (not covered, and the
         # layout settled: the page re-renders its tables every few seconds).
         target = json.dumps(selector)
+        hitTest = ("var hit=document.elementFromPoint(x, y);"
+                   " return !!hit && (hit===e || e.contains(hit));")
         under = ("(function(){var e=document.querySelector(%s); if(!e) return false;"
-                 " var hit=document.elementFromPoint(%%s, %%s);"
-                 " return !!hit && (hit===e || e.contains(hit));})()" % target)
-        for attempt in range(3):
+                 " var x=%%s, y=%%s; %s})()" % (target, hitTest))
+        for _ in range(3):
             box = await self.waitFor(
                 "(function(){var e=document.querySelector(%s); if(!e) return null;"
                 " e.scrollIntoView({block:'center'}); var r=e.getBoundingClientRect();"
                 " if(!r.width||!r.height) return null; var x=r.left+r.width/2,"
-                " y=r.top+r.height/2; var hit=document.elementFromPoint(x, y);"
-                " return hit && (hit===e || e.contains(hit)) ? [x, y] : null;"
-                "})()" % target, what=f"clickable {selector}")
+                " y=r.top+r.height/2; return (function(){%s})() ? [x, y] : null;"
+                "})()" % (target, hitTest), what=f"clickable {selector}")
             x, y = box
             for kind in ("mouseMoved", "mousePressed"):
                 await self.send("Input.dispatchMouseEvent", {
