@@ -887,6 +887,11 @@ def _tenants(app: RelayApplication, admin, usage, redis) -> None:
         log = MemoryRequestLog(**bounds)
     runner = app.runner
     runner.prices, runner.keyPolicy, runner.requestLog = prices, policy, log
+    if runner.metrics is not None:
+        from relay.modelname import ModelCatalogue
+
+        # R110: the model label is a known normalised name or "other".
+        runner.metrics.models = ModelCatalogue(app.live.accounts.snapshot, prices)
     usage.setBudgets(config.keys)
     _keysFromTheControlPlane(app, prices, policy, usage)
     app.extras.update(prices=prices, keyPolicy=policy, rateLimiter=limiter, requestLog=log)

@@ -13,6 +13,8 @@ from typing import Any, Callable, Optional
 from attrs import define, field, frozen
 from twisted.internet.defer import Deferred
 
+from relay.modelname import listed, mapped
+
 
 # ---------------------------------------------------------------------------
 # Configuration values
@@ -161,12 +163,21 @@ class Account:
 
     def upstreamModel(self, requested: str) -> str:
         """
-        Map a requested model name to the upstream one.
+        Map a requested model name to the upstream one: the mapping's key
+        equal to it, or equal once both are trimmed and lower-cased
+        (behaviour.md R110, L{relay.modelname.mapped}). The name is never
+        otherwise altered: what goes upstream is the client's or the
+        mapping's, byte for byte.
 
         @param requested: the model the client asked for.
         @return: the mapped name, or C{requested} when no mapping applies.
         """
-        return self.model_mapping.get(requested, requested)
+        if not self.model_mapping:
+            return requested
+        found = self.model_mapping.get(requested)
+        if found is None:
+            found = mapped(requested, self.model_mapping)
+        return requested if found is None else found
 
     def servesEndpoint(self, endpoint: str) -> bool:
         """
@@ -181,13 +192,19 @@ class Account:
 
     def servesModel(self, requested: Optional[str]) -> bool:
         """
-        Whether this account serves C{requested} after mapping.
+        Whether this account serves C{requested} after mapping: an account
+        without a C{models} list serves any name; else the mapped name must
+        be on it as R110 matches lists (L{relay.modelname.listed}: any
+        case, trimmed, a dated snapshot of a listed family).
 
         @param requested: the client's model name, or L{None} (any).
         """
         if requested is None or self.models is None:
             return True
-        return self.upstreamModel(requested) in self.models
+        upstream = self.upstreamModel(requested)
+        if upstream in self.models:
+            return True
+        return listed(upstream, self.models)
 
 
 @frozen
