@@ -642,8 +642,12 @@ class Turn:
     @ivar historyComplete: whether relay may move the turn to another
         account (R62, R80).
     @ivar wsMode: the WebSocket mode for C{ws} turns.
-    @ivar requestId: the turn's id (L{relay.requestid}): on every log line
-        of the turn, in C{X-Request-Id}, and sent upstream.
+    @ivar requestId: the turn's id, relay's own (L{relay.requestid}, R111):
+        on every log line of the turn, in C{X-Request-Id}, the request
+        log's key.
+    @ivar clientRequestId: the id the client sent (C{X-Request-Id} or
+        C{X-Client-Request-Id}, R111), or L{None}: logged, kept in the
+        request log, sent upstream as C{X-Client-Request-Id}.
     @ivar cancel: the client's L{CancelSignal}.
     @ivar phase: C{first_turn}, C{later_turn} (WebSocket), or C{request}.
     @ivar preferredAccountId: an account to try first (WebSocket later
@@ -685,6 +689,7 @@ class Turn:
     historyComplete: bool = True
     wsMode: Optional[str] = None
     requestId: str = ""
+    clientRequestId: Optional[str] = None
     cancel: CancelSignal = field(factory=CancelSignal)
     phase: str = "request"
     preferredAccountId: Optional[str] = None
