@@ -3,7 +3,8 @@
 The tenants' admin resources (issue 22), mounted under C{/admin} beside
 L{relay.operator.admin}'s, behind the same admin key (behaviour.md R99):
 
-  - C{GET /admin/requests?key=&account=&model=&outcome=&since=&until=&request_id=&client_request_id=&limit=&cursor=}
+  - C{GET /admin/requests?key=&account=&model=&outcome=&since=&until=&request_id=}
+    C{&client_request_id=&limit=&cursor=}
     - the request log (L{relay.tenants.requestlog}), newest first
     (C{request_id} is relay's id of a turn, C{client_request_id} the id a
     client sent, which turns of several keys may share: R111):
