@@ -43,9 +43,13 @@ class ClientKey:
     # to "no limit", so a key without them behaves as before; keys made
     # through the admin API later carry the same fields.
     models: Optional[tuple] = None
-    """Allow-list of client model names (before mapping), or L{None}: any."""
+    """Allow-list of client model names (before mapping), or L{None}: any;
+    matched as R110 says (L{relay.modelname.listed}: any case, trimmed, a
+    dated snapshot of a listed family)."""
     deny_models: Optional[tuple] = None
-    """Model names the key may never use, checked after C{models}."""
+    """Model names the key may never use, checked after C{models}, matched
+    as C{models} are, against the client's name and the name an account
+    maps it to (R110)."""
     expires_at: Optional[float] = None
     """Unix seconds after which the key is refused (401), or L{None}."""
     rpm: Optional[int] = None
@@ -119,7 +123,8 @@ class Account:
     @ivar chatgpt_account_id: OAuth only: sent as C{chatgpt-account-id}.
     @ivar concurrency: account slots (R27); 0 means unlimited.
     @ivar priority: lower number is preferred (R43).
-    @ivar models: optional allow-list of upstream model names (after mapping).
+    @ivar models: optional allow-list of upstream model names (after
+        mapping), matched as R110 says (L{servesModel}); L{None}: any name.
     @ivar model_mapping: requested model name -> upstream model name.
     @ivar ws_mode: C{ctx_pool}, C{passthrough}, C{http_bridge}, C{off} or
         L{None} for the gateway default (R48).

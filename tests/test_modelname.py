@@ -97,18 +97,24 @@ class NormaliseTests(SynchronousTestCase):
         self.assertFalse(listed(None, ("gpt-5.5",)))
 
     @settings(max_examples=300)
-    @given(familyAndVariant)
-    def test_property_a_denied_family_is_denied_in_every_spelling(self, pair):
+    @given(familyAndVariant, st.sampled_from([("http", "responses"), ("http", "chat"),
+                                              ("ws", "responses")]))
+    def test_property_a_denied_family_is_denied_in_every_spelling(self, pair, entry):
         """
         Property: any casing, blanks and snapshot suffix of a denied family
-        is denied by the key policy, and an account serving the family
-        serves it, while what it would send upstream is the client's name,
-        byte for byte.
+        is denied by the key policy (a turn on HTTP, chat or the WebSocket
+        is refused with no upstream request), and an account serving the
+        family serves it, while what it would send upstream is the client's
+        name, byte for byte.
         """
         family, variant = pair
         self.assertTrue(listed(variant, (family,)))
         rig = TenantsRig([account("a1", models=(family,))])
         self.assertFalse(rig.policy.modelAllowed(key(deny_models=(family,)), variant))
+        sink, outcome = rig.go(rig.turn(key(deny_models=(family,)), variant,
+                                        entrypoint=entry[0], endpoint=entry[1]))
+        self.assertEqual((outcome, sink.errors[0].code), (["failed"], "model_not_found"))
+        self.assertEqual(rig.dialer.ids(), [])
         self.assertTrue(rig.policy.modelAllowed(key(models=(family,)), variant))
         served = acct(models=(family.upper(),))
         self.assertTrue(served.servesModel(variant))
