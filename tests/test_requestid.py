@@ -200,3 +200,30 @@ class ContextTests(SynchronousTestCase):
         self.assertEqual(result, 42)
         self.assertEqual(self.records()[0]["request_id"], "turn-9")
         self.assertIsNone(currentRequestId.get())
+
+
+class ForwardedIdTests(SynchronousTestCase):
+    """
+    R111: what goes upstream as C{x-client-request-id}.
+    """
+
+    def test_clientsIdElseRelays(self):
+        """
+        The client's (well-formed) id when it sent one, relay's own
+        otherwise; a raw header the client sent is never passed as is.
+        """
+        from relay.engine.payload import upstreamClientHeaders
+        from relay.model import Account, ClientKey, Turn
+
+        account = Account(id="a", type="apikey", base_url="http://u/v1", credential="c")
+        client = ClientKey(name="k", key="sk")
+
+        def sent(clientId, headers=()):
+            turn = Turn(entrypoint="http", endpoint="responses", client=client, model="m",
+                        body={}, stream=False, headers=dict(headers), requestId="req_own1",
+                        clientRequestId=clientId)
+            return upstreamClientHeaders(turn, account)["x-client-request-id"]
+
+        self.assertEqual(sent("thread-9", {"x-client-request-id": "thread-9"}), "thread-9")
+        self.assertEqual(sent(None), "req_own1")
+        self.assertEqual(sent(None, {"x-client-request-id": "not ok"}), "req_own1")
