@@ -40,7 +40,7 @@ from relay.operations.live import LiveConfiguration
 from relay.operations.reload import ConfigReloader
 from relay.policy.proxyhealth import ProxyHealth
 from relay.redisclient import logFailure
-from relay.requestid import requestIdOf
+from relay.requestid import clientRequestIdOf, requestIdOf
 from relay.scheduling.scheduler import AccountScheduler
 from relay.settings import RuntimeSettings
 from relay.upstream.http import HTTPDialer
@@ -141,7 +141,8 @@ class _Site(RelaySite):
     def log(self, request) -> None:
         """
         Log one finished request: client address, method, path, status,
-        bytes sent, duration (ms) and user agent, with C{request_id}. Query
+        bytes sent, duration (ms) and user agent, with C{request_id} and
+        the id the client sent, C{client_request_id} (R111). Query
         parameters whose names look secret (C{api_key=}, C{token=}, ...)
         are logged as C{***} (L{relay.logs.redactQuery}).
 
@@ -160,6 +161,7 @@ class _Site(RelaySite):
             _ACCESS if duration is None else _ACCESS_TIMED,
             event="relay.http_access",
             request_id=getattr(request, "relayRequestId", None),
+            client_request_id=clientRequestIdOf(request),
             client=getattr(address, "host", "-"),
             method=request.method.decode("latin-1"),
             path=path[:512],
@@ -887,6 +889,11 @@ def _tenants(app: RelayApplication, admin, usage, redis) -> None:
         log = MemoryRequestLog(**bounds)
     runner = app.runner
     runner.prices, runner.keyPolicy, runner.requestLog = prices, policy, log
+    if runner.metrics is not None:
+        from relay.modelname import ModelCatalogue
+
+        # R110: the model label is a known normalised name or "other".
+        runner.metrics.models = ModelCatalogue(app.live.accounts.snapshot, prices)
     usage.setBudgets(config.keys)
     _keysFromTheControlPlane(app, prices, policy, usage)
     app.extras.update(prices=prices, keyPolicy=policy, rateLimiter=limiter, requestLog=log)

@@ -13,6 +13,8 @@ from typing import Any, Callable, Optional
 from attrs import define, field, frozen
 from twisted.internet.defer import Deferred
 
+from relay.modelname import listed, mapped
+
 
 # ---------------------------------------------------------------------------
 # Configuration values
@@ -41,9 +43,13 @@ class ClientKey:
     # to "no limit", so a key without them behaves as before; keys made
     # through the admin API later carry the same fields.
     models: Optional[tuple] = None
-    """Allow-list of client model names (before mapping), or L{None}: any."""
+    """Allow-list of client model names (before mapping), or L{None}: any;
+    matched as R110 says (L{relay.modelname.listed}: any case, trimmed, a
+    dated snapshot of a listed family)."""
     deny_models: Optional[tuple] = None
-    """Model names the key may never use, checked after C{models}."""
+    """Model names the key may never use, checked after C{models}, matched
+    as C{models} are, against the client's name and the name an account
+    maps it to (R110)."""
     expires_at: Optional[float] = None
     """Unix seconds after which the key is refused (401), or L{None}."""
     rpm: Optional[int] = None
@@ -117,7 +123,8 @@ class Account:
     @ivar chatgpt_account_id: OAuth only: sent as C{chatgpt-account-id}.
     @ivar concurrency: account slots (R27); 0 means unlimited.
     @ivar priority: lower number is preferred (R43).
-    @ivar models: optional allow-list of upstream model names (after mapping).
+    @ivar models: optional allow-list of upstream model names (after
+        mapping), matched as R110 says (L{servesModel}); L{None}: any name.
     @ivar model_mapping: requested model name -> upstream model name.
     @ivar ws_mode: C{ctx_pool}, C{passthrough}, C{http_bridge}, C{off} or
         L{None} for the gateway default (R48).
@@ -161,12 +168,21 @@ class Account:
 
     def upstreamModel(self, requested: str) -> str:
         """
-        Map a requested model name to the upstream one.
+        Map a requested model name to the upstream one: the mapping's key
+        equal to it, or equal once both are trimmed and lower-cased
+        (behaviour.md R110, L{relay.modelname.mapped}). The name is never
+        otherwise altered: what goes upstream is the client's or the
+        mapping's, byte for byte.
 
         @param requested: the model the client asked for.
         @return: the mapped name, or C{requested} when no mapping applies.
         """
-        return self.model_mapping.get(requested, requested)
+        if not self.model_mapping:
+            return requested
+        found = self.model_mapping.get(requested)
+        if found is None:
+            found = mapped(requested, self.model_mapping)
+        return requested if found is None else found
 
     def servesEndpoint(self, endpoint: str) -> bool:
         """
@@ -181,13 +197,19 @@ class Account:
 
     def servesModel(self, requested: Optional[str]) -> bool:
         """
-        Whether this account serves C{requested} after mapping.
+        Whether this account serves C{requested} after mapping: an account
+        without a C{models} list serves any name; else the mapped name must
+        be on it as R110 matches lists (L{relay.modelname.listed}: any
+        case, trimmed, a dated snapshot of a listed family).
 
         @param requested: the client's model name, or L{None} (any).
         """
         if requested is None or self.models is None:
             return True
-        return self.upstreamModel(requested) in self.models
+        upstream = self.upstreamModel(requested)
+        if upstream in self.models:
+            return True
+        return listed(upstream, self.models)
 
 
 @frozen
@@ -625,8 +647,12 @@ class Turn:
     @ivar historyComplete: whether relay may move the turn to another
         account (R62, R80).
     @ivar wsMode: the WebSocket mode for C{ws} turns.
-    @ivar requestId: the turn's id (L{relay.requestid}): on every log line
-        of the turn, in C{X-Request-Id}, and sent upstream.
+    @ivar requestId: the turn's id, relay's own (L{relay.requestid}, R111):
+        on every log line of the turn, in C{X-Request-Id}, the request
+        log's key.
+    @ivar clientRequestId: the id the client sent (C{X-Request-Id} or
+        C{X-Client-Request-Id}, R111), or L{None}: logged, kept in the
+        request log, sent upstream as C{X-Client-Request-Id}.
     @ivar cancel: the client's L{CancelSignal}.
     @ivar phase: C{first_turn}, C{later_turn} (WebSocket), or C{request}.
     @ivar preferredAccountId: an account to try first (WebSocket later
@@ -668,6 +694,7 @@ class Turn:
     historyComplete: bool = True
     wsMode: Optional[str] = None
     requestId: str = ""
+    clientRequestId: Optional[str] = None
     cancel: CancelSignal = field(factory=CancelSignal)
     phase: str = "request"
     preferredAccountId: Optional[str] = None

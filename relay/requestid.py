@@ -1,6 +1,7 @@
 # -*- test-case-name: tests.test_requestid -*-
 """
-One request id per turn, everywhere (issue 15).
+One request id per turn, everywhere (issue 15); relay's own, always
+(behaviour.md R111).
 
 Each HTTP request gets its id as soon as twisted.web has parsed it
 (L{requestIdOf}, called from C{relay.app}'s request class), so every
@@ -9,23 +10,27 @@ admission 429/503s, SSE and JSON -- carries it as C{X-Request-Id}, and
 error bodies repeat it as C{error.request_id}. Answers written before
 that, below the resources, call L{requestIdOf} themselves: the 413 for an
 oversize body (C{relay.entry.body}) and the 400 for unparseable HTTP
-(C{relay.entry.site}). The turn engine logs it as
-C{request_id} on every line of the turn and sends it upstream as
-C{X-Client-Request-Id}; the upstream's own C{x-request-id} is logged as
+(C{relay.entry.site}). The turn engine logs it as C{request_id} on every
+line of the turn; the upstream's own C{x-request-id} is logged as
 C{upstream_request_id} and returned as C{X-Upstream-Request-Id}.
 
-The id is the client's when it sent a well-formed one (L{adoptClientId}:
-C{X-Request-Id}, else C{X-Client-Request-Id}; at most 128 characters of
-C{[A-Za-z0-9._:-]}), else relay's own (L{newRequestId},
-C{req_<process prefix><sequence>}).
+The id is always relay's own (L{newRequestId}, C{req_<process
+prefix><sequence>}), unique per HTTP request, whatever the client sends
+(R111): clients choose their ids freely (Codex sends its thread id on
+every request of a thread), so a client's id never identifies one
+request. The client's id (L{clientRequestIdOf}: C{X-Request-Id}, else
+C{X-Client-Request-Id}; at most 128 characters of C{[A-Za-z0-9._:-]}) is
+kept beside it as C{client_request_id}: logged on the turn's lines, stored
+in the request log (searchable as C{/admin/requests?client_request_id=}),
+shown on the status page, and sent upstream as C{X-Client-Request-Id}
+(relay's id when the client sent none).
 
-WebSocket connections: the C{101} carries the connection's id (the
-client's, adopted the same way, else C{ws_<random>}) and turn C{n} on the
-connection is C{<connection id>:<n>}, so a grep for the client's id finds
-every turn of the connection while each turn still has an id of its own.
-Codex sends its thread id as C{x-client-request-id} on every request of a
-thread, so HTTP turns of one Codex thread share that id (README
-"Following one request").
+WebSocket connections: the C{101} carries the connection's id
+(C{ws_<random>}, relay's own) and turn C{n} on the connection is
+C{<connection id>:<n>}, so a search for the connection's id finds every
+turn of the connection while each turn still has an id of its own, and a
+reconnect gets new ids whatever the client sends; the client's id from
+the upgrade is each turn's C{client_request_id}.
 
 Inside a turn the id is also the value of L{currentRequestId}, a context
 variable set by L{bindRequestId} at the start of the turn's coroutine
@@ -52,6 +57,7 @@ __all__ = [
     "UPSTREAM_REQUEST_ID_HEADER",
     "adoptClientId",
     "bindRequestId",
+    "clientRequestIdOf",
     "currentRequestId",
     "newRequestId",
     "requestIdOf",
@@ -64,7 +70,8 @@ REQUEST_ID_HEADER = "x-request-id"
 
 CLIENT_REQUEST_ID_HEADER = "x-client-request-id"
 """The other header a client may send its id in (OpenAI's name; Codex sends
-its thread id in it); relay sends the turn's id upstream in it."""
+its thread id in it); relay sends the client's id upstream in it (relay's
+when the client sent none)."""
 
 UPSTREAM_REQUEST_ID_HEADER = "x-upstream-request-id"
 """The header carrying the upstream's own C{x-request-id} to the client."""
@@ -130,26 +137,46 @@ def newRequestId(prefix: str = "req_") -> str:
 
 def requestIdOf(request) -> str:
     """
-    The id of a twisted.web request, chosen once: the client's
-    (L{adoptClientId}) or a new one. The first call also sets the
-    C{X-Request-Id} response header, so whatever answers the request
-    carries it.
+    The id of a twisted.web request: relay's own (L{newRequestId}, R111),
+    chosen once. The first call also sets the C{X-Request-Id} response
+    header, so whatever answers the request carries it.
 
     @param request: an L{twisted.web.iweb.IRequest}.
     @return: the id.
     """
     requestId = getattr(request, _ATTRIBUTE, None)
     if requestId is None:
+        requestId = newRequestId()
+        setattr(request, _ATTRIBUTE, requestId)
+        request.setHeader(b"x-request-id", requestId.encode("ascii"))
+    return requestId
+
+
+def clientRequestIdOf(request) -> str | None:
+    """
+    The id the client sent with a twisted.web request (R111's
+    C{client_request_id}), read once: L{adoptClientId} of its headers.
+
+    @param request: an L{twisted.web.iweb.IRequest}.
+    @return: the client's well-formed id, or L{None}.
+    """
+    found = getattr(request, _CLIENT_ATTRIBUTE, _UNREAD)
+    if found is _UNREAD:
         raw = _rawHeadersOf(request)
         if raw is not None and _RAW_REQUEST_ID not in raw and _RAW_CLIENT_REQUEST_ID not in raw:
             # Issue 24: neither header was sent (what adoptClientId would
             # read as None twice), told by two lookups.
-            requestId = newRequestId()
+            found = None
         else:
-            requestId = adoptClientId(_textHeader(request)) or newRequestId()
-        setattr(request, _ATTRIBUTE, requestId)
-        request.setHeader(b"x-request-id", requestId.encode("ascii"))
-    return requestId
+            found = adoptClientId(_textHeader(request))
+        setattr(request, _CLIENT_ATTRIBUTE, found)
+    return found
+
+
+_CLIENT_ATTRIBUTE = "relayClientRequestId"
+"""Where L{clientRequestIdOf} keeps a request's client id."""
+
+_UNREAD = object()
 
 
 _RAW_REQUEST_ID = b"X-Request-Id"
@@ -176,7 +203,7 @@ def _textHeader(request) -> Callable[[str], object]:
     A request's header values as text, as C{request.getHeader(str)} gives
     them (UTF-8), except that a value that is no UTF-8 reads as L{None}
     (twisted.web's C{getHeader(str)} raises, which dropped the connection
-    with no answer) so the request gets an id of relay's own.
+    with no answer) so the request has no client id.
     """
 
     def getHeader(name: str):

@@ -19,7 +19,13 @@ from relay.entry.body import LimitedBodyRequest, _Headers
 from relay.entry.http import clientHeaders, filterClientHeaders
 from relay.entry.site import RelayHTTPChannel
 from relay.model import Account, ClientKey, Turn
-from relay.requestid import _ATTRIBUTE, _textHeader, adoptClientId, requestIdOf
+from relay.requestid import (
+    _ATTRIBUTE,
+    _textHeader,
+    adoptClientId,
+    clientRequestIdOf,
+    requestIdOf,
+)
 from relay.scheduling import session
 
 HEADERS = [
@@ -78,17 +84,19 @@ class ClientHeadersTests(SynchronousTestCase):
 
 class RequestIdTests(SynchronousTestCase):
     """
-    L{requestIdOf}'s look at the raw headers adopts what L{adoptClientId}
-    adopts.
+    L{clientRequestIdOf}'s look at the raw headers reads what
+    L{adoptClientId} reads; L{requestIdOf} is relay's own whatever the
+    client sent (R111).
     """
 
     def _both(self, headers):
         request = _request(headers)
         general = adoptClientId(_textHeader(request))
         chosen = requestIdOf(request)
+        self.assertTrue(chosen.startswith("req_"), chosen)
         self.assertEqual(getattr(request, _ATTRIBUTE), chosen)
         self.assertEqual(request.responseHeaders.getRawHeaders(b"x-request-id"), [chosen.encode()])
-        return general, chosen
+        return general, clientRequestIdOf(request)
 
     def test_adopted(self):
         for headers in (
@@ -104,7 +112,7 @@ class RequestIdTests(SynchronousTestCase):
         for headers in ([], HEADERS, [(b"x-request-id", b"\xff\xfe")], [(b"x-request-id", b"")]):
             general, chosen = self._both(headers)
             self.assertIsNone(general)
-            self.assertTrue(chosen.startswith("req_"))
+            self.assertIsNone(chosen)
 
     def test_otherRequests(self):
         """
@@ -117,7 +125,8 @@ class RequestIdTests(SynchronousTestCase):
                 return b"from-getheader" if key == b"x-request-id" else None
 
         request = _request([], Own)
-        self.assertEqual(requestIdOf(request), "from-getheader")
+        self.assertEqual(clientRequestIdOf(request), "from-getheader")
+        self.assertTrue(requestIdOf(request).startswith("req_"))
 
 
 class RequestInitTests(SynchronousTestCase):

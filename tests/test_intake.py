@@ -155,7 +155,8 @@ class NothingBeforeTheKeyTests(SynchronousTestCase):
     def test_refusalsHaveAnAccessLine(self):
         """
         An answer written from the headers is in the access log like any
-        other (issue 15's C{relay.http_access}), with its id and status.
+        other (issue 15's C{relay.http_access}), with its id (relay's own,
+        R111), the client's id and status.
         """
         from twisted.logger import capturedLogs
 
@@ -164,8 +165,10 @@ class NothingBeforeTheKeyTests(SynchronousTestCase):
             Conn(app.site).send(head(b"/v1/responses?api_key=x", length=10,
                                      headers=b"X-Request-Id: intake-refused-1\r\n"))
         [line] = [e for e in events if e.get("event") == "relay.http_access"]
-        self.assertEqual((line["status"], line["method"], line["request_id"], line["path"]),
+        self.assertEqual((line["status"], line["method"], line["client_request_id"],
+                          line["path"]),
                          (401, "POST", "intake-refused-1", "/v1/responses?api_key=***"))
+        self.assertTrue(line["request_id"].startswith("req_"), line["request_id"])
 
     def test_webSocketUpgradeWithoutKey(self):
         """
@@ -607,8 +610,10 @@ class HeaderTooLargeTests(SynchronousTestCase):
                                             + b"a" * 17000 + b"\r\n"))
         self.assertEqual(conn.status(), 431)
         self.assertEqual(conn.error()["code"], "request_header_fields_too_large")
-        self.assertEqual(conn.error()["request_id"], "big-1")
-        self.assertIn(b"x-request-id: big-1\r\n", conn.value.lower())
+        # R111: relay's own id, never the client's.
+        requestId = conn.error()["request_id"]
+        self.assertTrue(requestId.startswith("req_"), requestId)
+        self.assertIn(b"x-request-id: " + requestId.encode() + b"\r\n", conn.value.lower())
         self.assertIn(b"connection: close", conn.value.lower())
         self.assertTrue(conn.transport.disconnecting)
         [line] = [e for e in events if e.get("event") == "relay.intake_header_too_large"]

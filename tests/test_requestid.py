@@ -19,6 +19,7 @@ from relay.requestid import (
     MAX_LENGTH,
     adoptClientId,
     bindRequestId,
+    clientRequestIdOf,
     currentRequestId,
     newRequestId,
     requestIdOf,
@@ -79,14 +80,28 @@ class RequestIdOfTests(SynchronousTestCase):
     L{requestIdOf} on a twisted.web request.
     """
 
-    def test_adoptedAndAnswered(self):
+    def test_clientIdKeptBesideRelays(self):
         """
-        The client's id is the request's, and the response header says so.
+        R111: the client's id (even one in relay's own C{req_} format) is
+        never the request's: relay's id is new and answered; the client's
+        is kept as L{clientRequestIdOf}. Two requests with one client id
+        get two ids.
         """
+        ids = set()
+        for value in (b"thread-9", b"thread-9", b"req_" + newRequestId()[4:].encode()):
+            request = DummyRequest([b""])
+            request.requestHeaders.setRawHeaders(b"x-client-request-id", [value])
+            requestId = requestIdOf(request)
+            self.assertNotEqual(requestId, value.decode())
+            self.assertTrue(requestId.startswith("req_"))
+            self.assertEqual(request.responseHeaders.getRawHeaders(b"x-request-id"),
+                             [requestId.encode()])
+            self.assertEqual(clientRequestIdOf(request), value.decode())
+            ids.add(requestId)
+        self.assertEqual(len(ids), 3)
         request = DummyRequest([b""])
-        request.requestHeaders.setRawHeaders(b"x-client-request-id", [b"thread-9"])
-        self.assertEqual(requestIdOf(request), "thread-9")
-        self.assertEqual(request.responseHeaders.getRawHeaders(b"x-request-id"), [b"thread-9"])
+        request.requestHeaders.setRawHeaders(b"x-request-id", [b"not ok"])
+        self.assertIsNone(clientRequestIdOf(request))
 
     def test_chosenOnce(self):
         """
@@ -185,3 +200,30 @@ class ContextTests(SynchronousTestCase):
         self.assertEqual(result, 42)
         self.assertEqual(self.records()[0]["request_id"], "turn-9")
         self.assertIsNone(currentRequestId.get())
+
+
+class ForwardedIdTests(SynchronousTestCase):
+    """
+    R111: what goes upstream as C{x-client-request-id}.
+    """
+
+    def test_clientsIdElseRelays(self):
+        """
+        The client's (well-formed) id when it sent one, relay's own
+        otherwise; a raw header the client sent is never passed as is.
+        """
+        from relay.engine.payload import upstreamClientHeaders
+        from relay.model import Account, ClientKey, Turn
+
+        account = Account(id="a", type="apikey", base_url="http://u/v1", credential="c")
+        client = ClientKey(name="k", key="sk")
+
+        def sent(clientId, headers=()):
+            turn = Turn(entrypoint="http", endpoint="responses", client=client, model="m",
+                        body={}, stream=False, headers=dict(headers), requestId="req_own1",
+                        clientRequestId=clientId)
+            return upstreamClientHeaders(turn, account)["x-client-request-id"]
+
+        self.assertEqual(sent("thread-9", {"x-client-request-id": "thread-9"}), "thread-9")
+        self.assertEqual(sent(None), "req_own1")
+        self.assertEqual(sent(None, {"x-client-request-id": "not ok"}), "req_own1")

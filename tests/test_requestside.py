@@ -389,9 +389,15 @@ class BadRequestIdTests(SynchronousTestCase):
     def test_utf8StillReadAsText(self):
         """
         A UTF-8 value is read as text as before (here one whose NBSP is
-        stripped, leaving a well-formed id).
+        stripped, leaving a well-formed id), kept as the client's id
+        (R111: relay's own answers as C{X-Request-Id}).
         """
+        from twisted.logger import capturedLogs
+
         app, _ = relaySite()
-        conn = Conn(app.site).send(head(b"/healthz", b"GET",
-                                        headers=b"X-Request-Id: abc-1\xc2\xa0\r\n"))
-        self.assertIn(b"\r\nX-Request-Id: abc-1\r\n", conn.value)
+        with capturedLogs() as events:
+            conn = Conn(app.site).send(head(b"/healthz", b"GET",
+                                            headers=b"X-Request-Id: abc-1\xc2\xa0\r\n"))
+        self.assertRegex(conn.value, rb"\r\nX-Request-Id: req_[0-9a-f]+\r\n")
+        [line] = [e for e in events if e.get("event") == "relay.http_access"]
+        self.assertEqual(line["client_request_id"], "abc-1")

@@ -149,16 +149,19 @@ class EarlyAnswerIdTests(SynchronousTestCase):
 
     def test_malformedRequestCarriesTheId(self):
         """
-        A bad C{Content-Length} after a well-formed C{X-Request-Id}: the
-        client's id; a request line that does not parse: a new C{req_} id.
+        A bad C{Content-Length} after a well-formed C{X-Request-Id}: a new
+        C{req_} id of relay's own (R111: never the client's); a request line
+        that does not parse: a new C{req_} id.
         """
         data, _ = exchange(
             b"POST /models HTTP/1.1\r\nHost: x\r\nX-Request-Id: mine-1\r\n"
             b"Content-Length: 12abc\r\n\r\n"
         )
         _, head, body = split(data)
-        self.assertIn(b"x-request-id: mine-1\r\n", head)
-        self.assertEqual(json.loads(body)["error"]["request_id"], "mine-1")
+        self.assertNotIn(b"mine-1", head)
+        requestId = json.loads(body)["error"]["request_id"]
+        self.assertTrue(requestId.startswith("req_"), requestId)
+        self.assertIn(b"x-request-id: " + requestId.encode() + b"\r\n", head)
         data, _ = exchange(b"POST /v1/responses HTTP/2.0\r\nHost: x\r\n\r\n")
         _, head, body = split(data)
         requestId = json.loads(body)["error"]["request_id"]
@@ -168,7 +171,8 @@ class EarlyAnswerIdTests(SynchronousTestCase):
     def test_refusedUpgradeCarriesTheId(self):
         """
         An upgrade autobahn refuses (no C{Sec-WebSocket-Key}, an unknown
-        version) answers with the client's id, or a new C{ws_} id.
+        version) answers with a new C{ws_} id of relay's own, whatever the
+        client sent (R111).
         """
         from txaio.testutil import replace_loop
 
@@ -192,7 +196,8 @@ class EarlyAnswerIdTests(SynchronousTestCase):
         data = upgrade(b"Sec-WebSocket-Version: 13\r\nX-Request-Id: thread-7\r\n")
         status, head, _ = split(data)
         self.assertTrue(status.startswith(b"HTTP/1.1 400 "), status)
-        self.assertIn(b"x-request-id: thread-7\r\n", head + b"\r\n")
+        self.assertNotIn(b"thread-7", head)
+        self.assertRegex(head.decode(), r"\r\nx-request-id: ws_[0-9a-f]+(\r\n|$)")
         data = upgrade(
             b"Sec-WebSocket-Version: 99\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
         )

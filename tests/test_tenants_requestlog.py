@@ -31,7 +31,7 @@ from tests.test_usage import synchronousPool
 
 
 def record(n, key="bob", account="a1", model="gpt-5.5", outcome="completed", t=None, rid=None,
-           tried=None):
+           tried=None, cid=None):
     attempts = [Attempt(a, 503, "server_error", "switch") for a in (tried or [])]
     attempts.append(Attempt(account, 200, "ok", "served"))
     return TurnRecord(
@@ -40,7 +40,7 @@ def record(n, key="bob", account="a1", model="gpt-5.5", outcome="completed", t=N
         account=account, attempts=attempts, outcome=outcome,
         status=200 if outcome == "completed" else 502, first_output_ms=12, duration_ms=34,
         input_tokens=10, cached_tokens=0, output_tokens=5, reasoning_tokens=0,
-        cost_nanos=175_000, client_ip="127.0.0.1", user_agent="sdk/1",
+        cost_nanos=175_000, client_ip="127.0.0.1", user_agent="sdk/1", client_request_id=cid,
     )
 
 
@@ -170,6 +170,31 @@ class LogContract:
                          {"account": "a1", "status": 503, "reason": "server_error",
                           "decision": "switch"})
 
+    def test_client_request_id(self):
+        """
+        R111: C{client_request_id} finds every record the client's id was
+        sent with (of any key), exactly; C{request_id} stays relay's and
+        never matches a client's id.
+        """
+        log = self.makeLog()
+        log.add(record(1, key="alice", cid="thread-1"))
+        log.add(record(2, key="bob", cid="thread-1"))
+        log.add(record(3, key="bob", cid="thread-10"))
+        log.add(record(4, rid="ws_abc:1", cid="thread-1"))
+        log.add(record(5))
+
+        def ids(**filters):
+            return [(r.request_id, r.key, r.client_request_id)
+                    for r in self.query(log, **filters)[0]]
+
+        self.assertEqual(ids(client_request_id="thread-1"),
+                         [("ws_abc:1", "bob", "thread-1"), ("req-2", "bob", "thread-1"),
+                          ("req-1", "alice", "thread-1")])
+        self.assertEqual(ids(client_request_id="thread-1", key="alice"),
+                         [("req-1", "alice", "thread-1")])
+        self.assertEqual(ids(request_id="thread-1"), [])
+        self.assertEqual(ids(client_request_id="nope"), [])
+
     def test_paging(self):
         """
         C{limit} and the C{next} cursor walk the records newest first,
@@ -252,6 +277,43 @@ class SQLiteLogTests(LogContract, SynchronousTestCase):
         log.add(record(2))
         self.assertEqual(len(self.query(log)[0]), 2)
 
+    def test_migrates_a_table_without_client_request_id(self):
+        """
+        R111: a C{request_log} table written before the
+        C{client_request_id} column gains it (and its index) on first use;
+        its rows still read, and new rows are found by the client's id.
+        """
+        log = self.makeLog()
+        old = record(1)
+        data = old.asDict()
+        del data["client_request_id"]
+
+        def oldTable(txn):
+            txn.execute(
+                "CREATE TABLE request_log (seq INTEGER PRIMARY KEY AUTOINCREMENT,"
+                " time REAL NOT NULL, request_id TEXT NOT NULL, key TEXT NOT NULL,"
+                " accounts TEXT NOT NULL, model TEXT, outcome TEXT NOT NULL,"
+                " status INTEGER NOT NULL, data TEXT NOT NULL)")
+            txn.execute(
+                "INSERT INTO request_log (time, request_id, key, accounts, model, outcome,"
+                " status, data) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (old.time, old.request_id, old.key, ",a1,", old.model, old.outcome, old.status,
+                 json.dumps(data)))
+
+        self.successResultOf(self.database.runInteraction(oldTable))
+        log.add(record(2, cid="thread-2"))
+        self.assertEqual([(r.request_id, r.client_request_id) for r in self.query(log)[0]],
+                         [("req-2", "thread-2"), ("req-1", None)])
+        self.assertEqual([r.request_id for r in self.query(log, client_request_id="thread-2")[0]],
+                         ["req-2"])
+
+        def indexes(txn):
+            txn.execute("PRAGMA index_list(request_log)")
+            return {row[1] for row in txn.fetchall()}
+
+        self.assertIn("request_log_client_request_id",
+                      self.successResultOf(log._run(indexes)))
+
     def test_store_down_keeps_records(self):
         """
         A failed write keeps the records for the next flush.
@@ -297,8 +359,27 @@ class RedisLogShapeTests(SynchronousTestCase):
         self.assertEqual((method, keys), ("eval", ["relay:requests"]))
         self.assertIn("MAXLEN", script)
         self.assertEqual(args[:3], ["1000", str(2 * 86400), f"{int((T0 - 2 * 86400) * 1000)}-0"])
-        self.assertEqual((args[3], args[4], args[6], args[7]), ("req-1", "", "ws_x:3", "ws_x"))
+        self.assertEqual((args[3], args[4], args[6], args[7], args[8]),
+                         ("req-1", "", "", "ws_x:3", "ws_x"))
         self.assertEqual(json.loads(args[5])["request_id"], "req-1")
+
+    def test_client_request_id_indexed(self):
+        """
+        R111: a record's client id is indexed with it (the fourth value of
+        each), and a query by client id reads that index (one C{EVAL}).
+        """
+        self.log.add(record(1, cid="thread-1"))
+        self.successResultOf(self.log.flush())
+        [(_, script, _, args)] = self.calls
+        self.assertIn(":cid:", script)
+        self.assertEqual(args[3:7][0::3], ["req-1", "thread-1"])
+        self.calls.clear()
+        self.replies.append([b"1-0", [b"r", record(1, cid="thread-1").toJSON().encode()]])
+        found, _ = self.successResultOf(
+            self.log.query(RequestQuery(client_request_id="thread-1"), 10, None))
+        self.assertEqual([r.client_request_id for r in found], ["thread-1"])
+        [(method, _, _, args)] = self.calls
+        self.assertEqual((method, args), ("eval", ["thread-1", "cid"]))
 
     def test_query_by_id(self):
         """

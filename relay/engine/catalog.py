@@ -208,10 +208,11 @@ class ModelCatalog:
     def _allowed(self, key: ClientKey, model) -> bool:
         """
         Whether C{key}'s model allow/deny lists let it use C{model} (R92:
-        filtered to what the key may use).
+        filtered to what the key may use; R110: as the turn would be,
+        mapped names included).
         """
         policy = getattr(self.runner, "keyPolicy", None)
-        return policy is None or policy.modelAllowed(key, model)
+        return policy is None or policy.modelAllowed(key, model, self._reachable(key))
 
     def _servable(self, manifest: dict, key: ClientKey) -> dict:
         """

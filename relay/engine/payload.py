@@ -290,15 +290,15 @@ def upstreamClientHeaders(turn: Turn, account: Account) -> dict:
     back to C{prompt_cache_key}, so one tenant's ids never reach the
     backend next to another's (protocol.md 7.2).
 
-    The turn's request id goes upstream as C{x-client-request-id} (issue
-    15), replacing the client's value (which relay adopted as the id when
-    it was well-formed).
+    The client's request id goes upstream as C{x-client-request-id}
+    (R111: C{Turn.clientRequestId}, the well-formed C{X-Request-Id} or
+    C{X-Client-Request-Id} it sent), relay's own id when it sent none.
 
     @return: a new dict (lower-cased names).
     """
     headers = dict(turn.headers)
-    if turn.requestId:
-        headers["x-client-request-id"] = turn.requestId
+    if turn.clientRequestId or turn.requestId:
+        headers["x-client-request-id"] = turn.clientRequestId or turn.requestId
     if account.type != "oauth":
         return headers
     import xxhash

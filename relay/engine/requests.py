@@ -351,6 +351,7 @@ def requestFinished(runner, turn: Turn, state, outcome: str, status: int, accoun
         " after {attempts} attempt(s)",
         event="relay.request_finished",
         request_id=turn.requestId,
+        client_request_id=turn.clientRequestId,
         request_kind=kind.name,
         client=turn.client.name,
         model=turn.model,

@@ -1248,6 +1248,7 @@ class TurnRunner:
             " after {attempts} attempt(s)",
             event="relay.turn_finished",
             request_id=turn.requestId,
+            client_request_id=turn.clientRequestId,
             entrypoint=turn.entrypoint,
             endpoint=turn.endpoint,
             client=turn.client.name,
@@ -1307,6 +1308,7 @@ def _turnRecord(turn, state, outcome, status, accountId, start, now) -> TurnReco
     return TurnRecord(
         time=start,
         request_id=turn.requestId,
+        client_request_id=turn.clientRequestId,
         key=turn.client.name,
         entrypoint=turn.entrypoint,
         endpoint=turn.endpoint,

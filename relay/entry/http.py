@@ -27,7 +27,11 @@ from relay.entry.intake import UNAUTHORIZED, RequestRefused  # noqa: F401 - UNAU
 from relay.entry.jsonbody import NESTING_MESSAGE, loadJSON  # noqa: F401 - re-exported
 from relay.entry.sinks import JSONSink, SSESink, writeError
 from relay.model import ClientError, ClientKey, Turn
-from relay.requestid import newRequestId, requestIdOf  # noqa: F401 - newRequestId re-exported
+from relay.requestid import (  # noqa: F401 - newRequestId re-exported
+    clientRequestIdOf,
+    newRequestId,
+    requestIdOf,
+)
 from relay.scheduling.session import sessionHash, sessionSeed
 from relay.tenants.keydigest import keyDigest
 from relay.translate.chatrequest import ChatRequestError, checkChatRequest
@@ -484,6 +488,7 @@ class TurnResource(Resource):
             sessionHash=sessionHash(sessionSeed(headers, body, model), key.ownerId),
             previousResponseId=previous,
             requestId=requestIdOf(request),
+            clientRequestId=clientRequestIdOf(request),
         )
         _noteClient(turn, request)
         handOverKeyLease(request, turn)

@@ -46,7 +46,7 @@ from relay.entry.http import (
 from relay.entry.intake import RequestRefused
 from relay.entry.sinks import JSONSink, SSESink, writeError
 from relay.model import ClientError, Turn
-from relay.requestid import requestIdOf
+from relay.requestid import clientRequestIdOf, requestIdOf
 from relay.scheduling.session import sessionHash, sessionSeed
 
 COMPACT = b"compact"
@@ -217,7 +217,8 @@ class ResponsesResource(Resource):
             # A compaction or a token count of a chain goes where the chain
             # lives (R40-R42), for the key that owns it (R104).
             previousResponseId=previous,
-            requestId=requestIdOf(request), request=kind,
+            requestId=requestIdOf(request), clientRequestId=clientRequestIdOf(request),
+            request=kind,
         )
         annotateTurn(turn)
         turn.background = False
@@ -286,7 +287,8 @@ class ResponsesResource(Resource):
         turn = Turn(
             entrypoint="http", endpoint="responses", client=key, model=None,
             body={}, stream=stream, headers=clientHeaders(request),
-            requestId=requestIdOf(request), request=kind,
+            requestId=requestIdOf(request), clientRequestId=clientRequestIdOf(request),
+            request=kind,
         )
         sink = SSESink(request, "responses", None) if stream else JSONSink(request, "responses")
         self._start(request, turn, sink)

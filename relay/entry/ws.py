@@ -229,18 +229,20 @@ class ConnectionState:
             self.accountId = accountId
 
 
-def _connectionIds(headers) -> tuple[str, str]:
+def _connectionIds(headers) -> tuple[str, str, str | None]:
     """
-    A new connection's ids (issue 15): its own C{ws_<random>} id, and its
-    request id -- the client's (Codex: its thread id), adopted by
-    L{adoptClientId} as for HTTP, else the connection id. Turn C{n} on the
-    connection is C{<request id>:<n>}.
+    A new connection's ids (issue 15, R111): its own C{ws_<random>} id,
+    which is also its request id (relay's own, new on every connection, so
+    a reconnect never reuses a turn's id), and the client's id
+    (L{adoptClientId} as for HTTP; Codex: its thread id), kept as each
+    turn's C{client_request_id}. Turn C{n} on the connection is
+    C{<request id>:<n>}.
 
     @param headers: the upgrade request's headers by lower-case name.
-    @return: C{(connection id, request id)}.
+    @return: C{(connection id, request id, client request id or None)}.
     """
     connId = "ws_" + os.urandom(6).hex()
-    return connId, adoptClientId(headers.get) or connId
+    return connId, connId, adoptClientId(headers.get)
 
 
 class RelayWebSocketProtocol(WebSocketServerProtocol):
@@ -274,7 +276,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             self._timer = None
             self._closing = None
             self._gone = False
-            self._connId, self._requestId = _connectionIds(headers)
+            self._connId, self._requestId, self._clientRequestId = _connectionIds(headers)
             self._openedAt = f.reactor.seconds()
             self._threadId = next((headers[h] for h in THREAD_HEADERS if headers.get(h)), None)
             self._ownerKey = None
@@ -331,7 +333,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         """
         requestId = getattr(self, "_requestId", None)
         if requestId is None:
-            _, requestId = _connectionIds(getattr(self, "http_headers", None) or {})
+            _, requestId, _ = _connectionIds(getattr(self, "http_headers", None) or {})
         headers = [*(responseHeaders or ()), ("X-Request-Id", requestId)]
         super().failHandshake(reason, code, headers)
 
@@ -418,6 +420,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             event="relay.ws_closed",
             conn_id=self._connId,
             request_id=self._requestId,
+            client_request_id=getattr(self, "_clientRequestId", None),
             code=closeCode,
             reason=sent[1] if sent else (reason or ""),
             turns=self._turns,
@@ -894,6 +897,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             historyComplete=state.historyComplete(previous),
             wsMode=mode,
             requestId=f"{self._requestId}:{self._turns + 1}",
+            clientRequestId=getattr(self, "_clientRequestId", None),
             phase=phase,
             preferredAccountId=state.accountId,
             wsContext=state,

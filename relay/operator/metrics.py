@@ -26,7 +26,8 @@ Names (all prefixed C{relay_}):
   - C{relay_tokens_total{key,account,model,type}} (C{type}: C{input},
     C{cached_input}, C{output}, C{reasoning}) and
     C{relay_usage_turns_total{key,account,model}}: tokens counted from
-    every turn's terminal usage (issue 13 item 5)
+    every turn's terminal usage (issue 13 item 5); C{model} is the known
+    normalised name or C{other} (R110, L{relay.modelname.ModelCatalogue})
   - from L{relay.scheduling.quota.UsageCollector}: the usage windows,
     C{relay_oauth_token_expiry_timestamp_seconds{account}},
     C{relay_oauth_token_status{account,status}} (1 for the current status of
@@ -61,7 +62,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from attrs import define, field
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -204,6 +205,11 @@ class RelayMetrics:
     _clock: Optional[IReactorTime] = None
     recentLimit: int = 50
     multiprocessDir: Optional[str] = field(factory=multiprocessDirectory)
+    models: Any = None
+    """The L{relay.modelname.ModelCatalogue} whose L{label
+    <relay.modelname.ModelCatalogue.label>} names the C{model} label
+    (R110: the known normalised name or C{other}, a bounded set whatever
+    clients send), or L{None}: the name as given."""
     exposed: CollectorRegistry = field(init=False)
     """The registry C{/metrics} serves: L{registry} itself, or with
     L{multiprocessDir} a registry with the whole process group's counters
@@ -475,9 +481,11 @@ class RelayMetrics:
 
         @param key: the client key's name.
         @param account: the account id.
-        @param model: the upstream model.
+        @param model: the upstream model (labelled by L{models}, R110).
         @param counts: a L{relay.usage.tokens.TokenCounts}.
         """
+        if self.models is not None:
+            model = self.models.label(model)
         children = self._tokenChildren.get((key, account, model))
         if children is None:
             # labels() costs about a microsecond each; cache the five per

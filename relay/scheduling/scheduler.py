@@ -1738,6 +1738,9 @@ class AccountScheduler:
             )
 
         # Seed 003 / R44: the requested model must be served, before routing.
+        # R110: served as its normalised name (Account.servesModel); an
+        # account without a models list serves any name, so a name is
+        # refused here only when every account the key reaches has a list.
         serving, servingIds, endpointServed = pool.serving(allowed, turn.model, turn.endpoint)
         if not serving:
             message = f"The model `{turn.model}` does not exist or you do not have access to it."

@@ -3,8 +3,11 @@
 The tenants' admin resources (issue 22), mounted under C{/admin} beside
 L{relay.operator.admin}'s, behind the same admin key (behaviour.md R99):
 
-  - C{GET /admin/requests?key=&account=&model=&outcome=&since=&until=&request_id=&limit=&cursor=}
-    - the request log (L{relay.tenants.requestlog}), newest first:
+  - C{GET /admin/requests?key=&account=&model=&outcome=&since=&until=&request_id=}
+    C{&client_request_id=&limit=&cursor=}
+    - the request log (L{relay.tenants.requestlog}), newest first
+    (C{request_id} is relay's id of a turn, C{client_request_id} the id a
+    client sent, which turns of several keys may share: R111):
     C{{"requests": [record, ...], "next": cursor or null}}; C{since} and
     C{until} are Unix seconds or ISO 8601 times; C{limit} 1..500 (50);
   - C{GET /admin/explain?key=&model=&session=&previous_response_id=&entrypoint=&endpoint=}
@@ -93,6 +96,7 @@ class RequestsResource(_Guarded):
             key=_arg(request, "key"), account=_arg(request, "account"),
             model=_arg(request, "model"), outcome=outcome, since=times["since"],
             until=times["until"], request_id=_arg(request, "request_id"),
+            client_request_id=_arg(request, "client_request_id"),
         )
         d = self.log.query(filters, limit, cursor)
 

@@ -43,6 +43,7 @@ from attrs import define, field
 from twisted.logger import Logger
 
 from relay.model import ClientError, ClientKey
+from relay.modelname import listed
 
 __all__ = ["KEYS_LOADING", "KeyPolicy", "formatReset", "rateLimitHeaders"]
 
@@ -181,16 +182,32 @@ class KeyPolicy:
         allowed = self.allowedAccounts(key)
         return [a for a in accounts if allowed is None or a.id in allowed]
 
-    def modelAllowed(self, key: ClientKey, model: Optional[str]) -> bool:
+    def modelAllowed(self, key: ClientKey, model: Optional[str],
+                     accounts: Optional[Iterable] = None) -> bool:
         """
         Whether C{key}'s C{models} and C{deny_models} let it use C{model}
-        (a client model name, before any account's mapping).
+        (a client model name), matched as R110 says
+        (L{relay.modelname.listed}): any case, trimmed, a dated snapshot as
+        its family. The deny-list also matches the name each of
+        C{accounts} that serves C{model} maps it to (an operator's alias of
+        a denied model is denied).
+
+        @param accounts: the accounts the key may reach, or L{None} (the
+            client's name only).
         """
         if model is None:
             return True
-        if key.models is not None and model not in key.models:
+        if key.models is not None and not listed(model, key.models):
             return False
-        return not (key.deny_models and model in key.deny_models)
+        if not key.deny_models:
+            return True
+        if listed(model, key.deny_models):
+            return False
+        return not any(
+            a.model_mapping and a.servesModel(model)
+            and listed(a.upstreamModel(model), key.deny_models)
+            for a in accounts or ()
+        )
 
     def models(self, key: ClientKey, names: Iterable[str]) -> list:
         """
@@ -240,10 +257,17 @@ class KeyPolicy:
         error = self.keyRefusal(key, now)
         if error is not None:
             return error
-        if not self.modelAllowed(key, model):
+        if key.deny_models or key.models is not None:
+            reachable = self.reachable(key, self.live.accounts) if key.deny_models else ()
+            allowedModel = self.modelAllowed(key, model, reachable)
+        else:
+            allowedModel = True
+        if not allowedModel:
             allowed = ", ".join(key.models) if key.models is not None else None
             detail = (f"its models allow-list is {allowed}" if allowed is not None
-                      and model not in key.models else "it is in its deny_models list")
+                      and not listed(model, key.models) else "it is in its deny_models list"
+                      if listed(model, key.deny_models)
+                      else "an account maps it to a model in its deny_models list")
             return ClientError(
                 403, "invalid_request_error",
                 f"The key {key.name!r} does not have access to model `{model}` ({detail}).",

@@ -31,10 +31,11 @@ C{PUT /admin/prices} overrides both (L{relay.control.prices}).
 
 from __future__ import annotations
 
-import re
 from typing import Mapping, Optional
 
 from attrs import frozen
+
+from relay.modelname import matchKey, normalise
 
 __all__ = ["DEFAULT_PRICES", "NANOS_PER_USD", "Price", "PriceTable", "usd"]
 
@@ -121,10 +122,6 @@ DEFAULT_PRICES: Mapping[str, Price] = {
 }
 """The shipped prices (USD per 1M tokens); see the module docstring."""
 
-_SNAPSHOT = re.compile(r"-\d{4}-\d{2}-\d{2}$")
-"""A dated snapshot suffix (C{gpt-4.1-2025-04-14}) priced as its model."""
-
-
 def usd(nanos: Optional[int]) -> Optional[float]:
     """
     @param nanos: nano-dollars, or L{None}.
@@ -179,10 +176,25 @@ class PriceTable:
         table.update(self._overrides)
         table.update(self._admin)
         self._table = table
+        folded: dict = {}
+        for model, price in table.items():
+            folded.setdefault(matchKey(model), price)
+        folded.pop(None, None)
+        self._folded = folded
+        self._names = frozenset(folded)
+
+    def names(self) -> frozenset:
+        """
+        The priced models as L{relay.modelname.matchKey}s (one object per
+        state of the table, so a holder can tell a change by identity).
+        """
+        return self._names
 
     def lookup(self, model: Optional[str]) -> Optional[Price]:
         """
-        The price of C{model}: exact name, else its undated name.
+        The price of C{model}: its exact name, else the price of its
+        normalised name (R110, L{relay.modelname.normalise}: any case,
+        trimmed, a dated snapshot priced as its family).
 
         @param model: a model name (upstream or client), or L{None}.
         @return: the L{Price}, or L{None} when unpriced.
@@ -191,9 +203,7 @@ class PriceTable:
             return None
         found = self._table.get(model)
         if found is None:
-            base = _SNAPSHOT.sub("", model)
-            if base != model:
-                found = self._table.get(base)
+            found = self._folded.get(normalise(model, self._names))
         return found
 
     def cost(self, model: Optional[str], counts) -> Optional[int]:

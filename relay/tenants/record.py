@@ -89,6 +89,8 @@ class TurnRecord:
     switches: int = 0
     waited_ms: int = 0
     sample: Optional[dict] = None
+    client_request_id: Optional[str] = None
+    """The id the client sent (R111), or L{None}; C{request_id} is relay's."""
     seq: Optional[str] = None
     """The store's id of the record (set when read back), for paging."""
 
@@ -111,6 +113,7 @@ class TurnRecord:
         return {
             "time": self.time,
             "request_id": self.request_id,
+            "client_request_id": self.client_request_id,
             "key": self.key,
             "entrypoint": self.entrypoint,
             "endpoint": self.endpoint,
@@ -192,5 +195,6 @@ def fromDict(data: dict, seq: Optional[str] = None) -> TurnRecord:
         switches=data.get("switches") or 0,
         waited_ms=data.get("waited_ms") or 0,
         sample=data.get("sample"),
+        client_request_id=data.get("client_request_id"),
         seq=seq,
     )

@@ -20,9 +20,17 @@ sees every finished turn. A store that cannot be written keeps at most
 L{MAX_BUFFER} records for the next flush (the oldest are dropped, logged).
 
 Queries (L{RequestQuery}) filter by key, account (any account the turn
-tried), model, outcome, a time range and a request id; a WebSocket
-connection's id (C{ws_...}) also finds its turns (C{ws_...:1}, C{:2}, ...).
-Answers are newest first, paged by an opaque cursor.
+tried), model, outcome, a time range, a request id and the client's
+request id (R111: C{client_request_id}, which many turns may share, of
+several keys); a WebSocket connection's id (C{ws_...}) also finds its
+turns (C{ws_...:1}, C{:2}, ...). Answers are newest first, paged by an
+opaque cursor.
+
+Records are keyed by relay's request id (R111), unique per turn. A
+C{request_log} table written before R111 gains its C{client_request_id}
+column (and index) when the log first opens it (L{_SQL_MIGRATE}); the Redis
+stream's entries carry the field in their JSON and the id in an index list
+per client id (C{<stream>:cid:<id>}, expiring with the age bound).
 """
 
 from __future__ import annotations
@@ -69,6 +77,7 @@ class RequestQuery:
     @ivar since: Unix seconds, inclusive.
     @ivar until: Unix seconds, exclusive.
     @ivar request_id: a turn's id, or a WebSocket connection's (its turns).
+    @ivar client_request_id: the id the client sent (R111), exactly.
     """
 
     key: Optional[str] = None
@@ -78,6 +87,7 @@ class RequestQuery:
     since: Optional[float] = None
     until: Optional[float] = None
     request_id: Optional[str] = None
+    client_request_id: Optional[str] = None
 
     def matches(self, record: TurnRecord) -> bool:
         """
@@ -87,6 +97,9 @@ class RequestQuery:
             record.request_id == self.request_id
             or record.request_id.startswith(self.request_id + ":")
         ):
+            return False
+        if (self.client_request_id is not None
+                and record.client_request_id != self.client_request_id):
             return False
         if self.key is not None and record.key != self.key:
             return False
@@ -244,7 +257,7 @@ _SQL_CREATE = (
     "CREATE TABLE IF NOT EXISTS request_log ("
     " seq INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, request_id TEXT NOT NULL,"
     " key TEXT NOT NULL, accounts TEXT NOT NULL, model TEXT, outcome TEXT NOT NULL,"
-    " status INTEGER NOT NULL, data TEXT NOT NULL)",
+    " status INTEGER NOT NULL, data TEXT NOT NULL, client_request_id TEXT)",
     "CREATE INDEX IF NOT EXISTS request_log_request_id ON request_log (request_id)",
     "CREATE INDEX IF NOT EXISTS request_log_time ON request_log (time)",
     "CREATE INDEX IF NOT EXISTS request_log_key ON request_log (key, seq)",
@@ -252,9 +265,20 @@ _SQL_CREATE = (
     "CREATE INDEX IF NOT EXISTS request_log_outcome ON request_log (outcome, seq)",
 )
 
+_SQL_MIGRATE = (
+    "ALTER TABLE request_log ADD COLUMN client_request_id TEXT",
+)
+"""R111: what a table written before the C{client_request_id} column needs
+(run when the column is missing)."""
+
+_SQL_INDEX_CLIENT = (
+    "CREATE INDEX IF NOT EXISTS request_log_client_request_id"
+    " ON request_log (client_request_id, seq)"
+)
+
 _SQL_INSERT = (
-    "INSERT INTO request_log (time, request_id, key, accounts, model, outcome, status, data)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+    "INSERT INTO request_log (time, request_id, key, accounts, model, outcome, status, data,"
+    " client_request_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 
 
@@ -277,6 +301,11 @@ class SQLiteRequestLog(_Buffered):
             if not self._ready:
                 for statement in _SQL_CREATE:
                     txn.execute(statement)
+                txn.execute("PRAGMA table_info(request_log)")
+                if "client_request_id" not in {row[1] for row in txn.fetchall()}:
+                    for statement in _SQL_MIGRATE:
+                        txn.execute(statement)
+                txn.execute(_SQL_INDEX_CLIENT)
             return interaction(txn, *a)
 
         def _cbReady(result):
@@ -288,7 +317,7 @@ class SQLiteRequestLog(_Buffered):
     async def _store(self, records: list) -> None:
         rows = [
             (r.time, r.request_id, r.key, "," + ",".join(r.accounts) + ",", r.model, r.outcome,
-             r.status, r.toJSON())
+             r.status, r.toJSON(), r.client_request_id)
             for r in records
         ]
         cutoff, keep = self._cutoff(), self.maxRecords
@@ -309,7 +338,7 @@ class SQLiteRequestLog(_Buffered):
             rid = filters.request_id
             where.append("(request_id = ? OR (request_id >= ? AND request_id < ?))")
             args += [rid, rid + ":", rid + ";"]
-        for column in ("key", "model", "outcome"):
+        for column in ("client_request_id", "key", "model", "outcome"):
             value = getattr(filters, column)
             if value is not None:
                 where.append(f"{column} = ?")
@@ -344,10 +373,11 @@ class SQLiteRequestLog(_Buffered):
 
 # Appends records. KEYS[1] the stream. ARGV: max records, index TTL seconds,
 # the age bound's MINID, then per record: its request id, its connection
-# prefix ('' for none) and its JSON.
+# prefix ('' for none), its JSON and its client request id ('' for none,
+# R111: indexed in a list per client id, as a connection's turns are).
 _REDIS_ADD = """
 local stream = KEYS[1]
-for i = 4, #ARGV, 3 do
+for i = 4, #ARGV, 4 do
   local id = redis.call('XADD', stream, 'MAXLEN', ARGV[1], '*', 'r', ARGV[i + 2])
   redis.call('SET', stream .. ':id:' .. ARGV[i], id, 'EX', ARGV[2])
   if ARGV[i + 1] ~= '' then
@@ -356,20 +386,33 @@ for i = 4, #ARGV, 3 do
     redis.call('LTRIM', conn, -1000, -1)
     redis.call('EXPIRE', conn, ARGV[2])
   end
+  if ARGV[i + 3] ~= '' then
+    local cid = stream .. ':cid:' .. ARGV[i + 3]
+    redis.call('RPUSH', cid, id)
+    redis.call('LTRIM', cid, -1000, -1)
+    redis.call('EXPIRE', cid, ARGV[2])
+  end
 end
 redis.call('XTRIM', stream, 'MINID', ARGV[3])
-return (#ARGV - 3) / 3
+return (#ARGV - 3) / 4
 """
 
-# Finds a request id's records. KEYS[1] the stream. ARGV[1] the id.
+# Finds a request id's records. KEYS[1] the stream. ARGV[1] the id, ARGV[2]
+# 'cid' to find a client request id's records instead (R111).
 # Returns {stream id, fields, ...}.
 _REDIS_BY_ID = """
 local stream = KEYS[1]
 local ids = {}
-local one = redis.call('GET', stream .. ':id:' .. ARGV[1])
-if one then ids[#ids + 1] = one end
-for _, id in ipairs(redis.call('LRANGE', stream .. ':conn:' .. ARGV[1], 0, -1)) do
-  ids[#ids + 1] = id
+if ARGV[2] == 'cid' then
+  for _, id in ipairs(redis.call('LRANGE', stream .. ':cid:' .. ARGV[1], 0, -1)) do
+    ids[#ids + 1] = id
+  end
+else
+  local one = redis.call('GET', stream .. ':id:' .. ARGV[1])
+  if one then ids[#ids + 1] = one end
+  for _, id in ipairs(redis.call('LRANGE', stream .. ':conn:' .. ARGV[1], 0, -1)) do
+    ids[#ids + 1] = id
+  end
 end
 local out = {}
 for _, id in ipairs(ids) do
@@ -424,7 +467,7 @@ class RedisRequestLog(_Buffered):
         args = [str(self.maxRecords), str(ttl), minid]
         for r in records:
             prefix = r.request_id.rsplit(":", 1)[0] if ":" in r.request_id else ""
-            args += [r.request_id, prefix, r.toJSON()]
+            args += [r.request_id, prefix, r.toJSON(), r.client_request_id or ""]
         await self.redis.execute(self.timeout, "eval", _REDIS_ADD, [self.stream], args)
 
     def _decode(self, entries) -> list:
@@ -444,9 +487,11 @@ class RedisRequestLog(_Buffered):
         return out
 
     async def _read(self, filters: RequestQuery, limit: int, cursor):
-        if filters.request_id is not None:
+        if filters.request_id is not None or filters.client_request_id is not None:
+            which = ([filters.request_id, "id"] if filters.request_id is not None
+                     else [filters.client_request_id, "cid"])
             reply = await self.redis.execute(
-                self.timeout, "eval", _REDIS_BY_ID, [self.stream], [filters.request_id]
+                self.timeout, "eval", _REDIS_BY_ID, [self.stream], which
             )
             reply = list(reply or [])
             records = self._decode(zip(reply[0::2], reply[1::2]))

@@ -109,6 +109,45 @@ def isFiveHundredLike(event: dict) -> bool:
             and not isOverload(event) and (500 <= status <= 599 or "server_error" in text))
 
 
+def clientIds(logs: dict) -> dict:
+    """
+    R111: relay's request ids are its own; the soak clients' ids (HTTP: C{X-Request-Id}, a
+    WebSocket's upgrade: the conversation's) are logged as C{client_request_id}. This reads
+    the lines that carry both.
+
+    @return: C{{"ids": relay id -> client id, "conns": WebSocket connection id -> client id}}.
+    """
+    ids, conns = {}, {}
+    for lines in logs.values():
+        for event in lines:
+            rid, cid = event.get("request_id"), event.get("client_request_id")
+            if not (isinstance(rid, str) and isinstance(cid, str)):
+                continue
+            if rid.startswith("ws_"):
+                conns[rid.split(":", 1)[0]] = cid
+            else:
+                ids[rid] = cid
+    return {"ids": ids, "conns": conns}
+
+
+def clientRid(event: dict, known: dict):
+    """
+    An event's request id as the soak clients name the turn (L{clientIds}): an HTTP
+    request's client id, C{<conversation>:<n>} for a WebSocket turn, else relay's id.
+    """
+    rid = event.get("request_id")
+    if not isinstance(rid, str):
+        return rid
+    found = known["ids"].get(rid)
+    if found is not None:
+        return found
+    conn, sep, n = rid.partition(":")
+    prefix = known["conns"].get(conn)
+    if prefix is not None:
+        return f"{prefix}{sep}{n}"
+    return rid
+
+
 def logViolations(logs: dict, turns: list) -> dict:
     """
     Check the R86 log rules (module docstring) in every relay log.
@@ -123,12 +162,13 @@ def logViolations(logs: dict, turns: list) -> dict:
     out = {"ops_after_departure": [], "breaker_without_transport": [],
            "streak_without_5xx": [], "cooldown_bad_cause": [], "unexpected_failures": [],
            "causes": Counter()}
+    known = clientIds(logs)
     for path, lines in logs.items():
         finished = {}
         lastOps = {}
         for event in lines:
             name = event.get("event")
-            rid = event.get("request_id")
+            rid = clientRid(event, known)
             account = event.get("account_id")
             message = str(event.get("message") or "")
             if (event.get("level") == "critical" or "traceback" in event
@@ -278,9 +318,10 @@ def chainsLost(logs: dict, turns: list, redisDown: list) -> list:
     """
     byId = {t.id: t for t in turns}
     seen = {}
+    known = clientIds(logs)
     for lines in logs.values():
         for event in lines:
-            rid = event.get("request_id")
+            rid = clientRid(event, known)
             if not rid or not rid.endswith("-t2"):
                 continue
             if event.get("event") == "openai.previous_response_owner_skipped":
@@ -323,7 +364,8 @@ def unansweredExcused(turns: list, logs: dict, stops: list) -> tuple:
     @param stops: Unix seconds of the relays' C{SIGTERM}s.
     @return: C{(excused, unexcused)} lists of L{TurnRecord}.
     """
-    seen = {event.get("request_id") for lines in logs.values() for event in lines}
+    known = clientIds(logs)
+    seen = {clientRid(event, known) for lines in logs.values() for event in lines}
     excused, unexcused = [], []
     for turn in turns:
         if turn.outcome != "unanswered":

@@ -5,9 +5,10 @@ picked at random, cancelling some turns at random moments, and writing down how 
 ended (L{TurnRecord}).
 
 Every client turn has its own id (C{s<seed>-c<client>-v<conversation>-t<n>}): HTTP clients
-send it as C{X-Request-Id} (relay adopts it as the turn's id and sends it upstream as
-C{X-Client-Request-Id}); WebSocket clients send the conversation's id as the upgrade's
-C{X-Request-Id} (relay numbers the connection's turns C{<id>:<n>}) and each turn's id as
+send it as C{X-Request-Id} (relay keeps it as the turn's C{client_request_id} beside an id of
+its own, R111, and sends it upstream as C{X-Client-Request-Id}); WebSocket clients send the
+conversation's id as the upgrade's C{X-Request-Id} (kept as each turn's C{client_request_id};
+the checks name the connection's turns C{<id>:<n>}) and each turn's id as
 C{client_metadata.turn_id} in the frame (forwarded upstream as Codex's turn metadata). The
 emulator's turn ledger (L{relay.emulator.chaos}) counts requests and generations per id.
 
@@ -90,7 +91,9 @@ class TurnRecord:
     What one client turn did.
 
     @ivar id: the client turn id (the emulator's turn key).
-    @ivar requestId: relay's id for the turn (HTTP: C{id}; WebSocket: C{<conversation>:<n>}).
+    @ivar requestId: the client's id for the turn (HTTP: C{id}; WebSocket:
+        C{<conversation>:<n>}); relay logs it as C{client_request_id} beside its own id
+        (R111, L{tests.integration.soakchecks.clientIds}).
     @ivar kind: the conversation kind (L{KINDS}).
     @ivar relay: the index of the relay that served it (after a refused connection, the
         other one).

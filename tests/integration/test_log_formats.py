@@ -119,9 +119,10 @@ async def test_every_json_line_is_one_flat_object(runner, tmp_path):
     Issue 15 "done when": every line of a real relay's JSON log parses with
     C{json.loads} into an object whose keys start with C{time} (ISO-8601
     UTC), C{level}, C{event}, C{message}, C{request_id}, holding none of
-    Twisted's internals; the turn's lines carry the client's id (also the
+    Twisted's internals; the turn's lines carry relay's id (also the
     cooldown health wrote without knowing the turn, with its C{until} in
-    ISO-8601 in the message); C{relay-report} and C{jq} read the file.
+    ISO-8601 in the message) and its end the client's as
+    C{client_request_id} (R111); C{relay-report} and C{jq} read the file.
     """
     output = await _runRelay(runner, "json")
     lines = [line for line in output.splitlines() if line.strip()]
@@ -140,9 +141,11 @@ async def test_every_json_line_is_one_flat_object(runner, tmp_path):
     for record in records:
         byEvent.setdefault(record["event"], []).append(record)
     finished = byEvent["relay.turn_finished"]
-    assert [r["request_id"] for r in finished] == ["logfmt-0", "logfmt-1"]
+    assert [r["client_request_id"] for r in finished] == ["logfmt-0", "logfmt-1"]
+    second = finished[1]["request_id"]
+    assert second.startswith("req_") and finished[0]["request_id"] != second
     (cooldown,) = byEvent["relay.account_cooldown_set"]
-    assert cooldown["request_id"] == "logfmt-1"
+    assert cooldown["request_id"] == second
     assert re.search(r"until \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", cooldown["message"])
     assert isinstance(cooldown["until"], float)
     access = byEvent["relay.http_access"]
@@ -161,7 +164,7 @@ async def test_every_json_line_is_one_flat_object(runner, tmp_path):
     jq = shutil.which("jq")
     if jq is not None:  # CI installs it (.ci/run)
         out, err, code = await getProcessOutputAndValue(
-            jq, ["-r", 'select(.request_id == "logfmt-1") | .event', str(log)],
+            jq, ["-r", f'select(.request_id == "{second}") | .event', str(log)],
             env=environment(), reactor=reactor,
         )
         assert code == 0, err
@@ -187,9 +190,10 @@ async def test_text_lines_show_event_and_request_id(runner):
                  "relay.turn_finished", "relay.http_access"):
         assert name in names, names
     turnLines = [m for m in parsed if m["name"] == "relay.turn_finished"]
-    assert [m["req"] for m in turnLines] == ["logfmt-0", "logfmt-1"]
+    ids = [m["req"] for m in turnLines]
+    assert len(ids) == 2 and len(set(ids)) == 2 and all(i.startswith("req_") for i in ids), ids
     cooldown = next(line for line in lines if "[relay.account_cooldown_set#" in line)
-    assert " req=logfmt-1] " in cooldown
+    assert f" req={ids[1]}] " in cooldown
     assert re.search(r"until \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", cooldown), cooldown
     assert not re.search(r"until \d{10}\.\d", output)
 

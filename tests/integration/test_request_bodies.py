@@ -172,7 +172,8 @@ async def test_declared_100mb_body_is_413_before_it_is_sent():
     Item 3: a 100 MB C{Content-Length} is answered 413 (OpenAI envelope,
     C{Connection: close}) from the headers alone, and the connection is
     closed; not one body byte was sent and nothing was stored. Like every
-    answer it carries the client's C{X-Request-Id} (issue 15).
+    answer it carries relay's id as C{X-Request-Id} (issue 15; R111: relay's
+    own, never the client's).
     """
     stack = await startStack([{"id": "a1", "credential": "sk-emu-a1"}])
     files = []
@@ -187,10 +188,12 @@ async def test_declared_100mb_body_is_413_before_it_is_sent():
         status, _, rest = client.received.partition(b"\r\n")
         assert status == b"HTTP/1.1 413 Payload Too Large"
         assert b"connection: close" in rest.lower()
-        assert b"x-request-id: myid\r\n" in rest.lower()
+        assert b"myid" not in rest
         envelope = json.loads(rest.partition(b"\r\n\r\n")[2])
         assert envelope["error"]["type"] == "invalid_request_error"
-        assert envelope["error"]["request_id"] == "myid"
+        own = envelope["error"]["request_id"]
+        assert own.startswith("req_")
+        assert b"x-request-id: " + own.encode() + b"\r\n" in rest.lower()
         assert files == []
         assert stack.emulator.requestsFor("sk-emu-a1") == []
     finally:

@@ -2,15 +2,18 @@
 Issue 15: one request id, end to end, through a real relay and the real
 emulator on loopback.
 
-A client's C{X-Request-Id} (or C{X-Client-Request-Id}) becomes the turn's
-id: it comes back as C{X-Request-Id}, reaches the upstream as
-C{X-Client-Request-Id} on every attempt, and is on every relay log line of
+relay's id is its own and unique for every request and WebSocket turn
+(R111): it comes back as C{X-Request-Id} and is on every relay log line of
 the turn in both log formats -- including the lines written by code that
 does not know the turn (health's cooldown, the scheduler), which get it
-from the turn's context (L{relay.requestid.currentRequestId}). The
-upstream's own id comes back as C{X-Upstream-Request-Id}. WebSocket
-connections answer the 101 with the connection's id and number their turns
-C{<id>:<n>}.
+from the turn's context (L{relay.requestid.currentRequestId}). A client's
+C{X-Request-Id} (or C{X-Client-Request-Id}) is kept as
+C{client_request_id}: on the turn's end and access lines, in the request
+log (C{/admin/requests?client_request_id=}, with each turn's own key), and
+upstream as C{X-Client-Request-Id} on every attempt. The upstream's own id
+comes back as C{X-Upstream-Request-Id}. WebSocket connections answer the
+101 with the connection's id (relay's, new on every connection) and number
+their turns C{<id>:<n>}.
 
 The logs are captured with the real observers (L{relay.logs.observerFor})
 on the global log publisher, limited to relay's own namespaces (the
@@ -150,12 +153,14 @@ def _checkTurnLines(logs: RelayLogs, requestId: str) -> list:
 @pytest_twisted.ensureDeferred
 async def test_client_id_end_to_end_with_a_failover():
     """
-    Issue 15 "done when": a request with a client C{X-Request-Id} that fails
-    over once finds that id on the response, on every relay log line of the
-    turn (text and JSON: the attempt's failure, the failover, the R11
-    streak line health writes without knowing the turn, the decisions, the
-    turn's end, the access line) and on
-    both upstream attempts as C{X-Client-Request-Id}.
+    Issue 15 "done when", with R111: a request with a client
+    C{X-Request-Id} that fails over once gets relay's own id on the
+    response and on every relay log line of the turn (text and JSON: the
+    attempt's failure, the failover, the R11 streak line health writes
+    without knowing the turn, the decisions, the turn's end, the access
+    line); the client's id is the end and access lines'
+    C{client_request_id} and reaches both upstream attempts as
+    C{X-Client-Request-Id}.
     """
     stack = await _failoverStack()
     requestId = "client-abc.123:try-1"
@@ -170,13 +175,17 @@ async def test_client_id_end_to_end_with_a_failover():
             assert sseEvents(data)[-1][0] == "response.completed"
             await logs.seen("relay.turn_finished")
             await logs.seen("relay.http_access")
-        assert response.headers.getRawHeaders(b"x-request-id") == [requestId.encode()]
+        (own,) = response.headers.getRawHeaders(b"x-request-id")
+        assert re.match(rb"^req_[0-9a-f]+$", own), own
         upstreamId = response.headers.getRawHeaders(b"x-upstream-request-id")
         assert upstreamId and upstreamId[0].startswith(b"req_") and upstreamId[0] != requestId
         seen = [r.headers.get("x-client-request-id") for r in stack.emulator.requestsFor(BAD)]
         seen += [r.headers.get("x-client-request-id") for r in stack.emulator.requestsFor(GOOD)]
         assert seen == [requestId, requestId]
-        records = _checkTurnLines(logs, requestId)
+        records = _checkTurnLines(logs, own.decode())
+        for record in records:
+            if record["event"] in ("relay.turn_finished", "relay.http_access"):
+                assert record["client_request_id"] == requestId, record
         names = {r["event"] for r in records}
         for name in (
             "openai.ops_event",
@@ -203,8 +212,8 @@ async def test_client_id_end_to_end_with_a_failover():
 async def test_own_id_when_the_client_sends_none_or_a_bad_one():
     """
     Without a usable client id (none, or one with characters outside
-    C{[A-Za-z0-9._:-]}, or longer than 128) relay assigns its own, and the
-    X-Client-Request-Id form is adopted like X-Request-Id.
+    C{[A-Za-z0-9._:-]}, or longer than 128) relay assigns its own and keeps
+    no client id; with X-Client-Request-Id the id is relay's too (R111).
     """
     stack = await _failoverStack()
     try:
@@ -222,7 +231,8 @@ async def test_own_id_when_the_client_sends_none_or_a_bad_one():
             "/v1/responses", {"model": "gpt-5.5", "input": "hi"},
             headers={"X-Client-Request-Id": ["thread-5f0e"]},
         )
-        assert response.headers.getRawHeaders(b"x-request-id") == [b"thread-5f0e"]
+        (own,) = response.headers.getRawHeaders(b"x-request-id")
+        assert re.match(rb"^req_[0-9a-f]+$", own), own
     finally:
         await stack.stop()
 
@@ -233,7 +243,7 @@ async def test_relay_errors_carry_the_id():
     relay's own answers carry the id too: 401, 404, 405, 426, a bad body
     (400), and relay's 429s when the one slot is busy (queue full, wait
     timeout), each in C{X-Request-Id} and as C{error.request_id} in the
-    body.
+    body; relay's own id, never the client's (R111).
     """
     stack = await startStack(
         [{"id": "good", "credential": GOOD, "concurrency": 1}],
@@ -262,10 +272,10 @@ async def test_relay_errors_carry_the_id():
         for status, d in cases:
             response = await d
             body = json.loads(await response.content())
-            expected = f"e{status}"
             assert response.code == status
-            assert response.headers.getRawHeaders(b"x-request-id") == [expected.encode()]
-            assert body["error"]["request_id"] == expected
+            (own,) = response.headers.getRawHeaders(b"x-request-id")
+            assert re.match(rb"^req_[0-9a-f]+$", own), own
+            assert body["error"]["request_id"] == own.decode()
         # One slot, one waiter: of three turns one is served, one finds the
         # queue full and one times out waiting (relay's own 429s, R32).
         results = await gatherResults([
@@ -279,7 +289,7 @@ async def test_relay_errors_carry_the_id():
         assert len(refused) == 2, [r.code for r, _ in results]
         for response, data in refused:
             (requestId,) = response.headers.getRawHeaders(b"x-request-id")
-            assert requestId.startswith(b"turn-")
+            assert requestId.startswith(b"req_")
             assert json.loads(data)["error"]["request_id"] == requestId.decode()
     finally:
         await stack.stop()
@@ -352,11 +362,12 @@ async def _connect(stack, headers) -> _Client:
 @pytest_twisted.ensureDeferred
 async def test_websocket_connection_and_turn_ids():
     """
-    The 101 carries the connection's id (the client's
-    C{x-client-request-id}, as Codex sends its thread id); turn n is
-    C{<id>:<n>} on every relay line of that turn and reaches the upstream
-    handshake as C{x-client-request-id}; the upstream handshake's statuses
-    are counted like HTTP statuses (a refused 503, then a 101).
+    The 101 carries the connection's id (relay's own, R111, whatever the
+    client's C{x-client-request-id} -- Codex sends its thread id); turn n
+    is C{<id>:<n>} on every relay line of that turn; the client's id
+    reaches the upstream handshake as C{x-client-request-id}; the upstream
+    handshake's statuses are counted like HTTP statuses (a refused 503,
+    then a 101).
     """
     stack = await _failoverStack()
     stack.emulator.clearFaults()
@@ -364,7 +375,8 @@ async def test_websocket_connection_and_turn_ids():
     thread = "5f0e3c1a-0000-4000-8000-000000000001"
     try:
         client = await _connect(stack, {"x-client-request-id": thread, "session-id": thread})
-        assert client.upgradeHeaders.get("x-request-id") == thread
+        connId = client.upgradeHeaders.get("x-request-id")
+        assert re.match(r"^ws_[0-9a-f]+$", connId), connId
         for n in (1, 2):
             with RelayLogs() as logs:
                 event = await client.turn(
@@ -372,10 +384,12 @@ async def test_websocket_connection_and_turn_ids():
                 )
                 assert event["type"] == "response.completed", event
                 await logs.seen("relay.turn_finished")
-            _checkTurnLines(logs, f"{thread}:{n}")
+            records = _checkTurnLines(logs, f"{connId}:{n}")
+            finished = next(r for r in records if r["event"] == "relay.turn_finished")
+            assert finished["client_request_id"] == thread
         client.sendClose(1000)
         handshakes = stack.emulator.requestsFor(GOOD, "handshake")
-        assert handshakes and handshakes[0].headers.get("x-client-request-id") == f"{thread}:1"
+        assert handshakes and handshakes[0].headers.get("x-client-request-id") == thread
         metrics = stack.app.extras["metrics"]
         text = metrics.registry.get_sample_value
         assert text("relay_upstream_status_total", {"status": "503"}) == 1
@@ -384,5 +398,94 @@ async def test_websocket_connection_and_turn_ids():
             "relay_failovers_total",
             {"from_account": "bad", "to_account": "good", "reason": "status_503"},
         ) >= 1
+    finally:
+        await stack.stop()
+
+
+ADMIN = "request-id-admin-key-0123"
+
+
+async def _tenantsStack():
+    """
+    Two client keys and the admin API on one account.
+    """
+    keys = [{"name": name, "key": "sk-" + name, "concurrency": 0} for name in ("alice", "bob")]
+    return await startStack([{"id": "good", "credential": GOOD}], keys=json.dumps(keys),
+                            extra=f"admin_key: {ADMIN}\n")
+
+
+async def _requests(stack, query: str) -> list:
+    response = await treq.get(stack.url + "/admin/requests?" + query,
+                              headers={"Authorization": [f"Bearer {ADMIN}"]})
+    body = await response.json()
+    assert response.code == 200, body
+    return body["requests"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_two_keys_one_client_id_two_requests():
+    """
+    R111: two keys sending the same C{X-Request-Id} (even one in relay's
+    own C{req_} format) get two distinct relay ids; each relay id finds
+    exactly its own key's record; C{client_request_id=} finds both, each
+    with its own key; the client's id is no relay id; both upstream
+    requests carry the client's id as C{X-Client-Request-Id}.
+    """
+    stack = await _tenantsStack()
+    try:
+        for shared in ("shared-7", "req_0123abcd"):
+            ids = {}
+            for name in ("alice", "bob"):
+                response, data = await stack.postJSON(
+                    "/v1/responses", {"model": "gpt-5.5", "input": "hi"}, key="sk-" + name,
+                    headers={"X-Request-Id": [shared]})
+                assert response.code == 200, data
+                ids[name] = response.headers.getRawHeaders("x-request-id")[0]
+            assert ids["alice"] != ids["bob"] and shared not in ids.values()
+            for name, rid in ids.items():
+                [record] = await _requests(stack, f"request_id={rid}")
+                assert (record["key"], record["client_request_id"]) == (name, shared)
+            found = await _requests(stack, f"client_request_id={shared}")
+            assert sorted((r["key"], r["request_id"]) for r in found) == sorted(
+                (name, rid) for name, rid in ids.items())
+            assert await _requests(stack, f"request_id={shared}") == []
+        sent = [r.headers.get("x-client-request-id") for r in stack.emulator.requestsFor(GOOD)]
+        assert sent == ["shared-7"] * 2 + ["req_0123abcd"] * 2
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_websocket_reconnect_with_a_reused_id_gets_fresh_ids():
+    """
+    R111: Codex reconnects with the same C{x-client-request-id}; each
+    connection gets a new id, so turn 1 of the second connection is not
+    turn 1 of the first; both are found by the client's id, each by its
+    own relay id.
+    """
+    stack = await _tenantsStack()
+    thread = "5f0e3c1a-0000-4000-8000-000000000002"
+    try:
+        turns = []
+        for _ in range(2):
+            port = stack.port.getHost().port
+            factory = WebSocketClientFactory(
+                f"ws://127.0.0.1:{port}/v1/responses", reactor=reactor,
+                headers={"Authorization": "Bearer sk-alice", "x-client-request-id": thread})
+            factory.protocol = _Client
+            client = await TCP4ClientEndpoint(reactor, "127.0.0.1", port,
+                                              timeout=5).connect(factory)
+            await client.opened.addTimeout(5, reactor)
+            event = await client.turn({"type": "response.create", "model": "gpt-5.5",
+                                       "input": "hi"})
+            assert event["type"] == "response.completed", event
+            turns.append(client.upgradeHeaders["x-request-id"] + ":1")
+            client.sendClose(1000)
+        assert turns[0] != turns[1]
+        found = await _requests(stack, f"client_request_id={thread}")
+        assert sorted(r["request_id"] for r in found) == sorted(turns)
+        for rid in turns:
+            [record] = await _requests(stack, f"request_id={rid}")
+            assert (record["key"], record["client_request_id"]) == ("alice", thread)
     finally:
         await stack.stop()

@@ -50,9 +50,11 @@ async def test_request_log_and_cost_page():
     try:
         stack.emulator.setFault("sk-first", {"kind": "status", "code": 503, "times": 1})
         response, _ = await stack.postJSON("/v1/responses", {"model": "gpt-5.5", "input": "x"},
-                                           key="sk-alice")
+                                           key="sk-alice",
+                                           headers={"X-Request-Id": ["page-client-1"]})
         assert response.code == 200
         failover = response.headers.getRawHeaders("x-request-id")[0]
+        assert failover != "page-client-1"  # R111: relay's own id
         response, _ = await stack.postJSON("/v1/responses", {"model": "gpt-5.5", "input": "x"},
                                            key="sk-bob")
         assert response.code == 403
@@ -84,11 +86,19 @@ async def test_request_log_and_cost_page():
                                                        ["second", "200", "served"]], attempts
         assert "120 in (100 cached)" in detail and "$0.00105" in detail, detail
         assert "served by\tsecond" in detail or "second" in detail
+        assert "client request id" in detail and "page-client-1" in detail, detail
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         await page.evaluate("document.getElementById('request-detail')"
                             ".scrollIntoView({block: 'end'})")
         await page.screenshot(ARTIFACTS / "status-requests.png")
 
+        await page.click("#rq-reset")
+        await page.waitFor("document.querySelectorAll('tr.request').length === 4")
+        await page.type("#rq-client-request-id", "page-client-1")
+        await page.click("#rq-search")
+        await page.waitFor("document.querySelectorAll('tr.request').length === 1 && "
+                           "document.querySelector('tr.request').dataset.requestId === %s"
+                           % json.dumps(failover))
         await page.click("#rq-reset")
         await page.waitFor("document.querySelectorAll('tr.request').length === 4")
         await page.type("#rq-key", "bob")

@@ -117,7 +117,8 @@ async def test_redis_providers_on_a_real_server(redisServer):  # noqa: F811
     """
     L{RedisRequestLog} on a real server: filters, paging newest first with
     the cursor, the count bound (capped stream), a connection's turns by
-    its id. L{RedisRateLimiter}: the token window refuses at C{tpm}, and
+    its id, the turns of a client's request id (R111) by that id, of any
+    key. L{RedisRateLimiter}: the token window refuses at C{tpm}, and
     C{peek} counts nothing.
     """
     from relay.redisclient import RedisService
@@ -133,7 +134,9 @@ async def test_redis_providers_on_a_real_server(redisServer):  # noqa: F811
         log = RedisRequestLog(clock=reactor, redis=service, maxRecords=50, batch=4)
         for n in range(60):
             log.add(record(n, t=now - 60 + n, outcome="failed" if n % 3 == 0 else "completed",
-                           rid=f"ws_c:{n}" if n >= 58 else None))
+                           rid=f"ws_c:{n}" if n >= 58 else None,
+                           cid="thread-1" if n in (55, 59) else None,
+                           key="alice" if n == 55 else "bob"))
         await log.flush()
         assert int(redisServer.command("XLEN", "relay:requests").split(b":")[1]) == 50
         seen, cursor = [], None
@@ -146,6 +149,12 @@ async def test_redis_providers_on_a_real_server(redisServer):  # noqa: F811
         assert seen == expected, seen
         found, _ = await log.query(RequestQuery(request_id="ws_c"), 10, None)
         assert [r.request_id for r in found] == ["ws_c:59", "ws_c:58"]
+        found, _ = await log.query(RequestQuery(client_request_id="thread-1"), 10, None)
+        assert [(r.request_id, r.key) for r in found] == [("ws_c:59", "bob"),
+                                                          ("req-55", "alice")]
+        found, _ = await log.query(RequestQuery(client_request_id="thread-1", key="alice"),
+                                   10, None)
+        assert [r.request_id for r in found] == ["req-55"]
 
         limiter = RedisRateLimiter(redis=service)
         assert (await limiter.admit("t", None, 100)).allowed
