@@ -58,6 +58,9 @@ class ClientKey:
     """Money budget per UTC day (priced turns, L{relay.tenants.prices})."""
     monthly_usd: Optional[float] = None
     """Money budget per UTC month."""
+    max_turn_output_tokens: int = 32000
+    """R108: the output tokens a budget reservation assumes for a turn that
+    gives no C{max_output_tokens}."""
     disabled: bool = False
     """A disabled key is refused like a revoked one (401, close 1008)."""
     digest: Optional[bytes] = field(default=None, repr=False)
@@ -701,6 +704,9 @@ class Turn:
     keyLease: Any = None
     """The key's slot lease the entry admitted, released by the engine
     when the turn ends (L{None}: unlimited key)."""
+    budgetHold: Any = None
+    """R108: the L{relay.usage.ledger.Hold} of a key with a budget, from
+    admission until the turn's usage settles it or its end releases it."""
 
 
 # ---------------------------------------------------------------------------

@@ -297,7 +297,8 @@ class TurnRunner:
             if pending is not None:
                 await self._waitForStores(turn, pending)
             self._checkKeyPolicy(turn, self.clock.seconds())
-            self._checkTokenBudget(turn, self.clock.seconds())
+            if self.usage is not None and self.usage.hasBudget(turn.client.name):
+                await self._reserveBudget(turn)
             if self.keyPolicy is not None and (turn.client.rpm or turn.client.tpm):
                 await self._checkKeyRate(turn)
             if not turn.keyAdmitted:
@@ -329,6 +330,10 @@ class TurnRunner:
                 state.keepalive.stop()
             if userLease is not None:
                 userLease.release()
+            if turn.budgetHold is not None:
+                # R108: a turn refused or failed before output gives its
+                # reservation back (settled ones are done already).
+                self.usage.release(turn.budgetHold)
             self.budget.active -= 1
             if state.retryToken:
                 self.budget.give()
@@ -385,6 +390,27 @@ class TurnRunner:
         if error is not None:
             raise _AdmissionFailed(error)
 
+    def _priceRefusal(self, turn: Turn, account) -> Optional[ClientError]:
+        """
+        R109: a key with a money budget is refused (C{model_not_priced})
+        when the model C{account} serves the turn as, the request's
+        C{service_tier} or a hosted tool it offers has no price.
+        """
+        key = turn.client
+        if self.keyPolicy is None or (key.daily_usd is None and key.monthly_usd is None):
+            return None
+        if turn.request is not None and not turn.request.billed:
+            return None
+        served = account.upstreamModel(turn.model) if turn.model else None
+        error = self.keyPolicy.priceRefusal(key, served, turn.body)
+        if error is not None:
+            self._log.info(
+                "key {key_name} refused: {message}", event="relay.key_policy_refused",
+                key_name=key.name, code=error.code, message=error.message,
+                request_id=turn.requestId, account_id=account.id,
+            )
+        return error
+
     def refusal(self, turn: Turn) -> Optional[ClientError]:
         """
         Issue 22: the key policy's answer for a C{response.create} relay
@@ -429,27 +455,59 @@ class TurnRunner:
                 request_id=turn.requestId,
             )
 
-    def _checkTokenBudget(self, turn: Turn, now: float) -> None:
+    async def _reserveBudget(self, turn: Turn) -> None:
         """
-        Issue 13 item 5: a key whose C{daily_tokens} or C{monthly_tokens}
-        budget is spent gets a 429 before the turn takes a slot or reaches
-        an account.
+        Issue 13 item 5 and R108: a key with a token or money budget
+        reserves the turn's estimate (L{_budgetEstimate}) before the turn
+        takes a slot or reaches an account; a key whose budget minus spend
+        minus its other turns' reservations is not above zero gets a 429.
+        The hold is put on the turn (C{Turn.budgetHold}): its usage settles
+        it (L{recordUsage}), the turn's end releases what was not settled.
 
         @raise _AdmissionFailed: with the budget's L{ClientError}.
         """
-        if self.usage is None or (turn.request is not None and not turn.request.billed):
+        if turn.request is not None and not turn.request.billed:
             return
-        error = self.usage.overBudget(turn.client.name, now)
+        tokens, nanos = await self._budgetEstimate(turn)
+        error, hold = await self.usage.reserve(turn.client.name, tokens, nanos)
         if error is None:
+            turn.budgetHold = hold
+            if turn.cancel.cancelled:
+                raise ClientGone(turn.cancel.reason or "client_gone")
             return
         self._log.warn(
-            "key {key_name} is over its token budget",
+            "key {key_name} is over its budget",
             event="relay.token_budget_exceeded",
             key_name=turn.client.name,
             message=error.message,
             request_id=turn.requestId,
         )
         raise _AdmissionFailed(error)
+
+    async def _budgetEstimate(self, turn: Turn) -> tuple:
+        """
+        R108: what a turn may use before it runs: input from the body
+        (L{relay.usage.estimate.inputTokens}) plus, for a turn chained by
+        C{previous_response_id}, the chain's last known input + output;
+        output from the body's C{max_output_tokens} (chat:
+        C{max_completion_tokens}, C{max_tokens}), else the key's
+        C{max_turn_output_tokens}; the cost at the dearest price of the
+        accounts the key may reach (L{relay.tenants.policy.KeyPolicy.estimate}).
+
+        @return: C{(tokens, nano-dollars)}.
+        """
+        from relay.usage.estimate import inputTokens, outputTokens
+
+        key = turn.client
+        previous = turn.previousResponseId or turn.body.get("previous_response_id")
+        chain = await self.usage.chainTokens(previous if isinstance(previous, str) else None)
+        given = inputTokens(turn.body) + chain
+        out = outputTokens(turn.body, key.max_turn_output_tokens)
+        nanos = 0
+        if self.keyPolicy is not None and (key.daily_usd is not None
+                                           or key.monthly_usd is not None):
+            nanos = self.keyPolicy.estimate(key, turn.model, turn.body, given, out)
+        return given + out, nanos
 
     def admitKey(
         self, key, cancel, requestId: str = "", entrypoint: str = "http", keepalive=None
@@ -565,6 +623,14 @@ class TurnRunner:
                     return "failed", error.status, state.lastAccountId
                 account = selection.account
                 lease = selection.lease
+                refused = self._priceRefusal(turn, account)
+                if refused is not None:
+                    # R109: what the chosen account serves has no price
+                    # (a key with a money budget): refused before dialling.
+                    if lease is not None:
+                        lease.release()
+                    sink.fail(refused)
+                    return "failed", refused.status, account.id
                 if state.pendingFailover is not None:
                     self.metrics.failoverTo(state.pendingFailover, account.id)
                     state.pendingFailover = None
@@ -919,6 +985,13 @@ class TurnRunner:
         if turn.compactionItems:
             recordCompaction(self, turn, account)
         if result.responseId:
+            hold = turn.budgetHold
+            if hold is not None and hold.responseId is None and turn.usage is not None:
+                # R108: a chain's tokens for the turn that continues it.
+                hold.responseId = result.responseId
+                self.usage.rememberChain(
+                    result.responseId, turn.usage.total,
+                    self.settings.current.scheduling.previous_response_ttl_seconds)
             if not result.ownerRecorded:
                 await self.scheduler.recordResponse(turn, result.responseId, account)
             if turn.onResponseId is not None:
@@ -947,6 +1020,8 @@ class TurnRunner:
         """
         if not responseId:
             return False
+        if turn.budgetHold is not None:
+            turn.budgetHold.responseId = responseId  # R108: the chain's tokens
         if response is not None:
             turn.outputItemIds = tuple(outputItemIds(response))
         d = self.scheduler.recordResponse(turn, responseId, account)
@@ -1214,6 +1289,19 @@ class TurnRunner:
             self.keyPolicy.countTokens(turn.client, counts.total)
         if self.usage is None:
             return
+        hold = turn.budgetHold
+        if hold is not None:
+            # R108: the reservation settles to the real figure (one place
+            # for every way usage is learnt).
+            try:
+                self.usage.settle(hold, counts)
+                if hold.responseId:
+                    self.usage.rememberChain(
+                        hold.responseId, counts.total,
+                        self.settings.current.scheduling.previous_response_ttl_seconds)
+            except Exception:  # noqa: BLE001 - logged; accounting never breaks a turn
+                self._log.failure("settling the budget hold failed",
+                                  event="relay.usage_failed", request_id=turn.requestId)
         try:
             self.usage.record(turn.client.name, account.id, model, counts)
         except Exception:  # noqa: BLE001 - logged; accounting never breaks a turn
