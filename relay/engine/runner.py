@@ -985,17 +985,28 @@ class TurnRunner:
         if turn.compactionItems:
             recordCompaction(self, turn, account)
         if result.responseId:
-            hold = turn.budgetHold
-            if hold is not None and hold.responseId is None and turn.usage is not None:
-                # R108: a chain's tokens for the turn that continues it.
-                hold.responseId = result.responseId
-                self.usage.rememberChain(
-                    result.responseId, turn.usage.total,
-                    self.settings.current.scheduling.previous_response_ttl_seconds)
+            self._keepChain(turn, result.responseId)
             if not result.ownerRecorded:
                 await self.scheduler.recordResponse(turn, result.responseId, account)
             if turn.onResponseId is not None:
                 turn.onResponseId(result.responseId, account)
+
+    def _keepChain(self, turn: Turn, responseId: Optional[str]) -> None:
+        """
+        R108: once a turn of a key with a budget has both its response id
+        and its usage, keep its input + output for a turn chained on it
+        (for C{previous_response_ttl_seconds}).
+        """
+        hold = turn.budgetHold
+        if hold is None or hold.chainKept:
+            return
+        if responseId and hold.responseId is None:
+            hold.responseId = responseId
+        if hold.responseId and turn.usage is not None:
+            hold.chainKept = True
+            self.usage.rememberChain(
+                hold.responseId, turn.usage.total,
+                self.settings.current.scheduling.previous_response_ttl_seconds)
 
     def ownResponse(self, turn: Turn, account, responseId: Optional[str],
                     response=None) -> bool:
@@ -1020,8 +1031,7 @@ class TurnRunner:
         """
         if not responseId:
             return False
-        if turn.budgetHold is not None:
-            turn.budgetHold.responseId = responseId  # R108: the chain's tokens
+        self._keepChain(turn, responseId)
         if response is not None:
             turn.outputItemIds = tuple(outputItemIds(response))
         d = self.scheduler.recordResponse(turn, responseId, account)
@@ -1295,10 +1305,7 @@ class TurnRunner:
             # for every way usage is learnt).
             try:
                 self.usage.settle(hold, counts)
-                if hold.responseId:
-                    self.usage.rememberChain(
-                        hold.responseId, counts.total,
-                        self.settings.current.scheduling.previous_response_ttl_seconds)
+                self._keepChain(turn, None)
             except Exception:  # noqa: BLE001 - logged; accounting never breaks a turn
                 self._log.failure("settling the budget hold failed",
                                   event="relay.usage_failed", request_id=turn.requestId)

@@ -272,7 +272,8 @@ class KeyPolicy:
         if (key.daily_usd is not None or key.monthly_usd is not None) and not self._priced(
             model, self.reachable(key, self.live.accounts)
         ):
-            return notPriced(key, "model", f"model `{model}`")
+            names = sorted({n for n in self._serving(key, model) if n is not None})
+            return notPriced(key, "model", ", ".join(f"model `{n}`" for n in names))
         return None
 
     def _serving(self, key: ClientKey, model: Optional[str]) -> list:

@@ -56,6 +56,8 @@ from typing import Mapping, Optional
 
 from attrs import frozen
 
+from relay.usage.tokens import HOSTED_TOOLS, hostedTool
+
 __all__ = [
     "DEFAULT_PRICES", "DEFAULT_TOOL_PRICES", "HOSTED_TOOLS", "NANOS_PER_USD", "Price",
     "PriceTable", "SHIPPED_TIERS", "ToolPrice", "hostedTool", "requestTier", "requestTools",
@@ -145,11 +147,6 @@ class ToolPrice:
         return {"per_call": self.per_call}
 
 
-HOSTED_TOOLS = ("web_search", "file_search", "code_interpreter", "image_generation")
-"""The hosted tools priced per call (R109): a request's C{tools[].type}
-(C{web_search_preview...} counts as C{web_search}) and a response's
-C{<tool>_call} output items."""
-
 SHIPPED_TIERS: Mapping[str, float] = {"priority": 2.0, "flex": 0.5}
 """The tier multipliers of the shipped prices (OpenAI's ratios, R109)."""
 
@@ -185,24 +182,6 @@ def requestTools(body) -> tuple:
     return tuple(sorted(t for t in found if t is not None))
 
 
-def hostedTool(kind) -> Optional[str]:
-    """
-    The hosted tool a request's tool type or a response's output item type
-    names (R109).
-
-    @param kind: a C{tools[].type} (C{web_search}, C{web_search_preview},
-        C{image_generation}, ...) or an output item C{type}
-        (C{web_search_call}, ...).
-    @return: one of L{HOSTED_TOOLS}, or L{None} (a function or custom tool,
-        not billed by the call).
-    """
-    if not isinstance(kind, str):
-        return None
-    if kind.endswith("_call"):
-        kind = kind[: -len("_call")]
-    if kind.startswith("web_search"):
-        return "web_search"
-    return kind if kind in HOSTED_TOOLS else None
 
 
 def _p(input, cached, output) -> Price:

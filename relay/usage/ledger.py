@@ -113,6 +113,7 @@ class Hold:
     held: bool = True
     done: bool = False
     responseId: Optional[str] = None
+    chainKept: bool = False
 
 
 @define(eq=False)

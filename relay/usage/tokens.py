@@ -35,6 +35,8 @@ __all__ = [
     "fromEvent",
     "fromUsage",
     "served",
+    "HOSTED_TOOLS",
+    "hostedTool",
 ]
 
 
@@ -150,6 +152,32 @@ def fromUsage(usage: Any) -> TokenCounts | None:
     )
 
 
+HOSTED_TOOLS = ("web_search", "file_search", "code_interpreter", "image_generation")
+"""The hosted tools priced per call (R109): a request's C{tools[].type}
+(C{web_search_preview...} counts as C{web_search}) and a response's
+C{<tool>_call} output items."""
+
+
+def hostedTool(kind) -> str | None:
+    """
+    The hosted tool a request's tool type or a response's output item type
+    names (R109).
+
+    @param kind: a C{tools[].type} (C{web_search}, C{web_search_preview},
+        C{image_generation}, ...) or an output item C{type}
+        (C{web_search_call}, ...).
+    @return: one of L{HOSTED_TOOLS}, or L{None} (a function or custom tool,
+        not billed by the call).
+    """
+    if not isinstance(kind, str):
+        return None
+    if kind.endswith("_call"):
+        kind = kind[: -len("_call")]
+    if kind.startswith("web_search"):
+        return "web_search"
+    return kind if kind in HOSTED_TOOLS else None
+
+
 def served(counts: TokenCounts | None, response: Any) -> TokenCounts | None:
     """
     R109: C{counts} with what the response reports about how it was
@@ -163,8 +191,6 @@ def served(counts: TokenCounts | None, response: Any) -> TokenCounts | None:
     """
     if counts is None or not isinstance(response, dict):
         return counts
-    from relay.tenants.prices import hostedTool
-
     tier = response.get("service_tier")
     tier = tier if isinstance(tier, str) and tier not in ("default", "auto") else None
     calls: dict = {}
