@@ -56,7 +56,7 @@ class ReservationTests(SynchronousTestCase):
         sinks = []
         for i in range(n):
             turn = rig.turn(client, requestId=f"req{i}")
-            turn.body.update(body or {})
+            turn.body.update(body or {}, input=[])  # 1 input token estimated
             sinks.append(rig.go(turn))
         rig.clock.advance(5)
         return rig, sinks
@@ -115,7 +115,7 @@ class ReservationTests(SynchronousTestCase):
         rig = TenantsRig([account("a")], keys=[client])
         rig.script("a", slow())
         turn = rig.turn(client)
-        turn.body["max_output_tokens"] = 10
+        turn.body.update(max_output_tokens=10, input=[])
         rig.go(turn)
         tokens, nanos = self.successResultOf(rig.holds.outstanding("bob"))
         self.assertEqual((tokens, nanos), (11, 5_000 + 10 * 30_000))
@@ -158,10 +158,10 @@ class ReservationTests(SynchronousTestCase):
                                 "usage": big})),
                    slow())
         first = rig.turn(client)
-        first.body["max_output_tokens"] = 10
+        first.body.update(max_output_tokens=10, input=[])
         rig.go(first)
         second = rig.turn(client, previousResponseId="resp_1")
-        second.body.update(max_output_tokens=10, previous_response_id="resp_1")
+        second.body.update(max_output_tokens=10, previous_response_id="resp_1", input=[])
         rig.go(second)
         tokens, _ = self.successResultOf(rig.holds.outstanding("bob"))
         self.assertEqual(tokens, 1 + 6000 + 10)
@@ -265,7 +265,7 @@ class ServedPriceTests(SynchronousTestCase):
         rig = TenantsRig([account("a")], keys=[client])
         rig.script("a", slow(tier="scale"))
         turn = rig.turn(client)
-        turn.body["max_output_tokens"] = 10
+        turn.body.update(max_output_tokens=10, input=[])
         rig.go(turn)
         rig.clock.advance(2)
         self.assertEqual(self.successResultOf(rig.holds.outstanding("bob")), (0, 0))

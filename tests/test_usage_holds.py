@@ -169,8 +169,11 @@ class EstimateTests(SynchronousTestCase):
         """
         A quarter of the size of what the body gives the model, at least 1.
         """
-        self.assertEqual(inputTokens({"input": "x" * 400}), 100)
-        self.assertEqual(inputTokens({"input": "", "model": "m" * 1000}), 1)
+        self.assertEqual(inputTokens({"input": [{"content": "x" * 400}]}), 104)
+        self.assertEqual(inputTokens({"instructions": "x" * 400}), 100)
+        # A bare string is the user message it stands for (as the emulator
+        # counts it).
+        self.assertEqual(inputTokens({"input": "hi", "model": "m" * 1000}), 13)
         self.assertGreater(inputTokens({"messages": [{"role": "user", "content": "y" * 800}]}),
                            200)
         self.assertEqual(inputTokens(None), 1)

@@ -4,8 +4,10 @@ A turn's tokens before it runs (behaviour.md R108): what a budget
 reservation assumes.
 
 Input is a quarter of the JSON size of what the body gives the model
-(C{input}, C{instructions}, C{messages}, C{tools}), the estimate the
-bundled emulator bills by too; output is what the request allows
+(C{input}, a bare string counted as the user message it stands for,
+C{instructions}, C{messages}, C{tools}): the estimate the bundled emulator
+bills by too, a little above OpenAI's count (JSON punctuation stands in for
+the per-message framing tokens); output is what the request allows
 (C{max_output_tokens}; chat C{max_completion_tokens} or C{max_tokens}),
 else the key's C{max_turn_output_tokens}.
 """
@@ -34,13 +36,15 @@ def inputTokens(body: Any) -> int:
         value = body.get(name)
         if value is None:
             continue
+        if name == "input" and isinstance(value, str):
+            value = [{"type": "message", "role": "user", "content": value}]
         if isinstance(value, str):
             size += len(value)
-        else:
-            try:
-                size += len(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
-            except (TypeError, ValueError):
-                continue
+            continue
+        try:
+            size += len(json.dumps(value, ensure_ascii=False))
+        except (TypeError, ValueError):
+            continue
     return max(1, size // 4)
 
 
