@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from twisted.internet.defer import Deferred
 from twisted.trial.unittest import SynchronousTestCase
 
 from relay.tenants.prices import Price, PriceTable, ToolPrice
@@ -165,6 +166,66 @@ class ReservationTests(SynchronousTestCase):
         rig.go(second)
         tokens, _ = self.successResultOf(rig.holds.outstanding("bob"))
         self.assertEqual(tokens, 1 + 6000 + 10)
+
+
+class HoldStoreTests(SynchronousTestCase):
+    """
+    The ledger's side of R108: a store that fails, and a usage learnt
+    after the hold was given back.
+    """
+
+    def test_store_down(self):
+        """
+        A hold store that fails admits the turn without a hold
+        (C{fail_open}, checked against the known spend) or refuses it with
+        a 503 (C{fail_closed}, R35).
+        """
+        from twisted.internet.defer import fail
+
+        client = key(daily_usd=5.0)
+        rig = TenantsRig([account("a")], keys=[client])
+
+        class Down:
+            def reserve(self, *args):
+                return fail(RuntimeError("down"))
+
+            def release(self, *args):
+                return fail(RuntimeError("down"))
+
+            def settle(self, *args):
+                return fail(RuntimeError("down"))
+
+            def chainTokens(self, *args):
+                return fail(RuntimeError("down"))
+
+            def rememberChain(self, *args):
+                return fail(RuntimeError("down"))
+
+        rig.ledger.holds = Down()
+        _, outcome = rig.go(rig.turn(client))
+        self.assertEqual(outcome, ["completed"])
+        rig.ledger.onHoldError = "fail_closed"
+        sink, outcome = rig.go(rig.turn(client))
+        self.assertEqual((outcome, sink.errors[0].status), (["failed"], 503))
+        self.flushLoggedErrors(RuntimeError)
+
+    def test_settle_after_release(self):
+        """
+        A usage learnt after the turn gave its hold back (a background
+        response, a drained stream) still counts at once.
+        """
+        client = key(daily_usd=5.0)
+        rig = TenantsRig([account("a")], keys=[client])
+        error, hold = self.successResultOf(Deferred.fromCoroutine(
+            rig.ledger.reserve("bob", 10, 1000)))
+        self.assertIsNone(error)
+        rig.ledger.release(hold)
+        rig.ledger.release(hold)
+        rig.ledger.settle(hold, TokenCounts(requests=1, input=5, output=5, cost=700))
+        rig.ledger.settle(hold, TokenCounts(requests=1, input=5, output=5, cost=700))
+        now = rig.clock.seconds()
+        settled = rig.holds._settled[("bob", f"d:{int(now // DAY) * DAY}")]
+        self.assertEqual(settled[:2], (10, 700))
 
 
 class ServedPriceTests(SynchronousTestCase):

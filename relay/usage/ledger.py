@@ -101,7 +101,9 @@ class Hold:
     @ivar nanos: the estimated cost held, nano-dollars.
     @ivar held: whether the store holds it (L{False}: admitted without a
         hold, the store was down and C{fail_open}).
-    @ivar done: settled or released (once).
+    @ivar settled: its turn's usage was counted (once).
+    @ivar released: given back without a count (once; a later usage still
+        settles, e.g. a background response's or a drained one's, R107).
     @ivar responseId: the turn's response id, once known: its tokens are
         kept for a turn chained on it.
     """
@@ -111,7 +113,8 @@ class Hold:
     tokens: int
     nanos: int
     held: bool = True
-    done: bool = False
+    settled: bool = False
+    released: bool = False
     responseId: Optional[str] = None
     chainKept: bool = False
 
@@ -348,10 +351,10 @@ class UsageLedger:
         unpriced turn of a key with a money budget settles at its
         estimate (never free). Not awaited; errors are logged.
         """
-        if hold.done:
+        if hold.settled:
             return
-        hold.done = True
-        if not hold.held or self.holds is None:
+        hold.settled = True
+        if self.holds is None:
             return
         nanos = counts.cost
         if counts.unpriced and hold.key in self.moneyBudgets:
@@ -363,13 +366,21 @@ class UsageLedger:
     def release(self, hold: Hold) -> None:
         """
         R108: drop C{hold} without counting anything (refused, or failed
-        before output); nothing when it was settled. Not awaited.
+        before output); nothing when it was settled. A usage learnt later
+        still settles (L{settle}: the real figure counts at once). Not
+        awaited.
         """
-        if hold.done:
+        if hold.settled or hold.released:
             return
-        hold.done = True
+        hold.released = True
         if hold.held and self.holds is not None:
-            self.holds.release(hold.key, hold.id).addErrback(self._holdFailed, "releasing", hold)
+            try:
+                d = self.holds.release(hold.key, hold.id)
+            except Exception:  # noqa: BLE001 - logged; the hold expires by itself
+                self._log.failure("releasing a budget hold failed",
+                                  event="relay.budget_hold_failed")
+                return
+            d.addErrback(self._holdFailed, "releasing", hold)
 
     def _holdFailed(self, failure, doing: str, hold: Hold) -> None:
         self._log.error(
@@ -396,7 +407,11 @@ class UsageLedger:
         (C{previous_response_ttl_seconds}). Not awaited; errors ignored.
         """
         if self.holds is not None and responseId and tokens:
-            self.holds.rememberChain(responseId, tokens, ttl).addErrback(lambda _: None)
+            try:
+                self.holds.rememberChain(responseId, tokens, ttl).addErrback(lambda _: None)
+            except Exception:  # noqa: BLE001 - an estimate's input: never a turn's failure
+                self._log.failure("keeping a chain's tokens failed",
+                                  event="relay.budget_hold_failed")
 
     def budgetView(self, now: float) -> list:
         """
