@@ -707,6 +707,10 @@ class Turn:
     budgetHold: Any = None
     """R108: the L{relay.usage.ledger.Hold} of a key with a budget, from
     admission until the turn's usage settles it or its end releases it."""
+    hostedCalls: Optional[dict] = None
+    """R109: hosted tool -> calls seen in the answer's items, for a key with
+    a money budget whose request offers one (L{relay.usage.tap.HostedCallWatch});
+    else L{None}."""
 
 
 # ---------------------------------------------------------------------------

@@ -357,6 +357,26 @@ class ServedPriceTests(SynchronousTestCase):
         self.assertEqual(error.param, "tools")
         self.assertIn("image_generation", error.message)
 
+    def test_hosted_tool_calls_only_in_items(self):
+        """
+        The ChatGPT backend's terminal event lists no output: the calls
+        are counted from the C{response.output_item.done} events.
+        """
+        client = key(daily_usd=5.0)
+        rig = TenantsRig([account("a", type="oauth")], keys=[client])
+        done = frame("response.output_item.done", output_index=0,
+                     item={"type": "web_search_call", "id": "ws_1", "status": "completed"})
+        rig.script("a", sse(CREATED, IN_PROGRESS, done, ITEM_ADDED, DELTA,
+                            completed(output=()).replace(
+                                b'"output": [{"type": "message", "content": []}]',
+                                b'"output": []')))
+        turn = rig.turn(client)
+        turn.body["tools"] = [{"type": "web_search_preview"}]
+        _, outcome = rig.go(turn)
+        self.assertEqual(outcome, ["completed"])
+        self.assertEqual(rig.ledger.spent("bob", rig.clock.seconds())[0],
+                         ONE_TURN + 10_000_000)
+
     def test_no_money_budget_no_refusal(self):
         """
         A key without a money budget is served on an unpriced model (its

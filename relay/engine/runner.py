@@ -36,7 +36,7 @@ from relay.scheduling.itemowners import outputItemIds
 from relay.scheduling.scheduler import NO_SLOT
 from relay.scheduling.selection import NoAccountAvailable
 from relay.tenants.record import Attempt, TurnRecord
-from relay.usage.tap import UsageTap, clientAskedUsage
+from relay.usage.tap import HostedCallWatch, UsageTap, clientAskedUsage
 
 STARTUP_WAIT_SECONDS = 10.0
 """R105: how long a turn that arrives before the stores are loaded waits for
@@ -253,6 +253,15 @@ class TurnRunner:
             if turn.compactionItems is None:
                 turn.compactionItems = []
             sink = CompactionWatch(sink, turn.compactionItems)
+        key = turn.client
+        if (key.daily_usd is not None or key.monthly_usd is not None) and turn.body.get("tools"):
+            from relay.tenants.prices import requestTools
+
+            if requestTools(turn.body):
+                # R109: the hosted-tool calls of an answer whose terminal
+                # event lists no output (the ChatGPT backend).
+                turn.hostedCalls = {}
+                sink = HostedCallWatch(sink, turn.hostedCalls)
         d = Deferred.fromCoroutine(self._run(turn, sink))
         if not d.called:
             self.inflight[turn] = d
@@ -399,9 +408,9 @@ class TurnRunner:
         key = turn.client
         if self.keyPolicy is None or (key.daily_usd is None and key.monthly_usd is None):
             return None
-        if turn.request is not None and not turn.request.billed:
-            return None
-        served = account.upstreamModel(turn.model) if turn.model else None
+        if not turn.model or (turn.request is not None and not turn.request.billed):
+            return None  # nothing generated, or no model to price (as the key policy)
+        served = account.upstreamModel(turn.model)
         error = self.keyPolicy.priceRefusal(key, served, turn.body)
         if error is not None:
             self._log.info(
@@ -1291,6 +1300,9 @@ class TurnRunner:
         if turn.usage is not None:
             return
         model = account.upstreamModel(turn.model) if turn.model else ""
+        if turn.hostedCalls and not counts.tools:
+            # R109: the calls were reported in the stream's items only.
+            counts = evolve(counts, tools=tuple(sorted(turn.hostedCalls.items())))
         if self.prices is not None:
             # Issue 22: the turn's cost, once, by the upstream model.
             counts = self.prices.priced(model, counts)

@@ -182,8 +182,6 @@ def requestTools(body) -> tuple:
     return tuple(sorted(t for t in found if t is not None))
 
 
-
-
 def _p(input, cached, output) -> Price:
     return Price(input=input, cached_input=cached, output=output)
 
@@ -406,7 +404,8 @@ class PriceTable:
 
         @param model: the upstream model the turn ran on.
         @param counts: its L{relay.usage.tokens.TokenCounts}.
-        @return: nano-dollars, or L{None} when the model is unpriced.
+        @return: nano-dollars, or L{None} when the model (or, R109, its
+            tier or a tool call) is unpriced.
         """
         return self.nanos(model, counts)
 
