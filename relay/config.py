@@ -647,7 +647,7 @@ _KEY: Dict[str, Validator] = {
     "daily_usd": _optional(_number(0, positive=True)),
     "monthly_usd": _optional(_number(0, positive=True)),
     # R108: the output a budget reservation assumes.
-    "max_turn_output_tokens": _integer(1, 10_000_000),
+    "max_turn_output_tokens": _optional(_integer(1, 10_000_000)),
     "disabled": _boolean,
 }
 

@@ -58,9 +58,9 @@ class ClientKey:
     """Money budget per UTC day (priced turns, L{relay.tenants.prices})."""
     monthly_usd: Optional[float] = None
     """Money budget per UTC month."""
-    max_turn_output_tokens: int = 32000
+    max_turn_output_tokens: Optional[int] = 32000
     """R108: the output tokens a budget reservation assumes for a turn that
-    gives no C{max_output_tokens}."""
+    gives no C{max_output_tokens}; L{None} (C{null}) is the default, 32000."""
     disabled: bool = False
     """A disabled key is refused like a revoked one (401, close 1008)."""
     digest: Optional[bytes] = field(default=None, repr=False)

@@ -153,6 +153,8 @@ class IssueTests(KeysFixture, SynchronousTestCase):
             ({"name": "x", "group": "nope"}, "group"),
             ({"name": "x", "models": "gpt-5.5"}, "models"),
             ({"name": "x", "label": 7}, "label"),
+            ({"name": "x", "max_turn_output_tokens": "lots"}, "max_turn_output_tokens"),
+            ({"name": "x", "max_turn_output_tokens": 0}, "max_turn_output_tokens"),
         ]
         for body, param in cases:
             status, answer = self.call(b"POST", "keys", body)

@@ -186,3 +186,4 @@ class EstimateTests(SynchronousTestCase):
         self.assertEqual(outputTokens({"max_tokens": 7}, 32000), 7)
         self.assertEqual(outputTokens({"max_output_tokens": True}, 32000), 32000)
         self.assertEqual(outputTokens({}, 1000), 1000)
+        self.assertEqual(outputTokens({}, None), 32000)

@@ -466,7 +466,7 @@ class TurnRunner:
 
     async def _reserveBudget(self, turn: Turn) -> None:
         """
-        Issue 13 item 5 and R108: a key with a token or money budget
+        R102, R108: a key with a token or money budget
         reserves the turn's estimate (L{_budgetEstimate}) before the turn
         takes a slot or reaches an account; a key whose budget minus spend
         minus its other turns' reservations is not above zero gets a 429.

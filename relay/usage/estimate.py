@@ -17,7 +17,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["inputTokens", "outputTokens"]
+__all__ = ["MAX_TURN_OUTPUT_TOKENS", "inputTokens", "outputTokens"]
+
+MAX_TURN_OUTPUT_TOKENS = 32000
+"""The default of C{keys[].max_turn_output_tokens} (behaviour.md R108)."""
 
 _INPUT_FIELDS = ("input", "instructions", "messages", "tools")
 
@@ -48,10 +51,11 @@ def inputTokens(body: Any) -> int:
     return max(1, size // 4)
 
 
-def outputTokens(body: Any, cap: int) -> int:
+def outputTokens(body: Any, cap: int | None) -> int:
     """
     @param body: the request body.
-    @param cap: the key's C{max_turn_output_tokens}.
+    @param cap: the key's C{max_turn_output_tokens}, or L{None} for
+        L{MAX_TURN_OUTPUT_TOKENS}.
     @return: the output the turn may produce: the body's limit when it
         gives a positive integer, else C{cap}.
     """
@@ -60,4 +64,4 @@ def outputTokens(body: Any, cap: int) -> int:
             value = body.get(name)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
-    return int(cap)
+    return int(cap or MAX_TURN_OUTPUT_TOKENS)
