@@ -1113,6 +1113,7 @@ def chatChunks(
     def chunk(delta: dict, finish: str | None) -> dict:
         out = {
             "id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "service_tier": servedTier(body),
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
         }
         out.update(extra)
@@ -1157,6 +1158,7 @@ def chatChunks(
         chunks.append(last)
     completion = {
         "id": cid, "object": "chat.completion", "created": created, "model": model,
+        "service_tier": servedTier(body),
         "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
         "usage": usage,
     }

@@ -148,7 +148,7 @@ async def test_tier_and_hosted_tools_priced_from_the_response():
     for the call. A tool with no price (C{image_generation}) is refused
     for a key with a money budget.
     """
-    s = await stack([keyEntry("money", daily_usd=5.0)])
+    s = await stack([keyEntry("money", daily_usd=5.0), keyEntry("chat", daily_usd=5.0)])
     try:
         body = {"model": "gpt-5.5", "input": "hi", "service_tier": "priority",
                 "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}
@@ -165,5 +165,15 @@ async def test_tier_and_hosted_tools_priced_from_the_response():
         assert (response.code, error["code"], error["param"]) == (
             403, "model_not_priced", "tools"), data
         assert len(s.emulator.requestsFor("sk-api")) == 1
+        # Chat Completions, streamed: the tier is read from the usage chunk.
+        body = {"model": "gpt-5.5", "messages": [{"role": "user", "content": "hi"}],
+                "service_tier": "flex", "stream": True,
+                "stream_options": {"include_usage": True}}
+        response, data = await s.postJSON("/v1/chat/completions", body, key="sk-chat")
+        assert response.code == 200, data
+        usage = [e[1] for e in sseEvents(data) if isinstance(e[1], dict) and e[1].get("usage")]
+        assert usage and usage[-1]["service_tier"] == "flex", data[-400:]
+        tokens = turnCost(usage[-1])
+        assert abs(spent(s, "chat") - tokens / 2) <= 1, (spent(s, "chat"), tokens)
     finally:
         await drain(s, [])
