@@ -108,6 +108,8 @@ class MemoryBudgetHolds:
         """
         self._holds.get(key, {}).pop(holdId, None)
         now = self.clock.seconds()
+        for slot in [s for s, entry in self._settled.items() if s[0] == key and entry[2] <= now]:
+            del self._settled[slot]  # past periods
         for period, ttl in periods:
             entry = self._settled.get((key, period))
             if entry is None or entry[2] <= now:
