@@ -241,6 +241,8 @@ class ServedPriceTests(SynchronousTestCase):
         self.assertEqual(rig.dialer.ids(), [], "an upstream request was made")
         [error] = sink.errors
         self.assertEqual((error.status, error.code), (403, "model_not_priced"))
+        # R108: the refused turn gave its reservation back.
+        self.assertEqual(self.successResultOf(rig.holds.outstanding("bob")), (0, 0))
         return error
 
     def test_mapped_unpriced_model_refused(self):
