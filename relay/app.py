@@ -824,14 +824,18 @@ def _usageLedger(app: RelayApplication, metrics, redis):
     @return: the L{relay.usage.ledger.UsageLedger}.
     """
     from relay.settingsdb import SQLiteSettingsStore
+    from relay.usage.holds import MemoryBudgetHolds, RedisBudgetHolds
     from relay.usage.ledger import UsageLedger
     from relay.usage.service import UsageFlushService
     from relay.usage.store import MemoryUsageStore, RedisUsageStore, SQLiteUsageStore
 
     reactor, config = app.reactor, app.config
     retention = config.usage.retention_days
+    # R108: budget reservations, where the other processes see them.
+    holds = MemoryBudgetHolds(clock=reactor)
     if config.state.backend == "redis" and redis is not None:
         store = RedisUsageStore(redis=redis, clock=reactor, retentionDays=retention)
+        holds = RedisBudgetHolds(redis=redis)
     elif isinstance(app.settings.store, SQLiteSettingsStore):
         store = SQLiteUsageStore(database=app.settings.store, retentionDays=retention)
     else:
@@ -841,7 +845,9 @@ def _usageLedger(app: RelayApplication, metrics, redis):
         for key in config.keys
         if key.daily_tokens is not None or key.monthly_tokens is not None
     }
-    ledger = UsageLedger(clock=reactor, store=store, metrics=metrics, budgets=budgets)
+    ledger = UsageLedger(clock=reactor, store=store, metrics=metrics, budgets=budgets,
+                         holds=holds, holdTtl=config.state.concurrency_slot_ttl_minutes * 60,
+                         onHoldError=config.state.on_redis_error)
     app.runner.usage = ledger
     app.extras["usage"] = ledger
     app.services.append(UsageFlushService(ledger, config.usage.flush_interval_seconds, reactor))

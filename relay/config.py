@@ -646,6 +646,8 @@ _KEY: Dict[str, Validator] = {
     "group": _optional(_string),
     "daily_usd": _optional(_number(0, positive=True)),
     "monthly_usd": _optional(_number(0, positive=True)),
+    # R108: the output a budget reservation assumes.
+    "max_turn_output_tokens": _optional(_integer(1, 10_000_000)),
     "disabled": _boolean,
 }
 
@@ -654,6 +656,14 @@ _PRICE: Dict[str, Validator] = {
     "cached_input": _optional(_number(0)),
     "output": _number(0),
     "reasoning": _optional(_number(0)),
+    # R109: service tier multipliers; per_call only on prices.default.
+    "priority": _optional(_number(0)),
+    "flex": _optional(_number(0)),
+    "per_call": _optional(_number(0)),
+}
+
+_TOOL_PRICE: Dict[str, Validator] = {
+    "per_call": _number(0),
 }
 
 _REQUEST_LOG: Dict[str, Validator] = {
@@ -931,12 +941,18 @@ def _parseGroups(raw: Any, accounts: Tuple[Account, ...]) -> dict:
 def _parsePrices(raw: Any) -> dict:
     """
     Parse C{prices:} (issue 22): model -> C{{input, cached_input, output,
-    reasoning}} in US dollars per 1M tokens; C{input} and C{output} are
-    required.
+    reasoning, priority, flex}} in US dollars per 1M tokens (C{priority}
+    and C{flex}: tier multipliers, R109); C{input} and C{output} are
+    required. A hosted tool (C{web_search}, C{file_search},
+    C{code_interpreter}, C{image_generation}) -> C{{per_call}} dollars;
+    C{default} -> a price for anything unpriced (with C{per_call} for
+    tools), or C{null}.
 
-    @return: model -> L{relay.tenants.prices.Price}.
+    @return: model -> L{relay.tenants.prices.Price}, tool ->
+        L{relay.tenants.prices.ToolPrice}, C{default} -> L{Price} (absent
+        when C{null}).
     """
-    from relay.tenants.prices import Price
+    from relay.tenants.prices import HOSTED_TOOLS, Price, ToolPrice
 
     if raw is None:
         return {}
@@ -947,7 +963,17 @@ def _parsePrices(raw: Any) -> dict:
         if not isinstance(model, str) or not model.strip():
             raise _fail("prices", f"model names must be non-empty strings, got {_describe(model)}")
         path = _join("prices", model)
+        if model in HOSTED_TOOLS:
+            values = _section(entry, path, _TOOL_PRICE)
+            if "per_call" not in values:
+                raise ConfigError(f"{path}: per_call is required (US dollars per call)")
+            prices[model] = ToolPrice(**values)
+            continue
+        if model == "default" and entry is None:
+            continue
         values = _section(entry, path, _PRICE)
+        if model != "default" and values.get("per_call") is not None:
+            raise ConfigError(f"{path}.per_call: only hosted tools and default have per_call")
         for required in ("input", "output"):
             if required not in values:
                 raise ConfigError(f"{path}: {required} is required (US dollars per 1M tokens)")

@@ -469,6 +469,74 @@ class IUsageStore(Interface):
         """
 
 
+class IBudgetHolds(Interface):
+    """
+    Budget reservations (behaviour.md R108; L{relay.usage.holds}): what
+    the turns of a key with a token or money budget hold from admission to
+    their end, shared by every process that shares state. Amounts are
+    whole tokens (unit C{t}) and nano-dollars (unit C{n}).
+    """
+
+    def reserve(key, holdId, tokens, nanos, limits, ttl):
+        """
+        Atomically check C{key}'s budgets and, when every one has room,
+        hold C{tokens} and C{nanos} under C{holdId} for at most C{ttl}
+        seconds. A limit has room while C{limit - max(known, settled) -
+        outstanding > 0}, where C{settled} is what L{settle} added for its
+        period and C{outstanding} the sum of the key's live holds of its
+        unit (the new hold's own amount is not part of the check: a small
+        budget still serves one turn).
+
+        @param key: the client key's name.
+        @param holdId: a unique id of the turn's hold.
+        @param tokens: tokens to hold.
+        @param nanos: nano-dollars to hold.
+        @param limits: C{(name, period, unit, limit, known)} tuples: the
+            budget's name (C{daily_usd}), its period id (C{d:<day start>}),
+            C{t} or C{n}, the budget and the spend the caller knows of.
+        @param ttl: seconds until the hold expires by itself.
+        @return: a L{Deferred} firing with L{None} when held, else with
+            C{(name, used)} of the first limit without room (nothing held).
+        """
+
+    def settle(key, holdId, tokens, nanos, periods):
+        """
+        The turn ended with real C{tokens} and C{nanos}: drop its hold (if
+        still there) and add them to the settled amounts of C{periods}.
+
+        @param periods: C{(period id, ttl seconds)} pairs.
+        @return: a L{Deferred} firing with L{None}.
+        """
+
+    def release(key, holdId):
+        """
+        Drop a hold without counting anything (refused, or failed before
+        output).
+
+        @return: a L{Deferred} firing with L{None}.
+        """
+
+    def outstanding(key):
+        """
+        @return: a L{Deferred} firing with C{(tokens, nanos)} the key's
+            live holds hold.
+        """
+
+    def rememberChain(responseId, tokens, ttl):
+        """
+        Keep a response's input + output tokens for C{ttl} seconds: a turn
+        chained on it by C{previous_response_id} holds them too (R108).
+
+        @return: a L{Deferred} firing with L{None}.
+        """
+
+    def chainTokens(responseId):
+        """
+        @return: a L{Deferred} firing with the tokens L{rememberChain} kept
+            for C{responseId}, or 0.
+        """
+
+
 class IAccountHistory(Interface):
     """
     What each account did minute by minute over the last few minutes, kept

@@ -64,6 +64,9 @@ class ClientKey:
     """Money budget per UTC day (priced turns, L{relay.tenants.prices})."""
     monthly_usd: Optional[float] = None
     """Money budget per UTC month."""
+    max_turn_output_tokens: Optional[int] = 32000
+    """R108: the output tokens a budget reservation assumes for a turn that
+    gives no C{max_output_tokens}; L{None} (C{null}) is the default, 32000."""
     disabled: bool = False
     """A disabled key is refused like a revoked one (401, close 1008)."""
     digest: Optional[bytes] = field(default=None, repr=False)
@@ -728,6 +731,13 @@ class Turn:
     keyLease: Any = None
     """The key's slot lease the entry admitted, released by the engine
     when the turn ends (L{None}: unlimited key)."""
+    budgetHold: Any = None
+    """R108: the L{relay.usage.ledger.Hold} of a key with a budget, from
+    admission until the turn's usage settles it or its end releases it."""
+    hostedCalls: Optional[dict] = None
+    """R109: hosted tool -> calls seen in the answer's items, for a key with
+    a money budget whose request offers one (L{relay.usage.tap.HostedCallWatch});
+    else L{None}."""
 
 
 # ---------------------------------------------------------------------------

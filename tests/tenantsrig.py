@@ -12,6 +12,7 @@ from relay.tenants.policy import KeyPolicy
 from relay.tenants.prices import PriceTable
 from relay.tenants.ratelimit import MemoryRateLimiter
 from relay.tenants.requestlog import MemoryRequestLog
+from relay.usage.holds import MemoryBudgetHolds
 from relay.usage.ledger import UsageLedger
 from relay.usage.store import MemoryUsageStore
 from tests.test_runner import FakeSink, Rig, account
@@ -48,6 +49,7 @@ class TenantsRig(Rig):
     @ivar policy: the L{KeyPolicy}.
     @ivar limiter: its L{MemoryRateLimiter}.
     @ivar ledger: the L{UsageLedger} (money budgets from the keys).
+    @ivar holds: its L{MemoryBudgetHolds} (R108).
     @ivar log: the L{MemoryRequestLog}.
     """
 
@@ -60,7 +62,8 @@ class TenantsRig(Rig):
         self.prices = PriceTable(prices or {})
         self.policy = KeyPolicy(clock=self.clock, live=self.live, limiter=self.limiter,
                                 prices=self.prices)
-        self.ledger = UsageLedger(clock=self.clock, store=MemoryUsageStore())
+        self.holds = MemoryBudgetHolds(clock=self.clock)
+        self.ledger = UsageLedger(clock=self.clock, store=MemoryUsageStore(), holds=self.holds)
         self.ledger.setBudgets(keys)
         self.log = MemoryRequestLog(clock=self.clock)
         self.runner.keyPolicy = self.policy

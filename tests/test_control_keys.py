@@ -153,6 +153,8 @@ class IssueTests(KeysFixture, SynchronousTestCase):
             ({"name": "x", "group": "nope"}, "group"),
             ({"name": "x", "models": "gpt-5.5"}, "models"),
             ({"name": "x", "label": 7}, "label"),
+            ({"name": "x", "max_turn_output_tokens": "lots"}, "max_turn_output_tokens"),
+            ({"name": "x", "max_turn_output_tokens": 0}, "max_turn_output_tokens"),
         ]
         for body, param in cases:
             status, answer = self.call(b"POST", "keys", body)
@@ -662,6 +664,33 @@ class PriceTests(KeysFixture, SynchronousTestCase):
             self.assertEqual(status, 400, (body, answer))
         self.assertEqual(self.call(b"PUT", "prices/m", {"output": 1})[0], 400)
         self.assertNotIn("m", self.prices())
+
+    def test_servedPrices(self):
+        """
+        R109: tier multipliers, hosted tools per call and C{default} are set
+        like a model's price, type-checked (400 naming the field), listed
+        with their source, and in force.
+        """
+        table = self.app.extras["prices"]
+        status, body = self.call(b"PUT", "prices", {"prices": {
+            "ft:x": {"input": 1, "output": 2, "priority": 3, "flex": 0.25},
+            "image_generation": {"per_call": 0.04},
+            "default": {"input": 9, "output": 9, "per_call": 0.5}}})
+        self.assertEqual(status, 200, body)
+        self.assertEqual(body["prices"]["image_generation"], {"per_call": 0.04, "source": "admin"})
+        self.assertEqual(body["prices"]["web_search"], {"per_call": 0.01, "source": "default"})
+        self.assertEqual(body["prices"]["default"]["per_call"], 0.5)
+        self.assertEqual(body["prices"]["ft:x"]["priority"], 3)
+        self.assertEqual(table.missing("ft:x", "priority", ("image_generation",)), [])
+        self.assertEqual(table.default.input, 9)
+        for bad in ({"image_generation": {"per_call": "1"}}, {"web_search": {"input": 1}},
+                    {"ft:x": {"input": 1, "output": 1, "priority": [2]}},
+                    {"ft:x": {"input": 1, "output": 1, "per_call": 1}},
+                    {"default": {"input": 1, "output": 1, "flex": True}}):
+            status, answer = self.call(b"PUT", "prices", {"prices": bad})
+            self.assertEqual(status, 400, (bad, answer))
+        self.assertEqual(self.call(b"PUT", "prices/default", {"output": 1})[0], 400)
+        self.assertEqual(self.prices()["image_generation"]["per_call"], 0.04)
 
     def test_persistsAcrossReload(self):
         """

@@ -808,6 +808,57 @@ def chatUsageFor(promptTokens: int, completionTokens: int, pinned: dict | None =
     }
 
 
+HOSTED_CALLS = {
+    "web_search": {"type": "web_search_call", "action": {"type": "search", "query": "emulated"}},
+    "file_search": {"type": "file_search_call", "queries": ["emulated"], "results": None},
+    "code_interpreter": {"type": "code_interpreter_call", "code": "print(1)", "outputs": None,
+                         "container_id": "cntr_emulated"},
+    "image_generation": {"type": "image_generation_call", "result": ""},
+}
+"""The output item of each hosted tool (its type minus C{_call}), as OpenAI reports it."""
+
+
+def servedTier(body: dict) -> str:
+    """
+    The C{service_tier} a response reports: the request's C{priority},
+    C{flex} or C{scale}, else C{default} (what C{auto} is served at).
+
+    @param body: the request body.
+    @rtype: L{str}
+    """
+    tier = body.get("service_tier")
+    return tier if tier in ("priority", "flex", "scale") else "default"
+
+
+def hostedCalls(body: dict) -> list:
+    """
+    The hosted-tool call items a turn reports: one per hosted tool
+    (C{web_search}, C{file_search}, C{code_interpreter}, C{image_generation})
+    in C{tools} when C{tool_choice} is C{required}, or one for the tool
+    C{tool_choice} names (C{{"type": "web_search"}}); none otherwise (the
+    model decides, and the emulator's never calls one by itself).
+
+    @param body: the request body.
+    @return: completed output items.
+    """
+    tools = body.get("tools")
+    if not isinstance(tools, list):
+        return []
+    choice = body.get("tool_choice")
+    named = choice.get("type") if isinstance(choice, dict) else None
+    items = []
+    for tool in tools:
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if not isinstance(kind, str):
+            continue
+        base = "web_search" if kind.startswith("web_search") else kind
+        if base not in HOSTED_CALLS:
+            continue
+        if choice == "required" or named == kind or named == base:
+            items.append(dict(HOSTED_CALLS[base], id=newId("hc"), status="completed"))
+    return items
+
+
 def responseObject(
     responseId: str, body: dict, createdAt: float, status: str, output: list,
     usage: dict | None,
@@ -848,6 +899,7 @@ def responseObject(
         "text": body.get("text") or {"format": {"type": "text"}},
         "tool_choice": body.get("tool_choice", "auto"),
         "tools": body.get("tools") or [],
+        "service_tier": servedTier(body),
         "top_p": body.get("top_p", 1.0),
         "truncation": "disabled",
         "usage": usage,
@@ -949,6 +1001,12 @@ def buildTurn(
                 "encrypted_content": reply.reasoning}
         emit("response.output_item.added", output_index=0, item=dict(item))
         emit("response.output_item.done", output_index=0, item=item)
+        output.append(item)
+    for item in hostedCalls(body):
+        # Hosted tools the request made the model use (R109's per-call price).
+        emit("response.output_item.added", output_index=len(output),
+             item=dict(item, status="in_progress"))
+        emit("response.output_item.done", output_index=len(output), item=item)
         output.append(item)
     base = len(output)
     if reply.toolCalls:
@@ -1055,6 +1113,7 @@ def chatChunks(
     def chunk(delta: dict, finish: str | None) -> dict:
         out = {
             "id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "service_tier": servedTier(body),
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
         }
         out.update(extra)
@@ -1099,6 +1158,7 @@ def chatChunks(
         chunks.append(last)
     completion = {
         "id": cid, "object": "chat.completion", "created": created, "model": model,
+        "service_tier": servedTier(body),
         "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
         "usage": usage,
     }

@@ -36,7 +36,7 @@ from relay.scheduling.itemowners import outputItemIds
 from relay.scheduling.scheduler import NO_SLOT
 from relay.scheduling.selection import NoAccountAvailable
 from relay.tenants.record import Attempt, TurnRecord
-from relay.usage.tap import UsageTap, clientAskedUsage
+from relay.usage.tap import HostedCallWatch, UsageTap, clientAskedUsage
 
 STARTUP_WAIT_SECONDS = 10.0
 """R105: how long a turn that arrives before the stores are loaded waits for
@@ -253,6 +253,15 @@ class TurnRunner:
             if turn.compactionItems is None:
                 turn.compactionItems = []
             sink = CompactionWatch(sink, turn.compactionItems)
+        key = turn.client
+        if (key.daily_usd is not None or key.monthly_usd is not None) and turn.body.get("tools"):
+            from relay.tenants.prices import requestTools
+
+            if requestTools(turn.body):
+                # R109: the hosted-tool calls of an answer whose terminal
+                # event lists no output (the ChatGPT backend).
+                turn.hostedCalls = {}
+                sink = HostedCallWatch(sink, turn.hostedCalls)
         d = Deferred.fromCoroutine(self._run(turn, sink))
         if not d.called:
             self.inflight[turn] = d
@@ -297,7 +306,8 @@ class TurnRunner:
             if pending is not None:
                 await self._waitForStores(turn, pending)
             self._checkKeyPolicy(turn, self.clock.seconds())
-            self._checkTokenBudget(turn, self.clock.seconds())
+            if self.usage is not None and self.usage.hasBudget(turn.client.name):
+                await self._reserveBudget(turn)
             if self.keyPolicy is not None and (turn.client.rpm or turn.client.tpm):
                 await self._checkKeyRate(turn)
             if not turn.keyAdmitted:
@@ -329,6 +339,10 @@ class TurnRunner:
                 state.keepalive.stop()
             if userLease is not None:
                 userLease.release()
+            if turn.budgetHold is not None:
+                # R108: a turn refused or failed before output gives its
+                # reservation back (settled ones are done already).
+                self.usage.release(turn.budgetHold)
             self.budget.active -= 1
             if state.retryToken:
                 self.budget.give()
@@ -385,6 +399,27 @@ class TurnRunner:
         if error is not None:
             raise _AdmissionFailed(error)
 
+    def _priceRefusal(self, turn: Turn, account) -> Optional[ClientError]:
+        """
+        R109: a key with a money budget is refused (C{model_not_priced})
+        when the model C{account} serves the turn as, the request's
+        C{service_tier} or a hosted tool it offers has no price.
+        """
+        key = turn.client
+        if self.keyPolicy is None or (key.daily_usd is None and key.monthly_usd is None):
+            return None
+        if not turn.model or (turn.request is not None and not turn.request.billed):
+            return None  # nothing generated, or no model to price (as the key policy)
+        served = account.upstreamModel(turn.model)
+        error = self.keyPolicy.priceRefusal(key, served, turn.body)
+        if error is not None:
+            self._log.info(
+                "key {key_name} refused: {message}", event="relay.key_policy_refused",
+                key_name=key.name, code=error.code, message=error.message,
+                request_id=turn.requestId, account_id=account.id,
+            )
+        return error
+
     def refusal(self, turn: Turn) -> Optional[ClientError]:
         """
         Issue 22: the key policy's answer for a C{response.create} relay
@@ -429,27 +464,59 @@ class TurnRunner:
                 request_id=turn.requestId,
             )
 
-    def _checkTokenBudget(self, turn: Turn, now: float) -> None:
+    async def _reserveBudget(self, turn: Turn) -> None:
         """
-        Issue 13 item 5: a key whose C{daily_tokens} or C{monthly_tokens}
-        budget is spent gets a 429 before the turn takes a slot or reaches
-        an account.
+        R102, R108: a key with a token or money budget
+        reserves the turn's estimate (L{_budgetEstimate}) before the turn
+        takes a slot or reaches an account; a key whose budget minus spend
+        minus its other turns' reservations is not above zero gets a 429.
+        The hold is put on the turn (C{Turn.budgetHold}): its usage settles
+        it (L{recordUsage}), the turn's end releases what was not settled.
 
         @raise _AdmissionFailed: with the budget's L{ClientError}.
         """
-        if self.usage is None or (turn.request is not None and not turn.request.billed):
+        if turn.request is not None and not turn.request.billed:
             return
-        error = self.usage.overBudget(turn.client.name, now)
+        tokens, nanos = await self._budgetEstimate(turn)
+        error, hold = await self.usage.reserve(turn.client.name, tokens, nanos)
         if error is None:
+            turn.budgetHold = hold
+            if turn.cancel.cancelled:
+                raise ClientGone(turn.cancel.reason or "client_gone")
             return
         self._log.warn(
-            "key {key_name} is over its token budget",
+            "key {key_name} is over its budget",
             event="relay.token_budget_exceeded",
             key_name=turn.client.name,
             message=error.message,
             request_id=turn.requestId,
         )
         raise _AdmissionFailed(error)
+
+    async def _budgetEstimate(self, turn: Turn) -> tuple:
+        """
+        R108: what a turn may use before it runs: input from the body
+        (L{relay.usage.estimate.inputTokens}) plus, for a turn chained by
+        C{previous_response_id}, the chain's last known input + output;
+        output from the body's C{max_output_tokens} (chat:
+        C{max_completion_tokens}, C{max_tokens}), else the key's
+        C{max_turn_output_tokens}; the cost at the dearest price of the
+        accounts the key may reach (L{relay.tenants.policy.KeyPolicy.estimate}).
+
+        @return: C{(tokens, nano-dollars)}.
+        """
+        from relay.usage.estimate import inputTokens, outputTokens
+
+        key = turn.client
+        previous = turn.previousResponseId or turn.body.get("previous_response_id")
+        chain = await self.usage.chainTokens(previous if isinstance(previous, str) else None)
+        given = inputTokens(turn.body) + chain
+        out = outputTokens(turn.body, key.max_turn_output_tokens)
+        nanos = 0
+        if self.keyPolicy is not None and (key.daily_usd is not None
+                                           or key.monthly_usd is not None):
+            nanos = self.keyPolicy.estimate(key, turn.model, turn.body, given, out)
+        return given + out, nanos
 
     def admitKey(
         self, key, cancel, requestId: str = "", entrypoint: str = "http", keepalive=None
@@ -565,6 +632,14 @@ class TurnRunner:
                     return "failed", error.status, state.lastAccountId
                 account = selection.account
                 lease = selection.lease
+                refused = self._priceRefusal(turn, account)
+                if refused is not None:
+                    # R109: what the chosen account serves has no price
+                    # (a key with a money budget): refused before dialling.
+                    if lease is not None:
+                        lease.release()
+                    sink.fail(refused)
+                    return "failed", refused.status, account.id
                 if state.pendingFailover is not None:
                     self.metrics.failoverTo(state.pendingFailover, account.id)
                     state.pendingFailover = None
@@ -919,10 +994,28 @@ class TurnRunner:
         if turn.compactionItems:
             recordCompaction(self, turn, account)
         if result.responseId:
+            self._keepChain(turn, result.responseId)
             if not result.ownerRecorded:
                 await self.scheduler.recordResponse(turn, result.responseId, account)
             if turn.onResponseId is not None:
                 turn.onResponseId(result.responseId, account)
+
+    def _keepChain(self, turn: Turn, responseId: Optional[str]) -> None:
+        """
+        R108: once a turn of a key with a budget has both its response id
+        and its usage, keep its input + output for a turn chained on it
+        (for C{previous_response_ttl_seconds}).
+        """
+        hold = turn.budgetHold
+        if hold is None or hold.chainKept:
+            return
+        if responseId and hold.responseId is None:
+            hold.responseId = responseId
+        if hold.responseId and turn.usage is not None:
+            hold.chainKept = True
+            self.usage.rememberChain(
+                hold.responseId, turn.usage.total,
+                self.settings.current.scheduling.previous_response_ttl_seconds)
 
     def ownResponse(self, turn: Turn, account, responseId: Optional[str],
                     response=None) -> bool:
@@ -947,6 +1040,7 @@ class TurnRunner:
         """
         if not responseId:
             return False
+        self._keepChain(turn, responseId)
         if response is not None:
             turn.outputItemIds = tuple(outputItemIds(response))
         d = self.scheduler.recordResponse(turn, responseId, account)
@@ -1206,6 +1300,9 @@ class TurnRunner:
         if turn.usage is not None:
             return
         model = account.upstreamModel(turn.model) if turn.model else ""
+        if turn.hostedCalls and not counts.tools:
+            # R109: the calls were reported in the stream's items only.
+            counts = evolve(counts, tools=tuple(sorted(turn.hostedCalls.items())))
         if self.prices is not None:
             # Issue 22: the turn's cost, once, by the upstream model.
             counts = self.prices.priced(model, counts)
@@ -1214,6 +1311,16 @@ class TurnRunner:
             self.keyPolicy.countTokens(turn.client, counts.total)
         if self.usage is None:
             return
+        hold = turn.budgetHold
+        if hold is not None:
+            # R108: the reservation settles to the real figure (one place
+            # for every way usage is learnt).
+            try:
+                self.usage.settle(hold, counts)
+                self._keepChain(turn, None)
+            except Exception:  # noqa: BLE001 - logged; accounting never breaks a turn
+                self._log.failure("settling the budget hold failed",
+                                  event="relay.usage_failed", request_id=turn.requestId)
         try:
             self.usage.record(turn.client.name, account.id, model, counts)
         except Exception:  # noqa: BLE001 - logged; accounting never breaks a turn

@@ -13,10 +13,14 @@ engine's budget check, then L{KeyPolicy.admitRate}):
  3. C{models} / C{deny_models}: a model the key may not use -> 403
     C{model_not_found} (what OpenAI answers for a model a project may not
     use), close 1008;
- 4. a money budget (C{daily_usd}/C{monthly_usd}) and a model without a
-    price -> 403 (relay could not count its cost; unpriced is never free);
- 5. token and money budgets (L{relay.usage.ledger.UsageLedger.overBudget})
-    -> 429 C{insufficient_quota}, close 1013;
+ 4. a money budget (C{daily_usd}/C{monthly_usd}) and a model no account
+    the key may reach serves under a priced name -> 403
+    C{model_not_priced} (relay could not count its cost; unpriced is never
+    free); R109: checked again for the account chosen, with the request's
+    C{service_tier} and hosted tools (L{KeyPolicy.priceRefusal});
+ 5. token and money budgets -> 429 C{insufficient_quota}, close 1013:
+    R108, a reservation of the turn's estimate (L{KeyPolicy.estimate},
+    L{relay.usage.ledger.UsageLedger.reserve});
  6. C{rpm} / C{tpm} (L{relay.tenants.ratelimit}, sliding 60 s) -> 429
     C{rate_limit_exceeded} with C{Retry-After} (whole seconds),
     C{retry-after-ms}, and OpenAI's C{x-ratelimit-limit-requests},
@@ -45,7 +49,7 @@ from twisted.logger import Logger
 from relay.model import ClientError, ClientKey
 from relay.modelname import listed
 
-__all__ = ["KEYS_LOADING", "KeyPolicy", "formatReset", "rateLimitHeaders"]
+__all__ = ["KEYS_LOADING", "KeyPolicy", "formatReset", "notPriced", "rateLimitHeaders"]
 
 EXPIRED_CLOSE = "api key expired"
 DISABLED_CLOSE = "api key is disabled"
@@ -129,6 +133,22 @@ def _rateError(key: ClientKey, decision, model: Optional[str]) -> ClientError:
     return ClientError(
         429, "rate_limit_error", message, code="rate_limit_exceeded",
         headers=rateLimitHeaders(decision), wsClose=(1013, reason),
+    )
+
+
+def notPriced(key: ClientKey, param: str, what: str) -> ClientError:
+    """
+    R109: the 403 a key with a money budget gets for a turn whose served
+    model, tier or hosted tool has no price.
+
+    @param param: C{model}, C{service_tier} or C{tools}.
+    @param what: what lacks a price (C{model `ft:x`}, C{tool `image_generation`}).
+    """
+    return ClientError(
+        403, "invalid_request_error",
+        f"The key {key.name!r} has a money budget and {what} has no price, so its cost"
+        " cannot be counted; the operator can add it under prices: (or set prices.default).",
+        code="model_not_priced", param=param, wsClose=(1008, MODEL_CLOSE),
     )
 
 
@@ -276,23 +296,70 @@ class KeyPolicy:
         if (key.daily_usd is not None or key.monthly_usd is not None) and not self._priced(
             model, self.reachable(key, self.live.accounts)
         ):
-            return ClientError(
-                403, "invalid_request_error",
-                f"The key {key.name!r} has a money budget and model `{model}` has no price,"
-                " so its cost cannot be counted; the operator can add it under prices:.",
-                code="model_not_priced", param="model", wsClose=(1008, MODEL_CLOSE),
-            )
+            names = sorted({n for n in self._serving(key, model) if n is not None})
+            return notPriced(key, "model", ", ".join(f"model `{n}`" for n in names))
         return None
 
+    def _serving(self, key: ClientKey, model: Optional[str]) -> list:
+        """
+        The upstream names the accounts C{key} may reach serve C{model} as
+        (R109: what a turn is priced by), or C{[model]} when none serves it.
+        """
+        serving = [a.upstreamModel(model) for a in self.reachable(key, self.live.accounts)
+                   if a.servesModel(model)]
+        return serving or [model]
+
     def _priced(self, model: Optional[str], accounts: Iterable) -> bool:
+        """
+        R109: some account C{key} may reach serves C{model} under a name
+        with a price (or the table has a default); which one serves a turn
+        is checked again when it is chosen (L{priceRefusal}).
+        """
         if self.prices is None or model is None:
             return True
-        if self.prices.lookup(model) is not None:
-            return True
         serving = [a for a in accounts if a.servesModel(model)]
-        return bool(serving) and all(
-            self.prices.lookup(a.upstreamModel(model)) is not None for a in serving
-        )
+        if not serving:
+            return self.prices.served(model) is not None
+        return any(self.prices.served(a.upstreamModel(model)) is not None for a in serving)
+
+    def priceRefusal(self, key: ClientKey, served: Optional[str],
+                     body: dict) -> Optional[ClientError]:
+        """
+        R109: for a key with a money budget, the refusal of a turn whose
+        chosen account serves it as C{served} when that model, the
+        request's C{service_tier} or a hosted tool in its C{tools} has no
+        price (and the table no default); checked before dialling.
+
+        @param served: the upstream model name (after C{model_mapping}).
+        @param body: the request body.
+        @return: the 403 C{model_not_priced} naming what lacks a price, or
+            L{None}.
+        """
+        if self.prices is None or (key.daily_usd is None and key.monthly_usd is None):
+            return None
+        from relay.tenants.prices import requestTier, requestTools
+
+        missing = self.prices.missing(served, requestTier(body), requestTools(body))
+        if not missing:
+            return None
+        param = missing[0][0]
+        return notPriced(key, param, ", ".join(text for _, text in missing))
+
+    def estimate(self, key: ClientKey, model: Optional[str], body: dict,
+                 inputTokens: int, outputTokens: int) -> int:
+        """
+        R108: the most a turn may cost, nano-dollars, on whichever account
+        C{key} may reach serves it (L{relay.tenants.prices.PriceTable.estimate}
+        with the request's tier and hosted tools); 0 when nothing is priced.
+        """
+        if self.prices is None:
+            return 0
+        from relay.tenants.prices import requestTier, requestTools
+
+        tier, tools = requestTier(body), requestTools(body)
+        found = [self.prices.estimate(name, inputTokens, outputTokens, tier, tools)
+                 for name in set(self._serving(key, model))]
+        return max((n for n in found if n is not None), default=0)
 
     async def admitRate(self, turn) -> Optional[ClientError]:
         """

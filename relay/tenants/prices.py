@@ -27,6 +27,26 @@ mirrored in github/docs C{data/tables/copilot/models-and-pricing.yml}
 token table (GPT-5, 5 nano, 4.1 family, 4o family, o3, o4-mini). Prices
 change: the C{prices:} section of the file overrides any of them, and
 C{PUT /admin/prices} overrides both (L{relay.control.prices}).
+
+What was served (behaviour.md R109): a turn is priced by the model the
+account served (after its C{model_mapping}), the response's
+C{service_tier} and each hosted-tool call it reports:
+
+  - a tier multiplies the token cost: C{default}/C{auto} (or none) 1x,
+    C{priority} and C{flex} the price's own C{priority}/C{flex}
+    multipliers; the shipped models have OpenAI's ratios
+    (L{SHIPPED_TIERS}: priority 2x, flex 0.5x); any other tier
+    (C{scale}) has no price unless the table's default gives one;
+  - a hosted tool (L{HOSTED_TOOLS}: C{web_search}, C{file_search},
+    C{code_interpreter}, C{image_generation}) costs C{per_call} dollars
+    per call (L{ToolPrice}); shipped: web search $0.01 and file search
+    $0.0025 a call, code interpreter $0.03 a session (OpenAI's 2025
+    tool table); image generation has no shipped price (its cost
+    depends on size and quality);
+  - C{prices.default} (L{PriceTable.default}): a L{Price} (which may
+    carry C{per_call}) for any model, tier or tool without one; L{None}
+    (the default) leaves them unpriced, and a key with a money budget
+    is refused them (C{model_not_priced}, L{PriceTable.missing}).
 """
 
 from __future__ import annotations
@@ -36,8 +56,13 @@ from typing import Mapping, Optional
 from attrs import frozen
 
 from relay.modelname import matchKey, normalise
+from relay.usage.tokens import HOSTED_TOOLS, hostedTool
 
-__all__ = ["DEFAULT_PRICES", "NANOS_PER_USD", "Price", "PriceTable", "usd"]
+__all__ = [
+    "DEFAULT_PRICES", "DEFAULT_TOOL_PRICES", "HOSTED_TOOLS", "NANOS_PER_USD", "Price",
+    "PriceTable", "SHIPPED_TIERS", "ToolPrice", "hostedTool", "requestTier", "requestTools",
+    "usd",
+]
 
 NANOS_PER_USD = 1_000_000_000
 
@@ -57,12 +82,20 @@ class Price:
     output: float
     cached_input: Optional[float] = None
     reasoning: Optional[float] = None
+    priority: Optional[float] = None
+    """R109: the multiplier of the C{priority} service tier, or L{None}."""
+    flex: Optional[float] = None
+    """R109: the multiplier of the C{flex} service tier, or L{None}."""
+    per_call: Optional[float] = None
+    """R109: on C{prices.default} only, dollars per hosted-tool call of a
+    tool without its own price."""
 
-    def nanos(self, counts) -> int:
+    def nanos(self, counts, multiplier: float = 1.0) -> int:
         """
-        The cost of C{counts} in nano-dollars.
+        The cost of C{counts}' tokens in nano-dollars.
 
         @param counts: a L{relay.usage.tokens.TokenCounts}.
+        @param multiplier: the service tier's (R109), 1 for the default tier.
         @rtype: L{int}
         """
         cached = min(counts.cached, counts.input)
@@ -76,19 +109,77 @@ class Price:
             + (counts.output - reasoning) * self.output
             + reasoning * reasoningPrice
         )
-        return int(round(total * 1000))
+        return int(round(total * 1000 * multiplier))
 
     def asDict(self) -> dict:
         """
         @return: C{input}, C{cached_input}, C{output}, C{reasoning} with
-            the defaults filled in (USD per 1M tokens).
+            the defaults filled in (USD per 1M tokens), and C{priority},
+            C{flex}, C{per_call} when set (R109).
         """
-        return {
+        out = {
             "input": self.input,
             "cached_input": self.input if self.cached_input is None else self.cached_input,
             "output": self.output,
             "reasoning": self.output if self.reasoning is None else self.reasoning,
         }
+        for name in ("priority", "flex", "per_call"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+
+@frozen
+class ToolPrice:
+    """
+    A hosted tool's price (R109): US dollars per call the response reports.
+
+    @ivar per_call: dollars per call.
+    """
+
+    per_call: float
+
+    def asDict(self) -> dict:
+        """
+        @return: C{{"per_call": dollars}}.
+        """
+        return {"per_call": self.per_call}
+
+
+SHIPPED_TIERS: Mapping[str, float] = {"priority": 2.0, "flex": 0.5}
+"""The tier multipliers of the shipped prices (OpenAI's ratios, R109)."""
+
+DEFAULT_TOOL_PRICES: Mapping[str, ToolPrice] = {
+    "web_search": ToolPrice(0.01),
+    "file_search": ToolPrice(0.0025),
+    "code_interpreter": ToolPrice(0.03),
+}
+"""The shipped hosted-tool prices (see the module docstring)."""
+
+_PLAIN_TIERS = frozenset({None, "", "default", "auto"})
+"""Service tiers billed at the standard rate."""
+
+
+def requestTier(body) -> Optional[str]:
+    """
+    R109: the C{service_tier} a request asks for (C{default}/C{auto}/none:
+    L{None}).
+    """
+    tier = body.get("service_tier") if isinstance(body, dict) else None
+    return tier if isinstance(tier, str) and tier not in _PLAIN_TIERS else None
+
+
+def requestTools(body) -> tuple:
+    """
+    R109: the hosted tools (L{HOSTED_TOOLS}) a request's C{tools} offers,
+    sorted, each once.
+    """
+    tools = body.get("tools") if isinstance(body, dict) else None
+    if not isinstance(tools, list):
+        return ()
+    found = {hostedTool(t.get("type")) for t in tools if isinstance(t, dict)}
+    return tuple(sorted(t for t in found if t is not None))
 
 
 def _p(input, cached, output) -> Price:
@@ -140,12 +231,20 @@ class PriceTable:
     """
 
     def __init__(self, overrides: Optional[Mapping[str, Price]] = None,
-                 defaults: Mapping[str, Price] = DEFAULT_PRICES):
+                 defaults: Mapping[str, Price] = DEFAULT_PRICES,
+                 toolDefaults: Mapping[str, ToolPrice] = DEFAULT_TOOL_PRICES):
         """
-        @param overrides: model -> L{Price} from the configuration.
+        @param overrides: model -> L{Price} from the configuration (and
+            tool -> L{ToolPrice}, C{default} -> L{Price}, R109).
         @param defaults: the shipped table.
+        @param toolDefaults: the shipped hosted-tool prices.
         """
         self._defaults = dict(defaults)
+        self._toolDefaults = dict(toolDefaults)
+        self._tools: dict = {}
+        self.default: Optional[Price] = None
+        """R109: C{prices.default}, the price of anything unpriced, or
+        L{None}."""
         self._table: dict = {}
         self._admin: dict = {}
         self.replace(overrides or {})
@@ -173,9 +272,19 @@ class PriceTable:
 
     def _build(self) -> None:
         table = dict(self._defaults)
-        table.update(self._overrides)
-        table.update(self._admin)
+        tools = dict(self._toolDefaults)
+        default = None
+        for layer in (self._overrides, self._admin):
+            for name, price in layer.items():
+                if name == "default":
+                    default = price
+                elif isinstance(price, ToolPrice):
+                    tools[name] = price
+                else:
+                    table[name] = price
         self._table = table
+        self._tools = tools
+        self.default = default
         folded: dict = {}
         for model, price in table.items():
             folded.setdefault(matchKey(model), price)
@@ -206,16 +315,108 @@ class PriceTable:
             found = self._folded.get(normalise(model, self._names))
         return found
 
+    def _tier(self, model: Optional[str], price: Price, tier) -> Optional[float]:
+        """
+        The multiplier of C{tier} on C{price} (C{model}'s), or L{None}.
+        """
+        if tier in _PLAIN_TIERS:
+            return 1.0
+        value = getattr(price, tier, None) if tier in SHIPPED_TIERS else None
+        if value is None and tier in SHIPPED_TIERS and model and (
+                self._defaults.get(model) is price
+                or self._defaults.get(_SNAPSHOT.sub("", model)) is price):
+            value = SHIPPED_TIERS[tier]
+        if value is None and self.default is not None and tier in SHIPPED_TIERS:
+            value = getattr(self.default, tier, None)
+        return value
+
+    def _tool(self, tool: str) -> Optional[float]:
+        """
+        Dollars per call of C{tool}, or L{None}.
+        """
+        found = self._tools.get(tool)
+        if found is not None:
+            return found.per_call
+        return None if self.default is None else self.default.per_call
+
+    def served(self, model: Optional[str]) -> Optional[Price]:
+        """
+        R109: the price a turn served by C{model} is billed at: its own
+        (L{lookup}), else C{prices.default}.
+        """
+        price = self.lookup(model)
+        return self.default if price is None else price
+
+    def missing(self, model: Optional[str], tier=None, tools=()) -> list:
+        """
+        R109: what of a turn has no price.
+
+        @param model: the model served (after the account's mapping).
+        @param tier: the C{service_tier}, or L{None}.
+        @param tools: hosted tool names (L{HOSTED_TOOLS}).
+        @return: a list of C{(param, text)}: C{("model", "model `x`")},
+            C{("service_tier", "service_tier `scale` of model `x`")},
+            C{("tools", "tool `image_generation`")}; empty when all is
+            priced.
+        """
+        out = []
+        price = self.served(model)
+        if price is None:
+            out.append(("model", f"model `{model}`"))
+        elif self._tier(model, price, tier) is None:
+            out.append(("service_tier", f"service_tier `{tier}` of model `{model}`"))
+        for tool in sorted(set(tools)):
+            if self._tool(tool) is None:
+                out.append(("tools", f"tool `{tool}`"))
+        return out
+
+    def estimate(self, model: Optional[str], inputTokens: int, outputTokens: int,
+                 tier=None, tools=()) -> Optional[int]:
+        """
+        R108: the cost of a turn before it runs, nano-dollars: every input
+        token uncached, every output token at the output rate, the tier's
+        multiplier and one call of each hosted tool the request offers.
+
+        @return: nano-dollars, or L{None} when something is unpriced.
+        """
+        from relay.usage.tokens import TokenCounts
+
+        counts = TokenCounts(requests=1, input=inputTokens, output=outputTokens,
+                             tier=tier, tools=tuple((t, 1) for t in sorted(set(tools))))
+        return self.nanos(model, counts)
+
+    def nanos(self, model: Optional[str], counts) -> Optional[int]:
+        """
+        R109: the cost of a served turn: its tokens at C{model}'s price
+        times C{counts.tier}'s multiplier, plus C{counts.tools}' calls.
+
+        @return: nano-dollars, or L{None} when the model, the tier or a
+            tool has no price.
+        """
+        price = self.served(model)
+        if price is None:
+            return None
+        multiplier = self._tier(model, price, counts.tier)
+        if multiplier is None:
+            return None
+        nanos = price.nanos(counts, multiplier)
+        for tool, calls in counts.tools:
+            perCall = self._tool(tool)
+            if perCall is None:
+                return None
+            nanos += int(round(calls * perCall * NANOS_PER_USD))
+        return nanos
+
     def cost(self, model: Optional[str], counts) -> Optional[int]:
         """
         The cost of one turn.
 
         @param model: the upstream model the turn ran on.
         @param counts: its L{relay.usage.tokens.TokenCounts}.
-        @return: nano-dollars, or L{None} when the model is unpriced.
+        @return: nano-dollars, or L{None} when the model (or, R109, its
+            tier or a tool call) is unpriced.
         """
-        price = self.lookup(model)
-        return None if price is None else price.nanos(counts)
+        return self.nanos(model, counts)
 
     def priced(self, model: Optional[str], counts):
         """
@@ -226,14 +427,17 @@ class PriceTable:
         """
         from relay.usage.tokens import TokenCounts
 
-        price = self.lookup(model)
-        nanos = None if price is None else price.nanos(counts)
+        if counts.tier in _PLAIN_TIERS and not counts.tools:
+            price = self.lookup(model) or self.default
+            nanos = None if price is None else price.nanos(counts)
+        else:
+            nanos = self.nanos(model, counts)  # R109: a tier or tool calls
         # (L{cost}, inline: issue 24.) Built directly: attrs.evolve costs a few microseconds per turn.
         if nanos is None:
             return TokenCounts(counts.requests, counts.input, counts.cached, counts.output,
-                               counts.reasoning, 0, counts.requests)
+                               counts.reasoning, 0, counts.requests, counts.tier, counts.tools)
         return TokenCounts(counts.requests, counts.input, counts.cached, counts.output,
-                           counts.reasoning, nanos, 0)
+                           counts.reasoning, nanos, 0, counts.tier, counts.tools)
 
     def view(self) -> dict:
         """
@@ -245,4 +449,10 @@ class PriceTable:
             model: dict(price.asDict(), source="admin" if model in self._admin else (
                 "config" if model in self._overrides else "default"))
             for model, price in sorted(self._table.items())
-        }
+        } | {
+            # R109: hosted tools per call, and the default price.
+            tool: dict(price.asDict(), source="admin" if tool in self._admin else (
+                "config" if tool in self._overrides else "default"))
+            for tool, price in sorted(self._tools.items())
+        } | ({} if self.default is None else {"default": dict(
+            self.default.asDict(), source="admin" if "default" in self._admin else "config")})

@@ -9,14 +9,25 @@ C{GET /admin/usage}, and enforces the optional per-key token budgets
 
 Budgets count input + output tokens per UTC day and UTC month. What other
 relay processes used reaches this one at its next flush (the store's totals
-are read back then); a turn is refused once the key's total has reached its
-budget, so one turn may take a key past it.
+are read back then).
+
+Reservations (behaviour.md R108): with an L{relay.interfaces.IBudgetHolds}
+(L{holds}), a turn of a key with a budget L{reserve}s its estimate before
+it is dialled and L{settle}s to its real tokens and cost at its end (or
+L{release}s it, refused or failed before output). The check counts the
+holds of the key's other turns and what turns settled in the holds' store
+(every process, at once), so N parallel turns end at most one turn's
+settled cost above the budget, to the accuracy of the estimates. A turn
+whose cost is unknown (unpriced) settles at its estimate: never free. A
+store error admits the turn without a hold (C{fail_open}, logged) or
+refuses it with a 503 (C{fail_closed}, R35).
 """
 
 from __future__ import annotations
 
+import os
 import time
-from typing import Any
+from typing import Any, Optional
 
 from attrs import define, field
 from twisted.internet.defer import Deferred
@@ -27,7 +38,7 @@ from relay.model import ClientError
 from relay.usage.store import DAY, dayStart, hourOf, monthStart, nextMonthStart
 from relay.usage.tokens import TokenCounts
 
-__all__ = ["UsageLedger", "budgetError"]
+__all__ = ["Hold", "UsageLedger", "budgetError"]
 
 
 def _iso(seconds: float) -> str:
@@ -79,6 +90,36 @@ def budgetError(keyName: str, budget: str, limit, used, resetsAt: float,
 
 
 @define(eq=False)
+class Hold:
+    """
+    One turn's budget reservation (R108), kept on the turn
+    (C{Turn.budgetHold}).
+
+    @ivar key: the client key's name.
+    @ivar id: the hold's unique id in the store.
+    @ivar tokens: the estimated tokens held.
+    @ivar nanos: the estimated cost held, nano-dollars.
+    @ivar held: whether the store holds it (L{False}: admitted without a
+        hold, the store was down and C{fail_open}).
+    @ivar settled: its turn's usage was counted (once).
+    @ivar released: given back without a count (once; a later usage still
+        settles, e.g. a background response's or a drained one's, R107).
+    @ivar responseId: the turn's response id, once known: its tokens are
+        kept for a turn chained on it.
+    """
+
+    key: str
+    id: str
+    tokens: int
+    nanos: int
+    held: bool = True
+    settled: bool = False
+    released: bool = False
+    responseId: Optional[str] = None
+    chainKept: bool = False
+
+
+@define(eq=False)
 class UsageLedger:
     """
     Token accounting for one relay process.
@@ -100,6 +141,13 @@ class UsageLedger:
     budgets: dict = field(factory=dict)
     flushTimeout: float = 30.0
     moneyBudgets: dict = field(factory=dict)
+    holds: Any = None
+    """R108: the L{relay.interfaces.IBudgetHolds}, or L{None} (budgets
+    checked against spend only, as before)."""
+    holdTtl: float = 1800.0
+    """R108: seconds a hold lives at most (C{state.concurrency_slot_ttl_minutes})."""
+    onHoldError: str = "fail_open"
+    """R35: C{fail_open} (admit without a hold) or C{fail_closed} (503)."""
     _pending: dict = field(factory=dict)
     _stored: dict = field(factory=dict)
     _local: dict = field(factory=dict)
@@ -213,6 +261,157 @@ class UsageLedger:
                 return budgetError(key, "monthly_usd", monthly, spentMonth / 1e9,
                                    nextMonthStart(now), now)
         return None
+
+    # -- reservations (R108) ------------------------------------------------
+
+    def hasBudget(self, key: str) -> bool:
+        """
+        Whether C{key} has a token or money budget.
+        """
+        return key in self.budgets or key in self.moneyBudgets
+
+    def _limits(self, key: str, now: float) -> list:
+        """
+        C{(name, period, unit, limit, known)} of C{key}'s budgets
+        (L{relay.interfaces.IBudgetHolds.reserve}).
+        """
+        day, month = f"d:{dayStart(now)}", f"m:{monthStart(now)}"
+        limits = []
+        tokens = self.budgets.get(key)
+        if tokens is not None:
+            usedDay, usedMonth = self.used(key, now)
+            for name, period, limit, known in (("daily_tokens", day, tokens[0], usedDay),
+                                               ("monthly_tokens", month, tokens[1], usedMonth)):
+                if limit is not None:
+                    limits.append((name, period, "t", int(limit), known))
+        money = self.moneyBudgets.get(key)
+        if money is not None:
+            spentDay, spentMonth = self.spent(key, now)
+            for name, period, limit, known in (("daily_usd", day, money[0], spentDay),
+                                               ("monthly_usd", month, money[1], spentMonth)):
+                if limit is not None:
+                    limits.append((name, period, "n", int(round(limit * 1e9)), known))
+        return limits
+
+    def _periods(self, now: float) -> tuple:
+        """
+        The current day's and month's period ids with the seconds their
+        settled amounts must live (to the period's end, plus an hour).
+        """
+        return ((f"d:{dayStart(now)}", int(dayStart(now) + DAY - now) + 3600),
+                (f"m:{monthStart(now)}", int(nextMonthStart(now) - now) + 3600))
+
+    async def reserve(self, key: str, tokens: int, nanos: int):
+        """
+        R108: check C{key}'s budgets counting its other turns' holds and,
+        when every one has room, hold this turn's estimate.
+
+        @param key: the client key's name (with a budget: L{hasBudget}).
+        @param tokens: the turn's estimated input + output tokens.
+        @param nanos: its estimated cost, nano-dollars.
+        @return: C{(error, hold)}: the 429 (L{budgetError}; or a 503 when
+            the store is down and C{fail_closed}) and L{None}, or L{None}
+            and the L{Hold} to settle or release.
+        """
+        now = self.clock.seconds()
+        hold = Hold(key=key, id=os.urandom(9).hex(), tokens=int(tokens), nanos=int(nanos))
+        if self.holds is None:
+            error = self.overBudget(key, now)
+            hold.held = False
+            return (error, None) if error is not None else (None, hold)
+        limits = self._limits(key, now)
+        try:
+            refused = await self.holds.reserve(key, hold.id, hold.tokens, hold.nanos, limits,
+                                               self.holdTtl)
+        except Exception as e:  # noqa: BLE001 - R35: the policy decides
+            self._log.error(
+                "reserving the budget of key {key_name} failed ({error})",
+                event="relay.budget_hold_failed", key_name=key, error=repr(e),
+            )
+            if self.onHoldError == "fail_closed":
+                return ClientError(503, "api_error",
+                                   "Service temporarily unavailable, please retry later",
+                                   wsClose=(1011, "budget store unavailable")), None
+            error = self.overBudget(key, now)
+            hold.held = False
+            return (error, None) if error is not None else (None, hold)
+        if refused is None:
+            return None, hold
+        name, used = refused
+        limit = next(limit for n, _, _, limit, _ in limits if n == name)
+        resets = dayStart(now) + DAY if name.startswith("daily") else nextMonthStart(now)
+        if name.endswith("_usd"):
+            return budgetError(key, name, limit / 1e9, used / 1e9, resets, now), None
+        return budgetError(key, name, limit, used, resets, now), None
+
+    def settle(self, hold: Hold, counts: TokenCounts) -> None:
+        """
+        R108: the turn of C{hold} ended with C{counts} (priced): count its
+        real tokens and cost in the holds' store and drop the hold. An
+        unpriced turn of a key with a money budget settles at its
+        estimate (never free). Not awaited; errors are logged.
+        """
+        if hold.settled:
+            return
+        hold.settled = True
+        if self.holds is None:
+            return
+        nanos = counts.cost
+        if counts.unpriced and hold.key in self.moneyBudgets:
+            nanos = max(nanos, hold.nanos)
+        d = self.holds.settle(hold.key, hold.id, counts.total, nanos,
+                              self._periods(self.clock.seconds()))
+        d.addErrback(self._holdFailed, "settling", hold)
+
+    def release(self, hold: Hold) -> None:
+        """
+        R108: drop C{hold} without counting anything (refused, or failed
+        before output); nothing when it was settled. A usage learnt later
+        still settles (L{settle}: the real figure counts at once). Not
+        awaited.
+        """
+        if hold.settled or hold.released:
+            return
+        hold.released = True
+        if hold.held and self.holds is not None:
+            try:
+                d = self.holds.release(hold.key, hold.id)
+            except Exception:  # noqa: BLE001 - logged; the hold expires by itself
+                self._log.failure("releasing a budget hold failed",
+                                  event="relay.budget_hold_failed")
+                return
+            d.addErrback(self._holdFailed, "releasing", hold)
+
+    def _holdFailed(self, failure, doing: str, hold: Hold) -> None:
+        self._log.error(
+            "{doing} the budget hold of key {key_name} failed ({error}); it expires by itself",
+            event="relay.budget_hold_failed", doing=doing, key_name=hold.key,
+            error=repr(failure.value),
+        )
+
+    async def chainTokens(self, responseId: Optional[str]) -> int:
+        """
+        R108: the last known input + output of the chain a turn continues
+        by C{previous_response_id}, or 0 (unknown, or the store failed).
+        """
+        if not responseId or self.holds is None:
+            return 0
+        try:
+            return int(await self.holds.chainTokens(responseId))
+        except Exception:  # noqa: BLE001 - an estimate: 0 is a smaller one
+            return 0
+
+    def rememberChain(self, responseId: str, tokens: int, ttl: float) -> None:
+        """
+        R108: keep a response's input + output for a turn chained on it
+        (C{previous_response_ttl_seconds}). Not awaited; errors ignored.
+        """
+        if self.holds is not None and responseId and tokens:
+            try:
+                self.holds.rememberChain(responseId, tokens, ttl).addErrback(lambda _: None)
+            except Exception:  # noqa: BLE001 - an estimate's input: never a turn's failure
+                self._log.failure("keeping a chain's tokens failed",
+                                  event="relay.budget_hold_failed")
 
     def budgetView(self, now: float) -> list:
         """

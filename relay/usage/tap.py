@@ -28,7 +28,7 @@ from twisted.logger import Logger
 
 from relay.usage.tokens import USAGE_CHUNK, TokenCounts, fromEvent
 
-__all__ = ["CHAT_MARK", "UsageTap", "clientAskedUsage"]
+__all__ = ["CHAT_MARK", "HostedCallWatch", "UsageTap", "clientAskedUsage"]
 
 CHAT_MARK = re.compile(rb"\[DONE\]|" + USAGE_CHUNK.pattern)
 """What the pass-through of a chat stream must not write blindly: the end
@@ -108,3 +108,44 @@ class UsageTap:
             self._log.failure(
                 "reading usage failed", event="relay.usage_failed", request_id=self.requestId
             )
+
+
+_ITEM_DONE = b"response.output_item.done"
+
+
+class HostedCallWatch:
+    """
+    A sink in front of the turn's sink that counts the hosted-tool calls
+    (R109) the answer reports in its C{response.output_item.done} events:
+    the ChatGPT backend's terminal event carries C{output: []}, so the
+    calls are only there. Put in front only for a key with a money budget
+    whose request offers a hosted tool (the raw pass-through is off for
+    it); the counts go to C{calls}, read when the usage is recorded
+    (L{relay.engine.runner.TurnRunner.recordUsage}).
+
+    @ivar calls: hosted tool -> calls seen.
+    """
+
+    def __init__(self, inner, calls: dict):
+        self._inner = inner
+        self.calls = calls
+
+    def __getattr__(self, name):
+        if name == "writeRaw":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    def writeEvent(self, event) -> None:
+        if event.type == _ITEM_DONE:
+            from relay.usage.tokens import hostedTool
+
+            try:
+                item = event.json().get("item")
+                kind = item.get("type") if isinstance(item, dict) else None
+                tool = hostedTool(kind) if isinstance(kind, str) and kind.endswith("_call") \
+                    else None
+                if tool is not None:
+                    self.calls[tool] = self.calls.get(tool, 0) + 1
+            except Exception:  # noqa: BLE001 - accounting never breaks a stream
+                Logger().failure("reading a hosted-tool call failed", event="relay.usage_failed")
+        self._inner.writeEvent(event)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from attrs import frozen
+from attrs import evolve, field, frozen
 
 __all__ = [
     "USAGE_CHUNK",
@@ -34,6 +34,9 @@ __all__ = [
     "fromBody",
     "fromEvent",
     "fromUsage",
+    "served",
+    "HOSTED_TOOLS",
+    "hostedTool",
 ]
 
 
@@ -72,6 +75,12 @@ class TokenCounts:
     unpriced: int = 0
     """Issue 22: how many of these turns ran on a model without a price
     (their cost is unknown, never zero)."""
+    tier: str | None = field(default=None, eq=False)
+    """R109: the C{service_tier} the response reports (one turn's; not
+    summed), or L{None}."""
+    tools: tuple = field(default=(), eq=False)
+    """R109: C{(hosted tool, calls)} pairs the response reports (one
+    turn's; not summed), e.g. C{(("web_search", 2),)}."""
 
     @property
     def total(self) -> int:
@@ -143,6 +152,61 @@ def fromUsage(usage: Any) -> TokenCounts | None:
     )
 
 
+HOSTED_TOOLS = ("web_search", "file_search", "code_interpreter", "image_generation")
+"""The hosted tools priced per call (R109): a request's C{tools[].type}
+(C{web_search_preview...} counts as C{web_search}) and a response's
+C{<tool>_call} output items."""
+
+
+def hostedTool(kind) -> str | None:
+    """
+    The hosted tool a request's tool type or a response's output item type
+    names (R109).
+
+    @param kind: a C{tools[].type} (C{web_search}, C{web_search_preview},
+        C{image_generation}, ...) or an output item C{type}
+        (C{web_search_call}, ...).
+    @return: one of L{HOSTED_TOOLS}, or L{None} (a function or custom tool,
+        not billed by the call).
+    """
+    if not isinstance(kind, str):
+        return None
+    if kind.endswith("_call"):
+        kind = kind[: -len("_call")]
+    if kind.startswith("web_search"):
+        return "web_search"
+    return kind if kind in HOSTED_TOOLS else None
+
+
+def served(counts: TokenCounts | None, response: Any) -> TokenCounts | None:
+    """
+    R109: C{counts} with what the response reports about how it was
+    served: its C{service_tier} and its hosted-tool calls (output items of
+    type C{web_search_call}, C{file_search_call}, C{code_interpreter_call},
+    C{image_generation_call}).
+
+    @param counts: the turn's counts, or L{None}.
+    @param response: a Responses C{response} object or a chat completion
+        (chunk), parsed.
+    """
+    if counts is None or not isinstance(response, dict):
+        return counts
+    tier = response.get("service_tier")
+    tier = tier if isinstance(tier, str) and tier not in ("default", "auto") else None
+    calls: dict = {}
+    output = response.get("output")
+    if isinstance(output, list):
+        for item in output:
+            kind = item.get("type") if isinstance(item, dict) else None
+            if isinstance(kind, str) and kind.endswith("_call"):
+                tool = hostedTool(kind)
+                if tool is not None:
+                    calls[tool] = calls.get(tool, 0) + 1
+    if tier is None and not calls:
+        return counts
+    return evolve(counts, tier=tier, tools=tuple(sorted(calls.items())))
+
+
 def fromEvent(event) -> TokenCounts | None:
     """
     The usage a stream event carries: a Responses terminal event's
@@ -158,8 +222,8 @@ def fromEvent(event) -> TokenCounts | None:
         return None
     response = parsed.get("response")
     if isinstance(response, dict) and "usage" in response:
-        return fromUsage(response.get("usage"))
-    return fromUsage(parsed.get("usage"))
+        return served(fromUsage(response.get("usage")), response)
+    return served(fromUsage(parsed.get("usage")), parsed)
 
 
 def fromBody(parsed: Any) -> TokenCounts | None:
@@ -172,7 +236,7 @@ def fromBody(parsed: Any) -> TokenCounts | None:
     """
     if not isinstance(parsed, dict):
         return None
-    return fromUsage(parsed.get("usage"))
+    return served(fromUsage(parsed.get("usage")), parsed)
 
 
 USAGE_CHUNK = re.compile(rb'"usage":\s*\{')

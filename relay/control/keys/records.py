@@ -12,7 +12,7 @@ key's name, data::
      "policy": {<the file's key fields but name and key: concurrency,
                 daily_tokens, monthly_tokens, models, deny_models,
                 expires_at (Unix seconds), rpm, tpm, accounts, group,
-                daily_usd, monthly_usd>},
+                daily_usd, monthly_usd, max_turn_output_tokens>},
      "label": "<free text>" | null,
      "created_at": <Unix seconds>, "created_from": "<address>",
      "updated_at": ..., "updated_from": ...}
@@ -53,7 +53,7 @@ metric labels, logs and the request log."""
 
 POLICY_FIELDS = (
     "concurrency", "daily_tokens", "monthly_tokens", "models", "deny_models", "expires_at",
-    "rpm", "tpm", "accounts", "group", "daily_usd", "monthly_usd",
+    "rpm", "tpm", "accounts", "group", "daily_usd", "monthly_usd", "max_turn_output_tokens",
 )
 """A key's policy fields (config.md C{keys[]}, behaviour.md R102): what
 C{POST} and C{PATCH /admin/keys} accept besides C{name} and C{label}."""

@@ -10,7 +10,8 @@ L{KeyService}: the rules of client keys managed through the admin API
     409. The policy fields are the file's (C{keys[]} in config.md,
     validated by the same rules): C{concurrency}, C{daily_tokens},
     C{monthly_tokens}, C{models}, C{deny_models}, C{expires_at}, C{rpm},
-    C{tpm}, C{accounts} or C{group}, C{daily_usd}, C{monthly_usd}.
+    C{tpm}, C{accounts} or C{group}, C{daily_usd}, C{monthly_usd},
+    C{max_turn_output_tokens} (R108).
   - B{Edit} (C{PATCH /admin/keys/{name}}): policy fields and C{label};
     C{null} removes a limit. A file key's fields are the file's: 409
     naming the file.
