@@ -322,9 +322,8 @@ class PriceTable:
         if tier in _PLAIN_TIERS:
             return 1.0
         value = getattr(price, tier, None) if tier in SHIPPED_TIERS else None
-        if value is None and tier in SHIPPED_TIERS and model and (
-                self._defaults.get(model) is price
-                or self._defaults.get(_SNAPSHOT.sub("", model)) is price):
+        if value is None and tier in SHIPPED_TIERS and any(
+                price is shipped for shipped in self._defaults.values()):
             value = SHIPPED_TIERS[tier]
         if value is None and self.default is not None and tier in SHIPPED_TIERS:
             value = getattr(self.default, tier, None)
