@@ -439,7 +439,8 @@ R8_ROWS = [
         "model_not_found",
     ),
     ("5 model not found", APIKEY, 400, err(None, "model not found"), True, "model_not_found"),
-    ("5 oauth does not fail over", OAUTH, 400, err("model_not_found", "no"), False, "client_error"),
+    # R106 widens row 5 to either account type (was: OAuth passes through).
+    ("5 oauth model_not_found", OAUTH, 400, err("model_not_found", "no"), True, "model_not_found"),
     # row 6
     ("6 401", APIKEY, 401, err(None, "bad key"), True, "status_401"),
     ("6 402", APIKEY, 402, err(None, "pay"), True, "status_402"),

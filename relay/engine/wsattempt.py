@@ -199,11 +199,13 @@ class WebSocketPump(StreamPump):
         if verdict is None or not verdict.failover:
             # Not a failover (R23): the client sees upstream's own error as a
             # status-bearing error event (R81), unless the judgement gave it
-            # a close code.
+            # a close code. A refused field still gets R7's one retry without
+            # it (R106, R112).
+            rejected = verdict.rejectedField if verdict is not None else None
             error = verdict.clientError if verdict is not None else None
             if error is None or error.wsClose is None:
                 error = errorFromEvent(data)
-            verdict = passVerdict(error, "upstream_error_event")
+            verdict = evolve(passVerdict(error, "upstream_error_event"), rejectedField=rejected)
         self._endWith(AttemptResult(end=end, verdict=verdict, status=verdict.status))
 
     def _afterOutput(self, event, forwardedFailure: bool = False) -> None:
