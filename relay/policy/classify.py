@@ -402,11 +402,18 @@ def scrubMessage(text: str, clientText: frozenset = frozenset()) -> str:
 #: the API's C{Unknown parameter: 'x'.} (code C{unknown_parameter}) and the
 #: ChatGPT backend's C{{"detail":"Unsupported parameter: x"}}.
 R106_REJECTED_FIELD_CODES = ("unknown_parameter", "unsupported_parameter")
-R106_REJECTED_FIELD = re.compile(
+_R106_REJECTED_PREFIX = (
     r"^\s*(?:unknown|unsupported|unrecognized) (?:parameter|request argument)"
-    r"(?: supplied)?:\s*(?P<q>['\"`]?)(?P<name>.+?)(?P=q)\.?\s*$",
+    r"(?: supplied)?:\s*"
+)
+#: The API's quoted form, C{Unknown parameter: 'x'.} ...
+R106_REJECTED_QUOTED = re.compile(
+    _R106_REJECTED_PREFIX + r"(?P<q>['\"`])(?P<name>.*)(?P=q)\.?\s*$",
     re.IGNORECASE | re.DOTALL,
 )
+#: ... and the backend's bare one, C{Unsupported parameter: x}.
+R106_REJECTED_BARE = re.compile(_R106_REJECTED_PREFIX + r"(?P<name>.*?)\s*$",
+                                re.IGNORECASE | re.DOTALL)
 
 
 def rejectedField(status: int, code: Optional[str], param: Optional[str],
@@ -427,7 +434,7 @@ def rejectedField(status: int, code: Optional[str], param: Optional[str],
     if isinstance(code, str) and code.lower() in R106_REJECTED_FIELD_CODES and param:
         return param
     if isinstance(message, str):
-        match = R106_REJECTED_FIELD.match(message)
+        match = R106_REJECTED_QUOTED.match(message) or R106_REJECTED_BARE.match(message)
         if match and match.group("name").strip():
             return match.group("name")
     return None

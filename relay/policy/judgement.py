@@ -174,6 +174,8 @@ def impliedStatus(err: dict, clientText: frozenset = frozenset()) -> int:
     code = err.get("code")
     if isinstance(code, str) and code.lower() in REQUEST_FAULT_STATUS:
         return REQUEST_FAULT_STATUS[code.lower()]
+    if parseError(400, {"error": err}).rejectedField is not None:
+        return 400  # the backend's "Unsupported parameter: x" carried in-band
     if isOverload(f):
         return 500 if any(c in SERVER_ERROR_CODES for c in f.codes) else 0
     if any(frag in c for c in f.codes for frag in R49_RATE_LIMIT_FRAGMENTS):
