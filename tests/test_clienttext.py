@@ -327,8 +327,9 @@ class IssueInputTests(SynchronousTestCase):
         body = {"model": "gpt-5.5", "input": "hi", "usage limit reached": 1}
         event = {"type": "error", "error": {
             "message": "Unsupported parameter: usage limit reached", "type": None}}
-        verdict, state = self.judgeAndRecord(OAUTH, E.InBandFailure(event, E.WIRE_WS), body)
-        self.assertTrue(verdict is None or verdict.markings == ())
+        verdict, state = self.judgeAndRecord(APIKEY, E.InBandFailure(event, E.WIRE_WS), body)
+        self.assertEqual(verdict.markings, ())
+        self.assertEqual(verdict.rejectedField, "usage limit reached")
         self.assertEqual(accountWide(state), [])
 
 
