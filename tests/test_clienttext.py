@@ -583,3 +583,50 @@ class ClientTextProperty(SynchronousTestCase):
             self.assertIn(list(state.modelBlocks),
                           ([], [model]) if refuse["template"] in MODEL_REFUSALS else ([],))
             self.assertIsNone(rig.health.localBlock(id))
+
+
+class EmulatorRefusalTests(SynchronousTestCase):
+    """
+    The emulator's C{refuse} fault and its templates (L{relay.emulator.refusals}).
+    """
+
+    def test_parse(self):
+        from relay.emulator.chaos import ChaosPlan
+        from relay.emulator.state import parseFault
+
+        fault = parseFault({"kind": "refuse", "template": "model_not_found", "code": 403,
+                            "wire": "response.failed", "times": 1})
+        self.assertEqual((fault.kind, fault.get("code"), fault.times), ("refuse", 403, 1))
+        for bad in ({"template": "nope"}, {"template": "model_not_found", "code": 500},
+                    {"template": "unknown_parameter", "wire": "close"},
+                    {"template": "unknown_parameter", "param": 3}):
+            self.assertRaises(ValueError, parseFault, dict(bad, kind="refuse"))
+        ChaosPlan.parse({"rate": 1, "faults": [{"kind": "refuse",
+                                                "template": "unknown_parameter"}]})
+
+    def test_templates(self):
+        body = {"model": "o1-pro", "input": "hi", "service_tier": "v", "zz": 1}
+        self.assertEqual(refusalFor({"template": "unknown_parameter"}, body).body, {"error": {
+            "message": "Unknown parameter: 'zz'.", "type": "invalid_request_error",
+            "param": "zz", "code": "unknown_parameter"}})
+        self.assertEqual(refusalFor({"template": "unsupported_parameter"}, body).body,
+                         {"detail": "Unsupported parameter: zz"})
+        self.assertIsNone(refusalFor({"template": "unknown_parameter"}, {"model": "m"}))
+        self.assertIsNone(refusalFor({"template": "unknown_parameter", "param": "x"}, body))
+        invalid = refusalFor({"template": "invalid_value"}, body)
+        self.assertEqual((invalid.status, invalid.body["error"]["param"]), (400, "service_tier"))
+        self.assertTrue(invalid.body["error"]["message"].startswith("Invalid value: 'v'."))
+        project = refusalFor({"template": "model_not_found", "code": 403}, body,
+                             credential="sk-secret")
+        message = project.body["error"]["message"]
+        self.assertRegex(message, r"^Project `proj_[0-9a-f]{24}` does not have access to "
+                                  r"model `o1-pro`$")
+        self.assertNotIn("sk-secret", message)
+        self.assertEqual(refusalFor({"template": "model_not_found"}, body).status, 404)
+        self.assertEqual(refusalFor({"template": "model_not_found", "code": 400}, body)
+                         .body["error"]["param"], "model")
+        backend = refusalFor({"template": "model_not_supported"}, body)
+        self.assertEqual(backend.error(), {
+            "type": "invalid_request_error", "code": None, "param": None,
+            "message": "The 'o1-pro' model is not supported when using Codex with a "
+                       "ChatGPT account."})

@@ -1,4 +1,4 @@
-# -*- test-case-name: tests.test_emulator_refusals -*-
+# -*- test-case-name: tests.test_clienttext -*-
 """
 The upstream's refusals of a request, each quoting what the request carried, as OpenAI
 words them: the emulator's C{refuse} fault kind (L{relay.emulator.state}) answers with
