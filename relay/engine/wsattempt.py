@@ -89,13 +89,14 @@ def _eventCode(event: dict) -> str:
 def isPreviousNotFound(event: dict) -> bool:
     """
     protocol.md 4.5: C{previous_response_not_found}, by code or by the
-    message text codex2api also matches.
+    message text codex2api also matches -- at the start of the message only,
+    where upstream writes it, never inside an echo of the request (R106).
     """
     if _eventCode(event) == "previous_response_not_found":
         return True
     inner = event.get("error")
     message = inner.get("message", "") if isinstance(inner, dict) else ""
-    return "previous response with id" in str(message).lower()
+    return str(message).lower().lstrip().startswith("previous response with id")
 
 
 FRAME_TOO_BIG = 1009
