@@ -34,7 +34,7 @@ from relay.policy.health import AccountHealth
 from relay.policy.judgement import judge
 from relay.settings import RuntimeSettings
 from relay.state.memory import MemoryStateStore
-from tests.test_runner import COMPLETED, CREATED, FakeDialer, Rig, account, frame, ok, sse, status
+from tests.test_runner import CREATED, FakeDialer, FakeSink, Rig, account, frame, ok, sse, status
 
 T0 = 1_700_000_000.0
 
@@ -400,8 +400,6 @@ def echoRig(accounts, refusal, wire="http"):
 
 
 def runTurn(rig, body, model):
-    from tests.test_runner import FakeSink
-
     turn = Turn(entrypoint="http", endpoint="responses",
                 client=ClientKey(name="t", key="k", concurrency=0), model=model,
                 body=body, stream=True, requestId="req")

@@ -12,7 +12,9 @@ reader can hold this file next to behaviour.md and check it row by row:
     - L{R11_STATUS_RULES}: account markings by status;
     - L{R15_STATUS_MAP}, L{R65_WS_CLOSE}: what the client sees when failover
       is exhausted;
-    - L{R23_POLICY_MARKERS}, L{R23_ERROR_RETRY_WORDS}: stream failures.
+    - L{R23_POLICY_MARKERS}, L{R23_ERROR_RETRY_WORDS}: stream failures;
+    - L{R106_QUOTE_MARKERS}, L{scrubMessage}, L{rejectedField}: text the
+      client supplied never decides (R106), and R7's rejected field.
 
 The classifier is pure: no I/O and no clock. Times it needs (R12 resets,
 R16 dates) come in as C{now}; the stateful part of marking (the 403 counter,
@@ -23,6 +25,7 @@ L{relay.policy.health.AccountHealth}.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import re
 from email.utils import parsedate_to_datetime
@@ -347,6 +350,7 @@ def clientStrings(*values: Any) -> frozenset:
     return frozenset(out)
 
 
+@functools.cache
 def _triggers() -> tuple:
     """
     R106: the phrase text the rules match in messages (R8 rows 2, 5, 7,
