@@ -144,7 +144,7 @@ def accountWide(state) -> list:
 
 class IssueInputTests(SynchronousTestCase):
     """
-    R106: the failing inputs of issue item 1, each judged and recorded.
+    R106: the failing inputs found by a hostile tenant, each judged and recorded.
     """
 
     def setUp(self):
