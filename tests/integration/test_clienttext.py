@@ -177,3 +177,24 @@ async def test_ws_response_failed_wire():
         await assertUnmarked(stack)
     finally:
         await P.drain(stack)
+
+
+@pytest.mark.parametrize("entrypoint", (P.SSE_OAUTH, P.CHAT_OAUTH))
+@pytest_twisted.ensureDeferred
+async def test_backend_model_refusal_blocks_the_model_only(entrypoint):
+    """
+    The ChatGPT backend's C{{"detail": "The 'o1-pro' model is not supported
+    when using Codex with a ChatGPT account."}} (400, no code): R8 row 5's
+    model block on each OAuth account, nothing account-wide.
+    """
+    stack = await P.startParityStack(entrypoint, ACCOUNTS)
+    try:
+        stack.emulator.setFault("*", {"kind": "refuse", "template": "model_not_supported"})
+        outcome = await turn(stack, entrypoint, {}, model="o1-pro")
+        assert outcome.kind == "terminal_error", outcome
+        assert [len(sent(stack, a["id"])) for a in ACCOUNTS] == [1, 1, 1]
+        await assertUnmarked(stack, refusedModel="o1-pro")
+        states = await stack.app.store.getAccountStates([a["id"] for a in ACCOUNTS])
+        assert all("o1-pro" in state.modelBlocks for state in states.values()), states
+    finally:
+        await P.drain(stack)
