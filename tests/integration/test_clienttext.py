@@ -88,24 +88,28 @@ async def assertUnmarked(stack, refusedModel=None):
         assert stack.app.health.localBlock(id) is None, id
 
 
+@pytest.mark.parametrize("field", (PHRASE, "model not found", "servers are overloaded"))
 @pytest.mark.parametrize("entrypoint", ENTRYPOINTS)
 @pytest_twisted.ensureDeferred
-async def test_unknown_field_is_dropped_and_retried(entrypoint):
+async def test_unknown_field_is_dropped_and_retried(entrypoint, field):
     """
-    The issue's field C{"identity verification is required": 1}, refused by
-    every account as the API (or the ChatGPT backend on OAuth) does: relay
-    drops it, the same account serves the retry, nothing is disabled.
+    The issue's fields (C{"identity verification is required": 1}, which
+    disabled every account it reached; C{"model not found"}, which blocked
+    the model; C{"servers are overloaded"}, which cost 4 upstream calls),
+    refused by every account as the API (or the ChatGPT backend on OAuth)
+    does: relay drops the field, the same account serves the retry, nothing
+    is marked.
     """
     stack = await P.startParityStack(entrypoint, ACCOUNTS)
     try:
         template = "unsupported_parameter" if entrypoint == P.SSE_OAUTH else "unknown_parameter"
         stack.emulator.setFault("*", {"kind": "refuse", "template": template})
-        outcome = await turn(stack, entrypoint, {PHRASE: 1})
+        outcome = await turn(stack, entrypoint, {field: 1})
         # (the OAuth route's terminal event carries no output to name a1 by)
         assert outcome.kind == "served_by_other" and outcome.servedBy in ("a1", None), outcome
         bodies = sent(stack, "a1")
         assert len(bodies) == 2, bodies
-        assert PHRASE in bodies[0] and PHRASE not in bodies[1], bodies
+        assert field in bodies[0] and field not in bodies[1], bodies
         assert sent(stack, "a2") == [] and sent(stack, "a3") == []
         await assertUnmarked(stack)
     finally:
