@@ -32,9 +32,9 @@ class IFailureClassifier(Interface):
             C{failover=True}, C{status=502}.
         """
 
-    def classifyStatus(account, endpoint, status, headers, body, now):
+    def classifyStatus(account, endpoint, status, headers, body, now, clientText=frozenset()):
         """
-        Classify an upstream HTTP error status (R7-R16).
+        Classify an upstream HTTP error status (R7-R16, R106).
 
         @param account: the L{relay.model.Account}.
         @param endpoint: C{responses} or C{chat}.
@@ -42,10 +42,14 @@ class IFailureClassifier(Interface):
         @param headers: lower-cased header name -> value (first value).
         @param body: at most 512 KiB of the error body, as bytes.
         @param now: the current time, Unix seconds (for R12 reset times).
-        @return: a L{relay.policy.failures.Verdict}.
+        @param clientText: the request's own strings
+            (L{relay.policy.classify.clientStrings}): a message phrase that
+            only they put there never marks the account (R106).
+        @return: a L{relay.policy.failures.Verdict}; a 400 naming an
+            unknown or unsupported field carries C{rejectedField} (R7).
         """
 
-    def classifyStreamFailure(account, endpoint, kind, event, detail):
+    def classifyStreamFailure(account, endpoint, kind, event, detail, clientText=frozenset()):
         """
         Classify a stream failure before the first semantic output (R23).
 
@@ -53,6 +57,8 @@ class IFailureClassifier(Interface):
             event), C{read_error}, C{no_terminal} or C{empty_completed}.
         @param event: the parsed event dict for C{kind="event"}, else L{None}.
         @param detail: human text for logs.
+        @param clientText: the request's own strings, as for
+            L{classifyStatus} (R106).
         @return: a failover L{relay.policy.failures.Verdict}, or L{None} when the
             event should be forwarded to the client unchanged.
         """

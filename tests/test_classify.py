@@ -439,7 +439,20 @@ R8_ROWS = [
         "model_not_found",
     ),
     ("5 model not found", APIKEY, 400, err(None, "model not found"), True, "model_not_found"),
-    ("5 oauth does not fail over", OAUTH, 400, err("model_not_found", "no"), False, "client_error"),
+    # R106 widens row 5 to either account type (was: OAuth passes through).
+    ("5 oauth model_not_found", OAUTH, 400, err("model_not_found", "no"), True, "model_not_found"),
+    # R106: a project's model refusal, 403 or 404, either account type.
+    (
+        "5 403 project refusal",
+        OAUTH,
+        403,
+        err("model_not_found", "Project `proj_x` does not have access to model `o1-pro`"),
+        True,
+        "model_not_found",
+    ),
+    ("5 404 model_not_found", APIKEY, 404, err("model_not_found", "no"), True, "model_not_found"),
+    ("5 403 no access message", APIKEY, 403, err(None, "does not have access to model `m`"),
+     True, "model_not_found"),
     # row 6
     ("6 401", APIKEY, 401, err(None, "bad key"), True, "status_401"),
     ("6 402", APIKEY, 402, err(None, "pay"), True, "status_402"),
@@ -1092,6 +1105,19 @@ R11_ROWS = [
         [(F.MARK_MODEL_BLOCK, 600, None)],
     ),
     ("cyber none", APIKEY, 403, err("cyber_policy"), {}, []),
+    # R106: a model refusal is a model block, never the 403 counter; an error
+    # naming a param is never the account's.
+    (
+        "403 model refusal",
+        APIKEY,
+        403,
+        err("model_not_found", "Project `proj_x` does not have access to model `o1-pro`"),
+        {},
+        [(F.MARK_MODEL_BLOCK, 600, None)],
+    ),
+    ("403 with param none", APIKEY, 403, err(None, "no", param="input"), {}, []),
+    ("400 with param none", APIKEY, 400, err(None, "Your organization has been disabled",
+                                             param="input"), {}, []),
 ]
 
 

@@ -32,6 +32,7 @@ from relay.emulator.state import (
     previousNotFoundError,
     sseFrame,
 )
+from relay.emulator.refusals import refusalOf
 from relay.emulator.responsesapi import ResponsesAPIMixin, manifestETag, modelsManifest
 from relay.emulator.stored import resolveItems
 from relay.emulator.stream import EventPump, TurnTracker, stallOf
@@ -539,6 +540,12 @@ class EmulatorResource(ResponsesAPIMixin, Resource):
         answer, fault = self._admit(request, credential, draw)
         if answer is not None:
             return answer
+        if fault is not None and fault.kind == "refuse":
+            refusal = refusalOf(fault, body, "responses", credential)
+            if refusal is not None and (not stream or fault.get("wire", "error") == "error"):
+                return self._json(request, refusal.status, refusal.body)
+            fault = None if refusal is None else Fault(
+                "stream_error", params={"error": refusal.error()})
         if fault is not None and fault.kind == "hang_after_headers":
             return self._hangAfterHeaders(request, credential, stream)
         previous = body.get("previous_response_id")
@@ -828,6 +835,12 @@ class EmulatorResource(ResponsesAPIMixin, Resource):
         answer, fault = self._admit(request, credential, draw)
         if answer is not None:
             return answer
+        if fault is not None and fault.kind == "refuse":
+            # Chat Completions refuses before it streams: always the HTTP status.
+            refusal = refusalOf(fault, body, "chat", credential)
+            if refusal is not None:
+                return self._json(request, refusal.status, refusal.body)
+            fault = None
         if fault is not None and fault.kind == "hang_after_headers":
             return self._hangAfterHeaders(request, credential, stream)
         script = self._state.scriptFor(credential)

@@ -63,6 +63,8 @@ Kinds: C{reset_before_headers}, C{hang_before_headers}, C{hang_after_headers}, C
 C{delay_first_output} (C{seconds}), C{stall_after_events} (C{events}, C{seconds}: send that
 many events, then nothing for that long, then the rest), C{cut_after_events} (C{events}),
 C{end_after_events} (C{events}), C{stream_error} (C{code}, C{message}), C{empty_completed},
+C{refuse} (C{template}, C{code}, C{param}, C{wire}: a refusal quoting the request, as
+OpenAI words it; L{relay.emulator.refusals}),
 C{ws_handshake_status} (C{code}, C{body}, C{headers}), C{ws_handshake_reset} and
 C{ws_handshake_hang}.  The three C{ws_handshake_*} kinds apply to WebSocket upgrades only;
 every other kind applies to HTTP requests and WebSocket turns (filtered by C{transport}).
@@ -94,6 +96,7 @@ from typing import Any
 from attrs import define, field, frozen
 from twisted.internet.interfaces import IReactorTime
 
+from relay.emulator.refusals import checkSpec
 from relay.emulator.sealing import foreignItem, invalidContentError, seal
 
 HTTP = "http"
@@ -115,6 +118,7 @@ TURN_KINDS = frozenset(
         "end_after_events",
         "stream_error",
         "empty_completed",
+        "refuse",
     }
 )
 """Fault kinds that apply to an HTTP request or a WebSocket turn."""
@@ -412,6 +416,8 @@ def parseFault(spec: dict, now: float = 0.0) -> Fault:
     if kind in ("cut_after_events", "end_after_events") and not isinstance(
             params.get("events"), int):
         raise ValueError(f"{kind} needs events (an integer)")
+    if kind == "refuse":
+        checkSpec(params)
     return Fault(kind=kind, transport=transport, times=times, params=params)
 
 
@@ -968,7 +974,7 @@ def buildTurn(
     kind = fault.kind if fault is not None else None
     if kind == "stream_error":
         failed = responseObject(rid, body, now, "failed", [], None)
-        failed["error"] = {
+        failed["error"] = dict(fault.get("error")) if isinstance(fault.get("error"), dict) else {
             "code": fault.get("code", "server_error"),
             "message": fault.get("message", "The emulator injected a stream error."),
         }

@@ -18,6 +18,7 @@ from autobahn.websocket.compress import PerMessageDeflateOffer, PerMessageDeflat
 from twisted.logger import Logger
 
 from relay.emulator.http import bearer, breakAfter, turnStateFor
+from relay.emulator.refusals import refusalOf
 from relay.emulator.state import (
     WS,
     Fault,
@@ -234,6 +235,14 @@ class EmulatorWebSocketProtocol(WebSocketServerProtocol):
         draw = self._emulator.arrive(self._credential, WS, frame, None)
         fault = self._emulator.takeFault(self._credential, WS, draw)
         tracker = TurnTracker(state, self._credential)
+        if fault is not None and fault.kind == "refuse":
+            refusal = refusalOf(fault, frame, "responses", self._credential)
+            if refusal is not None and fault.get("wire", "error") == "error":
+                tracker.end()
+                self._sendEvent(wsError(refusal.status, refusal.error()))
+                return
+            fault = None if refusal is None else Fault(
+                "stream_error", params={"error": refusal.error()})
         if fault is not None:
             self._log.info("applying fault {kind} for {name}", event="emulator.fault",
                            kind=fault.kind, name=state.nameOf(self._credential))

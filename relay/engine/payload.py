@@ -7,6 +7,7 @@ and the semantic-output test of behaviour.md R22.
 from __future__ import annotations
 
 import json
+import re
 
 from relay.model import Account, Turn
 from relay.sse import Event
@@ -276,6 +277,46 @@ def withoutEncryptedReasoning(body: dict):
     if len(kept) == len(items):
         return None
     return {**body, "input": kept}
+
+
+_PATH_TOKEN = re.compile(r"\[(\d+)\]|([^.\[\]]+)")
+
+
+def withoutField(body: dict, path: str):
+    """
+    behaviour.md R7, R106, R112: after an upstream 400 naming an unknown or
+    unsupported parameter, drop that field so the same account can be
+    retried once. C{path} is a top-level name (matched exactly first), or a
+    path as upstream writes it: C{text.verbosity}, C{input[0].foo}.
+
+    @param body: the turn's request body.
+    @param path: the field upstream named.
+    @return: a new body without the field (containers on the path copied,
+        the rest shared), or L{None} when the body has no such field.
+    """
+    if not isinstance(body, dict) or not isinstance(path, str):
+        return None
+    if path in body:
+        return {k: v for k, v in body.items() if k != path}
+    tokens = [(int(i) if i else n) for i, n in _PATH_TOKEN.findall(path)]
+    if len(tokens) < 2:
+        return None
+
+    def drop(node, rest):
+        head = rest[0]
+        if isinstance(node, dict) and isinstance(head, str) and head in node:
+            if len(rest) == 1:
+                return {k: v for k, v in node.items() if k != head}
+            child = drop(node[head], rest[1:])
+            return None if child is None else {**node, head: child}
+        if isinstance(node, list) and isinstance(head, int) and 0 <= head < len(node):
+            if len(rest) == 1:
+                return None  # an array element is not a parameter
+            child = drop(node[head], rest[1:])
+            return None if child is None else node[:head] + [child] + node[head + 1:]
+        return None
+
+    return drop(body, tokens)
 
 
 _SESSION_NAMES = ("session_id", "session-id")

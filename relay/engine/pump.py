@@ -312,7 +312,9 @@ class StreamPump(Protocol):
             wire = ends.WIRE_CHAT if self._chat else self._inBandWire
             end = ends.InBandFailure(failure, wire)
             verdict = self._runner.judge(self._turn, self._account, end)
-            if verdict is not None and verdict.failover:
+            if verdict is not None and (verdict.failover or verdict.rejectedField is not None):
+                # A failover, or R7's rejected field (R106, R112): the engine
+                # retries; if it cannot, the verdict's error is the answer.
                 self._endWith(AttemptResult(end=end, verdict=verdict, status=verdict.status))
                 return
             # R23: not a failover; the client sees upstream's own failure.

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from typing import Callable, Optional
 
-from attrs import frozen
+from attrs import evolve, frozen
 from twisted.logger import Logger
 
 from relay.engine.background import countBackgroundOnce
@@ -220,7 +220,8 @@ async def _refused(runner, turn, account, response, release) -> AttemptResult:
     end = ends.StatusRefused(response.code, headers, body)
     verdict = runner.judge(turn, account, end)
     if verdict is not None and not verdict.failover:
-        verdict = passVerdict(upstreamError(response.code, headers, body), verdict.reason)
+        verdict = evolve(passVerdict(upstreamError(response.code, headers, body), verdict.reason),
+                         rejectedField=verdict.rejectedField)
     return AttemptResult(end=end, verdict=verdict, status=response.code)
 
 

@@ -22,7 +22,7 @@ from relay.engine import errors as E
 from relay.engine.cancel import ClientGone, raceCancel
 from relay.engine.httpattempt import attemptHTTP
 from relay.engine.keepalive import StreamKeepalive
-from relay.engine.payload import translatesChat, withoutEncryptedReasoning
+from relay.engine.payload import translatesChat, withoutEncryptedReasoning, withoutField
 from relay.engine.pump import AttemptResult
 from relay.engine.compaction import CompactionWatch, endsWithTrigger, recordCompaction
 from relay.engine.requests import onceUsageTap, requestFinished
@@ -30,6 +30,7 @@ from relay.logs import ClassLogger
 from relay.model import AdmissionError, ClientError, Turn, WaitPlan
 from relay.policy import ends
 from relay.policy.bookkeeping import AccountBookkeeping
+from relay.policy.classify import sanitise
 from relay.policy.judgement import judge
 from relay.requestid import bindRequestId
 from relay.scheduling.itemowners import outputItemIds
@@ -757,10 +758,15 @@ class TurnRunner:
         behaviour.md R7: a one-shot same-account retry with a corrected body
         before any failover decision; it counts as neither a switch nor a
         same-account retry. Implemented: 400 C{invalid_encrypted_content}
-        -> drop the encrypted reasoning items.
+        -> drop the encrypted reasoning items; a 400 naming an unknown or
+        unsupported parameter (C{verdict.rejectedField}, R106, R112) ->
+        drop that field, once per turn (a second refusal reaches the
+        client).
 
         @return: L{True} when C{turn.body} was rewritten for a retry.
         """
+        if verdict is not None and verdict.rejectedField is not None:
+            return self._dropRejectedField(turn, state, account, verdict.rejectedField)
         if "encrypted_content" in state.rewrites or verdict is None:
             return False
         error = verdict.clientError
@@ -777,6 +783,32 @@ class TurnRunner:
             "retrying {account_id} without encrypted reasoning items",
             event="openai.invalid_encrypted_content_retry",
             account_id=account.id,
+            request_id=turn.requestId,
+        )
+        return True
+
+    def _dropRejectedField(self, turn: Turn, state: TurnState, account, name: str) -> bool:
+        """
+        behaviour.md R7's rejected field (R106, R112): drop the field the
+        upstream refused and retry once on the same account, on every
+        entrypoint (the HTTP and WebSocket attempts build their upstream
+        body from C{turn.body}).
+
+        @param name: the field as upstream named it.
+        @return: L{True} when the field was dropped for a retry.
+        """
+        if "rejected_field" in state.rewrites:
+            return False
+        body = withoutField(turn.body, name)
+        if body is None:
+            return False
+        turn.body = body
+        state.rewrites.add("rejected_field")
+        self._log.info(
+            "retrying {account_id} without the field upstream refused",
+            event="openai.rejected_field_retry",
+            account_id=account.id,
+            field=sanitise(name, 120),
             request_id=turn.requestId,
         )
         return True

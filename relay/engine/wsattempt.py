@@ -89,13 +89,14 @@ def _eventCode(event: dict) -> str:
 def isPreviousNotFound(event: dict) -> bool:
     """
     protocol.md 4.5: C{previous_response_not_found}, by code or by the
-    message text codex2api also matches.
+    message text codex2api also matches -- at the start of the message only,
+    where upstream writes it, never inside an echo of the request (R106).
     """
     if _eventCode(event) == "previous_response_not_found":
         return True
     inner = event.get("error")
     message = inner.get("message", "") if isinstance(inner, dict) else ""
-    return "previous response with id" in str(message).lower()
+    return str(message).lower().lstrip().startswith("previous response with id")
 
 
 FRAME_TOO_BIG = 1009
@@ -199,11 +200,13 @@ class WebSocketPump(StreamPump):
         if verdict is None or not verdict.failover:
             # Not a failover (R23): the client sees upstream's own error as a
             # status-bearing error event (R81), unless the judgement gave it
-            # a close code.
+            # a close code. A refused field still gets R7's one retry without
+            # it (R106, R112).
+            rejected = verdict.rejectedField if verdict is not None else None
             error = verdict.clientError if verdict is not None else None
             if error is None or error.wsClose is None:
                 error = errorFromEvent(data)
-            verdict = passVerdict(error, "upstream_error_event")
+            verdict = evolve(passVerdict(error, "upstream_error_event"), rejectedField=rejected)
         self._endWith(AttemptResult(end=end, verdict=verdict, status=verdict.status))
 
     def _afterOutput(self, event, forwardedFailure: bool = False) -> None:

@@ -12,7 +12,9 @@ reader can hold this file next to behaviour.md and check it row by row:
     - L{R11_STATUS_RULES}: account markings by status;
     - L{R15_STATUS_MAP}, L{R65_WS_CLOSE}: what the client sees when failover
       is exhausted;
-    - L{R23_POLICY_MARKERS}, L{R23_ERROR_RETRY_WORDS}: stream failures.
+    - L{R23_POLICY_MARKERS}, L{R23_ERROR_RETRY_WORDS}: stream failures;
+    - L{R106_QUOTE_MARKERS}, L{scrubMessage}, L{rejectedField}: text the
+      client supplied never decides (R106), and R7's rejected field.
 
 The classifier is pure: no I/O and no clock. Times it needs (R12 resets,
 R16 dates) come in as C{now}; the stateful part of marking (the 403 counter,
@@ -23,6 +25,7 @@ L{relay.policy.health.AccountHealth}.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import re
 from email.utils import parsedate_to_datetime
@@ -89,6 +92,7 @@ REASON_OVERLOAD = "overload"
 REASON_TRANSIENT_PROCESSING = "transient_processing"
 REASON_ACCOUNT_POLICY = "account_policy"
 REASON_CLIENT_ERROR = "client_error"
+REASON_REJECTED_FIELD = "rejected_field"
 REASON_FIRST_OUTPUT_TIMEOUT = "first_output_timeout"
 REASON_STAGING_OVERFLOW = "staging_overflow"
 REASON_STREAM_READ_ERROR = "stream_read_error"
@@ -284,6 +288,163 @@ def sanitise(text: Any, cap: int = MESSAGE_CAP) -> str:
 
 
 # ---------------------------------------------------------------------------
+# R106: text the client supplied never decides
+# ---------------------------------------------------------------------------
+
+#: R106: an upstream message quotes the request after these words ("Unknown
+#: parameter: 'x'.", "Unsupported parameter: x", "Invalid value: 'x'."); the
+#: text from the marker on is never matched against a phrase.
+R106_QUOTE_MARKERS = (
+    "unknown parameter",
+    "unsupported parameter",
+    "unrecognized request argument",
+    "invalid value",
+    "unsupported value",
+    "invalid type",
+    "invalid parameter",
+    "missing required parameter",
+)
+#: R106: what an echoed client string is replaced with, so that taking it
+#: out can never join the text around it into a phrase.
+R106_SEPARATOR = "\x00"
+#: R106: how many client strings one request contributes at most (bounded
+#: work per failure; a body with more strings is still scrubbed by the
+#: quote markers and the C{param} rule).
+R106_MAX_STRINGS = 20_000
+
+
+def _normalise(text: str) -> str:
+    """
+    Lower-case C{text} and collapse its whitespace runs to one space, as
+    every phrase is written (R106: an upstream that re-spaces an echo must
+    not turn it into a phrase).
+    """
+    return " ".join(text.lower().split())
+
+
+def clientStrings(*values: Any) -> frozenset:
+    """
+    R106: every string a request carries that an upstream message may
+    quote: the field names and string values of C{values} at any depth
+    (dicts, lists), normalised like the messages they are matched in.
+
+    @param values: request bodies, model names, header values (any JSON
+        value; other types are ignored).
+    @return: a frozenset of non-empty normalised strings, at most
+        L{R106_MAX_STRINGS}.
+    """
+    out: set = set()
+    stack = list(values)
+    while stack and len(out) < R106_MAX_STRINGS:
+        item = stack.pop()
+        if isinstance(item, str):
+            text = _normalise(item)
+            if text:
+                out.add(text)
+        elif isinstance(item, dict):
+            for key, value in item.items():
+                stack.append(key)
+                stack.append(value)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return frozenset(out)
+
+
+@functools.cache
+def _triggers() -> tuple:
+    """
+    R106: the phrase text the rules match in messages (R8 rows 2, 5, 7,
+    R11's 400 row, R23's retry words, R49's limit signals). A client string
+    that contains one of them is taken out of a message before any phrase
+    is matched; a client string without any cannot put a phrase there.
+    """
+    first, second = R8_CONTEXT_PAIR
+    return (
+        R8_CONTEXT_SUBSTRINGS + first + second + R8_CONTEXT_ALL
+        + R8_MODEL_NOT_FOUND_MESSAGES + R8_MODEL_REFUSAL_MESSAGES
+        + R8_OVERLOAD_MESSAGES + R8_PROCESSING_MESSAGES + R8_PROCESSING_ALL
+        + R11_400_DISABLE_MESSAGES + R23_ERROR_RETRY_WORDS
+        + R106_LIMIT_WORDS + R106_QUOTE_MARKERS
+    )
+
+
+def scrubMessage(text: str, clientText: frozenset = frozenset()) -> str:
+    """
+    R106: the part of an upstream message that the client did not supply,
+    for phrase matching only (what the client is shown is never scrubbed).
+
+        1. lower-case, whitespace runs collapsed;
+        2. every client string that carries phrase text (L{_triggers}),
+           longest first, replaced by L{R106_SEPARATOR};
+        3. everything from a quote marker (L{R106_QUOTE_MARKERS}) on cut.
+
+    @param text: the message.
+    @param clientText: L{clientStrings} of the request, or empty.
+    @return: the scrubbed, normalised text.
+    """
+    text = _normalise(text)
+    if not text:
+        return text
+    if clientText:
+        triggers = _triggers()
+        echoed = sorted(
+            (s for s in clientText if len(s) <= len(text) and s in text
+             and any(t in s for t in triggers)),
+            key=len,
+            reverse=True,
+        )
+        for s in echoed:
+            text = text.replace(s, R106_SEPARATOR)
+    for marker in R106_QUOTE_MARKERS:
+        at = text.find(marker)
+        if at >= 0:
+            text = text[: at + len(marker)]
+    return text
+
+
+#: R106 / R7: an upstream 400 that names a request field it does not take:
+#: the API's C{Unknown parameter: 'x'.} (code C{unknown_parameter}) and the
+#: ChatGPT backend's C{{"detail":"Unsupported parameter: x"}}.
+R106_REJECTED_FIELD_CODES = ("unknown_parameter", "unsupported_parameter")
+_R106_REJECTED_PREFIX = (
+    r"^\s*(?:unknown|unsupported|unrecognized) (?:parameter|request argument)"
+    r"(?: supplied)?:\s*"
+)
+#: The API's quoted form, C{Unknown parameter: 'x'.} ...
+R106_REJECTED_QUOTED = re.compile(
+    _R106_REJECTED_PREFIX + r"(?P<q>['\"`])(?P<name>.*)(?P=q)\.?\s*$",
+    re.IGNORECASE | re.DOTALL,
+)
+#: ... and the backend's bare one, C{Unsupported parameter: x}.
+R106_REJECTED_BARE = re.compile(_R106_REJECTED_PREFIX + r"(?P<name>.*?)\s*$",
+                                re.IGNORECASE | re.DOTALL)
+
+
+def rejectedField(status: int, code: Optional[str], param: Optional[str],
+                  message: Optional[str]) -> Optional[str]:
+    """
+    R106 / R112: the request field an upstream 400 refuses as unknown or
+    unsupported, if it names one.
+
+    @param status: the upstream status.
+    @param code: C{error.code}, or L{None}.
+    @param param: C{error.param}, or L{None}.
+    @param message: the upstream message (C{error.message} or C{detail}),
+        unscrubbed, or L{None}.
+    @return: the field name or path, or L{None}.
+    """
+    if status != 400:
+        return None
+    if isinstance(code, str) and code.lower() in R106_REJECTED_FIELD_CODES and param:
+        return param
+    if isinstance(message, str):
+        match = R106_REJECTED_QUOTED.match(message) or R106_REJECTED_BARE.match(message)
+        if match and match.group("name").strip():
+            return match.group("name")
+    return None
+
+
+# ---------------------------------------------------------------------------
 # Reading an upstream error body (R7)
 # ---------------------------------------------------------------------------
 
@@ -323,6 +484,11 @@ class ErrorFacts:
     @ivar param: C{error.param} as sent, or L{None}.
     @ivar detailUnauthorized: the body is C{{"detail":"Unauthorized"}}.
     @ivar html: the body is an HTML page.
+    @ivar rejectedField: the field a 400 refuses as unknown or unsupported
+        (L{rejectedField}), or L{None}.
+
+    C{raw}, C{messages} and the messages in C{contextTexts} are scrubbed of
+    client text (R106, L{scrubMessage}); C{message} is what upstream said.
     """
 
     status: int
@@ -340,6 +506,7 @@ class ErrorFacts:
     param: Optional[str]
     detailUnauthorized: bool
     html: bool
+    rejectedField: Optional[str] = None
 
 
 def looksHtml(text: str, contentType: str) -> bool:
@@ -351,13 +518,16 @@ def looksHtml(text: str, contentType: str) -> bool:
     return "text/html" in contentType.lower() or head.startswith(("<!doctype html", "<html"))
 
 
-def parseError(status: int, body: Any, contentType: str = "") -> ErrorFacts:
+def parseError(
+    status: int, body: Any, contentType: str = "", clientText: frozenset = frozenset()
+) -> ErrorFacts:
     """
     Read the fields R8-R12 look at from an error body (or a stream event).
 
     @param status: the upstream status.
     @param body: bytes, str, or an already-parsed dict.
     @param contentType: the upstream C{Content-Type}.
+    @param clientText: L{clientStrings} of the request (R106), or empty.
     @return: an L{ErrorFacts}.
     """
     data: Any = None
@@ -384,21 +554,25 @@ def parseError(status: int, body: Any, contentType: str = "") -> ErrorFacts:
     errMessage = err.get("message") if err else (rawError if isinstance(rawError, str) else None)
     codesCyber = (_str(err.get("code")), _str(respErr.get("code")))
     codesAccess = codesCyber + (_str(detailObj.get("code")), _str(data.get("code")))
+
+    def scrubbed(value: Any) -> str:
+        return scrubMessage(value, clientText) if isinstance(value, str) else ""
+
     messages = tuple(
         m
         for m in (
-            _str(errMessage),
-            _str(respErr.get("message")),
-            _str(data.get("message")),
-            _str(detail),
-            _str(detailObj.get("message")),
+            scrubbed(errMessage),
+            scrubbed(respErr.get("message")),
+            scrubbed(data.get("message")),
+            scrubbed(detail),
+            scrubbed(detailObj.get("message")),
         )
         if m
     )
     contextTexts = (
-        _str(errMessage),
-        _str(respErr.get("message")),
-        _str(data.get("message")),
+        scrubbed(errMessage),
+        scrubbed(respErr.get("message")),
+        scrubbed(data.get("message")),
         codesCyber[0],
         codesCyber[1],
         _str(data.get("code")),
@@ -422,10 +596,12 @@ def parseError(status: int, body: Any, contentType: str = "") -> ErrorFacts:
     )
     if original is None and not isJson and text.strip() and not html:
         original = text
+    code = err.get("code") or respErr.get("code")
+    param = (err or respErr).get("param")
     return ErrorFacts(
         status=status,
         isJson=isJson,
-        raw="" if isJson else text.lower(),
+        raw="" if isJson else scrubMessage(text, clientText),
         error=err or respErr,
         codesCyber=codesCyber,
         codesAccess=codesAccess,
@@ -440,6 +616,12 @@ def parseError(status: int, body: Any, contentType: str = "") -> ErrorFacts:
         param=err.get("param") if isinstance(err.get("param"), str) else None,
         detailUnauthorized=detail == "Unauthorized",
         html=html,
+        rejectedField=rejectedField(
+            status,
+            code if isinstance(code, str) else None,
+            param if isinstance(param, str) else None,
+            original,
+        ),
     )
 
 
@@ -469,13 +651,18 @@ R8_ACCESS_STATE = re.compile(
     r"|(?:deactivated|disabled|suspended)_(?:workspace|account|organization|org)"
 )
 
-#: R8 row 5: model-not-found code and messages (API-key accounts).
+#: R8 row 5: model-not-found code and messages.
 R8_MODEL_NOT_FOUND_CODE = "model_not_found"
 R8_MODEL_NOT_FOUND_MESSAGES = (
     "unknown provider for model",
     "model not found",
     "model is not supported",
 )
+#: R106: a project's model refusal ("Project `proj_…` does not have access
+#: to model `o1-pro`") is R8 row 5 too, on 400, 403 and 404.
+R8_MODEL_REFUSAL_MESSAGES = ("does not have access to model",)
+#: R106: the statuses a model refusal arrives with, on either account type.
+R8_MODEL_REFUSAL_STATUSES = frozenset({400, 403, 404})
 
 #: R8 row 6: statuses that fail over (plus any >= 500).
 R8_FAILOVER_STATUSES = frozenset({401, 402, 403, 405, 429, 529})
@@ -533,13 +720,20 @@ def isAccessState(f: ErrorFacts) -> bool:
 
 def isModelNotFound(f: ErrorFacts, account: Account) -> bool:
     """
-    R8 row 5: 400 model-not-found on an API-key (or compatible) account.
+    R8 row 5 as R106 widens it: a model refusal -- status 400, 403 or 404
+    with code C{model_not_found}, or one of the model messages (in text
+    the client did not supply), on either account type. It blocks that
+    model on that account and never marks the account.
     """
-    if f.status != 400 or account.type == "oauth":
+    if f.status not in R8_MODEL_REFUSAL_STATUSES:
         return False
     if R8_MODEL_NOT_FOUND_CODE in f.codes:
         return True
-    return any(m in t for t in f.messages for m in R8_MODEL_NOT_FOUND_MESSAGES)
+    return any(
+        m in t
+        for t in f.messages
+        for m in R8_MODEL_NOT_FOUND_MESSAGES + R8_MODEL_REFUSAL_MESSAGES
+    )
 
 
 def isFailoverStatus(f: ErrorFacts) -> bool:
@@ -913,6 +1107,8 @@ R23_POLICY_MARKERS = (
 R23_ERROR_RETRY_WORDS = ("temporary", "try again", "please retry")
 #: R23: semantic statuses that fail over.
 R23_STATUSES = frozenset({401, 429, 529})
+#: R106: the words of R49's limit messages, for L{_triggers}.
+R106_LIMIT_WORDS = ("usage limit", "rate limit")
 #: R49 step 5: rate-limit or usage-limit signals in a stream error.
 R49_RATE_LIMIT_FRAGMENTS = ("rate_limit", "usage_limit")
 R49_RATE_LIMIT_CODES = ("insufficient_quota",)
@@ -1025,21 +1221,44 @@ class DefaultClassifier:
     # -- R7-R16 -------------------------------------------------------------
 
     def classifyStatus(
-        self, account: Account, endpoint: str, status: int, headers: dict, body: bytes, now: float
+        self,
+        account: Account,
+        endpoint: str,
+        status: int,
+        headers: dict,
+        body: bytes,
+        now: float,
+        clientText: frozenset = frozenset(),
     ) -> Verdict:
         """
         R8 (decision), R9/R10 (pass-through), R11 (markings), R12 (reset),
-        R13/R14 (same-account), R15 (exhaustion), R16 (Retry-After).
+        R13/R14 (same-account), R15 (exhaustion), R16 (Retry-After), with
+        R106: phrases count only in text the client did not supply
+        (C{clientText}, L{clientStrings}); a 400 naming an unknown or
+        unsupported field passes with C{rejectedField} set (R7's rewrite)
+        and marks nothing.
         """
         headers = {
             str(k).lower(): (v.decode("latin-1") if isinstance(v, bytes) else v)
             for k, v in (headers or {}).items()
         }
         contentType = headers.get("content-type") or ""
-        f = parseError(status, body, contentType)
+        f = parseError(status, body, contentType, clientText)
         row, reason, failover = r8Decide(f, account)
         retryAfter = safeRetryAfter(headers.get("retry-after"), now)
 
+        if f.rejectedField is not None and row not in (1, 2, 3):
+            # R106 / R7: the request's fault; the engine drops the field and
+            # retries once on the same account.
+            return Verdict(
+                kind=STATUS,
+                failover=False,
+                status=status,
+                reason=REASON_REJECTED_FIELD,
+                clientError=self._passThrough(f, 8, endpoint, body, contentType),
+                message=f.message,
+                rejectedField=f.rejectedField,
+            )
         if not failover:
             markings = self._markings(f, account, row, headers, now, oauthWindow=False)
             if any(m.kind == MARK_DISABLED for m in markings):
@@ -1151,6 +1370,8 @@ class DefaultClassifier:
                     reason="model not found: " + f.message,
                 ),
             )
+        if f.param is not None or f.rejectedField is not None:
+            return ()  # R106: an error about a request field is never the account's
         if account.type != "oauth" and account.pool_mode:
             return ()  # R11 check 6: pool mode marks nothing beyond explicit rules
         status = f.status
@@ -1312,13 +1533,20 @@ class DefaultClassifier:
         return evolve(verdict, clientError=self.exhausted(verdict, "responses"))
 
     def classifyStreamFailure(
-        self, account: Account, endpoint: str, kind: str, event: Optional[dict], detail: str
+        self,
+        account: Account,
+        endpoint: str,
+        kind: str,
+        event: Optional[dict],
+        detail: str,
+        clientText: frozenset = frozenset(),
     ) -> Optional[Verdict]:
         """
         R23: failures before the first semantic output. Returns L{None} for
         an event that must be forwarded unchanged (R23's non-qualifying
         events, C{cyber_policy}, context-window errors, and
-        C{previous_response_not_found}, which R66/R76 handle).
+        C{previous_response_not_found}, which R66/R76 handle). Phrases
+        count only in text the client did not supply (R106, C{clientText}).
         """
         if kind == "read_error":
             return self._streamVerdict(
@@ -1335,7 +1563,7 @@ class DefaultClassifier:
             return self._streamVerdict(endpoint, 502, REASON_EMPTY_COMPLETED, MSG_EMPTY_COMPLETED)
         if kind != "event" or not isinstance(event, dict):
             return None
-        return self._classifyEvent(account, endpoint, event)
+        return self._classifyEvent(account, endpoint, event, clientText)
 
     def _streamVerdict(
         self, endpoint: str, status: int, reason: str, message: str, **kw: Any
@@ -1348,12 +1576,14 @@ class DefaultClassifier:
         )
         return evolve(verdict, clientError=self.exhausted(verdict, endpoint))
 
-    def _classifyEvent(self, account: Account, endpoint: str, event: dict) -> Optional[Verdict]:
+    def _classifyEvent(
+        self, account: Account, endpoint: str, event: dict, clientText: frozenset = frozenset()
+    ) -> Optional[Verdict]:
         """
         R23 (and R49 step 5) for a C{response.failed} or C{error} event.
         """
         err, status, headers = _eventError(event)
-        f = parseError(status or 0, {"error": err, "detail": None})
+        f = parseError(status or 0, {"error": err, "detail": None}, "", clientText)
         if isCyberPolicy(f) or isContextWindow(f):
             return None
         if any(c in f.codes for c in R23_NEVER_CODES):

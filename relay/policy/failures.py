@@ -84,6 +84,11 @@ class Verdict:
         seconds), or L{None}. An OAuth 429 carries no marking; the engine
         marks the account rate-limited until this time once the R13 window
         has ended.
+    @ivar rejectedField: for an upstream 400 that names an unknown or
+        unsupported request field (R7's rejected field, R106, R112), the
+        field as upstream named it (a top-level name, or a path such as
+        C{text.verbosity} or C{input[0].foo}); the engine drops it and
+        retries once on the same account. L{None} otherwise.
     """
 
     kind: str
@@ -102,6 +107,7 @@ class Verdict:
     message: str = ""
     oauth429: bool = False
     rateLimitUntil: Optional[float] = None
+    rejectedField: Optional[str] = None
 
 
 @frozen

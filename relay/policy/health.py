@@ -444,8 +444,9 @@ class AccountHealth:
             target = marking.model or model
             until = self._until(marking)
             if target is None:
-                await self._write(account, MARK_TEMP_UNSCHEDULABLE, until, marking.reason)
-                return [(MARK_TEMP_UNSCHEDULABLE, until)]
+                # R106: a model refusal blocks a model, never the account; a
+                # turn that named no model has nothing to block.
+                return []
             await self._write(account, kind, until, marking.reason, model=target)
             return [(kind, until)]
         if kind == MARK_COUNT_403:

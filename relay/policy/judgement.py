@@ -19,6 +19,10 @@ tables) about the status the fact stands for:
     mapping applies (1008 for 401, 403 and other 4xx; 429 and 5xx still
     fail over).
 
+Upstream may quote the request in its messages (R106), so every rule that
+matches a phrase sees the message without the request's own strings
+(L{requestText}); a status or a code is never the client's to choose.
+
 L{relay.policy.bookkeeping} then turns the same fact and verdict into
 account state.
 """
@@ -34,6 +38,7 @@ from relay.policy.classify import (
     R49_RATE_LIMIT_CODES,
     R49_RATE_LIMIT_FRAGMENTS,
     REASON_UPSTREAM_WS_BUSY,
+    clientStrings,
     isOverload,
     looksHtml,
     parseError,
@@ -47,6 +52,17 @@ WS_HANDSHAKE_REJECTED = (1008, "upstream websocket handshake rejected")
 
 #: R86.2: in-band codes (or types) that stand for an HTTP 500.
 SERVER_ERROR_CODES = frozenset({"server_error", "internal_error", "internal_server_error"})
+
+#: R106: in-band codes that name a request fault, and the HTTP status each
+#: stands for when the event carries none (a bare C{error} event or a
+#: C{response.failed}): judged like that status, so a model refusal is R8
+#: row 5's model block and an unknown field is R7's rejected field.
+REQUEST_FAULT_STATUS = {
+    "unknown_parameter": 400,
+    "unsupported_parameter": 400,
+    "invalid_value": 400,
+    "model_not_found": 404,
+}
 
 _RATE_LIMIT_MESSAGES = (
     re.compile(r"usage limit.*reached"),
@@ -123,15 +139,43 @@ def eventError(event: dict) -> tuple:
     return err, status, headers
 
 
-def impliedStatus(err: dict) -> int:
+def requestText(turn, account=None) -> frozenset:
+    """
+    R106: the strings of C{turn} an upstream message may quote: its body's
+    field names and string values at any depth, its model name (and the
+    account's mapped name for it), and its forwarded header values.
+
+    @param turn: the L{relay.model.Turn}.
+    @param account: the L{relay.model.Account} attempted, or L{None}.
+    @return: L{relay.policy.classify.clientStrings} of them.
+    """
+    model = getattr(turn, "model", None)
+    mapped = account.upstreamModel(model) if account is not None and model else None
+    headers = getattr(turn, "headers", None)
+    return clientStrings(
+        getattr(turn, "body", None),
+        model,
+        mapped,
+        list(headers.values()) if isinstance(headers, dict) else None,
+    )
+
+
+def impliedStatus(err: dict, clientText: frozenset = frozenset()) -> int:
     """
     The HTTP status an in-band failure without one stands for (R86.1,
-    R86.2, R49 step 5): 429 for rate-limit and usage-limit signals, 500 for
-    C{server_error}, else 0 (R23's stream rule decides).
+    R86.2, R49 step 5, R106): 429 for rate-limit and usage-limit signals,
+    500 for C{server_error}, the status of a request-fault code
+    (L{REQUEST_FAULT_STATUS}), else 0 (R23's stream rule decides).
 
     @param err: the event's error object.
+    @param clientText: the request's strings (L{requestText}).
     """
-    f = parseError(0, {"error": err})
+    f = parseError(0, {"error": err}, "", clientText)
+    code = err.get("code")
+    if isinstance(code, str) and code.lower() in REQUEST_FAULT_STATUS:
+        return REQUEST_FAULT_STATUS[code.lower()]
+    if parseError(400, {"error": err}).rejectedField is not None:
+        return 400  # the backend's "Unsupported parameter: x" carried in-band
     if isOverload(f):
         return 500 if any(c in SERVER_ERROR_CODES for c in f.codes) else 0
     if any(frag in c for c in f.codes for frag in R49_RATE_LIMIT_FRAGMENTS):
@@ -192,10 +236,11 @@ def judge(classifier, end, account, turn, now: float) -> Optional[F.Verdict]:
                     "ws_handshake_rejected",
                 )
         return classifier.classifyStatus(
-            account, endpoint, end.status, end.headers, end.body, now
+            account, endpoint, end.status, end.headers, end.body, now,
+            clientText=requestText(turn, account),
         )
     if isinstance(end, E.InBandFailure):
-        return _inBand(classifier, end, account, endpoint, now)
+        return _inBand(classifier, end, account, endpoint, now, requestText(turn, account))
     if isinstance(end, E.StreamCut):
         return classifier.classifyStreamFailure(account, endpoint, "read_error", None, end.detail)
     if isinstance(end, E.StreamEnded):
@@ -217,14 +262,17 @@ def judge(classifier, end, account, turn, now: float) -> Optional[F.Verdict]:
     raise TypeError(f"not an attempt end: {end!r}")
 
 
-def _inBand(classifier, end: E.InBandFailure, account, endpoint: str, now: float):
+def _inBand(
+    classifier, end: E.InBandFailure, account, endpoint: str, now: float, clientText: frozenset
+):
     """
     R86.1/R86.2: an in-band failure with a status, or one whose code names
     a status, is that HTTP status; anything else is R23's stream rule.
+    Either way phrases count only outside C{clientText} (R106).
     """
     err, status, headers = eventError(end.event)
     if not status:
-        status = impliedStatus(err)
+        status = impliedStatus(err, clientText)
     if status >= 400:
         message = err.get("message")
         contentType = str(headers.get("content-type") or "")
@@ -236,5 +284,9 @@ def _inBand(classifier, end: E.InBandFailure, account, endpoint: str, now: float
         else:
             body = json.dumps({"error": err}).encode("utf-8")
             headers = {**headers, "content-type": "application/json"}
-        return classifier.classifyStatus(account, endpoint, status, headers, body, now)
-    return classifier.classifyStreamFailure(account, endpoint, "event", end.event, "")
+        return classifier.classifyStatus(
+            account, endpoint, status, headers, body, now, clientText=clientText
+        )
+    return classifier.classifyStreamFailure(
+        account, endpoint, "event", end.event, "", clientText=clientText
+    )

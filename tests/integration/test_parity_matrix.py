@@ -159,6 +159,11 @@ ROWS = [
                "body": _err("Country, region, or territory not supported",
                             "request_forbidden", "unsupported_country_region_territory")}},
         SERVED, (False, "403_cooldown", 0, 0)),
+    Row("403_model_refusal",
+        "R106, R8 row 5 (a project's model refusal blocks the model on that account; never the"
+        " 403 counter), R86.1",
+        {"*": {"kind": "refuse", "template": "model_not_found", "code": 403}},
+        SERVED, (False, "model_block", 0, 0)),
     Row("refused", "R3 persistent, R4 (10 min), R6, R78 (passthrough), R-B1 counts transients only",
         {}, SERVED, (False, "transport", 0, 0), driver="refused"),
     Row("reset_before_headers", "R1, R3 transient, R5, R6, R-B1, R86.3",
