@@ -1325,6 +1325,7 @@ def _turnRecord(turn, state, outcome, status, accountId, start, now) -> TurnReco
         reasoning_tokens=None if usage is None else usage.reasoning,
         cost_nanos=None if usage is None or usage.unpriced else usage.cost,
         unpriced=usage is not None and bool(usage.unpriced),
+        usage_estimated=usage is not None and bool(usage.estimated),
         error_code=None if error is None else error.code,
         error=None if error is None else error.message,
         client_ip=turn.clientAddress,
