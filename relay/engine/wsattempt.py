@@ -27,7 +27,7 @@ from typing import Optional
 from attrs import define, evolve
 from twisted.logger import Logger
 
-from relay.engine.cancel import ClientGone, raceCancel, raceDeparture
+from relay.engine.cancel import ClientGone, drained, raceCancel, raceDeparture
 from relay.engine.errors import previousResponseNotFound
 from relay.engine.httpattempt import attemptHTTP
 from relay.engine.payload import dropOAuthSampling, upstreamClientHeaders
@@ -172,6 +172,8 @@ class WebSocketPump(StreamPump):
     def frameReceived(self, payload: bytes) -> None:
         if self.finished:
             return
+        if self._drain is not None and not self._drainRead(len(payload)):
+            return  # R107: the drain's byte bound
         self._resetIdle()
         quota = self._runner.quota
         if quota is not None and self._account.type == "oauth":
@@ -233,9 +235,10 @@ class WebSocketPump(StreamPump):
         if self.finished:
             return
         self._cancelIdle()
-        if self._turn.cancel.cancelled:
+        if self._turn.cancel.cancelled and self._drain is None:
             self.depart(self._turn.cancel.reason)
-            return
+            if self.finished:
+                return
         detail = f"closed {code} {reason or ''}".strip()
         if code == FRAME_TOO_BIG and not self._outputReachedClient():
             # R91: the request's fault, not the account's.
@@ -609,6 +612,7 @@ class WebSocketAttempt:
                 result = await raceDeparture(pump.done, turn.cancel)
             except ClientGone:
                 pump.depart(turn.cancel.reason)
+                await drained(pump)  # R107: usage read (or estimated) first
                 giveBack(broken=True)
                 raise
         finally:

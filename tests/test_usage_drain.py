@@ -1,0 +1,391 @@
+"""
+Every generated token is counted, whoever hangs up (behaviour.md R107), on a
+L{Clock}: the turn engine reads a left client's upstream to its terminal
+event for the usage (bounded by C{gateway.usage_drain_seconds} and
+C{usage_drain_bytes}), records relay's estimate, marked, where it cannot,
+still cancels at once before any output (R2), and writes no account state.
+"""
+
+from __future__ import annotations
+
+import json
+
+from twisted.internet.defer import succeed
+from twisted.trial.unittest import SynchronousTestCase
+
+from relay.model import ClientKey, Turn
+from relay.usage.estimate import estimateInput, estimatedCounts
+from relay.usage.tokens import TokenCounts
+from tests.test_runner import (
+    COMPLETED,
+    CREATED,
+    DELTA,
+    IN_PROGRESS,
+    ITEM_ADDED,
+    FakeResponse,
+    FakeSink,
+    Rig,
+    account,
+    frame,
+)
+
+USAGE = {"input_tokens": 6000, "input_tokens_details": {"cached_tokens": 0},
+         "output_tokens": 40, "total_tokens": 6040}
+DONE = frame("response.output_text.done", item_id="msg_1", output_index=0, text="Hi")
+COMPLETED_6K = frame(
+    "response.completed",
+    response={"id": "resp_1", "status": "completed", "output": [], "usage": USAGE},
+)
+
+
+def stream(*steps, end="done", code=200):
+    """
+    An upstream SSE answer of C{steps} (C{(delay seconds, bytes)}).
+    """
+    return lambda clock: succeed(FakeResponse(
+        clock, code=code, headers={"content-type": "text/event-stream"}, steps=list(steps),
+        end=end))
+
+
+def tick(rig, seconds: int) -> None:
+    """
+    Advance the rig's clock a second at a time (the fake upstream schedules
+    each step when the one before it was delivered).
+    """
+    for _ in range(seconds):
+        rig.clock.advance(1)
+
+
+def chatChunk(**fields) -> bytes:
+    return b"data: " + json.dumps({"object": "chat.completion.chunk", **fields}).encode() + b"\n\n"
+
+
+class RawSink(FakeSink):
+    """
+    A sink that takes raw bytes too (the pass-through path, issue 16).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.raw = b""
+
+    def writeRaw(self, data):
+        self.raw += data
+
+
+class Log:
+    """
+    The request log: keeps each turn's record.
+    """
+
+    sampleMaxBytes = 0
+
+    def __init__(self):
+        self.records = []
+
+    def sampled(self):
+        return False
+
+    def add(self, record):
+        self.records.append(record)
+
+
+class DrainTests(SynchronousTestCase):
+    """
+    R107 on HTTP SSE (Responses and chat), JSON, and through a sink that
+    stops producing.
+    """
+
+    def rig(self, **settings):
+        rig = Rig([account("a", priority=1), account("b", priority=2)], **settings)
+        rig.runner.requestLog = self.log = Log()
+        return rig
+
+    def start(self, rig, sink=None, endpoint="responses", body=None, stream=True):
+        body = body or {"model": "gpt-5.5", "input": "x" * 400, "stream": stream}
+        turn = Turn(entrypoint="http", endpoint=endpoint,
+                    client=ClientKey(name="t", key="k", concurrency=0), model="gpt-5.5",
+                    body=body, stream=stream, requestId="req")
+        sink = sink if sink is not None else FakeSink()
+        outcome = []
+        rig.runner.run(turn, sink).addCallback(outcome.append)
+        return turn, sink, outcome
+
+    def assertNothingMarked(self, rig):
+        """
+        R2: the left client's turn wrote no account state, freed its slot and
+        tried no other account.
+        """
+        for id in ("a", "b"):
+            state = rig.state(id)
+            self.assertEqual((state.blockedUntil, state.disabled, state.rateLimitedUntil),
+                             (0, False, 0))
+            self.assertIsNone(rig.health.localBlock(id))
+        self.assertEqual(rig.health._breakers, {})
+        self.assertEqual(rig.load("a", "b"), {"a": (0, 0), "b": (0, 0)})
+        self.assertEqual(rig.dialer.ids(), ["a"])
+
+    def test_left_after_output_text_done_counts_real_usage(self):
+        """
+        The client leaves after C{response.output_text.done}, before
+        C{response.completed}: relay reads on, the turn is C{client_gone}
+        499 with the upstream's usage, not estimated; nothing more reaches
+        the client and nothing is marked.
+        """
+        rig = self.rig()
+        response = []
+
+        def answer(clock):
+            r = FakeResponse(clock, headers={"content-type": "text/event-stream"},
+                             steps=[(0, CREATED), (0, ITEM_ADDED), (0, DELTA), (0, DONE),
+                                    (5, COMPLETED_6K)])
+            response.append(r)
+            return succeed(r)
+
+        rig.script("a", answer)
+        turn, sink, outcome = self.start(rig)
+        self.assertIn("response.output_text.done", sink.events)
+        turn.cancel.cancel("client_gone")
+        self.assertEqual(outcome, [], "the turn waits for the drain")
+        self.assertFalse(response[0].lost or response[0].protocol.transport.stopped)
+        rig.clock.advance(5)
+        self.assertEqual(outcome, ["client_gone"])
+        self.assertEqual(turn.usage, TokenCounts(1, 6000, 0, 40, 0))
+        self.assertNotIn("response.completed", sink.events)
+        self.assertEqual(sink.errors, [])
+        record, = self.log.records
+        self.assertEqual((record.outcome, record.status), ("client_gone", 499))
+        self.assertEqual((record.input_tokens, record.output_tokens), (6000, 40))
+        self.assertFalse(record.usage_estimated)
+        self.assertNothingMarked(rig)
+
+    def test_left_at_first_delta_raw_path(self):
+        """
+        "Hanging up at the first delta is free too" no more: on the raw
+        pass-through path as well.
+        """
+        rig = self.rig()
+        rig.script("a", stream((0, CREATED), (0, DELTA), (3, DELTA + DONE), (3, COMPLETED_6K)))
+        turn, sink, outcome = self.start(rig, RawSink())
+        self.assertIn(b"output_text.delta", sink.raw)
+        turn.cancel.cancel("client_gone")
+        written = sink.raw
+        tick(rig, 10)
+        self.assertEqual(outcome, ["client_gone"])
+        self.assertEqual(sink.raw, written, "nothing reaches the left client")
+        self.assertEqual(turn.usage.input, 6000)
+        self.assertEqual(turn.usage.estimated, 0)
+        self.assertNothingMarked(rig)
+
+    def test_left_before_output_cancels_at_once(self):
+        """
+        R2 unchanged: before the first output the upstream is dropped at
+        once and nothing is counted.
+        """
+        rig = self.rig()
+        response = []
+
+        def answer(clock):
+            r = FakeResponse(clock, headers={"content-type": "text/event-stream"},
+                             steps=[(0, CREATED), (0, IN_PROGRESS), (5, DELTA), (1, COMPLETED)])
+            response.append(r)
+            return succeed(r)
+
+        rig.script("a", answer)
+        turn, sink, outcome = self.start(rig)
+        turn.cancel.cancel("client_gone")
+        self.assertEqual(outcome, ["client_gone"])
+        self.assertTrue(response[0].lost)
+        self.assertIsNone(turn.usage)
+        self.assertIsNone(self.log.records[0].input_tokens)
+        self.assertNothingMarked(rig)
+
+    def test_cut_after_departure_is_estimated(self):
+        """
+        The upstream breaks after the client left: relay's estimate is
+        counted (input from the request, output from the deltas relayed),
+        marked in the record and the counts; the cut marks nothing.
+        """
+        rig = self.rig()
+        rig.script("a", stream((0, CREATED), (0, DELTA), (0, DELTA), (2, DELTA), end="cut"))
+        turn, sink, outcome = self.start(rig)
+        turn.cancel.cancel("client_gone")
+        rig.clock.advance(2)
+        self.assertEqual(outcome, ["client_gone"])
+        self.assertEqual(turn.usage.estimated, 1)
+        self.assertEqual(turn.usage.input, estimateInput(turn.body))
+        self.assertEqual(turn.usage.output, 3)
+        record = self.log.records[0]
+        self.assertTrue(record.usage_estimated)
+        self.assertTrue(record.asDict()["usage_estimated"])
+        self.assertEqual(record.input_tokens, estimateInput(turn.body))
+        self.assertNothingMarked(rig)
+
+    def test_drain_time_bound(self):
+        """
+        An upstream that goes on past C{usage_drain_seconds} is dropped
+        then, and the turn estimated.
+        """
+        rig = self.rig(usage_drain_seconds=30)
+        response = []
+
+        def answer(clock):
+            r = FakeResponse(clock, headers={"content-type": "text/event-stream"},
+                             steps=[(0, CREATED), (0, DELTA), (29, DELTA), (29, DELTA)],
+                             end="hang")
+            response.append(r)
+            return succeed(r)
+
+        rig.script("a", answer)
+        turn, _sink, outcome = self.start(rig)
+        turn.cancel.cancel("client_gone")
+        rig.clock.advance(29)
+        self.assertEqual(outcome, [])
+        rig.clock.advance(1)
+        self.assertEqual(outcome, ["client_gone"])
+        self.assertTrue(response[0].lost)
+        self.assertEqual(turn.usage.estimated, 1)
+        self.assertEqual(turn.usage.output, 2)
+        self.assertNothingMarked(rig)
+
+    def test_drain_byte_bound(self):
+        """
+        More than C{usage_drain_bytes} after the client left: dropped and
+        estimated.
+        """
+        rig = self.rig(usage_drain_bytes=len(DELTA) * 2)
+        big = DELTA * 3
+        rig.script("a", stream((0, CREATED), (0, DELTA), (1, DELTA), (1, big), (1, COMPLETED_6K)))
+        turn, _sink, outcome = self.start(rig)
+        turn.cancel.cancel("client_gone")
+        tick(rig, 10)
+        self.assertEqual(outcome, ["client_gone"])
+        self.assertEqual(turn.usage.estimated, 1)
+        self.assertNothingMarked(rig)
+
+    def test_drain_off_estimates_at_once(self):
+        """
+        C{usage_drain_seconds: 0}: no drain; the departure after output is
+        estimated at once and the upstream dropped.
+        """
+        rig = self.rig(usage_drain_seconds=0)
+        rig.script("a", stream((0, CREATED), (0, DELTA), (5, COMPLETED_6K)))
+        turn, _sink, outcome = self.start(rig)
+        turn.cancel.cancel("client_gone")
+        self.assertEqual(outcome, ["client_gone"])
+        self.assertEqual(turn.usage.estimated, 1)
+
+    def test_sink_stops_producing(self):
+        """
+        The client's connection drops under the pump (twisted.web stops
+        the registered producer) before the turn is told: the drain runs
+        all the same and the turn still ends as the client's departure.
+        """
+        rig = self.rig()
+        producers = []
+
+        class ProducerSink(FakeSink):
+            def attachProducer(self, producer):
+                producers.append(producer)
+
+            def detachProducer(self):
+                pass
+
+        rig.script("a", stream((0, CREATED), (0, DELTA), (2, COMPLETED_6K)))
+        turn, sink, outcome = self.start(rig, ProducerSink())
+        producers[0].stopProducing()
+        rig.clock.advance(2)
+        self.assertEqual(outcome, ["client_gone"])
+        self.assertEqual(turn.usage.input, 6000)
+        self.assertFalse(sink.finished)
+        self.assertNothingMarked(rig)
+
+    def test_chat_stream_left_after_finish_reason(self):
+        """
+        A chat stream: the client leaves after the C{finish_reason} chunk;
+        relay reads on to the usage chunk (which it asked upstream for).
+        """
+        rig = self.rig()
+        role = chatChunk(choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}}])
+        text = chatChunk(choices=[{"index": 0, "delta": {"content": "Hi"}}])
+        finish = chatChunk(choices=[{"index": 0, "delta": {}, "finish_reason": "stop"}])
+        usage = chatChunk(choices=[], usage={"prompt_tokens": 6000, "completion_tokens": 9,
+                                             "total_tokens": 6009})
+        rig.script("a", stream((0, role), (0, text), (0, finish), (3, usage),
+                               (0, b"data: [DONE]\n\n")))
+        body = {"model": "gpt-5.5", "messages": [{"role": "user", "content": "hi"}],
+                "stream": True}
+        turn, _sink, outcome = self.start(rig, endpoint="chat", body=body)
+        turn.cancel.cancel("client_gone")
+        rig.clock.advance(3)
+        self.assertEqual(outcome, ["client_gone"])
+        self.assertEqual((turn.usage.input, turn.usage.output, turn.usage.estimated), (6000, 9, 0))
+        self.assertNothingMarked(rig)
+
+    def test_json_left_while_body_arrives(self):
+        """
+        A non-streaming turn whose client leaves while the answer's body
+        arrives: the body is read on for its usage.
+        """
+        rig = self.rig()
+        answer = json.dumps({"id": "resp_1", "object": "response", "status": "completed",
+                             "output": [{"type": "message", "content": [
+                                 {"type": "output_text", "text": "Hi"}]}],
+                             "usage": USAGE}).encode()
+        rig.script("a", lambda clock: succeed(FakeResponse(
+            clock, headers={"content-type": "application/json"},
+            steps=[(0, answer[:20]), (2, answer[20:])])))
+        turn, sink, outcome = self.start(rig, stream=False)
+        turn.cancel.cancel("client_gone")
+        rig.clock.advance(2)
+        self.assertEqual(outcome, ["client_gone"])
+        self.assertEqual(turn.usage.input, 6000)
+        self.assertEqual(sink.bodies, [])
+        self.assertNothingMarked(rig)
+
+    def test_json_cut_is_estimated(self):
+        """
+        The JSON body breaks after the client left: estimated, marked.
+        """
+        rig = self.rig()
+        rig.script("a", lambda clock: succeed(FakeResponse(
+            clock, headers={"content-type": "application/json"},
+            steps=[(0, b'{"id": "resp_1", '), (2, b'"output"')], end="cut")))
+        turn, _sink, outcome = self.start(rig, stream=False)
+        turn.cancel.cancel("client_gone")
+        rig.clock.advance(2)
+        self.assertEqual(outcome, ["client_gone"])
+        self.assertEqual(turn.usage.estimated, 1)
+        self.assertNothingMarked(rig)
+
+    def test_relay_cancel_estimates(self):
+        """
+        A turn relay cancels itself (a graceful stop's grace ran out) is not
+        drained: its usage after output is estimated at once.
+        """
+        from relay.engine.errors import internalError
+
+        rig = self.rig()
+        rig.script("a", stream((0, CREATED), (0, DELTA), (5, COMPLETED_6K)))
+        turn, _sink, outcome = self.start(rig)
+        turn.cancel.cancel("relay_shutdown", tell=internalError())
+        self.assertEqual(outcome, ["relay_cancelled"])
+        self.assertEqual(turn.usage.estimated, 1)
+
+
+class EstimateTests(SynchronousTestCase):
+    """
+    L{relay.usage.estimate}: input from the request, output from what was
+    relayed.
+    """
+
+    def test_input(self):
+        self.assertEqual(estimateInput({"input": "a" * 400}), 100)
+        self.assertEqual(estimateInput({"messages": [{"role": "user", "content": "hi"}]}), 8)
+        self.assertEqual(estimateInput({}), 0)
+        self.assertEqual(estimateInput(None), 0)
+
+    def test_output(self):
+        self.assertEqual(estimatedCounts({}, 7, 10_000).output, 7)
+        self.assertEqual(estimatedCounts({}, 0, 400).output, 100)
+        self.assertEqual(estimatedCounts({}, 0, 0), TokenCounts(1, 0, 0, 1, 0, estimated=1))
