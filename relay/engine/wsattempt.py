@@ -528,7 +528,8 @@ class WebSocketAttempt:
                 sessionTurnState(runner, turn, account, token)
         conn.turns += 1
         if turn.cancel.cancelled:
-            self._giveBack(conn, mode, broken=False)
+            # A passthrough connection belongs to the client that left.
+            self._giveBack(conn, mode, broken=mode == "passthrough")
             raise ClientGone(turn.cancel.reason)
         if runner.quota is not None and account.type == "oauth" and not getattr(
             conn.proto, "usageSeen", False
@@ -614,6 +615,9 @@ class WebSocketAttempt:
                 pump.depart(turn.cancel.reason)
                 await drained(pump)  # R107: usage read (or estimated) first
                 giveBack(broken=True)
+                if mode == "passthrough" and not conn.broken:
+                    # Drained to its end: the left client's own connection goes.
+                    self._giveBack(conn, mode, broken=True)
                 raise
         finally:
             if timer is not None and timer.active():

@@ -221,9 +221,9 @@ class PriceTable:
         # (L{cost}, inline: issue 24.) Built directly: attrs.evolve costs a few microseconds per turn.
         if nanos is None:
             return TokenCounts(counts.requests, counts.input, counts.cached, counts.output,
-                               counts.reasoning, 0, counts.requests)
+                               counts.reasoning, 0, counts.requests, counts.estimated)
         return TokenCounts(counts.requests, counts.input, counts.cached, counts.output,
-                           counts.reasoning, nanos, 0)
+                           counts.reasoning, nanos, 0, counts.estimated)
 
     def view(self) -> dict:
         """
