@@ -389,3 +389,40 @@ class EstimateTests(SynchronousTestCase):
         self.assertEqual(estimatedCounts({}, 7, 10_000).output, 7)
         self.assertEqual(estimatedCounts({}, 0, 400).output, 100)
         self.assertEqual(estimatedCounts({}, 0, 0), TokenCounts(1, 0, 0, 1, 0, estimated=1))
+
+
+class ConfigTests(SynchronousTestCase):
+    """
+    C{gateway.usage_drain_seconds} and C{gateway.usage_drain_bytes}
+    (config.md, R107): defaults, values, one-line errors naming the key.
+    """
+
+    def test_defaults_and_values(self):
+        from relay.config import settingsFromString
+
+        base = 'listen: "tcp:0:interface=127.0.0.1"\n'
+        gateway = settingsFromString(base).gateway
+        self.assertEqual((gateway.usage_drain_seconds, gateway.usage_drain_bytes), (60, 8388608))
+        gateway = settingsFromString(
+            base + "gateway: {usage_drain_seconds: 5.5, usage_drain_bytes: 0}\n").gateway
+        self.assertEqual((gateway.usage_drain_seconds, gateway.usage_drain_bytes), (5.5, 0))
+
+    def test_bad_values_are_one_line(self):
+        from relay.config import settingsFromString
+        from relay.model import ConfigError
+
+        for key, value in (("usage_drain_seconds", "-1"), ("usage_drain_seconds", "soon"),
+                           ("usage_drain_seconds", "7200"), ("usage_drain_bytes", "1.5"),
+                           ("usage_drain_bytes", "-3"), ("usage_drain_bytes", "lots")):
+            e = self.assertRaises(ConfigError, settingsFromString, f"gateway: {{{key}: {value}}}\n")
+            self.assertIn(f"gateway.{key}", str(e))
+            self.assertNotIn("\n", str(e))
+
+    def test_sample_config_names_them(self):
+        import os
+
+        path = os.path.join(os.path.dirname(__file__), "..", "etc", "relay.example.yaml")
+        with open(path) as f:
+            text = f.read()
+        self.assertIn("usage_drain_seconds: 60", text)
+        self.assertIn("usage_drain_bytes: 8388608", text)

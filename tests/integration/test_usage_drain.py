@@ -323,3 +323,45 @@ async def test_redis_counts_a_left_client(redisServer):  # noqa: F811
         globalLogPublisher.removeObserver(finished)
         await stack.stop()
         await stack.app.services[0].stopService()
+
+
+@pytest_twisted.ensureDeferred
+async def test_background_counted_once_whoever_polls():
+    """
+    R107, R88: a background response is counted once, when it finishes:
+    its streaming client hangs up at the first delta and never polls, and
+    relay still counts it (the drain reads its stream to the end); two
+    later polls of the finished response count nothing more.
+    """
+    stack = await _stack()
+    finished = _Finished(stack)
+    globalLogPublisher.addObserver(finished)
+    try:
+        got = await hangUpAfter(stack, "/v1/responses",
+                                {"model": "gpt-5.5", "input": "hi", "stream": True,
+                                 "background": True},
+                                b"response.output_text.delta")
+        await finished.wait()
+        waited = 0.0
+        while not await generations(stack):
+            assert waited < 5, "the background run never finished"
+            await deferLater(reactor, 0.05, lambda: None)
+            waited += 0.05
+        usage = await relayUsage(stack)
+        gens = await generations(stack)
+        assert len(gens) == 1
+        assert (usage["requests"], usage["input_tokens"], usage["output_tokens"]) == (
+            1, gens[0]["input_tokens"], gens[0]["output_tokens"])
+        responseId = gens[0]["response_id"]
+        assert responseId and responseId.encode() in got
+        for _ in range(2):
+            response = await treq.get(f"{stack.url}/v1/responses/{responseId}",
+                                      headers={"Authorization": [f"Bearer {RELAY_KEY}"]},
+                                      persistent=False)
+            body = json.loads(await response.content())
+            assert response.code == 200 and body["status"] == "completed", body
+        usage = await relayUsage(stack)
+        assert (usage["requests"], usage["input_tokens"]) == (1, 6000)
+    finally:
+        globalLogPublisher.removeObserver(finished)
+        await stack.stop()
