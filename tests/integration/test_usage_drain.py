@@ -22,11 +22,14 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import deferLater
 from twisted.logger import globalLogPublisher
 
+from tests.integration.cdp import Session
 from tests.integration.harness import RELAY_KEY, startStack
 from tests.integration.redis_server import redisServer  # noqa: F401 (fixture)
+from tests.integration.test_status_page import CHROMIUM
 from tests.integration.test_ws_turns import connect
 
 PINNED = {"input_tokens": 6000, "output_tokens": 50}
+PAGE_ADMIN = "drain-page-admin-key"
 SCRIPT = {"text": "one two three four five six seven eight", "deltas": 4, "delay": 0.05,
           "usage": PINNED}
 
@@ -362,6 +365,103 @@ async def test_background_counted_once_whoever_polls():
             assert response.code == 200 and body["status"] == "completed", body
         usage = await relayUsage(stack)
         assert (usage["requests"], usage["input_tokens"]) == (1, 6000)
+    finally:
+        globalLogPublisher.removeObserver(finished)
+        await stack.stop()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed")
+@pytest_twisted.ensureDeferred
+async def test_status_page_shows_left_clients_tokens_and_cost():
+    """
+    R107: C{client_gone} rows show their tokens and cost on the status
+    page; an estimated one is marked (C{≈}, "estimated" in its detail).
+    """
+    stack = await startStack([{"id": "a1", "credential": "sk-a1"}],
+                             extra=f"admin_key: {PAGE_ADMIN}\n")
+    stack.emulator.setScript("*", SCRIPT)
+    finished = _Finished(stack)
+    globalLogPublisher.addObserver(finished)
+    session = Session()
+    try:
+        await hangUpAfter(stack, "/v1/responses",
+                          {"model": "gpt-5.5", "input": "hi", "stream": True},
+                          b"response.output_text.done")
+        await finished.wait(1)
+        stack.emulator.setFault("sk-a1", {"kind": "cut_after_events", "events": 7, "times": 1})
+        await hangUpAfter(stack, "/v1/responses",
+                          {"model": "gpt-5.5", "input": "x" * 400, "stream": True},
+                          b"response.output_text.delta")
+        await finished.wait(2)
+        await stack.app.runner.requestLog.flush()
+        page = await session.start()
+        await page.goto(stack.url + "/admin/#key=" + PAGE_ADMIN)
+        await page.waitFor("document.body.getAttribute('data-requests-loaded') === '1'")
+        rows = await page.evaluate(
+            "Array.from(document.querySelectorAll('tr.request.outcome-client_gone'))"
+            ".map(function (r) { return r.innerText; })")
+        assert len(rows) == 2, rows
+        estimated, real = rows  # newest first
+        assert "client_gone 499" in real and "6050 tok" in real and "$" in real, real
+        assert "≈" in estimated and "tok" in estimated and "≈" not in real, estimated
+        await page.click("tr.request.outcome-client_gone")
+        await page.waitFor("document.body.getAttribute('data-request-detail') !== null")
+        detail = await page.text("#request-detail")
+        assert "estimated" in detail, detail
+    finally:
+        globalLogPublisher.removeObserver(finished)
+        await session.stop()
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_oauth_json_client_leaves_mid_generation():
+    """
+    R107 on an OAuth account with a non-streaming client: the upstream
+    streams (the ChatGPT backend always does) while relay holds the answer
+    for the JSON client; the client leaves mid-generation and the turn is
+    still counted with the emulator's usage.
+    """
+    stack = await _stack([{"id": "o1", "type": "oauth", "credential": "tok-o1"}])
+    finished = _Finished(stack)
+    globalLogPublisher.addObserver(finished)
+    try:
+        client = await hangUpAfter(stack, "/v1/responses",
+                                   {"model": "gpt-5.5", "input": "hi"}, None)
+        waited = 0.0
+        while stack.emulator.state.inflight("tok-o1") == 0:
+            assert waited < 5, "the upstream never got the turn"
+            await deferLater(reactor, 0.02, lambda: None)
+            waited += 0.02
+        await deferLater(reactor, 0.3, lambda: None)  # past the first output
+        assert client.received == b""
+        client.transport.abortConnection()
+        await finished.wait()
+        assertCounted(await generations(stack), finished.events, await relayUsage(stack))
+    finally:
+        globalLogPublisher.removeObserver(finished)
+        await stack.stop()
+
+
+@pytest.mark.parametrize("limit", ["daily_tokens", "tpm"])
+@pytest_twisted.ensureDeferred
+async def test_left_turn_charges_budget_and_tpm(limit):
+    """
+    R107: the turn whose client hung up is charged to the key's token
+    budget and C{tpm}: the next turn is refused.
+    """
+    keys = [{"name": "test", "key": RELAY_KEY, "concurrency": 0, limit: 6000}]
+    stack = await startStack([{"id": "a1", "credential": "sk-a1"}], keys=json.dumps(keys))
+    stack.emulator.setScript("*", SCRIPT)
+    finished = _Finished(stack)
+    globalLogPublisher.addObserver(finished)
+    try:
+        await hangUpAfter(stack, "/v1/responses",
+                          {"model": "gpt-5.5", "input": "hi", "stream": True},
+                          b"response.output_text.done")
+        await finished.wait()
+        response, body = await stack.postJSON("/v1/responses", {"model": "gpt-5.5", "input": "hi"})
+        assert response.code == 429, body
     finally:
         globalLogPublisher.removeObserver(finished)
         await stack.stop()
