@@ -344,8 +344,8 @@ class RedisStoreShapeTests(SynchronousTestCase):
         self.assertEqual(method, "eval")
         self.assertEqual(keys, [f"relay:usage:h:{h}", f"relay:usage:d:{dayStart(h)}",
                                 f"relay:usage:m:{monthStart(h)}"])
-        self.assertEqual(args[3:], ["al ice\ta1\tm", "al ice", "1", "120", "100", "30", "12", "0", "0",
-                                    "0"])
+        self.assertEqual(args[3:], ["al ice\ta1\tm", "al ice", "1", "120", "100", "30", "12", "0",
+                                    "0", "0"])
 
     def test_totals_parse(self):
         """

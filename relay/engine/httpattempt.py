@@ -146,22 +146,9 @@ async def _readJSON(runner, turn, sink, account, response, release, rewrite) -> 
     answer the client with it.
     """
     idle = runner.settings.current.upstream.stream_idle_timeout_seconds
-    reading = readBody(response, JSON_BODY_LIMIT, idle, runner.clock)
-    got = []
-    view = Deferred(lambda _: None)  # cancelled by a departure; C{reading} goes on
-
-    def arrived(result):
-        got.append(result)
-        if not view.called:
-            view.callback(result)
-
-    reading.addBoth(arrived)
     try:
-        body = await raceCancel(view, turn.cancel)
-    except ClientGone:
-        # R107: the answer is on its way (its 200 came); read it for usage.
-        await _drainJSON(runner, turn, account, reading, got)
-        raise
+        body = await readAnswer(runner, turn, account, response, JSON_BODY_LIMIT,
+                                lambda parsed: _countJSON(runner, turn, account, parsed))
     except BodyBroken as e:
         # R1/R23/R24/R86.3: a body that broke before its end is a read
         # error before output (nothing reached the client), exactly like
@@ -210,7 +197,39 @@ def _countJSON(runner, turn, account, parsed: dict) -> None:
         runner.recordUsage(turn, account, counts)
 
 
-async def _drainJSON(runner, turn, account, reading, got: list) -> None:
+async def readAnswer(runner, turn, account, response, limit: int, count) -> bytes:
+    """
+    Read a non-streaming upstream answer's body (L{readBody}) for a client
+    that may leave while it arrives. The answer's status and headers came,
+    so upstream produced it: a client that leaves now does not stop the
+    read (R107, L{_drainJSON}); the turn then ends with L{ClientGone} once
+    the usage was counted.
+
+    @param limit: the body's size cap, bytes.
+    @param count: called with the parsed body (a L{dict}) to count its usage.
+    @return: the body.
+    @raise BodyBroken: the body broke or went idle (the client still there).
+    @raise ClientGone: the client left (after the drain).
+    """
+    idle = runner.settings.current.upstream.stream_idle_timeout_seconds
+    reading = readBody(response, limit, idle, runner.clock)
+    got = []
+    view = Deferred(lambda _: None)  # cancelled by a departure; C{reading} goes on
+
+    def arrived(result):
+        got.append(result)
+        if not view.called:
+            view.callback(result)
+
+    reading.addBoth(arrived)
+    try:
+        return await raceCancel(view, turn.cancel)
+    except ClientGone:
+        await _drainJSON(runner, turn, account, reading, got, count)
+        raise
+
+
+async def _drainJSON(runner, turn, account, reading, got: list, count) -> None:
     """
     R107: the client of a non-streaming turn left while its answer's body
     was arriving. Read the body on for its usage, at most
@@ -221,6 +240,7 @@ async def _drainJSON(runner, turn, account, reading, got: list) -> None:
 
     @param reading: the body's Deferred (its result goes to C{got}).
     @param got: the body's result once it arrived (bytes or a Failure).
+    @param count: counts the parsed body's usage (see L{readAnswer}).
     """
     s = runner.settings.current
     if not got:
@@ -241,9 +261,10 @@ async def _drainJSON(runner, turn, account, reading, got: list) -> None:
         except ValueError:
             parsed = None
     if isinstance(parsed, dict) and fromBody(parsed) is not None:
-        _countJSON(runner, turn, account, parsed)
+        count(parsed)
         return
-    if turn.usage is None and not turn.background:
+    counted = turn.request is None or turn.request.usage == "always"
+    if turn.usage is None and not turn.background and counted:
         counts = estimatedCounts(turn.body, 0, 0)
         _log.info(
             "turn {request_id}'s usage estimated ({why}): {input_tokens} in, {output_tokens} out",

@@ -15,9 +15,8 @@ C{estimated=1} (L{relay.usage.tokens.TokenCounts.estimated}).
 
 from __future__ import annotations
 
-from typing import Any
-
 import json
+from typing import Any
 
 from relay.usage.tokens import TokenCounts
 

@@ -69,7 +69,8 @@ async def hangUpAfter(stack, path: str, body: dict, marker: bytes) -> bytes:
     ).encode() + raw
     client = _HangUp(request, marker)
     port = stack.port.getHost().port
-    await TCP4ClientEndpoint(reactor, "127.0.0.1", port).connect(Factory.forProtocol(lambda: client))
+    endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", port)
+    await endpoint.connect(Factory.forProtocol(lambda: client))
     if marker is None:
         return client
     return await client.left.addTimeout(10, reactor)
