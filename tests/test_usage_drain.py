@@ -426,3 +426,94 @@ class ConfigTests(SynchronousTestCase):
             text = f.read()
         self.assertIn("usage_drain_seconds: 60", text)
         self.assertIn("usage_drain_bytes: 8388608", text)
+
+
+class _Proto:
+    listener = None
+
+
+class _Conn:
+    """
+    An upstream WebSocket connection as the pump sees it.
+    """
+
+    def __init__(self):
+        self.proto = _Proto()
+        self.broken = False
+        self.lastResponseId = None
+
+
+class WebSocketDrainTests(SynchronousTestCase):
+    """
+    R107 on upstream WebSocket frames (ctx_pool, passthrough): the same pump
+    reads on after the client left.
+    """
+
+    def pump(self, **settings):
+        from relay.engine.wsattempt import WebSocketPump
+
+        rig = Rig([account("a")], **settings)
+        turn = Turn(entrypoint="ws", endpoint="responses",
+                    client=ClientKey(name="t", key="k", concurrency=0), model="gpt-5.5",
+                    body={"model": "gpt-5.5", "input": "x" * 40}, stream=True, requestId="req")
+        released = []
+        conn = _Conn()
+        pump = WebSocketPump(rig.runner, turn, FakeSink(), account("a"),
+                             lambda: released.append(True), None, 0, conn)
+        pump.start()
+        return rig, turn, pump, conn, released
+
+    @staticmethod
+    def frame(kind, **fields) -> bytes:
+        return json.dumps({"type": kind, **fields}).encode()
+
+    def test_frames_after_departure_are_counted(self):
+        rig, turn, pump, conn, released = self.pump()
+        ended = []
+        pump.done.addCallback(ended.append)
+        pump.frameReceived(self.frame("response.created", response={"id": "resp_1"}))
+        pump.frameReceived(self.frame("response.output_text.delta", delta="Hi"))
+        turn.cancel.cancel("client_gone")
+        pump.depart("client_gone")
+        self.assertEqual(ended, [])
+        self.assertTrue(pump.draining)
+        pump.frameReceived(self.frame("response.completed", response={
+            "id": "resp_1", "status": "completed", "output": [], "usage": USAGE}))
+        result, = ended
+        self.assertEqual(type(result.end).__name__, "Departed")
+        self.assertEqual(result.status, 499)
+        self.assertEqual((turn.usage.input, turn.usage.output, turn.usage.estimated),
+                         (6000, 40, 0))
+        self.assertFalse(conn.broken, "read to its end: the connection may serve again")
+        self.assertEqual(released, [True])
+
+    def test_upstream_close_after_departure_is_estimated(self):
+        rig, turn, pump, conn, _ = self.pump()
+        pump.frameReceived(self.frame("response.created", response={"id": "resp_1"}))
+        pump.frameReceived(self.frame("response.output_text.delta", delta="Hi"))
+        turn.cancel.cancel("client_gone")
+        pump.depart("client_gone")
+        pump.upstreamLost(None, "")
+        self.assertTrue(pump.finished)
+        self.assertEqual(turn.usage.estimated, 1)
+        self.assertEqual(turn.usage.output, 1)
+
+    def test_byte_bound(self):
+        rig, turn, pump, conn, _ = self.pump(usage_drain_bytes=100)
+        pump.frameReceived(self.frame("response.created", response={"id": "resp_1"}))
+        pump.frameReceived(self.frame("response.output_text.delta", delta="Hi"))
+        turn.cancel.cancel("client_gone")
+        pump.depart("client_gone")
+        pump.frameReceived(self.frame("response.output_text.delta", delta="x" * 200))
+        self.assertTrue(pump.finished)
+        self.assertTrue(conn.broken)
+        self.assertEqual(turn.usage.estimated, 1)
+
+    def test_before_output_ends_at_once(self):
+        rig, turn, pump, conn, _ = self.pump()
+        pump.frameReceived(self.frame("response.created", response={"id": "resp_1"}))
+        turn.cancel.cancel("client_gone")
+        pump.depart("client_gone")
+        self.assertTrue(pump.finished)
+        self.assertTrue(conn.broken)
+        self.assertIsNone(turn.usage)
