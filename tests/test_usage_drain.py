@@ -517,3 +517,48 @@ class WebSocketDrainTests(SynchronousTestCase):
         self.assertTrue(pump.finished)
         self.assertTrue(conn.broken)
         self.assertIsNone(turn.usage)
+
+
+class RequestKindDrainTests(SynchronousTestCase):
+    """
+    R107 for requests of their own kind (R87): a compaction's JSON answer
+    is read on for its usage when the client leaves while it arrives; a
+    poll's answer for a background response counts once, whoever sees it.
+    """
+
+    def test_compact_json_left_while_body_arrives(self):
+        from relay.engine import requests as R
+        from tests.test_requests import COMPACTED, PathDialerRig
+
+        rig = PathDialerRig([account("a")])
+        raw = json.dumps(COMPACTED).encode()
+        rig.script("a", lambda clock: succeed(FakeResponse(
+            clock, headers={"content-type": "application/json"},
+            steps=[(0, raw[:10]), (2, raw[10:])])))
+        turn, sink, outcome = rig.request(R.compactRequest(), {"model": "gpt-5.5", "input": "x"})
+        turn.cancel.cancel("client_gone")
+        rig.clock.advance(2)
+        self.assertEqual(outcome, ["client_gone"])
+        self.assertEqual((turn.usage.input, turn.usage.output, turn.usage.estimated), (40, 4, 0))
+        self.assertEqual(sink.bodies, [])
+
+    def test_poll_of_unfinished_background_left_counts_nothing(self):
+        """
+        A poll whose client leaves while the answer arrives: a background
+        response not finished yet is not counted, nor estimated (it is
+        counted once when it finishes, R88).
+        """
+        from relay.engine import requests as R
+        from tests.test_requests import PathDialerRig
+
+        rig = PathDialerRig([account("a")])
+        raw = json.dumps({"id": "resp_1", "status": "in_progress", "background": True}).encode()
+        rig.script("a", lambda clock: succeed(FakeResponse(
+            clock, headers={"content-type": "application/json"},
+            steps=[(0, raw[:10]), (2, raw[10:])])))
+        kind = R.ownedRequest("retrieve", b"GET", "resp_1", "a")
+        turn, _sink, outcome = rig.request(kind, model=None)
+        turn.cancel.cancel("client_gone")
+        rig.clock.advance(2)
+        self.assertEqual(outcome, ["client_gone"])
+        self.assertIsNone(turn.usage)
