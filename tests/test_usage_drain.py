@@ -562,3 +562,29 @@ class RequestKindDrainTests(SynchronousTestCase):
         rig.clock.advance(2)
         self.assertEqual(outcome, ["client_gone"])
         self.assertIsNone(turn.usage)
+
+
+class GracefulStopTests(SynchronousTestCase):
+    """
+    R107 and a graceful stop: a turn still draining when the grace runs
+    out ends with an estimate, so its usage is not lost with the process.
+    """
+
+    def test_drain_ended_at_grace(self):
+        from relay.operations.drain import GracefulDrain
+
+        rig = Rig([account("a")], shutdown_grace_seconds=10)
+        rig.runner.requestLog = log = Log()
+        stop = GracefulDrain(clock=rig.clock, runner=rig.runner, settings=rig.settings,
+                             admission=rig.admission)
+        rig.script("a", stream((0, CREATED), (0, DELTA), (0, DELTA), end="hang"))
+        turn, _sink, outcome = rig.run()
+        turn.cancel.cancel("client_gone")
+        self.assertEqual(len(rig.runner.drains), 1)
+        d = stop.drain()
+        rig.clock.advance(10)
+        self.successResultOf(d)
+        self.assertEqual(outcome, ["client_gone"])
+        self.assertEqual(rig.runner.drains, set())
+        self.assertEqual((turn.usage.estimated, turn.usage.output), (1, 2))
+        self.assertTrue(log.records[0].usage_estimated)

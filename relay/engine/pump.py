@@ -205,6 +205,7 @@ class StreamPump(Protocol):
             self._rawWrite = _discard
         self._drainLeft = limit
         self._drainCall = self._runner.clock.callLater(seconds, self._drainBound, "drain_timeout")
+        self._runner.drains.add(self)
         if self.transport is not None:
             self.transport.resumeProducing()
         _log.info(
@@ -212,6 +213,14 @@ class StreamPump(Protocol):
             event="relay.usage_drain", request_id=self._turn.requestId,
             account_id=self._account.id, reason=reason,
         )
+
+    def hurry(self) -> None:
+        """
+        End a drain now, with an estimate unless the usage was read (relay
+        is stopping: L{relay.operations.drain}). A no-op when not draining.
+        """
+        if self.draining:
+            self._drainBound("relay_stop")
 
     def _drainRead(self, size: int) -> bool:
         """
@@ -542,6 +551,7 @@ class StreamPump(Protocol):
             if self._drainCall is not None and self._drainCall.active():
                 self._drainCall.cancel()
             self._drainCall = None
+            self._runner.drains.discard(self)
             if not isinstance(result.end, ends.Departed):
                 self._estimate(type(result.end).__name__)
             result = AttemptResult(end=ends.Departed(self._drain), status=499)

@@ -196,6 +196,10 @@ class TurnRunner:
     """Every turn running now -> the Deferred L{run} returned for it, so a
     graceful stop can wait for them and cancel what is left (issue 14,
     L{relay.operations.drain})."""
+    drains: set = field(factory=set)
+    """Behaviour.md R107: the stream pumps reading a left client's upstream
+    for its usage (L{relay.engine.pump.StreamPump.hurry} ends them with an
+    estimate when a graceful stop's grace runs out)."""
     keyPolicy: object = None
     """Issue 22: the L{relay.tenants.policy.KeyPolicy} checked before every
     turn (behaviour.md R102), or L{None}."""
