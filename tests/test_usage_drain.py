@@ -588,3 +588,67 @@ class GracefulStopTests(SynchronousTestCase):
         self.assertEqual(rig.runner.drains, set())
         self.assertEqual((turn.usage.estimated, turn.usage.output), (1, 2))
         self.assertTrue(log.records[0].usage_estimated)
+
+
+class BackgroundWatchTests(SynchronousTestCase):
+    """
+    R107, R88: a background response is counted once when it finishes,
+    whoever polls it -- twice, or nobody.
+    """
+
+    DONE = {"id": "resp_bg", "object": "response", "status": "completed", "background": True,
+            "output": [], "usage": {"input_tokens": 900, "output_tokens": 9,
+                                    "total_tokens": 909}}
+
+    def create(self, *later):
+        from tests.test_requests import PathDialerRig, jsonAnswer
+
+        rig = PathDialerRig([account("a")])
+        queued = dict(self.DONE, status="queued", usage=None)
+        rig.script("a", jsonAnswer(queued), *[jsonAnswer(answer) for answer in later])
+        turn = Turn(entrypoint="http", endpoint="responses",
+                    client=ClientKey(name="t", key="k", concurrency=0), model="gpt-5.5",
+                    body={"model": "gpt-5.5", "input": "hi", "background": True}, stream=False,
+                    requestId="req", background=True)
+        outcome = []
+        rig.runner.run(turn, FakeSink()).addCallback(outcome.append)
+        self.assertEqual(outcome, ["completed"])
+        self.assertIsNone(turn.usage)
+        return rig, turn
+
+    def test_never_polled_counted_once(self):
+        rig, turn = self.create(dict(self.DONE, status="in_progress", usage=None), self.DONE)
+        tick(rig, 5)
+        self.assertEqual([s[2] for s in rig.sent], ["/responses", "/responses/resp_bg"])
+        self.assertIsNone(turn.usage)
+        tick(rig, 10)
+        self.assertEqual([s[2] for s in rig.sent][-1], "/responses/resp_bg")
+        self.assertEqual((turn.usage.input, turn.usage.output), (900, 9))
+        sent = len(rig.sent)
+        tick(rig, 600)
+        self.assertEqual(len(rig.sent), sent, "the watch ended with the count")
+
+    def test_polled_twice_counted_once(self):
+        from relay.engine import requests as R
+
+        rig, turn = self.create(self.DONE)
+        polls = []
+        for _ in range(2):
+            poll, _sink, outcome = rig.request(
+                R.ownedRequest("retrieve", b"GET", "resp_bg", "a"), model=None)
+            self.assertEqual(outcome, ["completed"])
+            polls.append(poll.usage)
+        self.assertEqual((polls[0].input, polls[1]), (900, None))
+        tick(rig, 5)
+        self.assertIsNone(turn.usage, "the watch saw it counted already")
+
+    def test_gone_response_ends_the_watch(self):
+        from tests.test_runner import status
+
+        rig, turn = self.create()
+        rig.script("a", status(404, {"error": {"message": "not found"}}))
+        tick(rig, 5)
+        sent = len(rig.sent)
+        tick(rig, 600)
+        self.assertEqual(len(rig.sent), sent)
+        self.assertIsNone(turn.usage)

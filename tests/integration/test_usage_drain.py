@@ -466,3 +466,29 @@ async def test_left_turn_charges_budget_and_tpm(limit):
     finally:
         globalLogPublisher.removeObserver(finished)
         await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_background_json_create_never_polled_is_counted():
+    """
+    R107, R88: a non-streaming background create answers C{queued}; nobody
+    ever polls it, and relay still counts its usage once, when it
+    finished (relay looks at it itself), exactly as the emulator generated.
+    """
+    stack = await _stack()
+    try:
+        response, body = await stack.postJSON(
+            "/v1/responses", {"model": "gpt-5.5", "input": "hi", "background": True})
+        assert response.code == 200 and json.loads(body)["status"] == "queued", body
+        waited = 0.0
+        while not (await relayUsage(stack)).get("requests"):
+            assert waited < 12, "the background response was never counted"
+            await deferLater(reactor, 0.2, lambda: None)
+            waited += 0.2
+        gens = await generations(stack)
+        usage = await relayUsage(stack)
+        assert len(gens) == 1
+        assert (usage["requests"], usage["input_tokens"], usage["output_tokens"]) == (
+            1, gens[0]["input_tokens"], gens[0]["output_tokens"])
+    finally:
+        await stack.stop()
