@@ -587,6 +587,8 @@ _GATEWAY: Dict[str, Validator] = {
     "retry_budget_percent": _number(0, 100),
     "stream_keepalive_interval": _number(0, 300),
     "shutdown_grace_seconds": _number(0, 3600),
+    "usage_drain_seconds": _number(0, 3600),
+    "usage_drain_bytes": _integer(0, 2**31),
     "breaker": _nested(_BREAKER, BreakerSettings),
     "scheduling": _nested(_SCHEDULING, SchedulingSettings),
     "websocket": _nested(_WEBSOCKET, WebSocketSettings),

@@ -388,6 +388,13 @@ class GatewaySettings:
     """How long running turns may finish after C{SIGTERM} before relay
     cancels them (issue 14, L{relay.operations.drain}). Read when the stop
     begins, so a reload changes it."""
+    usage_drain_seconds: float = 60
+    """How long relay keeps reading an upstream answer after its client left
+    once output was produced, to learn the turn's real usage (behaviour.md
+    R107); 0 = never (the usage is then estimated)."""
+    usage_drain_bytes: int = 8 * 2**20
+    """How many upstream bytes relay reads so after the client left, at most
+    (R107); beyond it the usage is estimated."""
     breaker: BreakerSettings = BreakerSettings()
     scheduling: SchedulingSettings = SchedulingSettings()
     websocket: WebSocketSettings = WebSocketSettings()

@@ -356,9 +356,28 @@ class ManifestAndTurnStateTests(_Base):
         self.assertEqual(response.headers.getRawHeaders(b"x-codex-turn-state"), [b"ts_mine"])
 
     def test_generationsEndpoint(self) -> None:
-        self.post("/v1/responses", {"model": "m", "input": "x"})
+        """
+        C{GET /_emulator/generations}: the counts, and (R107) every generation with the
+        usage its answer reported, a Responses or a chat answer alike.
+        """
+        _, created = self.post("/v1/responses", {"model": "m", "input": "x"})
+        _, chat = self.post("/v1/chat/completions",
+                            {"model": "m", "messages": [{"role": "user", "content": "x"}]})
         response, data = self.request("GET", "/_emulator/generations")
-        self.assertEqual(json.loads(data), {"total": 1, "by_account": {"a1": 1}})
+        body = json.loads(data)
+        self.assertEqual((body["total"], body["by_account"]), (2, {"a1": 2}))
+        first, second = body["generations"]
+        usage = created["usage"]
+        self.assertEqual(first, {
+            "time": first["time"], "account": "a1", "response_id": created["id"], "model": "m",
+            "input_tokens": usage["input_tokens"], "cached_tokens": 0,
+            "output_tokens": usage["output_tokens"], "reasoning_tokens": 0})
+        self.assertEqual((second["response_id"], second["input_tokens"], second["output_tokens"]),
+                         (chat["id"], chat["usage"]["prompt_tokens"],
+                          chat["usage"]["completion_tokens"]))
+        self.request("DELETE", "/_emulator/turns")
+        _, data = self.request("GET", "/_emulator/generations")
+        self.assertEqual(json.loads(data)["generations"], [])
 
 
 class ItemReferenceTests(_Base):

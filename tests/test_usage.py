@@ -130,11 +130,11 @@ class TokensTests(SynchronousTestCase):
         """
         Counts add field by field; L{TokenCounts.asDict} uses the API names.
         """
-        both = COUNTS + TokenCounts(1, 120, 100, 30, 12, cost=1500, unpriced=1)
+        both = COUNTS + TokenCounts(1, 120, 100, 30, 12, cost=1500, unpriced=1, estimated=1)
         self.assertEqual(both.asDict(), {
             "requests": 2, "input_tokens": 240, "cached_input_tokens": 200,
             "output_tokens": 60, "reasoning_tokens": 24, "total_tokens": 300,
-            "cost_usd": 0.0000015, "unpriced_requests": 1,
+            "cost_usd": 0.0000015, "unpriced_requests": 1, "estimated_requests": 1,
         })
 
 
@@ -344,7 +344,8 @@ class RedisStoreShapeTests(SynchronousTestCase):
         self.assertEqual(method, "eval")
         self.assertEqual(keys, [f"relay:usage:h:{h}", f"relay:usage:d:{dayStart(h)}",
                                 f"relay:usage:m:{monthStart(h)}"])
-        self.assertEqual(args[3:], ["al ice\ta1\tm", "al ice", "1", "120", "100", "30", "12", "0", "0"])
+        self.assertEqual(args[3:], ["al ice\ta1\tm", "al ice", "1", "120", "100", "30", "12", "0",
+                                    "0", "0"])
 
     def test_totals_parse(self):
         """

@@ -52,8 +52,10 @@ It serves, on one port (plain TCP or TLS):
     - C{GET|PUT|DELETE /_emulator/chaos}: seeded random faults (chaos mode);
     - C{GET /_emulator/turns}: requests and generations per client turn (the turn ledger);
       C{DELETE} forgets it. Both are described in L{relay.emulator.chaos};
-    - C{GET /_emulator/generations}: C{{"total": n, "by_account": {name: n}}}, every
-      generation with or without a turn key (sub-routes never add to it).
+    - C{GET /_emulator/generations}: C{{"total": n, "by_account": {name: n}, "generations":
+      [{"time", "account", "response_id", "model", "input_tokens", "cached_tokens",
+      "output_tokens", "reasoning_tokens"}]}}, every generation with or without a turn key
+      and the usage its answer reported (sub-routes never add to it);
 
 An account is identified by its credential, the C{Authorization: Bearer} token.  Unknown
 credentials are served as anonymous accounts named C{key-<sha256 prefix>} when C{accept_any}

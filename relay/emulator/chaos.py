@@ -40,12 +40,16 @@ that sent C{response.completed} or C{response.incomplete}, a chat stream that se
 chunk and C{[DONE]}, a non-stream 200 body. Failed, cut, cleanly-ended-without-terminal and
 C{stream_error} answers, prewarms (C{generate: false}) and answers whose client left first are
 not generations. A gateway that generates one client turn twice shows two.
+
+C{GET /_emulator/generations} lists every generation with the usage the answer reported
+(L{TurnLedger.usage}), so a test can check that a gateway counted every token the emulator
+generated (behaviour.md R107).
 """
 
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 from attrs import define, field, frozen
@@ -57,6 +61,36 @@ CHAOS_KEYS = frozenset({"seed", "rate", "handshake_rate", "accounts", "faults"})
 
 LEDGER_MAX_TURNS = 200_000
 """The most turn keys the ledger keeps; the oldest are forgotten first."""
+
+LEDGER_MAX_GENERATIONS = 200_000
+"""The most generations L{TurnLedger.usage} lists; the oldest are forgotten first."""
+
+
+def generationUsage(final: Any) -> dict:
+    """
+    The usage of one generation, from the answer it delivered: a Responses C{response}
+    object (protocol.md 2.7) or a C{chat.completion} (protocol.md 3).
+
+    @param final: the response or completion object, or L{None}.
+    @return: C{{"response_id", "model", "input_tokens", "cached_tokens", "output_tokens",
+        "reasoning_tokens"}}; the counts are 0 when the answer carried no usage.
+    """
+    final = final if isinstance(final, dict) else {}
+    usage = final.get("usage") if isinstance(final.get("usage"), dict) else {}
+    chat = "prompt_tokens" in usage
+    inputDetails = usage.get("prompt_tokens_details" if chat else "input_tokens_details")
+    outputDetails = usage.get(
+        "completion_tokens_details" if chat else "output_tokens_details")
+    inputDetails = inputDetails if isinstance(inputDetails, dict) else {}
+    outputDetails = outputDetails if isinstance(outputDetails, dict) else {}
+    return {
+        "response_id": final.get("id"),
+        "model": final.get("model"),
+        "input_tokens": int(usage.get("prompt_tokens" if chat else "input_tokens") or 0),
+        "cached_tokens": int(inputDetails.get("cached_tokens") or 0),
+        "output_tokens": int(usage.get("completion_tokens" if chat else "output_tokens") or 0),
+        "reasoning_tokens": int(outputDetails.get("reasoning_tokens") or 0),
+    }
 
 CLIENT_REQUEST_ID = "x-client-request-id"
 """The header a gateway names its turn in (relay sends the turn's request id in it)."""
@@ -241,11 +275,14 @@ class TurnLedger:
         [[time, name]]}}, oldest key first.
     @ivar total: every generation, with or without a turn key (never forgotten by the bound).
     @ivar byAccount: account name -> its generations, with or without a turn key.
+    @ivar usage: every generation, oldest first (at most L{LEDGER_MAX_GENERATIONS}):
+        L{generationUsage} plus C{time} (Unix seconds) and C{account} (the account's name).
     """
 
     turns: OrderedDict = field(factory=OrderedDict)
     total: int = 0
     byAccount: dict = field(factory=dict)
+    usage: deque = field(factory=lambda: deque(maxlen=LEDGER_MAX_GENERATIONS))
     _sequence: int = 0
 
     def _next(self) -> TurnDraw:
@@ -286,16 +323,20 @@ class TurnLedger:
         entry = self.turns.get(key)
         return TurnDraw(None, key, len(entry["requests"]) if entry is not None else 0)
 
-    def generated(self, draw: TurnDraw | None, name: str, now: float) -> None:
+    def generated(self, draw: TurnDraw | None, name: str, now: float,
+                  final: Any = None) -> None:
         """
-        Note one generation of a turn (ignored without a turn key).
+        Note one generation (in the turn's entry only with a turn key).
 
         @param draw: the request's L{TurnDraw}.
         @param name: the account's name.
         @param now: Unix seconds.
+        @param final: the response or completion object delivered (its usage is listed in
+            L{usage}), or L{None}.
         """
         self.total += 1
         self.byAccount[name] = self.byAccount.get(name, 0) + 1
+        self.usage.append(dict(generationUsage(final), time=now, account=name))
         if draw is None or draw.key is None:
             return
         entry = self.turns.get(draw.key)
@@ -310,6 +351,7 @@ class TurnLedger:
         self._sequence = 0
         self.total = 0
         self.byAccount.clear()
+        self.usage.clear()
 
     def toJSON(self) -> dict:
         """

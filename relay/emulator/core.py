@@ -364,11 +364,16 @@ class Emulator:
                                     transport, handshake, self.reactor.seconds())
         return fault
 
-    def generated(self, draw: TurnDraw | None, credential: str | None) -> None:
+    def generated(self, draw: TurnDraw | None, credential: str | None,
+                  final: dict | None = None) -> None:
         """
         Note that a request's answer was delivered whole (a generation).
+
+        @param final: the response or completion object delivered, whose usage
+            C{GET /_emulator/generations} lists; L{None} lists zero counts.
         """
-        self.ledger.generated(draw, self.state.nameOf(credential), self.reactor.seconds())
+        self.ledger.generated(draw, self.state.nameOf(credential), self.reactor.seconds(),
+                              final)
 
     def generationCount(self, credentialOrName: str | None = None) -> int:
         """

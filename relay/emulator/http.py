@@ -596,7 +596,7 @@ class EmulatorResource(ResponsesAPIMixin, Resource):
         if reply is not None and (shaping is None or shaping.kind != "stream_error"):
             # A generation: an answer (not a prewarm, not a response.failed) delivered whole.
             def complete() -> None:
-                self.emulator.generated(draw, credential)
+                self.emulator.generated(draw, credential, turn.final)
 
         if background:
             tracker.end()
@@ -857,7 +857,7 @@ class EmulatorResource(ResponsesAPIMixin, Resource):
         cutAfter, cleanEnd = breakAfter(fault)
 
         def complete() -> None:
-            self.emulator.generated(draw, credential)
+            self.emulator.generated(draw, credential, completion)
 
         if not stream:
             if kind == "empty_completed":
@@ -1013,7 +1013,8 @@ class EmulatorResource(ResponsesAPIMixin, Resource):
                 return self._json(request, 200, emulator.ledger.toJSON())
             if parts == ["generations"] and method == b"GET":
                 return self._json(request, 200, {"total": emulator.ledger.total,
-                                                 "by_account": dict(emulator.ledger.byAccount)})
+                                                 "by_account": dict(emulator.ledger.byAccount),
+                                                 "generations": list(emulator.ledger.usage)})
             if parts == ["turns"] and method == b"DELETE":
                 emulator.ledger.clear()
                 return self._json(request, 200, {"ok": True})

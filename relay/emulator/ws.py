@@ -318,7 +318,7 @@ class EmulatorWebSocketProtocol(WebSocketServerProtocol):
         def finish() -> None:
             if generative and not self._closed and self.state == self.STATE_OPEN:
                 # The terminal event went out on an open connection: a generation.
-                self._emulator.generated(draw, self._credential)
+                self._emulator.generated(draw, self._credential, turn.final)
             self._turnDone()
 
         self._pump = EventPump(

@@ -7,7 +7,7 @@ client that left ends the wait with L{ClientGone}.
 
 from __future__ import annotations
 
-from twisted.internet.defer import Deferred, fail
+from twisted.internet.defer import Deferred, fail, succeed
 from twisted.python.failure import Failure
 
 
@@ -87,6 +87,22 @@ def raceDeparture(d: Deferred, cancel) -> Deferred:
         return result
 
     d.addBoth(_done)
+    return view
+
+
+def drained(pump) -> Deferred:
+    """
+    Wait for a pump the client left to end: at once before its first
+    output (R2), after its usage drain otherwise (R107). Never fails and is
+    not cancelled by its waiter: the drain is bounded by its own timer.
+
+    @param pump: a L{relay.engine.pump.StreamPump} after its C{depart}.
+    @return: a Deferred firing with L{None}.
+    """
+    if pump.done.called:
+        return succeed(None)
+    view = Deferred(_ignoreCancel)
+    pump.done.addBoth(lambda r: (view.callback(None) if not view.called else None, r)[1])
     return view
 
 

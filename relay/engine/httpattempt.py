@@ -9,10 +9,11 @@ judges and records the end (behaviour.md R86).
 
 from __future__ import annotations
 
+from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
 from relay.engine.background import countBackgroundOnce
-from relay.engine.cancel import ClientGone, raceCancel, raceDeparture
+from relay.engine.cancel import ClientGone, drained, raceCancel, raceDeparture
 from relay.engine.payload import (
     isEmptyCompleted,
     translatesChat,
@@ -32,6 +33,7 @@ from relay.jsoncodec import loads
 from relay.model import Turn
 from relay.policy import ends
 from relay.translate.sink import ChatCompletionsSink
+from relay.usage.estimate import estimatedCounts
 from relay.usage.tokens import fromBody
 
 _log = Logger()
@@ -113,6 +115,7 @@ async def attemptHTTP(runner, turn: Turn, sink, account, release) -> AttemptResu
             return await raceDeparture(pump.done, turn.cancel)
         except ClientGone:
             pump.depart(turn.cancel.reason)
+            await drained(pump)  # R107: usage read (or estimated) first
             raise
     finally:
         if timer is not None and timer.active():
@@ -144,9 +147,8 @@ async def _readJSON(runner, turn, sink, account, response, release, rewrite) -> 
     """
     idle = runner.settings.current.upstream.stream_idle_timeout_seconds
     try:
-        body = await raceCancel(
-            readBody(response, JSON_BODY_LIMIT, idle, runner.clock), turn.cancel
-        )
+        body = await readAnswer(runner, turn, account, response, JSON_BODY_LIMIT,
+                                lambda parsed: _countJSON(runner, turn, account, parsed))
     except BodyBroken as e:
         # R1/R23/R24/R86.3: a body that broke before its end is a read
         # error before output (nothing reached the client), exactly like
@@ -169,13 +171,7 @@ async def _readJSON(runner, turn, sink, account, response, release, rewrite) -> 
         from relay.sse import Event
 
         body = rewrite(Event(b"", body)).data
-    counts = fromBody(parsed)
-    if counts is not None:
-        if turn.background:
-            # R88: once per background response, whoever sees it first.
-            countBackgroundOnce(runner, turn, account, dict(parsed, background=True), counts)
-        else:
-            runner.recordUsage(turn, account, counts)
+    _countJSON(runner, turn, account, parsed)
     release()
     runner.firstOutput(turn)
     responseId = parsed.get("id")
@@ -185,3 +181,94 @@ async def _readJSON(runner, turn, sink, account, response, release, rewrite) -> 
     return AttemptResult(
         end=ends.Completed(responseId), committed=True, status=200, ownerRecorded=owned
     )
+
+
+def _countJSON(runner, turn, account, parsed: dict) -> None:
+    """
+    Count the usage of a non-streaming answer: once per turn; a background
+    response's once per response, whoever sees it first (R88).
+    """
+    counts = fromBody(parsed)
+    if counts is None:
+        return
+    if turn.background:
+        countBackgroundOnce(runner, turn, account, dict(parsed, background=True), counts)
+    else:
+        runner.recordUsage(turn, account, counts)
+
+
+async def readAnswer(runner, turn, account, response, limit: int, count) -> bytes:
+    """
+    Read a non-streaming upstream answer's body (L{readBody}) for a client
+    that may leave while it arrives. The answer's status and headers came,
+    so upstream produced it: a client that leaves now does not stop the
+    read (R107, L{_drainJSON}); the turn then ends with L{ClientGone} once
+    the usage was counted.
+
+    @param limit: the body's size cap, bytes.
+    @param count: called with the parsed body (a L{dict}) to count its usage.
+    @return: the body.
+    @raise BodyBroken: the body broke or went idle (the client still there).
+    @raise ClientGone: the client left (after the drain).
+    """
+    idle = runner.settings.current.upstream.stream_idle_timeout_seconds
+    reading = readBody(response, limit, idle, runner.clock)
+    got = []
+    view = Deferred(lambda _: None)  # cancelled by a departure; C{reading} goes on
+
+    def arrived(result):
+        got.append(result)
+        if not view.called:
+            view.callback(result)
+
+    reading.addBoth(arrived)
+    try:
+        return await raceCancel(view, turn.cancel)
+    except ClientGone:
+        await _drainJSON(runner, turn, account, reading, got, count)
+        raise
+
+
+async def _drainJSON(runner, turn, account, reading, got: list, count) -> None:
+    """
+    R107: the client of a non-streaming turn left while its answer's body
+    was arriving. Read the body on for its usage, at most
+    C{gateway.usage_drain_seconds} (the body keeps its own size cap); a body
+    that broke, was cut off by the bound, or carries no usage is counted
+    from relay's estimate (input from the request). Nothing reaches the
+    client and no account state is written (R2).
+
+    @param reading: the body's Deferred (its result goes to C{got}).
+    @param got: the body's result once it arrived (bytes or a Failure).
+    @param count: counts the parsed body's usage (see L{readAnswer}).
+    """
+    s = runner.settings.current
+    if not got:
+        if s.usage_drain_seconds > 0 and turn.cancel.tell is None:
+            arrival = Deferred()
+            reading.addBoth(lambda _: arrival.callback(None))
+            timer = runner.clock.callLater(s.usage_drain_seconds, reading.cancel)
+            await arrival
+            if timer.active():
+                timer.cancel()
+        else:
+            reading.cancel()
+    body = got[0] if got else None
+    parsed = None
+    if isinstance(body, bytes):
+        try:
+            parsed = loads(body)
+        except ValueError:
+            parsed = None
+    if isinstance(parsed, dict) and fromBody(parsed) is not None:
+        count(parsed)
+        return
+    counted = turn.request is None or turn.request.usage == "always"
+    if turn.usage is None and not turn.background and counted:
+        counts = estimatedCounts(turn.body, 0, 0)
+        _log.info(
+            "turn {request_id}'s usage estimated ({why}): {input_tokens} in, {output_tokens} out",
+            event="relay.usage_estimated", request_id=turn.requestId, account_id=account.id,
+            why="json_body_unread", input_tokens=counts.input, output_tokens=counts.output,
+        )
+        runner.recordUsage(turn, account, counts)

@@ -19,6 +19,7 @@ from attrs import define, evolve
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Protocol
+from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import PotentialDataLoss, ResponseDone
 from zope.interface import implementer
@@ -28,7 +29,10 @@ from relay.engine import errors as E
 from relay.engine.payload import isEmptyCompleted, isSemanticOutput, translatesChat
 from relay.policy import ends
 from relay.sse import DONE, LineTooLong, SSEParser
+from relay.usage.estimate import DELTA_MARK, estimatedCounts
 from relay.usage.tokens import USAGE_CHUNK
+
+_log = Logger()
 
 STAGING_CAP = 8 * 2**20
 """Held-back bytes before the first output, at most (behaviour.md R22)."""
@@ -86,6 +90,14 @@ class StreamPump(Protocol):
     the engine calls L{depart}) ends with L{ends.Departed}, so nothing that
     happens to the upstream connection afterwards can count (R2).
 
+    A client that leaves after the first output does not end the pump at
+    once (R107): it I{drains}, reading the upstream to its terminal event
+    for the turn's usage, bounded by C{gateway.usage_drain_seconds} and
+    C{usage_drain_bytes}, writing nothing more to the client; where that
+    usage cannot be read (the upstream cut, a bound hit) it records relay's
+    estimate (L{relay.usage.estimate}). It still ends with
+    L{ends.Departed}: the drain reads usage only, never account state (R2).
+
     @ivar done: fires with an L{AttemptResult}.
     """
 
@@ -113,6 +125,11 @@ class StreamPump(Protocol):
         self._headers = {}
         self._batch = None
         self._idle = None
+        self._relayed = 0
+        self._deltas = 0
+        self._drain = None
+        self._drainLeft = 0
+        self._drainCall = None
         self.committed = False
         self.finished = False
         self.done = Deferred()
@@ -146,12 +163,113 @@ class StreamPump(Protocol):
 
     def depart(self, reason: str = "client_gone") -> None:
         """
-        End the attempt as L{ends.Departed} and drop the upstream
-        connection (R2). Idempotent; a no-op once the attempt ended.
+        The client left. Before the first output: end the attempt as
+        L{ends.Departed} and drop the upstream connection at once (R2).
+        After it: drain the upstream for the turn's usage (R107, see the
+        class docstring), or, when draining is off or relay itself cancelled
+        the turn (a graceful stop), record the estimate and end at once.
+        L{done} fires (with L{ends.Departed}) when the drain ends.
+        Idempotent; a no-op once the attempt ended or while it drains.
 
         @param reason: why, for logs.
         """
+        if self.finished or self._drain is not None:
+            return
+        if self.committed:
+            s = self._runner.settings.current
+            if (s.usage_drain_seconds > 0 and s.usage_drain_bytes > 0
+                    and self._turn.cancel.tell is None):
+                self._startDrain(reason, s.usage_drain_seconds, s.usage_drain_bytes)
+                return
+            self._estimate("not_drained")
         self._endWith(AttemptResult(end=ends.Departed(reason), status=499))
+
+    @property
+    def draining(self) -> bool:
+        """
+        The client left after output and the pump reads on for usage (R107).
+        """
+        return self._drain is not None and not self.finished
+
+    def _startDrain(self, reason: str, seconds: float, limit: int) -> None:
+        """
+        R107: read on without the client. Nothing more reaches the client's
+        sink; the client's back-pressure no longer holds the upstream.
+        """
+        self._drain = reason
+        detach = getattr(self._sink, "detachProducer", None)
+        if detach is not None:
+            detach()
+        self._sink = _GONE
+        if self._rawWrite is not None:
+            self._rawWrite = _discard
+        self._drainLeft = limit
+        self._drainCall = self._runner.clock.callLater(seconds, self._drainBound, "drain_timeout")
+        self._runner.drains.add(self)
+        if self.transport is not None:
+            self.transport.resumeProducing()
+        _log.info(
+            "client of turn {request_id} left after output; reading upstream for its usage",
+            event="relay.usage_drain", request_id=self._turn.requestId,
+            account_id=self._account.id, reason=reason,
+        )
+
+    def hurry(self) -> None:
+        """
+        End a drain now, with an estimate unless the usage was read (relay
+        is stopping: L{relay.operations.drain}). A no-op when not draining.
+        """
+        if self.draining:
+            self._drainBound("relay_stop")
+
+    def _drainRead(self, size: int) -> bool:
+        """
+        Count C{size} upstream bytes against the drain's byte bound.
+
+        @return: L{False} when the bound was passed (the pump then ended
+            with an estimate); L{True} otherwise, and when not draining.
+        """
+        if self._drain is None:
+            return True
+        self._drainLeft -= size
+        if self._drainLeft >= 0:
+            return True
+        self._drainBound("drain_bytes")
+        return False
+
+    def _drainBound(self, why: str) -> None:
+        """
+        A drain bound was hit (R107): estimate, drop the upstream, end.
+        """
+        self._drainCall = None
+        if self.finished:
+            return
+        self._estimate(why)
+        self._endWith(AttemptResult(end=ends.Departed(self._drain), status=499))
+
+    def _estimate(self, why: str) -> None:
+        """
+        R107: record relay's estimate when the turn's usage was not read: input
+        from the request body, output from what was relayed (L{_relayed},
+        L{_deltas}). A background response is not estimated: its run goes on
+        upstream and is counted once when it finishes, by whoever sees it
+        finished (R88); nor is a request whose kind counts no usage.
+
+        @param why: what stopped the usage from being read, for logs.
+        """
+        turn = self._turn
+        if self._usage.counted is not None or turn.usage is not None or turn.background:
+            return
+        if turn.request is not None and turn.request.usage != "always":
+            return
+        counts = estimatedCounts(turn.body, self._deltas, self._relayed)
+        _log.info(
+            "turn {request_id}'s usage estimated ({why}): {input_tokens} in, {output_tokens} out",
+            event="relay.usage_estimated", request_id=turn.requestId,
+            account_id=self._account.id, why=why, input_tokens=counts.input,
+            output_tokens=counts.output,
+        )
+        self._runner.recordUsage(turn, self._account, counts)
 
     def abort(self) -> None:
         """
@@ -178,6 +296,8 @@ class StreamPump(Protocol):
     def dataReceived(self, data: bytes) -> None:
         if self.finished:
             return  # style.md trap T15: bytes after pause/abort
+        if self._drain is not None and not self._drainRead(len(data)):
+            return
         self._resetIdle()
         if self._rawWrite is None:
             self._eventByEvent(data)
@@ -232,6 +352,8 @@ class StreamPump(Protocol):
         """
         Write whole upstream events: into the read's batch when one is open.
         """
+        self._relayed += len(data)
+        self._deltas += data.count(DELTA_MARK)
         if self._batch is not None:
             self._batch.append(data)
         else:
@@ -374,6 +496,9 @@ class StreamPump(Protocol):
     def _write(self, event) -> None:
         if self._usageChunk is not None and self._usageChunk(event):
             return  # a chat usage chunk the client did not ask for (issue 13)
+        data = event.data
+        self._relayed += len(data)
+        self._deltas += data.count(DELTA_MARK)
         if self._rewrite is not None:
             event = self._rewrite(event)
         if self._batch is not None:
@@ -422,6 +547,16 @@ class StreamPump(Protocol):
     def _endWith(self, result: AttemptResult, dropUpstream: bool = True) -> None:
         if self.finished:
             return
+        if self._drain is not None:
+            # R107: however the drain ended, the turn's client left (R2);
+            # usage unread by now is estimated.
+            if self._drainCall is not None and self._drainCall.active():
+                self._drainCall.cancel()
+            self._drainCall = None
+            self._runner.drains.discard(self)
+            if not isinstance(result.end, ends.Departed):
+                self._estimate(type(result.end).__name__)
+            result = AttemptResult(end=ends.Departed(self._drain), status=499)
         self._flush()
         self.finished = True
         self._cancelIdle()
@@ -484,9 +619,10 @@ class StreamPump(Protocol):
         self._cancelIdle()
         if self.finished:
             return
-        if self._turn.cancel.cancelled:
+        if self._turn.cancel.cancelled and self._drain is None:
             self.depart(self._turn.cancel.reason)
-            return
+            if self.finished:
+                return
         clean = reason.check(ResponseDone, PotentialDataLoss) is not None
         tail = self._parser.feed(b"\n\n") if clean and self._parser.pending else []
         for event in tail:
@@ -502,6 +638,30 @@ class StreamPump(Protocol):
             self._fail(
                 ends.StreamCut(detail), "OpenAI stream disconnected before completion: " + detail
             )
+
+
+class _GoneSink:
+    """
+    The sink of a client that left (R107's drain): writes go nowhere.
+    """
+
+    def commit(self, headers) -> None:
+        pass
+
+    def writeEvent(self, event) -> None:
+        pass
+
+    def fail(self, error) -> None:
+        pass
+
+
+_GONE = _GoneSink()
+
+
+def _discard(data: bytes) -> None:
+    """
+    The raw writer of a drain: the client left (R107).
+    """
 
 
 def shortReason(reason: Failure) -> str:

@@ -31,7 +31,8 @@ from attrs import evolve, frozen
 from twisted.logger import Logger
 
 from relay.engine.background import countBackgroundOnce
-from relay.engine.cancel import ClientGone, raceCancel, raceDeparture
+from relay.engine.cancel import ClientGone, drained, raceCancel, raceDeparture
+from relay.engine.httpattempt import readAnswer
 from relay.engine.payload import upstreamClientHeaders
 from relay.engine.pump import AttemptResult, StreamPump, passHeaders
 from relay.engine.upstreambody import ERROR_BODY_LIMIT, JSON_BODY_LIMIT, BodyBroken, readBody
@@ -267,11 +268,13 @@ async def forwardAttempt(runner, turn: Turn, sink, account, release) -> AttemptR
             return await raceDeparture(pump.done, turn.cancel)
         except ClientGone:
             pump.depart(turn.cancel.reason)
+            await drained(pump)  # R107: usage read (or estimated) first
             raise
     idle = s.upstream.stream_idle_timeout_seconds
     try:
-        data = await raceCancel(readBody(response, JSON_BODY_LIMIT, idle, runner.clock),
-                                turn.cancel)
+        # R107: a client that leaves while the answer arrives is still counted.
+        data = await readAnswer(runner, turn, account, response, JSON_BODY_LIMIT,
+                                lambda parsed: countUsage(runner, turn, account, parsed))
     except BodyBroken as e:
         if e.idle:
             return AttemptResult(end=ends.RelayTimeout(ends.IDLE, idle), status=502)

@@ -19,6 +19,7 @@ from twisted.internet.task import deferLater
 
 from relay.policy import failures as F
 from relay.engine import errors as E
+from relay.engine.background import watchBackground
 from relay.engine.cancel import ClientGone, raceCancel
 from relay.engine.httpattempt import attemptHTTP
 from relay.engine.keepalive import StreamKeepalive
@@ -197,6 +198,14 @@ class TurnRunner:
     """Every turn running now -> the Deferred L{run} returned for it, so a
     graceful stop can wait for them and cancel what is left (issue 14,
     L{relay.operations.drain})."""
+    backgroundOwners: dict = field(factory=dict)
+    """R107: a running background create -> (account, response id), once its
+    response id is known; an unfinished one is watched when the create ends
+    (L{relay.engine.background.watchBackground})."""
+    drains: set = field(factory=set)
+    """Behaviour.md R107: the stream pumps reading a left client's upstream
+    for its usage (L{relay.engine.pump.StreamPump.hurry} ends them with an
+    estimate when a graceful stop's grace runs out)."""
     keyPolicy: object = None
     """Issue 22: the L{relay.tenants.policy.KeyPolicy} checked before every
     turn (behaviour.md R102), or L{None}."""
@@ -1073,6 +1082,8 @@ class TurnRunner:
         if not responseId:
             return False
         self._keepChain(turn, responseId)
+        if turn.background and turn.request is None:
+            self.backgroundOwners[turn] = (account, responseId)
         if response is not None:
             turn.outputItemIds = tuple(outputItemIds(response))
         d = self.scheduler.recordResponse(turn, responseId, account)
@@ -1368,6 +1379,10 @@ class TurnRunner:
     def _finished(self, turn, state, outcome, status, accountId, start) -> None:
         if state.trace is not None:
             state.trace.turnEnded(outcome, status, accountId, state)
+        owned = self.backgroundOwners.pop(turn, None) if self.backgroundOwners else None
+        if owned is not None and turn.usage is None:
+            # R107, R88: counted once when it finishes, even if nobody polls.
+            watchBackground(self, turn, owned[0], owned[1])
         if turn.request is not None:
             requestFinished(self, turn, state, outcome, status, accountId, start)
             return
@@ -1466,6 +1481,7 @@ def _turnRecord(turn, state, outcome, status, accountId, start, now) -> TurnReco
         reasoning_tokens=None if usage is None else usage.reasoning,
         cost_nanos=None if usage is None or usage.unpriced else usage.cost,
         unpriced=usage is not None and bool(usage.unpriced),
+        usage_estimated=usage is not None and bool(usage.estimated),
         error_code=None if error is None else error.code,
         error=None if error is None else error.message,
         client_ip=turn.clientAddress,

@@ -27,7 +27,7 @@ from typing import Optional
 from attrs import define, evolve
 from twisted.logger import Logger
 
-from relay.engine.cancel import ClientGone, raceCancel, raceDeparture
+from relay.engine.cancel import ClientGone, drained, raceCancel, raceDeparture
 from relay.engine.errors import previousResponseNotFound
 from relay.engine.httpattempt import attemptHTTP
 from relay.engine.payload import dropOAuthSampling, upstreamClientHeaders
@@ -173,6 +173,8 @@ class WebSocketPump(StreamPump):
     def frameReceived(self, payload: bytes) -> None:
         if self.finished:
             return
+        if self._drain is not None and not self._drainRead(len(payload)):
+            return  # R107: the drain's byte bound
         self._resetIdle()
         quota = self._runner.quota
         if quota is not None and self._account.type == "oauth":
@@ -236,9 +238,10 @@ class WebSocketPump(StreamPump):
         if self.finished:
             return
         self._cancelIdle()
-        if self._turn.cancel.cancelled:
+        if self._turn.cancel.cancelled and self._drain is None:
             self.depart(self._turn.cancel.reason)
-            return
+            if self.finished:
+                return
         detail = f"closed {code} {reason or ''}".strip()
         if code == FRAME_TOO_BIG and not self._outputReachedClient():
             # R91: the request's fault, not the account's.
@@ -528,7 +531,8 @@ class WebSocketAttempt:
                 sessionTurnState(runner, turn, account, token)
         conn.turns += 1
         if turn.cancel.cancelled:
-            self._giveBack(conn, mode, broken=False)
+            # A passthrough connection belongs to the client that left.
+            self._giveBack(conn, mode, broken=mode == "passthrough")
             raise ClientGone(turn.cancel.reason)
         if runner.quota is not None and account.type == "oauth" and not getattr(
             conn.proto, "usageSeen", False
@@ -612,7 +616,11 @@ class WebSocketAttempt:
                 result = await raceDeparture(pump.done, turn.cancel)
             except ClientGone:
                 pump.depart(turn.cancel.reason)
+                await drained(pump)  # R107: usage read (or estimated) first
                 giveBack(broken=True)
+                if mode == "passthrough" and not conn.broken:
+                    # Drained to its end: the left client's own connection goes.
+                    self._giveBack(conn, mode, broken=True)
                 raise
         finally:
             if timer is not None and timer.active():

@@ -403,9 +403,12 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             admitting.cancel("client_gone")
         dedicated = self._state.dedicated
         if dedicated is not None:
-            dedicated.broken = True
-            dedicated.proto.close()
             self._state.dedicated = None
+            if not dedicated.busy:
+                dedicated.broken = True
+                dedicated.proto.close()
+            # else the running turn's attempt closes it when it ends, after
+            # reading its usage (behaviour.md R107).
         sent = self._closing
         if sent is None and getattr(self, "closedByMe", False) and self.localCloseCode:
             # autobahn failed the connection itself (a protocol violation

@@ -27,7 +27,9 @@ Names (all prefixed C{relay_}):
     C{cached_input}, C{output}, C{reasoning}) and
     C{relay_usage_turns_total{key,account,model}}: tokens counted from
     every turn's terminal usage (issue 13 item 5); C{model} is the known
-    normalised name or C{other} (R110, L{relay.modelname.ModelCatalogue})
+    normalised name or C{other} (R110, L{relay.modelname.ModelCatalogue}),
+    and C{relay_usage_estimated_turns_total{key,account,model}}: turns among
+    them counted from relay's estimate (behaviour.md R107)
   - from L{relay.scheduling.quota.UsageCollector}: the usage windows,
     C{relay_oauth_token_expiry_timestamp_seconds{account}},
     C{relay_oauth_token_status{account,status}} (1 for the current status of
@@ -293,6 +295,13 @@ class RelayMetrics:
             ["key", "account", "model"],
             registry=r,
         )
+        self.estimatedTurns = Counter(
+            "relay_usage_estimated_turns",
+            "Turns whose usage relay estimated: the client left and the upstream's usage"
+            " could not be read (R107)",
+            ["key", "account", "model"],
+            registry=r,
+        )
         self.requests = Counter(
             "relay_requests",
             "Finished requests that are not turns (compact, retrieve, cancel, ...), R87",
@@ -517,6 +526,9 @@ class RelayMetrics:
             child.inc(counts.cost / 1e9)
         if counts.unpriced:
             self.unpricedTurns.labels(key=key, account=account, model=model).inc(counts.unpriced)
+        if counts.estimated:
+            self.estimatedTurns.labels(key=key, account=account, model=model).inc(
+                counts.estimated)
 
     def wsClose(self, code: int) -> None:
         """

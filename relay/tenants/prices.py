@@ -434,9 +434,10 @@ class PriceTable:
         # (L{cost}, inline: issue 24.) Built directly: attrs.evolve costs a few microseconds per turn.
         if nanos is None:
             return TokenCounts(counts.requests, counts.input, counts.cached, counts.output,
-                               counts.reasoning, 0, counts.requests, counts.tier, counts.tools)
+                               counts.reasoning, 0, counts.requests, counts.estimated,
+                               counts.tier, counts.tools)
         return TokenCounts(counts.requests, counts.input, counts.cached, counts.output,
-                           counts.reasoning, nanos, 0, counts.tier, counts.tools)
+                           counts.reasoning, nanos, 0, counts.estimated, counts.tier, counts.tools)
 
     def view(self) -> dict:
         """

@@ -81,6 +81,9 @@ class TurnRecord:
     reasoning_tokens: Optional[int] = None
     cost_nanos: Optional[int] = None
     unpriced: bool = False
+    usage_estimated: bool = False
+    """R107: the token fields are relay's estimate (the client left and the
+    upstream's usage could not be read)."""
     error_code: Optional[str] = None
     error: Optional[str] = None
     client_ip: Optional[str] = None
@@ -137,6 +140,7 @@ class TurnRecord:
             "reasoning_tokens": self.reasoning_tokens,
             "cost_usd": None if self.cost_nanos is None else round(self.cost_nanos / 1e9, 9),
             "unpriced": self.unpriced,
+            "usage_estimated": self.usage_estimated,
             "error_code": self.error_code,
             "error": self.error,
             "client_ip": self.client_ip,
@@ -187,6 +191,7 @@ def fromDict(data: dict, seq: Optional[str] = None) -> TurnRecord:
         reasoning_tokens=data.get("reasoning_tokens"),
         cost_nanos=None if cost is None else int(round(cost * 1e9)),
         unpriced=bool(data.get("unpriced")),
+        usage_estimated=bool(data.get("usage_estimated")),
         error_code=data.get("error_code"),
         error=data.get("error"),
         client_ip=data.get("client_ip"),

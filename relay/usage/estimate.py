@@ -1,23 +1,44 @@
-# -*- test-case-name: tests.test_usage_holds -*-
+# -*- test-case-name: tests.test_usage_holds,tests.test_usage_drain -*-
 """
-A turn's tokens before it runs (behaviour.md R108): what a budget
-reservation assumes.
+relay's own estimate of a turn's tokens, where the upstream's count is not
+known: before the turn runs, what a budget reservation assumes
+(behaviour.md R108); after it, for a turn whose upstream usage could not be
+read (R107: the client left after output and the upstream's terminal event
+was cut off or beyond the drain's bounds).
 
 Input is a quarter of the JSON size of what the body gives the model
 (C{input}, a bare string counted as the user message it stands for,
 C{instructions}, C{messages}, C{tools}): the estimate the bundled emulator
 bills by too, a little above OpenAI's count (JSON punctuation stands in for
-the per-message framing tokens); output is what the request allows
-(C{max_output_tokens}; chat C{max_completion_tokens} or C{max_tokens}),
-else the key's C{max_turn_output_tokens}.
+the per-message framing tokens). Output before the turn is what the request
+allows (C{max_output_tokens}; chat C{max_completion_tokens} or
+C{max_tokens}), else the key's C{max_turn_output_tokens}; after it, one
+token per delta event relayed (upstream streams one token per C{*.delta}
+event), or a quarter of the relayed bytes when no delta was seen, at least
+one. A turn counted so carries C{estimated=1}
+(L{relay.usage.tokens.TokenCounts.estimated}).
 """
+
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-__all__ = ["MAX_TURN_OUTPUT_TOKENS", "inputTokens", "outputTokens"]
+from relay.usage.tokens import TokenCounts
+
+__all__ = [
+    "BYTES_PER_TOKEN", "DELTA_MARK", "MAX_TURN_OUTPUT_TOKENS", "estimatedCounts", "inputTokens",
+    "outputTokens",
+]
+
+BYTES_PER_TOKEN = 4
+"""About four bytes of English text or JSON per token."""
+
+DELTA_MARK = b'"delta":'
+"""What every output delta carries (C{response.*.delta} events, chat
+chunks); inside a JSON string the quotes are escaped, so text never
+matches."""
 
 MAX_TURN_OUTPUT_TOKENS = 32000
 """The default of C{keys[].max_turn_output_tokens} (behaviour.md R108)."""
@@ -48,7 +69,7 @@ def inputTokens(body: Any) -> int:
             size += len(json.dumps(value, ensure_ascii=False))
         except (TypeError, ValueError):
             continue
-    return max(1, size // 4)
+    return max(1, size // BYTES_PER_TOKEN)
 
 
 def outputTokens(body: Any, cap: int | None) -> int:
@@ -65,3 +86,17 @@ def outputTokens(body: Any, cap: int | None) -> int:
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
     return int(cap or MAX_TURN_OUTPUT_TOKENS)
+
+
+def estimatedCounts(body: Any, deltas: int, relayedBytes: int) -> TokenCounts:
+    """
+    The estimated counts of one turn (R107).
+
+    @param body: the client's request body.
+    @param deltas: output delta events relayed (L{DELTA_MARK} seen).
+    @param relayedBytes: bytes of upstream events relayed after the first
+        output.
+    @return: L{TokenCounts} of one turn with C{estimated=1}.
+    """
+    output = max(1, deltas or relayedBytes // BYTES_PER_TOKEN)
+    return TokenCounts(requests=1, input=inputTokens(body), output=output, estimated=1)

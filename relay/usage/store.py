@@ -149,29 +149,33 @@ _SQL_CREATE = (
     " model TEXT NOT NULL, requests INTEGER NOT NULL, input INTEGER NOT NULL,"
     " cached INTEGER NOT NULL, output INTEGER NOT NULL, reasoning INTEGER NOT NULL,"
     " cost INTEGER NOT NULL DEFAULT 0, unpriced INTEGER NOT NULL DEFAULT 0,"
+    " estimated INTEGER NOT NULL DEFAULT 0,"
     " PRIMARY KEY (hour, key, account, model))"
 )
 
 _SQL_MONEY_COLUMNS = (
     ("cost", "ALTER TABLE usage_hourly ADD COLUMN cost INTEGER NOT NULL DEFAULT 0"),
     ("unpriced", "ALTER TABLE usage_hourly ADD COLUMN unpriced INTEGER NOT NULL DEFAULT 0"),
+    ("estimated", "ALTER TABLE usage_hourly ADD COLUMN estimated INTEGER NOT NULL DEFAULT 0"),
 )
-"""Issue 22: the money columns, added to a table an older relay created."""
+"""Issue 22: the money columns (and R107's estimated turns), added to a table
+an older relay created."""
 
 _SQL_ADD = (
     "INSERT INTO usage_hourly"
-    " (hour, key, account, model, requests, input, cached, output, reasoning, cost, unpriced)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " (hour, key, account, model, requests, input, cached, output, reasoning, cost, unpriced,"
+    " estimated)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
     " ON CONFLICT (hour, key, account, model) DO UPDATE SET"
     " requests = requests + excluded.requests, input = input + excluded.input,"
     " cached = cached + excluded.cached, output = output + excluded.output,"
     " reasoning = reasoning + excluded.reasoning, cost = cost + excluded.cost,"
-    " unpriced = unpriced + excluded.unpriced"
+    " unpriced = unpriced + excluded.unpriced, estimated = estimated + excluded.estimated"
 )
 
 _SQL_SUMS = (
     "SUM(requests), SUM(input), SUM(cached), SUM(output), SUM(reasoning), SUM(cost),"
-    " SUM(unpriced)"
+    " SUM(unpriced), SUM(estimated)"
 )
 
 
@@ -217,7 +221,7 @@ class SQLiteUsageStore:
         """
         values = [
             (hour, key, account, model, c.requests, c.input, c.cached, c.output, c.reasoning,
-             c.cost, c.unpriced)
+             c.cost, c.unpriced, c.estimated)
             for (hour, key, account, model), c in rows
         ]
 
@@ -274,13 +278,13 @@ class SQLiteUsageStore:
 # Adds rows. KEYS: per row its hour hash, day hash and month hash. ARGV: the
 # hour, day and month TTLs, then per row: the "key\taccount\tmodel" field,
 # the key name, requests, input, cached, output, reasoning, cost (nano-USD)
-# and unpriced requests. The day and month hashes hold tokens per key name
+# unpriced requests and estimated requests (R107). The day and month hashes hold tokens per key name
 # and, under "$\t<key>", the cost (issue 22).
 _REDIS_ADD = """
-local rows = (#ARGV - 3) / 9
+local rows = (#ARGV - 3) / 10
 for i = 0, rows - 1 do
   local h, d, m = KEYS[3 * i + 1], KEYS[3 * i + 2], KEYS[3 * i + 3]
-  local a = 3 + 9 * i
+  local a = 3 + 10 * i
   local f = ARGV[a + 1]
   redis.call('HINCRBY', h, 'r\\t' .. f, ARGV[a + 3])
   redis.call('HINCRBY', h, 'i\\t' .. f, ARGV[a + 4])
@@ -289,6 +293,7 @@ for i = 0, rows - 1 do
   redis.call('HINCRBY', h, 'x\\t' .. f, ARGV[a + 7])
   if ARGV[a + 8] ~= '0' then redis.call('HINCRBY', h, 'u\\t' .. f, ARGV[a + 8]) end
   if ARGV[a + 9] ~= '0' then redis.call('HINCRBY', h, 'n\\t' .. f, ARGV[a + 9]) end
+  if ARGV[a + 10] ~= '0' then redis.call('HINCRBY', h, 'e\\t' .. f, ARGV[a + 10]) end
   local total = tonumber(ARGV[a + 4]) + tonumber(ARGV[a + 6])
   redis.call('HINCRBY', d, ARGV[a + 2], total)
   redis.call('HINCRBY', m, ARGV[a + 2], total)
@@ -318,7 +323,7 @@ return out
 """
 
 _METRICS = {"r": "requests", "i": "input", "c": "cached", "o": "output", "x": "reasoning",
-            "u": "cost", "n": "unpriced"}
+            "u": "cost", "n": "unpriced", "e": "estimated"}
 
 _COST_FIELD = "$\t"
 """Prefix of the cost fields in the day and month hashes (issue 22)."""
@@ -400,7 +405,7 @@ class RedisUsageStore:
                 f"{_clean(key)}\t{_clean(account)}\t{_clean(model)}",
                 _clean(key),
                 str(c.requests), str(c.input), str(c.cached), str(c.output), str(c.reasoning),
-                str(c.cost), str(c.unpriced),
+                str(c.cost), str(c.unpriced), str(c.estimated),
             ]
         d = self.redis.execute(self.timeout, "eval", _REDIS_ADD, keys, args)
         return d.addCallback(lambda _: None)

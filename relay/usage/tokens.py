@@ -75,6 +75,10 @@ class TokenCounts:
     unpriced: int = 0
     """Issue 22: how many of these turns ran on a model without a price
     (their cost is unknown, never zero)."""
+    estimated: int = 0
+    """How many of these turns were counted from relay's estimate, not the
+    upstream's usage (behaviour.md R107: the client left and the upstream's
+    terminal event could not be read)."""
     tier: str | None = field(default=None, eq=False)
     """R109: the C{service_tier} the response reports (one turn's; not
     summed), or L{None}."""
@@ -98,6 +102,7 @@ class TokenCounts:
             self.reasoning + other.reasoning,
             self.cost + other.cost,
             self.unpriced + other.unpriced,
+            self.estimated + other.estimated,
         )
 
     def asDict(self) -> dict:
@@ -107,7 +112,8 @@ class TokenCounts:
             C{output_tokens}, C{reasoning_tokens}, C{total_tokens}, and
             (issue 22) C{cost_usd} (the priced turns' cost in dollars) and
             C{unpriced_requests} (turns on a model without a price, whose
-            cost C{cost_usd} does not include).
+            cost C{cost_usd} does not include), and C{estimated_requests}
+            (R107: turns counted from relay's estimate).
         """
         return {
             "requests": self.requests,
@@ -118,6 +124,7 @@ class TokenCounts:
             "total_tokens": self.total,
             "cost_usd": round(self.cost / 1e9, 9),
             "unpriced_requests": self.unpriced,
+            "estimated_requests": self.estimated,
         }
 
 
