@@ -416,8 +416,8 @@ class IntakePolicy:
         guessing back-off of L{adminGuard}: an address that waits is
         answered 429 without its key being compared; a wrong key (one that
         is none of relay's keys) is counted, a right one resets the
-        address. Those answers are logged
-        by the guard (throttled), not one line per request.
+        address. Those answers are logged by the guard (throttled), not
+        one line per request.
 
         @return: L{None} when the key is right, else the error.
         """
