@@ -26,6 +26,9 @@ class CheckTypesTests(SynchronousTestCase):
     """
 
     def refused(self, body, table) -> FieldTypeError:
+        """
+        @return: the L{FieldTypeError} C{checkTypes} raises.
+        """
         return self.assertRaises(FieldTypeError, checkTypes, body, table)
 
     def test_scalars(self):

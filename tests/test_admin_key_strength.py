@@ -16,6 +16,10 @@ BASE = "keys: [{name: t, key: sk-client-key-0123456789}]\n"
 
 
 class AdminKeyStrengthTests(SynchronousTestCase):
+    """
+    L{checkOperatorKeys}' entropy floor for C{admin_key}.
+    """
+
     def test_weak_keys_refused(self):
         """
         Repeats, runs, one unit repeated and relay's published keys are

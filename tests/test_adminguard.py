@@ -14,6 +14,10 @@ from relay.entry.adminguard import AdminGuard
 
 
 class AdminGuardTests(SynchronousTestCase):
+    """
+    L{AdminGuard} on a L{Clock}.
+    """
+
     def setUp(self):
         self.clock = Clock()
         self.clock.advance(1000)
@@ -24,6 +28,9 @@ class AdminGuardTests(SynchronousTestCase):
         self.addCleanup(globalLogPublisher.removeObserver, observer)
 
     def wait(self, address="10.0.0.1"):
+        """
+        @return: the C{Retry-After} seconds C{address} is told, or L{None}.
+        """
         error = self.guard.refusal(address)
         if error is None:
             return None

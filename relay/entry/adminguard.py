@@ -60,6 +60,15 @@ BACKOFF_CODE = "admin_key_backoff"
 
 @define(eq=False)
 class _Address:
+    """
+    What is known of one address.
+
+    @ivar failures: times of its wrong keys within L{WINDOW}.
+    @ivar level: waits started so far (the next lasts twice as long).
+    @ivar until: when its current wait ends.
+    @ivar last: its last wrong key.
+    """
+
     failures: deque = field(factory=deque)
     level: int = 0
     until: float = 0.0
@@ -67,6 +76,10 @@ class _Address:
 
 
 class _Throttle(LogThrottle):
+    """
+    One warning per L{LOG_INTERVAL}.
+    """
+
     interval = LOG_INTERVAL
 
 
@@ -76,6 +89,7 @@ class AdminGuard:
     See the module docstring.
 
     @ivar clock: the injected L{twisted.internet.interfaces.IReactorTime}.
+    @ivar maxAddresses: addresses tracked at most (L{MAX_ADDRESSES}).
     """
 
     clock: Any
@@ -135,6 +149,10 @@ class AdminGuard:
         self._warn(address, seconds)
 
     def _warn(self, address, seconds: float) -> None:
+        """
+        Say that C{address} waits C{seconds}, unless a warning went out
+        within L{LOG_INTERVAL}.
+        """
         if self._throttle is None:
             self._throttle = _Throttle(self.clock)
         suppressed = self._throttle.admit("admin_key_backoff")

@@ -68,10 +68,16 @@ class FieldTypeError(ValueError):
 
 
 def _isInteger(value) -> bool:
+    """
+    @return: whether C{value} is a JSON integer (not a boolean).
+    """
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _isNumber(value) -> bool:
+    """
+    @return: whether C{value} is a JSON number (not a boolean).
+    """
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -117,6 +123,9 @@ def oneOf(*types: FieldType) -> FieldType:
 
 
 def _plural(what: str) -> str:
+    """
+    @return: C{"a string"} as C{"strings"}, for a list's description.
+    """
     for article in ("an ", "a "):
         if what.startswith(article):
             what = what[len(article):]
@@ -147,10 +156,18 @@ def describe(value: Any) -> str:
 
 
 def _join(path: str, name: str) -> str:
+    """
+    @return: the path of field C{name} inside C{path}.
+    """
     return f"{path}.{name}" if path else str(name)
 
 
 def _check(value, kind: FieldType, path: str) -> None:
+    """
+    Check one value (and its parts) against C{kind}.
+
+    @raise FieldTypeError: naming C{path} or a path inside it.
+    """
     if value is None:
         return
     if not kind.accepts(value):

@@ -22,6 +22,12 @@ ADMIN = "admin-guess-0123456789"
 
 @pytest_twisted.ensureDeferred
 async def test_guessing_backs_off_per_address():
+    """
+    Five wrong keys, then 429 with C{Retry-After: 1} (even for the right
+    key and on C{/metrics}); a wrong key after the wait doubles it; the
+    right key after it is served and resets; one warning, no per-request
+    refusal lines.
+    """
     stack = await startStack([{"id": "a1", "credential": "sk-a1"}],
                              extra=f"admin_key: {ADMIN}\n")
     events = []

@@ -25,6 +25,10 @@ _ETC = os.path.join(os.path.dirname(__file__), "..", "..", "etc")
 
 @pytest_twisted.ensureDeferred
 async def test_weak_admin_key_is_one_config_error_line():
+    """
+    A repeated key and the demo's published key, outside the demo: exit
+    status 2 and the one config error line, nothing else.
+    """
     for key, bits in (("aaaaaaaaaaaaaaaaaaaa", 5), ("admin-demo-change-me", 0)):
         path = writeConfig(goodConfig() + f"admin_key: {key}\n")
         try:

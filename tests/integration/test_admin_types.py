@@ -112,6 +112,9 @@ class _Rig:
     failures: list
 
     async def call(self, method: str, path: str, body) -> tuple:
+        """
+        @return: C{(status, body bytes)} of one admin request with the key.
+        """
         base = f"http://127.0.0.1:{self.stack.port.getHost().port}"
         response = await treq.request(
             method, base + path, data=json.dumps(body).encode(),
@@ -122,6 +125,10 @@ class _Rig:
 
 @pytest_twisted.async_yield_fixture(scope="module")
 async def rig():
+    """
+    One relay for the module (an API-key and an OAuth account, an admin
+    account and an admin key to change), watching its log for failures.
+    """
     stack = await startStack(
         [{"id": "a1", "credential": "sk-a1"},
          {"id": "o1", "type": "oauth", "credential": "oauth-o1"}],
@@ -131,6 +138,9 @@ async def rig():
     r.failures = []
 
     def observe(event):
+        """
+        Keep logged failures (a 500's traceback).
+        """
         if event.get("log_failure") is not None or event.get("event") == "relay.admin_failed":
             r.failures.append(event)
 

@@ -31,6 +31,9 @@ HEADERS = {"session_id": "sess-shared", "thread-id": RAW_THREAD,
 
 
 def scoped(key: str, raw: str) -> str:
+    """
+    @return: what R112 makes of C{raw} for key C{key}.
+    """
     return xxhash.xxh64_hexdigest(f"k{key}:{raw}".encode())
 
 
@@ -45,6 +48,10 @@ def test_scoped_header_table():
 
 
 def _accounts(kind: str, mode: str = "ctx_pool"):
+    """
+    @return: one account of C{kind} (C{apikey} or C{oauth}) in WebSocket
+        C{mode}.
+    """
     entry = {"id": "a1", "credential": f"{kind}-cred", "ws_mode": mode}
     if kind == "oauth":
         entry["type"] = "oauth"

@@ -16,6 +16,9 @@ from tests.integration.test_ws_turns import MODES, PREWARM, connect, drain, gate
 
 
 def _stack(mode: str):
+    """
+    @return: (a Deferred of) a stack whose one key has C{rpm: 2}.
+    """
     keys = json.dumps([{"name": "warm", "key": "sk-warm", "concurrency": 0, "rpm": 2}])
     return startStack([{"id": "a1", "credential": "sk-a1"}], gateway=gateway(mode), keys=keys)
 
