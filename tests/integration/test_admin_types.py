@@ -223,6 +223,25 @@ async def test_any_json_body_is_never_a_500(rig, route, body):
 
 
 @pytest_twisted.ensureDeferred
+async def test_settings_wrong_types(rig):
+    """
+    C{PUT /admin/settings}: a list or an object (an empty one included)
+    for any runtime setting, flat or nested, is a 400 naming it; nothing
+    changes.
+    """
+    from relay.settings import RUNTIME_KEYS
+
+    for name in RUNTIME_KEYS:
+        head, _, tail = name.rpartition(".")
+        for bad in ([], {}, [1], ["x"]):
+            for body in ({name: bad}, {head: {tail: bad}} if head else {name: bad}):
+                code, data = await rig.call("PUT", "/admin/settings", body)
+                assert code == 400, (body, data)
+                assert json.loads(data)["error"]["param"] == name, (body, data)
+    assert not rig.failures
+
+
+@pytest_twisted.ensureDeferred
 async def test_relay_still_serves(rig):
     """
     After the properties the relay still answers its admin API and a turn.
