@@ -56,6 +56,15 @@ class AdminGuardTests(SynchronousTestCase):
         self.assertEqual(waits[-1], adminguard.MAX_SECONDS)
         self.assertIsNone(self.wait("10.0.0.2"))  # per address
 
+    def test_ipv6_counts_its_64(self):
+        """
+        The addresses of one IPv6 /64 are counted together.
+        """
+        for i in range(adminguard.THRESHOLD):
+            self.guard.failed(f"2001:db8:1:2::{i + 1:x}")
+        self.assertEqual(self.wait("2001:db8:1:2:ffff::9"), 1)
+        self.assertIsNone(self.wait("2001:db8:1:3::1"))
+
     def test_success_resets_and_time_forgets(self):
         """
         A right key resets the address; so does a long quiet time.

@@ -12,6 +12,7 @@ with every further wrong key after it, up to L{MAX_SECONDS}; a right key
 (outside a wait) resets the address, and so does L{FORGET_SECONDS} without
 a wrong key. Requests without a key guess nothing and are not counted.
 
+An IPv6 address counts as its /64 (one host usually holds a whole /64).
 Memory is bounded: at most L{MAX_ADDRESSES} addresses are tracked, the
 least recently seen dropped first. The log gets one warning when an
 address starts waiting, at most one per L{LOG_INTERVAL} seconds, counting
@@ -56,6 +57,20 @@ LOG_INTERVAL = 60.0
 
 BACKOFF_CODE = "admin_key_backoff"
 """The error code of the 429."""
+
+
+def _bucket(address: Optional[str]) -> Optional[str]:
+    """
+    @return: what C{address} is counted as: itself, or for IPv6 its /64.
+    """
+    if address and ":" in address:
+        import ipaddress
+
+        try:
+            return str(ipaddress.ip_network(address + "/64", strict=False))
+        except ValueError:
+            return address
+    return address
 
 
 @define(eq=False)
@@ -105,7 +120,7 @@ class AdminGuard:
 
         @return: the 429 while the address waits, else L{None}.
         """
-        entry = self._addresses.get(address)
+        entry = self._addresses.get(_bucket(address))
         if entry is None:
             return None
         now = self.clock.seconds()
@@ -122,7 +137,7 @@ class AdminGuard:
         """
         A right key from C{address}: it starts afresh.
         """
-        self._addresses.pop(address, None)
+        self._addresses.pop(_bucket(address), None)
 
     def failed(self, address: Optional[str]) -> None:
         """
@@ -131,10 +146,11 @@ class AdminGuard:
         (twice as long each time, at most L{MAX_SECONDS}).
         """
         now = self.clock.seconds()
-        entry = self._addresses.pop(address, None)
+        bucket = _bucket(address)
+        entry = self._addresses.pop(bucket, None)
         if entry is None or now - entry.last > FORGET_SECONDS:
             entry = _Address()
-        self._addresses[address] = entry  # most recently seen last
+        self._addresses[bucket] = entry  # most recently seen last
         while len(self._addresses) > self.maxAddresses:
             self._addresses.popitem(last=False)
         entry.last = now
