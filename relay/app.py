@@ -26,6 +26,7 @@ from twisted.web.server import Site
 from relay.policy.classify import DefaultClassifier
 from relay.components import loadComponent
 from relay.engine.runner import TurnRunner
+from relay.entry.adminguard import AdminGuard
 from relay.entry.body import LimitedBodyRequest
 from relay.entry.http import KeyRing
 from relay.entry.intake import IntakePolicy
@@ -439,6 +440,7 @@ def buildApplication(
         limits=lambda: settings.current.limits, admitKey=runner.admitKey,
         draining=lambda: app.drain.draining,
         keyRefusal=_keyRefusal(app), keysReady=_keysReady(app),
+        adminGuard=AdminGuard(clock=reactor),
     )
     site.limits = lambda: settings.current.limits
     wsResource.factory.budget = site.intake.budget

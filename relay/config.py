@@ -730,6 +730,7 @@ _TOP: Dict[str, Validator] = {
     "prices": lambda value, path: value,
     "request_log": _nested(_REQUEST_LOG, RequestLogSettings),
     "tracing": _nested(_TRACING, TracingSettings),
+    "demo": _boolean,
 }
 
 
@@ -1276,13 +1277,54 @@ def settingsFromString(
 MIN_OPERATOR_KEY_LENGTH = 16
 """Issue 19 item 7: the shortest admin or metrics key relay accepts."""
 
+MIN_ADMIN_KEY_BITS = 64
+"""The least estimated entropy of an admin key outside the demo, bits
+(L{secretBits})."""
+
+PUBLISHED_KEYS = frozenset({"admin-demo-change-me", "admin-change-me-0000"})
+"""Admin keys printed in relay's own files (the demo's configurations, the
+README's example): known to everyone, so worth nothing outside the demo."""
+
+
+def secretBits(value: str) -> float:
+    """
+    A conservative estimate of a secret's entropy, bits: the characters
+    that carry information (not a repeat of the one before, not the third
+    or later of a run such as C{1234} or C{dcba}, and a value that is one
+    unit repeated counts the unit once), each worth log2 of the size
+    of the character classes the value uses (26 lower-case letters, 26
+    upper-case, 10 digits, 33 others). A value relay itself publishes
+    (L{PUBLISHED_KEYS}) is worth 0.
+
+    @param value: the secret.
+    @return: the estimate, bits.
+    """
+    import math
+
+    if value in PUBLISHED_KEYS:
+        return 0.0
+    for period in range(1, len(value) // 2 + 1):
+        if all(value[i] == value[i % period] for i in range(len(value))):
+            value = value[:period]
+            break
+    alphabet = (26 * any(c.islower() for c in value) + 26 * any(c.isupper() for c in value)
+                + 10 * any(c.isdigit() for c in value)
+                + 33 * any(not (c.isascii() and c.isalnum()) for c in value))
+    steps = [ord(b) - ord(a) for a, b in zip(value, value[1:])]
+    counted = 1 + sum(1 for i, step in enumerate(steps)
+                      if step != 0 and not (abs(step) == 1 and i and steps[i - 1] == step))
+    return counted * math.log2(alphabet) if alphabet > 1 else 0.0
+
 
 def checkOperatorKeys(config: RelayConfig) -> None:
     """
     Issue 19 item 7 (R99): the admin key and the read-only C{metrics_key}
     are at least L{MIN_OPERATOR_KEY_LENGTH} characters, differ from each
     other and from every client key (a client key that equals the admin
-    key would open the admin API to that client).
+    key would open the admin API to that client). Outside the demo
+    (C{demo: true}), the admin key carries at least L{MIN_ADMIN_KEY_BITS}
+    of estimated entropy (L{secretBits}): repeats, runs and relay's own
+    published keys are refused.
 
     @raise ConfigError: naming C{admin_key} or C{metrics_key}; the value is
         never part of the message.
@@ -1300,6 +1342,13 @@ def checkOperatorKeys(config: RelayConfig) -> None:
             raise ConfigError(f"{name}: must differ from every client key (same as keys {clients[value]!r})")
     if config.admin_key is not None and config.admin_key == config.metrics_key:
         raise ConfigError("metrics_key: must differ from admin_key")
+    if config.admin_key is not None and not config.demo:
+        bits = secretBits(config.admin_key)
+        if bits < MIN_ADMIN_KEY_BITS:
+            raise ConfigError(
+                f"admin_key: too easy to guess (about {bits:.0f} bits, at least"
+                f" {MIN_ADMIN_KEY_BITS} needed; relay's published example keys count 0): use a"
+                " random key, e.g. the output of 'openssl rand -hex 24'")
 
 
 def checkWorkers(config: RelayConfig) -> None:

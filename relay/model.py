@@ -525,6 +525,9 @@ class RelayConfig:
     request_log: RequestLogSettings = RequestLogSettings()
     """Issue 22: the request log's bounds and debug sampling."""
     tracing: TracingSettings = TracingSettings()
+    demo: bool = False
+    """The offline demo against the bundled emulator (config.md C{demo}):
+    its published admin key is accepted. Never for real accounts."""
 
 
 # ---------------------------------------------------------------------------

@@ -235,9 +235,11 @@ def flatten(values: dict) -> dict:
     def walk(prefix: str, obj: dict) -> None:
         for key, value in obj.items():
             name = f"{prefix}{key}"
-            if isinstance(value, dict):
+            if isinstance(value, dict) and not (name in RUNTIME_KEYS and not value):
                 walk(name + ".", value)
             else:
+                # A setting given an object: kept, so its check names it
+                # (an empty one would otherwise vanish as "no change").
                 flat[name] = value
 
     walk("", values)

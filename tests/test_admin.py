@@ -466,7 +466,7 @@ class ClearLogTests(SynchronousTestCase):
 
         config = settingsFromString(
             'listen: "tcp:0:interface=127.0.0.1"\ndatabase: ":memory:"\n'
-            "admin_key: admin-k-0123456789\nkeys: [{name: team, key: sk-team}]\n"
+            "admin_key: admin-k-0123456789-Qx7v\nkeys: [{name: team, key: sk-team}]\n"
             "accounts: [{id: a1, type: apikey, api_key: sk-up, "
             'base_url: "http://127.0.0.1:1/v1"}]\n'
         )
@@ -477,7 +477,7 @@ class ClearLogTests(SynchronousTestCase):
         with capturedLogs() as logs:
             protocol.dataReceived(
                 b"POST /admin/accounts/a1/clear HTTP/1.1\r\nHost: x\r\n"
-                b"Authorization: Bearer admin-k-0123456789\r\nContent-Length: 0\r\n\r\n"
+                b"Authorization: Bearer admin-k-0123456789-Qx7v\r\nContent-Length: 0\r\n\r\n"
             )
         self.assertTrue(transport.value().startswith(b"HTTP/1.1 200 "), transport.value()[:200])
         cleared = [e for e in logs if e.get("event") == "relay.account_cleared"]

@@ -396,6 +396,27 @@ class EngineRateTests(SynchronousTestCase):
         outcomes = [rig.go(rig.turn(client))[1] for _ in range(3)]
         self.assertEqual(outcomes, [["completed"], ["completed"], ["failed"]])
 
+    def test_prewarm_not_counted_by_rpm(self):
+        """
+        R113: a WebSocket prewarm (C{generate: false}) is neither counted
+        nor refused by C{rpm}; on HTTP the same field is an ordinary
+        request (it generates) and counts.
+        """
+        rig = TenantsRig([account("a")])
+        client = key(rpm=1)
+
+        def prewarm(entrypoint):
+            turn = rig.turn(client, entrypoint=entrypoint)
+            turn.body["generate"] = False
+            return turn
+
+        self.assertEqual(rig.go(prewarm("ws"))[1], ["completed"])
+        decision = self.successResultOf(rig.limiter.peek("bob", 1, None))
+        self.assertEqual(decision.requests, 0)
+        self.assertEqual(rig.go(rig.turn(client, entrypoint="ws"))[1], ["completed"])
+        self.assertEqual(rig.go(prewarm("ws"))[1], ["completed"])
+        self.assertEqual(rig.go(prewarm("http"))[1], ["failed"])
+
     def test_order_expiry_before_rate(self):
         """
         A refused turn counts nothing: an expired key's turns never fill

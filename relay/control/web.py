@@ -31,10 +31,11 @@ from twisted.web.server import NOT_DONE_YET
 from relay.control.store import ControlStoreUnavailable, VersionConflict
 from relay.entry.intake import ADMIN_BODY_LIMIT, RequestRefused
 from relay.operator.admin import _errorBody, _Guarded, _respond
+from relay.operator.fields import FieldTypeError, checkTypes
 
 __all__ = [
-    "AdminLeaf", "ControlError", "MAX_BODY_BYTES", "ServiceLeaf", "clientAddress", "deliver",
-    "notFound", "pathId", "readJSONBody",
+    "AdminLeaf", "ControlError", "MAX_BODY_BYTES", "ServiceLeaf", "checkedTypes", "clientAddress",
+    "deliver", "notFound", "pathId", "readJSONBody",
 ]
 
 MAX_BODY_BYTES = ADMIN_BODY_LIMIT
@@ -127,7 +128,8 @@ def _depth(value, limit: int) -> bool:
     return False
 
 
-def readJSONBody(request, allowEmpty: bool = False) -> dict:
+def readJSONBody(request, allowEmpty: bool = False, fields=None,
+                 code: str = "invalid_type") -> dict:
     """
     Read an admin request's JSON object body: the one place the control
     plane reads bodies.
@@ -135,10 +137,40 @@ def readJSONBody(request, allowEmpty: bool = False) -> dict:
     @param request: the twisted.web request (its C{content}).
     @param allowEmpty: an empty body reads as C{{}} (actions whose options
         are optional).
+    @param fields: the route's body table (field -> L{relay.operator.fields.FieldType}),
+        checked before the body is handed on (L{checkedTypes}); L{None}
+        checks nothing.
+    @param code: the error code of a field of the wrong type (the route's
+        own code for a bad field, e.g. C{invalid_account}).
     @return: the parsed JSON object.
     @raise ControlError: 413 above L{MAX_BODY_BYTES}; 400 for a body that
         is not UTF-8 JSON, not an object, or nested deeper than
-        L{MAX_DEPTH}.
+        L{MAX_DEPTH}; 400 C{code} naming a field of the wrong type.
+    """
+    return checkedTypes(_readJSONBody(request, allowEmpty), fields, code)
+
+
+def checkedTypes(body: dict, fields, code: str = "invalid_type") -> dict:
+    """
+    @param body: a parsed admin body.
+    @param fields: its table (field -> L{relay.operator.fields.FieldType}),
+        or L{None}.
+    @param code: the error code of a field of the wrong type.
+    @return: C{body}, when every field it names has its JSON type.
+    @raise ControlError: 400 C{code} naming the first field of the wrong
+        type (L{relay.operator.fields.checkTypes}).
+    """
+    if fields is not None:
+        try:
+            checkTypes(body, fields)
+        except FieldTypeError as e:
+            raise ControlError(400, code, e.message, e.param) from None
+    return body
+
+
+def _readJSONBody(request, allowEmpty: bool) -> dict:
+    """
+    See L{readJSONBody}, without the type check.
     """
     parse = getattr(request, "relayJSON", None)
     if parse is not None:

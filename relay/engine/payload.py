@@ -115,6 +115,7 @@ def upstreamBody(turn: Turn, account: Account) -> bytes:
         body.pop(name, None)
     if turn.model:
         body["model"] = account.upstreamModel(turn.model)
+    scopeCacheKey(turn, body)  # R112, both account types
     if account.type == "oauth":
         body["stream"] = True
         body["store"] = False
@@ -319,17 +320,63 @@ def withoutField(body: dict, path: str):
     return drop(body, tokens)
 
 
-_SESSION_NAMES = ("session_id", "session-id")
-_CONVERSATION_NAMES = ("conversation_id", "conversation-id")
+SCOPED_HEADERS = (
+    ("session_id", "session-id"),
+    ("conversation_id", "conversation-id"),
+    ("thread-id",),
+    ("x-codex-parent-thread-id",),
+    ("x-client-request-id",),
+)
+"""The identifiers of a conversation a client sends as headers, scoped per
+key on OAuth accounts (behaviour.md R112, protocol.md 7.2): each entry's
+names are spellings of one header, the first the one sent upstream. A
+header added to the forwarded set later is scoped by adding it here."""
+
+_CACHE_FALLBACK = frozenset({"session_id", "conversation_id"})
+"""Scoped headers that fall back to the body's C{prompt_cache_key} when the
+client sent none (protocol.md 7.2)."""
+
+
+def scopedId(ownerId: str, raw: str) -> str:
+    """
+    One conversation identifier scoped to a key (behaviour.md R112, R104):
+    C{xxhash64("k{key}:" + raw)} as 16 hex digits. Deterministic, so a
+    key's own prompt caching and session stickiness still work, and two
+    keys sending the same raw value never share it upstream.
+
+    @param ownerId: the key's owner id (L{relay.model.ClientKey.ownerId}).
+    @param raw: the client's value.
+    @return: 16 lower-case hex digits.
+    """
+    import xxhash
+
+    return xxhash.xxh64_hexdigest(("k" + ownerId + ":" + raw).encode("utf-8", "surrogatepass"))
+
+
+def scopeCacheKey(turn: Turn, body: dict) -> None:
+    """
+    Replace the body's C{prompt_cache_key} by its key-scoped value
+    (L{scopedId}) in place, on every account type (behaviour.md R112):
+    two keys never share an upstream prompt cache. A missing, empty or
+    non-string value is left as it is.
+
+    @param turn: the turn (its client key scopes the value).
+    @param body: a copy of the request body about to go upstream (HTTP
+        body or WebSocket C{response.create}), changed in place.
+    """
+    raw = body.get("prompt_cache_key")
+    if isinstance(raw, str) and raw:
+        body["prompt_cache_key"] = scopedId(turn.client.ownerId, raw)
 
 
 def upstreamClientHeaders(turn: Turn, account: Account) -> dict:
     """
     The client headers to hand the dialer for C{account} (it applies its
-    own allow-list). For OAuth accounts the session and conversation ids
-    are replaced by C{xxhash64("k{key}:" + raw)} as 16 hex digits, falling
-    back to C{prompt_cache_key}, so one tenant's ids never reach the
-    backend next to another's (protocol.md 7.2).
+    own allow-list). For OAuth accounts every header of L{SCOPED_HEADERS}
+    is replaced by its key-scoped value (L{scopedId}); the session and
+    conversation ids fall back to C{prompt_cache_key}, so one tenant's ids
+    never reach the backend next to another's (behaviour.md R112,
+    protocol.md 7.2).
 
     The client's request id goes upstream as C{x-client-request-id}
     (R111: C{Turn.clientRequestId}, the well-formed C{X-Request-Id} or
@@ -342,15 +389,15 @@ def upstreamClientHeaders(turn: Turn, account: Account) -> dict:
         headers["x-client-request-id"] = turn.clientRequestId or turn.requestId
     if account.type != "oauth":
         return headers
-    import xxhash
-
-    scope = "k" + turn.client.ownerId + ":"  # R104
+    owner = turn.client.ownerId  # R104
     cacheKey = turn.body.get("prompt_cache_key")
     cacheKey = cacheKey if isinstance(cacheKey, str) and cacheKey else None
-    for names in (_SESSION_NAMES, _CONVERSATION_NAMES):
-        raw = next((headers[n] for n in names if headers.get(n)), None) or cacheKey
+    for names in SCOPED_HEADERS:
+        raw = next((headers[n] for n in names if headers.get(n)), None)
+        if raw is None and names[0] in _CACHE_FALLBACK:
+            raw = cacheKey
         for n in names:
             headers.pop(n, None)
         if raw:
-            headers[names[0]] = xxhash.xxh64_hexdigest((scope + raw).encode("utf-8"))
+            headers[names[0]] = scopedId(owner, raw)
     return headers

@@ -33,7 +33,7 @@ from twisted.logger import Logger
 from relay.engine.background import countBackgroundOnce
 from relay.engine.cancel import ClientGone, drained, raceCancel, raceDeparture
 from relay.engine.httpattempt import readAnswer
-from relay.engine.payload import upstreamClientHeaders
+from relay.engine.payload import scopeCacheKey, upstreamClientHeaders
 from relay.engine.pump import AttemptResult, StreamPump, passHeaders
 from relay.engine.upstreambody import ERROR_BODY_LIMIT, JSON_BODY_LIMIT, BodyBroken, readBody
 from relay.model import ClientError, Turn
@@ -240,10 +240,11 @@ async def forwardAttempt(runner, turn: Turn, sink, account, release) -> AttemptR
     kind = turn.request
     body = None
     if kind.method == b"POST":
-        body = json.dumps(turn.body, separators=(",", ":")).encode("utf-8")
-    if body is not None and turn.model and isinstance(turn.body.get("model"), str):
-        body = json.dumps(dict(turn.body, model=account.upstreamModel(turn.model)),
-                          separators=(",", ":")).encode("utf-8")
+        sent = dict(turn.body)
+        scopeCacheKey(turn, sent)  # R112, both account types
+        if turn.model and isinstance(sent.get("model"), str):
+            sent["model"] = account.upstreamModel(turn.model)
+        body = json.dumps(sent, separators=(",", ":")).encode("utf-8")
     headers = upstreamClientHeaders(turn, account)
     headers["accept"] = "text/event-stream" if kind.stream else "application/json"
     if kind.etag:

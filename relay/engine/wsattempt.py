@@ -30,7 +30,7 @@ from twisted.logger import Logger
 from relay.engine.cancel import ClientGone, drained, raceCancel, raceDeparture
 from relay.engine.errors import previousResponseNotFound
 from relay.engine.httpattempt import attemptHTTP
-from relay.engine.payload import dropOAuthSampling, upstreamClientHeaders
+from relay.engine.payload import dropOAuthSampling, scopeCacheKey, upstreamClientHeaders
 from relay.engine.pump import AttemptResult, StreamPump, modelRewriter
 from relay.model import ClientError
 from relay.policy import ends
@@ -565,6 +565,7 @@ class WebSocketAttempt:
         body["type"] = "response.create"
         if turn.model:
             body["model"] = account.upstreamModel(turn.model)
+        scopeCacheKey(turn, body)  # R112, both account types
         if account.type == "oauth":
             body["store"] = False  # R66: forced false on the ChatGPT backend
             dropOAuthSampling(body)

@@ -371,6 +371,8 @@ class IntakePolicy:
         gate's C{control} flag while the control store's first read is
         pending, R105); a client request then waits at its headers, its
         body unread, for at most L{KEYS_WAIT_SECONDS}.
+    @ivar adminGuard: the L{relay.entry.adminguard.AdminGuard} that backs
+        off an address guessing the admin (or metrics) key, or L{None}.
     """
 
     keys: object
@@ -382,6 +384,7 @@ class IntakePolicy:
     draining: Callable[[], bool] = lambda: False
     keyRefusal: Optional[Callable] = None
     keysReady: Callable[[], object] = lambda: None
+    adminGuard: Optional[object] = None
     _log = Logger()
 
     def authenticate(self, route: str, request):
@@ -402,18 +405,49 @@ class IntakePolicy:
                 return None, refusal
             return key, None
         admin = self.adminKey()
-        if route == ROUTE_METRICS:
-            metrics = self.metricsKey()
-            if admin is None and metrics is None:
-                return None, ADMIN_DISABLED
-            if sameSecret(_bearer(request), admin) or sameSecret(_bearer(request), metrics):
-                return None, None
-            return None, UNAUTHORIZED_ADMIN
-        if admin is None:
+        metrics = self.metricsKey() if route == ROUTE_METRICS else None
+        if admin is None and metrics is None:
             return None, ADMIN_DISABLED
-        if sameSecret(_bearer(request), admin):
-            return None, None
-        return None, UNAUTHORIZED_ADMIN
+        return None, self._operatorKey(request, admin, metrics)
+
+    def _operatorKey(self, request, admin, metrics) -> Optional[ClientError]:
+        """
+        The admin (or, on C{/metrics}, the metrics) key check, behind the
+        guessing back-off of L{adminGuard}: an address that waits is
+        answered 429 without its key being compared; a wrong key (one that
+        is none of relay's keys) is counted, a right one resets the
+        address. Those answers are logged by the guard (throttled), not
+        one line per request.
+
+        @return: L{None} when the key is right, else the error.
+        """
+        guard = self.adminGuard
+        address = getattr(request.getClientAddress(), "host", None)
+        if guard is not None:
+            refusal = guard.refusal(address)
+            if refusal is not None:
+                request.relayQuietRefusal = True
+                return refusal
+        given = _bearer(request)
+        if sameSecret(given, admin) or sameSecret(given, metrics):
+            if guard is not None:
+                guard.succeeded(address)
+            return None
+        if guard is not None and given and not self._known(given):
+            guard.failed(address)
+            request.relayQuietRefusal = True
+        return UNAUTHORIZED_ADMIN
+
+    def _known(self, secret: bytes) -> bool:
+        """
+        Whether C{secret} is one of relay's keys (the metrics key, a client
+        key) presented on a route it does not open: a wrong door, not a
+        guess.
+        """
+        if sameSecret(secret, self.metricsKey()):
+            return True
+        authenticate = getattr(self.keys, "authenticateSecret", None)
+        return authenticate is not None and authenticate(secret) is not None
 
     def bodyLimit(self, route: str, siteLimit: int) -> int:
         """
@@ -425,8 +459,11 @@ class IntakePolicy:
 
     def logRefused(self, request, route: str, error: ClientError) -> None:
         """
-        Say that a request was answered from its headers alone.
+        Say that a request was answered from its headers alone (not a
+        guessed admin key: L{adminGuard} logs those, throttled).
         """
+        if getattr(request, "relayQuietRefusal", False):
+            return
         address = request.getClientAddress()
         self._log.info(
             "{route} request refused before its body: {status} {code}",

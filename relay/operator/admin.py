@@ -52,6 +52,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
+from relay.operator.fields import BOOLEAN, STRING, FieldTypeError, checkTypes, objectOf
 from relay.operator.metrics import withoutCreated
 from relay.requestid import requestIdOf
 from relay.settings import RuntimeSettings, SettingsError
@@ -65,6 +66,16 @@ STATUS_PAGE = "status.html"
 _MAX_BODY = 64 * 1024
 
 _log = Logger()
+
+_TOKEN_FIELDS = {name: STRING for name in (
+    "access_token", "refresh_token", "id_token", "account_id", "last_refresh")}
+
+TOKENS_BODY = dict(_TOKEN_FIELDS, tokens=objectOf(_TOKEN_FIELDS))
+"""The JSON types of C{PUT /admin/accounts/{id}/tokens}: the tokens, or a
+Codex C{auth.json} (its C{tokens} object) (L{relay.operator.fields})."""
+
+REFRESH_BODY = {"retry_in_doubt": BOOLEAN}
+"""The JSON types of C{POST /admin/accounts/{id}/refresh}."""
 
 
 def _errorBody(message: str, type: str, code: Optional[str], param: Optional[str] = None):
@@ -382,6 +393,11 @@ class _AccountsResource(_Guarded):
         if not isinstance(body, dict):
             return _respond(request, 400, _errorBody(
                 "Request body must be a JSON object", "invalid_request_error", "invalid_json"))
+        try:
+            checkTypes(body, REFRESH_BODY if action == "refresh" else TOKENS_BODY)
+        except FieldTypeError as e:
+            return _respond(request, 400, _errorBody(
+                e.message, "invalid_request_error", "invalid_tokens", e.param))
         if action == "refresh":
             d = maybeDeferred(self.tokenActions.refreshAccount, accountId, body)
         else:

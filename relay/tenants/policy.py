@@ -119,6 +119,19 @@ def rateLimitHeaders(decision) -> tuple:
     return tuple(headers)
 
 
+def isPrewarm(turn) -> bool:
+    """
+    Whether C{turn} is a WebSocket prewarm: a C{response.create} with
+    C{generate: false}, which the upstream answers without a generation
+    (protocol.md 8). On HTTP the field is dropped and the request generates
+    (L{relay.engine.payload.WS_ONLY_FIELDS}), so an HTTP body carrying it
+    is an ordinary request (behaviour.md R113: only prewarms go uncounted).
+
+    @param turn: the L{relay.model.Turn}.
+    """
+    return turn.entrypoint == "ws" and turn.body.get("generate") is False
+
+
 def _rateError(key: ClientKey, decision, model: Optional[str]) -> ClientError:
     if decision.refusedBy == "rpm":
         what, limit, used = "requests per min (RPM)", decision.rpm, decision.requests
@@ -363,7 +376,9 @@ class KeyPolicy:
 
     async def admitRate(self, turn) -> Optional[ClientError]:
         """
-        Check 6: count the turn in its key's windows, or refuse it.
+        Check 6: count the turn in its key's windows, or refuse it. A
+        prewarm (L{isPrewarm}) is neither counted nor refused by C{rpm}
+        (behaviour.md R113); C{tpm} still applies to it.
 
         @param turn: the L{relay.model.Turn}.
         @return: the 429 (or 503 when the shared windows are down and
@@ -374,8 +389,14 @@ class KeyPolicy:
             return None
         from relay.tenants.ratelimit import RateLimitUnavailable
 
+        prewarm = isPrewarm(turn)
+        if prewarm and not key.tpm:
+            return None
         try:
-            decision = await self.limiter.admit(key.name, key.rpm, key.tpm)
+            if prewarm:
+                decision = await self.limiter.peek(key.name, None, key.tpm)
+            else:
+                decision = await self.limiter.admit(key.name, key.rpm, key.tpm)
         except RateLimitUnavailable:
             return ClientError(
                 503, "api_error", "Service temporarily unavailable, please retry later",

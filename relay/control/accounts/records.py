@@ -33,9 +33,18 @@ from attrs import evolve
 
 from relay.config import parseAccount
 from relay.model import Account, ConfigError
+from relay.operator.fields import (
+    ANY_OBJECT,
+    BOOLEAN,
+    INTEGER,
+    STRING,
+    listOf,
+    mapOf,
+    oneOf,
+)
 
 __all__ = [
-    "ACCOUNT", "ADMIN_ONLY_FIELDS", "EDITABLE_FIELDS", "FILE_ONLY_FIELDS", "PAUSE",
+    "ACCOUNT", "ACCOUNT_BODY", "ADMIN_ONLY_FIELDS", "EDITABLE_FIELDS", "FILE_ONLY_FIELDS", "PAUSE",
     "SECRET_FIELDS", "TOKEN_SOURCE_ADMIN", "accountFromSpec", "describeConfigError",
     "publicAccount", "safeURL", "specSecrets",
 ]
@@ -70,6 +79,26 @@ EDITABLE_FIELDS = (
 )
 """What C{PATCH /admin/accounts/{id}} may change (issue 21); C{api_key}
 rotates an API-key account's key (write-only)."""
+
+
+ACCOUNT_BODY = {
+    **{name: STRING for name in (
+        "id", "type", "base_url", "api_key", "api_key_env", "access_token", "access_token_env",
+        "refresh_token", "refresh_token_env", "id_token", "id_token_env", "auth_file",
+        "auth_base_url", "chatgpt_account_id", "proxy", "proxy_env", "proxy_id", "label")},
+    "concurrency": INTEGER,
+    "priority": INTEGER,
+    "models": listOf(STRING),
+    "model_mapping": mapOf(STRING),
+    "ws_mode": oneOf(STRING, BOOLEAN),
+    "pool_mode": BOOLEAN,
+    "pool_mode_retry_count": INTEGER,
+    "pool_mode_retry_status_codes": listOf(INTEGER),
+    "auth_json": ANY_OBJECT,
+}
+"""The JSON types of an account's body (C{POST}/C{PATCH /admin/accounts},
+a new login's C{account}): the file's fields and the admin ones, checked
+by L{relay.operator.fields.checkTypes} before anything reads them."""
 
 
 def accountFromSpec(spec: dict, proxies: tuple, path: str = "account") -> Account:

@@ -23,7 +23,10 @@ answer that changed something leaves its audit details on the request
 
 from __future__ import annotations
 
+from relay.control.accounts.records import ACCOUNT_BODY
+from relay.control.logins.resource import LOGIN_BODY
 from relay.control.web import ServiceLeaf, clientAddress, deliver, pathId, readJSONBody
+from relay.operator.fields import REASON_BODY
 
 __all__ = ["AccountsResource"]
 
@@ -63,18 +66,23 @@ class AccountsResource(ServiceLeaf):
         if path in ([], [b""]):
             note = self._note(request)
             return deliver(request, lambda: self.service.create(
-                readJSONBody(request), address, note), "adding an account")
+                readJSONBody(request, fields=ACCOUNT_BODY,
+                             code="invalid_account"), address, note), "adding an account")
         if len(path) == 2 and path[1] in (b"disable", b"enable"):
             note = self._note(request)
             paused = path[1] == b"disable"
             return deliver(request, lambda: self.service.setPaused(
-                pathId(path[0]), paused, readJSONBody(request, allowEmpty=True) if paused
+                pathId(path[0]), paused,
+                readJSONBody(request, allowEmpty=True, fields=REASON_BODY,
+                             code="invalid_account") if paused
                 else {}, address, note), "pausing an account")
         if len(path) == 2 and path[1] == b"login" and self.logins is not None:
             note = self._note(request)
             note["action"] = "login.start"
             return deliver(request, lambda: self.logins.begin(
-                dict(readJSONBody(request, allowEmpty=True), account_id=pathId(path[0])),
+                dict(readJSONBody(request, allowEmpty=True, fields=LOGIN_BODY,
+                                  code="invalid_login"),
+                     account_id=pathId(path[0])),
                 address, note), "starting a login")
         return self.fallback.render(request)
 
@@ -88,7 +96,9 @@ class AccountsResource(ServiceLeaf):
         note = self._note(request)
         address = clientAddress(request)
         return deliver(request, lambda: self.service.update(
-            pathId(path[0]), readJSONBody(request), address, note), "changing an account")
+            pathId(path[0]), readJSONBody(request, fields=ACCOUNT_BODY,
+                                          code="invalid_account"), address, note),
+            "changing an account")
 
     def render_DELETE(self, request):
         """

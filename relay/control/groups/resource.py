@@ -8,6 +8,10 @@ C{GET /admin/groups}, C{GET}, C{PUT} and C{DELETE /admin/groups/{name}}
 from __future__ import annotations
 
 from relay.control.web import ServiceLeaf, clientAddress, deliver, notFound, pathId, readJSONBody
+from relay.operator.fields import STRING, listOf
+
+GROUP_BODY = {"accounts": listOf(STRING), "label": STRING}
+"""The JSON types of a group's body (L{relay.operator.fields})."""
 
 __all__ = ["GroupsResource"]
 
@@ -33,7 +37,9 @@ class GroupsResource(ServiceLeaf):
         note = self._note(request)
         address = clientAddress(request)
         return deliver(request, lambda: self.service.put(
-            pathId(path[0]), readJSONBody(request), address, note), "changing a group")
+            pathId(path[0]), readJSONBody(request, fields=GROUP_BODY,
+                                          code="invalid_group"), address, note),
+            "changing a group")
 
     def render_DELETE(self, request):
         path = request.postpath

@@ -20,8 +20,21 @@ L{relay.control.audit} (never the secret).
 from __future__ import annotations
 
 from relay.control.web import ServiceLeaf, clientAddress, deliver, notFound, pathId, readJSONBody
+from relay.operator.fields import BOOLEAN, INTEGER, NUMBER, REASON_BODY, STRING, listOf, oneOf
 
-__all__ = ["KeysResource"]
+__all__ = ["KEY_BODY", "KeysResource"]
+
+KEY_BODY = {
+    **{name: STRING for name in ("name", "label", "group", "key", "key_env")},
+    **{name: INTEGER for name in ("concurrency", "daily_tokens", "monthly_tokens", "rpm", "tpm")},
+    **{name: listOf(STRING) for name in ("models", "deny_models", "accounts")},
+    "daily_usd": NUMBER,
+    "monthly_usd": NUMBER,
+    "expires_at": oneOf(NUMBER, STRING),
+    "disabled": BOOLEAN,
+}
+"""The JSON types of a key's body (C{POST}/C{PATCH /admin/keys}; the file's
+C{keys[]} fields and C{label}), checked by L{relay.operator.fields}."""
 
 
 class KeysResource(ServiceLeaf):
@@ -45,13 +58,16 @@ class KeysResource(ServiceLeaf):
         if path in ([], [b""]):
             note = self._note(request)
             return deliver(request, lambda: self.service.create(
-                readJSONBody(request), address, note), "issuing a key")
+                readJSONBody(request, fields=KEY_BODY,
+                             code="invalid_key"), address, note), "issuing a key")
         if len(path) == 2 and path[1] in (b"disable", b"enable"):
             note = self._note(request)
             disabled = path[1] == b"disable"
             return deliver(request, lambda: self.service.setDisabled(
                 pathId(path[0]), disabled,
-                readJSONBody(request, allowEmpty=True) if disabled else {}, address, note),
+                readJSONBody(request, allowEmpty=True, fields=REASON_BODY,
+                             code="invalid_key") if disabled else {},
+                address, note),
                 "disabling a key")
         return deliver(request, notFound, "changing a key")
 
@@ -62,7 +78,9 @@ class KeysResource(ServiceLeaf):
         note = self._note(request)
         address = clientAddress(request)
         return deliver(request, lambda: self.service.update(
-            pathId(path[0]), readJSONBody(request), address, note), "changing a key")
+            pathId(path[0]), readJSONBody(request, fields=KEY_BODY,
+                                          code="invalid_key"), address, note),
+            "changing a key")
 
     def render_DELETE(self, request):
         path = request.postpath

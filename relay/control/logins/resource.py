@@ -18,9 +18,17 @@ L{relay.control.logins.service.LoginService}'s.
 
 from __future__ import annotations
 
+from relay.control.accounts.records import ACCOUNT_BODY
 from relay.control.web import ServiceLeaf, clientAddress, deliver, notFound, pathId, readJSONBody
+from relay.operator.fields import STRING, objectOf
 
-__all__ = ["LoginsResource"]
+__all__ = ["COMPLETE_BODY", "LOGIN_BODY", "LoginsResource"]
+
+LOGIN_BODY = {"flow": STRING, "account_id": STRING, "account": objectOf(ACCOUNT_BODY)}
+"""The JSON types of a login's start (L{relay.operator.fields})."""
+
+COMPLETE_BODY = {"redirect_url": STRING, "code": STRING}
+"""The JSON types of a browser login's paste-back."""
 
 
 class LoginsResource(ServiceLeaf):
@@ -50,10 +58,13 @@ class LoginsResource(ServiceLeaf):
         note = self._note(request)
         if path in ([], [b""]):
             return deliver(request, lambda: self.service.begin(
-                readJSONBody(request), address, note), "starting a login")
+                readJSONBody(request, fields=LOGIN_BODY,
+                             code="invalid_login"), address, note), "starting a login")
         if len(path) == 2 and path[1] == b"complete":
             return deliver(request, lambda: self.service.complete(
-                pathId(path[0]), readJSONBody(request), address, note), "completing a login")
+                pathId(path[0]), readJSONBody(request, fields=COMPLETE_BODY,
+                                              code="invalid_login"), address, note),
+                "completing a login")
         return deliver(request, notFound, "starting a login")
 
     def render_DELETE(self, request):

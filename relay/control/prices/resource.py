@@ -8,8 +8,15 @@ C{GET /admin/prices}, C{PUT /admin/prices}, C{PUT} and C{DELETE
 from __future__ import annotations
 
 from relay.control.web import ServiceLeaf, clientAddress, deliver, notFound, pathId, readJSONBody
+from relay.operator.fields import NUMBER, mapOf, objectOf
 
-__all__ = ["PricesResource"]
+__all__ = ["PRICES_BODY", "PRICE_BODY", "PricesResource"]
+
+PRICE_BODY = {name: NUMBER for name in ("input", "cached_input", "output", "reasoning")}
+"""The JSON types of one model's price (C{PUT /admin/prices/{model}})."""
+
+PRICES_BODY = {"prices": mapOf(objectOf(PRICE_BODY))}
+"""The JSON types of the whole table (C{PUT /admin/prices})."""
 
 
 class PricesResource(ServiceLeaf):
@@ -28,10 +35,13 @@ class PricesResource(ServiceLeaf):
         address = clientAddress(request)
         if path in ([], [b""]):
             return deliver(request, lambda: self.service.replace(
-                readJSONBody(request), address, note), "setting the prices")
+                readJSONBody(request, fields=PRICES_BODY,
+                             code="invalid_price"), address, note), "setting the prices")
         if len(path) == 1:
             return deliver(request, lambda: self.service.setOne(
-                pathId(path[0]), readJSONBody(request), address, note), "setting a price")
+                pathId(path[0]), readJSONBody(request, fields=PRICE_BODY,
+                                              code="invalid_price"), address, note),
+                "setting a price")
         return deliver(request, notFound, "setting a price")
 
     def render_DELETE(self, request):
