@@ -242,7 +242,9 @@ def answersAtOnce(config, store, admission) -> bool:
     Issue 24: whether the client's answers may be sent at once
     (L{relay.entry.site.RelaySite.answerAtOnce}): only when the state store,
     the slot admission and the control store all live in this process (the
-    memory backend's built-in providers), so every write a turn makes before
+    memory backend; the store and admission declare
+    L{relay.interfaces.ISynchronousState} and
+    L{relay.interfaces.ISynchronousAdmission}), so every write a turn makes before
     its answer -- the response's owner record and routing binding
     (R39/R40/R104), the slot releases -- is done when the answer is written.
     With Redis, or an operator's component (C{components:}, which may be
@@ -254,13 +256,12 @@ def answersAtOnce(config, store, admission) -> bool:
     @param admission: the built L{ISlotAdmission}.
     @rtype: L{bool}
     """
-    from relay.admission.memory import MemorySlotAdmission
-    from relay.state.memory import MemoryStateStore
+    from relay.interfaces import ISynchronousAdmission, ISynchronousState
 
     return (
         config.state.backend == "memory"
-        and type(store) is MemoryStateStore
-        and type(admission) is MemorySlotAdmission
+        and ISynchronousState.providedBy(store)
+        and ISynchronousAdmission.providedBy(admission)
     )
 
 

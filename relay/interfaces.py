@@ -229,6 +229,50 @@ class IAccountStates(Interface):
         """
 
 
+NOT_NOW = object()
+"""What L{ISynchronousState.valueNow} gives when only the asynchronous
+C{getValue} can answer."""
+
+
+class ISynchronousState(Interface):
+    """
+    A capability of an L{IStateStore} that lives in this process: some of
+    its answers are given at once, without a Deferred, for the sticky fast
+    path of selection (R38, R43 step 2; L{relay.scheduling.quick}), and
+    every write it takes is done when the call returns (so relay's answers
+    may be written at once, L{relay.app.answersAtOnce}).
+
+    Each answer is the one the matching asynchronous call would fire with
+    at the same moment. A provider's subclass that changes those
+    asynchronous answers (or that stands for a remote store) must not
+    provide it: declare the subclass with
+    C{zope.interface.implementer_only}.
+    """
+
+    def valueNow(key):
+        """
+        C{getValue} answered at once.
+
+        @return: the value, L{None} when absent or expired, or L{NOT_NOW}
+            for a key only the asynchronous C{getValue} can answer.
+        """
+
+    def accountStateViewNow():
+        """
+        C{accountStateView} (L{IAccountStateView}) answered at once.
+
+        @return: an L{IAccountStates}.
+        """
+
+    def touchValueNow(key, ttl):
+        """
+        C{touchValue} done at once (a missing or expired key stays absent).
+
+        @param ttl: seconds.
+        @return: L{None}.
+        """
+
+
 class ISlotLease(Interface):
     """
     One held concurrency slot.
@@ -283,6 +327,25 @@ class ISlotAdmission(Interface):
     def load(kind, ids):
         """
         @return: Deferred firing with C{{id: (inUse, waiting)}}.
+        """
+
+
+class ISynchronousAdmission(Interface):
+    """
+    A capability of an L{ISlotAdmission} that lives in this process: an
+    immediate slot try answered without a Deferred (the sticky fast path
+    of selection, R43 step 2), and releases done when the call returns (so
+    relay's answers may be written at once, L{relay.app.answersAtOnce}).
+    The same rule as L{ISynchronousState}'s holds for subclasses.
+    """
+
+    def tryAcquireNow(kind, id, limit):
+        """
+        C{tryAcquire} answered at once (R-B2: refused while others wait).
+
+        @param kind: C{account} or C{user}.
+        @param limit: the slot limit; <= 0 means unlimited.
+        @return: an L{ISlotLease} or L{None}.
         """
 
 

@@ -57,7 +57,7 @@ class TenantsRig(Rig):
         super().__init__(accounts, **settings)
         config = RelayConfig(accounts=tuple(accounts), keys=tuple(keys), groups=groups or {})
         self.live = LiveConfiguration.fromConfig(config)
-        self.scheduler._accounts = self.live.accounts
+        self.scheduler._balancer._accounts = self.live.accounts
         self.limiter = MemoryRateLimiter(clock=self.clock)
         self.prices = PriceTable(prices or {})
         self.policy = KeyPolicy(clock=self.clock, live=self.live, limiter=self.limiter,

@@ -146,7 +146,7 @@ class SelectionTests(SchedulerMixin, SynchronousTestCase):
     def setUp(self):
         self.build([account("a")])
         self.counting = _CountingStore(self.store)
-        self.scheduler._store = self.counting
+        self.scheduler._bindings._store = self.counting
         recorded = turnWith(ALICE)
         recorded.outputItemIds = ("msg_a", "fc_a")
         self.successResultOf(self.scheduler.recordResponse(recorded, "resp_a", self.accounts[0]))

@@ -12,8 +12,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
+from zope.interface import implementer_only
 
 from relay.admission.memory import MemorySlotAdmission
+from relay.interfaces import ISlotAdmission, ISlotDrain
 from relay.model import Account, GatewaySettings, SchedulingSettings
 from relay.scheduling.quota import UsageCollector, UsageWindows, windowsFromEvent, windowsFromHeaders
 from relay.scheduling.scheduler import AccountScheduler
@@ -204,6 +206,7 @@ class QuotaOrderTests(SynchronousTestCase):
         blocked = set()
         pending = []
 
+        @implementer_only(ISlotAdmission, ISlotDrain)  # (answers later, not at once)
         class SlowAdmission(MemorySlotAdmission):
             def tryAcquire(self, kind, id, limit):
                 d = Deferred()

@@ -943,7 +943,7 @@ class _OwnerProbe(FakeSink):
         key = []
         self._rig.store.getValue(responseOwnerKey("resp_1")).addCallback(key.append)
         owner = json.loads(key[0])["key"] if key[0] else None
-        self.seen.append((store[0], owner, self._rig.scheduler._local("resp_1")))
+        self.seen.append((store[0], owner, self._rig.scheduler._bindings._local("resp_1")))
 
     def writeEvent(self, event):
         if event.type == b"response.completed":

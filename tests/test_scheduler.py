@@ -14,10 +14,11 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import EventLoggingObserver
 from twisted.logger import capturedLogs, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
+from zope.interface import implementer_only
 from zope.interface.verify import verifyObject
 
 from relay.admission.memory import MemorySlotAdmission
-from relay.interfaces import IAccountScheduler
+from relay.interfaces import IAccountScheduler, IAccountStateView, IStateStore
 from relay.model import Account, ClientKey, GatewaySettings, SchedulingSettings, Turn
 from relay.scheduling.scheduler import (
     AccountScheduler,
@@ -51,9 +52,11 @@ def turn(**kw):
     return Turn(**values)
 
 
+@implementer_only(IStateStore, IAccountStateView)
 class UnreadableStore(MemoryStateStore):
     """
-    A memory store whose C{getValue} fails, like Redis when it is down.
+    A memory store whose C{getValue} fails, like Redis when it is down (so
+    it answers nothing at once: not an L{relay.interfaces.ISynchronousState}).
     """
 
     __slots__ = ()

@@ -258,17 +258,17 @@ class IndexTests(SynchronousTestCase):
         """
         rig = Rig([account("a")])
         self.assertEqual(rig.select(turn())[0], "a")
-        index = rig.scheduler._index
+        index = rig.scheduler._balancer._index
         rig.select(turn())
-        self.assertIs(rig.scheduler._index, index)
+        self.assertIs(rig.scheduler._balancer._index, index)
         a = rig.registry.snapshot()[0]
         rig.registry.replace([a])
         rig.select(turn())
-        self.assertIs(rig.scheduler._index, index)
+        self.assertIs(rig.scheduler._balancer._index, index)
         self.assertIs(index.accounts, rig.registry.snapshot())
         rig.registry.replace([account("b")])
         self.assertEqual(rig.select(turn())[0], "b")
-        self.assertIsNot(rig.scheduler._index, index)
+        self.assertIsNot(rig.scheduler._balancer._index, index)
 
     def test_groupNarrowing(self):
         """

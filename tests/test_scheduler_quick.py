@@ -14,9 +14,17 @@ import random
 from twisted.internet.task import Clock
 from twisted.logger import capturedLogs
 from twisted.trial.unittest import SynchronousTestCase
+from zope.interface import implementer
+from zope.interface.verify import verifyObject
 
 from relay.admission.memory import MemorySlotAdmission
 from relay.eager import eagerDeferred
+from relay.interfaces import (
+    IAccountStateView,
+    IStateStore,
+    ISynchronousAdmission,
+    ISynchronousState,
+)
 from relay.model import GatewaySettings, SchedulingSettings
 from relay.scheduling.scheduler import AccountScheduler, sessionKey
 from relay.scheduling.selection import NoAccountAvailable
@@ -72,7 +80,7 @@ class World:
         for accountId in held:
             self.leases.append(self.admission._tryNow("account", accountId, 0))
         if lastUsed:
-            self.scheduler._lastUsed.update(lastUsed)
+            self.scheduler._balancer._lastUsed.update(lastUsed)
         self.clock.advance(1.5)
 
     def facts(self):
@@ -83,12 +91,13 @@ class World:
         return {
             "values": dict(self.store._values),
             "held": {k: len(v) for k, v in self.admission._held.items()},
-            "lastUsed": dict(scheduler._lastUsed),
-            "boundTurns": sorted(scheduler._boundTurns.values()),
-            "keptBindings": len(scheduler._keptBindings),
-            "localBindings": dict(scheduler._localBindings),
-            "buckets": None if scheduler._index is None or scheduler._index.buckets is None
-            else {k: list(v) for k, v in scheduler._index.buckets.items()},
+            "lastUsed": dict(scheduler._balancer._lastUsed),
+            "boundTurns": sorted(scheduler._bindings._boundTurns.values()),
+            "keptBindings": len(scheduler._bindings._keptBindings),
+            "localBindings": dict(scheduler._bindings._localBindings),
+            "buckets": None if scheduler._balancer._index is None
+            or scheduler._balancer._index.buckets is None
+            else {k: list(v) for k, v in scheduler._balancer._index.buckets.items()},
         }
 
 
@@ -130,7 +139,7 @@ class FastPathParityTests(SynchronousTestCase):
             kw = dict(dict(sessionHash=HASH), **kw)
             fastTurn, generalTurn = turn(**kw), turn(**kw)
             if i == 0 and expectFast is not None:
-                quick = fast.scheduler._quickSticky(turn(**kw), frozenset(excluded))
+                quick = fast.scheduler._quick.select(turn(**kw), frozenset(excluded))
                 self.assertEqual(quick is not None, expectFast)
                 fast = World(**world)  # the probe took a slot: start again
             with capturedLogs() as fastLog:
@@ -140,7 +149,7 @@ class FastPathParityTests(SynchronousTestCase):
                         fastTurn, fast.scheduler.accountById(fastOut[1])))
             with capturedLogs() as generalLog:
                 generalOut = outcome(self, eagerDeferred(
-                    general.scheduler._select(generalTurn, frozenset(excluded))))
+                    general.scheduler._layers.select(generalTurn, frozenset(excluded))))
                 if generalOut[0] == "selected":
                     self.successResultOf(general.scheduler.bind(
                         generalTurn, general.scheduler.accountById(generalOut[1])))
@@ -225,6 +234,87 @@ class FastPathParityTests(SynchronousTestCase):
                 self.compare(expectFast=False if "turns" not in case else None, **case)
             except self.failureException as e:
                 raise self.failureException(f"{case}: {e}") from None
+
+
+class _Delegating:
+    """
+    An in-process store of another type than L{MemoryStateStore} (an
+    operator's, say) that forwards to one and counts its at-once reads.
+    """
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.atOnce = 0
+
+    def valueNow(self, key):
+        self.atOnce += 1
+        return self.inner.valueNow(key)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@implementer(IStateStore, IAccountStateView, ISynchronousState)
+class DeclaringStore(_Delegating):
+    """
+    Declares the synchronous capability.
+    """
+
+
+@implementer(IStateStore, IAccountStateView)
+class PlainStore(_Delegating):
+    """
+    Does not declare it.
+    """
+
+
+class CapabilityTests(SynchronousTestCase):
+    """
+    The fast path is taken for a provider that declares the capability
+    (L{ISynchronousState}, L{ISynchronousAdmission}), whatever its type,
+    and never for one that does not.
+    """
+
+    def setUp(self):
+        self.clock = Clock()
+        self.clock.advance(1000)
+        self.inner = MemoryStateStore(clock=self.clock)
+        self.admission = MemorySlotAdmission(clock=self.clock)
+
+    def test_memoryProvidersDeclareIt(self):
+        """
+        The built-in memory store and admission provide the capability.
+        """
+        self.assertTrue(verifyObject(ISynchronousState, self.inner))
+        self.assertTrue(verifyObject(ISynchronousAdmission, self.admission))
+
+    def select(self, store):
+        scheduler = AccountScheduler(
+            accounts=[account("a1")], admission=self.admission, store=store,
+            clock=self.clock, settings=RuntimeSettings(GatewaySettings()),
+            random=random.Random(7))
+        self.inner.setValue(sessionKey(HASH), "a1", 3600)
+        return self.successResultOf(scheduler.select(turn(sessionHash=HASH)))
+
+    def test_declared(self):
+        """
+        A store of another type that declares L{ISynchronousState} is read
+        at once, with the same selection.
+        """
+        store = DeclaringStore(self.inner)
+        selection = self.select(store)
+        self.assertEqual(store.atOnce, 1)
+        self.assertEqual((selection.account.id, selection.record.layer), ("a1", "session_hash"))
+
+    def test_undeclared(self):
+        """
+        A store that does not declare it is never read at once, even with
+        C{valueNow} at hand.
+        """
+        store = PlainStore(self.inner)
+        selection = self.select(store)
+        self.assertEqual(store.atOnce, 0)
+        self.assertEqual((selection.account.id, selection.record.layer), ("a1", "session_hash"))
 
 
 class AtOnceAnswerTests(SynchronousTestCase):

@@ -323,16 +323,46 @@ class AnswersAtOnceTests(SynchronousTestCase):
         site = self.site(f"components: {{admission: {__name__}.RemoteAdmission}}\n")
         self.assertFalse(site.answerAtOnce)
 
+    def test_declaredComponent(self):
+        """
+        An operator's admission that declares
+        L{relay.interfaces.ISynchronousAdmission} (it lives in this
+        process) lets answers go at once: the capability is read from the
+        interface, not from the provider's type.
+        """
+        site = self.site(f"components: {{admission: {__name__}.LocalAdmission}}\n")
+        self.assertTrue(site.answerAtOnce)
+
 
 def _remoteAdmission():
-    from relay.admission.memory import MemorySlotAdmission
+    from zope.interface import implementer_only
 
+    from relay.admission.memory import MemorySlotAdmission
+    from relay.interfaces import ISlotAdmission, ISlotDrain
+
+    @implementer_only(ISlotAdmission, ISlotDrain)
     class RemoteAdmission(MemorySlotAdmission):
         """
-        Stands for an operator's admission component.
+        Stands for an operator's admission component (which may be remote:
+        it does not declare L{relay.interfaces.ISynchronousAdmission}).
         """
 
     return RemoteAdmission
 
 
 RemoteAdmission = _remoteAdmission()
+
+
+def _localAdmission():
+    from relay.admission.memory import MemorySlotAdmission
+
+    class LocalAdmission(MemorySlotAdmission):
+        """
+        Stands for an operator's in-process admission component: it keeps
+        the memory admission's declared capabilities.
+        """
+
+    return LocalAdmission
+
+
+LocalAdmission = _localAdmission()

@@ -100,8 +100,8 @@ class OwnershipTests(SchedulerMixin, SynchronousTestCase):
         self.successResultOf(self.scheduler.recordResponse(wsTurn(ALICE), "resp_a", self.accounts[0]))
         restarted = MemoryStateStore(clock=self.clock)
         restarted.durable = SQLiteValues(database)
-        self.scheduler._store = restarted
-        self.scheduler._localOwners.clear()
+        self.scheduler._bindings._store = restarted
+        self.scheduler._bindings._localOwners.clear()
         self.assertEqual(self.successResultOf(self.scheduler.lookupResponse("resp_a")),
                          ("a", "alice"))
 

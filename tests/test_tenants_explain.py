@@ -26,9 +26,9 @@ class PreviewAgreesTests(SynchronousTestCase):
 
     def agree(self, rig, turn):
         store = dict(rig.store._values) if hasattr(rig.store, "_values") else None
-        lastUsed = dict(rig.scheduler._lastUsed)
+        lastUsed = dict(rig.scheduler._balancer._lastUsed)
         preview = self.successResultOf(rig.scheduler.preview(turn))
-        self.assertEqual(rig.scheduler._lastUsed, lastUsed, "the preview touched last-used")
+        self.assertEqual(rig.scheduler._balancer._lastUsed, lastUsed, "the preview touched last-used")
         if store is not None:
             self.assertEqual(rig.store._values, store, "the preview wrote the store")
         ids = [a.id for a in rig.live.accounts]

@@ -130,7 +130,8 @@ class RecordResponseTests(SynchronousTestCase):
             self.assertEqual(len(fast._values), 4 + len(items))  # the items: one record each
             self.assertEqual(fast._values[itemOwnerKey("msg_1")][0] if items else None,
                              '{"key":"alice","account":"a"}' if items else None)
-            self.assertEqual(fastScheduler._localOwners, generalScheduler._localOwners)
+            self.assertEqual(fastScheduler._bindings._localOwners,
+                             generalScheduler._bindings._localOwners)
 
     def test_sameAsCoroutine(self):
         """
@@ -144,7 +145,7 @@ class RecordResponseTests(SynchronousTestCase):
         slowScheduler, _ = self.scheduler(slow, clock)
         self.successResultOf(fastScheduler.recordResponse(_turn(["rs_1"]), "resp_9", account))
         self.successResultOf(eagerDeferred(
-            slowScheduler._recordResponse(_turn(["rs_1"]), "resp_9", account)))
+            slowScheduler._bindings._recordResponse(_turn(["rs_1"]), "resp_9", account)))
         self.assertEqual(fast._values, slow._values)
 
     def test_failureLoggedAlike(self):
@@ -165,7 +166,7 @@ class RecordResponseTests(SynchronousTestCase):
                         d = scheduler.recordResponse(_turn(["msg_1"]), "resp_1", account)
                     else:
                         d = eagerDeferred(
-                            scheduler._recordResponse(_turn(["msg_1"]), "resp_1", account))
+                            scheduler._bindings._recordResponse(_turn(["msg_1"]), "resp_1", account))
                     self.assertIsNone(self.successResultOf(d))
                 lines.append([(e["event"], e["op"], e["key"], e["error"], e["log_level"])
                               for e in logs if e.get("event") == "openai.sticky_write_failed"])

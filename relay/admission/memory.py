@@ -21,7 +21,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from relay.admission import admissionError
-from relay.interfaces import ISlotAdmission, ISlotDrain, ISlotLease
+from relay.interfaces import ISlotAdmission, ISlotDrain, ISlotLease, ISynchronousAdmission
 from relay.model import WaitPlan
 from relay.requestid import currentRequestId
 
@@ -91,7 +91,7 @@ class _Ticket:
     requestId: Optional[str] = field(factory=currentRequestId.get)
 
 
-@implementer(ISlotAdmission, ISlotDrain)
+@implementer(ISlotAdmission, ISlotDrain, ISynchronousAdmission)
 @define(eq=False)
 class MemorySlotAdmission:
     """

@@ -20,7 +20,13 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from relay.policy.failures import AccountRuntime
-from relay.interfaces import IAccountStates, IAccountStateView, IStateStore
+from relay.interfaces import (
+    NOT_NOW,
+    IAccountStates,
+    IAccountStateView,
+    IStateStore,
+    ISynchronousState,
+)
 from relay.state import MARK_KINDS, counter403Key
 from relay.state.durable import isDurable
 
@@ -75,9 +81,6 @@ def blockEnd(runtime: AccountRuntime) -> float:
     return end
 
 
-NOT_NOW = object()
-"""What L{MemoryStateStore.valueNow} gives when only an asynchronous read can
-answer (issue 24)."""
 
 
 @implementer(IAccountStates)
@@ -128,7 +131,7 @@ class FlaggedStates:
             self.ends.pop(accountId, None)
 
 
-@implementer(IStateStore, IAccountStateView)
+@implementer(IStateStore, IAccountStateView, ISynchronousState)
 @define(eq=False)
 class MemoryStateStore:
     """
@@ -380,7 +383,7 @@ class MemoryStateStore:
             )
         return succeed(None)
 
-    # -- issue 24: answers without a Deferred, for the scheduler's fast path
+    # -- ISynchronousState: answers without a Deferred (the scheduler's fast path)
 
     def valueNow(self, key):
         """
