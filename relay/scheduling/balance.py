@@ -28,6 +28,7 @@ from relay.scheduling.selection import NoAccountAvailable
 
 SLOT_ERROR_MESSAGE = "Service temporarily unavailable, please retry later"
 
+
 BIG_TIE = 64
 """Issue 24: an index bucket of more accounts than this is drawn from in
 place (L{_Run}) rather than copied and filtered first."""
@@ -88,7 +89,6 @@ def loadRate(inUse: int, waiting: int, concurrency: int) -> float:
     if concurrency <= 0:
         return 0.0
     return (inUse + waiting) * 100.0 / concurrency
-
 
 
 @define(eq=False)
@@ -185,7 +185,8 @@ class Balancer:
             return DRY_LEASE if limit <= 0 or inUse + waiting < limit else None
         spec = ctx.spec
         if spec is not None and spec[0] is account:
-            # Issue 24: the try sent with the state reads (L{_speculate}).
+            # Issue 24: the try sent with the state reads
+            # (L{relay.scheduling.layers.Layers._speculate}).
             ctx.spec = None
             try:
                 lease, ctx.refreshed = await spec[1]
@@ -239,7 +240,7 @@ class Balancer:
 
         Issue 24: with the pool index and an admission that reports its
         busy slots (L{relay.admission.memory.MemorySlotAdmission.busy}) the
-        order is read from the index (L{_indexedOrder}) instead of sorting
+        order is read from the index (L{_loadBalanceIndexed}) instead of sorting
         every candidate; ties are put in random order lazily, one draw per
         account tried, the same way on both paths (L{_inRandomOrder}).
 

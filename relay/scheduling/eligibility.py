@@ -39,7 +39,6 @@ def never(account: Account) -> bool:
     return False
 
 
-
 def refusal(turn: Turn, status: int, type: str, message: str, code=None,
             param=None, wsClose=None) -> NoAccountAvailable:
     """
@@ -132,7 +131,6 @@ class Pass:
         self._eligible = value
         self._lazy = None
         self.candidateCount = len(value)
-
 
 
 class QuickPass:

@@ -49,6 +49,7 @@ BACKGROUND_MESSAGE = "background responses require an OpenAI API-key account"
 """R88: the ChatGPT backend keeps nothing (store is forced false), so a
 background response can live only on an API-key account."""
 
+
 class _NoSlot:
     """
     The lease of a request that takes no account slot (an owner-bound
@@ -92,7 +93,6 @@ def _previousNotFound(previous: str, turn: Turn) -> ClientError:
     return error if turn.entrypoint == "ws" else evolve(error, wsClose=None)
 
 
-
 @define
 class _Choice:
     """
@@ -133,7 +133,6 @@ def _recordFields(record: DecisionRecord) -> dict:
     same order, at a fraction of the cost (one per relayed request).
     """
     return {name: getattr(record, name) for name in _RECORD_FIELDS}
-
 
 
 @define(eq=False)

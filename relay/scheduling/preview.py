@@ -21,6 +21,7 @@ from twisted.logger import Logger
 from relay.model import Account, ClientError, Turn
 from relay.scheduling.selection import NoAccountAvailable, Selection
 
+
 class _DryLease:
     """
     What a dry run's slot "try" returns when the slot is free: holds
