@@ -76,6 +76,20 @@ def _skew(rates: list, count: int) -> float:
     return math.sqrt(variance / count)
 
 
+def _tieRun(specials: list, start: int) -> tuple:
+    """
+    The run of C{specials} (sorted C{(key, position, account)}) from
+    C{start} whose keys tie.
+
+    @return: C{(accounts, the index after the run)}.
+    """
+    key = specials[start][0]
+    end = start + 1
+    while end < len(specials) and specials[end][0] == key:
+        end += 1
+    return [t[2] for t in specials[start:end]], end
+
+
 def loadRate(inUse: int, waiting: int, concurrency: int) -> float:
     """
     The load rate of an account (R28): C{(inUse + waiting) * 100 /
@@ -261,18 +275,7 @@ class Balancer:
             rates = {a.id: loadRate(*ctx.loads[a.id], a.concurrency) for a in candidates}
             ctx.skew = statistics.pstdev(rates.values()) if len(rates) > 1 else 0.0
             available = [a for a in candidates if rates[a.id] < 100]
-
-            def plain(a, rates=rates):
-                return (rates[a.id], self.lastUsedSecond(a))
-
-            if quota is None:
-                def key(a):
-                    return (a.priority,) + plain(a)
-            else:
-                # Issue 12: within a priority, the most remaining usage
-                # window first; at/above the threshold only after the rest.
-                def key(a):
-                    return (a.priority,) + quota.rank(a.id, threshold) + plain(a)
+            plain, key = self._orderKeys(rates, quota, threshold)
             ranked = sorted(available, key=key)
             groups = [list(g) for _, g in itertools.groupby(ranked, key=key)]
             def peersOf(priority, chosen, available=available, plain=plain):
@@ -284,6 +287,29 @@ class Balancer:
             if found is not None:
                 return found
         return None
+
+    def _orderKeys(self, rates: dict, quota, threshold) -> tuple:
+        """
+        The sort keys of the load-balance order (R43 step 3): C{plain(a)},
+        its load rate (0 when not in C{rates}: idle) and last-used second,
+        and C{key(a)}, its priority first.
+
+        @return: C{(plain, key)}.
+        """
+        lastUsedSecond = self.lastUsedSecond
+
+        def plain(a):
+            return (rates.get(a.id, 0.0), lastUsedSecond(a))
+
+        if quota is None:
+            def key(a):
+                return (a.priority,) + plain(a)
+        else:
+            # Issue 12: within a priority, the most remaining usage
+            # window first; at/above the threshold only after the rest.
+            def key(a):
+                return (a.priority,) + quota.rank(a.id, threshold) + plain(a)
+        return plain, key
 
     def _inRandomOrder(self, groups, rng=None):
         """
@@ -365,16 +391,7 @@ class Balancer:
                         special[i] = None
             rates = {i: loadRate(*loads.get(i, (0, 0)), byId[i].concurrency) for i in special}
             ctx.skew = _skew([rates[i] for i in loads], count)
-
-            def plain(a, rates=rates):
-                return (rates.get(a.id, 0.0), self.lastUsedSecond(a))
-
-            if quota is None:
-                def key(a):
-                    return (a.priority,) + plain(a)
-            else:
-                def key(a):
-                    return (a.priority,) + quota.rank(a.id, threshold) + plain(a)
+            plain, key = self._orderKeys(rates, quota, threshold)
             specials = sorted(
                 (key(byId[i]), pool.position[i], byId[i]) for i in special if rates[i] < 100)
             skipped = out.union(special) if special else out
@@ -434,12 +451,8 @@ class Balancer:
                 continue
             plainKey = (priority,) + quotaKey + (0.0, lus)
             while si < len(specials) and specials[si][0] < plainKey:
-                run = [specials[si]]
-                si += 1
-                while si < len(specials) and specials[si][0] == run[0][0]:
-                    run.append(specials[si])
-                    si += 1
-                yield [t[2] for t in run]
+                run, si = _tieRun(specials, si)
+                yield run
             if len(members) > BIG_TIE and not (si < len(specials)
                                                 and specials[si][0] == plainKey):
                 # Issue 24: a large run (a fresh pool: every account never
@@ -454,12 +467,8 @@ class Balancer:
                 group.sort(key=lambda a: position[a.id])
                 yield group
         while si < len(specials):
-            run = [specials[si]]
-            si += 1
-            while si < len(specials) and specials[si][0] == run[0][0]:
-                run.append(specials[si])
-                si += 1
-            yield [t[2] for t in run]
+            run, si = _tieRun(specials, si)
+            yield run
 
     async def fallback(self, ctx: Pass):
         """

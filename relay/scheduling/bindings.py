@@ -361,16 +361,10 @@ class Bindings:
 
     async def get(self, key: str) -> Optional[str]:
         """
-        Read a key; a store error counts as "no value" (R35).
+        Read a key; a store error counts as "no value" (R35, logged by
+        L{got}).
         """
-        try:
-            return await self._store.getValue(key)
-        except Exception as e:
-            self._log.error(
-                "state store read failed for {key}: {error}",
-                event="openai.sticky_read_failed", key=key, error=repr(e),
-            )
-            return None
+        return await self.got(self.read(key), key)
 
     def read(self, key: str) -> Deferred:
         """
@@ -385,7 +379,7 @@ class Bindings:
     async def got(self, d: Deferred, key: str) -> Optional[str]:
         """
         The value a L{read} of C{key} gives; a store error counts as "no
-        value" (R35), logged as L{get} does.
+        value" (R35), logged.
         """
         try:
             return await d
@@ -519,13 +513,21 @@ class Bindings:
         @return: the live local C{(accountId, keyName)} of a response, or
             L{None}.
         """
-        entry = self._localOwners.get(responseId)
+        entry = self._live(self._localOwners, responseId)
+        return None if entry is None else entry[:2]
+
+    def _live(self, local: OrderedDict, key: str) -> Optional[tuple]:
+        """
+        The entry of a local map (its expiry last) while it lives; an
+        expired one is dropped.
+        """
+        entry = local.get(key)
         if entry is None:
             return None
-        if entry[2] <= self._clock.seconds():
-            del self._localOwners[responseId]
+        if entry[-1] <= self._clock.seconds():
+            del local[key]
             return None
-        return entry[:2]
+        return entry
 
     def lookupResponse(self, responseId: str) -> Deferred:
         """
@@ -582,13 +584,8 @@ class Bindings:
             owner = parseOwner(owner)[1]
         if owner:
             return owner
-        entry = self._localAffinity.get(key)
-        if entry is None:
-            return None
-        if entry[1] <= self._clock.seconds():
-            del self._localAffinity[key]
-            return None
-        return entry[0]
+        entry = self._live(self._localAffinity, key)
+        return None if entry is None else entry[0]
 
     async def responseKeyName(self, responseId: str) -> Optional[str]:
         """

@@ -537,14 +537,7 @@ class Layers:
         if reason is not None and reason.startswith("unschedulable") and not ctx.dryRun:
             # R41 step 2: the owner is no longer schedulable.
             await self._bindings.write("deleteValue", responseKey(previous))
-        lease = None
-        if reason is None:
-            lease = await self._balancer.trySlot(ctx, owner)
-            # Re-check just before use: a block may have appeared meanwhile.
-            reason = self._checks.incompatible(ctx, owner)
-            if reason is not None and lease is not None:
-                lease.release()
-                lease = None
+        lease, reason = await self._tryOwner(ctx, owner, reason)
         if reason is not None:
             logFor(self._log, ctx).info(
                 "previous_response_id owner {account_id} not usable ({reason}); falling back",
@@ -562,6 +555,24 @@ class Layers:
         return _Choice(
             owner, lease, plan, LAYER_PREVIOUS, previousHit=True, bindingOp="write",
         )
+
+    async def _tryOwner(self, ctx: Pass, owner: Account, reason: Optional[str]) -> tuple:
+        """
+        Try the slot of an owner found compatible (C{reason} L{None}), and
+        re-check it just before use: a block may have appeared meanwhile
+        (R41).
+
+        @return: C{(lease or None, reason or None)}; no slot is held when a
+            reason is given.
+        """
+        lease = None
+        if reason is None:
+            lease = await self._balancer.trySlot(ctx, owner)
+            reason = self._checks.incompatible(ctx, owner)
+            if reason is not None and lease is not None:
+                lease.release()
+                lease = None
+        return lease, reason
 
     def _barOAuth(self, ctx: Pass) -> None:
         """
@@ -598,14 +609,8 @@ class Layers:
             owner = ctx.byId.get(ownerId) if ownerId else None
             if owner is None:
                 continue
-            reason = self._checks.incompatible(ctx, owner)
-            lease = None
-            if reason is None:
-                lease = await self._balancer.trySlot(ctx, owner)
-                reason = self._checks.incompatible(ctx, owner)
-                if reason is not None and lease is not None:
-                    lease.release()
-                    lease = None
+            lease, reason = await self._tryOwner(
+                ctx, owner, self._checks.incompatible(ctx, owner))
             if reason is not None:
                 self._log.info(
                     "{layer} owner {account_id} not usable ({reason}); falling back",

@@ -85,26 +85,12 @@ class AccountScheduler:
     @ivar _settings: the L{RuntimeSettings}; C{.current.scheduling} is read
         on every call (R74).
     @ivar _random: shuffles ties in load-balance order (R43 step 3.5).
-    @ivar _isQuarantined: C{(account) -> bool}: the account's proxy is
-        quarantined.
-    @ivar _extraBlock: optional C{(account, now, upstreamModel) -> reason}
-        returning L{None} when schedulable, or a reason (a string or a
-        C{(reason, until)} tuple) for in-memory blocks the state store does
-        not hold (e.g. the breaker, R-B1).
-    @ivar _quarantineEnd: optional C{(proxy id) -> Unix seconds or None}: when
-        a proxy's quarantine ends (R83's retry hint).
+    @ivar _isQuarantined: C{(account) -> bool}, the proxy quarantine hook;
+        with C{_extraBlock}, C{_quarantineEnd} and C{_flagged}, the hooks of
+        L{Eligibility} (see there).
     @ivar _quota: optional L{relay.scheduling.quota.UsageWindows}: with
         C{scheduling.quota_aware} the load-balance layer orders accounts of
         equal priority by remaining usage window.
-    @ivar _flagged: optional C{(now, pool) -> iterable of account ids, or
-        None} (C{pool}: the L{relay.scheduling.index.PoolIndex}, e.g. for
-        the accounts behind a quarantined proxy): a superset of the
-        accounts C{extraBlock} and C{isQuarantined} may refuse at C{now}.
-        With it (and a state store providing
-        L{relay.interfaces.IAccountStateView}) a selection checks only those
-        accounts and the few the store flags, so its cost does not grow
-        with the pool; without it (L{None} from it, or hooks given without
-        it) every candidate is checked.
     @ivar _bindings: the L{Bindings} room.
     @ivar _checks: the L{Eligibility} room.
     @ivar _balancer: the L{Balancer} room (it holds the pool index and the
