@@ -140,10 +140,12 @@ class Balancer:
         """
         C{account} was selected now: its place in the last-used order.
         """
-        old = self.lastUsedSecond(account)
-        self._lastUsed[account.id] = self._clock.seconds()
-        if self._index is not None:
-            self._index.moved(account, old, self.lastUsedSecond(account))
+        lastUsed = self._lastUsed
+        last = lastUsed.get(account.id)
+        old = -1 if last is None else int(last)
+        now = lastUsed[account.id] = self._clock.seconds()
+        if self._index is not None and old != int(now):
+            self._index.moved(account, old, int(now))
 
     async def loads(self, accounts: Sequence[Account]) -> dict:
         """
