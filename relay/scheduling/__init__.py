@@ -4,7 +4,7 @@ Which account serves a turn (behaviour.md group E):
 
   - L{relay.scheduling.session}: the session hash that sticky routing keys
     on (R37);
-  - L{relay.scheduling.scheduler}: L{relay.scheduling.scheduler.AccountScheduler}, the façade over
+  - L{relay.scheduling.scheduler}: C{AccountScheduler}, the façade over
     the rooms of selection (R38-R46, R-B6): L{relay.scheduling.layers}
     (previous_response_id -> session hash -> load balance, wait plans, the
     decision record), L{relay.scheduling.bindings} (session bindings,
