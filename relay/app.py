@@ -605,7 +605,7 @@ def _warnUnmigratedTokens(config) -> None:
     if path and refreshable and os.path.exists(path):
         Logger().warn(
             "state.backend is redis: OAuth tokens refreshed into {path} are not carried over;"
-            " give {accounts} a fresh login if they were refreshed there (README, OAuth)",
+            " give {accounts} a fresh login if they were refreshed there (docs/running.md, OAuth)",
             event="relay.oauth_store_not_migrated",
             path=path,
             accounts=", ".join(refreshable),

@@ -127,16 +127,17 @@ class GoodFileTests(SynchronousTestCase):
 
     def test_readmeSetsTheExampleEnvironment(self):
         """
-        The README's "Running relay for real" block sets every variable
-        C{etc/relay.example.yaml} needs before the command that runs it:
-        with exactly the C{export}s shown, the file loads.
+        The "Running relay for real" guide's block (C{docs/running.md}, once
+        the README's) sets every variable C{etc/relay.example.yaml} needs
+        before the command that runs it: with exactly the C{export}s shown,
+        the file loads.
         """
-        readme = os.path.join(os.path.dirname(_ETC), "README.md")
+        readme = os.path.join(os.path.dirname(_ETC), "docs", "running.md")
         with open(readme, encoding="utf-8") as f:
             text = f.read()
         command = "python3 -m twisted relay --config etc/relay.example.yaml"
         blocks = [b for b in text.split("```sh\n")[1:] if command in b.split("```")[0]]
-        self.assertEqual(len(blocks), 1, "README: no single sh block runs the example config")
+        self.assertEqual(len(blocks), 1, "docs/running.md: no single sh block runs the example config")
         block = blocks[0].split("```")[0]
         environ = {}
         for line in block[: block.index(command)].splitlines():

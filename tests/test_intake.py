@@ -718,7 +718,7 @@ class IntakeAccessLineTests(SynchronousTestCase):
 
 class OpenRouteBodyTests(SynchronousTestCase):
     """
-    README "Security": a body sent to C{/healthz}, C{/readyz} or C{GET
+    docs/security.md: a body sent to C{/healthz}, C{/readyz} or C{GET
     /admin/} is discarded unread -- whatever its size or encoding (today
     413 over 64 KiB, 415 for an unknown encoding).
     """

@@ -52,7 +52,7 @@ has (the reload is refused, nothing changes, one line naming the id:
 L{reloadProblems}); a file edited while relay was stopped can still
 clash: the admin account wins then (logged), because it may hold the
 only copy of a ChatGPT login, while the file's entry is still in the
-file. See the README ("Managing accounts").
+file. See docs/accounts.md.
 """
 
 from __future__ import annotations

@@ -620,7 +620,7 @@ class LimitedBodyRequest(Request):
             if route == I.ROUTE_OPEN or method not in I.BODY_METHODS:
                 self._discard = True
         if self._discard:
-            # README "Security": a body the route does not read is discarded
+            # docs/security.md: a body the route does not read is discarded
             # unread -- whatever its size or encoding, but still under the
             # minimum body rate.
             self.content = io.BytesIO()

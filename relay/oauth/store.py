@@ -17,7 +17,7 @@ Token stores (L{relay.interfaces.ITokenStore}, issue 12).
     waits for a replica (C{WAIT}, L{relay.redisclient.RedisService.executeDurable},
     issue 23) so a failover cannot lose it (and should an unacknowledged
     one be lost, L{relay.oauth.credentials} writes its newer record back
-    after the promotion); see the README.
+    after the promotion); see docs/deploying.md (Redis).
 
 Every call is bounded by a timeout on the injected clock (style.md trap
 T16).

@@ -16,7 +16,7 @@ Order:
  2. B{Refuse what needs a restart}: C{listen}, C{log.format}, C{database},
     C{state.*} and C{components.*} are kept at their running values, one
     line each saying so. B{The rest still applies} (decision recorded
-    here and in the README): the running process then matches the file
+    here and in docs/operating.md): the running process then matches the file
     everywhere it can, and the answer says which keys wait for a restart.
  3. B{Apply}: client keys and accounts go into the live configuration
     (L{relay.operations.live}) at once: new ones are usable by the next

@@ -94,7 +94,7 @@ class Explainer:
         @param previous: a C{previous_response_id}, or L{None}.
         @param entrypoint: C{http} or C{ws}.
         @param endpoint: C{responses} or C{chat}.
-        @return: a JSON-ready dict (see the module docstring and the README).
+        @return: a JSON-ready dict (see the module docstring and docs/keys.md).
         """
         now = self.clock.seconds()
         turn = Turn(
