@@ -12,7 +12,7 @@
 #                              the command the README's "Talking to the demo" shows); start
 #                              nothing
 #
-# Both modes show a device-code login against the emulator (docs/accounts.md):
+# The first two modes show a device-code login against the emulator (docs/accounts.md):
 # relay asks the emulator for a user code, the code is approved (as a person would at the
 # verification page), relay polls, stores the tokens and adds the account demo-login.
 #
