@@ -1,5 +1,5 @@
 """
-Tests for L{relay.config}: the YAML contract of config.md.
+Tests for L{relay.configuration.parse}: the YAML contract of config.md.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import textwrap
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from relay.config import (
+from relay.configuration.parse import (
     APIKEY_BASE_URL,
     OAUTH_BASE_URL,
     loadConfig,
     secretsOf,
     settingsFromString,
 )
-from relay.model import (
+from relay.base.records import (
     Account,
     ClientKey,
     ConfigError,
@@ -177,7 +177,7 @@ class GoodFileTests(SynchronousTestCase):
 
 class DefaultsTests(SynchronousTestCase):
     """
-    Missing keys take the defaults held by L{relay.model}.
+    Missing keys take the defaults held by L{relay.base.records}.
     """
 
     def test_minimal(self):
@@ -993,7 +993,7 @@ class OAuthConfigTests(SynchronousTestCase, ConfigErrorAssertions):
         """
         Refresh and ID tokens are registered for log redaction.
         """
-        from relay.config import secretsOf
+        from relay.configuration.parse import secretsOf
 
         config = parse("accounts: [{id: o1, type: oauth, refresh_token: rt-abcdef,"
                        " id_token: id-abcdef, chatgpt_account_id: c}]")

@@ -20,7 +20,7 @@ import tempfile
 
 import pytest
 
-from relay.model import GatewaySettings
+from relay.base.records import GatewaySettings
 from relay.tap import SUPERVISOR_GRACE_MARGIN_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
