@@ -34,7 +34,9 @@ from attrs import define, field, frozen
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from twisted.internet.interfaces import IReactorTime
+from zope.interface import implementer
 
+from relay.interfaces import IUsageWindows
 from relay.oauth.tokens import STATUS_IN_DOUBT, STATUS_LOADING, STATUS_NEEDS_LOGIN, STATUS_OK
 
 WINDOWS = ("primary", "secondary")
@@ -217,6 +219,7 @@ def windowsFromWham(body: dict, now: float) -> Optional[Snapshot]:
                     str(plan) if plan else None, now, "probe")
 
 
+@implementer(IUsageWindows)
 @define(eq=False)
 class UsageWindows:
     """
