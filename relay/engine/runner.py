@@ -6,7 +6,9 @@ select -> admit (maybe wait) -> dial -> stream to a sink -> on failure
 classify and decide: retry the same account, switch, pass the error
 through, or give up (behaviour.md groups A-D and G; DEVELOPERS.md "One turn
 engine"). Entrypoints build a L{Turn} and a sink and call L{TurnRunner.run};
-they hold no policy.
+they hold no policy. The loop's parts: the waits (L{relay.engine.waiting}),
+the decision (L{relay.engine.decide}), what a turn leaves behind
+(L{relay.engine.record}).
 """
 
 from __future__ import annotations
@@ -30,23 +32,9 @@ from relay.engine.compaction import CompactionWatch, endsWithTrigger
 from relay.engine.record import SamplingSink as _SamplingSink
 from relay.engine.waiting import AdmissionFailed as _AdmissionFailed
 from relay.interfaces import (
-    IAccountBookkeeping,
-    IAccountHistory,
-    IAccountScheduler,
-    IAttempt,
-    ICredentialSource,
-    IEngineMetrics,
-    IFailureClassifier,
-    IKeyPolicy,
-    IPriceTable,
-    IRequestLog,
-    IRuntimeSettings,
-    ISlotAdmission,
-    IStartupGate,
-    ITurnObserver,
-    IUpstreamDialer,
-    IUsageLedger,
-    IUsageWindows,
+    IAccountBookkeeping, IAccountHistory, IAccountScheduler, IAttempt, ICredentialSource,
+    IEngineMetrics, IFailureClassifier, IKeyPolicy, IPriceTable, IRequestLog, IRuntimeSettings,
+    ISlotAdmission, IStartupGate, ITurnObserver, IUpstreamDialer, IUsageLedger, IUsageWindows,
 )
 from relay.logs import ClassLogger
 from relay.model import ClientError, Turn, WaitPlan
@@ -671,6 +659,7 @@ class TurnRunner:
             # switch
             await W.sleep(self, turn, sink, decision[1], state)
 
+    # -- one attempt -----------------------------------------------------------
 
     async def _attempt(self, turn: Turn, sink, account, lease, state=None) -> AttemptResult:
         """
@@ -716,6 +705,9 @@ class TurnRunner:
             release()
 
     def firstOutput(self, turn: Turn) -> None:
+        """
+        The attempt wrote the turn's first output: note when (once).
+        """
         if turn.firstOutputAt is None:
             turn.firstOutputAt = self.clock.seconds()
 
