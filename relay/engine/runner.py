@@ -576,7 +576,7 @@ class TurnRunner:
                 if lease is None:
                     try:
                         lease = await W.wait(
-                            self,                             turn, sink, selection.waitPlan, "account_busy", state
+                            self, turn, sink, selection.waitPlan, "account_busy", state
                         )
                     except _AdmissionFailed as e:
                         sink.fail(e.error)
