@@ -865,6 +865,17 @@ class IRequestLog(Interface):
             bound).
         """
 
+    sampleMaxBytes = Attribute(
+        "How many bytes of a sampled turn's request and output are kept (an int).")
+
+    def sampled():
+        """
+        Whether the next turn's request and output are kept in its record
+        (C{request_log.sample_rate}); called once per turn by the engine.
+
+        @rtype: L{bool}
+        """
+
     def query(filters, limit, cursor):
         """
         The newest records matching C{filters}, newest first.
@@ -1096,4 +1107,273 @@ class IEgressClient(Interface):
         @return: a Deferred firing with a L{relay.oauth.egress.EgressReply}
             (any status), or failing with the transport's exception
             (refused, proxy failure, TLS, timeout).
+        """
+
+
+# The turn engine's collaborators (L{relay.engine.runner.TurnRunner}), each
+# passed at construction (relay.process.app builds them in one place). Only what
+# the engine calls.
+# ---------------------------------------------------------------------------
+
+
+class IRuntimeSettings(Interface):
+    """
+    The runtime settings the engine reads on every attempt, so a change
+    applies without a restart (R74; L{relay.state.settings.RuntimeSettings}).
+    """
+
+    current = Attribute("The L{relay.base.records.GatewaySettings} in force now (frozen).")
+
+
+class IEngineMetrics(Interface):
+    """
+    The counters the engine feeds (L{relay.console.metrics.RelayMetrics},
+    R110).
+    """
+
+    def turnFinished(entrypoint, outcome):
+        """
+        Count an ended turn.
+
+        @param entrypoint: C{http} or C{ws}.
+        @param outcome: C{completed}, C{failed}, C{client_gone}, C{error}
+            or C{relay_cancelled}.
+        """
+
+    def requestFinished(kind, outcome):
+        """
+        Count an ended request of its own kind (R87: compact,
+        input_tokens, retrieve ...).
+        """
+
+    def failover(reason, accountId=None, nextAccountId=None, entrypoint=None, status=None):
+        """
+        A switch away from C{accountId} (R19 step 7).
+
+        @return: the remembered entry, for L{failoverTo} once the next
+            account is known.
+        """
+
+    def failoverTo(entry, nextAccountId):
+        """
+        The account a switch went to (L{None}: none took the turn over).
+        """
+
+    def sameAccountRetry(reason):
+        """
+        Count a same-account retry (R14, R13, R72).
+        """
+
+    def waitFinished(entrypoint, outcome, seconds):
+        """
+        Count an ended slot wait (R32) and its duration, seconds.
+        """
+
+    def firstOutput(seconds):
+        """
+        A turn's time to first output, seconds.
+        """
+
+    def upstreamStatus(status):
+        """
+        Count one upstream answer by its status (an int, or a string for
+        a transport failure).
+        """
+
+    def addedLatency(seconds):
+        """
+        Relay's own latency for a turn: start to first dispatch less its
+        waits, seconds.
+        """
+
+
+class IUsageLedger(Interface):
+    """
+    Token and money accounting and the per-key budgets (R102, R108;
+    L{relay.usage.ledger.UsageLedger}).
+    """
+
+    def hasBudget(key):
+        """
+        Whether the key called C{key} has a token or money budget (then a
+        turn reserves before it runs).
+        """
+
+    def reserve(key, tokens, nanos):
+        """
+        R108: reserve a turn's estimate against C{key}'s budgets.
+
+        @param tokens: the estimated tokens.
+        @param nanos: the estimated cost, nano-dollars.
+        @return: a Deferred firing with C{(ClientError or None, hold or None)}.
+        """
+
+    def settle(hold, counts):
+        """
+        R108: a reservation settles to the turn's real usage (a
+        L{relay.usage.reader.TokenCounts}).
+        """
+
+    def release(hold):
+        """
+        R108: give back what a reservation did not settle.
+        """
+
+    def record(key, account, model, counts):
+        """
+        Count C{counts} for the key, the account and the upstream model.
+        Synchronous; written by the ledger's flush.
+        """
+
+    def overBudget(key, now):
+        """
+        @return: the R102 L{relay.base.records.ClientError} of a key over its
+            budget at C{now} (seconds), or L{None}.
+        """
+
+    def chainTokens(responseId):
+        """
+        R108: the input + output of the turn that produced C{responseId}
+        (0 when unknown or L{None}).
+
+        @return: a Deferred firing with an int.
+        """
+
+    def rememberChain(responseId, tokens, ttl):
+        """
+        R108: keep C{tokens} for a turn chained on C{responseId}, for
+        C{ttl} seconds.
+        """
+
+
+class IUsageWindows(Interface):
+    """
+    The upstream usage windows of OAuth accounts, read from response
+    headers (L{relay.scheduling.quota.UsageWindows}).
+    """
+
+    def observeHeaders(account, headers, source="headers"):
+        """
+        Read the usage windows in C{headers} (lower-cased name -> value)
+        of an answer from C{account}.
+        """
+
+
+class IKeyPolicy(Interface):
+    """
+    A client key's policy (R102, R109; L{relay.tenants.keypolicy.KeyPolicy}):
+    what it may use, how fast, and at what price.
+    """
+
+    def allowedAccounts(key):
+        """
+        @return: the frozenset of account ids the key may reach, or
+            L{None} for all.
+        """
+
+    def refusal(key, model, now):
+        """
+        R102: disabled, expired, model not allowed, money budget on an
+        unpriced model.
+
+        @return: the L{relay.base.records.ClientError}, or L{None}.
+        """
+
+    def admitRate(turn):
+        """
+        Count the turn in the key's C{rpm}/C{tpm} windows.
+
+        @return: a Deferred firing with the 429 L{relay.base.records.ClientError},
+            or L{None}.
+        """
+
+    def priceRefusal(key, served, body):
+        """
+        R109: the refusal of a turn whose served model, tier or hosted
+        tool has no price (a key with a money budget), or L{None}.
+        """
+
+    def estimate(key, model, body, inputTokens, outputTokens):
+        """
+        R108: the most a turn may cost, nano-dollars (an int).
+        """
+
+    def countTokens(key, tokens):
+        """
+        Count a turn's tokens in the key's C{tpm} window.
+        """
+
+
+class IPriceTable(Interface):
+    """
+    The prices of models, tiers and hosted tools (R109;
+    L{relay.tenants.prices.PriceTable}).
+    """
+
+    def priced(model, counts):
+        """
+        @param model: the upstream model relay asked for, or L{None}.
+        @param counts: a L{relay.usage.reader.TokenCounts}.
+        @return: C{counts} with its cost (nano-dollars), or marked unpriced.
+        """
+
+
+class IStartupGate(Interface):
+    """
+    R105: what a turn waits on until the stores are loaded
+    (L{relay.process.readiness.StartupGate}).
+    """
+
+    def wait(names=None):
+        """
+        @param names: the flags to wait for, or L{None} for all.
+        @return: L{None} when they are set (the common case), else a
+            cancellable Deferred firing when they are.
+        """
+
+
+class IAccountBookkeeping(Interface):
+    """
+    The one writer of account state for an attempt's end (R86;
+    L{relay.policy.bookkeeping.AccountBookkeeping}).
+    """
+
+    stats = Attribute(
+        'Account id -> C{{"turns", "failovers", "last_error", ...}} (a dict), for the'
+        " operator view.")
+
+    def record(account, end, verdict, model=None, requestId="", upstreamRequestId=None):
+        """
+        Write what the attempt end C{end} (L{relay.policy.ends}) and its
+        C{verdict} mean to C{account}'s state.
+
+        @return: a Deferred firing with a L{relay.policy.bookkeeping.Recorded}.
+        """
+
+    def accountStats(accountId):
+        """
+        @return: the mutable stats dict of C{accountId} (created empty).
+        """
+
+    def clear(account):
+        """
+        An operator's clear of C{account}'s state.
+
+        @return: a Deferred.
+        """
+
+
+class IAttempt(Interface):
+    """
+    One attempt of a turn on an account over a transport of its own (the
+    WebSocket upstream modes, R-B; L{relay.engine.wsattempt.WebSocketAttempt}),
+    called like L{relay.engine.httpattempt.attemptHTTP}.
+    """
+
+    def __call__(runner, turn, sink, account, release):
+        """
+        @param runner: the L{relay.engine.runner.TurnRunner}.
+        @param release: a no-argument callable giving the slot back
+            (called before a terminal event is written).
+        @return: a Deferred firing with a L{relay.engine.pump.AttemptResult}.
         """

@@ -448,8 +448,9 @@ class OperatorTruthTests(SynchronousTestCase):
             )
             runner = TurnRunner(
                 clock=self.clock, scheduler=scheduler, admission=self.admission, dialer=None,
-                classifier=self.classifier, health=self.health, settings=self.settings,
-                proxyHealth=self.proxies,
+                classifier=self.classifier, settings=self.settings,
+                bookkeeping=AccountBookkeeping(health=self.health, clock=self.clock,
+                                               proxyHealth=self.proxies),
             )
             self.schedulers[account.id] = (scheduler, runner)
             self.views[account.id] = OperatorView(

@@ -21,6 +21,7 @@ from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
 from relay.admission.memory import MemorySlotAdmission
+from relay.policy.bookkeeping import AccountBookkeeping
 from relay.policy.classify import DefaultClassifier
 from relay.engine.pump import STAGING_CAP
 from relay.engine.runner import TurnRunner
@@ -283,8 +284,8 @@ class Rig:
         self.dialer = FakeDialer(self.clock)
         self.runner = TurnRunner(
             clock=self.clock, scheduler=self.scheduler, admission=self.admission,
-            dialer=self.dialer, classifier=DefaultClassifier(), health=self.health,
-            settings=self.settings,
+            dialer=self.dialer, classifier=DefaultClassifier(), settings=self.settings,
+            bookkeeping=AccountBookkeeping(health=self.health, clock=self.clock),
         )
 
     def script(self, accountId, *actions):

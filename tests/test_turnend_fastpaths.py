@@ -382,7 +382,7 @@ class AccessLineTests(SynchronousTestCase):
 class TurnFinishedTests(SynchronousTestCase):
     """
     C{relay.turn_finished}'s token fields, inlined in
-    L{relay.engine.runner.TurnRunner._finished}, are L{_usageFields}' and
+    L{relay.engine.record.finished}, are L{_usageFields}' and
     keep their place among the fields.
     """
 
@@ -403,7 +403,7 @@ class TurnFinishedTests(SynchronousTestCase):
         L{_usageFields}' values, between C{first_output_ms} and
         C{upstream_request_id}.
         """
-        from relay.engine.runner import _usageFields
+        from relay.engine.record import usageFields as _usageFields
         from tests.test_runner import (
             CREATED,
             DELTA,

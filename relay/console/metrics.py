@@ -72,6 +72,9 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
+from zope.interface import implementer
+
+from relay.interfaces import IEngineMetrics
 
 __all__ = ["NO_ACCOUNT", "RelayMetrics", "SlotsCollector", "newRegistry", "withoutCreated"]
 
@@ -191,6 +194,7 @@ class SlotsCollector(Collector):
         yield waiting
 
 
+@implementer(IEngineMetrics)
 @define(eq=False, slots=False)
 class RelayMetrics:
     """

@@ -36,8 +36,10 @@ from attrs import define, field, frozen
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from relay.base.eager import eagerDeferred
+from relay.interfaces import IAccountBookkeeping
 from relay.policy import ends as E
 from relay.policy import failures as F
 
@@ -78,6 +80,7 @@ def opsKind(verdict: F.Verdict) -> str:
     return "failover" if verdict.failover else "upstream_error"
 
 
+@implementer(IAccountBookkeeping)
 @define(eq=False)
 class AccountBookkeeping:
     """

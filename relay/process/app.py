@@ -305,6 +305,7 @@ def buildApplication(
     trustRoot=None,
     configPath: Optional[str] = None,
     listenOverride: Optional[str] = None,
+    spanExporter=None,
 ) -> RelayApplication:
     """
     Wire a relay.
@@ -318,6 +319,8 @@ def buildApplication(
         reload (issue 14); L{None} leaves reload without a file until
         C{app.reloader.path} is set.
     @param listenOverride: the C{--listen} that overrode the file's.
+    @param spanExporter: a span exporter for the turn traces, used instead
+        of the configured one (tests; L{_tracer}).
     @return: a L{RelayApplication} whose C{site} is ready to listen.
     @raise relay.base.records.ConfigError: a component named in C{components:}
         cannot be built or does not provide its interface.
@@ -391,17 +394,19 @@ def buildApplication(
         quota=quota,
         flagged=flagged,
     )
+    redis = services[0] if services else None
+    parts = _engineParts(config, reactor, settings, live, redis, health, proxyHealth,
+                         trustRoot, spanExporter)
     runner = TurnRunner(
         clock=reactor,
         scheduler=scheduler,
         admission=admission,
         dialer=dialer,
         classifier=classifier,
-        health=health,
         settings=settings,
-        proxyHealth=proxyHealth,
         credentials=credentials,
         quota=quota,
+        **{name: parts.pop(name) for name in _RUNNER_PARTS},
     )
     keys = live.keys
     app = RelayApplication(
@@ -423,8 +428,8 @@ def buildApplication(
         path=configPath, live=live, settings=settings, listenOverride=listenOverride
     )
     app.extras.update(proxyHealth=proxyHealth, credentials=credentials, quota=quota,
-                      control=control, trustRoot=trustRoot)
-    wsResource = _webSocket(app, trustRoot)
+                      control=control, trustRoot=trustRoot, **parts)
+    wsResource = _webSocket(app)
     root = buildRoot(runner, keys, accounts, wsResource)
     _readiness(app, root)
     _redisReadiness(app)
@@ -453,6 +458,72 @@ def buildApplication(
     app.site = site
     app.reloader.onApplied.append(lambda result, new: _applyLimits(app, new))
     return app
+
+
+_RUNNER_PARTS = ("bookkeeping", "metrics", "history", "wsAttempt", "usage", "observer",
+                 "startupGate", "keyPolicy", "prices", "requestLog")
+"""The L{TurnRunner} collaborators L{_engineParts} builds."""
+
+
+def _engineParts(config: RelayConfig, reactor, settings, live, redis, health, proxyHealth,
+                 trustRoot, spanExporter=None) -> dict:
+    """
+    The turn engine's collaborators, built in one place and given to the
+    L{TurnRunner} at construction (none is set on it afterwards): the
+    metrics and the status page's history, the account bookkeeping (R86),
+    the WebSocket upstream attempt, the usage ledger (R108), the tenants'
+    price table, key policy and request log (R102, R109), the turn tracer
+    and the start-up gate (R105). The settings store is set first: the
+    ledger and the request log are kept where it keeps its data.
+
+    @param settings: the L{RuntimeSettings}; its C{store} is set here.
+    @param redis: the L{relay.wire.redisclient.RedisService} of the Redis
+        backend, or L{None}.
+    @param spanExporter: see L{buildApplication}.
+    @return: a dict: the L{_RUNNER_PARTS}, plus C{wsPool}, C{rateLimiter}
+        and, with tracing on, C{tracerProvider} for the application's extras.
+    """
+    from relay.console.history import AccountHistory
+    from relay.console.metrics import RelayMetrics
+    from relay.console.view import settingsStore
+    from relay.policy.bookkeeping import AccountBookkeeping
+
+    settings.store = settingsStore(config, reactor, redis)
+    metrics = RelayMetrics(clock=reactor)
+    pool, wsAttempt = _wsUpstream(reactor, settings, trustRoot)
+    prices, limiter, policy, log = _tenantParts(config, reactor, live, settings.store, redis)
+    observer, provider = _tracer(config, reactor, spanExporter)
+    parts = dict(
+        bookkeeping=AccountBookkeeping(health=health, clock=reactor, proxyHealth=proxyHealth,
+                                       metrics=metrics),
+        metrics=metrics,
+        history=AccountHistory(clock=reactor),
+        wsAttempt=wsAttempt,
+        usage=_usageLedger(config, reactor, settings.store, metrics, redis),
+        observer=observer,
+        startupGate=_openGate(),
+        keyPolicy=policy,
+        prices=prices,
+        requestLog=log,
+        wsPool=pool,
+        rateLimiter=limiter,
+    )
+    if provider is not None:
+        parts["tracerProvider"] = provider
+    return parts
+
+
+def _openGate():
+    """
+    The start-up gate (R105), open: an application wired by hand (tests)
+    has its stores loaded; L{_Startup} closes it until they are read.
+    """
+    from relay.process.readiness import StartupGate
+
+    gate = StartupGate()
+    gate.mark(gate.settings)()
+    gate.mark(gate.tokens)()
+    return gate
 
 
 def _keyRefusal(app: RelayApplication):
@@ -487,26 +558,34 @@ def _keysReady(app: RelayApplication):
     return ready
 
 
-def _tracing(app: RelayApplication, exporter=None) -> None:
+def _tracer(config: RelayConfig, reactor, exporter=None):
     """
     Issue 23: with C{tracing.exporter} set, OpenTelemetry spans for every
     turn and attempt (L{relay.tracing.otel.TurnTracer}, the runner's
-    observer); the provider is flushed and shut down when relay stops.
-    Off (the default): nothing is built.
+    observer). Off (the default): nothing is built.
 
     @param exporter: a span exporter to use instead of the configured one
         (tests).
+    @return: C{(TurnTracer, TracerProvider)}, or C{(None, None)}.
     @raise relay.base.records.ConfigError: the C{otel} extra is not installed.
     """
-    settings = app.config.tracing
+    settings = config.tracing
     if settings.exporter == "none" and exporter is None:
-        return
+        return None, None
     from relay.tracing.otel import TurnTracer, buildTracerProvider
 
     provider = buildTracerProvider(settings, exporter)
-    app.runner.observer = TurnTracer(provider.get_tracer("relay"), app.reactor)
-    app.extras["tracerProvider"] = provider
-    app.services.append(_TracerShutdown(provider))
+    return TurnTracer(provider.get_tracer("relay"), reactor), provider
+
+
+def _tracing(app: RelayApplication) -> None:
+    """
+    The tracer provider (L{_tracer}), if any, is flushed and shut down
+    when relay stops.
+    """
+    provider = app.extras.get("tracerProvider")
+    if provider is not None:
+        app.services.append(_TracerShutdown(provider))
 
 
 class _TracerShutdown(Service):
@@ -538,12 +617,10 @@ def _readiness(app: RelayApplication, root) -> None:
     the runner's C{startupGate}). Without L{_Startup} (an application wired
     by hand, as in tests) the stores count as loaded.
     """
-    from relay.process.readiness import Readiness, ReadinessResource, StartupGate
+    from relay.process.readiness import Readiness, ReadinessResource
 
     readiness = app.extras.setdefault("readiness", Readiness())
-    gate = StartupGate()
-    gate.mark(gate.settings)()
-    gate.mark(gate.tokens)()
+    gate = app.runner.startupGate
     readiness.addCheck("settings", gate.settings)
     readiness.addCheck("tokens", gate.tokens)
     readiness.addCheck("draining", lambda: app.drain is None or not app.drain.draining)
@@ -646,23 +723,33 @@ def _applyLimits(app: RelayApplication, config: RelayConfig) -> None:
         factory.setProtocolOptions(maxMessagePayloadSize=config.gateway.websocket.max_frame_bytes)
 
 
-def _webSocket(app: RelayApplication, trustRoot):
+def _wsUpstream(reactor, settings, trustRoot):
     """
-    The Responses WebSocket (issue 6): the upstream pool, the engine's
-    WebSocket attempt hook, and the upgrade resource; the pool closes on
-    shutdown.
+    The upstream WebSocket pool and the engine's WebSocket attempt over it
+    (issue 6).
+
+    @return: C{(UpstreamPool, WebSocketAttempt)}.
     """
     from twisted.web.client import BrowserLikePolicyForHTTPS
 
     from relay.engine.wsattempt import WebSocketAttempt
+    from relay.upstream.ws import UpstreamPool
+
+    policy = BrowserLikePolicyForHTTPS(trustRoot) if trustRoot is not None else None
+    pool = UpstreamPool(reactor=reactor, settings=settings, tlsPolicy=policy)
+    return pool, WebSocketAttempt(pool=pool, reactor=reactor, tlsPolicy=policy)
+
+
+def _webSocket(app: RelayApplication):
+    """
+    The Responses WebSocket (issue 6): the upgrade resource, and the
+    upstream pool's (L{_wsUpstream}) service, which closes it on shutdown.
+    """
     from relay.entry.ws import buildWebSocketResource
-    from relay.upstream.ws import PoolService, UpstreamPool
+    from relay.upstream.ws import PoolService
 
     reactor = app.reactor
-    policy = BrowserLikePolicyForHTTPS(trustRoot) if trustRoot is not None else None
-    pool = UpstreamPool(reactor=reactor, settings=app.settings, tlsPolicy=policy)
-    app.runner.wsAttempt = WebSocketAttempt(pool=pool, reactor=reactor, tlsPolicy=policy)
-    app.extras["wsPool"] = pool
+    pool = app.extras["wsPool"]
     app.extras["wsPoolService"] = PoolService(pool).asService()
 
     def retire(change) -> None:
@@ -709,15 +796,11 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
     metrics into the engine and the settings store into the settings.
     """
     from relay.console.admin import GuardedMetrics, buildAdminResource
-    from relay.console.history import AccountHistory
-    from relay.console.metrics import RelayMetrics
-    from relay.console.view import OperatorView, periodic, settingsStore
+    from relay.console.view import OperatorView, periodic
+    from relay.usage.service import UsageFlushService
 
     reactor, config = app.reactor, app.config
-    metrics = RelayMetrics(clock=reactor)
-    app.runner.metrics = metrics
-    history = AccountHistory(clock=reactor)
-    app.runner.history = history
+    metrics, history = app.runner.metrics, app.runner.history
     credentials, quota = app.extras["credentials"], app.extras["quota"]
     view = OperatorView(
         accounts=accounts,
@@ -732,9 +815,9 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
     )
     metrics.setSlotsSource(lambda: view.slots)
     redis = app.services[0] if app.services else None
-    app.settings.store = settingsStore(config, reactor, redis)
     _durableOwners(app)
-    usage = _usageLedger(app, metrics, redis)
+    usage = app.extras["usage"] = app.runner.usage
+    app.services.append(UsageFlushService(usage, config.usage.flush_interval_seconds, reactor))
     credentials.store = _tokenStore(app, redis)
     switchListeners = getattr(redis, "switchListeners", None)
     if config.state.backend == "redis" and switchListeners is not None:
@@ -817,29 +900,28 @@ def _durableOwners(app: RelayApplication) -> None:
         app.services.append(DurableFlushService(app.store.durable))
 
 
-def _usageLedger(app: RelayApplication, metrics, redis):
+def _usageLedger(config: RelayConfig, reactor, settingsStore, metrics, redis):
     """
-    Token accounting (issue 13 item 5): the ledger the engine records into,
-    its store (Redis with the Redis backend, else the settings SQLite file,
-    else memory), and its flush timer.
+    Token accounting (issue 13 item 5): the ledger the engine records into
+    and its store (Redis with the Redis backend, else the settings SQLite
+    file, else memory); its flush timer is started by L{_operatorSurface}.
 
+    @param settingsStore: the settings store (C{RuntimeSettings.store}).
     @return: the L{relay.usage.ledger.UsageLedger}.
     """
     from relay.state.settingsdb import SQLiteSettingsStore
     from relay.usage.holds import MemoryBudgetHolds, RedisBudgetHolds
     from relay.usage.ledger import UsageLedger
-    from relay.usage.service import UsageFlushService
     from relay.usage.store import MemoryUsageStore, RedisUsageStore, SQLiteUsageStore
 
-    reactor, config = app.reactor, app.config
     retention = config.usage.retention_days
     # R108: budget reservations, where the other processes see them.
     holds = MemoryBudgetHolds(clock=reactor)
     if config.state.backend == "redis" and redis is not None:
         store = RedisUsageStore(redis=redis, clock=reactor, retentionDays=retention)
         holds = RedisBudgetHolds(redis=redis)
-    elif isinstance(app.settings.store, SQLiteSettingsStore):
-        store = SQLiteUsageStore(database=app.settings.store, retentionDays=retention)
+    elif isinstance(settingsStore, SQLiteSettingsStore):
+        store = SQLiteUsageStore(database=settingsStore, retentionDays=retention)
     else:
         store = MemoryUsageStore()
     budgets = {
@@ -850,9 +932,6 @@ def _usageLedger(app: RelayApplication, metrics, redis):
     ledger = UsageLedger(clock=reactor, store=store, metrics=metrics, budgets=budgets,
                          holds=holds, holdTtl=config.state.concurrency_slot_ttl_minutes * 60,
                          onHoldError=config.state.on_redis_error)
-    app.runner.usage = ledger
-    app.extras["usage"] = ledger
-    app.services.append(UsageFlushService(ledger, config.usage.flush_interval_seconds, reactor))
     return ledger
 
 
@@ -863,40 +942,17 @@ def _tenants(app: RelayApplication, admin, usage, redis) -> None:
     Redis backend, else in memory), the request log (Redis stream, else
     the settings SQLite file, else memory) and its flush timer, the
     C{/admin/requests} and C{/admin/explain} routes, and what a reload
-    changes (prices, budgets; groups are read live).
+    changes (prices, budgets; groups are read live). The parts the engine
+    uses are built by L{_tenantParts}.
     """
-    from relay.state.settingsdb import SQLiteSettingsStore
     from relay.console.tenants import ExplainResource, RequestsResource
     from relay.console.explain import Explainer
-    from relay.tenants.keypolicy import KeyPolicy
-    from relay.tenants.prices import PriceTable
-    from relay.tenants.ratelimit import MemoryRateLimiter, RedisRateLimiter
-    from relay.tenants.requestlog import (
-        MemoryRequestLog,
-        RedisRequestLog,
-        RequestLogService,
-        SQLiteRequestLog,
-    )
+    from relay.tenants.requestlog import RequestLogService
 
     reactor, config = app.reactor, app.config
-    prices = PriceTable(config.prices)
-    if config.state.backend == "redis" and redis is not None:
-        limiter = RedisRateLimiter(redis=redis, onRedisError=config.state.on_redis_error)
-    else:
-        limiter = MemoryRateLimiter(clock=reactor)
-    policy = KeyPolicy(clock=reactor, live=app.live, limiter=limiter, prices=prices)
-    settings = config.request_log
-    bounds = dict(clock=reactor, maxRecords=settings.max_records,
-                  retentionDays=settings.retention_days, sampleRate=settings.sample_rate,
-                  sampleMaxBytes=settings.sample_max_bytes)
-    if config.state.backend == "redis" and redis is not None:
-        log = RedisRequestLog(redis=redis, **bounds)
-    elif isinstance(app.settings.store, SQLiteSettingsStore):
-        log = SQLiteRequestLog(database=app.settings.store, **bounds)
-    else:
-        log = MemoryRequestLog(**bounds)
     runner = app.runner
-    runner.prices, runner.keyPolicy, runner.requestLog = prices, policy, log
+    prices, policy, log = runner.prices, runner.keyPolicy, runner.requestLog
+    limiter, settings = app.extras["rateLimiter"], config.request_log
     if runner.metrics is not None:
         from relay.base.modelname import ModelCatalogue
 
@@ -921,6 +977,40 @@ def _tenants(app: RelayApplication, admin, usage, redis) -> None:
         log.sampleMaxBytes = new.request_log.sample_max_bytes
 
     app.reloader.onApplied.append(reloaded)
+
+
+def _tenantParts(config: RelayConfig, reactor, live, settingsStore, redis):
+    """
+    The tenants' parts the engine uses (issue 22): the price table, the
+    key policy with its rate windows (Redis with the Redis backend, else
+    memory) and the request log (Redis stream, else the settings SQLite
+    file, else memory).
+
+    @return: C{(PriceTable, rate limiter, KeyPolicy, request log)}.
+    """
+    from relay.state.settingsdb import SQLiteSettingsStore
+    from relay.tenants.keypolicy import KeyPolicy
+    from relay.tenants.prices import PriceTable
+    from relay.tenants.ratelimit import MemoryRateLimiter, RedisRateLimiter
+    from relay.tenants.requestlog import MemoryRequestLog, RedisRequestLog, SQLiteRequestLog
+
+    prices = PriceTable(config.prices)
+    if config.state.backend == "redis" and redis is not None:
+        limiter = RedisRateLimiter(redis=redis, onRedisError=config.state.on_redis_error)
+    else:
+        limiter = MemoryRateLimiter(clock=reactor)
+    policy = KeyPolicy(clock=reactor, live=live, limiter=limiter, prices=prices)
+    settings = config.request_log
+    bounds = dict(clock=reactor, maxRecords=settings.max_records,
+                  retentionDays=settings.retention_days, sampleRate=settings.sample_rate,
+                  sampleMaxBytes=settings.sample_max_bytes)
+    if config.state.backend == "redis" and redis is not None:
+        log = RedisRequestLog(redis=redis, **bounds)
+    elif isinstance(settingsStore, SQLiteSettingsStore):
+        log = SQLiteRequestLog(database=settingsStore, **bounds)
+    else:
+        log = MemoryRequestLog(**bounds)
+    return prices, limiter, policy, log
 
 
 def _keysFromTheControlPlane(app: RelayApplication, prices, policy, usage) -> None:
@@ -969,23 +1059,20 @@ class _Startup(MultiService):
         self._app = app
 
     def startService(self) -> None:
-        from relay.process.readiness import StartupGate
-
         # R105 (issue 19 item 6): not ready, and no turn, until the stores
         # are loaded -- one gate for every store a turn depends on: the
         # settings, the OAuth tokens, and the control plane's first read
         # (admin accounts, pauses, admin keys and disables; issue 21/22),
-        # each set once read or once its read failed (R35, R101).
-        gate = StartupGate()
-        readiness = self._app.extras["readiness"]
-        readiness.addCheck("settings", gate.settings)
-        readiness.addCheck("tokens", gate.tokens)
+        # each set once read or once its read failed (R35, R101). The
+        # runner's gate (open for an application wired by hand) closes.
+        gate = self._app.runner.startupGate
+        gate.settings.clear()
+        gate.tokens.clear()
         plane = None
         if "controlParts" in self._app.extras:
             plane = self._app.extras["controlParts"].plane
             plane.onSettled = gate.mark(gate.add("control"))
         self._app.extras["startupGate"] = gate
-        self._app.runner.startupGate = gate
         super().startService()
         if plane is not None and not plane.running:
             # No control service among the children (an application wired

@@ -38,6 +38,9 @@ from typing import Callable, Optional
 from attrs import define, field
 from twisted.logger import Logger
 from twisted.web.resource import Resource
+from zope.interface import implementer
+
+from relay.interfaces import IStartupGate
 
 __all__ = ["Readiness", "ReadinessResource", "Flag", "StartupGate"]
 
@@ -58,10 +61,17 @@ class Flag:
         self.value = True
         return ignored[0] if ignored else None
 
+    def clear(self) -> None:
+        """
+        Unset the flag (a gate closed again until its store is read).
+        """
+        self.value = False
+
     def __call__(self) -> bool:
         return self.value
 
 
+@implementer(IStartupGate)
 @define(eq=False)
 class StartupGate:
     """

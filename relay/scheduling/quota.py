@@ -34,7 +34,9 @@ from attrs import define, field
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from twisted.internet.interfaces import IReactorTime
+from zope.interface import implementer
 
+from relay.interfaces import IUsageWindows
 from relay.oauth.tokens import STATUS_IN_DOUBT, STATUS_LOADING, STATUS_NEEDS_LOGIN, STATUS_OK
 from relay.oauth.windows import (
     WINDOWS,
@@ -45,6 +47,7 @@ from relay.oauth.windows import (
 
 _HEADER_MARK = "x-codex-primary-used-percent"
 
+@implementer(IUsageWindows)
 @define(eq=False)
 class UsageWindows:
     """

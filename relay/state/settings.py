@@ -29,7 +29,9 @@ import attrs
 from attrs import define
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
+from zope.interface import implementer
 
+from relay.interfaces import IRuntimeSettings
 from relay.base.records import GatewaySettings
 from relay.wire.redisclient import logFailure
 
@@ -361,6 +363,7 @@ def _apply(settings: GatewaySettings, flat: dict) -> GatewaySettings:
 # ---------------------------------------------------------------------------
 
 
+@implementer(IRuntimeSettings)
 @define(eq=False)
 class RuntimeSettings:
     """

@@ -45,7 +45,9 @@ from typing import Any, Iterable, Optional
 
 from attrs import define, field
 from twisted.logger import Logger
+from zope.interface import implementer
 
+from relay.interfaces import IKeyPolicy
 from relay.base.records import ClientError, ClientKey
 from relay.base.modelname import listed
 
@@ -165,6 +167,7 @@ def notPriced(key: ClientKey, param: str, what: str) -> ClientError:
     )
 
 
+@implementer(IKeyPolicy)
 @define(eq=False)
 class KeyPolicy:
     """

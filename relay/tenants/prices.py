@@ -54,7 +54,9 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 from attrs import frozen
+from zope.interface import implementer
 
+from relay.interfaces import IPriceTable
 from relay.base.modelname import matchKey, normalise
 from relay.usage.tokens import HOSTED_TOOLS, hostedTool
 
@@ -223,6 +225,7 @@ def usd(nanos: Optional[int]) -> Optional[float]:
     return round(nanos / NANOS_PER_USD, 9)
 
 
+@implementer(IPriceTable)
 class PriceTable:
     """
     The prices in force: the shipped table, the file's C{prices:} on top,

@@ -33,7 +33,9 @@ from attrs import define, field
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
+from zope.interface import implementer
 
+from relay.interfaces import IUsageLedger
 from relay.base.records import ClientError
 from relay.usage.store import DAY, dayStart, hourOf, monthStart, nextMonthStart
 from relay.usage.tokens import TokenCounts
@@ -119,6 +121,7 @@ class Hold:
     chainKept: bool = False
 
 
+@implementer(IUsageLedger)
 @define(eq=False)
 class UsageLedger:
     """
