@@ -47,6 +47,7 @@ from relay.oauth.windows import (
 
 _HEADER_MARK = "x-codex-primary-used-percent"
 
+
 @implementer(IUsageWindows)
 @define(eq=False)
 class UsageWindows:
