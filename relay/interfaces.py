@@ -25,7 +25,7 @@ class IFailureClassifier(Interface):
         """
         Classify a failure that ended without any HTTP status (R1, R3, R5).
 
-        @param account: the L{relay.model.Account} that was dialled.
+        @param account: the L{relay.base.records.Account} that was dialled.
         @param reason: the exception or L{twisted.python.failure.Failure}.
         @param endpoint: C{responses} or C{chat}.
         @return: a L{relay.policy.failures.Verdict} with C{kind="transport"},
@@ -36,7 +36,7 @@ class IFailureClassifier(Interface):
         """
         Classify an upstream HTTP error status (R7-R16, R106).
 
-        @param account: the L{relay.model.Account}.
+        @param account: the L{relay.base.records.Account}.
         @param endpoint: C{responses} or C{chat}.
         @param status: the upstream status (>= 400).
         @param headers: lower-cased header name -> value (first value).
@@ -85,7 +85,7 @@ class IFailureClassifier(Interface):
         @param verdict: the last failover L{relay.policy.failures.Verdict}, or
             L{None} when there was none.
         @param endpoint: C{responses} or C{chat}.
-        @return: a L{relay.model.ClientError}, including C{wsClose} for the
+        @return: a L{relay.base.records.ClientError}, including C{wsClose} for the
             WebSocket (R65).
         """
 
@@ -103,7 +103,7 @@ class IStateStore(Interface):
         """
         @param accountIds: an iterable of account ids.
         @return: Deferred firing with C{{id: AccountRuntime}} for every id
-            (a default L{relay.policy.failures.AccountRuntime} when none is stored).
+            (a default L{relay.state.runtime.AccountRuntime} when none is stored).
         """
 
     def markAccount(accountId, kind, until, reason, model=None):
@@ -213,7 +213,7 @@ class IAccountStates(Interface):
 
     def get(accountId, default=None):
         """
-        @return: the account's L{relay.policy.failures.AccountRuntime}, or
+        @return: the account's L{relay.state.runtime.AccountRuntime}, or
             C{default} when none is stored (the default runtime: healthy).
         """
 
@@ -240,7 +240,7 @@ class ISynchronousState(Interface):
     its answers are given at once, without a Deferred, for the sticky fast
     path of selection (R38, R43 step 2; L{relay.scheduling.quick}), and
     every write it takes is done when the call returns (so relay's answers
-    may be written at once, L{relay.app.answersAtOnce}).
+    may be written at once, L{relay.process.app.answersAtOnce}).
 
     Each answer is the one the matching asynchronous call would fire with
     at the same moment. A provider's subclass that changes those
@@ -314,12 +314,12 @@ class ISlotAdmission(Interface):
         """
         Fast try, then join the FIFO queue and wait (R27, R30, R33).
 
-        @param plan: the L{relay.model.WaitPlan}.
-        @param cancel: the turn's L{relay.model.CancelSignal}.
+        @param plan: the L{relay.base.records.WaitPlan}.
+        @param cancel: the turn's L{relay.base.records.CancelSignal}.
         @param deadline: an absolute Unix time that bounds only this wait
             (R33), or L{None}.
         @return: Deferred firing with an L{ISlotLease}, or failing with
-            L{relay.model.AdmissionError} (C{queue_full}, C{timeout},
+            L{relay.base.records.AdmissionError} (C{queue_full}, C{timeout},
             C{client_gone}, C{error}). A slot obtained after the deadline
             or cancellation is released, never returned.
         """
@@ -335,7 +335,7 @@ class ISynchronousAdmission(Interface):
     A capability of an L{ISlotAdmission} that lives in this process: an
     immediate slot try answered without a Deferred (the sticky fast path
     of selection, R43 step 2), and releases done when the call returns (so
-    relay's answers may be written at once, L{relay.app.answersAtOnce}).
+    relay's answers may be written at once, L{relay.process.app.answersAtOnce}).
     The same rule as L{ISynchronousState}'s holds for subclasses.
     """
 
@@ -388,7 +388,7 @@ class IUpstreamDialer(Interface):
         """
         Send one HTTP request upstream and wait for the response headers.
 
-        @param account: the L{relay.model.Account}; its base URL, auth
+        @param account: the L{relay.base.records.Account}; its base URL, auth
             headers and proxy apply.
         @param method: C{b"POST"} or C{b"GET"}.
         @param path: path under the account's base URL, e.g. C{/responses}.
@@ -396,7 +396,7 @@ class IUpstreamDialer(Interface):
         @param headers: extra headers (str -> str) copied from the client;
             the dialer adds authentication and never lets the client's
             credentials through.
-        @param timeouts: L{relay.model.UpstreamSettings}.
+        @param timeouts: L{relay.base.records.UpstreamSettings}.
         @return: Deferred firing with an L{IUpstreamResponse}; fails with
             the transport exception (refused, DNS, TLS, reset) or
             L{relay.upstream.http.HeaderTimeout}.
@@ -414,12 +414,12 @@ class IAccountScheduler(Interface):
         """
         Pick an account and try its slot.
 
-        @param turn: the L{relay.model.Turn}.
+        @param turn: the L{relay.base.records.Turn}.
         @param excluded: account ids excluded in this turn (a frozenset).
         @return: Deferred firing with a L{relay.scheduling.selection.Selection}
             (C{lease} set when the slot is held, else C{waitPlan} set), or
             failing with L{relay.scheduling.selection.NoAccountAvailable} carrying the
-            L{relay.model.ClientError} (R44).
+            L{relay.base.records.ClientError} (R44).
         """
 
     def bind(turn, account):
@@ -465,7 +465,7 @@ class ITurnSink(Interface):
 
     def writeEvent(event):
         """
-        Write one upstream event (L{relay.sse.Event}) to the client.
+        Write one upstream event (L{relay.wire.sse.Event}) to the client.
         """
 
     def writeBody(status, headers, body):
@@ -475,7 +475,7 @@ class ITurnSink(Interface):
 
     def fail(error):
         """
-        End the turn with a L{relay.model.ClientError}: before commit an
+        End the turn with a L{relay.base.records.ClientError}: before commit an
         HTTP error (JSON envelope) or WebSocket error/close; after commit a
         terminal C{response.failed} (R17) or C{error} event.
         """
@@ -665,7 +665,7 @@ class ICredentialSource(Interface):
         """
         The account as it must be dialled now.
 
-        @param account: a configured L{relay.model.Account}.
+        @param account: a configured L{relay.base.records.Account}.
         @return: C{account} itself when nothing changed (API keys, static
             OAuth tokens), else an equal account whose C{credential} is the
             current access token and whose C{refresh_token} tells whether a
@@ -719,7 +719,7 @@ class ICredentialSource(Interface):
 
         @param now: Unix seconds.
         @return: L{None}, or C{(reason, until)} like
-            L{relay.policy.failures.AccountRuntime.unschedulable} (C{until} 0 for
+            L{relay.state.runtime.AccountRuntime.unschedulable} (C{until} 0 for
             C{needs_login}, which lasts until new tokens arrive).
         """
 
@@ -788,7 +788,7 @@ class ITokenEndpoint(Interface):
         """
         Exchange a refresh token.
 
-        @param account: the L{relay.model.Account} (its proxy and
+        @param account: the L{relay.base.records.Account} (its proxy and
             C{auth_base_url} apply).
         @param refreshToken: the single-use refresh token.
         @param timeout: seconds for the whole exchange.
@@ -813,7 +813,7 @@ class ILiveAccounts(Interface):
     def byId(accountId):
         """
         @param accountId: an account id.
-        @return: the L{relay.model.Account} in force with that id, or
+        @return: the L{relay.base.records.Account} in force with that id, or
             L{None}.
         """
 
@@ -823,15 +823,15 @@ class ILiveAccounts(Interface):
         what changed. Turns already running keep the account object they
         selected.
 
-        @param accounts: the new L{relay.model.Account}s, ids unique.
-        @return: the L{relay.operations.live.AccountSetChange} (empty when
+        @param accounts: the new L{relay.base.records.Account}s, ids unique.
+        @return: the L{relay.process.live.AccountSetChange} (empty when
             nothing changed; subscribers are then not called).
         """
 
     def subscribe(listener):
         """
         Be told whenever the set changes: C{listener(change)} with an
-        L{relay.operations.live.AccountSetChange} (ids added, removed and
+        L{relay.process.live.AccountSetChange} (ids added, removed and
         changed; never secrets). Called synchronously after the new set is
         in force; an exception is logged and does not stop the others.
         Other components (e.g. a per-account OAuth token source) use this
@@ -928,6 +928,17 @@ class IRequestLog(Interface):
             bound).
         """
 
+    sampleMaxBytes = Attribute(
+        "How many bytes of a sampled turn's request and output are kept (an int).")
+
+    def sampled():
+        """
+        Whether the next turn's request and output are kept in its record
+        (C{request_log.sample_rate}); called once per turn by the engine.
+
+        @rtype: L{bool}
+        """
+
     def query(filters, limit, cursor):
         """
         The newest records matching C{filters}, newest first.
@@ -954,7 +965,7 @@ class ITurnObserver(Interface):
         """
         A turn begins.
 
-        @param turn: the L{relay.model.Turn} (its C{headers} carry the
+        @param turn: the L{relay.base.records.Turn} (its C{headers} carry the
             client's C{traceparent}, if any).
         @return: an L{ITurnTrace} for this turn, or L{None} to skip it.
         """
@@ -971,7 +982,7 @@ class ITurnTrace(Interface):
         An attempt on C{account} is about to be dialled. The trace may set
         C{turn.headers["traceparent"]} for the attempt (it goes upstream).
 
-        @param account: the L{relay.model.Account}.
+        @param account: the L{relay.base.records.Account}.
         @param state: the runner's per-turn state (C{attempts}, C{waited}
             seconds so far, C{switches}).
         """
@@ -1148,7 +1159,7 @@ class IEgressClient(Interface):
         """
         Send one request and read the whole (bounded) answer.
 
-        @param proxy: the account's L{relay.model.ProxySpec}, or L{None}
+        @param proxy: the account's L{relay.base.records.ProxySpec}, or L{None}
             for an account without one (a direct connection, as its turns).
         @param method: C{GET} or C{POST}.
         @param url: the absolute C{http(s)} URL.
@@ -1159,4 +1170,273 @@ class IEgressClient(Interface):
         @return: a Deferred firing with a L{relay.oauth.egress.EgressReply}
             (any status), or failing with the transport's exception
             (refused, proxy failure, TLS, timeout).
+        """
+
+
+# The turn engine's collaborators (L{relay.engine.runner.TurnRunner}), each
+# passed at construction (relay.process.app builds them in one place). Only what
+# the engine calls.
+# ---------------------------------------------------------------------------
+
+
+class IRuntimeSettings(Interface):
+    """
+    The runtime settings the engine reads on every attempt, so a change
+    applies without a restart (R74; L{relay.state.settings.RuntimeSettings}).
+    """
+
+    current = Attribute("The L{relay.base.records.GatewaySettings} in force now (frozen).")
+
+
+class IEngineMetrics(Interface):
+    """
+    The counters the engine feeds (L{relay.console.metrics.RelayMetrics},
+    R110).
+    """
+
+    def turnFinished(entrypoint, outcome):
+        """
+        Count an ended turn.
+
+        @param entrypoint: C{http} or C{ws}.
+        @param outcome: C{completed}, C{failed}, C{client_gone}, C{error}
+            or C{relay_cancelled}.
+        """
+
+    def requestFinished(kind, outcome):
+        """
+        Count an ended request of its own kind (R87: compact,
+        input_tokens, retrieve ...).
+        """
+
+    def failover(reason, accountId=None, nextAccountId=None, entrypoint=None, status=None):
+        """
+        A switch away from C{accountId} (R19 step 7).
+
+        @return: the remembered entry, for L{failoverTo} once the next
+            account is known.
+        """
+
+    def failoverTo(entry, nextAccountId):
+        """
+        The account a switch went to (L{None}: none took the turn over).
+        """
+
+    def sameAccountRetry(reason):
+        """
+        Count a same-account retry (R14, R13, R72).
+        """
+
+    def waitFinished(entrypoint, outcome, seconds):
+        """
+        Count an ended slot wait (R32) and its duration, seconds.
+        """
+
+    def firstOutput(seconds):
+        """
+        A turn's time to first output, seconds.
+        """
+
+    def upstreamStatus(status):
+        """
+        Count one upstream answer by its status (an int, or a string for
+        a transport failure).
+        """
+
+    def addedLatency(seconds):
+        """
+        Relay's own latency for a turn: start to first dispatch less its
+        waits, seconds.
+        """
+
+
+class IUsageLedger(Interface):
+    """
+    Token and money accounting and the per-key budgets (R102, R108;
+    L{relay.usage.ledger.UsageLedger}).
+    """
+
+    def hasBudget(key):
+        """
+        Whether the key called C{key} has a token or money budget (then a
+        turn reserves before it runs).
+        """
+
+    def reserve(key, tokens, nanos):
+        """
+        R108: reserve a turn's estimate against C{key}'s budgets.
+
+        @param tokens: the estimated tokens.
+        @param nanos: the estimated cost, nano-dollars.
+        @return: a Deferred firing with C{(ClientError or None, hold or None)}.
+        """
+
+    def settle(hold, counts):
+        """
+        R108: a reservation settles to the turn's real usage (a
+        L{relay.usage.reader.TokenCounts}).
+        """
+
+    def release(hold):
+        """
+        R108: give back what a reservation did not settle.
+        """
+
+    def record(key, account, model, counts):
+        """
+        Count C{counts} for the key, the account and the upstream model.
+        Synchronous; written by the ledger's flush.
+        """
+
+    def overBudget(key, now):
+        """
+        @return: the R102 L{relay.base.records.ClientError} of a key over its
+            budget at C{now} (seconds), or L{None}.
+        """
+
+    def chainTokens(responseId):
+        """
+        R108: the input + output of the turn that produced C{responseId}
+        (0 when unknown or L{None}).
+
+        @return: a Deferred firing with an int.
+        """
+
+    def rememberChain(responseId, tokens, ttl):
+        """
+        R108: keep C{tokens} for a turn chained on C{responseId}, for
+        C{ttl} seconds.
+        """
+
+
+class IUsageWindows(Interface):
+    """
+    The upstream usage windows of OAuth accounts, read from response
+    headers (L{relay.scheduling.quota.UsageWindows}).
+    """
+
+    def observeHeaders(account, headers, source="headers"):
+        """
+        Read the usage windows in C{headers} (lower-cased name -> value)
+        of an answer from C{account}.
+        """
+
+
+class IKeyPolicy(Interface):
+    """
+    A client key's policy (R102, R109; L{relay.tenants.keypolicy.KeyPolicy}):
+    what it may use, how fast, and at what price.
+    """
+
+    def allowedAccounts(key):
+        """
+        @return: the frozenset of account ids the key may reach, or
+            L{None} for all.
+        """
+
+    def refusal(key, model, now):
+        """
+        R102: disabled, expired, model not allowed, money budget on an
+        unpriced model.
+
+        @return: the L{relay.base.records.ClientError}, or L{None}.
+        """
+
+    def admitRate(turn):
+        """
+        Count the turn in the key's C{rpm}/C{tpm} windows.
+
+        @return: a Deferred firing with the 429 L{relay.base.records.ClientError},
+            or L{None}.
+        """
+
+    def priceRefusal(key, served, body):
+        """
+        R109: the refusal of a turn whose served model, tier or hosted
+        tool has no price (a key with a money budget), or L{None}.
+        """
+
+    def estimate(key, model, body, inputTokens, outputTokens):
+        """
+        R108: the most a turn may cost, nano-dollars (an int).
+        """
+
+    def countTokens(key, tokens):
+        """
+        Count a turn's tokens in the key's C{tpm} window.
+        """
+
+
+class IPriceTable(Interface):
+    """
+    The prices of models, tiers and hosted tools (R109;
+    L{relay.tenants.prices.PriceTable}).
+    """
+
+    def priced(model, counts):
+        """
+        @param model: the upstream model relay asked for, or L{None}.
+        @param counts: a L{relay.usage.reader.TokenCounts}.
+        @return: C{counts} with its cost (nano-dollars), or marked unpriced.
+        """
+
+
+class IStartupGate(Interface):
+    """
+    R105: what a turn waits on until the stores are loaded
+    (L{relay.process.readiness.StartupGate}).
+    """
+
+    def wait(names=None):
+        """
+        @param names: the flags to wait for, or L{None} for all.
+        @return: L{None} when they are set (the common case), else a
+            cancellable Deferred firing when they are.
+        """
+
+
+class IAccountBookkeeping(Interface):
+    """
+    The one writer of account state for an attempt's end (R86;
+    L{relay.policy.bookkeeping.AccountBookkeeping}).
+    """
+
+    stats = Attribute(
+        'Account id -> C{{"turns", "failovers", "last_error", ...}} (a dict), for the'
+        " operator view.")
+
+    def record(account, end, verdict, model=None, requestId="", upstreamRequestId=None):
+        """
+        Write what the attempt end C{end} (L{relay.policy.ends}) and its
+        C{verdict} mean to C{account}'s state.
+
+        @return: a Deferred firing with a L{relay.policy.bookkeeping.Recorded}.
+        """
+
+    def accountStats(accountId):
+        """
+        @return: the mutable stats dict of C{accountId} (created empty).
+        """
+
+    def clear(account):
+        """
+        An operator's clear of C{account}'s state.
+
+        @return: a Deferred.
+        """
+
+
+class IAttempt(Interface):
+    """
+    One attempt of a turn on an account over a transport of its own (the
+    WebSocket upstream modes, R-B; L{relay.engine.wsattempt.WebSocketAttempt}),
+    called like L{relay.engine.httpattempt.attemptHTTP}.
+    """
+
+    def __call__(runner, turn, sink, account, release):
+        """
+        @param runner: the L{relay.engine.runner.TurnRunner}.
+        @param release: a no-argument callable giving the slot back
+            (called before a terminal event is written).
+        @return: a Deferred firing with a L{relay.engine.pump.AttemptResult}.
         """

@@ -12,10 +12,11 @@ from twisted.trial.unittest import SynchronousTestCase
 from relay.admission.memory import MemorySlotAdmission
 from relay.engine.pump import StreamPump
 from relay.engine.runner import TurnRunner
-from relay.model import Account, ClientKey, Turn
+from relay.base.records import Account, ClientKey, Turn
+from relay.policy.bookkeeping import AccountBookkeeping
 from relay.policy.classify import DefaultClassifier
 from relay.scheduling.scheduler import AccountScheduler
-from relay.settings import RuntimeSettings
+from relay.state.settings import RuntimeSettings
 from relay.state.memory import MemoryStateStore
 
 
@@ -77,7 +78,8 @@ class BatchTests(SynchronousTestCase):
         )
         runner = TurnRunner(
             clock=clock, scheduler=scheduler, admission=admission, dialer=None,
-            classifier=DefaultClassifier(), health=None, settings=settings,
+            classifier=DefaultClassifier(), settings=settings,
+            bookkeeping=AccountBookkeeping(health=None, clock=clock),
         )
         turn = Turn(entrypoint="http", endpoint="responses", client=ClientKey("c", "k"),
                     model="m", body={}, stream=True)

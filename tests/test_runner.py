@@ -21,14 +21,15 @@ from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
 from relay.admission.memory import MemorySlotAdmission
+from relay.policy.bookkeeping import AccountBookkeeping
 from relay.policy.classify import DefaultClassifier
 from relay.engine.pump import STAGING_CAP
 from relay.engine.runner import TurnRunner
 from relay.policy.health import AccountHealth
 from relay.interfaces import ITurnSink, IUpstreamDialer, IUpstreamResponse
-from relay.model import Account, ClientKey, GatewaySettings, Turn
+from relay.base.records import Account, ClientKey, GatewaySettings, Turn
 from relay.scheduling.scheduler import AccountScheduler, responseKey, responseOwnerKey
-from relay.settings import RuntimeSettings
+from relay.state.settings import RuntimeSettings
 from relay.state.memory import MemoryStateStore
 
 #: a fixed start time, Unix seconds
@@ -283,8 +284,8 @@ class Rig:
         self.dialer = FakeDialer(self.clock)
         self.runner = TurnRunner(
             clock=self.clock, scheduler=self.scheduler, admission=self.admission,
-            dialer=self.dialer, classifier=DefaultClassifier(), health=self.health,
-            settings=self.settings,
+            dialer=self.dialer, classifier=DefaultClassifier(), settings=self.settings,
+            bookkeeping=AccountBookkeeping(health=self.health, clock=self.clock),
         )
 
     def script(self, accountId, *actions):
@@ -1031,7 +1032,7 @@ class SlotErrorTests(SynchronousTestCase):
     """
 
     def test_userSlotTryError(self):
-        from relay.model import AdmissionError
+        from relay.base.records import AdmissionError
 
         rig = Rig([account("a")])
 

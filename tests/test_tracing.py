@@ -16,10 +16,10 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
-from relay.app import _tracing, buildApplication
-from relay.config import settingsFromString
+from relay.process.app import buildApplication
+from relay.configuration.parse import settingsFromString
 from relay.interfaces import ITurnObserver, ITurnTrace
-from relay.model import ClientKey, ConfigError, TracingSettings, Turn
+from relay.base.records import ClientKey, ConfigError, TracingSettings, Turn
 from relay.tracing.otel import TurnTracer, buildTracerProvider
 from tests.test_runner import FakeDialer, FakeSink, Rig, T0, account, ok, status
 
@@ -215,7 +215,7 @@ class WiringTests(SynchronousTestCase):
 
     def test_configured(self):
         """
-        C{tracing.exporter} builds the observer; C{_tracing} with a test
+        C{tracing.exporter} builds the observer; C{spanExporter} with a test
         exporter too; bad values are one-line config errors.
         """
         config = self._config("tracing: {exporter: otlp, endpoint: 'http://127.0.0.1:4318/v1/traces',"
@@ -224,8 +224,7 @@ class WiringTests(SynchronousTestCase):
         app = buildApplication(config, Clock())
         self.assertIsInstance(app.runner.observer, TurnTracer)
         app.extras["tracerProvider"].shutdown()
-        app = buildApplication(self._config(), Clock())
-        _tracing(app, exporter=InMemorySpanExporter())
+        app = buildApplication(self._config(), Clock(), spanExporter=InMemorySpanExporter())
         self.assertIsInstance(app.runner.observer, TurnTracer)
         for bad, key in (("tracing: {exporter: jaeger}", "tracing.exporter"),
                          ("tracing: {sample_ratio: 2}", "tracing.sample_ratio"),

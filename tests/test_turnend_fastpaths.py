@@ -18,8 +18,8 @@ from twisted.logger import capturedLogs
 from twisted.trial.unittest import SynchronousTestCase
 
 from relay.admission.memory import MemorySlotAdmission
-from relay.eager import eagerDeferred
-from relay.model import Account, ClientKey, GatewaySettings, SchedulingSettings, Turn
+from relay.base.eager import eagerDeferred
+from relay.base.records import Account, ClientKey, GatewaySettings, SchedulingSettings, Turn
 from relay.scheduling.itemowners import itemOwnerKey
 from relay.scheduling.scheduler import (
     AccountScheduler,
@@ -28,7 +28,7 @@ from relay.scheduling.scheduler import (
     responseKeys,
     responseOwnerKey,
 )
-from relay.settings import RuntimeSettings
+from relay.state.settings import RuntimeSettings
 from relay.state.durable import SQLiteValues
 from relay.state.memory import MemoryStateStore
 from tests.test_durable import _Database
@@ -333,7 +333,7 @@ class SetValuesTests(SynchronousTestCase):
 
 class AccessLineTests(SynchronousTestCase):
     """
-    The access line (L{relay.app._Site.log}) skips L{relay.logs.redactQuery}
+    The access line (L{relay.process.app._Site.log}) skips L{relay.base.logs.redactQuery}
     for a target without a query: the same C{path} and format either way.
     """
 
@@ -343,7 +343,7 @@ class AccessLineTests(SynchronousTestCase):
         from twisted.web.resource import Resource
         from twisted.web.test.requesthelper import DummyRequest
 
-        from relay.app import _Site
+        from relay.process.app import _Site
 
         site = _Site(Resource())
         site.clock = Clock()
@@ -365,7 +365,7 @@ class AccessLineTests(SynchronousTestCase):
         Every target's C{path} is what L{redactQuery} gives (cut at 512),
         and the format names C{duration_ms} exactly when it was measured.
         """
-        from relay.logs import redactQuery
+        from relay.base.logs import redactQuery
 
         for uri in [b"/v1/responses", b"/v1/responses?api_key=sk-1&stream=true",
                     b"/x?", b"/caf\xe9/" + b"p" * 600, b"/a?token=" + b"t" * 600]:
@@ -383,7 +383,7 @@ class AccessLineTests(SynchronousTestCase):
 class TurnFinishedTests(SynchronousTestCase):
     """
     C{relay.turn_finished}'s token fields, inlined in
-    L{relay.engine.runner.TurnRunner._finished}, are L{_usageFields}' and
+    L{relay.engine.record.finished}, are L{_usageFields}' and
     keep their place among the fields.
     """
 
@@ -404,7 +404,7 @@ class TurnFinishedTests(SynchronousTestCase):
         L{_usageFields}' values, between C{first_output_ms} and
         C{upstream_request_id}.
         """
-        from relay.engine.runner import _usageFields
+        from relay.engine.record import usageFields as _usageFields
         from tests.test_runner import (
             CREATED,
             DELTA,

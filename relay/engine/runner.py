@@ -6,131 +6,50 @@ select -> admit (maybe wait) -> dial -> stream to a sink -> on failure
 classify and decide: retry the same account, switch, pass the error
 through, or give up (behaviour.md groups A-D and G; DEVELOPERS.md "One turn
 engine"). Entrypoints build a L{Turn} and a sink and call L{TurnRunner.run};
-they hold no policy.
+they hold no policy. The loop's parts: the waits (L{relay.engine.waiting}),
+the decision (L{relay.engine.decide}), what a turn leaves behind
+(L{relay.engine.record}).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from attrs import define, evolve, field
+from attrs import define, field
 from twisted.internet.defer import Deferred, succeed
-from twisted.internet.task import deferLater
+from twisted.internet.interfaces import IReactorTime
 
-from relay.policy import failures as F
-from relay.engine import errors as E
-from relay.engine.background import watchBackground
+from relay.engine import decide as D
+from relay.engine import record as R
+from relay.engine import waiting as W
+from relay.base import clienterrors as E
 from relay.engine.cancel import ClientGone, raceCancel
+from relay.engine.decide import RetryBudget, TurnState
 from relay.engine.httpattempt import attemptHTTP
 from relay.engine.keepalive import StreamKeepalive
-from relay.engine.payload import translatesChat, withoutEncryptedReasoning, withoutField
 from relay.engine.pump import AttemptResult
-from relay.engine.compaction import CompactionWatch, endsWithTrigger, recordCompaction
-from relay.engine.requests import onceUsageTap, requestFinished
-from relay.logs import ClassLogger
-from relay.model import AdmissionError, ClientError, Turn, WaitPlan
+from relay.engine.compaction import CompactionWatch, endsWithTrigger
+from relay.engine.record import SamplingSink as _SamplingSink
+from relay.engine.waiting import AdmissionFailed as _AdmissionFailed
+from relay.interfaces import (
+    IAccountBookkeeping, IAccountHistory, IAccountScheduler, IAttempt, ICredentialSource,
+    IEngineMetrics, IFailureClassifier, IKeyPolicy, IPriceTable, IRequestLog, IRuntimeSettings,
+    ISlotAdmission, IStartupGate, ITurnObserver, IUpstreamDialer, IUsageLedger, IUsageWindows,
+)
+from relay.base.logs import ClassLogger
+from relay.base.records import ClientError, Turn, WaitPlan
 from relay.policy import ends
-from relay.policy.bookkeeping import AccountBookkeeping
-from relay.policy.classify import sanitise
+from relay.policy import failures as F
 from relay.policy.judgement import judge
-from relay.requestid import bindRequestId
-from relay.scheduling.itemowners import outputItemIds
-from relay.scheduling.scheduler import NO_SLOT
+from relay.base.requestid import bindRequestId
 from relay.scheduling.selection import NoAccountAvailable
-from relay.tenants.record import Attempt, TurnRecord
-from relay.usage.tap import HostedCallWatch, UsageTap, clientAskedUsage
+from relay.tenants.record import Attempt
+from relay.usage.reader import HostedCallWatch
 
 STARTUP_WAIT_SECONDS = 10.0
 """R105: how long a turn that arrives before the stores are loaded waits for
 them; after that it goes on, and selection skips an account whose tokens
 are still loading (C{tokens_loading})."""
-
-MAX_FIRST_OUTPUT_SWITCHES = 1
-"""behaviour.md R21: the first safe-after-write failure switches, the second ends."""
-
-OAUTH_429_SWITCH_STOP = 3
-"""behaviour.md R13 stop rule."""
-
-FIXED_RETRY_DELAY = 0.5
-"""Same-account retry delay without a better one (R14), seconds."""
-
-
-@define(eq=False)
-class RetryBudget:
-    """
-    Envoy-style global retry budget (issue 3 item 7): turns that retry or
-    switch at the same time may not exceed C{percent} of active turns, with
-    a floor of C{minimum}.
-
-    @ivar active: turns running now.
-    @ivar retrying: turns holding a retry token now.
-    """
-
-    active: int = 0
-    retrying: int = 0
-    minimum: int = 3
-
-    def allowed(self, percent: float) -> int:
-        """
-        @param percent: C{retry_budget_percent}; <= 0 disables the budget.
-        @return: how many turns may retry at once.
-        """
-        if percent <= 0:
-            return 2**31
-        return max(self.minimum, int(self.active * percent / 100.0))
-
-    def take(self, percent: float) -> bool:
-        """
-        Take a retry token if the budget allows.
-        """
-        if self.retrying >= self.allowed(percent):
-            return False
-        self.retrying += 1
-        return True
-
-    def give(self) -> None:
-        """
-        Return a token.
-        """
-        self.retrying = max(0, self.retrying - 1)
-
-
-@define(eq=False)
-class TurnState:
-    """
-    Per-turn failover state (behaviour.md R18): switch count, first-output
-    switch count, exclusion set, same-account retries, the last verdict and
-    the OAuth-429 state.
-    """
-
-    switches: int = 0
-    firstOutputSwitches: int = 0
-    excluded: set = field(factory=set)
-    sameAccountRetries: dict = field(factory=dict)
-    lastVerdict: Optional[F.Verdict] = None
-    oauth429: bool = False
-    attempts: int = 0
-    pendingFailover: Optional[dict] = None
-    rewrites: set = field(factory=set)
-    retryToken: bool = False
-    lastAccountId: Optional[str] = None
-    startedAt: float = 0.0
-    waited: float = 0.0
-    """Seconds spent in slot waits and retry sleeps (not relay's own latency)."""
-    dispatched: bool = False
-    keepalive: StreamKeepalive | None = None
-    """The turn's downstream keepalive (R85), for streaming turns."""
-    bearers: dict = field(factory=dict)
-    """Account id -> the bearer its last attempt was dialled with (issue 12)."""
-    refreshed: set = field(factory=set)
-    """Accounts that got their one 401 refresh-and-replay in this turn."""
-    tried: list = field(factory=list)
-    """Issue 22: every attempt (L{Attempt}) and why it was left, for the
-    turn's record."""
-    sink: object = None
-    """The turn's sink (its C{failed} error goes into the record)."""
-    trace: object = None
-    """The turn's L{relay.interfaces.ITurnTrace} (issue 23), or L{None}."""
 
 
 def _leaveIfGone(turn: Turn, lease) -> None:
@@ -152,52 +71,67 @@ class TurnRunner:
     """
     Runs every turn. See the module docstring.
 
+    Every collaborator is given at construction, as the interface the
+    engine calls (L{relay.interfaces}; L{relay.process.app} builds them in one
+    place), and none is set afterwards. An optional one left L{None} is
+    not used.
+
     @ivar clock: the injected L{IReactorTime}.
-    @ivar scheduler: the L{relay.interfaces.IAccountScheduler}.
-    @ivar admission: the L{relay.interfaces.ISlotAdmission}.
-    @ivar dialer: the L{relay.interfaces.IUpstreamDialer}.
-    @ivar classifier: the L{relay.interfaces.IFailureClassifier}.
-    @ivar health: the L{relay.policy.health.AccountHealth}.
-    @ivar settings: the L{relay.settings.RuntimeSettings}, read per attempt.
-    @ivar metrics: optional L{relay.operator.metrics.RelayMetrics}.
-    @ivar wsAttempt: optional attempt function for WebSocket upstream modes
-        (issue 6), called like L{relay.engine.httpattempt.attemptHTTP}.
-    @ivar usage: optional L{relay.usage.ledger.UsageLedger}: token
-        accounting and per-key budgets (issue 13 item 5).
+    @ivar scheduler: the L{IAccountScheduler}.
+    @ivar admission: the L{ISlotAdmission}.
+    @ivar dialer: the L{IUpstreamDialer}.
+    @ivar classifier: the L{IFailureClassifier}.
+    @ivar settings: the L{IRuntimeSettings}, read per attempt.
+    @ivar bookkeeping: the L{IAccountBookkeeping}: the one writer of
+        account state for an attempt's end (behaviour.md R86).
+    @ivar metrics: the L{IEngineMetrics}, or L{None}.
+    @ivar wsAttempt: the L{IAttempt} for the WebSocket upstream modes
+        (C{ctx_pool}, C{passthrough}), or L{None}: every turn over HTTP.
+    @ivar usage: the L{IUsageLedger}: token accounting and per-key budgets
+        (R102, R108), or L{None}.
+    @ivar history: the L{IAccountHistory} (the status page's charts), or
+        L{None}.
+    @ivar credentials: the L{ICredentialSource}, or L{None}: dial as
+        configured.
+    @ivar quota: the L{IUsageWindows} recording upstream usage windows,
+        or L{None}.
+    @ivar observer: the L{ITurnObserver} (traces), or L{None}: then nothing
+        is built per turn.
+    @ivar startupGate: R105: the L{IStartupGate} a turn waits on (at most
+        L{STARTUP_WAIT_SECONDS}) until the stores are loaded; L{None}: no
+        wait.
+    @ivar keyPolicy: the L{IKeyPolicy} checked before every turn (R102),
+        or L{None}.
+    @ivar prices: the L{IPriceTable} pricing each turn's usage (R109), or
+        L{None} (costs not counted).
+    @ivar requestLog: the L{IRequestLog} that gets each turn's
+        L{relay.tenants.record.TurnRecord}, or L{None}.
     """
 
-    clock: object
-    scheduler: object
-    admission: object
-    dialer: object
-    classifier: object
-    health: object
-    settings: object
-    metrics: object = field(default=None, on_setattr=lambda self, a, v: self._setMetrics(v))
-    wsAttempt: object = None
-    proxyHealth: object = None
-    usage: object = None
-    history: object = None
-    """optional L{relay.interfaces.IAccountHistory} (the status page's charts)."""
-    credentials: object = None
-    """The L{relay.interfaces.ICredentialSource}, or L{None}: dial as configured."""
-    quota: object = None
-    """The L{relay.scheduling.quota.UsageWindows} recording upstream usage windows, or L{None}."""
-    observer: object = None
-    """The L{relay.interfaces.ITurnObserver} (traces, issue 23), or L{None}:
-    then nothing is built per turn."""
+    clock: IReactorTime
+    scheduler: IAccountScheduler
+    admission: ISlotAdmission
+    dialer: IUpstreamDialer
+    classifier: IFailureClassifier
+    settings: IRuntimeSettings
+    bookkeeping: IAccountBookkeeping
+    metrics: Optional[IEngineMetrics] = None
+    wsAttempt: Optional[IAttempt] = None
+    usage: Optional[IUsageLedger] = None
+    history: Optional[IAccountHistory] = None
+    credentials: Optional[ICredentialSource] = None
+    quota: Optional[IUsageWindows] = None
+    observer: Optional[ITurnObserver] = None
+    startupGate: Optional[IStartupGate] = None
+    keyPolicy: Optional[IKeyPolicy] = None
+    prices: Optional[IPriceTable] = None
+    requestLog: Optional[IRequestLog] = None
     budget: RetryBudget = field(factory=RetryBudget)
-    bookkeeping: object = None
-    """The L{AccountBookkeeping}: the one writer of account state for an
-    attempt's end (behaviour.md R86); built from C{health} when not given."""
-    startupGate: object = None
-    """Issue 19 item 6 (R105): a L{relay.operations.readiness.StartupGate}
-    a turn waits on (at most L{STARTUP_WAIT_SECONDS}) until the settings
-    and token stores are loaded; L{None}: no wait."""
+    """The global retry budget (R19), shared by every turn."""
     inflight: dict = field(factory=dict)
     """Every turn running now -> the Deferred L{run} returned for it, so a
     graceful stop can wait for them and cancel what is left (issue 14,
-    L{relay.operations.drain})."""
+    L{relay.process.drain})."""
     backgroundOwners: dict = field(factory=dict)
     """R107: a running background create -> (account, response id), once its
     response id is known; an unfinished one is watched when the create ends
@@ -206,28 +140,14 @@ class TurnRunner:
     """Behaviour.md R107: the stream pumps reading a left client's upstream
     for its usage (L{relay.engine.pump.StreamPump.hurry} ends them with an
     estimate when a graceful stop's grace runs out)."""
-    keyPolicy: object = None
-    """Issue 22: the L{relay.tenants.policy.KeyPolicy} checked before every
-    turn (behaviour.md R102), or L{None}."""
-    prices: object = None
-    """Issue 22: the L{relay.tenants.prices.PriceTable} pricing each turn's
-    usage, or L{None} (costs not counted)."""
-    requestLog: object = None
-    """Issue 22: the L{relay.interfaces.IRequestLog} that gets each turn's
-    L{TurnRecord}, or L{None}."""
     _log = ClassLogger()
 
-    def __attrs_post_init__(self) -> None:
-        if self.bookkeeping is None:
-            self.bookkeeping = AccountBookkeeping(
-                health=self.health, clock=self.clock, proxyHealth=self.proxyHealth,
-                metrics=self.metrics,
-            )
-
-    def _setMetrics(self, metrics):
-        if self.bookkeeping is not None:
-            self.bookkeeping.metrics = metrics
-        return metrics
+    # What the attempts call back (L{relay.engine.record}), and the slot
+    # wait the per-key admission uses (L{relay.engine.waiting}).
+    usageTap = R.usageTap
+    recordUsage = R.recordUsage
+    ownResponse = R.ownResponse
+    _tryThenWait = W.tryThenWait
 
     @property
     def accountStats(self) -> dict:
@@ -289,7 +209,7 @@ class TurnRunner:
 
     async def _run(self, turn: Turn, sink) -> str:
         # Issue 15: every log line written while this coroutine runs (health,
-        # scheduler, admission) carries the turn's id (relay.requestid).
+        # scheduler, admission) carries the turn's id (relay.base.requestid).
         bindRequestId(turn.requestId)
         start = self.clock.seconds()
         state = TurnState(startedAt=start)
@@ -307,7 +227,7 @@ class TurnRunner:
                 # the body was decoded (L{admitKey}); the turn owns it now,
                 # so every way out below gives it back.
                 userLease, turn.keyLease = turn.keyLease, None
-            state.keepalive = self._startKeepalive(turn, sink)
+            state.keepalive = W.startKeepalive(self, turn, sink)
             # R105: the stores first (the key policy reads the control
             # plane's keys and disables, selection its pauses).
             # Issue 24: no coroutine for what is ready (the common case).
@@ -364,14 +284,14 @@ class TurnRunner:
                     "telling turn {request_id} it was cancelled failed",
                     request_id=turn.requestId,
                 )
-        self._finished(turn, state, outcome, status, accountId or state.lastAccountId, start)
+        R.finished(self, turn, state, outcome, status, accountId or state.lastAccountId, start)
         return outcome
 
     def _checkKeyPolicy(self, turn: Turn, now: float) -> None:
         """
         Issue 22 (behaviour.md R102): the key's policy before the turn takes
         a slot: disabled, expired, model allow/deny list, a money budget on
-        an unpriced model (L{relay.tenants.policy.KeyPolicy.refusal}); and
+        an unpriced model (L{relay.tenants.keypolicy.KeyPolicy.refusal}); and
         the accounts the key may reach, for selection.
 
         @raise _AdmissionFailed: with the policy's L{ClientError}.
@@ -398,7 +318,7 @@ class TurnRunner:
         """
         Issue 22: the key's C{rpm}/C{tpm} windows count the turn, or refuse
         it with a 429 that carries C{Retry-After} and the
-        C{x-ratelimit-*} headers (L{relay.tenants.policy.KeyPolicy.admitRate}).
+        C{x-ratelimit-*} headers (L{relay.tenants.keypolicy.KeyPolicy.admitRate}).
 
         @raise _AdmissionFailed: with that L{ClientError}.
         """
@@ -449,7 +369,7 @@ class TurnRunner:
         """
         R105: no turn on an account before its tokens, the settings and the
         control plane's first read (pauses, admin keys and disables) are
-        loaded: the one start-up gate (L{relay.operations.readiness.StartupGate}).
+        loaded: the one start-up gate (L{relay.process.readiness.StartupGate}).
         A turn that arrives first waits (cancellable, at most
         L{STARTUP_WAIT_SECONDS}; a store whose read failed sets its flag,
         R35/R101, so a silent store ends the wait); then selection's
@@ -511,7 +431,7 @@ class TurnRunner:
         output from the body's C{max_output_tokens} (chat:
         C{max_completion_tokens}, C{max_tokens}), else the key's
         C{max_turn_output_tokens}; the cost at the dearest price of the
-        accounts the key may reach (L{relay.tenants.policy.KeyPolicy.estimate}).
+        accounts the key may reach (L{relay.tenants.keypolicy.KeyPolicy.estimate}).
 
         @return: C{(tokens, nano-dollars)}.
         """
@@ -541,8 +461,8 @@ class TurnRunner:
         wait was silent for C{stream_keepalive_interval} seconds (at least
         every C{scheduling.ping_interval}).
 
-        @param key: the authenticated L{relay.model.ClientKey}.
-        @param cancel: the request's L{relay.model.CancelSignal}.
+        @param key: the authenticated L{relay.base.records.ClientKey}.
+        @param cancel: the request's L{relay.base.records.CancelSignal}.
         @param requestId: for the wait's log lines.
         @param entrypoint: C{http} or C{ws}.
         @param keepalive: a no-argument callable writing one keepalive to
@@ -626,7 +546,7 @@ class TurnRunner:
             if sameAccount is not None:
                 account, sameAccount = sameAccount, None
                 try:
-                    lease = await self._retakeSameAccount(turn, sink, account, state)
+                    lease = await W.retakeSameAccount(self, turn, sink, account, state)
                 except _AdmissionFailed as e:
                     sink.fail(e.error)
                     return "failed", e.error.status, account.id
@@ -637,7 +557,7 @@ class TurnRunner:
                     error = e.error
                     if state.lastVerdict is not None:
                         error = self.classifier.exhausted(state.lastVerdict, turn.endpoint)
-                        error = await self._withRetryHint(turn, error, e.error)
+                        error = await D.withRetryHint(self, turn, error, e.error)
                     sink.fail(error)
                     return "failed", error.status, state.lastAccountId
                 account = selection.account
@@ -655,8 +575,8 @@ class TurnRunner:
                     state.pendingFailover = None
                 if lease is None:
                     try:
-                        lease = await self._wait(
-                            turn, sink, selection.waitPlan, "account_busy", state
+                        lease = await W.wait(
+                            self, turn, sink, selection.waitPlan, "account_busy", state
                         )
                     except _AdmissionFailed as e:
                         sink.fail(e.error)
@@ -698,8 +618,8 @@ class TurnRunner:
                 # Ends relay resolves on the same account before any
                 # decision, and that say nothing against the account: R7's
                 # one-shot body rewrite, issue 12's one refresh after a 401.
-                if self._rewriteOnce(turn, state, account, verdict) or await self._refreshOnce(
-                    turn, state, account, verdict
+                if D.rewriteOnce(self, turn, state, account, verdict) or await D.refreshOnce(
+                    self, turn, state, account, verdict
                 ):
                     attempt.decision = "replay"
                     sameAccount = account
@@ -711,7 +631,7 @@ class TurnRunner:
             if result.ok:
                 attempt.status, attempt.reason, attempt.decision = result.status, "ok", "served"
                 sink.finish()
-                await self._succeeded(turn, account, result)
+                await R.succeeded(self, turn, account, result)
                 return "completed", result.status, account.id
             if result.committed:
                 # R19 step 2 / R23: after output nothing fails over; the
@@ -723,551 +643,21 @@ class TurnRunner:
                 return "failed", result.status, account.id
             if verdict is None:
                 raise AssertionError(f"attempt ended with {end!r} but no verdict")
-            decision = await self._decide(turn, sink, state, account, verdict, recorded)
+            decision = await D.decide(self, turn, sink, state, account, verdict, recorded)
             attempt.decision = decision[0]
             if decision[0] == "pass":
                 sink.fail(decision[1])
                 return "failed", decision[1].status, account.id
             if decision[0] == "exhausted":
-                error = await self._withRetryHint(turn, decision[1])
+                error = await D.withRetryHint(self, turn, decision[1])
                 sink.fail(error)
                 return "failed", error.status, account.id
             if decision[0] == "same":
-                await self._sleep(turn, sink, decision[1], state)
+                await W.sleep(self, turn, sink, decision[1], state)
                 sameAccount = account
                 continue
             # switch
-            await self._sleep(turn, sink, decision[1], state)
-
-    async def _withRetryHint(self, turn: Turn, error: ClientError, fallback=None) -> ClientError:
-        """
-        Issue 19 item 7 (R83, R16): relay's 429 after every account it
-        tried answered 429 carries C{Retry-After} -- the upstream's when it
-        gave one, else the seconds until the earliest cooldown ends.
-
-        @param fallback: the scheduler's own answer, whose hint is used
-            first when it has one.
-        """
-        if error.status != 429 or any(n.lower() == "retry-after" for n, _ in error.headers):
-            return error
-        hint = None
-        for name, value in (fallback.headers if fallback is not None else ()):
-            if name.lower() == "retry-after":
-                hint = value
-        if hint is None:
-            hinter = getattr(self.scheduler, "retryHint", None)
-            seconds = await hinter(turn) if hinter is not None else None
-            hint = str(seconds) if seconds else None
-        if hint is None:
-            return error
-        return evolve(error, headers=tuple(error.headers) + (("Retry-After", hint),))
-
-    def _rewriteOnce(self, turn: Turn, state: TurnState, account, verdict) -> bool:
-        """
-        behaviour.md R7: a one-shot same-account retry with a corrected body
-        before any failover decision; it counts as neither a switch nor a
-        same-account retry. Implemented: 400 C{invalid_encrypted_content}
-        -> drop the encrypted reasoning items; a 400 naming an unknown or
-        unsupported parameter (C{verdict.rejectedField}, R106, R112) ->
-        drop that field, once per turn (a second refusal reaches the
-        client).
-
-        @return: L{True} when C{turn.body} was rewritten for a retry.
-        """
-        if verdict is not None and verdict.rejectedField is not None:
-            return self._dropRejectedField(turn, state, account, verdict.rejectedField)
-        if "encrypted_content" in state.rewrites or verdict is None:
-            return False
-        error = verdict.clientError
-        if verdict.kind != F.STATUS or verdict.status != 400 or error is None:
-            return False
-        if error.code != "invalid_encrypted_content":
-            return False
-        body = withoutEncryptedReasoning(turn.body)
-        if body is None:
-            return False
-        turn.body = body
-        state.rewrites.add("encrypted_content")
-        self._log.info(
-            "retrying {account_id} without encrypted reasoning items",
-            event="openai.invalid_encrypted_content_retry",
-            account_id=account.id,
-            request_id=turn.requestId,
-        )
-        return True
-
-    def _dropRejectedField(self, turn: Turn, state: TurnState, account, name: str) -> bool:
-        """
-        behaviour.md R7's rejected field (R106, R112): drop the field the
-        upstream refused and retry once on the same account, on every
-        entrypoint (the HTTP and WebSocket attempts build their upstream
-        body from C{turn.body}).
-
-        @param name: the field as upstream named it.
-        @return: L{True} when the field was dropped for a retry.
-        """
-        if "rejected_field" in state.rewrites:
-            return False
-        body = withoutField(turn.body, name)
-        if body is None:
-            return False
-        turn.body = body
-        state.rewrites.add("rejected_field")
-        self._log.info(
-            "retrying {account_id} without the field upstream refused",
-            event="openai.rejected_field_retry",
-            account_id=account.id,
-            field=sanitise(name, 120),
-            request_id=turn.requestId,
-        )
-        return True
-
-    async def _refreshOnce(self, turn: Turn, state: TurnState, account, verdict) -> bool:
-        """
-        Issue 12 (behaviour.md R11, protocol.md 7.4): a 401 from an OAuth
-        account that can refresh, before anything reached the client,
-        triggers one refresh (single flight) and one replay on the same
-        account before any failover decision. A second 401 in the turn
-        invalidates the cached token and goes on to R11's marking.
-
-        @return: L{True} when a new token is in place and the turn should
-            be replayed on C{account}.
-        """
-        if self.credentials is None or verdict is None or verdict.status != 401:
-            return False
-        if verdict.kind not in (F.STATUS, F.STREAM) or account.type != "oauth":
-            return False
-        if account.id in state.refreshed:
-            self.credentials.invalidate(account)
-            return False
-        if not self.credentials.canRefresh(account):
-            return False
-        state.refreshed.add(account.id)
-        ok = await raceCancel(
-            self.credentials.refresh(account, stale=state.bearers.get(account.id)), turn.cancel
-        )
-        self._log.info(
-            "401 on {account_id}: token refresh {outcome}; {action}",
-            event="openai.oauth_401_refresh",
-            account_id=account.id,
-            outcome="succeeded" if ok else "failed",
-            action="replaying on the same account" if ok else "deciding as usual",
-            request_id=turn.requestId,
-        )
-        return bool(ok)
-
-    async def _decide(
-        self, turn, sink, state: TurnState, account, verdict: F.Verdict, recorded
-    ):
-        """
-        R19: what to do with one failure. Account state was already written
-        by L{AccountBookkeeping.record} (C{recorded} says what it found);
-        this only decides.
-
-        @return: C{("pass", ClientError)}, C{("exhausted", ClientError)},
-            C{("same", delay)} or C{("switch", delay)}.
-        """
-        s = self.settings.current
-        if not verdict.failover:
-            return ("pass", verdict.clientError)
-        state.lastVerdict = verdict
-        interval = max(0, s.retry_interval_ms) / 1000.0
-
-        # R72: a transient transport failure may retry the same account.
-        if verdict.kind == F.TRANSPORT:
-            if not verdict.persistent:
-                if s.transport_retry_policy == "sticky" and self._canRetrySame(
-                    state, account, verdict
-                ):
-                    if not self._takeRetryToken(state, s):
-                        return ("exhausted", self.classifier.exhausted(verdict, turn.endpoint))
-                    state.sameAccountRetries[account.id] = (
-                        state.sameAccountRetries.get(account.id, 0) + 1
-                    )
-                    self._log.info(
-                        "sticky transport retry on account {account_id}",
-                        event="openai.transport_sticky_retry",
-                        account_id=account.id,
-                        attempt=state.attempts,
-                        cause=verdict.message,
-                        request_id=turn.requestId,
-                    )
-                    return ("same", interval)
-        elif verdict.oauth429:
-            # R13: inside the window the same account is retried.
-            delay = recorded.oauth429RetryIn
-            if delay is not None:
-                if not self._takeRetryToken(state, s):
-                    return ("exhausted", self.classifier.exhausted(verdict, turn.endpoint))
-                self._logSameRetry(turn, account, state, delay, "oauth_429_window", None)
-                return ("same", max(interval, delay))
-            state.oauth429 = True
-
-        if verdict.stop:
-            return ("exhausted", self.classifier.exhausted(verdict, turn.endpoint))
-
-        # R21: at most one switch for slow first output / staging overflow.
-        if verdict.safeAfterWrite:
-            state.firstOutputSwitches += 1
-            if state.firstOutputSwitches > MAX_FIRST_OUTPUT_SWITCHES:
-                return ("exhausted", self.classifier.exhausted(verdict, turn.endpoint))
-
-        # R14: same-account retry. An OAuth 429 after its R13 window has
-        # just marked the account rate-limited: it switches (retrying would
-        # open a fresh window on a rate-limited account).
-        if (
-            verdict.sameAccount
-            and not verdict.safeAfterWrite
-            and not verdict.oauth429
-            and self._canRetrySame(state, account, verdict)
-        ):
-            count = state.sameAccountRetries.get(account.id, 0) + 1
-            state.sameAccountRetries[account.id] = count
-            if verdict.retryDelay is not None:
-                delay = verdict.retryDelay
-            elif verdict.backoff:
-                delay = min(8.0, 0.5 * 2 ** (count - 1))
-            else:
-                delay = FIXED_RETRY_DELAY
-            if not self._takeRetryToken(state, s):
-                return ("exhausted", self.classifier.exhausted(verdict, turn.endpoint))
-            self._logSameRetry(turn, account, state, delay, verdict.reason, count)
-            return ("same", max(interval, delay))
-
-        # R19 step 7: switch.
-        state.excluded.add(account.id)
-        if not turn.historyComplete:
-            # R62, R-B7, R76: relay does not hold the whole conversation, so
-            # the turn cannot move; the client must resend full input.
-            self._log.info(
-                "not moving turn {request_id} off {account_id}: incomplete history",
-                event="ingress_ws_account_failover_replay_skip",
-                reason="incomplete_history",
-                account_id=account.id,
-                request_id=turn.requestId,
-            )
-            return ("exhausted", E.previousResponseNotFound(turn.previousResponseId))
-        if state.switches >= s.max_account_switches:
-            return ("exhausted", self.classifier.exhausted(verdict, turn.endpoint))
-        if state.oauth429 and state.switches >= OAUTH_429_SWITCH_STOP:
-            return ("exhausted", self.classifier.exhausted(verdict, turn.endpoint))
-        if not self._takeRetryToken(state, s):
-            self._log.warn(
-                "retry budget exhausted; not switching from {account_id}",
-                event="relay.retry_budget_exhausted",
-                account_id=account.id,
-                request_id=turn.requestId,
-            )
-            return ("exhausted", self.classifier.exhausted(verdict, turn.endpoint))
-        state.switches += 1
-        if verdict.kind == F.TRANSPORT:
-            # R72 rotate (and any persistent failure): release the binding.
-            await self.scheduler.unbind(turn)
-        name = (
-            "openai.websocket_upstream_failover_switching"
-            if turn.entrypoint == "ws"
-            else "openai.upstream_failover_switching"
-        )
-        self._log.warn(
-            "switching from account {account_id} after {reason} (status {upstream_status}),"
-            " switch {switch_count}/{max_switches}",
-            event=name,
-            account_id=account.id,
-            upstream_status=verdict.status,
-            reason=verdict.reason,
-            switch_count=state.switches,
-            max_switches=s.max_account_switches,
-            proxy_id=_proxyId(account),
-            proxy_name=_proxyId(account),
-            proxy_host=account.proxy.host if account.proxy is not None else None,
-            proxy_port=account.proxy.port if account.proxy is not None else None,
-            request_id=turn.requestId,
-            upstream_request_id=turn.upstreamRequestId,
-            entrypoint=turn.entrypoint,
-        )
-        if self.metrics is not None:
-            state.pendingFailover = self.metrics.failover(
-                verdict.reason, account.id, None, turn.entrypoint, verdict.status
-            )
-        if self.history is not None:
-            self.history.failover(account.id)
-        # R71: no extra interval after a first-output timeout.
-        return ("switch", 0 if verdict.kind == F.FIRST_OUTPUT_TIMEOUT else interval)
-
-    def _canRetrySame(self, state: TurnState, account, verdict) -> bool:
-        """
-        R14's count limit: C{pool_mode_retry_count} (default 3) per account
-        in this turn; an OAuth-429 window retry is not counted here.
-        """
-        limit = max(0, min(10, account.pool_mode_retry_count))
-        return state.sameAccountRetries.get(account.id, 0) < limit
-
-    def _takeRetryToken(self, state: TurnState, s) -> bool:
-        """
-        The global retry budget: one token per retrying turn.
-        """
-        if state.retryToken:
-            return True
-        if self.budget.take(s.retry_budget_percent):
-            state.retryToken = True
-            return True
-        return False
-
-    def _logSameRetry(self, turn, account, state, delay, reason, count) -> None:
-        self._log.info(
-            "retrying account {account_id} after {retry_delay}s ({reason})",
-            event="openai.pool_mode_same_account_retry",
-            account_id=account.id,
-            retry_limit=account.pool_mode_retry_count,
-            retry_count=count,
-            retry_delay=delay,
-            reason=reason,
-            request_id=turn.requestId,
-        )
-        if self.metrics is not None:
-            self.metrics.sameAccountRetry(reason)
-
-    async def _succeeded(self, turn, account, result: AttemptResult) -> None:
-        """
-        A completed turn: remember which account owns the response (R39),
-        unless the attempt already did (L{ownResponse}).
-        """
-        if turn.compactionItems:
-            recordCompaction(self, turn, account)
-        if result.responseId:
-            self._keepChain(turn, result.responseId)
-            if not result.ownerRecorded:
-                await self.scheduler.recordResponse(turn, result.responseId, account)
-            if turn.onResponseId is not None:
-                turn.onResponseId(result.responseId, account)
-
-    def _keepChain(self, turn: Turn, responseId: Optional[str]) -> None:
-        """
-        R108: once a turn of a key with a budget has both its response id
-        and its usage, keep its input + output for a turn chained on it
-        (for C{previous_response_ttl_seconds}).
-        """
-        hold = turn.budgetHold
-        if hold is None or hold.chainKept:
-            return
-        if responseId and hold.responseId is None:
-            hold.responseId = responseId
-        if hold.responseId and turn.usage is not None:
-            hold.chainKept = True
-            self.usage.rememberChain(
-                hold.responseId, turn.usage.total,
-                self.settings.current.scheduling.previous_response_ttl_seconds)
-
-    def ownResponse(self, turn: Turn, account, responseId: Optional[str],
-                    response=None) -> bool:
-        """
-        Record that C{account} owns C{responseId} (R39) and the turn's key
-        may use it (R40), called by the attempt just I{before} the terminal
-        event or body goes to the client: a client chains from a response
-        the instant it reads it, possibly through another relay process, so
-        the owner must already be in the local map (set synchronously here)
-        and its store writes already on their way (sent ahead of the
-        client's bytes; a later read from any process sees them). The
-        writes are not awaited: the terminal event is not held back, and a
-        store error is logged by the scheduler (R35 fail-open).
-
-        @param responseId: the response id, or L{None} (nothing recorded).
-        @param response: the completed response object (the terminal
-            event's, or the JSON body), or L{None}: its output items are
-            the key's too (R104, at most
-            L{relay.scheduling.itemowners.MAX_OWNED_ITEMS}), recorded in
-            the same store operation.
-        @return: whether the owner was recorded.
-        """
-        if not responseId:
-            return False
-        self._keepChain(turn, responseId)
-        if turn.background and turn.request is None:
-            self.backgroundOwners[turn] = (account, responseId)
-        if response is not None:
-            turn.outputItemIds = tuple(outputItemIds(response))
-        d = self.scheduler.recordResponse(turn, responseId, account)
-        if not d.called or d.result is not None:
-            # Issue 24: a write already done (the memory store's) needs no errback.
-            d.addErrback(
-                lambda f: self._log.failure(
-                    "recording the owner of {response_id} failed", f,
-                    response_id=responseId, request_id=turn.requestId,
-                )
-            )
-        return True
-
-    async def _retakeSameAccount(self, turn, sink, account, state=None):
-        """
-        Retake the slot for a same-account retry, waiting per the sticky
-        plan (R60, R64 step 2). A request that takes no slot (R87) retakes
-        none.
-        """
-        if turn.request is not None and not turn.request.usesSlot:
-            return NO_SLOT
-        s = self.settings.current.scheduling
-        plan = WaitPlan(
-            kind="account",
-            id=account.id,
-            max_concurrency=account.concurrency,
-            timeout=s.sticky_session_wait_timeout,
-            max_waiting=s.sticky_session_max_waiting,
-            plan="sticky",
-        )
-        return await self._tryThenWait(turn, sink, plan, "same_account_retry", state)
-
-    async def _tryThenWait(self, turn: Turn, sink, plan: WaitPlan, reason: str, state=None):
-        """
-        One immediate try on C{plan}'s slot, else wait on it (R27 steps 1-3).
-        """
-        try:
-            lease = await self.admission.tryAcquire(plan.kind, plan.id, plan.max_concurrency)
-        except AdmissionError as e:
-            # R35 / R101: a slot acquire error (Redis silent or down) is
-            # R32's service error (503 / 1011), never an internal error.
-            self._log.warn(
-                "{kind} slot acquire failed for {id}: {error}",
-                event="openai.account_slot_acquire_error"
-                if plan.kind == "account" else "openai.user_slot_acquire_error",
-                kind=plan.kind, id=plan.id, error=str(e), request_id=turn.requestId,
-            )
-            raise _AdmissionFailed(E.admissionError(e, plan.kind))
-        if lease is not None:
-            return lease
-        return await self._wait(turn, sink, plan, reason, state)
-
-    # -- waiting -------------------------------------------------------------
-
-    async def _wait(self, turn: Turn, sink, plan: WaitPlan, reason: str, state=None):
-        """
-        Wait for a slot on C{plan} (R27, R30-R33), with SSE keepalives
-        (R31) and the wait events of R32.
-
-        @raise _AdmissionFailed: queue full, timeout or error (R32).
-        @raise ClientGone: the client left while waiting.
-        """
-        ws = turn.entrypoint == "ws"
-        prefix = "openai.websocket_account_wait" if ws else "openai.account_wait"
-        phase = turn.phase if turn.phase != "request" else "request"
-        if reason == "same_account_retry":
-            phase = "same_account_retry"
-        fields = dict(
-            entrypoint=turn.entrypoint,
-            mode=turn.wsMode,
-            phase=phase,
-            reason=reason,
-            account_id=plan.id if plan.kind == "account" else None,
-            key_name=plan.id if plan.kind == "user" else None,
-            plan=plan.plan,
-            request_id=turn.requestId,
-        )
-        self._log.info(
-            "waiting for a {plan} slot on key {key_name}"
-            if plan.kind == "user" else "waiting for a {plan} slot on {account_id}",
-            event=prefix + "_started", **fields,
-        )
-        start = self.clock.seconds()
-        keepalive = self._keepalive(state)
-        try:
-            lease = await self.admission.acquire(plan, turn.cancel)
-        except AdmissionError as e:
-            outcome = "client_gone" if turn.cancel.cancelled else e.reason
-            self._waitFinished(prefix, fields, outcome, start, 0)
-            if outcome == "client_gone":
-                raise ClientGone(turn.cancel.reason)
-            raise _AdmissionFailed(E.admissionError(e, plan.kind))
-        except ClientGone:
-            self._waitFinished(prefix, fields, "client_gone", start, 0)
-            raise
-        finally:
-            if keepalive is not None:
-                keepalive.endWait()
-            if state is not None:
-                state.waited += self.clock.seconds() - start
-        self._waitFinished(prefix, fields, "acquired", start, getattr(lease, "queuePosition", 0))
-        if turn.cancel.cancelled:
-            lease.release()
-            raise ClientGone(turn.cancel.reason)
-        return lease
-
-    def _waitFinished(self, prefix, fields, outcome, start, position) -> None:
-        """
-        Log the end of a slot wait (R32) and count it: the text names the
-        account, or the client key (by name) for a per-key slot.
-        """
-        waitMs = int((self.clock.seconds() - start) * 1000)
-        self._log.info(
-            "wait for key {key_name} finished: {outcome} after {wait_ms} ms"
-            if fields["key_name"] is not None
-            else "wait for {account_id} finished: {outcome} after {wait_ms} ms",
-            event=prefix + "_finished",
-            outcome=outcome,
-            wait_ms=waitMs,
-            queue_position=position,
-            **fields,
-        )
-        if self.metrics is not None:
-            self.metrics.waitFinished(fields["entrypoint"], outcome, waitMs / 1000.0)
-
-    def _startKeepalive(self, turn: Turn, sink) -> StreamKeepalive | None:
-        """
-        The turn's downstream keepalive (R24, R85): for every streaming
-        turn, from now until the turn ends, an SSE comment or WebSocket
-        ping after C{stream_keepalive_interval} seconds of silence.
-        Non-streaming turns get none (R31).
-
-        @return: the running L{StreamKeepalive}, or L{None}.
-        """
-        if not turn.stream:
-            return None
-        keepalive = StreamKeepalive(
-            clock=self.clock,
-            send=sink.keepalive,
-            interval=self.settings.current.stream_keepalive_interval,
-            requestId=turn.requestId,
-        )
-        watch = getattr(sink, "watchWrites", None)
-        if watch is not None:
-            watch(keepalive.touch)
-        # Issue 19: a request whose key's slot was awaited before its body
-        # was parsed may have had keepalives already; the silence counts
-        # from the last one (R85), not from the turn's start.
-        keepalive.start(since=getattr(sink, "quietSince", None))
-        return keepalive
-
-    def _keepalive(self, state) -> StreamKeepalive | None:
-        """
-        A wait or retry sleep begins: keepalives at least every
-        C{ping_interval} seconds while it runs (R31); the caller calls
-        C{endWait} on the result.
-        """
-        keepalive = state.keepalive if state is not None else None
-        if keepalive is not None:
-            keepalive.beginWait(self.settings.current.scheduling.ping_interval)
-        return keepalive
-
-    async def _sleep(self, turn: Turn, sink, seconds: float, state=None) -> None:
-        """
-        The retry interval / same-account delay (R71, R73): cancellable by
-        the client, keepalives continue, no slot is held.
-        """
-        if seconds <= 0:
-            return
-        self._log.info(
-            "waiting {interval_ms} ms before the next attempt",
-            event="openai.retry_interval_wait",
-            interval_ms=int(seconds * 1000),
-            request_id=turn.requestId,
-        )
-        keepalive = self._keepalive(state)
-        began = self.clock.seconds()
-        try:
-            await raceCancel(deferLater(self.clock, seconds), turn.cancel)
-        finally:
-            if keepalive is not None:
-                keepalive.endWait()
-            if state is not None:
-                state.waited += self.clock.seconds() - began
+            await W.sleep(self, turn, sink, decision[1], state)
 
     # -- one attempt -----------------------------------------------------------
 
@@ -1314,245 +704,10 @@ class TurnRunner:
         finally:
             release()
 
-    # -- bookkeeping -----------------------------------------------------------
-
-    def usageTap(self, turn: Turn, account) -> UsageTap:
-        """
-        The usage reader of one attempt (issue 13 item 5): records into
-        L{usage} and onto C{turn.usage}. A chat stream's usage chunk is
-        dropped when the client did not ask for it (relay always asks
-        upstream, L{relay.engine.payload.upstreamBody}).
-        """
-        if turn.request is not None or turn.background:
-            return onceUsageTap(self, turn, account)  # R87, R88
-        # Chat chunks carry usage only when the upstream speaks chat; a
-        # translated chat turn (OAuth) ends with a Responses terminal event.
-        chat = turn.endpoint == "chat" and turn.stream and not translatesChat(turn, account)
-        return UsageTap(
-            record=lambda counts: self.recordUsage(turn, account, counts),
-            chat=chat,
-            dropUsageChunk=chat and not clientAskedUsage(turn.body),
-            requestId=turn.requestId,
-        )
-
-    def recordUsage(self, turn: Turn, account, counts) -> None:
-        """
-        Count C{counts} for the turn's key, C{account} and the upstream
-        model relay asked for; once per turn (issue 13 item 5).
-        """
-        if turn.usage is not None:
-            return
-        model = account.upstreamModel(turn.model) if turn.model else ""
-        if turn.hostedCalls and not counts.tools:
-            # R109: the calls were reported in the stream's items only.
-            counts = evolve(counts, tools=tuple(sorted(turn.hostedCalls.items())))
-        if self.prices is not None:
-            # Issue 22: the turn's cost, once, by the upstream model.
-            counts = self.prices.priced(model, counts)
-        turn.usage = counts
-        if self.keyPolicy is not None and turn.client.tpm:
-            self.keyPolicy.countTokens(turn.client, counts.total)
-        if self.usage is None:
-            return
-        hold = turn.budgetHold
-        if hold is not None:
-            # R108: the reservation settles to the real figure (one place
-            # for every way usage is learnt).
-            try:
-                self.usage.settle(hold, counts)
-                self._keepChain(turn, None)
-            except Exception:  # noqa: BLE001 - logged; accounting never breaks a turn
-                self._log.failure("settling the budget hold failed",
-                                  event="relay.usage_failed", request_id=turn.requestId)
-        try:
-            self.usage.record(turn.client.name, account.id, model, counts)
-        except Exception:  # noqa: BLE001 - logged; accounting never breaks a turn
-            self._log.failure(
-                "recording usage failed", event="relay.usage_failed", request_id=turn.requestId,
-                account_id=account.id,
-            )
-
     def firstOutput(self, turn: Turn) -> None:
+        """
+        The attempt wrote the turn's first output: note when (once).
+        """
         if turn.firstOutputAt is None:
             turn.firstOutputAt = self.clock.seconds()
 
-    def _finished(self, turn, state, outcome, status, accountId, start) -> None:
-        if state.trace is not None:
-            state.trace.turnEnded(outcome, status, accountId, state)
-        owned = self.backgroundOwners.pop(turn, None) if self.backgroundOwners else None
-        if owned is not None and turn.usage is None:
-            # R107, R88: counted once when it finishes, even if nobody polls.
-            watchBackground(self, turn, owned[0], owned[1])
-        if turn.request is not None:
-            requestFinished(self, turn, state, outcome, status, accountId, start)
-            return
-        now = self.clock.seconds()
-        first = turn.firstOutputAt
-        usage = turn.usage
-        if self.requestLog is not None:
-            try:
-                self.requestLog.add(
-                    _turnRecord(turn, state, outcome, status, accountId, start, now)
-                )
-            except Exception:  # noqa: BLE001 - logged; the log never breaks a turn
-                self._log.failure("recording turn {request_id} failed",
-                                  event="relay.request_log_failed", request_id=turn.requestId)
-        self._log.info(
-            "turn {request_id} {outcome} with status {status} on {account_id}"
-            " after {attempts} attempt(s)",
-            event="relay.turn_finished",
-            request_id=turn.requestId,
-            client_request_id=turn.clientRequestId,
-            entrypoint=turn.entrypoint,
-            endpoint=turn.endpoint,
-            client=turn.client.name,
-            model=turn.model,
-            outcome=outcome,
-            status=status,
-            account_id=accountId,
-            attempts=state.attempts,
-            switches=state.switches,
-            duration_ms=int((now - start) * 1000),
-            first_output_ms=None if first is None else int((first - start) * 1000),
-            # The token fields (issue 13 item 5; L{_usageFields}, inline: issue 24).
-            input_tokens=None if usage is None else usage.input,
-            cached_input_tokens=None if usage is None else usage.cached,
-            output_tokens=None if usage is None else usage.output,
-            reasoning_tokens=None if usage is None else usage.reasoning,
-            upstream_request_id=turn.upstreamRequestId,
-        )
-        if accountId is not None:
-            self.bookkeeping.accountStats(accountId)["turns"] += 1
-            if first is not None and self.history is not None:
-                self.history.firstOutput(accountId, first - start)
-        if self.metrics is not None:
-            if state.pendingFailover is not None:
-                # A switch that found no next account (exhausted, or the
-                # client left during the retry interval).
-                self.metrics.failoverTo(state.pendingFailover, None)
-                state.pendingFailover = None
-            self.metrics.turnFinished(turn.entrypoint, outcome)
-            if first is not None:
-                self.metrics.firstOutput(first - start)
-
-
-def _usageFields(counts) -> dict:
-    """
-    The token fields of C{relay.turn_finished} (issue 13 item 5); L{None}
-    when the turn reported no usage.
-    """
-    if counts is None:
-        return {"input_tokens": None, "cached_input_tokens": None,
-                "output_tokens": None, "reasoning_tokens": None}
-    return {"input_tokens": counts.input, "cached_input_tokens": counts.cached,
-            "output_tokens": counts.output, "reasoning_tokens": counts.reasoning}
-
-
-def _turnRecord(turn, state, outcome, status, accountId, start, now) -> TurnRecord:
-    """
-    Issue 22: the turn's one structured record, from what the engine holds
-    at its end (no parsing, no formatting).
-    """
-    first = turn.firstOutputAt
-    usage = turn.usage
-    error = getattr(state.sink, "failed", None)
-    sample = None
-    if isinstance(state.sink, _SamplingSink):
-        sample = state.sink.sample(turn.body)
-    return TurnRecord(
-        time=start,
-        request_id=turn.requestId,
-        client_request_id=turn.clientRequestId,
-        key=turn.client.name,
-        entrypoint=turn.entrypoint,
-        endpoint=turn.endpoint,
-        mode=turn.wsMode,
-        stream=turn.stream,
-        model=turn.model,
-        account=accountId,
-        attempts=state.tried,
-        outcome=outcome,
-        status=status,
-        first_output_ms=None if first is None else int((first - start) * 1000),
-        duration_ms=int((now - start) * 1000),
-        input_tokens=None if usage is None else usage.input,
-        cached_tokens=None if usage is None else usage.cached,
-        output_tokens=None if usage is None else usage.output,
-        reasoning_tokens=None if usage is None else usage.reasoning,
-        cost_nanos=None if usage is None or usage.unpriced else usage.cost,
-        unpriced=usage is not None and bool(usage.unpriced),
-        usage_estimated=usage is not None and bool(usage.estimated),
-        error_code=None if error is None else error.code,
-        error=None if error is None else error.message,
-        client_ip=turn.clientAddress,
-        user_agent=turn.userAgent,
-        upstream_request_id=turn.upstreamRequestId,
-        switches=state.switches,
-        waited_ms=int(state.waited * 1000),
-        sample=sample,
-    )
-
-
-class _SamplingSink:
-    """
-    Issue 22's debug sampling (C{request_log.sample_rate}, off by default):
-    a sink that forwards everything to the turn's sink and keeps a copy of
-    what the client received, up to C{limit} bytes. Only sampled turns pay
-    for it.
-    """
-
-    def __init__(self, sink, limit: int):
-        self._sink = sink
-        self._limit = limit
-        self._kept: list = []
-        self._size = 0
-        if hasattr(sink, "writeRaw"):
-            self.writeRaw = self._writeRaw
-
-    def __getattr__(self, name):
-        return getattr(self._sink, name)
-
-    def _keep(self, data: bytes) -> None:
-        if self._size < self._limit:
-            part = data[: self._limit - self._size]
-            self._kept.append(part)
-            self._size += len(part)
-
-    def writeEvent(self, event) -> None:
-        self._keep(event.raw or event.data)
-        self._sink.writeEvent(event)
-
-    def _writeRaw(self, data: bytes) -> None:
-        self._keep(data)
-        self._sink.writeRaw(data)
-
-    def writeBody(self, status, headers, body) -> None:
-        self._keep(body)
-        self._sink.writeBody(status, headers, body)
-
-    def sample(self, body) -> dict:
-        """
-        @return: C{{"request": <body JSON>, "output": <what the client got>}},
-            each cut to the limit.
-        """
-        import json
-
-        request = json.dumps(body, ensure_ascii=False, default=str)
-        return {
-            "request": request[: self._limit],
-            "output": b"".join(self._kept).decode("utf-8", "replace"),
-        }
-
-
-class _AdmissionFailed(Exception):
-    """
-    Admission refused; carries the L{ClientError} (R32).
-    """
-
-    def __init__(self, error: ClientError):
-        super().__init__(error.message)
-        self.error = error
-
-
-def _proxyId(account) -> Optional[str]:
-    return account.proxy.id if account.proxy is not None else None

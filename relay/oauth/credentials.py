@@ -74,8 +74,8 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from relay.interfaces import ICredentialSource, ITokenEndpoint, ITokenStore
-from relay.logs import registerSecrets
-from relay.model import Account
+from relay.base.logs import registerSecrets
+from relay.base.records import Account
 from relay.oauth.crashpoints import crashPoint
 from relay.oauth.endpoint import NotSent, describeError
 from relay.oauth.tokens import (
@@ -88,7 +88,7 @@ from relay.oauth.tokens import (
     fingerprint,
     retiredAfter,
 )
-from relay.redisclient import logFailure
+from relay.wire.redisclient import logFailure
 
 LOCK_TTL_SECONDS = 15.0
 """The refresh lock's TTL; the holder renews it every third of it."""
@@ -216,7 +216,7 @@ class OAuthCredentials:
     See the module docstring.
 
     @ivar _clock: the injected clock (Unix seconds).
-    @ivar _settings: the L{relay.settings.RuntimeSettings}
+    @ivar _settings: the L{relay.state.settings.RuntimeSettings}
         (C{current.oauth}).
     @ivar store: the L{ITokenStore} (may be replaced before L{start}).
     @ivar _endpoint: the L{ITokenEndpoint}.
@@ -225,7 +225,7 @@ class OAuthCredentials:
     @ivar onRefreshFailure: called with an account id for each failed token
         request (transient, permanent or in doubt), or L{None}: the metrics'
         C{relay_oauth_refresh_failures_total}, which adds up across workers
-        (L{relay.operator.metrics.RelayMetrics.oauthRefreshFailed}).
+        (L{relay.console.metrics.RelayMetrics.oauthRefreshFailed}).
     """
 
     _clock: IReactorTime
@@ -301,7 +301,7 @@ class OAuthCredentials:
         dials with its new settings.
 
         @param accounts: the live accounts, new set (L{Account}s).
-        @param change: the L{relay.operations.live.AccountSetChange}.
+        @param change: the L{relay.process.live.AccountSetChange}.
         @return: a Deferred firing once new accounts are loaded; never fails.
         """
         return Deferred.fromCoroutine(self._accountsChanged(list(accounts), change))
@@ -364,7 +364,7 @@ class OAuthCredentials:
     def storeSwitched(self) -> None:
         """
         The store's Redis master changed (a Sentinel promotion,
-        L{relay.redisclient.RedisService.switchListeners}): replication is
+        L{relay.wire.redisclient.RedisService.switchListeners}): replication is
         asynchronous, so the new master may lack the last token write.
         Every record is read again soon (after L{SWITCH_SYNC_DELAYS}
         seconds, by when the new master is usually reachable), and a

@@ -19,8 +19,8 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
+from relay.base.records import Account
 from relay.interfaces import ISlotAdmission
-from relay.model import Account
 from relay.scheduling.eligibility import Eligibility, Pass, refusal
 from relay.scheduling.index import PoolIndex, sameSnapshot
 from relay.scheduling.preview import DRY_LEASE

@@ -28,11 +28,11 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from relay.eager import eagerDeferred
+from relay.base.eager import eagerDeferred
+from relay.base.records import Account, Turn
 from relay.interfaces import IStateStore
-from relay.model import Account, Turn
 from relay.scheduling.itemowners import itemOwnerKey
-from relay.settings import RuntimeSettings
+from relay.state.settings import RuntimeSettings
 
 #: At most this many response owners are kept in the local map (R39).
 LOCAL_OWNER_CAPACITY = 65536
@@ -100,7 +100,7 @@ def ownerRecord(keyOwner: str, accountId: str) -> str:
     key's owner identity and the account, as compact JSON (read by
     L{parseOwner}); built once per C{(key, account)}.
 
-    @param keyOwner: the key's L{relay.model.ClientKey.ownerId}.
+    @param keyOwner: the key's L{relay.base.records.ClientKey.ownerId}.
     @param accountId: the account that served the response.
     @return: C{{"key":keyOwner,"account":accountId}}.
     """

@@ -17,8 +17,8 @@ from typing import Callable, Optional
 from attrs import define, field
 from twisted.logger import Logger
 
-from relay.logs import isoTime
-from relay.model import Account, ClientError, SchedulingSettings, Turn
+from relay.base.logs import isoTime
+from relay.base.records import Account, ClientError, SchedulingSettings, Turn
 from relay.scheduling.index import PoolIndex
 from relay.scheduling.preview import logFor
 from relay.scheduling.selection import NoAccountAvailable, noAccountError
@@ -62,7 +62,7 @@ class Pass:
     @ivar now: Unix seconds when the states were read.
     @ivar scheduling: the L{SchedulingSettings} in force.
     @ivar byId: account id -> L{Account}.
-    @ivar states: account id -> L{relay.policy.failures.AccountRuntime}.
+    @ivar states: account id -> L{relay.state.runtime.AccountRuntime}.
     @ivar oauthBarred: R42 applies (HTTP turn with C{previous_response_id}).
     @ivar quarantineFailOpen: every open candidate's proxy is quarantined,
         so quarantine is ignored (R41).
@@ -282,7 +282,7 @@ class Eligibility:
     def blockWhy(self, ctx: Pass, account: Account) -> Optional[tuple]:
         """
         Why the account is runtime-blocked for this turn's model and until
-        when: the state store's L{relay.policy.failures.AccountRuntime.unschedulable},
+        when: the state store's L{relay.state.runtime.AccountRuntime.unschedulable},
         then the C{extraBlock} hook; the later end wins when both block.
 
         @return: C{(reason, until)} (C{until} Unix seconds, 0 or L{None}

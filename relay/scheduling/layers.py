@@ -20,9 +20,9 @@ from twisted.internet.defer import fail
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from relay.eager import eagerDeferred
+from relay.base.eager import eagerDeferred
+from relay.base.records import Account, ClientError, Turn, WaitPlan
 from relay.interfaces import IAccountStateView, ISlotAdmission, IStateStore
-from relay.model import Account, ClientError, Turn, WaitPlan
 from relay.scheduling.balance import Balancer
 from relay.scheduling.bindings import (
     Bindings,
@@ -35,7 +35,7 @@ from relay.scheduling.index import PoolIndex
 from relay.scheduling.itemowners import conversationRefused, itemNotFound, itemOwnerKey
 from relay.scheduling.preview import Preview, logFor
 from relay.scheduling.selection import DecisionRecord, NoAccountAvailable, Selection
-from relay.settings import RuntimeSettings
+from relay.state.settings import RuntimeSettings
 
 LAYER_PREVIOUS = "previous_response_id"
 LAYER_SESSION = "session_hash"
@@ -85,9 +85,9 @@ def _previousNotFound(previous: str, turn: Turn) -> ClientError:
     R104's fail-closed answer: C{previous_response_not_found}, as upstream
     words it; on the WebSocket the event is followed by the close every
     C{previous_response_not_found} gets, so Codex reconnects with its full
-    input (L{relay.engine.errors.previousResponseNotFound}).
+    input (L{relay.base.clienterrors.previousResponseNotFound}).
     """
-    from relay.engine.errors import previousResponseNotFound
+    from relay.base.clienterrors import previousResponseNotFound
 
     error = previousResponseNotFound(previous)
     return error if turn.entrypoint == "ws" else evolve(error, wsClose=None)
@@ -779,7 +779,7 @@ class Layers:
         }
         if ctx.dryRun:
             return Selection(account, choice.lease, choice.plan, fields=fields)
-        # Info, not R45's debug: seed 003's tables (and relay.operator.report) are
+        # Info, not R45's debug: seed 003's tables (and relay.console.report) are
         # computed from these lines, and the default runners drop debug.
         self._log.info(
             "account schedule decision: {layer} -> {selected_account_id}",

@@ -18,7 +18,7 @@ from attrs import define
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
-from relay.model import Account, ClientError, Turn
+from relay.base.records import Account, ClientError, Turn
 from relay.scheduling.selection import NoAccountAvailable, Selection
 
 

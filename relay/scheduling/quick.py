@@ -14,14 +14,14 @@ from attrs import define
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
+from relay.base.records import Turn
 from relay.interfaces import NOT_NOW, ISynchronousAdmission, ISynchronousState
-from relay.model import Turn
 from relay.scheduling.balance import Balancer
 from relay.scheduling.bindings import Bindings, sessionKey
 from relay.scheduling.eligibility import Eligibility, QuickPass
 from relay.scheduling.layers import LAYER_SESSION
 from relay.scheduling.selection import Selection
-from relay.settings import RuntimeSettings
+from relay.state.settings import RuntimeSettings
 
 
 @define(eq=False)

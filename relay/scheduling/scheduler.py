@@ -34,7 +34,9 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
 from zope.interface import implementer
 
-from relay.eager import eagerDeferred
+from relay.base.eager import eagerDeferred
+from relay.base.logs import ClassLogger
+from relay.base.records import Account, Turn
 from relay.interfaces import (
     IAccountScheduler,
     ISlotAdmission,
@@ -42,8 +44,6 @@ from relay.interfaces import (
     ISynchronousAdmission,
     ISynchronousState,
 )
-from relay.logs import ClassLogger
-from relay.model import Account, Turn
 from relay.scheduling import preview as _preview
 from relay.scheduling.balance import Balancer, loadRate
 from relay.scheduling.bindings import (
@@ -60,7 +60,7 @@ from relay.scheduling.eligibility import Eligibility, Pass, never
 from relay.scheduling.layers import NO_SLOT, Layers
 from relay.scheduling.preview import DRY_LEASE, Preview
 from relay.scheduling.quick import QuickSticky
-from relay.settings import RuntimeSettings
+from relay.state.settings import RuntimeSettings
 
 __all__ = [
     "AccountScheduler", "DRY_LEASE", "NO_SLOT", "Preview", "affinityKey", "loadRate",
