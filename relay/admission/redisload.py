@@ -9,6 +9,9 @@ load-balance layer.
 
 from __future__ import annotations
 
+from typing import Any
+
+from attrs import define, field
 from twisted.internet.defer import Deferred, succeed
 from twisted.python.failure import Failure
 
@@ -22,6 +25,7 @@ from relay.admission.rediskeys import (
 from relay.redisclient import RedisUnavailable
 
 
+@define(eq=False, repr=False)
 class RedisLoads:
     """
     The load reads of one L{relay.admission.redis.RedisSlotAdmission}.
@@ -36,12 +40,11 @@ class RedisLoads:
         since}]}.
     """
 
-    def __init__(self, admission, redis, clock) -> None:
-        self._admission = admission
-        self._redis = redis
-        self._clock = clock
-        self._ids: dict = {}
-        self._cache: dict = {}
+    _admission: Any
+    _redis: Any
+    _clock: Any
+    _ids: dict = field(factory=dict, init=False)
+    _cache: dict = field(factory=dict, init=False)
 
     def load(self, kind, ids) -> Deferred:
         """

@@ -9,6 +9,9 @@ is cancelled; a local release wakes this process's waiters at once.
 
 from __future__ import annotations
 
+from typing import Any
+
+from attrs import define
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.python.failure import Failure
 
@@ -24,6 +27,7 @@ class _Cancelled(Exception):
     """
 
 
+@define(eq=False, repr=False)
 class RedisWait:
     """
     The waits of one L{relay.admission.redis.RedisSlotAdmission}.
@@ -36,11 +40,10 @@ class RedisWait:
         (the admission's C{_sleepers}).
     """
 
-    def __init__(self, admission, clock, rand, sleepers: dict) -> None:
-        self._admission = admission
-        self._clock = clock
-        self._random = rand
-        self._sleepers = sleepers
+    _admission: Any
+    _clock: Any
+    _random: Any
+    _sleepers: dict
 
     @property
     def _log(self):

@@ -8,8 +8,9 @@ lease renewed periodically (L{relay.admission.redis.RedisSlotLease.startRenewing
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
+from attrs import define, field
 from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
 
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from relay.admission.redis import RedisSlotLease
 
 
+@define(eq=False, repr=False)
 class LeaseRenewals:
     """
     The lease renewals of one L{relay.admission.redis.RedisSlotAdmission}.
@@ -35,12 +37,11 @@ class LeaseRenewals:
     @ivar _call: that delayed call, or L{None}.
     """
 
-    def __init__(self, admission, redis, clock) -> None:
-        self._admission = admission
-        self._redis = redis
-        self._clock = clock
-        self._due: dict = {}
-        self._call: Optional[object] = None
+    _admission: Any
+    _redis: Any
+    _clock: Any
+    _due: dict = field(factory=dict, init=False)
+    _call: Optional[object] = field(default=None, init=False)
 
     @property
     def _log(self):

@@ -10,9 +10,9 @@ tokens before they are used (retried while the store fails).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from attrs import evolve
+from attrs import define, evolve
 from twisted.internet.defer import Deferred
 from twisted.internet.task import deferLater
 
@@ -59,6 +59,7 @@ def wentBack(stored: TokenRecord, mine: TokenRecord) -> bool:
 
 
 
+@define(eq=False, repr=False)
 class TokenRecords:
     """
     The store side of L{relay.oauth.credentials.OAuthCredentials}: every
@@ -73,11 +74,10 @@ class TokenRecords:
     @ivar _owner: this process's lock owner prefix.
     """
 
-    def __init__(self, host, clock, rand, owner: str) -> None:
-        self._host = host
-        self._clock = clock
-        self._random = rand
-        self._owner = owner
+    _host: Any
+    _clock: Any
+    _random: Any
+    _owner: str
 
     @property
     def _log(self):

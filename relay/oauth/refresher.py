@@ -10,8 +10,9 @@ put the account in C{needs_login}; transient ones back off.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from attrs import define
 from twisted.internet.defer import CancelledError
 from twisted.internet.task import LoopingCall
 
@@ -39,6 +40,7 @@ BACKOFF_MAX_SECONDS = 600.0
 BACKOFF_JITTER = 0.2
 
 
+@define(eq=False, repr=False)
 class TokenRefresher:
     """
     Runs the refresh of one slot (C{_Slot}) of
@@ -54,13 +56,12 @@ class TokenRefresher:
     @ivar _random: backoff jitter.
     """
 
-    def __init__(self, host, records, clock, settings, endpoint, rand) -> None:
-        self._host = host
-        self._records = records
-        self._clock = clock
-        self._settings = settings
-        self._endpoint = endpoint
-        self._random = rand
+    _host: Any
+    _records: Any
+    _clock: Any
+    _settings: Any
+    _endpoint: Any
+    _random: Any
 
     @property
     def _log(self):
