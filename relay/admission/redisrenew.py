@@ -8,7 +8,7 @@ lease renewed periodically (L{relay.admission.redis.RedisSlotLease.startRenewing
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from attrs import define, field
 from twisted.internet.defer import Deferred
@@ -17,14 +17,12 @@ from twisted.python.failure import Failure
 from relay.admission.rediskeys import RENEW_LUA, slotKey
 from relay.redisclient import RedisUnavailable
 
-if TYPE_CHECKING:
-    from relay.admission.redis import RedisSlotLease
-
 
 @define(eq=False, repr=False)
 class LeaseRenewals:
     """
-    The lease renewals of one L{relay.admission.redis.RedisSlotAdmission}.
+    The lease renewals of one L{relay.admission.redis.RedisSlotAdmission};
+    every method takes a L{relay.admission.redis.RedisSlotLease}.
 
     @ivar _admission: the admission: its C{timeout}, C{slotTtl} and logs.
     @ivar _redis: the running L{relay.redisclient.RedisService}.
@@ -47,7 +45,7 @@ class LeaseRenewals:
     def _log(self):
         return self._admission._log
 
-    def renew(self, lease: RedisSlotLease) -> Deferred:
+    def renew(self, lease) -> Deferred:
         """
         One C{renew.lua} round trip.
         """
@@ -74,7 +72,7 @@ class LeaseRenewals:
 
         return d.addCallbacks(_cb, _eb)
 
-    def start(self, lease: RedisSlotLease) -> None:
+    def start(self, lease) -> None:
         """
         Renew C{lease} every C{lease._renewEvery} seconds from now until
         L{stop}.
@@ -91,7 +89,7 @@ class LeaseRenewals:
         elif due < call.getTime():
             call.reset(interval)
 
-    def stop(self, lease: RedisSlotLease) -> None:
+    def stop(self, lease) -> None:
         """
         Stop renewing C{lease} (its renewal's delayed call is left to
         fire, and finds nothing due, or is set again for another lease).

@@ -10,12 +10,9 @@ what the resource's route families (chat, OAuth and login, control) hold.
 from __future__ import annotations
 
 import secrets
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from relay.emulator.state import Fault
-
-if TYPE_CHECKING:  # pragma: no cover
-    from relay.emulator.http import EmulatorResource
 
 
 def bearer(value: str | None) -> str | None:
@@ -158,9 +155,10 @@ class Route:
     @ivar emulator: the owning emulator.
     """
 
-    def __init__(self, resource: EmulatorResource) -> None:
+    def __init__(self, resource) -> None:
         """
-        @param resource: the emulator's leaf resource, whose answer helpers
+        @param resource: the emulator's leaf resource
+            (L{relay.emulator.http.EmulatorResource}), whose answer helpers
             (C{_json}, C{_parseBody}, C{_credential}, C{_record}, ...) the
             routes use.
         """

@@ -78,6 +78,7 @@ from relay.model import Account
 from relay.oauth.endpoint import describeError
 from relay.oauth.records import IN_DOUBT_REASON, LOCK_TTL_SECONDS, TokenRecords
 from relay.oauth.refresher import EXPIRY_SKEW_SECONDS, TokenRefresher
+from relay.oauth.slot import _CHANGES, _Slot
 from relay.oauth.tokens import (
     STATUS_IN_DOUBT,
     STATUS_LOADING,
@@ -99,65 +100,6 @@ again (L{OAuthCredentials.storeSwitched})."""
 
 TOKEN_SOURCE_ADMIN = "admin"
 """C{token_source} of tokens an operator put (C{PUT /admin/accounts/{id}/tokens})."""
-
-
-_CHANGES = [0]
-"""Issue 24: bumped by every change of a L{_Slot} (and of the slot set), so
-L{CredentialManager.flagged} knows when its answer may have changed."""
-
-
-def _touched(instance, attribute, value):
-    """
-    attrs C{on_setattr}: note that a slot changed.
-    """
-    _CHANGES[0] += 1
-    return value
-
-
-@define(eq=False, on_setattr=_touched)
-class _Slot:
-    """
-    One OAuth account's token state in this process.
-
-    @ivar account: the configured account.
-    @ivar seed: the fingerprint of its configured tokens.
-    @ivar record: the newest known L{TokenRecord}, or L{None} before start.
-    @ivar dial: the account to dial (C{credential} = access token).
-    @ivar waiters: callers waiting on the running refresh, or L{None} when
-        none runs.
-    @ivar timer: the proactive refresh call.
-    @ivar invalidated: the current access token got a 401 after a refresh.
-    @ivar pending: new tokens whose write failed (not used until written).
-    @ivar nextAttempt: no automatic refresh before this (backoff), seconds.
-    @ivar refreshes: successful refreshes by this process.
-    @ivar refreshFailures: token requests of this process that failed
-        (transient, permanent or in doubt), for
-        C{relay_oauth_refresh_failures_total}.
-    @ivar doubtTimer: the call at the in-doubt access token's expiry, which
-        logs C{relay.oauth_needs_login}; L{None} when none is planned.
-    @ivar doubtKey: the (access token, expiry) C{doubtTimer} is for.
-    @ivar doubtAnnounced: the (access token, expiry) whose expiry was
-        already logged (once per in-doubt token).
-    @ivar loading: a L{relay.oauth.records.TokenRecords.load} of this slot runs (a
-        periodic sync does not start a second one beside it).
-    """
-
-    account: Account
-    seed: str
-    record: Optional[TokenRecord] = None
-    dial: Optional[Account] = None
-    waiters: Optional[list] = None
-    timer: Any = None
-    invalidated: bool = False
-    pending: Optional[TokenRecord] = None
-    pendingCall: Any = None
-    nextAttempt: float = 0.0
-    refreshes: int = 0
-    refreshFailures: int = 0
-    doubtTimer: Any = None
-    doubtKey: Any = None
-    doubtAnnounced: Any = None
-    loading: bool = False
 
 
 def _describe(e: BaseException) -> str:

@@ -10,18 +10,16 @@ tokens before they are used (retried while the store fails).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from attrs import define, evolve
 from twisted.internet.defer import Deferred
 from twisted.internet.task import deferLater
 
 from relay.oauth.endpoint import describeError
+from relay.oauth.slot import _Slot
 from relay.oauth.tokens import STATUS_IN_DOUBT, TokenRecord, TokenSet, retiredAfter
 from relay.redisclient import logFailure
-
-if TYPE_CHECKING:
-    from relay.oauth.credentials import _Slot
 
 LOCK_TTL_SECONDS = 15.0
 """The refresh lock's TTL; the holder renews it every third of it."""
@@ -63,7 +61,7 @@ def wentBack(stored: TokenRecord, mine: TokenRecord) -> bool:
 class TokenRecords:
     """
     The store side of L{relay.oauth.credentials.OAuthCredentials}: every
-    method takes the account's slot (C{_Slot}) and reads or writes its
+    method takes the account's slot (L{relay.oauth.slot._Slot}) and reads or writes its
     record.
 
     @ivar _host: the L{relay.oauth.credentials.OAuthCredentials} holding

@@ -10,7 +10,7 @@ put the account in C{needs_login}; transient ones back off.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from attrs import define
 from twisted.internet.defer import CancelledError
@@ -20,6 +20,7 @@ from relay.logs import registerSecrets
 from relay.oauth.crashpoints import crashPoint
 from relay.oauth.endpoint import NotSent, describeError
 from relay.oauth.records import LOCK_TTL_SECONDS
+from relay.oauth.slot import _Slot
 from relay.oauth.tokens import (
     STATUS_IN_DOUBT,
     STATUS_NEEDS_LOGIN,
@@ -28,9 +29,6 @@ from relay.oauth.tokens import (
     TokenSet,
     retiredAfter,
 )
-
-if TYPE_CHECKING:
-    from relay.oauth.credentials import _Slot
 
 EXPIRY_SKEW_SECONDS = 5.0
 """An access token this close to its C{exp} counts as expired before a dial."""
@@ -43,7 +41,7 @@ BACKOFF_JITTER = 0.2
 @define(eq=False, repr=False)
 class TokenRefresher:
     """
-    Runs the refresh of one slot (C{_Slot}) of
+    Runs the refresh of one slot (L{relay.oauth.slot._Slot}) of
     L{relay.oauth.credentials.OAuthCredentials}; single flight within the
     process is the host's (its C{refresh}), across processes the lock's.
 
