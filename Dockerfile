@@ -1,4 +1,4 @@
-# relay's container image (Docker and Podman). README "Deploying".
+# relay's container image (Docker and Podman). docs/deploying.md.
 #
 #   docker build -t relay .                       # on python:3.11-slim-bookworm
 #   podman build --format docker -t relay .       # the same with Podman (docker format keeps

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from twisted.internet import defer, task  # noqa: E402
 
 from relay.admission.memory import MemorySlotAdmission  # noqa: E402
-from relay.model import CancelSignal, WaitPlan  # noqa: E402
+from relay.base.records import CancelSignal, WaitPlan  # noqa: E402
 
 
 async def _loop(reactor, adm, seconds, concurrency, limit):
@@ -58,7 +58,7 @@ async def main(reactor, args):
     print(f"memory   : {n / t:10.0f} acquire+release/s (1 worker, fast path)")
 
     from relay.admission.redis import RedisSlotAdmission
-    from relay.redisclient import RedisService
+    from relay.wire.redisclient import RedisService
 
     server = None
     url = args.redis_url

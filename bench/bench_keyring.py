@@ -30,7 +30,7 @@ class _Request:
 
 def main() -> None:
     from relay.entry.http import KeyRing
-    from relay.model import ClientKey
+    from relay.base.records import ClientKey
 
     print(f"{'keys':>7} {'ring (us)':>10} {'scan (us)':>10}")
     for count in (10, 1000, 10000):

@@ -42,9 +42,9 @@ def benchPump(events: int = 200_000) -> None:
     from relay.policy.classify import DefaultClassifier
     from relay.engine.pump import StreamPump
     from relay.engine.runner import TurnRunner
-    from relay.model import Account, ClientKey, Turn
-    from relay.settings import RuntimeSettings
-    from relay.sse import Event
+    from relay.base.records import Account, ClientKey, Turn
+    from relay.state.settings import RuntimeSettings
+    from relay.wire.sse import Event
 
     delta = (
         b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
@@ -106,13 +106,13 @@ def _requestEvents():
     decision record and C{relay.turn_finished}, with the fields the real
     call sites pass. Older trees (before issue 15) logged the access line
     through twisted.web's Apache-style C{log_io} text; newer ones log
-    C{relay.http_access} (L{relay.app}).
+    C{relay.http_access} (L{relay.process.app}).
     """
-    import relay.app
+    import relay.process.app
 
     rid = "req_0123456789abcdef"
-    if hasattr(relay.app, "_Site"):
-        access = ("relay.app._Site",
+    if hasattr(relay.process.app, "_Site"):
+        access = ("relay.process.app._Site",
                   '{client} "{method} {path}" {status} {bytes} in {duration_ms}ms',
                   dict(event="relay.http_access", request_id=rid, client="127.0.0.1",
                        method="POST", path="/v1/responses", status=200, bytes=898,
@@ -152,7 +152,7 @@ def benchLogs(requests: int = 20_000) -> None:
 
     from twisted.logger import Logger
 
-    from relay.logs import observerFor
+    from relay.base.logs import observerFor
 
     class Source:
         """Stands in for the logging object (log_source)."""

@@ -36,7 +36,7 @@ OUTCOMES = [("completed", 200)] * 7 + [("failed", 429), ("failed", 502), ("clien
 
 def _turnAndState():
     from relay.engine.runner import TurnState
-    from relay.model import ClientKey, Turn
+    from relay.base.records import ClientKey, Turn
     from relay.tenants.record import Attempt
     from relay.usage.tokens import TokenCounts
 
@@ -63,7 +63,7 @@ def benchRecord(turns: int = 100_000) -> None:
     from twisted.logger import Logger
 
     from relay.engine.runner import _turnRecord
-    from relay.logs import observerFor
+    from relay.base.logs import observerFor
     from relay.tenants.requestlog import SQLiteRequestLog
 
     turn, state = _turnAndState()
@@ -132,7 +132,7 @@ def benchFlush(records: int = 10_000) -> None:
     """
     from twisted.internet.task import Clock
 
-    from relay.settingsdb import SQLiteSettingsStore
+    from relay.state.settingsdb import SQLiteSettingsStore
     from relay.tenants.requestlog import SQLiteRequestLog
     from tests.test_usage import synchronousPool
 
@@ -181,8 +181,8 @@ async def _queryOne(backend: str, records: int, lookups: int) -> None:
     from twisted.internet import reactor
     from twisted.internet.endpoints import TCP4ServerEndpoint
 
-    from relay.app import buildApplication
-    from relay.config import settingsFromString
+    from relay.process.app import buildApplication
+    from relay.configuration.parse import settingsFromString
 
     server = None
     tmp = tempfile.mkdtemp(prefix="relay-bench-")

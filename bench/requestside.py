@@ -1,6 +1,6 @@
 """
 A micro of the HTTP request side of a turn (issue 24 item 2): the real
-relay site (L{relay.app.buildApplication}, memory state, one API-key
+relay site (L{relay.process.app.buildApplication}, memory state, one API-key
 account) on a L{MemoryReactorClock}, one keep-alive connection on a
 L{StringTransport}, and a scripted upstream answering every turn with a
 small JSON body at once, so a turn runs to its answer inside the
@@ -57,8 +57,8 @@ class _Dialer:
 
 
 def build():
-    from relay.app import buildApplication
-    from relay.config import settingsFromString
+    from relay.process.app import buildApplication
+    from relay.configuration.parse import settingsFromString
 
     config = settingsFromString(
         'listen: "tcp:0:interface=127.0.0.1"\ndatabase: ":memory:"\n'

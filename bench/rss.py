@@ -399,7 +399,7 @@ def measure(procs, uport: int, label: str, tree: str, seconds: float, breakdown:
 def _short(where: str) -> str:
     """
     A source location without this machine's paths: C{twisted/web/http.py:12},
-    C{relay/logs.py:3}, C{stdlib/typing.py:9}.
+    C{relay/base/logs.py:3}, C{stdlib/typing.py:9}.
     """
     for marker in ("/site-packages/", "/dist-packages/"):
         if marker in where:

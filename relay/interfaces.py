@@ -25,7 +25,7 @@ class IFailureClassifier(Interface):
         """
         Classify a failure that ended without any HTTP status (R1, R3, R5).
 
-        @param account: the L{relay.model.Account} that was dialled.
+        @param account: the L{relay.base.records.Account} that was dialled.
         @param reason: the exception or L{twisted.python.failure.Failure}.
         @param endpoint: C{responses} or C{chat}.
         @return: a L{relay.policy.failures.Verdict} with C{kind="transport"},
@@ -36,7 +36,7 @@ class IFailureClassifier(Interface):
         """
         Classify an upstream HTTP error status (R7-R16, R106).
 
-        @param account: the L{relay.model.Account}.
+        @param account: the L{relay.base.records.Account}.
         @param endpoint: C{responses} or C{chat}.
         @param status: the upstream status (>= 400).
         @param headers: lower-cased header name -> value (first value).
@@ -85,7 +85,7 @@ class IFailureClassifier(Interface):
         @param verdict: the last failover L{relay.policy.failures.Verdict}, or
             L{None} when there was none.
         @param endpoint: C{responses} or C{chat}.
-        @return: a L{relay.model.ClientError}, including C{wsClose} for the
+        @return: a L{relay.base.records.ClientError}, including C{wsClose} for the
             WebSocket (R65).
         """
 
@@ -103,7 +103,7 @@ class IStateStore(Interface):
         """
         @param accountIds: an iterable of account ids.
         @return: Deferred firing with C{{id: AccountRuntime}} for every id
-            (a default L{relay.policy.failures.AccountRuntime} when none is stored).
+            (a default L{relay.state.runtime.AccountRuntime} when none is stored).
         """
 
     def markAccount(accountId, kind, until, reason, model=None):
@@ -213,7 +213,7 @@ class IAccountStates(Interface):
 
     def get(accountId, default=None):
         """
-        @return: the account's L{relay.policy.failures.AccountRuntime}, or
+        @return: the account's L{relay.state.runtime.AccountRuntime}, or
             C{default} when none is stored (the default runtime: healthy).
         """
 
@@ -270,12 +270,12 @@ class ISlotAdmission(Interface):
         """
         Fast try, then join the FIFO queue and wait (R27, R30, R33).
 
-        @param plan: the L{relay.model.WaitPlan}.
-        @param cancel: the turn's L{relay.model.CancelSignal}.
+        @param plan: the L{relay.base.records.WaitPlan}.
+        @param cancel: the turn's L{relay.base.records.CancelSignal}.
         @param deadline: an absolute Unix time that bounds only this wait
             (R33), or L{None}.
         @return: Deferred firing with an L{ISlotLease}, or failing with
-            L{relay.model.AdmissionError} (C{queue_full}, C{timeout},
+            L{relay.base.records.AdmissionError} (C{queue_full}, C{timeout},
             C{client_gone}, C{error}). A slot obtained after the deadline
             or cancellation is released, never returned.
         """
@@ -325,7 +325,7 @@ class IUpstreamDialer(Interface):
         """
         Send one HTTP request upstream and wait for the response headers.
 
-        @param account: the L{relay.model.Account}; its base URL, auth
+        @param account: the L{relay.base.records.Account}; its base URL, auth
             headers and proxy apply.
         @param method: C{b"POST"} or C{b"GET"}.
         @param path: path under the account's base URL, e.g. C{/responses}.
@@ -333,7 +333,7 @@ class IUpstreamDialer(Interface):
         @param headers: extra headers (str -> str) copied from the client;
             the dialer adds authentication and never lets the client's
             credentials through.
-        @param timeouts: L{relay.model.UpstreamSettings}.
+        @param timeouts: L{relay.base.records.UpstreamSettings}.
         @return: Deferred firing with an L{IUpstreamResponse}; fails with
             the transport exception (refused, DNS, TLS, reset) or
             L{relay.upstream.http.HeaderTimeout}.
@@ -351,12 +351,12 @@ class IAccountScheduler(Interface):
         """
         Pick an account and try its slot.
 
-        @param turn: the L{relay.model.Turn}.
+        @param turn: the L{relay.base.records.Turn}.
         @param excluded: account ids excluded in this turn (a frozenset).
         @return: Deferred firing with a L{relay.scheduling.selection.Selection}
             (C{lease} set when the slot is held, else C{waitPlan} set), or
             failing with L{relay.scheduling.selection.NoAccountAvailable} carrying the
-            L{relay.model.ClientError} (R44).
+            L{relay.base.records.ClientError} (R44).
         """
 
     def bind(turn, account):
@@ -402,7 +402,7 @@ class ITurnSink(Interface):
 
     def writeEvent(event):
         """
-        Write one upstream event (L{relay.sse.Event}) to the client.
+        Write one upstream event (L{relay.wire.sse.Event}) to the client.
         """
 
     def writeBody(status, headers, body):
@@ -412,7 +412,7 @@ class ITurnSink(Interface):
 
     def fail(error):
         """
-        End the turn with a L{relay.model.ClientError}: before commit an
+        End the turn with a L{relay.base.records.ClientError}: before commit an
         HTTP error (JSON envelope) or WebSocket error/close; after commit a
         terminal C{response.failed} (R17) or C{error} event.
         """
@@ -602,7 +602,7 @@ class ICredentialSource(Interface):
         """
         The account as it must be dialled now.
 
-        @param account: a configured L{relay.model.Account}.
+        @param account: a configured L{relay.base.records.Account}.
         @return: C{account} itself when nothing changed (API keys, static
             OAuth tokens), else an equal account whose C{credential} is the
             current access token and whose C{refresh_token} tells whether a
@@ -656,7 +656,7 @@ class ICredentialSource(Interface):
 
         @param now: Unix seconds.
         @return: L{None}, or C{(reason, until)} like
-            L{relay.policy.failures.AccountRuntime.unschedulable} (C{until} 0 for
+            L{relay.state.runtime.AccountRuntime.unschedulable} (C{until} 0 for
             C{needs_login}, which lasts until new tokens arrive).
         """
 
@@ -725,7 +725,7 @@ class ITokenEndpoint(Interface):
         """
         Exchange a refresh token.
 
-        @param account: the L{relay.model.Account} (its proxy and
+        @param account: the L{relay.base.records.Account} (its proxy and
             C{auth_base_url} apply).
         @param refreshToken: the single-use refresh token.
         @param timeout: seconds for the whole exchange.
@@ -750,7 +750,7 @@ class ILiveAccounts(Interface):
     def byId(accountId):
         """
         @param accountId: an account id.
-        @return: the L{relay.model.Account} in force with that id, or
+        @return: the L{relay.base.records.Account} in force with that id, or
             L{None}.
         """
 
@@ -760,15 +760,15 @@ class ILiveAccounts(Interface):
         what changed. Turns already running keep the account object they
         selected.
 
-        @param accounts: the new L{relay.model.Account}s, ids unique.
-        @return: the L{relay.operations.live.AccountSetChange} (empty when
+        @param accounts: the new L{relay.base.records.Account}s, ids unique.
+        @return: the L{relay.process.live.AccountSetChange} (empty when
             nothing changed; subscribers are then not called).
         """
 
     def subscribe(listener):
         """
         Be told whenever the set changes: C{listener(change)} with an
-        L{relay.operations.live.AccountSetChange} (ids added, removed and
+        L{relay.process.live.AccountSetChange} (ids added, removed and
         changed; never secrets). Called synchronously after the new set is
         in force; an exception is logged and does not stop the others.
         Other components (e.g. a per-account OAuth token source) use this
@@ -891,7 +891,7 @@ class ITurnObserver(Interface):
         """
         A turn begins.
 
-        @param turn: the L{relay.model.Turn} (its C{headers} carry the
+        @param turn: the L{relay.base.records.Turn} (its C{headers} carry the
             client's C{traceparent}, if any).
         @return: an L{ITurnTrace} for this turn, or L{None} to skip it.
         """
@@ -908,7 +908,7 @@ class ITurnTrace(Interface):
         An attempt on C{account} is about to be dialled. The trace may set
         C{turn.headers["traceparent"]} for the attempt (it goes upstream).
 
-        @param account: the L{relay.model.Account}.
+        @param account: the L{relay.base.records.Account}.
         @param state: the runner's per-turn state (C{attempts}, C{waited}
             seconds so far, C{switches}).
         """
@@ -1085,7 +1085,7 @@ class IEgressClient(Interface):
         """
         Send one request and read the whole (bounded) answer.
 
-        @param proxy: the account's L{relay.model.ProxySpec}, or L{None}
+        @param proxy: the account's L{relay.base.records.ProxySpec}, or L{None}
             for an account without one (a direct connection, as its turns).
         @param method: C{GET} or C{POST}.
         @param url: the absolute C{http(s)} URL.

@@ -24,13 +24,13 @@ from twisted.application.service import Service
 from twisted.logger import Logger
 from twisted.python import usage
 
-from relay.configcheck import (  # noqa: F401 - their home is relay.configcheck (issue 21)
+from relay.configuration.check import (  # noqa: F401 - their home is relay.configuration.check (issue 21)
     CONFIG_ERROR_EXIT,
     CONFIG_ERROR_PREFIX,
     checkComponents,
     exitWithConfigError,
 )
-from relay.model import ConfigError
+from relay.base.records import ConfigError
 
 _LOG_FORMATS = ("text", "json")
 
@@ -84,7 +84,7 @@ class Options(usage.Options):
     """
     C{twistd relay} options.
 
-    @ivar config: the parsed L{relay.model.RelayConfig}, after parsing.
+    @ivar config: the parsed L{relay.base.records.RelayConfig}, after parsing.
     """
 
     optParameters = [
@@ -123,8 +123,8 @@ class Options(usage.Options):
         """
         from attrs import evolve
 
-        from relay.config import checkDatabase, loadConfig, secretsOf
-        from relay.logs import registerSecrets
+        from relay.configuration.parse import checkDatabase, loadConfig, secretsOf
+        from relay.base.logs import registerSecrets
 
         try:
             config = loadConfig(self["config"])
@@ -140,8 +140,8 @@ class Options(usage.Options):
             if not 1 <= workers <= 64:
                 raise ConfigError(f"workers: --workers must be between 1 and 64, got {self['workers']!r}")
             config = evolve(config, workers=workers)
-        from relay.config import checkWorkers
-        from relay.workers import workerIndex
+        from relay.configuration.parse import checkWorkers
+        from relay.process.workers import workerIndex
 
         checkWorkers(config)
         self.worker = workerIndex()
@@ -165,17 +165,17 @@ class Options(usage.Options):
             # every line is redacted, and JSON when asked. twistd's own
             # postOptions runs after ours and resolves --logger with namedAny,
             # so this must be a dotted name, not a callable.
-            parent["logger"] = f"relay.logs.{fmt}Stdout"
+            parent["logger"] = f"relay.base.logs.{fmt}Stdout"
 
 
 def _batchedObserver(fmt: str, stream, level=None):
     """
     Issue 24: twist's observer, writing the lines of one reactor iteration
-    together (L{relay.logs.BatchedFileLogObserver}); what is held is
+    together (L{relay.base.logs.BatchedFileLogObserver}); what is held is
     written at shutdown and at exit. Called once twist installed the
     reactor. With twist's C{level} (its C{--log-level}), the level filter
     twist puts in front of it is replaced, once the reactor runs, by the
-    equivalent L{relay.logs.LevelFilter}, which checks a line's level
+    equivalent L{relay.base.logs.LevelFilter}, which checks a line's level
     without parsing its namespace.
     """
     import atexit
@@ -183,7 +183,7 @@ def _batchedObserver(fmt: str, stream, level=None):
     from twisted.internet import reactor
     from twisted.logger import globalLogPublisher
 
-    from relay.logs import leanLevelFilter, observerFor
+    from relay.base.logs import leanLevelFilter, observerFor
 
     observer = observerFor(fmt, stream, schedule=lambda f: reactor.callLater(0, f))
     reactor.addSystemEventTrigger("after", "shutdown", observer.flushLines)
@@ -201,15 +201,15 @@ supervisor waits for it after C{SIGTERM} before it sends C{SIGKILL}."""
 def _supervisor(options: Options, reactor):
     """
     The service of a C{workers: N} supervisor (issue 16,
-    L{relay.workers}): the listen address reserved now (a port in use is
+    L{relay.process.workers}): the listen address reserved now (a port in use is
     a one-line error naming C{listen}), N workers started with the
     service, C{SIGHUP} forwarded to them
-    (L{relay.workers.WorkerSupervisor.reloadWorkers}).
+    (L{relay.process.workers.WorkerSupervisor.reloadWorkers}).
     """
     from twisted.application.service import MultiService
     from twisted.internet.error import CannotListenError
 
-    from relay.workers import WorkerSupervisor, reserveAddress, workerArgv
+    from relay.process.workers import WorkerSupervisor, reserveAddress, workerArgv
 
     config = options.config
     try:
@@ -251,14 +251,14 @@ def globalReactor():
 class ReloadOnHangup(Service):
     """
     C{SIGHUP} reloads the configuration (issue 14,
-    L{relay.operations.reload}). Signal handling lives here, at the edge
+    L{relay.process.reload}). Signal handling lives here, at the edge
     where the service starts: the handler is installed when the service
     starts and the previous one restored when it stops. The handler only
     schedules the reload on the reactor thread (C{callFromThread}, as
     Twisted's own signal handlers do); the reload runs there.
 
-    @ivar reload: C{reload(source)}, e.g. L{relay.operations.reload.ConfigReloader.reload},
-        or a supervisor's L{relay.workers.WorkerSupervisor.reloadWorkers}.
+    @ivar reload: C{reload(source)}, e.g. L{relay.process.reload.ConfigReloader.reload},
+        or a supervisor's L{relay.process.workers.WorkerSupervisor.reloadWorkers}.
     """
 
     _log = Logger()
@@ -465,7 +465,7 @@ def makeService(options: Options, reactor=None):
         reactor = globalReactor()
     if options.config.workers > 1:
         return _supervisor(options, reactor)
-    from relay.app import buildService
+    from relay.process.app import buildService
 
     worker = getattr(options, "worker", None)
     edgeServices = [
@@ -474,7 +474,7 @@ def makeService(options: Options, reactor=None):
         lambda app: SettleMemory(reactor),
     ]
     if worker is not None:
-        from relay.workers import SupervisorChannel, supervisorChannel
+        from relay.process.workers import SupervisorChannel, supervisorChannel
 
         channel = supervisorChannel()
         if channel is not None:
@@ -490,7 +490,7 @@ def makeService(options: Options, reactor=None):
     except ConfigError as e:
         exitWithConfigError(str(e))
     if worker is not None:
-        from relay.workers import dieWithParent
+        from relay.process.workers import dieWithParent
 
         dieWithParent()
     parent = getattr(options, "parent", None)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build a container base image without a registry: mmdebstrap makes a Debian bookworm
 # root file system with python3, python3-venv and ca-certificates from the Debian
-# packages, and `podman import` turns it into an image (README, "Deploying"):
+# packages, and `podman import` turns it into an image (docs/deploying.md):
 #
 #   scripts/container-base.sh [IMAGE]        # default localhost/relay-base:bookworm
 #   podman build --format docker --build-arg BASE=localhost/relay-base:bookworm -t relay .

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the images of compose.yaml's stack without a registry (README, "Deploying"):
+# Build the images of compose.yaml's stack without a registry (docs/deploying.md):
 #
 #   1. the base: Debian bookworm with python3, python3-venv and ca-certificates, made by
 #      scripts/container-base.sh from Debian packages (skipped when it exists);
@@ -20,7 +20,7 @@
 #                      package index through their own certificate chain
 #                      [/etc/ssl/certs/ca-certificates.crt when it exists; empty: none]
 #   CONTAINERS_CONF    podman's settings: $PWD/.ci/containers.conf on machines like CI's
-#                      (runc, no default ulimits; README)
+#                      (runc, no default ulimits; docs/deploying.md)
 #   MIRROR             the Debian mirror [http://deb.debian.org/debian]
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

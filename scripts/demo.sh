@@ -8,8 +8,11 @@
 #                              with curl, log a ChatGPT account in with the device-code flow
 #                              and serve a turn with it, stop both; exit non-zero if anything
 #                              failed
+#   scripts/demo.sh --codex    print how to point Codex CLI at the demo (etc/codex.toml and
+#                              the command the README's "Talking to the demo" shows); start
+#                              nothing
 #
-# Both modes show a device-code login against the emulator (README "Managing accounts"):
+# The first two modes show a device-code login against the emulator (docs/accounts.md):
 # relay asks the emulator for a user code, the code is approved (as a person would at the
 # verification page), relay polls, stores the tokens and adds the account demo-login.
 #
@@ -34,11 +37,13 @@ if [[ -z "${PYTHON:-}" ]]; then
 fi
 
 CHECK=0
+CODEX=0
 case "${1:-}" in
     "") ;;
     --check) CHECK=1 ;;
+    --codex) CODEX=1 ;;
     -h|--help) sed -n '2,/^$/p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "demo.sh: unknown argument $1 (expected --check or nothing)" >&2; exit 2 ;;
+    *) echo "demo.sh: unknown argument $1 (expected --check, --codex or nothing)" >&2; exit 2 ;;
 esac
 
 for port in "$RELAY_PORT" "$EMULATOR_PORT"; do
@@ -47,6 +52,33 @@ for port in "$RELAY_PORT" "$EMULATOR_PORT"; do
         exit 2
     fi
 done
+
+# codexInstructions: how to point Codex CLI at the demo -- etc/codex.toml (the one copy of the
+# configuration; the README shows it too) with this demo's port, and the command to run.
+codexInstructions() {
+    cat <<EOF
+Point Codex CLI at it (docs/reference/protocol.md section 8): put this in
+\$CODEX_HOME/config.toml (default ~/.codex; the file is etc/codex.toml). The pinned CLI
+installs with npm install -g --prefix "\$HOME/.local/codex" @openai/codex@0.171.0
+
+EOF
+    grep -v '^#' "$ROOT/etc/codex.toml" \
+        | sed -e "s#http://127\.0\.0\.1:8080/#http://127.0.0.1:${RELAY_PORT}/#" -e 's/^./  &/'
+    cat <<EOF
+
+and run
+
+  RELAY_API_KEY=$RELAY_KEY ~/.local/codex/bin/codex exec --skip-git-repo-check "Say hi" </dev/null
+
+Codex runs the emulator's echo hi tool call and prints the final message.
+EOF
+}
+
+if (( CODEX )); then
+    codexInstructions
+    exit 0
+fi
+
 command -v curl >/dev/null 2>&1 || { echo "demo.sh: curl is required" >&2; exit 2; }
 
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/relay-demo.XXXXXX")"
@@ -225,7 +257,7 @@ deviceLogin || echo "(the device-code login did not complete; see $WORK/relay.lo
 cat <<EOF
 
 Accounts are managed live from the status page above (add, edit, pause, log in) or the
-admin API; see README "Managing accounts". A browser login signs in at the emulator's page:
+admin API; see docs/accounts.md. A browser login signs in at the emulator's page:
 start one there with the kind "ChatGPT login" and the flow "browser".
 
 Try it (a2 is preferred but the emulator answers it 503, so you will see a failover):
@@ -236,28 +268,9 @@ Try it (a2 is preferred but the emulator answers it 503, so you will see a failo
 
   curl $EMULATOR_URL/_emulator/requests     # what the upstream saw, per account
 
-Point Codex CLI at it (docs/reference/protocol.md section 8): put this in
-\$CODEX_HOME/config.toml (the pinned CLI installs with
-npm install -g --prefix "\$HOME/.local/codex" @openai/codex@0.171.0)
-
-  model          = "gpt-5.5"
-  model_provider = "relay"
-  check_for_update_on_startup = false
-  [analytics]
-  enabled = false
-  [features]
-  plugins = false
-  [model_providers.relay]
-  name                = "local relay"
-  base_url            = "$RELAY_URL/v1"
-  env_key             = "RELAY_API_KEY"
-  wire_api            = "responses"
-  supports_websockets = true     # the Responses WebSocket; false = HTTP only
-
-and run
-
-  RELAY_API_KEY=$RELAY_KEY \$HOME/.local/codex/bin/codex exec --skip-git-repo-check --ephemeral \\
-    --dangerously-bypass-approvals-and-sandbox --json "Run echo hi" </dev/null
+EOF
+codexInstructions
+cat <<EOF
 
 Logs: tail -f $WORK/relay.log $WORK/emulator.log
 Press Ctrl-C to stop both.

@@ -6,9 +6,9 @@ usage ledger and a memory request log. Shared by the tenants' unit tests.
 
 from __future__ import annotations
 
-from relay.model import ClientKey, RelayConfig, Turn
-from relay.operations.live import LiveConfiguration
-from relay.tenants.policy import KeyPolicy
+from relay.base.records import ClientKey, RelayConfig, Turn
+from relay.process.live import LiveConfiguration
+from relay.tenants.keypolicy import KeyPolicy
 from relay.tenants.prices import PriceTable
 from relay.tenants.ratelimit import MemoryRateLimiter
 from relay.tenants.requestlog import MemoryRequestLog

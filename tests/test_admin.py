@@ -1,5 +1,5 @@
 """
-Tests for L{relay.operator.admin}: the admin API and the C{/metrics} resource.
+Tests for L{relay.console.admin}: the admin API and the C{/metrics} resource.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from twisted.web.resource import getChildForRequest
 from twisted.web.server import NOT_DONE_YET
 from twisted.web.test.requesthelper import DummyRequest
 
-from relay.operator.admin import buildAdminResource, metricsResource
-from relay.operator.metrics import RelayMetrics
-from relay.settings import RuntimeSettings
+from relay.console.admin import buildAdminResource, metricsResource
+from relay.console.metrics import RelayMetrics
+from relay.state.settings import RuntimeSettings
 
 KEY = "admin-secret"
 
@@ -461,8 +461,8 @@ class ClearLogTests(SynchronousTestCase):
         from twisted.internet.testing import MemoryReactorClock, StringTransport
         from twisted.logger import capturedLogs, formatEvent
 
-        from relay.app import buildApplication
-        from relay.config import settingsFromString
+        from relay.process.app import buildApplication
+        from relay.configuration.parse import settingsFromString
 
         config = settingsFromString(
             'listen: "tcp:0:interface=127.0.0.1"\ndatabase: ":memory:"\n'
@@ -492,7 +492,7 @@ class StatusPageScriptTests(SynchronousTestCase):
     """
 
     def page(self) -> str:
-        from relay.operator.admin import _loadPage
+        from relay.console.admin import _loadPage
 
         return _loadPage().decode("utf-8")
 
@@ -541,14 +541,14 @@ class StatusPageScriptTests(SynchronousTestCase):
 class OAuthRefreshRouteTests(SynchronousTestCase):
     """
     C{POST /admin/accounts/{id}/refresh} over the real
-    L{relay.operator.view.OperatorView} and L{relay.oauth.credentials.OAuthCredentials}.
+    L{relay.console.view.OperatorView} and L{relay.oauth.credentials.OAuthCredentials}.
     """
 
     def setUp(self):
-        from relay.model import GatewaySettings, OAuthSettings
+        from relay.base.records import GatewaySettings, OAuthSettings
         from relay.oauth.credentials import OAuthCredentials
         from relay.oauth.store import MemoryTokenStore
-        from relay.operator.view import OperatorView
+        from relay.console.view import OperatorView
         from tests.test_oauth import NOW, FakeEndpoint, account, token
 
         self.clock = Clock()
@@ -616,7 +616,7 @@ class OAuthRefreshRouteTests(SynchronousTestCase):
         blocks' C{until_iso}) beside C{token_expires_at}, in the answers of
         the refresh and tokens routes.
         """
-        from relay.operator.view import isoTime
+        from relay.console.view import isoTime
         from tests.test_oauth import NOW, token
 
         request = render(self.root, makeRequest("accounts/o2/tokens", b"PUT", body={

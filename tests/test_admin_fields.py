@@ -1,5 +1,5 @@
 """
-Tests for L{relay.operator.fields}: the JSON types of admin bodies.
+Tests for L{relay.console.fields}: the JSON types of admin bodies.
 """
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from twisted.trial.unittest import SynchronousTestCase
 
 from relay.control.accounts.records import ACCOUNT_BODY
-from relay.operator.fields import (
+from relay.console.fields import (
     INTEGER,
     NUMBER,
     STRING,

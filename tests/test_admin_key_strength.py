@@ -1,6 +1,6 @@
 """
-Tests for the admin key's strength check (L{relay.config.secretBits},
-L{relay.config.checkOperatorKeys}; behaviour.md R99).
+Tests for the admin key's strength check (L{relay.configuration.parse.secretBits},
+L{relay.configuration.parse.checkOperatorKeys}; behaviour.md R99).
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import secrets
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from relay.config import MIN_ADMIN_KEY_BITS, secretBits, settingsFromString
-from relay.model import ConfigError
+from relay.configuration.parse import MIN_ADMIN_KEY_BITS, secretBits, settingsFromString
+from relay.base.records import ConfigError
 
 BASE = "keys: [{name: t, key: sk-client-key-0123456789}]\n"
 

@@ -14,7 +14,7 @@ from zope.interface.verify import verifyObject
 
 from relay.admission.memory import MemorySlotAdmission
 from relay.interfaces import ISlotAdmission, ISlotLease
-from relay.model import AdmissionError, CancelSignal, WaitPlan
+from relay.base.records import AdmissionError, CancelSignal, WaitPlan
 
 T0 = 1_700_000_000.0
 

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from twisted.internet.task import Clock
 
 from relay.admission.memory import MemorySlotAdmission
-from relay.model import AdmissionError, CancelSignal, WaitPlan
+from relay.base.records import AdmissionError, CancelSignal, WaitPlan
 
 T0 = 1_700_000_000.0
 

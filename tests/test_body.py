@@ -18,7 +18,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import Site
 
 from relay.entry import body as B
-from relay.requestid import requestIdOf
+from relay.base.requestid import requestIdOf
 
 DOC = json.dumps({"model": "gpt-5.5", "input": "hi " * 1000}).encode()
 MiB = 2**20
@@ -346,8 +346,8 @@ class ConfigTests(SynchronousTestCase):
         """
         from twisted.internet.testing import MemoryReactorClock
 
-        from relay.app import buildApplication
-        from relay.config import settingsFromString
+        from relay.process.app import buildApplication
+        from relay.configuration.parse import settingsFromString
 
         base = 'listen: "tcp:0:interface=127.0.0.1"\ndatabase: ":memory:"\n'
         self.assertEqual(settingsFromString(base).gateway.max_request_body_bytes, 64 * MiB)
@@ -362,8 +362,8 @@ class ConfigTests(SynchronousTestCase):
         A value below 1024 or not an integer is a one-line config error
         naming the key.
         """
-        from relay.config import settingsFromString
-        from relay.model import ConfigError
+        from relay.configuration.parse import settingsFromString
+        from relay.base.records import ConfigError
 
         for value in ("10", "lots", "1.5"):
             e = self.assertRaises(ConfigError, settingsFromString,

@@ -432,8 +432,8 @@ class PriceTableTests(SynchronousTestCase):
         C{default}; a tool without C{per_call}, or C{per_call} on a model,
         is one line naming the key.
         """
-        from relay.config import settingsFromString
-        from relay.model import ConfigError
+        from relay.configuration.parse import settingsFromString
+        from relay.base.records import ConfigError
 
         config = settingsFromString(
             "prices:\n"

@@ -16,7 +16,7 @@ from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
 from relay.interfaces import ITurnSink
-from relay.model import ClientKey, Turn
+from relay.base.records import ClientKey, Turn
 from tests.test_runner import (
     CREATED,
     DELTA,

@@ -38,7 +38,7 @@ from relay.policy.classify import (
     sanitise,
 )
 from relay.interfaces import IFailureClassifier
-from relay.model import Account
+from relay.base.records import Account
 
 #: a fixed "now", Unix seconds
 NOW = 1_700_000_000.0

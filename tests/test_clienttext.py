@@ -24,7 +24,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from relay.emulator.refusals import Refusal, refusalFor
 from relay.emulator.ws import wsError
 from relay.engine.payload import withoutField
-from relay.model import Account, ClientKey, GatewaySettings, Turn
+from relay.base.records import Account, ClientKey, GatewaySettings, Turn
 from relay.policy import classify as C
 from relay.policy import ends as E
 from relay.policy import failures as F
@@ -32,7 +32,7 @@ from relay.policy.bookkeeping import AccountBookkeeping
 from relay.policy.classify import DefaultClassifier, clientStrings, scrubMessage
 from relay.policy.health import AccountHealth
 from relay.policy.judgement import judge
-from relay.settings import RuntimeSettings
+from relay.state.settings import RuntimeSettings
 from relay.state.memory import MemoryStateStore
 from tests.test_runner import CREATED, FakeDialer, FakeSink, Rig, account, frame, ok, sse, status
 

@@ -1,5 +1,5 @@
 """
-Tests for L{relay.components.loadComponent}.
+Tests for L{relay.configuration.components.loadComponent}.
 """
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import Interface, implementer
 from zope.interface.verify import verifyObject
 
-from relay.components import loadComponent
+from relay.configuration.components import loadComponent
 from relay.interfaces import IFailureClassifier
-from relay.model import ConfigError
+from relay.base.records import ConfigError
 
 _HERE = __name__
 

@@ -1,5 +1,5 @@
 """
-Tests for L{relay.config}: the YAML contract of config.md.
+Tests for L{relay.configuration.parse}: the YAML contract of config.md.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import textwrap
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from relay.config import (
+from relay.configuration.parse import (
     APIKEY_BASE_URL,
     OAUTH_BASE_URL,
     loadConfig,
     secretsOf,
     settingsFromString,
 )
-from relay.model import (
+from relay.base.records import (
     Account,
     ClientKey,
     ConfigError,
@@ -127,16 +127,17 @@ class GoodFileTests(SynchronousTestCase):
 
     def test_readmeSetsTheExampleEnvironment(self):
         """
-        The README's "Running relay for real" block sets every variable
-        C{etc/relay.example.yaml} needs before the command that runs it:
-        with exactly the C{export}s shown, the file loads.
+        The "Running relay for real" guide's block (C{docs/running.md}, once
+        the README's) sets every variable C{etc/relay.example.yaml} needs
+        before the command that runs it: with exactly the C{export}s shown,
+        the file loads.
         """
-        readme = os.path.join(os.path.dirname(_ETC), "README.md")
+        readme = os.path.join(os.path.dirname(_ETC), "docs", "running.md")
         with open(readme, encoding="utf-8") as f:
             text = f.read()
         command = "python3 -m twisted relay --config etc/relay.example.yaml"
         blocks = [b for b in text.split("```sh\n")[1:] if command in b.split("```")[0]]
-        self.assertEqual(len(blocks), 1, "README: no single sh block runs the example config")
+        self.assertEqual(len(blocks), 1, "docs/running.md: no single sh block runs the example config")
         block = blocks[0].split("```")[0]
         environ = {}
         for line in block[: block.index(command)].splitlines():
@@ -176,7 +177,7 @@ class GoodFileTests(SynchronousTestCase):
 
 class DefaultsTests(SynchronousTestCase):
     """
-    Missing keys take the defaults held by L{relay.model}.
+    Missing keys take the defaults held by L{relay.base.records}.
     """
 
     def test_minimal(self):
@@ -992,7 +993,7 @@ class OAuthConfigTests(SynchronousTestCase, ConfigErrorAssertions):
         """
         Refresh and ID tokens are registered for log redaction.
         """
-        from relay.config import secretsOf
+        from relay.configuration.parse import secretsOf
 
         config = parse("accounts: [{id: o1, type: oauth, refresh_token: rt-abcdef,"
                        " id_token: id-abcdef, chatgpt_account_id: c}]")

@@ -21,15 +21,15 @@ from twisted.web.resource import getChildForRequest
 from twisted.web.server import NOT_DONE_YET
 from twisted.web.test.requesthelper import DummyRequest
 
-from relay.app import buildApplication
-from relay.config import settingsFromString
+from relay.process.app import buildApplication
+from relay.configuration.parse import settingsFromString
 from relay.control.accounts.records import describeConfigError, publicAccount, safeURL
 from relay.control.audit.service import actionOf, scrub
 from relay.control.plane import LOADING_GRACE_SECONDS
 from relay.control.store import ANY
 from relay.control.web import ControlError, readJSONBody
-from relay.logs import _registered
-from relay.model import ConfigError
+from relay.base.logs import _registered
+from relay.base.records import ConfigError
 
 ADMIN = "adm-control-key-0123456789"
 NOW = 1_700_000_000.0
@@ -453,7 +453,7 @@ class PauseTests(ControlFixture, SynchronousTestCase):
         gate was refused as if the account were cooling down). The grace
         settles it.
         """
-        from relay.operations.readiness import StartupGate
+        from relay.process.readiness import StartupGate
 
         never = Deferred()
         self.patch(type(self.parts.store), "list", lambda this, kind: never)
@@ -487,7 +487,7 @@ class PauseTests(ControlFixture, SynchronousTestCase):
         from twisted.logger import capturedLogs
 
         from relay.control.store import ControlStoreUnavailable
-        from relay.operations.readiness import StartupGate
+        from relay.process.readiness import StartupGate
 
         store = self.parts.store
         original = type(store).list
@@ -513,7 +513,7 @@ class PauseTests(ControlFixture, SynchronousTestCase):
         R101: when the Redis client finds Redis silent, a first read still
         in flight (answered only at its timeout) settles at once.
         """
-        from relay.operations.readiness import StartupGate
+        from relay.process.readiness import StartupGate
 
         never = Deferred()
         self.patch(type(self.parts.store), "list", lambda this, kind: never)
@@ -541,8 +541,8 @@ class EmbeddedStartTests(SynchronousTestCase):
         """
         from relay.control.plane import ControlPlane
         from relay.control.store.sqlite import SQLiteControlStore
-        from relay.operations.live import LiveConfiguration
-        from relay.settingsdb import SQLiteSettingsStore
+        from relay.process.live import LiveConfiguration
+        from relay.state.settingsdb import SQLiteSettingsStore
         from tests.test_settings import synchronousPool
 
         path = self.mktemp()

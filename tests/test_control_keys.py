@@ -20,8 +20,8 @@ from twisted.web.test.requesthelper import DummyRequest
 from relay.control.plane import LOADING_GRACE_SECONDS
 from relay.control.store import ANY
 from relay.entry.http import KeyRing
-from relay.logs import _registered
-from relay.model import ClientKey
+from relay.base.logs import _registered
+from relay.base.records import ClientKey
 from relay.tenants.keydigest import KEY_PREFIX, keyDigest
 from relay.usage.tokens import TokenCounts
 from tests.test_control import ADMIN, FILE_KEY, NOW, ControlFixture
@@ -213,7 +213,7 @@ class IssueTests(KeysFixture, SynchronousTestCase):
         from hypothesis import HealthCheck, given, settings
         from hypothesis import strategies as st
 
-        from relay.config import ConfigError
+        from relay.configuration.parse import ConfigError
         from relay.control.keys.records import storedPolicy, validatePolicy
 
         instants = st.one_of(
@@ -725,7 +725,7 @@ class OwnerIdentityTests(KeysFixture, SynchronousTestCase):
     """
 
     def turn(self, key, previous=None):
-        from relay.model import Turn
+        from relay.base.records import Turn
 
         return Turn(entrypoint="http", endpoint="responses", client=key, model="gpt-5.5",
                     body={"input": "hi"}, stream=False, requestId="req-owner",

@@ -93,7 +93,7 @@ class LoginFixture(ControlFixture):
         """
         import io
 
-        from relay.logs import SecretSet, observerFor
+        from relay.base.logs import SecretSet, observerFor
 
         for fmt in ("json", "text"):
             stream = io.StringIO()

@@ -23,8 +23,8 @@ from relay.control.assemble import controlStoreFor
 from relay.control.store.memory import MemoryControlStore
 from relay.control.store.sqlite import SQLiteControlStore
 from relay.interfaces import IControlStore
-from relay.model import RelayConfig, StateSettings
-from relay.settingsdb import SQLiteSettingsStore
+from relay.base.records import RelayConfig, StateSettings
+from relay.state.settingsdb import SQLiteSettingsStore
 from tests.test_settings import synchronousPool
 
 T0 = 1_700_000_000.0

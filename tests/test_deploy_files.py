@@ -16,8 +16,8 @@ import re
 import yaml
 from twisted.trial.unittest import SynchronousTestCase
 
-from relay.config import loadConfig
-from relay.model import GatewaySettings
+from relay.configuration.parse import loadConfig
+from relay.base.records import GatewaySettings
 from relay.tap import SUPERVISOR_GRACE_MARGIN_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,5 +1,5 @@
 """
-Tests for L{relay.eager.eagerDeferred} (issue 16).
+Tests for L{relay.base.eager.eagerDeferred} (issue 16).
 """
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.trial.unittest import SynchronousTestCase
 
-from relay.eager import eagerDeferred
+from relay.base.eager import eagerDeferred
 
 
 class EagerDeferredTests(SynchronousTestCase):
@@ -124,7 +124,7 @@ class RaceCancelTests(SynchronousTestCase):
         leaves no watcher behind.
         """
         from relay.engine.cancel import raceCancel
-        from relay.model import CancelSignal
+        from relay.base.records import CancelSignal
 
         signal = CancelSignal()
         d = succeed(5)
@@ -137,7 +137,7 @@ class RaceCancelTests(SynchronousTestCase):
         L{ClientGone}.
         """
         from relay.engine.cancel import ClientGone, raceCancel
-        from relay.model import CancelSignal
+        from relay.base.records import CancelSignal
 
         signal = CancelSignal()
         cancelled = []
@@ -153,7 +153,7 @@ class RaceCancelTests(SynchronousTestCase):
         cancel does not touch it.
         """
         from relay.engine.cancel import raceCancel
-        from relay.model import CancelSignal
+        from relay.base.records import CancelSignal
 
         signal = CancelSignal()
         waiting = Deferred()
@@ -177,7 +177,7 @@ class RaceDepartureTests(SynchronousTestCase):
         signal holds no watcher afterwards.
         """
         from relay.engine.cancel import raceDeparture
-        from relay.model import CancelSignal
+        from relay.base.records import CancelSignal
 
         signal = CancelSignal()
         done = Deferred()
@@ -197,7 +197,7 @@ class RaceDepartureTests(SynchronousTestCase):
         does not cancel C{done}; its later result is ignored by the view.
         """
         from relay.engine.cancel import ClientGone, raceDeparture
-        from relay.model import CancelSignal
+        from relay.base.records import CancelSignal
 
         signal = CancelSignal()
         cancelled = []
@@ -217,7 +217,7 @@ class RaceDepartureTests(SynchronousTestCase):
         not cancel C{done}.
         """
         from relay.engine.cancel import raceDeparture
-        from relay.model import CancelSignal
+        from relay.base.records import CancelSignal
 
         cancelled = []
         done = Deferred(lambda _: cancelled.append(True))

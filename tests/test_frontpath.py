@@ -18,8 +18,8 @@ from relay.entry import headblock
 from relay.entry.body import LimitedBodyRequest, _Headers
 from relay.entry.http import clientHeaders, filterClientHeaders
 from relay.entry.site import RelayHTTPChannel
-from relay.model import Account, ClientKey, Turn
-from relay.requestid import (
+from relay.base.records import Account, ClientKey, Turn
+from relay.base.requestid import (
     _ATTRIBUTE,
     _textHeader,
     adoptClientId,

@@ -17,7 +17,7 @@ from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 
-from relay import requestid
+from relay.base import requestid
 from relay.entry.headblock import readHead
 
 
@@ -75,7 +75,7 @@ def _feed(raw: bytes, readHead: bool, pieces: int = 1):
     @return: C{(bytes written, ids and dates masked; whether the connection
         is closing; requests read)}.
     """
-    from relay.app import _Request
+    from relay.process.app import _Request
     from relay.entry.site import RelaySite
 
     site = RelaySite(_Echo(), requestFactory=_Request, reactor=Clock())

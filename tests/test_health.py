@@ -16,8 +16,8 @@ from relay.policy import failures as F
 from relay.policy.classify import DefaultClassifier
 from relay.policy.health import AccountHealth
 from relay.interfaces import IStateStore
-from relay.model import Account, BreakerSettings, GatewaySettings, ProxySpec
-from relay.settings import RuntimeSettings
+from relay.base.records import Account, BreakerSettings, GatewaySettings, ProxySpec
+from relay.state.settings import RuntimeSettings
 from relay.state.memory import MemoryStateStore
 
 #: a fixed start time, Unix seconds
@@ -78,7 +78,7 @@ class HealthTestCase(SynchronousTestCase):
 
     def runtime(self, account):
         """
-        @return: the stored L{F.AccountRuntime}.
+        @return: the stored L{relay.state.runtime.AccountRuntime}.
         """
         return result(self, self.store.getAccountStates([account.id]))[account.id]
 

@@ -1,5 +1,5 @@
 """
-Tests for L{relay.operator.history}: the per-account, per-minute history behind the
+Tests for L{relay.console.history}: the per-account, per-minute history behind the
 status page's charts (issue 15).
 """
 
@@ -9,7 +9,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
-from relay.operator.history import BUCKET_SECONDS, LATENCY_BINS, AccountHistory
+from relay.console.history import BUCKET_SECONDS, LATENCY_BINS, AccountHistory
 from relay.interfaces import IAccountHistory
 
 

@@ -1,7 +1,7 @@
 """
 Issue 19 items 1-4 (behaviour.md R103): nothing before the key, bounded
 bodies, deep nesting, slow clients -- on the relay's real site
-(L{relay.app.buildApplication}) over L{StringTransport}s.
+(L{relay.process.app.buildApplication}) over L{StringTransport}s.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def relaySite(limits="{}", concurrency=0, body_limit=None):
     """
     A relay's site and application with a probe at C{/v1/probe}.
     """
-    from relay.app import buildApplication
-    from relay.config import settingsFromString
+    from relay.process.app import buildApplication
+    from relay.configuration.parse import settingsFromString
 
     extra = f", max_request_body_bytes: {body_limit}" if body_limit else ""
     config = settingsFromString(
@@ -718,7 +718,7 @@ class IntakeAccessLineTests(SynchronousTestCase):
 
 class OpenRouteBodyTests(SynchronousTestCase):
     """
-    README "Security": a body sent to C{/healthz}, C{/readyz} or C{GET
+    docs/security.md: a body sent to C{/healthz}, C{/readyz} or C{GET
     /admin/} is discarded unread -- whatever its size or encoding (today
     413 over 64 KiB, 415 for an unknown encoding).
     """
@@ -937,8 +937,8 @@ def policySite():
     (disabled in the file), C{old} (expired), and C{team}; the clock at a
     2026 instant.
     """
-    from relay.app import buildApplication
-    from relay.config import settingsFromString
+    from relay.process.app import buildApplication
+    from relay.configuration.parse import settingsFromString
 
     config = settingsFromString(
         'listen: "tcp:0:interface=127.0.0.1"\ndatabase: ":memory:"\n'
@@ -1026,7 +1026,7 @@ class KeysPendingAtStartTests(SynchronousTestCase):
     """
 
     def pending(self):
-        from relay.operations.readiness import StartupGate
+        from relay.process.readiness import StartupGate
 
         app, probe = policySite()
         gate = StartupGate()
@@ -1069,7 +1069,7 @@ class KeysPendingAtStartTests(SynchronousTestCase):
         A disable the first read brings in refuses the waiting request
         from its headers; an admin key it brings in authenticates.
         """
-        from relay.model import ClientKey
+        from relay.base.records import ClientKey
         from relay.tenants.keydigest import keyDigest
 
         app, probe, gate, settle = self.pending()

@@ -15,7 +15,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 import relay
-from relay.model import Account, UpstreamSettings
+from relay.base.records import Account, UpstreamSettings
 from relay.upstream.http import HTTPDialer
 
 ROOT = os.path.dirname(os.path.abspath(relay.__file__))
@@ -135,7 +135,7 @@ class InvariantTests(SynchronousTestCase):
 def _moduleName(rel: str) -> str:
     """
     @param rel: a path below relay/, e.g. C{operations/reload.py}.
-    @return: the dotted module name, e.g. C{relay.operations.reload}.
+    @return: the dotted module name, e.g. C{relay.process.reload}.
     """
     name = "relay." + rel[:-3].replace(os.sep, ".")
     return name[: -len(".__init__")] if name.endswith(".__init__") else name
@@ -217,7 +217,7 @@ class ImportCircleTests(SynchronousTestCase):
         No set of relay modules (lazy imports included) imports itself
         round, except within relay.emulator. C{app -> operations.reload ->
         tap -> app} was one: the checks both need live in
-        L{relay.configcheck} now.
+        L{relay.configuration.check} now.
         """
         circles = [c for c in importCircles(importGraph())
                    if not all(m.startswith("relay.emulator.") for m in c)]

@@ -15,7 +15,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from relay.engine.compaction import inputFacts
 from relay.entry.annotate import annotateTurn
-from relay.model import ClientKey, Turn
+from relay.base.records import ClientKey, Turn
 from relay.scheduling.itemowners import (
     MAX_OWNED_ITEMS,
     itemOwnerKey,

@@ -1,5 +1,5 @@
 """
-Tests for L{relay.jsoncodec}: its C{loads} gives what C{json.loads} gives
+Tests for L{relay.wire.jsoncodec}: its C{loads} gives what C{json.loads} gives
 (values and errors), on generated documents and on mutated texts; its
 C{dumpsRecord} reads back as the record it wrote.
 """
@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from relay import jsoncodec
-from relay.jsoncodec import dumpsRecord, loads
+from relay.wire import jsoncodec
+from relay.wire.jsoncodec import dumpsRecord, loads
 
 
 def _same(a, b) -> bool:
@@ -149,10 +149,10 @@ class LoadsTests(SynchronousTestCase):
 
     def test_manyBracketsTakeTheStandardLibrary(self) -> None:
         """
-        More than L{relay.jsoncodec.MAX_FAST_BRACKETS} opening brackets
+        More than L{relay.wire.jsoncodec.MAX_FAST_BRACKETS} opening brackets
         (of either kind, nested or not) are never given to orjson.
         """
-        from relay.jsoncodec import MAX_FAST_BRACKETS
+        from relay.wire.jsoncodec import MAX_FAST_BRACKETS
 
         calls = []
 
@@ -171,10 +171,10 @@ class LoadsTests(SynchronousTestCase):
 
     def test_longTextsTakeTheStandardLibrary(self) -> None:
         """
-        A text longer than L{relay.jsoncodec.MAX_FAST_BYTES} is never given
+        A text longer than L{relay.wire.jsoncodec.MAX_FAST_BYTES} is never given
         to orjson (nor copied to be checked); one of that length is.
         """
-        from relay.jsoncodec import MAX_FAST_BYTES
+        from relay.wire.jsoncodec import MAX_FAST_BYTES
 
         calls = []
 

@@ -23,8 +23,8 @@ from relay.engine.keepalive import StreamKeepalive
 from relay.entry.sinks import SSESink
 from relay.entry.wssink import WebSocketSink
 from relay.interfaces import ITurnSink
-from relay.model import ClientKey, Turn
-from relay.sse import eventFromJSON
+from relay.base.records import ClientKey, Turn
+from relay.wire.sse import eventFromJSON
 from tests.test_runner import (
     COMPLETED,
     CREATED,

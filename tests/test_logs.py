@@ -1,5 +1,5 @@
 """
-Tests for L{relay.logs}: the observers and the secret redactor.
+Tests for L{relay.base.logs}: the observers and the secret redactor.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from twisted.logger import ILogObserver, Logger, eventsFromJSONLogFile
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
-from relay import logs
-from relay.config import loadConfig, secretsOf
-from relay.logs import SecretRedactor, SecretSet, observerFor
+from relay.base import logs
+from relay.configuration.parse import loadConfig, secretsOf
+from relay.base.logs import SecretRedactor, SecretSet, observerFor
 
 _ETC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "etc")
 
@@ -345,10 +345,10 @@ class LineFormatTests(SynchronousTestCase):
 
     def test_reportReadsIt(self):
         """
-        L{relay.operator.report.readEvents} reads the JSON lines (and the older
+        L{relay.console.report.readEvents} reads the JSON lines (and the older
         record-separated form).
         """
-        from relay.operator.report import buildReport, readEvents
+        from relay.console.report import buildReport, readEvents
 
         self.log.info("done", event="relay.turn_finished", entrypoint="http",
                       outcome="completed", status=200, attempts=1, duration_ms=5)
@@ -402,7 +402,7 @@ class WorkerFieldTests(SynchronousTestCase):
         By default the index is this process's, from C{RELAY_WORKER} (set
         by the supervisor), read when the observer is built.
         """
-        from relay.workers import WORKER_ENV
+        from relay.base.logs import WORKER_ENV
 
         self.addCleanup(os.environ.pop, WORKER_ENV, None)
         os.environ.pop(WORKER_ENV, None)
@@ -453,7 +453,7 @@ class AccessLogQueryTests(SynchronousTestCase):
         from twisted.web.resource import Resource
         from twisted.web.test.requesthelper import DummyRequest
 
-        from relay.app import _Site
+        from relay.process.app import _Site
 
         site = _Site(Resource())
         site.clock = Clock()

@@ -1,5 +1,5 @@
 """
-Tests for L{relay.operator.metrics}.
+Tests for L{relay.console.metrics}.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from relay.operator.metrics import NO_ACCOUNT, RelayMetrics, withoutCreated
+from relay.console.metrics import NO_ACCOUNT, RelayMetrics, withoutCreated
 
 
 class RelayMetricsTests(SynchronousTestCase):

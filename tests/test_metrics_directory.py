@@ -1,5 +1,5 @@
 """
-L{relay.workers.MetricsDirectory}: the workers' prometheus_client
+L{relay.process.workers.MetricsDirectory}: the workers' prometheus_client
 multiprocess directory (issue 23). The scrape across real workers is
 L{tests.integration.test_metrics_workers}.
 """
@@ -11,8 +11,8 @@ import tempfile
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from relay.operator.metrics import MULTIPROCESS_ENV, RelayMetrics, multiprocessDirectory
-from relay.workers import MetricsDirectory
+from relay.console.metrics import MULTIPROCESS_ENV, RelayMetrics, multiprocessDirectory
+from relay.process.workers import MetricsDirectory
 
 
 class MetricsDirectoryTests(SynchronousTestCase):

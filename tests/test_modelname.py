@@ -1,5 +1,5 @@
 """
-Tests for L{relay.modelname} (behaviour.md R110): one normalised model name
+Tests for L{relay.base.modelname} (behaviour.md R110): one normalised model name
 for key allow/deny lists, account C{models}, prices and metric labels,
 while the name sent upstream is the client's (or the mapping's) unaltered.
 """
@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from relay.model import Account
-from relay.modelname import OTHER, ModelCatalogue, listed, mapped, matchKey, normalise
-from relay.operator.metrics import RelayMetrics
+from relay.base.records import Account
+from relay.base.modelname import OTHER, ModelCatalogue, listed, mapped, matchKey, normalise
+from relay.console.metrics import RelayMetrics
 from relay.tenants.prices import DEFAULT_PRICES, PriceTable
 from relay.usage.tokens import TokenCounts
 from tests.tenantsrig import TenantsRig, account, key

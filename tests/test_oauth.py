@@ -24,7 +24,7 @@ from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
 from relay.interfaces import ICredentialSource, ITokenEndpoint, ITokenStore
-from relay.model import Account, GatewaySettings, OAuthSettings
+from relay.base.records import Account, GatewaySettings, OAuthSettings
 from relay.oauth import authfile
 from relay.oauth.credentials import LOCK_TTL_SECONDS, OAuthCredentials
 from relay.oauth.endpoint import NotSent, TokenReply
@@ -40,8 +40,8 @@ from relay.oauth.tokens import (
     expiresAt,
     fingerprint,
 )
-from relay.settings import RuntimeSettings
-from relay.settingsdb import SQLiteSettingsStore
+from relay.state.settings import RuntimeSettings
+from relay.state.settingsdb import SQLiteSettingsStore
 from tests.test_settings import synchronousPool
 
 NOW = 1_800_000_000.0
@@ -222,7 +222,7 @@ class AuthFileTests(SynchronousTestCase):
         YAML with C{*_env} references and writes the secrets to a 0600 env
         file; the YAML parses as relay configuration with those variables.
         """
-        from relay.config import settingsFromString
+        from relay.configuration.parse import settingsFromString
 
         access = token(NOW + 60, NOW, account="acct-abc")
         path = self.write({"tokens": {"access_token": access, "refresh_token": "rt-secret",
@@ -284,7 +284,7 @@ class AuthFileTests(SynchronousTestCase):
         references the file (C{auth_file}); both parse as configuration. A
         bad file is exit status 2 with one line.
         """
-        from relay.config import settingsFromString
+        from relay.configuration.parse import settingsFromString
 
         path = self.write({"tokens": {"refresh_token": "rt-x", "account_id": "acct-x"}})
         for mode in ("inline", "file"):
@@ -491,7 +491,7 @@ class CredentialsTests(SynchronousTestCase):
         one is forgotten; a renewed one starts again from its new
         configured tokens; a changed one dials with its new settings.
         """
-        from relay.operations.live import AccountSetChange
+        from relay.process.live import AccountSetChange
 
         first = account("o1")
         credentials = self.make(first)
@@ -640,14 +640,14 @@ class CredentialsTests(SynchronousTestCase):
         current token status and 0 for the others, so C{needs_login} can be
         alerted on; C{relay_oauth_refresh_failures_total} counts the failed
         token requests -- a counter of L{RelayMetrics} fed by
-        C{onRefreshFailure} (wired as L{relay.app} does), so that it adds
+        C{onRefreshFailure} (wired as L{relay.process.app} does), so that it adds
         up across workers like the other counters (issue 23; the summing
         itself: tests.integration.test_metrics_workers). No token appears
         in the scrape.
         """
         from prometheus_client import generate_latest
 
-        from relay.operator.metrics import RelayMetrics, withoutCreated
+        from relay.console.metrics import RelayMetrics, withoutCreated
         from relay.scheduling.quota import UsageCollector, UsageWindows
 
         acct = account(refresh="rt-secret-0")

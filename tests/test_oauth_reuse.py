@@ -31,7 +31,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import implementer
 
 from relay.interfaces import ITokenEndpoint
-from relay.model import GatewaySettings, OAuthSettings
+from relay.base.records import GatewaySettings, OAuthSettings
 from relay.oauth.credentials import SWITCH_SYNC_DELAYS, OAuthCredentials
 from relay.oauth.endpoint import TokenReply
 from relay.oauth.store import MemoryTokenStore
@@ -42,7 +42,7 @@ from relay.oauth.tokens import (
     fingerprint,
     retiredAfter,
 )
-from relay.settings import RuntimeSettings
+from relay.state.settings import RuntimeSettings
 from tests.test_oauth import NOW, account, token
 
 
@@ -428,7 +428,7 @@ class StartTests(_Base):
 
 class WiringTests(SynchronousTestCase):
     """
-    relay.app subscribes the token records' re-read to the Sentinel switch.
+    relay.process.app subscribes the token records' re-read to the Sentinel switch.
     """
 
     def test_switchHookWired(self):
@@ -439,8 +439,8 @@ class WiringTests(SynchronousTestCase):
         """
         from twisted.internet.testing import MemoryReactorClock
 
-        from relay.app import buildApplication
-        from relay.config import settingsFromString
+        from relay.process.app import buildApplication
+        from relay.configuration.parse import settingsFromString
 
         text = (
             'listen: "tcp:0:interface=127.0.0.1"\ndatabase: ":memory:"\n'

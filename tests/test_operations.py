@@ -1,5 +1,5 @@
 """
-Unit tests of L{relay.operations} (issue 14) on a L{Clock}: the live
+Unit tests of L{relay.process} (issue 14) on a L{Clock}: the live
 accounts registry and its change hook, the key ring swap, the reload
 (validate first, refuse restart-only keys, apply the rest, keep live
 settings overrides), the retirement of a changed account's pooled
@@ -26,16 +26,16 @@ from zope.interface.verify import verifyObject
 from relay.admission.memory import MemorySlotAdmission
 from relay.entry.http import HealthResource, KeyRing
 from relay.interfaces import ILiveAccounts, ISlotAdmission, ISlotDrain
-from relay.model import Account, ClientKey, GatewaySettings
-from relay.operations.drain import (
+from relay.base.records import Account, ClientKey, GatewaySettings
+from relay.process.drain import (
     RESTART_CLOSE,
     DrainGate,
     GracefulDrain,
     shuttingDown,
 )
-from relay.operations.live import AccountRegistry, AccountSetChange, LiveConfiguration
-from relay.operations.reload import ConfigReloader, refusedChanges
-from relay.settings import RuntimeSettings
+from relay.process.live import AccountRegistry, AccountSetChange, LiveConfiguration
+from relay.process.reload import ConfigReloader, refusedChanges
+from relay.state.settings import RuntimeSettings
 from relay.tap import ReloadOnHangup
 from relay.upstream.ws import UpstreamPool
 from tests.test_runner import OK_STREAM, T0, Rig, account, hang, sse
@@ -114,7 +114,7 @@ class RegistryTests(SynchronousTestCase):
         A new credential, endpoint, ChatGPT account or proxy renews an
         account; priority, concurrency, models or mapping alone do not.
         """
-        from relay.config import parseProxyURL
+        from relay.configuration.parse import parseProxyURL
 
         base = acct("a")
         registry = AccountRegistry([base])
@@ -228,7 +228,7 @@ class ReloaderTests(SynchronousTestCase):
             {"id": "a2", "type": "apikey", "api_key": "sk-up-2"},
         ]
         self.write()
-        from relay.config import loadConfig
+        from relay.configuration.parse import loadConfig
 
         config = loadConfig(self.path)
         self.live = LiveConfiguration.fromConfig(config)
@@ -404,7 +404,7 @@ class ReloaderTests(SynchronousTestCase):
         A changed Redis URL is named, its value (which may hold a password)
         is not.
         """
-        from relay.config import settingsFromString
+        from relay.configuration.parse import settingsFromString
 
         old = settingsFromString("state: {backend: redis, redis_url: 'redis://:pw1@h:1/0'}")
         new = settingsFromString("state: {backend: redis, redis_url: 'redis://:pw2@h:1/0'}")
@@ -459,7 +459,7 @@ class ReloaderTests(SynchronousTestCase):
         """
         A secret that arrives in a reload is redacted from logs afterwards.
         """
-        from relay.logs import observerFor
+        from relay.base.logs import observerFor
 
         self.write(keys=[{"name": "new", "key": "sk-relay-brand-new-secret-0001"}])
         self.reloader.reload()
@@ -850,7 +850,7 @@ class CleanExitTests(SynchronousTestCase):
 
 class _Redis:
     """
-    A L{relay.redisclient.RedisService} stand-in whose commands complete
+    A L{relay.wire.redisclient.RedisService} stand-in whose commands complete
     when the test says so.
     """
 
@@ -900,7 +900,7 @@ class RedisReleaseAllTests(SynchronousTestCase):
         A wait-queue departure still in flight is awaited too, at most
         C{timeout} seconds; then the drain goes on, logging it.
         """
-        from relay.model import WaitPlan
+        from relay.base.records import WaitPlan
 
         self.admission._leave(WaitPlan("account", "a1", 1, 5, 5), "p-2", True)
         d = self.admission.releaseAll(2)

@@ -1,5 +1,5 @@
 """
-The slot gauges' periodic read (L{relay.operator.view.OperatorView.
+The slot gauges' periodic read (L{relay.console.view.OperatorView.
 refreshSlots}): every account's load, read through the admission's busy
 read when it has one (issue 24: on Redis one argument for the pool).
 """
@@ -13,7 +13,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from relay.admission.memory import MemorySlotAdmission
-from relay.operator.view import OperatorView
+from relay.console.view import OperatorView
 
 ACCOUNTS = [SimpleNamespace(id=f"a{i}") for i in range(1, 4)]
 

@@ -15,13 +15,14 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from relay.policy import failures as F
 from relay.policy.classify import DefaultClassifier
+from relay.state.runtime import AccountRuntime
 from relay.policy.health import AccountHealth
-from relay.model import Account, ClientKey, GatewaySettings, ProxySpec, Turn
+from relay.base.records import Account, ClientKey, GatewaySettings, ProxySpec, Turn
 from relay.policy import ends as E
 from relay.policy.bookkeeping import AccountBookkeeping
 from relay.policy.judgement import eventError, impliedStatus, judge
 from relay.policy.proxyhealth import ProxyHealth
-from relay.settings import RuntimeSettings
+from relay.state.settings import RuntimeSettings
 from relay.state.memory import MemoryStateStore
 
 T0 = 1_800_000_000.0
@@ -291,7 +292,7 @@ class BookkeepingTests(SynchronousTestCase):
             self.successResultOf(
                 self.book.record(PROXIED, E.Departed("client_gone"), marking, MODEL, "req")
             )
-        self.assertEqual(self.state(PROXIED), F.AccountRuntime())
+        self.assertEqual(self.state(PROXIED), AccountRuntime())
         self.assertIsNone(self.health.breakerState(PROXIED.id))
         self.assertIsNone(self.health.localBlock(PROXIED.id))
         self.assertEqual(self.proxies.snapshot(), {})
@@ -322,7 +323,7 @@ class BookkeepingTests(SynchronousTestCase):
                         E.PoolBusy("timeout")):
                 self.record(end)
         self.assertEqual(self.breakerFailures(), 0)
-        self.assertEqual(self.state(), F.AccountRuntime())
+        self.assertEqual(self.state(), AccountRuntime())
         self.assertIsNone(self.health.localBlock(APIKEY.id))
 
     def test_persistent_transport_cools_without_breaker(self):
@@ -391,7 +392,7 @@ class BookkeepingTests(SynchronousTestCase):
         end = httpStatus(429, errorJSON("slow down", "rate_limit_error", "rate_limit_exceeded"))
         recorded = self.record(end, OAUTH)
         self.assertEqual(recorded.oauth429RetryIn, 0.5)
-        self.assertEqual(self.state(OAUTH), F.AccountRuntime())
+        self.assertEqual(self.state(OAUTH), AccountRuntime())
         self.clock.advance(121)
         recorded = self.record(end, OAUTH)
         self.assertTrue(recorded.oauth429Marked)
@@ -408,7 +409,7 @@ class BookkeepingTests(SynchronousTestCase):
         self.record(E.StreamCut("x"), PROXIED)
         self.assertTrue(self.proxies.isQuarantined(PROXIED))
         self.successResultOf(self.book.clear(PROXIED))
-        self.assertEqual(self.state(PROXIED), F.AccountRuntime())
+        self.assertEqual(self.state(PROXIED), AccountRuntime())
         self.assertIsNone(self.health.breakerState(PROXIED.id))
         self.assertFalse(self.proxies.isQuarantined(PROXIED))
         self.record(httpStatus(503, errorJSON("down")), PROXIED)
@@ -425,7 +426,7 @@ class OperatorTruthTests(SynchronousTestCase):
     def setUp(self):
         from relay.admission.memory import MemorySlotAdmission
         from relay.engine.runner import TurnRunner
-        from relay.operator.view import OperatorView
+        from relay.console.view import OperatorView
         from relay.scheduling.scheduler import AccountScheduler
 
         self.clock = Clock()

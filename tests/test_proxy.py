@@ -21,7 +21,7 @@ from twisted.web.client import URI
 from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface.verify import verifyObject
 
-from relay.model import ProxySpec
+from relay.base.records import ProxySpec
 from relay.upstream import proxy as proxymod
 from relay.upstream.proxy import (
     HTTPConnectNegotiation,

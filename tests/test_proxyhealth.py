@@ -14,10 +14,10 @@ from twisted.logger import globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from relay.admission.memory import MemorySlotAdmission
-from relay.model import Account, ClientKey, GatewaySettings, ProxySpec, Turn
+from relay.base.records import Account, ClientKey, GatewaySettings, ProxySpec, Turn
 from relay.policy.proxyhealth import ProxyHealth
 from relay.scheduling.scheduler import AccountScheduler
-from relay.settings import RuntimeSettings
+from relay.state.settings import RuntimeSettings
 from relay.state.memory import MemoryStateStore
 
 PROXY_A = ProxySpec(

@@ -12,10 +12,10 @@ from twisted.trial.unittest import SynchronousTestCase
 from relay.admission.memory import MemorySlotAdmission
 from relay.engine.pump import StreamPump
 from relay.engine.runner import TurnRunner
-from relay.model import Account, ClientKey, Turn
+from relay.base.records import Account, ClientKey, Turn
 from relay.policy.classify import DefaultClassifier
 from relay.scheduling.scheduler import AccountScheduler
-from relay.settings import RuntimeSettings
+from relay.state.settings import RuntimeSettings
 from relay.state.memory import MemoryStateStore
 
 

@@ -14,10 +14,11 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from relay.admission.memory import MemorySlotAdmission
-from relay.model import Account, GatewaySettings, SchedulingSettings
-from relay.scheduling.quota import UsageCollector, UsageWindows, windowsFromEvent, windowsFromHeaders
+from relay.base.records import Account, GatewaySettings, SchedulingSettings
+from relay.oauth.windows import windowsFromEvent, windowsFromHeaders
+from relay.scheduling.quota import UsageCollector, UsageWindows
 from relay.scheduling.scheduler import AccountScheduler
-from relay.settings import RuntimeSettings
+from relay.state.settings import RuntimeSettings
 from relay.state.memory import MemoryStateStore
 from tests.test_scheduler import turn
 

@@ -1,5 +1,5 @@
 """
-L{relay.operations.readiness}: C{GET /readyz} beside C{/healthz}, and the
+L{relay.process.readiness}: C{GET /readyz} beside C{/healthz}, and the
 Redis check a relay on the Redis backend registers (issue 23, behaviour.md
 R101: "/readyz says not ready" while Redis does not answer).
 """
@@ -12,10 +12,10 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.test.requesthelper import DummyRequest
 
-from relay.app import buildApplication
-from relay.config import settingsFromString
-from relay.operations.readiness import Readiness, ReadinessResource
-from relay.redisclient import RedisService
+from relay.process.app import buildApplication
+from relay.configuration.parse import settingsFromString
+from relay.process.readiness import Readiness, ReadinessResource
+from relay.wire.redisclient import RedisService
 
 
 def _get(resource) -> tuple:
@@ -99,13 +99,13 @@ class AppReadinessTests(SynchronousTestCase):
 
 class StartupGateTests(SynchronousTestCase):
     """
-    L{relay.operations.readiness.StartupGate}: one gate, a flag per store
+    L{relay.process.readiness.StartupGate}: one gate, a flag per store
     (issue 19's settings and tokens, and those parts add: the control
     plane's first read, issue 21), waited on whole or by name.
     """
 
     def test_flagsAddedJoinTheGate(self):
-        from relay.operations.readiness import StartupGate
+        from relay.process.readiness import StartupGate
 
         gate = StartupGate()
         control = gate.add("control")
@@ -122,7 +122,7 @@ class StartupGateTests(SynchronousTestCase):
         self.assertIsNone(gate.wait())
 
     def test_waitByName(self):
-        from relay.operations.readiness import StartupGate
+        from relay.process.readiness import StartupGate
 
         gate = StartupGate()
         control = gate.add("control")
@@ -134,7 +134,7 @@ class StartupGateTests(SynchronousTestCase):
         self.assertIsNotNone(gate.wait())  # settings and tokens still unread
 
     def test_cancelledWaitLeaves(self):
-        from relay.operations.readiness import StartupGate
+        from relay.process.readiness import StartupGate
 
         gate = StartupGate()
         d = gate.wait()

@@ -24,12 +24,12 @@ from relay.admission.redis import (
     RedisSlotAdmission,
 )
 from relay.interfaces import ISlotAdmission, ISlotDrain
-from relay.redisclient import RedisUnavailable
+from relay.wire.redisclient import RedisUnavailable
 
 
 class _Redis:
     """
-    A L{relay.redisclient.RedisService} stand-in: records every command and
+    A L{relay.wire.redisclient.RedisService} stand-in: records every command and
     answers it with the next of C{replies} (a value, or an exception to fail
     with), or leaves it pending when C{replies} is empty.
 
@@ -230,9 +230,9 @@ class ProcessLivenessServiceTests(SynchronousTestCase):
         """
         from twisted.internet.testing import MemoryReactorClock
 
-        from relay.app import buildApplication
-        from relay.config import settingsFromString
-        from relay.redisclient import RedisService
+        from relay.process.app import buildApplication
+        from relay.configuration.parse import settingsFromString
+        from relay.wire.redisclient import RedisService
 
         base = 'listen: "tcp:0:interface=127.0.0.1"\ndatabase: ":memory:"\n'
         app = buildApplication(

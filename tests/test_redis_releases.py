@@ -18,8 +18,8 @@ from relay.admission.redis import (
     RELEASE_RETRY_SECONDS,
     RedisSlotAdmission,
 )
-from relay.model import AdmissionError
-from relay.redisclient import RedisUnavailable
+from relay.base.records import AdmissionError
+from relay.wire.redisclient import RedisUnavailable
 from tests.test_redis_liveness import _Redis
 
 

@@ -11,13 +11,13 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from relay.redisclient import RedisUnavailable
+from relay.wire.redisclient import RedisUnavailable
 from relay.state.redisbatch import BATCH_LUA, SOLO, RedisBatch
 
 
 class _Redis:
     """
-    Records L{relay.redisclient.RedisService.execute} calls; each returns
+    Records L{relay.wire.redisclient.RedisService.execute} calls; each returns
     an unfired Deferred the test fires.
     """
 

@@ -1,5 +1,5 @@
 """
-L{relay.redisclient} on a L{Clock} with a pool stand-in (issue 23,
+L{relay.wire.redisclient} on a L{Clock} with a pool stand-in (issue 23,
 behaviour.md R101): what makes Redis reachable or unreachable, the
 fail-fast while it is not, the probe that finds it again, a demoted master
 (C{READONLY}, C{ROLE}), the Sentinels' C{+switch-master}, the durable write
@@ -19,7 +19,7 @@ from twisted.logger import Logger, capturedLogs
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
-from relay.redisclient import RedisService, RedisUnavailable, logFailure, parseHostPort
+from relay.wire.redisclient import RedisService, RedisUnavailable, logFailure, parseHostPort
 
 
 class _Transport:
@@ -456,7 +456,7 @@ class ParseRedisUrlTests(SynchronousTestCase):
     """
 
     def test_tcp(self):
-        from relay.redisclient import parseRedisUrl
+        from relay.wire.redisclient import parseRedisUrl
 
         target = parseRedisUrl("redis://user:p%40ss@cache.internal:6380/3")
         self.assertEqual((target.scheme, target.host, target.port, target.dbid),
@@ -468,7 +468,7 @@ class ParseRedisUrlTests(SynchronousTestCase):
         self.assertEqual((target.port, target.dbid, target.password), (6379, None, None))
 
     def test_tls(self):
-        from relay.redisclient import parseRedisUrl
+        from relay.wire.redisclient import parseRedisUrl
 
         target = parseRedisUrl("rediss://:pw@h/0?ssl_ca_certs=/ca.pem&ssl_certfile=/c.pem")
         self.assertTrue(target.tls)
@@ -476,7 +476,7 @@ class ParseRedisUrlTests(SynchronousTestCase):
                          ("/ca.pem", "/c.pem", None))
 
     def test_unix(self):
-        from relay.redisclient import parseRedisUrl
+        from relay.wire.redisclient import parseRedisUrl
 
         target = parseRedisUrl("unix://:pw@/run/redis/redis.sock?db=5")
         self.assertEqual((target.path, target.dbid, target.password, target.host),
@@ -486,14 +486,14 @@ class ParseRedisUrlTests(SynchronousTestCase):
 class FastCodecTests(SynchronousTestCase):
     """
     Issue 24: the pool's protocol builds commands and converts replies
-    without txredisapi's per-argument Python (L{relay.redisclient._fastProtocol})
+    without txredisapi's per-argument Python (L{relay.wire.redisclient._fastProtocol})
     -- the same bytes and values as txredisapi's own.
     """
 
     def setUp(self):
         import txredisapi
 
-        from relay.redisclient import _fastProtocol
+        from relay.wire.redisclient import _fastProtocol
 
         self.fast = _fastProtocol(txredisapi.RedisProtocol)(convertNumbers=False)
         self.plain = txredisapi.RedisProtocol(convertNumbers=False)
@@ -545,7 +545,7 @@ class _SentinelFactory:
 class SentinelRoleCheckTests(SynchronousTestCase):
     """
     Every new pooled connection with Sentinel checks C{ROLE} before it
-    serves (L{relay.redisclient._sentinelConnectionMade}); a check that
+    serves (L{relay.wire.redisclient._sentinelConnectionMade}); a check that
     fails -- the connection lost before the reply (the master killed during
     a failover, the CI fault of 2026-12-02), an error reply -- drops the
     connection and leaves no unhandled failure behind.
@@ -556,7 +556,7 @@ class SentinelRoleCheckTests(SynchronousTestCase):
 
         from twisted.internet.testing import StringTransport
 
-        from relay.redisclient import _fastProtocol
+        from relay.wire.redisclient import _fastProtocol
 
         gc.collect()
         proto = _fastProtocol(txredisapi.SentinelRedisProtocol)(convertNumbers=False)
@@ -622,7 +622,7 @@ class SentinelRoleCheckTests(SynchronousTestCase):
 class DirectCommandWriteTests(SynchronousTestCase):
     """
     A command on a ready pooled connection (L{RedisService._direct}) is
-    written with L{relay.sendnow.sendNow}: sent at once when nothing is
+    written with L{relay.wire.sendnow.sendNow}: sent at once when nothing is
     queued, instead of waiting for the reactor's next poll (issue 24).
     """
 
@@ -631,7 +631,7 @@ class DirectCommandWriteTests(SynchronousTestCase):
         The command's bytes go to C{sendNow} with the connection's
         transport; the reply fires the result.
         """
-        import relay.redisclient as redisclient
+        import relay.wire.redisclient as redisclient
 
         class _Ready:
             connected = True

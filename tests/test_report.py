@@ -1,5 +1,5 @@
 """
-Tests for L{relay.operator.report}: the seed-style tables from a synthetic JSON log
+Tests for L{relay.console.report}: the seed-style tables from a synthetic JSON log
 whose counts are known.
 """
 
@@ -11,7 +11,7 @@ import json
 from twisted.logger import Logger, jsonFileLogObserver
 from twisted.trial.unittest import SynchronousTestCase
 
-from relay.operator.report import buildReport, formatReport, main, percentile
+from relay.console.report import buildReport, formatReport, main, percentile
 
 
 def writeLog(path: str, separator: str = "\x1e") -> None:

@@ -1,5 +1,5 @@
 """
-Tests for L{relay.requestid} (issue 15): which client ids are adopted, the
+Tests for L{relay.base.requestid} (issue 15): which client ids are adopted, the
 id of a twisted.web request, and the turn's id as context for log lines.
 """
 
@@ -14,8 +14,8 @@ from twisted.logger import Logger
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.test.requesthelper import DummyRequest
 
-from relay.logs import observerFor
-from relay.requestid import (
+from relay.base.logs import observerFor
+from relay.base.requestid import (
     MAX_LENGTH,
     adoptClientId,
     bindRequestId,
@@ -213,7 +213,7 @@ class ForwardedIdTests(SynchronousTestCase):
         otherwise; a raw header the client sent is never passed as is.
         """
         from relay.engine.payload import upstreamClientHeaders
-        from relay.model import Account, ClientKey, Turn
+        from relay.base.records import Account, ClientKey, Turn
 
         account = Account(id="a", type="apikey", base_url="http://u/v1", credential="c")
         client = ClientKey(name="k", key="sk")

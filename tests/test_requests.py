@@ -25,9 +25,9 @@ from relay.engine.compaction import (
 )
 from relay.engine.payload import isEmptyCompleted
 from relay.entry.ws import ConnectionState
-from relay.model import ClientKey, Turn
+from relay.base.records import ClientKey, Turn
 from relay.scheduling.scheduler import NO_SLOT, affinityKey
-from relay.sse import Event
+from relay.wire.sse import Event
 from tests.test_runner import FakeResponse, FakeSink, Rig, account, frame, sse, status
 
 KEY = ClientKey(name="t", key="k", concurrency=2)

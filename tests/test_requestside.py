@@ -313,7 +313,7 @@ class _Chunks(Resource):
 
 class ChunkTests(SynchronousTestCase):
     """
-    The chunks after an answer's head (L{relay.app._Request.write}) are
+    The chunks after an answer's head (L{relay.process.app._Request.write}) are
     framed as twisted.web frames them.
     """
 
@@ -329,7 +329,7 @@ class ChunkTests(SynchronousTestCase):
     def test_sameAsTwisted(self):
         from twisted.web.server import Site
 
-        from relay.app import _Request
+        from relay.process.app import _Request
 
         ours, theirs = _Chunks(), _Chunks()
         self.assertEqual(self.answer(RelaySite(ours, requestFactory=_Request)),

@@ -17,7 +17,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from relay.entry.annotate import annotateTurn
 from relay.entry.http import KeyRing
 from relay.entry.root import buildRoot
-from relay.model import Account, ClientKey, Turn
+from relay.base.records import Account, ClientKey, Turn
 from relay.scheduling.scheduler import affinityKey
 
 ALICE = ClientKey(name="alice", key="sk-alice", concurrency=0)

@@ -26,9 +26,9 @@ from relay.engine.pump import STAGING_CAP
 from relay.engine.runner import TurnRunner
 from relay.policy.health import AccountHealth
 from relay.interfaces import ITurnSink, IUpstreamDialer, IUpstreamResponse
-from relay.model import Account, ClientKey, GatewaySettings, Turn
+from relay.base.records import Account, ClientKey, GatewaySettings, Turn
 from relay.scheduling.scheduler import AccountScheduler, responseKey, responseOwnerKey
-from relay.settings import RuntimeSettings
+from relay.state.settings import RuntimeSettings
 from relay.state.memory import MemoryStateStore
 
 #: a fixed start time, Unix seconds
@@ -1031,7 +1031,7 @@ class SlotErrorTests(SynchronousTestCase):
     """
 
     def test_userSlotTryError(self):
-        from relay.model import AdmissionError
+        from relay.base.records import AdmissionError
 
         rig = Rig([account("a")])
 

@@ -18,7 +18,7 @@ from zope.interface.verify import verifyObject
 
 from relay.admission.memory import MemorySlotAdmission
 from relay.interfaces import IAccountScheduler
-from relay.model import Account, ClientKey, GatewaySettings, SchedulingSettings, Turn
+from relay.base.records import Account, ClientKey, GatewaySettings, SchedulingSettings, Turn
 from relay.scheduling.scheduler import (
     AccountScheduler,
     responseKey,
@@ -26,7 +26,7 @@ from relay.scheduling.scheduler import (
     sessionKey,
 )
 from relay.scheduling.selection import NoAccountAvailable
-from relay.settings import RuntimeSettings
+from relay.state.settings import RuntimeSettings
 from relay.state.memory import MemoryStateStore
 
 ALICE = ClientKey(name="alice", key="sk-alice")

@@ -14,13 +14,14 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from relay.admission.memory import MemorySlotAdmission
-from relay.model import GatewaySettings, SchedulingSettings
-from relay.operations.live import AccountRegistry
+from relay.base.records import GatewaySettings, SchedulingSettings
+from relay.process.live import AccountRegistry
 from relay.scheduling.index import PoolIndex, sameSnapshot
-from relay.scheduling.quota import Snapshot, UsageWindows, Window
+from relay.oauth.windows import Snapshot, Window
+from relay.scheduling.quota import UsageWindows
 from relay.scheduling.scheduler import AccountScheduler, sessionKey
 from relay.scheduling.selection import NoAccountAvailable
-from relay.settings import RuntimeSettings
+from relay.state.settings import RuntimeSettings
 from relay.state.memory import MemoryStateStore
 from tests.test_scheduler import HASH, account, turn
 

@@ -16,11 +16,11 @@ from twisted.logger import capturedLogs
 from twisted.trial.unittest import SynchronousTestCase
 
 from relay.admission.memory import MemorySlotAdmission
-from relay.eager import eagerDeferred
-from relay.model import GatewaySettings, SchedulingSettings
+from relay.base.eager import eagerDeferred
+from relay.base.records import GatewaySettings, SchedulingSettings
 from relay.scheduling.scheduler import AccountScheduler, sessionKey
 from relay.scheduling.selection import NoAccountAvailable
-from relay.settings import RuntimeSettings
+from relay.state.settings import RuntimeSettings
 from relay.state.memory import MemoryStateStore
 
 from tests.test_scheduler import HASH, account, turn

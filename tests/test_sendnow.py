@@ -1,5 +1,5 @@
 """
-Tests for L{relay.sendnow} and the one-send answer of
+Tests for L{relay.wire.sendnow} and the one-send answer of
 L{relay.entry.site.RelayHTTPChannel} (issue 24 item 2).
 """
 
@@ -14,7 +14,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
-from relay.sendnow import sendNow, socketOf
+from relay.wire.sendnow import sendNow, socketOf
 
 
 class _Reactor:
@@ -123,7 +123,7 @@ class _Leaf(Resource):
 def _exchange(raw: bytes) -> _Counting:
     from twisted.internet.task import Clock
 
-    from relay.app import _Request
+    from relay.process.app import _Request
     from relay.entry.site import RelaySite
 
     root = Resource()
@@ -196,7 +196,7 @@ class _TCPExchange:
     def __init__(self, testCase, answerAtOnce: bool):
         from twisted.internet.task import Clock
 
-        from relay.app import _Request
+        from relay.process.app import _Request
         from relay.entry.site import RelaySite
 
         listener = socket.create_server(("127.0.0.1", 0))
@@ -285,7 +285,7 @@ class AnswerAtOnceTests(SynchronousTestCase):
 
 class AnswersAtOnceTests(SynchronousTestCase):
     """
-    L{relay.app.answersAtOnce}: answers go at once only with the memory
+    L{relay.process.app.answersAtOnce}: answers go at once only with the memory
     backend's built-in state store and admission.
     """
 
@@ -299,8 +299,8 @@ class AnswersAtOnceTests(SynchronousTestCase):
     def site(self, extra: str = ""):
         from twisted.internet.testing import MemoryReactorClock
 
-        from relay.app import buildApplication
-        from relay.config import settingsFromString
+        from relay.process.app import buildApplication
+        from relay.configuration.parse import settingsFromString
 
         return buildApplication(settingsFromString(self.CONFIG + extra),
                                 MemoryReactorClock()).site

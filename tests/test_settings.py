@@ -1,6 +1,6 @@
 """
-Tests for L{relay.settings} (behaviour.md R74, R75 "Normalisation") and the
-settings stores of L{relay.settingsdb}.
+Tests for L{relay.state.settings} (behaviour.md R74, R75 "Normalisation") and the
+settings stores of L{relay.state.settingsdb}.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
-from relay.model import GatewaySettings
-from relay.settings import (
+from relay.base.records import GatewaySettings
+from relay.state.settings import (
     RUNTIME_KEYS,
     RuntimeSettings,
     SettingsError,
@@ -30,7 +30,7 @@ from relay.settings import (
     normalise,
     normaliseLenient,
 )
-from relay.settingsdb import (
+from relay.state.settingsdb import (
     REDIS_KEY,
     SCHEMA_VERSION,
     ISettingsStore,
@@ -526,10 +526,10 @@ class SQLiteSettingsStoreTests(SynchronousTestCase):
     def test_walWithSynchronousCommits(self):
         """
         The store's own pool opens its connection in WAL mode with
-        synchronous (FULL) commits (L{relay.settingsdb.openConnection},
+        synchronous (FULL) commits (L{relay.state.settingsdb.openConnection},
         issue 24), and the store works on it.
         """
-        from relay.settingsdb import openConnection
+        from relay.state.settingsdb import openConnection
 
         path = self.mktemp()
         store = SQLiteSettingsStore(path=path, reactor=_NotRunningReactor())
@@ -558,7 +558,7 @@ class SQLiteSettingsStoreTests(SynchronousTestCase):
         """
         import sqlite3
 
-        from relay.settingsdb import openConnection
+        from relay.state.settingsdb import openConnection
 
         path = self.mktemp()
         reader = sqlite3.connect(path, isolation_level=None)

@@ -45,7 +45,7 @@ def exchange(raw: bytes):
 
     @return: C{(bytes written, transport)}.
     """
-    from relay.app import _Request
+    from relay.process.app import _Request
     from relay.entry.site import RelaySite
 
     root = Resource()
@@ -65,8 +65,8 @@ def appSite():
     """
     from twisted.internet.testing import MemoryReactorClock
 
-    from relay.app import buildApplication
-    from relay.config import settingsFromString
+    from relay.process.app import buildApplication
+    from relay.configuration.parse import settingsFromString
 
     config = settingsFromString(
         'listen: "tcp:0:interface=127.0.0.1"\ndatabase: ":memory:"\n'
@@ -217,7 +217,7 @@ class _Refuses(Resource):
         from twisted.web.server import NOT_DONE_YET
 
         from relay.entry.sinks import writeError
-        from relay.model import ClientError
+        from relay.base.records import ClientError
 
         writeError(request, ClientError(429, "rate_limit_error", "busy"))
         return NOT_DONE_YET
@@ -247,7 +247,7 @@ class StatusLineTests(SynchronousTestCase):
         """
         relay's own 429 is C{429 Too Many Requests}.
         """
-        from relay.app import _Request
+        from relay.process.app import _Request
         from relay.entry.site import RelaySite
 
         site = RelaySite(_Refuses(), requestFactory=_Request, reactor=Clock())

@@ -11,7 +11,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
-from relay.policy.failures import AccountRuntime
+from relay.state.runtime import AccountRuntime
 from relay.interfaces import IAccountStates, IAccountStateView, IStateStore
 from relay.state import accountKey, counter403Key
 from relay.state.memory import MemoryStateStore

@@ -23,10 +23,10 @@ from twisted.python.usage import UsageError
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
-from relay import configcheck
-from relay.config import checkDatabase, settingsFromString
-from relay.logs import jsonStdout, textStdout
-from relay.model import ConfigError
+from relay.configuration import check as configcheck
+from relay.configuration.parse import checkDatabase, settingsFromString
+from relay.base.logs import jsonStdout, textStdout
+from relay.base.records import ConfigError
 from relay.tap import Options, exitWithConfigError, makeService
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -44,7 +44,7 @@ accounts:
 def patchStderr(case: SynchronousTestCase) -> io.StringIO:
     """
     Point the configuration error line's standard error
-    (L{relay.configcheck}) at a fresh L{io.StringIO} for the duration of
+    (L{relay.configuration.check}) at a fresh L{io.StringIO} for the duration of
     C{case}.
     """
     stream = io.StringIO()
@@ -405,7 +405,7 @@ class CheckDatabaseTests(SynchronousTestCase):
         options = Options()
         options.parent = {"logger": None}
         options.parseOptions(["--config", DEMO, "--log-format", "json"])
-        self.assertEqual(options.parent["logger"], "relay.logs.jsonStdout")
+        self.assertEqual(options.parent["logger"], "relay.base.logs.jsonStdout")
         self.assertIs(namedAny(options.parent["logger"]), jsonStdout)
 
         options = Options()
@@ -565,7 +565,7 @@ class MakeServiceTests(SynchronousTestCase):
             e = self.assertRaises(SystemExit, service.privilegedStartService)
         self.assertEqual(e.code, 2)
         self.assertEqual(len(stderr.getvalue().splitlines()), 1)
-        self.assertEqual([ev for ev in events if ev.get("log_namespace") == "relay.app._Listener"],
+        self.assertEqual([ev for ev in events if ev.get("log_namespace") == "relay.process.app._Listener"],
                          [])
         self.assertFalse(os.path.exists(pidfile))
 
@@ -596,7 +596,7 @@ class MakeServiceTests(SynchronousTestCase):
         self.failingListen(service)
         with capturedLogs() as events:
             self.assertRaises(CannotListenError, service.privilegedStartService)
-        (logged,) = [ev for ev in events if ev.get("log_namespace") == "relay.app._Listener"]
+        (logged,) = [ev for ev in events if ev.get("log_namespace") == "relay.process.app._Listener"]
         self.assertEqual(formatEvent(logged), "listen: cannot listen on"
                          " tcp:8080:interface=127.0.0.1: Address already in use")
 
@@ -676,7 +676,7 @@ class PluginTests(SynchronousTestCase):
 
 class UnmigratedTokensTests(SynchronousTestCase):
     """
-    L{relay.app._warnUnmigratedTokens}: with the Redis backend, an existing
+    L{relay.process.app._warnUnmigratedTokens}: with the Redis backend, an existing
     SQLite C{database} may hold the newest OAuth tokens; relay says so.
     """
 
@@ -685,7 +685,7 @@ class UnmigratedTokensTests(SynchronousTestCase):
 
         from twisted.logger import globalLogPublisher
 
-        from relay.app import _warnUnmigratedTokens
+        from relay.process.app import _warnUnmigratedTokens
 
         seen = []
 
@@ -848,7 +848,7 @@ class LazyImportTests(SynchronousTestCase):
     """
     Issue 24 (RSS at c=128): treq, PyJWT and zstandard are imported where
     they are first used, unless the configuration uses them, in which case
-    they are imported at start (L{relay.app.checkImports}); a fresh
+    they are imported at start (L{relay.process.app.checkImports}); a fresh
     interpreter shows which are loaded once the service is built.
     """
 
@@ -894,8 +894,8 @@ class LazyImportTests(SynchronousTestCase):
         """
         import sys
 
-        from relay.app import checkImports
-        from relay.config import loadConfig
+        from relay.process.app import checkImports
+        from relay.configuration.parse import loadConfig
 
         path = self.mktemp()
         with open(path, "w", encoding="utf-8") as f:

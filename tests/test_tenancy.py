@@ -14,7 +14,7 @@ from twisted.logger import formatEvent  # noqa: F401
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
-from relay.model import ClientKey, ConfigError, Turn
+from relay.base.records import ClientKey, ConfigError, Turn
 from relay.scheduling.selection import NoAccountAvailable
 from tests.test_scheduler import SchedulerMixin, account
 from tests.test_runner import Rig, status
@@ -88,7 +88,7 @@ class OwnershipTests(SchedulerMixin, SynchronousTestCase):
         """
         from twisted.python.threadpool import ThreadPool  # noqa: F401
 
-        from relay.settingsdb import SQLiteSettingsStore
+        from relay.state.settingsdb import SQLiteSettingsStore
         from relay.state.durable import SQLiteValues
         from relay.state.memory import MemoryStateStore
         from tests.test_settings import synchronousPool as syncPool
@@ -145,9 +145,9 @@ class CleanStartTests(SynchronousTestCase):
         """
         from relay.oauth.credentials import OAuthCredentials
         from relay.oauth.store import MemoryTokenStore
-        from relay.model import Account
-        from relay.settings import RuntimeSettings
-        from relay.model import GatewaySettings
+        from relay.base.records import Account
+        from relay.state.settings import RuntimeSettings
+        from relay.base.records import GatewaySettings
         from twisted.internet.task import Clock
 
         clock = Clock()
@@ -160,7 +160,7 @@ class CleanStartTests(SynchronousTestCase):
         self.assertEqual(credentials.blockReason(oauth, 5)[0], "tokens_loading")
 
     def test_turnWaitsForTheGate(self):
-        from relay.operations.readiness import StartupGate
+        from relay.process.readiness import StartupGate
 
         rig = Rig([raccount("a")])
         gate = StartupGate()
@@ -175,7 +175,7 @@ class CleanStartTests(SynchronousTestCase):
     def test_readyz(self):
         from twisted.web.test.requesthelper import DummyRequest
 
-        from relay.operations.readiness import Readiness, ReadinessResource
+        from relay.process.readiness import Readiness, ReadinessResource
 
         readiness = Readiness()
         flag = []
@@ -195,8 +195,8 @@ class CleanStartTests(SynchronousTestCase):
     def test_appNotReadyUntilLoadedAndWhileDraining(self):
         from twisted.internet.testing import MemoryReactorClock
 
-        from relay.app import _Startup, buildApplication
-        from relay.config import settingsFromString
+        from relay.process.app import _Startup, buildApplication
+        from relay.configuration.parse import settingsFromString
 
         config = settingsFromString(
             'listen: "tcp:0:interface=127.0.0.1"\ndatabase: ":memory:"\n'
@@ -205,7 +205,7 @@ class CleanStartTests(SynchronousTestCase):
         readiness = app.extras["readiness"]
         self.assertEqual(readiness.ready(), (True, []))
         startup = _Startup(app)
-        from relay.settings import RuntimeSettings
+        from relay.state.settings import RuntimeSettings
 
         pending = Deferred()
         self.patch(RuntimeSettings, "start", lambda self: pending)
@@ -227,8 +227,8 @@ class CleanStartTests(SynchronousTestCase):
         """
         from twisted.internet.testing import MemoryReactorClock
 
-        from relay.app import _Startup, buildApplication
-        from relay.config import settingsFromString
+        from relay.process.app import _Startup, buildApplication
+        from relay.configuration.parse import settingsFromString
 
         config = settingsFromString(
             'listen: "tcp:0:interface=127.0.0.1"\ndatabase: ":memory:"\n'
@@ -240,7 +240,7 @@ class CleanStartTests(SynchronousTestCase):
         self.patch(type(parts.store), "readNow", None)
         self.patch(type(parts.store), "list",
                    lambda this, kind: held.append(Deferred()) or held[-1])
-        from relay.settings import RuntimeSettings
+        from relay.state.settings import RuntimeSettings
 
         self.patch(RuntimeSettings, "start", lambda self: succeed({}))
         startup = _Startup(app)
@@ -263,7 +263,7 @@ class SmallDefectTests(SynchronousTestCase):
     """
 
     def test_textLogRedactsTracebacks(self):
-        from relay.logs import observerFor
+        from relay.base.logs import observerFor
         import io
 
         out = io.StringIO()
@@ -296,7 +296,7 @@ class SmallDefectTests(SynchronousTestCase):
         self.assertEqual(len(store._values), 0)
 
     def test_operatorKeys(self):
-        from relay.config import settingsFromString
+        from relay.configuration.parse import settingsFromString
 
         base = "keys: [{name: t, key: sk-client-key-0123456789}]\n"
         for text, word in (
@@ -412,9 +412,9 @@ class NoCredentialInAdminAnswersTests(SynchronousTestCase):
         from twisted.internet.testing import MemoryReactorClock
         from twisted.logger import globalLogPublisher
 
-        from relay.app import buildApplication
-        from relay.config import secretsOf, settingsFromString
-        from relay.logs import SecretRedactor, formatTextLine
+        from relay.process.app import buildApplication
+        from relay.configuration.parse import secretsOf, settingsFromString
+        from relay.base.logs import SecretRedactor, formatTextLine
         from tests.test_intake import Conn, head
 
         path = os.path.join(tempfile.mkdtemp(), "relay.yaml")
@@ -475,7 +475,7 @@ class IntakeLeaseTests(SynchronousTestCase):
     """
 
     def test_refusedTurnReleasesTheIntakeLease(self):
-        from relay.model import ClientError
+        from relay.base.records import ClientError
         from tests.test_runner import FakeSink
 
         rig = Rig([raccount("a")])

@@ -1,6 +1,6 @@
 """
 Tests for C{GET /admin/requests} and C{GET /admin/explain}
-(L{relay.tenants.admin}): the admin key (R99), parameters, answers.
+(L{relay.console.tenants}): the admin key (R99), parameters, answers.
 """
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 from twisted.trial.unittest import SynchronousTestCase
 
 from relay.entry.http import KeyRing
-from relay.tenants.admin import ExplainResource, RequestsResource
-from relay.tenants.explain import Explainer
+from relay.console.tenants import ExplainResource, RequestsResource
+from relay.console.explain import Explainer
 from tests.tenantsrig import TenantsRig, account, key
 from tests.test_admin import KEY, jsonBody, makeRequest, render
 from tests.test_tenants_requestlog import record

@@ -13,7 +13,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from relay.entry.http import KeyRing
 from relay.scheduling.scheduler import DRY_LEASE, sessionKey
 from relay.scheduling.session import sessionHash
-from relay.tenants.explain import Explainer
+from relay.console.explain import Explainer
 from tests.tenantsrig import TenantsRig, account, key
 from tests.test_runner import T0
 

@@ -16,12 +16,12 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
-from relay.config import settingsFromString
+from relay.configuration.parse import settingsFromString
 from relay.entry.wssink import WebSocketSink
 from relay.interfaces import IRateLimiter
-from relay.model import ConfigError
-from relay.redisclient import RedisUnavailable
-from relay.tenants.policy import formatReset, rateLimitHeaders
+from relay.base.records import ConfigError
+from relay.wire.redisclient import RedisUnavailable
+from relay.tenants.keypolicy import formatReset, rateLimitHeaders
 from relay.tenants.ratelimit import (
     MemoryRateLimiter,
     RateDecision,

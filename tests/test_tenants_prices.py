@@ -9,8 +9,8 @@ from __future__ import annotations
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from relay.operator.metrics import RelayMetrics
-from relay.settingsdb import SQLiteSettingsStore
+from relay.console.metrics import RelayMetrics
+from relay.state.settingsdb import SQLiteSettingsStore
 from relay.tenants.prices import DEFAULT_PRICES, Price, PriceTable, usd
 from relay.usage.ledger import UsageLedger
 from relay.usage.store import MemoryUsageStore, SQLiteUsageStore, dayStart, hourOf, monthStart

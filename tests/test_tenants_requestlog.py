@@ -16,7 +16,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
 from relay.interfaces import IRequestLog
-from relay.settingsdb import SQLiteSettingsStore
+from relay.state.settingsdb import SQLiteSettingsStore
 from relay.tenants.record import Attempt, TurnRecord, fromDict
 from relay.tenants.requestlog import (
     MemoryRequestLog,

@@ -16,10 +16,10 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
-from relay.app import _tracing, buildApplication
-from relay.config import settingsFromString
+from relay.process.app import _tracing, buildApplication
+from relay.configuration.parse import settingsFromString
 from relay.interfaces import ITurnObserver, ITurnTrace
-from relay.model import ClientKey, ConfigError, TracingSettings, Turn
+from relay.base.records import ClientKey, ConfigError, TracingSettings, Turn
 from relay.tracing.otel import TurnTracer, buildTracerProvider
 from tests.test_runner import FakeDialer, FakeSink, Rig, T0, account, ok, status
 

@@ -15,8 +15,8 @@ from zope.interface.verify import verifyObject
 from relay.engine.payload import OAUTH_CHAT_FIELDS, upstreamBody, upstreamPath, upstreamStreams
 from relay.entry.sinks import JSONSink
 from relay.interfaces import ITurnSink
-from relay.model import Account, ClientKey, Turn
-from relay.sse import Event
+from relay.base.records import Account, ClientKey, Turn
+from relay.wire.sse import Event
 from relay.translate import (
     ChatChunkTranslator,
     ChatCompletionsSink,

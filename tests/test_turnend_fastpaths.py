@@ -18,8 +18,8 @@ from twisted.logger import capturedLogs
 from twisted.trial.unittest import SynchronousTestCase
 
 from relay.admission.memory import MemorySlotAdmission
-from relay.eager import eagerDeferred
-from relay.model import Account, ClientKey, GatewaySettings, SchedulingSettings, Turn
+from relay.base.eager import eagerDeferred
+from relay.base.records import Account, ClientKey, GatewaySettings, SchedulingSettings, Turn
 from relay.scheduling.itemowners import itemOwnerKey
 from relay.scheduling.scheduler import (
     AccountScheduler,
@@ -28,7 +28,7 @@ from relay.scheduling.scheduler import (
     responseKeys,
     responseOwnerKey,
 )
-from relay.settings import RuntimeSettings
+from relay.state.settings import RuntimeSettings
 from relay.state.durable import SQLiteValues
 from relay.state.memory import MemoryStateStore
 from tests.test_durable import _Database
@@ -332,7 +332,7 @@ class SetValuesTests(SynchronousTestCase):
 
 class AccessLineTests(SynchronousTestCase):
     """
-    The access line (L{relay.app._Site.log}) skips L{relay.logs.redactQuery}
+    The access line (L{relay.process.app._Site.log}) skips L{relay.base.logs.redactQuery}
     for a target without a query: the same C{path} and format either way.
     """
 
@@ -342,7 +342,7 @@ class AccessLineTests(SynchronousTestCase):
         from twisted.web.resource import Resource
         from twisted.web.test.requesthelper import DummyRequest
 
-        from relay.app import _Site
+        from relay.process.app import _Site
 
         site = _Site(Resource())
         site.clock = Clock()
@@ -364,7 +364,7 @@ class AccessLineTests(SynchronousTestCase):
         Every target's C{path} is what L{redactQuery} gives (cut at 512),
         and the format names C{duration_ms} exactly when it was measured.
         """
-        from relay.logs import redactQuery
+        from relay.base.logs import redactQuery
 
         for uri in [b"/v1/responses", b"/v1/responses?api_key=sk-1&stream=true",
                     b"/x?", b"/caf\xe9/" + b"p" * 600, b"/a?token=" + b"t" * 600]:

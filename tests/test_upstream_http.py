@@ -14,7 +14,7 @@ from twisted.logger import capturedLogs
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import _HTTP11ClientFactory
 
-from relay.model import Account, ProxySpec, UpstreamSettings
+from relay.base.records import Account, ProxySpec, UpstreamSettings
 from relay.upstream.http import HTTPDialer, QuietConnectionPool
 from relay.upstream.httpclient import _ConnectionFactory
 from relay.upstream.ws import upstreamFactory

@@ -19,10 +19,10 @@ from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
 from relay.interfaces import IUsageStore
-from relay.operator.metrics import RelayMetrics
-from relay.model import ClientKey, Turn
-from relay.settingsdb import SQLiteSettingsStore
-from relay.sse import Event, eventFromJSON
+from relay.console.metrics import RelayMetrics
+from relay.base.records import ClientKey, Turn
+from relay.state.settingsdb import SQLiteSettingsStore
+from relay.wire.sse import Event, eventFromJSON
 from relay.usage.ledger import UsageLedger
 from relay.usage.query import UsageQueryError, parseGroupBy, parseSince
 from relay.usage.service import UsageFlushService
@@ -35,7 +35,7 @@ from relay.usage.store import (
     monthStart,
     nextMonthStart,
 )
-from relay.usage.tap import UsageTap
+from relay.usage.reader import UsageTap
 from relay.usage.tokens import TokenCounts, fromBody, fromEvent, fromUsage
 from tests.test_admin import jsonBody, makeRequest, render
 from tests.test_runner import (
@@ -586,8 +586,8 @@ class AdminUsageTests(SynchronousTestCase):
     """
 
     def setUp(self):
-        from relay.operator.admin import buildAdminResource
-        from relay.settings import RuntimeSettings
+        from relay.console.admin import buildAdminResource
+        from relay.state.settings import RuntimeSettings
 
         self.clock = Clock()
         self.clock.advance(T0)
@@ -826,8 +826,8 @@ class ConfigTests(SynchronousTestCase):
         C{keys[].daily_tokens}/C{monthly_tokens} (positive integers or null)
         and C{usage:} parse; a bad value is one error naming the key path.
         """
-        from relay.config import settingsFromString
-        from relay.model import ConfigError
+        from relay.configuration.parse import settingsFromString
+        from relay.base.records import ConfigError
 
         config = settingsFromString(
             "keys: [{name: a, key: k, daily_tokens: 1000, monthly_tokens: null}]\n"
@@ -847,9 +847,9 @@ class ConfigTests(SynchronousTestCase):
         C{gateway.stream_keepalive_interval}: default 10 (R24), 0..300 in the
         file, clamped as a runtime setting (R74).
         """
-        from relay.config import settingsFromString
-        from relay.model import ConfigError
-        from relay.settings import normalise
+        from relay.configuration.parse import settingsFromString
+        from relay.base.records import ConfigError
+        from relay.state.settings import normalise
 
         self.assertEqual(settingsFromString("keys: []").gateway.stream_keepalive_interval, 10)
         self.assertEqual(

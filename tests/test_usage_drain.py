@@ -13,7 +13,7 @@ import json
 from twisted.internet.defer import succeed
 from twisted.trial.unittest import SynchronousTestCase
 
-from relay.model import ClientKey, Turn
+from relay.base.records import ClientKey, Turn
 from relay.usage.estimate import estimatedCounts, inputTokens
 from relay.usage.tokens import TokenCounts
 from tests.test_runner import (
@@ -363,7 +363,7 @@ class DrainTests(SynchronousTestCase):
         A turn relay cancels itself (a graceful stop's grace ran out) is not
         drained: its usage after output is estimated at once.
         """
-        from relay.engine.errors import internalError
+        from relay.base.clienterrors import internalError
 
         rig = self.rig()
         rig.script("a", stream((0, CREATED), (0, DELTA), (5, COMPLETED_6K)))
@@ -398,7 +398,7 @@ class ConfigTests(SynchronousTestCase):
     """
 
     def test_defaults_and_values(self):
-        from relay.config import settingsFromString
+        from relay.configuration.parse import settingsFromString
 
         base = 'listen: "tcp:0:interface=127.0.0.1"\n'
         gateway = settingsFromString(base).gateway
@@ -408,8 +408,8 @@ class ConfigTests(SynchronousTestCase):
         self.assertEqual((gateway.usage_drain_seconds, gateway.usage_drain_bytes), (5.5, 0))
 
     def test_bad_values_are_one_line(self):
-        from relay.config import settingsFromString
-        from relay.model import ConfigError
+        from relay.configuration.parse import settingsFromString
+        from relay.base.records import ConfigError
 
         for key, value in (("usage_drain_seconds", "-1"), ("usage_drain_seconds", "soon"),
                            ("usage_drain_seconds", "7200"), ("usage_drain_bytes", "1.5"),
@@ -571,7 +571,7 @@ class GracefulStopTests(SynchronousTestCase):
     """
 
     def test_drain_ended_at_grace(self):
-        from relay.operations.drain import GracefulDrain
+        from relay.process.drain import GracefulDrain
 
         rig = Rig([account("a")], shutdown_grace_seconds=10)
         rig.runner.requestLog = log = Log()

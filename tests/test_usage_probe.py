@@ -14,10 +14,11 @@ from attrs import evolve
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from relay.model import Account, GatewaySettings, OAuthSettings, ProxySpec
+from relay.base.records import Account, GatewaySettings, OAuthSettings, ProxySpec
 from relay.oauth.usageprobe import UsageProbe, usageURL
-from relay.scheduling.quota import UsageWindows, windowsFromWham
-from relay.settings import RuntimeSettings
+from relay.oauth.windows import windowsFromWham
+from relay.scheduling.quota import UsageWindows
+from relay.state.settings import RuntimeSettings
 from relay.state.memory import MemoryStateStore
 from tests.test_control_logins import FakeEgress, reply
 

@@ -1,5 +1,5 @@
 """
-Tests for L{relay.workers} (issue 16): the supervisor on a fake process
+Tests for L{relay.process.workers} (issue 16): the supervisor on a fake process
 reactor and a L{Clock}; the C{workers} configuration key and flag.
 """
 
@@ -18,9 +18,9 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
-from relay.config import checkWorkers, settingsFromString
-from relay.model import ConfigError
-from relay.workers import (
+from relay.configuration.parse import checkWorkers, settingsFromString
+from relay.base.records import ConfigError
+from relay.process.workers import (
     CHANNEL_FD,
     HEALTHY_SECONDS,
     RESTART_DELAY_SECONDS,
@@ -371,14 +371,14 @@ class SupervisorServiceTests(SynchronousTestCase):
 
 class _Reloads:
     """
-    A L{relay.operations.reload.ConfigReloader} over a configuration held
+    A L{relay.process.reload.ConfigReloader} over a configuration held
     in memory: L{good} switches between a valid and a broken file.
     """
 
     def __init__(self):
-        from relay.operations.live import LiveConfiguration
-        from relay.operations.reload import ConfigReloader
-        from relay.settings import RuntimeSettings
+        from relay.process.live import LiveConfiguration
+        from relay.process.reload import ConfigReloader
+        from relay.state.settings import RuntimeSettings
 
         config = settingsFromString("{}\n")
         self.good = True

@@ -13,12 +13,12 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from relay.engine.errors import previousResponseNotFound
+from relay.base.clienterrors import previousResponseNotFound
 from relay.engine.wsattempt import errorFromEvent, isPreviousNotFound
 from relay.policy.judgement import busyVerdict
 from relay.entry.ws import ConnectionState, normaliseInput
 from relay.entry.wssink import WebSocketSink, isStatusEvent
-from relay.model import (
+from relay.base.records import (
     Account,
     ClientError,
     ClientKey,
@@ -26,7 +26,7 @@ from relay.model import (
     Turn,
     WebSocketSettings,
 )
-from relay.sse import eventFromJSON
+from relay.wire.sse import eventFromJSON
 from relay.upstream.ws import (
     BETA_HEADER,
     PoolBusy,

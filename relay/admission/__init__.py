@@ -18,7 +18,7 @@ Common rules of both providers:
     queue: a busy slot is refused with C{queue_full} at once.
   - Only the head of the queue may take a slot (R-B2); a fast try by a
     newcomer fails while others wait.
-  - L{relay.model.AdmissionError} instances raised here carry
+  - L{relay.base.records.AdmissionError} instances raised here carry
     C{waitedSeconds} (float) and C{queuePosition} (int, 1-based, 0 when
     the caller never queued) for the engine's wait logs (R32).
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from relay.model import AdmissionError, WaitPlan
+from relay.base.records import AdmissionError, WaitPlan
 
 KINDS = ("account", "user")
 

@@ -22,8 +22,8 @@ from zope.interface import implementer
 
 from relay.admission import admissionError
 from relay.interfaces import ISlotAdmission, ISlotDrain, ISlotLease
-from relay.model import WaitPlan
-from relay.requestid import currentRequestId
+from relay.base.records import WaitPlan
+from relay.base.requestid import currentRequestId
 
 
 @implementer(ISlotLease)
@@ -73,7 +73,7 @@ class _Ticket:
     @ivar position: the 1-based position on joining.
     @ivar result: the L{Deferred} given to the caller.
     @ivar timer: the timeout L{IDelayedCall}.
-    @ivar cancelWait: the L{relay.model.CancelSignal.whenCancelled} Deferred.
+    @ivar cancelWait: the L{relay.base.records.CancelSignal.whenCancelled} Deferred.
     @ivar done: whether the ticket left the queue (granted or failed).
     @ivar requestId: the waiting turn's id (L{currentRequestId} when it
         joined), for the lines written when it leaves from a timer or a

@@ -84,7 +84,7 @@ C{on_redis_error} (R35), as implemented:
     acknowledged may never have reached the replica that took over);
   - heartbeat errors are logged and the heartbeat goes on;
   - C{load()} errors: C{fail_open} reports C{(0, 0)} for every id,
-    C{fail_closed} fails with L{relay.redisclient.RedisUnavailable}.
+    C{fail_closed} fails with L{relay.wire.redisclient.RedisUnavailable}.
 
 After Redis comes back, the pool reconnects by itself and the next call
 works; tickets lost in a restart are re-added at the tail by the next
@@ -130,11 +130,11 @@ from relay.admission.rediskeys import (
 from relay.admission.redisload import RedisLoads
 from relay.admission.redisqueue import RedisWait
 from relay.admission.redisrenew import LeaseRenewals
+from relay.base.records import AdmissionError, WaitPlan
+from relay.base.requestid import currentRequestId
 from relay.interfaces import ISlotAdmission, ISlotDrain, ISlotLease
-from relay.model import AdmissionError, WaitPlan
-from relay.redisclient import RedisService, RedisUnavailable, describe
-from relay.requestid import currentRequestId
 from relay.state.redisbatch import RedisBatch
+from relay.wire.redisclient import RedisService, RedisUnavailable, describe
 
 
 @implementer(ISlotLease)
@@ -152,7 +152,7 @@ class RedisSlotLease:
         Redis.
     @ivar released: whether L{release} was called.
     @ivar turnRequestId: the id of the turn that acquired it
-        (L{relay.requestid.currentRequestId} when it was made), for the
+        (L{relay.base.requestid.currentRequestId} when it was made), for the
         log lines its renewals write outside the turn (issue 15).
     """
 
@@ -599,7 +599,7 @@ class RedisSlotAdmission:
     def masterSwitched(self) -> None:
         """
         The Sentinels promoted a new master (a
-        L{relay.redisclient.RedisService.switchListeners} hook): every
+        L{relay.wire.redisclient.RedisService.switchListeners} hook): every
         removal of a slot member of the last L{RECENT_RELEASE_SECONDS} -- a
         release, and the leave of an acquire that failed or was abandoned
         -- is repeated there (R34: no slot leaked across a failover). The
@@ -689,7 +689,7 @@ class ProcessLivenessService(Service):
     """
     Runs a L{RedisSlotAdmission}'s liveness heartbeat while the relay runs
     (R34 crash recovery): started after the Redis client, stopped after the
-    drain has released this process's slots (L{relay.app._Startup} stops
+    drain has released this process's slots (L{relay.process.app._Startup} stops
     children in reverse order), which expires its liveness entry.
 
     @ivar admission: the L{RedisSlotAdmission}.

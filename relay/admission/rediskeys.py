@@ -13,8 +13,8 @@ import random
 
 from twisted.internet.interfaces import IReactorTime
 
-from relay.redisclient import RedisService
 from relay.state.redisbatch import SOLO, RedisBatch, batchScript
+from relay.wire.redisclient import RedisService
 
 
 def _script(name: str) -> str:

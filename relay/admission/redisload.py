@@ -22,7 +22,7 @@ from relay.admission.rediskeys import (
     PROCESSES_KEY,
     keysFor,
 )
-from relay.redisclient import RedisUnavailable
+from relay.wire.redisclient import RedisUnavailable
 
 
 @define(eq=False, repr=False)
@@ -32,7 +32,7 @@ class RedisLoads:
 
     @ivar _admission: the admission: its C{timeout}, C{slotTtl},
         C{onRedisError} and error log.
-    @ivar _redis: the running L{relay.redisclient.RedisService}.
+    @ivar _redis: the running L{relay.wire.redisclient.RedisService}.
     @ivar _clock: the injected clock (seconds).
     @ivar _ids: C{(kind, ids)} -> the ids as C{busy.lua}'s one argument.
     @ivar _cache: R34's load cache: C{(kind, ids)} -> C{[read at, loads or

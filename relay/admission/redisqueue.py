@@ -17,13 +17,13 @@ from twisted.python.failure import Failure
 
 from relay.admission import admissionError
 from relay.admission.rediskeys import BACKOFF_START, nextBackoff
-from relay.model import AdmissionError, WaitPlan
-from relay.redisclient import RedisUnavailable, describe
+from relay.base.records import AdmissionError, WaitPlan
+from relay.wire.redisclient import RedisUnavailable, describe
 
 
 class _Cancelled(Exception):
     """
-    The turn's L{relay.model.CancelSignal} fired during a wait.
+    The turn's L{relay.base.records.CancelSignal} fired during a wait.
     """
 
 

@@ -15,7 +15,7 @@ from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
 
 from relay.admission.rediskeys import RENEW_LUA, slotKey
-from relay.redisclient import RedisUnavailable
+from relay.wire.redisclient import RedisUnavailable
 
 
 @define(eq=False, repr=False)
@@ -25,7 +25,7 @@ class LeaseRenewals:
     every method takes a L{relay.admission.redis.RedisSlotLease}.
 
     @ivar _admission: the admission: its C{timeout}, C{slotTtl} and logs.
-    @ivar _redis: the running L{relay.redisclient.RedisService}.
+    @ivar _redis: the running L{relay.wire.redisclient.RedisService}.
     @ivar _clock: the injected clock (seconds).
     @ivar _due: the leases being renewed: interval (seconds) -> {lease:
         when its next renewal is due}, in due order; one delayed call

@@ -26,7 +26,7 @@ its C{records} in the one control store:
     shipped prices;
   - L{relay.control.plane}: the changes applied to the live account set,
     the key ring, the groups and the prices, the way a reload applies a
-    file (L{relay.operations.reload});
+    file (L{relay.process.reload});
   - L{relay.control.web}: the admin key check and the one admin body
     reader the resources share;
   - L{relay.control.assemble}: the wiring into a relay.

@@ -44,18 +44,18 @@ def controlStoreFor(config, reactor, redis=None, settingsStore=None):
     the SQLite C{database} (sharing the settings store's connection), else
     memory (nothing survives a restart).
 
-    @param config: the L{relay.model.RelayConfig}.
+    @param config: the L{relay.base.records.RelayConfig}.
     @param reactor: the reactor (the clock of every timeout).
-    @param redis: the L{relay.redisclient.RedisService}, with Redis.
+    @param redis: the L{relay.wire.redisclient.RedisService}, with Redis.
     @param settingsStore: the settings store (a
-        L{relay.settingsdb.SQLiteSettingsStore} when there is a database).
+        L{relay.state.settingsdb.SQLiteSettingsStore} when there is a database).
     @rtype: L{relay.interfaces.IControlStore}
     """
-    from relay.settingsdb import SQLiteSettingsStore
+    from relay.state.settingsdb import SQLiteSettingsStore
 
     if config.state.backend == "redis" and redis is not None:
         from relay.control.store.redis import CHANNEL, RedisControlStore
-        from relay.redisclient import parseRedisUrl
+        from relay.wire.redisclient import parseRedisUrl
 
         # Pub/sub channels are server-wide, not per database: relays on
         # another database of the same server hear nothing of these.
@@ -81,7 +81,7 @@ class ControlService(MultiService):
     def __init__(self, plane, logins, probe, clock):
         super().__init__()
         from relay.oauth.usageprobe import PROBE_TICK_SECONDS
-        from relay.operator.view import periodic
+        from relay.console.view import periodic
 
         self.plane = plane
         self.logins = logins
@@ -132,12 +132,12 @@ def assembleControl(app, admin, view, redis) -> ControlParts:
     """
     Build the control plane of C{app}.
 
-    @param app: the L{relay.app.RelayApplication} (its C{extras["control"]}
+    @param app: the L{relay.process.app.RelayApplication} (its C{extras["control"]}
         is the plane the scheduler already asks).
     @param admin: the operator surface's C{/admin} resource.
-    @param view: the L{relay.operator.view.OperatorView} (new tokens for a
+    @param view: the L{relay.console.view.OperatorView} (new tokens for a
         re-login).
-    @param redis: the L{relay.redisclient.RedisService}, with Redis.
+    @param redis: the L{relay.wire.redisclient.RedisService}, with Redis.
     @rtype: L{ControlParts}
     """
     from twisted.web.client import BrowserLikePolicyForHTTPS

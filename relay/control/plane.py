@@ -1,10 +1,10 @@
 # -*- test-case-name: tests.test_control -*-
 """
 L{ControlPlane}: what operators changed, applied to the running relay
-(issue 21), the way a reload is applied (L{relay.operations.reload}).
+(issue 21), the way a reload is applied (L{relay.process.reload}).
 
 The accounts in force (the live set every consumer reads,
-L{relay.operations.live.AccountRegistry}) are B{the file's accounts, then
+L{relay.process.live.AccountRegistry}) are B{the file's accounts, then
 the admin accounts} (records of kind C{account} in the control store,
 oldest first). Whenever the store changes -- this process's own write at
 once, another process's within a second (Redis pub/sub) -- the plane
@@ -37,7 +37,7 @@ the admin groups (C{group}) into the key policy; the admin prices
 
 B{Start-up} (behaviour.md R105, R101). Until the store's first read is
 settled the ring is C{pending} and the plane's flag of relay's one
-start-up gate (L{relay.operations.readiness.StartupGate}, C{control}) is
+start-up gate (L{relay.process.readiness.StartupGate}, C{control}) is
 unset: a turn waits at the gate (bounded) and a client request waits at
 its headers (L{relay.entry.body}), so neither a paused account nor a key
 disabled through the API slips through, and no turn is refused for the
@@ -52,7 +52,7 @@ has (the reload is refused, nothing changes, one line naming the id:
 L{reloadProblems}); a file edited while relay was stopped can still
 clash: the admin account wins then (logged), because it may hold the
 only copy of a ChatGPT login, while the file's entry is still in the
-file. See the README ("Managing accounts").
+file. See docs/accounts.md.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ from relay.control.groups.service import GROUP, groupAccounts
 from relay.control.keys.records import KEY, KEY_DISABLED, keyFromRecord
 from relay.control.prices.service import PRICES, pricesOf
 from relay.control.store import ControlChange
-from relay.model import Account, ConfigError
+from relay.base.records import Account, ConfigError
 
 __all__ = ["ControlPlane", "LOADING_GRACE_SECONDS", "PAUSED_KIND"]
 
@@ -102,7 +102,7 @@ class ControlPlane:
     See the module docstring.
 
     @ivar _clock: the reactor's clock.
-    @ivar live: the L{relay.operations.live.LiveConfiguration} to change.
+    @ivar live: the L{relay.process.live.LiveConfiguration} to change.
     @ivar configPath: the configuration file (named in 409 answers), or
         L{None}.
     @ivar store: the L{relay.interfaces.IControlStore}; set once the
@@ -112,7 +112,7 @@ class ControlPlane:
     @ivar pauses: account id -> the C{pause} L{ControlRecord}.
     @ivar invalid: account id -> why an admin record does not validate
         (e.g. its C{proxy_id} was removed); such an account is not in force.
-    @ivar keyPolicy: the L{relay.tenants.policy.KeyPolicy} (its
+    @ivar keyPolicy: the L{relay.tenants.keypolicy.KeyPolicy} (its
         C{adminGroups}), set by the app; or L{None}.
     @ivar prices: the L{relay.tenants.prices.PriceTable}, set by the app;
         or L{None}.
@@ -142,7 +142,7 @@ class ControlPlane:
     _running: bool = field(default=False, init=False)
     onSettled: Optional[Callable] = None
     """Called (no argument) once the first read is settled: the start-up
-    gate's C{control} flag (L{relay.app}); L{None}: nobody waits."""
+    gate's C{control} flag (L{relay.process.app}); L{None}: nobody waits."""
     _settled: bool = field(default=False, init=False)
     _syncing: Optional[Deferred] = field(default=None, init=False)
     _again: bool = field(default=False, init=False)
@@ -250,7 +250,7 @@ class ControlPlane:
 
     def storeUnreachable(self) -> None:
         """
-        The control store's Redis was found silent (L{relay.redisclient.
+        The control store's Redis was found silent (L{relay.wire.redisclient.
         RedisService.unreachableListeners}): a first read still in flight
         will not be answered before its timeout, so it settles now (fail
         open, R35, R101: turns waiting at the start-up gate go on at once
@@ -383,7 +383,7 @@ class ControlPlane:
             if account.id != record.id:
                 invalid[record.id] = "its id does not match its record"
                 continue
-            from relay.logs import registerSecrets
+            from relay.base.logs import registerSecrets
 
             registerSecrets(specSecrets(spec, account))
             admin[record.id] = (record, account)
@@ -530,14 +530,14 @@ class ControlPlane:
     def reloadProblems(self, config) -> list:
         """
         What stops a reload of C{config} because of the admin accounts
-        (L{relay.operations.reload.ConfigReloader.checks}): an id the file
+        (L{relay.process.reload.ConfigReloader.checks}): an id the file
         would add that an admin account has, a proxy an admin account uses
         that the file would remove; and (issue 22) a key name or group name
         the file would add that the admin API has, a file group an admin key
         is bound to that the file would remove. One line each; nothing
         changes.
 
-        @param config: the reloaded L{relay.model.RelayConfig}.
+        @param config: the reloaded L{relay.base.records.RelayConfig}.
         @rtype: L{list} of L{str}
         """
         problems = []

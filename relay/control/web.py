@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_control -*-
 """
 The HTTP side the control plane's resources share (issue 21): the admin
-key check (relay's existing one, L{relay.operator.admin}, behaviour.md
+key check (relay's existing one, L{relay.console.admin}, behaviour.md
 R99), the one place admin JSON bodies are read (L{readJSONBody}), the
 error type the services raise (L{ControlError}) and how an answer is
 written (L{deliver}).
@@ -30,8 +30,8 @@ from twisted.web.server import NOT_DONE_YET
 
 from relay.control.store import ControlStoreUnavailable, VersionConflict
 from relay.entry.intake import ADMIN_BODY_LIMIT, RequestRefused
-from relay.operator.admin import _errorBody, _Guarded, _respond
-from relay.operator.fields import FieldTypeError, checkTypes
+from relay.console.admin import errorBody, Guarded, respond
+from relay.console.fields import FieldTypeError, checkTypes
 
 __all__ = [
     "AdminLeaf", "ControlError", "MAX_BODY_BYTES", "ServiceLeaf", "checkedTypes", "clientAddress",
@@ -71,10 +71,10 @@ class ControlError(Exception):
         @return: the error body.
         """
         kind = "invalid_request_error" if self.status < 500 else "api_error"
-        return _errorBody(self.message, kind, self.code, self.param)
+        return errorBody(self.message, kind, self.code, self.param)
 
 
-class AdminLeaf(_Guarded):
+class AdminLeaf(Guarded):
     """
     A control plane resource behind the admin key: 404 when no admin key
     is configured, 401 without it, a JSON 405 for other methods (the
@@ -137,7 +137,7 @@ def readJSONBody(request, allowEmpty: bool = False, fields=None,
     @param request: the twisted.web request (its C{content}).
     @param allowEmpty: an empty body reads as C{{}} (actions whose options
         are optional).
-    @param fields: the route's body table (field -> L{relay.operator.fields.FieldType}),
+    @param fields: the route's body table (field -> L{relay.console.fields.FieldType}),
         checked before the body is handed on (L{checkedTypes}); L{None}
         checks nothing.
     @param code: the error code of a field of the wrong type (the route's
@@ -153,12 +153,12 @@ def readJSONBody(request, allowEmpty: bool = False, fields=None,
 def checkedTypes(body: dict, fields, code: str = "invalid_type") -> dict:
     """
     @param body: a parsed admin body.
-    @param fields: its table (field -> L{relay.operator.fields.FieldType}),
+    @param fields: its table (field -> L{relay.console.fields.FieldType}),
         or L{None}.
     @param code: the error code of a field of the wrong type.
     @return: C{body}, when every field it names has its JSON type.
     @raise ControlError: 400 C{code} naming the first field of the wrong
-        type (L{relay.operator.fields.checkTypes}).
+        type (L{relay.console.fields.checkTypes}).
     """
     if fields is not None:
         try:
@@ -261,7 +261,7 @@ def deliver(request, work, what: str):
         else:
             d = succeed(work)
     except ControlError as e:
-        request.write(_respond(request, e.status, e.envelope()))
+        request.write(respond(request, e.status, e.envelope()))
         request.finish()
         return NOT_DONE_YET
     gone = []
@@ -271,23 +271,23 @@ def deliver(request, work, what: str):
         if f.check(ControlError):
             return f.value.status, f.value.envelope()
         if f.check(VersionConflict):
-            return 409, _errorBody(
+            return 409, errorBody(
                 "The record changed meanwhile (another admin or process wrote it); read it"
                 " again and retry", "invalid_request_error", "conflict")
         if f.check(ControlStoreUnavailable):
             _log.error("control store unavailable while {what}: {error}", what=what,
                        error=str(f.value), event="relay.control_store_unavailable")
-            return 503, _errorBody("The control store is unavailable; nothing was changed",
+            return 503, errorBody("The control store is unavailable; nothing was changed",
                                    "api_error", "control_store_unavailable")
         _log.failure("admin request failed while {what}", f, what=what,
                      event="relay.admin_failed")
-        return 500, _errorBody("Internal error while " + what, "api_error", "internal_error")
+        return 500, errorBody("Internal error while " + what, "api_error", "internal_error")
 
     def _write(answer: Any):
         if gone or request.finished:
             return
         status, obj = answer
-        request.write(_respond(request, status, obj))
+        request.write(respond(request, status, obj))
         request.finish()
 
     d.addErrback(_ebAnswer)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -61,9 +61,6 @@ from relay.emulator.state import (
 from relay.emulator.stored import resolveItems
 from relay.emulator.stream import EventPump, TurnTracker, stallOf
 
-if TYPE_CHECKING:  # pragma: no cover
-    from relay.emulator.core import Emulator
-
 APIKEY_RESPONSES = ("/v1/responses", "/responses")
 """Paths of the API-key style Responses endpoint."""
 
@@ -95,7 +92,7 @@ class EmulatorResource(ResponsesAPIMixin, Resource):
     isLeaf = True
     _log = Logger()
 
-    def __init__(self, emulator: Emulator) -> None:
+    def __init__(self, emulator) -> None:
         """
         @param emulator: the owning emulator (state, clock, WebSocket resource).
         @type emulator: L{relay.emulator.core.Emulator}

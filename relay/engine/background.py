@@ -16,8 +16,8 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
-from relay.jsoncodec import loads
-from relay.model import Turn
+from relay.wire.jsoncodec import loads
+from relay.base.records import Turn
 
 _log = Logger()
 

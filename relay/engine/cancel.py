@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_runner -*-
 """
 Cancellation of a turn's waits and attempts by its client (behaviour.md R2):
-L{raceCancel} ties a Deferred to the turn's L{relay.model.CancelSignal}; a
+L{raceCancel} ties a Deferred to the turn's L{relay.base.records.CancelSignal}; a
 client that left ends the wait with L{ClientGone}.
 """
 
@@ -23,7 +23,7 @@ def raceCancel(d: Deferred, cancel) -> Deferred:
     cancelled and the result fails with L{ClientGone}.
 
     @param d: any cancellable Deferred.
-    @param cancel: the turn's L{relay.model.CancelSignal}.
+    @param cancel: the turn's L{relay.base.records.CancelSignal}.
     """
     if cancel.cancelled:
         d.cancel()
@@ -59,7 +59,7 @@ def raceDeparture(d: Deferred, cancel) -> Deferred:
     result, which C{d} keeps (C{d} itself when it already has it).
 
     @param d: a Deferred that never fails (a pump's C{done}).
-    @param cancel: the turn's L{relay.model.CancelSignal}.
+    @param cancel: the turn's L{relay.base.records.CancelSignal}.
     """
     if cancel.cancelled:
         return fail(ClientGone(cancel.reason))

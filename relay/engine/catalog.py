@@ -25,7 +25,7 @@ from zope.interface import implementer
 
 from relay.engine import requests as R
 from relay.interfaces import ITurnSink
-from relay.model import ClientError, ClientKey, Turn
+from relay.base.records import ClientError, ClientKey, Turn
 
 DEFAULT_TTL = 300.0
 """Seconds a fetched manifest or list is served before it is revalidated."""

@@ -27,7 +27,7 @@ from twisted.logger import Logger
 
 from relay.engine.httpattempt import attemptHTTP
 from relay.engine.pump import AttemptResult
-from relay.model import ClientError, Turn
+from relay.base.records import ClientError, Turn
 from relay.scheduling.itemowners import storedReference
 from relay.translate.assemble import ResponseAssembler
 

@@ -29,8 +29,8 @@ from relay.engine.upstreambody import (
     BodyBroken,
     readBody,
 )
-from relay.jsoncodec import loads
-from relay.model import Turn
+from relay.wire.jsoncodec import loads
+from relay.base.records import Turn
 from relay.policy import ends
 from relay.translate.sink import ChatCompletionsSink
 from relay.usage.estimate import estimatedCounts
@@ -168,7 +168,7 @@ async def _readJSON(runner, turn, sink, account, response, release, rewrite) -> 
     if turn.endpoint == "responses" and isEmptyCompleted(parsed):
         return AttemptResult(end=ends.EmptyCompletion(parsed), status=502)
     if rewrite is not None:
-        from relay.sse import Event
+        from relay.wire.sse import Event
 
         body = rewrite(Event(b"", body)).data
     _countJSON(runner, turn, account, parsed)

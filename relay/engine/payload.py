@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import re
 
-from relay.model import Account, Turn
-from relay.sse import Event
+from relay.base.records import Account, Turn
+from relay.wire.sse import Event
 from relay.translate.chatrequest import chatToResponses
 
 WS_ONLY_FIELDS = ("type", "generate", "stream_id")
@@ -128,7 +128,7 @@ def upstreamBody(turn: Turn, account: Account) -> bytes:
         if turn.endpoint == "chat":
             # Issue 13 item 5: always ask for the usage chunk, so every
             # chat stream is counted; relay drops it again when the client
-            # did not ask (relay.usage.tap).
+            # did not ask (relay.usage.reader).
             options = body.get("stream_options")
             options = dict(options) if isinstance(options, dict) else {}
             options["include_usage"] = True
@@ -344,7 +344,7 @@ def scopedId(ownerId: str, raw: str) -> str:
     key's own prompt caching and session stickiness still work, and two
     keys sending the same raw value never share it upstream.
 
-    @param ownerId: the key's owner id (L{relay.model.ClientKey.ownerId}).
+    @param ownerId: the key's owner id (L{relay.base.records.ClientKey.ownerId}).
     @param raw: the client's value.
     @return: 16 lower-case hex digits.
     """

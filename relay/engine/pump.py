@@ -25,10 +25,10 @@ from twisted.web.client import PotentialDataLoss, ResponseDone
 from zope.interface import implementer
 
 from relay.policy import failures as F
-from relay.engine import errors as E
+from relay.base import clienterrors as E
 from relay.engine.payload import isEmptyCompleted, isSemanticOutput, translatesChat
 from relay.policy import ends
-from relay.sse import DONE, LineTooLong, SSEParser
+from relay.wire.sse import DONE, LineTooLong, SSEParser
 from relay.usage.estimate import DELTA_MARK, estimatedCounts
 from relay.usage.tokens import USAGE_CHUNK
 
@@ -217,7 +217,7 @@ class StreamPump(Protocol):
     def hurry(self) -> None:
         """
         End a drain now, with an estimate unless the usage was read (relay
-        is stopping: L{relay.operations.drain}). A no-op when not draining.
+        is stopping: L{relay.process.drain}). A no-op when not draining.
         """
         if self.draining:
             self._drainBound("relay_stop")
@@ -731,7 +731,7 @@ _PASSED_RESPONSE_HEADERS = (
 )
 """(upstream name, name the client sees). The upstream's C{x-request-id}
 reaches the client as C{X-Upstream-Request-Id}; C{X-Request-Id} is the
-turn's own id (issue 15, L{relay.requestid})."""
+turn's own id (issue 15, L{relay.base.requestid})."""
 
 
 def passHeaders(headers: dict) -> dict:
@@ -752,7 +752,7 @@ def modelRewriter(requested: Optional[str], upstream: Optional[str]) -> Optional
     """
     if not requested or not upstream or requested == upstream:
         return None
-    from relay.sse import Event
+    from relay.wire.sse import Event
 
     pairs = [
         (b'"model":' + sep + b'"' + upstream.encode() + b'"',

@@ -36,10 +36,10 @@ from relay.engine.httpattempt import readAnswer
 from relay.engine.payload import scopeCacheKey, upstreamClientHeaders
 from relay.engine.pump import AttemptResult, StreamPump, passHeaders
 from relay.engine.upstreambody import ERROR_BODY_LIMIT, JSON_BODY_LIMIT, BodyBroken, readBody
-from relay.model import ClientError, Turn
+from relay.base.records import ClientError, Turn
 from relay.policy import ends
 from relay.policy.judgement import passVerdict
-from relay.usage.tap import UsageTap
+from relay.usage.reader import UsageTap
 from relay.usage.tokens import fromBody
 
 _log = Logger()

@@ -18,7 +18,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import deferLater
 
 from relay.policy import failures as F
-from relay.engine import errors as E
+from relay.base import clienterrors as E
 from relay.engine.background import watchBackground
 from relay.engine.cancel import ClientGone, raceCancel
 from relay.engine.httpattempt import attemptHTTP
@@ -27,18 +27,18 @@ from relay.engine.payload import translatesChat, withoutEncryptedReasoning, with
 from relay.engine.pump import AttemptResult
 from relay.engine.compaction import CompactionWatch, endsWithTrigger, recordCompaction
 from relay.engine.requests import onceUsageTap, requestFinished
-from relay.logs import ClassLogger
-from relay.model import AdmissionError, ClientError, Turn, WaitPlan
+from relay.base.logs import ClassLogger
+from relay.base.records import AdmissionError, ClientError, Turn, WaitPlan
 from relay.policy import ends
 from relay.policy.bookkeeping import AccountBookkeeping
 from relay.policy.classify import sanitise
 from relay.policy.judgement import judge
-from relay.requestid import bindRequestId
+from relay.base.requestid import bindRequestId
 from relay.scheduling.itemowners import outputItemIds
 from relay.scheduling.scheduler import NO_SLOT
 from relay.scheduling.selection import NoAccountAvailable
 from relay.tenants.record import Attempt, TurnRecord
-from relay.usage.tap import HostedCallWatch, UsageTap, clientAskedUsage
+from relay.usage.reader import HostedCallWatch, UsageTap, clientAskedUsage
 
 STARTUP_WAIT_SECONDS = 10.0
 """R105: how long a turn that arrives before the stores are loaded waits for
@@ -158,8 +158,8 @@ class TurnRunner:
     @ivar dialer: the L{relay.interfaces.IUpstreamDialer}.
     @ivar classifier: the L{relay.interfaces.IFailureClassifier}.
     @ivar health: the L{relay.policy.health.AccountHealth}.
-    @ivar settings: the L{relay.settings.RuntimeSettings}, read per attempt.
-    @ivar metrics: optional L{relay.operator.metrics.RelayMetrics}.
+    @ivar settings: the L{relay.state.settings.RuntimeSettings}, read per attempt.
+    @ivar metrics: optional L{relay.console.metrics.RelayMetrics}.
     @ivar wsAttempt: optional attempt function for WebSocket upstream modes
         (issue 6), called like L{relay.engine.httpattempt.attemptHTTP}.
     @ivar usage: optional L{relay.usage.ledger.UsageLedger}: token
@@ -191,13 +191,13 @@ class TurnRunner:
     """The L{AccountBookkeeping}: the one writer of account state for an
     attempt's end (behaviour.md R86); built from C{health} when not given."""
     startupGate: object = None
-    """Issue 19 item 6 (R105): a L{relay.operations.readiness.StartupGate}
+    """Issue 19 item 6 (R105): a L{relay.process.readiness.StartupGate}
     a turn waits on (at most L{STARTUP_WAIT_SECONDS}) until the settings
     and token stores are loaded; L{None}: no wait."""
     inflight: dict = field(factory=dict)
     """Every turn running now -> the Deferred L{run} returned for it, so a
     graceful stop can wait for them and cancel what is left (issue 14,
-    L{relay.operations.drain})."""
+    L{relay.process.drain})."""
     backgroundOwners: dict = field(factory=dict)
     """R107: a running background create -> (account, response id), once its
     response id is known; an unfinished one is watched when the create ends
@@ -207,7 +207,7 @@ class TurnRunner:
     for its usage (L{relay.engine.pump.StreamPump.hurry} ends them with an
     estimate when a graceful stop's grace runs out)."""
     keyPolicy: object = None
-    """Issue 22: the L{relay.tenants.policy.KeyPolicy} checked before every
+    """Issue 22: the L{relay.tenants.keypolicy.KeyPolicy} checked before every
     turn (behaviour.md R102), or L{None}."""
     prices: object = None
     """Issue 22: the L{relay.tenants.prices.PriceTable} pricing each turn's
@@ -289,7 +289,7 @@ class TurnRunner:
 
     async def _run(self, turn: Turn, sink) -> str:
         # Issue 15: every log line written while this coroutine runs (health,
-        # scheduler, admission) carries the turn's id (relay.requestid).
+        # scheduler, admission) carries the turn's id (relay.base.requestid).
         bindRequestId(turn.requestId)
         start = self.clock.seconds()
         state = TurnState(startedAt=start)
@@ -371,7 +371,7 @@ class TurnRunner:
         """
         Issue 22 (behaviour.md R102): the key's policy before the turn takes
         a slot: disabled, expired, model allow/deny list, a money budget on
-        an unpriced model (L{relay.tenants.policy.KeyPolicy.refusal}); and
+        an unpriced model (L{relay.tenants.keypolicy.KeyPolicy.refusal}); and
         the accounts the key may reach, for selection.
 
         @raise _AdmissionFailed: with the policy's L{ClientError}.
@@ -398,7 +398,7 @@ class TurnRunner:
         """
         Issue 22: the key's C{rpm}/C{tpm} windows count the turn, or refuse
         it with a 429 that carries C{Retry-After} and the
-        C{x-ratelimit-*} headers (L{relay.tenants.policy.KeyPolicy.admitRate}).
+        C{x-ratelimit-*} headers (L{relay.tenants.keypolicy.KeyPolicy.admitRate}).
 
         @raise _AdmissionFailed: with that L{ClientError}.
         """
@@ -449,7 +449,7 @@ class TurnRunner:
         """
         R105: no turn on an account before its tokens, the settings and the
         control plane's first read (pauses, admin keys and disables) are
-        loaded: the one start-up gate (L{relay.operations.readiness.StartupGate}).
+        loaded: the one start-up gate (L{relay.process.readiness.StartupGate}).
         A turn that arrives first waits (cancellable, at most
         L{STARTUP_WAIT_SECONDS}; a store whose read failed sets its flag,
         R35/R101, so a silent store ends the wait); then selection's
@@ -511,7 +511,7 @@ class TurnRunner:
         output from the body's C{max_output_tokens} (chat:
         C{max_completion_tokens}, C{max_tokens}), else the key's
         C{max_turn_output_tokens}; the cost at the dearest price of the
-        accounts the key may reach (L{relay.tenants.policy.KeyPolicy.estimate}).
+        accounts the key may reach (L{relay.tenants.keypolicy.KeyPolicy.estimate}).
 
         @return: C{(tokens, nano-dollars)}.
         """
@@ -541,8 +541,8 @@ class TurnRunner:
         wait was silent for C{stream_keepalive_interval} seconds (at least
         every C{scheduling.ping_interval}).
 
-        @param key: the authenticated L{relay.model.ClientKey}.
-        @param cancel: the request's L{relay.model.CancelSignal}.
+        @param key: the authenticated L{relay.base.records.ClientKey}.
+        @param cancel: the request's L{relay.base.records.CancelSignal}.
         @param requestId: for the wait's log lines.
         @param entrypoint: C{http} or C{ws}.
         @param keepalive: a no-argument callable writing one keepalive to

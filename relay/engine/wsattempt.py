@@ -28,14 +28,14 @@ from attrs import define, evolve
 from twisted.logger import Logger
 
 from relay.engine.cancel import ClientGone, drained, raceCancel, raceDeparture
-from relay.engine.errors import previousResponseNotFound
+from relay.base.clienterrors import previousResponseNotFound
 from relay.engine.httpattempt import attemptHTTP
 from relay.engine.payload import dropOAuthSampling, scopeCacheKey, upstreamClientHeaders
 from relay.engine.pump import AttemptResult, StreamPump, modelRewriter
-from relay.model import ClientError
+from relay.base.records import ClientError
 from relay.policy import ends
 from relay.policy.judgement import WS_BUSY_CLOSE, passVerdict
-from relay.sse import eventFromJSON
+from relay.wire.sse import eventFromJSON
 from relay.upstream.ws import (
     HandshakeRejected,
     PoolBusy,

@@ -1,4 +1,4 @@
 """
 Entrypoints: twisted.web resources and the Responses WebSocket. They adapt
-transports to L{relay.model.Turn}s and sinks; they hold no policy.
+transports to L{relay.base.records.Turn}s and sinks; they hold no policy.
 """

@@ -30,7 +30,7 @@ from attrs import define, field
 from twisted.logger import Logger
 
 from relay.entry.logthrottle import LogThrottle, suppressedNote
-from relay.model import ClientError
+from relay.base.records import ClientError
 
 __all__ = ["AdminGuard", "BACKOFF_CODE"]
 

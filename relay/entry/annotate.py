@@ -11,7 +11,7 @@ L{relay.scheduling.itemowners}), which selection checks.
 from __future__ import annotations
 
 from relay.engine.compaction import inputFacts, withoutUsedTriggers
-from relay.model import Turn
+from relay.base.records import Turn
 from relay.scheduling.scheduler import affinityKey
 
 

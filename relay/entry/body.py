@@ -11,7 +11,7 @@ and 3), held raw and decoded only after the key's slot is admitted
     limit. Either way relay stops storing the body at once (nothing more is
     spooled to a file), writes the 413 with C{Connection: close} and the
     request's id (C{X-Request-Id} and C{error.request_id}, adopted or made
-    by L{relay.requestid.requestIdOf} as for every answer), and
+    by L{relay.base.requestid.requestIdOf} as for every answer), and
     half-closes: it keeps reading and discarding what the client is still
     sending for at most L{LINGER_SECONDS}, so that the client reads the 413
     instead of a reset, then drops the connection.
@@ -50,8 +50,8 @@ from relay.entry import intake as _intake
 from relay.entry.logthrottle import suppressedNote, throttleOf
 from relay.entry.sinks import errorBody, writeError
 from relay.entry.jsonbody import loadJSON
-from relay.model import CancelSignal, ClientError
-from relay.requestid import requestIdOf
+from relay.base.records import CancelSignal, ClientError
+from relay.base.requestid import requestIdOf
 
 _CANONICAL = _nameEncoder._canonicalHeaderCache
 
@@ -504,14 +504,14 @@ class LimitedBodyRequest(Request):
     _parsed = False
     _done = False
     relayRequestId = None
-    """The request's id once L{relay.requestid.requestIdOf} chose it."""
+    """The request's id once L{relay.base.requestid.requestIdOf} chose it."""
     relayStartedAt = None
     """When the request's headers were in (site clock seconds), for the
-    access line's duration (L{relay.app._Site.log})."""
+    access line's duration (L{relay.process.app._Site.log})."""
     _rateLate = False
     relayRawHeaders = True
     """C{getHeader} is twisted.web's, over C{requestHeaders._rawHeaders}
-    (L{relay.requestid.requestIdOf} reads the id headers there)."""
+    (L{relay.base.requestid.requestIdOf} reads the id headers there)."""
 
     def __init__(self, channel, *args, **kwargs):
         if len(args) > 1 or kwargs or not getattr(channel, "relayPlainRequests", False):
@@ -572,7 +572,7 @@ class LimitedBodyRequest(Request):
         clock = getattr(site, "clock", None)
         if clock is not None and getattr(self, "relayStartedAt", None) is None:
             # the access line of an answer written from the headers has a
-            # duration too (relay.app._Site.log; process() sets it anew)
+            # duration too (relay.process.app._Site.log; process() sets it anew)
             self.relayStartedAt = clock.seconds()
         self.bodyLimit = getattr(site, "maxRequestBodyBytes", DEFAULT_MAX_BODY_BYTES)
         self._chunked = length is None
@@ -620,7 +620,7 @@ class LimitedBodyRequest(Request):
             if route == I.ROUTE_OPEN or method not in I.BODY_METHODS:
                 self._discard = True
         if self._discard:
-            # README "Security": a body the route does not read is discarded
+            # docs/security.md: a body the route does not read is discarded
             # unread -- whatever its size or encoding, but still under the
             # minimum body rate.
             self.content = io.BytesIO()
@@ -712,7 +712,7 @@ class LimitedBodyRequest(Request):
         """
         self._heldBytes += len(data)
         if self._heldBytes > HELD_BEFORE_KEY_BYTES:
-            from relay.tenants.policy import KEYS_LOADING
+            from relay.tenants.keypolicy import KEYS_LOADING
 
             self._held = []
             self._endKeysWait()

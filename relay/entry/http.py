@@ -26,8 +26,8 @@ from relay.entry.body import DEFAULT_MAX_BODY_BYTES, tooLarge
 from relay.entry.intake import UNAUTHORIZED, RequestRefused  # noqa: F401 - UNAUTHORIZED re-exported
 from relay.entry.jsonbody import NESTING_MESSAGE, loadJSON  # noqa: F401 - re-exported
 from relay.entry.sinks import JSONSink, SSESink, writeError
-from relay.model import ClientError, ClientKey, Turn
-from relay.requestid import (  # noqa: F401 - newRequestId re-exported
+from relay.base.records import ClientError, ClientKey, Turn
+from relay.base.requestid import (  # noqa: F401 - newRequestId re-exported
     clientRequestIdOf,
     newRequestId,
     requestIdOf,
@@ -135,7 +135,7 @@ class KeyRing:
     @ivar pending: L{True} while the control plane has not read its store
         yet (a Redis store at start): the admin keys and disables are not
         known, so the key policy refuses turns for that moment
-        (L{relay.tenants.policy.KeyPolicy.keyRefusal}).
+        (L{relay.tenants.keypolicy.KeyPolicy.keyRefusal}).
     """
 
     def __init__(self, keys):

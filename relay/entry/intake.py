@@ -38,16 +38,16 @@ only).
 B{For resources} (every route of every engineer): a request that reached
 C{render} on a client route carries
 
-  - C{request.relayClientKey}: the authenticated L{relay.model.ClientKey};
+  - C{request.relayClientKey}: the authenticated L{relay.base.records.ClientKey};
   - C{request.relayKeyLease}: the key's admitted slot (or L{None} when the
     key is unlimited or the request had no body); a resource that starts a
-    turn hands it to the L{relay.model.Turn} (C{keyLease}, with
+    turn hands it to the L{relay.base.records.Turn} (C{keyLease}, with
     C{keyAdmitted=True}) and the engine releases it; otherwise it is
     released when the request finishes;
   - C{request.relayJSON()}: the decoded body parsed as JSON
     (L{relay.entry.jsonbody.loadJSON}: deep nesting and bad surrogates are
     400s), raising L{RequestRefused} (its C{.error} a 400
-    L{relay.model.ClientError}) for a body that is not JSON; parsed once.
+    L{relay.base.records.ClientError}) for a body that is not JSON; parsed once.
     L{relay.entry.http.requestJSON} does the same for requests built
     without the intake.
 
@@ -65,7 +65,7 @@ from typing import Callable, Optional
 from attrs import define, field
 from twisted.logger import Logger
 
-from relay.model import ClientError
+from relay.base.records import ClientError
 
 ROUTE_CLIENT = "client"
 ROUTE_ADMIN = "admin"
@@ -353,7 +353,7 @@ class IntakePolicy:
     @ivar metricsKey: a no-argument callable returning the read-only
         metrics key or L{None}.
     @ivar limits: a no-argument callable returning the
-        L{relay.model.LimitSettings} in force.
+        L{relay.base.records.LimitSettings} in force.
     @ivar admitKey: C{(key, cancel, requestId) -> Deferred[lease or None]}
         (the engine's R26 admission), failing with an exception carrying
         C{.error} (a L{ClientError}); L{None} admits nothing.
@@ -364,7 +364,7 @@ class IntakePolicy:
     @ivar keyRefusal: C{(key) -> ClientError or None}: the refusals that
         need only the key (behaviour.md R102, R103: disabled 401
         C{api_key_disabled}, expired 401 C{api_key_expired};
-        L{relay.tenants.policy.KeyPolicy.keyRefusal}), answered from the
+        L{relay.tenants.keypolicy.KeyPolicy.keyRefusal}), answered from the
         headers like an unknown key; L{None}: none.
     @ivar keysReady: a no-argument callable: L{None} when the key ring can
         tell every key now, else a Deferred firing once it can (the start-up

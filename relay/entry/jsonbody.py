@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 
-from relay.jsoncodec import loads
+from relay.wire.jsoncodec import loads
 
 __all__ = ["NESTING_MESSAGE", "loadJSON"]
 

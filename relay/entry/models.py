@@ -25,8 +25,8 @@ from twisted.web.server import NOT_DONE_YET
 from relay.engine.catalog import etagOf
 from relay.entry.http import UNAUTHORIZED
 from relay.entry.sinks import writeError
-from relay.model import ClientError
-from relay.requestid import requestIdOf
+from relay.base.records import ClientError
+from relay.base.requestid import requestIdOf
 
 
 class ModelsResource(Resource):

@@ -45,8 +45,8 @@ from relay.entry.http import (
 )
 from relay.entry.intake import RequestRefused
 from relay.entry.sinks import JSONSink, SSESink, writeError
-from relay.model import ClientError, Turn
-from relay.requestid import clientRequestIdOf, requestIdOf
+from relay.base.records import ClientError, Turn
+from relay.base.requestid import clientRequestIdOf, requestIdOf
 from relay.scheduling.session import sessionHash, sessionSeed
 
 COMPACT = b"compact"

@@ -15,11 +15,11 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from relay.interfaces import ITurnSink
-from relay.model import ClientError
+from relay.base.records import ClientError
 from relay.translate.assemble import ResponseAssembler
 
 _ITEM_DONE = b"response.output_item.done"
-from relay.requestid import requestIdOf
+from relay.base.requestid import requestIdOf
 
 # protocol.md 2.6: error type -> in-stream code.
 STREAM_ERROR_CODES = {
@@ -50,7 +50,7 @@ def writeError(request, error: ClientError) -> None:
     """
     Answer C{request} with C{error} before anything was written: the status,
     C{Retry-After} when safe (R16), and the JSON envelope carrying the
-    request id (L{relay.requestid.requestIdOf}), or the upstream body
+    request id (L{relay.base.requestid.requestIdOf}), or the upstream body
     unchanged for C{cyber_policy} (R9; the id is then in the
     C{X-Request-Id} header only).
     """

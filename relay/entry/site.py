@@ -45,9 +45,9 @@ from relay.entry.headblock import readHead
 from relay.entry.intake import TOO_MANY_CONNECTIONS
 from relay.entry.logthrottle import LogThrottle, suppressedNote, throttleOf
 from relay.entry.sinks import errorBody, writeError
-from relay.model import ClientError
-from relay.requestid import newRequestId, requestIdOf  # noqa: F401
-from relay.sendnow import sendNow
+from relay.base.records import ClientError
+from relay.base.requestid import newRequestId, requestIdOf  # noqa: F401
+from relay.wire.sendnow import sendNow
 
 BAD_REQUEST = ClientError(
     400, "invalid_request_error", "The HTTP request could not be parsed.",
@@ -407,7 +407,7 @@ class RelayHTTPChannel(HTTPChannel):
     # (RelaySite.answerAtOnce) those writes are done before the answer is
     # written, so its first write (the head and what came with it: a whole
     # JSON answer, a stream's first event) is sent at once
-    # (relay.sendnow.sendNow): no wait for the next poll, no epoll
+    # (relay.wire.sendnow.sendNow): no wait for the next poll, no epoll
     # registration. A stream's later events are queued, so the events of one
     # reactor iteration share one send.
 
@@ -546,10 +546,10 @@ class RelaySite(Site):
     @ivar logThrottle: the L{LogThrottle} of every intake refusal line
         (connections refused, header deadline, slow bodies, headers too
         large): one line per kind per second.
-    @ivar answerAtOnce: send answers at once (L{relay.sendnow.sendNow})
+    @ivar answerAtOnce: send answers at once (L{relay.wire.sendnow.sendNow})
         instead of at the next poll: only when every store a turn writes
         before its answer is in this process (issue 24;
-        L{relay.app.answersAtOnce}), so nothing the client may read next can
+        L{relay.process.app.answersAtOnce}), so nothing the client may read next can
         still be on its way to a remote store (R39/R40/R104).
     """
 

@@ -28,7 +28,7 @@ from autobahn.websocket.compress import (
 from twisted.logger import Logger
 from twisted.web.server import NOT_DONE_YET
 
-from relay.engine.errors import previousResponseNotFound
+from relay.base.clienterrors import previousResponseNotFound
 from relay.entry.annotate import annotateTurn
 from relay.entry.http import (
     NESTING_MESSAGE,
@@ -39,9 +39,9 @@ from relay.entry.http import (
 )
 from relay.entry.sinks import errorBody, writeError
 from relay.entry.wssink import WebSocketSink, wsErrorEvent
-from relay.model import ClientError, Turn
-from relay.operations.drain import RESTART_CLOSE
-from relay.requestid import adoptClientId
+from relay.base.records import ClientError, Turn
+from relay.base.clienterrors import RESTART_CLOSE
+from relay.base.requestid import adoptClientId
 from relay.scheduling.session import SESSION_HEADERS, sessionHash, sessionSeed
 
 MSG_ID_MESSAGE = "previous_response_id must be a response.id (resp_*), not a message id"
@@ -694,7 +694,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
 
     def _admitFrame(self, payload: bytes) -> None:
         from relay.entry.body import parsedEstimate
-        from relay.model import CancelSignal
+        from relay.base.records import CancelSignal
 
         f = self.factory
         estimate = parsedEstimate(payload)

@@ -19,7 +19,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from relay.interfaces import ITurnSink
-from relay.model import ClientError
+from relay.base.records import ClientError
 from relay.translate.assemble import ResponseAssembler
 
 _ITEM_DONE = b"response.output_item.done"

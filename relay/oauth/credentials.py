@@ -72,9 +72,9 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from zope.interface import implementer
 
+from relay.base.logs import registerSecrets
+from relay.base.records import Account
 from relay.interfaces import ICredentialSource, ITokenEndpoint, ITokenStore
-from relay.logs import registerSecrets
-from relay.model import Account
 from relay.oauth.endpoint import describeError
 from relay.oauth.records import IN_DOUBT_REASON, LOCK_TTL_SECONDS, TokenRecords
 from relay.oauth.refresher import EXPIRY_SKEW_SECONDS, TokenRefresher
@@ -89,7 +89,7 @@ from relay.oauth.tokens import (
     fingerprint,
     retiredAfter,
 )
-from relay.redisclient import logFailure
+from relay.wire.redisclient import logFailure
 
 CODEX_REFRESH_AGE_SECONDS = 8 * 86400
 """Without a known C{exp}, refresh when the last refresh is this old (Codex's rule)."""
@@ -117,7 +117,7 @@ class OAuthCredentials:
     See the module docstring.
 
     @ivar _clock: the injected clock (Unix seconds).
-    @ivar _settings: the L{relay.settings.RuntimeSettings}
+    @ivar _settings: the L{relay.state.settings.RuntimeSettings}
         (C{current.oauth}).
     @ivar store: the L{ITokenStore} (may be replaced before L{start}).
     @ivar _endpoint: the L{ITokenEndpoint}.
@@ -126,7 +126,7 @@ class OAuthCredentials:
     @ivar onRefreshFailure: called with an account id for each failed token
         request (transient, permanent or in doubt), or L{None}: the metrics'
         C{relay_oauth_refresh_failures_total}, which adds up across workers
-        (L{relay.operator.metrics.RelayMetrics.oauthRefreshFailed}).
+        (L{relay.console.metrics.RelayMetrics.oauthRefreshFailed}).
     @ivar _records: the L{TokenRecords} (the store side: load, lock,
         re-read, persist).
     @ivar _refresher: the L{TokenRefresher} (one token request).
@@ -211,7 +211,7 @@ class OAuthCredentials:
         dials with its new settings.
 
         @param accounts: the live accounts, new set (L{Account}s).
-        @param change: the L{relay.operations.live.AccountSetChange}.
+        @param change: the L{relay.process.live.AccountSetChange}.
         @return: a Deferred firing once new accounts are loaded; never fails.
         """
         return Deferred.fromCoroutine(self._accountsChanged(list(accounts), change))
@@ -274,7 +274,7 @@ class OAuthCredentials:
     def storeSwitched(self) -> None:
         """
         The store's Redis master changed (a Sentinel promotion,
-        L{relay.redisclient.RedisService.switchListeners}): replication is
+        L{relay.wire.redisclient.RedisService.switchListeners}): replication is
         asynchronous, so the new master may lack the last token write.
         Every record is read again soon (after L{SWITCH_SYNC_DELAYS}
         seconds, by when the new master is usually reachable), and a

@@ -64,7 +64,7 @@ class EgressClient:
     See the module docstring.
 
     @ivar _reactor: the reactor.
-    @ivar _settings: the L{relay.settings.RuntimeSettings} (the upstream
+    @ivar _settings: the L{relay.state.settings.RuntimeSettings} (the upstream
         connect timeout).
     @ivar _tlsPolicy: an C{IPolicyForHTTPS}, or L{None} for the platform
         trust store.

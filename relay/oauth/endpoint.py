@@ -146,7 +146,7 @@ class TokenEndpoint:
     The built-in L{ITokenEndpoint}.
 
     @ivar _reactor: the reactor.
-    @ivar _settings: the L{relay.settings.RuntimeSettings} (for
+    @ivar _settings: the L{relay.state.settings.RuntimeSettings} (for
         C{gateway.oauth.auth_base_url}, C{client_id}, and the upstream
         connect timeout).
     @ivar _tlsPolicy: an C{IPolicyForHTTPS}, or L{None} for the platform

@@ -19,7 +19,7 @@ from twisted.internet.task import deferLater
 from relay.oauth.endpoint import describeError
 from relay.oauth.slot import _Slot
 from relay.oauth.tokens import STATUS_IN_DOUBT, TokenRecord, TokenSet, retiredAfter
-from relay.redisclient import logFailure
+from relay.wire.redisclient import logFailure
 
 LOCK_TTL_SECONDS = 15.0
 """The refresh lock's TTL; the holder renews it every third of it."""

@@ -16,7 +16,7 @@ from attrs import define
 from twisted.internet.defer import CancelledError
 from twisted.internet.task import LoopingCall
 
-from relay.logs import registerSecrets
+from relay.base.logs import registerSecrets
 from relay.oauth.crashpoints import crashPoint
 from relay.oauth.endpoint import NotSent, describeError
 from relay.oauth.records import LOCK_TTL_SECONDS
@@ -49,7 +49,7 @@ class TokenRefresher:
         C{store}, log, C{onRefreshFailure} and C{adopt}.
     @ivar _records: the host's L{relay.oauth.records.TokenRecords}.
     @ivar _clock: the injected clock (Unix seconds).
-    @ivar _settings: the L{relay.settings.RuntimeSettings}.
+    @ivar _settings: the L{relay.state.settings.RuntimeSettings}.
     @ivar _endpoint: the L{relay.interfaces.ITokenEndpoint}.
     @ivar _random: backoff jitter.
     """

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from attrs import define
 
-from relay.model import Account
+from relay.base.records import Account
 from relay.oauth.tokens import TokenRecord
 
 _CHANGES = [0]

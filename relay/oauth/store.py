@@ -5,7 +5,7 @@ Token stores (L{relay.interfaces.ITokenStore}, issue 12).
   - L{MemoryTokenStore}: one process, nothing survives a restart (tests,
     and a relay without a C{database});
   - L{SQLiteTokenStore}: the embedded C{database} (tables C{oauth_tokens}
-    and C{oauth_locks}, created by L{relay.settingsdb}'s migration 2),
+    and C{oauth_locks}, created by L{relay.state.settingsdb}'s migration 2),
     sharing the settings store's single connection; a commit is durable
     before the write's Deferred fires. The lock is a row with an expiry,
     so relay processes on one machine sharing the file also single-flight;
@@ -14,10 +14,10 @@ Token stores (L{relay.interfaces.ITokenStore}, issue 12).
     compare-and-set script, the lock is C{SET relay:oauth:lock:{id} owner NX
     PX ttl} (renewed by its owner) released by a compare-and-delete script. Durability across a
     Redis restart is Redis's own (AOF); with Sentinel a record write also
-    waits for a replica (C{WAIT}, L{relay.redisclient.RedisService.executeDurable},
+    waits for a replica (C{WAIT}, L{relay.wire.redisclient.RedisService.executeDurable},
     issue 23) so a failover cannot lose it (and should an unacknowledged
     one be lost, L{relay.oauth.credentials} writes its newer record back
-    after the promotion); see the README.
+    after the promotion); see docs/deploying.md (Redis).
 
 Every call is bounded by a timeout on the injected clock (style.md trap
 T16).
@@ -155,7 +155,7 @@ class SQLiteTokenStore:
     Tokens in the SQLite C{database}, through the settings store's
     connection pool (one connection: writes are serialised).
 
-    @ivar _settings: the L{relay.settingsdb.SQLiteSettingsStore} whose pool
+    @ivar _settings: the L{relay.state.settingsdb.SQLiteSettingsStore} whose pool
         and migrations are used.
     @ivar _clock: the clock for lock expiry and timeouts.
     """
@@ -245,7 +245,7 @@ class RedisTokenStore:
     """
     Tokens in Redis (see the module docstring).
 
-    @ivar _redis: the L{relay.redisclient.RedisService}.
+    @ivar _redis: the L{relay.wire.redisclient.RedisService}.
     """
 
     _redis: Any

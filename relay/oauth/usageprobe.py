@@ -39,7 +39,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from relay.scheduling.quota import Snapshot, Window, windowsFromWham
+from relay.oauth.windows import Snapshot, Window, windowsFromWham
 
 __all__ = ["PROBE_TICK_SECONDS", "UsageProbe", "usageURL"]
 
@@ -98,7 +98,7 @@ class UsageProbe:
     @ivar credentials: the L{relay.interfaces.ICredentialSource}.
     @ivar quota: the L{relay.scheduling.quota.UsageWindows}.
     @ivar egress: the L{relay.interfaces.IEgressClient}.
-    @ivar settings: the L{relay.settings.RuntimeSettings}.
+    @ivar settings: the L{relay.state.settings.RuntimeSettings}.
     @ivar store: the L{relay.interfaces.IStateStore} (cooldowns, the
         shared claim and result).
     @ivar paused: C{account id -> bool}, or L{None}.

@@ -37,7 +37,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from relay.eager import eagerDeferred
+from relay.base.eager import eagerDeferred
 from relay.policy import ends as E
 from relay.policy import failures as F
 
@@ -86,7 +86,7 @@ class AccountBookkeeping:
     @ivar health: the L{relay.policy.health.AccountHealth}.
     @ivar clock: the L{IReactorTime}, for C{last_error_at}.
     @ivar proxyHealth: the L{relay.policy.proxyhealth.ProxyHealth}, or L{None}.
-    @ivar metrics: the L{relay.operator.metrics.RelayMetrics}, or L{None}.
+    @ivar metrics: the L{relay.console.metrics.RelayMetrics}, or L{None}.
     @ivar stats: account id -> C{{"turns", "failovers", "last_error",
         "last_error_at", "last_success_at"}} for the operator view; times are
         Unix seconds or L{None}.
@@ -125,7 +125,7 @@ class AccountBookkeeping:
         counter, its in-memory blocks, breaker and OAuth-429 window, and the
         quarantine of the proxy it dials through.
 
-        @param account: the L{relay.model.Account}.
+        @param account: the L{relay.base.records.Account}.
         @return: a L{Deferred} firing once the store is cleared.
         """
         if self.proxyHealth is not None and account.proxy is not None:
@@ -144,7 +144,7 @@ class AccountBookkeeping:
         """
         Write what C{end} means to C{account}'s state.
 
-        @param account: the L{relay.model.Account} attempted.
+        @param account: the L{relay.base.records.Account} attempted.
         @param end: the attempt end (L{relay.policy.ends}).
         @param verdict: its verdict from L{relay.policy.judgement.judge}, or
             L{None} (successes, departures, forwarded in-band failures).

@@ -52,7 +52,7 @@ from relay.policy.failures import (
     Verdict,
 )
 from relay.interfaces import IFailureClassifier
-from relay.model import Account, ClientError
+from relay.base.records import Account, ClientError
 
 # ---------------------------------------------------------------------------
 # Messages the client sees (R5, R8, R9, R15, R20, R65)

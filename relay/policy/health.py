@@ -28,13 +28,13 @@ from relay.policy.failures import (
     MARK_TEMP_UNSCHEDULABLE,
     MARK_TRANSIENT_STREAK,
     TRANSPORT,
-    AccountRuntime,
     Marking,
     Verdict,
 )
 from relay.interfaces import IStateStore
-from relay.model import Account
-from relay.settings import RuntimeSettings
+from relay.state.runtime import AccountRuntime
+from relay.base.records import Account
+from relay.state.settings import RuntimeSettings
 from relay.state import counter403Key
 
 #: R4: a state write has this long to finish, seconds.

@@ -43,7 +43,7 @@ from relay.policy.classify import (
     looksHtml,
     parseError,
 )
-from relay.model import ClientError
+from relay.base.records import ClientError
 from relay.policy import ends as E
 
 WS_BUSY_CLOSE = (1013, "upstream websocket is busy, please retry later")
@@ -145,8 +145,8 @@ def requestText(turn, account=None) -> frozenset:
     field names and string values at any depth, its model name (and the
     account's mapped name for it), and its forwarded header values.
 
-    @param turn: the L{relay.model.Turn}.
-    @param account: the L{relay.model.Account} attempted, or L{None}.
+    @param turn: the L{relay.base.records.Turn}.
+    @param account: the L{relay.base.records.Account} attempted, or L{None}.
     @return: L{relay.policy.classify.clientStrings} of them.
     """
     model = getattr(turn, "model", None)
@@ -204,8 +204,8 @@ def judge(classifier, end, account, turn, now: float) -> Optional[F.Verdict]:
 
     @param classifier: the L{relay.interfaces.IFailureClassifier}.
     @param end: an attempt end from L{relay.policy.ends}.
-    @param account: the L{relay.model.Account} attempted.
-    @param turn: the L{relay.model.Turn} (endpoint, phase, chain id).
+    @param account: the L{relay.base.records.Account} attempted.
+    @param turn: the L{relay.base.records.Turn} (endpoint, phase, chain id).
     @param now: Unix seconds, for R12 reset times.
     @return: a L{relay.policy.failures.Verdict}; L{None} for the ends that are not
         failures (L{ends.Completed}, L{ends.Forwarded}, L{ends.Departed},

@@ -10,7 +10,7 @@ C{quarantine_seconds}: every account dialling through the same proxy id is
 skipped by the scheduler's compatibility check until then, unless every
 candidate is quarantined (the scheduler fails open and logs it).
 
-State is in memory, per process, keyed by L{relay.model.ProxySpec.id}, and
+State is in memory, per process, keyed by L{relay.base.records.ProxySpec.id}, and
 driven by the injected clock only: a quarantine ends lazily the first time
 the state is read after its end (L{ProxyHealth.isQuarantined},
 L{ProxyHealth.snapshot}), which logs C{relay.proxy_quarantine_lifted}.
@@ -24,7 +24,7 @@ from attrs import define, field
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from relay.model import Account, ProxySpec
+from relay.base.records import Account, ProxySpec
 
 CUTS = 2
 """Mid-stream cuts through one proxy that quarantine it."""

@@ -49,7 +49,7 @@ class PoolIndex:
     """
     Per-snapshot lists of a pool (see the module docstring).
 
-    @ivar accounts: the snapshot (a tuple of L{relay.model.Account}).
+    @ivar accounts: the snapshot (a tuple of L{relay.base.records.Account}).
     @ivar ids: their ids, in order.
     @ivar byId: account id -> account.
     """

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import hashlib
 
-from relay.model import ClientError
+from relay.base.records import ClientError
 
 MAX_OWNED_ITEMS = 256
 """The most output items of one response whose owner is recorded (the

@@ -39,14 +39,14 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from relay.admission.memory import MemorySlotAdmission
-from relay.eager import eagerDeferred
+from relay.base.eager import eagerDeferred
 from relay.interfaces import IAccountScheduler, IAccountStateView, ISlotAdmission, IStateStore
-from relay.logs import ClassLogger, isoTime
-from relay.model import Account, ClientError, SchedulingSettings, Turn, WaitPlan
+from relay.base.logs import ClassLogger, isoTime
+from relay.base.records import Account, ClientError, SchedulingSettings, Turn, WaitPlan
 from relay.scheduling.index import PoolIndex, sameSnapshot
 from relay.scheduling.itemowners import conversationRefused, itemNotFound, itemOwnerKey
 from relay.scheduling.selection import DecisionRecord, NoAccountAvailable, Selection, noAccountError
-from relay.settings import RuntimeSettings
+from relay.state.settings import RuntimeSettings
 from relay.state.memory import NOT_NOW, MemoryStateStore
 
 LAYER_PREVIOUS = "previous_response_id"
@@ -132,7 +132,7 @@ def ownerRecord(keyOwner: str, accountId: str) -> str:
     key's owner identity and the account, as compact JSON (read by
     L{_parseOwner}); built once per C{(key, account)}.
 
-    @param keyOwner: the key's L{relay.model.ClientKey.ownerId}.
+    @param keyOwner: the key's L{relay.base.records.ClientKey.ownerId}.
     @param accountId: the account that served the response.
     @return: C{{"key":keyOwner,"account":accountId}}.
     """
@@ -227,9 +227,9 @@ def _previousNotFound(previous: str, turn: Turn) -> ClientError:
     R104's fail-closed answer: C{previous_response_not_found}, as upstream
     words it; on the WebSocket the event is followed by the close every
     C{previous_response_not_found} gets, so Codex reconnects with its full
-    input (L{relay.engine.errors.previousResponseNotFound}).
+    input (L{relay.base.clienterrors.previousResponseNotFound}).
     """
-    from relay.engine.errors import previousResponseNotFound
+    from relay.base.clienterrors import previousResponseNotFound
 
     error = previousResponseNotFound(previous)
     return error if turn.entrypoint == "ws" else evolve(error, wsClose=None)
@@ -318,7 +318,7 @@ class _Pass:
     @ivar now: Unix seconds when the states were read.
     @ivar scheduling: the L{SchedulingSettings} in force.
     @ivar byId: account id -> L{Account}.
-    @ivar states: account id -> L{relay.policy.failures.AccountRuntime}.
+    @ivar states: account id -> L{relay.state.runtime.AccountRuntime}.
     @ivar oauthBarred: R42 applies (HTTP turn with C{previous_response_id}).
     @ivar quarantineFailOpen: every open candidate's proxy is quarantined,
         so quarantine is ignored (R41).
@@ -1242,7 +1242,7 @@ class AccountScheduler:
     def _blockWhy(self, ctx: _Pass, account: Account) -> Optional[tuple]:
         """
         Why the account is runtime-blocked for this turn's model and until
-        when: the state store's L{relay.policy.failures.AccountRuntime.unschedulable},
+        when: the state store's L{relay.state.runtime.AccountRuntime.unschedulable},
         then the C{extraBlock} hook; the later end wins when both block.
 
         @return: C{(reason, until)} (C{until} Unix seconds, 0 or L{None}
@@ -2194,7 +2194,7 @@ class AccountScheduler:
         }
         if ctx.dryRun:
             return Selection(account, choice.lease, choice.plan, fields=fields)
-        # Info, not R45's debug: seed 003's tables (and relay.operator.report) are
+        # Info, not R45's debug: seed 003's tables (and relay.console.report) are
         # computed from these lines, and the default runners drop debug.
         self._log.info(
             "account schedule decision: {layer} -> {selected_account_id}",

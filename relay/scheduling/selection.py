@@ -11,7 +11,7 @@ from typing import Optional
 from attrs import frozen
 from attrs.exceptions import FrozenInstanceError
 
-from relay.model import Account, ClientError, RelayError, WaitPlan
+from relay.base.records import Account, ClientError, RelayError, WaitPlan
 
 
 @frozen

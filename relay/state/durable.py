@@ -8,7 +8,7 @@ keeps every value in the process; the values whose key starts with one of
 L{DURABLE_PREFIXES} (the owner records of
 L{relay.scheduling.scheduler.responseOwnerKey}) are also written through
 to the SQLite C{database} (table C{state_values}, created on first use, in
-the file L{relay.settingsdb.SQLiteSettingsStore} manages), and read from
+the file L{relay.state.settingsdb.SQLiteSettingsStore} manages), and read from
 it when the process does not have them (after a restart). Redis keeps its
 keys itself.
 
@@ -74,7 +74,7 @@ class SQLiteValues:
     """
     TTL'd values in the settings database.
 
-    @ivar database: the L{relay.settingsdb.SQLiteSettingsStore}.
+    @ivar database: the L{relay.state.settingsdb.SQLiteSettingsStore}.
     """
 
     database: object

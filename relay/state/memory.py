@@ -19,7 +19,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from relay.policy.failures import AccountRuntime
+from relay.state.runtime import AccountRuntime
 from relay.interfaces import IAccountStates, IAccountStateView, IStateStore
 from relay.state import MARK_KINDS, counter403Key
 from relay.state.durable import isDurable
@@ -422,7 +422,7 @@ class MemoryStateStore:
     def prune(self) -> int:
         """
         Drop expired counters and values (relay runs this every minute,
-        L{relay.app}; the store also drops them lazily).
+        L{relay.process.app}; the store also drops them lazily).
 
         @return: the number of entries dropped.
         """

@@ -43,7 +43,7 @@ C{on_redis_error} (R35):
     "no binding"), writes are dropped, C{incrementCounter} fires 0; each
     logs C{relay.redis_state_error} at warn level.
   - C{fail_closed}: the Deferred fails with
-    L{relay.redisclient.RedisUnavailable}.
+    L{relay.wire.redisclient.RedisUnavailable}.
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from relay.policy.failures import AccountRuntime
+from relay.state.runtime import AccountRuntime
 from relay.interfaces import IAccountStateView, IStateStore
-from relay.redisclient import RedisService, RedisUnavailable, describe
+from relay.wire.redisclient import RedisService, RedisUnavailable, describe
 from relay.state import MARK_KINDS, accountKey, counter403Key
 from relay.state.memory import FlaggedStates
 from relay.state.redisbatch import RedisBatch

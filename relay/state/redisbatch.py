@@ -18,7 +18,7 @@ reply per operation. A batch of one operation is sent as the plain command
 
 Semantics kept: each operation's L{Deferred} fires once its command has run
 in Redis, with the reply the plain command gives, or fails with
-L{relay.redisclient.RedisUnavailable} (a Redis error of that operation
+L{relay.wire.redisclient.RedisUnavailable} (a Redis error of that operation
 alone -- the others of the batch still run, C{redis.pcall} -- or the
 failure of the whole call: timeout, lost connection); the store applies
 C{on_redis_error} to it as before. Operations run in issue order, so a read
@@ -41,7 +41,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.python.failure import Failure
 
-from relay.redisclient import RedisService, RedisUnavailable
+from relay.wire.redisclient import RedisService, RedisUnavailable
 
 #: relay's own state operations, as standalone scripts (KEYS / ARGV), run
 #: alone for a batch of one and wrapped as functions in the batch script:

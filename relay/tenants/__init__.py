@@ -1,7 +1,7 @@
 """
 Client keys as tenants (issue 22): what one key may do and what it cost.
 
-  - L{relay.tenants.policy}: the per-key policy checked before every turn
+  - L{relay.tenants.keypolicy}: the per-key policy checked before every turn
     (behaviour.md R102): disabled, expiry, model allow/deny lists, account
     groups, money and token budgets, request and token rates;
   - L{relay.tenants.ratelimit}: the sliding-window request/token counters
@@ -11,8 +11,8 @@ Client keys as tenants (issue 22): what one key may do and what it cost.
     turn's end;
   - L{relay.tenants.requestlog}: where those records are kept (SQLite,
     a capped Redis stream, memory) and how they are searched;
-  - L{relay.tenants.explain}: which account the next turn would get and
+  - L{relay.console.explain}: which account the next turn would get and
     why not the others, from the scheduler's own selection code, without
     admitting anything;
-  - L{relay.tenants.admin}: C{GET /admin/requests} and C{GET /admin/explain}.
+  - L{relay.console.tenants}: C{GET /admin/requests} and C{GET /admin/explain}.
 """

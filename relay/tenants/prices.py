@@ -16,7 +16,7 @@ nano-dollars (1e-9 USD) so sums are exact integers.
 
 A model without a price is I{unpriced}: its turns are counted as unpriced,
 never as free (L{PriceTable.cost} returns L{None}); a key with a money
-budget may not use it (L{relay.tenants.policy}).
+budget may not use it (L{relay.tenants.keypolicy}).
 
 The shipped table (L{DEFAULT_PRICES}) covers the models relay knows, at
 OpenAI's published standard-tier rates for prompts up to 272K input tokens
@@ -55,7 +55,7 @@ from typing import Mapping, Optional
 
 from attrs import frozen
 
-from relay.modelname import matchKey, normalise
+from relay.base.modelname import matchKey, normalise
 from relay.usage.tokens import HOSTED_TOOLS, hostedTool
 
 __all__ = [
@@ -294,7 +294,7 @@ class PriceTable:
 
     def names(self) -> frozenset:
         """
-        The priced models as L{relay.modelname.matchKey}s (one object per
+        The priced models as L{relay.base.modelname.matchKey}s (one object per
         state of the table, so a holder can tell a change by identity).
         """
         return self._names
@@ -302,7 +302,7 @@ class PriceTable:
     def lookup(self, model: Optional[str]) -> Optional[Price]:
         """
         The price of C{model}: its exact name, else the price of its
-        normalised name (R110, L{relay.modelname.normalise}: any case,
+        normalised name (R110, L{relay.base.modelname.normalise}: any case,
         trimmed, a dated snapshot priced as its family).
 
         @param model: a model name (upstream or client), or L{None}.

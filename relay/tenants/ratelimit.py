@@ -38,7 +38,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from relay.interfaces import IRateLimiter
-from relay.model import RelayError
+from relay.base.records import RelayError
 
 __all__ = [
     "WINDOW",
@@ -260,7 +260,7 @@ class RedisRateLimiter:
     """
     Sliding windows shared through Redis (see the module docstring).
 
-    @ivar redis: a L{relay.redisclient.RedisService} (anything with its
+    @ivar redis: a L{relay.wire.redisclient.RedisService} (anything with its
         C{execute(timeout, method, *args)}).
     @ivar onRedisError: C{fail_open} or C{fail_closed} (R35).
     @ivar prefix: the key prefix.

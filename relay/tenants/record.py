@@ -3,7 +3,7 @@
 The one structured record of a turn (issue 22 item 4).
 
 The engine builds a L{TurnRecord} once, when a turn ends, from what it
-already holds (the L{relay.model.Turn}, its failover state, the outcome);
+already holds (the L{relay.base.records.Turn}, its failover state, the outcome);
 nothing is parsed or formatted on the hot path. The request log
 (L{relay.tenants.requestlog}) keeps it; the access line, the decision log
 and C{relay-report} can read the same record (L{TurnRecord.asDict} is the
@@ -21,7 +21,7 @@ from typing import Optional
 
 from attrs import define
 
-from relay.jsoncodec import dumpsRecord
+from relay.wire.jsoncodec import dumpsRecord
 
 __all__ = ["Attempt", "TurnRecord", "fromDict"]
 
@@ -154,7 +154,7 @@ class TurnRecord:
     def toJSON(self) -> str:
         """
         The compact stored form (L{fromDict} reads it back): orjson's,
-        through L{relay.jsoncodec.dumpsRecord} (issue 24: one record per
+        through L{relay.wire.jsoncodec.dumpsRecord} (issue 24: one record per
         relayed turn; ~1 us instead of ~8).
         """
         return dumpsRecord(self.asDict())

@@ -289,7 +289,7 @@ class SQLiteRequestLog(_Buffered):
     Records in the C{request_log} table of the settings database (see the
     module docstring); created on first use.
 
-    @ivar database: the L{relay.settingsdb.SQLiteSettingsStore} whose
+    @ivar database: the L{relay.state.settingsdb.SQLiteSettingsStore} whose
         single connection (and file) this log shares.
     """
 
@@ -444,7 +444,7 @@ class RedisRequestLog(_Buffered):
     """
     Records in a capped Redis stream (see the module docstring).
 
-    @ivar redis: a L{relay.redisclient.RedisService}.
+    @ivar redis: a L{relay.wire.redisclient.RedisService}.
     @ivar stream: the stream's key.
     @ivar timeout: seconds per Redis call.
     @ivar batch: entries read per C{XREVRANGE} while filtering.

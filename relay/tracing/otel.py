@@ -9,7 +9,7 @@ never from inside the attempt loop's policy. Spans:
   - C{relay.turn} (kind SERVER), parent: the client's C{traceparent}
     (W3C trace context) when it sent a valid one. Attributes:
     C{relay.request_id}, C{relay.entrypoint} (http, ws), C{relay.endpoint},
-    C{relay.client} (the key's name, never the key), C{relay.model},
+    C{relay.client} (the key's name, never the key), C{relay.base.records},
     C{relay.outcome}, C{http.response.status_code}, C{relay.account_id}
     (the last account), C{relay.attempts}, C{relay.switches},
     C{relay.wait_seconds} (slot waits and retry sleeps), and
@@ -84,7 +84,7 @@ class TurnTracer:
                 "relay.entrypoint": turn.entrypoint,
                 "relay.endpoint": turn.endpoint,
                 "relay.client": turn.client.name,
-                "relay.model": turn.model or "",
+                "relay.base.records": turn.model or "",
                 "relay.stream": bool(turn.stream),
             },
         )
@@ -187,17 +187,17 @@ class _TurnTrace:
 
 def buildTracerProvider(settings, exporter=None):
     """
-    The SDK's tracer provider for C{tracing:} (L{relay.model.TracingSettings}).
+    The SDK's tracer provider for C{tracing:} (L{relay.base.records.TracingSettings}).
 
-    @param settings: the L{relay.model.TracingSettings}.
+    @param settings: the L{relay.base.records.TracingSettings}.
     @param exporter: a span exporter to use instead of the configured one
         (tests: the SDK's C{InMemorySpanExporter}); it gets a simple
         (synchronous) processor, the configured exporters a batch one (its
         own thread exports).
     @return: a C{TracerProvider}.
-    @raise relay.model.ConfigError: when the C{otel} extra is not installed.
+    @raise relay.base.records.ConfigError: when the C{otel} extra is not installed.
     """
-    from relay.model import ConfigError
+    from relay.base.records import ConfigError
 
     try:
         from opentelemetry.sdk.resources import Resource

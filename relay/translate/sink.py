@@ -28,8 +28,8 @@ from typing import Optional
 from zope.interface import implementer
 
 from relay.interfaces import ITurnSink
-from relay.model import ClientError, Turn
-from relay.sse import DONE, Event
+from relay.base.records import ClientError, Turn
+from relay.wire.sse import DONE, Event
 from relay.translate.assemble import chatCompletion
 from relay.translate.chatstream import ChatChunkTranslator
 

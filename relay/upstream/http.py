@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 from relay.interfaces import IUpstreamDialer, IUpstreamResponse
 from relay.upstream.httpclient import BodyCollector, ConnectionPool, Target, requestBytes
-from relay.model import Account, UpstreamSettings
+from relay.base.records import Account, UpstreamSettings
 
 # Client headers that may travel upstream (protocol.md 7.2). Everything else
 # -- Authorization, x-api-key, cookies, hop-by-hop headers -- stays behind
@@ -313,7 +313,7 @@ class HTTPDialer:
         """
         One treq client (and connection pool) per (proxy, connect timeout):
         connections through different proxies must never be shared. Keyed
-        by the whole L{relay.model.ProxySpec}, not its id: a reload that points a
+        by the whole L{relay.base.records.ProxySpec}, not its id: a reload that points a
         proxy id at another address or credentials gets a new client
         (issue 14).
         """
@@ -340,7 +340,7 @@ class HTTPDialer:
                 agent = Agent(self._reactor, **kwargs)
                 agent._endpointFactory = _EndpointCache(agent._endpointFactory)
             # Issue 24 (RSS): treq only for accounts behind a proxy; imported
-            # at start when the config names one (relay.app.checkImports).
+            # at start when the config names one (relay.process.app.checkImports).
             from treq.client import HTTPClient
 
             # Upstream cookies (e.g. Cloudflare's) must never be stored and

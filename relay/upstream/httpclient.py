@@ -43,7 +43,7 @@ from twisted.web.http import _DataLoss
 from zope.interface import implementer
 
 from relay.interfaces import IUpstreamResponse
-from relay.sendnow import sendNow
+from relay.wire.sendnow import sendNow
 
 IDLE_TIMEOUT_SECONDS = 240.0
 """An idle pooled connection older than this is closed instead of reused
@@ -294,7 +294,7 @@ class Connection(Protocol):
         self._headers = {}
         self._framed = False
         self._waiting = d = Deferred(self._cancel)
-        # Issue 24: sent at once when nothing is queued (relay.sendnow).
+        # Issue 24: sent at once when nothing is queued (relay.wire.sendnow).
         sendNow(self.transport, data)
         return d
 

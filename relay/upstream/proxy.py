@@ -76,7 +76,7 @@ from twisted.web.client import URI, BrowserLikePolicyForHTTPS
 from twisted.web.iweb import IAgentEndpointFactory, IPolicyForHTTPS
 from zope.interface import implementer
 
-from relay.model import ProxySpec, RelayError
+from relay.base.records import ProxySpec, RelayError
 
 SCHEMES = ("socks5", "socks5h", "http")
 """The proxy schemes L{proxyEndpoint} understands (config.md C{proxies:})."""

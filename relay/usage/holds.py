@@ -231,7 +231,7 @@ class RedisBudgetHolds:
     docstring). Each call is one C{EVAL} (or C{GET}/C{SET}) bounded by
     C{timeout}; errors reach the caller (the ledger decides, R35).
 
-    @ivar redis: a L{relay.redisclient.RedisService}.
+    @ivar redis: a L{relay.wire.redisclient.RedisService}.
     @ivar prefix: the key prefix.
     @ivar timeout: seconds per call.
     """

@@ -34,7 +34,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from relay.model import ClientError
+from relay.base.records import ClientError
 from relay.usage.store import DAY, dayStart, hourOf, monthStart, nextMonthStart
 from relay.usage.tokens import TokenCounts
 
@@ -126,7 +126,7 @@ class UsageLedger:
 
     @ivar clock: the injected L{IReactorTime}.
     @ivar store: the L{relay.interfaces.IUsageStore}.
-    @ivar metrics: optional L{relay.operator.metrics.RelayMetrics} (token counters).
+    @ivar metrics: optional L{relay.console.metrics.RelayMetrics} (token counters).
     @ivar budgets: key name -> C{(daily_tokens, monthly_tokens)}, each an
         C{int} or L{None}; keys without a budget are absent.
     @ivar moneyBudgets: key name -> C{(daily_usd, monthly_usd)}, each a
@@ -191,7 +191,7 @@ class UsageLedger:
         a reload, issue 22): a key added with a budget is enforced from its
         next turn, a budget removed stops being enforced.
 
-        @param keys: an iterable of L{relay.model.ClientKey}.
+        @param keys: an iterable of L{relay.base.records.ClientKey}.
         """
         budgets, money = {}, {}
         for key in keys:

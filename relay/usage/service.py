@@ -10,7 +10,7 @@ from twisted.application.internet import TimerService
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
-from relay.redisclient import logFailure
+from relay.wire.redisclient import logFailure
 
 __all__ = ["UsageFlushService"]
 

@@ -187,7 +187,7 @@ class SQLiteUsageStore:
     L{IUsageStore}); created on first use (C{CREATE TABLE IF NOT EXISTS}),
     so it needs no settings schema version.
 
-    @ivar database: the L{relay.settingsdb.SQLiteSettingsStore} whose
+    @ivar database: the L{relay.state.settingsdb.SQLiteSettingsStore} whose
         connection (and file) this store shares.
     @ivar retentionDays: rows older than this (before the newest hour
         added) are deleted when rows are added.
@@ -365,7 +365,7 @@ class RedisUsageStore:
     Every call is one C{EVAL} or C{HGETALL} bounded by C{timeout} on the
     injected clock (style.md pattern d).
 
-    @ivar redis: a L{relay.redisclient.RedisService} (or anything with its
+    @ivar redis: a L{relay.wire.redisclient.RedisService} (or anything with its
         C{execute(timeout, method, *args)}).
     @ivar clock: the L{IReactorTime} (for C{totals}' last hour).
     @ivar prefix: the key prefix.

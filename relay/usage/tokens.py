@@ -219,7 +219,7 @@ def fromEvent(event) -> TokenCounts | None:
     The usage a stream event carries: a Responses terminal event's
     C{response.usage}, or a chat chunk's top-level C{usage}.
 
-    @param event: a L{relay.sse.Event}.
+    @param event: a L{relay.wire.sse.Event}.
     @return: the counts, or L{None} (C{[DONE]}, no usage, not JSON).
     """
     if event.type == b"[DONE]":

@@ -4,7 +4,7 @@ test session and shared by L{tests.integration.test_container} (the image
 alone) and L{tests.integration.test_compose} (compose.yaml's stack).
 
 No registry is reachable from CI, so L{containerImages} runs
-C{scripts/container-images.sh} (the README's way without a registry): the
+C{scripts/container-images.sh} (docs/deploying.md's way without a registry): the
 base from Debian packages (C{scripts/container-base.sh}: mmdebstrap, then
 C{podman import}), relay's image on it (C{Dockerfile}) and Debian's
 redis-server on it (C{etc/redis/Dockerfile}). Under CI (C{CI} set) all

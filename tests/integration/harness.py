@@ -18,8 +18,8 @@ from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.task import deferLater
 
-from relay.app import buildApplication
-from relay.config import settingsFromString
+from relay.process.app import buildApplication
+from relay.configuration.parse import settingsFromString
 from relay.emulator import Emulator
 
 RELAY_KEY = "sk-relay-test"

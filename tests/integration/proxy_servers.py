@@ -68,7 +68,7 @@ class ProxyServer:
     """
     One running proxy process.
 
-    @ivar scheme: C{socks5h} or C{http}, for a L{relay.model.ProxySpec}.
+    @ivar scheme: C{socks5h} or C{http}, for a L{relay.base.records.ProxySpec}.
     @ivar port: its loopback port.
     @ivar username: the accepted user name, or L{None}.
     @ivar password: the accepted password, or L{None}.
@@ -90,9 +90,9 @@ class ProxyServer:
         @param username: override the user name (L{None}: the server's).
         @param password: override the password (L{None}: the server's).
         @param scheme: override the scheme (e.g. C{socks5}).
-        @return: a L{relay.model.ProxySpec} for this server.
+        @return: a L{relay.base.records.ProxySpec} for this server.
         """
-        from relay.model import ProxySpec
+        from relay.base.records import ProxySpec
 
         return ProxySpec(
             id=id,

@@ -21,7 +21,7 @@ import pytest
 import pytest_twisted
 from twisted.internet import reactor
 
-from relay.redisclient import RedisService
+from relay.wire.redisclient import RedisService
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 

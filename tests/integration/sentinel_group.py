@@ -4,11 +4,11 @@ master, one replica and three Sentinels, all real C{redis-server} processes
 (a Sentinel is C{redis-server FILE --sentinel}), tuned to fail over within
 a couple of seconds (C{down-after-milliseconds} 1000, quorum 2).
 
-Every data node runs with the persistence relay's README asks of a
+Every data node runs with the persistence docs/deploying.md asks of a
 Sentinel deployment: AOF on (C{appendonly yes}, C{appendfsync everysec}).
 With a single replica, C{min-replicas-to-write} stays off here: once the
 master dies the promoted replica has no replica of its own and would refuse
-every write (the README's production layout has two replicas).
+every write (docs/deploying.md's production layout has two replicas).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ For each attack the test prints one row: what was sent, the bytes the
 attacker sent, the relay's CPU seconds and RSS (peak) while it ran, the
 slowest C{/healthz} answer meanwhile, and the outcome. It fails if
 C{/healthz} ever takes over L{HEALTH_BOUND} or the relay's peak RSS grows
-past L{RSS_BOUND_MIB} over its start (README "Security").
+past L{RSS_BOUND_MIB} over its start (docs/security.md).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ HEALTH_BOUND = 0.100
 
 RSS_BOUND_MIB = 96
 """MiB: how far the relay's peak RSS may grow over the whole run (the
-README's bound for these sizes: the attacks hold nothing before the key,
+docs/security.md's bound for these sizes: the attacks hold nothing before the key,
 and keyed bodies are refused by the ratio and estimate bounds)."""
 
 KEY_A, KEY_B = "sk-abuse-alice", "sk-abuse-bob"

@@ -1,6 +1,6 @@
 """
 An admin key too easy to guess is refused at start outside the demo
-(behaviour.md R99; L{relay.config.checkOperatorKeys}): one config error
+(behaviour.md R99; L{relay.configuration.parse.checkOperatorKeys}): one config error
 line naming C{admin_key}, exit status 2, the key never printed; the demo's
 configuration (C{demo: true}) starts with its published key.
 """
@@ -11,7 +11,7 @@ import os
 
 import pytest_twisted
 
-from relay.config import loadConfig
+from relay.configuration.parse import loadConfig
 from tests.integration.test_twistd import (
     assertOneErrorLine,
     goodConfig,

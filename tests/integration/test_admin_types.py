@@ -1,7 +1,7 @@
 """
 Type-confused admin bodies (behaviour.md R99's admin surface, protocol.md
 2.6): every field of every admin write route has its JSON type checked
-before anything reads it (L{relay.operator.fields}); a wrongly typed value
+before anything reads it (L{relay.console.fields}); a wrongly typed value
 -- C{"api_key": ["..."]}, an object token, a number where a string
 belongs -- is a 400 naming the field (the route's own code) in OpenAI's error
 envelope, never a 500, and relay keeps serving.
@@ -27,8 +27,8 @@ from relay.control.groups.resource import GROUP_BODY
 from relay.control.keys.resource import KEY_BODY
 from relay.control.logins.resource import COMPLETE_BODY, LOGIN_BODY
 from relay.control.prices.resource import PRICE_BODY, PRICES_BODY
-from relay.operator.admin import REFRESH_BODY, TOKENS_BODY
-from relay.operator.fields import REASON_BODY
+from relay.console.admin import REFRESH_BODY, TOKENS_BODY
+from relay.console.fields import REASON_BODY
 from tests.integration.harness import startStack
 
 ADMIN = "admin-types-0123456789"
@@ -229,7 +229,7 @@ async def test_settings_wrong_types(rig):
     for any runtime setting, flat or nested, is a 400 naming it; nothing
     changes.
     """
-    from relay.settings import RUNTIME_KEYS
+    from relay.state.settings import RUNTIME_KEYS
 
     for name in RUNTIME_KEYS:
         head, _, tail = name.rpartition(".")

@@ -12,7 +12,7 @@ from twisted.internet import reactor
 from twisted.internet.defer import gatherResults
 from twisted.internet.task import deferLater
 
-from relay.redisclient import RedisService
+from relay.wire.redisclient import RedisService
 from relay.usage.holds import RedisBudgetHolds
 from tests.integration.redis_server import redisServer  # noqa: F401 (fixture)
 from tests.test_usage_holds import holdsContract, usd

@@ -1,6 +1,6 @@
 """
-compose.yaml's stack, brought up the README's way (issue 23, README
-"Deploying"): C{podman-compose up -d} with the images of
+compose.yaml's stack, brought up docs/deploying.md's way (issue 23):
+C{podman-compose up -d} with the images of
 L{tests.integration.containers} (built once per session, from scratch under
 CI, by whichever of this test and L{tests.integration.test_container} runs
 first; the other reuses them) -- relay's image,

@@ -1,6 +1,6 @@
 """
-The container image, built and run (issue 23; Dockerfile, README
-"Deploying").
+The container image, built and run (issue 23; Dockerfile,
+docs/deploying.md).
 
 No registry is reachable from CI, so the images are made here
 (L{tests.integration.containers}: C{scripts/container-images.sh}, the base

@@ -16,7 +16,7 @@ from twisted.internet.task import deferLater
 
 from relay.control.store import ANY, ControlChange, ControlStoreUnavailable
 from relay.control.store.redis import RedisControlStore
-from relay.redisclient import RedisService
+from relay.wire.redisclient import RedisService
 from tests.integration.redis_server import redisServer, redisService  # noqa: F401 (fixtures)
 from tests.test_control_store import ControlStoreContractMixin, contractNames
 

@@ -1,5 +1,5 @@
 """
-The graceful stop on real sockets (issue 14, L{relay.operations.drain}):
+The graceful stop on real sockets (issue 14, L{relay.process.drain}):
 the relay service's own C{stopService} (what twistd runs on C{SIGTERM})
 stops accepting, answers requests on kept-alive connections 503 with
 C{Retry-After} and C{Connection: close}, closes idle client WebSockets
@@ -26,8 +26,8 @@ from twisted.internet.error import ConnectionRefusedError, ProcessDone
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import deferLater
 
-from relay.app import buildService
-from relay.config import loadConfig
+from relay.process.app import buildService
+from relay.configuration.parse import loadConfig
 from relay.emulator import Emulator
 from tests.integration.harness import closedPort, sseEvents
 from tests.integration.redis_server import redisServer  # noqa: F401 (fixture)
@@ -216,7 +216,7 @@ async def test_drain_finishes_running_turns_and_refuses_new(tmp_path):
         assert [e for e, _ in sseEvents(data)][-1] == "response.completed"
 
         await stopped.addTimeout(10, reactor)
-        assert relay.app.runner.inflight == {}
+        assert relay.process.app.runner.inflight == {}
     finally:
         for c in clients:
             c.bye()
@@ -257,7 +257,7 @@ async def test_grace_over_cancels_and_tells_clients(tmp_path):
         await deferLater(reactor, 0.5, lambda: None)
 
         report = []
-        relay.app.drain.drain().addCallback(report.append)
+        relay.process.app.drain.drain().addCallback(report.append)
         stopped = relay.service.stopService()
 
         status, headers, body = await blocked
@@ -279,9 +279,9 @@ async def test_grace_over_cancels_and_tells_clients(tmp_path):
         await stopped.addTimeout(15, reactor)
         assert report[0].cancelled == 3
         await waitFor(lambda: emulator.inflight(CRED) == 0)
-        states = await relay.app.store.getAccountStates(["a1"])
+        states = await relay.process.app.store.getAccountStates(["a1"])
         assert states["a1"].blockedUntil == 0
-        assert relay.app.health._breakers == {}
+        assert relay.process.app.health._breakers == {}
     finally:
         for c in clients:
             c.bye()
@@ -312,7 +312,7 @@ async def test_drain_leaves_nothing_in_redis(tmp_path, redisServer):  # noqa: F8
             for i in range(3)
         ]
         await waitFor(lambda: emulator.inflight(CRED) == 1)
-        await waitFor(lambda: len(relay.app.runner.inflight) == 3)
+        await waitFor(lambda: len(relay.process.app.runner.inflight) == 3)
         await deferLater(reactor, 0.3, lambda: None)
         assert slotLeftovers(redisServer) != []
         await relay.service.stopService().addTimeout(15, reactor)

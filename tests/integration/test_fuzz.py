@@ -49,8 +49,8 @@ from twisted.internet.testing import StringTransport
 from twisted.logger import globalLogPublisher
 from twisted.python.failure import Failure
 
-from relay.app import buildApplication
-from relay.config import settingsFromString
+from relay.process.app import buildApplication
+from relay.configuration.parse import settingsFromString
 from relay.emulator import Emulator
 from relay.entry.ws import TOO_MANY_MESSAGE
 from tests.integration.fuzzing import (

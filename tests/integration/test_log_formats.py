@@ -29,7 +29,7 @@ from twisted.internet.task import deferLater
 from twisted.internet.utils import getProcessOutputAndValue
 
 from relay.emulator import Emulator
-from relay.logs import JSON_FIXED_KEYS
+from relay.base.logs import JSON_FIXED_KEYS
 from tests.integration.harness import closedPort
 from tests.integration.test_twistd import (
     ACCOUNT_KEY,
@@ -154,7 +154,7 @@ async def test_every_json_line_is_one_flat_object(runner, tmp_path):
     log = tmp_path / "relay.json.log"
     log.write_text(output)
     out, err, code = await getProcessOutputAndValue(
-        sys.executable, ["-m", "relay.operator.report", str(log), "--json"],
+        sys.executable, ["-m", "relay.console.report", str(log), "--json"],
         env=environment(), reactor=reactor,
     )
     assert code == 0, err

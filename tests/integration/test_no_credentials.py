@@ -15,7 +15,7 @@ import pytest_twisted
 import treq
 from twisted.logger import globalLogPublisher
 
-from relay.logs import SecretRedactor, formatTextLine
+from relay.base.logs import SecretRedactor, formatTextLine
 from tests.integration.harness import closedPort, startStack
 
 ADMIN = "admin-nocreds-0123456789"
@@ -39,7 +39,7 @@ async def test_failing_accounts_with_userinfo_leak_nothing():
     ]
     lines = []
     stack = await startStack(accounts, extra=f"admin_key: {ADMIN}\n")
-    from relay.config import secretsOf
+    from relay.configuration.parse import secretsOf
 
     redactor = SecretRedactor(lambda e: lines.append(formatTextLine(e)),
                               secretsOf(stack.app.config))

@@ -75,7 +75,7 @@ async def test_redis_token_store_contract(redisServer):  # noqa: F811
 
     from relay.interfaces import ITokenStore
     from relay.oauth.store import RedisTokenStore
-    from relay.redisclient import RedisService
+    from relay.wire.redisclient import RedisService
 
     service = RedisService(url=redisServer.url, clock=reactor)
     service.startService()
@@ -106,7 +106,7 @@ async def test_redis_token_store_contract(redisServer):  # noqa: F811
 async def test_durable_save_fails_on_a_demoted_master():
     """
     With Sentinel a token record's save waits for a replica (C{WAIT}, a
-    pipeline; L{relay.redisclient.RedisService.executeDurable}). On a
+    pipeline; L{relay.wire.redisclient.RedisService.executeDurable}). On a
     Redis that is now a replica (a demoted master: every write answers
     C{READONLY}) the save fails with L{RedisUnavailable} -- it is not
     reported as a lost compare-and-set race (the old code read the
@@ -115,7 +115,7 @@ async def test_durable_save_fails_on_a_demoted_master():
     is done (no replica acknowledged it: logged, not an error).
     """
     from relay.oauth.store import RedisTokenStore
-    from relay.redisclient import RedisService, RedisUnavailable
+    from relay.wire.redisclient import RedisService, RedisUnavailable
     from tests.integration.redis_server import RedisServer, freePort, requireRedis
 
     requireRedis()

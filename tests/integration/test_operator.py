@@ -14,7 +14,7 @@ import treq
 from twisted.internet.defer import Deferred, gatherResults
 from twisted.logger import globalLogPublisher, jsonFileLogObserver
 
-from relay.operator.report import buildReport, readEvents
+from relay.console.report import buildReport, readEvents
 from tests.integration.harness import closedPort, sseEvents, startStack
 
 ADMIN = "adm-test-key-000000"

@@ -23,8 +23,8 @@ from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import globalLogPublisher
 
-from relay.app import buildApplication
-from relay.config import settingsFromString
+from relay.process.app import buildApplication
+from relay.configuration.parse import settingsFromString
 from relay.emulator import Emulator
 from tests.integration.harness import RELAY_KEY, Stack, accountsYAML, sseEvents
 from tests.integration.proxy_servers import startMicrosocks, startTinyproxy

@@ -24,8 +24,8 @@ from relay.admission.redis import (
     nextBackoff,
 )
 from relay.interfaces import ISlotAdmission, ISlotLease
-from relay.model import AdmissionError, CancelSignal, WaitPlan
-from relay.redisclient import RedisUnavailable
+from relay.base.records import AdmissionError, CancelSignal, WaitPlan
+from relay.wire.redisclient import RedisUnavailable
 from tests.integration.redis_server import redisServer, redisService  # noqa: F401 (fixtures)
 
 

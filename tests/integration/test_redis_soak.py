@@ -28,8 +28,8 @@ from twisted.internet.defer import gatherResults
 from twisted.internet.task import deferLater
 
 from relay.admission.redis import RedisSlotAdmission
-from relay.model import AdmissionError, CancelSignal, WaitPlan
-from relay.redisclient import RedisService
+from relay.base.records import AdmissionError, CancelSignal, WaitPlan
+from relay.wire.redisclient import RedisService
 from tests.integration.redis_server import redisServer  # noqa: F401 (fixture)
 
 SLOT_TTL = 1.0

@@ -11,8 +11,8 @@ import pytest_twisted
 from twisted.internet import reactor
 from twisted.internet.task import deferLater
 
-from relay.policy.failures import AccountRuntime
-from relay.redisclient import RedisUnavailable
+from relay.state.runtime import AccountRuntime
+from relay.wire.redisclient import RedisUnavailable
 from relay.state.redis import RedisStateStore
 from tests.integration.redis_server import redisServer, redisService  # noqa: F401 (fixtures)
 from tests.test_state import StateStoreContractMixin, contractNames

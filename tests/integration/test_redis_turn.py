@@ -15,10 +15,10 @@ from twisted.internet import reactor
 from twisted.internet.task import deferLater
 
 from relay.admission.redis import RedisSlotAdmission, sharedBatch
-from relay.model import Account, ClientKey, GatewaySettings, SchedulingSettings, Turn
-from relay.operations.live import AccountRegistry
+from relay.base.records import Account, ClientKey, GatewaySettings, SchedulingSettings, Turn
+from relay.process.live import AccountRegistry
 from relay.scheduling.scheduler import AccountScheduler, sessionKey
-from relay.settings import RuntimeSettings
+from relay.state.settings import RuntimeSettings
 from relay.state.redis import RedisStateStore
 from tests.integration.redis_server import redisServer  # noqa: F401 (fixture)
 from tests.integration.test_redis_state import redisService  # noqa: F401 (fixture)

@@ -4,7 +4,7 @@ the client (issue 23): C{unix://} (a unix socket, with a password and a
 database) and C{rediss://} (TLS: the server's certificate verified, a client
 certificate presented when given), each against a real C{redis-server}
 (Debian's is built with TLS). Before, the configuration accepted both
-schemes and L{relay.redisclient.parseRedisUrl} refused them at start-up.
+schemes and L{relay.wire.redisclient.parseRedisUrl} refused them at start-up.
 
 The TLS server requires client certificates (C{tls-auth-clients yes}, as
 Redis does by default): with the right CA and certificate relay reads and
@@ -34,7 +34,7 @@ from twisted.internet import reactor
 from twisted.internet.task import deferLater
 
 from relay.emulator import Emulator
-from relay.redisclient import RedisService, RedisUnavailable
+from relay.wire.redisclient import RedisService, RedisUnavailable
 from tests.integration.redis_server import REDIS_SERVER, freePort, requireRedis
 from tests.integration.relayproc import RelayProcess, writeConfig
 from tests.integration.test_workers import _account, _post
@@ -225,7 +225,7 @@ async def test_relay_on_rediss(tlsServer):
     relay = RelayProcess(config=os.path.join(tmp, "relay.yaml"), log=os.path.join(tmp, "relay.log"))
     url = (f"rediss://localhost:{port}/0?ssl_ca_certs={files['ca']}"
            f"&ssl_certfile={files['client.pem']}&ssl_keyfile={files['client.key']}")
-    writeConfig(relay.config, relay.port, [_account(emulator, "a1")],
+    writeConfig(relay.configuration.parse, relay.port, [_account(emulator, "a1")],
                 extra=f"state: {{backend: redis, redis_url: '{url}'}}\n")
     try:
         relay.start()

@@ -23,8 +23,8 @@ from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.error import ProcessDone
 from twisted.internet.task import deferLater
 
-from relay.app import buildApplication
-from relay.config import loadConfig
+from relay.process.app import buildApplication
+from relay.configuration.parse import loadConfig
 from relay.emulator import Emulator
 from tests.integration.harness import Stack, sseEvents
 from tests.integration.test_twistd import Collector, environment

@@ -6,7 +6,7 @@ relay's id is its own and unique for every request and WebSocket turn
 (R111): it comes back as C{X-Request-Id} and is on every relay log line of
 the turn in both log formats -- including the lines written by code that
 does not know the turn (health's cooldown, the scheduler), which get it
-from the turn's context (L{relay.requestid.currentRequestId}). A client's
+from the turn's context (L{relay.base.requestid.currentRequestId}). A client's
 C{X-Request-Id} (or C{X-Client-Request-Id}) is kept as
 C{client_request_id}: on the turn's end and access lines, in the request
 log (C{/admin/requests?client_request_id=}, with each turn's own key), and
@@ -15,7 +15,7 @@ comes back as C{X-Upstream-Request-Id}. WebSocket connections answer the
 101 with the connection's id (relay's, new on every connection) and number
 their turns C{<id>:<n>}.
 
-The logs are captured with the real observers (L{relay.logs.observerFor})
+The logs are captured with the real observers (L{relay.base.logs.observerFor})
 on the global log publisher, limited to relay's own namespaces (the
 in-process emulator's lines and Twisted's are not the relay's).
 """
@@ -35,7 +35,7 @@ from twisted.internet.defer import Deferred, DeferredQueue, gatherResults
 from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.logger import globalLogPublisher
 
-from relay.logs import JSON_FIXED_KEYS, observerFor
+from relay.base.logs import JSON_FIXED_KEYS, observerFor
 from tests.integration.harness import RELAY_KEY, sseEvents, startStack
 
 GOOD, BAD = "sk-good", "sk-bad"

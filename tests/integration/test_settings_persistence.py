@@ -27,12 +27,12 @@ from twisted.internet import reactor
 from twisted.internet.error import ConnectError
 from twisted.internet.task import deferLater
 
-from relay.app import buildService
-from relay.config import settingsFromString
-from relay.operator.view import RedisGetSet
-from relay.redisclient import RedisService
-from relay.settings import RuntimeSettings
-from relay.settingsdb import REDIS_KEY, RedisSettingsStore, SQLiteSettingsStore
+from relay.process.app import buildService
+from relay.configuration.parse import settingsFromString
+from relay.console.view import RedisGetSet
+from relay.wire.redisclient import RedisService
+from relay.state.settings import RuntimeSettings
+from relay.state.settingsdb import REDIS_KEY, RedisSettingsStore, SQLiteSettingsStore
 from tests.integration.harness import closedPort
 from tests.integration.redis_server import freePort, redisServer  # noqa: F401 (fixture)
 

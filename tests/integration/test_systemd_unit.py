@@ -1,5 +1,5 @@
 """
-C{etc/relay.service} (issue 23, README "Deploying"): C{systemd-analyze
+C{etc/relay.service} (issue 23, docs/deploying.md): C{systemd-analyze
 verify} finds nothing to say about it (it exits 0 even for an unknown key,
 so its output must be empty too), it is C{Type=exec}, restarts on failure,
 and gives the drain time to finish: C{TimeoutStopSec} above the default
@@ -20,7 +20,7 @@ import tempfile
 
 import pytest
 
-from relay.model import GatewaySettings
+from relay.base.records import GatewaySettings
 from relay.tap import SUPERVISOR_GRACE_MARGIN_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -80,7 +80,7 @@ def test_unit_settings():
     assert timeout > grace, (timeout, grace)
     assert "--nodaemon" in s["ExecStart"][0] and "--pidfile=" in s["ExecStart"][0]
     assert s["User"] == ["relay"]
-    # The example configuration's secrets come from *_env keys: the README's
+    # The example configuration's secrets come from *_env keys: docs/deploying.md's
     # walk-through puts them in this (optional) file.
     assert s["EnvironmentFile"] == ["-/etc/relay/relay.env"]
     for key in ("NoNewPrivileges", "ProtectSystem", "ProtectHome", "PrivateTmp",

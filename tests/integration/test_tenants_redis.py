@@ -121,7 +121,7 @@ async def test_redis_providers_on_a_real_server(redisServer):  # noqa: F811
     key. L{RedisRateLimiter}: the token window refuses at C{tpm}, and
     C{peek} counts nothing.
     """
-    from relay.redisclient import RedisService
+    from relay.wire.redisclient import RedisService
     from relay.tenants.ratelimit import RedisRateLimiter
     from relay.tenants.requestlog import RedisRequestLog, RequestQuery
     from tests.test_tenants_requestlog import record

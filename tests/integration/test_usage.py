@@ -24,8 +24,8 @@ from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint
 from twisted.internet.threads import deferToThread
 
-from relay.app import buildApplication
-from relay.config import settingsFromString
+from relay.process.app import buildApplication
+from relay.configuration.parse import settingsFromString
 from relay.emulator import Emulator
 from relay.usage.service import UsageFlushService
 from tests.integration.harness import RELAY_KEY, accountsYAML, startStack

@@ -271,7 +271,7 @@ def test_client_max_age_config():
     protocol.md 4.6: gateway.websocket.client_max_age_seconds defaults to
     3600 and must be at least 60 in the file.
     """
-    from relay.config import ConfigError, settingsFromString
+    from relay.configuration.parse import ConfigError, settingsFromString
 
     base = 'listen: "tcp:0"\nkeys: [{name: t, key: sk-t}]\naccounts: [{id: a, type: apikey, api_key: sk-a, base_url: "http://127.0.0.1:1/v1"}]\n'
     assert settingsFromString(base).gateway.websocket.client_max_age_seconds == 3600

@@ -243,7 +243,7 @@ async def ownedByThisKey(stack, responseId: str, accountId: str = "a") -> None:
     process sharing the store, or an earlier connection, would have; its
     chain is on no upstream connection this relay has.
     """
-    from relay.model import Turn
+    from relay.base.records import Turn
 
     turn = Turn(entrypoint="ws", endpoint="responses", client=stack.app.keys.keys[0],
                 model="gpt-5.5", body={}, stream=True)

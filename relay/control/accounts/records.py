@@ -16,7 +16,7 @@ id = the account id, data::
      "login": {"flow": "browser" | "device", "at": <Unix seconds>} | absent}
 
 The spec is validated with the file's own rules
-(L{relay.config.parseAccount}) when written and again when read, so an
+(L{relay.configuration.parse.parseAccount}) when written and again when read, so an
 admin account is exactly what the same entry in the file would be.
 
 B{Kind C{pause}}: one record per paused account (file or admin), id = the
@@ -31,9 +31,9 @@ from urllib.parse import urlsplit
 
 from attrs import evolve
 
-from relay.config import parseAccount
-from relay.model import Account, ConfigError
-from relay.operator.fields import (
+from relay.configuration.parse import parseAccount
+from relay.base.records import Account, ConfigError
+from relay.console.fields import (
     ANY_OBJECT,
     BOOLEAN,
     INTEGER,
@@ -98,7 +98,7 @@ ACCOUNT_BODY = {
 }
 """The JSON types of an account's body (C{POST}/C{PATCH /admin/accounts},
 a new login's C{account}): the file's fields and the admin ones, checked
-by L{relay.operator.fields.checkTypes} before anything reads them."""
+by L{relay.console.fields.checkTypes} before anything reads them."""
 
 
 def accountFromSpec(spec: dict, proxies: tuple, path: str = "account") -> Account:
@@ -121,7 +121,7 @@ def accountFromSpec(spec: dict, proxies: tuple, path: str = "account") -> Accoun
 def specSecrets(spec: dict, account: Optional[Account] = None) -> set:
     """
     @return: every secret value of a spec (and of its built account's proxy
-        password), for log redaction (L{relay.logs.registerSecrets}).
+        password), for log redaction (L{relay.base.logs.registerSecrets}).
     """
     secrets = {spec.get(name) for name in SECRET_FIELDS}
     if account is not None and account.proxy is not None and account.proxy.password:

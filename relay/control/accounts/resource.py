@@ -2,7 +2,7 @@
 """
 C{/admin/accounts} and below (issue 21): the control plane's routes, and
 the operator surface's own ones (the accounts view, clear, token refresh,
-new tokens: L{relay.operator.admin}) handed on unchanged.
+new tokens: L{relay.console.admin}) handed on unchanged.
 
   - C{POST /admin/accounts} - add an account: 201 C{{"account": view}};
   - C{GET /admin/accounts/{id}} - one account's configuration view;
@@ -26,7 +26,7 @@ from __future__ import annotations
 from relay.control.accounts.records import ACCOUNT_BODY
 from relay.control.logins.resource import LOGIN_BODY
 from relay.control.web import ServiceLeaf, clientAddress, deliver, pathId, readJSONBody
-from relay.operator.fields import REASON_BODY
+from relay.console.fields import REASON_BODY
 
 __all__ = ["AccountsResource"]
 

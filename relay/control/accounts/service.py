@@ -34,7 +34,7 @@ from typing import Optional
 
 from attrs import define
 
-from relay.config import _ACCOUNT as FILE_FIELDS
+from relay.configuration.parse import ACCOUNT_FIELDS as FILE_FIELDS
 from relay.control.accounts.records import (
     ACCOUNT,
     ADMIN_ONLY_FIELDS,
@@ -49,8 +49,8 @@ from relay.control.accounts.records import (
 from relay.control.service import PlaneService
 from relay.control.store import ANY, VersionConflict
 from relay.control.web import ControlError
-from relay.logs import registerSecrets
-from relay.model import ConfigError
+from relay.base.logs import registerSecrets
+from relay.base.records import ConfigError
 
 __all__ = ["ACCOUNT_ID", "AccountService"]
 

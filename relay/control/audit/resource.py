@@ -6,7 +6,7 @@ The audit trail over HTTP (issue 21):
     records first (C{{"audit": [...], "now": seconds}}), behind the admin
     key;
   - L{ControlAdmin}: the C{/admin} tree relay mounts: the operator
-    surface's routes (L{relay.operator.admin}) with the control plane's
+    surface's routes (L{relay.console.admin}) with the control plane's
     added or put in front (C{accounts}, C{logins}, C{audit}), and every
     admin change that was answered 2xx recorded in the trail once its
     answer is sent (L{relay.control.audit.service}).
@@ -18,7 +18,7 @@ from twisted.web.resource import Resource
 
 from relay.control.audit.service import actionOf
 from relay.control.web import AdminLeaf, ControlError, clientAddress, deliver, notFound
-from relay.requestid import requestIdOf
+from relay.base.requestid import requestIdOf
 
 __all__ = ["AuditResource", "ControlAdmin"]
 

@@ -8,10 +8,10 @@ C{GET /admin/groups}, C{GET}, C{PUT} and C{DELETE /admin/groups/{name}}
 from __future__ import annotations
 
 from relay.control.web import ServiceLeaf, clientAddress, deliver, notFound, pathId, readJSONBody
-from relay.operator.fields import STRING, listOf
+from relay.console.fields import STRING, listOf
 
 GROUP_BODY = {"accounts": listOf(STRING), "label": STRING}
-"""The JSON types of a group's body (L{relay.operator.fields})."""
+"""The JSON types of a group's body (L{relay.console.fields})."""
 
 __all__ = ["GroupsResource"]
 

@@ -3,7 +3,7 @@
 L{GroupService}: account groups (issue 22 item 2) over the admin API.
 
 A key bound to a group (C{group:} on the key) only ever reaches the
-group's accounts (L{relay.tenants.policy.KeyPolicy.allowedAccounts}). The
+group's accounts (L{relay.tenants.keypolicy.KeyPolicy.allowedAccounts}). The
 file's C{groups:} stay the file's (read-only here, like file accounts);
 the API adds its own, which admin keys may be bound to:
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 from typing import Any, Optional
 
-from relay.model import ClientKey, ConfigError
+from relay.base.records import ClientKey, ConfigError
 
 __all__ = [
     "KEY", "KEY_DISABLED", "NAME", "POLICY_FIELDS", "keyFromRecord", "policyOf", "publicKey",
@@ -69,10 +69,10 @@ def validatePolicy(values: dict, path: str = "key") -> dict:
         C{expires_at}).
     @raise ConfigError: one line naming the field (C{key.rpm: ...}).
     """
-    from relay.config import _KEY, _section
+    from relay.configuration.parse import KEY_FIELDS, validateSection
 
-    table = {name: _KEY[name] for name in POLICY_FIELDS}
-    converted = _section(dict(values), path, table)
+    table = {name: KEY_FIELDS[name] for name in POLICY_FIELDS}
+    converted = validateSection(dict(values), path, table)
     if converted.get("accounts") is not None and converted.get("group") is not None:
         raise ConfigError(f"{path}: give accounts or group, not both")
     return converted

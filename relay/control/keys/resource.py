@@ -20,7 +20,7 @@ L{relay.control.audit} (never the secret).
 from __future__ import annotations
 
 from relay.control.web import ServiceLeaf, clientAddress, deliver, notFound, pathId, readJSONBody
-from relay.operator.fields import BOOLEAN, INTEGER, NUMBER, REASON_BODY, STRING, listOf, oneOf
+from relay.console.fields import BOOLEAN, INTEGER, NUMBER, REASON_BODY, STRING, listOf, oneOf
 
 __all__ = ["KEY_BODY", "KeysResource"]
 
@@ -34,7 +34,7 @@ KEY_BODY = {
     "disabled": BOOLEAN,
 }
 """The JSON types of a key's body (C{POST}/C{PATCH /admin/keys}; the file's
-C{keys[]} fields and C{label}), checked by L{relay.operator.fields}."""
+C{keys[]} fields and C{label}), checked by L{relay.console.fields}."""
 
 
 class KeysResource(ServiceLeaf):

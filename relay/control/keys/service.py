@@ -56,8 +56,8 @@ from relay.control.keys.records import (
 from relay.control.service import PlaneService
 from relay.control.store import ANY, VersionConflict
 from relay.control.web import ControlError
-from relay.logs import registerSecrets
-from relay.model import ConfigError
+from relay.base.logs import registerSecrets
+from relay.base.records import ConfigError
 from relay.tenants.keydigest import keyDigest, keyHint, newKeySecret
 
 __all__ = ["KeyService"]

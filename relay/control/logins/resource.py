@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from relay.control.accounts.records import ACCOUNT_BODY
 from relay.control.web import ServiceLeaf, clientAddress, deliver, notFound, pathId, readJSONBody
-from relay.operator.fields import STRING, objectOf
+from relay.console.fields import STRING, objectOf
 
 __all__ = ["COMPLETE_BODY", "LOGIN_BODY", "LoginsResource"]
 
 LOGIN_BODY = {"flow": STRING, "account_id": STRING, "account": objectOf(ACCOUNT_BODY)}
-"""The JSON types of a login's start (L{relay.operator.fields})."""
+"""The JSON types of a login's start (L{relay.console.fields})."""
 
 COMPLETE_BODY = {"redirect_url": STRING, "code": STRING}
 """The JSON types of a browser login's paste-back."""

@@ -57,8 +57,8 @@ from relay.control.logins import wire
 from relay.control.service import PlaneService
 from relay.control.store import ANY, VersionConflict
 from relay.control.web import ControlError
-from relay.logs import registerSecrets
-from relay.model import ConfigError
+from relay.base.logs import registerSecrets
+from relay.base.records import ConfigError
 from relay.oauth.tokens import accountIdOf, planOf
 
 __all__ = ["LOGIN", "LOGIN_TTL_SECONDS", "LoginService"]
@@ -106,7 +106,7 @@ class LoginService(PlaneService):
     @ivar tokens: an object with C{setTokens(accountId, body)} (the
         operator view's: new tokens, blocks cleared).
     @ivar egress: the L{relay.interfaces.IEgressClient}.
-    @ivar settings: the L{relay.settings.RuntimeSettings}
+    @ivar settings: the L{relay.state.settings.RuntimeSettings}
         (C{gateway.oauth}).
     @ivar audit: the L{relay.control.audit.service.AuditTrail}, or L{None}.
     @ivar credentials: the L{relay.oauth.credentials.OAuthCredentials}, to

@@ -8,7 +8,7 @@ C{GET /admin/prices}, C{PUT /admin/prices}, C{PUT} and C{DELETE
 from __future__ import annotations
 
 from relay.control.web import ServiceLeaf, clientAddress, deliver, notFound, pathId, readJSONBody
-from relay.operator.fields import NUMBER, mapOf, objectOf
+from relay.console.fields import NUMBER, mapOf, objectOf
 
 __all__ = ["PRICES_BODY", "PRICE_BODY", "PricesResource"]
 

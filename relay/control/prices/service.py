@@ -32,7 +32,7 @@ from attrs import define
 
 from relay.control.service import PlaneService
 from relay.control.web import ControlError
-from relay.model import ConfigError
+from relay.base.records import ConfigError
 
 __all__ = ["PRICES", "PRICES_ID", "PriceService", "pricesOf"]
 
@@ -48,9 +48,9 @@ def _parse(raw) -> dict:
     @return: model -> L{relay.tenants.prices.Price}.
     @raise ConfigError: naming the field (C{prices.<model>.input: ...}).
     """
-    from relay.config import _parsePrices
+    from relay.configuration.parse import parsePrices
 
-    return _parsePrices(raw)
+    return parsePrices(raw)
 
 
 def pricesOf(record) -> dict:

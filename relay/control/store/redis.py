@@ -22,7 +22,7 @@ after every (re)subscription it tells its listeners to re-read everything
 disconnected are lost (Redis pub/sub keeps nothing).
 
 Every command is bounded by C{timeout} on the injected clock (trap T16)
-through L{relay.redisclient.RedisService.execute}; a Redis error is
+through L{relay.wire.redisclient.RedisService.execute}; a Redis error is
 L{ControlStoreUnavailable}. txredisapi is imported lazily (trap T5).
 """
 
@@ -139,7 +139,7 @@ class RedisControlStore:
     """
     See the module docstring.
 
-    @ivar _redis: the L{relay.redisclient.RedisService} (its C{url} is also
+    @ivar _redis: the L{relay.wire.redisclient.RedisService} (its C{url} is also
         where the change feed connects).
     @ivar _clock: stamps records and bounds every call.
     @ivar timeout: seconds per command.
@@ -171,7 +171,7 @@ class RedisControlStore:
         d = self._redis.execute(self.timeout, method, *args, **kwargs)
 
         def _ebMap(failure):
-            from relay.redisclient import isRedisFailure
+            from relay.wire.redisclient import isRedisFailure
 
             if isRedisFailure(failure):
                 raise ControlStoreUnavailable(f"control store (Redis): {failure.value}")
@@ -296,7 +296,7 @@ class RedisControlStore:
             return succeed(None)
         from twisted.application.internet import ClientService, backoffPolicy
 
-        from relay.redisclient import parseRedisUrl
+        from relay.wire.redisclient import parseRedisUrl
 
         # TCP, TLS, a unix socket or the Sentinels' current master: the
         # Redis client knows how to reach the Redis it writes to.

@@ -4,7 +4,7 @@ L{SQLiteControlStore}: the control store in the embedded SQLite
 C{database} (L{relay.interfaces.IControlStore}), on the settings store's
 single connection (writes are serialised; a commit is durable before the
 write's Deferred fires). The file is private (mode 0600,
-L{relay.settingsdb.secureDatabaseFile}): it also holds OAuth tokens.
+L{relay.state.settingsdb.secureDatabaseFile}): it also holds OAuth tokens.
 
 Tables, created on first use (C{CREATE TABLE IF NOT EXISTS}, so no settings
 schema version is needed)::
@@ -79,7 +79,7 @@ class SQLiteControlStore:
     """
     See the module docstring.
 
-    @ivar database: the L{relay.settingsdb.SQLiteSettingsStore} whose
+    @ivar database: the L{relay.state.settingsdb.SQLiteSettingsStore} whose
         connection (and file) this store shares.
     @ivar _clock: stamps records and bounds every call.
     @ivar timeout: seconds per call.
