@@ -78,7 +78,6 @@ MODELS = ("/v1/models", "/models", "/backend-api/codex/models")
 """Paths of the model list."""
 
 
-
 class EmulatorResource(ResponsesAPIMixin, Resource):
     """
     The single leaf resource of the emulator site.

@@ -56,13 +56,12 @@ def wentBack(stored: TokenRecord, mine: TokenRecord) -> bool:
     )
 
 
-
 @define(eq=False, repr=False)
 class TokenRecords:
     """
     The store side of L{relay.oauth.credentials.OAuthCredentials}: every
-    method takes the account's slot (L{relay.oauth.slot._Slot}) and reads or writes its
-    record.
+    method takes the account's slot (L{relay.oauth.slot._Slot}) and reads
+    or writes its record.
 
     @ivar _host: the L{relay.oauth.credentials.OAuthCredentials} holding
         this object: its C{store} (replaceable before start), its log and
@@ -82,6 +81,9 @@ class TokenRecords:
         return self._host._log
 
     def configured(self, slot: _Slot, version: int) -> TokenRecord:
+        """
+        @return: a record of C{slot}'s configured tokens at C{version}.
+        """
         account = slot.account
         tokens = TokenSet.fromTokens(
             account.credential, account.refresh_token, account.id_token, self._clock.seconds()
@@ -92,6 +94,13 @@ class TokenRecords:
         )
 
     async def load(self, slot: _Slot) -> None:
+        """
+        Load C{slot}'s stored record, or seed it from the configuration
+        (a new login starts a new lineage, R96), resolve an orphaned
+        in-flight marker, and adopt the result with its proactive refresh.
+
+        @raise Exception: the store's error; the slot keeps no record.
+        """
         slot.loading = True
         try:
             await self._loadSlot(slot)
@@ -156,6 +165,14 @@ class TokenRecords:
             await self.release(slot, owner)
 
     async def markInDoubt(self, slot: _Slot, record: TokenRecord, why: str) -> TokenRecord:
+        """
+        Write C{record} as in doubt (compare-and-set): its refresh token
+        is never sent again by itself.
+
+        @param why: the reason, logged and kept as C{last_error}.
+        @return: the in-doubt record, or what the store holds when another
+            write won.
+        """
         doubtful = record.next(
             self._clock.seconds(), in_flight=None, status=STATUS_IN_DOUBT,
             reason=IN_DOUBT_REASON, last_error=why,
@@ -192,6 +209,9 @@ class TokenRecords:
             await deferLater(self._clock, LOCK_POLL_SECONDS, lambda: None)
 
     async def release(self, slot: _Slot, owner: str) -> None:
+        """
+        Release the account's lock held as C{owner}; an error is logged.
+        """
         try:
             await self._host.store.releaseLock(slot.account.id, owner)
         except Exception as e:

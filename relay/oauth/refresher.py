@@ -77,6 +77,13 @@ class TokenRefresher:
         return tokens.expires_at is None or tokens.expires_at > now + EXPIRY_SKEW_SECONDS
 
     async def flight(self, slot, stale, reason, force, retryInDoubt) -> bool:
+        """
+        One refresh of C{slot} under the account's lock (renewed while it
+        runs); the arguments are those of
+        L{relay.oauth.credentials.OAuthCredentials.refresh}.
+
+        @return: whether the slot now has fresh tokens; never fails.
+        """
         account = slot.account
         settings = self._settings.current.oauth
         try:
