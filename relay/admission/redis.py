@@ -94,14 +94,13 @@ poll.
 from __future__ import annotations
 
 import itertools
-import os
 import random
 from collections import deque
 from typing import Optional
 
 from attrs import define, field
 from twisted.application.service import Service
-from twisted.internet.defer import CancelledError, Deferred, DeferredList, succeed
+from twisted.internet.defer import Deferred, DeferredList, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
@@ -109,153 +108,33 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from relay.admission import admissionError
-from relay.interfaces import ISlotAdmission, ISlotDrain, ISlotLease
+from relay.admission.rediskeys import (
+    ACQUIRE_LUA,
+    ADMISSION_BATCH_LUA,
+    ADMISSION_SOLO,
+    BUSY_LUA,
+    HEARTBEAT_LUA,
+    LEAVE_LUA,
+    LOAD_CACHE_SECONDS,
+    LOAD_LUA,
+    PROCESSES_KEY,
+    RECENT_RELEASE_SECONDS,
+    RELEASE_RETRY_SECONDS,
+    RENEW_LUA,
+    _base36,
+    _keys,
+    keysFor,
+    nextBackoff,
+    sharedBatch,
+)
+from relay.admission.redisload import RedisLoads
+from relay.admission.redisqueue import RedisWait
+from relay.admission.redisrenew import LeaseRenewals
 from relay.base.records import AdmissionError, WaitPlan
-from relay.wire.redisclient import RedisService, RedisUnavailable, describe
 from relay.base.requestid import currentRequestId
-from relay.state.redisbatch import SOLO, RedisBatch, batchScript
-
-
-def _script(name: str) -> str:
-    """
-    @return: the text of C{relay/admission/<name>.lua}.
-    """
-    with open(os.path.join(os.path.dirname(__file__), name + ".lua"), encoding="utf-8") as f:
-        return f.read()
-
-
-ACQUIRE_LUA = _script("acquire")
-LEAVE_LUA = _script("leave")
-RENEW_LUA = _script("renew")
-LOAD_LUA = _script("load")
-BUSY_LUA = _script("busy")
-HEARTBEAT_LUA = _script("heartbeat")
-
-#: Issue 24: a slot try and the binding refresh as one operation: KEYS the
-#: four of C{acquire.lua} and the binding key; ARGV those of C{acquire.lua}
-#: (mode C{try}), then the account id and the binding's TTL ms. Returns
-#: C{acquire.lua}'s reply with a fifth element, 1 when the binding was
-#: refreshed.
-ACQUIRE_BIND_LUA = (
-    "local function acquire(KEYS, ARGV)\n" + ACQUIRE_LUA + "\nend\n" + """
-local r = acquire({KEYS[1], KEYS[2], KEYS[3], KEYS[4]},
-                  {ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]})
-local bound = 0
-if tonumber(r[1]) == 1 and redis.call('GET', KEYS[5]) == ARGV[7] then
-  redis.call('SET', KEYS[5], ARGV[7], 'PX', ARGV[8])
-  bound = 1
-end
-r[5] = bound
-return r
-""")
-
-#: The slot commands a turn sends (acquire, leave; release is a plain
-#: C{ZREM}), as operations of one batch (issue 24): alone, each is the
-#: script or command it always was.
-ADMISSION_SOLO = {"ACQUIRE": ACQUIRE_LUA, "LEAVE": LEAVE_LUA, "ACQUIRE_BIND": ACQUIRE_BIND_LUA}
-ADMISSION_BATCH_LUA = batchScript(ADMISSION_SOLO)
-
-#: Issue 24: one batcher for the state store and the admission of a relay
-#: process (L{sharedBatch}): a turn's state reads and its account slot acquire
-#: travel in one round trip, and its end (slot releases, owner records, the
-#: streak reset) in one more.
-SHARED_SOLO = {**SOLO, **ADMISSION_SOLO}
-SHARED_BATCH_LUA = batchScript(SHARED_SOLO)
-
-
-def sharedBatch(redis: RedisService, clock: IReactorTime) -> RedisBatch:
-    """
-    The batcher a L{relay.state.redis.RedisStateStore} and a
-    L{RedisSlotAdmission} share (issue 24): leading (a lone acquire leaves
-    at once, as alone), the store's operations and the releases queued to
-    the end of the reactor turn.
-    """
-    return RedisBatch(redis, clock, solo=SHARED_SOLO, script=SHARED_BATCH_LUA, leading=True)
-
-#: The process registry ZSET (see the module docstring; R34 crash recovery).
-PROCESSES_KEY = "relay:processes"
-
-#: Seconds between passes over the slot members whose release is in doubt
-#: (issue 23); each member is released on two passes that reached Redis.
-RELEASE_RETRY_SECONDS = 1.0
-
-#: With Sentinel: how far back releases are repeated on a new master.
-RECENT_RELEASE_SECONDS = 60.0
-
-#: R34: how long the load-balance layer's load read is reused in this
-#: process (sub2api's C{load_batch_cache_ttl_ms}, 200 ms; issue 24). This
-#: process's own slot takes and releases since the read are counted into
-#: it at once; a pass whose tries all failed reads again uncached.
-LOAD_CACHE_SECONDS = 0.2
-
-#: R30 poll loop figures, seconds
-BACKOFF_START = 0.1
-BACKOFF_FACTOR = 1.5
-BACKOFF_MAX = 2.0
-
-
-def slotKey(kind: str, id: str) -> str:
-    """
-    @return: the slot ZSET key, C{concurrency:{kind}:{id}} (R34).
-    """
-    return f"concurrency:{kind}:{id}"
-
-
-def queueKey(kind: str, id: str) -> str:
-    """
-    @return: the FIFO queue key: C{wait:account:{id}} or
-        C{concurrency:wait:{id}} (R34 names).
-    """
-    return f"wait:account:{id}" if kind == "account" else f"concurrency:wait:{id}"
-
-
-_KEYS: dict = {}
-"""Issue 24: C{(kind, id)} -> its C{(slot, queue, alive)} keys, built once."""
-
-
-def _keys(kind: str, id: str) -> tuple:
-    """
-    @return: C{(slot, queue, alive)} keys of one slot key (cached).
-    """
-    keys = _KEYS.get((kind, id))
-    if keys is None:
-        if len(_KEYS) > 4096:
-            _KEYS.clear()
-        q = queueKey(kind, id)
-        keys = _KEYS[kind, id] = (slotKey(kind, id), q, q + ":alive")
-    return keys
-
-
-def keysFor(kind: str, id: str) -> list:
-    """
-    @return: C{[slot, queue, alive]} keys of one slot key.
-    """
-    return list(_keys(kind, id))
-
-
-def nextBackoff(previous: float, rng: random.Random) -> float:
-    """
-    R30: the next poll delay.
-
-    @param previous: the previous delay, seconds.
-    @param rng: the jitter source.
-    @return: C{min(previous * 1.5, 2) * U(0.8, 1.2)}, clamped to 0.1-2 s.
-    """
-    delay = min(previous * BACKOFF_FACTOR, BACKOFF_MAX) * rng.uniform(0.8, 1.2)
-    return min(max(delay, BACKOFF_START), BACKOFF_MAX)
-
-
-def _base36(n: int) -> str:
-    """
-    @return: C{n} in base 36, lower case.
-    """
-    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
-    out = ""
-    while True:
-        n, r = divmod(n, 36)
-        out = digits[r] + out
-        if n == 0:
-            return out
+from relay.interfaces import ISlotAdmission, ISlotDrain, ISlotLease
+from relay.state.redisbatch import RedisBatch
+from relay.wire.redisclient import RedisService, RedisUnavailable, describe
 
 
 @implementer(ISlotLease)
@@ -309,7 +188,7 @@ class RedisSlotLease:
         """
         if self.released or not self.counted:
             return succeed(not self.released)
-        return self._admission._renew(self)
+        return self._admission._renewer.renew(self)
 
     def startRenewing(self, interval: Optional[float] = None) -> None:
         """
@@ -321,14 +200,14 @@ class RedisSlotLease:
         if self._renewEvery is not None or self.released or not self.counted:
             return
         self._renewEvery = interval or self._admission.slotTtl / 3
-        self._admission._renewLater(self)
+        self._admission._renewer.start(self)
 
     def stopRenewing(self) -> None:
         """
         Stop L{startRenewing}'s loop, if running.
         """
         if self._renewEvery is not None:
-            self._admission._renewStop(self)
+            self._admission._renewer.stop(self)
         self._renewEvery = None
 
     def _renewOnce(self) -> Deferred:
@@ -398,17 +277,9 @@ class RedisSlotAdmission:
     for this admission's own (releases then leave at once when alone)."""
     _batch: Optional[RedisBatch] = field(default=None, init=False)
     _releaseLead: Optional[bool] = field(default=None, init=False)
-    _busyIds: dict = field(factory=dict, init=False)
-    """Issue 24: C{(kind, ids)} -> the ids as C{busy.lua}'s one argument."""
-    _busyCache: dict = field(factory=dict, init=False)
-    """Issue 24 (R34's load cache): C{(kind, ids)} -> C{[read at, loads or
-    in-flight Deferred, {id: own slots taken (+) or released (-) since}]}."""
-    _renewals: dict = field(factory=dict, init=False)
-    """Issue 24: the leases being renewed (L{RedisSlotLease.startRenewing}):
-    interval (seconds) -> {lease: when its next renewal is due}, in due
-    order; one delayed call (L{_renewDue}) for all of them instead of a
-    L{LoopingCall} per lease (one per relayed turn)."""
-    _renewCall: Optional[object] = field(default=None, init=False)
+    _loads: RedisLoads = field(default=None, init=False)
+    _waits: RedisWait = field(default=None, init=False)
+    _renewer: LeaseRenewals = field(default=None, init=False)
 
     _log = Logger()
 
@@ -421,6 +292,9 @@ class RedisSlotAdmission:
         """
         if not self.prefix:
             self.prefix = "%08x" % self._random.getrandbits(32)
+        self._loads = RedisLoads(self, self._redis, self._clock)
+        self._waits = RedisWait(self, self._clock, self._random, self._sleepers)
+        self._renewer = LeaseRenewals(self, self._redis, self._clock)
         listeners = getattr(self._redis, "switchListeners", None)
         if listeners is not None and getattr(self._redis, "sentinels", ()):
             self._recent = deque(maxlen=100_000)
@@ -573,7 +447,7 @@ class RedisSlotAdmission:
         """
         See L{ISlotAdmission.acquire}.
         """
-        return Deferred.fromCoroutine(self._acquire(plan, cancel, deadline))
+        return Deferred.fromCoroutine(self._waits.acquire(plan, cancel, deadline))
 
     # -- ISlotDrain -----------------------------------------------------------
 
@@ -627,296 +501,17 @@ class RedisSlotAdmission:
 
     def load(self, kind, ids) -> Deferred:
         """
-        See L{ISlotAdmission.load}: one C{load.lua} call for all ids.
+        See L{ISlotAdmission.load}: one C{load.lua} call for all ids
+        (L{RedisLoads.load}).
         """
-        ids = list(ids)
-        if not ids:
-            return succeed({})
-        keys = []
-        for i in ids:
-            keys.extend(keysFor(kind, i))
-        keys.append(PROCESSES_KEY)
-        d = self._redis.execute(self.timeout, "eval", LOAD_LUA, keys, [repr(self.slotTtl)])
-
-        def _cb(flat):
-            return {i: (int(flat[2 * n]), int(flat[2 * n + 1])) for n, i in enumerate(ids)}
-
-        def _eb(f: Failure):
-            f.trap(RedisUnavailable)
-            self._logError("load", f)
-            if self.onRedisError == "fail_closed":
-                return f
-            return {i: (0, 0) for i in ids}
-
-        return d.addCallbacks(_cb, _eb)
+        return self._loads.load(kind, ids)
 
     def busy(self, kind, ids=(), fresh=False) -> Deferred:
         """
-        Issue 24: the loads of those of C{ids} that hold a slot or have a
-        waiter (the scheduler's load-balance layer ranks only these one by
-        one; every other id's load is C{(0, 0)}). One C{busy.lua} call for
-        C{ids} (L{_busyRead}), reused for L{LOAD_CACHE_SECONDS} (R34's
-        in-process load cache): Redis keeps no index of the busy slot keys,
-        so the read's work in Redis grows with the ids, and a large pool
-        reads it once per 200 ms, not once per turn. This process's own slot takes and releases since the read are
-        counted in at once (its view of its own slots is exact; other
-        processes' are at most 200 ms old, and an acquire checks the limit
-        itself).
-
-        @param ids: a collection the caller passes again unchanged (the
-            scheduler's static candidate set) -- the cache is kept per
-            C{(kind, ids)}.
-        @param fresh: read uncached (R34: after a pass whose tries all
-            failed).
-        @return: a Deferred firing with id -> C{(inUse, waiting)}; failing
-            as L{load} does.
+        The loads of those of C{ids} that hold a slot or have a waiter, read
+        through R34's load cache (L{RedisLoads.busy}).
         """
-        cacheKey = (kind, ids)
-        now = self._clock.seconds()
-        entry = self._busyCache.get(cacheKey)
-        if not fresh and entry is not None and now - entry[0] < LOAD_CACHE_SECONDS:
-            loads = entry[1]
-            if isinstance(loads, Deferred):
-                waiter = Deferred()
-                entry.append(waiter)
-                return waiter
-            return succeed(self._withOwn(loads, entry[2]))
-        if len(self._busyCache) > 16:
-            self._busyCache.clear()
-        entry = [now, None, {}]
-        d = self._busyRead(kind, ids)
-        entry[1] = d
-        self._busyCache[cacheKey] = entry
-
-        def _read(busy):
-            entry[1] = busy
-            waiters = entry[3:]
-            del entry[3:]
-            out = self._withOwn(busy, entry[2])
-            for w in waiters:
-                w.callback(dict(out))
-            return out
-
-        def _failed(f):
-            if self._busyCache.get(cacheKey) is entry:
-                del self._busyCache[cacheKey]
-            waiters = entry[3:]
-            del entry[3:]
-            for w in waiters:
-                w.errback(f)
-            return f
-
-        return d.addCallbacks(_read, _failed)
-
-    def _busyRead(self, kind, ids) -> Deferred:
-        """
-        One C{busy.lua} call: the ids with a load among C{ids}, sent as one
-        argument (built once per C{ids}) and answered with the busy ones
-        only, so neither side of the round trip grows with the pool (the
-        script's work in Redis does: two C{ZCARD}s per idle id).
-
-        @return: a Deferred firing with id -> C{(inUse, waiting)} of the
-            busy ids; on a Redis error as L{load} (fail open: every id
-            idle, logged).
-        """
-        blob = self._busyIds.get((kind, ids))
-        if blob is None:
-            if len(self._busyIds) > 16:
-                self._busyIds.clear()
-            blob = self._busyIds[(kind, ids)] = "\n".join(sorted(ids)).encode("utf-8")
-        prefix = keysFor(kind, "")
-        d = self._redis.execute(self.timeout, "eval", BUSY_LUA, [PROCESSES_KEY],
-                                [repr(self.slotTtl), prefix[0], prefix[1], blob])
-
-        def _cb(flat):
-            out = {}
-            for n in range(0, len(flat), 3):
-                i = flat[n]
-                out[i.decode("utf-8") if isinstance(i, bytes) else i] = (
-                    int(flat[n + 1]), int(flat[n + 2]))
-            return out
-
-        def _eb(f: Failure):
-            f.trap(RedisUnavailable)
-            self._logError("load", f)
-            if self.onRedisError == "fail_closed":
-                return f
-            return {}
-
-        return d.addCallbacks(_cb, _eb)
-
-    @staticmethod
-    def _withOwn(busy: dict, own: dict) -> dict:
-        """
-        A cached busy read with this process's own changes since counted
-        in (see L{busy}).
-        """
-        if not own:
-            return dict(busy)
-        out = dict(busy)
-        for i, n in own.items():
-            inUse, waiting = out.get(i, (0, 0))
-            inUse = max(0, inUse + n)
-            if inUse or waiting:
-                out[i] = (inUse, waiting)
-            else:
-                out.pop(i, None)
-        return out
-
-    def _noteOwn(self, kind, id, n: int) -> None:
-        """
-        Count one of this process's slot takes (C{n} 1) or releases (-1)
-        into every cached busy read of C{kind} that covers C{id}.
-        """
-        now = self._clock.seconds()
-        stale = []
-        for key, entry in self._busyCache.items():
-            if now - entry[0] >= LOAD_CACHE_SECONDS and not isinstance(entry[1], Deferred):
-                # Never used again (L{busy} reads anew): dropped, so the
-                # turns that follow (a sticky session reads no loads) count
-                # nothing into it (issue 24).
-                stale.append(key)
-            elif key[0] == kind and id in key[1]:
-                own = entry[2]
-                own[id] = own.get(id, 0) + n
-        for key in stale:
-            del self._busyCache[key]
-
-    # -- the wait ------------------------------------------------------------
-
-    async def _acquire(self, plan: WaitPlan, cancel, deadline):
-        """
-        Fast try, join the queue, poll until acquired or the wait ends
-        (R27, R30, R33, R-B2). Every exit other than success sends
-        C{leave.lua}, which drops the ticket and any slot member an
-        abandoned (cancelled, timed-out) call may have added.
-        """
-        started = self._clock.seconds()
-        if cancel.cancelled:
-            raise admissionError("client_gone", plan)
-        if deadline is not None and deadline <= started:
-            raise admissionError("timeout", plan)
-        rid = self._newRequestId()
-        if plan.max_concurrency <= 0:
-            return self._lease(plan.kind, plan.id, rid, counted=False)
-        end = started + max(plan.timeout, 0)
-        if deadline is not None:
-            end = min(end, deadline)
-        state = {"position": 0, "sent": False, "granted": False}
-
-        def fail(reason: str, detail: str = "") -> AdmissionError:
-            return admissionError(
-                reason, plan, self._clock.seconds() - started, state["position"], detail
-            )
-
-        try:
-            return await self._wait(plan, cancel, rid, started, end, state, fail)
-        except _Cancelled:
-            raise fail("client_gone")
-        except CancelledError:
-            # The caller cancelled the Deferred acquire() returned.
-            raise fail("client_gone")
-        finally:
-            if state["sent"] and not state["granted"]:
-                self._leave(plan, rid, True)
-
-    async def _wait(self, plan, cancel, rid, started, end, state, fail):
-        """
-        The body of L{_acquire}.
-        """
-        state["sent"] = True
-        try:
-            reply = await self._raceCancel(
-                self._acquireCall(plan.kind, plan.id, plan.max_concurrency, rid, "try", 0),
-                cancel,
-            )
-        except RedisUnavailable as e:
-            # R35: a slot acquire error is an admission error in both modes.
-            self._logError("slot_acquire", e)
-            raise fail("error", describe(e))
-        if int(reply[0]) == 1:
-            state["granted"] = True
-            return self._lease(plan.kind, plan.id, rid)
-        if plan.max_waiting < 1 or int(reply[3]) >= plan.max_waiting:
-            raise fail("queue_full")
-        mode = "enqueue"
-        lastError = None
-        delay = BACKOFF_START
-        while True:
-            if self._clock.seconds() >= end:
-                raise fail("error" if lastError is not None else "timeout")
-            try:
-                reply = await self._raceCancel(
-                    self._acquireCall(
-                        plan.kind, plan.id, plan.max_concurrency, rid, mode, plan.max_waiting
-                    ),
-                    cancel,
-                )
-                lastError = None
-            except RedisUnavailable as e:
-                lastError = e
-                self._logError("slot_enqueue" if mode == "enqueue" else "slot_poll", e)
-                if self.onRedisError == "fail_closed":
-                    raise fail("error", describe(e))
-                reply = None
-                if mode == "enqueue":
-                    # R35 fail open: wait without counting; never jump a queue.
-                    mode = "try"
-            now = self._clock.seconds()
-            if reply is not None:
-                status = int(reply[0])
-                if status == 1:
-                    state["granted"] = True
-                    lease = self._lease(plan.kind, plan.id, rid, now - started, state["position"])
-                    if cancel.cancelled or now >= end:
-                        # R33: a slot that arrives too late is released.
-                        lease.release()
-                        raise fail("client_gone" if cancel.cancelled else "timeout")
-                    return lease
-                if status == -1:
-                    raise fail("queue_full")
-                if mode == "enqueue":
-                    state["position"] = int(reply[2])
-                    mode = "poll"
-                    self._log.debug(
-                        "{kind} {id} queued at position {position}",
-                        event="relay.admission_queued",
-                        kind=plan.kind, id=plan.id, position=state["position"],
-                    )
-            if now >= end:
-                raise fail("error" if lastError is not None else "timeout")
-            await self._raceCancel(self._sleep((plan.kind, plan.id), min(delay, end - now)),
-                                   cancel)
-            delay = nextBackoff(delay, self._random)
-
-    async def _raceCancel(self, d: Deferred, cancel):
-        """
-        Wait for C{d} unless the turn is cancelled first. A failure of C{d}
-        is raised at once.
-
-        @raise _Cancelled: when C{cancel} fires first (C{d} is cancelled).
-        """
-        if cancel.cancelled:
-            d.cancel()
-            d.addErrback(lambda f: None)
-            raise _Cancelled()
-        watch = cancel.whenCancelled()
-
-        def _cancelBoth(_: Deferred) -> None:
-            d.cancel()
-            watch.cancel()
-
-        first = Deferred(_cancelBoth)
-        d.addBoth(lambda r: first.called or first.callback(("done", r)))
-        watch.addBoth(lambda r: first.called or first.callback(("cancelled", r)))
-        which, value = await first
-        if which == "cancelled":
-            d.cancel()
-            raise _Cancelled()
-        watch.cancel()
-        if isinstance(value, Failure):
-            value.raiseException()
-        return value
+        return self._loads.busy(kind, ids, fresh)
 
     # -- Redis calls -----------------------------------------------------------
 
@@ -963,8 +558,7 @@ class RedisSlotAdmission:
         self.held.discard(lease)
         if not lease.counted:
             return
-        if self._busyCache:
-            self._noteOwn(lease.kind, lease.id, -1)
+        self._loads.noteOwn(lease.kind, lease.id, -1)
         self._remember(lease.kind, lease.id, lease.requestId)
         d = self._track(self._batch.call(
             self.timeout, "ZREM", [_keys(lease.kind, lease.id)[0]], [lease.requestId],
@@ -975,7 +569,7 @@ class RedisSlotAdmission:
             self._logError("slot_release", f)
             self._releaseLater(lease.kind, lease.id, lease.requestId)
 
-        d.addCallbacks(lambda _: self._wake((lease.kind, lease.id)), _eb)
+        d.addCallbacks(lambda _: self._waits.wake((lease.kind, lease.id)), _eb)
 
     def _remember(self, kind: str, id: str, rid: str) -> None:
         """
@@ -1054,137 +648,13 @@ class RedisSlotAdmission:
                 entry[2] += 1
                 if entry[2] >= 2 and self.unreleased.get(rid) is entry:
                     del self.unreleased[rid]
-                self._wake(key)
+                self._waits.wake(key)
 
             d.addCallbacks(_cb, lambda f: None)
             waits.append(d)
         return DeferredList(waits, consumeErrors=True).addCallback(lambda _: None)
 
-    def _sleep(self, key: tuple, seconds: float) -> Deferred:
-        """
-        Sleep between polls; L{_wake} ends it early.
-
-        @return: a cancellable L{Deferred} firing after C{seconds}.
-        """
-        sleepers = self._sleepers.setdefault(key, set())
-
-        def _cancel(d: Deferred) -> None:
-            if call.active():
-                call.cancel()
-
-        d = Deferred(_cancel)
-
-        def _fire() -> None:
-            if not d.called:
-                d.callback(None)
-
-        def _forget(result):
-            sleepers.discard(d)
-            if not sleepers and self._sleepers.get(key) is sleepers:
-                del self._sleepers[key]
-            return result
-
-        call = self._clock.callLater(seconds, _fire)
-        d.addBoth(_forget)
-        d.wake = lambda: (call.cancel() if call.active() else None, _fire())
-        sleepers.add(d)
-        return d
-
-    def _wake(self, key: tuple) -> None:
-        """
-        Wake every local waiter on C{key} so it polls now.
-        """
-        for d in list(self._sleepers.get(key, ())):
-            d.wake()
-
-    def _renew(self, lease: RedisSlotLease) -> Deferred:
-        """
-        One C{renew.lua} round trip.
-        """
-        d = self._redis.execute(
-            self.timeout, "eval", RENEW_LUA, [slotKey(lease.kind, lease.id)],
-            [lease.requestId, repr(self.slotTtl)],
-        )
-
-        def _cb(reply):
-            if int(reply) != 1:
-                self._log.warn(
-                    "{kind} {id} slot lease {lease_id} was lost",
-                    event="relay.slot_lease_lost",
-                    kind=lease.kind, id=lease.id, lease_id=lease.requestId,
-                    request_id=lease.turnRequestId,
-                )
-                return False
-            return True
-
-        def _eb(f: Failure):
-            f.trap(RedisUnavailable)
-            self._logError("slot_renew", f)
-            return False
-
-        return d.addCallbacks(_cb, _eb)
-
     # -- helpers ---------------------------------------------------------------
-
-    def _renewLater(self, lease: RedisSlotLease) -> None:
-        """
-        Renew C{lease} every C{lease._renewEvery} seconds from now until
-        L{_renewStop}.
-        """
-        interval = lease._renewEvery
-        due = self._clock.seconds() + interval
-        leases = self._renewals.get(interval)
-        if leases is None:
-            leases = self._renewals[interval] = {}
-        leases[lease] = due
-        call = self._renewCall
-        if call is None or not call.active():
-            self._renewCall = self._clock.callLater(interval, self._renewDue)
-        elif due < call.getTime():
-            call.reset(interval)
-
-    def _renewStop(self, lease: RedisSlotLease) -> None:
-        """
-        Stop renewing C{lease} (its renewal's delayed call is left to
-        fire, and finds nothing due, or is set again for another lease).
-        """
-        leases = self._renewals.get(lease._renewEvery)
-        if leases is not None:
-            leases.pop(lease, None)
-
-    def _renewDue(self) -> None:
-        """
-        Renew the leases whose renewal is due (each is due again an
-        interval later) and set the delayed call for the next one.
-        """
-        self._renewCall = None
-        now = self._clock.seconds()
-        due = []
-        for interval, leases in list(self._renewals.items()):
-            for lease, at in leases.items():
-                if at > now:
-                    break
-                due.append((interval, lease))
-        for interval, lease in due:
-            leases = self._renewals[interval]
-            del leases[lease]
-            leases[lease] = now + interval
-        for _, lease in due:
-            lease._renewOnce()
-        earliest = None
-        for interval, leases in list(self._renewals.items()):
-            if not leases:
-                del self._renewals[interval]
-                continue
-            at = next(iter(leases.values()))
-            if earliest is None or at < earliest:
-                earliest = at
-        if earliest is not None:
-            call = self._renewCall
-            if call is None or not call.active():
-                self._renewCall = self._clock.callLater(max(earliest - now, 0), self._renewDue)
-            elif earliest < call.getTime():
-                call.reset(max(earliest - now, 0))
 
     def _newRequestId(self) -> str:
         """
@@ -1198,8 +668,8 @@ class RedisSlotAdmission:
         """
         lease = RedisSlotLease(self, kind, id, rid, waited, position, counted)
         self.held.add(lease)
-        if counted and self._busyCache:
-            self._noteOwn(kind, id, 1)
+        if counted:
+            self._loads.noteOwn(kind, id, 1)
         return lease
 
     def _logError(self, operation: str, reason) -> None:
@@ -1259,13 +729,8 @@ def _fire(result, waiter: Deferred):
     return result
 
 
-class _Cancelled(Exception):
-    """
-    The turn's L{relay.base.records.CancelSignal} fired during a wait.
-    """
-
-
 __all__ = [
     "RedisSlotAdmission", "RedisSlotLease", "ProcessLivenessService", "AdmissionError",
-    "nextBackoff", "PROCESSES_KEY",
+    "nextBackoff", "PROCESSES_KEY", "sharedBatch", "ACQUIRE_LUA", "BUSY_LUA", "HEARTBEAT_LUA",
+    "LEAVE_LUA", "LOAD_CACHE_SECONDS", "LOAD_LUA", "RELEASE_RETRY_SECONDS", "RENEW_LUA",
 ]

@@ -1,7 +1,9 @@
 # -*- test-case-name: tests.test_emulator -*-
 """
 The emulator's twisted.web resources: the Responses and Chat Completions endpoints, the model
-list, the WebSocket upgrade dispatch and the C{/_emulator/} control API.
+list, the WebSocket upgrade dispatch and the C{/_emulator/} control API (the Chat Completions,
+OAuth/login and control routes are served by L{relay.emulator.chat},
+L{relay.emulator.authroutes} and L{relay.emulator.control}).
 
 One leaf resource (L{EmulatorResource}) serves every path, so that C{/v1/responses} can carry
 both the POST and the WebSocket upgrade GET (style.md §9(a)).
@@ -11,20 +13,44 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
+from relay.emulator.authroutes import (
+    AUTHORIZE,
+    AUTHORIZE_DECISION,
+    DEVICE_PAGE,
+    DEVICE_TOKEN,
+    DEVICE_USERCODE,
+    TOKEN,
+    WHAM_USAGE,
+    AuthRoutes,
+)
 from relay.emulator.chaos import CLIENT_REQUEST_ID, TurnDraw
+from relay.emulator.chat import ChatCompletions
+from relay.emulator.control import ControlAPI
+from relay.emulator.httpwire import (
+    abortConnection,
+    bearer,
+    breakAfter,
+    dropConnection,
+    isUpgrade,
+    lowerHeaders,
+    peerHost,
+    streamErrorBody,
+    turnStateFor,
+)
+from relay.emulator.refusals import refusalOf
+from relay.emulator.responsesapi import ResponsesAPIMixin, manifestETag, modelsManifest
 from relay.emulator.state import (
     HTTP,
     WS,
     Fault,
     buildTurn,
-    chatChunks,
     chooseReply,
     inputError,
     invalidKeyBody,
@@ -32,13 +58,8 @@ from relay.emulator.state import (
     previousNotFoundError,
     sseFrame,
 )
-from relay.emulator.refusals import refusalOf
-from relay.emulator.responsesapi import ResponsesAPIMixin, manifestETag, modelsManifest
 from relay.emulator.stored import resolveItems
 from relay.emulator.stream import EventPump, TurnTracker, stallOf
-
-if TYPE_CHECKING:  # pragma: no cover
-    from relay.emulator.core import Emulator
 
 APIKEY_RESPONSES = ("/v1/responses", "/responses")
 """Paths of the API-key style Responses endpoint."""
@@ -56,172 +77,30 @@ CHAT = ("/v1/chat/completions", "/chat/completions")
 MODELS = ("/v1/models", "/models", "/backend-api/codex/models")
 """Paths of the model list."""
 
-TOKEN = "/oauth/token"
-"""The OAuth token endpoint (L{relay.emulator.oauth})."""
-
-WHAM_USAGE = "/backend-api/wham/usage"
-"""The usage snapshot endpoint (protocol.md 7.4)."""
-
-AUTHORIZE = "/oauth/authorize"
-AUTHORIZE_DECISION = "/oauth/authorize/decision"
-DEVICE_USERCODE = "/api/accounts/deviceauth/usercode"
-DEVICE_TOKEN = "/api/accounts/deviceauth/token"
-DEVICE_PAGE = "/codex/device"
-"""The login endpoints (protocol.md 7.5, L{relay.emulator.login})."""
-
-_LOGIN_SECRET_FIELDS = ("code", "code_verifier", "device_auth_id", "user_code", "state",
-                        "code_challenge", "refresh_token")
-
-
-def bearer(value: str | None) -> str | None:
-    """
-    Extract the token from an C{Authorization} header value.
-
-    @param value: the header value, or L{None}.
-    @type value: L{str} or L{None}
-    @return: the token, or L{None}.
-    @rtype: L{str} or L{None}
-    """
-    if not value:
-        return None
-    scheme, _, token = value.strip().partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return None
-    return token.strip()
-
-
-def lowerHeaders(request: Any) -> dict:
-    """
-    The request headers as a dict with lower-cased names (repeated headers joined by C{, }).
-
-    @param request: a twisted.web request.
-    @return: name to value.
-    @rtype: L{dict}
-    """
-    out = {}
-    for name, values in request.requestHeaders.getAllRawHeaders():
-        out[name.decode("latin-1").lower()] = ", ".join(v.decode("latin-1") for v in values)
-    return out
-
-
-def peerHost(address: Any) -> str | None:
-    """
-    The host part of a peer address.
-
-    @param address: an C{IAddress}.
-    @return: the host, or a string form for addresses without one.
-    @rtype: L{str} or L{None}
-    """
-    if address is None:
-        return None
-    host = getattr(address, "host", None)
-    return host if host is not None else str(address)
-
-
-def isUpgrade(request: Any) -> bool:
-    """
-    Whether a request asks for a WebSocket upgrade.
-
-    @param request: a twisted.web request.
-    @rtype: L{bool}
-    """
-    upgrade = (request.getHeader(b"upgrade") or b"").lower()
-    connection = (request.getHeader(b"connection") or b"").lower()
-    return upgrade == b"websocket" and b"upgrade" in connection
-
-
-def abortConnection(request: Any) -> None:
-    """
-    Abort the TCP (or TLS) connection under a request at once.
-
-    @param request: a twisted.web request.
-    """
-    transport = request.channel.transport if request.channel is not None else None
-    if transport is None:
-        return
-    abort = getattr(transport, "abortConnection", None)
-    if abort is not None:
-        abort()
-    else:  # pragma: no cover - every stream transport we listen on has it
-        transport.loseConnection()
-
-
-def dropConnection(request: Any) -> None:
-    """
-    Close the connection under a request after flushing what was written (no terminal
-    chunk), so the client sees a truncated body.
-
-    @param request: a twisted.web request.
-    """
-    transport = request.channel.transport if request.channel is not None else None
-    if transport is not None:
-        transport.loseConnection()
-
-
-def turnStateFor(request: Any) -> str:
-    """
-    The C{x-codex-turn-state} the OAuth route answers with: the client's own (Codex replays it
-    within a turn), else a fresh token.
-
-    @param request: a twisted.web request, or autobahn's C{ConnectionRequest}.
-    """
-    headers = getattr(request, "headers", None)
-    if isinstance(headers, dict):
-        given = headers.get("x-codex-turn-state")
-    else:
-        raw = request.getHeader(b"x-codex-turn-state")
-        given = raw.decode("latin-1") if isinstance(raw, bytes) else raw
-    return given or "ts_" + secrets.token_hex(12)
-
-
-def breakAfter(fault: Fault | None) -> tuple[int | None, bool]:
-    """
-    Where a C{cut_after_events} or C{end_after_events} fault breaks a stream off.
-
-    @param fault: the turn's fault, if any.
-    @type fault: L{Fault} or L{None}
-    @return: C{(events, clean)}: how many events are sent first (L{None}: no break) and
-        whether the break is a clean end (C{end_after_events}) rather than a lost
-        connection (C{cut_after_events}).
-    @rtype: L{tuple}
-    """
-    if fault is None or fault.kind not in ("cut_after_events", "end_after_events"):
-        return None, False
-    return fault.get("events"), fault.kind == "end_after_events"
-
-
-def streamErrorBody(fault: Fault) -> dict:
-    """
-    The error envelope of a C{stream_error} fault: the body of the HTTP 500 a non-stream
-    request gets, and the Chat Completions error chunk.
-
-    @param fault: the C{stream_error} fault.
-    @type fault: L{Fault}
-    @return: C{{"error": {"message", "type": "server_error", "code", "param"}}}.
-    @rtype: L{dict}
-    """
-    return {"error": {
-        "message": fault.get("message", "The emulator injected a stream error."),
-        "type": "server_error", "code": fault.get("code", "server_error"), "param": None}}
-
 
 class EmulatorResource(ResponsesAPIMixin, Resource):
     """
     The single leaf resource of the emulator site.
 
     @ivar emulator: the owning emulator.
+    @ivar _chatCompletions: the L{ChatCompletions} route.
+    @ivar _auth: the L{AuthRoutes} (token, usage, login).
+    @ivar _controlAPI: the L{ControlAPI} (C{/_emulator/*}).
     """
 
     isLeaf = True
     _log = Logger()
 
-    def __init__(self, emulator: Emulator) -> None:
+    def __init__(self, emulator) -> None:
         """
         @param emulator: the owning emulator (state, clock, WebSocket resource).
         @type emulator: L{relay.emulator.core.Emulator}
         """
         super().__init__()
         self.emulator = emulator
+        self._chatCompletions = ChatCompletions(self)
+        self._auth = AuthRoutes(self)
+        self._controlAPI = ControlAPI(self)
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -349,7 +228,7 @@ class EmulatorResource(ResponsesAPIMixin, Resource):
         path = request.path.decode("latin-1").rstrip("/") or "/"
         method = request.method
         if path.startswith("/_emulator"):
-            return self._control(request, path)
+            return self._controlAPI.render(request, path)
         if path in APIKEY_RESPONSES or path in OAUTH_RESPONSES:
             route = "oauth" if path in OAUTH_RESPONSES else "apikey"
             if method == b"POST":
@@ -370,13 +249,13 @@ class EmulatorResource(ResponsesAPIMixin, Resource):
             if method != b"POST":
                 return self._json(request, 405, {"error": "invalid_request",
                                                  "error_description": "use POST"})
-            return self._token(request)
+            return self._auth.token(request)
         if path == WHAM_USAGE and method == b"GET":
-            return self._wham(request)
+            return self._auth.wham(request)
         if path in (AUTHORIZE, AUTHORIZE_DECISION, DEVICE_USERCODE, DEVICE_TOKEN, DEVICE_PAGE):
-            return self._login(request, path)
+            return self._auth.login(request, path)
         if path in CHAT and method == b"POST":
-            return self._chat(request)
+            return self._chatCompletions.post(request)
         if path in MODELS and method == b"GET":
             return self._models(request)
         return self._json(request, 404, {"error": {
@@ -675,233 +554,6 @@ class EmulatorResource(ResponsesAPIMixin, Resource):
         pump.start()
         return NOT_DONE_YET
 
-    # -- POST /oauth/token, GET wham/usage --------------------------------------------------
-
-    def _token(self, request: Any) -> Any:
-        """
-        Answer a token request (L{relay.emulator.oauth}): apply the token
-        fault of the refresh token's account, then rotate.
-
-        @param request: the request.
-        @return: the body or C{NOT_DONE_YET}.
-        """
-        raw = request.content.read() if request.content is not None else b""
-        ctype = (request.getHeader(b"content-type") or b"").decode("latin-1")
-        authority = self.emulator.oauth
-        params = authority.parseRequest(raw, ctype)
-        name = authority.accountFor(params)
-        shown = {k: ("***" if "token" in k or k in _LOGIN_SECRET_FIELDS else v)
-                 for k, v in params.items()}
-        self._state.record(
-            f"oauth:{name}" if name else None, HTTP, "token", request.path.decode("latin-1"),
-            "POST", lowerHeaders(request), shown, peerHost(request.getClientAddress()),
-        )
-        authority.countRequest(name)
-        fault = authority.takeFault(name)
-        if fault is not None:
-            self._log.info("applying token fault {kind} for {name}", event="emulator.fault",
-                           kind=fault.kind, name=name)
-        gone: list = []
-        request.notifyFinish().addErrback(lambda _: gone.append(True))
-
-        def answer() -> None:
-            status, body = authority.exchange(params)
-            if gone or request.finished:
-                return
-            request.write(self._json(request, status, body))
-            request.finish()
-
-        if fault is None:
-            status, body = authority.exchange(params)
-            return self._json(request, status, body)
-        if fault.kind == "status":
-            body = fault.params.get("body") or {"error": {"message": "Emulated token error",
-                                                          "type": "server_error"}}
-            return self._json(request, fault.params["code"], body,
-                              fault.params.get("headers"))
-        if fault.kind == "reset":
-            abortConnection(request)
-            return NOT_DONE_YET
-        if fault.kind == "slow":
-            self.emulator.clock.callLater(float(fault.params["seconds"]), answer)
-            return NOT_DONE_YET
-        if fault.kind == "hold":
-            authority.held.append(answer)
-            self._hold(request)
-            return NOT_DONE_YET
-        from relay.emulator.oauth import permanentError
-
-        return self._json(request, 401 if fault.kind != "invalid_grant" else 400,
-                          permanentError(fault.kind))
-
-    def _wham(self, request: Any) -> bytes:
-        """
-        Answer C{GET /backend-api/wham/usage} (protocol.md 7.4).
-
-        @param request: the request.
-        @rtype: L{bytes}
-        """
-        credential, denied = self._credential(request)
-        self._record(request, HTTP, "request", credential, None)
-        if denied is not None:
-            return self._json(request, 401, denied)
-        if not self._state.known(credential):
-            return self._json(request, 401, invalidKeyBody())
-        return self._json(request, 200, self.emulator.oauth.wham(credential))
-
-    # -- the login flows (protocol.md 7.5) ----------------------------------------------------
-
-    def _html(self, request: Any, code: int, body: bytes) -> bytes:
-        request.setResponseCode(code)
-        request.setHeader(b"content-type", b"text/html; charset=utf-8")
-        request.setHeader(b"cache-control", b"no-store")
-        return body
-
-    def _login(self, request: Any, path: str) -> bytes:
-        """
-        Serve the login endpoints (L{relay.emulator.login}): the authorize
-        page and its decision, the device code, its polls and its page.
-
-        @param request: the request.
-        @param path: the normalised path.
-        @rtype: L{bytes}
-        """
-        from relay.emulator.login import parseForm, parseJSONObject
-
-        flows = self.emulator.oauth.login
-        method = request.method
-        raw = request.content.read() if request.content is not None else b""
-        if path == AUTHORIZE and method == b"GET":
-            params = {k.decode("utf-8", "replace"): v[0].decode("utf-8", "replace")
-                      for k, v in request.args.items() if v}
-            self._recordLogin(request, path, params)
-            problem = flows.checkAuthorize(params)
-            return self._html(request, 400 if problem else 200, flows.authorizePage(params))
-        if path == AUTHORIZE_DECISION and method == b"POST":
-            params = parseForm(raw)
-            self._recordLogin(request, path, params)
-            code, result = flows.decide(params)
-            if code == 302:
-                request.setResponseCode(302)
-                request.setHeader(b"location", result.encode("utf-8"))
-                request.setHeader(b"cache-control", b"no-store")
-                return b""
-            return self._html(request, code, result)
-        if path == DEVICE_PAGE and method == b"GET":
-            return self._html(request, 200, flows.devicePage())
-        if path == DEVICE_PAGE and method == b"POST":
-            form = parseForm(raw)
-            ok, message = flows.approve(form.get("user_code", ""), form.get("account"),
-                                        form.get("decision", "allow"))
-            return self._html(request, 200 if ok else 400, flows.devicePage(message))
-        if method != b"POST":
-            return self._json(request, 405, {"error": {"code": "method_not_allowed",
-                                                       "message": "use POST"}})
-        params = parseJSONObject(raw)
-        self._recordLogin(request, path, params)
-        if path == DEVICE_USERCODE:
-            scheme = "https" if self.emulator._secure else "http"
-            host = (request.getHeader(b"host") or b"127.0.0.1").decode("latin-1")
-            status, body = flows.userCode(params, f"{scheme}://{host}")
-        else:
-            status, body = flows.poll(params)
-        return self._json(request, status, body)
-
-    def _recordLogin(self, request: Any, path: str, params: dict) -> None:
-        shown = {k: ("***" if k in _LOGIN_SECRET_FIELDS else v) for k, v in params.items()}
-        self._state.record(None, HTTP, "login", path, request.method.decode("latin-1"),
-                           lowerHeaders(request), shown, peerHost(request.getClientAddress()))
-
-    # -- POST /v1/chat/completions ----------------------------------------------------------
-
-    def _chat(self, request: Any) -> Any:
-        """
-        Answer a Chat Completions POST.
-
-        @param request: the request.
-        @return: the body or C{NOT_DONE_YET}.
-        """
-        ok, body = self._parseBody(request)
-        credential, denied = self._credential(request)
-        self._record(request, HTTP, "request", credential, body)
-        if denied is not None:
-            return self._json(request, 401, denied)
-        if not ok or not isinstance(body, dict):
-            return self._json(request, 400, {"error": {
-                "message": "We could not parse the JSON body of your request.",
-                "type": "invalid_request_error", "code": None, "param": None}})
-        draw = self.emulator.arrive(credential, HTTP, body, lowerHeaders(request))
-        stream = body.get("stream") is True
-        answer, fault = self._admit(request, credential, draw)
-        if answer is not None:
-            return answer
-        if fault is not None and fault.kind == "refuse":
-            # Chat Completions refuses before it streams: always the HTTP status.
-            refusal = refusalOf(fault, body, "chat", credential)
-            if refusal is not None:
-                return self._json(request, refusal.status, refusal.body)
-            fault = None
-        if fault is not None and fault.kind == "hang_after_headers":
-            return self._hangAfterHeaders(request, credential, stream)
-        script = self._state.scriptFor(credential)
-        messages = body.get("messages") if isinstance(body.get("messages"), list) else []
-        reply = chooseReply(script, messages, self._state.nameOf(credential),
-                            body.get("model") or "")
-        options = body.get("stream_options") or {}
-        includeUsage = bool(options.get("include_usage")) if isinstance(options, dict) else False
-        chunks, completion = chatChunks(body, reply, self.emulator.clock.seconds(),
-                                        includeUsage, script.argumentDeltas, script.usage)
-        kind = fault.kind if fault is not None else None
-        tracker = TurnTracker(self._state, credential)
-        firstDelay = float(fault.get("seconds", 0)) if kind == "delay_first_output" else 0.0
-        cutAfter, cleanEnd = breakAfter(fault)
-
-        def complete() -> None:
-            self.emulator.generated(draw, credential, completion)
-
-        if not stream:
-            if kind == "empty_completed":
-                completion["choices"][0]["message"]["content"] = ""
-                completion.pop("usage")
-            if kind == "stream_error":
-                tracker.end()
-                return self._json(request, 500, streamErrorBody(fault))
-            generation = script.delay * max(0, len(chunks) - 1)
-            return self._nonStream(request, tracker, completion, firstDelay + generation,
-                                   cutAfter, cleanEnd, complete)
-        frames = [b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n"
-                  for c in chunks]
-        if kind == "stream_error":
-            frames = frames[:1] + [
-                b"data: " + json.dumps(streamErrorBody(fault)).encode() + b"\n\n"]
-        elif kind == "empty_completed":
-            frames = frames[:1] + frames[-1:] if not includeUsage else frames[:1] + frames[-2:-1]
-            frames.append(b"data: [DONE]\n\n")
-        else:
-            frames.append(b"data: [DONE]\n\n")
-        request.setResponseCode(200)
-        request.setHeader(b"content-type", b"text/event-stream")
-        request.setHeader(b"cache-control", b"no-cache")
-        request.write(b"")
-
-        finish = self._finisher(request, tracker)
-
-        def cut() -> None:
-            tracker.end()
-            dropConnection(request)
-
-        pump = EventPump(
-            clock=self.emulator.clock, events=frames, send=request.write,
-            finish=self._finisher(request, tracker,
-                                  None if kind == "stream_error" else complete),
-            cut=finish if cleanEnd else cut, beforeTerminal=tracker.end,
-            delay=script.delay, firstOutput=1, firstDelay=firstDelay, cutAfter=cutAfter,
-            **stallOf(fault),
-        )
-        self._watch(request, tracker, pump)
-        pump.start()
-        return NOT_DONE_YET
-
     # -- WebSocket upgrade ------------------------------------------------------------------
 
     def _upgrade(self, request: Any) -> Any:
@@ -932,98 +584,6 @@ class EmulatorResource(ResponsesAPIMixin, Resource):
                 return NOT_DONE_YET
             return self._faultStatus(request, fault)
         return self.emulator.wsResource.render(request)
-
-    # -- control API ------------------------------------------------------------------------
-
-    def _control(self, request: Any, path: str) -> bytes:
-        """
-        Serve the C{/_emulator/} control API (see L{relay.emulator}).
-
-        @param request: the request.
-        @param path: the normalised path.
-        @type path: L{str}
-        @rtype: L{bytes}
-        """
-        parts = path.split("/")[2:]
-        method = request.method
-        emulator = self.emulator
-        try:
-            if parts == ["requests"] and method == b"GET":
-                return self._json(request, 200, [r.toJSON() for r in emulator.requests])
-            if parts == ["requests"] and method == b"DELETE":
-                emulator.clearRequests()
-                return self._json(request, 200, {"ok": True})
-            if parts == ["stats"] and method == b"GET":
-                return self._json(request, 200, emulator.state.stats())
-            if parts == ["faults"] and method == b"GET":
-                return self._json(request, 200, emulator.state.faults())
-            if parts == ["faults"] and method == b"DELETE":
-                emulator.clearFaults()
-                return self._json(request, 200, {"ok": True})
-            if len(parts) == 2 and parts[0] in ("faults", "scripts") and method in (
-                    b"PUT", b"DELETE"):
-                ok, body = self._parseBody(request)
-                if not ok:
-                    return self._json(request, 400, {"error": "invalid JSON"})
-                if method == b"DELETE":
-                    body = None
-                if parts[0] == "faults":
-                    emulator.setFault(parts[1], body)
-                else:
-                    emulator.setScript(parts[1], body)
-                return self._json(request, 200, {"ok": True})
-            if parts == ["oauth"] and method == b"GET":
-                return self._json(request, 200, emulator.oauth.stats())
-            if parts == ["oauth", "release"] and method == b"POST":
-                return self._json(request, 200, {"released": emulator.oauth.release()})
-            if parts == ["oauth", "login"] and method == b"GET":
-                return self._json(request, 200, emulator.oauth.login.status())
-            if parts == ["oauth", "login"] and method in (b"PUT", b"DELETE"):
-                ok, body = self._parseBody(request)
-                if not ok:
-                    return self._json(request, 400, {"error": "invalid JSON"})
-                emulator.oauth.login.setFault(None if method == b"DELETE" else body)
-                return self._json(request, 200, {"ok": True})
-            if parts == ["oauth", "device", "approve"] and method == b"POST":
-                ok, body = self._parseBody(request)
-                if not ok or not isinstance(body, dict):
-                    return self._json(request, 400, {"error": "expected a JSON object"})
-                done, message = emulator.oauth.login.approve(
-                    str(body.get("user_code", "")), body.get("account"),
-                    body.get("decision", "allow"))
-                return self._json(request, 200 if done else 400,
-                                  {"ok": done, "message": message})
-            if len(parts) == 3 and parts[:2] == ["oauth", "faults"] and method in (
-                    b"PUT", b"DELETE"):
-                ok, body = self._parseBody(request)
-                if not ok:
-                    return self._json(request, 400, {"error": "invalid JSON"})
-                emulator.oauth.setFault(parts[2], None if method == b"DELETE" else body)
-                return self._json(request, 200, {"ok": True})
-            if parts == ["chaos"] and method == b"GET":
-                chaos = emulator.chaos
-                return self._json(request, 200, chaos.toJSON() if chaos is not None else None)
-            if parts == ["chaos"] and method in (b"PUT", b"DELETE"):
-                ok, body = self._parseBody(request)
-                if not ok:
-                    return self._json(request, 400, {"error": "invalid JSON"})
-                emulator.setChaos(None if method == b"DELETE" else body)
-                return self._json(request, 200, {"ok": True})
-            if parts == ["turns"] and method == b"GET":
-                return self._json(request, 200, emulator.ledger.toJSON())
-            if parts == ["generations"] and method == b"GET":
-                return self._json(request, 200, {"total": emulator.ledger.total,
-                                                 "by_account": dict(emulator.ledger.byAccount),
-                                                 "generations": list(emulator.ledger.usage)})
-            if parts == ["turns"] and method == b"DELETE":
-                emulator.ledger.clear()
-                return self._json(request, 200, {"ok": True})
-            if parts == ["peaks"] and method == b"DELETE":
-                emulator.state.resetPeaks()
-                return self._json(request, 200, {"ok": True})
-        except ValueError as e:
-            return self._json(request, 400, {"error": str(e)})
-        return self._json(request, 404, {"error": "unknown control endpoint"})
 
 
 __all__ = ["EmulatorResource", "bearer", "isUpgrade", "WS"]

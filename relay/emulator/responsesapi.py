@@ -27,6 +27,7 @@ from typing import Any
 
 from twisted.web.server import NOT_DONE_YET
 
+from relay.emulator.httpwire import lowerHeaders
 from relay.emulator.sealing import seal
 from relay.emulator.state import (
     HTTP,
@@ -185,8 +186,6 @@ class ResponsesAPIMixin:
 
         @return: the answer when a fault (or an unknown key) answered, else L{None}.
         """
-        from relay.emulator.http import lowerHeaders
-
         draw = self.emulator.arrive(credential, HTTP, body, lowerHeaders(request))
         answer, fault = self._admit(request, credential, draw)
         if answer is not None:

@@ -11,13 +11,13 @@ configured age limit answers C{response.create} with C{websocket_connection_limi
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from autobahn.twisted.websocket import WebSocketServerFactory, WebSocketServerProtocol
 from autobahn.websocket.compress import PerMessageDeflateOffer, PerMessageDeflateOfferAccept
 from twisted.logger import Logger
 
-from relay.emulator.http import bearer, breakAfter, turnStateFor
+from relay.emulator.httpwire import bearer, breakAfter, turnStateFor
 from relay.emulator.refusals import refusalOf
 from relay.emulator.state import (
     WS,
@@ -30,9 +30,6 @@ from relay.emulator.state import (
 )
 from relay.emulator.stored import resolveItems
 from relay.emulator.stream import EventPump, TurnTracker, stallOf
-
-if TYPE_CHECKING:  # pragma: no cover
-    from relay.emulator.core import Emulator
 
 
 def acceptDeflate(offers: list) -> Any:
@@ -104,7 +101,7 @@ class EmulatorWebSocketProtocol(WebSocketServerProtocol):
         @return: L{None} (accept, no subprotocol).
         """
         try:
-            self._emulator: Emulator = self.factory.emulator
+            self._emulator = self.factory.emulator
             self._credential, _ = self._emulator.authenticate(
                 bearer(request.headers.get("authorization"))
             )
@@ -333,7 +330,7 @@ class EmulatorWebSocketProtocol(WebSocketServerProtocol):
         self._pump.start()
 
 
-def buildFactory(emulator: Emulator) -> WebSocketServerFactory:
+def buildFactory(emulator) -> WebSocketServerFactory:
     """
     Build the emulator's WebSocket factory with explicit protocol options (style.md §9(a)).
 

@@ -67,17 +67,18 @@ import random
 from typing import Any, Callable, Optional
 
 from attrs import define, evolve, field
-from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.task import LoopingCall, deferLater
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from relay.interfaces import ICredentialSource, ITokenEndpoint, ITokenStore
 from relay.base.logs import registerSecrets
 from relay.base.records import Account
-from relay.oauth.crashpoints import crashPoint
-from relay.oauth.endpoint import NotSent, describeError
+from relay.interfaces import ICredentialSource, ITokenEndpoint, ITokenStore
+from relay.oauth.endpoint import describeError
+from relay.oauth.records import IN_DOUBT_REASON, LOCK_TTL_SECONDS, TokenRecords
+from relay.oauth.refresher import EXPIRY_SKEW_SECONDS, TokenRefresher
+from relay.oauth.slot import _CHANGES, _Slot
 from relay.oauth.tokens import (
     STATUS_IN_DOUBT,
     STATUS_LOADING,
@@ -90,115 +91,15 @@ from relay.oauth.tokens import (
 )
 from relay.wire.redisclient import logFailure
 
-LOCK_TTL_SECONDS = 15.0
-"""The refresh lock's TTL; the holder renews it every third of it."""
-
-LOCK_POLL_SECONDS = 0.2
-"""How often a waiter retries the lock, seconds."""
-
-EXPIRY_SKEW_SECONDS = 5.0
-"""An access token this close to its C{exp} counts as expired before a dial."""
-
-BACKOFF_FIRST_SECONDS = 5.0
-BACKOFF_MAX_SECONDS = 600.0
-BACKOFF_JITTER = 0.2
-
 CODEX_REFRESH_AGE_SECONDS = 8 * 86400
 """Without a known C{exp}, refresh when the last refresh is this old (Codex's rule)."""
-
-PERSIST_RETRY_SECONDS = 5.0
-"""How often unpersisted new tokens are written again, seconds."""
 
 SWITCH_SYNC_DELAYS = (1.0, 5.0)
 """Seconds after a Redis master switch at which the token records are read
 again (L{OAuthCredentials.storeSwitched})."""
 
-IN_DOUBT_REASON = "refresh_in_doubt"
-
 TOKEN_SOURCE_ADMIN = "admin"
 """C{token_source} of tokens an operator put (C{PUT /admin/accounts/{id}/tokens})."""
-
-
-_CHANGES = [0]
-"""Issue 24: bumped by every change of a L{_Slot} (and of the slot set), so
-L{CredentialManager.flagged} knows when its answer may have changed."""
-
-
-def _touched(instance, attribute, value):
-    """
-    attrs C{on_setattr}: note that a slot changed.
-    """
-    _CHANGES[0] += 1
-    return value
-
-
-@define(eq=False, on_setattr=_touched)
-class _Slot:
-    """
-    One OAuth account's token state in this process.
-
-    @ivar account: the configured account.
-    @ivar seed: the fingerprint of its configured tokens.
-    @ivar record: the newest known L{TokenRecord}, or L{None} before start.
-    @ivar dial: the account to dial (C{credential} = access token).
-    @ivar waiters: callers waiting on the running refresh, or L{None} when
-        none runs.
-    @ivar timer: the proactive refresh call.
-    @ivar invalidated: the current access token got a 401 after a refresh.
-    @ivar pending: new tokens whose write failed (not used until written).
-    @ivar nextAttempt: no automatic refresh before this (backoff), seconds.
-    @ivar refreshes: successful refreshes by this process.
-    @ivar refreshFailures: token requests of this process that failed
-        (transient, permanent or in doubt), for
-        C{relay_oauth_refresh_failures_total}.
-    @ivar doubtTimer: the call at the in-doubt access token's expiry, which
-        logs C{relay.oauth_needs_login}; L{None} when none is planned.
-    @ivar doubtKey: the (access token, expiry) C{doubtTimer} is for.
-    @ivar doubtAnnounced: the (access token, expiry) whose expiry was
-        already logged (once per in-doubt token).
-    @ivar loading: a L{OAuthCredentials._load} of this slot runs (a
-        periodic sync does not start a second one beside it).
-    """
-
-    account: Account
-    seed: str
-    record: Optional[TokenRecord] = None
-    dial: Optional[Account] = None
-    waiters: Optional[list] = None
-    timer: Any = None
-    invalidated: bool = False
-    pending: Optional[TokenRecord] = None
-    pendingCall: Any = None
-    nextAttempt: float = 0.0
-    refreshes: int = 0
-    refreshFailures: int = 0
-    doubtTimer: Any = None
-    doubtKey: Any = None
-    doubtAnnounced: Any = None
-    loading: bool = False
-
-
-def _wentBack(stored: TokenRecord, mine: TokenRecord) -> bool:
-    """
-    Whether the store holds an older state of C{mine}'s lineage than this
-    process knows (behaviour.md R96): its refresh token is one C{mine}
-    retired (and it does not know C{mine}'s as retired: not a newer
-    record of a lineage that came back to it), or it has a lower version
-    of the same seed and refresh token (a lost in-doubt or needs-login
-    write). Versions only grow, so a lower one is a write the store lost.
-
-    @param stored: the record read from the store.
-    @param mine: this process's newest record.
-    """
-    refreshToken = stored.tokens.refresh_token
-    if refreshToken and mine.retires(refreshToken) and not stored.retires(
-        mine.tokens.refresh_token
-    ):
-        return True
-    return (
-        stored.version < mine.version and stored.seed == mine.seed
-        and refreshToken == mine.tokens.refresh_token
-    )
 
 
 def _describe(e: BaseException) -> str:
@@ -226,6 +127,9 @@ class OAuthCredentials:
         request (transient, permanent or in doubt), or L{None}: the metrics'
         C{relay_oauth_refresh_failures_total}, which adds up across workers
         (L{relay.console.metrics.RelayMetrics.oauthRefreshFailed}).
+    @ivar _records: the L{TokenRecords} (the store side: load, lock,
+        re-read, persist).
+    @ivar _refresher: the L{TokenRefresher} (one token request).
     """
 
     _clock: IReactorTime
@@ -239,10 +143,16 @@ class OAuthCredentials:
     _running: bool = field(default=False, init=False)
     _owner: str = field(default="", init=False)
     _flagCache: Optional[tuple] = field(default=None, init=False)
+    _records: TokenRecords = field(default=None, init=False)
+    _refresher: TokenRefresher = field(default=None, init=False)
     _log = Logger()
 
     def __attrs_post_init__(self) -> None:
         self._owner = f"{os.getpid()}-{self._random.getrandbits(48):012x}"
+        self._records = TokenRecords(self, self._clock, self._random, self._owner)
+        self._refresher = TokenRefresher(
+            self, self._records, self._clock, self._settings, self._endpoint, self._random
+        )
         for account in self._accounts:
             if account.type == "oauth":
                 seed = fingerprint(account.refresh_token, account.credential, account.id_token)
@@ -265,14 +175,14 @@ class OAuthCredentials:
         self._running = True
         for slot in list(self._slots.values()):
             try:
-                await self._load(slot)
+                await self._records.load(slot)
             except Exception as e:
                 self._log.error(
                     "could not load the tokens of {account_id}: {error}; using the configured ones",
                     event="relay.oauth_load_failed", account_id=slot.account.id, error=_describe(e),
                 )
                 if slot.record is None:
-                    self._adopt(slot, self._configured(slot, 0), schedule=True)
+                    self.adopt(slot, self._records.configured(slot, 0), schedule=True)
 
     def stop(self) -> None:
         """
@@ -318,7 +228,7 @@ class OAuthCredentials:
             if slot is not None and account is not None:
                 slot.account = account
                 if slot.record is not None:
-                    self._adopt(slot, slot.record, schedule=False)
+                    self.adopt(slot, slot.record, schedule=False)
         for accountId in sorted(change.added | change.renewed):
             account = byId.get(accountId)
             if account is None or account.type != "oauth":
@@ -328,14 +238,14 @@ class OAuthCredentials:
             if not self._running:
                 continue
             try:
-                await self._load(slot)
+                await self._records.load(slot)
             except Exception as e:
                 self._log.error(
                     "could not load the tokens of {account_id}: {error}; using the configured ones",
                     event="relay.oauth_load_failed", account_id=accountId, error=_describe(e),
                 )
                 if slot.record is None:
-                    self._adopt(slot, self._configured(slot, 0), schedule=True)
+                    self.adopt(slot, self._records.configured(slot, 0), schedule=True)
 
     def sync(self) -> Deferred:
         """
@@ -350,9 +260,9 @@ class OAuthCredentials:
                 if slot.record is None:
                     if slot.loading:
                         continue  # start-up (or a reload) is reading it
-                    await self._load(slot)
+                    await self._records.load(slot)
                 else:
-                    await self._reload(slot)
+                    await self._records.reload(slot)
                     self._schedule(slot)
             except Exception as e:
                 self._log.warn(
@@ -368,8 +278,8 @@ class OAuthCredentials:
         asynchronous, so the new master may lack the last token write.
         Every record is read again soon (after L{SWITCH_SYNC_DELAYS}
         seconds, by when the new master is usually reachable), and a
-        record older than this process's is written back (L{_reload},
-        behaviour.md R96).
+        record older than this process's is written back
+        (L{relay.oauth.records.TokenRecords.reload}, behaviour.md R96).
         """
         if not self._running:
             return
@@ -381,97 +291,6 @@ class OAuthCredentials:
             self.sync().addErrback(
                 lambda f: logFailure(self._log, f, "re-reading the tokens after a switch failed")
             )
-
-    def _configured(self, slot: _Slot, version: int) -> TokenRecord:
-        account = slot.account
-        tokens = TokenSet.fromTokens(
-            account.credential, account.refresh_token, account.id_token, self._clock.seconds()
-        )
-        return TokenRecord(
-            tokens=tokens, version=version, seed=slot.seed, last_refresh=account.last_refresh,
-            updated_at=self._clock.seconds(),
-        )
-
-    async def _load(self, slot: _Slot) -> None:
-        slot.loading = True
-        try:
-            await self._loadSlot(slot)
-        finally:
-            slot.loading = False
-
-    async def _loadSlot(self, slot: _Slot) -> None:
-        account = slot.account
-        stored = TokenRecord.fromJSON(await self.store.load(account.id))
-        older = (
-            stored is not None and stored.seed != slot.seed
-            and stored.knows(account.refresh_token)
-        )
-        if stored is None or (stored.seed != slot.seed and not older):
-            fresh = self._configured(slot, (stored.version + 1) if stored else 1)
-            if stored is not None:
-                # A new login replaces the lineage: its refresh tokens stay
-                # known as spent (R96), so a peer still configured with one
-                # of them adopts this lineage instead of presenting it.
-                fresh = evolve(fresh, retired=retiredAfter(
-                    stored.retired, stored.tokens.refresh_token
-                ))
-            written = await self.store.save(
-                account.id, fresh.version, fresh.toJSON(), stored.version if stored else None
-            )
-            if written:
-                self._log.info(
-                    "tokens of {account_id} taken from the configuration ({source})",
-                    event="relay.oauth_tokens_seeded", account_id=account.id,
-                    source=account.token_source, replaced=stored is not None,
-                )
-                stored = fresh
-            else:
-                stored = TokenRecord.fromJSON(await self.store.load(account.id)) or fresh
-        else:
-            self._log.info(
-                "tokens of {account_id} loaded from the store (version {version})"
-                + ("; the configuration holds an older token of the same login" if older else ""),
-                event="relay.oauth_tokens_loaded", account_id=account.id, version=stored.version,
-                status=stored.status, older_configuration=older,
-            )
-        if stored.in_flight is not None:
-            stored = await self._resolveInFlight(slot, stored)
-        self._adopt(slot, stored, schedule=True)
-
-    async def _resolveInFlight(self, slot: _Slot, record: TokenRecord) -> TokenRecord:
-        """
-        A stored in-flight marker: when its owner's lock is gone the owner
-        died mid-refresh and the refresh token is in doubt.
-        """
-        owner = self._newOwner()
-        if not await self.store.acquireLock(slot.account.id, owner, LOCK_TTL_SECONDS):
-            return record  # its owner is alive (or its lock not yet expired)
-        try:
-            current = TokenRecord.fromJSON(await self.store.load(slot.account.id)) or record
-            if current.in_flight is None:
-                return current
-            return await self._markInDoubt(
-                slot, current, "a refresh was in flight when its process stopped"
-            )
-        finally:
-            await self._release(slot, owner)
-
-    async def _markInDoubt(self, slot: _Slot, record: TokenRecord, why: str) -> TokenRecord:
-        doubtful = record.next(
-            self._clock.seconds(), in_flight=None, status=STATUS_IN_DOUBT,
-            reason=IN_DOUBT_REASON, last_error=why,
-        )
-        written = await self.store.save(
-            slot.account.id, doubtful.version, doubtful.toJSON(), record.version
-        )
-        if written:
-            self._log.error(
-                "refresh token of {account_id} is in doubt ({why}); it will not be sent again:"
-                " the account serves while its access token lasts, then needs a login",
-                event="relay.oauth_refresh_in_doubt", account_id=slot.account.id, why=why,
-            )
-            return doubtful
-        return TokenRecord.fromJSON(await self.store.load(slot.account.id)) or record
 
     # -- ICredentialSource ----------------------------------------------------------
 
@@ -534,7 +353,9 @@ class OAuthCredentials:
             slot.waiters.append(waiter)
             return waiter
         slot.waiters = [waiter]
-        flight = Deferred.fromCoroutine(self._flight(slot, stale, reason, force, retryInDoubt))
+        flight = Deferred.fromCoroutine(
+            self._refresher.flight(slot, stale, reason, force, retryInDoubt)
+        )
 
         def _done(result):
             waiters, slot.waiters = slot.waiters or [], None
@@ -687,11 +508,11 @@ class OAuthCredentials:
         return Deferred.fromCoroutine(self._setTokens(slot, access, refresh, idToken))
 
     async def _setTokens(self, slot, access, refresh, idToken) -> dict:
-        owner = await self._lock(slot, LOCK_TTL_SECONDS * 4)
+        owner = await self._records.lock(slot, LOCK_TTL_SECONDS * 4)
         if owner is None:
             raise RuntimeError("the refresh lock is busy; try again")
         try:
-            current = await self._reload(slot)
+            current = await self._records.reload(slot)
             now = self._clock.seconds()
             # The replaced refresh token is spent for good (R96); the one
             # the operator gives is current even if relay had retired it
@@ -709,364 +530,20 @@ class OAuthCredentials:
                 raise RuntimeError("the token record changed meanwhile; try again")
             slot.pending = None
             slot.nextAttempt = 0.0
-            self._adopt(slot, record, schedule=True)
+            self.adopt(slot, record, schedule=True)
             self._log.warn(
                 "new tokens for {account_id} set by the admin",
                 event="relay.oauth_tokens_set", account_id=slot.account.id,
             )
         finally:
-            await self._release(slot, owner)
+            await self._records.release(slot, owner)
         return self.view(slot.account)
 
     # -- the refresh -------------------------------------------------------------------
 
-    def _newOwner(self) -> str:
-        return f"{self._owner}-{self._random.getrandbits(32):08x}"
-
-    async def _lock(self, slot: _Slot, wait: float) -> Optional[str]:
-        """
-        Take the account's lock, waiting up to C{wait} seconds for another
-        holder.
-
-        @return: the owner string, or L{None} when it could not be had.
-        """
-        owner = self._newOwner()
-        deadline = self._clock.seconds() + wait
-        while True:
-            if await self.store.acquireLock(slot.account.id, owner, LOCK_TTL_SECONDS):
-                return owner
-            if self._clock.seconds() >= deadline:
-                return None
-            await deferLater(self._clock, LOCK_POLL_SECONDS, lambda: None)
-
-    async def _release(self, slot: _Slot, owner: str) -> None:
-        try:
-            await self.store.releaseLock(slot.account.id, owner)
-        except Exception as e:
-            self._log.warn(
-                "releasing the refresh lock of {account_id} failed: {error}",
-                event="relay.oauth_lock_release_failed", account_id=slot.account.id,
-                error=_describe(e),
-            )
-
-    async def _reload(self, slot: _Slot) -> TokenRecord:
-        """
-        Read the stored record and adopt it when newer.
-
-        @return: the newest record.
-        """
-        stored = TokenRecord.fromJSON(await self.store.load(slot.account.id))
-        if stored is None and slot.record is not None:
-            # The store lost the record (e.g. a flushed Redis): put ours back.
-            await self.store.save(
-                slot.account.id, slot.record.version, slot.record.toJSON(), None
-            )
-            stored = TokenRecord.fromJSON(await self.store.load(slot.account.id))
-        if stored is not None and slot.record is not None and _wentBack(stored, slot.record):
-            stored = await self._restore(slot, stored)
-        if stored is not None and (slot.record is None or stored.version > slot.record.version):
-            self._adopt(slot, stored, schedule=False)
-        return slot.record if slot.record is not None else stored
-
-    async def _restore(self, slot: _Slot, stored: TokenRecord) -> TokenRecord:
-        """
-        The store went back (L{_wentBack}): write this process's newer
-        record again, with a version above both, compare-and-set on the
-        stored one (behaviour.md R96).
-
-        @return: the record now stored (ours, or what won meanwhile).
-        """
-        mine = slot.record
-        restored = evolve(
-            mine, version=max(mine.version, stored.version) + 1,
-            updated_at=self._clock.seconds(),
-        )
-        self._log.warn(
-            "the token store holds an older record of {account_id} (version {stored}, this"
-            " process has {mine}: a write was lost, e.g. at a Redis failover); writing the"
-            " newer tokens back",
-            event="relay.oauth_record_restored", account_id=slot.account.id,
-            stored=stored.version, mine=mine.version,
-        )
-        if await self.store.save(slot.account.id, restored.version, restored.toJSON(),
-                                 stored.version):
-            self._adopt(slot, restored, schedule=False)
-            return restored
-        return TokenRecord.fromJSON(await self.store.load(slot.account.id)) or stored
-
-    def _fresh(self, slot: _Slot, stale) -> bool:
-        tokens = slot.record.tokens
-        if slot.record.status == STATUS_NEEDS_LOGIN:
-            return False
-        if not tokens.access_token or slot.invalidated:
-            return False
-        if stale is not None and tokens.access_token == stale:
-            return False
-        now = self._clock.seconds()
-        return tokens.expires_at is None or tokens.expires_at > now + EXPIRY_SKEW_SECONDS
-
-    async def _flight(self, slot, stale, reason, force, retryInDoubt) -> bool:
-        account = slot.account
-        settings = self._settings.current.oauth
-        try:
-            owner = await self._lock(slot, settings.refresh_timeout_seconds + 2 * LOCK_TTL_SECONDS)
-        except Exception as e:
-            self._log.warn(
-                "cannot refresh {account_id}: the token store is unavailable ({error})",
-                event="relay.oauth_refresh_failed", account_id=account.id, error=_describe(e),
-                reason=reason,
-            )
-            self._backoff(slot, slot.record.failures + 1)
-            return False
-        if owner is None:
-            self._log.warn(
-                "cannot refresh {account_id}: its refresh lock stayed busy",
-                event="relay.oauth_refresh_failed", account_id=account.id, reason=reason,
-            )
-            return False
-        renew = LoopingCall(
-            lambda: self.store.acquireLock(account.id, owner, LOCK_TTL_SECONDS).addErrback(
-                lambda f: None
-            )
-        )
-        renew.clock = self._clock
-        renew.start(LOCK_TTL_SECONDS / 3, now=False).addErrback(lambda f: None)
-        try:
-            return await self._refreshLocked(slot, owner, stale, reason, force, retryInDoubt)
-        except Exception as e:
-            self._log.warn(
-                "refresh of {account_id} failed: {error}",
-                event="relay.oauth_refresh_failed", account_id=account.id, error=_describe(e),
-                reason=reason,
-            )
-            return False
-        finally:
-            if renew.running:
-                renew.stop()
-            await self._release(slot, owner)
-
-    async def _refreshLocked(self, slot, owner, stale, reason, force, retryInDoubt) -> bool:
-        account = slot.account
-        settings = self._settings.current.oauth
-        record = await self._reload(slot)
-        if record.in_flight is not None and record.in_flight.get("owner") != owner:
-            record = await self._markInDoubt(
-                slot, record, "another refresh was in flight and its process is gone"
-            )
-            self._adopt(slot, record, schedule=False)
-        if not force and self._fresh(slot, stale):
-            self._log.info(
-                "tokens of {account_id} were already refreshed elsewhere; nothing sent",
-                event="relay.oauth_refresh_shared", account_id=account.id, reason=reason,
-            )
-            return True
-        if slot.pending is not None:
-            return False
-        if record.status == STATUS_NEEDS_LOGIN:
-            return False
-        if record.status == STATUS_IN_DOUBT and not retryInDoubt:
-            return False
-        refreshToken = record.tokens.refresh_token
-        if not refreshToken:
-            return False
-        if record.retires(refreshToken):
-            # Never present a token this lineage replaced (R96).
-            self._log.error(
-                "not refreshing {account_id}: its refresh token was already used",
-                event="relay.oauth_refresh_failed", account_id=account.id, reason=reason,
-            )
-            return False
-        now = self._clock.seconds()
-        crashPoint("before_mark")
-        marked = record.next(now, in_flight={"owner": owner, "since": now}, status=STATUS_OK)
-        if not await self.store.save(account.id, marked.version, marked.toJSON(), record.version):
-            await self._reload(slot)
-            return self._fresh(slot, stale)
-        crashPoint("before_request")
-        self._log.info(
-            "refreshing the tokens of {account_id} ({reason})",
-            event="relay.oauth_refresh_started", account_id=account.id, reason=reason,
-        )
-        try:
-            reply = await self._endpoint.refresh(
-                account, refreshToken, settings.refresh_timeout_seconds
-            )
-        except NotSent as e:
-            await self._transient(slot, marked, _describe(e), reason)
-            return False
-        except (Exception, CancelledError) as e:
-            self._refreshFailed(slot)
-            doubtful = await self._markInDoubt(
-                slot, marked, "the token request may have reached the server: " + _describe(e)
-            )
-            self._adopt(slot, doubtful, schedule=False)
-            return False
-        crashPoint("after_response")
-        now = self._clock.seconds()
-        if reply.ok:
-            body = reply.body
-            tokens = TokenSet.fromTokens(
-                body["access_token"], body.get("refresh_token") or refreshToken,
-                body.get("id_token") or record.tokens.id_token, now, body.get("expires_in"),
-            )
-            registerSecrets(
-                [tokens.access_token, tokens.refresh_token or "", tokens.id_token or ""]
-            )
-            fresh = marked.next(
-                now, tokens=tokens, in_flight=None, status=STATUS_OK, reason=None,
-                last_refresh=now, failures=0, last_error=None,
-                retired=marked.retired if tokens.refresh_token == refreshToken
-                else retiredAfter(marked.retired, refreshToken),
-            )
-            stored = await self._persist(slot, fresh, marked)
-            crashPoint("after_persist")
-            if stored is None:
-                return False
-            slot.refreshes += 1
-            slot.nextAttempt = 0.0
-            self._adopt(slot, stored, schedule=False)
-            self._log.info(
-                "refreshed the tokens of {account_id} ({reason}); the new access token expires"
-                " at {expires_at}",
-                event="relay.oauth_refreshed", account_id=account.id, reason=reason,
-                expires_at=tokens.expires_at,
-            )
-            return True
-        if reply.permanent:
-            self._refreshFailed(slot)
-            code = reply.errorCode or f"status_{reply.status}"
-            dead = marked.next(
-                now, in_flight=None, status=STATUS_NEEDS_LOGIN, reason=code,
-                last_error=reply.describe(),
-            )
-            if await self.store.save(account.id, dead.version, dead.toJSON(), marked.version):
-                self._adopt(slot, dead, schedule=False)
-            self._log.error(
-                "account {account_id} needs a new login: the token endpoint answered {code}",
-                event="relay.oauth_needs_login", account_id=account.id, code=code,
-                status=reply.status,
-            )
-            return False
-        await self._transient(slot, marked, reply.describe(), reason)
-        return False
-
-    def _refreshFailed(self, slot: _Slot) -> None:
-        """
-        Count a failed token request of C{slot}'s account: in the view
-        (this process) and through L{onRefreshFailure} (the metrics).
-        """
-        slot.refreshFailures += 1
-        if self.onRefreshFailure is not None:
-            self.onRefreshFailure(slot.account.id)
-
-    async def _transient(self, slot, marked: TokenRecord, error: str, reason: str) -> None:
-        self._refreshFailed(slot)
-        failures = marked.failures + 1
-        record = marked.next(
-            self._clock.seconds(), in_flight=None, failures=failures, last_error=error,
-        )
-        if await self.store.save(slot.account.id, record.version, record.toJSON(), marked.version):
-            self._adopt(slot, record, schedule=False)
-        delay = self._backoff(slot, failures)
-        self._log.warn(
-            "refresh of {account_id} failed ({error}); keeping the current token, next try in"
-            " {delay:.0f}s",
-            event="relay.oauth_refresh_failed", account_id=slot.account.id, error=error,
-            reason=reason, failures=failures, delay=delay,
-        )
-
-    def _backoff(self, slot: _Slot, failures: int) -> float:
-        base = min(BACKOFF_MAX_SECONDS, BACKOFF_FIRST_SECONDS * 2 ** max(0, failures - 1))
-        delay = base * (1 + self._random.uniform(-BACKOFF_JITTER, BACKOFF_JITTER))
-        slot.nextAttempt = self._clock.seconds() + delay
-        return delay
-
-    async def _persist(self, slot, fresh: TokenRecord, marked: TokenRecord):
-        """
-        Write the new tokens before they are used: compare-and-set on the
-        marker's version, retried on store errors; a conflict with a record
-        that still holds the refresh token just used (another process
-        marked it in doubt) is overwritten, any other record wins.
-
-        @return: the written record, or L{None} (kept in memory and retried
-            when the store failed; dropped when other tokens won).
-        """
-        expected = marked
-        for attempt in range(3):
-            try:
-                if await self.store.save(slot.account.id, fresh.version, fresh.toJSON(),
-                                          expected.version):
-                    return fresh
-                stored = TokenRecord.fromJSON(await self.store.load(slot.account.id))
-                if stored is None or stored.tokens.refresh_token != marked.tokens.refresh_token:
-                    self._log.warn(
-                        "new tokens of {account_id} dropped: the store holds other tokens",
-                        event="relay.oauth_refresh_conflict", account_id=slot.account.id,
-                    )
-                    return None
-                expected = stored
-                fresh = evolve(fresh, version=stored.version + 1)
-            except Exception as e:
-                self._log.error(
-                    "writing the new tokens of {account_id} failed: {error}",
-                    event="relay.oauth_persist_failed", account_id=slot.account.id,
-                    error=_describe(e), attempt=attempt + 1,
-                )
-                await deferLater(self._clock, 0.5 * 2 ** attempt, lambda: None)
-        slot.pending = fresh
-        self._retryPending(slot, expected)
-        return None
-
-    def _retryPending(self, slot: _Slot, expected: TokenRecord) -> None:
-        def _again():
-            slot.pendingCall = None
-            d = Deferred.fromCoroutine(self._flushPending(slot, expected))
-            d.addErrback(lambda f: logFailure(self._log, f, "retrying a token write failed"))
-
-        slot.pendingCall = self._clock.callLater(PERSIST_RETRY_SECONDS, _again)
-
-    async def _flushPending(self, slot: _Slot, expected: TokenRecord, conflicts: int = 0) -> None:
-        fresh = slot.pending
-        if fresh is None:
-            return
-        try:
-            written = await self.store.save(
-                slot.account.id, fresh.version, fresh.toJSON(), expected.version
-            )
-            if not written and conflicts < 3:
-                stored = TokenRecord.fromJSON(await self.store.load(slot.account.id))
-                if stored is not None and _wentBack(stored, fresh):
-                    # The store still holds the refresh token just used: a
-                    # peer whose lock wait outlasted this one's (the store
-                    # was down) marked it in doubt, or the store went back.
-                    # The new tokens still win, as in _persist (R96): else
-                    # they would be lost and the login with them.
-                    slot.pending = evolve(fresh, version=stored.version + 1)
-                    await self._flushPending(slot, stored, conflicts + 1)
-                    return
-        except Exception as e:
-            self._log.error(
-                "writing the new tokens of {account_id} failed again: {error}",
-                event="relay.oauth_persist_failed", account_id=slot.account.id,
-                error=_describe(e),
-            )
-            self._retryPending(slot, expected)
-            return
-        slot.pending = None
-        if written:
-            slot.refreshes += 1
-            self._adopt(slot, fresh, schedule=True)
-            self._log.info(
-                "new tokens of {account_id} written; now in use",
-                event="relay.oauth_refreshed", account_id=slot.account.id, reason="persisted",
-                expires_at=fresh.tokens.expires_at,
-            )
-        else:
-            await self._reload(slot)
-
     # -- adopting and scheduling ------------------------------------------------------
 
-    def _adopt(self, slot: _Slot, record: TokenRecord, schedule: bool) -> None:
+    def adopt(self, slot: _Slot, record: TokenRecord, schedule: bool) -> None:
         previous = slot.record.tokens.access_token if slot.record is not None else None
         slot.record = record
         tokens = record.tokens

@@ -377,16 +377,12 @@ class RedisService(Service):
     _sentinel: Optional[Any] = field(default=None, init=False)
     _watchers: list = field(factory=list, init=False)
     _switchedTo: Optional[tuple] = field(default=None, init=False)
-    _turn: int = field(default=0, init=False)
-    _watched: dict = field(factory=dict, init=False)
-    """L{_direct}'s commands waiting for a reply: timeout (seconds) -> a
-    deque of C{(deadline, result, connection, ...)} in sending order."""
-    _watch: Optional[Any] = field(default=None, init=False)
-    """The delayed call of L{_watchTick}, or L{None}."""
     switchListeners: list = field(factory=list, init=False)
     """Callables run (no arguments) when the Sentinels promote a new master,
     after the connections were dropped (e.g. the slot admission re-releasing
     what the old master may not have passed on)."""
+    _directPath: Optional[_DirectPath] = field(default=None, init=False)
+    """The direct path of L{execute} (L{_DirectPath})."""
     unreachableListeners: list = field(factory=list, init=False)
     """Callables run (no arguments) each time Redis is found unreachable
     (e.g. the control plane ending the start-up wait for its first read,
@@ -401,6 +397,7 @@ class RedisService(Service):
         self.running = 0
         self.name = None
         self.parent = None
+        self._directPath = _DirectPath(self, self._clock)
         if self.durableReplicas is None:
             self.durableReplicas = 1 if self.sentinels else 0
 
@@ -722,11 +719,8 @@ class RedisService(Service):
         Service.stopService(self)
         if self._prober is not None and self._prober.running:
             self._prober.stop()
-        if self._watch is not None and self._watch.active():
-            # The pool's disconnection fails every command still waiting.
-            self._watch.cancel()
-        self._watch = None
-        self._watched = {}
+        # The pool's disconnection fails every command still waiting.
+        self._directPath.stop()
         self._prober = None
         pool, self.pool = self.pool, None
         sentinel, self._sentinel = self._sentinel, None
@@ -762,14 +756,14 @@ class RedisService(Service):
         sentAt = self._clock.seconds()
         if not kwargs and (method == "execute_command" or (
                 method == "eval" and args and isinstance(args[0], str))):
-            conn = self._connection()
+            conn = self._directPath.connection()
             if conn is not None:
                 if method == "eval":
                     script, keys, scriptArgs = (tuple(args) + ((), ()))[:3]
                     command = ("EVALSHA", _scriptSha(script), len(keys), *keys, *scriptArgs)
-                    return self._direct(conn, timeout, method, sentAt, command,
-                                        (script, keys, scriptArgs))
-                return self._direct(conn, timeout, method, sentAt, args, None)
+                    return self._directPath.send(conn, timeout, method, sentAt, command,
+                                                 (script, keys, scriptArgs))
+                return self._directPath.send(conn, timeout, method, sentAt, args, None)
         try:
             if method == "eval" and args and isinstance(args[0], str):
                 d = self._eval(*args, **kwargs)
@@ -798,176 +792,6 @@ class RedisService(Service):
             return pool.eval(script, keys, args)
 
         return pool.evalsha(sha, keys, args).addErrback(noScript)
-
-    def _direct(self, conn, timeout: float, method: str, sentAt: float, command: tuple,
-                script: Optional[tuple]) -> Deferred:
-        """
-        One command written on C{conn} (a ready pooled connection,
-        L{_connection}) and its reply taken from the connection's reply
-        queue, as txredisapi's C{execute_command} does, with one timer for
-        both timeouts (issue 24: txredisapi's path costs about six
-        L{Deferred}s and two delayed calls per command). Same outcomes as
-        the pool path of L{execute}:
-
-          - a reply marks Redis reachable and fires the result; an error
-            reply (or the connection's loss) fails it with
-            L{RedisUnavailable} after L{_classify};
-          - C{NOSCRIPT} to an C{EVALSHA} (C{script} is C{(text, keys,
-            args)}) runs the script with C{EVAL} through the pool;
-          - no reply within C{timeout} seconds fails it with a
-            L{defer.TimeoutError}'s L{RedisUnavailable}; when the
-            connection's own reply timeout (txredisapi's C{replyTimeout})
-            is not longer than C{timeout}, it comes first, as with
-            txredisapi: the commands waiting on that connection fail and
-            the connection is dropped (and redialled);
-          - cancelling the result fails it with L{RedisUnavailable}.
-        """
-        try:
-            payload = conn._build_command(*command)
-        except Exception as e:  # noqa: BLE001 - as the pool path: a RedisUnavailable
-            return defer.fail(RedisUnavailable(method, describe(e)))
-
-        def cancel(d: Deferred) -> None:
-            d.errback(RedisUnavailable(method, describe(defer.CancelledError())))
-
-        d = Deferred(cancel)
-        waiter = conn.replyQueue.get()
-        # Sent at once when nothing is queued on the connection (issue 24:
-        # FileDescriptor.write costs two epoll_ctl calls and a reactor
-        # iteration per command; the bytes' order stays the connection's).
-        sendNow(conn.transport, payload)
-        limit = conn.replyTimeout
-        silent = bool(limit) and limit <= timeout
-        delay = limit if silent else timeout
-        queue = self._watched.get(delay)
-        if queue is None:
-            queue = self._watched[delay] = deque()
-        queue.append((sentAt + delay, d, conn, timeout, method, sentAt, silent))
-        watch = self._watch
-        if watch is None:
-            self._watch = self._clock.callLater(delay, self._watchTick)
-        elif sentAt + delay < watch.getTime():
-            watch.reset(delay)
-        waiter.addCallback(self._directReply, d, queue, timeout, method, sentAt, script)
-        return d
-
-    def _watchTick(self) -> None:
-        """
-        The deadline watch of L{_direct}'s commands (issue 24: one delayed
-        call for all of them, not one each). Each queue holds the commands
-        of one timeout in the order they were sent, so in deadline order:
-        answered ones are dropped from its head, expired ones fail
-        (L{_directTimeout}), and the watch is set again for the earliest
-        deadline left.
-        """
-        self._watch = None
-        now = self._clock.seconds()
-        earliest = None
-        for delay, queue in list(self._watched.items()):
-            while queue:
-                entry = queue[0]
-                if entry[1].called:
-                    queue.popleft()
-                elif entry[0] <= now:
-                    queue.popleft()
-                    self._directTimeout(*entry[1:])
-                else:
-                    break
-            if queue:
-                if earliest is None or queue[0][0] < earliest:
-                    earliest = queue[0][0]
-            elif self._watched.get(delay) is queue:
-                del self._watched[delay]
-        if earliest is not None:
-            if self._watch is None:
-                self._watch = self._clock.callLater(max(earliest - now, 0), self._watchTick)
-            elif earliest < self._watch.getTime():
-                self._watch.reset(max(earliest - now, 0))
-
-    def _directReply(self, reply, d: Deferred, queue: deque, timeout: float, method: str,
-                     sentAt: float, script: Optional[tuple]) -> None:
-        """
-        L{_direct}'s reply (or the exception txredisapi queued for it).
-        """
-        if not d.called:
-            self._directAnswer(reply, d, timeout, method, sentAt, script)
-        # Answered commands leave the head of their watch queue (replies
-        # come in the order of the commands, mostly).
-        while queue and queue[0][1].called:
-            queue.popleft()
-
-    def _directAnswer(self, reply, d: Deferred, timeout: float, method: str,
-                      sentAt: float, script: Optional[tuple]) -> None:
-        """
-        Fire L{_direct}'s result with its reply.
-        """
-        if not isinstance(reply, Exception):
-            self._replied()
-            d.callback(reply)
-            return
-        import txredisapi
-
-        if (script is not None and isinstance(reply, txredisapi.ResponseError)
-                and str(reply).startswith("NOSCRIPT")):
-            remaining = max(sentAt + timeout - self._clock.seconds(), 0.001)
-            retry = self.pool.eval(*script)
-            retry.addTimeout(remaining, self._clock)
-            retry.addCallbacks(self._cbReply, self._ebMap, errbackArgs=(method, sentAt))
-
-            def _pass(result) -> None:
-                if not d.called:
-                    if isinstance(result, Failure):
-                        d.errback(result)
-                    else:
-                        d.callback(result)
-
-            retry.addBoth(_pass)
-            return
-        f = Failure(reply)
-        self._classify(f, sentAt)
-        d.errback(RedisUnavailable(method, describe(f)) if isRedisFailure(f) else f)
-
-    def _directTimeout(self, d: Deferred, conn, timeout: float, method: str, sentAt: float,
-                       silent: bool) -> None:
-        """
-        No reply in time to a command of L{_direct}.
-        """
-        if d.called:
-            return
-        if silent:
-            import txredisapi
-
-            text = f"Not received Redis response in {conn.replyTimeout} seconds"
-            error = txredisapi.TimeoutError(text)
-            f = Failure(error)
-            self._classify(f, sentAt)
-            d.errback(RedisUnavailable(method, describe(f)))
-            while conn.replyQueue.waiting:
-                conn.replyQueue.put(txredisapi.TimeoutError(text))
-            if conn.transport is not None:
-                conn.transport.abortConnection()
-            return
-        f = Failure(defer.TimeoutError(timeout, "Deferred"))
-        self._classify(f, sentAt)
-        d.errback(RedisUnavailable(method, describe(f)))
-
-    def _connection(self):
-        """
-        A ready pooled connection for a non-blocking command, taken
-        directly (issue 24: txredisapi's pool handler builds a closure and
-        runs C{getConnection}, an C{inlineCallbacks} generator, for every
-        command), or L{None} when none is ready: the caller goes through
-        the pool handler, which waits for one (or fails) as before. Like
-        the handler's C{peek}, the connection stays in the pool; they are
-        taken in turn instead of at random.
-        """
-        queue = getattr(getattr(self.pool, "_factory", None), "connectionQueue", None)
-        ready = getattr(queue, "pending", None)
-        if not ready:
-            return None
-        self._turn = turn = (self._turn + 1) % len(ready)
-        conn = ready[turn]
-        return conn if conn.connected else None
 
     def _cbReply(self, reply):
         self._replied()
@@ -1036,6 +860,210 @@ class RedisService(Service):
         d = Deferred.fromCoroutine(run())
         d.addTimeout(timeout + self.durableTimeout, self._clock)
         return d.addCallbacks(self._cbReply, self._ebMap, errbackArgs=(command[0], sentAt))
+
+
+@define(eq=False, repr=False)
+class _DirectPath:
+    """
+    The direct path of L{RedisService.execute}: a command written
+    straight on a ready pooled connection, its reply taken from the
+    connection's reply queue, under one deadline watch for all commands.
+
+    @ivar _service: the L{RedisService}: its pool and what it learns from
+        replies and failures (R101 reachability).
+    @ivar _clock: the injected clock (seconds).
+    @ivar _turn: the index of the ready connection used last.
+    @ivar _watched: L{send}'s commands waiting for a reply: timeout
+        (seconds) -> a deque of C{(deadline, result, connection, ...)} in
+        sending order.
+    @ivar _watch: the delayed call of L{_watchTick}, or L{None}.
+    """
+
+    _service: RedisService
+    _clock: IReactorTime
+    _turn: int = field(default=0, init=False)
+    _watched: dict = field(factory=dict, init=False)
+    _watch: Optional[Any] = field(default=None, init=False)
+
+    def stop(self) -> None:
+        """
+        Forget the commands waiting (the pool's disconnection fails them).
+        """
+        if self._watch is not None and self._watch.active():
+            self._watch.cancel()
+        self._watch = None
+        self._watched = {}
+
+    def send(self, conn, timeout: float, method: str, sentAt: float, command: tuple,
+             script: Optional[tuple]) -> Deferred:
+        """
+        One command written on C{conn} (a ready pooled connection,
+        L{connection}) and its reply taken from the connection's reply
+        queue, as txredisapi's C{execute_command} does, with one timer for
+        both timeouts (issue 24: txredisapi's path costs about six
+        L{Deferred}s and two delayed calls per command). Same outcomes as
+        the pool path of L{RedisService.execute}:
+
+          - a reply marks Redis reachable and fires the result; an error
+            reply (or the connection's loss) fails it with
+            L{RedisUnavailable} after L{RedisService._classify};
+          - C{NOSCRIPT} to an C{EVALSHA} (C{script} is C{(text, keys,
+            args)}) runs the script with C{EVAL} through the pool;
+          - no reply within C{timeout} seconds fails it with a
+            L{defer.TimeoutError}'s L{RedisUnavailable}; when the
+            connection's own reply timeout (txredisapi's C{replyTimeout})
+            is not longer than C{timeout}, it comes first, as with
+            txredisapi: the commands waiting on that connection fail and
+            the connection is dropped (and redialled);
+          - cancelling the result fails it with L{RedisUnavailable}.
+        """
+        try:
+            payload = conn._build_command(*command)
+        except Exception as e:  # noqa: BLE001 - as the pool path: a RedisUnavailable
+            return defer.fail(RedisUnavailable(method, describe(e)))
+
+        def cancel(d: Deferred) -> None:
+            d.errback(RedisUnavailable(method, describe(defer.CancelledError())))
+
+        d = Deferred(cancel)
+        waiter = conn.replyQueue.get()
+        # Sent at once when nothing is queued on the connection (issue 24:
+        # FileDescriptor.write costs two epoll_ctl calls and a reactor
+        # iteration per command; the bytes' order stays the connection's).
+        sendNow(conn.transport, payload)
+        limit = conn.replyTimeout
+        silent = bool(limit) and limit <= timeout
+        delay = limit if silent else timeout
+        queue = self._watched.get(delay)
+        if queue is None:
+            queue = self._watched[delay] = deque()
+        queue.append((sentAt + delay, d, conn, timeout, method, sentAt, silent))
+        watch = self._watch
+        if watch is None:
+            self._watch = self._clock.callLater(delay, self._watchTick)
+        elif sentAt + delay < watch.getTime():
+            watch.reset(delay)
+        waiter.addCallback(self._directReply, d, queue, timeout, method, sentAt, script)
+        return d
+
+    def _watchTick(self) -> None:
+        """
+        The deadline watch of L{send}'s commands (issue 24: one delayed
+        call for all of them, not one each). Each queue holds the commands
+        of one timeout in the order they were sent, so in deadline order:
+        answered ones are dropped from its head, expired ones fail
+        (L{_directTimeout}), and the watch is set again for the earliest
+        deadline left.
+        """
+        self._watch = None
+        now = self._clock.seconds()
+        earliest = None
+        for delay, queue in list(self._watched.items()):
+            while queue:
+                entry = queue[0]
+                if entry[1].called:
+                    queue.popleft()
+                elif entry[0] <= now:
+                    queue.popleft()
+                    self._directTimeout(*entry[1:])
+                else:
+                    break
+            if queue:
+                if earliest is None or queue[0][0] < earliest:
+                    earliest = queue[0][0]
+            elif self._watched.get(delay) is queue:
+                del self._watched[delay]
+        if earliest is not None:
+            if self._watch is None:
+                self._watch = self._clock.callLater(max(earliest - now, 0), self._watchTick)
+            elif earliest < self._watch.getTime():
+                self._watch.reset(max(earliest - now, 0))
+
+    def _directReply(self, reply, d: Deferred, queue: deque, timeout: float, method: str,
+                     sentAt: float, script: Optional[tuple]) -> None:
+        """
+        L{send}'s reply (or the exception txredisapi queued for it).
+        """
+        if not d.called:
+            self._directAnswer(reply, d, timeout, method, sentAt, script)
+        # Answered commands leave the head of their watch queue (replies
+        # come in the order of the commands, mostly).
+        while queue and queue[0][1].called:
+            queue.popleft()
+
+    def _directAnswer(self, reply, d: Deferred, timeout: float, method: str,
+                      sentAt: float, script: Optional[tuple]) -> None:
+        """
+        Fire L{send}'s result with its reply.
+        """
+        if not isinstance(reply, Exception):
+            self._service._replied()
+            d.callback(reply)
+            return
+        import txredisapi
+
+        if (script is not None and isinstance(reply, txredisapi.ResponseError)
+                and str(reply).startswith("NOSCRIPT")):
+            remaining = max(sentAt + timeout - self._clock.seconds(), 0.001)
+            retry = self._service.pool.eval(*script)
+            retry.addTimeout(remaining, self._clock)
+            retry.addCallbacks(self._service._cbReply, self._service._ebMap,
+                               errbackArgs=(method, sentAt))
+
+            def _pass(result) -> None:
+                if not d.called:
+                    if isinstance(result, Failure):
+                        d.errback(result)
+                    else:
+                        d.callback(result)
+
+            retry.addBoth(_pass)
+            return
+        f = Failure(reply)
+        self._service._classify(f, sentAt)
+        d.errback(RedisUnavailable(method, describe(f)) if isRedisFailure(f) else f)
+
+    def _directTimeout(self, d: Deferred, conn, timeout: float, method: str, sentAt: float,
+                       silent: bool) -> None:
+        """
+        No reply in time to a command of L{send}.
+        """
+        if d.called:
+            return
+        if silent:
+            import txredisapi
+
+            text = f"Not received Redis response in {conn.replyTimeout} seconds"
+            error = txredisapi.TimeoutError(text)
+            f = Failure(error)
+            self._service._classify(f, sentAt)
+            d.errback(RedisUnavailable(method, describe(f)))
+            while conn.replyQueue.waiting:
+                conn.replyQueue.put(txredisapi.TimeoutError(text))
+            if conn.transport is not None:
+                conn.transport.abortConnection()
+            return
+        f = Failure(defer.TimeoutError(timeout, "Deferred"))
+        self._service._classify(f, sentAt)
+        d.errback(RedisUnavailable(method, describe(f)))
+
+    def connection(self):
+        """
+        A ready pooled connection for a non-blocking command, taken
+        directly (issue 24: txredisapi's pool handler builds a closure and
+        runs C{getConnection}, an C{inlineCallbacks} generator, for every
+        command), or L{None} when none is ready: the caller goes through
+        the pool handler, which waits for one (or fails) as before. Like
+        the handler's C{peek}, the connection stays in the pool; they are
+        taken in turn instead of at random.
+        """
+        queue = getattr(getattr(self._service.pool, "_factory", None), "connectionQueue", None)
+        ready = getattr(queue, "pending", None)
+        if not ready:
+            return None
+        self._turn = turn = (self._turn + 1) % len(ready)
+        conn = ready[turn]
+        return conn if conn.connected else None
 
 
 def _ownOutcome(d: Deferred) -> Deferred:
