@@ -49,7 +49,7 @@ from twisted.web.server import version as _SERVER
 from relay.entry import intake as _intake
 from relay.entry.logthrottle import suppressedNote, throttleOf
 from relay.entry.sinks import errorBody, writeError
-from relay.entry.jsonbody import loadJSON
+from relay.frontdoor.parse import NOT_JSON_MESSAGE, RequestRefused, readJSON
 from relay.model import CancelSignal, ClientError
 from relay.requestid import requestIdOf
 
@@ -913,7 +913,7 @@ class LimitedBodyRequest(Request):
     def _waitKeepalive(self) -> None:
         """
         The engine's keepalive while the request waits for its key's slot
-        (behaviour.md R85, R31; L{relay.engine.runner.TurnRunner.admitKey}):
+        (behaviour.md R85, R31; L{relay.frontdoor.door.FrontDoor.admitSlot}):
         for a turn whose raw body says C{"stream": true}
         (L{relay.entry.intake.bodyStreams}, read once, at the first tick;
         a C{Content-Encoding}-ed body is not decoded before the slot, so it
@@ -1085,14 +1085,14 @@ class LimitedBodyRequest(Request):
 
     def relayJSON(self, allowEmpty: bool = False):
         """
-        The decoded body parsed as JSON, once (L{relay.entry.jsonbody.loadJSON}).
+        The decoded body parsed as JSON, once (L{relay.frontdoor.parse.readJSON}).
         The one body reader of every resource behind the intake: client
         routes (turns, C{/v1/responses/*}) and admin routes (through
         L{relay.control.web.readJSONBody}).
 
         @param allowEmpty: an empty (or blank) body reads as C{{}} (routes
             whose body is optional) instead of a 400.
-        @raise relay.entry.intake.RequestRefused: a 400 for a body that is
+        @raise relay.frontdoor.parse.RequestRefused: a 400 for a body that is
             not JSON (or nests too deep).
         """
         if not self._parsed:
@@ -1102,21 +1102,17 @@ class LimitedBodyRequest(Request):
                 self._json, self.relayBodyBlank = _BLANK, True
             else:
                 try:
-                    self._json = loadJSON(raw)
-                except ValueError as e:
+                    self._json = readJSON(raw)  # the one reader (relay.frontdoor.parse)
+                except RequestRefused as e:
                     self._json = e
             del raw
         if self._json is _BLANK:
             if allowEmpty:
                 return {}
-            self._json = ValueError("blank body")
-        if isinstance(self._json, ValueError):
-            message = str(self._json)
-            if "nest" not in message:
-                message = "We could not parse the JSON body of your request."
-            from relay.entry.intake import RequestRefused
-
-            raise RequestRefused(ClientError(400, "invalid_request_error", message))
+            self._json = RequestRefused(ClientError(
+                400, "invalid_request_error", NOT_JSON_MESSAGE))
+        if isinstance(self._json, RequestRefused):
+            raise self._json
         return self._json
 
     def process(self) -> None:

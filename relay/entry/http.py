@@ -7,7 +7,8 @@ C{/v1/responses/} are L{relay.entry.responsesapi}; C{GET /v1/models} is
 L{relay.entry.models} (issue 20).
 
 It authenticates, parses, builds a L{Turn} and a sink, and hands both to the
-turn runner. It holds no failover, cooldown or admission policy
+front door (L{relay.frontdoor.door.FrontDoor}), which checks the key and
+runs the turn. It holds no failover, cooldown or admission policy
 (architecture.md invariant 1).
 """
 
@@ -24,7 +25,14 @@ from twisted.web.server import NOT_DONE_YET
 from relay.entry.annotate import annotateTurn
 from relay.entry.body import DEFAULT_MAX_BODY_BYTES, tooLarge
 from relay.entry.intake import UNAUTHORIZED, RequestRefused  # noqa: F401 - UNAUTHORIZED re-exported
-from relay.entry.jsonbody import NESTING_MESSAGE, loadJSON  # noqa: F401 - re-exported
+from relay.frontdoor.jsonbody import NESTING_MESSAGE, loadJSON  # noqa: F401 - re-exported
+from relay.frontdoor.parse import (  # noqa: F401 - badRequest, invalidType re-exported
+    FieldRefused,
+    badRequest,
+    invalidType,
+    readJSON,
+    turnFields,
+)
 from relay.entry.sinks import JSONSink, SSESink, writeError
 from relay.model import ClientError, ClientKey, Turn
 from relay.requestid import (  # noqa: F401 - newRequestId re-exported
@@ -290,42 +298,6 @@ def _digested(keys) -> tuple:
 
 
 
-def badRequest(message: str, param=None, code=None) -> ClientError:
-    """
-    A 400 in OpenAI's format.
-    """
-    return ClientError(400, "invalid_request_error", message, param=param, code=code)
-
-
-_JSON_TYPES = (
-    (bool, "a boolean"),
-    (int, "an integer"),
-    (float, "a decimal"),
-    (str, "a string"),
-    (list, "an array"),
-    (dict, "an object"),
-)
-"""How OpenAI names a JSON value's type in its messages (C{bool} before
-C{int}: a boolean is an C{int} in Python)."""
-
-
-def invalidType(param: str, expected: str, value) -> ClientError:
-    """
-    OpenAI's 400 for a field of the wrong JSON type, e.g. C{Invalid type
-    for 'model': expected a string, but got an integer instead.}
-
-    @param param: the field's name (also the error's C{param}).
-    @param expected: the type it must have, as OpenAI words it (C{a string}).
-    @param value: the value the client sent.
-    @return: the L{ClientError}, code C{invalid_type}.
-    """
-    got = next((name for kind, name in _JSON_TYPES if isinstance(value, kind)), "null")
-    return badRequest(
-        f"Invalid type for '{param}': expected {expected}, but got {got} instead.",
-        param=param, code="invalid_type",
-    )
-
-
 def requestJSON(request):
     """
     The request's JSON body: through the intake's
@@ -343,12 +315,7 @@ def requestJSON(request):
     raw = request.content.read(limit + 1)
     if len(raw) > limit:
         raise RequestRefused(tooLarge(limit))
-    try:
-        return loadJSON(raw)
-    except ValueError as e:
-        message = str(e) if str(e) == NESTING_MESSAGE else (
-            "We could not parse the JSON body of your request.")
-        raise RequestRefused(badRequest(message)) from None
+    return readJSON(raw)
 
 
 def handOverKeyLease(request, turn: Turn) -> None:
@@ -375,15 +342,16 @@ class TurnResource(Resource):
     isLeaf = True
     _log = Logger()
 
-    def __init__(self, runner, keys: KeyRing, endpoint: str, websocket=None):
+    def __init__(self, door, keys: KeyRing, endpoint: str, websocket=None):
         """
-        @param runner: the L{relay.engine.runner.TurnRunner}.
+        @param door: the L{relay.frontdoor.door.FrontDoor} a turn is
+            handed to.
         @param keys: the L{KeyRing}.
         @param endpoint: C{responses} or C{chat}.
         @param websocket: the WebSocket resource for upgrades, or L{None}.
         """
         super().__init__()
-        self._runner = runner
+        self._door = door
         self._keys = keys
         self._endpoint = endpoint
         self._ws = websocket
@@ -431,28 +399,12 @@ class TurnResource(Resource):
         except RequestRefused as e:
             writeError(request, e.error)
             return NOT_DONE_YET
-        if not isinstance(body, dict):
-            writeError(request, badRequest("The request body must be a JSON object."))
+        try:
+            fields = turnFields(body, self._endpoint)  # the one check (relay.frontdoor.parse)
+        except FieldRefused as e:
+            writeError(request, e.error)
             return NOT_DONE_YET
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            writeError(request, invalidType("model", "a string", model))
-            return NOT_DONE_YET
-        if not model:
-            writeError(request, badRequest("you must provide a model parameter", param="model"))
-            return NOT_DONE_YET
-        streamFlag = body.get("stream", False)
-        if streamFlag is not None and not isinstance(streamFlag, bool):
-            writeError(request, invalidType("stream", "a boolean", streamFlag))
-            return NOT_DONE_YET
-        stream = streamFlag is True
-        if self._endpoint == "responses":
-            background = body.get("background")
-            if background is not None and not isinstance(background, bool):
-                # As stream: relay reads it (R88), and upstream would refuse
-                # it only after an account was chosen and a slot taken.
-                writeError(request, invalidType("background", "a boolean", background))
-                return NOT_DONE_YET
+        model, stream, previous = fields.model, fields.stream, fields.previous
         if not stream and getattr(request, "relaySSEStarted", False):
             # Issue 19: keepalives already went out (the raw body read as
             # streaming while the key's slot was awaited, R85) and committed
@@ -466,17 +418,6 @@ class TurnResource(Resource):
                 writeError(request, badRequest(str(e), param=e.param))
                 return NOT_DONE_YET
         headers = clientHeaders(request)
-        previous = body.get("previous_response_id") if self._endpoint == "responses" else None
-        if previous is not None and not isinstance(previous, str):
-            writeError(request, invalidType("previous_response_id", "a string", previous))
-            return NOT_DONE_YET
-        if previous == "":
-            # Never forwarded upstream as an empty chain id (issue 14's fuzzing).
-            writeError(request, badRequest(
-                "previous_response_id must not be empty", param="previous_response_id",
-                code="invalid_value",
-            ))
-            return NOT_DONE_YET
         turn = Turn(
             entrypoint="http",
             endpoint=self._endpoint,
@@ -499,7 +440,7 @@ class TurnResource(Resource):
         gone = getattr(request, "relayOnGone", None) or (
             lambda f: request.notifyFinish().addErrback(f))  # issue 24: no Deferred
         gone(lambda f: turn.cancel.cancel("client_gone"))
-        self._runner.run(turn, sink)
+        self._door.enter(turn, sink)  # the key's checks, then the engine
         return NOT_DONE_YET
 
 

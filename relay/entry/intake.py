@@ -28,8 +28,8 @@ counted against C{gateway.max_request_body_bytes} and against the bytes in
 flight of its key (C{gateway.limits.body_bytes_in_flight_per_key}) and of
 the whole process (C{gateway.limits.body_bytes_in_flight}): over either,
 a 429 naming the limit, at once. Once the raw body is in, the key's slot
-(R26) is admitted by the engine (L{relay.engine.runner.TurnRunner.admitKey}:
-the wait plan and its answers are engine policy; this module only
+(R26) is admitted by the front door (L{relay.frontdoor.door.FrontDoor.admitSlot}:
+the wait plan and its answers are the engine's; this module only
 sequences the transport); only then is the body decoded (bounded by the
 limit and by C{gateway.limits.max_decompression_ratio}) and handed to the
 resource. Form and multipart bodies are never parsed (relay reads JSON
@@ -45,7 +45,7 @@ C{render} on a client route carries
     C{keyAdmitted=True}) and the engine releases it; otherwise it is
     released when the request finishes;
   - C{request.relayJSON()}: the decoded body parsed as JSON
-    (L{relay.entry.jsonbody.loadJSON}: deep nesting and bad surrogates are
+    (L{relay.frontdoor.parse.readJSON}: deep nesting and bad surrogates are
     400s), raising L{RequestRefused} (its C{.error} a 400
     L{relay.model.ClientError}) for a body that is not JSON; parsed once.
     L{relay.entry.http.requestJSON} does the same for requests built
@@ -65,6 +65,7 @@ from typing import Callable, Optional
 from attrs import define, field
 from twisted.logger import Logger
 
+from relay.frontdoor.parse import RequestRefused  # noqa: F401 - re-exported
 from relay.model import ClientError
 
 ROUTE_CLIENT = "client"
@@ -184,19 +185,6 @@ def bodyStreams(raw: bytes) -> Optional[bool]:
         if member is not None and _KEY_START.search(raw, max(0, at - 65), at):
             return member.group(1) == b"true"
     return None
-
-
-class RequestRefused(Exception):
-    """
-    A request answered with an error before a turn began (its body is not
-    JSON, nests too deep, ...).
-
-    @ivar error: the L{ClientError} to write.
-    """
-
-    def __init__(self, error: ClientError):
-        super().__init__(error.message)
-        self.error = error
 
 
 def routeClass(path: bytes, method: bytes) -> str:
@@ -355,7 +343,7 @@ class IntakePolicy:
     @ivar limits: a no-argument callable returning the
         L{relay.model.LimitSettings} in force.
     @ivar admitKey: C{(key, cancel, requestId) -> Deferred[lease or None]}
-        (the engine's R26 admission), failing with an exception carrying
+        (the front door's R26 admission, L{relay.frontdoor.door.FrontDoor.admitSlot}), failing with an exception carrying
         C{.error} (a L{ClientError}); L{None} admits nothing.
     @ivar budget: the L{BodyBudget}.
     @ivar draining: a no-argument callable, true while relay drains (issue
