@@ -39,8 +39,8 @@ class Probe(Resource):
     def render_POST(self, request):
         body = request.content.read()
         self.seen.append({"args": dict(request.args), "body": body,
-                          "key": request.relayClientKey,
-                          "lease": request.relayKeyLease})
+                          "key": request.admission and request.admission.key,
+                          "lease": request.admission and request.admission.slot})
         return b"{}"
 
 

@@ -49,6 +49,7 @@ from twisted.web.server import version as _SERVER
 from relay.entry import intake as _intake
 from relay.entry.logthrottle import suppressedNote, throttleOf
 from relay.entry.sinks import errorBody, writeError
+from relay.frontdoor.record import Admission, Slot
 from relay.frontdoor.parse import NOT_JSON_MESSAGE, RequestRefused, readJSON
 from relay.model import CancelSignal, ClientError
 from relay.requestid import requestIdOf
@@ -366,23 +367,6 @@ _BLANK = object()
 """What L{LimitedBodyRequest.relayJSON} read from an empty body."""
 
 
-class _Once:
-    """
-    A slot lease released at most once.
-    """
-
-    def __init__(self, lease):
-        self._lease = lease
-
-    def release(self) -> None:
-        lease, self._lease = self._lease, None
-        if lease is not None:
-            lease.release()
-
-    def __getattr__(self, name):
-        return getattr(self._lease, name)
-
-
 class _Headers(Headers):
     """
     twisted.web's L{Headers} with a shorter path for the calls a turn makes
@@ -462,9 +446,10 @@ class LimitedBodyRequest(Request):
     @ivar bodyLimit: the limit in force for this request, bytes.
     @ivar contentEncoding: the decoded C{Content-Encoding} value, or L{None}.
     @ivar relayRoute: the route class (L{relay.entry.intake}), or L{None}.
-    @ivar relayClientKey: the client key authenticated from the headers.
-    @ivar relayKeyLease: the key's slot admitted before decoding, until a
-        resource takes it (L{takeKeyLease}).
+    @ivar admission: the L{relay.frontdoor.record.Admission} of a client
+        route's request: its key, authenticated from the headers, and the
+        key's slot admitted before decoding, until a resource hands it to
+        a turn (L{relay.frontdoor.record.Admission.handOver}); else L{None}.
     @ivar relaySSEStarted: keepalives were written while the key's slot
         was awaited (L{_waitKeepalive}): 200 and the SSE headers are sent.
     @ivar relayQuietSince: when the last of them was written (site clock
@@ -476,9 +461,7 @@ class LimitedBodyRequest(Request):
     bodyLimit = DEFAULT_MAX_BODY_BYTES
     contentEncoding = None
     relayRoute = None
-    relayClientKey = None
-    relayKeyLease = None
-    relayKeyAdmitted = False
+    admission = None
     relayBodyBlank = False
     relaySSEStarted = False
     relayQuietSince = None
@@ -615,7 +598,8 @@ class LimitedBodyRequest(Request):
                 self._answerNow(error)
                 return
             self._intake = policy
-            self.relayClientKey = key
+            if key is not None:
+                self.admission = Admission(key=key)
             self.bodyLimit = policy.bodyLimit(route, self.bodyLimit)
             if route == I.ROUTE_OPEN or method not in I.BODY_METHODS:
                 self._discard = True
@@ -746,10 +730,11 @@ class LimitedBodyRequest(Request):
 
         @return: whether the bytes are held.
         """
-        key = self.relayClientKey
+        admission = self.admission
         limits = self._limits()
-        if key is None or limits is None:
+        if admission is None or limits is None:
             return True
+        key = admission.key
         error = self._intake.budget.reserve(
             key.name, n, limits.body_bytes_in_flight_per_key, limits.body_bytes_in_flight
         )
@@ -762,8 +747,8 @@ class LimitedBodyRequest(Request):
         return False
 
     def _releaseBudget(self) -> None:
-        if self._charged and self._intake is not None and self.relayClientKey is not None:
-            self._intake.budget.release(self.relayClientKey.name, self._charged)
+        if self._charged and self._intake is not None and self.admission is not None:
+            self._intake.budget.release(self.admission.key.name, self._charged)
         self._charged = 0
 
     # -- the minimum body rate (issue 19 item 4) ------------------------------
@@ -883,7 +868,7 @@ class LimitedBodyRequest(Request):
             self._heldReceived = (command, path, version)
             return
         admit = self._intake.admitKey if self._intake is not None else None
-        if self._intake is not None and self.relayClientKey is not None and self._intake.draining():
+        if self._intake is not None and self.admission is not None and self._intake.draining():
             # Issue 14: relay drains; the drain gate answers 503. No slot is
             # taken and the body is neither decoded nor parsed.
             self._encoding = None
@@ -892,7 +877,7 @@ class LimitedBodyRequest(Request):
             self._decodeAndProcess(command, path, version)
             return
         if (
-            admit is not None and self.relayClientKey is not None and not self._discard
+            admit is not None and self.admission is not None and not self._discard
             and self._bodyError is None and self._received
         ):
             self._cancel = CancelSignal()
@@ -901,7 +886,7 @@ class LimitedBodyRequest(Request):
                 self._line = (command, path, version)
                 keepalive = self._waitKeepalive
             d = self._admitting = admit(
-                self.relayClientKey, self._cancel, requestIdOf(self), keepalive=keepalive
+                self.admission.key, self._cancel, requestIdOf(self), keepalive=keepalive
             )
             d.addCallbacks(
                 self._admitted, self._notAdmitted,
@@ -952,8 +937,8 @@ class LimitedBodyRequest(Request):
             if lease is not None:
                 lease.release()
             return
-        self.relayKeyAdmitted = True
-        self.relayKeyLease = _Once(lease) if lease is not None else None
+        self.admission = Admission(key=self.admission.key, admitted=True,
+                                   slot=Slot(lease) if lease is not None else None)
         self._decodeAndProcess(command, path, version)
 
     def _notAdmitted(self, failure, command, path, version) -> None:
@@ -973,7 +958,7 @@ class LimitedBodyRequest(Request):
         if self._encoding is not None and self._bodyError is None and self.content is not None:
             self._decode()
         if self._bodyError is None and self.content is not None and not self._discard:
-            if self.relayClientKey is not None and self._limits() is not None:
+            if self.admission is not None and self._limits() is not None:
                 self._chargeParsed()
         self._requestReceived(command, path, version)
 
@@ -1041,7 +1026,7 @@ class LimitedBodyRequest(Request):
         estimate = parsedEstimate(data)
         del data
         charged, self._charged = self._charged, 0
-        key = self.relayClientKey
+        key = self.admission.key
         limits = self._limits()
         budget = self._intake.budget
         budget.release(key.name, charged)
@@ -1074,14 +1059,6 @@ class LimitedBodyRequest(Request):
         )
 
     # -- for resources (relay.entry.intake) ---------------------------------------
-
-    def takeKeyLease(self):
-        """
-        Take the key's admitted slot (to hand it to a turn, which releases
-        it); L{None} when there is none or it was taken.
-        """
-        lease, self.relayKeyLease = self.relayKeyLease, None
-        return lease
 
     def relayJSON(self, allowEmpty: bool = False):
         """
@@ -1285,9 +1262,8 @@ class LimitedBodyRequest(Request):
         self._stopRate()
         self._endKeysWait()
         self._releaseBudget()
-        lease = self.takeKeyLease()
-        if lease is not None:
-            lease.release()
+        if self.admission is not None and self.admission.slot is not None:
+            self.admission.slot.release()  # no turn took it
         if self._admitting is not None and self._cancel is not None:
             self._cancel.cancel("client_gone")
 

@@ -254,14 +254,14 @@ class KeyRing:
         Find the key in C{Authorization: Bearer} or C{x-api-key}
         (protocol.md 1; L{relay.entry.intake.bearerOrKey}): one digest, one
         lookup. A request the site's intake already authenticated
-        (C{request.relayClientKey}) is answered from that, so a request is
+        (C{request.admission}) is answered from that, so a request is
         authenticated once, by one parser (issue 19).
 
         @return: the L{ClientKey}, or L{None}.
         """
-        known = getattr(request, "relayClientKey", None)
-        if known is not None:
-            return self.current(known)
+        admission = getattr(request, "admission", None)
+        if admission is not None:
+            return self.current(admission.key)
         from relay.entry.intake import bearerOrKey
 
         return self.authenticateSecret(bearerOrKey(request))
@@ -325,9 +325,9 @@ def handOverKeyLease(request, turn: Turn) -> None:
     the key again, and releases it when the turn ends). Every resource
     that starts a turn from a request with a body calls this.
     """
-    if getattr(request, "relayKeyAdmitted", False):
-        turn.keyAdmitted = True
-        turn.keyLease = request.takeKeyLease()
+    admission = getattr(request, "admission", None)
+    if admission is not None:
+        admission.handOver(turn)
 
 
 class TurnResource(Resource):

@@ -38,11 +38,11 @@ only).
 B{For resources} (every route of every engineer): a request that reached
 C{render} on a client route carries
 
-  - C{request.relayClientKey}: the authenticated L{relay.model.ClientKey};
-  - C{request.relayKeyLease}: the key's admitted slot (or L{None} when the
-    key is unlimited or the request had no body); a resource that starts a
-    turn hands it to the L{relay.model.Turn} (C{keyLease}, with
-    C{keyAdmitted=True}) and the engine releases it; otherwise it is
+  - C{request.admission}: its L{relay.frontdoor.record.Admission}: the
+    authenticated L{relay.model.ClientKey} and the key's admitted slot (none
+    when the key is unlimited or the request had no body); a resource that
+    starts a turn hands the slot over (C{Admission.handOver}: C{keyLease},
+    with C{keyAdmitted=True}) and the engine releases it; otherwise it is
     released when the request finishes;
   - C{request.relayJSON()}: the decoded body parsed as JSON
     (L{relay.frontdoor.parse.readJSON}: deep nesting and bad surrogates are

@@ -26,7 +26,7 @@ from twisted.internet.defer import Deferred, succeed
 from relay.engine.cancel import ClientGone
 from relay.frontdoor.keychecks import KeyChecks, Refused
 from relay.frontdoor.parse import RequestRefused, readJSON
-from relay.frontdoor.record import Admission
+from relay.frontdoor.record import Admission, Slot
 from relay.logs import ClassLogger
 from relay.model import CancelSignal, Turn
 
@@ -162,7 +162,8 @@ class FrontDoor:
 
         def admitted(lease):
             conn.admitting = None
-            admission = Admission(key=conn.key, lease=lease, hold=hold)
+            admission = Admission(key=conn.key, admitted=True,
+                                  slot=Slot(lease) if lease is not None else None, hold=hold)
             if conn.gone():
                 admission.giveBack()
                 return
@@ -198,8 +199,7 @@ class FrontDoor:
             return
         turn, sink = made
         if admission is not None:
-            # R103: the key's slot was admitted before the frame was parsed
-            turn.keyAdmitted, turn.keyLease = True, admission.lease
+            admission.handOver(turn)  # R103: admitted before the frame was parsed
         d = self.enter(turn, sink)
         if admission is not None:
             d.addBoth(lambda result: (admission.hold.release(), result)[1])
