@@ -49,6 +49,7 @@ from twisted.web.server import version as _SERVER
 from relay.entry import intake as _intake
 from relay.entry.logthrottle import suppressedNote, throttleOf
 from relay.entry.sinks import errorBody, writeError
+from relay.frontdoor.budgets import parsedEstimate, parsedOver
 from relay.frontdoor.record import Admission, Slot
 from relay.frontdoor.parse import NOT_JSON_MESSAGE, RequestRefused, readJSON
 from relay.model import CancelSignal, ClientError
@@ -327,25 +328,6 @@ headers for the key ring at start (L{LimitedBodyRequest._holdForKeys})."""
 
 RATIO_FLOOR_BYTES = 2**20
 """A compressed body may always decode to this much, whatever its ratio."""
-
-
-def parsedEstimate(data: bytes) -> int:
-    """
-    An upper estimate of the memory a JSON body takes once parsed (issue
-    19 item 2): its bytes, plus per object, array, string and separator
-    what CPython's parser allocates for one (a dict 64 B, a list 56 B, a
-    string ~56 B, an element pointer or a float ~32 B). Measured worst
-    shapes parse to 24x their size (C{[{},{},...]}); the estimate stays
-    above the measured size for every shape, and costs four C{bytes.count}
-    passes (~60 ms for 64 MiB).
-
-    @param data: the decoded body.
-    @return: bytes.
-    """
-    return (
-        len(data) + 64 * data.count(b"{") + 56 * data.count(b"[")
-        + 28 * data.count(b'"') + 32 * data.count(b",")
-    )
 
 
 def reasonPhrase(status: int) -> bytes:
@@ -1030,19 +1012,19 @@ class LimitedBodyRequest(Request):
         limits = self._limits()
         budget = self._intake.budget
         budget.release(key.name, charged)
-        for scope, limit in (("key", limits.body_bytes_in_flight_per_key),
-                             ("total", limits.body_bytes_in_flight)):
-            if limit and estimate > limit:
-                name = ("gateway.limits.body_bytes_in_flight_per_key" if scope == "key"
-                        else "gateway.limits.body_bytes_in_flight")
-                self._bodyFailed(ClientError(
-                    413, "invalid_request_error",
-                    f"Request payload is too large: it would take about {estimate} bytes once"
-                    f" parsed, over {name} ({limit} bytes).",
-                    code="request_too_large",
-                ))
-                self._logRefusedBody()
-                return
+        over = parsedOver(estimate, limits)
+        if over is not None:
+            scope, limit = over
+            name = ("gateway.limits.body_bytes_in_flight_per_key" if scope == "key"
+                    else "gateway.limits.body_bytes_in_flight")
+            self._bodyFailed(ClientError(
+                413, "invalid_request_error",
+                f"Request payload is too large: it would take about {estimate} bytes once"
+                f" parsed, over {name} ({limit} bytes).",
+                code="request_too_large",
+            ))
+            self._logRefusedBody()
+            return
         error = budget.reserve(key.name, estimate, limits.body_bytes_in_flight_per_key,
                                limits.body_bytes_in_flight)
         if error is not None:

@@ -65,6 +65,7 @@ from typing import Callable, Optional
 from attrs import define, field
 from twisted.logger import Logger
 
+from relay.frontdoor.budgets import BodyBudget, tooManyBytes  # noqa: F401 - re-exported
 from relay.frontdoor.parse import RequestRefused  # noqa: F401 - re-exported
 from relay.model import ClientError
 
@@ -237,26 +238,6 @@ def sameSecret(given: Optional[bytes], expected: Optional[str]) -> bool:
     return hmac.compare_digest(given, expected.encode("utf-8"))
 
 
-def tooManyBytes(scope: str, limit: int) -> ClientError:
-    """
-    The 429 for bodies in flight over a bound.
-
-    @param scope: C{key} or C{total}.
-    @param limit: the bound, bytes.
-    """
-    name = (
-        "gateway.limits.body_bytes_in_flight_per_key" if scope == "key"
-        else "gateway.limits.body_bytes_in_flight"
-    )
-    who = "this API key's requests" if scope == "key" else "all requests"
-    return ClientError(
-        429, "rate_limit_error",
-        f"Too many request bytes in flight for {who} (the limit is {limit} bytes, {name});"
-        " please retry later.",
-        code="body_bytes_in_flight_exceeded", headers=(("Retry-After", "1"),),
-    )
-
-
 UNAUTHORIZED = ClientError(
     401,
     "invalid_request_error",
@@ -281,52 +262,6 @@ TOO_MANY_CONNECTIONS = ClientError(
 C{max_connections_per_address} (L{relay.entry.site.RelaySite}), or a
 request other than C{/healthz} / C{/readyz} on one of the over-cap
 allowance (L{relay.entry.site.OVER_CAP_ALLOWANCE})."""
-
-
-@define(eq=False)
-class BodyBudget:
-    """
-    Bytes of request bodies (and WebSocket frames) held now, per client
-    key and in total (issue 19 item 2).
-
-    @ivar perKey: key name -> bytes held.
-    @ivar total: bytes held by every key.
-    """
-
-    perKey: dict = field(factory=dict)
-    total: int = 0
-
-    def reserve(self, keyName: str, n: int, perKeyLimit: int, totalLimit: int):
-        """
-        Hold C{n} more bytes for C{keyName}.
-
-        @param perKeyLimit: the per-key bound (0 = none).
-        @param totalLimit: the process bound (0 = none).
-        @return: L{None} when held, else the L{ClientError} (nothing held).
-        """
-        if n <= 0:
-            return None
-        held = self.perKey.get(keyName, 0)
-        if perKeyLimit and held + n > perKeyLimit:
-            return tooManyBytes("key", perKeyLimit)
-        if totalLimit and self.total + n > totalLimit:
-            return tooManyBytes("total", totalLimit)
-        self.perKey[keyName] = held + n
-        self.total += n
-        return None
-
-    def release(self, keyName: str, n: int) -> None:
-        """
-        Give back C{n} bytes of C{keyName}.
-        """
-        if n <= 0:
-            return
-        held = self.perKey.get(keyName, 0) - n
-        if held > 0:
-            self.perKey[keyName] = held
-        else:
-            self.perKey.pop(keyName, None)
-        self.total = max(0, self.total - n)
 
 
 @define(eq=False)

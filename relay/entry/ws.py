@@ -33,6 +33,7 @@ from relay.entry.annotate import annotateTurn
 from relay.entry.http import UNAUTHORIZED, filterClientHeaders
 from relay.entry.sinks import errorBody, writeError
 from relay.entry.wssink import WebSocketSink, wsErrorEvent
+from relay.frontdoor.budgets import parsedEstimate, parsedOver
 from relay.frontdoor.door import FrontDoor
 from relay.frontdoor.parse import FieldRefused, turnFields
 from relay.model import ClientError, Turn
@@ -678,20 +679,17 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
 
         @return: the hold (C{release()}), or L{None} when refused.
         """
-        from relay.entry.body import parsedEstimate
-
         f = self.factory
         estimate = parsedEstimate(payload)
         budget, limits = getattr(f, "budget", None), f.settings.current.limits
         if budget is not None:
             error = None
-            for limit in (limits.body_bytes_in_flight_per_key, limits.body_bytes_in_flight):
-                if limit and estimate > limit:
-                    error = ClientError(
-                        400, "invalid_request_error",
-                        "frame too large once parsed (gateway.limits.body_bytes_in_flight)",
-                        code="frame_too_large",
-                    )
+            if parsedOver(estimate, limits) is not None:
+                error = ClientError(
+                    400, "invalid_request_error",
+                    "frame too large once parsed (gateway.limits.body_bytes_in_flight)",
+                    code="frame_too_large",
+                )
             if error is None:
                 error = budget.reserve(
                     self._key.name, estimate, limits.body_bytes_in_flight_per_key,
