@@ -244,3 +244,26 @@ class KeyChecksTests(SynchronousTestCase):
         self.assertEqual((outcome, sink.failed.status, rig.dialer.ids()), (["failed"], 403, []))
         [record] = rig.records()
         self.assertEqual(record.status, 403)
+
+
+class GateTests(SynchronousTestCase):
+    """
+    R105 at the door: a turn waits for the stores before its key is
+    checked; a streaming one gets keepalives meanwhile (R85).
+    """
+
+    def test_streamingTurnKeptAliveAtTheGate(self):
+        from relay.operations.readiness import StartupGate
+        from tests.test_runner import OK_STREAM, Rig, account, sse
+
+        rig = Rig([account("a")], stream_keepalive_interval=1)
+        rig.script("a", sse(*OK_STREAM))
+        gate = StartupGate()
+        rig.runner.startupGate = gate
+        _, sink, outcome = rig.run()
+        for _ in range(3):
+            rig.clock.advance(1)
+        self.assertEqual((sink.keepalives, outcome, rig.dialer.ids()), (3, [], []))
+        gate.mark(gate.settings)()
+        gate.mark(gate.tokens)()
+        self.assertEqual((outcome, rig.dialer.ids()), (["completed"], ["a"]))

@@ -24,6 +24,7 @@ from __future__ import annotations
 from twisted.internet.defer import Deferred, succeed
 
 from relay.engine.cancel import ClientGone
+from relay.engine.keepalive import StreamKeepalive
 from relay.frontdoor.keychecks import KeyChecks, Refused
 from relay.frontdoor.parse import RequestRefused, readJSON
 from relay.frontdoor.record import Admission, Slot
@@ -82,6 +83,7 @@ class FrontDoor:
         return d
 
     async def _enter(self, turn: Turn, sink) -> str:
+        keepalive = self._keepalive(turn, sink)
         try:
             await self.checks.check(turn)
         except Refused as e:
@@ -90,7 +92,27 @@ class FrontDoor:
             return await self.runner.refuse(turn, sink, None)
         except Exception as e:  # noqa: BLE001 - the engine logs it and answers 502
             return await self.runner.refuse(turn, sink, e)
+        finally:
+            if keepalive is not None:
+                keepalive.stop()
         return await self.runner.run(turn, sink)
+
+    def _keepalive(self, turn: Turn, sink):
+        """
+        R85: a streaming turn that waits at the door (the start-up gate, a
+        budget or window store) gets keepalives at the engine's pace
+        (C{stream_keepalive_interval}) until it goes on; L{None} for a
+        turn that does not stream.
+        """
+        settings = getattr(self.runner, "settings", None)
+        if not turn.stream or settings is None:
+            return None
+        keepalive = StreamKeepalive(
+            clock=self.runner.clock, send=sink.keepalive,
+            interval=settings.current.stream_keepalive_interval, requestId=turn.requestId,
+        )
+        keepalive.start(since=getattr(sink, "quietSince", None))
+        return keepalive
 
     def refusal(self, turn: Turn):
         """
