@@ -14,10 +14,7 @@ runs the turn. It holds no failover, cooldown or admission policy
 
 from __future__ import annotations
 
-import hmac
-from typing import Optional
 
-from attrs import evolve
 from twisted.logger import Logger
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
@@ -25,6 +22,7 @@ from twisted.web.server import NOT_DONE_YET
 from relay.entry.annotate import annotateTurn
 from relay.entry.body import DEFAULT_MAX_BODY_BYTES, tooLarge
 from relay.entry.intake import UNAUTHORIZED, RequestRefused  # noqa: F401 - UNAUTHORIZED re-exported
+from relay.frontdoor.keyring import KeyRing  # noqa: F401 - re-exported
 from relay.frontdoor.jsonbody import NESTING_MESSAGE, loadJSON  # noqa: F401 - re-exported
 from relay.frontdoor.parse import (  # noqa: F401 - badRequest, invalidType re-exported
     FieldRefused,
@@ -34,14 +32,13 @@ from relay.frontdoor.parse import (  # noqa: F401 - badRequest, invalidType re-e
     turnFields,
 )
 from relay.entry.sinks import JSONSink, SSESink, writeError
-from relay.model import ClientError, ClientKey, Turn
+from relay.model import ClientError, Turn
 from relay.requestid import (  # noqa: F401 - newRequestId re-exported
     clientRequestIdOf,
     newRequestId,
     requestIdOf,
 )
 from relay.scheduling.session import sessionHash, sessionSeed
-from relay.tenants.keydigest import keyDigest
 from relay.translate.chatrequest import ChatRequestError, checkChatRequest
 
 MAX_BODY_BYTES = DEFAULT_MAX_BODY_BYTES
@@ -125,177 +122,6 @@ _CLIENT_NAMES_MAX = 1024
 is emptied when full)."""
 
 _UNKNOWN = object()
-
-
-class KeyRing:
-    """
-    Client API keys (config.md C{keys:}, and issue 22's keys issued through
-    the admin API). One ring serves every entrypoint; a live reload swaps
-    the file's keys (L{replace}, issue 14), the control plane the admin
-    keys and the disables (L{replaceAdmin}).
-
-    Keys are indexed by the SHA-256 digest of their secret
-    (L{relay.tenants.keydigest}): authenticating hashes the presented
-    secret once and looks it up (one lookup per request, whatever the
-    number of keys), then confirms the match with
-    L{hmac.compare_digest}. An admin key is known only by its digest.
-
-    @ivar pending: L{True} while the control plane has not read its store
-        yet (a Redis store at start): the admin keys and disables are not
-        known, so the key policy refuses turns for that moment
-        (L{relay.tenants.policy.KeyPolicy.keyRefusal}).
-    """
-
-    def __init__(self, keys):
-        """
-        @param keys: an iterable of L{ClientKey} (the file's).
-        """
-        self._file = _digested(keys)
-        self._admin = ()
-        self._disabled = frozenset()
-        self._listeners = []
-        self.pending = False
-        self._rebuild()
-
-    @property
-    def keys(self) -> tuple:
-        """
-        @return: the keys in force: the file's in configuration order, then
-            the admin keys; a key disabled through the admin API has
-            C{disabled} set.
-        @rtype: L{tuple} of L{ClientKey}
-        """
-        return self._keys
-
-    @property
-    def fileKeys(self) -> tuple:
-        """
-        @return: the file's keys as the file has them.
-        """
-        return self._file
-
-    @property
-    def adminNames(self) -> frozenset:
-        """
-        @return: the names of the keys issued through the admin API.
-        """
-        return frozenset(k.name for k in self._admin)
-
-    def byName(self, name: str) -> Optional[ClientKey]:
-        """
-        @return: the key in force named C{name}, or L{None}.
-        """
-        return self._names.get(name)
-
-    def replace(self, keys) -> None:
-        """
-        Put the file's C{keys} in force at once (a live reload): the next
-        request or WebSocket turn authenticates against them; turns already
-        running keep the key they started with.
-
-        @param keys: an iterable of L{ClientKey}.
-        """
-        self._file = _digested(keys)
-        self._rebuild()
-
-    def replaceAdmin(self, keys, disabled) -> None:
-        """
-        Put the control plane's keys and disables in force at once (issue
-        22): a deleted key's next request is a 401 and an open socket's
-        next turn a close 1008 (L{current} no longer finds it).
-
-        @param keys: the admin keys, L{ClientKey}s with a C{digest}.
-        @param disabled: the names of the keys (file or admin) disabled
-            through the admin API.
-        """
-        admin, disabled = tuple(k for k in keys if k.digest), frozenset(disabled)
-        if admin == self._admin and disabled == self._disabled:
-            return
-        self._admin, self._disabled = admin, disabled
-        self._rebuild()
-
-    def subscribe(self, listener) -> None:
-        """
-        Be called (no arguments) after every change of the keys in force.
-        """
-        self._listeners.append(listener)
-
-    def _rebuild(self) -> None:
-        admin = {k.name for k in self._admin}
-        keys = [k for k in self._file if k.name not in admin] + list(self._admin)
-        keys = [evolve(k, disabled=True) if k.name in self._disabled and not k.disabled else k
-                for k in keys]
-        self._keys = tuple(keys)
-        self._index = {k.digest: k for k in keys}
-        self._names = {k.name: k for k in keys}
-        for listener in list(self._listeners):
-            listener()
-
-    def _lookup(self, secret) -> Optional[ClientKey]:
-        digest = keyDigest(secret)
-        found = self._index.get(digest)
-        if found is not None and hmac.compare_digest(found.digest, digest):
-            return found
-        return None
-
-    def current(self, key: ClientKey) -> Optional[ClientKey]:
-        """
-        The key in force with C{key}'s secret: C{key} itself, its
-        reloaded or edited version (e.g. a new C{concurrency}, disabled),
-        or L{None} when the key was deleted, removed or rotated (a
-        WebSocket opened with it takes no new turn, issue 14 and 22).
-
-        @param key: a L{ClientKey} authenticated earlier.
-        """
-        return self._index.get(key.digest if key.digest else keyDigest(key.key))
-
-    def authenticate(self, request) -> Optional[ClientKey]:
-        """
-        Find the key in C{Authorization: Bearer} or C{x-api-key}
-        (protocol.md 1; L{relay.entry.intake.bearerOrKey}): one digest, one
-        lookup. A request the site's intake already authenticated
-        (C{request.admission}) is answered from that, so a request is
-        authenticated once, by one parser (issue 19).
-
-        @return: the L{ClientKey}, or L{None}.
-        """
-        admission = getattr(request, "admission", None)
-        if admission is not None:
-            return self.current(admission.key)
-        from relay.entry.intake import bearerOrKey
-
-        return self.authenticateSecret(bearerOrKey(request))
-
-    def authenticateSecret(self, secret: Optional[bytes]) -> Optional[ClientKey]:
-        """
-        The key whose value is C{secret}, compared in constant time.
-
-        @param secret: the presented secret, or L{None}.
-        @return: the L{ClientKey}, or L{None}.
-        """
-        if not secret:
-            return None
-        return self._lookup(secret)
-
-    def authenticateHeader(self, value: Optional[str]) -> Optional[ClientKey]:
-        """
-        Authenticate a raw bearer secret (WebSocket handshake headers).
-        """
-        if not value:
-            return None
-        secret = value[7:].strip() if value[:7].lower() == "bearer " else value.strip()
-        if not secret:
-            return None
-        return self._lookup(secret)
-
-
-def _digested(keys) -> tuple:
-    """
-    @return: C{keys} each with its C{digest} (a file key's is computed
-        from its secret once, here).
-    """
-    return tuple(k if k.digest else evolve(k, digest=keyDigest(k.key)) for k in keys)
-
 
 
 def requestJSON(request):

@@ -66,6 +66,11 @@ from attrs import define, field
 from twisted.logger import Logger
 
 from relay.frontdoor.budgets import BodyBudget, tooManyBytes  # noqa: F401 - re-exported
+from relay.frontdoor.keyring import (  # noqa: F401 - bearerOrKey, UNAUTHORIZED re-exported
+    UNAUTHORIZED,
+    authenticateClient,
+    bearerOrKey,
+)
 from relay.frontdoor.parse import RequestRefused  # noqa: F401 - re-exported
 from relay.model import ClientError
 
@@ -212,23 +217,6 @@ def routeClass(path: bytes, method: bytes) -> str:
     return ROUTE_OPEN
 
 
-def bearerOrKey(request) -> Optional[bytes]:
-    """
-    The secret a request presents: C{Authorization: Bearer <secret>}, else
-    C{x-api-key} (protocol.md 1). Another scheme (C{Basic ...}) is not a
-    secret, and does not hide an C{x-api-key}.
-
-    @return: the secret bytes, or L{None}.
-    """
-    auth = request.requestHeaders.getRawHeaders(b"authorization", [None])[0]
-    if auth and auth[:7].lower() == b"bearer ":
-        secret = auth[7:].strip()
-        if secret:
-            return secret
-    key = request.requestHeaders.getRawHeaders(b"x-api-key", [None])[0]
-    return key.strip() if key and key.strip() else None
-
-
 def sameSecret(given: Optional[bytes], expected: Optional[str]) -> bool:
     """
     Constant-time comparison of a presented secret with a configured one.
@@ -237,15 +225,6 @@ def sameSecret(given: Optional[bytes], expected: Optional[str]) -> bool:
         return False
     return hmac.compare_digest(given, expected.encode("utf-8"))
 
-
-UNAUTHORIZED = ClientError(
-    401,
-    "invalid_request_error",
-    "Incorrect API key provided. Use Authorization: Bearer <relay key> or x-api-key.",
-    code="invalid_api_key",
-)
-"""A client route without a valid key (protocol.md 1); re-exported by
-L{relay.entry.http}."""
 
 UNAUTHORIZED_ADMIN = ClientError(
     401, "authentication_error", "Missing or invalid admin key", code="invalid_admin_key",
@@ -320,13 +299,7 @@ class IntakePolicy:
             return None, None
         secret = bearerOrKey(request)
         if route == ROUTE_CLIENT:
-            key = self.keys.authenticateSecret(secret) if secret else None
-            if key is None:
-                return None, UNAUTHORIZED
-            refusal = self.keyRefusal(key) if self.keyRefusal is not None else None
-            if refusal is not None:
-                return None, refusal
-            return key, None
+            return authenticateClient(self.keys, secret, self.keyRefusal)
         admin = self.adminKey()
         metrics = self.metricsKey() if route == ROUTE_METRICS else None
         if admin is None and metrics is None:
