@@ -22,6 +22,7 @@ L{relay.frontdoor.record.Admission}.
 from __future__ import annotations
 
 from twisted.internet.defer import Deferred, succeed
+from twisted.python.failure import Failure
 
 from relay.engine.cancel import ClientGone
 from relay.engine.keepalive import StreamKeepalive
@@ -66,14 +67,18 @@ class FrontDoor:
         @return: the engine's Deferred (the turn's outcome string).
         """
         checks = self.checks
-        if not checks.pending(turn):
+        stores = checks.stores()
+        if not checks.pending(turn, stores):
             # the common case: nothing to wait for, no coroutine
             try:
                 checks.checkNow(turn)
             except Refused as e:
                 return self.runner.refuse(turn, sink, e.error)
             return self.runner.run(turn, sink)
-        d = Deferred.fromCoroutine(self._enter(turn, sink))
+        d = Deferred.fromCoroutine(checks.check(turn, stores))
+        # a streaming turn that waits here is kept alive meanwhile (R85)
+        keepalive = None if d.called else self._keepalive(turn, sink)
+        d.addBoth(self._checked, turn, sink, keepalive)
         if not d.called:
             # a turn waiting at the door is a turn in the making: a
             # graceful stop waits for it and cancels it (R2)
@@ -82,20 +87,22 @@ class FrontDoor:
             d.addBoth(lambda result: (inflight.pop(turn, None), result)[1])
         return d
 
-    async def _enter(self, turn: Turn, sink) -> str:
-        keepalive = self._keepalive(turn, sink)
-        try:
-            await self.checks.check(turn)
-        except Refused as e:
-            return await self.runner.refuse(turn, sink, e.error)
-        except ClientGone:
-            return await self.runner.refuse(turn, sink, None)
-        except Exception as e:  # noqa: BLE001 - the engine logs it and answers 502
-            return await self.runner.refuse(turn, sink, e)
-        finally:
-            if keepalive is not None:
-                keepalive.stop()
-        return await self.runner.run(turn, sink)
+    def _checked(self, result, turn: Turn, sink, keepalive) -> Deferred:
+        """
+        The checks of L{enter} are done: run the turn, or end it refused
+        (L{Refused}), gone (L{ClientGone}) or failed (any other exception:
+        the engine logs it and answers 502).
+        """
+        if keepalive is not None:
+            keepalive.stop()
+        if not isinstance(result, Failure):
+            return self.runner.run(turn, sink)
+        reason = result.value
+        if isinstance(reason, Refused):
+            return self.runner.refuse(turn, sink, reason.error)
+        if isinstance(reason, ClientGone):
+            return self.runner.refuse(turn, sink, None)
+        return self.runner.refuse(turn, sink, reason)
 
     def _keepalive(self, turn: Turn, sink):
         """

@@ -56,13 +56,21 @@ class KeyChecks:
     def _part(self, name: str):
         return getattr(self.parts, name, None)
 
-    def pending(self, turn: Turn) -> bool:
+    def stores(self) -> Optional[Deferred]:
         """
-        Whether L{check} has to wait for anything (the start-up gate, a
-        budget, the key's windows); when not, L{checkNow} is all of it.
+        R105: the start-up gate's wait (L{None} once the stores are
+        loaded), for L{pending} and L{check}.
         """
         gate = self._part("startupGate")
-        if gate is not None and gate.wait() is not None:
+        return gate.wait() if gate is not None else None
+
+    def pending(self, turn: Turn, stores: Optional[Deferred]) -> bool:
+        """
+        Whether L{check} has to wait for anything (C{stores}, the gate's
+        wait from L{stores}; a budget; the key's windows); when not,
+        L{checkNow} is all of it.
+        """
+        if stores is not None:
             return True
         key = turn.client
         usage = self._part("usage")
@@ -95,7 +103,7 @@ class KeyChecks:
         )
         raise Refused(error)
 
-    async def check(self, turn: Turn) -> None:
+    async def check(self, turn: Turn, stores: Optional[Deferred] = None) -> None:
         """
         Every check, in order: wait for the stores (R105: the key policy
         reads the control plane's keys and disables), the key policy, the
@@ -103,13 +111,12 @@ class KeyChecks:
         C{Turn.budgetHold}, and the engine releases what the turn's usage
         did not settle), the key's windows.
 
+        @param stores: the start-up gate's wait (L{stores}), or L{None}.
         @raise Refused: a refusal (a reservation taken is given back).
         @raise ClientGone: the client left while a check waited.
         """
-        gate = self._part("startupGate")
-        pending = gate.wait() if gate is not None else None
-        if pending is not None:
-            await self._waitForStores(turn, pending)
+        if stores is not None:
+            await self._waitForStores(turn, stores)
         self.checkNow(turn)
         usage = self._part("usage")
         if usage is not None and usage.hasBudget(turn.client.name):
