@@ -65,6 +65,7 @@ KEY_REVOKED_CLOSE = (1008, "api key is no longer valid")
 """Issue 14: the connection's key was removed or rotated by a reload; the
 connection takes no new turn (a reconnect with the new key works)."""
 
+
 class _FrameHold:
     """
     The parsed-size estimate of one admitted frame, held in the bytes in
