@@ -277,19 +277,23 @@ class TurnRunner:
             d.addBoth(self._forget, turn)
         return d
 
-    def refuse(self, turn: Turn, sink, error: Optional[ClientError]) -> Deferred:
+    def refuse(self, turn: Turn, sink, reason) -> Deferred:
         """
-        End a turn the front door refused (C{error}, written to C{sink}) or
-        whose client left while it was checked (C{error} L{None}; a wait
-        relay cancelled itself answers C{turn.cancel.tell}): recorded as a
-        turn that ended before its first attempt (trace, request log,
-        C{relay.turn_finished}, metrics; R102, R2), its key slot and
-        budget hold given back.
+        End a turn the front door did not let through, recorded as a turn
+        that ended before its first attempt (trace, request log,
+        C{relay.turn_finished}, metrics; R102, R2), its key slot and budget
+        hold given back.
 
+        @param reason: the refusal's L{ClientError} (written to C{sink});
+            L{None} when the client left while the turn was checked (a wait
+            relay cancelled itself answers C{turn.cancel.tell}); or the
+            exception a check failed with (logged, answered 502).
         @return: a Deferred firing with the outcome, as L{run}'s.
         """
-        reason = ClientGone(turn.cancel.reason or "client_gone") if error is None else (
-            _AdmissionFailed(error))
+        if reason is None:
+            reason = ClientGone(turn.cancel.reason or "client_gone")
+        elif isinstance(reason, ClientError):
+            reason = _AdmissionFailed(reason)
         return Deferred.fromCoroutine(self._run(turn, sink, reason))
 
     def keySlot(self, turn: Turn, keepalive=None) -> Deferred:
