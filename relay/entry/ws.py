@@ -1086,14 +1086,12 @@ class RelayWebSocketResource:
         if key is None:
             writeError(request, UNAUTHORIZED)
             return NOT_DONE_YET
-        policy = getattr(self.factory.runner, "keyPolicy", None)
-        if policy is not None:
-            # Issue 22: a disabled or expired key is refused before the
-            # upgrade (an open socket's next turn is refused by the engine).
-            error = policy.keyRefusal(key, self.factory.reactor.seconds())
-            if error is not None:
-                writeError(request, error)
-                return NOT_DONE_YET
+        # R102: a disabled or expired key is refused before the upgrade (an
+        # open socket's next turn is refused at the front door).
+        error = self.factory.door.checks.keyRefusal(key)
+        if error is not None:
+            writeError(request, error)
+            return NOT_DONE_YET
         default = self._settings.current.websocket.mode_default
         if all((a.ws_mode or default) == "off" for a in _reachable(self.factory, key)):
             writeError(

@@ -129,6 +129,19 @@ class KeyChecks:
                 # x-ratelimit-* headers (KeyPolicy.admitRate)
                 raise Refused(error)
 
+    def keyRefusal(self, key) -> Optional[ClientError]:
+        """
+        The refusals that need only the key (R102 with R103: disabled,
+        expired), given before a body is read or a WebSocket upgraded.
+
+        @param key: the authenticated L{relay.model.ClientKey}.
+        @return: the L{ClientError}, or L{None}.
+        """
+        policy = self._part("keyPolicy")
+        if policy is None:
+            return None
+        return policy.keyRefusal(key, self.parts.clock.seconds())
+
     def refusal(self, turn: Turn) -> Optional[ClientError]:
         """
         The key policy's answer for a C{response.create} relay answers
