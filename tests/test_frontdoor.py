@@ -20,6 +20,7 @@ from relay.entry.ws import RelayWebSocketProtocol
 from relay.frontdoor import door as D
 from relay.frontdoor.door import FrontDoor
 from relay.frontdoor.parse import FieldRefused, RequestRefused, readJSON, turnFields
+from relay.frontdoor.record import Admission
 from relay.model import ClientError, ClientKey, GatewaySettings, Turn
 from relay.settings import RuntimeSettings
 
@@ -75,7 +76,7 @@ class _Request:
 def _protocol(runner):
     proto = RelayWebSocketProtocol()
     proto.factory = _Factory(runner)
-    proto.relayKey = KEY
+    proto.admission = Admission(key=KEY)
     proto.onConnect(_Request())
     proto.sent = []
     proto.state = proto.STATE_OPEN

@@ -36,6 +36,7 @@ from relay.entry.wssink import WebSocketSink, wsErrorEvent
 from relay.frontdoor.budgets import parsedEstimate, parsedOver
 from relay.frontdoor.door import FrontDoor
 from relay.frontdoor.parse import FieldRefused, turnFields
+from relay.frontdoor.record import Admission
 from relay.model import ClientError, Turn
 from relay.operations.drain import RESTART_CLOSE
 from relay.requestid import adoptClientId
@@ -241,7 +242,8 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             # Issue 19 item 7: the upgrade was authenticated once, by the
             # HTTP intake and L{RelayWebSocketResource}; its key is handed
             # over, never parsed again from the headers.
-            self._key = getattr(self, "relayKey", None)
+            admission = getattr(self, "admission", None)
+            self._key = admission.key if admission is not None else None
             if self._key is None:
                 from autobahn.websocket.types import ConnectionDeny
 
@@ -1103,25 +1105,26 @@ class RelayWebSocketResource:
             )
             return NOT_DONE_YET
         # Issue 19 item 7: the protocol takes this key (authenticated once).
-        self.factory.handoverKey = key
+        self.factory.handover = Admission(key=key)
         try:
             return self._ws.render(request)
         finally:
-            self.factory.handoverKey = None
+            self.factory.handover = None
 
 
 class _RelayWebSocketFactory(WebSocketServerFactory):
     """
     The client WebSocket factory: a protocol built for an upgrade takes
-    the key L{RelayWebSocketResource} authenticated (C{handoverKey}).
+    the admission of the key L{RelayWebSocketResource} authenticated
+    (C{handover}, a L{relay.frontdoor.record.Admission}).
     """
 
-    handoverKey = None
+    handover = None
     budget = None
 
     def buildProtocol(self, addr):
         proto = super().buildProtocol(addr)
-        proto.relayKey = self.handoverKey
+        proto.admission = self.handover
         return proto
 
 
