@@ -3,11 +3,13 @@
 The Responses WebSocket entrypoint (C{GET /v1/responses} with an upgrade;
 protocol.md 4, behaviour.md group F, style.md 9(a)).
 
-A transport adapter: it authenticates before the upgrade, parses client
-frames, keeps the connection's own record of its turns (inputs, output
-items, last response id) and its dedicated upstream for C{passthrough},
-turns each C{response.create} into a L{Turn} with a L{WebSocketSink}, and
-hands it to the turn runner. Selection, admission, waiting, failover and
+A transport adapter: it authenticates before the upgrade, keeps the
+connection's own record of its turns (inputs, output items, last response
+id) and its dedicated upstream for C{passthrough}, and hands every client
+frame to the front door (L{relay.frontdoor.door.FrontDoor.frame}), which
+parses it, has the connection make a C{response.create} a L{Turn} with a
+L{WebSocketSink} (L{RelayWebSocketProtocol.turnFor}), checks the key and
+hands the turn to the engine. Selection, admission, waiting, failover and
 cooldowns all happen in the engine.
 """
 
