@@ -120,6 +120,34 @@ class WebSocketPathTests(SynchronousTestCase):
         self.assertEqual(stack[-2].name, "enter")
         self.assertThroughTheDoor(_between(stack, "onMessage", "run"))
 
+    def test_theDoorAsksTheConnectionOnlyForItsTurn(self):
+        """
+        On its way to the engine, the door calls into the WebSocket module
+        only to have the connection make the frame a turn (C{turnFor}) and
+        to hand it the running turn (C{turnStarted}), after C{run}.
+        """
+        import sys
+
+        runner = _Runner()
+        proto = _protocol(runner)
+        calls = []
+        ws = os.path.join("relay", "entry", "ws.py")
+        door = os.path.join("relay", "frontdoor")
+
+        def profile(frame, event, arg):
+            if event == "call" and frame.f_code.co_filename.endswith(ws):
+                caller = frame.f_back
+                if caller is not None and door in caller.f_code.co_filename:
+                    calls.append(frame.f_code.co_name)
+
+        frame = {"type": "response.create", "model": "gpt-5.5", "input": "hi"}
+        sys.setprofile(profile)
+        try:
+            proto.onMessage(json.dumps(frame).encode(), False)
+        finally:
+            sys.setprofile(None)
+        self.assertEqual((calls, len(runner.turns)), (["turnFor", "turnStarted"], 1))
+
     def test_largeFrameAdmittedThenRun(self):
         """
         A frame over L{D.PARSE_FREELY_BYTES} takes the key's slot first
