@@ -296,3 +296,25 @@ class GateTests(SynchronousTestCase):
         gate.mark(gate.settings)()
         gate.mark(gate.tokens)()
         self.assertEqual((outcome, rig.dialer.ids()), (["completed"], ["a"]))
+
+    def test_durationCountsFromTheDoor(self):
+        """
+        A turn that waited at the door for the stores is recorded with
+        that wait in its duration, as when the engine waited for them.
+        """
+        from relay.operations.readiness import StartupGate
+        from tests.tenantsrig import RecordingSink, TenantsRig, account, key
+        from tests.test_runner import OK_STREAM, sse
+
+        client = key("bob")
+        rig = TenantsRig([account("a")], keys=[client])
+        rig.script("a", sse(*OK_STREAM))
+        gate = StartupGate()
+        rig.runner.startupGate = gate
+        outcome = []
+        rig.door.enter(rig.turn(client), RecordingSink()).addCallback(outcome.append)
+        rig.clock.advance(3)
+        gate.mark(gate.settings)()
+        gate.mark(gate.tokens)()
+        [record] = rig.records()
+        self.assertEqual((outcome, record.duration_ms >= 3000), (["completed"], True))

@@ -245,12 +245,16 @@ class TurnRunner:
 
     # -- public --------------------------------------------------------------
 
-    def run(self, turn: Turn, sink) -> Deferred:
+    def run(self, turn: Turn, sink, since: Optional[float] = None) -> Deferred:
         """
         Run C{turn}, writing to C{sink} (an L{relay.interfaces.ITurnSink}).
         The turn was admitted by the front door (L{relay.frontdoor}: the
         key's policy, budget and windows, R102, R105, R108); the engine
         does not check the key again.
+
+        @param since: when the turn reached the front door (clock seconds),
+            if it waited there: its duration and relay's added latency
+            count from then; L{None}: now.
 
         @return: a Deferred firing with the turn's outcome string:
             C{completed}, C{failed}, C{client_gone} or C{error}. It never
@@ -271,13 +275,13 @@ class TurnRunner:
                 # event lists no output (the ChatGPT backend).
                 turn.hostedCalls = {}
                 sink = HostedCallWatch(sink, turn.hostedCalls)
-        d = Deferred.fromCoroutine(self._run(turn, sink))
+        d = Deferred.fromCoroutine(self._run(turn, sink, None, since))
         if not d.called:
             self.inflight[turn] = d
             d.addBoth(self._forget, turn)
         return d
 
-    def refuse(self, turn: Turn, sink, reason) -> Deferred:
+    def refuse(self, turn: Turn, sink, reason, since: Optional[float] = None) -> Deferred:
         """
         End a turn the front door did not let through, recorded as a turn
         that ended before its first attempt (trace, request log,
@@ -288,13 +292,14 @@ class TurnRunner:
             L{None} when the client left while the turn was checked (a wait
             relay cancelled itself answers C{turn.cancel.tell}); or the
             exception a check failed with (logged, answered 502).
+        @param since: as L{run}'s.
         @return: a Deferred firing with the outcome, as L{run}'s.
         """
         if reason is None:
             reason = ClientGone(turn.cancel.reason or "client_gone")
         elif isinstance(reason, ClientError):
             reason = _AdmissionFailed(reason)
-        return Deferred.fromCoroutine(self._run(turn, sink, reason))
+        return Deferred.fromCoroutine(self._run(turn, sink, reason, since))
 
     def keySlot(self, turn: Turn, keepalive=None) -> Deferred:
         """
@@ -350,11 +355,12 @@ class TurnRunner:
 
     # -- the loop --------------------------------------------------------------
 
-    async def _run(self, turn: Turn, sink, refusal: Optional[Exception] = None) -> str:
+    async def _run(self, turn: Turn, sink, refusal: Optional[Exception] = None,
+                   since: Optional[float] = None) -> str:
         # Issue 15: every log line written while this coroutine runs (health,
         # scheduler, admission) carries the turn's id (relay.requestid).
         bindRequestId(turn.requestId)
-        start = self.clock.seconds()
+        start = self.clock.seconds() if since is None else since
         state = TurnState(startedAt=start)
         if self.observer is not None:
             state.trace = self.observer.turnStarted(turn)

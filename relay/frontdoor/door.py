@@ -75,10 +75,11 @@ class FrontDoor:
             except Refused as e:
                 return self.runner.refuse(turn, sink, e.error)
             return self.runner.run(turn, sink)
+        since = self.runner.clock.seconds()
         d = Deferred.fromCoroutine(checks.check(turn, stores))
         # a streaming turn that waits here is kept alive meanwhile (R85)
         keepalive = None if d.called else self._keepalive(turn, sink)
-        d.addBoth(self._checked, turn, sink, keepalive)
+        d.addBoth(self._checked, turn, sink, keepalive, since)
         if not d.called:
             # a turn waiting at the door is a turn in the making: a
             # graceful stop waits for it and cancels it (R2)
@@ -87,22 +88,23 @@ class FrontDoor:
             d.addBoth(lambda result: (inflight.pop(turn, None), result)[1])
         return d
 
-    def _checked(self, result, turn: Turn, sink, keepalive) -> Deferred:
+    def _checked(self, result, turn: Turn, sink, keepalive, since: float) -> Deferred:
         """
         The checks of L{enter} are done: run the turn, or end it refused
         (L{Refused}), gone (L{ClientGone}) or failed (any other exception:
-        the engine logs it and answers 502).
+        the engine logs it and answers 502). Its duration counts from
+        C{since}, when it reached the door.
         """
         if keepalive is not None:
             keepalive.stop()
         if not isinstance(result, Failure):
-            return self.runner.run(turn, sink)
+            return self.runner.run(turn, sink, since)
         reason = result.value
         if isinstance(reason, Refused):
-            return self.runner.refuse(turn, sink, reason.error)
-        if isinstance(reason, ClientGone):
-            return self.runner.refuse(turn, sink, None)
-        return self.runner.refuse(turn, sink, reason)
+            reason = reason.error
+        elif isinstance(reason, ClientGone):
+            reason = None
+        return self.runner.refuse(turn, sink, reason, since)
 
     def _keepalive(self, turn: Turn, sink):
         """
