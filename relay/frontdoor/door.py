@@ -16,7 +16,11 @@ connection, then L{enter}.
 
 A request whose body is not decoded yet takes its key's slot through
 L{FrontDoor.admitSlot} (R26, R103); the slot travels in an
-L{relay.frontdoor.record.Admission}.
+L{relay.frontdoor.record.Admission}. A turn that reaches the engine
+without one (a small WebSocket frame, parsed freely) waits for its slot in
+the engine's own wait (the same wait plan, inside the turn's coroutine: no
+extra Deferred per turn). A money budget's refusal of what the I{chosen}
+account serves (R109) needs that account, so it stays in the engine.
 """
 
 from __future__ import annotations
