@@ -80,7 +80,7 @@ class TenantsRig(Rig):
     def go(self, turn, sink=None):
         sink = sink or RecordingSink()
         outcome = []
-        self.runner.run(turn, sink).addCallback(outcome.append)
+        self.door.enter(turn, sink).addCallback(outcome.append)
         return sink, outcome
 
     def records(self) -> list:

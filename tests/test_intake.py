@@ -39,8 +39,8 @@ class Probe(Resource):
     def render_POST(self, request):
         body = request.content.read()
         self.seen.append({"args": dict(request.args), "body": body,
-                          "key": request.relayClientKey,
-                          "lease": request.relayKeyLease})
+                          "key": request.admission and request.admission.key,
+                          "lease": request.admission and request.admission.slot})
         return b"{}"
 
 
@@ -888,7 +888,7 @@ class KeepaliveWhileQueuedTests(SynchronousTestCase):
 
         responses = app.site.resource.root.children[b"v1"].children[b"responses"]
         turns = getattr(responses, "_turns", responses)  # issue 20: the turn resource inside
-        self.patch(turns, "_runner", type("R", (), {"run": staticmethod(run)})())
+        self.patch(turns, "_door", type("D", (), {"enter": staticmethod(run)})())
         held[0].release()
         app.reactor.advance(1)
         [(stream, sinkType, sent, quiet)] = seen
@@ -1145,7 +1145,7 @@ class SubRoutesTakeTheLeaseTests(SynchronousTestCase):
             sink.fail(B.tooLarge(1))
 
         responses = app.site.resource.root.children[b"v1"].children[b"responses"]
-        self.patch(responses, "_runner", type("R", (), {"run": staticmethod(run)})())
+        self.patch(responses, "_door", type("D", (), {"enter": staticmethod(run)})())
         body = b'{"model":"m","input":"hi"}'
         for path in (b"/v1/responses/compact", b"/v1/responses/input_tokens"):
             conn = Conn(app.site, clock=app.reactor).send(

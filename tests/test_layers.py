@@ -33,6 +33,7 @@ LAYERS = (
     ("relay.configuration", "the YAML file, start-up checks, components"),
     ("relay.scheduling", "account selection, sticky sessions, owners"),
     ("relay.engine", "the one turn engine"),
+    ("relay.frontdoor", "everything before a turn: key, slot, body, policy, budget"),
     ("relay.entry", "HTTP and WebSocket entrypoints"),
     ("relay.console", "what operators read: the page, metrics, reports"),
     ("relay.control", "what operators change live"),

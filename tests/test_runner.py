@@ -21,6 +21,7 @@ from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
 from relay.admission.memory import MemorySlotAdmission
+from relay.frontdoor.door import FrontDoor
 from relay.policy.bookkeeping import AccountBookkeeping
 from relay.policy.classify import DefaultClassifier
 from relay.engine.pump import STAGING_CAP
@@ -287,6 +288,7 @@ class Rig:
             dialer=self.dialer, classifier=DefaultClassifier(), settings=self.settings,
             bookkeeping=AccountBookkeeping(health=self.health, clock=self.clock),
         )
+        self.door = FrontDoor(self.runner)  # the key's checks, then the engine
 
     def script(self, accountId, *actions):
         self.dialer.scripts[accountId] = list(actions)
@@ -298,7 +300,7 @@ class Rig:
                     requestId="req")
         sink = FakeSink()
         outcome = []
-        self.runner.run(turn, sink).addCallback(outcome.append)
+        self.door.enter(turn, sink).addCallback(outcome.append)
         return turn, sink, outcome
 
     def load(self, *ids):

@@ -497,7 +497,7 @@ class IntakeLeaseTests(SynchronousTestCase):
         turn.keyAdmitted, turn.keyLease = True, held[0]
         sink = FakeSink()
         outcome = []
-        rig.runner.run(turn, sink).addCallback(outcome.append)
+        rig.door.enter(turn, sink).addCallback(outcome.append)
         self.assertEqual(outcome, ["failed"])
         again = []
         rig.admission.tryAcquire("user", "t", 1).addCallback(again.append)

@@ -683,7 +683,7 @@ class RunnerUsageTests(SynchronousTestCase):
     def run_(self, turn, sink=None):
         sink = sink or RawSink()
         outcome = []
-        self.rig.runner.run(turn, sink).addCallback(outcome.append)
+        self.rig.door.enter(turn, sink).addCallback(outcome.append)
         self.successResultOf(self.ledger.flush())
         return sink, outcome
 

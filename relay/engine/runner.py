@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Optional
 
 from attrs import define, field
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 
 from relay.engine import decide as D
@@ -46,10 +46,6 @@ from relay.scheduling.selection import NoAccountAvailable
 from relay.tenants.record import Attempt
 from relay.usage.reader import HostedCallWatch
 
-STARTUP_WAIT_SECONDS = 10.0
-"""R105: how long a turn that arrives before the stores are loaded waits for
-them; after that it goes on, and selection skips an account whose tokens
-are still loading (C{tokens_loading})."""
 
 
 def _leaveIfGone(turn: Turn, lease) -> None:
@@ -97,11 +93,12 @@ class TurnRunner:
         or L{None}.
     @ivar observer: the L{ITurnObserver} (traces), or L{None}: then nothing
         is built per turn.
-    @ivar startupGate: R105: the L{IStartupGate} a turn waits on (at most
-        L{STARTUP_WAIT_SECONDS}) until the stores are loaded; L{None}: no
-        wait.
-    @ivar keyPolicy: the L{IKeyPolicy} checked before every turn (R102),
-        or L{None}.
+    @ivar startupGate: R105: the L{IStartupGate} a turn waits on at the
+        front door (L{relay.frontdoor.keychecks}) until the stores are
+        loaded; L{None}: no wait.
+    @ivar keyPolicy: the L{IKeyPolicy}: the price of what the chosen
+        account serves (R109); the front door checks the key with it before
+        the turn (R102); or L{None}.
     @ivar prices: the L{IPriceTable} pricing each turn's usage (R109), or
         L{None} (costs not counted).
     @ivar requestLog: the L{IRequestLog} that gets each turn's
@@ -169,9 +166,16 @@ class TurnRunner:
 
     # -- public --------------------------------------------------------------
 
-    def run(self, turn: Turn, sink) -> Deferred:
+    def run(self, turn: Turn, sink, since: Optional[float] = None) -> Deferred:
         """
         Run C{turn}, writing to C{sink} (an L{relay.interfaces.ITurnSink}).
+        The turn was admitted by the front door (L{relay.frontdoor}: the
+        key's policy, budget and windows, R102, R105, R108); the engine
+        does not check the key again.
+
+        @param since: when the turn reached the front door (clock seconds),
+            if it waited there: its duration and relay's added latency
+            count from then; L{None}: now.
 
         @return: a Deferred firing with the turn's outcome string:
             C{completed}, C{failed}, C{client_gone} or C{error}. It never
@@ -192,11 +196,76 @@ class TurnRunner:
                 # event lists no output (the ChatGPT backend).
                 turn.hostedCalls = {}
                 sink = HostedCallWatch(sink, turn.hostedCalls)
-        d = Deferred.fromCoroutine(self._run(turn, sink))
+        d = Deferred.fromCoroutine(self._run(turn, sink, None, since))
         if not d.called:
             self.inflight[turn] = d
             d.addBoth(self._forget, turn)
         return d
+
+    def refuse(self, turn: Turn, sink, reason, since: Optional[float] = None) -> Deferred:
+        """
+        End a turn the front door did not let through, recorded as a turn
+        that ended before its first attempt (trace, request log,
+        C{relay.turn_finished}, metrics; R102, R2), its key slot and budget
+        hold given back.
+
+        @param reason: the refusal's L{ClientError} (written to C{sink});
+            L{None} when the client left while the turn was checked (a wait
+            relay cancelled itself answers C{turn.cancel.tell}); or the
+            exception a check failed with (logged, answered 502).
+        @param since: as L{run}'s.
+        @return: a Deferred firing with the outcome, as L{run}'s.
+        """
+        if reason is None:
+            reason = ClientGone(turn.cancel.reason or "client_gone")
+        elif isinstance(reason, ClientError):
+            reason = _AdmissionFailed(reason)
+        return Deferred.fromCoroutine(self._run(turn, sink, reason, since))
+
+    def keySlot(self, turn: Turn, keepalive=None) -> Deferred:
+        """
+        Wait for C{turn.client}'s slot (R26) before the turn's body is
+        decoded (R103; the front door's L{relay.frontdoor.door.FrontDoor.admitSlot}):
+        the same wait plan, logs and answers as a turn's own per-key
+        admission, and keepalives (R85, R31) for a request that streams:
+        C{keepalive} is called whenever the wait was silent for
+        C{stream_keepalive_interval} seconds (at least every
+        C{scheduling.ping_interval}).
+
+        @param turn: a L{Turn} standing for the request (its key, cancel
+            signal, request id and entrypoint).
+        @param keepalive: a no-argument callable writing one keepalive, or
+            L{None}.
+        @return: a Deferred firing with the lease, or failing with an
+            exception whose C{error} is the R32 L{ClientError} (or with
+            L{ClientGone}).
+        """
+        return Deferred.fromCoroutine(self._keySlot(turn, keepalive))
+
+    async def _keySlot(self, turn: Turn, keepalive=None):
+        """
+        See L{keySlot}. A wait relay cancelled itself (the end of a
+        graceful stop's grace) fails with the error relay owes the client
+        (C{cancel.tell}: 503 C{server_restarting}, C{Retry-After}).
+        """
+        state = None
+        if keepalive is not None:
+            state = TurnState(startedAt=self.clock.seconds())
+            state.keepalive = StreamKeepalive(
+                clock=self.clock, send=keepalive,
+                interval=self.settings.current.stream_keepalive_interval,
+                requestId=turn.requestId,
+            )
+            state.keepalive.start()
+        try:
+            return await self._admitUser(turn, None, state)
+        except ClientGone:
+            if turn.cancel.tell is not None:
+                raise _AdmissionFailed(turn.cancel.tell) from None
+            raise
+        finally:
+            if state is not None:
+                state.keepalive.stop()
 
     def _forget(self, result, turn: Turn):
         """
@@ -207,11 +276,12 @@ class TurnRunner:
 
     # -- the loop --------------------------------------------------------------
 
-    async def _run(self, turn: Turn, sink) -> str:
+    async def _run(self, turn: Turn, sink, refusal: Optional[Exception] = None,
+                   since: Optional[float] = None) -> str:
         # Issue 15: every log line written while this coroutine runs (health,
         # scheduler, admission) carries the turn's id (relay.base.requestid).
         bindRequestId(turn.requestId)
-        start = self.clock.seconds()
+        start = self.clock.seconds() if since is None else since
         state = TurnState(startedAt=start)
         if self.observer is not None:
             state.trace = self.observer.turnStarted(turn)
@@ -223,23 +293,15 @@ class TurnRunner:
         self.budget.active += 1
         try:
             if turn.keyAdmitted:
-                # Issue 19 (R103): the entry admitted the key's slot before
-                # the body was decoded (L{admitKey}); the turn owns it now,
+                # R103: the front door admitted the key's slot before the
+                # body was decoded (L{keySlot}); the turn owns it now,
                 # so every way out below gives it back.
                 userLease, turn.keyLease = turn.keyLease, None
+            if refusal is not None:
+                # the front door refused the turn (relay.frontdoor): it
+                # ends here, recorded like every turn
+                raise refusal
             state.keepalive = W.startKeepalive(self, turn, sink)
-            # R105: the stores first (the key policy reads the control
-            # plane's keys and disables, selection its pauses).
-            # Issue 24: no coroutine for what is ready (the common case).
-            gate = self.startupGate
-            pending = gate.wait() if gate is not None else None
-            if pending is not None:
-                await self._waitForStores(turn, pending)
-            self._checkKeyPolicy(turn, self.clock.seconds())
-            if self.usage is not None and self.usage.hasBudget(turn.client.name):
-                await self._reserveBudget(turn)
-            if self.keyPolicy is not None and (turn.client.rpm or turn.client.tpm):
-                await self._checkKeyRate(turn)
             if not turn.keyAdmitted:
                 userLease = await self._admitUser(turn, sink, state)
             outcome, status, accountId = await self._loop(turn, sink, state)
@@ -287,48 +349,6 @@ class TurnRunner:
         R.finished(self, turn, state, outcome, status, accountId or state.lastAccountId, start)
         return outcome
 
-    def _checkKeyPolicy(self, turn: Turn, now: float) -> None:
-        """
-        Issue 22 (behaviour.md R102): the key's policy before the turn takes
-        a slot: disabled, expired, model allow/deny list, a money budget on
-        an unpriced model (L{relay.tenants.keypolicy.KeyPolicy.refusal}); and
-        the accounts the key may reach, for selection.
-
-        @raise _AdmissionFailed: with the policy's L{ClientError}.
-        """
-        policy = self.keyPolicy
-        if policy is None:
-            return
-        key = turn.client
-        turn.allowedAccounts = policy.allowedAccounts(key)
-        error = policy.refusal(key, turn.model, now)
-        if error is None:
-            return
-        self._log.info(
-            "key {key_name} refused: {message}",
-            event="relay.key_policy_refused",
-            key_name=key.name,
-            code=error.code,
-            message=error.message,
-            request_id=turn.requestId,
-        )
-        raise _AdmissionFailed(error)
-
-    async def _checkKeyRate(self, turn: Turn) -> None:
-        """
-        Issue 22: the key's C{rpm}/C{tpm} windows count the turn, or refuse
-        it with a 429 that carries C{Retry-After} and the
-        C{x-ratelimit-*} headers (L{relay.tenants.keypolicy.KeyPolicy.admitRate}).
-
-        @raise _AdmissionFailed: with that L{ClientError}.
-        """
-        key = turn.client
-        if self.keyPolicy is None or not (key.rpm or key.tpm):
-            return
-        error = await self.keyPolicy.admitRate(turn)
-        if error is not None:
-            raise _AdmissionFailed(error)
-
     def _priceRefusal(self, turn: Turn, account) -> Optional[ClientError]:
         """
         R109: a key with a money budget is refused (C{model_not_priced})
@@ -349,171 +369,6 @@ class TurnRunner:
                 request_id=turn.requestId, account_id=account.id,
             )
         return error
-
-    def refusal(self, turn: Turn) -> Optional[ClientError]:
-        """
-        Issue 22: the key policy's answer for a C{response.create} relay
-        answers without a generation (an C{http_bridge} prewarm), so it is
-        refused exactly like a turn would be (behaviour.md R102).
-
-        @return: the L{ClientError}, or L{None}.
-        """
-        if self.keyPolicy is None:
-            return None
-        now = self.clock.seconds()
-        return self.keyPolicy.refusal(turn.client, turn.model, now) or (
-            self.usage.overBudget(turn.client.name, now) if self.usage is not None else None
-        )
-
-    async def _waitForStores(self, turn: Turn, pending: Deferred) -> None:
-        """
-        R105: no turn on an account before its tokens, the settings and the
-        control plane's first read (pauses, admin keys and disables) are
-        loaded: the one start-up gate (L{relay.process.readiness.StartupGate}).
-        A turn that arrives first waits (cancellable, at most
-        L{STARTUP_WAIT_SECONDS}; a store whose read failed sets its flag,
-        R35/R101, so a silent store ends the wait); then selection's
-        C{tokens_loading} block skips what is still not loaded.
-
-        @param pending: the gate's L{Deferred} (C{StartupGate.wait}), not
-            yet fired.
-        """
-        self._log.info(
-            "turn {request_id} waits for the stores to load", event="relay.turn_waits_for_stores",
-            request_id=turn.requestId,
-        )
-        pending.addTimeout(STARTUP_WAIT_SECONDS, self.clock)
-        try:
-            await raceCancel(pending, turn.cancel)
-        except ClientGone:
-            raise
-        except Exception:  # noqa: BLE001 - timed out: go on, loading accounts are skipped
-            self._log.warn(
-                "stores not loaded after {seconds} s; turn {request_id} goes on",
-                event="relay.stores_not_loaded", seconds=STARTUP_WAIT_SECONDS,
-                request_id=turn.requestId,
-            )
-
-    async def _reserveBudget(self, turn: Turn) -> None:
-        """
-        R102, R108: a key with a token or money budget
-        reserves the turn's estimate (L{_budgetEstimate}) before the turn
-        takes a slot or reaches an account; a key whose budget minus spend
-        minus its other turns' reservations is not above zero gets a 429.
-        The hold is put on the turn (C{Turn.budgetHold}): its usage settles
-        it (L{recordUsage}), the turn's end releases what was not settled.
-
-        @raise _AdmissionFailed: with the budget's L{ClientError}.
-        """
-        if turn.request is not None and not turn.request.billed:
-            return
-        tokens, nanos = await self._budgetEstimate(turn)
-        error, hold = await self.usage.reserve(turn.client.name, tokens, nanos)
-        if error is None:
-            turn.budgetHold = hold
-            if turn.cancel.cancelled:
-                raise ClientGone(turn.cancel.reason or "client_gone")
-            return
-        self._log.warn(
-            "key {key_name} is over its budget",
-            event="relay.token_budget_exceeded",
-            key_name=turn.client.name,
-            message=error.message,
-            request_id=turn.requestId,
-        )
-        raise _AdmissionFailed(error)
-
-    async def _budgetEstimate(self, turn: Turn) -> tuple:
-        """
-        R108: what a turn may use before it runs: input from the body
-        (L{relay.usage.estimate.inputTokens}) plus, for a turn chained by
-        C{previous_response_id}, the chain's last known input + output;
-        output from the body's C{max_output_tokens} (chat:
-        C{max_completion_tokens}, C{max_tokens}), else the key's
-        C{max_turn_output_tokens}; the cost at the dearest price of the
-        accounts the key may reach (L{relay.tenants.keypolicy.KeyPolicy.estimate}).
-
-        @return: C{(tokens, nano-dollars)}.
-        """
-        from relay.usage.estimate import inputTokens, outputTokens
-
-        key = turn.client
-        previous = turn.previousResponseId or turn.body.get("previous_response_id")
-        chain = await self.usage.chainTokens(previous if isinstance(previous, str) else None)
-        given = inputTokens(turn.body) + chain
-        out = outputTokens(turn.body, key.max_turn_output_tokens)
-        nanos = 0
-        if self.keyPolicy is not None and (key.daily_usd is not None
-                                           or key.monthly_usd is not None):
-            nanos = self.keyPolicy.estimate(key, turn.model, turn.body, given, out)
-        return given + out, nanos
-
-    def admitKey(
-        self, key, cancel, requestId: str = "", entrypoint: str = "http", keepalive=None
-    ) -> Deferred:
-        """
-        Admit C{key}'s slot (R26) for a request whose body is not decoded
-        yet (behaviour.md R103, issue 19): the entry calls this once the
-        raw body is in and hands the lease to the turn (C{Turn.keyLease},
-        C{keyAdmitted=True}). The same wait plan, logs and answers as a
-        turn's own per-key admission, and the same keepalives (R85, R31)
-        for a request that streams: C{keepalive} is called whenever the
-        wait was silent for C{stream_keepalive_interval} seconds (at least
-        every C{scheduling.ping_interval}).
-
-        @param key: the authenticated L{relay.base.records.ClientKey}.
-        @param cancel: the request's L{relay.base.records.CancelSignal}.
-        @param requestId: for the wait's log lines.
-        @param entrypoint: C{http} or C{ws}.
-        @param keepalive: a no-argument callable writing one keepalive to
-            the client (an SSE comment, a ping frame), or L{None} for a
-            request that does not stream.
-        @return: a Deferred firing with the lease (L{None} for an unlimited
-            key), or failing with an exception whose C{error} is the R32
-            L{ClientError} (or with L{ClientGone}).
-        """
-        if key.concurrency <= 0:
-            # Issue 24: an unlimited key has no slot to admit (what
-            # _admitUser answers at once); no Turn, coroutine or keepalive.
-            return succeed(None)
-        intake = Turn(
-            entrypoint=entrypoint, endpoint="responses", client=key, model=None, body={},
-            stream=False, requestId=requestId, cancel=cancel,
-        )
-        d = Deferred.fromCoroutine(self._admitKey(intake, keepalive))
-        if not d.called:
-            # A request waiting for its key's slot is a turn in the making:
-            # a graceful stop waits for it and, when the grace runs out,
-            # cancels it like a running turn (issue 14), so no slot or
-            # wait ticket is taken after the drain gave them back.
-            self.inflight[intake] = d
-            d.addBoth(self._forget, intake)
-        return d
-
-    async def _admitKey(self, intake: Turn, keepalive=None):
-        """
-        See L{admitKey}. A wait relay cancelled itself (the end of a
-        graceful stop's grace) fails with the error relay owes the client
-        (C{cancel.tell}: 503 C{server_restarting}, C{Retry-After}).
-        """
-        state = None
-        if keepalive is not None:
-            state = TurnState(startedAt=self.clock.seconds())
-            state.keepalive = StreamKeepalive(
-                clock=self.clock, send=keepalive,
-                interval=self.settings.current.stream_keepalive_interval,
-                requestId=intake.requestId,
-            )
-            state.keepalive.start()
-        try:
-            return await self._admitUser(intake, None, state)
-        except ClientGone:
-            if intake.cancel.tell is not None:
-                raise _AdmissionFailed(intake.cancel.tell) from None
-            raise
-        finally:
-            if state is not None:
-                state.keepalive.stop()
 
     async def _admitUser(self, turn: Turn, sink, state: Optional[TurnState] = None):
         """

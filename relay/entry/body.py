@@ -49,7 +49,9 @@ from twisted.web.server import version as _SERVER
 from relay.entry import intake as _intake
 from relay.entry.logthrottle import suppressedNote, throttleOf
 from relay.entry.sinks import errorBody, writeError
-from relay.entry.jsonbody import loadJSON
+from relay.frontdoor.budgets import parsedEstimate, parsedOver
+from relay.frontdoor.record import Admission, Slot
+from relay.frontdoor.parse import NOT_JSON_MESSAGE, RequestRefused, readJSON
 from relay.base.records import CancelSignal, ClientError
 from relay.base.requestid import requestIdOf
 
@@ -328,25 +330,6 @@ RATIO_FLOOR_BYTES = 2**20
 """A compressed body may always decode to this much, whatever its ratio."""
 
 
-def parsedEstimate(data: bytes) -> int:
-    """
-    An upper estimate of the memory a JSON body takes once parsed (issue
-    19 item 2): its bytes, plus per object, array, string and separator
-    what CPython's parser allocates for one (a dict 64 B, a list 56 B, a
-    string ~56 B, an element pointer or a float ~32 B). Measured worst
-    shapes parse to 24x their size (C{[{},{},...]}); the estimate stays
-    above the measured size for every shape, and costs four C{bytes.count}
-    passes (~60 ms for 64 MiB).
-
-    @param data: the decoded body.
-    @return: bytes.
-    """
-    return (
-        len(data) + 64 * data.count(b"{") + 56 * data.count(b"[")
-        + 28 * data.count(b'"') + 32 * data.count(b",")
-    )
-
-
 def reasonPhrase(status: int) -> bytes:
     """
     The reason phrase relay writes for C{status} on an answer it writes to
@@ -364,23 +347,6 @@ def reasonPhrase(status: int) -> bytes:
 
 _BLANK = object()
 """What L{LimitedBodyRequest.relayJSON} read from an empty body."""
-
-
-class _Once:
-    """
-    A slot lease released at most once.
-    """
-
-    def __init__(self, lease):
-        self._lease = lease
-
-    def release(self) -> None:
-        lease, self._lease = self._lease, None
-        if lease is not None:
-            lease.release()
-
-    def __getattr__(self, name):
-        return getattr(self._lease, name)
 
 
 class _Headers(Headers):
@@ -462,9 +428,10 @@ class LimitedBodyRequest(Request):
     @ivar bodyLimit: the limit in force for this request, bytes.
     @ivar contentEncoding: the decoded C{Content-Encoding} value, or L{None}.
     @ivar relayRoute: the route class (L{relay.entry.intake}), or L{None}.
-    @ivar relayClientKey: the client key authenticated from the headers.
-    @ivar relayKeyLease: the key's slot admitted before decoding, until a
-        resource takes it (L{takeKeyLease}).
+    @ivar admission: the L{relay.frontdoor.record.Admission} of a client
+        route's request: its key, authenticated from the headers, and the
+        key's slot admitted before decoding, until a resource hands it to
+        a turn (L{relay.frontdoor.record.Admission.handOver}); else L{None}.
     @ivar relaySSEStarted: keepalives were written while the key's slot
         was awaited (L{_waitKeepalive}): 200 and the SSE headers are sent.
     @ivar relayQuietSince: when the last of them was written (site clock
@@ -476,9 +443,7 @@ class LimitedBodyRequest(Request):
     bodyLimit = DEFAULT_MAX_BODY_BYTES
     contentEncoding = None
     relayRoute = None
-    relayClientKey = None
-    relayKeyLease = None
-    relayKeyAdmitted = False
+    admission = None
     relayBodyBlank = False
     relaySSEStarted = False
     relayQuietSince = None
@@ -615,7 +580,8 @@ class LimitedBodyRequest(Request):
                 self._answerNow(error)
                 return
             self._intake = policy
-            self.relayClientKey = key
+            if key is not None:
+                self.admission = Admission(key=key)
             self.bodyLimit = policy.bodyLimit(route, self.bodyLimit)
             if route == I.ROUTE_OPEN or method not in I.BODY_METHODS:
                 self._discard = True
@@ -746,10 +712,11 @@ class LimitedBodyRequest(Request):
 
         @return: whether the bytes are held.
         """
-        key = self.relayClientKey
+        admission = self.admission
         limits = self._limits()
-        if key is None or limits is None:
+        if admission is None or limits is None:
             return True
+        key = admission.key
         error = self._intake.budget.reserve(
             key.name, n, limits.body_bytes_in_flight_per_key, limits.body_bytes_in_flight
         )
@@ -762,8 +729,8 @@ class LimitedBodyRequest(Request):
         return False
 
     def _releaseBudget(self) -> None:
-        if self._charged and self._intake is not None and self.relayClientKey is not None:
-            self._intake.budget.release(self.relayClientKey.name, self._charged)
+        if self._charged and self._intake is not None and self.admission is not None:
+            self._intake.budget.release(self.admission.key.name, self._charged)
         self._charged = 0
 
     # -- the minimum body rate (issue 19 item 4) ------------------------------
@@ -883,7 +850,7 @@ class LimitedBodyRequest(Request):
             self._heldReceived = (command, path, version)
             return
         admit = self._intake.admitKey if self._intake is not None else None
-        if self._intake is not None and self.relayClientKey is not None and self._intake.draining():
+        if self._intake is not None and self.admission is not None and self._intake.draining():
             # Issue 14: relay drains; the drain gate answers 503. No slot is
             # taken and the body is neither decoded nor parsed.
             self._encoding = None
@@ -892,7 +859,7 @@ class LimitedBodyRequest(Request):
             self._decodeAndProcess(command, path, version)
             return
         if (
-            admit is not None and self.relayClientKey is not None and not self._discard
+            admit is not None and self.admission is not None and not self._discard
             and self._bodyError is None and self._received
         ):
             self._cancel = CancelSignal()
@@ -901,7 +868,7 @@ class LimitedBodyRequest(Request):
                 self._line = (command, path, version)
                 keepalive = self._waitKeepalive
             d = self._admitting = admit(
-                self.relayClientKey, self._cancel, requestIdOf(self), keepalive=keepalive
+                self.admission.key, self._cancel, requestIdOf(self), keepalive=keepalive
             )
             d.addCallbacks(
                 self._admitted, self._notAdmitted,
@@ -913,7 +880,7 @@ class LimitedBodyRequest(Request):
     def _waitKeepalive(self) -> None:
         """
         The engine's keepalive while the request waits for its key's slot
-        (behaviour.md R85, R31; L{relay.engine.runner.TurnRunner.admitKey}):
+        (behaviour.md R85, R31; L{relay.frontdoor.door.FrontDoor.admitSlot}):
         for a turn whose raw body says C{"stream": true}
         (L{relay.entry.intake.bodyStreams}, read once, at the first tick;
         a C{Content-Encoding}-ed body is not decoded before the slot, so it
@@ -952,8 +919,8 @@ class LimitedBodyRequest(Request):
             if lease is not None:
                 lease.release()
             return
-        self.relayKeyAdmitted = True
-        self.relayKeyLease = _Once(lease) if lease is not None else None
+        self.admission = Admission(key=self.admission.key, admitted=True,
+                                   slot=Slot(lease) if lease is not None else None)
         self._decodeAndProcess(command, path, version)
 
     def _notAdmitted(self, failure, command, path, version) -> None:
@@ -973,7 +940,7 @@ class LimitedBodyRequest(Request):
         if self._encoding is not None and self._bodyError is None and self.content is not None:
             self._decode()
         if self._bodyError is None and self.content is not None and not self._discard:
-            if self.relayClientKey is not None and self._limits() is not None:
+            if self.admission is not None and self._limits() is not None:
                 self._chargeParsed()
         self._requestReceived(command, path, version)
 
@@ -1041,23 +1008,23 @@ class LimitedBodyRequest(Request):
         estimate = parsedEstimate(data)
         del data
         charged, self._charged = self._charged, 0
-        key = self.relayClientKey
+        key = self.admission.key
         limits = self._limits()
         budget = self._intake.budget
         budget.release(key.name, charged)
-        for scope, limit in (("key", limits.body_bytes_in_flight_per_key),
-                             ("total", limits.body_bytes_in_flight)):
-            if limit and estimate > limit:
-                name = ("gateway.limits.body_bytes_in_flight_per_key" if scope == "key"
-                        else "gateway.limits.body_bytes_in_flight")
-                self._bodyFailed(ClientError(
-                    413, "invalid_request_error",
-                    f"Request payload is too large: it would take about {estimate} bytes once"
-                    f" parsed, over {name} ({limit} bytes).",
-                    code="request_too_large",
-                ))
-                self._logRefusedBody()
-                return
+        over = parsedOver(estimate, limits)
+        if over is not None:
+            scope, limit = over
+            name = ("gateway.limits.body_bytes_in_flight_per_key" if scope == "key"
+                    else "gateway.limits.body_bytes_in_flight")
+            self._bodyFailed(ClientError(
+                413, "invalid_request_error",
+                f"Request payload is too large: it would take about {estimate} bytes once"
+                f" parsed, over {name} ({limit} bytes).",
+                code="request_too_large",
+            ))
+            self._logRefusedBody()
+            return
         error = budget.reserve(key.name, estimate, limits.body_bytes_in_flight_per_key,
                                limits.body_bytes_in_flight)
         if error is not None:
@@ -1075,24 +1042,16 @@ class LimitedBodyRequest(Request):
 
     # -- for resources (relay.entry.intake) ---------------------------------------
 
-    def takeKeyLease(self):
-        """
-        Take the key's admitted slot (to hand it to a turn, which releases
-        it); L{None} when there is none or it was taken.
-        """
-        lease, self.relayKeyLease = self.relayKeyLease, None
-        return lease
-
     def relayJSON(self, allowEmpty: bool = False):
         """
-        The decoded body parsed as JSON, once (L{relay.entry.jsonbody.loadJSON}).
+        The decoded body parsed as JSON, once (L{relay.frontdoor.parse.readJSON}).
         The one body reader of every resource behind the intake: client
         routes (turns, C{/v1/responses/*}) and admin routes (through
         L{relay.control.web.readJSONBody}).
 
         @param allowEmpty: an empty (or blank) body reads as C{{}} (routes
             whose body is optional) instead of a 400.
-        @raise relay.entry.intake.RequestRefused: a 400 for a body that is
+        @raise relay.frontdoor.parse.RequestRefused: a 400 for a body that is
             not JSON (or nests too deep).
         """
         if not self._parsed:
@@ -1102,21 +1061,17 @@ class LimitedBodyRequest(Request):
                 self._json, self.relayBodyBlank = _BLANK, True
             else:
                 try:
-                    self._json = loadJSON(raw)
-                except ValueError as e:
+                    self._json = readJSON(raw)  # the one reader (relay.frontdoor.parse)
+                except RequestRefused as e:
                     self._json = e
             del raw
         if self._json is _BLANK:
             if allowEmpty:
                 return {}
-            self._json = ValueError("blank body")
-        if isinstance(self._json, ValueError):
-            message = str(self._json)
-            if "nest" not in message:
-                message = "We could not parse the JSON body of your request."
-            from relay.entry.intake import RequestRefused
-
-            raise RequestRefused(ClientError(400, "invalid_request_error", message))
+            self._json = RequestRefused(ClientError(
+                400, "invalid_request_error", NOT_JSON_MESSAGE))
+        if isinstance(self._json, RequestRefused):
+            raise self._json
         return self._json
 
     def process(self) -> None:
@@ -1289,9 +1244,8 @@ class LimitedBodyRequest(Request):
         self._stopRate()
         self._endKeysWait()
         self._releaseBudget()
-        lease = self.takeKeyLease()
-        if lease is not None:
-            lease.release()
+        if self.admission is not None and self.admission.slot is not None:
+            self.admission.slot.release()  # no turn took it
         if self._admitting is not None and self._cancel is not None:
             self._cancel.cancel("client_gone")
 

@@ -7,16 +7,14 @@ C{/v1/responses/} are L{relay.entry.responsesapi}; C{GET /v1/models} is
 L{relay.entry.models} (issue 20).
 
 It authenticates, parses, builds a L{Turn} and a sink, and hands both to the
-turn runner. It holds no failover, cooldown or admission policy
+front door (L{relay.frontdoor.door.FrontDoor}), which checks the key and
+runs the turn. It holds no failover, cooldown or admission policy
 (architecture.md invariant 1).
 """
 
 from __future__ import annotations
 
-import hmac
-from typing import Optional
 
-from attrs import evolve
 from twisted.logger import Logger
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
@@ -24,16 +22,23 @@ from twisted.web.server import NOT_DONE_YET
 from relay.entry.annotate import annotateTurn
 from relay.entry.body import DEFAULT_MAX_BODY_BYTES, tooLarge
 from relay.entry.intake import UNAUTHORIZED, RequestRefused  # noqa: F401 - UNAUTHORIZED re-exported
-from relay.entry.jsonbody import NESTING_MESSAGE, loadJSON  # noqa: F401 - re-exported
+from relay.frontdoor.keyring import KeyRing  # noqa: F401 - re-exported
+from relay.frontdoor.jsonbody import NESTING_MESSAGE, loadJSON  # noqa: F401 - re-exported
+from relay.frontdoor.parse import (  # noqa: F401 - badRequest, invalidType re-exported
+    FieldRefused,
+    badRequest,
+    invalidType,
+    readJSON,
+    turnFields,
+)
 from relay.entry.sinks import JSONSink, SSESink, writeError
-from relay.base.records import ClientError, ClientKey, Turn
+from relay.base.records import ClientError, Turn
 from relay.base.requestid import (  # noqa: F401 - newRequestId re-exported
     clientRequestIdOf,
     newRequestId,
     requestIdOf,
 )
 from relay.scheduling.session import sessionHash, sessionSeed
-from relay.tenants.keydigest import keyDigest
 from relay.translate.chatrequest import ChatRequestError, checkChatRequest
 
 MAX_BODY_BYTES = DEFAULT_MAX_BODY_BYTES
@@ -119,213 +124,6 @@ is emptied when full)."""
 _UNKNOWN = object()
 
 
-class KeyRing:
-    """
-    Client API keys (config.md C{keys:}, and issue 22's keys issued through
-    the admin API). One ring serves every entrypoint; a live reload swaps
-    the file's keys (L{replace}, issue 14), the control plane the admin
-    keys and the disables (L{replaceAdmin}).
-
-    Keys are indexed by the SHA-256 digest of their secret
-    (L{relay.tenants.keydigest}): authenticating hashes the presented
-    secret once and looks it up (one lookup per request, whatever the
-    number of keys), then confirms the match with
-    L{hmac.compare_digest}. An admin key is known only by its digest.
-
-    @ivar pending: L{True} while the control plane has not read its store
-        yet (a Redis store at start): the admin keys and disables are not
-        known, so the key policy refuses turns for that moment
-        (L{relay.tenants.keypolicy.KeyPolicy.keyRefusal}).
-    """
-
-    def __init__(self, keys):
-        """
-        @param keys: an iterable of L{ClientKey} (the file's).
-        """
-        self._file = _digested(keys)
-        self._admin = ()
-        self._disabled = frozenset()
-        self._listeners = []
-        self.pending = False
-        self._rebuild()
-
-    @property
-    def keys(self) -> tuple:
-        """
-        @return: the keys in force: the file's in configuration order, then
-            the admin keys; a key disabled through the admin API has
-            C{disabled} set.
-        @rtype: L{tuple} of L{ClientKey}
-        """
-        return self._keys
-
-    @property
-    def fileKeys(self) -> tuple:
-        """
-        @return: the file's keys as the file has them.
-        """
-        return self._file
-
-    @property
-    def adminNames(self) -> frozenset:
-        """
-        @return: the names of the keys issued through the admin API.
-        """
-        return frozenset(k.name for k in self._admin)
-
-    def byName(self, name: str) -> Optional[ClientKey]:
-        """
-        @return: the key in force named C{name}, or L{None}.
-        """
-        return self._names.get(name)
-
-    def replace(self, keys) -> None:
-        """
-        Put the file's C{keys} in force at once (a live reload): the next
-        request or WebSocket turn authenticates against them; turns already
-        running keep the key they started with.
-
-        @param keys: an iterable of L{ClientKey}.
-        """
-        self._file = _digested(keys)
-        self._rebuild()
-
-    def replaceAdmin(self, keys, disabled) -> None:
-        """
-        Put the control plane's keys and disables in force at once (issue
-        22): a deleted key's next request is a 401 and an open socket's
-        next turn a close 1008 (L{current} no longer finds it).
-
-        @param keys: the admin keys, L{ClientKey}s with a C{digest}.
-        @param disabled: the names of the keys (file or admin) disabled
-            through the admin API.
-        """
-        admin, disabled = tuple(k for k in keys if k.digest), frozenset(disabled)
-        if admin == self._admin and disabled == self._disabled:
-            return
-        self._admin, self._disabled = admin, disabled
-        self._rebuild()
-
-    def subscribe(self, listener) -> None:
-        """
-        Be called (no arguments) after every change of the keys in force.
-        """
-        self._listeners.append(listener)
-
-    def _rebuild(self) -> None:
-        admin = {k.name for k in self._admin}
-        keys = [k for k in self._file if k.name not in admin] + list(self._admin)
-        keys = [evolve(k, disabled=True) if k.name in self._disabled and not k.disabled else k
-                for k in keys]
-        self._keys = tuple(keys)
-        self._index = {k.digest: k for k in keys}
-        self._names = {k.name: k for k in keys}
-        for listener in list(self._listeners):
-            listener()
-
-    def _lookup(self, secret) -> Optional[ClientKey]:
-        digest = keyDigest(secret)
-        found = self._index.get(digest)
-        if found is not None and hmac.compare_digest(found.digest, digest):
-            return found
-        return None
-
-    def current(self, key: ClientKey) -> Optional[ClientKey]:
-        """
-        The key in force with C{key}'s secret: C{key} itself, its
-        reloaded or edited version (e.g. a new C{concurrency}, disabled),
-        or L{None} when the key was deleted, removed or rotated (a
-        WebSocket opened with it takes no new turn, issue 14 and 22).
-
-        @param key: a L{ClientKey} authenticated earlier.
-        """
-        return self._index.get(key.digest if key.digest else keyDigest(key.key))
-
-    def authenticate(self, request) -> Optional[ClientKey]:
-        """
-        Find the key in C{Authorization: Bearer} or C{x-api-key}
-        (protocol.md 1; L{relay.entry.intake.bearerOrKey}): one digest, one
-        lookup. A request the site's intake already authenticated
-        (C{request.relayClientKey}) is answered from that, so a request is
-        authenticated once, by one parser (issue 19).
-
-        @return: the L{ClientKey}, or L{None}.
-        """
-        known = getattr(request, "relayClientKey", None)
-        if known is not None:
-            return self.current(known)
-        from relay.entry.intake import bearerOrKey
-
-        return self.authenticateSecret(bearerOrKey(request))
-
-    def authenticateSecret(self, secret: Optional[bytes]) -> Optional[ClientKey]:
-        """
-        The key whose value is C{secret}, compared in constant time.
-
-        @param secret: the presented secret, or L{None}.
-        @return: the L{ClientKey}, or L{None}.
-        """
-        if not secret:
-            return None
-        return self._lookup(secret)
-
-    def authenticateHeader(self, value: Optional[str]) -> Optional[ClientKey]:
-        """
-        Authenticate a raw bearer secret (WebSocket handshake headers).
-        """
-        if not value:
-            return None
-        secret = value[7:].strip() if value[:7].lower() == "bearer " else value.strip()
-        if not secret:
-            return None
-        return self._lookup(secret)
-
-
-def _digested(keys) -> tuple:
-    """
-    @return: C{keys} each with its C{digest} (a file key's is computed
-        from its secret once, here).
-    """
-    return tuple(k if k.digest else evolve(k, digest=keyDigest(k.key)) for k in keys)
-
-
-
-def badRequest(message: str, param=None, code=None) -> ClientError:
-    """
-    A 400 in OpenAI's format.
-    """
-    return ClientError(400, "invalid_request_error", message, param=param, code=code)
-
-
-_JSON_TYPES = (
-    (bool, "a boolean"),
-    (int, "an integer"),
-    (float, "a decimal"),
-    (str, "a string"),
-    (list, "an array"),
-    (dict, "an object"),
-)
-"""How OpenAI names a JSON value's type in its messages (C{bool} before
-C{int}: a boolean is an C{int} in Python)."""
-
-
-def invalidType(param: str, expected: str, value) -> ClientError:
-    """
-    OpenAI's 400 for a field of the wrong JSON type, e.g. C{Invalid type
-    for 'model': expected a string, but got an integer instead.}
-
-    @param param: the field's name (also the error's C{param}).
-    @param expected: the type it must have, as OpenAI words it (C{a string}).
-    @param value: the value the client sent.
-    @return: the L{ClientError}, code C{invalid_type}.
-    """
-    got = next((name for kind, name in _JSON_TYPES if isinstance(value, kind)), "null")
-    return badRequest(
-        f"Invalid type for '{param}': expected {expected}, but got {got} instead.",
-        param=param, code="invalid_type",
-    )
-
-
 def requestJSON(request):
     """
     The request's JSON body: through the intake's
@@ -343,12 +141,7 @@ def requestJSON(request):
     raw = request.content.read(limit + 1)
     if len(raw) > limit:
         raise RequestRefused(tooLarge(limit))
-    try:
-        return loadJSON(raw)
-    except ValueError as e:
-        message = str(e) if str(e) == NESTING_MESSAGE else (
-            "We could not parse the JSON body of your request.")
-        raise RequestRefused(badRequest(message)) from None
+    return readJSON(raw)
 
 
 def handOverKeyLease(request, turn: Turn) -> None:
@@ -358,9 +151,9 @@ def handOverKeyLease(request, turn: Turn) -> None:
     the key again, and releases it when the turn ends). Every resource
     that starts a turn from a request with a body calls this.
     """
-    if getattr(request, "relayKeyAdmitted", False):
-        turn.keyAdmitted = True
-        turn.keyLease = request.takeKeyLease()
+    admission = getattr(request, "admission", None)
+    if admission is not None:
+        admission.handOver(turn)
 
 
 class TurnResource(Resource):
@@ -375,15 +168,16 @@ class TurnResource(Resource):
     isLeaf = True
     _log = Logger()
 
-    def __init__(self, runner, keys: KeyRing, endpoint: str, websocket=None):
+    def __init__(self, door, keys: KeyRing, endpoint: str, websocket=None):
         """
-        @param runner: the L{relay.engine.runner.TurnRunner}.
+        @param door: the L{relay.frontdoor.door.FrontDoor} a turn is
+            handed to.
         @param keys: the L{KeyRing}.
         @param endpoint: C{responses} or C{chat}.
         @param websocket: the WebSocket resource for upgrades, or L{None}.
         """
         super().__init__()
-        self._runner = runner
+        self._door = door
         self._keys = keys
         self._endpoint = endpoint
         self._ws = websocket
@@ -431,28 +225,12 @@ class TurnResource(Resource):
         except RequestRefused as e:
             writeError(request, e.error)
             return NOT_DONE_YET
-        if not isinstance(body, dict):
-            writeError(request, badRequest("The request body must be a JSON object."))
+        try:
+            fields = turnFields(body, self._endpoint)  # the one check (relay.frontdoor.parse)
+        except FieldRefused as e:
+            writeError(request, e.error)
             return NOT_DONE_YET
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            writeError(request, invalidType("model", "a string", model))
-            return NOT_DONE_YET
-        if not model:
-            writeError(request, badRequest("you must provide a model parameter", param="model"))
-            return NOT_DONE_YET
-        streamFlag = body.get("stream", False)
-        if streamFlag is not None and not isinstance(streamFlag, bool):
-            writeError(request, invalidType("stream", "a boolean", streamFlag))
-            return NOT_DONE_YET
-        stream = streamFlag is True
-        if self._endpoint == "responses":
-            background = body.get("background")
-            if background is not None and not isinstance(background, bool):
-                # As stream: relay reads it (R88), and upstream would refuse
-                # it only after an account was chosen and a slot taken.
-                writeError(request, invalidType("background", "a boolean", background))
-                return NOT_DONE_YET
+        model, stream, previous = fields.model, fields.stream, fields.previous
         if not stream and getattr(request, "relaySSEStarted", False):
             # Issue 19: keepalives already went out (the raw body read as
             # streaming while the key's slot was awaited, R85) and committed
@@ -466,17 +244,6 @@ class TurnResource(Resource):
                 writeError(request, badRequest(str(e), param=e.param))
                 return NOT_DONE_YET
         headers = clientHeaders(request)
-        previous = body.get("previous_response_id") if self._endpoint == "responses" else None
-        if previous is not None and not isinstance(previous, str):
-            writeError(request, invalidType("previous_response_id", "a string", previous))
-            return NOT_DONE_YET
-        if previous == "":
-            # Never forwarded upstream as an empty chain id (issue 14's fuzzing).
-            writeError(request, badRequest(
-                "previous_response_id must not be empty", param="previous_response_id",
-                code="invalid_value",
-            ))
-            return NOT_DONE_YET
         turn = Turn(
             entrypoint="http",
             endpoint=self._endpoint,
@@ -499,7 +266,7 @@ class TurnResource(Resource):
         gone = getattr(request, "relayOnGone", None) or (
             lambda f: request.notifyFinish().addErrback(f))  # issue 24: no Deferred
         gone(lambda f: turn.cancel.cancel("client_gone"))
-        self._runner.run(turn, sink)
+        self._door.enter(turn, sink)  # the key's checks, then the engine
         return NOT_DONE_YET
 
 

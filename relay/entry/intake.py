@@ -28,8 +28,8 @@ counted against C{gateway.max_request_body_bytes} and against the bytes in
 flight of its key (C{gateway.limits.body_bytes_in_flight_per_key}) and of
 the whole process (C{gateway.limits.body_bytes_in_flight}): over either,
 a 429 naming the limit, at once. Once the raw body is in, the key's slot
-(R26) is admitted by the engine (L{relay.engine.runner.TurnRunner.admitKey}:
-the wait plan and its answers are engine policy; this module only
+(R26) is admitted by the front door (L{relay.frontdoor.door.FrontDoor.admitSlot}:
+the wait plan and its answers are the engine's; this module only
 sequences the transport); only then is the body decoded (bounded by the
 limit and by C{gateway.limits.max_decompression_ratio}) and handed to the
 resource. Form and multipart bodies are never parsed (relay reads JSON
@@ -38,14 +38,14 @@ only).
 B{For resources} (every route of every engineer): a request that reached
 C{render} on a client route carries
 
-  - C{request.relayClientKey}: the authenticated L{relay.base.records.ClientKey};
-  - C{request.relayKeyLease}: the key's admitted slot (or L{None} when the
-    key is unlimited or the request had no body); a resource that starts a
-    turn hands it to the L{relay.base.records.Turn} (C{keyLease}, with
-    C{keyAdmitted=True}) and the engine releases it; otherwise it is
+  - C{request.admission}: its L{relay.frontdoor.record.Admission}: the
+    authenticated L{relay.base.records.ClientKey} and the key's admitted slot (none
+    when the key is unlimited or the request had no body); a resource that
+    starts a turn hands the slot over (C{Admission.handOver}: C{keyLease},
+    with C{keyAdmitted=True}) and the engine releases it; otherwise it is
     released when the request finishes;
   - C{request.relayJSON()}: the decoded body parsed as JSON
-    (L{relay.entry.jsonbody.loadJSON}: deep nesting and bad surrogates are
+    (L{relay.frontdoor.parse.readJSON}: deep nesting and bad surrogates are
     400s), raising L{RequestRefused} (its C{.error} a 400
     L{relay.base.records.ClientError}) for a body that is not JSON; parsed once.
     L{relay.entry.http.requestJSON} does the same for requests built
@@ -65,6 +65,13 @@ from typing import Callable, Optional
 from attrs import define, field
 from twisted.logger import Logger
 
+from relay.frontdoor.budgets import BodyBudget, tooManyBytes  # noqa: F401 - re-exported
+from relay.frontdoor.keyring import (  # noqa: F401 - bearerOrKey, UNAUTHORIZED re-exported
+    UNAUTHORIZED,
+    authenticateClient,
+    bearerOrKey,
+)
+from relay.frontdoor.parse import RequestRefused  # noqa: F401 - re-exported
 from relay.base.records import ClientError
 
 ROUTE_CLIENT = "client"
@@ -186,19 +193,6 @@ def bodyStreams(raw: bytes) -> Optional[bool]:
     return None
 
 
-class RequestRefused(Exception):
-    """
-    A request answered with an error before a turn began (its body is not
-    JSON, nests too deep, ...).
-
-    @ivar error: the L{ClientError} to write.
-    """
-
-    def __init__(self, error: ClientError):
-        super().__init__(error.message)
-        self.error = error
-
-
 def routeClass(path: bytes, method: bytes) -> str:
     """
     The route class of a request target (see the module docstring).
@@ -223,23 +217,6 @@ def routeClass(path: bytes, method: bytes) -> str:
     return ROUTE_OPEN
 
 
-def bearerOrKey(request) -> Optional[bytes]:
-    """
-    The secret a request presents: C{Authorization: Bearer <secret>}, else
-    C{x-api-key} (protocol.md 1). Another scheme (C{Basic ...}) is not a
-    secret, and does not hide an C{x-api-key}.
-
-    @return: the secret bytes, or L{None}.
-    """
-    auth = request.requestHeaders.getRawHeaders(b"authorization", [None])[0]
-    if auth and auth[:7].lower() == b"bearer ":
-        secret = auth[7:].strip()
-        if secret:
-            return secret
-    key = request.requestHeaders.getRawHeaders(b"x-api-key", [None])[0]
-    return key.strip() if key and key.strip() else None
-
-
 def sameSecret(given: Optional[bytes], expected: Optional[str]) -> bool:
     """
     Constant-time comparison of a presented secret with a configured one.
@@ -248,35 +225,6 @@ def sameSecret(given: Optional[bytes], expected: Optional[str]) -> bool:
         return False
     return hmac.compare_digest(given, expected.encode("utf-8"))
 
-
-def tooManyBytes(scope: str, limit: int) -> ClientError:
-    """
-    The 429 for bodies in flight over a bound.
-
-    @param scope: C{key} or C{total}.
-    @param limit: the bound, bytes.
-    """
-    name = (
-        "gateway.limits.body_bytes_in_flight_per_key" if scope == "key"
-        else "gateway.limits.body_bytes_in_flight"
-    )
-    who = "this API key's requests" if scope == "key" else "all requests"
-    return ClientError(
-        429, "rate_limit_error",
-        f"Too many request bytes in flight for {who} (the limit is {limit} bytes, {name});"
-        " please retry later.",
-        code="body_bytes_in_flight_exceeded", headers=(("Retry-After", "1"),),
-    )
-
-
-UNAUTHORIZED = ClientError(
-    401,
-    "invalid_request_error",
-    "Incorrect API key provided. Use Authorization: Bearer <relay key> or x-api-key.",
-    code="invalid_api_key",
-)
-"""A client route without a valid key (protocol.md 1); re-exported by
-L{relay.entry.http}."""
 
 UNAUTHORIZED_ADMIN = ClientError(
     401, "authentication_error", "Missing or invalid admin key", code="invalid_admin_key",
@@ -296,52 +244,6 @@ allowance (L{relay.entry.site.OVER_CAP_ALLOWANCE})."""
 
 
 @define(eq=False)
-class BodyBudget:
-    """
-    Bytes of request bodies (and WebSocket frames) held now, per client
-    key and in total (issue 19 item 2).
-
-    @ivar perKey: key name -> bytes held.
-    @ivar total: bytes held by every key.
-    """
-
-    perKey: dict = field(factory=dict)
-    total: int = 0
-
-    def reserve(self, keyName: str, n: int, perKeyLimit: int, totalLimit: int):
-        """
-        Hold C{n} more bytes for C{keyName}.
-
-        @param perKeyLimit: the per-key bound (0 = none).
-        @param totalLimit: the process bound (0 = none).
-        @return: L{None} when held, else the L{ClientError} (nothing held).
-        """
-        if n <= 0:
-            return None
-        held = self.perKey.get(keyName, 0)
-        if perKeyLimit and held + n > perKeyLimit:
-            return tooManyBytes("key", perKeyLimit)
-        if totalLimit and self.total + n > totalLimit:
-            return tooManyBytes("total", totalLimit)
-        self.perKey[keyName] = held + n
-        self.total += n
-        return None
-
-    def release(self, keyName: str, n: int) -> None:
-        """
-        Give back C{n} bytes of C{keyName}.
-        """
-        if n <= 0:
-            return
-        held = self.perKey.get(keyName, 0) - n
-        if held > 0:
-            self.perKey[keyName] = held
-        else:
-            self.perKey.pop(keyName, None)
-        self.total = max(0, self.total - n)
-
-
-@define(eq=False)
 class IntakePolicy:
     """
     What the site checks when a request's headers are in (see the module
@@ -355,7 +257,7 @@ class IntakePolicy:
     @ivar limits: a no-argument callable returning the
         L{relay.base.records.LimitSettings} in force.
     @ivar admitKey: C{(key, cancel, requestId) -> Deferred[lease or None]}
-        (the engine's R26 admission), failing with an exception carrying
+        (the front door's R26 admission, L{relay.frontdoor.door.FrontDoor.admitSlot}), failing with an exception carrying
         C{.error} (a L{ClientError}); L{None} admits nothing.
     @ivar budget: the L{BodyBudget}.
     @ivar draining: a no-argument callable, true while relay drains (issue
@@ -397,13 +299,7 @@ class IntakePolicy:
             return None, None
         secret = bearerOrKey(request)
         if route == ROUTE_CLIENT:
-            key = self.keys.authenticateSecret(secret) if secret else None
-            if key is None:
-                return None, UNAUTHORIZED
-            refusal = self.keyRefusal(key) if self.keyRefusal is not None else None
-            if refusal is not None:
-                return None, refusal
-            return key, None
+            return authenticateClient(self.keys, secret, self.keyRefusal)
         admin = self.adminKey()
         metrics = self.metricsKey() if route == ROUTE_METRICS else None
         if admin is None and metrics is None:

@@ -17,7 +17,7 @@ The Responses API routes under C{/v1/responses/} that are not turns
 A transport adapter like L{relay.entry.http.TurnResource}: it
 authenticates, reads the body (L{readBody}, the one place that reads
 one), builds a L{Turn} carrying a L{relay.engine.requests.RequestKind} and a
-sink, and hands both to the one engine. C{POST}/C{GET} on C{…/responses}
+sink, and hands both to the front door (L{relay.frontdoor.door.FrontDoor}). C{POST}/C{GET} on C{…/responses}
 itself go to the turn resource unchanged.
 """
 
@@ -35,16 +35,15 @@ from relay.engine import requests as R
 from relay.entry.annotate import annotateTurn
 from relay.entry.body import DEFAULT_MAX_BODY_BYTES, tooLarge
 from relay.entry.http import (
-    NESTING_MESSAGE,
     UNAUTHORIZED,
     badRequest,
     clientHeaders,
     handOverKeyLease,
     invalidType,
-    loadJSON,
 )
-from relay.entry.intake import RequestRefused
 from relay.entry.sinks import JSONSink, SSESink, writeError
+from relay.frontdoor.door import FrontDoor
+from relay.frontdoor.parse import RequestRefused, readJSON
 from relay.base.records import ClientError, Turn
 from relay.base.requestid import clientRequestIdOf, requestIdOf
 from relay.scheduling.session import sessionHash, sessionSeed
@@ -108,11 +107,9 @@ def readBody(request) -> tuple:
         if not raw.strip():
             return {}, None, None
         try:
-            body = loadJSON(raw)
-        except ValueError as e:
-            message = str(e) if str(e) == NESTING_MESSAGE else (
-                "We could not parse the JSON body of your request.")
-            return None, None, badRequest(message)
+            body = readJSON(raw)
+        except RequestRefused as e:
+            return None, None, e.error
     if not isinstance(body, dict):
         return None, None, badRequest("The request body must be a JSON object.")
     return body, None, None
@@ -128,16 +125,19 @@ class ResponsesResource(Resource):
     isLeaf = True
     _log = Logger()
 
-    def __init__(self, turns, runner, keys):
+    def __init__(self, turns, runner, keys, door=None):
         """
         @param turns: the L{relay.entry.http.TurnResource} of C{responses}.
-        @param runner: the L{relay.engine.runner.TurnRunner}.
+        @param runner: the L{relay.engine.runner.TurnRunner} (its scheduler).
         @param keys: the L{relay.entry.http.KeyRing}.
+        @param door: the L{relay.frontdoor.door.FrontDoor} a request's turn
+            is handed to (one around C{runner} when not given).
         """
         super().__init__()
         self._turns = turns
         self._runner = runner
         self._keys = keys
+        self._door = door if door is not None else FrontDoor(runner)
 
     def render(self, request):
         rest = list(request.postpath or [])
@@ -296,7 +296,7 @@ class ResponsesResource(Resource):
     def _start(self, request, turn: Turn, sink) -> Deferred:
         handOverKeyLease(request, turn)  # R103: a slot the intake admitted
         request.notifyFinish().addErrback(lambda f: turn.cancel.cancel("client_gone"))
-        return self._runner.run(turn, sink)
+        return self._door.enter(turn, sink)
 
 
 __all__ = ["ResponsesResource", "notFound", "readBody"]

@@ -16,20 +16,25 @@ from relay.engine.catalog import ModelCatalog
 from relay.entry.http import HealthResource, JSONRoot, KeyRing, TurnResource
 from relay.entry.models import ModelsResource
 from relay.entry.responsesapi import ResponsesResource
+from relay.frontdoor.door import FrontDoor
 
 
-def buildRoot(runner, keys: KeyRing, accounts, websocket=None) -> Resource:
+def buildRoot(runner, keys: KeyRing, accounts, websocket=None, door=None) -> Resource:
     """
     The relay's resource tree (protocol.md 1): C{/v1/...}, the prefixless
     aliases, C{/backend-api/codex/responses} and C{/healthz}.
 
+    @param door: the L{FrontDoor} every turn route hands its turns to
+        (one around C{runner} when not given).
+
     @return: the root L{Resource}; the application adds C{admin} and
         C{metrics} children.
     """
+    door = door if door is not None else FrontDoor(runner)
     responses = ResponsesResource(
-        TurnResource(runner, keys, "responses", websocket), runner, keys
+        TurnResource(door, keys, "responses", websocket), runner, keys, door
     )
-    chat = TurnResource(runner, keys, "chat")
+    chat = TurnResource(door, keys, "chat")
     models = ModelsResource(keys, ModelCatalog(runner=runner, accounts=accounts))
     root = JSONRoot()
     v1 = JSONRoot()

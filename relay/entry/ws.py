@@ -1,13 +1,15 @@
-# -*- test-case-name: tests.test_ws -*-
+# -*- test-case-name: tests.test_ws, tests.test_frontdoor -*-
 """
 The Responses WebSocket entrypoint (C{GET /v1/responses} with an upgrade;
 protocol.md 4, behaviour.md group F, style.md 9(a)).
 
-A transport adapter: it authenticates before the upgrade, parses client
-frames, keeps the connection's own record of its turns (inputs, output
-items, last response id) and its dedicated upstream for C{passthrough},
-turns each C{response.create} into a L{Turn} with a L{WebSocketSink}, and
-hands it to the turn runner. Selection, admission, waiting, failover and
+A transport adapter: it authenticates before the upgrade, keeps the
+connection's own record of its turns (inputs, output items, last response
+id) and its dedicated upstream for C{passthrough}, and hands every client
+frame to the front door (L{relay.frontdoor.door.FrontDoor.frame}), which
+parses it, has the connection make a C{response.create} a L{Turn} with a
+L{WebSocketSink} (L{RelayWebSocketProtocol.turnFor}), checks the key and
+hands the turn to the engine. Selection, admission, waiting, failover and
 cooldowns all happen in the engine.
 """
 
@@ -30,15 +32,13 @@ from twisted.web.server import NOT_DONE_YET
 
 from relay.base.clienterrors import previousResponseNotFound
 from relay.entry.annotate import annotateTurn
-from relay.entry.http import (
-    NESTING_MESSAGE,
-    UNAUTHORIZED,
-    filterClientHeaders,
-    invalidType,
-    loadJSON,
-)
+from relay.entry.http import UNAUTHORIZED, filterClientHeaders
 from relay.entry.sinks import errorBody, writeError
 from relay.entry.wssink import WebSocketSink, wsErrorEvent
+from relay.frontdoor.budgets import parsedEstimate, parsedOver
+from relay.frontdoor.door import FrontDoor
+from relay.frontdoor.parse import FieldRefused, turnFields
+from relay.frontdoor.record import Admission
 from relay.base.records import ClientError, Turn
 from relay.base.clienterrors import RESTART_CLOSE
 from relay.base.requestid import adoptClientId
@@ -68,11 +68,6 @@ KEY_REVOKED_CLOSE = (1008, "api key is no longer valid")
 """Issue 14: the connection's key was removed or rotated by a reload; the
 connection takes no new turn (a reconnect with the new key works)."""
 
-PARSE_FREELY_BYTES = 256 * 1024
-"""Client frames up to this size are parsed without the key's slot (a
-C{response.processed}, a short turn): bounded work. Larger ones wait for
-the slot first (issue 19 item 2)."""
-
 
 class _FrameHold:
     """
@@ -87,18 +82,6 @@ class _FrameHold:
         n, self._n = self._n, 0
         if n and self._budget is not None:
             self._budget.release(self._key, n)
-
-
-def _giveBack(admitted) -> None:
-    """
-    Give back an admitted frame's lease and bytes no turn took.
-    """
-    if admitted is None:
-        return
-    lease, held = admitted
-    if lease is not None:
-        lease.release()
-    held.release()
 
 
 def closeWith(proto, code: int, reason: str) -> None:
@@ -261,7 +244,8 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             # Issue 19 item 7: the upgrade was authenticated once, by the
             # HTTP intake and L{RelayWebSocketResource}; its key is handed
             # over, never parsed again from the headers.
-            self._key = getattr(self, "relayKey", None)
+            admission = getattr(self, "admission", None)
+            self._key = admission.key if admission is not None else None
             if self._key is None:
                 from autobahn.websocket.types import ConnectionDeny
 
@@ -283,8 +267,8 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             # Issue 22: who is calling, for the request log.
             self._clientAddress = _peerHost(self.transport)
             self._userAgent = (headers.get("user-agent") or "")[:200] or None
-            self._admittingFrame = None
-            self._pendingAdmission = None
+            self.admitting = None  # a large frame's slot wait (FrontDoor.frame)
+            self._ending = None
         except Exception:
             self._log.failure("accepting a client websocket failed")
             raise
@@ -398,7 +382,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         turn = self._running
         if turn is not None:
             turn.cancel.cancel("client_gone")
-        admitting = getattr(self, "_admittingFrame", None)
+        admitting = getattr(self, "admitting", None)
         if admitting is not None:
             admitting.cancel("client_gone")
         dedicated = self._state.dedicated
@@ -487,16 +471,6 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
                             param=param)
         self.sendText(json.dumps(wsErrorEvent(error)).encode())
         self.closeWith(close, reason)
-
-    def _wrongType(self, param: str, expected: str, value) -> None:
-        """
-        L{reject} a field of the wrong JSON type: the close reason is R47's
-        "invalid JSON payload"; the event's message is HTTP's 400
-        (L{invalidType}: C{Invalid type for 'model': expected a string,
-        but got an integer instead.}).
-        """
-        self.reject("invalid JSON payload", "invalid_type", param,
-                    message=invalidType(param, expected, value).message)
 
     def _max_message_size_exceeded(self, msg_size, max_msg_size, reason) -> None:
         """
@@ -671,43 +645,56 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
                 self._running.cancel.cancel("too_many_frames")
                 return
             # The frame's own hold is given back; a large one is held again
-            # as its parsed-size estimate while it waits (L{_admitFrame}).
+            # as its parsed-size estimate while it waits (L{holdFrame}).
             self._giveBackBytes(assembled)
-            self._handle(payload)
+            self._disarm()
+            self.factory.door.frame(self, payload)  # to the engine (relay.frontdoor)
         except Exception:  # noqa: BLE001
             self._log.failure("handling a client websocket frame failed")
             self.closeWith(1011, "upstream websocket proxy failed")
 
-    def _handle(self, payload: bytes) -> None:
-        """
-        One client frame, outside a running turn. A small frame is parsed
-        at once; a larger one (over L{PARSE_FREELY_BYTES}) is parsed only
-        once the key's slot is admitted and its parsed-size estimate is
-        held within the key's and the process's bytes in flight (R103,
-        issue 19 item 2), like an HTTP body.
-        """
-        self._disarm()
-        if len(payload) <= PARSE_FREELY_BYTES or self.factory.__dict__.get("runner") is None:
-            self._parse(payload, None)
-            return
-        self._admitFrame(payload)
+    # -- for the front door (relay.frontdoor.door.FrontDoor.frame) --------------
 
-    def _admitFrame(self, payload: bytes) -> None:
-        from relay.entry.body import parsedEstimate
-        from relay.base.records import CancelSignal
+    @property
+    def key(self):
+        """
+        The connection's L{relay.base.records.ClientKey} (the one in force since
+        its last turn).
+        """
+        return self._key
 
+    def nextRequestId(self) -> str:
+        """
+        The request id of the connection's next turn.
+        """
+        return f"{self._requestId}:{self._turns + 1}"
+
+    def gone(self) -> bool:
+        """
+        Whether the connection is closing or closed.
+        """
+        return self._gone or self._closing is not None
+
+    def holdFrame(self, payload: bytes):
+        """
+        Hold a large frame's parsed-size estimate within the key's and the
+        process's bytes in flight while its key's slot is awaited (R103),
+        like an HTTP body's; refuse the frame (L{_refuseFrame}) when it
+        does not fit.
+
+        @return: the hold (C{release()}), or L{None} when refused.
+        """
         f = self.factory
         estimate = parsedEstimate(payload)
         budget, limits = getattr(f, "budget", None), f.settings.current.limits
         if budget is not None:
             error = None
-            for limit in (limits.body_bytes_in_flight_per_key, limits.body_bytes_in_flight):
-                if limit and estimate > limit:
-                    error = ClientError(
-                        400, "invalid_request_error",
-                        "frame too large once parsed (gateway.limits.body_bytes_in_flight)",
-                        code="frame_too_large",
-                    )
+            if parsedOver(estimate, limits) is not None:
+                error = ClientError(
+                    400, "invalid_request_error",
+                    "frame too large once parsed (gateway.limits.body_bytes_in_flight)",
+                    code="frame_too_large",
+                )
             if error is None:
                 error = budget.reserve(
                     self._key.name, estimate, limits.body_bytes_in_flight_per_key,
@@ -715,87 +702,65 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
                 )
             if error is not None:
                 self._refuseFrame(error)
-                return
-        held = _FrameHold(budget, self._key.name, estimate if budget is not None else 0)
-        cancel = CancelSignal()
-        self._admittingFrame = cancel
-        d = f.runner.admitKey(
-            self._key, cancel, f"{self._requestId}:{self._turns + 1}", "ws",
-            keepalive=self._admissionPing,
-        )
+                return None
+        return _FrameHold(budget, self._key.name, estimate if budget is not None else 0)
 
-        def admitted(lease):
-            self._admittingFrame = None
-            if self._gone or self._closing is not None:
-                if lease is not None:
-                    lease.release()
-                held.release()
-                return
-            self._parse(payload, (lease, held))
+    def slotRefused(self, failure) -> None:
+        """
+        A large frame's key slot was refused (R32): the engine's close.
+        """
+        error = getattr(failure.value, "error", None)
+        if error is None or error.wsClose is None:
+            self._log.failure("admitting a websocket frame failed", failure)
+            self.closeWith(1011, "failed to acquire user concurrency slot")
+            return
+        self.closeWith(*error.wsClose)
 
-        def refused(failure):
-            self._admittingFrame = None
-            held.release()
-            if self._gone or self._closing is not None:
-                return
-            error = getattr(failure.value, "error", None)
-            if error is None or error.wsClose is None:
-                self._log.failure("admitting a websocket frame failed", failure)
-                self.closeWith(1011, "failed to acquire user concurrency slot")
-                return
-            self.closeWith(*error.wsClose)
-
-        d.addCallbacks(admitted, refused)
-        d.addErrback(lambda fail: self._log.failure("websocket frame admission", fail))
-
-    def _admissionPing(self) -> None:
+    def admissionPing(self) -> None:
         """
         R85 while a frame waits for the key's slot: a ping frame at the
-        turn's pace (the engine calls this, L{TurnRunner.admitKey}).
+        turn's pace (the engine calls this, L{TurnRunner.keySlot}).
         """
         if not self._gone and self._closing is None and self.isOpen():
             self.sendPing()
 
-    def _parse(self, payload: bytes, admitted) -> None:
+    def badJSON(self, nested: bool) -> None:
         """
-        Parse and act on a frame; C{admitted} is C{(lease, held bytes)}
-        when the key's slot was admitted for it (the turn takes both;
-        anything else gives them back).
+        A frame that is not JSON (R47): the status-bearing error and close.
         """
-        try:
-            frame = loadJSON(payload)
-        except ValueError as e:
-            _giveBack(admitted)
-            if str(e) == NESTING_MESSAGE:
-                self.reject("invalid JSON payload: nested too deeply", "invalid_json")
-                return
-            self.reject("invalid JSON payload", "invalid_json")
+        if nested:
+            self.reject("invalid JSON payload: nested too deeply", "invalid_json")
             return
-        self._pendingAdmission = admitted
-        try:
-            self._act(frame)
-        finally:
-            _giveBack(self._pendingAdmission)
-            self._pendingAdmission = None
+        self.reject("invalid JSON payload", "invalid_json")
 
-    def _act(self, frame) -> None:
+    def turnFor(self, frame, door):
+        """
+        The turn a parsed frame asks for, with its sink, or L{None} when
+        the frame was answered here (C{response.processed}, a refusal, a
+        prewarm answered locally). Its fields are checked as an HTTP
+        body's (L{relay.frontdoor.parse.turnFields}).
+
+        @param door: the L{relay.frontdoor.door.FrontDoor} (a prewarm's
+            key refusal, R102).
+        @return: C{(turn, sink)} or L{None}.
+        """
         if not isinstance(frame, dict):
             self.reject("invalid JSON payload", "invalid_json")
-            return
+            return None
         kind = frame.get("type") or "response.create"
         if kind == "response.processed":
             self._idle()
-            return
+            return None
         if kind == "response.append":
             self.reject(APPEND_MESSAGE, "unsupported_request_type", "type")
-            return
+            return None
         if kind != "response.create":
             self.reject(f"unsupported websocket request type: {kind}", "unsupported_request_type", "type")
-            return
+            return None
         if getattr(self.factory, "draining", False):
             # Issue 14: no new turn while relay stops; reconnect elsewhere.
             self.closeWith(*RESTART_CLOSE)
-            return
+            return None
         key = self.factory.keys.current(self._key)
         if key is None:
             self._log.info(
@@ -810,46 +775,34 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             )
             self.sendText(json.dumps(wsErrorEvent(revoked, withStatus=False)).encode())
             self.closeWith(*KEY_REVOKED_CLOSE)
-            return
+            return None
         self._key = key
         if self._overAge():
-            return
-        model = frame.get("model")
-        if model is not None and not isinstance(model, str):
-            # As on HTTP (a 400 there), and as for stream and
-            # previous_response_id below: a wrong type is not a missing model.
-            self._wrongType("model", "a string", model)
-            return
-        if not model:
-            if self._model is None:
+            return None
+        try:
+            fields = turnFields(frame, "responses", self._model)
+        except FieldRefused as e:
+            if e.kind == "missing":
                 self.reject(
                     "model is required in first response.create payload",
                     "missing_required_parameter",
                     "model",
                 )
-                return
-            model = self._model
-        previous = frame.get("previous_response_id")
-        if previous is not None and not isinstance(previous, str):
-            self._wrongType("previous_response_id", "a string", previous)
-            return
-        if previous == "":
-            # Never forwarded as an empty chain id (issue 14's fuzzing).
-            self.reject("invalid JSON payload", "invalid_value", "previous_response_id",
-                        message="previous_response_id must not be empty")
-            return
-        for name in ("stream", "background"):
-            flag = frame.get(name)
-            if flag is not None and not isinstance(flag, bool):
-                # As on HTTP (a 400 there): never forward a non-boolean
-                # flag upstream (stream: found by issue 14's fuzzing).
-                self._wrongType(name, "a boolean", flag)
-                return
+            elif e.kind == "empty":
+                # Never forwarded as an empty chain id (issue 14's fuzzing).
+                self.reject("invalid JSON payload", "invalid_value", e.param,
+                            message=e.error.message)
+            else:
+                # R47's close reason; the event's message is HTTP's 400.
+                self.reject("invalid JSON payload", "invalid_type", e.param,
+                            message=e.error.message)
+            return None
+        model, previous = fields.model, fields.previous
         if previous and previous.startswith("msg_"):
             self.reject(MSG_ID_MESSAGE, "invalid_value", "previous_response_id")
-            return
+            return None
         self._model = model
-        self._runTurn(frame, model, previous or None)
+        return self._newTurn(frame, model, previous or None, door)
 
     def _modeFor(self, model) -> str:
         """
@@ -871,8 +824,10 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             return modes.pop()
         return default if default != "off" else "ctx_pool"
 
-    def _runTurn(self, frame: dict, model: str, previous: str | None) -> None:
-        f = self.factory
+    def _newTurn(self, frame: dict, model: str, previous: str | None, door):
+        """
+        See L{turnFor}: the L{Turn} of a checked C{response.create}.
+        """
         state = self._state
         mode = self._modeFor(model)
         inputItems = normaliseInput(frame.get("input"))
@@ -915,13 +870,12 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             if frame.get("generate") is False:
                 # Issue 22 (R102): a prewarm answered locally is refused
                 # exactly like a turn would be.
-                refusal = getattr(f.runner, "refusal", None)
-                error = refusal(turn) if refusal is not None else None
+                error = door.refusal(turn)
                 if error is not None:
                     WebSocketSink(self).fail(error)
-                    return
+                    return None
                 self._prewarm(turn, previous, inputItems)
-                return
+                return None
             if previous:
                 expanded = state.expandedBody(turn)
                 if expanded is None:
@@ -929,7 +883,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
                     error = previousResponseNotFound(previous)
                     self.sendText(json.dumps(wsErrorEvent(error)).encode())
                     self.closeWith(*error.wsClose)
-                    return
+                    return None
                 body = expanded
             body.pop("generate", None)
             body.pop("previous_response_id", None)
@@ -944,13 +898,16 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             state.accountId = account.id
 
         turn.onResponseId = onResponse
-        admitted, self._pendingAdmission = self._pendingAdmission, None
-        if admitted is not None:
-            # R103: the key's slot was admitted before the frame was parsed.
-            turn.keyAdmitted, turn.keyLease = True, admitted[0]
-        d = f.runner.run(turn, sink)
-        if admitted is not None:
-            d.addBoth(lambda result: (admitted[1].release(), result)[1])
+        self._ending = (previous, inputItems)
+        return turn, sink
+
+    def turnStarted(self, d, turn, sink, frame) -> None:
+        """
+        The front door handed the frame's turn to the engine: C{d} fires
+        when it ends (L{_turnDone}).
+        """
+        previous, inputItems = self._ending
+        self._ending = None
         d.addCallback(self._turnDone, turn, sink, previous, inputItems)
         d.addErrback(lambda fail: self._log.failure("websocket turn failed", fail))
 
@@ -1003,7 +960,8 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             payload, self._buffered = self._buffered, None
             held, self._bufferedHold = self._bufferedHold, 0
             self._giveBackBytes(held)
-            self._handle(payload)
+            self._disarm()
+            self.factory.door.frame(self, payload)
             return
         self._idle()
 
@@ -1132,14 +1090,12 @@ class RelayWebSocketResource:
         if key is None:
             writeError(request, UNAUTHORIZED)
             return NOT_DONE_YET
-        policy = getattr(self.factory.runner, "keyPolicy", None)
-        if policy is not None:
-            # Issue 22: a disabled or expired key is refused before the
-            # upgrade (an open socket's next turn is refused by the engine).
-            error = policy.keyRefusal(key, self.factory.reactor.seconds())
-            if error is not None:
-                writeError(request, error)
-                return NOT_DONE_YET
+        # R102: a disabled or expired key is refused before the upgrade (an
+        # open socket's next turn is refused at the front door).
+        error = self.factory.door.checks.keyRefusal(key)
+        if error is not None:
+            writeError(request, error)
+            return NOT_DONE_YET
         default = self._settings.current.websocket.mode_default
         if all((a.ws_mode or default) == "off" for a in _reachable(self.factory, key)):
             writeError(
@@ -1151,25 +1107,26 @@ class RelayWebSocketResource:
             )
             return NOT_DONE_YET
         # Issue 19 item 7: the protocol takes this key (authenticated once).
-        self.factory.handoverKey = key
+        self.factory.handover = Admission(key=key)
         try:
             return self._ws.render(request)
         finally:
-            self.factory.handoverKey = None
+            self.factory.handover = None
 
 
 class _RelayWebSocketFactory(WebSocketServerFactory):
     """
     The client WebSocket factory: a protocol built for an upgrade takes
-    the key L{RelayWebSocketResource} authenticated (C{handoverKey}).
+    the admission of the key L{RelayWebSocketResource} authenticated
+    (C{handover}, a L{relay.frontdoor.record.Admission}).
     """
 
-    handoverKey = None
+    handover = None
     budget = None
 
     def buildProtocol(self, addr):
         proto = super().buildProtocol(addr)
-        proto.relayKey = self.handoverKey
+        proto.admission = self.handover
         return proto
 
 
@@ -1181,6 +1138,7 @@ def buildWebSocketResource(runner, keys, accounts, settings, reactor) -> RelayWe
     factory = _RelayWebSocketFactory(None, reactor=reactor)
     factory.protocol = RelayWebSocketProtocol
     factory.runner = runner
+    factory.door = FrontDoor(runner)  # every frame's way to the engine
     factory.keys = keys
     factory.accounts = accounts  # the live registry (issue 14), never a copy
     factory.settings = settings

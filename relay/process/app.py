@@ -431,7 +431,8 @@ def buildApplication(
     app.extras.update(proxyHealth=proxyHealth, credentials=credentials, quota=quota,
                       control=control, trustRoot=trustRoot, **parts)
     wsResource = _webSocket(app)
-    root = buildRoot(runner, keys, accounts, wsResource)
+    door = wsResource.factory.door  # the one front door (relay.frontdoor)
+    root = buildRoot(runner, keys, accounts, wsResource, door=door)
     _readiness(app, root)
     _redisReadiness(app)
     _operatorSurface(app, root, accounts, proxyHealth)
@@ -443,7 +444,7 @@ def buildApplication(
     site = _Site(DrainGate(root, app.drain), requestFactory=_Request, reactor=reactor)
     site.intake = IntakePolicy(
         keys=keys, adminKey=app.live.adminKey, metricsKey=app.live.metricsKey,
-        limits=lambda: settings.current.limits, admitKey=runner.admitKey,
+        limits=lambda: settings.current.limits, admitKey=door.admitSlot,
         draining=lambda: app.drain.draining,
         keyRefusal=_keyRefusal(app), keysReady=_keysReady(app),
         adminGuard=AdminGuard(clock=reactor),

@@ -207,7 +207,7 @@ class LiveConfiguration:
 
         @param config: the parsed start-up L{RelayConfig}.
         """
-        from relay.entry.http import KeyRing
+        from relay.frontdoor.keyring import KeyRing
 
         return cls(
             config=config, accounts=AccountRegistry(config.accounts), keys=KeyRing(config.keys)

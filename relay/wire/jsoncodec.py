@@ -16,7 +16,7 @@ standard library:
   - orjson reads nesting up to 1,024 levels whatever the caller's stack;
     the standard library stops where the interpreter's recursion limit
     does (about 1,000 frames, the caller's included), and relay answers
-    that with a 400 (L{relay.entry.jsonbody}). A text with more than
+    that with a 400 (L{relay.frontdoor.jsonbody}). A text with more than
     L{MAX_FAST_BRACKETS} opening brackets is read by the standard
     library;
   - everything orjson refuses (C{NaN}, C{Infinity}, a number out of a

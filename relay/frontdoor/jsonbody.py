@@ -1,6 +1,7 @@
-# -*- test-case-name: tests.test_intake -*-
+# -*- test-case-name: tests.test_intake, tests.test_frontdoor -*-
 """
-The JSON reader of every client body and WebSocket frame (L{loadJSON}),
+The JSON reader of every client body and WebSocket frame (L{loadJSON};
+the front door's L{relay.frontdoor.parse.readJSON} words its refusal),
 below the entry modules that use it (L{relay.entry.body},
 L{relay.entry.http}, L{relay.entry.ws}), so none of them imports another
 round (the import-circle invariant, tests.test_invariants).
