@@ -568,7 +568,12 @@ async def test_hostile_tenant_cannot_break_or_cheat_the_pool():
         usage = await waitFor(settled, 15, "usage to match the generations", last)
         total = usage["total"]
         counted = total["input_tokens"] + total["output_tokens"]
-        estimates = [r for r in await requestRows(relay, "") if r.get("usage_estimated")]
+        rows = await requestRows(relay, "")
+        estimates = [r for r in rows if r.get("usage_estimated")]
+        gone = [r for r in rows if r["outcome"] == "client_gone"]
+        # every hang-up after output is a client_gone row with its tokens
+        assert len(gone) == 14 and all(r["key"] == "evil" for r in gone), gone
+        assert all(r["input_tokens"] and r["output_tokens"] for r in gone), gone
         guessed = sum(r["input_tokens"] + r["output_tokens"] for r in estimates)
         want = generated(emulator) + sum(prewarmed)
         assert abs(counted - guessed - want) <= want / 100, (counted, guessed, want)
@@ -606,7 +611,7 @@ async def test_hostile_tenant_cannot_break_or_cheat_the_pool():
         # shared client id finds each key's rows under its own key.
         relayIds = [rid for _, rid in ids]
         assert len(set(relayIds)) == len(relayIds)
-        assert not any(rid.startswith("shared-") for rid in relayIds), relayIds
+        assert all(rid.startswith("req_") for rid in relayIds), relayIds
         for shared in ("shared-0", "shared-1"):
             rows = await requestRows(relay, f"&client_request_id={shared}")
             keysOf = {(r["key"], r["request_id"]) for r in rows}
