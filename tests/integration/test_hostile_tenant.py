@@ -22,7 +22,7 @@ money budget would refuse its other tricks):
     background response it never polls (R107);
   - spells a denied model as a snapshot, in capitals, with a trailing space
     (R110);
-  - sends the other key's C{X-Request-Id}s (R111) and its
+  - sends the other key's C{X-Request-Id}s (R111), its session id and its
     C{prompt_cache_key}, with prewarms (R112, R113).
 
 Afterwards: the innocent key (C{innocent}) saw no failure; no account is
@@ -71,6 +71,8 @@ BUDGET = 0.002
 TURN_CAP = 20
 """The budget key's C{max_turn_output_tokens}: a few turns fit at once."""
 CACHE_KEY = "innocent-cache-key"
+SESSION = "5f0e3c1a-0000-4000-8000-00000000beef"
+"""The innocent key's session id, which the hostile key sends too."""
 STALLED = "gpt-5.4-mini"
 """A model the emulator stalls after its second delta, beyond relay's drain
 bound: a turn whose client left is then estimated (R107)."""
@@ -397,7 +399,8 @@ async def collisions(relay, log: list, rounds: int, prewarmed: list) -> None:
         for n in range(rounds):
             code, _, _, _ = await httpTurn(
                 relay, ("sse", "json")[n % 2], EVIL, f"evil collide {n}",
-                {"prompt_cache_key": CACHE_KEY}, headers={"X-Request-Id": [f"shared-{n}"]})
+                {"prompt_cache_key": CACHE_KEY},
+                headers={"X-Request-Id": [f"shared-{n}"], "session_id": [SESSION]})
             log.append(("collide", n, code))
             warm = dict(PREWARM, prompt_cache_key=CACHE_KEY)
             last, _ = await wsTurn(relay, EVIL, warm, client)
@@ -436,7 +439,7 @@ async def innocentLane(relay, entry: str, done: list, failures: list, ids: list,
                 shared = f"shared-{n}"
                 code, outcome, detail, hdrs = await httpTurn(
                     relay, entry, INNOCENT, text, {"prompt_cache_key": CACHE_KEY},
-                    headers={"X-Request-Id": [shared]})
+                    headers={"X-Request-Id": [shared], "session_id": [SESSION]})
                 if (code, outcome) != (200, "ok"):
                     failures.append((entry, n, code, outcome, detail))
                 else:
@@ -656,6 +659,17 @@ async def test_hostile_tenant_cannot_break_or_cheat_the_pool():
         assert caches["innocent"] and caches["evil"], caches
         assert not caches["innocent"] & caches["evil"], caches
         assert CACHE_KEY not in caches["innocent"] | caches["evil"], caches
+        # ... nor one session or client request id on the OAuth account
+        oauth = dict((n, c) for n, c, _ in ACCOUNTS)[OAUTH]
+        sessions = {"evil": set(), "innocent": set()}
+        for r in emulator.requestsFor(oauth, "request"):
+            text = json.dumps(r.body)
+            who = "innocent" if "innocent" in text else "evil" if "evil" in text else None
+            if who and r.headers.get("session_id"):
+                sessions[who].add(r.headers["session_id"])
+            assert not str(r.headers.get("x-client-request-id", "")).startswith("shared-"), r
+        assert not sessions["innocent"] & sessions["evil"], sessions
+        assert SESSION not in sessions["innocent"] | sessions["evil"], sessions
 
         assert reactor.seconds() - started < DEADLINE
     finally:
