@@ -43,6 +43,7 @@ import json
 import os
 import tempfile
 
+import pytest
 import pytest_twisted
 import treq
 from twisted.internet import reactor
@@ -55,6 +56,7 @@ from relay.emulator import Emulator
 from relay.tenants.prices import PriceTable
 from relay.usage.tokens import fromUsage
 from tests.integration.harness import sseEvents
+from tests.integration.redis_server import redisServer  # noqa: F401 (fixture)
 from tests.integration.relayproc import RelayProcess
 from tests.integration.test_ws_turns import PREWARM, connect, userTurn
 
@@ -491,8 +493,18 @@ def generated(emulator) -> int:
     return sum(g["input_tokens"] + g["output_tokens"] for g in emulator.ledger.usage)
 
 
+@pytest.mark.parametrize("state", ["memory", "redis"])
 @pytest_twisted.ensureDeferred
-async def test_hostile_tenant_cannot_break_or_cheat_the_pool():
+async def test_hostile_tenant_cannot_break_or_cheat_the_pool(state, request):
+    """
+    See the module docstring; on memory state and on Redis (account state,
+    budget holds and usage shared through it).
+    """
+    stateConfig = ""
+    if state == "redis":
+        server = request.getfixturevalue("redisServer")
+        server.command("FLUSHALL")
+        stateConfig = f"state: {{backend: redis, redis_url: '{server.url}'}}\n"
     emulator = Emulator(reactor=reactor, config={
         "default_script": {"text": "word " * 12, "deltas": 4, "delay": 0.02}})
     await emulator.listen(reactor)
@@ -520,7 +532,8 @@ async def test_hostile_tenant_cannot_break_or_cheat_the_pool():
                 f"database: {json.dumps(os.path.join(tmp, 'relay.sqlite'))}\n"
                 f"keys: {json.dumps(keys)}\n"
                 f"accounts: {json.dumps(accounts)}\n"
-                f"gateway: {{usage_drain_seconds: {DRAIN_SECONDS}}}\n")
+                f"gateway: {{usage_drain_seconds: {DRAIN_SECONDS}}}\n"
+                f"{stateConfig}")
     relay.start()
     try:
         await relay.waitHealthy()
