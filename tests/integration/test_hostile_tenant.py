@@ -23,7 +23,9 @@ money budget would refuse its other tricks):
   - spells a denied model as a snapshot, in capitals, with a trailing space
     (R110);
   - sends the other key's C{X-Request-Id}s (R111), its session id and its
-    C{prompt_cache_key}, with prewarms (R112, R113).
+    C{prompt_cache_key}, with prewarms (R112, R113);
+  - guesses the admin key (backed off per address; the operator, on
+    another address, is not).
 
 Afterwards: the innocent key (C{innocent}) saw no failure; no account is
 cooled, rate-limited, disabled, on a streak or blocked account-wide, and
@@ -51,6 +53,7 @@ from twisted.internet.defer import Deferred, gatherResults
 from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import deferLater
+from twisted.web.client import Agent, HTTPConnectionPool
 
 from relay.emulator import Emulator
 from relay.tenants.prices import PriceTable
@@ -147,9 +150,39 @@ async def post(relay, path: str, body: dict, key: str, headers: dict | None = No
     return response.code, await response.content(), response.headers
 
 
+OPERATOR_ADDRESS = "127.0.0.2"
+"""The operator's own address (the hostile key guesses the admin key from
+127.0.0.1: its back-off is per address)."""
+
+
+class _FromAddress:
+    """
+    An endpoint factory whose connections leave from C{host}.
+    """
+
+    def __init__(self, host: str):
+        self.host = host
+
+    def endpointForURI(self, uri):
+        return TCP4ClientEndpoint(reactor, uri.host.decode("ascii"), uri.port,
+                                  bindAddress=(self.host, 0))
+
+
+def operator() -> treq.client.HTTPClient:
+    """
+    An HTTP client on the operator's address (no persistent connections).
+    """
+    pool = HTTPConnectionPool(reactor, persistent=False)
+    return treq.client.HTTPClient(
+        Agent.usingEndpointFactory(reactor, _FromAddress(OPERATOR_ADDRESS), pool=pool))
+
+
 async def admin(relay, path: str) -> dict:
-    response = await treq.get(relay.url + path, headers={"Authorization": [f"Bearer {ADMIN}"]},
-                              persistent=False)
+    """
+    C{GET} an admin route with the admin key, from the operator's address.
+    """
+    response = await operator().get(relay.url + path,
+                                    headers={"Authorization": [f"Bearer {ADMIN}"]})
     body = json.loads(await response.content())
     assert response.code == 200, (path, body)
     return body
@@ -398,6 +431,21 @@ async def deniedSpellings(relay, log: list) -> None:
                 log.append(("denied", model, entry, code))
 
 
+async def adminGuesses(relay, log: list) -> None:
+    """
+    R99 (issue 35 item 7): the hostile key guesses the admin key, with its
+    own client key too: wrong keys back its address off; its own key is a
+    wrong door, not a guess.
+    """
+    for n in range(8):
+        for secret in (f"admin-guess-{n:04d}", EVIL):
+            response = await treq.get(relay.url + "/admin/accounts",
+                                      headers={"Authorization": [f"Bearer {secret}"]},
+                                      persistent=False)
+            await response.content()
+            log.append(("guess", secret == EVIL, response.code))
+
+
 async def collisions(relay, log: list, rounds: int, prewarmed: list) -> None:
     """
     R111 and R112: the innocent key's request ids and prompt cache key,
@@ -552,18 +600,20 @@ async def test_hostile_tenant_cannot_break_or_cheat_the_pool(state, request):
         log, failures, ids, done, prewarmed = [], [], [], [], []
 
         async def hostile():
-            results = await gatherResults([
+            burst = Deferred.fromCoroutine(budgetBurst(relay, log))
+            await gatherResults([
+                burst,
                 Deferred.fromCoroutine(echoedFields(relay, log)),
                 Deferred.fromCoroutine(refusedModels(relay, log)),
                 Deferred.fromCoroutine(hangUps(relay, log)),
                 Deferred.fromCoroutine(estimated(relay, log)),
                 Deferred.fromCoroutine(background(relay, log)),
-                Deferred.fromCoroutine(budgetBurst(relay, log)),
+                Deferred.fromCoroutine(adminGuesses(relay, log)),
                 Deferred.fromCoroutine(deniedSpellings(relay, log)),
                 Deferred.fromCoroutine(collisions(relay, log, 4, prewarmed)),
             ], consumeErrors=True)
             done.append(True)
-            return results[5]  # budgetBurst's
+            return burst.result
 
         lanes = [Deferred.fromCoroutine(innocentLane(relay, entry, done, failures, ids, 4, 60))
                  for entry in ("sse", "json", "chat", "ws")]
@@ -583,10 +633,14 @@ async def test_hostile_tenant_cannot_break_or_cheat_the_pool(state, request):
                 # (the WebSocket: an error event, or the socket closed 1008)
                 assert entry[3] in (403, "error", "__closed__"), entry
                 assert entry[3] == 403 or entry[4] in (403, 1008), entry
+            elif entry[0] == "guess":
+                assert entry[2] in (401, 429), entry
             elif entry[0] == "background":
                 assert entry[1:] == (200, "queued"), entry
             elif entry[0] == "model":
                 assert entry[3] not in (200, "response.completed"), entry
+        guesses = [code for kind, _, code in (e for e in log if e[0] == "guess")]
+        assert guesses[:9] == [401] * 9 and 429 in guesses, guesses  # 5 wrong keys, then waits
         models = [str(b.get("model", "")) for b in upstreamBodies(emulator)]
         assert not any(m.strip().lower().startswith("gpt-5.4") and m != STALLED
                        for m in models), models
