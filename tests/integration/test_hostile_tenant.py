@@ -18,8 +18,9 @@ money budget would refuse its other tricks):
     C{finish_reason} chunk, on HTTP SSE, chat and the WebSocket, and at the
     first delta of turns whose upstream then stalls past the drain bound
     (R107);
-  - fires 20 turns at once on a tiny money budget (R108), and creates a
-    background response it never polls (R107);
+  - fires 20 turns at once on a tiny money budget, on the OAuth account
+    where its C{max_output_tokens} does not bound the turn (R108), and
+    creates a background response it never polls (R107);
   - spells a denied model as a snapshot, in capitals, with a trailing space
     (R110);
   - sends the other key's C{X-Request-Id}s (R111), its session id and its
@@ -387,7 +388,10 @@ async def background(relay, log: list) -> None:
 async def budgetBurst(relay, log: list) -> list:
     """
     R108: 20 turns at once on C{daily_usd: 0.002}, half on HTTP SSE, half
-    on the WebSocket.
+    on the WebSocket, each asking for 4 output tokens from the OAuth
+    account, which takes no C{max_output_tokens} (relay drops it) and
+    answers in full. (Reserving the body's 4 tokens let 11 run: 2.9x the
+    budget.)
 
     @return: the served responses.
     """
@@ -575,8 +579,9 @@ async def test_hostile_tenant_cannot_break_or_cheat_the_pool(state, request):
     keys = [
         {"name": "evil", "key": EVIL, "concurrency": 0, "deny_models": ["gpt-5.4"]},
         {"name": "innocent", "key": INNOCENT, "concurrency": 0},
+        # on the OAuth account, which takes no max_output_tokens (R108's estimate)
         {"name": "miser", "key": MISER, "concurrency": 0, "daily_usd": BUDGET,
-         "max_turn_output_tokens": TURN_CAP},
+         "max_turn_output_tokens": TURN_CAP, "accounts": [OAUTH]},
     ]
     accounts = [{"id": name, "type": "apikey", "base_url": emulator.baseURL("apikey"),
                  "api_key": secret, "concurrency": 0, "ws_mode": mode}
