@@ -107,6 +107,30 @@ class ReservationTests(SynchronousTestCase):
         rig, sinks = self.parallel(small, n=3)
         self.assertEqual([o for _, o in sinks], [["completed"]] * 3)
 
+    def test_limit_an_oauth_account_drops_is_not_the_estimate(self):
+        """
+        The ChatGPT backend takes no C{max_output_tokens} (relay leaves it
+        out of every OAuth request), so where the key may reach an OAuth
+        account serving the model the key's C{max_turn_output_tokens} is the
+        output a turn holds, not the body's limit: of 20 turns at once
+        asking for 2 output tokens on a $0.0005 budget one runs (holding 2
+        tokens each, 8 ran, each unbounded on the backend). An API-key pool
+        honours the limit: the body's 2 tokens are held.
+        """
+        client = key(daily_usd=0.0005, max_turn_output_tokens=100)
+        for kind, held, served in (("oauth", 100, 1), ("apikey", 2, 8)):
+            rig = TenantsRig([account("a", type=kind, concurrency=0)], keys=[client])
+            rig.script("a", slow())
+            sinks = []
+            for i in range(20):
+                turn = rig.turn(client, requestId=f"req{i}")
+                turn.body.update(max_output_tokens=2, input=[])
+                sinks.append(rig.go(turn))
+            self.assertEqual(self.successResultOf(rig.holds.outstanding("bob")),
+                             (served * (1 + held), served * (5_000 + held * 30_000)), kind)
+            rig.clock.advance(5)
+            self.assertEqual([o for _, o in sinks].count(["completed"]), served, kind)
+
     def test_held_while_running_settled_at_the_end(self):
         """
         While the turn runs its estimate is held; its end settles the real

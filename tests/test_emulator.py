@@ -170,6 +170,42 @@ class FaultTests(SynchronousTestCase):
         state.setFault("a2", None)
         self.assertEqual(state.takeFault("sk-a2", "http").get("code"), 500)
 
+    def test_modelFilter(self) -> None:
+        """
+        A fault naming a C{model} applies only to a body for that model (and
+        never to a request whose body is unknown); a malformed one is refused.
+        """
+        state = EmulatorState(clock=Clock())
+        state.setFault("*", {"kind": "status", "code": 500, "model": "o1-pro"})
+        self.assertIsNone(state.takeFault("sk-1", "http", body={"model": "gpt-5.5"}))
+        self.assertIsNone(state.takeFault("sk-1", "http"))
+        self.assertEqual(state.takeFault("sk-1", "http", body={"model": "o1-pro"}).get("code"),
+                         500)
+        self.assertRaises(ValueError, state.setFault, "*", {"kind": "status", "code": 500,
+                                                            "model": 5})
+
+    def test_refusalsActTogether(self) -> None:
+        """
+        A list of C{refuse} faults acts as upstream's validations do: each body
+        gets the first refusal that fits it, a body none fits gets none, and a
+        refusal that does not fit is not counted down.
+        """
+        state = EmulatorState(clock=Clock())
+        state.setFault("*", [
+            {"kind": "refuse", "template": "model_not_found", "code": 403, "model": "o1-pro"},
+            {"kind": "refuse", "template": "unknown_parameter", "times": 1},
+            {"kind": "refuse", "template": "invalid_value", "param": "tool_choice"},
+        ])
+        plain = {"model": "gpt-5.5", "input": "hi", "prompt_cache_key": "k"}
+        self.assertIsNone(state.takeFault("sk-1", "http", body=plain))
+        fault = state.takeFault("sk-1", "http", body=dict(plain, tool_choice="x"))
+        self.assertEqual(fault.get("template"), "invalid_value")
+        fault = state.takeFault("sk-1", "ws", body=dict(plain, model="o1-pro"))
+        self.assertEqual(fault.get("template"), "model_not_found")
+        fault = state.takeFault("sk-1", "http", body=dict(plain, odd=1), endpoint="chat")
+        self.assertEqual(fault.get("template"), "unknown_parameter")
+        self.assertIsNone(state.takeFault("sk-1", "http", body=dict(plain, odd=1)))
+
     def test_presets(self) -> None:
         """
         Presets fill code, body and headers; explicit fields override them.

@@ -49,7 +49,7 @@ class ChatCompletions(Route):
                 "type": "invalid_request_error", "code": None, "param": None}})
         draw = self.emulator.arrive(credential, HTTP, body, lowerHeaders(request))
         stream = body.get("stream") is True
-        answer, fault = self._resource._admit(request, credential, draw)
+        answer, fault = self._resource._admit(request, credential, draw, body, "chat")
         if answer is not None:
             return answer
         if fault is not None and fault.kind == "refuse":

@@ -350,15 +350,19 @@ class Emulator:
                                    transport, self.reactor.seconds())
 
     def takeFault(self, credential: str | None, transport: str, draw: TurnDraw,
-                  handshake: bool = False) -> Fault | None:
+                  handshake: bool = False, body: Any = None,
+                  endpoint: str = "responses") -> Fault | None:
         """
         The fault of one request: a scripted one first (its C{times} counts down), else the
         chaos draw.
 
         @param draw: the request's L{TurnDraw} (L{arrive}, or L{TurnLedger.handshake}).
+        @param body: the request body or frame (a fault's C{model} filter, a C{refuse}
+            fault's fit: L{EmulatorState.takeFault}).
+        @param endpoint: C{responses} or C{chat}.
         @return: the fault, or L{None}.
         """
-        fault = self.state.takeFault(credential, transport, handshake)
+        fault = self.state.takeFault(credential, transport, handshake, body, endpoint)
         if fault is None and self.chaos is not None:
             fault = self.chaos.pick(self.state.nameOf(credential), draw.drawKey, draw.attempt,
                                     transport, handshake, self.reactor.seconds())

@@ -294,21 +294,23 @@ class EmulatorResource(ResponsesAPIMixin, Resource):
 
     # -- shared fault handling --------------------------------------------------------------
 
-    def _admit(self, request: Any, credential: str | None,
-               draw: TurnDraw) -> tuple[Any, Fault | None]:
+    def _admit(self, request: Any, credential: str | None, draw: TurnDraw,
+               body: Any = None, endpoint: str = "responses") -> tuple[Any, Fault | None]:
         """
         Authenticate and apply the faults that act before the response starts.
 
         @param request: the request.
         @param credential: the bearer token.
         @param draw: the request's L{TurnDraw} (scripted faults first, then chaos).
+        @param body: the parsed body (which faults fit it: L{EmulatorState.takeFault}).
+        @param endpoint: C{responses} or C{chat}.
         @return: C{(answer, fault)}: when C{answer} is not L{None} the request is already
             answered with it; otherwise C{fault} is the fault (if any) that shapes the stream.
         @rtype: L{tuple}
         """
         if not self._state.known(credential):
             return self._json(request, 401, invalidKeyBody()), None
-        fault = self.emulator.takeFault(credential, HTTP, draw)
+        fault = self.emulator.takeFault(credential, HTTP, draw, body=body, endpoint=endpoint)
         if fault is None:
             return None, None
         self._log.info("applying fault {kind} for {name}", event="emulator.fault",
@@ -416,7 +418,7 @@ class EmulatorResource(ResponsesAPIMixin, Resource):
         unsupported = [name for name in OAUTH_UNSUPPORTED if name in body]
         if route == "oauth" and self._state.known(credential) and unsupported:
             return self._json(request, 400, {"detail": f"Unsupported parameter: {unsupported[0]}"})
-        answer, fault = self._admit(request, credential, draw)
+        answer, fault = self._admit(request, credential, draw, body)
         if answer is not None:
             return answer
         if fault is not None and fault.kind == "refuse":

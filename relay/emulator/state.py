@@ -54,7 +54,13 @@ Fault format (a JSON object, or a list of them; the first applicable one is used
                | "rate_limit" | "unauthorized",
      "times": 2,                 # apply to the next 2 matching requests, then heal
      "transport": "http" | "ws" | "any",
+     "model": "o1-pro",          # only requests (and WebSocket turns) for this model
      "resets_in_seconds": 7200}  # usage_limit preset: when its window resets
+
+A C{refuse} fault applies only to a request it refuses (one carrying what its template
+quotes), so a list of them acts together as upstream's validations do: each request gets
+the first refusal that fits it, and a request none fits is served (nor does it count down
+their C{times}).
 
 Seeded random faults (chaos mode) and the per-turn generation ledger are
 L{relay.emulator.chaos}.
@@ -96,7 +102,7 @@ from typing import Any
 from attrs import define, field, frozen
 from twisted.internet.interfaces import IReactorTime
 
-from relay.emulator.refusals import checkSpec
+from relay.emulator.refusals import checkSpec, refusalFor
 from relay.emulator.sealing import foreignItem, invalidContentError, seal
 
 HTTP = "http"
@@ -392,6 +398,8 @@ def parseFault(spec: dict, now: float = 0.0) -> Fault:
     transport = params.pop("transport", ANY)
     if transport not in (HTTP, WS, ANY):
         raise ValueError(f"fault transport must be http, ws or any, not {transport!r}")
+    if "model" in params and not isinstance(params["model"], str):
+        raise ValueError("fault model must be a model name")
     times = params.pop("times", None)
     if times is not None and (not isinstance(times, int) or times < 1):
         raise ValueError("fault times must be a positive integer")
@@ -419,6 +427,22 @@ def parseFault(spec: dict, now: float = 0.0) -> Fault:
     if kind == "refuse":
         checkSpec(params)
     return Fault(kind=kind, transport=transport, times=times, params=params)
+
+
+def _fitsBody(fault: Fault, body: Any, endpoint: str) -> bool:
+    """
+    Whether C{fault} applies to a request with C{body}: its C{model}, when it names one,
+    is the body's; a C{refuse} fault refuses the body. Without a body (a WebSocket
+    upgrade, an unparsed request) only the C{model} filter can exclude it.
+    """
+    model = fault.get("model")
+    if not isinstance(body, dict):
+        return model is None
+    if model is not None and body.get("model") != model:
+        return False
+    if fault.kind == "refuse":
+        return refusalFor(fault.params, body, endpoint) is not None
+    return True
 
 
 def parseFaults(spec: Any, now: float = 0.0) -> list[Fault]:
@@ -1392,7 +1416,8 @@ class EmulatorState:
         }
 
     def takeFault(self, credential: str | None, transport: str,
-                  handshake: bool = False) -> Fault | None:
+                  handshake: bool = False, body: Any = None,
+                  endpoint: str = "responses") -> Fault | None:
         """
         Consume the fault that applies to the next request, counting down C{times}.
 
@@ -1401,6 +1426,10 @@ class EmulatorState:
         @type transport: L{str}
         @param handshake: whether this is a WebSocket upgrade.
         @type handshake: L{bool}
+        @param body: the request body or C{response.create} frame, when known: a fault
+            naming a C{model} applies only to a body for that model, and a C{refuse} fault
+            only to a body it refuses (see the module docstring).
+        @param endpoint: C{responses} or C{chat} (the fields a C{refuse} fault knows).
         @return: the fault, or L{None}.
         @rtype: L{Fault} or L{None}
         """
@@ -1408,6 +1437,8 @@ class EmulatorState:
         faults = self._faults.get(key, [])
         for index, fault in enumerate(faults):
             if not fault.appliesTo(transport, handshake):
+                continue
+            if not _fitsBody(fault, body, endpoint):
                 continue
             if fault.times is not None:
                 if fault.times <= 1:

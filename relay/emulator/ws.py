@@ -230,7 +230,7 @@ class EmulatorWebSocketProtocol(WebSocketServerProtocol):
                 " Create a new websocket connection to continue.", "param": None}))
             return
         draw = self._emulator.arrive(self._credential, WS, frame, None)
-        fault = self._emulator.takeFault(self._credential, WS, draw)
+        fault = self._emulator.takeFault(self._credential, WS, draw, body=frame)
         tracker = TurnTracker(state, self._credential)
         if fault is not None and fault.kind == "refuse":
             refusal = refusalOf(fault, frame, "responses", self._credential)

@@ -224,7 +224,9 @@ class KeyChecks:
         (L{relay.usage.estimate.inputTokens}) plus, for a turn chained by
         C{previous_response_id}, the chain's last known input + output;
         output from the body's C{max_output_tokens} (chat:
-        C{max_completion_tokens}, C{max_tokens}), else the key's
+        C{max_completion_tokens}, C{max_tokens}), else (or where the key
+        may reach an account that drops that limit: OAuth,
+        L{relay.tenants.keypolicy.KeyPolicy.outputLimitHonoured}) the key's
         C{max_turn_output_tokens}; the cost at the dearest price of the
         accounts the key may reach (L{relay.tenants.keypolicy.KeyPolicy.estimate}).
 
@@ -238,7 +240,8 @@ class KeyChecks:
         chain = await self.parts.usage.chainTokens(
             previous if isinstance(previous, str) else None)
         given = inputTokens(turn.body) + chain
-        out = outputTokens(turn.body, key.max_turn_output_tokens)
+        honoured = policy is None or policy.outputLimitHonoured(key, turn.model)
+        out = outputTokens(turn.body if honoured else None, key.max_turn_output_tokens)
         nanos = 0
         if policy is not None and (key.daily_usd is not None or key.monthly_usd is not None):
             nanos = policy.estimate(key, turn.model, turn.body, given, out)

@@ -325,6 +325,19 @@ class KeyPolicy:
                    if a.servesModel(model)]
         return serving or [model]
 
+    def outputLimitHonoured(self, key: ClientKey, model: Optional[str]) -> bool:
+        """
+        R108: whether a request's own output limit (C{max_output_tokens};
+        chat C{max_completion_tokens}, C{max_tokens}) bounds the turn on
+        every account C{key} may reach that serves C{model}. The ChatGPT
+        backend takes none, so relay leaves it out of every OAuth request
+        (L{relay.engine.payload.OAUTH_SAMPLING_DROPPED}) and a turn there
+        may run to the key's C{max_turn_output_tokens}, which is then the
+        output its reservation holds.
+        """
+        return not any(a.type == "oauth" for a in self.reachable(key, self.live.accounts)
+                       if a.servesModel(model))
+
     def _priced(self, model: Optional[str], accounts: Iterable) -> bool:
         """
         R109: some account C{key} may reach serves C{model} under a name

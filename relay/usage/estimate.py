@@ -12,7 +12,8 @@ C{instructions}, C{messages}, C{tools}): the estimate the bundled emulator
 bills by too, a little above OpenAI's count (JSON punctuation stands in for
 the per-message framing tokens). Output before the turn is what the request
 allows (C{max_output_tokens}; chat C{max_completion_tokens} or
-C{max_tokens}), else the key's C{max_turn_output_tokens}; after it, one
+C{max_tokens}), else (or where an account the turn may reach drops that
+limit, as OAuth accounts do) the key's C{max_turn_output_tokens}; after it, one
 token per delta event relayed (upstream streams one token per C{*.delta}
 event), or a quarter of the relayed bytes when no delta was seen, at least
 one. A turn counted so carries C{estimated=1}
