@@ -186,7 +186,7 @@ class IStateStore(Interface):
 
 class IAccountStateView(Interface):
     """
-    Issue 24 item 5: an L{IStateStore} that keeps every account's runtime
+    An L{IStateStore} that keeps every account's runtime
     state at hand, so selection reads no state per account per turn: the
     scheduler asks for the view once per selection and looks at the few
     accounts whose state may block them (L{IAccountStates.flagged}). A
@@ -378,8 +378,8 @@ class IUpstreamResponse(Interface):
 
 class IUpstreamDialer(Interface):
     """
-    Dials upstream accounts: HTTP through treq (issue 2), WebSocket through
-    autobahn (issue 6), each through the account's proxy (issue 8).
+    Dials upstream accounts: HTTP through treq, WebSocket through
+    autobahn, each through the account's proxy.
 
     Never retries by itself (architecture.md invariant 3).
     """
@@ -488,7 +488,7 @@ class ITurnSink(Interface):
 
 class IUsageStore(Interface):
     """
-    Hourly token totals (issue 13 item 5), kept where the runtime settings
+    Hourly token totals, kept where the runtime settings
     are: SQLite embedded, Redis when several relays share state. Rows are
     keyed by (hour, client key name, account id, upstream model); values
     are L{relay.usage.tokens.TokenCounts}. Hours are Unix seconds at the
@@ -528,8 +528,7 @@ class IUsageStore(Interface):
     def costTotals(dayStart, monthStart):
         """
         Total cost (nano-dollars, priced turns only) per key since the
-        start of the UTC day and of the UTC month, for money budgets
-        (issue 22).
+        start of the UTC day and of the UTC month, for money budgets.
 
         @param dayStart: Unix seconds of 00:00 UTC today.
         @param monthStart: Unix seconds of 00:00 UTC on the 1st.
@@ -609,7 +608,7 @@ class IBudgetHolds(Interface):
 class IAccountHistory(Interface):
     """
     What each account did minute by minute over the last few minutes, kept
-    in memory for the status page (issue 15). Bounded: a fixed number of
+    in memory for the status page. Bounded: a fixed number of
     one-minute buckets per configured account, each of fixed size.
     Synchronous and cheap: the turn engine calls it on its hot path.
     """
@@ -654,7 +653,7 @@ class IAccountHistory(Interface):
 
 class ICredentialSource(Interface):
     """
-    The bearer each account is dialled with (issue 12): an API key's static
+    The bearer each account is dialled with: an API key's static
     key, or an OAuth account's current access token, refreshed before it
     expires and once after an upstream 401 (protocol.md 7.4, behaviour.md
     R11). The engine asks it for the account to dial; dialers read that
@@ -737,7 +736,7 @@ class ICredentialSource(Interface):
 
 class ITokenStore(Interface):
     """
-    Where the newest OAuth tokens are persisted (issue 12): the SQLite
+    Where the newest OAuth tokens are persisted: the SQLite
     C{database} or Redis. Writes are compare-and-set on the record's
     version; the lock gives cross-process single flight.
 
@@ -804,7 +803,7 @@ class ILiveAccounts(Interface):
     """
     The accounts in force: the one home every consumer reads through
     (scheduler, WebSocket entry, model list, operator view), so a live
-    reload changes them for all at once (issue 14).
+    reload changes them for all at once.
 
     Iterating gives the accounts in configuration order; C{len()} and
     indexing work as on a tuple.
@@ -845,7 +844,7 @@ class ILiveAccounts(Interface):
 class ISlotDrain(Interface):
     """
     An L{ISlotAdmission} that can give back everything this process holds
-    when it stops (issue 14's graceful stop), so other processes sharing
+    when it stops (a graceful stop), so other processes sharing
     its slots (Redis) see them free at once instead of after the slot TTL.
     """
 
@@ -864,7 +863,7 @@ class ISlotDrain(Interface):
 class IRateLimiter(Interface):
     """
     Per-key sliding 60-second windows of turns started and tokens used
-    (C{keys[].rpm} / C{keys[].tpm}, issue 22, behaviour.md R102), in memory
+    (C{keys[].rpm} / C{keys[].tpm}, behaviour.md R102), in memory
     or shared by every relay process on one Redis
     (L{relay.tenants.ratelimit}).
 
@@ -906,7 +905,7 @@ class IRateLimiter(Interface):
 
 class IRequestLog(Interface):
     """
-    The request log (issue 22 item 4): one
+    The request log: one
     L{relay.tenants.record.TurnRecord} per turn, bounded by count and age,
     searchable by the operator (L{relay.tenants.requestlog}).
     """
@@ -955,7 +954,7 @@ class IRequestLog(Interface):
 
 class ITurnObserver(Interface):
     """
-    Watches turns from inside the engine (issue 23: OpenTelemetry traces,
+    Watches turns from inside the engine (OpenTelemetry traces,
     L{relay.tracing}), through one seam: the runner asks it for an
     L{ITurnTrace} when a turn starts and tells that trace about each
     attempt and the end. With no observer the runner builds nothing.
@@ -1011,7 +1010,7 @@ class ITurnTrace(Interface):
 
 class IControlStore(Interface):
     """
-    What operators change while relay runs (issue 21, protocol.md 7.5,
+    What operators change while relay runs (protocol.md 7.5,
     behaviour.md R95-R97): the control plane's one store, shared by every
     relay process on the same backend (L{relay.control}).
 
@@ -1030,7 +1029,7 @@ class IControlStore(Interface):
         secret);
       - C{key}: client keys issued through the admin API, with their
         policy and the SHA-256 digest of their secret (never the secret;
-        issue 22, L{relay.control.keys});
+        L{relay.control.keys});
       - C{key_disabled}: a key (file or admin) disabled through the API;
       - C{group}: an account group added through the API;
       - C{prices}: the admin API's prices (one record).

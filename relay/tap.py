@@ -24,7 +24,7 @@ from twisted.application.service import Service
 from twisted.logger import Logger
 from twisted.python import usage
 
-from relay.configuration.check import (  # noqa: F401 - their home is relay.configuration.check (issue 21)
+from relay.configuration.check import (  # noqa: F401 - their home is relay.configuration.check
     CONFIG_ERROR_EXIT,
     CONFIG_ERROR_PREFIX,
     checkComponents,
@@ -43,7 +43,7 @@ def ownPidfile(options: usage.Options, name: str) -> None:
     Give a twistd plugin its own default pid file, C{<name>.pid}, instead
     of twistd's C{twistd.pid}, so C{twistd -n relay} and C{twistd -n
     relay-emulator} started side by side from one directory do not refuse
-    each other ("Another twistd server is running"; issue 15). A
+    each other ("Another twistd server is running"). A
     C{--pidfile} given on the command line (other than C{twistd.pid}
     itself) is kept, and C{--pidfile=} still means none. Runs in the
     plugin's C{postOptions}, before twistd resolves the path; does nothing
@@ -146,7 +146,7 @@ class Options(usage.Options):
         checkWorkers(config)
         self.worker = workerIndex()
         if self.worker is not None:
-            # Issue 16: a worker started by the supervisor serves; it does
+            # A worker started by the supervisor serves; it does
             # not supervise.
             config = evolve(config, workers=1)
         fmt = self["log-format"] or config.log_format
@@ -170,7 +170,7 @@ class Options(usage.Options):
 
 def _batchedObserver(fmt: str, stream, level=None):
     """
-    Issue 24: twist's observer, writing the lines of one reactor iteration
+    The observer for twist, writing the lines of one reactor iteration
     together (L{relay.base.logs.BatchedFileLogObserver}); what is held is
     written at shutdown and at exit. Called once twist installed the
     reactor. With twist's C{level} (its C{--log-level}), the level filter
@@ -200,8 +200,8 @@ supervisor waits for it after C{SIGTERM} before it sends C{SIGKILL}."""
 
 def _supervisor(options: Options, reactor):
     """
-    The service of a C{workers: N} supervisor (issue 16,
-    L{relay.process.workers}): the listen address reserved now (a port in use is
+    The service of a C{workers: N} supervisor
+    (L{relay.process.workers}): the listen address reserved now (a port in use is
     a one-line error naming C{listen}), N workers started with the
     service, C{SIGHUP} forwarded to them
     (L{relay.process.workers.WorkerSupervisor.reloadWorkers}).
@@ -223,7 +223,7 @@ def _supervisor(options: Options, reactor):
         count=config.workers,
         argv=workerArgv(options["config"], listen, options["log-format"]),
         reserved=reserved,
-        # Issue 14: each worker drains for up to its grace; the supervisor
+        # Each worker drains for up to its grace; the supervisor
         # waits that long (and a little more) before it kills one.
         grace=config.gateway.shutdown_grace_seconds + SUPERVISOR_GRACE_MARGIN_SECONDS,
     )
@@ -250,8 +250,8 @@ def globalReactor():
 
 class ReloadOnHangup(Service):
     """
-    C{SIGHUP} reloads the configuration (issue 14,
-    L{relay.process.reload}). Signal handling lives here, at the edge
+    C{SIGHUP} reloads the configuration
+    (L{relay.process.reload}). Signal handling lives here, at the edge
     where the service starts: the handler is installed when the service
     starts and the previous one restored when it stops. The handler only
     schedules the reload on the reactor thread (C{callFromThread}, as
@@ -323,7 +323,7 @@ class ReloadOnHangup(Service):
 
 class CleanExitOnTerm(Service):
     """
-    C{SIGTERM} is relay's normal stop (issue 14): once the service has
+    C{SIGTERM} is relay's normal stop: once the service has
     drained, the process exits with status 0. Since Twisted 22 twistd and
     twist re-raise the signal that stopped the reactor after it stops (the
     reactor's private C{_exitSignal}), so the exit status would say
@@ -355,7 +355,7 @@ a later read only leaves a little garbage behind."""
 
 def settleMemory() -> dict:
     """
-    Give back what start-up left behind (issue 24, RSS at c=128 <= 64 MiB):
+    Give back what start-up left behind (RSS at c=128 <= 64 MiB):
     a full collection; the source lines attrs keeps in C{linecache} for
     the methods it generated (a traceback through one reads the file
     again, or shows no line); then glibc's C{malloc_trim(0)}, which returns
@@ -385,7 +385,7 @@ def settleMemory() -> dict:
 YOUNG_GC_THRESHOLD = 10_000
 """The collector's first threshold after start-up (CPython's default is
 700): how many more container objects may be allocated than freed since
-the last young collection before the next one runs. Issue 24: 32 turns in flight
+the last young collection before the next one runs. Thirty-two turns in flight
 keep more than 700 young objects alive at once, so with the default a
 young collection ran every few hundred allocations and re-scanned them,
 and the survivors it promoted set off full collections: 8 % of relay's
@@ -404,7 +404,7 @@ def settleProcess() -> dict:
     the config, the resource tree) move to the collector's permanent
     generation, so a full collection no longer walks ~90,000 objects that
     live as long as the process -- and the first threshold raised to
-    L{YOUNG_GC_THRESHOLD}, the later ones kept (issue 24, CPU per turn at
+    L{YOUNG_GC_THRESHOLD}, the later ones kept (CPU per turn at
     load). The process-wide tuning is here, where the plugin owns the
     process, not in relay's modules.
 

@@ -1,4 +1,4 @@
--- relay: the busy ones among many ids of one kind (issue 24; R34's load,
+-- relay: the busy ones among many ids of one kind (R34's load,
 -- for the load-balance layer). One round trip whose request and reply do
 -- not grow with the ids: they travel as one argument, and only the ids
 -- with a load come back. (The slot keys are named here from the ids, not

@@ -77,7 +77,7 @@ class _Ticket:
     @ivar done: whether the ticket left the queue (granted or failed).
     @ivar requestId: the waiting turn's id (L{currentRequestId} when it
         joined), for the lines written when it leaves from a timer or a
-        cancellation, outside the turn (issue 15).
+        cancellation, outside the turn.
     """
 
     plan: WaitPlan
@@ -119,7 +119,7 @@ class MemorySlotAdmission:
 
     def tryAcquireNow(self, kind, id, limit) -> Optional[MemorySlotLease]:
         """
-        L{tryAcquire} without its Deferred (issue 24: the scheduler's sticky
+        L{tryAcquire} without its Deferred (the scheduler's sticky
         fast path).
 
         @return: a lease or L{None}.
@@ -189,7 +189,7 @@ class MemorySlotAdmission:
 
     def busy(self, kind, ids=(), fresh=False) -> dict:
         """
-        Issue 24: the loads of the slot keys of C{kind} that hold a slot or
+        The loads of the slot keys of C{kind} that hold a slot or
         have a waiter -- every other key's load is C{(0, 0)} -- at the cost
         of those keys, not of every account (the scheduler's load-balance
         layer reads this instead of every candidate's load). Always fresh

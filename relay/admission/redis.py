@@ -52,7 +52,7 @@ Every key a script touches is one of its C{KEYS}.
 
 Fast path: one C{acquire.lua} call and one C{ZREM}.
 
-Issue 24: acquire, leave and release calls go through a
+Acquire, leave and release calls go through a
 L{relay.state.redisbatch.RedisBatch} in leading mode: a call made while
 none of them is queued or in flight leaves at once as the plain script or
 command above; calls made while one is in flight (concurrent turns) wait for
@@ -74,8 +74,8 @@ C{on_redis_error} (R35), as implemented:
     ends, then fails with C{error} when the last poll failed, else
     C{timeout}; C{fail_closed} fails with C{error} at once;
   - release and leave errors are logged, and the member is released again
-    (C{leave.lua}) once Redis answers (L{RedisSlotAdmission.unreleased},
-    issue 23): a command that timed out may still run later (a Redis that
+    (C{leave.lua}) once Redis answers (L{RedisSlotAdmission.unreleased}):
+    a command that timed out may still run later (a Redis that
     was paused, or a reply lost in a failover), so every slot member an
     error left in doubt is removed twice, L{RELEASE_RETRY_SECONDS} apart,
     and the slot TTL is only the last resort. With Sentinel, the members
@@ -153,7 +153,7 @@ class RedisSlotLease:
     @ivar released: whether L{release} was called.
     @ivar turnRequestId: the id of the turn that acquired it
         (L{relay.base.requestid.currentRequestId} when it was made), for the
-        log lines its renewals write outside the turn (issue 15).
+        log lines its renewals write outside the turn.
     """
 
     _admission: "RedisSlotAdmission"
@@ -268,7 +268,7 @@ class RedisSlotAdmission:
     _heartbeat: Optional[LoopingCall] = field(default=None, init=False)
     unreleased: dict = field(factory=dict, init=False)
     """Request id -> C{[kind, id, passes]}: slot members an error left in
-    doubt, released again once Redis answers (issue 23)."""
+    doubt, released again once Redis answers."""
     _releaser: Optional[LoopingCall] = field(default=None, init=False)
     _recent: Optional[deque] = field(default=None, init=False)
     """With Sentinel: C{(at, request id, kind, id)} of recent releases."""
@@ -300,7 +300,7 @@ class RedisSlotAdmission:
             self._recent = deque(maxlen=100_000)
             listeners.append(self.masterSwitched)
         if self.batch is not None:
-            # Shared (issue 24): a release waits for the end of the reactor
+            # A shared batch: a release waits for the end of the reactor
             # turn, with the turn's other end-of-turn writes.
             self._batch, self._releaseLead = self.batch, False
         else:
@@ -417,7 +417,7 @@ class RedisSlotAdmission:
 
     def tryAcquireBinding(self, kind, id, limit, bindingKey: str, ttl: float) -> Deferred:
         """
-        Issue 24: L{tryAcquire} with the session binding's refresh in the
+        L{tryAcquire} with the session binding's refresh in the
         same round trip: when the slot is taken and C{bindingKey} still
         names C{id}, its TTL is set to C{ttl} (R38's hit). With a shared
         batcher the acquire waits for the reactor turn's other commands
@@ -464,7 +464,7 @@ class RedisSlotAdmission:
         for lease in leftover:
             lease.release()
         if self.unreleased:
-            # Issue 23: members left in doubt by earlier errors, once more.
+            # Members left in doubt by earlier errors, once more.
             self.retryReleases()
         self._batch.flush()
         if self._writes:
@@ -583,7 +583,7 @@ class RedisSlotAdmission:
     def _releaseLater(self, kind: str, id: str, rid: str, remember: bool = True) -> None:
         """
         Remember a slot member whose release failed or whose acquire may
-        have landed after its error (issue 23), and start the pass loop.
+        have landed after its error, and start the pass loop.
 
         @param remember: also note it for the next master switches
             (L{_remember}); L{masterSwitched} itself does not note again.

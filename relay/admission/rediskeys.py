@@ -32,7 +32,7 @@ LOAD_LUA = _script("load")
 BUSY_LUA = _script("busy")
 HEARTBEAT_LUA = _script("heartbeat")
 
-#: Issue 24: a slot try and the binding refresh as one operation: KEYS the
+#: A slot try and the binding refresh as one operation: KEYS the
 #: four of C{acquire.lua} and the binding key; ARGV those of C{acquire.lua}
 #: (mode C{try}), then the account id and the binding's TTL ms. Returns
 #: C{acquire.lua}'s reply with a fifth element, 1 when the binding was
@@ -51,12 +51,12 @@ return r
 """)
 
 #: The slot commands a turn sends (acquire, leave; release is a plain
-#: C{ZREM}), as operations of one batch (issue 24): alone, each is the
+#: C{ZREM}), as operations of one batch: alone, each is the
 #: script or command it always was.
 ADMISSION_SOLO = {"ACQUIRE": ACQUIRE_LUA, "LEAVE": LEAVE_LUA, "ACQUIRE_BIND": ACQUIRE_BIND_LUA}
 ADMISSION_BATCH_LUA = batchScript(ADMISSION_SOLO)
 
-#: Issue 24: one batcher for the state store and the admission of a relay
+#: One batcher for the state store and the admission of a relay
 #: process (L{sharedBatch}): a turn's state reads and its account slot acquire
 #: travel in one round trip, and its end (slot releases, owner records, the
 #: streak reset) in one more.
@@ -67,7 +67,7 @@ SHARED_BATCH_LUA = batchScript(SHARED_SOLO)
 def sharedBatch(redis: RedisService, clock: IReactorTime) -> RedisBatch:
     """
     The batcher a L{relay.state.redis.RedisStateStore} and a
-    L{relay.admission.redis.RedisSlotAdmission} share (issue 24): leading (a lone acquire leaves
+    L{relay.admission.redis.RedisSlotAdmission} share: leading (a lone acquire leaves
     at once, as alone), the store's operations and the releases queued to
     the end of the reactor turn.
     """
@@ -76,15 +76,15 @@ def sharedBatch(redis: RedisService, clock: IReactorTime) -> RedisBatch:
 #: The process registry ZSET (see the module docstring; R34 crash recovery).
 PROCESSES_KEY = "relay:processes"
 
-#: Seconds between passes over the slot members whose release is in doubt
-#: (issue 23); each member is released on two passes that reached Redis.
+#: Seconds between passes over the slot members whose release is in doubt;
+#: each member is released on two passes that reached Redis.
 RELEASE_RETRY_SECONDS = 1.0
 
 #: With Sentinel: how far back releases are repeated on a new master.
 RECENT_RELEASE_SECONDS = 60.0
 
 #: R34: how long the load-balance layer's load read is reused in this
-#: process (sub2api's C{load_batch_cache_ttl_ms}, 200 ms; issue 24). This
+#: process (sub2api's C{load_batch_cache_ttl_ms}, 200 ms). This
 #: process's own slot takes and releases since the read are counted into
 #: it at once; a pass whose tries all failed reads again uncached.
 LOAD_CACHE_SECONDS = 0.2
@@ -111,7 +111,7 @@ def queueKey(kind: str, id: str) -> str:
 
 
 _KEYS: dict = {}
-"""Issue 24: C{(kind, id)} -> its C{(slot, queue, alive)} keys, built once."""
+"""C{(kind, id)} -> its C{(slot, queue, alive)} keys, built once."""
 
 
 def _keys(kind: str, id: str) -> tuple:

@@ -75,7 +75,7 @@ class RedisLoads:
 
     def busy(self, kind, ids=(), fresh=False) -> Deferred:
         """
-        Issue 24: the loads of those of C{ids} that hold a slot or have a
+        The loads of those of C{ids} that hold a slot or have a
         waiter (the scheduler's load-balance layer ranks only these one by
         one; every other id's load is C{(0, 0)}). One C{busy.lua} call for
         C{ids} (L{_read}), reused for L{LOAD_CACHE_SECONDS} (R34's
@@ -199,7 +199,7 @@ class RedisLoads:
             if now - entry[0] >= LOAD_CACHE_SECONDS and not isinstance(entry[1], Deferred):
                 # Never used again (L{busy} reads anew): dropped, so the
                 # turns that follow (a sticky session reads no loads) count
-                # nothing into it (issue 24).
+                # nothing into it.
                 stale.append(key)
             elif key[0] == kind and id in key[1]:
                 own = entry[2]

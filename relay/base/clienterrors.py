@@ -22,8 +22,7 @@ def admissionError(error: AdmissionError, kind: str) -> ClientError:
     Map an admission failure to what the client sees (behaviour.md R32).
 
     relay's own 429s carry a distinct C{code} (C{relay_queue_full},
-    C{relay_wait_timeout}) so they cannot be confused with an upstream 429
-    (issue 4).
+    C{relay_wait_timeout}) so they cannot be confused with an upstream 429.
 
     @param error: the L{AdmissionError} (C{queue_full}, C{timeout}, C{error}).
     @param kind: C{account} or C{user}.

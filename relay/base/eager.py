@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_eager -*-
 """
 L{eagerDeferred}: a coroutine as a L{Deferred}, without the machinery when
-it never waits (issue 16).
+it never waits.
 
 C{Deferred.fromCoroutine} wraps every coroutine in Twisted's inline-callback
 driver: a Deferred, a copied C{contextvars} context, a cancellation status

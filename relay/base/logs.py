@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_logs -*-
 """
-Log observers for relay (style.md section 6; issue 15).
+Log observers for relay (style.md section 6).
 
 Run C{twistd -n --logger=relay.base.logs.jsonStdout relay ...} for one JSON
 object per line on stdout, or C{--logger=relay.base.logs.textStdout} for text.
@@ -289,7 +289,7 @@ class SecretRedactor:
         clean = self._clean
         for key, value in event.items():
             kind = type(value)
-            # Issue 24: the common values (scalars, strings found clean
+            # The common values (scalars, strings found clean
             # before) are settled here, without a call per field.
             if kind in _SCALARS or (kind is str and value in clean) or key in _UNREDACTED_KEYS:
                 continue
@@ -578,7 +578,7 @@ def formatTextLine(
         L{None} (not supervised: no C{worker=}).
     @rtype: L{str}
     """
-    # Issue 24: the helpers' common cases inlined (three lines a turn).
+    # The helpers' common cases inlined (three lines a turn).
     requestId = event.get("request_id")
     if requestId is None:
         requestId = currentRequestId.get()
@@ -588,7 +588,7 @@ def formatTextLine(
     if "log_failure" in event:
         traceback = _failureText(event)
         if traceback:
-            # Issue 19 item 7: a traceback quotes values (a failing request's
+            # A traceback quotes values (a failing request's
             # headers, a token); redacted as the JSON format does.
             text = text + "\n" + redact(traceback)
     if "\n" in text:
@@ -729,7 +729,7 @@ def formatJSONLine(
             if key not in _LEGACY_KEYS and _outputKey(key) is not None:
                 record[_outputKey(key)] = value
     else:
-        # Issue 24: the keys an event of this shape writes, and their JSON
+        # The keys an event of this shape writes, and their JSON
         # names, are worked out once per shape (a call site's keys come in
         # the same order every time); the values are then read in C.
         shape = tuple(event)
@@ -814,7 +814,7 @@ def observerFor(
             """
             return formatTextLine(event, redactText, worker)
 
-        # Issue 16: a text line shows only the fields its format names.
+        # A text line shows only the fields its format names.
         kind = _TextRedactor
     if schedule is None:
         writer = FileLogObserver(stream, formatLine)
@@ -869,7 +869,7 @@ class _LeanLogger(Logger):
 
 class ClassLogger(Logger):
     """
-    C{_log = ClassLogger()} on a class of the turn path (issue 24 item 2)
+    C{_log = ClassLogger()} on a class of the turn path
     logs like C{_log = Logger()} -- the same namespace (C{module.Class}),
     observer, levels and event keys -- at a lower cost per line: reading
     C{self._log} returns one logger per class, built on first use, instead
@@ -904,7 +904,7 @@ class LevelFilter:
     What twist's runner puts in front of its file observer -- a
     L{FilteringLogObserver} with one L{LogLevelFilterPredicate} of a default
     level and no namespace levels -- with each level's verdict remembered
-    (issue 24 item 2; the predicate splits and joins the event's namespace
+    (the predicate splits and joins the event's namespace
     on every line). Events without a level or a namespace, and events
     below C{level}, are dropped; the others go to C{observer}.
     """
@@ -972,7 +972,7 @@ _HELD_LEVELS = frozenset({LogLevel.info, LogLevel.debug})
 class BatchedFileLogObserver:
     """
     A L{FileLogObserver} that writes the lines of one reactor iteration in
-    one C{write} (issue 24 item 1): a turn logs three info lines (the
+    one C{write}: a turn logs three info lines (the
     decision, C{relay.turn_finished}, the access line) and an unbuffered
     stdout made each a system call. Info and debug lines are held; the
     first one held schedules the write (C{schedule(self.flush)}). Any

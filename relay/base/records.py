@@ -30,7 +30,7 @@ class ClientKey:
     @ivar key: the secret value the client sends as C{Authorization: Bearer}.
     @ivar concurrency: per-key slots (behaviour.md R26); 0 means unlimited.
     @ivar daily_tokens: optional token budget (input + output) per UTC day;
-        L{None} means none (issue 13 item 5).
+        L{None} means none.
     @ivar monthly_tokens: optional token budget per UTC month.
     """
 
@@ -39,8 +39,8 @@ class ClientKey:
     concurrency: int = 5
     daily_tokens: int | None = None
     monthly_tokens: int | None = None
-    # Issue 22 (behaviour.md R102): the key's policy. Every field defaults
-    # to "no limit", so a key without them behaves as before; keys made
+    # The key's policy (behaviour.md R102). Every field defaults to
+    # "no limit", so a key without them behaves as before; keys made
     # through the admin API later carry the same fields.
     models: Optional[tuple] = None
     """Allow-list of client model names (before mapping), or L{None}: any;
@@ -95,7 +95,7 @@ class ClientKey:
 @frozen
 class ProxySpec:
     """
-    An egress proxy an account dials through (issue 8).
+    An egress proxy an account dials through.
 
     @ivar id: a stable identifier used in logs and health state.
     @ivar scheme: C{socks5}, C{socks5h} or C{http}.
@@ -136,7 +136,7 @@ class Account:
     @ivar pool_mode_retry_count: same-account retry limit (R14), default 3.
     @ivar pool_mode_retry_status_codes: statuses that allow a same-account
         retry in pool mode (R14).
-    @ivar refresh_token: OAuth only: the configured refresh token (issue 12),
+    @ivar refresh_token: OAuth only: the configured refresh token,
         or, on the account the engine dials, the current one; L{None} for a
         static access token. Never logged.
     @ivar id_token: OAuth only: the configured ID token (a JWT), if any.
@@ -192,7 +192,7 @@ class Account:
         Whether this account can serve C{endpoint}. Every account serves
         both: the ChatGPT (OAuth) backend has only C{/responses}
         (protocol.md 3, 7.2), and relay translates a chat turn for it
-        (L{relay.translate}, issue 13).
+        (L{relay.translate}).
 
         @param endpoint: C{responses} or C{chat}.
         """
@@ -250,17 +250,17 @@ class SchedulingSettings:
     sticky_session_ttl_seconds: float = 3600
     previous_response_ttl_seconds: float = 3600
     response_owner_ttl_seconds: float = 30 * 86400
-    """Issue 19 (R104): how long relay remembers which key and account own
+    """R104: how long relay remembers which key and account own
     a response id: as long as upstream keeps a stored response (30 days).
     A chain on an id with no owner record is refused
     (C{previous_response_not_found}); never shorter than
     C{previous_response_ttl_seconds}."""
     ping_interval: float = 10
     quota_aware: bool = True
-    """Issue 12: among accounts of equal priority, prefer the one with the
+    """Among accounts of equal priority, prefer the one with the
     most remaining usage window (L{relay.scheduling.quota})."""
     quota_threshold_percent: float = 95.0
-    """Issue 12: an account whose primary or secondary window is at or above
+    """An account whose primary or secondary window is at or above
     this used-percent is chosen only when no account of its priority below
     it can serve."""
 
@@ -268,7 +268,7 @@ class SchedulingSettings:
 @frozen
 class OAuthSettings:
     """
-    OAuth token refresh (issue 12, protocol.md 7.4). Seconds.
+    OAuth token refresh (protocol.md 7.4). Seconds.
 
     @ivar auth_base_url: where C{POST /oauth/token} goes unless an account
         names its own C{auth_base_url}.
@@ -285,11 +285,11 @@ class OAuthSettings:
     refresh_margin_seconds: float = 86400
     refresh_timeout_seconds: float = 30
     usage_probe_interval_seconds: float = 300
-    """Issue 21: how often an idle OAuth account's usage windows are read
+    """How often an idle OAuth account's usage windows are read
     from C{/backend-api/wham/usage} (through its proxy); an account whose
     traffic reported its windows more recently is not probed. 0 = never."""
     usage_probe_after_cooldown: bool = True
-    """Issue 21: probe an OAuth account once when a cooldown of it ends (so
+    """Probe an OAuth account once when a cooldown of it ends (so
     a window that reset shows as such before the next turn)."""
 
 
@@ -327,7 +327,7 @@ class UpstreamSettings:
 @frozen
 class LimitSettings:
     """
-    Intake limits (config.md C{gateway.limits}, behaviour.md R103, issue 19).
+    Intake limits (config.md C{gateway.limits}, behaviour.md R103).
 
     @ivar header_timeout_seconds: the whole header block of a request must
         arrive within this many seconds of its first byte (or of the
@@ -373,8 +373,8 @@ class GatewaySettings:
     max_account_switches: int = 10
     max_request_body_bytes: int = 64 * 2**20
     """The largest request body, after decoding any C{Content-Encoding};
-    larger ones are answered 413 at once (issue 13). Read at startup and on
-    a live reload (issue 14)."""
+    larger ones are answered 413 at once. Read at startup and on
+    a live reload."""
     first_output_timeout_seconds: float = 0
     retry_interval_ms: int = 0
     transport_retry_policy: str = "rotate"
@@ -386,7 +386,7 @@ class GatewaySettings:
     (behaviour.md R24, R85)."""
     shutdown_grace_seconds: float = 30
     """How long running turns may finish after C{SIGTERM} before relay
-    cancels them (issue 14, L{relay.process.drain}). Read when the stop
+    cancels them (L{relay.process.drain}). Read when the stop
     begins, so a reload changes it."""
     usage_drain_seconds: float = 60
     """How long relay keeps reading an upstream answer after its client left
@@ -415,7 +415,7 @@ class StateSettings:
     @ivar concurrency_slot_ttl_minutes: slot lease TTL (R34).
     @ivar redis_sentinels: C{("host:port", ...)} of Redis Sentinels; when
         given, the master of C{redis_master_name} is asked of them and
-        C{redis_url} gives only the database, user and password (issue 23).
+        C{redis_url} gives only the database, user and password.
     @ivar redis_master_name: the Sentinel service name of the master.
     """
 
@@ -430,7 +430,7 @@ class StateSettings:
 @frozen
 class UsageSettings:
     """
-    Token accounting (config.md C{usage:}, issue 13 item 5).
+    Token accounting (config.md C{usage:}).
 
     @ivar flush_interval_seconds: how often hourly totals are written to
         the settings store (SQLite or Redis) and budgets re-read.
@@ -444,7 +444,7 @@ class UsageSettings:
 @frozen
 class RequestLogSettings:
     """
-    The request log (config.md C{request_log:}, issue 22 item 4): one
+    The request log (config.md C{request_log:}): one
     record per turn, bounded by count and by age.
 
     @ivar max_records: records kept at most (the oldest go first).
@@ -465,7 +465,7 @@ class RequestLogSettings:
 @frozen
 class TracingSettings:
     """
-    OpenTelemetry traces (issue 23; off unless C{exporter} is set). Needs
+    OpenTelemetry traces (off unless C{exporter} is set). Needs
     the C{otel} extra (C{pip install 'relay[otel]'}).
 
     @ivar exporter: C{none} (off: no tracer, nothing built per turn),
@@ -508,7 +508,7 @@ class RelayConfig:
     workers: int = 1
     admin_key: Optional[str] = field(default=None, repr=False)
     metrics_key: Optional[str] = field(default=None, repr=False)
-    """Issue 19: a read-only key that opens C{/metrics} and nothing else (R99)."""
+    """A read-only key that opens C{/metrics} and nothing else (R99)."""
     log_format: str = "text"
     keys: tuple = ()
     accounts: tuple = ()
@@ -519,11 +519,11 @@ class RelayConfig:
     proxies: tuple = ()
     usage: UsageSettings = UsageSettings()
     groups: dict = field(factory=dict, hash=False)
-    """Issue 22: account group name -> tuple of account ids (config.md C{groups:})."""
+    """Account group name -> tuple of account ids (config.md C{groups:})."""
     prices: dict = field(factory=dict, hash=False)
-    """Issue 22: model -> L{relay.tenants.prices.Price} overriding the shipped table."""
+    """Model -> L{relay.tenants.prices.Price} overriding the shipped table."""
     request_log: RequestLogSettings = RequestLogSettings()
-    """Issue 22: the request log's bounds and debug sampling."""
+    """The request log's bounds and debug sampling."""
     tracing: TracingSettings = TracingSettings()
     demo: bool = False
     """The offline demo against the bundled emulator (config.md C{demo}):
@@ -585,7 +585,7 @@ class CancelSignal:
 
         @param reason: why, for logs.
         @param tell: when relay itself cancels a turn whose client is still
-            there (the end of a graceful stop's grace, issue 14), the
+            there (the end of a graceful stop's grace), the
             terminal error the engine writes to that client once the turn
             has unwound; L{None} when the client left (nothing to tell).
             Either way the attempt ends as L{relay.policy.ends.Departed}:
@@ -606,7 +606,7 @@ class CancelSignal:
     def onCancel(self, callback) -> None:
         """
         Call C{callback(reason)} once, when the turn is cancelled; a
-        lighter L{whenCancelled} for the engine's hot path (issue 16).
+        lighter L{whenCancelled} for the engine's hot path.
         Not called when already cancelled (check L{cancelled} first).
 
         @param callback: a one-argument callable.
@@ -677,10 +677,10 @@ class Turn:
     @ivar wsContext: for C{ws} turns, the client connection's state (its
         history and dedicated upstream), read by the WebSocket attempt.
     @ivar usage: the turn's L{relay.usage.tokens.TokenCounts} once the
-        engine read them (issue 13 item 5), else L{None}.
+        engine read them, else L{None}.
     @ivar upstreamRequestId: the current attempt's upstream C{x-request-id}
         (L{None} before its headers or when it sent none), set by the
-        engine and logged as C{upstream_request_id} (issue 15).
+        engine and logged as C{upstream_request_id}.
     @ivar request: for a request that is not a turn (behaviour.md R87:
         compact, retrieve, delete, input items, cancel, input tokens,
         models), its L{relay.engine.requests.RequestKind}; L{None} for a
@@ -717,12 +717,12 @@ class Turn:
     usage: Any = None
     upstreamRequestId: Optional[str] = None
     allowedAccounts: Optional[frozenset] = None
-    """Issue 22: the account ids the key may reach (its group), or L{None}
+    """The account ids the key may reach (its group), or L{None}
     for every account; set by the key policy, narrowed at selection."""
     clientAddress: Optional[str] = None
-    """The client's IP address, for the request log (issue 22)."""
+    """The client's IP address, for the request log."""
     userAgent: Optional[str] = None
-    """The client's C{User-Agent}, for the request log (issue 22)."""
+    """The client's C{User-Agent}, for the request log."""
     request: Any = None
     background: bool = False
     compactionItems: Optional[list] = None
@@ -736,7 +736,7 @@ class Turn:
     (L{relay.engine.runner.TurnRunner.ownResponse}); their owner records
     are written with the response's."""
     keyAdmitted: bool = False
-    """Issue 19 (R103): the entry already admitted the key's slot (before
+    """R103: the entry already admitted the key's slot (before
     decoding the body); the engine does not admit it again."""
     keyLease: Any = None
     """The key's slot lease the entry admitted, released by the engine

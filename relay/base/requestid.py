@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_requestid -*-
 """
-One request id per turn, everywhere (issue 15); relay's own, always
+One request id per turn, everywhere; relay's own, always
 (behaviour.md R111).
 
 Each HTTP request gets its id as soon as twisted.web has parsed it
@@ -164,7 +164,7 @@ def clientRequestIdOf(request) -> str | None:
     if found is _UNREAD:
         raw = _rawHeadersOf(request)
         if raw is not None and _RAW_REQUEST_ID not in raw and _RAW_CLIENT_REQUEST_ID not in raw:
-            # Issue 24: neither header was sent (what adoptClientId would
+            # Neither header was sent (what adoptClientId would
             # read as None twice), told by two lookups.
             found = None
         else:

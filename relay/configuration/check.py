@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_tap -*-
 """
-The checks and the error line that start-up and a live reload share
-(issue 21): the C{components:} check (L{checkComponents}) and the one-line
+The checks and the error line that start-up and a live reload share:
+the C{components:} check (L{checkComponents}) and the one-line
 configuration error on standard error with exit status 2
 (L{exitWithConfigError}).
 

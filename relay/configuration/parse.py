@@ -298,7 +298,7 @@ def _stringMap(value: Any, path: str) -> dict:
 
 def _instant(value: Any, path: str) -> float:
     """
-    A point in time (issue 22, C{keys[].expires_at}): an ISO 8601 time
+    A point in time (C{keys[].expires_at}): an ISO 8601 time
     (C{"2027-03-01T00:00:00Z"}; without a zone it is UTC; YAML's own
     timestamps too) or Unix seconds. Either form is at or after the Unix
     epoch: a time before 1970 is refused in both, so what is stored (Unix
@@ -476,7 +476,7 @@ def _sentinelAddresses(value: Any, path: str) -> tuple:
 def _stateSection(value: Any, path: str) -> StateSettings:
     """
     C{state:} with its cross-key rules: C{redis_sentinels} and
-    C{redis_master_name} come together (issue 23).
+    C{redis_master_name} come together.
     """
     fields = validateSection(value, path, _STATE)
     sentinels = fields.get("redis_sentinels", ())
@@ -494,7 +494,7 @@ def _stateSection(value: Any, path: str) -> StateSettings:
 
 def _usageProbeInterval(value: Any, path: str) -> float:
     """
-    C{0} (never) or at least 30 seconds between usage probes (issue 21).
+    C{0} (never) or at least 30 seconds between usage probes.
     """
     value = _number(0, 86400)(value, path)
     if value != 0 and value < 30:
@@ -638,7 +638,7 @@ KEY_FIELDS: Dict[str, Validator] = {
     "concurrency": _integer(0),
     "daily_tokens": _optional(_integer(1)),
     "monthly_tokens": _optional(_integer(1)),
-    # Issue 22 (behaviour.md R102): the key's policy.
+    # The key's policy (behaviour.md R102).
     "models": _optional(_stringTuple),
     "deny_models": _optional(_stringTuple),
     "expires_at": _optional(_instant),
@@ -916,7 +916,7 @@ def _parseKeys(raw: list, environ: Mapping[str, str]) -> Tuple[ClientKey, ...]:
 
 def _parseGroups(raw: Any, accounts: Tuple[Account, ...]) -> dict:
     """
-    Parse C{groups:} (issue 22): group name -> a list of account ids, each
+    Parse C{groups:}: group name -> a list of account ids, each
     a configured account.
 
     @return: name -> tuple of account ids.
@@ -943,7 +943,7 @@ def _parseGroups(raw: Any, accounts: Tuple[Account, ...]) -> dict:
 
 def parsePrices(raw: Any) -> dict:
     """
-    Parse C{prices:} (issue 22): model -> C{{input, cached_input, output,
+    Parse C{prices:}: model -> C{{input, cached_input, output,
     reasoning, priority, flex}} in US dollars per 1M tokens (C{priority}
     and C{flex}: tier multipliers, R109); C{input} and C{output} are
     required. A hosted tool (C{web_search}, C{file_search},
@@ -987,7 +987,7 @@ def parsePrices(raw: Any) -> dict:
 def _checkKeyAccounts(keys: Tuple[ClientKey, ...], accounts: Tuple[Account, ...],
                       groups: dict) -> None:
     """
-    Issue 22: a key's C{accounts} name configured accounts and its
+    A key's C{accounts} name configured accounts and its
     C{group} a configured group; a key has one or the other.
 
     @raise ConfigError: naming the key.
@@ -1038,7 +1038,7 @@ def parseAccount(
 ) -> Account:
     """
     Validate one account mapping exactly as an entry of C{accounts:} is
-    validated (the admin API's accounts, issue 21, use the file's fields
+    validated (the admin API's accounts use the file's fields
     and rules).
 
     @param entry: the mapping (as YAML would give it).
@@ -1096,7 +1096,7 @@ def _oauthTokens(
     values: Dict[str, Any], path: str, label: str, environ: Mapping[str, str]
 ) -> str:
     """
-    Resolve an oauth account's tokens (issue 12): C{access_token},
+    Resolve an oauth account's tokens: C{access_token},
     C{refresh_token} and C{id_token} (each also as C{*_env}), or
     C{auth_file} (a Codex C{auth.json}, protocol.md 7.4). At least an access
     or a refresh token is needed; C{chatgpt_account_id} defaults to the
@@ -1275,7 +1275,7 @@ def settingsFromString(
 
 
 MIN_OPERATOR_KEY_LENGTH = 16
-"""Issue 19 item 7: the shortest admin or metrics key relay accepts."""
+"""The shortest admin or metrics key relay accepts."""
 
 MIN_ADMIN_KEY_BITS = 64
 """The least estimated entropy of an admin key outside the demo, bits
@@ -1318,7 +1318,7 @@ def secretBits(value: str) -> float:
 
 def checkOperatorKeys(config: RelayConfig) -> None:
     """
-    Issue 19 item 7 (R99): the admin key and the read-only C{metrics_key}
+    R99: the admin key and the read-only C{metrics_key}
     are at least L{MIN_OPERATOR_KEY_LENGTH} characters, differ from each
     other and from every client key (a client key that equals the admin
     key would open the admin API to that client). Outside the demo
@@ -1353,7 +1353,7 @@ def checkOperatorKeys(config: RelayConfig) -> None:
 
 def checkWorkers(config: RelayConfig) -> None:
     """
-    Issue 16: more than one worker process needs state they share (every
+    More than one worker process needs state they share (every
     slot, wait, binding, cooldown, token and setting lives in Redis with
     C{state.backend: redis}; memory state is per process) and a TCP
     C{listen} endpoint (the workers each listen on it with

@@ -20,12 +20,12 @@ C{/admin}):
     what to do (e.g. pass C{retry_in_doubt});
   - C{PUT /admin/accounts/{id}/tokens} - new OAuth tokens (C{refresh_token},
     C{access_token}, C{id_token}, or a Codex C{auth.json}), clearing
-    C{needs_login} without a restart (issue 12);
+    C{needs_login} without a restart;
   - C{GET /admin/metrics} - the same metrics as C{/metrics}, behind the key;
   - C{GET /admin/usage?since=<ISO 8601 or Unix seconds>&group_by=key|account|model|hour}
-    - token totals (issue 13 item 5), with the per-key budgets.
+    - token totals, with the per-key budgets.
   - C{POST /admin/reload} - re-read the configuration file and apply it
-    live (issue 14).
+    live.
 
 Authentication is C{Authorization: Bearer <admin key>}. Without a
 configured admin key every C{/admin} route answers 404: the admin API is
@@ -88,7 +88,7 @@ def errorBody(message: str, type: str, code: Optional[str], param: Optional[str]
 def respond(request, status: int, obj: Any) -> bytes:
     """
     Set the status and JSON headers, and return the encoded body. An error
-    envelope gets the request's id as C{error.request_id} (issue 15).
+    envelope gets the request's id as C{error.request_id}.
     """
     if status >= 400 and isinstance(obj, dict) and isinstance(obj.get("error"), dict):
         obj["error"]["request_id"] = requestIdOf(request)
@@ -163,7 +163,7 @@ class Guarded(Resource):
         """
         @param adminKey: the key, L{None}, or a no-argument callable
             returning either, read per request (a live reload rotates the
-            key, issue 14).
+            key).
         """
         super().__init__()
         self._adminKey = adminKey
@@ -258,7 +258,7 @@ class _SettingsResource(Guarded):
             )
         try:
             body = json.loads(raw.decode("utf-8"))
-        except (ValueError, UnicodeDecodeError, RecursionError):  # issue 19 item 3
+        except (ValueError, UnicodeDecodeError, RecursionError):  # deep nesting is a 400 too
             return respond(
                 request,
                 400,
@@ -365,7 +365,7 @@ class _AccountsResource(Guarded):
 
     def render_PUT(self, request):
         """
-        C{/admin/accounts/{id}/tokens} (issue 12): 200 with the token view;
+        C{/admin/accounts/{id}/tokens}: 200 with the token view;
         400 for a body without tokens or a non-OAuth account; 404 for an
         unknown id.
         """
@@ -388,7 +388,7 @@ class _AccountsResource(Guarded):
                 "Body too large", "invalid_request_error", "body_too_large"))
         try:
             body = json.loads(raw.decode("utf-8")) if raw.strip() else {}
-        except (ValueError, UnicodeDecodeError, RecursionError):  # issue 19 item 3
+        except (ValueError, UnicodeDecodeError, RecursionError):  # deep nesting is a 400 too
             body = None
         if not isinstance(body, dict):
             return respond(request, 400, errorBody(
@@ -436,7 +436,7 @@ class _AccountsResource(Guarded):
 
 class _UsageResource(Guarded):
     """
-    C{GET /admin/usage} (issue 13 item 5): the token totals since C{since}
+    C{GET /admin/usage}: the token totals since C{since}
     (default: the last 24 hours; rounded down to the hour), grouped by
     C{group_by} (default C{key}).
     """
@@ -515,7 +515,7 @@ class _HistoryResource(Guarded):
 
 class _ReloadResource(Guarded):
     """
-    C{POST /admin/reload} (issue 14): re-read the configuration file and
+    C{POST /admin/reload}: re-read the configuration file and
     apply it (L{relay.process.reload.ConfigReloader}). In a worker
     (C{workers: N}) an applied reload is then forwarded to the other
     workers (L{relay.process.workers.SupervisorChannel}); the answer is this
@@ -585,7 +585,7 @@ class _MetricsResource(Resource):
 class GuardedMetrics(Guarded):
     """
     C{/admin/metrics}: the metrics behind the admin key; C{/metrics} also
-    opens to the read-only C{metrics_key} (R99, issue 19 item 7).
+    opens to the read-only C{metrics_key} (R99).
     """
 
     def __init__(self, adminKey, registry, readKey=None):
@@ -682,7 +682,7 @@ class _AdminRoot(Resource):
 
     def putRoute(self, path: bytes, resource) -> None:
         """
-        Mount another leaf under C{/admin} (issue 22: the request log and
+        Mount another leaf under C{/admin} (the request log and
         explain resources of L{relay.console.tenants}).
 
         @param path: the segment, e.g. C{b"requests"}.
@@ -784,7 +784,7 @@ def buildAdminResource(
         L{KeyError} for an unknown account, L{ValueError} for a bad request.
     @param reload: optional; C{reload(source)} re-reads the configuration
         and returns a L{relay.process.reload.ReloadResult}, served as
-        C{POST /admin/reload} (issue 14).
+        C{POST /admin/reload}.
     @rtype: L{Resource}
     """
     routes = {

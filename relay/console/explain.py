@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_tenants_explain -*-
 """
-Explain a decision before it happens (issue 22 item 5).
+Explain a decision before it happens.
 
 L{Explainer.explain} answers "which account would the next turn of this
 key get, and why not each other one" without admitting anything: no slot

@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_history -*-
 """
-Per-account history for the status page (issue 15): per one-minute bucket
+Per-account history for the status page: per one-minute bucket
 of the injected clock, how many attempts each account got, how many
 failovers left it, and the median time to first output of the turns it
 served, for the last L{MINUTES} minutes.

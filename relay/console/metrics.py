@@ -26,7 +26,7 @@ Names (all prefixed C{relay_}):
   - C{relay_tokens_total{key,account,model,type}} (C{type}: C{input},
     C{cached_input}, C{output}, C{reasoning}) and
     C{relay_usage_turns_total{key,account,model}}: tokens counted from
-    every turn's terminal usage (issue 13 item 5); C{model} is the known
+    every turn's terminal usage; C{model} is the known
     normalised name or C{other} (R110, L{relay.base.modelname.ModelCatalogue}),
     and C{relay_usage_estimated_turns_total{key,account,model}}: turns among
     them counted from relay's estimate (behaviour.md R107)
@@ -39,7 +39,7 @@ Names (all prefixed C{relay_}):
     L{relay.oauth.credentials.OAuthCredentials} through
     L{RelayMetrics.oauthRefreshFailed}
 
-Across workers (issue 23). With C{workers: N} the supervisor gives its
+Across workers: with C{workers: N} the supervisor gives its
 workers a private directory in C{PROMETHEUS_MULTIPROC_DIR}
 (L{relay.process.workers.MetricsDirectory}), and prometheus_client's multiprocess
 mode keeps every worker's counters and histograms in files there; whichever
@@ -57,7 +57,7 @@ of every worker's failed token requests.
 No C{_created} series: prometheus_client only has a process-wide switch
 (C{disable_created_metrics()}), so the exposition reads the registry
 through L{withoutCreated} instead, which drops them for relay's registry
-only (issue 15).
+only.
 """
 
 from __future__ import annotations
@@ -286,7 +286,7 @@ class RelayMetrics:
             ["key", "account", "model"],
             registry=r,
         )
-        # Issue 22: cost in money, and the turns relay could not price.
+        # Cost in money, and the turns relay could not price.
         self.costCounter = Counter(
             "relay_cost_usd",
             "Cost of priced turns in US dollars (relay.tenants.prices)",
@@ -490,7 +490,7 @@ class RelayMetrics:
 
     def tokens(self, key: str, account: str, model: str, counts) -> None:
         """
-        Count one turn's tokens (issue 13 item 5).
+        Count one turn's tokens.
 
         @param key: the client key's name.
         @param account: the account id.
@@ -510,7 +510,7 @@ class RelayMetrics:
             )
             self._tokenChildren[(key, account, model)] = children
         turns, inputs, cached, outputs, reasoning = children
-        # Issue 24: a zero is not added (each inc takes the child's lock).
+        # A zero is not added (each inc takes the child's lock).
         if counts.requests:
             turns.inc(counts.requests)
         if counts.input:

@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_tenants_admin -*-
 """
-The tenants' admin resources (issue 22), mounted under C{/admin} beside
+The tenants' admin resources, mounted under C{/admin} beside
 L{relay.console.admin}'s, behind the same admin key (behaviour.md R99):
 
   - C{GET /admin/requests?key=&account=&model=&outcome=&since=&until=&request_id=}

@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.integration.test_operator -*-
 """
-Glue between the running relay and its operator surface (issue 7): the
+Glue between the running relay and its operator surface: the
 accounts view for C{/admin/accounts}, the admin "clear", the settings
 store, the Prometheus slot gauges, and the periodic jobs that keep them
 fresh.
@@ -34,10 +34,10 @@ class OperatorView:
     @ivar slots: the last C{{account id: (in use, waiting)}} read, served
         synchronously to the Prometheus collector.
     @ivar credentials: the L{relay.interfaces.ICredentialSource} (token
-        state, refresh, new tokens; issue 12), or L{None}.
+        state, refresh, new tokens), or L{None}.
     @ivar quota: the L{relay.scheduling.quota.UsageWindows}, or L{None}.
     @ivar control: the L{relay.control.plane.ControlPlane} (pauses and
-        where each account comes from, issue 21), or L{None}.
+        where each account comes from), or L{None}.
     """
 
     accounts: list
@@ -90,14 +90,14 @@ class OperatorView:
                 else None
             )
             if tokenBlock is not None:
-                # Issue 12: needs_login (or an expired token) keeps it out.
+                # needs_login (or an expired token) keeps it out.
                 blocks.insert(0, _timed(
                     {"scope": "account", "model": None, "kind": "token",
                      "reason": tokenBlock[0], "until": tokenBlock[1] or None},
                     now,
                 ))
             if self.control is not None:
-                # Issue 21: a paused account's block comes first.
+                # A paused account's block comes first.
                 blocks[0:0] = [_timed(b, now) for b in self.control.blocksOf(account, now)]
             first = blocks[0] if blocks else None
             rows.append(
@@ -147,8 +147,8 @@ class OperatorView:
 
     def refreshAccount(self, accountId: str, options: dict) -> Deferred:
         """
-        Force a token refresh (C{POST /admin/accounts/{id}/refresh}, issue
-        12). C{options} may hold C{retry_in_doubt: true} to send a refresh
+        Force a token refresh (C{POST /admin/accounts/{id}/refresh}).
+        C{options} may hold C{retry_in_doubt: true} to send a refresh
         token that is in doubt (the operator's explicit choice).
 
         @return: a Deferred firing with C{(refreshed, token view, why)}:
@@ -215,7 +215,7 @@ class OperatorView:
         if busy is None:
             d = self.admission.load("account", ids)
         else:
-            # Issue 24: the busy read (the same counts; every other account
+            # The busy read (the same counts; every other account
             # is idle) -- in Redis one argument for the pool, not 3 keys per
             # account for relay to encode every 5 s.
             d = maybeDeferred(busy, "account", frozenset(ids), fresh=True)

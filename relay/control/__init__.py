@@ -1,9 +1,9 @@
 # -*- test-case-name: tests.test_control -*-
 """
-What operators change while relay runs (issue 21; architecture.md
+What operators change while relay runs (architecture.md
 "relay/control/"): accounts added, edited, paused and deleted, ChatGPT
 logins, the audit of every admin change; client keys, account groups and
-prices (issue 22).
+prices.
 
 One concept per subpackage, each split in three (as codex-lb splits its
 C{app/modules/<concept>/}, in Twisted's idiom): the HTTP C{resource}

@@ -1,9 +1,9 @@
 # -*- test-case-name: tests.test_control -*-
 """
-Wires the control plane into a running relay (issue 21): its store (the
+Wires the control plane into a running relay: its store (the
 same backend as the settings: Redis, else the SQLite C{database}, else
-memory), the account, login and audit services, the usage probe, (issue
-22) the key, group and price services, their routes under C{/admin}, the
+memory), the account, login and audit services, the usage probe, the
+key, group and price services, their routes under C{/admin}, the
 C{control} readiness check, and the service that starts and stops them.
 """
 
@@ -162,7 +162,7 @@ def assembleControl(app, admin, view, redis) -> ControlParts:
     probe = UsageProbe(clock=reactor, accounts=app.live.accounts, credentials=credentials,
                        quota=app.extras["quota"], egress=egress, settings=app.settings,
                        store=app.store, paused=plane.isPaused)
-    # Issue 22: keys, groups and prices.
+    # Keys, groups and prices.
     keys = KeyService(plane=plane, clock=reactor, usage=app.extras.get("usage"))
     groups = GroupService(plane=plane, clock=reactor)
     prices = PriceService(plane=plane, clock=reactor)

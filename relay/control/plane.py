@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_control -*-
 """
-L{ControlPlane}: what operators changed, applied to the running relay
-(issue 21), the way a reload is applied (L{relay.process.reload}).
+L{ControlPlane}: what operators changed, applied to the running relay,
+the way a reload is applied (L{relay.process.reload}).
 
 The accounts in force (the live set every consumer reads,
 L{relay.process.live.AccountRegistry}) are B{the file's accounts, then
@@ -26,7 +26,7 @@ block (kind C{paused}); its state (cooldowns, bindings, tokens) is kept,
 and it is paused again after a restart or a reload until enabled. An
 admin clear (R95) lifts learnt blocks, never a pause.
 
-B{Keys, groups and prices} (issue 22, L{relay.control.keys},
+B{Keys, groups and prices} (L{relay.control.keys},
 L{relay.control.groups}, L{relay.control.prices}) are applied the same
 way, from the same reads: the admin keys (kind C{key}) and the disables of
 any key (C{key_disabled}) go into the L{relay.entry.http.KeyRing}
@@ -399,7 +399,7 @@ class ControlPlane:
 
     def _applyTenants(self, keys, disables, groups, prices) -> None:
         """
-        Issue 22: the admin groups into the key policy, the admin prices
+        The admin groups into the key policy, the admin prices
         into the price table, then the admin keys and the disables into the
         key ring (last: a key's group is known before the key serves).
         """
@@ -490,7 +490,7 @@ class ControlPlane:
 
     def flagged(self, now: float):
         """
-        Issue 24: the accounts L{blockReason} may refuse at C{now}: the
+        The accounts L{blockReason} may refuse at C{now}: the
         paused ones (before the store's first read no turn is scheduled:
         it waits at the start-up gate, R105).
 
@@ -532,7 +532,7 @@ class ControlPlane:
         What stops a reload of C{config} because of the admin accounts
         (L{relay.process.reload.ConfigReloader.checks}): an id the file
         would add that an admin account has, a proxy an admin account uses
-        that the file would remove; and (issue 22) a key name or group name
+        that the file would remove; and a key name or group name
         the file would add that the admin API has, a file group an admin key
         is bound to that the file would remove. One line each; nothing
         changes.

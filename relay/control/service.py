@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_control -*-
 """
 L{PlaneService}: what every admin-API service of the control plane is
-built on (issues 21, 22): the plane it reads and writes through, the clock
+built on: the plane it reads and writes through, the clock
 that stamps its records, and the plane's store. The accounts, logins,
 keys, groups and prices services each add their own rules on top.
 """

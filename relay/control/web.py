@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_control -*-
 """
-The HTTP side the control plane's resources share (issue 21): the admin
+The HTTP side the control plane's resources share: the admin
 key check (relay's existing one, L{relay.console.admin}, behaviour.md
 R99), the one place admin JSON bodies are read (L{readJSONBody}), the
 error type the services raise (L{ControlError}) and how an answer is

@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_emulator_chaos -*-
 """
 Seeded random faults and the per-turn generation ledger: the emulator's chaos mode, for
-rehearsing a gateway under every fault kind at once (issue 14's soak uses it; operators can
+rehearsing a gateway under every fault kind at once (relay's chaos soak uses it; operators can
 too, from C{etc/emulator.yaml} or live through the control API).
 
 Chaos configuration (the C{chaos:} key of the emulator configuration, or the body of

@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_emulator_login -*-
 """
-The emulator's ChatGPT login endpoints (issue 21, protocol.md 7.5): the
+The emulator's ChatGPT login endpoints (protocol.md 7.5): the
 browser flow's authorize page and C{authorization_code} exchange, and the
 device-code flow, with the shapes the Codex CLI's C{login} crate uses and
 the faults an operator rehearses (denied, expired, slow poll, wrong

@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_emulator_oauth -*-
 """
-The emulator's ChatGPT OAuth side (issue 12, protocol.md 7.3, 7.4): the token
+The emulator's ChatGPT OAuth side (protocol.md 7.3, 7.4): the token
 endpoint, short-lived JWT access tokens, single-use refresh tokens, token
 endpoint faults, usage windows and C{wham/usage}.
 
@@ -440,7 +440,7 @@ class OAuthAuthority:
 
     def loginTokens(self, name: str) -> dict:
         """
-        The tokens of a new login of C{name} (issue 21): an access token,
+        The tokens of a new login of C{name}: an access token,
         an ID token with the account claim, and a new current refresh token.
         """
         account = self.accounts[name]

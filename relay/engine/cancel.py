@@ -33,7 +33,7 @@ def raceCancel(d: Deferred, cancel) -> Deferred:
         return result
     if d.called and not isinstance(d.result, Deferred):
         # Already has its result (the memory store and admission answer at
-        # once): nothing to race (issue 16).
+        # once): nothing to race.
         return d
 
     def _cancelled(reason):
@@ -53,7 +53,7 @@ def raceCancel(d: Deferred, cancel) -> Deferred:
 def raceDeparture(d: Deferred, cancel) -> Deferred:
     """
     C{raceCancel(uncancellable(d), cancel)} with one Deferred and one
-    callback fewer (issue 24: once per streamed attempt): when the client
+    callback fewer (once per streamed attempt): when the client
     goes, the result fails with L{ClientGone} and C{d} is left alone (its
     owner, the pump, ends it on departure); else it fires with C{d}'s
     result, which C{d} keeps (C{d} itself when it already has it).

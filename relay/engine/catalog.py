@@ -198,7 +198,7 @@ class ModelCatalog:
     def _reachable(self, key: ClientKey) -> list:
         """
         The accounts C{key} may reach: all of them, or with a key policy
-        (issue 22, behaviour.md R102) only its group's.
+        (behaviour.md R102) only its group's.
         """
         policy = getattr(self.runner, "keyPolicy", None)
         if policy is None:
@@ -247,7 +247,7 @@ class ModelCatalog:
             for found in await gatherResults(fetches, consumeErrors=True):
                 names.update(found)
         # A key's own allow-list names the models it uses even where the
-        # accounts declare none (they then serve any model), issue 22.
+        # accounts declare none (they then serve any model; R102).
         names.update(m for m in key.models or () if any(a.servesModel(m) for a in accounts))
         names = {name for name in names if self._allowed(key, name)}
         return {"object": "list", "data": [

@@ -39,7 +39,7 @@ FIXED_RETRY_DELAY = 0.5
 @define(eq=False)
 class RetryBudget:
     """
-    Envoy-style global retry budget (issue 3 item 7): turns that retry or
+    Envoy-style global retry budget: turns that retry or
     switch at the same time may not exceed C{percent} of active turns, with
     a floor of C{minimum}.
 
@@ -102,21 +102,21 @@ class TurnState:
     keepalive: StreamKeepalive | None = None
     """The turn's downstream keepalive (R85), for streaming turns."""
     bearers: dict = field(factory=dict)
-    """Account id -> the bearer its last attempt was dialled with (issue 12)."""
+    """Account id -> the bearer its last attempt was dialled with."""
     refreshed: set = field(factory=set)
     """Accounts that got their one 401 refresh-and-replay in this turn."""
     tried: list = field(factory=list)
-    """Issue 22: every attempt (L{Attempt}) and why it was left, for the
+    """Every attempt (L{Attempt}) and why it was left, for the
     turn's record."""
     sink: object = None
     """The turn's sink (its C{failed} error goes into the record)."""
     trace: object = None
-    """The turn's L{relay.interfaces.ITurnTrace} (issue 23), or L{None}."""
+    """The turn's L{relay.interfaces.ITurnTrace}, or L{None}."""
 
 
 async def withRetryHint(runner, turn: Turn, error: ClientError, fallback=None) -> ClientError:
     """
-    Issue 19 item 7 (R83, R16): relay's 429 after every account it
+    R83, R16: relay's 429 after every account it
     tried answered 429 carries C{Retry-After} -- the upstream's when it
     gave one, else the seconds until the earliest cooldown ends.
 
@@ -202,7 +202,7 @@ def _dropRejectedField(runner, turn: Turn, state: TurnState, account, name: str)
 
 async def refreshOnce(runner, turn: Turn, state: TurnState, account, verdict) -> bool:
     """
-    Issue 12 (behaviour.md R11, protocol.md 7.4): a 401 from an OAuth
+    behaviour.md R11, protocol.md 7.4: a 401 from an OAuth
     account that can refresh, before anything reached the client,
     triggers one refresh (single flight) and one replay on the same
     account before any failover decision. A second 401 in the turn

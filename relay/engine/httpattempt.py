@@ -45,7 +45,7 @@ async def attemptHTTP(runner, turn: Turn, sink, account, release) -> AttemptResu
 
     A chat turn on an OAuth account goes to C{/responses}; the pump
     stages and classifies its Responses events as on any other turn and
-    a L{ChatCompletionsSink} translates them on write (issue 13, R84).
+    a L{ChatCompletionsSink} translates them on write (R84).
     """
     s = runner.settings.current
     stream = upstreamStreams(turn, account)

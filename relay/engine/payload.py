@@ -126,7 +126,7 @@ def upstreamBody(turn: Turn, account: Account) -> bytes:
     elif turn.stream:
         body["stream"] = True
         if turn.endpoint == "chat":
-            # Issue 13 item 5: always ask for the usage chunk, so every
+            # Always ask for the usage chunk, so every
             # chat stream is counted; relay drops it again when the client
             # did not ask (relay.usage.reader).
             options = body.get("stream_options")
@@ -141,7 +141,7 @@ def upstreamBody(turn: Turn, account: Account) -> bytes:
 def _makeCompactJSON():
     """
     C{json.dumps(value, separators=(",", ":"))}, built once instead of on
-    every turn (issue 24: C{json.dumps} builds a new L{json.JSONEncoder}
+    every turn (C{json.dumps} builds a new L{json.JSONEncoder}
     whenever an argument is not its default, and the encoder builds its C
     encoder on every call): the C encoder itself when there is one. It
     keeps no circular-reference markers (a body is parsed JSON or built

@@ -302,7 +302,7 @@ class StreamPump(Protocol):
         if self._rawWrite is None:
             self._eventByEvent(data)
             return
-        # Issue 16: what one read brings to the client goes out in one
+        # What one read brings to the client goes out in one
         # write (whole events, in order; flushed before the slot is
         # released for a terminal event and before any ending). Events are
         # parsed one by one only until the first output; after it whole
@@ -367,8 +367,8 @@ class StreamPump(Protocol):
         The hot path after first output: write whole upstream events as
         they came, in one write per chunk, scanning only for a terminal
         event (DEVELOPERS.md "pass upstream bytes through"). The whole
-        events before the first that may be terminal are written so too
-        (issue 16); from there on, and for a chunk with a CR, events take
+        events before the first that may be terminal are written so too;
+        from there on, and for a chunk with a CR, events take
         the event-by-event path.
 
         @return: L{None} when C{data} was handled; else the bytes for the
@@ -495,7 +495,7 @@ class StreamPump(Protocol):
 
     def _write(self, event) -> None:
         if self._usageChunk is not None and self._usageChunk(event):
-            return  # a chat usage chunk the client did not ask for (issue 13)
+            return  # a chat usage chunk the client did not ask for
         data = event.data
         self._relayed += len(data)
         self._deltas += data.count(DELTA_MARK)
@@ -523,7 +523,7 @@ class StreamPump(Protocol):
         self._release()
         forwarded = forwardedFailure or event.type == b"response.failed"
         # R39/R40: the owner too is known before the client can chain from
-        # the response (found by the chaos soak, issue 14).
+        # the response (found by the chaos soak).
         owned = not forwarded and self._runner.ownResponse(
             self._turn, self._account, responseId, response)
         self._write(event)
@@ -682,7 +682,7 @@ _TERMINAL_MARK = re.compile(
 only sends the chunk down the event-by-event path."""
 
 _USAGE_MARK = re.compile(_TERMINAL_MARK.pattern + b"|" + USAGE_CHUNK.pattern)
-"""On a chat stream also the chunk that carries usage (issue 13 item 5)."""
+"""On a chat stream also the chunk that carries usage."""
 
 
 class _Marks:
@@ -690,7 +690,7 @@ class _Marks:
     Finds the first of several marks in a chunk: each pattern searched on
     its own (a pattern with a literal prefix is scanned for that prefix at
     C speed; their alternation was six times slower on a 40-event chunk)
-    and plain substrings with C{bytes.find} (issue 16).
+    and plain substrings with C{bytes.find}.
     """
 
     def __init__(self, patterns, literals):
@@ -731,7 +731,7 @@ _PASSED_RESPONSE_HEADERS = (
 )
 """(upstream name, name the client sees). The upstream's C{x-request-id}
 reaches the client as C{X-Upstream-Request-Id}; C{X-Request-Id} is the
-turn's own id (issue 15, L{relay.base.requestid})."""
+turn's own id (L{relay.base.requestid})."""
 
 
 def passHeaders(headers: dict) -> dict:

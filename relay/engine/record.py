@@ -30,7 +30,7 @@ from relay.usage.reader import UsageTap, clientAskedUsage
 
 def usageTap(runner, turn: Turn, account) -> UsageTap:
     """
-    The usage reader of one attempt (issue 13 item 5): records into
+    The usage reader of one attempt: records into
     the runner's C{usage} and onto C{turn.usage}. A chat stream's usage chunk is
     dropped when the client did not ask for it (relay always asks
     upstream, L{relay.engine.payload.upstreamBody}).
@@ -51,7 +51,7 @@ def usageTap(runner, turn: Turn, account) -> UsageTap:
 def recordUsage(runner, turn: Turn, account, counts) -> None:
     """
     Count C{counts} for the turn's key, C{account} and the upstream
-    model relay asked for; once per turn (issue 13 item 5).
+    model relay asked for; once per turn.
     """
     if turn.usage is not None:
         return
@@ -60,7 +60,7 @@ def recordUsage(runner, turn: Turn, account, counts) -> None:
         # R109: the calls were reported in the stream's items only.
         counts = evolve(counts, tools=tuple(sorted(turn.hostedCalls.items())))
     if runner.prices is not None:
-        # Issue 22: the turn's cost, once, by the upstream model.
+        # The turn's cost, once, by the upstream model.
         counts = runner.prices.priced(model, counts)
     turn.usage = counts
     if runner.keyPolicy is not None and turn.client.tpm:
@@ -149,7 +149,7 @@ def ownResponse(runner, turn: Turn, account, responseId: Optional[str],
         turn.outputItemIds = tuple(outputItemIds(response))
     d = runner.scheduler.recordResponse(turn, responseId, account)
     if not d.called or d.result is not None:
-        # Issue 24: a write already done (the memory store's) needs no errback.
+        # A write already done (the memory store's) needs no errback.
         d.addErrback(
             lambda f: runner._log.failure(
                 "recording the owner of {response_id} failed", f,
@@ -209,7 +209,7 @@ def finished(runner, turn, state, outcome, status, accountId, start) -> None:
         switches=state.switches,
         duration_ms=int((now - start) * 1000),
         first_output_ms=None if first is None else int((first - start) * 1000),
-        # The token fields (issue 13 item 5; L{usageFields}, inline: issue 24).
+        # The token fields (L{usageFields}, inlined).
         input_tokens=None if usage is None else usage.input,
         cached_input_tokens=None if usage is None else usage.cached,
         output_tokens=None if usage is None else usage.output,
@@ -233,7 +233,7 @@ def finished(runner, turn, state, outcome, status, accountId, start) -> None:
 
 def usageFields(counts) -> dict:
     """
-    The token fields of C{relay.turn_finished} (issue 13 item 5); L{None}
+    The token fields of C{relay.turn_finished}; L{None}
     when the turn reported no usage.
     """
     if counts is None:
@@ -245,7 +245,7 @@ def usageFields(counts) -> dict:
 
 def turnRecord(turn, state, outcome, status, accountId, start, now) -> TurnRecord:
     """
-    Issue 22: the turn's one structured record, from what the engine holds
+    The turn's one structured record, from what the engine holds
     at its end (no parsing, no formatting).
     """
     first = turn.firstOutputAt
@@ -290,7 +290,7 @@ def turnRecord(turn, state, outcome, status, accountId, start, now) -> TurnRecor
 
 class SamplingSink:
     """
-    Issue 22's debug sampling (C{request_log.sample_rate}, off by default):
+    The request log's debug sampling (C{request_log.sample_rate}, off by default):
     a sink that forwards everything to the turn's sink and keeps a copy of
     what the client received, up to C{limit} bytes. Only sampled turns pay
     for it.

@@ -127,8 +127,8 @@ class TurnRunner:
     """The global retry budget (R19), shared by every turn."""
     inflight: dict = field(factory=dict)
     """Every turn running now -> the Deferred L{run} returned for it, so a
-    graceful stop can wait for them and cancel what is left (issue 14,
-    L{relay.process.drain})."""
+    graceful stop can wait for them and cancel what is left
+    (L{relay.process.drain})."""
     backgroundOwners: dict = field(factory=dict)
     """R107: a running background create -> (account, response id), once its
     response id is known; an unfinished one is watched when the create ends
@@ -278,7 +278,7 @@ class TurnRunner:
 
     async def _run(self, turn: Turn, sink, refusal: Optional[Exception] = None,
                    since: Optional[float] = None) -> str:
-        # Issue 15: every log line written while this coroutine runs (health,
+        # Every log line written while this coroutine runs (health,
         # scheduler, admission) carries the turn's id (relay.base.requestid).
         bindRequestId(turn.requestId)
         start = self.clock.seconds() if since is None else since
@@ -309,13 +309,13 @@ class TurnRunner:
             outcome, status = "client_gone", 499
             if turn.cancel.tell is not None:
                 # relay cancelled the turn itself (a graceful stop's grace
-                # ran out, issue 14): nothing was judged or written (R2),
+                # ran out): nothing was judged or written (R2),
                 # and the client, still there, gets a terminal error once
                 # the slots are back (invariant 4).
                 outcome, status = "relay_cancelled", turn.cancel.tell.status
         except _AdmissionFailed as e:
             # R26/R32: the per-key slot could not be had; or the key's token
-            # budget is spent (issue 13 item 5).
+            # budget is spent.
             sink.fail(e.error)
             outcome, status = "failed", e.error.status
         except Exception:
@@ -472,7 +472,7 @@ class TurnRunner:
             if not result.committed and verdict is not None:
                 # Ends relay resolves on the same account before any
                 # decision, and that say nothing against the account: R7's
-                # one-shot body rewrite, issue 12's one refresh after a 401.
+                # one-shot body rewrite, R11's one OAuth refresh after a 401.
                 if D.rewriteOnce(self, turn, state, account, verdict) or await D.refreshOnce(
                     self, turn, state, account, verdict
                 ):
@@ -521,7 +521,7 @@ class TurnRunner:
         One attempt on C{account} holding C{lease}. The lease is released on
         every path, before a terminal event is written. With a credential
         source the account is dialled with its current bearer, refreshed
-        first when it is missing or expired (issue 12).
+        first when it is missing or expired.
         """
         released = []
         turn.upstreamRequestId = None

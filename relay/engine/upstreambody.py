@@ -57,7 +57,7 @@ class _BodyReader(Protocol):
             self.transport.stopProducing()
 
     def _arm(self) -> None:
-        # Armed by L{readBody} once the body is handed over (issue 24: a
+        # Armed by L{readBody} once the body is handed over (a
         # body that was already in ends without a timer); from then on each
         # read restarts the idle period.
         if self._idle <= 0 or self.done.called:

@@ -164,7 +164,7 @@ def startKeepalive(runner, turn: Turn, sink) -> StreamKeepalive | None:
     watch = getattr(sink, "watchWrites", None)
     if watch is not None:
         watch(keepalive.touch)
-    # Issue 19: a request whose key's slot was awaited before its body
+    # A request whose key's slot was awaited before its body
     # was parsed may have had keepalives already; the silence counts
     # from the last one (R85), not from the turn's start.
     keepalive.start(since=getattr(sink, "quietSince", None))

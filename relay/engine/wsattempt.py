@@ -180,7 +180,7 @@ class WebSocketPump(StreamPump):
         self._resetIdle()
         quota = self._runner.quota
         if quota is not None and self._account.type == "oauth":
-            quota.observeFrame(self._account, payload)  # codex.rate_limits (issue 12)
+            quota.observeFrame(self._account, payload)  # codex.rate_limits
         self.feedEvent(eventFromJSON(payload))
 
     def _beforeOutput(self, event) -> None:
@@ -517,7 +517,7 @@ class WebSocketAttempt:
         except HandshakeRejected as e:
             turn.upstreamRequestId = (e.headers or {}).get("x-request-id")
             if runner.metrics is not None:
-                runner.metrics.upstreamStatus(e.status)  # issue 15: like HTTP statuses
+                runner.metrics.upstreamStatus(e.status)  # like HTTP statuses
             return self._handshakeRejected(runner, turn, account, e), None
         except Exception as e:  # noqa: BLE001
             return AttemptResult(end=ends.TransportFailure(e, "dial"), status=502), None
@@ -525,7 +525,7 @@ class WebSocketAttempt:
             "x-request-id"
         )
         if not conn.handshakeCounted:
-            # A new upstream connection: its 101, counted once (issue 15).
+            # A new upstream connection: its 101, counted once.
             conn.handshakeCounted = True
             if runner.metrics is not None:
                 runner.metrics.upstreamStatus(101)
@@ -540,7 +540,7 @@ class WebSocketAttempt:
         if runner.quota is not None and account.type == "oauth" and not getattr(
             conn.proto, "usageSeen", False
         ):
-            # Issue 12: a fresh connection's handshake headers carry the
+            # A fresh connection's handshake headers carry the
             # usage windows (protocol.md 7.3).
             conn.proto.usageSeen = True
             runner.quota.observeHeaders(account, conn.proto.responseHeaders or {}, "handshake")

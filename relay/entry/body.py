@@ -1,8 +1,8 @@
 # -*- test-case-name: tests.test_body, tests.test_requestside -*-
 """
-Request bodies: the size limit and C{Content-Encoding} (issue 13 items 2
-and 3), held raw and decoded only after the key's slot is admitted
-(issue 19, behaviour.md R103; the order of checks is L{relay.entry.intake}'s).
+Request bodies: the size limit and C{Content-Encoding},
+held raw and decoded only after the key's slot is admitted
+(behaviour.md R103; the order of checks is L{relay.entry.intake}'s).
 
   - B{Limit} (C{gateway.max_request_body_bytes}, default 64 MiB): a
     C{Content-Length} above it is answered 413 as soon as the headers are
@@ -57,7 +57,7 @@ from relay.base.requestid import requestIdOf
 
 _CANONICAL = _nameEncoder._canonicalHeaderCache
 
-# Issue 24: one byte is looked for in bytes by its int value. CPython 3.11's
+# One byte is looked for in bytes by its int value. CPython 3.11's
 # C{b"x" in data} first tries the operand as an int, raising and clearing a
 # formatted TypeError (~1,900 instructions), before it searches.
 _CR, _LF, _PERCENT, _QUESTION = 13, 10, 37, 63
@@ -241,7 +241,7 @@ class _ZstdStage:
                 out(data)
                 return len(data)
 
-        import zstandard  # issue 24 (RSS): only once a zstd body comes
+        import zstandard  # late, for RSS: only once a zstd body comes
 
         self._zstd = zstandard
         self._produced = False
@@ -352,7 +352,7 @@ _BLANK = object()
 class _Headers(Headers):
     """
     twisted.web's L{Headers} with a shorter path for the calls a turn makes
-    (issue 24 item 2: ~40 header reads and writes per turn, each through
+    (~40 header reads and writes per turn, each through
     C{_NameEncoder.encode} and the value sanitiser): a C{bytes} name
     twisted.web has canonicalised before (its C{_canonicalHeaderCache},
     where every constant name relay and twisted.web use lands on first use)
@@ -484,7 +484,7 @@ class LimitedBodyRequest(Request):
             self.requestHeaders.__class__ = _Headers
             self.responseHeaders.__class__ = _Headers
             return
-        # Issue 24: what twisted.web's server.Request and http.Request
+        # What twisted.web's server.Request and http.Request
         # __init__ (and Componentized's) set, without their three calls,
         # for a channel of relay's own (RelayHTTPChannel, which has a site);
         # tests.test_requestside compares both requests' attributes.
@@ -505,7 +505,7 @@ class LimitedBodyRequest(Request):
         Call C{f(reason)} if the connection is lost before the answer is
         finished: what C{notifyFinish().addErrback(f)} does, in the same
         order among the request's notifications, without a L{Deferred}
-        (issue 24 item 2; L{relay.entry.sinks}).
+        (L{relay.entry.sinks}).
         """
         self.notifications.append(_OnGone(f))
 
@@ -513,7 +513,7 @@ class LimitedBodyRequest(Request):
     def _parsePOSTFormSubmission(self) -> bool:
         """
         relay reads JSON only: twisted.web never parses a form or
-        multipart body (R103, issue 19 item 1).
+        multipart body (R103).
         """
         return False
 
@@ -733,7 +733,7 @@ class LimitedBodyRequest(Request):
             self._intake.budget.release(self.admission.key.name, self._charged)
         self._charged = 0
 
-    # -- the minimum body rate (issue 19 item 4) ------------------------------
+    # -- the minimum body rate -------------------------------------------------
 
     def _armRate(self) -> None:
         limits = self._limits()
@@ -741,7 +741,7 @@ class LimitedBodyRequest(Request):
             return
         self._rateMark = self._received
         if getattr(self.channel, "relayBodyIn", None) is self:
-            # Issue 24: the whole body came in the read that brought the
+            # The whole body came in the read that brought the
             # headers and is handed to this request in this same call, so
             # it is in before any timer could fire; the timer is armed only
             # if it is not (L{relayArmLate}), instead of armed and cancelled.
@@ -851,7 +851,7 @@ class LimitedBodyRequest(Request):
             return
         admit = self._intake.admitKey if self._intake is not None else None
         if self._intake is not None and self.admission is not None and self._intake.draining():
-            # Issue 14: relay drains; the drain gate answers 503. No slot is
+            # relay drains; the drain gate answers 503. No slot is
             # taken and the body is neither decoded nor parsed.
             self._encoding = None
             self._dropContent()
@@ -947,7 +947,7 @@ class LimitedBodyRequest(Request):
     def _decode(self) -> None:
         """
         Decode the held raw body, bounded by the limit and by the
-        decompression ratio (issue 19 item 2), into a new content file.
+        decompression ratio, into a new content file.
         """
         raw = self.content
         raw.seek(0)
@@ -1000,7 +1000,7 @@ class LimitedBodyRequest(Request):
         """
         content = self.content
         if content.__class__ is io.BytesIO:
-            data = content.getvalue()  # issue 24: what seek, read, seek gives
+            data = content.getvalue()  # what seek, read, seek gives
         else:
             content.seek(0)
             data = content.read()
@@ -1092,7 +1092,7 @@ class LimitedBodyRequest(Request):
     def _render(self) -> None:
         """
         twisted.web's C{server.Request.process} (Twisted 26), re-done for
-        two of its costs (issue 24 item 2), on a site that offers
+        two of its costs, on a site that offers
         C{httpDate} (L{relay.entry.site.RelaySite.httpDate}; any other site:
         twisted.web's own):
 
@@ -1125,7 +1125,7 @@ class LimitedBodyRequest(Request):
         try:
             if type(site).getResourceFor is Site.getResourceFor:
                 # twisted.web's own, without its copy.copy of the empty
-                # prepath (issue 24)
+                # prepath
                 self.sitepath = []
                 resrc = getChildForRequest(site.resource, self)
             else:
@@ -1145,8 +1145,8 @@ class LimitedBodyRequest(Request):
         request whose form body is never parsed (L{_parsePOSTFormSubmission}
         is always false here, so its C{Content-Type} is not read): the body
         rewound, C{method}, C{uri}, C{clientproto}, C{path}, C{args} (the
-        query parsed only when there is one), then L{process}. Issue 24
-        item 2; C{tests.test_requestside} compares both.
+        query parsed only when there is one), then L{process}.
+        C{tests.test_requestside} compares both.
         """
         self.content.seek(0, 0)
         self.args = {}
@@ -1178,7 +1178,7 @@ class LimitedBodyRequest(Request):
         Answer C{error} at once, before (the rest of) the body: stop
         storing, write the answer with C{Connection: close} and the
         request's id (L{requestIdOf}: the client's C{X-Request-Id} when
-        well-formed, else a new one; issue 15) as C{X-Request-Id} and
+        well-formed, else a new one) as C{X-Request-Id} and
         C{error.request_id}, half-close, and drop the connection after
         L{LINGER_SECONDS} at the latest (the client reads the answer
         instead of a reset).

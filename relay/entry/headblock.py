@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_headblock -*-
 """
-A request's header block read in one pass (issue 24 item 2): the header
+A request's header block read in one pass: the header
 lines twisted.web's L{HTTPChannel} reads one L{LineReceiver} line at a time
 (C{lineReceived} -> C{headerReceived} per line, ~190 k instructions for a
 turn's block) are split and checked here in one function, and
@@ -34,7 +34,7 @@ MAX_FIELDS = 100
 
 _LINES: dict = {}
 """Request lines twisted.web's C{_parseRequestLine} accepted -> its parts
-(issue 24: a client sends the same few lines, e.g. C{POST /v1/responses
+(a client sends the same few lines, e.g. C{POST /v1/responses
 HTTP/1.1}, on every request; each is checked once)."""
 
 _LINES_MAX = 256

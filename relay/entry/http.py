@@ -4,7 +4,7 @@ The HTTP entrypoint: C{POST /v1/responses}, C{POST /v1/chat/completions},
 C{GET /healthz}, and the dispatch of C{GET /v1/responses} upgrades to the
 WebSocket resource (style.md 9(a), protocol.md 1). The routes under
 C{/v1/responses/} are L{relay.entry.responsesapi}; C{GET /v1/models} is
-L{relay.entry.models} (issue 20).
+L{relay.entry.models}.
 
 It authenticates, parses, builds a L{Turn} and a sink, and hands both to the
 front door (L{relay.frontdoor.door.FrontDoor}), which checks the key and
@@ -92,7 +92,7 @@ def clientHeaders(request) -> dict:
 
     @return: str -> str.
     """
-    # Issue 24: one pass, each raw name's lower-cased text (or L{None}: not
+    # One pass, each raw name's lower-cased text (or L{None}: not
     # forwarded) looked up once per process rather than decoded, lowered
     # and filtered on every turn; tests.test_requests compares it with
     # filterClientHeaders of the plain reading.
@@ -146,7 +146,7 @@ def requestJSON(request):
 
 def handOverKeyLease(request, turn: Turn) -> None:
     """
-    Issue 19 (R103): when the intake admitted the key's slot before the
+    R103: when the intake admitted the key's slot before the
     body was decoded, the turn takes that lease (the engine does not admit
     the key again, and releases it when the turn ends). Every resource
     that starts a turn from a request with a body calls this.
@@ -232,7 +232,7 @@ class TurnResource(Resource):
             return NOT_DONE_YET
         model, stream, previous = fields.model, fields.stream, fields.previous
         if not stream and getattr(request, "relaySSEStarted", False):
-            # Issue 19: keepalives already went out (the raw body read as
+            # Keepalives already went out (the raw body read as
             # streaming while the key's slot was awaited, R85) and committed
             # the SSE head; a body whose parse disagrees (a nested
             # "stream": true, L{relay.entry.intake.bodyStreams}) is streamed.
@@ -264,7 +264,7 @@ class TurnResource(Resource):
         if self._endpoint == "responses":
             annotateTurn(turn)  # R88-R90 (relay.entry.annotate)
         gone = getattr(request, "relayOnGone", None) or (
-            lambda f: request.notifyFinish().addErrback(f))  # issue 24: no Deferred
+            lambda f: request.notifyFinish().addErrback(f))  # no Deferred
         gone(lambda f: turn.cancel.cancel("client_gone"))
         self._door.enter(turn, sink)  # the key's checks, then the engine
         return NOT_DONE_YET
@@ -272,7 +272,7 @@ class TurnResource(Resource):
 
 def _noteClient(turn: Turn, request) -> None:
     """
-    Issue 22: the client's address and C{User-Agent} on the turn, for its
+    The client's address and C{User-Agent} on the turn, for its
     request-log record.
     """
     address = request.getClientAddress()

@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_intake -*-
 """
-Request intake: nothing before the key (behaviour.md R103, issue 19).
+Request intake: nothing before the key (behaviour.md R103).
 
 Every HTTP request passes through L{IntakePolicy} as soon as its headers
 are read, before a byte of its body is stored, on every route (those of
@@ -143,7 +143,7 @@ def _segments(path: bytes) -> tuple:
     The non-empty path segments of a request target, percent-decoded as
     twisted.web decodes them to find the resource (C{/%61dmin/settings}
     is C{/admin/settings}), so a route is sorted by the resource that will
-    answer it. Remembered per target without a query (issue 24: every
+    answer it. Remembered per target without a query (every
     request sorts its route twice, and a gateway's targets repeat).
     """
     found = _segmentsSeen.get(path)
@@ -161,7 +161,7 @@ def _segments(path: bytes) -> tuple:
 def bodyStreams(raw: bytes) -> Optional[bool]:
     """
     The C{stream} flag of a JSON request body, read from its raw bytes
-    without parsing them (issue 19: behaviour.md R85 while the key's slot is
+    without parsing them (behaviour.md R85 while the key's slot is
     awaited, before R103 lets relay parse the body; protocol.md 2.1: the
     body's flag decides, never C{Accept}).
 
@@ -260,8 +260,8 @@ class IntakePolicy:
         (the front door's R26 admission, L{relay.frontdoor.door.FrontDoor.admitSlot}), failing with an exception carrying
         C{.error} (a L{ClientError}); L{None} admits nothing.
     @ivar budget: the L{BodyBudget}.
-    @ivar draining: a no-argument callable, true while relay drains (issue
-        14): a request that arrives then takes no slot; the drain gate
+    @ivar draining: a no-argument callable, true while relay drains:
+        a request that arrives then takes no slot; the drain gate
         answers it 503.
     @ivar keyRefusal: C{(key) -> ClientError or None}: the refusals that
         need only the key (behaviour.md R102, R103: disabled 401

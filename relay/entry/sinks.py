@@ -37,7 +37,7 @@ STREAM_ERROR_CODES = {
 def errorBody(error: ClientError, requestId: Optional[str] = None) -> bytes:
     """
     @param requestId: the turn's id, added to the error object as
-        C{request_id} (issue 15; OpenAI's envelope tolerates extra fields).
+        C{request_id} (OpenAI's envelope tolerates extra fields).
     @return: the OpenAI error envelope as JSON bytes.
     """
     envelope = error.envelope()
@@ -56,7 +56,7 @@ def writeError(request, error: ClientError) -> None:
     """
     requestId = requestIdOf(request)
     if getattr(request, "relaySSEStarted", False):
-        # Issue 19 (R85): keepalives went out while the request waited for
+        # R85: keepalives went out while the request waited for
         # its key's slot, so the 200 and the SSE headers are sent; the
         # error is written in-stream (R19.2).
         writeStreamError(request, error, requestId)
@@ -93,7 +93,7 @@ def failedEvent(error: ClientError, model, requestId: Optional[str] = None) -> b
     started (protocol.md 2.6, behaviour.md R17).
 
     @param requestId: the turn's id, added to C{response.error} as
-        C{request_id} (issue 15).
+        C{request_id}.
     """
     code = error.code if error.code and error.type != "rate_limit_error" else None
     code = code or STREAM_ERROR_CODES.get(error.type or "", "server_error")
@@ -131,10 +131,10 @@ class _RequestSink:
         self.committed = False
         self.status = None
         self.failed = None
-        """Issue 22: the L{ClientError} the turn ended with, for its record."""
+        """The L{ClientError} the turn ended with, for its record."""
         onGone = getattr(request, "relayOnGone", None)
         if onGone is not None:
-            onGone(self._clientGone)  # no Deferred (issue 24 item 2)
+            onGone(self._clientGone)  # no Deferred
         else:
             request.notifyFinish().addErrback(self._clientGone)
 
@@ -188,12 +188,12 @@ class SSESink(_RequestSink):
     _noted = None
     quietSince = None
     """When the client was last written to before the turn began (clock
-    seconds; issue 19: keepalives during the key's slot wait), or L{None}."""
+    seconds; keepalives during the key's slot wait), or L{None}."""
 
     def __init__(self, request, endpoint: str, model=None):
         super().__init__(request, endpoint, model)
         if getattr(request, "relaySSEStarted", False):
-            # Issue 19 (R85): the intake sent the head with a keepalive
+            # R85: the intake sent the head with a keepalive
             # while the request waited for its key's slot.
             self.headersSent = True
             self.status = 200
@@ -292,7 +292,7 @@ class JSONSink(_RequestSink):
     accounts) is collected: the terminal event's C{response} object is the
     body (protocol.md 2.7), its C{output} rebuilt from the
     C{response.output_item.done} events when the terminal event carries
-    C{output: []}, as the ChatGPT backend's does (issue 13).
+    C{output: []}, as the ChatGPT backend's does.
 
     C{holdsOutput}: nothing reaches the client before the terminal event,
     so a failure before it may still fail over (behaviour.md R19 step 2).
@@ -348,7 +348,7 @@ class JSONSink(_RequestSink):
         for name, value in (headers or {}).items():
             r.setHeader(name.encode("latin-1"), value.encode("latin-1"))
         # The whole body is here: a length instead of chunked encoding (one
-        # write, no terminating chunk; issue 16).
+        # write, no terminating chunk).
         r.setHeader(b"content-length", b"%d" % len(body))
         r.write(body)
         self._finish()

@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_site, tests.test_requestside -*-
 """
 The HTTP transport under every route: relay answers in OpenAI's error
-format even where twisted.web would answer on its own (issue 14's fuzzed
+format even where twisted.web would answer on its own (fuzzed
 inputs found both):
 
   - a request line or header block twisted.web cannot parse (an unknown
@@ -17,8 +17,8 @@ Both hook twisted.web where it offers no public seam:
 C{HTTPChannel._respondToBadRequestAndDisconnect} and the
 C{_GenericHTTPChannelProtocol} wrapper L{RelaySite.protocol} builds
 (Twisted 26); C{tests.test_site} pins them so an upgrade that moves them
-fails loudly. The one-pass header read (issue 24,
-L{RelayHTTPChannel._relayHead}) sets twisted.web's private parser state
+fails loudly. The one-pass header read
+(L{RelayHTTPChannel._relayHead}) sets twisted.web's private parser state
 (C{__first_line}, C{_command}, the request's raw headers, the
 C{Content-Length} decoder); C{tests.test_headblock} compares its answers
 with twisted.web's own on a table of edge inputs.
@@ -114,9 +114,9 @@ class RelayHTTPChannel(HTTPChannel):
     """
     An L{HTTPChannel} whose answer to unparseable HTTP is OpenAI's error
     envelope (still a 400 and still the end of the connection), with the
-    request's id like every other answer (issue 15).
+    request's id like every other answer.
 
-    Issue 19 item 4: the whole header block of each request must arrive
+    The whole header block of each request must arrive
     within C{gateway.limits.header_timeout_seconds} of its first byte (of
     the connection opening, for the first request); a client that drips
     header bytes (each byte resets twisted.web's idle timeout) gets a 408
@@ -128,7 +128,7 @@ class RelayHTTPChannel(HTTPChannel):
     _relayClosed = False
     _relayHeaderBlocks = 0
     relayBodyIn = None
-    """The request whose whole body is in the read being handled (issue 24:
+    """The request whose whole body is in the read being handled (see
     L{relay.entry.body.LimitedBodyRequest._armRate}), else L{None}."""
     relayOverCap = None
     """The C{(limit name, value)} this connection is over when it is one of
@@ -290,7 +290,7 @@ class RelayHTTPChannel(HTTPChannel):
     def _addresses(self) -> tuple:
         """
         The connection's C{(transport, peer, host)} addresses, asked of the
-        transport once per transport (issue 24: twisted.web's C{Request}
+        transport once per transport (twisted.web's C{Request}
         asks for both on every request, and a TCP transport builds a new
         address object each time, the host one with a C{getsockname}).
         """
@@ -330,7 +330,7 @@ class RelayHTTPChannel(HTTPChannel):
 
     def _relayHead(self, data: bytes) -> bool:
         """
-        Issue 24: read a request's whole header block at once when it is
+        Read a request's whole header block at once when it is
         in C{data} and plain (see L{relay.entry.headblock}), doing what
         twisted.web's line-by-line parser would do with it; then hand the
         blank line and the rest to twisted.web (body, pipelining and every
@@ -395,7 +395,7 @@ class RelayHTTPChannel(HTTPChannel):
         self._disarmHeaders()
         super().connectionLost(reason)
 
-    # -- issue 24: an answer's head and body in one write -----------------------
+    # -- an answer's head and body in one write ----------------------------------
     #
     # With a remote store (Redis state, admission or control store, or an
     # operator's component) the answer is queued as twisted.web queues it
@@ -528,7 +528,7 @@ class RelaySite(Site):
     """
     The relay's L{Site}: its connections are L{RelayHTTPChannel}s, counted
     against C{gateway.limits.max_connections} and
-    C{max_connections_per_address} (issue 19 item 4). A connection over
+    C{max_connections_per_address}. A connection over
     either cap is still accepted into a separate allowance of
     L{OVER_CAP_ALLOWANCE} connections (counted on their own, under the
     header deadline, one request each) that answers only C{/healthz} and
@@ -548,8 +548,8 @@ class RelaySite(Site):
         large): one line per kind per second.
     @ivar answerAtOnce: send answers at once (L{relay.wire.sendnow.sendNow})
         instead of at the next poll: only when every store a turn writes
-        before its answer is in this process (issue 24;
-        L{relay.process.app.answersAtOnce}), so nothing the client may read next can
+        before its answer is in this process
+        (L{relay.process.app.answersAtOnce}), so nothing the client may read next can
         still be on its way to a remote store (R39/R40/R104).
     """
 
@@ -562,7 +562,7 @@ class RelaySite(Site):
 
     def httpDate(self) -> bytes:
         """
-        The C{Date} header of an answer now (issue 24 item 2): twisted.web's
+        The C{Date} header of an answer now: twisted.web's
         C{datetimeToString} of the second the site's C{clock} is in,
         formatted once per second; twisted.web's own (of the wall clock)
         when the site has no clock.

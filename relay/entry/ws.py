@@ -65,7 +65,7 @@ THREAD_HEADERS = ("thread-id", "x-codex-window-id")
 """R-B13: parallel Codex threads sharing a session id do not pre-empt each other."""
 """R69: the passthrough client idle close (other modes close 1000)."""
 KEY_REVOKED_CLOSE = (1008, "api key is no longer valid")
-"""Issue 14: the connection's key was removed or rotated by a reload; the
+"""The connection's key was removed or rotated by a reload; the
 connection takes no new turn (a reconnect with the new key works)."""
 
 
@@ -214,7 +214,7 @@ class ConnectionState:
 
 def _connectionIds(headers) -> tuple[str, str, str | None]:
     """
-    A new connection's ids (issue 15, R111): its own C{ws_<random>} id,
+    A new connection's ids (R111): its own C{ws_<random>} id,
     which is also its request id (relay's own, new on every connection, so
     a reconnect never reuses a turn's id), and the client's id
     (L{adoptClientId} as for HTTP; Codex: its thread id), kept as each
@@ -241,7 +241,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         try:
             f = self.factory
             headers = {k.lower(): v for k, v in request.headers.items()}
-            # Issue 19 item 7: the upgrade was authenticated once, by the
+            # The upgrade was authenticated once, by the
             # HTTP intake and L{RelayWebSocketResource}; its key is handed
             # over, never parsed again from the headers.
             admission = getattr(self, "admission", None)
@@ -264,7 +264,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             self._openedAt = f.reactor.seconds()
             self._threadId = next((headers[h] for h in THREAD_HEADERS if headers.get(h)), None)
             self._ownerKey = None
-            # Issue 22: who is calling, for the request log.
+            # Who is calling, for the request log.
             self._clientAddress = _peerHost(self.transport)
             self._userAgent = (headers.get("user-agent") or "")[:200] or None
             self.admitting = None  # a large frame's slot wait (FrontDoor.frame)
@@ -307,7 +307,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         """
         Refuse the opening handshake (autobahn's answer to a malformed
         upgrade: no C{Sec-WebSocket-Key}, an unknown version, ...) with the
-        request id as C{X-Request-Id}, like every HTTP answer (issue 15):
+        request id as C{X-Request-Id}, like every HTTP answer:
         the connection's once L{onConnect} chose it, else chosen the same
         way (L{_connectionIds}) from the headers autobahn parsed.
 
@@ -324,7 +324,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
     def sendHttpErrorResponse(self, code: int, reason: str, responseHeaders=None) -> None:
         """
         Write a refused handshake's answer in OpenAI's error format
-        (style: bad input gets a clear error; issue 14's fuzzing found
+        (style: bad input gets a clear error; fuzzing found
         autobahn's bare status line with no body): the status line as
         autobahn writes it, the headers given, and a JSON envelope
         (C{websocket_handshake_failed}, the reason as its message and the
@@ -357,7 +357,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             if connections is not None:
                 connections.add(self)
             if getattr(f, "draining", False):
-                # Issue 14: the upgrade raced the start of a graceful stop.
+                # The upgrade raced the start of a graceful stop.
                 self.closeWith(*RESTART_CLOSE)
                 return
             self._arm(s.client_first_message_timeout_seconds, 1008, "missing first response.create message")
@@ -369,7 +369,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         if getattr(self, "_state", None) is None:
             return
         self._gone = True
-        # Issue 19: what the connection still held leaves the bytes in flight.
+        # What the connection still held leaves the bytes in flight.
         held, self._bufferedHold = self._bufferedHold, 0
         self._giveBackBytes(self._releaseAssembled() + held)
         self._disarm()
@@ -430,7 +430,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
 
     def drain(self) -> None:
         """
-        Issue 14: relay is stopping. An idle connection closes 1001 "server
+        relay is stopping. An idle connection closes 1001 "server
         restarting" now (Codex reconnects); a busy one when its turn ends
         (L{_turnDone}).
         """
@@ -480,7 +480,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         if self._closing is None and not self._gone and self.state == self.STATE_OPEN:
             code = "frame_too_large"
             if self._ratioExceeded:
-                # Issue 19 item 2: a permessage-deflate bomb.
+                # A permessage-deflate bomb.
                 ratio = self.factory.settings.current.limits.max_decompression_ratio
                 reason = (f"frame decompresses to more than {ratio:g} times its size"
                           " (gateway.limits.max_decompression_ratio)")
@@ -493,7 +493,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             self._disarm()
         super()._max_message_size_exceeded(msg_size, max_msg_size, reason)
 
-    # -- frames in flight (issue 19 item 2) ----------------------------------------
+    # -- frames in flight ------------------------------------------------------
 
     _assembling = 0
     """Bytes of the message being assembled now (after permessage-deflate),
@@ -524,7 +524,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
 
     def _boundInflation(self) -> None:
         """
-        Issue 19 item 2: a compressed message inflates to at most
+        A compressed message inflates to at most
         C{max_decompression_ratio} times the compressed bytes received so
         far (or L{relay.entry.body.RATIO_FLOOR_BYTES}, whichever is more),
         besides autobahn's own C{maxMessagePayloadSize} bound: the
@@ -565,8 +565,8 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
     def onMessageFrameData(self, payload: bytes) -> None:
         """
         A piece of a client message (inflated): held in the key's and the
-        process's bytes in flight while the message is assembled (issue 19
-        item 2), like an HTTP body while it arrives; over a bound the
+        process's bytes in flight while the message is assembled
+        (R103), like an HTTP body while it arrives; over a bound the
         connection is refused (L{_refuseFrame}) and nothing more of the
         message is kept.
         """
@@ -638,7 +638,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
                 # R63: one early frame is held; a second one is too many.
                 if self._buffered is None:
                     self._buffered = payload
-                    self._bufferedHold = assembled  # still held (issue 19)
+                    self._bufferedHold = assembled  # still held
                     return
                 self._giveBackBytes(assembled)
                 self.closeWith(1013, TOO_MANY_MESSAGE)
@@ -758,7 +758,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             self.reject(f"unsupported websocket request type: {kind}", "unsupported_request_type", "type")
             return None
         if getattr(self.factory, "draining", False):
-            # Issue 14: no new turn while relay stops; reconnect elsewhere.
+            # No new turn while relay stops; reconnect elsewhere.
             self.closeWith(*RESTART_CLOSE)
             return None
         key = self.factory.keys.current(self._key)
@@ -789,7 +789,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
                     "model",
                 )
             elif e.kind == "empty":
-                # Never forwarded as an empty chain id (issue 14's fuzzing).
+                # Never forwarded as an empty chain id.
                 self.reject("invalid JSON payload", "invalid_value", e.param,
                             message=e.error.message)
             else:
@@ -836,7 +836,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         body["model"] = model
         for name in ("stream", "previous_response_id"):
             if body.get(name, False) is None:
-                body.pop(name)  # null is absent; never forwarded (issue 14's fuzzing)
+                body.pop(name)  # null is absent; never forwarded
         if self._session is None:
             self._session = sessionHash(sessionSeed(self._headers, body, model),
                                         self._key.ownerId)
@@ -868,7 +868,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
         body = turn.body
         if mode == "http_bridge":
             if frame.get("generate") is False:
-                # Issue 22 (R102): a prewarm answered locally is refused
+                # R102: a prewarm answered locally is refused
                 # exactly like a turn would be.
                 error = door.refusal(turn)
                 if error is not None:
@@ -1062,7 +1062,7 @@ def _peerHost(transport):
 
 def _reachable(factory, key) -> list:
     """
-    Issue 22: the accounts C{key} may reach (its account group), for the
+    The accounts C{key} may reach (its account group), for the
     connection's mode choice; every account without a key policy.
     """
     policy = getattr(getattr(factory, "runner", None), "keyPolicy", None)
@@ -1106,7 +1106,7 @@ class RelayWebSocketResource:
                 ),
             )
             return NOT_DONE_YET
-        # Issue 19 item 7: the protocol takes this key (authenticated once).
+        # The protocol takes this key (authenticated once).
         self.factory.handover = Admission(key=key)
         try:
             return self._ws.render(request)
@@ -1140,10 +1140,10 @@ def buildWebSocketResource(runner, keys, accounts, settings, reactor) -> RelayWe
     factory.runner = runner
     factory.door = FrontDoor(runner)  # every frame's way to the engine
     factory.keys = keys
-    factory.accounts = accounts  # the live registry (issue 14), never a copy
+    factory.accounts = accounts  # the live registry, never a copy
     factory.settings = settings
     factory.sessionOwners = {}  # R68: (key, session hash, thread id) -> connection
-    factory.openConnections = set()  # issue 14: what a graceful stop closes
+    factory.openConnections = set()  # what a graceful stop closes
     factory.draining = False
     factory.setProtocolOptions(
         openHandshakeTimeout=10,

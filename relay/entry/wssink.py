@@ -73,7 +73,7 @@ class WebSocketSink:
     @ivar terminal: the terminal event's parsed C{response}, once written;
         its C{output} rebuilt from the C{response.output_item.done} events
         when the upstream sent C{output: []} (the ChatGPT backend does), so
-        the connection's transcript keeps the turn's items (issue 13).
+        the connection's transcript keeps the turn's items.
     @ivar committed: output reached the client.
     """
 

@@ -42,7 +42,7 @@ def tooManyBytes(scope: str, limit: int) -> ClientError:
 class BodyBudget:
     """
     Bytes of request bodies (and WebSocket frames) held now, per client
-    key and in total (issue 19 item 2).
+    key and in total.
 
     @ivar perKey: key name -> bytes held.
     @ivar total: bytes held by every key.
@@ -86,8 +86,8 @@ class BodyBudget:
 
 def parsedEstimate(data: bytes) -> int:
     """
-    An upper estimate of the memory a JSON body takes once parsed (issue
-    19 item 2): its bytes, plus per object, array, string and separator
+    An upper estimate of the memory a JSON body takes once parsed
+    (R103): its bytes, plus per object, array, string and separator
     what CPython's parser allocates for one (a dict 64 B, a list 56 B, a
     string ~56 B, an element pointer or a float ~32 B). Measured worst
     shapes parse to 24x their size (C{[{},{},...]}); the estimate stays

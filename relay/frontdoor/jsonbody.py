@@ -41,7 +41,7 @@ def loadJSON(raw: bytes):
     Parse a client's JSON body or WebSocket frame, refusing an unpaired
     UTF-16 surrogate escape (e.g. C{"\\ud800"}): it is not text, it cannot
     be hashed or forwarded as UTF-8, and upstream must never see it
-    (found by issue 14's fuzzing). Paired escapes (emoji written as
+    (found by fuzzing). Paired escapes (emoji written as
     C{"\\ud83d\\ude00"}) are fine. Only bodies that contain a surrogate
     escape pay for the second check.
 
@@ -56,12 +56,12 @@ def loadJSON(raw: bytes):
     @return: the parsed value.
     @raise ValueError: for invalid JSON, bad UTF-8, an unpaired surrogate,
         C{NaN} or an infinity, or nesting deeper than the parser's
-        recursion limit (L{NESTING_MESSAGE}, issue 19 item 3).
+        recursion limit (L{NESTING_MESSAGE}).
     """
     try:
-        value = loads(raw)  # json.loads, through orjson where it agrees (issue 24)
+        value = loads(raw)  # json.loads, through orjson where it agrees
     except RecursionError:
-        # Issue 19 item 3: deep nesting is the client's fault, a 400.
+        # Deep nesting is the client's fault, a 400.
         raise ValueError(NESTING_MESSAGE) from None
     if (_CONSTANT_WORDS[0] in raw or _CONSTANT_WORDS[1] in raw) and _BARE_CONSTANT.search(raw):
         try:

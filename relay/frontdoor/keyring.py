@@ -66,9 +66,9 @@ def bearerOrKey(request) -> Optional[bytes]:
 
 class KeyRing:
     """
-    Client API keys (config.md C{keys:}, and issue 22's keys issued through
+    Client API keys (config.md C{keys:}, and the keys issued through
     the admin API). One ring serves every entrypoint; a live reload swaps
-    the file's keys (L{replace}, issue 14), the control plane the admin
+    the file's keys (L{replace}), the control plane the admin
     keys and the disables (L{replaceAdmin}).
 
     Keys are indexed by the SHA-256 digest of their secret
@@ -137,8 +137,8 @@ class KeyRing:
 
     def replaceAdmin(self, keys, disabled) -> None:
         """
-        Put the control plane's keys and disables in force at once (issue
-        22): a deleted key's next request is a 401 and an open socket's
+        Put the control plane's keys and disables in force at once:
+        a deleted key's next request is a 401 and an open socket's
         next turn a close 1008 (L{current} no longer finds it).
 
         @param keys: the admin keys, L{ClientKey}s with a C{digest}.
@@ -180,7 +180,7 @@ class KeyRing:
         The key in force with C{key}'s secret: C{key} itself, its
         reloaded or edited version (e.g. a new C{concurrency}, disabled),
         or L{None} when the key was deleted, removed or rotated (a
-        WebSocket opened with it takes no new turn, issue 14 and 22).
+        WebSocket opened with it takes no new turn).
 
         @param key: a L{ClientKey} authenticated earlier.
         """
@@ -192,7 +192,7 @@ class KeyRing:
         (protocol.md 1; L{bearerOrKey}): one digest, one
         lookup. A request the site's intake already authenticated
         (C{request.admission}) is answered from that, so a request is
-        authenticated once, by one parser (issue 19).
+        authenticated once, by one parser.
 
         @return: the L{ClientKey}, or L{None}.
         """

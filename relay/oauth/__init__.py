@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_oauth -*-
 """
-OAuth (ChatGPT / Codex) accounts that run for months (issue 12,
-protocol.md 7.4).
+OAuth (ChatGPT / Codex) accounts that run for months
+(protocol.md 7.4).
 
   - L{relay.oauth.tokens}: access/ID token claims (C{exp}, the account
     claim), the L{TokenSet} and the persisted L{TokenRecord};

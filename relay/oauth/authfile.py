@@ -211,7 +211,7 @@ def writeEnvFile(path: str, env: dict, replaced) -> None:
                 kept.append(line if line.endswith("\n") else line + "\n")
     except FileNotFoundError:
         pass
-    # Issue 19 item 7: an unpredictable name in the target directory,
+    # An unpredictable name in the target directory,
     # created exclusively with mode 0600 (never a file someone planted).
     descriptor, temporary = tempfile.mkstemp(
         prefix="." + os.path.basename(path) + ".", suffix=".tmp",
@@ -244,7 +244,7 @@ def main(argv=None, stdout=None, stderr=None) -> int:
     stderr = stderr or sys.stderr
     parser = argparse.ArgumentParser(
         prog="relay-import-codex-auth",
-        description="Print relay account YAML for Codex auth.json files (issue 12).",
+        description="Print relay account YAML for Codex auth.json files.",
     )
     parser.add_argument("files", nargs="+", metavar="FILE", help="a Codex auth.json")
     parser.add_argument(

@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_oauth -*-
 """
-A test-only crash hook for the kill tests of issue 12: relay kills itself
+A test-only crash hook for the OAuth kill tests: relay kills itself
 (SIGKILL, like C{kill -9}) at a named step of a token refresh, so a test
 can restart it and check that no rotated refresh token was lost or reused.
 

@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_oauth -*-
 """
 L{OAuthCredentials}: the L{relay.interfaces.ICredentialSource} for every
-account (issue 12, protocol.md 7.4, behaviour.md R11).
+account (protocol.md 7.4, behaviour.md R11).
 
 API-key accounts and OAuth accounts whose tokens relay does not manage are
 dialled as configured. For every OAuth account relay keeps a
@@ -202,7 +202,7 @@ class OAuthCredentials:
 
     def accountsChanged(self, accounts, change) -> Deferred:
         """
-        A reload changed the live account set (issue 14; subscribed to
+        A reload changed the live account set (subscribed to
         L{relay.interfaces.ILiveAccounts}): a new OAuth account gets its
         tokens managed at once (loaded or seeded, proactive refresh
         scheduled); a removed one is forgotten; a renewed one (its tokens,
@@ -396,7 +396,7 @@ class OAuthCredentials:
             return None
         if slot.record is None:
             # Loading (start-up, or an account a reload just added): never
-            # dial with token state relay has not read yet (R105, issue 19:
+            # dial with token state relay has not read yet (R105:
             # also before the store load began).
             return ("tokens_loading", now + 1)
         record = slot.record
@@ -418,7 +418,7 @@ class OAuthCredentials:
 
     def flagged(self, now: float) -> list:
         """
-        Issue 24: the OAuth accounts L{blockReason} may refuse at C{now}
+        The OAuth accounts L{blockReason} may refuse at C{now}
         (a superset): every one whose token state is not a usable access
         token. The answer is kept until a slot changes or the first kept
         access token expires, so a selection does not look at every OAuth

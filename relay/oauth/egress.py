@@ -82,7 +82,7 @@ class EgressClient:
         return Deferred.fromCoroutine(self._request(proxy, method, url, headers, body, timeout))
 
     async def _request(self, proxy, method, url, headers, body, timeout) -> EgressReply:
-        from treq.client import HTTPClient  # issue 24 (RSS): only when used
+        from treq.client import HTTPClient  # late, for RSS: only when used
 
         from relay.upstream.proxy import ProxyAgentEndpointFactory
 

@@ -182,7 +182,7 @@ class TokenEndpoint:
         pool = QuietConnectionPool(self._reactor, persistent=False)
         pool.retryAutomatically = False
         agent = Agent.usingEndpointFactory(self._reactor, _Watched(factory, connected), pool=pool)
-        from treq.client import HTTPClient  # issue 24 (RSS): only for a refresh
+        from treq.client import HTTPClient  # late, for RSS: only for a refresh
 
         client = HTTPClient(agent)
         body = json.dumps({

@@ -15,7 +15,7 @@ from relay.base.records import Account
 from relay.oauth.tokens import TokenRecord
 
 _CHANGES = [0]
-"""Issue 24: bumped by every change of a L{_Slot} (and of the slot set), so
+"""Bumped by every change of a L{_Slot} (and of the slot set), so
 L{CredentialManager.flagged} knows when its answer may have changed."""
 
 

@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_oauth -*-
 """
-Token stores (L{relay.interfaces.ITokenStore}, issue 12).
+Token stores (L{relay.interfaces.ITokenStore}).
 
   - L{MemoryTokenStore}: one process, nothing survives a restart (tests,
     and a relay without a C{database});
@@ -14,8 +14,8 @@ Token stores (L{relay.interfaces.ITokenStore}, issue 12).
     compare-and-set script, the lock is C{SET relay:oauth:lock:{id} owner NX
     PX ttl} (renewed by its owner) released by a compare-and-delete script. Durability across a
     Redis restart is Redis's own (AOF); with Sentinel a record write also
-    waits for a replica (C{WAIT}, L{relay.wire.redisclient.RedisService.executeDurable},
-    issue 23) so a failover cannot lose it (and should an unacknowledged
+    waits for a replica (C{WAIT}, L{relay.wire.redisclient.RedisService.executeDurable})
+    so a failover cannot lose it (and should an unacknowledged
     one be lost, L{relay.oauth.credentials} writes its newer record back
     after the promotion); see docs/deploying.md (Redis).
 
@@ -266,7 +266,7 @@ class RedisTokenStore:
         args = ["" if expected is None else str(expected), str(version), record]
         durable = getattr(self._redis, "executeDurable", None)
         if durable is not None and getattr(self._redis, "durableReplicas", 0):
-            # Issue 23: with Sentinel the write is acknowledged by a replica
+            # With Sentinel the write is acknowledged by a replica
             # (WAIT) before relay relies on it, so a failover right after a
             # refresh cannot lose the rotated refresh token.
             d = durable(

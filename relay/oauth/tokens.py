@@ -58,7 +58,7 @@ def claims(token: Optional[str]) -> dict:
     """
     if not token or token.count(".") != 2:
         return {}
-    import jwt  # issue 24 (RSS): only with OAuth accounts (relay.process.app.checkImports)
+    import jwt  # late, for RSS: only with OAuth accounts (relay.process.app.checkImports)
 
     try:
         value = jwt.decode(

@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_usage_probe -*-
 """
-L{UsageProbe}: the usage windows of idle OAuth accounts (issue 21).
+L{UsageProbe}: the usage windows of idle OAuth accounts.
 
 relay learns an OAuth account's 5-hour and weekly windows from its
 traffic (L{relay.scheduling.quota}); an idle account would show stale

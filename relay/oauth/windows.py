@@ -51,7 +51,7 @@ class Snapshot:
     @ivar plan: the plan type, or L{None}.
     @ivar observed_at: Unix seconds of the observation.
     @ivar source: C{headers}, C{handshake}, C{event}, or C{probe} (a usage
-        probe of an idle account, issue 21).
+        probe of an idle account).
     """
 
     primary: Optional[Window]
@@ -162,7 +162,7 @@ def windowsFromEvent(event: dict, now: float) -> Optional[Snapshot]:
 def windowsFromWham(body: dict, now: float) -> Optional[Snapshot]:
     """
     Read a C{GET /backend-api/wham/usage} answer (protocol.md 7.4; the
-    usage probe of idle accounts, issue 21): C{{"plan_type", "rate_limit":
+    usage probe of idle accounts): C{{"plan_type", "rate_limit":
     {"primary_window": {"used_percent", "limit_window_seconds",
     "reset_after_seconds", "reset_at"}, "secondary_window": {...}}}}.
 

@@ -17,7 +17,7 @@ L{relay.policy.health.AccountHealth} and L{relay.policy.proxyhealth.ProxyHealth}
   - R-B1: a transient transport failure (no status) and a stream cut by a
     read error count toward the breaker, before or after output, for
     streaming and JSON clients alike (R86.3); a stream cut through a proxy
-    also counts toward that proxy's quarantine (issue 8);
+    also counts toward that proxy's quarantine;
   - nothing for a clean end without a terminal event (R86.4), relay's own
     timeouts, staging overflow, a busy pool (R-B3);
   - nothing at all for L{ends.Departed}: the client left or relay cancelled
@@ -155,21 +155,21 @@ class AccountBookkeeping:
             model blocks), or L{None}.
         @param requestId: the turn's id, for logs.
         @param upstreamRequestId: the upstream's C{x-request-id} of the
-            attempt, for logs (issue 15), or L{None}.
+            attempt, for logs, or L{None}.
         @return: a L{Deferred} firing with a L{Recorded}; it fails only on
             a bug (store errors are handled by the health object).
         """
         if isinstance(end, E.Departed):
             return Deferred.fromCoroutine(_nothing())
         if isinstance(end, E.Completed):
-            # Issue 24: a success (every relayed turn's end) needs no
+            # A success (every relayed turn's end) needs no
             # coroutine: the health answers at once (a fired Deferred).
             self.accountStats(account.id)["last_success_at"] = self.clock.seconds()
             done = self.health.success(account, model)
             if done.called and not isinstance(done.result, (Failure, Deferred)):
                 return succeed(NOTHING)
             return done.addCallback(lambda _: NOTHING)
-        return eagerDeferred(  # issue 16: no driver for a record that never waits
+        return eagerDeferred(  # no driver for a record that never waits
             self._record(account, end, verdict, model, requestId, upstreamRequestId)
         )
 
@@ -214,7 +214,7 @@ class AccountBookkeeping:
 
     def _proxyCut(self, account) -> None:
         """
-        Issue 8: a stream through a proxy was cut mid-stream.
+        A stream through a proxy was cut mid-stream.
         """
         if self.proxyHealth is None or account.proxy is None:
             return

@@ -853,7 +853,7 @@ def _mark401(f: ErrorFacts, a: Account, now: float, c: "DefaultClassifier") -> t
     R11 401 rows: revoked/invalidated or C{detail: Unauthorized}, an
     API-key account, or an OAuth account without a refresh token ->
     permanent; an OAuth account with a refresh token -> 10 min cooldown
-    (the engine has already refreshed once and replayed, issue 12, and
+    (the engine has already refreshed once and replayed, and
     invalidates the cached token). The account the engine dials carries
     its current refresh token (L{relay.interfaces.ICredentialSource}).
     """

@@ -146,7 +146,7 @@ class AccountHealth:
     def clear(self, accountId: str, cause: str = "operator") -> Deferred:
         """
         Lift every block of an account: the store's states, the in-memory
-        blocks, the breaker and the OAuth-429 window (admin "clear", issue 7),
+        blocks, the breaker and the OAuth-429 window (admin "clear"),
         logged once as C{relay.account_cleared}.
 
         @param cause: why, in that line: C{operator} (C{POST
@@ -248,7 +248,7 @@ class AccountHealth:
 
     def flagged(self, now: float) -> list:
         """
-        Issue 24: the accounts with an in-memory block (R4 step 1, R-B1,
+        The accounts with an in-memory block (R4 step 1, R-B1,
         the R11 bridge block) in force at C{now}: those L{localBlock} may
         answer for; blocks that have ended are dropped.
 
@@ -603,7 +603,7 @@ class AccountHealth:
         OAuth 429 window.
 
         @return: a L{Deferred} firing with L{None} (fired: nothing here
-            waits; issue 24, no coroutine per relayed turn).
+            waits; no coroutine per relayed turn).
         """
         try:
             self._success(account, model)
@@ -623,7 +623,7 @@ class AccountHealth:
                 )
         self._oauth429.pop(account.id, None)
         if account.type != "oauth":
-            # Not waited for (issue 24): on Redis it leaves with the turn's
+            # Not waited for: on Redis it leaves with the turn's
             # other end-of-turn writes (owner records, slot releases).
             try:
                 d = self._store.resetStreak(account.id, streakModel(model))

@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_proxyhealth -*-
 """
-Egress proxy quarantine (issue 8; sub2api's stream circuit; behaviour.md
+Egress proxy quarantine (sub2api's stream circuit; behaviour.md
 R41 "proxy quarantine" compatibility check).
 
 A stream cut in the middle (the upstream connection dropped while an SSE
@@ -157,7 +157,7 @@ class ProxyHealth:
 
     def quarantinedProxies(self, now: float) -> list:
         """
-        Issue 24: the proxies quarantined at C{now} (the scheduler checks
+        The proxies quarantined at C{now} (the scheduler checks
         the accounts behind them; every other account is not quarantined).
 
         @param now: Unix seconds.

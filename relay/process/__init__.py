@@ -1,5 +1,5 @@
 """
-Operating a running relay without dropping turns (issue 14):
+Operating a running relay without dropping turns:
 
   - L{relay.process.live}: the live configuration's one home (the
     accounts registry every consumer reads through, the key ring, the

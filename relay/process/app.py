@@ -53,14 +53,14 @@ _log = Logger()
 class _Request(LimitedBodyRequest):
     """
     A L{Request} that checks credentials from the headers, bounds, holds
-    and decodes bodies (L{LimitedBodyRequest}, issues 13 and 19) and never
+    and decodes bodies (L{LimitedBodyRequest}) and never
     parses form submissions (relay reads JSON only, R103).
     """
 
     def process(self) -> None:
         """
         Give the request its id (and its C{X-Request-Id} response header)
-        before any resource sees it, so every answer carries it (issue 15),
+        before any resource sees it, so every answer carries it,
         and note when it started for the access line (L{_Site.log}).
         """
         clock = getattr(self.channel.site, "clock", None)
@@ -74,13 +74,13 @@ class _Request(LimitedBodyRequest):
 
     def write(self, data: bytes) -> None:
         """
-        Issue 24: the answer's first write sends its head and C{data} in
+        The answer's first write sends its head and C{data} in
         one C{send} (L{relay.entry.site.RelayHTTPChannel.holdHead}); the
         chunks after it (a streamed answer) are framed here.
         """
         if self._relayChunks and self.chunked:
             if not (self.finished or self._disconnected or self._encoder or self._inFakeHead):
-                # Issue 24: a chunk of a streamed answer (an SSE event), as
+                # A chunk of a streamed answer (an SSE event), as
                 # twisted.web's Request.write frames it (toChunk, joined by
                 # RelayHTTPChannel.writeSequence), without its five calls.
                 self.sentLength += len(data)
@@ -117,7 +117,7 @@ class _Request(LimitedBodyRequest):
     def render(self, resrc) -> None:
         """
         Render C{resrc}; a method it has no handler for is a JSON 405
-        (L{JSONMethodErrors}, issue 14), never twisted.web's HTML page.
+        (L{JSONMethodErrors}), never twisted.web's HTML page.
         """
         super().render(JSONMethodErrors(resrc))
 
@@ -130,7 +130,7 @@ _ACCESS_TIMED = _ACCESS + " in {duration_ms}ms"
 class _Site(RelaySite):
     """
     The relay's L{Site}: its access line is a structured
-    C{relay.http_access} event with the request's id (issue 15), instead of
+    C{relay.http_access} event with the request's id, instead of
     twisted.web's Apache-style text line.
 
     @ivar clock: the L{IReactorTime} the request durations are measured on.
@@ -156,7 +156,7 @@ class _Site(RelaySite):
             duration = round((self.clock.seconds() - started) * 1000, 1)
         agent = request.getHeader(b"user-agent")
         uri = request.uri
-        # Issue 24: a target without a query has nothing to redact.
+        # A target without a query has nothing to redact.
         path = redactQuery(uri.decode("latin-1")) if 63 in uri else uri.decode("latin-1")  # b"?"
         self._log.info(
             _ACCESS if duration is None else _ACCESS_TIMED,
@@ -181,7 +181,7 @@ class RelayApplication:
     @ivar site: the L{Site} to listen with.
     @ivar services: child services to start (Redis, timers).
     @ivar live: the L{LiveConfiguration}: the accounts registry and key ring
-        every consumer reads (issue 14).
+        every consumer reads.
     @ivar reloader: the L{ConfigReloader} behind C{SIGHUP} and C{POST
         /admin/reload}.
     @ivar drain: the L{GracefulDrain} the service runs on stop.
@@ -221,7 +221,7 @@ def _redisProviders(config: RelayConfig, reactor):
     service = RedisService(
         url=config.state.redis_url, clock=reactor, **_sentinelArguments(config.state)
     )
-    # Issue 24: the built-in store and admission share one batcher, so a
+    # The built-in store and admission share one batcher, so a
     # turn's state reads, slot acquire and end-of-turn writes share round trips.
     batch = sharedBatch(service, reactor)
     store = RedisStateStore(
@@ -239,7 +239,7 @@ def _redisProviders(config: RelayConfig, reactor):
 
 def answersAtOnce(config, store, admission) -> bool:
     """
-    Issue 24: whether the client's answers may be sent at once
+    Whether the client's answers may be sent at once
     (L{relay.entry.site.RelaySite.answerAtOnce}): only when the state store,
     the slot admission and the control store all live in this process (the
     memory backend; the store and admission declare
@@ -267,7 +267,7 @@ def answersAtOnce(config, store, admission) -> bool:
 
 def _sentinelArguments(state) -> dict:
     """
-    Issue 23: the L{relay.wire.redisclient.RedisService} arguments of
+    The L{relay.wire.redisclient.RedisService} arguments of
     C{state.redis_sentinels} / C{state.redis_master_name}, or none.
     """
     if not state.redis_sentinels:
@@ -317,7 +317,7 @@ def buildApplication(
         one (tests).
     @param trustRoot: TLS trust root for upstreams (tests with a local CA).
     @param configPath: the file C{config} was read from, re-read by a live
-        reload (issue 14); L{None} leaves reload without a file until
+        reload; L{None} leaves reload without a file until
         C{app.reloader.path} is set.
     @param listenOverride: the C{--listen} that overrode the file's.
     @param spanExporter: a span exporter for the turn traces, used instead
@@ -351,7 +351,7 @@ def buildApplication(
         )
     health = AccountHealth(store=store, clock=reactor, settings=settings)
     proxyHealth = ProxyHealth(clock=reactor)
-    # Issue 14: the accounts and keys have one live home; every consumer
+    # The accounts and keys have one live home; every consumer
     # below reads through it, so a reload changes them for all at once.
     live = LiveConfiguration.fromConfig(config)
     accounts = live.accounts
@@ -359,18 +359,18 @@ def buildApplication(
 
     from relay.control.plane import ControlPlane
 
-    # Issue 21: what operators change live (admin accounts, pauses); its
+    # What operators change live (admin accounts, pauses); its
     # store is attached once the settings store exists (_controlSurface).
     control = ControlPlane(clock=reactor, live=live, configPath=configPath)
 
     def extraBlock(account, now, model):
-        # A pause (issue 21), R4/R-B1 in-memory blocks, then token state
-        # (needs_login, issue 12).
+        # A pause, R4/R-B1 in-memory blocks, then token state
+        # (needs_login).
         return (control.blockReason(account, now) or health.localBlock(account.id, model)
                 or credentials.blockReason(account, now))
 
     def flagged(now, pool):
-        # Issue 24: the accounts extraBlock and the quarantine hook may
+        # The accounts extraBlock and the quarantine hook may
         # refuse now (a superset), so a selection checks only those.
         paused = control.flagged(now)
         if paused is None:
@@ -562,7 +562,7 @@ def _keysReady(app: RelayApplication):
 
 def _tracer(config: RelayConfig, reactor, exporter=None):
     """
-    Issue 23: with C{tracing.exporter} set, OpenTelemetry spans for every
+    With C{tracing.exporter} set, OpenTelemetry spans for every
     turn and attempt (L{relay.tracing.otel.TurnTracer}, the runner's
     observer). Off (the default): nothing is built.
 
@@ -609,7 +609,7 @@ class _TracerShutdown(Service):
 
 def _readiness(app: RelayApplication, root) -> None:
     """
-    C{GET /readyz} (issue 19 item 6 and issue 23; R101, R105,
+    C{GET /readyz} (R101, R105,
     L{relay.process.readiness}): the L{Readiness} every part registers
     its check with, in C{app.extras["readiness"]} -- here C{settings} and
     C{tokens} (the stores were loaded; L{_Startup} sets them) and
@@ -632,7 +632,7 @@ def _readiness(app: RelayApplication, root) -> None:
 
 def _redisReadiness(app: RelayApplication) -> None:
     """
-    Issue 23 / R101: C{/readyz} is not ready while Redis does not answer
+    R101: C{/readyz} is not ready while Redis does not answer
     (L{relay.wire.redisclient.RedisService.reachable}: the last round trip's
     outcome, no ping per request).
     """
@@ -648,7 +648,7 @@ def _redisReadiness(app: RelayApplication) -> None:
 
 def _oauthParts(config: RelayConfig, reactor, settings, accounts, trustRoot):
     """
-    The token side of OAuth accounts (issue 12): the credential source
+    The token side of OAuth accounts: the credential source
     (its store is set by L{_operatorSurface} once the settings store
     exists) and the usage-window recorder.
 
@@ -715,8 +715,8 @@ def _tokenStore(app: RelayApplication, redis):
 
 def _applyLimits(app: RelayApplication, config: RelayConfig) -> None:
     """
-    A reload's gateway limits that live outside the runtime settings (issue
-    14): the request body limit (read per request from the site) and the
+    A reload's gateway limits that live outside the runtime settings:
+    the request body limit (read per request from the site) and the
     client WebSocket frame limit (read by each new connection).
     """
     app.site.maxRequestBodyBytes = config.gateway.max_request_body_bytes
@@ -727,8 +727,7 @@ def _applyLimits(app: RelayApplication, config: RelayConfig) -> None:
 
 def _wsUpstream(reactor, settings, trustRoot):
     """
-    The upstream WebSocket pool and the engine's WebSocket attempt over it
-    (issue 6).
+    The upstream WebSocket pool and the engine's WebSocket attempt over it.
 
     @return: C{(UpstreamPool, WebSocketAttempt)}.
     """
@@ -744,7 +743,7 @@ def _wsUpstream(reactor, settings, trustRoot):
 
 def _webSocket(app: RelayApplication):
     """
-    The Responses WebSocket (issue 6): the upgrade resource, and the
+    The Responses WebSocket: the upgrade resource, and the
     upstream pool's (L{_wsUpstream}) service, which closes it on shutdown.
     """
     from relay.entry.ws import buildWebSocketResource
@@ -755,7 +754,7 @@ def _webSocket(app: RelayApplication):
     app.extras["wsPoolService"] = PoolService(pool).asService()
 
     def retire(change) -> None:
-        # Issue 14: a changed or removed account's pooled connections are
+        # A changed or removed account's pooled connections are
         # retired once idle; an unchanged account's stay.
         for accountId in change.changed | change.removed:
             pool.retire(accountId)
@@ -764,7 +763,7 @@ def _webSocket(app: RelayApplication):
     app.live.accounts.subscribe(lambda change: _forgetRenewed(app, change))
     credentials = app.extras.get("credentials")
     if credentials is not None:
-        # Issue 12 + 14: an OAuth account a reload adds gets managed tokens.
+        # An OAuth account a reload adds gets managed tokens.
         app.live.accounts.subscribe(
             lambda change: credentials.accountsChanged(app.live.accounts, change)
         )
@@ -777,7 +776,7 @@ def _webSocket(app: RelayApplication):
 
 def _forgetRenewed(app: RelayApplication, change) -> None:
     """
-    Issue 14: an account whose credential, endpoint or proxy a reload
+    An account whose credential, endpoint or proxy a reload
     changed starts afresh: its cooldowns, streaks and breaker (learnt about
     the old identity) are cleared, as an operator's clear would. Other
     accounts' state, changed or not, is kept.
@@ -794,7 +793,7 @@ def _forgetRenewed(app: RelayApplication, change) -> None:
 
 def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None:
     """
-    Mount C{/admin} and C{/metrics} (issue 7, behind C{admin_key}), wire
+    Mount C{/admin} and C{/metrics} (behind C{admin_key}), wire
     metrics into the engine and the settings store into the settings.
     """
     from relay.console.admin import GuardedMetrics, buildAdminResource
@@ -829,7 +828,7 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
     from relay.scheduling.quota import UsageCollector
 
     metrics.addCollector(UsageCollector(quota, credentials, accounts))
-    # relay_oauth_refresh_failures_total: a counter, summed across workers (issue 23).
+    # relay_oauth_refresh_failures_total: a counter, summed across workers.
     metrics.oauthAccounts([a.id for a in accounts if a.type == "oauth"])
     credentials.onRefreshFailure = metrics.oauthRefreshFailed
     admin = buildAdminResource(
@@ -855,18 +854,18 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
     app.services.append(periodic(5, view.refreshSlots, reactor))
     prune = getattr(app.store, "prune", None)
     if prune is not None:
-        # Issue 19 item 7: expired bindings and owners leave memory.
+        # Expired bindings and owners leave memory.
         app.services.append(periodic(60, prune, reactor))
     if config.state.backend == "redis":
         app.services.append(periodic(5, app.settings.refresh, reactor))
     if any(a.type == "oauth" for a in accounts):
-        # Issue 12: adopt tokens another process refreshed; re-plan timers.
+        # Adopt tokens another process refreshed; re-plan timers.
         app.services.append(periodic(15, credentials.sync, reactor))
 
 
 def _controlSurface(app: RelayApplication, admin, view, redis):
     """
-    Issue 21: the control plane's store, services and routes
+    The control plane's store, services and routes
     (L{relay.control.assemble}); a reload also checks that the file and
     the admin accounts agree.
 
@@ -888,7 +887,7 @@ def _controlSurface(app: RelayApplication, admin, view, redis):
 
 def _durableOwners(app: RelayApplication) -> None:
     """
-    Issue 19 item 5 (R104): with the embedded store, response owner records
+    R104: with the embedded store, response owner records
     are persisted in the SQLite C{database}, so a restart does not forget
     which key owns a chain (Redis keeps them itself).
     """
@@ -896,7 +895,7 @@ def _durableOwners(app: RelayApplication) -> None:
     from relay.state.durable import DurableFlushService, SQLiteValues
 
     if isinstance(app.settings.store, SQLiteSettingsStore) and hasattr(app.store, "durable"):
-        # Issue 24: written behind (one transaction per 0.25 s at most),
+        # Written behind (one transaction per 0.25 s at most),
         # what waits is written at stop, before the database closes.
         app.store.durable = SQLiteValues(app.settings.store, clock=app.reactor)
         app.services.append(DurableFlushService(app.store.durable))
@@ -904,7 +903,7 @@ def _durableOwners(app: RelayApplication) -> None:
 
 def _usageLedger(config: RelayConfig, reactor, settingsStore, metrics, redis):
     """
-    Token accounting (issue 13 item 5): the ledger the engine records into
+    Token accounting: the ledger the engine records into
     and its store (Redis with the Redis backend, else the settings SQLite
     file, else memory); its flush timer is started by L{_operatorSurface}.
 
@@ -939,7 +938,7 @@ def _usageLedger(config: RelayConfig, reactor, settingsStore, metrics, redis):
 
 def _tenants(app: RelayApplication, admin, usage, redis) -> None:
     """
-    Client keys as tenants (issue 22): the price table and the key policy
+    Client keys as tenants: the price table and the key policy
     the engine checks before every turn (rate windows in Redis with the
     Redis backend, else in memory), the request log (Redis stream, else
     the settings SQLite file, else memory) and its flush timer, the
@@ -983,7 +982,7 @@ def _tenants(app: RelayApplication, admin, usage, redis) -> None:
 
 def _tenantParts(config: RelayConfig, reactor, live, settingsStore, redis):
     """
-    The tenants' parts the engine uses (issue 22): the price table, the
+    The tenants' parts the engine uses: the price table, the
     key policy with its rate windows (Redis with the Redis backend, else
     memory) and the request log (Redis stream, else the settings SQLite
     file, else memory).
@@ -1017,7 +1016,7 @@ def _tenantParts(config: RelayConfig, reactor, live, settingsStore, redis):
 
 def _keysFromTheControlPlane(app: RelayApplication, prices, policy, usage) -> None:
     """
-    Issue 22: the control plane puts the admin API's groups and prices
+    The control plane puts the admin API's groups and prices
     into the key policy and the price table; the budgets follow the key
     ring (file and admin keys, after every reload or admin change; a new
     budget reads the store's totals at once).
@@ -1041,8 +1040,8 @@ class _Startup(MultiService):
     client (if any) runs (R74 "at startup"); a failure is logged and the
     file's values stay.
 
-    Stops in sequence, not concurrently as L{MultiService} would (issue 14,
-    L{relay.process.drain}): the listener first (no new connections),
+    Stops in sequence, not concurrently as L{MultiService} would
+    (L{relay.process.drain}): the listener first (no new connections),
     then the drain (running turns finish within the grace, the rest are
     cancelled, every slot is given back), then the other children in
     reverse order (pooled upstream connections, periodic jobs, and the
@@ -1061,10 +1060,10 @@ class _Startup(MultiService):
         self._app = app
 
     def startService(self) -> None:
-        # R105 (issue 19 item 6): not ready, and no turn, until the stores
+        # R105: not ready, and no turn, until the stores
         # are loaded -- one gate for every store a turn depends on: the
         # settings, the OAuth tokens, and the control plane's first read
-        # (admin accounts, pauses, admin keys and disables; issue 21/22),
+        # (admin accounts, pauses, admin keys and disables),
         # each set once read or once its read failed (R35, R101). The
         # runner's gate (open for an application wired by hand) closes.
         gate = self._app.runner.startupGate
@@ -1090,7 +1089,7 @@ class _Startup(MultiService):
         d.addBoth(gate.mark(gate.settings))
         credentials = self._app.extras.get("credentials")
         if credentials is not None:
-            # Issue 12: stored tokens win over the file's; timers start once
+            # Stored tokens win over the file's; timers start once
             # the runtime settings (the refresh margin) are loaded.
             d.addBoth(lambda _: credentials.start())
             d.addErrback(lambda f: self._log.failure("loading OAuth tokens failed", f))
@@ -1119,7 +1118,7 @@ class _Startup(MultiService):
                 self._log.failure("draining failed", event="relay.drain_failed")
         credentials = self._app.extras.get("credentials")
         if credentials is not None:
-            # Issue 12: token timers stop once no turn can need a refresh.
+            # Token timers stop once no turn can need a refresh.
             credentials.stop()
         for service in reversed(list(self)):
             if service.running:
@@ -1199,8 +1198,8 @@ LAZY_IMPORTS = {
     "jwt": "PyJWT (OAuth accounts' tokens)",
     "zstandard": "zstandard (zstd request bodies)",
 }
-"""Issue 24 (RSS at c=128): libraries relay imports where it first uses
-them, not at start. L{checkImports} imports at start those the
+"""Libraries relay imports where it first uses them, not at start (to
+keep the RSS low at c=128). L{checkImports} imports at start those the
 configuration uses, so a broken install still fails there."""
 
 
@@ -1260,7 +1259,7 @@ def buildService(
         process edge (the C{SIGHUP} handler of L{relay.tap}), started
         before the listener.
     @param reusePort: listen with C{SO_REUSEPORT} beside the other workers
-        of a supervisor (issue 16, L{relay.process.workers}).
+        of a supervisor (L{relay.process.workers}).
     """
     from twisted.internet.endpoints import serverFromString
 

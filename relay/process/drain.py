@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_operations -*-
 """
-The graceful stop (issue 14): on C{SIGTERM} twistd stops the service, and
+The graceful stop: on C{SIGTERM} twistd stops the service, and
 the service stops relay in this order (L{relay.process.app.RelayService}):
 
  1. B{Stop accepting}: the listening port closes, so new connections are
@@ -13,10 +13,10 @@ the service stops relay in this order (L{relay.process.app.RelayService}):
     - idle client WebSockets are closed 1001 "server restarting" at once,
       busy ones when their turn ends, and a C{response.create} that
       arrives meanwhile is answered the same way, so Codex reconnects
-      (to another relay, or to this one once it is back). The issue asks
-      for 1001; behaviour.md R70 lists 1012 for "relay shutting down".
-      Both make Codex and the SDK reconnect (protocol.md 4.6); relay
-      follows the issue;
+      (to another relay, or to this one once it is back). relay sends
+      1001 ("going away") where behaviour.md R70 lists 1012 for "relay
+      shutting down"; both make Codex and the SDK reconnect (protocol.md
+      4.6);
     - running turns finish, for up to C{gateway.shutdown_grace_seconds}
       (default 30; read when the stop begins, so a reload changes it);
     - when the grace runs out, every turn still running is cancelled by
@@ -31,8 +31,8 @@ the service stops relay in this order (L{relay.process.app.RelayService}):
  3. B{Stop the rest}: pooled upstream connections, periodic jobs, the
     Redis client, the settings store; then twistd exits 0.
 
-L{GracefulDrain} is a reusable piece: a supervising parent (issue 16's
-C{workers: N}) can trigger it in each worker the same way (each worker's
+L{GracefulDrain} is a reusable piece: a supervising parent (the
+supervisor of C{workers: N}) can trigger it in each worker the same way (each worker's
 service stop runs it).
 """
 

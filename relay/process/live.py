@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_operations -*-
 """
-The live configuration's one home (issue 14).
+The live configuration's one home.
 
 Every part of a running relay that needs the accounts reads them through
 one L{AccountRegistry} (the scheduler, the WebSocket entry, C{/v1/models},
@@ -13,7 +13,7 @@ The hook: L{AccountRegistry.subscribe} tells a listener which account ids
 were added, removed or changed (never secrets), after the new set is in
 force. relay itself subscribes the C{ctx_pool} upstream pool (it retires a
 changed or removed account's connections once idle); a per-account
-credential source (e.g. OAuth tokens, issue 12) subscribes the same way to
+credential source (e.g. OAuth tokens) subscribes the same way to
 forget or rebuild an account's state.
 """
 
@@ -134,7 +134,7 @@ class AccountRegistry:
     def snapshot(self) -> tuple:
         """
         The accounts in force, as one immutable tuple: the same object until
-        the set changes (issue 24: the scheduler's per-snapshot index keys
+        the set changes (the scheduler's per-snapshot index keys
         on it).
         """
         return self._accounts
@@ -190,7 +190,7 @@ class LiveConfiguration:
     @ivar keys: the L{relay.entry.http.KeyRing} every entrypoint
         authenticates with.
     @ivar overlay: L{None}, or C{fileAccounts -> accounts in force}: the
-        control plane (issue 21, L{relay.control.plane.ControlPlane.overlay})
+        control plane (L{relay.control.plane.ControlPlane.overlay})
         adds the accounts an operator added through the admin API, so a
         reload keeps them.
     """

@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_readiness -*-
 """
 Readiness (C{GET /readyz}) beside liveness (C{GET /healthz}), and the one
-start-up gate turns wait on (behaviour.md R101, R105; issues 19 and 23).
+start-up gate turns wait on (behaviour.md R101, R105).
 
 C{/healthz} says the process is alive and listening (200 once the port
 answers); C{/readyz} says it will serve a turn now. A load balancer or

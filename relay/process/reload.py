@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_operations -*-
 """
-Live reload (issue 14): C{SIGHUP} or C{POST /admin/reload} re-reads the
+Live reload: C{SIGHUP} or C{POST /admin/reload} re-reads the
 configuration file the process started with and applies the difference
 without dropping a turn.
 

@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_workers -*-
 """
-Worker processes across cores (issue 16, config.md C{workers}).
+Worker processes across cores (config.md C{workers}).
 
 With C{workers: N} (N > 1) the process started by C{twistd relay} /
 C{python -m twisted relay} becomes a supervisor: it reserves the listening
@@ -24,7 +24,7 @@ configuration file (L{relay.process.reload}); the supervisor itself
 stays up. A worker waiting to be restarted gets nothing: it starts with the
 file as it then is.
 
-Metrics across workers (issue 23): the supervisor runs its workers with
+Metrics across workers: the supervisor runs its workers with
 prometheus_client's multiprocess directory, C{PROMETHEUS_MULTIPROC_DIR}
 (L{MetricsDirectory}): its own temporary directory, removed when it stops,
 or the operator's (emptied of old files when the supervisor starts). A
@@ -72,7 +72,7 @@ CHANNEL_FD = 3
 SUPERVISOR_PID_ENV = "RELAY_SUPERVISOR_PID"
 """Set in a worker's environment by the supervisor: the supervisor's pid, so
 that L{dieWithParent} can tell "my supervisor died" from "my supervisor is
-pid 1" (the entrypoint of a container, issue 23)."""
+pid 1" (the entrypoint of a container)."""
 
 MESSAGE_READY = b"ready"
 """A worker's message: its C{SIGHUP} handler is installed."""
@@ -99,7 +99,7 @@ HEALTHY_SECONDS = 10.0
 @define(eq=False)
 class MetricsDirectory:
     """
-    The workers' prometheus_client multiprocess directory (issue 23).
+    The workers' prometheus_client multiprocess directory.
 
     @ivar path: the directory, once L{prepare}d.
     @ivar owned: whether the supervisor made it (and removes it).
@@ -352,7 +352,7 @@ def dieWithParent(environ=None, getppid=os.getppid, kill=os.kill, prctl=None) ->
     another parent (init, or a subreaper): then the worker sends itself
     C{SIGTERM} at once. The supervisor's pid comes from
     L{SUPERVISOR_PID_ENV}: a supervisor that I{is} pid 1 -- the entrypoint
-    of a container, issue 23 -- is alive, not dead (without the variable,
+    of a container -- is alive, not dead (without the variable,
     a parent of pid 1 means the supervisor is gone).
 
     @param environ: the environment (default C{os.environ}).

@@ -14,8 +14,7 @@ Which account serves a turn (behaviour.md group E):
     L{relay.scheduling.quick} (the sticky fast path);
   - L{relay.scheduling.selection}: what a selection returns, and relay's own
     "no account can serve this" answers (R44, R83);
-  - L{relay.scheduling.quota}: OAuth usage windows and quota-aware order
-    (issue 12).
+  - L{relay.scheduling.quota}: OAuth usage windows and quota-aware order.
 
 Slot admission (waiting for a slot once an account is chosen) is its own
 seam, L{relay.admission}.

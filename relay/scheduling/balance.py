@@ -30,7 +30,7 @@ SLOT_ERROR_MESSAGE = "Service temporarily unavailable, please retry later"
 
 
 BIG_TIE = 64
-"""Issue 24: an index bucket of more accounts than this is drawn from in
+"""An index bucket of more accounts than this is drawn from in
 place (L{_Run}) rather than copied and filtered first."""
 
 
@@ -64,7 +64,7 @@ class _Run:
 def _skew(rates: list, count: int) -> float:
     """
     The population standard deviation of C{count} load rates of which all
-    but C{rates} are 0 (R45's C{load_skew}; issue 24: the idle accounts of
+    but C{rates} are 0 (R45's C{load_skew}; the idle accounts of
     a pool are not listed one by one).
     """
     if count <= 1 or not any(rates):
@@ -195,13 +195,13 @@ class Balancer:
         @return: an L{relay.interfaces.ISlotLease} or L{None}.
         """
         if ctx.dryRun:
-            # Issue 22's preview: read the load instead of taking the slot.
+            # A preview: read the load instead of taking the slot.
             inUse, waiting = (await self.loads([account]))[account.id]
             limit = account.concurrency
             return DRY_LEASE if limit <= 0 or inUse + waiting < limit else None
         spec = ctx.spec
         if spec is not None and spec[0] is account:
-            # Issue 24: the try sent with the state reads
+            # The try sent with the state reads
             # (L{relay.scheduling.layers.Layers._speculate}).
             ctx.spec = None
             try:
@@ -254,7 +254,7 @@ class Balancer:
         in random order), try each slot after re-checking its state; on a
         full miss re-read the load and repeat once.
 
-        Issue 24: with the pool index and an admission that reports its
+        With the pool index and an admission that reports its
         busy slots (L{relay.admission.memory.MemorySlotAdmission.busy}) the
         order is read from the index (L{_loadBalanceIndexed}) instead of sorting
         every candidate; ties are put in random order lazily, one draw per
@@ -307,7 +307,7 @@ class Balancer:
             def key(a):
                 return (a.priority,) + plain(a)
         else:
-            # Issue 12: within a priority, the most remaining usage
+            # Within a priority, the most remaining usage
             # window first; at/above the threshold only after the rest.
             def key(a):
                 return (a.priority,) + quota.rank(a.id, threshold) + plain(a)
@@ -341,7 +341,7 @@ class Balancer:
         Try each account of C{order} after re-checking it (R43 step 3.6).
 
         @param peersOf: C{(priority) -> plain keys} of the available
-            accounts of that priority (issue 12's C{quota_decided}).
+            accounts of that priority (for the decision's C{quota_decided}).
         @return: C{(account, lease)} or L{None}.
         """
         for account in order:
@@ -353,7 +353,7 @@ class Balancer:
                 if quota is not None:
                     # The chosen account is always its own peer: its state
                     # may have changed while the acquire was in flight
-                    # (found by the chaos soak, issue 14).
+                    # (found by the chaos soak).
                     peers = peersOf(account.priority, account)
                     ctx.quotaDecided = plain(account) > min(peers + [plain(account)])
                 return account, lease
@@ -361,9 +361,9 @@ class Balancer:
 
     async def _loadBalanceIndexed(self, ctx: Pass, skip: frozenset, busy, quota, threshold):
         """
-        L{loadBalance} from the pool index (issue 24): only the busy
+        L{loadBalance} from the pool index: only the busy
         candidates (a slot held or a waiter), those with a usage window
-        (issue 12, when quota-aware) and the flagged ones are looked at one
+        (when quota-aware) and the flagged ones are looked at one
         by one; every other candidate is idle with the default quota rank,
         so its place is its priority and last-used second, which the index
         keeps in order (L{PoolIndex.buckets}).
@@ -457,7 +457,7 @@ class Balancer:
                 yield run
             if len(members) > BIG_TIE and not (si < len(specials)
                                                 and specials[si][0] == plainKey):
-                # Issue 24: a large run (a fresh pool: every account never
+                # A large run (a fresh pool: every account never
                 # used) is drawn from in place, not copied.
                 yield _Run(members, byId, staticIds, skipped)
                 continue

@@ -78,7 +78,7 @@ def responseOwnerKey(responseId: str) -> str:
 
 def responseKeys(responseId: str) -> tuple:
     """
-    Issue 24: L{responseKey} and L{responseOwnerKey} of one response, from
+    L{responseKey} and L{responseOwnerKey} of one response, from
     one sha256 of its id (a turn writes both).
 
     @return: C{(responseKey(responseId), responseOwnerKey(responseId))}.
@@ -89,7 +89,7 @@ def responseKeys(responseId: str) -> tuple:
 
 
 _OWNER_RECORDS: dict = {}
-"""Issue 24: C{(key owner id, account id)} -> its L{ownerRecord} (a
+"""C{(key owner id, account id)} -> its L{ownerRecord} (a
 bounded set: configured keys and accounts; cleared when full)."""
 _OWNER_RECORDS_MAX = 4096
 
@@ -147,7 +147,7 @@ def _none(result) -> None:
 def parseOwner(raw: str) -> tuple:
     """
     An owner record: C{{"key": name, "account": id}} (R104), or the bare
-    key name of records written before issue 19.
+    key name of records written by older relays.
 
     @return: C{(keyName, accountId or None)}.
     """
@@ -305,7 +305,7 @@ class Bindings:
         if self._keptBindings.data and self._keptBindings.get(turn):
             return succeed(None)
         if self._boundTurns.data and self._boundTurns.pop(turn, None) == account.id:
-            # The selection wrote it with the slot held (issue 24).
+            # The selection wrote it with the slot held.
             return succeed(None)
         ttl = self._settings.current.scheduling.sticky_session_ttl_seconds
         self.noteBinding(turn.sessionHash, account.id)
@@ -336,7 +336,7 @@ class Bindings:
         setValues = getattr(self._store, "setValues", None)
         if setValues is None:
             return eagerDeferred(self._recordResponse(turn, responseId, account))
-        # Issue 24: a store with setValues (both built-in ones) gets its one
+        # A store with setValues (both built-in ones) gets its one
         # operation straight from here: no coroutine and no await per turn.
         try:
             records, ttl = self._responseRecords(turn, responseId, account)
@@ -432,7 +432,7 @@ class Bindings:
     def noteBinding(self, sessionHash: str, accountId: Optional[str]) -> None:
         """
         Keep (or with L{None}, forget) the local guess of a session's
-        binding (issue 24, L{guess}).
+        binding (L{guess}).
         """
         bindings = self._localBindings
         bindings.pop(sessionHash, None)
@@ -459,10 +459,10 @@ class Bindings:
         if not responseId:
             return
         records, ttl = self._responseRecords(turn, responseId, account)
-        # Both writes leave at once (issue 14): a reader in another process
+        # Both writes leave at once: a reader in another process
         # must not find the owner without the key (R40) a round trip later.
         if getattr(self._store, "setValues", None) is not None:
-            # Issue 24: one operation for both (each with its own TTL).
+            # One operation for both (each with its own TTL).
             await self.write("setValues", records, ttl)
             return
         writes = [

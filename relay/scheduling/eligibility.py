@@ -87,12 +87,12 @@ class Pass:
     quarantineFailOpen: bool = False
     _eligible: Optional[list] = None
     _lazy: Optional[tuple] = None
-    """Issue 24: C{(static candidates, excluded, ineligible ids)} when the
+    """C{(static candidates, excluded, ineligible ids)} when the
     eligible list is built only if a layer needs it (see L{eligible})."""
     candidateCount: int = 0
     """How many accounts are eligible (R45's C{candidate_count})."""
     spec: Optional[list] = None
-    """Issue 24: C{[account, Deferred]} of a slot try sent with the state
+    """C{[account, Deferred]} of a slot try sent with the state
     reads on the account this process last bound the session to (see
     L{relay.scheduling.layers.Layers}), until the session layer takes it."""
     refreshed: bool = False
@@ -103,7 +103,7 @@ class Pass:
     loads: dict = field(factory=dict)
     quotaDecided: bool = False
     dryRun: bool = False
-    """Issue 22: a preview (L{relay.scheduling.preview}): no slot is taken,
+    """A preview (L{relay.scheduling.preview}): no slot is taken,
     nothing is written, nothing is logged."""
     rng: Optional[random.Random] = None
     """The tie shuffler: the scheduler's own, or (dry run) a copy of its
@@ -112,8 +112,8 @@ class Pass:
     @property
     def eligible(self) -> list:
         """
-        The eligible accounts in configured order; with the pool index
-        (issue 24), built on first use from the static candidates less the
+        The eligible accounts in configured order; with the pool index,
+        built on first use from the static candidates less the
         excluded and the flagged accounts found ineligible.
         """
         if self._eligible is None:
@@ -179,7 +179,7 @@ class Eligibility:
 
     def suspects(self, ctx: Pass, pool: PoolIndex) -> Optional[set]:
         """
-        Issue 24: the accounts whose eligibility must be checked in this
+        The accounts whose eligibility must be checked in this
         selection (every other static candidate is eligible), or L{None}
         when the sources cannot tell (then every candidate is checked).
         """
@@ -342,7 +342,7 @@ class Eligibility:
 
     def eligibleFromIndex(self, ctx: Pass, pool: PoolIndex, suspects: set) -> None:
         """
-        Issue 24: the eligible count (and, lazily, list) from the static
+        The eligible count (and, lazily, list) from the static
         candidates of this kind of turn, checking only the C{suspects}
         (flagged by a source) that are static candidates and not excluded.
         """

@@ -1,18 +1,18 @@
 # -*- test-case-name: tests.test_scheduler_index -*-
 """
 What selection knows about the pool without looking at every account on
-every turn (issue 24 item 5: a turn's cost independent of the pool's size).
+every turn (a turn's cost independent of the pool's size).
 
 L{PoolIndex} holds, for one snapshot of the configured accounts (the live
 registry's tuple: a reload or an admin change gives a new one, and the index
 starts again), the lists every selection of a kind of turn starts from:
 
-  - the accounts a key may reach (issue 22's groups) and their id map;
+  - the accounts a key may reach (its account group) and their id map;
   - of those, the ones that serve a model (R44), and whether any serves the
     turn's endpoint;
   - of those, the static candidates: serve the model and the endpoint, and
     are of an account type the turn may use (R42, R87, R88);
-  - the accounts behind each proxy (for a quarantine, issue 8).
+  - the accounts behind each proxy (for a quarantine).
 
 Each is built on first use and kept for the snapshot. The dynamic part of
 eligibility -- runtime blocks, the C{extraBlock} hook's blocks, proxy
@@ -115,7 +115,7 @@ class PoolIndex:
 
     def candidates(self, allowed: Optional[frozenset]) -> tuple:
         """
-        The accounts a key may reach (issue 22).
+        The accounts a key may reach.
 
         @param allowed: the key's account ids, or L{None} for every account.
         @return: C{(accounts in configured order, id -> account)}.

@@ -11,8 +11,8 @@ from the account's storage, input items given by id only
     optional: an item with an C{id}, no C{type} and no C{role} is one too);
   - a C{reasoning} item with an C{id} and no C{encrypted_content}: upstream
     looks the stored reasoning up by id (the 404 "Item with id 'rs_...' not
-    found. Items are not persisted when C{store} is set to false", vercel/ai
-    issues 7543 and 10290).
+    found. Items are not persisted when C{store} is set to false", vercel/ai#7543
+    and vercel/ai#10290).
 
 On a shared upstream account key B could otherwise read key A's messages,
 function calls and outputs. So relay records, when a response completes,
@@ -98,8 +98,8 @@ def itemNotFound(itemId: str) -> ClientError:
     """
     R104's answer for an item the key does not own (unknown, or another
     key's; never said which), in OpenAI's words for an unknown item: 404
-    C{invalid_request_error}, C{param: input}, no code (vercel/ai issue
-    10290 quotes the body). On the WebSocket: an C{error} event with
+    C{invalid_request_error}, C{param: input}, no code (vercel/ai#10290
+    quotes the body). On the WebSocket: an C{error} event with
     status 404, and the connection stays open.
     """
     return ClientError(404, "invalid_request_error", f"Item with id '{itemId}' not found.",

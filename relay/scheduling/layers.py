@@ -203,8 +203,8 @@ class Layers:
 
     async def _view(self, pool: PoolIndex, accounts: Sequence[Account]):
         """
-        The account states for one selection: the store's view (issue 24,
-        no per-account read) or, for a store without one, a read of every
+        The account states for one selection: the store's view (no
+        per-account read) or, for a store without one, a read of every
         candidate's state; a store error counts as "all healthy" (R35).
         """
         store = self._store
@@ -245,7 +245,7 @@ class Layers:
 
     def _speculate(self, turn: Turn, byId: dict, excluded: frozenset) -> Optional[list]:
         """
-        Issue 24: with an admission that can refresh a binding with a slot
+        With an admission that can refresh a binding with a slot
         try (L{relay.admission.redis.RedisSlotAdmission.tryAcquireBinding}),
         try the slot of the account this process last bound the session to
         now, so it travels with the binding and state reads (one round trip
@@ -381,7 +381,7 @@ class Layers:
             )
             raise NoAccountAvailable(conversationRefused())
 
-        # Issue 24: the binding read leaves with the states read (one round
+        # The binding read leaves with the states read (one round
         # trip on Redis, relay.state.redisbatch); memory answers both at once.
         binding = None
         if turn.sessionHash:
@@ -429,7 +429,7 @@ class Layers:
         if suspects is None:
             failOpen = bool(openAccounts) and all(isQuarantined(a) for a in openAccounts)
         else:
-            # Issue 24: an open account no source flags is not quarantined.
+            # An open account no source flags is not quarantined.
             flaggedOpen = sum(1 for i in suspects if i in servingIds and i not in excluded)
             failOpen = (bool(openAccounts) and flaggedOpen == len(openAccounts)
                         and all(isQuarantined(a) for a in openAccounts))
@@ -523,7 +523,7 @@ class Layers:
         owner = ctx.byId.get(ownerId) if ownerId else None
         if owner is None:
             if ownerId:
-                # Issue 14: an owner this process does not have (removed by
+                # An owner this process does not have (removed by
                 # a reload, or configured on another relay only) is said,
                 # not silently dropped.
                 logFor(self._log, ctx).info(
@@ -750,14 +750,14 @@ class Layers:
             if choice.bindingOp == "touch":
                 if not (choice.sessionHit and ctx.refreshed):
                     # Not awaited (errors are logged by write). On Redis a
-                    # speculative try refreshed it already (issue 24).
+                    # speculative try refreshed it already.
                     self._bindings.send("touchValue", sessionKey(turn.sessionHash), ttl)
             else:
                 await self._bindings.write("setValue", sessionKey(turn.sessionHash), account.id,
                                            ttl)
-            # Issue 24: written with the slot held; bind() need not again.
+            # Written with the slot held; bind() need not again.
             self._bindings.written(turn, account.id)
-        # Issue 24: the record's fields are built once, in DecisionRecord's
+        # The record's fields are built once, in DecisionRecord's
         # order (_RECORD_FIELDS), for the record and for its log line.
         fields = {
             "layer": choice.layer,

@@ -45,7 +45,7 @@ SILENT = Logger(observer=lambda event: None)
 @define(eq=False)
 class Preview:
     """
-    A dry run of one selection (issue 22, L{preview}).
+    A dry run of one selection (L{preview}).
 
     @ivar selection: the L{Selection} the turn would get (its C{lease} is
         L{DRY_LEASE} when a slot is free now, else C{waitPlan} is set), or

@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_quota -*-
 """
-Usage windows of OAuth accounts and quota-aware ordering (issue 12,
-protocol.md 7.3).
+Usage windows of OAuth accounts and quota-aware ordering
+(protocol.md 7.3).
 
 L{UsageWindows} records each account's primary and secondary window
 (used-percent, length, reset time, plan) from every upstream response that
@@ -100,7 +100,7 @@ class UsageWindows:
 
     def observe(self, accountId: str, snapshot: Snapshot) -> None:
         """
-        Record a snapshot learnt outside traffic (a usage probe, issue 21),
+        Record a snapshot learnt outside traffic (a usage probe),
         unless traffic told something newer meanwhile.
         """
         current = self.snapshots.get(accountId)

@@ -39,7 +39,7 @@ class DecisionRecord:
         WebSocket connection's account) was chosen.
     @ivar quota_decided: the load-balance layer chose this account over
         one that the plain order (load rate, last used) would have tried
-        first, because its usage window has more room (issue 12).
+        first, because its usage window has more room.
     @ivar quota_used_percent: the chosen account's fuller usage window, in
         percent, when relay knows it.
     """
@@ -70,8 +70,8 @@ class Selection:
     @ivar account: the chosen L{Account}.
     @ivar lease: the held L{relay.interfaces.ISlotLease}, or L{None}.
     @ivar waitPlan: the L{WaitPlan} to wait on, or L{None}.
-    @ivar record: the L{DecisionRecord}; given, or (issue 24: a turn that
-        never reads it builds none) built on first read from C{fields},
+    @ivar record: the L{DecisionRecord}; given, or built
+        (a turn that never reads it builds none) on first read from C{fields},
         the record's fields by name (the decision line's).
     """
 

@@ -60,13 +60,13 @@ def _canonical(value: Any) -> str:
 
 _canonicalJSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode
 """C{json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)}:
-the same encoder, built once instead of on every call (issue 24)."""
+the same encoder, built once instead of on every call."""
 
 
 def _isMapping(value: Any) -> bool:
     """
     C{isinstance(value, Mapping)}, with a parsed body's C{dict} told without
-    the ABC's C{__instancecheck__} (issue 24: several per turn).
+    the ABC's C{__instancecheck__} (several per turn).
     """
     return value.__class__ is dict or isinstance(value, Mapping)
 
@@ -184,8 +184,8 @@ def sessionHash(seed: Optional[str], keyName: str) -> Optional[str]:
     """
     if not seed:
         return None
-    # surrogatepass: any str hashes (entrypoints refuse unpaired surrogates,
-    # issue 14; this keeps the hash total anyway).
+    # surrogatepass: any str hashes (entrypoints refuse unpaired surrogates;
+    # this keeps the hash total anyway).
     return xxhash.xxh64_hexdigest(f"{keyName}:{seed}".encode("utf-8", "surrogatepass"))
 
 

@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_tenancy,tests.test_durable -*-
 """
 Durable TTL'd values for the embedded (memory) state store (behaviour.md
-R104, issue 19 item 5): response owner records outlive a restart.
+R104): response owner records outlive a restart.
 
 With C{state.backend: memory}, L{relay.state.memory.MemoryStateStore}
 keeps every value in the process; the values whose key starts with one of
@@ -12,7 +12,7 @@ the file L{relay.state.settingsdb.SQLiteSettingsStore} manages), and read from
 it when the process does not have them (after a restart). Redis keeps its
 keys itself.
 
-Writes are coalesced (issue 24): a change waits up to L{WRITE_DELAY}
+Writes are coalesced: a change waits up to L{WRITE_DELAY}
 seconds (with a clock) and while a write is in flight, and everything that
 waited is written in one transaction (the last value of a key wins). A
 turn thus never queues a transaction of its own on the single, serialised
@@ -33,7 +33,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
 WRITE_DELAY = 0.25
-"""Seconds a change waits for others before it is written (issue 24)."""
+"""Seconds a change waits for others before it is written."""
 
 DURABLE_PREFIXES = ("openai:http-response-owner:",)
 """Keys persisted by L{SQLiteValues}."""
@@ -139,7 +139,7 @@ class SQLiteValues:
 
     def saveMany(self, rows, onFailure=None) -> Deferred | None:
         """
-        L{save} of several values in one change (issue 24: a response's
+        L{save} of several values in one change (a response's
         owner record and its items' ones).
 
         @param rows: C{(key, value, expires)} triples, C{expires} in Unix

@@ -68,7 +68,7 @@ def applyMark(
 def blockEnd(runtime: AccountRuntime) -> float:
     """
     Until when a runtime state may keep its account from being scheduled
-    (issue 24: what L{relay.interfaces.IAccountStates.flagged} reports).
+    (what L{relay.interfaces.IAccountStates.flagged} reports).
 
     @return: Unix seconds; C{inf} for a disabled account; 0 when nothing
         blocks it (streaks alone never do).
@@ -88,7 +88,7 @@ def blockEnd(runtime: AccountRuntime) -> float:
 class FlaggedStates:
     """
     An L{IAccountStates} over a dict of runtimes, with the end of each
-    account's blocks kept beside it (issue 24: L{flagged} costs the flagged
+    account's blocks kept beside it (L{flagged} costs the flagged
     accounts, not the pool).
 
     @ivar runtimes: account id -> L{AccountRuntime} (only stored ones).
@@ -141,18 +141,18 @@ class MemoryStateStore:
 
     @ivar _clock: the time source; C{seconds()} are Unix seconds.
     @ivar _accounts: account id -> L{AccountRuntime}.
-    @ivar _view: the L{FlaggedStates} over C{_accounts} (issue 24).
+    @ivar _view: the L{FlaggedStates} over C{_accounts}.
     @ivar _counters: name -> C{[value, expiresAt]} (Unix seconds).
     @ivar _values: key -> C{(value, expiresAt)} (Unix seconds).
     """
 
     _clock: IReactorTime
     maxValues: int = 1_000_000
-    """Issue 19 item 7: the most TTL'd values (bindings, owners) kept; over
+    """The most TTL'd values (bindings, owners) kept; over
     it, expired entries are pruned, then the oldest written are dropped.
     Client-chosen session ids can never grow the store without bound."""
     durable: object = None
-    """Issue 19 (R104): a L{relay.state.durable.SQLiteValues} the owner
+    """R104: a L{relay.state.durable.SQLiteValues} the owner
     records are also written to and read back from after a restart, or
     L{None} (nothing outlives the process)."""
     _view: FlaggedStates = field(factory=FlaggedStates, init=False)
@@ -318,7 +318,7 @@ class MemoryStateStore:
 
     def setValues(self, pairs, ttl) -> Deferred:
         """
-        L{setValue} of several keys (issue 24; as the Redis store's). The
+        L{setValue} of several keys (as the Redis store's). The
         persisted ones (L{isDurable}) go to the durable store in one
         change (L{relay.state.durable.SQLiteValues.saveMany}).
 

@@ -20,7 +20,7 @@ Keys (behaviour.md R34 where it names them):
 
 Every command carries the constructor's C{timeout} (R4: 5 s; trap T16).
 
-Issue 24 item 5 (L{relay.interfaces.IAccountStateView}): every state write
+The account state view (L{relay.interfaces.IAccountStateView}): every state write
 (mark, clear) also bumps C{relay:accounts:seq} and notes the account in the
 C{relay:accounts:changes} ZSET (score = that sequence number), in the same
 script. The store keeps a mirror of the account hashes: the first view reads
@@ -31,7 +31,7 @@ not the pool. A Redis whose epoch (C{relay:accounts:epoch}) is not the
 mirror's (flushed, replaced) is read again whole. Streaks are not mirrored
 state (selection does not read them; L{getAccountStates} reads Redis).
 
-Issue 24: every call of one reactor turn (account states, values, marks,
+Every call of one reactor turn (account states, values, marks,
 counters, streaks) goes out, in issue order, in one round trip
 (L{relay.state.redisbatch.RedisBatch}); each call's Deferred still fires
 once its own command has run in Redis.
@@ -65,16 +65,16 @@ from relay.state.memory import FlaggedStates
 from relay.state.redisbatch import RedisBatch
 
 CHANGE_SEQ_KEY = "relay:accounts:seq"
-"""Issue 24: a counter bumped by every account state write (mark, clear)."""
+"""A counter bumped by every account state write (mark, clear)."""
 CHANGES_KEY = "relay:accounts:changes"
-"""Issue 24: ZSET account id -> the sequence number of its last state write."""
+"""ZSET account id -> the sequence number of its last state write."""
 EPOCH_KEY = "relay:accounts:epoch"
-"""Issue 24: set once (Redis TIME) with the change log; a flushed or new
+"""Set once (Redis TIME) with the change log; a flushed or new
 Redis has another, so a mirror of the old one is read again whole."""
 
 _KEEPS_SYNC = frozenset(("GET", "MHGETALL", "RELAY_SYNC", "RELAY_MSET", "SET", "PEXPIRE",
                          "RELAY_INCR", "DEL"))
-"""Issue 24: the store's operations that write no account state (a queued
+"""The store's operations that write no account state (a queued
 C{RELAY_SYNC} stays shareable across them, L{RedisStateStore._sync})."""
 
 STREAK_FIELD = "streak:"
@@ -192,7 +192,7 @@ class RedisStateStore:
 
     def _sync(self) -> Deferred:
         """
-        This view's C{RELAY_SYNC}: one per batch (issue 24). Views asked
+        This view's C{RELAY_SYNC}: one per batch. Views asked
         while one is queued unsent with the same known sequence and epoch,
         and no account state write queued after it by this store, share
         its reply (at load every turn's selection asks one in the same
@@ -277,7 +277,7 @@ class RedisStateStore:
         """
         full = accountIds is not self._mirrored and (
             self._mirrored is None or not self._loaded.issuperset(accountIds))
-        # Callbacks, not a coroutine (issue 24: the view is asked every
+        # Callbacks, not a coroutine (the view is asked every
         # turn; a coroutine costs Twisted's inline-callback driver).
         return self._sync().addCallback(self._synced, accountIds, full)
 
@@ -375,7 +375,7 @@ class RedisStateStore:
         ).addCallback(int)
 
         def _mirror(count):
-            # Issue 24: this process's own bump is in its mirror at once, so
+            # This process's own bump is in its mirror at once, so
             # a success right after it resets it (L{resetStreak}).
             if count and accountId in self._loaded:
                 runtime = self._mirror.get(accountId) or AccountRuntime()
@@ -389,7 +389,7 @@ class RedisStateStore:
 
     def resetStreak(self, accountId, model) -> Deferred:
         """
-        See L{IStateStore.resetStreak}. Issue 24: nothing is sent when the
+        See L{IStateStore.resetStreak}. Nothing is sent when the
         mirror (read at this process's last selection, with its own bumps
         since) holds no streak of that model: a success's reset then costs
         no command. A streak bumped elsewhere after that read is reset by
@@ -438,7 +438,7 @@ class RedisStateStore:
 
     def setValues(self, pairs, ttl) -> Deferred:
         """
-        Issue 24: L{setValue} of several keys, together (one operation,
+        L{setValue} of several keys, together (one operation,
         atomic; a response's routing binding and owner record, R39/R40/R104).
 
         @param pairs: C{[(key, value), ...]}, or C{(key, value, ttl)}

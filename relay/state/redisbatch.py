@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.integration.test_redis_state,tests.test_redisbatch -*-
 """
 L{RedisBatch}: the Redis state store's commands of one reactor turn sent as
-one round trip (issue 24 item 3).
+one round trip.
 
 A relayed turn used to send its state commands one by one: the account
 states and the sticky-session read before the dial, the binding write, and
@@ -55,11 +55,11 @@ from relay.wire.redisclient import RedisService, RedisUnavailable
 #:                 account's other streaks past the TTL are deleted; the
 #:                 count;
 #:   RELAY_MSET    KEYS values; ARGV a TTL ms and a value per key: SET ...
-#:                 PX of each, together (issue 24: a response's routing
+#:                 PX of each, together (a response's routing
 #:                 binding and owner record, R39/R40/R104);
 #:   RELAY_MARK    KEYS account hash, change sequence, change ZSET; ARGV
 #:                 account id, then the hash's field/value pairs: HSET, and
-#:                 the account noted as changed (issue 24);
+#:                 the account noted as changed;
 #:   RELAY_CLEAR   KEYS account hash, its 403 counter, change sequence,
 #:                 change ZSET; ARGV account id: DEL both, noted as changed;
 #:   RELAY_SYNC    KEYS change sequence, change ZSET, epoch; ARGV the
@@ -186,7 +186,7 @@ BATCH_LUA = batchScript(SOLO)
 class _Op:
     """
     One queued operation (a plain class with slots: one is made per
-    operation, issue 24).
+    operation).
 
     @ivar name: the Redis command (or C{MHGETALL}).
     @ivar keys: the keys it touches.
@@ -250,8 +250,8 @@ class RedisBatch:
             name every key they touch).
         @param args: the remaining arguments.
         @param lead: this operation's L{leading} (a batcher shared by the
-            state store, which never leads, and the admission, which does,
-            issue 24); L{None} for the batcher's own.
+            state store, which never leads, and the admission, which does);
+            L{None} for the batcher's own.
         @return: a L{Deferred} firing with the reply, or failing with
             L{RedisUnavailable}.
         """

@@ -204,7 +204,7 @@ RUNTIME_KEYS: dict = {
     "breaker.open_seconds": _floatSetting(1, 86400),
     "breaker.max_open_seconds": _floatSetting(1, 86400),
     "breaker.enabled": _bool,
-    # Issue 12: quota-aware load balance and the token refresh margin.
+    # Quota-aware load balance and the token refresh margin.
     "scheduling.quota_aware": _bool,
     "scheduling.quota_threshold_percent": _floatSetting(0, 100),
     "oauth.refresh_margin_seconds": _floatSetting(0, 30 * 86400),
@@ -511,7 +511,7 @@ class RuntimeSettings:
 
     def rebase(self, base: GatewaySettings) -> dict:
         """
-        A live reload changed the file's C{gateway:} section (issue 14):
+        A live reload changed the file's C{gateway:} section:
         C{base} becomes the file's values, and every value an operator set
         through C{PUT /admin/settings} (persisted, R74) still wins over
         it, as it does at start-up. Keys that are not runtime settings

@@ -48,7 +48,7 @@ _MIGRATIONS = {
         "CREATE TABLE IF NOT EXISTS settings ("
         " key TEXT PRIMARY KEY, value TEXT NOT NULL)",
     ),
-    # Issue 12: OAuth token records and refresh locks
+    # OAuth token records and refresh locks
     # (L{relay.oauth.store.SQLiteTokenStore}).
     2: (
         "CREATE TABLE IF NOT EXISTS oauth_tokens ("
@@ -211,7 +211,7 @@ def openConnection(connection) -> None:
     Set up each connection the store opens (adbapi's C{cp_openfun}): the
     database in write-ahead-log mode, every commit still synchronous.
 
-    Issue 24: in the default rollback-journal mode every commit created,
+    In the default rollback-journal mode every commit created,
     synced and deleted a C{-journal} file and synced the database -- about
     0.5 s of system CPU in 8 s at c=32 JSON, taken from the turns on the
     core relay shares with the connection's thread (the durable response

@@ -1,5 +1,5 @@
 """
-Client keys as tenants (issue 22): what one key may do and what it cost.
+Client keys as tenants: what one key may do and what it cost.
 
   - L{relay.tenants.keypolicy}: the per-key policy checked before every turn
     (behaviour.md R102): disabled, expiry, model allow/deny lists, account

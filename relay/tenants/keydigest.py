@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_control_keys -*-
 """
-The secret of a client key and its digest (issue 22 item 1).
+The secret of a client key and its digest.
 
 A key issued through the admin API is C{sk-relay-} followed by 32 random
 bytes (C{os.urandom}, base64url: 43 characters, 256 bits). relay shows it

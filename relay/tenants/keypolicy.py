@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_tenants_policy -*-
 """
-The per-key policy (issue 22; behaviour.md R102): what a client key may do,
+The per-key policy (behaviour.md R102): what a client key may do,
 checked by the turn engine before a turn takes a slot or reaches an
 account, the same way on every entrypoint (HTTP SSE, JSON, chat) and every
 WebSocket mode (each C{response.create} of an open socket is a turn).

@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_tenants_prices -*-
 """
-Cost in money (issue 22 item 3): a price per model and the cost of a turn.
+Cost in money: a price per model and the cost of a turn.
 
 Prices are US dollars per 1M tokens: C{input}, C{cached_input}, C{output}
 and C{reasoning}. Cached input tokens are part of the input and reasoning
@@ -264,8 +264,8 @@ class PriceTable:
 
     def setAdmin(self, prices: Mapping[str, Price]) -> None:
         """
-        Put the prices set through the admin API in force (issue 22,
-        L{relay.control.prices}): they win over the file's and the
+        Put the prices set through the admin API in force
+        (L{relay.control.prices}): they win over the file's and the
         shipped ones.
 
         @param prices: model -> L{Price}.
@@ -434,7 +434,7 @@ class PriceTable:
             nanos = None if price is None else price.nanos(counts)
         else:
             nanos = self.nanos(model, counts)  # R109: a tier or tool calls
-        # (L{cost}, inline: issue 24.) Built directly: attrs.evolve costs a few microseconds per turn.
+        # L{cost}, inlined. Built directly: attrs.evolve costs a few microseconds per turn.
         if nanos is None:
             return TokenCounts(counts.requests, counts.input, counts.cached, counts.output,
                                counts.reasoning, 0, counts.requests, counts.estimated,

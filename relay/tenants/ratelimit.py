@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_tenants_policy -*-
 """
-Per-key request and token rates (C{keys[].rpm}, C{keys[].tpm}; issue 22,
+Per-key request and token rates (C{keys[].rpm}, C{keys[].tpm},
 behaviour.md R102): two providers of L{relay.interfaces.IRateLimiter}.
 
 The windows are B{sliding}: a key may start a turn while fewer than C{rpm}

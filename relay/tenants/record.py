@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_tenants_requestlog -*-
 """
-The one structured record of a turn (issue 22 item 4).
+The one structured record of a turn.
 
 The engine builds a L{TurnRecord} once, when a turn ends, from what it
 already holds (the L{relay.base.records.Turn}, its failover state, the outcome);
@@ -154,7 +154,7 @@ class TurnRecord:
     def toJSON(self) -> str:
         """
         The compact stored form (L{fromDict} reads it back): orjson's,
-        through L{relay.wire.jsoncodec.dumpsRecord} (issue 24: one record per
+        through L{relay.wire.jsoncodec.dumpsRecord} (one record per
         relayed turn; ~1 us instead of ~8).
         """
         return dumpsRecord(self.asDict())

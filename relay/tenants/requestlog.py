@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_tenants_requestlog -*-
 """
-Where the per-turn records live (issue 22 item 4): three providers of
+Where the per-turn records live: three providers of
 L{relay.interfaces.IRequestLog}, bounded by count (C{request_log.max_records})
 and by age (C{request_log.retention_days}).
 

@@ -1,5 +1,5 @@
 """
-Traces for those who run a tracing stack (issue 23): optional OpenTelemetry.
+Traces for those who run a tracing stack: optional OpenTelemetry.
 
 Off unless C{tracing.exporter} is set (config: L{relay.base.records.TracingSettings});
 then L{relay.tracing.otel.TurnTracer} is the engine's

@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_tracing -*-
 """
-OpenTelemetry spans for turns and attempts (issue 23).
+OpenTelemetry spans for turns and attempts.
 
 L{TurnTracer} is an L{relay.interfaces.ITurnObserver}: the runner calls it
 through its one observer seam (L{relay.engine.runner.TurnRunner.observer}),

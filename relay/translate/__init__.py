@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_translate -*-
 """
 Chat Completions on accounts that only serve the Responses API (protocol.md
-3 "Upstream", issue 13 item 1), and the assembly of a Responses answer from
+3 "Upstream"), and the assembly of a Responses answer from
 its stream (protocol.md 2.7).
 
   - L{relay.translate.chatrequest}: a chat request becomes a Responses

@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_translate -*-
 """
-Assembling one answer from a stream (protocol.md 2.7, 3; issue 13 item 1).
+Assembling one answer from a stream (protocol.md 2.7, 3).
 
   - L{ResponseAssembler}: the ChatGPT backend's C{response.completed}
     carries C{output: []}; the items came earlier, one per

@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_translate -*-
 """
 A Chat Completions request becomes a Responses request (protocol.md 3
-"Upstream": OAuth accounts have only C{/responses}; issue 13 item 1).
+"Upstream": OAuth accounts have only C{/responses}).
 
 The mapping:
 
@@ -82,8 +82,8 @@ def checkMessages(messages: Any) -> None:
         if not isinstance(message, dict):
             raise ChatRequestError("each message must be an object", f"messages[{i}]")
         role = message.get("role")
-        # A list or object role is unhashable: test the type first (issue
-        # 14's fuzzing found the 500).
+        # A list or object role is unhashable: test the type first
+        # (fuzzing found the 500).
         if not isinstance(role, str) or role not in CHAT_ROLES:
             raise ChatRequestError(
                 f"Invalid value for 'role': {role!r}. Supported values are: "
@@ -96,7 +96,7 @@ def checkChatRequest(body: dict) -> None:
     """
     Everything L{chatToResponses} reads has a shape it can read, so a chat
     request is answered 400 at once whichever account serves it, never
-    translated into an internal error (issue 14's fuzzing found C{"tools":
+    translated into an internal error (fuzzing found C{"tools":
     1} failing inside the engine on an OAuth account): L{checkMessages},
     then C{tools} and C{functions} arrays of objects, each message's
     C{tool_calls} an array of objects whose C{function} / C{custom} are
@@ -115,7 +115,7 @@ def checkChatRequest(body: dict) -> None:
         _objects(calls, f"messages[{i}].tool_calls")
         callId = message.get("tool_call_id")
         if callId is not None and not isinstance(callId, str):
-            # Issue 19 item 7: an unhashable id crashed the translation.
+            # An unhashable id crashed the translation.
             raise ChatRequestError(
                 "tool_call_id must be a string", f"messages[{i}].tool_call_id"
             )

@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_translate -*-
 """
 Responses stream events become Chat Completions chunks (protocol.md 3
-"Stream", issue 13 item 1).
+"Stream").
 
 The chunks, in order:
 

@@ -4,7 +4,7 @@ The built-in upstream HTTP dialer: the lean keep-alive client of
 L{relay.upstream.httpclient} for direct upstreams, treq over a persistent
 L{HTTPConnectionPool} through egress proxies; real TLS (C{optionsForClientTLS} through Agent's
 default policy), per-account auth headers, connect and response-header
-timeouts, and per-account egress proxies (issue 8).
+timeouts, and per-account egress proxies.
 
 It never retries by itself: C{retryAutomatically} is off
 (architecture.md invariant 3).
@@ -50,7 +50,7 @@ FORWARDED_HEADERS = (
     "x-codex-turn-metadata",
     "x-codex-turn-state",
     "x-codex-routing-hint",
-    # W3C trace context (issue 23): passed through, or replaced by the
+    # W3C trace context: passed through, or replaced by the
     # attempt's own when relay traces (relay.tracing).
     "traceparent",
     "tracestate",
@@ -110,7 +110,7 @@ def upstreamHeaders(account: Account, clientHeaders: dict) -> dict:
     @return: a dict of str -> str.
     """
     headers = {}
-    # Issue 24: the client's few forwarded names, in FORWARDED_HEADERS'
+    # The client's few forwarded names, in FORWARDED_HEADERS'
     # order (what a look-up of every name in that order gives).
     names = [name for name in clientHeaders if name in _FORWARDED]
     if len(names) > 1:
@@ -314,8 +314,7 @@ class HTTPDialer:
         One treq client (and connection pool) per (proxy, connect timeout):
         connections through different proxies must never be shared. Keyed
         by the whole L{relay.base.records.ProxySpec}, not its id: a reload that points a
-        proxy id at another address or credentials gets a new client
-        (issue 14).
+        proxy id at another address or credentials gets a new client.
         """
         proxy = account.proxy
         key = (proxy, timeouts.connect_timeout_seconds)
@@ -339,7 +338,7 @@ class HTTPDialer:
                     kwargs["contextFactory"] = policy
                 agent = Agent(self._reactor, **kwargs)
                 agent._endpointFactory = _EndpointCache(agent._endpointFactory)
-            # Issue 24 (RSS): treq only for accounts behind a proxy; imported
+            # For RSS, treq only for accounts behind a proxy; imported
             # at start when the config names one (relay.process.app.checkImports).
             from treq.client import HTTPClient
 
@@ -369,7 +368,7 @@ class HTTPDialer:
         if account.proxy is None and method in (b"POST", "POST") and isinstance(body, bytes):
             target = self._target(url)
             if target is not None:
-                # Issue 16: direct upstreams go through the lean client.
+                # Direct upstreams go through the lean client.
                 data = requestBytes(target, upstreamHeaders(account, headers), body)
                 d = self._directPool(timeouts).request(target, data)
                 timeout = timeouts.connect_timeout_seconds + timeouts.header_timeout_seconds
@@ -410,7 +409,7 @@ class HTTPDialer:
 def _headerTimeout(d: Deferred, timeout: float, clock) -> Deferred:
     """
     C{d.addTimeout(timeout, clock)} failing with L{HeaderTimeout}, in one
-    callback rather than C{addTimeout}'s two (issue 24: once per turn).
+    callback rather than C{addTimeout}'s two (once per turn).
 
     @param timeout: seconds until C{d} is cancelled.
     @return: C{d}.

@@ -2,7 +2,7 @@
 """
 A lean HTTP/1.1 client for direct upstreams (no egress proxy): one
 L{httptools} response parser under a Twisted L{Protocol} per keep-alive
-connection, and a per-host pool of idle connections (issue 16).
+connection, and a per-host pool of idle connections.
 
 Why not treq: a relayed request spent about a third of relay's CPU in
 treq's and twisted.web's client layers (cookie and content-decoder agents,
@@ -294,7 +294,7 @@ class Connection(Protocol):
         self._headers = {}
         self._framed = False
         self._waiting = d = Deferred(self._cancel)
-        # Issue 24: sent at once when nothing is queued (relay.wire.sendnow).
+        # Sent at once when nothing is queued (relay.wire.sendnow).
         sendNow(self.transport, data)
         return d
 
@@ -360,7 +360,7 @@ class Connection(Protocol):
         self.response = Response(self, code, headers, decoder)
         d, self._waiting = self._waiting, None
         if d is not None:
-            # Issue 24: fired once this read is parsed (L{dataReceived}),
+            # Fired once this read is parsed (L{dataReceived}),
             # so a body that came with its head is already buffered (and
             # ended) when the consumer takes it: a JSON turn reads it
             # without waiting again.

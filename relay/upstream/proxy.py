@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_proxy -*-
 """
 Client endpoints that reach an upstream host through a per-account egress
-proxy (issue 8): SOCKS5 (RFC 1928, with RFC 1929 username/password) and
+proxy: SOCKS5 (RFC 1928, with RFC 1929 username/password) and
 HTTP C{CONNECT} (RFC 9110 section 9.3.6).
 
 Why our own code: the one Twisted SOCKS library on PyPI, C{txsocksx}

@@ -266,9 +266,9 @@ class PooledConnection:
     @ivar lastResponseId: the latest response produced on it (the chain
         head the upstream caches, protocol.md 4.4).
     @ivar handshakeCounted: whether its handshake's 101 was counted in
-        C{relay_upstream_status_total} (once per connection; issue 15).
-    @ivar retiring: its account changed or went away in a reload (issue
-        14): closed when its turn gives it back, never lent again.
+        C{relay_upstream_status_total} (once per connection).
+    @ivar retiring: its account changed or went away in a reload:
+        closed when its turn gives it back, never lent again.
     @ivar turns: how many turns were sent on it; a connection with turns
         behind it may have gone stale while idle (behaviour.md R67).
     """
@@ -283,7 +283,7 @@ class PooledConnection:
     retiring: bool = False
     turns: int = 0
     ownerKey: str | None = None
-    """Issue 19 (R104): the client key whose turn dialled it (with that
+    """R104: the client key whose turn dialled it (with that
     turn's session headers); it is lent to that key's turns only."""
 
     @property
@@ -362,7 +362,7 @@ class UpstreamPool:
         C{ownerKey}: C{preferred} when it is idle and alive, else an idle
         one (never one holding another turn), else a new dial under
         capacity, else wait up to dial + 2 s. Only connections dialled for
-        C{ownerKey}'s turns are lent (R104, issue 19: a connection carries
+        C{ownerKey}'s turns are lent (R104: a connection carries
         the session headers and the context of the key that dialled it);
         at capacity, an idle connection of another key is closed to make
         room.
@@ -493,7 +493,7 @@ class UpstreamPool:
     def retire(self, accountId: str) -> int:
         """
         An account's credentials or settings changed, or it was removed,
-        in a live reload (issue 14): close its idle connections now and
+        in a live reload: close its idle connections now and
         each busy one when its turn gives it back, so new turns dial with
         the account in force. Other accounts' connections are untouched.
 

@@ -1,5 +1,5 @@
 """
-Token accounting per client key, account and model (issue 13 item 5).
+Token accounting per client key, account and model.
 
   - L{relay.usage.tokens}: L{TokenCounts} and reading C{usage} objects;
   - L{relay.usage.reader}: where the turn engine reads them (the terminal

@@ -4,8 +4,7 @@ The usage ledger: counts every turn's tokens per client key, account and
 model, rolls them up per UTC hour, flushes them to an
 L{relay.interfaces.IUsageStore} periodically (never per request), answers
 C{GET /admin/usage}, and enforces the optional per-key token budgets
-(C{keys[].daily_tokens}, C{keys[].monthly_tokens}) before a turn starts
-(issue 13 item 5).
+(C{keys[].daily_tokens}, C{keys[].monthly_tokens}) before a turn starts.
 
 Budgets count input + output tokens per UTC day and UTC month. What other
 relay processes used reaches this one at its next flush (the store's totals
@@ -58,8 +57,8 @@ def budgetError(keyName: str, budget: str, limit, used, resetsAt: float,
     budget and when it resets; C{Retry-After} is the seconds until then.
 
     @param keyName: the client key's name (never its secret).
-    @param budget: C{daily_tokens}, C{monthly_tokens}, or (issue 22)
-        C{daily_usd} or C{monthly_usd}.
+    @param budget: C{daily_tokens}, C{monthly_tokens}, C{daily_usd} or
+        C{monthly_usd}.
     @param limit: the budget in tokens (or dollars).
     @param used: tokens (or dollars) counted so far in the period.
     @param resetsAt: Unix seconds of the next UTC day or month.
@@ -133,7 +132,7 @@ class UsageLedger:
     @ivar budgets: key name -> C{(daily_tokens, monthly_tokens)}, each an
         C{int} or L{None}; keys without a budget are absent.
     @ivar moneyBudgets: key name -> C{(daily_usd, monthly_usd)}, each a
-        C{float} or L{None} (issue 22); keys without one are absent.
+        C{float} or L{None}; keys without one are absent.
     @ivar flushTimeout: seconds a flush may take before it is abandoned (the
         rows are kept for the next one).
     """
@@ -174,7 +173,7 @@ class UsageLedger:
         now = self.clock.seconds()
         ident = (hourOf(now), key, account, model)
         pending = self._pending.get(ident)
-        # Issue 24: an hour's first turn is its row (TokenCounts is frozen):
+        # An hour's first turn is its row (TokenCounts is frozen):
         # no zero row built and added per turn.
         self._pending[ident] = counts if pending is None else pending + counts
         if key in self.budgets:
@@ -191,7 +190,7 @@ class UsageLedger:
     def setBudgets(self, keys) -> None:
         """
         Take the token and money budgets of C{keys} (at start-up and after
-        a reload, issue 22): a key added with a budget is enforced from its
+        a reload): a key added with a budget is enforced from its
         next turn, a budget removed stops being enforced.
 
         @param keys: an iterable of L{relay.base.records.ClientKey}.
@@ -224,7 +223,7 @@ class UsageLedger:
     def spent(self, key: str, now: float) -> tuple:
         """
         Nano-dollars a key spent this UTC day and month on priced turns, as
-        far as this process knows (like L{used}; issue 22).
+        far as this process knows (like L{used}).
 
         @return: C{(day, month)}.
         """
@@ -236,7 +235,7 @@ class UsageLedger:
 
     def overBudget(self, key: str, now: float) -> ClientError | None:
         """
-        Check C{key}'s token budgets, then (issue 22) its money budgets,
+        Check C{key}'s token budgets, then its money budgets,
         before a turn starts.
 
         @param key: the client key's name.
@@ -438,7 +437,7 @@ class UsageLedger:
                 "monthly_resets_at": nextMonthStart(now),
             }
             if key in self.moneyBudgets:
-                # Issue 22: money budgets, in dollars.
+                # Money budgets, in dollars.
                 dailyUsd, monthlyUsd = self.moneyBudgets[key]
                 spentDay, spentMonth = self.spent(key, now)
                 row.update(daily_usd=dailyUsd, daily_spent_usd=round(spentDay / 1e9, 9),

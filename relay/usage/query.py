@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_usage -*-
 """
-Parsing the parameters of C{GET /admin/usage} (issue 13 item 5).
+Parsing the parameters of C{GET /admin/usage}.
 """
 
 from __future__ import annotations

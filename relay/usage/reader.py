@@ -1,7 +1,6 @@
 # -*- test-case-name: tests.test_usage -*-
 """
-Where the turn engine reads usage: one L{UsageTap} per upstream attempt
-(issue 13 item 5).
+Where the turn engine reads usage: one L{UsageTap} per upstream attempt.
 
 The stream pump hands the tap the one event that ends the turn (the
 terminal event, which it already singles out on its pass-through path) and,

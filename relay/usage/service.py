@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_usage -*-
 """
 The service that flushes the usage ledger periodically, and once more on
-shutdown (issue 13 item 5).
+shutdown.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_usage -*-
 """
 Where hourly token totals live: three providers of
-L{relay.interfaces.IUsageStore} (issue 13 item 5).
+L{relay.interfaces.IUsageStore}.
 
   - L{SQLiteUsageStore}: the embedded default, a C{usage_hourly} table in
     the settings database (config.md C{database:}), on the settings
@@ -158,7 +158,7 @@ _SQL_MONEY_COLUMNS = (
     ("unpriced", "ALTER TABLE usage_hourly ADD COLUMN unpriced INTEGER NOT NULL DEFAULT 0"),
     ("estimated", "ALTER TABLE usage_hourly ADD COLUMN estimated INTEGER NOT NULL DEFAULT 0"),
 )
-"""Issue 22: the money columns (and R107's estimated turns), added to a table
+"""The money columns (and R107's estimated turns), added to a table
 an older relay created."""
 
 _SQL_ADD = (
@@ -279,7 +279,7 @@ class SQLiteUsageStore:
 # hour, day and month TTLs, then per row: the "key\taccount\tmodel" field,
 # the key name, requests, input, cached, output, reasoning, cost (nano-USD)
 # unpriced requests and estimated requests (R107). The day and month hashes hold tokens per key name
-# and, under "$\t<key>", the cost (issue 22).
+# and, under "$\t<key>", the cost.
 _REDIS_ADD = """
 local rows = (#ARGV - 3) / 10
 for i = 0, rows - 1 do
@@ -326,7 +326,7 @@ _METRICS = {"r": "requests", "i": "input", "c": "cached", "o": "output", "x": "r
             "u": "cost", "n": "unpriced", "e": "estimated"}
 
 _COST_FIELD = "$\t"
-"""Prefix of the cost fields in the day and month hashes (issue 22)."""
+"""Prefix of the cost fields in the day and month hashes."""
 
 
 def _clean(text: str) -> str:

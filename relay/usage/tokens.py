@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_usage -*-
 """
-Token counts, and reading them from what upstream sent (issue 13 item 5).
+Token counts, and reading them from what upstream sent.
 
 Responses (protocol.md 2.5, 2.7) report C{usage} on the terminal event's
 C{response} (C{response.completed}, C{response.incomplete},
@@ -45,7 +45,7 @@ def _count(value: Any) -> int:
     A token count from JSON: a non-negative integer, else 0.
     """
     if value.__class__ is int:
-        # Issue 24: what JSON gives (the general path below agrees).
+        # What JSON gives (the general path below agrees).
         return value if value > 0 else 0  # noqa: FURB136 - max() is a call more
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return 0
@@ -70,10 +70,10 @@ class TokenCounts:
     output: int = 0
     reasoning: int = 0
     cost: int = 0
-    """Issue 22: the cost of the priced turns among these, nano-dollars
+    """The cost of the priced turns among these, nano-dollars
     (L{relay.tenants.prices}); 0 until priced."""
     unpriced: int = 0
-    """Issue 22: how many of these turns ran on a model without a price
+    """How many of these turns ran on a model without a price
     (their cost is unknown, never zero)."""
     estimated: int = 0
     """How many of these turns were counted from relay's estimate, not the
@@ -109,8 +109,8 @@ class TokenCounts:
         """
         @return: the counts under the names C{/admin/usage} serves:
             C{requests}, C{input_tokens}, C{cached_input_tokens},
-            C{output_tokens}, C{reasoning_tokens}, C{total_tokens}, and
-            (issue 22) C{cost_usd} (the priced turns' cost in dollars) and
+            C{output_tokens}, C{reasoning_tokens}, C{total_tokens},
+            C{cost_usd} (the priced turns' cost in dollars) and
             C{unpriced_requests} (turns on a model without a price, whose
             cost C{cost_usd} does not include), and C{estimated_requests}
             (R107: turns counted from relay's estimate).

@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_jsoncodec -*-
 """
 JSON on the turn path, through orjson where it gives what the standard
-library gives (issue 24: a turn reads the client's body, the upstream's
+library gives (a turn reads the client's body, the upstream's
 answer or its first events, and writes one request-log record).
 
 L{loads} is C{json.loads} for every input: the same values, the same

@@ -10,7 +10,7 @@ every command through L{RedisService.execute}, which puts a timeout on the
 injected clock on each call (trap T16) and counts commands (for the
 benchmark and tests).
 
-Reachability (behaviour.md R101, issue 23). The service knows, without any
+Reachability (behaviour.md R101). The service knows, without any
 ping of its own on a turn's path, whether Redis answers: every reply marks
 it I{reachable}; a command that times out or loses its connection with no
 reply from Redis since it was sent marks it I{unreachable}. While
@@ -52,7 +52,7 @@ from relay.base.records import RelayError
 from relay.wire.sendnow import sendNow
 
 _SCRIPT_SHAS: dict = {}
-"""Script text -> its SHA1 hex (L{RedisService._eval}; issue 24)."""
+"""Script text -> its SHA1 hex (L{RedisService._eval})."""
 
 
 def _scriptSha(script: str) -> str:
@@ -340,7 +340,7 @@ class RedisService(Service):
         connection without a reply for this long is dropped and redialled.
     @ivar reconnectMaxDelay: cap of the reconnect back-off, seconds, so
         relay notices a restarted (or newly promoted) Redis quickly.
-    @ivar sentinels: C{((host, port), ...)} of the Sentinels (issue 23), or
+    @ivar sentinels: C{((host, port), ...)} of the Sentinels, or
         empty for a plain C{url}.
     @ivar masterName: the Sentinel service name (C{state.redis_master_name}).
     @ivar durableReplicas: replicas a L{executeDurable} write waits for
@@ -566,7 +566,7 @@ class RedisService(Service):
 
     def _fastCodec(self) -> None:
         """
-        Give the pool's connections L{_fastProtocol} (issue 24): set on
+        Give the pool's connections L{_fastProtocol}: set on
         the factory before any connection is built (connections are made
         in later reactor turns).
         """
@@ -777,7 +777,7 @@ class RedisService(Service):
     def _eval(self, script: str, keys=(), args=()) -> Deferred:
         """
         C{EVALSHA} with the script's SHA1 computed once per script text
-        (issue 24: txredisapi's C{eval} encodes and hashes the whole script
+        (txredisapi's C{eval} encodes and hashes the whole script
         on every call -- 11 KB for the shared batch script); a Redis that
         does not know the script (C{NOSCRIPT}: restarted, failed over,
         flushed) gets it with C{EVAL}, as txredisapi's C{eval} does.
@@ -808,8 +808,8 @@ class RedisService(Service):
         Run one write command and, with L{durableReplicas}, C{WAIT} on the
         same connection (a pipeline) until that many replicas have it, for
         up to L{durableTimeout} seconds: a write acknowledged this way
-        survives the master's death and a Sentinel promotion (issue 23;
-        used for OAuth token records, whose loss would mean reusing a
+        survives the master's death and a Sentinel promotion
+        (used for OAuth token records, whose loss would mean reusing a
         rotated refresh token). Fewer replicas than asked is logged
         (C{relay.redis_write_not_replicated}), not an error: the write is on
         the master.
@@ -900,7 +900,7 @@ class _DirectPath:
         One command written on C{conn} (a ready pooled connection,
         L{connection}) and its reply taken from the connection's reply
         queue, as txredisapi's C{execute_command} does, with one timer for
-        both timeouts (issue 24: txredisapi's path costs about six
+        both timeouts (txredisapi's path costs about six
         L{Deferred}s and two delayed calls per command). Same outcomes as
         the pool path of L{RedisService.execute}:
 
@@ -927,7 +927,7 @@ class _DirectPath:
 
         d = Deferred(cancel)
         waiter = conn.replyQueue.get()
-        # Sent at once when nothing is queued on the connection (issue 24:
+        # Sent at once when nothing is queued on the connection (a
         # FileDescriptor.write costs two epoll_ctl calls and a reactor
         # iteration per command; the bytes' order stays the connection's).
         sendNow(conn.transport, payload)
@@ -948,7 +948,7 @@ class _DirectPath:
 
     def _watchTick(self) -> None:
         """
-        The deadline watch of L{send}'s commands (issue 24: one delayed
+        The deadline watch of L{send}'s commands (one delayed
         call for all of them, not one each). Each queue holds the commands
         of one timeout in the order they were sent, so in deadline order:
         answered ones are dropped from its head, expired ones fail
@@ -1050,7 +1050,7 @@ class _DirectPath:
     def connection(self):
         """
         A ready pooled connection for a non-blocking command, taken
-        directly (issue 24: txredisapi's pool handler builds a closure and
+        directly (txredisapi's pool handler builds a closure and
         runs C{getConnection}, an C{inlineCallbacks} generator, for every
         command), or L{None} when none is ready: the caller goes through
         the pool handler, which waits for one (or fails) as before. Like
@@ -1091,7 +1091,7 @@ def _fastProtocol(base: type) -> type:
     """
     C{base} (a txredisapi protocol class) with L{_buildCommand} and
     L{_convertReply} in place of txredisapi's C{_build_command} and
-    C{tryConvertData} (issue 24: those run Python code per argument and
+    C{tryConvertData} (those run Python code per argument and
     per reply element -- an C{isinstance} chain, a C{bytearray} extended
     three times per argument -- for every command of a turn). The same
     bytes go out and the same values come back: both fall back to

@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_sendnow -*-
 """
 L{sendNow}: write to a plain TCP connection at once when nothing is queued
-on it (issue 24 item 2).
+on it.
 
 C{FileDescriptor.write} only queues: it registers the socket for
 writability (one C{epoll_ctl}), the reactor's next poll reports it, and

@@ -141,7 +141,7 @@ class SSEParser:
         @return: a list of complete L{Event}s.
         @raise LineTooLong: a pending event grew past C{maxLine}.
         """
-        if 13 in chunk:  # b"\r" by its int value: no TypeError raised and cleared (issue 24)
+        if 13 in chunk:  # b"\r" by its int value: no TypeError raised and cleared
             chunk = chunk.replace(b"\r\n", b"\n")
         buf = self._buf + chunk if self._buf else chunk
         events = []
@@ -162,7 +162,7 @@ class SSEParser:
     def feedWhile(self, chunk: bytes, handle: Callable, more: Callable[[], bool]) -> bytes:
         """
         Like L{feed}, but hand each complete event to C{handle} at once,
-        and only while C{more()} is true (issue 16: the stream pump parses
+        and only while C{more()} is true (the stream pump parses
         events one by one only until the first output, and passes the rest
         of the read through).
 
@@ -174,7 +174,7 @@ class SSEParser:
             incomplete tail stays in the parser, as with L{feed}).
         @raise LineTooLong: the pending event grew past C{maxLine}.
         """
-        if 13 in chunk:  # b"\r" by its int value: no TypeError raised and cleared (issue 24)
+        if 13 in chunk:  # b"\r" by its int value: no TypeError raised and cleared
             chunk = chunk.replace(b"\r\n", b"\n")
         buf = self._buf + chunk if self._buf else chunk
         self._buf = b""

@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_control -*-
 """
-How accounts live in the control store (L{relay.interfaces.IControlStore},
-issue 21): the record kinds, the fields an admin account may have, and the
+How accounts live in the control store (L{relay.interfaces.IControlStore}):
+the record kinds, the fields an admin account may have, and the
 public view of an account (never a secret).
 
 B{Kind C{account}}: one record per account added through the admin API,
@@ -77,7 +77,7 @@ EDITABLE_FIELDS = (
     "priority", "concurrency", "models", "model_mapping", "proxy", "proxy_id", "ws_mode",
     "label", "api_key",
 )
-"""What C{PATCH /admin/accounts/{id}} may change (issue 21); C{api_key}
+"""What C{PATCH /admin/accounts/{id}} may change; C{api_key}
 rotates an API-key account's key (write-only)."""
 
 

@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_control -*-
 """
-C{/admin/accounts} and below (issue 21): the control plane's routes, and
+C{/admin/accounts} and below: the control plane's routes, and
 the operator surface's own ones (the accounts view, clear, token refresh,
 new tokens: L{relay.console.admin}) handed on unchanged.
 

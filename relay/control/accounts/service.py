@@ -1,7 +1,6 @@
 # -*- test-case-name: tests.test_control -*-
 """
-L{AccountService}: the rules of accounts changed through the admin API
-(issue 21).
+L{AccountService}: the rules of accounts changed through the admin API.
 
   - B{Add} (C{POST /admin/accounts}): an API-key or an OAuth account with
     the file's fields and the file's validation (one clear 400 per

@@ -1,5 +1,5 @@
 # -*- test-case-name: tests.test_control -*-
 """
-The audit of admin changes (issue 21): L{resource} (C{GET /admin/audit}
+The audit of admin changes: L{resource} (C{GET /admin/audit}
 and the C{/admin} tree that records changes), L{service} (the trail).
 """

@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_control -*-
 """
-The audit trail over HTTP (issue 21):
+The audit trail over HTTP:
 
   - L{AuditResource}: C{GET /admin/audit?limit=N&account=ID} - the newest
     records first (C{{"audit": [...], "now": seconds}}), behind the admin

@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_control -*-
 """
-L{AuditTrail}: every admin change, kept in the control store (issue 21).
+L{AuditTrail}: every admin change, kept in the control store.
 
 One record (kind C{audit}, appended, the newest L{AUDIT_KEEP} kept) per
 change: when (C{at}, Unix seconds), what (C{action}, e.g.

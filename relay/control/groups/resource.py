@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_control_keys -*-
 """
-C{/admin/groups} and below (issue 22), behind the admin key (R99):
+C{/admin/groups} and below, behind the admin key (R99):
 C{GET /admin/groups}, C{GET}, C{PUT} and C{DELETE /admin/groups/{name}}
 (the rules: L{relay.control.groups.service.GroupService}).
 """

@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_control_keys -*-
 """
-L{GroupService}: account groups (issue 22 item 2) over the admin API.
+L{GroupService}: account groups over the admin API.
 
 A key bound to a group (C{group:} on the key) only ever reaches the
 group's accounts (L{relay.tenants.keypolicy.KeyPolicy.allowedAccounts}). The

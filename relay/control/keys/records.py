@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_control_keys -*-
 """
-How client keys live in the control store (L{relay.interfaces.IControlStore},
-issue 22): the record kinds, the policy fields a key may have, and the
+How client keys live in the control store (L{relay.interfaces.IControlStore}):
+the record kinds, the policy fields a key may have, and the
 public view of a key (never a secret, never its digest).
 
 B{Kind C{key}}: one record per key issued through the admin API, id = the

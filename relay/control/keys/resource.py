@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_control_keys -*-
 """
-C{/admin/keys} and below (issue 22), behind the admin key (R99):
+C{/admin/keys} and below, behind the admin key (R99):
 
   - C{GET /admin/keys} - every key (file and admin) with its policy, state,
     usage and cost: C{{"keys": [view], "now"}};

@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_control_keys -*-
 """
 L{KeyService}: the rules of client keys managed through the admin API
-(issue 22 item 1; behaviour.md R99, R102).
+(behaviour.md R99, R102).
 
   - B{Issue} (C{POST /admin/keys} C{{"name", "label"?, <policy>}}): relay
     generates the secret (L{relay.tenants.keydigest.newKeySecret}) and

@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_control_logins -*-
 """
-C{/admin/logins} (issue 21, protocol.md 7.5): ChatGPT logins over HTTP,
+C{/admin/logins} (protocol.md 7.5): ChatGPT logins over HTTP,
 behind the admin key. The rules are
 L{relay.control.logins.service.LoginService}'s.
 

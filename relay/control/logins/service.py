@@ -1,8 +1,8 @@
 # -*- test-case-name: tests.test_control_logins -*-
 """
 L{LoginService}: ChatGPT logins started from the admin API or page, for a
-new OAuth account or to log an existing one in again (issue 21,
-protocol.md 7.5, behaviour.md R96, R97).
+new OAuth account or to log an existing one in again
+(protocol.md 7.5, behaviour.md R96, R97).
 
 B{Browser flow (PKCE).} L{begin} makes a verifier, its S256 challenge and
 a C{state}, and answers the authorize URL. The operator opens it
@@ -67,7 +67,7 @@ LOGIN = "login"
 """The store kind of logins."""
 
 LOGIN_TTL_SECONDS = 600.0
-"""A pending login expires this long after it began (issue 21: 10 minutes)."""
+"""A pending login expires this long after it began (10 minutes)."""
 
 FINISHED_KEEP_SECONDS = 3600.0
 """How long an ended login stays readable (without secrets)."""

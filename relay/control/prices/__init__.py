@@ -1,5 +1,5 @@
 # -*- test-case-name: tests.test_control_keys -*-
 """
-Prices set through the admin API (issue 22): L{resource} (HTTP),
+Prices set through the admin API: L{resource} (HTTP),
 L{service} (the rules and how they are stored).
 """

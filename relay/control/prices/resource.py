@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_control_keys -*-
 """
-C{/admin/prices} and below (issue 22), behind the admin key (R99):
+C{/admin/prices} and below, behind the admin key (R99):
 C{GET /admin/prices}, C{PUT /admin/prices}, C{PUT} and C{DELETE
 /admin/prices/{model}} (the rules: L{relay.control.prices.service.PriceService}).
 """

@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_control_keys -*-
 """
-L{PriceService}: the price table over the admin API (issue 22 item 3).
+L{PriceService}: the price table over the admin API.
 
 Prices in force are, from the bottom up: the shipped table
 (L{relay.tenants.prices.DEFAULT_PRICES}), the file's C{prices:}, and the

@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.test_control_store -*-
 """
-The control plane's store (L{relay.interfaces.IControlStore}, issue 21):
+The control plane's store (L{relay.interfaces.IControlStore}):
 the values its providers share (the choice of provider is
 L{relay.control.assemble.controlStoreFor}).
 
