@@ -52,13 +52,13 @@ import treq
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, gatherResults
 from twisted.internet.endpoints import TCP4ClientEndpoint
-from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import deferLater
 from twisted.web.client import Agent, HTTPConnectionPool
 
 from relay.emulator import Emulator
 from relay.tenants.prices import PriceTable
 from relay.usage.tokens import fromUsage
+from tests.integration.hangup import hangUpAt
 from tests.integration.harness import sseEvents
 from tests.integration.redis_server import redisServer  # noqa: F401 (fixture)
 from tests.integration.relayproc import RelayProcess
@@ -252,41 +252,8 @@ async def wsTurn(relay, key: str, frame: dict, client=None):
             client.bye()
 
 
-class _HangUp(Protocol):
-    """
-    A raw HTTP client that drops its connection once C{marker} came.
-    """
-
-    def __init__(self, request: bytes, marker: bytes):
-        self.request = request
-        self.marker = marker
-        self.received = b""
-        self.left = Deferred()
-
-    def connectionMade(self):
-        self.transport.write(self.request)
-
-    def dataReceived(self, data):
-        self.received += data
-        if self.marker in self.received and not self.left.called:
-            self.transport.abortConnection()
-            self.left.callback(self.received)
-
-    def connectionLost(self, reason):
-        if not self.left.called:
-            self.left.callback(self.received)
-
-
 async def hangUpHTTP(relay, path: str, body: dict, marker: bytes) -> bytes:
-    raw = json.dumps(body).encode()
-    request = (
-        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {EVIL}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n"
-    ).encode() + raw
-    client = _HangUp(request, marker)
-    endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", relay.port)
-    await endpoint.connect(Factory.forProtocol(lambda: client))
-    return await client.left.addTimeout(15, reactor)
+    return await hangUpAt(relay.port, EVIL, path, body, marker, timeout=15)
 
 
 async def hangUpWS(relay, text: str, after: str, model: str = MODEL) -> list:

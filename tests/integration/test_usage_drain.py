@@ -16,13 +16,11 @@ import pytest
 import pytest_twisted
 import treq
 from twisted.internet import reactor
-from twisted.internet.defer import Deferred
-from twisted.internet.endpoints import TCP4ClientEndpoint
-from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import deferLater
 from twisted.logger import globalLogPublisher
 
 from tests.integration.cdp import Session
+from tests.integration.hangup import hangUpAt
 from tests.integration.harness import RELAY_KEY, startStack
 from tests.integration.redis_server import redisServer  # noqa: F401 (fixture)
 from tests.integration.test_status_page import CHROMIUM
@@ -34,46 +32,12 @@ SCRIPT = {"text": "one two three four five six seven eight", "deltas": 4, "delay
           "usage": PINNED}
 
 
-class _HangUp(Protocol):
-    """
-    A raw HTTP client that drops its connection as soon as C{marker} came.
-    """
-
-    def __init__(self, request: bytes, marker: bytes):
-        self.request = request
-        self.marker = marker
-        self.received = b""
-        self.left = Deferred()
-
-    def connectionMade(self):
-        self.transport.write(self.request)
-
-    def dataReceived(self, data):
-        self.received += data
-        if self.marker in self.received and not self.left.called:
-            self.transport.abortConnection()
-            self.left.callback(self.received)
-
-
 async def hangUpAfter(stack, path: str, body: dict, marker: bytes) -> bytes:
     """
-    POST C{body} to relay and hang up once C{marker} was received.
-
-    @param marker: bytes, or L{None}: the caller hangs up itself.
-    @return: what the client received (the L{_HangUp} client for no marker).
+    POST C{body} to relay and hang up once C{marker} was received
+    (L{hangUpAt} with the stack's port and key).
     """
-    raw = json.dumps(body).encode()
-    request = (
-        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {RELAY_KEY}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n"
-    ).encode() + raw
-    client = _HangUp(request, marker)
-    port = stack.port.getHost().port
-    endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", port)
-    await endpoint.connect(Factory.forProtocol(lambda: client))
-    if marker is None:
-        return client
-    return await client.left.addTimeout(10, reactor)
+    return await hangUpAt(stack.port.getHost().port, RELAY_KEY, path, body, marker)
 
 
 class _Tee:
