@@ -143,3 +143,33 @@ async def test_prompt_cache_retention_on_the_oauth_websocket(mode):
         assert [("prompt_cache_retention" in f) for f in frames] == [True, False], frames
     finally:
         await drain(stack)
+
+
+@pytest.mark.parametrize("kind", ("apikey", "oauth"))
+@pytest.mark.parametrize("mode", ("ctx_pool", "passthrough"))
+@pytest_twisted.ensureDeferred
+async def test_handshake_unsupported_parameter(mode, kind):
+    """
+    The backend answering the upstream WebSocket handshake with 400
+    C{{"detail": "Unsupported parameter: zz_field"}}: once, relay drops the
+    field and the same account serves the turn; every time, the detail is
+    the client's message.
+    """
+    stack = await _start(mode, kind)
+    try:
+        detail = {"detail": "Unsupported parameter: zz_field"}
+        stack.emulator.setFault("*", {"kind": "ws_handshake_status", "code": 400,
+                                      "body": detail, "times": 1})
+        completed, message = await _turn(stack, mode, {"zz_field": 1})
+        assert completed, message
+        frames = _sent(stack, f"{kind}-a1")
+        assert frames and "zz_field" not in frames[-1], frames
+        assert _sent(stack, f"{kind}-a2") == []
+        stack.emulator.clearFaults()
+        stack.emulator.setFault("*", {"kind": "ws_handshake_status", "code": 400,
+                                      "body": detail})
+        completed, message = await _turn(stack, mode, {"zz_field": 1})
+        assert not completed
+        assert message == "Unsupported parameter: zz_field", message
+    finally:
+        await drain(stack)
