@@ -7,6 +7,7 @@
 #
 #   scripts/codex-canary.sh              # the pinned version and the newest
 #   scripts/codex-canary.sh 0.172.0 ...  # these versions
+#   CANARY_FRESH=1 scripts/codex-canary.sh   # install the pinned one afresh too
 #
 # A version other than an installed pinned one is installed into a temporary
 # npm prefix (removed afterwards); the tests take the binary from
@@ -48,7 +49,7 @@ for version in "${VERSIONS[@]}"; do
     label="$version"
     [ "$version" = "$PINNED" ] && label="$version (pinned)"
     bin=""
-    if [ "$version" = "$PINNED" ] && [ -x "$PINNED_BIN" ] \
+    if [ -z "${CANARY_FRESH:-}" ] && [ "$version" = "$PINNED" ] && [ -x "$PINNED_BIN" ] \
         && "$PINNED_BIN" --version 2>/dev/null | grep -qx "codex-cli $version"; then
         bin="$PINNED_BIN"
     else

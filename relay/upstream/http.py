@@ -99,8 +99,8 @@ def upstreamHeaders(account: Account, clientHeaders: dict, transport: str = "htt
     """
     headers = {}
     allowed = forwardedFor(transport, account.type)
-    # Issue 24: the client's few forwarded names, in the table's order
-    # (what a look-up of every name in that order gives).
+    # Issue 24: the client's few forwarded names, in FORWARDED_HEADERS'
+    # order (what a look-up of every name in that order gives).
     names = [name for name in clientHeaders if name in allowed]
     if len(names) > 1:
         names.sort(key=allowed.__getitem__)
