@@ -31,7 +31,7 @@ with a string value that is not the model, input, messages or instructions.
 
 On the wire (the fault's C{wire}): C{error} (the default) is the HTTP status and body, or
 on the WebSocket the status-bearing C{error} event (protocol.md 4.5; a C{detail} body
-becomes C{{"type": "invalid_request_error", "message": detail}}); C{response.failed} is,
+travels as the backend sends it, C{"error": {"detail": detail}}); C{response.failed} is,
 on a Responses stream or WebSocket turn, C{response.created} then C{response.failed}
 carrying the error object (a non-stream or chat request gets the HTTP form).
 """
@@ -105,6 +105,19 @@ class Refusal:
             return dict(inner)
         return {"type": "invalid_request_error", "code": None,
                 "message": str(self.body.get("detail", "")), "param": None}
+
+    def wsError(self) -> dict:
+        """
+        The error object of the WebSocket C{error} event: the API's error
+        object, or the ChatGPT backend's C{detail} body as it sends it there,
+        C{{"detail": "..."}} with no C{message} (CLIProxyAPI#1901:
+        C{{"type":"error","status":400,"error":{"detail":"Unsupported
+        parameter: generate"}}}).
+        """
+        inner = self.body.get("error")
+        if isinstance(inner, dict):
+            return dict(inner)
+        return {"detail": str(self.body.get("detail", ""))}
 
 
 def checkSpec(params: dict) -> None:

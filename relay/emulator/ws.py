@@ -236,7 +236,7 @@ class EmulatorWebSocketProtocol(WebSocketServerProtocol):
             refusal = refusalOf(fault, frame, "responses", self._credential)
             if refusal is not None and fault.get("wire", "error") == "error":
                 tracker.end()
-                self._sendEvent(wsError(refusal.status, refusal.error()))
+                self._sendEvent(wsError(refusal.status, refusal.wsError()))
                 return
             fault = None if refusal is None else Fault(
                 "stream_error", params={"error": refusal.error()})

@@ -26,11 +26,12 @@ from zope.interface import implementer
 from relay.engine import requests as R
 from relay.interfaces import ITurnSink
 from relay.base.records import ClientError, ClientKey, Turn
+from relay.upstream.headers import CODEX_VERSION
 
 DEFAULT_TTL = 300.0
 """Seconds a fetched manifest or list is served before it is revalidated."""
 
-CLIENT_VERSION = "0.171.0"
+CLIENT_VERSION = CODEX_VERSION
 """The C{client_version} relay asks an OAuth account's manifest with when it
 needs only the names (the plain list, R92)."""
 

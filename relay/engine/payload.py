@@ -12,6 +12,7 @@ import re
 from relay.base.records import Account, Turn
 from relay.wire.sse import Event
 from relay.translate.chatrequest import chatToResponses
+from relay.upstream.headers import SCOPED, routingHint
 
 WS_ONLY_FIELDS = ("type", "generate", "stream_id")
 """Fields that exist only on WebSocket frames; an HTTP upstream rejects them
@@ -320,19 +321,13 @@ def withoutField(body: dict, path: str):
     return drop(body, tokens)
 
 
-SCOPED_HEADERS = (
-    ("session_id", "session-id"),
-    ("conversation_id", "conversation-id"),
-    ("thread-id",),
-    ("x-codex-parent-thread-id",),
-    ("x-client-request-id",),
-)
+SCOPED_HEADERS = tuple(h.spellings for h in SCOPED)
 """The identifiers of a conversation a client sends as headers, scoped per
-key on OAuth accounts (behaviour.md R112, protocol.md 7.2): each entry's
-names are spellings of one header, the first the one sent upstream. A
-header added to the forwarded set later is scoped by adding it here."""
+key on OAuth accounts (behaviour.md R112, protocol.md 7.2): the rows of
+L{relay.upstream.headers.UPSTREAM_HEADERS} marked C{scoped}; each entry's
+names are spellings of one header, the first the one sent upstream."""
 
-_CACHE_FALLBACK = frozenset({"session_id", "conversation_id"})
+_CACHE_FALLBACK = frozenset(h.name for h in SCOPED if h.cacheFallback)
 """Scoped headers that fall back to the body's C{prompt_cache_key} when the
 client sent none (protocol.md 7.2)."""
 
@@ -382,6 +377,10 @@ def upstreamClientHeaders(turn: Turn, account: Account) -> dict:
     (R111: C{Turn.clientRequestId}, the well-formed C{X-Request-Id} or
     C{X-Client-Request-Id} it sent), relay's own id when it sent none.
 
+    When relay maps the model (the account's C{model_mapping}), a client's
+    C{x-codex-routing-hint} is rebuilt for the model and tier relay sends
+    (R112), never copied stale.
+
     @return: a new dict (lower-cased names).
     """
     headers = dict(turn.headers)
@@ -389,6 +388,10 @@ def upstreamClientHeaders(turn: Turn, account: Account) -> dict:
         headers["x-client-request-id"] = turn.clientRequestId or turn.requestId
     if account.type != "oauth":
         return headers
+    if headers.get("x-codex-routing-hint") and turn.model:
+        sent = account.upstreamModel(turn.model)
+        if sent != turn.body.get("model"):
+            headers["x-codex-routing-hint"] = routingHint(sent, turn.body.get("service_tier"))
     owner = turn.client.ownerId  # R104
     cacheKey = turn.body.get("prompt_cache_key")
     cacheKey = cacheKey if isinstance(cacheKey, str) and cacheKey else None

@@ -61,9 +61,14 @@ def accountMode(account, settings) -> str:
 def errorFromEvent(event: dict) -> ClientError:
     """
     The client error for an upstream WebSocket C{error} event that is
-    passed through (R81: a status-bearing event the client should see).
+    passed through (R81: a status-bearing event the client should see),
+    with the upstream's own message: C{error.message}, or the ChatGPT
+    backend's C{error.detail} (R112).
     """
     inner = event.get("error") if isinstance(event.get("error"), dict) else {}
+    message = inner.get("message")
+    if not message and isinstance(inner.get("detail"), str):
+        message = inner["detail"]
     status = event.get("status") or event.get("status_code") or 400
     try:
         status = int(status)
@@ -72,7 +77,7 @@ def errorFromEvent(event: dict) -> ClientError:
     return ClientError(
         status,
         str(inner.get("type") or "invalid_request_error"),
-        str(inner.get("message") or "Upstream request failed"),
+        str(message or "Upstream request failed"),
         code=inner.get("code"),
         param=inner.get("param"),
     )

@@ -19,6 +19,7 @@ from twisted.web.http_headers import Headers
 from zope.interface import implementer
 
 from relay.interfaces import IEgressClient
+from relay.upstream.headers import CODEX_USER_AGENT
 from relay.upstream.http import QuietConnectionPool
 
 __all__ = ["EgressClient", "EgressReply", "REPLY_LIMIT", "USER_AGENT"]
@@ -26,7 +27,7 @@ __all__ = ["EgressClient", "EgressReply", "REPLY_LIMIT", "USER_AGENT"]
 REPLY_LIMIT = 256 * 1024
 """The most of an answer's body read, bytes."""
 
-USER_AGENT = "codex_cli_rs/0.171.0"
+USER_AGENT = CODEX_USER_AGENT
 """A Codex-shaped C{User-Agent} (protocol.md 7.2), unless the caller gives one."""
 
 

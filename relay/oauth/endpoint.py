@@ -32,9 +32,10 @@ from zope.interface import implementer
 
 from relay.interfaces import ITokenEndpoint
 from relay.oauth.tokens import PERMANENT_CODES
+from relay.upstream.headers import CODEX_USER_AGENT
 from relay.upstream.http import QuietConnectionPool
 
-USER_AGENT = b"codex_cli_rs/0.171.0"
+USER_AGENT = CODEX_USER_AGENT.encode("ascii")
 """The C{User-Agent} of token requests (a Codex-shaped one, protocol.md 7.2)."""
 
 REPLY_LIMIT = 64 * 1024

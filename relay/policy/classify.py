@@ -552,6 +552,10 @@ def parseError(
     detailObj = _dict(detail)
 
     errMessage = err.get("message") if err else (rawError if isinstance(rawError, str) else None)
+    if errMessage is None and isinstance(err.get("detail"), str):
+        # The ChatGPT backend's WebSocket error event carries its 400 body
+        # as C{"error": {"detail": "Unsupported parameter: x"}} (R7, R112).
+        errMessage = err["detail"]
     codesCyber = (_str(err.get("code")), _str(respErr.get("code")))
     codesAccess = codesCyber + (_str(detailObj.get("code")), _str(data.get("code")))
 

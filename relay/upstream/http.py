@@ -30,38 +30,22 @@ if TYPE_CHECKING:
 from relay.interfaces import IUpstreamDialer, IUpstreamResponse
 from relay.upstream.httpclient import BodyCollector, ConnectionPool, Target, requestBytes
 from relay.base.records import Account, UpstreamSettings
-
-# Client headers that may travel upstream (protocol.md 7.2). Everything else
-# -- Authorization, x-api-key, cookies, hop-by-hop headers -- stays behind
-# (architecture.md invariant 7).
-FORWARDED_HEADERS = (
-    "accept-language",
-    "user-agent",
-    "originator",
-    "session-id",
-    "session_id",
-    "thread-id",
-    "conversation_id",
-    "conversation-id",
-    "x-client-request-id",
-    "x-codex-beta-features",
-    "x-codex-window-id",
-    "x-codex-installation-id",
-    "x-codex-turn-metadata",
-    "x-codex-turn-state",
-    "x-codex-routing-hint",
-    # W3C trace context: passed through, or replaced by the
-    # attempt's own when relay traces (relay.tracing).
-    "traceparent",
-    "tracestate",
-    "if-none-match",
+from relay.upstream.headers import (
+    BOTH,
+    CODEX_VERSION,
+    DEFAULT_ORIGINATOR,
+    forwardedFor,
+    isCodex,
 )
 
-_FORWARDED = {name: i for i, name in enumerate(FORWARDED_HEADERS)}
-"""L{FORWARDED_HEADERS} -> its place in it."""
-
-DEFAULT_ORIGINATOR = "codex_cli_rs"
-"""The C{originator} sent for OAuth accounts when the client is not Codex."""
+FORWARDED_HEADERS = tuple(
+    {n: None for t in ("http", "websocket") for a in BOTH for n in forwardedFor(t, a)}
+)
+"""Every client spelling that may travel upstream, on either transport and
+account type: the names of L{relay.upstream.headers.UPSTREAM_HEADERS}
+(behaviour.md R112, protocol.md 7.2). Everything else -- Authorization,
+x-api-key, cookies, hop-by-hop headers -- stays behind (architecture.md
+invariant 7)."""
 
 
 class _QuietClientFactory(_HTTP11ClientFactory):
@@ -98,23 +82,28 @@ class UpstreamBodyTooLarge(Exception):
     """
 
 
-def upstreamHeaders(account: Account, clientHeaders: dict) -> dict:
+def upstreamHeaders(account: Account, clientHeaders: dict, transport: str = "http") -> dict:
     """
     Build the upstream request headers for C{account}.
 
     @param account: the L{Account}; its credential goes into
         C{Authorization}, OAuth accounts add C{chatgpt-account-id}.
-    @param clientHeaders: lower-cased headers from the engine: only
-        L{FORWARDED_HEADERS} are copied, plus C{accept}, which the engine
-        sets from the body's C{stream} flag (protocol.md 2.1).
-    @return: a dict of str -> str.
+    @param clientHeaders: lower-cased headers from the engine: only the
+        spellings L{relay.upstream.headers.UPSTREAM_HEADERS} lets through
+        on C{transport} for the account's type are copied, plus C{accept},
+        which the engine sets from the body's C{stream} flag (protocol.md
+        2.1).
+    @param transport: C{http}, or C{websocket} for a handshake.
+    @return: a dict of str -> str. On an OAuth account a client that is
+        not Codex gets relay's C{originator} and C{version} (R112).
     """
     headers = {}
+    allowed = forwardedFor(transport, account.type)
     # The client's few forwarded names, in FORWARDED_HEADERS'
     # order (what a look-up of every name in that order gives).
-    names = [name for name in clientHeaders if name in _FORWARDED]
+    names = [name for name in clientHeaders if name in allowed]
     if len(names) > 1:
-        names.sort(key=_FORWARDED.__getitem__)
+        names.sort(key=allowed.__getitem__)
     for name in names:
         value = clientHeaders[name]
         if value is not None:
@@ -125,8 +114,9 @@ def upstreamHeaders(account: Account, clientHeaders: dict) -> dict:
     if account.type == "oauth":
         if account.chatgpt_account_id:
             headers["chatgpt-account-id"] = account.chatgpt_account_id
-        if not headers.get("originator", "").startswith("codex"):
+        if not isCodex(headers.get("originator")):
             headers["originator"] = DEFAULT_ORIGINATOR
+            headers["version"] = CODEX_VERSION
     return headers
 
 

@@ -109,7 +109,7 @@ def handshakeHeaders(account, clientHeaders: dict) -> dict:
     C{chatgpt-account-id} for OAuth), the forwarded client headers
     (protocol.md 7.2), and the v2 beta value.
     """
-    headers = upstreamHeaders(account, clientHeaders)
+    headers = upstreamHeaders(account, clientHeaders, "websocket")
     headers.pop("content-type", None)
     headers.pop("accept", None)
     headers["openai-beta"] = BETA_HEADER

@@ -42,13 +42,15 @@ FALLBACK_MARKER = "Falling back from WebSockets"
 
 def codexBinary() -> str | None:
     """
-    Find the Codex CLI: C{$CODEX_BINARY}, then C{~/.local/codex/bin/codex},
-    then C{codex} on C{PATH}.
+    Find the Codex CLI: C{$CODEX_BINARY} when it is set (only it: the
+    canary, C{scripts/codex-canary.sh}, must never test the pinned Codex
+    in place of the one it names), else C{~/.local/codex/bin/codex}, then
+    C{codex} on C{PATH}.
 
     @return: an executable path, or L{None} when Codex is not installed.
     """
-    candidates = [
-        os.environ.get("CODEX_BINARY"),
+    chosen = os.environ.get("CODEX_BINARY")
+    candidates = [chosen] if chosen else [
         os.path.expanduser("~/.local/codex/bin/codex"),
         shutil.which("codex"),
     ]

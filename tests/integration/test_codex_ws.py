@@ -18,20 +18,18 @@ from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import ProcessProtocol
 
+from tests.integration.codex import SKIP_REASON, codexBinary
 from tests.integration.harness import RELAY_KEY, closedPort, startStack
 from tests.integration.test_ws_turns import drain
 
-CODEX = os.path.expanduser("~/.local/codex/bin/codex")
+CODEX = codexBinary() or os.path.expanduser("~/.local/codex/bin/codex")
 FALLBACK = "Falling back from WebSockets"
 SCRIPT = {
     "tool_call": {"name": "exec_command", "arguments": {"cmd": "echo hi"}},
     "text": "Tool said: {result}",
 }
 
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(CODEX),
-    reason="Codex CLI not installed: npm install -g --prefix \"$HOME/.local/codex\" @openai/codex@0.171.0",
-)
+pytestmark = pytest.mark.skipif(codexBinary() is None, reason=SKIP_REASON)
 
 
 def _codexHome(port: int) -> str:
