@@ -216,7 +216,7 @@ async def test_drain_finishes_running_turns_and_refuses_new(tmp_path):
         assert [e for e, _ in sseEvents(data)][-1] == "response.completed"
 
         await stopped.addTimeout(10, reactor)
-        assert relay.process.app.runner.inflight == {}
+        assert relay.app.runner.inflight == {}
     finally:
         for c in clients:
             c.bye()
@@ -257,7 +257,7 @@ async def test_grace_over_cancels_and_tells_clients(tmp_path):
         await deferLater(reactor, 0.5, lambda: None)
 
         report = []
-        relay.process.app.drain.drain().addCallback(report.append)
+        relay.app.drain.drain().addCallback(report.append)
         stopped = relay.service.stopService()
 
         status, headers, body = await blocked
@@ -279,9 +279,9 @@ async def test_grace_over_cancels_and_tells_clients(tmp_path):
         await stopped.addTimeout(15, reactor)
         assert report[0].cancelled == 3
         await waitFor(lambda: emulator.inflight(CRED) == 0)
-        states = await relay.process.app.store.getAccountStates(["a1"])
+        states = await relay.app.store.getAccountStates(["a1"])
         assert states["a1"].blockedUntil == 0
-        assert relay.process.app.health._breakers == {}
+        assert relay.app.health._breakers == {}
     finally:
         for c in clients:
             c.bye()
@@ -312,7 +312,7 @@ async def test_drain_leaves_nothing_in_redis(tmp_path, redisServer):  # noqa: F8
             for i in range(3)
         ]
         await waitFor(lambda: emulator.inflight(CRED) == 1)
-        await waitFor(lambda: len(relay.process.app.runner.inflight) == 3)
+        await waitFor(lambda: len(relay.app.runner.inflight) == 3)
         await deferLater(reactor, 0.3, lambda: None)
         assert slotLeftovers(redisServer) != []
         await relay.service.stopService().addTimeout(15, reactor)
