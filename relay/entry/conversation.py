@@ -290,7 +290,7 @@ class WebSocketConversation:
         """
         Hold a large frame's parsed-size estimate within the key's and the
         process's bytes in flight while its key's slot is awaited (R103),
-        like an HTTP body's; refuse the frame (L{_refuseFrame}) when it
+        like an HTTP body's; refuse the frame (the protocol's C{refuseFrame}) when it
         does not fit.
 
         @return: the hold (C{release()}), or L{None} when refused.
