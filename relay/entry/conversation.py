@@ -366,7 +366,8 @@ class WebSocketConversation:
             self.proto.reject(APPEND_MESSAGE, "unsupported_request_type", "type")
             return None
         if kind != "response.create":
-            self.proto.reject(f"unsupported websocket request type: {kind}", "unsupported_request_type", "type")
+            self.proto.reject(f"unsupported websocket request type: {kind}",
+                              "unsupported_request_type", "type")
             return None
         if getattr(self.factory, "draining", False):
             # No new turn while relay stops; reconnect elsewhere.
@@ -536,9 +537,13 @@ class WebSocketConversation:
             "model": turn.model,
             "output": [],
         }
-        self.proto.sendText(json.dumps({"type": "response.created", "sequence_number": 0, "response": response}).encode())
-        done = dict(response, status="completed", usage={"input_tokens": 0, "output_tokens": 0, "total_tokens": 0})
-        self.proto.sendText(json.dumps({"type": "response.completed", "sequence_number": 1, "response": done}).encode())
+        send = self.proto.sendText
+        send(json.dumps({"type": "response.created", "sequence_number": 0,
+                         "response": response}).encode())
+        done = dict(response, status="completed",
+                    usage={"input_tokens": 0, "output_tokens": 0, "total_tokens": 0})
+        send(json.dumps({"type": "response.completed", "sequence_number": 1,
+                         "response": done}).encode())
         self.state.record(previous, inputItems, done)
         self.state.unchecked = (self.state.unchecked if previous else ()) + turn.itemReferences
         self.turns += 1
