@@ -22,9 +22,8 @@ import os
 from attrs import define, field
 from twisted.logger import Logger
 
-from relay.base.clienterrors import previousResponseNotFound
+from relay.base.clienterrors import RESTART_CLOSE, previousResponseNotFound
 from relay.base.records import ClientError, Turn
-from relay.base.clienterrors import RESTART_CLOSE
 from relay.entry.annotate import annotateTurn
 from relay.entry.http import UNAUTHORIZED
 from relay.entry.wssink import WebSocketSink, wsErrorEvent

@@ -4,8 +4,9 @@ The Responses WebSocket entrypoint (C{GET /v1/responses} with an upgrade;
 protocol.md 4, behaviour.md group F, style.md 9(a)).
 
 A transport adapter: it authenticates before the upgrade, reads and
-writes frames (bounding what a message holds in the bytes in flight, R63),
-keeps the timers and close codes, and hands every client frame with the
+writes frames (what a message holds counts in the bytes in flight, R103;
+one early frame is held while a turn runs, R63), keeps the timers and
+close codes, and hands every client frame with the
 connection's L{relay.entry.conversation.WebSocketConversation} (its record
 of its turns and its dedicated upstream for C{passthrough}) to the front
 door (L{relay.frontdoor.door.FrontDoor.frame}), which parses it, has the
