@@ -122,23 +122,32 @@ class WebSocketPathTests(SynchronousTestCase):
 
     def test_theDoorAsksTheConnectionOnlyForItsTurn(self):
         """
-        On its way to the engine, the door calls into the WebSocket module
-        only to have the connection make the frame a turn (C{turnFor}) and
-        to hand it the running turn (C{turnStarted}), after C{run}.
+        From C{onMessage}'s hand-off to the door until C{run}, no function
+        of the WebSocket module (C{relay.entry.ws}) is called: the door
+        has the connection's conversation make the frame a turn
+        (C{turnFor}, in C{relay.entry.conversation}) and hands it the
+        running turn (C{turnStarted}) after C{run}.
         """
         import sys
 
         runner = _Runner()
         proto = _protocol(runner)
-        calls = []
+        calls, conversation, recording = [], [], []
         ws = os.path.join("relay", "entry", "ws.py")
-        door = os.path.join("relay", "frontdoor")
+        door = os.path.join("relay", "frontdoor", "door.py")
 
         def profile(frame, event, arg):
-            if event == "call" and frame.f_code.co_filename.endswith(ws):
-                caller = frame.f_back
-                if caller is not None and door in caller.f_code.co_filename:
-                    calls.append(frame.f_code.co_name)
+            if event != "call":
+                return
+            code = frame.f_code
+            if code.co_name == "frame" and code.co_filename.endswith(door):
+                recording.append(True)
+            elif code.co_name == "run" and isinstance(frame.f_locals.get("self"), _Runner):
+                recording.clear()
+            elif recording and code.co_filename.endswith(ws):
+                calls.append(code.co_name)
+            if code.co_name in ("turnFor", "turnStarted"):
+                conversation.append((code.co_name, os.path.basename(code.co_filename)))
 
         frame = {"type": "response.create", "model": "gpt-5.5", "input": "hi"}
         sys.setprofile(profile)
@@ -146,7 +155,9 @@ class WebSocketPathTests(SynchronousTestCase):
             proto.onMessage(json.dumps(frame).encode(), False)
         finally:
             sys.setprofile(None)
-        self.assertEqual((calls, len(runner.turns)), (["turnFor", "turnStarted"], 1))
+        self.assertEqual((calls, len(runner.turns)), ([], 1))
+        self.assertEqual(conversation, [("turnFor", "conversation.py"),
+                                        ("turnStarted", "conversation.py")])
 
     def test_largeFrameAdmittedThenRun(self):
         """

@@ -24,7 +24,7 @@ from relay.engine.compaction import (
     endsWithTrigger,
 )
 from relay.engine.payload import isEmptyCompleted
-from relay.entry.ws import ConnectionState
+from relay.entry.conversation import ConnectionState
 from relay.base.records import ClientKey, Turn
 from relay.scheduling.scheduler import NO_SLOT, affinityKey
 from relay.wire.sse import Event

@@ -16,7 +16,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from relay.base.clienterrors import previousResponseNotFound
 from relay.engine.wsattempt import errorFromEvent, isPreviousNotFound
 from relay.policy.judgement import busyVerdict
-from relay.entry.ws import ConnectionState, normaliseInput
+from relay.entry.conversation import ConnectionState, normaliseInput
 from relay.entry.wssink import WebSocketSink, isStatusEvent
 from relay.base.records import (
     Account,

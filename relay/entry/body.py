@@ -47,12 +47,12 @@ from twisted.web.server import Request, Site
 from twisted.web.server import version as _SERVER
 
 from relay.entry import intake as _intake
-from relay.entry.logthrottle import suppressedNote, throttleOf
+from relay.entry.bodywait import BodyRate, KeysWait, SlotWait
 from relay.entry.sinks import errorBody, writeError
 from relay.frontdoor.budgets import parsedEstimate, parsedOver
-from relay.frontdoor.record import Admission, Slot
+from relay.frontdoor.record import Admission
 from relay.frontdoor.parse import NOT_JSON_MESSAGE, RequestRefused, readJSON
-from relay.base.records import CancelSignal, ClientError
+from relay.base.records import ClientError
 from relay.base.requestid import requestIdOf
 
 _CANONICAL = _nameEncoder._canonicalHeaderCache
@@ -322,12 +322,97 @@ def _contentFile(length: Optional[int]):
     return tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)
 
 
-HELD_BEFORE_KEY_BYTES = 256 * 1024
-"""The most body bytes kept aside (undecoded) for a request waiting at its
-headers for the key ring at start (L{LimitedBodyRequest._holdForKeys})."""
-
 RATIO_FLOOR_BYTES = 2**20
 """A compressed body may always decode to this much, whatever its ratio."""
+
+
+def decodeHeld(raw, encoding: bytes, limit: int, ratio, received: int):
+    """
+    Decode a held raw body, bounded by the limit and by the
+    decompression ratio, into a new content file.
+
+    @param raw: the raw body's file (read from its start; closed unless
+        its data does not decode).
+    @param encoding: the C{Content-Encoding} header value.
+    @param limit: the request's body limit, bytes.
+    @param ratio: C{gateway.limits.max_decompression_ratio}, or L{None}.
+    @param received: the raw body's size, bytes.
+    @return: the decoded body's file (at its end), or the L{ClientError}
+        refusing it: 413 (over the limit or the ratio), 400 (corrupt).
+    """
+    raw.seek(0)
+    bound = limit
+    ratioBound = None
+    if ratio:
+        ratioBound = max(int(ratio * max(received, 1)), RATIO_FLOOR_BYTES)
+        bound = min(bound, ratioBound)
+    out = _contentFile(None)
+    try:
+        decoder = contentDecoder(encoding, bound, out.write)
+        while True:
+            piece = raw.read(CHUNK)
+            if not piece:
+                break
+            decoder.write(piece)
+        decoder.close()
+    except BodyTooLarge:
+        out.close()
+        raw.close()
+        if ratioBound is not None and bound == ratioBound and ratioBound < limit:
+            return ClientError(
+                413, "invalid_request_error",
+                f"The compressed request body decodes to more than {ratio:g} times its size"
+                " (gateway.limits.max_decompression_ratio).",
+                code="decompression_ratio_exceeded",
+            )
+        return tooLarge(limit)
+    except CorruptBody as e:
+        out.close()
+        return corrupt(str(e))
+    raw.close()
+    out.seek(0, io.SEEK_END)
+    return out
+
+
+def chargeParsed(content, budget, keyName: str, limits, charged: int):
+    """
+    Replace the raw bytes counted for a body by the estimate of its
+    parsed size (L{parsedEstimate}): what a decoded body will hold once
+    a resource parses it, until the request ends.
+
+    @param content: the decoded body's file (left at its end).
+    @param budget: the bodies in flight (C{reserve}, C{release}).
+    @param keyName: the key the bytes count against.
+    @param limits: the C{gateway.limits} in force.
+    @param charged: the raw bytes counted so far (released here).
+    @return: C{(bytes now counted, None)}, or C{(0, the ClientError)}:
+        413 over a bound, else what the budget refused with.
+    """
+    if content.__class__ is io.BytesIO:
+        data = content.getvalue()  # what seek, read, seek gives
+    else:
+        content.seek(0)
+        data = content.read()
+    content.seek(0, io.SEEK_END)
+    estimate = parsedEstimate(data)
+    del data
+    budget.release(keyName, charged)
+    over = parsedOver(estimate, limits)
+    if over is not None:
+        scope, limit = over
+        name = ("gateway.limits.body_bytes_in_flight_per_key" if scope == "key"
+                else "gateway.limits.body_bytes_in_flight")
+        return 0, ClientError(
+            413, "invalid_request_error",
+            f"Request payload is too large: it would take about {estimate} bytes once"
+            f" parsed, over {name} ({limit} bytes).",
+            code="request_too_large",
+        )
+    error = budget.reserve(keyName, estimate, limits.body_bytes_in_flight_per_key,
+                           limits.body_bytes_in_flight)
+    if error is not None:
+        return 0, error
+    return estimate, None
 
 
 def reasonPhrase(status: int) -> bytes:
@@ -343,6 +428,29 @@ def reasonPhrase(status: int) -> bytes:
         return HTTPStatus(status).phrase.encode("ascii")
     except ValueError:
         return b"Error"
+
+
+def rawAnswer(error: ClientError, requestId: str) -> tuple[bytes, int]:
+    """
+    An answer relay writes to the transport itself, before (the rest of)
+    the body: C{error} in OpenAI's envelope with C{Connection: close} and
+    the request's id (C{X-Request-Id} and C{error.request_id}).
+
+    @return: C{(the whole answer's bytes, its body's length)}.
+    """
+    body = errorBody(error, requestId)
+    phrase = reasonPhrase(error.status)
+    extra = b"".join(
+        name.encode("latin-1") + b": " + str(value).encode("latin-1") + b"\r\n"
+        for name, value in (error.headers or ())
+    )
+    return (
+        b"HTTP/1.1 %d " % error.status + phrase + b"\r\ncontent-type: application/json\r\n"
+        b"x-request-id: " + requestId.encode("ascii") + b"\r\n"
+        b"cache-control: no-store\r\n" + extra
+        + b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n"
+        + body
+    ), len(body)
 
 
 _BLANK = object()
@@ -433,7 +541,7 @@ class LimitedBodyRequest(Request):
         key's slot admitted before decoding, until a resource hands it to
         a turn (L{relay.frontdoor.record.Admission.handOver}); else L{None}.
     @ivar relaySSEStarted: keepalives were written while the key's slot
-        was awaited (L{_waitKeepalive}): 200 and the SSE headers are sent.
+        was awaited (L{relay.entry.bodywait.SlotWait}): 200 and the SSE headers are sent.
     @ivar relayQuietSince: when the last of them was written (site clock
         seconds), or L{None}.
     @ivar relayBodyBlank: L{relayJSON} found the body empty or blank.
@@ -447,8 +555,6 @@ class LimitedBodyRequest(Request):
     relayBodyBlank = False
     relaySSEStarted = False
     relayQuietSince = None
-    _streams = None
-    _line = None
     _intake = None
     _encoding = None
     _bodyError: Optional[ClientError] = None
@@ -457,14 +563,10 @@ class LimitedBodyRequest(Request):
     _received = 0
     _charged = 0
     _linger = None
-    _rateCall = None
+    _rate = None
     _chunked = False
     _keysWait = None
-    _keysTimer = None
-    _pausedForKeys = None
-    _rateMark = 0
-    _admitting = None
-    _cancel = None
+    _slotWait = None
     _json = None
     _parsed = False
     _done = False
@@ -473,7 +575,6 @@ class LimitedBodyRequest(Request):
     relayStartedAt = None
     """When the request's headers were in (site clock seconds), for the
     access line's duration (L{relay.process.app._Site.log})."""
-    _rateLate = False
     relayRawHeaders = True
     """C{getHeader} is twisted.web's, over C{requestHeaders._rawHeaders}
     (L{relay.base.requestid.requestIdOf} reads the id headers there)."""
@@ -612,94 +713,21 @@ class LimitedBodyRequest(Request):
 
     def _holdForKeys(self, pending, length, policy, route, method, path) -> None:
         """
-        The key ring cannot tell keys yet (the control store's first read
-        is pending at start): wait for it (at most
-        L{relay.entry.intake.KEYS_WAIT_SECONDS}) with the connection's
-        reads paused, so nothing of the body is read, decoded or parsed
-        before the key is known (R103, R105). What twisted.web had already
-        read with the headers (at most one socket read) is kept aside,
-        undecoded, and counted once the key is known; an
-        C{Expect: 100-continue} is answered only then.
+        The key ring cannot tell keys yet: wait for it, the body unread
+        (L{relay.entry.bodywait.KeysWait}; R103, R105).
         """
-        I = _intake
-
         self.method, self.uri = method, path  # for an access line while held
-        self._keysWait = pending
-        self._held = []
-        self._heldBytes = 0
-        self._heldReceived = None
-        self._heldArgs = (length, policy, route, method)
-        self._heldExpect = bool(self.requestHeaders.getRawHeaders(b"expect"))
-        self.requestHeaders.removeHeader(b"expect")
         self.content = io.BytesIO()
-        producer = getattr(self.channel, "_networkProducer", None)
-        if producer is not None:
-            producer.pauseProducing()
-            self._pausedForKeys = producer
-        self._keysTimer = self.channel.callLater(I.KEYS_WAIT_SECONDS, self._keysKnown)
-        pending.addBoth(self._keysKnown)
-
-    def _keysKnown(self, result=None):
-        """
-        The key ring can tell keys now (or the wait ran out): resume
-        reading and go on as if the headers had just come in.
-        """
-        from twisted.internet.defer import CancelledError
-        from twisted.python.failure import Failure
-
-        if isinstance(result, Failure):
-            result.trap(CancelledError)
-            result = None
-        if self._keysWait is None:
-            return result
-        self._endKeysWait()
-        if self._done or self._refused:
-            return result
-        held, self._held = self._held, []
-        self._headersIn(*self._heldArgs)
-        if self._refused:
-            return result
-        if self._heldExpect and getattr(self.channel, "transport", None) is not None:
-            self.channel._send100Continue()
-        for data in held:
-            self.handleContentChunk(data)
-            if self._refused:
-                return result
-        if self._heldReceived is not None:
-            self.requestReceived(*self._heldReceived)
-        return result
-
-    def _holdChunk(self, data: bytes) -> None:
-        """
-        Body bytes twisted.web read with the headers while the key ring is
-        awaited: kept aside undecoded (reads are paused, so this is at most
-        about one socket read); more than L{HELD_BEFORE_KEY_BYTES} is
-        answered at once (503, retry) rather than kept.
-        """
-        self._heldBytes += len(data)
-        if self._heldBytes > HELD_BEFORE_KEY_BYTES:
-            from relay.tenants.keypolicy import KEYS_LOADING
-
-            self._held = []
-            self._endKeysWait()
-            self._answerNow(KEYS_LOADING)
-            return
-        self._held.append(data)
+        wait = self._keysWait = KeysWait(self, pending, (length, policy, route, method))
+        wait.start()
 
     def _endKeysWait(self) -> None:
         """
-        Stop waiting for the key ring: the timer, the wait, and the paused
-        reads.
+        Stop waiting for the key ring (L{relay.entry.bodywait.KeysWait.end}).
         """
         wait, self._keysWait = self._keysWait, None
-        timer, self._keysTimer = self._keysTimer, None
-        if timer is not None and timer.active():
-            timer.cancel()
-        if wait is not None and not wait.called:
-            wait.cancel()
-        producer, self._pausedForKeys = self._pausedForKeys, None
-        if producer is not None and not self._refused:
-            producer.resumeProducing()
+        if wait is not None:
+            wait.end(self._refused)
 
     def _limits(self):
         intake = self._intake
@@ -736,67 +764,29 @@ class LimitedBodyRequest(Request):
     # -- the minimum body rate -------------------------------------------------
 
     def _armRate(self) -> None:
+        """
+        Start the minimum body rate's window (L{relay.entry.bodywait.BodyRate})
+        when a rate is configured.
+        """
         limits = self._limits()
         if limits is None or not limits.min_body_bytes_per_second:
             return
-        self._rateMark = self._received
-        if getattr(self.channel, "relayBodyIn", None) is self:
-            # The whole body came in the read that brought the
-            # headers and is handed to this request in this same call, so
-            # it is in before any timer could fire; the timer is armed only
-            # if it is not (L{relayArmLate}), instead of armed and cancelled.
-            self._rateLate = True
-            return
-        self._rateCall = self.channel.callLater(limits.body_rate_window_seconds, self._checkRate)
+        rate = self._rate
+        if rate is None:
+            rate = self._rate = BodyRate(self)
+        rate.arm(limits)
 
     def relayArmLate(self) -> None:
         """
-        The read that brought the headers and the whole body is handled
-        (L{relay.entry.site.RelayHTTPChannel._relayHead}): arm the minimum
-        body rate's timer if the body is still not in (it was held back in
-        L{_armRate}).
+        See L{relay.entry.bodywait.BodyRate.armLate}
+        (L{relay.entry.site.RelayHTTPChannel._relayHead}).
         """
-        if not self._rateLate:
-            return
-        self._rateLate = False
-        limits = self._limits()
-        if self._refused or self._done or limits is None or self.channel is None:
-            return
-        self._rateCall = self.channel.callLater(limits.body_rate_window_seconds, self._checkRate)
-
-    def _checkRate(self) -> None:
-        self._rateCall = None
-        if self._refused:
-            return
-        limits = self._limits()
-        window = limits.body_rate_window_seconds
-        need = limits.min_body_bytes_per_second * window
-        got = self._received - self._rateMark
-        if got >= need:
-            self._armRate()
-            return
-        address = self.getClientAddress()
-        throttle = throttleOf(getattr(self.channel, "site", None))
-        suppressed = throttle.admit("relay.intake_slow_body") if throttle is not None else 0
-        if suppressed is not None:
-            self._log.warn(
-                "request body from {client} too slow ({got} bytes in {window:.0f} s, the minimum"
-                " is {rate} bytes/s): closing" + suppressedNote(suppressed, "more closed"),
-                event="relay.intake_slow_body", client=getattr(address, "host", "-"), got=got,
-                window=window, rate=limits.min_body_bytes_per_second, suppressed=suppressed,
-            )
-        self._dropContent()
-        self._answerNow(ClientError(
-            408, "invalid_request_error",
-            "The request body arrived too slowly (gateway.limits.min_body_bytes_per_second is "
-            f"{limits.min_body_bytes_per_second}).", code="request_timeout",
-        ))
+        if self._rate is not None:
+            self._rate.armLate()
 
     def _stopRate(self) -> None:
-        self._rateLate = False
-        if self._rateCall is not None and self._rateCall.active():
-            self._rateCall.cancel()
-        self._rateCall = None
+        if self._rate is not None:
+            self._rate.stop()
 
     # -- the body arrives ------------------------------------------------------
 
@@ -808,7 +798,7 @@ class LimitedBodyRequest(Request):
         if self._refused:
             return
         if self._keysWait is not None:
-            self._holdChunk(data)
+            self._keysWait.hold(data)
             return
         self._received += len(data)
         if self._discard:
@@ -846,8 +836,8 @@ class LimitedBodyRequest(Request):
             return
         if self._keysWait is not None:
             # R105: the whole body came with the headers; it is looked at
-            # once the key can be told (L{_keysKnown}).
-            self._heldReceived = (command, path, version)
+            # once the key can be told (L{relay.entry.bodywait.KeysWait}).
+            self._keysWait.received = (command, path, version)
             return
         admit = self._intake.admitKey if self._intake is not None else None
         if self._intake is not None and self.admission is not None and self._intake.draining():
@@ -862,79 +852,10 @@ class LimitedBodyRequest(Request):
             admit is not None and self.admission is not None and not self._discard
             and self._bodyError is None and self._received
         ):
-            self._cancel = CancelSignal()
-            keepalive = None
-            if command.upper() == b"POST" and _intake.isTurnPath(path):
-                self._line = (command, path, version)
-                keepalive = self._waitKeepalive
-            d = self._admitting = admit(
-                self.admission.key, self._cancel, requestIdOf(self), keepalive=keepalive
-            )
-            d.addCallbacks(
-                self._admitted, self._notAdmitted,
-                callbackArgs=(command, path, version), errbackArgs=(command, path, version),
-            )
+            wait = self._slotWait = SlotWait(self, command, path, version)
+            wait.start(admit)  # then _decodeAndProcess (relay.entry.bodywait)
             return
         self._decodeAndProcess(command, path, version)
-
-    def _waitKeepalive(self) -> None:
-        """
-        The engine's keepalive while the request waits for its key's slot
-        (behaviour.md R85, R31; L{relay.frontdoor.door.FrontDoor.admitSlot}):
-        for a turn whose raw body says C{"stream": true}
-        (L{relay.entry.intake.bodyStreams}, read once, at the first tick;
-        a C{Content-Encoding}-ed body is not decoded before the slot, so it
-        gets none), the first commits 200 and the SSE headers and every one
-        writes an SSE comment, as the turn's own keepalives do
-        (L{relay.entry.sinks.SSESink}); later errors are written in-stream.
-        """
-        if self._done or self._refused or self.content is None:
-            return
-        if self._streams is None:
-            from relay.entry.intake import bodyStreams
-
-            self._streams = False
-            if self._encoding is None:
-                self.content.seek(0)
-                self._streams = bodyStreams(self.content.read()) is True
-                self.content.seek(0, io.SEEK_END)
-        if not self._streams:
-            return
-        if not self.relaySSEStarted:
-            self.method, self.uri, self.clientproto = self._line
-            self.path = self.uri.split(b"?", 1)[0]
-            self.relaySSEStarted = True
-            self.setResponseCode(200)
-            self.setHeader(b"content-type", b"text/event-stream")
-            self.setHeader(b"cache-control", b"no-cache")
-            self.setHeader(b"x-accel-buffering", b"no")
-        self.write(b":\n\n")
-        clock = getattr(getattr(self.channel, "site", None), "clock", None)
-        if clock is not None:
-            self.relayQuietSince = clock.seconds()
-
-    def _admitted(self, lease, command, path, version) -> None:
-        self._admitting = None
-        if self._done:
-            if lease is not None:
-                lease.release()
-            return
-        self.admission = Admission(key=self.admission.key, admitted=True,
-                                   slot=Slot(lease) if lease is not None else None)
-        self._decodeAndProcess(command, path, version)
-
-    def _notAdmitted(self, failure, command, path, version) -> None:
-        self._admitting = None
-        if self._done:
-            return
-        error = getattr(failure.value, "error", None)
-        if not isinstance(error, ClientError):
-            self._log.failure("admitting a request failed", failure)
-            error = ClientError(
-                503, "api_error", "Service temporarily unavailable, please retry later",
-            )
-        self._bodyFailed(error)
-        self._requestReceived(command, path, version)
 
     def _decodeAndProcess(self, command, path, version) -> None:
         if self._encoding is not None and self._bodyError is None and self.content is not None:
@@ -946,92 +867,31 @@ class LimitedBodyRequest(Request):
 
     def _decode(self) -> None:
         """
-        Decode the held raw body, bounded by the limit and by the
-        decompression ratio, into a new content file.
+        Decode the held raw body into a new content file (L{decodeHeld}).
         """
-        raw = self.content
-        raw.seek(0)
         limits = self._limits()
         ratio = limits.max_decompression_ratio if limits is not None else None
-        bound = self.bodyLimit
-        ratioBound = None
-        if ratio:
-            ratioBound = max(int(ratio * max(self._received, 1)), RATIO_FLOOR_BYTES)
-            bound = min(bound, ratioBound)
-        out = _contentFile(None)
-        try:
-            decoder = contentDecoder(self._encoding, bound, out.write)
-            while True:
-                piece = raw.read(CHUNK)
-                if not piece:
-                    break
-                decoder.write(piece)
-            decoder.close()
-        except BodyTooLarge:
-            out.close()
-            raw.close()
-            self.content = io.BytesIO()
-            if ratioBound is not None and bound == ratioBound and ratioBound < self.bodyLimit:
-                self._bodyError = ClientError(
-                    413, "invalid_request_error",
-                    f"The compressed request body decodes to more than {ratio:g} times its size"
-                    " (gateway.limits.max_decompression_ratio).",
-                    code="decompression_ratio_exceeded",
-                )
-            else:
-                self._bodyError = tooLarge(self.bodyLimit)
-            self._logRefusedBody()
+        decoded = decodeHeld(self.content, self._encoding, self.bodyLimit, ratio, self._received)
+        if isinstance(decoded, ClientError):
+            self._bodyFailed(decoded)
+            if decoded.status == 413:
+                self._logRefusedBody()
             return
-        except CorruptBody as e:
-            out.close()
-            self._bodyFailed(corrupt(str(e)))
-            return
-        raw.close()
         self.contentEncoding = self._encoding.decode("latin-1")
         self.requestHeaders.removeHeader(b"content-encoding")
-        out.seek(0, io.SEEK_END)
-        self.content = out
+        self.content = decoded
 
     def _chargeParsed(self) -> None:
         """
-        Replace the raw bytes counted for this body by the estimate of its
-        parsed size (L{parsedEstimate}): what a decoded body will hold once
-        a resource parses it, until the request ends.
+        Count the decoded body at its parsed size's estimate until the
+        request ends (L{chargeParsed}).
         """
-        content = self.content
-        if content.__class__ is io.BytesIO:
-            data = content.getvalue()  # what seek, read, seek gives
-        else:
-            content.seek(0)
-            data = content.read()
-        content.seek(0, io.SEEK_END)
-        estimate = parsedEstimate(data)
-        del data
         charged, self._charged = self._charged, 0
-        key = self.admission.key
-        limits = self._limits()
-        budget = self._intake.budget
-        budget.release(key.name, charged)
-        over = parsedOver(estimate, limits)
-        if over is not None:
-            scope, limit = over
-            name = ("gateway.limits.body_bytes_in_flight_per_key" if scope == "key"
-                    else "gateway.limits.body_bytes_in_flight")
-            self._bodyFailed(ClientError(
-                413, "invalid_request_error",
-                f"Request payload is too large: it would take about {estimate} bytes once"
-                f" parsed, over {name} ({limit} bytes).",
-                code="request_too_large",
-            ))
-            self._logRefusedBody()
-            return
-        error = budget.reserve(key.name, estimate, limits.body_bytes_in_flight_per_key,
-                               limits.body_bytes_in_flight)
+        self._charged, error = chargeParsed(self.content, self._intake.budget,
+                                            self.admission.key.name, self._limits(), charged)
         if error is not None:
             self._bodyFailed(error)
             self._logRefusedBody()
-            return
-        self._charged = estimate
 
     def _logRefusedBody(self) -> None:
         self._log.info(
@@ -1190,22 +1050,10 @@ class LimitedBodyRequest(Request):
         self._dropContent()
         self._releaseBudget()
         self.requestHeaders.removeHeader(b"expect")  # no "100 Continue" after the answer
-        requestId = requestIdOf(self)
-        body = errorBody(error, requestId)
-        phrase = reasonPhrase(error.status)
-        extra = b"".join(
-            name.encode("latin-1") + b": " + str(value).encode("latin-1") + b"\r\n"
-            for name, value in (error.headers or ())
-        )
+        answer, length = rawAnswer(error, requestIdOf(self))
         transport = self.channel.transport
-        transport.write(
-            b"HTTP/1.1 %d " % error.status + phrase + b"\r\ncontent-type: application/json\r\n"
-            b"x-request-id: " + requestId.encode("ascii") + b"\r\n"
-            b"cache-control: no-store\r\n" + extra
-            + b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n"
-            + body
-        )
-        self._accessLine(error.status, len(body))
+        transport.write(answer)
+        self._accessLine(error.status, length)
         halfClose = getattr(transport, "loseWriteConnection", None)
         if halfClose is None:
             self.channel.loseConnection()
@@ -1246,8 +1094,8 @@ class LimitedBodyRequest(Request):
         self._releaseBudget()
         if self.admission is not None and self.admission.slot is not None:
             self.admission.slot.release()  # no turn took it
-        if self._admitting is not None and self._cancel is not None:
-            self._cancel.cancel("client_gone")
+        if self._slotWait is not None:
+            self._slotWait.cancel.cancel("client_gone")
 
     def finish(self):
         """

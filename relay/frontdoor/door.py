@@ -179,10 +179,13 @@ class FrontDoor:
         process's bytes in flight and its key's slot admitted (R103, like
         an HTTP body); then it is parsed (L{readJSON}), the connection
         makes it a turn (C{conn.turnFor}), and the turn goes to L{enter}.
+        The door talks to the connection's conversation only, never to its
+        transport (C{relay.entry.ws}).
 
-        @param conn: the L{relay.entry.ws.RelayWebSocketProtocol} (C{key},
-            C{requestId}, C{turnFor}, C{refuseFrame}, C{badJSON},
-            C{closeWith}, C{admissionPing}, C{gone}, C{turnStarted}).
+        @param conn: the L{relay.entry.conversation.WebSocketConversation}
+            (C{key}, C{nextRequestId}, C{holdFrame}, C{slotRefused},
+            C{badJSON}, C{admissionPing}, C{gone}, C{turnFor},
+            C{turnStarted}, C{admitting}).
         """
         if len(payload) <= PARSE_FREELY_BYTES or getattr(self.runner, "keySlot", None) is None:
             self._parsed(conn, payload, None)
