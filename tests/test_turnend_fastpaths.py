@@ -31,6 +31,7 @@ from relay.scheduling.scheduler import (
 from relay.state.settings import RuntimeSettings
 from relay.state.durable import SQLiteValues
 from relay.state.memory import MemoryStateStore
+from relay.entry.requestnotes import notesOf
 from tests.test_durable import _Database
 
 ALICE = ClientKey(name="alice", key="sk-alice")
@@ -354,7 +355,7 @@ class AccessLineTests(SynchronousTestCase):
         request.code = 200
         request.sentLength = 3
         if started is not None:
-            request.relayStartedAt = started
+            notesOf(request).startedAt = started
         events = EventLoggingObserver.createWithCleanup(self, globalLogPublisher)
         site.log(request)
         [event] = [e for e in events if e.get("event") == "relay.http_access"]

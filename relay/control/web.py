@@ -32,6 +32,7 @@ from relay.control.store import ControlStoreUnavailable, VersionConflict
 from relay.entry.intake import ADMIN_BODY_LIMIT, RequestRefused
 from relay.console.admin import errorBody, Guarded, respond
 from relay.console.fields import FieldTypeError, checkTypes
+from relay.entry.requestnotes import notesOf
 
 __all__ = [
     "AdminLeaf", "ControlError", "MAX_BODY_BYTES", "ServiceLeaf", "checkedTypes", "clientAddress",
@@ -97,12 +98,12 @@ class ServiceLeaf(AdminLeaf):
 
     def _note(self, request) -> dict:
         """
-        @return: a new dict, left on the request as C{request.relayAudit}:
+        @return: a new dict, left on the request as C{request.notes.audit}:
             the service writes the change's audit details into it for
             L{relay.control.audit} (never a secret).
         """
         note = {}
-        request.relayAudit = note
+        notesOf(request).audit = note
         return note
 
 
@@ -181,7 +182,7 @@ def _readJSONBody(request, allowEmpty: bool) -> dict:
             nested = "nest" in e.error.message
             raise ControlError(400, "invalid_json", "Request body is nested too deeply"
                                if nested else "Request body is not valid JSON") from None
-        if not allowEmpty and getattr(request, "relayBodyBlank", False):
+        if not allowEmpty and notesOf(request).bodyBlank:
             raise ControlError(400, "invalid_json", "Request body must be a JSON object")
         return _checked(body)
     content = getattr(request, "content", None)

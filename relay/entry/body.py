@@ -48,6 +48,7 @@ from twisted.web.server import version as _SERVER
 
 from relay.entry import intake as _intake
 from relay.entry.bodywait import BodyRate, KeysWait, SlotWait
+from relay.entry.requestnotes import RequestNotes
 from relay.entry.sinks import errorBody, writeError
 from relay.frontdoor.budgets import parsedEstimate, parsedOver
 from relay.frontdoor.record import Admission
@@ -535,26 +536,17 @@ class LimitedBodyRequest(Request):
 
     @ivar bodyLimit: the limit in force for this request, bytes.
     @ivar contentEncoding: the decoded C{Content-Encoding} value, or L{None}.
-    @ivar relayRoute: the route class (L{relay.entry.intake}), or L{None}.
+    @ivar notes: the request's L{relay.entry.requestnotes.RequestNotes}.
     @ivar admission: the L{relay.frontdoor.record.Admission} of a client
         route's request: its key, authenticated from the headers, and the
         key's slot admitted before decoding, until a resource hands it to
         a turn (L{relay.frontdoor.record.Admission.handOver}); else L{None}.
-    @ivar relaySSEStarted: keepalives were written while the key's slot
-        was awaited (L{relay.entry.bodywait.SlotWait}): 200 and the SSE headers are sent.
-    @ivar relayQuietSince: when the last of them was written (site clock
-        seconds), or L{None}.
-    @ivar relayBodyBlank: L{relayJSON} found the body empty or blank.
     """
 
     _log = Logger()
     bodyLimit = DEFAULT_MAX_BODY_BYTES
     contentEncoding = None
-    relayRoute = None
     admission = None
-    relayBodyBlank = False
-    relaySSEStarted = False
-    relayQuietSince = None
     _intake = None
     _encoding = None
     _bodyError: Optional[ClientError] = None
@@ -572,9 +564,6 @@ class LimitedBodyRequest(Request):
     _done = False
     relayRequestId = None
     """The request's id once L{relay.base.requestid.requestIdOf} chose it."""
-    relayStartedAt = None
-    """When the request's headers were in (site clock seconds), for the
-    access line's duration (L{relay.process.app._Site.log})."""
     relayRawHeaders = True
     """C{getHeader} is twisted.web's, over C{requestHeaders._rawHeaders}
     (L{relay.base.requestid.requestIdOf} reads the id headers there)."""
@@ -582,6 +571,7 @@ class LimitedBodyRequest(Request):
     def __init__(self, channel, *args, **kwargs):
         if len(args) > 1 or kwargs or not getattr(channel, "relayPlainRequests", False):
             super().__init__(channel, *args, **kwargs)
+            self.notes = RequestNotes()
             self.requestHeaders.__class__ = _Headers
             self.responseHeaders.__class__ = _Headers
             return
@@ -600,6 +590,7 @@ class LimitedBodyRequest(Request):
         self.transport = channel.transport
         self.queued = args[0] if args else False
         self._adapterCache = {}
+        self.notes = RequestNotes()
 
     def relayOnGone(self, f) -> None:
         """
@@ -636,10 +627,10 @@ class LimitedBodyRequest(Request):
 
         site = getattr(self.channel, "site", None)
         clock = getattr(site, "clock", None)
-        if clock is not None and getattr(self, "relayStartedAt", None) is None:
+        if clock is not None and self.notes.startedAt is None:
             # the access line of an answer written from the headers has a
             # duration too (relay.process.app._Site.log; process() sets it anew)
-            self.relayStartedAt = clock.seconds()
+            self.notes.startedAt = clock.seconds()
         self.bodyLimit = getattr(site, "maxRequestBodyBytes", DEFAULT_MAX_BODY_BYTES)
         self._chunked = length is None
         overCap = getattr(self.channel, "relayOverCap", None)
@@ -659,7 +650,7 @@ class LimitedBodyRequest(Request):
         method = (getattr(self.channel, "_command", b"") or b"").upper()
         path = getattr(self.channel, "_path", b"") or b"/"
         route = I.routeClass(path, method)
-        self.relayRoute = route
+        self.notes.route = route
         if route == I.ROUTE_CLIENT:
             pending = policy.keysReady()
             if pending is not None:
@@ -751,7 +742,7 @@ class LimitedBodyRequest(Request):
         if error is None:
             self._charged += n
             return True
-        self._intake.logRefused(self, self.relayRoute, error)
+        self._intake.logRefused(self, self.notes.route, error)
         self._dropContent()
         self._answerNow(error)
         return False
@@ -918,7 +909,7 @@ class LimitedBodyRequest(Request):
             raw = self.content.read() if self.content is not None else b""
             self._parsed = True
             if not raw.strip():
-                self._json, self.relayBodyBlank = _BLANK, True
+                self._json, self.notes.bodyBlank = _BLANK, True
             else:
                 try:
                     self._json = readJSON(raw)  # the one reader (relay.frontdoor.parse)

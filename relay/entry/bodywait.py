@@ -294,10 +294,10 @@ class SlotWait:
                 request.content.seek(0, io.SEEK_END)
         if not self._streams:
             return
-        if not request.relaySSEStarted:
+        if not request.notes.sseStarted:
             request.method, request.uri, request.clientproto = self._line
             request.path = request.uri.split(b"?", 1)[0]
-            request.relaySSEStarted = True
+            request.notes.sseStarted = True
             request.setResponseCode(200)
             request.setHeader(b"content-type", b"text/event-stream")
             request.setHeader(b"cache-control", b"no-cache")
@@ -305,7 +305,7 @@ class SlotWait:
         request.write(b":\n\n")
         clock = getattr(getattr(request.channel, "site", None), "clock", None)
         if clock is not None:
-            request.relayQuietSince = clock.seconds()
+            request.notes.quietSince = clock.seconds()
 
     def _admitted(self, lease) -> None:
         request = self._request

@@ -40,6 +40,7 @@ from relay.base.requestid import (  # noqa: F401 - newRequestId re-exported
 )
 from relay.scheduling.session import sessionHash, sessionSeed
 from relay.translate.chatrequest import ChatRequestError, checkChatRequest
+from relay.entry.requestnotes import notesOf
 
 MAX_BODY_BYTES = DEFAULT_MAX_BODY_BYTES
 """The largest request body accepted when the request does not say
@@ -231,7 +232,7 @@ class TurnResource(Resource):
             writeError(request, e.error)
             return NOT_DONE_YET
         model, stream, previous = fields.model, fields.stream, fields.previous
-        if not stream and getattr(request, "relaySSEStarted", False):
+        if not stream and notesOf(request).sseStarted:
             # Keepalives already went out (the raw body read as
             # streaming while the key's slot was awaited, R85) and committed
             # the SSE head; a body whose parse disagrees (a nested

@@ -73,6 +73,7 @@ from relay.frontdoor.keyring import (  # noqa: F401 - bearerOrKey, UNAUTHORIZED 
 )
 from relay.frontdoor.parse import RequestRefused  # noqa: F401 - re-exported
 from relay.base.records import ClientError
+from relay.entry.requestnotes import notesOf
 
 ROUTE_CLIENT = "client"
 ROUTE_ADMIN = "admin"
@@ -322,7 +323,7 @@ class IntakePolicy:
         if guard is not None:
             refusal = guard.refusal(address)
             if refusal is not None:
-                request.relayQuietRefusal = True
+                notesOf(request).quietRefusal = True
                 return refusal
         given = _bearer(request)
         if sameSecret(given, admin) or sameSecret(given, metrics):
@@ -331,7 +332,7 @@ class IntakePolicy:
             return None
         if guard is not None and given and not self._known(given):
             guard.failed(address)
-            request.relayQuietRefusal = True
+            notesOf(request).quietRefusal = True
         return UNAUTHORIZED_ADMIN
 
     def _known(self, secret: bytes) -> bool:
@@ -358,7 +359,7 @@ class IntakePolicy:
         Say that a request was answered from its headers alone (not a
         guessed admin key: L{adminGuard} logs those, throttled).
         """
-        if getattr(request, "relayQuietRefusal", False):
+        if notesOf(request).quietRefusal:
             return
         address = request.getClientAddress()
         self._log.info(

@@ -20,6 +20,7 @@ from relay.translate.assemble import ResponseAssembler
 
 _ITEM_DONE = b"response.output_item.done"
 from relay.base.requestid import requestIdOf
+from relay.entry.requestnotes import notesOf
 
 # protocol.md 2.6: error type -> in-stream code.
 STREAM_ERROR_CODES = {
@@ -55,7 +56,7 @@ def writeError(request, error: ClientError) -> None:
     C{X-Request-Id} header only).
     """
     requestId = requestIdOf(request)
-    if getattr(request, "relaySSEStarted", False):
+    if notesOf(request).sseStarted:
         # R85: keepalives went out while the request waited for
         # its key's slot, so the 200 and the SSE headers are sent; the
         # error is written in-stream (R19.2).
@@ -192,12 +193,12 @@ class SSESink(_RequestSink):
 
     def __init__(self, request, endpoint: str, model=None):
         super().__init__(request, endpoint, model)
-        if getattr(request, "relaySSEStarted", False):
+        if notesOf(request).sseStarted:
             # R85: the intake sent the head with a keepalive
             # while the request waited for its key's slot.
             self.headersSent = True
             self.status = 200
-            self.quietSince = getattr(request, "relayQuietSince", None)
+            self.quietSince = notesOf(request).quietSince
 
     def noteHeaders(self, headers: dict) -> None:
         """

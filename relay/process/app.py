@@ -45,6 +45,7 @@ from relay.base.requestid import clientRequestIdOf, requestIdOf
 from relay.scheduling.scheduler import AccountScheduler
 from relay.state.settings import RuntimeSettings
 from relay.upstream.http import HTTPDialer
+from relay.entry.requestnotes import notesOf
 
 
 _log = Logger()
@@ -64,7 +65,7 @@ class _Request(LimitedBodyRequest):
         and note when it started for the access line (L{_Site.log}).
         """
         clock = getattr(self.channel.site, "clock", None)
-        self.relayStartedAt = clock.seconds() if clock is not None else None
+        self.notes.startedAt = clock.seconds() if clock is not None else None
         requestIdOf(self)
         super().process()
 
@@ -150,7 +151,7 @@ class _Site(RelaySite):
         @param request: the finished L{Request}.
         """
         address = request.getClientAddress()
-        started = getattr(request, "relayStartedAt", None)
+        started = notesOf(request).startedAt
         duration = None
         if started is not None and self.clock is not None:
             duration = round((self.clock.seconds() - started) * 1000, 1)

@@ -18,7 +18,7 @@ new tokens: L{relay.console.admin}) handed on unchanged.
 
 The rules are L{relay.control.accounts.service.AccountService}'s; each
 answer that changed something leaves its audit details on the request
-(C{request.relayAudit}) for L{relay.control.audit}.
+(C{request.notes.audit}) for L{relay.control.audit}.
 """
 
 from __future__ import annotations

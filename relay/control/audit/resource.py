@@ -19,6 +19,7 @@ from twisted.web.resource import Resource
 from relay.control.audit.service import actionOf
 from relay.control.web import AdminLeaf, ControlError, clientAddress, deliver, notFound
 from relay.base.requestid import requestIdOf
+from relay.entry.requestnotes import notesOf
 
 __all__ = ["AuditResource", "ControlAdmin"]
 
@@ -110,7 +111,7 @@ class ControlAdmin(Resource):
         status = getattr(request, "code", None) or getattr(request, "responseCode", None) or 200
         if not 200 <= status < 300:
             return
-        note = getattr(request, "relayAudit", None) or {}
+        note = notesOf(request).audit or {}
         names = [s.decode("utf-8", "replace") for s in segments]
         action, target = actionOf(request.method.decode("ascii", "replace"), names)
         account = note.get("account")

@@ -13,7 +13,7 @@ C{/admin/keys} and below, behind the admin key (R99):
     C{POST /admin/keys/{name}/enable} - any key.
 
 The rules are L{relay.control.keys.service.KeyService}'s; each change
-leaves its audit details on the request (C{request.relayAudit}) for
+leaves its audit details on the request (C{request.notes.audit}) for
 L{relay.control.audit} (never the secret).
 """
 
