@@ -872,7 +872,10 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
                 # exactly like a turn would be.
                 error = door.refusal(turn)
                 if error is not None:
-                    WebSocketSink(self).fail(error)
+                    refused = WebSocketSink(self)
+                    refused.fail(error)
+                    if not refused.closed:
+                        self._idle()  # R113: in-band; the socket reads on
                     return None
                 self._prewarm(turn, previous, inputItems)
                 return None

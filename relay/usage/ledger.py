@@ -55,7 +55,9 @@ def budgetError(keyName: str, budget: str, limit, used, resetsAt: float,
                 now: float) -> ClientError:
     """
     The 429 a key gets once its token budget is spent: the message names the
-    budget and when it resets; C{Retry-After} is the seconds until then.
+    budget and when it resets; C{Retry-After} is the seconds until then. On
+    an open WebSocket it is answered in-band with its reset time
+    (C{wsInband}, C{resetsAt}; behaviour.md R113).
 
     @param keyName: the client key's name (never its secret).
     @param budget: C{daily_tokens}, C{monthly_tokens}, or (issue 22)
@@ -88,6 +90,8 @@ def budgetError(keyName: str, budget: str, limit, used, resetsAt: float,
         code="insufficient_quota",
         headers=(("Retry-After", str(wait)),),
         wsClose=(1013, reason),
+        wsInband=True,
+        resetsAt=resetsAt,
     )
 
 
