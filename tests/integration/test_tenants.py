@@ -179,6 +179,38 @@ async def test_each_policy_refuses_exactly_when_it_should():
 
 
 @pytest_twisted.ensureDeferred
+async def test_refused_socket_serves_the_next_response_create():
+    """
+    R113: in every mode a refused C{response.create} (a model outside the
+    key's C{models}; in C{http_bridge} a prewarm too) leaves the socket
+    open, and its next C{response.create} with an allowed model completes
+    on the same socket.
+    """
+    models = {"ws_ctx_pool": "gpt-5.5", "ws_passthrough": "gpt-4.1",
+              "ws_http_bridge": "gpt-5.4-mini"}
+    stack = await tenantsStack([keyEntry(f"one-{e}", models=[m]) for e, m in models.items()])
+    clients = []
+    try:
+        for entry, model in models.items():
+            other = next(m for m in models.values() if m != model)
+            client = await connect(stack, key=f"sk-one-{entry}")
+            clients.append(client)
+            frames = [{"type": "response.create", "model": other, "input": "hi"}]
+            if entry == "ws_http_bridge":
+                frames.append({"type": "response.create", "model": other, "generate": False})
+            for frame in frames:
+                events = await client.turn(frame, timeout=10)
+                assert (events[-1]["type"], events[-1].get("status")) == ("error", 403), events
+                assert events[-1]["error"]["code"] == "model_not_found"
+                assert client.closeInfo is None, (entry, client.closeInfo)
+            events = await client.turn({"type": "response.create", "model": model,
+                                        "input": "hi"}, timeout=10)
+            assert events[-1]["type"] == "response.completed", (entry, events)
+    finally:
+        await drain(stack, clients)
+
+
+@pytest_twisted.ensureDeferred
 async def test_open_socket_expired_revoked_and_http_expired():
     """
     A socket whose key expires (a reload moves C{expires_at} into the
