@@ -37,7 +37,7 @@ DAY = 86400
 class KeyRefusalTests(SynchronousTestCase):
     """
     Checks 1-4: refused before any slot or upstream request, in OpenAI's
-    error format naming the limit; WebSocket closes per R102.
+    error format naming the limit; on the WebSocket per R113.
     """
 
     def setUp(self):
@@ -106,10 +106,12 @@ class KeyRefusalTests(SynchronousTestCase):
         _, outcome = rig.go(rig.turn(client, "my-model"))
         self.assertEqual(outcome, ["completed"])
 
-    def test_websocket_closes(self):
+    def test_websocket_refusals(self):
         """
-        On the WebSocket the refusals close 1008 (expired, not allowed) with
-        their reason, never a status event that keeps the socket.
+        R113 (changes R102's old close for a model): on the WebSocket an
+        expired key closes 1008 with its reason; a model the key may not
+        use is a status-bearing C{error} event (403, C{model_not_found})
+        and the socket stays open.
         """
 
         class Conn:
@@ -125,13 +127,22 @@ class KeyRefusalTests(SynchronousTestCase):
             def closeWith(self, code, reason):
                 self.closed = (code, reason)
 
-        for client, model, close in ((key(expires_at=T0 - 1), "gpt-5.5", "api key expired"),
-                                     (key(models=("x",)), "gpt-5.5",
-                                      "model not allowed for this api key")):
+        conn = Conn()
+        sink = WebSocketSink(conn)
+        self.rig.go(self.rig.turn(key(expires_at=T0 - 1), "gpt-5.5", entrypoint="ws",
+                                  wsMode="ctx_pool"), sink)
+        self.assertEqual(conn.closed, (1008, "api key expired"))
+        for mode in ("ctx_pool", "passthrough", "http_bridge"):
             conn = Conn()
             sink = WebSocketSink(conn)
-            self.rig.go(self.rig.turn(client, model, entrypoint="ws", wsMode="ctx_pool"), sink)
-            self.assertEqual(conn.closed, (1008, close))
+            self.rig.go(self.rig.turn(key(models=("x",)), "gpt-5.5", entrypoint="ws",
+                                      wsMode=mode), sink)
+            self.assertIsNone(conn.closed, mode)
+            [event] = [json.loads(data) for data in conn.sent]
+            self.assertEqual((event["type"], event["status"], event["error"]["code"],
+                              event["error"]["param"]),
+                             ("error", 403, "model_not_found", "model"))
+            self.assertIn("does not have access to model `gpt-5.5`", event["error"]["message"])
 
 
 class GroupTests(SynchronousTestCase):

@@ -771,6 +771,12 @@ class ClientError:
     @ivar contentType: content type for C{rawBody}.
     @ivar wsClose: (code, reason) to close a WebSocket with (R65, R70), or
         L{None} to send an C{error} event and keep the connection.
+    @ivar wsInband: R113: a key's own limit (a model it may not use, a
+        spent budget, its C{rpm}/C{tpm}): on an open WebSocket it is a
+        status-bearing C{error} event and the socket stays open
+        (C{wsClose} is then unused before output).
+    @ivar resetsAt: Unix seconds when the refused limit frees up (a
+        budget's period end, a rate window's slot), or L{None}.
     """
 
     status: int
@@ -782,6 +788,8 @@ class ClientError:
     rawBody: Optional[bytes] = field(default=None, repr=False)
     contentType: Optional[str] = None
     wsClose: Optional[tuple] = None
+    wsInband: bool = False
+    resetsAt: Optional[float] = None
 
     def envelope(self) -> dict:
         """

@@ -483,7 +483,10 @@ class WebSocketConversation:
                 # exactly like a turn would be.
                 error = door.refusal(turn)
                 if error is not None:
-                    WebSocketSink(self.proto).fail(error)
+                    refused = WebSocketSink(self.proto)
+                    refused.fail(error)
+                    if not refused.closed:
+                        self.proto.idle()  # R113: in-band; the socket reads on
                     return None
                 self._prewarm(turn, previous, inputItems)
                 return None

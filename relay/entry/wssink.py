@@ -8,12 +8,16 @@ Error rule (behaviour.md R81, protocol.md 4.5): a status-bearing C{error}
 event only for C{previous_response_not_found},
 C{websocket_connection_limit_reached} and genuine client mistakes;
 conditions the client should retry end with the error's close code and
-reason (1013 busy, 1011 upstream failure).
+reason (1013 busy, 1011 upstream failure). A key's own limit
+(C{ClientError.wsInband}, R113) is a status-bearing event and the socket
+stays open: a limit with a reset time in the shape Codex renders with its
+time (L{keyLimitEvent}).
 """
 
 from __future__ import annotations
 
 import json
+import math
 
 from twisted.logger import Logger
 from zope.interface import implementer
@@ -51,6 +55,49 @@ def wsErrorEvent(error: ClientError, withStatus: bool = True) -> dict:
     }
     if withStatus:
         event["status"] = error.status
+    return event
+
+
+PROMO_HEADER = "x-codex-promo-message"
+"""The header Codex prints a usage limit's text from ("You've hit your usage
+limit. <text>, or try again at <time>."; openai/codex
+C{codex-rs/codex-api/src/rate_limits.rs} C{parse_promo_message})."""
+
+
+def keyLimitEvent(error: ClientError) -> dict:
+    """
+    R113: the in-band C{error} event of a key's own limit. A limit with a
+    reset time (a spent budget, an C{rpm}/C{tpm} window) takes the shape
+    Codex renders with that time, as for a plan's usage limit (protocol.md
+    4.5, 7.3; openai/codex C{api_bridge.rs} C{map_api_error}): status 429,
+    C{error.type} C{usage_limit_reached} (Codex's one fatal 429: no
+    reconnect), C{error.code} relay's own (C{insufficient_quota},
+    C{rate_limit_exceeded}), C{resets_at} (Unix seconds) and
+    C{resets_in_seconds}, and relay's message in the C{headers} Codex reads
+    (L{PROMO_HEADER}, with the HTTP answer's C{Retry-After} and
+    C{x-ratelimit-*}). Without a reset time it is the plain status event.
+
+    @param error: a L{ClientError} with C{wsInband} set.
+    @return: the event, a JSON-ready dict.
+    """
+    event = wsErrorEvent(error)
+    if error.resetsAt is None:
+        return event
+    headers = {name.lower(): value for name, value in error.headers}
+    try:
+        wait = max(0, int(headers.get("retry-after", "0")))
+    except ValueError:
+        wait = 0
+    event["error"].update(
+        type="usage_limit_reached",
+        resets_at=int(math.ceil(error.resetsAt)),
+        resets_in_seconds=wait,
+    )
+    # a header value is visible ASCII (Codex drops any other); "<text>, or
+    # try again at <time>." follows it, so no full stop of its own
+    promo = error.message.encode("ascii", "replace").decode("ascii").rstrip(". ")
+    headers[PROMO_HEADER] = promo
+    event["headers"] = headers
     return event
 
 
@@ -149,10 +196,15 @@ class WebSocketSink:
     def fail(self, error: ClientError) -> None:
         """
         Before output: a status event (R81 cases) and/or the error's close.
-        After output: the close tells Codex to retry (protocol.md 4.6).
+        After output: the close tells Codex to retry (protocol.md 4.6). A
+        key's own limit before output (R113) is told in-band
+        (L{keyLimitEvent}) and the socket stays open.
         """
         self.failed = error
         if not self._conn.isOpen():
+            return
+        if not self.committed and error.wsInband:
+            self._conn.sendText(json.dumps(keyLimitEvent(error)).encode())
             return
         if not self.committed and isStatusEvent(error):
             self._conn.sendText(json.dumps(wsErrorEvent(error)).encode())

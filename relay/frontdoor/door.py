@@ -9,7 +9,8 @@ and its sink and call L{FrontDoor.enter}; the door checks the key
 L{relay.engine.runner.TurnRunner.run}, or has the engine record it as
 refused (L{relay.engine.runner.TurnRunner.refuse}), its sink writing the
 refusal in the transport's form (HTTP: OpenAI's error body, status and
-C{Retry-After}; WebSocket: its C{error} event and close, R81). A
+C{Retry-After}; WebSocket: its C{error} event and close, R81, or, for a
+key's own limit, the in-band event with the socket kept open, R113). A
 WebSocket frame goes through L{FrontDoor.frame}: held and admitted (R103),
 parsed once (L{relay.frontdoor.parse}), turned into a turn by its
 connection, then L{enter}.
@@ -80,9 +81,14 @@ class FrontDoor:
                 return self.runner.refuse(turn, sink, e.error)
             return self.runner.run(turn, sink)
         since = self.runner.clock.seconds()
-        d = Deferred.fromCoroutine(checks.check(turn, stores))
-        # a streaming turn that waits here is kept alive meanwhile (R85)
-        keepalive = None if d.called else self._keepalive(turn, sink)
+        # a streaming turn that waits here is kept alive meanwhile (R85; a
+        # rate window's wait at a slot wait's pace, R113)
+        keepalive = self._keepalive(turn, sink)
+        d = Deferred.fromCoroutine(checks.check(turn, stores, keepalive))
+        if d.called:
+            keepalive = None
+        elif keepalive is not None:
+            keepalive.start(since=getattr(sink, "quietSince", None))
         d.addBoth(self._checked, turn, sink, keepalive, since)
         if not d.called:
             # a turn waiting at the door is a turn in the making: a
@@ -113,19 +119,18 @@ class FrontDoor:
     def _keepalive(self, turn: Turn, sink):
         """
         R85: a streaming turn that waits at the door (the start-up gate, a
-        budget or window store) gets keepalives at the engine's pace
-        (C{stream_keepalive_interval}) until it goes on; L{None} for a
-        turn that does not stream.
+        budget or window store, its key's rate window) gets keepalives at
+        the engine's pace (C{stream_keepalive_interval}) until it goes on;
+        L{None} for a turn that does not stream. Built unstarted: the
+        caller starts it once the checks wait.
         """
         settings = getattr(self.runner, "settings", None)
         if not turn.stream or settings is None:
             return None
-        keepalive = StreamKeepalive(
+        return StreamKeepalive(
             clock=self.runner.clock, send=sink.keepalive,
             interval=settings.current.stream_keepalive_interval, requestId=turn.requestId,
         )
-        keepalive.start(since=getattr(sink, "quietSince", None))
-        return keepalive
 
     def refusal(self, turn: Turn):
         """

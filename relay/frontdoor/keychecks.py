@@ -4,7 +4,9 @@ The key's checks before a turn takes a slot or reaches an account
 (behaviour.md R102, R105, R108): the start-up gate, the key policy
 (disabled, expired, model allow/deny lists, an unpriced model for a money
 budget; the accounts the key may reach), the budget reservation and the
-C{rpm}/C{tpm} windows, in that order.
+C{rpm}/C{tpm} windows, in that order. A turn over its key's window waits
+for it when the wait fits C{scheduling.fallback_wait_timeout}, like a turn
+waiting for a full slot (R113, on every entrypoint).
 
 A refusal raises L{Refused} carrying the L{relay.base.records.ClientError} the
 turn's sink writes (L{relay.frontdoor.door.FrontDoor}).
@@ -15,6 +17,7 @@ from __future__ import annotations
 from typing import Optional
 
 from twisted.internet.defer import Deferred
+from twisted.internet.task import deferLater
 
 from relay.engine.cancel import ClientGone, raceCancel
 from relay.base.logs import ClassLogger
@@ -103,7 +106,8 @@ class KeyChecks:
         )
         raise Refused(error)
 
-    async def check(self, turn: Turn, stores: Optional[Deferred] = None) -> None:
+    async def check(self, turn: Turn, stores: Optional[Deferred] = None,
+                    keepalive=None) -> None:
         """
         Every check, in order: wait for the stores (R105: the key policy
         reads the control plane's keys and disables), the key policy, the
@@ -112,6 +116,8 @@ class KeyChecks:
         did not settle), the key's windows.
 
         @param stores: the start-up gate's wait (L{stores}), or L{None}.
+        @param keepalive: the turn's L{relay.engine.keepalive.StreamKeepalive}
+            while it is at the door (a streaming turn), or L{None}.
         @raise Refused: a refusal (a reservation taken is given back).
         @raise ClientGone: the client left while a check waited.
         """
@@ -123,11 +129,50 @@ class KeyChecks:
             await self._reserveBudget(turn)
         policy = self._part("keyPolicy")
         if policy is not None and (turn.client.rpm or turn.client.tpm):
+            await self._admitRate(turn, policy, keepalive)
+
+    async def _admitRate(self, turn: Turn, policy, keepalive) -> None:
+        """
+        R113: count the turn in its key's C{rpm}/C{tpm} windows
+        (L{relay.tenants.keypolicy.KeyPolicy.admitRate}); over them, wait
+        until the window lets a turn start when that is at most
+        C{scheduling.fallback_wait_timeout} seconds from the first refusal
+        (cancellable; keepalives at least every C{scheduling.ping_interval}
+        for a streaming turn, as in a slot wait, R31), then try again;
+        else refuse with the window's 429 (C{Retry-After}; in-band with
+        its time on a WebSocket).
+
+        @raise Refused: the window's error (or the 503 of unreadable
+            shared windows, C{fail_closed}).
+        @raise ClientGone: the client left while waiting.
+        """
+        clock = self.parts.clock
+        settings = self._part("settings")
+        scheduling = settings.current.scheduling if settings is not None else None
+        limit = scheduling.fallback_wait_timeout if scheduling is not None else 0.0
+        began = clock.seconds()
+        while True:
             error = await policy.admitRate(turn)
-            if error is not None:
+            if error is None:
+                return
+            now = clock.seconds()
+            if error.resetsAt is None or error.resetsAt - began > limit:
                 # the key's windows: a 429 with Retry-After and the
                 # x-ratelimit-* headers (KeyPolicy.admitRate)
                 raise Refused(error)
+            wait = max(error.resetsAt - now, 0.001)
+            self._log.info(
+                "turn {request_id} waits {wait_ms} ms for key {key_name}'s rate window",
+                event="relay.key_rate_wait", key_name=turn.client.name,
+                wait_ms=int(wait * 1000), request_id=turn.requestId,
+            )
+            if keepalive is not None:
+                keepalive.beginWait(scheduling.ping_interval)  # R31's pace
+            try:
+                await raceCancel(deferLater(clock, wait), turn.cancel)
+            finally:
+                if keepalive is not None:
+                    keepalive.endWait()
 
     def keyRefusal(self, key) -> Optional[ClientError]:
         """

@@ -12,20 +12,24 @@ engine's budget check, then L{KeyPolicy.admitRate}):
  2. C{expires_at} passed -> 401 "... expired at ...", close 1008;
  3. C{models} / C{deny_models}: a model the key may not use -> 403
     C{model_not_found} (what OpenAI answers for a model a project may not
-    use), close 1008;
+    use), answered in-band on a WebSocket (R113);
  4. a money budget (C{daily_usd}/C{monthly_usd}) and a model no account
     the key may reach serves under a priced name -> 403
     C{model_not_priced} (relay could not count its cost; unpriced is never
     free); R109: checked again for the account chosen, with the request's
-    C{service_tier} and hosted tools (L{KeyPolicy.priceRefusal});
- 5. token and money budgets -> 429 C{insufficient_quota}, close 1013:
-    R108, a reservation of the turn's estimate (L{KeyPolicy.estimate},
+    C{service_tier} and hosted tools (L{KeyPolicy.priceRefusal}); in-band
+    on a WebSocket (R113);
+ 5. token and money budgets -> 429 C{insufficient_quota}, in-band on a
+    WebSocket with the budget's reset time (R113): R108, a reservation of
+    the turn's estimate (L{KeyPolicy.estimate},
     L{relay.usage.ledger.UsageLedger.reserve});
  6. C{rpm} / C{tpm} (L{relay.tenants.ratelimit}, sliding 60 s) -> 429
     C{rate_limit_exceeded} with C{Retry-After} (whole seconds),
     C{retry-after-ms}, and OpenAI's C{x-ratelimit-limit-requests},
     C{-remaining-requests}, C{-reset-requests} and the C{-tokens}
-    variants, so an OpenAI SDK backs off by itself; close 1013.
+    variants, so an OpenAI SDK backs off by itself; in-band on a WebSocket
+    with the window's reset time (R113). The front door waits for the
+    window first when the wait fits (L{relay.frontdoor.keychecks}).
 
 Account groups (C{accounts:} or C{group:} on the key, C{groups:} at the top)
 are not a refusal: L{KeyPolicy.allowedAccounts} is put on the turn
@@ -134,7 +138,16 @@ def isPrewarm(turn) -> bool:
     return turn.entrypoint == "ws" and turn.body.get("generate") is False
 
 
-def _rateError(key: ClientKey, decision, model: Optional[str]) -> ClientError:
+def _rateError(key: ClientKey, decision, model: Optional[str],
+               now: Optional[float] = None) -> ClientError:
+    """
+    The 429 of a key's C{rpm}/C{tpm} window (R102), answered in-band on a
+    WebSocket (R113).
+
+    @param decision: the refusing L{relay.tenants.ratelimit.RateDecision}.
+    @param now: Unix seconds, to set C{resetsAt} (when the window lets a
+        turn start); L{None} leaves it unset.
+    """
     if decision.refusedBy == "rpm":
         what, limit, used = "requests per min (RPM)", decision.rpm, decision.requests
     else:
@@ -147,7 +160,8 @@ def _rateError(key: ClientKey, decision, model: Optional[str]) -> ClientError:
     reason = f"rate limit {decision.refusedBy} {limit} reached; retry in {formatReset(wait)}"
     return ClientError(
         429, "rate_limit_error", message, code="rate_limit_exceeded",
-        headers=rateLimitHeaders(decision), wsClose=(1013, reason),
+        headers=rateLimitHeaders(decision), wsClose=(1013, reason), wsInband=True,
+        resetsAt=None if now is None else now + wait,
     )
 
 
@@ -163,7 +177,7 @@ def notPriced(key: ClientKey, param: str, what: str) -> ClientError:
         403, "invalid_request_error",
         f"The key {key.name!r} has a money budget and {what} has no price, so its cost"
         " cannot be counted; the operator can add it under prices: (or set prices.default).",
-        code="model_not_priced", param=param, wsClose=(1008, MODEL_CLOSE),
+        code="model_not_priced", param=param, wsClose=(1008, MODEL_CLOSE), wsInband=True,
     )
 
 
@@ -308,6 +322,7 @@ class KeyPolicy:
                 403, "invalid_request_error",
                 f"The key {key.name!r} does not have access to model `{model}` ({detail}).",
                 code="model_not_found", param="model", wsClose=(1008, MODEL_CLOSE),
+                wsInband=True,
             )
         if (key.daily_usd is not None or key.monthly_usd is not None) and not self._priced(
             model, self.reachable(key, self.live.accounts)
@@ -420,7 +435,7 @@ class KeyPolicy:
             )
         if decision.allowed:
             return None
-        error = _rateError(key, decision, turn.model)
+        error = _rateError(key, decision, turn.model, self.clock.seconds())
         self._log.info(
             "key {key_name} over its {limit}: {message}",
             event="relay.key_rate_limited", key_name=key.name, limit=decision.refusedBy,

@@ -54,7 +54,9 @@ def budgetError(keyName: str, budget: str, limit, used, resetsAt: float,
                 now: float) -> ClientError:
     """
     The 429 a key gets once its token budget is spent: the message names the
-    budget and when it resets; C{Retry-After} is the seconds until then.
+    budget and when it resets; C{Retry-After} is the seconds until then. On
+    an open WebSocket it is answered in-band with its reset time
+    (C{wsInband}, C{resetsAt}; behaviour.md R113).
 
     @param keyName: the client key's name (never its secret).
     @param budget: C{daily_tokens}, C{monthly_tokens}, C{daily_usd} or
@@ -87,6 +89,8 @@ def budgetError(keyName: str, budget: str, limit, used, resetsAt: float,
         code="insufficient_quota",
         headers=(("Retry-After", str(wait)),),
         wsClose=(1013, reason),
+        wsInband=True,
+        resetsAt=resetsAt,
     )
 
 

@@ -80,8 +80,9 @@ async def test_money_budget_holds_under_40_parallel_turns():
     40 HTTP turns and then 40 WebSocket turns start at once, each on a
     key with C{daily_usd: 0.0005}: every key ends within its budget plus
     one turn's settled cost (charged after the fact they spent 5.5x), and
-    the refused turns got 429 C{insufficient_quota} (WebSocket: close
-    1013) without reaching the emulator.
+    the refused turns got 429 C{insufficient_quota} (WebSocket: the
+    in-band 429 event, R113; it used to close 1013) without reaching the
+    emulator.
     """
     s = await stack([keyEntry("http", daily_usd=BUDGET), keyEntry("ws", daily_usd=BUDGET)])
     clients = []
@@ -102,7 +103,8 @@ async def test_money_budget_holds_under_40_parallel_turns():
         clients = [c for _, _, c in results]
         served = [r for code, r, _ in results if code == 200]
         refusedCodes = {code for code, _, _ in results if code != 200}
-        assert served and refusedCodes == {1013}, [r[:2] for r in results]
+        assert served and refusedCodes == {429}, [r[:2] for r in results]
+        assert all(c.closeInfo is None for _, r, c in results if r and r.get("status") == 429)
         most = max(turnCost(r) for r in served)
         assert spent(s, "ws") <= BUDGET * 1e9 + most, (spent(s, "ws"), most)
     finally:
@@ -115,7 +117,9 @@ async def test_mapped_unpriced_model_refused_before_dialling():
     The client's C{gpt-5.4-nano} has a price but the account serves it as
     an unpriced fine-tune: a key with a money budget is refused 403
     C{model_not_priced} naming the served model, and the emulator sees no
-    request (over HTTP and the WebSocket); a key without one is served.
+    request (over HTTP and the WebSocket, where it is an in-band event and
+    the socket stays open, R113; it used to close 1008); a key without one
+    is served.
     """
     accounts = [{"id": "ft", "credential": "sk-ft", "concurrency": 0,
                  "model_mapping": {"gpt-5.4-nano": "ft:gpt-4.1:org::1"}}]
@@ -131,7 +135,9 @@ async def test_mapped_unpriced_model_refused_before_dialling():
         client = await connect(s, key="sk-money")
         clients.append(client)
         events = await client.turn(dict(body, type="response.create"), timeout=10)
-        assert events[-1]["type"] == "__closed__" and events[-1]["code"] == 1008, events
+        assert (events[-1]["type"], events[-1]["status"], events[-1]["error"]["code"]) == (
+            "error", 403, "model_not_priced"), events
+        assert client.closeInfo is None
         assert s.emulator.requestsFor("sk-ft") == []
         response, _ = await s.postJSON("/v1/responses", body, key="sk-free")
         assert response.code == 200

@@ -61,11 +61,11 @@ def keyEntry(name: str, **policy) -> dict:
     return dict({"name": name, "key": "sk-" + name, "concurrency": 0}, **policy)
 
 
-async def tenantsStack(keys, extra="", accounts=ACCOUNTS, emulatorConfig=None):
+async def tenantsStack(keys, extra="", accounts=ACCOUNTS, emulatorConfig=None, gateway="{}"):
     return await startStack(
         accounts, keys=json.dumps(keys),
         emulatorConfig=emulatorConfig or {"default_script": {"usage": PINNED}},
-        extra=f"admin_key: {ADMIN}\n{extra}",
+        extra=f"admin_key: {ADMIN}\n{extra}", gateway=gateway,
     )
 
 
@@ -119,6 +119,9 @@ class Driver:
             return ("ok", None, "")
         if last["type"] == "__closed__":
             return ("refused", last["code"], last["reason"])
+        if last["type"] == "error":
+            # R113: a key's own limit, in-band; the socket stays open
+            return ("refused", last.get("status"), last["error"]["message"])
         return ("refused", last.get("status"), json.dumps(last)[:200])
 
     async def close(self):
@@ -131,10 +134,12 @@ async def test_each_policy_refuses_exactly_when_it_should():
     Per entrypoint (HTTP SSE, JSON, chat; WebSocket ctx_pool, passthrough,
     http_bridge) and per policy, with one key each so the counts are its
     own: C{rpm: 2} and C{tpm: 200} (150 tokens a turn) admit two turns and
-    refuse the third (429 / close 1013); C{daily_usd} of 1.5 turns' cost
-    admits two and refuses the third (429 insufficient_quota / close 1013);
-    a model outside C{models} is refused at once (403 / close 1008). The
-    WebSocket turns of one key run on one open socket.
+    refuse the third (429, the window ~60 s away being more than
+    C{fallback_wait_timeout}); C{daily_usd} of 1.5 turns' cost admits two
+    and refuses the third (429 insufficient_quota); a model outside
+    C{models} is refused at once (403). The WebSocket turns of one key run
+    on one open socket, and R113 keeps it open after a refusal (the
+    WebSocket used to close 1013 / 1008).
     """
     keys = []
     for entry, model in ENTRYPOINTS.items():
@@ -153,20 +158,56 @@ async def test_each_policy_refuses_exactly_when_it_should():
                 seen[name] = results
                 assert [r[0] for r in results] == ["ok", "ok", "refused"], (name, results)
                 code = results[2][1]
-                assert code == (1013 if ws else 429), (name, results[2])
+                assert code == 429, (name, results[2])
+                if ws:
+                    assert driver.sockets[(entry, "sk-" + name)].closeInfo is None, name
             results = [await driver.turn(entry, f"model-{entry}")]
-            assert results[0][:2] == ("refused", 1008 if ws else 403), (entry, results)
-            assert "gpt-5.4" in results[0][2] or ws, results
+            assert results[0][:2] == ("refused", 403), (entry, results)
+            assert "gpt-5.4" in results[0][2], results
+            if ws:
+                assert driver.sockets[(entry, f"sk-model-{entry}")].closeInfo is None, entry
         assert "requests per min (RPM): Limit 2" in seen["rpm-http_sse"][2][2]
         assert "tokens per min (TPM): Limit 200" in seen["tpm-chat"][2][2]
         assert "daily_usd" in seen["usd-http_json"][2][2]
-        assert seen["rpm-ws_passthrough"][2][2].startswith("rate limit rpm 2 reached")
-        assert seen["usd-ws_http_bridge"][2][2].startswith("money budget daily_usd exhausted")
+        assert "requests per min (RPM): Limit 2" in seen["rpm-ws_passthrough"][2][2]
+        assert "daily_usd" in seen["usd-ws_http_bridge"][2][2]
         # Refused turns never reached an account.
         served = sum(len(stack.emulator.requestsFor(c)) for c in ("sk-api", "sk-pass", "sk-bridge"))
         assert served >= 6 * 3 * 2
     finally:
         await driver.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_refused_socket_serves_the_next_response_create():
+    """
+    R113: in every mode a refused C{response.create} (a model outside the
+    key's C{models}; in C{http_bridge} a prewarm too) leaves the socket
+    open, and its next C{response.create} with an allowed model completes
+    on the same socket.
+    """
+    models = {"ws_ctx_pool": "gpt-5.5", "ws_passthrough": "gpt-4.1",
+              "ws_http_bridge": "gpt-5.4-mini"}
+    stack = await tenantsStack([keyEntry(f"one-{e}", models=[m]) for e, m in models.items()])
+    clients = []
+    try:
+        for entry, model in models.items():
+            other = next(m for m in models.values() if m != model)
+            client = await connect(stack, key=f"sk-one-{entry}")
+            clients.append(client)
+            frames = [{"type": "response.create", "model": other, "input": "hi"}]
+            if entry == "ws_http_bridge":
+                frames.append({"type": "response.create", "model": other, "generate": False})
+            for frame in frames:
+                events = await client.turn(frame, timeout=10)
+                assert (events[-1]["type"], events[-1].get("status")) == ("error", 403), events
+                assert events[-1]["error"]["code"] == "model_not_found"
+                assert client.closeInfo is None, (entry, client.closeInfo)
+            events = await client.turn({"type": "response.create", "model": model,
+                                        "input": "hi"}, timeout=10)
+            assert events[-1]["type"] == "response.completed", (entry, events)
+    finally:
+        await drain(stack, clients)
 
 
 @pytest_twisted.ensureDeferred
@@ -298,9 +339,11 @@ async def test_sdk_retry_honours_retry_after():
     relay's 429 says C{Retry-After: 3} (and C{retry-after-ms}); the SDK
     waits that long -- not its own half-second backoff -- and its retry
     succeeds. Without retries the SDK raises C{RateLimitError} carrying
-    relay's headers.
+    relay's headers. (With C{fallback_wait_timeout: 1}: relay itself waits
+    for a window that frees sooner, R113, L{test_http_waits_for_the_window}.)
     """
-    stack = await tenantsStack([keyEntry("sdk", rpm=1)])
+    stack = await tenantsStack([keyEntry("sdk", rpm=1)],
+                               gateway="{scheduling: {fallback_wait_timeout: 1}}")
     limiter = stack.app.extras["rateLimiter"]
     port = stack.port.getHost().port
     try:
@@ -330,6 +373,50 @@ async def test_sdk_retry_honours_retry_after():
         assert 1.9 <= elapsed < 10, elapsed
         records = (await adminGet(stack, "requests?key=sdk"))["requests"]
         assert [r["status"] for r in records][:2] == [200, 429]
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_http_waits_for_the_window():
+    """
+    R113: a key at its C{rpm} whose window frees in 3 s, less than
+    C{fallback_wait_timeout} (30 s): relay waits and serves the request,
+    no 429: a stream is kept alive meanwhile (SSE comments first), the
+    real SDK without retries gets its answer after about 3 s.
+    """
+    stack = await tenantsStack([keyEntry("wait", rpm=1)],
+                               gateway="{stream_keepalive_interval: 1}")
+    limiter = stack.app.extras["rateLimiter"]
+    port = stack.port.getHost().port
+
+    def full():
+        # the key's one request of this minute was made 57 s ago
+        limiter._requests["wait"] = __import__("collections").deque([reactor.seconds() - 57])
+
+    try:
+        full()
+        started = time.monotonic()
+        response, data = await stack.postJSON(
+            "/v1/responses", {"model": "gpt-5.5", "input": "hi", "stream": True}, key="sk-wait")
+        assert response.code == 200
+        assert 2 <= time.monotonic() - started < 10
+        assert data.startswith(b":"), data[:40]  # keepalives while it waited
+        assert sseEvents(data)[-1][0] == "response.completed", data[-300:]
+
+        def call():
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-wait",
+                                   max_retries=0, timeout=20.0)
+            started = time.monotonic()
+            return client.responses.create(model="gpt-5.5", input="hi"), \
+                time.monotonic() - started
+
+        full()
+        response, elapsed = await deferToThread(call)
+        assert response.status == "completed", response
+        assert 2 <= elapsed < 10, elapsed
+        records = (await adminGet(stack, "requests?key=wait"))["requests"]
+        assert [r["status"] for r in records][:2] == [200, 200]
     finally:
         await stack.stop()
 

@@ -246,11 +246,13 @@ async def test_incomplete_is_forwarded_unchanged_and_counted():
 
 
 @pytest_twisted.ensureDeferred
-async def test_budget_429_with_reset_on_http_and_close_on_ws():
+async def test_budget_429_with_reset_on_http_and_in_band_on_ws():
     """
     Once C{daily_tokens} is reached: HTTP 429 before any upstream request,
     the message naming the budget and its UTC reset, C{Retry-After}; the
-    WebSocket turn closes 1013 with the same reason; another key goes on.
+    WebSocket turn gets the in-band 429 event with the same message and the
+    reset time, and the socket stays open (R113; it used to close 1013);
+    another key goes on.
     """
     keys = json.dumps([{"name": "capped", "key": RELAY_KEY, "concurrency": 0,
                         "daily_tokens": 200},
@@ -281,11 +283,17 @@ async def test_budget_429_with_reset_on_http_and_close_on_ws():
         factory.protocol = _Client
         client = await TCP4ClientEndpoint(reactor, "127.0.0.1", port).connect(factory)
         await client.opened.addTimeout(5, reactor)
-        events = await client.turn({"type": "response.create", "model": "gpt-5.5",
-                                    "input": "hi"})
-        assert events[-1]["type"] == "__closed__"
-        assert events[-1]["code"] == 1013
-        assert "daily_tokens" in events[-1]["reason"]
+        for _ in range(2):
+            events = await client.turn({"type": "response.create", "model": "gpt-5.5",
+                                        "input": "hi"})
+            event = events[-1]
+            assert (event["type"], event["status"], event["error"]["type"]) == (
+                "error", 429, "usage_limit_reached"), events
+            assert "daily_tokens is 200" in event["headers"]["x-codex-promo-message"]
+            assert event["error"]["resets_at"] % 86400 == 0
+            assert 0 < event["error"]["resets_in_seconds"] <= 86400
+            assert client.closeInfo is None
+        client.bye()
 
         response, _ = await stack.postJSON("/v1/responses", {"model": "gpt-5.5", "input": "hi"},
                                            key="sk-relay-free")
