@@ -748,6 +748,10 @@ class Turn:
     """R109: hosted tool -> calls seen in the answer's items, for a key with
     a money budget whose request offers one (L{relay.usage.reader.HostedCallWatch});
     else L{None}."""
+    keyLimits: Any = None
+    """R114: the key's own windows (L{relay.tenants.keyusage.KeyLimits}) that
+    replace an account's rate-limit headers and C{codex.rate_limits} events
+    on this turn; L{None} until read (or without a reader)."""
 
 
 # ---------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from twisted.logger import Logger
 from twisted.web.server import NOT_DONE_YET
 
 from relay.base.clienterrors import previousResponseNotFound
+from relay.entry.keylimits import handshakeHeaders
 from relay.entry.annotate import annotateTurn
 from relay.entry.http import UNAUTHORIZED, filterClientHeaders
 from relay.entry.sinks import errorBody, writeError
@@ -274,8 +275,8 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             raise
         answer = {"X-Request-Id": self._requestId}
         if self._key is not None and any(headers.get(h) for h in SESSION_HEADERS):
-            return self._withTurnState(headers, answer)
-        return (None, answer)
+            return handshakeHeaders(f.runner, self._key, self._withTurnState(headers, answer))
+        return handshakeHeaders(f.runner, self._key, (None, answer))  # R114
 
     def _withTurnState(self, headers: dict, answer: dict):
         """
