@@ -145,6 +145,9 @@ class Account:
     @ivar last_refresh: OAuth only: when the configured tokens were last
         refreshed (Unix seconds, e.g. Codex C{auth.json}'s C{last_refresh}),
         or L{None}.
+    @ivar auto_redeem_resets: OAuth only: relay redeems one of the login's
+        banked resets itself when its window is spent and no other account
+        of its group can serve (L{relay.oauth.resets}; protocol.md 7.3a).
     @ivar token_source: where the configured tokens came from, for the
         admin view: C{config}, C{env} or C{auth_file:PATH} (no secrets).
     """
@@ -168,6 +171,7 @@ class Account:
     auth_base_url: Optional[str] = None
     last_refresh: Optional[float] = None
     token_source: Optional[str] = None
+    auto_redeem_resets: bool = False
 
     def upstreamModel(self, requested: str) -> str:
         """

@@ -891,6 +891,7 @@ def _controlSurface(app: RelayApplication, admin, view, redis):
     from relay.control.assemble import assembleControl
 
     parts = assembleControl(app, admin, view, redis)
+    view.resets = parts.resets
     app.extras["controlParts"] = parts
     if redis is not None and hasattr(redis, "unreachableListeners"):
         # R101 with R105: a silent Redis ends the first read's wait at once.
