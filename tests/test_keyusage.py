@@ -142,3 +142,22 @@ class KeyUsageTests(SynchronousTestCase):
         self.assertEqual(limits.secondary.usedPercent, 50.0 / 3)
         budgeted = self.limits(usage, ClientKey(name="k", key="sk-k", daily_tokens=10))
         self.assertEqual([w.name for w in budgeted.windows], ["daily_tokens"])
+
+
+class ErrorEventTests(SynchronousTestCase):
+    def test_account_windows_dropped_from_a_passed_error(self):
+        """
+        R114: an upstream C{error} event passed on keeps its other headers
+        but loses the account's C{x-codex-*} ones.
+        """
+        import json
+
+        from relay.engine.pump import withoutAccountWindows
+        from relay.wire.sse import Event
+
+        data = json.dumps({"type": "error", "status": 429, "error": {"type": "usage_limit_reached"},
+                           "headers": {"x-codex-primary-used-percent": "100",
+                                       "X-Codex-Plan-Type": "plus", "retry-after": "60"}})
+        event = withoutAccountWindows(Event(b"error", data.encode()))
+        self.assertEqual(event.json()["headers"], {"retry-after": "60"})
+        self.assertEqual(event.json()["error"], {"type": "usage_limit_reached"})

@@ -507,6 +507,8 @@ class StreamPump(Protocol):
             event = keyLimitsEvent(self._turn)  # R114: never an account's windows
             if event is None:
                 return
+        elif event.type == b"error" and b"x-codex-" in event.data:
+            event = withoutAccountWindows(event)
         if self._batch is not None:
             self._batch.append(event.raw)
             return
@@ -772,6 +774,20 @@ def keyLimitsEvent(turn):
     if event is None:
         return None
     return Event(RATE_LIMITS, dumpsRecord(event).encode(), None)
+
+
+def withoutAccountWindows(event):
+    """
+    R114: an upstream C{error} event passed on carries its headers in a
+    C{headers} object (protocol.md 7.3); the account's C{x-codex-*} ones
+    are dropped from it.
+    """
+    data = event.json()
+    headers = data.get("headers")
+    if not isinstance(headers, dict):
+        return event
+    data["headers"] = {k: v for k, v in headers.items() if not k.lower().startswith("x-codex-")}
+    return Event(event.type, dumpsRecord(data).encode(), None)
 
 
 def modelRewriter(requested: Optional[str], upstream: Optional[str]) -> Optional[Callable]:
