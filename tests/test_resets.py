@@ -47,9 +47,12 @@ class _Reply:
 class _Egress:
     def __init__(self):
         self.calls = []
+        self.count = 0
 
     def request(self, proxy, method, url, headers, body, timeout):
         self.calls.append((method, url, json.loads(body) if body else None))
+        if method == "GET":
+            return succeed(_Reply({"available_count": self.count, "credits": []}))
         return succeed(_Reply({"code": "reset", "windows_reset": 1}))
 
 
@@ -167,10 +170,27 @@ class AutoRedeemTests(SynchronousTestCase):
         fresh.available["b"] = 3
         self.successResultOf(fresh.tick())
         none = self.resets(oauth("c"))
+        none.available["c"] = 0
         self.spend("c")
         self.successResultOf(none.tick())
         self.assertEqual(self.egress.calls, [])
         self.assertEqual(self.cleared, [])
+
+    def test_unknown_count_is_asked_first(self):
+        """
+        A spent account whose count was never heard (not probed while it
+        cools down) is asked for its credits, then redeemed if it has one.
+        """
+        resets = self.resets(oauth("a"))
+        self.spend("a")
+        self.successResultOf(resets.tick())
+        self.assertEqual([m for m, _, _ in self.egress.calls], ["GET"])
+        self.assertEqual(resets.available["a"], 0)
+        self.egress.count = 1
+        del resets.available["a"]
+        self.clock.advance(5)
+        self.successResultOf(resets.tick())
+        self.assertEqual([m for m, _, _ in self.egress.calls], ["GET", "GET", "POST"])
 
     def test_note_reads_the_usage_answer_and_the_list(self):
         """

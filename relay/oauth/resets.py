@@ -18,8 +18,9 @@ optionally redeemed by relay itself.
     when its window is spent (a window at 100 % that has not reset, or a
     cooldown of the account) and no other account of its group can serve
     (each is spent, cooling down or paused; without a group, the other
-    accounts of the pool), and it has a credit left. Never more than one
-    redeem in flight per account.
+    accounts of the pool), and it has a credit left (a count never heard
+    is asked for first: a cooling account is not probed). Never more than
+    one redeem in flight per account.
 
 Every call goes through the account's egress proxy (behaviour.md R97)
 with its current bearer and C{chatgpt-account-id}.
@@ -211,7 +212,7 @@ class BankedResets:
     async def _tick(self) -> None:
         accounts = list(self.accounts)
         wanting = [a for a in accounts if a.type == "oauth" and a.auto_redeem_resets
-                   and self.available.get(a.id, 0) > 0 and a.id not in self._inflight]
+                   and self.available.get(a.id, 1) > 0 and a.id not in self._inflight]
         if not wanting:
             return
         now = self._clock.seconds()
@@ -223,6 +224,11 @@ class BankedResets:
             if any(not self._paused(a.id) and not self._spent(a, states, now) for a in others):
                 continue
             try:
+                if account.id not in self.available:
+                    # Never heard (a cooling account is not probed): ask.
+                    await self.list(account.id)
+                    if not self.available.get(account.id):
+                        continue
                 await self.redeem(account.id, by="auto")
             except RedeemError as e:
                 self._log.info("automatic redeem of {account_id} failed: {error}",
