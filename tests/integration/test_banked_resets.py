@@ -74,3 +74,35 @@ async def test_operator_redeems_a_banked_reset():
         await r.content()
     finally:
         await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_relay_redeems_by_itself_when_the_pool_is_spent():
+    """
+    C{auto_redeem_resets: true} on one of two accounts: once both are
+    spent, relay's own tick asks for its banked resets and redeems one;
+    the account serves again without an operator. Its neighbour without
+    the option keeps its credit.
+    """
+    config = emulatorConfig(("o1", "o2"), usage={"primary_used_percent": 100,
+                                                  "reset_credits": 1})
+    stack = await oauthStack(lambda e: [oauthAccount(e, "o1", auto_redeem_resets=True),
+                                        oauthAccount(e, "o2")], config=config,
+                             names=("o1", "o2"))
+    try:
+        for name in ("o1", "o2"):
+            await stack.app.store.markAccount(name, "rate_limited", reactor.seconds() + 3600,
+                                              "usage_limit_reached")
+        # The control service runs this every 5 s (the harness starts no
+        # services): one tick.
+        await stack.app.extras["controlParts"].resets.tick()
+        assert stack.emulator.oauth.wham("oauth:o1")["rate_limit_reset_credits"] == {
+            "available_count": 0}
+        assert stack.emulator.oauth.wham("oauth:o2")["rate_limit_reset_credits"] == {
+            "available_count": 1}
+        view = await accountsView(stack)
+        assert view["o1"]["schedulable"] and not view["o2"]["schedulable"], view
+        code, events = await streamTurn(stack)
+        assert code == 200 and events[-1][0] == "response.completed", events
+    finally:
+        await stack.stop()
