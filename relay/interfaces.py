@@ -1439,3 +1439,18 @@ class IAttempt(Interface):
             (called before a terminal event is written).
         @return: a Deferred firing with a L{relay.engine.pump.AttemptResult}.
         """
+
+
+class IKeyUsage(Interface):
+    """
+    A client key's own windows, shown where Codex looks for an account's
+    (behaviour.md R114; L{relay.tenants.keyusage.KeyUsage}).
+    """
+
+    def limits(key):
+        """
+        @param key: the L{relay.base.records.ClientKey}.
+        @return: a coroutine giving its L{relay.tenants.keyusage.KeyLimits}
+            (windows shortest first: percent used, length in seconds, reset
+            time in Unix seconds).
+        """

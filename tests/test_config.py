@@ -737,6 +737,30 @@ class CredentialErrorTests(SynchronousTestCase, ConfigErrorAssertions):
             "accounts[0].api_key: only allowed on an apikey account",
         )
 
+    def test_autoRedeemResets(self):
+        """
+        C{accounts[].auto_redeem_resets} (protocol.md 7.3a) is off by
+        default, a boolean, and only for an oauth account.
+        """
+        config = parse(
+            """
+            accounts:
+              - {id: o1, type: oauth, access_token: t1, chatgpt_account_id: c}
+              - {id: o2, type: oauth, access_token: t2, chatgpt_account_id: c,
+                 auto_redeem_resets: true}
+            """
+        )
+        self.assertEqual([a.auto_redeem_resets for a in config.accounts], [False, True])
+        self.assertConfigError(
+            "accounts: [{id: o1, type: oauth, access_token: t1, chatgpt_account_id: c,"
+            " auto_redeem_resets: sometimes}]",
+            "accounts[0].auto_redeem_resets: expected true or false",
+        )
+        self.assertConfigError(
+            "accounts: [{id: a1, type: apikey, api_key: k1, auto_redeem_resets: true}]",
+            "accounts[0].auto_redeem_resets: only allowed on an oauth account",
+        )
+
     def test_missingIdentity(self):
         """
         id, type and name are required.

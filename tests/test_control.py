@@ -179,6 +179,12 @@ class AddAccountTests(ControlFixture, SynchronousTestCase):
         for secret in (access, "rt-secret-o1", idToken):
             self.assertNotIn(secret, self.lastRaw.decode())
         self.assertTrue(self.app.extras["credentials"].hasAccount("o1"))
+        # Protocol.md 7.3a: an admin OAuth account may redeem its banked
+        # resets by itself (off by default).
+        self.assertFalse(self.app.live.accounts.byId("o1").auto_redeem_resets)
+        status, body = self.call(b"PATCH", "accounts/o1", {"auto_redeem_resets": True})
+        self.assertEqual(status, 200, body)
+        self.assertTrue(self.app.live.accounts.byId("o1").auto_redeem_resets)
         status, body = self.call(b"POST", "accounts", {
             "id": "o2", "type": "oauth", "auth_json": {"tokens": {
                 "access_token": oauthToken("acct-88"), "refresh_token": "rt-secret-o2"}}})

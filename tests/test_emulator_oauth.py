@@ -111,6 +111,41 @@ class AuthorityTests(SynchronousTestCase):
         self.assertTrue(wham["rate_limit"]["limit_reached"])
         self.assertEqual(self.authority.usageHeaders("sk-none"), {})
 
+    def test_reset_credits(self):
+        """
+        Protocol.md 7.3a: banked resets are listed and counted in
+        C{wham/usage}; consuming one restarts both windows at 0 % now and
+        spends one credit; the same request id again is C{already_redeemed},
+        unused windows C{nothing_to_reset}, none left C{no_credit}.
+        """
+        self.authority.setUsage("oauth:o1", {"primary_used_percent": 100,
+                                             "secondary_used_percent": 40, "reset_credits": 2})
+        listed = self.authority.resetCredits("oauth:o1")
+        self.assertEqual(listed["available_count"], 2)
+        self.assertEqual([c["id"] for c in listed["credits"]], ["rc-1", "rc-2"])
+        self.assertEqual(listed["credits"][0]["status"], "available")
+        wham = self.authority.wham("oauth:o1")
+        self.assertEqual(wham["rate_limit_reset_credits"], {"available_count": 2})
+        self.assertTrue(wham["rate_limit"]["limit_reached"])
+        self.assertIsNone(self.authority.consumeReset("oauth:o1", {}))
+        self.clock.advance(600)
+        self.assertEqual(self.authority.consumeReset("oauth:o1", {"redeem_request_id": "r1"}),
+                         {"code": "reset", "windows_reset": 2})
+        wham = self.authority.wham("oauth:o1")
+        self.assertFalse(wham["rate_limit"]["limit_reached"])
+        self.assertEqual(wham["rate_limit"]["primary_window"]["used_percent"], 0)
+        self.assertEqual(wham["rate_limit"]["primary_window"]["reset_at"],
+                         int(NOW + 600 + 300 * 60))
+        self.assertEqual(wham["rate_limit_reset_credits"], {"available_count": 1})
+        self.assertEqual(self.authority.consumeReset("oauth:o1", {"redeem_request_id": "r1"}),
+                         {"code": "already_redeemed", "windows_reset": 0})
+        self.assertEqual(self.authority.consumeReset("oauth:o1", {"redeem_request_id": "r2"}),
+                         {"code": "nothing_to_reset", "windows_reset": 0})
+        self.authority.served("oauth:o1", 1)
+        self.authority.setUsage("oauth:o2", {"primary_used_percent": 50})
+        self.assertEqual(self.authority.consumeReset("oauth:o2", {"redeem_request_id": "r3"}),
+                         {"code": "no_credit", "windows_reset": 0})
+
 
 class ConfigTests(SynchronousTestCase):
     """

@@ -145,6 +145,9 @@ class Account:
     @ivar last_refresh: OAuth only: when the configured tokens were last
         refreshed (Unix seconds, e.g. Codex C{auth.json}'s C{last_refresh}),
         or L{None}.
+    @ivar auto_redeem_resets: OAuth only: relay redeems one of the login's
+        banked resets itself when its window is spent and no other account
+        of its group can serve (L{relay.oauth.resets}; protocol.md 7.3a).
     @ivar token_source: where the configured tokens came from, for the
         admin view: C{config}, C{env} or C{auth_file:PATH} (no secrets).
     """
@@ -168,6 +171,7 @@ class Account:
     auth_base_url: Optional[str] = None
     last_refresh: Optional[float] = None
     token_source: Optional[str] = None
+    auto_redeem_resets: bool = False
 
     def upstreamModel(self, requested: str) -> str:
         """
@@ -748,6 +752,10 @@ class Turn:
     """R109: hosted tool -> calls seen in the answer's items, for a key with
     a money budget whose request offers one (L{relay.usage.reader.HostedCallWatch});
     else L{None}."""
+    keyLimits: Any = None
+    """R114: the key's own windows (L{relay.tenants.keyusage.KeyLimits}) that
+    replace an account's rate-limit headers and C{codex.rate_limits} events
+    on this turn; L{None} until read (or without a reader)."""
 
 
 # ---------------------------------------------------------------------------

@@ -697,6 +697,7 @@ ACCOUNT_FIELDS: Dict[str, Validator] = {
     "auth_file": _string,
     "auth_base_url": _optional(_httpURL),
     "chatgpt_account_id": _string,
+    "auto_redeem_resets": _boolean,
     "concurrency": _integer(0),
     "priority": _integer(),
     "models": _optional(_stringTuple),
@@ -1088,6 +1089,7 @@ def _accountFrom(
 _OAUTH_ONLY = (
     "access_token", "access_token_env", "chatgpt_account_id", "refresh_token",
     "refresh_token_env", "id_token", "id_token_env", "auth_file", "auth_base_url",
+    "auto_redeem_resets",
 )
 """Account keys that only an oauth account may have."""
 

@@ -50,6 +50,9 @@ class OperatorView:
     credentials: object = None
     quota: object = None
     control: object = None
+    resets: object = None
+    """The L{relay.oauth.resets.BankedResets} (each login's banked resets,
+    protocol.md 7.3a), set with the control plane; or L{None}."""
     slots: dict = field(factory=dict)
     _log = Logger()
 
@@ -129,6 +132,8 @@ class OperatorView:
                     "proxy_id": proxyId,
                     "proxy_state": proxy,
                     "usage": self.quota.view(account.id) if self.quota is not None else None,
+                    "banked_resets": self.resets.available.get(account.id)
+                    if self.resets is not None and account.type == "oauth" else None,
                 }
             )
             if self.credentials is not None:

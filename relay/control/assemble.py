@@ -78,7 +78,7 @@ class ControlService(MultiService):
     usage probe tick); on stop, ends the device polls and the feed.
     """
 
-    def __init__(self, plane, logins, probe, clock):
+    def __init__(self, plane, logins, probe, clock, resets=None):
         super().__init__()
         from relay.oauth.usageprobe import PROBE_TICK_SECONDS
         from relay.console.view import periodic
@@ -90,6 +90,10 @@ class ControlService(MultiService):
                  clock).setServiceParent(self)
         if probe is not None:
             periodic(PROBE_TICK_SECONDS, probe.tick, clock).setServiceParent(self)
+        if resets is not None:
+            from relay.oauth.resets import TICK_SECONDS
+
+            periodic(TICK_SECONDS, resets.tick, clock).setServiceParent(self)
 
     def startService(self) -> None:
         """
@@ -126,6 +130,7 @@ class ControlParts:
     keys: Any = None
     groups: Any = None
     prices: Any = None
+    resets: Any = None
 
 
 def assembleControl(app, admin, view, redis) -> ControlParts:
@@ -143,6 +148,7 @@ def assembleControl(app, admin, view, redis) -> ControlParts:
     from twisted.web.client import BrowserLikePolicyForHTTPS
 
     from relay.oauth.egress import EgressClient
+    from relay.oauth.resets import BankedResets
     from relay.oauth.usageprobe import UsageProbe
 
     reactor, config = app.reactor, app.config
@@ -162,6 +168,11 @@ def assembleControl(app, admin, view, redis) -> ControlParts:
     probe = UsageProbe(clock=reactor, accounts=app.live.accounts, credentials=credentials,
                        quota=app.extras["quota"], egress=egress, settings=app.settings,
                        store=app.store, paused=plane.isPaused)
+    resets = BankedResets(clock=reactor, accounts=app.live.accounts, credentials=credentials,
+                          egress=egress, quota=app.extras["quota"], store=app.store,
+                          clear=app.runner.bookkeeping.clear, reprobe=probe.probe,
+                          paused=plane.isPaused, groups=lambda: _groups(app, plane))
+    probe.resets = resets
     # Keys, groups and prices.
     keys = KeyService(plane=plane, clock=reactor, usage=app.extras.get("usage"))
     groups = GroupService(plane=plane, clock=reactor)
@@ -171,7 +182,8 @@ def assembleControl(app, admin, view, redis) -> ControlParts:
         readiness.addCheck("control", lambda: plane.ready)
     adminKey = app.live.adminKey
     routes = {
-        b"accounts": AccountsResource(adminKey, accounts, admin.route(b"accounts"), logins),
+        b"accounts": AccountsResource(adminKey, accounts, admin.route(b"accounts"), logins,
+                                      resets),
         b"logins": LoginsResource(adminKey, logins),
         b"audit": AuditResource(adminKey, audit, reactor),
         b"keys": KeysResource(adminKey, keys),
@@ -179,7 +191,19 @@ def assembleControl(app, admin, view, redis) -> ControlParts:
         b"prices": PricesResource(adminKey, prices),
     }
     resource = ControlAdmin(admin, audit, routes)
-    service = ControlService(plane, logins, probe, reactor)
+    service = ControlService(plane, logins, probe, reactor, resets)
     return ControlParts(plane=plane, store=store, accounts=accounts, logins=logins,
                         audit=audit, probe=probe, service=service, resource=resource,
-                        keys=keys, groups=groups, prices=prices)
+                        keys=keys, groups=groups, prices=prices, resets=resets)
+
+
+def _groups(app, plane) -> dict:
+    """
+    @return: group -> account ids, the file's and the admin ones
+        (L{relay.oauth.resets.BankedResets}: "no other account of its
+        group can serve").
+    """
+    groups = dict(getattr(app.live.config, "groups", None) or {})
+    policy = getattr(plane, "keyPolicy", None)
+    groups.update(getattr(policy, "adminGroups", None) or {})
+    return groups

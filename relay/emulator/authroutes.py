@@ -8,6 +8,7 @@ endpoints (protocol.md 7.5, L{relay.emulator.login}).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from twisted.web.server import NOT_DONE_YET
@@ -20,6 +21,12 @@ TOKEN = "/oauth/token"
 
 WHAM_USAGE = "/backend-api/wham/usage"
 """The usage snapshot endpoint (protocol.md 7.4)."""
+
+WHAM_RESETS = "/backend-api/wham/rate-limit-reset-credits"
+"""The banked resets (protocol.md 7.3a)."""
+
+WHAM_CONSUME = WHAM_RESETS + "/consume"
+"""Redeem one banked reset (protocol.md 7.3a)."""
 
 AUTHORIZE = "/oauth/authorize"
 AUTHORIZE_DECISION = "/oauth/authorize/decision"
@@ -116,6 +123,32 @@ class AuthRoutes(Route):
         if not self._state.known(credential):
             return self._resource._json(request, 401, invalidKeyBody())
         return self._resource._json(request, 200, self.emulator.oauth.wham(credential))
+
+    def resets(self, request: Any, consume: bool) -> bytes:
+        """
+        Answer C{GET /backend-api/wham/rate-limit-reset-credits} or C{POST
+        .../consume} (protocol.md 7.3a; L{relay.emulator.oauth.UsageModel}).
+
+        @param consume: the C{POST .../consume}.
+        @rtype: L{bytes}
+        """
+        credential, denied = self._resource._credential(request)
+        raw = request.content.read() if consume and request.content is not None else b""
+        self._resource._record(request, HTTP, "request", credential, None)
+        if denied is not None:
+            return self._resource._json(request, 401, denied)
+        if not self._state.known(credential):
+            return self._resource._json(request, 401, invalidKeyBody())
+        if not consume:
+            return self._resource._json(request, 200, self.emulator.oauth.resetCredits(credential))
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError:
+            body = None
+        answer = self.emulator.oauth.consumeReset(credential, body)
+        if answer is None:
+            return self._resource._json(request, 400, {"detail": "redeem_request_id is required"})
+        return self._resource._json(request, 200, answer)
 
     # -- the login flows (protocol.md 7.5) ----------------------------------------------------
     def _html(self, request: Any, code: int, body: bytes) -> bytes:

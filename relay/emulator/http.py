@@ -27,6 +27,8 @@ from relay.emulator.authroutes import (
     DEVICE_TOKEN,
     DEVICE_USERCODE,
     TOKEN,
+    WHAM_CONSUME,
+    WHAM_RESETS,
     WHAM_USAGE,
     AuthRoutes,
 )
@@ -252,6 +254,8 @@ class EmulatorResource(ResponsesAPIMixin, Resource):
             return self._auth.token(request)
         if path == WHAM_USAGE and method == b"GET":
             return self._auth.wham(request)
+        if (path, method) in ((WHAM_RESETS, b"GET"), (WHAM_CONSUME, b"POST")):
+            return self._auth.resets(request, path == WHAM_CONSUME)
         if path in (AUTHORIZE, AUTHORIZE_DECISION, DEVICE_USERCODE, DEVICE_TOKEN, DEVICE_PAGE):
             return self._auth.login(request, path)
         if path in CHAT and method == b"POST":

@@ -46,6 +46,18 @@ capped at 100): in C{x-codex-*} headers on the OAuth-style HTTP route and
 the WebSocket handshake, in a C{codex.rate_limits} event before each
 WebSocket turn, and from C{GET /backend-api/wham/usage}.
 
+B{Banked resets} (protocol.md 7.3a). C{usage: {reset_credits: N}} gives the
+account N reset credits (ids C{rc-1} .. C{rc-N}). C{GET
+/backend-api/wham/rate-limit-reset-credits} lists those available
+(C{{"available_count", "credits": [{"id", "reset_type", "status",
+"granted_at", "expires_at", "title", "description"}]}}); C{wham/usage}
+carries C{rate_limit_reset_credits: {"available_count"}}. C{POST
+.../rate-limit-reset-credits/consume} with C{{"redeem_request_id",
+"credit_id"?}} answers C{{"code", "windows_reset"}}: C{reset} (one credit
+spent; both windows start afresh at 0 %), C{nothing_to_reset} (no window
+is used), C{no_credit}, or C{already_redeemed} (the same request id again;
+nothing spent).
+
 Control: C{GET /_emulator/oauth} (per account: C{token_requests},
 C{refreshes}, C{reuse_attempts}, C{held}; never a token),
 C{PUT|DELETE /_emulator/oauth/faults/<name>}, C{POST
@@ -141,6 +153,11 @@ class UsageModel:
     secondaryMinutes: int = 10080
     served: int = 0
     start: float = 0.0
+    credits: list = field(factory=list)
+    """Ids of the available reset credits."""
+    grantedAt: float = 0.0
+    redeemed: dict = field(factory=dict)
+    """redeem request id -> the consume answer it got."""
 
     @classmethod
     def parse(cls, spec: Any, now: float) -> "UsageModel":
@@ -151,7 +168,7 @@ class UsageModel:
             raise ValueError("usage must be a mapping")
         known = {"primary_used_percent", "secondary_used_percent", "primary_capacity_tokens",
                  "secondary_capacity_tokens", "primary_window_minutes",
-                 "secondary_window_minutes"}
+                 "secondary_window_minutes", "reset_credits"}
         unknown = set(spec) - known
         if unknown:
             raise ValueError(f"unknown usage keys {sorted(unknown)}")
@@ -166,7 +183,40 @@ class UsageModel:
             primaryMinutes=int(spec.get("primary_window_minutes", 300)),
             secondaryMinutes=int(spec.get("secondary_window_minutes", 10080)),
             start=now,
+            credits=[f"rc-{i}" for i in range(1, int(spec.get("reset_credits", 0)) + 1)],
+            grantedAt=now,
         )
+
+    def creditsBody(self) -> dict:
+        """
+        @return: the C{GET wham/rate-limit-reset-credits} body.
+        """
+        return {"available_count": len(self.credits), "credits": [
+            {"id": credit, "reset_type": "rate_limit", "status": "available",
+             "granted_at": int(self.grantedAt), "expires_at": int(self.grantedAt) + 30 * 86400,
+             "title": "Rate limit reset", "description": "Resets your usage limits once."}
+            for credit in self.credits]}
+
+    def consume(self, requestId: str, creditId: Optional[str], now: float) -> dict:
+        """
+        Redeem one reset credit (see the module docstring).
+
+        @return: the C{POST .../consume} body.
+        """
+        if requestId in self.redeemed:
+            return {"code": "already_redeemed", "windows_reset": 0}
+        if not self.credits or (creditId is not None and creditId not in self.credits):
+            return {"code": "no_credit", "windows_reset": 0}
+        used = [w for w in ("primary", "secondary") if self.percent(w) > 0]
+        if not used:
+            return {"code": "nothing_to_reset", "windows_reset": 0}
+        self.credits.remove(creditId if creditId is not None else self.credits[0])
+        self.primaryBase = self.secondaryBase = 0.0
+        self.served = 0
+        self.start = now
+        answer = {"code": "reset", "windows_reset": len(used)}
+        self.redeemed[requestId] = answer
+        return answer
 
     def percent(self, window: str) -> float:
         """
@@ -225,7 +275,8 @@ class UsageModel:
         limited = any(self.percent(w) >= 100 for w in ("primary", "secondary"))
         return {"plan_type": plan, "rate_limit": dict(windows, allowed=not limited,
                                                       limit_reached=limited),
-                "credits": None}
+                "credits": None,
+                "rate_limit_reset_credits": {"available_count": len(self.credits)}}
 
 
 @define(eq=False)
@@ -525,6 +576,29 @@ class OAuthAuthority:
         """
         model = self.usage.get(key) or UsageModel(start=self.clock.seconds())
         return model.wham(self.planOf(key), self.clock.seconds())
+
+    def resetCredits(self, key: Optional[str]) -> dict:
+        """
+        @return: the C{wham/rate-limit-reset-credits} body for a key.
+        """
+        model = self.usage.get(key)
+        return model.creditsBody() if model is not None else {"available_count": 0,
+                                                              "credits": []}
+
+    def consumeReset(self, key: Optional[str], body: Any) -> Optional[dict]:
+        """
+        @return: the C{.../consume} body for a key, or L{None} for a body
+            without a C{redeem_request_id} (a 400).
+        """
+        body = body if isinstance(body, dict) else {}
+        requestId, creditId = body.get("redeem_request_id"), body.get("credit_id")
+        if not isinstance(requestId, str) or not requestId:
+            return None
+        model = self.usage.get(key)
+        if model is None:
+            return {"code": "no_credit", "windows_reset": 0}
+        return model.consume(requestId, creditId if isinstance(creditId, str) else None,
+                             self.clock.seconds())
 
     def stats(self) -> dict:
         """

@@ -22,7 +22,7 @@ from relay.engine.payload import (
     upstreamPath,
     upstreamStreams,
 )
-from relay.engine.pump import AttemptResult, StreamPump, modelRewriter, passHeaders
+from relay.engine.pump import AttemptResult, StreamPump, clientHeaders, modelRewriter
 from relay.engine.upstreambody import (
     ERROR_BODY_LIMIT,
     JSON_BODY_LIMIT,
@@ -134,7 +134,7 @@ def turnState(runner, turn, sink, account, headers: dict) -> None:
     """
     note = getattr(sink, "noteHeaders", None)
     if note is not None:
-        note(passHeaders(headers))
+        note(clientHeaders(turn, headers))
     from relay.scheduling.scheduler import affinityKey
 
     runner.scheduler.recordAffinity(affinityKey("turn_state", headers[_TURN_STATE]), account)
@@ -177,7 +177,7 @@ async def _readJSON(runner, turn, sink, account, response, release, rewrite) -> 
     responseId = parsed.get("id")
     # R39/R40: the owner is known before the client can chain from the body.
     owned = runner.ownResponse(turn, account, responseId, parsed)
-    sink.writeBody(200, passHeaders(response.headers), body)
+    sink.writeBody(200, clientHeaders(turn, response.headers), body)
     return AttemptResult(
         end=ends.Completed(responseId), committed=True, status=200, ownerRecorded=owned
     )

@@ -28,7 +28,9 @@ from relay.policy import failures as F
 from relay.base import clienterrors as E
 from relay.engine.payload import isEmptyCompleted, isSemanticOutput, translatesChat
 from relay.policy import ends
-from relay.wire.sse import DONE, LineTooLong, SSEParser
+from relay.tenants.keyusage import limitHeaders, limitsEvent
+from relay.wire.jsoncodec import dumpsRecord
+from relay.wire.sse import DONE, Event, LineTooLong, SSEParser
 from relay.usage.estimate import DELTA_MARK, estimatedCounts
 from relay.usage.tokens import USAGE_CHUNK
 
@@ -485,7 +487,7 @@ class StreamPump(Protocol):
         """
         self.committed = True
         self._runner.firstOutput(self._turn)
-        self._sink.commit(passHeaders(self._headers))
+        self._sink.commit(clientHeaders(self._turn, self._headers))
         attach = getattr(self._sink, "attachProducer", None)
         if attach is not None:
             attach(self)
@@ -501,6 +503,12 @@ class StreamPump(Protocol):
         self._deltas += data.count(DELTA_MARK)
         if self._rewrite is not None:
             event = self._rewrite(event)
+        if event.type == RATE_LIMITS:
+            event = keyLimitsEvent(self._turn)  # R114: never an account's windows
+            if event is None:
+                return
+        elif event.type == b"error" and b"x-codex-" in event.data:
+            event = withoutAccountWindows(event)
         if self._batch is not None:
             self._batch.append(event.raw)
             return
@@ -740,6 +748,46 @@ def passHeaders(headers: dict) -> dict:
     are staged with the events), renamed by L{_PASSED_RESPONSE_HEADERS}.
     """
     return {ours: headers[theirs] for theirs, ours in _PASSED_RESPONSE_HEADERS if theirs in headers}
+
+
+RATE_LIMITS = b"codex.rate_limits"
+"""An account's usage windows on the stream (protocol.md 7.3)."""
+
+
+def clientHeaders(turn, headers: dict) -> dict:
+    """
+    L{passHeaders} plus, R114, the key's own C{x-codex-*} rate-limit
+    headers (L{relay.tenants.keyusage.limitHeaders}); an account's never
+    pass.
+    """
+    out = passHeaders(headers)
+    out.update(limitHeaders(turn.keyLimits))
+    return out
+
+
+def keyLimitsEvent(turn):
+    """
+    R114: the C{codex.rate_limits} event with the key's windows that stands
+    for an account's, or L{None} (dropped) when they are not known.
+    """
+    event = limitsEvent(turn.keyLimits)
+    if event is None:
+        return None
+    return Event(RATE_LIMITS, dumpsRecord(event).encode(), None)
+
+
+def withoutAccountWindows(event):
+    """
+    R114: an upstream C{error} event passed on carries its headers in a
+    C{headers} object (protocol.md 7.3); the account's C{x-codex-*} ones
+    are dropped from it.
+    """
+    data = event.json()
+    headers = data.get("headers")
+    if not isinstance(headers, dict):
+        return event
+    data["headers"] = {k: v for k, v in headers.items() if not k.lower().startswith("x-codex-")}
+    return Event(event.type, dumpsRecord(data).encode(), None)
 
 
 def modelRewriter(requested: Optional[str], upstream: Optional[str]) -> Optional[Callable]:

@@ -33,7 +33,8 @@ from relay.engine.record import SamplingSink as _SamplingSink
 from relay.engine.waiting import AdmissionFailed as _AdmissionFailed
 from relay.interfaces import (
     IAccountBookkeeping, IAccountHistory, IAccountScheduler, IAttempt, ICredentialSource,
-    IEngineMetrics, IFailureClassifier, IKeyPolicy, IPriceTable, IRequestLog, IRuntimeSettings,
+    IEngineMetrics, IFailureClassifier, IKeyPolicy, IKeyUsage, IPriceTable, IRequestLog,
+    IRuntimeSettings,
     ISlotAdmission, IStartupGate, ITurnObserver, IUpstreamDialer, IUsageLedger, IUsageWindows,
 )
 from relay.base.logs import ClassLogger
@@ -103,6 +104,9 @@ class TurnRunner:
         L{None} (costs not counted).
     @ivar requestLog: the L{IRequestLog} that gets each turn's
         L{relay.tenants.record.TurnRecord}, or L{None}.
+    @ivar keyUsage: the L{IKeyUsage} whose key windows replace an account's
+        rate-limit headers and events on a turn (R114), or L{None}: they
+        are dropped.
     """
 
     clock: IReactorTime
@@ -123,6 +127,7 @@ class TurnRunner:
     keyPolicy: Optional[IKeyPolicy] = None
     prices: Optional[IPriceTable] = None
     requestLog: Optional[IRequestLog] = None
+    keyUsage: Optional[IKeyUsage] = None
     budget: RetryBudget = field(factory=RetryBudget)
     """The global retry budget (R19), shared by every turn."""
     inflight: dict = field(factory=dict)
@@ -196,11 +201,29 @@ class TurnRunner:
                 # event lists no output (the ChatGPT backend).
                 turn.hostedCalls = {}
                 sink = HostedCallWatch(sink, turn.hostedCalls)
+        if self.keyUsage is not None:
+            self._readKeyLimits(turn)
         d = Deferred.fromCoroutine(self._run(turn, sink, None, since))
         if not d.called:
             self.inflight[turn] = d
             d.addBoth(self._forget, turn)
         return d
+
+    def _readKeyLimits(self, turn: Turn) -> None:
+        """
+        R114: read the key's windows for the turn's rate-limit headers and
+        events while it is dialled (never waited for: a turn whose first
+        output comes first carries none).
+        """
+
+        def keep(limits):
+            turn.keyLimits = limits
+
+        def failed(failure):
+            self._log.failure("reading key {key_name}'s windows failed", failure,
+                              key_name=turn.client.name)
+
+        Deferred.fromCoroutine(self.keyUsage.limits(turn.client)).addCallbacks(keep, failed)
 
     def refuse(self, turn: Turn, sink, reason, since: Optional[float] = None) -> Deferred:
         """

@@ -14,6 +14,7 @@ from twisted.web.resource import Resource
 
 from relay.engine.catalog import ModelCatalog
 from relay.entry.http import HealthResource, JSONRoot, KeyRing, TurnResource
+from relay.entry.keylimits import KeyUsageResource
 from relay.entry.models import ModelsResource
 from relay.entry.responsesapi import ResponsesResource
 from relay.frontdoor.door import FrontDoor
@@ -50,5 +51,15 @@ def buildRoot(runner, keys: KeyRing, accounts, websocket=None, door=None) -> Res
     codex.putChild(b"responses", responses)
     backend.putChild(b"codex", codex)
     root.putChild(b"backend-api", backend)
+    usage = getattr(runner, "keyUsage", None)
+    if usage is not None:
+        # R114: Codex's account usage, answered for the key (protocol.md 7.3a).
+        wham = JSONRoot()
+        wham.putChild(b"usage", KeyUsageResource(keys, usage))
+        backend.putChild(b"wham", wham)
+        api, codexApi = JSONRoot(), JSONRoot()
+        codexApi.putChild(b"usage", KeyUsageResource(keys, usage))
+        api.putChild(b"codex", codexApi)
+        root.putChild(b"api", api)
     root.putChild(b"healthz", HealthResource())
     return root

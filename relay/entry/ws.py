@@ -32,6 +32,7 @@ from twisted.logger import Logger
 from twisted.web.server import NOT_DONE_YET
 
 from relay.entry.conversation import THREAD_HEADERS, WebSocketConversation, reachable
+from relay.entry.keylimits import handshakeHeaders
 from relay.entry.http import UNAUTHORIZED, filterClientHeaders
 from relay.entry.sinks import errorBody, writeError
 from relay.entry.wssink import wsErrorEvent
@@ -126,8 +127,8 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
             raise
         answer = {"X-Request-Id": self._requestId}
         if any(headers.get(h) for h in SESSION_HEADERS):
-            return self._withTurnState(headers, answer)
-        return (None, answer)
+            return handshakeHeaders(f.runner, key, self._withTurnState(headers, answer))
+        return handshakeHeaders(f.runner, key, (None, answer))  # R114
 
     def _withTurnState(self, headers: dict, answer: dict):
         """

@@ -113,6 +113,9 @@ class UsageProbe:
     settings: Any
     store: Any
     paused: Any = None
+    resets: Any = None
+    """The L{relay.oauth.resets.BankedResets} that keeps the banked resets
+    count each usage answer carries (protocol.md 7.3a), or L{None}."""
     probes: int = 0
     _cooling: dict = field(factory=dict, init=False)
     _inflight: set = field(factory=set, init=False)
@@ -207,7 +210,10 @@ class UsageProbe:
                                event="relay.usage_probe_failed")
                 return None
             now = self._clock.seconds()
-            snapshot = windowsFromWham(reply.json(), now) if reply.status == 200 else None
+            body = reply.json() if reply.status == 200 else None
+            if body is not None and self.resets is not None:
+                self.resets.note(account.id, body)
+            snapshot = windowsFromWham(body, now) if body is not None else None
             if snapshot is None:
                 self._log.info("usage probe of {account_id}: status {status}, no windows",
                                account_id=account.id, status=reply.status,

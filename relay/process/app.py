@@ -399,6 +399,7 @@ def buildApplication(
     redis = services[0] if services else None
     parts = _engineParts(config, reactor, settings, live, redis, health, proxyHealth,
                          trustRoot, spanExporter)
+    parts["keyUsage"] = _keyUsage(reactor, parts, quota, accounts)
     runner = TurnRunner(
         clock=reactor,
         scheduler=scheduler,
@@ -464,8 +465,22 @@ def buildApplication(
 
 
 _RUNNER_PARTS = ("bookkeeping", "metrics", "history", "wsAttempt", "usage", "observer",
-                 "startupGate", "keyPolicy", "prices", "requestLog")
+                 "startupGate", "keyPolicy", "prices", "requestLog", "keyUsage")
 """The L{TurnRunner} collaborators L{_engineParts} builds."""
+
+
+def _keyUsage(reactor, parts: dict, quota, accounts):
+    """
+    R114: a key's own windows (budgets, rpm/tpm, else the pool's headroom)
+    for Codex's usage route and its turns' rate-limit headers and events.
+
+    @return: a L{relay.tenants.keyusage.KeyUsage}.
+    """
+    from relay.tenants.keyusage import KeyUsage, poolWindows
+
+    policy = parts["keyPolicy"]
+    pool = poolWindows(reactor, quota, policy, accounts) if quota is not None else None
+    return KeyUsage(clock=reactor, ledger=parts["usage"], policy=policy, pool=pool)
 
 
 def _engineParts(config: RelayConfig, reactor, settings, live, redis, health, proxyHealth,
@@ -876,6 +891,7 @@ def _controlSurface(app: RelayApplication, admin, view, redis):
     from relay.control.assemble import assembleControl
 
     parts = assembleControl(app, admin, view, redis)
+    view.resets = parts.resets
     app.extras["controlParts"] = parts
     if redis is not None and hasattr(redis, "unreachableListeners"):
         # R101 with R105: a silent Redis ends the first read's wait at once.

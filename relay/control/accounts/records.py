@@ -75,7 +75,7 @@ and a Codex C{auth.json} document (read into the tokens, then dropped)."""
 
 EDITABLE_FIELDS = (
     "priority", "concurrency", "models", "model_mapping", "proxy", "proxy_id", "ws_mode",
-    "label", "api_key",
+    "label", "api_key", "auto_redeem_resets",
 )
 """What C{PATCH /admin/accounts/{id}} may change; C{api_key}
 rotates an API-key account's key (write-only)."""
@@ -92,6 +92,7 @@ ACCOUNT_BODY = {
     "model_mapping": mapOf(STRING),
     "ws_mode": oneOf(STRING, BOOLEAN),
     "pool_mode": BOOLEAN,
+    "auto_redeem_resets": BOOLEAN,
     "pool_mode_retry_count": INTEGER,
     "pool_mode_retry_status_codes": listOf(INTEGER),
     "auth_json": ANY_OBJECT,

@@ -10,6 +10,9 @@ new tokens: L{relay.console.admin}) handed on unchanged.
   - C{DELETE /admin/accounts/{id}} - remove an admin account;
   - C{POST /admin/accounts/{id}/disable} (optional body C{{"reason"}}) and
     C{POST /admin/accounts/{id}/enable} - pause and resume any account;
+  - C{POST /admin/accounts/{id}/redeem-reset} - redeem one of an OAuth
+    account's banked rate-limit resets (L{relay.oauth.resets}; protocol.md
+    7.3a): 200 C{{"account", "code", "windows_reset", "available"}};
   - C{POST /admin/accounts/{id}/login} - start a new ChatGPT login of an
     OAuth account (body C{{"flow": "browser" | "device"}}; see
     L{relay.control.logins.resource});
@@ -25,7 +28,9 @@ from __future__ import annotations
 
 from relay.control.accounts.records import ACCOUNT_BODY
 from relay.control.logins.resource import LOGIN_BODY
-from relay.control.web import ServiceLeaf, clientAddress, deliver, pathId, readJSONBody
+from relay.control.web import (
+    ControlError, ServiceLeaf, clientAddress, deliver, pathId, readJSONBody,
+)
 from relay.console.fields import REASON_BODY
 
 __all__ = ["AccountsResource"]
@@ -39,12 +44,14 @@ class AccountsResource(ServiceLeaf):
     @ivar logins: the L{relay.control.logins.service.LoginService}, or
         L{None}.
     @ivar fallback: the operator surface's accounts resource.
+    @ivar resets: the L{relay.oauth.resets.BankedResets}, or L{None}.
     """
 
-    def __init__(self, adminKey, service, fallback, logins=None):
+    def __init__(self, adminKey, service, fallback, logins=None, resets=None):
         super().__init__(adminKey, service)
         self.fallback = fallback
         self.logins = logins
+        self.resets = resets
 
     def render_GET(self, request):
         """
@@ -84,7 +91,30 @@ class AccountsResource(ServiceLeaf):
                                   code="invalid_login"),
                      account_id=pathId(path[0])),
                 address, note), "starting a login")
+        if len(path) == 2 and path[1] == b"redeem-reset" and self.resets is not None:
+            note = self._note(request)
+            return deliver(request, lambda: self._redeem(pathId(path[0]), note),
+                           "redeeming a banked reset")
         return self.fallback.render(request)
+
+    async def _redeem(self, accountId: str, note: dict) -> tuple:
+        """
+        Redeem one banked reset of an account now (protocol.md 7.3a).
+
+        @return: C{(200, {"account", "code", "windows_reset", "available"})}.
+        @raise ControlError: 404, 400 (not OAuth), 409 (one in flight), 502.
+        """
+        from relay.oauth.resets import RedeemError
+
+        note.update(account=accountId)
+        try:
+            answer = await self.resets.redeem(accountId)
+        except RedeemError as e:
+            raise ControlError(e.status, e.code, e.message) from None
+        note.update(detail={"code": answer.get("code")})
+        return 200, {"account": accountId, "code": answer.get("code"),
+                     "windows_reset": answer.get("windows_reset", 0),
+                     "available": self.resets.available.get(accountId)}
 
     def render_PATCH(self, request):
         """
