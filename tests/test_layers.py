@@ -195,3 +195,28 @@ class LayerTests(SynchronousTestCase):
         upward = [(m, t) for m, ts in graph.items() if m != "relay"
                   for t in ts if floorOf(t) > floorOf(m)]
         self.assertIn(("relay.base.records", "relay.engine.runner"), upward)
+
+
+class PackageDataTests(SynchronousTestCase):
+    """
+    Every file of C{relay/} that is not Python is named by C{setup.cfg}'s
+    C{package_data}, so an installed relay (a container, C{pip install .})
+    has it after any move.
+    """
+
+    def test_everyDataFileIsInstalled(self):
+        import configparser
+        import fnmatch
+
+        config = configparser.ConfigParser()
+        config.read(ROOT / "setup.cfg")
+        patterns = [p.strip() for p in config["options.package_data"]["relay"].split(",")]
+        missing = []
+        for path in sorted((ROOT / "relay").rglob("*")):
+            if path.is_dir() or path.suffix in (".py", ".pyc") or "__pycache__" in path.parts:
+                continue
+            name = path.relative_to(ROOT / "relay").as_posix()
+            if not any(fnmatch.fnmatch(name, p) and name.count("/") == p.count("/")
+                       for p in patterns):
+                missing.append(name)
+        self.assertEqual(missing, [])
