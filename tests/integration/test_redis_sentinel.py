@@ -241,7 +241,7 @@ async def test_sentinel_failover_under_load():
         for i in range(2):
             relay = RelayProcess(config=os.path.join(tmp, f"relay{i}.yaml"),
                                  log=os.path.join(tmp, f"relay{i}.log"))
-            _config(relay.configuration.parse, relay.port, emulator, group)
+            _config(relay.config, relay.port, emulator, group)
             relay.start()
             relays.append(relay)
         for relay in relays:

@@ -208,7 +208,7 @@ async def _noLeftovers(server) -> None:
 
 async def _startRelay(tmp: str, emulator, redisPort: int, onError: str) -> RelayProcess:
     relay = RelayProcess(config=os.path.join(tmp, "relay.yaml"), log=os.path.join(tmp, "relay.log"))
-    _config(relay.configuration.parse, relay.port, emulator, redisPort, onError)
+    _config(relay.config, relay.port, emulator, redisPort, onError)
     relay.start()
     await relay.waitHealthy()
     return relay

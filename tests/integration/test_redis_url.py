@@ -225,7 +225,7 @@ async def test_relay_on_rediss(tlsServer):
     relay = RelayProcess(config=os.path.join(tmp, "relay.yaml"), log=os.path.join(tmp, "relay.log"))
     url = (f"rediss://localhost:{port}/0?ssl_ca_certs={files['ca']}"
            f"&ssl_certfile={files['client.pem']}&ssl_keyfile={files['client.key']}")
-    writeConfig(relay.configuration.parse, relay.port, [_account(emulator, "a1")],
+    writeConfig(relay.config, relay.port, [_account(emulator, "a1")],
                 extra=f"state: {{backend: redis, redis_url: '{url}'}}\n")
     try:
         relay.start()

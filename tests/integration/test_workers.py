@@ -109,7 +109,7 @@ def _writeWorkersConfig(relay: RelayProcess, accounts: list, redisURL: str, work
     """
     (Re)write C{relay}'s configuration: C{workers} workers on Redis state.
     """
-    writeConfig(relay.configuration.parse, relay.port, accounts,
+    writeConfig(relay.config, relay.port, accounts,
                 extra=f"workers: {workers}\nstate: {{backend: redis, redis_url: '{redisURL}'}}\n"
                 + extra)
 
@@ -407,7 +407,7 @@ async def test_admin_reload_reaches_every_worker(redisServer):  # noqa: F811
         # after it is forwarded; the forwards arrive in order, so a
         # forwarded bad one would have been refused by the other worker
         # before it reloads the good one.
-        with open(relay.configuration.parse, "a") as f:
+        with open(relay.config, "a") as f:
             f.write("gateway: {max_account_switches: lots}\n")
         code, answer = await _adminReload(relay)
         assert code == 400 and answer["applied"] is False, answer
