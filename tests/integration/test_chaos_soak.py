@@ -30,8 +30,8 @@ client's choices and each turn's faults derive from it. How many turns fit in th
 depends on the machine; what is asserted does not. C{RELAY_SOAK_CLIENTS} and
 C{RELAY_SOAK_SECONDS} scale it for local runs (defaults 200 and 40: about 2,900 client turns on a
 loaded 2-core box, every fault kind injected 9 times or more, each OAuth token refreshed two or
-three times; 60 s bought nothing the checks need and cost 20 s of CI); C{RELAY_SOAK_KEEP=1} keeps the configs
-and logs (they are kept anyway when the soak fails).
+three times; 60 s bought nothing the checks need and cost 20 s of CI); C{RELAY_SOAK_KEEP=1}
+keeps the configs and logs (they are kept anyway when the soak fails).
 """
 
 from __future__ import annotations
