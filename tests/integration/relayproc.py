@@ -108,6 +108,21 @@ class RelayProcess:
             except subprocess.TimeoutExpired:
                 self.kill()
 
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """
+        L{stop} without blocking the reactor: C{SIGTERM}, then wait for the exit while
+        the reactor runs, C{SIGKILL} after C{timeout} seconds. An in-process emulator
+        then answers the relay's goodbyes: behind L{stop}'s blocking wait each pooled
+        upstream WebSocket waited out its 5 s close handshake.
+        """
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        deadline = reactor.seconds() + timeout
+        while self.process.poll() is None and reactor.seconds() < deadline:
+            await deferLater(reactor, 0.05, lambda: None)
+        self.kill()
+
     def tail(self, n: int = 3000) -> str:
         try:
             with open(self.log, "rb") as f:

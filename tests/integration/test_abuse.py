@@ -328,7 +328,7 @@ async def test_attacks_leave_relay_responsive_and_flat(capsys):
             cpu1, rss, peak = procStats(process.process.pid)
             rows.append((name, sent, cpu1 - cpu0, rss, peak, slowest, outcome, ok))
     finally:
-        process.stop()
+        await process.shutdown()
         await emulator.stop()
     with capsys.disabled():
         print("\n[abuse] attack | bytes sent | relay CPU s | RSS MiB (peak) | /healthz max ms"

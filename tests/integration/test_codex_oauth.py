@@ -103,7 +103,10 @@ async def test_codex_ws_handshake_401_refreshes_and_replays(mode):
     upstream no longer accepts): relay refreshes once and replays on the
     same account; Codex's turn completes over the WebSocket.
     """
-    emulator = Emulator(reactor=reactor, config=emulatorConfig(("o1",), script=SCRIPT))
+    # The stream's pace is not the point here (SCRIPT's delay makes a session outlive a
+    # 6 s token above): the turns stream at once.
+    emulator = Emulator(reactor=reactor,
+                        config=emulatorConfig(("o1",), script=dict(SCRIPT, delay=0.0)))
     await emulator.listen(reactor)
     stack = await startStack(
         lambda e: [oauthAccount(e, "o1", credential=forgedToken("o1"))], emulator=emulator,

@@ -189,6 +189,9 @@ async def test_pause_is_never_selected_and_survives_reload_and_restart():
     reload and after a restart it is still paused; once enabled it serves.
     """
     relays = await Relays().start(fileAccounts("fast", "slow"))
+    # Which account serves is the point here, not a running stream: "slow" answers at
+    # once (its 2 s script cost 10 s over the five turns it serves).
+    relays.emulator.setScript("slow", None)
     try:
         code, body = await relays.admin("POST", "accounts/fast/disable", {"reason": "maintenance"})
         assert code == 200 and body["account"]["paused"], body

@@ -724,5 +724,5 @@ async def test_hostile_tenant_cannot_break_or_cheat_the_pool(state, request):
 
         assert reactor.seconds() - started < DEADLINE
     finally:
-        relay.stop()
+        await relay.shutdown()
         await emulator.stop()

@@ -13,7 +13,7 @@ import pytest_twisted
 from twisted.internet import reactor
 
 from relay.emulator import Emulator
-from tests.integration.oauthstack import bearers, emulatorConfig, oauthStats, sleep
+from tests.integration.oauthstack import bearers, emulatorConfig, expOf, oauthStats, sleep
 from tests.integration.redis_server import redisServer  # noqa: F401 (fixture)
 from tests.integration.relayproc import RelayProcess, writeConfig
 
@@ -31,7 +31,7 @@ async def test_two_relays_refresh_once(redisServer):  # noqa: F811
     tmp = tempfile.mkdtemp(prefix="relay-oauth-redis-")
     accounts = [{
         "id": "o1", "type": "oauth", "base_url": emulator.baseURL("oauth"),
-        "access_token": emulator.mintAccessToken("o1", 8),
+        "access_token": (first := emulator.mintAccessToken("o1", 8)),
         "refresh_token": "rt-o1-0", "auth_base_url": emulator.baseURL("root"),
     }]
     relays = []
@@ -45,7 +45,9 @@ async def test_two_relays_refresh_once(redisServer):  # noqa: F811
             relay.start()
         for relay in relays:
             await relay.waitHealthy()
-        await sleep(9)  # past the refresh (~4 s) and the old token's expiry (8 s)
+        # Past the refresh (~4 s) and the old token's expiry (8 s after it was minted, not
+        # 9 s after both relays were healthy).
+        await sleep(max(0.0, expOf(first) + 0.5 - reactor.seconds()))
         for relay in relays:
             for i in range(2):
                 code, body = await relay.post({"model": "gpt-5.5", "input": f"x{i}",

@@ -45,9 +45,11 @@ FIRST_OUTPUT_TIMEOUT = 1.0
 #: seconds the faulty account holds back its first output in that row
 FIRST_OUTPUT_DELAY = 2.5
 #: seconds between the slow upstream's events for the "client leaves" rows
-#: (the turn still has 0.7 s to go when the client leaves after the first
-#: delta, so the departure is always mid-turn)
-SLOW = 0.1
+#: (the turn still has 0.35 s to go when the client leaves after the first
+#: delta, and relay, emulator and client share one reactor, so the departure
+#: is always mid-turn; the waiting client leaves while two turns of 2 x SLOW
+#: per event, about 1 s, hold both slots)
+SLOW = 0.05
 
 OK = (True, "ok", 0, 0)
 

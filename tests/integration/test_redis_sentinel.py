@@ -327,6 +327,6 @@ async def test_sentinel_failover_under_load():
         if load is not None and load.running:
             await load.stop()
         for relay in relays:
-            relay.stop()
+            await relay.shutdown()
         await emulator.stop()
         group.stop()

@@ -251,7 +251,7 @@ async def test_silent_listener_then_real_redis():
         _assertCleanLog(relay)
     finally:
         if relay is not None:
-            relay.stop()
+            await relay.shutdown()
         if server is not None:
             server.cleanup()
         else:
@@ -295,7 +295,7 @@ async def test_sigstopped_redis_fail_closed():
         if stopped:
             os.kill(server.process.pid, signal.SIGCONT)
         if relay is not None:
-            relay.stop()
+            await relay.shutdown()
         server.cleanup()
         await emulator.stop()
 

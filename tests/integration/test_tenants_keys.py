@@ -87,7 +87,7 @@ class Relays:
         for client in self.sockets:
             client.bye()
         for process in self.processes:
-            process.stop()
+            await process.shutdown()
         await self.emulator.stop()
 
     async def admin(self, method, path, body=None, process=None):
