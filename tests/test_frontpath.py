@@ -20,7 +20,6 @@ from relay.entry.http import clientHeaders, filterClientHeaders
 from relay.entry.site import RelayHTTPChannel
 from relay.base.records import Account, ClientKey, Turn
 from relay.base.requestid import (
-    _ATTRIBUTE,
     _textHeader,
     adoptClientId,
     clientRequestIdOf,
@@ -94,7 +93,7 @@ class RequestIdTests(SynchronousTestCase):
         general = adoptClientId(_textHeader(request))
         chosen = requestIdOf(request)
         self.assertTrue(chosen.startswith("req_"), chosen)
-        self.assertEqual(getattr(request, _ATTRIBUTE), chosen)
+        self.assertEqual(request.notes.requestId, chosen)
         self.assertEqual(request.responseHeaders.getRawHeaders(b"x-request-id"), [chosen.encode()])
         return general, clientRequestIdOf(request)
 

@@ -1,5 +1,5 @@
 """
-L{relay.entry.requestnotes}: one typed record of what relay notes about a
+L{relay.base.requestnotes}: one typed record of what relay notes about a
 request, on both of L{relay.entry.body.LimitedBodyRequest}'s construction
 paths, and on a stand-in request.
 """
@@ -10,7 +10,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.test.requesthelper import DummyChannel, DummyRequest
 
 from relay.entry.body import LimitedBodyRequest
-from relay.entry.requestnotes import RequestNotes, notesOf
+from relay.base.requestnotes import RequestNotes, notesOf
 
 
 class RequestNotesTests(SynchronousTestCase):
@@ -47,6 +47,6 @@ class RequestNotesTests(SynchronousTestCase):
         """
         loose = [name for name in ("relayRoute", "relayStartedAt", "relayBodyBlank",
                                    "relaySSEStarted", "relayQuietSince", "relayQuietRefusal",
-                                   "relayAudit")
+                                   "relayAudit", "relayRequestId", "relayClientRequestId")
                  if hasattr(LimitedBodyRequest, name)]
         self.assertEqual(loose, [])

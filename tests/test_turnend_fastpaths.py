@@ -31,7 +31,7 @@ from relay.scheduling.scheduler import (
 from relay.state.settings import RuntimeSettings
 from relay.state.durable import SQLiteValues
 from relay.state.memory import MemoryStateStore
-from relay.entry.requestnotes import notesOf
+from relay.base.requestnotes import notesOf
 from tests.test_durable import _Database
 
 ALICE = ClientKey(name="alice", key="sk-alice")

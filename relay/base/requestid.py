@@ -50,6 +50,8 @@ from collections.abc import Callable
 from contextvars import ContextVar, Token, copy_context
 from itertools import count
 
+from relay.base.requestnotes import notesOf
+
 __all__ = [
     "CLIENT_REQUEST_ID_HEADER",
     "MAX_LENGTH",
@@ -86,9 +88,6 @@ currentRequestId: ContextVar[str | None] = ContextVar("relay_request_id", defaul
 
 _ids = count(1)
 _prefix = os.urandom(3).hex()
-
-_ATTRIBUTE = "relayRequestId"
-"""Where L{requestIdOf} keeps a request's id."""
 
 
 def wellFormed(value) -> str | None:
@@ -144,10 +143,10 @@ def requestIdOf(request) -> str:
     @param request: an L{twisted.web.iweb.IRequest}.
     @return: the id.
     """
-    requestId = getattr(request, _ATTRIBUTE, None)
+    notes = notesOf(request)
+    requestId = notes.requestId
     if requestId is None:
-        requestId = newRequestId()
-        setattr(request, _ATTRIBUTE, requestId)
+        requestId = notes.requestId = newRequestId()
         request.setHeader(b"x-request-id", requestId.encode("ascii"))
     return requestId
 
@@ -160,23 +159,18 @@ def clientRequestIdOf(request) -> str | None:
     @param request: an L{twisted.web.iweb.IRequest}.
     @return: the client's well-formed id, or L{None}.
     """
-    found = getattr(request, _CLIENT_ATTRIBUTE, _UNREAD)
-    if found is _UNREAD:
-        raw = _rawHeadersOf(request)
-        if raw is not None and _RAW_REQUEST_ID not in raw and _RAW_CLIENT_REQUEST_ID not in raw:
-            # Neither header was sent (what adoptClientId would
-            # read as None twice), told by two lookups.
-            found = None
-        else:
-            found = adoptClientId(_textHeader(request))
-        setattr(request, _CLIENT_ATTRIBUTE, found)
+    notes = notesOf(request)
+    if notes.clientRequestIdRead:
+        return notes.clientRequestId
+    raw = _rawHeadersOf(request)
+    if raw is not None and _RAW_REQUEST_ID not in raw and _RAW_CLIENT_REQUEST_ID not in raw:
+        # Neither header was sent (what adoptClientId would read as None
+        # twice), told by two lookups.
+        found = None
+    else:
+        found = adoptClientId(_textHeader(request))
+    notes.clientRequestId, notes.clientRequestIdRead = found, True
     return found
-
-
-_CLIENT_ATTRIBUTE = "relayClientRequestId"
-"""Where L{clientRequestIdOf} keeps a request's client id."""
-
-_UNREAD = object()
 
 
 _RAW_REQUEST_ID = b"X-Request-Id"

@@ -32,7 +32,7 @@ from relay.control.store import ControlStoreUnavailable, VersionConflict
 from relay.entry.intake import ADMIN_BODY_LIMIT, RequestRefused
 from relay.console.admin import errorBody, Guarded, respond
 from relay.console.fields import FieldTypeError, checkTypes
-from relay.entry.requestnotes import notesOf
+from relay.base.requestnotes import notesOf
 
 __all__ = [
     "AdminLeaf", "ControlError", "MAX_BODY_BYTES", "ServiceLeaf", "checkedTypes", "clientAddress",

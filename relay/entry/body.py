@@ -48,7 +48,7 @@ from twisted.web.server import version as _SERVER
 
 from relay.entry import intake as _intake
 from relay.entry.bodywait import BodyRate, KeysWait, SlotWait
-from relay.entry.requestnotes import RequestNotes
+from relay.base.requestnotes import RequestNotes
 from relay.entry.sinks import errorBody, writeError
 from relay.frontdoor.budgets import parsedEstimate, parsedOver
 from relay.frontdoor.record import Admission
@@ -536,7 +536,7 @@ class LimitedBodyRequest(Request):
 
     @ivar bodyLimit: the limit in force for this request, bytes.
     @ivar contentEncoding: the decoded C{Content-Encoding} value, or L{None}.
-    @ivar notes: the request's L{relay.entry.requestnotes.RequestNotes}.
+    @ivar notes: the request's L{relay.base.requestnotes.RequestNotes}.
     @ivar admission: the L{relay.frontdoor.record.Admission} of a client
         route's request: its key, authenticated from the headers, and the
         key's slot admitted before decoding, until a resource hands it to
@@ -562,7 +562,6 @@ class LimitedBodyRequest(Request):
     _json = None
     _parsed = False
     _done = False
-    relayRequestId = None
     """The request's id once L{relay.base.requestid.requestIdOf} chose it."""
     relayRawHeaders = True
     """C{getHeader} is twisted.web's, over C{requestHeaders._rawHeaders}

@@ -40,7 +40,7 @@ from relay.base.requestid import (  # noqa: F401 - newRequestId re-exported
 )
 from relay.scheduling.session import sessionHash, sessionSeed
 from relay.translate.chatrequest import ChatRequestError, checkChatRequest
-from relay.entry.requestnotes import notesOf
+from relay.base.requestnotes import notesOf
 
 MAX_BODY_BYTES = DEFAULT_MAX_BODY_BYTES
 """The largest request body accepted when the request does not say

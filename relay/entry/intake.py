@@ -73,7 +73,7 @@ from relay.frontdoor.keyring import (  # noqa: F401 - bearerOrKey, UNAUTHORIZED 
 )
 from relay.frontdoor.parse import RequestRefused  # noqa: F401 - re-exported
 from relay.base.records import ClientError
-from relay.entry.requestnotes import notesOf
+from relay.base.requestnotes import notesOf
 
 ROUTE_CLIENT = "client"
 ROUTE_ADMIN = "admin"

@@ -20,7 +20,7 @@ from relay.translate.assemble import ResponseAssembler
 
 _ITEM_DONE = b"response.output_item.done"
 from relay.base.requestid import requestIdOf
-from relay.entry.requestnotes import notesOf
+from relay.base.requestnotes import notesOf
 
 # protocol.md 2.6: error type -> in-stream code.
 STREAM_ERROR_CODES = {

@@ -45,7 +45,7 @@ from relay.base.requestid import clientRequestIdOf, requestIdOf
 from relay.scheduling.scheduler import AccountScheduler
 from relay.state.settings import RuntimeSettings
 from relay.upstream.http import HTTPDialer
-from relay.entry.requestnotes import notesOf
+from relay.base.requestnotes import notesOf
 
 
 _log = Logger()
@@ -162,7 +162,7 @@ class _Site(RelaySite):
         self._log.info(
             _ACCESS if duration is None else _ACCESS_TIMED,
             event="relay.http_access",
-            request_id=getattr(request, "relayRequestId", None),
+            request_id=notesOf(request).requestId,
             client_request_id=clientRequestIdOf(request),
             client=getattr(address, "host", "-"),
             method=request.method.decode("latin-1"),

@@ -19,7 +19,7 @@ from twisted.web.resource import Resource
 from relay.control.audit.service import actionOf
 from relay.control.web import AdminLeaf, ControlError, clientAddress, deliver, notFound
 from relay.base.requestid import requestIdOf
-from relay.entry.requestnotes import notesOf
+from relay.base.requestnotes import notesOf
 
 __all__ = ["AuditResource", "ControlAdmin"]
 

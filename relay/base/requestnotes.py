@@ -33,6 +33,11 @@ class RequestNotes:
         line (a counted admin-key guess, already throttled).
     @ivar audit: what an admin write leaves for the audit record
         (L{relay.control.audit}), or L{None}.
+    @ivar requestId: relay's own id of the request once
+        L{relay.base.requestid.requestIdOf} chose it (R111), or L{None}.
+    @ivar clientRequestId: the client's well-formed C{X-Request-Id} /
+        C{X-Client-Request-Id} (R111), or L{None}; read once
+        (C{clientRequestIdRead}).
     """
 
     route: Optional[str] = None
@@ -42,6 +47,9 @@ class RequestNotes:
     quietSince: Optional[float] = None
     quietRefusal: bool = False
     audit: Optional[dict] = None
+    requestId: Optional[str] = None
+    clientRequestId: Optional[str] = None
+    clientRequestIdRead: bool = False
 
 
 def notesOf(request) -> RequestNotes:
