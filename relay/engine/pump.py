@@ -494,6 +494,16 @@ class StreamPump(Protocol):
         staged, self._staged = self._staged, []
         for event in staged:
             self._write(event)
+        if self._turn.entrypoint == "ws" and not any(e.type == RATE_LIMITS for e in staged):
+            # R114: a WebSocket turn carries the key's windows even where
+            # the upstream sends no codex.rate_limits event (an API-key
+            # account), after what was held back; an upstream one is
+            # replaced in _write
+            limits = keyLimitsEvent(self._turn)
+            if limits is not None and self._batch is not None:
+                self._batch.append(limits.raw)
+            elif limits is not None:
+                self._sink.writeEvent(limits)
 
     def _write(self, event) -> None:
         if self._usageChunk is not None and self._usageChunk(event):

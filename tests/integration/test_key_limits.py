@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import pytest_twisted
 import treq
 from autobahn.twisted.websocket import WebSocketClientFactory
@@ -185,3 +186,31 @@ async def test_key_without_budget_sees_the_pools_headroom():
         assert primary["reset_at"] == int(now + 3600)
     finally:
         await drain(s)
+
+
+@pytest_twisted.ensureDeferred
+@pytest.mark.parametrize("mode", ["ctx_pool", "passthrough", "http_bridge"])
+async def test_websocket_turn_on_an_api_key_account_carries_the_keys_event(mode):
+    """
+    R114: an API-key account sends no C{codex.rate_limits} event; a
+    WebSocket turn still carries one, with the key's day, in every mode.
+    """
+    s = await startStack([{"id": "a1", "credential": "sk-up-a1", "concurrency": 0}],
+                         gateway=gateway(mode),
+                         emulatorConfig={"accounts": [{"name": "a1", "credential": "sk-up-a1"}]},
+                         keys=json.dumps([budgetKey()]))
+    client = None
+    try:
+        client = await connectKeeping(s, "sk-budget")
+        frame = {"type": "response.create", "model": "gpt-5.5", "input": "hi"}
+        events = await client.turn(frame, timeout=10)
+        assert events[-1]["type"] == "response.completed", events
+        # the second turn's windows are surely read (the first turn may
+        # reach its first output before they are)
+        events = await client.turn(frame, timeout=10)
+        assert events[-1]["type"] == "response.completed", events
+        limits = [e for e in events if e["type"] == "codex.rate_limits"]
+        assert len(limits) == 1, [e["type"] for e in events]
+        assert limits[0]["rate_limits"]["primary"]["window_minutes"] == 1440, limits
+    finally:
+        await drain(s, [client] if client else [])
