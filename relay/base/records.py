@@ -113,6 +113,15 @@ class ProxySpec:
     password: Optional[str] = field(default=None, repr=False)
 
 
+ENDPOINTS = ("responses", "chat", "embeddings", "images", "image_edits")
+"""The client surfaces a L{Turn} comes from (R115): C{POST /v1/responses},
+C{/v1/chat/completions}, C{/v1/embeddings}, C{/v1/images/generations} and
+C{/v1/images/edits}."""
+
+_EVERY_ACCOUNT = frozenset({"responses", "chat", "images", "image_edits"})
+"""The endpoints both account types serve (L{Account.servesEndpoint})."""
+
+
 @frozen
 class Account:
     """
@@ -193,14 +202,20 @@ class Account:
 
     def servesEndpoint(self, endpoint: str) -> bool:
         """
-        Whether this account can serve C{endpoint}. Every account serves
-        both: the ChatGPT (OAuth) backend has only C{/responses}
-        (protocol.md 3, 7.2), and relay translates a chat turn for it
-        (L{relay.translate}).
+        Whether this account can serve C{endpoint} (a scheduling
+        eligibility filter by capability, R115). Every account serves
+        C{responses} and C{chat}: the ChatGPT (OAuth) backend has only
+        C{/responses} (protocol.md 3, 7.2), and relay translates a chat
+        turn for it (L{relay.translate}); likewise C{images} and
+        C{image_edits}, served there through the Responses
+        C{image_generation} tool (L{relay.translate.images}). Only API-key
+        accounts serve C{embeddings}.
 
-        @param endpoint: C{responses} or C{chat}.
+        @param endpoint: one of L{ENDPOINTS}.
         """
-        return endpoint in ("responses", "chat")
+        if endpoint in _EVERY_ACCOUNT:
+            return True
+        return endpoint == "embeddings" and self.type != "oauth"
 
     def servesModel(self, requested: Optional[str]) -> bool:
         """
@@ -652,7 +667,8 @@ class Turn:
     One HTTP request or one WebSocket C{response.create} (DEVELOPERS.md).
 
     @ivar entrypoint: C{http} or C{ws}.
-    @ivar endpoint: C{responses} or C{chat}.
+    @ivar endpoint: one of L{ENDPOINTS} (C{responses}, C{chat},
+        C{embeddings}, C{images}, C{image_edits}).
     @ivar client: the authenticated L{ClientKey}.
     @ivar model: the model the client asked for (before mapping).
     @ivar body: the JSON request body as a dict (relay-only fields removed).
@@ -752,6 +768,11 @@ class Turn:
     """R109: hosted tool -> calls seen in the answer's items, for a key with
     a money budget whose request offers one (L{relay.usage.reader.HostedCallWatch});
     else L{None}."""
+    upload: Any = None
+    """The files of an C{image_edits} turn
+    (L{relay.wire.multipart.Upload}s, parsed after the key, R103),
+    re-encoded for the upstream; their names, sizes and types are in
+    C{body}. L{None} for every other turn."""
     keyLimits: Any = None
     """R114: the key's own windows (L{relay.tenants.keyusage.KeyLimits}) that
     replace an account's rate-limit headers and C{codex.rate_limits} events

@@ -662,6 +662,8 @@ _PRICE: Dict[str, Validator] = {
     "priority": _optional(_number(0)),
     "flex": _optional(_number(0)),
     "per_call": _optional(_number(0)),
+    # R115: an image model's price per image
+    "per_image": _optional(_number(0)),
 }
 
 _TOOL_PRICE: Dict[str, Validator] = {
@@ -947,7 +949,8 @@ def parsePrices(raw: Any) -> dict:
     Parse C{prices:}: model -> C{{input, cached_input, output,
     reasoning, priority, flex}} in US dollars per 1M tokens (C{priority}
     and C{flex}: tier multipliers, R109); C{input} and C{output} are
-    required. A hosted tool (C{web_search}, C{file_search},
+    required unless C{per_image} (dollars per image of an image model,
+    R115; names like C{gpt-image-1:high:1024x1024} refine it) is given. A hosted tool (C{web_search}, C{file_search},
     C{code_interpreter}, C{image_generation}) -> C{{per_call}} dollars;
     C{default} -> a price for anything unpriced (with C{per_call} for
     tools), or C{null}.
@@ -979,6 +982,8 @@ def parsePrices(raw: Any) -> dict:
         if model != "default" and values.get("per_call") is not None:
             raise ConfigError(f"{path}.per_call: only hosted tools and default have per_call")
         for required in ("input", "output"):
+            if required not in values and values.get("per_image") is not None:
+                values[required] = 0.0  # an image model priced per image (R115)
             if required not in values:
                 raise ConfigError(f"{path}: {required} is required (US dollars per 1M tokens)")
         prices[model] = Price(**values)

@@ -2,8 +2,8 @@
 """
 The emulator's twisted.web resources: the Responses and Chat Completions endpoints, the model
 list, the WebSocket upgrade dispatch and the C{/_emulator/} control API (the Chat Completions,
-OAuth/login and control routes are served by L{relay.emulator.chat},
-L{relay.emulator.authroutes} and L{relay.emulator.control}).
+embeddings and images, OAuth/login and control routes are served by L{relay.emulator.chat},
+L{relay.emulator.media}, L{relay.emulator.authroutes} and L{relay.emulator.control}).
 
 One leaf resource (L{EmulatorResource}) serves every path, so that C{/v1/responses} can carry
 both the POST and the WebSocket upgrade GET (style.md §9(a)).
@@ -35,6 +35,7 @@ from relay.emulator.authroutes import (
 from relay.emulator.chaos import CLIENT_REQUEST_ID, TurnDraw
 from relay.emulator.chat import ChatCompletions
 from relay.emulator.control import ControlAPI
+from relay.emulator.media import EMBEDDINGS, IMAGE_EDITS, IMAGES, MediaRoutes
 from relay.emulator.httpwire import (
     abortConnection,
     bearer,
@@ -101,6 +102,7 @@ class EmulatorResource(ResponsesAPIMixin, Resource):
         super().__init__()
         self.emulator = emulator
         self._chatCompletions = ChatCompletions(self)
+        self._media = MediaRoutes(self)
         self._auth = AuthRoutes(self)
         self._controlAPI = ControlAPI(self)
 
@@ -260,6 +262,8 @@ class EmulatorResource(ResponsesAPIMixin, Resource):
             return self._auth.login(request, path)
         if path in CHAT and method == b"POST":
             return self._chatCompletions.post(request)
+        if path in EMBEDDINGS + IMAGES + IMAGE_EDITS and method == b"POST":
+            return self._media.post(request, path)
         if path in MODELS and method == b"GET":
             return self._models(request)
         return self._json(request, 404, {"error": {

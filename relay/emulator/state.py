@@ -885,8 +885,29 @@ def hostedCalls(body: dict) -> list:
         if base not in HOSTED_CALLS:
             continue
         if choice == "required" or named == kind or named == base:
-            items.append(dict(HOSTED_CALLS[base], id=newId("hc"), status="completed"))
+            item = dict(HOSTED_CALLS[base], id=newId("hc"), status="completed")
+            if base == "image_generation":
+                item.update(_imageCall(tool, body))
+            items.append(item)
     return items
+
+
+def _imageCall(tool: dict, body: dict) -> dict:
+    """
+    What an C{image_generation_call} item carries besides its type: the
+    image (a PNG in base64, L{relay.emulator.media.pngImage}), the prompt
+    as revised (the last user text) and the tool's settings as served.
+    """
+    from relay.emulator.media import pngImage
+
+    def setting(name: str, default: str) -> str:
+        value = tool.get(name)
+        return value if isinstance(value, str) and value and value != "auto" else default
+
+    return {"result": pngImage(), "revised_prompt": _lastUserText(normaliseInput(
+        body.get("input"))), "background": setting("background", "opaque"),
+        "output_format": setting("output_format", "png"),
+        "quality": setting("quality", "medium"), "size": setting("size", "1024x1024")}
 
 
 def responseObject(

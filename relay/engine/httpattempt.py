@@ -32,9 +32,11 @@ from relay.engine.upstreambody import (
 from relay.wire.jsoncodec import loads
 from relay.base.records import Turn
 from relay.policy import ends
+from relay.translate.imagesink import ImagesSink
+from relay.translate.media import MEDIA_ENDPOINTS, mediaBody, translatesImages
 from relay.translate.sink import ChatCompletionsSink
 from relay.usage.estimate import estimatedCounts
-from relay.usage.tokens import fromBody
+from relay.usage.tokens import fromBody, mediaCounts
 
 _log = Logger()
 
@@ -54,7 +56,13 @@ async def attemptHTTP(runner, turn: Turn, sink, account, release) -> AttemptResu
         sink = ChatCompletionsSink(sink, turn, runner.clock.seconds())
     headers = upstreamClientHeaders(turn, account)
     headers["accept"] = "text/event-stream" if stream else "application/json"
-    body = upstreamBody(turn, account)
+    if turn.endpoint in MEDIA_ENDPOINTS:
+        # R115: embeddings and images; only the translation is the surface's
+        body, headers["content-type"] = mediaBody(turn, account)
+        if translatesImages(turn, account):
+            sink = ImagesSink(sink, turn, runner.clock.seconds())
+    else:
+        body = upstreamBody(turn, account)
     fot = s.first_output_timeout_seconds if stream else 0
     pump = None
     timedOut = []
@@ -189,6 +197,8 @@ def _countJSON(runner, turn, account, parsed: dict) -> None:
     response's once per response, whoever sees it first (R88).
     """
     counts = fromBody(parsed)
+    if turn.endpoint in MEDIA_ENDPOINTS:
+        counts = mediaCounts(turn, parsed, counts)  # R109: per image
     if counts is None:
         return
     if turn.background:

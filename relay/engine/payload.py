@@ -12,6 +12,7 @@ import re
 from relay.base.records import Account, Turn
 from relay.wire.sse import Event
 from relay.translate.chatrequest import chatToResponses
+from relay.translate.media import MEDIA_ENDPOINTS, mediaPath
 from relay.upstream.headers import SCOPED, routingHint
 
 WS_ONLY_FIELDS = ("type", "generate", "stream_id")
@@ -79,10 +80,13 @@ def translatesChat(turn: Turn, account: Account) -> bool:
 def upstreamPath(turn: Turn, account: Account) -> str:
     """
     The upstream route under the account's base URL: C{/responses}, or
-    C{/chat/completions} for a chat turn on an account that has it.
+    C{/chat/completions} for a chat turn on an account that has it, or a
+    media turn's (L{relay.translate.media.mediaPath}).
     """
     if turn.endpoint == "responses" or translatesChat(turn, account):
         return "/responses"
+    if turn.endpoint in MEDIA_ENDPOINTS:
+        return mediaPath(turn, account)  # R115: embeddings, images
     return "/chat/completions"
 
 
@@ -96,7 +100,7 @@ def upstreamStreams(turn: Turn, account: Account) -> bool:
     """
     if account.type == "oauth":
         return True
-    return turn.stream
+    return turn.stream and turn.endpoint not in MEDIA_ENDPOINTS
 
 
 def upstreamBody(turn: Turn, account: Account) -> bytes:

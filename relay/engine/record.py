@@ -26,6 +26,7 @@ from relay.base.records import Turn
 from relay.scheduling.itemowners import outputItemIds
 from relay.tenants.record import TurnRecord
 from relay.usage.reader import UsageTap, clientAskedUsage
+from relay.usage.tokens import imageCalls
 
 
 def usageTap(runner, turn: Turn, account) -> UsageTap:
@@ -59,6 +60,8 @@ def recordUsage(runner, turn: Turn, account, counts) -> None:
     if turn.hostedCalls and not counts.tools:
         # R109: the calls were reported in the stream's items only.
         counts = evolve(counts, tools=tuple(sorted(turn.hostedCalls.items())))
+    if turn.endpoint in ("images", "image_edits"):
+        counts = imageCalls(counts, turn.body)  # R115: OAuth's tool calls are images
     if runner.prices is not None:
         # The turn's cost, once, by the upstream model.
         counts = runner.prices.priced(model, counts)

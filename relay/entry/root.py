@@ -15,6 +15,7 @@ from twisted.web.resource import Resource
 from relay.engine.catalog import ModelCatalog
 from relay.entry.http import HealthResource, JSONRoot, KeyRing, TurnResource
 from relay.entry.keylimits import KeyUsageResource
+from relay.entry.media import mediaRoutes
 from relay.entry.models import ModelsResource
 from relay.entry.responsesapi import ResponsesResource
 from relay.frontdoor.door import FrontDoor
@@ -45,6 +46,8 @@ def buildRoot(runner, keys: KeyRing, accounts, websocket=None, door=None) -> Res
         chatParent.putChild(b"completions", chat)
         parent.putChild(b"chat", chatParent)
         parent.putChild(b"models", models)
+    for name, resource in mediaRoutes(door, keys).items():
+        v1.putChild(name, resource)  # R115: embeddings, images
     root.putChild(b"v1", v1)
     backend = JSONRoot()
     codex = JSONRoot()

@@ -45,6 +45,13 @@ LAYER_OWNER = "response_owner"
 
 MSG_ID_MESSAGE = "previous_response_id must be a response.id (resp_*), not a message id"
 FOREIGN_OWNER_MESSAGE = "previous_response_id is not available for this user"
+EMBEDDINGS_MESSAGE = (
+    "Embeddings require an OpenAI API-key account; none of the accounts this key may use"
+    " for this model is one (ChatGPT/Codex OAuth accounts do not serve /v1/embeddings)."
+)
+"""R115: the answer to an embeddings request when only OAuth accounts
+serve its model for the key (L{relay.base.records.Account.servesEndpoint})."""
+
 BACKGROUND_MESSAGE = "background responses require an OpenAI API-key account"
 """R88: the ChatGPT backend keeps nothing (store is forced false), so a
 background response can live only on an API-key account."""
@@ -341,6 +348,13 @@ class Layers:
             ))
 
         if not endpointServed:
+            if turn.endpoint == "embeddings":
+                # R115: a capability, not a fault: no account the key
+                # reaches for the model is an API-key account.
+                raise NoAccountAvailable(ClientError(
+                    status=400, type="invalid_request_error", message=EMBEDDINGS_MESSAGE,
+                    code="endpoint_not_served", param="model",
+                ))
             raise NoAccountAvailable(ClientError(
                 status=503, type="api_error",
                 message="No available accounts: only API-key accounts serve chat completions",

@@ -43,6 +43,13 @@ C{service_tier} and each hosted-tool call it reports:
     $0.0025 a call, code interpreter $0.03 a session (OpenAI's 2025
     tool table); image generation has no shipped price (its cost
     depends on size and quality);
+  - images (R115): an image model's price carries C{per_image} dollars
+    (L{Price.per_image}; its token prices may be 0), refined by names
+    C{<model>:<quality>}, C{<model>:<size>} and
+    C{<model>:<quality>:<size>} (L{PriceTable.perImage}); shipped:
+    C{gpt-image-1} $0.042 (C{:low} $0.011, C{:high} $0.167),
+    C{dall-e-3} $0.04 (C{:hd} $0.08), C{dall-e-2} $0.02 an image, and the
+    embeddings models per 1M input tokens;
   - C{prices.default} (L{PriceTable.default}): a L{Price} (which may
     carry C{per_call}) for any model, tier or tool without one; L{None}
     (the default) leaves them unpriced, and a key with a money budget
@@ -58,7 +65,7 @@ from zope.interface import implementer
 
 from relay.interfaces import IPriceTable
 from relay.base.modelname import matchKey, normalise
-from relay.usage.tokens import HOSTED_TOOLS, hostedTool
+from relay.usage.tokens import HOSTED_TOOLS, IMAGES, hostedTool
 
 __all__ = [
     "DEFAULT_PRICES", "DEFAULT_TOOL_PRICES", "HOSTED_TOOLS", "NANOS_PER_USD", "Price",
@@ -91,6 +98,9 @@ class Price:
     per_call: Optional[float] = None
     """R109: on C{prices.default} only, dollars per hosted-tool call of a
     tool without its own price."""
+    per_image: Optional[float] = None
+    """R109, R115: dollars per image an images request made (an image
+    model's price; the token prices may then be 0)."""
 
     def nanos(self, counts, multiplier: float = 1.0) -> int:
         """
@@ -117,7 +127,7 @@ class Price:
         """
         @return: C{input}, C{cached_input}, C{output}, C{reasoning} with
             the defaults filled in (USD per 1M tokens), and C{priority},
-            C{flex}, C{per_call} when set (R109).
+            C{flex}, C{per_call}, C{per_image} when set (R109).
         """
         out = {
             "input": self.input,
@@ -125,7 +135,7 @@ class Price:
             "output": self.output,
             "reasoning": self.output if self.reasoning is None else self.reasoning,
         }
-        for name in ("priority", "flex", "per_call"):
+        for name in ("priority", "flex", "per_call", "per_image"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
@@ -204,6 +214,18 @@ DEFAULT_PRICES: Mapping[str, Price] = {
     "gpt-5.1-codex": _p(1.25, 0.125, 10.00),
     "gpt-5-mini": _p(0.25, 0.025, 2.00),
     "gpt-5-nano": _p(0.05, 0.005, 0.40),
+    # Embeddings (input only).
+    "text-embedding-3-small": _p(0.02, 0.02, 0.0),
+    "text-embedding-3-large": _p(0.13, 0.13, 0.0),
+    "text-embedding-ada-002": _p(0.10, 0.10, 0.0),
+    # Image models, per image (R115): medium (gpt-image-1) or standard
+    # quality at 1024x1024; the refinements by quality and size below.
+    "gpt-image-1": Price(input=0.0, output=0.0, per_image=0.042),
+    "gpt-image-1:low": Price(input=0.0, output=0.0, per_image=0.011),
+    "gpt-image-1:high": Price(input=0.0, output=0.0, per_image=0.167),
+    "dall-e-3": Price(input=0.0, output=0.0, per_image=0.04),
+    "dall-e-3:hd": Price(input=0.0, output=0.0, per_image=0.08),
+    "dall-e-2": Price(input=0.0, output=0.0, per_image=0.02),
     # GPT-4.1 / 4o and the o-series.
     "gpt-4.1": _p(2.00, 0.50, 8.00),
     "gpt-4.1-mini": _p(0.40, 0.10, 1.60),
@@ -332,6 +354,34 @@ class PriceTable:
             value = getattr(self.default, tier, None)
         return value
 
+    def perImage(self, model: Optional[str], tool: str) -> Optional[float]:
+        """
+        R109, R115: dollars per image of an images turn served by
+        C{model}: the C{per_image} of the most specific priced name of
+        C{<model>:<quality>:<size>}, C{<model>:<quality>}, C{<model>:<size>},
+        C{<model>} (then C{prices.default}'s), or L{None}.
+
+        @param tool: the counts' name of the images
+            (L{relay.usage.tokens.imagesTool}: C{images:<quality>:<size>}).
+        """
+        if not model:
+            return None
+        _, _, rest = tool.partition(":")
+        quality, _, size = rest.partition(":")
+        names = []
+        if quality and size:
+            names.append(f"{model}:{quality}:{size}")
+        if quality:
+            names.append(f"{model}:{quality}")
+        if size:
+            names.append(f"{model}:{size}")
+        names.append(model)
+        for name in names:
+            price = self.lookup(name)
+            if price is not None and price.per_image is not None:
+                return price.per_image
+        return None if self.default is None else self.default.per_image
+
     def _tool(self, tool: str) -> Optional[float]:
         """
         Dollars per call of C{tool}, or L{None}.
@@ -403,7 +453,10 @@ class PriceTable:
             return None
         nanos = price.nanos(counts, multiplier)
         for tool, calls in counts.tools:
-            perCall = self._tool(tool)
+            if tool == IMAGES or tool.startswith(IMAGES + ":"):
+                perCall = self.perImage(model, tool)  # R115
+            else:
+                perCall = self._tool(tool)
             if perCall is None:
                 return None
             nanos += int(round(calls * perCall * NANOS_PER_USD))

@@ -109,7 +109,8 @@ def upstreamHeaders(account: Account, clientHeaders: dict, transport: str = "htt
         if value is not None:
             headers[name] = value
     headers["authorization"] = "Bearer " + account.credential
-    headers["content-type"] = "application/json"
+    # the engine's own (a multipart edit, R115), never the client's
+    headers["content-type"] = clientHeaders.get("content-type") or "application/json"
     headers["accept"] = clientHeaders.get("accept", "text/event-stream")
     if account.type == "oauth":
         if account.chatgpt_account_id:

@@ -185,6 +185,59 @@ def hostedTool(kind) -> str | None:
     return kind if kind in HOSTED_TOOLS else None
 
 
+IMAGES = "images"
+"""The head of the name an image turn's images are counted under in
+L{TokenCounts.tools} (R109, R115): C{images}, C{images:<quality>},
+C{images:<quality>:<size>} or C{images::<size>}; priced per image
+(L{relay.tenants.prices.PriceTable})."""
+
+
+def imagesTool(body: Any) -> str:
+    """
+    The L{TokenCounts.tools} name of an images request's images: L{IMAGES}
+    with its C{quality} and C{size} when given (C{auto} is no value).
+
+    @param body: the images request (JSON or form fields).
+    """
+    parts = [IMAGES]
+    for name in ("quality", "size"):
+        value = body.get(name) if isinstance(body, dict) else None
+        parts.append(value if isinstance(value, str) and value and value != "auto" else "")
+    return ":".join(parts).rstrip(":")
+
+
+def mediaCounts(turn: Any, parsed: Any, counts: TokenCounts | None) -> TokenCounts | None:
+    """
+    The usage of an embeddings or images answer (R115). Embeddings: its
+    C{usage} (C{prompt_tokens}: input). Images: its C{usage} when it has
+    one (C{gpt-image-*}), else one request of no tokens, with the images
+    of C{data} under L{imagesTool} (priced per image, R109).
+
+    @param turn: the turn (C{endpoint}, C{body}).
+    @param parsed: the answer's parsed body.
+    @param counts: what L{fromBody} read of it, or L{None}.
+    """
+    if turn.endpoint == "embeddings" or not isinstance(parsed, dict):
+        return counts
+    data = parsed.get("data")
+    images = len(data) if isinstance(data, list) else 0
+    base = counts if counts is not None else TokenCounts(requests=1)
+    return evolve(base, tools=((imagesTool(turn.body), images),) if images else ())
+
+
+def imageCalls(counts: TokenCounts, body: Any) -> TokenCounts:
+    """
+    R109, R115: an images turn served through the Responses
+    C{image_generation} tool (an OAuth account) counts its tool calls as
+    images (L{imagesTool}), priced per image rather than per tool call.
+    """
+    calls = sum(n for tool, n in counts.tools if tool == "image_generation")
+    if not calls:
+        return counts
+    rest = tuple(t for t in counts.tools if t[0] != "image_generation")
+    return evolve(counts, tools=rest + ((imagesTool(body), calls),))
+
+
 def served(counts: TokenCounts | None, response: Any) -> TokenCounts | None:
     """
     R109: C{counts} with what the response reports about how it was
