@@ -157,6 +157,14 @@ async def test_sdk_images_generate_on_an_api_key_account():
         assert got.usage.total_tokens > 0
         [request] = requests(relay, "sk-a1", "/v1/images/generations")
         assert request.body["prompt"] == "a cat" and request.body["n"] == 2
+        high = await sdk(relay, lambda c: c.images.generate(model=IMAGE, prompt="a cat",
+                                                            quality="high"))
+        assert len(high.data) == 1
+        # R109, R115: priced per image, by quality where the table says
+        rows = (await admin(relay, "/admin/requests?limit=10"))["requests"]
+        assert [r["endpoint"] for r in rows] == ["images", "images"]
+        byCost = sorted(r["cost_usd"] for r in rows)
+        assert byCost == [pytest.approx(2 * 0.042), pytest.approx(0.167)]
     finally:
         await relay.stop()
 
@@ -208,6 +216,12 @@ async def test_images_through_the_tool_on_oauth():
         parts = edit["input"][0]["content"]
         assert parts[1]["type"] == "input_image"
         assert parts[1]["image_url"].startswith("data:image/png;base64,")
+        # R109, R115: the tool's one image is priced per image (high, then
+        # the model's own price)
+        rows = (await admin(relay, "/admin/requests?limit=10"))["requests"]
+        assert sorted(r["endpoint"] for r in rows) == ["image_edits", "images"]
+        assert sorted(r["cost_usd"] for r in rows) == [pytest.approx(0.042),
+                                                       pytest.approx(0.167)]
     finally:
         await relay.stop()
 
@@ -258,5 +272,27 @@ async def test_edits_bad_form_and_oversize():
         response, body = await _postForm(relay, form, kind, key="sk-wrong")
         assert response.code == 401
         assert requests(relay, "sk-a1", "/v1/images/edits") == []
+    finally:
+        await relay.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_key_policy_applies_to_embeddings_and_images():
+    """
+    R102, R110, R115: a key's model allow-list holds on these routes as on
+    every other, matched on the normalised name: C{TEXT-EMBEDDING-3-SMALL }
+    is the listed family; an image model off the list is refused 403
+    before any account is dialled.
+    """
+    keys = json.dumps([{"name": "test", "key": RELAY_KEY, "concurrency": 0,
+                        "models": ["text-embedding-3-small"]}])
+    relay = await start([apikey()], keys=keys)
+    try:
+        got = await sdk(relay, lambda c: c.embeddings.create(
+            model="TEXT-EMBEDDING-3-SMALL ", input="hi"))
+        assert len(got.data) == 1
+        with pytest.raises(openai.PermissionDeniedError):
+            await sdk(relay, lambda c: c.images.generate(model=IMAGE, prompt="a cat"))
+        assert requests(relay, "sk-a1", "/v1/images/generations") == []
     finally:
         await relay.stop()
