@@ -12,7 +12,8 @@ vector float32 numbers or, with C{encoding_format: base64}, their
 little-endian bytes in base64; deterministic per input text.
 Images: C{{"created", "data": [{"b64_json"} or {"url"}], ...}} with
 C{usage} (and C{background}, C{output_format}, C{quality}, C{size}) for
-C{gpt-image-*} models and C{revised_prompt} for C{dall-e-3}.
+C{gpt-image-*} models and C{revised_prompt} for C{dall-e-3}. The image is
+L{relay.emulator.pictures.PNG}.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from __future__ import annotations
 import base64
 import hashlib
 import struct
-import zlib
 from typing import Any
 
 from relay.emulator.httpwire import Route, breakAfter, lowerHeaders, streamErrorBody
+from relay.emulator.pictures import PNG, pngImage  # noqa: F401 - PNG re-exported
 from relay.emulator.state import HTTP, estimateTokens, newId
 from relay.emulator.stream import TurnTracker
 from relay.wire.multipart import FormError, parseForm
@@ -34,32 +35,6 @@ IMAGE_EDITS = ("/v1/images/edits", "/images/edits")
 
 _DIMENSIONS = {"text-embedding-3-large": 3072}
 """Vector sizes by model (1536 for the others)."""
-
-
-def _png(width: int = 1, height: int = 1) -> bytes:
-    """
-    A valid grey PNG of the given size.
-    """
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (struct.pack(">I", len(data)) + kind + data
-                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
-
-    rows = b"".join(b"\x00" + b"\x80" * width for _ in range(height))
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0,
-                                                               0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
-
-
-PNG = _png()
-"""The image the emulator makes (a 1x1 grey PNG)."""
-
-
-def pngImage() -> str:
-    """
-    @return: L{PNG} in base64 (an C{image_generation_call}'s C{result},
-        an images answer's C{b64_json}).
-    """
-    return base64.b64encode(PNG).decode("ascii")
 
 
 def _vector(text: str, size: int) -> list:

@@ -895,10 +895,10 @@ def hostedCalls(body: dict) -> list:
 def _imageCall(tool: dict, body: dict) -> dict:
     """
     What an C{image_generation_call} item carries besides its type: the
-    image (a PNG in base64, L{relay.emulator.media.pngImage}), the prompt
+    image (a PNG in base64, L{relay.emulator.pictures.pngImage}), the prompt
     as revised (the last user text) and the tool's settings as served.
     """
-    from relay.emulator.media import pngImage
+    from relay.emulator.pictures import pngImage
 
     def setting(name: str, default: str) -> str:
         value = tool.get(name)
