@@ -3,7 +3,8 @@
 The emulator's embeddings and images endpoints (C{POST /v1/embeddings},
 C{/v1/images/generations}, C{/v1/images/edits}) in OpenAI's shapes, with the
 HTTP faults of L{relay.emulator.http.EmulatorResource} (statuses, resets,
-hangs, a delayed or cut body, C{stream_error} as a 500), and the image the
+hangs, a delayed or cut body, C{stream_error} as a 500, C{refuse}'s request
+refusals), and the image the
 ChatGPT backend's C{image_generation} tool returns (L{pngImage}).
 
 Embeddings: C{{"object": "list", "data": [{"object": "embedding", "index",
@@ -25,6 +26,7 @@ from typing import Any
 
 from relay.emulator.httpwire import Route, breakAfter, lowerHeaders, streamErrorBody
 from relay.emulator.pictures import PNG, pngImage  # noqa: F401 - PNG re-exported
+from relay.emulator.refusals import refusalOf
 from relay.emulator.state import HTTP, estimateTokens, newId
 from relay.emulator.stream import TurnTracker
 from relay.wire.multipart import FormError, parseForm
@@ -154,6 +156,12 @@ class MediaRoutes(Route):
         answer, fault = r._admit(request, credential, draw, body, kind)
         if answer is not None:
             return answer
+        if fault is not None and fault.kind == "refuse":
+            # a request fault (model refusal, unknown parameter): the status, as chat
+            refusal = refusalOf(fault, body, kind, credential)
+            if refusal is not None:
+                return r._json(request, refusal.status, refusal.body)
+            fault = None
         if fault is not None and fault.kind == "hang_after_headers":
             return r._hangAfterHeaders(request, credential, False)
         if kind == "embeddings":

@@ -37,6 +37,7 @@ __all__ = [
     "ENTRYPOINTS",
     "GOOD",
     "HTTP_ENTRYPOINTS",
+    "MEDIA_ENTRYPOINTS",
     "MODEL",
     "WS_ENTRYPOINTS",
     "Outcome",
@@ -50,6 +51,7 @@ __all__ = [
     "drain",
     "leaveMidTurn",
     "metricSamples",
+    "modelFor",
     "newSession",
     "oneTurn",
     "reasonClass",
@@ -78,6 +80,16 @@ translation is compared with (R11 marks OAuth accounts differently from
 API-key ones, so the API-key rows' prescriptions do not apply)."""
 
 OAUTH_ENTRYPOINTS = (SSE_OAUTH, CHAT_OAUTH)
+
+MEDIA_ENTRYPOINTS = ("embeddings", "images")
+"""C{POST /v1/embeddings} and C{POST /v1/images/generations} (R115): JSON
+answers on API-key accounts; who served is told by the emulator's
+generation count (their answers name no account)."""
+
+_MEDIA_REQUESTS = {
+    "embeddings": ("/v1/embeddings", {"model": "text-embedding-3-small"}, "input"),
+    "images": ("/v1/images/generations", {"model": "gpt-image-1"}, "prompt"),
+}
 
 ACCOUNT_TYPE = {CHAT_OAUTH: "oauth", SSE_OAUTH: "oauth"}
 """Account type per entrypoint; everything else uses API-key accounts."""
@@ -263,6 +275,40 @@ async def _httpTurn(stack, entrypoint: str, faulty: str, previous=None) -> Outco
     return _served(_completedText(parsed), faulty, parsed.get("id"))
 
 
+def modelFor(entrypoint: str) -> str:
+    """
+    The model an entrypoint's turns ask for (an account's streaks are per
+    model, R11).
+    """
+    found = _MEDIA_REQUESTS.get(entrypoint)
+    return found[1]["model"] if found is not None else MODEL
+
+
+async def _mediaTurn(stack, entrypoint: str, faulty: str) -> Outcome:
+    """
+    One embeddings or images request (L{MEDIA_ENTRYPOINTS}); served by the
+    account whose generation count grew.
+    """
+    sid, text = newSession()
+    path, body, field = _MEDIA_REQUESTS[entrypoint]
+    names = [a.id for a in stack.app.config.accounts]
+    before = {name: stack.emulator.generationCount(name) for name in names}
+    response, data = await stack.postJSON(path, dict(body, **{field: text}),
+                                          headers={"session-id": [sid]})
+    if response.code != 200:
+        return Outcome("terminal_error", response.code, None, _errorMessage(data))
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        return Outcome("broken", 200, None, data[:80].decode("utf-8", "replace"))
+    if not parsed.get("data"):
+        return Outcome("broken", 200, None, data[:80].decode("utf-8", "replace"))
+    grew = [n for n in names if stack.emulator.generationCount(n) > before[n]]
+    who = grew[-1] if grew else None
+    return Outcome("served_same" if who == faulty else "served_by_other", None, who,
+                   f"{entrypoint} {len(parsed['data'])}")
+
+
 def chatOutcome(data: bytes, faulty: str) -> Outcome:
     """
     Classify a Chat Completions stream body (protocol.md 3): exactly one role
@@ -359,6 +405,8 @@ async def oneTurn(stack, entrypoint: str, faulty: str = "bad", client=None, prev
         open unless it was closed) or L{None} for HTTP. The caller closes it
         (L{drain}).
     """
+    if entrypoint in MEDIA_ENTRYPOINTS:
+        return await _mediaTurn(stack, entrypoint, faulty), None
     if entrypoint in _HTTP:
         return await _httpTurn(stack, entrypoint, faulty, previous), None
     if client is None:

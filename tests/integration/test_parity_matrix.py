@@ -31,7 +31,7 @@ import os
 
 import pytest
 import pytest_twisted
-from attrs import field, frozen
+from attrs import evolve, field, frozen
 from twisted.internet import reactor
 from twisted.internet.defer import ensureDeferred
 from twisted.internet.task import deferLater
@@ -214,21 +214,29 @@ ROWS = [
         columns=("http_sse", "http_json", "ws_ctx_pool", "ws_passthrough", "ws_http_bridge")),
 ]
 
+MEDIA_DRIVERS = ("turn", "refused")
+"""R115: embeddings and images (JSON on API-key accounts,
+L{P.MEDIA_ENTRYPOINTS}) join every row an ordinary request drives on the
+HTTP columns: the same upstream fault gets the same treatment there."""
+
+ROWS = [evolve(r, columns=(*r.columns, *P.MEDIA_ENTRYPOINTS))
+        if r.driver in MEDIA_DRIVERS and r.columns == COLUMNS else r for r in ROWS]
+
 #: The differences behaviour.md prescribes: (row, entrypoints) -> the
 #: outcomes allowed instead of the row's, with the rule. The account state
 #: must match the row's in every case.
 ALLOWED = [
     ("5xx_exhausted", P.WS_ENTRYPOINTS, {("retryable_close", 1013)},
      "R65, R70, R81: the WebSocket closes 1013 where HTTP answers 502"),
-    ("cut_after_output", ("http_json",), {SERVED},
+    ("cut_after_output", ("http_json", *P.MEDIA_ENTRYPOINTS), {SERVED},
      "R19 step 2: a JSON client never saw output, so the cut fails over"),
     ("cut_after_output", P.WS_ENTRYPOINTS, {("retryable_close", 1011)},
      "R51, R65, R81: the WebSocket may end the broken turn with close 1011"),
-    ("clean_end_after_output", ("http_json",), {SERVED},
+    ("clean_end_after_output", ("http_json", *P.MEDIA_ENTRYPOINTS), {SERVED},
      "R19 step 2: a JSON client never saw output, so the truncated body fails over"),
     ("clean_end_after_output", P.WS_ENTRYPOINTS, {("retryable_close", 1011)},
      "R51, R65, R81: the WebSocket may end the broken turn with close 1011 (never 1000)"),
-    ("first_output_timeout", ("http_json",), {("served_same", None)},
+    ("first_output_timeout", ("http_json", *P.MEDIA_ENTRYPOINTS), {("served_same", None)},
      "R20 scope: the first-output timeout is for streaming requests only"),
     ("429_usage_limit_later_turn", ("ws_passthrough",), {("retryable_close", 1013)},
      "R51: a later-turn usage_limit_reached in passthrough closes 1013"),
@@ -283,7 +291,8 @@ def _attempts(stack) -> str:
 async def _capture(stack, entrypoint, outcome, turns) -> Cell:
     await P.settle(stack, turns)
     view = await P.adminAccounts(stack)
-    return Cell(entrypoint, outcome, P.accountState(view["bad"]), await P.storeState(stack, "bad"),
+    state = P.accountState(view["bad"], P.modelFor(entrypoint))
+    return Cell(entrypoint, outcome, state, await P.storeState(stack, "bad"),
                 P.decisionCounters(stack), _attempts(stack))
 
 
