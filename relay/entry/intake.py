@@ -80,7 +80,8 @@ ROUTE_ADMIN = "admin"
 ROUTE_METRICS = "metrics"
 ROUTE_OPEN = "open"
 
-CLIENT_PREFIXES = (b"v1", b"backend-api", b"responses", b"chat", b"models")
+CLIENT_PREFIXES = (b"v1", b"backend-api", b"responses", b"chat", b"models", b"embeddings",
+                   b"images")
 """First path segments of the client API (protocol.md 1)."""
 
 OPEN_PATHS = frozenset({b"healthz", b"readyz"})

@@ -46,8 +46,9 @@ def buildRoot(runner, keys: KeyRing, accounts, websocket=None, door=None) -> Res
         chatParent.putChild(b"completions", chat)
         parent.putChild(b"chat", chatParent)
         parent.putChild(b"models", models)
-    for name, resource in mediaRoutes(door, keys).items():
-        v1.putChild(name, resource)  # R115: embeddings, images
+    for name, resource in mediaRoutes(door, keys).items():  # R115: embeddings, images
+        root.putChild(name, resource)
+        v1.putChild(name, resource)
     root.putChild(b"v1", v1)
     backend = JSONRoot()
     codex = JSONRoot()
