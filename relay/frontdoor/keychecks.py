@@ -290,4 +290,6 @@ class KeyChecks:
         nanos = 0
         if policy is not None and (key.daily_usd is not None or key.monthly_usd is not None):
             nanos = policy.estimate(key, turn.model, turn.body, given, out)
+            if turn.endpoint in ("images", "image_edits"):
+                nanos += policy.imagesEstimate(key, turn.model, turn.body)  # R115: per image
         return given + out, nanos

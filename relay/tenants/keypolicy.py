@@ -405,6 +405,22 @@ class KeyPolicy:
                  for name in set(self._serving(key, model))]
         return max((n for n in found if n is not None), default=0)
 
+    def imagesEstimate(self, key: ClientKey, model: Optional[str], body: dict) -> int:
+        """
+        R108, R115: what the images an images request asks for (its C{n})
+        may cost, nano-dollars, at the dearest per-image price of the
+        names the accounts C{key} may reach serve C{model} as
+        (L{relay.tenants.prices.PriceTable.perImage}); 0 when unpriced.
+        """
+        if self.prices is None:
+            return 0
+        from relay.usage.tokens import imagesTool, requestedImages
+
+        tool, count = imagesTool(body), requestedImages(body)
+        found = [self.prices.perImage(name, tool) for name in set(self._serving(key, model))]
+        dearest = max((p for p in found if p is not None), default=0.0)
+        return int(round(dearest * count * 1_000_000_000))
+
     async def admitRate(self, turn) -> Optional[ClientError]:
         """
         Check 6: count the turn in its key's windows, or refuse it. A

@@ -206,6 +206,19 @@ def imagesTool(body: Any) -> str:
     return ":".join(parts).rstrip(":")
 
 
+def requestedImages(body: Any) -> int:
+    """
+    The images an images request asks for: its C{n} (a JSON integer or a
+    form field's digits) from 1 to 10, else 1.
+    """
+    value = body.get("n") if isinstance(body, dict) else None
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 10:
+        return value
+    return 1
+
+
 def mediaCounts(turn: Any, parsed: Any, counts: TokenCounts | None) -> TokenCounts | None:
     """
     The usage of an embeddings or images answer (R115). Embeddings: its

@@ -19,6 +19,9 @@ import openai
 import pytest
 import pytest_twisted
 import treq
+from twisted.internet import reactor
+from twisted.internet.defer import ensureDeferred
+from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
 
 from relay.emulator.media import PNG
@@ -294,5 +297,36 @@ async def test_key_policy_applies_to_embeddings_and_images():
         with pytest.raises(openai.PermissionDeniedError):
             await sdk(relay, lambda c: c.images.generate(model=IMAGE, prompt="a cat"))
         assert requests(relay, "sk-a1", "/v1/images/generations") == []
+    finally:
+        await relay.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_money_budget_holds_images():
+    """
+    R108, R109, R115: a key's money budget reserves images at their
+    per-image price before they are dialled: with $0.05 a day, three
+    $0.042 images asked for at once serve two (the second is admitted while
+    budget minus the first's hold remains), the third is refused 429
+    without a dial; the spend settles to the two images.
+    """
+    keys = json.dumps([{"name": "test", "key": RELAY_KEY, "concurrency": 0, "daily_usd": 0.05}])
+    relay = await start([apikey()], keys=keys)
+    relay.emulator.setScript("sk-a1", {"delay": 0.5})
+    try:
+        async def one():
+            response, data = await relay.postJSON("/v1/images/generations",
+                                                  {"model": IMAGE, "prompt": "a cat"})
+            return len(json.loads(data)["data"]) if response.code == 200 else response.code
+
+        first = ensureDeferred(one())
+        await deferLater(reactor, 0.1, lambda: None)
+        second = ensureDeferred(one())
+        await deferLater(reactor, 0.1, lambda: None)
+        third = ensureDeferred(one())
+        assert [await first, await second, await third] == [1, 1, 429]
+        assert len(requests(relay, "sk-a1", "/v1/images/generations")) == 2
+        usage = await admin(relay, "/admin/usage?group_by=key")
+        assert "0.084" in json.dumps(usage), usage
     finally:
         await relay.stop()
