@@ -32,8 +32,10 @@ a 429 naming the limit, at once. Once the raw body is in, the key's slot
 the wait plan and its answers are the engine's; this module only
 sequences the transport); only then is the body decoded (bounded by the
 limit and by C{gateway.limits.max_decompression_ratio}) and handed to the
-resource. Form and multipart bodies are never parsed (relay reads JSON
-only).
+resource. Form bodies are never parsed by twisted.web; the one
+C{multipart/form-data} body relay reads (C{POST /v1/images/edits}, R115) is
+parsed by its resource from the held, decoded body like JSON
+(L{relay.entry.media}, L{relay.wire.multipart}).
 
 B{For resources} (every route of every engineer): a request that reached
 C{render} on a client route carries
