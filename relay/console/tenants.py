@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from twisted.internet.defer import Deferred
 
+from relay.base.records import ENDPOINTS
 from relay.console.admin import deliverLater, errorBody, Guarded, notFound, respond
 from relay.tenants.requestlog import RequestQuery
 from relay.usage.query import UsageQueryError, parseSince
@@ -136,8 +137,8 @@ class ExplainResource(Guarded):
         if entrypoint not in ("http", "ws"):
             return _bad(request, "entrypoint must be http or ws", "entrypoint")
         endpoint = _arg(request, "endpoint") or "responses"
-        if endpoint not in ("responses", "chat"):
-            return _bad(request, "endpoint must be responses or chat", "endpoint")
+        if endpoint not in ENDPOINTS:
+            return _bad(request, "endpoint must be one of " + ", ".join(ENDPOINTS), "endpoint")
         previous = _arg(request, "previous_response_id")
         key = self.explainer.keyNamed(name)
         if key is None:

@@ -117,13 +117,17 @@ async def test_embeddings_skip_the_preferred_oauth_account():
     """
     R115: in a mixed pool the OAuth account, though preferred, is not
     eligible for embeddings (a scheduling filter, not an error after
-    dialling); the API-key account serves.
+    dialling); the API-key account serves, and C{/admin/explain} says why.
     """
     relay = await start([oauth(priority=1), apikey(priority=50)])
     try:
         got = await sdk(relay, lambda c: c.embeddings.create(model=EMBED, input="hi"))
         assert len(got.data) == 1
         assert relay.emulator.requestsFor("oauth-o1") == []
+        explained = await admin(relay, f"/admin/explain?key=test&model={EMBED}"
+                                       "&endpoint=embeddings")
+        verdicts = {a["id"]: a["verdict"] for a in explained["accounts"]}
+        assert verdicts == {"o1": "endpoint_not_served", "a1": "chosen"}
     finally:
         await relay.stop()
 
