@@ -500,6 +500,9 @@ async def rawPost(stack, path: str, body: dict) -> RawHTTP:
 
 def _requestFor(entrypoint: str) -> tuple:
     text = newSession()[1]
+    if entrypoint in MEDIA_ENTRYPOINTS:
+        path, body, field = _MEDIA_REQUESTS[entrypoint]
+        return path, dict(body, **{field: text})
     if entrypoint in _CHAT:
         return "/v1/chat/completions", {
             "model": MODEL, "messages": [{"role": "user", "content": text}], "stream": True}
@@ -532,7 +535,7 @@ async def startLeaver(stack, entrypoint: str):
 
     @return: the L{RawHTTP} or the WebSocket client.
     """
-    if entrypoint in _HTTP:
+    if entrypoint in _HTTP or entrypoint in MEDIA_ENTRYPOINTS:
         path, body = _requestFor(entrypoint)
         return await rawPost(stack, path, body)
     client = await connectNew(stack)
@@ -550,7 +553,7 @@ async def waitForOutput(stack, entrypoint: str, leaver, credential: str) -> None
         await leaver.waitFor(lambda data: b"response.output_text.delta" in data)
     elif entrypoint in _CHAT:
         await leaver.waitFor(_chatHasContent)
-    elif entrypoint == "http_json":
+    elif entrypoint == "http_json" or entrypoint in MEDIA_ENTRYPOINTS:
         await waitUntil(lambda: stack.emulator.inflight(credential) >= 1, "the JSON turn upstream")
     else:
         while True:
@@ -567,7 +570,7 @@ def leaveNow(entrypoint: str, leaver, how: str) -> None:
     WebSocket that is a FIN without a close frame) or C{"close"} (a
     WebSocket close frame with 1000; for HTTP the same as C{"fin"}).
     """
-    if entrypoint in _HTTP:
+    if entrypoint in _HTTP or entrypoint in MEDIA_ENTRYPOINTS:
         leaver.leave("rst" if how == "rst" else "fin")
     elif how == "rst":
         leaver.transport.abortConnection()

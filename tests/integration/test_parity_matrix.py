@@ -214,10 +214,11 @@ ROWS = [
         columns=("http_sse", "http_json", "ws_ctx_pool", "ws_passthrough", "ws_http_bridge")),
 ]
 
-MEDIA_DRIVERS = ("turn", "refused")
+MEDIA_DRIVERS = ("turn", "refused", "leave3", "leaveWaiting")
 """R115: embeddings and images (JSON on API-key accounts,
-L{P.MEDIA_ENTRYPOINTS}) join every row an ordinary request drives on the
-HTTP columns: the same upstream fault gets the same treatment there."""
+L{P.MEDIA_ENTRYPOINTS}) join every row an ordinary request (or a client
+that leaves it) drives on the HTTP columns: the same upstream fault gets
+the same treatment there."""
 
 ROWS = [evolve(r, columns=(*r.columns, *P.MEDIA_ENTRYPOINTS))
         if r.driver in MEDIA_DRIVERS and r.columns == COLUMNS else r for r in ROWS]
