@@ -18,7 +18,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.test.requesthelper import DummyRequest
 from zope.interface.verify import verifyObject
 
-from relay.base.records import Account, ClientError, ClientKey, Turn
+from relay.base.records import Account, ClientKey, Turn
 from relay.configuration.parse import parsePrices
 from relay.entry.media import MediaResource
 from relay.interfaces import ITurnSink
@@ -391,9 +391,3 @@ class PriceTests(SynchronousTestCase):
         self.assertEqual(parsePrices({"x": {"per_image": 0.5}})["x"],
                          Price(input=0.0, output=0.0, per_image=0.5))
         self.assertEqual(table.lookup("text-embedding-3-small").input, 0.02)
-
-    def test_clientErrorShape(self):
-        """
-        (The entry's refusals are L{ClientError}s in OpenAI's shape.)
-        """
-        self.assertEqual(ClientError(400, "invalid_request_error", "m").status, 400)
