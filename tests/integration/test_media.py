@@ -316,7 +316,7 @@ async def test_money_budget_holds_images():
     """
     keys = json.dumps([{"name": "test", "key": RELAY_KEY, "concurrency": 0, "daily_usd": 0.05}])
     relay = await start([apikey()], keys=keys)
-    relay.emulator.setScript("sk-a1", {"delay": 0.5})
+    relay.emulator.setScript("sk-a1", {"delay": 1.0})
     try:
         async def one():
             response, data = await relay.postJSON("/v1/images/generations",
