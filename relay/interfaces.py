@@ -1404,6 +1404,10 @@ class IAccountBookkeeping(Interface):
         'Account id -> C{{"turns", "failovers", "last_error", ...}} (a dict), for the'
         " operator view.")
 
+    outcomes = Attribute(
+        "The L{relay.policy.outcomes.AttemptOutcomes}: each account's recent attempt ends,"
+        " for the health the operator is shown.")
+
     def record(account, end, verdict, model=None, requestId="", upstreamRequestId=None):
         """
         Write what the attempt end C{end} (L{relay.policy.ends}) and its

@@ -998,6 +998,7 @@ def _tenants(app: RelayApplication, admin, usage, redis) -> None:
     explainer = Explainer(
         clock=reactor, scheduler=app.scheduler, keys=app.keys, accounts=app.live.accounts,
         policy=policy, admission=app.admission, ledger=usage, settings=app.settings,
+        outcomes=getattr(runner.bookkeeping, "outcomes", None),
     )
     admin.putRoute(b"requests", RequestsResource(app.live.adminKey, log, reactor))
     admin.putRoute(b"explain", ExplainResource(app.live.adminKey, explainer))

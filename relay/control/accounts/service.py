@@ -297,6 +297,7 @@ class AccountService(PlaneService):
                     raise _invalid(f"unknown field {name}", name)
             await self.store.put(PAUSE, accountId, {
                 "paused_at": self._clock.seconds(), "by": address, "reason": reason}, ANY)
+            note.update(detail={"reason": reason})
         else:
             await self.store.delete(PAUSE, accountId, ANY)
         await self.plane.refresh()
