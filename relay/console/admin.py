@@ -23,7 +23,10 @@ C{/admin}):
     C{needs_login} without a restart;
   - C{GET /admin/metrics} - the same metrics as C{/metrics}, behind the key;
   - C{GET /admin/usage?since=<ISO 8601 or Unix seconds>&group_by=key|account|model|hour}
-    - token totals, with the per-key budgets.
+    - token totals, with the per-key budgets (C{format=csv}: the rows as
+    CSV);
+  - C{GET /admin/usage/series?range=24h|7d|30d&bucket=hour|day&group_by=...}
+    - usage, cost and failures over time (L{relay.console.usageseries});
   - C{POST /admin/reload} - re-read the configuration file and apply it
     live.
 
@@ -441,6 +444,10 @@ class _UsageResource(Guarded):
     C{group_by} (default C{key}).
     """
 
+    #: The request log (L{relay.interfaces.IRequestLog}) for the series'
+    #: turn counts, set once it is built; L{None} counts no turns.
+    log = None
+
     def __init__(self, adminKey, ledger, clock):
         super().__init__(adminKey)
         self.ledger = ledger
@@ -452,13 +459,24 @@ class _UsageResource(Guarded):
         "budgets": [...]}}; each row has the group value and C{requests},
         C{input_tokens}, C{cached_input_tokens}, C{output_tokens},
         C{reasoning_tokens}, C{total_tokens}. A bad parameter is a 400
-        naming it.
+        naming it. C{format=csv}: the rows as CSV. C{/admin/usage/series}:
+        L{relay.console.usageseries}.
         """
+        from relay.console.csvexport import wantsCSV
         from relay.usage.query import UsageQueryError, parseGroupBy, parseSince
         from relay.usage.store import hourOf
 
+        if request.postpath == [b"series"]:
+            from relay.console.usageseries import renderSeries
+
+            return renderSeries(request, self.ledger, self.log, self.clock)
         if request.postpath not in ([], [b""]):
             return notFound(request)
+        csv = wantsCSV(request)
+        if csv is None:
+            return respond(request, 400, errorBody(
+                "format must be json or csv", "invalid_request_error", "invalid_value",
+                "format"))
         now = self.clock.seconds()
 
         def arg(name):
@@ -479,6 +497,9 @@ class _UsageResource(Guarded):
                 for name, value in row.items():
                     if name != groupBy:
                         total[name] = total.get(name, 0) + value
+            if csv:
+                header = [groupBy] + [n for n in (rows[0] if rows else {}) if n != groupBy]
+                return header, [[row[n] for n in header] for row in rows]
             return 200, {
                 "since": since,
                 "group_by": groupBy,
@@ -489,6 +510,11 @@ class _UsageResource(Guarded):
             }
 
         d = Deferred.fromCoroutine(self.ledger.totals(since, groupBy))
+        if csv:
+            from relay.console.csvexport import deliverCSV
+
+            return deliverCSV(request, d.addCallback(_cbRows), f"usage-by-{groupBy}.csv",
+                              "reading usage")
         return deliverLater(request, d, _cbRows, "reading usage")
 
 

@@ -1002,6 +1002,9 @@ def _tenants(app: RelayApplication, admin, usage, redis) -> None:
     )
     admin.putRoute(b"requests", RequestsResource(app.live.adminKey, log, reactor))
     admin.putRoute(b"explain", ExplainResource(app.live.adminKey, explainer))
+    usageRoute = admin.route(b"usage")
+    if usageRoute is not None:
+        usageRoute.log = log  # the series' turn counts (GET /admin/usage/series)
 
     def reloaded(result, new) -> None:
         prices.replace(new.prices)
