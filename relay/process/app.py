@@ -1005,6 +1005,11 @@ def _tenants(app: RelayApplication, admin, usage, redis) -> None:
     usageRoute = admin.route(b"usage")
     if usageRoute is not None:
         usageRoute.log = log  # the series' turn counts (GET /admin/usage/series)
+    from relay.console.overview import OverviewResource
+
+    admin.putRoute(b"overview", OverviewResource(
+        app.live.adminKey, app.extras["operator"].accountsView,
+        getattr(runner.bookkeeping, "outcomes", None), usage, reactor))
 
     def reloaded(result, new) -> None:
         prices.replace(new.prices)
