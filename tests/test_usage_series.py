@@ -16,6 +16,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from relay.console.admin import buildAdminResource
 from relay.console.csvexport import csvBody
 from relay.console.tenants import RequestsResource
+from relay.console.usageseries import renderSeries
 from relay.state.settings import RuntimeSettings
 from relay.tenants.requestlog import MemoryRequestLog
 from relay.usage.ledger import UsageLedger
@@ -42,7 +43,8 @@ class SeriesTests(SynchronousTestCase):
         self.root = buildAdminResource(KEY, RuntimeSettings(), lambda: succeed([]),
                                        lambda i: succeed(None), clock=self.clock,
                                        usage=self.ledger)
-        self.root.route(b"usage").log = self.log
+        self.root.route(b"usage").series = lambda request: renderSeries(
+            request, self.ledger, self.log, self.clock)
         h = hourOf(T0)
         self.successResultOf(self.store.add([
             ((h, "alice", "a1", "gpt-5.5"), TokenCounts(2, 100, 10, 20, 5, 3_000_000)),

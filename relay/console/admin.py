@@ -444,9 +444,9 @@ class _UsageResource(Guarded):
     C{group_by} (default C{key}).
     """
 
-    #: The request log (L{relay.interfaces.IRequestLog}) for the series'
-    #: turn counts, set once it is built; L{None} counts no turns.
-    log = None
+    #: Renders C{GET /admin/usage/series} (L{relay.console.usageseries},
+    #: set once the request log is built), or L{None} (404).
+    series = None
 
     def __init__(self, adminKey, ledger, clock):
         super().__init__(adminKey)
@@ -466,10 +466,8 @@ class _UsageResource(Guarded):
         from relay.usage.query import UsageQueryError, parseGroupBy, parseSince
         from relay.usage.store import hourOf
 
-        if request.postpath == [b"series"]:
-            from relay.console.usageseries import renderSeries
-
-            return renderSeries(request, self.ledger, self.log, self.clock)
+        if request.postpath == [b"series"] and self.series is not None:
+            return self.series(request)
         if request.postpath not in ([], [b""]):
             return notFound(request)
         csv = wantsCSV(request)

@@ -91,10 +91,12 @@ def deliverCSV(request, d, filename: str, what: str):
     @param what: what the work was, for the log.
     @return: L{NOT_DONE_YET}.
     """
+    import json
+
     from twisted.logger import Logger
     from twisted.web.server import NOT_DONE_YET
 
-    from relay.console.admin import errorBody, respond
+    from relay.base.requestid import requestIdOf
 
     gone = []
     request.notifyFinish().addErrback(lambda _: gone.append(True))
@@ -111,8 +113,11 @@ def deliverCSV(request, d, filename: str, what: str):
         Logger().failure("admin request failed while {what}", f, what=what,
                          event="relay.admin_failed")
         if not gone:
-            request.write(respond(request, 500, errorBody(
-                "Internal error while " + what, "api_error", "internal_error")))
+            request.setResponseCode(500)
+            request.setHeader(b"content-type", b"application/json; charset=utf-8")
+            request.write(json.dumps({"error": {
+                "message": "Internal error while " + what, "type": "api_error", "param": None,
+                "code": "internal_error", "request_id": requestIdOf(request)}}).encode())
             request.finish()
 
     d.addCallbacks(_write, _failed)

@@ -1004,7 +1004,10 @@ def _tenants(app: RelayApplication, admin, usage, redis) -> None:
     admin.putRoute(b"explain", ExplainResource(app.live.adminKey, explainer))
     usageRoute = admin.route(b"usage")
     if usageRoute is not None:
-        usageRoute.log = log  # the series' turn counts (GET /admin/usage/series)
+        from relay.console.usageseries import renderSeries
+
+        # GET /admin/usage/series: the usage store's and the log's totals.
+        usageRoute.series = lambda request: renderSeries(request, usage, log, reactor)
     from relay.console.overview import OverviewResource
 
     admin.putRoute(b"overview", OverviewResource(
