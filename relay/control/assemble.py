@@ -162,6 +162,7 @@ def assembleControl(app, admin, view, redis) -> ControlParts:
     policy = BrowserLikePolicyForHTTPS(trustRoot) if trustRoot is not None else None
     egress = EgressClient(reactor=reactor, settings=app.settings, tlsPolicy=policy)
     credentials = app.extras.get("credentials")
+    accounts.credentials = credentials
     logins = LoginService(plane=plane, accounts=accounts, tokens=view, egress=egress,
                           settings=app.settings, clock=reactor, audit=audit,
                           credentials=credentials)
