@@ -19,6 +19,7 @@ from twisted.logger import LogLevel, globalLogPublisher
 
 from tests.integration.harness import closedPort, startStack
 from tests.integration.oauthstack import emulatorConfig, oauthAccount
+from tests.integration.redis_server import redisServer  # noqa: F401 (fixture)
 
 ADMIN = "adm-console-key-0000"
 EXTRA = f"admin_key: {ADMIN}\n"
@@ -255,3 +256,57 @@ async def test_console_polling_is_debug():
     assert levels["/v1/responses"] == LogLevel.info
 
 
+
+
+@pytest_twisted.ensureDeferred
+async def test_usage_series_on_redis(redisServer):  # noqa: F811
+    """
+    With C{state.backend: redis} (a real C{redis-server}) the series reads
+    the hour hashes and the request log stream in one aggregated read each:
+    the buckets sum to the totals, and match C{/admin/usage}.
+    """
+    from twisted.internet import reactor
+    from twisted.internet.endpoints import TCP4ServerEndpoint
+
+    from relay.configuration.parse import settingsFromString
+    from relay.emulator import Emulator
+    from relay.process.app import buildApplication
+    from tests.integration.harness import RELAY_KEY, accountsYAML
+
+    redisServer.command("FLUSHALL")
+    emulator = Emulator(reactor=reactor, config={})
+    await emulator.listen(reactor)
+    keys = json.dumps([{"name": "team", "key": RELAY_KEY, "concurrency": 0}])
+    text = ('listen: "tcp:0:interface=127.0.0.1"\n'
+            f"keys: {keys}\n"
+            f"accounts: {accountsYAML(emulator, [{'id': 'api', 'credential': 'sk-api'}])}\n"
+            f"{EXTRA}"
+            f"state: {{backend: redis, redis_url: '{redisServer.url}'}}\n")
+    app = buildApplication(settingsFromString(text), reactor)
+    app.services[0].startService()
+    port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(app.site)
+
+    class _Stack:
+        url = f"http://127.0.0.1:{port.getHost().port}"
+
+    try:
+        for n in range(3):
+            r = await treq.post(_Stack.url + "/v1/responses", json.dumps(
+                {"model": "gpt-5.5", "input": f"hi {n}"}).encode(),
+                headers={"Authorization": [f"Bearer {RELAY_KEY}"],
+                         "Content-Type": ["application/json"]}, persistent=False)
+            await r.content()
+            assert r.code == 200
+        code, body = await adminJSON(_Stack, "GET", "/admin/usage/series?range=7d&group_by=model")
+        assert code == 200, body
+        sums(body)
+        [series] = body["series"]
+        assert (series["group"], series["total"]["requests"],
+                series["total"]["usage_requests"]) == ("gpt-5.5", 3, 3)
+        code, totals = await adminJSON(_Stack, "GET", "/admin/usage?group_by=model")
+        assert totals["rows"][0]["input_tokens"] == series["total"]["input_tokens"] > 0
+    finally:
+        await port.stopListening()
+        await app.services[0].stopService()
+        await app.dialer.close()
+        await emulator.stop()
