@@ -310,3 +310,52 @@ async def test_usage_series_on_redis(redisServer):  # noqa: F811
         await app.services[0].stopService()
         await app.dialer.close()
         await emulator.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_browser_login_paste_retry_and_duplicate_identity():
+    """
+    A browser login against the emulator: a paste without a code leaves it
+    pending; the right paste completes it with a C{duplicate_identity}
+    warning (the emulated login is in the pool already); another login is
+    cancelled with C{POST .../cancel}.
+    """
+    from urllib.parse import parse_qsl, urlsplit
+
+    def accounts(emulator):
+        return [oauthAccount(emulator, "o1")]
+
+    stack = await startStack(accounts, emulatorConfig=emulatorConfig(("o1",)), extra=EXTRA)
+    try:
+        root = stack.emulator.baseURL("root")
+        code, body = await adminJSON(stack, "POST", "/admin/logins", {
+            "flow": "browser", "account": {"id": "new1", "auth_base_url": root,
+                                           "base_url": stack.emulator.baseURL("oauth")}})
+        assert code == 201, body
+        login = body["login"]
+        code, body = await adminJSON(stack, "POST", f"/admin/logins/{login['id']}/complete",
+                                     {"redirect_url": "http://localhost:1455/auth/callback?x=1"})
+        assert (code, body["error"]["code"], body["login"]["status"]) == (
+            400, "no_code", "pending")
+        code, body = await adminJSON(stack, "GET", f"/admin/logins/{login['id']}")
+        assert (body["login"]["status"], body["login"]["paste_attempts"]) == ("pending", 1)
+        params = dict(parse_qsl(urlsplit(login["authorize_url"]).query))
+        params["account"] = "o1"
+        r = await treq.post(root + "/oauth/authorize/decision", data=params,
+                            allow_redirects=False)
+        await r.content()
+        assert r.code == 302
+        location = r.headers.getRawHeaders(b"location")[0].decode()
+        code, body = await adminJSON(stack, "POST", f"/admin/logins/{login['id']}/complete",
+                                     {"redirect_url": location})
+        assert code == 200, body
+        assert body["login"]["status"] == "completed"
+        [warning] = body["warnings"]
+        assert (warning["code"], warning["accounts"]) == ("duplicate_identity", ["o1"])
+        code, body = await adminJSON(stack, "POST", "/admin/logins", {
+            "flow": "browser", "account": {"id": "new2", "auth_base_url": root,
+                                           "base_url": stack.emulator.baseURL("oauth")}})
+        code, body = await adminJSON(stack, "POST", f"/admin/logins/{body['login']['id']}/cancel")
+        assert (code, body["login"]["status"]) == (200, "cancelled")
+    finally:
+        await stack.stop()
