@@ -788,9 +788,10 @@ def buildAdminResource(
         C{blocked_models}, C{streaks} (R11, model -> count),
         C{rate_limited_until}, C{breaker}, C{disabled}, C{last_error},
         C{last_error_at}, C{last_success_at}, C{turns}, C{failovers},
-        C{proxy_id}, C{proxy_state}, C{health} (the last 15 minutes' attempt
-        ends and the state shown: L{relay.policy.outcomes.healthState}) (times in Unix seconds unless named
-        C{*_iso}; missing keys are shown as empty).
+        C{proxy_id}, C{proxy_state}, C{health} (the last 15 minutes'
+        attempt ends and the state shown: L{relay.policy.outcomes.healthState})
+        (times in Unix seconds unless named C{*_iso}; missing keys are shown
+        as empty).
     @param clearAccount: called with an account id; returns (a L{Deferred}
         of) anything, or raises/fails with L{KeyError} for an unknown id.
     @param registry: the metrics registry for C{/admin/metrics}, or L{None}
