@@ -10,6 +10,8 @@ C{/admin}):
     key, its data fetches need it;
   - C{GET /admin/settings} - the runtime settings, nested (behaviour.md R74);
   - C{PUT /admin/settings} - a partial change, nested or flat dotted JSON;
+  - C{GET /admin/settings/schema} - each runtime setting's value, type and
+    range, for an editor;
   - C{GET /admin/accounts} - every account's live state for the page;
   - C{GET /admin/history} - per account, the last 15 minutes in one-minute
     buckets (L{relay.console.history}) for the page's charts;
@@ -239,8 +241,14 @@ class _SettingsResource(Guarded):
 
     def render_GET(self, request):
         """
-        The runtime settings in force, nested as under C{gateway:}.
+        The runtime settings in force, nested as under C{gateway:};
+        C{/admin/settings/schema}: each with its type and range
+        (L{relay.state.settings.describe}).
         """
+        if request.postpath == [b"schema"]:
+            from relay.state.settings import describe
+
+            return respond(request, 200, {"settings": describe(self.settings.current)})
         if request.postpath not in ([], [b""]):
             return notFound(request)
         return respond(request, 200, self.settings.snapshot())
