@@ -29,6 +29,7 @@ from urllib.parse import unquote, urlsplit
 
 import yaml
 
+from relay.configuration.alerts import parseAlerts
 from relay.base.records import (
     Account,
     BreakerSettings,
@@ -727,6 +728,7 @@ _TOP: Dict[str, Validator] = {
     "state": _stateSection,
     "database": _string,
     "usage": _nested(_USAGE, UsageSettings),
+    "alerts": lambda value, path: value,  # relay.configuration.alerts
     "groups": lambda value, path: value,
     "prices": lambda value, path: value,
     "request_log": _nested(_REQUEST_LOG, RequestLogSettings),
@@ -1263,6 +1265,7 @@ def settingsFromString(
     values["accounts"] = _parseAccounts(values.pop("accounts", []), proxies, environ)
     values["groups"] = _parseGroups(values.pop("groups", None), values["accounts"])
     values["prices"] = parsePrices(values.pop("prices", None))
+    values["alerts"] = parseAlerts(values.pop("alerts", None), environ)
     _checkKeyAccounts(values["keys"], values["accounts"], values["groups"])
 
     config = RelayConfig(**values)

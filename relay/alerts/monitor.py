@@ -1,0 +1,310 @@
+# -*- test-case-name: tests.test_alerts -*-
+"""
+The alert monitor (docs/operating.md "Alerts"): every
+C{alerts.evaluate_interval_seconds}, and soon after a turn that did not
+complete, it reads relay's state, off the turn path, turns the readings
+into conditions (L{relay.alerts.conditions}), asks the book
+(L{relay.alerts.book.AlertBook}) what to tell, and hands each notice to
+the webhook sender (L{relay.alerts.delivery.WebhookSender}) for every
+target that takes its event.
+
+What it reads (each reading is injected, so tests run on a
+L{twisted.internet.task.Clock}):
+
+  - the OAuth accounts' token status (C{login_needed});
+  - the accounts' stored state (C{account_disabled});
+  - a dry-run selection for every model clients asked for in the last
+    hour (C{pool_exhausted});
+  - the usage windows relay observed (C{capacity_forecast});
+  - the usage ledger's budget view (C{key_budget});
+  - the cost of the turns it was told of (L{turnRecorded}) over the last
+    C{alerts.spend_window_seconds} (C{spend_rate}).
+
+A reading that fails is logged and its event's conditions are left as
+they were (neither fired nor resolved).
+
+Metrics: C{relay_alerts_fired_total{event,state}} (notices, C{state}
+C{firing} or C{resolved}), C{relay_alerts_delivered_total{event,target}}
+and C{relay_alerts_failed_total{event,target}} (given up after every
+try); C{target} is C{webhooks[i]}, never a URL.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable, Optional
+
+from attrs import define, field
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+
+from relay.alerts import conditions
+from relay.alerts.book import AlertBook
+from relay.alerts.forecast import WindowRates
+from relay.base.alertsettings import (
+    ACCOUNT_DISABLED,
+    CAPACITY_FORECAST,
+    KEY_BUDGET,
+    LOGIN_NEEDED,
+    POOL_EXHAUSTED,
+    SPEND_RATE,
+    AlertSettings,
+)
+
+DEMAND_SECONDS = 3600.0
+"""A model is watched for C{pool_exhausted} and C{capacity_forecast} until
+no turn asked for it for this long."""
+
+SOON_SECONDS = 1.0
+"""After a turn that did not complete, the conditions are evaluated again
+within this many seconds (at most once per such span)."""
+
+
+class AlertMetrics:
+    """
+    The monitor's counters, in the registry given (relay's metrics
+    registry: C{/metrics} serves them).
+    """
+
+    def __init__(self, registry) -> None:
+        from prometheus_client import Counter
+
+        self.fired = Counter("relay_alerts_fired", "Alert notices (firing or resolved)",
+                             ["event", "state"], registry=registry)
+        self.delivered = Counter("relay_alerts_delivered", "Alert notices a webhook took",
+                                 ["event", "target"], registry=registry)
+        self.failed = Counter("relay_alerts_failed",
+                              "Alert notices not delivered after every try",
+                              ["event", "target"], registry=registry)
+
+
+def _target(target) -> str:
+    return target.label.split(" ", 1)[0]
+
+
+@define(eq=False, slots=False)
+class AlertMonitor(Service):
+    """
+    See the module docstring.
+
+    @ivar clock: the injected L{IReactorTime}.
+    @ivar settings: the L{AlertSettings}.
+    @ivar sender: the L{relay.alerts.delivery.WebhookSender}.
+    @ivar accounts: C{() -> iterable of Account}: the accounts in force.
+    @ivar credentials: the L{relay.interfaces.ICredentialSource}, or L{None}.
+    @ivar store: the account state store (C{getAccountStates}), or L{None}.
+    @ivar canServe: C{async (model) -> ClientError or None}: what a turn
+        for the model would be refused with now, or L{None}.
+    @ivar windows: C{(account id) -> Snapshot or None}: the usage windows.
+    @ivar budgets: C{(now) -> rows} (L{relay.usage.ledger.UsageLedger.budgetView}).
+    @ivar metrics: an L{AlertMetrics}, or L{None}.
+    @ivar sending: whether notices go out (only one process of a group
+        sends).
+    """
+
+    clock: IReactorTime
+    settings: AlertSettings
+    sender: Any
+    accounts: Callable[[], Any] = tuple
+    credentials: Any = None
+    store: Any = None
+    canServe: Optional[Callable] = None
+    windows: Optional[Callable] = None
+    budgets: Optional[Callable] = None
+    metrics: Optional[AlertMetrics] = None
+    sending: bool = True
+    book: AlertBook = field(init=False)
+    rates: WindowRates = field(init=False)
+    demand: dict = field(factory=dict)
+    _costs: deque = field(factory=deque)
+    _loop: Optional[LoopingCall] = None
+    _running: Optional[Deferred] = None
+    _again: bool = False
+    _soon: Any = None
+    _lastSoon: float = -1e18
+    _log = Logger()
+
+    def __attrs_post_init__(self) -> None:
+        self.book = AlertBook(clock=self.clock, cooloff=self.settings.cooloff_seconds)
+        self.rates = WindowRates(window=self.settings.forecast_window_seconds)
+        if self.metrics is not None:
+            self.sender.onDelivered = self._delivered
+            self.sender.onFailed = self._failed
+
+    # -- the service -------------------------------------------------------------
+
+    def startService(self) -> None:
+        Service.startService(self)
+        self._loop = LoopingCall(self.evaluate)
+        self._loop.clock = self.clock
+        self._loop.start(self.settings.evaluate_interval_seconds, now=False)
+
+    def stopService(self):
+        Service.stopService(self)
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+        if self._soon is not None and self._soon.active():
+            self._soon.cancel()
+        self._soon = None
+
+    # -- what the turns tell -------------------------------------------------------
+
+    def turnRecorded(self, record) -> None:
+        """
+        A turn ended (a L{relay.tenants.record.TurnRecord}): note its model
+        as asked for, its cost, and after one that did not complete,
+        evaluate again soon. Cheap: it runs where the record is made.
+        """
+        now = self.clock.seconds()
+        if record.model:
+            self.demand[record.model] = now
+        if record.cost_nanos:
+            self._costs.append((now, record.cost_nanos))
+        if record.outcome != "completed" and self.running and self._soon is None:
+            delay = max(0.0, self._lastSoon + SOON_SECONDS - now)
+            self._soon = self.clock.callLater(delay, self._evaluateSoon)
+
+    def _evaluateSoon(self) -> None:
+        self._soon = None
+        self._lastSoon = self.clock.seconds()
+        self.evaluate()
+
+    def spendPerHour(self, now: float) -> float:
+        """
+        @return: US dollars spent over the last C{spend_window_seconds}
+            (turns this process saw), per hour.
+        """
+        window = self.settings.spend_window_seconds
+        costs = self._costs
+        while costs and costs[0][0] < now - window:
+            costs.popleft()
+        return sum(n for _, n in costs) / 1e9 * 3600.0 / window
+
+    # -- evaluation ----------------------------------------------------------------
+
+    def evaluate(self) -> Deferred:
+        """
+        Read, decide and send (one evaluation at a time: a call during one
+        runs another after it).
+
+        @return: a Deferred firing when this evaluation's notices were
+            handed to the sender; it never fails.
+        """
+        if self._running is not None:
+            self._again = True
+            return self._running
+        self._running = ensureDeferred(self._evaluate())
+
+        def _done(result):
+            self._running = None
+            if self._again:
+                self._again = False
+                return self.evaluate()
+            return result
+
+        return self._running.addBoth(_done)
+
+    async def _evaluate(self) -> None:
+        now = self.clock.seconds()
+        for model in [m for m, t in self.demand.items() if t < now - DEMAND_SECONDS]:
+            del self.demand[model]
+        accounts = list(self.accounts())
+        evaluated, found = [], []
+        for event, reading in (
+            (LOGIN_NEEDED, self._logins),
+            (ACCOUNT_DISABLED, self._disabled),
+            (POOL_EXHAUSTED, self._exhausted),
+            (CAPACITY_FORECAST, self._forecasts),
+            (KEY_BUDGET, self._keyBudgets),
+            (SPEND_RATE, self._spend),
+        ):
+            try:
+                found.extend(await ensureDeferred(reading(accounts, now)))
+            except Exception:  # noqa: BLE001 - one reading never stops the others
+                self._log.failure("reading {alert_event} failed", event="relay.alert_read_failed",
+                                  alert_event=event)
+                continue
+            evaluated.append(event)
+        try:
+            notices = self.book.update(evaluated, found)
+        except Exception:  # noqa: BLE001 - a periodic job never fails (style.md T26)
+            self._log.failure("alert evaluation failed", event="relay.alert_read_failed")
+            return
+        for notice in notices:
+            self._dispatch(notice)
+
+    def _dispatch(self, notice) -> None:
+        c = notice.condition
+        self._log.info("alert {alert_event} {state}: {summary}", event="relay.alert",
+                       alert_event=c.event, state=notice.state, subject=c.subject,
+                       summary=c.summary)
+        if self.metrics is not None:
+            self.metrics.fired.labels(event=c.event, state=notice.state).inc()
+        if not self.sending:
+            return
+        for target in self.settings.webhooks:
+            if c.event in target.events:
+                self.sender.send(target, notice)
+
+    def _delivered(self, target, notice) -> None:
+        self.metrics.delivered.labels(event=notice.condition.event, target=_target(target)).inc()
+
+    def _failed(self, target, notice) -> None:
+        self.metrics.failed.labels(event=notice.condition.event, target=_target(target)).inc()
+
+    # -- the readings ----------------------------------------------------------------
+
+    async def _logins(self, accounts, now) -> list:
+        if self.credentials is None:
+            return []
+        views = [(a.id, self.credentials.view(a)) for a in accounts if a.type == "oauth"]
+        return conditions.loginsNeeded(views)
+
+    async def _disabled(self, accounts, now) -> list:
+        if self.store is None or not accounts:
+            return []
+        runtimes = await self.store.getAccountStates([a.id for a in accounts])
+        return conditions.accountsDisabled(runtimes)
+
+    async def _exhausted(self, accounts, now) -> list:
+        if self.canServe is None:
+            return []
+        refusals = {}
+        for model in sorted(self.demand):
+            error = await ensureDeferred(self.canServe(model))
+            if error is not None:
+                refusals[model] = error
+        return conditions.poolsExhausted(refusals)
+
+    async def _forecasts(self, accounts, now) -> list:
+        if self.windows is None:
+            return []
+        known = {}
+        for account in accounts:
+            snapshot = self.windows(account.id) if account.type == "oauth" else None
+            if snapshot is None or snapshot.primary is None:
+                continue
+            window = snapshot.primary
+            self.rates.observe(account.id, snapshot.observed_at,
+                               window.usedAt(snapshot.observed_at))
+            known[account.id] = (account, window.usedAt(now),
+                                 self.rates.rate(account.id, now), window.reset_at)
+        self.rates.forget(known)
+        pools = {}
+        for model in sorted(self.demand):
+            pools[model] = [(accountId, used, rate, reset)
+                            for accountId, (account, used, rate, reset) in sorted(known.items())
+                            if account.servesModel(model)]
+        return conditions.capacityForecasts(pools, now, self.settings.capacity_forecast_minutes)
+
+    async def _keyBudgets(self, accounts, now) -> list:
+        if self.budgets is None:
+            return []
+        return conditions.keyBudgets(self.budgets(now), self.settings.key_budget_percents)
+
+    async def _spend(self, accounts, now) -> list:
+        return conditions.spendRate(self.spendPerHour(now), self.settings.spend_rate_usd_per_hour,
+                                    self.settings.spend_window_seconds)
