@@ -143,12 +143,39 @@ class AlertMonitor(Service):
         self._loop.start(self.settings.evaluate_interval_seconds, now=False)
 
     def stopService(self):
+        """
+        Stop the timer and close the sender's connections (a delivery in
+        flight is abandoned).
+        """
         Service.stopService(self)
         if self._loop is not None and self._loop.running:
             self._loop.stop()
         if self._soon is not None and self._soon.active():
             self._soon.cancel()
         self._soon = None
+        for pending in list(getattr(self.sender, "pending", ())):
+            pending.cancel()
+        close = getattr(getattr(self.sender, "post", None), "close", None)
+        return close() if close is not None else None
+
+    def reconfigure(self, settings: AlertSettings) -> None:
+        """
+        Take a reloaded C{alerts:} section: webhooks and thresholds apply
+        from the next evaluation; the book's conditions are kept.
+        """
+        interval = self.settings.evaluate_interval_seconds
+        self.settings = settings
+        self.book.cooloff = settings.cooloff_seconds
+        self.rates.window = settings.forecast_window_seconds
+        if hasattr(self.sender, "attempts"):
+            self.sender.attempts = settings.delivery_attempts
+            self.sender.timeout = settings.delivery_timeout_seconds
+        if self._loop is not None and self._loop.running and (
+                settings.evaluate_interval_seconds != interval):
+            self._loop.stop()
+            self._loop = LoopingCall(self.evaluate)
+            self._loop.clock = self.clock
+            self._loop.start(settings.evaluate_interval_seconds, now=False)
 
     # -- what the turns tell -------------------------------------------------------
 
@@ -274,6 +301,9 @@ class AlertMonitor(Service):
             return []
         refusals = {}
         for model in sorted(self.demand):
+            if not any(a.servesModel(model) for a in accounts):
+                # A name no account lists (a typo): not the pool's to serve.
+                continue
             error = await ensureDeferred(self.canServe(model))
             if error is not None:
                 refusals[model] = error

@@ -148,7 +148,11 @@ def parseAlerts(raw: Any, environ: Mapping[str, str]) -> AlertSettings:
                 raise _fail(path, f"expected a list, got {_kind(value)}")
             values["webhooks"] = tuple(_webhook(item, i, environ) for i, item in enumerate(value))
         elif key == "spend_rate_usd_per_hour":
-            values[key] = None if value is None else _number(value, path, 0.000001, 1e9, False)
+            if value is not None:
+                value = _number(value, path, 0, 1e9, False)
+                if value <= 0:
+                    raise _fail(path, "must be more than 0 (null turns spend_rate off)")
+            values[key] = value
         elif key == "key_budget_percents":
             if not isinstance(value, list) or not value:
                 raise _fail(path, f"expected a non-empty list of percents, got {_kind(value)}")

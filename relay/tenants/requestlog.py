@@ -137,6 +137,9 @@ class _Buffered:
     _buffer: list = field(factory=list)
     _flushing: Optional[Deferred] = None
     dropped: int = 0
+    listeners: list = field(factory=list)
+    """C{(record) -> None} called with every record added, where it is
+    added (cheap, never raising: the alert monitor's L{relay.alerts.monitor.AlertMonitor.turnRecorded})."""
     _log = Logger()
 
     def sampled(self) -> bool:
@@ -150,6 +153,8 @@ class _Buffered:
         """
         See L{IRequestLog.add}.
         """
+        for listener in self.listeners:
+            listener(record)
         self._buffer.append(record)
         if len(self._buffer) > MAX_BUFFER:
             extra = len(self._buffer) - MAX_BUFFER
@@ -223,6 +228,8 @@ class MemoryRequestLog(_Buffered):
         """
         See L{IRequestLog.add}: kept at once (nothing to write).
         """
+        for listener in self.listeners:
+            listener(record)
         self._seq += 1
         record.seq = str(self._seq)
         self._records.append(record)

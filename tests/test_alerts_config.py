@@ -1,0 +1,98 @@
+"""
+The C{alerts:} section (config.md): parsed as config.md shows it, its
+defaults, and one-line errors naming the key that never repeat a webhook
+URL (it may carry a token).
+"""
+
+from __future__ import annotations
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from relay.base.alertsettings import EVENTS, AlertSettings
+from relay.base.records import ConfigError
+from relay.configuration.parse import settingsFromString
+
+CONFIG_MD = """
+alerts:
+  webhooks:
+    - url: https://hooks.example/relay    # plain JSON; slack: true for Slack's shape
+      events: [login_needed, account_disabled, pool_exhausted, capacity_forecast, key_budget, spend_rate]
+  spend_rate_usd_per_hour: 50
+"""
+
+
+class AlertsConfigTests(SynchronousTestCase):
+
+    def error(self, text, environ=None):
+        with self.assertRaises(ConfigError) as caught:
+            settingsFromString(text, environ=environ or {})
+        message = str(caught.exception)
+        self.assertNotIn("\n", message)
+        return message
+
+    def test_configMdExample(self):
+        alerts = settingsFromString(CONFIG_MD, environ={}).alerts
+        self.assertEqual(len(alerts.webhooks), 1)
+        target = alerts.webhooks[0]
+        self.assertEqual((target.url, target.slack, target.events),
+                         ("https://hooks.example/relay", False, EVENTS))
+        self.assertEqual(target.label, "webhooks[0] (hooks.example)")
+        self.assertEqual(alerts.spend_rate_usd_per_hour, 50)
+        self.assertNotIn("hooks.example/relay", repr(alerts))
+
+    def test_defaults(self):
+        """
+        No section: alerting off; the documented defaults.
+        """
+        alerts = settingsFromString("keys: []", environ={}).alerts
+        self.assertEqual(alerts, AlertSettings())
+        self.assertFalse(alerts.enabled)
+        self.assertIsNone(alerts.spend_rate_usd_per_hour)
+        self.assertEqual((alerts.evaluate_interval_seconds, alerts.cooloff_seconds,
+                          alerts.capacity_forecast_minutes, alerts.key_budget_percents,
+                          alerts.delivery_attempts),
+                         (15.0, 600.0, 60.0, (80, 100), 6))
+
+    def test_slackAndEventsDefault(self):
+        alerts = settingsFromString(
+            "alerts: {webhooks: [{url: 'https://hooks.slack.example/T/B/x', slack: true}]}",
+            environ={}).alerts
+        self.assertTrue(alerts.webhooks[0].slack)
+        self.assertEqual(alerts.webhooks[0].events, EVENTS)
+
+    def test_urlFromTheEnvironment(self):
+        alerts = settingsFromString("alerts: {webhooks: [{url_env: HOOK}]}",
+                                    environ={"HOOK": "https://h.example/tok"}).alerts
+        self.assertEqual(alerts.webhooks[0].url, "https://h.example/tok")
+        self.assertEqual(self.error("alerts: {webhooks: [{url_env: HOOK}]}"),
+                         "alerts.webhooks[0].url_env: environment variable HOOK is not set")
+
+    def test_errorsNameTheKey(self):
+        self.assertEqual(self.error("alerts: {webhooks: [{url: 'https://h.example/x',"
+                                    " events: [login_needed, pool_dry]}]}"),
+                         "alerts.webhooks[0].events[1]: unknown event 'pool_dry' (expected one"
+                         " of login_needed, account_disabled, pool_exhausted, capacity_forecast,"
+                         " key_budget, spend_rate)")
+        self.assertEqual(self.error("alerts: {spend_rate_usd_per_hour: -1}"),
+                         "alerts.spend_rate_usd_per_hour: must be between 0 and 1e+09, got -1")
+        self.assertEqual(self.error("alerts: {spend_rate_usd_per_hour: 0}"),
+                         "alerts.spend_rate_usd_per_hour: must be more than 0 (null turns"
+                         " spend_rate off)")
+        self.assertEqual(self.error("alerts: {spend_rate: 5}"), "unknown key alerts.spend_rate")
+        self.assertEqual(self.error("alerts: {webhooks: [{url: 'https://h.example/x',"
+                                    " slak: true}]}"), "unknown key alerts.webhooks[0].slak")
+        self.assertEqual(self.error("alerts: {webhooks: [{events: [spend_rate]}]}"),
+                         "alerts.webhooks[0]: url or url_env is required")
+        self.assertEqual(self.error("alerts: {cooloff_seconds: soon}"),
+                         "alerts.cooloff_seconds: expected a number, got a string")
+        self.assertEqual(self.error("alerts: {webhooks: [{url: 'https://h.example/x',"
+                                    " slack: 'yes'}]}"),
+                         "alerts.webhooks[0].slack: expected true or false, got a string")
+
+    def test_urlNeverInAnError(self):
+        for url in ("ftp://h.example/SECRET", "https:///SECRET", "https://h.example/SE CRET",
+                    "https://h.example:0/SECRET"):
+            message = self.error(f"alerts: {{webhooks: [{{url: '{url}'}}]}}")
+            self.assertTrue(message.startswith("alerts.webhooks[0].url: "), message)
+            self.assertNotIn("SECRET", message)
+            self.assertNotIn("SE CRET", message)
