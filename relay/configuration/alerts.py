@@ -30,7 +30,7 @@ from relay.base.records import ConfigError
 
 _NUMBERS = {
     # key: (minimum, maximum, integer)
-    "spend_window_seconds": (60, 86400, False),
+    "spend_window_seconds": (1, 86400, False),
     "evaluate_interval_seconds": (0.05, 3600, False),
     "cooloff_seconds": (0, 7 * 86400, False),
     "capacity_forecast_minutes": (1, 7 * 1440, False),
