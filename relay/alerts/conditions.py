@@ -20,7 +20,7 @@ from relay.base.alertsettings import (
     SPEND_RATE,
 )
 
-_BUDGETS = (
+BUDGETS = (
     # (budget, limit field, used field, unit)
     ("daily_tokens", "daily_tokens", "daily_used", "tokens"),
     ("monthly_tokens", "monthly_tokens", "monthly_used", "tokens"),
@@ -127,7 +127,7 @@ def keyBudgets(rows: Iterable[dict], percents: Iterable[float]) -> list:
     out = []
     for row in rows:
         key = row["key"]
-        for budget, limitField, usedField, unit in _BUDGETS:
+        for budget, limitField, usedField, unit in BUDGETS:
             limit, used = row.get(limitField), row.get(usedField)
             if not limit or used is None:
                 continue

@@ -1000,7 +1000,8 @@ def _tenants(app: RelayApplication, admin, usage, redis) -> None:
 
 def _alerts(app: RelayApplication) -> None:
     """
-    Webhook alerts (config.md C{alerts:}, L{relay.alerts}): the monitor
+    Webhook alerts (config.md C{alerts:}, L{relay.alerts}), and the
+    key budgets' gauge the shipped Prometheus rules read: the monitor
     reads the token status, the account states, a dry-run selection per
     model, the usage windows, the budgets and the turns' cost on a timer,
     off the turn path. With C{workers: N} every worker evaluates and only
@@ -1008,6 +1009,12 @@ def _alerts(app: RelayApplication) -> None:
     thresholds; turning alerts on or off needs a restart.
     """
     settings = app.config.alerts
+    runner = app.runner
+    if runner.metrics is not None:
+        from relay.alerts.budgetgauge import KeyBudgetCollector
+
+        # relay_key_budget_used_ratio, for the shipped Prometheus rules.
+        runner.metrics.addCollector(KeyBudgetCollector(runner.usage.budgetView, app.reactor))
     if not settings.enabled:
         return
     from relay.alerts.delivery import TreqPoster, WebhookSender
@@ -1015,7 +1022,7 @@ def _alerts(app: RelayApplication) -> None:
     from relay.base.logs import workerIndex
     from relay.base.records import ClientKey, Turn
 
-    reactor, runner = app.reactor, app.runner
+    reactor = app.reactor
     probe = ClientKey(name="relay-alerts", key="", concurrency=0)
 
     async def canServe(model):
