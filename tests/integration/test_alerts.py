@@ -282,3 +282,48 @@ async def test_capacityForecastBeforeTheWindowsRunOut():
         assert max(used()) < 100
     finally:
         await stop(relay, port)
+
+
+@pytest_twisted.ensureDeferred
+async def test_aRelayProcessSendsPlainAndSlackBodies(tmp_path):
+    """
+    relay run as C{twistd relay} (the service starts the monitor): one
+    turn over a $0.01/hour spend threshold reaches a plain webhook and a
+    Slack one (C{{"text": ...}}), then their resolution; the webhook URLs'
+    token is nowhere in relay's log, which names the targets.
+    """
+    from tests.integration.relayproc import RelayProcess, writeConfig
+
+    hook, port = await receiver()
+    emulator = Emulator(reactor=reactor, config=emulatorConfig((), apikeys=("sk-emu-k1",)))
+    await emulator.listen(reactor)
+    base = f"http://127.0.0.1:{port.getHost().port}"
+    section = {"webhooks": [{"url": base + "/plain/t0ken-plain", "events": ["spend_rate"]},
+                            {"url": base + "/slack/t0ken-slack", "slack": True}],
+               "spend_rate_usd_per_hour": 0.01, "spend_window_seconds": 2,
+               "evaluate_interval_seconds": 0.2}
+    relay = RelayProcess(config=str(tmp_path / "relay.yaml"), log=str(tmp_path / "relay.log"))
+    writeConfig(relay.config, relay.port,
+                [{"id": "k1", "type": "apikey", "base_url": emulator.baseURL("apikey"),
+                  "api_key": "sk-emu-k1"}],
+                extra="alerts: " + json.dumps(section) + "\n")
+    relay.start()
+    try:
+        await relay.waitHealthy()
+        code, _ = await relay.post(turnBody())
+        assert code == 200
+        await waitFor(lambda: len(hook.bodies) == 4, timeout=20)
+        plain = [b for b in hook.bodies if "event" in b]
+        slack = [b for b in hook.bodies if "text" in b]
+        assert [(b["status"], b["event"]) for b in plain] == [
+            ("firing", "spend_rate"), ("resolved", "spend_rate")]
+        assert [list(b) for b in slack] == [["text"], ["text"]]
+        assert "spend_rate" in slack[0]["text"] and "resolved" in slack[1]["text"]
+        await relay.shutdown()
+        log = relay.tail(10**7)
+        assert "t0ken" not in log
+        assert "webhooks[0]" in log and "webhooks[1]" in log
+    finally:
+        await relay.shutdown()
+        await emulator.stop()
+        await port.stopListening()
