@@ -33,6 +33,10 @@ class _Record:
     cost_nanos: int = 0
 
 
+class _MutableRecord:
+    model, outcome, cost_nanos, seq, time = "gpt-5.5", "completed", 0, None, 0.0
+
+
 class _Sender:
     def __init__(self):
         self.sent = []
@@ -502,3 +506,61 @@ class DeliveryTests(SynchronousTestCase):
         text = " ".join(formatEvent(e) + repr(e) for e in self.events)
         self.assertIn("webhooks[0]", text)
         self.assertNotIn("SECRET-TOKEN", text)
+
+
+class WiringTests(SynchronousTestCase):
+    """
+    The request log tells its listeners of each record; a reload's
+    settings apply.
+    """
+
+    def test_requestLogListeners(self):
+        from relay.tenants.requestlog import MemoryRequestLog, SQLiteRequestLog
+
+        for cls in (MemoryRequestLog, SQLiteRequestLog):
+            kwargs = {"database": None} if cls is SQLiteRequestLog else {}
+            log = cls(clock=Clock(), **kwargs)
+            seen = []
+            log.listeners.append(seen.append)
+            record = _MutableRecord()
+            log.add(record)
+            self.assertEqual(seen, [record], cls)
+
+    def test_reconfigure(self):
+        clock = Clock()
+        sender = WebhookSender(clock=clock, post=None)
+        monitor = AlertMonitor(clock=clock, settings=_settings(), sender=sender)
+        monitor.startService()
+        self.addCleanup(monitor.stopService)
+        calls = []
+        monitor.evaluate = lambda: calls.append(clock.seconds())
+        monitor.reconfigure(_settings(evaluate_interval_seconds=2, cooloff_seconds=5,
+                                      delivery_attempts=2, forecast_window_seconds=30))
+        clock.advance(2)
+        self.assertEqual(calls, [2])
+        self.assertEqual((monitor.book.cooloff, monitor.rates.window, sender.attempts),
+                         (5, 30, 2))
+
+    def test_appBuildsTheMonitor(self):
+        """
+        A configuration with webhooks gets a monitor among the services,
+        listening to the request log; without, none (and the budgets'
+        gauge either way).
+        """
+        from relay.configuration.parse import settingsFromString
+        from relay.process.app import buildApplication
+
+        text = ("keys: [{name: t, key: sk-relay-t}]\n"
+                "accounts: [{id: a1, type: apikey, api_key: sk-1}]\n"
+                "database: ':memory:'\n")
+        app = buildApplication(settingsFromString(text, environ={}), Clock())
+        self.assertNotIn("alerts", app.extras)
+        families = {f.name for f in app.runner.metrics.registry.collect()}
+        self.assertIn("relay_key_budget_used_ratio", families)
+        self.assertNotIn("relay_alerts_fired", families)
+        app = buildApplication(settingsFromString(
+            text + f"alerts: {{webhooks: [{{url: '{URL}'}}]}}\n", environ={}), Clock())
+        monitor = app.extras["alerts"]
+        self.assertIn(monitor, app.services)
+        self.assertIn(monitor.turnRecorded, app.runner.requestLog.listeners)
+        self.assertTrue(monitor.sending)
