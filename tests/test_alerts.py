@@ -250,6 +250,24 @@ class MonitorTests(SynchronousTestCase):
         self.tick()
         self.assertEqual(self.sender.told()[1:], [(RESOLVED, "pool_exhausted", "gpt-5.4-mini")])
 
+    def test_onlyKnownModelsAreWatched(self):
+        """
+        A name relay does not know (R110) is not watched, however many
+        clients send; a snapshot name is watched as its family.
+        """
+        from relay.alerts.monitor import MAX_MODELS
+
+        monitor = self.monitor()
+        monitor.modelName = {"gpt-5.5-2026-04-23": "gpt-5.5"}.get
+        for i in range(3):
+            monitor.turnRecorded(_Record(model=f"made-up-{i}", outcome="failed"))
+        monitor.turnRecorded(_Record(model="gpt-5.5-2026-04-23"))
+        self.assertEqual(list(monitor.demand), ["gpt-5.5"])
+        monitor.modelName = None
+        for i in range(MAX_MODELS + 10):
+            monitor.turnRecorded(_Record(model=f"m{i}"))
+        self.assertEqual(len(monitor.demand), MAX_MODELS)
+
     def test_capacityForecast(self):
         """
         Windows at 40 % growing 1 point a minute each (two accounts serve

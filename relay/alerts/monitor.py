@@ -58,6 +58,9 @@ DEMAND_SECONDS = 3600.0
 """A model is watched for C{pool_exhausted} and C{capacity_forecast} until
 no turn asked for it for this long."""
 
+MAX_MODELS = 256
+"""At most this many models are watched (the most recently asked for)."""
+
 SOON_SECONDS = 1.0
 """After a turn that did not complete, the conditions are evaluated again
 within this many seconds (at most once per such span)."""
@@ -116,6 +119,10 @@ class AlertMonitor(Service):
     budgets: Optional[Callable] = None
     metrics: Optional[AlertMetrics] = None
     sending: bool = True
+    modelName: Optional[Callable] = None
+    """C{(name) -> known normalised name or None} (R110,
+    L{relay.base.modelname.ModelCatalogue.canonical}): only known models
+    are watched, whatever names clients send; L{None}: names as given."""
     book: AlertBook = field(init=False)
     rates: WindowRates = field(init=False)
     demand: dict = field(factory=dict)
@@ -186,8 +193,15 @@ class AlertMonitor(Service):
         evaluate again soon. Cheap: it runs where the record is made.
         """
         now = self.clock.seconds()
-        if record.model:
-            self.demand[record.model] = now
+        model = record.model
+        if model and self.modelName is not None:
+            model = self.modelName(model)
+        if model:
+            demand = self.demand
+            demand.pop(model, None)
+            demand[model] = now
+            if len(demand) > MAX_MODELS:
+                del demand[next(iter(demand))]
         if record.cost_nanos:
             self._costs.append((now, record.cost_nanos))
         if record.outcome != "completed" and self.running and self._soon is None:
@@ -224,6 +238,9 @@ class AlertMonitor(Service):
             self._again = True
             return self._running
         self._running = ensureDeferred(self._evaluate())
+        self._running.addErrback(
+            lambda f: self._log.failure("alert evaluation failed", f,
+                                        event="relay.alert_read_failed"))
 
         def _done(result):
             self._running = None

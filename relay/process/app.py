@@ -1020,6 +1020,7 @@ def _alerts(app: RelayApplication) -> None:
     from relay.alerts.delivery import TreqPoster, WebhookSender
     from relay.alerts.monitor import AlertMetrics, AlertMonitor
     from relay.base.logs import workerIndex
+    from relay.base.modelname import ModelCatalogue
     from relay.base.records import ClientKey, Turn
 
     reactor = app.reactor
@@ -1041,6 +1042,7 @@ def _alerts(app: RelayApplication) -> None:
         windows=quota.get if quota is not None else None, budgets=runner.usage.budgetView,
         metrics=AlertMetrics(runner.metrics.registry) if runner.metrics is not None else None,
         sending=workerIndex() in (None, 0),
+        modelName=ModelCatalogue(app.live.accounts.snapshot, runner.prices).canonical,
     )
     if runner.requestLog is not None:
         runner.requestLog.listeners.append(monitor.turnRecorded)
