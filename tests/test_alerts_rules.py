@@ -1,8 +1,9 @@
 """
 The shipped Prometheus rules (C{etc/prometheus/relay-rules.yml},
-docs/operating.md "Alerts"): valid for C{promtool} (when installed: CI
-installs Debian's C{prometheus} package), one rule per alert event, and
-every expression names only metrics relay exports.
+docs/operating.md "Alerts"): valid for C{promtool} and passing their unit
+tests (C{relay-rules.test.yml}) when promtool is installed (CI installs
+Debian's C{prometheus} package), one rule per alert event, and every
+expression names only metrics relay exports.
 """
 
 from __future__ import annotations
@@ -79,6 +80,19 @@ class RulesFileTests(SynchronousTestCase):
             raise SkipTest("promtool is not installed (Debian: apt-get install prometheus)")
         result = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True,
                                 text=True, timeout=60)
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        self.assertIn("SUCCESS", result.stdout)
+
+    def test_promtoolUnitTests(self):
+        """
+        C{promtool test rules}: each rule fires on series that meet its
+        condition and not on others (etc/prometheus/relay-rules.test.yml).
+        """
+        promtool = shutil.which("promtool")
+        if promtool is None:
+            raise SkipTest("promtool is not installed (Debian: apt-get install prometheus)")
+        result = subprocess.run([promtool, "test", "rules", "relay-rules.test.yml"],
+                                capture_output=True, text=True, timeout=120, cwd=RULES.parent)
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
         self.assertIn("SUCCESS", result.stdout)
 
