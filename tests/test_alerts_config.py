@@ -16,7 +16,8 @@ CONFIG_MD = """
 alerts:
   webhooks:
     - url: https://hooks.example/relay    # plain JSON; slack: true for Slack's shape
-      events: [login_needed, account_disabled, pool_exhausted, capacity_forecast, key_budget, spend_rate]
+      events: [login_needed, account_disabled, pool_exhausted, capacity_forecast,
+               key_budget, spend_rate]
   spend_rate_usd_per_hour: 50
 """
 
@@ -31,6 +32,9 @@ class AlertsConfigTests(SynchronousTestCase):
         return message
 
     def test_configMdExample(self):
+        """
+        config.md's example parses; the URL is not in the settings' repr.
+        """
         alerts = settingsFromString(CONFIG_MD, environ={}).alerts
         self.assertEqual(len(alerts.webhooks), 1)
         target = alerts.webhooks[0]
@@ -54,6 +58,9 @@ class AlertsConfigTests(SynchronousTestCase):
                          (15.0, 600.0, 60.0, (80, 100), 6))
 
     def test_slackAndEventsDefault(self):
+        """
+        C{slack: true} is kept; without C{events} a webhook takes every event.
+        """
         alerts = settingsFromString(
             "alerts: {webhooks: [{url: 'https://hooks.slack.example/T/B/x', slack: true}]}",
             environ={}).alerts
@@ -61,6 +68,9 @@ class AlertsConfigTests(SynchronousTestCase):
         self.assertEqual(alerts.webhooks[0].events, EVENTS)
 
     def test_urlFromTheEnvironment(self):
+        """
+        C{url_env} reads the URL from the environment; an unset variable is an error naming the key.
+        """
         alerts = settingsFromString("alerts: {webhooks: [{url_env: HOOK}]}",
                                     environ={"HOOK": "https://h.example/tok"}).alerts
         self.assertEqual(alerts.webhooks[0].url, "https://h.example/tok")
@@ -68,6 +78,9 @@ class AlertsConfigTests(SynchronousTestCase):
                          "alerts.webhooks[0].url_env: environment variable HOOK is not set")
 
     def test_errorsNameTheKey(self):
+        """
+        Each mistake is one line naming the key path.
+        """
         self.assertEqual(self.error("alerts: {webhooks: [{url: 'https://h.example/x',"
                                     " events: [login_needed, pool_dry]}]}"),
                          "alerts.webhooks[0].events[1]: unknown event 'pool_dry' (expected one"
@@ -90,6 +103,9 @@ class AlertsConfigTests(SynchronousTestCase):
                          "alerts.webhooks[0].slack: expected true or false, got a string")
 
     def test_urlNeverInAnError(self):
+        """
+        A bad webhook URL is refused without repeating it.
+        """
         for url in ("ftp://h.example/SECRET", "https:///SECRET", "https://h.example/SE CRET",
                     "https://h.example:0/SECRET"):
             message = self.error(f"alerts: {{webhooks: [{{url: '{url}'}}]}}")

@@ -54,6 +54,9 @@ def rules() -> list:
 class RulesFileTests(SynchronousTestCase):
 
     def test_everyExpressionNamesExportedMetrics(self):
+        """
+        Every rule's expression names only metrics relay serves.
+        """
         exported = exportedNames()
         for rule in rules():
             named = set(re.findall(r"\brelay_[a-z0-9_]+", rule["expr"]))
@@ -61,6 +64,9 @@ class RulesFileTests(SynchronousTestCase):
             self.assertEqual(named - exported, set(), rule["alert"])
 
     def test_everyEventHasARule(self):
+        """
+        Each alert event has a rule (its C{relay_event} label).
+        """
         events = {rule.get("labels", {}).get("relay_event") for rule in rules()}
         self.assertEqual(set(EVENTS) - events, set())
 
@@ -100,6 +106,9 @@ class RulesFileTests(SynchronousTestCase):
 class KeyBudgetGaugeTests(SynchronousTestCase):
 
     def test_ratio(self):
+        """
+        The gauge is each budget's used share; budgets without a limit have none.
+        """
         registry = CollectorRegistry()
         rows = [{"key": "bob", "daily_tokens": 1000, "daily_used": 850, "monthly_tokens": None,
                  "monthly_used": 850, "daily_usd": 2.0, "daily_spent_usd": 2.5}]

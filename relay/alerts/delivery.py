@@ -25,8 +25,10 @@ from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
+from zope.interface import implementer
 
 from relay.alerts.book import FIRING, Notice
+from relay.interfaces import IWebhookPoster
 
 RETRY_BASE_SECONDS = 1.0
 RETRY_MAX_SECONDS = 60.0
@@ -85,12 +87,16 @@ def backoff(attempt: int) -> float:
     return min(RETRY_MAX_SECONDS, RETRY_BASE_SECONDS * 2 ** (attempt - 1))
 
 
+@implementer(IWebhookPoster)
 class TreqPoster:
     """
     POSTs with treq over one persistent L{HTTPConnectionPool}.
     """
 
     def __init__(self, reactor) -> None:
+        """
+        @param reactor: the reactor (connections and timeouts).
+        """
         import treq
         from twisted.web.client import Agent, HTTPConnectionPool
 
@@ -99,10 +105,13 @@ class TreqPoster:
         self.pool.retryAutomatically = False
         self._client = treq.client.HTTPClient(Agent(reactor, pool=self.pool, connectTimeout=10))
 
-    async def __call__(self, url: str, body: bytes, timeout: float) -> int:
+    def post(self, url: str, body: bytes, timeout: float) -> Deferred:
         """
-        @return: the answer's status (its body is read and dropped).
+        See L{IWebhookPoster.post}.
         """
+        return Deferred.fromCoroutine(self._post(url, body, timeout))
+
+    async def _post(self, url: str, body: bytes, timeout: float) -> int:
         response = await self._client.post(
             url, data=body, headers={"Content-Type": ["application/json"],
                                      "User-Agent": ["relay-alerts"]},
@@ -111,6 +120,9 @@ class TreqPoster:
         return response.code
 
     def close(self) -> Deferred:
+        """
+        See L{IWebhookPoster.close}.
+        """
         return self.pool.closeCachedConnections()
 
 
@@ -120,8 +132,7 @@ class WebhookSender:
     See the module docstring.
 
     @ivar clock: the injected L{IReactorTime}.
-    @ivar post: C{async (url, body, timeout) -> status}; L{TreqPoster} in
-        production.
+    @ivar poster: the L{IWebhookPoster} (L{TreqPoster} in production).
     @ivar attempts: tries per notice and target.
     @ivar timeout: one try's limit, seconds.
     @ivar onDelivered: C{(target, notice)} after a 2xx answer.
@@ -129,7 +140,7 @@ class WebhookSender:
     """
 
     clock: IReactorTime
-    post: Callable[..., Any]
+    poster: Any
     attempts: int = 6
     timeout: float = 10.0
     onDelivered: Optional[Callable] = None
@@ -156,7 +167,7 @@ class WebhookSender:
             retry, problem = True, None
             try:
                 status = await ensureDeferred(
-                    self.post(target.url, body, self.timeout)
+                    self.poster.post(target.url, body, self.timeout)
                 ).addTimeout(self.timeout, self.clock)
             except Exception as e:  # noqa: BLE001 - any failure is a failed try
                 problem = type(e).__name__ + _redacted(e, target)

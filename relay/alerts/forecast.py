@@ -10,8 +10,8 @@ C{codex.rate_limits} events, usage probes; L{relay.scheduling.quota}) over
 the last C{window} seconds. An account's rate is its growth since the
 oldest kept observation divided by the time between them (or, when the
 last is older than a tenth of the window, by the time since the oldest
-less that tenth), so it falls back to zero when traffic stops; a drop (the window reset, a banked reset
-redeemed) starts afresh.
+less that tenth), so it falls back to zero when traffic stops; a drop
+(the window reset, a banked reset redeemed) starts afresh.
 
 L{runsOutIn} adds the accounts' remaining points and their rates: the pool
 runs out after C{remaining / rate} seconds, except that a window that

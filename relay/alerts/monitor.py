@@ -162,7 +162,7 @@ class AlertMonitor(Service):
         self._soon = None
         for pending in list(getattr(self.sender, "pending", ())):
             pending.cancel()
-        close = getattr(getattr(self.sender, "post", None), "close", None)
+        close = getattr(getattr(self.sender, "poster", None), "close", None)
         return close() if close is not None else None
 
     def reconfigure(self, settings: AlertSettings) -> None:
@@ -267,9 +267,12 @@ class AlertMonitor(Service):
         ):
             try:
                 found.extend(await ensureDeferred(reading(accounts, now)))
-            except Exception:  # noqa: BLE001 - one reading never stops the others
-                self._log.failure("reading {alert_event} failed", event="relay.alert_read_failed",
-                                  alert_event=event)
+            except Exception as e:  # noqa: BLE001 - one reading never stops the others
+                # A store that does not answer, most likely: its conditions
+                # stay as they were.
+                self._log.error("reading {alert_event} failed ({error})",
+                                event="relay.alert_read_failed", alert_event=event,
+                                error=repr(e)[:300])
                 continue
             evaluated.append(event)
         try:

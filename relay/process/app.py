@@ -1032,7 +1032,7 @@ def _alerts(app: RelayApplication) -> None:
         preview = await app.scheduler.preview(turn)
         return preview.error if preview.selection is None else None
 
-    sender = WebhookSender(clock=reactor, post=TreqPoster(reactor),
+    sender = WebhookSender(clock=reactor, poster=TreqPoster(reactor),
                            attempts=settings.delivery_attempts,
                            timeout=settings.delivery_timeout_seconds)
     quota = app.extras["quota"]

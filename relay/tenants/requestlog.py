@@ -139,7 +139,8 @@ class _Buffered:
     dropped: int = 0
     listeners: list = field(factory=list)
     """C{(record) -> None} called with every record added, where it is
-    added (cheap, never raising: the alert monitor's L{relay.alerts.monitor.AlertMonitor.turnRecorded})."""
+    added: cheap and never raising (the alert monitor's
+    L{relay.alerts.monitor.AlertMonitor.turnRecorded})."""
     _log = Logger()
 
     def sampled(self) -> bool:
