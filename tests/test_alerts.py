@@ -524,6 +524,19 @@ class DeliveryTests(SynchronousTestCase):
                              onDelivered=lambda t, n: self.delivered.append(n),
                              onFailed=lambda t, n: self.failed.append(n))
 
+    def test_treqPoster(self):
+        """
+        The production poster provides L{IWebhookPoster}; closing it closes
+        its kept connections.
+        """
+        from twisted.internet.testing import MemoryReactorClock
+
+        from relay.alerts.delivery import TreqPoster
+
+        poster = TreqPoster(MemoryReactorClock())
+        self.assertTrue(verifyObject(IWebhookPoster, poster))
+        self.successResultOf(poster.close())
+
     def test_backoff(self):
         """
         Retries wait 1, 2, 4... seconds, at most 60.
