@@ -432,6 +432,21 @@ class MonitorTests(SynchronousTestCase):
         self.assertEqual([e["alert_event"] for e in self.events
                           if e.get("event") == "relay.alert_read_failed"], ["account_disabled"])
 
+    def test_aReadingThatHangsTimesOut(self):
+        """
+        A store that does not answer fails its reading after 10 s; the
+        other events are told then.
+        """
+        from twisted.internet.defer import Deferred
+
+        self.monitor()
+        self.store.getAccountStates = lambda ids: Deferred()
+        self.credentials.status["o1"] = "needs_login"
+        self.tick()
+        self.assertEqual(self.sender.told(), [])
+        self.tick(10)
+        self.assertEqual(self.sender.told(), [(FIRING, "login_needed", "o1")])
+
     def test_metrics(self):
         """
         Notices, deliveries and failed deliveries are counted by event (and target, never its URL).

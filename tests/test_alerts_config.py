@@ -112,3 +112,15 @@ class AlertsConfigTests(SynchronousTestCase):
             self.assertTrue(message.startswith("alerts.webhooks[0].url: "), message)
             self.assertNotIn("SECRET", message)
             self.assertNotIn("SE CRET", message)
+
+    def test_webhookURLsAreSecrets(self):
+        """
+        The log redactor is given each webhook URL and its path (a token).
+        """
+        from relay.configuration.parse import secretsOf
+
+        config = settingsFromString(
+            "alerts: {webhooks: [{url: 'https://hooks.example/services/T0/B0/XyZ123'}]}",
+            environ={})
+        self.assertTrue({"https://hooks.example/services/T0/B0/XyZ123",
+                         "/services/T0/B0/XyZ123"} <= secretsOf(config))

@@ -58,6 +58,9 @@ DEMAND_SECONDS = 3600.0
 """A model is watched for C{pool_exhausted} and C{capacity_forecast} until
 no turn asked for it for this long."""
 
+READ_TIMEOUT_SECONDS = 10.0
+"""A reading (a store, a dry-run selection) that takes longer fails."""
+
 MAX_MODELS = 256
 """At most this many models are watched (the most recently asked for)."""
 
@@ -266,7 +269,8 @@ class AlertMonitor(Service):
             (SPEND_RATE, self._spend),
         ):
             try:
-                found.extend(await ensureDeferred(reading(accounts, now)))
+                found.extend(await ensureDeferred(reading(accounts, now)).addTimeout(
+                    READ_TIMEOUT_SECONDS, self.clock))
             except Exception as e:  # noqa: BLE001 - one reading never stops the others
                 # A store that does not answer, most likely: its conditions
                 # stay as they were.

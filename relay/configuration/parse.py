@@ -1439,8 +1439,8 @@ def secretsOf(config: RelayConfig) -> frozenset:
     """
     Every secret value in a configuration, for L{relay.base.logs.SecretRedactor}.
 
-    @return: client key values, account credentials, the admin key and
-        proxy passwords.
+    @return: client key values, account credentials, the admin key,
+        proxy passwords and webhook URLs (and their paths).
     @rtype: L{frozenset} of L{str}
     """
     secrets = set()
@@ -1460,4 +1460,10 @@ def secretsOf(config: RelayConfig) -> frozenset:
     for proxy in proxies:
         if proxy.password:
             secrets.add(proxy.password)
+    for target in config.alerts.webhooks:
+        # A webhook URL often carries its token in the path.
+        secrets.add(target.url)
+        tail = target.url.split("://", 1)[-1].partition("/")[2]
+        if len(tail) >= 8:
+            secrets.add("/" + tail)
     return frozenset(s for s in secrets if s)
