@@ -30,6 +30,7 @@ from tests.integration.oauthstack import (
     turnBody,
     waitFor,
 )
+from tests.integration.redis_server import redisServer  # noqa: F401 (fixture)
 
 ADMIN = "admin-alerts-test-9f3kq0xz7"
 
@@ -323,6 +324,61 @@ async def test_aRelayProcessSendsPlainAndSlackBodies(tmp_path):
         log = relay.tail(10**7)
         assert "t0ken" not in log
         assert "webhooks[0]" in log and "webhooks[1]" in log
+    finally:
+        await relay.shutdown()
+        await emulator.stop()
+        await port.stopListening()
+
+
+@pytest_twisted.ensureDeferred
+async def test_redisBackend(redisServer, tmp_path):
+    """
+    The same readings with the Redis backend, relay run as C{twistd
+    relay}: k1's 402 disables it (the state is in Redis), and it alone
+    served gpt-5.4-mini, so that pool is exhausted too; an operator's
+    C{clear} resolves both.
+    """
+    from tests.integration.relayproc import ADMIN as PROC_ADMIN
+    from tests.integration.relayproc import RelayProcess, writeConfig
+
+    redisServer.command("FLUSHALL")
+    hook, port = await receiver()
+    emulator = Emulator(reactor=reactor, config=emulatorConfig(
+        (), apikeys=("sk-emu-k1", "sk-emu-k2")))
+    await emulator.listen(reactor)
+    emulator.setFault("sk-emu-k1", {"kind": "status", "code": 402, "body": {
+        "error": {"message": "pay up", "type": "billing_error", "code": None}}})
+    section = {"webhooks": [{"url": f"http://127.0.0.1:{port.getHost().port}/hook",
+                             "events": ["account_disabled", "pool_exhausted"]}],
+               "evaluate_interval_seconds": 0.2}
+    relay = RelayProcess(config=str(tmp_path / "relay.yaml"), log=str(tmp_path / "relay.log"))
+    writeConfig(relay.config, relay.port,
+                [{"id": "k1", "type": "apikey", "base_url": emulator.baseURL("apikey"),
+                  "api_key": "sk-emu-k1", "models": ["gpt-5.4-mini"]},
+                 {"id": "k2", "type": "apikey", "base_url": emulator.baseURL("apikey"),
+                  "api_key": "sk-emu-k2", "models": ["gpt-5.5"]}],
+                extra=f"state: {{backend: redis, redis_url: '{redisServer.url}'}}\n"
+                      "alerts: " + json.dumps(section) + "\n")
+    relay.start()
+    try:
+        await relay.waitHealthy()
+        code, _ = await relay.post(dict(turnBody(), model="gpt-5.4-mini"))
+        assert code != 200
+        await waitFor(lambda: len(hook.bodies) == 2, timeout=20)
+        assert sorted(hook.told()) == [("firing", "account_disabled", "k1"),
+                                       ("firing", "pool_exhausted", "gpt-5.4-mini")]
+        emulator.clearFaults()
+        response = await treq.post(relay.url + "/admin/accounts/k1/clear",
+                                   headers={"Authorization": [f"Bearer {PROC_ADMIN}"]},
+                                   persistent=False)
+        assert response.code == 200, await response.content()
+        await waitFor(lambda: len(hook.bodies) == 4, timeout=20)
+        assert sorted(hook.told()[2:]) == [("resolved", "account_disabled", "k1"),
+                                           ("resolved", "pool_exhausted", "gpt-5.4-mini")]
+        code, _ = await relay.post(dict(turnBody(), model="gpt-5.4-mini"))
+        assert code == 200
+        await sleep(1)
+        assert len(hook.bodies) == 4
     finally:
         await relay.shutdown()
         await emulator.stop()
