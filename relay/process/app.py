@@ -1016,6 +1016,12 @@ def _alerts(app: RelayApplication) -> None:
         # relay_key_budget_used_ratio, for the shipped Prometheus rules.
         runner.metrics.addCollector(KeyBudgetCollector(runner.usage.budgetView, app.reactor))
     if not settings.enabled:
+        def reloaded(result, new) -> None:
+            if new.alerts.enabled:
+                _log.warn("config reload: alerts.webhooks needs a restart to turn alerts on",
+                          event="relay.config_reload_restart", key="alerts.webhooks")
+
+        app.reloader.onApplied.append(reloaded)
         return
     from relay.alerts.delivery import TreqPoster, WebhookSender
     from relay.alerts.monitor import AlertMetrics, AlertMonitor
