@@ -29,7 +29,6 @@ from urllib.parse import unquote, urlsplit
 
 import yaml
 
-from relay.configuration.alerts import parseAlerts
 from relay.base.records import (
     Account,
     BreakerSettings,
@@ -49,6 +48,7 @@ from relay.base.records import (
     UsageSettings,
     WebSocketSettings,
 )
+from relay.configuration.alerts import parseAlerts
 
 __all__ = [
     "loadConfig",
