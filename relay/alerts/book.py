@@ -45,6 +45,9 @@ class Condition:
 
     @property
     def ident(self) -> tuple:
+        """
+        @return: C{(event, subject)}, the condition's identity.
+        """
         return (self.event, self.subject)
 
 
@@ -68,6 +71,9 @@ class Notice:
 
 @define
 class _Entry:
+    """
+    A condition the book holds: when it was first seen, whether it was told.
+    """
     condition: Condition
     since: float
     told: bool = False

@@ -34,15 +34,24 @@ class KeyBudgetCollector(Collector):
         self._clock = clock
 
     def describe(self):
+        """
+        Name the gauge up front.
+        """
         return [self._family()]
 
     @staticmethod
     def _family():
+        """
+        @return: an empty L{GaugeMetricFamily} of the gauge.
+        """
         return GaugeMetricFamily("relay_key_budget_used_ratio",
                                  "Share of a key's budget used this period (1 = all of it)",
                                  labels=["key", "budget"])
 
     def collect(self):
+        """
+        Read the budgets at scrape time; a failed read is logged and reports none.
+        """
         family = self._family()
         try:
             rows = self._budgets(self._clock.seconds())

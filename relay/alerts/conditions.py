@@ -162,6 +162,9 @@ def spendRate(usdPerHour: float, threshold: Optional[float], windowSeconds: floa
 
 
 def _amount(value, unit: str) -> str:
+    """
+    @return: C{value} for people: dollars or whole tokens.
+    """
     if unit == "USD":
         return f"${value:.2f}"
     return f"{int(value)} tokens"

@@ -36,6 +36,9 @@ _RETRIED_STATUSES = frozenset({408, 425, 429})
 
 
 def _iso(seconds: float) -> str:
+    """
+    @return: Unix seconds as ISO-8601 UTC, whole seconds.
+    """
     return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
@@ -112,6 +115,9 @@ class TreqPoster:
         return Deferred.fromCoroutine(self._post(url, body, timeout))
 
     async def _post(self, url: str, body: bytes, timeout: float) -> int:
+        """
+        @return: the answer's status (its body read and dropped).
+        """
         response = await self._client.post(
             url, data=body, headers={"Content-Type": ["application/json"],
                                      "User-Agent": ["relay-alerts"]},
@@ -161,6 +167,11 @@ class WebhookSender:
         return d
 
     async def _send(self, target, notice: Notice) -> bool:
+        """
+        Try, wait, try again (see the module docstring).
+
+        @return: whether a try was answered 2xx.
+        """
         body = bodyFor(target, notice)
         event = notice.condition.event
         for attempt in range(1, self.attempts + 1):

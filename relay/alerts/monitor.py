@@ -76,6 +76,9 @@ class AlertMetrics:
     """
 
     def __init__(self, registry) -> None:
+        """
+        @param registry: the L{prometheus_client.CollectorRegistry} to count in.
+        """
         from prometheus_client import Counter
 
         self.fired = Counter("relay_alerts_fired", "Alert notices (firing or resolved)",
@@ -88,6 +91,9 @@ class AlertMetrics:
 
 
 def _target(target) -> str:
+    """
+    @return: the C{target} label of a webhook: C{webhooks[i]}, never its URL.
+    """
     return target.label.split(" ", 1)[0]
 
 
@@ -138,6 +144,9 @@ class AlertMonitor(Service):
     _log = Logger()
 
     def __attrs_post_init__(self) -> None:
+        """
+        Build the book and the window rates; count deliveries when there are metrics.
+        """
         self.book = AlertBook(clock=self.clock, cooloff=self.settings.cooloff_seconds)
         self.rates = WindowRates(window=self.settings.forecast_window_seconds)
         if self.metrics is not None:
@@ -147,6 +156,9 @@ class AlertMonitor(Service):
     # -- the service -------------------------------------------------------------
 
     def startService(self) -> None:
+        """
+        Evaluate every C{evaluate_interval_seconds}.
+        """
         Service.startService(self)
         self._loop = LoopingCall(self.evaluate)
         self._loop.clock = self.clock
@@ -212,6 +224,9 @@ class AlertMonitor(Service):
             self._soon = self.clock.callLater(delay, self._evaluateSoon)
 
     def _evaluateSoon(self) -> None:
+        """
+        The evaluation a turn that did not complete brought forward.
+        """
         self._soon = None
         self._lastSoon = self.clock.seconds()
         self.evaluate()
@@ -246,6 +261,9 @@ class AlertMonitor(Service):
                                         event="relay.alert_read_failed"))
 
         def _done(result):
+            """
+            One evaluation at a time: run the one asked for meanwhile.
+            """
             self._running = None
             if self._again:
                 self._again = False
@@ -255,6 +273,9 @@ class AlertMonitor(Service):
         return self._running.addBoth(_done)
 
     async def _evaluate(self) -> None:
+        """
+        Read each event's conditions, update the book, send its notices.
+        """
         now = self.clock.seconds()
         for model in [m for m, t in self.demand.items() if t < now - DEMAND_SECONDS]:
             del self.demand[model]
@@ -288,6 +309,9 @@ class AlertMonitor(Service):
             self._dispatch(notice)
 
     def _dispatch(self, notice) -> None:
+        """
+        Log and count a notice; hand it to every target that takes its event.
+        """
         c = notice.condition
         self._log.info("alert {alert_event} {state}: {summary}", event="relay.alert",
                        alert_event=c.event, state=notice.state, subject=c.subject,
@@ -301,26 +325,41 @@ class AlertMonitor(Service):
                 self.sender.send(target, notice)
 
     def _delivered(self, target, notice) -> None:
+        """
+        Count a delivered notice.
+        """
         self.metrics.delivered.labels(event=notice.condition.event, target=_target(target)).inc()
 
     def _failed(self, target, notice) -> None:
+        """
+        Count a notice given up.
+        """
         self.metrics.failed.labels(event=notice.condition.event, target=_target(target)).inc()
 
     # -- the readings ----------------------------------------------------------------
 
     async def _logins(self, accounts, now) -> list:
+        """
+        C{login_needed}: the OAuth accounts' token status.
+        """
         if self.credentials is None:
             return []
         views = [(a.id, self.credentials.view(a)) for a in accounts if a.type == "oauth"]
         return conditions.loginsNeeded(views)
 
     async def _disabled(self, accounts, now) -> list:
+        """
+        C{account_disabled}: the accounts' stored state.
+        """
         if self.store is None or not accounts:
             return []
         runtimes = await self.store.getAccountStates([a.id for a in accounts])
         return conditions.accountsDisabled(runtimes)
 
     async def _exhausted(self, accounts, now) -> list:
+        """
+        C{pool_exhausted}: a dry-run selection per model asked for.
+        """
         if self.canServe is None:
             return []
         refusals = {}
@@ -334,6 +373,9 @@ class AlertMonitor(Service):
         return conditions.poolsExhausted(refusals)
 
     async def _forecasts(self, accounts, now) -> list:
+        """
+        C{capacity_forecast}: the usage windows' observations and rates.
+        """
         if self.windows is None:
             return []
         known = {}
@@ -355,10 +397,16 @@ class AlertMonitor(Service):
         return conditions.capacityForecasts(pools, now, self.settings.capacity_forecast_minutes)
 
     async def _keyBudgets(self, accounts, now) -> list:
+        """
+        C{key_budget}: the ledger's budget view.
+        """
         if self.budgets is None:
             return []
         return conditions.keyBudgets(self.budgets(now), self.settings.key_budget_percents)
 
     async def _spend(self, accounts, now) -> list:
+        """
+        C{spend_rate}: the turns' cost over the spend window.
+        """
         return conditions.spendRate(self.spendPerHour(now), self.settings.spend_rate_usd_per_hour,
                                     self.settings.spend_window_seconds)

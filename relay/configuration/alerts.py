@@ -42,10 +42,16 @@ _WEBHOOK_KEYS = ("url", "url_env", "slack", "events")
 
 
 def _fail(path: str, problem: str) -> ConfigError:
+    """
+    @return: a one-line L{ConfigError} C{"<path>: <problem>"}.
+    """
     return ConfigError(" ".join(f"{path}: {problem}".split()))
 
 
 def _kind(value: Any) -> str:
+    """
+    @return: what kind of value C{value} is, for a message (never the value: it may be a secret).
+    """
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -55,6 +61,10 @@ def _kind(value: Any) -> str:
 
 
 def _number(value: Any, path: str, low: float, high: float, integer: bool) -> float:
+    """
+    @return: C{value} checked to lie within C{low}..C{high} (an C{int} when C{integer}).
+    @raise ConfigError: otherwise.
+    """
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (
             integer and not isinstance(value, int)):
         raise _fail(path, f"expected {'an integer' if integer else 'a number'},"
@@ -87,6 +97,10 @@ def _url(value: Any, path: str) -> str:
 
 
 def _webhook(raw: Any, index: int, environ: Mapping[str, str]) -> WebhookTarget:
+    """
+    @return: the L{WebhookTarget} of C{alerts.webhooks[index]}.
+    @raise ConfigError: one line naming the key, never the URL.
+    """
     path = f"alerts.webhooks[{index}]"
     if not isinstance(raw, dict):
         raise _fail(path, f"expected a mapping with url and events, got {_kind(raw)}")
