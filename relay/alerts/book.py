@@ -74,10 +74,10 @@ class _Entry:
     """
     A condition the book holds: when it was first seen, whether it was told.
     """
+
     condition: Condition
     since: float
     told: bool = False
-    active: bool = True
 
 
 @define(eq=False)
