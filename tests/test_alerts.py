@@ -394,6 +394,18 @@ class MonitorTests(SynchronousTestCase):
         self.tick(60)
         self.assertEqual(self.sender.told()[1:], [(RESOLVED, "spend_rate", "pool")])
 
+    def test_spendIsKeptInBoundedBuckets(self):
+        """
+        However many turns a spend window holds, their costs are kept in
+        at most 61 buckets, and the rate is their sum per hour.
+        """
+        monitor = self.monitor(spend_rate_usd_per_hour=1000, spend_window_seconds=60)
+        for _ in range(6000):
+            monitor.turnRecorded(_Record(cost_nanos=10_000_000))
+            self.clock.advance(0.01)
+        self.assertLessEqual(len(monitor._costs), 61)
+        self.assertAlmostEqual(monitor.spendPerHour(self.clock.seconds()), 3600, delta=60)
+
     def test_spendRateOffByDefault(self):
         """
         Without C{spend_rate_usd_per_hour} the spend rate never fires.

@@ -186,6 +186,8 @@ class AlertMonitor(Service):
         from the next evaluation; the book's conditions are kept.
         """
         interval = self.settings.evaluate_interval_seconds
+        if settings.spend_window_seconds != self.settings.spend_window_seconds:
+            self._costs.clear()  # its buckets were of the old window
         self.settings = settings
         self.book.cooloff = settings.cooloff_seconds
         self.rates.window = settings.forecast_window_seconds
@@ -218,7 +220,14 @@ class AlertMonitor(Service):
             if len(demand) > MAX_MODELS:
                 del demand[next(iter(demand))]
         if record.cost_nanos:
-            self._costs.append((now, record.cost_nanos))
+            # Costs in buckets of a 60th of the spend window: bounded,
+            # however many turns a window holds.
+            bucket = int(now * 60 // self.settings.spend_window_seconds)
+            costs = self._costs
+            if costs and costs[-1][0] == bucket:
+                costs[-1][1] += record.cost_nanos
+            else:
+                costs.append([bucket, record.cost_nanos])
         if record.outcome != "completed" and self.running and self._soon is None:
             delay = max(0.0, self._lastSoon + SOON_SECONDS - now)
             self._soon = self.clock.callLater(delay, self._evaluateSoon)
@@ -234,11 +243,14 @@ class AlertMonitor(Service):
     def spendPerHour(self, now: float) -> float:
         """
         @return: US dollars spent over the last C{spend_window_seconds}
-            (turns this process saw), per hour.
+            (turns this process saw, counted in 60ths of the window), per
+            hour.
         """
         window = self.settings.spend_window_seconds
         costs = self._costs
-        while costs and costs[0][0] < now - window:
+        # A bucket counts while any of it is within the window.
+        oldest = int((now - window) * 60 // window)
+        while costs and costs[0][0] < oldest:
             costs.popleft()
         return sum(n for _, n in costs) / 1e9 * 3600.0 / window
 
