@@ -154,7 +154,7 @@ async def test_loginNeededAndAccountDisabled():
 @pytest_twisted.ensureDeferred
 async def test_poolExhaustedForAModel():
     """
-    k1 alone serves gpt-5.4-mini; its 429s (Retry-After 2 s) leave the
+    k1 alone serves gpt-5.4-mini; its 429s (Retry-After 4 s) leave the
     pool unable to serve that model: the alert arrives once, and is
     resolved when the account may be used again. gpt-5.5 (k2) is not
     concerned.
@@ -163,7 +163,8 @@ async def test_poolExhaustedForAModel():
     emulator = Emulator(reactor=reactor, config=emulatorConfig(
         (), apikeys=("sk-emu-k1", "sk-emu-k2")))
     await emulator.listen(reactor)
-    emulator.setFault("sk-emu-k1", {"kind": "status", "preset": "rate_limit"})
+    emulator.setFault("sk-emu-k1", {"kind": "status", "preset": "rate_limit",
+                                    "headers": {"retry-after": "4"}})
     relay = await start(
         [{"id": "k1", "credential": "sk-emu-k1", "models": ["gpt-5.4-mini"]},
          {"id": "k2", "credential": "sk-emu-k2", "models": ["gpt-5.5"]}],
@@ -209,26 +210,29 @@ async def test_keyBudgetAndSpendRate():
                                  {"name": "bob", "daily_tokens": 5 * perTurn})
         assert code == 201, body
         secret = body["secret"]
+
+        def budget():
+            return [t for t in hook.told() if t[1] == "key_budget"]
+
         for i in range(1, 6):
             code, events = await turn(relay, key=secret)
             assert code == 200
             assert events[-1][1]["response"]["usage"]["total_tokens"] == perTurn
-            await sleep(0.6)
-            budget = [t for t in hook.told() if t[1] == "key_budget"]
             if i < 4:
-                assert budget == [], (i, budget)
+                await sleep(0.6)
+                assert budget() == [], (i, budget())
             elif i == 4:
-                assert budget == [("firing", "key_budget", "bob daily_tokens 80%")]
+                await waitFor(lambda: budget(), timeout=10)
+                assert budget() == [("firing", "key_budget", "bob daily_tokens 80%")]
             else:
-                assert budget[1:] == [("firing", "key_budget", "bob daily_tokens 100%")]
+                await waitFor(lambda: len(budget()) > 1, timeout=10)
+                assert budget()[1:] == [("firing", "key_budget", "bob daily_tokens 100%")]
         assert (await turn(relay, key=secret))[0] == 429
         code, _ = await admin(relay, "PATCH", "/admin/keys/bob",
                               {"daily_tokens": 100 * perTurn})
         assert code == 200
-        await waitFor(lambda: len([t for t in hook.told() if t[1] == "key_budget"]) == 4,
-                      timeout=10)
-        budget = [t for t in hook.told() if t[1] == "key_budget"]
-        assert sorted(budget[2:]) == [("resolved", "key_budget", "bob daily_tokens 100%"),
+        await waitFor(lambda: len(budget()) == 4, timeout=10)
+        assert sorted(budget()[2:]) == [("resolved", "key_budget", "bob daily_tokens 100%"),
                                       ("resolved", "key_budget", "bob daily_tokens 80%")]
         # bob's turns brought the spend rate back within its 600 s cool-off:
         # not told again, and so never resolved again either.
