@@ -1205,6 +1205,33 @@ class IEgressClient(Interface):
         """
 
 
+class IWebhookPoster(Interface):
+    """
+    Where relay's alerts leave the process (L{relay.alerts.delivery}): one
+    JSON POST to a webhook. The URL is a secret (it often carries a
+    token): never logged, never in an exception's message the caller
+    logs. Retries are the caller's.
+    """
+
+    def post(url, body, timeout):
+        """
+        POST one JSON body and read the (discarded) answer.
+
+        @param url: the webhook's absolute C{http(s)} URL.
+        @param body: the JSON body, bytes.
+        @param timeout: seconds for the whole exchange.
+        @return: a Deferred firing with the answer's HTTP status (any), or
+            failing with the transport's exception (refused, TLS, timeout).
+        """
+
+    def close():
+        """
+        Close the kept connections (service stop).
+
+        @return: a Deferred firing once they are closed.
+        """
+
+
 # The turn engine's collaborators (L{relay.engine.runner.TurnRunner}), each
 # passed at construction (relay.process.app builds them in one place). Only what
 # the engine calls.

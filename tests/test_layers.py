@@ -30,6 +30,7 @@ LAYERS = (
     ("relay.upstream", "dialers, proxies"),
     ("relay.oauth", "tokens, logins, usage windows"),
     ("relay.tenants", "key policy, prices, rate limits, the request log"),
+    ("relay.alerts", "webhook alerts from account, pool, window and spend readings"),
     ("relay.configuration", "the YAML file, start-up checks, components"),
     ("relay.scheduling", "account selection, sticky sessions, owners"),
     ("relay.engine", "the one turn engine"),

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 from attrs import define, field, frozen
 from twisted.internet.defer import Deferred
 
+from relay.base.alertsettings import AlertSettings
 from relay.base.modelname import listed, mapped
 
 
@@ -537,6 +538,8 @@ class RelayConfig:
     database: str = "relay.sqlite"
     proxies: tuple = ()
     usage: UsageSettings = UsageSettings()
+    alerts: AlertSettings = AlertSettings()
+    """Webhook alerts (config.md C{alerts:}, L{relay.alerts})."""
     groups: dict = field(factory=dict, hash=False)
     """Account group name -> tuple of account ids (config.md C{groups:})."""
     prices: dict = field(factory=dict, hash=False)

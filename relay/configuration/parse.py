@@ -48,6 +48,7 @@ from relay.base.records import (
     UsageSettings,
     WebSocketSettings,
 )
+from relay.configuration.alerts import parseAlerts
 
 __all__ = [
     "loadConfig",
@@ -729,6 +730,7 @@ _TOP: Dict[str, Validator] = {
     "state": _stateSection,
     "database": _string,
     "usage": _nested(_USAGE, UsageSettings),
+    "alerts": lambda value, path: value,  # relay.configuration.alerts
     "groups": lambda value, path: value,
     "prices": lambda value, path: value,
     "request_log": _nested(_REQUEST_LOG, RequestLogSettings),
@@ -1268,6 +1270,7 @@ def settingsFromString(
     values["accounts"] = _parseAccounts(values.pop("accounts", []), proxies, environ)
     values["groups"] = _parseGroups(values.pop("groups", None), values["accounts"])
     values["prices"] = parsePrices(values.pop("prices", None))
+    values["alerts"] = parseAlerts(values.pop("alerts", None), environ)
     _checkKeyAccounts(values["keys"], values["accounts"], values["groups"])
 
     config = RelayConfig(**values)
@@ -1441,8 +1444,8 @@ def secretsOf(config: RelayConfig) -> frozenset:
     """
     Every secret value in a configuration, for L{relay.base.logs.SecretRedactor}.
 
-    @return: client key values, account credentials, the admin key and
-        proxy passwords.
+    @return: client key values, account credentials, the admin key,
+        proxy passwords and webhook URLs (and their paths).
     @rtype: L{frozenset} of L{str}
     """
     secrets = set()
@@ -1462,4 +1465,10 @@ def secretsOf(config: RelayConfig) -> frozenset:
     for proxy in proxies:
         if proxy.password:
             secrets.add(proxy.password)
+    for target in config.alerts.webhooks:
+        # A webhook URL often carries its token in the path.
+        secrets.add(target.url)
+        tail = target.url.split("://", 1)[-1].partition("/")[2]
+        if len(tail) >= 8:
+            secrets.add("/" + tail)
     return frozenset(s for s in secrets if s)

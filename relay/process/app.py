@@ -882,6 +882,7 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
     ))
     app.extras.update(metrics=metrics, operator=view, history=history)
     _tenants(app, admin, usage, redis)
+    _alerts(app)
     app.services.append(periodic(5, view.refreshSlots, reactor))
     prune = getattr(app.store, "prune", None)
     if prune is not None:
@@ -1022,6 +1023,65 @@ def _tenants(app: RelayApplication, admin, usage, redis) -> None:
         log.sampleMaxBytes = new.request_log.sample_max_bytes
 
     app.reloader.onApplied.append(reloaded)
+
+
+def _alerts(app: RelayApplication) -> None:
+    """
+    Webhook alerts (config.md C{alerts:}, L{relay.alerts}), and the
+    key budgets' gauge the shipped Prometheus rules read: the monitor
+    reads the token status, the account states, a dry-run selection per
+    model, the usage windows, the budgets and the turns' cost on a timer,
+    off the turn path. With C{workers: N} every worker evaluates and only
+    the first sends. A reload takes the new section's webhooks and
+    thresholds; turning alerts on or off needs a restart.
+    """
+    settings = app.config.alerts
+    runner = app.runner
+    if runner.metrics is not None:
+        from relay.alerts.budgetgauge import KeyBudgetCollector
+
+        # relay_key_budget_used_ratio, for the shipped Prometheus rules.
+        runner.metrics.addCollector(KeyBudgetCollector(runner.usage.budgetView, app.reactor))
+    if not settings.enabled:
+        def reloaded(result, new) -> None:
+            if new.alerts.enabled:
+                _log.warn("config reload: alerts.webhooks needs a restart to turn alerts on",
+                          event="relay.config_reload_restart", key="alerts.webhooks")
+
+        app.reloader.onApplied.append(reloaded)
+        return
+    from relay.alerts.delivery import TreqPoster, WebhookSender
+    from relay.alerts.monitor import AlertMetrics, AlertMonitor
+    from relay.base.logs import workerIndex
+    from relay.base.modelname import ModelCatalogue
+    from relay.base.records import ClientKey, Turn
+
+    reactor = app.reactor
+    probe = ClientKey(name="relay-alerts", key="", concurrency=0)
+
+    async def canServe(model):
+        turn = Turn(entrypoint="http", endpoint="responses", client=probe, model=model,
+                    body={"model": model}, stream=True, requestId="alerts", phase="request")
+        preview = await app.scheduler.preview(turn)
+        return preview.error if preview.selection is None else None
+
+    sender = WebhookSender(clock=reactor, poster=TreqPoster(reactor),
+                           attempts=settings.delivery_attempts,
+                           timeout=settings.delivery_timeout_seconds)
+    quota = app.extras["quota"]
+    monitor = AlertMonitor(
+        clock=reactor, settings=settings, sender=sender, accounts=app.live.accounts.snapshot,
+        credentials=app.extras["credentials"], store=app.store, canServe=canServe,
+        windows=quota.get if quota is not None else None, budgets=runner.usage.budgetView,
+        metrics=AlertMetrics(runner.metrics.registry) if runner.metrics is not None else None,
+        sending=workerIndex() in (None, 0),
+        modelName=ModelCatalogue(app.live.accounts.snapshot, runner.prices).canonical,
+    )
+    if runner.requestLog is not None:
+        runner.requestLog.listeners.append(monitor.turnRecorded)
+    app.services.append(monitor)
+    app.extras["alerts"] = monitor
+    app.reloader.onApplied.append(lambda result, new: monitor.reconfigure(new.alerts))
 
 
 def _tenantParts(config: RelayConfig, reactor, live, settingsStore, redis):

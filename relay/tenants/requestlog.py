@@ -138,6 +138,10 @@ class _Buffered:
     _buffer: list = field(factory=list)
     _flushing: Optional[Deferred] = None
     dropped: int = 0
+    listeners: list = field(factory=list)
+    """C{(record) -> None} called with every record added, where it is
+    added: cheap and never raising (the alert monitor's
+    L{relay.alerts.monitor.AlertMonitor.turnRecorded})."""
     _log = Logger()
 
     def sampled(self) -> bool:
@@ -151,6 +155,8 @@ class _Buffered:
         """
         See L{IRequestLog.add}.
         """
+        for listener in self.listeners:
+            listener(record)
         self._buffer.append(record)
         if len(self._buffer) > MAX_BUFFER:
             extra = len(self._buffer) - MAX_BUFFER
@@ -236,6 +242,8 @@ class MemoryRequestLog(_Buffered):
         """
         See L{IRequestLog.add}: kept at once (nothing to write).
         """
+        for listener in self.listeners:
+            listener(record)
         self._seq += 1
         record.seq = str(self._seq)
         self._records.append(record)
