@@ -1,4 +1,4 @@
-# -*- test-case-name: tests.test_tenants_logseries -*-
+# -*- test-case-name: tests.test_tenants_requestlog -*-
 """
 The request log summed over time: turns per time bucket and group, by
 outcome and failure kind, for the usage charts

@@ -1,4 +1,4 @@
-# -*- test-case-name: tests.test_control_identity -*-
+# -*- test-case-name: tests.test_control_logins -*-
 """
 Who a ChatGPT login is, and whether that identity is already in the pool:
 the warning on a login's result and on an added account (the same person
