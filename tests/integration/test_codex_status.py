@@ -13,8 +13,8 @@ C{/v1/user-auth-credential/whoami} who it is, then
 C{/backend-api/wham/accounts/check} for its workspace (an HTTPS base only:
 C{app-server/src/request_processors/account_processor/workspace_routing.rs}
 C{parse_backend_url}), then reads C{/backend-api/wham/usage} -- all
-answered for the key. relay listens with TLS here (C{ssl:} endpoint, a
-certificate made for the test), and Codex trusts it through
+answered for the key. relay listens with TLS here (an C{ssl:} endpoint, a
+self-signed certificate made for the test), and Codex trusts it through
 C{CODEX_CA_CERTIFICATE}.
 """
 
@@ -66,46 +66,38 @@ ACCOUNT_PERCENT = 70
 
 def makeCertificates(directory: str) -> tuple[str, str]:
     """
-    A test CA and a server certificate for C{127.0.0.1} it signed (rustls,
-    which Codex uses, takes no self-signed end certificate).
+    A self-signed server certificate for C{127.0.0.1} (not a CA, the
+    address in its subjectAltName: what rustls, which Codex uses, takes).
 
-    @return: C{(CA certificate path, server key + certificate path)}.
+    @return: C{(certificate path, key + certificate path)}: what Codex
+        trusts, what relay's C{ssl:} endpoint serves.
     """
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    from cryptography.x509.oid import NameOID
 
     now = datetime.datetime.now(datetime.timezone.utc)
-    start, end = now - datetime.timedelta(days=1), now + datetime.timedelta(days=2)
-    caKey = ec.generate_private_key(ec.SECP256R1())
-    caName = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "relay test CA")])
-    ca = (x509.CertificateBuilder().subject_name(caName).issuer_name(caName)
-          .public_key(caKey.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(start).not_valid_after(end)
-          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-          .sign(caKey, hashes.SHA256()))
     key = ec.generate_private_key(ec.SECP256R1())
-    leaf = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
-            .issuer_name(caName).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(start).not_valid_after(end)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=2))
             .add_extension(x509.SubjectAlternativeName(
                 [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]),
-                           critical=False)
-            .sign(caKey, hashes.SHA256()))
-    caPath, serverPath = os.path.join(directory, "ca.pem"), os.path.join(directory, "server.pem")
-    with open(caPath, "wb") as f:
-        f.write(ca.public_bytes(serialization.Encoding.PEM))
+            .sign(key, hashes.SHA256()))
+    pem = cert.public_bytes(serialization.Encoding.PEM)
+    certPath, serverPath = os.path.join(directory, "cert.pem"), os.path.join(directory, "server.pem")
+    with open(certPath, "wb") as f:
+        f.write(pem)
     with open(serverPath, "wb") as f:
         f.write(key.private_bytes(serialization.Encoding.PEM,
                                   serialization.PrivateFormat.TraditionalOpenSSL,
                                   serialization.NoEncryption()))
-        f.write(leaf.public_bytes(serialization.Encoding.PEM))
-    return caPath, serverPath
+        f.write(pem)
+    return certPath, serverPath
 
 
 class CodexSetup:
