@@ -25,6 +25,8 @@ TESTS=(
     "tests/integration/test_codex_compaction.py::test_codex_remote_compaction_through_relay"
     "tests/integration/test_codex_http_failover.py::test_codex_http_one_account_503"
     "tests/integration/test_codex_ws.py::test_codex_with_a_refusing_account"
+    "tests/integration/test_codex_keylimits.py::test_budget_exhausted_over_http"
+    "tests/integration/test_codex_status.py::test_status_shows_the_keys_own_daily_limit"
 )
 
 if [ "$#" -gt 0 ]; then

@@ -14,8 +14,10 @@ import json
 
 from attrs import evolve
 from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.test.requesthelper import DummyRequest
 
 from relay.base.records import ClientError
+from relay.entry.sinks import writeError
 from relay.entry.wssink import PROMO_HEADER, WebSocketSink, keyLimitEvent
 from relay.usage.store import DAY, dayStart
 from tests.tenantsrig import TenantsRig, account, key
@@ -180,6 +182,65 @@ class BudgetTests(SynchronousTestCase):
         self.assertEqual((error.status, error.type, error.code),
                          (429, "insufficient_quota", "insufficient_quota"))
         self.assertIn("Retry-After", dict(error.headers))
+
+
+class HTTPBudgetShapeTests(SynchronousTestCase):
+    """
+    R113 on HTTP: a spent budget's 429 is the body Codex renders as a
+    usage limit with its reset time, the same time as the WebSocket event.
+    """
+
+    def written(self, error):
+        """
+        @return: C{(request, parsed body)} of L{writeError} for C{error}.
+        """
+        request = DummyRequest([b"v1", b"responses"])
+        writeError(request, error)
+        return request, json.loads(b"".join(request.written))
+
+    def test_budgetBody(self):
+        """
+        C{error.type} C{usage_limit_reached} (what Codex reads), C{code}
+        relay's C{insufficient_quota}, C{resets_at} the next UTC day and
+        C{resets_in_seconds} the C{Retry-After}, relay's message in the
+        body and (no full stop) in C{x-codex-promo-message}.
+        """
+        client = key(daily_tokens=2)
+        r = rig(client)
+        r.go(r.turn(client))
+        sink, _ = r.go(r.turn(client))
+        [error] = sink.errors
+        midnight = dayStart(r.clock.seconds()) + DAY
+        request, body = self.written(error)
+        self.assertEqual(request.responseCode, 429)
+        body = body["error"]
+        self.assertEqual((body["type"], body["code"], body["param"]),
+                         ("usage_limit_reached", "insufficient_quota", None))
+        self.assertEqual(body["resets_at"], int(midnight))
+        retry = request.responseHeaders.getRawHeaders(b"retry-after")[0]
+        self.assertEqual(body["resets_in_seconds"], int(retry))
+        self.assertIn("Token budget exhausted for key 'bob'", body["message"])
+        [promo] = request.responseHeaders.getRawHeaders(PROMO_HEADER)
+        self.assertEqual(promo, body["message"].rstrip("."))
+        conn, _ = wsTurn(r, client)
+        [event] = conn.sent
+        self.assertEqual(event["error"]["resets_at"], body["resets_at"])
+
+    def test_rateLimitUnchanged(self):
+        """
+        An C{rpm} window that cannot be waited for stays OpenAI's
+        C{rate_limit_error} on HTTP, with C{Retry-After}, no usage-limit
+        fields.
+        """
+        client = key(rpm=1)
+        r = rig(client, wait=0.0)
+        r.go(r.turn(client))
+        sink, _ = r.go(r.turn(client))
+        [error] = sink.errors
+        request, body = self.written(error)
+        self.assertEqual(body["error"]["type"], "rate_limit_error")
+        self.assertNotIn("resets_at", body["error"])
+        self.assertIsNone(request.responseHeaders.getRawHeaders(PROMO_HEADER))
 
 
 class RateWaitTests(SynchronousTestCase):

@@ -12,7 +12,8 @@ from twisted.trial.unittest import SynchronousTestCase
 from relay.base.records import ClientKey
 from relay.oauth.windows import Snapshot, Window
 from relay.tenants.keyusage import (
-    KeyUsage, KeyWindow, limitHeaders, limitsEvent, merge, poolWindows, usageBody,
+    KeyUsage, KeyWindow, accountsCheckBody, limitHeaders, limitsEvent, merge, poolWindows,
+    usageBody, whoamiBody,
 )
 from relay.tenants.ratelimit import RateDecision
 
@@ -142,6 +143,37 @@ class KeyUsageTests(SynchronousTestCase):
         self.assertEqual(limits.secondary.usedPercent, 50.0 / 3)
         budgeted = self.limits(usage, ClientKey(name="k", key="sk-k", daily_tokens=10))
         self.assertEqual([w.name for w in budgeted.windows], ["daily_tokens"])
+
+
+class IdentityTests(SynchronousTestCase):
+    """
+    Who a key is, for Codex signed in with it as a personal access token.
+    """
+
+    def test_whoami(self):
+        """
+        The metadata Codex 0.171 reads (every field it requires present):
+        ids naming the key, never an account; the plan relay reports.
+        """
+        body = whoamiBody(ClientKey(name="alice", key="at-secret"))
+        self.assertEqual(body, {"email": None, "chatgpt_user_id": "relay-key-alice",
+                                "chatgpt_account_id": "relay-key-alice",
+                                "chatgpt_plan_type": "team",
+                                "chatgpt_account_is_fedramp": False})
+        self.assertNotIn("at-secret", repr(body))
+
+    def test_accountsCheck(self):
+        """
+        One workspace, whoami's account id, with no routing constraint (so
+        Codex keeps its configured base URL).
+        """
+        body = accountsCheckBody(ClientKey(name="alice", key="at-secret"))
+        [entry] = body["accounts"]
+        self.assertEqual(entry["id"], "relay-key-alice")
+        self.assertEqual((entry["workspace_backend_origin"], entry["account_routing_override"]),
+                         ("NO_CONSTRAINT", "NO_CONSTRAINT"))
+        self.assertEqual(body["default_account_id"], "relay-key-alice")
+        self.assertNotIn("at-secret", repr(body))
 
 
 class ErrorEventTests(SynchronousTestCase):

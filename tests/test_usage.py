@@ -514,6 +514,20 @@ class LedgerTests(SynchronousTestCase):
         self.clock.advance(1800)
         self.assertIsNone(self.ledger.overBudget("alice", self.clock.seconds()))
 
+    def test_budgetEnvelopeIsCodexUsageLimit(self):
+        """
+        R113: a spent budget's error body is the shape Codex renders with a
+        reset time (C{type} C{usage_limit_reached}, C{resets_at},
+        C{resets_in_seconds}) and keeps OpenAI's envelope with relay's code.
+        """
+        self.ledger.record("alice", "a1", "m", COUNTS)
+        self.ledger.record("alice", "a1", "m", COUNTS)
+        error = self.ledger.overBudget("alice", self.clock.seconds())
+        self.assertEqual(error.envelope()["error"], {
+            "message": error.message, "type": "usage_limit_reached", "param": None,
+            "code": "insufficient_quota", "resets_at": int(self.clock.seconds()) + 1800,
+            "resets_in_seconds": 1800})
+
     def test_monthly_budget(self):
         """
         C{monthly_tokens} counts the UTC month and resets on the 1st.

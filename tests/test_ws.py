@@ -10,13 +10,20 @@ from __future__ import annotations
 import json
 
 from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import ISSLTransport, ITransport
+from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.ssl import CertificateOptions
 from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
+from twisted.protocols.tls import TLSMemoryBIOFactory, TLSMemoryBIOProtocol
 from twisted.trial.unittest import SynchronousTestCase
 
 from relay.base.clienterrors import previousResponseNotFound
 from relay.engine.wsattempt import errorFromEvent, isPreviousNotFound
 from relay.policy.judgement import busyVerdict
 from relay.entry.conversation import ConnectionState, normaliseInput
+from relay.entry.ws import _plainForAutobahn
 from relay.entry.wssink import WebSocketSink, isStatusEvent
 from relay.base.records import (
     Account,
@@ -255,3 +262,46 @@ class PoolTests(SynchronousTestCase):
         self.clock.advance(50 * 60)
         self.pool.release(c1)
         self.assertTrue(c1.proto.closed)
+
+
+class TLSUpgradeTests(SynchronousTestCase):
+    """
+    An upgrade on a TLS listener (C{listen: "ssl:..."}): autobahn reads TLS
+    details only from the TLS protocol itself, so the connection's
+    counting wrapper stops declaring TLS before autobahn takes it.
+    """
+
+    def wrapperOverTLS(self):
+        """
+        @return: a connection's protocol wrapper whose transport is TLS.
+        """
+        tls = TLSMemoryBIOProtocol(TLSMemoryBIOFactory(CertificateOptions(), False, Factory()),
+                                   Protocol())
+        tls.transport = StringTransport()
+        wrapper = ProtocolWrapper(WrappingFactory(Factory()), Protocol())
+        wrapper.makeConnection(tls)
+        return wrapper
+
+    def test_wrapperStopsDeclaringTLS(self):
+        """
+        The wrapper no longer provides C{ISSLTransport} (it did, through
+        C{INegotiated}), and keeps the other interfaces of its transport.
+        """
+        wrapper = self.wrapperOverTLS()
+        self.assertTrue(ISSLTransport.providedBy(wrapper))
+        _plainForAutobahn(wrapper)
+        self.assertFalse(ISSLTransport.providedBy(wrapper))
+        self.assertTrue(ITransport.providedBy(wrapper))
+
+    def test_plainConnectionUntouched(self):
+        """
+        A plain TCP connection's wrapper, and no transport at all, are left
+        as they are.
+        """
+        wrapper = ProtocolWrapper(WrappingFactory(Factory()), Protocol())
+        wrapper.makeConnection(StringTransport())
+        before = list(wrapper.__provides__)
+        _plainForAutobahn(wrapper)
+        _plainForAutobahn(None)
+        self.assertEqual(list(wrapper.__provides__), before)
+        self.assertTrue(ITransport.providedBy(wrapper))

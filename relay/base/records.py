@@ -8,6 +8,7 @@ Durations are seconds unless a name ends in C{_ms} (config.md).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional
 
 from attrs import define, field, frozen
@@ -809,6 +810,9 @@ class ClientError:
         (C{wsClose} is then unused before output).
     @ivar resetsAt: Unix seconds when the refused limit frees up (a
         budget's period end, a rate window's slot), or L{None}.
+    @ivar usageLimit: R113: a spent budget, told on every entrypoint in the
+        shape Codex renders with its reset time (L{usageLimitFields}); HTTP
+        bodies carry it too, not only the WebSocket event.
     """
 
     status: int
@@ -822,12 +826,17 @@ class ClientError:
     wsClose: Optional[tuple] = None
     wsInband: bool = False
     resetsAt: Optional[float] = None
+    usageLimit: bool = False
 
     def envelope(self) -> dict:
         """
-        @return: C{{"error": {message, type, param, code}}}.
+        @return: C{{"error": {message, type, param, code}}}; for a
+            C{usageLimit} error also Codex's usage-limit fields
+            (L{usageLimitFields}: C{type} C{usage_limit_reached},
+            C{resets_at}, C{resets_in_seconds}; OpenAI's envelope tolerates
+            extra fields, and C{code} stays relay's).
         """
-        return {
+        envelope = {
             "error": {
                 "message": self.message,
                 "type": self.type,
@@ -835,6 +844,52 @@ class ClientError:
                 "code": self.code,
             }
         }
+        if self.usageLimit and self.resetsAt is not None:
+            envelope["error"].update(self.usageLimitFields())
+        return envelope
+
+    def usageLimitFields(self) -> dict:
+        """
+        R113: the fields that make Codex render this refusal as a usage
+        limit with its reset time, as it does for a plan's usage limit
+        (openai/codex C{core/src/api_bridge.rs} C{map_api_error}: a 429
+        whose C{error.type} is C{usage_limit_reached}, the time from
+        C{resets_at}; the WebSocket C{error} event and the HTTP body go
+        through the same code). Needs C{resetsAt}.
+
+        @return: C{{"type": "usage_limit_reached", "resets_at": <Unix
+            seconds, rounded up>, "resets_in_seconds": <the
+            C{Retry-After} header's seconds, 0 without one>}}.
+        """
+        retryAfter = dict((name.lower(), value) for name, value in self.headers)
+        try:
+            wait = max(0, int(retryAfter.get("retry-after", "0")))
+        except ValueError:
+            wait = 0
+        return {
+            "type": USAGE_LIMIT_TYPE,
+            "resets_at": int(math.ceil(self.resetsAt)),
+            "resets_in_seconds": wait,
+        }
+
+
+USAGE_LIMIT_TYPE = "usage_limit_reached"
+"""The C{error.type} Codex renders as a usage limit with its reset time."""
+
+PROMO_HEADER = "x-codex-promo-message"
+"""The response header Codex prints a usage limit's text from ("You've hit
+your usage limit. <text>, or try again at <time>."; openai/codex
+C{codex-rs/codex-api/src/rate_limits.rs} C{parse_promo_message}), on HTTP
+and in a WebSocket error event's C{headers}."""
+
+
+def promoText(message: str) -> str:
+    """
+    C{message} as the L{PROMO_HEADER} value: visible ASCII (Codex drops a
+    header value with anything else; other characters become C{?}) and no
+    final full stop (Codex follows it with ", or try again at <time>.").
+    """
+    return message.encode("ascii", "replace").decode("ascii").rstrip(". ")
 
 
 class RelayError(Exception):

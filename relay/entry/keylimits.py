@@ -7,6 +7,11 @@ L{relay.tenants.keyusage}'s:
   - C{GET /backend-api/wham/usage} and C{GET /api/codex/usage} (Codex
     0.154+, by how its ChatGPT base URL is configured): the key's
     C{wham/usage} answer; a key is needed like on every route (R103);
+  - C{GET /v1/user-auth-credential/whoami} and C{GET
+    /backend-api/wham/accounts/check} (L{KeyIdentityResource}): who the key
+    is, for Codex signed in with a personal access token (a relay key
+    starting C{at-} as its C{CODEX_ACCESS_TOKEN}), the sign-in under which
+    Codex reads the usage route for C{/status};
   - the WebSocket handshake's C{x-codex-*} rate-limit headers
     (L{handshakeHeaders}).
 """
@@ -25,7 +30,7 @@ from relay.entry.http import UNAUTHORIZED
 from relay.entry.sinks import writeError
 from relay.tenants.keyusage import limitHeaders, usageBody
 
-__all__ = ["KeyUsageResource", "handshakeHeaders"]
+__all__ = ["KeyUsageResource", "KeyIdentityResource", "handshakeHeaders"]
 
 
 class KeyUsageResource(Resource):
@@ -68,6 +73,33 @@ class KeyUsageResource(Resource):
         self._log.failure("answering a key's usage failed", failure)
         if not request.finished and not getattr(request, "_disconnected", False):
             writeError(request, ClientError(503, "server_error", "Usage is unavailable"))
+
+
+class KeyIdentityResource(Resource):
+    """
+    C{GET} who the key is, for Codex signed in with it as a personal access
+    token (R114): C{whoami} (L{relay.tenants.keyusage.whoamiBody}) or
+    C{accounts/check} (L{relay.tenants.keyusage.accountsCheckBody}).
+    """
+
+    isLeaf = True
+
+    def __init__(self, keys, body):
+        """
+        @param keys: the L{relay.entry.http.KeyRing}.
+        @param body: a callable from the key to the JSON-ready answer.
+        """
+        super().__init__()
+        self._keys = keys
+        self._body = body
+
+    def render_GET(self, request):
+        key = self._keys.authenticate(request)
+        if key is None:
+            writeError(request, UNAUTHORIZED)
+            return NOT_DONE_YET
+        request.setHeader(b"content-type", b"application/json")
+        return json.dumps(self._body(key)).encode("utf-8")
 
 
 def handshakeHeaders(runner, key, answer):

@@ -14,8 +14,9 @@ from twisted.web.resource import Resource
 
 from relay.engine.catalog import ModelCatalog
 from relay.entry.http import HealthResource, JSONRoot, KeyRing, TurnResource
-from relay.entry.keylimits import KeyUsageResource
+from relay.entry.keylimits import KeyIdentityResource, KeyUsageResource
 from relay.entry.media import mediaRoutes
+from relay.tenants.keyusage import accountsCheckBody, whoamiBody
 from relay.entry.models import ModelsResource
 from relay.entry.responsesapi import ResponsesResource
 from relay.frontdoor.door import FrontDoor
@@ -57,13 +58,21 @@ def buildRoot(runner, keys: KeyRing, accounts, websocket=None, door=None) -> Res
     root.putChild(b"backend-api", backend)
     usage = getattr(runner, "keyUsage", None)
     if usage is not None:
-        # R114: Codex's account usage, answered for the key (protocol.md 7.3a).
-        wham = JSONRoot()
-        wham.putChild(b"usage", KeyUsageResource(keys, usage))
+        # R114: Codex's account usage, answered for the key (protocol.md 7.3a),
+        # and who the key is, for Codex signed in with it as a personal
+        # access token (then it reads the usage route for /status).
+        wham, codexApi = JSONRoot(), JSONRoot()
+        for parent in (wham, codexApi):
+            parent.putChild(b"usage", KeyUsageResource(keys, usage))
+            accounts = JSONRoot()
+            accounts.putChild(b"check", KeyIdentityResource(keys, accountsCheckBody))
+            parent.putChild(b"accounts", accounts)
         backend.putChild(b"wham", wham)
-        api, codexApi = JSONRoot(), JSONRoot()
-        codexApi.putChild(b"usage", KeyUsageResource(keys, usage))
+        api = JSONRoot()
         api.putChild(b"codex", codexApi)
         root.putChild(b"api", api)
+        credential = JSONRoot()
+        credential.putChild(b"whoami", KeyIdentityResource(keys, whoamiBody))
+        v1.putChild(b"user-auth-credential", credential)
     root.putChild(b"healthz", HealthResource())
     return root

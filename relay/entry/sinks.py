@@ -15,7 +15,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from relay.interfaces import ITurnSink
-from relay.base.records import ClientError
+from relay.base.records import PROMO_HEADER, ClientError, promoText
 from relay.translate.assemble import ResponseAssembler
 
 _ITEM_DONE = b"response.output_item.done"
@@ -50,7 +50,8 @@ def errorBody(error: ClientError, requestId: Optional[str] = None) -> bytes:
 def writeError(request, error: ClientError) -> None:
     """
     Answer C{request} with C{error} before anything was written: the status,
-    C{Retry-After} when safe (R16), and the JSON envelope carrying the
+    C{Retry-After} when safe (R16), for a spent budget the usage-limit
+    text Codex prints (L{PROMO_HEADER}, R113), and the JSON envelope carrying the
     request id (L{relay.base.requestid.requestIdOf}), or the upstream body
     unchanged for C{cyber_policy} (R9; the id is then in the
     C{X-Request-Id} header only).
@@ -65,6 +66,9 @@ def writeError(request, error: ClientError) -> None:
     request.setResponseCode(error.status)
     for name, value in error.headers:
         request.setHeader(name, value)
+    if error.usageLimit:
+        # R113: Codex prints a usage limit's text from this header
+        request.setHeader(PROMO_HEADER, promoText(error.message))
     if error.rawBody is not None:
         request.setHeader(b"content-type", (error.contentType or "application/json").encode())
         request.write(error.rawBody)

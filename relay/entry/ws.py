@@ -28,8 +28,11 @@ from autobahn.websocket.compress import (
     PerMessageDeflateOffer,
     PerMessageDeflateOfferAccept,
 )
+from twisted.internet.interfaces import ISSLTransport
 from twisted.logger import Logger
+from twisted.protocols.tls import TLSMemoryBIOProtocol
 from twisted.web.server import NOT_DONE_YET
+from zope.interface import directlyProvidedBy, directlyProvides
 
 from relay.entry.conversation import THREAD_HEADERS, WebSocketConversation, reachable
 from relay.entry.keylimits import handshakeHeaders
@@ -522,6 +525,26 @@ def _peerHost(transport):
         return None
 
 
+def _plainForAutobahn(transport) -> None:
+    """
+    An upgrade on a TLS listener (C{listen: "ssl:..."}): the connection's
+    counting wrapper (L{relay.entry.site.RelaySite}) declares the TLS
+    transport's L{ISSLTransport} without being the
+    L{TLSMemoryBIOProtocol} autobahn reads the TLS channel id from (it
+    declares C{INegotiated}, which extends it), and autobahn's
+    C{connectionMade} raises on that; relay binds nothing to the channel,
+    so the wrapper stops declaring it (the socket is no longer HTTP,
+    nothing asks C{isSecure} again).
+
+    @param transport: the request's channel transport, about to be taken.
+    """
+    if (transport is None or isinstance(transport, TLSMemoryBIOProtocol)
+            or not ISSLTransport.providedBy(transport)):
+        return
+    kept = [i for i in directlyProvidedBy(transport) if not i.isOrExtends(ISSLTransport)]
+    directlyProvides(transport, *kept)
+
+
 class RelayWebSocketResource:
     """
     The upgrade handler: authenticate (401 JSON, not upgraded), refuse when
@@ -557,6 +580,7 @@ class RelayWebSocketResource:
                 ),
             )
             return NOT_DONE_YET
+        _plainForAutobahn(request.channel.transport)
         # The protocol takes this key (authenticated once).
         self.factory.handover = Admission(key=key)
         try:

@@ -17,13 +17,12 @@ time (L{keyLimitEvent}).
 from __future__ import annotations
 
 import json
-import math
 
 from twisted.logger import Logger
 from zope.interface import implementer
 
 from relay.interfaces import ITurnSink
-from relay.base.records import ClientError
+from relay.base.records import PROMO_HEADER, ClientError, promoText
 from relay.translate.assemble import ResponseAssembler
 
 _ITEM_DONE = b"response.output_item.done"
@@ -58,20 +57,14 @@ def wsErrorEvent(error: ClientError, withStatus: bool = True) -> dict:
     return event
 
 
-PROMO_HEADER = "x-codex-promo-message"
-"""The header Codex prints a usage limit's text from ("You've hit your usage
-limit. <text>, or try again at <time>."; openai/codex
-C{codex-rs/codex-api/src/rate_limits.rs} C{parse_promo_message})."""
-
-
 def keyLimitEvent(error: ClientError) -> dict:
     """
     R113: the in-band C{error} event of a key's own limit. A limit with a
     reset time (a spent budget, an C{rpm}/C{tpm} window) takes the shape
     Codex renders with that time, as for a plan's usage limit (protocol.md
-    4.5, 7.3; openai/codex C{api_bridge.rs} C{map_api_error}): status 429,
-    C{error.type} C{usage_limit_reached} (Codex's one fatal 429: no
-    reconnect), C{error.code} relay's own (C{insufficient_quota},
+    4.5, 7.3; L{ClientError.usageLimitFields}): status 429, C{error.type}
+    C{usage_limit_reached} (Codex's one fatal 429: no reconnect),
+    C{error.code} relay's own (C{insufficient_quota},
     C{rate_limit_exceeded}), C{resets_at} (Unix seconds) and
     C{resets_in_seconds}, and relay's message in the C{headers} Codex reads
     (L{PROMO_HEADER}, with the HTTP answer's C{Retry-After} and
@@ -83,20 +76,9 @@ def keyLimitEvent(error: ClientError) -> dict:
     event = wsErrorEvent(error)
     if error.resetsAt is None:
         return event
+    event["error"].update(error.usageLimitFields())
     headers = {name.lower(): value for name, value in error.headers}
-    try:
-        wait = max(0, int(headers.get("retry-after", "0")))
-    except ValueError:
-        wait = 0
-    event["error"].update(
-        type="usage_limit_reached",
-        resets_at=int(math.ceil(error.resetsAt)),
-        resets_in_seconds=wait,
-    )
-    # a header value is visible ASCII (Codex drops any other); "<text>, or
-    # try again at <time>." follows it, so no full stop of its own
-    promo = error.message.encode("ascii", "replace").decode("ascii").rstrip(". ")
-    headers[PROMO_HEADER] = promo
+    headers[PROMO_HEADER] = promoText(error.message)
     event["headers"] = headers
     return event
 

@@ -37,7 +37,7 @@ from relay.interfaces import IKeyUsage
 from relay.usage.store import DAY, dayStart, monthStart, nextMonthStart
 
 __all__ = ["KeyLimits", "KeyUsage", "KeyWindow", "PLAN_TYPE", "limitHeaders", "limitsEvent",
-           "usageBody"]
+           "accountsCheckBody", "usageBody", "whoamiBody"]
 
 PLAN_TYPE = "team"
 """The plan relay reports for a key: one Codex accepts (R114)."""
@@ -218,6 +218,47 @@ def usageBody(limits: KeyLimits) -> dict:
         "additional_rate_limits": extra or None,
         "rate_limit_reset_credits": {"available_count": 0},
     }
+
+
+def whoamiBody(key) -> dict:
+    """
+    The C{GET /v1/user-auth-credential/whoami} answer for a key (R114):
+    what Codex 0.171 reads when its C{CODEX_ACCESS_TOKEN} is a personal
+    access token (a token starting C{at-}; openai/codex
+    C{login/src/auth/personal_access_token.rs} C{hydrate_personal_access_token}),
+    after which it is signed in to the Codex backend and reads its usage
+    from the usage route (the key's own, L{usageBody}). The ids name the
+    key, never an account; the plan is L{PLAN_TYPE}.
+
+    @param key: the authenticated L{relay.base.records.ClientKey}.
+    @return: C{{"email", "chatgpt_user_id", "chatgpt_account_id",
+        "chatgpt_plan_type", "chatgpt_account_is_fedramp"}}.
+    """
+    ident = "relay-key-" + key.name
+    return {"email": None, "chatgpt_user_id": ident, "chatgpt_account_id": ident,
+            "chatgpt_plan_type": PLAN_TYPE, "chatgpt_account_is_fedramp": False}
+
+
+def accountsCheckBody(key) -> dict:
+    """
+    The C{GET /backend-api/wham/accounts/check} (or C{/api/codex/accounts/check})
+    answer for a key (R114): the one workspace of L{whoamiBody}'s account
+    id, with no routing constraint, so Codex keeps its configured
+    C{chatgpt_base_url} (which must be HTTPS: openai/codex
+    C{app-server/src/request_processors/account_processor/workspace_routing.rs}
+    C{resolve_routing}, C{parse_backend_url}). Without it Codex 0.171
+    signed in with a personal access token stops at "workspace routing
+    discovery failed".
+
+    @param key: the authenticated L{relay.base.records.ClientKey}.
+    @return: C{{"accounts": [{"id", "plan_type", "workspace_backend_origin":
+        "NO_CONSTRAINT", "account_routing_override": "NO_CONSTRAINT", "name"}]}}.
+    """
+    ident = whoamiBody(key)["chatgpt_account_id"]
+    return {"accounts": [{"id": ident, "plan_type": PLAN_TYPE,
+                          "workspace_backend_origin": "NO_CONSTRAINT",
+                          "account_routing_override": "NO_CONSTRAINT", "name": key.name}],
+            "account_ordering": [ident], "default_account_id": ident}
 
 
 def limitHeaders(limits: Optional[KeyLimits]) -> dict:

@@ -56,7 +56,11 @@ def budgetError(keyName: str, budget: str, limit, used, resetsAt: float,
     The 429 a key gets once its token budget is spent: the message names the
     budget and when it resets; C{Retry-After} is the seconds until then. On
     an open WebSocket it is answered in-band with its reset time
-    (C{wsInband}, C{resetsAt}; behaviour.md R113).
+    (C{wsInband}, C{resetsAt}; behaviour.md R113); on every entrypoint it
+    is in the shape Codex renders with that time (C{usageLimit}: the body's
+    C{error.type} is C{usage_limit_reached} with C{resets_at} and
+    C{resets_in_seconds}, C{code} stays C{insufficient_quota}; the message
+    also in the C{x-codex-promo-message} header Codex prints it from).
 
     @param keyName: the client key's name (never its secret).
     @param budget: C{daily_tokens}, C{monthly_tokens}, C{daily_usd} or
@@ -91,6 +95,7 @@ def budgetError(keyName: str, budget: str, limit, used, resetsAt: float,
         wsClose=(1013, reason),
         wsInband=True,
         resetsAt=resetsAt,
+        usageLimit=True,
     )
 
 

@@ -141,3 +141,33 @@ async def test_rpm_wait_that_does_not_fit():
         assert all(f.get("generate") is False for f in frames), frames
     finally:
         await drain(s)
+
+
+@pytest_twisted.ensureDeferred
+async def test_budget_exhausted_over_http():
+    """
+    A spent C{daily_tokens} with Codex on HTTP (its provider's
+    C{supports_websockets} off): relay's 429 is the body Codex renders as a
+    usage limit, so Codex prints relay's message and the reset time ("or
+    try again at <time>") at once -- not "Quota exceeded", no retries --
+    the same as on the WebSocket (R113).
+    """
+    s = await stack([keyEntry("capped", daily_tokens=1)])
+    try:
+        response, _ = await s.postJSON("/v1/responses", {"model": "gpt-5.5", "input": "hi"},
+                                       key="sk-capped")
+        assert response.code == 200
+        served = len(s.emulator.requestsFor("sk-a1"))
+        started = time.monotonic()
+        result = await runCodex(f"{s.url}/v1", "sk-capped", prompt="say hi", websockets=False,
+                                timeout=60)
+        assert result.exitCode != 0
+        [line] = set(m for m in result.errors if "budget" in m) or [result.summary()]
+        assert "Token budget exhausted for key 'capped': daily_tokens is 1" in line, line
+        assert "resets at " in line and "or try again at " in line, line
+        assert "Quota exceeded" not in result.stdout
+        assert not any("Reconnecting" in m for m in result.errors), result.summary()
+        assert time.monotonic() - started < 20
+        assert len(s.emulator.requestsFor("sk-a1")) == served
+    finally:
+        await drain(s)

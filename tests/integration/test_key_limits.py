@@ -107,6 +107,32 @@ async def test_usage_route_answers_for_the_key():
 
 
 @pytest_twisted.ensureDeferred
+async def test_identity_routes_answer_for_the_key():
+    """
+    Codex signed in with the key as a personal access token asks who it is
+    (C{/v1/user-auth-credential/whoami}) and for its workspace
+    (C{accounts/check} beside both usage routes): the key's, never the
+    account's (C{acct-o1}); no key gets 401.
+    """
+    s = await stack([budgetKey()])
+    try:
+        code, body = await getJSON(s, "/v1/user-auth-credential/whoami", "sk-budget")
+        assert code == 200, body
+        assert (body["chatgpt_account_id"], body["chatgpt_plan_type"]) == (
+            "relay-key-budget", "team")
+        for path in ("/backend-api/wham/accounts/check", "/api/codex/accounts/check"):
+            code, body = await getJSON(s, path, "sk-budget")
+            assert code == 200, body
+            assert [a["id"] for a in body["accounts"]] == ["relay-key-budget"]
+            assert "acct-o1" not in json.dumps(body)
+        for path in ("/v1/user-auth-credential/whoami", "/backend-api/wham/accounts/check"):
+            code, _ = await getJSON(s, path, None)
+            assert code == 401
+    finally:
+        await drain(s)
+
+
+@pytest_twisted.ensureDeferred
 async def test_http_turn_headers_are_the_keys():
     """
     A turn over HTTP carries the key's C{x-codex-primary-*} (its rpm

@@ -270,7 +270,11 @@ async def test_budget_429_with_reset_on_http_and_in_band_on_ws():
                                                                 "stream": True})
         assert response.code == 429
         error = json.loads(data)["error"]
-        assert error["type"] == "insufficient_quota"
+        # R113: the body Codex renders as a usage limit with its reset time,
+        # OpenAI's envelope with relay's code (the type was insufficient_quota)
+        assert (error["type"], error["code"]) == ("usage_limit_reached", "insufficient_quota")
+        assert error["resets_at"] % 86400 == 0
+        assert "daily_tokens is 200" in response.headers.getRawHeaders("x-codex-promo-message")[0]
         assert "daily_tokens is 200" in error["message"] and "300 were used" in error["message"]
         assert re.search(r"resets at \d{4}-\d\d-\d\dT00:00:00Z", error["message"])
         retry = int(response.headers.getRawHeaders("retry-after")[0])
