@@ -196,11 +196,12 @@ class Account:
         Whether this account can serve C{endpoint}. Every account serves
         both: the ChatGPT (OAuth) backend has only C{/responses}
         (protocol.md 3, 7.2), and relay translates a chat turn for it
-        (L{relay.translate}).
+        (L{relay.translate}); a Messages turn is a Responses turn on either
+        (behaviour.md R115).
 
-        @param endpoint: C{responses} or C{chat}.
+        @param endpoint: C{responses}, C{chat} or C{messages}.
         """
-        return endpoint in ("responses", "chat")
+        return endpoint in ("responses", "chat", "messages")
 
     def servesModel(self, requested: Optional[str]) -> bool:
         """
@@ -526,6 +527,9 @@ class RelayConfig:
     """Account group name -> tuple of account ids (config.md C{groups:})."""
     prices: dict = field(factory=dict, hash=False)
     """Model -> L{relay.tenants.prices.Price} overriding the shipped table."""
+    anthropic_models: dict = field(factory=dict, hash=False)
+    """C{claude-*} family -> OpenAI model over the shipped defaults (config.md
+    C{anthropic_models}, R115)."""
     request_log: RequestLogSettings = RequestLogSettings()
     """The request log's bounds and debug sampling."""
     tracing: TracingSettings = TracingSettings()
@@ -652,7 +656,8 @@ class Turn:
     One HTTP request or one WebSocket C{response.create} (DEVELOPERS.md).
 
     @ivar entrypoint: C{http} or C{ws}.
-    @ivar endpoint: C{responses} or C{chat}.
+    @ivar endpoint: C{responses}, C{chat} or C{messages} (the Anthropic
+        Messages API: C{body} is its Responses translation, R115).
     @ivar client: the authenticated L{ClientKey}.
     @ivar model: the model the client asked for (before mapping).
     @ivar body: the JSON request body as a dict (relay-only fields removed).
@@ -694,6 +699,9 @@ class Turn:
     @ivar compactionItems: for a compaction turn (its last input item is
         C{compaction_trigger}, R89), the C{compaction} items it produced,
         filled by the engine; L{None} for other turns.
+    @ivar messages: for a C{messages} turn, what the answer's translation
+        needs of the client's request
+        (L{relay.translate.anthropic.request.MessagesContext}); else L{None}.
     @ivar affinity: C{(layer, store key)} pairs whose recorded account the
         turn prefers (R89: the account that produced a C{compaction} item
         it carries; R90: the account that issued its C{x-codex-turn-state}).
@@ -718,6 +726,7 @@ class Turn:
     onResponseId: Optional[Callable[[str, Account], Any]] = None
     firstOutputAt: Optional[float] = None
     wsContext: Any = None
+    messages: Any = None
     usage: Any = None
     upstreamRequestId: Optional[str] = None
     allowedAccounts: Optional[frozenset] = None

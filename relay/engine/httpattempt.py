@@ -32,6 +32,7 @@ from relay.engine.upstreambody import (
 from relay.wire.jsoncodec import loads
 from relay.base.records import Turn
 from relay.policy import ends
+from relay.translate.anthropic.sink import MessagesSink
 from relay.translate.sink import ChatCompletionsSink
 from relay.usage.estimate import estimatedCounts
 from relay.usage.tokens import fromBody
@@ -52,6 +53,8 @@ async def attemptHTTP(runner, turn: Turn, sink, account, release) -> AttemptResu
     path = upstreamPath(turn, account)
     if translatesChat(turn, account):
         sink = ChatCompletionsSink(sink, turn, runner.clock.seconds())
+    elif turn.endpoint == "messages":
+        sink = MessagesSink(sink, turn)  # R115: Messages events on write
     headers = upstreamClientHeaders(turn, account)
     headers["accept"] = "text/event-stream" if stream else "application/json"
     body = upstreamBody(turn, account)

@@ -78,10 +78,11 @@ def translatesChat(turn: Turn, account: Account) -> bool:
 
 def upstreamPath(turn: Turn, account: Account) -> str:
     """
-    The upstream route under the account's base URL: C{/responses}, or
-    C{/chat/completions} for a chat turn on an account that has it.
+    The upstream route under the account's base URL: C{/responses} (a
+    Messages turn too, R115), or C{/chat/completions} for a chat turn on
+    an account that has it.
     """
-    if turn.endpoint == "responses" or translatesChat(turn, account):
+    if turn.endpoint != "chat" or translatesChat(turn, account):
         return "/responses"
     return "/chat/completions"
 
@@ -92,9 +93,10 @@ def upstreamStreams(turn: Turn, account: Account) -> bool:
 
     The ChatGPT (OAuth) backend accepts only streaming requests, so relay
     streams upstream and collects the terminal event for a non-streaming
-    client (protocol.md 2.7); chat turns there too.
+    client (protocol.md 2.7); chat turns there too. A Messages turn always
+    streams upstream: its answer is translated from the events (R115).
     """
-    if account.type == "oauth":
+    if account.type == "oauth" or turn.endpoint == "messages":
         return True
     return turn.stream
 
@@ -110,6 +112,10 @@ def upstreamBody(turn: Turn, account: Account) -> bytes:
     if translatesChat(turn, account):
         translated = chatToResponses(turn.body)
         body = {k: v for k, v in translated.items() if k in OAUTH_CHAT_FIELDS}
+    elif turn.endpoint == "messages" and account.type == "oauth":
+        # R115: the body is already the Responses translation
+        # (relay.translate.anthropic); OAuth keeps what a chat turn keeps.
+        body = {k: v for k, v in turn.body.items() if k in OAUTH_CHAT_FIELDS}
     else:
         body = dict(turn.body)
     for name in WS_ONLY_FIELDS:
@@ -124,7 +130,7 @@ def upstreamBody(turn: Turn, account: Account) -> bytes:
         for name in OAUTH_HTTP_DROPPED:
             body.pop(name, None)
         dropOAuthSampling(body)
-    elif turn.stream:
+    elif turn.stream or turn.endpoint == "messages":
         body["stream"] = True
         if turn.endpoint == "chat":
             # Always ask for the usage chunk, so every
