@@ -437,6 +437,7 @@ def buildApplication(
     door = wsResource.factory.door  # the one front door (relay.frontdoor)
     anthropicModels = AnthropicModels(config.anthropic_models)  # R115
     app.extras["anthropicModels"] = anthropicModels
+    app.extras["control"].anthropicModels = anthropicModels  # the admin API's layer
     app.reloader.onApplied.append(
         lambda result, new: anthropicModels.setFile(new.anthropic_models))
     root = buildRoot(runner, keys, accounts, wsResource, door=door,

@@ -370,3 +370,35 @@ async def test_models_mapped_before_key_policy_and_listed():
         assert listing["has_more"] is False
     finally:
         await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_admin_api_changes_the_mapping_live():
+    """
+    R115: C{PUT /admin/anthropic_models} changes the family table at once
+    (the next request maps with it); C{GET} shows each family's model and
+    source; a bad table is a 400 naming it.
+    """
+    admin = "anthropic-admin-key-0x7f"
+    stack = await start([apikey()], extra=f"admin_key: {admin}\n"
+                                          "anthropic_models: {haiku: gpt-4.1-mini}\n")
+    auth = {"Authorization": [f"Bearer {admin}"], "Content-Type": ["application/json"]}
+    try:
+        response = await treq.get(stack.url + "/admin/anthropic_models", headers=auth)
+        view = json.loads(await response.content())["anthropic_models"]
+        assert view["haiku"] == {"model": "gpt-4.1-mini", "source": "config"}
+        assert view["sonnet"] == {"model": "gpt-5.5", "source": "default"}
+        response = await treq.put(stack.url + "/admin/anthropic_models", json.dumps(
+            {"anthropic_models": {"sonnet": "gpt-4.1"}}).encode(), headers=auth)
+        body = json.loads(await response.content())
+        assert response.code == 200, body
+        assert body["anthropic_models"]["sonnet"] == {"model": "gpt-4.1", "source": "admin"}
+        await sdk(stack, lambda c: c.messages.create(
+            model=SONNET, max_tokens=5, messages=[{"role": "user", "content": "x"}]))
+        assert upstream(stack, "sk-a1").body["model"] == "gpt-4.1"
+        response = await treq.put(stack.url + "/admin/anthropic_models", json.dumps(
+            {"anthropic_models": {"sonnet": ""}}).encode(), headers=auth)
+        assert response.code == 400
+        assert "anthropic_models.sonnet" in (await response.content()).decode()
+    finally:
+        await stack.stop()
