@@ -359,8 +359,8 @@ async def test_models_mapped_before_key_policy_and_listed():
         with pytest.raises(anthropic.APIStatusError) as refused:
             await sdk(stack, lambda c: c.messages.create(
                 model=SONNET, max_tokens=5, messages=[{"role": "user", "content": "x"}]))
-        assert refused.value.body["type"] == "error"
-        assert refused.value.status_code in (403, 404)
+        assert refused.value.status_code == 403
+        assert refused.value.body["error"]["type"] == "permission_error"
         response = await treq.get(stack.url + "/v1/models", headers={
             "x-api-key": [RELAY_KEY], "anthropic-version": ["2023-06-01"]})
         listing = json.loads(await response.content())
