@@ -402,3 +402,36 @@ async def test_admin_api_changes_the_mapping_live():
         assert "anthropic_models.sonnet" in (await response.content()).decode()
     finally:
         await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_budgets_request_log_and_cost():
+    """
+    R115 with R102/R108/R109: a Messages turn is recorded in the request
+    log with the mapped model, its endpoint, usage and cost, counts
+    against the key's token budget, and a spent budget is a 429
+    C{rate_limit_error} in Anthropic's shape.
+    """
+    admin = "anthropic-admin-key-0x7f"
+    keys = json.dumps([{"name": "tight", "key": RELAY_KEY, "daily_tokens": 60}])
+    stack = await start([apikey()], keys=keys, extra=f"admin_key: {admin}\n")
+    stack.emulator.setScript("sk-a1", {"usage": {"input_tokens": 50, "output_tokens": 20}})
+    try:
+        response = await stack.post("/v1/messages", {
+            "model": SONNET, "max_tokens": 20, "messages": [{"role": "user", "content": "x"}]})
+        assert response.code == 200, await response.content()
+        rid = response.headers.getRawHeaders("x-request-id")[0]
+        page = await treq.get(stack.url + f"/admin/requests?request_id={rid}",
+                              headers={"Authorization": [f"Bearer {admin}"]})
+        [record] = (await page.json())["requests"]
+        assert (record["key"], record["model"], record["endpoint"]) == (
+            "tight", "gpt-5.5", "messages")
+        assert (record["input_tokens"], record["output_tokens"]) == (50, 20)
+        assert record["cost_usd"] > 0
+        with pytest.raises(anthropic.RateLimitError) as spent:
+            await sdk(stack, lambda c: c.messages.create(
+                model=SONNET, max_tokens=20, messages=[{"role": "user", "content": "x"}]))
+        assert spent.value.body["type"] == "error"
+        assert spent.value.body["error"]["type"] == "rate_limit_error"
+    finally:
+        await stack.stop()
