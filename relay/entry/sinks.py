@@ -65,7 +65,8 @@ def isMessagesPath(path: bytes) -> bool:
     """
     Whether a request target is C{/v1/messages} or below (R115).
     """
-    return path.split(b"?", 1)[0].startswith(b"/v1/messages")
+    target = path.split(b"?", 1)[0].rstrip(b"/")
+    return target == b"/v1/messages" or target.startswith(b"/v1/messages/")
 
 
 def writeError(request, error: ClientError) -> None:

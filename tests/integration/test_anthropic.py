@@ -435,3 +435,32 @@ async def test_budgets_request_log_and_cost():
         assert spent.value.body["error"]["type"] == "rate_limit_error"
     finally:
         await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_keepalives_before_the_first_output():
+    """
+    R85 with R115: a slow first output is kept alive with SSE comments
+    (which Anthropic's SSE readers skip) before C{message_start}; the SDK
+    reads the stream as usual.
+    """
+    stack = await start([apikey()], gateway="{stream_keepalive_interval: 0.1}")
+    stack.emulator.setFault("sk-a1", {"kind": "delay_first_output", "seconds": 0.5})
+    try:
+        response = await stack.post("/v1/messages", {
+            "model": SONNET, "max_tokens": 50, "stream": True,
+            "messages": [{"role": "user", "content": "hi"}]})
+        raw = await response.content()
+        assert raw.startswith(b":\n\n"), raw[:40]
+        assert sseEvents(raw)[0][0] == "message_start"
+
+        def streamed(c):
+            with c.messages.stream(model=SONNET, max_tokens=50,
+                                   messages=[{"role": "user", "content": "hi"}]) as s:
+                return s.get_final_message()
+
+        stack.emulator.setFault("sk-a1", {"kind": "delay_first_output", "seconds": 0.5})
+        final = await sdk(stack, streamed)
+        assert final.content[0].text.startswith("Hello from the relay emulator")
+    finally:
+        await stack.stop()
