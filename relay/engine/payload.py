@@ -82,7 +82,7 @@ def upstreamPath(turn: Turn, account: Account) -> str:
     Messages turn too, R115), or C{/chat/completions} for a chat turn on
     an account that has it.
     """
-    if turn.endpoint != "chat" or translatesChat(turn, account):
+    if turn.endpoint in ("responses", "messages") or translatesChat(turn, account):
         return "/responses"
     return "/chat/completions"
 

@@ -1,4 +1,4 @@
-# -*- test-case-name: tests.test_anthropic_entry -*-
+# -*- test-case-name: tests.test_anthropic -*-
 """
 The Anthropic Messages surface (protocol.md 10, behaviour.md R115):
 

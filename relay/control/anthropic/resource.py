@@ -1,4 +1,4 @@
-# -*- test-case-name: tests.test_anthropic_admin -*-
+# -*- test-case-name: tests.test_anthropic -*-
 """
 C{/admin/anthropic_models}, behind the admin key (R99): C{GET} and C{PUT}
 (the rules: L{relay.control.anthropic.service.AnthropicModelsService}).

@@ -1,4 +1,4 @@
-# -*- test-case-name: tests.test_anthropic_admin -*-
+# -*- test-case-name: tests.test_anthropic -*-
 """
 L{AnthropicModelsService}: the Messages surface's model table over the
 admin API (config.md C{anthropic_models}, behaviour.md R115).
