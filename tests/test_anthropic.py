@@ -507,3 +507,91 @@ class SinkTests(SynchronousTestCase):
         self.feed(sink, [{"type": "response.failed", "response": {
             "error": {"code": "rate_limit_exceeded", "message": "slow down"}}}])
         self.assertEqual((inner.failed.status, inner.failed.type), (429, "rate_limit_error"))
+
+
+class EntryTests(SynchronousTestCase):
+    """
+    L{relay.entry.messages}: the Messages surface's routes onto the
+    engine (R115), with a recording runner, through L{treq.testing.StubTreq}.
+    """
+
+    def setUp(self):
+        from treq.testing import StubTreq
+
+        from relay.entry.http import KeyRing
+        from relay.entry.root import buildRoot
+        from relay.base.records import ClientKey
+        from tests.test_responsesapi import FakeScheduler, RecordingRunner
+
+        self.runner = RecordingRunner(FakeScheduler({}, []))
+        self.models = AnthropicModels({"haiku": "gpt-4.1"})
+        root = buildRoot(self.runner, KeyRing([ClientKey(name="k", key="sk-k", concurrency=0)]),
+                         [], anthropicModels=self.models)
+        self.treq = StubTreq(root)
+
+    def call(self, method, path, body=None, headers=None):
+        hdrs = {"Content-Type": "application/json", "x-api-key": "sk-k"}
+        hdrs.update(headers or {})
+        d = self.treq.request(method, "http://relay" + path, headers=hdrs,
+                              data=json.dumps(body).encode() if body is not None else None)
+        self.treq.flush()
+        response = self.successResultOf(d)
+        content = response.content()
+        self.treq.flush()
+        return response, json.loads(self.successResultOf(content))
+
+    def test_turn(self):
+        """
+        A Messages request is one turn: endpoint C{messages}, the mapped
+        model (R115, mapped first), the Responses translation as its body,
+        the client's model in its context; the key came from C{x-api-key}.
+        """
+        response, _ = self.call("POST", "/v1/messages", request(model="claude-haiku-4-5"),
+                                headers={"anthropic-version": "2023-06-01"})
+        [turn] = self.runner.turns
+        self.assertEqual((turn.endpoint, turn.model, turn.body["model"]),
+                         ("messages", "gpt-4.1", "gpt-4.1"))
+        self.assertEqual(turn.messages.model, "claude-haiku-4-5")
+        self.assertEqual(turn.client.name, "k")
+        self.assertEqual(turn.body["input"][0]["content"][0]["text"], "hi")
+
+    def test_countTokensIsNoTurn(self):
+        """
+        C{count_tokens} answers relay's estimate and runs no turn.
+        """
+        response, body = self.call("POST", "/v1/messages/count_tokens",
+                                   {"model": "claude-sonnet-4", "messages": [
+                                       {"role": "user", "content": "hello " * 40}]})
+        self.assertEqual(response.code, 200)
+        self.assertGreater(body["input_tokens"], 40)
+        self.assertEqual(self.runner.turns, [])
+
+    def test_errorsInAnthropicShape(self):
+        """
+        Bad input, a bad key, an unknown sub-path and a GET are answered in
+        Anthropic's shape and reach no engine.
+        """
+        cases = [
+            ("POST", "/v1/messages", {"model": "m", "messages": []}, {}, 400,
+             "invalid_request_error"),
+            ("POST", "/v1/messages", request(), {"x-api-key": "sk-bad"}, 401,
+             "authentication_error"),
+            ("POST", "/v1/messages/nope", request(), {}, 404, "not_found_error"),
+            ("GET", "/v1/messages", None, {}, 405, "invalid_request_error"),
+        ]
+        for method, path, body, headers, status, kind in cases:
+            response, answer = self.call(method, path, body, headers)
+            self.assertEqual((response.code, answer["type"], answer["error"]["type"]),
+                             (status, "error", kind), path)
+        self.assertEqual(self.runner.turns, [])
+
+    def test_modelsInAnthropicShape(self):
+        """
+        C{GET /v1/models} with C{anthropic-version}: Anthropic's list of the
+        families.
+        """
+        response, body = self.call("GET", "/v1/models",
+                                   headers={"anthropic-version": "2023-06-01"})
+        self.assertEqual([m["id"] for m in body["data"]],
+                         ["claude-haiku", "claude-opus", "claude-sonnet"])
+        self.assertEqual(body["first_id"], "claude-haiku")
