@@ -147,6 +147,11 @@ class RequestTests(SynchronousTestCase):
                 {"type": "thinking", "thinking": "theirs", "signature": "EqQBCk"},
                 {"type": "redacted_thinking", "data": "relay.ENC2"}]}]), "m")
         self.assertEqual(out["reasoning"], {"effort": "medium", "summary": "auto"})
+        adaptive = messagesToResponses(request(thinking={"type": "adaptive"},
+                                               output_config={"effort": "low"}), "m")
+        self.assertEqual(adaptive["reasoning"]["effort"], "low")
+        self.assertNotIn("reasoning", messagesToResponses(
+            request(thinking={"type": "disabled"}), "m"))
         self.assertEqual(out["include"], ["reasoning.encrypted_content"])
         self.assertEqual(out["input"], [
             {"type": "reasoning", "summary": [{"type": "summary_text", "text": "hmm"}],

@@ -29,8 +29,8 @@ The mapping:
     C{prompt_cache_key} (with C{cache_control} anywhere, the system prompt
     and tools seed it otherwise); relay scopes the key per client key
     (R112);
-  - C{thinking} (C{enabled} with C{budget_tokens}) -> C{reasoning.effort}
-    (L{effortOf}) with C{summary: auto}, and the encrypted reasoning asked
+  - C{thinking} (C{enabled} with C{budget_tokens}, or C{adaptive}) ->
+    C{reasoning.effort} (L{effortOf}) with C{summary: auto}, and the encrypted reasoning asked
     for, so the answer's thinking blocks can be sent back;
   - C{stop_sequences} have no Responses field: they are applied to the
     answer (L{relay.translate.anthropic.stream}).
@@ -54,6 +54,10 @@ SIGNATURE_PREFIX = "relay."
 redacted one) relay wrote: the upstream's C{encrypted_content} follows."""
 
 ROLES = frozenset({"user", "assistant"})
+
+THINKING_ON = frozenset({"enabled", "adaptive"})
+"""The C{thinking.type}s that turn reasoning on (C{adaptive} without a budget:
+C{output_config.effort} when it names one, else C{medium})."""
 
 EFFORT_BANDS = ((4096, "low"), (16384, "medium"))
 """C{thinking.budget_tokens} below the bound -> effort; at or above the last
@@ -191,7 +195,7 @@ def contextOf(body: dict) -> MessagesContext:
     return MessagesContext(
         model=body["model"],
         stopSequences=tuple(body.get("stop_sequences") or ()),
-        thinking=isinstance(thinking, dict) and thinking.get("type") == "enabled",
+        thinking=isinstance(thinking, dict) and thinking.get("type") in THINKING_ON,
     )
 
 
@@ -233,9 +237,13 @@ def messagesToResponses(body: dict, model: str) -> dict:
     if cacheKey is not None:
         out["prompt_cache_key"] = cacheKey
     thinking = body.get("thinking")
-    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
-        out["reasoning"] = {"effort": effortOf(thinking.get("budget_tokens")),
-                            "summary": "auto"}
+    if isinstance(thinking, dict) and thinking.get("type") in THINKING_ON:
+        effort = effortOf(thinking.get("budget_tokens"))
+        config = body.get("output_config")
+        if "budget_tokens" not in thinking and isinstance(config, dict) and config.get(
+                "effort") in ("low", "medium", "high"):
+            effort = config["effort"]
+        out["reasoning"] = {"effort": effort, "summary": "auto"}
         out["include"] = ["reasoning.encrypted_content"]
     out["stream"] = body.get("stream") is True
     return out
