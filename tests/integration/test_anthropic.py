@@ -400,6 +400,8 @@ async def test_admin_api_changes_the_mapping_live():
             {"anthropic_models": {"sonnet": ""}}).encode(), headers=auth)
         assert response.code == 400
         assert "anthropic_models.sonnet" in (await response.content()).decode()
+        audit = await treq.get(stack.url + "/admin/audit", headers=auth)
+        assert "anthropic_models.update" in (await audit.content()).decode()
     finally:
         await stack.stop()
 

@@ -39,18 +39,19 @@ def readScript(where: str) -> dict:
             "text": "The notes say: {output}"}
 
 
+@pytest.mark.parametrize("kind", ["apikey", "oauth"])
 @pytest_twisted.ensureDeferred
-async def test_claude_code_reads_a_file_with_a_tool():
+async def test_claude_code_reads_a_file_with_a_tool(kind):
     """
-    R115: Claude Code's request is a Messages turn; the upstream's
-    function call reaches it as a C{tool_use} it runs (C{Read}), the
-    C{tool_result} goes back up as the call's output with the same id, and
-    Claude Code prints the answer built from it. Only C{/v1/messages} was
-    asked (non-essential traffic off).
+    R115: Claude Code's request is a Messages turn on either account type;
+    the upstream's function call reaches it as a C{tool_use} it runs
+    (C{Read}), the C{tool_result} goes back up as the call's output with
+    the same id, and Claude Code prints the answer built from it.
     """
     where = workspace()
-    stack = await startStack([{"id": "a1", "credential": "sk-a1"}],
-                             emulatorConfig={"default_script": readScript(where)})
+    stack = await startStack([{"id": "a1", "credential": "sk-a1", "type": kind}],
+                             emulatorConfig={"default_script": readScript(where), "accounts": [
+                                 {"name": "a1", "credential": "sk-a1"}]})
     try:
         run = await runClaude(stack.url, RELAY_KEY, "What does notes.txt say?", where)
         assert run.code == 0, (run.stdout, run.stderr)
