@@ -600,3 +600,80 @@ class EntryTests(SynchronousTestCase):
         self.assertEqual([m["id"] for m in body["data"]],
                          ["claude-haiku", "claude-opus", "claude-sonnet"])
         self.assertEqual(body["first_id"], "claude-haiku")
+
+
+class FuzzTests(SynchronousTestCase):
+    """
+    Whatever a client or an upstream sends, the translation answers a 400
+    (L{MessagesRequestError}) or translates; it never raises anything else
+    (which would be a 500 or a broken stream).
+    """
+
+    def test_anyRequest(self):
+        from hypothesis import HealthCheck, given, settings, strategies as st
+
+        block = st.fixed_dictionaries(
+            {"type": st.sampled_from(["text", "image", "document", "tool_use", "tool_result",
+                                      "thinking", "redacted_thinking", "x"])},
+            optional={k: _JSON for k in ("text", "source", "id", "input", "content",
+                                         "tool_use_id", "is_error", "signature", "data")})
+        message = st.fixed_dictionaries({
+            "role": st.sampled_from(["user", "assistant"]),
+            "content": st.one_of(st.text(max_size=5), st.lists(block, max_size=4), _JSON)})
+        body = st.fixed_dictionaries(
+            {"model": st.just("claude-x"), "max_tokens": st.just(10),
+             "messages": st.lists(message, max_size=4)},
+            optional={k: _JSON for k in ("system", "tools", "tool_choice", "stop_sequences",
+                                         "thinking", "metadata", "output_config", "stream")})
+
+        @settings(max_examples=300, suppress_health_check=list(HealthCheck), deadline=None)
+        @given(body)
+        def check(b):
+            try:
+                checkMessagesRequest(b)
+            except MessagesRequestError:
+                return
+            messagesToResponses(b, "m")
+            contextOf(b)
+
+        check()
+
+    def test_anyEvents(self):
+        from hypothesis import HealthCheck, given, settings, strategies as st
+
+        event = st.fixed_dictionaries(
+            {"type": st.sampled_from([
+                "response.created", "response.output_text.delta", "response.output_item.added",
+                "response.output_item.done", "response.function_call_arguments.delta",
+                "response.function_call_arguments.done", "response.output_text.done",
+                "response.reasoning_summary_text.delta", "response.refusal.delta",
+                "response.completed", "response.incomplete", "response.failed", "error"])},
+            optional={k: _JSON for k in ("delta", "item", "output_index", "item_id",
+                                         "response", "text", "arguments")})
+
+        @settings(max_examples=300, suppress_health_check=list(HealthCheck), deadline=None)
+        @given(st.lists(event, max_size=8), st.booleans())
+        def check(events, thinking):
+            t = MessagesTranslator(MessagesContext(model="c", stopSequences=("ab",),
+                                                   thinking=thinking))
+            out = []
+            for e in events:
+                out.extend(t.feed(e))
+            foldMessage(out)
+
+        check()
+
+
+def _json():
+    from hypothesis import strategies as st
+
+    keys = st.sampled_from(["type", "text", "source", "id", "input", "content", "name", "data",
+                            "role", "media_type", "url", "output", "summary", "usage",
+                            "arguments", "call_id"])
+    return st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(keys, inner, max_size=5),
+        max_leaves=20)
+
+
+_JSON = _json()

@@ -53,9 +53,9 @@ SIGNATURE_PREFIX = "relay."
 """What starts the signature of a thinking block (and the data of a
 redacted one) relay wrote: the upstream's C{encrypted_content} follows."""
 
-ROLES = frozenset({"user", "assistant"})
+ROLES = ("user", "assistant")
 
-THINKING_ON = frozenset({"enabled", "adaptive"})
+THINKING_ON = ("enabled", "adaptive")
 """The C{thinking.type}s that turn reasoning on (C{adaptive} without a budget:
 C{output_config.effort} when it names one, else C{medium})."""
 
@@ -179,8 +179,12 @@ def checkMessagesRequest(body: Any, counting: bool = False) -> None:
         raise MessagesRequestError(
             "stop_sequences: Input should be an array of non-empty strings", "stop_sequences")
     thinking = body.get("thinking")
-    if thinking is not None and not isinstance(thinking, dict):
-        raise MessagesRequestError("thinking: Input should be an object", "thinking")
+    if thinking is not None and (
+        not isinstance(thinking, dict)
+        or thinking.get("type") not in ("enabled", "disabled", "adaptive")
+    ):
+        raise MessagesRequestError(
+            "thinking.type: Input should be 'enabled', 'disabled' or 'adaptive'", "thinking")
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise MessagesRequestError("metadata: Input should be an object", "metadata")

@@ -47,14 +47,23 @@ def anthropicUsage(usage: Optional[dict]) -> dict:
         C{cache_read_input_tokens}.
     """
     usage = usage if isinstance(usage, dict) else {}
-    total = usage.get("input_tokens") or 0
-    cached = (usage.get("input_tokens_details") or {}).get("cached_tokens") or 0
+    details = usage.get("input_tokens_details")
+    total = _count(usage.get("input_tokens"))
+    cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else 0
     return {
         "input_tokens": max(0, total - cached),
-        "output_tokens": usage.get("output_tokens") or 0,
+        "output_tokens": _count(usage.get("output_tokens")),
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": cached,
     }
+
+
+def _count(value) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _str(value) -> str:
+    return value if isinstance(value, str) else ""
 
 
 class _Block:
@@ -112,7 +121,9 @@ class MessagesTranslator:
 
     def _key(self, event: dict, item: Optional[dict] = None):
         itemId = (item or {}).get("id") or event.get("item_id")
+        itemId = itemId if isinstance(itemId, str) else None
         index = event.get("output_index")
+        index = index if isinstance(index, int) else None
         if index is None:
             return self._keys.get(itemId, itemId)
         if itemId is not None:
@@ -217,8 +228,9 @@ class MessagesTranslator:
         secret = item.get("encrypted_content")
         block = self._blocks.get(key)
         if block is None:
-            text = "".join(p.get("text", "") for p in item.get("summary") or []
-                           if isinstance(p, dict))
+            summary = item.get("summary")
+            text = "".join(_str(p.get("text")) for p in (
+                summary if isinstance(summary, list) else []) if isinstance(p, dict))
             if text:
                 self._thinking(out, key, text)
                 block = self._blocks.get(key)
@@ -241,9 +253,10 @@ class MessagesTranslator:
                 self._argsRemainder(out, block, item.get("arguments"))
                 self._close(out, block)
         elif kind == "message" and done:
+            content = item.get("content")
             text = "".join(
-                p.get("text", "") if p.get("type") == "output_text" else p.get("refusal", "")
-                for p in item.get("content") or []
+                _str(p.get("text")) if p.get("type") == "output_text" else _str(p.get("refusal"))
+                for p in (content if isinstance(content, list) else [])
                 if isinstance(p, dict) and p.get("type") in ("output_text", "refusal"))
             self._textRemainder(out, key, text)
             self._close(out, self._blocks.get(key))
@@ -264,31 +277,34 @@ class MessagesTranslator:
         kind = event.get("type")
         out: list = []
         if kind in ("response.created", "response.in_progress", "response.queued"):
-            rid = (event.get("response") or {}).get("id")
+            response = event.get("response")
+            rid = response.get("id") if isinstance(response, dict) else None
             if self._id is None and isinstance(rid, str) and rid:
                 self._id = "msg_" + rid.split("_", 1)[-1]
             self._start(out)
         elif kind in ("response.output_text.delta", "response.refusal.delta"):
             self._refused = self._refused or kind == "response.refusal.delta"
-            self._text(out, self._key(event), event.get("delta") or "")
+            self._text(out, self._key(event), _str(event.get("delta")))
         elif kind == "response.output_text.done":
             self._textRemainder(out, self._key(event), event.get("text"))
         elif kind in ("response.output_item.added", "response.output_item.done"):
-            item = event.get("item") or {}
+            item = event.get("item")
+            item = item if isinstance(item, dict) else {}
             self._item(out, self._key(event, item), item, kind.endswith(".done"))
         elif kind == "response.function_call_arguments.delta":
             key = self._key(event)
             block = self._blocks.get(key) or self._toolBlock(out, key, {"id": event.get("item_id")})
-            self._args(out, block, event.get("delta") or "")
+            self._args(out, block, _str(event.get("delta")))
         elif kind == "response.function_call_arguments.done":
             self._argsRemainder(out, self._blocks.get(self._key(event)), event.get("arguments"))
         elif kind == "response.reasoning_summary_text.delta":
-            self._thinking(out, self._key(event), event.get("delta") or "")
+            self._thinking(out, self._key(event), _str(event.get("delta")))
         elif kind == "error":
             self.finished = True
             self.error = _errorOf(event)
         elif kind in TERMINAL:
-            self._terminal(out, kind, event.get("response") or {})
+            response = event.get("response")
+            self._terminal(out, kind, response if isinstance(response, dict) else {})
         return out
 
     def _terminal(self, out: list, kind: str, response: dict) -> None:
@@ -297,12 +313,14 @@ class MessagesTranslator:
             self.error = _errorOf(response)
             return
         self._start(out)
-        for index, item in enumerate(response.get("output") or []):
+        output = response.get("output")
+        for index, item in enumerate(output if isinstance(output, list) else []):
             if isinstance(item, dict):
                 self._item(out, self._key({"output_index": index}, item), item, True)
         for block in list(self._blocks.values()):
             self._close(out, block)
-        reason = (response.get("incomplete_details") or {}).get("reason")
+        details = response.get("incomplete_details")
+        reason = details.get("reason") if isinstance(details, dict) else None
         if self._stopped is not None:
             self.stopReason = "stop_sequence"
         elif kind == "response.incomplete":
