@@ -19,6 +19,7 @@ import pytest_twisted
 import treq
 from twisted.internet.threads import deferToThread
 
+from relay.translate.anthropic import messagesToResponses
 from tests.integration.harness import RELAY_KEY, sseEvents, startStack
 
 SONNET = "claude-sonnet-4-5-20250929"
@@ -83,7 +84,11 @@ async def test_text_stream_and_not(kind):
         assert body["model"] == "gpt-5.5" and body["instructions"] == "be brief"
         assert body["input"] == [{"type": "message", "role": "user",
                                   "content": [{"type": "input_text", "text": "hi"}]}]
-        assert body["prompt_cache_key"]  # cache_control: a scoped cache key (R112)
+        # cache_control: a cache key, scoped per client key upstream (R112)
+        unscoped = messagesToResponses({"model": SONNET, "max_tokens": 200, "system": [
+            {"type": "text", "text": "be brief", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": "hi"}]}, "gpt-5.5")["prompt_cache_key"]
+        assert body["prompt_cache_key"] and body["prompt_cache_key"] != unscoped
         if kind == "oauth":
             assert "max_output_tokens" not in body and "temperature" not in body
         else:
