@@ -31,12 +31,13 @@ def workspace() -> str:
 
 def readScript(where: str) -> dict:
     """
-    The emulator's script: a fresh turn calls C{Read} on the notes; the
-    turn with its result answers with it.
+    The emulator's script: a fresh turn calls C{Read} on the notes (after an
+    encrypted reasoning item, as Claude Code turns thinking on); the turn
+    with its result answers with it.
     """
     return {"tool_call": {"name": "Read",
                           "arguments": {"file_path": os.path.join(where, "notes.txt")}},
-            "text": "The notes say: {output}"}
+            "text": "The notes say: {output}", "reasoning": True}
 
 
 @pytest.mark.parametrize("kind", ["apikey", "oauth"])
@@ -46,7 +47,8 @@ async def test_claude_code_reads_a_file_with_a_tool(kind):
     R115: Claude Code's request is a Messages turn on either account type;
     the upstream's function call reaches it as a C{tool_use} it runs
     (C{Read}), the C{tool_result} goes back up as the call's output with
-    the same id, and Claude Code prints the answer built from it.
+    the same id, and Claude Code prints the answer built from it. Its
+    thinking block goes back up as the account's own encrypted reasoning.
     """
     where = workspace()
     stack = await startStack([{"id": "a1", "credential": "sk-a1", "type": kind}],
@@ -63,6 +65,9 @@ async def test_claude_code_reads_a_file_with_a_tool(kind):
         [output] = [i for i in second.body["input"] if i["type"] == "function_call_output"]
         assert call["name"] == "Read" and output["call_id"] == call["call_id"]
         assert SECRET in str(output["output"])
+        [reasoning] = [i for i in second.body["input"] if i["type"] == "reasoning"]
+        assert reasoning["encrypted_content"].startswith("emu1.")  # the emulator's sealing
+        assert first.body["reasoning"]["summary"] == "auto"
     finally:
         await stack.stop()
 
