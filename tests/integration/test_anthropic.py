@@ -45,17 +45,17 @@ async def start(accounts, **kw):
     return await startStack(accounts, emulatorConfig={"accounts": known}, **kw)
 
 
-async def sdk(stack, fn, key=RELAY_KEY):
+async def sdk(relay, fn, key=RELAY_KEY):
     def call():
-        with anthropic.Anthropic(base_url=stack.url, api_key=key, max_retries=0,
+        with anthropic.Anthropic(base_url=relay.url, api_key=key, max_retries=0,
                                  timeout=10.0) as c:
             return fn(c)
 
     return await deferToThread(call)
 
 
-def upstream(stack, credential):
-    [request] = stack.emulator.requestsFor(credential)
+def upstream(relay, credential):
+    [request] = relay.emulator.requestsFor(credential)
     return request
 
 
@@ -70,9 +70,9 @@ async def test_text_stream_and_not(kind):
     C{max_output_tokens}, C{temperature} (left out as for chat).
     """
     account = ACCOUNTS[kind]()
-    stack = await start([account])
+    relay = await start([account])
     try:
-        message = await sdk(stack, lambda c: c.messages.create(
+        message = await sdk(relay, lambda c: c.messages.create(
             model=SONNET, max_tokens=200, system=[{"type": "text", "text": "be brief",
                                                    "cache_control": {"type": "ephemeral"}}],
             extra_body={"temperature": 0.2}, messages=[{"role": "user", "content": "hi"}]))
@@ -80,7 +80,7 @@ async def test_text_stream_and_not(kind):
         assert message.stop_reason == "end_turn"
         assert message.content[0].text.startswith("Hello from the relay emulator")
         assert message.usage.input_tokens > 0 and message.usage.output_tokens > 0
-        body = upstream(stack, account["credential"]).body
+        body = upstream(relay, account["credential"]).body
         assert body["model"] == "gpt-5.5" and body["instructions"] == "be brief"
         assert body["input"] == [{"type": "message", "role": "user",
                                   "content": [{"type": "input_text", "text": "hi"}]}]
@@ -93,7 +93,7 @@ async def test_text_stream_and_not(kind):
             assert "max_output_tokens" not in body and "temperature" not in body
         else:
             assert body["max_output_tokens"] == 200 and body["temperature"] == 0.2
-        stack.emulator.clearRequests()
+        relay.emulator.clearRequests()
 
         def streamed(c):
             with c.messages.stream(model=SONNET, max_tokens=200,
@@ -101,13 +101,13 @@ async def test_text_stream_and_not(kind):
                 kinds = [e.type for e in s]
                 return kinds, s.get_final_message()
 
-        kinds, final = await sdk(stack, streamed)
+        kinds, final = await sdk(relay, streamed)
         assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
         assert "content_block_delta" in kinds and "message_delta" in kinds
         assert final.content[0].text == message.content[0].text
         assert final.stop_reason == "end_turn" and final.usage.output_tokens > 0
     finally:
-        await stack.stop()
+        await relay.stop()
 
 
 @pytest.mark.parametrize("kind", ["apikey", "oauth"])
@@ -121,48 +121,48 @@ async def test_tool_use_round_trip(kind):
     C{disable_parallel_tool_use} and C{tool_choice: any} are translated.
     """
     account = ACCOUNTS[kind]()
-    stack = await start([account])
-    stack.emulator.setScript(account["credential"], {
+    relay = await start([account])
+    relay.emulator.setScript(account["credential"], {
         "tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}},
         "text": "It is {output}"})
     try:
         ask = [{"role": "user", "content": "weather in Paris?"}]
-        message = await sdk(stack, lambda c: c.messages.create(
+        message = await sdk(relay, lambda c: c.messages.create(
             model=SONNET, max_tokens=100, tools=TOOLS, messages=ask,
             tool_choice={"type": "any", "disable_parallel_tool_use": True}))
         assert message.stop_reason == "tool_use"
         [use] = [b for b in message.content if b.type == "tool_use"]
         assert use.name == "get_weather" and use.input == {"city": "Paris"}
         assert use.id.startswith("call_")
-        body = upstream(stack, account["credential"]).body
+        body = upstream(relay, account["credential"]).body
         assert body["tools"][0]["parameters"] == TOOLS[0]["input_schema"]
         assert body["tool_choice"] == "required" and body["parallel_tool_calls"] is False
-        stack.emulator.clearRequests()
+        relay.emulator.clearRequests()
 
         def streamed(c):
             with c.messages.stream(model=SONNET, max_tokens=100, tools=TOOLS,
                                    messages=ask) as s:
                 return [e.type for e in s], s.get_final_message()
 
-        kinds, final = await sdk(stack, streamed)
+        kinds, final = await sdk(relay, streamed)
         [use2] = [b for b in final.content if b.type == "tool_use"]
         assert use2.input == {"city": "Paris"} and final.stop_reason == "tool_use"
         assert "input_json" in kinds  # the SDK's event for input_json_delta
-        stack.emulator.clearRequests()
-        answer = await sdk(stack, lambda c: c.messages.create(
+        relay.emulator.clearRequests()
+        answer = await sdk(relay, lambda c: c.messages.create(
             model=SONNET, max_tokens=100, tools=TOOLS, messages=ask + [
                 {"role": "assistant", "content": [
                     {"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}]},
                 {"role": "user", "content": [
                     {"type": "tool_result", "tool_use_id": use.id, "content": "sunny, 21C"}]}]))
         assert answer.content[0].text == "It is sunny, 21C"
-        items = upstream(stack, account["credential"]).body["input"]
+        items = upstream(relay, account["credential"]).body["input"]
         assert items[1] == {"type": "function_call", "call_id": use.id, "name": "get_weather",
                             "arguments": json.dumps({"city": "Paris"})}
         assert items[2] == {"type": "function_call_output", "call_id": use.id,
                             "output": "sunny, 21C"}
     finally:
-        await stack.stop()
+        await relay.stop()
 
 
 @pytest_twisted.ensureDeferred
@@ -172,9 +172,9 @@ async def test_images_and_error_tool_result():
     C{tool_result} with an image and C{is_error} goes up as input parts
     with the error marked.
     """
-    stack = await start([apikey()])
+    relay = await start([apikey()])
     try:
-        await sdk(stack, lambda c: c.messages.create(
+        await sdk(relay, lambda c: c.messages.create(
             model=SONNET, max_tokens=50, messages=[
                 {"role": "user", "content": [
                     {"type": "image", "source": {"type": "base64", "media_type": "image/png",
@@ -190,7 +190,7 @@ async def test_images_and_error_tool_result():
                                  {"type": "image", "source": {
                                      "type": "base64", "media_type": "image/png",
                                      "data": PIXEL}}]}]}]))
-        items = upstream(stack, "sk-a1").body["input"]
+        items = upstream(relay, "sk-a1").body["input"]
         parts = items[0]["content"]
         assert parts[0] == {"type": "input_image", "detail": "auto",
                             "image_url": "data:image/png;base64," + PIXEL}
@@ -201,7 +201,7 @@ async def test_images_and_error_tool_result():
         assert output[0] == {"type": "input_text", "text": "Error: "}
         assert output[2]["type"] == "input_image"
     finally:
-        await stack.stop()
+        await relay.stop()
 
 
 @pytest_twisted.ensureDeferred
@@ -210,15 +210,15 @@ async def test_count_tokens_is_never_a_generation():
     R115: C{messages.count_tokens} answers relay's estimate; the upstream
     sees no request.
     """
-    stack = await start([apikey()])
+    relay = await start([apikey()])
     try:
-        counted = await sdk(stack, lambda c: c.messages.count_tokens(
+        counted = await sdk(relay, lambda c: c.messages.count_tokens(
             model=SONNET, system="be brief", tools=TOOLS,
             messages=[{"role": "user", "content": "hello there " * 50}]))
         assert counted.input_tokens > 100
-        assert stack.emulator.requests == []
+        assert relay.emulator.requests == []
     finally:
-        await stack.stop()
+        await relay.stop()
 
 
 @pytest_twisted.ensureDeferred
@@ -227,9 +227,9 @@ async def test_stop_sequences_applied_on_the_way_back():
     R115: C{stop_sequences} end the text where one appears, stream and
     not, with C{stop_reason: stop_sequence}.
     """
-    stack = await start([apikey()])
+    relay = await start([apikey()])
     try:
-        message = await sdk(stack, lambda c: c.messages.create(
+        message = await sdk(relay, lambda c: c.messages.create(
             model=SONNET, max_tokens=100, stop_sequences=["emulator"],
             messages=[{"role": "user", "content": "hi"}]))
         assert message.content[0].text == "Hello from the relay "
@@ -240,11 +240,11 @@ async def test_stop_sequences_applied_on_the_way_back():
                                    messages=[{"role": "user", "content": "hi"}]) as s:
                 return s.get_final_message()
 
-        final = await sdk(stack, streamed)
+        final = await sdk(relay, streamed)
         assert final.content[0].text == "Hello from the relay "
         assert final.stop_reason == "stop_sequence"
     finally:
-        await stack.stop()
+        await relay.stop()
 
 
 @pytest_twisted.ensureDeferred
@@ -253,25 +253,25 @@ async def test_failover_is_invisible():
     R115 with R8/R86: the first account answers 503; the turn fails over
     and the SDK sees only the second account's answer, stream and not.
     """
-    stack = await start([apikey("bad", "sk-bad", priority=1), apikey("good", "sk-good",
+    relay = await start([apikey("bad", "sk-bad", priority=1), apikey("good", "sk-good",
                                                                      priority=50)])
-    stack.emulator.setFault("sk-bad", {"kind": "status", "code": 503, "body": {
+    relay.emulator.setFault("sk-bad", {"kind": "status", "code": 503, "body": {
         "error": {"message": "down", "type": "server_error"}}})
     try:
-        message = await sdk(stack, lambda c: c.messages.create(
+        message = await sdk(relay, lambda c: c.messages.create(
             model=SONNET, max_tokens=50, messages=[{"role": "user", "content": "hi"}]))
         assert "sk-good" in message.content[0].text
-        assert stack.emulator.requestsFor("sk-bad")
+        assert relay.emulator.requestsFor("sk-bad")
 
         def streamed(c):
             with c.messages.stream(model=SONNET, max_tokens=50,
                                    messages=[{"role": "user", "content": "hi"}]) as s:
                 return s.get_final_message()
 
-        final = await sdk(stack, streamed)
+        final = await sdk(relay, streamed)
         assert "sk-good" in final.content[0].text
     finally:
-        await stack.stop()
+        await relay.stop()
 
 
 @pytest_twisted.ensureDeferred
@@ -285,41 +285,41 @@ async def test_errors_in_anthropic_shape():
     """
     keys = json.dumps([{"name": "test", "key": RELAY_KEY, "concurrency": 0},
                        {"name": "slow", "key": "sk-relay-slow", "rpm": 1}])
-    stack = await start([apikey()], keys=keys)
+    relay = await start([apikey()], keys=keys)
     try:
         with pytest.raises(anthropic.AuthenticationError) as bad:
-            await sdk(stack, lambda c: c.messages.create(
+            await sdk(relay, lambda c: c.messages.create(
                 model=SONNET, max_tokens=5, messages=[{"role": "user", "content": "x"}]),
                 key="sk-wrong")
         assert bad.value.body["type"] == "error"
         assert bad.value.body["error"]["type"] == "authentication_error"
-        response = await stack.post("/v1/messages", {"model": SONNET, "messages": []},
+        response = await relay.post("/v1/messages", {"model": SONNET, "messages": []},
                                     headers={"anthropic-version": ["2023-06-01"]})
         body = json.loads(await response.content())
         assert response.code == 400 and body["type"] == "error"
         assert body["error"]["type"] == "invalid_request_error"
         assert "max_tokens" in body["error"]["message"]
 
-        await sdk(stack, lambda c: c.messages.create(
+        await sdk(relay, lambda c: c.messages.create(
             model=SONNET, max_tokens=5, messages=[{"role": "user", "content": "x"}]),
             key="sk-relay-slow")
         with pytest.raises(anthropic.RateLimitError) as limited:
-            await sdk(stack, lambda c: c.messages.create(
+            await sdk(relay, lambda c: c.messages.create(
                 model=SONNET, max_tokens=5, messages=[{"role": "user", "content": "x"}]),
                 key="sk-relay-slow")
         assert limited.value.body["error"]["type"] == "rate_limit_error"
         assert limited.value.response.headers.get("retry-after")
 
-        stack.emulator.setFault("sk-a1", {"kind": "stream_error", "code": "server_is_overloaded",
+        relay.emulator.setFault("sk-a1", {"kind": "stream_error", "code": "server_is_overloaded",
                                           "message": "The server is overloaded."})
         with pytest.raises(anthropic.APIStatusError) as shed:
-            await sdk(stack, lambda c: c.messages.create(
+            await sdk(relay, lambda c: c.messages.create(
                 model=SONNET, max_tokens=5, messages=[{"role": "user", "content": "x"}]))
         assert shed.value.status_code == 529, shed.value.body
         assert shed.value.body["error"]["type"] == "overloaded_error"
         assert shed.value.response.headers.get("retry-after")
     finally:
-        await stack.stop()
+        await relay.stop()
 
 
 @pytest_twisted.ensureDeferred
@@ -328,10 +328,10 @@ async def test_mid_stream_error_is_an_error_event():
     R115 with R17: after the stream started, an upstream failure is an
     C{event: error} in Anthropic's shape.
     """
-    stack = await start([apikey()])
-    stack.emulator.setFault("sk-a1", {"kind": "cut_after_events", "events": 6})
+    relay = await start([apikey()])
+    relay.emulator.setFault("sk-a1", {"kind": "cut_after_events", "events": 6})
     try:
-        response = await stack.post("/v1/messages", {
+        response = await relay.post("/v1/messages", {
             "model": SONNET, "max_tokens": 50, "stream": True,
             "messages": [{"role": "user", "content": "hi"}]})
         events = sseEvents(await response.content())
@@ -341,7 +341,7 @@ async def test_mid_stream_error_is_an_error_event():
         assert name == "error" and data["type"] == "error"
         assert data["error"]["type"] in ("api_error", "overloaded_error")
     finally:
-        await stack.stop()
+        await relay.stop()
 
 
 @pytest_twisted.ensureDeferred
@@ -355,18 +355,18 @@ async def test_models_mapped_before_key_policy_and_listed():
     """
     keys = json.dumps([{"name": "test", "key": RELAY_KEY, "concurrency": 0,
                         "models": ["gpt-5.4-mini", "gpt-4.1"]}])
-    stack = await start([apikey()], keys=keys, extra="anthropic_models: {haiku: gpt-4.1}\n")
+    relay = await start([apikey()], keys=keys, extra="anthropic_models: {haiku: gpt-4.1}\n")
     try:
-        message = await sdk(stack, lambda c: c.messages.create(
+        message = await sdk(relay, lambda c: c.messages.create(
             model="claude-haiku-4-5", max_tokens=5, messages=[{"role": "user", "content": "x"}]))
         assert message.model == "claude-haiku-4-5"
-        assert upstream(stack, "sk-a1").body["model"] == "gpt-4.1"
+        assert upstream(relay, "sk-a1").body["model"] == "gpt-4.1"
         with pytest.raises(anthropic.APIStatusError) as refused:
-            await sdk(stack, lambda c: c.messages.create(
+            await sdk(relay, lambda c: c.messages.create(
                 model=SONNET, max_tokens=5, messages=[{"role": "user", "content": "x"}]))
         assert refused.value.status_code == 403
         assert refused.value.body["error"]["type"] == "permission_error"
-        response = await treq.get(stack.url + "/v1/models", headers={
+        response = await treq.get(relay.url + "/v1/models", headers={
             "x-api-key": [RELAY_KEY], "anthropic-version": ["2023-06-01"]})
         listing = json.loads(await response.content())
         ids = {m["id"] for m in listing["data"]}
@@ -374,7 +374,7 @@ async def test_models_mapped_before_key_policy_and_listed():
         assert all(m["type"] == "model" for m in listing["data"])
         assert listing["has_more"] is False
     finally:
-        await stack.stop()
+        await relay.stop()
 
 
 @pytest_twisted.ensureDeferred
@@ -385,30 +385,30 @@ async def test_admin_api_changes_the_mapping_live():
     source; a bad table is a 400 naming it.
     """
     admin = "anthropic-admin-key-0x7f"
-    stack = await start([apikey()], extra=f"admin_key: {admin}\n"
+    relay = await start([apikey()], extra=f"admin_key: {admin}\n"
                                           "anthropic_models: {haiku: gpt-4.1-mini}\n")
     auth = {"Authorization": [f"Bearer {admin}"], "Content-Type": ["application/json"]}
     try:
-        response = await treq.get(stack.url + "/admin/anthropic_models", headers=auth)
+        response = await treq.get(relay.url + "/admin/anthropic_models", headers=auth)
         view = json.loads(await response.content())["anthropic_models"]
         assert view["haiku"] == {"model": "gpt-4.1-mini", "source": "config"}
         assert view["sonnet"] == {"model": "gpt-5.5", "source": "default"}
-        response = await treq.put(stack.url + "/admin/anthropic_models", json.dumps(
+        response = await treq.put(relay.url + "/admin/anthropic_models", json.dumps(
             {"anthropic_models": {"sonnet": "gpt-4.1"}}).encode(), headers=auth)
         body = json.loads(await response.content())
         assert response.code == 200, body
         assert body["anthropic_models"]["sonnet"] == {"model": "gpt-4.1", "source": "admin"}
-        await sdk(stack, lambda c: c.messages.create(
+        await sdk(relay, lambda c: c.messages.create(
             model=SONNET, max_tokens=5, messages=[{"role": "user", "content": "x"}]))
-        assert upstream(stack, "sk-a1").body["model"] == "gpt-4.1"
-        response = await treq.put(stack.url + "/admin/anthropic_models", json.dumps(
+        assert upstream(relay, "sk-a1").body["model"] == "gpt-4.1"
+        response = await treq.put(relay.url + "/admin/anthropic_models", json.dumps(
             {"anthropic_models": {"sonnet": ""}}).encode(), headers=auth)
         assert response.code == 400
         assert "anthropic_models.sonnet" in (await response.content()).decode()
-        audit = await treq.get(stack.url + "/admin/audit", headers=auth)
+        audit = await treq.get(relay.url + "/admin/audit", headers=auth)
         assert "anthropic_models.update" in (await audit.content()).decode()
     finally:
-        await stack.stop()
+        await relay.stop()
 
 
 @pytest_twisted.ensureDeferred
@@ -421,14 +421,14 @@ async def test_budgets_request_log_and_cost():
     """
     admin = "anthropic-admin-key-0x7f"
     keys = json.dumps([{"name": "tight", "key": RELAY_KEY, "daily_tokens": 60}])
-    stack = await start([apikey()], keys=keys, extra=f"admin_key: {admin}\n")
-    stack.emulator.setScript("sk-a1", {"usage": {"input_tokens": 50, "output_tokens": 20}})
+    relay = await start([apikey()], keys=keys, extra=f"admin_key: {admin}\n")
+    relay.emulator.setScript("sk-a1", {"usage": {"input_tokens": 50, "output_tokens": 20}})
     try:
-        response = await stack.post("/v1/messages", {
+        response = await relay.post("/v1/messages", {
             "model": SONNET, "max_tokens": 20, "messages": [{"role": "user", "content": "x"}]})
         assert response.code == 200, await response.content()
         rid = response.headers.getRawHeaders("x-request-id")[0]
-        page = await treq.get(stack.url + f"/admin/requests?request_id={rid}",
+        page = await treq.get(relay.url + f"/admin/requests?request_id={rid}",
                               headers={"Authorization": [f"Bearer {admin}"]})
         [record] = (await page.json())["requests"]
         assert (record["key"], record["model"], record["endpoint"]) == (
@@ -436,12 +436,12 @@ async def test_budgets_request_log_and_cost():
         assert (record["input_tokens"], record["output_tokens"]) == (50, 20)
         assert record["cost_usd"] > 0
         with pytest.raises(anthropic.RateLimitError) as spent:
-            await sdk(stack, lambda c: c.messages.create(
+            await sdk(relay, lambda c: c.messages.create(
                 model=SONNET, max_tokens=20, messages=[{"role": "user", "content": "x"}]))
         assert spent.value.body["type"] == "error"
         assert spent.value.body["error"]["type"] == "rate_limit_error"
     finally:
-        await stack.stop()
+        await relay.stop()
 
 
 @pytest_twisted.ensureDeferred
@@ -451,10 +451,10 @@ async def test_keepalives_before_the_first_output():
     (which Anthropic's SSE readers skip) before C{message_start}; the SDK
     reads the stream as usual.
     """
-    stack = await start([apikey()], gateway="{stream_keepalive_interval: 0.1}")
-    stack.emulator.setFault("sk-a1", {"kind": "delay_first_output", "seconds": 0.5})
+    relay = await start([apikey()], gateway="{stream_keepalive_interval: 0.1}")
+    relay.emulator.setFault("sk-a1", {"kind": "delay_first_output", "seconds": 0.5})
     try:
-        response = await stack.post("/v1/messages", {
+        response = await relay.post("/v1/messages", {
             "model": SONNET, "max_tokens": 50, "stream": True,
             "messages": [{"role": "user", "content": "hi"}]})
         raw = await response.content()
@@ -466,8 +466,8 @@ async def test_keepalives_before_the_first_output():
                                    messages=[{"role": "user", "content": "hi"}]) as s:
                 return s.get_final_message()
 
-        stack.emulator.setFault("sk-a1", {"kind": "delay_first_output", "seconds": 0.5})
-        final = await sdk(stack, streamed)
+        relay.emulator.setFault("sk-a1", {"kind": "delay_first_output", "seconds": 0.5})
+        final = await sdk(relay, streamed)
         assert final.content[0].text.startswith("Hello from the relay emulator")
     finally:
-        await stack.stop()
+        await relay.stop()

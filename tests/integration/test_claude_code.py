@@ -51,15 +51,15 @@ async def test_claude_code_reads_a_file_with_a_tool(kind):
     thinking block goes back up as the account's own encrypted reasoning.
     """
     where = workspace()
-    stack = await startStack([{"id": "a1", "credential": "sk-a1", "type": kind}],
+    relay = await startStack([{"id": "a1", "credential": "sk-a1", "type": kind}],
                              emulatorConfig={"default_script": readScript(where), "accounts": [
                                  {"name": "a1", "credential": "sk-a1"}]})
     try:
-        run = await runClaude(stack.url, RELAY_KEY, "What does notes.txt say?", where)
+        run = await runClaude(relay.url, RELAY_KEY, "What does notes.txt say?", where)
         assert run.code == 0, (run.stdout, run.stderr)
         assert run.result["is_error"] is False and run.result["num_turns"] == 2
         assert SECRET in run.result["result"]
-        first, second = stack.emulator.requestsFor("sk-a1")
+        first, second = relay.emulator.requestsFor("sk-a1")
         assert first.body["model"] == "gpt-5.5"  # claude-sonnet-4-5, mapped
         [call] = [i for i in second.body["input"] if i["type"] == "function_call"]
         [output] = [i for i in second.body["input"] if i["type"] == "function_call_output"]
@@ -69,7 +69,7 @@ async def test_claude_code_reads_a_file_with_a_tool(kind):
         assert reasoning["encrypted_content"].startswith("emu1.")  # the emulator's sealing
         assert first.body["reasoning"]["summary"] == "auto"
     finally:
-        await stack.stop()
+        await relay.stop()
 
 
 @pytest_twisted.ensureDeferred
@@ -80,17 +80,17 @@ async def test_claude_code_never_sees_a_failover():
     the tool turn without an error or a retry of its own.
     """
     where = workspace()
-    stack = await startStack(
+    relay = await startStack(
         [{"id": "bad", "credential": "sk-bad", "priority": 1},
          {"id": "good", "credential": "sk-good", "priority": 50}],
         emulatorConfig={"default_script": readScript(where)})
-    stack.emulator.setFault("sk-bad", {"kind": "status", "code": 500, "body": {
+    relay.emulator.setFault("sk-bad", {"kind": "status", "code": 500, "body": {
         "error": {"message": "boom", "type": "server_error"}}})
     try:
-        run = await runClaude(stack.url, RELAY_KEY, "What does notes.txt say?", where)
+        run = await runClaude(relay.url, RELAY_KEY, "What does notes.txt say?", where)
         assert run.code == 0, (run.stdout, run.stderr)
         assert run.result["is_error"] is False and SECRET in run.result["result"]
-        assert stack.emulator.requestsFor("sk-bad")
-        assert len(stack.emulator.requestsFor("sk-good")) == 2
+        assert relay.emulator.requestsFor("sk-bad")
+        assert len(relay.emulator.requestsFor("sk-good")) == 2
     finally:
-        await stack.stop()
+        await relay.stop()
