@@ -115,12 +115,12 @@ class ProxySpec:
     password: Optional[str] = field(default=None, repr=False)
 
 
-ENDPOINTS = ("responses", "chat", "embeddings", "images", "image_edits")
+ENDPOINTS = ("responses", "chat", "messages", "embeddings", "images", "image_edits")
 """The client surfaces a L{Turn} comes from (R115): C{POST /v1/responses},
-C{/v1/chat/completions}, C{/v1/embeddings}, C{/v1/images/generations} and
+C{/v1/chat/completions}, C{/v1/messages}, C{/v1/embeddings}, C{/v1/images/generations} and
 C{/v1/images/edits}."""
 
-_EVERY_ACCOUNT = frozenset({"responses", "chat", "images", "image_edits"})
+_EVERY_ACCOUNT = frozenset({"responses", "chat", "messages", "images", "image_edits"})
 """The endpoints both account types serve (L{Account.servesEndpoint})."""
 
 
@@ -206,9 +206,9 @@ class Account:
         """
         Whether this account can serve C{endpoint} (a scheduling
         eligibility filter by capability, R115). Every account serves
-        C{responses} and C{chat}: the ChatGPT (OAuth) backend has only
-        C{/responses} (protocol.md 3, 7.2), and relay translates a chat
-        turn for it (L{relay.translate}); likewise C{images} and
+        C{responses}, C{chat} and C{messages}: the ChatGPT (OAuth) backend
+        has only C{/responses} (protocol.md 3, 7.2), and relay translates a
+        chat or Messages turn for it (L{relay.translate}); likewise C{images} and
         C{image_edits}, served there through the Responses
         C{image_generation} tool (L{relay.translate.images}). Only API-key
         accounts serve C{embeddings}.
@@ -545,6 +545,9 @@ class RelayConfig:
     """Account group name -> tuple of account ids (config.md C{groups:})."""
     prices: dict = field(factory=dict, hash=False)
     """Model -> L{relay.tenants.prices.Price} overriding the shipped table."""
+    anthropic_models: dict = field(factory=dict, hash=False)
+    """C{claude-*} family -> OpenAI model over the shipped defaults (config.md
+    C{anthropic_models}, R115)."""
     request_log: RequestLogSettings = RequestLogSettings()
     """The request log's bounds and debug sampling."""
     tracing: TracingSettings = TracingSettings()
@@ -671,8 +674,9 @@ class Turn:
     One HTTP request or one WebSocket C{response.create} (DEVELOPERS.md).
 
     @ivar entrypoint: C{http} or C{ws}.
-    @ivar endpoint: one of L{ENDPOINTS} (C{responses}, C{chat},
-        C{embeddings}, C{images}, C{image_edits}).
+    @ivar endpoint: one of L{ENDPOINTS} (C{responses}, C{chat}, C{messages}
+        (the Anthropic Messages API: C{body} is its Responses translation,
+        R115), C{embeddings}, C{images}, C{image_edits}).
     @ivar client: the authenticated L{ClientKey}.
     @ivar model: the model the client asked for (before mapping).
     @ivar body: the JSON request body as a dict (relay-only fields removed).
@@ -714,6 +718,9 @@ class Turn:
     @ivar compactionItems: for a compaction turn (its last input item is
         C{compaction_trigger}, R89), the C{compaction} items it produced,
         filled by the engine; L{None} for other turns.
+    @ivar messages: for a C{messages} turn, what the answer's translation
+        needs of the client's request
+        (L{relay.translate.anthropic.request.MessagesContext}); else L{None}.
     @ivar affinity: C{(layer, store key)} pairs whose recorded account the
         turn prefers (R89: the account that produced a C{compaction} item
         it carries; R90: the account that issued its C{x-codex-turn-state}).
@@ -738,6 +745,7 @@ class Turn:
     onResponseId: Optional[Callable[[str, Account], Any]] = None
     firstOutputAt: Optional[float] = None
     wsContext: Any = None
+    messages: Any = None
     usage: Any = None
     upstreamRequestId: Optional[str] = None
     allowedAccounts: Optional[frozenset] = None

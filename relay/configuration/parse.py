@@ -733,10 +733,25 @@ _TOP: Dict[str, Validator] = {
     "alerts": lambda value, path: value,  # relay.configuration.alerts
     "groups": lambda value, path: value,
     "prices": lambda value, path: value,
+    "anthropic_models": lambda value, path: _anthropicModels(value, path),
     "request_log": _nested(_REQUEST_LOG, RequestLogSettings),
     "tracing": _nested(_TRACING, TracingSettings),
     "demo": _boolean,
 }
+
+
+def _anthropicModels(value: Any, path: str) -> dict:
+    """
+    C{anthropic_models}: family -> OpenAI model (behaviour.md R115).
+
+    @raise ConfigError: naming the entry.
+    """
+    from relay.translate.anthropic.models import checkTable
+
+    try:
+        return checkTable({} if value is None else value, path)
+    except ValueError as e:
+        raise ConfigError(_oneLine(str(e))) from None
 
 
 def validateSection(value: Any, path: str, table: Mapping[str, Validator]) -> Dict[str, Any]:

@@ -26,6 +26,8 @@ from relay.control.keys.resource import KeysResource
 from relay.control.keys.service import KeyService
 from relay.control.logins.resource import LoginsResource
 from relay.control.logins.service import LoginService
+from relay.control.anthropic.resource import AnthropicModelsResource
+from relay.control.anthropic.service import AnthropicModelsService
 from relay.control.prices.resource import PricesResource
 from relay.control.prices.service import PriceService
 
@@ -192,6 +194,8 @@ def assembleControl(app, admin, view, redis) -> ControlParts:
         b"keys": KeysResource(adminKey, keys),
         b"groups": GroupsResource(adminKey, groups),
         b"prices": PricesResource(adminKey, prices),
+        b"anthropic_models": AnthropicModelsResource(  # R115
+            adminKey, AnthropicModelsService(plane=plane, clock=reactor)),
     }
     resource = ControlAdmin(admin, audit, routes)
     service = ControlService(plane, logins, probe, reactor, resets)

@@ -74,6 +74,7 @@ from relay.control.accounts.records import (
 from relay.control.groups.service import GROUP, groupAccounts
 from relay.control.keys.records import KEY, KEY_DISABLED, keyFromRecord
 from relay.control.prices.service import PRICES, pricesOf
+from relay.control.anthropic.service import ANTHROPIC_MODELS, tableOf
 from relay.control.store import ControlChange
 from relay.base.records import Account, ConfigError
 
@@ -82,7 +83,7 @@ __all__ = ["ControlPlane", "LOADING_GRACE_SECONDS", "PAUSED_KIND"]
 RETRY_SECONDS = 2.0
 """How soon a failed read of the control store is tried again."""
 
-_KINDS = (ACCOUNT, PAUSE, KEY, KEY_DISABLED, GROUP, PRICES)
+_KINDS = (ACCOUNT, PAUSE, KEY, KEY_DISABLED, GROUP, PRICES, ANTHROPIC_MODELS)
 """The kinds the plane reads, in the order L{ControlPlane._apply} takes
 them."""
 
@@ -121,6 +122,9 @@ class ControlPlane:
     @ivar keyDisables: key name -> the C{key_disabled} L{ControlRecord}.
     @ivar groups: group name -> the C{group} L{ControlRecord}.
     @ivar priceRecord: the C{prices} L{ControlRecord}, or L{None}.
+    @ivar anthropicModels: the Messages surface's
+        L{relay.translate.anthropic.models.AnthropicModels}, set by the app;
+        or L{None} (R115).
     @ivar invalidKeys: key name -> why its record is not in force.
     """
 
@@ -137,6 +141,7 @@ class ControlPlane:
     keyDisables: dict = field(factory=dict, repr=False)
     groups: dict = field(factory=dict, repr=False)
     priceRecord: Any = field(default=None, repr=False)
+    anthropicModels: Any = None
     invalidKeys: dict = field(factory=dict)
     _loaded: bool = field(default=False, init=False)
     _running: bool = field(default=False, init=False)
@@ -358,12 +363,19 @@ class ControlPlane:
         self._apply(*read)
 
     def _apply(self, accounts: list, pauses: list, keys: list = (), disables: list = (),
-               groups: list = (), prices: list = ()) -> None:
+               groups: list = (), prices: list = (), anthropic: list = ()) -> None:
         """
         Put the admin accounts and pauses read from the store in force,
-        then the keys, groups and prices (L{_applyTenants}).
+        then the keys, groups and prices (L{_applyTenants}) and the
+        Messages surface's model table (R115).
         """
         self._applyTenants(keys, disables, groups, prices)
+        if self.anthropicModels is not None:
+            try:
+                self.anthropicModels.setAdmin(tableOf(anthropic[0] if anthropic else None))
+            except ValueError as e:
+                self._log.error("the admin anthropic_models are not in force: {problem}",
+                                event="relay.control_anthropic_models_invalid", problem=str(e))
         self.pauses = {r.id: r for r in pauses}
         proxies = tuple(self.live.config.proxies)
         admin, invalid = {}, {}

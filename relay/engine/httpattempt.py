@@ -34,6 +34,7 @@ from relay.base.records import Turn
 from relay.policy import ends
 from relay.translate.imagesink import ImagesSink
 from relay.translate.media import MEDIA_ENDPOINTS, mediaBody, translatesImages
+from relay.translate.anthropic.sink import MessagesSink
 from relay.translate.sink import ChatCompletionsSink
 from relay.usage.estimate import estimatedCounts
 from relay.usage.tokens import fromBody, mediaCounts
@@ -54,6 +55,8 @@ async def attemptHTTP(runner, turn: Turn, sink, account, release) -> AttemptResu
     path = upstreamPath(turn, account)
     if translatesChat(turn, account):
         sink = ChatCompletionsSink(sink, turn, runner.clock.seconds())
+    elif turn.endpoint == "messages":
+        sink = MessagesSink(sink, turn)  # R115: Messages events on write
     headers = upstreamClientHeaders(turn, account)
     headers["accept"] = "text/event-stream" if stream else "application/json"
     if turn.endpoint in MEDIA_ENDPOINTS:

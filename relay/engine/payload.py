@@ -79,11 +79,12 @@ def translatesChat(turn: Turn, account: Account) -> bool:
 
 def upstreamPath(turn: Turn, account: Account) -> str:
     """
-    The upstream route under the account's base URL: C{/responses}, or
-    C{/chat/completions} for a chat turn on an account that has it, or a
-    media turn's (L{relay.translate.media.mediaPath}).
+    The upstream route under the account's base URL: C{/responses} (a
+    Messages turn too, R115), or C{/chat/completions} for a chat turn on
+    an account that has it, or a media turn's
+    (L{relay.translate.media.mediaPath}).
     """
-    if turn.endpoint == "responses" or translatesChat(turn, account):
+    if turn.endpoint in ("responses", "messages") or translatesChat(turn, account):
         return "/responses"
     if turn.endpoint in MEDIA_ENDPOINTS:
         return mediaPath(turn, account)  # R115: embeddings, images
@@ -96,9 +97,10 @@ def upstreamStreams(turn: Turn, account: Account) -> bool:
 
     The ChatGPT (OAuth) backend accepts only streaming requests, so relay
     streams upstream and collects the terminal event for a non-streaming
-    client (protocol.md 2.7); chat turns there too.
+    client (protocol.md 2.7); chat turns there too. A Messages turn always
+    streams upstream: its answer is translated from the events (R115).
     """
-    if account.type == "oauth":
+    if account.type == "oauth" or turn.endpoint == "messages":
         return True
     return turn.stream and turn.endpoint not in MEDIA_ENDPOINTS
 
@@ -114,6 +116,10 @@ def upstreamBody(turn: Turn, account: Account) -> bytes:
     if translatesChat(turn, account):
         translated = chatToResponses(turn.body)
         body = {k: v for k, v in translated.items() if k in OAUTH_CHAT_FIELDS}
+    elif turn.endpoint == "messages" and account.type == "oauth":
+        # R115: the body is already the Responses translation
+        # (relay.translate.anthropic); OAuth keeps what a chat turn keeps.
+        body = {k: v for k, v in turn.body.items() if k in OAUTH_CHAT_FIELDS}
     else:
         body = dict(turn.body)
     for name in WS_ONLY_FIELDS:
@@ -128,7 +134,7 @@ def upstreamBody(turn: Turn, account: Account) -> bytes:
         for name in OAUTH_HTTP_DROPPED:
             body.pop(name, None)
         dropOAuthSampling(body)
-    elif turn.stream:
+    elif turn.stream or turn.endpoint == "messages":
         body["stream"] = True
         if turn.endpoint == "chat":
             # Always ask for the usage chunk, so every

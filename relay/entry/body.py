@@ -38,6 +38,7 @@ import zlib
 from urllib.parse import unquote_to_bytes
 from typing import Callable, Optional
 
+from attrs import evolve
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http import parse_qs
@@ -49,7 +50,8 @@ from twisted.web.server import version as _SERVER
 from relay.entry import intake as _intake
 from relay.entry.bodywait import BodyRate, KeysWait, SlotWait
 from relay.base.requestnotes import RequestNotes
-from relay.entry.sinks import errorBody, writeError
+from relay.entry.sinks import errorBody, isMessagesPath, writeError
+from relay.translate.anthropic.errors import anthropicBody, anthropicStatus
 from relay.frontdoor.budgets import parsedEstimate, parsedOver
 from relay.frontdoor.record import Admission
 from relay.frontdoor.parse import NOT_JSON_MESSAGE, RequestRefused, readJSON
@@ -431,15 +433,24 @@ def reasonPhrase(status: int) -> bytes:
         return b"Error"
 
 
-def rawAnswer(error: ClientError, requestId: str) -> tuple[bytes, int]:
+def rawAnswer(error: ClientError, requestId: str, path: bytes = b"") -> tuple[bytes, int]:
     """
     An answer relay writes to the transport itself, before (the rest of)
-    the body: C{error} in OpenAI's envelope with C{Connection: close} and
-    the request's id (C{X-Request-Id} and C{error.request_id}).
+    the body: C{error} in OpenAI's envelope (Anthropic's on the Messages
+    surface, R115) with C{Connection: close} and the request's id
+    (C{X-Request-Id} and C{error.request_id}).
 
+    @param path: the request target, when known.
     @return: C{(the whole answer's bytes, its body's length)}.
     """
-    body = errorBody(error, requestId)
+    if isMessagesPath(path):
+        status, _, headers = anthropicStatus(error)
+        error = evolve(error, status=status, headers=tuple(
+            (n.decode("latin-1") if isinstance(n, bytes) else n,
+             v.decode("latin-1") if isinstance(v, bytes) else v) for n, v in headers))
+        body = anthropicBody(error, requestId)
+    else:
+        body = errorBody(error, requestId)
     phrase = reasonPhrase(error.status)
     extra = b"".join(
         name.encode("latin-1") + b": " + str(value).encode("latin-1") + b"\r\n"
@@ -1040,7 +1051,8 @@ class LimitedBodyRequest(Request):
         self._dropContent()
         self._releaseBudget()
         self.requestHeaders.removeHeader(b"expect")  # no "100 Continue" after the answer
-        answer, length = rawAnswer(error, requestIdOf(self))
+        answer, length = rawAnswer(
+            error, requestIdOf(self), getattr(self.channel, "_path", b"") or b"")
         transport = self.channel.transport
         transport.write(answer)
         self._accessLine(error.status, length)

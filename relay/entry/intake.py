@@ -105,6 +105,7 @@ discarded unread."""
 TURN_PATHS = frozenset({
     (b"v1", b"responses"), (b"responses",), (b"backend-api", b"codex", b"responses"),
     (b"v1", b"chat", b"completions"), (b"chat", b"completions"),
+    (b"v1", b"messages"),
 })
 """The request targets whose C{POST} is a turn (protocol.md 1)."""
 
@@ -119,7 +120,7 @@ _KEY_START = re.compile(rb'[{,][ \t\r\n]{0,64}\Z')
 def isTurnPath(path: bytes) -> bool:
     """
     Whether a request target is a turn route (C{POST /v1/responses} and
-    its aliases, C{POST /v1/chat/completions}).
+    its aliases, C{POST /v1/chat/completions}, C{POST /v1/messages}).
 
     @param path: the request target as sent (may carry a query).
     """

@@ -9,7 +9,12 @@ C{GET /v1/models} in both shapes (behaviour.md R92; protocol.md 1):
     declared models and mapping keys, or an account's upstream list where
     it declares none.
 
-Both need a client key. The lists come from L{relay.engine.catalog}; this is
+With an C{anthropic-version} header (the Messages surface, R115):
+Anthropic's shape, C{{"data": [{"type": "model", "id", "display_name",
+"created_at"}], "has_more", "first_id", "last_id"}}, one C{claude-<family>}
+per family of C{anthropic_models}.
+
+All need a client key. The lists come from L{relay.engine.catalog}; this is
 the transport side only.
 """
 
@@ -37,19 +42,25 @@ class ModelsResource(Resource):
     isLeaf = True
     _log = Logger()
 
-    def __init__(self, keys, catalog):
+    def __init__(self, keys, catalog, anthropic=None):
         """
         @param keys: the L{relay.entry.http.KeyRing}.
         @param catalog: the L{relay.engine.catalog.ModelCatalog}.
+        @param anthropic: the live
+            L{relay.translate.anthropic.models.AnthropicModels}, or L{None}.
         """
         super().__init__()
         self._keys = keys
         self._catalog = catalog
+        self._anthropic = anthropic
 
     def render_GET(self, request):
         key = self._keys.authenticate(request)
         if key is None:
             writeError(request, UNAUTHORIZED)
+            return NOT_DONE_YET
+        if self._anthropic is not None and request.getHeader(b"anthropic-version"):
+            self._answer(anthropicListing(self._anthropic.table), request)
             return NOT_DONE_YET
         requestId = requestIdOf(request)
         version = (request.args or {}).get(b"client_version")
@@ -86,4 +97,23 @@ class ModelsResource(Resource):
             writeError(request, ClientError(502, "upstream_error", "Upstream request failed"))
 
 
-__all__ = ["ModelsResource"]
+ANTHROPIC_CREATED_AT = "2025-01-01T00:00:00Z"
+"""The C{created_at} of every listed family (relay has no date for them)."""
+
+
+def anthropicListing(table: dict) -> dict:
+    """
+    The Messages surface's model list (R115).
+
+    @param table: family -> OpenAI model (C{anthropic_models}).
+    @return: Anthropic's list shape, one C{claude-<family>} per family.
+    """
+    data = [{"type": "model", "id": f"claude-{family}",
+             "display_name": f"Claude {family.capitalize()} (relay: {model})",
+             "created_at": ANTHROPIC_CREATED_AT} for family, model in sorted(table.items())]
+    return {"data": data, "has_more": False,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None}
+
+
+__all__ = ["ModelsResource", "anthropicListing"]

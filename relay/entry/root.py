@@ -3,7 +3,8 @@
 The relay's resource tree (protocol.md 1): the turn routes of
 L{relay.entry.http}, everything under C{/v1/responses/} that is not a turn
 (L{relay.entry.responsesapi}, behaviour.md R87-R91), both shapes of
-C{/v1/models} (L{relay.entry.models}, R92), the prefixless aliases,
+C{/v1/models} (L{relay.entry.models}, R92), the Anthropic Messages API
+(L{relay.entry.messages}, R115), the prefixless aliases,
 C{/backend-api/codex/responses} and C{/healthz}. The application adds the
 operator routes.
 """
@@ -17,18 +18,24 @@ from relay.entry.http import HealthResource, JSONRoot, KeyRing, TurnResource
 from relay.entry.keylimits import KeyIdentityResource, KeyUsageResource
 from relay.entry.media import mediaRoutes
 from relay.tenants.keyusage import accountsCheckBody, whoamiBody
+from relay.entry.messages import MessagesResource
 from relay.entry.models import ModelsResource
 from relay.entry.responsesapi import ResponsesResource
 from relay.frontdoor.door import FrontDoor
+from relay.translate.anthropic.models import AnthropicModels
 
 
-def buildRoot(runner, keys: KeyRing, accounts, websocket=None, door=None) -> Resource:
+def buildRoot(runner, keys: KeyRing, accounts, websocket=None, door=None,
+              anthropicModels=None) -> Resource:
     """
     The relay's resource tree (protocol.md 1): C{/v1/...}, the prefixless
     aliases, C{/backend-api/codex/responses} and C{/healthz}.
 
     @param door: the L{FrontDoor} every turn route hands its turns to
         (one around C{runner} when not given).
+    @param anthropicModels: the live
+        L{relay.translate.anthropic.models.AnthropicModels} of the Messages
+        surface (the shipped defaults when not given).
 
     @return: the root L{Resource}; the application adds C{admin} and
         C{metrics} children.
@@ -38,7 +45,8 @@ def buildRoot(runner, keys: KeyRing, accounts, websocket=None, door=None) -> Res
         TurnResource(door, keys, "responses", websocket), runner, keys, door
     )
     chat = TurnResource(door, keys, "chat")
-    models = ModelsResource(keys, ModelCatalog(runner=runner, accounts=accounts))
+    anthropic = anthropicModels if anthropicModels is not None else AnthropicModels()
+    models = ModelsResource(keys, ModelCatalog(runner=runner, accounts=accounts), anthropic)
     root = JSONRoot()
     v1 = JSONRoot()
     for parent in (root, v1):
@@ -50,6 +58,7 @@ def buildRoot(runner, keys: KeyRing, accounts, websocket=None, door=None) -> Res
     for name, resource in mediaRoutes(door, keys).items():  # R115: embeddings, images
         root.putChild(name, resource)
         v1.putChild(name, resource)
+    v1.putChild(b"messages", MessagesResource(door, keys, anthropic))  # R115
     root.putChild(b"v1", v1)
     backend = JSONRoot()
     codex = JSONRoot()

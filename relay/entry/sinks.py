@@ -16,6 +16,11 @@ from zope.interface import implementer
 
 from relay.interfaces import ITurnSink
 from relay.base.records import PROMO_HEADER, ClientError, promoText
+from relay.translate.anthropic.errors import (
+    anthropicBody,
+    anthropicStatus,
+    anthropicStreamError,
+)
 from relay.translate.assemble import ResponseAssembler
 
 _ITEM_DONE = b"response.output_item.done"
@@ -47,6 +52,23 @@ def errorBody(error: ClientError, requestId: Optional[str] = None) -> bytes:
     return json.dumps(envelope).encode("utf-8")
 
 
+def isMessagesRequest(request) -> bool:
+    """
+    Whether C{request} is on the Anthropic Messages surface
+    (C{/v1/messages} and below, behaviour.md R115): its errors are written
+    in Anthropic's shape and statuses.
+    """
+    return isMessagesPath(getattr(request, "path", None) or b"")
+
+
+def isMessagesPath(path: bytes) -> bool:
+    """
+    Whether a request target is C{/v1/messages} or below (R115).
+    """
+    target = path.split(b"?", 1)[0].rstrip(b"/")
+    return target == b"/v1/messages" or target.startswith(b"/v1/messages/")
+
+
 def writeError(request, error: ClientError) -> None:
     """
     Answer C{request} with C{error} before anything was written: the status,
@@ -62,6 +84,15 @@ def writeError(request, error: ClientError) -> None:
         # its key's slot, so the 200 and the SSE headers are sent; the
         # error is written in-stream (R19.2).
         writeStreamError(request, error, requestId)
+        return
+    if isMessagesRequest(request):
+        status, _, headers = anthropicStatus(error)  # R115
+        request.setResponseCode(status)
+        for name, value in headers:
+            request.setHeader(name, value)
+        request.setHeader(b"content-type", b"application/json")
+        request.write(anthropicBody(error, requestId))
+        request.finish()
         return
     request.setResponseCode(error.status)
     for name, value in error.headers:
@@ -87,6 +118,8 @@ def writeStreamError(request, error: ClientError, requestId: str, model=None) ->
     target = (getattr(request, "path", None) or b"").split(b"?", 1)[0].rstrip(b"/")
     if target.endswith(b"chat/completions"):
         request.write(b"event: error\ndata: " + errorBody(error, requestId) + b"\n\n")
+    elif isMessagesRequest(request):
+        request.write(anthropicStreamError(error, requestId))
     else:
         request.write(failedEvent(error, model, requestId))
     request.finish()
@@ -282,6 +315,8 @@ class SSESink(_RequestSink):
         requestId = requestIdOf(self._request)
         if self._endpoint == "responses":
             self._request.write(failedEvent(error, self._model, requestId))
+        elif self._endpoint == "messages":
+            self._request.write(anthropicStreamError(error, requestId))  # R115
         else:
             self._request.write(b"event: error\ndata: " + errorBody(error, requestId) + b"\n\n")
         self._finish()

@@ -1407,12 +1407,13 @@ class DefaultClassifier:
         self, f: ErrorFacts, row: int, endpoint: str, body: Any, contentType: str
     ) -> ClientError:
         """
-        R9 (responses) and R10 (chat): the error for a status that does not
-        fail over.
+        R9 (responses) and R10 (chat, and the Messages API, R115: its
+        surface writes the same decision in Anthropic's shape): the error
+        for a status that does not fail over.
         """
         status = f.status
         if row == 1:
-            if endpoint == "chat":
+            if endpoint in ("chat", "messages"):
                 return _clientError(
                     status,
                     "invalid_request_error",
@@ -1428,7 +1429,7 @@ class DefaultClassifier:
                 rawBody=raw,
                 contentType=contentType or "application/json",
             )
-        if endpoint == "chat":
+        if endpoint in ("chat", "messages"):
             return _clientError(
                 status, r10Type(status), f.message or MSG_REQUEST_FAILED, code=f.code, param=f.param
             )

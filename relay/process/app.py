@@ -31,6 +31,7 @@ from relay.entry.body import LimitedBodyRequest
 from relay.entry.http import KeyRing
 from relay.entry.intake import IntakePolicy
 from relay.entry.root import buildRoot
+from relay.translate.anthropic.models import AnthropicModels
 from relay.entry.site import JSONMethodErrors, RelaySite
 from relay.base.logs import ClassLogger, redactQuery
 from relay.policy.health import AccountHealth
@@ -449,7 +450,13 @@ def buildApplication(
                       control=control, trustRoot=trustRoot, **parts)
     wsResource = _webSocket(app)
     door = wsResource.factory.door  # the one front door (relay.frontdoor)
-    root = buildRoot(runner, keys, accounts, wsResource, door=door)
+    anthropicModels = AnthropicModels(config.anthropic_models)  # R115
+    app.extras["anthropicModels"] = anthropicModels
+    app.extras["control"].anthropicModels = anthropicModels  # the admin API's layer
+    app.reloader.onApplied.append(
+        lambda result, new: anthropicModels.setFile(new.anthropic_models))
+    root = buildRoot(runner, keys, accounts, wsResource, door=door,
+                     anthropicModels=anthropicModels)
     _readiness(app, root)
     _redisReadiness(app)
     _operatorSurface(app, root, accounts, proxyHealth)

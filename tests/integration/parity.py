@@ -32,6 +32,8 @@ __all__ = [
     "ADMIN",
     "BAD",
     "CHAT_OAUTH",
+    "MESSAGES_ENTRYPOINTS",
+    "MESSAGES_OAUTH",
     "OAUTH_ENTRYPOINTS",
     "SSE_OAUTH",
     "ENTRYPOINTS",
@@ -79,7 +81,9 @@ SSE_OAUTH = "http_sse_oauth"
 translation is compared with (R11 marks OAuth accounts differently from
 API-key ones, so the API-key rows' prescriptions do not apply)."""
 
-OAUTH_ENTRYPOINTS = (SSE_OAUTH, CHAT_OAUTH)
+MESSAGES_ENTRYPOINTS = ("messages_sse", "messages_json")
+"""The Anthropic Messages API (R115), streaming and not, on API-key
+accounts: a Responses turn upstream, so the faults are Responses-shaped."""
 
 MEDIA_ENTRYPOINTS = ("embeddings", "images")
 """C{POST /v1/embeddings} and C{POST /v1/images/generations} (R115): JSON
@@ -91,11 +95,18 @@ _MEDIA_REQUESTS = {
     "images": ("/v1/images/generations", {"model": "gpt-image-1"}, "prompt"),
 }
 
-ACCOUNT_TYPE = {CHAT_OAUTH: "oauth", SSE_OAUTH: "oauth"}
+MESSAGES_OAUTH = "messages_sse_oauth"
+"""A streaming Messages turn on OAuth accounts (compared with L{SSE_OAUTH})."""
+
+OAUTH_ENTRYPOINTS = (SSE_OAUTH, CHAT_OAUTH, MESSAGES_OAUTH)
+
+ACCOUNT_TYPE = {CHAT_OAUTH: "oauth", SSE_OAUTH: "oauth", MESSAGES_OAUTH: "oauth"}
 """Account type per entrypoint; everything else uses API-key accounts."""
 
 _SSE = ("http_sse", SSE_OAUTH)
-_HTTP = (*HTTP_ENTRYPOINTS, *OAUTH_ENTRYPOINTS)
+_MESSAGES = (*MESSAGES_ENTRYPOINTS, MESSAGES_OAUTH)
+_MESSAGES_SSE = ("messages_sse", MESSAGES_OAUTH)
+_HTTP = (*HTTP_ENTRYPOINTS, *OAUTH_ENTRYPOINTS, *MESSAGES_ENTRYPOINTS)
 _CHAT = ("chat_stream", CHAT_OAUTH)
 
 WS_MODE = {"ws_ctx_pool": "ctx_pool", "ws_passthrough": "passthrough",
@@ -226,6 +237,42 @@ def responsesOutcome(events: list, faulty: str) -> Outcome:
     return Outcome("no_terminal", "in-stream", None, " ".join(types)[-120:])
 
 
+def _messagesRequest(entrypoint: str, text: str) -> tuple:
+    return "/v1/messages", {"model": "claude-sonnet-4-5", "max_tokens": 200,
+                            "stream": entrypoint in _MESSAGES_SSE,
+                            "messages": [{"role": "user", "content": text}]}
+
+
+def messagesOutcome(data: bytes, stream: bool, faulty: str) -> Outcome:
+    """
+    Classify a Messages answer (protocol.md 10): a stream with one
+    C{message_start} and a C{message_stop}, or a message object, is a served
+    turn; an C{error} event is a terminal error; two C{message_start}s
+    mean two attempts reached the client (R84).
+    """
+    if not stream:
+        try:
+            message = json.loads(data)
+        except ValueError:
+            return Outcome("broken", 200, None, data[:80].decode("utf-8", "replace"))
+        if message.get("type") != "message":
+            return Outcome("terminal_error", "in-body", None, json.dumps(message)[:120])
+        text = "".join(b.get("text", "") for b in message.get("content") or [])
+        return _served(text, faulty, detail=message.get("stop_reason") or "")
+    events = sseEvents(data)
+    types = [t for t, _ in events]
+    if types.count("message_start") > 1:
+        return Outcome("mixed_stream", "in-stream", None, " ".join(types)[:120])
+    for t, d in events:
+        if t == "error":
+            return Outcome("terminal_error", "in-stream", None, json.dumps(d)[:120])
+    if types and types[-1] == "message_stop":
+        text = "".join((d.get("delta") or {}).get("text", "") for t, d in events
+                       if t == "content_block_delta")
+        return _served(text, faulty)
+    return Outcome("no_terminal", "in-stream", None, " ".join(types)[-120:])
+
+
 def _errorMessage(data: bytes) -> str:
     try:
         return json.loads(data)["error"]["message"]
@@ -248,6 +295,12 @@ def newSession() -> tuple:
 async def _httpTurn(stack, entrypoint: str, faulty: str, previous=None) -> Outcome:
     sid, text = newSession()
     headers = {"session-id": [sid]}
+    if entrypoint in _MESSAGES:
+        path, body = _messagesRequest(entrypoint, text)
+        response, data = await stack.postJSON(path, body, headers=headers)
+        if response.code != 200:
+            return Outcome("terminal_error", response.code, None, _errorMessage(data))
+        return messagesOutcome(data, entrypoint in _MESSAGES_SSE, faulty)
     if entrypoint in _CHAT:
         body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "stream": True}
         response, data = await stack.postJSON("/v1/chat/completions", body, headers=headers)
@@ -503,6 +556,8 @@ def _requestFor(entrypoint: str) -> tuple:
     if entrypoint in MEDIA_ENTRYPOINTS:
         path, body, field = _MEDIA_REQUESTS[entrypoint]
         return path, dict(body, **{field: text})
+    if entrypoint in _MESSAGES:
+        return _messagesRequest(entrypoint, text)
     if entrypoint in _CHAT:
         return "/v1/chat/completions", {
             "model": MODEL, "messages": [{"role": "user", "content": text}], "stream": True}
@@ -553,7 +608,9 @@ async def waitForOutput(stack, entrypoint: str, leaver, credential: str) -> None
         await leaver.waitFor(lambda data: b"response.output_text.delta" in data)
     elif entrypoint in _CHAT:
         await leaver.waitFor(_chatHasContent)
-    elif entrypoint == "http_json" or entrypoint in MEDIA_ENTRYPOINTS:
+    elif entrypoint in _MESSAGES_SSE:
+        await leaver.waitFor(lambda data: b'"text_delta"' in data)
+    elif entrypoint in ("http_json", "messages_json") or entrypoint in MEDIA_ENTRYPOINTS:
         await waitUntil(lambda: stack.emulator.inflight(credential) >= 1, "the JSON turn upstream")
     else:
         while True:

@@ -2,8 +2,8 @@
 The parity matrix (issue 11; behaviour.md R86): the same upstream fault on
 the preferred account C{bad}, with a healthy C{good} behind it, must end the
 same way on every entrypoint: HTTP SSE, HTTP JSON, chat completions
-(stream), and the Responses WebSocket in C{ctx_pool}, C{passthrough} and
-C{http_bridge}.
+(stream), the Anthropic Messages API (stream and JSON, R115), and the
+Responses WebSocket in C{ctx_pool}, C{passthrough} and C{http_bridge}.
 
 For each cell (fault x entrypoint) the test records:
 
@@ -53,10 +53,10 @@ SLOW = 0.05
 
 OK = (True, "ok", 0, 0)
 
-COLUMNS = P.ENTRYPOINTS
+COLUMNS = (*P.ENTRYPOINTS, *P.MESSAGES_ENTRYPOINTS)
 """
-The entrypoints. ADD HERE: C{P.CHAT_OAUTH} (a chat stream on OAuth accounts)
-once chat on OAuth lands (issue 13): C{COLUMNS = (*P.ENTRYPOINTS, P.CHAT_OAUTH)}.
+The entrypoints: Responses (SSE, JSON), chat, the Messages API (R115) and the
+three WebSocket modes. The OAuth columns are L{P.OAUTH_ENTRYPOINTS}.
 """
 
 
@@ -229,11 +229,11 @@ ROWS = [evolve(r, columns=(*r.columns, *P.MEDIA_ENTRYPOINTS))
 ALLOWED = [
     ("5xx_exhausted", P.WS_ENTRYPOINTS, {("retryable_close", 1013)},
      "R65, R70, R81: the WebSocket closes 1013 where HTTP answers 502"),
-    ("cut_after_output", ("http_json", *P.MEDIA_ENTRYPOINTS), {SERVED},
+    ("cut_after_output", ("http_json", "messages_json", *P.MEDIA_ENTRYPOINTS), {SERVED},
      "R19 step 2: a JSON client never saw output, so the cut fails over"),
     ("cut_after_output", P.WS_ENTRYPOINTS, {("retryable_close", 1011)},
      "R51, R65, R81: the WebSocket may end the broken turn with close 1011"),
-    ("clean_end_after_output", ("http_json", *P.MEDIA_ENTRYPOINTS), {SERVED},
+    ("clean_end_after_output", ("http_json", "messages_json", *P.MEDIA_ENTRYPOINTS), {SERVED},
      "R19 step 2: a JSON client never saw output, so the truncated body fails over"),
     ("clean_end_after_output", P.WS_ENTRYPOINTS, {("retryable_close", 1011)},
      "R51, R65, R81: the WebSocket may end the broken turn with close 1011 (never 1000)"),
@@ -498,6 +498,8 @@ def _writeMatrix():
     text = "\n\n".join(RESULTS[name] for name in names if name in RESULTS)
     skipped = "\n".join(f"  {name}: {why}" for name, why in OAUTH_SKIPPED.items())
     text += f"\n\nOAuth rows skipped:\n{skipped}"
+    absent = "\n".join(f"  {name}: {why}" for name, why in MESSAGES_ABSENT.items())
+    text += f"\n\nRows without the messages columns:\n{absent}"
     allowed = "\n".join(f"  {name} @ {', '.join(cols)}: {sorted(outs, key=str)}  -- {rule}"
                         for name, cols, outs, rule in ALLOWED)
     text = f"{text}\n\nAllowed differences (behaviour.md):\n{allowed}\n"
@@ -529,6 +531,17 @@ async def test_parity_row(row):
     assert not problems, RESULTS[row.name]
 
 
+#: Rows whose columns leave out the Messages API, and why (R115: it is an
+#: HTTP surface with neither continuations nor compaction turns).
+MESSAGES_ABSENT = {
+    "5xx_ws_handshake": "a WebSocket-only fault",
+    "403_html_in_band": "a WebSocket-only fault",
+    "compaction_5xx": "the Messages API has no compaction turn",
+    "compaction_turn_after": "the Messages API has no compaction turn",
+    "429_usage_limit_later_turn": "the Messages API has no previous_response_id",
+}
+
+
 #: Rows the OAuth columns skip, with the rule that makes them different in
 #: kind rather than in parity: an OAuth 429 retries the same account for up
 #: to its 2-minute window (R13) before it marks anything, which the HTTP
@@ -538,8 +551,9 @@ OAUTH_SKIPPED = {
     "429_rate_limit": "R13: an OAuth 429 retries the same account within its 2-minute window",
     "429_usage_limit_later_turn": "R42: HTTP continuations need an API-key account",
     "5xx_ws_handshake": "a WebSocket-only fault",
-    "compaction_5xx": "chat has no compaction turn (OAuth compaction turns: test_compaction.py)",
-    "compaction_turn_after": "chat has no compaction turn",
+    "compaction_5xx": "chat and messages have no compaction turn (OAuth compaction turns:"
+                      " test_compaction.py)",
+    "compaction_turn_after": "chat and messages have no compaction turn",
 }
 
 OAUTH_ROWS = [r for r in ROWS if r.name not in OAUTH_SKIPPED]
@@ -572,8 +586,9 @@ def checkOAuthRow(row: Row, cells: dict) -> list:
 @pytest_twisted.ensureDeferred
 async def test_parity_row_oauth(row):
     """
-    Issue 13 + R86: on OAuth accounts, a chat stream (translated to the
-    backend's Responses route) meets each fault exactly as a Responses
+    Issue 13 + R86 + R115: on OAuth accounts, a chat stream and a Messages
+    stream (each translated to the
+    backend's Responses route) meet each fault exactly as a Responses
     stream does: the same outcome class, the same account state in the
     operator view, the same failover / retry / cooldown decisions.
     """
