@@ -51,13 +51,21 @@ export function draw(container, spec) {
   const opts = {
     title: spec.title, width: widthOf(container), height: spec.height || 200,
     series,
-    scales: {x: {time: true}},
+    scales: {x: {time: true, range: (u, lo, hi) => xRange(spec.xs, lo, hi)}},
     axes: [{}, {values: (u, vals) => vals.map(fmt), size: 70}],
     legend: {live: true},
     cursor: {drag: {x: false, y: false}},
   };
   container._plot = new U(opts, data, container);
   container._key = key;
+}
+
+// The x range: the buckets asked for (half a bucket either side), not
+// just the points that have data.
+function xRange(xs, lo, hi) {
+  if (!xs.length) { return [lo, hi]; }
+  const step = xs.length > 1 ? xs[1] - xs[0] : 60;
+  return [xs[0] - step / 2, xs[xs.length - 1] + step / 2];
 }
 
 // Buckets from start to end (seconds) every step seconds.

@@ -143,16 +143,18 @@ export function ms(v) {
   return v >= 1000 ? (v / 1000).toFixed(v >= 10000 ? 0 : 1) + " s" : Math.round(v) + " ms";
 }
 
-// A progress bar: used of limit, with what is left as its text.
+// A progress bar: used of limit, with its text (what is left) under it.
 export function meter(used, limit, text, cls) {
-  const wrap = el("div", {"class": "meter " + (cls || "")});
+  const box = el("div", {"class": "meter-box " + (cls || "")});
+  const bar = el("div", {"class": "meter"});
   const pct = limit > 0 ? Math.min(100, 100 * used / limit) : (used > 0 ? 100 : 0);
   const fill = el("span", {"class": "fill" + (pct >= 90 ? " high" : pct >= 70 ? " mid" : "")});
   fill.style.width = pct.toFixed(1) + "%";
-  wrap.appendChild(fill);
-  wrap.setAttribute("data-percent", pct.toFixed(0));
-  if (text) { wrap.appendChild(el("span", {"class": "meter-text"}, text)); }
-  return wrap;
+  bar.appendChild(fill);
+  box.appendChild(bar);
+  box.setAttribute("data-percent", pct.toFixed(0));
+  if (text) { box.appendChild(el("span", {"class": "meter-text"}, text)); }
+  return box;
 }
 
 export function listOf(text) {

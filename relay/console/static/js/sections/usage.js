@@ -5,7 +5,7 @@
 import {$, el, put, dollars, tokens, iso, settled} from "../dom.js";
 import {api, getOr} from "../api.js";
 import {makeTable} from "../table.js";
-import {card, draw} from "../charts.js";
+import {card, draw, buckets} from "../charts.js";
 
 let totals = null, budgetsTable = null, usageChart = null, failChart = null;
 const METRICS = {cost_usd: ["Cost", "money"], total_tokens: ["Tokens", "count"],
@@ -83,9 +83,11 @@ function fallbackSeries(range, group) {
   return Promise.all([api("GET", "usage?group_by=hour&since=" + since),
                       api("GET", "usage?group_by=" + (group === "none" ? "key" : group) + "&since=" + since)])
     .then(([hours, groups]) => {
-      const rows = (hours.rows || []).slice().sort((a, b) => a.hour - b.hour);
-      return {bucket: "hour", buckets: rows.map((r) => r.hour), failure_kinds: [],
-        series: [{group: "all", points: rows.map((r) => Object.assign({time: r.hour, requests: r.requests}, r))}],
+      const byHour = {};
+      (hours.rows || []).forEach((r) => { byHour[r.hour] = r; });
+      const xs = buckets(Math.floor(since / 3600) * 3600, Date.now() / 1000, 3600);
+      return {bucket: "hour", buckets: xs, failure_kinds: [],
+        series: [{group: "all", points: xs.map((t) => Object.assign({time: t}, byHour[t] || {}))}],
         totalsRows: (groups.rows || []).map((r) => Object.assign({group: r[groups.group_by]}, r))};
     });
 }
