@@ -24,7 +24,10 @@ C{/admin}):
     C{needs_login} without a restart;
   - C{GET /admin/metrics} - the same metrics as C{/metrics}, behind the key;
   - C{GET /admin/usage?since=<ISO 8601 or Unix seconds>&group_by=key|account|model|hour}
-    - token totals, with the per-key budgets.
+    - token totals, with the per-key budgets (C{format=csv}: the rows as
+    CSV);
+  - C{GET /admin/usage/series?range=24h|7d|30d&bucket=hour|day&group_by=...}
+    - usage, cost and failures over time (L{relay.console.usageseries});
   - C{POST /admin/reload} - re-read the configuration file and apply it
     live.
 
@@ -443,6 +446,10 @@ class _UsageResource(Guarded):
     C{group_by} (default C{key}).
     """
 
+    #: Renders C{GET /admin/usage/series} (L{relay.console.usageseries},
+    #: set once the request log is built), or L{None} (404).
+    series = None
+
     def __init__(self, adminKey, ledger, clock):
         super().__init__(adminKey)
         self.ledger = ledger
@@ -454,13 +461,22 @@ class _UsageResource(Guarded):
         "budgets": [...]}}; each row has the group value and C{requests},
         C{input_tokens}, C{cached_input_tokens}, C{output_tokens},
         C{reasoning_tokens}, C{total_tokens}. A bad parameter is a 400
-        naming it.
+        naming it. C{format=csv}: the rows as CSV. C{/admin/usage/series}:
+        L{relay.console.usageseries}.
         """
+        from relay.console.csvexport import wantsCSV
         from relay.usage.query import UsageQueryError, parseGroupBy, parseSince
         from relay.usage.store import hourOf
 
+        if request.postpath == [b"series"] and self.series is not None:
+            return self.series(request)
         if request.postpath not in ([], [b""]):
             return notFound(request)
+        csv = wantsCSV(request)
+        if csv is None:
+            return respond(request, 400, errorBody(
+                "format must be json or csv", "invalid_request_error", "invalid_value",
+                "format"))
         now = self.clock.seconds()
 
         def arg(name):
@@ -481,6 +497,9 @@ class _UsageResource(Guarded):
                 for name, value in row.items():
                     if name != groupBy:
                         total[name] = total.get(name, 0) + value
+            if csv:
+                header = [groupBy] + [n for n in (rows[0] if rows else {}) if n != groupBy]
+                return header, [[row[n] for n in header] for row in rows]
             return 200, {
                 "since": since,
                 "group_by": groupBy,
@@ -491,6 +510,11 @@ class _UsageResource(Guarded):
             }
 
         d = Deferred.fromCoroutine(self.ledger.totals(since, groupBy))
+        if csv:
+            from relay.console.csvexport import deliverCSV
+
+            return deliverCSV(request, d.addCallback(_cbRows), f"usage-by-{groupBy}.csv",
+                              "reading usage")
         return deliverLater(request, d, _cbRows, "reading usage")
 
 
@@ -760,7 +784,8 @@ def buildAdminResource(
         C{blocked_models}, C{streaks} (R11, model -> count),
         C{rate_limited_until}, C{breaker}, C{disabled}, C{last_error},
         C{last_error_at}, C{last_success_at}, C{turns}, C{failovers},
-        C{proxy_id}, C{proxy_state} (times in Unix seconds unless named
+        C{proxy_id}, C{proxy_state}, C{health} (the last 15 minutes' attempt
+        ends and the state shown: L{relay.policy.outcomes.healthState}) (times in Unix seconds unless named
         C{*_iso}; missing keys are shown as empty).
     @param clearAccount: called with an account id; returns (a L{Deferred}
         of) anything, or raises/fails with L{KeyError} for an unknown id.
