@@ -36,16 +36,20 @@ export function stateOf(a, now) {
 export function healthLine(a) {
   const h = a.health;
   if (!h) { return ""; }
-  if (h.why) { return h.why; }
   if (!h.attempts) { return "no attempt in 15 min"; }
-  return h.succeeded + " ok, " + h.failed + " failed in 15 min";
+  return h.succeeded + " ok, " + h.failed + " failed in 15 min" +
+    (h.client_faults ? " (+" + h.client_faults + " client faults)" : "");
 }
 
 // The account's last error, or null: only the account's own failures
 // (the relay leaves a client's fault out of it).
 export function lastError(a) {
   const le = (a.health && a.health.last_failure) || null;
-  if (le) { return {text: le.message || le.reason, at: le.at}; }
+  if (le) {
+    const msg = le.message || "";
+    const head = [le.reason, le.status].filter(Boolean).join(" ");
+    return {text: head && msg.indexOf(head) !== 0 ? head + ": " + msg : msg || head, at: le.at};
+  }
   if (!a.last_error) { return null; }
   const e = a.last_error;
   return {text: typeof e === "object" ? (e.reason || e.message || JSON.stringify(e)) : e,

@@ -34,9 +34,16 @@ function stateCell(a) {
   const reason = (paused && paused.reason ? "paused: " + paused.reason : "") || a.reason ||
     (a.disabled ? "disabled" : "");
   const when = a.until || a.rate_limited_until;
-  if (reason || when) { wrap.appendChild(el("span", {"class": "sub reason"}, [reason, when ? until(when) : ""].filter(Boolean).join(" · "))); }
+  if (reason || when) {
+    const text = [reason, when ? until(when) : ""].filter(Boolean).join(" · ");
+    wrap.appendChild(el("span", {"class": "sub reason", title: text}, text));
+  }
   const line = healthLine(a);
-  if (line) { wrap.appendChild(el("span", {"class": "sub health"}, line)); }
+  if (line) {
+    const node = el("span", {"class": "sub health"}, line);
+    if (a.health && a.health.why) { node.title = a.health.why; }
+    wrap.appendChild(node);
+  }
   if (a.token_status && a.token_status !== "ok") {
     wrap.appendChild(el("span", {"class": "sub token"}, "token " + a.token_status +
       (a.token_reason ? ": " + a.token_reason : "")));
