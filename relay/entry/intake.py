@@ -210,7 +210,8 @@ def routeClass(path: bytes, method: bytes) -> str:
     head = segments[0]
     if head == b"admin":
         if method in (b"GET", b"HEAD") and (
-            len(segments) == 1 or (segments[1] == b"static" and len(segments) > 2)
+            len(segments) == 1 or (segments[1] == b"static" and len(segments) > 2
+                                   and b".." not in segments and b"." not in segments)
         ):
             # The status page shell, its redirect and its static files
             # (styles, scripts, the charting library: no data) (R99).
