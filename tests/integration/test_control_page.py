@@ -86,7 +86,8 @@ class Stack:
         self.session = Session()
         self.page = await self.session.start(1280, 900)
         await self.page.goto(self.relay.url + "/admin/#key=" + ADMIN)
-        await self.page.waitFor("document.body.getAttribute('data-manage-loaded') === '1'")
+        # Issue 40: the accounts are a section of the console.
+        await self.page.section("accounts", "manage-loaded")
         return self
 
     async def stop(self):
@@ -377,11 +378,14 @@ async def test_manage_relogin_and_audit_through_the_page(stack):
     code, view = await stack.admin("GET", "accounts/typed")
     assert (view["account"]["label"], view["account"]["concurrency"]) == ("typed on the page", 9)
 
-    # Pause it: never selected while paused.
+    # Pause it, with a reason (issue 40): never selected while paused.
     await page.click("tr.manage-row[data-account-id=\"typed\"] button.pause")
+    await page.type("#pause-reason", "key rotation")
+    await page.click("#pause-submit")
     await page.waitFor("(function(){var r=document.querySelector("
                        "'tr.manage-row[data-account-id=\"typed\"]');"
                        " return r && r.getAttribute('data-paused') === '1';})()")
+    assert "paused: key rotation" in (await stack.row("typed"))["text"]
     await stack.shot("manage-paused")
     before = len(stack.emulator.requestsFor("typed"))
     for _ in range(3):
@@ -419,7 +423,9 @@ async def test_manage_relogin_and_audit_through_the_page(stack):
     await page.click("tr.manage-row[data-account-id=\"typed\"] button.delete")
     await stack.waitRow("typed", present=False)
 
-    # The audit, on the page.
+    # The audit, on the page (its own section, issue 40).
+    assert await page.evaluate("document.body.getAttribute('data-manage-clipped') === '0'")
+    await page.section("audit", "audit-loaded")
     await page.waitFor("document.querySelectorAll('tr.audit-row').length >= 8",
                        what="the audit rows")
     actions = await page.evaluate(
@@ -428,7 +434,6 @@ async def test_manage_relogin_and_audit_through_the_page(stack):
     for action in ("account.create", "account.update", "account.disable", "account.enable",
                    "account.delete", "login.start", "login.complete"):
         assert action in actions, (action, actions)
-    assert await page.evaluate("document.body.getAttribute('data-manage-clipped') === '0'")
     assert await page.evaluate(
         "document.documentElement.scrollWidth <= document.documentElement.clientWidth")
     await stack.shot("manage-audit")
@@ -450,6 +455,8 @@ async def test_a_slow_click_across_a_refresh_is_not_lost(stack):
         "document.querySelector('tr.manage-row[data-account-id=\"k-file\"]')"
         ".setAttribute('data-before', '1')")
     await page.click("tr.manage-row[data-account-id=\"k-file\"] button.pause", hold=3.5)
+    # Issue 40: Pause asks for a reason (optional) first.
+    await page.click("#pause-submit")
     await page.waitFor("(function(){var r=document.querySelector("
                        "'tr.manage-row[data-account-id=\"k-file\"]');"
                        " return r && r.getAttribute('data-paused') === '1';})()",

@@ -100,12 +100,8 @@ export function dollars(usd) {
   if (typeof usd !== "number" || !isFinite(usd)) { return ""; }
   if (usd === 0) { return "$0.00"; }
   const abs = Math.abs(usd);
-  if (abs >= 1) { return "$" + usd.toFixed(2); }
-  if (abs >= 0.01) {
-    const t = usd.toFixed(4).replace(/0+$/, "");
-    return "$" + (t.split(".")[1].length < 2 ? usd.toFixed(2) : t);
-  }
-  return "$" + Number(usd.toPrecision(3)).toString();
+  if (abs < 0.000005) { return "$" + Number(usd.toPrecision(2)).toString(); }
+  return "$" + usd.toFixed(abs >= 1 ? 2 : abs >= 0.01 ? 4 : 5);
 }
 
 export function tokens(n) { return typeof n === "number" ? n.toLocaleString("en-US") : ""; }

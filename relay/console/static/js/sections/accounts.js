@@ -30,8 +30,7 @@ function stateCell(a) {
   const st = stateOf(a, now());
   const wrap = el("div");
   wrap.appendChild(el("span", {"class": "badge"}, st[1]));
-  const paused = a.paused && typeof a.paused === "object" ? a.paused : null;
-  const reason = (paused && paused.reason ? "paused: " + paused.reason : "") || a.reason ||
+  const reason = (a.paused && a.paused_reason ? "paused: " + a.paused_reason : "") || a.reason ||
     (a.disabled ? "disabled" : "");
   const when = a.until || a.rate_limited_until;
   if (reason || when) {

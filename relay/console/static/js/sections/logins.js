@@ -187,7 +187,9 @@ function completeLogin() {
     loginEnded(Object.assign({}, l, {warnings: data.warnings || l.warnings}), end[0], end[1]);
   }).catch((e) => {
     const l = e.body && e.body.login;
-    if (e.status === 400 || (l && (l.status === "pending" || l.status === "exchanging"))) {
+    const open = l ? l.status === "pending" || l.status === "exchanging"
+      : !!(e.body && e.body.error && e.body.error.code === "no_code");
+    if (open) {
       // The login is still open: say why, keep Complete and Cancel.
       $("login-paste-error").textContent = "That did not work: " + e.message +
         ". Paste the whole address again, or cancel the login.";
