@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 
+from tests.integration.oauthstack import sleep
+
 import pytest
 import pytest_twisted
 import treq
@@ -30,13 +32,17 @@ pytestmark = pytest.mark.skipif(
 
 ADMIN = "console-page-admin-key-0123"
 
+SHORT_COOLDOWN = '{"transport_error_cooldown_seconds": 1, "breaker": {"enabled": false}}'
+"""A cooldown that lapses between turns, and no breaker (a failing account
+schedulable again)."""
+
 KEYS = json.dumps([
     {"name": "alice", "key": "sk-alice-console-0001", "daily_usd": 0.001},
     {"name": "bob", "key": "sk-bob-console-0002"},
 ])
 
 
-async def _stack():
+async def _stack(gateway="{}"):
     """
     A relay with a refusing account (priority 1: every turn tries it first
     and fails over) and two good ones; a few turns of each key.
@@ -48,7 +54,7 @@ async def _stack():
             {"id": "acct-a", "credential": "sk-a", "priority": 50},
             {"id": "acct-b", "credential": "sk-b", "priority": 50},
         ],
-        keys=KEYS, extra=f"admin_key: {ADMIN}\n",
+        keys=KEYS, extra=f"admin_key: {ADMIN}\n", gateway=gateway,
     )
     for n, key in enumerate(["sk-alice-console-0001", "sk-bob-console-0002",
                              "sk-bob-console-0002"]):
@@ -93,6 +99,163 @@ async def test_every_section_opens_with_its_data():
                              ("settings", "settings-loaded"), ("audit", "audit-loaded")]:
             await page.section(name, loaded)
             await _shot(page, name)
+        assert page.exceptions() == []
+    finally:
+        await session.stop()
+        await stack.stop()
+
+
+CSV_HOOK = (
+    "(function(){ if (window.__csv) return; window.__csv = [];"
+    " var made = URL.createObjectURL.bind(URL);"
+    " URL.createObjectURL = function (blob) { blob.text().then(function (t) {"
+    " window.__csv.push(t); }); return made(blob); }; })()"
+)
+"""Keeps the text of each CSV the page hands the browser to download."""
+
+
+async def _csv(page, table):
+    """
+    Click a table's CSV button, as a person does, and return the file.
+    """
+    await page.evaluate(CSV_HOOK)
+    before = await page.evaluate("window.__csv.length")
+    await page.click(f"#{table}-csv")
+    await page.waitFor(f"window.__csv.length > {before}", what=f"the CSV of {table}")
+    return await page.evaluate("window.__csv[window.__csv.length - 1]")
+
+
+def _row(kind, key, value):
+    return f'tr.{kind}[data-{key}="{value}"]'
+
+
+async def _rowText(page, selector):
+    return await page.evaluate(
+        "(function(){var r=document.querySelector(%s); return r ? r.innerText : null;})()"
+        % json.dumps(selector))
+
+
+async def _visibleIds(page):
+    return await page.evaluate(
+        "Array.from(document.querySelectorAll('#accounts-body tr.account'))"
+        ".map(function (r) { return r.dataset.accountId; })")
+
+
+@pytest_twisted.ensureDeferred
+async def test_accounts_health_search_sort_bulk_and_test():
+    """
+    The accounts section: the account whose every attempt failed is shown
+    failing -- also once its cooldown is cleared, never a plain "ok";
+    search, filter and sort narrow and order the rows; a bulk pause (with
+    a reason) and resume of two accounts; a bulk delete whose confirmation
+    outlives the table's refreshes; the Test action's answer for a good
+    and a refusing account; the table as CSV.
+    """
+    stack = await _stack(SHORT_COOLDOWN)
+    session = Session()
+    try:
+        for n in range(2):
+            code, body = await _admin(stack, "POST", "accounts", {
+                "id": f"extra-{n}", "type": "apikey", "api_key": f"sk-extra-{n}-0000",
+                "base_url": stack.emulator.baseURL("apikey"), "priority": 90})
+            assert code == 201, body
+        # Its cooldown lifted after each failure: three attempts, all failed;
+        # then schedulable again, but failing.
+        # A short cooldown (and no breaker): it lapses between turns, each of
+        # which tries acct-down first and fails over.
+        for n in range(3):
+            await sleep(1.2)
+            response, data = await stack.postJSON(
+                "/v1/responses", {"model": "gpt-5.5", "input": f"again {n}", "stream": True},
+                key="sk-bob-console-0002")
+            assert response.code == 200
+        await sleep(1.2)
+        page = await session.start(1280, 900)
+        await page.goto(stack.url + "/admin/#key=" + ADMIN)
+        await page.section("accounts", "manage-loaded")
+        down = _row("account", "account-id", "acct-down")
+        await page.waitFor(f"document.querySelector('{down}').dataset.state === 'failing'",
+                           what="acct-down shown failing")
+        text = await _rowText(page, down)
+        assert "failing" in text and "4 failed" in text, text
+        assert "\tok\t" not in text and not text.startswith("ok"), text
+        await _shot(page, "accounts-failing")
+        # The overview says so too.
+        await page.section("overview", "overview-loaded")
+        attention = await page.text("#attention")
+        assert "acct-down: failing" in attention, attention
+        await page.section("accounts")
+
+        # Search, filter, sort.
+        await page.type("#accounts-search", "extra")
+        await page.waitFor("document.querySelectorAll('#accounts-body tr.account').length === 2")
+        await page.type("#accounts-search", "")
+        await page.select("#accounts-filter-state", "failing")
+        assert await _visibleIds(page) == ["acct-down"]
+        await page.select("#accounts-filter-state", "")
+        await page.click('#accounts th[data-col="id"]')
+        ids = await _visibleIds(page)
+        assert ids == sorted(ids), ids
+        await page.click('#accounts th[data-col="id"]')
+        assert await _visibleIds(page) == sorted(ids, reverse=True)
+
+        # Bulk pause with a reason, then bulk resume.
+        for n in range(2):
+            await page.click(f'{_row("account", "account-id", f"extra-{n}")} input.select')
+        await page.waitFor("document.getElementById('accounts-bulk').innerText"
+                           ".indexOf('2 selected') >= 0", what="2 selected")
+        await page.click("#accounts-bulk button.bulk-pause")
+        await page.type("#pause-reason", "quota review")
+        await page.click("#pause-submit")
+        await page.waitFor("document.getElementById('manage-msg').innerText"
+                           ".indexOf('2 accounts paused (quota review)') >= 0",
+                           what="the bulk pause")
+        code, view = await _admin(stack, "GET", "accounts")
+        byId = {a["id"]: a for a in view["accounts"]}
+        assert [byId[f"extra-{n}"]["paused"] for n in range(2)] == [True, True]
+        assert byId["extra-0"]["paused_reason"] == "quota review"
+        await _shot(page, "accounts-bulk-paused")
+        for n in range(2):
+            await page.click(f'{_row("account", "account-id", f"extra-{n}")} input.select')
+        await page.click("#accounts-bulk button.bulk-resume")
+        await page.waitFor("document.getElementById('manage-msg').innerText"
+                           ".indexOf('resumed') >= 0", what="the bulk resume")
+        code, view = await _admin(stack, "GET", "accounts")
+        assert not any(a["paused"] for a in view["accounts"])
+
+        # Bulk delete: armed, the table refreshes (every 3 s), still armed.
+        for n in range(2):
+            await page.click(f'{_row("account", "account-id", f"extra-{n}")} input.select')
+        await page.click("#accounts-bulk button.bulk-delete")
+        armed = ("(function(){var b=document.querySelector('#accounts-bulk button.bulk-delete');"
+                 " return b && b.innerText === 'Confirm delete (2)';})()")
+        await page.waitFor(armed, what="the armed bulk delete")
+        await page.evaluate("document.querySelector('#accounts-body tr').dataset.old = '1'")
+        await page.waitFor("!document.querySelector('#accounts-body tr[data-old]')",
+                           what="a refresh of the table")
+        assert await page.evaluate(armed), "the confirmation did not survive the refresh"
+        await page.click("#accounts-bulk button.bulk-delete")
+        await page.waitFor("document.querySelectorAll('#accounts-body tr.account').length === 3",
+                           what="the two accounts deleted")
+        code, view = await _admin(stack, "GET", "accounts")
+        assert sorted(a["id"] for a in view["accounts"]) == ["acct-a", "acct-b", "acct-down"]
+
+        # Test: the good account's credential lists models; the refusing one fails.
+        await page.click(f'{_row("account", "account-id", "acct-a")} button.test')
+        await page.waitFor("document.getElementById('test-panel').dataset.testStatus === 'ok'",
+                           what="the test of acct-a")
+        result = await page.text("#test-result")
+        assert "OK" in result and "list models" in result, result
+        await _shot(page, "accounts-test")
+        await page.click(f'{down} button.test')
+        await page.waitFor("['failed','error'].indexOf(document.getElementById('test-panel')"
+                           ".dataset.testStatus) >= 0", what="the test of acct-down")
+        assert "Failed" in await page.text("#test-result")
+
+        csv = await _csv(page, "accounts")
+        lines = csv.strip().splitlines()
+        assert lines[0].startswith("Account,State,"), lines
+        assert len(lines) == 4 and any(line.startswith("acct-down,failing") for line in lines)
         assert page.exceptions() == []
     finally:
         await session.stop()
