@@ -260,3 +260,81 @@ async def test_accounts_health_search_sort_bulk_and_test():
     finally:
         await session.stop()
         await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_usage_charts_budgets_and_requests_refresh():
+    """
+    After traffic (and two failed turns) the usage section charts cost
+    per key with the real numbers (drawn by the vendored uPlot), per model
+    on request, and failures by kind; its totals export as CSV; a $0.001
+    budget shows as such with what is left, never as $0.00; the request
+    view lists a new turn by itself.
+    """
+    stack = await _stack()
+    session = Session()
+    try:
+        for key in ("sk-a", "sk-b"):
+            stack.emulator.setFault(key, {"kind": "status", "code": 500, "times": 20})
+        for n in range(2):
+            response, data = await stack.postJSON(
+                "/v1/responses", {"model": "gpt-5.5", "input": f"fails {n}", "stream": False},
+                key="sk-bob-console-0002")
+            assert response.code >= 500, data
+        for key in ("sk-a", "sk-b"):
+            stack.emulator.setFault(key, None)
+        await stack.app.runner.requestLog.flush()
+        page = await session.start(1280, 900)
+        await page.goto(stack.url + "/admin/#usage&key=" + ADMIN)
+        await page.waitFor("document.body.getAttribute('data-usage-loaded') === '1'")
+        chart = "document.getElementById('usage-chart')"
+        await page.waitFor(f"{chart}.dataset.series === 'bob|alice'", what="cost per key")
+        assert int(await page.evaluate(f"{chart}.dataset.points")) >= 2
+        assert await page.evaluate(f"!!{chart}.querySelector('canvas')")
+        fails = "document.getElementById('failure-chart')"
+        await page.waitFor(f"Number({fails}.dataset.points) >= 1", what="failures by kind")
+        assert "failures" not in await page.evaluate(f"{fails}.dataset.series")
+        bob = await _rowText(page, _row("usage-row", "group", "bob"))
+        assert "$" in bob and "2" in bob, bob
+        await _shot(page, "usage-cost")
+        await page.select("#usage-group", "model")
+        await page.waitFor(f"{chart}.dataset.series === 'gpt-5.5'", what="cost per model")
+        await page.select("#usage-metric", "total_tokens")
+        await page.select("#usage-range", "7d")
+        await page.waitFor(f"Number({chart}.dataset.points) >= 1 && "
+                           "document.querySelector('#usage-chart-card h3').innerText"
+                           ".indexOf('Tokens per model') === 0", what="tokens per model, 7 d")
+        csv = await _csv(page, "usage")
+        assert csv.splitlines()[0].startswith("Group,Turns,Failed,Input"), csv
+        assert csv.splitlines()[1].startswith("gpt-5.5,"), csv
+        await _shot(page, "usage-tokens-7d")
+
+        # The $0.001 budget of alice: spent, of what, what is left.
+        await page.section("keys", "keys-loaded")
+        alice = _row("key-row", "key", "alice")
+        text = await _rowText(page, alice)
+        assert "$0.00100/day" in text and "$0.00/day" not in text, text
+        assert "of $0.00100" in text and "left" in text, text
+        percent = await page.evaluate(
+            f"document.querySelector('{alice} .meter-box').dataset.percent")
+        assert 0 < int(percent) <= 100, percent
+        await _shot(page, "keys-budgets")
+
+        # The request view refreshes itself.
+        await page.section("requests", "requests-loaded")
+        before = int(await page.evaluate("document.body.dataset.requestsCount"))
+        response, data = await stack.postJSON(
+            "/v1/responses", {"model": "gpt-5.5", "input": "one more", "stream": True},
+            key="sk-alice-console-0001")
+        await stack.app.runner.requestLog.flush()
+        await page.waitFor(f"Number(document.body.dataset.requestsCount) > {before}",
+                           timeout=10, what="the new turn listed without a click")
+        await page.select("#requests-filter-outcome", "failed")
+        shown = await page.evaluate(
+            "Array.from(document.querySelectorAll('tr.request')).map(function (r) {"
+            " return r.className; })")
+        assert len(shown) >= 2 and not any("outcome-completed" in c for c in shown), shown
+        assert page.exceptions() == []
+    finally:
+        await session.stop()
+        await stack.stop()

@@ -108,7 +108,7 @@ function refresh() {
     draw(usageChart.plot, {xs, kind: top.length === 1 ? "bars" : "lines", unit: METRICS[metric][1], height: 220,
       series: top.map((x) => ({label: String(x.group), values: (x.points || []).map((p) => p[metric] || 0)}))});
     const kinds = s.failure_kinds || [];
-    const fail = kinds.map((k) => ({label: k, values: xs.map((_, i) => series.reduce((n, x) => n + (((x.points || [])[i] || {}).failures || {})[k] || 0, 0))}));
+    const fail = kinds.map((k) => ({label: k, values: xs.map((_, i) => series.reduce((n, x) => n + ((((x.points || [])[i] || {}).failures || {})[k] || 0), 0))}));
     draw(failChart.plot, {xs, kind: fail.length === 1 ? "bars" : "lines", unit: "count", height: 220,
       series: fail.length ? fail : [{label: "failures", values: xs.map(() => 0)}]});
     const rows = s.totalsRows || series.map((x) => Object.assign({group: x.group}, x.total || {}));
