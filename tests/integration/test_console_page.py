@@ -338,3 +338,96 @@ async def test_usage_charts_budgets_and_requests_refresh():
     finally:
         await session.stop()
         await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_settings_groups_prices_explain_and_audit():
+    """
+    The settings section: a runtime setting changed in the page is in
+    force; an account group and a model's price are added, shown and
+    deleted (with a confirmation); explain says which account a key's next
+    turn gets and why not the others, and names the failing account; the
+    audit section lists those changes and filters them.
+    """
+    stack = await _stack()
+    session = Session()
+    try:
+        page = await session.start(1280, 900)
+        await page.goto(stack.url + "/admin/#settings&key=" + ADMIN)
+        await page.waitFor("document.body.getAttribute('data-settings-loaded') === '1'")
+        await page.type("#settings-table-search", "max_account")
+        await page.waitFor("document.querySelectorAll('#settings-table-body tr.setting-row')"
+                           ".length === 1", what="the searched setting")
+        await page.type("#setting-max-account-switches", "7")
+        await page.click("#settings-save")
+        await page.waitFor("document.getElementById('settings-msg').innerText"
+                           ".indexOf('max_account_switches') >= 0", what="settings saved")
+        code, settings = await _admin(stack, "GET", "settings")
+        assert settings["max_account_switches"] == 7, settings
+
+        # A group.
+        await page.click("#group-open")
+        await page.type("#group-name", "staff")
+        await page.type("#group-accounts", "acct-a, acct-b")
+        await page.click("#group-save")
+        group = _row("group-row", "group", "staff")
+        await page.waitFor(f"!!document.querySelector('{group}')", what="the group row")
+        assert "acct-a, acct-b" in await _rowText(page, group)
+        code, groups = await _admin(stack, "GET", "groups")
+        assert [g["accounts"] for g in groups["groups"] if g["name"] == "staff"] == [
+            ["acct-a", "acct-b"]]
+
+        # A price.
+        await page.click("#price-open")
+        await page.type("#price-model", "gpt-test-model")
+        await page.type("#price-input", "2")
+        await page.type("#price-output", "8")
+        await page.click("#price-save")
+        price = _row("price-row", "model", "gpt-test-model")
+        await page.waitFor(f"!!document.querySelector('{price}')", what="the price row")
+        assert "admin" in await _rowText(page, price)
+        code, prices = await _admin(stack, "GET", "prices")
+        assert prices["prices"]["gpt-test-model"]["output"] == 8
+        await _shot(page, "settings")
+        await page.click(f"{price} button.price-delete")
+        await page.waitFor(f"document.querySelector('{price} button.price-delete')"
+                           ".innerText === 'Confirm delete'", what="the armed delete")
+        await page.click(f"{price} button.price-delete")
+        await page.waitFor(f"!document.querySelector('{price}')", what="the price deleted")
+        await page.click(f"{group} button.group-delete")
+        await page.waitFor(f"document.querySelector('{group} button.group-delete')"
+                           ".innerText === 'Confirm delete'", what="the armed delete")
+        await page.click(f"{group} button.group-delete")
+        await page.waitFor(f"!document.querySelector('{group}')", what="the group deleted")
+
+        # Explain: the next turn of bob.
+        await page.type("#explain-key", "bob")
+        await page.click("#explain-run")
+        await page.waitFor("document.body.getAttribute('data-explained') === '1'")
+        decision = await page.text("#explain-decision")
+        assert "Next turn goes to acct-" in decision, decision
+        rows = await page.evaluate(
+            "Array.from(document.querySelectorAll('tr.explain-row')).map(function (r) {"
+            " return r.innerText; })")
+        assert len(rows) == 3 and any(r.startswith("acct-down") for r in rows), rows
+        down = next(r for r in rows if r.startswith("acct-down"))
+        assert "transport" in down or "cool" in down, down
+        await _shot(page, "explain")
+
+        await page.section("audit", "audit-loaded")
+        actions = await page.evaluate(
+            "Array.from(document.querySelectorAll('#audit-body tr.audit-row'))"
+            ".map(function (r) { return r.dataset.action; })")
+        for action in ("settings.update", "group.put", "prices.set", "prices.delete",
+                       "group.delete"):
+            assert any(a.startswith(action.split(".")[0]) for a in actions), (action, actions)
+        await page.select("#audit-filter-kind", "prices")
+        kinds = await page.evaluate(
+            "Array.from(document.querySelectorAll('#audit-body tr.audit-row'))"
+            ".map(function (r) { return r.dataset.action; })")
+        assert kinds and all(k.startswith("prices") for k in kinds), kinds
+        await _shot(page, "audit")
+        assert page.exceptions() == []
+    finally:
+        await session.stop()
+        await stack.stop()
