@@ -471,3 +471,55 @@ async def test_a_slow_click_across_a_refresh_is_not_lost(stack):
                        "'tr.manage-row[data-account-id=\"k-file\"]');"
                        " return r && r.getAttribute('data-paused') === '0';})()",
                        what="k-file resumed by the slow click")
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_bad_paste_leaves_the_login_open_and_a_duplicate_is_warned(stack):
+    """
+    Issue 40: a paste without a code says why and leaves the login open
+    (Complete and Cancel still there); pasting the right address then
+    completes it. Logging the same ChatGPT identity in as a second account
+    is done, with the page warning that it is already in the pool.
+    """
+    page = stack.page
+    await stack.addLogin("oa-first", "browser")
+    url = await stack.signInInAnotherTab("o-new")
+    await page.type("#login-paste", "http://localhost:1455/auth/callback")
+    await page.click("#login-complete")
+    await page.waitFor("document.getElementById('login-panel').getAttribute('data-login-status')"
+                       " === 'retry'", what="the login left open")
+    error = await page.text("#login-paste-error")
+    assert "no code" in error and "cancel" in error, error
+    assert await page.evaluate(
+        "!document.getElementById('login-browser').classList.contains('hidden')")
+    await stack.shot("login-paste-retry")
+    message = await stack.pasteBack(url)
+    assert "Logged in: account oa-first" in message, message
+    assert await page.text("#login-warnings") == ""
+
+    await stack.addLogin("oa-second", "browser")
+    url = await stack.signInInAnotherTab("o-new")
+    message = await stack.pasteBack(url)
+    assert "Logged in: account oa-second" in message, message
+    warning = await page.text("#login-warnings")
+    assert "already in the pool" in warning and "oa-first" in warning, warning
+    await stack.shot("login-duplicate-warning")
+    code, accounts = await stack.admin("GET", "accounts")
+    assert {"oa-first", "oa-second"} <= {a["id"] for a in accounts["accounts"]}
+
+    # A bad paste, then Cancel: the login ends, no account.
+    await stack.addLogin("oa-cancel", "browser")
+    await page.type("#login-paste", "http://localhost:1455/auth/callback?x=1")
+    await page.click("#login-complete")
+    await page.waitFor("document.getElementById('login-panel').getAttribute('data-login-status')"
+                       " === 'retry'", what="the login left open")
+    await page.click("#login-browser button.login-cancel")
+    await page.waitFor("document.getElementById('login-panel').classList.contains('hidden')",
+                       what="the login cancelled")
+    assert "cancelled" in (await stack.message()).lower()
+    code, logins = await stack.admin("GET", "logins")
+    mine = [entry for entry in logins["logins"]
+            if (entry.get("account") or {}).get("id") == "oa-cancel"
+            or entry.get("account_id") == "oa-cancel"]
+    assert mine and all(entry["status"] == "cancelled" for entry in mine), logins
+    await stack.assertNoSecret()

@@ -43,7 +43,7 @@ function stateCell(a) {
     if (a.health && a.health.why) { node.title = a.health.why; }
     wrap.appendChild(node);
   }
-  if (a.token_status && a.token_status !== "ok") {
+  if (a.token_status && a.token_status !== "ok" && reason.indexOf(a.token_status) < 0) {
     wrap.appendChild(el("span", {"class": "sub token"}, "token " + a.token_status +
       (a.token_reason ? ": " + a.token_reason : "")));
   }
@@ -183,7 +183,8 @@ function drawHistory(history) {
       box.appendChild(made.box);
       c = made.plot;
     }
-    const h = history.accounts[id] || {requests: [], failovers: [], first_output_p50_ms: []};
+    const zeros = Array.from({length: history.minutes || 15}, () => 0);
+    const h = history.accounts[id] || {requests: zeros, failovers: zeros};
     const step = history.bucket_seconds || 60;
     const xs = (h.requests || []).map((_, i) => history.start + i * step);
     draw(c, {xs, kind: "lines", unit: "count", height: 140, series: [

@@ -103,7 +103,7 @@ function submitAdd(ev) {
       $("add-key").value = "";
       show($("add-panel"), false);
       say(("Account " + data.account.id + " added; it serves from the next turn. " +
-           warningsText(data.warnings)).trim(), data.warnings && data.warnings.length ? "error" : "ok");
+           warningsText(data.warnings)).trim(), data.warnings && data.warnings.length ? "warn" : "ok");
       return reload();
     });
   } else {
@@ -153,7 +153,8 @@ function loginEnded(l, message, kind) {
   show($("login-browser"), false);
   show($("login-device"), false);
   show($("login-close"), true);
-  say((message + " " + warningsText(l && l.warnings)).trim(), kind);
+  const warned = l && l.warnings && l.warnings.length;
+  say((message + " " + warningsText(l && l.warnings)).trim(), warned && kind === "ok" ? "warn" : kind);
   reload();
 }
 
