@@ -227,6 +227,27 @@ class SettingsResourceTests(AdminFixture, SynchronousTestCase):
         self.assertEqual(body, self.settings.snapshot())
         self.assertEqual(body["breaker"]["failures"], 3)
 
+    def test_schema(self):
+        """
+        C{GET /admin/settings/schema}: every runtime setting with its value,
+        type and range, for an editor; a value put outside the range is
+        clamped into it.
+        """
+        from relay.state.settings import RUNTIME_KEYS
+
+        request = render(self.root, makeRequest("settings/schema"))
+        self.assertEqual(request.responseCode, 200)
+        rows = {r["name"]: r for r in jsonBody(request)["settings"]}
+        self.assertEqual(set(rows), set(RUNTIME_KEYS))
+        self.assertEqual(rows["breaker.failures"], {
+            "name": "breaker.failures", "value": 3, "type": "integer", "minimum": 1,
+            "maximum": 1000, "choices": None, "note": None})
+        self.assertEqual(rows["transport_retry_policy"]["choices"], ["rotate", "sticky"])
+        self.assertEqual(rows["breaker.enabled"]["type"], "boolean")
+        self.assertTrue(all(r["type"] for r in rows.values()))
+        render(self.root, makeRequest("settings", method=b"PUT", body={"breaker.failures": 5000}))
+        self.assertEqual(self.settings.current.breaker.failures, 1000)
+
     def test_putPartial(self):
         """
         PUT applies only the keys present, normalised, at once; other keys

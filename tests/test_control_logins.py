@@ -529,7 +529,8 @@ class PasteRetryTests(LoginFixture, SynchronousTestCase):
 
     def test_cancelByPost(self):
         login = self.begin()
-        self.call(b"POST", f"logins/{login['id']}/complete", {"redirect_url": "http://localhost:1455/auth/callback"})
+        self.call(b"POST", f"logins/{login['id']}/complete",
+                  {"redirect_url": "http://localhost:1455/auth/callback"})
         status, body = self.call(b"POST", f"logins/{login['id']}/cancel")
         self.assertEqual((status, body["login"]["status"]), (200, "cancelled"))
         self.assertEqual(self.call(b"POST", f"logins/{login['id']}/cancel")[0], 409)

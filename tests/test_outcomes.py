@@ -172,6 +172,19 @@ class ClientFaultBookkeepingTests(SynchronousTestCase):
         counts = self.book.outcomes.counts(APIKEY.id)
         self.assertEqual((counts["failed"], counts["client_faults"]), (0, 1))
 
+    def test_modelRefusalNotLastError(self):
+        """
+        R106: a project's model refusal blocks the model on the account but
+        is never the account's last error nor its failure.
+        """
+        verdict = self.record(httpStatus(403, errorJSON(
+            "Project `proj_abc` does not have access to model `o1-pro`",
+            "invalid_request_error", "model_not_found")))
+        self.assertTrue(isClientFault(verdict))
+        self.assertIsNone(self.book.accountStats(APIKEY.id)["last_error"])
+        counts = self.book.outcomes.counts(APIKEY.id)
+        self.assertEqual((counts["failed"], counts["client_faults"]), (0, 1))
+
     def test_serverErrorIsLastError(self):
         """
         A 500 is the account's failure: its last error and counted.

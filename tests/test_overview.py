@@ -78,3 +78,24 @@ class OverviewTests(SynchronousTestCase):
         request.postpath = []
         render(self.resource, request)
         self.assertEqual(request.responseCode, 401)
+
+    def test_spendUnknownWhenStoreFails(self):
+        """
+        The usage store cannot be read: the spend is unknown (null), the
+        rest of the overview answers.
+        """
+        from twisted.internet.defer import fail
+
+        class Broken(MemoryUsageStore):
+            def costTotals(self, day, month):
+                return fail(ConnectionError("down"))
+
+        self.ledger.store = Broken()
+        request = makeRequest("overview", key=KEY)
+        request.postpath = []
+        render(self.resource, request)
+        body = jsonBody(request)
+        self.assertEqual(request.responseCode, 200)
+        self.assertIsNone(body["spend_today_usd"])
+        self.assertEqual(body["capacity"]["accounts"], 4)
+        self.flushLoggedErrors()

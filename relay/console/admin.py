@@ -11,6 +11,8 @@ C{/admin}):
     key, its data fetches need it;
   - C{GET /admin/settings} - the runtime settings, nested (behaviour.md R74);
   - C{PUT /admin/settings} - a partial change, nested or flat dotted JSON;
+  - C{GET /admin/settings/schema} - each runtime setting's value, type and
+    range, for an editor;
   - C{GET /admin/accounts} - every account's live state for the page;
   - C{GET /admin/history} - per account, the last 15 minutes in one-minute
     buckets (L{relay.console.history}) for the page's charts;
@@ -241,8 +243,14 @@ class _SettingsResource(Guarded):
 
     def render_GET(self, request):
         """
-        The runtime settings in force, nested as under C{gateway:}.
+        The runtime settings in force, nested as under C{gateway:};
+        C{/admin/settings/schema}: each with its type and range
+        (L{relay.state.settings.describe}).
         """
+        if request.postpath == [b"schema"]:
+            from relay.state.settings import describe
+
+            return respond(request, 200, {"settings": describe(self.settings.current)})
         if request.postpath not in ([], [b""]):
             return notFound(request)
         return respond(request, 200, self.settings.snapshot())
@@ -784,9 +792,10 @@ def buildAdminResource(
         C{blocked_models}, C{streaks} (R11, model -> count),
         C{rate_limited_until}, C{breaker}, C{disabled}, C{last_error},
         C{last_error_at}, C{last_success_at}, C{turns}, C{failovers},
-        C{proxy_id}, C{proxy_state}, C{health} (the last 15 minutes' attempt
-        ends and the state shown: L{relay.policy.outcomes.healthState}) (times in Unix seconds unless named
-        C{*_iso}; missing keys are shown as empty).
+        C{proxy_id}, C{proxy_state}, C{health} (the last 15 minutes'
+        attempt ends and the state shown: L{relay.policy.outcomes.healthState})
+        (times in Unix seconds unless named C{*_iso}; missing keys are shown
+        as empty).
     @param clearAccount: called with an account id; returns (a L{Deferred}
         of) anything, or raises/fails with L{KeyError} for an unknown id.
     @param registry: the metrics registry for C{/admin/metrics}, or L{None}

@@ -12,7 +12,8 @@ answer behind the admin key (R99):
     last 15 minutes, and their mean over the last 5
     (C{requests_per_minute}, C{failures_per_minute});
   - C{spend_today_usd}, C{tokens_today}, C{spend_today_by_key}: the UTC day
-    so far, from the usage store.
+    so far, from the usage store (L{None} when the store cannot be read:
+    the rest still answers).
 
 Attempt counts are this process's (as the health); spend is the shared
 store's.
@@ -24,11 +25,14 @@ import time
 from typing import Any, Callable, Optional
 
 from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.logger import Logger
 
 from relay.console.admin import Guarded, deliverLater, notFound
 from relay.usage.store import dayStart, monthStart
 
 __all__ = ["MAX_RESETS", "OverviewResource", "overviewOf"]
+
+_log = Logger()
 
 MAX_RESETS = 20
 """The most resets listed."""
@@ -132,9 +136,18 @@ class OverviewResource(Guarded):
         if self.ledger is not None:
             await self.ledger.flush()
             store = self.ledger.store
-            costs, _ = await store.costTotals(dayStart(now), monthStart(now))
-            tokens, _ = await store.budgetTotals(dayStart(now), monthStart(now))
-        return overviewOf(rows, perMinute, costs or {}, tokens or {}, now)
+            try:
+                costs, _ = await store.costTotals(dayStart(now), monthStart(now))
+                tokens, _ = await store.budgetTotals(dayStart(now), monthStart(now))
+            except Exception as e:  # noqa: BLE001 - the rest of the overview still answers
+                _log.warn("reading today's spend failed: {error}", error=repr(e),
+                          event="relay.admin_overview_spend_failed")
+                costs = tokens = None
+        answer = overviewOf(rows, perMinute, costs or {}, tokens or {}, now)
+        if costs is None:
+            # Unknown, never a made-up zero.
+            answer.update(spend_today_usd=None, tokens_today=None, spend_today_by_key=None)
+        return answer
 
     def render_GET(self, request):
         """

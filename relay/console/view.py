@@ -103,7 +103,10 @@ class OperatorView:
                 # A paused account's block comes first.
                 blocks[0:0] = [_timed(b, now) for b in self.control.blocksOf(account, now)]
             first = blocks[0] if blocks else None
-            health = self._health(account.id, first)
+            # A model-wide block leaves the account serving other models:
+            # its health state is then the attempts'.
+            health = self._health(account.id, next(
+                (b for b in blocks if b["scope"] != "model"), None))
             rows.append(
                 {
                     "id": account.id,

@@ -39,6 +39,9 @@ FAILING_MIN_ATTEMPTS = 3
 """At least this many attempts, half of them failed (or the last this many
 all failed), make an account C{failing}."""
 
+MODEL_REFUSAL = "model_not_found"
+"""The verdict reason of R8 row 5 / R106's model refusal."""
+
 _ACCOUNT_STATUSES = (401, 402, 429)
 """4xx statuses that are about the account, never the client's request."""
 
@@ -48,7 +51,8 @@ def isClientFault(verdict: Optional[F.Verdict]) -> bool:
     Whether a failed attempt was the client's own fault, not the account's:
     an upstream 4xx about the client's request that marks nothing (R7's
     rejected field, R106's client text, R9/R10's pass-through of a request
-    error, a model the client's request may not use).
+    error), or a model refusal for the project (R106, R8 row 5: it blocks
+    that model on the account, never the account).
 
     @param verdict: the attempt's L{relay.policy.failures.Verdict}.
     @return: L{True} for a client fault; such an attempt is never an
@@ -56,7 +60,9 @@ def isClientFault(verdict: Optional[F.Verdict]) -> bool:
     """
     if verdict is None or verdict.kind != F.STATUS:
         return False
-    if verdict.rejectedField is not None:
+    if verdict.rejectedField is not None or verdict.reason == MODEL_REFUSAL:
+        # R7's rejected field; R106's model refusal (for the project): its
+        # model block stays in the account's blocks, never its error.
         return True
     return (not verdict.failover and not verdict.markings
             and 400 <= verdict.status < 500 and verdict.status not in _ACCOUNT_STATUSES)
