@@ -22,9 +22,9 @@ function flatten(obj, prefix, out) {
 
 function shownValue(v) { return v === null || v === undefined ? "" : typeof v === "object" ? JSON.stringify(v) : String(v); }
 
-function parsed(text, before) {
-  if (typeof before === "number") { return Number(text); }
-  if (typeof before === "boolean") { return text === "true"; }
+function parsed(text, before, type) {
+  if (type === "integer" || type === "number" || typeof before === "number") { return Number(text); }
+  if (type === "boolean" || typeof before === "boolean") { return text === "true"; }
   if (before === null || typeof before === "object") {
     if (text === "") { return null; }
     try { return JSON.parse(text); } catch (e) { return text; }
@@ -35,12 +35,14 @@ function parsed(text, before) {
 function settingInput(row) {
   const id = "setting-" + row.name.replace(/[^a-z0-9]+/gi, "-");
   let node;
-  if (typeof row.value === "boolean") {
+  const choices = row.choices || (row.type === "boolean" || typeof row.value === "boolean" ? ["true", "false"] : null);
+  if (choices) {
     node = el("select", {id, "class": "setting", "data-name": row.name});
-    ["true", "false"].forEach((v) => node.appendChild(el("option", {value: v}, v)));
+    choices.forEach((v) => node.appendChild(el("option", {value: String(v)}, String(v))));
   } else {
-    node = el("input", {id, "class": "setting", "data-name": row.name,
-                        type: typeof row.value === "number" ? "number" : "text", step: "any"});
+    const numeric = row.type === "integer" || row.type === "number" || typeof row.value === "number";
+    node = el("input", {id, "class": "setting", "data-name": row.name, type: numeric ? "number" : "text",
+                        step: row.type === "integer" ? "1" : "any", min: row.minimum, max: row.maximum});
   }
   node.value = row.name in editedSettings ? editedSettings[row.name] : shownValue(row.value);
   node.addEventListener("input", () => { editedSettings[row.name] = node.value; });
@@ -55,8 +57,10 @@ function build(root) {
   settingsTable = makeTable({
     id: "settings-table", csv: "settings", empty: "no settings", rowKey: (r) => r.name,
     rowAttrs: (r) => ({"class": "setting-row", "data-name": r.name}),
-    columns: [{id: "name", title: "Setting", width: "40%"},
-              {id: "value", title: "Value", value: (r) => shownValue(r.value), render: settingInput, sort: false}],
+    columns: [{id: "name", title: "Setting", width: "34%"},
+              {id: "value", title: "Value", width: "26%", value: (r) => shownValue(r.value), render: settingInput, sort: false},
+              {id: "range", title: "Range", value: (r) => [r.minimum !== undefined && r.minimum !== null ? r.minimum + " to " + (r.maximum !== null && r.maximum !== undefined ? r.maximum : "∞") : "",
+                r.note || ""].filter(Boolean).join(" · ")}],
   });
   root.appendChild(settingsTable.root);
   root.appendChild(buttons(button("Save settings", "", saveSettings, {id: "settings-save"}),
@@ -111,9 +115,11 @@ function build(root) {
 }
 
 function refresh() {
-  return Promise.all([api("GET", "settings"), getOr("groups", {groups: []}), getOr("prices", {prices: {}})])
-    .then(([s, g, p]) => settled(() => {
-      flat = flatten(s, "", []);
+  return Promise.all([getOr("settings/schema", null), getOr("groups", {groups: []}), getOr("prices", {prices: {}})])
+    .then(([schema, g, p]) => (schema ? Promise.resolve(schema.settings) : api("GET", "settings").then((s) => flatten(s, "", [])))
+      .then((rows) => [rows, g, p]))
+    .then(([rows, g, p]) => settled(() => {
+      flat = rows;
       settingsTable.setRows(flat);
       groupsTable.setRows(g.groups || []);
       pricesTable.setRows(Object.keys(p.prices || {}).map((m) => Object.assign({model: m}, p.prices[m])));
@@ -129,7 +135,7 @@ function saveSettings() {
   const out = {};
   flat.forEach((r) => {
     if (!(r.name in editedSettings)) { return; }
-    const v = parsed(editedSettings[r.name], r.value);
+    const v = parsed(editedSettings[r.name], r.value, r.type);
     if (JSON.stringify(v) !== JSON.stringify(r.value)) { out[r.name] = v; }
   });
   if (!Object.keys(out).length) { msg.say("Nothing changed.", ""); return; }
