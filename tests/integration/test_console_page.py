@@ -93,6 +93,13 @@ async def test_every_section_opens_with_its_data():
         await page.goto(stack.url + "/admin/#key=" + ADMIN)
         await page.waitFor("document.body.getAttribute('data-overview-loaded') === '1'")
         assert ADMIN not in await page.url()
+        # The overview's chart of requests and failures per minute has the
+        # traffic; the failover is listed, and exports as CSV.
+        chart = "document.getElementById('overview-chart')"
+        await page.waitFor(f"Number({chart}.dataset.points) >= 1", what="the per-minute chart")
+        assert await page.evaluate(f"{chart}.dataset.series") == "requests|failures"
+        failovers = await _csv(page, "failovers")
+        assert "acct-down" in failovers and failovers.startswith("When,Entry,From,To"), failovers
         await _shot(page, "overview")
         for name, loaded in [("accounts", "manage-loaded"), ("keys", "keys-loaded"),
                              ("requests", "requests-loaded"), ("usage", "usage-loaded"),

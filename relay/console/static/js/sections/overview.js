@@ -5,8 +5,9 @@ import {el, put, dollars, tokens, until, ago, now} from "../dom.js";
 import {getOr} from "../api.js";
 import {stateOf} from "../health.js";
 import {card, draw} from "../charts.js";
+import {makeTable} from "../table.js";
 
-let root = null, chart = null;
+let root = null, chart = null, resets = null, failovers = null;
 
 function tile(id, label) {
   const t = el("div", {"class": "tile", id: "tile-" + id});
@@ -36,33 +37,21 @@ function build(node) {
   root.appendChild(el("h2", null, "Needs attention"));
   root.appendChild(el("ul", {id: "attention"}));
   root.appendChild(el("h2", null, "Next resets"));
-  root.appendChild(plain("resets", ["Account", "What", "Reason", "When"]));
+  resets = makeTable({id: "resets", empty: "nothing to wait for", rowKey: (r) => r.account + r.kind + r.at,
+    sortBy: "when", rowAttrs: () => ({"class": "reset"}),
+    columns: [{id: "account", title: "Account", width: "18%"}, {id: "kind", title: "What", width: "18%"},
+              {id: "reason", title: "Reason", value: (r) => r.reason || ""},
+              {id: "when", title: "When", width: "14%", value: (r) => r.at, render: (r) => until(r.at),
+               csv: (r) => new Date(r.at * 1000).toISOString()}]});
+  root.appendChild(resets.root);
   root.appendChild(el("h2", null, "Recent failovers"));
-  root.appendChild(plain("failovers", ["When", "Entry", "From", "To", "Reason", "Status"]));
-}
-
-function plain(id, heads) {
-  const t = el("table", {id, "class": "plain"});
-  const tr = el("tr");
-  heads.forEach((h) => tr.appendChild(el("th", null, h)));
-  t.appendChild(put(el("thead"), tr));
-  t.appendChild(el("tbody", {id: id + "-body"}));
-  return t;
-}
-
-function rows(id, list, cells, cls, empty) {
-  const body = root.querySelector("#" + id + "-body");
-  body.textContent = "";
-  list.forEach((item) => {
-    const tr = el("tr", {"class": cls});
-    cells(item).forEach((c) => tr.appendChild(el("td", null, c)));
-    body.appendChild(tr);
-  });
-  if (!list.length) {
-    const td = el("td", {"class": "empty"}, empty);
-    td.colSpan = 6;
-    body.appendChild(put(el("tr"), td));
-  }
+  failovers = makeTable({id: "failovers", empty: "none recorded", rowKey: (f) => f.at + f.account_id,
+    sortBy: "when", sortDir: -1, rowAttrs: () => ({"class": "failover"}),
+    columns: [{id: "when", title: "When", value: (f) => f.at, render: (f) => ago(f.at), csv: (f) => new Date(f.at * 1000).toISOString()},
+              {id: "entrypoint", title: "Entry"}, {id: "account_id", title: "From"},
+              {id: "next_account_id", title: "To", value: (f) => f.next_account_id || "–"},
+              {id: "reason", title: "Reason"}, {id: "upstream_status", title: "Status"}]});
+  root.appendChild(failovers.root);
 }
 
 // Resets from the accounts view, for a relay without GET /admin/overview.
@@ -107,9 +96,8 @@ function refresh(ctx) {
     const waiting = accounts.reduce((n, a) => n + (a.waiting || 0), 0);
     setTile("slots", inUse + " / " + slots, waiting + " waiting");
     const next = ov ? ov.next_resets || [] : resetsOf(accounts);
-    rows("resets", next, (r) => [r.account, r.kind, r.reason || "", until(r.at)], "reset", "nothing to wait for");
-    rows("failovers", (data.failovers || []).slice(0, 20), (f) => [ago(f.at), f.entrypoint, f.account_id,
-      f.next_account_id || "–", f.reason, f.upstream_status], "failover", "none recorded");
+    resets.setRows(next);
+    failovers.setRows((data.failovers || []).slice(0, 20));
     const attention = root.querySelector("#attention");
     attention.textContent = "";
     states.filter((s) => s[1][0] !== "ok").forEach((s) => {
