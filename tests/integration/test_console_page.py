@@ -105,6 +105,9 @@ async def test_every_section_opens_with_its_data():
                              ("requests", "requests-loaded"), ("usage", "usage-loaded"),
                              ("settings", "settings-loaded"), ("audit", "audit-loaded")]:
             await page.section(name, loaded)
+            assert await page.evaluate(
+                "document.documentElement.scrollWidth <= document.documentElement.clientWidth"
+            ), f"{name} scrolls sideways at 1280 px"
             await _shot(page, name)
         assert page.exceptions() == []
     finally:

@@ -146,9 +146,12 @@ export function makeTable(spec) {
     drawBulk();
   }
 
+  // One CSV field, quoted when needed; text a spreadsheet would run as a
+  // formula (=, +, -, @ not starting a number) is prefixed with '.
   function csvCell(v) {
-    const s = String(v === null || v === undefined ? "" : v);
-    return /[",\n\r]/.test(s) || /^[=+\-@]/.test(s) ? '"' + s.replace(/"/g, '""') + '"' : s;
+    let s = String(v === null || v === undefined ? "" : v);
+    if (typeof v === "string" && /^[=+\-@\t\r]/.test(s) && !/^[+-]?\d/.test(s)) { s = "'" + s; }
+    return /[",\n\r]/.test(s) ? '"' + s.replace(/"/g, '""') + '"' : s;
   }
 
   function csvText() {
