@@ -260,6 +260,20 @@ async def test_browser_login_through_the_page(stack):
     code, raw = await stack.turn()
     assert code == 200 and b"response.completed" in raw
     assert stack.emulator.requestsFor("o-new"), "the new account did not serve the turn"
+    # Issue 40: its plan windows as bars with their reset times, and the
+    # Test action's usage probe.
+    windows = "tr.manage-row[data-account-id=\"oa-new\"] td.usage"
+    await page.waitFor("(document.querySelector(%s) || {innerText: ''}).innerText"
+                       ".indexOf('resets in') >= 0" % json.dumps(windows), timeout=20,
+                       what="oa-new's plan windows")
+    assert await page.evaluate("document.querySelectorAll(%s).length"
+                               % json.dumps(windows + " .meter-box")) >= 1
+    await page.click("tr.manage-row[data-account-id=\"oa-new\"] button.test")
+    await page.waitFor("['ok','failed','error'].indexOf(document.getElementById('test-panel')"
+                       ".dataset.testStatus) >= 0", what="the test of oa-new")
+    result = await page.text("#test-result")
+    assert "usage probe" in result and "OK" in result, result
+    await stack.shot("oauth-windows-and-test")
 
     # A refused sign-in.
     await stack.addLogin("oa-denied", "browser")

@@ -4,8 +4,7 @@
 // re-login, redeem a banked reset, delete; bulk pause, resume, clear,
 // delete.
 "use strict";
-import {$, el, put, button, show, confirmButton, messages, meter, until, ago, now, settled,
-        duration} from "../dom.js";
+import {$, el, put, button, show, confirmButton, messages, meter, until, ago, now, settled} from "../dom.js";
 import {api, getOr} from "../api.js";
 import {makeTable} from "../table.js";
 import {stateOf, healthLine, lastError} from "../health.js";

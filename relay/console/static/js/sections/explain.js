@@ -2,7 +2,7 @@
 // account the next turn would get and why not each other one, with each
 // account's health; a warning when the chosen account is failing.
 "use strict";
-import {$, el, put, button} from "../dom.js";
+import {$, el, button} from "../dom.js";
 import {api} from "../api.js";
 import {input, fields, buttons} from "../forms.js";
 
