@@ -262,6 +262,21 @@ async def test_accounts_health_search_sort_bulk_and_test():
                            ".dataset.testStatus) >= 0", what="the test of acct-down")
         assert "Failed" in await page.text("#test-result")
 
+        # A client's own fault (an upstream 400 for its request) is not the
+        # account's error.
+        stack.emulator.setFault("sk-b", {"kind": "status", "code": 400, "times": 1})
+        code, body = await _admin(stack, "POST", "accounts/acct-a/disable", {})
+        response, data = await stack.postJSON(
+            "/v1/responses", {"model": "gpt-5.5", "input": "a bad request", "stream": False},
+            key="sk-bob-console-0002")
+        assert response.code == 400, data
+        await _admin(stack, "POST", "accounts/acct-a/enable", {})
+        acctB = _row("account", "account-id", "acct-b")
+        await page.waitFor(f"document.querySelector('{acctB}').innerText"
+                           ".indexOf('client fault') >= 0", what="the client fault counted")
+        assert await page.text(f"{acctB} .lasterror") == ""
+        assert await page.evaluate(f"document.querySelector('{acctB}').dataset.state") == "ok"
+
         csv = await _csv(page, "accounts")
         lines = csv.strip().splitlines()
         assert lines[0].startswith("Account,State,"), lines
@@ -329,6 +344,24 @@ async def test_usage_charts_budgets_and_requests_refresh():
             f"document.querySelector('{alice} .meter-box').dataset.percent")
         assert 0 < int(percent) <= 100, percent
         await _shot(page, "keys-budgets")
+
+        # A bulk revoke of two keys issued through the API.
+        for name in ("carol", "dave"):
+            code, body = await _admin(stack, "POST", "keys", {"name": name})
+            assert code == 201, body
+        for name in ("carol", "dave"):
+            await page.waitFor(f"!!document.querySelector('{_row('key-row', 'key', name)}')",
+                               what=f"key {name}")
+            await page.click(f"{_row('key-row', 'key', name)} input.select")
+        await page.click("#keys-table-bulk button.bulk-revoke")
+        await page.waitFor("document.querySelector('#keys-table-bulk button.bulk-revoke')"
+                           ".innerText === 'Confirm revoke (2)'", what="the armed revoke")
+        await page.click("#keys-table-bulk button.bulk-revoke")
+        await page.waitFor("document.querySelectorAll('tr.key-row').length === 2",
+                           what="the two keys revoked")
+        assert "2 keys (carol, dave) revoked" in await page.text("#keys-msg")
+        code, keys = await _admin(stack, "GET", "keys")
+        assert sorted(k["name"] for k in keys["keys"]) == ["alice", "bob"]
 
         # The request view refreshes itself.
         await page.section("requests", "requests-loaded")
