@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import json
 
-from tests.integration.oauthstack import sleep
-
 import pytest
 import pytest_twisted
 import treq
 
 from tests.integration.cdp import CHROMIUM, Session
 from tests.integration.harness import closedPort, sseEvents, startStack
+from tests.integration.oauthstack import sleep
 from tests.integration.test_status_page import ARTIFACTS
 
 pytestmark = pytest.mark.skipif(
