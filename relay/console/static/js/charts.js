@@ -51,7 +51,9 @@ export function draw(container, spec) {
   const opts = {
     title: spec.title, width: widthOf(container), height: spec.height || 200,
     series,
-    scales: {x: {time: true, range: (u, lo, hi) => xRange(spec.xs, lo, hi)}},
+    scales: {x: {time: true, range: (u, lo, hi) => xRange(spec.xs, lo, hi)},
+             // From zero, with headroom; an empty chart still has a scale.
+             y: {range: (u, lo, hi) => [Math.min(0, lo || 0), hi > 0 ? hi * 1.1 : 1]}},
     axes: [{}, {values: (u, vals) => vals.map(fmt), size: 70}],
     legend: {live: true},
     cursor: {drag: {x: false, y: false}},

@@ -142,7 +142,8 @@ export function makeTable(spec) {
       body.appendChild(put(el("tr", {"class": "empty"}), td));
     }
     if (selectAll) { selectAll.checked = rows.length > 0 && rows.every((r) => state.selected.has(spec.rowKey(r))); }
-    count.textContent = rows.length === state.rows.length ? rows.length + " rows" : rows.length + " of " + state.rows.length;
+    count.textContent = rows.length === state.rows.length ? rows.length + (rows.length === 1 ? " row" : " rows")
+      : rows.length + " of " + state.rows.length;
     drawBulk();
   }
 
