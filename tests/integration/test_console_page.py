@@ -108,6 +108,16 @@ async def test_every_section_opens_with_its_data():
                 "document.documentElement.scrollWidth <= document.documentElement.clientWidth"
             ), f"{name} scrolls sideways at 1280 px"
             await _shot(page, name)
+        # Sign out: the data is gone from the page; the form signs in again.
+        await page.click("#logout")
+        await page.waitFor("!document.getElementById('login').classList.contains('hidden')")
+        assert "acct-down" not in await page.html()
+        await page.type("#admin-key", ADMIN)
+        await page.click("#login-form button[type=submit]")
+        await page.waitFor("document.body.getAttribute('data-section') === 'audit' && "
+                           "!!document.querySelector('#audit-body tr')",
+                           what="signed in again")
+        assert ADMIN not in await page.html()
         assert page.exceptions() == []
     finally:
         await session.stop()

@@ -62,7 +62,7 @@ function poll() {
   if (timer) { clearTimeout(timer); timer = null; }
   if (!auth.signedIn() || !current) { return; }
   const s = current;
-  Promise.resolve(s.refresh(ctx)).then(() => {
+  new Promise((resolve) => resolve(s.refresh(ctx))).then(() => {
     ctx.status("updated " + new Date().toLocaleTimeString());
   }).catch((e) => {
     if (e && e.status !== 401) { ctx.status("error: " + e.message); }
@@ -73,6 +73,10 @@ function poll() {
 
 function showLogin(message) {
   if (timer) { clearTimeout(timer); timer = null; }
+  // Nothing read with the old credential stays in the page.
+  SECTIONS.forEach((x) => { $("section-" + x.id).textContent = ""; });
+  built.clear();
+  accountsCache = null;
   show($("dashboard"), false);
   show($("nav"), false);
   show($("logout"), false);
