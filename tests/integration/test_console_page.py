@@ -133,13 +133,14 @@ CSV_HOOK = (
 """Keeps the text of each CSV the page hands the browser to download."""
 
 
-async def _csv(page, table):
+async def _csv(page, table, button=None):
     """
-    Click a table's CSV button, as a person does, and return the file.
+    Click a table's CSV button (or C{button}), as a person does, and
+    return the file.
     """
     await page.evaluate(CSV_HOOK)
     before = await page.evaluate("window.__csv.length")
-    await page.click(f"#{table}-csv")
+    await page.click(button or f"#{table}-csv")
     await page.waitFor(f"window.__csv.length > {before}", what=f"the CSV of {table}")
     return await page.evaluate("window.__csv[window.__csv.length - 1]")
 
@@ -397,9 +398,10 @@ async def test_settings_groups_prices_explain_and_audit():
     """
     The settings section: a runtime setting changed in the page is in
     force; an account group and a model's price are added, shown and
-    deleted (with a confirmation); explain says which account a key's next
-    turn gets and why not the others, and names the failing account; the
-    audit section lists those changes and filters them.
+    deleted (with a confirmation). Explain, in the accounts section, says
+    which account a key's next turn gets and why not the others; the audit
+    section lists those changes and filters them; the usage series and the
+    request log export as CSV from the API.
     """
     stack = await _stack()
     session = Session()
@@ -452,7 +454,8 @@ async def test_settings_groups_prices_explain_and_audit():
         await page.click(f"{group} button.group-delete")
         await page.waitFor(f"!document.querySelector('{group}')", what="the group deleted")
 
-        # Explain: the next turn of bob.
+        # Explain (in the accounts section): the next turn of bob.
+        await page.section("accounts", "manage-loaded")
         await page.type("#explain-key", "bob")
         await page.click("#explain-run")
         await page.waitFor("document.body.getAttribute('data-explained') === '1'")
@@ -479,6 +482,16 @@ async def test_settings_groups_prices_explain_and_audit():
             ".map(function (r) { return r.dataset.action; })")
         assert kinds and all(k.startswith("prices") for k in kinds), kinds
         await _shot(page, "audit")
+
+        # The API's own CSV of every bucket, and of the request log.
+        await page.section("usage", "usage-loaded")
+        csv = await _csv(page, "usage", "#usage-export")
+        assert csv.startswith("time_iso,time,group,requests"), csv[:200]
+        assert ",bob," in csv, csv[:400]
+        await page.section("requests", "requests-loaded")
+        csv = await _csv(page, "requests", "#rq-export")
+        assert csv.startswith("time_iso,time,request_id"), csv[:200]
+        assert len(csv.strip().splitlines()) == 4, csv
         assert page.exceptions() == []
     finally:
         await session.stop()

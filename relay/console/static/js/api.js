@@ -39,3 +39,21 @@ export function get(path) { return api("GET", path); }
 export function getOr(path, fallback) {
   return get(path).catch((e) => { if (e.status === 404) { return fallback; } throw e; });
 }
+
+// Fetch a CSV export of the API (format=csv) with the credential and hand
+// it to the browser as a download named name.
+export function download(path, name) {
+  return send("GET", path).then((resp) => {
+    if (!resp.ok) { const e = new Error("HTTP " + resp.status); e.status = resp.status; throw e; }
+    return resp.blob();
+  }).then((blob) => {
+    const url = URL.createObjectURL(blob);
+    const a = document.createElement("a");
+    a.href = url;
+    a.download = name;
+    a.className = "hidden";
+    document.body.appendChild(a);
+    a.click();
+    setTimeout(() => { URL.revokeObjectURL(url); a.remove(); }, 1000);
+  });
+}

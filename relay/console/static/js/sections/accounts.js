@@ -2,7 +2,7 @@
 // slots, plan windows, the last 15 minutes and its last error; search,
 // filter, sort; add, edit, pause with a reason, resume, clear, test,
 // re-login, redeem a banked reset, delete; bulk pause, resume, clear,
-// delete.
+// delete; explain (which account a key's next turn gets, and why).
 "use strict";
 import {$, el, put, button, show, confirmButton, messages, meter, until, ago, now, settled} from "../dom.js";
 import {api, getOr} from "../api.js";
@@ -11,6 +11,7 @@ import {stateOf, healthLine, lastError} from "../health.js";
 import {input, select, fields, buttons, panel, WS_MODES} from "../forms.js";
 import {buildAdd, openAdd, openRelogin, proxyInto} from "./logins.js";
 import {card, draw} from "../charts.js";
+import {explainBlock} from "./explain.js";
 
 let table = null, msg = null, ctxRef = null, editing = null, pausing = [];
 let accounts = [];
@@ -149,6 +150,8 @@ function build(root, ctx) {
     buttons(el("button", {id: "edit-save", type: "submit"}, "Save"),
             button("Cancel", "", () => show($("edit-panel"), false), {id: "edit-cancel"})))));
   $("edit-form").addEventListener("submit", submitEdit);
+  root.appendChild(el("h2", null, "Explain: which account a key's next turn gets, and why not the others"));
+  root.appendChild(explainBlock());
   root.appendChild(el("h2", null, "Last 15 minutes per account"));
   root.appendChild(el("div", {id: "history", "class": "charts"}));
 }

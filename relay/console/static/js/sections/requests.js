@@ -3,7 +3,7 @@
 // refreshes itself every few seconds; "Older" pages on with the cursor.
 "use strict";
 import {$, el, put, button, show, ms, dollars} from "../dom.js";
-import {api} from "../api.js";
+import {api, download} from "../api.js";
 import {makeTable} from "../table.js";
 
 // R111: request_id is relay's own; client_request_id is the client's.
@@ -81,6 +81,9 @@ function build(root) {
   });
   root.appendChild(table.root);
   root.appendChild(button("Older", "hidden", () => { if (next) { load(next); } }, {id: "rq-older"}));
+  root.appendChild(button("Export up to 5,000 matching (CSV)", "", () =>
+    download(query(null).replace("limit=50", "limit=5000") + "&format=csv", "requests.csv")
+      .catch((e) => document.body.setAttribute("data-requests-error", e.message)), {id: "rq-export"}));
   root.appendChild(el("div", {id: "request-detail", "class": "panel hidden"}));
 }
 

@@ -1,13 +1,10 @@
 // Settings: the runtime settings (each one editable, saved as a partial
-// PUT), account groups and model prices (add, change, delete), and
-// explain: which account a key's next turn would get, and why not each
-// other one.
+// PUT), account groups and model prices (add, change, delete).
 "use strict";
 import {$, el, put, button, show, confirmButton, messages, settled} from "../dom.js";
 import {api, getOr} from "../api.js";
 import {makeTable} from "../table.js";
 import {input, fields, buttons, panel} from "../forms.js";
-import {explainBlock} from "./explain.js";
 
 let msg = null, settingsTable = null, groupsTable = null, pricesTable = null, flat = [];
 let editedSettings = {};
@@ -109,9 +106,6 @@ function build(root) {
     input("Output", "price-output", {type: "number", step: "any", min: "0"}),
     input("Reasoning", "price-reasoning", {type: "number", step: "any", min: "0", placeholder: "as output"})),
     buttons(button("Save", "", savePrice, {id: "price-save"}), button("Cancel", "", () => show($("price-panel"), false), {id: "price-cancel"}))));
-
-  root.appendChild(el("h2", null, "Explain: which account would serve"));
-  root.appendChild(explainBlock());
 }
 
 function refresh() {

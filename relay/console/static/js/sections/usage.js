@@ -2,8 +2,8 @@
 // hour or day over 24 h, 7 d or 30 d (GET /admin/usage/series), failures
 // by kind, the totals per group as a table (CSV), and key budgets.
 "use strict";
-import {$, el, put, dollars, tokens, iso, settled} from "../dom.js";
-import {api, getOr} from "../api.js";
+import {$, el, put, button, dollars, tokens, iso, settled} from "../dom.js";
+import {api, getOr, download} from "../api.js";
 import {makeTable} from "../table.js";
 import {card, draw, buckets} from "../charts.js";
 
@@ -25,7 +25,8 @@ function build(root) {
     selectOf("usage-range", "Range", [["24h", "24 h"], ["7d", "7 d"], ["30d", "30 d"]]),
     selectOf("usage-bucket", "By", [["", "auto"], ["hour", "hour"], ["day", "day"]]),
     selectOf("usage-group", "Per", [["key", "key"], ["account", "account"], ["model", "model"], ["none", "all together"]]),
-    selectOf("usage-metric", "Show", Object.keys(METRICS).map((k) => [k, METRICS[k][0]]))));
+    selectOf("usage-metric", "Show", Object.keys(METRICS).map((k) => [k, METRICS[k][0]])),
+    button("Export every bucket (CSV)", "", exportSeries, {id: "usage-export"})));
   usageChart = card("usage-chart", "Cost per key");
   failChart = card("failure-chart", "Failures by kind");
   root.appendChild(put(el("div", {"class": "charts"}), usageChart.box, failChart.box));
@@ -64,6 +65,17 @@ function build(root) {
   root.appendChild(budgetsTable.root);
 }
 
+function seriesQuery() {
+  const bucket = $("usage-bucket").value;
+  return "usage/series?range=" + $("usage-range").value + "&group_by=" + $("usage-group").value +
+    (bucket ? "&bucket=" + bucket : "");
+}
+
+function exportSeries() {
+  return download(seriesQuery() + "&format=csv", "usage-" + $("usage-range").value + ".csv")
+    .catch((e) => { $("usage-totals-title").textContent = "Totals (export failed: " + e.message + ")"; });
+}
+
 function money(usd, unpriced) {
   let text = typeof usd === "number" ? dollars(usd) : "";
   if (unpriced) { text += (text ? " + " : "") + unpriced + " unpriced"; }
@@ -93,9 +105,9 @@ function fallbackSeries(range, group) {
 }
 
 function refresh() {
-  const range = $("usage-range").value, bucket = $("usage-bucket").value, group = $("usage-group").value;
+  const range = $("usage-range").value, group = $("usage-group").value;
   const metric = $("usage-metric").value;
-  const q = "usage/series?range=" + range + "&group_by=" + group + (bucket ? "&bucket=" + bucket : "");
+  const q = seriesQuery();
   const since = Math.floor(Date.now() / 1000) - 86400;
   return Promise.all([
     getOr(q, null).then((s) => s || fallbackSeries(range, group)),
