@@ -9,6 +9,7 @@ import {makeTable} from "../table.js";
 // R111: request_id is relay's own; client_request_id is the client's.
 const FIELDS = ["request_id", "client_request_id", "key", "account", "model", "outcome"];
 let table = null, next = null, records = {}, paged = false, selected = null, auto = true;
+let searched = null;  // the filters of the last search: refreshes repeat it, not half-typed ones
 
 function when(t) { return new Date(t * 1000).toISOString().replace("T", " ").replace(/\.\d+Z$/, "Z"); }
 
@@ -80,7 +81,7 @@ function build(root) {
                test: (r, v) => v === "failed" ? r.outcome !== "completed" : r.outcome === v}],
   });
   root.appendChild(table.root);
-  root.appendChild(button("Older", "hidden", () => { if (next) { load(next); } }, {id: "rq-older"}));
+  root.appendChild(button("Older", "hidden", () => { if (next) { load(next, true); } }, {id: "rq-older"}));
   root.appendChild(button("Export up to 5,000 matching (CSV)", "", () =>
     download(query(null).replace("limit=50", "limit=5000") + "&format=csv", "requests.csv")
       .catch((e) => document.body.setAttribute("data-requests-error", e.message)), {id: "rq-export"}));
@@ -102,8 +103,10 @@ function render(data, append) {
   if (selected && records[selected]) { detail(selected, true); }
 }
 
-function load(cursor) {
-  return api("GET", query(cursor)).then((data) => render(data, !!cursor)).catch((e) => {
+function load(cursor, again) {
+  if (!again || searched === null) { searched = query(null); }
+  const path = cursor ? searched + "&cursor=" + encodeURIComponent(cursor) : searched;
+  return api("GET", path).then((data) => render(data, !!cursor)).catch((e) => {
     if (e.status === 401) { throw e; }
     table.setRows([]);
     document.body.setAttribute("data-requests-error", e.message);
@@ -157,7 +160,7 @@ function detail(id, quiet) {
 // The first page refreshes itself; a page of older records stays put.
 function refresh() {
   if (paged || (!auto && document.body.getAttribute("data-requests-loaded"))) { return Promise.resolve(); }
-  return load(null);
+  return load(null, true);
 }
 
 export default {id: "requests", title: "Requests", build, refresh, refreshMs: 3000};
