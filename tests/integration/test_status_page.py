@@ -205,7 +205,7 @@ async def test_charts_and_layout_at_1280_after_traffic():
         assert 'data-overflow-x="0"' in dom, "the page scrolls sideways at 1280 px"
         assert 'data-manage-clipped="0"' in dom, "a Clear button is outside the window"
         ok, cool = _chart(dom, "acct-ok"), _chart(dom, "acct-cool")
-        assert 'data-series="requests|failovers"' in ok and _points(ok) >= 1, ok
+        assert 'data-series="requests|failovers|first output p50"' in ok and _points(ok) >= 2, ok
         # acct-cool: its one request and its failover.
         assert _points(cool) >= 2, cool
         assert re.search(r'id="history-acct-ok".*?<canvas', dom, re.S), "no chart drawn"

@@ -14,7 +14,7 @@ function widthOf(node) {
   return Math.max(240, Math.floor((node.clientWidth || node.parentNode.clientWidth || 600) - 4));
 }
 
-// spec: {title, xs: [unix seconds], series: [{label, values}], kind:
+// spec: {title, xs: [unix seconds], series: [{label, values, colour, right}], kind:
 // "bars" | "lines", unit: "money" | "count" | "tokens" | "ms", height}
 export function draw(container, spec) {
   const U = window.uPlot;
@@ -41,6 +41,12 @@ export function draw(container, spec) {
     const c = s.colour || colour(i);
     const one = {label: s.label, stroke: c, width: bars ? 0 : 2, value: (u, v) => fmt(v),
                  points: {show: true, size: 4}};
+    if (s.right) {
+      // On the right-hand axis, in milliseconds (a first-output median).
+      one.scale = "ms";
+      one.value = (u, v) => v === null || v === undefined ? "" : Math.round(v) + " ms";
+      one.dash = [4, 3];
+    }
     if (bars) {
       one.fill = c;
       one.paths = U.paths.bars({size: [0.8, 60]});
@@ -53,8 +59,10 @@ export function draw(container, spec) {
     series,
     scales: {x: {time: true, range: (u, lo, hi) => xRange(spec.xs, lo, hi)},
              // From zero, with headroom; an empty chart still has a scale.
-             y: {range: (u, lo, hi) => [Math.min(0, lo || 0), hi > 0 ? hi * 1.1 : 1]}},
-    axes: [{}, {values: (u, vals) => vals.map(fmt), size: 70}],
+             y: {range: (u, lo, hi) => [Math.min(0, lo || 0), hi > 0 ? hi * 1.1 : 1]},
+             ms: {range: (u, lo, hi) => [0, hi > 0 ? hi * 1.1 : 1]}},
+    axes: [{}, {values: (u, vals) => vals.map(fmt), size: 70}].concat(spec.series.some((x) => x.right)
+      ? [{scale: "ms", side: 1, grid: {show: false}, size: 60, values: (u, vals) => vals.map((v) => v + " ms")}] : []),
     legend: {live: true},
     cursor: {drag: {x: false, y: false}},
   };

@@ -191,7 +191,8 @@ function drawHistory(history) {
     const xs = (h.requests || []).map((_, i) => history.start + i * step);
     draw(c, {xs, kind: "lines", unit: "count", height: 140, series: [
       {label: "requests", values: h.requests || [], colour: "#2563eb"},
-      {label: "failovers", values: h.failovers || [], colour: "#dc2626"}]});
+      {label: "failovers", values: h.failovers || [], colour: "#dc2626"},
+      {label: "first output p50", values: h.first_output_p50_ms || zeros.map(() => null), colour: "#d97706", right: true}]});
   });
 }
 
