@@ -56,11 +56,15 @@ export function makeTable(spec) {
     const th = el("th", {"data-col": c.id}, c.title);
     if (c.sort !== false) {
       th.classList.add("sortable");
-      th.addEventListener("click", () => {
+      th.tabIndex = 0;
+      th.title = "Sort by " + c.title;
+      const sort = () => {
         state.sortDir = state.sortBy === c.id ? -state.sortDir : 1;
         state.sortBy = c.id;
         draw();
-      });
+      };
+      th.addEventListener("click", sort);
+      th.addEventListener("keydown", (ev) => { if (ev.key === "Enter" || ev.key === " ") { ev.preventDefault(); sort(); } });
     }
     head.appendChild(th);
   });
@@ -142,6 +146,10 @@ export function makeTable(spec) {
       body.appendChild(put(el("tr", {"class": "empty"}), td));
     }
     if (selectAll) { selectAll.checked = rows.length > 0 && rows.every((r) => state.selected.has(spec.rowKey(r))); }
+    head.querySelectorAll("th[data-col]").forEach((th) => {
+      const on = th.getAttribute("data-col") === state.sortBy;
+      th.setAttribute("aria-sort", on ? (state.sortDir > 0 ? "ascending" : "descending") : "none");
+    });
     count.textContent = rows.length === state.rows.length ? rows.length + (rows.length === 1 ? " row" : " rows")
       : rows.length + " of " + state.rows.length;
     drawBulk();

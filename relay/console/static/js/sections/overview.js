@@ -102,6 +102,8 @@ function refresh(ctx) {
     attention.textContent = "";
     states.filter((s) => s[1][0] !== "ok").forEach((s) => {
       const li = el("li", {"class": "attention state-" + s[1][0], "data-account-id": s[0].id});
+      li.title = "Open the accounts";
+      li.addEventListener("click", () => ctx.go("accounts"));
       li.appendChild(el("strong", null, s[0].id + ": " + s[1][1]));
       const why = (s[0].health && s[0].health.why) || s[0].reason;
       if (why) { li.appendChild(document.createTextNode(" — " + why)); }
