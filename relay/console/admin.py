@@ -6,7 +6,8 @@ Prometheus scrape at C{/metrics}.
 Routes under the resource returned by L{buildAdminResource} (mounted at
 C{/admin}):
 
-  - C{GET /admin/} - the status page (L{STATUS_PAGE}); served without the
+  - C{GET /admin/} - the status page (L{STATUS_PAGE}; its files under
+    C{/admin/static/}, L{relay.console.assets}); served without the
     key, its data fetches need it;
   - C{GET /admin/settings} - the runtime settings, nested (behaviour.md R74);
   - C{PUT /admin/settings} - a partial change, nested or flat dotted JSON;
@@ -57,6 +58,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
+from relay.console.assets import PAGE_CSP, StaticFiles, loadAssets
 from relay.console.fields import BOOLEAN, STRING, FieldTypeError, checkTypes, objectOf
 from relay.console.metrics import withoutCreated
 from relay.base.requestid import requestIdOf
@@ -65,7 +67,7 @@ from relay.state.settings import RuntimeSettings, SettingsError
 __all__ = ["STATUS_PAGE", "buildAdminResource", "metricsResource"]
 
 #: The status page file, next to this module (packaged as C{entry/*.html}).
-STATUS_PAGE = "status.html"
+STATUS_PAGE = "static/index.html"
 
 #: The largest settings body accepted.
 _MAX_BODY = 64 * 1024
@@ -659,13 +661,6 @@ class GuardedMetrics(Guarded):
         return self._metrics.render_GET(request)
 
 
-_PAGE_CSP = (
-    b"default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
-    b"connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; "
-    b"frame-ancestors 'none'"
-)
-
-
 class _StatusPage(Guarded):
     """
     C{GET /admin/}: the status page. Served without the key (its data
@@ -690,7 +685,7 @@ class _StatusPage(Guarded):
         request.setHeader(b"x-content-type-options", b"nosniff")
         request.setHeader(b"x-frame-options", b"DENY")
         request.setHeader(b"referrer-policy", b"no-referrer")
-        request.setHeader(b"content-security-policy", _PAGE_CSP)
+        request.setHeader(b"content-security-policy", PAGE_CSP)
         return self.page
 
 
@@ -762,7 +757,8 @@ class _NotFoundLeaf(Resource):
 
 def _loadPage() -> bytes:
     """
-    @return: the bytes of L{STATUS_PAGE}.
+    @return: the bytes of L{STATUS_PAGE} (the page's HTML shell; its
+        styles and scripts are L{relay.console.assets} files).
     """
     return resources.files("relay.console").joinpath(STATUS_PAGE).read_bytes()
 
@@ -823,6 +819,7 @@ def buildAdminResource(
     """
     routes = {
         b"": _StatusPage(adminKey, _loadPage()),
+        b"static": StaticFiles(loadAssets(), notFound),
         b"settings": _SettingsResource(adminKey, settings),
         b"accounts": _AccountsResource(
             adminKey, accountsView, clearAccount, recentFailovers, clock, tokenActions
