@@ -752,6 +752,11 @@ class Turn:
     """R109: hosted tool -> calls seen in the answer's items, for a key with
     a money budget whose request offers one (L{relay.usage.reader.HostedCallWatch});
     else L{None}."""
+    bodySize: int = 0
+    """The client's body (or WebSocket frame) in bytes, once read; 0 when
+    not known. Above L{relay.wire.jsoncodec.MAX_FAST_BYTES} the upstream
+    body is written by orjson (L{relay.engine.payload.encodeBody}) and the
+    token estimate is read from it (L{relay.usage.estimate.inputTokens})."""
     keyLimits: Any = None
     """R114: the key's own windows (L{relay.tenants.keyusage.KeyLimits}) that
     replace an account's rate-limit headers and C{codex.rate_limits} events

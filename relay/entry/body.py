@@ -375,7 +375,7 @@ def decodeHeld(raw, encoding: bytes, limit: int, ratio, received: int):
     return out
 
 
-def chargeParsed(content, budget, keyName: str, limits, charged: int):
+def chargeParsed(content, budget, keyName: str, limits, charged: int, brackets=None):
     """
     Replace the raw bytes counted for a body by the estimate of its
     parsed size (L{parsedEstimate}): what a decoded body will hold once
@@ -386,6 +386,8 @@ def chargeParsed(content, budget, keyName: str, limits, charged: int):
     @param keyName: the key the bytes count against.
     @param limits: the C{gateway.limits} in force.
     @param charged: the raw bytes counted so far (released here).
+    @param brackets: a list that gets the body's count of opening brackets
+        appended (L{parsedEstimate}), or L{None}.
     @return: C{(bytes now counted, None)}, or C{(0, the ClientError)}:
         413 over a bound, else what the budget refused with.
     """
@@ -395,7 +397,7 @@ def chargeParsed(content, budget, keyName: str, limits, charged: int):
         content.seek(0)
         data = content.read()
     content.seek(0, io.SEEK_END)
-    estimate = parsedEstimate(data)
+    estimate = parsedEstimate(data, brackets)
     del data
     budget.release(keyName, charged)
     over = parsedOver(estimate, limits)
@@ -561,6 +563,12 @@ class LimitedBodyRequest(Request):
     _slotWait = None
     _json = None
     _parsed = False
+    _brackets = None
+    """The body's opening brackets, counted with its parsed-size estimate
+    (L{chargeParsed}), for the parser's nesting guard; L{None} if not."""
+    relayBodySize = 0
+    """The decoded body's bytes, once L{relayJSON} read it (a turn's
+    L{relay.base.records.Turn.bodySize})."""
     _done = False
     """The request's id once L{relay.base.requestid.requestIdOf} chose it."""
     relayRawHeaders = True
@@ -877,8 +885,11 @@ class LimitedBodyRequest(Request):
         request ends (L{chargeParsed}).
         """
         charged, self._charged = self._charged, 0
+        brackets = []
         self._charged, error = chargeParsed(self.content, self._intake.budget,
-                                            self.admission.key.name, self._limits(), charged)
+                                            self.admission.key.name, self._limits(), charged,
+                                            brackets)
+        self._brackets = brackets[0] if brackets else None
         if error is not None:
             self._bodyFailed(error)
             self._logRefusedBody()
@@ -907,11 +918,13 @@ class LimitedBodyRequest(Request):
         if not self._parsed:
             raw = self.content.read() if self.content is not None else b""
             self._parsed = True
+            self.relayBodySize = len(raw)
             if not raw.strip():
                 self._json, self.notes.bodyBlank = _BLANK, True
             else:
                 try:
-                    self._json = readJSON(raw)  # the one reader (relay.frontdoor.parse)
+                    # the one reader (relay.frontdoor.parse)
+                    self._json = readJSON(raw, self._brackets)
                 except RequestRefused as e:
                     self._json = e
             del raw

@@ -257,6 +257,7 @@ class TurnResource(Resource):
             previousResponseId=previous,
             requestId=requestIdOf(request),
             clientRequestId=clientRequestIdOf(request),
+            bodySize=getattr(request, "relayBodySize", 0),
         )
         _noteClient(turn, request)
         handOverKeyLease(request, turn)

@@ -84,7 +84,7 @@ class BodyBudget:
         self.total = max(0, self.total - n)
 
 
-def parsedEstimate(data: bytes) -> int:
+def parsedEstimate(data: bytes, brackets: Optional[list] = None) -> int:
     """
     An upper estimate of the memory a JSON body takes once parsed
     (R103): its bytes, plus per object, array, string and separator
@@ -95,12 +95,15 @@ def parsedEstimate(data: bytes) -> int:
     passes (~60 ms for 64 MiB).
 
     @param data: the decoded body.
+    @param brackets: a list that gets the count of opening brackets
+        (C{{} and C{[}) appended, for the parser's nesting guard
+        (L{relay.wire.jsoncodec.loadsLarge}), or L{None}.
     @return: bytes.
     """
-    return (
-        len(data) + 64 * data.count(b"{") + 56 * data.count(b"[")
-        + 28 * data.count(b'"') + 32 * data.count(b",")
-    )
+    objects, arrays = data.count(b"{"), data.count(b"[")
+    if brackets is not None:
+        brackets.append(objects + arrays)
+    return len(data) + 64 * objects + 56 * arrays + 28 * data.count(b'"') + 32 * data.count(b",")
 
 
 def parsedOver(estimate: int, limits) -> Optional[tuple]:

@@ -49,13 +49,24 @@ _INPUT_FIELDS = ("input", "instructions", "messages", "tools")
 _OUTPUT_FIELDS = ("max_output_tokens", "max_completion_tokens", "max_tokens")
 
 
-def inputTokens(body: Any) -> int:
+LARGE_BODY_BYTES = 64 * 1024
+"""A client body of more bytes than this (a Codex history) is estimated
+from its length, not re-encoded (L{inputTokens})."""
+
+
+def inputTokens(body: Any, size: int = 0) -> int:
     """
     @param body: the request body (a dict).
+    @param size: the client's body in bytes, 0 if not known. Over
+        L{LARGE_BODY_BYTES} the estimate is a quarter of it (everything
+        but C{input}, C{instructions} and C{tools} is a few hundred bytes
+        of such a body), instead of a quarter of the fields re-encoded.
     @return: estimated input tokens, at least 1.
     """
     if not isinstance(body, dict):
         return 1
+    if size > LARGE_BODY_BYTES:
+        return max(1, size // BYTES_PER_TOKEN)
     size = 0
     for name in _INPUT_FIELDS:
         value = body.get(name)
