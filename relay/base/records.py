@@ -752,6 +752,10 @@ class Turn:
     """R109: hosted tool -> calls seen in the answer's items, for a key with
     a money budget whose request offers one (L{relay.usage.reader.HostedCallWatch});
     else L{None}."""
+    rawBody: Any = None
+    """A large client body's bytes (L{relay.wire.rawjson.RawObject}) the
+    upstream body is spliced from (L{relay.engine.payload.encodeBody});
+    L{None} for a small body, a WebSocket frame or a body relay built."""
     bodySize: int = 0
     """The client's body (or WebSocket frame) in bytes, once read; 0 when
     not known. Above L{relay.wire.jsoncodec.MAX_FAST_BYTES} the upstream

@@ -143,10 +143,12 @@ def upstreamBody(turn: Turn, account: Account) -> bytes:
             body["stream_options"] = options
     else:
         body.pop("stream", None)
-    return encodeBody(body, turn.bodySize)
+    if translatesChat(turn, account):
+        return encodeBody(body, turn.bodySize)
+    return encodeBody(body, turn.bodySize, turn.rawBody)
 
 
-def encodeBody(body: dict, size: int = 0) -> bytes:
+def encodeBody(body: dict, size: int = 0, raw=None) -> bytes:
     """
     The bytes of an upstream request body (HTTP, or a WebSocket frame).
 
@@ -159,13 +161,22 @@ def encodeBody(body: dict, size: int = 0) -> bytes:
     the top-level fields relay changed, at a third of the standard
     library's cost and without its intermediate C{str}. A value orjson
     does not write (an integer beyond 64 bits, nesting past 255 levels)
-    takes the standard library.
+    takes the standard library. With the client's own bytes (C{raw}) only
+    the top-level members relay changed are written
+    (L{relay.wire.rawjson.RawObject.splice}): the history is copied once,
+    never read.
 
     @param body: the JSON-ready body; its values are never changed here.
     @param size: the client's body in bytes (L{Turn.bodySize}), 0 if not
         known.
+    @param raw: the client's body as it came (L{Turn.rawBody}), or
+        L{None}.
     @return: UTF-8 JSON bytes.
     """
+    if raw is not None:
+        spliced = raw.splice(body)
+        if spliced is not None:
+            return spliced
     if size > MAX_FAST_BYTES or _manyItems(body):
         try:
             return orjson.dumps(body)

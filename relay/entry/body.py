@@ -53,6 +53,8 @@ from relay.entry.sinks import errorBody, writeError
 from relay.frontdoor.budgets import parsedEstimate, parsedOver
 from relay.frontdoor.record import Admission
 from relay.frontdoor.parse import NOT_JSON_MESSAGE, RequestRefused, readJSON
+from relay.wire.jsoncodec import MAX_FAST_BYTES
+from relay.wire.rawjson import RawObject
 from relay.base.records import ClientError
 from relay.base.requestid import requestIdOf
 
@@ -567,6 +569,9 @@ class LimitedBodyRequest(Request):
     """The body's opening brackets, counted with its parsed-size estimate
     (L{chargeParsed}), for the parser's nesting guard; L{None} if not."""
     relayBodySize = 0
+    relayRawBody = None
+    """A large body's bytes and top-level values (L{RawObject}), once
+    L{relayJSON} read it (a turn's L{relay.base.records.Turn.rawBody})."""
     """The decoded body's bytes, once L{relayJSON} read it (a turn's
     L{relay.base.records.Turn.bodySize})."""
     _done = False
@@ -925,6 +930,8 @@ class LimitedBodyRequest(Request):
                 try:
                     # the one reader (relay.frontdoor.parse)
                     self._json = readJSON(raw, self._brackets)
+                    if len(raw) > MAX_FAST_BYTES and self._json.__class__ is dict:
+                        self.relayRawBody = RawObject(raw, self._json)  # spliced upstream
                 except RequestRefused as e:
                     self._json = e
             del raw

@@ -258,6 +258,7 @@ class TurnResource(Resource):
             requestId=requestIdOf(request),
             clientRequestId=clientRequestIdOf(request),
             bodySize=getattr(request, "relayBodySize", 0),
+            rawBody=getattr(request, "relayRawBody", None),
         )
         _noteClient(turn, request)
         handOverKeyLease(request, turn)
