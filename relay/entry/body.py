@@ -75,9 +75,11 @@ the connection, so the client reads the answer instead of a reset."""
 CHUNK = 64 * 2**10
 """The most a decompressor produces per step (bytes)."""
 
-SPOOL_BYTES = 2**20
+SPOOL_BYTES = 8 * 2**20
 """Bodies up to this size stay in memory; larger ones go to a temporary file
-(twisted.web's own threshold is 100 000 bytes for a known length)."""
+(twisted.web's own threshold is 100 000 bytes for a known length). A Codex
+history of a few MiB is parsed whole once it is in, so it is kept in memory
+from the start (its bytes count against the bytes in flight either way)."""
 
 ZSTD_MAX_WINDOW = 2**27
 """The largest zstd window relay accepts (128 MiB, zstd's own default
@@ -321,7 +323,14 @@ def _contentFile(length: Optional[int]):
     Where a body is kept while it arrives.
     """
     if length is not None and length < SPOOL_BYTES:
-        return io.BytesIO()
+        content = io.BytesIO()
+        if length > CHUNK:
+            # Sized once for the declared length: a growing buffer copies
+            # itself about 40 times on the way to 1 MiB.
+            content.seek(length - 1)
+            content.write(b"\0")
+            content.seek(0)
+        return content
     return tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)
 
 
