@@ -412,7 +412,7 @@ def _targets(results, idle, names, ws, wsTrees, out) -> None:
 
         mine, theirs = ratio("relay"), ratio(base)
         better = mine <= theirs * 1.1 if what == "added" else mine >= theirs * 0.9
-        label = {"added": "c=1 JSON added p50", "rps": "RPS"}[what]
+        label = {"added": "added p50", "rps": "RPS"}[what]
         out.append(f"| 1 KiB {kind.upper()} c={conns} {label} x Go, not worse than the "
                    f"baseline (10 % noise) | | {mine:.3f}x {_met(better)} | {theirs:.3f}x |")
     out.append("")
