@@ -758,7 +758,7 @@ class Turn:
     L{None} for a small body, a WebSocket frame or a body relay built."""
     bodySize: int = 0
     """The client's body (or WebSocket frame) in bytes, once read; 0 when
-    not known. Above L{relay.wire.jsoncodec.MAX_FAST_BYTES} the upstream
+    not known. Above L{relay.wire.jsoncodec.LARGE_BODY_BYTES} the upstream
     body is written by orjson (L{relay.engine.payload.encodeBody}) and the
     token estimate is read from it (L{relay.usage.estimate.inputTokens})."""
     keyLimits: Any = None

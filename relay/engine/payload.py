@@ -15,7 +15,7 @@ from relay.base.records import Account, Turn
 from relay.wire.sse import Event
 from relay.translate.chatrequest import chatToResponses
 from relay.upstream.headers import SCOPED, routingHint
-from relay.wire.jsoncodec import MAX_FAST_BYTES
+from relay.wire.jsoncodec import LARGE_BODY_BYTES
 
 LARGE_INPUT_ITEMS = 64
 """An C{input} of more items than this is a large body (a history relay
@@ -154,7 +154,7 @@ def encodeBody(body: dict, size: int = 0, raw=None) -> bytes:
 
     A small body is C{json.dumps(body, separators=(",", ":"))} (ASCII,
     the standard library's bytes). A large one -- the client's body was
-    over L{MAX_FAST_BYTES} (C{size}), or its C{input} holds more than
+    over L{LARGE_BODY_BYTES} (C{size}), or its C{input} holds more than
     L{LARGE_INPUT_ITEMS} items (a Codex history) -- is written by orjson:
     compact, non-ASCII text as UTF-8, which is byte for byte what Codex
     itself sends, so the upstream gets the client's own bytes with only
@@ -177,7 +177,7 @@ def encodeBody(body: dict, size: int = 0, raw=None) -> bytes:
         spliced = raw.splice(body)
         if spliced is not None:
             return spliced
-    if size > MAX_FAST_BYTES or _manyItems(body):
+    if size > LARGE_BODY_BYTES or _manyItems(body):
         try:
             return orjson.dumps(body)
         except orjson.JSONEncodeError:

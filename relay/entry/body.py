@@ -53,7 +53,7 @@ from relay.entry.sinks import errorBody, writeError
 from relay.frontdoor.budgets import parsedEstimate, parsedOver
 from relay.frontdoor.record import Admission
 from relay.frontdoor.parse import NOT_JSON_MESSAGE, RequestRefused, readJSON
-from relay.wire.jsoncodec import MAX_FAST_BYTES
+from relay.wire.jsoncodec import LARGE_BODY_BYTES
 from relay.wire.rawjson import RawObject
 from relay.base.records import ClientError
 from relay.base.requestid import requestIdOf
@@ -943,7 +943,7 @@ class LimitedBodyRequest(Request):
                 try:
                     # the one reader (relay.frontdoor.parse)
                     self._json = readJSON(raw, self._brackets)
-                    if len(raw) > MAX_FAST_BYTES and self._json.__class__ is dict:
+                    if len(raw) > LARGE_BODY_BYTES and self._json.__class__ is dict:
                         self.relayRawBody = RawObject(raw, self._json)  # spliced upstream
                 except RequestRefused as e:
                     self._json = e

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 
-from relay.wire.jsoncodec import MAX_FAST_BYTES, NOT_FAST, loads, loadsLarge
+from relay.wire.jsoncodec import LARGE_BODY_BYTES, NOT_FAST, loads, loadsLarge
 
 __all__ = ["NESTING_MESSAGE", "loadJSON"]
 
@@ -54,7 +54,7 @@ def loadJSON(raw: bytes, brackets=None):
 
     @param raw: the bytes.
     @return: the parsed value.
-    A body longer than L{MAX_FAST_BYTES} (a Codex history) is read by
+    A body longer than L{LARGE_BODY_BYTES} (a Codex history) is read by
     orjson when that certainly gives C{json.loads}' value
     (L{relay.wire.jsoncodec.loadsLarge}); orjson refuses C{NaN},
     infinities and lone surrogates itself, so such a body skips both
@@ -66,7 +66,7 @@ def loadJSON(raw: bytes, brackets=None):
         C{NaN} or an infinity, or nesting deeper than the parser's
         recursion limit (L{NESTING_MESSAGE}).
     """
-    if len(raw) > MAX_FAST_BYTES:
+    if len(raw) > LARGE_BODY_BYTES:
         value = loadsLarge(raw, brackets)
         if value is not NOT_FAST:
             return value

@@ -27,6 +27,7 @@ import json
 from typing import Any
 
 from relay.usage.tokens import TokenCounts
+from relay.wire.jsoncodec import LARGE_BODY_BYTES
 
 __all__ = [
     "BYTES_PER_TOKEN", "DELTA_MARK", "MAX_TURN_OUTPUT_TOKENS", "estimatedCounts", "inputTokens",
@@ -49,9 +50,6 @@ _INPUT_FIELDS = ("input", "instructions", "messages", "tools")
 _OUTPUT_FIELDS = ("max_output_tokens", "max_completion_tokens", "max_tokens")
 
 
-LARGE_BODY_BYTES = 64 * 1024
-"""A client body of more bytes than this (a Codex history) is estimated
-from its length, not re-encoded (L{inputTokens})."""
 
 
 def inputTokens(body: Any, size: int = 0) -> int:

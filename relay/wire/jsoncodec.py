@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional
 
 import orjson
 
-__all__ = ["NOT_FAST", "dumpsRecord", "loads", "loadsLarge"]
+__all__ = ["LARGE_BODY_BYTES", "NOT_FAST", "dumpsRecord", "loads", "loadsLarge"]
 
 MAX_FAST_BYTES = 64 * 1024
 """The longest text L{loads} gives orjson (the upstream's answers and
@@ -85,6 +85,12 @@ def loads(data: Any) -> Any:
     return _stdlibLoads(data)
 
 
+LARGE_BODY_BYTES = 16 * 1024
+"""A client body longer than this (a Codex history: 20 KiB a turn) is read
+by L{loadsLarge} (L{relay.frontdoor.jsonbody.loadJSON}), kept as its bytes
+and spliced upstream (L{relay.wire.rawjson}), its tokens estimated from its
+length (L{relay.usage.estimate.inputTokens})."""
+
 MAX_FAST_DEPTH = 256
 """The deepest nesting L{loadsLarge} keeps orjson's reading of: far below
 where the standard library (about 1,000 frames, the caller's included) or
@@ -128,7 +134,7 @@ def _shallow(value: Any) -> tuple:
 
 def loadsLarge(data: bytes, brackets: Optional[int] = None) -> Any:
     """
-    Parse a large client body (more than L{MAX_FAST_BYTES}) through orjson
+    Parse a large client body (more than L{LARGE_BODY_BYTES}) through orjson
     when orjson's reading is certainly C{json.loads}' (a Codex history of
     1 MiB: one orjson pass and one pass over its containers, instead of
     the standard library's three times slower parse):
