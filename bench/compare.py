@@ -53,6 +53,12 @@ loaded box). Then C{workers}: relay with Redis state, one worker vs C{workers: 2
 process at C{c=128}; RSS growth per idle client WebSocket with 10,000 of
 them (and the latency of a request made meanwhile); 1,000 concurrent slow
 SSE streams (1 event/s) through one process, p99 delay of an event.
+
+C{codex} (issue 38, only with C{--only codex}): Codex-shaped bodies of
+64 KiB, 256 KiB and 1 MiB (C{bench/codexbody.py}) beside the Go row and the
+Twisted floor, a 50-turn Codex WebSocket session in each mode, callgrind
+instructions per 1 MiB turn, and the issue's targets
+(C{bench/codexbench.py}).
 """
 
 from __future__ import annotations
