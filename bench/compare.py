@@ -4,7 +4,8 @@ run (issues 16 and 24).
 
   python bench/compare.py                 # everything, ~15 minutes
   python bench/compare.py --quick         # 3 s per scenario, smaller planning tests
-  python bench/compare.py --only speed    # or: pool, turncost, workers, planning
+  python bench/compare.py --only speed    # or: pool, turncost, workers, planning,
+                                          # codex (issue 38: bench/codexbench.py)
   python bench/compare.py --out bench/results/compare.md
   python bench/compare.py --baseline main        # also relay at a git ref (git
                                                  # archive) or from another tree,
@@ -52,6 +53,12 @@ loaded box). Then C{workers}: relay with Redis state, one worker vs C{workers: 2
 process at C{c=128}; RSS growth per idle client WebSocket with 10,000 of
 them (and the latency of a request made meanwhile); 1,000 concurrent slow
 SSE streams (1 event/s) through one process, p99 delay of an event.
+
+C{codex} (issue 38, only with C{--only codex}): Codex-shaped bodies of
+64 KiB, 256 KiB and 1 MiB (C{bench/codexbody.py}) beside the Go row and the
+Twisted floor, a 50-turn Codex WebSocket session in each mode, callgrind
+instructions per 1 MiB turn, and the issue's targets
+(C{bench/codexbench.py}).
 """
 
 from __future__ import annotations
@@ -264,6 +271,7 @@ pid {tmp}/{name}.pid; error_log {tmp}/{name}.err warn;
 events {{ worker_connections 16384; }}
 http {{
   access_log off; keepalive_requests 1000000000; keepalive_timeout 300s;
+  client_max_body_size 64m; client_body_buffer_size 2m;
   client_body_temp_path {tmp}/{name}-body; proxy_temp_path {tmp}/{name}-proxy;
   fastcgi_temp_path {tmp}/{name}-fcgi; uwsgi_temp_path {tmp}/{name}-uwsgi;
   scgi_temp_path {tmp}/{name}-scgi;
@@ -462,9 +470,11 @@ def _ms(text: str) -> float:
 
 
 def wrk(tmp: str, kind: str, port: int, connections: int, seconds: float, cpu=None,
-        watch=()) -> dict:
+        watch=(), script=None) -> dict:
     """
     Run wrk; measure the CPU and memory of the C{watch} pids meanwhile.
+    C{script}: a wrk script of the caller's (C{bench/codexbench.py}'s
+    bodies) instead of C{kind}'s, POSTed to C{kind}'s path.
 
     @return: C{requests}, C{rps}, C{p50}, C{p99} (ms), C{errors},
         C{cpu} (seconds used by C{watch}), C{rss} (the highest VmRSS seen,
@@ -472,7 +482,7 @@ def wrk(tmp: str, kind: str, port: int, connections: int, seconds: float, cpu=No
     """
     path = SCRIPTS[kind][0]
     argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--latency", "-s",
-            wrkScript(tmp, kind), f"http://127.0.0.1:{port}{path}"]
+            script or wrkScript(tmp, kind), f"http://127.0.0.1:{port}{path}"]
     if cpu is not None:
         argv = ["taskset", "-c", str(cpu)] + argv
     cpu0 = sum(cpuSeconds(p) for p in watch)
@@ -1115,7 +1125,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 s per scenario, smaller planning")
     parser.add_argument("--only", action="append",
                         choices=["speed", "workers", "planning", "idle", "slow", "pool",
-                                 "turncost"])
+                                 "turncost", "codex"])
     parser.add_argument("--out", help="also write the report (markdown) here")
     parser.add_argument("--baseline", help="a git ref (exported with git archive) or another "
                         "relay source tree, measured in the same run beside this one")
@@ -1125,6 +1135,8 @@ def main() -> None:
                         "compares two interpreters")
     parser.add_argument("--turns", type=int, default=200,
                         help="turns per instruction count (turncost)")
+    parser.add_argument("--codex-turns", type=int, default=30,
+                        help="1 MiB turns per instruction count (codex)")
     args = parser.parse_args()
     if args.baseline_python:
         problem = interpreterProblem(args.baseline_python)
@@ -1173,6 +1185,11 @@ def main() -> None:
             print("\n".join(report), flush=True)
         if "pool" in only:
             statePool(procs, bodies, seconds, report, trees)
+            print("\n".join(report), flush=True)
+        if "codex" in only:
+            import codexbench
+
+            codexbench.run(procs, bodies, seconds, report, baseline, trees, turns=args.codex_turns)
             print("\n".join(report), flush=True)
         if "turncost" in only:
             import turncost

@@ -74,6 +74,11 @@ KINDS = {
              {"model": "gpt-5.5", "messages": [{"role": "user", "content": "hi"}]}, {}),
 }
 KINDS["new"] = KINDS["json"]
+import codexbody  # noqa: E402
+
+KINDS["codex"] = ("/v1/responses", codexbody.body(1024 * 1024), {})
+"""Issue 38: a 1 MiB Codex-shaped JSON turn (C{bench/codexbody.py}; its
+bytes as Codex sends them)."""
 """A JSON turn of a new session each time (a C{session_id} header of its
 own): the load-balance layer picks its account (issue 24's pool scenario
 beside the sticky one)."""
@@ -133,7 +138,7 @@ class Client:
         C{n} turns in all, spread over the connections.
         """
         path, body, headers = KINDS[kind]
-        data = json.dumps(body)
+        data = body if isinstance(body, bytes) else json.dumps(body)
         headers = dict(headers, **{"Authorization": f"Bearer {compare.RELAY_KEY}",
                                    "Content-Type": "application/json"})
         errors = []
@@ -252,7 +257,7 @@ def _totals(out: str) -> int:
     return total
 
 
-def measureFloor(procs, upstreamPort: int, turns: int) -> dict:
+def measureFloor(procs, upstreamPort: int, turns: int, kinds=("json", "sse", "chat")) -> dict:
     """
     The Twisted floor (C{bench/twistedfloor.py}: the Go row's work on the
     reactor and httptools, nothing of relay's) under callgrind, the same
@@ -271,7 +276,7 @@ def measureFloor(procs, upstreamPort: int, turns: int) -> dict:
     client = Client(port)
     results = {}
     try:
-        for kind in ("json", "sse", "chat"):
+        for kind in kinds:
             client.turns(kind, 30)
             _control(p.pid, "--zero")
             _control(p.pid, "-i", "on")
@@ -358,12 +363,19 @@ def run(procs, trees: list, only, turns: int, bodies=None) -> dict:
         if "floor" in only:
             for kind, r in measureFloor(procs, uport, turns).items():
                 results["floor", "Twisted floor", "memory", 1, kind] = r
+        if "floor-codex" in only:
+            for kind, r in measureFloor(procs, uport, turns, ["codex"]).items():
+                results["floor", "Twisted floor", "memory", 1, kind] = r
         for label, tree in trees:
             name = re.sub(r"[^A-Za-z0-9_.-]+", "_", label)  # a file name (a tree given by path)
             if "kinds" in only:
                 for kind, r in measureRelay(procs, f"cg-{name}-kinds", tree, uport, 1, 0,
                                             list(KINDS), turns).items():
                     results["kinds", label, "memory", 1, kind] = r
+            if "codex" in only:
+                for kind, r in measureRelay(procs, f"cg-{name}-codex", tree, uport, 1, 0,
+                                            ["codex"], turns).items():
+                    results["codex", label, "memory", 1, kind] = r
             if "state" in only:
                 for state, rport in (("memory", None), ("redis", redisPort)):
                     for kind, r in measureRelay(procs, f"cg-{name}-{state}", tree, uport, 1,
@@ -410,6 +422,27 @@ def _redisSummary(counts: dict) -> str:
     parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])
                       if v >= 0.05)
     return f"**{total:.2f}** ({parts})"
+
+
+def codexReport(results: dict, trees: list, turns: int, out: list) -> None:
+    """
+    Issue 38: instructions per 1 MiB Codex turn, relay (each tree) beside
+    the Twisted floor.
+    """
+    out.append("### Instructions per 1 MiB Codex turn (callgrind)\n")
+    out.append(f"{turns} sequential JSON turns of the 1 MiB `bench/codexbody.py` body, after 30 "
+               "warm-up turns; relay's process only (memory state, one account).\n")
+    out.append("| process | instructions per turn | vs the Twisted floor |")
+    out.append("|---|---:|---:|")
+    floor = results.get(("floor", "Twisted floor", "memory", 1, "codex"))
+    if floor:
+        out.append(f"| Twisted floor | {_m(floor['instr'])} | 1.0x |")
+    for label, _ in trees:
+        r = results.get(("codex", label, "memory", 1, "codex"))
+        if r:
+            ratio = f"{r['instr'] / floor['instr']:.1f}x" if floor else ""
+            out.append(f"| relay, {label} | {_m(r['instr'])} | {ratio} |")
+    out.append("")
 
 
 def report(results: dict, trees: list, turns: int, out: list) -> None:

@@ -244,6 +244,76 @@ class UpstreamBodyTests(SynchronousTestCase):
                          json.dumps(expected, separators=(",", ":")).encode("utf-8"))
 
 
+class LargeBodyTests(SynchronousTestCase):
+    """
+    A large client body (a Codex history) goes upstream as the client's
+    bytes with the members relay changed spliced in; its token estimate
+    is read from its length.
+    """
+
+    def _turn(self, **fields):
+        from relay.wire.rawjson import RawObject
+
+        items = [{"type": "message", "role": "user",
+                  "content": [{"type": "input_text", "text": "caf\u00e9 " * 20000}]}]
+        body = {"model": "gpt", "input": items, "stream": True, "prompt_cache_key": "c"}
+        raw = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        parsed = json.loads(raw)
+        turn = Turn(entrypoint="http", endpoint="responses", client=ClientKey(name="k", key="s"),
+                    model="gpt", body=parsed, stream=True, bodySize=len(raw),
+                    rawBody=RawObject(raw, parsed), **fields)
+        return turn, raw
+
+    def test_spliced(self):
+        account = Account(id="a", type="apikey", base_url="http://u", credential="sk")
+        turn, raw = self._turn()
+        sent = payload.upstreamBody(turn, account)
+        history = raw[raw.index(b'"input":'):raw.index(b',"stream"')]
+        self.assertIn(history, sent)
+        expected = dict(turn.body, prompt_cache_key=json.loads(sent)["prompt_cache_key"])
+        self.assertNotEqual(expected["prompt_cache_key"], "c")  # R112
+        self.assertEqual(json.loads(sent), expected)
+
+    def test_oauthSpliced(self):
+        """
+        On an OAuth account (store forced false, instructions added) too.
+        """
+        account = Account(id="o", type="oauth", base_url="http://u", credential="t")
+        turn, raw = self._turn()
+        sent = json.loads(payload.upstreamBody(turn, account))
+        self.assertEqual((sent["store"], sent["instructions"], sent["input"]),
+                         (False, "", turn.body["input"]))
+
+    def test_changedHistoryEncodedWhole(self):
+        """
+        A history relay changed (R7: encrypted reasoning dropped) is
+        encoded whole, by orjson for a large body: the new value goes.
+        """
+        account = Account(id="a", type="apikey", base_url="http://u", credential="sk")
+        turn, raw = self._turn()
+        turn.body = dict(turn.body, input=turn.body["input"][:0])
+        self.assertEqual(json.loads(payload.upstreamBody(turn, account))["input"], [])
+
+    def test_largeEncodedByOrjson(self):
+        """
+        Without the client's bytes (a history relay expanded) a large body
+        is orjson's compact UTF-8; a small one the standard library's.
+        """
+        big = {"input": [{"text": "\u00e9"}] * (payload.LARGE_INPUT_ITEMS + 1)}
+        self.assertEqual(payload.encodeBody(big), json.dumps(
+            big, ensure_ascii=False, separators=(",", ":")).encode())
+        self.assertEqual(payload.encodeBody({"a": "\u00e9"}), b'{"a":"\\u00e9"}')
+        self.assertEqual(payload.encodeBody({"a": 2**70}, 10**6), b'{"a":1180591620717411303424}')
+
+    def test_tokensFromLength(self):
+        from relay.usage.estimate import inputTokens
+
+        turn, raw = self._turn()
+        self.assertEqual(inputTokens(turn.body, turn.bodySize), len(raw) // 4)
+        small = {"input": "abcd" * 10}
+        self.assertEqual(inputTokens(small, 100), inputTokens(small))
+
+
 class UpstreamHeadersTests(SynchronousTestCase):
     """
     L{relay.upstream.http.upstreamHeaders} copies the forwarded names in

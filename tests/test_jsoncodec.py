@@ -245,3 +245,69 @@ class DumpsRecordTests(SynchronousTestCase):
         self.assertEqual(dumpsRecord({"n": 2**70}), '{"n":%d}' % 2**70)
         self.assertEqual(dumpsRecord({1: "x"}), '{"1":"x"}')
         self.assertEqual(dumpsRecord([Thing()], default=lambda o: 7), "[7]")
+
+
+class LoadsLargeTests(SynchronousTestCase):
+    """
+    L{jsoncodec.loadsLarge}: a large client body read by orjson only where
+    that gives C{json.loads}' value; everything else is left to L{loads}.
+    """
+
+    def _large(self, value) -> bytes:
+        return json.dumps({"pad": "x" * (jsoncodec.MAX_FAST_BYTES + 10), "v": value}).encode()
+
+    def test_sameValue(self) -> None:
+        """
+        A large document reads as C{json.loads} reads it, through orjson.
+        """
+        calls = []
+        real = jsoncodec._orjsonLoads
+        self.patch(jsoncodec, "_orjsonLoads", lambda d: calls.append(d) or real(d))
+        for value in ([{"type": "message", "content": [{"text": "h\u00e9 \U0001f600 \\ \" \n"}]}],
+                      {"a": [1, -2, 2**40, None, True, 1.5]}, [2**63 - 1, 2**64 - 1], "\u2028"):
+            data = self._large(value)
+            self.assertTrue(_same(jsoncodec.loadsLarge(data), json.loads(data)))
+        self.assertEqual(len(calls), 4)
+
+    def test_leftToLoads(self) -> None:
+        """
+        Texts orjson must not decide: deep nesting (orjson 3.8 has no limit
+        and overflows the stack), too many brackets, an integer beyond 64
+        bits beside a float, what orjson refuses, a C{str}.
+        """
+        deep = b'{"a":' + b"[" * 300 + b"]" * 300 + b',"pad":"' + b"x" * 70000 + b'"}'
+        brackets = b"[" + b",".join([b"[]"] * (jsoncodec.MAX_LARGE_BRACKETS + 1)) + b"]"
+        bigint = self._large([1.5, 2**70])
+        for data in (deep, brackets, bigint, self._large("\ud800").replace(b"\\\\", b"\\"),
+                     b"[NaN," + b"1," * 40000 + b"1]", '"' + "x" * 70000 + '"'):
+            self.assertIs(jsoncodec.loadsLarge(data), jsoncodec.NOT_FAST, data[:40])
+
+    def test_bracketsGiven(self) -> None:
+        """
+        A count of brackets the caller already has is used as it is: over
+        the bound, orjson never sees the text.
+        """
+        calls = []
+        self.patch(jsoncodec, "_orjsonLoads", lambda d: calls.append(d) or json.loads(d))
+        data = self._large([1])
+        self.assertIs(jsoncodec.loadsLarge(data, jsoncodec.MAX_LARGE_BRACKETS + 1),
+                      jsoncodec.NOT_FAST)
+        self.assertEqual(calls, [])
+        self.assertEqual(jsoncodec.loadsLarge(data, 3)["v"], [1])
+
+    def test_loadJSON(self) -> None:
+        """
+        L{relay.frontdoor.jsonbody.loadJSON} agrees with C{json.loads} on
+        large texts, and refuses a large one holding an unpaired surrogate,
+        C{NaN} or deep nesting as it refuses a small one.
+        """
+        from relay.frontdoor.jsonbody import NESTING_MESSAGE, loadJSON
+
+        data = self._large([{"k": "\U0001f600"}])
+        self.assertEqual(loadJSON(data), json.loads(data))
+        pad = b',"pad":"' + b"x" * 70000 + b'"}'
+        for bad in (b'{"a":"\\ud800"' + pad, b'{"a":NaN' + pad, b'{"a":-Infinity' + pad):
+            self.assertRaises(ValueError, loadJSON, bad)
+        with self.assertRaises(ValueError) as e:
+            loadJSON(b'{"a":' + b"[" * 200000 + b"]" * 200000 + pad)
+        self.assertEqual(str(e.exception), NESTING_MESSAGE)

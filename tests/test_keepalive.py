@@ -353,6 +353,34 @@ class SSEKeepaliveTests(SynchronousTestCase):
         body = b"".join(chunks)
         self.assertLess(body.index(b"output_text.delta"), body.rindex(b":\n\n"))
 
+    def test_finished_sink_leaves_no_cycle(self):
+        """
+        A finished streaming sink no longer watches its writes: the
+        keepalive that watched them (L{relay.engine.waiting}) refers back
+        to the sink, and that cycle kept the request (a 1 MiB Codex body
+        and its parse) alive until a full collection.
+        """
+        import gc
+        import weakref
+
+        clock = Clock()
+        request = _Request([b""])
+        sink = SSESink(request, "responses", "gpt-5.5")
+        keepalive = StreamKeepalive(clock=clock, send=sink.keepalive, interval=10)
+        sink.watchWrites(keepalive.touch)
+        keepalive.start()
+        gone = weakref.ref(sink)
+        gc.disable()
+        try:
+            sink.writeEvent(eventFromJSON(CREATED))
+            keepalive.stop()
+            sink.finish()
+            self.assertTrue(request.finished)
+            del sink, keepalive, request
+            self.assertIsNone(gone())
+        finally:
+            gc.enable()
+
     def test_failure_after_keepalive_is_in_stream(self):
         """
         R85/R17: once a keepalive committed 200 and the SSE headers, the

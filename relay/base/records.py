@@ -785,6 +785,15 @@ class Turn:
     (L{relay.wire.multipart.Upload}s, parsed after the key, R103),
     re-encoded for the upstream; their names, sizes and types are in
     C{body}. L{None} for every other turn."""
+    rawBody: Any = None
+    """A large client body's bytes (L{relay.wire.rawjson.RawObject}) the
+    upstream body is spliced from (L{relay.engine.payload.encodeBody});
+    L{None} for a small body, a WebSocket frame or a body relay built."""
+    bodySize: int = 0
+    """The client's body (or WebSocket frame) in bytes, once read; 0 when
+    not known. Above L{relay.wire.jsoncodec.LARGE_BODY_BYTES} the upstream
+    body is written by orjson (L{relay.engine.payload.encodeBody}) and the
+    token estimate is read from it (L{relay.usage.estimate.inputTokens})."""
     keyLimits: Any = None
     """R114: the key's own windows (L{relay.tenants.keyusage.KeyLimits}) that
     replace an account's rate-limit headers and C{codex.rate_limits} events

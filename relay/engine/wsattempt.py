@@ -31,7 +31,9 @@ from zope.interface import implementer
 from relay.engine.cancel import ClientGone, drained, raceCancel, raceDeparture
 from relay.base.clienterrors import previousResponseNotFound
 from relay.engine.httpattempt import attemptHTTP
-from relay.engine.payload import dropOAuthSampling, scopeCacheKey, upstreamClientHeaders
+from relay.engine.payload import (
+    dropOAuthSampling, encodeBody, scopeCacheKey, upstreamClientHeaders,
+)
 from relay.engine.pump import AttemptResult, StreamPump, modelRewriter
 from relay.interfaces import IAttempt
 from relay.base.records import ClientError
@@ -577,7 +579,7 @@ class WebSocketAttempt:
         if account.type == "oauth":
             body["store"] = False  # R66: forced false on the ChatGPT backend
             dropOAuthSampling(body)
-        payload = _dumps(body)
+        payload = encodeBody(body, turn.bodySize)
 
         given = []
 

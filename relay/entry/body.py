@@ -55,6 +55,8 @@ from relay.translate.anthropic.errors import anthropicBody, anthropicStatus
 from relay.frontdoor.budgets import parsedEstimate, parsedOver
 from relay.frontdoor.record import Admission
 from relay.frontdoor.parse import NOT_JSON_MESSAGE, RequestRefused, readJSON
+from relay.wire.jsoncodec import LARGE_BODY_BYTES
+from relay.wire.rawjson import RawObject
 from relay.base.records import ClientError
 from relay.base.requestid import requestIdOf
 
@@ -75,9 +77,11 @@ the connection, so the client reads the answer instead of a reset."""
 CHUNK = 64 * 2**10
 """The most a decompressor produces per step (bytes)."""
 
-SPOOL_BYTES = 2**20
+SPOOL_BYTES = 8 * 2**20
 """Bodies up to this size stay in memory; larger ones go to a temporary file
-(twisted.web's own threshold is 100 000 bytes for a known length)."""
+(twisted.web's own threshold is 100 000 bytes for a known length). A Codex
+history of a few MiB is parsed whole once it is in, so it is kept in memory
+from the start (its bytes count against the bytes in flight either way)."""
 
 ZSTD_MAX_WINDOW = 2**27
 """The largest zstd window relay accepts (128 MiB, zstd's own default
@@ -321,7 +325,14 @@ def _contentFile(length: Optional[int]):
     Where a body is kept while it arrives.
     """
     if length is not None and length < SPOOL_BYTES:
-        return io.BytesIO()
+        content = io.BytesIO()
+        if length > CHUNK:
+            # Sized once for the declared length: a growing buffer copies
+            # itself about 40 times on the way to 1 MiB.
+            content.seek(length - 1)
+            content.write(b"\0")
+            content.seek(0)
+        return content
     return tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)
 
 
@@ -377,7 +388,7 @@ def decodeHeld(raw, encoding: bytes, limit: int, ratio, received: int):
     return out
 
 
-def chargeParsed(content, budget, keyName: str, limits, charged: int):
+def chargeParsed(content, budget, keyName: str, limits, charged: int, brackets=None):
     """
     Replace the raw bytes counted for a body by the estimate of its
     parsed size (L{parsedEstimate}): what a decoded body will hold once
@@ -388,6 +399,8 @@ def chargeParsed(content, budget, keyName: str, limits, charged: int):
     @param keyName: the key the bytes count against.
     @param limits: the C{gateway.limits} in force.
     @param charged: the raw bytes counted so far (released here).
+    @param brackets: a list that gets the body's count of opening brackets
+        appended (L{parsedEstimate}), or L{None}.
     @return: C{(bytes now counted, None)}, or C{(0, the ClientError)}:
         413 over a bound, else what the budget refused with.
     """
@@ -397,7 +410,7 @@ def chargeParsed(content, budget, keyName: str, limits, charged: int):
         content.seek(0)
         data = content.read()
     content.seek(0, io.SEEK_END)
-    estimate = parsedEstimate(data)
+    estimate = parsedEstimate(data, brackets)
     del data
     budget.release(keyName, charged)
     over = parsedOver(estimate, limits)
@@ -572,6 +585,15 @@ class LimitedBodyRequest(Request):
     _slotWait = None
     _json = None
     _parsed = False
+    _brackets = None
+    """The body's opening brackets, counted with its parsed-size estimate
+    (L{chargeParsed}), for the parser's nesting guard; L{None} if not."""
+    relayBodySize = 0
+    relayRawBody = None
+    """A large body's bytes and top-level values (L{RawObject}), once
+    L{relayJSON} read it (a turn's L{relay.base.records.Turn.rawBody})."""
+    """The decoded body's bytes, once L{relayJSON} read it (a turn's
+    L{relay.base.records.Turn.bodySize})."""
     _done = False
     """The request's id once L{relay.base.requestid.requestIdOf} chose it."""
     relayRawHeaders = True
@@ -786,8 +808,12 @@ class LimitedBodyRequest(Request):
             self._rate.armLate()
 
     def _stopRate(self) -> None:
-        if self._rate is not None:
-            self._rate.stop()
+        # Dropped, not kept: the rate refers to the request, and a request
+        # left in that cycle keeps its body and its parse alive until a
+        # full collection (dozens of 1 MiB Codex bodies at c=32).
+        rate, self._rate = self._rate, None
+        if rate is not None:
+            rate.stop()
 
     # -- the body arrives ------------------------------------------------------
 
@@ -888,8 +914,11 @@ class LimitedBodyRequest(Request):
         request ends (L{chargeParsed}).
         """
         charged, self._charged = self._charged, 0
+        brackets = []
         self._charged, error = chargeParsed(self.content, self._intake.budget,
-                                            self.admission.key.name, self._limits(), charged)
+                                            self.admission.key.name, self._limits(), charged,
+                                            brackets)
+        self._brackets = brackets[0] if brackets else None
         if error is not None:
             self._bodyFailed(error)
             self._logRefusedBody()
@@ -918,11 +947,15 @@ class LimitedBodyRequest(Request):
         if not self._parsed:
             raw = self.content.read() if self.content is not None else b""
             self._parsed = True
+            self.relayBodySize = len(raw)
             if not raw.strip():
                 self._json, self.notes.bodyBlank = _BLANK, True
             else:
                 try:
-                    self._json = readJSON(raw)  # the one reader (relay.frontdoor.parse)
+                    # the one reader (relay.frontdoor.parse)
+                    self._json = readJSON(raw, self._brackets)
+                    if len(raw) > LARGE_BODY_BYTES and self._json.__class__ is dict:
+                        self.relayRawBody = RawObject(raw, self._json)  # spliced upstream
                 except RequestRefused as e:
                     self._json = e
             del raw

@@ -257,6 +257,8 @@ class TurnResource(Resource):
             previousResponseId=previous,
             requestId=requestIdOf(request),
             clientRequestId=clientRequestIdOf(request),
+            bodySize=getattr(request, "relayBodySize", 0),
+            rawBody=getattr(request, "relayRawBody", None),
         )
         _noteClient(turn, request)
         handOverKeyLease(request, turn)

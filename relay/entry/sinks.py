@@ -188,6 +188,7 @@ class _RequestSink:
 
     def _clientGone(self, reason) -> None:
         self._gone = True
+        self._onWrite = None  # see L{_finish}
 
     def attachProducer(self, producer) -> None:
         """
@@ -204,6 +205,11 @@ class _RequestSink:
                 self._request.unregisterProducer()
 
     def _finish(self) -> None:
+        # The write watcher (a keepalive's C{touch}) refers back to this
+        # sink through the keepalive: dropped at the end, the request, its
+        # body and its parse are freed with the turn instead of at the next
+        # full collection.
+        self._onWrite = None
         self.detachProducer()
         if not self._gone and not self._finished:
             self._finished = True
@@ -310,6 +316,7 @@ class SSESink(_RequestSink):
         if not self.headersSent:
             self.status = error.status
             self._finished = True
+            self._onWrite = None  # see L{_finish}
             writeError(self._request, error)
             return
         requestId = requestIdOf(self._request)

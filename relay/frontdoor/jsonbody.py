@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 
-from relay.wire.jsoncodec import loads
+from relay.wire.jsoncodec import LARGE_BODY_BYTES, NOT_FAST, loads, loadsLarge
 
 __all__ = ["NESTING_MESSAGE", "loadJSON"]
 
@@ -36,7 +36,7 @@ def _refuseConstant(name: str):
     raise ValueError(f"{name} is not a JSON value")
 
 
-def loadJSON(raw: bytes):
+def loadJSON(raw: bytes, brackets=None):
     """
     Parse a client's JSON body or WebSocket frame, refusing an unpaired
     UTF-16 surrogate escape (e.g. C{"\\ud800"}): it is not text, it cannot
@@ -54,10 +54,22 @@ def loadJSON(raw: bytes):
 
     @param raw: the bytes.
     @return: the parsed value.
+    A body longer than L{LARGE_BODY_BYTES} (a Codex history) is read by
+    orjson when that certainly gives C{json.loads}' value
+    (L{relay.wire.jsoncodec.loadsLarge}); orjson refuses C{NaN},
+    infinities and lone surrogates itself, so such a body skips both
+    second checks.
+
+    @param brackets: C{raw}'s count of opening brackets when already
+        known, else L{None} (counted here for a large body).
     @raise ValueError: for invalid JSON, bad UTF-8, an unpaired surrogate,
         C{NaN} or an infinity, or nesting deeper than the parser's
         recursion limit (L{NESTING_MESSAGE}).
     """
+    if len(raw) > LARGE_BODY_BYTES:
+        value = loadsLarge(raw, brackets)
+        if value is not NOT_FAST:
+            return value
     try:
         value = loads(raw)  # json.loads, through orjson where it agrees
     except RecursionError:

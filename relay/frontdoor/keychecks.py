@@ -284,7 +284,7 @@ class KeyChecks:
         previous = turn.previousResponseId or turn.body.get("previous_response_id")
         chain = await self.parts.usage.chainTokens(
             previous if isinstance(previous, str) else None)
-        given = inputTokens(turn.body) + chain
+        given = inputTokens(turn.body, turn.bodySize) + chain
         honoured = policy is None or policy.outputLimitHonoured(key, turn.model)
         out = outputTokens(turn.body if honoured else None, key.max_turn_output_tokens)
         nanos = 0

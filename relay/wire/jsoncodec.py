@@ -36,11 +36,11 @@ whose bytes stay the standard library's (C{relay.engine.payload}).
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import orjson
 
-__all__ = ["dumpsRecord", "loads"]
+__all__ = ["LARGE_BODY_BYTES", "NOT_FAST", "dumpsRecord", "loads", "loadsLarge"]
 
 MAX_FAST_BYTES = 64 * 1024
 """The longest text L{loads} gives orjson (the upstream's answers and
@@ -83,6 +83,98 @@ def loads(data: Any) -> Any:
             except _orjsonRefusals:
                 pass
     return _stdlibLoads(data)
+
+
+LARGE_BODY_BYTES = 16 * 1024
+"""A client body longer than this (a Codex history: 20 KiB a turn) is read
+by L{loadsLarge} (L{relay.frontdoor.jsonbody.loadJSON}), kept as its bytes
+and spliced upstream (L{relay.wire.rawjson}), its tokens estimated from its
+length (L{relay.usage.estimate.inputTokens})."""
+
+MAX_FAST_DEPTH = 256
+"""The deepest nesting L{loadsLarge} keeps orjson's reading of: far below
+where the standard library (about 1,000 frames, the caller's included) or
+orjson (1,024 levels) stops, so both read it alike."""
+
+MAX_LARGE_BRACKETS = 20_000
+"""The most opening brackets a text L{loadsLarge} gives orjson may hold
+(so it nests at most this deep: orjson 3.8 reads 50,000 levels without
+a limit and crashes at 200,000). A 1 MiB Codex history holds ~3,000."""
+
+NOT_FAST = object()
+"""What L{loadsLarge} returns for a text it leaves to L{loads}."""
+
+
+def _shallow(value: Any) -> tuple:
+    """
+    Whether C{value} nests at most L{MAX_FAST_DEPTH} deep, and whether it
+    holds a float: one pass over its containers (strings and numbers are
+    looked at, never read).
+
+    @return: C{(shallow, holds a float)}.
+    """
+    dictType, listType, floatType = dict, list, float
+    stack = [(value, 1)]
+    pop, push = stack.pop, stack.append
+    floats = value.__class__ is floatType
+    while stack:
+        node, depth = pop()
+        if depth > MAX_FAST_DEPTH:
+            return False, floats
+        children = node.values() if node.__class__ is dictType else (
+            node if node.__class__ is listType else ())
+        for child in children:
+            kind = child.__class__
+            if kind is dictType or kind is listType:
+                push((child, depth + 1))
+            elif kind is floatType:
+                floats = True
+    return True, floats
+
+
+def loadsLarge(data: bytes, brackets: Optional[int] = None) -> Any:
+    """
+    Parse a large client body (more than L{LARGE_BODY_BYTES}) through orjson
+    when orjson's reading is certainly C{json.loads}' (a Codex history of
+    1 MiB: one orjson pass and one pass over its containers, instead of
+    the standard library's three times slower parse):
+
+      - the text holds more than L{MAX_LARGE_BRACKETS} opening brackets
+        (C{brackets}, counted here when L{None}): L{NOT_FAST}, before
+        orjson reads it (orjson 3.8 has no nesting limit of its own and
+        overflows the C stack at ~10^5 levels);
+      - orjson refuses the text (C{NaN}, an infinity, a lone surrogate
+        escape, anything else it does not read): L{NOT_FAST};
+      - the value nests deeper than L{MAX_FAST_DEPTH}: L{NOT_FAST} (the
+        standard library decides, with its own recursion limit);
+      - it holds a float and the text a run of 19 or more digits (an
+        integer beyond 64 bits orjson would read as a float): L{NOT_FAST}.
+
+    Since orjson refuses C{NaN}, infinities and lone surrogate escapes, a
+    value returned here needs none of the checks of
+    L{relay.frontdoor.jsonbody.loadJSON} that look for them.
+
+    @param data: C{bytes}.
+    @return: the value C{json.loads(data)} gives, or L{NOT_FAST} when the
+        caller must use L{loads}.
+    """
+    if data.__class__ is not bytes:
+        return NOT_FAST
+    if brackets is None:
+        brackets = data.count(b"[") + data.count(b"{")
+    if brackets > MAX_LARGE_BRACKETS:
+        return NOT_FAST
+    try:
+        value = _orjsonLoads(data)
+    except _orjsonRefusals:
+        return NOT_FAST
+    shallow, floats = _shallow(value)
+    if not shallow:
+        return NOT_FAST
+    if floats and data.translate(_FOLD).find(_LONG_DIGIT_RUN) >= 0:
+        return NOT_FAST
+    return value
+
 
 
 def _asText(value: Any) -> str:
