@@ -394,6 +394,39 @@ async def test_usage_charts_budgets_and_requests_refresh():
 
 
 @pytest_twisted.ensureDeferred
+async def test_image_price_shown_and_kept_on_edit():
+    """
+    An image model's price per image (R115: C{gpt-image-1} $0.042 by
+    default) is shown in the prices table, and editing that model's token
+    prices in the page keeps it: the console's own form never drops the
+    price a turn's images are charged at.
+    """
+    stack = await _stack()
+    session = Session()
+    try:
+        page = await session.start(1280, 900)
+        await page.goto(stack.url + "/admin/#settings&key=" + ADMIN)
+        await page.waitFor("document.body.getAttribute('data-settings-loaded') === '1'")
+        price = _row("price-row", "model", "gpt-image-1")
+        await page.waitFor(f"!!document.querySelector('{price}')", what="the image price row")
+        assert "0.042 / image" in await _rowText(page, price)
+        await page.click(f"{price} button.price-edit")
+        assert await page.value("#price-per-image") == "0.042"
+        await page.type("#price-input", "5")
+        await page.click("#price-save")
+        await page.waitFor("document.getElementById('settings-msg').innerText"
+                           ".indexOf('gpt-image-1') >= 0", what="the price saved")
+        assert "saved" in await page.text("#settings-msg"), await page.text("#settings-msg")
+        code, prices = await _admin(stack, "GET", "prices")
+        assert prices["prices"]["gpt-image-1"]["input"] == 5, prices["prices"]["gpt-image-1"]
+        assert prices["prices"]["gpt-image-1"]["per_image"] == 0.042, prices["prices"]["gpt-image-1"]
+        assert page.exceptions() == []
+    finally:
+        await session.stop()
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
 async def test_settings_groups_prices_explain_and_audit():
     """
     The settings section: a runtime setting changed in the page is in
