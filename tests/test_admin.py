@@ -573,6 +573,30 @@ class StatusPageScriptTests(SynchronousTestCase):
         self.assertEqual(self.stateOf({**base, "health": {"state": "paused"}}),
                          ["disabled", "paused"])
 
+    def test_smallMoneyIsPlainDecimal(self):
+        """
+        A money amount too small for five decimals (an embedding's
+        C{$0.00000004}) is written as a plain decimal, never in exponent form
+        (C{$4e-8}), and never as C{$0.00}.
+        """
+        node = shutil.which("node") or shutil.which("nodejs")
+        if node is None:
+            raise SkipTest("Node.js is not installed")
+        from importlib import resources
+
+        path = resources.files("relay.console").joinpath("static", "js", "dom.js")
+        # dom.js listens on the document and window when it loads: a stub.
+        script = ("globalThis.document = globalThis.window = {addEventListener() {}};\n"
+                  "const {dollars} = await import(" + json.dumps(Path(str(path)).as_uri()) + ");\n"
+                  "process.stdout.write(JSON.stringify([4e-8, 1.5e-7, -2e-9, 0.0000049, 0.0123,"
+                  " 2.5].map(dollars)));")
+        result = subprocess.run([node, "--input-type=module", "-e", script], capture_output=True,
+                                text=True, timeout=30, check=False)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertEqual(json.loads(result.stdout),
+                         ["$0.00000004", "$0.00000015", "$-0.000000002", "$0.0000049",
+                          "$0.0123", "$2.50"])
+
     def test_tokenTextNotClipped(self):
         """
         The lines under an account (token state, reasons) wrap instead of

@@ -716,6 +716,18 @@ class ModelAndErrorTests(SchedulerMixin, SynchronousTestCase):
         self.assertEqual(error.headers, ())
         self.assertEqual(error.message, "The only account for gpt-5 is disabled")
 
+    def test_pausedNamedPausedR83(self):
+        """
+        R83: an account an operator paused is named as paused in the answer
+        (and so in the C{pool_exhausted} alert), not as cooling down; no end
+        time is known, so no C{Retry-After}.
+        """
+        self.build([account("a"), account("b")],
+                   extraBlock=lambda a, now, model: ("paused: upstream 503s", 0))
+        error = self.selectFails(turn())
+        self.assertEqual((error.status, error.headers), (503, ()))
+        self.assertEqual(error.message, "All 2 accounts for gpt-5 are paused")
+
     def test_modelBlock(self):
         """
         R11 via R43 step 3.1: a model block applies to the mapped model.

@@ -29,7 +29,7 @@ def buildRoot(runner, keys: KeyRing, accounts, websocket=None, door=None,
               anthropicModels=None) -> Resource:
     """
     The relay's resource tree (protocol.md 1): C{/v1/...}, the prefixless
-    aliases, C{/backend-api/codex/responses} and C{/healthz}.
+    aliases, C{/backend-api/codex/responses} and C{…/models}, and C{/healthz}.
 
     @param door: the L{FrontDoor} every turn route hands its turns to
         (one around C{runner} when not given).
@@ -63,6 +63,9 @@ def buildRoot(runner, keys: KeyRing, accounts, websocket=None, door=None,
     backend = JSONRoot()
     codex = JSONRoot()
     codex.putChild(b"responses", responses)
+    # Codex signed in to the backend (its built-in provider) asks here for its
+    # models manifest (protocol.md 5, 7): the same answer as /v1/models.
+    codex.putChild(b"models", models)
     backend.putChild(b"codex", codex)
     root.putChild(b"backend-api", backend)
     usage = getattr(runner, "keyUsage", None)

@@ -123,6 +123,7 @@ class Selection:
 CLASS_RATE_LIMITED = "rate-limited"
 CLASS_COOLING = "cooling down"
 CLASS_DISABLED = "disabled"
+CLASS_PAUSED = "paused"
 CLASS_QUARANTINED = "behind a quarantined proxy"
 CLASS_UNAVAILABLE = "unavailable"
 
@@ -133,12 +134,14 @@ def reasonClass(reason: str) -> str:
 
     @param reason: the reason selection gave (e.g. C{rate_limited},
         C{model_blocked}, C{transport_error}, C{disabled: ...},
-        C{proxy_quarantined}).
+        C{paused: <the operator's reason>}, C{proxy_quarantined}).
     """
     if reason == "rate_limited":
         return CLASS_RATE_LIMITED
     if reason.startswith("disabled"):
         return CLASS_DISABLED
+    if reason.startswith("paused"):
+        return CLASS_PAUSED
     if reason == "proxy_quarantined":
         return CLASS_QUARANTINED
     if reason.startswith("needs_login"):

@@ -394,6 +394,79 @@ async def test_usage_charts_budgets_and_requests_refresh():
 
 
 @pytest_twisted.ensureDeferred
+async def test_request_entry_names_the_surface():
+    """
+    The requests table's Entry names the surface a turn came in on when it
+    is not a Responses request (R115): a Claude Code turn reads C{http
+    messages}, an embedding C{http embeddings}; a Responses turn stays
+    C{http}.
+    """
+    stack = await _stack()
+    session = Session()
+    try:
+        response, data = await stack.postJSON(
+            "/v1/messages", {"model": "claude-sonnet-4-5", "max_tokens": 64,
+                             "messages": [{"role": "user", "content": "hi"}]},
+            key="sk-alice-console-0001")
+        assert response.code == 200, data
+        response, data = await stack.postJSON(
+            "/v1/embeddings", {"model": "text-embedding-3-small", "input": "hi"},
+            key="sk-alice-console-0001")
+        assert response.code == 200, data
+        await stack.app.runner.requestLog.flush()
+        code, log = await _admin(stack, "GET", "requests?limit=50")
+        ids = {r["endpoint"]: r["request_id"] for r in log["requests"]}
+        page = await session.start(1280, 900)
+        await page.goto(stack.url + "/admin/#requests&key=" + ADMIN)
+        await page.waitFor("document.body.getAttribute('data-requests-loaded') === '1'")
+        for endpoint, shown in (("messages", "http messages"), ("embeddings", "http embeddings"),
+                                ("responses", "http")):
+            row = _row("request", "request-id", ids[endpoint])
+            await page.waitFor(f"!!document.querySelector('{row}')", what=endpoint)
+            cells = await page.evaluate(
+                "Array.from(document.querySelector(%s).children).map(function (c) {"
+                " return c.innerText; })" % json.dumps(row))
+            assert shown in cells, (endpoint, cells)
+        assert page.exceptions() == []
+    finally:
+        await session.stop()
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_image_price_shown_and_kept_on_edit():
+    """
+    An image model's price per image (R115: C{gpt-image-1} $0.042 by
+    default) is shown in the prices table, and editing that model's token
+    prices in the page keeps it: the console's own form never drops the
+    price a turn's images are charged at.
+    """
+    stack = await _stack()
+    session = Session()
+    try:
+        page = await session.start(1280, 900)
+        await page.goto(stack.url + "/admin/#settings&key=" + ADMIN)
+        await page.waitFor("document.body.getAttribute('data-settings-loaded') === '1'")
+        price = _row("price-row", "model", "gpt-image-1")
+        await page.waitFor(f"!!document.querySelector('{price}')", what="the image price row")
+        assert "0.042 / image" in await _rowText(page, price)
+        await page.click(f"{price} button.price-edit")
+        assert await page.value("#price-per-image") == "0.042"
+        await page.type("#price-input", "5")
+        await page.click("#price-save")
+        await page.waitFor("document.getElementById('settings-msg').innerText"
+                           ".indexOf('gpt-image-1') >= 0", what="the price saved")
+        assert "saved" in await page.text("#settings-msg"), await page.text("#settings-msg")
+        code, prices = await _admin(stack, "GET", "prices")
+        assert prices["prices"]["gpt-image-1"]["input"] == 5, prices["prices"]["gpt-image-1"]
+        assert prices["prices"]["gpt-image-1"]["per_image"] == 0.042, prices["prices"]["gpt-image-1"]
+        assert page.exceptions() == []
+    finally:
+        await session.stop()
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
 async def test_settings_groups_prices_explain_and_audit():
     """
     The settings section: a runtime setting changed in the page is in

@@ -133,6 +133,28 @@ async def test_identity_routes_answer_for_the_key():
 
 
 @pytest_twisted.ensureDeferred
+async def test_codex_models_manifest_beside_codex_responses():
+    """
+    Codex signed in with the key (its built-in provider, C{openai_base_url}
+    ending C{/backend-api/codex}) asks C{GET /backend-api/codex/models
+    ?client_version=...} for its models (protocol.md 5, 7): relay answers the
+    same manifest as C{/v1/models?client_version=...}; no key gets 401.
+    """
+    s = await stack([budgetKey()])
+    try:
+        path = "/models?client_version=0.171.0"
+        code, expected = await getJSON(s, "/v1" + path, "sk-budget")
+        assert code == 200, expected
+        code, body = await getJSON(s, "/backend-api/codex" + path, "sk-budget")
+        assert code == 200, body
+        assert [m["slug"] for m in body["models"]] == [m["slug"] for m in expected["models"]]
+        code, _ = await getJSON(s, "/backend-api/codex" + path, None)
+        assert code == 401
+    finally:
+        await drain(s)
+
+
+@pytest_twisted.ensureDeferred
 async def test_http_turn_headers_are_the_keys():
     """
     A turn over HTTP carries the key's C{x-codex-primary-*} (its rpm

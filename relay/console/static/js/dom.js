@@ -100,7 +100,10 @@ export function dollars(usd) {
   if (typeof usd !== "number" || !isFinite(usd)) { return ""; }
   if (usd === 0) { return "$0.00"; }
   const abs = Math.abs(usd);
-  if (abs < 0.000005) { return "$" + Number(usd.toPrecision(2)).toString(); }
+  if (abs < 0.000005) {  // two significant digits, as a plain decimal (never "4e-8")
+    const places = Math.min(20, 1 - Math.floor(Math.log10(abs)));
+    return "$" + usd.toFixed(places).replace(/0+$/, "");
+  }
   return "$" + usd.toFixed(abs >= 1 ? 2 : abs >= 0.01 ? 4 : 5);
 }
 

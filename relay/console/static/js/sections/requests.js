@@ -66,7 +66,7 @@ function build(root) {
        render: (r) => { const s = el("span", {title: r.request_id + (r.client_request_id ? "\nclient request id: " + r.client_request_id : "")}, r.request_id);
          if (r.client_request_id) { s.setAttribute("data-client-request-id", r.client_request_id); } return s; }},
       {id: "key", title: "Key", width: "8%"},
-      {id: "entry", title: "Entry", width: "10%", value: (r) => r.entrypoint + (r.mode ? " " + r.mode : "") + (r.endpoint === "chat" ? " chat" : "")},
+      {id: "entry", title: "Entry", width: "10%", value: (r) => r.entrypoint + (r.mode ? " " + r.mode : "") + (r.endpoint && r.endpoint !== "responses" ? " " + r.endpoint : "")},
       {id: "model", title: "Model", width: "9%"},
       {id: "account", title: "Account (tried)", width: "13%", value: (r) => (r.account || "–") + (r.accounts && r.accounts.length > 1 ? " (" + r.accounts.join(" → ") + ")" : "")},
       {id: "outcome", title: "Outcome", width: "10%", value: (r) => r.outcome + " " + r.status},

@@ -90,7 +90,10 @@ function build(root) {
     columns: [{id: "model", title: "Model", width: "22%"},
               {id: "input", title: "Input", cls: "num"}, {id: "cached_input", title: "Cached input", cls: "num"},
               {id: "output", title: "Output", cls: "num"}, {id: "reasoning", title: "Reasoning", cls: "num"},
-              {id: "per_call", title: "Per call", cls: "num"},
+              {id: "per_call", title: "Per call / image", cls: "num",
+               value: (p) => p.per_call !== undefined ? p.per_call : p.per_image,
+               render: (p) => p.per_call !== undefined ? String(p.per_call)
+                 : typeof p.per_image === "number" ? p.per_image + " / image" : ""},
               {id: "source", title: "Source", width: "9%"},
               {id: "actions", title: "", width: "190px", sort: false, value: () => "", cls: "actions",
                render: (p) => put(el("div"), p.per_call === undefined ? button("Edit", "price-edit", () => openPrice(p)) : null,
@@ -104,7 +107,8 @@ function build(root) {
     input("Input", "price-input", {type: "number", step: "any", min: "0"}),
     input("Cached input", "price-cached", {type: "number", step: "any", min: "0", placeholder: "as input"}),
     input("Output", "price-output", {type: "number", step: "any", min: "0"}),
-    input("Reasoning", "price-reasoning", {type: "number", step: "any", min: "0", placeholder: "as output"})),
+    input("Reasoning", "price-reasoning", {type: "number", step: "any", min: "0", placeholder: "as output"}),
+    input("Per image ($)", "price-per-image", {type: "number", step: "any", min: "0", placeholder: "image models only"})),
     buttons(button("Save", "", savePrice, {id: "price-save"}), button("Cancel", "", () => show($("price-panel"), false), {id: "price-cancel"}))));
 }
 
@@ -165,12 +169,14 @@ function openPrice(p) {
   $("price-cached").value = p ? p.cached_input : "";
   $("price-output").value = p ? p.output : "";
   $("price-reasoning").value = p ? p.reasoning : "";
+  $("price-per-image").value = p && typeof p.per_image === "number" ? p.per_image : "";
   show($("price-panel"), true);
 }
 
 function savePrice() {
   const model = $("price-model").value.trim(), body = {};
-  [["input", "price-input"], ["cached_input", "price-cached"], ["output", "price-output"], ["reasoning", "price-reasoning"]]
+  [["input", "price-input"], ["cached_input", "price-cached"], ["output", "price-output"], ["reasoning", "price-reasoning"],
+   ["per_image", "price-per-image"]]
     .forEach((f) => { const v = $(f[1]).value.trim(); if (v !== "") { body[f[0]] = Number(v); } });
   api("PUT", "prices/" + encodeURIComponent(model), body).then(() => {
     show($("price-panel"), false);
