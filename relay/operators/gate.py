@@ -48,6 +48,18 @@ def sessionCookie(request) -> Optional[bytes]:
     return value or None
 
 
+def requestMethod(request) -> str:
+    """
+    @return: the request's method, upper-case, also at its headers (the
+        intake asks before twisted.web sets C{request.method}: the
+        channel's command then, as L{relay.entry.body} reads it).
+    """
+    raw = getattr(getattr(request, "channel", None), "_command", None) or request.method
+    if isinstance(raw, str):
+        return raw.upper()
+    return raw.decode("ascii", "replace").upper()
+
+
 def principalOf(request) -> Optional[Principal]:
     """
     @return: who made C{request} (set by the intake), or L{None}.
@@ -89,7 +101,7 @@ class ConsoleGate:
             return SESSION_INVALID
         principal = Principal(name=operator["name"], role=operator["role"], via=session.via,
                               session=session.id)
-        method = request.method.decode("ascii", "replace").upper()
+        method = requestMethod(request)
         if method not in ("GET", "HEAD") and not csrfMatches(
                 session, request.getHeader(CSRF_HEADER)):
             return CSRF_FAILED
