@@ -22,9 +22,16 @@ password.
 from __future__ import annotations
 
 from relay.console.fields import STRING
-from relay.control.web import ServiceLeaf, deliver, notFound, pathId, readJSONBody
+from relay.control.web import (
+    ControlError,
+    ServiceLeaf,
+    deliver,
+    notFound,
+    pathId,
+    readJSONBody,
+)
 from relay.base.requestnotes import notesOf
-from relay.operators.roles import ADMIN_KEY
+from relay.operators.roles import ADMIN_KEY, mayManage
 
 __all__ = ["OPERATOR_BODY", "OperatorsResource"]
 
@@ -65,8 +72,6 @@ class OperatorsResource(ServiceLeaf):
                 body = readJSONBody(request, fields=OPERATOR_BODY, code="invalid_operator")
                 for field in body:
                     if field not in OPERATOR_BODY:
-                        from relay.control.web import ControlError
-
                         raise ControlError(400, "invalid_operator", f"unknown field {field}",
                                            field)
                 note.update(target=body.get("name"),
@@ -83,12 +88,8 @@ class OperatorsResource(ServiceLeaf):
                 view = self.service.find(name)
                 if view is None:
                     return notFound()
-                from relay.operators.roles import mayManage
-
                 refused = mayManage(actor, view["role"])
                 if refused:
-                    from relay.control.web import ControlError
-
                     raise ControlError(403, "forbidden", refused)
                 return 200, {"ended": await self.sessions.revokeOperator(name)}
 
