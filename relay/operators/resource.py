@@ -4,7 +4,8 @@ C{/admin/operators}, behind the admin key or an owner's or admin's console
 session (a viewer may read the list, never change it):
 
   - C{GET /admin/operators}: C{{"operators": [views], "me": {"name",
-    "role"}}} (a view never holds a hash);
+    "role", "via"}}} (a view never holds a hash; C{sessions}: how many
+    are open);
   - C{POST /admin/operators} C{{"name", "role", "password"?, "email"?}}:
     add one (201);
   - C{PATCH /admin/operators/{name}} C{{"role"?, "password"?, "email"?}}:
@@ -59,7 +60,8 @@ class OperatorsResource(ServiceLeaf):
             return deliver(request, notFound, "reading the operators")
         actor = _actor(request)
         return deliver(request, lambda: (200, {
-            "operators": self.service.list(),
+            "operators": [dict(view, sessions=len(self.sessions.byOperator(view["name"])))
+                          for view in self.service.list()],
             "me": {"name": actor.name, "role": actor.role, "via": actor.via}}),
             "reading the operators")
 

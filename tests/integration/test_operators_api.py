@@ -9,8 +9,6 @@ reload.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 
 import pytest_twisted
 import treq

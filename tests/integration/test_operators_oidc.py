@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from urllib.parse import parse_qs, urlsplit
 
 import pytest_twisted
 import treq
