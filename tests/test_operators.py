@@ -349,6 +349,26 @@ class DirectoryContractMixin:
         self.assertIsNone(other.lookup(second))
 
 
+class SessionBoundTests(SynchronousTestCase):
+    def test_oldestEndsPastTheBound(self):
+        """
+        Signing in past L{relay.operators.sessions.MAX_SESSIONS} ends the
+        operator's oldest session (another operator's are untouched).
+        """
+        clock = Clock()
+        store = MemoryControlStore(clock=clock)
+        sessions = OperatorSessions(store=store, clock=clock, most=3)
+        other, _ = run(self, sessions.open("ana", "owner"))
+        cookies = []
+        for _ in range(4):
+            clock.advance(1)
+            cookies.append(run(self, sessions.open("vic", "viewer"))[0])
+        self.assertIsNone(sessions.lookup(cookies[0]))
+        self.assertTrue(all(sessions.lookup(c) for c in cookies[1:]))
+        self.assertIsNotNone(sessions.lookup(other))
+        self.assertEqual(len(self.successResultOf(store.list(SESSION))), 4)
+
+
 class MemoryDirectoryTests(DirectoryContractMixin, SynchronousTestCase):
     def makeStore(self):
         return MemoryControlStore(clock=self.clock)

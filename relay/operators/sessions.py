@@ -48,6 +48,10 @@ SESSION_SECONDS = 8 * 3600.0
 COOKIE = b"relay_session"
 """The session cookie's name."""
 
+MAX_SESSIONS = 20
+"""The most sessions one operator holds at once: signing in again past it
+ends the oldest (so repeated sign-ins cannot grow the store)."""
+
 CSRF_HEADER = b"x-csrf-token"
 """The header a state-changing request carries its session's token in."""
 
@@ -128,11 +132,13 @@ class OperatorSessions:
     @ivar store: the L{relay.interfaces.IControlStore}.
     @ivar clock: the injected clock (expiry).
     @ivar lifetime: seconds a session lasts (L{SESSION_SECONDS}).
+    @ivar most: sessions one operator holds at most (L{MAX_SESSIONS}).
     """
 
     store: Any
     clock: Any
     lifetime: float = SESSION_SECONDS
+    most: int = MAX_SESSIONS
     _sessions: dict = field(factory=dict)
     _unsubscribe: Optional[Callable] = None
     _log = Logger()
@@ -147,6 +153,10 @@ class OperatorSessions:
         session = _session(record)
         self._sessions[sid] = session
         self._sweep(now)
+        mine = sorted((s for s in self._sessions.values() if s.operator == name),
+                      key=lambda s: s.expires_at)
+        for old in mine[:max(0, len(mine) - self.most)]:
+            await self.revoke(old.id)
         return cookie, session
 
     def lookup(self, cookie) -> Optional[Session]:
