@@ -514,6 +514,23 @@ class IUsageStore(Interface):
             C{int} hour for C{hour}, else a C{str}) -> C{TokenCounts}.
         """
 
+    def series(since, until, bucket, groupBy, filters):
+        """
+        The totals of the hours in C{[since, until)}, summed per time
+        bucket and group, in one aggregated read (the usage charts).
+
+        @param since: Unix seconds (rounded down to the hour).
+        @param until: Unix seconds (exclusive).
+        @param bucket: the bucket width in seconds, a multiple of 3600
+            (3600 or 86400); buckets start at multiples of it (UTC).
+        @param groupBy: C{key}, C{account}, C{model} or C{none} (one group,
+            C{""}).
+        @param filters: a C{dict} of C{key}/C{account}/C{model} -> the exact
+            value rows must have (absent: any).
+        @return: a L{Deferred} firing with a C{dict} of C{(bucket start,
+            group value)} -> C{TokenCounts}.
+        """
+
     def budgetTotals(dayStart, monthStart):
         """
         Total tokens (input + output) per key since the start of the UTC
@@ -949,6 +966,22 @@ class IRequestLog(Interface):
         @return: a L{Deferred} firing with C{(records, next)}: a list of
             L{relay.tenants.record.TurnRecord} and the cursor of the next
             page, or L{None} when there is none.
+        """
+
+    def aggregate(since, until, bucket, groupBy, filters):
+        """
+        The turns of C{[since, until)} summed per time bucket and group, by
+        outcome and failure kind, in one read of the range
+        (L{relay.tenants.logseries}).
+
+        @param since: Unix seconds. @param until: Unix seconds (exclusive).
+        @param bucket: the bucket width in seconds (buckets start at its
+            multiples).
+        @param groupBy: C{key}, C{account}, C{model} or C{none}.
+        @param filters: a C{dict} of C{key}/C{account} (any account
+            tried)/C{model} -> the exact value.
+        @return: a L{Deferred} firing with C{{(bucket start, group): {"requests",
+            "completed", "failed", "client_gone", "failures": {kind: n}}}}.
         """
 
 
@@ -1403,6 +1436,10 @@ class IAccountBookkeeping(Interface):
     stats = Attribute(
         'Account id -> C{{"turns", "failovers", "last_error", ...}} (a dict), for the'
         " operator view.")
+
+    outcomes = Attribute(
+        "The L{relay.policy.outcomes.AttemptOutcomes}: each account's recent attempt ends,"
+        " for the health the operator is shown.")
 
     def record(account, end, verdict, model=None, requestId="", upstreamRequestId=None):
         """

@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import subprocess
+from pathlib import Path
 from io import BytesIO
 
 from twisted.internet.defer import Deferred, fail, succeed
@@ -176,8 +177,12 @@ class AuthTests(AdminFixture, SynchronousTestCase):
         )
         page = b"".join(request.written)
         self.assertIn(b"relay status", page)
-        self.assertIn(b"sessionStorage", page)
-        self.assertNotIn(b"<script src", page)
+        # Issue 40: the shell loads its own files only (no other origin);
+        # the key is kept by static/js/auth.js.
+        self.assertIn(b'<script type="module" src="static/js/app.js">', page)
+        self.assertNotIn(b"://", page)
+        csp = request.responseHeaders.getRawHeaders(b"content-security-policy")[0]
+        self.assertIn(b"script-src 'self';", csp)
 
     def test_adminRedirects(self):
         """
@@ -221,6 +226,27 @@ class SettingsResourceTests(AdminFixture, SynchronousTestCase):
         body = jsonBody(request)
         self.assertEqual(body, self.settings.snapshot())
         self.assertEqual(body["breaker"]["failures"], 3)
+
+    def test_schema(self):
+        """
+        C{GET /admin/settings/schema}: every runtime setting with its value,
+        type and range, for an editor; a value put outside the range is
+        clamped into it.
+        """
+        from relay.state.settings import RUNTIME_KEYS
+
+        request = render(self.root, makeRequest("settings/schema"))
+        self.assertEqual(request.responseCode, 200)
+        rows = {r["name"]: r for r in jsonBody(request)["settings"]}
+        self.assertEqual(set(rows), set(RUNTIME_KEYS))
+        self.assertEqual(rows["breaker.failures"], {
+            "name": "breaker.failures", "value": 3, "type": "integer", "minimum": 1,
+            "maximum": 1000, "choices": None, "note": None})
+        self.assertEqual(rows["transport_retry_policy"]["choices"], ["rotate", "sticky"])
+        self.assertEqual(rows["breaker.enabled"]["type"], "boolean")
+        self.assertTrue(all(r["type"] for r in rows.values()))
+        render(self.root, makeRequest("settings", method=b"PUT", body={"breaker.failures": 5000}))
+        self.assertEqual(self.settings.current.breaker.failures, 1000)
 
     def test_putPartial(self):
         """
@@ -487,28 +513,31 @@ class ClearLogTests(SynchronousTestCase):
 
 class StatusPageScriptTests(SynchronousTestCase):
     """
-    The status page's own logic (C{stateOf}) run in Node.js, and its CSS;
-    the page in a real browser is C{tests/integration/test_status_page.py}.
+    The status page's own logic (C{stateOf} of C{static/js/health.js}) run
+    in Node.js, and its CSS; the page in a real browser is
+    C{tests/integration/test_status_page.py} and C{test_console_page.py}.
     """
 
-    def page(self) -> str:
-        from relay.console.admin import _loadPage
+    def static(self, name: str) -> str:
+        from importlib import resources
 
-        return _loadPage().decode("utf-8")
+        return resources.files("relay.console").joinpath("static", name).read_text("utf-8")
 
     def stateOf(self, account: dict) -> list:
         """
-        Run the page's C{stateOf(account)} in Node.js.
+        Run the page's C{stateOf(account, 1000)} in Node.js.
         """
         node = shutil.which("node") or shutil.which("nodejs")
         if node is None:
             raise SkipTest("Node.js is not installed")
-        match = re.search(r"function stateOf\(a\) \{.*?\n  \}\n", self.page(), re.DOTALL)
-        self.assertIsNotNone(match)
-        script = ("function nowSeconds() { return 1000; }\n" + match.group(0)
-                  + "process.stdout.write(JSON.stringify(stateOf(" + json.dumps(account) + ")));")
-        result = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=30,
-                                check=False)
+        from importlib import resources
+
+        path = resources.files("relay.console").joinpath("static", "js", "health.js")
+        script = ("import {stateOf} from " + json.dumps(Path(str(path)).as_uri()) + ";\n"
+                  "process.stdout.write(JSON.stringify(stateOf(" + json.dumps(account)
+                  + ", 1000)));")
+        result = subprocess.run([node, "--input-type=module", "-e", script], capture_output=True,
+                                text=True, timeout=30, check=False)
         self.assertEqual(result.returncode, 0, result.stderr)
         return json.loads(result.stdout)
 
@@ -525,17 +554,38 @@ class StatusPageScriptTests(SynchronousTestCase):
         self.assertEqual(self.stateOf({**base, "token_status": "needs_login",
                                        "schedulable": False}), ["disabled", "needs login"])
 
+    def test_failingIsNeverOk(self):
+        """
+        Issue 40: an account whose attempts fail is shown failing once its
+        cooldown has lapsed (schedulable again), from the relay's health,
+        and -- from a relay without it -- from 0 turns and failovers with an
+        error after the last success; a degraded one is a warning.
+        """
+        base = {"schedulable": True, "disabled": False, "breaker": None}
+        self.assertEqual(self.stateOf({**base, "health": {"state": "failing"}}),
+                         ["failing", "failing"])
+        self.assertEqual(self.stateOf({**base, "health": {"state": "degraded"}}),
+                         ["doubt", "degraded"])
+        self.assertEqual(self.stateOf({**base, "health": {"state": "ok"}}), ["ok", "ok"])
+        self.assertEqual(self.stateOf({**base, "turns": 0, "failovers": 7,
+                                       "last_error": "server_error", "last_error_at": 990}),
+                         ["failing", "failing"])
+        self.assertEqual(self.stateOf({**base, "health": {"state": "paused"}}),
+                         ["disabled", "paused"])
+
     def test_tokenTextNotClipped(self):
         """
-        The token line under the account id wraps instead of being cut
-        with an ellipsis, and the doubt state has its own badge colour.
+        The lines under an account (token state, reasons) wrap instead of
+        being cut, and the doubt and failing states have their own badge
+        colours.
         """
-        page = self.page()
-        self.assertIn('sub(token, "token")', page)
-        rule = re.search(r"\.sub\.token \{([^}]*)\}", page)
+        css = self.static("css/console.css")
+        rule = re.search(r"\n\.sub \{([^}]*)\}", css)
         self.assertIsNotNone(rule)
-        self.assertIn("white-space: normal", rule.group(1))
-        self.assertIn(".state-doubt .badge { background: var(--doubt); }", page)
+        self.assertIn("overflow-wrap: anywhere", rule.group(1))
+        self.assertIn(".state-doubt .badge { background: var(--doubt); }", css)
+        self.assertIn(".state-failing .badge { background: var(--failing); }", css)
+        self.assertIn('"sub token"', self.static("js/sections/accounts.js"))
 
 
 class OAuthRefreshRouteTests(SynchronousTestCase):

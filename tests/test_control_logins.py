@@ -483,3 +483,113 @@ class WireTests(SynchronousTestCase):
         """
         self.assertTrue(verifyObject(IEgressClient, EgressClient(reactor=None, settings=None)))
         self.assertTrue(verifyObject(IEgressClient, FakeEgress()))
+
+
+def emailToken(account, email, sub="id"):
+    """
+    An ID token naming the signed-in person's e-mail address.
+    """
+    import jwt
+
+    from tests.test_control import NOW
+
+    claims = {"sub": sub, "exp": int(NOW + 3600), "iat": int(NOW), "email": email,
+              "https://api.openai.com/auth": {"chatgpt_account_id": account,
+                                              "chatgpt_plan_type": "plus"}}
+    return jwt.encode(claims, "test-secret-" * 3, algorithm="HS256")
+
+
+class PasteRetryTests(LoginFixture, SynchronousTestCase):
+    """
+    A paste without a code leaves the login pending, to paste again or
+    cancel.
+    """
+
+    def begin(self):
+        status, body = self.call(b"POST", "logins", {"flow": "browser", "account": {
+            "id": "new1", "proxy_id": "p1"}})
+        self.assertEqual(status, 201, body)
+        return body["login"]
+
+    def test_badPasteThenRetry(self):
+        login = self.begin()
+        status, body = self.call(b"POST", f"logins/{login['id']}/complete",
+                                 {"redirect_url": "http://localhost:1455/auth/callback?x=1"})
+        self.assertEqual((status, body["error"]["code"]), (400, "no_code"))
+        self.assertEqual(body["login"]["status"], "pending")
+        self.assertEqual(body["login"]["paste_attempts"], 1)
+        self.assertIn("authorize_url", body["login"])
+        status, body = self.call(b"GET", f"logins/{login['id']}")
+        self.assertEqual(body["login"]["status"], "pending")
+        self.assertEqual(body["login"]["last_paste_error"], "no code in what was pasted")
+        self.egress.answer("/oauth/token", reply(200, tokens()))
+        status, body = self.call(b"POST", f"logins/{login['id']}/complete", {"code": "ac_1"})
+        self.assertEqual(status, 200, body)
+        self.assertEqual(body["login"]["status"], "completed")
+
+    def test_cancelByPost(self):
+        login = self.begin()
+        self.call(b"POST", f"logins/{login['id']}/complete",
+                  {"redirect_url": "http://localhost:1455/auth/callback"})
+        status, body = self.call(b"POST", f"logins/{login['id']}/cancel")
+        self.assertEqual((status, body["login"]["status"]), (200, "cancelled"))
+        self.assertEqual(self.call(b"POST", f"logins/{login['id']}/cancel")[0], 409)
+        self.assertEqual(self.audit()[0]["action"], "login.cancel")
+
+
+class DuplicateIdentityTests(LoginFixture, SynchronousTestCase):
+    """
+    A login (or an added account) whose ChatGPT identity is already in the
+    pool comes with a C{duplicate_identity} warning; it is added all the
+    same.
+    """
+
+    def complete(self, issued):
+        status, body = self.call(b"POST", "logins", {"flow": "browser", "account": {
+            "id": "new1", "proxy_id": "p1"}})
+        self.egress.answer("/oauth/token", reply(200, issued))
+        return self.call(b"POST", f"logins/{body['login']['id']}/complete", {"code": "ac_1"})
+
+    def test_loginOfAnIdentityInThePool(self):
+        issued = dict(tokens("acct-o1"), id_token=emailToken("acct-o1", "ana@example.com"))
+        status, body = self.complete(issued)
+        self.assertEqual(status, 200, body)
+        [warning] = body["warnings"]
+        self.assertEqual((warning["code"], warning["accounts"], warning["email"]),
+                         ("duplicate_identity", ["o1"], "ana@example.com"))
+        self.assertIn("acct-o1", warning["message"])
+        self.assertIn("new1", [a.id for a in self.app.live.accounts])
+        login = self.call(b"GET", f"logins/{body['login']['id']}")[1]["login"]
+        self.assertEqual(login["warnings"], body["warnings"])
+        self.assertEqual(login["identity"], {"chatgpt_account_id": "acct-o1",
+                                             "email": "ana@example.com"})
+
+    def test_newIdentityNoWarning(self):
+        status, body = self.complete(tokens("acct-other"))
+        self.assertEqual((status, body["warnings"]), (200, []))
+
+    def test_otherPersonSameWorkspace(self):
+        """
+        Same workspace, a different e-mail address: another person, no
+        warning.
+        """
+        issued = dict(tokens("acct-new"), id_token=emailToken("acct-new", "ana@example.com"))
+        self.assertEqual(self.complete(issued)[0], 200)
+        status, body = self.call(b"POST", "accounts", {
+            "id": "new2", "type": "oauth", "proxy_id": "p1",
+            "access_token": oauthToken("acct-new", sub="b"),
+            "id_token": emailToken("acct-new", "bo@example.com")})
+        self.assertEqual((status, body["warnings"]), (201, []))
+        status, body = self.call(b"POST", "accounts", {
+            "id": "new3", "type": "oauth", "proxy_id": "p1",
+            "access_token": oauthToken("acct-new", sub="c"),
+            "id_token": emailToken("acct-new", "ANA@example.com")})
+        self.assertEqual(status, 201, body)
+        self.assertEqual(body["warnings"][0]["accounts"], ["new1"])
+
+    def test_accountAddWarns(self):
+        status, body = self.call(b"POST", "accounts", {
+            "id": "dup", "type": "oauth", "proxy_id": "p1",
+            "access_token": oauthToken("acct-o1", sub="x")})
+        self.assertEqual(status, 201, body)
+        self.assertEqual(body["warnings"][0]["accounts"], ["o1"])

@@ -211,11 +211,12 @@ class NothingBeforeTheKeyTests(SynchronousTestCase):
 
     def test_statusShellAndHealthNeedNoKey(self):
         """
-        R99: the status page shell, C{/healthz} and C{/readyz} need none;
-        a body sent to them is discarded unread.
+        R99: the status page shell (and its static files, issue 40),
+        C{/healthz} and C{/readyz} need none; a body sent to them is
+        discarded unread.
         """
         app, _ = relaySite()
-        for path in (b"/healthz", b"/readyz", b"/admin/"):
+        for path in (b"/healthz", b"/readyz", b"/admin/", b"/admin/static/js/app.js"):
             conn = Conn(app.site).send(head(path, b"GET"))
             self.assertEqual(conn.status(), 200, path)
 

@@ -212,7 +212,15 @@ class PackageDataTests(SynchronousTestCase):
 
         config = configparser.ConfigParser()
         config.read(ROOT / "setup.cfg")
-        patterns = [p.strip() for p in config["options.package_data"]["relay"].split(",")]
+        value = config["options.package_data"]["relay"]
+        # As setuptools reads it: a value of several lines is one pattern a
+        # line (commas are then part of a pattern and match nothing), a
+        # value of one line is split at its commas.
+        patterns = [p.strip() for p in (value.splitlines() if "\n" in value
+                                        else value.split(","))]
+        patterns = [p for p in patterns if p]
+        for pattern in patterns:
+            self.assertNotRegex(pattern, r"[,\s]", "one glob per pattern")
         missing = []
         for path in sorted((ROOT / "relay").rglob("*")):
             if path.is_dir() or path.suffix in (".py", ".pyc") or "__pycache__" in path.parts:

@@ -469,6 +469,41 @@ class AccessLogQueryTests(SynchronousTestCase):
         self.assertEqual(event["path"], "/v1/responses?api_key=***&stream=true")
         self.assertNotIn("sk-query-secret-1", json.dumps(event, default=repr))
 
+    def test_consolePollingIsDebug(self):
+        """
+        The console's polling (a C{GET} under C{/admin} that succeeded) is
+        logged at debug; admin changes, failed admin reads and client
+        traffic stay at info (an open admin tab must not fill the log).
+        """
+        from twisted.internet.task import Clock
+        from twisted.internet.testing import EventLoggingObserver
+        from twisted.logger import LogLevel, globalLogPublisher
+        from twisted.web.resource import Resource
+        from twisted.web.test.requesthelper import DummyRequest
+
+        from relay.process.app import _Site
+
+        site = _Site(Resource())
+        site.clock = Clock()
+        events = EventLoggingObserver.createWithCleanup(self, globalLogPublisher)
+
+        def level(method, uri, code=200):
+            request = DummyRequest([])
+            request.method = method
+            request.uri = uri
+            request.code = code
+            request.sentLength = 1
+            site.log(request)
+            return [e for e in events if e.get("event") == "relay.http_access"][-1]["log_level"]
+
+        self.assertEqual(level(b"GET", b"/admin/accounts"), LogLevel.debug)
+        self.assertEqual(level(b"GET", b"/admin/requests?limit=50"), LogLevel.debug)
+        self.assertEqual(level(b"GET", b"/admin/"), LogLevel.debug)
+        self.assertEqual(level(b"POST", b"/admin/accounts/a/clear"), LogLevel.info)
+        self.assertEqual(level(b"GET", b"/admin/accounts", 401), LogLevel.info)
+        self.assertEqual(level(b"GET", b"/v1/models"), LogLevel.info)
+        self.assertEqual(level(b"GET", b"/administrator"), LogLevel.info)
+
 
 class _CountingStream(io.StringIO):
     """

@@ -188,3 +188,35 @@ class ExplainerTests(SynchronousTestCase):
         answer = self.explain()
         self.assertEqual((answer["refused"]["status"], answer["refused"]["code"]),
                          (403, "model_not_found"))
+
+
+class ExplainHealthTests(SynchronousTestCase):
+    """
+    Explain names recent failures: an account that failed 7 times and whose
+    cooldown lapsed is chosen only with a warning saying it is failing.
+    """
+
+    def test_chosenFailingSaid(self):
+        from relay.policy.outcomes import AttemptOutcomes
+
+        rig = TenantsRig([account("a", priority=1), account("b", priority=2)])
+        client = key()
+        outcomes = AttemptOutcomes(clock=rig.clock)
+        explainer = Explainer(
+            clock=rig.clock, scheduler=rig.scheduler, keys=KeyRing([client]),
+            accounts=rig.live.accounts, policy=rig.policy, admission=rig.admission,
+            ledger=rig.ledger, settings=rig.settings, outcomes=outcomes)
+        for _ in range(7):
+            outcomes.failed("a", "status_500", 500, "boom")
+        outcomes.succeeded("b")
+        answer = self.successResultOf(Deferred.fromCoroutine(
+            explainer.explain(client, "gpt-5.5")))
+        rows = {row["id"]: row for row in answer["accounts"]}
+        self.assertEqual(answer["decision"]["account"], "a")
+        self.assertEqual(answer["decision"]["health_state"], "failing")
+        self.assertEqual(rows["a"]["health"]["state"], "failing")
+        self.assertIn("failing", rows["a"]["why"])
+        self.assertIn("7 of 7 attempts failed", rows["a"]["why"])
+        self.assertEqual(rows["b"]["health"]["state"], "ok")
+        [warning] = answer["warnings"]
+        self.assertEqual((warning["code"], warning["account"]), ("chosen_failing", "a"))

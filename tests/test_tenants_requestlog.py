@@ -248,12 +248,81 @@ class LogContract:
         self.assertEqual(len(self.query(log)[0]), 2)
 
 
-class MemoryLogTests(LogContract, SynchronousTestCase):
+def failedRecord(n, code=None, reason="server_error", account="a2", t=None):
+    """
+    A failed turn: one failed attempt on C{account}, served by none.
+    """
+    return TurnRecord(
+        time=T0 + n if t is None else t, request_id=f"req-{n}", key="bob",
+        entrypoint="http", endpoint="responses", mode=None, stream=True, model="gpt-5.5",
+        account=None, attempts=[Attempt(account, 500, reason, "exhausted")], outcome="failed",
+        status=502, first_output_ms=None, duration_ms=34, error_code=code,
+    )
+
+
+def aggregateLog(log):
+    """
+    Turns over two hours: completed, failed (by code and by attempt
+    reason), a client that left.
+    """
+    h = int(T0 // 3600 * 3600)
+    log.add(record(1, key="alice", t=h + 10))
+    log.add(record(2, t=h + 20))
+    log.add(record(3, model="o3", t=h - 100))
+    log.add(failedRecord(4, code="rate_limited", t=h + 30))
+    log.add(failedRecord(5, t=h + 40))
+    log.add(record(6, outcome="client_gone", t=h + 50))
+    return h
+
+
+class AggregateContract:
+    """
+    L{IRequestLog.aggregate}: turns per bucket and group by outcome and
+    failure kind; the buckets sum to the totals.
+    """
+
+    def aggregate(self, log, since, until, bucket=3600, groupBy="none", **filters):
+        return self.successResultOf(log.aggregate(since, until, bucket, groupBy, filters))
+
+    def test_buckets_and_kinds(self):
+        log = self.makeLog()
+        h = aggregateLog(log)
+        found = self.aggregate(log, h - 3600, h + 3600)
+        self.assertEqual(found, {
+            (h - 3600, ""): {"requests": 1, "completed": 1, "failed": 0, "client_gone": 0,
+                             "failures": {}},
+            (h, ""): {"requests": 5, "completed": 2, "failed": 2, "client_gone": 1,
+                      "failures": {"rate_limited": 1, "server_error": 1}},
+        })
+        byDay = self.aggregate(log, h - 3600, h + 3600, 86400)
+        self.assertEqual(sum(p["requests"] for p in byDay.values()), 6)
+
+    def test_groups_and_filters(self):
+        log = self.makeLog()
+        h = aggregateLog(log)
+        byAccount = self.aggregate(log, h, h + 3600, groupBy="account")
+        self.assertEqual({g: p["requests"] for (_, g), p in byAccount.items()},
+                         {"a1": 3, "a2": 2})
+        byKey = self.aggregate(log, h - 3600, h + 3600, groupBy="key")
+        self.assertEqual({(b, g): p["requests"] for (b, g), p in byKey.items()},
+                         {(h, "alice"): 1, (h, "bob"): 4, (h - 3600, "bob"): 1})
+        self.assertEqual(
+            {g for (_, g) in self.aggregate(log, h - 3600, h + 3600, groupBy="model")},
+            {"gpt-5.5", "o3"})
+        onlyA2 = self.aggregate(log, h - 3600, h + 3600, account="a2")
+        self.assertEqual(onlyA2[(h, "")]["failed"], 2)
+        self.assertEqual(self.aggregate(log, h - 3600, h + 3600, model="o3", key="bob"),
+                         {(h - 3600, ""): {"requests": 1, "completed": 1, "failed": 0,
+                                           "client_gone": 0, "failures": {}}})
+        self.assertEqual(self.aggregate(log, h + 3600, h + 7200), {})
+
+
+class MemoryLogTests(LogContract, AggregateContract, SynchronousTestCase):
     def makeLog(self, **kw):
         return MemoryRequestLog(clock=self.clock, **kw)
 
 
-class SQLiteLogTests(LogContract, SynchronousTestCase):
+class SQLiteLogTests(LogContract, AggregateContract, SynchronousTestCase):
     def makeLog(self, **kw):
         path = self.mktemp()
         self.database = SQLiteSettingsStore(path=path, pool=synchronousPool(path))
@@ -390,3 +459,24 @@ class RedisLogShapeTests(SynchronousTestCase):
                                                             10, None))
         self.assertEqual(([r.request_id for r in found], found[0].seq, cursor),
                          (["req-1"], "1-0", None))
+
+
+class RedisAggregateShapeTests(RedisLogShapeTests):
+    """
+    The Redis log's aggregate: one forward scan of the range, in batches.
+    """
+
+    def test_aggregate_scans_range_once(self):
+        self.log.batch = 2
+        h = int(T0 // 3600 * 3600)
+        entries = [[f"{i}-0".encode(), [b"r", r.toJSON().encode()]] for i, r in enumerate(
+            [record(1, t=h + 1), failedRecord(2, t=h + 2), record(3, t=h + 3)])]
+        self.replies += [entries[:2], entries[2:]]
+        found = self.successResultOf(self.log.aggregate(h, h + 3600, 3600, "none", {}))
+        self.assertEqual(found[(h, "")]["requests"], 3)
+        self.assertEqual(found[(h, "")]["failures"], {"server_error": 1})
+        [first, second] = self.calls
+        self.assertEqual(first[:4], ("execute_command", "XRANGE", "relay:requests",
+                                     str(h * 1000)))
+        self.assertEqual(second[4], first[4])
+        self.assertEqual(second[3], "(1-0")

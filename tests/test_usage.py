@@ -268,7 +268,55 @@ class StoreContract:
         self.assertEqual(month, {"alice": 160})
 
 
-class MemoryStoreTests(StoreContract, SynchronousTestCase):
+def seriesRows(h):
+    """
+    Rows over two days: two keys, two models, two accounts.
+    """
+    return [((h, "alice", "a1", "gpt-5.5"), TokenCounts(1, 100, 10, 20, 5, 1000)),
+            ((h, "bob", "a2", "gpt-5.5"), TokenCounts(2, 10, 0, 5, 0, 500)),
+            ((h - 3600, "alice", "a1", "gpt-4.1"), TokenCounts(1, 1, 0, 1, 0)),
+            ((h - 86400, "alice", "a2", "gpt-5.5"), TokenCounts(3, 7, 1, 3, 1, 70, 1))]
+
+
+class SeriesContract:
+    """
+    L{IUsageStore.series}: per bucket and group in one read; the buckets sum
+    to the totals.
+    """
+
+    def test_series_hour_and_day(self):
+        store = self.makeStore()
+        h = hourOf(T0)
+        self.successResultOf(store.add(seriesRows(h)))
+        byHour = self.successResultOf(store.series(h - 86400, h + 3600, 3600, "key", {}))
+        self.assertEqual(byHour, {
+            (h, "alice"): TokenCounts(1, 100, 10, 20, 5, 1000),
+            (h, "bob"): TokenCounts(2, 10, 0, 5, 0, 500),
+            (h - 3600, "alice"): TokenCounts(1, 1, 0, 1, 0),
+            (h - 86400, "alice"): TokenCounts(3, 7, 1, 3, 1, 70, 1),
+        })
+        total = TokenCounts()
+        for counts in byHour.values():
+            total += counts
+        self.assertEqual(total, sum(
+            self.successResultOf(store.totals(h - 86400, "hour")).values(), TokenCounts()))
+        byDay = self.successResultOf(store.series(h - 86400, h + 3600, 86400, "none", {}))
+        self.assertEqual(sorted(byDay), sorted({(dayStart(h), ""), (dayStart(h - 86400), "")}))
+        self.assertEqual(sum(byDay.values(), TokenCounts()), total)
+
+    def test_series_filters_and_range(self):
+        store = self.makeStore()
+        h = hourOf(T0)
+        self.successResultOf(store.add(seriesRows(h)))
+        found = self.successResultOf(store.series(h - 3600, h, 3600, "model",
+                                                  {"key": "alice"}))
+        self.assertEqual(found, {(h - 3600, "gpt-4.1"): TokenCounts(1, 1, 0, 1, 0)})
+        found = self.successResultOf(store.series(h - 86400, h + 3600, 3600, "account",
+                                                  {"model": "gpt-5.5", "account": "a2"}))
+        self.assertEqual(set(found), {(h, "a2"), (h - 86400, "a2")})
+
+
+class MemoryStoreTests(StoreContract, SeriesContract, SynchronousTestCase):
     """
     L{MemoryUsageStore} passes the store contract.
     """
@@ -277,7 +325,7 @@ class MemoryStoreTests(StoreContract, SynchronousTestCase):
         return MemoryUsageStore()
 
 
-class SQLiteStoreTests(StoreContract, SynchronousTestCase):
+class SQLiteStoreTests(StoreContract, SeriesContract, SynchronousTestCase):
     """
     L{SQLiteUsageStore} on a real SQLite file, sharing the settings store's
     connection.

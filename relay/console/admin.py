@@ -6,10 +6,13 @@ Prometheus scrape at C{/metrics}.
 Routes under the resource returned by L{buildAdminResource} (mounted at
 C{/admin}):
 
-  - C{GET /admin/} - the status page (L{STATUS_PAGE}); served without the
+  - C{GET /admin/} - the status page (L{STATUS_PAGE}; its files under
+    C{/admin/static/}, L{relay.console.assets}); served without the
     key, its data fetches need it;
   - C{GET /admin/settings} - the runtime settings, nested (behaviour.md R74);
   - C{PUT /admin/settings} - a partial change, nested or flat dotted JSON;
+  - C{GET /admin/settings/schema} - each runtime setting's value, type and
+    range, for an editor;
   - C{GET /admin/accounts} - every account's live state for the page;
   - C{GET /admin/history} - per account, the last 15 minutes in one-minute
     buckets (L{relay.console.history}) for the page's charts;
@@ -23,7 +26,10 @@ C{/admin}):
     C{needs_login} without a restart;
   - C{GET /admin/metrics} - the same metrics as C{/metrics}, behind the key;
   - C{GET /admin/usage?since=<ISO 8601 or Unix seconds>&group_by=key|account|model|hour}
-    - token totals, with the per-key budgets.
+    - token totals, with the per-key budgets (C{format=csv}: the rows as
+    CSV);
+  - C{GET /admin/usage/series?range=24h|7d|30d&bucket=hour|day&group_by=...}
+    - usage, cost and failures over time (L{relay.console.usageseries});
   - C{POST /admin/reload} - re-read the configuration file and apply it
     live.
 
@@ -52,6 +58,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
+from relay.console.assets import PAGE_CSP, StaticFiles, loadAssets
 from relay.console.fields import BOOLEAN, STRING, FieldTypeError, checkTypes, objectOf
 from relay.console.masking import masked
 from relay.console.metrics import withoutCreated
@@ -62,7 +69,7 @@ from relay.state.settings import RuntimeSettings, SettingsError
 __all__ = ["STATUS_PAGE", "buildAdminResource", "metricsResource"]
 
 #: The status page file, next to this module (packaged as C{entry/*.html}).
-STATUS_PAGE = "status.html"
+STATUS_PAGE = "static/index.html"
 
 #: The largest settings body accepted.
 _MAX_BODY = 64 * 1024
@@ -245,8 +252,14 @@ class _SettingsResource(Guarded):
 
     def render_GET(self, request):
         """
-        The runtime settings in force, nested as under C{gateway:}.
+        The runtime settings in force, nested as under C{gateway:};
+        C{/admin/settings/schema}: each with its type and range
+        (L{relay.state.settings.describe}).
         """
+        if request.postpath == [b"schema"]:
+            from relay.state.settings import describe
+
+            return respond(request, 200, {"settings": describe(self.settings.current)})
         if request.postpath not in ([], [b""]):
             return notFound(request)
         return respond(request, 200, self.settings.snapshot())
@@ -450,6 +463,10 @@ class _UsageResource(Guarded):
     C{group_by} (default C{key}).
     """
 
+    #: Renders C{GET /admin/usage/series} (L{relay.console.usageseries},
+    #: set once the request log is built), or L{None} (404).
+    series = None
+
     def __init__(self, adminKey, ledger, clock):
         super().__init__(adminKey)
         self.ledger = ledger
@@ -461,13 +478,22 @@ class _UsageResource(Guarded):
         "budgets": [...]}}; each row has the group value and C{requests},
         C{input_tokens}, C{cached_input_tokens}, C{output_tokens},
         C{reasoning_tokens}, C{total_tokens}. A bad parameter is a 400
-        naming it.
+        naming it. C{format=csv}: the rows as CSV. C{/admin/usage/series}:
+        L{relay.console.usageseries}.
         """
+        from relay.console.csvexport import wantsCSV
         from relay.usage.query import UsageQueryError, parseGroupBy, parseSince
         from relay.usage.store import hourOf
 
+        if request.postpath == [b"series"] and self.series is not None:
+            return self.series(request)
         if request.postpath not in ([], [b""]):
             return notFound(request)
+        csv = wantsCSV(request)
+        if csv is None:
+            return respond(request, 400, errorBody(
+                "format must be json or csv", "invalid_request_error", "invalid_value",
+                "format"))
         now = self.clock.seconds()
 
         def arg(name):
@@ -488,6 +514,9 @@ class _UsageResource(Guarded):
                 for name, value in row.items():
                     if name != groupBy:
                         total[name] = total.get(name, 0) + value
+            if csv:
+                header = [groupBy] + [n for n in (rows[0] if rows else {}) if n != groupBy]
+                return header, [[row[n] for n in header] for row in rows]
             return 200, {
                 "since": since,
                 "group_by": groupBy,
@@ -498,6 +527,11 @@ class _UsageResource(Guarded):
             }
 
         d = Deferred.fromCoroutine(self.ledger.totals(since, groupBy))
+        if csv:
+            from relay.console.csvexport import deliverCSV
+
+            return deliverCSV(request, d.addCallback(_cbRows), f"usage-by-{groupBy}.csv",
+                              "reading usage")
         return deliverLater(request, d, _cbRows, "reading usage")
 
 
@@ -636,13 +670,6 @@ class GuardedMetrics(Guarded):
         return self._metrics.render_GET(request)
 
 
-_PAGE_CSP = (
-    b"default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
-    b"connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; "
-    b"frame-ancestors 'none'"
-)
-
-
 class _StatusPage(Guarded):
     """
     C{GET /admin/}: the status page. Served without the key (its data
@@ -667,7 +694,7 @@ class _StatusPage(Guarded):
         request.setHeader(b"x-content-type-options", b"nosniff")
         request.setHeader(b"x-frame-options", b"DENY")
         request.setHeader(b"referrer-policy", b"no-referrer")
-        request.setHeader(b"content-security-policy", _PAGE_CSP)
+        request.setHeader(b"content-security-policy", PAGE_CSP)
         return self.page
 
 
@@ -739,7 +766,8 @@ class _NotFoundLeaf(Resource):
 
 def _loadPage() -> bytes:
     """
-    @return: the bytes of L{STATUS_PAGE}.
+    @return: the bytes of L{STATUS_PAGE} (the page's HTML shell; its
+        styles and scripts are L{relay.console.assets} files).
     """
     return resources.files("relay.console").joinpath(STATUS_PAGE).read_bytes()
 
@@ -773,8 +801,10 @@ def buildAdminResource(
         C{blocked_models}, C{streaks} (R11, model -> count),
         C{rate_limited_until}, C{breaker}, C{disabled}, C{last_error},
         C{last_error_at}, C{last_success_at}, C{turns}, C{failovers},
-        C{proxy_id}, C{proxy_state} (times in Unix seconds unless named
-        C{*_iso}; missing keys are shown as empty).
+        C{proxy_id}, C{proxy_state}, C{health} (the last 15 minutes'
+        attempt ends and the state shown: L{relay.policy.outcomes.healthState})
+        (times in Unix seconds unless named C{*_iso}; missing keys are shown
+        as empty).
     @param clearAccount: called with an account id; returns (a L{Deferred}
         of) anything, or raises/fails with L{KeyError} for an unknown id.
     @param registry: the metrics registry for C{/admin/metrics}, or L{None}
@@ -798,6 +828,7 @@ def buildAdminResource(
     """
     routes = {
         b"": _StatusPage(adminKey, _loadPage()),
+        b"static": StaticFiles(loadAssets(), notFound),
         b"settings": _SettingsResource(adminKey, settings),
         b"accounts": _AccountsResource(
             adminKey, accountsView, clearAccount, recentFailovers, clock, tokenActions

@@ -23,6 +23,11 @@ For every configured account the answer says one of:
   - C{candidate}: it could serve, and why it lost: C{slots full}, or its
     place in the order (priority, load, usage-window quota).
 
+Every row carries the account's C{health} (its attempt ends of the last 15
+minutes, L{relay.policy.outcomes}); a C{failing} or C{degraded} account
+says so in its C{why}, and when the chosen one is, the answer's
+C{warnings} say so too (C{chosen_failing}, C{chosen_degraded}).
+
 The prediction is exact for the next selection when nothing changes in
 between (ties are broken with a copy of the scheduler's shuffle state);
 a test asserts that explain and the real decision agree.
@@ -71,6 +76,9 @@ class Explainer:
     admission: Any
     ledger: Any = None
     settings: Any = None
+    outcomes: Any = None
+    """The L{relay.policy.outcomes.AttemptOutcomes} (each account's recent
+    attempt ends), or L{None}."""
 
     def keyNamed(self, name: str):
         """
@@ -134,7 +142,30 @@ class Explainer:
         preview = await self.scheduler.preview(turn)
         answer["decision"] = self._decision(preview)
         answer["accounts"] = await self._accounts(preview, allowed)
+        answer["warnings"] = []
+        for row in answer["accounts"]:
+            health = row.get("health") or {}
+            if row["verdict"] == "chosen":
+                answer["decision"]["health_state"] = health.get("state")
+                if health.get("state") in ("failing", "degraded"):
+                    answer["warnings"].append({
+                        "code": "chosen_" + health["state"], "account": row["id"],
+                        "message": f"the chosen account {row['id']} is {health['state']}:"
+                                   f" {health.get('why')}",
+                    })
         return answer
+
+    def _health(self, accountId: str) -> Optional[dict]:
+        """
+        @return: the account's recent attempt ends and the state they mean
+            (L{relay.policy.outcomes.healthState}, without its blocks, which
+            the verdict names), or L{None}.
+        """
+        if self.outcomes is None:
+            return None
+        from relay.policy.outcomes import healthState
+
+        return healthState(self.outcomes.counts(accountId))
 
     def _decision(self, preview) -> dict:
         if preview.selection is None:
@@ -183,6 +214,7 @@ class Explainer:
                 "load_percent": round(loadRate(inUse, waiting, account.concurrency), 1),
                 "quota_used_percent": None if used is None else round(used, 1),
                 "verdict": None, "why": None, "until": None, "until_iso": None,
+                "health": self._health(account.id),
             }
             if allowed is not None and account.id not in allowed:
                 row.update(verdict="not_in_group",
@@ -201,6 +233,10 @@ class Explainer:
                     row.update(verdict="candidate",
                                why=self._lostWhy(account, inUse, waiting, used, threshold,
                                                  preview))
+            health = row["health"] or {}
+            if health.get("state") in ("failing", "degraded") and row["verdict"] != "not_in_group":
+                # R86's recorded ends: never chosen (or passed over) silently.
+                row["why"] = f"{row['why']} -- {health['state']}: {health['why']}"
             rows.append(row)
         return rows
 

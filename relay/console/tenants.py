@@ -10,6 +10,8 @@ L{relay.console.admin}'s, behind the same admin key (behaviour.md R99):
     client sent, which turns of several keys may share: R111):
     C{{"requests": [record, ...], "next": cursor or null}}; C{since} and
     C{until} are Unix seconds or ISO 8601 times; C{limit} 1..500 (50);
+    C{format=csv}: the page as CSV (L{CSV_COLUMNS}; C{limit} up to 5000),
+    the next page's cursor in the C{x-next-cursor} header;
   - C{GET /admin/explain?key=&model=&session=&previous_response_id=&entrypoint=&endpoint=}
     - the next turn's decision for a key, without admitting anything
     (L{relay.console.explain}).
@@ -23,6 +25,7 @@ from __future__ import annotations
 from twisted.internet.defer import Deferred
 
 from relay.console.admin import deliverLater, errorBody, Guarded, notFound, respond
+from relay.console.csvexport import deliverCSV, wantsCSV
 from relay.tenants.requestlog import RequestQuery
 from relay.usage.query import UsageQueryError, parseSince
 
@@ -31,6 +34,22 @@ __all__ = ["ExplainResource", "RequestsResource"]
 OUTCOMES = ("completed", "failed", "client_gone", "error", "relay_cancelled")
 DEFAULT_LIMIT = 50
 MAX_LIMIT = 500
+MAX_CSV_LIMIT = 5000
+"""The largest page of C{format=csv} (an export, not a page to show)."""
+
+CSV_COLUMNS = [
+    "time_iso", "time", "request_id", "client_request_id", "key", "entrypoint", "endpoint",
+    "stream", "model", "account", "accounts", "outcome", "status", "error_code", "error",
+    "input_tokens", "cached_input_tokens", "output_tokens", "reasoning_tokens", "cost_usd",
+    "duration_ms", "first_output_ms", "switches", "waited_ms",
+]
+"""The request log's CSV columns (C{format=csv}); C{accounts} joined by C{;}."""
+
+
+def _iso(seconds: float) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
 
 
 def _arg(request, name: str):
@@ -66,6 +85,9 @@ class RequestsResource(Guarded):
         """
         if request.postpath not in ([], [b""]):
             return notFound(request)
+        csv = wantsCSV(request)
+        if csv is None:
+            return _bad(request, "format must be json or csv", "format")
         now = self.clock.seconds()
         times = {}
         for name in ("since", "until"):
@@ -87,8 +109,9 @@ class RequestsResource(Guarded):
                 limit = int(text)
             except ValueError:
                 limit = 0
-            if not 1 <= limit <= MAX_LIMIT:
-                return _bad(request, f"limit must be an integer from 1 to {MAX_LIMIT}", "limit")
+            most = MAX_CSV_LIMIT if csv else MAX_LIMIT
+            if not 1 <= limit <= most:
+                return _bad(request, f"limit must be an integer from 1 to {most}", "limit")
         cursor = _arg(request, "cursor")
         if cursor is not None and not all(c.isdigit() or c == "-" for c in cursor):
             return _bad(request, "cursor must be a value from a previous answer's next", "cursor")
@@ -99,6 +122,15 @@ class RequestsResource(Guarded):
             client_request_id=_arg(request, "client_request_id"),
         )
         d = self.log.query(filters, limit, cursor)
+        if csv:
+            def _cbTable(found):
+                records, nextCursor = found
+                rows = [[_iso(r.time)] + [r.asDict()[n] for n in CSV_COLUMNS[1:]]
+                        for r in records]
+                return CSV_COLUMNS, rows, {"x-next-cursor": nextCursor} if nextCursor else {}
+
+            return deliverCSV(request, d.addCallback(_cbTable), "requests.csv",
+                              "reading the request log")
 
         def _cbAnswer(found):
             records, nextCursor = found

@@ -103,6 +103,10 @@ class OperatorView:
                 # A paused account's block comes first.
                 blocks[0:0] = [_timed(b, now) for b in self.control.blocksOf(account, now)]
             first = blocks[0] if blocks else None
+            # A model-wide block leaves the account serving other models:
+            # its health state is then the attempts'.
+            health = self._health(account.id, next(
+                (b for b in blocks if b["scope"] != "model"), None))
             rows.append(
                 {
                     "id": account.id,
@@ -134,6 +138,7 @@ class OperatorView:
                     "usage": self.quota.view(account.id) if self.quota is not None else None,
                     "banked_resets": self.resets.available.get(account.id)
                     if self.resets is not None and account.type == "oauth" else None,
+                    "health": health,
                 }
             )
             if self.credentials is not None:
@@ -141,6 +146,19 @@ class OperatorView:
             if self.control is not None:
                 rows[-1].update(self.control.viewOf(account))
         return rows
+
+    def _health(self, accountId: str, block: Optional[dict]) -> Optional[dict]:
+        """
+        @return: the account's health over the last 15 minutes
+            (L{relay.policy.outcomes.healthState}), or L{None} without a
+            record of attempt ends.
+        """
+        from relay.policy.outcomes import healthState
+
+        outcomes = getattr(getattr(self.runner, "bookkeeping", None), "outcomes", None)
+        if outcomes is None:
+            return None
+        return healthState(outcomes.counts(accountId), block)
 
     def _oauthAccount(self, accountId: str):
         for account in self.accounts:

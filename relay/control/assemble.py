@@ -15,6 +15,7 @@ from attrs import define
 from twisted.application.service import MultiService
 from twisted.internet.defer import Deferred, maybeDeferred
 
+from relay.control.accounts.check import CredentialCheck
 from relay.control.accounts.resource import AccountsResource
 from relay.control.accounts.service import AccountService
 from relay.control.audit.resource import AuditResource, ControlAdmin
@@ -161,6 +162,7 @@ def assembleControl(app, admin, view, redis) -> ControlParts:
     policy = BrowserLikePolicyForHTTPS(trustRoot) if trustRoot is not None else None
     egress = EgressClient(reactor=reactor, settings=app.settings, tlsPolicy=policy)
     credentials = app.extras.get("credentials")
+    accounts.credentials = credentials
     logins = LoginService(plane=plane, accounts=accounts, tokens=view, egress=egress,
                           settings=app.settings, clock=reactor, audit=audit,
                           credentials=credentials)
@@ -183,7 +185,8 @@ def assembleControl(app, admin, view, redis) -> ControlParts:
     adminKey = app.live.adminKey
     routes = {
         b"accounts": AccountsResource(adminKey, accounts, admin.route(b"accounts"), logins,
-                                      resets),
+                                      resets, CredentialCheck(app.live.accounts, egress,
+                                                              credentials, reactor)),
         b"logins": LoginsResource(adminKey, logins),
         b"audit": AuditResource(adminKey, audit, reactor),
         b"keys": KeysResource(adminKey, keys),

@@ -514,7 +514,8 @@ class ControlPlane:
         """
         The control plane's fields of an account's row in C{GET
         /admin/accounts}: C{source} (C{file} | C{admin}), C{label},
-        C{paused}, C{paused_at}, C{created_at}. Never a secret.
+        C{paused}, C{paused_at}, C{paused_reason}, C{paused_by} (the
+        admin's address), C{created_at}. Never a secret.
         """
         record = self.admin.get(account.id)
         data = record[0].data if record is not None else {}
@@ -524,6 +525,8 @@ class ControlPlane:
             "label": data.get("label"),
             "paused": pause is not None,
             "paused_at": pause.data.get("paused_at") if pause is not None else None,
+            "paused_reason": pause.data.get("reason") if pause is not None else None,
+            "paused_by": pause.data.get("by") if pause is not None else None,
             "created_at": data.get("created_at"),
         }
 

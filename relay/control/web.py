@@ -58,21 +58,25 @@ class ControlError(Exception):
     @ivar message: one line for a person, naming the field; never a
         secret.
     @ivar param: the offending field, or L{None}.
+    @ivar extra: more top-level fields of the answer (never a secret).
     """
 
-    def __init__(self, status: int, code: str, message: str, param: Optional[str] = None):
+    def __init__(self, status: int, code: str, message: str, param: Optional[str] = None,
+                 extra: Optional[dict] = None):
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
         self.param = param
+        self.extra = extra or {}
 
     def envelope(self) -> dict:
         """
-        @return: the error body.
+        @return: the error body (with C{extra}'s fields beside C{error},
+            e.g. the C{login} a refused paste leaves pending).
         """
         kind = "invalid_request_error" if self.status < 500 else "api_error"
-        return errorBody(self.message, kind, self.code, self.param)
+        return dict(errorBody(self.message, kind, self.code, self.param), **self.extra)
 
 
 class AdminLeaf(Guarded):

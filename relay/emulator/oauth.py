@@ -359,6 +359,9 @@ class OAuthAuthority:
             "jti": secrets.token_hex(8),
             AUTH_CLAIM: {"chatgpt_account_id": account.chatgptAccountId,
                          "chatgpt_plan_type": account.plan},
+            # As OpenAI's access tokens: the signed-in person's profile.
+            "https://api.openai.com/profile": {"email": f"{account.name}@emulator.invalid",
+                                               "email_verified": True},
         }
         return jwt.encode(claims, self.secret, algorithm="HS256", headers={"kid": KID})
 

@@ -19,7 +19,8 @@ C{Connection: close}; its body is never read, decoded, spooled or parsed.
     L{KEYS_WAIT_SECONDS});
   - B{admin routes} (C{/admin/<anything>}): the admin key, or a console
     operator's session cookie (L{IntakePolicy.consoleGate}); the status page
-    shell C{GET /admin/} needs none (R99);
+    shell C{GET /admin/} and its files C{GET /admin/static/...} need none
+    (R99);
   - B{C{/metrics}}: the admin key or the read-only C{metrics_key};
   - B{sign-in routes} (C{/auth/...}, the console's sign-in): none yet;
     their body is read, bounded by L{SIGNIN_BODY_LIMIT}; the route checks
@@ -218,8 +219,13 @@ def routeClass(path: bytes, method: bytes) -> str:
         return ROUTE_OPEN
     head = segments[0]
     if head == b"admin":
-        if len(segments) == 1 and method in (b"GET", b"HEAD"):
-            return ROUTE_OPEN  # the status page shell and its redirect (R99)
+        if method in (b"GET", b"HEAD") and (
+            len(segments) == 1 or (segments[1] == b"static" and len(segments) > 2
+                                   and b".." not in segments and b"." not in segments)
+        ):
+            # The status page shell, its redirect and its static files
+            # (styles, scripts, the charting library: no data) (R99).
+            return ROUTE_OPEN
         return ROUTE_ADMIN
     if head == b"metrics":
         return ROUTE_METRICS

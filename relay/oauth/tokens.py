@@ -112,6 +112,26 @@ def accountIdOf(*tokens: Optional[str]) -> Optional[str]:
     return str(value) if value else None
 
 
+PROFILE_CLAIM = "https://api.openai.com/profile"
+"""The access token's claim holding the signed-in person's C{email}."""
+
+
+def emailOf(*tokens: Optional[str]) -> Optional[str]:
+    """
+    @return: the signed-in person's e-mail address from the first token
+        that names one (an ID token's C{email}, an access token's profile
+        claim), or L{None}.
+    """
+    for token in tokens:
+        found = claims(token)
+        profile = found.get(PROFILE_CLAIM)
+        value = found.get("email") or (profile.get("email") if isinstance(profile, dict)
+                                       else None)
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
 def planOf(*tokens: Optional[str]) -> Optional[str]:
     """
     @return: C{chatgpt_plan_type} from the tokens' account claim, or L{None}.

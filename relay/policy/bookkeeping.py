@@ -25,7 +25,10 @@ L{relay.policy.health.AccountHealth} and L{relay.policy.proxyhealth.ProxyHealth}
     write: L{record} returns before looking at the account.
 
 It also keeps the per-account counters the operator view shows (turns,
-failovers, the last error and when) and logs C{openai.ops_event}.
+failovers, the last error and when; a client's own fault,
+L{relay.policy.outcomes.isClientFault}, is never the account's last error),
+the recent attempt ends its health is judged from
+(L{relay.policy.outcomes.AttemptOutcomes}), and logs C{openai.ops_event}.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from relay.base.eager import eagerDeferred
 from relay.interfaces import IAccountBookkeeping
 from relay.policy import ends as E
 from relay.policy import failures as F
+from relay.policy.outcomes import AttemptOutcomes, isClientFault
 
 
 @frozen
@@ -100,6 +104,13 @@ class AccountBookkeeping:
     proxyHealth: object = None
     metrics: object = None
     stats: dict = field(factory=dict)
+    outcomes: Optional[AttemptOutcomes] = None
+    """The recent attempt ends per account (L{relay.policy.outcomes}), for
+    the health the operator is shown; built on the clock when not given."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.outcomes is None:
+            self.outcomes = AttemptOutcomes(clock=self.clock)
 
     _log = Logger()
 
@@ -133,6 +144,7 @@ class AccountBookkeeping:
         """
         if self.proxyHealth is not None and account.proxy is not None:
             self.proxyHealth.lift(account.proxy.id)
+        self.outcomes.forget(account.id)
         return self.health.clear(account.id)
 
     def record(
@@ -165,6 +177,7 @@ class AccountBookkeeping:
             # A success (every relayed turn's end) needs no
             # coroutine: the health answers at once (a fired Deferred).
             self.accountStats(account.id)["last_success_at"] = self.clock.seconds()
+            self.outcomes.succeeded(account.id)
             done = self.health.success(account, model)
             if done.called and not isinstance(done.result, (Failure, Deferred)):
                 return succeed(NOTHING)
@@ -178,6 +191,7 @@ class AccountBookkeeping:
             return NOTHING
         if isinstance(end, E.Completed):
             self.accountStats(account.id)["last_success_at"] = self.clock.seconds()
+            self.outcomes.succeeded(account.id)
             await self.health.success(account, model)
             return NOTHING
         if verdict is not None:
@@ -230,8 +244,14 @@ class AccountBookkeeping:
         The operator counters and the R5 ops event of one failed attempt.
         """
         stats = self.accountStats(account.id)
-        stats["last_error"] = f"{verdict.reason} {verdict.status}: {verdict.message}"[:200]
-        stats["last_error_at"] = self.clock.seconds()
+        if isClientFault(verdict):
+            # The client's own request was refused: not the account's error.
+            self.outcomes.clientFault(account.id)
+        else:
+            stats["last_error"] = f"{verdict.reason} {verdict.status}: {verdict.message}"[:200]
+            stats["last_error_at"] = self.clock.seconds()
+            self.outcomes.failed(account.id, verdict.reason, None if verdict.kind == F.TRANSPORT
+                                 else verdict.status, verdict.message)
         if verdict.failover and not E.afterOutput(end):
             stats["failovers"] += 1
         self._log.info(

@@ -172,20 +172,34 @@ class AccountHealth:
         """
         The R-B1 breaker of an account for the admin view.
 
-        @return: C{{"failures", "opens", "open_until"}} over its proxies
-            (failures and opens summed; C{open_until} the latest open period's
-            end in Unix seconds, or L{None} when none is in force), or L{None}
-            when the account has no breaker state.
+        @return: C{{"failures", "threshold", "window_seconds",
+            "window_resets_at", "opens", "open_until", "state"}} over its
+            proxies: C{failures} what the breaker counts now (0 once the
+            window that began with the first failure has passed, as the next
+            failure would start counting again), summed; C{window_resets_at}
+            when the oldest counting window ends (or L{None});
+            C{open_until} the latest open period's end in Unix seconds, or
+            L{None} when none is in force; C{state} C{open}, C{counting} or
+            C{closed}. L{None} when the account has no breaker state.
         """
         found = [b for k, b in self._breakers.items() if k[0] == accountId]
         if not found:
             return None
         now = self._clock.seconds()
+        settings = self._settings.current.breaker
+        window = float(settings.window_seconds)
+        counting = [b for b in found if b.failures and now - b.windowStart <= window]
         ends = [b.openUntil for b in found if b.openUntil > now]
+        failures = sum(b.failures for b in counting)
         return {
-            "failures": sum(b.failures for b in found),
+            "failures": failures,
+            "threshold": settings.failures,
+            "window_seconds": window,
+            "window_resets_at": min(b.windowStart for b in counting) + window
+            if counting else None,
             "opens": sum(b.opens for b in found),
             "open_until": max(ends) if ends else None,
+            "state": "open" if ends else ("counting" if failures else "closed"),
         }
 
     def blocks(self, account: Account, runtime: AccountRuntime, now: float) -> list:

@@ -128,6 +128,18 @@ _ACCESS = '{client} "{method} {path}" {status} {bytes}'
 _ACCESS_TIMED = _ACCESS + " in {duration_ms}ms"
 
 
+def _isPolling(request) -> bool:
+    """
+    @return: whether C{request} is an admin read that succeeded (the
+        console's polling: C{GET}/C{HEAD} under C{/admin}, status below
+        400), logged at debug by L{_Site.log}.
+    """
+    if request.method not in (b"GET", b"HEAD"):
+        return False
+    path = request.uri.split(b"?", 1)[0]
+    return (path == b"/admin" or path.startswith(b"/admin/")) and (request.code or 200) < 400
+
+
 class _Site(RelaySite):
     """
     The relay's L{Site}: its access line is a structured
@@ -159,7 +171,10 @@ class _Site(RelaySite):
         uri = request.uri
         # A target without a query has nothing to redact.
         path = redactQuery(uri.decode("latin-1")) if 63 in uri else uri.decode("latin-1")  # b"?"
-        self._log.info(
+        # The console's own polling (admin reads that succeeded) is debug,
+        # not info: an open admin tab must not fill the log.
+        emit = self._log.debug if _isPolling(request) else self._log.info
+        emit(
             _ACCESS if duration is None else _ACCESS_TIMED,
             event="relay.http_access",
             request_id=notesOf(request).requestId,
@@ -1002,9 +1017,21 @@ def _tenants(app: RelayApplication, admin, usage, redis) -> None:
     explainer = Explainer(
         clock=reactor, scheduler=app.scheduler, keys=app.keys, accounts=app.live.accounts,
         policy=policy, admission=app.admission, ledger=usage, settings=app.settings,
+        outcomes=getattr(runner.bookkeeping, "outcomes", None),
     )
     admin.putRoute(b"requests", RequestsResource(app.live.adminKey, log, reactor))
     admin.putRoute(b"explain", ExplainResource(app.live.adminKey, explainer))
+    usageRoute = admin.route(b"usage")
+    if usageRoute is not None:
+        from relay.console.usageseries import renderSeries
+
+        # GET /admin/usage/series: the usage store's and the log's totals.
+        usageRoute.series = lambda request: renderSeries(request, usage, log, reactor)
+    from relay.console.overview import OverviewResource
+
+    admin.putRoute(b"overview", OverviewResource(
+        app.live.adminKey, app.extras["operator"].accountsView,
+        getattr(runner.bookkeeping, "outcomes", None), usage, reactor))
 
     def reloaded(result, new) -> None:
         prices.replace(new.prices)

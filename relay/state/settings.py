@@ -149,14 +149,24 @@ def _clamp(low: Optional[float] = None, high: Optional[float] = None) -> Callabl
     return clamp
 
 
+def _described(normaliser: Callable, **schema) -> Callable:
+    """
+    @return: C{normaliser}, carrying its JSON C{schema} (L{describe}).
+    """
+    normaliser.schema = schema
+    return normaliser
+
+
 def _floatSetting(low=None, high=None) -> Callable:
     clamp = _clamp(low, high)
-    return lambda value: clamp(_number(value))
+    return _described(lambda value: clamp(_number(value)), type="number", minimum=low,
+                      maximum=high)
 
 
 def _intSetting(low=None, high=None) -> Callable:
     clamp = _clamp(low, high)
-    return lambda value: clamp(_int(value))
+    return _described(lambda value: clamp(_int(value)), type="integer", minimum=low,
+                      maximum=high)
 
 
 def _policy(value: Any) -> str:
@@ -178,6 +188,32 @@ def _firstOutputTimeout(value: Any) -> float:
     if number <= 0:
         return 0.0
     return min(max(number, 30.0), 600.0)
+
+
+_described(_bool, type="boolean")
+_described(_policy, type="string", choices=["rotate", "sticky"])
+_described(_firstOutputTimeout, type="number", minimum=0, maximum=600,
+           note="0 is off; otherwise 30 to 600")
+
+
+def describe(settings: GatewaySettings) -> list:
+    """
+    Every runtime setting with its value and what it accepts, for an
+    editor (C{GET /admin/settings/schema}): values outside the range are
+    clamped into it on write (R74), never refused.
+
+    @return: C{[{"name" (flat dotted), "value", "type" (integer, number,
+        boolean, string), "minimum", "maximum", "choices", "note"}]}, in
+        L{RUNTIME_KEYS}' order.
+    """
+    values = snapshotOf(settings)
+    out = []
+    for name, normaliser in RUNTIME_KEYS.items():
+        schema = getattr(normaliser, "schema", {})
+        out.append({"name": name, "value": values[name], "type": schema.get("type"),
+                    "minimum": schema.get("minimum"), "maximum": schema.get("maximum"),
+                    "choices": schema.get("choices"), "note": schema.get("note")})
+    return out
 
 
 #: Every runtime setting: dotted name -> normaliser (coerce, then clamp).

@@ -47,6 +47,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from relay.interfaces import IRequestLog
+from relay.tenants import logseries
 from relay.tenants.record import TurnRecord, fromDict
 
 __all__ = [
@@ -208,6 +209,18 @@ class _Buffered:
 
         return Deferred.fromCoroutine(_query())
 
+    def aggregate(self, since: float, until: float, bucket: int, groupBy: str,
+                  filters: dict) -> Deferred:
+        """
+        See L{IRequestLog.aggregate}: flush, then one read
+        (L{relay.tenants.logseries}).
+        """
+        async def _aggregate():
+            await self.flush()
+            return await self._aggregate(since, until, bucket, groupBy, dict(filters))
+
+        return Deferred.fromCoroutine(_aggregate())
+
 
 @implementer(IRequestLog)
 @define(eq=False)
@@ -237,6 +250,9 @@ class MemoryRequestLog(_Buffered):
         while self._records and self._records[0].time < cutoff:
             self._records.popleft()
         return succeed(None)
+
+    async def _aggregate(self, since, until, bucket, groupBy, filters) -> dict:
+        return logseries.aggregateRecords(self._records, since, until, bucket, groupBy, filters)
 
     async def _read(self, filters, limit, cursor):
         before = int(cursor) if cursor else None
@@ -331,6 +347,15 @@ class SQLiteRequestLog(_Buffered):
             )
 
         await self._run(_insert)
+
+    async def _aggregate(self, since, until, bucket, groupBy, filters) -> dict:
+        sql, args = logseries.sqliteAggregate(since, until, bucket, groupBy, filters)
+
+        def _select(txn):
+            txn.execute(sql, args)
+            return txn.fetchall()
+
+        return logseries.fromRows(await self._run(_select))
 
     async def _read(self, filters: RequestQuery, limit: int, cursor):
         where, args = [], []
@@ -485,6 +510,9 @@ class RedisRequestLog(_Buffered):
             except ValueError:
                 continue
         return out
+
+    async def _aggregate(self, since, until, bucket, groupBy, filters) -> dict:
+        return await logseries.redisAggregate(self, since, until, bucket, groupBy, filters)
 
     async def _read(self, filters: RequestQuery, limit: int, cursor):
         if filters.request_id is not None or filters.client_request_id is not None:

@@ -538,3 +538,17 @@ class UsageLedger:
         rows = [dict({groupBy: group}, **counts.asDict()) for group, counts in found.items()]
         rows.sort(key=lambda row: (-row["total_tokens"], str(row[groupBy])))
         return rows
+
+    async def series(self, since: float, until: float, bucket: int, groupBy: str,
+                     filters: dict) -> dict:
+        """
+        The totals per time bucket and group (L{IUsageStore.series}) for
+        C{GET /admin/usage/series}; flushes first so the answer includes
+        the turns just counted.
+
+        @return: C{{(bucket start, group): TokenCounts}}.
+        @raise ValueError: for a bad bucket, group or filter.
+        """
+        await self.flush()
+        return await self.store.series(since, until, bucket, groupBy, filters).addTimeout(
+            self.flushTimeout, self.clock)

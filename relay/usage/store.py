@@ -31,6 +31,7 @@ from relay.usage.tokens import TokenCounts
 
 __all__ = [
     "GROUPS",
+    "SERIES_GROUPS",
     "MemoryUsageStore",
     "RedisUsageStore",
     "SQLiteUsageStore",
@@ -88,6 +89,33 @@ def _checkGroup(groupBy: str) -> None:
         raise ValueError(f"group_by must be one of {', '.join(GROUPS)}")
 
 
+SERIES_GROUPS = ("key", "account", "model", "none")
+"""What a series may be grouped by (C{none}: one group, C{""})."""
+
+
+def _checkSeries(bucket: int, groupBy: str, filters: dict) -> None:
+    if groupBy not in SERIES_GROUPS:
+        raise ValueError(f"group_by must be one of {', '.join(SERIES_GROUPS)}")
+    if bucket <= 0 or bucket % HOUR:
+        raise ValueError("bucket must be a whole number of hours")
+    for name in filters:
+        if name not in ("key", "account", "model"):
+            raise ValueError(f"unknown filter {name}")
+
+
+def _seriesIdent(hour: int, key: str, account: str, model: str, bucket: int, groupBy: str,
+                 filters: dict):
+    """
+    @return: the C{(bucket start, group)} a row adds to, or L{None} when
+        the filters leave it out.
+    """
+    values = {"key": key, "account": account, "model": model}
+    for name, wanted in filters.items():
+        if values[name] != wanted:
+            return None
+    return hour // bucket * bucket, "" if groupBy == "none" else values[groupBy]
+
+
 @implementer(IUsageStore)
 @define(eq=False)
 class MemoryUsageStore:
@@ -118,6 +146,20 @@ class MemoryUsageStore:
             if hour >= since:
                 group = _groupValue(groupBy, hour, key, account, model)
                 result[group] = result.get(group, TokenCounts()) + counts
+        return succeed(result)
+
+    def series(self, since, until, bucket, groupBy, filters) -> Deferred:
+        """
+        See L{IUsageStore.series}: one pass over the rows.
+        """
+        _checkSeries(bucket, groupBy, filters)
+        since = hourOf(since)
+        result: dict = {}
+        for (hour, key, account, model), counts in self.rows.items():
+            if since <= hour < until:
+                ident = _seriesIdent(hour, key, account, model, bucket, groupBy, filters)
+                if ident is not None:
+                    result[ident] = result.get(ident, TokenCounts()) + counts
         return succeed(result)
 
     def budgetTotals(self, dayStart, monthStart) -> Deferred:
@@ -249,6 +291,30 @@ class SQLiteUsageStore:
             return {row[0]: TokenCounts(*(int(v or 0) for v in row[1:])) for row in txn.fetchall()}
 
         return self._run(_totals)
+
+    def series(self, since, until, bucket, groupBy, filters) -> Deferred:
+        """
+        See L{IUsageStore.series}: one C{GROUP BY} query.
+        """
+        _checkSeries(bucket, groupBy, filters)
+        column = "''" if groupBy == "none" else groupBy  # whitelisted above
+        where, args = ["hour >= ?", "hour < ?"], [hourOf(since), until]
+        for name in ("key", "account", "model"):
+            if name in filters:
+                where.append(f"{name} = ?")
+                args.append(filters[name])
+
+        def _series(txn):
+            txn.execute(
+                f"SELECT (hour / {int(bucket)}) * {int(bucket)} AS b, {column} AS g,"
+                f" {_SQL_SUMS} FROM usage_hourly WHERE {' AND '.join(where)}"
+                f" GROUP BY b, g",
+                args,
+            )
+            return {(int(row[0]), row[1]): TokenCounts(*(int(v or 0) for v in row[2:]))
+                    for row in txn.fetchall()}
+
+        return self._run(_series)
 
     def budgetTotals(self, dayStart, monthStart) -> Deferred:
         """
@@ -416,7 +482,28 @@ class RedisUsageStore:
         C{since} (at most C{retentionDays} back) to now.
         """
         _checkGroup(groupBy)
-        last = hourOf(self.clock.seconds())
+        return self._sumHours(
+            since, self.clock.seconds() + HOUR,
+            lambda hour, key, account, model: _groupValue(groupBy, hour, key, account, model))
+
+    def series(self, since, until, bucket, groupBy, filters) -> Deferred:
+        """
+        See L{IUsageStore.series}: one C{EVAL} over the hour hashes of the
+        range (at most C{retentionDays} back), summed here.
+        """
+        _checkSeries(bucket, groupBy, filters)
+        return self._sumHours(
+            since, until,
+            lambda hour, key, account, model: _seriesIdent(hour, key, account, model, bucket,
+                                                           groupBy, filters))
+
+    def _sumHours(self, since, until, identOf) -> Deferred:
+        """
+        Read the hour hashes of C{[since, until)} (not past now) in one
+        C{EVAL} and sum their fields per C{identOf(hour, key, account,
+        model)} (L{None} leaves a field out).
+        """
+        last = min(hourOf(self.clock.seconds()), hourOf(until - 1))
         first = max(hourOf(since), last - self.retentionDays * DAY)
         keys = [self._hourKey(h) for h in range(first, last + HOUR, HOUR)]
         if not keys:
@@ -434,7 +521,9 @@ class RedisUsageStore:
                     if len(parts) != 4 or parts[0] not in _METRICS:
                         continue
                     metric, key, account, model = parts
-                    group = _groupValue(groupBy, hour, key, account, model)
+                    group = identOf(hour, key, account, model)
+                    if group is None:
+                        continue
                     counts = result.get(group, TokenCounts())
                     result[group] = counts + TokenCounts(**{_METRICS[metric]: _number(value)})
             return result

@@ -345,6 +345,32 @@ class Page:
     async def html(self):
         return await self.evaluate("document.documentElement.outerHTML")
 
+    async def section(self, name, loaded=None):
+        """
+        Open a section of the console by clicking its name in the bar at
+        the top, as a person does (issue 40), and wait until it shows
+        (and, with C{loaded}, until C{document.body} has
+        C{data-<loaded>="1"}).
+        """
+        await self.click(f"#nav-{name}")
+        await self.waitFor(f"document.body.getAttribute('data-section') === {json.dumps(name)}"
+                           f" && !document.getElementById('section-{name}')"
+                           ".classList.contains('hidden')", what=f"section {name}")
+        if loaded:
+            await self.waitFor(f"document.body.getAttribute('data-{loaded}') === '1'",
+                               what=f"{name} loaded")
+
+    def exceptions(self):
+        """
+        The page's uncaught script errors so far (C{Runtime.exceptionThrown}),
+        as text.
+        """
+        return [e["params"]["exceptionDetails"].get("exception", {}).get("description")
+                or e["params"]["exceptionDetails"].get("text")
+                for e in self.session._events
+                if e.get("method") == "Runtime.exceptionThrown"
+                and e.get("sessionId") == self.sessionId]
+
     async def screenshot(self, path):
         """
         Save a PNG of the page.

@@ -86,7 +86,8 @@ class Stack:
         self.session = Session()
         self.page = await self.session.start(1280, 900)
         await self.page.goto(self.relay.url + "/admin/#key=" + ADMIN)
-        await self.page.waitFor("document.body.getAttribute('data-manage-loaded') === '1'")
+        # Issue 40: the accounts are a section of the console.
+        await self.page.section("accounts", "manage-loaded")
         return self
 
     async def stop(self):
@@ -259,6 +260,20 @@ async def test_browser_login_through_the_page(stack):
     code, raw = await stack.turn()
     assert code == 200 and b"response.completed" in raw
     assert stack.emulator.requestsFor("o-new"), "the new account did not serve the turn"
+    # Issue 40: its plan windows as bars with their reset times, and the
+    # Test action's usage probe.
+    windows = "tr.manage-row[data-account-id=\"oa-new\"] td.usage"
+    await page.waitFor("(document.querySelector(%s) || {innerText: ''}).innerText"
+                       ".indexOf('resets in') >= 0" % json.dumps(windows), timeout=20,
+                       what="oa-new's plan windows")
+    assert await page.evaluate("document.querySelectorAll(%s).length"
+                               % json.dumps(windows + " .meter-box")) >= 1
+    await page.click("tr.manage-row[data-account-id=\"oa-new\"] button.test")
+    await page.waitFor("['ok','failed','error'].indexOf(document.getElementById('test-panel')"
+                       ".dataset.testStatus) >= 0", what="the test of oa-new")
+    result = await page.text("#test-result")
+    assert "usage probe" in result and "OK" in result, result
+    await stack.shot("oauth-windows-and-test")
 
     # A refused sign-in.
     await stack.addLogin("oa-denied", "browser")
@@ -377,11 +392,14 @@ async def test_manage_relogin_and_audit_through_the_page(stack):
     code, view = await stack.admin("GET", "accounts/typed")
     assert (view["account"]["label"], view["account"]["concurrency"]) == ("typed on the page", 9)
 
-    # Pause it: never selected while paused.
+    # Pause it, with a reason (issue 40): never selected while paused.
     await page.click("tr.manage-row[data-account-id=\"typed\"] button.pause")
+    await page.type("#pause-reason", "key rotation")
+    await page.click("#pause-submit")
     await page.waitFor("(function(){var r=document.querySelector("
                        "'tr.manage-row[data-account-id=\"typed\"]');"
                        " return r && r.getAttribute('data-paused') === '1';})()")
+    assert "paused: key rotation" in (await stack.row("typed"))["text"]
     await stack.shot("manage-paused")
     before = len(stack.emulator.requestsFor("typed"))
     for _ in range(3):
@@ -419,7 +437,9 @@ async def test_manage_relogin_and_audit_through_the_page(stack):
     await page.click("tr.manage-row[data-account-id=\"typed\"] button.delete")
     await stack.waitRow("typed", present=False)
 
-    # The audit, on the page.
+    # The audit, on the page (its own section, issue 40).
+    assert await page.evaluate("document.body.getAttribute('data-manage-clipped') === '0'")
+    await page.section("audit", "audit-loaded")
     await page.waitFor("document.querySelectorAll('tr.audit-row').length >= 8",
                        what="the audit rows")
     actions = await page.evaluate(
@@ -428,7 +448,6 @@ async def test_manage_relogin_and_audit_through_the_page(stack):
     for action in ("account.create", "account.update", "account.disable", "account.enable",
                    "account.delete", "login.start", "login.complete"):
         assert action in actions, (action, actions)
-    assert await page.evaluate("document.body.getAttribute('data-manage-clipped') === '0'")
     assert await page.evaluate(
         "document.documentElement.scrollWidth <= document.documentElement.clientWidth")
     await stack.shot("manage-audit")
@@ -450,6 +469,8 @@ async def test_a_slow_click_across_a_refresh_is_not_lost(stack):
         "document.querySelector('tr.manage-row[data-account-id=\"k-file\"]')"
         ".setAttribute('data-before', '1')")
     await page.click("tr.manage-row[data-account-id=\"k-file\"] button.pause", hold=3.5)
+    # Issue 40: Pause asks for a reason (optional) first.
+    await page.click("#pause-submit")
     await page.waitFor("(function(){var r=document.querySelector("
                        "'tr.manage-row[data-account-id=\"k-file\"]');"
                        " return r && r.getAttribute('data-paused') === '1';})()",
@@ -464,3 +485,55 @@ async def test_a_slow_click_across_a_refresh_is_not_lost(stack):
                        "'tr.manage-row[data-account-id=\"k-file\"]');"
                        " return r && r.getAttribute('data-paused') === '0';})()",
                        what="k-file resumed by the slow click")
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_bad_paste_leaves_the_login_open_and_a_duplicate_is_warned(stack):
+    """
+    Issue 40: a paste without a code says why and leaves the login open
+    (Complete and Cancel still there); pasting the right address then
+    completes it. Logging the same ChatGPT identity in as a second account
+    is done, with the page warning that it is already in the pool.
+    """
+    page = stack.page
+    await stack.addLogin("oa-first", "browser")
+    url = await stack.signInInAnotherTab("o-new")
+    await page.type("#login-paste", "http://localhost:1455/auth/callback")
+    await page.click("#login-complete")
+    await page.waitFor("document.getElementById('login-panel').getAttribute('data-login-status')"
+                       " === 'retry'", what="the login left open")
+    error = await page.text("#login-paste-error")
+    assert "no code" in error and "cancel" in error, error
+    assert await page.evaluate(
+        "!document.getElementById('login-browser').classList.contains('hidden')")
+    await stack.shot("login-paste-retry")
+    message = await stack.pasteBack(url)
+    assert "Logged in: account oa-first" in message, message
+    assert await page.text("#login-warnings") == ""
+
+    await stack.addLogin("oa-second", "browser")
+    url = await stack.signInInAnotherTab("o-new")
+    message = await stack.pasteBack(url)
+    assert "Logged in: account oa-second" in message, message
+    warning = await page.text("#login-warnings")
+    assert "already in the pool" in warning and "oa-first" in warning, warning
+    await stack.shot("login-duplicate-warning")
+    code, accounts = await stack.admin("GET", "accounts")
+    assert {"oa-first", "oa-second"} <= {a["id"] for a in accounts["accounts"]}
+
+    # A bad paste, then Cancel: the login ends, no account.
+    await stack.addLogin("oa-cancel", "browser")
+    await page.type("#login-paste", "http://localhost:1455/auth/callback?x=1")
+    await page.click("#login-complete")
+    await page.waitFor("document.getElementById('login-panel').getAttribute('data-login-status')"
+                       " === 'retry'", what="the login left open")
+    await page.click("#login-browser button.login-cancel")
+    await page.waitFor("document.getElementById('login-panel').classList.contains('hidden')",
+                       what="the login cancelled")
+    assert "cancelled" in (await stack.message()).lower()
+    code, logins = await stack.admin("GET", "logins")
+    mine = [entry for entry in logins["logins"]
+            if (entry.get("account") or {}).get("id") == "oa-cancel"
+            or entry.get("account_id") == "oa-cancel"]
+    assert mine and all(entry["status"] == "cancelled" for entry in mine), logins
+    await stack.assertNoSecret()

@@ -64,7 +64,8 @@ async def test_request_log_and_cost_page():
 
         page = await session.start()
         await page.goto(stack.url + "/admin/#key=" + ADMIN)
-        await page.waitFor("document.body.getAttribute('data-requests-loaded') === '1'")
+        # Issue 40: requests, usage and keys are sections of the console.
+        await page.section("requests", "requests-loaded")
         assert await page.evaluate("document.querySelectorAll('tr.request').length") == 4
         first = await page.text("#requests-body tr.request")
         assert "alice" in first and "completed 200" in first
@@ -107,7 +108,7 @@ async def test_request_log_and_cost_page():
         refused = await page.text("tr.request")
         assert "bob" in refused and "failed 403" in refused, refused
 
-        await page.waitFor("document.body.getAttribute('data-usage-loaded') === '1'")
+        await page.section("usage", "usage-loaded")
         usage = await page.text('tr.usage-row[data-group="alice"]')
         assert "$0.00315" in usage, usage  # 3 turns x $0.00105
         budget = await page.text('tr.budget-row[data-key="alice"]')
@@ -157,7 +158,7 @@ async def test_keys_panel():
         page = await session.start()
         await session.grant(stack.url)
         await page.goto(stack.url + "/admin/#key=" + ADMIN)
-        await page.waitFor("document.body.getAttribute('data-keys-loaded') === '1'")
+        await page.section("keys", "keys-loaded")
         assert await page.evaluate(f"!!document.querySelector('{keyRow('bob')}')")
         assert await page.evaluate(
             f"document.querySelector('{keyRow('bob')} button.key-edit') === null && "
@@ -230,6 +231,8 @@ async def test_keys_panel():
         await page.click(f"{keyRow('dana')} button.key-revoke")
         await page.waitFor(f"document.querySelector('{keyRow('dana')}') === null")
         assert await turn(secret) == 401
+        assert await page.evaluate("document.body.getAttribute('data-overflow-x')") != "1"
+        await page.section("audit", "audit-loaded")
         await page.waitFor("document.querySelector('#audit-body tr[data-action=\"key.delete\"]')"
                            " !== null", timeout=10)
         actions = await page.evaluate(
@@ -237,8 +240,8 @@ async def test_keys_panel():
             ".map(function (r) { return r.dataset.action; })")
         assert actions[:7] == ["key.delete", "key.enable", "key.disable", "key.update",
                                "key.enable", "key.disable", "key.create"], actions
-        assert await page.evaluate("document.body.getAttribute('data-overflow-x')") != "1"
-        await page.evaluate("document.getElementById('keys-section').scrollIntoView()")
+        await page.section("keys", "keys-loaded")
+        await page.evaluate("document.getElementById('section-keys').scrollIntoView()")
         await page.screenshot(ARTIFACTS / "keys-revoked.png")
         assert secret not in await page.evaluate(everything)
         for raw in answers:

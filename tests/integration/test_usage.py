@@ -417,7 +417,7 @@ async def test_status_page_usage_section():
     try:
         response, _ = await stack.postJSON("/v1/responses", {"model": "gpt-5.5", "input": "hi"})
         assert response.code == 200
-        dom, err, code = await chromium(stack.url + "/admin/#key=" + ADMIN, "--dump-dom")
+        dom, err, code = await chromium(stack.url + "/admin/#usage&key=" + ADMIN, "--dump-dom")
         assert code == 0, err[-2000:]
         row = re.search(r'<tr class="usage-row" data-group="team-a">(.*?)</tr>', dom, re.DOTALL)
         assert row is not None, dom[-3000:]

@@ -361,7 +361,7 @@ async def test_status_page_shows_left_clients_tokens_and_cost():
         await stack.app.runner.requestLog.flush()
         page = await session.start()
         await page.goto(stack.url + "/admin/#key=" + PAGE_ADMIN)
-        await page.waitFor("document.body.getAttribute('data-requests-loaded') === '1'")
+        await page.section("requests", "requests-loaded")
         rows = await page.evaluate(
             "Array.from(document.querySelectorAll('tr.request.outcome-client_gone'))"
             ".map(function (r) { return r.innerText; })")

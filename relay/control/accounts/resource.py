@@ -13,6 +13,9 @@ new tokens: L{relay.console.admin}) handed on unchanged.
   - C{POST /admin/accounts/{id}/redeem-reset} - redeem one of an OAuth
     account's banked rate-limit resets (L{relay.oauth.resets}; protocol.md
     7.3a): 200 C{{"account", "code", "windows_reset", "available"}};
+  - C{POST /admin/accounts/{id}/test} - try the credential upstream (an
+    API key lists the models, OAuth reads the usage probe) and answer what
+    the upstream said (L{relay.control.accounts.check}); audited;
   - C{POST /admin/accounts/{id}/login} - start a new ChatGPT login of an
     OAuth account (body C{{"flow": "browser" | "device"}}; see
     L{relay.control.logins.resource});
@@ -45,13 +48,16 @@ class AccountsResource(ServiceLeaf):
         L{None}.
     @ivar fallback: the operator surface's accounts resource.
     @ivar resets: the L{relay.oauth.resets.BankedResets}, or L{None}.
+    @ivar checks: the L{relay.control.accounts.check.CredentialCheck}, or
+        L{None}.
     """
 
-    def __init__(self, adminKey, service, fallback, logins=None, resets=None):
+    def __init__(self, adminKey, service, fallback, logins=None, resets=None, checks=None):
         super().__init__(adminKey, service)
         self.fallback = fallback
         self.logins = logins
         self.resets = resets
+        self.checks = checks
 
     def render_GET(self, request):
         """
@@ -91,6 +97,10 @@ class AccountsResource(ServiceLeaf):
                                   code="invalid_login"),
                      account_id=pathId(path[0])),
                 address, note), "starting a login")
+        if len(path) == 2 and path[1] == b"test" and self.checks is not None:
+            note = self._note(request)
+            return deliver(request, lambda: self.checks.test(pathId(path[0]), note),
+                           "testing an account")
         if len(path) == 2 and path[1] == b"redeem-reset" and self.resets is not None:
             note = self._note(request)
             return deliver(request, lambda: self._redeem(pathId(path[0]), note),

@@ -29,7 +29,7 @@ within a second.
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Any, Optional
 
 from attrs import define
 
@@ -66,7 +66,37 @@ def _invalid(message: str, param: Optional[str] = None) -> ControlError:
 class AccountService(PlaneService):
     """
     See the module docstring (plane, clock and store: L{PlaneService}).
+
+    @ivar credentials: the L{relay.interfaces.ICredentialSource} (the pool's
+        OAuth identities, for the duplicate warning), or L{None}.
     """
+
+    credentials: Any = None
+
+    def emailOf(self, account) -> Optional[str]:
+        """
+        @return: the e-mail address an OAuth account is signed in as (its
+            admin record's, else its current token's), or L{None}.
+        """
+        from relay.oauth.tokens import emailOf
+
+        record = self.plane.admin.get(account.id)
+        known = ((record[0].data.get("identity") or {}).get("email")
+                 if record is not None else None)
+        if known or self.credentials is None:
+            return known
+        return emailOf(self.credentials.current(account).credential)
+
+    def duplicates(self, identity: dict, accountId: str) -> list:
+        """
+        @return: the C{duplicate_identity} warnings of an identity about to
+            be (or just) added as C{accountId}
+            (L{relay.control.accounts.identity}).
+        """
+        from relay.control.accounts.identity import duplicateWarnings
+
+        return duplicateWarnings(identity, list(self.plane.live.accounts), accountId,
+                                 self.emailOf)
 
     def _proxies(self) -> tuple:
         return tuple(self.plane.live.config.proxies)
@@ -165,7 +195,9 @@ class AccountService(PlaneService):
         @param note: filled with the audit's details (field names only).
         @param login: for an account a ChatGPT login created:
             C{{"flow", "at", "plan"}}.
-        @return: C{(201, {"account": view})}.
+        @return: C{(201, {"account": view, "warnings": [...]})}: a
+            C{duplicate_identity} warning when the ChatGPT identity is
+            already in the pool (the account is added all the same).
         @raise ControlError: 400 (a field), 409 (the id exists).
         """
         # Secrets are redacted from every log line before anything can log
@@ -189,13 +221,25 @@ class AccountService(PlaneService):
                 "created_from": address}
         if login is not None:
             data["login"] = login
+        identity = None
+        if account.type == "oauth":
+            from relay.control.accounts.identity import identityOf
+
+            identity = identityOf(spec.get("access_token"), spec.get("id_token"))
+            identity["chatgpt_account_id"] = (identity["chatgpt_account_id"]
+                                              or account.chatgpt_account_id)
+            data["identity"] = identity
+        # Before it is added: the pool as it was.
+        warnings = self.duplicates(identity, accountId) if identity else []
         try:
             await self.store.put(ACCOUNT, accountId, data, None)
         except VersionConflict:
             raise ControlError(409, "account_exists", f"account {accountId!r} already exists",
                                "id")
         await self.plane.refresh()
-        return 201, {"account": self.view(accountId)}
+        if warnings:
+            note.setdefault("detail", {})["warnings"] = [w["code"] for w in warnings]
+        return 201, {"account": self.view(accountId), "warnings": warnings}
 
     # -- edit -----------------------------------------------------------------------------
 
@@ -297,6 +341,7 @@ class AccountService(PlaneService):
                     raise _invalid(f"unknown field {name}", name)
             await self.store.put(PAUSE, accountId, {
                 "paused_at": self._clock.seconds(), "by": address, "reason": reason}, ANY)
+            note.update(detail={"reason": reason})
         else:
             await self.store.delete(PAUSE, accountId, ANY)
         await self.plane.refresh()

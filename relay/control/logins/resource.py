@@ -12,8 +12,12 @@ L{relay.control.logins.service.LoginService}'s.
     /admin/logins/{id}} - one (the page polls a device login with it);
   - C{POST /admin/logins/{id}/complete} - the browser flow's paste-back:
     C{{"redirect_url": "http://localhost:1455/auth/callback?code=...&state=..."}}
-    or C{{"code": "..."}}; 200 C{{"login", "account"}};
-  - C{DELETE /admin/logins/{id}} - cancel a pending login.
+    or C{{"code": "..."}}; 200 C{{"login", "account", "warnings"}}
+    (C{duplicate_identity} when the ChatGPT identity is already in the
+    pool); a paste without a code is a 400 C{no_code} that leaves the login
+    pending (its C{login} view beside the error): paste again or cancel;
+  - C{DELETE /admin/logins/{id}} or C{POST /admin/logins/{id}/cancel} -
+    cancel a pending login.
 """
 
 from __future__ import annotations
@@ -63,6 +67,9 @@ class LoginsResource(ServiceLeaf):
             return deliver(request, lambda: self.service.begin(
                 readJSONBody(request, fields=LOGIN_BODY,
                              code="invalid_login"), address, note), "starting a login")
+        if len(path) == 2 and path[1] == b"cancel":
+            return deliver(request, lambda: self.service.cancel(pathId(path[0]), address, note),
+                           "cancelling a login")
         if len(path) == 2 and path[1] == b"complete":
             return deliver(request, lambda: self.service.complete(
                 pathId(path[0]), readJSONBody(request, fields=COMPLETE_BODY,

@@ -59,7 +59,7 @@ from relay.control.store import ANY, VersionConflict
 from relay.control.web import ControlError
 from relay.base.logs import registerSecrets
 from relay.base.records import ConfigError
-from relay.oauth.tokens import accountIdOf, planOf
+from relay.oauth.tokens import accountIdOf, emailOf, planOf
 
 __all__ = ["LOGIN", "LOGIN_TTL_SECONDS", "LoginService"]
 
@@ -88,8 +88,9 @@ NEW_ACCOUNT_FIELDS = (
 """What a new account started by a login may set (its tokens come from the login)."""
 
 
-def _fail(status: int, code: str, message: str, param: Optional[str] = None) -> ControlError:
-    return ControlError(status, code, message, param)
+def _fail(status: int, code: str, message: str, param: Optional[str] = None,
+          extra: Optional[dict] = None) -> ControlError:
+    return ControlError(status, code, message, param, extra)
 
 
 def _newId() -> str:
@@ -162,6 +163,9 @@ class LoginService(PlaneService):
             view.update(data.get("public") or {})
         if data.get("plan"):
             view["plan"] = data["plan"]
+        for name in ("identity", "warnings", "last_paste_error", "paste_attempts"):
+            if name in data:
+                view[name] = data[name]
         return view
 
     async def get(self, loginId: str) -> tuple:
@@ -367,10 +371,12 @@ class LoginService(PlaneService):
 
         @return: C{(200, {"login": view, "account": account view})}.
         @raise ControlError: 404; 409 (not pending: used, failed, expired
-            -- a login is single-use); 400 (nothing usable pasted, a
-            refused sign-in, a C{state} of another login, a code the server
-            refused: the login then ends, no account is created); 502 (the
-            auth server was unreachable).
+            -- a login is single-use); 400 C{no_code} (no code in what was
+            pasted: the login stays pending, to paste again or cancel; the
+            answer holds its C{login} view); 400 (a refused sign-in, a
+            C{state} of another login, a code the server refused: the login
+            then ends, no account is created); 502 (the auth server was
+            unreachable).
         """
         for name in body:
             if name not in ("redirect_url", "code"):
@@ -405,11 +411,30 @@ class LoginService(PlaneService):
             raise _fail(400, "login_denied", message + "; no account was created",
                         "redirect_url")
         if not params.code:
-            raise _fail(400, "invalid_login", "no code in what was pasted", "redirect_url")
+            raise await self._pasteRefused(record, "no code in what was pasted")
         claimed = await self._claim(record)
         result = await self._exchange(claimed, params.code, secret.get("verifier"),
                                       wire.BROWSER_REDIRECT_URI)
         return 200, result
+
+    async def _pasteRefused(self, record, message: str) -> ControlError:
+        """
+        A paste without a code: the login stays pending (paste again, or
+        cancel it); the attempt is kept on it (C{last_paste_error},
+        C{paste_attempts}) and the error carries the login's view.
+
+        @return: the 400 C{no_code} to raise.
+        """
+        data = dict(record.data, last_paste_error=message,
+                    paste_attempts=int(record.data.get("paste_attempts") or 0) + 1)
+        try:
+            record = await self.store.put(LOGIN, record.id, data, record.version)
+        except VersionConflict:
+            record = await self._record(record.id)  # someone else moved it on
+        return _fail(400, "no_code",
+                     message + ": paste the whole address the browser was sent to (it holds"
+                     " code=...); the login is still pending, paste again or cancel it",
+                     "redirect_url", extra={"login": self.publicView(record)})
 
     def _notPending(self, record) -> ControlError:
         status = record.data.get("status")
@@ -496,6 +521,9 @@ class LoginService(PlaneService):
         chatgptId = accountIdOf(tokens["id_token"], tokens["access_token"])
         plan = planOf(tokens["access_token"], tokens["id_token"])
         login = {"flow": data["flow"], "at": self._clock.seconds(), "plan": plan}
+        identity = {"chatgpt_account_id": chatgptId,
+                    "email": emailOf(tokens["id_token"], tokens["access_token"])}
+        warnings: list = []
         try:
             if data.get("mode") == "relogin":
                 account = self.plane.live.accounts.byId(accountId)
@@ -518,17 +546,19 @@ class LoginService(PlaneService):
                 _, answer = await self.accounts.create(spec, data.get("created_from"), {},
                                                        login=login)
                 view = answer["account"]
+                warnings = answer.get("warnings") or []
         except ControlError as e:
             await self._end(record, FAILED, e.code, e.message)
             raise
-        finished = await self._end(record, COMPLETED, None, None, plan=plan)
+        finished = await self._end(record, COMPLETED, None, None, plan=plan,
+                                   extra={"identity": identity, "warnings": warnings})
         self._log.info(
             "{flow} login {login_id} completed: {mode} account {account_id} (plan {plan})",
             event="relay.login_completed", flow=data["flow"], login_id=record.id,
             mode=data.get("mode"), account_id=accountId, plan=plan,
         )
         return {"login": self.publicView(finished) if finished is not None else None,
-                "account": view}
+                "account": view, "warnings": warnings}
 
     async def _noteLogin(self, accountId: str, login: dict) -> None:
         """
@@ -547,11 +577,13 @@ class LoginService(PlaneService):
             pass  # edited meanwhile: the login is stored anyway (in the token store)
 
     async def _end(self, record, status: str, code: Optional[str], message: Optional[str],
-                   plan: Optional[str] = None):
+                   plan: Optional[str] = None, extra: Optional[dict] = None):
         """
         End a login: its secrets removed, its outcome kept. A failure or an
         expiry is audited and logged (never with a secret).
 
+        @param extra: more fields to keep (a completed login's C{identity}
+            and C{warnings}).
         @return: the ended record, or L{None} when the store refused.
         """
         self._cancelPoll(record.id)
@@ -560,6 +592,7 @@ class LoginService(PlaneService):
                     error={"code": code, "message": message} if code or message else None)
         if plan:
             data["plan"] = plan
+        data.update(extra or {})
         try:
             ended = await self.store.put(LOGIN, record.id, data, ANY)
         except Exception as e:  # noqa: BLE001 - logged; the login expires anyway
