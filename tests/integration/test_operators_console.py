@@ -99,3 +99,102 @@ async def test_keyHolderSeesOnlyTheirOwn():
 
 
 __all__ = ["keyStack", "shot", "ADMIN", "ALICE", "BOB", "ACCOUNT"]
+
+
+ANA_PASSWORD = "ana-owner-password-1"
+VIC_PASSWORD = "vic-viewer-password-1"
+
+
+async def signIn(page, url, name, password):
+    await page.goto(url + "/admin/")
+    await page.waitFor("!document.getElementById('login').classList.contains('hidden')",
+                       what="the sign-in form")
+    await page.type("#signin-name", name)
+    await page.type("#signin-password", password)
+    await page.click("#login-form button[type=submit]")
+    await page.waitFor("!document.getElementById('dashboard').classList.contains('hidden')",
+                       what=f"{name} signed in")
+
+
+async def section(page, name, loaded):
+    await page.click(f"#nav-{name}")
+    await page.waitFor(f"document.body.getAttribute('data-{loaded}-loaded') === '1'",
+                       what=f"the {name} section")
+
+
+@pytest_twisted.ensureDeferred
+async def test_ownerAddsViewerWhoIsRefusedAndSeesNoSecret(monkeypatch):
+    """
+    Ana (owner) signs in with her password and adds Vic as a viewer in the
+    Operators section; Vic signs in, saving a setting is refused with a
+    message saying a viewer changes nothing, and the keys section shows
+    a key's hint masked (the secret and hint nowhere on the page); the
+    audit, read by Ana, names who did what.
+    """
+    from relay.operators.passwords import hashPassword
+
+    monkeypatch.setenv("RELAY_OP_ANA", hashPassword(ANA_PASSWORD))
+    stack = await keyStack(
+        "operators:\n  - {name: ana, role: owner, password_hash_env: RELAY_OP_ANA}\n")
+    session = Session()
+    try:
+        import treq
+
+        r = await treq.post(stack.url + "/admin/keys", json.dumps({"name": "carol"}).encode(),
+                            headers={"Authorization": [f"Bearer {ADMIN}"],
+                                     "Content-Type": ["application/json"]}, persistent=False)
+        issued = json.loads(await r.content())
+        secret = issued["secret"]
+        hint = [k for k in json.loads(await (await treq.get(
+            stack.url + "/admin/keys", headers={"Authorization": [f"Bearer {ADMIN}"]},
+            persistent=False)).content())["keys"] if k["name"] == "carol"][0]["hint"]
+        assert hint and secret
+
+        page = await session.start(1280, 900)
+        await signIn(page, stack.url, "ana", ANA_PASSWORD)
+        await section(page, "operators", "operators")
+        assert "Signed in as ana (owner)" in await page.text("#op-me")
+        await page.type("#op-name", "vic")
+        await page.select("#op-new-role", "viewer")
+        await page.type("#op-password", VIC_PASSWORD)
+        await page.click("#op-add-submit")
+        await page.waitFor("!!document.querySelector('tr.operator-row[data-operator=vic]')",
+                           what="vic in the list")
+        assert "vic added as viewer" in await page.text("#op-msg")
+        await shot(page, "owner-added-viewer")
+        await page.click("#logout")
+        await page.waitFor("!document.getElementById('login').classList.contains('hidden')")
+
+        await signIn(page, stack.url, "vic", VIC_PASSWORD)
+        await section(page, "settings", "settings")
+        await page.type("#setting-retry-interval-ms", "250")
+        await page.click("#settings-save")
+        await page.waitFor("document.getElementById('settings-msg').textContent.indexOf("
+                           "'viewer') >= 0", what="the refusal")
+        refusal = await page.text("#settings-msg")
+        assert "viewers read and change nothing" in refusal
+        await shot(page, "viewer-refused")
+        await section(page, "keys", "keys")
+        row = await page.text("tr.key-row[data-key=carol]")
+        assert "***" in row
+        html = await page.evaluate("document.documentElement.outerHTML")
+        assert hint not in html and secret not in html
+        await shot(page, "viewer-no-secret")
+        await section(page, "operators", "operators")
+        assert await page.evaluate(
+            "document.getElementById('op-add').classList.contains('hidden')")
+        await page.click("#logout")
+        await page.waitFor("!document.getElementById('login').classList.contains('hidden')")
+
+        await signIn(page, stack.url, "ana", ANA_PASSWORD)
+        await section(page, "audit", "audit")
+        audit = await page.evaluate(
+            "Array.from(document.querySelectorAll('tr.audit-row')).map(r => r.innerText)")
+        joined = "\n".join(audit)
+        assert any("operator.create" in a and "ana" in a and "vic" in a for a in audit), joined
+        assert any("operator.signin" in a and "vic" in a for a in audit), joined
+        assert any("key.create" in a and "admin-key" in a for a in audit), joined
+        await shot(page, "audit-who")
+    finally:
+        await session.stop()
+        await stack.stop()
