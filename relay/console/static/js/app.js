@@ -130,12 +130,22 @@ function buildShell() {
                   "Sign in with OIDC");
   form.parentNode.appendChild(oidc);
   $("logout").addEventListener("click", () => { auth.signOut().then(() => showLogin("")); });
-  onUnauthorised(() => { auth.signOut(); showLogin("Signed out, or an invalid admin key"); });
+  onUnauthorised(() => {
+    if (!$("login").classList.contains("hidden")) { return; }  // already said why
+    const message = auth.who() && auth.who().via !== "admin_key" ? "Your session has ended; sign in again"
+      : "Invalid admin key";
+    auth.signOut();
+    showLogin(message);
+  });
 }
 
 buildShell();
 const fromFragment = auth.takeFragment();
-auth.restore().then(() => {
-  show($("login-oidc"), auth.oidc());
-  if (auth.signedIn()) { start(fromFragment || location.hash.replace(/^#/, "")); } else { showLogin(""); }
-});
+if (auth.key()) {
+  start(fromFragment || location.hash.replace(/^#/, ""));  // the admin key: no session to ask for
+} else {
+  auth.restore().then(() => {
+    show($("login-oidc"), auth.oidc());
+    if (auth.signedIn()) { start(fromFragment || location.hash.replace(/^#/, "")); } else { showLogin(""); }
+  });
+}
