@@ -1518,3 +1518,114 @@ class IKeyUsage(Interface):
             (windows shortest first: percent used, length in seconds, reset
             time in Unix seconds).
         """
+
+
+class IOperatorDirectory(Interface):
+    """
+    The console's operators in force: the file's (config.md
+    C{operators:}, read-only here) and the admin API's (kind C{operator}
+    of the L{IControlStore}, so every backend -- memory, SQLite, Redis --
+    and every process share them; L{relay.operators.directory}).
+
+    Reads are synchronous (a mirror kept current by the store's change
+    feed: the request intake asks at a request's headers); writes go to
+    the store, compare-and-set, and fail with
+    L{relay.control.web.ControlError} for a refused change.
+    """
+
+    def find(name):
+        """
+        @return: the operator's view C{{"name", "role", "source", "email",
+            ...}} (never a hash), or L{None}.
+        """
+
+    def byEmail(value):
+        """
+        @return: the name of the operator whose C{email} (or, failing that,
+            name) is C{value} (case-insensitive), or L{None}.
+        """
+
+    def passwordHash(name):
+        """
+        @return: the operator's Argon2 hash, or L{None} (unknown, or OIDC
+            only).
+        """
+
+    def list():
+        """
+        @return: every operator's view, the file's first, each sorted by name.
+        """
+
+    def add(name, role, password, email, actor):
+        """
+        Add an operator (API source).
+
+        @param password: the plain password (hashed here), or L{None} for
+            an OIDC-only operator with an C{email}.
+        @param actor: the L{relay.operators.roles.Principal} asking.
+        @return: a Deferred firing with the new view.
+        """
+
+    def change(name, changes, actor):
+        """
+        Change an API operator's C{role}, C{password} or C{email}.
+
+        @return: a Deferred firing with C{(view, revoke)}: C{revoke} says
+            whether its sessions must end (a new password or a lower role).
+        """
+
+    def remove(name, actor):
+        """
+        Remove an API operator.
+
+        @return: a Deferred firing with L{None}.
+        """
+
+    def start():
+        """
+        Read the store and follow its changes.
+
+        @return: a Deferred firing once the first read is in.
+        """
+
+
+class IOperatorSessions(Interface):
+    """
+    Server-side console sessions (kind C{op_session} of the
+    L{IControlStore}: revocable on every process; only a digest of the
+    cookie is stored; L{relay.operators.sessions}).
+    """
+
+    def open(name, role, via):
+        """
+        @return: a Deferred firing with C{(cookie, session)}: the cookie's
+            secret value (shown once) and the L{relay.operators.sessions.Session}.
+        """
+
+    def lookup(cookie):
+        """
+        @param cookie: the cookie's value (bytes or str).
+        @return: the live L{relay.operators.sessions.Session}, or L{None}
+            (unknown, expired or revoked). Synchronous.
+        """
+
+    def revoke(sessionId):
+        """
+        End one session.
+
+        @return: a Deferred firing with L{None}.
+        """
+
+    def revokeOperator(name):
+        """
+        End every session of an operator.
+
+        @return: a Deferred firing with how many were ended.
+        """
+
+    def start():
+        """
+        Read the store and follow its changes.
+
+        @return: a Deferred firing once the first read is in.
+        """

@@ -153,7 +153,7 @@ class ModuleTests(SynchronousTestCase):
         found = re.search(r"export const SECTIONS = \[([^\]]*)\]", files["js/app.js"])
         self.assertEqual([s.strip() for s in found.group(1).split(",")],
                          ["overview", "accounts", "keys", "requests", "usage", "settings",
-                          "audit"])
+                          "audit", "operators"])
         for path, text in files.items():
             if path != "js/auth.js":
                 self.assertNotIn("sessionStorage", text, path)

@@ -38,6 +38,8 @@ LAYERS = (
     ("relay.entry", "HTTP and WebSocket entrypoints"),
     ("relay.console", "what operators read: the page, metrics, reports"),
     ("relay.control", "what operators change live"),
+    ("relay.operators", "console operators: roles, sessions, sign-in"),
+    ("relay.keypage", "a key holder's own page"),
     ("relay.process", "the application, workers, reload, drain"),
     ("relay.tap", "the twistd plugin's service maker"),
     ("relay.emulator", "the bundled upstream emulator"),

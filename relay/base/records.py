@@ -554,6 +554,12 @@ class RelayConfig:
     demo: bool = False
     """The offline demo against the bundled emulator (config.md C{demo}):
     its published admin key is accepted. Never for real accounts."""
+    operators: tuple = field(default=(), hash=False)
+    """Console operators (config.md C{operators:}):
+    L{relay.configuration.operators.OperatorSpec}s."""
+    oidc: Optional[object] = field(default=None, hash=False)
+    """The console's OpenID Connect sign-in
+    (L{relay.configuration.operators.OIDCSettings}), or L{None}."""
 
 
 # ---------------------------------------------------------------------------

@@ -38,6 +38,9 @@ class RequestNotes:
     @ivar clientRequestId: the client's well-formed C{X-Request-Id} /
         C{X-Client-Request-Id} (R111), or L{None}; read once
         (C{clientRequestIdRead}).
+    @ivar operator: who made an admin request (the admin key or a console
+        operator: a L{relay.operators.roles.Principal}), set by the intake,
+        or L{None}.
     """
 
     route: Optional[str] = None
@@ -50,6 +53,7 @@ class RequestNotes:
     requestId: Optional[str] = None
     clientRequestId: Optional[str] = None
     clientRequestIdRead: bool = False
+    operator: Optional[object] = None
 
 
 def notesOf(request) -> RequestNotes:

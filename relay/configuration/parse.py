@@ -49,6 +49,8 @@ from relay.base.records import (
     WebSocketSettings,
 )
 from relay.configuration.alerts import parseAlerts
+from relay.configuration.operators import ROLES as OPERATOR_ROLES
+from relay.configuration.operators import checkOperatorsNeedAdmin, oidcFrom, operatorsFrom
 
 __all__ = [
     "loadConfig",
@@ -737,6 +739,8 @@ _TOP: Dict[str, Validator] = {
     "request_log": _nested(_REQUEST_LOG, RequestLogSettings),
     "tracing": _nested(_TRACING, TracingSettings),
     "demo": _boolean,
+    "operators": lambda value, path: value,
+    "oidc": lambda value, path: value,
 }
 
 
@@ -959,6 +963,34 @@ def _parseGroups(raw: Any, accounts: Tuple[Account, ...]) -> dict:
                 raise _fail(f"{path}[{i}]", f"unknown account id {accountId!r} (not in accounts)")
         groups[name] = ids
     return groups
+
+
+_OPERATOR = {"name": _string, "role": _choice(*OPERATOR_ROLES), "password_hash_env": _string,
+             "email": _string}
+
+_OIDC = {"issuer": _httpURL, "client_id": _string, "client_secret": _secretString,
+         "client_secret_env": _string, "claim": _string, "redirect_url": _httpURL,
+         "scopes": _stringTuple}
+
+
+def _parseOperators(raw: Any, environ: Mapping[str, str]) -> tuple:
+    """
+    Parse C{operators:} (L{relay.configuration.operators}).
+    """
+    entries = [(f"operators[{i}]", validateSection(entry, f"operators[{i}]", _OPERATOR))
+               for i, entry in enumerate(_list(raw, "operators"))]
+    return operatorsFrom(entries, environ)
+
+
+def _parseOIDC(raw: Any, environ: Mapping[str, str]):
+    """
+    Parse C{oidc:} (L{relay.configuration.operators}), or L{None}.
+    """
+    if raw is None:
+        return None
+    values = validateSection(raw, "oidc", _OIDC)
+    secret = _secret(values, "client_secret", "oidc", "oidc", environ, required=False)
+    return oidcFrom(values, secret)
 
 
 def parsePrices(raw: Any) -> dict:
@@ -1287,8 +1319,11 @@ def settingsFromString(
     values["prices"] = parsePrices(values.pop("prices", None))
     values["alerts"] = parseAlerts(values.pop("alerts", None), environ)
     _checkKeyAccounts(values["keys"], values["accounts"], values["groups"])
+    values["operators"] = _parseOperators(values.pop("operators", None), environ)
+    values["oidc"] = _parseOIDC(values.pop("oidc", None), environ)
 
     config = RelayConfig(**values)
+    checkOperatorsNeedAdmin(config)
     checkWorkers(config)
     checkOperatorKeys(config)
     gateway = values.get("gateway")
@@ -1470,6 +1505,8 @@ def secretsOf(config: RelayConfig) -> frozenset:
         secrets.add(config.metrics_key)
     for key in config.keys:
         secrets.add(key.key)
+    if getattr(config, "oidc", None) is not None:
+        secrets.add(config.oidc.client_secret)
     proxies = list(config.proxies)
     for account in config.accounts:
         secrets.add(account.credential)

@@ -17,10 +17,16 @@ C{Connection: close}; its body is never read, decoded, spooled or parsed.
     the ring cannot tell yet (the control store's first read at start,
     R105) the request waits at its headers, its body unread (bounded,
     L{KEYS_WAIT_SECONDS});
-  - B{admin routes} (C{/admin/<anything>}): the admin key; the status page
+  - B{admin routes} (C{/admin/<anything>}): the admin key, or a console
+    operator's session cookie (L{IntakePolicy.consoleGate}); the status page
     shell C{GET /admin/} and its files C{GET /admin/static/...} need none
     (R99);
   - B{C{/metrics}}: the admin key or the read-only C{metrics_key};
+  - B{sign-in routes} (C{/auth/...}, the console's sign-in): none yet;
+    their body is read, bounded by L{SIGNIN_BODY_LIMIT}; the route checks
+    the password (throttled per address, L{relay.operators.signin});
+  - B{a key holder's page} (C{/me}) is open; its data (C{/me/api/...}) is
+    a client route;
   - B{open routes} (C{/healthz}, C{/readyz}, unknown paths): none; their
     body, if any, is discarded unread.
 
@@ -81,6 +87,10 @@ from relay.base.requestnotes import notesOf
 ROUTE_CLIENT = "client"
 ROUTE_ADMIN = "admin"
 ROUTE_METRICS = "metrics"
+ROUTE_SIGNIN = "signin"
+
+SIGNIN_BODY_LIMIT = 16 * 1024
+"""The largest body of a console sign-in route (C{/auth/...}), bytes."""
 ROUTE_OPEN = "open"
 
 CLIENT_PREFIXES = (b"v1", b"backend-api", b"responses", b"chat", b"models", b"embeddings",
@@ -223,6 +233,11 @@ def routeClass(path: bytes, method: bytes) -> str:
         return ROUTE_ADMIN
     if head == b"metrics":
         return ROUTE_METRICS
+    if head == b"auth":
+        return ROUTE_SIGNIN  # console sign-in: no credential yet, a small body
+    if head == b"me":
+        # A key holder's page (open) and its data (the key, like any client route).
+        return ROUTE_CLIENT if len(segments) > 1 and segments[1] == b"api" else ROUTE_OPEN
     if head in CLIENT_PREFIXES:
         return ROUTE_CLIENT
     return ROUTE_OPEN
@@ -286,6 +301,10 @@ class IntakePolicy:
         body unread, for at most L{KEYS_WAIT_SECONDS}.
     @ivar adminGuard: the L{relay.entry.adminguard.AdminGuard} that backs
         off an address guessing the admin (or metrics) key, or L{None}.
+    @ivar consoleGate: checks an admin request that carries a console
+        session cookie and no C{Authorization} (its session, CSRF token and
+        role: L{relay.operators.gate.ConsoleGate}), or L{None}: the admin
+        key only.
     """
 
     keys: object
@@ -298,6 +317,7 @@ class IntakePolicy:
     keyRefusal: Optional[Callable] = None
     keysReady: Callable[[], object] = lambda: None
     adminGuard: Optional[object] = None
+    consoleGate: Optional[object] = None
     _log = Logger()
 
     def authenticate(self, route: str, request):
@@ -306,7 +326,7 @@ class IntakePolicy:
 
         @return: C{(clientKey or None, error or None)}.
         """
-        if route == ROUTE_OPEN:
+        if route in (ROUTE_OPEN, ROUTE_SIGNIN):
             return None, None
         secret = bearerOrKey(request)
         if route == ROUTE_CLIENT:
@@ -315,6 +335,11 @@ class IntakePolicy:
         metrics = self.metricsKey() if route == ROUTE_METRICS else None
         if admin is None and metrics is None:
             return None, ADMIN_DISABLED
+        gate = self.consoleGate
+        if (route == ROUTE_ADMIN and gate is not None and _bearer(request) is None
+                and gate.present(request)):
+            # A console operator's session cookie (its CSRF token, its role).
+            return None, gate.authenticate(request)
         return None, self._operatorKey(request, admin, metrics)
 
     def _operatorKey(self, request, admin, metrics) -> Optional[ClientError]:
@@ -362,6 +387,8 @@ class IntakePolicy:
         """
         if route == ROUTE_CLIENT:
             return siteLimit
+        if route == ROUTE_SIGNIN:
+            return SIGNIN_BODY_LIMIT
         return ADMIN_BODY_LIMIT
 
     def logRefused(self, request, route: str, error: ClientError) -> None:

@@ -460,6 +460,7 @@ def buildApplication(
     _readiness(app, root)
     _redisReadiness(app)
     _operatorSurface(app, root, accounts, proxyHealth)
+    _consoleOperators(app, root, keys)
     _tracing(app)
     app.drain = GracefulDrain(
         clock=reactor, runner=runner, settings=settings, admission=admission,
@@ -472,6 +473,7 @@ def buildApplication(
         draining=lambda: app.drain.draining,
         keyRefusal=_keyRefusal(app), keysReady=_keysReady(app),
         adminGuard=AdminGuard(clock=reactor),
+        consoleGate=app.extras["operators"].gate,
     )
     site.limits = lambda: settings.current.limits
     wsResource.factory.budget = site.intake.budget
@@ -900,6 +902,23 @@ def _operatorSurface(app: RelayApplication, root, accounts, proxyHealth) -> None
     if any(a.type == "oauth" for a in accounts):
         # Adopt tokens another process refreshed; re-plan timers.
         app.services.append(periodic(15, credentials.sync, reactor))
+
+
+def _consoleOperators(app: RelayApplication, root, keys) -> None:
+    """
+    The console's operators (C{/auth}, C{/admin/operators}, the intake's
+    session gate: L{relay.operators.assemble}) and each key holder's page
+    (C{/me}: L{relay.keypage}).
+    """
+    from relay.keypage.resource import KeyPage
+    from relay.operators.assemble import assembleOperators
+
+    parts = assembleOperators(app, root, app.extras["controlParts"])
+    app.extras["operators"] = parts
+    app.services.append(parts.service)
+    runner = app.runner
+    root.putChild(b"me", KeyPage(keys, getattr(runner, "keyUsage", None), runner.usage,
+                                 getattr(runner, "requestLog", None), app.reactor))
 
 
 def _controlSurface(app: RelayApplication, admin, view, redis):

@@ -117,8 +117,10 @@ class ControlAdmin(Resource):
         account = note.get("account")
         if account is None and names and names[0] == "accounts":
             account = target
+        principal = notesOf(request).operator
         self.trail.record(
             note.get("action") or action, account=account, address=clientAddress(request),
             status=status, requestId=requestIdOf(request), detail=note.get("detail"),
             target=note.get("target") or target,
+            actor=getattr(principal, "actor", None) or "admin-key",
         )

@@ -3,7 +3,8 @@
 L{AuditTrail}: every admin change, kept in the control store.
 
 One record (kind C{audit}, appended, the newest L{AUDIT_KEEP} kept) per
-change: when (C{at}, Unix seconds), what (C{action}, e.g.
+change: when (C{at}, Unix seconds), who (C{actor}: the operator's name,
+or C{admin-key}), what (C{action}, e.g.
 C{account.create}, C{account.disable}, C{login.complete},
 C{settings.update}, C{config.reload}), which account (C{account}), from
 which address (C{address}), the answer's C{status}, the C{request_id},
@@ -115,9 +116,12 @@ class AuditTrail:
     def record(self, action: str, account: Optional[str] = None,
                address: Optional[str] = None, status: Optional[int] = None,
                requestId: Optional[str] = None, detail: Optional[dict] = None,
-               target: Optional[str] = None) -> Deferred:
+               target: Optional[str] = None, actor: Optional[str] = None) -> Deferred:
         """
         Append one audit record (and log it as C{relay.admin_audit}).
+
+        @param actor: who did it: the operator's name, or C{admin-key}
+            (L{relay.operators.roles}); L{None} for relay itself.
 
         @return: a Deferred firing once written; it never fails (a store
             failure is logged).
@@ -126,9 +130,11 @@ class AuditTrail:
             "at": self._clock.seconds(), "action": action, "account": account,
             "target": target if target != account else None, "address": address,
             "status": status, "request_id": requestId, "detail": scrub(detail or {}),
+            "actor": actor,
         }
         self._log.info(
-            "admin {action} {account} from {address} ({status})", event="relay.admin_audit",
+            "admin {action} {account} by {actor} from {address} ({status})",
+            event="relay.admin_audit", actor=actor or "-",
             action=action, account=account or target or "-", address=address or "-",
             status=status if status is not None else "-", request_id=requestId,
         )

@@ -23,6 +23,7 @@ L{relay.control.logins.service.LoginService}'s.
 from __future__ import annotations
 
 from relay.control.accounts.records import ACCOUNT_BODY
+from relay.base.requestnotes import notesOf
 from relay.control.web import ServiceLeaf, clientAddress, deliver, notFound, pathId, readJSONBody
 from relay.console.fields import STRING, objectOf
 
@@ -61,6 +62,8 @@ class LoginsResource(ServiceLeaf):
         address = clientAddress(request)
         note = self._note(request)
         if path in ([], [b""]):
+            # Who began it: the audit names them when the login ends later.
+            note["actor"] = getattr(notesOf(request).operator, "actor", None) or "admin-key"
             return deliver(request, lambda: self.service.begin(
                 readJSONBody(request, fields=LOGIN_BODY,
                              code="invalid_login"), address, note), "starting a login")

@@ -291,6 +291,7 @@ class LoginService(PlaneService):
             "flow": flow, "mode": mode, "status": PENDING, "account_id": accountId,
             "spec": spec, "issuer": issuer, "created_at": now,
             "expires_at": now + LOGIN_TTL_SECONDS, "created_from": address, "error": None,
+            "created_by": note.pop("actor", None),
         }
         if flow == "browser":
             verifier, state = wire.newVerifier(), wire.newState()
@@ -612,6 +613,7 @@ class LoginService(PlaneService):
                     "login.expired" if status == EXPIRED else "login.failed",
                     account=data.get("account_id"), address=data.get("created_from"),
                     target=record.id, detail={"flow": data.get("flow"), "reason": code},
+                    actor=data.get("created_by"),
                 )
         return ended
 
@@ -739,7 +741,8 @@ class LoginService(PlaneService):
             return  # ended (and audited) as failed
         if self.audit is not None:
             self.audit.record("login.complete", account=data.get("account_id"), address=address,
-                              target=loginId, detail={"flow": "device", "mode": data.get("mode")})
+                              target=loginId, detail={"flow": "device", "mode": data.get("mode")},
+                              actor=data.get("created_by"))
 
     # -- the sweep -------------------------------------------------------------------------
 

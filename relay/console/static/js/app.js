@@ -1,4 +1,5 @@
-// The console: sign-in, the section list, navigation and polling. Each
+// The console: sign-in (an operator's name and password, OIDC, or the
+// admin key: auth.js), the section list, navigation and polling. Each
 // section is a module (sections/*.js) exporting {id, title, build(root,
 // ctx), refresh(ctx), refreshMs}; adding a section is one entry in
 // SECTIONS. Only the section shown polls (plus the small header status), so
@@ -14,8 +15,9 @@ import requests from "./sections/requests.js";
 import usage from "./sections/usage.js";
 import settings from "./sections/settings.js";
 import audit from "./sections/audit.js";
+import operators from "./sections/operators.js";
 
-export const SECTIONS = [overview, accounts, keys, requests, usage, settings, audit];
+export const SECTIONS = [overview, accounts, keys, requests, usage, settings, audit, operators];
 
 let current = null, timer = null, started = false;
 const built = new Set();
@@ -112,19 +114,38 @@ function buildShell() {
   const form = $("login-form");
   auth.form.fields.forEach((f) => {
     form.insertBefore(put(el("label", {"for": f.id}, f.label)), $("login-error"));
-    form.insertBefore(el("input", {id: f.id, type: f.type, name: f.id, required: "required",
+    form.insertBefore(el("input", {id: f.id, type: f.type, name: f.id,
+                                   required: f.required === false ? undefined : "required",
                                    autocomplete: "off"}), $("login-error"));
   });
   form.addEventListener("submit", (ev) => {
     ev.preventDefault();
     const values = {};
     auth.form.fields.forEach((f) => { values[f.id] = $(f.id).value; $(f.id).value = ""; });
-    auth.form.submit(values).then(() => start(location.hash.replace(/^#/, "")));
+    auth.form.submit(values).then(() => start(location.hash.replace(/^#/, "")),
+                                  (e) => showLogin(e.message));
   });
-  $("logout").addEventListener("click", () => { auth.signOut(); showLogin(""); });
-  onUnauthorised(() => { auth.signOut(); showLogin("Invalid admin key"); });
+  // An operator may sign in through OIDC when the relay offers it.
+  const oidc = el("a", {id: "login-oidc", href: "/auth/oidc/start", "class": "hidden"},
+                  "Sign in with OIDC");
+  form.parentNode.appendChild(oidc);
+  $("logout").addEventListener("click", () => { auth.signOut().then(() => showLogin("")); });
+  onUnauthorised(() => {
+    if (!$("login").classList.contains("hidden")) { return; }  // already said why
+    const message = auth.who() && auth.who().via !== "admin_key" ? "Your session has ended; sign in again"
+      : "Invalid admin key";
+    auth.signOut();
+    showLogin(message);
+  });
 }
 
 buildShell();
 const fromFragment = auth.takeFragment();
-if (auth.signedIn()) { start(fromFragment || location.hash.replace(/^#/, "")); } else { showLogin(""); }
+if (auth.key()) {
+  start(fromFragment || location.hash.replace(/^#/, ""));  // the admin key: no session to ask for
+} else {
+  auth.restore().then(() => {
+    show($("login-oidc"), auth.oidc());
+    if (auth.signedIn()) { start(fromFragment || location.hash.replace(/^#/, "")); } else { showLogin(""); }
+  });
+}

@@ -1,4 +1,4 @@
-// Audit: every admin change (who, from where, what), searchable and
+// Audit: every admin change (who: the operator or admin-key, from where, what), searchable and
 // filtered by kind, CSV.
 "use strict";
 import {el, ago, iso, settled} from "../dom.js";
@@ -21,14 +21,15 @@ function build(root) {
     rowAttrs: (e) => ({"class": "audit-row", "data-action": e.action}),
     columns: [
       {id: "when", title: "When", width: "12%", value: (e) => e.at, render: (e) => { const s = el("span", {title: iso(e.at)}, ago(e.at)); return s; }, csv: (e) => iso(e.at)},
-      {id: "action", title: "Change", width: "18%"},
+      {id: "who", title: "Who", width: "10%", value: (e) => e.actor || "–"},
+      {id: "action", title: "Change", width: "16%"},
       {id: "account", title: "Account / target", width: "18%", value: (e) => e.account || e.target || "–"},
       {id: "from", title: "From", width: "14%", value: (e) => e.address || "–"},
       {id: "status", title: "Status", width: "8%", value: (e) => e.status === null || e.status === undefined ? "–" : e.status},
       {id: "detail", title: "Detail", value: detailText},
     ],
     filters: [{id: "kind", title: "Kind", options: [["", "any"], ["account", "accounts"], ["key", "keys"], ["login", "logins"],
-      ["group", "groups"], ["prices", "prices"], ["settings", "settings"]], test: (e, v) => String(e.action).indexOf(v) === 0}],
+      ["group", "groups"], ["prices", "prices"], ["settings", "settings"], ["operator", "operators"]], test: (e, v) => String(e.action).indexOf(v) === 0}],
   });
   root.appendChild(table.root);
 }
