@@ -212,8 +212,9 @@ def requestedImages(body: Any) -> int:
     form field's digits) from 1 to 10, else 1.
     """
     value = body.get("n") if isinstance(body, dict) else None
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
+    if isinstance(value, str):
+        text = value.strip()
+        value = int(text) if text.isascii() and text.isdigit() and len(text) <= 9 else None
     if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 10:
         return value
     return 1

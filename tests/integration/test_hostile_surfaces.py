@@ -89,3 +89,38 @@ async def test_stop_sequences_are_bounded():
         assert relay.emulator.requestsFor("sk-a1") == []
     finally:
         await relay.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_integer_fields_written_as_long_digit_texts():
+    """
+    C{n} of an edit's form and C{output_compression} of a generation,
+    written as 5,000 digits (or a superscript digit), are a 400 naming
+    the field and nothing is dialled: they were a 500 at the entry (C{int()}
+    of 5,000 digits raises), and on an OAuth account a 502 after the
+    account was chosen (the translation to the image tool raised).
+    """
+    from relay.wire.multipart import Upload, encodeForm
+
+    known = [{"name": "oauth-o1", "credential": "oauth-o1"}]
+    keys = json.dumps([{"name": "hostile", "key": KEY, "concurrency": 1}])
+    relay = await startStack([{"id": "o1", "type": "oauth", "credential": "oauth-o1"}],
+                             emulatorConfig={"accounts": known}, keys=keys)
+    try:
+        auth = {"authorization": [f"Bearer {KEY}"]}
+        for text in ("9" * 5000, "\u00b2"):
+            raw, kind = encodeForm({"prompt": "a cat", "n": text},
+                                   [Upload("image", "a.png", "image/png", b"\x89PNG")])
+            response = await treq.post(relay.url + "/v1/images/edits", raw,
+                                       headers=dict(auth, **{"content-type": [kind]}))
+            answer = json.loads(await response.content())
+            assert response.code == 400 and answer["error"]["param"] == "n", answer
+            response = await treq.post(relay.url + "/v1/images/generations", json.dumps(
+                {"model": "gpt-image-1", "prompt": "a cat", "output_compression": text}).encode(),
+                headers=dict(auth, **{"content-type": ["application/json"]}))
+            answer = json.loads(await response.content())
+            assert response.code == 400, answer
+            assert answer["error"]["param"] == "output_compression"
+        assert relay.emulator.requestsFor("oauth-o1") == []
+    finally:
+        await relay.stop()
