@@ -396,6 +396,20 @@ class PriceTests(SynchronousTestCase):
         self.assertIs(mediaCounts(_turn("embeddings", {}), {"data": [{}]}, embeddings),
                       embeddings)
 
+    def test_pricedAsServed(self):
+        """
+        R109: a request that leaves the quality to the upstream (C{auto},
+        or none) is priced at the quality and size the answer reports:
+        C{quality: auto} served C{high} is a C{high} image ($0.167), not
+        the family's medium ($0.042) - a budget key's 4x escape before.
+        """
+        for asked in ({"quality": "auto"}, {}, {"quality": "low"}):
+            counts = mediaCounts(_turn("images", asked), {
+                "data": [{}], "quality": "high", "size": "1536x1024"}, None)
+            self.assertEqual(counts.tools, (("images:high:1536x1024", 1),), asked)
+        counts = mediaCounts(_turn("images", {"quality": "low"}), {"data": [{}]}, None)
+        self.assertEqual(counts.tools, (("images:low", 1),))
+
     def test_perImage(self):
         """
         The most specific priced name wins; a model without C{per_image}
