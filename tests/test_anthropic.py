@@ -184,6 +184,10 @@ class RequestTests(SynchronousTestCase):
             (request(tools=[{"name": "b", "type": "bash_20250124"}]), "tools.0.type"),
             (request(tool_choice={"type": "tool"}), "tool_choice.name"),
             (request(stop_sequences=[""]), "stop_sequences"),
+            (request(system=[{"type": "text", "text": 5}]), "system.0"),  # a 500 before
+            (request(system=["x"]), "system.0"),
+            (request(messages=[{"role": "user", "content": [{"type": "text", "text": None}]}]),
+             "messages.0.content.0.text"),
             ({"max_tokens": 1, "messages": []}, "model"),
         ]
         for body, param in cases:

@@ -158,9 +158,19 @@ def checkMessagesRequest(body: Any, counting: bool = False) -> None:
                 raise MessagesRequestError(
                     f"messages.{i}.content.{j}: each block must be an object with a type",
                     f"messages.{i}.content.{j}")
+            if block["type"] == "text" and not isinstance(block.get("text"), str):
+                raise MessagesRequestError(
+                    f"messages.{i}.content.{j}.text: Input should be a valid string",
+                    f"messages.{i}.content.{j}.text")
     system = body.get("system")
     if system is not None and not isinstance(system, (str, list)):
         raise MessagesRequestError("system: Input should be a string or text blocks", "system")
+    for i, block in enumerate(system if isinstance(system, list) else ()):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(
+                block.get("text"), str):
+            raise MessagesRequestError(
+                f"system.{i}: Input should be a text block with a string text",
+                f"system.{i}")
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
