@@ -184,12 +184,91 @@ class RequestTests(SynchronousTestCase):
             (request(tools=[{"name": "b", "type": "bash_20250124"}]), "tools.0.type"),
             (request(tool_choice={"type": "tool"}), "tool_choice.name"),
             (request(stop_sequences=[""]), "stop_sequences"),
+            (request(system=[{"type": "text", "text": 5}]), "system.0"),  # a 500 before
+            (request(system=["x"]), "system.0"),
+            (request(messages=[{"role": "user", "content": [{"type": "text", "text": None}]}]),
+             "messages.0.content.0.text"),
             ({"max_tokens": 1, "messages": []}, "model"),
         ]
         for body, param in cases:
             e = self.assertRaises(MessagesRequestError, checkMessagesRequest, body)
             self.assertEqual(e.param, param)
         checkMessagesRequest({"model": "m", "messages": []}, counting=True)
+
+
+class HostileRequestTests(SynchronousTestCase):
+    """
+    A hostile key's Messages bodies: refused with a 400 or translated,
+    never an exception that is not the client's error, never work that
+    grows without bound on the process's one thread.
+    """
+
+    def test_deepNestingIsTranslated(self):
+        """
+        A block nested deeper than half the interpreter's recursion limit
+        (the JSON reader accepts such a body) is translated: the
+        C{cache_control} search walks it with a stack (a RecursionError,
+        answered 500, before).
+        """
+        deep: list = []
+        for _ in range(800):
+            deep = [deep]
+        body = request(messages=[{"role": "user", "content": [
+            {"type": "text", "text": "hi", "x": deep}]}], tools=[
+            {"name": "f", "input_schema": {"type": "object", "x": deep}}])
+        checkMessagesRequest(body)
+        out = messagesToResponses(body, "m")
+        self.assertNotIn("prompt_cache_key", out)
+        deep.append({"cache_control": {"type": "ephemeral"}})
+        self.assertIn("prompt_cache_key", messagesToResponses(body, "m"))
+
+    def test_stopSequencesBounded(self):
+        """
+        Every stop sequence is looked for in every text delta of the
+        answer: more than L{MAX_STOP_SEQUENCES} of them, or one longer than
+        L{MAX_STOP_SEQUENCE_CHARS}, is a 400 naming C{stop_sequences}
+        (200,000 of them made each delta cost 0.2 s of the one thread,
+        stalling every other key's turns).
+        """
+        from relay.translate.anthropic.request import (
+            MAX_STOP_SEQUENCE_CHARS, MAX_STOP_SEQUENCES)
+
+        checkMessagesRequest(request(stop_sequences=["x%d" % i
+                                                     for i in range(MAX_STOP_SEQUENCES)]))
+        checkMessagesRequest(request(stop_sequences=["y" * MAX_STOP_SEQUENCE_CHARS]))
+        for stops in (["x%d" % i for i in range(MAX_STOP_SEQUENCES + 1)],
+                      ["y" * (MAX_STOP_SEQUENCE_CHARS + 1)]):
+            e = self.assertRaises(MessagesRequestError, checkMessagesRequest,
+                                  request(stop_sequences=stops))
+            self.assertEqual(e.param, "stop_sequences")
+
+    def test_heldBackIsCheap(self):
+        """
+        The worst answer for the longest allowed stop sequences (every
+        character of the text could begin one, none does) is translated
+        in bounded time per delta.
+        """
+        import time
+
+        from relay.translate.anthropic.request import (
+            MAX_STOP_SEQUENCE_CHARS, MAX_STOP_SEQUENCES)
+
+        stops = tuple("a" * (MAX_STOP_SEQUENCE_CHARS - 1 - i) + "b"
+                      for i in range(MAX_STOP_SEQUENCES))
+        _, out = translate(responsesEvents(text="a" * 300 + "c" * 300),
+                           stopSequences=stops)
+        text = "".join(e[1]["delta"]["text"] for e in out
+                       if e[0] == "content_block_delta")
+        self.assertEqual(text, "a" * 300 + "c" * 300)
+        t = MessagesTranslator(MessagesContext(model="claude-x", stopSequences=stops))
+        t.feed({"type": "response.created", "response": {"id": "r"}})
+        t.feed({"type": "response.output_item.added", "output_index": 0,
+                "item": {"type": "message", "id": "m1"}})
+        started = time.perf_counter()
+        for _ in range(1000):  # ~0.25 ms a delta here; 175 ms with 100,000 stops
+            t.feed({"type": "response.output_text.delta", "output_index": 0,
+                    "item_id": "m1", "delta": "aaaaac" + "a" * 200})
+        self.assertLess(time.perf_counter() - started, 5.0)
 
 
 def responsesEvents(text="Hello world", calls=(), usage=None, kind="response.completed",

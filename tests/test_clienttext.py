@@ -307,6 +307,33 @@ class IssueInputTests(SynchronousTestCase):
         verdict = judge(self.classifier, end, APIKEY, turnFor(body), T0)
         self.assertEqual(verdict.reason, C.REASON_OVERLOAD)
 
+    def test_upload_names_are_client_text(self):
+        """
+        An image edit's file name and content type are the client's: an
+        upstream message quoting them (without a C{param}) marks nothing.
+        They travel beside the form fields (C{turn.upload}), not in the
+        body, so they were not taken out before.
+        """
+        from relay.wire.multipart import Upload
+
+        phrase = "Your organization has been disabled"
+        for upload in (Upload(field="image", filename=phrase + ".png",
+                              contentType="image/png", data=b"x"),
+                       Upload(field="image", filename="a.png",
+                              contentType="image/" + phrase, data=b"x")):
+            self.book = Book()
+            turn = Turn(entrypoint="http", endpoint="image_edits",
+                        client=ClientKey(name="t", key="k", concurrency=0),
+                        model="gpt-image-1", body={"prompt": "p", "model": "gpt-image-1"},
+                        stream=False, requestId="req", upload=(upload,))
+            end = E.StatusRefused(400, {}, json.dumps({"error": {
+                "message": f"Could not read {upload.filename} ({upload.contentType}).",
+                "type": "invalid_request_error", "param": None, "code": None}}).encode())
+            verdict = judge(self.classifier, end, APIKEY, turn, T0)
+            self.book.record(APIKEY, end, verdict, turn.model)
+            self.assertEqual(verdict.markings, ())
+            self.assertUnmarked(self.book.state(APIKEY))
+
     def test_param_is_never_account_level(self):
         """
         An error naming a C{param} never marks the account, whatever its

@@ -129,6 +129,31 @@ class CheckTests(SynchronousTestCase):
             self.assertEqual(e.exception.param, param)
 
 
+class HostileFieldTests(SynchronousTestCase):
+    """
+    Integer fields a hostile key writes as text: a 400 naming the field,
+    never a ValueError (a 500 at the entry, or a failed attempt after an
+    account was chosen on an OAuth account).
+    """
+
+    def test_digitTexts(self):
+        from relay.usage.tokens import requestedImages
+
+        for text in ("9" * 5000, "\u00b2", "99999999999"):
+            for name in ("n", "output_compression"):
+                with self.assertRaises(MediaRequestError) as e:
+                    checkImages({"prompt": "x", name: text})
+                self.assertEqual(e.exception.param, name)
+            self.assertEqual(requestedImages({"n": text}), 1)
+        checkImages({"prompt": "x", "n": " 2 ", "output_compression": "0"})
+        checkImages({"prompt": "x", "output_compression": 100})
+        with self.assertRaises(MediaRequestError):
+            checkImages({"prompt": "x", "output_compression": 101})
+        tool = imagesToResponses({"prompt": "x", "output_compression": "9" * 5000}, (),
+                                 None)["tools"][0]
+        self.assertEqual(tool["output_compression"], "9" * 5000)  # checked before, never raises
+
+
 class TranslationTests(SynchronousTestCase):
     """
     What goes upstream for each account type, and the answer back.
@@ -370,6 +395,20 @@ class PriceTests(SynchronousTestCase):
         embeddings = TokenCounts(requests=1, input=5)
         self.assertIs(mediaCounts(_turn("embeddings", {}), {"data": [{}]}, embeddings),
                       embeddings)
+
+    def test_pricedAsServed(self):
+        """
+        R109: a request that leaves the quality to the upstream (C{auto},
+        or none) is priced at the quality and size the answer reports:
+        C{quality: auto} served C{high} is a C{high} image ($0.167), not
+        the family's medium ($0.042) - a budget key's 4x escape before.
+        """
+        for asked in ({"quality": "auto"}, {}, {"quality": "low"}):
+            counts = mediaCounts(_turn("images", asked), {
+                "data": [{}], "quality": "high", "size": "1536x1024"}, None)
+            self.assertEqual(counts.tools, (("images:high:1536x1024", 1),), asked)
+        counts = mediaCounts(_turn("images", {"quality": "low"}), {"data": [{}]}, None)
+        self.assertEqual(counts.tools, (("images:low", 1),))
 
     def test_perImage(self):
         """

@@ -30,6 +30,7 @@ from twisted.web.server import NOT_DONE_YET
 from relay.base.records import ClientError, Turn
 from relay.base.requestid import clientRequestIdOf, requestIdOf
 from relay.entry.http import (
+    NESTING_MESSAGE,
     UNAUTHORIZED,
     RequestRefused,
     _noteClient,
@@ -97,11 +98,15 @@ class MessagesResource(Resource):
         counting = path == [COUNT_TOKENS]
         try:
             checkMessagesRequest(body, counting)
+            model = self._models.resolve(body["model"])  # R115: mapped first
+            translated = messagesToResponses(body, model)
         except MessagesRequestError as e:
             writeError(request, badRequest(str(e), param=e.param))
             return NOT_DONE_YET
-        model = self._models.resolve(body["model"])  # R115: mapped first
-        translated = messagesToResponses(body, model)
+        except RecursionError:
+            # a body nested as deep as the reader allows: the client's 400
+            writeError(request, badRequest(NESTING_MESSAGE))
+            return NOT_DONE_YET
         stream = translated.get("stream") is True
         if not counting and not stream and notesOf(request).sseStarted:
             stream = translated["stream"] = True  # R85: the SSE head went out

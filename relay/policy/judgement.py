@@ -143,7 +143,8 @@ def requestText(turn, account=None) -> frozenset:
     """
     R106: the strings of C{turn} an upstream message may quote: its body's
     field names and string values at any depth, its model name (and the
-    account's mapped name for it), and its forwarded header values.
+    account's mapped name for it), its forwarded header values, and an
+    image edit's file names and content types (C{turn.upload}, R115).
 
     @param turn: the L{relay.base.records.Turn}.
     @param account: the L{relay.base.records.Account} attempted, or L{None}.
@@ -152,11 +153,13 @@ def requestText(turn, account=None) -> frozenset:
     model = getattr(turn, "model", None)
     mapped = account.upstreamModel(model) if account is not None and model else None
     headers = getattr(turn, "headers", None)
+    uploads = getattr(turn, "upload", None) or ()
     return clientStrings(
         getattr(turn, "body", None),
         model,
         mapped,
         list(headers.values()) if isinstance(headers, dict) else None,
+        [[u.filename, u.contentType, u.field] for u in uploads],
     )
 
 

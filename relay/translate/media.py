@@ -98,6 +98,28 @@ def checkEmbeddings(body: dict) -> None:
             "encoding_format")
 
 
+MAX_FORM_DIGITS = 9
+"""The most digits a form field read as an integer may have (Python's
+C{int()} refuses a text of more than 4,300 digits with a C{ValueError},
+and non-ASCII digits such as C{"\u00b2"} pass C{str.isdigit} but not
+C{int()}: both were a 500)."""
+
+
+def formInteger(value: Any) -> Any:
+    """
+    A form field's digits as an integer, any other value as it is.
+
+    @param value: a JSON value or a form field's text.
+    @return: the integer of a text of 1 to L{MAX_FORM_DIGITS} ASCII digits
+        (surrounding blanks allowed), else C{value} unchanged.
+    """
+    if isinstance(value, str):
+        text = value.strip()
+        if text.isascii() and text.isdigit() and len(text) <= MAX_FORM_DIGITS:
+            return int(text)
+    return value
+
+
 def imageCount(body: dict) -> int:
     """
     The C{n} of an images request (1 when absent), a JSON integer or a
@@ -108,8 +130,7 @@ def imageCount(body: dict) -> int:
     value = body.get("n")
     if value is None:
         return 1
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
+    value = formInteger(value)
     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 10:
         raise MediaRequestError("'n' must be an integer from 1 to 10.", "n")
     return value
@@ -118,7 +139,8 @@ def imageCount(body: dict) -> int:
 def checkImages(body: dict, uploads=None) -> None:
     """
     An images body (generations: JSON; edits: form fields with C{uploads}):
-    C{prompt} a non-empty string, C{n} from 1 to 10, no C{stream} (relay
+    C{prompt} a non-empty string, C{n} from 1 to 10, C{output_compression}
+    from 0 to 100 (a JSON integer or a form field's digits), no C{stream} (relay
     answers images as one JSON body), and for an edit at least one C{image}
     file.
 
@@ -133,6 +155,13 @@ def checkImages(body: dict, uploads=None) -> None:
     if model is not None and not isinstance(model, str):
         raise MediaRequestError("'model' must be a string.", "model")
     imageCount(body)
+    compression = body.get("output_compression")
+    if compression is not None and compression != "":
+        compression = formInteger(compression)
+        if not isinstance(compression, int) or isinstance(compression, bool) or not (
+                0 <= compression <= 100):
+            raise MediaRequestError("'output_compression' must be an integer from 0 to 100.",
+                                    "output_compression")
     if body.get("stream") in (True, "true"):
         raise MediaRequestError(
             "Streaming image generation is not supported by this gateway; leave out 'stream'.",
@@ -226,8 +255,8 @@ def imagesToResponses(body: dict, uploads, model: Optional[str]) -> dict:
         value = body.get(name)
         if value is None or value == "":
             continue
-        if name == "output_compression" and isinstance(value, str) and value.isdigit():
-            value = int(value)
+        if name == "output_compression":
+            value = formInteger(value)
         tool[name] = value
     return {
         "model": host,

@@ -212,8 +212,9 @@ def requestedImages(body: Any) -> int:
     form field's digits) from 1 to 10, else 1.
     """
     value = body.get("n") if isinstance(body, dict) else None
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
+    if isinstance(value, str):
+        text = value.strip()
+        value = int(text) if text.isascii() and text.isdigit() and len(text) <= 9 else None
     if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 10:
         return value
     return 1
@@ -224,7 +225,8 @@ def mediaCounts(turn: Any, parsed: Any, counts: TokenCounts | None) -> TokenCoun
     The usage of an embeddings or images answer (R115). Embeddings: its
     C{usage} (C{prompt_tokens}: input). Images: its C{usage} when it has
     one (C{gpt-image-*}), else one request of no tokens, with the images
-    of C{data} under L{imagesTool} (priced per image, R109).
+    of C{data} under L{imagesTool} of the quality and size the answer
+    reports (else the request's; priced per image as served, R109).
 
     @param turn: the turn (C{endpoint}, C{body}).
     @param parsed: the answer's parsed body.
@@ -235,7 +237,13 @@ def mediaCounts(turn: Any, parsed: Any, counts: TokenCounts | None) -> TokenCoun
     data = parsed.get("data")
     images = len(data) if isinstance(data, list) else 0
     base = counts if counts is not None else TokenCounts(requests=1)
-    return evolve(base, tools=((imagesTool(turn.body), images),) if images else ())
+    # R109: priced as served: the answer's quality and size (an "auto" or
+    # absent request is served at the quality the upstream chose) win
+    # over the request's
+    asked = turn.body if isinstance(turn.body, dict) else {}
+    servedAs = {name: parsed[name] for name in ("quality", "size")
+                if isinstance(parsed.get(name), str) and parsed[name]}
+    return evolve(base, tools=((imagesTool(dict(asked, **servedAs)), images),) if images else ())
 
 
 def imageCalls(counts: TokenCounts, body: Any) -> TokenCounts:

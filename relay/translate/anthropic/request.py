@@ -59,6 +59,16 @@ THINKING_ON = ("enabled", "adaptive")
 """The C{thinking.type}s that turn reasoning on (C{adaptive} without a budget:
 C{output_config.effort} when it names one, else C{medium})."""
 
+MAX_STOP_SEQUENCES = 64
+"""The most C{stop_sequences} a request may give: each one is looked for in
+every text delta of the answer (L{relay.translate.anthropic.stream}), on the
+process's one thread, so an unbounded list would let one key stall every
+other key's turns."""
+
+MAX_STOP_SEQUENCE_CHARS = 256
+"""The longest stop sequence, characters (the tail of the answer held back
+while it may begin one is bounded by it)."""
+
 EFFORT_BANDS = ((4096, "low"), (16384, "medium"))
 """C{thinking.budget_tokens} below the bound -> effort; at or above the last
 bound: C{high}."""
@@ -148,9 +158,19 @@ def checkMessagesRequest(body: Any, counting: bool = False) -> None:
                 raise MessagesRequestError(
                     f"messages.{i}.content.{j}: each block must be an object with a type",
                     f"messages.{i}.content.{j}")
+            if block["type"] == "text" and not isinstance(block.get("text"), str):
+                raise MessagesRequestError(
+                    f"messages.{i}.content.{j}.text: Input should be a valid string",
+                    f"messages.{i}.content.{j}.text")
     system = body.get("system")
     if system is not None and not isinstance(system, (str, list)):
         raise MessagesRequestError("system: Input should be a string or text blocks", "system")
+    for i, block in enumerate(system if isinstance(system, list) else ()):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(
+                block.get("text"), str):
+            raise MessagesRequestError(
+                f"system.{i}: Input should be a text block with a string text",
+                f"system.{i}")
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
@@ -178,6 +198,13 @@ def checkMessagesRequest(body: Any, counting: bool = False) -> None:
     ):
         raise MessagesRequestError(
             "stop_sequences: Input should be an array of non-empty strings", "stop_sequences")
+    if stops is not None and (
+        len(stops) > MAX_STOP_SEQUENCES
+        or any(len(s) > MAX_STOP_SEQUENCE_CHARS for s in stops)
+    ):
+        raise MessagesRequestError(
+            f"stop_sequences: at most {MAX_STOP_SEQUENCES} sequences of at most"
+            f" {MAX_STOP_SEQUENCE_CHARS} characters each", "stop_sequences")
     thinking = body.get("thinking")
     if thinking is not None and (
         not isinstance(thinking, dict)
@@ -392,10 +419,21 @@ def _toolChoice(choice: dict) -> Any:
 
 
 def _hasCacheControl(value: Any) -> bool:
-    if isinstance(value, dict):
-        return "cache_control" in value or any(_hasCacheControl(v) for v in value.values())
-    if isinstance(value, list):
-        return any(_hasCacheControl(v) for v in value)
+    """
+    Whether a C{cache_control} key stands anywhere in C{value}. Walked
+    with a stack, not by recursion: a client's body may nest as deep as
+    the JSON reader allows, deeper than the interpreter's recursion limit
+    leaves room for (a 500 before, never the client's 400).
+    """
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if "cache_control" in item:
+                return True
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
     return False
 
 
