@@ -28,14 +28,16 @@ from __future__ import annotations
 import base64
 import hashlib
 import secrets
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 from urllib.parse import urlencode
 
-import jwt
 from attrs import define, field
 from twisted.logger import Logger
 
 from relay.control.store import VersionConflict
+
+if TYPE_CHECKING:
+    import jwt
 
 __all__ = ["OIDC_LOGIN", "OIDCError", "OIDCSignIn"]
 
@@ -163,6 +165,8 @@ class OIDCSignIn:
         return record.data
 
     async def _keys(self, found: dict, refresh: bool = False) -> jwt.PyJWKSet:
+        import jwt  # late, for RSS: only when someone signs in by OIDC
+
         if self._jwks is None or refresh:
             self._jwks = await self._get(found["jwks_uri"])
         return jwt.PyJWKSet.from_dict(self._jwks)
@@ -206,6 +210,8 @@ class OIDCSignIn:
         return name
 
     async def _verify(self, token: str, found: dict) -> dict:
+        import jwt  # late, for RSS: only when someone signs in by OIDC
+
         try:
             header = jwt.get_unverified_header(token)
         except jwt.PyJWTError:
