@@ -340,7 +340,7 @@ async def test_usage_charts_budgets_and_requests_refresh():
                            "document.querySelector('#usage-chart-card h3').innerText"
                            ".indexOf('Tokens per model') === 0", what="tokens per model, 7 d")
         csv = await _csv(page, "usage")
-        assert csv.splitlines()[0].startswith("Group,Turns,Failed,Input"), csv
+        assert csv.splitlines()[0].startswith("Group,Served,Failed,Input"), csv
         assert csv.splitlines()[1].startswith("gpt-5.5,"), csv
         await _shot(page, "usage-tokens-7d")
 

@@ -37,7 +37,7 @@ function build(root) {
     rowAttrs: (r) => ({"class": "usage-row", "data-group": String(r.group)}),
     columns: [
       {id: "group", title: "Group", value: (r) => r.group},
-      {id: "requests", title: "Turns", cls: "num", value: (r) => r.usage_requests !== undefined ? r.usage_requests : r.requests || 0, render: (r) => tokens(r.usage_requests !== undefined ? r.usage_requests : r.requests || 0)},
+      {id: "requests", title: "Served", cls: "num", value: (r) => r.usage_requests !== undefined ? r.usage_requests : r.requests || 0, render: (r) => tokens(r.usage_requests !== undefined ? r.usage_requests : r.requests || 0)},
       {id: "failed", title: "Failed", cls: "num", value: (r) => r.failed || 0},
       {id: "input", title: "Input", cls: "num", value: (r) => r.input_tokens || 0, render: (r) => tokens(r.input_tokens || 0)},
       {id: "cached", title: "Cached", cls: "num", value: (r) => r.cached_input_tokens || 0, render: (r) => tokens(r.cached_input_tokens || 0)},
