@@ -19,12 +19,12 @@ Transport adapter only; no policy.
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 from zope.interface import implementer
 
 from relay.base.records import ClientError, Turn
 from relay.interfaces import ITurnSink
+from relay.translate.adapter import TranslatingSink
 from relay.translate.assemble import ResponseAssembler
 from relay.translate.media import imagesAnswer
 from relay.translate.sink import chatError
@@ -35,7 +35,7 @@ _ITEM_DONE = b"response.output_item.done"
 
 
 @implementer(ITurnSink)
-class ImagesSink:
+class ImagesSink(TranslatingSink):
     """
     Writes a Responses turn to an images client (see the module docstring).
 
@@ -61,30 +61,6 @@ class ImagesSink:
         if turn.hostedCalls is None:
             turn.hostedCalls = {}
         turn.hostedCalls.pop("image_generation", None)  # this attempt's only
-
-    @property
-    def status(self) -> Optional[int]:
-        """
-        The client sink's HTTP status, for logs.
-        """
-        return getattr(self._inner, "status", None)
-
-    def attachProducer(self, producer) -> None:
-        attach = getattr(self._inner, "attachProducer", None)
-        if attach is not None:
-            attach(producer)
-
-    def detachProducer(self) -> None:
-        detach = getattr(self._inner, "detachProducer", None)
-        if detach is not None:
-            detach()
-
-    def keepalive(self) -> None:
-        self._inner.keepalive()
-
-    def commit(self, headers) -> None:
-        self.committed = True
-        self._headers = dict(headers or {})
 
     def writeEvent(self, event) -> None:
         if self._done:
@@ -138,20 +114,3 @@ class ImagesSink:
             return
         self._done = True
         self._inner.writeBody(status, headers, body)
-
-    def _fail(self, error: ClientError) -> None:
-        self._done = True
-        self._inner.fail(error)
-
-    def fail(self, error: ClientError) -> None:
-        """
-        The engine ends the turn with C{error}; after an answer or error
-        this adapter already wrote, only the end remains.
-        """
-        if self._done:
-            self._inner.finish()
-            return
-        self._fail(error)
-
-    def finish(self) -> None:
-        self._inner.finish()

@@ -23,13 +23,13 @@ C{api_error} 5xx), else an in-stream C{event: error} (protocol.md 3
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 from zope.interface import implementer
 
 from relay.interfaces import ITurnSink
 from relay.base.records import ClientError, Turn
 from relay.wire.sse import DONE, Event
+from relay.translate.adapter import TranslatingSink
 from relay.translate.assemble import chatCompletion
 from relay.translate.chatstream import ChatChunkTranslator
 
@@ -71,7 +71,7 @@ def chatError(error: dict) -> ClientError:
 
 
 @implementer(ITurnSink)
-class ChatCompletionsSink:
+class ChatCompletionsSink(TranslatingSink):
     """
     Writes Responses events to a chat client (see the module docstring).
 
@@ -98,47 +98,6 @@ class ChatCompletionsSink:
         self._started = False
         self._done = False
         self.committed = False
-
-    @property
-    def holdsOutput(self) -> bool:
-        """
-        Whether the client's sink holds everything until the end (JSON).
-        """
-        return bool(getattr(self._inner, "holdsOutput", False))
-
-    @property
-    def status(self) -> Optional[int]:
-        """
-        The client sink's HTTP status, for logs.
-        """
-        return getattr(self._inner, "status", None)
-
-    def attachProducer(self, producer) -> None:
-        """
-        Let the client socket pause upstream reads.
-        """
-        attach = getattr(self._inner, "attachProducer", None)
-        if attach is not None:
-            attach(producer)
-
-    def detachProducer(self) -> None:
-        """
-        Undo L{attachProducer}.
-        """
-        detach = getattr(self._inner, "detachProducer", None)
-        if detach is not None:
-            detach()
-
-    def keepalive(self) -> None:
-        self._inner.keepalive()
-
-    def commit(self, headers) -> None:
-        """
-        The engine committed: remember the headers; the client's sink
-        commits with the first chunk (or the error or the body).
-        """
-        self.committed = True
-        self._headers = dict(headers or {})
 
     def writeEvent(self, event) -> None:
         if self._done or event.type == DONE:
@@ -187,20 +146,3 @@ class ChatCompletionsSink:
             return
         self._done = True
         self._inner.writeBody(status, headers, body)
-
-    def _fail(self, error: ClientError) -> None:
-        self._done = True
-        self._inner.fail(error)
-
-    def fail(self, error: ClientError) -> None:
-        """
-        The engine ends the turn with C{error}; after an upstream error this
-        adapter already wrote, only the end remains.
-        """
-        if self._done:
-            self._inner.finish()
-            return
-        self._fail(error)
-
-    def finish(self) -> None:
-        self._inner.finish()

@@ -19,13 +19,13 @@ Anthropic's shape (L{relay.translate.anthropic.errors}). No policy here.
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 from zope.interface import implementer
 
 from relay.interfaces import ITurnSink
-from relay.base.records import ClientError, Turn
+from relay.base.records import Turn
 from relay.wire.sse import DONE, Event
+from relay.translate.adapter import TranslatingSink
 from relay.translate.anthropic.request import MessagesContext
 from relay.translate.anthropic.stream import MessagesTranslator, foldMessage
 from relay.translate.sink import chatError
@@ -41,7 +41,7 @@ def sseEvent(name: str, data: dict) -> Event:
 
 
 @implementer(ITurnSink)
-class MessagesSink:
+class MessagesSink(TranslatingSink):
     """
     Writes Responses events to a Messages client (see the module docstring).
 
@@ -65,31 +65,6 @@ class MessagesSink:
         self._started = False
         self._done = False
         self.committed = False
-
-    @property
-    def holdsOutput(self) -> bool:
-        return bool(getattr(self._inner, "holdsOutput", False))
-
-    @property
-    def status(self) -> Optional[int]:
-        return getattr(self._inner, "status", None)
-
-    def attachProducer(self, producer) -> None:
-        attach = getattr(self._inner, "attachProducer", None)
-        if attach is not None:
-            attach(producer)
-
-    def detachProducer(self) -> None:
-        detach = getattr(self._inner, "detachProducer", None)
-        if detach is not None:
-            detach()
-
-    def keepalive(self) -> None:
-        self._inner.keepalive()
-
-    def commit(self, headers) -> None:
-        self.committed = True
-        self._headers = dict(headers or {})
 
     def writeEvent(self, event) -> None:
         if self._done or event.type == DONE:
@@ -135,16 +110,3 @@ class MessagesSink:
             return
         self._done = True
         self._inner.writeBody(status, headers, body)
-
-    def _fail(self, error: ClientError) -> None:
-        self._done = True
-        self._inner.fail(error)
-
-    def fail(self, error: ClientError) -> None:
-        if self._done:
-            self._inner.finish()
-            return
-        self._fail(error)
-
-    def finish(self) -> None:
-        self._inner.finish()
