@@ -245,6 +245,11 @@ def _control(pid: int, *args) -> None:
                    timeout=600)
 
 
+KEEP = None
+"""A directory the callgrind dumps are copied to before they are counted
+(C{--keep}), for C{callgrind_annotate}."""
+
+
 def _totals(out: str) -> int:
     total = 0
     for path in [p for p in os.listdir(os.path.dirname(out))
@@ -253,6 +258,8 @@ def _totals(out: str) -> int:
             for line in f:
                 if line.startswith("totals:"):
                     total += int(line.split()[1])
+        if KEEP:
+            shutil.copy(os.path.join(os.path.dirname(out), path), KEEP)
         os.remove(os.path.join(os.path.dirname(out), path))
     return total
 
@@ -570,11 +577,16 @@ def main() -> None:
     parser.add_argument("--baseline", help="a git ref or a source tree measured beside this one")
     parser.add_argument("--turns", type=int, default=200)
     parser.add_argument("--only", action="append",
-                        choices=["floor", "kinds", "state", "load", "pool"])
+                        choices=["floor", "floor-codex", "kinds", "codex", "state", "load", "pool"])
+    parser.add_argument("--keep", help="copy the callgrind dumps to this directory")
     parser.add_argument("--out", help="also write the report (markdown) here")
     parser.add_argument("--steady", action="store_true",
                         help="warm new-session turns up on every account first (slow at 2,000)")
     args = parser.parse_args()
+    if args.keep:
+        global KEEP
+        KEEP = args.keep
+        os.makedirs(KEEP, exist_ok=True)
     if args.steady:
         global STEADY
         STEADY = True

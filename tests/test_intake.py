@@ -326,6 +326,66 @@ class BoundedBodyTests(SynchronousTestCase):
         self.assertEqual(probe.seen, [])
 
 
+class ParsedHoldTests(SynchronousTestCase):
+    """
+    R103: a large body (a Codex history) is held at the most its parse can
+    take while it is parsed, then at the estimate of what it holds; no
+    pass over its bytes first. When that bound does not fit, the pass's
+    estimate decides, as for a small body.
+    """
+
+    def _site(self, limits="{}"):
+        app, probe = relaySite(limits)
+        seen = probe.seen
+
+        def render(request):
+            budget = request._intake.budget
+            before = budget.total
+            value = request.relayJSON()
+            seen.append({"before": before, "after": budget.total, "items": len(value["input"]),
+                         "budget": budget})
+            return b"{}"
+
+        probe.render_POST = render
+        return app, seen
+
+    def _body(self):
+        items = [{"type": "message", "role": "user",
+                  "content": [{"type": "input_text", "text": "x" * 200}]}] * 300
+        return json.dumps({"model": "m", "input": items}, separators=(",", ":")).encode()
+
+    def test_boundThenShape(self):
+        from relay.frontdoor import budgets
+        from relay.wire.jsoncodec import loadsLarge
+
+        body = self._body()
+        calls = []
+        real = budgets.parsedEstimate
+        self.patch(B, "parsedEstimate", lambda data: calls.append(len(data)) or real(data))
+        app, seen = self._site()
+        conn = Conn(app.site).send(head(b"/v1/probe", headers=AUTH, length=len(body)) + body)
+        self.assertEqual(conn.status(), 200)
+        shape = []
+        loadsLarge(body, shape)
+        held = budgets.shapeEstimate(len(body), *shape[0])
+        self.assertEqual([(s["before"], s["after"], s["items"]) for s in seen],
+                         [(budgets.parsedBound(len(body)), held, 300)])
+        self.assertEqual(calls, [])  # no pass over the bytes
+
+    def test_boundDoesNotFit(self):
+        from relay.frontdoor import budgets
+
+        body = self._body()
+        limit = budgets.parsedEstimate(body) + 1000
+        self.assertLess(limit, budgets.parsedBound(len(body)))
+        app, seen = self._site(f"{{body_bytes_in_flight_per_key: {limit}}}")
+        conn = Conn(app.site).send(head(b"/v1/probe", headers=AUTH, length=len(body)) + body)
+        self.assertEqual(conn.status(), 200)
+        self.assertEqual(seen[0]["before"], budgets.parsedEstimate(body))
+        self.assertLessEqual(seen[0]["after"], seen[0]["before"])  # never up
+        self.assertEqual(seen[0]["budget"].total, 0)  # the request ended
+
+
 class DeepNestingTests(SynchronousTestCase):
     """
     Item 3: deep nesting is a 400 in OpenAI's format on every JSON reader.

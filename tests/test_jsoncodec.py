@@ -271,29 +271,53 @@ class LoadsLargeTests(SynchronousTestCase):
 
     def test_leftToLoads(self) -> None:
         """
-        Texts orjson must not decide: deep nesting (orjson 3.8 has no limit
-        and overflows the stack), too many brackets, an integer beyond 64
-        bits beside a float, what orjson refuses, a C{str}.
+        Texts orjson must not decide: nesting deeper than
+        L{jsoncodec.MAX_FAST_DEPTH}, an integer beyond 64 bits beside a
+        float, what orjson refuses, a C{str}.
         """
         deep = b'{"a":' + b"[" * 300 + b"]" * 300 + b',"pad":"' + b"x" * 70000 + b'"}'
-        brackets = b"[" + b",".join([b"[]"] * (jsoncodec.MAX_LARGE_BRACKETS + 1)) + b"]"
         bigint = self._large([1.5, 2**70])
-        for data in (deep, brackets, bigint, self._large("\ud800").replace(b"\\\\", b"\\"),
+        negative = self._large([-(2**70)])
+        for data in (deep, bigint, negative, self._large("\ud800").replace(b"\\\\", b"\\"),
                      b"[NaN," + b"1," * 40000 + b"1]", '"' + "x" * 70000 + '"'):
             self.assertIs(jsoncodec.loadsLarge(data), jsoncodec.NOT_FAST, data[:40])
 
-    def test_bracketsGiven(self) -> None:
+    def test_deepestNesting(self) -> None:
         """
-        A count of brackets the caller already has is used as it is: over
-        the bound, orjson never sees the text.
+        Nesting far past orjson's own limit (1,024 levels; orjson 3.8 had
+        none and overflowed the C stack at ~10^5) is left to L{loads},
+        without a count of the text's brackets first.
+        """
+        for depth in (1025, 200_000):
+            data = b"[" * depth + b"]" * depth
+            self.assertIs(jsoncodec.loadsLarge(data), jsoncodec.NOT_FAST)
+
+    def test_manyBrackets(self) -> None:
+        """
+        Many brackets that nest shallowly, and a run of digits inside a
+        string beside a small float, are read by orjson: the value is
+        C{json.loads}'.
         """
         calls = []
-        self.patch(jsoncodec, "_orjsonLoads", lambda d: calls.append(d) or json.loads(d))
-        data = self._large([1])
-        self.assertIs(jsoncodec.loadsLarge(data, jsoncodec.MAX_LARGE_BRACKETS + 1),
-                      jsoncodec.NOT_FAST)
-        self.assertEqual(calls, [])
-        self.assertEqual(jsoncodec.loadsLarge(data, 3)["v"], [1])
+        real = jsoncodec._orjsonLoads
+        self.patch(jsoncodec, "_orjsonLoads", lambda d: calls.append(d) or real(d))
+        for data in (b"[" + b",".join([b"[{}]"] * 30000) + b"]",
+                     self._large([1.5, "12345678901234567890123", 2**63 - 1, 1e17])):
+            self.assertTrue(_same(jsoncodec.loadsLarge(data), json.loads(data)))
+        self.assertEqual(len(calls), 2)
+
+    def test_shape(self) -> None:
+        """
+        What the value holds, counted in the pass that checks its depth:
+        dicts and lists, dict pairs, list elements.
+        """
+        shape = []
+        data = self._large([{"a": [1, 2]}, [], "s"])
+        jsoncodec.loadsLarge(data, shape)
+        # {pad, v}, [..], {a}, [1, 2], []: 5 containers; pairs pad, v, a; elements 3 + 2
+        self.assertEqual(shape, [(5, 3, 5)])
+        self.assertIs(jsoncodec.loadsLarge(b"[" * 300 + b"]" * 300, shape), jsoncodec.NOT_FAST)
+        self.assertEqual(len(shape), 1)
 
     def test_loadJSON(self) -> None:
         """
@@ -311,3 +335,36 @@ class LoadsLargeTests(SynchronousTestCase):
         with self.assertRaises(ValueError) as e:
             loadJSON(b'{"a":' + b"[" * 200000 + b"]" * 200000 + pad)
         self.assertEqual(str(e.exception), NESTING_MESSAGE)
+
+
+class ShapeBoundTests(SynchronousTestCase):
+    """
+    L{relay.frontdoor.budgets.parsedBound}, held while a large body is
+    parsed (R103), is never below the estimate the body is held at
+    afterwards (L{relay.frontdoor.budgets.shapeEstimate}), whatever the
+    shape, the tightest ones included.
+    """
+
+    def _check(self, data: bytes) -> None:
+        from relay.frontdoor.budgets import parsedBound, shapeEstimate
+
+        shape = []
+        value = jsoncodec.loadsLarge(data, shape)
+        if value is jsoncodec.NOT_FAST:
+            return
+        self.assertLessEqual(shapeEstimate(len(data), *shape[0]), parsedBound(len(data)))
+
+    @given(_documents, st.booleans())
+    @settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+    def test_documents(self, value, ascii) -> None:
+        self._check(json.dumps(value, ensure_ascii=ascii, separators=(",", ":")).encode())
+
+    def test_tightest(self) -> None:
+        for piece in (b"{}", b"[]", b"[[]]", b"0", b'{"":0}', b'{"":{}}', b'{"":[]}'):
+            for n in (1, 2, 3, 1000):
+                self._check(b"[" + b",".join([piece] * n) + b"]")
+                self._check(b'{"a":' + b"[" + b",".join([piece] * n) + b"]}")
+        for depth in (2, 100, jsoncodec.MAX_FAST_DEPTH):
+            chain = b"[" * depth + b"]" * depth
+            self._check(chain)
+            self._check(b"[" + b",".join([chain[1:-1]] * 50) + b"]")

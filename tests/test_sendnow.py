@@ -80,6 +80,62 @@ class SendNowTCPTests(SynchronousTestCase):
         self.assertEqual(self.peer.recv(100), b"first second!")
 
 
+class SendNowPiecesTests(SendNowTCPTests):
+    """
+    A request's pieces (head, body) leave in one C{sendmsg}; what the
+    kernel does not take is queued as it is, never copied or joined.
+    """
+
+    def _drain(self, t, expected: bytes) -> bytes:
+        got = b""
+        self.peer.setblocking(False)
+        while len(got) < len(expected):
+            try:
+                got += self.peer.recv(1 << 20)
+            except BlockingIOError:
+                pass
+            if t.dataBuffer or t._tempDataBuffer:
+                t.doWrite()
+        return got
+
+    def test_piecesAtOnce(self):
+        t = self.transport
+        sendNow(t, [b"head\r\n\r\n", b"{}"])
+        self.assertEqual((t._tempDataBuffer, t.dataBuffer), ([], b""))
+        self.assertEqual(self.reactor.writers, set())
+        self.assertEqual(self.peer.recv(100), b"head\r\n\r\n{}")
+
+    def test_restQueuedUncopied(self):
+        """
+        A body larger than the socket's buffers: the kernel takes part of
+        it; the body itself (not a copy of its rest) is queued with the
+        offset reached, and the bytes arrive whole and in order.
+        """
+        t = self.transport
+        head, body, tail = b"H" * 100, bytes(range(256)) * 32768, b"T" * 10  # 8 MiB body
+        sendNow(t, [head, body, tail])
+        self.assertIs(t.dataBuffer, body)
+        self.assertGreater(t.offset, 0)
+        self.assertEqual(t._tempDataBuffer, [tail])
+        self.assertEqual(self.reactor.writers, {t})
+        self.assertEqual(self._drain(t, head + body + tail), head + body + tail)
+
+    def test_bytesRestUncopied(self):
+        t = self.transport
+        body = b"x" * (8 << 20)
+        sendNow(t, body)
+        self.assertIs(t.dataBuffer, body)
+        self.assertEqual(self._drain(t, body), body)
+
+    def test_queuedBehind(self):
+        t = self.transport
+        t.write(b"first ")
+        sendNow(t, [b"second ", b"third"])
+        self.assertEqual(t._tempDataBuffer, [b"first ", b"second ", b"third"])
+        t.doWrite()
+        self.assertEqual(self.peer.recv(100), b"first second third")
+
+
 class SendNowFallbackTests(SynchronousTestCase):
     """
     Anything but a plain TCP connection gets C{write}.
@@ -89,7 +145,8 @@ class SendNowFallbackTests(SynchronousTestCase):
         t = StringTransport()
         self.assertIsNone(socketOf(t))
         sendNow(t, b"abc")
-        self.assertEqual(t.value(), b"abc")
+        sendNow(t, [b"d", b"ef"])
+        self.assertEqual(t.value(), b"abcdef")
 
 
 class _Counting(StringTransport):

@@ -151,7 +151,9 @@ def upstreamBody(turn: Turn, account: Account) -> bytes:
             options = dict(options) if isinstance(options, dict) else {}
             options["include_usage"] = True
             body["stream_options"] = options
-    else:
+    elif body.get("stream") is not False:
+        # A client's own C{"stream": false} goes as it came (the spliced
+        # body keeps the client's bytes); anything else is dropped.
         body.pop("stream", None)
     if translatesChat(turn, account):
         return encodeBody(body, turn.bodySize)

@@ -52,7 +52,7 @@ from relay.entry.bodywait import BodyRate, KeysWait, SlotWait
 from relay.base.requestnotes import RequestNotes
 from relay.entry.sinks import errorBody, isMessagesPath, writeError
 from relay.translate.anthropic.errors import anthropicBody, anthropicStatus
-from relay.frontdoor.budgets import parsedEstimate, parsedOver
+from relay.frontdoor.budgets import parsedBound, parsedEstimate, parsedOver, shapeEstimate
 from relay.frontdoor.record import Admission
 from relay.frontdoor.parse import NOT_JSON_MESSAGE, RequestRefused, readJSON
 from relay.wire.jsoncodec import LARGE_BODY_BYTES
@@ -388,31 +388,40 @@ def decodeHeld(raw, encoding: bytes, limit: int, ratio, received: int):
     return out
 
 
-def chargeParsed(content, budget, keyName: str, limits, charged: int, brackets=None):
+def chargeParsed(content, budget, keyName: str, limits, charged: int):
     """
-    Replace the raw bytes counted for a body by the estimate of its
-    parsed size (L{parsedEstimate}): what a decoded body will hold once
-    a resource parses it, until the request ends.
+    Replace the raw bytes counted for a body by what it may take once
+    parsed, until the request ends (R103). A large body (more than
+    L{LARGE_BODY_BYTES}, a Codex history) is held at L{parsedBound}, the
+    most its parse can take, when that fits: no pass over its bytes, and
+    L{relayJSON} brings the hold down to L{shapeEstimate} as soon as it has
+    read the body. Otherwise (a small body, or the bound does not fit) the
+    hold is L{parsedEstimate}, one pass over the bytes.
 
     @param content: the decoded body's file (left at its end).
     @param budget: the bodies in flight (C{reserve}, C{release}).
     @param keyName: the key the bytes count against.
     @param limits: the C{gateway.limits} in force.
     @param charged: the raw bytes counted so far (released here).
-    @param brackets: a list that gets the body's count of opening brackets
-        appended (L{parsedEstimate}), or L{None}.
     @return: C{(bytes now counted, None)}, or C{(0, the ClientError)}:
         413 over a bound, else what the budget refused with.
     """
+    length = content.seek(0, io.SEEK_END)
+    budget.release(keyName, charged)
+    if length > LARGE_BODY_BYTES:
+        bound = parsedBound(length)
+        if parsedOver(bound, limits) is None and budget.reserve(
+            keyName, bound, limits.body_bytes_in_flight_per_key, limits.body_bytes_in_flight
+        ) is None:
+            return bound, None
     if content.__class__ is io.BytesIO:
         data = content.getvalue()  # what seek, read, seek gives
     else:
         content.seek(0)
         data = content.read()
     content.seek(0, io.SEEK_END)
-    estimate = parsedEstimate(data, brackets)
+    estimate = parsedEstimate(data)
     del data
-    budget.release(keyName, charged)
     over = parsedOver(estimate, limits)
     if over is not None:
         scope, limit = over
@@ -585,9 +594,6 @@ class LimitedBodyRequest(Request):
     _slotWait = None
     _json = None
     _parsed = False
-    _brackets = None
-    """The body's opening brackets, counted with its parsed-size estimate
-    (L{chargeParsed}), for the parser's nesting guard; L{None} if not."""
     relayBodySize = 0
     relayRawBody = None
     """A large body's bytes and top-level values (L{RawObject}), once
@@ -779,6 +785,15 @@ class LimitedBodyRequest(Request):
         self._answerNow(error)
         return False
 
+    def _settleParsed(self, estimate: int) -> None:
+        """
+        Bring the body's hold down to C{estimate}, its parsed size's
+        estimate once read (L{chargeParsed}); never up.
+        """
+        if self._charged > estimate and self._intake is not None and self.admission is not None:
+            self._intake.budget.release(self.admission.key.name, self._charged - estimate)
+            self._charged = estimate
+
     def _releaseBudget(self) -> None:
         if self._charged and self._intake is not None and self.admission is not None:
             self._intake.budget.release(self.admission.key.name, self._charged)
@@ -914,11 +929,8 @@ class LimitedBodyRequest(Request):
         request ends (L{chargeParsed}).
         """
         charged, self._charged = self._charged, 0
-        brackets = []
         self._charged, error = chargeParsed(self.content, self._intake.budget,
-                                            self.admission.key.name, self._limits(), charged,
-                                            brackets)
-        self._brackets = brackets[0] if brackets else None
+                                            self.admission.key.name, self._limits(), charged)
         if error is not None:
             self._bodyFailed(error)
             self._logRefusedBody()
@@ -945,7 +957,12 @@ class LimitedBodyRequest(Request):
             not JSON (or nests too deep).
         """
         if not self._parsed:
-            raw = self.content.read() if self.content is not None else b""
+            content = self.content
+            if content.__class__ is io.BytesIO and not content.tell():
+                raw = content.getvalue()  # the buffer itself, not a copy of it
+                content.seek(0, io.SEEK_END)
+            else:
+                raw = content.read() if content is not None else b""
             self._parsed = True
             self.relayBodySize = len(raw)
             if not raw.strip():
@@ -953,7 +970,10 @@ class LimitedBodyRequest(Request):
             else:
                 try:
                     # the one reader (relay.frontdoor.parse)
-                    self._json = readJSON(raw, self._brackets)
+                    shape = []
+                    self._json = readJSON(raw, shape)
+                    if shape:
+                        self._settleParsed(shapeEstimate(len(raw), *shape[0]))
                     if len(raw) > LARGE_BODY_BYTES and self._json.__class__ is dict:
                         self.relayRawBody = RawObject(raw, self._json)  # spliced upstream
                 except RequestRefused as e:

@@ -89,7 +89,7 @@ _NOT_STRUCTURE = bytes(c for c in range(256) if c not in b'{[",')
 _CHUNK = 4 * 1024 * 1024
 
 
-def parsedEstimate(data: bytes, brackets: Optional[list] = None) -> int:
+def parsedEstimate(data: bytes) -> int:
     """
     An upper estimate of the memory a JSON body takes once parsed
     (R103): its bytes, plus per opening bracket what CPython's parser
@@ -103,9 +103,6 @@ def parsedEstimate(data: bytes, brackets: Optional[list] = None) -> int:
     slices of 4 MiB, so a large body is never copied whole.
 
     @param data: the decoded body.
-    @param brackets: a list that gets the count of opening brackets
-        (C{{} and C{[}) appended, for the parser's nesting guard
-        (L{relay.wire.jsoncodec.loadsLarge}), or L{None}.
     @return: bytes.
     """
     opens = marks = 0
@@ -115,9 +112,46 @@ def parsedEstimate(data: bytes, brackets: Optional[list] = None) -> int:
         found = kept.count(b"{")
         opens += found
         marks += len(kept) - found
-    if brackets is not None:
-        brackets.append(opens)
     return len(data) + 64 * opens + 32 * marks
+
+
+def shapeEstimate(length: int, containers: int, pairs: int, elements: int) -> int:
+    """
+    The memory a parsed body takes, estimated from what it holds
+    (L{relay.wire.jsoncodec.loadsLarge} counts it while checking the
+    value's depth, so this costs no pass over the text): its bytes, plus
+    128 B per dict or list, 160 B per dict pair (the key's string, the
+    value's object, the table's slot), 96 B per list element. Above the
+    size CPython holds for every shape measured, Codex histories
+    (about 1.2x their length) and the worst shapes (C{[{},{},...]} at 24x,
+    C{{"k1":"v",...}} at 12x) alike; text that parses into four-byte
+    characters can hold more than its bytes.
+
+    @param length: the body's bytes.
+    @return: bytes.
+    """
+    return length + 128 * containers + 160 * pairs + 96 * elements
+
+
+SHAPE_BOUND_FACTOR = 113
+"""L{shapeEstimate} is at most this many times the body's length (plus
+L{SHAPE_BOUND_SLACK}): its bytes once, and a dict or list takes at least
+its two brackets, as another's member 128 + 96 B at most (C{[[[...]]]}:
+224 B per two bytes); a member that is no container takes a byte and a
+separator."""
+
+SHAPE_BOUND_SLACK = 512
+
+
+def parsedBound(length: int) -> int:
+    """
+    What a body of C{length} bytes can take once parsed, at most, by
+    L{shapeEstimate}: held while it is parsed, in place of
+    L{parsedEstimate}'s pass over its bytes, when it fits (R103).
+
+    @return: bytes.
+    """
+    return SHAPE_BOUND_FACTOR * length + SHAPE_BOUND_SLACK
 
 
 def parsedOver(estimate: int, limits) -> Optional[tuple]:

@@ -36,7 +36,7 @@ def _refuseConstant(name: str):
     raise ValueError(f"{name} is not a JSON value")
 
 
-def loadJSON(raw: bytes, brackets=None):
+def loadJSON(raw: bytes, shape=None):
     """
     Parse a client's JSON body or WebSocket frame, refusing an unpaired
     UTF-16 surrogate escape (e.g. C{"\\ud800"}): it is not text, it cannot
@@ -60,14 +60,15 @@ def loadJSON(raw: bytes, brackets=None):
     infinities and lone surrogates itself, so such a body skips both
     second checks.
 
-    @param brackets: C{raw}'s count of opening brackets when already
-        known, else L{None} (counted here for a large body).
+    @param shape: a list that gets C{(containers, pairs, elements)} of a
+        large body's value appended when orjson read it
+        (L{relay.wire.jsoncodec.loadsLarge}), or L{None}.
     @raise ValueError: for invalid JSON, bad UTF-8, an unpaired surrogate,
         C{NaN} or an infinity, or nesting deeper than the parser's
         recursion limit (L{NESTING_MESSAGE}).
     """
     if len(raw) > LARGE_BODY_BYTES:
-        value = loadsLarge(raw, brackets)
+        value = loadsLarge(raw, shape)
         if value is not NOT_FAST:
             return value
     try:

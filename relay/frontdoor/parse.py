@@ -48,19 +48,19 @@ class FieldRefused(RequestRefused):
         self.kind, self.param = kind, param
 
 
-def readJSON(raw: bytes, brackets: Optional[int] = None):
+def readJSON(raw: bytes, shape: Optional[list] = None):
     """
     Parse a client's body or frame (L{loadJSON}).
 
-    @param brackets: C{raw}'s count of opening brackets when already
-        known (L{relay.frontdoor.budgets.parsedEstimate}), else L{None}.
+    @param shape: a list that gets what a large body's value holds
+        (L{loadJSON}), or L{None}.
 
     @return: the value.
     @raise RequestRefused: a 400 whose message is L{NESTING_MESSAGE} for
         deep nesting, else L{NOT_JSON_MESSAGE}; C{.nested} tells which.
     """
     try:
-        return loadJSON(raw, brackets)
+        return loadJSON(raw, shape)
     except ValueError as e:
         nested = str(e) == NESTING_MESSAGE
         refused = RequestRefused(

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from treq.client import HTTPClient
 
 from relay.interfaces import IUpstreamDialer, IUpstreamResponse
-from relay.upstream.httpclient import BodyCollector, ConnectionPool, Target, requestBytes
+from relay.upstream.httpclient import BodyCollector, ConnectionPool, Target, requestPieces
 from relay.base.records import Account, UpstreamSettings
 from relay.upstream.headers import (
     BOTH,
@@ -360,7 +360,7 @@ class HTTPDialer:
             target = self._target(url)
             if target is not None:
                 # Direct upstreams go through the lean client.
-                data = requestBytes(target, upstreamHeaders(account, headers), body)
+                data = requestPieces(target, upstreamHeaders(account, headers), body)
                 d = self._directPool(timeouts).request(target, data)
                 timeout = timeouts.connect_timeout_seconds + timeouts.header_timeout_seconds
                 return _headerTimeout(d, timeout, self._reactor)

@@ -93,13 +93,15 @@ class Target:
         self.head = f"POST {target} HTTP/1.1\r\nHost: {hostHeader}\r\n".encode("idna")
 
 
-def requestBytes(target: Target, headers: dict, body: bytes) -> bytes:
+def requestPieces(target: Target, headers: dict, body: bytes) -> list:
     """
     The whole request: line, C{Host}, C{headers}, C{Accept-Encoding: gzip},
-    C{Content-Length} and the body.
+    C{Content-Length} and the body, as C{[head, body]} (sent together,
+    never joined: L{relay.wire.sendnow.sendNow}).
 
     @param headers: lower-cased name -> str value; a value with a CR or LF
         is sent with them replaced by spaces (no header injection).
+    @return: a list of C{bytes}.
     """
     lines = [target.head]
     for name, value in headers.items():
@@ -107,8 +109,14 @@ def requestBytes(target: Target, headers: dict, body: bytes) -> bytes:
             value = value.replace("\r", " ").replace("\n", " ")
         lines.append(name.encode("ascii") + b": " + value.encode("utf-8") + b"\r\n")
     lines.append(b"accept-encoding: gzip\r\ncontent-length: %d\r\n\r\n" % len(body))
-    lines.append(body)
-    return b"".join(lines)
+    return [b"".join(lines), body] if body else [b"".join(lines)]
+
+
+def requestBytes(target: Target, headers: dict, body: bytes) -> bytes:
+    """
+    L{requestPieces} joined.
+    """
+    return b"".join(requestPieces(target, headers, body))
 
 
 class _BodyTransport:
@@ -283,9 +291,9 @@ class Connection(Protocol):
 
     # -- requests ----------------------------------------------------------------
 
-    def request(self, data: bytes) -> Deferred:
+    def request(self, data) -> Deferred:
         """
-        Send a whole request.
+        Send a whole request: its bytes, or its pieces (L{requestPieces}).
 
         @return: a cancellable Deferred firing with the L{Response} once
             its head is in; failing with L{ResponseNeverReceived} when the

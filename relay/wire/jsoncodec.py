@@ -94,85 +94,96 @@ length (L{relay.usage.estimate.inputTokens})."""
 MAX_FAST_DEPTH = 256
 """The deepest nesting L{loadsLarge} keeps orjson's reading of: far below
 where the standard library (about 1,000 frames, the caller's included) or
-orjson (1,024 levels) stops, so both read it alike."""
+orjson (1,024 levels, its own limit since 3.9) stops, so both read it
+alike."""
 
-MAX_LARGE_BRACKETS = 20_000
-"""The most opening brackets a text L{loadsLarge} gives orjson may hold
-(so it nests at most this deep: orjson 3.8 reads 50,000 levels without
-a limit and crashes at 200,000). A 1 MiB Codex history holds ~3,000."""
+LARGE_FLOAT = 1e18
+"""A float at least this large (either sign) may be an integer of 19 or
+more digits that orjson read as a float (the standard library keeps such an
+integer exact); a text whose value holds one is looked at again."""
 
 NOT_FAST = object()
 """What L{loadsLarge} returns for a text it leaves to L{loads}."""
 
 
-def _shallow(value: Any) -> tuple:
+def _shape(value: Any) -> Optional[tuple]:
     """
-    Whether C{value} nests at most L{MAX_FAST_DEPTH} deep, and whether it
-    holds a float: one pass over its containers (strings and numbers are
-    looked at, never read).
+    One pass over C{value}'s containers (strings and numbers are looked at,
+    never read): how deep it nests, what it holds.
 
-    @return: C{(shallow, holds a float)}.
+    @return: L{None} when it nests deeper than L{MAX_FAST_DEPTH}, else
+        C{(containers, pairs, elements, large float)}: the dicts and
+        lists, the dicts' pairs and the lists' elements in all, and
+        whether a float of at least L{LARGE_FLOAT} is among them.
     """
     dictType, listType, floatType = dict, list, float
+    large = LARGE_FLOAT
+    if value.__class__ is not dictType and value.__class__ is not listType:
+        return 0, 0, 0, value.__class__ is floatType and not -large < value < large
     stack = [(value, 1)]
     pop, push = stack.pop, stack.append
-    floats = value.__class__ is floatType
+    containers = pairs = elements = 0
+    floats = False
     while stack:
         node, depth = pop()
         if depth > MAX_FAST_DEPTH:
-            return False, floats
-        children = node.values() if node.__class__ is dictType else (
-            node if node.__class__ is listType else ())
+            return None
+        containers += 1
+        if node.__class__ is dictType:
+            pairs += len(node)
+            children = node.values()
+        else:
+            elements += len(node)
+            children = node
         for child in children:
             kind = child.__class__
             if kind is dictType or kind is listType:
                 push((child, depth + 1))
-            elif kind is floatType:
+            elif kind is floatType and not -large < child < large:
                 floats = True
-    return True, floats
+    return containers, pairs, elements, floats
 
 
-def loadsLarge(data: bytes, brackets: Optional[int] = None) -> Any:
+def loadsLarge(data: bytes, shape: Optional[list] = None) -> Any:
     """
     Parse a large client body (more than L{LARGE_BODY_BYTES}) through orjson
     when orjson's reading is certainly C{json.loads}' (a Codex history of
     1 MiB: one orjson pass and one pass over its containers, instead of
     the standard library's three times slower parse):
 
-      - the text holds more than L{MAX_LARGE_BRACKETS} opening brackets
-        (C{brackets}, counted here when L{None}): L{NOT_FAST}, before
-        orjson reads it (orjson 3.8 has no nesting limit of its own and
-        overflows the C stack at ~10^5 levels);
       - orjson refuses the text (C{NaN}, an infinity, a lone surrogate
-        escape, anything else it does not read): L{NOT_FAST};
+        escape, nesting past its own limit of 1,024 levels, anything else
+        it does not read): L{NOT_FAST};
       - the value nests deeper than L{MAX_FAST_DEPTH}: L{NOT_FAST} (the
         standard library decides, with its own recursion limit);
-      - it holds a float and the text a run of 19 or more digits (an
-        integer beyond 64 bits orjson would read as a float): L{NOT_FAST}.
+      - it holds a float of at least L{LARGE_FLOAT} and the text a run of
+        19 or more digits (an integer beyond 64 bits orjson would read as
+        a float): L{NOT_FAST}.
 
     Since orjson refuses C{NaN}, infinities and lone surrogate escapes, a
     value returned here needs none of the checks of
     L{relay.frontdoor.jsonbody.loadJSON} that look for them.
 
     @param data: C{bytes}.
+    @param shape: a list that gets C{(containers, pairs, elements)} of the
+        value appended (L{_shape}; for
+        L{relay.frontdoor.budgets.shapeEstimate}), or L{None}.
     @return: the value C{json.loads(data)} gives, or L{NOT_FAST} when the
         caller must use L{loads}.
     """
     if data.__class__ is not bytes:
         return NOT_FAST
-    if brackets is None:
-        brackets = data.count(b"[") + data.count(b"{")
-    if brackets > MAX_LARGE_BRACKETS:
-        return NOT_FAST
     try:
         value = _orjsonLoads(data)
     except _orjsonRefusals:
         return NOT_FAST
-    shallow, floats = _shallow(value)
-    if not shallow:
+    found = _shape(value)
+    if found is None:
         return NOT_FAST
-    if floats and data.translate(_FOLD).find(_LONG_DIGIT_RUN) >= 0:
+    if found[3] and data.translate(_FOLD).find(_LONG_DIGIT_RUN) >= 0:
         return NOT_FAST
+    if shape is not None:
+        shape.append(found[:3])
     return value
 
 

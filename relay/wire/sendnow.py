@@ -20,8 +20,11 @@ ordinary C{write}.
 
 from __future__ import annotations
 
+from errno import ENOBUFS, EWOULDBLOCK
+
 from twisted.internet import tcp
 from twisted.protocols.policies import ProtocolWrapper
+from twisted.python.util import untilConcludes
 
 __all__ = ["sendNow", "socketOf"]
 
@@ -49,15 +52,20 @@ def socketOf(transport):
     return None
 
 
-def sendNow(transport, data: bytes) -> None:
+def sendNow(transport, data) -> None:
     """
     Write C{data} to C{transport}: sent at once when it is a plain TCP
-    connection with nothing queued (what the kernel does not take is
-    queued as by C{write}); otherwise C{transport.write(data)}.
+    connection with nothing queued, in one C{sendmsg} of every piece (the
+    kernel takes what its buffer holds; a 1 MiB upstream request body
+    leaves without being joined to its head or copied); what is left is
+    queued as it is, the piece the kernel stopped in with an offset into
+    it, never a copy of its rest. Otherwise C{transport.write(data)} (or
+    C{writeSequence} of the pieces).
 
     @param transport: an L{ITransport}.
-    @param data: the bytes to send.
+    @param data: the bytes to send, or a list of them (sent in order).
     """
+    pieces = data if data.__class__ is list else None
     conn = socketOf(transport)
     if (
         conn is None
@@ -68,12 +76,34 @@ def sendNow(transport, data: bytes) -> None:
         or conn._tempDataBuffer
         or conn.offset < len(conn.dataBuffer)
     ):
-        transport.write(data)
+        if pieces is None:
+            transport.write(data)
+        else:
+            transport.writeSequence(pieces)
         return
-    sent = conn.writeSomeData(data)
-    if isinstance(sent, Exception) or sent < 0:
-        # Lost: let the ordinary path find out and tell the protocol.
-        transport.write(data)
+    if pieces is None:
+        pieces = [data]
+    try:
+        sent = untilConcludes(conn.socket.sendmsg, pieces)
+    except OSError as e:
+        if e.args[0] not in (EWOULDBLOCK, ENOBUFS):
+            # Lost: let the ordinary path find out and tell the protocol.
+            transport.writeSequence(pieces)
+            return
+        sent = 0
+    for at, piece in enumerate(pieces):
+        if sent < len(piece):
+            break
+        sent -= len(piece)
+    else:
         return
-    if sent < len(data):
-        conn.write(data[sent:])
+    # Nothing was queued (checked above): the rest is what doWrite sends
+    # next, from the offset, as after a partial send of its own.
+    conn.dataBuffer = piece
+    conn.offset = sent
+    rest = pieces[at + 1:]
+    if rest:
+        conn._tempDataBuffer.extend(rest)
+        conn._tempDataLen += sum(map(len, rest))
+    conn._maybePauseProducer()
+    conn.startWriting()
