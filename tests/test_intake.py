@@ -386,6 +386,45 @@ class ParsedHoldTests(SynchronousTestCase):
         self.assertEqual(seen[0]["budget"].total, 0)  # the request ended
 
 
+class HistoryReuseTests(SynchronousTestCase):
+    """
+    A Codex turn's body that extends the one its key sent before is read
+    from that one and its new items (L{relay.frontdoor.reuse}), with the
+    value and the hold a whole read gives.
+    """
+
+    def _send(self, app, body, key=AUTH):
+        return Conn(app.site).send(head(b"/v1/probe", headers=key, length=len(body)) + body)
+
+    def test_extended(self):
+        from relay.frontdoor import budgets
+        from relay.wire.jsoncodec import loadsLarge
+
+        app, probe = relaySite()
+        seen = []
+
+        def render(request):
+            value = request.relayJSON()
+            seen.append((value, request._intake.budget.total, request._intake.histories.hits))
+            return b"{}"
+
+        probe.render_POST = render
+        items = [{"type": "message", "role": "user", "content": "x" * 300}] * 100
+
+        def body(n):
+            return json.dumps({"model": "m", "input": items[:n], "prompt_cache_key": "c"},
+                              separators=(",", ":")).encode()
+
+        for n in (60, 61, 100, 100):
+            self.assertEqual(self._send(app, body(n)).status(), 200)
+            shape = []
+            loadsLarge(body(n), shape)
+            self.assertEqual(seen[-1][0], json.loads(body(n)))
+            self.assertEqual(seen[-1][1], budgets.shapeEstimate(len(body(n)), *shape[0]))
+        self.assertEqual([hits for _, _, hits in seen], [0, 1, 2, 3])
+        self.assertEqual(app.site.intake.histories.size, len(body(100)))
+
+
 class DeepNestingTests(SynchronousTestCase):
     """
     Item 3: deep nesting is a 400 in OpenAI's format on every JSON reader.

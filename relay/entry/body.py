@@ -785,6 +785,33 @@ class LimitedBodyRequest(Request):
         self._answerNow(error)
         return False
 
+    def _readJSON(self, raw: bytes) -> None:
+        """
+        Parse the body (the one reader, L{relay.frontdoor.parse.readJSON}),
+        a large one as the extension of one its key sent before when it is
+        one (L{relay.frontdoor.reuse.HistoryReuse}); bring its hold down to
+        its shape's estimate; keep a large one's bytes for the splice
+        (L{RawObject}) and for the key's next turn.
+
+        @raise RequestRefused: not JSON.
+        """
+        large = len(raw) > LARGE_BODY_BYTES
+        histories = getattr(self._intake, "histories", None) if large else None
+        key = self.admission.key.name if histories is not None and self.admission else None
+        found = histories.read(key, raw) if key is not None else None
+        if found is not None:
+            self._json, counts, extends = found
+        else:
+            shape = []
+            self._json = readJSON(raw, shape)
+            counts, extends = (shape[0] if shape else None), None
+        if counts is not None:
+            self._settleParsed(shapeEstimate(len(raw), *counts))
+        if large and self._json.__class__ is dict:
+            self.relayRawBody = RawObject(raw, self._json)  # spliced upstream
+            if key is not None and counts is not None:
+                histories.remember(key, self.relayRawBody, counts, extends)
+
     def _settleParsed(self, estimate: int) -> None:
         """
         Bring the body's hold down to C{estimate}, its parsed size's
@@ -969,13 +996,7 @@ class LimitedBodyRequest(Request):
                 self._json, self.notes.bodyBlank = _BLANK, True
             else:
                 try:
-                    # the one reader (relay.frontdoor.parse)
-                    shape = []
-                    self._json = readJSON(raw, shape)
-                    if shape:
-                        self._settleParsed(shapeEstimate(len(raw), *shape[0]))
-                    if len(raw) > LARGE_BODY_BYTES and self._json.__class__ is dict:
-                        self.relayRawBody = RawObject(raw, self._json)  # spliced upstream
+                    self._readJSON(raw)
                 except RequestRefused as e:
                     self._json = e
             del raw

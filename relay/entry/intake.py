@@ -81,6 +81,7 @@ from relay.frontdoor.keyring import (  # noqa: F401 - bearerOrKey, UNAUTHORIZED 
     bearerOrKey,
 )
 from relay.frontdoor.parse import RequestRefused  # noqa: F401 - re-exported
+from relay.frontdoor.reuse import HistoryReuse
 from relay.base.records import ClientError
 from relay.base.requestnotes import notesOf
 
@@ -286,6 +287,9 @@ class IntakePolicy:
         (the front door's R26 admission, L{relay.frontdoor.door.FrontDoor.admitSlot}), failing with an exception carrying
         C{.error} (a L{ClientError}); L{None} admits nothing.
     @ivar budget: the L{BodyBudget}.
+    @ivar histories: the large bodies each key sent last, parsed
+        (L{HistoryReuse}): a Codex turn's body is read as the extension of
+        the one before.
     @ivar draining: a no-argument callable, true while relay drains:
         a request that arrives then takes no slot; the drain gate
         answers it 503.
@@ -313,6 +317,7 @@ class IntakePolicy:
     limits: Callable[[], object] = None
     admitKey: Optional[Callable] = None
     budget: BodyBudget = field(factory=BodyBudget)
+    histories: HistoryReuse = field(factory=HistoryReuse)
     draining: Callable[[], bool] = lambda: False
     keyRefusal: Optional[Callable] = None
     keysReady: Callable[[], object] = lambda: None

@@ -106,7 +106,7 @@ NOT_FAST = object()
 """What L{loadsLarge} returns for a text it leaves to L{loads}."""
 
 
-def _shape(value: Any) -> Optional[tuple]:
+def _shape(value: Any, depth: int = 1) -> Optional[tuple]:
     """
     One pass over C{value}'s containers (strings and numbers are looked at,
     never read): how deep it nests, what it holds.
@@ -120,7 +120,7 @@ def _shape(value: Any) -> Optional[tuple]:
     large = LARGE_FLOAT
     if value.__class__ is not dictType and value.__class__ is not listType:
         return 0, 0, 0, value.__class__ is floatType and not -large < value < large
-    stack = [(value, 1)]
+    stack = [(value, depth)]
     pop, push = stack.pop, stack.append
     containers = pairs = elements = 0
     floats = False
@@ -144,7 +144,7 @@ def _shape(value: Any) -> Optional[tuple]:
     return containers, pairs, elements, floats
 
 
-def loadsLarge(data: bytes, shape: Optional[list] = None) -> Any:
+def loadsLarge(data: bytes, shape: Optional[list] = None, depth: int = 1) -> Any:
     """
     Parse a large client body (more than L{LARGE_BODY_BYTES}) through orjson
     when orjson's reading is certainly C{json.loads}' (a Codex history of
@@ -168,6 +168,8 @@ def loadsLarge(data: bytes, shape: Optional[list] = None) -> Any:
     @param shape: a list that gets C{(containers, pairs, elements)} of the
         value appended (L{_shape}; for
         L{relay.frontdoor.budgets.shapeEstimate}), or L{None}.
+    @param depth: the nesting level of the text's value (1: a whole body;
+        2: the elements of a body's member, L{relay.frontdoor.reuse}).
     @return: the value C{json.loads(data)} gives, or L{NOT_FAST} when the
         caller must use L{loads}.
     """
@@ -177,7 +179,7 @@ def loadsLarge(data: bytes, shape: Optional[list] = None) -> Any:
         value = _orjsonLoads(data)
     except _orjsonRefusals:
         return NOT_FAST
-    found = _shape(value)
+    found = _shape(value, depth)
     if found is None:
         return NOT_FAST
     if found[3] and data.translate(_FOLD).find(_LONG_DIGIT_RUN) >= 0:
