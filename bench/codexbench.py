@@ -45,11 +45,17 @@ SIZES = [("64 KiB", 64 * 1024), ("256 KiB", 256 * 1024), ("1 MiB", 1024 * 1024)]
 WS_MODES = ("ctx_pool", "passthrough", "http_bridge")
 WS_TURNS = 50
 WS_SESSIONS = 3
+FRESH_FROM = 256 * 1024
+"""The sizes measured also with a new conversation every turn (no body
+read as the extension of another: L{FRESH_LUA})."""
 
 
-def luaScript(tmp: str, name: str, body: bytes, accept) -> str:
+def luaScript(tmp: str, name: str, body: bytes, accept, fresh: bool = False) -> str:
     """
-    A wrk script POSTing C{body} (read from a file) with relay's key.
+    A wrk script POSTing C{body} (read from a file) with relay's key. With
+    C{fresh}, every request is a new conversation: a first message of its
+    own ahead of the history, so no turn extends one relay read before
+    (relay.frontdoor.reuse) and each body is parsed whole.
     """
     data = os.path.join(tmp, name + ".json")
     with open(data, "wb") as f:
@@ -60,8 +66,23 @@ def luaScript(tmp: str, name: str, body: bytes, accept) -> str:
                 'wrk.method = "POST"\n'
                 'wrk.headers["Content-Type"] = "application/json"\n'
                 f'wrk.headers["Authorization"] = "Bearer {compare.RELAY_KEY}"\n'
-                + (f'wrk.headers["Accept"] = "{accept}"\n' if accept else ""))
+                + (f'wrk.headers["Accept"] = "{accept}"\n' if accept else "")
+                + (FRESH_LUA if fresh else ""))
     return path
+
+
+FRESH_LUA = """
+local at = wrk.body:find('"input":[', 1, true) + 8
+local head, tail = wrk.body:sub(1, at), wrk.body:sub(at + 1)
+math.randomseed(os.time())
+local run, n = math.random(1, 1000000000), 0
+request = function()
+  n = n + 1
+  return wrk.format(nil, nil, nil, head .. '{"type":"message","role":"user","content":"new '
+    .. run .. ' ' .. n .. '"},' .. tail)
+end
+"""
+"""wrk's C{request}: the body with a first input item of its own per request."""
 
 
 def schedNs(pid: int) -> int:
@@ -120,7 +141,10 @@ def http(procs, bodies: dict, seconds: float, baseline) -> tuple:
                    for kind in ("json", "sse")}
         for name, port, _ in targets:
             compare.wrk(procs.tmp, "json", port, 4, 1, cpu=1, script=scripts["json"])
-        for kind in ("json", "sse"):
+        if nbytes >= FRESH_FROM:
+            scripts["fresh"] = luaScript(procs.tmp, f"codex-{nbytes}-fresh",
+                                         codexbody.body(nbytes), None, fresh=True)
+        for kind in scripts:
             for conns in (1, 32):
                 for name, port, pid in targets:
                     results[size, kind, conns, name] = compare.wrk(
@@ -184,22 +208,51 @@ async def _session(port: int, frames: list, pid: int) -> list:
     return costs
 
 
+def _httpSession(port: int, pid: int, frames: list) -> list:
+    """
+    One Codex conversation over HTTP: every turn sends the whole history
+    so far (the items of C{frames} up to it); relay's CPU ns per turn.
+    """
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    headers = {"Authorization": f"Bearer {compare.RELAY_KEY}",
+               "Content-Type": "application/json"}
+    items, costs = [], []
+    for frame in frames:
+        items = items + frame["input"]
+        body = json.dumps(codexbody.envelope(items), ensure_ascii=False,
+                          separators=(",", ":")).encode()
+        before = schedNs(pid)
+        conn.request("POST", "/v1/responses", body, headers)
+        r = conn.getresponse()
+        r.read()
+        if r.status != 200:
+            raise SystemExit(f"HTTP turn failed: {r.status}")
+        costs.append(schedNs(pid) - before)
+    conn.close()
+    return costs
+
+
 def _httpCost(port: int, pid: int, frames: list, upto: int, repeat: int = 10) -> float:
     """
     relay's CPU ns for one HTTP turn carrying the history of the first
     C{upto} turns of C{frames} (what http_bridge sends upstream for turn
-    C{upto}), the mean of C{repeat} turns.
+    C{upto}), the mean of C{repeat} turns, each a new conversation (a first
+    item of its own, so none is read as the extension of another: the
+    cost of reading the history whole).
     """
     import http.client
 
     items = [i for f in frames[:upto] for i in f["input"]]
-    body = json.dumps(codexbody.envelope(items), ensure_ascii=False,
-                      separators=(",", ":")).encode()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     headers = {"Authorization": f"Bearer {compare.RELAY_KEY}",
                "Content-Type": "application/json"}
     total = 0
     for i in range(repeat + 2):
+        first = {"type": "message", "role": "user", "content": f"conversation {i}"}
+        body = json.dumps(codexbody.envelope([first] + items), ensure_ascii=False,
+                          separators=(",", ":")).encode()
         before = schedNs(pid)
         conn.request("POST", "/v1/responses", body, headers)
         r = conn.getresponse()
@@ -249,6 +302,14 @@ def websocket(procs, trees: list) -> dict:
             if mode == "http_bridge":
                 out[label, "http"] = _httpCost(rport, relay.pid, frames, WS_TURNS)
             procs.stop(relay)
+        relay, rport = compare.startRelay(procs, "relay-http-session", eport, cpu=0,
+                                          tree=tree, python=python)
+        time.sleep(3)
+        _httpSession(rport, relay.pid, frames[:5])  # warm-up
+        runs = [_httpSession(rport, relay.pid, frames) for _ in range(WS_SESSIONS)]
+        out[label, "http session"] = [sum(r[i] for r in runs) / len(runs)
+                                      for i in range(WS_TURNS)]
+        procs.stop(relay)
     return out
 
 
@@ -277,9 +338,12 @@ def report(results: dict, idle: dict, names: list, ws: dict, wsTrees: list, cg, 
     for size, _ in sizes:
         combos = ([("json", 1), ("json", 32), ("sse", 16)] if size == "1 KiB"
                   else [("json", 1), ("sse", 1), ("json", 32), ("sse", 32)])
+        if (size, "fresh", 1, "relay") in results:
+            combos += [("fresh", 1), ("fresh", 32)]
         for kind, conns in combos:
             r = {n: results[size, kind, conns, n] for n in names}
-            label = f"{'JSON' if kind == 'json' else 'SSE'} c={conns}"
+            label = {"json": "JSON", "sse": "SSE", "fresh": "JSON new conversation"}[kind]
+            label = f"{label} c={conns}"
             d, g = r["direct"], r["go"]
             if conns == 1:
                 added = {n: r[n]["p50"] - d["p50"] for n in rows}
@@ -315,13 +379,16 @@ def report(results: dict, idle: dict, names: list, ws: dict, wsTrees: list, cg, 
         out.append("### Codex WebSocket session: relay's CPU per turn by turn number\n")
         out.append(f"{WS_TURNS} turns, history +~20 KiB a turn (the client sends each turn's "
                    "new items with `previous_response_id`; http_bridge replays the whole "
-                   f"history upstream), the emulator upstream on CPU 1; mean of {WS_SESSIONS} "
-                   "sessions, ms (schedstat).\n")
+                   "history upstream; `http session` is the same conversation over HTTP, "
+                   "every turn a JSON POST of the whole history so far, as Codex sends it), "
+                   f"the emulator upstream on CPU 1; mean of {WS_SESSIONS} "
+                   "sessions, ms (schedstat). The HTTP turn of turn 50's history is a new "
+                   "conversation each time (its history read whole).\n")
         out.append("| tree | mode | turn 1 | turns 2-11 | turns 21-30 | turns 41-50 | "
                    "41-50 / 2-11 |")
         out.append("|---|---|---:|---:|---:|---:|---:|")
         for label in wsTrees:
-            for mode in WS_MODES:
+            for mode in WS_MODES + ("http session",):
                 c = ws[label, mode]
                 a, m, z = (sum(c[i:j]) / (j - i) / 1e6 for i, j in ((1, 11), (20, 30), (40, 50)))
                 out.append(f"| {label} | {mode} | {c[0] / 1e6:.2f} | {a:.2f} | {m:.2f} | "
@@ -351,25 +418,38 @@ def _targets(results, idle, names, ws, wsTrees, out) -> None:
         v = results[big, "json", 1, n]["p50"] - d1["p50"]
         return f"{v:.2f} ms {_met(v <= 2.0)}"
 
-    row("1 MiB JSON c=1 added p50", "<= 2 ms", added)
-    gCpu = _perTurn(results[big, "json", 32, "go"])
+    fresh = (big, "fresh", 1, "relay") in results
+    kinds = (("json", ""), ("fresh", ", a new conversation every turn")) if fresh else (
+        ("json", ""),)
+    for kind, what in kinds:
+        d1 = results[big, kind, 1, "direct"]
 
-    def cpu(n):
-        v = _perTurn(results[big, "json", 32, n])
-        return f"{v:.2f} ms = {v / gCpu:.1f}x Go {_met(v <= 3.0 and v / gCpu <= 4.0)}"
+        def added(n, kind=kind, d1=d1):
+            v = results[big, kind, 1, n]["p50"] - d1["p50"]
+            return f"{v:.2f} ms {_met(v <= 2.0)}"
 
-    row("1 MiB CPU per turn (JSON c=32)", "<= 3 ms and <= 4x Go", cpu)
-    g256 = results["256 KiB", "json", 32, "go"]["rps"]
+        row(f"1 MiB JSON c=1 added p50{what}", "<= 2 ms", added)
+    for kind, what in kinds:
+        gCpu = _perTurn(results[big, kind, 32, "go"])
 
-    def rps(n):
-        v = results["256 KiB", "json", 32, n]["rps"] / g256
-        return f"{v:.3f}x {_met(v >= 0.35)}"
+        def cpu(n, kind=kind, gCpu=gCpu):
+            v = _perTurn(results[big, kind, 32, n])
+            return f"{v:.2f} ms = {v / gCpu:.1f}x Go {_met(v <= 3.0 and v / gCpu <= 4.0)}"
 
-    row("256 KiB JSON c=32 RPS", ">= 0.35x Go", rps)
+        row(f"1 MiB CPU per turn (JSON c=32{what})", "<= 3 ms and <= 4x Go", cpu)
+    for kind, what in kinds:
+        g256 = results["256 KiB", kind, 32, "go"]["rps"]
+
+        def rps(n, kind=kind, g256=g256):
+            v = results["256 KiB", kind, 32, n]["rps"] / g256
+            return f"{v:.3f}x {_met(v >= 0.35)}"
+
+        row(f"256 KiB JSON c=32 RPS{what}", ">= 0.35x Go", rps)
     inflight = 32 * 1024  # KiB: 32 bodies of 1 MiB
 
     def rss(n):
-        peak = max(results[big, k, 32, n]["rss"] for k in ("json", "sse"))
+        peak = max(results[big, k, 32, n]["rss"] for k in ("json", "sse", "fresh")
+                   if (big, k, 32, n) in results)
         bound = 1.5 * idle[n] + inflight
         return (f"{peak / 1024:.0f} MiB (idle {idle[n] / 1024:.0f} MiB; bound "
                 f"{bound / 1024:.0f} MiB) {_met(peak <= bound)}")
@@ -398,6 +478,17 @@ def _targets(results, idle, names, ws, wsTrees, out) -> None:
 
         row("WS http_bridge CPU per turn (41-50) / HTTP turn of the same history",
             "<= 1.5x", bridge)
+
+        def session(n):
+            label = _wsLabel(wsTrees, n)
+            if label is None or (label, "http session") not in ws:
+                return "-"
+            c = ws[label, "http session"]
+            a, z = sum(c[1:11]) / 10, sum(c[40:50]) / 10
+            return f"{z / a:.2f}x {_met(z / a <= 1.25)}"
+
+        row("HTTP session: CPU per turn, turns 41-50 / 2-11 (the cost does not grow with "
+            "the conversation)", "flat (<= 1.25x)", session)
     for kind, conns, what in (("json", 1, "added"), ("json", 32, "rps"), ("sse", 16, "rps")):
         base = "baseline" if "baseline" in names else None
         if base is None:

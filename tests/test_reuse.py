@@ -168,10 +168,33 @@ class BoundsTests(SynchronousTestCase):
         self.assertEqual(reuse.size, 2 * len(_body([{"a": 1}], tail="c3")))
 
     def test_maxBytes(self) -> None:
-        one = len(_body([{"a": 1}]))
-        reuse = HistoryReuse(maxBytes=2 * one)
+        """
+        Bodies that extended one (conversations that go on) are dropped
+        only for others of their kind.
+        """
+        one = len(_body([{"a": 1}, {"b": 1}]))
+        reuse = HistoryReuse(maxBytes=2 * one, probationBytes=one)
         for key in ("a", "b", "c"):
             _remember(reuse, key, _body([{"a": 1}]))
+            second = _body([{"a": 1}, {"b": 1}])
+            _remember(reuse, key, second, reuse.read(key, second)[2])
         self.assertEqual(reuse.size, 2 * one)
-        self.assertIsNone(reuse.read("a", _body([{"a": 1}, {"b": 1}])))
-        self.assertIsNotNone(reuse.read("c", _body([{"a": 1}, {"b": 1}])))
+        self.assertIsNone(reuse.read("a", _body([{"a": 1}, {"b": 1}, {"c": 1}])))
+        self.assertIsNotNone(reuse.read("c", _body([{"a": 1}, {"b": 1}, {"c": 1}])))
+
+    def test_probation(self) -> None:
+        """
+        One-off bodies (extending none) push out only each other, never a
+        conversation that went on.
+        """
+        one = len(_body([{"a": 1}], tail="c00"))
+        reuse = HistoryReuse(maxBytes=10 * one, probationBytes=2 * one)
+        _remember(reuse, "k", _body([{"a": 1}], tail="c00"))
+        second = _body([{"a": 1}, {"b": 1}], tail="c00")
+        _remember(reuse, "k", second, reuse.read("k", second)[2])
+        for n in range(1, 10):
+            _remember(reuse, "k", _body([{"a": 1}], tail=f"c{n:02d}"))
+        self.assertIsNotNone(reuse.read("k", _body([{"a": 1}, {"b": 1}, {"c": 1}], tail="c00")))
+        self.assertIsNotNone(reuse.read("k", _body([{"a": 1}, {"b": 1}], tail="c09")))
+        self.assertIsNone(reuse.read("k", _body([{"a": 1}, {"b": 1}], tail="c07")))
+        self.assertEqual(reuse.size, len(second) + 2 * one)

@@ -24,9 +24,15 @@ changes and never changes a parsed container in place (as the splice,
 L{relay.wire.rawjson}, relies on too).
 
 Only bodies laid out as Codex writes them are kept (compact, their
-C{input} located by L{relay.wire.rawjson.RawObject.layout}); a key keeps
-at most L{PER_KEY} bodies, the process at most L{MAX_BYTES} of them, the
-least recently used dropped first. Nothing is shared between keys.
+C{input} located by L{relay.wire.rawjson.RawObject.layout}), and only the
+last of each conversation. A body that extends none (a conversation's
+first turn, or a one-off request) is kept on probation, at most
+L{PROBATION_BYTES} of them, so one-off requests never push out the
+conversations that go on; a body that extended one is kept in its place,
+at most L{MAX_BYTES} of them; in each, the least recently kept is dropped
+first. A key keeps at most L{PER_KEY} bodies. Nothing is shared between
+keys. Kept bodies cost memory between a conversation's turns: about
+twice their bytes (the text and its parsed value).
 """
 
 from __future__ import annotations
@@ -37,19 +43,22 @@ from typing import Optional
 from relay.wire.jsoncodec import NOT_FAST, loadsLarge
 from relay.wire.rawjson import RawObject
 
-__all__ = ["HistoryReuse", "MAX_BYTES", "PER_KEY"]
+__all__ = ["HistoryReuse", "MAX_BYTES", "PER_KEY", "PROBATION_BYTES"]
 
 PER_KEY = 64
 """The most bodies one client key keeps: its recent conversations (a
 team's key carries many at once)."""
 
-MAX_BYTES = 64 * 2**20
-"""The most bytes of kept bodies in the process (their parsed values take
-about as much again)."""
+MAX_BYTES = 32 * 2**20
+"""The most bytes of kept bodies of conversations that went on (their
+parsed values take about as much again)."""
+
+PROBATION_BYTES = 8 * 2**20
+"""The most bytes of kept bodies that extended none yet."""
 
 
 class _Known:
-    __slots__ = ("raw", "value", "big", "close", "shape")
+    __slots__ = ("raw", "value", "big", "close", "shape", "kept")
 
     def __init__(self, raw: bytes, value: dict, big: str, close: int, shape: tuple):
         self.raw = raw
@@ -65,12 +74,14 @@ class HistoryReuse:
     The last large bodies each client key sent, parsed (see the module).
     """
 
-    def __init__(self, perKey: int = PER_KEY, maxBytes: int = MAX_BYTES):
+    def __init__(self, perKey: int = PER_KEY, maxBytes: int = MAX_BYTES,
+                 probationBytes: int = PROBATION_BYTES):
         self.perKey = perKey
-        self.maxBytes = maxBytes
         self._byKey: dict = {}
-        self._all: OrderedDict = OrderedDict()
-        self._bytes = 0
+        # (key name, id of its bytes) -> _Known, least recently kept first;
+        # [kept bodies, their bytes, the bound]
+        self._segments = {True: [OrderedDict(), 0, maxBytes],
+                          False: [OrderedDict(), 0, probationBytes]}
         self.hits = 0
 
     def read(self, keyName: str, raw: bytes) -> Optional[tuple]:
@@ -137,7 +148,9 @@ class HistoryReuse:
         if body.values[big].__class__ is not list:
             return
         raw = body.raw
-        if len(raw) > self.maxBytes:
+        went = replaces is not None
+        segment = self._segments[went]
+        if len(raw) > segment[2]:
             return
         close = spans[big][1] - 1
         if raw[close:close + 1] != b"]":
@@ -147,21 +160,23 @@ class HistoryReuse:
         known = self._byKey.setdefault(keyName, OrderedDict())
         ident = id(raw)
         entry = _Known(raw, body.values, big, close, shape)
+        entry.kept = went
         known[ident] = entry
-        self._all[keyName, ident] = entry
-        self._bytes += len(raw)
+        segment[0][keyName, ident] = entry
+        segment[1] += len(raw)
         while len(known) > self.perKey:
             oldIdent, oldEntry = next(iter(known.items()))
             self._drop(keyName, oldIdent, oldEntry)
-        while self._bytes > self.maxBytes and self._all:
-            (oldKey, oldIdent), oldEntry = next(iter(self._all.items()))
+        while segment[1] > segment[2] and segment[0]:
+            (oldKey, oldIdent), oldEntry = next(iter(segment[0].items()))
             self._drop(oldKey, oldIdent, oldEntry)
 
     def _drop(self, keyName: str, ident: int, entry: _Known) -> None:
-        if self._all.get((keyName, ident)) is not entry:
+        segment = self._segments[entry.kept]
+        if segment[0].get((keyName, ident)) is not entry:
             return  # dropped already
-        del self._all[keyName, ident]
-        self._bytes -= len(entry.raw)
+        del segment[0][keyName, ident]
+        segment[1] -= len(entry.raw)
         known = self._byKey[keyName]
         del known[ident]
         if not known:
@@ -172,4 +187,4 @@ class HistoryReuse:
         """
         Bytes of bodies kept.
         """
-        return self._bytes
+        return self._segments[True][1] + self._segments[False][1]
