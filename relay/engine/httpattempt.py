@@ -70,6 +70,7 @@ async def attemptHTTP(runner, turn: Turn, sink, account, release) -> AttemptResu
     pump = None
     timedOut = []
     requestD = runner.dialer.request(account, b"POST", path, body, headers, s.upstream)
+    del body  # sent, or queued by the transport: a Codex history is not held for the turn
 
     def _onFirstOutputTimeout():
         timedOut.append(True)
