@@ -403,6 +403,16 @@ class IUpstreamDialer(Interface):
         """
 
 
+
+class IPiecesDialer(IUpstreamDialer):
+    """
+    A capability of an L{IUpstreamDialer}: its C{request} also takes a
+    body as a list of bytes-like pieces (the body is their concatenation),
+    and sends them without joining them (a Codex history spliced from the
+    client's bytes, L{relay.wire.rawjson.RawObject.splice}, is never
+    copied whole). A dialer that does not provide it gets C{bytes}.
+    """
+
 class IAccountScheduler(Interface):
     """
     Chooses an account for a turn (behaviour.md group E): the

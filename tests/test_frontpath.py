@@ -263,6 +263,18 @@ class LargeBodyTests(SynchronousTestCase):
                     rawBody=RawObject(raw, parsed), **fields)
         return turn, raw
 
+    def test_pieces(self):
+        """
+        For a dialer that takes pieces the spliced body is not joined: its
+        history is a view of the client's bytes.
+        """
+        account = Account(id="a", type="apikey", base_url="http://u", credential="sk")
+        turn, raw = self._turn()
+        pieces = payload.upstreamBody(turn, account, pieces=True)
+        self.assertIsInstance(pieces, list)
+        self.assertEqual(b"".join(pieces), payload.upstreamBody(turn, account))
+        self.assertTrue(any(isinstance(p, memoryview) and p.obj is raw for p in pieces))
+
     def test_spliced(self):
         account = Account(id="a", type="apikey", base_url="http://u", credential="sk")
         turn, raw = self._turn()

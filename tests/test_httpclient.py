@@ -72,6 +72,21 @@ class RequestBytesTests(SynchronousTestCase):
         )
         self.assertEqual(target.key, ("http", "up.example", 8081))
 
+    def test_requestPieces(self):
+        """
+        A body given as pieces follows the head piece by piece, its length
+        their sum; a body in one piece is one piece after the head.
+        """
+        from relay.upstream.httpclient import requestPieces
+
+        target = Target("http://up.example/v1/responses")
+        data = b'{"a":1}'
+        pieces = requestPieces(target, {}, [b'{"a"', memoryview(data)[4:]])
+        self.assertEqual(len(pieces), 3)
+        self.assertTrue(pieces[0].endswith(b"content-length: 7\r\n\r\n"))
+        self.assertEqual(b"".join(pieces[1:]), data)
+        self.assertEqual(requestPieces(target, {}, data)[1], data)
+
     def test_defaultPortsAndIPv6(self):
         """
         The default port is left out of C{Host}; an IPv6 literal is

@@ -33,6 +33,22 @@ class SpliceTests(SynchronousTestCase):
         parsed = json.loads(data)
         self.assertEqual(RawObject(data, parsed).splice(dict(parsed)), data)
 
+    def test_pieces(self):
+        """
+        As pieces (for an L{relay.interfaces.IPiecesDialer}): the history
+        is a view of the client's bytes, never a copy; joined, the pieces
+        are the spliced bytes.
+        """
+        data = raw()
+        parsed = json.loads(data)
+        body = dict(parsed, prompt_cache_key="scoped")
+        pieces = RawObject(data, parsed).splice(body, pieces=True)
+        self.assertEqual(b"".join(pieces), RawObject(data, parsed).splice(body))
+        views = [p for p in pieces if isinstance(p, memoryview)]
+        self.assertTrue(views)
+        self.assertTrue(all(v.obj is data for v in views))
+        self.assertGreater(max(map(len, views)), len(data) // 2)
+
     def test_changedAfter(self):
         """
         Members after the history changed, removed or added: the history's

@@ -63,9 +63,10 @@ class ExtensionTests(SynchronousTestCase):
         if expected is jsoncodec.NOT_FAST and found is None:
             return  # read whole, by the standard library
         self.assertIsNotNone(found)
-        value, counts, _ = found
+        value, counts, _, layout = found
         self.assertEqual(json.dumps(value, sort_keys=True), json.dumps(json.loads(second),
                                                                        sort_keys=True))
+        self.assertEqual(layout, RawObject(second, value).layout())  # the moved spans
         if shape is not None:
             self.assertEqual(counts, shape)
 
@@ -114,7 +115,7 @@ class ExtensionTests(SynchronousTestCase):
         reuse = HistoryReuse()
         raw = _body(items)
         _remember(reuse, "k", raw)
-        value, counts, known = reuse.read("k", bytes(bytearray(raw)))
+        value, counts, known, _ = reuse.read("k", bytes(bytearray(raw)))
         self.assertEqual(value, json.loads(raw))
         self.assertEqual(counts, _read(raw)[1])
 
@@ -122,7 +123,8 @@ class ExtensionTests(SynchronousTestCase):
         reuse = HistoryReuse()
         _remember(reuse, "k", _body([]))
         second = _body([{"a": 1}, [2]])
-        value, counts, _ = reuse.read("k", second)
+        value, counts, _, layout = reuse.read("k", second)
+        self.assertEqual(layout, RawObject(second, value).layout())
         self.assertEqual(value, json.loads(second))
         self.assertEqual(counts, _read(second)[1])
 

@@ -127,6 +127,18 @@ class SendNowPiecesTests(SendNowTCPTests):
         self.assertIs(t.dataBuffer, body)
         self.assertEqual(self._drain(t, body), body)
 
+    def test_viewQueuedUncopied(self):
+        """
+        A piece that is a view of a client's body (a spliced history) is
+        queued as that view.
+        """
+        t = self.transport
+        body = bytes(range(256)) * 32768
+        view = memoryview(body)[10:]
+        sendNow(t, [b"H" * 10, view])
+        self.assertIs(t.dataBuffer, view)
+        self.assertEqual(self._drain(t, b"H" * 10 + body[10:]), b"H" * 10 + body[10:])
+
     def test_queuedBehind(self):
         t = self.transport
         t.write(b"first ")
@@ -145,7 +157,7 @@ class SendNowFallbackTests(SynchronousTestCase):
         t = StringTransport()
         self.assertIsNone(socketOf(t))
         sendNow(t, b"abc")
-        sendNow(t, [b"d", b"ef"])
+        sendNow(t, [b"d", memoryview(b"xef")[1:]])  # views are copied only here
         self.assertEqual(t.value(), b"abcdef")
 
 

@@ -78,6 +78,33 @@ class QuietFactoryTests(SynchronousTestCase):
         self.assertEqual(len(endpoint.factories), 1)
         self.assertEqual([e.get("log_format") for e in logs], [])
 
+    def test_takesPieces(self):
+        """
+        The HTTP dialer declares L{IPiecesDialer}: a spliced body reaches it
+        as pieces; through a proxy (treq) they are joined first.
+        """
+        from zope.interface.verify import verifyObject
+
+        from relay.interfaces import IPiecesDialer
+
+        dialer = HTTPDialer(reactor=MemoryReactorClock())
+        self.assertTrue(verifyObject(IPiecesDialer, dialer))
+        proxy = ProxySpec(id="p1", scheme="socks5", host="127.0.0.1", port=1080)
+        account = Account(id="a1", type="apikey", base_url="http://u/v1", credential="c",
+                          proxy=proxy)
+        sent = []
+
+        class Client:
+            def request(self, method, url, **kw):
+                sent.append(kw["data"])
+                from twisted.internet.defer import Deferred
+                return Deferred()
+
+        self.patch(HTTPDialer, "_clientFor", lambda self, account, timeouts: Client())
+        dialer.request(account, b"POST", "/responses", [b'{"a"', memoryview(b':1}')],
+                       {}, UpstreamSettings())
+        self.assertEqual(sent, [b'{"a":1}'])
+
     def test_dialerUsesTheQuietPool(self):
         """
         The HTTP dialer's treq clients (one per proxy) use

@@ -12,6 +12,7 @@ from __future__ import annotations
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
+from relay.interfaces import IPiecesDialer
 from relay.engine.background import countBackgroundOnce
 from relay.engine.cancel import ClientGone, drained, raceCancel, raceDeparture
 from relay.engine.payload import (
@@ -65,7 +66,7 @@ async def attemptHTTP(runner, turn: Turn, sink, account, release) -> AttemptResu
         if translatesImages(turn, account):
             sink = ImagesSink(sink, turn, runner.clock.seconds())
     else:
-        body = upstreamBody(turn, account)
+        body = upstreamBody(turn, account, IPiecesDialer.providedBy(runner.dialer))
     fot = s.first_output_timeout_seconds if stream else 0
     pump = None
     timedOut = []

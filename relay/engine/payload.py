@@ -112,13 +112,16 @@ def upstreamStreams(turn: Turn, account: Account) -> bool:
     return turn.stream and turn.endpoint not in MEDIA_ENDPOINTS
 
 
-def upstreamBody(turn: Turn, account: Account) -> bytes:
+def upstreamBody(turn: Turn, account: Account, pieces: bool = False):
     """
     The JSON body to send to C{account} for C{turn}. A chat turn on an
     OAuth account is translated to a Responses request
     (L{relay.translate.chatrequest.chatToResponses}) keeping L{OAUTH_CHAT_FIELDS}.
 
-    @return: UTF-8 JSON bytes.
+    @param pieces: a body spliced from the client's bytes may be given as
+        its pieces (L{relay.interfaces.IPiecesDialer}).
+    @return: UTF-8 JSON bytes, or (with C{pieces}) a list of bytes-like
+        pieces whose concatenation they are.
     """
     if translatesChat(turn, account):
         translated = chatToResponses(turn.body)
@@ -157,10 +160,10 @@ def upstreamBody(turn: Turn, account: Account) -> bytes:
         body.pop("stream", None)
     if translatesChat(turn, account):
         return encodeBody(body, turn.bodySize)
-    return encodeBody(body, turn.bodySize, turn.rawBody)
+    return encodeBody(body, turn.bodySize, turn.rawBody, pieces)
 
 
-def encodeBody(body: dict, size: int = 0, raw=None) -> bytes:
+def encodeBody(body: dict, size: int = 0, raw=None, pieces: bool = False):
     """
     The bytes of an upstream request body (HTTP, or a WebSocket frame).
 
@@ -183,10 +186,12 @@ def encodeBody(body: dict, size: int = 0, raw=None) -> bytes:
         known.
     @param raw: the client's body as it came (L{Turn.rawBody}), or
         L{None}.
-    @return: UTF-8 JSON bytes.
+    @param pieces: a spliced body is given as its pieces (a list), not
+        joined (L{relay.wire.rawjson.RawObject.splice}).
+    @return: UTF-8 JSON bytes, or their pieces.
     """
     if raw is not None:
-        spliced = raw.splice(body)
+        spliced = raw.splice(body, pieces)
         if spliced is not None:
             return spliced
     if size > LARGE_BODY_BYTES or _manyItems(body):

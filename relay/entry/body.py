@@ -800,17 +800,18 @@ class LimitedBodyRequest(Request):
         key = self.admission.key.name if histories is not None and self.admission else None
         found = histories.read(key, raw) if key is not None else None
         if found is not None:
-            self._json, counts, extends = found
+            self._json, counts, extends, layout = found
+            self.relayRawBody = RawObject(raw, self._json, layout)  # spliced upstream
         else:
             shape = []
             self._json = readJSON(raw, shape)
             counts, extends = (shape[0] if shape else None), None
+            if large and self._json.__class__ is dict:
+                self.relayRawBody = RawObject(raw, self._json)  # spliced upstream
         if counts is not None:
             self._settleParsed(shapeEstimate(len(raw), *counts))
-        if large and self._json.__class__ is dict:
-            self.relayRawBody = RawObject(raw, self._json)  # spliced upstream
-            if key is not None and counts is not None:
-                histories.remember(key, self.relayRawBody, counts, extends)
+        if self.relayRawBody is not None and key is not None and counts is not None:
+            histories.remember(key, self.relayRawBody, counts, extends)
 
     def _settleParsed(self, estimate: int) -> None:
         """

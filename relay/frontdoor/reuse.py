@@ -58,12 +58,13 @@ PROBATION_BYTES = 8 * 2**20
 
 
 class _Known:
-    __slots__ = ("raw", "value", "big", "close", "shape", "kept")
+    __slots__ = ("raw", "value", "big", "close", "shape", "kept", "layout")
 
-    def __init__(self, raw: bytes, value: dict, big: str, close: int, shape: tuple):
+    def __init__(self, raw: bytes, value: dict, layout: tuple, close: int, shape: tuple):
         self.raw = raw
         self.value = value
-        self.big = big
+        self.layout = layout
+        self.big = layout[0]
         self.close = close
         """Where the C{]} closing the history's array is in C{raw}."""
         self.shape = shape
@@ -88,10 +89,13 @@ class HistoryReuse:
         """
         The value of C{raw} when it extends a body C{keyName} sent before.
 
-        @return: C{(value, (containers, pairs, elements), known)}: the
-            value and its shape as L{relay.wire.jsoncodec.loadsLarge} gives
-            them for the whole text, and the body it extends (for
-            L{remember}'s C{replaces}); or L{None}: read the body whole.
+        @return: C{(value, (containers, pairs, elements), known, layout)}:
+            the value and its shape as L{relay.wire.jsoncodec.loadsLarge}
+            gives them for the whole text, the body it extends (for
+            L{remember}'s C{replaces}), and the new body's layout
+            (L{relay.wire.rawjson.RawObject.layout}: the known one's, the
+            members after the history moved by the bytes added); or
+            L{None}: read the body whole.
         """
         known = self._byKey.get(keyName)
         if not known:
@@ -109,7 +113,7 @@ class HistoryReuse:
             found = self._extend(entry, raw, end)
             if found is not None:
                 self.hits += 1
-                return found + (entry,)
+                return found + (entry, _moved(entry.layout, size - len(old)))
         return None
 
     def _extend(self, entry: _Known, raw: bytes, end: int) -> Optional[tuple]:
@@ -159,7 +163,7 @@ class HistoryReuse:
             self._drop(keyName, id(replaces.raw), replaces)
         known = self._byKey.setdefault(keyName, OrderedDict())
         ident = id(raw)
-        entry = _Known(raw, body.values, big, close, shape)
+        entry = _Known(raw, body.values, layout, close, shape)
         entry.kept = went
         known[ident] = entry
         segment[0][keyName, ident] = entry
@@ -188,3 +192,16 @@ class HistoryReuse:
         Bytes of bodies kept.
         """
         return self._segments[True][1] + self._segments[False][1]
+
+
+def _moved(layout: tuple, added: int) -> tuple:
+    big, spans, before = layout
+    moved = {}
+    for key, (start, end) in spans.items():
+        if key in before:
+            moved[key] = (start, end)
+        elif key == big:
+            moved[key] = (start, end + added)
+        else:
+            moved[key] = (start + added, end + added)
+    return big, moved, before

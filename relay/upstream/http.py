@@ -27,7 +27,7 @@ from zope.interface import implementer
 if TYPE_CHECKING:
     from treq.client import HTTPClient
 
-from relay.interfaces import IUpstreamDialer, IUpstreamResponse
+from relay.interfaces import IPiecesDialer, IUpstreamDialer, IUpstreamResponse
 from relay.upstream.httpclient import BodyCollector, ConnectionPool, Target, requestPieces
 from relay.base.records import Account, UpstreamSettings
 from relay.upstream.headers import (
@@ -247,7 +247,7 @@ class _EndpointCache:
         return endpoint
 
 
-@implementer(IUpstreamDialer)
+@implementer(IPiecesDialer)
 @define(eq=False)
 class HTTPDialer:
     """
@@ -356,7 +356,11 @@ class HTTPDialer:
         (client gone, first-output timeout).
         """
         url = account.base_url + path
-        if account.proxy is None and method in (b"POST", "POST") and isinstance(body, bytes):
+        if body.__class__ is list and (account.proxy is not None or method not in (b"POST", "POST")
+                                       or self._target(url) is None):
+            body = b"".join(body)  # pieces go only to the lean client (IPiecesDialer)
+        if account.proxy is None and method in (b"POST", "POST") and (
+                isinstance(body, bytes) or body.__class__ is list):
             target = self._target(url)
             if target is not None:
                 # Direct upstreams go through the lean client.

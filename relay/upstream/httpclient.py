@@ -93,11 +93,12 @@ class Target:
         self.head = f"POST {target} HTTP/1.1\r\nHost: {hostHeader}\r\n".encode("idna")
 
 
-def requestPieces(target: Target, headers: dict, body: bytes) -> list:
+def requestPieces(target: Target, headers: dict, body) -> list:
     """
     The whole request: line, C{Host}, C{headers}, C{Accept-Encoding: gzip},
     C{Content-Length} and the body, as C{[head, body]} (sent together,
-    never joined: L{relay.wire.sendnow.sendNow}).
+    never joined: L{relay.wire.sendnow.sendNow}); a body given as pieces
+    (a list of bytes-like) follows the head piece by piece.
 
     @param headers: lower-cased name -> str value; a value with a CR or LF
         is sent with them replaced by spaces (no header injection).
@@ -108,6 +109,10 @@ def requestPieces(target: Target, headers: dict, body: bytes) -> list:
         if "\r" in value or "\n" in value:
             value = value.replace("\r", " ").replace("\n", " ")
         lines.append(name.encode("ascii") + b": " + value.encode("utf-8") + b"\r\n")
+    if body.__class__ is list:  # pieces (relay.interfaces.IPiecesDialer)
+        size = sum(map(len, body))
+        lines.append(b"accept-encoding: gzip\r\ncontent-length: %d\r\n\r\n" % size)
+        return [b"".join(lines), *body]
     lines.append(b"accept-encoding: gzip\r\ncontent-length: %d\r\n\r\n" % len(body))
     return [b"".join(lines), body] if body else [b"".join(lines)]
 

@@ -53,10 +53,14 @@ class RawObject:
 
     __slots__ = ("raw", "values", "_layout")
 
-    def __init__(self, raw: bytes, parsed: dict):
+    def __init__(self, raw: bytes, parsed: dict, layout=_MISSING):
+        """
+        @param layout: the members' spans when already known (L{layout}'s
+            value for these bytes and values), else found when first asked.
+        """
         self.raw = raw
         self.values = dict(parsed)
-        self._layout = _MISSING
+        self._layout = layout
 
     def layout(self) -> Optional[tuple]:
         """
@@ -71,15 +75,19 @@ class RawObject:
             self._layout = _find(self.raw, self.values)
         return self._layout
 
-    def splice(self, body: dict) -> Optional[bytes]:
+    def splice(self, body: dict, pieces: bool = False):
         """
         C{body} (this one's values, some top-level members changed, added
         or removed) as the client's bytes with those members written anew
         (orjson, compact).
 
-        @return: the bytes, or L{None} when the caller must encode C{body}
-            whole: no layout, the big member itself changed, or a changed
-            member that the big one's bytes could override.
+        @param pieces: give the text as a list of its pieces in order
+            (C{bytes}, and C{memoryview}s of the client's bytes), never
+            joined, instead of one C{bytes}.
+        @return: the bytes (or pieces), or L{None} when the caller must
+            encode C{body} whole: no layout, the big member itself
+            changed, or a changed member that the big one's bytes could
+            override.
         """
         layout = self.layout()
         if layout is None:
@@ -111,7 +119,7 @@ class RawObject:
             if raw.find(b'"' + key.encode() + b'":', start, end) >= 0:
                 return None
         parts.append(b"}")
-        return b"".join(parts)
+        return parts if pieces else b"".join(parts)
 
 
 def _same(old: Any, new: Any) -> bool:

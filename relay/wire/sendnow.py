@@ -63,7 +63,9 @@ def sendNow(transport, data) -> None:
     C{writeSequence} of the pieces).
 
     @param transport: an L{ITransport}.
-    @param data: the bytes to send, or a list of them (sent in order).
+    @param data: the bytes to send, or a list of bytes-like pieces (sent
+        in order; a C{memoryview} is copied only when the ordinary
+        C{writeSequence} must take it).
     """
     pieces = data if data.__class__ is list else None
     conn = socketOf(transport)
@@ -79,7 +81,7 @@ def sendNow(transport, data) -> None:
         if pieces is None:
             transport.write(data)
         else:
-            transport.writeSequence(pieces)
+            transport.writeSequence(_asBytes(pieces))
         return
     if pieces is None:
         pieces = [data]
@@ -88,7 +90,7 @@ def sendNow(transport, data) -> None:
     except OSError as e:
         if e.args[0] not in (EWOULDBLOCK, ENOBUFS):
             # Lost: let the ordinary path find out and tell the protocol.
-            transport.writeSequence(pieces)
+            transport.writeSequence(_asBytes(pieces))
             return
         sent = 0
     for at, piece in enumerate(pieces):
@@ -107,3 +109,7 @@ def sendNow(transport, data) -> None:
         conn._tempDataLen += sum(map(len, rest))
     conn._maybePauseProducer()
     conn.startWriting()
+
+
+def _asBytes(pieces: list) -> list:
+    return [p if p.__class__ is bytes else bytes(p) for p in pieces]
