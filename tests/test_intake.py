@@ -425,6 +425,49 @@ class HistoryReuseTests(SynchronousTestCase):
         self.assertEqual(app.site.intake.histories.size, len(body(100)))
 
 
+class WideReadsTests(SynchronousTestCase):
+    """
+    While a body of a known length above 64 KiB arrives on a plain TCP
+    connection, the connection is read up to 1 MiB at a time (a Codex
+    history in a few reads); Twisted's read size comes back with its end.
+    """
+
+    def test_widenedWhileTheBodyArrives(self):
+        import socket
+
+        from twisted.internet import tcp
+
+        from tests.test_sendnow import _Reactor
+
+        app, probe = relaySite()
+        listener = socket.create_server(("127.0.0.1", 0))
+        theirs = socket.create_connection(listener.getsockname())
+        mine, _ = listener.accept()
+        listener.close()
+        mine.setblocking(False)
+        self.addCleanup(mine.close)
+        self.addCleanup(theirs.close)
+        protocol = app.site.buildProtocol(IPv4Address("TCP", "10.0.0.1", 40000))
+        transport = tcp.Connection(mine, protocol, reactor=_Reactor())
+        transport.connected = 1
+        transport.getPeer = lambda: IPv4Address("TCP", "10.0.0.1", 40000)
+        transport.getHost = lambda: IPv4Address("TCP", "127.0.0.1", 8080)
+        protocol.makeConnection(transport)
+        body = b'{"input":"' + b"x" * 300_000 + b'"}'
+        protocol.dataReceived(head(b"/v1/probe", headers=AUTH, length=len(body)) + body[:1000])
+        self.assertEqual(transport.bufferSize, len(body) + 65536)
+        protocol.dataReceived(body[1000:])
+        self.assertEqual(len(probe.seen), 1)
+        self.assertNotIn("bufferSize", vars(transport))
+        self.assertEqual(transport.bufferSize, tcp.Connection.bufferSize)
+        big = b'{"input":"' + b"x" * 3_000_000 + b'"}'
+        protocol.dataReceived(head(b"/v1/probe", headers=AUTH, length=len(big)) + big[:10])
+        self.assertEqual(transport.bufferSize, B.READ_BYTES)
+        protocol.connectionLost(None)
+        self.assertNotIn("bufferSize", vars(transport))
+
+
+
 class DeepNestingTests(SynchronousTestCase):
     """
     Item 3: deep nesting is a 400 in OpenAI's format on every JSON reader.

@@ -57,6 +57,7 @@ from relay.frontdoor.record import Admission
 from relay.frontdoor.parse import NOT_JSON_MESSAGE, RequestRefused, readJSON
 from relay.wire.jsoncodec import LARGE_BODY_BYTES
 from relay.wire.rawjson import RawObject
+from relay.wire.sendnow import socketOf
 from relay.base.records import ClientError
 from relay.base.requestid import requestIdOf
 
@@ -82,6 +83,11 @@ SPOOL_BYTES = 8 * 2**20
 (twisted.web's own threshold is 100 000 bytes for a known length). A Codex
 history of a few MiB is parsed whole once it is in, so it is kept in memory
 from the start (its bytes count against the bytes in flight either way)."""
+
+READ_BYTES = 2**20
+"""The most one read of the connection takes while a body of a known
+length above 64 KiB (Twisted's read size) arrives: a 1 MiB Codex history
+comes in a few reads (and reactor rounds) instead of sixteen."""
 
 ZSTD_MAX_WINDOW = 2**27
 """The largest zstd window relay accepts (128 MiB, zstd's own default
@@ -592,6 +598,7 @@ class LimitedBodyRequest(Request):
     _chunked = False
     _keysWait = None
     _slotWait = None
+    _widened = None
     _json = None
     _parsed = False
     relayBodySize = 0
@@ -737,6 +744,24 @@ class LimitedBodyRequest(Request):
             return
         if length != 0:
             self._armRate()
+        if length is not None and length > CHUNK:
+            self._widenReads(min(length + CHUNK, READ_BYTES))
+
+    def _widenReads(self, size: int) -> None:
+        """
+        Read the connection C{size} bytes at a time (a plain TCP connection
+        only; Twisted's own read size comes back with the body's end,
+        L{requestReceived}).
+        """
+        conn = socketOf(self.channel.transport) if self.channel is not None else None
+        if conn is not None:
+            conn.bufferSize = size
+            self._widened = conn
+
+    def _narrowReads(self) -> None:
+        conn, self._widened = self._widened, None
+        if conn is not None:
+            del conn.bufferSize  # the class's (Twisted's) read size again
 
     # -- waiting for the key ring at start (R105) ---------------------------------
 
@@ -902,6 +927,7 @@ class LimitedBodyRequest(Request):
         already written, nothing).
         """
         self._stopRate()
+        self._narrowReads()
         if self._refused:
             return
         if self._keysWait is not None:
@@ -1191,5 +1217,6 @@ class LimitedBodyRequest(Request):
         if self._linger is not None and self._linger.active():
             self._linger.cancel()
         self._linger = None
+        self._narrowReads()
         self._relayDone()
         super().connectionLost(reason)
