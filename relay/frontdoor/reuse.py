@@ -53,8 +53,10 @@ MAX_BYTES = 32 * 2**20
 """The most bytes of kept bodies of conversations that went on (their
 parsed values take about as much again)."""
 
-PROBATION_BYTES = 8 * 2**20
-"""The most bytes of kept bodies that extended none yet."""
+PROBATION_BYTES = 4 * 2**20
+"""The most bytes of kept bodies that extended none yet (a Codex
+conversation's first body is 20-50 KiB: its instructions, tools and first
+message)."""
 
 
 class _Known:
