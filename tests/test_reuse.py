@@ -95,6 +95,47 @@ class ExtensionTests(SynchronousTestCase):
             self.assertEqual(json.dumps(found[0], sort_keys=True),
                              json.dumps(expected, sort_keys=True))
 
+    def test_duplicatedKeys(self) -> None:
+        """
+        A top-level key repeated after C{input} (C{json.loads} keeps its
+        last occurrence) puts another member's array before the C{]} the
+        known body ends its history with: items added there extend that
+        member, not C{input}. Such a body is never extended; the value is
+        the whole read's (relay's view is what upstream, sent the client's
+        bytes, reads).
+        """
+        from relay.frontdoor.parse import readJSON
+
+        pad = "x" * 20000
+        cases = [
+            ('{"model":"m","instructions":"%s","input":[{"a":1}],"tools":[{"t":1}],'
+             '"tools":[{"t":2}]}',
+             '{"model":"m","instructions":"%s","input":[{"a":1}],"tools":[{"t":1},{"e":1}],'
+             '"tools":[{"t":2}]}'),
+            ('{"tools":[1],"instructions":"%s","input":[{"a":1}],"tools":[1]}',
+             '{"tools":[1],"instructions":"%s","input":[{"a":1}],"tools":[1,{"e":1}]}'),
+        ]
+        for old, new in cases:
+            old, new = (old % pad).encode(), (new % pad).encode()
+            reuse = HistoryReuse()
+            _remember(reuse, "k", old)
+            self.assertEqual(reuse.read("k", old)[0], json.loads(old))  # the same body again
+            found = reuse.read("k", new)
+            if found is not None:
+                self.assertEqual(found[0], readJSON(new))
+            self.assertIsNone(found)
+            self.assertEqual(reuse.size, 0)  # never extended: dropped
+        # a history that is one array extends, and so do the bodies extending it
+        reuse = HistoryReuse()
+        first = _body([{"a": 1}])
+        _remember(reuse, "k", first)
+        second = _body([{"a": 1}, {"b": 2}])
+        found = reuse.read("k", second)
+        _remember(reuse, "k", second, found[2])
+        self.assertTrue(found[2].single)
+        third = _body([{"a": 1}, {"b": 2}, {"c": 3}])
+        self.assertEqual(reuse.read("k", third)[0], json.loads(third))
+
     def test_notExtensions(self) -> None:
         """
         Another conversation's tail, an item changed, the history cut: not

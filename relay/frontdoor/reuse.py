@@ -18,7 +18,15 @@ alone, by the body's own reader: a text that parses so can only be
 elements of that array, so the value is the known body's with those
 elements appended, exactly what C{json.loads} gives for the whole text
 (a text that closes the array and opens another member does not parse
-as one array, and the body is read whole). A known body's top-level
+as one array, and the body is read whole). That holds when the known
+body's C{]} closes the array of its only C{input} member: a duplicated
+top-level key (C{json.loads} keeps its last occurrence) could put another
+member between C{input} and that C{]} (C{"input":[...],"tools":[...]},
+C{tools} repeated after), whose array the new items would then extend
+while the value read extends C{input}. So a known body is extended only
+once its C{input}'s bytes have been read alone as one array (orjson, at
+its first extension: once a conversation), and a body that extended one
+inherits that. A known body's top-level
 members and items are shared with the new value: relay copies what it
 changes and never changes a parsed container in place (as the splice,
 L{relay.wire.rawjson}, relies on too).
@@ -40,6 +48,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Optional
 
+import orjson
+
 from relay.wire.jsoncodec import NOT_FAST, loadsLarge
 from relay.wire.rawjson import RawObject
 
@@ -58,15 +68,33 @@ PROBATION_BYTES = 8 * 2**20
 
 
 class _Known:
-    __slots__ = ("raw", "value", "big", "close", "shape", "kept")
+    __slots__ = ("raw", "value", "big", "start", "close", "shape", "kept", "single")
 
-    def __init__(self, raw: bytes, value: dict, big: str, close: int, shape: tuple):
+    def __init__(self, raw: bytes, value: dict, big: str, start: int, close: int, shape: tuple):
         self.raw = raw
         self.value = value
         self.big = big
+        self.start = start
+        """Where the history's value starts in C{raw} (after C{"input":})."""
         self.close = close
         """Where the C{]} closing the history's array is in C{raw}."""
         self.shape = shape
+        self.single = False
+        """C{raw[start:close + 1]} is known to be one JSON value: the
+        C{input} member is the only one before that C{]} (see the module)."""
+
+    def isSingle(self) -> bool:
+        """
+        Whether the history's bytes, read alone, are one array (checked
+        once: one orjson read of them).
+        """
+        if not self.single:
+            try:
+                self.single = orjson.loads(
+                    memoryview(self.raw)[self.start:self.close + 1]).__class__ is list
+            except (orjson.JSONDecodeError, RecursionError):
+                return False
+        return self.single
 
 
 class HistoryReuse:
@@ -97,7 +125,7 @@ class HistoryReuse:
         if not known:
             return None
         size = len(raw)
-        for entry in reversed(known.values()):
+        for entry in reversed(list(known.values())):
             old = entry.raw
             close = entry.close
             after = len(old) - close - 1
@@ -105,6 +133,10 @@ class HistoryReuse:
             if end < close or not raw.startswith(memoryview(old)[:close]):
                 continue
             if not raw.endswith(memoryview(old)[close:]):
+                continue
+            if end > close and not entry.isSingle():
+                # (a member after input's array: never extended, see the module)
+                self._drop(keyName, id(old), entry)
                 continue
             found = self._extend(entry, raw, end)
             if found is not None:
@@ -159,8 +191,10 @@ class HistoryReuse:
             self._drop(keyName, id(replaces.raw), replaces)
         known = self._byKey.setdefault(keyName, OrderedDict())
         ident = id(raw)
-        entry = _Known(raw, body.values, big, close, shape)
+        entry = _Known(raw, body.values, big, spans[big][0] + len(big) + 3, close, shape)
         entry.kept = went
+        # the history it extended was one array, and its new items parsed as one
+        entry.single = went and replaces.single
         known[ident] = entry
         segment[0][keyName, ident] = entry
         segment[1] += len(raw)
