@@ -386,6 +386,41 @@ class ParsedHoldTests(SynchronousTestCase):
         self.assertEqual(seen[0]["budget"].total, 0)  # the request ended
 
 
+    def test_notReadAsJSON(self):
+        """
+        A large body the resource does not read as JSON (a multipart
+        image edit) is not left held at the bound for its whole turn (113
+        times its bytes: a 2 MiB image would hold most of a key's 256 MiB):
+        once the resource has rendered, the pass's estimate is held.
+        """
+        from relay.frontdoor import budgets
+
+        app, _ = relaySite()
+        image = b"\x89PNG" + bytes(range(256)) * 400
+        form = (b"--B\r\nContent-Disposition: form-data; name=\"prompt\"\r\n\r\nhi\r\n"
+                b"--B\r\nContent-Disposition: form-data; name=\"image\"; filename=\"a.png\"\r\n"
+                b"Content-Type: image/png\r\n\r\n" + image + b"\r\n--B--\r\n")
+        conn = Conn(app.site).send(head(
+            b"/v1/images/edits", headers=AUTH + b"Content-Type: multipart/form-data; boundary=B\r\n",
+            length=len(form)) + form)
+        self.assertEqual(conn.status(), 0)  # the turn is in flight (its dial pending)
+        self.assertEqual(app.site.intake.budget.total, budgets.parsedEstimate(form))
+
+    def test_readByTheStandardLibrary(self):
+        """
+        A large body orjson's reading of is not certain (an integer beyond
+        64 bits) is read by the standard library, which gives no shape:
+        the pass's estimate is held for the turn, not the bound.
+        """
+        from relay.frontdoor import budgets
+
+        app, _ = relaySite()
+        body = self._body()[:-1] + b',"seed":123456789012345678901234567}'
+        conn = Conn(app.site).send(head(headers=AUTH, length=len(body)) + body)
+        self.assertEqual(conn.status(), 0)  # the turn is in flight
+        self.assertEqual(app.site.intake.budget.total, budgets.parsedEstimate(body))
+
+
 class HistoryReuseTests(SynchronousTestCase):
     """
     A Codex turn's body that extends the one its key sent before is read

@@ -587,6 +587,9 @@ class LimitedBodyRequest(Request):
     _discard = False
     _received = 0
     _charged = 0
+    _atBound = False
+    """The body is held at L{parsedBound} (L{chargeParsed}) until
+    L{relayJSON} has read it, or the resource has rendered."""
     _linger = None
     _rate = None
     _chunked = False
@@ -807,6 +810,10 @@ class LimitedBodyRequest(Request):
             counts, extends = (shape[0] if shape else None), None
         if counts is not None:
             self._settleParsed(shapeEstimate(len(raw), *counts))
+        elif self._atBound:
+            # read by the standard library (orjson's reading was not
+            # certain): the bound would stay held for the whole turn
+            self._settleParsed(parsedEstimate(raw))
         if large and self._json.__class__ is dict:
             self.relayRawBody = RawObject(raw, self._json)  # spliced upstream
             if key is not None and counts is not None:
@@ -817,9 +824,32 @@ class LimitedBodyRequest(Request):
         Bring the body's hold down to C{estimate}, its parsed size's
         estimate once read (L{chargeParsed}); never up.
         """
+        self._atBound = False
         if self._charged > estimate and self._intake is not None and self.admission is not None:
             self._intake.budget.release(self.admission.key.name, self._charged - estimate)
             self._charged = estimate
+
+    def _settleUnread(self) -> None:
+        """
+        The resource rendered without reading the body as JSON (a
+        multipart image edit, a route that ignores its body, a body that
+        is not JSON): L{parsedBound} was held for a parse that did not
+        come; hold L{parsedEstimate} instead (one pass over the bytes),
+        what any parse of them may take, for the rest of the request
+        (R103).
+        """
+        content = self.content
+        if not self._charged or content is None or content.closed:
+            self._atBound = False
+            return
+        if content.__class__ is io.BytesIO:
+            data = content.getvalue()
+        else:
+            at = content.tell()
+            content.seek(0)
+            data = content.read()
+            content.seek(at)
+        self._settleParsed(parsedEstimate(data))
 
     def _releaseBudget(self) -> None:
         if self._charged and self._intake is not None and self.admission is not None:
@@ -958,6 +988,7 @@ class LimitedBodyRequest(Request):
         charged, self._charged = self._charged, 0
         self._charged, error = chargeParsed(self.content, self._intake.budget,
                                             self.admission.key.name, self._limits(), charged)
+        self._atBound = error is None and self._charged == parsedBound(self.content.tell())
         if error is not None:
             self._bodyFailed(error)
             self._logRefusedBody()
@@ -1015,7 +1046,10 @@ class LimitedBodyRequest(Request):
         encoding, 429 bytes in flight) in OpenAI's envelope.
         """
         if self._bodyError is None:
-            return self._render()
+            self._render()
+            if self._atBound:
+                self._settleUnread()
+            return None
         self.site = self.channel.site
         self._log.info(
             "request body refused with {status}: {message}", event="http.request_body_refused",
