@@ -223,6 +223,27 @@ class BoundsTests(SynchronousTestCase):
         self.assertIsNone(reuse.read("a", _body([{"a": 1}, {"b": 1}, {"c": 1}])))
         self.assertIsNotNone(reuse.read("c", _body([{"a": 1}, {"b": 1}, {"c": 1}])))
 
+    def test_parsedRatio(self) -> None:
+        """
+        The bounds count bytes; a body whose parse takes many times its
+        bytes (C{[{},{},...]}: 24 times) counts its parse's estimate over
+        L{PARSED_RATIO}, so a client cannot make the kept bodies take ~25
+        times the bounds (about 1 GiB for 40 MiB of such bodies, kept
+        between its requests).
+        """
+        tiny = b'{"model":"m","input":[' + b",".join([b"{}"] * 8000) + b'],"prompt_cache_key":"c"}'
+        reuse = HistoryReuse()
+        _remember(reuse, "k", tiny)
+        self.assertGreater(reuse.size, 10 * len(tiny))
+        reuse = HistoryReuse(probationBytes=reuse.size)
+        _remember(reuse, "k", tiny)
+        _remember(reuse, "k", _body([{"a": 1}]))  # pushes it out
+        self.assertEqual(reuse.size, len(_body([{"a": 1}])))
+        codex = _body([{"type": "message", "role": "user", "content": "x" * 40}] * 100)
+        reuse = HistoryReuse()
+        _remember(reuse, "k", codex)
+        self.assertEqual(reuse.size, len(codex))  # a history counts its bytes
+
     def test_probation(self) -> None:
         """
         One-off bodies (extending none) push out only each other, never a

@@ -40,7 +40,12 @@ conversations that go on; a body that extended one is kept in its place,
 at most L{MAX_BYTES} of them; in each, the least recently kept is dropped
 first. A key keeps at most L{PER_KEY} bodies. Nothing is shared between
 keys. Kept bodies cost memory between a conversation's turns: about
-twice their bytes (the text and its parsed value).
+twice their bytes (the text and its parsed value). A body whose parsed
+value is estimated at more than L{PARSED_RATIO} times its bytes (many
+tiny containers: C{[{},{},...]} parses to 24 times its bytes) counts as
+that estimate divided by L{PARSED_RATIO}, so whatever a client sends, the
+parsed values kept never take more than L{PARSED_RATIO} times the bounds
+(one key's one-off bodies could otherwise hold about 1 GiB).
 """
 
 from __future__ import annotations
@@ -50,10 +55,11 @@ from typing import Optional
 
 import orjson
 
+from relay.frontdoor.budgets import shapeEstimate
 from relay.wire.jsoncodec import NOT_FAST, loadsLarge
 from relay.wire.rawjson import RawObject
 
-__all__ = ["HistoryReuse", "MAX_BYTES", "PER_KEY", "PROBATION_BYTES"]
+__all__ = ["HistoryReuse", "MAX_BYTES", "PARSED_RATIO", "PER_KEY", "PROBATION_BYTES"]
 
 PER_KEY = 64
 """The most bodies one client key keeps: its recent conversations (a
@@ -66,9 +72,15 @@ parsed values take about as much again)."""
 PROBATION_BYTES = 8 * 2**20
 """The most bytes of kept bodies that extended none yet."""
 
+PARSED_RATIO = 4
+"""A kept body counts at least its parsed value's estimate
+(L{relay.frontdoor.budgets.shapeEstimate}) divided by this, in bytes: a
+Codex history is estimated at about 1.5 times its bytes (it parses to
+1.2) and counts its bytes."""
+
 
 class _Known:
-    __slots__ = ("raw", "value", "big", "start", "close", "shape", "kept", "single")
+    __slots__ = ("raw", "value", "big", "start", "close", "shape", "kept", "single", "weight")
 
     def __init__(self, raw: bytes, value: dict, big: str, start: int, close: int, shape: tuple):
         self.raw = raw
@@ -182,7 +194,8 @@ class HistoryReuse:
         raw = body.raw
         went = replaces is not None
         segment = self._segments[went]
-        if len(raw) > segment[2]:
+        weight = max(len(raw), shapeEstimate(len(raw), *shape) // PARSED_RATIO)
+        if weight > segment[2]:
             return
         close = spans[big][1] - 1
         if raw[close:close + 1] != b"]":
@@ -193,11 +206,12 @@ class HistoryReuse:
         ident = id(raw)
         entry = _Known(raw, body.values, big, spans[big][0] + len(big) + 3, close, shape)
         entry.kept = went
+        entry.weight = weight
         # the history it extended was one array, and its new items parsed as one
         entry.single = went and replaces.single
         known[ident] = entry
         segment[0][keyName, ident] = entry
-        segment[1] += len(raw)
+        segment[1] += weight
         while len(known) > self.perKey:
             oldIdent, oldEntry = next(iter(known.items()))
             self._drop(keyName, oldIdent, oldEntry)
@@ -210,7 +224,7 @@ class HistoryReuse:
         if segment[0].get((keyName, ident)) is not entry:
             return  # dropped already
         del segment[0][keyName, ident]
-        segment[1] -= len(entry.raw)
+        segment[1] -= entry.weight
         known = self._byKey[keyName]
         del known[ident]
         if not known:
@@ -219,6 +233,7 @@ class HistoryReuse:
     @property
     def size(self) -> int:
         """
-        Bytes of bodies kept.
+        Bytes of bodies kept (a body of many tiny containers counts
+        more, L{PARSED_RATIO}).
         """
         return self._segments[True][1] + self._segments[False][1]
