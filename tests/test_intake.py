@@ -460,6 +460,33 @@ class HistoryReuseTests(SynchronousTestCase):
         self.assertEqual(app.site.intake.histories.size, len(body(100)))
 
 
+    def test_reissuedKey(self):
+        """
+        R104: a key issued again under a name (another owner) never reads
+        its bodies from those the name's former key sent: the kept bodies
+        are the owner's (L{relay.base.records.ClientKey.ownerId}).
+        """
+        from attrs import evolve
+
+        app, probe = relaySite()
+        probe.render_POST = lambda request: request.relayJSON() and b"{}"
+        items = [{"type": "message", "role": "user", "content": "x" * 300}] * 100
+
+        def body(n):
+            return json.dumps({"model": "m", "input": items[:n]}, separators=(",", ":")).encode()
+
+        histories = app.site.intake.histories
+        for n in (60, 61):
+            self.assertEqual(self._send(app, body(n)).status(), 200)
+        self.assertEqual(histories.hits, 1)
+        keys = app.live.keys
+        keys.replace([evolve(keys.byName("team"), issuance="again")])
+        self.assertEqual(self._send(app, body(62)).status(), 200)
+        self.assertEqual(histories.hits, 1)
+        self.assertEqual(self._send(app, body(63)).status(), 200)
+        self.assertEqual(histories.hits, 2)  # its own
+
+
 class DeepNestingTests(SynchronousTestCase):
     """
     Item 3: deep nesting is a 400 in OpenAI's format on every JSON reader.

@@ -800,7 +800,8 @@ class LimitedBodyRequest(Request):
         """
         large = len(raw) > LARGE_BODY_BYTES
         histories = getattr(self._intake, "histories", None) if large else None
-        key = self.admission.key.name if histories is not None and self.admission else None
+        # the key's owner (R104): a key issued again under the name is another
+        key = self.admission.key.ownerId if histories is not None and self.admission else None
         found = histories.read(key, raw) if key is not None else None
         if found is not None:
             self._json, counts, extends = found

@@ -39,7 +39,8 @@ L{PROBATION_BYTES} of them, so one-off requests never push out the
 conversations that go on; a body that extended one is kept in its place,
 at most L{MAX_BYTES} of them; in each, the least recently kept is dropped
 first. A key keeps at most L{PER_KEY} bodies. Nothing is shared between
-keys. Kept bodies cost memory between a conversation's turns: about
+keys (nor with a key issued again under a revoked key's name: the caller
+names a key by its owner, L{relay.base.records.ClientKey.ownerId}, R104). Kept bodies cost memory between a conversation's turns: about
 twice their bytes (the text and its parsed value). A body whose parsed
 value is estimated at more than L{PARSED_RATIO} times its bytes (many
 tiny containers: C{[{},{},...]} parses to 24 times its bytes) counts as
