@@ -386,6 +386,30 @@ class ParsedHoldTests(SynchronousTestCase):
         self.assertEqual(seen[0]["budget"].total, 0)  # the request ended
 
 
+    def test_wideStrings(self):
+        """
+        A string that is not ASCII holds 2 or 4 bytes a character: one
+        emoji before 100 KiB of C{a} parses to 400 KiB. The hold counts
+        what such strings take, never less than the parse holds.
+        """
+        import sys
+
+        app, seen = self._site()
+        text = "\U0001f600" + "a" * 100000
+        body = json.dumps({"model": "m", "input": [{"type": "message", "content": text}]},
+                          ensure_ascii=False, separators=(",", ":")).encode()
+        conn = Conn(app.site).send(head(b"/v1/probe", headers=AUTH, length=len(body)) + body)
+        self.assertEqual(conn.status(), 200)
+        self.assertGreater(seen[0]["after"], len(body) + sys.getsizeof(text))
+        # the bound does not fit: the pass's estimate is held while it is parsed
+        from relay.frontdoor import budgets
+
+        app, seen = self._site(f"{{body_bytes_in_flight_per_key: {budgets.parsedBound(len(body)) - 1}}}")
+        conn = Conn(app.site).send(head(b"/v1/probe", headers=AUTH, length=len(body)) + body)
+        self.assertEqual(conn.status(), 200)
+        self.assertGreater(seen[0]["before"], sys.getsizeof(text))  # the string alone
+        self.assertGreater(seen[0]["after"], sys.getsizeof(text))
+
     def test_notReadAsJSON(self):
         """
         A large body the resource does not read as JSON (a multipart
@@ -404,7 +428,7 @@ class ParsedHoldTests(SynchronousTestCase):
             b"/v1/images/edits", headers=AUTH + b"Content-Type: multipart/form-data; boundary=B\r\n",
             length=len(form)) + form)
         self.assertEqual(conn.status(), 0)  # the turn is in flight (its dial pending)
-        self.assertEqual(app.site.intake.budget.total, budgets.parsedEstimate(form))
+        self.assertEqual(app.site.intake.budget.total, budgets.parsedEstimate(form, text=False))
 
     def test_readByTheStandardLibrary(self):
         """

@@ -835,8 +835,8 @@ class LimitedBodyRequest(Request):
         The resource rendered without reading the body as JSON (a
         multipart image edit, a route that ignores its body, a body that
         is not JSON): L{parsedBound} was held for a parse that did not
-        come; hold L{parsedEstimate} instead (one pass over the bytes),
-        what any parse of them may take, for the rest of the request
+        come; hold L{parsedEstimate} of its bytes instead (one pass over
+        them; no strings were read from them), for the rest of the request
         (R103).
         """
         content = self.content
@@ -850,7 +850,7 @@ class LimitedBodyRequest(Request):
             content.seek(0)
             data = content.read()
             content.seek(at)
-        self._settleParsed(parsedEstimate(data))
+        self._settleParsed(parsedEstimate(data, text=False))
 
     def _releaseBudget(self) -> None:
         if self._charged and self._intake is not None and self.admission is not None:

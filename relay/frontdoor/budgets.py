@@ -89,7 +89,7 @@ _NOT_STRUCTURE = bytes(c for c in range(256) if c not in b'{[",')
 _CHUNK = 4 * 1024 * 1024
 
 
-def parsedEstimate(data: bytes) -> int:
+def parsedEstimate(data: bytes, text: bool = True) -> int:
     """
     An upper estimate of the memory a JSON body takes once parsed
     (R103): its bytes, plus per opening bracket what CPython's parser
@@ -100,9 +100,14 @@ def parsedEstimate(data: bytes) -> int:
     every shape. It costs one C{bytes.translate} pass that keeps only
     those four bytes, folded to two (a quarter of the four C{bytes.count}
     passes it replaces: about 0.4 ms for a 1 MiB Codex history), in
-    slices of 4 MiB, so a large body is never copied whole.
+    slices of 4 MiB, so a large body is never copied whole. A text that
+    is not ASCII, or holds a C{\\u} escape, counts three times its bytes
+    more: its strings may hold 4 bytes a character (one emoji before a
+    megabyte of C{a} parses to 4 MiB).
 
     @param data: the decoded body.
+    @param text: whether its strings count (L{False}: bytes that are
+        held, never parsed as JSON).
     @return: bytes.
     """
     opens = marks = 0
@@ -112,10 +117,11 @@ def parsedEstimate(data: bytes) -> int:
         found = kept.count(b"{")
         opens += found
         marks += len(kept) - found
-    return len(data) + 64 * opens + 32 * marks
+    wide = text and (not data.isascii() or b"\\u" in data)
+    return len(data) * (4 if wide else 1) + 64 * opens + 32 * marks
 
 
-def shapeEstimate(length: int, containers: int, pairs: int, elements: int) -> int:
+def shapeEstimate(length: int, containers: int, pairs: int, elements: int, wide: int = 0) -> int:
     """
     The memory a parsed body takes, estimated from what it holds
     (L{relay.wire.jsoncodec.loadsLarge} counts it while checking the
@@ -124,13 +130,15 @@ def shapeEstimate(length: int, containers: int, pairs: int, elements: int) -> in
     value's object, the table's slot), 96 B per list element. Above the
     size CPython holds for every shape measured, Codex histories
     (about 1.2x their length) and the worst shapes (C{[{},{},...]} at 24x,
-    C{{"k1":"v",...}} at 12x) alike; text that parses into four-byte
-    characters can hold more than its bytes.
+    C{{"k1":"v",...}} at 12x) alike; plus what its strings that are not
+    ASCII take (C{wide}: such a string holds 2 or 4 bytes a character, a
+    megabyte of text up to 4 MiB).
 
     @param length: the body's bytes.
+    @param wide: the bytes of its strings that are not ASCII.
     @return: bytes.
     """
-    return length + 128 * containers + 160 * pairs + 96 * elements
+    return length + 128 * containers + 160 * pairs + 96 * elements + wide
 
 
 SHAPE_BOUND_FACTOR = 113

@@ -174,10 +174,11 @@ class HistoryReuse:
             return None  # (a comma and no element after it: not JSON)
         value = dict(entry.value)
         value[entry.big] = items + more
-        containers, pairs, elements = entry.shape
-        c, p, e = shape[0]
+        old, new = entry.shape, shape[0]
         # the array parsed alone is one container more, its elements are the history's
-        return value, (containers + c - 1, pairs + p, elements + e)
+        counts = (old[0] + new[0] - 1, old[1] + new[1], old[2] + new[2])
+        wide = old[3:] + new[3:]  # (the bytes of strings not ASCII, when some)
+        return value, counts + (sum(wide),) if wide else counts
 
     def remember(self, keyName: str, body: RawObject, shape: tuple, replaces=None) -> None:
         """
