@@ -401,14 +401,21 @@ class ParsedHoldTests(SynchronousTestCase):
         conn = Conn(app.site).send(head(b"/v1/probe", headers=AUTH, length=len(body)) + body)
         self.assertEqual(conn.status(), 200)
         self.assertGreater(seen[0]["after"], len(body) + sys.getsizeof(text))
-        # the bound does not fit: the pass's estimate is held while it is parsed
+        # the bound does not fit: the pass's estimate is held while it is
+        # parsed, then the shape's, up
         from relay.frontdoor import budgets
 
         app, seen = self._site(f"{{body_bytes_in_flight_per_key: {budgets.parsedBound(len(body)) - 1}}}")
         conn = Conn(app.site).send(head(b"/v1/probe", headers=AUTH, length=len(body)) + body)
         self.assertEqual(conn.status(), 200)
-        self.assertGreater(seen[0]["before"], sys.getsizeof(text))  # the string alone
-        self.assertGreater(seen[0]["after"], sys.getsizeof(text))
+        self.assertEqual(seen[0]["before"], budgets.parsedEstimate(body))
+        self.assertGreater(seen[0]["after"], len(body) + sys.getsizeof(text))
+        # ... and when that does not fit, the client's 413
+        app, _ = relaySite(f"{{body_bytes_in_flight_per_key: {len(body) * 2}}}")
+        conn = Conn(app.site).send(head(headers=AUTH, length=len(body)) + body)
+        self.assertEqual(conn.status(), 413)
+        self.assertEqual(conn.error()["code"], "request_too_large")
+        self.assertEqual(app.site.intake.budget.total, 0)
 
     def test_notReadAsJSON(self):
         """
@@ -428,7 +435,7 @@ class ParsedHoldTests(SynchronousTestCase):
             b"/v1/images/edits", headers=AUTH + b"Content-Type: multipart/form-data; boundary=B\r\n",
             length=len(form)) + form)
         self.assertEqual(conn.status(), 0)  # the turn is in flight (its dial pending)
-        self.assertEqual(app.site.intake.budget.total, budgets.parsedEstimate(form, text=False))
+        self.assertEqual(app.site.intake.budget.total, budgets.parsedEstimate(form))
 
     def test_readByTheStandardLibrary(self):
         """

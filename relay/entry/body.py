@@ -424,20 +424,27 @@ def chargeParsed(content, budget, keyName: str, limits, charged: int):
     del data
     over = parsedOver(estimate, limits)
     if over is not None:
-        scope, limit = over
-        name = ("gateway.limits.body_bytes_in_flight_per_key" if scope == "key"
-                else "gateway.limits.body_bytes_in_flight")
-        return 0, ClientError(
-            413, "invalid_request_error",
-            f"Request payload is too large: it would take about {estimate} bytes once"
-            f" parsed, over {name} ({limit} bytes).",
-            code="request_too_large",
-        )
+        return 0, tooLargeParsed(estimate, *over)
     error = budget.reserve(keyName, estimate, limits.body_bytes_in_flight_per_key,
                            limits.body_bytes_in_flight)
     if error is not None:
         return 0, error
     return estimate, None
+
+
+def tooLargeParsed(estimate: int, scope: str, limit: int) -> ClientError:
+    """
+    The 413 for a body whose parsed size's C{estimate} is over a bound
+    (L{parsedOver}'s C{scope} and C{limit}).
+    """
+    name = ("gateway.limits.body_bytes_in_flight_per_key" if scope == "key"
+            else "gateway.limits.body_bytes_in_flight")
+    return ClientError(
+        413, "invalid_request_error",
+        f"Request payload is too large: it would take about {estimate} bytes once"
+        f" parsed, over {name} ({limit} bytes).",
+        code="request_too_large",
+    )
 
 
 def reasonPhrase(status: int) -> bytes:
@@ -793,10 +800,13 @@ class LimitedBodyRequest(Request):
         Parse the body (the one reader, L{relay.frontdoor.parse.readJSON}),
         a large one as the extension of one its key sent before when it is
         one (L{relay.frontdoor.reuse.HistoryReuse}); bring its hold down to
-        its shape's estimate; keep a large one's bytes for the splice
-        (L{RawObject}) and for the key's next turn.
+        its shape's estimate (up by what its strings that are not ASCII take
+        beyond their bytes, when the pass's estimate was held); keep a
+        large one's bytes for the splice (L{RawObject}) and for the key's
+        next turn.
 
-        @raise RequestRefused: not JSON.
+        @raise RequestRefused: not JSON; 413 or 429 when the shape's
+            estimate does not fit the bytes in flight (R103).
         """
         large = len(raw) > LARGE_BODY_BYTES
         histories = getattr(self._intake, "histories", None) if large else None
@@ -810,7 +820,12 @@ class LimitedBodyRequest(Request):
             self._json = readJSON(raw, shape)
             counts, extends = (shape[0] if shape else None), None
         if counts is not None:
-            self._settleParsed(shapeEstimate(len(raw), *counts))
+            estimate = shapeEstimate(len(raw), *counts)
+            wide = counts[3:]  # what strings that are not ASCII take, when some
+            if wide and estimate > self._charged > 0:
+                # held at the pass's estimate, which counts their bytes only
+                self._holdMore(min(estimate, self._charged + wide[0]))
+            self._settleParsed(estimate)
         elif self._atBound:
             # read by the standard library (orjson's reading was not
             # certain): the bound would stay held for the whole turn
@@ -819,6 +834,22 @@ class LimitedBodyRequest(Request):
             self.relayRawBody = RawObject(raw, self._json)  # spliced upstream
             if key is not None and counts is not None:
                 histories.remember(key, self.relayRawBody, counts, extends)
+
+    def _holdMore(self, estimate: int) -> None:
+        """
+        Hold C{estimate} (a read body's shape's estimate, above the pass's
+        estimate held while it was read) until the request ends.
+
+        @raise RequestRefused: the 413 or 429 of L{chargeParsed}.
+        """
+        limits, name = self._limits(), self.admission.key.name
+        over = parsedOver(estimate, limits)
+        error = tooLargeParsed(estimate, *over) if over is not None else self._intake.budget.reserve(
+            name, estimate - self._charged, limits.body_bytes_in_flight_per_key,
+            limits.body_bytes_in_flight)
+        if error is not None:
+            raise RequestRefused(error)
+        self._charged = estimate
 
     def _settleParsed(self, estimate: int) -> None:
         """
@@ -835,9 +866,8 @@ class LimitedBodyRequest(Request):
         The resource rendered without reading the body as JSON (a
         multipart image edit, a route that ignores its body, a body that
         is not JSON): L{parsedBound} was held for a parse that did not
-        come; hold L{parsedEstimate} of its bytes instead (one pass over
-        them; no strings were read from them), for the rest of the request
-        (R103).
+        come; hold L{parsedEstimate} instead (one pass over the bytes),
+        for the rest of the request (R103).
         """
         content = self.content
         if not self._charged or content is None or content.closed:
@@ -850,7 +880,7 @@ class LimitedBodyRequest(Request):
             content.seek(0)
             data = content.read()
             content.seek(at)
-        self._settleParsed(parsedEstimate(data, text=False))
+        self._settleParsed(parsedEstimate(data))
 
     def _releaseBudget(self) -> None:
         if self._charged and self._intake is not None and self.admission is not None:

@@ -89,7 +89,7 @@ _NOT_STRUCTURE = bytes(c for c in range(256) if c not in b'{[",')
 _CHUNK = 4 * 1024 * 1024
 
 
-def parsedEstimate(data: bytes, text: bool = True) -> int:
+def parsedEstimate(data: bytes) -> int:
     """
     An upper estimate of the memory a JSON body takes once parsed
     (R103): its bytes, plus per opening bracket what CPython's parser
@@ -100,14 +100,11 @@ def parsedEstimate(data: bytes, text: bool = True) -> int:
     every shape. It costs one C{bytes.translate} pass that keeps only
     those four bytes, folded to two (a quarter of the four C{bytes.count}
     passes it replaces: about 0.4 ms for a 1 MiB Codex history), in
-    slices of 4 MiB, so a large body is never copied whole. A text that
-    is not ASCII, or holds a C{\\u} escape, counts three times its bytes
-    more: its strings may hold 4 bytes a character (one emoji before a
-    megabyte of C{a} parses to 4 MiB).
+    slices of 4 MiB, so a large body is never copied whole. Strings that
+    are not ASCII may hold more than their bytes (2 or 4 bytes a
+    character): once a large body is read, L{shapeEstimate} counts them.
 
     @param data: the decoded body.
-    @param text: whether its strings count (L{False}: bytes that are
-        held, never parsed as JSON).
     @return: bytes.
     """
     opens = marks = 0
@@ -117,8 +114,7 @@ def parsedEstimate(data: bytes, text: bool = True) -> int:
         found = kept.count(b"{")
         opens += found
         marks += len(kept) - found
-    wide = text and (not data.isascii() or b"\\u" in data)
-    return len(data) * (4 if wide else 1) + 64 * opens + 32 * marks
+    return len(data) + 64 * opens + 32 * marks
 
 
 def shapeEstimate(length: int, containers: int, pairs: int, elements: int, wide: int = 0) -> int:
