@@ -386,6 +386,72 @@ class ParsedHoldTests(SynchronousTestCase):
         self.assertEqual(seen[0]["budget"].total, 0)  # the request ended
 
 
+    def test_wideStrings(self):
+        """
+        A string that is not ASCII holds 2 or 4 bytes a character: one
+        emoji before 100 KiB of C{a} parses to 400 KiB. The hold counts
+        what such strings take, never less than the parse holds.
+        """
+        import sys
+
+        app, seen = self._site()
+        text = "\U0001f600" + "a" * 100000
+        body = json.dumps({"model": "m", "input": [{"type": "message", "content": text}]},
+                          ensure_ascii=False, separators=(",", ":")).encode()
+        conn = Conn(app.site).send(head(b"/v1/probe", headers=AUTH, length=len(body)) + body)
+        self.assertEqual(conn.status(), 200)
+        self.assertGreater(seen[0]["after"], len(body) + sys.getsizeof(text))
+        # the bound does not fit: the pass's estimate is held while it is
+        # parsed, then the shape's, up
+        from relay.frontdoor import budgets
+
+        app, seen = self._site(f"{{body_bytes_in_flight_per_key: {budgets.parsedBound(len(body)) - 1}}}")
+        conn = Conn(app.site).send(head(b"/v1/probe", headers=AUTH, length=len(body)) + body)
+        self.assertEqual(conn.status(), 200)
+        self.assertEqual(seen[0]["before"], budgets.parsedEstimate(body))
+        self.assertGreater(seen[0]["after"], len(body) + sys.getsizeof(text))
+        # ... and when that does not fit, the client's 413
+        app, _ = relaySite(f"{{body_bytes_in_flight_per_key: {len(body) * 2}}}")
+        conn = Conn(app.site).send(head(headers=AUTH, length=len(body)) + body)
+        self.assertEqual(conn.status(), 413)
+        self.assertEqual(conn.error()["code"], "request_too_large")
+        self.assertEqual(app.site.intake.budget.total, 0)
+
+    def test_notReadAsJSON(self):
+        """
+        A large body the resource does not read as JSON (a multipart
+        image edit) is not left held at the bound for its whole turn (113
+        times its bytes: a 2 MiB image would hold most of a key's 256 MiB):
+        once the resource has rendered, the pass's estimate is held.
+        """
+        from relay.frontdoor import budgets
+
+        app, _ = relaySite()
+        image = b"\x89PNG" + bytes(range(256)) * 400
+        form = (b"--B\r\nContent-Disposition: form-data; name=\"prompt\"\r\n\r\nhi\r\n"
+                b"--B\r\nContent-Disposition: form-data; name=\"image\"; filename=\"a.png\"\r\n"
+                b"Content-Type: image/png\r\n\r\n" + image + b"\r\n--B--\r\n")
+        conn = Conn(app.site).send(head(
+            b"/v1/images/edits", headers=AUTH + b"Content-Type: multipart/form-data; boundary=B\r\n",
+            length=len(form)) + form)
+        self.assertEqual(conn.status(), 0)  # the turn is in flight (its dial pending)
+        self.assertEqual(app.site.intake.budget.total, budgets.parsedEstimate(form))
+
+    def test_readByTheStandardLibrary(self):
+        """
+        A large body orjson's reading of is not certain (an integer beyond
+        64 bits) is read by the standard library, which gives no shape:
+        the pass's estimate is held for the turn, not the bound.
+        """
+        from relay.frontdoor import budgets
+
+        app, _ = relaySite()
+        body = self._body()[:-1] + b',"seed":123456789012345678901234567}'
+        conn = Conn(app.site).send(head(headers=AUTH, length=len(body)) + body)
+        self.assertEqual(conn.status(), 0)  # the turn is in flight
+        self.assertEqual(app.site.intake.budget.total, budgets.parsedEstimate(body))
+
+
 class HistoryReuseTests(SynchronousTestCase):
     """
     A Codex turn's body that extends the one its key sent before is read
@@ -423,6 +489,33 @@ class HistoryReuseTests(SynchronousTestCase):
             self.assertEqual(seen[-1][1], budgets.shapeEstimate(len(body(n)), *shape[0]))
         self.assertEqual([hits for _, _, hits in seen], [0, 1, 2, 3])
         self.assertEqual(app.site.intake.histories.size, len(body(100)))
+
+
+    def test_reissuedKey(self):
+        """
+        R104: a key issued again under a name (another owner) never reads
+        its bodies from those the name's former key sent: the kept bodies
+        are the owner's (L{relay.base.records.ClientKey.ownerId}).
+        """
+        from attrs import evolve
+
+        app, probe = relaySite()
+        probe.render_POST = lambda request: request.relayJSON() and b"{}"
+        items = [{"type": "message", "role": "user", "content": "x" * 300}] * 100
+
+        def body(n):
+            return json.dumps({"model": "m", "input": items[:n]}, separators=(",", ":")).encode()
+
+        histories = app.site.intake.histories
+        for n in (60, 61):
+            self.assertEqual(self._send(app, body(n)).status(), 200)
+        self.assertEqual(histories.hits, 1)
+        keys = app.live.keys
+        keys.replace([evolve(keys.byName("team"), issuance="again")])
+        self.assertEqual(self._send(app, body(62)).status(), 200)
+        self.assertEqual(histories.hits, 1)
+        self.assertEqual(self._send(app, body(63)).status(), 200)
+        self.assertEqual(histories.hits, 2)  # its own
 
 
 class WideReadsTests(SynchronousTestCase):

@@ -319,6 +319,22 @@ class LoadsLargeTests(SynchronousTestCase):
         self.assertIs(jsoncodec.loadsLarge(b"[" * 300 + b"]" * 300, shape), jsoncodec.NOT_FAST)
         self.assertEqual(len(shape), 1)
 
+    def test_shapeWide(self) -> None:
+        """
+        R103: strings (keys and values) that are not ASCII hold 2 or 4
+        bytes a character; what they take is a fourth count.
+        """
+        import sys
+
+        shape = []
+        key, text = "\u0100" + "k" * 10, "\U0001f600" + "a" * 1000
+        data = self._large([{key: text}, "\u00e9", "ascii"])
+        value = jsoncodec.loadsLarge(data, shape)
+        self.assertEqual(value, json.loads(data))
+        (read, one), two = value["v"][0].popitem(), value["v"][1]
+        self.assertEqual(shape[0][3], sum(map(sys.getsizeof, (read, one, two))))
+        self.assertGreater(sys.getsizeof(one), 4 * len(text))
+
     def test_loadJSON(self) -> None:
         """
         L{relay.frontdoor.jsonbody.loadJSON} agrees with C{json.loads} on

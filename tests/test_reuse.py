@@ -96,6 +96,47 @@ class ExtensionTests(SynchronousTestCase):
             self.assertEqual(json.dumps(found[0], sort_keys=True),
                              json.dumps(expected, sort_keys=True))
 
+    def test_duplicatedKeys(self) -> None:
+        """
+        A top-level key repeated after C{input} (C{json.loads} keeps its
+        last occurrence) puts another member's array before the C{]} the
+        known body ends its history with: items added there extend that
+        member, not C{input}. Such a body is never extended; the value is
+        the whole read's (relay's view is what upstream, sent the client's
+        bytes, reads).
+        """
+        from relay.frontdoor.parse import readJSON
+
+        pad = "x" * 20000
+        cases = [
+            ('{"model":"m","instructions":"%s","input":[{"a":1}],"tools":[{"t":1}],'
+             '"tools":[{"t":2}]}',
+             '{"model":"m","instructions":"%s","input":[{"a":1}],"tools":[{"t":1},{"e":1}],'
+             '"tools":[{"t":2}]}'),
+            ('{"tools":[1],"instructions":"%s","input":[{"a":1}],"tools":[1]}',
+             '{"tools":[1],"instructions":"%s","input":[{"a":1}],"tools":[1,{"e":1}]}'),
+        ]
+        for old, new in cases:
+            old, new = (old % pad).encode(), (new % pad).encode()
+            reuse = HistoryReuse()
+            _remember(reuse, "k", old)
+            self.assertEqual(reuse.read("k", old)[0], json.loads(old))  # the same body again
+            found = reuse.read("k", new)
+            if found is not None:
+                self.assertEqual(found[0], readJSON(new))
+            self.assertIsNone(found)
+            self.assertEqual(reuse.size, 0)  # never extended: dropped
+        # a history that is one array extends, and so do the bodies extending it
+        reuse = HistoryReuse()
+        first = _body([{"a": 1}])
+        _remember(reuse, "k", first)
+        second = _body([{"a": 1}, {"b": 2}])
+        found = reuse.read("k", second)
+        _remember(reuse, "k", second, found[2])
+        self.assertTrue(found[2].single)
+        third = _body([{"a": 1}, {"b": 2}, {"c": 3}])
+        self.assertEqual(reuse.read("k", third)[0], json.loads(third))
+
     def test_notExtensions(self) -> None:
         """
         Another conversation's tail, an item changed, the history cut: not
@@ -183,6 +224,27 @@ class BoundsTests(SynchronousTestCase):
         self.assertEqual(reuse.size, 2 * one)
         self.assertIsNone(reuse.read("a", _body([{"a": 1}, {"b": 1}, {"c": 1}])))
         self.assertIsNotNone(reuse.read("c", _body([{"a": 1}, {"b": 1}, {"c": 1}])))
+
+    def test_parsedRatio(self) -> None:
+        """
+        The bounds count bytes; a body whose parse takes many times its
+        bytes (C{[{},{},...]}: 24 times) counts its parse's estimate over
+        L{PARSED_RATIO}, so a client cannot make the kept bodies take ~25
+        times the bounds (about 1 GiB for 40 MiB of such bodies, kept
+        between its requests).
+        """
+        tiny = b'{"model":"m","input":[' + b",".join([b"{}"] * 8000) + b'],"prompt_cache_key":"c"}'
+        reuse = HistoryReuse()
+        _remember(reuse, "k", tiny)
+        self.assertGreater(reuse.size, 10 * len(tiny))
+        reuse = HistoryReuse(probationBytes=reuse.size)
+        _remember(reuse, "k", tiny)
+        _remember(reuse, "k", _body([{"a": 1}]))  # pushes it out
+        self.assertEqual(reuse.size, len(_body([{"a": 1}])))
+        codex = _body([{"type": "message", "role": "user", "content": "x" * 40}] * 100)
+        reuse = HistoryReuse()
+        _remember(reuse, "k", codex)
+        self.assertEqual(reuse.size, len(codex))  # a history counts its bytes
 
     def test_probation(self) -> None:
         """

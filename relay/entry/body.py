@@ -430,20 +430,27 @@ def chargeParsed(content, budget, keyName: str, limits, charged: int):
     del data
     over = parsedOver(estimate, limits)
     if over is not None:
-        scope, limit = over
-        name = ("gateway.limits.body_bytes_in_flight_per_key" if scope == "key"
-                else "gateway.limits.body_bytes_in_flight")
-        return 0, ClientError(
-            413, "invalid_request_error",
-            f"Request payload is too large: it would take about {estimate} bytes once"
-            f" parsed, over {name} ({limit} bytes).",
-            code="request_too_large",
-        )
+        return 0, tooLargeParsed(estimate, *over)
     error = budget.reserve(keyName, estimate, limits.body_bytes_in_flight_per_key,
                            limits.body_bytes_in_flight)
     if error is not None:
         return 0, error
     return estimate, None
+
+
+def tooLargeParsed(estimate: int, scope: str, limit: int) -> ClientError:
+    """
+    The 413 for a body whose parsed size's C{estimate} is over a bound
+    (L{parsedOver}'s C{scope} and C{limit}).
+    """
+    name = ("gateway.limits.body_bytes_in_flight_per_key" if scope == "key"
+            else "gateway.limits.body_bytes_in_flight")
+    return ClientError(
+        413, "invalid_request_error",
+        f"Request payload is too large: it would take about {estimate} bytes once"
+        f" parsed, over {name} ({limit} bytes).",
+        code="request_too_large",
+    )
 
 
 def reasonPhrase(status: int) -> bytes:
@@ -593,6 +600,9 @@ class LimitedBodyRequest(Request):
     _discard = False
     _received = 0
     _charged = 0
+    _atBound = False
+    """The body is held at L{parsedBound} (L{chargeParsed}) until
+    L{relayJSON} has read it, or the resource has rendered."""
     _linger = None
     _rate = None
     _chunked = False
@@ -815,14 +825,18 @@ class LimitedBodyRequest(Request):
         Parse the body (the one reader, L{relay.frontdoor.parse.readJSON}),
         a large one as the extension of one its key sent before when it is
         one (L{relay.frontdoor.reuse.HistoryReuse}); bring its hold down to
-        its shape's estimate; keep a large one's bytes for the splice
-        (L{RawObject}) and for the key's next turn.
+        its shape's estimate (up by what its strings that are not ASCII take
+        beyond their bytes, when the pass's estimate was held); keep a
+        large one's bytes for the splice (L{RawObject}) and for the key's
+        next turn.
 
-        @raise RequestRefused: not JSON.
+        @raise RequestRefused: not JSON; 413 or 429 when the shape's
+            estimate does not fit the bytes in flight (R103).
         """
         large = len(raw) > LARGE_BODY_BYTES
         histories = getattr(self._intake, "histories", None) if large else None
-        key = self.admission.key.name if histories is not None and self.admission else None
+        # the key's owner (R104): a key issued again under the name is another
+        key = self.admission.key.ownerId if histories is not None and self.admission else None
         found = histories.read(key, raw) if key is not None else None
         if found is not None:
             self._json, counts, extends, layout = found
@@ -834,18 +848,65 @@ class LimitedBodyRequest(Request):
             if large and self._json.__class__ is dict:
                 self.relayRawBody = RawObject(raw, self._json)  # spliced upstream
         if counts is not None:
-            self._settleParsed(shapeEstimate(len(raw), *counts))
+            estimate = shapeEstimate(len(raw), *counts)
+            wide = counts[3:]  # what strings that are not ASCII take, when some
+            if wide and estimate > self._charged > 0:
+                # held at the pass's estimate, which counts their bytes only
+                self._holdMore(min(estimate, self._charged + wide[0]))
+            self._settleParsed(estimate)
+        elif self._atBound:
+            # read by the standard library (orjson's reading was not
+            # certain): the bound would stay held for the whole turn
+            self._settleParsed(parsedEstimate(raw))
         if self.relayRawBody is not None and key is not None and counts is not None:
             histories.remember(key, self.relayRawBody, counts, extends)
+
+    def _holdMore(self, estimate: int) -> None:
+        """
+        Hold C{estimate} (a read body's shape's estimate, above the pass's
+        estimate held while it was read) until the request ends.
+
+        @raise RequestRefused: the 413 or 429 of L{chargeParsed}.
+        """
+        limits, name = self._limits(), self.admission.key.name
+        over = parsedOver(estimate, limits)
+        error = tooLargeParsed(estimate, *over) if over is not None else self._intake.budget.reserve(
+            name, estimate - self._charged, limits.body_bytes_in_flight_per_key,
+            limits.body_bytes_in_flight)
+        if error is not None:
+            raise RequestRefused(error)
+        self._charged = estimate
 
     def _settleParsed(self, estimate: int) -> None:
         """
         Bring the body's hold down to C{estimate}, its parsed size's
         estimate once read (L{chargeParsed}); never up.
         """
+        self._atBound = False
         if self._charged > estimate and self._intake is not None and self.admission is not None:
             self._intake.budget.release(self.admission.key.name, self._charged - estimate)
             self._charged = estimate
+
+    def _settleUnread(self) -> None:
+        """
+        The resource rendered without reading the body as JSON (a
+        multipart image edit, a route that ignores its body, a body that
+        is not JSON): L{parsedBound} was held for a parse that did not
+        come; hold L{parsedEstimate} instead (one pass over the bytes),
+        for the rest of the request (R103).
+        """
+        content = self.content
+        if not self._charged or content is None or content.closed:
+            self._atBound = False
+            return
+        if content.__class__ is io.BytesIO:
+            data = content.getvalue()
+        else:
+            at = content.tell()
+            content.seek(0)
+            data = content.read()
+            content.seek(at)
+        self._settleParsed(parsedEstimate(data))
 
     def _releaseBudget(self) -> None:
         if self._charged and self._intake is not None and self.admission is not None:
@@ -985,6 +1046,7 @@ class LimitedBodyRequest(Request):
         charged, self._charged = self._charged, 0
         self._charged, error = chargeParsed(self.content, self._intake.budget,
                                             self.admission.key.name, self._limits(), charged)
+        self._atBound = error is None and self._charged == parsedBound(self.content.tell())
         if error is not None:
             self._bodyFailed(error)
             self._logRefusedBody()
@@ -1042,7 +1104,10 @@ class LimitedBodyRequest(Request):
         encoding, 429 bytes in flight) in OpenAI's envelope.
         """
         if self._bodyError is None:
-            return self._render()
+            self._render()
+            if self._atBound:
+                self._settleUnread()
+            return None
         self.site = self.channel.site
         self._log.info(
             "request body refused with {status}: {message}", event="http.request_body_refused",

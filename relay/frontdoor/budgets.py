@@ -100,7 +100,9 @@ def parsedEstimate(data: bytes) -> int:
     every shape. It costs one C{bytes.translate} pass that keeps only
     those four bytes, folded to two (a quarter of the four C{bytes.count}
     passes it replaces: about 0.4 ms for a 1 MiB Codex history), in
-    slices of 4 MiB, so a large body is never copied whole.
+    slices of 4 MiB, so a large body is never copied whole. Strings that
+    are not ASCII may hold more than their bytes (2 or 4 bytes a
+    character): once a large body is read, L{shapeEstimate} counts them.
 
     @param data: the decoded body.
     @return: bytes.
@@ -115,7 +117,7 @@ def parsedEstimate(data: bytes) -> int:
     return len(data) + 64 * opens + 32 * marks
 
 
-def shapeEstimate(length: int, containers: int, pairs: int, elements: int) -> int:
+def shapeEstimate(length: int, containers: int, pairs: int, elements: int, wide: int = 0) -> int:
     """
     The memory a parsed body takes, estimated from what it holds
     (L{relay.wire.jsoncodec.loadsLarge} counts it while checking the
@@ -124,13 +126,15 @@ def shapeEstimate(length: int, containers: int, pairs: int, elements: int) -> in
     value's object, the table's slot), 96 B per list element. Above the
     size CPython holds for every shape measured, Codex histories
     (about 1.2x their length) and the worst shapes (C{[{},{},...]} at 24x,
-    C{{"k1":"v",...}} at 12x) alike; text that parses into four-byte
-    characters can hold more than its bytes.
+    C{{"k1":"v",...}} at 12x) alike; plus what its strings that are not
+    ASCII take (C{wide}: such a string holds 2 or 4 bytes a character, a
+    megabyte of text up to 4 MiB).
 
     @param length: the body's bytes.
+    @param wide: the bytes of its strings that are not ASCII.
     @return: bytes.
     """
-    return length + 128 * containers + 160 * pairs + 96 * elements
+    return length + 128 * containers + 160 * pairs + 96 * elements + wide
 
 
 SHAPE_BOUND_FACTOR = 113

@@ -18,7 +18,15 @@ alone, by the body's own reader: a text that parses so can only be
 elements of that array, so the value is the known body's with those
 elements appended, exactly what C{json.loads} gives for the whole text
 (a text that closes the array and opens another member does not parse
-as one array, and the body is read whole). A known body's top-level
+as one array, and the body is read whole). That holds when the known
+body's C{]} closes the array of its only C{input} member: a duplicated
+top-level key (C{json.loads} keeps its last occurrence) could put another
+member between C{input} and that C{]} (C{"input":[...],"tools":[...]},
+C{tools} repeated after), whose array the new items would then extend
+while the value read extends C{input}. So a known body is extended only
+once its C{input}'s bytes have been read alone as one array (orjson, at
+its first extension: once a conversation), and a body that extended one
+inherits that. A known body's top-level
 members and items are shared with the new value: relay copies what it
 changes and never changes a parsed container in place (as the splice,
 L{relay.wire.rawjson}, relies on too).
@@ -31,8 +39,14 @@ L{PROBATION_BYTES} of them, so one-off requests never push out the
 conversations that go on; a body that extended one is kept in its place,
 at most L{MAX_BYTES} of them; in each, the least recently kept is dropped
 first. A key keeps at most L{PER_KEY} bodies. Nothing is shared between
-keys. Kept bodies cost memory between a conversation's turns: about
-twice their bytes (the text and its parsed value).
+keys (nor with a key issued again under a revoked key's name: the caller
+names a key by its owner, L{relay.base.records.ClientKey.ownerId}, R104). Kept bodies cost memory between a conversation's turns: about
+twice their bytes (the text and its parsed value). A body whose parsed
+value is estimated at more than L{PARSED_RATIO} times its bytes (many
+tiny containers: C{[{},{},...]} parses to 24 times its bytes) counts as
+that estimate divided by L{PARSED_RATIO}, so whatever a client sends, the
+parsed values kept never take more than L{PARSED_RATIO} times the bounds
+(one key's one-off bodies could otherwise hold about 1 GiB).
 """
 
 from __future__ import annotations
@@ -40,10 +54,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Optional
 
+import orjson
+
+from relay.frontdoor.budgets import shapeEstimate
 from relay.wire.jsoncodec import NOT_FAST, loadsLarge
 from relay.wire.rawjson import RawObject
 
-__all__ = ["HistoryReuse", "MAX_BYTES", "PER_KEY", "PROBATION_BYTES"]
+__all__ = ["HistoryReuse", "MAX_BYTES", "PARSED_RATIO", "PER_KEY", "PROBATION_BYTES"]
 
 PER_KEY = 64
 """The most bodies one client key keeps: its recent conversations (a
@@ -58,18 +75,43 @@ PROBATION_BYTES = 4 * 2**20
 conversation's first body is 20-50 KiB: its instructions, tools and first
 message)."""
 
+PARSED_RATIO = 4
+"""A kept body counts at least its parsed value's estimate
+(L{relay.frontdoor.budgets.shapeEstimate}) divided by this, in bytes: a
+Codex history is estimated at about 1.5 times its bytes (it parses to
+1.2) and counts its bytes."""
+
 
 class _Known:
-    __slots__ = ("raw", "value", "big", "close", "shape", "kept", "layout")
+    __slots__ = ("raw", "value", "big", "start", "close", "shape", "kept", "single", "weight",
+                 "layout")
 
     def __init__(self, raw: bytes, value: dict, layout: tuple, close: int, shape: tuple):
         self.raw = raw
         self.value = value
         self.layout = layout
-        self.big = layout[0]
+        self.big = big = layout[0]
+        self.start = layout[1][big][0] + len(big) + 3
+        """Where the history's value starts in C{raw} (after C{"input":})."""
         self.close = close
         """Where the C{]} closing the history's array is in C{raw}."""
         self.shape = shape
+        self.single = False
+        """C{raw[start:close + 1]} is known to be one JSON value: the
+        C{input} member is the only one before that C{]} (see the module)."""
+
+    def isSingle(self) -> bool:
+        """
+        Whether the history's bytes, read alone, are one array (checked
+        once: one orjson read of them).
+        """
+        if not self.single:
+            try:
+                self.single = orjson.loads(
+                    memoryview(self.raw)[self.start:self.close + 1]).__class__ is list
+            except (orjson.JSONDecodeError, RecursionError):
+                return False
+        return self.single
 
 
 class HistoryReuse:
@@ -103,7 +145,7 @@ class HistoryReuse:
         if not known:
             return None
         size = len(raw)
-        for entry in reversed(known.values()):
+        for entry in reversed(list(known.values())):
             old = entry.raw
             close = entry.close
             after = len(old) - close - 1
@@ -111,6 +153,10 @@ class HistoryReuse:
             if end < close or not raw.startswith(memoryview(old)[:close]):
                 continue
             if not raw.endswith(memoryview(old)[close:]):
+                continue
+            if end > close and not entry.isSingle():
+                # (a member after input's array: never extended, see the module)
+                self._drop(keyName, id(old), entry)
                 continue
             found = self._extend(entry, raw, end)
             if found is not None:
@@ -135,10 +181,11 @@ class HistoryReuse:
             return None  # (a comma and no element after it: not JSON)
         value = dict(entry.value)
         value[entry.big] = items + more
-        containers, pairs, elements = entry.shape
-        c, p, e = shape[0]
+        old, new = entry.shape, shape[0]
         # the array parsed alone is one container more, its elements are the history's
-        return value, (containers + c - 1, pairs + p, elements + e)
+        counts = (old[0] + new[0] - 1, old[1] + new[1], old[2] + new[2])
+        wide = old[3:] + new[3:]  # (the bytes of strings not ASCII, when some)
+        return value, counts + (sum(wide),) if wide else counts
 
     def remember(self, keyName: str, body: RawObject, shape: tuple, replaces=None) -> None:
         """
@@ -156,7 +203,8 @@ class HistoryReuse:
         raw = body.raw
         went = replaces is not None
         segment = self._segments[went]
-        if len(raw) > segment[2]:
+        weight = max(len(raw), shapeEstimate(len(raw), *shape) // PARSED_RATIO)
+        if weight > segment[2]:
             return
         close = spans[big][1] - 1
         if raw[close:close + 1] != b"]":
@@ -167,9 +215,12 @@ class HistoryReuse:
         ident = id(raw)
         entry = _Known(raw, body.values, layout, close, shape)
         entry.kept = went
+        entry.weight = weight
+        # the history it extended was one array, and its new items parsed as one
+        entry.single = went and replaces.single
         known[ident] = entry
         segment[0][keyName, ident] = entry
-        segment[1] += len(raw)
+        segment[1] += weight
         while len(known) > self.perKey:
             oldIdent, oldEntry = next(iter(known.items()))
             self._drop(keyName, oldIdent, oldEntry)
@@ -182,7 +233,7 @@ class HistoryReuse:
         if segment[0].get((keyName, ident)) is not entry:
             return  # dropped already
         del segment[0][keyName, ident]
-        segment[1] -= len(entry.raw)
+        segment[1] -= entry.weight
         known = self._byKey[keyName]
         del known[ident]
         if not known:
@@ -191,7 +242,8 @@ class HistoryReuse:
     @property
     def size(self) -> int:
         """
-        Bytes of bodies kept.
+        Bytes of bodies kept (a body of many tiny containers counts
+        more, L{PARSED_RATIO}).
         """
         return self._segments[True][1] + self._segments[False][1]
 

@@ -36,6 +36,7 @@ whose bytes stay the standard library's (C{relay.engine.payload}).
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any, Callable, Optional
 
 import orjson
@@ -112,17 +113,22 @@ def _shape(value: Any, depth: int = 1) -> Optional[tuple]:
     never read): how deep it nests, what it holds.
 
     @return: L{None} when it nests deeper than L{MAX_FAST_DEPTH}, else
-        C{(containers, pairs, elements, large float)}: the dicts and
-        lists, the dicts' pairs and the lists' elements in all, and
-        whether a float of at least L{LARGE_FLOAT} is among them.
+        C{(containers, pairs, elements, large float, wide)}: the dicts and
+        lists, the dicts' pairs and the lists' elements in all, whether a
+        float of at least L{LARGE_FLOAT} is among them, and the bytes
+        the strings (keys and values) that are not ASCII take (such a
+        string holds 2 or 4 bytes a character: C{"\U0001f600"} and a
+        megabyte of C{a} take 4 MiB, its text 1 MiB; R103).
     """
-    dictType, listType, floatType = dict, list, float
+    dictType, listType, floatType, strType = dict, list, float, str
     large = LARGE_FLOAT
+    sizeof = sys.getsizeof
     if value.__class__ is not dictType and value.__class__ is not listType:
-        return 0, 0, 0, value.__class__ is floatType and not -large < value < large
+        return (0, 0, 0, value.__class__ is floatType and not -large < value < large,
+                sizeof(value) if value.__class__ is strType and not value.isascii() else 0)
     stack = [(value, depth)]
     pop, push = stack.pop, stack.append
-    containers = pairs = elements = 0
+    containers = pairs = elements = wide = 0
     floats = False
     while stack:
         node, depth = pop()
@@ -131,6 +137,9 @@ def _shape(value: Any, depth: int = 1) -> Optional[tuple]:
         containers += 1
         if node.__class__ is dictType:
             pairs += len(node)
+            for key in node:
+                if not key.isascii():
+                    wide += sizeof(key)
             children = node.values()
         else:
             elements += len(node)
@@ -141,7 +150,9 @@ def _shape(value: Any, depth: int = 1) -> Optional[tuple]:
                 push((child, depth + 1))
             elif kind is floatType and not -large < child < large:
                 floats = True
-    return containers, pairs, elements, floats
+            elif kind is strType and not child.isascii():
+                wide += sizeof(child)
+    return containers, pairs, elements, floats, wide
 
 
 def loadsLarge(data: bytes, shape: Optional[list] = None, depth: int = 1) -> Any:
@@ -166,7 +177,8 @@ def loadsLarge(data: bytes, shape: Optional[list] = None, depth: int = 1) -> Any
 
     @param data: C{bytes}.
     @param shape: a list that gets C{(containers, pairs, elements)} of the
-        value appended (L{_shape}; for
+        value appended, and the bytes of its strings that are not ASCII as a
+        fourth when there are some (L{_shape}; for
         L{relay.frontdoor.budgets.shapeEstimate}), or L{None}.
     @param depth: the nesting level of the text's value (1: a whole body;
         2: the elements of a body's member, L{relay.frontdoor.reuse}).
@@ -185,7 +197,7 @@ def loadsLarge(data: bytes, shape: Optional[list] = None, depth: int = 1) -> Any
     if found[3] and data.translate(_FOLD).find(_LONG_DIGIT_RUN) >= 0:
         return NOT_FAST
     if shape is not None:
-        shape.append(found[:3])
+        shape.append(found[:3] + found[4:] if found[4] else found[:3])
     return value
 
 
