@@ -202,6 +202,21 @@ class BoundsTests(SynchronousTestCase):
         self.assertIsNone(reuse.read("k", _body([{"a": 1}, {"c": 3}])))
         self.assertIsNotNone(reuse.read("k", _body([{"a": 1}, {"b": 2}, {"c": 3}])))
 
+    def test_resendKeepsOne(self) -> None:
+        """
+        The same body again (a retry; wrk's repeated body), read while
+        another copy is in flight: the body it repeats stays, one.
+        """
+        reuse = HistoryReuse()
+        raw = _body([{"a": 1}])
+        _remember(reuse, "k", raw)
+        copies = [bytes(bytearray(raw)) for _ in range(5)]
+        found = [reuse.read("k", c) for c in copies]
+        for copy, f in zip(copies, found):
+            _remember(reuse, "k", copy, f[2])
+        self.assertEqual(reuse.size, len(raw))
+        self.assertIsNotNone(reuse.read("k", _body([{"a": 1}, {"b": 2}])))
+
     def test_perKey(self) -> None:
         reuse = HistoryReuse(perKey=2)
         for tail in ("c1", "c2", "c3"):

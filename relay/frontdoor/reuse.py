@@ -194,13 +194,18 @@ class HistoryReuse:
         place of the body it extends (C{replaces}, from L{read}): one body
         per conversation.
         """
+        raw = body.raw
+        if replaces is not None and len(raw) == len(replaces.raw):
+            # the same bytes again (L{read} matched all of them): a resend
+            # keeps the body it repeats, however many are in flight
+            if self._segments[replaces.kept][0].get((keyName, id(replaces.raw))) is replaces:
+                return
         layout = body.layout()
         if layout is None:
             return
         big, spans, _ = layout
         if body.values[big].__class__ is not list:
             return
-        raw = body.raw
         went = replaces is not None
         segment = self._segments[went]
         weight = max(len(raw), shapeEstimate(len(raw), *shape) // PARSED_RATIO)
