@@ -208,6 +208,21 @@ async def _session(port: int, frames: list, pid: int) -> list:
     return costs
 
 
+def _timedPost(conn, pid: int, body: bytes) -> int:
+    """
+    POST C{body} to C{/v1/responses} on C{conn}; relay's CPU ns for it.
+    """
+    before = schedNs(pid)
+    conn.request("POST", "/v1/responses", body,
+                 {"Authorization": f"Bearer {compare.RELAY_KEY}",
+                  "Content-Type": "application/json"})
+    r = conn.getresponse()
+    r.read()
+    if r.status != 200:
+        raise SystemExit(f"HTTP turn failed: {r.status}")
+    return schedNs(pid) - before
+
+
 def _httpSession(port: int, pid: int, frames: list) -> list:
     """
     One Codex conversation over HTTP: every turn sends the whole history
@@ -216,20 +231,12 @@ def _httpSession(port: int, pid: int, frames: list) -> list:
     import http.client
 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    headers = {"Authorization": f"Bearer {compare.RELAY_KEY}",
-               "Content-Type": "application/json"}
     items, costs = [], []
     for frame in frames:
         items = items + frame["input"]
         body = json.dumps(codexbody.envelope(items), ensure_ascii=False,
                           separators=(",", ":")).encode()
-        before = schedNs(pid)
-        conn.request("POST", "/v1/responses", body, headers)
-        r = conn.getresponse()
-        r.read()
-        if r.status != 200:
-            raise SystemExit(f"HTTP turn failed: {r.status}")
-        costs.append(schedNs(pid) - before)
+        costs.append(_timedPost(conn, pid, body))
     conn.close()
     return costs
 
@@ -246,21 +253,14 @@ def _httpCost(port: int, pid: int, frames: list, upto: int, repeat: int = 10) ->
 
     items = [i for f in frames[:upto] for i in f["input"]]
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    headers = {"Authorization": f"Bearer {compare.RELAY_KEY}",
-               "Content-Type": "application/json"}
     total = 0
     for i in range(repeat + 2):
         first = {"type": "message", "role": "user", "content": f"conversation {i}"}
         body = json.dumps(codexbody.envelope([first] + items), ensure_ascii=False,
                           separators=(",", ":")).encode()
-        before = schedNs(pid)
-        conn.request("POST", "/v1/responses", body, headers)
-        r = conn.getresponse()
-        r.read()
-        if r.status != 200:
-            raise SystemExit(f"HTTP turn failed: {r.status}")
+        ns = _timedPost(conn, pid, body)
         if i >= 2:
-            total += schedNs(pid) - before
+            total += ns
     conn.close()
     return total / repeat, len(body)
 
@@ -412,12 +412,6 @@ def _targets(results, idle, names, ws, wsTrees, out) -> None:
         out.append(f"| {name} | {goal} | " + " | ".join(cell(n) for n in who) + " |")
 
     big = "1 MiB"
-    d1 = results[big, "json", 1, "direct"]
-
-    def added(n):
-        v = results[big, "json", 1, n]["p50"] - d1["p50"]
-        return f"{v:.2f} ms {_met(v <= 2.0)}"
-
     fresh = (big, "fresh", 1, "relay") in results
     kinds = (("json", ""), ("fresh", ", a new conversation every turn")) if fresh else (
         ("json", ""),)

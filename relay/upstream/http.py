@@ -27,7 +27,7 @@ from zope.interface import implementer
 if TYPE_CHECKING:
     from treq.client import HTTPClient
 
-from relay.interfaces import IPiecesDialer, IUpstreamDialer, IUpstreamResponse
+from relay.interfaces import IPiecesDialer, IUpstreamResponse
 from relay.upstream.httpclient import BodyCollector, ConnectionPool, Target, requestPieces
 from relay.base.records import Account, UpstreamSettings
 from relay.upstream.headers import (
@@ -356,18 +356,17 @@ class HTTPDialer:
         (client gone, first-output timeout).
         """
         url = account.base_url + path
-        if body.__class__ is list and (account.proxy is not None or method not in (b"POST", "POST")
-                                       or self._target(url) is None):
-            body = b"".join(body)  # pieces go only to the lean client (IPiecesDialer)
-        if account.proxy is None and method in (b"POST", "POST") and (
-                isinstance(body, bytes) or body.__class__ is list):
-            target = self._target(url)
-            if target is not None:
-                # Direct upstreams go through the lean client.
-                data = requestPieces(target, upstreamHeaders(account, headers), body)
-                d = self._directPool(timeouts).request(target, data)
-                timeout = timeouts.connect_timeout_seconds + timeouts.header_timeout_seconds
-                return _headerTimeout(d, timeout, self._reactor)
+        direct = account.proxy is None and method in (b"POST", "POST") and (
+            isinstance(body, bytes) or body.__class__ is list)
+        target = self._target(url) if direct else None
+        if target is not None:
+            # Direct upstreams go through the lean client, a body's pieces unjoined.
+            data = requestPieces(target, upstreamHeaders(account, headers), body)
+            d = self._directPool(timeouts).request(target, data)
+            timeout = timeouts.connect_timeout_seconds + timeouts.header_timeout_seconds
+            return _headerTimeout(d, timeout, self._reactor)
+        if body.__class__ is list:
+            body = b"".join(body)  # pieces (IPiecesDialer) go to treq as bytes
         client = self._clientFor(account, timeouts)
         prepared = self._urls.get(url)
         if prepared is None:
