@@ -74,16 +74,16 @@ KINDS = {
              {"model": "gpt-5.5", "messages": [{"role": "user", "content": "hi"}]}, {}),
 }
 KINDS["new"] = KINDS["json"]
+"""A JSON turn of a new session each time (a C{session_id} header of its
+own): the load-balance layer picks its account (issue 24's pool scenario
+beside the sticky one)."""
 import codexbody  # noqa: E402
 
 KINDS["codex"] = ("/v1/responses", codexbody.body(1024 * 1024), {})
 """Issue 38: a 1 MiB Codex-shaped JSON turn (C{bench/codexbody.py}; its
 bytes as Codex sends them)."""
-"""A JSON turn of a new session each time (a C{session_id} header of its
-own): the load-balance layer picks its account (issue 24's pool scenario
-beside the sticky one)."""
 LABELS = {"json": "JSON", "sse": "stream (40 events)", "chat": "chat",
-          "new": "JSON, new session each turn"}
+          "new": "JSON, new session each turn", "codex": "Codex-shaped JSON, 1 MiB"}
 
 
 def exportTree(ref: str, tmp: str) -> tuple:
