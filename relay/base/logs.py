@@ -47,6 +47,7 @@ still never log a secret.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -409,27 +410,34 @@ _SCALARS = frozenset({int, float, bool, type(None)})
 
 _lastSecond: list = [None, ""]
 
+_MILLIS = tuple(f".{millis:03d}Z" for millis in range(1000))
+"""Each millisecond's tail of an ISO time (C{.000Z} ... C{.999Z})."""
+
+_floor = math.floor
+
 
 def isoTime(when: float | None) -> str:
     """
     A Unix time as ISO-8601 UTC with milliseconds, e.g.
     C{2026-05-02T10:11:12.345Z}. The part up to the second is remembered
-    for the last whole second, so lines within one second format it once.
+    for the last whole second, so lines within one second format it once;
+    the millisecond's tail is one of 1,000 strings built at import.
 
     @param when: Unix seconds, or L{None} (C{-}).
     """
     if when is None:
         return "-"
-    second = int(when // 1)
+    second = _floor(when)
     millis = int((when - second) * 1000)
-    millis = min(millis, 999)
+    if millis > 999:
+        millis = 999
     if _lastSecond[0] != second:
         try:
             _lastSecond[1] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
         except (OverflowError, OSError, ValueError):
             return str(when)
         _lastSecond[0] = second
-    return f"{_lastSecond[1]}.{millis:03d}Z"
+    return _lastSecond[1] + _MILLIS[millis]
 
 
 _EPOCH_2001 = 978307200
