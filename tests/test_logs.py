@@ -8,7 +8,7 @@ import io
 import json
 import os
 
-from twisted.logger import ILogObserver, Logger, eventsFromJSONLogFile
+from twisted.logger import ILogObserver, Logger, LogLevel, eventsFromJSONLogFile
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
@@ -759,3 +759,101 @@ class LevelFilterTests(SynchronousTestCase):
         publisher = LogPublisher(custom)
         self.assertFalse(logs.leanLevelFilter(publisher, observer, LogLevel.info))
         self.assertIn(custom, publisher._observers)
+
+
+class FusedTextLineTests(SynchronousTestCase):
+    """
+    Issue 38: the text observer writes the common line itself
+    (L{logs._TextRedactor.fuse}); every line is the one the redactor and
+    L{logs.formatTextLine} write separately.
+    """
+
+    def events(self):
+        """
+        Events of every shape the fused way takes or declines.
+        """
+        class Text(str):
+            pass
+
+        class Thing:
+            def __str__(self):
+                return "thing sk-secret-abcdef"
+
+        def event(fmt, **fields):
+            base = {"log_namespace": "relay.test.Thing", "log_level": LogLevel.info,
+                    "log_format": fmt, "log_time": 1796069325.8038597, "log_source": None}
+            base.update(fields)
+            return base
+
+        yield event("turn {request_id} {outcome} with status {status} on {account_id}",
+                    event="relay.turn_finished", request_id="req_1", outcome="completed",
+                    status=200, account_id="a1", other=Thing())
+        yield event("{client} \"{method} {path}\" {status} {bytes} in {duration_ms}ms",
+                    event="relay.http_access", request_id="req_2", client="127.0.0.1",
+                    method="POST", path="/v1/x?api_key=***", status=200, bytes=3,
+                    duration_ms=1.5)
+        yield event("plain", event="relay.test", request_id=None)
+        yield event("no event or id")
+        yield event("number name", event=7, request_id=12)
+        yield event("{a} {b} {c} {d}", a=None, b=True, c=1.25, d=-3, event="relay.x")
+        yield event("two\nlines {x}", x="and\nmore", event="relay.x", request_id="req_3")
+        yield event("{missing} field", event="relay.x")
+        yield event("{x!r} {y:>5}", x="a", y="b", event="relay.x")
+        yield event("{x.real} {y[0]}", x=1, y=[1], event="relay.x")
+        yield event("{} {0}", event="relay.x")
+        yield event("until {until}", until=1796069325.5, event="relay.x")
+        yield event("secret {x}", x="key sk-secret-abcdef here", event="relay.x")
+        yield event("secret in {x}", x=Text("sk-secret-abcdef"), event="relay.x")
+        yield event("object {x}", x=Thing(), event="relay.x")
+        yield event("list {x}", x=["Bearer abc.def"], event="relay.x")
+        yield event("named", event="relay.sk-secret-abcdef", request_id="sk-secret-abcdef")
+        yield event("format sk-secret-abcdef {x}", x=1, event="relay.x")
+        yield event("warn {x}", x="a", event="relay.x", log_level=LogLevel.warn)
+        yield event("no level {x}", x="a", event="relay.x", log_level=None)
+        yield event("no time", event="relay.x", log_time=None)
+        yield {"log_format": None, "log_level": LogLevel.info, "log_namespace": "n",
+               "log_time": 5.0, "event": "relay.none_format"}
+        try:
+            1 / 0
+        except ZeroDivisionError:
+            from twisted.python.failure import Failure
+
+            yield event("failed {x}", x="a", event="relay.x", log_failure=Failure())
+
+    def test_sameLines(self):
+        """
+        For each event, with and without a worker, batched and written at
+        once, twice (the second time its values are known clean), the
+        fused observer writes the unfused one's bytes.
+        """
+        from relay.base.requestid import currentRequestId
+
+        token = currentRequestId.set("req_context")
+        self.addCleanup(currentRequestId.reset, token)
+        for worker in (None, 3):
+            for schedule in (None, lambda f: f()):
+                fused, plain = io.StringIO(), io.StringIO()
+                observer = observerFor("text", fused, ["sk-secret-abcdef"], worker=worker,
+                                       schedule=schedule)
+                reference = logs._TextRedactor(
+                    logs.FileLogObserver(plain, lambda e: logs.formatTextLine(
+                        e, reference.redactText, worker)),
+                    ["sk-secret-abcdef"])
+                for _ in range(2):
+                    for event in self.events():
+                        observer(event)
+                        reference(event)
+                observer.flushLines()
+                self.assertEqual(fused.getvalue(), plain.getvalue())
+                self.assertNotIn("sk-secret-abcdef", fused.getvalue())
+                self.assertIn("req=req_context", fused.getvalue())
+
+    def test_bytesStream(self):
+        """
+        Written at once to a binary stream, a line is UTF-8, as
+        L{FileLogObserver} writes it.
+        """
+        stream = io.BytesIO()
+        _emit(observerFor("text", stream, (), worker=None), "caf\u00e9 {x}", x="ok",
+              event="relay.x")
+        self.assertTrue(stream.getvalue().endswith("caf\u00e9 ok\n".encode()))

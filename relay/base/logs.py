@@ -61,6 +61,7 @@ from urllib.parse import unquote_plus
 
 from twisted.logger import FileLogObserver, ILogObserver, LogLevel, Logger, formatEvent
 from twisted.logger import _logger as _twistedLogger
+from twisted.python.compat import ioType
 from zope.interface import implementer
 
 from relay.base.requestid import currentRequestId
@@ -830,6 +831,8 @@ def observerFor(
         writer = BatchedFileLogObserver(stream, formatLine, schedule)
     redactor = kind(writer, _registered if secrets is None else secrets)
     redactor.flushLines = getattr(writer, "flush", stream.flush)
+    if kind is _TextRedactor:
+        redactor.fuse(worker, _writeNow(stream) if schedule is None else writer.hold)
     holder.append(redactor)
     return redactor
 
@@ -1010,8 +1013,17 @@ class BatchedFileLogObserver:
 
     def __call__(self, event: dict) -> None:
         text = self._format(event)
-        if not text:
-            return
+        if text:
+            self.hold(text, event)
+
+    def hold(self, text: str, event: dict) -> None:
+        """
+        Hold (or write) one formatted line.
+
+        @param text: the line of C{event}, not empty.
+        @param event: the event it was formatted from (its level and
+            failure decide whether it waits).
+        """
         plain = text.isascii()
         if self._held and (not plain or self._size + len(text) > self._limit):
             # One write stays within PIPE_BUF: the lines of workers sharing
@@ -1044,12 +1056,125 @@ class BatchedFileLogObserver:
         self._stream.flush()
 
 
+def _writeNow(stream: IO[Any]) -> Callable[[str, dict], None]:
+    """
+    What L{FileLogObserver} does with a line: write it (UTF-8 encoded to
+    a stream that takes bytes) and flush.
+
+    @return: a C{(line, event)} callable.
+    """
+    binary = ioType(stream) is not str
+
+    def write(text: str, event: dict) -> None:
+        stream.write(text.encode("utf-8") if binary else text)
+        stream.flush()
+
+    return write
+
+
+_MISSING = object()
+
+
 class _TextRedactor(SecretRedactor):
     """
     The L{SecretRedactor} of the text format: a text line shows the
     format, the fields the format names, C{event} and C{request_id}, so
     only those are redacted (the others are never written).
+
+    Built by L{observerFor} (L{fuse}), it also writes the line of the
+    common event itself: a format of plain C{{name}} placeholders whose
+    values, C{event} and C{request_id} are all strings found clean or
+    numbers, booleans or L{None}, with no failure. That line is the one
+    L{formatTextLine} writes for the event (nothing in it needed
+    redaction); any other event takes the general way (L{redactEvent},
+    then the wrapped observer).
     """
+
+    _hold: Callable[[str, dict], None] | None = None
+    _tail = "] "
+
+    def fuse(self, worker: int | None, hold: Callable[[str, dict], None]) -> None:
+        """
+        Write the common lines directly (see the class docstring).
+
+        @param worker: the worker index the lines name, or L{None}.
+        @param hold: takes C{(line, event)}: the wrapped observer's way
+            of writing a line (L{BatchedFileLogObserver.hold}).
+        """
+        self._hold = hold
+        self._tail = "] " if worker is None else f" worker={worker}] "
+
+    def __call__(self, event: dict) -> None:
+        """
+        Redact, format and write C{event} (see the class docstring).
+
+        @param event: a Twisted log event (not modified).
+        """
+        hold = self._hold
+        fmt = event.get("log_format")
+        if (
+            hold is None
+            or type(fmt) is not str
+            or "log_failure" in event
+            or self._version != self._secrets.version
+        ):
+            self._observer(self.redactEvent(event))
+            return
+        clean = self._clean
+        names = _plainFormats.get(fmt)
+        if names is None:
+            names = _plainFormatOf(fmt)
+        if names is False or fmt not in clean:
+            self._observer(self.redactEvent(event))
+            return
+        redact = self._redactString
+        for key in names:
+            value = event.get(key, _MISSING)
+            kind = type(value)
+            if kind is str:
+                if value not in clean and redact(value) != value:
+                    self._observer(self.redactEvent(event))
+                    return
+            elif kind not in _SCALARS:
+                self._observer(self.redactEvent(event))
+                return
+        name = event.get("event")
+        kind = type(name)
+        if kind is str:
+            if name not in clean and redact(name) != name:
+                self._observer(self.redactEvent(event))
+                return
+        elif name is None:
+            name = str(event.get("log_namespace") or "-")
+        elif kind in _SCALARS:
+            name = str(name)
+        else:
+            self._observer(self.redactEvent(event))
+            return
+        requestId = event.get("request_id")
+        kind = type(requestId)
+        if kind is str:
+            if requestId not in clean and redact(requestId) != requestId:
+                self._observer(self.redactEvent(event))
+                return
+        elif requestId is None:
+            requestId = currentRequestId.get()
+        elif kind in _SCALARS:
+            requestId = str(requestId)
+        else:
+            self._observer(self.redactEvent(event))
+            return
+        text = fmt.format_map(event)
+        if "\n" in text:
+            text = text.replace("\n", "\n\t")
+        level = _LEVEL_NAMES.get(event.get("log_level"))
+        if level is None:
+            level = _levelName(event)
+        when = isoTime(event.get("log_time"))
+        if requestId is None:
+            hold(f"{when} [{name}#{level}{self._tail}{text}\n", event)
+        else:
+            hold(f"{when} [{name}#{level} req={requestId}{self._tail}{text}\n", event)
 
     def redactEvent(self, event: dict) -> dict:
         """
@@ -1091,6 +1216,39 @@ def _textNamesOf(fmt: str) -> tuple:
     if len(_textNames) >= _TIME_FIELD_CACHE_SIZE:
         _textNames.clear()
     _textNames[fmt] = names
+    return names
+
+
+_plainFormats: dict = {}
+
+
+def _plainFormatOf(fmt: str) -> tuple | bool:
+    """
+    The placeholder names of C{fmt} when every placeholder is a plain
+    C{{name}} (an identifier; no conversion, format spec, attribute or
+    index, and no time field, see L{_formatInfo}), else C{False};
+    remembered per format. Such a format renders a string, number,
+    boolean or L{None} as its C{str}, exactly as the field redaction saw it.
+    """
+    names: list = []
+    try:
+        for _, name, spec, conversion in Formatter().parse(fmt):
+            if name is None:
+                continue
+            if not name.isidentifier() or spec or conversion:
+                names = False
+                break
+            names.append(name)
+    except ValueError:
+        names = False
+    if names is not False:
+        if _formatInfo(fmt)[0]:
+            names = False
+        else:
+            names = tuple(dict.fromkeys(names))
+    if len(_plainFormats) >= _TIME_FIELD_CACHE_SIZE:
+        _plainFormats.clear()
+    _plainFormats[fmt] = names
     return names
 
 
