@@ -857,3 +857,34 @@ class FusedTextLineTests(SynchronousTestCase):
         _emit(observerFor("text", stream, (), worker=None), "caf\u00e9 {x}", x="ok",
               event="relay.x")
         self.assertTrue(stream.getvalue().endswith("caf\u00e9 ok\n".encode()))
+
+
+class LiteralPrefilterTests(SynchronousTestCase):
+    """
+    Issue 38: the redactor's literal check (L{SecretRedactor._literalClean})
+    answers as the combined pattern's search does.
+    """
+
+    def test_sameAnswers(self):
+        """
+        For texts with and without each pattern's literal, in other cases,
+        with non-ASCII look-alikes (C{\u017f} matches C{s} ignoring case)
+        and with registered secrets, the literal check and the search agree;
+        the texts that need redaction are still redacted.
+        """
+        import itertools
+
+        redactor = SecretRedactor(lambda e: None, ["oauth-emu-a3", "Zq9-known"])
+        redactor._refresh()
+        pieces = ["", "req_0123abcdef", "sk-", "sk-proj-abcdef123", "xsk-abcdefgh",
+                  "eyJ", "eyJabcdefghij.abc.def", "://", "http://u:p@h", "Bearer",
+                  "bEaReR tok", "BASIC x", "ba\u017fic tok", "be\u0430rer tok", "basic",
+                  "oauth-emu-a3", "OAUTH-EMU-A3", "zq9-known", "Zq9-known", " ", "\t", "caf\u00e9"]
+        texts = {"".join(p) for p in itertools.product(pieces, repeat=2)}
+        texts |= {" ".join(p) for p in itertools.product(pieces, repeat=2)}
+        for text in sorted(texts):
+            self.assertEqual(redactor._literalClean(text),
+                             redactor._anyPattern.search(text) is None, text)
+        self.assertEqual(redactor.redactText("ba\u017fic tok"), "ba\u017fic ***")
+        self.assertEqual(redactor.redactText("x bEaReR tok"), "x bEaReR ***")
+        self.assertEqual(redactor.redactText("id Zq9-known"), "id ***")
