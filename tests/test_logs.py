@@ -8,6 +8,8 @@ import io
 import json
 import os
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twisted.logger import ILogObserver, Logger, LogLevel, eventsFromJSONLogFile
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
@@ -888,3 +890,46 @@ class LiteralPrefilterTests(SynchronousTestCase):
         self.assertEqual(redactor.redactText("ba\u017fic tok"), "ba\u017fic ***")
         self.assertEqual(redactor.redactText("x bEaReR tok"), "x bEaReR ***")
         self.assertEqual(redactor.redactText("id Zq9-known"), "id ***")
+
+
+_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-2 ** 70, max_value=2 ** 70),
+    st.floats(allow_nan=True, allow_infinity=True), st.text(),
+    st.text(alphabet="a\x7f\x00\x1f\"\\/\u00e9"), st.lists(st.integers(), max_size=2),
+)
+"""Values of a JSON line's fields, plain and odd."""
+
+
+class QuickJSONTests(SynchronousTestCase):
+    """
+    Issue 38: a JSON line of plain values is written by orjson
+    (L{logs._quickJSON}) with the standard library encoder's bytes.
+    """
+
+    @settings(max_examples=500, deadline=None)
+    @given(st.dictionaries(st.text(max_size=8), _VALUES, max_size=6))
+    def test_sameBytes(self, record):
+        """
+        Whatever a record holds, the quick line is the standard library's
+        line or there is none.
+        """
+        line = logs._quickJSON(record)
+        if line is not None:
+            self.assertEqual(line, logs._plainEncoder.encode(record) + "\n")
+
+    def test_turnLines(self):
+        """
+        The lines of a turn (strings, booleans, L{None}, counts,
+        milliseconds) take the quick way, through L{observerFor} too.
+        """
+        self.assertTrue(logs._QUICK_JSON)
+        record = {"time": "2026-11-30T00:53:20.123Z", "level": "info", "event": "relay.x",
+                  "message": "m \"q\"", "request_id": None, "n": 3, "ok": False,
+                  "latency_ms": 0.0123, "skew": 0.0, "big": 2 ** 63 - 1}
+        self.assertEqual(logs._quickJSON(record), logs._plainEncoder.encode(record) + "\n")
+        for odd in (1e-5, 1e16, float("nan"), 2 ** 63, "caf\u00e9", "del\x7f", [1], b"x"):
+            self.assertIsNone(logs._quickJSON(dict(record, odd=odd)))
+        stream = io.StringIO()
+        _emit(observerFor("json", stream, ["sk-secret-abcdef"], worker=None), "v {v}",
+              v="sk-secret-abcdef", n=1.5, event="relay.x")
+        self.assertEqual(json.loads(stream.getvalue())["message"], "v ***")

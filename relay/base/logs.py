@@ -59,6 +59,8 @@ from string import Formatter
 from typing import IO, Any
 from urllib.parse import unquote_plus
 
+import orjson
+
 from twisted.logger import FileLogObserver, ILogObserver, LogLevel, Logger, formatEvent
 from twisted.logger import _logger as _twistedLogger
 from twisted.python.compat import ioType
@@ -724,6 +726,53 @@ def _encoder(redact: Callable[[str], str]) -> json.JSONEncoder:
 
 _plainEncoder = _encoder(_identity)
 
+_INT64 = 2 ** 63
+_QUICK_TYPES = frozenset({str, bool, type(None)})
+_orjsonDumps = orjson.dumps
+_QUICK_SAMPLES = ({"s": "a\"\\/\n\t\r\b\f\x01\x1f", "i": -_INT64, "j": _INT64 - 1, "b": True,
+                   "n": None},
+                  [0.0, -0.0, 1e-4, -1e-4, 0.1 + 0.2, 1 / 3, 1.3, 0.0123, 123456789012345.6,
+                   9999999999999998.0, 1e15, 2.5e-4])
+_QUICK_JSON = all(
+    _orjsonDumps(sample) == _plainEncoder.encode(sample).encode() for sample in _QUICK_SAMPLES
+)
+"""Whether this orjson writes what the standard library's compact,
+ASCII-only encoder writes for the values L{_quickJSON} gives it (checked
+once, at import)."""
+
+
+def _quickJSON(record: dict) -> str | None:
+    """
+    The compact JSON line of C{record} by orjson, when it is the standard
+    library encoder's line: a flat record of strings, booleans, L{None},
+    integers of 64 bits and floats written without an exponent (zero, or
+    C{1e-4 <= |x| < 1e16}), whose text is ASCII without DEL (the standard
+    library writes other characters as C{\\uXXXX}; orjson writes UTF-8).
+
+    @return: the line and its newline, or L{None} (then the standard
+        library's encoder writes it).
+    """
+    if not _QUICK_JSON:
+        return None
+    for value in record.values():
+        kind = type(value)
+        if kind in _QUICK_TYPES:
+            continue
+        if kind is int:
+            if -_INT64 <= value < _INT64:
+                continue
+            return None
+        if kind is float and (1e-4 <= value < 1e16 or -1e16 < value <= -1e-4 or value == 0.0):
+            continue
+        return None
+    try:
+        data = _orjsonDumps(record)
+    except (TypeError, ValueError):
+        return None
+    if not data.isascii() or b"\x7f" in data:
+        return None
+    return data.decode("ascii") + "\n"
+
 
 def formatJSONLine(
     event: dict,
@@ -777,6 +826,9 @@ def formatJSONLine(
         kind = getattr(getattr(failure, "type", None), "__name__", "?")
         record["failure"] = redact(f"{kind}: {getattr(failure, 'value', '')}")
         record["traceback"] = redact(traceback)
+    line = _quickJSON(record)
+    if line is not None:
+        return line
     if encoder is None:
         encoder = _plainEncoder if redact is _identity else _encoder(redact)
     try:
