@@ -5,6 +5,7 @@ Tests for L{relay.base.logs}: the observers and the secret redactor.
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 
@@ -763,11 +764,12 @@ class LevelFilterTests(SynchronousTestCase):
         self.assertIn(custom, publisher._observers)
 
 
-class FusedTextLineTests(SynchronousTestCase):
+class FusedLineTests(SynchronousTestCase):
     """
-    Issue 38: the text observer writes the common line itself
-    (L{logs._TextRedactor.fuse}); every line is the one the redactor and
-    L{logs.formatTextLine} write separately.
+    Issue 38: the observers write the common line themselves
+    (L{logs._TextRedactor.fuse}, L{logs._JSONRedactor.fuse}); every line
+    is the one the redactor and L{logs.formatTextLine} or
+    L{logs.formatJSONLine} write separately.
     """
 
     def events(self):
@@ -822,33 +824,55 @@ class FusedTextLineTests(SynchronousTestCase):
 
             yield event("failed {x}", x="a", event="relay.x", log_failure=Failure())
 
+    def reference(self, fmt, stream, worker):
+        """
+        The unfused observer of C{fmt}: the redactor, then
+        L{logs.formatTextLine} or L{logs.formatJSONLine}.
+        """
+
+        def redact(text):
+            return reference.redactText(text)
+
+        if fmt == "text":
+            kind = logs._TextRedactor
+
+            def format(event):
+                return logs.formatTextLine(event, redact, worker)
+        else:
+            kind = SecretRedactor
+            encoder = logs._encoder(redact)
+
+            def format(event):
+                return logs.formatJSONLine(event, redact, encoder, worker)
+
+        reference = kind(logs.FileLogObserver(stream, format), ["sk-secret-abcdef"])
+        return reference
+
     def test_sameLines(self):
         """
         For each event, with and without a worker, batched and written at
         once, twice (the second time its values are known clean), the
-        fused observer writes the unfused one's bytes.
+        fused observer writes the unfused one's bytes, in both formats.
         """
         from relay.base.requestid import currentRequestId
 
         token = currentRequestId.set("req_context")
         self.addCleanup(currentRequestId.reset, token)
-        for worker in (None, 3):
-            for schedule in (None, lambda f: f()):
-                fused, plain = io.StringIO(), io.StringIO()
-                observer = observerFor("text", fused, ["sk-secret-abcdef"], worker=worker,
-                                       schedule=schedule)
-                reference = logs._TextRedactor(
-                    logs.FileLogObserver(plain, lambda e: logs.formatTextLine(
-                        e, reference.redactText, worker)),
-                    ["sk-secret-abcdef"])
-                for _ in range(2):
-                    for event in self.events():
-                        observer(event)
-                        reference(event)
-                observer.flushLines()
-                self.assertEqual(fused.getvalue(), plain.getvalue())
-                self.assertNotIn("sk-secret-abcdef", fused.getvalue())
-                self.assertIn("req=req_context", fused.getvalue())
+        for fmt, worker, schedule in itertools.product(
+            ("text", "json"), (None, 3), (None, lambda f: f())
+        ):
+            fused, plain = io.StringIO(), io.StringIO()
+            observer = observerFor(fmt, fused, ["sk-secret-abcdef"], worker=worker,
+                                   schedule=schedule)
+            reference = self.reference(fmt, plain, worker)
+            for _ in range(2):
+                for event in self.events():
+                    observer(event)
+                    reference(event)
+            observer.flushLines()
+            self.assertEqual(fused.getvalue(), plain.getvalue())
+            self.assertNotIn("sk-secret-abcdef", fused.getvalue())
+            self.assertIn("req_context", fused.getvalue())
 
     def test_bytesStream(self):
         """
