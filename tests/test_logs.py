@@ -797,6 +797,8 @@ class FusedLineTests(SynchronousTestCase):
                     method="POST", path="/v1/x?api_key=***", status=200, bytes=3,
                     duration_ms=1.5)
         yield event("plain", event="relay.test", request_id=None)
+        yield event("100% {x} %s %(x)s {{lit}} {x}", x="a%sb", event="relay.x")
+        yield event("only {x}", x=3, event="relay.x")
         yield event("no event or id")
         yield event("number name", event=7, request_id=12)
         yield event("{a} {b} {c} {d}", a=None, b=True, c=1.25, d=-3, event="relay.x")

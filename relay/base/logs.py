@@ -1157,9 +1157,6 @@ def _writeNow(stream: IO[Any]) -> Callable[[str, dict], None]:
     return write
 
 
-_MISSING = object()
-
-
 class _JSONRedactor(SecretRedactor):
     """
     The L{SecretRedactor} of the JSON format. Built by L{observerFor}
@@ -1255,15 +1252,20 @@ class _TextRedactor(SecretRedactor):
             self._observer(self.redactEvent(event))
             return
         clean = self._clean
-        names = _plainFormats.get(fmt)
-        if names is None:
-            names = _plainFormatOf(fmt)
-        if names is False or fmt not in clean:
+        plan = _plainFormats.get(fmt)
+        if plan is None:
+            plan = _plainFormatOf(fmt)
+        if plan is False or fmt not in clean:
+            self._observer(self.redactEvent(event))
+            return
+        getter, template = plan
+        try:
+            values = getter(event)
+        except KeyError:
             self._observer(self.redactEvent(event))
             return
         redact = self._redactString
-        for key in names:
-            value = event.get(key, _MISSING)
+        for value in values:
             kind = type(value)
             if kind is str:
                 if value not in clean and redact(value) != value:
@@ -1298,7 +1300,7 @@ class _TextRedactor(SecretRedactor):
         else:
             self._observer(self.redactEvent(event))
             return
-        text = fmt.format_map(event)
+        text = template % values
         if "\n" in text:
             text = text.replace("\n", "\n\t")
         level = _LEVEL_NAMES.get(event.get("log_level"))
@@ -1358,32 +1360,50 @@ _plainFormats: dict = {}
 
 def _plainFormatOf(fmt: str) -> tuple | bool:
     """
-    The placeholder names of C{fmt} when every placeholder is a plain
-    C{{name}} (an identifier; no conversion, format spec, attribute or
-    index, and no time field, see L{_formatInfo}), else C{False};
-    remembered per format. Such a format renders a string, number,
-    boolean or L{None} as its C{str}, exactly as the field redaction saw it.
+    When every placeholder of C{fmt} is a plain C{{name}} (an identifier;
+    no conversion, format spec, attribute or index, and no time field, see
+    L{_formatInfo}): C{(getter, template)}, where C{getter(event)} is the
+    tuple of the placeholders' values (in order; L{KeyError} when one is
+    missing) and C{template % values} is C{fmt.format_map(event)} for
+    values that are strings, numbers, booleans or L{None} (each is written
+    as its C{str}, exactly as the field redaction saw it); else C{False}.
+    Remembered per format.
     """
     names: list = []
+    pieces: list = []
+    plan: Any = False
     try:
-        for _, name, spec, conversion in Formatter().parse(fmt):
+        for literal, name, spec, conversion in Formatter().parse(fmt):
+            pieces.append(literal.replace("%", "%%"))
             if name is None:
                 continue
             if not name.isidentifier() or spec or conversion:
-                names = False
                 break
             names.append(name)
-    except ValueError:
-        names = False
-    if names is not False:
-        if _formatInfo(fmt)[0]:
-            names = False
+            pieces.append("%s")
         else:
-            names = tuple(dict.fromkeys(names))
+            if not _formatInfo(fmt)[0]:
+                plan = (_getterOf(tuple(names)), "".join(pieces))
+    except ValueError:
+        pass
     if len(_plainFormats) >= _TIME_FIELD_CACHE_SIZE:
         _plainFormats.clear()
-    _plainFormats[fmt] = names
-    return names
+    _plainFormats[fmt] = plan
+    return plan
+
+
+def _getterOf(names: tuple) -> Callable[[dict], tuple]:
+    """
+    @return: a function of a mapping to the tuple of its values of
+        C{names}, in order (C{itemgetter}, which returns a bare value for
+        one name).
+    """
+    if not names:
+        return lambda event: ()
+    if len(names) == 1:
+        only = names[0]
+        return lambda event: (event[only],)
+    return itemgetter(*names)
 
 
 _TEXT_KEYS = ("log_format", "event", "request_id")
