@@ -959,3 +959,41 @@ class QuickJSONTests(SynchronousTestCase):
         _emit(observerFor("json", stream, ["sk-secret-abcdef"], worker=None), "v {v}",
               v="sk-secret-abcdef", n=1.5, event="relay.x")
         self.assertEqual(json.loads(stream.getvalue())["message"], "v ***")
+
+
+_LITERALS = st.text(alphabet="ab %s()\n{}", max_size=6).map(
+    lambda t: t.replace("{", "{{").replace("}", "}}"))
+_NAMES = st.sampled_from(["a", "b", "until", "c_at", "x"])
+_PLAIN_VALUES = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(),
+                          st.text(max_size=5))
+
+
+class PlainTemplateTests(SynchronousTestCase):
+    """
+    Issue 38: a plain format's %-template (L{logs._plainFormatOf}) writes
+    what C{str.format_map} writes.
+    """
+
+    @settings(max_examples=400, deadline=None)
+    @given(st.lists(st.tuples(_LITERALS, _NAMES), max_size=4), _LITERALS,
+           st.dictionaries(_NAMES, _PLAIN_VALUES))
+    def test_sameText(self, parts, tail, values):
+        """
+        For formats of literals (with C{%} and braces) and plain
+        placeholders, the template renders plain values as C{format_map};
+        a missing value is a L{KeyError}; a time field is not plain.
+        """
+        fmt = "".join(literal + "{" + name + "}" for literal, name in parts) + tail
+        plan = logs._plainFormatOf(fmt)
+        if any(name in ("until", "c_at") for _, name in parts):
+            self.assertIs(plan, False)
+            return
+        getter, template = plan
+        try:
+            expected = fmt.format_map(values)
+        except KeyError:
+            self.assertRaises(KeyError, getter, values)
+            return
+        self.assertEqual(template % getter(values), expected)
+        event = dict(values, log_format=fmt)
+        self.assertEqual(logs._message(event, logs._identity), expected)

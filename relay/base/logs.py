@@ -521,6 +521,22 @@ def _message(event: dict, redact: Callable[[str], str]) -> str:
     fmt = event.get("log_format")
     if not isinstance(fmt, str):
         return redact(formatEvent(event))
+    plan = _plainFormats.get(fmt)
+    if plan is None:
+        plan = _plainFormatOf(fmt)
+    if plan is not False:
+        # A plain format (L{_plainFormatOf}) of plain values: their text.
+        getter, template = plan
+        try:
+            values = getter(event)
+        except KeyError:
+            values = None
+        if values is not None:
+            for value in values:
+                if type(value) not in _PLAIN:
+                    break
+            else:
+                return template % values
     fields, names = _formatInfo(fmt)
     if fields:
         event = dict(event)
