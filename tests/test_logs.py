@@ -766,7 +766,7 @@ class LevelFilterTests(SynchronousTestCase):
 
 class FusedLineTests(SynchronousTestCase):
     """
-    Issue 38: the observers write the common line themselves
+    The observers write the common line themselves
     (L{logs._TextRedactor.fuse}, L{logs._JSONRedactor.fuse}); every line
     is the one the redactor and L{logs.formatTextLine} or
     L{logs.formatJSONLine} write separately.
@@ -889,7 +889,7 @@ class FusedLineTests(SynchronousTestCase):
 
 class LiteralPrefilterTests(SynchronousTestCase):
     """
-    Issue 38: the redactor's literal check (L{SecretRedactor._literalClean})
+    The redactor's literal check (L{SecretRedactor._literalClean})
     answers as the combined pattern's search does.
     """
 
@@ -928,7 +928,7 @@ _VALUES = st.one_of(
 
 class QuickJSONTests(SynchronousTestCase):
     """
-    Issue 38: a JSON line of plain values is written by orjson
+    A JSON line of plain values is written by orjson
     (L{logs._quickJSON}) with the standard library encoder's bytes.
     """
 
@@ -970,7 +970,7 @@ _PLAIN_VALUES = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(),
 
 class PlainTemplateTests(SynchronousTestCase):
     """
-    Issue 38: a plain format's %-template (L{logs._plainFormatOf}) writes
+    A plain format's %-template (L{logs._plainFormatOf}) writes
     what C{str.format_map} writes.
     """
 
