@@ -419,6 +419,39 @@ class EngineBodyReadTests(SynchronousTestCase):
         self.assertEqual(timers, [])
         self.assertEqual(self.clock.getDelayedCalls(), [])
 
+    def test_bodyAlreadyInTakenWhole(self):
+        """
+        A body that came whole with its head is taken at once
+        (L{Response.takeBody}): the same bytes a bounded reader collects,
+        cut to the limit, and the body counts as delivered; one still
+        arriving, or one ended otherwise, is not taken.
+        """
+        from relay.engine.upstreambody import readBody
+
+        response = self._response(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+        self.assertEqual(response.takeBody(3), b"hel")
+        self.assertIsNone(response.takeBody(100))
+        self.assertRaises(RuntimeError, response.deliverBody, Body())
+        whole = self._response(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+        self.assertEqual(self.successResultOf(readBody(whole, 100, 30.0, self.clock)), b"hello")
+        arriving = self._response(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhel")
+        self.assertIsNone(arriving.takeBody(100))
+        body = Body()
+        arriving.deliverBody(body)
+        self.assertEqual(body.data, [b"hel"])
+
+    def test_closeDelimitedBodyNotTaken(self):
+        """
+        A body ended by the connection's close (L{PotentialDataLoss}) is
+        read through its protocol, as before.
+        """
+        from relay.engine.upstreambody import readBody
+
+        response = self._response(b"HTTP/1.1 200 OK\r\n\r\nabc")
+        self.connection.connectionLost(Failure(ConnectionDone()))
+        self.assertIsNone(response.takeBody(100))
+        self.assertEqual(self.successResultOf(readBody(response, 100, 30.0, self.clock)), b"abc")
+
     def test_idleBodyTimesOut(self):
         """
         A body still arriving is watched: each read restarts the idle

@@ -229,6 +229,27 @@ class Response:
         else:
             self._protocol = protocol
 
+    def takeBody(self, limit: int):
+        """
+        The whole body at once, when it has all arrived and ended cleanly
+        (a JSON answer that came with its head): what a reader given it
+        through L{deliverBody} would have collected, without the
+        protocol's calls. Takes the body as L{deliverBody} does (once per
+        response).
+
+        @param limit: the most bytes returned (the rest is dropped, as a
+            bounded reader drops it).
+        @return: the body's first C{limit} bytes, or L{None} when the body
+            is still arriving, ended otherwise, or was delivered: read it
+            with L{deliverBody}.
+        """
+        if self._end is not _DONE or self._delivered:
+            return None
+        self._delivered = True
+        buffered, self._buffer = self._buffer, []
+        body = b"".join(buffered)
+        return body[:limit] if len(body) > limit else body
+
     def readBody(self, limit: int) -> Deferred:
         """
         See L{IUpstreamResponse.readBody}.
