@@ -100,6 +100,8 @@ def inputFacts(items, references: list | None = None) -> tuple:
         if type(item) is not dict:
             continue
         kind = item.get("type") if kinds is None else kinds[index]
+        if kind == "reasoning" and item.get("encrypted_content"):
+            continue  # carries itself: names no stored item (storedReference)
         if kind == "compaction":
             content = item.get("encrypted_content")
             if isinstance(content, str) and content:
