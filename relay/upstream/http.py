@@ -28,12 +28,14 @@ if TYPE_CHECKING:
     from treq.client import HTTPClient
 
 from relay.interfaces import IPiecesDialer, IUpstreamResponse
-from relay.upstream.httpclient import BodyCollector, ConnectionPool, Target, requestPieces
-from relay.upstream.httpclient import (  # noqa: F401 - named here too (tests, docs)
-    HeaderTimeout,
-    _headerTimeout,
+from relay.upstream.httpclient import (
+    BodyCollector,
+    ConnectionPool,
+    Target,
     _timeoutFail,
+    requestPieces,
 )
+from relay.upstream.httpclient import HeaderTimeout, _headerTimeout  # noqa: F401 - named here too
 from relay.base.records import Account, UpstreamSettings
 from relay.upstream.headers import (
     BOTH,
