@@ -25,6 +25,7 @@ from relay.upstream.httpclient import (
     IDLE_TIMEOUT_SECONDS,
     Connection,
     ConnectionPool,
+    HeaderTimeout,
     Target,
     requestBytes,
 )
@@ -385,6 +386,92 @@ class ConnectionTests(SynchronousTestCase):
         self.assertIsNotNone(endpoint.factory)
 
 
+class HeadTimeoutTests(SynchronousTestCase):
+    """
+    The pool's header timeout (behaviour.md R1): a request whose head does
+    not come within its seconds (the connect of a new connection
+    included) fails with L{HeaderTimeout} and drops its connection.
+    """
+
+    def setUp(self):
+        self.clock = Clock()
+        self.pool = ConnectionPool(self.clock, None, 5)
+        self.target = Target("http://up/v1/responses")
+        self.connection = Connection(self.pool, self.target.key)
+        self.transport = StringTransport()
+        self.connection.makeConnection(self.transport)
+        self.pool._all.add(self.connection)
+        self.pool.release(self.connection)
+
+    def test_pooledConnectionTimesOut(self):
+        """
+        On a pooled connection: no head within the seconds, the request
+        fails with L{HeaderTimeout} naming them, and the connection goes.
+        """
+        d = self.pool.request(self.target, b"x", 5.0)
+        self.clock.advance(4.9)
+        self.assertNoResult(d)
+        self.clock.advance(0.1)
+        failure = self.failureResultOf(d, HeaderTimeout)
+        self.assertIn("within 5s", str(failure.value))
+        self.assertTrue(self.transport.disconnecting)
+        self.assertNotIn(self.connection, self.pool._all)
+
+    def test_oneTimerForTheConnectionsRequests(self):
+        """
+        Requests one after another on a connection share one timer, moved
+        to each request's deadline; a head in time leaves it to run out
+        doing nothing, and the next request's deadline is its own.
+        """
+        ok = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+        first = self.pool.request(self.target, b"x", 5.0)
+        [timer] = self.clock.getDelayedCalls()
+        self.clock.advance(3)
+        self.connection.dataReceived(ok)
+        self.successResultOf(first)
+        second = self.pool.request(self.target, b"y", 5.0)
+        self.assertEqual(self.clock.getDelayedCalls(), [timer])
+        self.clock.advance(3)
+        self.connection.dataReceived(ok)
+        self.successResultOf(second)
+        self.clock.advance(10)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+        self.assertFalse(self.transport.disconnecting)
+        third = self.pool.request(self.target, b"z", 2.0)
+        self.clock.advance(1.9)
+        self.assertNoResult(third)
+        self.clock.advance(0.1)
+        self.failureResultOf(third, HeaderTimeout)
+
+    def test_newConnectionConnectCounts(self):
+        """
+        A request on a new connection: the connect is within the seconds.
+        """
+        from twisted.internet.defer import Deferred
+
+        cancelled = []
+
+        class Endpoint:
+            def connect(self, factory):
+                return Deferred(cancelled.append)
+
+        self.pool._idle.clear()
+        self.pool._endpoints[self.target.key] = Endpoint()
+        d = self.pool.request(self.target, b"x", 5.0)
+        self.clock.advance(5.0)
+        self.assertEqual(len(cancelled), 1)
+        self.failureResultOf(d, HeaderTimeout)
+
+    def test_lostConnectionStopsItsTimer(self):
+        """
+        A connection that closes takes its timer with it.
+        """
+        d = self.pool.request(self.target, b"x", 5.0)
+        self.connection.connectionLost(Failure(ConnectionLost()))
+        self.failureResultOf(d, ResponseNeverReceived)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+
 class EngineBodyReadTests(SynchronousTestCase):
     """
     L{relay.engine.upstreambody.readBody} over a L{Connection}'s response:
@@ -418,6 +505,39 @@ class EngineBodyReadTests(SynchronousTestCase):
         self.assertEqual(self.successResultOf(readBody(response, 100, 30.0, self.clock)), b"ok")
         self.assertEqual(timers, [])
         self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_bodyAlreadyInTakenWhole(self):
+        """
+        A body that came whole with its head is taken at once
+        (L{Response.takeBody}): the same bytes a bounded reader collects,
+        cut to the limit, and the body counts as delivered; one still
+        arriving, or one ended otherwise, is not taken.
+        """
+        from relay.engine.upstreambody import readBody
+
+        response = self._response(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+        self.assertEqual(response.takeBody(3), b"hel")
+        self.assertIsNone(response.takeBody(100))
+        self.assertRaises(RuntimeError, response.deliverBody, Body())
+        whole = self._response(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+        self.assertEqual(self.successResultOf(readBody(whole, 100, 30.0, self.clock)), b"hello")
+        arriving = self._response(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhel")
+        self.assertIsNone(arriving.takeBody(100))
+        body = Body()
+        arriving.deliverBody(body)
+        self.assertEqual(body.data, [b"hel"])
+
+    def test_closeDelimitedBodyNotTaken(self):
+        """
+        A body ended by the connection's close (L{PotentialDataLoss}) is
+        read through its protocol, as before.
+        """
+        from relay.engine.upstreambody import readBody
+
+        response = self._response(b"HTTP/1.1 200 OK\r\n\r\nabc")
+        self.connection.connectionLost(Failure(ConnectionDone()))
+        self.assertIsNone(response.takeBody(100))
+        self.assertEqual(self.successResultOf(readBody(response, 100, 30.0, self.clock)), b"abc")
 
     def test_idleBodyTimesOut(self):
         """

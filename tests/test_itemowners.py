@@ -66,6 +66,58 @@ class ReferenceTests(SynchronousTestCase):
         self.assertEqual(references([{"id": "msg_a"}]), ["msg_a"])
         self.assertEqual(references([{"role": "user", "content": "hi", "id": "msg_x"}]), [])
 
+    def test_sameAsTheWalkOverEveryItem(self):
+        """
+        L{inputFacts} reads only the items a rule needs, finding them by
+        type in one C-level pass; the answer is the one walk over every
+        item gives, also for inputs that take that walk (a non-dict item,
+        an unhashable C{type}, a dict subclass).
+        """
+        from collections import OrderedDict
+
+        from relay.engine.compaction import COMPACTION_TRIGGER
+        from relay.scheduling.itemowners import storedReference
+        from relay.scheduling.scheduler import affinityKey
+
+        def walk(items, refs):
+            if type(items) is not list:
+                return (), False
+            keys, misplaced, last = (), False, len(items) - 1
+            for index, item in enumerate(items):
+                if type(item) is not dict:
+                    continue
+                kind = item.get("type")
+                if kind == "compaction":
+                    content = item.get("encrypted_content")
+                    if isinstance(content, str) and content:
+                        keys += (("compaction", affinityKey("compaction", content)),)
+                elif kind == COMPACTION_TRIGGER and index != last:
+                    misplaced = True
+                elif refs is not None and kind in ("reasoning", "item_reference", None):
+                    r = storedReference(item, kind)
+                    if r is not None:
+                        refs.append(r)
+            return keys, misplaced
+
+        history = [{"type": "message", "role": "user", "content": "hi"},
+                   {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                   {"type": "reasoning", "id": "rs_1", "encrypted_content": "gAAA"},
+                   {"type": "reasoning", "id": "rs_2"},
+                   {"type": "compaction", "encrypted_content": "enc"},
+                   {"type": "compaction", "encrypted_content": ""},
+                   {"type": COMPACTION_TRIGGER}, ref("msg_a"), {"id": "msg_b"},
+                   {"role": "user", "content": "x", "id": "msg_c"},
+                   OrderedDict(type="item_reference", id="msg_d"),
+                   {"type": "function_call_output", "call_id": "c", "output": "ok"}]
+        inputs = [history, history + [{"type": COMPACTION_TRIGGER}], history[:2], [],
+                  history + ["text"], history + [{"type": ["x"]}], [{"type": {}}, ref("m")],
+                  "hi", None, [{"type": True}, {"type": 1.5}, {"type": "Reasoning"}]]
+        for items in inputs:
+            for refs in (None, []):
+                expected = None if refs is None else []
+                self.assertEqual(
+                    (inputFacts(items, refs), refs), (walk(items, expected), expected), items)
+
     def test_reasoningById(self):
         """
         A reasoning item with an id and no C{encrypted_content} is looked up

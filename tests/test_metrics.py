@@ -66,6 +66,42 @@ class RelayMetricsTests(SynchronousTestCase):
         ]:
             self.assertIn(line + "\n", text)
 
+    def test_perTurnUpdatesAsPrometheusOwn(self):
+        """
+        The per-turn record methods (bound value updates, not
+        prometheus_client's C{inc} and C{observe}) leave the exposition
+        exactly as C{inc} and C{observe} on the same metrics would: every
+        bucket edge, sums, counts; a zero token count adds nothing and a
+        negative one is refused as C{inc} refuses it.
+        """
+        from relay.usage.tokens import TokenCounts
+
+        fast = self.metrics
+        slow = RelayMetrics(CollectorRegistry(), clock=self.clock)
+        counts = TokenCounts(requests=1, input=7, cached=0, output=3, reasoning=2)
+        for seconds in (0.0, 0.001, 0.0011, 0.1, 0.25, 3.0, 600.0, 601.0, float("inf"), -1.0):
+            fast.firstOutput(seconds)
+            fast.addedLatency(seconds)
+            slow.firstOutputSeconds.observe(max(0.0, seconds))
+            slow.addedLatencyHistogram.observe(max(0.0, seconds))
+        for status in (200, 200, 503):
+            fast.upstreamStatus(status)
+            slow.upstreamStatuses.labels(status=str(status)).inc()
+        for outcome in ("completed", "completed", "failed"):
+            fast.turnFinished("http", outcome)
+            slow.turns.labels(entrypoint="http", outcome=outcome).inc()
+        for _ in range(2):
+            fast.tokens("k", "a1", "gpt-5.5", counts)
+            slow.usageTurns.labels(key="k", account="a1", model="gpt-5.5").inc()
+            for kind, n in (("input", 7), ("cached_input", 0), ("output", 3), ("reasoning", 2)):
+                child = slow.tokenCounter.labels(key="k", account="a1", model="gpt-5.5", type=kind)
+                if n:
+                    child.inc(n)
+        self.assertEqual(
+            self.scrape(), generate_latest(withoutCreated(slow.registry)).decode("utf-8"))
+        self.assertRaises(ValueError, fast.tokens, "k", "a1", "gpt-5.5",
+                          TokenCounts(requests=1, input=-1))
+
     def test_noCreatedSeries(self):
         """
         Issue 15: the exposition has no C{_created} series (counters and

@@ -33,6 +33,45 @@ class SpliceTests(SynchronousTestCase):
         parsed = json.loads(data)
         self.assertEqual(RawObject(data, parsed).splice(dict(parsed)), data)
 
+    def test_membersInPieces(self):
+        """
+        Whatever relay changed, adds, drops or reorders, the spliced bytes
+        are the client's members and the new ones joined by commas, in the
+        body's order (members that follow each other in the client's bytes
+        go as one piece); unchanged, the whole text is one view.
+        """
+        import random
+
+        data = raw()
+        parsed = json.loads(data)
+        obj = RawObject(data, parsed)
+        _, spans, _ = obj.layout()
+        rng = random.Random(38)
+        for _ in range(300):
+            body = dict(parsed)
+            for key in list(body):
+                roll = rng.random()
+                if key != "input" and roll < 0.2:
+                    body.pop(key)
+                elif key != "input" and roll < 0.4:
+                    body[key] = "new"
+            for key in ("stream_options", "user"):
+                if rng.random() < 0.3:
+                    body[key] = {"k": 1}
+            if rng.random() < 0.3:
+                keys = list(body)
+                rng.shuffle(keys)
+                body = {k: body[k] for k in keys}
+            members = [data[spans[k][0]:spans[k][1]] if k in spans and body[k] is parsed[k]
+                       else orjson.dumps(k) + b":" + orjson.dumps(v) for k, v in body.items()]
+            pieces = obj.splice(body, pieces=True)
+            if pieces is None:
+                continue  # a changed member the history's bytes could hide
+            self.assertEqual(b"".join(pieces), b"{" + b",".join(members) + b"}")
+            self.assertEqual(json.loads(b"".join(pieces)), body)
+        whole = obj.splice(dict(parsed), pieces=True)
+        self.assertEqual([bytes(p) for p in whole], [b"{", data[1:-1], b"}"])
+
     def test_pieces(self):
         """
         As pieces (for an L{relay.interfaces.IPiecesDialer}): the history

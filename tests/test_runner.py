@@ -374,6 +374,31 @@ class UserSlotWaitTests(SynchronousTestCase):
         self.assertFalse(any("sk-secret" in formatEvent(e) for e in logs))
 
 
+class InflightTests(SynchronousTestCase):
+    """
+    L{TurnRunner.inflight}: the turns a graceful stop waits for.
+    """
+
+    def test_waitingTurnListedUntilItEnds(self):
+        """
+        A turn that waits is in C{inflight} while it runs and leaves it
+        before its Deferred fires; one done at once is never listed.
+        """
+        rig = Rig([account("a")])
+        rig.script("a", sse(*OK_STREAM, delay=1.0))
+        turn, _sink, outcome = rig.run()
+        self.assertEqual(list(rig.runner.inflight), [turn])
+        seen = []
+        rig.runner.inflight[turn].addCallback(lambda r: seen.append(dict(rig.runner.inflight)))
+        rig.clock.advance(1.0)
+        self.assertEqual(outcome, ["completed"])
+        self.assertEqual(seen, [{}])
+        rig.script("a", ok())
+        _, _sink, outcome = rig.run()
+        self.assertEqual(outcome, ["completed"])
+        self.assertEqual(rig.runner.inflight, {})
+
+
 class RetryIntervalTests(SynchronousTestCase):
     """
     R71, R73, R75: C{retry_interval_ms}.

@@ -63,6 +63,7 @@ only.
 from __future__ import annotations
 
 import os
+from bisect import bisect_left
 from collections import deque
 from typing import Any, Callable, Optional
 
@@ -98,6 +99,45 @@ def multiprocessDirectory(environ=os.environ) -> Optional[str]:
         when it reports its own metrics only.
     """
     return environ.get(MULTIPROCESS_ENV) or None
+
+
+def _adder(child) -> Callable[[float], None]:
+    """
+    What C{child.inc(amount)} does for a positive amount, in one call: the
+    C{inc} of the value a labelled counter's child (or an unlabelled
+    counter) holds -- prometheus_client's C{Counter.inc} first checks that
+    the metric has its labels (a child always has) and that the amount is
+    not negative (L{RelayMetrics.tokens} lets only positive amounts
+    through; a negative one still goes to C{child.inc}, which refuses it).
+    The value is the process's own or, across workers, its multiprocess
+    file's (the same C{inc}). Relies on prometheus_client's C{_value}
+    (C{tests.test_metrics} pins it).
+
+    @param child: a L{Counter} with its labels.
+    """
+    return child._value.inc
+
+
+def _observer(histogram) -> Callable[[float], None]:
+    """
+    What C{histogram.observe(amount)} does, in one call: the sum grows by
+    C{amount} and the first bucket whose upper bound is at least
+    C{amount} by one (C{Histogram.observe}'s scan, as a bisection; the last
+    bound is C{+Inf}). For amounts that are not NaN (the record methods
+    pass C{max(0.0, seconds)}). Relies on prometheus_client's C{_sum},
+    C{_buckets} and C{_upper_bounds} (C{tests.test_metrics} pins them).
+
+    @param histogram: an unlabelled L{Histogram}, or a labelled one's child.
+    """
+    add = histogram._sum.inc
+    bounds = list(histogram._upper_bounds)
+    buckets = [bucket.inc for bucket in histogram._buckets]
+
+    def observe(amount: float) -> None:
+        add(amount)
+        buckets[bisect_left(bounds, amount)](1)
+
+    return observe
 
 
 def newRegistry() -> CollectorRegistry:
@@ -318,6 +358,9 @@ class RelayMetrics:
             ["account"],
             registry=r,
         )
+        # The per-turn updates, bound once (L{_observer}).
+        self._observeFirstOutput = _observer(self.firstOutputSeconds)
+        self._observeAddedLatency = _observer(self.addedLatencyHistogram)
         self._slots = SlotsCollector()
         r.register(self._slots)
         self.exposed = r
@@ -363,10 +406,11 @@ class RelayMetrics:
         @param outcome: e.g. C{ok}, C{error}, C{client_gone}, C{exhausted}.
         """
         key = (entrypoint, outcome)
-        child = self._turnChildren.get(key)
-        if child is None:
-            child = self._turnChildren[key] = self.turns.labels(entrypoint=entrypoint, outcome=outcome)
-        child.inc()
+        add = self._turnChildren.get(key)
+        if add is None:
+            add = self._turnChildren[key] = _adder(
+                self.turns.labels(entrypoint=entrypoint, outcome=outcome))
+        add(1)
 
     def requestFinished(self, kind: str, outcome: str) -> None:
         """
@@ -467,7 +511,7 @@ class RelayMetrics:
         """
         Observe the time to first semantic output.
         """
-        self.firstOutputSeconds.observe(max(0.0, seconds))
+        self._observeFirstOutput(max(0.0, seconds))
 
     def upstreamStatus(self, status) -> None:
         """
@@ -475,18 +519,18 @@ class RelayMetrics:
         transport failure), or an upstream WebSocket handshake's status
         (101, or the status that refused it).
         """
-        child = self._statusChildren.get(status)
-        if child is None:
-            child = self.upstreamStatuses.labels(status=str(status))
+        add = self._statusChildren.get(status)
+        if add is None:
+            add = _adder(self.upstreamStatuses.labels(status=str(status)))
             if len(self._statusChildren) < 1024:
-                self._statusChildren[status] = child
-        child.inc()
+                self._statusChildren[status] = add
+        add(1)
 
     def addedLatency(self, seconds: float) -> None:
         """
         Observe the latency relay added before the upstream request.
         """
-        self.addedLatencyHistogram.observe(max(0.0, seconds))
+        self._observeAddedLatency(max(0.0, seconds))
 
     def tokens(self, key: str, account: str, model: str, counts) -> None:
         """
@@ -508,19 +552,36 @@ class RelayMetrics:
                 self.tokenCounter.labels(type=kind, **labels)
                 for kind in ("input", "cached_input", "output", "reasoning")
             )
+            children = (children, tuple(_adder(child) for child in children))
             self._tokenChildren[(key, account, model)] = children
-        turns, inputs, cached, outputs, reasoning = children
-        # A zero is not added (each inc takes the child's lock).
-        if counts.requests:
-            turns.inc(counts.requests)
-        if counts.input:
-            inputs.inc(counts.input)
-        if counts.cached:
-            cached.inc(counts.cached)
-        if counts.output:
-            outputs.inc(counts.output)
-        if counts.reasoning:
-            reasoning.inc(counts.reasoning)
+        turns, inputs, cached, outputs, reasoning = children[1]
+        # A zero is not added (each inc takes the child's lock); a
+        # negative one goes to the child's inc, which refuses it.
+        n = counts.requests
+        if n > 0:
+            turns(n)
+        elif n:
+            children[0][0].inc(n)
+        n = counts.input
+        if n > 0:
+            inputs(n)
+        elif n:
+            children[0][1].inc(n)
+        n = counts.cached
+        if n > 0:
+            cached(n)
+        elif n:
+            children[0][2].inc(n)
+        n = counts.output
+        if n > 0:
+            outputs(n)
+        elif n:
+            children[0][3].inc(n)
+        n = counts.reasoning
+        if n > 0:
+            reasoning(n)
+        elif n:
+            children[0][4].inc(n)
         if counts.cost:
             # The cost series appears with the first priced turn, as before.
             child = self._costChildren.get((key, account, model))

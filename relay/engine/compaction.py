@@ -22,6 +22,7 @@ C{encrypted_content} only the producing account can open. relay:
 from __future__ import annotations
 
 import json
+from itertools import compress, repeat
 
 from twisted.logger import Logger
 
@@ -51,6 +52,16 @@ def endsWithTrigger(body: dict) -> bool:
     return isinstance(last, dict) and last.get("type") == COMPACTION_TRIGGER
 
 
+_dictGet = dict.get
+
+_NAMED = frozenset({"compaction", COMPACTION_TRIGGER})
+"""The item types L{inputFacts} reads without C{references}."""
+
+_READ = _NAMED | {"reasoning", "item_reference", None}
+"""The item types L{inputFacts} reads with C{references} (L{None}: no
+C{type}, an easy message or an item named by its id alone)."""
+
+
 def inputFacts(items, references: list | None = None) -> tuple:
     """
     One pass over a turn's input for R89: the affinity keys of its
@@ -65,15 +76,32 @@ def inputFacts(items, references: list | None = None) -> tuple:
     """
     if type(items) is not list:
         return (), False
+    # Most items are messages, calls and their outputs, which no rule here
+    # reads: their types are read and matched in C (a Codex history's
+    # hundreds of items), and only the others are looked at below. An item
+    # that is not a dict, or a type that is not hashable, takes the walk
+    # over every item.
+    try:
+        kinds = list(map(_dictGet, items, repeat("type")))
+        wanted = _NAMED if references is None else _READ
+        at = list(compress(range(len(kinds)), map(wanted.__contains__, kinds)))
+    except TypeError:
+        at = range(len(items))
+        kinds = None
+    if not at:
+        return (), False
     from relay.scheduling.scheduler import affinityKey
 
     keys = ()
     misplaced = False
     last = len(items) - 1
-    for index, item in enumerate(items):
+    for index in at:
+        item = items[index]
         if type(item) is not dict:
             continue
-        kind = item.get("type")
+        kind = item.get("type") if kinds is None else kinds[index]
+        if kind == "reasoning" and item.get("encrypted_content"):
+            continue  # carries itself: names no stored item (storedReference)
         if kind == "compaction":
             content = item.get("encrypted_content")
             if isinstance(content, str) and content:

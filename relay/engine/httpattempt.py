@@ -228,6 +228,10 @@ async def readAnswer(runner, turn, account, response, limit: int, count) -> byte
     """
     idle = runner.settings.current.upstream.stream_idle_timeout_seconds
     reading = readBody(response, limit, idle, runner.clock)
+    if reading.called and not turn.cancel.cancelled:
+        body = reading.result
+        if body.__class__ is bytes:
+            return body  # the whole body came with its head: nothing to race
     got = []
     view = Deferred(lambda _: None)  # cancelled by a departure; C{reading} goes on
 

@@ -203,11 +203,20 @@ class TurnRunner:
                 sink = HostedCallWatch(sink, turn.hostedCalls)
         if self.keyUsage is not None:
             self._readKeyLimits(turn)
-        d = Deferred.fromCoroutine(self._run(turn, sink, None, since))
+        d = Deferred.fromCoroutine(self._running(turn, sink, since))
         if not d.called:
-            self.inflight[turn] = d
-            d.addBoth(self._forget, turn)
+            self.inflight[turn] = d  # until it ends (L{_running})
         return d
+
+    async def _running(self, turn: Turn, sink, since: Optional[float]) -> str:
+        """
+        L{_run} for L{run}: a turn that waited was put in L{inflight}; it
+        leaves as it ends, before its Deferred fires (no callback on it).
+        """
+        try:
+            return await self._run(turn, sink, None, since)
+        finally:
+            self.inflight.pop(turn, None)
 
     def _readKeyLimits(self, turn: Turn) -> None:
         """
@@ -289,13 +298,6 @@ class TurnRunner:
         finally:
             if state is not None:
                 state.keepalive.stop()
-
-    def _forget(self, result, turn: Turn):
-        """
-        Drop an ended turn from L{inflight}; pass C{result} through.
-        """
-        self.inflight.pop(turn, None)
-        return result
 
     # -- the loop --------------------------------------------------------------
 

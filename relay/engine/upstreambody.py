@@ -7,7 +7,7 @@ tells a clean end from a broken one and gives up after an idle period
 
 from __future__ import annotations
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.protocol import Protocol
 from twisted.web.client import PotentialDataLoss, ResponseDone
 
@@ -112,8 +112,15 @@ def readBody(response, limit: int, idle: float, clock) -> Deferred:
     and gives up after C{idle} seconds without bytes (R24's idle timeout
     also covers non-streaming bodies).
 
-    @return: Deferred firing with bytes, or failing with L{BodyBroken}.
+    @return: Deferred firing with bytes, or failing with L{BodyBroken};
+        fired already when the whole body was in (a response's
+        C{takeBody}, L{relay.upstream.httpclient.Response.takeBody}).
     """
+    take = getattr(response, "takeBody", None)
+    if take is not None:
+        body = take(limit)
+        if body is not None:
+            return succeed(body)
     reader = _BodyReader(limit, idle, clock)
     response.deliverBody(reader)
     reader._arm()

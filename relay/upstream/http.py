@@ -28,7 +28,14 @@ if TYPE_CHECKING:
     from treq.client import HTTPClient
 
 from relay.interfaces import IPiecesDialer, IUpstreamResponse
-from relay.upstream.httpclient import BodyCollector, ConnectionPool, Target, requestPieces
+from relay.upstream.httpclient import (
+    BodyCollector,
+    ConnectionPool,
+    Target,
+    _timeoutFail,
+    requestPieces,
+)
+from relay.upstream.httpclient import HeaderTimeout, _headerTimeout  # noqa: F401 - named here too
 from relay.base.records import Account, UpstreamSettings
 from relay.upstream.headers import (
     BOTH,
@@ -67,13 +74,6 @@ class QuietConnectionPool(HTTPConnectionPool):
     """
 
     _factory = _QuietClientFactory
-
-
-class HeaderTimeout(Exception):
-    """
-    Upstream accepted the connection but sent no response headers in time
-    (behaviour.md R1: a response-header timeout is a transport failure).
-    """
 
 
 class UpstreamBodyTooLarge(Exception):
@@ -361,10 +361,10 @@ class HTTPDialer:
         target = self._target(url) if direct else None
         if target is not None:
             # Direct upstreams go through the lean client, a body's pieces unjoined.
+            # The header timeout is the pool's (HeaderTimeout).
             data = requestPieces(target, upstreamHeaders(account, headers), body)
-            d = self._directPool(timeouts).request(target, data)
             timeout = timeouts.connect_timeout_seconds + timeouts.header_timeout_seconds
-            return _headerTimeout(d, timeout, self._reactor)
+            return self._directPool(timeouts).request(target, data, timeout)
         if body.__class__ is list:
             body = b"".join(body)  # pieces (IPiecesDialer) go to treq as bytes
         client = self._clientFor(account, timeouts)
@@ -398,40 +398,3 @@ class HTTPDialer:
         closing = [p.closeCachedConnections() for p in self._pools]
         closing.extend(p.close() for p in self._direct.values())
         return gatherResults(closing)
-
-
-def _headerTimeout(d: Deferred, timeout: float, clock) -> Deferred:
-    """
-    C{d.addTimeout(timeout, clock)} failing with L{HeaderTimeout}, in one
-    callback rather than C{addTimeout}'s two (once per turn).
-
-    @param timeout: seconds until C{d} is cancelled.
-    @return: C{d}.
-    """
-    timedOut = []
-
-    def expire() -> None:
-        timedOut.append(True)
-        d.cancel()
-
-    call = clock.callLater(timeout, expire)
-
-    def settle(result):
-        if timedOut:
-            return _timeoutFail(timeout)
-        if call.active():
-            call.cancel()
-        return result
-
-    return d.addBoth(settle)
-
-
-def _timeoutFail(t):
-    """
-    Turn C{addTimeout}'s cancellation into L{HeaderTimeout}.
-    """
-    from twisted.python.failure import Failure
-
-    return Failure(HeaderTimeout(f"upstream sent no response headers within {t:.0f}s"))
-
-

@@ -57,6 +57,47 @@ _DONE = Failure(ResponseDone("Response body fully received"))
 response walked its exception's class hierarchy each time)."""
 
 
+class HeaderTimeout(Exception):
+    """
+    Upstream accepted the connection but sent no response headers in time
+    (behaviour.md R1: a response-header timeout is a transport failure).
+    """
+
+
+def _timeoutFail(t):
+    """
+    The failure of a request whose head did not come within C{t} seconds.
+    """
+    return Failure(HeaderTimeout(f"upstream sent no response headers within {t:.0f}s"))
+
+
+def _headerTimeout(d: Deferred, timeout: float, clock) -> Deferred:
+    """
+    C{d.addTimeout(timeout, clock)} failing with L{HeaderTimeout}, in one
+    callback rather than C{addTimeout}'s two (a request on a new
+    connection: its connect counts too).
+
+    @param timeout: seconds until C{d} is cancelled.
+    @return: C{d}.
+    """
+    timedOut = []
+
+    def expire() -> None:
+        timedOut.append(True)
+        d.cancel()
+
+    call = clock.callLater(timeout, expire)
+
+    def settle(result):
+        if timedOut:
+            return _timeoutFail(timeout)
+        if call.active():
+            call.cancel()
+        return result
+
+    return d.addBoth(settle)
+
+
 class Target:
     """
     One upstream URL, parsed once: where to connect and what to send.
@@ -229,6 +270,27 @@ class Response:
         else:
             self._protocol = protocol
 
+    def takeBody(self, limit: int):
+        """
+        The whole body at once, when it has all arrived and ended cleanly
+        (a JSON answer that came with its head): what a reader given it
+        through L{deliverBody} would have collected, without the
+        protocol's calls. Takes the body as L{deliverBody} does (once per
+        response).
+
+        @param limit: the most bytes returned (the rest is dropped, as a
+            bounded reader drops it).
+        @return: the body's first C{limit} bytes, or L{None} when the body
+            is still arriving, ended otherwise, or was delivered: read it
+            with L{deliverBody}.
+        """
+        if self._end is not _DONE or self._delivered:
+            return None
+        self._delivered = True
+        buffered, self._buffer = self._buffer, []
+        body = b"".join(buffered)
+        return body[:limit] if len(body) > limit else body
+
     def readBody(self, limit: int) -> Deferred:
         """
         See L{IUpstreamResponse.readBody}.
@@ -291,25 +353,51 @@ class Connection(Protocol):
         self._framed = False
         self._aborted = False
         self._paused = False
+        self._timer = None
+        self._timeout = 0.0
         self.response: Response | None = None
         self.idleSince = 0.0
 
     # -- requests ----------------------------------------------------------------
 
-    def request(self, data) -> Deferred:
+    def request(self, data, timeout: float | None = None) -> Deferred:
         """
         Send a whole request: its bytes, or its pieces (L{requestPieces}).
 
+        @param timeout: seconds the head may take (behaviour.md R1), or
+            L{None}: no limit here. One timer per connection serves its
+            requests one after another: moved to each request's deadline,
+            and left to run out harmlessly once the head came (no new
+            timer and no cancel per request).
         @return: a cancellable Deferred firing with the L{Response} once
             its head is in; failing with L{ResponseNeverReceived} when the
-            connection ends first.
+            connection ends first, or with L{HeaderTimeout}.
         """
         self._headers = {}
         self._framed = False
         self._waiting = d = Deferred(self._cancel)
+        if timeout is not None:
+            self._timeout = timeout
+            timer = self._timer
+            if timer is None or timer.called or timer.cancelled:
+                self._timer = self._pool._reactor.callLater(timeout, self._headTimedOut)
+            else:
+                timer.reset(timeout)
         # Sent at once when nothing is queued (relay.wire.sendnow).
         sendNow(self.transport, data)
         return d
+
+    def _headTimedOut(self) -> None:
+        """
+        The timer ran out: the request waiting for its head (if any; one
+        that has it, or ended, leaves nothing to do) fails with
+        L{HeaderTimeout} and the connection is dropped.
+        """
+        self._timer = None
+        d, self._waiting = self._waiting, None
+        if d is not None:
+            self.abort()
+            d.errback(_timeoutFail(self._timeout))
 
     def _cancel(self, d: Deferred) -> None:
         self._waiting = None
@@ -415,6 +503,9 @@ class Connection(Protocol):
     def connectionLost(self, reason: Failure = _CLOSED) -> None:
         self._aborted = True
         self._pool.forget(self)
+        timer, self._timer = self._timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
         self._end(reason)
 
     def _end(self, reason: Failure) -> None:
@@ -475,11 +566,14 @@ class ConnectionPool:
         self._endpoints: dict = {}
         self._all: set = set()
 
-    def request(self, target: Target, data: bytes) -> Deferred:
+    def request(self, target: Target, data: bytes, timeout: float | None = None) -> Deferred:
         """
         Send C{data} on an idle connection to C{target}, or on a new one.
 
-        @return: a cancellable Deferred firing with a L{Response}.
+        @param timeout: seconds until the response head must be in, the
+            connect of a new connection included; L{None}: no limit.
+        @return: a cancellable Deferred firing with a L{Response}, or
+            failing with L{HeaderTimeout} once C{timeout} ran out.
         """
         idle = self._idle.get(target.key)
         if idle:
@@ -487,11 +581,12 @@ class ConnectionPool:
             while idle:
                 connection = idle.pop()
                 if now - connection.idleSince < IDLE_TIMEOUT_SECONDS:
-                    return connection.request(data)
+                    return connection.request(data, timeout)
                 self.forget(connection)
                 connection.transport.loseConnection()
         d = self._endpoint(target).connect(_ConnectionFactory(self, target.key))
-        return d.addCallback(self._connected, data)
+        d.addCallback(self._connected, data)
+        return d if timeout is None else _headerTimeout(d, timeout, self._reactor)
 
     def _connected(self, connection: Connection, data: bytes) -> Deferred:
         self._all.add(connection)

@@ -97,19 +97,31 @@ class RawObject:
         view = memoryview(raw)
         parts = [b"{"]
         check = [k for k in spans if k not in body]
+        # Unchanged members that follow each other in the client's bytes
+        # go as one piece: the one comma between two of them is the
+        # client's (the layout checked it). A member written anew carries
+        # its comma; the last one's is cut.
+        runStart = runEnd = -1
         try:
             for key, value in body.items():
-                if len(parts) > 1:
-                    parts.append(b",")
                 span = spans.get(key)
                 if span is not None and _same(values[key], value):
-                    parts.append(view[span[0]:span[1]])
+                    if runEnd < 0 or span[0] != runEnd + 1:
+                        if runEnd >= 0:
+                            parts.append(view[runStart:runEnd])
+                            parts.append(b",")
+                        runStart = span[0]
+                    runEnd = span[1]
                     continue
                 if key == big:
                     return None
                 if span is not None and key in before:
                     check.append(key)
-                parts.append(orjson.dumps(key) + b":" + orjson.dumps(value))
+                if runEnd >= 0:
+                    parts.append(view[runStart:runEnd])
+                    parts.append(b",")
+                    runEnd = -1
+                parts.append(orjson.dumps(key) + b":" + orjson.dumps(value) + b",")
         except orjson.JSONEncodeError:
             return None
         if big in check:
@@ -118,6 +130,10 @@ class RawObject:
         for key in check:
             if raw.find(b'"' + key.encode() + b'":', start, end) >= 0:
                 return None
+        if runEnd >= 0:
+            parts.append(view[runStart:runEnd])
+        elif len(parts) > 1:
+            parts[-1] = parts[-1][:-1]
         parts.append(b"}")
         return parts if pieces else b"".join(parts)
 
