@@ -102,6 +102,27 @@ class RelayMetricsTests(SynchronousTestCase):
         self.assertRaises(ValueError, fast.tokens, "k", "a1", "gpt-5.5",
                           TokenCounts(requests=1, input=-1))
 
+    def test_boundUpdatesFallBack(self):
+        """
+        A metric without the prometheus_client internals the bound updates
+        use (another version of the library) is updated through its own
+        C{inc} and C{observe}.
+        """
+        from relay.console.metrics import _adder, _observer
+
+        seen = []
+
+        class Plain:
+            def inc(self, amount=1):
+                seen.append(("inc", amount))
+
+            def observe(self, amount):
+                seen.append(("observe", amount))
+
+        _adder(Plain())(3)
+        _observer(Plain())(0.5)
+        self.assertEqual(seen, [("inc", 3), ("observe", 0.5)])
+
     def test_noCreatedSeries(self):
         """
         Issue 15: the exposition has no C{_created} series (counters and

@@ -113,9 +113,12 @@ def _adder(child) -> Callable[[float], None]:
     file's (the same C{inc}). Relies on prometheus_client's C{_value}
     (C{tests.test_metrics} pins it).
 
+    Another prometheus_client, without C{_value}, gets C{child.inc}.
+
     @param child: a L{Counter} with its labels.
     """
-    return child._value.inc
+    value = getattr(child, "_value", None)
+    return child.inc if value is None else value.inc
 
 
 def _observer(histogram) -> Callable[[float], None]:
@@ -127,8 +130,12 @@ def _observer(histogram) -> Callable[[float], None]:
     pass C{max(0.0, seconds)}). Relies on prometheus_client's C{_sum},
     C{_buckets} and C{_upper_bounds} (C{tests.test_metrics} pins them).
 
+    Another prometheus_client, without these, gets C{histogram.observe}.
+
     @param histogram: an unlabelled L{Histogram}, or a labelled one's child.
     """
+    if not all(hasattr(histogram, name) for name in ("_sum", "_buckets", "_upper_bounds")):
+        return histogram.observe
     add = histogram._sum.inc
     bounds = list(histogram._upper_bounds)
     buckets = [bucket.inc for bucket in histogram._buckets]
