@@ -372,20 +372,70 @@ class RelayHTTPChannel(HTTPChannel):
             )
         if length and len(data) - blank - 2 >= length:
             self.relayBodyIn = request  # LimitedBodyRequest._armRate
+        # What LineReceiver.dataReceived(data[blank:]) does, without its
+        # line split: the blank line (twisted.web's lineReceived at the end
+        # of a block), then the rest to the body's decoder (its
+        # rawDataReceived), then LineReceiver's loop for anything left.
+        self._busyReceiving = True
+        self._buffer = data[blank + 2:]
+        more = False
         try:
-            LineReceiver.dataReceived(self, data[blank:])
+            if self._HTTPChannel__header or self._receivedHeaderSize > self.totalHeadersSize:
+                self.lineReceived(b"")  # twisted.web's own (and relay's 431)
+            else:
+                self.allHeadersReceived()
+                if self.length == 0:
+                    self.allContentReceived()
+                else:
+                    self.line_mode = 0  # setRawMode
+            transport = self.transport
+            if not (transport and transport.disconnecting):
+                more = True
+                rest = self._buffer
+                if (
+                    rest and not self.paused and not self.line_mode
+                    and not self._handlingRequest and self._transferDecoder is not None
+                ):
+                    self._buffer = b""
+                    self._transferDecoder.dataReceived(rest)
         finally:
+            self._busyReceiving = False
             self.relayBodyIn = None
+        if more and self._buffer and not self.paused:
+            LineReceiver.dataReceived(self, b"")
         late = getattr(request, "relayArmLate", None)
         if late is not None:
             late()
         return True
 
     def allHeadersReceived(self) -> None:
+        """
+        The header block is in: twisted.web's
+        C{HTTPChannel.allHeadersReceived} (Twisted 26), the headers it reads
+        looked up in the request's raw header map (canonical names, as
+        L{Headers} keeps them): cookies parsed only when a C{Cookie} came,
+        L{checkPersistence} asked only when the connection is in the
+        over-cap allowance, the request is not HTTP/1.1 or it sent
+        C{Connection} (else it is persistent), C{Expect} read once.
+        C{tests.test_headblock} compares the answers with twisted.web's.
+        """
         self._awaitingHeaders = False
         self._relayHeaderBlocks += 1
-        self._disarmHeaders()
-        super().allHeadersReceived()
+        if self._headerCall is not None:
+            self._disarmHeaders()
+        request = self.requests[-1]
+        raw = request.requestHeaders._rawHeaders
+        if b"Cookie" in raw:
+            request.parseCookies()
+        version = self._version
+        if self.relayOverCap is None and version == b"HTTP/1.1" and b"Connection" not in raw:
+            self.persistent = True
+        else:
+            self.persistent = self.checkPersistence(request, version)
+        request.gotLength(self.length)
+        expect = raw.get(b"Expect")
+        if expect and expect[0].lower() == b"100-continue" and self._version == b"HTTP/1.1":
+            self._send100Continue()
 
     def requestDone(self, request) -> None:
         self._awaitingHeaders = True
