@@ -548,6 +548,9 @@ class _Headers(Headers):
         Headers.setRawHeaders(self, name, values)
 
 
+_newHeaders = _Headers.__new__
+
+
 class _OnGone:
     """
     A L{Request.notifications} entry that is no L{Deferred}: twisted.web
@@ -640,11 +643,12 @@ class LimitedBodyRequest(Request):
         # tests.test_requestside compares both requests' attributes.
         self.notifications = []
         self.channel = channel
-        self.client = channel.getPeer()
-        self.host = channel.getHost()
-        self.requestHeaders = _Headers()
+        _, self.client, self.host = channel._addresses()  # getPeer(), getHost()
+        self.requestHeaders = headers = _newHeaders(_Headers)  # _Headers(), without its call
+        headers._rawHeaders = {}
         self.received_cookies = {}
-        self.responseHeaders = _Headers()
+        self.responseHeaders = headers = _newHeaders(_Headers)
+        headers._rawHeaders = {}
         self.cookies = []
         self.transport = channel.transport
         self.queued = args[0] if args else False
@@ -1163,8 +1167,16 @@ class LimitedBodyRequest(Request):
         date = getattr(site, "httpDate", None)
         if date is None:
             return Request.process(self)
-        self.setHeader(b"Server", _SERVER)
-        self.setHeader(b"Date", date())
+        headers = self.responseHeaders
+        if headers.__class__ is _Headers:
+            # setHeader's, as _Headers.setRawHeaders stores a value with no
+            # CR or LF
+            raw = headers._rawHeaders
+            raw[b"Server"] = [_SERVER]
+            raw[b"Date"] = [date()]
+        else:
+            self.setHeader(b"Server", _SERVER)
+            self.setHeader(b"Date", date())
         self.prepath = []
         path = self.path
         if _PERCENT in path:
