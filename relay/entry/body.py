@@ -1034,6 +1034,13 @@ class LimitedBodyRequest(Request):
             admit is not None and self.admission is not None and not self._discard
             and self._bodyError is None and self._received
         ):
+            takesSlot = self._intake.takesSlot
+            if takesSlot is not None and not takesSlot(self.admission.key):
+                # R26: a key without a slot is admitted at once, with no
+                # lease (the front door's rule): nothing to wait for
+                self.admission = Admission(key=self.admission.key, admitted=True)
+                self._decodeAndProcess(command, path, version)
+                return
             wait = self._slotWait = SlotWait(self, command, path, version)
             wait.start(admit)  # then _decodeAndProcess (relay.entry.bodywait)
             return

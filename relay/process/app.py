@@ -472,6 +472,7 @@ def buildApplication(
     site.intake = IntakePolicy(
         keys=keys, adminKey=app.live.adminKey, metricsKey=app.live.metricsKey,
         limits=lambda: settings.current.limits, admitKey=door.admitSlot,
+        takesSlot=door.takesSlot,
         draining=lambda: app.drain.draining,
         keyRefusal=_keyRefusal(app), keysReady=_keysReady(app),
         adminGuard=AdminGuard(clock=reactor),
