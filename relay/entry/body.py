@@ -736,7 +736,7 @@ class LimitedBodyRequest(Request):
                 return
             self._intake = policy
             if key is not None:
-                self.admission = Admission(key=key)
+                self.admission = Admission(key)
             self.bodyLimit = policy.bodyLimit(route, self.bodyLimit)
             if route == I.ROUTE_OPEN or method not in I.BODY_METHODS:
                 self._discard = True
@@ -1038,7 +1038,7 @@ class LimitedBodyRequest(Request):
             if takesSlot is not None and not takesSlot(self.admission.key):
                 # R26: a key without a slot is admitted at once, with no
                 # lease (the front door's rule): nothing to wait for
-                self.admission = Admission(key=self.admission.key, admitted=True)
+                self.admission = Admission(self.admission.key, True)
                 self._decodeAndProcess(command, path, version)
                 return
             wait = self._slotWait = SlotWait(self, command, path, version)
