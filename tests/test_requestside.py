@@ -391,7 +391,8 @@ class FirstWriteTests(SynchronousTestCase):
         (200, [], ("etag",), [b"e"]),
         (200, [], ("modified",), [b"m"]),
         (200, [(b"content-type", b"text/plain")], (), [memoryview(b"mv"), b"after"]),
-        (200, [(b"content-type", b"text/plain"), (b"content-length", b"2")], (), [memoryview(b"mv")]),
+        (200, [(b"content-type", b"text/plain"), (b"content-length", b"2")], (),
+         [memoryview(b"mv")]),
     ]
     REQUESTS = [b"GET /w HTTP/1.1\r\nHost: x\r\n\r\n", b"GET /w HTTP/1.0\r\n\r\n",
                 b"HEAD /w HTTP/1.1\r\nHost: x\r\n\r\n"]
