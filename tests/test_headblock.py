@@ -37,6 +37,8 @@ class _Echo(Resource):
             "headers": [[n.decode("latin-1"), [v.decode("latin-1") for v in vs]]
                         for n, vs in request.requestHeaders.getAllRawHeaders()],
             "body": request.content.read().decode("latin-1") if request.content else None,
+            "cookies": sorted([k.decode("latin-1"), v.decode("latin-1")]
+                              for k, v in request.received_cookies.items()),
         }).encode()
 
 
@@ -180,6 +182,13 @@ EDGES = {
     "many headers": b"GET /x HTTP/1.1\r\n" + b"X-A: 1\r\n" * 120 + b"\r\n",
     "body longer than declared": b"POST /x HTTP/1.1\r\nContent-Length: 2\r\n\r\nabGET /y HTTP/1.1\r\n\r\n",
     "incomplete headers": b"GET /x HTTP/1.1\r\nHost: relay\r\n",
+    "cookies": _post(extra=b"Cookie: a=1; b=2\r\nCookie: c=3\r\n"),
+    "POST with Connection: close, then more": _post(extra=b"Connection: close\r\n") + _post(),
+    "POST with Connection: keep-alive": _post(extra=b"Connection: keep-alive\r\n") + _post(),
+    "Expect with no body": b"POST /x HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 0\r\n\r\n",
+    "Expect, not 100-continue": _post(extra=b"Expect: something\r\n"),
+    "GET without a length, then a POST": b"GET /x HTTP/1.1\r\nHost: relay\r\n\r\n" + _post(),
+    "body in a later read": _post(b'{"a":"' + b"x" * 3000 + b'"}'),
 }
 
 

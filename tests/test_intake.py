@@ -1420,3 +1420,58 @@ class SubRoutesTakeTheLeaseTests(SynchronousTestCase):
                 head(b"/v1/responses/compact", headers=AUTH, length=len(raw)) + raw)
             app.reactor.advance(0)
             self.assertEqual(conn.status(), 400, conn.value[:200])
+
+
+class AdmittedAtOnceTests(SynchronousTestCase):
+    """
+    R26 with R103: a request whose key's slot is free (or whose key has
+    none) goes on in the call that brought its body, as when the slot's
+    Deferred fired and ran its callbacks.
+    """
+
+    def test_keyWithoutSlotNotAsked(self):
+        """
+        A key without a slot (C{concurrency: 0}) is admitted with no lease
+        and the front door's C{admitSlot} is not asked (the door's
+        C{takesSlot} says so).
+        """
+        app, probe = relaySite(concurrency=0)
+        calls = []
+        self.patch(app.site.intake, "admitKey", lambda *a, **k: calls.append(a))
+        conn = Conn(app.site, clock=app.reactor).send(head(b"/v1/probe", headers=AUTH, length=2)
+                                                      + b"{}")
+        self.assertEqual(conn.status(), 200)
+        self.assertEqual(calls, [])
+        self.assertEqual([(s["body"], s["lease"]) for s in probe.seen], [(b"{}", None)])
+
+    def test_freeSlotAdmittedInTheSameCall(self):
+        """
+        A free slot: the request is rendered before the read that brought
+        it returns, with its lease; the lease is given back when it ends.
+        """
+        app, probe = relaySite(concurrency=1)
+        conn = Conn(app.site, clock=app.reactor).send(head(b"/v1/probe", headers=AUTH, length=2)
+                                                      + b"{}")
+        self.assertEqual(conn.status(), 200)
+        self.assertEqual(len(probe.seen), 1)
+        self.assertIsNotNone(probe.seen[0]["lease"])
+        load = []
+        app.admission.load("user", ["team"]).addCallback(load.append)
+        self.assertEqual(load, [{"team": (0, 0)}])
+
+    def test_failureAtOnceAnswered(self):
+        """
+        A refusal that is there at once is answered as a waited one.
+        """
+        from twisted.internet.defer import fail
+
+        from relay.base.records import ClientError
+
+        app, probe = relaySite(concurrency=1)
+        refusal = ValueError("full")
+        refusal.error = ClientError(429, "rate_limit_error", "Too many", code="slots")
+        self.patch(app.site.intake, "admitKey", lambda *a, **k: fail(refusal))
+        conn = Conn(app.site, clock=app.reactor).send(head(b"/v1/probe", headers=AUTH, length=2)
+                                                      + b"{}")
+        self.assertEqual(conn.status(), 429)
+        self.assertEqual(probe.seen, [])

@@ -338,6 +338,105 @@ class ChunkTests(SynchronousTestCase):
         self.assertEqual(ours.sent, 313)
 
 
+class _FirstWrite(Resource):
+    """
+    Answers as a case says: a status, headers, cookies, an ETag or
+    C{Last-Modified}, then the writes.
+    """
+
+    isLeaf = True
+
+    def __init__(self, case):
+        super().__init__()
+        self.case = case
+
+    def render(self, request):
+        code, headers, extra, writes = self.case
+        if code is not None:
+            request.setResponseCode(code)
+        for name, value in headers:
+            request.setHeader(name, value)
+        if "cookie" in extra:
+            request.addCookie(b"k", b"v")
+        if "etag" in extra:
+            request.setETag(b"tag")
+        if "modified" in extra:
+            request.setLastModified(1_000_000)
+        if "default type" in extra:
+            request.defaultContentType = None
+        for piece in writes:
+            request.write(piece)
+        self.sent = request.sentLength
+        request.finish()
+        return NOT_DONE_YET
+
+
+class FirstWriteTests(SynchronousTestCase):
+    """
+    An answer's first write (L{relay.entry.site.writeFirst}) writes what
+    twisted.web's C{Request.write} and the channel's held head write.
+    """
+
+    CASES = [
+        (None, [(b"content-type", b"application/json"), (b"content-length", b"2")], (), [b"{}"]),
+        (200, [(b"content-type", b"text/event-stream")], (), [b"data: 1\n\n", b"x", b""]),
+        (200, [(b"content-type", b"text/event-stream")], (), [b"", b"data: 1\n\n"]),
+        (429, [(b"content-length", b"0")], (), [b""]),
+        (200, [], (), [b"no type"]),
+        (200, [], ("default type",), [b"no default type"]),
+        (200, [(b"content-length", b"0")], (), []),
+        (204, [], (), [b""]),
+        (304, [(b"content-type", b"text/plain")], (), [b"x"]),
+        (200, [(b"x-a", b"1"), (b"X-B", b"2")], ("cookie",), [b"c"]),
+        (200, [], ("etag",), [b"e"]),
+        (200, [], ("modified",), [b"m"]),
+        (200, [(b"content-type", b"text/plain")], (), [memoryview(b"mv"), b"after"]),
+        (200, [(b"content-type", b"text/plain"), (b"content-length", b"2")], (),
+         [memoryview(b"mv")]),
+    ]
+    REQUESTS = [b"GET /w HTTP/1.1\r\nHost: x\r\n\r\n", b"GET /w HTTP/1.0\r\n\r\n",
+                b"HEAD /w HTTP/1.1\r\nHost: x\r\n\r\n"]
+
+    def answer(self, case, request, first):
+        from twisted.internet.testing import StringTransport
+
+        import relay.process.app as A
+
+        if not first:
+            self.patch(A, "writeFirst", lambda request, data: False)
+        resource = _FirstWrite(case)
+        site = RelaySite(resource, requestFactory=A._Request)
+        channel = site.buildProtocol(None)
+        transport = StringTransport()
+        channel.makeConnection(transport)
+        channel.dataReceived(request)
+        ids = re.compile(rb"(X-Request-Id: )[^\r]+|Date: [^\r]+")
+        return ids.sub(b"", transport.value()), getattr(resource, "sent", None)
+
+    def test_sameAsTwisted(self):
+        for case in self.CASES:
+            for request in self.REQUESTS:
+                with self.subTest(case=case, request=request):
+                    ours = self.answer(case, request, True)
+                    theirs = self.answer(case, request, False)
+                    self.assertEqual(ours, theirs)
+                    self.assertTrue(ours[0].startswith(b"HTTP/1."))
+
+    def test_taken(self):
+        """
+        The plain case is written by L{relay.entry.site.writeFirst}.
+        """
+        from relay.entry import site as S
+        import relay.process.app as A
+
+        taken = []
+        real = S.writeFirst
+        self.patch(A, "writeFirst", lambda request, data: taken.append(real(request, data))
+                   or taken[-1])
+        self.answer(self.CASES[0], self.REQUESTS[0], True)
+        self.assertEqual(taken, [True])
+
+
 class AddressTests(SynchronousTestCase):
     """
     A connection's addresses are asked of its transport once.

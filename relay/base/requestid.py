@@ -143,10 +143,12 @@ def requestIdOf(request) -> str:
     @param request: an L{twisted.web.iweb.IRequest}.
     @return: the id.
     """
-    notes = notesOf(request)
+    notes = getattr(request, "notes", None)  # notesOf's, without its call for relay's own
+    if notes is None:
+        notes = notesOf(request)
     requestId = notes.requestId
     if requestId is None:
-        requestId = notes.requestId = newRequestId()
+        requestId = notes.requestId = f"req_{_prefix}{next(_ids):x}"  # newRequestId()
         request.setHeader(b"x-request-id", requestId.encode("ascii"))
     return requestId
 
@@ -159,7 +161,9 @@ def clientRequestIdOf(request) -> str | None:
     @param request: an L{twisted.web.iweb.IRequest}.
     @return: the client's well-formed id, or L{None}.
     """
-    notes = notesOf(request)
+    notes = getattr(request, "notes", None)
+    if notes is None:
+        notes = notesOf(request)
     if notes.clientRequestIdRead:
         return notes.clientRequestId
     raw = _rawHeadersOf(request)

@@ -41,6 +41,7 @@ from typing import Callable, Optional
 from attrs import evolve
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from twisted.web.http import Request as HTTPRequest
 from twisted.web.http import parse_qs
 from twisted.web.http_headers import Headers, _nameEncoder
 from twisted.web.resource import _IEncodingResource, getChildForRequest
@@ -547,6 +548,9 @@ class _Headers(Headers):
         Headers.setRawHeaders(self, name, values)
 
 
+_newHeaders = _Headers.__new__
+
+
 class _OnGone:
     """
     A L{Request.notifications} entry that is no L{Deferred}: twisted.web
@@ -605,6 +609,9 @@ class LimitedBodyRequest(Request):
     L{relayJSON} has read it, or the resource has rendered."""
     _linger = None
     _rate = None
+    _rateFrom = None
+    """The byte count the minimum body rate's window starts at, while its
+    L{BodyRate} waits for L{relayArmLate} (L{_armRate})."""
     _chunked = False
     _keysWait = None
     _slotWait = None
@@ -636,11 +643,12 @@ class LimitedBodyRequest(Request):
         # tests.test_requestside compares both requests' attributes.
         self.notifications = []
         self.channel = channel
-        self.client = channel.getPeer()
-        self.host = channel.getHost()
-        self.requestHeaders = _Headers()
+        _, self.client, self.host = channel._addresses()  # getPeer(), getHost()
+        self.requestHeaders = headers = _newHeaders(_Headers)  # _Headers(), without its call
+        headers._rawHeaders = {}
         self.received_cookies = {}
-        self.responseHeaders = _Headers()
+        self.responseHeaders = headers = _newHeaders(_Headers)
+        headers._rawHeaders = {}
         self.cookies = []
         self.transport = channel.transport
         self.queued = args[0] if args else False
@@ -728,7 +736,7 @@ class LimitedBodyRequest(Request):
                 return
             self._intake = policy
             if key is not None:
-                self.admission = Admission(key=key)
+                self.admission = Admission(key)
             self.bodyLimit = policy.bodyLimit(route, self.bodyLimit)
             if route == I.ROUTE_OPEN or method not in I.BODY_METHODS:
                 self._discard = True
@@ -744,11 +752,13 @@ class LimitedBodyRequest(Request):
             self.content = None
             self._refuseNow(length)
             return
-        header = self.requestHeaders.getRawHeaders(b"content-encoding", [None])[0]
-        try:
-            self._encoding = header if contentDecoder(header, 1, lambda d: None) else None
-        except UnsupportedEncoding as e:
-            self._bodyError = unsupported(e.encoding)
+        sent = self.requestHeaders._rawHeaders.get(b"Content-Encoding")
+        if sent:
+            header = sent[0]
+            try:
+                self._encoding = header if contentDecoder(header, 1, lambda d: None) else None
+            except UnsupportedEncoding as e:
+                self._bodyError = unsupported(e.encoding)
         self.content = _contentFile(length)
         if length and not self._reserve(length):
             return
@@ -918,13 +928,20 @@ class LimitedBodyRequest(Request):
     def _armRate(self) -> None:
         """
         Start the minimum body rate's window (L{relay.entry.bodywait.BodyRate})
-        when a rate is configured.
+        when a rate is configured. While the read that brought the headers
+        hands the whole body over (C{relayBodyIn}, see
+        L{relay.entry.bodywait.BodyRate.arm}) only the window's start is
+        noted: the L{BodyRate} is built by L{relayArmLate} if the body is
+        still not in then (most bodies are in before: no object, no timer).
         """
         limits = self._limits()
         if limits is None or not limits.min_body_bytes_per_second:
             return
         rate = self._rate
         if rate is None:
+            if getattr(self.channel, "relayBodyIn", None) is self:
+                self._rateFrom = self._received
+                return
             rate = self._rate = BodyRate(self)
         rate.arm(limits)
 
@@ -933,13 +950,19 @@ class LimitedBodyRequest(Request):
         See L{relay.entry.bodywait.BodyRate.armLate}
         (L{relay.entry.site.RelayHTTPChannel._relayHead}).
         """
-        if self._rate is not None:
+        start = self._rateFrom
+        if start is not None:
+            self._rateFrom = None
+            rate = self._rate = BodyRate(self)
+            rate.armLate(start)
+        elif self._rate is not None:
             self._rate.armLate()
 
     def _stopRate(self) -> None:
         # Dropped, not kept: the rate refers to the request, and a request
         # left in that cycle keeps its body and its parse alive until a
         # full collection (dozens of 1 MiB Codex bodies at c=32).
+        self._rateFrom = None
         rate, self._rate = self._rate, None
         if rate is not None:
             rate.stop()
@@ -987,8 +1010,10 @@ class LimitedBodyRequest(Request):
         site's intake), then decode and process (or, when the answer was
         already written, nothing).
         """
-        self._stopRate()
-        self._narrowReads()
+        if self._rate is not None or self._rateFrom is not None:
+            self._stopRate()
+        if self._widened is not None:
+            self._narrowReads()
         if self._refused:
             return
         if self._keysWait is not None:
@@ -1009,6 +1034,13 @@ class LimitedBodyRequest(Request):
             admit is not None and self.admission is not None and not self._discard
             and self._bodyError is None and self._received
         ):
+            takesSlot = self._intake.takesSlot
+            if takesSlot is not None and not takesSlot(self.admission.key):
+                # R26: a key without a slot is admitted at once, with no
+                # lease (the front door's rule): nothing to wait for
+                self.admission = Admission(self.admission.key, True)
+                self._decodeAndProcess(command, path, version)
+                return
             wait = self._slotWait = SlotWait(self, command, path, version)
             wait.start(admit)  # then _decodeAndProcess (relay.entry.bodywait)
             return
@@ -1018,8 +1050,10 @@ class LimitedBodyRequest(Request):
         if self._encoding is not None and self._bodyError is None and self.content is not None:
             self._decode()
         if self._bodyError is None and self.content is not None and not self._discard:
-            if self.admission is not None and self._limits() is not None:
-                self._chargeParsed()
+            if self.admission is not None:
+                limits = self._limits()
+                if limits is not None:
+                    self._chargeParsed(limits)
         self._requestReceived(command, path, version)
 
     def _decode(self) -> None:
@@ -1038,14 +1072,16 @@ class LimitedBodyRequest(Request):
         self.requestHeaders.removeHeader(b"content-encoding")
         self.content = decoded
 
-    def _chargeParsed(self) -> None:
+    def _chargeParsed(self, limits) -> None:
         """
         Count the decoded body at its parsed size's estimate until the
         request ends (L{chargeParsed}).
+
+        @param limits: the C{gateway.limits} in force.
         """
         charged, self._charged = self._charged, 0
         self._charged, error = chargeParsed(self.content, self._intake.budget,
-                                            self.admission.key.name, self._limits(), charged)
+                                            self.admission.key.name, limits, charged)
         self._atBound = error is None and self._charged == parsedBound(self.content.tell())
         if error is not None:
             self._bodyFailed(error)
@@ -1138,8 +1174,16 @@ class LimitedBodyRequest(Request):
         date = getattr(site, "httpDate", None)
         if date is None:
             return Request.process(self)
-        self.setHeader(b"Server", _SERVER)
-        self.setHeader(b"Date", date())
+        headers = self.responseHeaders
+        if headers.__class__ is _Headers:
+            # setHeader's, as _Headers.setRawHeaders stores a value with no
+            # CR or LF
+            raw = headers._rawHeaders
+            raw[b"Server"] = [_SERVER]
+            raw[b"Date"] = [date()]
+        else:
+            self.setHeader(b"Server", _SERVER)
+            self.setHeader(b"Date", date())
         self.prepath = []
         path = self.path
         if _PERCENT in path:
@@ -1257,9 +1301,12 @@ class LimitedBodyRequest(Request):
         if self._done:
             return
         self._done = True
-        self._stopRate()
-        self._endKeysWait()
-        self._releaseBudget()
+        if self._rate is not None or self._rateFrom is not None:
+            self._stopRate()
+        if self._keysWait is not None:
+            self._endKeysWait()
+        if self._charged:
+            self._releaseBudget()
         if self.admission is not None and self.admission.slot is not None:
             self.admission.slot.release()  # no turn took it
         if self._slotWait is not None:
@@ -1270,7 +1317,10 @@ class LimitedBodyRequest(Request):
         Finish as twisted.web does, then L{_relayDone}.
         """
         try:
-            return super().finish()
+            if self._encoder:
+                return super().finish()
+            # server.Request.finish without an encoder is http.Request's
+            return HTTPRequest.finish(self)
         finally:
             self._relayDone()
 

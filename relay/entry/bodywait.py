@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import io
 
+from twisted.internet.defer import Deferred
+from twisted.python.failure import Failure
+
 from relay.entry import intake as _intake
 from relay.entry.logthrottle import suppressedNote, throttleOf
 from relay.frontdoor.record import Admission, Slot
@@ -179,13 +182,19 @@ class BodyRate:
             return
         self._call = request.channel.callLater(limits.body_rate_window_seconds, self._checkRate)
 
-    def armLate(self) -> None:
+    def armLate(self, start=None) -> None:
         """
         The read that brought the headers and the whole body is handled
         (L{relay.entry.site.RelayHTTPChannel._relayHead}): arm the minimum
         body rate's timer if the body is still not in (it was held back in
         L{arm}).
+
+        @param start: the byte count the window starts at when the request
+            held it back itself (no L{arm} was called:
+            L{relay.entry.body.LimitedBodyRequest._armRate}), else L{None}.
         """
+        if start is not None:
+            self._mark, self._late = start, True
         if not self._late:
             return
         self._late = False
@@ -270,6 +279,16 @@ class SlotWait:
         if command.upper() == b"POST" and _intake.isTurnPath(path):
             keepalive = self._keepalive
         d = admit(request.admission.key, self.cancel, requestIdOf(request), keepalive=keepalive)
+        if d.called and not d.paused and not isinstance(d.result, Failure):
+            # admitted at once (a free slot): what the callback chain would
+            # do now, without it
+            try:
+                self._admitted(d.result)
+            except BaseException:
+                # what the chain would have done with it: an unhandled
+                # error of a Deferred, logged when it is collected
+                Deferred().errback()
+            return
         d.addCallbacks(self._admitted, self._notAdmitted)
 
     def _keepalive(self) -> None:

@@ -221,8 +221,9 @@ class TurnResource(Resource):
         if key is None:
             writeError(request, UNAUTHORIZED)
             return NOT_DONE_YET
+        parse = getattr(request, "relayJSON", None)  # requestJSON's, without its call
         try:
-            body = requestJSON(request)
+            body = parse() if parse is not None else requestJSON(request)
         except RequestRefused as e:
             writeError(request, e.error)
             return NOT_DONE_YET
@@ -232,7 +233,7 @@ class TurnResource(Resource):
             writeError(request, e.error)
             return NOT_DONE_YET
         model, stream, previous = fields.model, fields.stream, fields.previous
-        if not stream and notesOf(request).sseStarted:
+        if not stream and (getattr(request, "notes", None) or notesOf(request)).sseStarted:
             # Keepalives already went out (the raw body read as
             # streaming while the key's slot was awaited, R85) and committed
             # the SSE head; a body whose parse disagrees (a nested
@@ -261,7 +262,9 @@ class TurnResource(Resource):
             rawBody=getattr(request, "relayRawBody", None),
         )
         _noteClient(turn, request)
-        handOverKeyLease(request, turn)
+        admission = getattr(request, "admission", None)  # handOverKeyLease's
+        if admission is not None:
+            admission.handOver(turn)
         sinkType = SSESink if stream else JSONSink
         sink = sinkType(request, self._endpoint, model)
         if self._endpoint == "responses":
@@ -280,7 +283,12 @@ def _noteClient(turn: Turn, request) -> None:
     """
     address = request.getClientAddress()
     turn.clientAddress = getattr(address, "host", None)
-    agent = request.getHeader(b"user-agent")
+    raw = getattr(request.requestHeaders, "_rawHeaders", None)  # twisted.web's Headers
+    if raw is None:
+        agent = request.getHeader(b"user-agent")
+    else:
+        values = raw.get(b"User-Agent")  # getHeader's: the last value
+        agent = values[-1] if values else None
     if agent:
         turn.userAgent = agent.decode("latin-1")[:200]
 

@@ -286,6 +286,10 @@ class IntakePolicy:
     @ivar admitKey: C{(key, cancel, requestId) -> Deferred[lease or None]}
         (the front door's R26 admission, L{relay.frontdoor.door.FrontDoor.admitSlot}), failing with an exception carrying
         C{.error} (a L{ClientError}); L{None} admits nothing.
+    @ivar takesSlot: C{(key) -> bool}: whether C{admitKey} has a slot to
+        admit for the key (L{relay.frontdoor.door.FrontDoor.takesSlot});
+        L{False}: the request is admitted at once, with no lease, without
+        asking C{admitKey}; L{None}: C{admitKey} is always asked.
     @ivar budget: the L{BodyBudget}.
     @ivar histories: the large bodies each key sent last, parsed
         (L{HistoryReuse}): a Codex turn's body is read as the extension of
@@ -316,6 +320,7 @@ class IntakePolicy:
     metricsKey: Callable[[], Optional[str]] = lambda: None
     limits: Callable[[], object] = None
     admitKey: Optional[Callable] = None
+    takesSlot: Optional[Callable] = None
     budget: BodyBudget = field(factory=BodyBudget)
     histories: HistoryReuse = field(factory=HistoryReuse)
     draining: Callable[[], bool] = lambda: False

@@ -40,7 +40,7 @@ from twisted.web.iweb import INonQueuedRequestFactory
 from twisted.web.resource import UnsupportedMethod
 from twisted.web.server import NOT_DONE_YET, Site
 
-from relay.entry.body import reasonPhrase
+from relay.entry.body import _Headers, reasonPhrase
 from relay.entry.headblock import readHead
 from relay.entry.intake import TOO_MANY_CONNECTIONS
 from relay.entry.logthrottle import LogThrottle, suppressedNote, throttleOf
@@ -372,20 +372,70 @@ class RelayHTTPChannel(HTTPChannel):
             )
         if length and len(data) - blank - 2 >= length:
             self.relayBodyIn = request  # LimitedBodyRequest._armRate
+        # What LineReceiver.dataReceived(data[blank:]) does, without its
+        # line split: the blank line (twisted.web's lineReceived at the end
+        # of a block), then the rest to the body's decoder (its
+        # rawDataReceived), then LineReceiver's loop for anything left.
+        self._busyReceiving = True
+        self._buffer = data[blank + 2:]
+        more = False
         try:
-            LineReceiver.dataReceived(self, data[blank:])
+            if self._HTTPChannel__header or self._receivedHeaderSize > self.totalHeadersSize:
+                self.lineReceived(b"")  # twisted.web's own (and relay's 431)
+            else:
+                self.allHeadersReceived()
+                if self.length == 0:
+                    self.allContentReceived()
+                else:
+                    self.line_mode = 0  # setRawMode
+            transport = self.transport
+            if not (transport and transport.disconnecting):
+                more = True
+                rest = self._buffer
+                if (
+                    rest and not self.paused and not self.line_mode
+                    and not self._handlingRequest and self._transferDecoder is not None
+                ):
+                    self._buffer = b""
+                    self._transferDecoder.dataReceived(rest)
         finally:
+            self._busyReceiving = False
             self.relayBodyIn = None
+        if more and self._buffer and not self.paused:
+            LineReceiver.dataReceived(self, b"")
         late = getattr(request, "relayArmLate", None)
         if late is not None:
             late()
         return True
 
     def allHeadersReceived(self) -> None:
+        """
+        The header block is in: twisted.web's
+        C{HTTPChannel.allHeadersReceived} (Twisted 26), the headers it reads
+        looked up in the request's raw header map (canonical names, as
+        L{Headers} keeps them): cookies parsed only when a C{Cookie} came,
+        L{checkPersistence} asked only when the connection is in the
+        over-cap allowance, the request is not HTTP/1.1 or it sent
+        C{Connection} (else it is persistent), C{Expect} read once.
+        C{tests.test_headblock} compares the answers with twisted.web's.
+        """
         self._awaitingHeaders = False
         self._relayHeaderBlocks += 1
-        self._disarmHeaders()
-        super().allHeadersReceived()
+        if self._headerCall is not None:
+            self._disarmHeaders()
+        request = self.requests[-1]
+        raw = request.requestHeaders._rawHeaders
+        if b"Cookie" in raw:
+            request.parseCookies()
+        version = self._version
+        if self.relayOverCap is None and version == b"HTTP/1.1" and b"Connection" not in raw:
+            self.persistent = True
+        else:
+            self.persistent = self.checkPersistence(request, version)
+        request.gotLength(self.length)
+        expect = raw.get(b"Expect")
+        if expect and expect[0].lower() == b"100-continue" and self._version == b"HTTP/1.1":
+            self._send100Continue()
 
     def requestDone(self, request) -> None:
         self._awaitingHeaders = True
@@ -493,6 +543,70 @@ class RelayHTTPChannel(HTTPChannel):
             b"Connection: close\r\n\r\n" + body
         )
         self.loseConnection()
+
+
+_NO_BODY_CODES = (204, 304)
+"""twisted.web's C{NO_BODY_CODES} (and C{server.Request.write}'s codes
+without a default C{Content-Type})."""
+
+
+def writeFirst(request, data: bytes) -> bool:
+    """
+    An answer's first write on a L{RelayHTTPChannel}, in one call: what
+    twisted.web's C{server.Request.write} and C{http.Request.write}
+    (Twisted 26) do for it (a default C{Content-Type}, C{Transfer-Encoding:
+    chunked} without a C{Content-Length}, the head from the response
+    headers in their order, C{data} as the first chunk when chunked) and
+    L{RelayHTTPChannel.holdHead}/C{writeHeaders}/C{sendHead} (the head and
+    C{data} in one write), with the header reads done on the raw header
+    map. Only for the plain case: a request whose response headers are
+    relay's (L{relay.entry.body._Headers}), not finished or disconnected,
+    no C{HEAD}, no 204/304, no encoder, fake C{HEAD}, C{Last-Modified},
+    C{ETag} or cookies; anything else returns L{False} with nothing done
+    (the caller writes as twisted.web does). C{tests.test_requestside}
+    compares the bytes of both.
+
+    @param request: a L{relay.entry.body.LimitedBodyRequest} that has not
+        started writing.
+    @return: whether the write was done.
+    """
+    headers = request.responseHeaders
+    channel = request.channel
+    if (
+        headers.__class__ is not _Headers or channel._head is not None
+        or request.finished or request._disconnected
+        or request._inFakeHead or request._encoder or request.method == b"HEAD"
+        or request.code in _NO_BODY_CODES or request.lastModified is not None
+        or request.etag is not None or request.cookies
+    ):
+        return False
+    raw = headers._rawHeaders
+    length = raw.get(b"Content-Length")
+    if (
+        not raw.get(b"Content-Type") and request.defaultContentType is not None
+        and not (length and length[0] == b"0")
+    ):
+        headers.setRawHeaders(b"Content-Type", [request.defaultContentType])
+    request.startedWriting = 1
+    version = request.clientproto
+    if version == b"HTTP/1.1" and not length:
+        headers.setRawHeaders("Transfer-Encoding", [b"chunked"])
+        request.chunked = 1
+    head = [version, b" ", b"%d" % (request.code,), b" ", request.code_message, b"\r\n"]
+    for name, values in raw.items():
+        for value in values:
+            head.extend((name, b": ", value, b"\r\n"))
+    head.append(b"\r\n")
+    request.sentLength = request.sentLength + len(data)
+    if data and request.chunked:
+        data = b"%x\r\n%b\r\n" % (len(data), data)
+    data = b"".join(head) + data
+    # RelayHTTPChannel.write of a held head
+    if getattr(getattr(channel, "site", None), "answerAtOnce", False):
+        sendNow(channel.transport, data)
+    else:
+        channel.transport.write(data)
+    return True
 
 
 class _Counted(ProtocolWrapper):

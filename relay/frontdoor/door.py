@@ -141,6 +141,14 @@ class FrontDoor:
 
     # -- the key's slot (R26, R103) ---------------------------------------------
 
+    def takesSlot(self, key) -> bool:
+        """
+        Whether C{key} has a slot to admit (R26): L{admitSlot} of a key
+        without one (C{concurrency} 0: unlimited) fires at once with no
+        lease.
+        """
+        return key.concurrency > 0
+
     def admitSlot(self, key, cancel, requestId: str = "", entrypoint: str = "http",
                   keepalive=None) -> Deferred:
         """

@@ -64,7 +64,7 @@ class KeyChecks:
         R105: the start-up gate's wait (L{None} once the stores are
         loaded), for L{pending} and L{check}.
         """
-        gate = self._part("startupGate")
+        gate = getattr(self.parts, "startupGate", None)  # _part's, inline (per turn)
         return gate.wait() if gate is not None else None
 
     def pending(self, turn: Turn, stores: Optional[Deferred]) -> bool:
@@ -76,10 +76,11 @@ class KeyChecks:
         if stores is not None:
             return True
         key = turn.client
-        usage = self._part("usage")
+        parts = self.parts
+        usage = getattr(parts, "usage", None)
         if usage is not None and usage.hasBudget(key.name):
             return True
-        return self._part("keyPolicy") is not None and bool(key.rpm or key.tpm)
+        return getattr(parts, "keyPolicy", None) is not None and bool(key.rpm or key.tpm)
 
     def checkNow(self, turn: Turn) -> None:
         """
@@ -88,7 +89,7 @@ class KeyChecks:
 
         @raise Refused: with the policy's L{ClientError}.
         """
-        policy = self._part("keyPolicy")
+        policy = getattr(self.parts, "keyPolicy", None)
         if policy is None:
             return
         key = turn.client

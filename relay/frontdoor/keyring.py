@@ -55,12 +55,22 @@ def bearerOrKey(request) -> Optional[bytes]:
 
     @return: the secret bytes, or L{None}.
     """
-    auth = request.requestHeaders.getRawHeaders(b"authorization", [None])[0]
+    headers = request.requestHeaders
+    raw = getattr(headers, "_rawHeaders", None)  # twisted.web's Headers: canonical names
+    if raw is None:
+        auth = headers.getRawHeaders(b"authorization", [None])[0]
+    else:
+        values = raw.get(b"Authorization")
+        auth = values[0] if values else None
     if auth and auth[:7].lower() == b"bearer ":
         secret = auth[7:].strip()
         if secret:
             return secret
-    key = request.requestHeaders.getRawHeaders(b"x-api-key", [None])[0]
+    if raw is None:
+        key = headers.getRawHeaders(b"x-api-key", [None])[0]
+    else:
+        values = raw.get(b"X-Api-Key")
+        key = values[0] if values else None
     return key.strip() if key and key.strip() else None
 
 

@@ -8,9 +8,7 @@ to the engine.
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
-from attrs import frozen
+from typing import Any, NamedTuple, Optional
 
 from relay.base.records import ClientKey
 
@@ -43,10 +41,11 @@ class Slot:
         return getattr(self._lease, name)
 
 
-@frozen
-class Admission:
+class Admission(NamedTuple):
     """
-    A request's admission.
+    A request's admission: an immutable record (a named tuple: built
+    in a fraction of a frozen attrs class's instructions, twice per
+    request).
 
     @ivar key: the authenticated L{ClientKey} (R103: from the headers,
         before any of the body was read).

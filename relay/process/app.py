@@ -32,7 +32,7 @@ from relay.entry.http import KeyRing
 from relay.entry.intake import IntakePolicy
 from relay.entry.root import buildRoot
 from relay.translate.anthropic.models import AnthropicModels
-from relay.entry.site import JSONMethodErrors, RelaySite
+from relay.entry.site import JSONMethodErrors, RelaySite, writeFirst
 from relay.base.logs import ClassLogger, redactQuery
 from relay.policy.health import AccountHealth
 from relay.interfaces import IFailureClassifier, ISlotAdmission, IUpstreamDialer
@@ -94,6 +94,8 @@ class _Request(LimitedBodyRequest):
         if self.startedWriting or channel is None or not hasattr(channel, "holdHead"):
             return super().write(data)
         self._relayChunks = True
+        if writeFirst(self, data):
+            return None
         channel.holdHead()
         try:
             super().write(data)
@@ -470,6 +472,7 @@ def buildApplication(
     site.intake = IntakePolicy(
         keys=keys, adminKey=app.live.adminKey, metricsKey=app.live.metricsKey,
         limits=lambda: settings.current.limits, admitKey=door.admitSlot,
+        takesSlot=door.takesSlot,
         draining=lambda: app.drain.draining,
         keyRefusal=_keyRefusal(app), keysReady=_keysReady(app),
         adminGuard=AdminGuard(clock=reactor),
