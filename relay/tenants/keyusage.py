@@ -96,6 +96,8 @@ def merge(windows: list, at: float) -> KeyLimits:
     @return: one window per length (the higher percent, names joined),
         shortest first.
     """
+    if not windows:
+        return KeyLimits((), at)
     byLength = {}
     for window in windows:
         held = byLength.get(window.seconds)
@@ -135,7 +137,8 @@ class KeyUsage:
         """
         @return: the L{KeyWindow}s of C{key}'s token and money budgets.
         """
-        if self.ledger is None:
+        if self.ledger is None or (key.daily_tokens is None and key.monthly_tokens is None
+                                   and key.daily_usd is None and key.monthly_usd is None):
             return []
         usedDay, usedMonth = self.ledger.used(key.name, now)
         spentDay, spentMonth = self.ledger.spent(key.name, now)
@@ -152,6 +155,19 @@ class KeyUsage:
                 out.append(KeyWindow(name, _percent(used, limit), int(seconds), end))
         return out
 
+    def limitsNow(self, key) -> Optional[KeyLimits]:
+        """
+        L{limits} when they need no wait (a key without C{rpm}/C{tpm}
+        windows to read): the same answer, without a coroutine.
+
+        @param key: the L{relay.base.records.ClientKey}.
+        @return: its L{KeyLimits}, or L{None} when L{limits} must be
+            awaited.
+        """
+        if self.policy is not None and (key.rpm or key.tpm):
+            return None
+        return self._windows(key, self.clock.seconds(), None)
+
     async def limits(self, key) -> KeyLimits:
         """
         @param key: the L{relay.base.records.ClientKey}.
@@ -159,21 +175,30 @@ class KeyUsage:
             left out (logged).
         """
         now = self.clock.seconds()
-        windows = []
+        decision = None
         if self.policy is not None and (key.rpm or key.tpm):
             try:
                 decision = await self.policy.peekRate(key)
             except Exception as e:  # RateLimitUnavailable and kin: leave it out
                 self._log.warn("key {key_name}'s rate windows unreadable: {error}",
                                key_name=key.name, error=str(e))
-                decision = None
-            if decision is not None:
-                if key.rpm:
-                    windows.append(KeyWindow("rpm", _percent(decision.requests, key.rpm), MINUTE,
-                                             now + (decision.resetRequests or MINUTE)))
-                if key.tpm:
-                    windows.append(KeyWindow("tpm", _percent(decision.tokens, key.tpm), MINUTE,
-                                             now + (decision.resetTokens or MINUTE)))
+        return self._windows(key, now, decision)
+
+    def _windows(self, key, now: float, decision) -> KeyLimits:
+        """
+        @param now: when the windows are read, Unix seconds.
+        @param decision: L{KeyPolicy.peekRate}'s answer for the key's
+            C{rpm}/C{tpm} windows, or L{None} (none read).
+        @return: the key's L{KeyLimits} at C{now}.
+        """
+        windows = []
+        if decision is not None:
+            if key.rpm:
+                windows.append(KeyWindow("rpm", _percent(decision.requests, key.rpm), MINUTE,
+                                         now + (decision.resetRequests or MINUTE)))
+            if key.tpm:
+                windows.append(KeyWindow("tpm", _percent(decision.tokens, key.tpm), MINUTE,
+                                         now + (decision.resetTokens or MINUTE)))
         budgets = self.budgetWindows(key, now)
         windows.extend(budgets)
         if not budgets and self.pool is not None:
@@ -313,7 +338,11 @@ def poolWindows(clock: IReactorTime, windows, policy, accounts) -> Callable:
     @return: C{pool(key)} -> a list of L{KeyWindow}.
     """
 
+    held = getattr(windows, "snapshots", None)  # UsageWindows': never replaced
+
     def pool(key) -> list:
+        if held is not None and not held:
+            return []  # no account reported a window (API keys): nothing to average
         now = clock.seconds()
         reach = policy.reachable(key, accounts) if policy is not None else list(accounts)
         if not reach:
