@@ -217,6 +217,28 @@ class PeriodTests(SynchronousTestCase):
         dec = calendar.timegm((2025, 12, 15, 0, 0, 0))
         self.assertEqual(nextMonthStart(dec), calendar.timegm((2026, 1, 1, 0, 0, 0)))
 
+    def test_month_of_each_day(self):
+        """
+        The month starts are the UTC day's, whatever was asked before (they
+        are kept per day): every second of a month's last and first days,
+        in any order, floats and ints alike.
+        """
+        import time
+
+        def expected(seconds):
+            t = time.gmtime(seconds)
+            year, month = (t.tm_year + 1, 1) if t.tm_mon == 12 else (t.tm_year, t.tm_mon + 1)
+            return (calendar.timegm((t.tm_year, t.tm_mon, 1, 0, 0, 0)),
+                    calendar.timegm((year, month, 1, 0, 0, 0)))
+
+        newYear = calendar.timegm((2027, 1, 1, 0, 0, 0))
+        asked = [newYear - 1, newYear, newYear - 0.5, newYear + 0.25, newYear - 86400,
+                 newYear - 86401, newYear + 86399.75, newYear + 86400, newYear - 1, newYear,
+                 calendar.timegm((2028, 2, 29, 23, 59, 59)), calendar.timegm((2028, 3, 1, 0, 0, 0))]
+        for seconds in asked:
+            self.assertEqual((monthStart(seconds), nextMonthStart(seconds)), expected(seconds),
+                             seconds)
+
 
 class StoreContract:
     """

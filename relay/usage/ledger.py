@@ -223,11 +223,9 @@ class UsageLedger:
 
         @return: C{(day, month)}.
         """
-        day, month = ("d", dayStart(now)), ("m", monthStart(now))
-        return tuple(
-            self._stored.get((key,) + period, 0) + self._local.get((key,) + period, 0)
-            for period in (day, month)
-        )
+        day, month = (key, "d", dayStart(now)), (key, "m", monthStart(now))
+        stored, local = self._stored, self._local
+        return (stored.get(day, 0) + local.get(day, 0), stored.get(month, 0) + local.get(month, 0))
 
     def spent(self, key: str, now: float) -> tuple:
         """
@@ -236,11 +234,9 @@ class UsageLedger:
 
         @return: C{(day, month)}.
         """
-        day, month = ("d", dayStart(now)), ("m", monthStart(now))
-        return tuple(
-            self._storedCost.get((key,) + period, 0) + self._localCost.get((key,) + period, 0)
-            for period in (day, month)
-        )
+        day, month = (key, "d", dayStart(now)), (key, "m", monthStart(now))
+        stored, local = self._storedCost, self._localCost
+        return (stored.get(day, 0) + local.get(day, 0), stored.get(month, 0) + local.get(month, 0))
 
     def overBudget(self, key: str, now: float) -> ClientError | None:
         """
