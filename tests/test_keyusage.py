@@ -144,6 +144,23 @@ class KeyUsageTests(SynchronousTestCase):
         budgeted = self.limits(usage, ClientKey(name="k", key="sk-k", daily_tokens=10))
         self.assertEqual([w.name for w in budgeted.windows], ["daily_tokens"])
 
+    def test_pool_windows_past_their_reset(self):
+        """
+        An account window whose reset has passed counts as unused and its
+        reset is not the pool's; with no reset to come the pool's window
+        resets its longest length from now (300 minutes when none is
+        known).
+        """
+        windows = _Windows({
+            "a": Snapshot(Window(80.0, None, NOW - 1), Window(20.0, 10080.0, NOW), "plus", NOW),
+            "b": Snapshot(Window(40.0, None, None), Window(60.0, 300.0, NOW + 60), "plus", NOW),
+        })
+        pool = poolWindows(self.clock, windows, None, [_Account("a"), _Account("b")])
+        self.assertEqual(pool(ClientKey(name="k", key="sk-k")), [
+            KeyWindow("pool_primary", 20.0, 18000, NOW + 18000),
+            KeyWindow("pool_secondary", 30.0, 604800, NOW + 60),
+        ])
+
     def test_limitsNow_is_limits_without_a_wait(self):
         """
         A key without rpm/tpm windows to read has its windows at once

@@ -338,26 +338,45 @@ def poolWindows(clock: IReactorTime, windows, policy, accounts) -> Callable:
     @return: C{pool(key)} -> a list of L{KeyWindow}.
     """
 
-    held = getattr(windows, "snapshots", None)  # UsageWindows': never replaced
+    # UsageWindows' own map (never replaced; its get reads it): read
+    # directly, and known empty at no cost (API-key accounts report none)
+    held = getattr(windows, "snapshots", None)
+    get = held.get if held is not None else windows.get
 
     def pool(key) -> list:
         if held is not None and not held:
-            return []  # no account reported a window (API keys): nothing to average
+            return []
         now = clock.seconds()
         reach = policy.reachable(key, accounts) if policy is not None else list(accounts)
         if not reach:
             return []
-        snapshots = [windows.get(a.id) for a in reach]
+        primaries, secondaries = [], []
+        for account in reach:
+            snapshot = get(account.id)
+            if snapshot is not None:
+                if snapshot.primary is not None:
+                    primaries.append(snapshot.primary)
+                if snapshot.secondary is not None:
+                    secondaries.append(snapshot.secondary)
         out = []
-        for name in ("primary", "secondary"):
-            found = [getattr(s, name) for s in snapshots if s is not None and getattr(s, name)]
+        for name, found in (("primary", primaries), ("secondary", secondaries)):
             if not found:
                 continue
-            used = sum(w.usedAt(now) for w in found) / len(reach)
-            minutes = max((w.window_minutes or 0) for w in found) or 300
-            resets = [w.reset_at for w in found if w.reset_at is not None and w.reset_at > now]
-            out.append(KeyWindow("pool_" + name, used, int(minutes * 60),
-                                 min(resets) if resets else now + minutes * 60))
+            # one pass: each window's use now (Window.usedAt), the longest
+            # length and the earliest reset to come (max/min: the first of
+            # equals)
+            used, minutes, reset = [], None, None
+            for w in found:
+                at = w.reset_at
+                used.append(0.0 if at is not None and at <= now else w.used_percent)
+                length = w.window_minutes or 0
+                if minutes is None or length > minutes:
+                    minutes = length
+                if at is not None and at > now and (reset is None or at < reset):
+                    reset = at
+            minutes = minutes or 300
+            out.append(KeyWindow("pool_" + name, sum(used) / len(reach), int(minutes * 60),
+                                 reset if reset is not None else now + minutes * 60))
         return out
 
     return pool
