@@ -140,8 +140,11 @@ class KeyUsage:
         if self.ledger is None or (key.daily_tokens is None and key.monthly_tokens is None
                                    and key.daily_usd is None and key.monthly_usd is None):
             return []
-        usedDay, usedMonth = self.ledger.used(key.name, now)
-        spentDay, spentMonth = self.ledger.spent(key.name, now)
+        usedDay = usedMonth = spentDay = spentMonth = 0  # read only for a budget
+        if key.daily_tokens is not None or key.monthly_tokens is not None:
+            usedDay, usedMonth = self.ledger.used(key.name, now)
+        if key.daily_usd is not None or key.monthly_usd is not None:
+            spentDay, spentMonth = self.ledger.spent(key.name, now)
         dayEnd, monthEnd = dayStart(now) + DAY, nextMonthStart(now)
         monthLength = int(monthEnd - monthStart(now))
         out = []
