@@ -1529,6 +1529,17 @@ class IKeyUsage(Interface):
             time in Unix seconds).
         """
 
+    def limitsNow(key):
+        """
+        L{limits}' answer when it needs no wait (a key without C{rpm}/C{tpm}
+        windows to read), read at once; the engine reads a turn's windows
+        this way first.
+
+        @param key: the L{relay.base.records.ClientKey}.
+        @return: its L{relay.tenants.keyusage.KeyLimits}, or L{None} when
+            L{limits} must be awaited.
+        """
+
 
 class IOperatorDirectory(Interface):
     """

@@ -144,6 +144,59 @@ class KeyUsageTests(SynchronousTestCase):
         budgeted = self.limits(usage, ClientKey(name="k", key="sk-k", daily_tokens=10))
         self.assertEqual([w.name for w in budgeted.windows], ["daily_tokens"])
 
+    def test_pool_windows_past_their_reset(self):
+        """
+        An account window whose reset has passed counts as unused and its
+        reset is not the pool's; with no reset to come the pool's window
+        resets its longest length from now (300 minutes when none is
+        known).
+        """
+        windows = _Windows({
+            "a": Snapshot(Window(80.0, None, NOW - 1), Window(20.0, 10080.0, NOW), "plus", NOW),
+            "b": Snapshot(Window(40.0, None, None), Window(60.0, 300.0, NOW + 60), "plus", NOW),
+        })
+        pool = poolWindows(self.clock, windows, None, [_Account("a"), _Account("b")])
+        self.assertEqual(pool(ClientKey(name="k", key="sk-k")), [
+            KeyWindow("pool_primary", 20.0, 18000, NOW + 18000),
+            KeyWindow("pool_secondary", 30.0, 604800, NOW + 60),
+        ])
+
+    def test_limitsNow_is_limits_without_a_wait(self):
+        """
+        A key without rpm/tpm windows to read has its windows at once
+        (L{KeyUsage.limitsNow}), the same as L{KeyUsage.limits}; a key
+        with them is read by L{KeyUsage.limits} only.
+        """
+        windows = _Windows({"a": Snapshot(Window(30.0, 300.0, NOW + 600), None, "plus", NOW)})
+        policy = _Policy(RateDecision(allowed=True, requests=1, tokens=0, rpm=10, tpm=0))
+        accounts = [_Account("a")]
+        usage = KeyUsage(self.clock, ledger=_Ledger(day=5, spentMonth=int(1e9)), policy=policy,
+                         pool=poolWindows(self.clock, windows, policy, accounts))
+        for key in (ClientKey(name="k", key="sk-k"),
+                    ClientKey(name="k", key="sk-k", daily_tokens=10, monthly_usd=4.0)):
+            now = usage.limitsNow(key)
+            self.assertEqual(now, self.limits(usage, key))
+            self.assertTrue(now.windows)
+        self.assertIsNone(usage.limitsNow(ClientKey(name="k", key="sk-k", rpm=10)))
+        self.assertEqual(KeyUsage(self.clock).limitsNow(ClientKey(name="k", key="sk-k", rpm=10)),
+                         self.limits(KeyUsage(self.clock), ClientKey(name="k", key="sk-k", rpm=10)))
+
+    def test_no_budget_reads_no_ledger(self):
+        """
+        A key without a budget has no budget windows and costs no ledger
+        read; with no account window reported the pool has none either.
+        """
+
+        class Unread:
+            def used(self, key, now):
+                raise AssertionError("read")
+
+            spent = used
+
+        usage = KeyUsage(self.clock, ledger=Unread(), policy=_Policy(),
+                         pool=poolWindows(self.clock, _Windows({}), _Policy(), [_Account("a")]))
+        self.assertEqual(usage.limitsNow(ClientKey(name="k", key="sk-k")).windows, ())
+
 
 class IdentityTests(SynchronousTestCase):
     """

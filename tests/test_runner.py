@@ -1086,3 +1086,58 @@ class SlotErrorTests(SynchronousTestCase):
         self.assertEqual(rig.dialer.ids(), [])
         self.assertFalse([e for e in logs if e.get("log_failure") is not None])
         self.assertEqual(len(events(logs, "openai.user_slot_acquire_error")), 1)
+
+
+class KeyLimitsReadTests(SynchronousTestCase):
+    """
+    R114: the key's windows a turn carries, read as it starts.
+    """
+
+    class _Usage:
+        def __init__(self, now=None, later=None, broken=False):
+            self.now, self.later, self.broken, self.awaited = now, later, broken, 0
+
+        def limitsNow(self, key):
+            if self.broken:
+                raise ValueError("no windows")
+            return self.now
+
+        async def limits(self, key):
+            self.awaited += 1
+            return self.later
+
+    def test_read_at_once_when_no_wait(self):
+        """
+        Windows that need no wait (L{relay.tenants.keyusage.KeyUsage.limitsNow})
+        are the turn's without an awaited read; the others are awaited.
+        """
+        from relay.interfaces import IKeyUsage
+        from relay.tenants.keyusage import KeyLimits, KeyUsage
+
+        self.assertTrue(verifyObject(IKeyUsage, KeyUsage(Clock())))
+        rig = Rig([account("a")])
+        now, later = KeyLimits((), 1.0), KeyLimits((), 2.0)
+        rig.runner.keyUsage = usage = self._Usage(now, later)
+        turn, _, outcome = rig.run()
+        self.assertEqual(outcome, ["completed"])
+        self.assertIs(turn.keyLimits, now)
+        self.assertEqual(usage.awaited, 0)
+        rig.runner.keyUsage = usage = self._Usage(None, later)
+        turn, _, outcome = rig.run()
+        self.assertIs(turn.keyLimits, later)
+        self.assertEqual(usage.awaited, 1)
+
+    def test_unreadable_is_logged(self):
+        """
+        Windows that cannot be read are logged; the turn goes on without
+        them.
+        """
+        rig = Rig([account("a")])
+        rig.runner.keyUsage = self._Usage(broken=True)
+        with capturedLogs() as logs:
+            turn, sink, outcome = rig.run()
+        self.assertEqual(outcome, ["completed"])
+        self.assertIsNone(turn.keyLimits)
+        [failed] = [e for e in logs if e.get("log_failure") is not None]
+        self.assertEqual(formatEvent(failed), "reading key t's windows failed")
+        self.flushLoggedErrors(ValueError)

@@ -217,6 +217,28 @@ class PeriodTests(SynchronousTestCase):
         dec = calendar.timegm((2025, 12, 15, 0, 0, 0))
         self.assertEqual(nextMonthStart(dec), calendar.timegm((2026, 1, 1, 0, 0, 0)))
 
+    def test_month_of_each_day(self):
+        """
+        The month starts are the UTC day's, whatever was asked before (they
+        are kept per day): every second of a month's last and first days,
+        in any order, floats and ints alike.
+        """
+        import time
+
+        def expected(seconds):
+            t = time.gmtime(seconds)
+            year, month = (t.tm_year + 1, 1) if t.tm_mon == 12 else (t.tm_year, t.tm_mon + 1)
+            return (calendar.timegm((t.tm_year, t.tm_mon, 1, 0, 0, 0)),
+                    calendar.timegm((year, month, 1, 0, 0, 0)))
+
+        newYear = calendar.timegm((2027, 1, 1, 0, 0, 0))
+        asked = [newYear - 1, newYear, newYear - 0.5, newYear + 0.25, newYear - 86400,
+                 newYear - 86401, newYear + 86399.75, newYear + 86400, newYear - 1, newYear,
+                 calendar.timegm((2028, 2, 29, 23, 59, 59)), calendar.timegm((2028, 3, 1, 0, 0, 0))]
+        for seconds in asked:
+            self.assertEqual((monthStart(seconds), nextMonthStart(seconds)), expected(seconds),
+                             seconds)
+
 
 class StoreContract:
     """
@@ -540,6 +562,44 @@ class LedgerTests(SynchronousTestCase):
         self.assertIn("UTC month", error.message)
         self.clock.advance(1800)
         self.assertIsNone(ledger.overBudget("alice", self.clock.seconds()))
+
+    def test_hold_periods_follow_the_utc_day(self):
+        """
+        R108: a reservation's and a settlement's periods are the UTC day
+        and month of their time (ids C{d:<day start>}, C{m:<month
+        start>}), living to the period's end plus an hour: across a month
+        end, the new day's and month's.
+        """
+        seen = []
+
+        class Holds:
+            def reserve(self, key, id, tokens, nanos, limits, ttl):
+                seen.append([(name, period, known) for name, period, _, _, known in limits])
+                return succeed(None)
+
+            def settle(self, key, id, tokens, nanos, periods):
+                seen.append(periods)
+                return succeed(None)
+
+        ledger = UsageLedger(clock=self.clock, store=self.store, budgets={"alice": (300, 1000)},
+                             holds=Holds())
+        jan31, jan1, feb1 = (calendar.timegm((2026, 1, 31, 0, 0, 0)),
+                             calendar.timegm((2026, 1, 1, 0, 0, 0)),
+                             calendar.timegm((2026, 2, 1, 0, 0, 0)))
+        for when in (T0, T0 + 1800):
+            self.clock.advance(when - self.clock.seconds())
+            error, hold = self.successResultOf(Deferred.fromCoroutine(
+                ledger.reserve("alice", 10, 0)))
+            ledger.settle(hold, COUNTS)
+            ledger.record("alice", "a1", "m", COUNTS)
+        self.assertEqual(seen, [
+            [("daily_tokens", f"d:{jan31}", 0), ("monthly_tokens", f"m:{jan1}", 0)],
+            ((f"d:{jan31}", 1800 + 3600), (f"m:{jan1}", 1800 + 3600)),
+            [("daily_tokens", f"d:{feb1}", 0), ("monthly_tokens", f"m:{feb1}", 0)],
+            ((f"d:{feb1}", 86400 + 3600),
+             (f"m:{feb1}", calendar.timegm((2026, 3, 1, 0, 0, 0)) - feb1 + 3600)),
+        ])
+        self.assertEqual(ledger.used("alice", T0), (150, 150))
 
     def test_budget_sees_other_processes_after_flush(self):
         """

@@ -222,8 +222,19 @@ class TurnRunner:
         """
         R114: read the key's windows for the turn's rate-limit headers and
         events while it is dialled (never waited for: a turn whose first
-        output comes first carries none).
+        output comes first carries none). Windows that need no wait (no
+        C{rpm}/C{tpm} to read: L{KeyUsage.limitsNow}) are read here,
+        without a coroutine.
         """
+        try:
+            limits = self.keyUsage.limitsNow(turn.client)
+        except Exception:  # noqa: BLE001 - logged as the awaited read's failure is
+            self._log.failure("reading key {key_name}'s windows failed",
+                              key_name=turn.client.name)
+            return
+        if limits is not None:
+            turn.keyLimits = limits
+            return
 
         def keep(limits):
             turn.keyLimits = limits

@@ -22,6 +22,7 @@ from twisted.internet.task import deferLater
 from relay.engine.cancel import ClientGone, raceCancel
 from relay.base.logs import ClassLogger
 from relay.base.records import ClientError, Turn
+from relay.usage.estimate import inputTokens, outputTokens
 
 STARTUP_WAIT_SECONDS = 10.0
 """R105: how long a turn that arrives before the stores are loaded waits for
@@ -278,8 +279,6 @@ class KeyChecks:
 
         @return: C{(tokens, nano-dollars)}.
         """
-        from relay.usage.estimate import inputTokens, outputTokens
-
         key = turn.client
         policy = self._part("keyPolicy")
         previous = turn.previousResponseId or turn.body.get("previous_response_id")

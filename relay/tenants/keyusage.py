@@ -96,6 +96,8 @@ def merge(windows: list, at: float) -> KeyLimits:
     @return: one window per length (the higher percent, names joined),
         shortest first.
     """
+    if not windows:
+        return KeyLimits((), at)
     byLength = {}
     for window in windows:
         held = byLength.get(window.seconds)
@@ -135,10 +137,14 @@ class KeyUsage:
         """
         @return: the L{KeyWindow}s of C{key}'s token and money budgets.
         """
-        if self.ledger is None:
+        if self.ledger is None or (key.daily_tokens is None and key.monthly_tokens is None
+                                   and key.daily_usd is None and key.monthly_usd is None):
             return []
-        usedDay, usedMonth = self.ledger.used(key.name, now)
-        spentDay, spentMonth = self.ledger.spent(key.name, now)
+        usedDay = usedMonth = spentDay = spentMonth = 0  # read only for a budget
+        if key.daily_tokens is not None or key.monthly_tokens is not None:
+            usedDay, usedMonth = self.ledger.used(key.name, now)
+        if key.daily_usd is not None or key.monthly_usd is not None:
+            spentDay, spentMonth = self.ledger.spent(key.name, now)
         dayEnd, monthEnd = dayStart(now) + DAY, nextMonthStart(now)
         monthLength = int(monthEnd - monthStart(now))
         out = []
@@ -152,6 +158,19 @@ class KeyUsage:
                 out.append(KeyWindow(name, _percent(used, limit), int(seconds), end))
         return out
 
+    def limitsNow(self, key) -> Optional[KeyLimits]:
+        """
+        L{limits} when they need no wait (a key without C{rpm}/C{tpm}
+        windows to read): the same answer, without a coroutine.
+
+        @param key: the L{relay.base.records.ClientKey}.
+        @return: its L{KeyLimits}, or L{None} when L{limits} must be
+            awaited.
+        """
+        if self.policy is not None and (key.rpm or key.tpm):
+            return None
+        return self._windows(key, self.clock.seconds(), None)
+
     async def limits(self, key) -> KeyLimits:
         """
         @param key: the L{relay.base.records.ClientKey}.
@@ -159,21 +178,30 @@ class KeyUsage:
             left out (logged).
         """
         now = self.clock.seconds()
-        windows = []
+        decision = None
         if self.policy is not None and (key.rpm or key.tpm):
             try:
                 decision = await self.policy.peekRate(key)
             except Exception as e:  # RateLimitUnavailable and kin: leave it out
                 self._log.warn("key {key_name}'s rate windows unreadable: {error}",
                                key_name=key.name, error=str(e))
-                decision = None
-            if decision is not None:
-                if key.rpm:
-                    windows.append(KeyWindow("rpm", _percent(decision.requests, key.rpm), MINUTE,
-                                             now + (decision.resetRequests or MINUTE)))
-                if key.tpm:
-                    windows.append(KeyWindow("tpm", _percent(decision.tokens, key.tpm), MINUTE,
-                                             now + (decision.resetTokens or MINUTE)))
+        return self._windows(key, now, decision)
+
+    def _windows(self, key, now: float, decision) -> KeyLimits:
+        """
+        @param now: when the windows are read, Unix seconds.
+        @param decision: L{KeyPolicy.peekRate}'s answer for the key's
+            C{rpm}/C{tpm} windows, or L{None} (none read).
+        @return: the key's L{KeyLimits} at C{now}.
+        """
+        windows = []
+        if decision is not None:
+            if key.rpm:
+                windows.append(KeyWindow("rpm", _percent(decision.requests, key.rpm), MINUTE,
+                                         now + (decision.resetRequests or MINUTE)))
+            if key.tpm:
+                windows.append(KeyWindow("tpm", _percent(decision.tokens, key.tpm), MINUTE,
+                                         now + (decision.resetTokens or MINUTE)))
         budgets = self.budgetWindows(key, now)
         windows.extend(budgets)
         if not budgets and self.pool is not None:
@@ -313,22 +341,45 @@ def poolWindows(clock: IReactorTime, windows, policy, accounts) -> Callable:
     @return: C{pool(key)} -> a list of L{KeyWindow}.
     """
 
+    # UsageWindows' own map (never replaced; its get reads it): read
+    # directly, and known empty at no cost (API-key accounts report none)
+    held = getattr(windows, "snapshots", None)
+    get = held.get if held is not None else windows.get
+
     def pool(key) -> list:
+        if held is not None and not held:
+            return []
         now = clock.seconds()
         reach = policy.reachable(key, accounts) if policy is not None else list(accounts)
         if not reach:
             return []
-        snapshots = [windows.get(a.id) for a in reach]
+        primaries, secondaries = [], []
+        for account in reach:
+            snapshot = get(account.id)
+            if snapshot is not None:
+                if snapshot.primary is not None:
+                    primaries.append(snapshot.primary)
+                if snapshot.secondary is not None:
+                    secondaries.append(snapshot.secondary)
         out = []
-        for name in ("primary", "secondary"):
-            found = [getattr(s, name) for s in snapshots if s is not None and getattr(s, name)]
+        for name, found in (("primary", primaries), ("secondary", secondaries)):
             if not found:
                 continue
-            used = sum(w.usedAt(now) for w in found) / len(reach)
-            minutes = max((w.window_minutes or 0) for w in found) or 300
-            resets = [w.reset_at for w in found if w.reset_at is not None and w.reset_at > now]
-            out.append(KeyWindow("pool_" + name, used, int(minutes * 60),
-                                 min(resets) if resets else now + minutes * 60))
+            # one pass: each window's use now (Window.usedAt), the longest
+            # length and the earliest reset to come (max/min: the first of
+            # equals)
+            used, minutes, reset = [], None, None
+            for w in found:
+                at = w.reset_at
+                used.append(0.0 if at is not None and at <= now else w.used_percent)
+                length = w.window_minutes or 0
+                if minutes is None or length > minutes:
+                    minutes = length
+                if at is not None and at > now and (reset is None or at < reset):
+                    reset = at
+            minutes = minutes or 300
+            out.append(KeyWindow("pool_" + name, sum(used) / len(reach), int(minutes * 60),
+                                 reset if reset is not None else now + minutes * 60))
         return out
 
     return pool

@@ -65,7 +65,7 @@ from zope.interface import implementer
 
 from relay.interfaces import IPriceTable
 from relay.base.modelname import matchKey, normalise
-from relay.usage.tokens import HOSTED_TOOLS, IMAGES, hostedTool
+from relay.usage.tokens import HOSTED_TOOLS, IMAGES, TokenCounts, hostedTool
 
 __all__ = [
     "DEFAULT_PRICES", "DEFAULT_TOOL_PRICES", "HOSTED_TOOLS", "NANOS_PER_USD", "Price",
@@ -431,8 +431,6 @@ class PriceTable:
 
         @return: nano-dollars, or L{None} when something is unpriced.
         """
-        from relay.usage.tokens import TokenCounts
-
         counts = TokenCounts(requests=1, input=inputTokens, output=outputTokens,
                              tier=tier, tools=tuple((t, 1) for t in sorted(set(tools))))
         return self.nanos(model, counts)
@@ -480,8 +478,6 @@ class PriceTable:
 
         @rtype: L{relay.usage.tokens.TokenCounts}
         """
-        from relay.usage.tokens import TokenCounts
-
         if counts.tier in _PLAIN_TIERS and not counts.tools:
             price = self.lookup(model) or self.default
             nanos = None if price is None else price.nanos(counts)

@@ -165,6 +165,8 @@ class UsageLedger:
     _storedCost: dict = field(factory=dict)
     _localCost: dict = field(factory=dict)
     _flushing: Deferred | None = None
+    _day: tuple = field(default=(None,), init=False)
+    """L{_periodsAt}'s last day."""
     _log = Logger()
 
     # -- recording (the hot path: no I/O) ------------------------------------
@@ -186,13 +188,15 @@ class UsageLedger:
         # no zero row built and added per turn.
         self._pending[ident] = counts if pending is None else pending + counts
         if key in self.budgets:
-            for period in (("d", dayStart(now)), ("m", monthStart(now))):
-                slot = (key,) + period
-                self._local[slot] = self._local.get(slot, 0) + counts.total
+            day, month = self._periodsAt(now)[:2]
+            total, local = counts.total, self._local
+            for slot in ((key, "d", day), (key, "m", month)):
+                local[slot] = local.get(slot, 0) + total
         if key in self.moneyBudgets and counts.cost:
-            for period in (("d", dayStart(now)), ("m", monthStart(now))):
-                slot = (key,) + period
-                self._localCost[slot] = self._localCost.get(slot, 0) + counts.cost
+            day, month = self._periodsAt(now)[:2]
+            cost, local = counts.cost, self._localCost
+            for slot in ((key, "d", day), (key, "m", month)):
+                local[slot] = local.get(slot, 0) + cost
         if self.metrics is not None:
             self.metrics.tokens(key, account, model, counts)
 
@@ -215,6 +219,22 @@ class UsageLedger:
 
     # -- budgets -----------------------------------------------------------------
 
+    def _periodsAt(self, now: float) -> tuple:
+        """
+        The UTC day and month of C{now}, as budgets count them (kept for
+        the day: a function of the day alone).
+
+        @return: C{(day start, month start, next month start, day period
+            id, month period id)}, Unix seconds and the holds' period ids
+            (C{d:<day start>}, C{m:<month start>}).
+        """
+        day = dayStart(now)
+        held = self._day
+        if held[0] != day:
+            month = monthStart(now)
+            held = self._day = (day, month, nextMonthStart(now), f"d:{day}", f"m:{month}")
+        return held
+
     def used(self, key: str, now: float) -> tuple:
         """
         Tokens a key used this UTC day and this UTC month, as far as this
@@ -223,11 +243,10 @@ class UsageLedger:
 
         @return: C{(day, month)}.
         """
-        day, month = ("d", dayStart(now)), ("m", monthStart(now))
-        return tuple(
-            self._stored.get((key,) + period, 0) + self._local.get((key,) + period, 0)
-            for period in (day, month)
-        )
+        day, month = self._periodsAt(now)[:2]
+        day, month = (key, "d", day), (key, "m", month)
+        stored, local = self._stored, self._local
+        return (stored.get(day, 0) + local.get(day, 0), stored.get(month, 0) + local.get(month, 0))
 
     def spent(self, key: str, now: float) -> tuple:
         """
@@ -236,11 +255,10 @@ class UsageLedger:
 
         @return: C{(day, month)}.
         """
-        day, month = ("d", dayStart(now)), ("m", monthStart(now))
-        return tuple(
-            self._storedCost.get((key,) + period, 0) + self._localCost.get((key,) + period, 0)
-            for period in (day, month)
-        )
+        day, month = self._periodsAt(now)[:2]
+        day, month = (key, "d", day), (key, "m", month)
+        stored, local = self._storedCost, self._localCost
+        return (stored.get(day, 0) + local.get(day, 0), stored.get(month, 0) + local.get(month, 0))
 
     def overBudget(self, key: str, now: float) -> ClientError | None:
         """
@@ -286,7 +304,7 @@ class UsageLedger:
         C{(name, period, unit, limit, known)} of C{key}'s budgets
         (L{relay.interfaces.IBudgetHolds.reserve}).
         """
-        day, month = f"d:{dayStart(now)}", f"m:{monthStart(now)}"
+        day, month = self._periodsAt(now)[3:]
         limits = []
         tokens = self.budgets.get(key)
         if tokens is not None:
@@ -309,8 +327,8 @@ class UsageLedger:
         The current day's and month's period ids with the seconds their
         settled amounts must live (to the period's end, plus an hour).
         """
-        return ((f"d:{dayStart(now)}", int(dayStart(now) + DAY - now) + 3600),
-                (f"m:{monthStart(now)}", int(nextMonthStart(now) - now) + 3600))
+        day, _, nextMonth, dayId, monthId = self._periodsAt(now)
+        return ((dayId, int(day + DAY - now) + 3600), (monthId, int(nextMonth - now) + 3600))
 
     async def reserve(self, key: str, tokens: int, nanos: int):
         """

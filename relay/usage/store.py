@@ -62,12 +62,33 @@ def dayStart(seconds: float) -> int:
     return int(seconds // DAY) * DAY
 
 
+_months = (None, 0, 0)
+"""The last day's C{(day index, monthStart, nextMonthStart)}: both are
+functions of the UTC day alone, so a turn's reads of them cost a
+comparison, not two C{gmtime}/C{timegm} pairs (one entry; replaced whole)."""
+
+
+def _monthsOf(seconds: float) -> tuple:
+    """
+    @return: C{(day index, month start, next month start)} of the UTC day
+        holding C{seconds} (L{monthStart}, L{nextMonthStart}).
+    """
+    global _months
+    held = _months
+    if held[0] == seconds // DAY:
+        return held
+    t = time.gmtime(seconds)
+    year, month = (t.tm_year + 1, 1) if t.tm_mon == 12 else (t.tm_year, t.tm_mon + 1)
+    held = _months = (seconds // DAY, calendar.timegm((t.tm_year, t.tm_mon, 1, 0, 0, 0)),
+                      calendar.timegm((year, month, 1, 0, 0, 0)))
+    return held
+
+
 def monthStart(seconds: float) -> int:
     """
     @return: 00:00 UTC on the 1st of the month holding C{seconds}.
     """
-    t = time.gmtime(seconds)
-    return calendar.timegm((t.tm_year, t.tm_mon, 1, 0, 0, 0))
+    return _monthsOf(seconds)[1]
 
 
 def nextMonthStart(seconds: float) -> int:
@@ -75,9 +96,7 @@ def nextMonthStart(seconds: float) -> int:
     @return: 00:00 UTC on the 1st of the month after the one holding
         C{seconds}.
     """
-    t = time.gmtime(seconds)
-    year, month = (t.tm_year + 1, 1) if t.tm_mon == 12 else (t.tm_year, t.tm_mon + 1)
-    return calendar.timegm((year, month, 1, 0, 0, 0))
+    return _monthsOf(seconds)[2]
 
 
 def _groupValue(groupBy: str, hour: int, key: str, account: str, model: str):
