@@ -560,3 +560,66 @@ class ModelsListTests(SynchronousTestCase):
         self.assertEqual(listed, {"all": ["gpt-5.4", "gpt-5.5", "o3"],
                                   "grouped": ["gpt-5.4", "o3"], "listed": ["o3"],
                                   "denied": ["gpt-5.4", "gpt-5.5"]})
+
+
+class AccountViewTests(SynchronousTestCase):
+    """
+    What a budgeted key's turn asks of the accounts it may reach (served
+    names, OAuth among them, priced) is worked out once per accounts
+    snapshot, not by a walk of the pool on every read (R108, R109), and
+    follows every change of the accounts or of the key's reach.
+    """
+
+    def setUp(self):
+        from relay.base.records import Account
+
+        self.walked = []
+        serves = Account.servesModel
+
+        def counting(account, model):
+            self.walked.append(account.id)
+            return serves(account, model)
+
+        self.patch(Account, "servesModel", counting)
+
+    def test_walkedOncePerSnapshot(self):
+        """
+        Reading the served names, the output-limit answer and the estimate
+        twice walks the 50 accounts once.
+        """
+        client = key(daily_usd=5.0)
+        rig = TenantsRig([account(f"a{i}") for i in range(50)], keys=[client])
+        for _ in range(2):
+            rig.policy.estimate(client, "gpt-5.5", {}, 10, 10)
+            rig.policy.outputLimitHonoured(client, "gpt-5.5")
+            self.assertIsNone(rig.policy.refusal(client, "gpt-5.5", T0))
+        self.assertEqual(len(self.walked), 50)
+
+    def test_followsTheAccounts(self):
+        """
+        Replacing the accounts (a reload, the admin API) is seen by the next
+        read: an OAuth account serving the model makes the output limit not
+        honoured, a mapping changes the served name.
+        """
+        client = key(daily_usd=5.0)
+        rig = TenantsRig([account("a")], keys=[client])
+        self.assertTrue(rig.policy.outputLimitHonoured(client, "gpt-5.5"))
+        self.assertEqual(rig.policy._serving(client, "gpt-5.5"), ["gpt-5.5"])
+        rig.live.accounts.replace([account("a", model_mapping={"gpt-5.5": "gpt-5.4"}),
+                                   account("o", type="oauth")])
+        self.assertFalse(rig.policy.outputLimitHonoured(client, "gpt-5.5"))
+        self.assertEqual(sorted(rig.policy._serving(client, "gpt-5.5")), ["gpt-5.4", "gpt-5.5"])
+
+    def test_followsTheKeysReach(self):
+        """
+        A key's group, changed through the admin API while the accounts
+        stay, is seen by the next read.
+        """
+        client = key(daily_usd=5.0, group="g")
+        rig = TenantsRig([account("a"), account("o", type="oauth")], keys=[client])
+        rig.policy.adminGroups["g"] = ["a"]
+        self.assertTrue(rig.policy.outputLimitHonoured(client, "gpt-5.5"))
+        rig.policy.adminGroups["g"] = ["a", "o"]
+        self.assertFalse(rig.policy.outputLimitHonoured(client, "gpt-5.5"))
+        self.assertEqual([a.id for a in rig.policy.reachable(client, rig.live.accounts)],
+                         ["a", "o"])

@@ -47,7 +47,7 @@ import math
 import time
 from typing import Any, Iterable, Optional
 
-from attrs import define, field
+from attrs import define, field, frozen
 from twisted.logger import Logger
 from zope.interface import implementer
 
@@ -181,6 +181,38 @@ def notPriced(key: ClientKey, param: str, what: str) -> ClientError:
     )
 
 
+_VIEWS = 256
+"""The most L{KeyPolicy._view} answers kept for one accounts snapshot (a
+client may name any model; past this they are all dropped)."""
+
+
+@frozen
+class _View:
+    """
+    The live accounts a key may reach, and those of them serving a model
+    (L{KeyPolicy._view}).
+
+    @ivar reach: the accounts the key may reach, in order.
+    @ivar serving: those of C{reach} that serve the model (all of them for
+        L{None}).
+    @ivar names: the upstream names C{serving} serve the model as, each
+        once, in order.
+    @ivar oauth: whether one of C{serving} is an OAuth account.
+    """
+
+    reach: tuple
+    serving: tuple
+    names: tuple
+    oauth: bool
+
+    @classmethod
+    def of(cls, accounts: tuple, allowed: Optional[frozenset], model: Optional[str]) -> _View:
+        reach = accounts if allowed is None else tuple(a for a in accounts if a.id in allowed)
+        serving = tuple(a for a in reach if a.servesModel(model))
+        names = tuple(dict.fromkeys(a.upstreamModel(model) for a in serving)) if model else ()
+        return cls(reach, serving, names, any(a.type == "oauth" for a in serving))
+
+
 @implementer(IKeyPolicy)
 @define(eq=False)
 class KeyPolicy:
@@ -203,6 +235,10 @@ class KeyPolicy:
     adminGroups: dict = field(factory=dict)
     """Group name -> account ids of the groups added through the admin API
     (L{relay.control.groups}; the file's C{groups:} win on a name)."""
+    _views: dict = field(factory=dict, init=False)
+    """C{(allowed ids, model)} -> L{_View}, for the accounts snapshot
+    C{_viewsOf} (L{_view})."""
+    _viewsOf: Any = field(default=None, init=False)
     _log = Logger()
 
     # -- what the key may reach ------------------------------------------------
@@ -230,7 +266,50 @@ class KeyPolicy:
         @return: those of C{accounts} that C{key} may reach, in order.
         """
         allowed = self.allowedAccounts(key)
+        if accounts is self.live.accounts:
+            view = self._view(allowed, None)
+            if view is not None:
+                return list(view.reach)
         return [a for a in accounts if allowed is None or a.id in allowed]
+
+    def _view(self, allowed: Optional[frozenset], model: Optional[str]) -> Optional[_View]:
+        """
+        What the live accounts a key with C{allowed} may reach do with
+        C{model}, worked out once per accounts snapshot: a turn of a key
+        with a money budget reads it up to four times (R108, R109), and a
+        pool of 2,000 accounts made each read a walk of them all. Exact:
+        L{relay.process.live.AccountRegistry.snapshot} is a new tuple
+        whenever the set changes, the accounts are frozen, and a change of
+        the key's accounts or group changes C{allowed}.
+
+        @param allowed: L{allowedAccounts}' answer.
+        @param model: the client model name, or L{None} (C{reach} only).
+        @return: the L{_View}, or L{None} when the live accounts have no
+            snapshot (then the caller walks them).
+        """
+        snapshot = getattr(self.live.accounts, "snapshot", None)
+        if snapshot is None:
+            return None
+        accounts = snapshot()
+        if accounts is not self._viewsOf:
+            self._views, self._viewsOf = {}, accounts
+        views = self._views
+        found = views.get((allowed, model))
+        if found is None:
+            if len(views) >= _VIEWS:
+                views.clear()
+            found = views[allowed, model] = _View.of(accounts, allowed, model)
+        return found
+
+    def _servingAccounts(self, key: ClientKey, model: Optional[str]) -> tuple:
+        """
+        The live accounts C{key} may reach that serve C{model}, in order.
+        """
+        view = self._view(self.allowedAccounts(key), model)
+        if view is None:
+            return tuple(a for a in self.reachable(key, self.live.accounts)
+                         if a.servesModel(model))
+        return view.serving
 
     def modelAllowed(self, key: ClientKey, model: Optional[str],
                      accounts: Optional[Iterable] = None) -> bool:
@@ -325,7 +404,7 @@ class KeyPolicy:
                 wsInband=True,
             )
         if (key.daily_usd is not None or key.monthly_usd is not None) and not self._priced(
-            model, self.reachable(key, self.live.accounts)
+            model, self._servingAccounts(key, model)
         ):
             names = sorted({n for n in self._serving(key, model) if n is not None})
             return notPriced(key, "model", ", ".join(f"model `{n}`" for n in names))
@@ -336,8 +415,10 @@ class KeyPolicy:
         The upstream names the accounts C{key} may reach serve C{model} as
         (R109: what a turn is priced by), or C{[model]} when none serves it.
         """
-        serving = [a.upstreamModel(model) for a in self.reachable(key, self.live.accounts)
-                   if a.servesModel(model)]
+        view = self._view(self.allowedAccounts(key), model) if model else None
+        if view is not None:
+            return list(view.names) or [model]
+        serving = [a.upstreamModel(model) for a in self._servingAccounts(key, model)]
         return serving or [model]
 
     def outputLimitHonoured(self, key: ClientKey, model: Optional[str]) -> bool:
@@ -350,18 +431,22 @@ class KeyPolicy:
         may run to the key's C{max_turn_output_tokens}, which is then the
         output its reservation holds.
         """
-        return not any(a.type == "oauth" for a in self.reachable(key, self.live.accounts)
-                       if a.servesModel(model))
+        view = self._view(self.allowedAccounts(key), model)
+        if view is not None:
+            return not view.oauth
+        return not any(a.type == "oauth" for a in self._servingAccounts(key, model))
 
-    def _priced(self, model: Optional[str], accounts: Iterable) -> bool:
+    def _priced(self, model: Optional[str], serving: tuple) -> bool:
         """
         R109: some account C{key} may reach serves C{model} under a name
         with a price (or the table has a default); which one serves a turn
         is checked again when it is chosen (L{priceRefusal}).
+
+        @param serving: the accounts the key may reach that serve C{model}
+            (L{_servingAccounts}).
         """
         if self.prices is None or model is None:
             return True
-        serving = [a for a in accounts if a.servesModel(model)]
         if not serving:
             return self.prices.served(model) is not None
         return any(self.prices.served(a.upstreamModel(model)) is not None for a in serving)
