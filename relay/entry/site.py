@@ -455,7 +455,10 @@ class RelayHTTPChannel(HTTPChannel):
     def allContentReceived(self) -> None:
         if self.timeOut and b"Upgrade" not in self.requests[-1].requestHeaders._rawHeaders:
             self._relayParkIdle = True
-        super().allContentReceived()
+        try:
+            super().allContentReceived()
+        finally:
+            self._relayParkIdle = False  # only ever its own setTimeout(None)
 
     def setTimeout(self, period):
         """
