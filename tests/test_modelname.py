@@ -182,6 +182,33 @@ class CatalogueTests(SynchronousTestCase):
         accounts.append(acct(models=("new-model",)))
         self.assertEqual(catalogue.label("new-model"), "new-model")
 
+    def test_remembered_labels_follow_every_change(self):
+        """
+        R110: a label remembered per name is never stale: a model an
+        account or the price table gains or loses changes the next label
+        (the remembered names are forgotten with the set they were read
+        against), and at most C{CANONICAL_MEMO} names are kept.
+        """
+        from relay.base import modelname
+
+        accounts = (acct(models=("alpha",)),)
+        holder = [accounts]
+        prices = PriceTable()
+        catalogue = ModelCatalogue(lambda: holder[0], prices)
+        self.assertEqual(catalogue.label("beta-2026-01-02"), OTHER)
+        self.assertEqual(catalogue.label("ALPHA-2026-01-02"), "alpha")
+        holder[0] = (acct(models=("beta",)),)
+        self.assertEqual(catalogue.label("beta-2026-01-02"), "beta")
+        self.assertEqual(catalogue.label("ALPHA-2026-01-02"), OTHER)
+        holder[0] = (acct(models=("beta", "beta-2026-01-02")),)
+        self.assertEqual(catalogue.label("beta-2026-01-02"), "beta-2026-01-02")
+        holder[0] = accounts
+        self.assertEqual(catalogue.label("ALPHA-2026-01-02"), "alpha")
+        for i in range(3 * modelname.CANONICAL_MEMO):
+            catalogue.label(f"client-name-{i}")
+        self.assertLessEqual(len(catalogue._canonical[1]), modelname.CANONICAL_MEMO)
+        self.assertEqual(catalogue.label("ALPHA"), "alpha")
+
     def test_metrics_labels_are_bounded(self):
         """
         R110: C{relay_tokens_total}'s C{model} label is the known

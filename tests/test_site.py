@@ -448,3 +448,97 @@ class ChatShapeTests(SynchronousTestCase):
         }
         checkChatRequest(body)
         self.assertEqual(chatToResponses(body)["tools"][0]["name"], "f")
+
+
+class _Held(Resource):
+    """
+    A leaf that keeps every request open until the test finishes it.
+    """
+
+    isLeaf = True
+
+    def __init__(self):
+        super().__init__()
+        self.held = []
+
+    def render_GET(self, request):
+        from twisted.web.server import NOT_DONE_YET
+
+        self.held.append(request)
+        return NOT_DONE_YET
+
+
+class IdleTimeoutTests(SynchronousTestCase):
+    """
+    The connection's idle timeout (twisted.web's C{Site.timeout}) behaves
+    as twisted.web's own while relay parks it during a request instead of
+    cancelling and rescheduling it (L{relay.entry.site.RelayHTTPChannel.setTimeout}):
+    the same closes at the same times, none while a request is handled,
+    nothing left scheduled once the connection is gone.
+    """
+
+    TIMEOUT = 10
+
+    def trace(self, relay: bool, upgrade: bool = False, lose: bool = False) -> list:
+        """
+        Run one connection through a held request and back to idle on
+        relay's site (or twisted.web's) and record what a client sees.
+        """
+        from twisted.web.server import Site
+
+        from relay.entry.site import RelaySite
+        from relay.process.app import _Request
+
+        clock = Clock()
+        held = _Held()
+        if relay:
+            site = RelaySite(held, requestFactory=_Request, reactor=clock, timeout=self.TIMEOUT)
+        else:
+            site = Site(held, reactor=clock, timeout=self.TIMEOUT)
+        protocol = site.buildProtocol(None)
+        transport = StringTransport()
+        protocol.makeConnection(transport)
+        seen = []
+
+        def note(label):
+            seen.append((label, transport.disconnecting, len(held.held)))
+
+        clock.advance(self.TIMEOUT - 1)
+        extra = b"Upgrade: websocket\r\nConnection: Upgrade\r\n" if upgrade else b""
+        protocol.dataReceived(b"GET /a HTTP/1.1\r\nHost: x\r\n" + extra + b"\r\n")
+        note("held")
+        if upgrade:
+            seen.append(("pending", len(clock.getDelayedCalls())))
+        clock.advance(self.TIMEOUT * 3)
+        note("held long")
+        protocol.dataReceived(b"GET /b HTTP/1.1\r\n")  # pipelined, incomplete
+        clock.advance(self.TIMEOUT - 1)
+        note("more data")
+        if lose:
+            from twisted.internet.error import ConnectionDone
+            from twisted.python.failure import Failure
+
+            protocol.connectionLost(Failure(ConnectionDone()))
+            seen.append(("lost", len(clock.getDelayedCalls())))
+            return seen
+        held.held[0].finish()
+        note("finished")
+        clock.advance(self.TIMEOUT - 0.5)
+        note("idle almost")
+        clock.advance(1)
+        note("idle over")
+        return seen
+
+    def test_idle_timeout_as_twisted_web(self):
+        expected = self.trace(relay=False)
+        self.assertEqual(self.trace(relay=True), expected)
+        self.assertEqual(expected[-2:], [("idle almost", False, 1), ("idle over", True, 1)])
+
+    def test_upgrade_as_twisted_web(self):
+        self.assertEqual(self.trace(relay=True, upgrade=True),
+                         self.trace(relay=False, upgrade=True))
+
+    def test_lost_during_a_request_leaves_nothing_scheduled(self):
+        expected = self.trace(relay=False, lose=True)
+        self.assertEqual(self.trace(relay=True, lose=True), expected)
+        self.assertEqual(expected[-1], ("lost", 0))

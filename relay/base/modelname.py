@@ -154,6 +154,11 @@ def listed(name: Any, names: Optional[Iterable[str]]) -> bool:
     return key is not None and key in known
 
 
+CANONICAL_MEMO = 1024
+"""How many client model names L{ModelCatalogue.canonical} remembers (then
+it forgets them all and starts again: bounded whatever clients send)."""
+
+
 class ModelCatalogue:
     """
     The model names relay knows (R110): the price table's models and every
@@ -169,6 +174,7 @@ class ModelCatalogue:
         self.accounts = accounts
         self.prices = prices
         self._cache: tuple = (None, None, frozenset())
+        self._canonical: tuple = (None, {})
 
     def known(self) -> frozenset:
         """
@@ -193,10 +199,26 @@ class ModelCatalogue:
     def canonical(self, name: Any) -> Optional[str]:
         """
         @return: L{normalise}'s name when relay knows it, else L{None}.
+            Remembered per name for one known set (L{known} returns a new
+            object when it changes, which starts afresh), at most
+            L{CANONICAL_MEMO} names.
         """
         known = self.known()
+        seen, memo = self._canonical
+        if seen is not known:
+            memo = {}
+            self._canonical = (known, memo)
+        elif type(name) is str:
+            found = memo.get(name, memo)
+            if found is not memo:
+                return found
         key = normalise(name, known)
-        return key if key in known else None
+        found = key if key in known else None
+        if type(name) is str:
+            if len(memo) >= CANONICAL_MEMO:
+                memo.clear()
+            memo[name] = found
+        return found
 
     def label(self, name: Any) -> str:
         """

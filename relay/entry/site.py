@@ -437,6 +437,48 @@ class RelayHTTPChannel(HTTPChannel):
         if expect and expect[0].lower() == b"100-continue" and self._version == b"HTTP/1.1":
             self._send100Continue()
 
+    # -- the idle timeout while a request is handled ----------------------------
+    #
+    # twisted.web stops its idle timeout (TimeoutMixin) when a request's body
+    # is in and starts a new one when the answer is done: a reactor call
+    # cancelled and another scheduled per request. Here the call is parked
+    # instead: the timeout reads as off (timeOut None, so data does not
+    # reset it) and the call, if it comes meanwhile, does nothing; at the
+    # end of the request twisted.web's setTimeout resets it to the full
+    # timeout from then, as a new call would be. A request that upgrades
+    # (WebSocket: the transport is taken over and the channel never learns
+    # of its end) has its call cancelled as twisted.web does.
+
+    _relayParkIdle = False
+    _relayIdleParked = False
+
+    def allContentReceived(self) -> None:
+        if self.timeOut and b"Upgrade" not in self.requests[-1].requestHeaders._rawHeaders:
+            self._relayParkIdle = True
+        try:
+            super().allContentReceived()
+        finally:
+            self._relayParkIdle = False  # only ever its own setTimeout(None)
+
+    def setTimeout(self, period):
+        """
+        TimeoutMixin's, but the stop at a request's start parks the call
+        (see above).
+        """
+        if self._relayParkIdle:
+            self._relayParkIdle = False
+            if period is None and self._TimeoutMixin__timeoutCall is not None:
+                self._relayIdleParked = True
+                previous, self.timeOut = self.timeOut, None
+                return previous
+        self._relayIdleParked = False
+        return super().setTimeout(period)
+
+    def timeoutConnection(self) -> None:
+        if self._relayIdleParked:
+            return  # a parked idle timeout: twisted.web's would be stopped
+        super().timeoutConnection()
+
     def requestDone(self, request) -> None:
         self._awaitingHeaders = True
         super().requestDone(request)
