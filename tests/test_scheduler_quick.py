@@ -200,6 +200,25 @@ class FastPathParityTests(SynchronousTestCase):
                      lastUsed={"a1": 999_990.0},
                      turns=[{}, {}, {"sessionHash": OTHER}, {"sessionHash": OTHER}, {}])
 
+    def test_unflagged_bound_account_not_asked(self):
+        """
+        With a C{flagged} hook, a bound static candidate that no source
+        flags is compatible without asking the C{extraBlock} and quarantine
+        hooks (their answers are a subset of the flagged ones); a flagged
+        one is still checked in full.
+        """
+        world = World(accounts=[account("a1"), account("a2")], bindings=[(HASH, "a2")],
+                      blocked=["a1"])
+        asked = []
+        checks = world.scheduler._checks
+        extraBlock, isQuarantined = checks.extraBlock, checks.isQuarantined
+        checks.extraBlock = lambda a, now, model: asked.append(a.id) or extraBlock(a, now, model)
+        checks.isQuarantined = lambda a: asked.append(a.id) or isQuarantined(a)
+        quick = world.scheduler._quick.select(turn(sessionHash=HASH), frozenset())
+        self.assertEqual(quick.account.id, "a2")
+        self.assertNotIn("a2", asked)
+        self.assertIn("a1", asked)
+
     def test_left_to_the_general_path(self):
         """
         Every case the fast path does not decide gives the general path's

@@ -270,6 +270,8 @@ class AccountHealth:
         @return: account ids (possibly repeated).
         """
         blocks = self._blocks
+        if not blocks:
+            return []
         over = [key for key, (until, _) in blocks.items() if until <= now]
         for key in over:
             del blocks[key]
@@ -283,6 +285,8 @@ class AccountHealth:
         @param model: the upstream model, or L{None}.
         @return: C{(reason, until)} or L{None}.
         """
+        if not self._blocks:
+            return None
         now = self._clock.seconds()
         best = None
         for key in (
@@ -626,16 +630,18 @@ class AccountHealth:
         return succeed(None)
 
     def _success(self, account: Account, model: Optional[str]) -> None:
-        for key in [k for k in self._breakers if k[0] == account.id]:
-            state = self._breakers.pop(key)
-            if state.failures or state.opens:
-                self._log.info(
-                    "account {account_id} via {proxy_id}: circuit closed",
-                    event="openai.account_transport_circuit_closed",
-                    account_id=account.id,
-                    proxy_id=key[1],
-                )
-        self._oauth429.pop(account.id, None)
+        if self._breakers:
+            for key in [k for k in self._breakers if k[0] == account.id]:
+                state = self._breakers.pop(key)
+                if state.failures or state.opens:
+                    self._log.info(
+                        "account {account_id} via {proxy_id}: circuit closed",
+                        event="openai.account_transport_circuit_closed",
+                        account_id=account.id,
+                        proxy_id=key[1],
+                    )
+        if self._oauth429:
+            self._oauth429.pop(account.id, None)
         if account.type != "oauth":
             # Not waited for: on Redis it leaves with the turn's
             # other end-of-turn writes (owner records, slot releases).
@@ -643,6 +649,8 @@ class AccountHealth:
                 d = self._store.resetStreak(account.id, streakModel(model))
             except Exception:  # noqa: BLE001 - logged by the errback below
                 d = fail()
+            if d.called and d.result is None:
+                return  # done at once (the memory store's): no errback to add
 
             def _eb(f, accountId=account.id):
                 self._log.warn(

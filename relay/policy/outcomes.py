@@ -120,9 +120,19 @@ class AttemptOutcomes:
         An attempt on C{accountId} completed.
         """
         now = self.clock.seconds()
-        self._bucket(accountId, now).succeeded += 1
+        buckets = self.buckets.get(accountId)
+        if buckets and buckets[-1].minute == int(now // BUCKET_SECONDS):
+            # This minute's bucket: it was pruned when it was added, at this
+            # minute, so nothing is older than the window (L{_bucket}).
+            buckets[-1].succeeded += 1
+        else:
+            self._bucket(accountId, now).succeeded += 1
         self.lastSuccess[accountId] = now
-        self._ended(accountId, True, now)
+        recent = self.recent.get(accountId)
+        if recent is None:
+            self._ended(accountId, True, now)
+        else:
+            recent.append((now, True))
 
     def failed(self, accountId: str, reason: str, status: Optional[int],
                message: str = "") -> None:

@@ -462,11 +462,15 @@ class Balancer:
                 yield _Run(members, byId, staticIds, skipped)
                 continue
             group = [byId[i] for i in members if i in staticIds and i not in skipped]
+            joined = False
             while si < len(specials) and specials[si][0] == plainKey:
                 group.append(specials[si][2])
                 si += 1
+                joined = True
             if group:
-                group.sort(key=lambda a: position[a.id])
+                if joined:
+                    # (The bucket's members are in configured order already.)
+                    group.sort(key=lambda a: position[a.id])
                 yield group
         while si < len(specials):
             run, si = _tieRun(specials, si)

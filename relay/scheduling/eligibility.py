@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from typing import Callable, Optional
 
-from attrs import define, field
+from attrs import define
 from twisted.logger import Logger
 
 from relay.base.logs import isoTime
@@ -51,11 +51,15 @@ def refusal(turn: Turn, status: int, type: str, message: str, code=None,
     ))
 
 
-@define(eq=False)
 class Pass:
     """
     What one L{relay.scheduling.layers.Layers.select} call knows: the turn, the time, the
     account states and the derived eligibility.
+
+    A plain class: the constructor sets what every pass is given and the
+    C{loads} map; every other attribute reads its class default until a
+    layer sets it (one pass per general selection: no per-field default
+    work).
 
     @ivar turn: the L{Turn}.
     @ivar excluded: account ids excluded in this turn.
@@ -74,12 +78,6 @@ class Pass:
     @ivar loads: account id -> (inUse, waiting) of the last load read.
     """
 
-    turn: Turn
-    excluded: frozenset
-    now: float
-    scheduling: SchedulingSettings
-    byId: dict
-    states: dict
     oauthBarred: bool = False
     barMessage: str = OAUTH_CONTINUATION_MESSAGE
     barParam: Optional[str] = "previous_response_id"
@@ -100,7 +98,6 @@ class Pass:
     binding: Optional[str] = None
     skew: float = 0.0
     tried: int = 0
-    loads: dict = field(factory=dict)
     quotaDecided: bool = False
     dryRun: bool = False
     """A preview (L{relay.scheduling.preview}): no slot is taken,
@@ -108,6 +105,17 @@ class Pass:
     rng: Optional[random.Random] = None
     """The tie shuffler: the scheduler's own, or (dry run) a copy of its
     state, so a preview predicts the next real selection's ties."""
+
+    def __init__(self, turn: Turn, excluded: frozenset, now: float,
+                 scheduling: SchedulingSettings, byId: dict, states,
+                 oauthBarred: bool = False, spec: Optional[list] = None) -> None:
+        self.turn, self.excluded, self.now, self.scheduling = turn, excluded, now, scheduling
+        self.byId, self.states = byId, states
+        if oauthBarred:
+            self.oauthBarred = oauthBarred
+        if spec is not None:
+            self.spec = spec
+        self.loads: dict = {}
 
     @property
     def eligible(self) -> list:

@@ -100,6 +100,7 @@ class QuickSticky:
         openAccounts = [a for a in serving if a.id not in excluded] if excluded else serving
         suspects = self._checks.suspectsAt(states, ctx.now, pool)
         incompatible = self._checks.incompatible
+        staticIds = None
         if suspects is None:
             if openAccounts and all(self._checks.isQuarantined(a) for a in openAccounts):
                 return None
@@ -122,9 +123,15 @@ class QuickSticky:
                         bad += 1
             gone = sum(1 for i in excluded if i in staticIds) if excluded else 0
             candidateCount = len(static.accounts) - gone - bad
-        # _sessionLayer: the bound account, compatible, with a free slot.
-        if incompatible(ctx, account) is not None:
-            return None
+        # _sessionLayer: the bound account, compatible, with a free slot. A
+        # static candidate no source flags (a superset of what the hooks
+        # and the stored states may refuse at ctx.now, read just above with
+        # nothing in between) is compatible unless excluded: the full
+        # check is for the others.
+        if (staticIds is None or boundId not in staticIds or boundId in suspects
+                or boundId in excluded):
+            if incompatible(ctx, account) is not None:
+                return None
         lease = self._admission.tryAcquireNow("account", account.id, account.concurrency)
         if lease is None:
             return None
