@@ -33,7 +33,8 @@ from relay.entry.intake import IntakePolicy
 from relay.entry.root import buildRoot
 from relay.translate.anthropic.models import AnthropicModels
 from relay.entry.site import JSONMethodErrors, RelaySite, writeFirst
-from relay.base.logs import ClassLogger, redactQuery
+from relay.base.logs import ClassLogger
+from relay.base.redact import redactQuery
 from relay.policy.health import AccountHealth
 from relay.interfaces import IFailureClassifier, ISlotAdmission, IUpstreamDialer
 from relay.base.records import RelayConfig
