@@ -443,6 +443,22 @@ class HeadTimeoutTests(SynchronousTestCase):
         self.clock.advance(0.1)
         self.failureResultOf(third, HeaderTimeout)
 
+    def test_requestWithoutLimitAfterOneWithIt(self):
+        """
+        A request without a timeout after one with it on the same
+        connection is never failed by the earlier one's timer.
+        """
+        ok = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+        first = self.pool.request(self.target, b"x", 5.0)
+        self.connection.dataReceived(ok)
+        self.successResultOf(first)
+        second = self.pool.request(self.target, b"y", None)
+        self.clock.advance(10)
+        self.assertNoResult(second)
+        self.assertFalse(self.transport.disconnecting)
+        self.connection.dataReceived(ok)
+        self.successResultOf(second)
+
     def test_newConnectionConnectCounts(self):
         """
         A request on a new connection: the connect is within the seconds.

@@ -383,6 +383,12 @@ class Connection(Protocol):
                 self._timer = self._pool._reactor.callLater(timeout, self._headTimedOut)
             else:
                 timer.reset(timeout)
+        elif self._timer is not None:
+            # no limit for this one: an earlier request's timer must not
+            # fail it
+            timer, self._timer = self._timer, None
+            if timer.active():
+                timer.cancel()
         # Sent at once when nothing is queued (relay.wire.sendnow).
         sendNow(self.transport, data)
         return d
