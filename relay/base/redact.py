@@ -249,6 +249,13 @@ class SecretRedactor:
         anyPattern = self._anyPattern
         if anyPattern is None or anyPattern.search(text) is None:
             return text
+        return self._replace(text)
+
+    def _replace(self, text: str) -> str:
+        """
+        @return: C{text} with the known secrets, then the patterns'
+            matches, replaced.
+        """
         if self._secretPattern is not None:
             text = self._secretPattern.sub(REDACTED, text)
         for pattern, replacement in self._patterns:
@@ -289,11 +296,7 @@ class SecretRedactor:
                     clean.clear()
                 clean.add(text)
             return text
-        if self._secretPattern is not None:
-            text = self._secretPattern.sub(REDACTED, text)
-        for pattern, replacement in self._patterns:
-            text = pattern.sub(replacement, text)
-        return text
+        return self._replace(text)
 
     def _literalClean(self, text: str) -> bool:
         """

@@ -561,34 +561,15 @@ class RelayMetrics:
             )
             children = (children, tuple(_adder(child) for child in children))
             self._tokenChildren[(key, account, model)] = children
-        turns, inputs, cached, outputs, reasoning = children[1]
         # A zero is not added (each inc takes the child's lock); a
         # negative one goes to the child's inc, which refuses it.
-        n = counts.requests
-        if n > 0:
-            turns(n)
-        elif n:
-            children[0][0].inc(n)
-        n = counts.input
-        if n > 0:
-            inputs(n)
-        elif n:
-            children[0][1].inc(n)
-        n = counts.cached
-        if n > 0:
-            cached(n)
-        elif n:
-            children[0][2].inc(n)
-        n = counts.output
-        if n > 0:
-            outputs(n)
-        elif n:
-            children[0][3].inc(n)
-        n = counts.reasoning
-        if n > 0:
-            reasoning(n)
-        elif n:
-            children[0][4].inc(n)
+        amounts = (counts.requests, counts.input, counts.cached, counts.output,
+                   counts.reasoning)
+        for child, add, n in zip(children[0], children[1], amounts):
+            if n > 0:
+                add(n)
+            elif n:
+                child.inc(n)
         if counts.cost:
             # The cost series appears with the first priced turn, as before.
             child = self._costChildren.get((key, account, model))
