@@ -413,7 +413,8 @@ def _targets(results, idle, names, ws, wsTrees, out) -> None:
 
     big = "1 MiB"
     fresh = (big, "fresh", 1, "relay") in results
-    kinds = (("json", ""), ("fresh", ", a new conversation every turn")) if fresh else (
+    kinds = (("json", ""), ("fresh", ", a new conversation every turn (relay's own stricter "
+                                     "row)")) if fresh else (
         ("json", ""),)
     for kind, what in kinds:
         d1 = results[big, kind, 1, "direct"]
@@ -481,8 +482,9 @@ def _targets(results, idle, names, ws, wsTrees, out) -> None:
             a, z = sum(c[1:11]) / 10, sum(c[40:50]) / 10
             return f"{z / a:.2f}x {_met(z / a <= 1.25)}"
 
-        row("HTTP session: CPU per turn, turns 41-50 / 2-11 (the cost does not grow with "
-            "the conversation)", "flat (<= 1.25x)", session)
+        row("HTTP session: CPU per turn, turns 41-50 / 2-11 (relay's own stricter row: every "
+            "HTTP turn resends the whole history, so its bytes grow ~20x over the session)",
+            "flat (<= 1.25x)", session)
     for kind, conns, what in (("json", 1, "added"), ("json", 32, "rps"), ("sse", 16, "rps")):
         base = "baseline" if "baseline" in names else None
         if base is None:
