@@ -734,6 +734,17 @@ class ConfigTests(SynchronousTestCase):
         options.parseOptions(["--config", _EXAMPLE, "--port", "9191"])
         self.assertEqual(options.listen, "tcp:9191:interface=127.0.0.1")
         self.assertRaises(usage.UsageError, Options().parseOptions, ["--port", "x"])
+        self.assertRaises(usage.UsageError, Options().parseOptions, ["--port", "70000"])
+
+    def test_helpIsPlainText(self) -> None:
+        """
+        C{relay-emulator --help} describes C{--port} in one plain line, never
+        with a docstring's epytext fields (C{@param}, C{L{...}}).
+        """
+        text = Options().getUsage()
+        self.assertIn("TCP port on 127.0.0.1 (shortcut for --listen).", text)
+        self.assertNotIn("@", text)
+        self.assertNotIn("L{", text)
 
     def test_badConfig(self) -> None:
         """

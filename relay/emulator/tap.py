@@ -35,6 +35,30 @@ def configFromString(text: str) -> dict:
     return validateConfig(config if config is not None else {})
 
 
+def portNumber(value: str) -> int:
+    """
+    The C{--port} option's value as a TCP port number (the help text is the
+    C{optParameters} entry's, so a C{--help} shows one plain line).
+
+    @param value: the option as typed.
+    @type value: L{str}
+    @return: the port, 0 to 65535.
+    @rtype: L{int}
+    @raise ValueError: if it is not such a number (L{usage.Options} turns it
+        into a L{usage.UsageError}).
+    """
+    try:
+        port = int(value)
+    except ValueError:
+        raise ValueError(f"--port must be a number, not {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port out of range: {port}")
+    return port
+
+
+portNumber.coerceDoc = ""  # the entry's own text says it all
+
+
 class Options(usage.Options):
     """
     Command-line options of the C{relay-emulator} plugin.
@@ -45,26 +69,8 @@ class Options(usage.Options):
     optParameters = [
         ["config", "c", None, "YAML configuration file (see etc/emulator.yaml)."],
         ["listen", "l", None, "Endpoint string to listen on (overrides the file)."],
-        ["port", "p", None, "TCP port on 127.0.0.1 (shortcut for --listen)."],
+        ["port", "p", None, "TCP port on 127.0.0.1 (shortcut for --listen).", portNumber],
     ]
-
-    def opt_port(self, value: str) -> None:
-        """
-        Listen on a TCP port on loopback.
-
-        @param value: the port number.
-        @type value: L{str}
-        @raise usage.UsageError: if it is not a port number.
-        """
-        try:
-            port = int(value)
-        except ValueError:
-            raise usage.UsageError(f"--port must be a number, not {value!r}") from None
-        if not 0 <= port <= 65535:
-            raise usage.UsageError(f"--port out of range: {port}")
-        self["port"] = port
-
-    opt_p = opt_port
 
     def postOptions(self) -> None:
         """
