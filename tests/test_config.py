@@ -115,6 +115,31 @@ class GoodFileTests(SynchronousTestCase):
         self.assertEqual(config.gateway, GatewaySettings())
         self.assertEqual(config.state, StateSettings())
 
+    def test_exampleShowsEveryKey(self):
+        """
+        C{etc/relay.example.yaml} shows every key the parser takes, as the
+        README and C{docs/running.md} promise (commented out where it has no
+        default in force: alerts, operators, Sentinel): every name of
+        L{relay.configuration.parse}'s key tables and of the alerts' numbers
+        appears in it. C{demo} (the offline demo's own flag) is left out.
+        """
+        import re
+        import types
+
+        from relay.configuration import alerts, parse
+
+        names = set(alerts._NUMBERS)
+        for value in vars(parse).values():
+            if (isinstance(value, dict) and value
+                    and all(isinstance(v, types.FunctionType) for v in value.values())):
+                names.update(value)
+        names.discard("demo")
+        with open(os.path.join(_ETC, "relay.example.yaml"), encoding="utf-8") as f:
+            text = f.read()
+        missing = sorted(n for n in names if not re.search(rf"\b{re.escape(n)}\b", text))
+        self.assertEqual(missing, [])
+        self.assertGreater(len(names), 100)
+
     def test_exampleFileNeedsEnvironment(self):
         """
         Without its environment variables the example file fails, naming the
