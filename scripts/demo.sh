@@ -81,6 +81,16 @@ fi
 
 command -v curl >/dev/null 2>&1 || { echo "demo.sh: curl is required" >&2; exit 2; }
 
+# A port something already listens on (most often a demo still running in another shell)
+# would let the checks below talk to that process instead of this demo's: refuse to start.
+for spec in "RELAY_PORT:$RELAY_PORT" "EMULATOR_PORT:$EMULATOR_PORT"; do
+    if (exec 3<>"/dev/tcp/127.0.0.1/${spec#*:}") 2>/dev/null; then
+        echo "demo.sh: port ${spec#*:} (${spec%%:*}) is in use -- is a demo already running?" \
+            "Stop it, or choose free ports: RELAY_PORT=18080 EMULATOR_PORT=19090 scripts/demo.sh" >&2
+        exit 2
+    fi
+done
+
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/relay-demo.XXXXXX")"
 RELAY_URL="http://127.0.0.1:${RELAY_PORT}"
 EMULATOR_URL="http://127.0.0.1:${EMULATOR_PORT}"
