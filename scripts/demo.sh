@@ -180,7 +180,7 @@ deviceLogin() {
     local started id code url status
     echo "--- device-code login: POST /admin/logins {\"flow\": \"device\", \"account\": {\"id\": \"demo-login\", ...}}"
     started="$(admin POST logins "{\"flow\": \"device\", \"account\": {\"id\": \"demo-login\", \"label\": \"logged in by demo.sh\", \"priority\": 40, \"base_url\": \"$EMULATOR_URL/backend-api/codex\"}}")" || return 1
-    id="$(echo "$started" | json 'd["login"]["id"]')" || { echo "$started" >&2; return 1; }
+    id="$(echo "$started" | json 'd["login"]["id"]' 2>/dev/null)" || { echo "$started" >&2; return 1; }
     code="$(echo "$started" | json 'd["login"]["user_code"]')"
     url="$(echo "$started" | json 'd["login"]["verification_url"]')"
     echo "relay says: open $url and enter the code $code"
