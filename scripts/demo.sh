@@ -81,6 +81,16 @@ fi
 
 command -v curl >/dev/null 2>&1 || { echo "demo.sh: curl is required" >&2; exit 2; }
 
+# A port something already listens on (most often a demo still running in another shell)
+# would let the checks below talk to that process instead of this demo's: refuse to start.
+for spec in "RELAY_PORT:$RELAY_PORT" "EMULATOR_PORT:$EMULATOR_PORT"; do
+    if (exec 3<>"/dev/tcp/127.0.0.1/${spec#*:}") 2>/dev/null; then
+        echo "demo.sh: port ${spec#*:} (${spec%%:*}) is in use -- is a demo already running?" \
+            "Stop it, or choose free ports: RELAY_PORT=18080 EMULATOR_PORT=19090 scripts/demo.sh" >&2
+        exit 2
+    fi
+done
+
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/relay-demo.XXXXXX")"
 RELAY_URL="http://127.0.0.1:${RELAY_PORT}"
 EMULATOR_URL="http://127.0.0.1:${EMULATOR_PORT}"
@@ -170,7 +180,7 @@ deviceLogin() {
     local started id code url status
     echo "--- device-code login: POST /admin/logins {\"flow\": \"device\", \"account\": {\"id\": \"demo-login\", ...}}"
     started="$(admin POST logins "{\"flow\": \"device\", \"account\": {\"id\": \"demo-login\", \"label\": \"logged in by demo.sh\", \"priority\": 40, \"base_url\": \"$EMULATOR_URL/backend-api/codex\"}}")" || return 1
-    id="$(echo "$started" | json 'd["login"]["id"]')" || { echo "$started" >&2; return 1; }
+    id="$(echo "$started" | json 'd["login"]["id"]' 2>/dev/null)" || { echo "$started" >&2; return 1; }
     code="$(echo "$started" | json 'd["login"]["user_code"]')"
     url="$(echo "$started" | json 'd["login"]["verification_url"]')"
     echo "relay says: open $url and enter the code $code"

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import subprocess
 import tempfile
 import textwrap
 
@@ -15,6 +17,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from relay.configuration.parse import (
     APIKEY_BASE_URL,
     OAUTH_BASE_URL,
+    PUBLISHED_KEYS,
     loadConfig,
     secretsOf,
     settingsFromString,
@@ -115,6 +118,30 @@ class GoodFileTests(SynchronousTestCase):
         self.assertEqual(config.gateway, GatewaySettings())
         self.assertEqual(config.state, StateSettings())
 
+    def test_exampleShowsEveryKey(self):
+        """
+        C{etc/relay.example.yaml} shows every key the parser takes, as the
+        README and C{docs/running.md} promise (commented out where it has no
+        default in force: alerts, operators, Sentinel): every name of
+        L{relay.configuration.parse}'s key tables and of the alerts' numbers
+        appears in it. C{demo} (the offline demo's own flag) is left out.
+        """
+        import types
+
+        from relay.configuration import alerts, parse
+
+        names = set(alerts._NUMBERS)
+        for value in vars(parse).values():
+            if (isinstance(value, dict) and value
+                    and all(isinstance(v, types.FunctionType) for v in value.values())):
+                names.update(value)
+        names.discard("demo")
+        with open(os.path.join(_ETC, "relay.example.yaml"), encoding="utf-8") as f:
+            text = f.read()
+        missing = sorted(n for n in names if not re.search(rf"\b{re.escape(n)}\b", text))
+        self.assertEqual(missing, [])
+        self.assertGreater(len(names), 100)
+
     def test_exampleFileNeedsEnvironment(self):
         """
         Without its environment variables the example file fails, naming the
@@ -139,16 +166,18 @@ class GoodFileTests(SynchronousTestCase):
         blocks = [b for b in text.split("```sh\n")[1:] if command in b.split("```")[0]]
         self.assertEqual(len(blocks), 1, "docs/running.md: no single sh block runs the example config")
         block = blocks[0].split("```")[0]
-        environ = {}
-        for line in block[: block.index(command)].splitlines():
-            line = line.split("#", 1)[0].strip()
-            if line.startswith("export "):
-                for assignment in line[len("export "):].split():
-                    name, _, value = assignment.partition("=")
-                    environ[name] = value
+        # The exports run in bash, as a reader runs them (the admin key is a
+        # command substitution: a fresh random key, never one printed here).
+        exports = block[: block.index(command)]
+        names = re.findall(r"^export (\w+)=", exports, re.M)
+        script = exports + "".join(f'printf "%s\\0" "${name}"\n' for name in names)
+        done = subprocess.run(["bash", "-c", script], capture_output=True, check=True,
+                              env={"PATH": os.environ.get("PATH", os.defpath)})
+        environ = dict(zip(names, done.stdout.decode("utf-8").split("\0")))
         config = loadConfig(os.path.join(_ETC, "relay.example.yaml"), environ=environ)
         self.assertEqual(config.admin_key, environ["RELAY_ADMIN_KEY"])
         self.assertEqual(set(environ), set(_EXAMPLE_ENV))
+        self.assertNotIn(config.admin_key, PUBLISHED_KEYS)
 
     def test_demoFile(self):
         """

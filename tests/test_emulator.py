@@ -5,6 +5,7 @@ Unit tests for L{relay.emulator}: scripts, faults, event shapes, pacing, the HTT
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import tempfile
 from treq.testing import StubTreq
 from twisted.application.internet import StreamServerEndpointService
 from twisted.application.service import IServiceMaker, MultiService
+from twisted.internet.error import CannotListenError
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
 from twisted.plugin import getPlugins
@@ -34,7 +36,7 @@ from relay.emulator.state import (
     sseFrame,
 )
 from relay.emulator.stream import EventPump
-from relay.emulator.tap import Options, configFromString, makeService
+from relay.emulator.tap import LISTEN_ERROR_EXIT, Options, configFromString, makeService
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _EXAMPLE = os.path.join(os.path.dirname(_HERE), "etc", "emulator.yaml")
@@ -734,6 +736,17 @@ class ConfigTests(SynchronousTestCase):
         options.parseOptions(["--config", _EXAMPLE, "--port", "9191"])
         self.assertEqual(options.listen, "tcp:9191:interface=127.0.0.1")
         self.assertRaises(usage.UsageError, Options().parseOptions, ["--port", "x"])
+        self.assertRaises(usage.UsageError, Options().parseOptions, ["--port", "70000"])
+
+    def test_helpIsPlainText(self) -> None:
+        """
+        C{relay-emulator --help} describes C{--port} in one plain line, never
+        with a docstring's epytext fields (C{@param}, C{L{...}}).
+        """
+        text = Options().getUsage()
+        self.assertIn("TCP port on 127.0.0.1 (shortcut for --listen).", text)
+        self.assertNotIn("@", text)
+        self.assertNotIn("L{", text)
 
     def test_badConfig(self) -> None:
         """
@@ -764,6 +777,31 @@ class ConfigTests(SynchronousTestCase):
         [child] = list(service)
         self.assertIsInstance(child, StreamServerEndpointService)
         self.assertIs(child.factory, service.emulator.site)
+
+    def test_portInUseIsOneLine(self) -> None:
+        """
+        A port already taken (another demo or emulator still running) ends the
+        emulator with one line naming the endpoint and exit status 2, not a
+        C{CannotListenError} traceback and a process serving nothing.
+        """
+
+        class BusyReactor(MemoryReactorClock):
+            def listenTCP(self, port, factory, backlog=50, interface=""):
+                raise CannotListenError(interface, port, OSError(98, "Address already in use"))
+
+        options = Options()
+        options.parseOptions(["--port", "9191"])
+        service = makeService(options, reactor=BusyReactor())
+        [listener] = list(service)
+        listener.stderr = io.StringIO()
+        with self.assertRaises(SystemExit) as caught:
+            service.privilegedStartService()
+        self.assertEqual(caught.exception.code, LISTEN_ERROR_EXIT)
+        self.assertEqual(
+            listener.stderr.getvalue(),
+            "relay-emulator: cannot listen on tcp:9191:interface=127.0.0.1:"
+            " Address already in use\n",
+        )
 
     def test_plugin(self) -> None:
         """

@@ -9,6 +9,7 @@ Each rule's test fails without its rule.
 
 from __future__ import annotations
 
+import io
 import json
 
 from twisted.internet.defer import Deferred
@@ -25,7 +26,7 @@ from relay.control.web import ControlError
 from relay.interfaces import IOperatorDirectory, IOperatorSessions
 from relay.operators.directory import OPERATOR, OperatorDirectory
 from relay.operators.gate import ConsoleGate
-from relay.operators.passwords import checkPassword, hashPassword, isHash, verifyPassword
+from relay.operators.passwords import checkPassword, hashPassword, isHash, main, verifyPassword
 from relay.operators.roles import ADMIN_KEY, Principal, mayManage, refusal
 from relay.operators.sessions import (
     SESSION,
@@ -110,6 +111,61 @@ class PasswordTests(SynchronousTestCase):
         self.assertIsNone(checkPassword("twelve chars"))
         self.assertIn("at least 12", checkPassword("short"))
         self.assertIn("string", checkPassword(5))
+
+
+class PasswordToolTests(SynchronousTestCase):
+    """
+    C{python -m relay.operators.passwords} (L{main}): the hash for a file
+    operator's C{password_hash_env}, and one line, never a traceback, when
+    it cannot read a password.
+    """
+
+    def ask(self, *answers):
+        """
+        @return: a C{getpass}-like callable answering C{answers} in turn, then
+            raising L{EOFError} as C{getpass} does at the end of its input.
+        """
+        left = list(answers)
+
+        def ask(prompt):
+            if not left:
+                raise EOFError()
+            return left.pop(0)
+        return ask
+
+    def test_printsTheHash(self):
+        out = io.StringIO()
+        self.assertEqual(main([], self.ask("correct horse battery", "correct horse battery"), out), 0)
+        encoded = out.getvalue().strip()
+        self.assertTrue(isHash(encoded))
+        self.assertTrue(verifyPassword(encoded, "correct horse battery"))
+
+    def test_noInputIsOneLine(self):
+        """
+        Without a terminal and with nothing on standard input (C{</dev/null},
+        a script), the tool exits with one line saying how to give the
+        password, not an L{EOFError} traceback.
+        """
+        for answers in ((), ("correct horse battery",)):
+            with self.assertRaises(SystemExit) as caught:
+                main([], self.ask(*answers), io.StringIO())
+            self.assertIn("no password read", str(caught.exception.code))
+
+    def test_refusals(self):
+        with self.assertRaises(SystemExit) as caught:
+            main([], self.ask("short", "short"), io.StringIO())
+        self.assertIn("at least 12", caught.exception.code)
+        with self.assertRaises(SystemExit) as caught:
+            main([], self.ask("correct horse battery", "another password"), io.StringIO())
+        self.assertEqual(caught.exception.code, "the two passwords differ")
+        with self.assertRaises(SystemExit) as caught:
+            main(["--bogus"], self.ask(), io.StringIO())
+        self.assertEqual(caught.exception.code, 2)
+
+    def test_help(self):
+        out = io.StringIO()
+        self.assertEqual(main(["--help"], self.ask(), out), 0)
+        self.assertIn("password_hash_env", out.getvalue())
 
 
 class ThrottleTests(SynchronousTestCase):

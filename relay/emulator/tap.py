@@ -5,12 +5,14 @@ The C{relay-emulator} twistd plugin: C{twistd -n relay-emulator --config etc/emu
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import yaml
 from twisted.application.internet import StreamServerEndpointService
 from twisted.application.service import MultiService
 from twisted.internet.endpoints import serverFromString
+from twisted.internet.error import CannotListenError
 from twisted.python import usage
 
 from relay.emulator.core import Emulator, EmulatorConfigError, validateConfig
@@ -35,6 +37,30 @@ def configFromString(text: str) -> dict:
     return validateConfig(config if config is not None else {})
 
 
+def portNumber(value: str) -> int:
+    """
+    The C{--port} option's value as a TCP port number (the help text is the
+    C{optParameters} entry's, so a C{--help} shows one plain line).
+
+    @param value: the option as typed.
+    @type value: L{str}
+    @return: the port, 0 to 65535.
+    @rtype: L{int}
+    @raise ValueError: if it is not such a number (L{usage.Options} turns it
+        into a L{usage.UsageError}).
+    """
+    try:
+        port = int(value)
+    except ValueError:
+        raise ValueError(f"--port must be a number, not {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port out of range: {port}")
+    return port
+
+
+portNumber.coerceDoc = ""  # the entry's own text says it all
+
+
 class Options(usage.Options):
     """
     Command-line options of the C{relay-emulator} plugin.
@@ -45,26 +71,8 @@ class Options(usage.Options):
     optParameters = [
         ["config", "c", None, "YAML configuration file (see etc/emulator.yaml)."],
         ["listen", "l", None, "Endpoint string to listen on (overrides the file)."],
-        ["port", "p", None, "TCP port on 127.0.0.1 (shortcut for --listen)."],
+        ["port", "p", None, "TCP port on 127.0.0.1 (shortcut for --listen).", portNumber],
     ]
-
-    def opt_port(self, value: str) -> None:
-        """
-        Listen on a TCP port on loopback.
-
-        @param value: the port number.
-        @type value: L{str}
-        @raise usage.UsageError: if it is not a port number.
-        """
-        try:
-            port = int(value)
-        except ValueError:
-            raise usage.UsageError(f"--port must be a number, not {value!r}") from None
-        if not 0 <= port <= 65535:
-            raise usage.UsageError(f"--port out of range: {port}")
-        self["port"] = port
-
-    opt_p = opt_port
 
     def postOptions(self) -> None:
         """
@@ -93,6 +101,58 @@ class Options(usage.Options):
             self.listen = config.get("listen") or DEFAULT_LISTEN
 
 
+LISTEN_ERROR_EXIT = 2
+"""The exit status of an emulator whose port cannot be listened on (the
+relay's own for the same problem, L{relay.configuration.check})."""
+
+
+class _Listener(StreamServerEndpointService):
+    """
+    The emulator's listening endpoint. A port that cannot be listened on (in
+    use: another demo or emulator still running; no permission) is one line
+    on standard error and exit status L{LISTEN_ERROR_EXIT}, as the relay
+    does, instead of twistd's C{CannotListenError} traceback and a process
+    that goes on running with nothing to serve.
+
+    @ivar listen: the endpoint string, for the message.
+    @ivar exitOnError: when false (a daemonising twistd, whose parent waits
+        for an exception) the L{CannotListenError} propagates.
+    @ivar pidfile: twistd's pid file to remove before the exit, or L{None}.
+    @ivar stderr: where the line goes: the process's own standard error
+        (C{sys.__stderr__}: once twistd logs, C{sys.stderr} writes into the
+        log, stdout under C{-n}).
+    """
+
+    def __init__(self, endpoint, factory, listen: str):
+        super().__init__(endpoint, factory)
+        self._raiseSynchronously = True
+        self.listen = listen
+        self.exitOnError = True
+        self.pidfile = None
+        self.stderr = sys.__stderr__ or sys.stderr
+
+    def privilegedStartService(self) -> None:
+        """
+        Listen now.
+
+        @raise SystemExit: with L{LISTEN_ERROR_EXIT} when the port cannot be
+            listened on (L{CannotListenError} itself when C{exitOnError} is
+            false).
+        """
+        try:
+            super().privilegedStartService()
+        except CannotListenError as e:
+            if not self.exitOnError:
+                raise
+            from relay.tap import removeOwnPidfile
+
+            reason = getattr(e.socketError, "strerror", None) or str(e.socketError)
+            removeOwnPidfile(self.pidfile)
+            self.stderr.write(f"relay-emulator: cannot listen on {self.listen}: {reason}\n")
+            self.stderr.flush()
+            raise SystemExit(LISTEN_ERROR_EXIT) from None
+
+
 def makeService(options: Options, reactor: Any = None) -> MultiService:
     """
     Build the emulator service.
@@ -100,7 +160,8 @@ def makeService(options: Options, reactor: Any = None) -> MultiService:
     @param options: parsed L{Options}.
     @type options: L{Options}
     @param reactor: the reactor; the global one when L{None}.
-    @return: a L{MultiService} whose child listens with the emulator's site; the
+    @return: a L{MultiService} whose child listens with the emulator's site
+        (a port in use ends the process with one line, L{_Listener}); the
         L{Emulator} is available as its C{emulator} attribute.
     @rtype: L{MultiService}
     """
@@ -112,5 +173,11 @@ def makeService(options: Options, reactor: Any = None) -> MultiService:
     service = MultiService()
     service.emulator = emulator
     endpoint = serverFromString(reactor, options.listen)
-    StreamServerEndpointService(endpoint, emulator.site).setServiceParent(service)
+    listener = _Listener(endpoint, emulator.site, options.listen)
+    parent = getattr(options, "parent", None)
+    if parent is not None and "nodaemon" in parent and not parent["nodaemon"]:
+        listener.exitOnError = False
+    elif parent is not None:
+        listener.pidfile = parent.get("pidfile")
+    listener.setServiceParent(service)
     return service

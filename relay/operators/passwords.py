@@ -7,7 +7,7 @@ environment variable named by C{password_hash_env} (config.md
 C{operators:}).
 
 C{python -m relay.operators.passwords} reads a password from the terminal
-and prints its hash, for the file's operators.
+and prints its hash, for the file's operators (L{main}).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Optional
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
 
-__all__ = ["MIN_PASSWORD_LENGTH", "checkPassword", "hashPassword", "isHash", "verifyPassword"]
+__all__ = ["MIN_PASSWORD_LENGTH", "checkPassword", "hashPassword", "isHash", "main", "verifyPassword"]
 
 MIN_PASSWORD_LENGTH = 12
 """The shortest password an operator may be given, characters."""
@@ -83,13 +83,50 @@ def verifyPassword(encoded: Optional[str], password) -> bool:
     return ok and encoded is not None
 
 
-if __name__ == "__main__":  # pragma: no cover - a terminal tool
-    import getpass
+def main(argv=None, ask=None, out=None) -> int:
+    """
+    C{python -m relay.operators.passwords}: ask for a password twice and
+    print its hash, for a file operator's C{password_hash_env} (config.md
+    C{operators:}). Without a terminal it reads the two lines from standard
+    input.
 
-    first = getpass.getpass("password: ")
-    problem = checkPassword(first)
-    if problem:
-        raise SystemExit(problem)
-    if getpass.getpass("again: ") != first:
-        raise SystemExit("the two passwords differ")
-    print(hashPassword(first))
+    @param argv: the arguments after the program name (C{--help} only).
+    @param ask: C{getpass.getpass}-like; the default reads the terminal.
+    @param out: where the hash (or the help) goes; standard output by default.
+    @return: the exit status: 0 with the hash printed.
+    @raise SystemExit: with one line and status 1 when no password could be
+        read (no terminal, end of input), it is too short or too long, or the
+        two differ; status 2 for an unknown argument.
+    """
+    import getpass
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    out = sys.stdout if out is None else out
+    ask = getpass.getpass if ask is None else ask
+    if argv in (["-h"], ["--help"]):
+        out.write(
+            "usage: python -m relay.operators.passwords\n"
+            "Asks for a password twice and prints its Argon2id hash, for the variable an\n"
+            "operator's password_hash_env names (quote it in a shell: it holds $ signs).\n")
+        return 0
+    if argv:
+        print(f"relay.operators.passwords: unknown argument {argv[0]!r} (try --help)",
+              file=sys.stderr)
+        raise SystemExit(2)
+    try:
+        first = ask("password: ")
+        problem = checkPassword(first)
+        if problem:
+            raise SystemExit(problem)
+        if ask("again: ") != first:
+            raise SystemExit("the two passwords differ")
+    except (EOFError, KeyboardInterrupt):
+        raise SystemExit("no password read: run it in a terminal, or give the password"
+                         " twice on standard input, one line each") from None
+    out.write(hashPassword(first) + "\n")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - a terminal tool
+    raise SystemExit(main())

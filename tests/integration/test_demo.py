@@ -44,10 +44,8 @@ async def runDemo(**extraEnv: str):
     while emulatorPort == relayPort:
         emulatorPort = closedPort()
     env = dict(os.environ)
-    env.update(
-        RELAY_PORT=str(relayPort), EMULATOR_PORT=str(emulatorPort), PYTHON=sys.executable,
-        **extraEnv,
-    )
+    env.update(RELAY_PORT=str(relayPort), EMULATOR_PORT=str(emulatorPort), PYTHON=sys.executable)
+    env.update(extraEnv)
     d = getProcessOutputAndValue(
         shutil.which("bash"), [SCRIPT, "--check"], env=env, path=ROOT, reactor=reactor,
         stdinBytes=b"",
@@ -88,3 +86,22 @@ async def test_demo_check_fails_loudly():
     assert "demo check FAILED" in output
     assert "invalid_api_key" in output
     assert not listening(relayPort) and not listening(emulatorPort)
+
+
+@pytest_twisted.ensureDeferred
+async def test_demo_refuses_a_port_in_use():
+    """
+    With the relay's port already taken (most often a demo still running in
+    another shell) C{demo.sh} exits 2 at once, naming the port and the
+    variable, and starts nothing: its checks would otherwise have talked to
+    the process already there.
+    """
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(8)
+        port = busy.getsockname()[1]
+        output, code, _, emulatorPort = await runDemo(RELAY_PORT=str(port))
+    assert code == 2, output
+    assert f"port {port} (RELAY_PORT) is in use" in output
+    assert "emulator:" not in output and "demo check" not in output
+    assert not listening(emulatorPort)
