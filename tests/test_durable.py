@@ -126,6 +126,48 @@ class DelayedWritesTests(SynchronousTestCase):
             self.successResultOf(d)
         self.assertEqual(len(db.rows()), 5)
 
+    def test_writesDoNotFollowBackToBack(self):
+        """
+        At load, what arrives while a write is in flight waits until
+        L{WRITE_DELAY} after its oldest change (a transaction and its fsync
+        at most about every L{WRITE_DELAY} seconds, not one as soon as the
+        last committed); a change that already waited that long behind a
+        slow write is written as soon as it commits, and so is what waits
+        when a stop asks for it (L{SQLiteValues.flushNow}).
+        """
+        from twisted.internet.task import Clock
+
+        from relay.state.durable import WRITE_DELAY
+
+        clock, db = Clock(), _Database()
+        values = SQLiteValues(db, clock=clock)
+        values.save("k1", "v", 100.0)
+        clock.advance(WRITE_DELAY)
+        self.assertEqual(len(db.queued), 1)
+        clock.advance(0.05)
+        second = values.save("k2", "v", 100.0)  # while k1's write is in flight
+        clock.advance(0.02)
+        db.finish()
+        self.assertEqual(db.queued, [])  # not back to back
+        clock.advance(WRITE_DELAY - 0.02 - 0.01)  # k2 has waited WRITE_DELAY - 0.01
+        self.assertEqual(db.queued, [])
+        self.assertNoResult(second)
+        clock.advance(0.02)
+        self.assertEqual(len(db.queued), 1)  # k2 waited WRITE_DELAY
+        values.save("k3", "v", 100.0)
+        clock.advance(WRITE_DELAY * 4)  # a slow write: k3 waited long enough
+        db.finish()
+        self.successResultOf(second)
+        self.assertEqual(len(db.queued), 1)
+        values.save("k4", "v", 100.0)
+        flushed = values.flushNow()
+        db.finish()
+        self.assertEqual(len(db.queued), 1)  # the stop's: at once
+        db.finish()
+        self.successResultOf(flushed)
+        self.assertEqual([k for k, _ in db.rows()], ["k1", "k2", "k3", "k4"])
+        self.assertEqual(clock.getDelayedCalls(), [])
+
     def test_stopWritesWhatWaits(self):
         from twisted.internet.task import Clock
 
