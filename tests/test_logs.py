@@ -145,6 +145,60 @@ class SecretRedactorTests(SynchronousTestCase):
         self.assertEqual({e["account_id"] for e in events}, {"a1"})
 
 
+class ContainerRedactionTests(SynchronousTestCase):
+    """
+    Secrets held by a field's containers in any place a JSON line writes
+    them -- a dict's keys, a set's members, a container nested deeper than
+    the redactor walks -- are redacted in both formats, on the fused and
+    the general way (style.md section 6).
+    """
+
+    def _lines(self, **fields):
+        """
+        @return: the lines C{fields} give in each format, fused and general.
+        """
+        secrets = SecretSet(["ACCTKEY0123456789"])
+        out = []
+        for fmt in ("json", "text"):
+            for fused in (True, False):
+                stream = io.StringIO()
+                observer = observerFor(fmt, stream, secrets, worker=None)
+                if not fused:
+                    observer._hold = None
+                _emit(observer, "seen {h}", event="relay.test", **fields)
+                out.append(stream.getvalue())
+        return out
+
+    def test_dictKeys(self):
+        """
+        A dict field's keys are redacted like its values.
+        """
+        for line in self._lines(h={"ACCTKEY0123456789": 1, "Bearer abcdefgh": 2}):
+            self.assertNotIn("ACCTKEY0123456789", line)
+            self.assertNotIn("abcdefgh", line)
+
+    def test_setMembers(self):
+        """
+        A set field's members are redacted.
+        """
+        for line in self._lines(h={"ACCTKEY0123456789", "sk-proj-abcdef123456"}):
+            self.assertNotIn("ACCTKEY0123456789", line)
+            self.assertNotIn("abcdef123456", line)
+
+    def test_deepNesting(self):
+        """
+        A secret nested deeper than the redactor's walk is still redacted
+        (the deep part is written as its redacted text).
+        """
+        deep = "ACCTKEY0123456789"
+        for _ in range(12):
+            deep = [deep]
+        lines = self._lines(h=1, deep={"a": deep})
+        for line in lines:
+            self.assertNotIn("ACCTKEY0123456789", line)
+        self.assertIn("***", lines[0])
+
+
 class ObserverTests(SynchronousTestCase):
     """
     L{observerFor}, L{logs.jsonStdout} and L{logs.textStdout}.
