@@ -198,6 +198,19 @@ class ContainerRedactionTests(SynchronousTestCase):
             self.assertNotIn("ACCTKEY0123456789", line)
         self.assertIn("***", lines[0])
 
+    def test_objectTextCut(self):
+        """
+        An object's text is redacted before the JSON line cuts it to its
+        first 2,000 characters: a secret across the cut leaves no prefix.
+        """
+
+        class Holder:
+            def __str__(self):
+                return "x" * 1990 + "ACCTKEY0123456789"
+
+        for line in self._lines(h=Holder()):
+            self.assertNotIn("ACCTKEY012", line)
+
 
 class ObserverTests(SynchronousTestCase):
     """

@@ -345,6 +345,10 @@ _LEGACY_KEYS = frozenset(
 _DROPPED = frozenset({"__class_uuid__", "event", "request_id"})
 
 _MAX_OBJECT_TEXT = 2000
+_REDACTED_OBJECT_TEXT = 64 * 1024
+"""How much of an object's text is redacted before it is cut to
+L{_MAX_OBJECT_TEXT}: any secret that reaches into the kept part is whole
+in it (style.md section 6)."""
 
 _UNSEEN = object()
 _outputKeys: dict = {}
@@ -400,13 +404,15 @@ def _planOf(shape: tuple) -> tuple:
 def _jsonDefault(value: Any, redact: Callable[[str], str]) -> Any:
     """
     Text for what JSON cannot hold: bytes decoded, sets as sorted lists,
-    anything else by its C{str}, redacted and capped.
+    anything else by its C{str}, redacted, then capped.
     """
     if isinstance(value, (bytes, bytearray)):
         return redact(bytes(value).decode("utf-8", "replace"))
     if isinstance(value, (set, frozenset)):
         return sorted(value, key=str)
-    return redact(str(value)[:_MAX_OBJECT_TEXT])
+    # Redacted before the cut (a secret across it would leave its prefix);
+    # what is redacted is bounded too, far past the cut.
+    return redact(str(value)[:_REDACTED_OBJECT_TEXT])[:_MAX_OBJECT_TEXT]
 
 
 def _encoder(redact: Callable[[str], str]) -> json.JSONEncoder:
