@@ -539,6 +539,60 @@ class AccessLogQueryTests(SynchronousTestCase):
         self.assertEqual(event["path"], "/v1/responses?api_key=***&stream=true")
         self.assertNotIn("sk-query-secret-1", json.dumps(event, default=repr))
 
+    def test_longTextRedactedBeforeCut(self):
+        """
+        A target or User-Agent longer than the access line keeps is
+        redacted before it is cut: a registered secret across the cut
+        leaves no prefix in the event (which the observer could no longer
+        recognise). Shorter ones are logged as before.
+        """
+        from twisted.internet.task import Clock
+        from twisted.internet.testing import EventLoggingObserver
+        from twisted.logger import globalLogPublisher
+        from twisted.web.resource import Resource
+        from twisted.web.test.requesthelper import DummyRequest
+
+        from relay.process.app import _Site
+
+        self.patch(logs, "_registered", SecretSet())
+        secret = "tenant0secret0value0abcdefghij"
+        logs.registerSecrets([secret])
+        site = _Site(Resource())
+        site.clock = Clock()
+        request = DummyRequest([b"v1"])
+        request.method = b"GET"
+        request.uri = b"/v1/" + b"p" * 500 + b"/" + secret.encode()
+        request.requestHeaders.setRawHeaders(b"user-agent", [b"a" * 190 + b" " + secret.encode()])
+        request.code = 404
+        request.sentLength = 1
+        events = EventLoggingObserver.createWithCleanup(self, globalLogPublisher)
+        site.log(request)
+        [event] = [e for e in events if e.get("event") == "relay.http_access"]
+        self.assertNotIn(secret[:6], event["path"])
+        self.assertNotIn(secret[:6], event["user_agent"])
+        self.assertEqual(event["path"], ("/v1/" + "p" * 500 + "/***")[:512])
+        self.assertEqual(logs.cutRedacted("short " + secret, 100), "short " + secret)
+
+    def test_requestLogAgentRedactedBeforeCut(self):
+        """
+        The User-Agent a turn keeps for the request log (cut at 200) is
+        redacted before the cut too.
+        """
+        from types import SimpleNamespace
+
+        from twisted.web.test.requesthelper import DummyRequest
+
+        from relay.entry.http import _noteClient
+
+        self.patch(logs, "_registered", SecretSet())
+        secret = "tenant0secret0value0abcdefghij"
+        logs.registerSecrets([secret])
+        request = DummyRequest([b"v1"])
+        request.requestHeaders.setRawHeaders(b"user-agent", [b"a" * 190 + b" " + secret.encode()])
+        turn = SimpleNamespace()
+        _noteClient(turn, request)
+        self.assertEqual(turn.userAgent, "a" * 190 + " ***")
+
     def test_consolePollingIsDebug(self):
         """
         The console's polling (a C{GET} under C{/admin} that succeeded) is

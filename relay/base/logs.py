@@ -85,6 +85,7 @@ __all__ = [
     "LevelFilter",
     "SecretRedactor",
     "SecretSet",
+    "cutRedacted",
     "formatJSONLine",
     "formatTextLine",
     "isoTime",
@@ -109,6 +110,37 @@ def registerSecrets(secrets: Iterable[str]) -> None:
     @param secrets: strings to redact from now on.
     """
     _registered.add(secrets)
+
+
+_cutter: list = [None]
+"""The redactor of L{cutRedacted} (over L{_registered}, built on first use)."""
+
+
+def cutRedacted(text: str, limit: int) -> str:
+    """
+    C{text} cut to its first C{limit} characters for a log field or a
+    record, redacted first (the process-wide secrets of L{registerSecrets}
+    and L{SECRET_PATTERNS}) when it is longer: a secret across the cut
+    would leave its prefix, which no later redaction recognises (style.md
+    section 6). Text within C{limit} is returned as it is (the observers
+    redact it whole).
+
+    @param text: client or upstream text (a request target, a User-Agent).
+    @param limit: the most characters kept.
+    @rtype: L{str}
+    """
+    if len(text) <= limit:
+        return text
+    redactor = _cutter[0]
+    if redactor is None or redactor._secrets is not _registered:
+        redactor = _cutter[0] = SecretRedactor(_dropEvent, _registered)
+    return redactor.redactText(text)[:limit]
+
+
+def _dropEvent(event: dict) -> None:
+    """
+    The observer of L{cutRedacted}'s redactor (it only redacts text).
+    """
 
 
 _lastSecond: list = [None, ""]
