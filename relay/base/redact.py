@@ -348,10 +348,20 @@ class SecretRedactor:
         if isinstance(value, dict):
             changed = False
             copy = {}
+            clean = self._clean
             for k, v in value.items():
-                nv = self._redact(v, depth + 1)
+                kind = type(v)
+                if kind in _SCALARS or (kind is str and v in clean):
+                    nv = v
+                else:
+                    nv = self._redact(v, depth + 1)
                 # a key is written too (a JSON object's name)
-                nk = self._redact(k, depth + 1) if isinstance(k, (str, bytes)) else k
+                if type(k) is str and k in clean:
+                    nk = k
+                elif isinstance(k, (str, bytes)):
+                    nk = self._redact(k, depth + 1)
+                else:
+                    nk = k
                 changed = changed or nv is not v or nk is not k
                 copy[nk] = nv
             return copy if changed else value
