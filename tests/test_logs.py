@@ -212,6 +212,60 @@ class ContainerRedactionTests(SynchronousTestCase):
             self.assertNotIn("ACCTKEY012", line)
 
 
+class ControlCharacterTests(SynchronousTestCase):
+    """
+    A text line never carries a control character from a field (log
+    injection): a carriage return, an escape sequence, a C1 control or a
+    Unicode line separator in a client's text (a model name) is written
+    as its escape, on the fused and the general way; a newline still
+    continues the line with a tab, and a JSON line escapes them all.
+    """
+
+    HOSTILE = "gpt\r2026-01-01T00:00:00.000Z [relay.turn_finished#info] FORGED\x1b[2J\u2028\x85\x00\x7f"
+
+    def _lines(self, fmt, fused, **fields):
+        stream = io.StringIO()
+        observer = observerFor(fmt, stream, SecretSet(), worker=None)
+        if not fused:
+            observer._hold = None
+        for _ in range(2):  # the second event finds its format clean (fused)
+            _emit(observer, "no account available for model {model}", event="relay.test",
+                  **fields)
+        return stream.getvalue().split("\n")[:-1]
+
+    def test_textEscaped(self):
+        """
+        The model's control characters are escaped: one physical line per
+        event, whatever splits lines (C{str.splitlines} too).
+        """
+        for fused in (True, False):
+            lines = self._lines("text", fused, model=self.HOSTILE)
+            self.assertEqual(len(lines), 2)
+            for line in lines:
+                self.assertEqual(line.splitlines(), [line])
+                self.assertTrue(line.isprintable(), repr(line))
+                self.assertIn("gpt\\r2026-01-01", line)
+                self.assertIn("FORGED\\x1b[2J\\u2028\\x85\\x00\\x7f", line)
+
+    def test_newlineContinues(self):
+        """
+        A newline (a traceback's, a multi-line message's) still continues
+        the line with a tab, and a tab stays as it is.
+        """
+        lines = self._lines("text", True, model="a\nb\tc")
+        self.assertEqual([line.split("] ", 1)[-1] for line in lines],
+                         ["no account available for model a", "\tb\tc"] * 2)
+
+    def test_jsonEscapes(self):
+        """
+        The JSON line holds the same text, escaped by JSON.
+        """
+        for fused in (True, False):
+            for line in self._lines("json", fused, model=self.HOSTILE):
+                self.assertEqual(json.loads(line)["model"], self.HOSTILE)
+                self.assertEqual(line.splitlines(), [line])
+
+
 class ObserverTests(SynchronousTestCase):
     """
     L{observerFor}, L{logs.jsonStdout} and L{logs.textStdout}.

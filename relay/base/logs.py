@@ -323,6 +323,37 @@ def _identity(text: str) -> str:
     return text
 
 
+_CONTROLS = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029"
+    "\u200b-\u200f\u202a-\u202e\u2060-\u2064\u2066-\u2069\ufeff]"
+)
+"""What a text line writes as an escape (log injection): the C0 and C1
+controls but the newline and the tab, the Unicode line and paragraph
+separators, and the invisible and bidirectional format characters."""
+
+
+def _escapeControl(match: re.Match) -> str:
+    """
+    @return: the escape of one L{_CONTROLS} character (C{\\r},
+        C{\\x1b}, C{\\u2028}), as C{repr} writes it.
+    """
+    return repr(match.group())[1:-1]
+
+
+def _escapeControls(text: str) -> str:
+    """
+    C{text} with its L{_CONTROLS} characters written as escapes: a
+    client's text (a model name, an upstream message quoting it) must not
+    return the carriage, move the cursor or start what a reader splitting
+    on any line break takes for a line of its own (style.md section 6).
+    Called only for text that is not C{isprintable} (a plain line costs
+    that one check).
+
+    @rtype: L{str}
+    """
+    return _CONTROLS.sub(_escapeControl, text)
+
+
 def formatTextLine(
     event: dict, redact: Callable[[str], str] = _identity, worker: int | None = None
 ) -> str:
@@ -350,8 +381,10 @@ def formatTextLine(
             # A traceback quotes values (a failing request's
             # headers, a token); redacted as the JSON format does.
             text = text + "\n" + redact(traceback)
-    if "\n" in text:
-        text = text.replace("\n", "\n\t")
+    if not text.isprintable():
+        text = _escapeControls(text)  # a newline stays: continued below
+        if "\n" in text:
+            text = text.replace("\n", "\n\t")
     name = event.get("event")
     if type(name) is not str:
         name = _eventName(event)
@@ -1035,8 +1068,10 @@ class _TextRedactor(SecretRedactor):
             self._observer(self.redactEvent(event))
             return
         text = template % values
-        if "\n" in text:
-            text = text.replace("\n", "\n\t")
+        if not text.isprintable():
+            text = _escapeControls(text)  # as formatTextLine
+            if "\n" in text:
+                text = text.replace("\n", "\n\t")
         level = _LEVEL_NAMES.get(event.get("log_level"))
         if level is None:
             level = _levelName(event)
