@@ -145,6 +145,127 @@ class SecretRedactorTests(SynchronousTestCase):
         self.assertEqual({e["account_id"] for e in events}, {"a1"})
 
 
+class ContainerRedactionTests(SynchronousTestCase):
+    """
+    Secrets held by a field's containers in any place a JSON line writes
+    them -- a dict's keys, a set's members, a container nested deeper than
+    the redactor walks -- are redacted in both formats, on the fused and
+    the general way (style.md section 6).
+    """
+
+    def _lines(self, **fields):
+        """
+        @return: the lines C{fields} give in each format, fused and general.
+        """
+        secrets = SecretSet(["ACCTKEY0123456789"])
+        out = []
+        for fmt in ("json", "text"):
+            for fused in (True, False):
+                stream = io.StringIO()
+                observer = observerFor(fmt, stream, secrets, worker=None)
+                if not fused:
+                    observer._hold = None
+                _emit(observer, "seen {h}", event="relay.test", **fields)
+                out.append(stream.getvalue())
+        return out
+
+    def test_dictKeys(self):
+        """
+        A dict field's keys are redacted like its values.
+        """
+        for line in self._lines(h={"ACCTKEY0123456789": 1, "Bearer abcdefgh": 2}):
+            self.assertNotIn("ACCTKEY0123456789", line)
+            self.assertNotIn("abcdefgh", line)
+
+    def test_setMembers(self):
+        """
+        A set field's members are redacted.
+        """
+        for line in self._lines(h={"ACCTKEY0123456789", "sk-proj-abcdef123456"}):
+            self.assertNotIn("ACCTKEY0123456789", line)
+            self.assertNotIn("abcdef123456", line)
+
+    def test_deepNesting(self):
+        """
+        A secret nested deeper than the redactor's walk is still redacted
+        (the deep part is written as its redacted text).
+        """
+        deep = "ACCTKEY0123456789"
+        for _ in range(12):
+            deep = [deep]
+        lines = self._lines(h=1, deep={"a": deep})
+        for line in lines:
+            self.assertNotIn("ACCTKEY0123456789", line)
+        self.assertIn("***", lines[0])
+
+    def test_objectTextCut(self):
+        """
+        An object's text is redacted before the JSON line cuts it to its
+        first 2,000 characters: a secret across the cut leaves no prefix.
+        """
+
+        class Holder:
+            def __str__(self):
+                return "x" * 1990 + "ACCTKEY0123456789"
+
+        for line in self._lines(h=Holder()):
+            self.assertNotIn("ACCTKEY012", line)
+
+
+class ControlCharacterTests(SynchronousTestCase):
+    """
+    A text line never carries a control character from a field (log
+    injection): a carriage return, an escape sequence, a C1 control or a
+    Unicode line separator in a client's text (a model name) is written
+    as its escape, on the fused and the general way; a newline still
+    continues the line with a tab, and a JSON line escapes them all.
+    """
+
+    HOSTILE = "gpt\r2026-01-01T00:00:00.000Z [relay.turn_finished#info] FORGED\x1b[2J\u2028\x85\x00\x7f"
+
+    def _lines(self, fmt, fused, **fields):
+        stream = io.StringIO()
+        observer = observerFor(fmt, stream, SecretSet(), worker=None)
+        if not fused:
+            observer._hold = None
+        for _ in range(2):  # the second event finds its format clean (fused)
+            _emit(observer, "no account available for model {model}", event="relay.test",
+                  **fields)
+        return stream.getvalue().split("\n")[:-1]
+
+    def test_textEscaped(self):
+        """
+        The model's control characters are escaped: one physical line per
+        event, whatever splits lines (C{str.splitlines} too).
+        """
+        for fused in (True, False):
+            lines = self._lines("text", fused, model=self.HOSTILE)
+            self.assertEqual(len(lines), 2)
+            for line in lines:
+                self.assertEqual(line.splitlines(), [line])
+                self.assertTrue(line.isprintable(), repr(line))
+                self.assertIn("gpt\\r2026-01-01", line)
+                self.assertIn("FORGED\\x1b[2J\\u2028\\x85\\x00\\x7f", line)
+
+    def test_newlineContinues(self):
+        """
+        A newline (a traceback's, a multi-line message's) still continues
+        the line with a tab, and a tab stays as it is.
+        """
+        lines = self._lines("text", True, model="a\nb\tc")
+        self.assertEqual([line.split("] ", 1)[-1] for line in lines],
+                         ["no account available for model a", "\tb\tc"] * 2)
+
+    def test_jsonEscapes(self):
+        """
+        The JSON line holds the same text, escaped by JSON.
+        """
+        for fused in (True, False):
+            for line in self._lines("json", fused, model=self.HOSTILE):
+                self.assertEqual(json.loads(line)["model"], self.HOSTILE)
+                self.assertEqual(line.splitlines(), [line])
+
+
 class ObserverTests(SynchronousTestCase):
     """
     L{observerFor}, L{logs.jsonStdout} and L{logs.textStdout}.
@@ -471,6 +592,60 @@ class AccessLogQueryTests(SynchronousTestCase):
         self.assertEqual(event["event"], "relay.http_access")
         self.assertEqual(event["path"], "/v1/responses?api_key=***&stream=true")
         self.assertNotIn("sk-query-secret-1", json.dumps(event, default=repr))
+
+    def test_longTextRedactedBeforeCut(self):
+        """
+        A target or User-Agent longer than the access line keeps is
+        redacted before it is cut: a registered secret across the cut
+        leaves no prefix in the event (which the observer could no longer
+        recognise). Shorter ones are logged as before.
+        """
+        from twisted.internet.task import Clock
+        from twisted.internet.testing import EventLoggingObserver
+        from twisted.logger import globalLogPublisher
+        from twisted.web.resource import Resource
+        from twisted.web.test.requesthelper import DummyRequest
+
+        from relay.process.app import _Site
+
+        self.patch(logs, "_registered", SecretSet())
+        secret = "tenant0secret0value0abcdefghij"
+        logs.registerSecrets([secret])
+        site = _Site(Resource())
+        site.clock = Clock()
+        request = DummyRequest([b"v1"])
+        request.method = b"GET"
+        request.uri = b"/v1/" + b"p" * 500 + b"/" + secret.encode()
+        request.requestHeaders.setRawHeaders(b"user-agent", [b"a" * 190 + b" " + secret.encode()])
+        request.code = 404
+        request.sentLength = 1
+        events = EventLoggingObserver.createWithCleanup(self, globalLogPublisher)
+        site.log(request)
+        [event] = [e for e in events if e.get("event") == "relay.http_access"]
+        self.assertNotIn(secret[:6], event["path"])
+        self.assertNotIn(secret[:6], event["user_agent"])
+        self.assertEqual(event["path"], ("/v1/" + "p" * 500 + "/***")[:512])
+        self.assertEqual(logs.cutRedacted("short " + secret, 100), "short " + secret)
+
+    def test_requestLogAgentRedactedBeforeCut(self):
+        """
+        The User-Agent a turn keeps for the request log (cut at 200) is
+        redacted before the cut too.
+        """
+        from types import SimpleNamespace
+
+        from twisted.web.test.requesthelper import DummyRequest
+
+        from relay.entry.http import _noteClient
+
+        self.patch(logs, "_registered", SecretSet())
+        secret = "tenant0secret0value0abcdefghij"
+        logs.registerSecrets([secret])
+        request = DummyRequest([b"v1"])
+        request.requestHeaders.setRawHeaders(b"user-agent", [b"a" * 190 + b" " + secret.encode()])
+        turn = SimpleNamespace()
+        _noteClient(turn, request)
+        self.assertEqual(turn.userAgent, "a" * 190 + " ***")
 
     def test_consolePollingIsDebug(self):
         """

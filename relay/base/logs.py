@@ -85,6 +85,7 @@ __all__ = [
     "LevelFilter",
     "SecretRedactor",
     "SecretSet",
+    "cutRedacted",
     "formatJSONLine",
     "formatTextLine",
     "isoTime",
@@ -109,6 +110,37 @@ def registerSecrets(secrets: Iterable[str]) -> None:
     @param secrets: strings to redact from now on.
     """
     _registered.add(secrets)
+
+
+_cutter: list = [None]
+"""The redactor of L{cutRedacted} (over L{_registered}, built on first use)."""
+
+
+def cutRedacted(text: str, limit: int) -> str:
+    """
+    C{text} cut to its first C{limit} characters for a log field or a
+    record, redacted first (the process-wide secrets of L{registerSecrets}
+    and L{SECRET_PATTERNS}) when it is longer: a secret across the cut
+    would leave its prefix, which no later redaction recognises (style.md
+    section 6). Text within C{limit} is returned as it is (the observers
+    redact it whole).
+
+    @param text: client or upstream text (a request target, a User-Agent).
+    @param limit: the most characters kept.
+    @rtype: L{str}
+    """
+    if len(text) <= limit:
+        return text
+    redactor = _cutter[0]
+    if redactor is None or redactor._secrets is not _registered:
+        redactor = _cutter[0] = SecretRedactor(_dropEvent, _registered)
+    return redactor.redactText(text)[:limit]
+
+
+def _dropEvent(event: dict) -> None:
+    """
+    The observer of L{cutRedacted}'s redactor (it only redacts text).
+    """
 
 
 _lastSecond: list = [None, ""]
@@ -291,6 +323,37 @@ def _identity(text: str) -> str:
     return text
 
 
+_CONTROLS = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029"
+    "\u200b-\u200f\u202a-\u202e\u2060-\u2064\u2066-\u2069\ufeff]"
+)
+"""What a text line writes as an escape (log injection): the C0 and C1
+controls but the newline and the tab, the Unicode line and paragraph
+separators, and the invisible and bidirectional format characters."""
+
+
+def _escapeControl(match: re.Match) -> str:
+    """
+    @return: the escape of one L{_CONTROLS} character (C{\\r},
+        C{\\x1b}, C{\\u2028}), as C{repr} writes it.
+    """
+    return repr(match.group())[1:-1]
+
+
+def _escapeControls(text: str) -> str:
+    """
+    C{text} with its L{_CONTROLS} characters written as escapes: a
+    client's text (a model name, an upstream message quoting it) must not
+    return the carriage, move the cursor or start what a reader splitting
+    on any line break takes for a line of its own (style.md section 6).
+    Called only for text that is not C{isprintable} (a plain line costs
+    that one check).
+
+    @rtype: L{str}
+    """
+    return _CONTROLS.sub(_escapeControl, text)
+
+
 def formatTextLine(
     event: dict, redact: Callable[[str], str] = _identity, worker: int | None = None
 ) -> str:
@@ -318,8 +381,10 @@ def formatTextLine(
             # A traceback quotes values (a failing request's
             # headers, a token); redacted as the JSON format does.
             text = text + "\n" + redact(traceback)
-    if "\n" in text:
-        text = text.replace("\n", "\n\t")
+    if not text.isprintable():
+        text = _escapeControls(text)  # a newline stays: continued below
+        if "\n" in text:
+            text = text.replace("\n", "\n\t")
     name = event.get("event")
     if type(name) is not str:
         name = _eventName(event)
@@ -345,6 +410,10 @@ _LEGACY_KEYS = frozenset(
 _DROPPED = frozenset({"__class_uuid__", "event", "request_id"})
 
 _MAX_OBJECT_TEXT = 2000
+_REDACTED_OBJECT_TEXT = 64 * 1024
+"""How much of an object's text is redacted before it is cut to
+L{_MAX_OBJECT_TEXT}: any secret that reaches into the kept part is whole
+in it (style.md section 6)."""
 
 _UNSEEN = object()
 _outputKeys: dict = {}
@@ -400,13 +469,15 @@ def _planOf(shape: tuple) -> tuple:
 def _jsonDefault(value: Any, redact: Callable[[str], str]) -> Any:
     """
     Text for what JSON cannot hold: bytes decoded, sets as sorted lists,
-    anything else by its C{str}, redacted and capped.
+    anything else by its C{str}, redacted, then capped.
     """
     if isinstance(value, (bytes, bytearray)):
         return redact(bytes(value).decode("utf-8", "replace"))
     if isinstance(value, (set, frozenset)):
         return sorted(value, key=str)
-    return redact(str(value)[:_MAX_OBJECT_TEXT])
+    # Redacted before the cut (a secret across it would leave its prefix);
+    # what is redacted is bounded too, far past the cut.
+    return redact(str(value)[:_REDACTED_OBJECT_TEXT])[:_MAX_OBJECT_TEXT]
 
 
 def _encoder(redact: Callable[[str], str]) -> json.JSONEncoder:
@@ -997,8 +1068,10 @@ class _TextRedactor(SecretRedactor):
             self._observer(self.redactEvent(event))
             return
         text = template % values
-        if "\n" in text:
-            text = text.replace("\n", "\n\t")
+        if not text.isprintable():
+            text = _escapeControls(text)  # as formatTextLine
+            if "\n" in text:
+                text = text.replace("\n", "\n\t")
         level = _LEVEL_NAMES.get(event.get("log_level"))
         if level is None:
             level = _levelName(event)

@@ -168,9 +168,12 @@ class SecretRedactor:
     to the wrapped observer. The original event is never modified, so other
     observers see it unchanged.
 
-    Strings anywhere in the event (including inside lists, tuples and
-    dicts, and the C{log_format} text) have every known secret and every
-    match of L{SECRET_PATTERNS} replaced with C{***}.
+    Strings anywhere in the event (including inside lists, tuples, sets
+    and dicts -- their keys too --, and the C{log_format} text) have every
+    known secret and every match of L{SECRET_PATTERNS} replaced with
+    C{***}; a container nested deeper than the walk is replaced by its
+    redacted text when that holds a secret (a JSON line writes every
+    level; style.md section 6).
     """
 
     def __init__(
@@ -335,20 +338,43 @@ class SecretRedactor:
             new = self._redactString(text)
             return value if new == text else new.encode("utf-8")
         if depth > 8:
+            if isinstance(value, _CONTAINERS):
+                # deeper than the walk: written as its text when that
+                # holds a secret (a JSON line writes every level)
+                text = repr(value)
+                new = self._redactString(text)
+                return value if new == text else new
             return value
         if isinstance(value, dict):
             changed = False
             copy = {}
+            clean = self._clean
             for k, v in value.items():
-                nv = self._redact(v, depth + 1)
-                changed = changed or nv is not v
-                copy[k] = nv
+                kind = type(v)
+                if kind in _SCALARS or (kind is str and v in clean):
+                    nv = v
+                else:
+                    nv = self._redact(v, depth + 1)
+                # a key is written too (a JSON object's name)
+                if type(k) is str and k in clean:
+                    nk = k
+                elif isinstance(k, (str, bytes)):
+                    nk = self._redact(k, depth + 1)
+                else:
+                    nk = k
+                changed = changed or nv is not v or nk is not k
+                copy[nk] = nv
             return copy if changed else value
         if isinstance(value, (list, tuple)):
             items = [self._redact(v, depth + 1) for v in value]
             if all(a is b for a, b in zip(items, value)):
                 return value
             return items if isinstance(value, list) else tuple(items)
+        if isinstance(value, (set, frozenset)):
+            items = [self._redact(v, depth + 1) for v in value]
+            if all(a is b for a, b in zip(items, value)):
+                return value
+            return frozenset(items) if isinstance(value, frozenset) else set(items)
         return value
 
 
@@ -357,6 +383,9 @@ _UNREDACTED_KEYS = frozenset(
 )
 """Twisted's bookkeeping keys: objects and names that are never written
 as they are (an object reaches the output only through a format field)."""
+
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+"""What L{SecretRedactor._redact} walks into."""
 
 _SCALARS = frozenset({int, float, bool, type(None)})
 """Types that cannot hold a secret (checked first: most event values)."""

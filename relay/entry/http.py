@@ -33,6 +33,7 @@ from relay.frontdoor.parse import (  # noqa: F401 - badRequest, invalidType re-e
 )
 from relay.entry.sinks import JSONSink, SSESink, writeError
 from relay.base.records import ClientError, Turn
+from relay.base.logs import cutRedacted
 from relay.base.requestid import (  # noqa: F401 - newRequestId re-exported
     clientRequestIdOf,
     newRequestId,
@@ -290,7 +291,7 @@ def _noteClient(turn: Turn, request) -> None:
         values = raw.get(b"User-Agent")  # getHeader's: the last value
         agent = values[-1] if values else None
     if agent:
-        turn.userAgent = agent.decode("latin-1")[:200]
+        turn.userAgent = cutRedacted(agent.decode("latin-1"), 200)  # for the request log
 
 
 class HealthResource(Resource):

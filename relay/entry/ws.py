@@ -42,6 +42,7 @@ from relay.entry.wssink import wsErrorEvent
 from relay.frontdoor.door import FrontDoor
 from relay.frontdoor.record import Admission
 from relay.base.records import ClientError
+from relay.base.logs import cutRedacted
 from relay.base.clienterrors import RESTART_CLOSE
 from relay.base.requestid import adoptClientId
 from relay.scheduling.session import SESSION_HEADERS, sessionHash, sessionSeed
@@ -122,7 +123,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
                 threadId=next((headers[h] for h in THREAD_HEADERS if headers.get(h)), None),
                 # Who is calling, for the request log.
                 clientAddress=_peerHost(self.transport),
-                userAgent=(headers.get("user-agent") or "")[:200] or None,
+                userAgent=cutRedacted(headers.get("user-agent") or "", 200) or None,
                 openedAt=f.reactor.seconds(),
             )
         except Exception:

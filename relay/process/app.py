@@ -33,7 +33,7 @@ from relay.entry.intake import IntakePolicy
 from relay.entry.root import buildRoot
 from relay.translate.anthropic.models import AnthropicModels
 from relay.entry.site import JSONMethodErrors, RelaySite, writeFirst
-from relay.base.logs import ClassLogger
+from relay.base.logs import ClassLogger, cutRedacted
 from relay.base.redact import redactQuery
 from relay.policy.health import AccountHealth
 from relay.interfaces import IFailureClassifier, ISlotAdmission, IUpstreamDialer
@@ -185,11 +185,11 @@ class _Site(RelaySite):
             client_request_id=clientRequestIdOf(request),
             client=getattr(address, "host", "-"),
             method=request.method.decode("latin-1"),
-            path=path[:512],
+            path=cutRedacted(path, 512),  # redacted before a cut (a secret across it)
             status=request.code,
             bytes=request.sentLength,
             duration_ms=duration,
-            user_agent=agent.decode("latin-1")[:200] if agent else None,
+            user_agent=cutRedacted(agent.decode("latin-1"), 200) if agent else None,
         )
 
 
