@@ -249,6 +249,21 @@ class OwnerBoundTests(SynchronousTestCase):
         self.assertEqual(sink.errors[0].status, 404)
         self.assertEqual(rig.sent, [])
 
+    def test_requestFinishedWithoutAccount(self) -> None:
+        """
+        A request that ended before any account (its owner is gone) says
+        so in C{relay.request_finished}'s text, never C{on None}.
+        """
+        from twisted.logger import formatEvent
+
+        rig = PathDialerRig([account("a")])
+        with capturedLogs() as logs:
+            rig.request(self.owned(rig, owner="gone"), model=None)
+        (line,) = [e for e in logs if e.get("event") == "relay.request_finished"]
+        self.assertIsNone(line["account_id"])
+        self.assertNotIn("None", formatEvent(line))
+        self.assertIn("with no account after 0 attempt(s)", formatEvent(line))
+
     def test_requestFinishedIsNotATurn(self) -> None:
         rig = PathDialerRig([account("a")])
         rig.script("a", jsonAnswer({"id": "resp_1", "deleted": True}))

@@ -429,6 +429,39 @@ class TurnFinishedTests(SynchronousTestCase):
             self.assertEqual(names[start:start + 5], list(fields) + ["upstream_request_id"])
 
 
+class TurnFinishedTextTests(SynchronousTestCase):
+    """
+    C{relay.turn_finished}'s text names the account a turn ended on, and
+    says when it had none (never C{on None}).
+    """
+
+    def test_noAccount(self):
+        from twisted.logger import formatEvent
+
+        from tests.test_runner import Rig
+
+        rig = Rig([])
+        with capturedLogs() as logs:
+            rig.run()
+        [event] = [e for e in logs if e.get("event") == "relay.turn_finished"]
+        text = formatEvent(event)
+        self.assertIsNone(event["account_id"])
+        self.assertNotIn("None", text)
+        self.assertIn("with no account after 0 attempt(s)", text)
+
+    def test_account(self):
+        from twisted.logger import formatEvent
+
+        from tests.test_runner import OK_STREAM, Rig, account, sse
+
+        rig = Rig([account("a")])
+        rig.script("a", sse(*OK_STREAM))
+        with capturedLogs() as logs:
+            rig.run()
+        [event] = [e for e in logs if e.get("event") == "relay.turn_finished"]
+        self.assertIn(" on a after 1 attempt(s)", formatEvent(event))
+
+
 class CountTests(SynchronousTestCase):
     """
     L{relay.usage.tokens._count}'s fast path for a plain C{int} gives what

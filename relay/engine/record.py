@@ -162,6 +162,15 @@ def ownResponse(runner, turn: Turn, account, responseId: Optional[str],
     return True
 
 
+_FINISHED = ("turn {request_id} {outcome} with status {status} on {account_id}"
+             " after {attempts} attempt(s)")
+_FINISHED_NO_ACCOUNT = ("turn {request_id} {outcome} with status {status} with no account"
+                        " after {attempts} attempt(s)")
+"""C{relay.turn_finished}'s text: with the account the turn ended on, or,
+when it had none (refused before any was tried), saying so (not C{on
+None}); the fields are the same."""
+
+
 def finished(runner, turn, state, outcome, status, accountId, start) -> None:
     """
     A turn ended: its trace, a background create's watch (R107), then the
@@ -196,8 +205,7 @@ def finished(runner, turn, state, outcome, status, accountId, start) -> None:
             runner._log.failure("recording turn {request_id} failed",
                               event="relay.request_log_failed", request_id=turn.requestId)
     runner._log.info(
-        "turn {request_id} {outcome} with status {status} on {account_id}"
-        " after {attempts} attempt(s)",
+        _FINISHED if accountId is not None else _FINISHED_NO_ACCOUNT,
         event="relay.turn_finished",
         request_id=turn.requestId,
         client_request_id=turn.clientRequestId,

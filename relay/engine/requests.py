@@ -341,6 +341,14 @@ def onceUsageTap(runner, turn: Turn, account) -> UsageTap:
     return tap
 
 
+_FINISHED = ("request {request_id} ({request_kind}) {outcome} with status {status}"
+             " on {account_id} after {attempts} attempt(s)")
+_FINISHED_NO_ACCOUNT = ("request {request_id} ({request_kind}) {outcome} with status {status}"
+                        " with no account after {attempts} attempt(s)")
+"""C{relay.request_finished}'s text, as C{relay.turn_finished}'s
+(L{relay.engine.record}): never C{on None}."""
+
+
 def requestFinished(runner, turn: Turn, state, outcome: str, status: int, accountId,
                     start: float) -> None:
     """
@@ -352,8 +360,7 @@ def requestFinished(runner, turn: Turn, state, outcome: str, status: int, accoun
     kind = turn.request
     counts = turn.usage
     _log.info(
-        "request {request_id} ({request_kind}) {outcome} with status {status} on {account_id}"
-        " after {attempts} attempt(s)",
+        _FINISHED if accountId is not None else _FINISHED_NO_ACCOUNT,
         event="relay.request_finished",
         request_id=turn.requestId,
         client_request_id=turn.clientRequestId,
