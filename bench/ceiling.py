@@ -61,13 +61,20 @@ def _start(procs, name: str, uport: int) -> tuple:
         old = os.environ.pop("RELAY_STRIPPED", None)
         if stage is not None:
             os.environ["RELAY_STRIPPED"] = stage
+        label = name.replace(",", "").replace(" ", "-")
         try:
-            p, port = compare.startRelay(procs, name.replace(",", "").replace(" ", "-"), uport,
-                                         cpu=0, tree=tree)
+            p, port = compare.startRelay(procs, label, uport, cpu=0, tree=tree)
         finally:
             os.environ.pop("RELAY_STRIPPED", None)
             if old is not None:
                 os.environ["RELAY_STRIPPED"] = old
+        if stage is not None:
+            # every record switched off, or no row at all (a renamed method
+            # would leave a row measured with its records and the import hook)
+            with open(os.path.join(procs.tmp, label + ".log")) as log:
+                if f"records off (stage {stage})" not in log.read():
+                    raise SystemExit(f"bench/stripped did not switch {name}'s records off: "
+                                     f"see {os.path.join(procs.tmp, label + '.log')}")
     return p.pid, port
 
 

@@ -168,6 +168,33 @@ class DelayedWritesTests(SynchronousTestCase):
         self.assertEqual([k for k, _ in db.rows()], ["k1", "k2", "k3", "k4"])
         self.assertEqual(clock.getDelayedCalls(), [])
 
+    def test_callerSavingOnCommit(self):
+        """
+        A caller that saves again when its write is committed does not
+        hold back what waited: a stop's L{SQLiteValues.flushNow} made
+        during the write still writes at once, and the caller's new value
+        goes in the write after.
+        """
+        from twisted.internet.task import Clock
+
+        from relay.state.durable import WRITE_DELAY
+
+        clock, db = Clock(), _Database()
+        values = SQLiteValues(db, clock=clock)
+        first = values.save("k1", "v", 100.0)
+        first.addCallback(lambda _: values.save("k3", "v", 100.0))
+        clock.advance(WRITE_DELAY)
+        values.save("k2", "v", 100.0)
+        flushed = values.flushNow()  # a stop, while k1's write is in flight
+        db.finish()
+        self.assertEqual(len(db.queued), 1)  # k2, at once
+        db.finish()
+        self.successResultOf(flushed)
+        clock.advance(WRITE_DELAY)
+        db.finish()  # k3
+        self.assertEqual([k for k, _ in db.rows()], ["k1", "k2", "k3"])
+        self.assertEqual(clock.getDelayedCalls(), [])
+
     def test_stopWritesWhatWaits(self):
         from twisted.internet.task import Clock
 

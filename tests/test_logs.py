@@ -198,6 +198,44 @@ class ContainerRedactionTests(SynchronousTestCase):
             self.assertNotIn("ACCTKEY0123456789", line)
         self.assertIn("***", lines[0])
 
+    def test_secretKeysKeptApart(self):
+        """
+        Two dict keys that both redact to C{***} keep both values (the
+        second is C{***#2}), in a JSON line.
+        """
+        from relay.base.redact import SecretRedactor
+
+        redactor = SecretRedactor(lambda e: None,
+                                  SecretSet(["ACCTKEY0123456789", "OTHERKEY987654321"]))
+        out = redactor.redactEvent({"h": {"ACCTKEY0123456789": 1, "OTHERKEY987654321": 2}})["h"]
+        self.assertEqual(out, {"***": 1, "***#2": 2})
+
+    def test_deepUnprintable(self):
+        """
+        A container deeper than the walk whose text cannot be made (an
+        element's C{__repr__} raises) is left as it was: the redactor does
+        not raise (the line is not lost); a deep one too long to vouch for
+        is written as its first part, redacted.
+        """
+        from relay.base.redact import _DEEP_TEXT, SecretRedactor
+
+        class Broken:
+            def __repr__(self):
+                raise RuntimeError("no")
+
+        deep = [Broken()]
+        for _ in range(12):
+            deep = [deep]
+        redactor = SecretRedactor(lambda e: None, SecretSet(["ACCTKEY0123456789"]))
+        self.assertIs(redactor.redactEvent({"h": {"a": deep}})["h"]["a"], deep)
+        long = ["x" * (_DEEP_TEXT * 2) + "ACCTKEY0123456789"]
+        for _ in range(12):
+            long = [long]
+        written = redactor.redactEvent({"h": long})["h"]
+        text = repr(written)
+        self.assertNotIn("ACCTKEY", text)
+        self.assertLess(len(text), _DEEP_TEXT * 2)
+
     def test_objectTextCut(self):
         """
         An object's text is redacted before the JSON line cuts it to its
@@ -221,7 +259,8 @@ class ControlCharacterTests(SynchronousTestCase):
     continues the line with a tab, and a JSON line escapes them all.
     """
 
-    HOSTILE = "gpt\r2026-01-01T00:00:00.000Z [relay.turn_finished#info] FORGED\x1b[2J\u2028\x85\x00\x7f"
+    HOSTILE = ("gpt\r2026-01-01T00:00:00.000Z [relay.turn_finished#info] FORGED\x1b[2J\u2028\x85\x00\x7f"
+               "\u061c\xad\U000e0001\u202e")
 
     def _lines(self, fmt, fused, **fields):
         stream = io.StringIO()
@@ -245,7 +284,8 @@ class ControlCharacterTests(SynchronousTestCase):
                 self.assertEqual(line.splitlines(), [line])
                 self.assertTrue(line.isprintable(), repr(line))
                 self.assertIn("gpt\\r2026-01-01", line)
-                self.assertIn("FORGED\\x1b[2J\\u2028\\x85\\x00\\x7f", line)
+                self.assertIn("FORGED\\x1b[2J\\u2028\\x85\\x00\\x7f\\u061c\\xad\\U000e0001\\u202e",
+                              line)
 
     def test_newlineContinues(self):
         """
@@ -646,6 +686,12 @@ class AccessLogQueryTests(SynchronousTestCase):
         turn = SimpleNamespace()
         _noteClient(turn, request)
         self.assertEqual(turn.userAgent, "a" * 190 + " ***")
+        # a short one too: no observer redacts the request log's text
+        request.requestHeaders.setRawHeaders(b"user-agent", [b"codex " + secret.encode()])
+        _noteClient(turn, request)
+        self.assertEqual(turn.userAgent, "codex ***")
+        self.assertEqual(logs.cutRedacted("sdk " + secret, 200, always=True), "sdk ***")
+        self.assertEqual(logs.cutRedacted("sdk " + secret, 200), "sdk " + secret)
 
     def test_consolePollingIsDebug(self):
         """

@@ -82,3 +82,14 @@ def _importing(name, *args, **kwargs):
 
 
 builtins.__import__ = _importing
+
+
+def _report() -> None:
+    missed = sorted(set(PATCHES) - _patched)
+    if missed:
+        sys.stderr.write(f"bench/stripped: not switched off: {', '.join(missed)}\n")
+
+
+import atexit  # noqa: E402
+
+atexit.register(_report)

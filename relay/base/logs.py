@@ -116,20 +116,22 @@ _cutter: list = [None]
 """The redactor of L{cutRedacted} (over L{_registered}, built on first use)."""
 
 
-def cutRedacted(text: str, limit: int) -> str:
+def cutRedacted(text: str, limit: int, always: bool = False) -> str:
     """
     C{text} cut to its first C{limit} characters for a log field or a
     record, redacted first (the process-wide secrets of L{registerSecrets}
     and L{SECRET_PATTERNS}) when it is longer: a secret across the cut
     would leave its prefix, which no later redaction recognises (style.md
-    section 6). Text within C{limit} is returned as it is (the observers
-    redact it whole).
+    section 6). Text within C{limit} is returned as it is unless C{always}
+    (a log field: the observers redact it whole).
 
     @param text: client or upstream text (a request target, a User-Agent).
     @param limit: the most characters kept.
+    @param always: redact it whatever its length: text kept where no
+        observer redacts it (the request log's User-Agent).
     @rtype: L{str}
     """
-    if len(text) <= limit:
+    if len(text) <= limit and not always:
         return text
     redactor = _cutter[0]
     if redactor is None or redactor._secrets is not _registered:
@@ -323,35 +325,23 @@ def _identity(text: str) -> str:
     return text
 
 
-_CONTROLS = re.compile(
-    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029"
-    "\u200b-\u200f\u202a-\u202e\u2060-\u2064\u2066-\u2069\ufeff]"
-)
-"""What a text line writes as an escape (log injection): the C0 and C1
-controls but the newline and the tab, the Unicode line and paragraph
-separators, and the invisible and bidirectional format characters."""
-
-
-def _escapeControl(match: re.Match) -> str:
-    """
-    @return: the escape of one L{_CONTROLS} character (C{\\r},
-        C{\\x1b}, C{\\u2028}), as C{repr} writes it.
-    """
-    return repr(match.group())[1:-1]
-
-
 def _escapeControls(text: str) -> str:
     """
-    C{text} with its L{_CONTROLS} characters written as escapes: a
-    client's text (a model name, an upstream message quoting it) must not
-    return the carriage, move the cursor or start what a reader splitting
-    on any line break takes for a line of its own (style.md section 6).
-    Called only for text that is not C{isprintable} (a plain line costs
-    that one check).
+    C{text} with every character that is not printable (C{str.isprintable}:
+    the C0 and C1 controls, the Unicode line and paragraph separators, the
+    bidirectional, invisible and other format characters, unassigned code
+    points) written as its escape, as C{repr} writes it (C{\\r},
+    C{\\x1b}, C{\\u2028}), but the newline and the tab: a client's text
+    (a model name, an upstream message quoting it) must not return the
+    carriage, move the cursor, reorder what a reader sees or start what a
+    reader splitting on any line break takes for a line of its own
+    (style.md section 6). Called only for text that is not
+    C{isprintable} (a plain line costs that one check).
 
     @rtype: L{str}
     """
-    return _CONTROLS.sub(_escapeControl, text)
+    return "".join(c if c.isprintable() or c == "\n" or c == "\t" else repr(c)[1:-1]
+                   for c in text)
 
 
 def formatTextLine(
@@ -410,7 +400,7 @@ _LEGACY_KEYS = frozenset(
 _DROPPED = frozenset({"__class_uuid__", "event", "request_id"})
 
 _MAX_OBJECT_TEXT = 2000
-_REDACTED_OBJECT_TEXT = 64 * 1024
+_REDACTED_OBJECT_TEXT = _MAX_OBJECT_TEXT + 4096
 """How much of an object's text is redacted before it is cut to
 L{_MAX_OBJECT_TEXT}: any secret that reaches into the kept part is whole
 in it (style.md section 6)."""

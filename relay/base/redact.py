@@ -340,8 +340,14 @@ class SecretRedactor:
         if depth > 8:
             if isinstance(value, _CONTAINERS):
                 # deeper than the walk: written as its text when that
-                # holds a secret (a JSON line writes every level)
-                text = repr(value)
+                # holds a secret (a JSON line writes every level), or
+                # when it is too long to vouch for
+                try:
+                    text = repr(value)
+                except Exception:  # noqa: BLE001 - an element's __repr__: left as it was
+                    return value
+                if len(text) > _DEEP_TEXT:
+                    return self._redactString(text[:_DEEP_TEXT])
                 new = self._redactString(text)
                 return value if new == text else new
             return value
@@ -360,6 +366,8 @@ class SecretRedactor:
                     nk = k
                 elif isinstance(k, (str, bytes)):
                     nk = self._redact(k, depth + 1)
+                    if nk is not k and nk in copy:
+                        nk = _distinct(nk, copy)  # two secrets: both kept
                 else:
                     nk = k
                 changed = changed or nv is not v or nk is not k
@@ -384,8 +392,26 @@ _UNREDACTED_KEYS = frozenset(
 """Twisted's bookkeeping keys: objects and names that are never written
 as they are (an object reaches the output only through a format field)."""
 
+_DEEP_TEXT = 8192
+"""The most of a container nested deeper than the walk that is redacted
+as text (characters); a longer one is written as that much of its text,
+redacted."""
+
 _CONTAINERS = (dict, list, tuple, set, frozenset)
 """What L{SecretRedactor._redact} walks into."""
+
+def _distinct(key, taken: dict):
+    """
+    C{key} (a redacted dict key) made unlike every key of C{taken}
+    (C{"***#2"}), so that two keys that redact alike keep both values.
+    """
+    n = 2
+    while True:
+        candidate = f"{key}#{n}" if isinstance(key, str) else key + b"#%d" % n
+        if candidate not in taken:
+            return candidate
+        n += 1
+
 
 _SCALARS = frozenset({int, float, bool, type(None)})
 """Types that cannot hold a secret (checked first: most event values)."""

@@ -291,7 +291,8 @@ def _noteClient(turn: Turn, request) -> None:
         values = raw.get(b"User-Agent")  # getHeader's: the last value
         agent = values[-1] if values else None
     if agent:
-        turn.userAgent = cutRedacted(agent.decode("latin-1"), 200)  # for the request log
+        # for the request log, which no log observer redacts
+        turn.userAgent = cutRedacted(agent.decode("latin-1"), 200, always=True)
 
 
 class HealthResource(Resource):

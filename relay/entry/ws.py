@@ -123,7 +123,7 @@ class RelayWebSocketProtocol(WebSocketServerProtocol):
                 threadId=next((headers[h] for h in THREAD_HEADERS if headers.get(h)), None),
                 # Who is calling, for the request log.
                 clientAddress=_peerHost(self.transport),
-                userAgent=cutRedacted(headers.get("user-agent") or "", 200) or None,
+                userAgent=cutRedacted(headers.get("user-agent") or "", 200, always=True) or None,
                 openedAt=f.reactor.seconds(),
             )
         except Exception:

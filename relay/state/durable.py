@@ -24,9 +24,10 @@ writes do not follow each other back to back either (a transaction, and
 its fsync, as soon as the last one committed: ~70 a second at 2,000 turns
 a second), but come at most about every L{WRITE_DELAY} seconds. A value
 waiting is read back from the buffer; a clean stop writes what waits
-(L{DurableFlushService}); a crash loses at most the last L{WRITE_DELAY}
-seconds of records, plus the time of one write (a continuation of those
-is refused as unknown, R104's fail closed).
+(L{DurableFlushService}); a crash loses what waits and the write in flight:
+the records of the last L{WRITE_DELAY} seconds (longer while a slow write
+holds them back) and that write's (a continuation of those is refused as
+unknown, R104's fail closed).
 """
 
 from __future__ import annotations
@@ -237,18 +238,30 @@ class SQLiteValues:
 
         def done(result):
             self._writing = False
+            if self._pending:
+                self._next()  # before the callers hear: what they save waits its turn
             for w in waiters:
                 w.callback(None) if result is None else w.errback(result)
-            if self._pending and self._timer is None:
-                clock = self.clock
-                wait = 0.0 if clock is None or self._urgent or self._since is None else (
-                    self._since + WRITE_DELAY - clock.seconds())
-                if wait > 0:
-                    self._timer = clock.callLater(wait, self._flush)
-                else:
-                    self._flush()
 
         self._run(write).addCallbacks(lambda _: done(None), done)
+
+    def _next(self) -> None:
+        """
+        A write was committed and changes wait: write them at once (no
+        clock, or L{flushNow} asked while the write was in flight, or the
+        oldest has waited L{WRITE_DELAY} already), else when it will have.
+        """
+        clock = self.clock
+        if self._urgent or clock is None or self._since is None:
+            self._flush()
+            return
+        if self._timer is not None:
+            return
+        wait = self._since + WRITE_DELAY - clock.seconds()
+        if wait > 0:
+            self._timer = clock.callLater(wait, self._flush)
+        else:
+            self._flush()
 
     def prune(self, now: float) -> Deferred:
         """
