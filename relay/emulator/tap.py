@@ -6,16 +6,15 @@ The C{relay-emulator} twistd plugin: C{twistd -n relay-emulator --config etc/emu
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
-from twisted.application.internet import StreamServerEndpointService
 from twisted.application.service import MultiService
 from twisted.internet.endpoints import serverFromString
-from twisted.internet.error import CannotListenError
 from twisted.python import usage
 
 from relay.emulator.core import Emulator, EmulatorConfigError, validateConfig
+from relay.process.listener import Listener
 
 DEFAULT_LISTEN = "tcp:9090:interface=127.0.0.1"
 """Where the emulator listens when neither the file nor the options say."""
@@ -106,51 +105,32 @@ LISTEN_ERROR_EXIT = 2
 relay's own for the same problem, L{relay.configuration.check})."""
 
 
-class _Listener(StreamServerEndpointService):
+class _Listener(Listener):
     """
-    The emulator's listening endpoint. A port that cannot be listened on (in
-    use: another demo or emulator still running; no permission) is one line
-    on standard error and exit status L{LISTEN_ERROR_EXIT}, as the relay
-    does, instead of twistd's C{CannotListenError} traceback and a process
-    that goes on running with nothing to serve.
+    The emulator's listening endpoint: relay's own (L{Listener}: one line
+    and exit status L{LISTEN_ERROR_EXIT} for a port that cannot be listened
+    on, in use by another demo or emulator or not permitted; the
+    C{CannotListenError} itself under a daemonising twistd), its line
+    naming the emulator.
 
-    @ivar listen: the endpoint string, for the message.
-    @ivar exitOnError: when false (a daemonising twistd, whose parent waits
-        for an exception) the L{CannotListenError} propagates.
-    @ivar pidfile: twistd's pid file to remove before the exit, or L{None}.
     @ivar stderr: where the line goes: the process's own standard error
         (C{sys.__stderr__}: once twistd logs, C{sys.stderr} writes into the
         log, stdout under C{-n}).
     """
 
     def __init__(self, endpoint, factory, listen: str):
-        super().__init__(endpoint, factory)
-        self._raiseSynchronously = True
-        self.listen = listen
-        self.exitOnError = True
-        self.pidfile = None
+        super().__init__(endpoint, factory, listen)
         self.stderr = sys.__stderr__ or sys.stderr
 
-    def privilegedStartService(self) -> None:
+    def exitListenFailed(self, message: str, reason: str) -> NoReturn:
         """
-        Listen now.
+        Write C{relay-emulator: cannot listen on ENDPOINT: REASON} and exit.
 
-        @raise SystemExit: with L{LISTEN_ERROR_EXIT} when the port cannot be
-            listened on (L{CannotListenError} itself when C{exitOnError} is
-            false).
+        @raise SystemExit: with L{LISTEN_ERROR_EXIT}.
         """
-        try:
-            super().privilegedStartService()
-        except CannotListenError as e:
-            if not self.exitOnError:
-                raise
-            from relay.tap import removeOwnPidfile
-
-            reason = getattr(e.socketError, "strerror", None) or str(e.socketError)
-            removeOwnPidfile(self.pidfile)
-            self.stderr.write(f"relay-emulator: cannot listen on {self.listen}: {reason}\n")
-            self.stderr.flush()
-            raise SystemExit(LISTEN_ERROR_EXIT) from None
+        self.stderr.write(f"relay-emulator: cannot listen on {self.listen}: {reason}\n")
+        self.stderr.flush()
+        raise SystemExit(LISTEN_ERROR_EXIT)
 
 
 def makeService(options: Options, reactor: Any = None) -> MultiService:
@@ -178,6 +158,9 @@ def makeService(options: Options, reactor: Any = None) -> MultiService:
     if parent is not None and "nodaemon" in parent and not parent["nodaemon"]:
         listener.exitOnError = False
     elif parent is not None:
-        listener.pidfile = parent.get("pidfile")
+        from relay.tap import removeOwnPidfile
+
+        pidfile = parent.get("pidfile")
+        listener.beforeExit = lambda: removeOwnPidfile(pidfile)
     listener.setServiceParent(service)
     return service

@@ -15,10 +15,8 @@ from http import HTTPStatus
 from typing import Optional
 
 from attrs import define, field
-from twisted.application.internet import StreamServerEndpointService
 from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, maybeDeferred
-from twisted.internet.error import CannotListenError
 from twisted.logger import Logger
 from twisted.web.http import RESPONSES
 from twisted.web.server import Site
@@ -33,6 +31,7 @@ from relay.entry.intake import IntakePolicy
 from relay.entry.root import buildRoot
 from relay.translate.anthropic.models import AnthropicModels
 from relay.entry.site import JSONMethodErrors, RelaySite, writeFirst
+from relay.process.listener import Listener
 from relay.base.logs import ClassLogger, cutRedacted
 from relay.base.redact import redactQuery
 from relay.policy.health import AccountHealth
@@ -1182,7 +1181,7 @@ class _Startup(MultiService):
     Redis client last), then the settings store. twistd waits for the
     returned Deferred before the reactor stops, then exits 0.
 
-    @ivar relayListener: the listening L{_Listener}, when there is one.
+    @ivar relayListener: the listening L{Listener}, when there is one.
     """
 
     relayListener = None
@@ -1278,55 +1277,6 @@ class _Startup(MultiService):
         return result
 
 
-class _Listener(StreamServerEndpointService):
-    """
-    The listening endpoint service. A port that cannot be listened on (in
-    use, no permission) is one line naming C{listen} on standard error and
-    exit status 2 (L{relay.configuration.check.exitWithConfigError}), not twistd's
-    CannotListenError traceback. twistd calls C{privilegedStartService}
-    before dropping privileges; twist and tests reach it through
-    C{startService}.
-
-    @ivar listen: the endpoint string, for the message.
-    @ivar exitOnError: when false (a daemonising twistd, see
-        L{relay.tap.makeService}) the L{CannotListenError} propagates: the
-        daemon's parent waits on a status pipe that only an exception
-        writes, and the daemon has no stderr.
-    @ivar beforeExit: L{None}, or a no-argument callable run just before
-        the exit (L{relay.tap.makeService} removes twistd's pid file there:
-        twistd removes it only for an L{Exception}).
-    """
-
-    _log = Logger()
-
-    def __init__(self, endpoint, factory, listen: str):
-        super().__init__(endpoint, factory)
-        self._raiseSynchronously = True
-        self.listen = listen
-        self.exitOnError = True
-        self.beforeExit = None
-
-    def privilegedStartService(self) -> None:
-        try:
-            super().privilegedStartService()
-        except CannotListenError as e:
-            reason = getattr(e.socketError, "strerror", None) or str(e.socketError)
-            message = f"listen: cannot listen on {self.listen}: {reason}"
-            if not self.exitOnError:
-                # The daemon's log is the only place the line can go (error,
-                # not critical: critical is echoed to stderr as well).
-                self._log.error("listen: cannot listen on {listen}: {reason}",
-                                event="relay.listen_failed", listen=self.listen, reason=reason)
-                raise
-            from relay.configuration.check import exitWithConfigError
-
-            # The stderr line is the message: the log (stdout, under twistd
-            # -n and twist) would show it a second time.
-            if self.beforeExit is not None:
-                self.beforeExit()
-            exitWithConfigError(message)
-
-
 LAZY_IMPORTS = {
     "treq.client": "treq (accounts behind an egress proxy, OAuth token refresh)",
     "jwt": "PyJWT (OAuth accounts' tokens)",
@@ -1410,7 +1360,7 @@ def buildService(
         endpoint = ReusePortEndpoint(reactor, config.listen)
     else:
         endpoint = serverFromString(reactor, config.listen)
-    listener = _Listener(endpoint, app.site, config.listen)
+    listener = Listener(endpoint, app.site, config.listen)
     listener.setServiceParent(top)
     top.relayApplication = app
     top.relayListener = listener
